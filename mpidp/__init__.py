@@ -1,0 +1,24 @@
+"""mpidp: data-parallel training of pure-NumPy models over MPI.
+
+Public API::
+
+    from mpidp import DataParallel, fit, load, nn
+"""
+
+from ._threads import blas_threads_default
+
+blas_threads_default()  # before numpy loads BLAS: see mpidp/_threads.py
+
+from . import nn, partition  # noqa: E402
+from .comm import MpidpError, abort_on_error, assert_in_sync, checksum, params_in_sync
+from .data import Data, Shard, load, shard_from_arrays
+from .parallel import DataParallel, StepStats
+from .train import fit
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Data", "DataParallel", "MpidpError", "Shard", "StepStats", "abort_on_error",
+    "assert_in_sync", "checksum", "fit", "load", "nn", "params_in_sync", "partition",
+    "shard_from_arrays",
+]

@@ -1,0 +1,7 @@
+"""``python -m mpidp``: see :mod:`mpidp.cli`."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,234 @@
+"""Command line: ``mpidp train``, ``mpidp info``. Run under ``mpiexec -n P``.
+
+Every rank parses the same arguments and takes the same decisions; only rank 0 prints.
+Bad input exits with status 2 on every rank and leaves ``--out`` untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from . import comm as C
+from . import data as D
+from . import nn
+from .metrics import format_timings, gather_timings
+from .parallel import INIT_SYNC, DataParallel
+from .train import fit
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are printed by rank 0 only; every rank exits with status 2."""
+
+    def error(self, message: str):
+        if C.world().rank == 0:
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def _hidden(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer widths like 128,64, got {text!r}") from None
+    if any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"layer widths must be >= 1, got {text!r}")
+    return sizes
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a model data-parallel over the MPI ranks",
+                       description="Train a model data-parallel: every rank holds a replica, "
+                       "gradients are summed with one Allreduce per step. Run under mpiexec -n P.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--dataset", default="digits", help="'digits' (scikit-learn's 8x8 digits), 'synthetic', "
+      "or PATH: an .npz with arrays X and y, a folder with X.npy and y.npy, or an .h5 file")
+    a("--model", choices=("linear", "logreg", "mlp"), default="mlp",
+      help="linear: least squares; logreg: softmax regression; mlp: ReLU MLP")
+    a("--hidden", type=_hidden, default=(128, 64), help="MLP hidden widths, comma-separated")
+    a("--epochs", type=_positive(int), default=10, help="passes over the training set")
+    a("--batch-size", type=_positive(int), default=64,
+      help="GLOBAL batch size: samples per step summed over all ranks")
+    a("--lr", type=_positive(float), default=0.1, help="learning rate")
+    a("--optimizer", choices=("sgd", "momentum", "adam"), default="momentum",
+      help="sgd, SGD with momentum (--momentum), or adam")
+    a("--momentum", type=float, default=0.9, help="momentum factor for --optimizer momentum")
+    a("--weight-decay", type=float, default=0.0, help="L2 weight decay")
+    a("--seed", type=int, default=0, help="seed for initialisation, split, shuffling, synthetic data")
+    a("--dtype", choices=("float32", "float64"), default="float32", help="floating-point type")
+    a("--distribute", choices=D.DISTRIBUTE, default="scatter",
+      help="scatter: rank 0 reads and Scatterv's each rank its rows; "
+      "local: each rank reads only its own rows from the file")
+    a("--init-sync", choices=INIT_SYNC, default="bcast",
+      help="bcast: rank 0's initial parameters are broadcast; seed: every rank initialises "
+      "from the same seed (verified by checksum)")
+    a("--out", default="out", help="folder for metrics.json and model.npz (written at the end)")
+    a("--test-fraction", type=float, default=0.2, help="share of samples held out for testing")
+    a("--n-classes", type=int, default=None, help="number of classes (default: max label + 1)")
+    a("--n-samples", type=_positive(int), default=60000, help="synthetic: samples")
+    a("--n-features", type=_positive(int), default=784, help="synthetic: features")
+    a("--no-shuffle", action="store_true", help="visit samples in file order every epoch")
+    a("--drop-last", action="store_true", help="skip the last, smaller batch of each epoch")
+    a("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mpidp", description="Data-parallel training of NumPy models over MPI.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_train(sub)
+    sub.add_parser("info", help="print MPI library, world size and numpy/BLAS configuration")
+    return parser
+
+
+def _say(comm, *lines: str) -> None:
+    if comm.rank == 0:
+        print(*lines, sep="\n", flush=True)
+
+
+def _check_out(out: str) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} exists and is not a folder")
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    target = out if os.path.isdir(out) else parent
+    if not os.access(target, os.W_OK):
+        raise ValueError(f"--out {out!r}: no permission to write in {target!r}")
+
+
+def _write_atomic(path: str, write) -> None:
+    """Write via a temporary file in the same folder, fsync, then rename into place."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _save(out: str, metrics: dict, model: nn.Sequential, meta: dict) -> None:
+    os.makedirs(out, exist_ok=True)
+    _write_atomic(os.path.join(out, "model.npz"), lambda f: np.savez(
+        f, params=model.params, spec=json.dumps(model.spec()), dtype=str(model.dtype),
+        meta=json.dumps(meta)))
+    _write_atomic(os.path.join(out, "metrics.json"),
+                  lambda f: f.write(json.dumps(metrics, indent=2).encode()))
+
+
+def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
+    """Run ``mpidp train``. Collective. Returns the metrics on rank 0, None elsewhere."""
+    t_start = time.perf_counter()
+    C.root_decides(comm, _check_out, args.out)
+    if not 0 <= args.test_fraction < 1:
+        raise C.MpidpError(f"--test-fraction must be in [0, 1), got {args.test_fraction}")
+    data = D.load(comm, args.dataset, distribute=args.distribute, seed=args.seed,
+                  test_fraction=args.test_fraction, dtype=args.dtype, n_classes=args.n_classes,
+                  n_samples=args.n_samples, n_features=args.n_features,
+                  regression=args.model == "linear" and args.dataset == "synthetic")
+    model, loss = C.run_agreed(comm, nn.build, args.model, data.n_features, data.n_outputs,
+                               args.hidden, args.dtype, data.classification)
+    model.init_(np.random.default_rng(args.seed))
+    optimizer = nn.make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay)
+    dp = DataParallel(model, optimizer, loss, comm, init_sync=args.init_sync)
+    config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()}
+    mpi = C.mpi_info(comm)
+    _say(comm, f"mpidp train  {json.dumps(config)}",
+         f"MPI: {mpi['library']} (MPI {mpi['mpi_standard']}, mpi4py {mpi['mpi4py']}), "
+         f"world size {comm.size}",
+         f"data: {data.name}, {data.train.n_total} train / {data.test.n_total} test samples, "
+         f"{data.n_features} features, {data.n_outputs} outputs; this rank holds "
+         f"{len(data.train.X)} train rows",
+         f"model: {model!r}")
+
+    def report(r: dict) -> None:
+        acc = "" if r["accuracy"] is None else f"  acc {r['accuracy']:.4f}"
+        test = "" if r.get("test_accuracy") is None else f"  test acc {r['test_accuracy']:.4f}"
+        tl = "" if "test_loss" not in r else f"  test loss {r['test_loss']:.4f}"
+        _say(comm, f"epoch {r['epoch']:>3}/{args.epochs}  loss {r['loss']:.4f}{acc}{tl}{test}"
+             f"  ({r['seconds']:.2f}s)")
+
+    history = fit(dp, data.train, args.epochs, args.batch_size, seed=args.seed,
+                  shuffle=not args.no_shuffle, drop_last=args.drop_last, test=data.test,
+                  progress=not args.no_progress, on_epoch=report)
+    in_sync = dp.in_sync()
+    timings = gather_timings(comm, dp.timer)
+    if comm.rank != 0:
+        return None
+    last = history[-1]
+    wall = time.perf_counter() - t_start
+    metrics = {"world_size": comm.size, "epochs": args.epochs, "final_loss": last["loss"],
+               "train_accuracy": last["accuracy"], "test_loss": last.get("test_loss"),
+               "test_accuracy": last.get("test_accuracy"), "params_in_sync": in_sync,
+               "n_params": model.n_params, "wall_s": wall, "history": history,
+               "timings": timings, "config": config, "mpi": mpi}
+    meta = {"model": args.model, "hidden": list(args.hidden), "n_features": data.n_features,
+            "n_outputs": data.n_outputs, "classification": data.classification}
+    _save(args.out, metrics, model, meta)
+    final = f"final: loss {last['loss']:.4f}"
+    if last.get("test_accuracy") is not None:
+        final += f", test accuracy {last['test_accuracy']:.4f}"
+    _say(comm, final, f"replicas bit-identical: {in_sync}", "per-rank timing:",
+         format_timings(timings), f"wrote {args.out}/metrics.json and {args.out}/model.npz "
+         f"({wall:.1f}s)")
+    return metrics
+
+
+def info(comm: C.Comm) -> dict:
+    """MPI and numpy/BLAS configuration (printed by rank 0)."""
+    result = {"mpi": C.mpi_info(comm), "numpy": np.__version__, "blas": _blas_info(),
+              "env": {k: os.environ[k] for k in sorted(os.environ)
+                      if k.startswith(("OPENBLAS", "OMP_", "MKL_"))}}
+    _say(comm, json.dumps(result, indent=2))
+    return result
+
+
+def _blas_info() -> list[dict] | str:
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        cfg = np.show_config(mode="dicts") if hasattr(np, "show_config") else {}
+        return str(cfg.get("Build Dependencies", {}).get("blas", "unknown"))
+    return [{k: d.get(k) for k in ("internal_api", "version", "num_threads",
+                                   "threading_layer", "architecture")}
+            for d in threadpool_info() if d.get("user_api") == "blas"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    comm = C.world()
+    C.abort_on_error()
+    try:
+        if args.command == "train":
+            train(args, comm)
+        else:
+            info(comm)
+    except C.MpidpError as exc:  # raised identically on every rank
+        if comm.rank == 0:
+            print(f"mpidp: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0

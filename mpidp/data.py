@@ -1,0 +1,162 @@
+"""Distribute a dataset over ranks, both ways: root reads and ``Scatterv``s, or each rank
+reads only its own rows. Either way rank ``r`` ends up with the same :class:`Shard`.
+
+The train/test split is a seeded choice of rows; the training rows then get global
+positions ``0 .. n_train-1`` (in file order) and rank ``r`` owns the block
+``partition.block_range(n_train, size, r)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from . import comm as C
+from .partition import block_counts, block_range, train_test_split
+from .sources import Source, check_rows, open_source
+
+DISTRIBUTE = ("scatter", "local")
+
+
+@dataclass
+class Shard:
+    """This rank's part of a global set of ``n_total`` samples.
+
+    ``X`` is ``(n_local, n_features)``; ``y`` is ``(n_local,)`` int64 labels or
+    ``(n_local, n_targets)`` / ``(n_local,)`` float targets. Row ``i`` of ``X`` has global
+    position ``start + i``.
+    """
+
+    X: np.ndarray
+    y: np.ndarray
+    start: int
+    n_total: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + len(self.X)
+
+
+@dataclass
+class Data:
+    """Train and test shards plus what every rank needs to build a model."""
+
+    train: Shard
+    test: Shard
+    name: str
+    n_features: int
+    n_outputs: int  # classes for classification, targets for regression
+    classification: bool
+
+
+def _cast(source: Source, X, y, dtype) -> tuple[np.ndarray, np.ndarray]:
+    y = np.asarray(y, np.int64) if source.classification else np.asarray(y, dtype)
+    return np.ascontiguousarray(X, dtype), y
+
+
+def _n_outputs(source: Source, max_label: int, n_classes: int | None) -> int:
+    if not source.classification:
+        return int(np.prod(source.target_shape, dtype=np.int64)) if source.target_shape else 1
+    return n_classes if n_classes is not None else max(max_label + 1, 2)
+
+
+def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, source_kw) -> Data:
+    held: dict = {}
+
+    def read_all() -> dict:
+        src = open_source(spec, seed=seed, **source_kw)
+        train_rows, test_rows = train_test_split(src.n_samples, test_fraction, seed)
+        parts = [src.read(train_rows), src.read(test_rows)]
+        for (X, y), rows in zip(parts, (train_rows, test_rows)):
+            error = check_rows(src, X, y, rows, n_classes)
+            if error:
+                raise ValueError(error)
+        held["arrays"] = [_cast(src, X, y, dtype) for X, y in parts]
+        max_label = max(int(p[1].max()) for p in parts if len(p[1])) if src.classification else 0
+        return {"name": src.name, "n": (len(train_rows), len(test_rows)),
+                "n_features": src.n_features, "classification": src.classification,
+                "y_shape": tuple(held["arrays"][0][1].shape[1:]), "y_dtype": held["arrays"][0][1].dtype,
+                "n_outputs": _n_outputs(src, max_label, n_classes)}
+
+    meta = C.root_decides(comm, read_all, root=root)
+    shards = []
+    for i, n in enumerate(meta["n"]):
+        X, y = held["arrays"][i] if comm.rank == root else (None, None)
+        counts = block_counts(n, comm.size)
+        X = C.scatterv_rows(comm, X, counts, (meta["n_features"],), np.dtype(dtype), root)
+        y = C.scatterv_rows(comm, y, counts, meta["y_shape"], meta["y_dtype"], root)
+        shards.append(Shard(X, y, block_range(n, comm.size, comm.rank)[0], n))
+    return Data(shards[0], shards[1], meta["name"], meta["n_features"], meta["n_outputs"],
+                meta["classification"])
+
+
+def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw) -> Data:
+    src = C.run_agreed(comm, open_source, spec, seed=seed, **source_kw)
+    split = train_test_split(src.n_samples, test_fraction, seed)
+    shards, error, max_label = [], None, -1
+    for rows in split:
+        start, stop = block_range(len(rows), comm.size, comm.rank)
+        X, y = src.read(rows[start:stop])
+        error = error or check_rows(src, X, y, rows[start:stop], n_classes)
+        if src.classification and len(y):
+            max_label = max(max_label, int(y.max()))
+        shards.append(Shard(*_cast(src, X, y, dtype), start, len(rows)))
+    C.agree(comm, error)
+    max_label = int(C.allreduce_max(comm, [max_label])[0])
+    return Data(shards[0], shards[1], src.name, src.n_features,
+                _n_outputs(src, max_label, n_classes), src.classification)
+
+
+def load(comm: C.Comm, spec: str, *, distribute: str = "scatter", test_fraction: float = 0.2,
+         seed: int = 0, dtype: npt.DTypeLike = np.float32, root: int = 0,
+         n_classes: int | None = None, **source_kw) -> Data:
+    """Load dataset ``spec`` (see :func:`mpidp.sources.open_source`) split over ``comm``.
+
+    Collective. ``distribute="scatter"``: ``root`` reads everything and sends each rank its
+    rows with ``Scatterv``. ``"local"``: every rank reads only its own rows (memory-mapped
+    ``.npy``/``.npz``, HDF5 slices), with no data communication. Bad input raises the same
+    :class:`mpidp.MpidpError` on every rank.
+    """
+    if distribute not in DISTRIBUTE:
+        raise C.MpidpError(f"unknown distribute mode {distribute!r}; expected one of {DISTRIBUTE}")
+    if not 0 <= test_fraction < 1:
+        raise C.MpidpError(f"test fraction must be in [0, 1), got {test_fraction}")
+    if n_classes is not None and n_classes < 2:
+        raise C.MpidpError(f"number of classes must be >= 2, got {n_classes}")
+    if distribute == "scatter":
+        data = _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, source_kw)
+    else:
+        data = _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw)
+    if data.train.n_total == 0:
+        raise C.MpidpError(f"{data.name}: no training samples left after the test split")
+    return data
+
+
+def shard_from_arrays(comm: C.Comm, X: np.ndarray, y: np.ndarray,
+                      n_features: int | None = None) -> Shard:
+    """Wrap this rank's own ``(X, y)`` as a :class:`Shard`; global order is rank order.
+
+    Collective. Checks on every rank, agreed so all raise the same error: ``X`` 2-D with
+    the same number of features everywhere (``n_features`` if given), ``len(X) == len(y)``,
+    finite values, non-negative integer labels.
+    """
+    X, y = np.asarray(X), np.asarray(y)
+    error = None
+    if X.ndim != 2:
+        error = f"X must be 2-D (n_samples, n_features), got shape {X.shape}"
+    elif len(X) != len(y):
+        error = f"X has {len(X)} rows but y has {len(y)}: lengths disagree"
+    elif n_features is not None and X.shape[1] != n_features:
+        error = f"X has {X.shape[1]} features but the model expects {n_features}"
+    elif not np.isfinite(X).all() or (y.dtype.kind == "f" and not np.isfinite(y).all()):
+        error = "the data contains NaN or Inf"
+    elif y.dtype.kind in "iu" and len(y) and y.min() < 0:
+        error = f"class labels must be >= 0, found {y.min()}"
+    C.agree(comm, error)
+    widths = C.allgather_counts(comm, X.shape[1])
+    if len(set(widths.tolist())) > 1:
+        raise C.MpidpError(f"ranks disagree on the number of features: {widths.tolist()}")
+    counts = C.allgather_counts(comm, len(X))
+    return Shard(X, y, int(counts[:comm.rank].sum()), int(counts.sum()))

@@ -1,0 +1,76 @@
+"""Losses: pure NumPy, no MPI. Each returns the SUM over samples of the per-sample loss.
+
+Summing (not averaging) lets every rank return its partial sum; the global mean is the
+global sum divided by the global sample count, which is exact for uneven or empty shards.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+
+class Loss(ABC):
+    """``forward(pred, target) -> float`` (sum over samples); ``backward() -> dL/dpred``."""
+
+    #: True when targets are integer class labels and accuracy is meaningful.
+    classification: bool = False
+
+    @abstractmethod
+    def forward(self, pred: np.ndarray, target: np.ndarray) -> float:
+        """Sum over the ``n`` samples of the per-sample loss; ``pred`` is ``(n, k)``."""
+
+    @abstractmethod
+    def backward(self) -> np.ndarray:
+        """Gradient of the summed loss with respect to ``pred``, shape ``(n, k)``."""
+
+    def n_correct(self, pred: np.ndarray, target: np.ndarray) -> int:
+        """Number of samples whose ``argmax(pred)`` equals the label (or one-hot target)."""
+        if len(pred) == 0:
+            return 0
+        labels = target if target.ndim == 1 else target.argmax(axis=1)
+        return int(np.count_nonzero(pred.argmax(axis=1) == labels))
+
+
+class SoftmaxCrossEntropy(Loss):
+    """Softmax over ``k`` logits then cross-entropy with integer labels ``(n,)`` in ``[0, k)``.
+
+    Per-sample loss: ``logsumexp(z) - z[y]``; its gradient is ``softmax(z) - onehot(y)``.
+    """
+
+    classification = True
+
+    def forward(self, pred: np.ndarray, target: np.ndarray) -> float:
+        z = pred - pred.max(axis=1, keepdims=True) if len(pred) else pred  # (n, k)
+        e = np.exp(z)
+        s = e.sum(axis=1, keepdims=True)
+        rows = np.arange(len(z))
+        self._p = e / s
+        self._rows, self._y = rows, target
+        return float(np.sum(np.log(s[:, 0]) - z[rows, target]))
+
+    def backward(self) -> np.ndarray:
+        g = self._p.copy()
+        g[self._rows, self._y] -= 1
+        return g
+
+
+class MeanSquaredError(Loss):
+    """Per-sample loss ``mean_j (pred[j] - target[j])**2`` over the ``k`` outputs.
+
+    ``target`` is ``(n, k)`` or ``(n,)`` for ``k == 1``. Integer labels are one-hot
+    encoded (a least-squares classifier), and then :meth:`n_correct` is meaningful.
+    """
+
+    def forward(self, pred: np.ndarray, target: np.ndarray) -> float:
+        if target.ndim == 1 and np.issubdtype(target.dtype, np.integer):
+            t = np.zeros_like(pred)
+            t[np.arange(len(target)), target] = 1
+        else:
+            t = target.reshape(pred.shape)
+        self._diff = pred - t
+        return float(np.sum(self._diff * self._diff)) / pred.shape[1]
+
+    def backward(self) -> np.ndarray:
+        return self._diff * (2.0 / self._diff.shape[1])

@@ -1,0 +1,101 @@
+"""Optimizers over one flat parameter vector: pure NumPy, no MPI, kept outside the layers.
+
+``step_(params, grad)`` updates ``params`` in place from the global MEAN gradient. State
+(momentum, Adam moments) is flat too, so it checkpoints and shards like the parameters.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+
+class Optimizer(ABC):
+    """Base class: ``step_`` mutates ``params`` in place; ``state`` holds flat arrays."""
+
+    def __init__(self, lr: float, weight_decay: float = 0.0) -> None:
+        if not lr > 0:
+            raise ValueError(f"learning rate must be > 0, got {lr}")
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        self.lr, self.weight_decay = float(lr), float(weight_decay)
+        self.state: dict[str, np.ndarray] = {}
+        self.t = 0  # number of steps taken
+
+    def _grad(self, params: np.ndarray, grad: np.ndarray) -> np.ndarray:
+        """Gradient with L2 weight decay added (``grad + wd * params``), without copying when wd = 0."""
+        return grad + self.weight_decay * params if self.weight_decay else grad
+
+    @abstractmethod
+    def step_(self, params: np.ndarray, grad: np.ndarray) -> None:
+        """Apply one update to ``params`` (1-D) given the mean gradient ``grad`` (same shape)."""
+
+
+class SGD(Optimizer):
+    """SGD with optional (heavy-ball or Nesterov) momentum and L2 weight decay.
+
+    ``v = momentum * v + g``; ``p -= lr * v`` (Nesterov: ``p -= lr * (g + momentum * v)``).
+    """
+
+    def __init__(self, lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False) -> None:
+        super().__init__(lr, weight_decay)
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if nesterov and momentum == 0:
+            raise ValueError("nesterov momentum needs momentum > 0")
+        self.momentum, self.nesterov = float(momentum), nesterov
+
+    def step_(self, params: np.ndarray, grad: np.ndarray) -> None:
+        g = self._grad(params, grad)
+        self.t += 1
+        if self.momentum == 0:
+            params -= self.lr * g
+            return
+        v = self.state.get("velocity")
+        if v is None:
+            v = self.state["velocity"] = g.astype(params.dtype, copy=True)
+        else:
+            v *= self.momentum
+            v += g
+        params -= self.lr * (g + self.momentum * v if self.nesterov else v)
+
+
+class Adam(Optimizer):
+    """Adam (Kingma & Ba, 2015) with bias correction; ``weight_decay`` is classic L2."""
+
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        super().__init__(lr, weight_decay)
+        b1, b2 = betas
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ValueError(f"Adam betas must be in [0, 1), got {betas}")
+        self.b1, self.b2, self.eps = float(b1), float(b2), float(eps)
+
+    def step_(self, params: np.ndarray, grad: np.ndarray) -> None:
+        g = self._grad(params, grad)
+        if not self.state:
+            self.state["m"] = np.zeros_like(params)
+            self.state["v"] = np.zeros_like(params)
+        m, v = self.state["m"], self.state["v"]
+        self.t += 1
+        m *= self.b1
+        m += (1 - self.b1) * g
+        v *= self.b2
+        v += (1 - self.b2) * (g * g)
+        m_hat_scale = 1 / (1 - self.b1 ** self.t)
+        v_hat = v / (1 - self.b2 ** self.t)
+        params -= (self.lr * m_hat_scale) * m / (np.sqrt(v_hat) + self.eps)
+
+
+def make_optimizer(name: str, lr: float, momentum: float = 0.9,
+                   weight_decay: float = 0.0) -> Optimizer:
+    """Build an optimizer by CLI name: ``sgd``, ``momentum`` (SGD with momentum) or ``adam``."""
+    if name == "sgd":
+        return SGD(lr, weight_decay=weight_decay)
+    if name == "momentum":
+        return SGD(lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adam":
+        return Adam(lr, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; expected 'sgd', 'momentum' or 'adam'")

@@ -1,0 +1,214 @@
+"""Where samples come from: built-in datasets and files, read by row. No MPI here.
+
+A :class:`Source` knows its shape from metadata alone (file headers), so every rank can
+open it cheaply, and :meth:`Source.read` returns only the rows asked for: ``.npy`` files
+and uncompressed ``.npz`` members are memory-mapped, HDF5 datasets are sliced.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+BUILTIN = ("digits", "synthetic")
+
+
+class Source(ABC):
+    """A dataset of ``n_samples`` rows: features ``(n_samples, n_features)`` and targets.
+
+    ``classification`` is True when targets are integer labels ``(n_samples,)``;
+    otherwise targets are floats ``(n_samples,)`` or ``(n_samples, n_targets)``.
+    """
+
+    name: str
+    n_samples: int
+    n_features: int
+    classification: bool
+    target_shape: tuple[int, ...] = ()
+
+    @abstractmethod
+    def read(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(X[rows], y[rows])`` for sorted row numbers ``rows``."""
+
+
+def _check_arrays(name: str, X, y) -> None:
+    """Shape and type checks that need only metadata; raise ValueError naming the problem."""
+    if X.ndim != 2:
+        raise ValueError(f"{name}: X must be 2-D (n_samples, n_features), got shape {X.shape}")
+    if y.ndim not in (1, 2):
+        raise ValueError(f"{name}: y must be 1-D labels or 2-D targets, got shape {y.shape}")
+    if len(X) != len(y):
+        raise ValueError(f"{name}: X has {len(X)} rows but y has {len(y)}: lengths disagree")
+    if len(X) == 0:
+        raise ValueError(f"{name}: the dataset is empty (0 samples)")
+    if X.shape[1] == 0:
+        raise ValueError(f"{name}: X has no features (shape {X.shape})")
+    for label, a in (("X", X), ("y", y)):
+        if not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
+            raise ValueError(f"{name}: {label} must be numeric, got dtype {a.dtype}")
+    if np.issubdtype(y.dtype, np.integer) and y.ndim != 1:
+        raise ValueError(f"{name}: integer class labels must be 1-D, got shape {y.shape}")
+
+
+class ArraySource(Source):
+    """Arrays (in memory or memory-mapped) read by fancy indexing."""
+
+    def __init__(self, name: str, X, y) -> None:
+        _check_arrays(name, X, y)
+        self.name, self.X, self.y = name, X, y
+        self.n_samples, self.n_features = X.shape
+        self.classification = bool(np.issubdtype(y.dtype, np.integer) or y.dtype == bool)
+        self.target_shape = tuple(y.shape[1:])
+
+    def read(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if len(rows) == 0:
+            return self.X[:0], self.y[:0]
+        lo, hi = int(rows[0]), int(rows[-1]) + 1  # one contiguous span, then select
+        return (np.asarray(self.X[lo:hi])[rows - lo], np.asarray(self.y[lo:hi])[rows - lo])
+
+
+class SyntheticSource(Source):
+    """Seeded synthetic data generated in fixed chunks, so any rank can make any rows.
+
+    Classification: ``k`` Gaussian clusters (centres ``0.1 * N(0, 1)``, unit noise).
+    Regression: ``X ~ N(0, 1)``, ``y = X @ w + 0.1 * noise`` with ``w ~ N(0, 1/d)``.
+    Row ``i`` is the same whatever rows are requested together.
+    """
+
+    CHUNK = 4096
+
+    def __init__(self, n_samples: int, n_features: int, n_classes: int = 10, seed: int = 0,
+                 regression: bool = False) -> None:
+        if n_samples < 1 or n_features < 1:
+            raise ValueError(f"synthetic: need n_samples >= 1 and n_features >= 1, got "
+                             f"{n_samples}, {n_features}")
+        if not regression and n_classes < 2:
+            raise ValueError(f"synthetic: need n_classes >= 2, got {n_classes}")
+        self.name = "synthetic"
+        self.n_samples, self.n_features, self.n_classes = n_samples, n_features, n_classes
+        self.seed, self.classification = seed, not regression
+        rng = np.random.default_rng([seed, 0xC])
+        if regression:
+            self._w = rng.standard_normal(n_features) / np.sqrt(n_features)
+        else:
+            self._centres = 0.1 * rng.standard_normal((n_classes, n_features))
+
+    def _chunk(self, c: int) -> tuple[np.ndarray, np.ndarray]:
+        m = min(self.CHUNK, self.n_samples - c * self.CHUNK)
+        rng = np.random.default_rng([self.seed, 0x5EED, c])
+        if self.classification:
+            y = rng.integers(0, self.n_classes, m)
+            return self._centres[y] + rng.standard_normal((m, self.n_features)), y
+        X = rng.standard_normal((m, self.n_features))
+        return X, X @ self._w + 0.1 * rng.standard_normal(m)
+
+    def read(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        X = np.empty((len(rows), self.n_features))
+        y = np.empty(len(rows), np.int64 if self.classification else np.float64)
+        chunk_of = rows // self.CHUNK
+        for c in np.unique(chunk_of):
+            sel = chunk_of == c
+            Xc, yc = self._chunk(int(c))
+            local = rows[sel] - c * self.CHUNK
+            X[sel], y[sel] = Xc[local], yc[local]
+        return X, y
+
+
+def _load_digits() -> Source:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as exc:
+        raise ValueError("dataset 'digits' needs scikit-learn: pip install 'mpidp[datasets]'") from exc
+    d = load_digits()
+    return ArraySource("digits", d.data / 16.0, d.target.astype(np.int64))
+
+
+def _npz_member(path: str, zf: zipfile.ZipFile, key: str):
+    """Memory-map member ``key`` of an uncompressed ``.npz``; load it if compressed."""
+    name = key + ".npy"
+    if name not in zf.namelist():
+        raise ValueError(f"{path}: no array named {key!r} (found {sorted(zf.namelist())})")
+    info = zf.getinfo(name)
+    if info.compress_type != zipfile.ZIP_STORED:
+        with zf.open(name) as f:  # compressed: cannot map, read it whole
+            return np.lib.format.read_array(f)
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        local = f.read(30)
+        offset = info.header_offset + 30 + int.from_bytes(local[26:28], "little") \
+            + int.from_bytes(local[28:30], "little")
+        f.seek(offset)
+        version = np.lib.format.read_magic(f)
+        shape, fortran, dtype = np.lib.format._read_array_header(f, version)
+        data_offset = f.tell()
+    if dtype.hasobject:
+        raise ValueError(f"{path}: {key} holds Python objects; expected a numeric array")
+    return np.memmap(path, dtype, "r", offset=data_offset, shape=shape,
+                     order="F" if fortran else "C")
+
+
+def _open_path(path: str) -> Source:
+    if not os.path.exists(path):
+        raise ValueError(f"dataset not found: {path!r} (expected 'digits', 'synthetic', an "
+                         f".npz file with X and y, or a folder with X.npy and y.npy)")
+    try:
+        if os.path.isdir(path):
+            files = [os.path.join(path, f) for f in ("X.npy", "y.npy")]
+            for f in files:
+                if not os.path.isfile(f):
+                    raise ValueError(f"dataset folder {path!r} has no {os.path.basename(f)}")
+            X, y = (np.load(f, mmap_mode="r", allow_pickle=False) for f in files)
+        elif path.endswith((".h5", ".hdf5")):
+            return _open_hdf5(path)
+        else:
+            with zipfile.ZipFile(path) as zf:
+                X, y = _npz_member(path, zf, "X"), _npz_member(path, zf, "y")
+    except (zipfile.BadZipFile, EOFError, OSError) as exc:
+        raise ValueError(f"cannot read dataset {path!r}: {exc}") from exc
+    return ArraySource(path, X, y)
+
+
+def _open_hdf5(path: str) -> Source:
+    try:
+        import h5py
+    except ImportError as exc:
+        raise ValueError(f"{path}: reading HDF5 needs h5py: pip install 'mpidp[hdf5]'") from exc
+    f = h5py.File(path, "r")
+    for key in ("X", "y"):
+        if key not in f:
+            raise ValueError(f"{path}: no dataset named {key!r} (found {sorted(f.keys())})")
+    return ArraySource(path, f["X"], f["y"])
+
+
+def open_source(spec: str, *, n_samples: int = 60000, n_features: int = 784,
+                n_classes: int = 10, seed: int = 0, regression: bool = False) -> Source:
+    """Open ``spec``: ``digits``, ``synthetic`` (sized by the keywords), or a path to an
+    ``.npz`` with ``X`` and ``y``, a folder with ``X.npy`` and ``y.npy``, or an ``.h5`` file.
+
+    Raises ValueError with a message that names the problem.
+    """
+    if spec == "digits":
+        return _load_digits()
+    if spec == "synthetic":
+        return SyntheticSource(n_samples, n_features, n_classes, seed, regression)
+    return _open_path(spec)
+
+
+def check_rows(source: Source, X: np.ndarray, y: np.ndarray, rows: np.ndarray,
+               n_classes: int | None = None) -> str | None:
+    """Problems in the rows read (``None`` if fine): NaN/Inf, bad or out-of-range labels."""
+    for label, a in (("X", X), ("y", y)):
+        if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
+            bad = int(rows[np.flatnonzero(~np.isfinite(a.reshape(len(a), -1)).all(axis=1))[0]])
+            return f"{source.name}: {label} contains NaN or Inf (first at row {bad})"
+    if source.classification and len(y):
+        lo, hi = int(y.min()), int(y.max())
+        if lo < 0:
+            return f"{source.name}: class labels must be >= 0, found {lo}"
+        if n_classes is not None and hi >= n_classes:
+            return (f"{source.name}: class label {hi} is out of range for {n_classes} classes "
+                    f"(labels must be in [0, {n_classes - 1}])")
+    return None
