@@ -48,35 +48,51 @@ def agree(comm: Comm, error: str | None) -> None:
     raise MpidpError(msg if comm.size == 1 else f"{msg} (on {where})")
 
 
-def run_agreed(comm: Comm, fn, *args, **kwargs) -> Any:
-    """Call ``fn`` on every rank; if it raises ``ValueError``/``OSError`` on any, all raise.
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: {text}"
 
-    Collective. Returns ``fn``'s result. Other exceptions are bugs and propagate (the abort
-    hook then ends the job).
+
+def run_agreed(comm: Comm, fn, *args, **kwargs) -> Any:
+    """Call ``fn`` on every rank; if it raises on any rank, every rank raises.
+
+    Collective. Returns ``fn``'s result. A ``ValueError``/``OSError`` (bad input) becomes
+    :class:`MpidpError` everywhere; any other exception is re-raised unchanged on the rank
+    that hit it (a bug: the traceback matters) while the others raise :class:`MpidpError`,
+    so no rank is left waiting in a later collective.
     """
     try:
-        result, error = fn(*args, **kwargs), None
-    except (ValueError, OSError) as exc:
-        result, error = None, str(exc) or type(exc).__name__
-    agree(comm, error)
+        result, error, exc = fn(*args, **kwargs), None, None
+    except Exception as caught:  # noqa: BLE001 - agreed on, then re-raised below
+        result, error, exc = None, _describe(caught), caught
+    try:
+        agree(comm, error)
+    except MpidpError:
+        if exc is not None and not isinstance(exc, (ValueError, OSError)):
+            raise exc
+        raise
     return result
 
 
 def root_decides(comm: Comm, fn, *args, root: int = 0, **kwargs) -> Any:
-    """Run ``fn`` on ``root`` only; its result, or its ``ValueError``/``OSError``, reaches all.
+    """Run ``fn`` on ``root`` only; its result, or its failure, reaches every rank.
 
     Collective. The result is broadcast pickled, so keep it small (metadata, not arrays).
+    Failures are raised as in :func:`run_agreed`.
     """
     payload: tuple[Any, str | None] = (None, None)
+    exc = None
     if comm.rank == root:
         try:
             payload = (fn(*args, **kwargs), None)
-        except (ValueError, OSError) as exc:
-            payload = (None, str(exc) or type(exc).__name__)
+        except Exception as caught:  # noqa: BLE001 - broadcast, then re-raised below
+            payload, exc = (None, _describe(caught)), caught
     result, error = comm.bcast(payload, root=root)
-    if error is not None:
-        raise MpidpError(error)
-    return result
+    if error is None:
+        return result
+    if exc is not None and not isinstance(exc, (ValueError, OSError)):
+        raise exc
+    raise MpidpError(error)
 
 
 # --- buffer-based data movement ---------------------------------------------------------

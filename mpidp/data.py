@@ -125,6 +125,8 @@ def load(comm: C.Comm, spec: str, *, distribute: str = "scatter", test_fraction:
         raise C.MpidpError(f"test fraction must be in [0, 1), got {test_fraction}")
     if n_classes is not None and n_classes < 2:
         raise C.MpidpError(f"number of classes must be >= 2, got {n_classes}")
+    if n_classes is not None:
+        source_kw.setdefault("n_classes", n_classes)  # synthetic data makes that many
     if distribute == "scatter":
         data = _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, source_kw)
     else:

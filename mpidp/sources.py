@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+import zlib
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -142,7 +143,9 @@ def _npz_member(path: str, zf: zipfile.ZipFile, key: str):
             + int.from_bytes(local[28:30], "little")
         f.seek(offset)
         version = np.lib.format.read_magic(f)
-        shape, fortran, dtype = np.lib.format._read_array_header(f, version)
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, fortran, dtype = read_header(f)
         data_offset = f.tell()
     if dtype.hasobject:
         raise ValueError(f"{path}: {key} holds Python objects; expected a numeric array")
@@ -166,7 +169,7 @@ def _open_path(path: str) -> Source:
         else:
             with zipfile.ZipFile(path) as zf:
                 X, y = _npz_member(path, zf, "X"), _npz_member(path, zf, "y")
-    except (zipfile.BadZipFile, EOFError, OSError) as exc:
+    except (zipfile.BadZipFile, EOFError, OSError, zlib.error) as exc:
         raise ValueError(f"cannot read dataset {path!r}: {exc}") from exc
     return ArraySource(path, X, y)
 

@@ -96,10 +96,11 @@ class Sequential:
         """A JSON-able description from which :func:`mpidp.nn.from_spec` rebuilds the model."""
         out = []
         for layer in self.layers:
-            d = {"type": type(layer).__name__}
+            d: dict = {"type": type(layer).__name__}
             if hasattr(layer, "n_out"):
                 d.update(n_in=layer.n_in, n_out=layer.n_out)
             out.append(d)
+        out[0]["model_n_in"] = self.n_in
         return out
 
     def __repr__(self) -> str:

@@ -66,4 +66,4 @@ def from_spec(spec: Sequence[dict], dtype: npt.DTypeLike = np.float32) -> Sequen
             raise ValueError(f"unknown layer type {d['type']!r} in model spec")
         cls = kinds[d["type"]]
         layers.append(cls(d["n_in"], d["n_out"]) if cls is L.Dense else cls())
-    return Sequential(layers, spec[0]["n_in"], dtype)
+    return Sequential(layers, spec[0].get("model_n_in", spec[0].get("n_in")), dtype)

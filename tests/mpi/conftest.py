@@ -1,0 +1,43 @@
+"""Shared fixtures for tests run as ``mpiexec -n N python -m pytest --with-mpi tests/mpi``.
+
+A test that fails on one rank only is dangerous: that rank moves on and its next
+collective pairs with a different one on the other ranks. Every assertion that might
+differ between ranks goes through :func:`all_ranks` first, so all ranks pass or all fail.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+
+def pytest_configure(config):
+    if MPI.COMM_WORLD.rank > 0:  # one readable report: rank 0's (exit codes still count)
+        config.option.verbose = -1
+
+
+@pytest.fixture
+def comm():
+    return MPI.COMM_WORLD
+
+
+@pytest.fixture
+def shared_tmp(comm):
+    """A folder made by rank 0 and known to every rank (all ranks share this filesystem)."""
+    path = tempfile.mkdtemp(prefix="mpidp-test-") if comm.rank == 0 else None
+    path = comm.bcast(path, root=0)
+    yield path
+    comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def max_abs_diff():
+    def diff(a, b):
+        return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+    return diff

@@ -1,0 +1,23 @@
+"""Collective assertions: all ranks pass or all ranks fail, never one rank alone."""
+
+from __future__ import annotations
+
+
+def all_ranks(comm, ok: bool, message: str = "") -> None:
+    """Assert ``ok`` on every rank: fails everywhere (naming the ranks) if it fails anywhere."""
+    oks = comm.allgather(bool(ok))
+    msgs = comm.allgather(message if not ok else "")
+    bad = [r for r, o in enumerate(oks) if not o]
+    assert not bad, f"failed on ranks {bad}: " + "; ".join(m for m in msgs if m)
+
+
+def raises_everywhere(comm, exc_type, fn, match: str | None = None):
+    """Call ``fn`` on every rank; assert every rank raised ``exc_type`` (with ``match``)."""
+    try:
+        fn()
+        err = None
+    except exc_type as exc:
+        err = exc
+    ok = err is not None and (match is None or match in str(err))
+    all_ranks(comm, ok, f"rank {comm.rank}: got {err!r}, expected {exc_type.__name__} with {match!r}")
+    return err

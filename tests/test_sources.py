@@ -1,0 +1,370 @@
+"""Dataset sources (``mpidp.sources``): file formats, row reads, synthetic data and errors."""
+
+from __future__ import annotations
+
+import zipfile
+
+import numpy as np
+import pytest
+
+from mpidp.sources import ArraySource, SyntheticSource, check_rows, open_source
+
+h5py = pytest.importorskip("h5py")
+
+
+@pytest.fixture
+def arrays():
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((37, 5))
+    y = rng.integers(0, 4, 37)
+    return X, y
+
+
+ROW_SETS = [np.array([0]), np.array([36]), np.array([2, 3, 4]), np.array([0, 5, 17, 36]),
+            np.arange(37), np.array([], np.int64)]
+
+
+def _check_reads(src, X, y):
+    assert (src.n_samples, src.n_features) == X.shape
+    for rows in ROW_SETS:
+        Xr, yr = src.read(rows)
+        assert Xr.shape == (len(rows), X.shape[1])
+        assert yr.shape == (len(rows),) + y.shape[1:]
+        np.testing.assert_array_equal(Xr, X[rows])
+        np.testing.assert_array_equal(yr, y[rows])
+
+
+# ---------------------------------------------------------------------------- formats
+
+
+def test_npz_uncompressed_is_memory_mapped(tmp_path, arrays):
+    X, y = arrays
+    path = tmp_path / "d.npz"
+    np.savez(path, X=X, y=y)
+    src = open_source(str(path))
+    assert isinstance(src, ArraySource)
+    assert isinstance(src.X, np.memmap)
+    assert src.classification and src.target_shape == ()
+    _check_reads(src, X, y)
+
+
+def test_npz_uncompressed_fortran_and_float32(tmp_path):
+    X = np.asfortranarray(np.arange(24, dtype=np.float32).reshape(6, 4))
+    y = np.linspace(0, 1, 12).reshape(6, 2)
+    path = tmp_path / "f.npz"
+    np.savez(path, X=X, y=y)
+    src = open_source(str(path))
+    assert not src.classification and src.target_shape == (2,)
+    Xr, yr = src.read(np.array([1, 4]))
+    assert Xr.dtype == np.float32
+    np.testing.assert_array_equal(Xr, X[[1, 4]])
+    np.testing.assert_array_equal(yr, y[[1, 4]])
+
+
+def test_npz_compressed(tmp_path, arrays):
+    X, y = arrays
+    path = tmp_path / "c.npz"
+    np.savez_compressed(path, X=X, y=y)
+    src = open_source(str(path))
+    _check_reads(src, X, y)
+
+
+def test_folder_is_memory_mapped(tmp_path, arrays):
+    X, y = arrays
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    src = open_source(str(tmp_path))
+    assert isinstance(src.X, np.memmap) and isinstance(src.y, np.memmap)
+    _check_reads(src, X, y)
+
+
+@pytest.mark.parametrize("ext", [".h5", ".hdf5"])
+def test_hdf5(tmp_path, arrays, ext):
+    X, y = arrays
+    path = tmp_path / f"d{ext}"
+    with h5py.File(path, "w") as f:
+        f["X"] = X
+        f["y"] = y
+    src = open_source(str(path))
+    assert src.classification
+    _check_reads(src, X, y)
+
+
+def test_hdf5_missing_dataset(tmp_path):
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        f["X"] = np.zeros((3, 2))
+    with pytest.raises(ValueError, match="'y'"):
+        open_source(str(path))
+
+
+def test_regression_targets_from_arrays():
+    X = np.ones((4, 2))
+    src = ArraySource("mem", X, np.array([0.5, 1.5, 2.5, 3.5]))
+    assert not src.classification and src.target_shape == ()
+    src = ArraySource("mem", X, np.ones((4, 3)))
+    assert src.target_shape == (3,)
+
+
+# ---------------------------------------------------------------------------- built-ins
+
+
+def test_synthetic_rows_do_not_depend_on_what_is_requested_with_them():
+    n = 2 * SyntheticSource.CHUNK + 1000  # three chunks, the last one partial
+    src = open_source("synthetic", n_samples=n, n_features=3, n_classes=5, seed=4)
+    assert isinstance(src, SyntheticSource)
+    X_all, y_all = src.read(np.arange(n))
+    assert X_all.shape == (n, 3) and y_all.shape == (n,)
+    c = SyntheticSource.CHUNK
+    subsets = [
+        np.array([0]), np.array([c - 1]), np.array([c]), np.array([n - 1]),
+        np.array([c - 1, c]),                       # across a chunk boundary
+        np.array([5, c - 2, c + 3, 2 * c, n - 1]),  # every chunk
+        np.arange(c - 10, c + 10),
+        np.sort(np.random.default_rng(0).choice(n, 300, replace=False)),
+    ]
+    for rows in subsets:
+        Xr, yr = src.read(rows)
+        np.testing.assert_array_equal(Xr, X_all[rows])
+        np.testing.assert_array_equal(yr, y_all[rows])
+    for i in (0, c - 1, c, n - 1):  # one row at a time, from a fresh instance
+        Xi, yi = SyntheticSource(n, 3, 5, seed=4).read(np.array([i]))
+        np.testing.assert_array_equal(Xi[0], X_all[i])
+        assert yi[0] == y_all[i]
+
+
+def test_synthetic_classification():
+    src = SyntheticSource(3000, 4, n_classes=3, seed=1)
+    assert src.classification and src.n_samples == 3000 and src.n_features == 4
+    X, y = src.read(np.arange(3000))
+    assert X.dtype == np.float64 and np.issubdtype(y.dtype, np.integer)
+    assert set(np.unique(y)) == {0, 1, 2}
+    # unit-variance noise around the class centres
+    resid = X - np.stack([X[y == k].mean(axis=0) for k in range(3)])[y]
+    assert resid.std() == pytest.approx(1.0, rel=0.05)
+    # seeded: same seed same data, another seed other data
+    np.testing.assert_array_equal(SyntheticSource(3000, 4, 3, seed=1).read(np.arange(10))[0], X[:10])
+    assert not np.array_equal(SyntheticSource(3000, 4, 3, seed=2).read(np.arange(10))[0], X[:10])
+
+
+def test_synthetic_regression():
+    src = open_source("synthetic", n_samples=5000, n_features=6, seed=3, regression=True)
+    assert not src.classification
+    X, y = src.read(np.arange(5000))
+    assert y.dtype == np.float64 and y.shape == (5000,)
+    w, *_ = np.linalg.lstsq(X, y, rcond=None)
+    assert (y - X @ w).std() == pytest.approx(0.1, rel=0.1)  # y = X @ w + 0.1 * noise
+    assert np.linalg.norm(w) > 0.5
+
+
+@pytest.mark.parametrize("kw", [
+    dict(n_samples=0, n_features=3), dict(n_samples=5, n_features=0),
+    dict(n_samples=5, n_features=3, n_classes=1),
+])
+def test_synthetic_rejects_bad_sizes(kw):
+    with pytest.raises(ValueError, match="synthetic"):
+        SyntheticSource(**kw)
+
+
+def test_digits():
+    pytest.importorskip("sklearn")
+    src = open_source("digits")
+    assert (src.n_samples, src.n_features) == (1797, 64)
+    assert src.classification
+    X, y = src.read(np.arange(1797))
+    assert X.min() == 0.0 and X.max() == 1.0
+    assert sorted(np.unique(y).tolist()) == list(range(10))
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    rows = np.array([0, 100, 1796])
+    Xr, yr = src.read(rows)
+    np.testing.assert_allclose(Xr, d.data[rows] / 16.0)
+    np.testing.assert_array_equal(yr, d.target[rows])
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_missing_path(tmp_path):
+    missing = tmp_path / "nope.npz"
+    with pytest.raises(ValueError, match="not found") as e:
+        open_source(str(missing))
+    assert "nope.npz" in str(e.value)
+
+
+def test_folder_without_y(tmp_path):
+    np.save(tmp_path / "X.npy", np.zeros((3, 2)))
+    with pytest.raises(ValueError, match="y.npy"):
+        open_source(str(tmp_path))
+
+
+def test_npz_without_y(tmp_path):
+    np.savez_compressed(tmp_path / "d.npz", X=np.zeros((3, 2)))
+    with pytest.raises(ValueError, match="'y'"):
+        open_source(str(tmp_path / "d.npz"))
+
+
+BAD_ARRAYS = {
+    "X-1D": (np.zeros(5), np.zeros(5, np.int64), "2-D"),
+    "X-3D": (np.zeros((5, 2, 2)), np.zeros(5, np.int64), "2-D"),
+    "empty": (np.zeros((0, 3)), np.zeros(0, np.int64), "empty"),
+    "no-features": (np.zeros((4, 0)), np.zeros(4, np.int64), "no features"),
+    "string-y": (np.zeros((3, 2)), np.array(["a", "b", "c"]), "numeric"),
+    "int-2D-y": (np.zeros((3, 2)), np.zeros((3, 2), np.int64), "1-D"),
+}
+
+
+@pytest.mark.parametrize("writer, case", [
+    (w, c) for w in ("folder", "npz", "npz_compressed", "h5") for c in BAD_ARRAYS
+    if not (w == "h5" and c == "string-y")  # h5py cannot store numpy unicode strings
+])
+def test_bad_arrays_are_refused(tmp_path, writer, case):
+    X, y, pattern = BAD_ARRAYS[case]
+    path = _write(tmp_path, writer, X, y)
+    with pytest.raises(ValueError, match=pattern):
+        open_source(path)
+
+
+@pytest.mark.parametrize("writer", ["folder", "npz", "npz_compressed", "h5"])
+def test_length_mismatch_names_both_lengths(tmp_path, writer):
+    path = _write(tmp_path, writer, np.zeros((7, 2)), np.zeros(5, np.int64))
+    with pytest.raises(ValueError) as e:
+        open_source(path)
+    assert "7" in str(e.value) and "5" in str(e.value)
+
+
+def _write(tmp_path, writer, X, y) -> str:
+    if writer == "folder":
+        np.save(tmp_path / "X.npy", X)
+        np.save(tmp_path / "y.npy", y)
+        return str(tmp_path)
+    if writer == "npz":
+        np.savez(tmp_path / "d.npz", X=X, y=y)
+        return str(tmp_path / "d.npz")
+    if writer == "npz_compressed":
+        np.savez_compressed(tmp_path / "d.npz", X=X, y=y)
+        return str(tmp_path / "d.npz")
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["X"], f["y"] = X, y
+    return str(tmp_path / "d.h5")
+
+
+OBJ = np.array([[1, "a"], [2, "b"]], dtype=object)
+
+
+@pytest.mark.parametrize("writer", ["folder", "npz", "npz_compressed"])
+@pytest.mark.parametrize("which", ["X", "y"])
+def test_object_arrays_are_refused(tmp_path, writer, which):
+    X, y = np.zeros((2, 2)), np.zeros(2, np.int64)
+    if which == "X":
+        X = OBJ
+    else:
+        y = np.array([None, 1], dtype=object)
+    path = _write(tmp_path, writer, X, y)  # numpy pickles object arrays by default
+    with pytest.raises(ValueError, match="(?i)object"):
+        open_source(path)
+
+
+def test_pickle_file_is_refused(tmp_path):
+    import pickle
+
+    path = tmp_path / "d.npz"
+    path.write_bytes(pickle.dumps({"X": np.zeros((2, 2)), "y": np.zeros(2)}))
+    with pytest.raises(ValueError, match="d.npz"):
+        open_source(str(path))
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+@pytest.mark.parametrize("keep", [0.0, 0.1, 0.5, 0.9, 0.99])
+def test_truncated_npz(tmp_path, arrays, compressed, keep):
+    X, y = arrays
+    good = tmp_path / "good.npz"
+    (np.savez_compressed if compressed else np.savez)(good, X=X, y=y)
+    data = good.read_bytes()
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(data[:int(len(data) * keep)])
+    with pytest.raises(ValueError, match="bad.npz"):
+        open_source(str(bad))
+
+
+def test_corrupt_compressed_npz_member(tmp_path, arrays):
+    """A compressed member whose deflate stream is garbage (directory intact) is a ValueError."""
+    X, y = arrays
+    path = tmp_path / "bad.npz"
+    np.savez_compressed(path, X=X, y=y)
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo("X.npy")
+    data = bytearray(path.read_bytes())
+    h = info.header_offset
+    start = h + 30 + int.from_bytes(data[h + 26:h + 28], "little") \
+        + int.from_bytes(data[h + 28:h + 30], "little")
+    data[start] = 0x07  # BFINAL=1, BTYPE=11: a reserved (invalid) deflate block type
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="bad.npz"):
+        open_source(str(path))
+
+
+# ---------------------------------------------------------------------------- check_rows
+
+
+def test_check_rows_clean_is_none(arrays):
+    X, y = arrays
+    src = ArraySource("mem", X, y)
+    rows = np.array([1, 2, 30])
+    assert check_rows(src, *src.read(rows), rows, n_classes=4) is None
+    assert check_rows(src, *src.read(rows), rows) is None
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_check_rows_reports_nonfinite_x_with_its_row(arrays, bad):
+    X, y = arrays
+    X = X.copy()
+    X[17, 3] = bad
+    X[25, 0] = bad
+    src = ArraySource("mem", X, y)
+    rows = np.array([3, 10, 17, 25, 30])
+    msg = check_rows(src, *src.read(rows), rows)
+    assert msg is not None and "X" in msg and "NaN or Inf" in msg
+    assert "row 17" in msg  # the dataset row number, not the position in the batch (2)
+    rows = np.array([3, 25])
+    assert "row 25" in check_rows(src, *src.read(rows), rows)
+    rows = np.array([3, 10])
+    assert check_rows(src, *src.read(rows), rows) is None
+
+
+def test_check_rows_reports_nonfinite_regression_targets():
+    X = np.zeros((6, 2))
+    y = np.arange(12.0).reshape(6, 2)
+    y[4, 1] = np.nan
+    src = ArraySource("mem", X, y)
+    rows = np.array([0, 4, 5])
+    msg = check_rows(src, *src.read(rows), rows)
+    assert msg is not None and "y" in msg and "row 4" in msg
+
+
+def test_check_rows_labels(arrays):
+    X, y = arrays
+    y = y.copy()
+    y[8] = -3
+    src = ArraySource("mem", X, y)
+    rows = np.array([0, 8, 9])
+    msg = check_rows(src, *src.read(rows), rows, n_classes=4)
+    assert msg is not None and "-3" in msg and ">= 0" in msg
+
+    y[8] = 6
+    src = ArraySource("mem", X, y)
+    msg = check_rows(src, *src.read(rows), rows, n_classes=4)
+    assert msg is not None and "6" in msg and "4 classes" in msg
+    assert check_rows(src, *src.read(rows), rows, n_classes=7) is None
+    assert check_rows(src, *src.read(rows), rows) is None  # no class count: no range check
+    # label == n_classes is already out of range
+    y[8] = 4
+    src = ArraySource("mem", X, y)
+    assert check_rows(src, *src.read(rows), rows, n_classes=4) is not None
+
+
+def test_check_rows_empty_selection(arrays):
+    X, y = arrays
+    src = ArraySource("mem", X, y)
+    rows = np.array([], np.int64)
+    assert check_rows(src, *src.read(rows), rows, n_classes=4) is None
