@@ -15,6 +15,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import shlex
 import signal
 import subprocess
@@ -61,23 +62,27 @@ def bench_env() -> tuple[dict[str, str], list[str]]:
     return env, dropped
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """``(total, busy)`` clock ticks of all CPUs since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        ticks = [int(t) for t in f.readline().split()[1:]]
+    return sum(ticks), sum(ticks) - ticks[3] - ticks[4]  # idle and iowait are not busy
+
+
 def cpu_busy(seconds: float = 1.0) -> float | None:
-    """Share of all CPUs' time spent busy over ``seconds`` (from /proc/stat; None if unreadable).
-
-    Taken just before each job: other work on the machine skews step times.
-    """
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            ticks = [int(t) for t in f.readline().split()[1:]]
-        return sum(ticks), ticks[3] + ticks[4]  # total, idle + iowait
-
+    """Share of all CPUs' time spent busy over the next ``seconds`` (None if unreadable)."""
     try:
-        total0, idle0 = sample()
+        total0, busy0 = _cpu_ticks()
         time.sleep(seconds)
-        total1, idle1 = sample()
+        total1, busy1 = _cpu_ticks()
     except (OSError, ValueError, IndexError):
         return None
-    return 1 - (idle1 - idle0) / max(total1 - total0, 1)
+    return (busy1 - busy0) / max(total1 - total0, 1)
+
+
+def _children_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def run_one(args: argparse.Namespace, size: int, out: Path, env: dict[str, str]) -> tuple[dict, str]:
@@ -92,6 +97,7 @@ def run_one(args: argparse.Namespace, size: int, out: Path, env: dict[str, str])
         print(f"WARNING: the CPUs were {busy:.0%} busy before this job; other work skews timings",
               file=sys.stderr, flush=True)
     print(f"$ {shown}", flush=True)
+    ticks0, own0, t0 = _cpu_ticks()[1], _children_cpu_s(), time.monotonic()
     # own process group, so a timeout ends mpiexec and every rank it started
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True)
     try:
@@ -102,9 +108,14 @@ def run_one(args: argparse.Namespace, size: int, out: Path, env: dict[str, str])
         raise RuntimeError(f"P={size}: no result within {args.timeout:.0f} s; job killed") from None
     if rc != 0:
         raise RuntimeError(f"P={size}: mpiexec exited with status {rc}")
+    wall = time.monotonic() - t0
+    other = ((_cpu_ticks()[1] - ticks0) / os.sysconf("SC_CLK_TCK") - (_children_cpu_s() - own0)) / wall
+    if other > BUSY_WARN * (os.cpu_count() or 1):
+        print(f"WARNING: other processes used {other:.2f} CPUs on average during this job",
+              file=sys.stderr, flush=True)
     with open(out) as f:
         result = json.load(f)
-    result["cpu_busy_before"] = busy
+    result["cpu_busy_before"], result["other_cpus_during"] = busy, max(other, 0.0)
     return result, shown
 
 
@@ -184,8 +195,9 @@ def markdown(report: dict) -> str:
               f"Python {m['python']}",
               f"- Date: {report['date']}",
               f"- Command: `{report['command']}`"]
-    lines += [f"- P={size}: `{cmd}` (CPUs {_fmt(runs[size]['cpu_busy_before'], '.0%')} busy "
-              "just before)" for size, cmd in sorted(report["commands"].items())]
+    lines += [f"- P={size}: `{cmd}` (CPUs {_fmt(runs[size]['cpu_busy_before'], '.0%')} busy just "
+              f"before; other processes used {runs[size]['other_cpus_during']:.2f} CPUs during it)"
+              for size, cmd in sorted(report["commands"].items())]
     return "\n".join(lines) + "\n"
 
 

@@ -74,7 +74,8 @@ class ArraySource(Source):
 class SyntheticSource(Source):
     """Seeded synthetic data generated in fixed chunks, so any rank can make any rows.
 
-    Classification: ``k`` Gaussian clusters (centres ``0.1 * N(0, 1)``, unit noise).
+    Classification: ``k`` Gaussian clusters (centres ``N(0, 6.25/d)``, so about 3.5 noise
+    standard deviations apart whatever ``d``; unit noise).
     Regression: ``X ~ N(0, 1)``, ``y = X @ w + 0.1 * noise`` with ``w ~ N(0, 1/d)``.
     Row ``i`` is the same whatever rows are requested together.
     """
@@ -95,7 +96,7 @@ class SyntheticSource(Source):
         if regression:
             self._w = rng.standard_normal(n_features) / np.sqrt(n_features)
         else:
-            self._centres = 0.1 * rng.standard_normal((n_classes, n_features))
+            self._centres = (2.5 / np.sqrt(n_features)) * rng.standard_normal((n_classes, n_features))
 
     def _chunk(self, c: int) -> tuple[np.ndarray, np.ndarray]:
         m = min(self.CHUNK, self.n_samples - c * self.CHUNK)

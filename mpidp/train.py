@@ -21,8 +21,8 @@ class _Progress:
         if enabled:
             try:
                 from tqdm import tqdm
-                self._bar = tqdm(total=total, desc=desc, unit="step", leave=False,
-                                 file=sys.stderr, dynamic_ncols=True, mininterval=0.25)
+                self._bar = tqdm(total=total, desc=desc, unit="step", leave=True,
+                                 file=sys.stderr, dynamic_ncols=True, mininterval=0.1)
             except ImportError:
                 pass
 
