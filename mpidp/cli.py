@@ -50,7 +50,8 @@ def _hidden(text: str) -> tuple[int, ...]:
     try:
         sizes = tuple(int(s) for s in text.split(",") if s.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer widths like 128,64, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer widths like 128,64, got {text!r}") from None
     if any(s < 1 for s in sizes):
         raise argparse.ArgumentTypeError(f"layer widths must be >= 1, got {text!r}")
     return sizes

@@ -69,7 +69,7 @@ def run_agreed(comm: Comm, fn, *args, **kwargs) -> Any:
         agree(comm, error)
     except MpidpError:
         if exc is not None and not isinstance(exc, (ValueError, OSError)):
-            raise exc
+            raise exc from None
         raise
     return result
 
@@ -211,7 +211,7 @@ def mpi_info(comm: Comm | None = None) -> dict[str, Any]:
     return {
         "vendor": vendor,
         "vendor_version": ".".join(map(str, version)),
-        "mpi_standard": "%d.%d" % MPI.Get_version(),
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "library": MPI.Get_library_version().strip().splitlines()[0],
         "mpi4py": __import__("mpi4py").__version__,
         "world_size": comm.size,

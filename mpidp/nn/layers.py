@@ -33,7 +33,7 @@ class Layer(ABC):
         """Attach views into the model's flat parameter and gradient buffers."""
         self.params, self.grads = params, grads
 
-    def init_(self, rng: np.random.Generator) -> None:
+    def init_(self, rng: np.random.Generator) -> None:  # noqa: B027 - no parameters: nothing to do
         """Fill this layer's parameters in place from ``rng``."""
 
     def output_dim(self, n_in: int) -> int:

@@ -49,7 +49,8 @@ def build(name: str, n_in: int, n_out: int, hidden: Sequence[int] = (128, 64),
         return linear(n_in, n_out, dtype), MeanSquaredError()
     if name == "logreg":
         if not classification:
-            raise ValueError("model 'logreg' needs integer class labels; use 'linear' or 'mlp' for regression")
+            raise ValueError("model 'logreg' needs integer class labels; "
+                             "use 'linear' or 'mlp' for regression")
         return logreg(n_in, n_out, dtype), SoftmaxCrossEntropy()
     if name == "mlp":
         loss = SoftmaxCrossEntropy() if classification else MeanSquaredError()
