@@ -5,6 +5,8 @@ Public API::
     from mpidp import DataParallel, fit, load, nn
 """
 
+import os
+
 from ._threads import blas_threads_default
 
 blas_threads_default()  # before numpy loads BLAS: see mpidp/_threads.py
@@ -13,12 +15,15 @@ from . import nn, partition  # noqa: E402
 from .comm import MpidpError, abort_on_error, assert_in_sync, checksum, params_in_sync
 from .data import Data, Shard, load, shard_from_arrays
 from .parallel import DataParallel, StepStats
-from .train import fit
+from .train import Checkpointing, fit
+
+if os.environ.get("MPIDP_ABORT_ON_ERROR", "1") != "0":
+    abort_on_error()  # an uncaught exception on any rank ends the job instead of hanging it
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Data", "DataParallel", "MpidpError", "Shard", "StepStats", "abort_on_error",
+    "Checkpointing", "Data", "DataParallel", "MpidpError", "Shard", "StepStats", "abort_on_error",
     "assert_in_sync", "checksum", "fit", "load", "nn", "params_in_sync", "partition",
     "shard_from_arrays",
 ]

@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 
@@ -19,9 +18,14 @@ import numpy as np
 from . import comm as C
 from . import data as D
 from . import nn
+from .checkpoint import restore, write_atomic
 from .metrics import format_timings, gather_timings
-from .parallel import INIT_SYNC, DataParallel
-from .train import fit
+from .parallel import INIT_SYNC, ON_NONFINITE, DataParallel
+from .train import Checkpointing, fit
+
+# Settings a checkpoint must share with the run that resumes it (the world size may differ).
+RESUME_MUST_MATCH = ("dataset", "model", "hidden", "batch_size", "seed", "dtype", "optimizer",
+                     "test_fraction", "no_shuffle", "drop_last", "n_samples", "n_features")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -92,6 +96,24 @@ def _add_train(sub) -> None:
     a("--no-shuffle", action="store_true", help="visit samples in file order every epoch")
     a("--drop-last", action="store_true", help="skip the last, smaller batch of each epoch")
     a("--no-progress", action="store_true", help="no progress bar")
+    r = p.add_argument_group("reliability")
+    r.add_argument("--checkpoint-dir", default=None,
+                   help="folder for checkpoints (rank 0 writes them atomically, with a checksum)")
+    r.add_argument("--checkpoint-every", type=_positive(int), default=100,
+                   help="steps between checkpoints (one more is written at the end)")
+    r.add_argument("--keep-checkpoints", type=_positive(int), default=3,
+                   help="how many recent checkpoints to keep")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from the newest good checkpoint in --checkpoint-dir (any "
+                   "number of ranks); starts afresh if there is none")
+    r.add_argument("--check-every", type=int, default=0,
+                   help="compare parameter checksums across ranks every N steps (0: only at the end)")
+    r.add_argument("--on-nonfinite", choices=ON_NONFINITE, default="stop",
+                   help="NaN/Inf in the global loss or gradient: stop with an error, skip the "
+                   "step's update, or ignore")
+    r.add_argument("--watchdog", type=_positive(float), default=None, metavar="SECONDS",
+                   help="abort, naming the ranks that never arrived, if a step's Allreduce "
+                   "waits longer than this")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,27 +140,30 @@ def _check_out(out: str) -> None:
         raise ValueError(f"--out {out!r}: no permission to write in {target!r}")
 
 
-def _write_atomic(path: str, write) -> None:
-    """Write via a temporary file in the same folder, fsync, then rename into place."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def _save(out: str, metrics: dict, model: nn.Sequential, meta: dict) -> None:
     os.makedirs(out, exist_ok=True)
-    _write_atomic(os.path.join(out, "model.npz"), lambda f: np.savez(
+    write_atomic(os.path.join(out, "model.npz"), lambda f: np.savez(
         f, params=model.params, spec=json.dumps(model.spec()), dtype=str(model.dtype),
         meta=json.dumps(meta)))
-    _write_atomic(os.path.join(out, "metrics.json"),
+    write_atomic(os.path.join(out, "metrics.json"),
                   lambda f: f.write(json.dumps(metrics, indent=2).encode()))
+
+
+def _resume(comm: C.Comm, args: argparse.Namespace, config: dict, dp: DataParallel):
+    """Restore the newest good checkpoint (collective); None (and a notice) if there is none."""
+    found = restore(comm, args.checkpoint_dir, dp.model, dp.optimizer)
+    if found is None:
+        _say(comm, f"no checkpoint in {args.checkpoint_dir}: starting from the beginning")
+        return None
+    path, state = found
+    changed = [k for k in RESUME_MUST_MATCH if state.config.get(k) != config.get(k)]
+    if changed:
+        raise C.MpidpError(f"checkpoint {path} was written with different settings: " + ", ".join(
+            f"--{k.replace('_', '-')} {state.config.get(k)} (now {config.get(k)})" for k in changed))
+    _say(comm, f"resumed from {path}: epoch {state.epoch + 1}, step {state.step}, "
+         f"{state.global_step} steps done (written with "
+         f"{state.config.get('world_size', '?')} ranks, now {comm.size})")
+    return state
 
 
 def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
@@ -155,8 +180,15 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
                                args.hidden, args.dtype, data.classification)
     model.init_(np.random.default_rng(args.seed))
     optimizer = nn.make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay)
-    dp = DataParallel(model, optimizer, loss, comm, init_sync=args.init_sync)
+    if args.resume and not args.checkpoint_dir:
+        raise C.MpidpError("--resume needs --checkpoint-dir")
+    if args.check_every < 0:
+        raise C.MpidpError(f"--check-every must be >= 0, got {args.check_every}")
+    dp = DataParallel(model, optimizer, loss, comm, init_sync=args.init_sync,
+                      check_every=args.check_every, on_nonfinite=args.on_nonfinite,
+                      watchdog=args.watchdog)
     config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()}
+    config["world_size"] = comm.size
     mpi = C.mpi_info(comm)
     _say(comm, f"mpidp train  {json.dumps(config)}",
          f"MPI: {mpi['library']} (MPI {mpi['mpi_standard']}, mpi4py {mpi['mpi4py']}), "
@@ -165,6 +197,7 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
          f"{data.n_features} features, {data.n_outputs} outputs; this rank holds "
          f"{len(data.train.X)} train rows",
          f"model: {model!r}")
+    resume = _resume(comm, args, config, dp) if args.resume else None
 
     def report(r: dict) -> None:
         acc = "" if r["accuracy"] is None else f"  acc {r['accuracy']:.4f}"
@@ -173,9 +206,12 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
         _say(comm, f"epoch {r['epoch']:>3}/{args.epochs}  loss {r['loss']:.4f}{acc}{tl}{test}"
              f"  ({r['seconds']:.2f}s)")
 
+    checkpointing = (Checkpointing(args.checkpoint_dir, args.checkpoint_every,
+                                   args.keep_checkpoints, config) if args.checkpoint_dir else None)
     history = fit(dp, data.train, args.epochs, args.batch_size, seed=args.seed,
                   shuffle=not args.no_shuffle, drop_last=args.drop_last, test=data.test,
-                  progress=not args.no_progress, on_epoch=report)
+                  progress=not args.no_progress, on_epoch=report, checkpoint=checkpointing,
+                  resume=resume)
     in_sync = dp.in_sync()
     timings = gather_timings(comm, dp.timer)
     if comm.rank != 0:
@@ -186,6 +222,7 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
                "train_accuracy": last["accuracy"], "test_loss": last.get("test_loss"),
                "test_accuracy": last.get("test_accuracy"), "params_in_sync": in_sync,
                "n_params": model.n_params, "wall_s": wall, "history": history,
+               "steps": dp.global_step, "skipped_steps": dp.skipped_steps,
                "timings": timings, "config": config, "mpi": mpi}
     meta = {"model": args.model, "hidden": list(args.hidden), "n_features": data.n_features,
             "n_outputs": data.n_outputs, "classification": data.classification}

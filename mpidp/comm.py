@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -97,15 +98,37 @@ def root_decides(comm: Comm, fn, *args, root: int = 0, **kwargs) -> Any:
 
 # --- buffer-based data movement ---------------------------------------------------------
 
+#: Largest element count passed to one MPI call. MPI counts are C ints (2**31 - 1); bigger
+#: buffers are sent in pieces. Tests lower it (``MPIDP_MAX_COUNT``) to exercise chunking.
+MAX_COUNT = int(os.environ.get("MPIDP_MAX_COUNT", 2**31 - 1))
+
+
+def _pieces(n: int, limit: int | None = None):
+    """``(lo, hi)`` slices of at most ``limit`` (default :data:`MAX_COUNT`) covering ``0 .. n``."""
+    limit = MAX_COUNT if limit is None else limit
+    return [(lo, min(lo + limit, n)) for lo in range(0, n, limit)] or [(0, 0)]
+
+
 def bcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
-    """Broadcast contiguous ``buf`` from ``root`` in place. Collective. Returns ``buf``."""
-    comm.Bcast(buf, root=root)
+    """Broadcast contiguous ``buf`` from ``root`` in place. Collective. Returns ``buf``.
+
+    Buffers over :data:`MAX_COUNT` elements go in pieces (sizes are Python ints: 64-bit).
+    """
+    flat = buf.reshape(-1)
+    for lo, hi in _pieces(flat.size):
+        comm.Bcast(flat[lo:hi], root=root)
     return buf
 
 
 def allreduce_sum_(comm: Comm, buf: np.ndarray) -> np.ndarray:
-    """Sum contiguous ``buf`` over all ranks in place (one ``Allreduce``). Collective."""
-    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    """Sum contiguous ``buf`` over all ranks in place: ONE ``Allreduce`` unless ``buf`` has
+    more than :data:`MAX_COUNT` elements (then one per piece). Collective."""
+    flat = buf.reshape(-1)
+    if flat.size <= MAX_COUNT:
+        comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        return buf
+    for lo, hi in _pieces(flat.size):
+        comm.Allreduce(MPI.IN_PLACE, flat[lo:hi], op=MPI.SUM)
     return buf
 
 
@@ -123,25 +146,41 @@ def _row_type(dtype: np.dtype, row_size: int) -> MPI.Datatype:
 
 
 def scatterv_rows(comm: Comm, array: np.ndarray | None, counts: Sequence[int],
-                  row_shape: tuple[int, ...], dtype: np.dtype, root: int = 0) -> np.ndarray:
+                  row_shape: tuple[int, ...], dtype: np.dtype, root: int = 0,
+                  rows_per_round: int | None = None) -> np.ndarray:
     """Send rank ``r`` rows ``displs[r]:displs[r]+counts[r]`` of ``array`` (held on ``root``).
 
-    Collective. ``array`` is ``(sum(counts), *row_shape)`` on root and ignored elsewhere.
-    Counts may be uneven or zero. Returns this rank's ``(counts[rank], *row_shape)`` rows.
-    Counts are in rows (a contiguous row datatype), so messages beyond 2**31 elements work.
+    Collective. ``array`` is ``(sum(counts), *row_shape)`` on root (any array-like that
+    slices by rows, e.g. a memmap) and ignored elsewhere. Counts may be uneven or zero.
+    Returns this rank's ``(counts[rank], *row_shape)`` rows.
+
+    Notes
+    -----
+    Counts are in rows (a contiguous row datatype), and the transfer goes in rounds of at
+    most ``rows_per_round`` rows per rank (default: what keeps each round's element count
+    within :data:`MAX_COUNT`), so root holds one round's rows at a time besides its input.
     """
     counts = np.asarray(counts, np.int64)
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     row_size = int(np.prod(row_shape, dtype=np.int64))
     out = np.empty((int(counts[comm.rank]), *row_shape), dtype)
-    if row_size == 0:
+    if row_size == 0 or counts.sum() == 0:
         return out
+    if rows_per_round is None:
+        rows_per_round = max(1, MAX_COUNT // (row_size * comm.size))
+    if row_size > MAX_COUNT:
+        raise MpidpError(f"one row has {row_size} elements, more than one MPI call takes")
     rtype = _row_type(dtype, row_size)
     try:
-        send = None
-        if comm.rank == root:
-            send = [np.ascontiguousarray(array, dtype), (counts, displs), rtype]
-        comm.Scatterv(send, [out, int(counts[comm.rank]), rtype], root=root)
+        for lo in range(0, int(counts.max()), rows_per_round):
+            take = np.clip(counts - lo, 0, rows_per_round)  # rows each rank gets this round
+            send = None
+            if comm.rank == root:
+                parts = [array[d + lo:d + lo + t] for d, t in zip(displs, take)]
+                send = [np.ascontiguousarray(np.concatenate(parts), dtype),
+                        (take, np.concatenate([[0], np.cumsum(take)[:-1]])), rtype]
+            mine = int(take[comm.rank])
+            comm.Scatterv(send, [out[lo:lo + mine], mine, rtype], root=root)
     finally:
         rtype.Free()
     return out
@@ -185,22 +224,29 @@ def assert_in_sync(comm: Comm, params: np.ndarray, root: int = 0) -> None:
 
 def _abort_hook(exc_type, exc, tb) -> None:
     comm = MPI.COMM_WORLD
+    if comm.size == 1 or issubclass(exc_type, KeyboardInterrupt):
+        sys.__excepthook__(exc_type, exc, tb)  # nobody waits on us: exit the normal way
+        return
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     sys.stderr.write(f"[mpidp] rank {comm.rank}/{comm.size} failed; aborting the job.\n{text}")
     sys.stderr.flush()
     sys.stdout.flush()
-    if comm.size > 1:
-        comm.Abort(1)
+    comm.Abort(1)
     os._exit(1)
 
 
-def abort_on_error() -> None:
-    """Install a ``sys.excepthook`` that prints the rank and traceback, then ``MPI_Abort``s.
+def abort_on_error(enable: bool = True) -> None:
+    """Install (or with ``enable=False`` remove) a ``sys.excepthook`` that prints the rank
+    and traceback, then ``MPI_Abort``s the whole job.
 
     Without it an uncaught exception on one rank leaves the others waiting in their next
-    collective forever. Idempotent. (``python -m mpi4py script.py`` gives the same effect.)
+    collective forever. ``import mpidp`` installs it (set ``MPIDP_ABORT_ON_ERROR=0`` to
+    opt out); ``python -m mpi4py script.py`` gives the same guard. Idempotent.
     """
-    if MPI.Is_initialized() and not MPI.Is_finalized():
+    if not enable:
+        if sys.excepthook is _abort_hook:
+            sys.excepthook = sys.__excepthook__
+    elif MPI.Is_initialized() and not MPI.Is_finalized():
         sys.excepthook = _abort_hook
 
 
@@ -224,3 +270,72 @@ def allgather_counts(comm: Comm, n: int) -> np.ndarray:
     out = np.empty(comm.size, np.int64)
     comm.Allgather(np.array([n], np.int64), out)
     return out
+
+
+# --- bounded waits ----------------------------------------------------------------------
+
+_ROLL, _REPLY = 71, 72
+
+
+class Watchdog:
+    """Collectives with a deadline: if one has not completed after ``timeout`` seconds, report
+    which ranks never arrived, then ``MPI_Abort`` the job instead of waiting forever.
+
+    The collective is started non-blocking and polled. Ranks that are waiting at the same
+    point answer a roll call on a private duplicate of ``comm``; ranks that do not answer
+    within ``grace`` seconds (dead, hung, or busy elsewhere) are the ones named.
+    """
+
+    def __init__(self, comm: Comm, timeout: float, grace: float = 2.0) -> None:
+        if not timeout > 0:
+            raise MpidpError(f"watchdog timeout must be > 0 seconds, got {timeout}")
+        self.comm, self.timeout, self.grace = comm, float(timeout), float(grace)
+        self.side = comm.Dup()
+        self.where = np.zeros(1, np.int64)  # what this rank is waiting in (a step number)
+        self._call = np.zeros(1, np.int64)
+        self._listen = self.side.Irecv(self._call, source=MPI.ANY_SOURCE, tag=_ROLL)
+
+    def _answer_roll_calls(self) -> None:
+        status = MPI.Status()
+        while self._listen.Test(status):
+            self.side.Send(self.where, dest=status.Get_source(), tag=_REPLY)  # 8 bytes: eager
+            self._listen = self.side.Irecv(self._call, source=MPI.ANY_SOURCE, tag=_ROLL)
+
+    def wait(self, request: MPI.Request, what: str) -> None:
+        """Complete ``request`` (a non-blocking collective) or abort after ``timeout``."""
+        start = time.monotonic()
+        polls = 0
+        while not request.Test():
+            polls += 1
+            if polls % 64 == 0:
+                self._answer_roll_calls()
+                waited = time.monotonic() - start
+                if waited > self.timeout:
+                    self._expire(what, waited)
+                if waited > 0.01:
+                    time.sleep(0.0005)  # long waits: stop spinning so slower ranks get the CPU
+
+    def allreduce_sum_(self, buf: np.ndarray, where: int, what: str) -> np.ndarray:
+        """:func:`allreduce_sum_` with a deadline (one piece; buffers <= MAX_COUNT)."""
+        self.where[0] = where
+        self.wait(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), what)
+        return buf
+
+    def _expire(self, what: str, waited: float) -> None:
+        comm, me = self.comm, self.comm.rank
+        others = [r for r in range(comm.size) if r != me]
+        sends = [self.side.Isend(self.where, dest=r, tag=_ROLL) for r in others]
+        replies = {r: np.full(1, -1, np.int64) for r in others}
+        pending = {r: self.side.Irecv(replies[r], source=r, tag=_REPLY) for r in others}
+        deadline = time.monotonic() + self.grace
+        while pending and time.monotonic() < deadline:
+            self._answer_roll_calls()
+            pending = {r: q for r, q in pending.items() if not q.Test()}
+            time.sleep(0.001)
+        missing = sorted(r for r in others if r in pending or replies[r][0] != self.where[0])
+        sys.stderr.write(
+            f"[mpidp] watchdog: rank {me}/{comm.size} waited {waited:.1f}s in {what}; "
+            f"ranks that never arrived: {missing}. Aborting the job.\n")
+        sys.stderr.flush()
+        del sends
+        comm.Abort(3)

@@ -56,39 +56,63 @@ def _cast(source: Source, X, y, dtype) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(X, dtype), y
 
 
-def _n_outputs(source: Source, max_label: int, n_classes: int | None) -> int:
-    if not source.classification:
-        return int(np.prod(source.target_shape, dtype=np.int64)) if source.target_shape else 1
+def _n_outputs_from(classification: bool, target_shape: tuple[int, ...], max_label: int,
+                    n_classes: int | None) -> int:
+    if not classification:
+        return int(np.prod(target_shape, dtype=np.int64)) if target_shape else 1
     return n_classes if n_classes is not None else max(max_label + 1, 2)
+
+
+class _RootReader:
+    """Root's view of ``rows`` of ``source`` that ``scatterv_rows`` slices round by round:
+    it reads, checks and casts only the rows asked for, and keeps the (small) targets."""
+
+    def __init__(self, source: Source, rows: np.ndarray, dtype, n_classes: int | None) -> None:
+        self.source, self.rows, self.dtype, self.n_classes = source, rows, dtype, n_classes
+        y_dtype = np.int64 if source.classification else np.dtype(dtype)
+        self.y = np.empty((len(rows), *source.target_shape), y_dtype)
+        self.error: str | None = None
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        rows = self.rows[sl]
+        X, y = self.source.read(rows)
+        self.error = self.error or check_rows(self.source, X, y, rows, self.n_classes)
+        X, self.y[sl] = _cast(self.source, X, y, self.dtype)
+        return X
 
 
 def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, source_kw) -> Data:
     held: dict = {}
 
-    def read_all() -> dict:
+    def open_on_root() -> dict:
         src = open_source(spec, seed=seed, **source_kw)
-        train_rows, test_rows = train_test_split(src.n_samples, test_fraction, seed)
-        parts = [src.read(train_rows), src.read(test_rows)]
-        for (X, y), rows in zip(parts, (train_rows, test_rows)):
-            error = check_rows(src, X, y, rows, n_classes)
-            if error:
-                raise ValueError(error)
-        held["arrays"] = [_cast(src, X, y, dtype) for X, y in parts]
-        max_label = max(int(p[1].max()) for p in parts if len(p[1])) if src.classification else 0
-        return {"name": src.name, "n": (len(train_rows), len(test_rows)),
+        held["readers"] = [_RootReader(src, rows, dtype, n_classes)
+                           for rows in train_test_split(src.n_samples, test_fraction, seed)]
+        return {"name": src.name, "n": [len(r.rows) for r in held["readers"]],
                 "n_features": src.n_features, "classification": src.classification,
-                "y_shape": tuple(held["arrays"][0][1].shape[1:]), "y_dtype": held["arrays"][0][1].dtype,
-                "n_outputs": _n_outputs(src, max_label, n_classes)}
+                "y_shape": src.target_shape, "y_dtype": held["readers"][0].y.dtype}
 
-    meta = C.root_decides(comm, read_all, root=root)
-    shards = []
+    meta = C.root_decides(comm, open_on_root, root=root)
+    parts = []
     for i, n in enumerate(meta["n"]):
-        X, y = held["arrays"][i] if comm.rank == root else (None, None)
+        reader = held["readers"][i] if comm.rank == root else None
         counts = block_counts(n, comm.size)
-        X = C.scatterv_rows(comm, X, counts, (meta["n_features"],), np.dtype(dtype), root)
-        y = C.scatterv_rows(comm, y, counts, meta["y_shape"], meta["y_dtype"], root)
-        shards.append(Shard(X, y, block_range(n, comm.size, comm.rank)[0], n))
-    return Data(shards[0], shards[1], meta["name"], meta["n_features"], meta["n_outputs"],
+        X = C.scatterv_rows(comm, reader, counts, (meta["n_features"],), np.dtype(dtype), root)
+        y = C.scatterv_rows(comm, reader.y if reader else None, counts, meta["y_shape"],
+                            meta["y_dtype"], root)
+        parts.append(Shard(X, y, block_range(n, comm.size, comm.rank)[0], n))
+
+    def verdict() -> int:  # root checked every row while sending: agree on what it found
+        readers = held["readers"]
+        error = next((r.error for r in readers if r.error), None)
+        if error:
+            raise ValueError(error)
+        labels = [r.y for r in readers if len(r.y)] if meta["classification"] else []
+        return max((int(y.max()) for y in labels), default=0)
+
+    max_label = C.root_decides(comm, verdict, root=root)
+    n_outputs = (_n_outputs_from(meta["classification"], meta["y_shape"], max_label, n_classes))
+    return Data(parts[0], parts[1], meta["name"], meta["n_features"], n_outputs,
                 meta["classification"])
 
 
@@ -106,7 +130,8 @@ def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw) ->
     C.agree(comm, error)
     max_label = int(C.allreduce_max(comm, [max_label])[0])
     return Data(shards[0], shards[1], src.name, src.n_features,
-                _n_outputs(src, max_label, n_classes), src.classification)
+                _n_outputs_from(src.classification, src.target_shape, max_label, n_classes),
+                src.classification)
 
 
 def load(comm: C.Comm, spec: str, *, distribute: str = "scatter", test_fraction: float = 0.2,

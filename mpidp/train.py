@@ -5,10 +5,13 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from .checkpoint import State, save
 from .data import Shard
+from .faults import Injector
 from .parallel import DataParallel
 from .partition import local_batches, steps_per_epoch
 
@@ -16,12 +19,12 @@ from .partition import local_batches, steps_per_epoch
 class _Progress:
     """A progress bar on stderr: tqdm when installed, otherwise a line per 10% of the epoch."""
 
-    def __init__(self, total: int, desc: str, enabled: bool) -> None:
-        self.total, self.desc, self.enabled, self.n, self._bar = total, desc, enabled, 0, None
+    def __init__(self, total: int, desc: str, enabled: bool, initial: int = 0) -> None:
+        self.total, self.desc, self.enabled, self.n, self._bar = total, desc, enabled, initial, None
         if enabled:
             try:
                 from tqdm import tqdm
-                self._bar = tqdm(total=total, desc=desc, unit="step", leave=True,
+                self._bar = tqdm(total=total, initial=initial, desc=desc, unit="step", leave=True,
                                  file=sys.stderr, dynamic_ncols=True, mininterval=0.1)
             except ImportError:
                 pass
@@ -40,41 +43,77 @@ class _Progress:
             self._bar.close()
 
 
+@dataclass
+class Checkpointing:
+    """Where and how often :func:`fit` saves checkpoints (root rank writes them)."""
+
+    directory: str
+    every: int  # steps between checkpoints (a final one is written at the end too)
+    keep: int = 3
+    config: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.every < 1 or self.keep < 1:
+            raise ValueError(f"checkpoint every/keep must be >= 1, got {self.every}/{self.keep}")
+
+
 def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int = 0,
         shuffle: bool = True, drop_last: bool = False, test: Shard | None = None,
         progress: bool = False, on_epoch: Callable[[dict], None] | None = None,
-        start_epoch: int = 0) -> list[dict]:
-    """Train for ``epochs`` epochs of global batches of ``batch_size`` samples.
+        checkpoint: Checkpointing | None = None, resume: State | None = None) -> list[dict]:
+    """Train until ``epochs`` epochs of global batches of ``batch_size`` samples are done.
 
     Collective. Epoch ``e`` visits positions in :func:`mpidp.partition.epoch_order` order,
-    so the global batches do not depend on the number of ranks. Returns one dict per epoch:
-    ``epoch, loss, accuracy, test_loss, test_accuracy, seconds`` (global figures). Only
-    ``comm`` rank 0 shows ``progress``; ``on_epoch`` is called on every rank.
+    so the global batches do not depend on the number of ranks. ``resume`` (from
+    :func:`mpidp.checkpoint.restore`) continues mid-epoch exactly where the checkpoint was
+    taken. Returns the history, one dict per epoch: ``epoch, loss, accuracy, test_loss,
+    test_accuracy, seconds`` (global figures). Only rank 0 shows ``progress``;
+    ``on_epoch`` is called on every rank.
     """
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
-    history = []
+    state = resume or State()
+    dp.global_step = state.global_step
+    history = list(state.history)
     n_steps = steps_per_epoch(train.n_total, batch_size, drop_last)
     show = progress and dp.comm.rank == 0
     labelled = dp.loss.classification or train.y.dtype.kind in "iu"
-    for epoch in range(start_epoch, start_epoch + epochs):
+    faults = Injector(dp.comm.rank)
+    for epoch in range(state.epoch, epochs):
         t0 = time.perf_counter()
-        bar = _Progress(n_steps, f"epoch {epoch + 1}", show)
-        total = np.zeros(3)
-        for idx in local_batches(train.n_total, batch_size, train.start, train.stop, epoch,
-                                 seed, shuffle, drop_last):
-            s = dp.step(train.X[idx], train.y[idx])
-            total += (s.loss_sum, s.count, s.correct)
+        first = state.step if epoch == state.epoch else 0
+        totals = np.array(state.totals if first else (0.0, 0.0, 0.0), np.float64)
+        bar = _Progress(n_steps, f"epoch {epoch + 1}", show, initial=first)
+        batches = local_batches(train.n_total, batch_size, train.start, train.stop, epoch,
+                                seed, shuffle, drop_last)
+        for step, idx in enumerate(batches):
+            if step < first:
+                continue
+            X = train.X[idx]
+            if faults.steps:
+                X = faults.apply(dp.global_step, X, dp.model.params)
+            s = dp.step(X, train.y[idx])
+            if not s.skipped:
+                totals += (s.loss_sum, s.count, s.correct)
             bar.update(s.loss)
+            if checkpoint and dp.global_step % checkpoint.every == 0:
+                _save(dp, checkpoint, State(epoch, step + 1, dp.global_step, totals.tolist(), history))
         bar.close()
-        record = {"epoch": epoch + 1, "loss": total[0] / total[1],
-                  "accuracy": total[2] / total[1] if labelled else None,
+        record = {"epoch": epoch + 1, "loss": totals[0] / totals[1],
+                  "accuracy": totals[2] / totals[1] if labelled else None,
                   "seconds": time.perf_counter() - t0}
         if test is not None and test.n_total:
             ev = dp.evaluate(test.X, test.y)
-            record.update(test_loss=ev.loss,
-                          test_accuracy=ev.accuracy if labelled else None)
+            record.update(test_loss=ev.loss, test_accuracy=ev.accuracy if labelled else None)
         history.append(record)
         if on_epoch is not None:
             on_epoch(record)
+    if checkpoint:
+        _save(dp, checkpoint, State(epochs, 0, dp.global_step, [0.0, 0.0, 0.0], history))
     return history
+
+
+def _save(dp: DataParallel, checkpoint: Checkpointing, state: State) -> None:
+    if dp.comm.rank == dp.root:
+        state.config = checkpoint.config
+        save(checkpoint.directory, dp.model, dp.optimizer, state, checkpoint.keep)

@@ -1,5 +1,5 @@
 """Strategies that combine communication, data and models."""
 
-from .data_parallel import INIT_SYNC, DataParallel, StepStats
+from .data_parallel import INIT_SYNC, ON_NONFINITE, DataParallel, NonFiniteError, StepStats
 
-__all__ = ["INIT_SYNC", "DataParallel", "StepStats"]
+__all__ = ["INIT_SYNC", "ON_NONFINITE", "DataParallel", "NonFiniteError", "StepStats"]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,7 +13,12 @@ from ..metrics import StepTimer
 from ..nn import Loss, Optimizer, Sequential
 
 INIT_SYNC = ("bcast", "seed")
+ON_NONFINITE = ("stop", "skip", "ignore")
 _EXTRA = 3  # loss sum, sample count, correct predictions, appended to the gradient buffer
+
+
+class NonFiniteError(C.MpidpError):
+    """The global loss or gradient of a step is NaN or Inf (raised on every rank)."""
 
 
 @dataclass
@@ -22,6 +28,7 @@ class StepStats:
     loss_sum: float
     count: int
     correct: int
+    skipped: bool = False  # non-finite, update dropped (on_nonfinite="skip")
 
     @property
     def loss(self) -> float:
@@ -42,6 +49,15 @@ class DataParallel:
         checksum (one small ``Allreduce``), raising on every rank if not.
     abort_on_error : install :func:`mpidp.comm.abort_on_error` so an exception on one rank
         ends the job instead of leaving the others waiting.
+    check_every : every this many steps, compare parameter checksums across ranks (one
+        small ``Allreduce``) and raise on every rank, naming the odd ranks, on a mismatch.
+        0 disables the check.
+    on_nonfinite : ``"stop"`` raises :class:`NonFiniteError` on every rank when the global
+        loss or gradient holds NaN/Inf, before the update; ``"skip"`` drops that step's
+        update (counted in ``skipped_steps``); ``"ignore"`` applies it. The check costs one
+        dot product over the reduced buffer (no communication: every rank sees the same sums).
+    watchdog : seconds after which a step's ``Allreduce`` that has not completed is reported
+        (naming the ranks that never arrived) and the job aborted. None: wait forever.
 
     Notes
     -----
@@ -52,13 +68,22 @@ class DataParallel:
 
     def __init__(self, model: Sequential, optimizer: Optimizer, loss: Loss,
                  comm: C.Comm | None = None, init_sync: str = "bcast", root: int = 0,
-                 abort_on_error: bool = True) -> None:
+                 abort_on_error: bool = True, check_every: int = 0, on_nonfinite: str = "stop",
+                 watchdog: float | None = None) -> None:
         if init_sync not in INIT_SYNC:
             raise C.MpidpError(f"unknown init sync {init_sync!r}; expected one of {INIT_SYNC}")
+        if on_nonfinite not in ON_NONFINITE:
+            raise C.MpidpError(f"unknown on_nonfinite {on_nonfinite!r}; expected one of {ON_NONFINITE}")
+        if check_every < 0:
+            raise C.MpidpError(f"check_every must be >= 0, got {check_every}")
+        self.check_every, self.on_nonfinite = check_every, on_nonfinite
+        self.global_step = 0  # steps taken (or skipped) since training started
+        self.skipped_steps = 0
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.comm = comm if comm is not None else C.world()
         self.root = root
         self.timer = StepTimer()
+        self.watchdog = C.Watchdog(self.comm, watchdog) if watchdog else None
         if abort_on_error:
             C.abort_on_error()
         # grads | loss_sum | count | correct: ONE buffer, so ONE Allreduce per step
@@ -93,16 +118,37 @@ class DataParallel:
             loss_sum, correct = self._local_pass(X, y, train=True)
             buf[n:] = (loss_sum, len(X), correct)
         with self.timer.communicate():
-            C.allreduce_sum_(self.comm, buf)
+            if self.watchdog is not None and buf.size <= C.MAX_COUNT:
+                self.watchdog.allreduce_sum_(buf, self.global_step,
+                                             f"the gradient Allreduce of step {self.global_step}")
+            else:
+                C.allreduce_sum_(self.comm, buf)
         with self.timer.compute():
             count = int(round(float(buf[n + 1])))
-            if count:
+            skipped = bool(count) and not self._finite_or_skip(buf)
+            if count and not skipped:
                 grads = self.model.grads
                 grads *= 1.0 / count
                 self.optimizer.step_(self.model.params, grads)
         self.timer.steps += 1
         self.timer.samples += len(X)
-        return StepStats(float(buf[n]), count, int(round(float(buf[n + 2]))))
+        self.global_step += 1
+        if self.check_every and self.global_step % self.check_every == 0:
+            C.assert_in_sync(self.comm, self.model.params, self.root)
+        return StepStats(float(buf[n]), count, int(round(float(buf[n + 2]))), skipped)
+
+    def _finite_or_skip(self, buf: np.ndarray) -> bool:
+        """False (skip the update) if the reduced buffer holds NaN/Inf and policy is skip."""
+        if self.on_nonfinite == "ignore" or math.isfinite(float(np.dot(buf, buf))):
+            return True
+        if self.on_nonfinite == "skip":
+            self.skipped_steps += 1
+            return False
+        raise NonFiniteError(
+            f"non-finite loss or gradient at step {self.global_step} (global loss sum "
+            f"{float(buf[self.model.n_params])}); stopped before the update, so the parameters "
+            f"and checkpoints are from the last good step. Lower the learning rate, check the "
+            f"data, or skip such steps (on_nonfinite='skip', --on-nonfinite skip)")
 
     def evaluate(self, X: np.ndarray, y: np.ndarray, batch_size: int = 4096) -> StepStats:
         """Loss and correct predictions over every rank's ``(X, y)``. Collective (1 Allreduce)."""
