@@ -222,6 +222,9 @@ def assert_in_sync(comm: Comm, params: np.ndarray, root: int = 0) -> None:
 
 # --- failing loudly ---------------------------------------------------------------------
 
+_FORWARD_S = 0.3
+
+
 def _abort_hook(exc_type, exc, tb) -> None:
     comm = MPI.COMM_WORLD
     if comm.size == 1 or issubclass(exc_type, KeyboardInterrupt):
@@ -231,6 +234,7 @@ def _abort_hook(exc_type, exc, tb) -> None:
     sys.stderr.write(f"[mpidp] rank {comm.rank}/{comm.size} failed; aborting the job.\n{text}")
     sys.stderr.flush()
     sys.stdout.flush()
+    time.sleep(_FORWARD_S)  # let mpiexec forward our output before it kills everything
     comm.Abort(1)
     os._exit(1)
 
@@ -338,4 +342,5 @@ class Watchdog:
             f"ranks that never arrived: {missing}. Aborting the job.\n")
         sys.stderr.flush()
         del sends
+        time.sleep(_FORWARD_S)
         comm.Abort(3)

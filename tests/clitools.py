@@ -19,9 +19,9 @@ def mpiexec() -> str:
 
 
 def run_mpi(n: int, *args: str, cwd: Path | str | None = None, timeout: float = 120,
-            module: bool = True) -> subprocess.CompletedProcess:
+            module: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
     """``mpiexec -n n python [-m mpidp] args...``; raises if it outlives ``timeout`` seconds."""
     cmd = [mpiexec(), "-n", str(n), sys.executable, *(["-m", "mpidp"] if module else []), *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(cmd, cwd=cwd or ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)

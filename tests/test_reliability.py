@@ -1,0 +1,167 @@
+"""Fault injection end to end: failures end the job, checkpoints bring the work back.
+
+Each job runs under ``mpiexec`` in a subprocess with a timeout, with faults planned by
+``MPIDP_FAULT=kind@rank:step`` (see mpidp/faults.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+from clitools import run_mpi
+
+from mpidp.checkpoint import list_checkpoints, read
+
+# 480 training samples / batch 32 = 15 steps per epoch; 3 epochs = 45 steps.
+ARGS = ["train", "--dataset", "synthetic", "--n-samples", "600", "--n-features", "10",
+        "--dtype", "float64", "--epochs", "3", "--batch-size", "32", "--optimizer", "adam",
+        "--lr", "0.01", "--hidden", "16", "--no-progress"]
+
+
+def _train(n, out, *extra, fault=None, timeout=120):
+    env = {"MPIDP_FAULT": fault} if fault else {}
+    t = time.monotonic()
+    r = run_mpi(n, *ARGS, "--out", str(out), *extra, timeout=timeout, env=env)
+    r.elapsed = time.monotonic() - t
+    return r
+
+
+def _params(out):
+    return np.load(os.path.join(out, "model.npz"))["params"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted float64 training on 2 ranks."""
+    out = tmp_path_factory.mktemp("ref")
+    r = _train(2, out)
+    assert r.returncode == 0, r.stderr
+    return _params(out)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_exception_on_rank_1_at_step_k_ends_the_job(tmp_path, n):
+    r = _train(n, tmp_path / "out", fault="raise@1:5")
+    assert r.returncode != 0 and r.elapsed < 30
+    assert f"rank 1/{n} failed" in r.stderr and "injected fault on rank 1 at step 5" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(tmp_path, reference):
+    ck = tmp_path / "ck"
+    r = _train(2, tmp_path / "a", "--checkpoint-dir", str(ck), "--checkpoint-every", "4",
+               fault="kill@1:22")
+    assert r.returncode != 0 and r.elapsed < 30
+    assert [os.path.basename(p) for p in list_checkpoints(ck)] == [
+        "ckpt-0000000012.npz", "ckpt-0000000016.npz", "ckpt-0000000020.npz"]  # keeps 3
+    r = _train(2, tmp_path / "b", "--checkpoint-dir", str(ck), "--checkpoint-every", "4", "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout and "step 5, 20 steps done" in r.stdout
+    assert np.array_equal(_params(tmp_path / "b"), reference)  # bit-identical, same world size
+
+
+def test_stop_after_k_steps_and_resume_k_more_is_bit_identical(tmp_path, reference):
+    ck = tmp_path / "ck"
+    r = _train(2, tmp_path / "a", "--checkpoint-dir", str(ck), "--checkpoint-every", "1000",
+               "--epochs", "1")  # ends after epoch 1: its final checkpoint is step 15
+    assert r.returncode == 0, r.stderr
+    r = _train(2, tmp_path / "b", "--checkpoint-dir", str(ck), "--resume", "--epochs", "3")
+    assert r.returncode == 0, r.stderr
+    assert np.array_equal(_params(tmp_path / "b"), reference)
+    hist = json.loads((tmp_path / "b" / "metrics.json").read_text())["history"]
+    assert [h["epoch"] for h in hist] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("before,after", [(4, 2), (2, 4)])
+def test_elastic_resume_on_another_world_size(tmp_path, reference, before, after):
+    ck = tmp_path / "ck"
+    r = _train(before, tmp_path / "a", "--checkpoint-dir", str(ck), "--checkpoint-every", "5",
+               fault="raise@0:27")
+    assert r.returncode != 0
+    r = _train(after, tmp_path / "b", "--checkpoint-dir", str(ck), "--resume")
+    assert r.returncode == 0, r.stderr
+    assert f"written with {before} ranks, now {after}" in r.stdout
+    # same global batches; only the summation order differs (see tests/mpi tolerance note)
+    np.testing.assert_allclose(_params(tmp_path / "b"), reference, rtol=1e-9, atol=1e-11)
+
+
+def _damage(path, how):
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    else:  # flip bytes in the middle of the parameter data
+        for i in range(len(data) // 2, len(data) // 2 + 8):
+            data[i] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_damaged_checkpoint_is_refused_and_the_previous_one_used(tmp_path, reference, how):
+    ck = tmp_path / "ck"
+    r = _train(2, tmp_path / "a", "--checkpoint-dir", str(ck), "--checkpoint-every", "10",
+               fault="raise@1:33")
+    assert r.returncode != 0
+    newest = ck / "ckpt-0000000030.npz"
+    _damage(newest, how)
+    with pytest.raises(ValueError, match="unreadable|checksum"):
+        read(str(newest))
+    r = _train(2, tmp_path / "b", "--checkpoint-dir", str(ck), "--checkpoint-every", "10", "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "ckpt-0000000030.npz" in r.stderr and "previous good checkpoint" in r.stderr
+    assert "resumed from" in r.stdout and "ckpt-0000000020.npz" in r.stdout
+    assert np.array_equal(_params(tmp_path / "b"), reference)
+
+
+def test_every_checkpoint_damaged_is_a_clear_error(tmp_path):
+    ck = tmp_path / "ck"
+    assert _train(2, tmp_path / "a", "--checkpoint-dir", str(ck), "--checkpoint-every", "20",
+                  "--epochs", "1").returncode == 0
+    for p in list_checkpoints(ck):
+        _damage(type(tmp_path)(p), "flip")
+    r = _train(2, tmp_path / "b", "--checkpoint-dir", str(ck), "--resume")
+    assert r.returncode == 2 and "no usable checkpoint" in r.stderr
+    assert not (tmp_path / "b").exists()
+
+
+def test_resume_with_other_settings_is_refused(tmp_path):
+    ck = tmp_path / "ck"
+    assert _train(1, tmp_path / "a", "--checkpoint-dir", str(ck), "--epochs", "1").returncode == 0
+    r = _train(2, tmp_path / "b", "--checkpoint-dir", str(ck), "--resume", "--batch-size", "16")
+    assert r.returncode == 2 and "--batch-size 32 (now 16)" in r.stderr
+
+
+def test_nan_gradient_stops_and_never_overwrites_the_good_checkpoint(tmp_path):
+    ck = tmp_path / "ck"
+    r = _train(2, tmp_path / "out", "--checkpoint-dir", str(ck), "--checkpoint-every", "3",
+               fault="nan@1:7")
+    assert r.returncode == 2 and "non-finite loss or gradient at step 7" in r.stderr
+    assert os.path.basename(list_checkpoints(ck)[-1]) == "ckpt-0000000006.npz"
+    meta, arrays = read(list_checkpoints(ck)[-1])
+    assert np.isfinite(arrays["params"]).all() and meta["global_step"] == 6
+    assert not (tmp_path / "out").exists()
+
+
+def test_nan_gradient_skip_policy_drops_only_that_update(tmp_path):
+    r = _train(2, tmp_path / "out", "--on-nonfinite", "skip", fault="nan@0:7")
+    assert r.returncode == 0, r.stderr
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert m["skipped_steps"] == 1 and m["steps"] == 45
+    assert all(np.isfinite(h["loss"]) for h in m["history"])
+    assert np.isfinite(_params(tmp_path / "out")).all()
+
+
+def test_desync_is_detected_and_names_the_rank(tmp_path):
+    r = _train(3, tmp_path / "out", "--check-every", "2", fault="desync@2:3")
+    assert r.returncode == 2
+    assert "parameters differ from rank 0's on ranks [2]" in r.stderr
+
+
+def test_watchdog_names_the_rank_that_never_arrived(tmp_path):
+    r = _train(3, tmp_path / "out", "--watchdog", "2", fault="hang@2:4", timeout=60)
+    assert r.returncode != 0 and r.elapsed < 30
+    assert "ranks that never arrived: [2]" in r.stderr
+    assert "gradient Allreduce of step 4" in r.stderr
