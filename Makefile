@@ -8,7 +8,7 @@ MPIEXEC ?= $(BIN)/mpiexec
 MPI_TIMEOUT ?= 600
 RANKS   ?= 1 2 3 4
 
-.PHONY: install demo test test-unit test-mpi bench lint clean
+.PHONY: install demo test test-unit test-mpi bench bench-large lint clean
 
 install: $(STAMP)
 
@@ -40,6 +40,12 @@ test-mpi: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_step_bench.py
+
+# Buffers over 2 GiB through Bcast, Allreduce and Scatterv (needs ~10 GB of RAM; not in CI).
+bench-large: $(STAMP)
+	mkdir -p benchmarks/results
+	OMP_NUM_THREADS=1 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 2 $(BIN)/python benchmarks/bench_large.py \
+	  --gib 2.2 --out benchmarks/results/large.json
 
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff && $(BIN)/ruff check mpidp tests benchmarks
