@@ -50,7 +50,7 @@ def _run(opt: Optimizer, p0: np.ndarray, grads) -> list[np.ndarray]:
     buf = params  # the optimizer must update this very array in place
     out = []
     for t, g in enumerate(grads, start=1):
-        opt.step_(params, g)
+        opt.step_(params, g.copy())  # step_ may use its grad argument as scratch space
         assert params is buf
         assert opt.t == t
         out.append(params.copy())
@@ -83,27 +83,28 @@ def test_sgd_first_steps_by_hand():
     g1, g2 = np.array([1.0]), np.array([2.0])
     p = np.array([0.0])
     opt = SGD(lr=0.1, momentum=0.5)
-    opt.step_(p, g1)  # v = 1, p = -0.1
+    opt.step_(p, g1.copy())  # v = 1, p = -0.1
     np.testing.assert_allclose(p, [-0.1])
-    opt.step_(p, g2)  # v = 0.5 + 2 = 2.5, p = -0.1 - 0.25
+    opt.step_(p, g2.copy())  # v = 0.5 + 2 = 2.5, p = -0.1 - 0.25
     np.testing.assert_allclose(p, [-0.35])
 
     p = np.array([0.0])
     opt = SGD(lr=0.1, momentum=0.5, nesterov=True)
-    opt.step_(p, g1)  # v = 1, step = 1 + 0.5 = 1.5
+    opt.step_(p, g1.copy())  # v = 1, step = 1 + 0.5 = 1.5
     np.testing.assert_allclose(p, [-0.15])
-    opt.step_(p, g2)  # v = 2.5, step = 2 + 1.25 = 3.25
+    opt.step_(p, g2.copy())  # v = 2.5, step = 2 + 1.25 = 3.25
     np.testing.assert_allclose(p, [-0.475])
 
 
-def test_sgd_does_not_modify_the_gradient():
-    g = np.array([1.0, -2.0])
-    keep = g.copy()
+def test_state_does_not_alias_the_scratch_gradient():
+    """step_ may overwrite its grad argument, but its state must not live in it."""
     opt = SGD(lr=0.1, momentum=0.9, weight_decay=0.1)
-    p = np.array([3.0, 4.0])
-    for _ in range(3):
-        opt.step_(p, g)
-    np.testing.assert_array_equal(g, keep)
+    p, g = np.array([3.0, 4.0]), np.array([1.0, -2.0])
+    opt.step_(p, g)
+    v = opt.state["velocity"].copy()
+    g[...] = 1e6  # the caller reuses its gradient buffer for the next step
+    np.testing.assert_array_equal(opt.state["velocity"], v)
+    assert not np.shares_memory(opt.state["velocity"], g)
 
 
 @pytest.mark.parametrize("kw", [
@@ -197,3 +198,17 @@ def test_make_optimizer():
                       ("momentum", _reference_sgd(p0, grads, 0.1, momentum=0.9)),
                       ("adam", _reference_adam(p0, grads, 0.1))]:
         np.testing.assert_allclose(_run(make_optimizer(name, 0.1), p0, grads)[-1], ref[-1], rtol=1e-12)
+
+
+@pytest.mark.parametrize("make", [lambda: SGD(0.1), lambda: SGD(0.1, momentum=0.9, weight_decay=0.01),
+                                  lambda: SGD(0.1, momentum=0.9, nesterov=True),
+                                  lambda: Adam(0.01, weight_decay=0.1)])
+def test_scale_equals_prescaled_gradient(make):
+    """step_(p, g, scale=s) == step_(p, s * g): how a trainer folds 1/count into the update."""
+    p0 = np.random.default_rng(3).standard_normal(9)
+    a, b, oa, ob = p0.copy(), p0.copy(), make(), make()
+    for g in _grads(9):
+        oa.step_(a, g * 7.0, scale=1 / 7.0)
+        ob.step_(b, g.copy())
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    assert not np.allclose(a, p0)

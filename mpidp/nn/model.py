@@ -86,10 +86,13 @@ class Sequential:
 
     __call__ = forward
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False) -> np.ndarray:
-        """Back-propagate dL/dy ``(n, n_out)``; writes (or adds to) ``grads``; returns dL/dx."""
-        for layer in reversed(self.layers):
-            dy = layer.backward(dy, accumulate)
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 input_grad: bool = True) -> np.ndarray | None:
+        """Back-propagate dL/dy ``(n, n_out)``; writes (or adds to) ``grads``; returns dL/dx
+        ``(n, n_in)``, or None with ``input_grad=False`` (then its cost is skipped)."""
+        last = len(self.layers) - 1
+        for i, layer in enumerate(reversed(self.layers)):
+            dy = layer.backward(dy, accumulate, need_input_grad=input_grad or i < last)
         return dy
 
     def spec(self) -> list[dict]:

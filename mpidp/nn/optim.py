@@ -23,13 +23,21 @@ class Optimizer(ABC):
         self.state: dict[str, np.ndarray] = {}
         self.t = 0  # number of steps taken
 
-    def _grad(self, params: np.ndarray, grad: np.ndarray) -> np.ndarray:
-        """Gradient with L2 weight decay added (``grad + wd * params``), without copying when wd = 0."""
-        return grad + self.weight_decay * params if self.weight_decay else grad
+    def _grad(self, params: np.ndarray, grad: np.ndarray, scale: float) -> np.ndarray:
+        """``scale * grad + wd * params``, computed in ``grad``'s own buffer."""
+        if scale != 1.0:
+            grad *= scale
+        if self.weight_decay:
+            grad += self.weight_decay * params
+        return grad
 
     @abstractmethod
-    def step_(self, params: np.ndarray, grad: np.ndarray) -> None:
-        """Apply one update to ``params`` (1-D) given the mean gradient ``grad`` (same shape)."""
+    def step_(self, params: np.ndarray, grad: np.ndarray, scale: float = 1.0) -> None:
+        """Update ``params`` (1-D) in place from the mean gradient ``scale * grad``.
+
+        ``grad`` (same shape) is used as scratch space and overwritten: folding the
+        ``1 / count`` of a global mean into ``scale`` saves a pass over the gradient.
+        """
 
 
 class SGD(Optimizer):
@@ -47,19 +55,25 @@ class SGD(Optimizer):
             raise ValueError("nesterov momentum needs momentum > 0")
         self.momentum, self.nesterov = float(momentum), nesterov
 
-    def step_(self, params: np.ndarray, grad: np.ndarray) -> None:
-        g = self._grad(params, grad)
+    def step_(self, params: np.ndarray, grad: np.ndarray, scale: float = 1.0) -> None:
         self.t += 1
-        if self.momentum == 0:
-            params -= self.lr * g
+        if self.momentum == 0 and not self.weight_decay:  # the common case: two passes
+            grad *= self.lr * scale
+            params -= grad
             return
+        g = self._grad(params, grad, scale)
         v = self.state.get("velocity")
         if v is None:
             v = self.state["velocity"] = g.astype(params.dtype, copy=True)
         else:
             v *= self.momentum
             v += g
-        params -= self.lr * (g + self.momentum * v if self.nesterov else v)
+        if self.nesterov:
+            g += self.momentum * v
+        else:
+            g[...] = v
+        g *= self.lr
+        params -= g
 
 
 class Adam(Optimizer):
@@ -73,8 +87,8 @@ class Adam(Optimizer):
             raise ValueError(f"Adam betas must be in [0, 1), got {betas}")
         self.b1, self.b2, self.eps = float(b1), float(b2), float(eps)
 
-    def step_(self, params: np.ndarray, grad: np.ndarray) -> None:
-        g = self._grad(params, grad)
+    def step_(self, params: np.ndarray, grad: np.ndarray, scale: float = 1.0) -> None:
+        g = self._grad(params, grad, scale)
         if not self.state:
             self.state["m"] = np.zeros_like(params)
             self.state["v"] = np.zeros_like(params)

@@ -29,7 +29,7 @@ def mlp(n_in: int, hidden: Sequence[int], n_out: int, activation: str = "relu",
     """Multi-layer perceptron ``n_in -> hidden[0] -> ... -> n_out`` with ``activation``."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(_ACTIVATIONS)}")
-    act = _ACTIVATIONS[activation]
+    act = (lambda: L.ReLU(inplace=True)) if activation == "relu" else _ACTIVATIONS[activation]
     init = "he" if activation == "relu" else "xavier"
     layers: list[L.Layer] = []
     dims = [n_in, *hidden]

@@ -106,7 +106,7 @@ class DataParallel:
         out = self.model.forward(X)
         loss_sum = self.loss.forward(out, y)
         if train:
-            self.model.backward(self.loss.backward())
+            self.model.backward(self.loss.backward(), input_grad=False)
         labelled = self.loss.classification or y.dtype.kind in "iu"
         return loss_sum, self.loss.n_correct(out, y) if labelled else 0
 
@@ -126,10 +126,8 @@ class DataParallel:
         with self.timer.compute():
             count = int(round(float(buf[n + 1])))
             skipped = bool(count) and not self._finite_or_skip(buf)
-            if count and not skipped:
-                grads = self.model.grads
-                grads *= 1.0 / count
-                self.optimizer.step_(self.model.params, grads)
+            if count and not skipped:  # mean gradient = sum / count, folded into the update
+                self.optimizer.step_(self.model.params, self.model.grads, scale=1.0 / count)
         self.timer.steps += 1
         self.timer.samples += len(X)
         self.global_step += 1
