@@ -344,3 +344,52 @@ class Watchdog:
         del sends
         time.sleep(_FORWARD_S)
         comm.Abort(3)
+
+
+# --- primitives for the synchronisation strategies (mpidp.parallel.sync) ------------------
+
+def reduce_sum_to_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
+    """Sum ``buf`` over ranks into ``root``'s ``buf`` (in place there). Collective."""
+    if comm.rank == root:
+        comm.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=root)
+    else:
+        comm.Reduce(buf, None, op=MPI.SUM, root=root)
+    return buf
+
+
+def iallreduce_sum_(comm: Comm, buf: np.ndarray) -> MPI.Request:
+    """Start a non-blocking in-place sum of ``buf``; complete it with :func:`wait_all`."""
+    return comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+
+def wait_all(requests: list) -> None:
+    """Complete non-blocking operations started here."""
+    MPI.Request.Waitall(requests)
+
+
+def reduce_scatter_sum(comm: Comm, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
+    """Sum ``send`` ``(size * k,)`` over ranks; rank ``r`` gets block ``r`` ``(k,)``. Collective."""
+    comm.Reduce_scatter_block(send, recv, op=MPI.SUM)
+    return recv
+
+
+def allgather_(comm: Comm, mine: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Concatenate every rank's ``mine`` ``(k,)`` into ``out`` ``(size * k,)``. Collective."""
+    comm.Allgather(mine, out)
+    return out
+
+
+def user_sum_op(add) -> MPI.Op:
+    """An MPI reduction for encoded buffers: ``add(a, b)`` returns ``a + b`` decoded-added-
+    encoded, on 1-D numpy views of the raw bytes. Free it with ``op.Free()``."""
+    def fn(inbuf, inoutbuf, datatype):
+        a = np.frombuffer(inbuf, np.uint16)
+        b = np.frombuffer(inoutbuf, np.uint16)
+        b[...] = add(a, b)
+    return MPI.Op.Create(fn, commute=True)
+
+
+def allreduce_op_(comm: Comm, buf: np.ndarray, op: MPI.Op) -> np.ndarray:
+    """In-place ``Allreduce`` of a ``uint16`` buffer with a user op. Collective."""
+    comm.Allreduce(MPI.IN_PLACE, [buf, MPI.UINT16_T], op=op)
+    return buf

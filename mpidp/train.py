@@ -92,7 +92,7 @@ def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int 
             X = train.X[idx]
             if faults.steps:
                 X = faults.apply(dp.global_step, X, dp.model.params)
-            s = dp.step(X, train.y[idx])
+            s = dp.step(X, train.y[idx], last_of_epoch=step == n_steps - 1)
             if not s.skipped:
                 totals += (s.loss_sum, s.count, s.correct)
             bar.update(s.loss)

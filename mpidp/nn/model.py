@@ -6,7 +6,7 @@ arrays, so synchronising a model is one ``Bcast`` and combining gradients one ``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -52,14 +52,16 @@ class Sequential:
     def _bind(self, params: np.ndarray, grads: np.ndarray) -> None:
         self.params, self.grads = params, grads
         offset = 0
+        self.layer_ranges: list[tuple[int, int]] = []  # [lo, hi) of each layer in the buffers
         for layer in self.layers:
-            p, g = {}, {}
+            p, g, lo = {}, {}, offset
             for name, shape in layer.param_shapes().items():
                 size = int(np.prod(shape))
                 p[name] = params[offset:offset + size].reshape(shape)
                 g[name] = grads[offset:offset + size].reshape(shape)
                 offset += size
             layer.bind(p, g)
+            self.layer_ranges.append((lo, offset))
 
     def use_grad_buffer(self, buffer: np.ndarray) -> None:
         """Make ``grads`` (and every layer's gradient views) live in ``buffer[:n_params]``.
@@ -86,13 +88,19 @@ class Sequential:
 
     __call__ = forward
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 input_grad: bool = True) -> np.ndarray | None:
+    def backward(self, dy: np.ndarray, accumulate: bool = False, input_grad: bool = True,
+                 on_layer_done: Callable[[int], None] | None = None) -> np.ndarray | None:
         """Back-propagate dL/dy ``(n, n_out)``; writes (or adds to) ``grads``; returns dL/dx
-        ``(n, n_in)``, or None with ``input_grad=False`` (then its cost is skipped)."""
+        ``(n, n_in)``, or None with ``input_grad=False`` (then its cost is skipped).
+
+        ``on_layer_done(i)`` is called as soon as layer ``i``'s gradients are final (last
+        layer first), so a trainer can start communicating them during the rest of backward.
+        """
         last = len(self.layers) - 1
         for i, layer in enumerate(reversed(self.layers)):
             dy = layer.backward(dy, accumulate, need_input_grad=input_grad or i < last)
+            if on_layer_done is not None:
+                on_layer_done(last - i)
         return dy
 
     def spec(self) -> list[dict]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ import numpy as np
 from .. import comm as C
 from ..metrics import StepTimer
 from ..nn import Loss, Optimizer, Sequential
+from .sync import Sync, make_sync
 
 INIT_SYNC = ("bcast", "seed")
 ON_NONFINITE = ("stop", "skip", "ignore")
@@ -58,6 +60,8 @@ class DataParallel:
         dot product over the reduced buffer (no communication: every rank sees the same sums).
     watchdog : seconds after which a step's ``Allreduce`` that has not completed is reported
         (naming the ranks that never arrived) and the job aborted. None: wait forever.
+    sync : how gradients are combined: a :class:`mpidp.parallel.sync.Sync` or a name from
+        ``SYNCS`` (``allreduce``, the default: one fused in-place ``Allreduce`` per step).
 
     Notes
     -----
@@ -69,7 +73,7 @@ class DataParallel:
     def __init__(self, model: Sequential, optimizer: Optimizer, loss: Loss,
                  comm: C.Comm | None = None, init_sync: str = "bcast", root: int = 0,
                  abort_on_error: bool = True, check_every: int = 0, on_nonfinite: str = "stop",
-                 watchdog: float | None = None) -> None:
+                 watchdog: float | None = None, sync: Sync | str = "allreduce") -> None:
         if init_sync not in INIT_SYNC:
             raise C.MpidpError(f"unknown init sync {init_sync!r}; expected one of {INIT_SYNC}")
         if on_nonfinite not in ON_NONFINITE:
@@ -78,6 +82,7 @@ class DataParallel:
             raise C.MpidpError(f"check_every must be >= 0, got {check_every}")
         self.check_every, self.on_nonfinite = check_every, on_nonfinite
         self.global_step = 0  # steps taken (or skipped) since training started
+        self.last_of_epoch = False
         self.skipped_steps = 0
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.comm = comm if comm is not None else C.world()
@@ -87,9 +92,13 @@ class DataParallel:
         if abort_on_error:
             C.abort_on_error()
         # grads | loss_sum | count | correct: ONE buffer, so ONE Allreduce per step
-        self._buf = np.zeros(model.n_params + _EXTRA, model.dtype)
-        model.use_grad_buffer(self._buf)
+        self.buf = np.zeros(model.n_params + _EXTRA, model.dtype)
+        model.use_grad_buffer(self.buf)
         self.sync_params(init_sync)
+        self.sync = (make_sync(sync, lambda: copy.deepcopy(optimizer)) if isinstance(sync, str)
+                     else sync)
+        self.sync.setup(self)  # its checks depend only on what every rank shares
+        self._on_layer_done = self.sync.on_layer_done(self)
 
     def sync_params(self, how: str = "bcast") -> None:
         """Make every rank's parameters equal ``root``'s (``bcast``) or check they are (``seed``)."""
@@ -102,49 +111,62 @@ class DataParallel:
         """True on every rank iff all replicas' parameters are bit-identical. Collective."""
         return C.params_in_sync(self.comm, self.model.params)
 
-    def _local_pass(self, X: np.ndarray, y: np.ndarray, train: bool) -> tuple[float, int]:
+    def _eval_pass(self, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
         out = self.model.forward(X)
         loss_sum = self.loss.forward(out, y)
-        if train:
-            self.model.backward(self.loss.backward(), input_grad=False)
         labelled = self.loss.classification or y.dtype.kind in "iu"
         return loss_sum, self.loss.n_correct(out, y) if labelled else 0
 
-    def step(self, X: np.ndarray, y: np.ndarray) -> StepStats:
+    def step(self, X: np.ndarray, y: np.ndarray, last_of_epoch: bool = False) -> StepStats:
         """One synchronous step on this rank's part ``X`` ``(n_local, n_features)`` of the
-        global batch (``n_local`` may be 0). Collective. Returns the global batch's stats."""
-        buf, n = self._buf, self.model.n_params
+        global batch (``n_local`` may be 0). Collective. Returns the global batch's stats
+        (strategies that synchronise every k steps return zeros in between and the group's
+        totals when they synchronise; ``last_of_epoch`` makes them synchronise now)."""
+        buf, n = self.buf, self.model.n_params
+        self.last_of_epoch = last_of_epoch
         with self.timer.compute():
-            loss_sum, correct = self._local_pass(X, y, train=True)
-            buf[n:] = (loss_sum, len(X), correct)
-        with self.timer.communicate():
-            if self.watchdog is not None and buf.size <= C.MAX_COUNT:
-                self.watchdog.allreduce_sum_(buf, self.global_step,
-                                             f"the gradient Allreduce of step {self.global_step}")
-            else:
-                C.allreduce_sum_(self.comm, buf)
-        with self.timer.compute():
-            count = int(round(float(buf[n + 1])))
-            skipped = bool(count) and not self._finite_or_skip(buf)
-            if count and not skipped:  # mean gradient = sum / count, folded into the update
-                self.optimizer.step_(self.model.params, self.model.grads, scale=1.0 / count)
+            out = self.model.forward(X)
+            loss_sum = self.loss.forward(out, y)
+            labelled = self.loss.classification or y.dtype.kind in "iu"
+            buf[n:] = (loss_sum, len(X), self.loss.n_correct(out, y) if labelled else 0)
+            self.model.backward(self.loss.backward(), input_grad=False,
+                                on_layer_done=self._on_layer_done)
+        loss_sum, count, correct, skipped = self.sync.exchange(self)
         self.timer.steps += 1
         self.timer.samples += len(X)
         self.global_step += 1
         if self.check_every and self.global_step % self.check_every == 0:
             C.assert_in_sync(self.comm, self.model.params, self.root)
-        return StepStats(float(buf[n]), count, int(round(float(buf[n + 2]))), skipped)
+        return StepStats(loss_sum, count, correct, skipped)
 
-    def _finite_or_skip(self, buf: np.ndarray) -> bool:
-        """False (skip the update) if the reduced buffer holds NaN/Inf and policy is skip."""
-        if self.on_nonfinite == "ignore" or math.isfinite(float(np.dot(buf, buf))):
+    def apply_global(self, buf: np.ndarray) -> tuple[float, int, int, bool]:
+        """Update from the GLOBAL sums in ``buf`` (gradients | loss | count | correct):
+        mean gradient = sum / count, folded into the optimizer step. Returns
+        ``(loss_sum, count, correct, skipped)``."""
+        n = self.model.n_params
+        count = int(round(float(buf[n + 1])))
+        skipped = False
+        if count:
+            skipped = not self.finite_or_skip(math.isfinite(float(np.dot(buf, buf))), buf[n])
+            if not skipped:
+                self.optimizer.step_(self.model.params, buf[:n], scale=1.0 / count)
+        return float(buf[n]), count, int(round(float(buf[n + 2]))), skipped
+
+    def finite_or_skip(self, finite: bool, loss_sum: float) -> bool:
+        """Apply the NaN policy to a verdict every rank shares: True to go ahead with the
+        update, False to skip it (policy ``skip``); raises on every rank for ``stop``."""
+        if finite or self.on_nonfinite == "ignore":
             return True
         if self.on_nonfinite == "skip":
             self.skipped_steps += 1
             return False
+        self.raise_nonfinite(loss_sum)
+        return False
+
+    def raise_nonfinite(self, loss_sum: float) -> None:
         raise NonFiniteError(
             f"non-finite loss or gradient at step {self.global_step} (global loss sum "
-            f"{float(buf[self.model.n_params])}); stopped before the update, so the parameters "
+            f"{float(loss_sum)}); stopped before the update, so the parameters "
             f"and checkpoints are from the last good step. Lower the learning rate, check the "
             f"data, or skip such steps (on_nonfinite='skip', --on-nonfinite skip)")
 
@@ -152,7 +174,7 @@ class DataParallel:
         """Loss and correct predictions over every rank's ``(X, y)``. Collective (1 Allreduce)."""
         total = np.zeros(3, np.float64)
         for s in range(0, len(X), batch_size):
-            loss_sum, correct = self._local_pass(X[s:s + batch_size], y[s:s + batch_size], False)
+            loss_sum, correct = self._eval_pass(X[s:s + batch_size], y[s:s + batch_size])
             total += (loss_sum, len(X[s:s + batch_size]), correct)
         C.allreduce_sum_(self.comm, total)
         return StepStats(float(total[0]), int(total[1]), int(total[2]))

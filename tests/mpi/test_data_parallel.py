@@ -123,8 +123,8 @@ def test_gradients_are_views_in_the_reduced_buffer(comm):
     dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm)
     for layer in model.layers:
         for g in layer.grads.values():
-            assert np.shares_memory(g, dp._buf)
-    assert np.shares_memory(model.grads, dp._buf) and model.grads.base is not None
+            assert np.shares_memory(g, dp.buf)
+    assert np.shares_memory(model.grads, dp.buf) and model.grads.base is not None
 
 
 @pytest.mark.mpi(min_size=2)

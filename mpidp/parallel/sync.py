@@ -1,0 +1,338 @@
+"""How replicas combine gradients: one strategy object per way, behind ``make_sync(name)``.
+
+Every strategy turns each rank's gradient SUMS (plus loss sum, sample count and correct
+count, appended to the same flat buffer) into an update that leaves all replicas equal.
+``bytes_sent`` counts the payload this rank hands to MPI per step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .. import comm as C
+from .. import compress
+from ..nn import Optimizer
+
+if TYPE_CHECKING:
+    from .data_parallel import DataParallel
+
+SYNCS = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "sharded-ps",
+         "accumulate", "local-sgd")
+
+
+class Sync:
+    """Fused allreduce: ONE in-place ``Allreduce`` of the whole buffer, then the same update
+    on every rank. The default, and the base of the others."""
+
+    name = "allreduce"
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+
+    def setup(self, dp: DataParallel) -> None:
+        """Called once by ``DataParallel`` after its buffers exist. Collective."""
+
+    def on_layer_done(self, dp: DataParallel):
+        """A backward hook (``Sequential.backward(on_layer_done=...)``), or None."""
+        return None
+
+    def reduce(self, dp: DataParallel) -> None:
+        """Make ``dp.buf`` hold the global sums on every rank."""
+        buf = dp.buf
+        if dp.watchdog is not None and buf.size <= C.MAX_COUNT:
+            dp.watchdog.allreduce_sum_(buf, dp.global_step,
+                                       f"the gradient Allreduce of step {dp.global_step}")
+        else:
+            C.allreduce_sum_(dp.comm, buf)
+        self.bytes_sent += buf.nbytes
+
+    def exchange(self, dp: DataParallel) -> tuple[float, int, int, bool]:
+        """Communicate and update; returns the global ``(loss_sum, count, correct, skipped)``."""
+        with dp.timer.communicate():
+            self.reduce(dp)
+        with dp.timer.compute():
+            return dp.apply_global(dp.buf)
+
+
+class PerLayer(Sync):
+    """One ``Allreduce`` per parameter array (and one for the loss and counts): the naive
+    way, for comparison — more messages, each paying the latency."""
+
+    name = "per-layer"
+
+    def reduce(self, dp: DataParallel) -> None:
+        n = dp.model.n_params
+        for layer in dp.model.layers:
+            for g in layer.grads.values():
+                C.allreduce_sum_(dp.comm, g)
+        C.allreduce_sum_(dp.comm, dp.buf[n:])
+        self.bytes_sent += dp.buf.nbytes
+
+
+class Overlapped(Sync):
+    """Bucketed non-blocking ``Iallreduce``s started during backward, as soon as a bucket's
+    layers are done (last layers first); all are completed before the update.
+
+    Whether communication really overlaps computation depends on the MPI library making
+    progress in the background: MPICH does so only inside MPI calls unless its progress
+    thread is enabled (``MPIR_CVAR_ASYNC_PROGRESS=1``); the benchmark measures both.
+    """
+
+    name = "overlapped"
+
+    def __init__(self, bucket_bytes: int = 1 << 20) -> None:
+        super().__init__()
+        if bucket_bytes <= 0:
+            raise C.MpidpError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
+        self.bucket_bytes = int(bucket_bytes)
+
+    def setup(self, dp: DataParallel) -> None:
+        # buckets of whole layers, from the last layer back; the first one also carries the
+        # loss and counts at the end of the buffer (known before backward starts)
+        self.buckets: list[tuple[int, int]] = []  # (first layer, hi) in buffer order
+        self.starts: dict[int, tuple[int, int]] = {}  # layer index -> (lo, hi) to launch
+        hi, size = dp.buf.size, 0
+        ranges = dp.model.layer_ranges
+        for i in range(len(ranges) - 1, -1, -1):
+            size += (ranges[i][1] - ranges[i][0]) * dp.buf.itemsize
+            if size >= self.bucket_bytes or i == 0:
+                self.starts[i] = (ranges[i][0], hi)
+                hi, size = ranges[i][0], 0
+        self.requests: list = []
+
+    def on_layer_done(self, dp: DataParallel):
+        def launch(i: int) -> None:
+            if i in self.starts:
+                lo, hi = self.starts[i]
+                self.requests.append(C.iallreduce_sum_(dp.comm, dp.buf[lo:hi]))
+        return launch
+
+    def reduce(self, dp: DataParallel) -> None:
+        C.wait_all(self.requests)
+        self.requests = []
+        self.bytes_sent += dp.buf.nbytes
+
+
+class Compressed(Sync):
+    """Gradients summed in 16 bits (``float16`` or ``bfloat16``) with error feedback: what
+    rounding lost this step is added back next step. Half the gradient bytes.
+
+    float16 overflow (a value or a sum beyond 65504) is detected on every rank and raised,
+    never silently turned into Inf.
+    """
+
+    name = "compressed"
+
+    def __init__(self, codec: str = "bfloat16", error_feedback: bool = True) -> None:
+        super().__init__()
+        if codec not in compress.CODECS:
+            raise C.MpidpError(f"unknown compression {codec!r}; expected one of {compress.CODECS}")
+        self.codec, self.error_feedback = codec, error_feedback
+
+    def setup(self, dp: DataParallel) -> None:
+        n = dp.model.n_params
+        self.residual = np.zeros(n, np.float32)
+        self.op = C.user_sum_op(lambda a, b: compress.add(a, b, self.codec))
+
+    def reduce(self, dp: DataParallel) -> None:
+        n, g = dp.model.n_params, dp.model.grads
+        target = g + self.residual if self.error_feedback else g.astype(np.float32)
+        overflow = self.codec == "float16" and float(np.max(np.abs(target), initial=0)) > compress.FLOAT16_MAX
+        codes = compress.encode(target, self.codec)
+        if self.error_feedback:
+            self.residual[...] = target - compress.decode(codes, self.codec)
+        extras = np.append(dp.buf[n:].astype(np.float64), float(overflow))
+        C.allreduce_op_(dp.comm, codes, self.op)
+        C.allreduce_sum_(dp.comm, extras)
+        summed = compress.decode(codes, self.codec)
+        if extras[-1] or (self.codec == "float16" and np.isinf(summed).any()):
+            raise C.MpidpError(  # NaN is left to the NaN policy (apply_global)
+                f"float16 gradient compression overflowed at step {dp.global_step}: a gradient "
+                f"(or a sum of them) exceeds {compress.FLOAT16_MAX:g}; use bfloat16 or no compression")
+        g[...] = summed
+        dp.buf[n:] = extras[:-1]
+        self.bytes_sent += codes.nbytes + extras.nbytes
+
+
+class ParameterServer(Sync):
+    """Synchronous parameter server: gradient sums are ``Reduce``d to the server (rank
+    ``root``), which applies the optimizer and ``Bcast``s the new parameters.
+
+    ``dedicated=True``: the server holds no data (give it an empty shard); otherwise it
+    computes like every worker. Same arithmetic as allreduce training.
+    """
+
+    name = "ps"
+
+    def __init__(self, dedicated: bool = False) -> None:
+        super().__init__()
+        self.dedicated = dedicated
+
+    def setup(self, dp: DataParallel) -> None:
+        if dp.comm.size < 2:
+            raise C.MpidpError("a parameter server needs at least 2 ranks (a server and a worker)")
+
+    def exchange(self, dp: DataParallel) -> tuple[float, int, int, bool]:
+        comm, root, buf, n = dp.comm, dp.root, dp.buf, dp.model.n_params
+        verdict = np.zeros(5, np.float64)  # loss, count, correct, skipped, error
+        with dp.timer.communicate():
+            C.reduce_sum_to_(comm, buf, root)
+        if comm.rank == root:
+            with dp.timer.compute():
+                try:
+                    verdict[:4] = dp.apply_global(buf)
+                except C.MpidpError:
+                    verdict[:3], verdict[4] = buf[n:], 1
+        with dp.timer.communicate():
+            C.bcast_(comm, verdict, root)
+            if verdict[4]:
+                dp.raise_nonfinite(verdict[0])
+            if verdict[3] and comm.rank != root:
+                dp.skipped_steps += 1
+            C.bcast_(comm, dp.model.params, root)
+        self.bytes_sent += (buf.nbytes if comm.rank != root else 0) + (
+            dp.model.params.nbytes * (comm.size - 1) if comm.rank == root else 0)
+        return float(verdict[0]), int(verdict[1]), int(verdict[2]), bool(verdict[3])
+
+
+class ShardedParameterServer(Sync):
+    """Every rank serves ``1/P`` of the parameters: ``Reduce_scatter`` the gradient sums, each
+    rank updates only its slice (so optimizer state and update work are divided by ``P``),
+    ``Allgather`` the slices. Same bytes as an allreduce."""
+
+    name = "sharded-ps"
+
+    def __init__(self, make_optimizer) -> None:
+        super().__init__()
+        self.make_optimizer = make_optimizer  # () -> a fresh Optimizer for one slice
+
+    def setup(self, dp: DataParallel) -> None:
+        P, n = dp.comm.size, dp.model.n_params
+        self.k = -(-n // P)  # slice length; the last slice is padded
+        self.send = np.zeros(self.k * P, dp.model.dtype)
+        self.slice = np.zeros(self.k, dp.model.dtype)
+        self.params = np.zeros(self.k * P, dp.model.dtype)
+        self.lo = dp.comm.rank * self.k
+        self.hi = max(self.lo, min(self.lo + self.k, n))  # the padding past n is never updated
+        self.optimizer: Optimizer = self.make_optimizer()
+
+    def exchange(self, dp: DataParallel) -> tuple[float, int, int, bool]:
+        n, buf, m = dp.model.n_params, dp.buf, self.hi - self.lo
+        extras = np.zeros(4, np.float64)  # loss, count, correct, non-finite slices
+        with dp.timer.communicate():
+            self.send[:n] = dp.model.grads
+            C.reduce_scatter_sum(dp.comm, self.send, self.slice)
+            extras[:3] = buf[n:]
+            extras[3] = not np.isfinite(self.slice[:m]).all()
+            C.allreduce_sum_(dp.comm, extras)  # every rank learns every slice's verdict
+        with dp.timer.compute():
+            count = int(round(extras[1]))
+            finite = np.isfinite(extras[0]) and not extras[3]
+            skipped = bool(count) and not dp.finite_or_skip(finite, extras[0])
+            if count and not skipped:
+                mine = self.params[self.lo:self.hi]
+                mine[...] = dp.model.params[self.lo:self.hi]
+                self.optimizer.step_(mine, self.slice[:m], scale=1.0 / count)
+        with dp.timer.communicate():
+            C.allgather_(dp.comm, self.params[self.lo:self.lo + self.k].copy(), self.params)
+            dp.model.params[...] = self.params[:n]
+        self.bytes_sent += self.send.nbytes + self.k * self.params.itemsize + extras.nbytes
+        return float(extras[0]), count, int(round(extras[2])), skipped
+
+
+class Accumulate(Sync):
+    """Gradient accumulation: sum gradients over ``k`` global batches locally, then ONE
+    ``Allreduce`` and one update — exactly training with global batch ``k * B`` (a group
+    is cut short at an epoch's end). ``1/k`` of the synchronisations."""
+
+    name = "accumulate"
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        if k < 1:
+            raise C.MpidpError(f"accumulation steps must be >= 1, got {k}")
+        self.k, self.pending = int(k), 0
+
+    def setup(self, dp: DataParallel) -> None:
+        self.acc = np.zeros_like(dp.buf)
+
+    def exchange(self, dp: DataParallel) -> tuple[float, int, int, bool]:
+        with dp.timer.compute():
+            self.acc += dp.buf
+            self.pending += 1
+        if self.pending < self.k and not dp.last_of_epoch:
+            return 0.0, 0, 0, False  # no communication; totals arrive with the group
+        dp.buf[...] = self.acc
+        self.acc[...] = 0
+        self.pending = 0
+        return super().exchange(dp)
+
+
+class LocalSGD(Sync):
+    """Local SGD: each rank updates from its own part of the batch, and every ``k`` steps
+    (and at each epoch's end) the parameters are averaged with one ``Allreduce``.
+
+    Not the single-process arithmetic: replicas drift between averages and optimizer state
+    stays per rank; the benchmark measures the accuracy this costs.
+    """
+
+    name = "local-sgd"
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        if k < 1:
+            raise C.MpidpError(f"local SGD period must be >= 1, got {k}")
+        self.k, self.pending = int(k), 0
+
+    def setup(self, dp: DataParallel) -> None:
+        self.totals = np.zeros(3, np.float64)
+        self.avg = np.zeros(dp.model.n_params + 3, dp.model.dtype)
+
+    def exchange(self, dp: DataParallel) -> tuple[float, int, int, bool]:
+        n = dp.model.n_params
+        with dp.timer.compute():
+            count = int(round(float(dp.buf[n + 1])))
+            if count:
+                dp.optimizer.step_(dp.model.params, dp.model.grads, scale=1.0 / count)
+            self.totals += dp.buf[n:]
+            self.pending += 1
+        if self.pending < self.k and not dp.last_of_epoch:
+            return 0.0, 0, 0, False
+        with dp.timer.communicate():
+            self.avg[:n], self.avg[n:] = dp.model.params, self.totals
+            C.allreduce_sum_(dp.comm, self.avg)
+            dp.model.params[...] = self.avg[:n] / dp.comm.size
+        self.bytes_sent += self.avg.nbytes
+        loss, count, correct = self.avg[n:]
+        self.totals[...] = 0
+        self.pending = 0
+        return float(loss), int(round(count)), int(round(correct)), False
+
+
+def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
+              codec: str = "bfloat16", dedicated: bool = False, k: int = 4) -> Sync:
+    """A strategy by name: ``allreduce`` (fused), ``per-layer``, ``overlapped`` (bucketed
+    ``Iallreduce`` during backward), ``compressed`` (16-bit, error feedback), ``ps``,
+    ``sharded-ps`` (needs ``optimizer_factory``), ``accumulate`` and ``local-sgd`` (every
+    ``k`` steps)."""
+    if name == "allreduce":
+        return Sync()
+    if name == "per-layer":
+        return PerLayer()
+    if name == "overlapped":
+        return Overlapped(bucket_bytes)
+    if name == "compressed":
+        return Compressed(codec)
+    if name == "ps":
+        return ParameterServer(dedicated)
+    if name == "accumulate":
+        return Accumulate(k)
+    if name == "local-sgd":
+        return LocalSGD(k)
+    if name == "sharded-ps":
+        if optimizer_factory is None:
+            raise C.MpidpError("sharded-ps needs an optimizer factory (one optimizer per slice)")
+        return ShardedParameterServer(optimizer_factory)
+    raise C.MpidpError(f"unknown sync mode {name!r}; expected one of {SYNCS}")

@@ -1,0 +1,137 @@
+"""Every way of combining gradients gives the single-process arithmetic (float64), except
+local SGD and lossy compression, whose costs are bounded here and measured in bench-sync."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpi_helpers import all_ranks, raises_everywhere
+
+import mpidp
+from mpidp import nn
+from mpidp.parallel.sync import Overlapped, make_sync
+
+RTOL, ATOL = 1e-9, 1e-11  # reduction order only: see test_data_parallel.py
+
+
+def _data(comm, n=150, skip_rank=None):
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((n, 6)), rng.integers(0, 3, n)
+    workers = [r for r in range(comm.size) if r != skip_rank]
+    parts = np.array_split(np.arange(n), len(workers))
+    rows = parts[workers.index(comm.rank)] if comm.rank in workers else np.arange(0)
+    return mpidp.shard_from_arrays(comm, X[rows], y[rows]), X, y
+
+
+def _train(comm, shard, sync="allreduce", optimizer=lambda: nn.Adam(0.01), epochs=2, batch=16, **kw):
+    model = nn.mlp(6, (12, 8), 3, dtype=np.float64).init_(4)
+    opt = optimizer()
+    if isinstance(sync, str) and sync in ("sharded-ps", "accumulate", "local-sgd", "overlapped"):
+        sync = make_sync(sync, optimizer, **kw)
+    dp = mpidp.DataParallel(model, opt, nn.SoftmaxCrossEntropy(), comm, sync=sync)
+    hist = mpidp.fit(dp, shard, epochs, batch, seed=2)
+    return dp, hist
+
+
+def _reference(X, y, batch=16, **kw):
+    return _train(MPI.COMM_SELF, mpidp.shard_from_arrays(MPI.COMM_SELF, X, y), batch=batch, **kw)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("sync,kw", [("allreduce", {}), ("per-layer", {}),
+                                     ("overlapped", {"bucket_bytes": 200}),
+                                     ("sharded-ps", {})])
+def test_exact_strategies_match_single_process(comm, sync, kw):
+    shard, X, y = _data(comm)
+    dp, hist = _train(comm, shard, sync, **kw)
+    ref, ref_hist = _reference(X, y)
+    all_ranks(comm, np.allclose(dp.model.params, ref.model.params, rtol=RTOL, atol=ATOL),
+              f"{sync}: max diff {np.abs(dp.model.params - ref.model.params).max():.3g}")
+    all_ranks(comm, dp.in_sync() and abs(hist[-1]["loss"] - ref_hist[-1]["loss"]) < 1e-9)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_overlapped_uses_several_buckets(comm):
+    shard, _, _ = _data(comm)
+    sync = Overlapped(bucket_bytes=200)
+    _train(comm, shard, sync, epochs=1)
+    all_ranks(comm, len(sync.starts) > 2, f"buckets {sync.starts}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dedicated", [False, True])
+def test_parameter_server_matches_single_process(comm, dedicated):
+    shard, X, y = _data(comm, skip_rank=0 if dedicated else None)
+    dp, _ = _train(comm, shard, make_sync("ps", dedicated=dedicated))
+    ref, _ = _reference(X, y)
+    all_ranks(comm, np.allclose(dp.model.params, ref.model.params, rtol=RTOL, atol=ATOL))
+    all_ranks(comm, dp.in_sync())
+    if dedicated:
+        all_ranks(comm, (len(shard.X) == 0) == (comm.rank == 0))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_sharded_ps_keeps_a_slice_of_optimizer_state(comm):
+    shard, _, _ = _data(comm)
+    dp, _ = _train(comm, shard, "sharded-ps", epochs=1)
+    n = dp.model.n_params
+    all_ranks(comm, dp.sync.optimizer.state["m"].size <= -(-n // comm.size))
+    all_ranks(comm, dp.optimizer.state == {}, "the full optimizer must stay unused")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_accumulation_equals_a_k_times_larger_batch(comm):
+    shard, X, y = _data(comm, n=160)  # 10 batches of 16 per epoch: groups of 5
+    dp, _ = _train(comm, shard, "accumulate", optimizer=lambda: nn.SGD(0.1, momentum=0.9), k=5)
+    ref, _ = _reference(X, y, batch=80, optimizer=lambda: nn.SGD(0.1, momentum=0.9))
+    all_ranks(comm, np.allclose(dp.model.params, ref.model.params, rtol=RTOL, atol=ATOL))
+    all_ranks(comm, dp.sync.bytes_sent == 4 * dp.buf.nbytes, "2 epochs x 2 groups")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_local_sgd_keeps_replicas_equal_after_averaging(comm):
+    shard, X, y = _data(comm, n=160)
+    dp, hist = _train(comm, shard, "local-sgd", optimizer=lambda: nn.SGD(0.05), k=2, epochs=3)
+    all_ranks(comm, dp.in_sync(), "parameters are averaged at every epoch end")
+    all_ranks(comm, hist[-1]["loss"] < hist[0]["loss"])
+    if comm.size == 1:  # one replica: local SGD is plain SGD
+        ref, _ = _reference(X, y, optimizer=lambda: nn.SGD(0.05), epochs=3)
+        assert np.allclose(dp.model.params, ref.model.params, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("codec", ["bfloat16", "float16"])
+def test_compressed_halves_gradient_bytes_and_tracks_full_precision(comm, codec):
+    shard, X, y = _data(comm)
+    full, _ = _train(comm, shard, "allreduce", optimizer=lambda: nn.SGD(0.1), epochs=2)
+    small, _ = _train(comm, shard, make_sync("compressed", codec=codec),
+                      optimizer=lambda: nn.SGD(0.1), epochs=2)
+    all_ranks(comm, small.sync.bytes_sent <= 0.52 * full.sync.bytes_sent,
+              f"{small.sync.bytes_sent} vs {full.sync.bytes_sent}")
+    rel = np.linalg.norm(small.model.params - full.model.params) / np.linalg.norm(full.model.params)
+    all_ranks(comm, 0 < rel < 0.02, f"relative parameter difference {rel:.3g}")
+    all_ranks(comm, small.in_sync())
+
+
+@pytest.mark.mpi(min_size=1)
+def test_float16_overflow_is_an_error_on_every_rank(comm):
+    shard, _, _ = _data(comm)
+    shard.X *= 1e6  # gradients far beyond float16's 65504
+    raises_everywhere(comm, mpidp.MpidpError, lambda: _train(
+        comm, shard, make_sync("compressed", codec="float16"), epochs=1), "overflowed")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_bad_sync_options_fail_everywhere(comm):
+    model = nn.mlp(6, (4,), 3).init_(0)
+    raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.DataParallel(
+        model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm, sync="gossip"), "unknown sync mode")
+    raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync("overlapped", bucket_bytes=0),
+                      "bucket size must be > 0")
+    raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync("compressed", codec="int8"),
+                      "unknown compression")
+    raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync("accumulate", k=0), ">= 1")
+    if comm.size == 1:
+        raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.DataParallel(
+            model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm, sync="ps"), "at least 2 ranks")
