@@ -21,6 +21,7 @@ from . import nn
 from .checkpoint import restore, write_atomic
 from .metrics import format_timings, gather_timings
 from .parallel import INIT_SYNC, ON_NONFINITE, DataParallel
+from .parallel.sync import SYNCS, make_sync
 from .train import Checkpointing, fit
 
 # Settings a checkpoint must share with the run that resumes it (the world size may differ).
@@ -111,6 +112,21 @@ def _add_train(sub) -> None:
     r.add_argument("--on-nonfinite", choices=ON_NONFINITE, default="stop",
                    help="NaN/Inf in the global loss or gradient: stop with an error, skip the "
                    "step's update, or ignore")
+    g = p.add_argument_group("synchronisation")
+    g.add_argument("--sync", choices=SYNCS, default="allreduce",
+                   help="allreduce: one fused in-place Allreduce per step; per-layer: one per "
+                   "array; overlapped: bucketed Iallreduce during backward; compressed: 16-bit "
+                   "with error feedback; ps: parameter server (rank 0); sharded-ps: every rank "
+                   "updates 1/P of the parameters; accumulate: sync every --sync-every batches; "
+                   "local-sgd: average parameters every --sync-every steps")
+    g.add_argument("--ps-placement", choices=("root", "dedicated"), default="root",
+                   help="ps: the server also computes (root) or holds no data (dedicated)")
+    g.add_argument("--bucket-mb", type=_positive(float), default=1.0,
+                   help="overlapped: bucket size in MiB")
+    g.add_argument("--compress", choices=("bfloat16", "float16"), default="bfloat16",
+                   help="compressed: 16-bit format of the gradients on the wire")
+    g.add_argument("--sync-every", type=_positive(int), default=4,
+                   help="accumulate / local-sgd: steps between synchronisations")
     r.add_argument("--watchdog", type=_positive(float), default=None, metavar="SECONDS",
                    help="abort, naming the ranks that never arrived, if a step's Allreduce "
                    "waits longer than this")
@@ -166,16 +182,44 @@ def _resume(comm: C.Comm, args: argparse.Namespace, config: dict, dp: DataParall
     return state
 
 
+def _load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.Data:
+    """Load the dataset over all ranks, or (dedicated parameter server) over the workers only,
+    the server getting empty shards. Collective; errors reach every rank."""
+    kw = dict(distribute=args.distribute, seed=args.seed, test_fraction=args.test_fraction,
+              dtype=args.dtype, n_classes=args.n_classes, n_samples=args.n_samples,
+              n_features=args.n_features,
+              regression=args.model == "linear" and args.dataset == "synthetic")
+    if server is None:
+        return D.load(comm, args.dataset, **kw)
+    workers = C.split_off(comm, server)
+    data, error = None, None
+    if workers is not None:
+        try:
+            data = D.load(workers, args.dataset, **kw)
+        except C.MpidpError as exc:
+            error = str(exc)
+    C.agree(comm, error)
+    first_worker = 1 if server == 0 else 0
+    meta = comm.bcast(None if data is None else (
+        data.name, data.n_features, data.n_outputs, data.classification, data.train.n_total,
+        data.test.n_total, data.train.y.dtype, data.train.y.shape[1:]), root=first_worker)
+    if data is not None:
+        return data
+    name, d, n_out, classification, n_train, n_test, y_dtype, y_shape = meta
+    empty = lambda n: D.Shard(np.empty((0, d), args.dtype), np.empty((0, *y_shape), y_dtype), 0, n)
+    return D.Data(empty(n_train), empty(n_test), name, d, n_out, classification)
+
+
 def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     """Run ``mpidp train``. Collective. Returns the metrics on rank 0, None elsewhere."""
     t_start = time.perf_counter()
     C.root_decides(comm, _check_out, args.out)
     if not 0 <= args.test_fraction < 1:
         raise C.MpidpError(f"--test-fraction must be in [0, 1), got {args.test_fraction}")
-    data = D.load(comm, args.dataset, distribute=args.distribute, seed=args.seed,
-                  test_fraction=args.test_fraction, dtype=args.dtype, n_classes=args.n_classes,
-                  n_samples=args.n_samples, n_features=args.n_features,
-                  regression=args.model == "linear" and args.dataset == "synthetic")
+    dedicated = args.sync == "ps" and args.ps_placement == "dedicated"
+    if args.sync == "ps" and comm.size < 2:
+        raise C.MpidpError("--sync ps needs at least 2 ranks (a server and a worker)")
+    data = _load_data(comm, args, server=0 if dedicated else None)
     model, loss = C.run_agreed(comm, nn.build, args.model, data.n_features, data.n_outputs,
                                args.hidden, args.dtype, data.classification)
     model.init_(np.random.default_rng(args.seed))
@@ -184,9 +228,13 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
         raise C.MpidpError("--resume needs --checkpoint-dir")
     if args.check_every < 0:
         raise C.MpidpError(f"--check-every must be >= 0, got {args.check_every}")
+    sync = make_sync(args.sync, lambda: nn.make_optimizer(args.optimizer, args.lr, args.momentum,
+                                                          args.weight_decay),
+                     bucket_bytes=int(args.bucket_mb * 2**20), codec=args.compress,
+                     dedicated=dedicated, k=args.sync_every)
     dp = DataParallel(model, optimizer, loss, comm, init_sync=args.init_sync,
                       check_every=args.check_every, on_nonfinite=args.on_nonfinite,
-                      watchdog=args.watchdog)
+                      watchdog=args.watchdog, sync=sync)
     config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()}
     config["world_size"] = comm.size
     mpi = C.mpi_info(comm)
@@ -223,6 +271,7 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
                "test_accuracy": last.get("test_accuracy"), "params_in_sync": in_sync,
                "n_params": model.n_params, "wall_s": wall, "history": history,
                "steps": dp.global_step, "skipped_steps": dp.skipped_steps,
+               "sync": args.sync, "bytes_sent_per_step": dp.sync.bytes_sent / max(dp.global_step, 1),
                "timings": timings, "config": config, "mpi": mpi}
     meta = {"model": args.model, "hidden": list(args.hidden), "n_features": data.n_features,
             "n_outputs": data.n_outputs, "classification": data.classification}

@@ -393,3 +393,10 @@ def allreduce_op_(comm: Comm, buf: np.ndarray, op: MPI.Op) -> np.ndarray:
     """In-place ``Allreduce`` of a ``uint16`` buffer with a user op. Collective."""
     comm.Allreduce(MPI.IN_PLACE, [buf, MPI.UINT16_T], op=op)
     return buf
+
+
+def split_off(comm: Comm, rank: int) -> Comm | None:
+    """A communicator of every rank but ``rank`` (None on ``rank``). Collective."""
+    color = MPI.UNDEFINED if comm.rank == rank else 0
+    sub = comm.Split(color, key=comm.rank)
+    return None if sub == MPI.COMM_NULL else sub
