@@ -8,7 +8,7 @@ MPIEXEC ?= $(BIN)/mpiexec
 MPI_TIMEOUT ?= 600
 RANKS   ?= 1 2 3 4
 
-.PHONY: install demo test test-unit test-mpi bench bench-large lint clean
+.PHONY: install demo test test-unit test-mpi bench bench-sync bench-large lint clean
 
 install: $(STAMP)
 
@@ -40,6 +40,10 @@ test-mpi: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_step_bench.py
+
+# Every synchronisation mode at P = 1, 2, 4, the cost model checked, accuracy of lossy modes.
+bench-sync: $(STAMP)
+	$(BIN)/python benchmarks/run_sync_bench.py
 
 # Buffers over 2 GiB through Bcast, Allreduce and Scatterv (needs ~10 GB of RAM; not in CI).
 bench-large: $(STAMP)

@@ -18,6 +18,8 @@ import numpy as np
 from . import comm as C
 from . import data as D
 from . import nn
+from .calibrate import calibrate, format_report
+from .calibrate import save as save_model
 from .checkpoint import restore, write_atomic
 from .metrics import format_timings, gather_timings
 from .parallel import INIT_SYNC, ON_NONFINITE, DataParallel
@@ -137,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_train(sub)
     sub.add_parser("info", help="print MPI library, world size and numpy/BLAS configuration")
+    m = sub.add_parser("model", help="measure latency, bandwidth and compute; predict scaling "
+                       "of allreduce and parameter server up to 1,024 ranks (needs >= 2 ranks)")
+    m.add_argument("--out", default="out/model", help="folder for model.json, model.md, model.png")
+    m.add_argument("--batch-size", type=_positive(int), default=512, help="global batch")
     return parser
 
 
@@ -312,6 +318,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             train(args, comm)
+        elif args.command == "model":
+            report = calibrate(comm, args.batch_size)
+            if comm.rank == 0:
+                print(format_report(report), "\nwrote " + ", ".join(save_model(report, args.out)),
+                      flush=True)
         else:
             info(comm)
     except C.MpidpError as exc:  # raised identically on every rank

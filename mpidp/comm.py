@@ -379,24 +379,41 @@ def allgather_(comm: Comm, mine: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def user_sum_op(add) -> MPI.Op:
-    """An MPI reduction for encoded buffers: ``add(a, b)`` returns ``a + b`` decoded-added-
-    encoded, on 1-D numpy views of the raw bytes. Free it with ``op.Free()``."""
-    def fn(inbuf, inoutbuf, datatype):
-        a = np.frombuffer(inbuf, np.uint16)
-        b = np.frombuffer(inoutbuf, np.uint16)
-        b[...] = add(a, b)
-    return MPI.Op.Create(fn, commute=True)
-
-
-def allreduce_op_(comm: Comm, buf: np.ndarray, op: MPI.Op) -> np.ndarray:
-    """In-place ``Allreduce`` of a ``uint16`` buffer with a user op. Collective."""
-    comm.Allreduce(MPI.IN_PLACE, [buf, MPI.UINT16_T], op=op)
-    return buf
-
-
 def split_off(comm: Comm, rank: int) -> Comm | None:
     """A communicator of every rank but ``rank`` (None on ``rank``). Collective."""
     color = MPI.UNDEFINED if comm.rank == rank else 0
     sub = comm.Split(color, key=comm.rank)
     return None if sub == MPI.COMM_NULL else sub
+
+
+def pingpong(comm: Comm, nbytes: int, reps: int = 50, peer: int = 1) -> float | None:
+    """One-way time (seconds) of an ``nbytes`` message between rank 0 and ``peer``, the
+    median of ``reps`` round trips halved; None on other ranks. Collective over the pair
+    (other ranks return at once)."""
+    if comm.rank not in (0, peer):
+        return None
+    buf = np.zeros(max(nbytes, 1), np.uint8)[:nbytes]
+    times = []
+    for _ in range(reps + 3):
+        t = MPI.Wtime()
+        if comm.rank == 0:
+            comm.Send(buf, dest=peer, tag=5)
+            comm.Recv(buf, source=peer, tag=5)
+        else:
+            comm.Recv(buf, source=0, tag=5)
+            comm.Send(buf, dest=0, tag=5)
+        times.append((MPI.Wtime() - t) / 2)
+    return float(np.median(times[3:])) if comm.rank == 0 else None
+
+
+def time_allreduce(comm: Comm, n: int, dtype=np.float32, reps: int = 20) -> float:
+    """Median seconds of an in-place ``Allreduce`` of ``n`` elements (between barriers, the
+    slowest rank's time). Collective."""
+    buf = np.ones(n, dtype)
+    times = []
+    for _ in range(reps + 2):
+        comm.Barrier()
+        t = MPI.Wtime()
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        times.append(comm.allreduce(MPI.Wtime() - t, op=MPI.MAX))
+    return float(np.median(times[2:]))

@@ -1,0 +1,167 @@
+"""``make bench-sync``: every synchronisation mode at P = 1, 2, 4 (strong and weak scaling),
+the cost model's predictions checked against measured step times at P = 2, 3, 4, the
+accuracy cost of the lossy modes, and PyTorch DDP when it is installed.
+
+Run: python benchmarks/run_sync_bench.py   (writes benchmarks/results/sync_bench.{json,md,png})
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from run_step_bench import bench_env, cpu_model, git_commit
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+BIN = Path(sys.executable).parent
+LOSSY = ("allreduce", "compressed", "accumulate", "local-sgd")
+
+
+def _run(cmd: list[str], env: dict, timeout: float) -> None:
+    print("$ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, env=env, cwd=REPO, timeout=timeout, check=True)
+
+
+def job(P: int, out: Path, env: dict, args, *extra: str) -> dict:
+    _run([str(BIN / "mpiexec"), "-n", str(P), sys.executable, str(HERE / "bench_sync.py"),
+          "--out", str(out), "--steps", str(args.steps), "--repeats", str(args.repeats), *extra],
+         env, args.timeout)
+    return json.loads(out.read_text())
+
+
+def accuracy(mode: str, tmp: Path, env: dict, args) -> dict:
+    """Digits, 2 ranks, 15 epochs: what each lossy mode costs in accuracy."""
+    out = tmp / f"acc-{mode}"
+    _run([str(BIN / "mpiexec"), "-n", "2", sys.executable, "-m", "mpidp", "train", "--dataset",
+          "digits", "--epochs", "15", "--lr", "0.05", "--sync", mode, "--no-progress",
+          "--out", str(out)], env, args.timeout)
+    m = json.loads((out / "metrics.json").read_text())
+    return {"test_accuracy": m["test_accuracy"], "final_loss": m["final_loss"],
+            "bytes_per_step": m["bytes_sent_per_step"]}
+
+
+def predictions(model: dict, strong: dict) -> list[dict]:
+    """Cost-model step time for allreduce at P = 2, 3, 4 vs measured (compute from P = 1)."""
+    sys.path.insert(0, str(REPO))
+    from mpidp.costmodel import Fit, step_time
+    fit = Fit(**model["fit"])
+    t1 = strong[1]["modes"]["allreduce"]["step_ms"] / 1e3
+    m = model["standard_model_params"] * 4
+    rows = []
+    for P in (2, 3, 4):
+        measured = strong[P]["modes"]["allreduce"]["step_ms"] / 1e3
+        predicted = float(step_time(P, m, 512, t1 / 512, fit, "ring"))
+        rows.append({"P": P, "measured_ms": measured * 1e3, "predicted_ms": predicted * 1e3,
+                     "error": (predicted - measured) / measured})
+    return rows
+
+
+def markdown(report: dict) -> str:
+    L = ["# Synchronisation strategies on the standard workload", "",
+         "MLP 784-1024-1024-10, float32, SGD lr 0.05, synthetic 60,000 x 784; median of "
+         f"{report['repeats']} repeats of {report['steps']} timed steps (slowest rank).", ""]
+    for kind in ("strong", "weak"):
+        runs = report[kind]
+        Ps = sorted(runs)
+        L += [f"## {kind.capitalize()} scaling ("
+              + ("global batch 512" if kind == "strong" else "256 samples per rank") + ")", "",
+              "| mode | " + " | ".join(f"P={p} ms" for p in Ps) + " | "
+              + " | ".join(f"P={p} eff" for p in Ps if p > 1) + " | comm share P=2 | MB/step/rank |",
+              "|---|" + "---:|" * (2 * len(Ps) - 1 + 2)]
+        for mode in runs[Ps[-1]]["modes"]:
+            base = runs[1]["modes"].get(mode) or runs[1]["modes"]["allreduce"]
+            cells, effs = [], []
+            for P in Ps:
+                r = runs[P]["modes"].get(mode)
+                cells.append(f"{r['step_ms']:.1f}" if r else "-")
+                if P > 1 and r:
+                    per = runs[P]["batch_size"] / r["step_ms"]
+                    effs.append(f"{per / (P * runs[1]['batch_size'] / base['step_ms']):.2f}")
+                elif P > 1:
+                    effs.append("-")
+            r2 = runs[2]["modes"].get(mode, {})
+            mb = r2.get("bytes_per_step")
+            L.append(f"| {mode} | " + " | ".join(cells) + " | " + " | ".join(effs) +
+                     f" | {r2.get('comm_share', 0):.1%} | " + (f"{mb / 2**20:.2f}" if mb else "-") + " |")
+        L.append("")
+    L += ["## Cost model vs measurement (allreduce, strong scaling)", "",
+          "| P | measured ms | predicted ms | error |", "|---:|---:|---:|---:|"]
+    L += [f"| {r['P']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | {r['error']:+.1%} |"
+          for r in report["validation"]]
+    L += ["", "## Accuracy cost (digits, 2 ranks, 15 epochs)", "",
+          "| mode | test accuracy | final loss | bytes/step |", "|---|---:|---:|---:|"]
+    L += [f"| {k} | {v['test_accuracy']:.4f} | {v['final_loss']:.4f} | {v['bytes_per_step']:.0f} |"
+          for k, v in report["accuracy"].items()]
+    L += ["", f"PyTorch DDP: {report['torch']}", "", "## Where and how", "",
+          f"- Machine: {report['machine']}", f"- Command: `{report['command']}`",
+          f"- mpidp commit {report['commit']}; {report['date']}"]
+    return "\n".join(L) + "\n"
+
+
+def plot(report: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4))
+    runs = report["strong"]
+    modes = list(runs[max(runs)]["modes"])
+    x = np.arange(len(modes))
+    for i, P in enumerate(sorted(runs)):
+        ax.bar(x + i * 0.27, [runs[P]["modes"].get(m, {}).get("step_ms", 0) for m in modes],
+               0.27, label=f"P={P}")
+    ax.set_xticks(x + 0.27, modes, rotation=30, ha="right")
+    ax.set(ylabel="ms per step (global batch 512)", title="Synchronisation modes, strong scaling")
+    ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--results", default=str(HERE / "results"))
+    args = p.parse_args(argv)
+    env, _ = bench_env()
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        strong = {P: job(P, tmp / f"s{P}.json", env, args) for P in (1, 2, 4)}
+        strong_3 = job(3, tmp / "s3.json", env, args, "--modes", "allreduce")
+        weak = {P: job(P, tmp / f"w{P}.json", env, args, "--weak") for P in (1, 2, 4)}
+        _run([str(BIN / "mpiexec"), "-n", "2", sys.executable, "-m", "mpidp", "model", "--out",
+              str(tmp / "model")], env, args.timeout)
+        model = json.loads((tmp / "model" / "model.json").read_text())
+        acc = {m: accuracy(m, tmp, env, args) for m in LOSSY}
+    try:
+        import torch  # noqa: F401
+        torch_note = "installed, but the DDP comparison is not implemented yet"
+    except ImportError:
+        torch_note = "skipped (PyTorch is not installed in this environment)"
+    report = {"steps": args.steps, "repeats": args.repeats, "strong": strong, "weak": weak,
+              "validation": predictions(model, {**strong, 3: strong_3}), "model_fit": model["fit"],
+              "accuracy": acc, "torch": torch_note, "machine": cpu_model(), "commit": git_commit(),
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "command": "python benchmarks/run_sync_bench.py"}
+    (results / "sync_bench.json").write_text(json.dumps(report, indent=2))
+    (results / "sync_bench.md").write_text(markdown(report))
+    plot(report, results / "sync_bench.png")
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

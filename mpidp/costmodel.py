@@ -1,0 +1,102 @@
+"""A latency-bandwidth (alpha-beta-gamma) model of a data-parallel step. Pure NumPy.
+
+Sending ``m`` bytes costs ``alpha + m * beta``; reducing ``m`` bytes of data costs
+``m * gamma``. With ``P`` ranks and a model of ``m`` gradient bytes (standard formulas, e.g.
+Thakur, Rabenseifner & Gropp 2005):
+
+* ring allreduce:              ``2(P-1) alpha + 2 (P-1)/P m beta + (P-1)/P m gamma``
+* recursive doubling:          ``log2(P) (alpha + m beta + m gamma)``
+* central parameter server:    ``2 (P-1) (alpha + m beta) + (P-1) m gamma`` — the server's
+  link carries every worker's gradient in and every worker's parameters out, one by one.
+
+A step is ``compute(B/P) + communicate(P, m)``; compute time per sample is measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+ALGORITHMS = ("ring", "recursive-doubling", "parameter-server")
+
+
+@dataclass
+class Fit:
+    """Fitted constants: seconds, seconds per byte, seconds per byte reduced."""
+
+    alpha: float
+    beta: float
+    gamma: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def fit_alpha_beta(nbytes: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
+    """Least-squares ``t = alpha + beta * m`` over ping-pong samples (both clipped >= 0)."""
+    A = np.column_stack([np.ones(len(nbytes)), np.asarray(nbytes, float)])
+    (alpha, beta), *_ = np.linalg.lstsq(A, np.asarray(seconds, float), rcond=None)
+    return max(float(alpha), 0.0), max(float(beta), 0.0)
+
+
+def fit_gamma(P: int, nbytes: np.ndarray, seconds: np.ndarray, alpha: float, beta: float,
+              algorithm: str = "ring") -> float:
+    """``gamma`` that best explains measured allreduce times at ``P`` ranks, given alpha, beta."""
+    m = np.asarray(nbytes, float)
+    base = allreduce_time(P, m, Fit(alpha, beta, 0.0), algorithm)
+    per_byte = allreduce_time(P, m, Fit(0.0, 0.0, 1.0), algorithm)
+    g = float(np.dot(per_byte, np.asarray(seconds) - base) / max(np.dot(per_byte, per_byte), 1e-300))
+    return max(g, 0.0)
+
+
+def allreduce_time(P, m, fit: Fit, algorithm: str = "ring"):
+    """Predicted seconds to combine ``m`` bytes over ``P`` ranks (arrays broadcast)."""
+    P = np.asarray(P, float)
+    m = np.asarray(m, float)
+    if algorithm == "ring":
+        t = 2 * (P - 1) * fit.alpha + 2 * (P - 1) / P * m * fit.beta + (P - 1) / P * m * fit.gamma
+    elif algorithm == "recursive-doubling":
+        t = np.log2(np.maximum(P, 1)) * (fit.alpha + m * fit.beta + m * fit.gamma)
+    elif algorithm == "parameter-server":
+        t = 2 * (P - 1) * (fit.alpha + m * fit.beta) + (P - 1) * m * fit.gamma
+    else:
+        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+    return np.where(P <= 1, 0.0, t)
+
+
+def step_time(P, m, batch: int, compute_per_sample: float, fit: Fit, algorithm: str = "ring"):
+    """Predicted step seconds: ``compute_per_sample * batch / P`` plus communication."""
+    P = np.asarray(P, float)
+    return compute_per_sample * batch / P + allreduce_time(P, m, fit, algorithm)
+
+
+def efficiency(P, m, batch: int, compute_per_sample: float, fit: Fit, algorithm: str = "ring"):
+    """Parallel efficiency ``T(1) / (P T(P))`` at fixed global batch (strong scaling)."""
+    t1 = step_time(1, m, batch, compute_per_sample, fit, algorithm)
+    return t1 / (np.asarray(P, float) * step_time(P, m, batch, compute_per_sample, fit, algorithm))
+
+
+def ps_limit(m: float, batch: int, compute_per_sample: float, fit: Fit, max_P: int = 1024) -> int:
+    """The rank count beyond which a central parameter server gets SLOWER per step: the P
+    minimising its predicted step time (powers of two up to ``max_P``)."""
+    Ps = 2 ** np.arange(0, int(np.log2(max_P)) + 1)
+    t = step_time(Ps, m, batch, compute_per_sample, fit, "parameter-server")
+    return int(Ps[int(np.argmin(t))])
+
+
+def prediction_table(fit: Fit, compute_per_sample_per_param: float, batch: int,
+                     params=(1e4, 1e5, 1e6, 1e7, 1e8, 1e9), bytes_per_param: int = 4,
+                     Ps=(1, 2, 4, 8, 16, 64, 256, 1024)) -> list[dict]:
+    """Rows ``{params, P, algorithm, step_s, efficiency}``. Compute per sample scales with the
+    parameter count (an MLP does ~6 flops per parameter per sample)."""
+    rows = []
+    for n in params:
+        c = compute_per_sample_per_param * n
+        m = n * bytes_per_param
+        for alg in ALGORITHMS:
+            for P in Ps:
+                rows.append({"params": int(n), "P": int(P), "algorithm": alg,
+                             "step_s": float(step_time(P, m, batch, c, fit, alg)),
+                             "efficiency": float(efficiency(P, m, batch, c, fit, alg))})
+    return rows
