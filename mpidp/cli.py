@@ -23,6 +23,7 @@ from .calibrate import save as save_model
 from .checkpoint import restore, write_atomic
 from .metrics import format_timings, gather_timings
 from .parallel import INIT_SYNC, ON_NONFINITE, DataParallel
+from .parallel.async_ps import train_async
 from .parallel.sync import SYNCS, make_sync
 from .train import Checkpointing, fit
 
@@ -115,12 +116,15 @@ def _add_train(sub) -> None:
                    help="NaN/Inf in the global loss or gradient: stop with an error, skip the "
                    "step's update, or ignore")
     g = p.add_argument_group("synchronisation")
-    g.add_argument("--sync", choices=SYNCS, default="allreduce",
+    g.add_argument("--sync", choices=(*SYNCS, "async-ps"), default="allreduce",
                    help="allreduce: one fused in-place Allreduce per step; per-layer: one per "
                    "array; overlapped: bucketed Iallreduce during backward; compressed: 16-bit "
                    "with error feedback; ps: parameter server (rank 0); sharded-ps: every rank "
                    "updates 1/P of the parameters; accumulate: sync every --sync-every batches; "
-                   "local-sgd: average parameters every --sync-every steps")
+                   "local-sgd: average parameters every --sync-every steps; async-ps: workers "
+                   "push gradients and pull parameters without waiting (rank 0 serves)")
+    g.add_argument("--max-staleness", type=int, default=8,
+                   help="async-ps: drop gradients computed on parameters older than this")
     g.add_argument("--ps-placement", choices=("root", "dedicated"), default="root",
                    help="ps: the server also computes (root) or holds no data (dedicated)")
     g.add_argument("--bucket-mb", type=_positive(float), default=1.0,
@@ -216,15 +220,31 @@ def _load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.
     return D.Data(empty(n_train), empty(n_test), name, d, n_out, classification)
 
 
+def _fit_async(args, comm, dp: DataParallel, data: D.Data, report) -> tuple[list[dict], dict]:
+    """``--sync async-ps``: train asynchronously, then evaluate; history has one entry per
+    epoch (the workers' training loss as the server received it) and the final test figures."""
+    t0 = time.perf_counter()
+    stats = train_async(dp.model, dp.optimizer, dp.loss, comm, data.train, args.epochs,
+                        args.batch_size, seed=args.seed, max_staleness=args.max_staleness)
+    history = [{"epoch": e + 1, "loss": s / c, "accuracy": None, "seconds": None}
+               for e, (s, c) in sorted((int(k), v) for k, v in stats.epoch_loss.items())]
+    ev = dp.evaluate(data.test.X, data.test.y) if data.test.n_total else None
+    if ev is not None:
+        history[-1].update(test_loss=ev.loss, test_accuracy=ev.accuracy if data.classification else None)
+    history[-1]["seconds"] = time.perf_counter() - t0
+    report(history[-1])
+    return history, {"async": stats.summary()}
+
+
 def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     """Run ``mpidp train``. Collective. Returns the metrics on rank 0, None elsewhere."""
     t_start = time.perf_counter()
     C.root_decides(comm, _check_out, args.out)
     if not 0 <= args.test_fraction < 1:
         raise C.MpidpError(f"--test-fraction must be in [0, 1), got {args.test_fraction}")
-    dedicated = args.sync == "ps" and args.ps_placement == "dedicated"
-    if args.sync == "ps" and comm.size < 2:
-        raise C.MpidpError("--sync ps needs at least 2 ranks (a server and a worker)")
+    dedicated = (args.sync == "ps" and args.ps_placement == "dedicated") or args.sync == "async-ps"
+    if args.sync in ("ps", "async-ps") and comm.size < 2:
+        raise C.MpidpError(f"--sync {args.sync} needs at least 2 ranks (a server and a worker)")
     data = _load_data(comm, args, server=0 if dedicated else None)
     model, loss = C.run_agreed(comm, nn.build, args.model, data.n_features, data.n_outputs,
                                args.hidden, args.dtype, data.classification)
@@ -234,8 +254,9 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
         raise C.MpidpError("--resume needs --checkpoint-dir")
     if args.check_every < 0:
         raise C.MpidpError(f"--check-every must be >= 0, got {args.check_every}")
-    sync = make_sync(args.sync, lambda: nn.make_optimizer(args.optimizer, args.lr, args.momentum,
-                                                          args.weight_decay),
+    sync = make_sync("allreduce" if args.sync == "async-ps" else args.sync,  # async: eval only
+                     lambda: nn.make_optimizer(args.optimizer, args.lr, args.momentum,
+                                               args.weight_decay),
                      bucket_bytes=int(args.bucket_mb * 2**20), codec=args.compress,
                      dedicated=dedicated, k=args.sync_every)
     dp = DataParallel(model, optimizer, loss, comm, init_sync=args.init_sync,
@@ -262,10 +283,14 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
 
     checkpointing = (Checkpointing(args.checkpoint_dir, args.checkpoint_every,
                                    args.keep_checkpoints, config) if args.checkpoint_dir else None)
-    history = fit(dp, data.train, args.epochs, args.batch_size, seed=args.seed,
-                  shuffle=not args.no_shuffle, drop_last=args.drop_last, test=data.test,
-                  progress=not args.no_progress, on_epoch=report, checkpoint=checkpointing,
-                  resume=resume)
+    extra: dict = {}
+    if args.sync == "async-ps":
+        history, extra = _fit_async(args, comm, dp, data, report)
+    else:
+        history = fit(dp, data.train, args.epochs, args.batch_size, seed=args.seed,
+                      shuffle=not args.no_shuffle, drop_last=args.drop_last, test=data.test,
+                      progress=not args.no_progress, on_epoch=report, checkpoint=checkpointing,
+                      resume=resume)
     in_sync = dp.in_sync()
     timings = gather_timings(comm, dp.timer)
     if comm.rank != 0:
@@ -276,7 +301,7 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
                "train_accuracy": last["accuracy"], "test_loss": last.get("test_loss"),
                "test_accuracy": last.get("test_accuracy"), "params_in_sync": in_sync,
                "n_params": model.n_params, "wall_s": wall, "history": history,
-               "steps": dp.global_step, "skipped_steps": dp.skipped_steps,
+               "steps": dp.global_step, "skipped_steps": dp.skipped_steps, **extra,
                "sync": args.sync, "bytes_sent_per_step": dp.sync.bytes_sent / max(dp.global_step, 1),
                "timings": timings, "config": config, "mpi": mpi}
     meta = {"model": args.model, "hidden": list(args.hidden), "n_features": data.n_features,

@@ -417,3 +417,29 @@ def time_allreduce(comm: Comm, n: int, dtype=np.float32, reps: int = 20) -> floa
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         times.append(comm.allreduce(MPI.Wtime() - t, op=MPI.MAX))
     return float(np.median(times[2:]))
+
+
+def isend(comm: Comm, buf: np.ndarray, dest: int, tag: int) -> MPI.Request:
+    """Start sending ``buf`` (buffer-based) to ``dest``."""
+    return comm.Isend(buf, dest=dest, tag=tag)
+
+
+def irecv(comm: Comm, buf: np.ndarray, source: int, tag: int) -> MPI.Request:
+    """Start receiving into ``buf`` from ``source``."""
+    return comm.Irecv(buf, source=source, tag=tag)
+
+
+def send(comm: Comm, buf: np.ndarray, dest: int, tag: int) -> None:
+    comm.Send(buf, dest=dest, tag=tag)
+
+
+def recv(comm: Comm, buf: np.ndarray, source: int, tag: int) -> None:
+    comm.Recv(buf, source=source, tag=tag)
+
+
+MPI_REQUEST_NULL = MPI.REQUEST_NULL
+
+
+def wait_any(requests: list) -> int:
+    """Index of a completed request among ``requests`` (blocking)."""
+    return MPI.Request.Waitany(requests)

@@ -135,3 +135,22 @@ def test_bad_sync_options_fail_everywhere(comm):
     if comm.size == 1:
         raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.DataParallel(
             model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm, sync="ps"), "at least 2 ranks")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_parameter_server_terminates_and_accounts_for_every_push(comm):
+    from mpidp.parallel.async_ps import train_async
+    shard, X, y = _data(comm, skip_rank=0)  # the server holds no data
+    model = nn.mlp(6, (12, 8), 3, dtype=np.float64).init_(4)
+    stats = train_async(model, nn.SGD(0.05), nn.SoftmaxCrossEntropy(), comm, shard, 3, 16, seed=2,
+                        max_staleness=1)
+    pushes = comm.allreduce(sum(1 for e in range(3) for idx in mpidp.partition.local_batches(
+        shard.n_total, 16, shard.start, shard.stop, e, 2) if len(idx)))
+    all_ranks(comm, stats.applied + stats.dropped == pushes, f"{stats.applied}+{stats.dropped} != {pushes}")
+    all_ranks(comm, mpidp.params_in_sync(comm, model.params))
+    losses = [s / c for _, (s, c) in sorted((int(k), v) for k, v in stats.epoch_loss.items())]
+    all_ranks(comm, len(losses) == 3 and losses[-1] < losses[0], str(losses))
+    if comm.size == 2:  # one worker: no staleness, exactly sequential SGD
+        ref, _ = _reference(X, y, optimizer=lambda: nn.SGD(0.05), epochs=3)
+        all_ranks(comm, stats.dropped == 0 and np.allclose(model.params, ref.model.params,
+                                                           rtol=RTOL, atol=ATOL))
