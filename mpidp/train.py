@@ -8,9 +8,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .balance import Partition, Plan
 from .data import Shard
 from .parallel import DataParallel
-from .partition import local_batches, steps_per_epoch
+from .partition import steps_per_epoch
 
 
 class _Progress:
@@ -43,13 +44,18 @@ class _Progress:
 def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int = 0,
         shuffle: bool = True, drop_last: bool = False, test: Shard | None = None,
         progress: bool = False, on_epoch: Callable[[dict], None] | None = None,
-        start_epoch: int = 0) -> list[dict]:
+        start_epoch: int = 0, partition: Partition | Plan | None = None) -> list[dict]:
     """Train for ``epochs`` epochs of global batches of ``batch_size`` samples.
 
     Collective. Epoch ``e`` visits positions in :func:`mpidp.partition.epoch_order` order,
     so the global batches do not depend on the number of ranks. Returns one dict per epoch:
     ``epoch, loss, accuracy, test_loss, test_accuracy, seconds`` (global figures). Only
     ``comm`` rank 0 shows ``progress``; ``on_epoch`` is called on every rank.
+
+    ``partition`` (a :class:`mpidp.balance.Partition`, or a :class:`~mpidp.balance.Plan` to
+    keep its trace) decides which rank owns which samples, epoch by epoch; rows move between
+    ranks when that changes. Each record also has ``balance``: the epoch's load-balance
+    figures (:func:`mpidp.balance.balance_figures`), the same on every rank.
     """
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
@@ -57,19 +63,22 @@ def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int 
     n_steps = steps_per_epoch(train.n_total, batch_size, drop_last)
     show = progress and dp.comm.rank == 0
     labelled = dp.loss.classification or train.y.dtype.kind in "iu"
+    plan = partition if isinstance(partition, Plan) else Plan(
+        dp.comm, partition, train.n_total, batch_size, seed, shuffle, drop_last)
     for epoch in range(start_epoch, start_epoch + epochs):
         t0 = time.perf_counter()
         bar = _Progress(n_steps, f"epoch {epoch + 1}", show)
         total = np.zeros(3)
-        for idx in local_batches(train.n_total, batch_size, train.start, train.stop, epoch,
-                                 seed, shuffle, drop_last):
-            s = dp.step(train.X[idx], train.y[idx])
+        for X, y in plan.batches(train, epoch, dp.timer):
+            s = dp.step(X, y)
             total += (s.loss_sum, s.count, s.correct)
             bar.update(s.loss)
         bar.close()
         record = {"epoch": epoch + 1, "loss": total[0] / total[1],
                   "accuracy": total[2] / total[1] if labelled else None,
                   "seconds": time.perf_counter() - t0}
+        train = plan.shard
+        record["balance"] = plan.end_epoch(dp.timer)
         if test is not None and test.n_total:
             ev = dp.evaluate(test.X, test.y)
             record.update(test_loss=ev.loss,

@@ -100,8 +100,7 @@ class DataParallel:
                 grads = self.model.grads
                 grads *= 1.0 / count
                 self.optimizer.step_(self.model.params, grads)
-        self.timer.steps += 1
-        self.timer.samples += len(X)
+        self.timer.end_step(len(X))
         return StepStats(float(buf[n]), count, int(round(float(buf[n + 2]))))
 
     def evaluate(self, X: np.ndarray, y: np.ndarray, batch_size: int = 4096) -> StepStats:
