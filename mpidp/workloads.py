@@ -70,4 +70,7 @@ class BowSource(Source):
         for c in np.unique(chunk_of):
             parts.append(self._chunk(int(c))[rows[chunk_of == c] - c * self.CHUNK])
         X = CSR.concat(parts, self.n_features, np.float64)
+        by_chunk = np.argsort(chunk_of, kind="stable")  # parts came chunk by chunk
+        if (np.diff(by_chunk) < 0).any():
+            X = X[np.argsort(by_chunk)]
         return X, self._labels(X)
