@@ -315,3 +315,32 @@ class SharedCounter:
         self._win.Unlock_all()
         comm.Barrier()
         self._win.Free()
+
+
+def gatherv_rows(comm: Comm, rows: np.ndarray, root: int = 0) -> np.ndarray | None:
+    """Concatenate every rank's ``(k_r, *row_shape)`` rows, rank order, on ``root``; None
+    elsewhere. Collective (one ``Gather`` of counts, one buffer-based ``Gatherv``)."""
+    rows = np.ascontiguousarray(rows)
+    counts = np.empty(comm.size, np.int64) if comm.rank == root else None
+    comm.Gather(np.array([len(rows)], np.int64), counts, root=root)
+    row_size = max(int(np.prod(rows.shape[1:], dtype=np.int64)), 1)
+    rtype = _row_type(rows.dtype, row_size)
+    try:
+        out = None
+        recv = None
+        if comm.rank == root:
+            out = np.empty((int(counts.sum()), *rows.shape[1:]), rows.dtype)
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+            recv = [out, (counts, displs), rtype]
+        comm.Gatherv([rows, len(rows), rtype], recv, root=root)
+    finally:
+        rtype.Free()
+    return out
+
+
+def allreduce_(comm: Comm, buf: np.ndarray, op: str) -> np.ndarray:
+    """Reduce contiguous ``buf`` in place over all ranks with ``op`` in ``sum``, ``min``,
+    ``max``. Collective (one ``Allreduce``)."""
+    ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
+    comm.Allreduce(MPI.IN_PLACE, buf, op=ops[op])
+    return buf
