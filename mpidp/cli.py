@@ -19,6 +19,15 @@ import numpy as np
 from . import comm as C
 from . import data as D
 from . import nn
+from .cli_partition import (
+    add_partition_options,
+    add_predict,
+    is_sparse,
+    load_options,
+    make_plan,
+    predict,
+    summarize,
+)
 from .metrics import format_timings, gather_timings
 from .parallel import INIT_SYNC, DataParallel
 from .train import fit
@@ -92,6 +101,7 @@ def _add_train(sub) -> None:
     a("--no-shuffle", action="store_true", help="visit samples in file order every epoch")
     a("--drop-last", action="store_true", help="skip the last, smaller batch of each epoch")
     a("--no-progress", action="store_true", help="no progress bar")
+    add_partition_options(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_train(sub)
     sub.add_parser("info", help="print MPI library, world size and numpy/BLAS configuration")
+    add_predict(sub)
     return parser
 
 
@@ -150,9 +161,10 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     data = D.load(comm, args.dataset, distribute=args.distribute, seed=args.seed,
                   test_fraction=args.test_fraction, dtype=args.dtype, n_classes=args.n_classes,
                   n_samples=args.n_samples, n_features=args.n_features,
-                  regression=args.model == "linear" and args.dataset == "synthetic")
+                  regression=args.model == "linear" and args.dataset == "synthetic",
+                  **load_options(args, comm))
     model, loss = C.run_agreed(comm, nn.build, args.model, data.n_features, data.n_outputs,
-                               args.hidden, args.dtype, data.classification)
+                               args.hidden, args.dtype, data.classification, is_sparse(data))
     model.init_(np.random.default_rng(args.seed))
     optimizer = nn.make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay)
     dp = DataParallel(model, optimizer, loss, comm, init_sync=args.init_sync)
@@ -173,9 +185,11 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
         _say(comm, f"epoch {r['epoch']:>3}/{args.epochs}  loss {r['loss']:.4f}{acc}{tl}{test}"
              f"  ({r['seconds']:.2f}s)")
 
+    plan = make_plan(args, comm, data, dp.timer)
     history = fit(dp, data.train, args.epochs, args.batch_size, seed=args.seed,
                   shuffle=not args.no_shuffle, drop_last=args.drop_last, test=data.test,
-                  progress=not args.no_progress, on_epoch=report)
+                  progress=not args.no_progress, on_epoch=report, partition=plan)
+    balance = summarize(args, comm, plan, history, _write_atomic)
     in_sync = dp.in_sync()
     timings = gather_timings(comm, dp.timer)
     if comm.rank != 0:
@@ -186,7 +200,7 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
                "train_accuracy": last["accuracy"], "test_loss": last.get("test_loss"),
                "test_accuracy": last.get("test_accuracy"), "params_in_sync": in_sync,
                "n_params": model.n_params, "wall_s": wall, "history": history,
-               "timings": timings, "config": config, "mpi": mpi}
+               "timings": timings, "balance": balance, "config": config, "mpi": mpi}
     meta = {"model": args.model, "hidden": list(args.hidden), "n_features": data.n_features,
             "n_outputs": data.n_outputs, "classification": data.classification}
     _save(args.out, metrics, model, meta)
@@ -226,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             train(args, comm)
+        elif args.command == "predict":
+            predict(args, comm)
         else:
             info(comm)
     except C.MpidpError as exc:  # raised identically on every rank

@@ -12,7 +12,6 @@ import mpidp
 from mpidp import nn
 from mpidp.balance import Partition, Plan, redistribute
 from mpidp.data import Shard
-from mpidp.nn.sparse import CSR
 from mpidp.partition import STRATEGIES, positions_of
 from mpidp.workloads import BowSource
 
