@@ -8,7 +8,7 @@ MPIEXEC ?= $(BIN)/mpiexec
 MPI_TIMEOUT ?= 600
 RANKS   ?= 1 2 3 4
 
-.PHONY: install demo test test-unit test-mpi bench lint clean
+.PHONY: install demo test test-unit test-mpi bench bench-partition lint clean
 
 install: $(STAMP)
 
@@ -40,6 +40,11 @@ test-mpi: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_step_bench.py
+
+# Partition strategies x workloads at P = 2 and 4, the straggler case and map/reduce;
+# writes benchmarks/results/partition.{json,md,png} and prints the targets of issue 3.
+bench-partition: $(STAMP)
+	$(BIN)/python benchmarks/bench_partition.py --mpiexec $(MPIEXEC)
 
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff && $(BIN)/ruff check mpidp tests benchmarks
