@@ -21,9 +21,9 @@ from .partition import STRATEGIES, train_test_split
 from .sources import open_source
 
 
-def _floats(text: str) -> np.ndarray:
+def _floats(text: str) -> list[float]:
     try:
-        return np.array([float(t) for t in text.split(",") if t.strip()])
+        return [float(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated numbers like 1,2, got {text!r}") from None

@@ -74,12 +74,13 @@ def test_predict_writes_the_models_outputs_for_every_row(cost_run, tmp_path, dyn
 def test_cli_strategies_give_the_same_float64_parameters(tmp_path):
     args = ["train", *BOW, "--epochs", "2", "--dtype", "float64", "--optimizer", "sgd"]
     runs = {}
-    for n, part in ((1, "block"), (3, "cyclic"), (2, "adaptive")):
+    for n, part in ((1, "block"), (3, "cyclic"), (2, "adaptive"), (2, "weighted")):
         r = run_mpi(n, *args, "--partition", part, "--out", str(tmp_path / part),
-                    *(["--adapt-every", "3"] if part == "adaptive" else []))
+                    *(["--adapt-every", "3"] if part == "adaptive" else []),
+                    *(["--capacities", "2,1"] if part == "weighted" else []))
         assert r.returncode == 0, r.stderr[-3000:]
         runs[part] = np.load(tmp_path / part / "model.npz")["params"]
-    for part in ("cyclic", "adaptive"):
+    for part in ("cyclic", "adaptive", "weighted"):
         np.testing.assert_allclose(runs[part], runs["block"], rtol=1e-9, atol=1e-11)
 
 
