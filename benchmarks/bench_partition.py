@@ -27,12 +27,13 @@ REPO = HERE.parent
 STRATEGIES = ("block", "cyclic", "shuffled", "weighted", "cost", "adaptive")
 WORKLOADS = {
     "bow-sorted": ["--dataset", "bow", "--n-samples", "16000", "--n-features", "2000",
-                   "--hidden", "64", "--batch-size", "512", "--epochs", "2"],
+                   "--hidden", "128", "--batch-size", "1024", "--epochs", "2"],
     "uniform": ["--dataset", "synthetic", "--n-samples", "8192", "--n-features", "784",
                 "--hidden", "256", "--batch-size", "512", "--epochs", "2"],
 }
-STRAGGLER = ["--dataset", "synthetic", "--n-samples", "8192", "--n-features", "784",
-             "--hidden", "256", "--batch-size", "512", "--epochs", "3", "--slowdown", "1:2"]
+# The standard benchmark model (784-1024-1024-10, batch 512), so compute dominates a step.
+STRAGGLER = ["--dataset", "synthetic", "--n-samples", "6144", "--n-features", "784",
+             "--hidden", "1024,1024", "--batch-size", "512", "--epochs", "3", "--slowdown", "1:2"]
 ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 

@@ -60,12 +60,17 @@ def _chunks_static(owner, rank, chunk) -> Iterator[np.ndarray]:
         yield mine[s:s + chunk]
 
 
-def _chunks_dynamic(counter, n, chunk) -> Iterator[np.ndarray]:
+def _chunks_dynamic(counter, n, chunk, seed) -> Iterator[np.ndarray]:
+    # Chunks are handed out in a seeded random order (the same on every rank): on data
+    # sorted by cost the heaviest chunks would otherwise all come last and one rank would
+    # finish alone; shuffled, the last chunk is an average one. Costs stay unknown.
+    order = np.random.default_rng([seed, 0xC4]).permutation(-(-n // chunk))
     while True:
         k = counter.next()
-        if k * chunk >= n:
+        if k >= len(order):
             return
-        yield np.arange(k * chunk, min((k + 1) * chunk, n))
+        c = int(order[k])
+        yield np.arange(c * chunk, min((c + 1) * chunk, n))
 
 
 def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduce: str = "sum",
@@ -81,7 +86,8 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
     outputs ``(n, *out_shape)`` in the original row order, on ``root``, or, with ``out``, in
     that ``.npy`` file written directly by every rank (returns None then).
     Static mode splits rows by ``partition`` (+ ``costs``/``capacities``), ``chunk_size``
-    rows at a time; ``dynamic=True`` hands out chunks from a shared counter instead.
+    rows at a time; ``dynamic=True`` hands out chunks from a shared counter instead (in a
+    seeded random order, so the heaviest chunks of cost-sorted data do not all come last).
     Bad arguments raise the same :class:`mpidp.MpidpError` on every rank.
     """
     if reduce not in REDUCTIONS:
@@ -101,13 +107,16 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
     C.barrier(comm)
     t0 = time.perf_counter()
     busy = np.zeros(4)  # samples, chunks, wall, cpu
-    chunks = _chunks_dynamic(counter, n, chunk_size) if dynamic else _chunks_static(
+    chunks = _chunks_dynamic(counter, n, chunk_size, seed) if dynamic else _chunks_static(
         owner, comm.rank, chunk_size)
     error = None
     try:
         for rows in chunks:
             w, c = time.perf_counter(), time.process_time()
-            sink.add(rows, np.asarray(fn(_rows_of(data, rows))))
+            contiguous = len(rows) and rows[-1] - rows[0] + 1 == len(rows)
+            pick = slice(int(rows[0]), int(rows[-1]) + 1) if contiguous and not hasattr(
+                data, "read") else rows  # a slice is cheaper for arrays and CSR rows
+            sink.add(rows, np.asarray(fn(_rows_of(data, pick))))
             busy += (len(rows), 1, time.perf_counter() - w, time.process_time() - c)
     except Exception as exc:  # noqa: BLE001 - agreed below, so every rank raises
         error = f"map_reduce: {type(exc).__name__}: {exc}"
