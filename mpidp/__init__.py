@@ -11,8 +11,8 @@ from ._threads import blas_threads_default
 blas_threads_default()  # before numpy loads BLAS: see mpidp/_threads.py
 
 from . import nn, partition  # noqa: E402
-from .comm import MpidpError, abort_on_error, assert_in_sync, checksum, params_in_sync
 from .balance import Partition, Plan
+from .comm import MpidpError, abort_on_error, assert_in_sync, checksum, params_in_sync
 from .data import Data, Shard, load, shard_from_arrays
 from .mapreduce import map_reduce
 from .parallel import DataParallel, StepStats
