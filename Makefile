@@ -8,7 +8,7 @@ MPIEXEC ?= $(BIN)/mpiexec
 MPI_TIMEOUT ?= 600
 RANKS   ?= 1 2 3 4
 
-.PHONY: install demo test test-unit test-mpi bench bench-sync bench-large lint clean
+.PHONY: install demo test test-unit test-mpi bench bench-sync bench-partition bench-large lint clean
 
 install: $(STAMP)
 
@@ -50,6 +50,11 @@ bench-large: $(STAMP)
 	mkdir -p benchmarks/results
 	OMP_NUM_THREADS=1 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 2 $(BIN)/python benchmarks/bench_large.py \
 	  --gib 2.2 --out benchmarks/results/large.json
+
+# Partition strategies x workloads at P = 2 and 4, the straggler case and map/reduce;
+# writes benchmarks/results/partition.{json,md,png} and prints the targets of issue 3.
+bench-partition: $(STAMP)
+	$(BIN)/python benchmarks/bench_partition.py --mpiexec $(MPIEXEC)
 
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff && $(BIN)/ruff check mpidp tests benchmarks

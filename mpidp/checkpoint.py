@@ -63,6 +63,7 @@ class State:
     totals: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # loss, count, correct
     history: list[dict] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
+    partition: dict[str, Any] = field(default_factory=dict)  # e.g. adaptive capacities
 
 
 def save(directory: str, model: Sequential, optimizer: Optimizer, state: State, keep: int = 3) -> str:
@@ -73,6 +74,7 @@ def save(directory: str, model: Sequential, optimizer: Optimizer, state: State, 
     meta = json.dumps({"version": VERSION, "epoch": state.epoch, "step": state.step,
                        "global_step": state.global_step, "totals": state.totals,
                        "history": state.history, "config": state.config,
+                       "partition": state.partition,
                        "n_params": model.n_params, "dtype": str(model.dtype),
                        "optimizer": {"type": type(optimizer).__name__, "t": optimizer.t,
                                      "state": {k: list(v.shape) for k, v in optimizer.state.items()}}})
@@ -168,4 +170,4 @@ def restore(comm: C.Comm, directory: str, model: Sequential, optimizer: Optimize
         optimizer.state[name] = C.bcast_(comm, np.ascontiguousarray(buf, model.dtype), root)
     optimizer.t = meta["optimizer"]["t"]
     return path, State(meta["epoch"], meta["step"], meta["global_step"], meta["totals"],
-                       meta["history"], meta["config"])
+                       meta["history"], meta["config"], meta.get("partition", {}))

@@ -21,6 +21,15 @@ from . import nn
 from .calibrate import calibrate, format_report
 from .calibrate import save as save_model
 from .checkpoint import restore, write_atomic
+from .cli_partition import (
+    add_partition_options,
+    add_predict,
+    is_sparse,
+    load_options,
+    make_plan,
+    predict,
+    summarize,
+)
 from .metrics import format_timings, gather_timings
 from .parallel import INIT_SYNC, ON_NONFINITE, DataParallel
 from .parallel.async_ps import train_async
@@ -136,6 +145,7 @@ def _add_train(sub) -> None:
     r.add_argument("--watchdog", type=_positive(float), default=None, metavar="SECONDS",
                    help="abort, naming the ranks that never arrived, if a step's Allreduce "
                    "waits longer than this")
+    add_partition_options(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "of allreduce and parameter server up to 1,024 ranks (needs >= 2 ranks)")
     m.add_argument("--out", default="out/model", help="folder for model.json, model.md, model.png")
     m.add_argument("--batch-size", type=_positive(int), default=512, help="global batch")
+    add_predict(sub)
     return parser
 
 
@@ -200,12 +211,12 @@ def _load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.
               n_features=args.n_features,
               regression=args.model == "linear" and args.dataset == "synthetic")
     if server is None:
-        return D.load(comm, args.dataset, **kw)
+        return D.load(comm, args.dataset, **kw, **load_options(args, comm))
     workers = C.split_off(comm, server)
     data, error = None, None
     if workers is not None:
         try:
-            data = D.load(workers, args.dataset, **kw)
+            data = D.load(workers, args.dataset, **kw, **load_options(args, workers))
         except C.MpidpError as exc:
             error = str(exc)
     C.agree(comm, error)
@@ -247,7 +258,7 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
         raise C.MpidpError(f"--sync {args.sync} needs at least 2 ranks (a server and a worker)")
     data = _load_data(comm, args, server=0 if dedicated else None)
     model, loss = C.run_agreed(comm, nn.build, args.model, data.n_features, data.n_outputs,
-                               args.hidden, args.dtype, data.classification)
+                               args.hidden, args.dtype, data.classification, is_sparse(data))
     model.init_(np.random.default_rng(args.seed))
     optimizer = nn.make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay)
     if args.resume and not args.checkpoint_dir:
@@ -286,11 +297,14 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     extra: dict = {}
     if args.sync == "async-ps":
         history, extra = _fit_async(args, comm, dp, data, report)
+        balance = None
     else:
+        plan = make_plan(args, comm, data, dp.timer)
         history = fit(dp, data.train, args.epochs, args.batch_size, seed=args.seed,
                       shuffle=not args.no_shuffle, drop_last=args.drop_last, test=data.test,
                       progress=not args.no_progress, on_epoch=report, checkpoint=checkpointing,
-                      resume=resume)
+                      resume=resume, partition=plan)
+        balance = summarize(args, comm, plan, history, write_atomic)
     in_sync = dp.in_sync()
     timings = gather_timings(comm, dp.timer)
     if comm.rank != 0:
@@ -303,7 +317,7 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
                "n_params": model.n_params, "wall_s": wall, "history": history,
                "steps": dp.global_step, "skipped_steps": dp.skipped_steps, **extra,
                "sync": args.sync, "bytes_sent_per_step": dp.sync.bytes_sent / max(dp.global_step, 1),
-               "timings": timings, "config": config, "mpi": mpi}
+               "timings": timings, "balance": balance, "config": config, "mpi": mpi}
     meta = {"model": args.model, "hidden": list(args.hidden), "n_features": data.n_features,
             "n_outputs": data.n_outputs, "classification": data.classification}
     _save(args.out, metrics, model, meta)
@@ -348,6 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if comm.rank == 0:
                 print(format_report(report), "\nwrote " + ", ".join(save_model(report, args.out)),
                       flush=True)
+        elif args.command == "predict":
+            predict(args, comm)
         else:
             info(comm)
     except C.MpidpError as exc:  # raised identically on every rank

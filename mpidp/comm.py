@@ -443,3 +443,123 @@ MPI_REQUEST_NULL = MPI.REQUEST_NULL
 def wait_any(requests: list) -> int:
     """Index of a completed request among ``requests`` (blocking)."""
     return MPI.Request.Waitany(requests)
+
+
+# --- moving rows between ranks, shared counters (partitioning and map/reduce) ------------
+
+def barrier(comm: Comm) -> None:
+    """``Barrier``. Collective."""
+    comm.Barrier()
+
+
+def allgather_rows(comm: Comm, values: np.ndarray) -> np.ndarray:
+    """Every rank's float64 row ``(k,)`` (same ``k`` everywhere) as ``(size, k)`` on every
+    rank. Collective (one ``Allgather``)."""
+    values = np.ascontiguousarray(values, np.float64)
+    out = np.empty((comm.size, len(values)))
+    comm.Allgather(values, out)
+    return out
+
+
+def alltoall_counts(comm: Comm, send_counts: Sequence[int]) -> np.ndarray:
+    """The full ``(size, size)`` matrix ``M[src, dst]`` of rows each rank sends each rank.
+    Collective (one ``Allgather``), so every rank can decide alike whether anything moves."""
+    out = np.empty((comm.size, comm.size), np.int64)
+    comm.Allgather(np.ascontiguousarray(send_counts, np.int64), out)
+    return out
+
+
+def alltoallv_rows(comm: Comm, rows: np.ndarray, send_counts: Sequence[int],
+                   recv_counts: Sequence[int]) -> np.ndarray:
+    """Exchange rows: this rank's ``rows`` ``(sum(send_counts), *row_shape)`` are sent in
+    rank order (the first ``send_counts[0]`` to rank 0, ...); returns the received
+    ``(sum(recv_counts), *row_shape)`` rows, sender 0's first. Collective (one buffer-based
+    ``Alltoallv`` with a contiguous row datatype; ``row_shape`` and dtype equal everywhere)."""
+    rows = np.ascontiguousarray(rows)
+    send_counts, recv_counts = (np.asarray(c, np.int64) for c in (send_counts, recv_counts))
+    row_shape = rows.shape[1:]
+    out = np.empty((int(recv_counts.sum()), *row_shape), rows.dtype)
+    row_size = int(np.prod(row_shape, dtype=np.int64))
+    if row_size == 0:
+        return out
+    sdispl = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).astype(np.int64)
+    rdispl = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).astype(np.int64)
+    rtype = _row_type(rows.dtype, row_size)
+    try:
+        comm.Alltoallv([rows, (send_counts, sdispl), rtype], [out, (recv_counts, rdispl), rtype])
+    finally:
+        rtype.Free()
+    return out
+
+
+class SharedCounter:
+    """A global counter that any rank can fetch-and-add without the others' help.
+
+    Collective to create and to :meth:`free`. On one node (the usual case here) it lives in
+    an MPI shared-memory window (``Win.Allocate_shared``) and ``Fetch_and_op`` completes
+    without the owner entering MPI; across nodes it falls back to
+    ``mpi4py.util.sync.Counter`` (passive-target RMA, which may wait for progress on rank 0).
+    """
+
+    def __init__(self, comm: Comm, start: int = 0) -> None:
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        one_node = local.size == comm.size
+        local.Free()
+        self._counter = None
+        if not one_node:
+            from mpi4py.util.sync import Counter
+            self._counter = Counter(start, comm=comm)
+            return
+        self._win = MPI.Win.Allocate_shared(8 if comm.rank == 0 else 0, 8, comm=comm)
+        if comm.rank == 0:
+            np.frombuffer(self._win.tomemory(), np.int64)[0] = start
+        comm.Barrier()
+        self._win.Lock_all(MPI.MODE_NOCHECK)
+        self._one, self._got = np.ones(1, np.int64), np.zeros(1, np.int64)
+
+    def next(self, incr: int = 1) -> int:
+        """Add ``incr`` and return the value before (atomic across ranks). Not collective."""
+        if self._counter is not None:
+            return int(self._counter.next(incr))
+        self._one[0] = incr
+        self._win.Fetch_and_op(self._one, self._got, 0, 0, MPI.SUM)
+        self._win.Flush(0)
+        return int(self._got[0])
+
+    def free(self, comm: Comm) -> None:
+        """Release the window. Collective."""
+        if self._counter is not None:
+            self._counter.free()
+            return
+        self._win.Unlock_all()
+        comm.Barrier()
+        self._win.Free()
+
+
+def gatherv_rows(comm: Comm, rows: np.ndarray, root: int = 0) -> np.ndarray | None:
+    """Concatenate every rank's ``(k_r, *row_shape)`` rows, rank order, on ``root``; None
+    elsewhere. Collective (one ``Gather`` of counts, one buffer-based ``Gatherv``)."""
+    rows = np.ascontiguousarray(rows)
+    counts = np.empty(comm.size, np.int64) if comm.rank == root else None
+    comm.Gather(np.array([len(rows)], np.int64), counts, root=root)
+    row_size = max(int(np.prod(rows.shape[1:], dtype=np.int64)), 1)
+    rtype = _row_type(rows.dtype, row_size)
+    try:
+        out = None
+        recv = None
+        if comm.rank == root:
+            out = np.empty((int(counts.sum()), *rows.shape[1:]), rows.dtype)
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+            recv = [out, (counts, displs), rtype]
+        comm.Gatherv([rows, len(rows), rtype], recv, root=root)
+    finally:
+        rtype.Free()
+    return out
+
+
+def allreduce_(comm: Comm, buf: np.ndarray, op: str) -> np.ndarray:
+    """Reduce contiguous ``buf`` in place over all ranks with ``op`` in ``sum``, ``min``,
+    ``max``. Collective (one ``Allreduce``)."""
+    ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
+    comm.Allreduce(MPI.IN_PLACE, buf, op=ops[op])
+    return buf

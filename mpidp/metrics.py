@@ -14,27 +14,80 @@ from . import comm as C
 FIELDS = ("compute_s", "comm_s", "steps", "samples")
 
 
+#: Columns of :attr:`StepTimer.records`, one row per step.
+STEP_FIELDS = ("t_begin", "compute_s", "compute_cpu_s", "comm_s", "update_s", "samples", "cost")
+
+
 @dataclass
 class StepTimer:
-    """Accumulates seconds spent computing and communicating, steps and samples done here."""
+    """Accumulates seconds spent computing and communicating, steps and samples done here.
+
+    Besides the totals it keeps one row per step (:data:`STEP_FIELDS`): the wall clock at
+    the step's start, the wall and CPU (process) time of the local forward/backward before
+    the step's collective, the collective's wall time, the update after it, the samples and
+    their cost (:meth:`note_cost`). Rows stay local until :meth:`take_records`.
+    ``slowdown`` > 1 stretches every compute section by that factor by sleeping
+    ``(slowdown - 1) x`` its duration: a simulated slower node, for benchmarks and tests.
+    """
 
     compute_s: float = 0.0
     comm_s: float = 0.0
     steps: int = 0
     samples: int = 0
+    slowdown: float = 1.0
     _t: float = field(default=0.0, repr=False)
+    _cur: np.ndarray = field(default_factory=lambda: np.zeros(len(STEP_FIELDS)), repr=False)
+    _rows: list = field(default_factory=list, repr=False)
 
     @contextmanager
     def compute(self):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
+        first = self._cur[0] == 0.0
+        if first:
+            self._cur[0] = t
         yield
-        self.compute_s += time.perf_counter() - t
+        dt = time.perf_counter() - t
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * dt)
+            dt = time.perf_counter() - t
+        self.compute_s += dt
+        if self._cur[3] == 0.0:  # before the step's collective: the local work
+            self._cur[1] += dt
+            self._cur[2] += time.process_time() - c
+        else:
+            self._cur[4] += dt
 
     @contextmanager
     def communicate(self):
         t = time.perf_counter()
         yield
-        self.comm_s += time.perf_counter() - t
+        dt = time.perf_counter() - t
+        self.comm_s += dt
+        self._cur[3] += max(dt, 1e-12)
+
+    def note_cost(self, cost: float) -> None:
+        """Record the cost of the samples of the step about to run (default: its samples)."""
+        self._cur[6] = cost if cost > 0 else -1.0
+
+    def end_step(self, n_samples: int) -> None:
+        """Close the current step's row."""
+        self.steps += 1
+        self.samples += n_samples
+        row = self._cur.copy()
+        row[5] = n_samples
+        row[6] = n_samples if row[6] == 0.0 else max(row[6], 0.0)
+        self._rows.append(row)
+        self._cur[:] = 0.0
+
+    def recent(self, k: int) -> np.ndarray:
+        """The last ``k`` rows not yet taken, float64 ``(<= k, len(STEP_FIELDS))``."""
+        return np.array(self._rows[-k:], np.float64).reshape(-1, len(STEP_FIELDS))
+
+    def take_records(self) -> np.ndarray:
+        """The rows recorded since the last call, float64 ``(steps, len(STEP_FIELDS))``."""
+        rows = np.array(self._rows, np.float64).reshape(-1, len(STEP_FIELDS))
+        self._rows.clear()
+        return rows
 
     def as_row(self) -> np.ndarray:
         return np.array([getattr(self, f) for f in FIELDS], np.float64)

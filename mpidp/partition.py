@@ -83,3 +83,212 @@ def local_batches(n: int, batch_size: int, start: int, stop: int, epoch: int, se
             yield slice(lo - start, max(hi, lo) - start)
             continue
         yield pos[(pos >= start) & (pos < stop)] - start
+
+
+# --- strategies: which rank owns each position ------------------------------------------
+#
+# A strategy returns ``owner``, an int64 array ``(n,)``: ``owner[i]`` is the rank that holds
+# training position ``i``. Every position has exactly one owner, so every sample is used
+# exactly once per epoch whatever the strategy; training stays exact because the gradient
+# is the global sum over the batch divided by the global count, whoever computes each term.
+
+STRATEGIES = ("block", "cyclic", "shuffled", "weighted", "cost", "adaptive")
+#: Strategies whose ownership is recomputed for every epoch's global batches.
+PER_BATCH = ("cost", "adaptive")
+
+
+def check_weights(values, length: int, what: str) -> np.ndarray:
+    """``values`` as float64 ``(length,)`` after checking them; raise ValueError naming the
+    problem: wrong length, NaN/Inf, negative entries, or all zero."""
+    a = np.asarray(values, np.float64).reshape(-1) if values is not None else None
+    if a is None or len(a) != length:
+        got = "none" if a is None else str(len(a))
+        raise ValueError(f"{what} must have {length} entries, got {got}")
+    if not np.isfinite(a).all():
+        raise ValueError(f"{what} contain NaN or Inf")
+    if (a < 0).any():
+        raise ValueError(f"{what} must be >= 0, found {a.min():g}")
+    if length and not (a > 0).any():
+        raise ValueError(f"{what} are all zero: nothing to balance")
+    return a
+
+
+def owner_block(n: int, size: int) -> np.ndarray:
+    """Contiguous blocks (:func:`block_counts`): rank 0 owns the first positions.
+
+    Notes: counts differ by at most 1; balance holds for sample counts only.
+    """
+    return np.repeat(np.arange(size, dtype=np.int64), block_counts(n, size))
+
+
+def owner_cyclic(n: int, size: int) -> np.ndarray:
+    """Round robin: position ``i`` goes to rank ``i % size``. Counts differ by at most 1,
+    and on data sorted by cost each rank gets every size-th sample of every cost level."""
+    if n < 0 or size < 1:
+        raise ValueError(f"need n >= 0 and size >= 1, got n={n}, size={size}")
+    return np.arange(n, dtype=np.int64) % size
+
+
+def owner_shuffled(n: int, size: int, seed: int) -> np.ndarray:
+    """Blocks of a seeded permutation. The permutation depends on ``seed`` only (not on
+    ``size``), so the same data order is cut into ``size`` pieces for any world size.
+    Counts differ by at most 1; deterministic given ``seed``."""
+    perm = np.random.default_rng([seed, 0x5AFF]).permutation(n)
+    owner = np.empty(n, np.int64)
+    owner[perm] = owner_block(n, size)
+    return owner
+
+
+def weighted_counts(n: int, capacities) -> np.ndarray:
+    """Rows per rank proportional to ``capacities`` ``(size,)`` (largest remainder).
+
+    Notes: ``sum(counts) == n`` and ``|counts[r] - n * c[r] / sum(c)| < 1`` for every rank;
+    a rank of capacity 0 gets nothing; ties in the remainders go to the lower rank.
+    """
+    caps = check_weights(capacities, len(np.atleast_1d(capacities)), "capacities")
+    if n < 0:
+        raise ValueError(f"need n >= 0, got {n}")
+    exact = n * caps / caps.sum()
+    counts = np.floor(exact).astype(np.int64)
+    extra = int(n - counts.sum())
+    order = np.lexsort((np.arange(len(caps)), -(exact - counts)))  # biggest remainder first
+    counts[order[:extra]] += 1
+    return counts
+
+
+def owner_weighted(n: int, capacities) -> np.ndarray:
+    """Contiguous blocks with :func:`weighted_counts` rows: a rank of twice the capacity
+    owns twice the samples (for heterogeneous ranks with samples of equal cost)."""
+    counts = weighted_counts(n, capacities)
+    return np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+
+
+def balance_batches(order: np.ndarray, batch_size: int, costs, capacities) -> np.ndarray:
+    """Owner of each position so that EVERY global batch is balanced by cost.
+
+    Parameters
+    ----------
+    order : int ``(n,)``, a permutation of ``0 .. n-1``; global batch ``s`` is
+        ``order[s*batch_size:(s+1)*batch_size]`` (as in :func:`epoch_order`).
+    costs : float ``(n,)``, the work of each position (>= 0).
+    capacities : float ``(size,)``, each rank's speed (>= 0, not all zero).
+
+    Returns
+    -------
+    owner : int64 ``(n,)``.
+
+    Notes
+    -----
+    Within each batch, samples are taken largest cost first and each goes to the rank that
+    would finish it earliest, ``argmin_r (load_r + c) / capacity_r`` (LPT for machines of
+    different speeds). Guarantee per batch, with ``W = sum(capacities)`` and ``P'`` ranks of
+    non-zero capacity: ``max_r load_r / capacity_r <= total / W + P' * max(c) / W``; with equal
+    capacities the spread ``max(load) - min(load)`` is at most the batch's largest cost.
+    Deterministic (stable sort, lowest rank on ties). Vectorised over batches: one numpy
+    pass per position within a batch.
+    """
+    order = np.asarray(order, np.int64)
+    n = len(order)
+    costs = check_weights(costs, n, "costs") if n else np.zeros(0)
+    caps = check_weights(capacities, len(np.atleast_1d(capacities)), "capacities")
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    owner = np.zeros(n, np.int64)
+    if n == 0:
+        return owner
+    bs = min(batch_size, n)
+    nb = -(-n // bs)
+    pos = np.concatenate([order, np.full(nb * bs - n, -1, np.int64)]).reshape(nb, bs)
+    c = np.where(pos >= 0, costs[np.maximum(pos, 0)], -1.0)  # padding sorts last
+    by_cost = np.argsort(-c, axis=1, kind="stable")
+    pos, c = np.take_along_axis(pos, by_cost, 1), np.maximum(np.take_along_axis(c, by_cost, 1), 0)
+    usable = caps > 0
+    inv = np.where(usable, 1.0 / np.where(usable, caps, 1.0), 0.0)
+    loads, rows = np.zeros((nb, len(caps))), np.arange(nb)
+    who = np.empty((nb, bs), np.int64)
+    for k in range(bs):
+        finish = np.where(usable, (loads + c[:, k:k + 1]) * inv, np.inf)
+        who[:, k] = r = np.argmin(finish, axis=1)
+        loads[rows, r] += c[:, k]
+    valid = pos >= 0
+    owner[pos[valid]] = who[valid]
+    return owner
+
+
+def adaptive_capacities(work: np.ndarray, seconds: np.ndarray, previous) -> np.ndarray:
+    """New capacities from measured throughput ``work / seconds`` per rank ``(size,)``.
+
+    A rank that did no work or took no time keeps its previous capacity (rescaled to the
+    measured ones). Returns positive float64 ``(size,)`` with mean 1.
+    """
+    work, seconds = np.asarray(work, np.float64), np.asarray(seconds, np.float64)
+    prev = check_weights(previous, len(work), "capacities")
+    measured = (work > 0) & (seconds > 0) & np.isfinite(seconds)
+    caps = prev / prev.mean()
+    if measured.any():
+        speed = work[measured] / seconds[measured]
+        scale = speed.sum() / caps[measured].sum()
+        caps = caps * scale
+        caps[measured] = speed
+    caps = np.where(caps > 0, caps, caps[caps > 0].min() if (caps > 0).any() else 1.0)
+    return caps / caps.mean()
+
+
+def assign(strategy: str, n: int, size: int, *, seed: int = 0, costs=None,
+           capacities=None) -> np.ndarray:
+    """The initial owner ``(n,)`` of every position under ``strategy`` (see STRATEGIES).
+
+    ``cost`` and ``adaptive`` start from one LPT assignment over the whole set (balanced
+    epoch totals, given ``costs`` or unit costs, and ``capacities`` or equal ones); training
+    then rebalances them for every epoch's batches (:func:`balance_batches`).
+    Raises ValueError for an unknown name or bad costs/capacities, and for ``adaptive`` with
+    fewer samples than ranks (a rank without samples cannot be measured).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown partition strategy {strategy!r}; expected one of {STRATEGIES}")
+    if n < 0 or size < 1:
+        raise ValueError(f"need n >= 0 and size >= 1, got n={n}, size={size}")
+    if costs is not None:
+        costs = check_weights(costs, n, "costs")
+    caps = check_weights(capacities, size, "capacities") if capacities is not None else None
+    if strategy == "adaptive" and n < size:
+        raise ValueError(f"partition 'adaptive' needs at least one sample per rank to measure "
+                         f"its speed: {n} samples for {size} ranks")
+    if strategy == "block":
+        return owner_block(n, size)
+    if strategy == "cyclic":
+        return owner_cyclic(n, size)
+    if strategy == "shuffled":
+        return owner_shuffled(n, size, seed)
+    if strategy == "weighted":
+        return owner_weighted(n, caps if caps is not None else np.ones(size))
+    return balance_batches(np.arange(n), max(n, 1), costs if costs is not None else np.ones(n),
+                           caps if caps is not None else np.ones(size))
+
+
+def positions_of(owner: np.ndarray, rank: int) -> np.ndarray:
+    """Sorted positions owned by ``rank``: int64 ``(count,)``."""
+    return np.flatnonzero(np.asarray(owner) == rank).astype(np.int64)
+
+
+def scatter_plan(owner: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(rows, counts, displs)`` for ``Scatterv``: send ``X[rows]``, whose first
+    ``counts[0]`` rows are rank 0's positions in increasing order, then rank 1's, ..."""
+    owner = np.asarray(owner, np.int64)
+    rows = np.argsort(owner, kind="stable").astype(np.int64)
+    counts, displs = counts_displs(np.bincount(owner, minlength=size).astype(np.int64))
+    return rows, counts, displs
+
+
+def owned_batches(n: int, batch_size: int, positions: np.ndarray, epoch: int, seed: int,
+                  shuffle: bool = True, drop_last: bool = False,
+                  first_step: int = 0) -> Iterator[np.ndarray]:
+    """Like :func:`local_batches` for any sorted set of owned ``positions`` ``(n_local,)``:
+    for each global batch from step ``first_step`` on, the local row indices (into arrays
+    ordered like ``positions``) of the samples this rank owns, in global-batch order."""
+    local = np.full(n, -1, np.int64)
+    local[positions] = np.arange(len(positions))
+    order = epoch_order(n, epoch, seed, shuffle)
+    for s in range(first_step, steps_per_epoch(n, batch_size, drop_last)):
+        idx = local[order[s * batch_size:(s + 1) * batch_size]]
+        yield idx[idx >= 0]

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-BUILTIN = ("digits", "synthetic")
+BUILTIN = ("digits", "synthetic", "bow")
 
 
 class Source(ABC):
@@ -198,6 +198,9 @@ def open_source(spec: str, *, n_samples: int = 60000, n_features: int = 784,
         return _load_digits()
     if spec == "synthetic":
         return SyntheticSource(n_samples, n_features, n_classes, seed, regression)
+    if spec == "bow":  # sparse, variable-cost rows sorted by length (mpidp.workloads)
+        from .workloads import BowSource
+        return BowSource(n_samples, n_features, n_classes, seed)
     return _open_path(spec)
 
 
@@ -205,6 +208,12 @@ def check_rows(source: Source, X: np.ndarray, y: np.ndarray, rows: np.ndarray,
                n_classes: int | None = None) -> str | None:
     """Problems in the rows read (``None`` if fine): NaN/Inf, bad or out-of-range labels."""
     for label, a in (("X", X), ("y", y)):
+        if hasattr(a, "indptr"):  # sparse rows: check the stored values
+            bad = np.flatnonzero(~np.isfinite(a.data))
+            if len(bad):
+                row = int(rows[np.searchsorted(a.indptr, bad[0], side="right") - 1])
+                return f"{source.name}: {label} contains NaN or Inf (first at row {row})"
+            continue
         if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
             bad = int(rows[np.flatnonzero(~np.isfinite(a.reshape(len(a), -1)).all(axis=1))[0]])
             return f"{source.name}: {label} contains NaN or Inf (first at row {bad})"

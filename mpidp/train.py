@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .balance import Partition, Plan
 from .checkpoint import State, save
 from .data import Shard
 from .faults import Injector
 from .parallel import DataParallel
-from .partition import local_batches, steps_per_epoch
+from .partition import steps_per_epoch
 
 
 class _Progress:
@@ -60,7 +61,8 @@ class Checkpointing:
 def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int = 0,
         shuffle: bool = True, drop_last: bool = False, test: Shard | None = None,
         progress: bool = False, on_epoch: Callable[[dict], None] | None = None,
-        checkpoint: Checkpointing | None = None, resume: State | None = None) -> list[dict]:
+        checkpoint: Checkpointing | None = None, resume: State | None = None,
+        partition: Partition | Plan | None = None) -> list[dict]:
     """Train until ``epochs`` epochs of global batches of ``batch_size`` samples are done.
 
     Collective. Epoch ``e`` visits positions in :func:`mpidp.partition.epoch_order` order,
@@ -69,6 +71,11 @@ def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int 
     taken. Returns the history, one dict per epoch: ``epoch, loss, accuracy, test_loss,
     test_accuracy, seconds`` (global figures). Only rank 0 shows ``progress``;
     ``on_epoch`` is called on every rank.
+
+    ``partition`` (a :class:`mpidp.balance.Partition`, or a :class:`~mpidp.balance.Plan` to
+    keep its trace) decides which rank owns which samples, epoch by epoch; rows move between
+    ranks when that changes. Each record also has ``balance``: the epoch's load-balance
+    figures (:func:`mpidp.balance.balance_figures`), the same on every rank.
     """
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
@@ -79,29 +86,31 @@ def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int 
     show = progress and dp.comm.rank == 0
     labelled = dp.loss.classification or train.y.dtype.kind in "iu"
     faults = Injector(dp.comm.rank)
+    plan = partition if isinstance(partition, Plan) else Plan(
+        dp.comm, partition, train.n_total, batch_size, seed, shuffle, drop_last)
+    if state.partition.get("capacities") is not None:
+        plan.capacities = np.asarray(state.partition["capacities"], np.float64)
     for epoch in range(state.epoch, epochs):
         t0 = time.perf_counter()
         first = state.step if epoch == state.epoch else 0
         totals = np.array(state.totals if first else (0.0, 0.0, 0.0), np.float64)
         bar = _Progress(n_steps, f"epoch {epoch + 1}", show, initial=first)
-        batches = local_batches(train.n_total, batch_size, train.start, train.stop, epoch,
-                                seed, shuffle, drop_last)
-        for step, idx in enumerate(batches):
-            if step < first:
-                continue
-            X = train.X[idx]
+        for step, (X, y) in enumerate(plan.batches(train, epoch, dp.timer, first), start=first):
             if faults.steps:
                 X = faults.apply(dp.global_step, X, dp.model.params)
-            s = dp.step(X, train.y[idx], last_of_epoch=step == n_steps - 1)
+            s = dp.step(X, y, last_of_epoch=step == n_steps - 1)
             if not s.skipped:
                 totals += (s.loss_sum, s.count, s.correct)
             bar.update(s.loss)
             if checkpoint and dp.global_step % checkpoint.every == 0:
-                _save(dp, checkpoint, State(epoch, step + 1, dp.global_step, totals.tolist(), history))
+                _save(dp, checkpoint, plan, State(epoch, step + 1, dp.global_step,
+                                                  totals.tolist(), history))
         bar.close()
         record = {"epoch": epoch + 1, "loss": totals[0] / totals[1],
                   "accuracy": totals[2] / totals[1] if labelled else None,
                   "seconds": time.perf_counter() - t0}
+        train = plan.shard
+        record["balance"] = plan.end_epoch(dp.timer)
         if test is not None and test.n_total:
             ev = dp.evaluate(test.X, test.y)
             record.update(test_loss=ev.loss, test_accuracy=ev.accuracy if labelled else None)
@@ -109,11 +118,12 @@ def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int 
         if on_epoch is not None:
             on_epoch(record)
     if checkpoint:
-        _save(dp, checkpoint, State(epochs, 0, dp.global_step, [0.0, 0.0, 0.0], history))
+        _save(dp, checkpoint, plan, State(epochs, 0, dp.global_step, [0.0, 0.0, 0.0], history))
     return history
 
 
-def _save(dp: DataParallel, checkpoint: Checkpointing, state: State) -> None:
+def _save(dp: DataParallel, checkpoint: Checkpointing, plan: Plan, state: State) -> None:
     if dp.comm.rank == dp.root:
         state.config = checkpoint.config
+        state.partition = {"strategy": plan.strategy, "capacities": plan.capacities.tolist()}
         save(checkpoint.directory, dp.model, dp.optimizer, state, checkpoint.keep)

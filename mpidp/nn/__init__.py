@@ -5,9 +5,10 @@ from .losses import Loss, MeanSquaredError, SoftmaxCrossEntropy
 from .model import Sequential
 from .optim import SGD, Adam, Optimizer, make_optimizer
 from .presets import build, from_spec, linear, logreg, mlp
+from .sparse import CSR, SparseDense
 
 __all__ = [
-    "Adam", "Dense", "Layer", "Loss", "MeanSquaredError", "Optimizer", "ReLU", "SGD",
-    "Sequential", "Sigmoid", "SoftmaxCrossEntropy", "Tanh", "build", "from_spec", "linear",
+    "Adam", "CSR", "Dense", "Layer", "Loss", "MeanSquaredError", "Optimizer", "ReLU", "SGD",
+    "Sequential", "Sigmoid", "SoftmaxCrossEntropy", "SparseDense", "Tanh", "build", "from_spec", "linear",
     "logreg", "make_optimizer", "mlp",
 ]

@@ -10,6 +10,7 @@ import numpy.typing as npt
 from . import layers as L
 from .losses import Loss, MeanSquaredError, SoftmaxCrossEntropy
 from .model import Sequential
+from .sparse import SparseDense
 
 _ACTIVATIONS = {"relu": L.ReLU, "tanh": L.Tanh, "sigmoid": L.Sigmoid}
 
@@ -40,11 +41,18 @@ def mlp(n_in: int, hidden: Sequence[int], n_out: int, activation: str = "relu",
 
 
 def build(name: str, n_in: int, n_out: int, hidden: Sequence[int] = (128, 64),
-          dtype: npt.DTypeLike = np.float32, classification: bool = True) -> tuple[Sequential, Loss]:
+          dtype: npt.DTypeLike = np.float32, classification: bool = True,
+          sparse: bool = False) -> tuple[Sequential, Loss]:
     """Model and loss by CLI name: ``linear`` (MSE), ``logreg`` or ``mlp``.
 
     ``mlp`` uses softmax cross-entropy when ``classification`` else mean squared error.
+    ``sparse=True`` makes the first layer a :class:`SparseDense` (CSR input).
     """
+    if sparse:
+        model, loss = build(name, n_in, n_out, hidden, dtype, classification)
+        first = model.layers[0]
+        layers = [SparseDense(first.n_in, first.n_out), *model.layers[1:]]
+        return Sequential(layers, n_in, dtype), loss
     if name == "linear":
         return linear(n_in, n_out, dtype), MeanSquaredError()
     if name == "logreg":
@@ -60,11 +68,12 @@ def build(name: str, n_in: int, n_out: int, hidden: Sequence[int] = (128, 64),
 
 def from_spec(spec: Sequence[dict], dtype: npt.DTypeLike = np.float32) -> Sequential:
     """Rebuild a model from :meth:`Sequential.spec` (for example from ``model.npz``)."""
-    kinds = {"Dense": L.Dense, "ReLU": L.ReLU, "Tanh": L.Tanh, "Sigmoid": L.Sigmoid}
+    kinds = {"Dense": L.Dense, "ReLU": L.ReLU, "Tanh": L.Tanh, "Sigmoid": L.Sigmoid,
+             "SparseDense": SparseDense}
     layers = []
     for d in spec:
         if d["type"] not in kinds:
             raise ValueError(f"unknown layer type {d['type']!r} in model spec")
         cls = kinds[d["type"]]
-        layers.append(cls(d["n_in"], d["n_out"]) if cls is L.Dense else cls())
+        layers.append(cls(d["n_in"], d["n_out"]) if "n_in" in d else cls())
     return Sequential(layers, spec[0].get("model_n_in", spec[0].get("n_in")), dtype)

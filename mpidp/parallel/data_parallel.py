@@ -132,8 +132,7 @@ class DataParallel:
             self.model.backward(self.loss.backward(), input_grad=False,
                                 on_layer_done=self._on_layer_done)
         loss_sum, count, correct, skipped = self.sync.exchange(self)
-        self.timer.steps += 1
-        self.timer.samples += len(X)
+        self.timer.end_step(len(X))
         self.global_step += 1
         if self.check_every and self.global_step % self.check_every == 0:
             C.assert_in_sync(self.comm, self.model.params, self.root)

@@ -1,0 +1,212 @@
+"""``make bench-partition``: every partition strategy on each workload at P = 2 and 4, the
+straggler case, and map/reduce (dynamic vs static) on variable-cost work.
+
+Runs ``mpiexec -n P python -m mpidp train ...`` jobs (one BLAS thread per rank), reads their
+``metrics.json``, takes the median over ``--repeats`` of the last epoch's figures, checks the
+targets of issue 3 and writes ``benchmarks/results/partition.{json,md,png}``. Imbalance is
+reported from wall time and from CPU (process) time; with 4 ranks on 2 cores judge by CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+STRATEGIES = ("block", "cyclic", "shuffled", "weighted", "cost", "adaptive")
+WORKLOADS = {
+    "bow-sorted": ["--dataset", "bow", "--n-samples", "16000", "--n-features", "2000",
+                   "--hidden", "128", "--batch-size", "1024", "--epochs", "2"],
+    "uniform": ["--dataset", "synthetic", "--n-samples", "8192", "--n-features", "784",
+                "--hidden", "256", "--batch-size", "512", "--epochs", "2"],
+}
+# The standard benchmark model (784-1024-1024-10, batch 512), so compute dominates a step.
+STRAGGLER = ["--dataset", "synthetic", "--n-samples", "6144", "--n-features", "784",
+             "--hidden", "1024,1024", "--batch-size", "512", "--epochs", "3", "--slowdown", "1:2"]
+ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def run_train(args, ranks: int, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [args.mpiexec, "-n", str(ranks), args.python, "-m", "mpidp", "train",
+               "--no-progress", "--model", "mlp", "--lr", "0.05", "--test-fraction", "0",
+               *extra, "--out", out]
+        env = {**os.environ, **ENV, "PYTHONPATH": str(REPO)}
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+        return json.loads(Path(out, "metrics.json").read_text())
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Median over repeats of the last epoch's figures (per-rank figures of the median run)."""
+    last = [m["history"][-1]["balance"] for m in runs]
+    keys = ("imbalance", "imbalance_cpu", "efficiency", "efficiency_cpu", "rate", "ideal_rate")
+    out = {k: float(np.median([b[k] for b in last])) for k in keys}
+    mid = int(np.argsort([b["imbalance_cpu"] for b in last])[len(last) // 2])
+    out["per_rank"] = last[mid]["per_rank"]
+    out["slowest_rank"] = last[mid]["slowest_rank"]
+    out["epoch_s"] = float(np.median([m["history"][-1]["seconds"] for m in runs]))
+    out["eff_vs_ideal_by_epoch"] = [float(np.median([m["history"][e]["balance"]["rate"] /
+                                                     m["history"][e]["balance"]["ideal_rate"]
+                                                     for m in runs]))
+                                    for e in range(len(runs[0]["history"]))]
+    return out
+
+
+def bench_training(args) -> list[dict]:
+    rows = []
+    for ranks in args.ranks:
+        for name, extra in WORKLOADS.items():
+            for strategy in STRATEGIES:
+                opts = ["--partition", strategy]
+                if strategy == "weighted":
+                    opts += ["--capacities", ",".join(["1"] * ranks)]
+                runs = [run_train(args, ranks, extra + opts) for _ in range(args.repeats)]
+                rows.append({"P": ranks, "workload": name, "strategy": strategy, **summarize(runs)})
+                print(f"P={ranks} {name:10s} {strategy:9s} imbalance {rows[-1]['imbalance']:.3f} "
+                      f"(cpu {rows[-1]['imbalance_cpu']:.3f})", flush=True)
+    for strategy in ("block", "weighted", "adaptive"):
+        opts = ["--partition", strategy] + (["--capacities", "2,1"] if strategy == "weighted" else [])
+        runs = [run_train(args, 2, STRAGGLER + opts) for _ in range(args.repeats)]
+        rows.append({"P": 2, "workload": "straggler-2x", "strategy": strategy, **summarize(runs)})
+        print(f"straggler {strategy}: {rows[-1]['eff_vs_ideal_by_epoch']}", flush=True)
+    return rows
+
+
+def bench_mapreduce(args) -> dict:
+    out = {}
+    for ranks in args.ranks:
+        cmd = [args.mpiexec, "-n", str(ranks), args.python, str(HERE / "mapreduce_worker.py"),
+               str(args.repeats)]
+        env = {**os.environ, **ENV, "PYTHONPATH": str(REPO)}
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if r.returncode != 0:
+            raise RuntimeError(f"map/reduce job failed:\n{r.stderr[-2000:]}")
+        out[ranks] = json.loads(r.stdout.strip().splitlines()[-1])
+        print(f"map/reduce P={ranks}: {out[ranks]}", flush=True)
+    return out
+
+
+def targets(rows: list[dict], mr: dict) -> list[dict]:
+    pick = {(r["P"], r["workload"], r["strategy"]): r for r in rows}
+    checks = []
+    for P in sorted({r["P"] for r in rows if r["workload"] == "bow-sorted"}):
+        for strategy, op, bound in (("block", ">=", 1.5), ("cost", "<=", 1.05)):
+            r = pick[(P, "bow-sorted", strategy)]
+            for kind in ("imbalance", "imbalance_cpu"):
+                v = r[kind]
+                checks.append({"target": f"bow-sorted P={P} {strategy} {kind} {op} {bound}",
+                               "value": round(v, 3), "pass": v >= bound if op == ">=" else v <= bound,
+                               "headline": P == 2 or kind == "imbalance_cpu"})
+    eq, ad = pick[(2, "straggler-2x", "block")], pick[(2, "straggler-2x", "adaptive")]
+    checks.append({"target": "straggler 2x P=2: equal split <= 75% of ideal", "headline": True,
+                   "value": round(eq["eff_vs_ideal_by_epoch"][-1], 3),
+                   "pass": eq["eff_vs_ideal_by_epoch"][-1] <= 0.75})
+    checks.append({"target": "straggler 2x P=2: adaptive >= 90% of ideal by epoch 2",
+                   "value": round(ad["eff_vs_ideal_by_epoch"][1], 3), "headline": True,
+                   "pass": ad["eff_vs_ideal_by_epoch"][1] >= 0.90})
+    for P, m in mr.items():
+        best = min(m[s]["seconds"] for s in ("block", "cyclic", "cost"))
+        ratio = m["dynamic"]["seconds"] / best
+        checks.append({"target": f"map/reduce P={P}: dynamic within 10% of best static",
+                       "value": round(ratio, 3), "pass": ratio <= 1.10, "headline": P == 2})
+    return checks
+
+
+def markdown(rows, mr, checks, meta) -> str:
+    lines = [f"Machine: {meta['machine']}; command: `{meta['command']}`; median of "
+             f"{meta['repeats']} runs, last epoch.", "",
+             "| P | workload | strategy | imbalance (wall) | imbalance (CPU) | efficiency | "
+             "max idle | slowest | epoch s | rate / ideal by epoch |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        idle = max(p["idle_fraction"] for p in r["per_rank"])
+        eff = ", ".join(f"{e:.0%}" for e in r["eff_vs_ideal_by_epoch"])
+        lines.append(f"| {r['P']} | {r['workload']} | {r['strategy']} | {r['imbalance']:.3f} | "
+                     f"{r['imbalance_cpu']:.3f} | {r['efficiency']:.1%} | {idle:.0%} | "
+                     f"{r['slowest_rank']} | {r['epoch_s']:.2f} | {eff} |")
+    lines += ["", "| P | map/reduce mode | seconds | CPU imbalance | samples per rank |",
+              "|---|---|---|---|---|"]
+    for P, m in mr.items():
+        for mode, v in m.items():
+            lines.append(f"| {P} | {mode} | {v['seconds']:.3f} | {v['imbalance_cpu']:.3f} | "
+                         f"{v['samples']} |")
+    lines += ["", "| target | measured | result |", "|---|---|---|"]
+    for c in checks:
+        lines.append(f"| {c['target']} | {c['value']} | {'PASS' if c['pass'] else 'FAIL'} |")
+    return "\n".join(lines) + "\n"
+
+
+def figure(rows, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = sorted({(r["P"], r["workload"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
+    colors = {"compute_s": "#4c72b0", "comm_s": "#55a868", "wait_s": "#c44e52"}
+    for ax, (P, wl) in zip(axes[0], panels):
+        sel = [r for r in rows if r["P"] == P and r["workload"] == wl]
+        x = 0
+        ticks, labels = [], []
+        for r in sel:
+            for p in r["per_rank"]:
+                bottom = 0.0
+                for key, color in colors.items():
+                    ax.bar(x, p[key], bottom=bottom, color=color, width=0.8,
+                           label=key[:-2] if x == 0 else None)
+                    bottom += p[key]
+                x += 1
+            ticks.append(x - (len(r["per_rank"]) + 1) / 2)
+            labels.append(r["strategy"])
+            x += 1
+        ax.set_xticks(ticks, labels, rotation=45, ha="right", fontsize=8)
+        ax.set_title(f"{wl}, P={P}", fontsize=10)
+        ax.set_ylabel("seconds in last epoch (per rank)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", default="2,4")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--mpiexec", default=str(REPO / ".venv" / "bin" / "mpiexec"))
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--out-dir", default=str(HERE / "results"))
+    args = p.parse_args(argv)
+    args.ranks = [int(r) for r in args.ranks.split(",")]
+    t0 = time.time()
+    rows = bench_training(args)
+    mr = bench_mapreduce(args)
+    checks = targets(rows, mr)
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} "
+                       f"{platform.release()}, Python {platform.python_version()}",
+            "command": "make bench-partition", "repeats": args.repeats,
+            "seconds": round(time.time() - t0, 1)}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "partition.json").write_text(json.dumps(
+        {"meta": meta, "training": rows, "mapreduce": mr, "targets": checks}, indent=1))
+    (out / "partition.md").write_text(markdown(rows, mr, checks, meta))
+    figure([r for r in rows if r["workload"] != "uniform"], out / "partition.png")
+    for c in checks:
+        print(f"{'PASS' if c['pass'] else 'FAIL'}  {c['target']}: {c['value']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""Partitioning during training: who owns which samples each epoch, moving rows when that
+changes, and the load-balance figures measured on every rank.
+
+:class:`Partition` names a strategy (see :mod:`mpidp.partition`) and what it needs;
+:class:`Plan` applies it inside :func:`mpidp.fit`: static strategies keep their owners,
+``cost`` gives every epoch's global batches a cost-balanced owner, ``adaptive`` does the same
+with capacities re-measured from each rank's throughput. When the owner of samples changes
+they move between ranks with one ``Alltoallv`` per array (counts agreed first), so training
+stays exact: the global batches are the same whatever the owners.
+
+Waiting is estimated without a collective per step: each rank records its per-step local
+compute time; at epoch end one ``Allgather`` brings every rank's rows to every rank, and
+rank ``r``'s wait at step ``s`` is ``max_q compute[q, s] - compute[r, s]`` (ranks leave the
+previous step's ``Allreduce`` together, so the last to arrive sets the end of everyone's
+wait). The rest of the measured ``Allreduce`` time is communication proper.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import comm as C
+from . import partition as Pt
+from .data import Shard
+from .metrics import STEP_FIELDS, StepTimer
+from .nn.sparse import CSR
+
+_F = {name: i for i, name in enumerate(STEP_FIELDS)}
+
+
+@dataclass
+class Partition:
+    """A strategy by name (``mpidp.partition.STRATEGIES``) and its inputs.
+
+    costs : float ``(n,)`` per training position (``cost``/``adaptive``; unit costs if None).
+    capacities : float ``(size,)`` relative rank speeds (``weighted``; ``adaptive``'s start).
+    adapt_every : ``adaptive`` re-measures every this many steps (None: every epoch).
+    """
+
+    strategy: str = "block"
+    costs: np.ndarray | None = None
+    capacities: np.ndarray | None = None
+    adapt_every: int | None = None
+    seed: int = 0
+
+    def check(self, n: int, size: int) -> None:
+        """Raise ValueError for an unknown strategy, bad costs/capacities or a bad interval."""
+        if self.strategy not in Pt.STRATEGIES:
+            raise ValueError(f"unknown partition strategy {self.strategy!r}; expected one of "
+                             f"{Pt.STRATEGIES}")
+        if self.costs is not None:
+            Pt.check_weights(self.costs, n, "costs")
+        if self.capacities is not None:
+            Pt.check_weights(self.capacities, size, "capacities")
+        if self.adapt_every is not None and self.adapt_every < 1:
+            raise ValueError(f"adapt interval must be >= 1 step, got {self.adapt_every}")
+        if self.strategy == "adaptive" and n < size:
+            Pt.assign(self.strategy, n, size)
+
+    def owner(self, n: int, size: int) -> np.ndarray:
+        """The initial owner ``(n,)`` (:func:`mpidp.partition.assign`)."""
+        return Pt.assign(self.strategy, n, size, seed=self.seed, costs=self.costs,
+                         capacities=self.capacities)
+
+
+def _move_X(comm: C.Comm, X, send: np.ndarray, recv: np.ndarray):
+    if not isinstance(X, CSR):
+        return C.alltoallv_rows(comm, X, send, recv)
+    lengths = X.row_lengths()
+    new_len = C.alltoallv_rows(comm, lengths, send, recv)
+    dest = np.repeat(np.arange(comm.size), send)
+    nnz_send = np.bincount(dest, weights=lengths, minlength=comm.size).astype(np.int64)
+    nnz_recv = C.alltoall_counts(comm, nnz_send)[:, comm.rank]
+    indices = C.alltoallv_rows(comm, X.indices, nnz_send, nnz_recv)
+    data = C.alltoallv_rows(comm, X.data, nnz_send, nnz_recv)
+    return CSR(np.concatenate([[0], np.cumsum(new_len)]), indices, data, X.n_cols)
+
+
+def redistribute(comm: C.Comm, shard: Shard, owner: np.ndarray) -> tuple[Shard, int]:
+    """Move rows so that this rank holds exactly the positions ``owner`` gives it.
+
+    Collective; ``owner`` ``(n_total,)`` must be identical on every rank. Returns the new
+    shard (rows in increasing position order) and the number of rows that changed rank
+    (the same on every rank); with nothing to move the shard is returned untouched.
+    """
+    dest = np.asarray(owner, np.int64)[shard.positions]
+    order = np.argsort(dest, kind="stable")
+    send = np.bincount(dest, minlength=comm.size).astype(np.int64)
+    matrix = C.alltoall_counts(comm, send)
+    moved = int(matrix.sum() - np.trace(matrix))
+    if moved == 0:
+        return shard, 0
+    recv = matrix[:, comm.rank]
+    pos = C.alltoallv_rows(comm, shard.positions[order], send, recv)
+    y = C.alltoallv_rows(comm, shard.y[order], send, recv)
+    X = _move_X(comm, shard.X[order], send, recv)
+    by_pos = np.argsort(pos, kind="stable")
+    pos = pos[by_pos]
+    return Shard(X[by_pos], y[by_pos], int(pos[0]) if len(pos) else 0, shard.n_total, pos), moved
+
+
+class Plan:
+    """Applies a :class:`Partition` during :func:`mpidp.fit`. Every rank holds one and takes
+    the same decisions from the same (allgathered) measurements."""
+
+    def __init__(self, comm: C.Comm, partition: Partition | None, n: int, batch_size: int,
+                 seed: int, shuffle: bool = True, drop_last: bool = False,
+                 trace: bool = False) -> None:
+        self.comm, self.partition, self.n, self.batch_size = comm, partition, n, batch_size
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        size = comm.size
+        if partition is not None:
+            C.run_agreed(comm, partition.check, n, size)
+        p = partition
+        self.costs = p.costs if p is not None and p.costs is not None else np.ones(n)
+        self.capacities = (np.asarray(p.capacities, np.float64) if p is not None and
+                           p.capacities is not None else np.ones(size))
+        self.owner: np.ndarray | None = None
+        self.moved, self.rebalances, self.history_caps = 0, 0, []
+        self.trace = trace
+        self.events: list[dict] = []
+        self._clock0: float | None = None
+
+    @property
+    def strategy(self) -> str | None:
+        return self.partition.strategy if self.partition is not None else None
+
+    def _wanted(self, epoch: int) -> np.ndarray | None:
+        if self.partition is None:
+            return None
+        if self.strategy in Pt.PER_BATCH:
+            order = Pt.epoch_order(self.n, epoch, self.seed, self.shuffle)
+            return Pt.balance_batches(order, self.batch_size, self.costs, self.capacities)
+        return self.owner if self.owner is not None else self.partition.owner(self.n, self.comm.size)
+
+    def _apply(self, shard: Shard, owner: np.ndarray | None) -> Shard:
+        if owner is None or (self.owner is not None and np.array_equal(owner, self.owner)):
+            return shard
+        shard, moved = redistribute(self.comm, shard, owner)
+        self.owner, self.moved = owner, self.moved + moved
+        self.rebalances += moved > 0
+        return shard
+
+    def _adapt(self, timer: StepTimer, k: int) -> None:
+        rows = timer.recent(k)
+        mine = [rows[:, _F["cost"]].sum(), rows[:, _F["compute_s"]].sum()]
+        both = C.allgather_rows(self.comm, mine)
+        self.capacities = Pt.adaptive_capacities(both[:, 0], both[:, 1], self.capacities)
+        self.history_caps.append(self.capacities.round(4).tolist())
+
+    def batches(self, shard: Shard, epoch: int, timer: StepTimer,
+                first: int = 0) -> Iterator[tuple]:
+        """Yield ``(X, y)`` of this rank's part of each global batch of ``epoch`` from step
+        ``first`` on (a resumed epoch), moving rows first when the owners change. Notes each
+        step's cost on ``timer``. Collective."""
+        steps = Pt.steps_per_epoch(self.n, self.batch_size, self.drop_last)
+        every = self.partition.adapt_every if self.strategy == "adaptive" else None
+        s = first
+        while s < steps:
+            shard = self._apply(shard, self._wanted(epoch))
+            self.shard = shard
+            stop = min(steps, s + every) if every else steps
+            for idx in itertools.islice(self._local(shard, epoch, s), stop - s):
+                timer.note_cost(float(self.costs[shard.positions[idx]].sum()))
+                yield shard.X[idx], shard.y[idx]
+            s = stop
+            if every and s < steps:
+                self._adapt(timer, every)
+        self.shard = shard
+
+    def _local(self, shard: Shard, epoch: int, first: int):
+        if shard.contiguous and not self.shuffle:
+            return itertools.islice(Pt.local_batches(
+                self.n, self.batch_size, shard.start, shard.stop, epoch, self.seed, False,
+                self.drop_last), first, None)
+        return Pt.owned_batches(self.n, self.batch_size, shard.positions, epoch, self.seed,
+                                self.shuffle, self.drop_last, first)
+
+    def end_epoch(self, timer: StepTimer) -> dict:
+        """Gather the epoch's per-step rows (one ``Allgather``), return the figures (same on
+        every rank), re-measure ``adaptive`` capacities, extend the trace. Collective."""
+        rows = timer.take_records()
+        everyone = C.allgather_rows(self.comm, rows.reshape(-1))
+        records = everyone.reshape(self.comm.size, len(rows), len(STEP_FIELDS))
+        figures = balance_figures(records)
+        if self.strategy == "adaptive" and not self.partition.adapt_every:
+            per = figures["per_rank"]
+            self.capacities = Pt.adaptive_capacities(
+                [r["cost"] for r in per], [r["compute_s"] for r in per], self.capacities)
+            self.history_caps.append(self.capacities.round(4).tolist())
+        figures.update(strategy=self.strategy or "as loaded", moved_samples=self.moved,
+                       capacities=self.capacities.round(4).tolist())
+        if self.trace and self.comm.rank == 0:
+            self._clock0 = trace_events(records, self.events, self._clock0)
+        return figures
+
+
+def balance_figures(records: np.ndarray) -> dict:
+    """Load-balance figures from every rank's per-step rows ``(size, steps, STEP_FIELDS)``.
+
+    ``imbalance``: per step ``max/mean`` of the ranks' local compute time, averaged over
+    steps (1 = perfect); ``efficiency``: ``sum_s mean / sum_s max`` (the share of the
+    critical path that is useful work); both also from CPU time (``*_cpu``: judge
+    oversubscribed runs by these). Per rank: samples, cost, compute, wait (estimated, see
+    the module notes), communication proper, update, idle fraction = wait / all step time,
+    and ``speed`` = cost per second of compute. ``rate``: cost per second of critical path;
+    ``ideal_rate``: the sum of the ranks' speeds.
+    """
+    size, steps = records.shape[:2]
+    c, cpu = records[:, :, _F["compute_s"]], records[:, :, _F["compute_cpu_s"]]
+    comm, upd = records[:, :, _F["comm_s"]], records[:, :, _F["update_s"]]
+    wait = c.max(axis=0, keepdims=True) - c if steps else c
+    proper = np.maximum(comm - wait, 0.0)
+    total = c + comm + upd
+
+    def ratios(t):
+        mean, top = t.mean(axis=0), t.max(axis=0)
+        ok = mean > 0
+        imb = float(np.mean(top[ok] / mean[ok])) if ok.any() else 1.0
+        return imb, float(mean.sum() / top.sum()) if top.sum() > 0 else 1.0
+
+    imbalance, efficiency = ratios(c)
+    imbalance_cpu, efficiency_cpu = ratios(cpu)
+    cost = records[:, :, _F["cost"]].sum(axis=1)
+    speed = np.where(c.sum(axis=1) > 0, cost / np.maximum(c.sum(axis=1), 1e-300), 0.0)
+    critical = float(total.max(axis=0).sum()) if steps else 0.0
+    per_rank = [{"rank": r, "samples": int(records[r, :, _F["samples"]].sum()),
+                 "cost": float(cost[r]), "compute_s": float(c[r].sum()),
+                 "compute_cpu_s": float(cpu[r].sum()), "wait_s": float(wait[r].sum()),
+                 "comm_s": float(proper[r].sum()), "update_s": float(upd[r].sum()),
+                 "idle_fraction": float(wait[r].sum() / total[r].sum()) if total[r].sum() else 0.0,
+                 "speed": float(speed[r])} for r in range(size)]
+    return {"steps": int(steps), "imbalance": imbalance, "efficiency": efficiency,
+            "imbalance_cpu": imbalance_cpu, "efficiency_cpu": efficiency_cpu,
+            "slowest_rank": int(np.argmax(c.sum(axis=1))) if steps else 0,
+            "rate": float(cost.sum() / critical) if critical else 0.0,
+            "ideal_rate": float(speed.sum()), "per_rank": per_rank}
+
+
+def trace_events(records: np.ndarray, events: list, clock0: float | None) -> float:
+    """Append Chrome trace-event ``X`` events (compute, wait, comm, update per rank and step)
+    for ``records`` ``(size, steps, STEP_FIELDS)`` to ``events``; returns the time origin.
+
+    Clocks are aligned on the end of each step's ``Allreduce``, which all ranks leave at
+    nearly the same moment: rank ``r`` is shifted by the median of its offset to rank 0.
+    """
+    begin, c = records[:, :, _F["t_begin"]], records[:, :, _F["compute_s"]]
+    comm, upd = records[:, :, _F["comm_s"]], records[:, :, _F["update_s"]]
+    if records.shape[1] == 0:
+        return clock0 if clock0 is not None else 0.0
+    end = begin + c + comm
+    begin = begin - np.median(end - end[0], axis=1, keepdims=True)
+    if clock0 is None:
+        clock0 = float(begin.min())
+        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
+                    "args": {"name": f"rank {r}"}} for r in range(records.shape[0])]
+    wait = c.max(axis=0, keepdims=True) - c
+    for r in range(records.shape[0]):
+        for s in range(records.shape[1]):
+            t = (begin[r, s] - clock0) * 1e6
+            for name, dur in (("compute", c[r, s]), ("wait", min(wait[r, s], comm[r, s])),
+                              ("comm", max(comm[r, s] - wait[r, s], 0.0)), ("update", upd[r, s])):
+                if dur > 0:
+                    events.append({"name": name, "cat": name, "ph": "X", "pid": 0, "tid": r,
+                                   "ts": round(t, 3), "dur": round(dur * 1e6, 3)})
+                t += dur * 1e6
+    return clock0
+
+
+def format_balance(fig: dict) -> str:
+    """A short per-rank table of the load-balance figures."""
+    lines = [f"load balance ({fig['strategy']}): imbalance {fig['imbalance']:.3f} "
+             f"(cpu {fig['imbalance_cpu']:.3f}), efficiency {fig['efficiency']:.1%} "
+             f"(cpu {fig['efficiency_cpu']:.1%}), slowest rank {fig['slowest_rank']}",
+             "rank  samples        cost  compute_s  wait_s  comm_s  idle"]
+    for d in fig["per_rank"]:
+        lines.append(f"{d['rank']:>4}  {d['samples']:>7}  {d['cost']:>10.0f}  "
+                     f"{d['compute_s']:>9.3f}  {d['wait_s']:>6.3f}  {d['comm_s']:>6.3f}  "
+                     f"{d['idle_fraction']:>4.0%}")
+    return "\n".join(lines)

@@ -1,0 +1,191 @@
+"""Data-parallel map/reduce outside training: split a dataset over the ranks, apply the same
+NumPy function to every part, combine the results.
+
+Static mode uses any partition strategy (:mod:`mpidp.partition`); dynamic mode lets each
+rank take the next chunk of rows from a shared counter whenever it finishes one (work
+stealing), which balances work of unknown cost. Per-sample outputs can be combined in the
+original order either on one rank or in one ``.npy`` file that every rank writes its own
+disjoint rows of (no gather at the root).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import comm as C
+from .partition import assign, positions_of
+
+REDUCTIONS = ("sum", "mean", "min", "max", "concat")
+
+
+@dataclass
+class MapResult:
+    """``value``: the reduction (every rank), the concatenation (``root`` only, or None when
+    written to a file); ``per_rank``: samples, chunks and busy seconds (wall and CPU) of each
+    rank; ``seconds``: wall time of the whole map, slowest rank."""
+
+    value: np.ndarray | None
+    per_rank: list[dict]
+    seconds: float
+
+
+def _rows_of(data, rows):
+    if hasattr(data, "read") and hasattr(data, "n_samples"):
+        return data.read(rows)[0]
+    return data[rows]
+
+
+def _n_rows(data) -> int:
+    return int(data.n_samples) if hasattr(data, "n_samples") else len(data)
+
+
+def _probe(fn, data) -> tuple[tuple[int, ...], str]:
+    if _n_rows(data) == 0:
+        raise ValueError("map_reduce: the dataset is empty (0 rows)")
+    out = np.asarray(fn(_rows_of(data, np.arange(1))))
+    if out.ndim < 1 or len(out) != 1:
+        raise ValueError(f"map_reduce: fn must return one output row per input row; for 1 row "
+                         f"it returned shape {out.shape}")
+    return tuple(out.shape[1:]), out.dtype.str
+
+
+def _chunks_static(owner, rank, chunk) -> Iterator[np.ndarray]:
+    mine = positions_of(owner, rank)
+    for s in range(0, len(mine), chunk):
+        yield mine[s:s + chunk]
+
+
+def _chunks_dynamic(counter, n, chunk, seed) -> Iterator[np.ndarray]:
+    # Chunks are handed out in a seeded random order (the same on every rank): on data
+    # sorted by cost the heaviest chunks would otherwise all come last and one rank would
+    # finish alone; shuffled, the last chunk is an average one. Costs stay unknown.
+    order = np.random.default_rng([seed, 0xC4]).permutation(-(-n // chunk))
+    while True:
+        k = counter.next()
+        if k >= len(order):
+            return
+        c = int(order[k])
+        yield np.arange(c * chunk, min((c + 1) * chunk, n))
+
+
+def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduce: str = "sum",
+               *, partition: str = "block", costs=None, capacities=None, seed: int = 0,
+               dynamic: bool = False, chunk_size: int = 256, out: str | None = None,
+               root: int = 0) -> MapResult:
+    """Apply ``fn`` to every row of ``data`` across ``comm`` and combine the outputs.
+
+    Collective. ``data``: an array (or memmap, or CSR) with the same rows on every rank, or a
+    :class:`mpidp.sources.Source` from which each rank reads only its rows. ``fn`` maps rows
+    ``(m, ...)`` to per-row outputs ``(m, *out_shape)``. ``reduce``: ``sum``/``mean``/``min``/
+    ``max`` over all rows (result ``out_shape``, float64, on every rank) or ``concat``: all
+    outputs ``(n, *out_shape)`` in the original row order, on ``root``, or, with ``out``, in
+    that ``.npy`` file written directly by every rank (returns None then).
+    Static mode splits rows by ``partition`` (+ ``costs``/``capacities``), ``chunk_size``
+    rows at a time; ``dynamic=True`` hands out chunks from a shared counter instead (in a
+    seeded random order, so the heaviest chunks of cost-sorted data do not all come last).
+    Bad arguments raise the same :class:`mpidp.MpidpError` on every rank.
+    """
+    if reduce not in REDUCTIONS:
+        raise C.MpidpError(f"unknown reduction {reduce!r}; expected one of {REDUCTIONS}")
+    if chunk_size < 1:
+        raise C.MpidpError(f"chunk size must be >= 1, got {chunk_size}")
+    if out is not None and reduce != "concat":
+        raise C.MpidpError("an output file needs reduce='concat'")
+    n = _n_rows(data)
+    shape, dtype = C.root_decides(comm, _probe, fn, data, root=root)
+    owner = None if dynamic else C.run_agreed(comm, assign, partition, n, comm.size, seed=seed,
+                                              costs=costs, capacities=capacities)
+    if out is not None:
+        C.root_decides(comm, _create_npy, out + ".part.npy", dtype, (n, *shape), root=root)
+    sink = C.run_agreed(comm, _Sink, comm, reduce, n, shape, dtype, out, root)
+    counter = C.SharedCounter(comm) if dynamic else None
+    C.barrier(comm)
+    t0 = time.perf_counter()
+    busy = np.zeros(4)  # samples, chunks, wall, cpu
+    chunks = _chunks_dynamic(counter, n, chunk_size, seed) if dynamic else _chunks_static(
+        owner, comm.rank, chunk_size)
+    error = None
+    try:
+        for rows in chunks:
+            w, c = time.perf_counter(), time.process_time()
+            contiguous = len(rows) and rows[-1] - rows[0] + 1 == len(rows)
+            pick = slice(int(rows[0]), int(rows[-1]) + 1) if contiguous and not hasattr(
+                data, "read") else rows  # a slice is cheaper for arrays and CSR rows
+            sink.add(rows, np.asarray(fn(_rows_of(data, pick))))
+            busy += (len(rows), 1, time.perf_counter() - w, time.process_time() - c)
+    except Exception as exc:  # noqa: BLE001 - agreed below, so every rank raises
+        error = f"map_reduce: {type(exc).__name__}: {exc}"
+    seconds = time.perf_counter() - t0
+    if counter is not None:
+        counter.free(comm)
+    C.agree(comm, error)
+    value = sink.finish()
+    table = C.allgather_rows(comm, [*busy, seconds])
+    per_rank = [{"rank": r, "samples": int(t[0]), "chunks": int(t[1]), "compute_s": float(t[2]),
+                 "compute_cpu_s": float(t[3])} for r, t in enumerate(table)]
+    return MapResult(value, per_rank, float(table[:, 4].max()))
+
+
+def _create_npy(path: str, dtype: str, shape: tuple[int, ...]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    np.lib.format.open_memmap(path, "w+", np.dtype(dtype), shape).flush()
+
+
+class _Sink:
+    """Where one rank's outputs go: a running reduction, rows kept for a gather, or a file."""
+
+    def __init__(self, comm, reduce, n, shape, dtype, out, root) -> None:
+        self.comm, self.reduce, self.n, self.root, self.out = comm, reduce, n, root, out
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        init = {"sum": 0.0, "mean": 0.0, "min": np.inf, "max": -np.inf}.get(reduce, 0.0)
+        self.acc = np.full(shape, init, np.float64)
+        self.rows, self.outs = [], []
+        self.file = None
+        if out is not None:  # created by the root (_create_npy); each rank maps it
+            self.tmp = out + ".part.npy"
+            self.file = np.load(self.tmp, mmap_mode="r+")
+
+    def add(self, rows: np.ndarray, values: np.ndarray) -> None:
+        if values.shape != (len(rows), *self.shape):
+            raise ValueError(f"fn returned shape {values.shape} for {len(rows)} rows; "
+                             f"expected {(len(rows), *self.shape)}")
+        if self.reduce in ("sum", "mean"):
+            self.acc += values.sum(axis=0)
+        elif self.reduce == "min":
+            np.minimum(self.acc, values.min(axis=0, initial=np.inf), out=self.acc)
+        elif self.reduce == "max":
+            np.maximum(self.acc, values.max(axis=0, initial=-np.inf), out=self.acc)
+        elif self.file is not None:
+            self.file[rows] = values
+        else:
+            self.rows.append(rows)
+            self.outs.append(values.astype(self.dtype, copy=False))
+
+    def finish(self) -> np.ndarray | None:
+        if self.reduce in ("sum", "mean", "min", "max"):
+            acc = C.allreduce_(self.comm, np.ascontiguousarray(self.acc), self.reduce
+                               if self.reduce != "mean" else "sum")
+            return acc / self.n if self.reduce == "mean" else acc
+        if self.file is not None:
+            self.file.flush()
+            del self.file
+            C.barrier(self.comm)
+            if self.comm.rank == self.root:
+                os.replace(self.tmp, self.out)
+            C.barrier(self.comm)
+            return None
+        rows = np.concatenate(self.rows) if self.rows else np.zeros(0, np.int64)
+        outs = (np.concatenate(self.outs) if self.outs
+                else np.zeros((0, *self.shape), self.dtype))
+        all_rows = C.gatherv_rows(self.comm, rows.astype(np.int64), self.root)
+        all_outs = C.gatherv_rows(self.comm, outs, self.root)
+        if self.comm.rank != self.root:
+            return None
+        result = np.empty((self.n, *self.shape), self.dtype)
+        result[all_rows] = all_outs
+        return result
