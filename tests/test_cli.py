@@ -179,3 +179,29 @@ def test_make_demo_arguments_reach_the_accuracy_target(tmp_path):
     m = json.loads((tmp_path / "demo" / "metrics.json").read_text())
     assert m["world_size"] == 2 and m["test_accuracy"] >= 0.95, m["test_accuracy"]
     assert "per-rank timing" in r.stdout and r.stdout.count("epoch ") >= 20
+
+
+@pytest.mark.parametrize("sync", [["--sync", "ps", "--ps-placement", "dedicated"],
+                                  ["--sync", "sharded-ps"], ["--sync", "overlapped", "--bucket-mb", "0.001"]])
+def test_cli_sync_modes_give_single_process_parameters(tmp_path, sync):
+    data = _npz(tmp_path)
+    args = ["train", "--dataset", data, "--epochs", "2", "--batch-size", "16", "--dtype", "float64",
+            "--hidden", "8", "--optimizer", "adam", "--lr", "0.01", "--no-progress"]
+    r1 = run_mpi(1, *args, "--out", str(tmp_path / "o1"))
+    r3 = run_mpi(3, *args, *sync, "--out", str(tmp_path / "o3"))
+    assert r1.returncode == 0 and r3.returncode == 0, r1.stderr + r3.stderr
+    np.testing.assert_allclose(_params(tmp_path / "o3"), _params(tmp_path / "o1"), rtol=1e-9, atol=1e-11)
+    m = json.loads((tmp_path / "o3" / "metrics.json").read_text())
+    assert m["sync"] == sync[1] and m["bytes_sent_per_step"] > 0
+
+
+def test_cli_async_ps_reports_staleness(tmp_path):
+    r = run_mpi(3, "train", "--dataset", "digits", "--epochs", "5", "--lr", "0.05", "--sync", "async-ps",
+                "--max-staleness", "4", "--no-progress", "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    m = json.loads((tmp_path / "o" / "metrics.json").read_text())
+    a = m["async"]
+    assert a["applied"] + a["dropped"] > 0 and 0 <= a["staleness_max"]
+    assert m["test_accuracy"] > 0.8 and m["params_in_sync"] is True
+    r = run_mpi(1, "train", "--sync", "async-ps", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "needs at least 2 ranks" in r.stderr

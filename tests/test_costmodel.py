@@ -1,0 +1,76 @@
+"""The alpha-beta-gamma cost model against hand-computed formulas."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from clitools import run_mpi
+
+from mpidp import compress
+from mpidp import costmodel as M
+
+FIT = M.Fit(alpha=2e-6, beta=1e-9, gamma=5e-10)
+
+
+def test_formulas_by_hand():
+    m = 1e6
+    assert M.allreduce_time(2, m, FIT, "ring") == pytest.approx(2 * 2e-6 + m * 1e-9 + 0.5 * m * 5e-10)
+    assert M.allreduce_time(8, m, FIT, "recursive-doubling") == pytest.approx(3 * (2e-6 + m * 1.5e-9))
+    ps = 6 * (2e-6 + m * 1e-9) + 3 * m * 5e-10
+    assert M.allreduce_time(4, m, FIT, "parameter-server") == pytest.approx(ps)
+    assert M.allreduce_time(1, m, FIT) == 0
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        M.allreduce_time(2, m, FIT, "gossip")
+
+
+def test_fits_recover_known_constants():
+    sizes = np.array([8, 1e3, 1e5, 1e6, 1e7])
+    alpha, beta = M.fit_alpha_beta(sizes, 3e-6 + sizes * 2e-10)
+    assert alpha == pytest.approx(3e-6, rel=1e-6) and beta == pytest.approx(2e-10, rel=1e-6)
+    fit = M.Fit(alpha, beta, 4e-10)
+    gamma = M.fit_gamma(4, sizes, M.allreduce_time(4, sizes, fit), alpha, beta)
+    assert gamma == pytest.approx(4e-10, rel=1e-6)
+
+
+def test_strong_scaling_and_ps_limit():
+    c = 1e-4  # s per sample
+    eff = M.efficiency(np.array([1, 2, 4, 1024]), 4e6, 512, c, FIT, "ring")
+    assert eff[0] == pytest.approx(1) and np.all(np.diff(eff) < 0)
+    # a central server: step time c B / P + 2 (P-1) m beta ... has an interior minimum
+    limit = M.ps_limit(4e6, 512, c, FIT)
+    Ps = np.array([limit // 2 or 1, limit, limit * 2])
+    t = M.step_time(Ps, 4e6, 512, c, FIT, "parameter-server")
+    assert t[1] <= t[0] and t[1] <= t[2]
+    rows = M.prediction_table(FIT, 1e-10, 512, params=(1e4, 1e9), Ps=(1, 2))
+    assert len(rows) == 2 * 3 * 2 and {r["algorithm"] for r in rows} == set(M.ALGORITHMS)
+
+
+@pytest.mark.parametrize("codec", compress.CODECS)
+def test_codecs_round_trip_within_their_precision(codec):
+    x = np.random.default_rng(0).standard_normal(1000).astype(np.float32) * 100
+    codes = compress.encode(x, codec)
+    assert codes.dtype == np.uint16
+    back = compress.decode(codes, codec)
+    rel = {"float16": 2**-11, "bfloat16": 2**-8}[codec]
+    assert np.all(np.abs(back - x) <= rel * np.abs(x) + 1e-6)
+    assert np.allclose(compress.decode(compress.add(codes, codes, codec), codec), 2 * back, rtol=rel)
+
+
+def test_bfloat16_rounds_to_nearest_even():
+    # 1 + 2**-8 is exactly halfway between bfloat16 neighbours 1 and 1 + 2**-7: ties to even (1)
+    x = np.array([1 + 2**-8, 1 + 3 * 2**-8], np.float32)
+    assert compress.decode(compress.encode(x, "bfloat16"), "bfloat16").tolist() == [1.0, 1 + 2**-6]
+
+
+def test_mpidp_model_command(tmp_path):
+    r = run_mpi(2, "model", "--out", str(tmp_path / "m"))
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "m" / "model.json").read_text())
+    assert report["fit"]["beta"] > 0 and report["compute_per_sample_s"] > 0
+    assert set(report["ps_stops_scaling_at"]) == {"10000", "100000", "1000000", "10000000",
+                                                  "100000000", "1000000000"}
+    assert "parameter-server" in (tmp_path / "m" / "model.md").read_text()
+    r = run_mpi(1, "model", "--out", str(tmp_path / "one"))
+    assert r.returncode == 2 and "at least 2 ranks" in r.stderr
