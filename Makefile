@@ -8,7 +8,7 @@ MPIEXEC ?= $(BIN)/mpiexec
 MPI_TIMEOUT ?= 600
 RANKS   ?= 1 2 3 4
 
-.PHONY: install demo test test-unit test-mpi bench bench-sync bench-partition bench-large lint clean
+.PHONY: install demo test test-unit test-mpi bench bench-sync bench-partition bench-large bench-multihost lint clean
 
 install: $(STAMP)
 
@@ -44,6 +44,10 @@ bench: $(STAMP)
 # Every synchronisation mode at P = 1, 2, 4, the cost model checked, accuracy of lossy modes.
 bench-sync: $(STAMP)
 	$(BIN)/python benchmarks/run_sync_bench.py
+
+# Step time and cost model across two test hosts (network namespaces; needs root).
+bench-multihost: $(STAMP)
+	$(BIN)/python benchmarks/bench_multihost.py
 
 # Buffers over 2 GiB through Bcast, Allreduce and Scatterv (needs ~10 GB of RAM; not in CI).
 bench-large: $(STAMP)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -58,7 +59,7 @@ def predictions(model: dict, strong: dict) -> list[dict]:
     rows = []
     for P in (2, 3, 4):
         measured = strong[P]["modes"]["allreduce"]["step_ms"] / 1e3
-        predicted = float(step_time(P, m, 512, t1 / 512, fit, "ring"))
+        predicted = float(step_time(P, m, 512, t1 / 512, fit, "ring", cores=os.cpu_count()))
         rows.append({"P": P, "measured_ms": measured * 1e3, "predicted_ms": predicted * 1e3,
                      "error": (predicted - measured) / measured})
     return rows

@@ -65,10 +65,16 @@ def allreduce_time(P, m, fit: Fit, algorithm: str = "ring"):
     return np.where(P <= 1, 0.0, t)
 
 
-def step_time(P, m, batch: int, compute_per_sample: float, fit: Fit, algorithm: str = "ring"):
-    """Predicted step seconds: ``compute_per_sample * batch / P`` plus communication."""
+def step_time(P, m, batch: int, compute_per_sample: float, fit: Fit, algorithm: str = "ring",
+              cores: int | None = None):
+    """Predicted step seconds: ``compute_per_sample * batch / P`` plus communication.
+
+    ``cores``: when the ranks share this many cores (P > cores oversubscribes them), the
+    compute runs at most ``cores`` ways in parallel: ``compute * batch / min(P, cores)``.
+    """
     P = np.asarray(P, float)
-    return compute_per_sample * batch / P + allreduce_time(P, m, fit, algorithm)
+    ways = P if cores is None else np.minimum(P, cores)
+    return compute_per_sample * batch / ways + allreduce_time(P, m, fit, algorithm)
 
 
 def efficiency(P, m, batch: int, compute_per_sample: float, fit: Fit, algorithm: str = "ring"):

@@ -74,3 +74,9 @@ def test_mpidp_model_command(tmp_path):
     assert "parameter-server" in (tmp_path / "m" / "model.md").read_text()
     r = run_mpi(1, "model", "--out", str(tmp_path / "one"))
     assert r.returncode == 2 and "at least 2 ranks" in r.stderr
+
+
+def test_oversubscribed_compute_runs_only_as_many_ways_as_cores():
+    t4 = M.step_time(4, 0, 512, 1e-4, M.Fit(0, 0, 0), cores=2)
+    assert t4 == pytest.approx(1e-4 * 512 / 2)
+    assert M.step_time(2, 0, 512, 1e-4, M.Fit(0, 0, 0), cores=2) == pytest.approx(1e-4 * 256)
