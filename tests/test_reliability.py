@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import zipfile
 
 import numpy as np
 import pytest
@@ -93,10 +94,17 @@ def _damage(path, how):
     data = bytearray(path.read_bytes())
     if how == "truncate":
         path.write_bytes(bytes(data[: len(data) // 2]))
-    else:  # flip bytes in the middle of the parameter data
-        for i in range(len(data) // 2, len(data) // 2 + 8):
-            data[i] ^= 0xFF
-        path.write_bytes(bytes(data))
+        return
+    # flip bytes inside the stored parameter values (not in zip padding or extra fields)
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo("params.npy")
+    local = info.header_offset
+    start = local + 30 + int.from_bytes(data[local + 26:local + 28], "little") \
+        + int.from_bytes(data[local + 28:local + 30], "little")
+    at = start + info.file_size - 16  # the last values of the array
+    for i in range(at, at + 8):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("how", ["truncate", "flip"])

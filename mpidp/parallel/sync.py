@@ -250,18 +250,32 @@ class ShardedParameterServer(Sync):
         return float(extras[0]), count, int(round(extras[2])), skipped
 
 
-class Accumulate(Sync):
-    """Gradient accumulation: sum gradients over ``k`` global batches locally, then ONE
-    ``Allreduce`` and one update — exactly training with global batch ``k * B`` (a group
-    is cut short at an epoch's end). ``1/k`` of the synchronisations."""
+class _Periodic(Sync):
+    """A strategy that synchronises every ``k`` steps and at the end of each epoch."""
 
-    name = "accumulate"
+    what = "synchronisation period"
 
     def __init__(self, k: int) -> None:
         super().__init__()
         if k < 1:
-            raise C.MpidpError(f"accumulation steps must be >= 1, got {k}")
+            raise C.MpidpError(f"{self.what} must be >= 1, got {k}")
         self.k, self.pending = int(k), 0
+
+    def due(self, dp: DataParallel) -> bool:
+        """Count this step; True (and restart the count) when it is time to synchronise."""
+        self.pending += 1
+        if self.pending < self.k and not dp.last_of_epoch:
+            return False
+        self.pending = 0
+        return True
+
+
+class Accumulate(_Periodic):
+    """Gradient accumulation: sum gradients over ``k`` global batches locally, then ONE
+    ``Allreduce`` and one update — exactly training with global batch ``k * B`` (a group
+    is cut short at an epoch's end). ``1/k`` of the synchronisations."""
+
+    name, what = "accumulate", "accumulation steps"
 
     def setup(self, dp: DataParallel) -> None:
         self.acc = np.zeros_like(dp.buf)
@@ -269,16 +283,14 @@ class Accumulate(Sync):
     def exchange(self, dp: DataParallel) -> tuple[float, int, int, bool]:
         with dp.timer.compute():
             self.acc += dp.buf
-            self.pending += 1
-        if self.pending < self.k and not dp.last_of_epoch:
+        if not self.due(dp):
             return 0.0, 0, 0, False  # no communication; totals arrive with the group
         dp.buf[...] = self.acc
         self.acc[...] = 0
-        self.pending = 0
         return super().exchange(dp)
 
 
-class LocalSGD(Sync):
+class LocalSGD(_Periodic):
     """Local SGD: each rank updates from its own part of the batch, and every ``k`` steps
     (and at each epoch's end) the parameters are averaged with one ``Allreduce``.
 
@@ -286,13 +298,7 @@ class LocalSGD(Sync):
     stays per rank; the benchmark measures the accuracy this costs.
     """
 
-    name = "local-sgd"
-
-    def __init__(self, k: int) -> None:
-        super().__init__()
-        if k < 1:
-            raise C.MpidpError(f"local SGD period must be >= 1, got {k}")
-        self.k, self.pending = int(k), 0
+    name, what = "local-sgd", "local SGD period"
 
     def setup(self, dp: DataParallel) -> None:
         self.totals = np.zeros(3, np.float64)
@@ -305,8 +311,7 @@ class LocalSGD(Sync):
             if count:
                 dp.optimizer.step_(dp.model.params, dp.model.grads, scale=1.0 / count)
             self.totals += dp.buf[n:]
-            self.pending += 1
-        if self.pending < self.k and not dp.last_of_epoch:
+        if not self.due(dp):
             return 0.0, 0, 0, False
         with dp.timer.communicate():
             self.avg[:n], self.avg[n:] = dp.model.params, self.totals
@@ -315,7 +320,6 @@ class LocalSGD(Sync):
         self.bytes_sent += self.avg.nbytes
         loss, count, correct = self.avg[n:]
         self.totals[...] = 0
-        self.pending = 0
         return float(loss), int(round(count)), int(round(correct)), False
 
 
