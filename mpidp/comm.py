@@ -344,3 +344,65 @@ class Watchdog:
         del sends
         time.sleep(_FORWARD_S)
         comm.Abort(3)
+
+
+# --- point-to-point and sub-communicators (pipeline parallelism) ------------------------
+
+def isend(comm: Comm, buf: np.ndarray, dest: int, tag: int) -> list[MPI.Request]:
+    """Start sending contiguous ``buf`` to ``dest``; returns the requests to wait on.
+
+    Buffers over :data:`MAX_COUNT` elements go as several messages with the same tag (MPI
+    keeps their order). ``buf`` must stay alive and unchanged until the requests complete.
+    """
+    flat = buf.reshape(-1)
+    return [comm.Isend(flat[lo:hi], dest=dest, tag=tag) for lo, hi in _pieces(flat.size)]
+
+
+def recv_(comm: Comm, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
+    """Receive into contiguous ``buf`` (shape agreed beforehand) from ``source``; returns ``buf``.
+
+    Matches :func:`isend` of a buffer with the same number of elements.
+    """
+    flat = buf.reshape(-1)
+    for lo, hi in _pieces(flat.size):
+        comm.Recv(flat[lo:hi], source=source, tag=tag)
+    return buf
+
+
+def wait_all(requests: Sequence[MPI.Request]) -> None:
+    """Complete every request in ``requests``."""
+    if requests:
+        MPI.Request.Waitall(list(requests))
+
+
+def all_done(requests: Sequence[MPI.Request]) -> bool:
+    """True when every request in ``requests`` has completed (does not block)."""
+    return bool(MPI.Request.Testall(list(requests))) if requests else True
+
+
+def split(comm: Comm, color: int, key: int) -> Comm:
+    """``comm.Split(color, key)``: ranks with the same ``color`` form a communicator,
+    ordered by ``key``. Collective."""
+    return comm.Split(color, key)
+
+
+def dup(comm: Comm) -> Comm:
+    """A private duplicate of ``comm`` (its messages never match the original's). Collective."""
+    return comm.Dup()
+
+
+def gatherv(comm: Comm, values: np.ndarray, root: int = 0) -> np.ndarray | None:
+    """Concatenate every rank's 1-D ``values`` (lengths may differ, same dtype) in rank order
+    on ``root``; None elsewhere. Collective."""
+    values = np.ascontiguousarray(values)
+    counts = allgather_counts(comm, values.size)
+    if counts.sum() > MAX_COUNT:
+        raise MpidpError(f"gatherv of {counts.sum()} elements exceeds one MPI call")
+    out = None
+    if comm.rank == root:
+        out = np.empty(int(counts.sum()), values.dtype)
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        comm.Gatherv(values, [out, (counts, displs)], root=root)
+    else:
+        comm.Gatherv(values, None, root=root)
+    return out
