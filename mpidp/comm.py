@@ -406,3 +406,8 @@ def gatherv(comm: Comm, values: np.ndarray, root: int = 0) -> np.ndarray | None:
     else:
         comm.Gatherv(values, None, root=root)
     return out
+
+
+def self_comm() -> Comm:
+    """``MPI.COMM_SELF``: a communicator of this rank alone."""
+    return MPI.COMM_SELF

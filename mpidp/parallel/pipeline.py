@@ -49,17 +49,20 @@ class Plan:
 @dataclass
 class PipeCounters:
     """Per-rank figures since the last :meth:`reset`: bytes and messages sent point to point,
-    bytes reduced across replicas, peak activation bytes, and (when tracing) every op."""
+    bytes reduced across replicas, and (when tracing) every op. Peak activation bytes: those
+    cached for backward by the micro-batches in flight (``peak_cached_bytes``, fixed by the
+    schedule) and those plus outputs still being sent (``peak_activation_bytes``)."""
 
     p2p_bytes: int = 0
     p2p_messages: int = 0
     allreduce_bytes: int = 0
+    peak_cached_bytes: int = 0
     peak_activation_bytes: int = 0
     trace: list[tuple[str, int, float, float, float]] = field(default_factory=list)
 
     def reset(self) -> None:
         self.p2p_bytes = self.p2p_messages = self.allreduce_bytes = 0
-        self.peak_activation_bytes = 0
+        self.peak_cached_bytes = self.peak_activation_bytes = 0
         self.trace.clear()
 
 
@@ -286,9 +289,11 @@ class Pipeline:
         self._run.sends = [(reqs, b) for reqs, b in self._run.sends if not C.all_done(reqs)]
 
     def _note_memory(self) -> None:
-        run = self._run
-        held = sum(run.alive.values()) + sum(b.nbytes for _, b in run.sends)
-        self.counters.peak_activation_bytes = max(self.counters.peak_activation_bytes, held)
+        run, c = self._run, self.counters
+        cached = sum(run.alive.values())
+        c.peak_cached_bytes = max(c.peak_cached_bytes, cached)
+        c.peak_activation_bytes = max(c.peak_activation_bytes,
+                                      cached + sum(b.nbytes for _, b in run.sends))
 
     def _trace(self, kind: str, i: int, t: float, cpu: float) -> None:
         if self.tracing:
