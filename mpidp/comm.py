@@ -369,15 +369,17 @@ def recv_(comm: Comm, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
     return buf
 
 
+def irecv(comm: Comm, buf: np.ndarray, source: int, tag: int) -> list[MPI.Request]:
+    """Start receiving into contiguous ``buf`` from ``source`` (the non-blocking :func:`recv_`);
+    returns the requests to wait on."""
+    flat = buf.reshape(-1)
+    return [comm.Irecv(flat[lo:hi], source=source, tag=tag) for lo, hi in _pieces(flat.size)]
+
+
 def wait_all(requests: Sequence[MPI.Request]) -> None:
     """Complete every request in ``requests``."""
     if requests:
         MPI.Request.Waitall(list(requests))
-
-
-def all_done(requests: Sequence[MPI.Request]) -> bool:
-    """True when every request in ``requests`` has completed (does not block)."""
-    return bool(MPI.Request.Testall(list(requests))) if requests else True
 
 
 def split(comm: Comm, color: int, key: int) -> Comm:

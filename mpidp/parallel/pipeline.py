@@ -205,7 +205,6 @@ class Pipeline:
         t_step = time.perf_counter()
         for kind, i in self.ops:
             (self._forward if kind == "F" else self._backward)(i)
-            self._reap_sends()
         with self.timer.communicate():
             C.wait_all([r for reqs, _ in self._run.sends for r in reqs])
         buf, k = self._buf, self.model.n_params
@@ -237,10 +236,10 @@ class Pipeline:
         lo, size = int(run.starts[i]), int(run.sizes[i])
         if self.first:
             x = run.X[lo:lo + size]
+            self._exchange(None, -1, _TAG_F)
         else:
             x = np.empty((size, self.plan.widths[self.lo]), self.model.dtype)
-            with self.timer.communicate():
-                C.recv_(self.pipe, x, self.stage - 1, _TAG_F)
+            self._exchange(x, self.stage - 1, _TAG_F)
         slot = run.slots[i % self.n_slots] = self._slot()
         t, cpu = time.perf_counter(), time.process_time()
         with self.timer.compute():
@@ -262,10 +261,10 @@ class Pipeline:
         run = self._run
         if self.last:
             dy = run.dy.pop(i)
+            self._exchange(None, -1, _TAG_B)
         else:
             dy = np.empty((int(run.sizes[i]), self.plan.widths[self.hi]), self.model.dtype)
-            with self.timer.communicate():
-                C.recv_(self.pipe, dy, self.stage + 1, _TAG_B)
+            self._exchange(dy, self.stage + 1, _TAG_B)
         slot = run.slots[i % self.n_slots]
         t, cpu = time.perf_counter(), time.process_time()
         with self.timer.compute():
@@ -284,9 +283,23 @@ class Pipeline:
         self.counters.p2p_bytes += buf.nbytes
         self.counters.p2p_messages += 1
 
-    def _reap_sends(self) -> None:
-        """Forget sends that completed, so their buffers can be freed."""
-        self._run.sends = [(reqs, b) for reqs, b in self._run.sends if not C.all_done(reqs)]
+    def _exchange(self, buf: np.ndarray | None, source: int, tag: int) -> None:
+        """Receive this op's input into ``buf`` (None: no input) and complete the sends still
+        in flight, all in one wait, before computing.
+
+        A large message moves only while both ranks are inside MPI: a send left pending
+        during the next computation would delay the neighbour by a whole op. Waiting for the
+        sends together with the next receive (not one after the other) cannot deadlock: in
+        1F1B, neighbours that send to each other at the same time each expect the other's
+        message next, and both receives are posted before either waits.
+        """
+        run = self._run
+        reqs = [r for pending, _ in run.sends for r in pending]
+        if buf is not None:
+            reqs += C.irecv(self.pipe, buf, source, tag)
+        with self.timer.communicate():
+            C.wait_all(reqs)
+        run.sends = []
 
     def _note_memory(self) -> None:
         run, c = self._run, self.counters

@@ -142,7 +142,7 @@ def test_step_sends_only_buffers_of_the_agreed_shapes(comm, schedule):
     all_ranks(comm, pipe.counters.p2p_bytes == sent * 8, f"{pipe.counters.p2p_bytes} != {sent * 8}")
     n_msgs = 4 * ((s < P - 1) + (s > 0))
     calls = pipe.pipe.calls
-    all_ranks(comm, sorted(calls) == sorted(["Isend"] * n_msgs + ["Recv"] * n_msgs), str(calls))
+    all_ranks(comm, sorted(calls) == sorted(["Isend"] * n_msgs + ["Irecv"] * n_msgs), str(calls))
 
 
 @pytest.mark.mpi(min_size=2)
