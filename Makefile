@@ -8,7 +8,7 @@ MPIEXEC ?= $(BIN)/mpiexec
 MPI_TIMEOUT ?= 600
 RANKS   ?= 1 2 3 4
 
-.PHONY: install demo test test-unit test-mpi bench bench-large lint clean
+.PHONY: install demo test test-unit test-mpi bench bench-large bench-parallel lint clean
 
 install: $(STAMP)
 
@@ -46,6 +46,13 @@ bench-large: $(STAMP)
 	mkdir -p benchmarks/results
 	OMP_NUM_THREADS=1 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 2 $(BIN)/python benchmarks/bench_large.py \
 	  --gib 2.2 --out benchmarks/results/large.json
+
+# Data parallel vs pipeline (GPipe, 1F1B) vs hybrid at P = 2 and 4: memory, bytes, bubble,
+# throughput, largest model in a memory budget -> benchmarks/results/parallel.{json,md,png}.
+bench-parallel: $(STAMP)
+	mkdir -p benchmarks/results
+	timeout 3600 $(BIN)/python benchmarks/bench_parallel.py --out benchmarks/results/parallel \
+	  --mpiexec $(MPIEXEC) --budget-mib 256
 
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff && $(BIN)/ruff check mpidp tests benchmarks

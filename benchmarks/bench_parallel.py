@@ -30,6 +30,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,9 +91,10 @@ def run_data(comm, a, X, y, rss0) -> dict:
 
 
 def _bubble(comm, pipe, step, reps: int) -> dict:
-    """Per-rank idle share of traced steps (each after a barrier), by wall clock and by replay."""
+    """Per-rank idle share of traced steps (each after a barrier): by wall clock (median over
+    steps), and by replaying each op's median CPU time over the steps."""
     from mpidp.parallel import stages as St
-    walls, replays = [], []
+    walls, cpu = [], []
     for _ in range(reps):
         pipe.counters.trace.clear()
         pipe.tracing = True
@@ -105,14 +107,15 @@ def _bubble(comm, pipe, step, reps: int) -> dict:
         rows = pipe.pipe.allgather(row)
         span = max(r[1] for r in rows) - min(r[0] for r in rows)
         walls.append(1 - row[2] / span)
-        scheds = [St.schedule(pipe.schedule, pipe.n_stages, s, pipe.micro_batches)
-                  for s in range(pipe.n_stages)]
-        busy, makespan = St.replay(scheds, [r[3] for r in rows])
-        replays.append(1 - busy[pipe.stage] / makespan)
-    return {"idle_wall": statistics.median(walls), "idle_replay": statistics.median(replays)}
+        cpu.append([r[3] for r in rows])
+    scheds = [St.schedule(pipe.schedule, pipe.n_stages, s, pipe.micro_batches)
+              for s in range(pipe.n_stages)]
+    durations = [np.median([c[s] for c in cpu], axis=0) for s in range(pipe.n_stages)]
+    busy, makespan = St.replay(scheds, durations)
+    return {"idle_wall": statistics.median(walls), "idle_replay": 1 - busy[pipe.stage] / makespan}
 
 
-def run_pipeline(comm, a, X, y, rss0, m: int | None = None) -> dict:
+def run_pipeline(comm, a, X, y, rss0, m: int | None = None, sweep: bool = False) -> dict:
     from mpidp import nn
     from mpidp.parallel import Pipeline
     from mpidp.partition import block_range
@@ -127,15 +130,20 @@ def run_pipeline(comm, a, X, y, rss0, m: int | None = None) -> dict:
     step = lambda: pipe.step(Xl, yl, hi - lo)
     step()
     pipe.counters.reset()
-    wall, cpu = _timed(comm, step, a.steps, a.warmup, a.repeats)
-    n_steps = a.steps * a.repeats + a.warmup
+    if sweep:  # only the bubble and the activation peak: no throughput runs
+        wall = cpu = n_steps = 1
+    else:
+        wall, cpu = _timed(comm, step, a.steps, a.warmup, a.repeats)
+        n_steps = a.steps * a.repeats + a.warmup
     c = pipe.counters
+    comm_bytes = (c.p2p_bytes + c.allreduce_bytes) / n_steps
+    bubble = _bubble(comm, pipe, step, a.bubble_reps)  # traced steps also set the memory peaks
     out = {"param_bytes": pipe.model.params.nbytes + pipe._buf.nbytes,
            "activation_bytes": c.peak_activation_bytes, "cached_bytes": c.peak_cached_bytes,
-           "comm_bytes": (c.p2p_bytes + c.allreduce_bytes) / n_steps, "step_s": wall,
+           "comm_bytes": comm_bytes, "step_s": wall,
            "cpu_s": cpu, "rss0_kib": rss0, "stage": pipe.stage, "bounds": pipe.plan.bounds,
            "m": m, "stages": n_stages}
-    out.update(_bubble(comm, pipe, step, a.bubble_reps))
+    out.update(bubble)
     return out
 
 
@@ -147,7 +155,7 @@ def worker(a) -> None:
     y = rng.integers(0, a.width, a.batch)
     rss0 = rss_kib("VmRSS")
     if a.sweep:
-        rows = [comm.gather(run_pipeline(comm, a, X, y, rss0, m)) for m in a.sweep]
+        rows = [comm.gather(run_pipeline(comm, a, X, y, rss0, m, True)) for m in a.sweep]
     else:
         run = run_data if a.mode == "data" else run_pipeline
         result = run(comm, a, X, y, rss0)
@@ -166,7 +174,8 @@ def launch(a, P: int, extra: list[str], tmp: Path) -> list:
            "MKL_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     cmd = [a.mpiexec, "-n", str(P), sys.executable, str(Path(__file__).resolve()), "--worker",
            "--json", str(out), "--batch", str(a.batch), "--steps", str(a.steps),
-           "--warmup", str(a.warmup), "--repeats", str(a.repeats), *extra]
+           "--warmup", str(a.warmup), "--repeats", str(a.repeats),
+           "--bubble-reps", str(a.bubble_reps), *extra]
     subprocess.run(cmd, env=env, check=True, timeout=a.timeout)
     return json.loads(out.read_text())
 
@@ -199,18 +208,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/results/parallel", help="path prefix for .json/.md/.png")
     p.add_argument("--ranks", default="2,4")
-    p.add_argument("--models", default="256x4,512x4,512x8,1024x8", help="WIDTHxDEPTH,...")
+    p.add_argument("--models", default="256x4,512x4,1024x4,1024x8", help="WIDTHxDEPTH,...")
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--bubble-reps", type=int, default=3)
+    p.add_argument("--bubble-reps", type=int, default=5, help="traced steps per bubble figure")
     p.add_argument("--sweep-model", default="1024x8", help="model of the bubble-vs-m sweep")
     p.add_argument("--sweep", default="1,2,4,8,16", help="micro-batch counts of the sweep")
     p.add_argument("--budget-mib", type=float, default=256, help="memory budget per rank")
     p.add_argument("--budget-depth", type=int, default=8)
     p.add_argument("--mpiexec", default=str(Path(sys.executable).parent / "mpiexec"))
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--from-raw", action="store_true", help="only rebuild the reports from OUT.raw.json")
     # worker-only
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
@@ -225,14 +235,23 @@ def main(argv=None) -> int:
         worker(a)
         return 0
     from bench_parallel_report import write_reports
-    results = drive(a)
+    raw = Path(a.out).with_suffix(".raw.json")
+    if a.from_raw:
+        results = json.loads(raw.read_text())
+    else:
+        results = drive(a)
+        raw.write_text(json.dumps(results))
     write_reports(a, results)
     return 0
 
 
 def drive(a) -> dict:
-    tmp = Path(a.out).parent
-    tmp.mkdir(parents=True, exist_ok=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench-parallel-") as tmp:
+        return _drive(a, Path(tmp))
+
+
+def _drive(a, tmp: Path) -> dict:
     ranks = [int(r) for r in a.ranks.split(",")]
     runs, sweeps = [], []
     for P in ranks:

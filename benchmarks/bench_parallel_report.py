@@ -90,7 +90,8 @@ def activation_checks(sweeps: list[dict]) -> tuple[list[str], list[dict]]:
                 continue
             g = max(x["cached_bytes"] for x in rows)
             f = max(x["cached_bytes"] for x in by[(P, "1f1b")][m])
-            ok = f <= (P / m) * g * 1.001
+            ok = 0 < g and f <= (P / m) * g * 1.001
+            g = g or float("nan")
             out.append({"P": P, "m": m, "ratio": f / g, "bound": P / m, "ok": ok})
             lines.append(f"| {P} | {m} | {g / MIB:.2f} | {f / MIB:.2f} | {f / g:.3f} | "
                          f"{P / m:.3f} | {'yes' if ok else 'NO'} |")
