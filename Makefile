@@ -8,7 +8,7 @@ MPIEXEC ?= $(BIN)/mpiexec
 MPI_TIMEOUT ?= 600
 RANKS   ?= 1 2 3 4
 
-.PHONY: install demo test test-unit test-mpi bench bench-sync bench-partition bench-large bench-multihost lint clean
+.PHONY: install demo test test-unit test-mpi bench bench-sync bench-partition bench-parallel bench-large bench-multihost lint clean
 
 install: $(STAMP)
 
@@ -59,6 +59,13 @@ bench-large: $(STAMP)
 # writes benchmarks/results/partition.{json,md,png} and prints the targets of issue 3.
 bench-partition: $(STAMP)
 	$(BIN)/python benchmarks/bench_partition.py --mpiexec $(MPIEXEC)
+
+# Data parallel vs pipeline (GPipe, 1F1B) vs hybrid at P = 2 and 4: memory, bytes, bubble,
+# throughput, largest model in a memory budget -> benchmarks/results/parallel.{json,md,png}.
+bench-parallel: $(STAMP)
+	mkdir -p benchmarks/results
+	timeout 3600 $(BIN)/python benchmarks/bench_parallel.py --out benchmarks/results/parallel \
+	  --mpiexec $(MPIEXEC) --budget-mib 256
 
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff && $(BIN)/ruff check mpidp tests benchmarks

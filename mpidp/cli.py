@@ -109,6 +109,14 @@ def _add_train(sub) -> None:
     a("--no-shuffle", action="store_true", help="visit samples in file order every epoch")
     a("--drop-last", action="store_true", help="skip the last, smaller batch of each epoch")
     a("--no-progress", action="store_true", help="no progress bar")
+    m = p.add_argument_group("model parallelism")
+    m.add_argument("--parallel", choices=("data", "pipeline", "hybrid"), default="data",
+                   help="data: every rank a replica; pipeline: consecutive layers on consecutive "
+                   "ranks; hybrid: pipelines of 2 stages x P/2 data-parallel replicas")
+    m.add_argument("--micro-batches", type=_positive(int), default=4,
+                   help="pipeline/hybrid: micro-batches per batch (sizes differ by at most 1)")
+    m.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b",
+                   help="pipeline/hybrid: gpipe (all forwards, then all backwards) or 1f1b")
     r = p.add_argument_group("reliability")
     r.add_argument("--checkpoint-dir", default=None,
                    help="folder for checkpoints (rank 0 writes them atomically, with a checksum)")
@@ -249,6 +257,9 @@ def _fit_async(args, comm, dp: DataParallel, data: D.Data, report) -> tuple[list
 
 def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     """Run ``mpidp train``. Collective. Returns the metrics on rank 0, None elsewhere."""
+    if getattr(args, "parallel", "data") != "data":
+        from .cli_pipeline import train_model_parallel
+        return train_model_parallel(args, comm)
     t_start = time.perf_counter()
     C.root_decides(comm, _check_out, args.out)
     if not 0 <= args.test_fraction < 1:

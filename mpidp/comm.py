@@ -362,11 +362,6 @@ def iallreduce_sum_(comm: Comm, buf: np.ndarray) -> MPI.Request:
     return comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
 
-def wait_all(requests: list) -> None:
-    """Complete non-blocking operations started here."""
-    MPI.Request.Waitall(requests)
-
-
 def reduce_scatter_sum(comm: Comm, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
     """Sum ``send`` ``(size * k,)`` over ranks; rank ``r`` gets block ``r`` ``(k,)``. Collective."""
     comm.Reduce_scatter_block(send, recv, op=MPI.SUM)
@@ -419,22 +414,8 @@ def time_allreduce(comm: Comm, n: int, dtype=np.float32, reps: int = 20) -> floa
     return float(np.median(times[2:]))
 
 
-def isend(comm: Comm, buf: np.ndarray, dest: int, tag: int) -> MPI.Request:
-    """Start sending ``buf`` (buffer-based) to ``dest``."""
-    return comm.Isend(buf, dest=dest, tag=tag)
-
-
-def irecv(comm: Comm, buf: np.ndarray, source: int, tag: int) -> MPI.Request:
-    """Start receiving into ``buf`` from ``source``."""
-    return comm.Irecv(buf, source=source, tag=tag)
-
-
 def send(comm: Comm, buf: np.ndarray, dest: int, tag: int) -> None:
     comm.Send(buf, dest=dest, tag=tag)
-
-
-def recv(comm: Comm, buf: np.ndarray, source: int, tag: int) -> None:
-    comm.Recv(buf, source=source, tag=tag)
 
 
 MPI_REQUEST_NULL = MPI.REQUEST_NULL
@@ -563,3 +544,72 @@ def allreduce_(comm: Comm, buf: np.ndarray, op: str) -> np.ndarray:
     ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
     comm.Allreduce(MPI.IN_PLACE, buf, op=ops[op])
     return buf
+
+
+# --- point-to-point and sub-communicators (pipeline parallelism) ------------------------
+
+def isend(comm: Comm, buf: np.ndarray, dest: int, tag: int) -> list[MPI.Request]:
+    """Start sending contiguous ``buf`` to ``dest``; returns the requests to wait on.
+
+    Buffers over :data:`MAX_COUNT` elements go as several messages with the same tag (MPI
+    keeps their order). ``buf`` must stay alive and unchanged until the requests complete.
+    """
+    flat = buf.reshape(-1)
+    return [comm.Isend(flat[lo:hi], dest=dest, tag=tag) for lo, hi in _pieces(flat.size)]
+
+
+def recv_(comm: Comm, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
+    """Receive into contiguous ``buf`` (shape agreed beforehand) from ``source``; returns ``buf``.
+
+    Matches :func:`isend` of a buffer with the same number of elements.
+    """
+    flat = buf.reshape(-1)
+    for lo, hi in _pieces(flat.size):
+        comm.Recv(flat[lo:hi], source=source, tag=tag)
+    return buf
+
+
+def irecv(comm: Comm, buf: np.ndarray, source: int, tag: int) -> list[MPI.Request]:
+    """Start receiving into contiguous ``buf`` from ``source`` (the non-blocking :func:`recv_`);
+    returns the requests to wait on."""
+    flat = buf.reshape(-1)
+    return [comm.Irecv(flat[lo:hi], source=source, tag=tag) for lo, hi in _pieces(flat.size)]
+
+
+def wait_all(requests: Sequence[MPI.Request]) -> None:
+    """Complete every request in ``requests``."""
+    if requests:
+        MPI.Request.Waitall(list(requests))
+
+
+def split(comm: Comm, color: int, key: int) -> Comm:
+    """``comm.Split(color, key)``: ranks with the same ``color`` form a communicator,
+    ordered by ``key``. Collective."""
+    return comm.Split(color, key)
+
+
+def dup(comm: Comm) -> Comm:
+    """A private duplicate of ``comm`` (its messages never match the original's). Collective."""
+    return comm.Dup()
+
+
+def gatherv(comm: Comm, values: np.ndarray, root: int = 0) -> np.ndarray | None:
+    """Concatenate every rank's 1-D ``values`` (lengths may differ, same dtype) in rank order
+    on ``root``; None elsewhere. Collective."""
+    values = np.ascontiguousarray(values)
+    counts = allgather_counts(comm, values.size)
+    if counts.sum() > MAX_COUNT:
+        raise MpidpError(f"gatherv of {counts.sum()} elements exceeds one MPI call")
+    out = None
+    if comm.rank == root:
+        out = np.empty(int(counts.sum()), values.dtype)
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        comm.Gatherv(values, [out, (counts, displs)], root=root)
+    else:
+        comm.Gatherv(values, None, root=root)
+    return out
+
+
+def self_comm() -> Comm:
+    """``MPI.COMM_SELF``: a communicator of this rank alone."""
+    return MPI.COMM_SELF

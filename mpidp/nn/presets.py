@@ -28,6 +28,12 @@ def logreg(n_in: int, n_classes: int, dtype: npt.DTypeLike = np.float32) -> Sequ
 def mlp(n_in: int, hidden: Sequence[int], n_out: int, activation: str = "relu",
         dtype: npt.DTypeLike = np.float32) -> Sequential:
     """Multi-layer perceptron ``n_in -> hidden[0] -> ... -> n_out`` with ``activation``."""
+    return Sequential(mlp_layers(n_in, hidden, n_out, activation), n_in, dtype)
+
+
+def mlp_layers(n_in: int, hidden: Sequence[int], n_out: int,
+               activation: str = "relu") -> list[L.Layer]:
+    """The layers of :func:`mlp`, not yet bound to parameters (nothing is allocated)."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(_ACTIVATIONS)}")
     act = (lambda: L.ReLU(inplace=True)) if activation == "relu" else _ACTIVATIONS[activation]
@@ -37,7 +43,7 @@ def mlp(n_in: int, hidden: Sequence[int], n_out: int, activation: str = "relu",
     for a, b in zip(dims[:-1], dims[1:]):
         layers += [L.Dense(a, b, init=init), act()]
     layers.append(L.Dense(dims[-1], n_out, init="xavier"))
-    return Sequential(layers, n_in, dtype)
+    return layers
 
 
 def build(name: str, n_in: int, n_out: int, hidden: Sequence[int] = (128, 64),

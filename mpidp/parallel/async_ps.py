@@ -51,8 +51,8 @@ def _worker(comm, model, loss, shard, epochs, batch_size, seed, root) -> None:
             model.backward(loss.backward(), input_grad=False)
             msg[n + 1:n + 4] = (len(X), epoch, version[0])
             C.send(comm, msg, root, _PUSH)
-            C.recv(comm, model.params, root, _PULL)  # fresh parameters...
-            C.recv(comm, version, root, _PULL)       # ...and their version
+            C.recv_(comm, model.params, root, _PULL)  # fresh parameters...
+            C.recv_(comm, version, root, _PULL)      # ...and their version
     msg[n + 3] = -1
     C.send(comm, msg, root, _PUSH)
 
@@ -61,7 +61,7 @@ def _server(comm, model, optimizer, root, max_staleness) -> AsyncStats:
     n, stats, version = model.n_params, AsyncStats(), np.zeros(1, np.int64)
     workers = [r for r in range(comm.size) if r != root]
     bufs = {w: np.zeros(n + 4, model.dtype) for w in workers}
-    reqs = [C.irecv(comm, bufs[w], w, _PUSH) for w in workers]
+    reqs = [C.irecv(comm, bufs[w], w, _PUSH)[0] for w in workers]  # one piece each
     active = len(workers)
     while active:
         i = C.wait_any(reqs)
@@ -83,7 +83,7 @@ def _server(comm, model, optimizer, root, max_staleness) -> AsyncStats:
             stats.dropped += 1
         C.send(comm, model.params, w, _PULL)
         C.send(comm, version, w, _PULL)
-        reqs[i] = C.irecv(comm, msg, w, _PUSH)
+        reqs[i] = C.irecv(comm, msg, w, _PUSH)[0]
     return stats
 
 
@@ -96,6 +96,9 @@ def train_async(model: Sequential, optimizer: Optimizer, loss: Loss, comm: C.Com
     (summary only off root). Parameters end identical on every rank (one ``Bcast``)."""
     if comm.size < 2:
         raise C.MpidpError("async-ps needs at least 2 ranks (a server and a worker)")
+    if model.n_params + 4 > C.MAX_COUNT:
+        raise C.MpidpError("async-ps sends the parameters in one message: at most "
+                           f"{C.MAX_COUNT - 4} parameters, got {model.n_params}")
     if max_staleness < 0:
         raise C.MpidpError(f"max staleness must be >= 0, got {max_staleness}")
     steps_per_epoch(shard.n_total, batch_size)  # validates batch_size

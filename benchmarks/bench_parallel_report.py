@@ -1,0 +1,202 @@
+"""Tables, targets and plot for ``bench_parallel.py`` (JSON + Markdown + PNG)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+MIB = 2**20
+LABEL = {"data": "data parallel", "gpipe": "pipeline GPipe", "1f1b": "pipeline 1F1B",
+         "hybrid": "hybrid 2 stages x 2 (1F1B)"}
+
+
+def predicted(P: int, m: int) -> float:
+    return (P - 1) / (m + P - 1)
+
+
+def _row(run: dict) -> dict:
+    """One line of the comparison table: worst rank for memory, mean rank for idle."""
+    r = run["ranks"]
+    P, m = run["P"], run["m"]
+    step = r[0]["step_s"]
+    stages = r[0].get("stages", 1)
+    pred = predicted(stages, m) if run["mode"] != "data" else None
+    return {"P": P, "mode": run["mode"], "model": f"{run['width']}x{run['depth']}",
+            "param_mib": max(x["param_bytes"] for x in r) / MIB,
+            "act_mib": max(x["activation_bytes"] for x in r) / MIB,
+            "rss_mib": max(x["rss_peak_kib"] for x in r) / 1024,
+            "rss_model_mib": max(x["rss_peak_kib"] - x["rss0_kib"] for x in r) / 1024,
+            "comm_mib": max(x["comm_bytes"] for x in r) / MIB,
+            "step_ms": step * 1e3, "samples_s": run.get("batch", 512) / step,
+            "cpu_ms": float(np.mean([x["cpu_s"] for x in r])) * 1e3,
+            "idle_wall": float(np.mean([x["idle_wall"] for x in r])),
+            "idle_replay": (float(np.mean([x["idle_replay"] for x in r]))
+                            if "idle_replay" in r[0] else None), "predicted": pred,
+            "cpu_imbalance": max(x["cpu_s"] for x in r) / np.mean([x["cpu_s"] for x in r])}
+
+
+def _fmt(v, spec=".3f"):
+    return "–" if v is None else format(v, spec)
+
+
+def comparison_table(runs: list[dict]) -> list[str]:
+    lines = ["| P | model (width x depth) | mode | params+grads MiB/rank | activations MiB/rank | "
+             "peak RSS MiB/rank (model part) | MPI payload MiB/step/rank | step ms | samples/s | "
+             "CPU ms/step/rank | idle wall | idle replay | predicted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        x = _row(run)
+        lines.append(f"| {x['P']} | {x['model']} | {LABEL[x['mode']]} | {x['param_mib']:.2f} | "
+                     f"{x['act_mib']:.2f} | {x['rss_mib']:.0f} ({x['rss_model_mib']:.0f}) | "
+                     f"{x['comm_mib']:.2f} | {x['step_ms']:.0f} | {x['samples_s']:.0f} | "
+                     f"{x['cpu_ms']:.0f} | {x['idle_wall']:.3f} | {_fmt(x['idle_replay'])} | "
+                     f"{_fmt(x['predicted'])} |")
+    return lines
+
+
+def sweep_checks(sweeps: list[dict]) -> tuple[list[str], list[dict]]:
+    """Bubble per rank vs prediction for every (P, schedule, m); 1F1B vs GPipe activations."""
+    lines = ["| P | schedule | m | predicted | idle replay per rank | idle wall per rank | "
+             "max abs(replay - predicted) | within 0.05 |", "|---|---|---|---|---|---|---|---|"]
+    checks = []
+    for sw in sweeps:
+        for rows in sw["by_m"]:
+            P, m = sw["P"], rows[0]["m"]
+            rep = [x["idle_replay"] for x in rows]
+            wall = [x["idle_wall"] for x in rows]
+            err = max(abs(v - predicted(P, m)) for v in rep)
+            werr = max(abs(v - predicted(P, m)) for v in wall)
+            checks.append({"P": P, "schedule": sw["schedule"], "m": m, "replay_err": err,
+                           "wall_err": werr, "ok": err <= 0.05})
+            lines.append(f"| {P} | {sw['schedule']} | {m} | {predicted(P, m):.3f} | "
+                         f"{', '.join(f'{v:.3f}' for v in rep)} | "
+                         f"{', '.join(f'{v:.3f}' for v in wall)} | {err:.3f} | "
+                         f"{'yes' if err <= 0.05 else 'NO'} |")
+    return lines, checks
+
+
+def activation_checks(sweeps: list[dict]) -> tuple[list[str], list[dict]]:
+    by = {(s["P"], s["schedule"]): {rows[0]["m"]: rows for rows in s["by_m"]} for s in sweeps}
+    lines = ["| P | m | GPipe peak cached MiB (max rank) | 1F1B | ratio | P/m | <= P/m |",
+             "|---|---|---|---|---|---|---|"]
+    out = []
+    for (P, sched), ms in sorted(by.items()):
+        if sched != "gpipe" or (P, "1f1b") not in by:
+            continue
+        for m, rows in sorted(ms.items()):
+            if m < 2 * P or m not in by[(P, "1f1b")]:
+                continue
+            g = max(x["cached_bytes"] for x in rows)
+            f = max(x["cached_bytes"] for x in by[(P, "1f1b")][m])
+            ok = 0 < g and f <= (P / m) * g * 1.001
+            g = g or float("nan")
+            out.append({"P": P, "m": m, "ratio": f / g, "bound": P / m, "ok": ok})
+            lines.append(f"| {P} | {m} | {g / MIB:.2f} | {f / MIB:.2f} | {f / g:.3f} | "
+                         f"{P / m:.3f} | {'yes' if ok else 'NO'} |")
+    return lines, out
+
+
+def param_checks(runs: list[dict]) -> tuple[list[str], list[dict]]:
+    from bench_parallel import param_bytes_model
+    lines = ["| P | model | mode | max params+grads per rank MiB | replica/P | largest stage "
+             "imbalance | bound | ok | predicted = measured |", "|---|---|---|---|---|---|---|---|---|"]
+    out = []
+    dp = {(r["P"], r["width"], r["depth"]): r["ranks"][0]["param_bytes"] for r in runs
+          if r["mode"] == "data"}
+    for r in runs:
+        if r["mode"] not in ("gpipe", "1f1b") or (r["P"], r["width"], r["depth"]) not in dp:
+            continue
+        per = [x["param_bytes"] for x in r["ranks"]]
+        share = dp[(r["P"], r["width"], r["depth"])] / r["P"]
+        imbalance = max(per) - sum(per) / len(per)
+        ok = max(per) <= share + imbalance + 64
+        same = per == param_bytes_model(r["width"], r["depth"], r["P"], r["mode"])
+        out.append({"P": r["P"], "ok": ok, "formula_exact": same})
+        lines.append(f"| {r['P']} | {r['width']}x{r['depth']} | {r['mode']} | {max(per) / MIB:.2f} | "
+                     f"{share / MIB:.2f} | {imbalance / MIB:.2f} | {(share + imbalance) / MIB:.2f} | "
+                     f"{'yes' if ok else 'NO'} | {same} |")
+    return lines, out
+
+
+def budget_table(a, runs: list[dict]) -> list[str]:
+    from bench_parallel import largest_width
+    a.act_per_sample, a.ref_width = {}, 1
+    deep = [r for r in runs if r["depth"] == a.budget_depth]
+    if not deep:
+        return ["(no measured model of the budget depth)"]
+    widest = max(r["width"] for r in deep)
+    for r in deep:
+        if r["width"] == widest:  # activation bytes per (width x sample), measured
+            key = (r["mode"], r["P"])
+            a.act_per_sample[key] = max(x["activation_bytes"] for x in r["ranks"]) / widest / a.batch
+    lines = [f"Largest width of a depth-{a.budget_depth} MLP whose parameters + gradients + "
+             f"activations (batch {a.batch}) fit {a.budget_mib:.0f} MiB on every rank:", "",
+             "| P | mode | largest width | parameters (millions) |", "|---|---|---|---|"]
+    for (mode, P) in sorted(a.act_per_sample, key=lambda k: (k[1], k[0])):
+        w = largest_width(a, mode, P)
+        n = (w * w + w) * a.budget_depth / 1e6
+        lines.append(f"| {P} | {LABEL[mode]} | {w} | {n:.1f} |")
+    return lines
+
+
+def plot(path: Path, results: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    ax = axes[0]
+    for sw in results["sweeps"]:
+        ms = [rows[0]["m"] for rows in sw["by_m"]]
+        rep = [np.mean([x["idle_replay"] for x in rows]) for rows in sw["by_m"]]
+        wall = [np.mean([x["idle_wall"] for x in rows]) for rows in sw["by_m"]]
+        ax.plot(ms, rep, "o-", label=f"P={sw['P']} {sw['schedule']} replay")
+        ax.plot(ms, wall, "x:", label=f"P={sw['P']} {sw['schedule']} wall")
+    for P in sorted({sw["P"] for sw in results["sweeps"]}):
+        ms = np.arange(1, 17)
+        ax.plot(ms, [predicted(P, m) for m in ms], "k--", lw=0.8)
+    ax.set(xscale="log", xlabel="micro-batches m", ylabel="idle fraction (mean over ranks)",
+           title="bubble: measured vs (P-1)/(m+P-1) (dashed)")
+    ax.legend(fontsize=6)
+    rows = [_row(r) for r in results["runs"]]
+    for ax, key, title in ((axes[1], "param_mib", "params+grads per rank (MiB)"),
+                           (axes[2], "samples_s", "throughput (samples/s)")):
+        for P in sorted({x["P"] for x in rows}):
+            for mode in LABEL:
+                pts = [x for x in rows if x["P"] == P and x["mode"] == mode]
+                if pts:
+                    ax.plot([x["model"] for x in pts], [x[key] for x in pts], "o-",
+                            label=f"P={P} {mode}")
+        ax.set(title=title, xlabel="model (width x depth)")
+        ax.legend(fontsize=6)
+    axes[1].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_reports(a, results: dict) -> None:
+    out = Path(a.out)
+    sweep_lines, bubble = sweep_checks(results["sweeps"])
+    act_lines, act = activation_checks(results["sweeps"])
+    par_lines, par = param_checks(results["runs"])
+    results["targets"] = {
+        "bubble_within_0.05_replay": all(c["ok"] for c in bubble),
+        "bubble_within_0.05_wall_P2": all(c["wall_err"] <= 0.05 for c in bubble if c["P"] == 2),
+        "bubble_checks": bubble, "1f1b_activation_le_P_over_m": all(c["ok"] for c in act),
+        "activation_checks": act, "pipeline_params_le_share_plus_imbalance": all(c["ok"] for c in par),
+        "param_checks": par}
+    md = ["# Data parallel vs pipeline vs hybrid", "", f"Command: `{results['env']['command']}`",
+          f"Machine: {results['env']['cpus']} CPUs ({results['env']['machine']}), python "
+          f"{results['env']['python']}, numpy {results['env']['numpy']}; one BLAS thread per rank.",
+          "", "## Comparison (m = 2P micro-batches)", "", *comparison_table(results["runs"]), "",
+          "## Bubble vs micro-batches", "", *sweep_lines, "",
+          "## 1F1B vs GPipe activation memory (m >= 2P)", "", *act_lines, "",
+          "## Pipeline parameter memory per rank", "", *par_lines, "",
+          "## Largest model within the memory budget", "", *budget_table(a, results["runs"]), "",
+          "## Targets", "", *[f"- {k}: {v}" for k, v in results["targets"].items()
+                                if isinstance(v, bool)]]
+    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    plot(out.with_suffix(".png"), results)
+    print("\n".join(md))

@@ -1,0 +1,60 @@
+"""Choosing a strategy by name: ``"data"``, ``"pipeline"`` or ``"hybrid"``.
+
+``hybrid`` is :class:`~mpidp.parallel.pipeline.Pipeline` with several replicas: ranks
+``r`` with the same ``r // S`` form one pipeline of ``S`` stages, ranks with the same
+``r % S`` form the data-parallel group of one stage (both made with ``Comm.Split``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from .. import comm as C
+from ..nn import Layer, Loss, MeanSquaredError, Optimizer, Sequential, SoftmaxCrossEntropy
+from ..nn import build as build_model
+from ..nn.presets import mlp_layers
+from .data_parallel import DataParallel
+from .pipeline import Pipeline
+
+PARALLEL = ("data", "pipeline", "hybrid")
+HYBRID_STAGES = 2  # default stages per pipeline for "hybrid"
+
+
+def model_layers(name: str, n_in: int, n_out: int, hidden: Sequence[int] = (128, 64),
+                 classification: bool = True) -> tuple[list[Layer], Loss]:
+    """The layers (unbound: nothing allocated for an MLP) and loss of model ``name``, as
+    :func:`mpidp.nn.build` would make them."""
+    if name == "mlp":
+        return mlp_layers(n_in, hidden, n_out), (SoftmaxCrossEntropy() if classification
+                                                 else MeanSquaredError())
+    model, loss = build_model(name, n_in, n_out, hidden, np.float64, classification)
+    return model.layers, loss  # one layer: small; the trainer rebinds it
+
+
+def make_trainer(parallel: str, layers: Sequence[Layer], n_in: int, optimizer: Optimizer,
+                 loss: Loss, comm: C.Comm | None = None, *, dtype: npt.DTypeLike = np.float32,
+                 micro_batches: int = 1, schedule: str = "1f1b", n_stages: int | None = None,
+                 **kwargs) -> DataParallel | Pipeline:
+    """A trainer by name. Collective.
+
+    ``"data"``: :class:`DataParallel` of ``Sequential(layers)`` (every rank the whole model;
+    ``micro_batches``/``schedule`` unused; train with :func:`mpidp.fit`). ``"pipeline"``: one
+    pipeline over all ranks. ``"hybrid"``: pipelines of ``n_stages`` (default 2) stages,
+    ``comm.size // n_stages`` data-parallel replicas. Train pipelines with
+    :func:`mpidp.train_pipeline.fit_pipeline`. Initialise the parameters (``init_``) after.
+    """
+    comm = comm if comm is not None else C.world()
+    C.agree(comm, None if parallel in PARALLEL else
+            f"unknown parallel mode {parallel!r}; expected one of {PARALLEL}")
+    if parallel == "data":
+        model = C.run_agreed(comm, Sequential, layers, n_in, dtype)
+        return DataParallel(model, optimizer, loss, comm, **kwargs)
+    if parallel == "pipeline":
+        n_stages = comm.size
+    elif n_stages is None:
+        n_stages = HYBRID_STAGES
+    return Pipeline(layers, n_in, optimizer, loss, comm, n_stages=n_stages,
+                    micro_batches=micro_batches, schedule=schedule, dtype=dtype, **kwargs)

@@ -1,0 +1,384 @@
+"""Pipeline (model) parallelism: consecutive layers on consecutive ranks, micro-batched.
+
+Rank ``r`` of ``comm`` is stage ``r % S`` of replica ``r // S`` (``S`` stages): with one
+replica that is a pure pipeline; with several it is the hybrid, where the ranks holding
+the same stage form a data-parallel group (``Comm.Split``) that sums gradients with one
+``Allreduce`` per step. Each rank allocates only its own stage's parameters, as a
+:class:`mpidp.nn.Sequential` of its layers with its own flat buffers and optimizer.
+
+Per step: the batch is cut into ``m`` micro-batches (sizes differ by at most one); stage
+``s`` receives activations from ``s-1`` and gradients from ``s+1`` with buffer-based
+point-to-point messages whose shapes every rank derives from the agreed plan (widths and
+micro-batch sizes), so nothing is pickled per step. Gradient sums accumulate over the
+micro-batches; the update divides by the batch's sample count, as single-process training.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from .. import comm as C
+from ..metrics import StepTimer
+from ..nn import Layer, Loss, Optimizer, Sequential
+from . import stages as St
+from .data_parallel import StepStats
+
+_TAG_F, _TAG_B = 21, 22  # activations forward, gradients backward (order kept per tag)
+_EXTRA = 3  # loss sum, sample count, correct predictions after the gradients
+
+
+@dataclass
+class Plan:
+    """What every rank agrees on before any message: stage bounds and boundary widths."""
+
+    bounds: list[int]  # stage s holds layers bounds[s] .. bounds[s+1]-1
+    widths: list[int]  # widths[i]: features entering layer i; widths[-1]: model output
+    costs: list[float]
+    n_params: list[int]  # per layer
+
+    def fingerprint(self, *extra) -> int:
+        return C.checksum(np.array([*self.bounds, -1, *self.widths, -1, *extra], np.int64))
+
+
+@dataclass
+class PipeCounters:
+    """Per-rank figures since the last :meth:`reset`: bytes and messages sent point to point,
+    bytes reduced across replicas, and (when tracing) every op. Peak activation bytes: those
+    cached for backward by the micro-batches in flight (``peak_cached_bytes``, fixed by the
+    schedule) and those plus outputs still being sent (``peak_activation_bytes``)."""
+
+    p2p_bytes: int = 0
+    p2p_messages: int = 0
+    allreduce_bytes: int = 0
+    peak_cached_bytes: int = 0
+    peak_activation_bytes: int = 0
+    trace: list[tuple[str, int, float, float, float]] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.p2p_bytes = self.p2p_messages = self.allreduce_bytes = 0
+        self.peak_cached_bytes = self.peak_activation_bytes = 0
+        self.trace.clear()
+
+
+def make_plan(layers: Sequence[Layer], n_in: int, n_stages: int, size: int, micro_batches: int,
+              schedule: str, balance: str, costs: Sequence[float] | None) -> Plan:
+    """Validate the pipeline's settings and split the layers; ``ValueError`` if impossible."""
+    if schedule not in St.SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {St.SCHEDULES}")
+    if balance not in St.BALANCE:
+        raise ValueError(f"unknown balance {balance!r}; expected one of {St.BALANCE}")
+    if micro_batches < 1:
+        raise ValueError(f"need at least one micro-batch, got {micro_batches}")
+    if n_stages < 1 or size % n_stages:
+        raise ValueError(f"{size} ranks cannot form replicas of {n_stages} pipeline stages: "
+                         f"the number of ranks must be a multiple of the number of stages")
+    widths = St.chain_widths(layers, n_in)
+    n_params = St.param_counts(layers)
+    costs = list(costs) if costs is not None else [float(c) for c in n_params]
+    if len(costs) != len(layers):
+        raise ValueError(f"got {len(costs)} layer costs for {len(layers)} layers")
+    return Plan(St.split_stages(costs, n_stages), widths, costs, n_params)
+
+
+class Pipeline:
+    """Train ``layers`` (input width ``n_in``) as a pipeline of ``n_stages`` stages over ``comm``.
+
+    Parameters
+    ----------
+    layers : the whole model's layers, unbound; every rank passes the same list. Only this
+        rank's stage is allocated (``self.model``, a ``Sequential``).
+    n_stages : stages per pipeline; default ``comm.size`` (a pure pipeline). ``comm.size``
+        must be a multiple: ``comm.size // n_stages`` data-parallel replicas (hybrid).
+    micro_batches : ``m``; every batch is cut into ``m`` micro-batches of sizes differing
+        by at most one, so a batch needs at least ``m`` samples (per replica).
+    schedule : ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"``.
+    balance : stage split by ``"params"`` (parameter count per layer) or ``"time"``
+        (forward+backward seconds per layer measured on rank 0); or pass ``costs``.
+    trace : record every op's start, end and CPU seconds in ``counters.trace``.
+
+    Notes
+    -----
+    Collective: every rank of ``comm`` constructs it with the same arguments; bad settings
+    raise the same :class:`mpidp.MpidpError` on every rank before any message is sent.
+    """
+
+    def __init__(self, layers: Sequence[Layer], n_in: int, optimizer: Optimizer, loss: Loss,
+                 comm: C.Comm | None = None, *, n_stages: int | None = None,
+                 micro_batches: int = 1, schedule: str = "1f1b",
+                 dtype: npt.DTypeLike = np.float32, balance: str = "params",
+                 costs: Sequence[float] | None = None, abort_on_error: bool = True,
+                 trace: bool = False) -> None:
+        comm = comm if comm is not None else C.world()
+        n_stages = comm.size if n_stages is None else int(n_stages)
+        dtype = np.dtype(dtype)
+        if balance == "time" and costs is None:
+            costs = C.root_decides(comm, St.measure_costs, layers, n_in, dtype=dtype)
+        self.plan = C.run_agreed(comm, make_plan, layers, n_in, n_stages, comm.size,
+                                 micro_batches, schedule, balance, costs)
+        seen = C.allgather_counts(comm, self.plan.fingerprint(micro_batches, dtype.num,
+                                                              St.SCHEDULES.index(schedule)))
+        if len(set(seen.tolist())) > 1:
+            raise C.MpidpError("ranks disagree on the pipeline (layers, widths, stage split, "
+                               "micro-batches, schedule or dtype): pass the same on every rank")
+        if abort_on_error:
+            C.abort_on_error()
+        self.n_stages, self.n_replicas = n_stages, comm.size // n_stages
+        self.stage, self.replica = comm.rank % n_stages, comm.rank // n_stages
+        self.pipe = C.split(comm, self.replica, self.stage)  # one replica's stages
+        self.dp = C.split(comm, self.stage, self.replica)  # this stage in every replica
+        self.world, self.optimizer, self.loss = comm, optimizer, loss
+        self.micro_batches, self.schedule = micro_batches, schedule
+        self.lo, self.hi = self.plan.bounds[self.stage], self.plan.bounds[self.stage + 1]
+        self.layers = list(layers)
+        self.model = Sequential(self.layers[self.lo:self.hi], self.plan.widths[self.lo], dtype)
+        self._buf = np.zeros(self.model.n_params + _EXTRA, dtype)
+        self.model.use_grad_buffer(self._buf)
+        self.ops = St.schedule(schedule, n_stages, self.stage, micro_batches)
+        self.n_slots = St.max_in_flight(self.ops)
+        self.first, self.last = self.stage == 0, self.stage == n_stages - 1
+        self.timer, self.counters, self.tracing = StepTimer(), PipeCounters(), trace
+        self.global_step = 0
+
+    # --- parameters -------------------------------------------------------------------
+
+    @property
+    def param_offset(self) -> int:
+        """Where this stage's parameters start in the whole model's flat parameter vector."""
+        return int(sum(self.plan.n_params[:self.lo]))
+
+    def init_(self, rng: np.random.Generator | int) -> Pipeline:
+        """Initialise this stage exactly as ``Sequential(layers).init_(rng)`` would, without
+        allocating other stages (their draws go to a scratch layer, one at a time). Collective."""
+        rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
+        for layer in self.layers[:self.lo]:
+            scratch = copy.copy(layer)
+            scratch.bind({k: np.empty(s, self.model.dtype) for k, s in layer.param_shapes().items()},
+                         {})
+            scratch.init_(rng)
+        for layer in self.model.layers:
+            layer.init_(rng)
+        C.bcast_(self.dp, self.model.params, 0)  # replicas start bit-identical
+        return self
+
+    def set_full_params_(self, full: np.ndarray) -> None:
+        """Copy this stage's slice of the whole model's flat parameter vector ``full``."""
+        self.model.params[...] = full[self.param_offset:self.param_offset + self.model.n_params]
+
+    def gather_params(self, root: int = 0) -> np.ndarray | None:
+        """The whole model's flat parameters on stage ``root`` of each replica. Collective."""
+        return C.gatherv(self.pipe, self.model.params, root)
+
+    def in_sync(self) -> bool:
+        """True on every rank iff every stage is bit-identical across replicas. Collective."""
+        ok = C.params_in_sync(self.dp, self.model.params)
+        return bool(C.allreduce_max(self.world, [0.0 if ok else 1.0])[0] == 0.0)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds for the model: parameters, gradients, optimizer state, and
+        the peak of activations alive during a step (since ``counters.reset``)."""
+        state = sum(int(a.nbytes) for a in self.optimizer.state.values())
+        return {"param_bytes": int(self.model.params.nbytes), "grad_bytes": int(self._buf.nbytes),
+                "optimizer_bytes": state,
+                "activation_bytes": int(self.counters.peak_activation_bytes)}
+
+    # --- one step ---------------------------------------------------------------------
+
+    def step(self, X: np.ndarray | None, y: np.ndarray | None, n: int | None = None) -> StepStats:
+        """One training step on a batch of ``n`` samples of this replica.
+
+        Collective over the pipeline (and its replicas). ``X`` ``(n, n_in)`` is needed on the
+        first stage, ``y`` ``(n,)`` or ``(n, k)`` on the last; others may pass None with
+        ``n``. Returns the global stats; ``loss_sum`` and ``correct`` are known on the last
+        stage only (NaN and 0 elsewhere).
+        """
+        n = _batch_len(X, y, n)
+        sizes = St.micro_batch_sizes(n, self.micro_batches)  # same check on every stage
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        self._run = _StepState(X, y, sizes, starts, [None] * self.n_slots)
+        self.model.grads[...] = 0
+        t_step = time.perf_counter()
+        for kind, i in self.ops:
+            (self._forward if kind == "F" else self._backward)(i)
+        with self.timer.communicate():
+            C.wait_all([r for reqs, _ in self._run.sends for r in reqs])
+        buf, k = self._buf, self.model.n_params
+        buf[k:] = (self._run.loss_sum, n, self._run.correct)
+        if self.n_replicas > 1:
+            with self.timer.communicate():
+                C.allreduce_sum_(self.dp, buf)
+            self.counters.allreduce_bytes += buf.nbytes
+        count = int(round(float(buf[k + 1])))
+        with self.timer.compute():
+            if count:
+                self.model.grads[...] *= 1.0 / count
+                self.optimizer.step_(self.model.params, self.model.grads)
+        if self.tracing:
+            self.counters.trace.append(("step", -1, t_step, time.perf_counter(), 0.0))
+        self.timer.steps += 1
+        self.timer.samples += n
+        self.global_step += 1
+        loss_sum = float(buf[k]) if self.last else float("nan")
+        return StepStats(loss_sum, count, int(round(float(buf[k + 2]))) if self.last else 0)
+
+    def _slot(self) -> list[Layer]:
+        """Fresh shallow copies of this stage's layers: shared parameter and gradient views,
+        private activation caches, so micro-batches in flight do not overwrite each other."""
+        return [copy.copy(layer) for layer in self.model.layers]
+
+    def _forward(self, i: int) -> None:
+        run = self._run
+        lo, size = int(run.starts[i]), int(run.sizes[i])
+        if self.first:
+            x = run.X[lo:lo + size]
+            self._exchange(None, -1, _TAG_F)
+        else:
+            x = np.empty((size, self.plan.widths[self.lo]), self.model.dtype)
+            self._exchange(x, self.stage - 1, _TAG_F)
+        slot = run.slots[i % self.n_slots] = self._slot()
+        t, cpu = time.perf_counter(), time.process_time()
+        with self.timer.compute():
+            for layer in slot:
+                x = layer.forward(x)
+            if self.last:
+                yb = run.y[lo:lo + size]
+                run.loss_sum += self.loss.forward(x, yb)
+                labelled = self.loss.classification or yb.dtype.kind in "iu"
+                run.correct += self.loss.n_correct(x, yb) if labelled else 0
+                run.dy[i] = self.loss.backward()
+        self._trace("F", i, t, cpu)
+        if not self.last:
+            self._send(x, self.stage + 1, _TAG_F)
+        run.alive[i] = _held_bytes(slot, run.X) + (run.dy[i].nbytes if self.last else 0)
+        self._note_memory()
+
+    def _backward(self, i: int) -> None:
+        run = self._run
+        if self.last:
+            dy = run.dy.pop(i)
+            self._exchange(None, -1, _TAG_B)
+        else:
+            dy = np.empty((int(run.sizes[i]), self.plan.widths[self.hi]), self.model.dtype)
+            self._exchange(dy, self.stage + 1, _TAG_B)
+        slot = run.slots[i % self.n_slots]
+        t, cpu = time.perf_counter(), time.process_time()
+        with self.timer.compute():
+            for layer in reversed(slot):
+                dy = layer.backward(dy, accumulate=True)
+        self._trace("B", i, t, cpu)
+        run.slots[i % self.n_slots] = None  # drop this micro-batch's activations
+        run.alive.pop(i)
+        if not self.first:
+            self._send(dy, self.stage - 1, _TAG_B)
+
+    def _send(self, buf: np.ndarray, dest: int, tag: int) -> None:
+        buf = np.ascontiguousarray(buf)
+        with self.timer.communicate():
+            self._run.sends.append((C.isend(self.pipe, buf, dest, tag), buf))
+        self.counters.p2p_bytes += buf.nbytes
+        self.counters.p2p_messages += 1
+
+    def _exchange(self, buf: np.ndarray | None, source: int, tag: int) -> None:
+        """Receive this op's input into ``buf`` (None: no input) and complete the sends still
+        in flight, all in one wait, before computing.
+
+        A large message moves only while both ranks are inside MPI: a send left pending
+        during the next computation would delay the neighbour by a whole op. Waiting for the
+        sends together with the next receive (not one after the other) cannot deadlock: in
+        1F1B, neighbours that send to each other at the same time each expect the other's
+        message next, and both receives are posted before either waits.
+        """
+        run = self._run
+        reqs = [r for pending, _ in run.sends for r in pending]
+        if buf is not None:
+            reqs += C.irecv(self.pipe, buf, source, tag)
+        with self.timer.communicate():
+            C.wait_all(reqs)
+        run.sends = []
+
+    def _note_memory(self) -> None:
+        run, c = self._run, self.counters
+        cached = sum(run.alive.values())
+        c.peak_cached_bytes = max(c.peak_cached_bytes, cached)
+        c.peak_activation_bytes = max(c.peak_activation_bytes,
+                                      cached + sum(b.nbytes for _, b in run.sends))
+
+    def _trace(self, kind: str, i: int, t: float, cpu: float) -> None:
+        if self.tracing:
+            self.counters.trace.append((kind, i, t, time.perf_counter(),
+                                        time.process_time() - cpu))
+
+    # --- evaluation -------------------------------------------------------------------
+
+    def evaluate(self, X: np.ndarray | None, y: np.ndarray | None, n: int | None = None,
+                 batch_size: int = 4096) -> StepStats:
+        """Loss and correct predictions over this replica's ``n`` samples, summed over
+        replicas; the same result on every rank. Collective (forward passes only)."""
+        n = _batch_len(X, y, n)
+        total = np.zeros(3, np.float64)
+        for lo in range(0, n, batch_size):
+            size = min(batch_size, n - lo)
+            if self.first:
+                x = X[lo:lo + size]
+            else:
+                x = C.recv_(self.pipe, np.empty((size, self.plan.widths[self.lo]),
+                                                self.model.dtype), self.stage - 1, _TAG_F)
+            for layer in self._slot():
+                x = layer.forward(x)
+            if self.last:
+                yb = y[lo:lo + size]
+                labelled = self.loss.classification or yb.dtype.kind in "iu"
+                total += (self.loss.forward(x, yb), size,
+                          self.loss.n_correct(x, yb) if labelled else 0)
+            else:
+                C.wait_all(C.isend(self.pipe, np.ascontiguousarray(x), self.stage + 1, _TAG_F))
+        C.allreduce_sum_(self.dp, total)
+        C.bcast_(self.pipe, total, self.n_stages - 1)
+        return StepStats(float(total[0]), int(total[1]), int(total[2]))
+
+
+@dataclass
+class _StepState:
+    """What one step keeps between its ops."""
+
+    X: np.ndarray | None
+    y: np.ndarray | None
+    sizes: np.ndarray
+    starts: np.ndarray
+    slots: list
+    dy: dict = field(default_factory=dict)
+    alive: dict = field(default_factory=dict)
+    sends: list = field(default_factory=list)
+    loss_sum: float = 0.0
+    correct: int = 0
+
+
+def _batch_len(X, y, n) -> int:
+    if X is not None:
+        return len(X)
+    if y is not None:
+        return len(y)
+    if n is None:
+        raise ValueError("pass X, y or the batch length n")
+    return int(n)
+
+
+def _held_bytes(layers: Sequence[Layer], exclude: np.ndarray | None) -> int:
+    """Bytes of the arrays ``layers`` cache for backward (each buffer counted once), not
+    counting views of ``exclude`` (the caller's input batch)."""
+    seen, total = set(), 0
+    for layer in layers:
+        for value in vars(layer).values():
+            if not isinstance(value, np.ndarray):
+                continue
+            base = value if value.base is None else value.base
+            if id(base) in seen or (exclude is not None and np.may_share_memory(base, exclude)):
+                continue
+            seen.add(id(base))
+            total += base.nbytes
+    return total

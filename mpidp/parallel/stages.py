@@ -1,0 +1,173 @@
+"""Planning a pipeline: pure functions, no MPI.
+
+Which consecutive layers form each stage (balanced by a cost per layer), the widths that
+travel between stages, how a batch is cut into micro-batches, and the order in which each
+stage runs its forward (``F``) and backward (``B``) passes under the GPipe and 1F1B
+schedules. :func:`replay` runs a schedule on given op durations and reports each stage's
+idle (bubble) time, so schedules can be checked against ``(P-1)/(m+P-1)`` without MPI.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from ..nn.layers import Layer
+from ..partition import block_counts
+
+SCHEDULES = ("gpipe", "1f1b")
+BALANCE = ("params", "time")
+Op = tuple[str, int]  # ("F" | "B", micro-batch index)
+
+
+def chain_widths(layers: Sequence[Layer], n_in: int) -> list[int]:
+    """Feature widths ``[n_in, out of layer 0, ..., out of the last layer]``.
+
+    Raises ``ValueError`` naming the first pair of layers whose shapes do not chain.
+    """
+    widths = [int(n_in)]
+    for i, layer in enumerate(layers):
+        try:
+            widths.append(int(layer.output_dim(widths[-1])))
+        except ValueError as exc:
+            raise ValueError(f"layer shapes do not chain: layer {i} ({layer!r}) gets "
+                             f"{widths[-1]} features from the layer before it: {exc}") from None
+    return widths
+
+
+def param_counts(layers: Sequence[Layer]) -> list[int]:
+    """Number of parameters of each layer (0 for activations)."""
+    return [sum(int(np.prod(s)) for s in layer.param_shapes().values()) for layer in layers]
+
+
+def measure_costs(layers: Sequence[Layer], n_in: int, n_samples: int = 256,
+                  dtype: npt.DTypeLike = np.float32, repeats: int = 3) -> list[float]:
+    """Median seconds of one forward plus backward of each layer on ``(n_samples, width)``
+    random inputs. Allocates one layer's parameters at a time (copies; ``layers`` untouched)."""
+    rng = np.random.default_rng(0)
+    widths, out = chain_widths(layers, n_in), []
+    for layer, width in zip(layers, widths):
+        probe = copy.copy(layer)
+        shapes = probe.param_shapes()
+        probe.bind({k: np.zeros(s, dtype) for k, s in shapes.items()},
+                   {k: np.zeros(s, dtype) for k, s in shapes.items()})
+        probe.init_(rng)
+        x = rng.standard_normal((n_samples, width)).astype(dtype)
+        times = []
+        for _ in range(repeats + 1):  # the first run warms caches and is dropped
+            t = time.perf_counter()
+            y = probe.forward(x)
+            probe.backward(np.ones_like(y))
+            times.append(time.perf_counter() - t)
+        out.append(float(np.median(times[1:])))
+    return out
+
+
+def split_stages(costs: Sequence[float], n_stages: int) -> list[int]:
+    """Cut layers ``0 .. L-1`` into ``n_stages`` non-empty consecutive stages minimising the
+    largest stage cost. Returns bounds ``b`` (``n_stages + 1`` items): stage ``s`` holds
+    layers ``b[s] .. b[s+1]-1``.
+
+    Notes: ``b[0] == 0``, ``b[-1] == L``; optimal by dynamic programming, O(L^2 P).
+    """
+    n = len(costs)
+    if n_stages < 1:
+        raise ValueError(f"need at least one pipeline stage, got {n_stages}")
+    if n_stages > n:
+        raise ValueError(f"more pipeline stages ({n_stages}) than layers ({n}): every stage "
+                         f"needs at least one layer; use at most {n} ranks per pipeline")
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, np.float64))])
+    inf = float("inf")
+    best = np.full((n_stages + 1, n + 1), inf)  # best[k][j]: layers 0..j-1 in k stages
+    cut = np.zeros((n_stages + 1, n + 1), np.int64)
+    best[0][0] = 0.0
+    for k in range(1, n_stages + 1):
+        for j in range(k, n - (n_stages - k) + 1):
+            for i in range(k - 1, j):
+                worst = max(best[k - 1][i], prefix[j] - prefix[i])
+                if worst < best[k][j] - 1e-12 * max(1.0, abs(worst)):
+                    best[k][j], cut[k][j] = worst, i
+    bounds = [n]
+    for k in range(n_stages, 0, -1):
+        bounds.append(int(cut[k][bounds[-1]]))
+    return bounds[::-1]
+
+
+def micro_batch_sizes(n: int, m: int) -> np.ndarray:
+    """Sizes of the ``m`` micro-batches of a batch of ``n`` samples.
+
+    Notes: sizes differ by at most 1 (the first ``n % m`` get one more); they sum to ``n``.
+    """
+    if m < 1:
+        raise ValueError(f"need at least one micro-batch, got {m}")
+    if m > n:
+        raise ValueError(f"more micro-batches ({m}) than samples in a batch ({n}): every "
+                         f"micro-batch needs a sample; use --micro-batches <= {n}")
+    return block_counts(n, m)
+
+
+def schedule(name: str, n_stages: int, stage: int, m: int) -> list[Op]:
+    """The order in which ``stage`` (of ``n_stages``) runs its ops for ``m`` micro-batches.
+
+    ``gpipe``: all forwards, then all backwards. ``1f1b``: ``P - stage - 1`` forwards to fill
+    the pipeline, then one forward and one backward alternately, then the last backwards; at
+    most ``P - stage`` micro-batches are in flight on ``stage``. Backwards run in order 0..m-1.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULES}")
+    if name == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warm = min(n_stages - stage - 1, m)
+    ops: list[Op] = [("F", i) for i in range(warm)]
+    for j in range(m - warm):
+        ops += [("F", warm + j), ("B", j)]
+    return ops + [("B", j) for j in range(m - warm, m)]
+
+
+def max_in_flight(ops: Sequence[Op]) -> int:
+    """Largest number of micro-batches forwarded but not yet backwarded along ``ops``."""
+    alive = peak = 0
+    for kind, _ in ops:
+        alive += 1 if kind == "F" else -1
+        peak = max(peak, alive)
+    return peak
+
+
+def predicted_bubble(n_stages: int, m: int) -> float:
+    """Idle share of every stage with equal stage costs: ``(P - 1) / (m + P - 1)``."""
+    return (n_stages - 1) / (m + n_stages - 1)
+
+
+def replay(schedules: Sequence[Sequence[Op]], durations: Sequence[Sequence[float]],
+           latency: float = 0.0) -> tuple[np.ndarray, float]:
+    """Run each stage's ``schedules[s]`` with op ``k`` lasting ``durations[s][k]``.
+
+    ``F(i)`` on stage ``s`` waits for ``F(i)`` on ``s-1``; ``B(i)`` waits for ``B(i)`` on
+    ``s+1``, each plus ``latency``. Returns each stage's busy seconds ``(P,)`` and the
+    makespan; a stage's bubble is ``1 - busy / makespan``. Raises ``ValueError`` on a
+    schedule that would deadlock.
+    """
+    P = len(schedules)
+    done: list[dict[Op, float]] = [{} for _ in range(P)]
+    pos, free = [0] * P, [0.0] * P
+    while any(pos[s] < len(schedules[s]) for s in range(P)):
+        moved = False
+        for s in range(P):
+            while pos[s] < len(schedules[s]):
+                kind, i = schedules[s][pos[s]]
+                src = s - 1 if kind == "F" else s + 1
+                if 0 <= src < P and (kind, i) not in done[src]:
+                    break
+                ready = done[src][(kind, i)] + latency if 0 <= src < P else 0.0
+                free[s] = max(free[s], ready) + durations[s][pos[s]]
+                done[s][(kind, i)] = free[s]
+                pos[s] += 1
+                moved = True
+        if not moved:
+            raise ValueError("the schedules deadlock: no stage can run its next op")
+    busy = np.array([float(np.sum(d)) for d in durations])
+    return busy, max(free)

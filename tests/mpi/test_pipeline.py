@@ -1,0 +1,215 @@
+"""Pipeline and hybrid training on P ranks equal single-process training (float64).
+
+The pipeline runs over all ranks of the job (P = 1..4 stages); the hybrid needs an even
+number of ranks (2 stages x P/2 replicas). The reference is plain ``DataParallel`` on
+``COMM_SELF``: one process, the whole model, the same global batches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpi_helpers import all_ranks, raises_everywhere
+
+import mpidp
+from mpidp import nn
+from mpidp.parallel import Pipeline, make_trainer, model_layers
+from mpidp.train_pipeline import fit_pipeline
+
+RTOL, ATOL = 1e-9, 1e-11  # as in test_data_parallel: summation order differs, nothing else
+HIDDEN = (16, 12, 8)  # 7 layers: up to 4 stages with at least one layer each
+
+
+def _data(n=203, d=7, k=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, d)), rng.integers(0, k, n)
+
+
+def _reference(X, y, optimizer, epochs, batch_size, hidden=HIDDEN):
+    model = nn.mlp(X.shape[1], hidden, 3, dtype=np.float64).init_(np.random.default_rng(11))
+    dp = mpidp.DataParallel(model, nn.make_optimizer(optimizer, 0.05), nn.SoftmaxCrossEntropy(),
+                            MPI.COMM_SELF)
+    history = mpidp.fit(dp, mpidp.shard_from_arrays(MPI.COMM_SELF, X, y), epochs, batch_size, seed=5)
+    return model, history
+
+
+def _pipeline(comm, X, y, parallel, schedule, m, optimizer, epochs, batch_size, **kw):
+    layers, loss = model_layers("mlp", X.shape[1], 3, HIDDEN)
+    pipe = make_trainer(parallel, layers, X.shape[1], nn.make_optimizer(optimizer, 0.05), loss,
+                        comm, dtype=np.float64, micro_batches=m, schedule=schedule, **kw)
+    pipe.init_(np.random.default_rng(11))
+    history = fit_pipeline(pipe, X, y, epochs, batch_size, seed=5)
+    return pipe, history
+
+
+def _check_exact(comm, pipe, history, ref, ref_history):
+    full = pipe.gather_params(0)
+    diff = float(np.max(np.abs(full - ref.params))) if full is not None else 0.0
+    all_ranks(comm, diff <= ATOL + RTOL * float(np.max(np.abs(ref.params))), f"max diff {diff:.3g}")
+    lo = pipe.param_offset
+    mine = ref.params[lo:lo + pipe.model.n_params]
+    all_ranks(comm, np.allclose(pipe.model.params, mine, rtol=RTOL, atol=ATOL), "stage params")
+    all_ranks(comm, abs(history[-1]["loss"] - ref_history[-1]["loss"]) < 1e-9, "loss history")
+    all_ranks(comm, history[-1]["accuracy"] == ref_history[-1]["accuracy"], "accuracy")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m,optimizer", [(1, "sgd"), (3, "momentum"), (5, "adam")])
+def test_pipeline_matches_single_process(comm, schedule, m, optimizer):
+    """203 samples in batches of 24: the last batch (11) is cut unevenly, e.g. 3,2,2,2,2."""
+    X, y = _data()
+    pipe, hist = _pipeline(comm, X, y, "pipeline", schedule, m, optimizer, 2, 24)
+    ref, ref_hist = _reference(X, y, optimizer, 2, 24)
+    all_ranks(comm, pipe.n_stages == comm.size and pipe.n_replicas == 1)
+    _check_exact(comm, pipe, hist, ref, ref_hist)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_hybrid_two_stages_times_replicas_matches_single_process(comm, schedule):
+    if comm.size % 2:
+        pytest.skip("the hybrid needs an even number of ranks")
+    X, y = _data()
+    pipe, hist = _pipeline(comm, X, y, "hybrid", schedule, 3, "momentum", 2, 24)
+    ref, ref_hist = _reference(X, y, "momentum", 2, 24)
+    all_ranks(comm, (pipe.n_stages, pipe.n_replicas) == (2, comm.size // 2))
+    all_ranks(comm, (pipe.stage, pipe.replica) == (comm.rank % 2, comm.rank // 2))
+    _check_exact(comm, pipe, hist, ref, ref_hist)
+    all_ranks(comm, pipe.in_sync(), "replicas of a stage differ")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_each_rank_allocates_only_its_stage(comm):
+    layers, loss = model_layers("mlp", 7, 3, HIDDEN)
+    pipe = Pipeline(layers, 7, nn.SGD(0.1), loss, comm, dtype=np.float64)
+    full = nn.mlp(7, HIDDEN, 3, dtype=np.float64)
+    b = pipe.plan.bounds
+    mine = sum(p.size for layer in full.layers[b[comm.rank]:b[comm.rank + 1]]
+               for p in layer.params.values())
+    all_ranks(comm, pipe.model.n_params == mine and pipe.model.params.nbytes == mine * 8)
+    total = comm.allreduce(pipe.model.n_params)
+    all_ranks(comm, total == full.n_params, f"{total} != {full.n_params}")
+    pipe.init_(np.random.default_rng(4))
+    full.init_(np.random.default_rng(4))  # init_ draws as if the whole model were built
+    lo = pipe.param_offset
+    all_ranks(comm, np.array_equal(pipe.model.params, full.params[lo:lo + mine]))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_evaluate_equals_single_process(comm):
+    X, y = _data(n=57)
+    pipe, _ = _pipeline(comm, X, y, "pipeline", "1f1b", 2, "sgd", 1, 16)
+    ref, _ = _reference(X, y, "sgd", 1, 16)
+    ev = pipe.evaluate(X, y, batch_size=10)
+    out = ref.forward(X)
+    loss = nn.SoftmaxCrossEntropy()
+    expected = loss.forward(out, y)
+    all_ranks(comm, abs(ev.loss_sum - expected) < 1e-9 and ev.count == 57)
+    all_ranks(comm, ev.correct == loss.n_correct(out, y))
+
+
+class _CountingComm:
+    """Forwards to a communicator and records the calls made on it."""
+
+    def __init__(self, comm):
+        self._comm, self.calls = comm, []
+
+    def __getattr__(self, name):
+        attr = getattr(self._comm, name)
+        if callable(attr):
+            def wrapped(*args, **kwargs):
+                self.calls.append(name)
+                return attr(*args, **kwargs)
+            return wrapped
+        return attr
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_step_sends_only_buffers_of_the_agreed_shapes(comm, schedule):
+    """Per step: Isend/Recv of exactly the activation and gradient bytes, nothing pickled."""
+    layers, loss = model_layers("mlp", 7, 3, HIDDEN)
+    pipe = Pipeline(layers, 7, nn.SGD(0.1), loss, comm, micro_batches=4, schedule=schedule,
+                    dtype=np.float64).init_(0)
+    pipe.pipe = _CountingComm(pipe.pipe)
+    X, y = _data(n=30)
+    pipe.step(X, y)
+    s, P = pipe.stage, pipe.n_stages
+    sent = (30 * pipe.plan.widths[pipe.hi] if s < P - 1 else 0) + (30 * pipe.plan.widths[pipe.lo]
+                                                                    if s > 0 else 0)
+    all_ranks(comm, pipe.counters.p2p_bytes == sent * 8, f"{pipe.counters.p2p_bytes} != {sent * 8}")
+    n_msgs = 4 * ((s < P - 1) + (s > 0))
+    calls = pipe.pipe.calls
+    all_ranks(comm, sorted(calls) == sorted(["Isend"] * n_msgs + ["Irecv"] * n_msgs), str(calls))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_1f1b_holds_about_P_over_m_of_gpipes_activations(comm):
+    P, m = comm.size, 4 * comm.size
+    X, y = _data(n=16 * m)
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        layers = [nn.Dense(7, 16), nn.Tanh(), nn.Dense(16, 16), nn.Tanh(), nn.Dense(16, 16),
+                  nn.Tanh(), nn.Dense(16, 3), nn.Tanh()]  # equal costs: >= 2 layers per stage
+        pipe = Pipeline(layers, 7, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm, micro_batches=m,
+                        schedule=schedule, dtype=np.float64, costs=[1] * 8).init_(0)
+        pipe.step(X, y)
+        peaks[schedule] = pipe.counters.peak_cached_bytes
+    g, f = peaks["gpipe"], peaks["1f1b"]
+    expected = min(P - pipe.stage, m) / m  # micro-batches in flight: P - stage vs m
+    all_ranks(comm, g > 0 and f == pytest.approx(expected * g), f"1f1b {f}, gpipe {g}")
+    all_ranks(comm, pipe.stage != 0 or f <= P / m * g)
+
+
+# --- bad input: the same error on every rank, before any rank sends -----------------------
+
+@pytest.mark.mpi(min_size=2)
+def test_more_stages_than_layers(comm):
+    layers, loss = model_layers("logreg", 7, 3)
+    raises_everywhere(comm, mpidp.MpidpError, lambda: make_trainer(
+        "pipeline", layers, 7, nn.SGD(0.1), loss, comm), f"more pipeline stages ({comm.size}) than "
+        "layers (1)")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_layers_that_do_not_chain(comm):
+    layers = [nn.Dense(7, 16), nn.ReLU(), nn.Dense(15, 3)]
+    raises_everywhere(comm, mpidp.MpidpError, lambda: Pipeline(
+        layers, 7, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm), "do not chain: layer 2")
+
+
+@pytest.mark.mpi(min_size=3)
+def test_ranks_not_a_multiple_of_stages(comm):
+    if comm.size % 2 == 0:
+        pytest.skip("needs an odd number of ranks")
+    layers, loss = model_layers("mlp", 7, 3, HIDDEN)
+    raises_everywhere(comm, mpidp.MpidpError, lambda: make_trainer(
+        "hybrid", layers, 7, nn.SGD(0.1), loss, comm), "must be a multiple of the number of stages")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_unknown_names(comm):
+    layers, loss = model_layers("mlp", 7, 3, HIDDEN)
+    raises_everywhere(comm, mpidp.MpidpError, lambda: make_trainer(
+        "tensor", layers, 7, nn.SGD(0.1), loss, comm), "unknown parallel mode 'tensor'")
+    raises_everywhere(comm, mpidp.MpidpError, lambda: make_trainer(
+        "pipeline", layers, 7, nn.SGD(0.1), loss, comm, schedule="zigzag"), "unknown schedule")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_more_micro_batches_than_samples(comm):
+    """fit refuses up front (203 samples in batches of 20: the last has 3); a direct step
+    refuses before sending; afterwards the same pipeline still trains exactly."""
+    X, y = _data()
+    layers, loss = model_layers("mlp", 7, 3, HIDDEN)
+    pipe = make_trainer("pipeline", layers, 7, nn.make_optimizer("momentum", 0.05), loss, comm,
+                        dtype=np.float64, micro_batches=4).init_(np.random.default_rng(11))
+    raises_everywhere(comm, mpidp.MpidpError, lambda: fit_pipeline(pipe, X, y, 1, 20, seed=5),
+                      "more micro-batches (4) than samples in a batch: the smallest batch has 3")
+    raises_everywhere(comm, ValueError, lambda: pipe.step(X[:3], y[:3]), "more micro-batches (4)")
+    all_ranks(comm, pipe.counters.p2p_messages == 0 and pipe.global_step == 0)
+    hist = fit_pipeline(pipe, X, y, 2, 24, seed=5)
+    ref, ref_hist = _reference(X, y, "momentum", 2, 24)
+    _check_exact(comm, pipe, hist, ref, ref_hist)
