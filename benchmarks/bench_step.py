@@ -52,6 +52,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--n-classes", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0, help="data, initialisation and shuffling seed")
+    p.add_argument("--on-nonfinite", default="stop", choices=("stop", "skip", "ignore"),
+                   help="mpidp's NaN/Inf policy; 'ignore' skips its one pass over the reduced "
+                   "buffer, doing exactly the hand-written loop's work")
     args = p.parse_args(argv)
     if min(args.repeats, args.steps, args.batch_size) < 1 or args.warmup < 0:
         p.error("--repeats, --steps and --batch-size must be >= 1, --warmup >= 0")
@@ -127,7 +130,8 @@ def run_mpidp(comm: MPI.Comm, shard: mpidp.Shard, init: np.ndarray, args) -> tup
     """Time ``DataParallel.step`` fed by :func:`mpidp.partition.local_batches`, as ``fit`` does."""
     model = nn.mlp(args.n_features, HIDDEN, args.n_classes, dtype=np.float32)
     model.params[...] = init
-    dp = mpidp.DataParallel(model, nn.SGD(args.lr), nn.SoftmaxCrossEntropy(), comm)
+    dp = mpidp.DataParallel(model, nn.SGD(args.lr), nn.SoftmaxCrossEntropy(), comm,
+                            on_nonfinite=args.on_nonfinite)
     batches = itertools.chain.from_iterable(
         local_batches(shard.n_total, args.batch_size, shard.start, shard.stop, epoch, args.seed)
         for epoch in itertools.count())

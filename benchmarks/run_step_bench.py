@@ -41,6 +41,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each implementation")
     p.add_argument("--steps", type=int, default=60, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before each run")
+    p.add_argument("--on-nonfinite", default="stop", choices=("stop", "skip", "ignore"),
+                   help="mpidp's NaN/Inf policy (ignore: no check, the hand-written loop's work)")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per mpiexec job")
     p.add_argument("--retries", type=int, default=2,
                    help="reruns of a job during which other processes kept the CPUs busy")
@@ -117,7 +119,7 @@ def run_one(args: argparse.Namespace, size: int, out: Path, env: dict[str, str])
     """
     cmd = [args.mpiexec, "-n", str(size), args.python, str(HERE / "bench_step.py"),
            "--out", str(out), "--repeats", str(args.repeats), "--steps", str(args.steps),
-           "--warmup", str(args.warmup)]
+           "--warmup", str(args.warmup), "--on-nonfinite", args.on_nonfinite]
     shown = " ".join(["env", *(f"-u {v}" for v in DROP_ENV),
                       *(f"{k}={v}" for k, v in THREAD_ENV.items()), shlex.join(cmd)])
     busy = wait_quiet(args.wait_quiet)
