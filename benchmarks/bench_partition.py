@@ -42,6 +42,11 @@ STRAGGLER = ["--dataset", "synthetic", "--n-samples", "24576", "--n-features", "
 #: about the split only). The heaviest 16-row chunk of the sorted bag-of-words rows is 12% of
 #: a rank's share at P = 4 (46% for 64 rows): a dynamic schedule can end with that chunk.
 MR_CHUNK = 16
+#: The straggler rows: the equal split, the 2:1 split told by hand, and adaptive (re-measured
+#: every epoch; add e.g. "adaptive-every-2": [..., "--adapt-every", "2"] to compare).
+STRAGGLER_RUNS = {"block": ["--partition", "block"],
+                  "weighted": ["--partition", "weighted", "--capacities", "2,1"],
+                  "adaptive": ["--partition", "adaptive"]}
 LOADS: list[float] = []
 
 
@@ -96,8 +101,7 @@ def bench_training(args) -> list[dict]:
                 rows.append({"P": ranks, "workload": name, "strategy": strategy, **summarize(runs)})
                 print(f"P={ranks} {name:10s} {strategy:9s} imbalance {rows[-1]['imbalance']:.3f} "
                       f"(cpu {rows[-1]['imbalance_cpu']:.3f})", flush=True)
-    for strategy in ("block", "weighted", "adaptive"):
-        opts = ["--partition", strategy] + (["--capacities", "2,1"] if strategy == "weighted" else [])
+    for strategy, opts in STRAGGLER_RUNS.items():
         runs = [run_train(args, 2, STRAGGLER + opts) for _ in range(args.repeats)]
         rows.append({"P": 2, "workload": "straggler-2x", "strategy": strategy, **summarize(runs)})
         print(f"straggler {strategy}: vs sum of speeds {rows[-1]['eff_vs_ideal_by_epoch']}, "
@@ -131,15 +135,18 @@ def targets(rows: list[dict], mr: dict) -> list[dict]:
                 checks.append({"target": f"bow-sorted P={P} {strategy} {kind} {op} {bound}",
                                "value": round(v, 3), "pass": v >= bound if op == ">=" else v <= bound,
                                "headline": P == 2 or kind == "imbalance_cpu"})
-    eq, ad = pick[(2, "straggler-2x", "block")], pick[(2, "straggler-2x", "adaptive")]
+    eq = pick[(2, "straggler-2x", "block")]
     for key, ideal in (("eff_vs_ideal_by_epoch", "sum of speeds"),
                        ("eff_vs_attainable_by_epoch", "attainable")):
         checks.append({"target": f"straggler 2x P=2: equal split <= 75% of ideal ({ideal})",
                        "value": round(eq[key][-1], 3), "pass": eq[key][-1] <= 0.75,
                        "headline": True})
-        checks.append({"target": f"straggler 2x P=2: adaptive >= 90% of ideal ({ideal}) by "
-                       "epoch 2", "value": round(ad[key][1], 3), "pass": ad[key][1] >= 0.90,
-                       "headline": True})
+        for name in ("adaptive", "adaptive-every-2"):
+            ad = pick.get((2, "straggler-2x", name))
+            if ad is not None:
+                checks.append({"target": f"straggler 2x P=2: {name} >= 90% of ideal ({ideal}) "
+                               "by epoch 2", "value": round(ad[key][1], 3),
+                               "pass": ad[key][1] >= 0.90, "headline": True})
     for P, m in mr.items():
         for kind, label in (("seconds", "wall"), ("cpu_makespan", "CPU")):
             best = min(m[s][kind] for s in ("block", "cyclic", "cost"))

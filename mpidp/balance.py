@@ -166,7 +166,9 @@ class Plan:
             stop = min(steps, s + every) if every else steps
             for idx in itertools.islice(self._local(shard, epoch, s), stop - s):
                 timer.note_cost(float(self.costs[shard.positions[idx]].sum()))
-                yield shard.X[idx], shard.y[idx]
+                with timer.compute():  # gathering the rows is per-sample local work too
+                    X, y = shard.X[idx], shard.y[idx]
+                yield X, y
             s = stop
             if every and s < steps:
                 self._adapt(timer, every)
@@ -187,10 +189,14 @@ class Plan:
         everyone = C.allgather_rows(self.comm, rows.reshape(-1))
         records = everyone.reshape(self.comm.size, len(rows), len(STEP_FIELDS))
         figures = balance_figures(records)
-        if self.strategy == "adaptive" and not self.partition.adapt_every:
-            per = figures["per_rank"]
+        if self.strategy == "adaptive" and len(rows):
+            # per epoch: the whole epoch; with --adapt-every k: the epoch's last window (the
+            # steps since the last in-epoch re-measurement), which would otherwise go unused
+            every = self.partition.adapt_every or len(rows)
+            last = records[:, (len(rows) - 1) // every * every:]
             self.capacities = Pt.adaptive_capacities(
-                [r["cost"] for r in per], [r["compute_s"] for r in per], self.capacities)
+                last[:, :, _F["cost"]].sum(axis=1), last[:, :, _F["compute_s"]].sum(axis=1),
+                self.capacities)
             self.history_caps.append(self.capacities.round(4).tolist())
         figures.update(strategy=self.strategy or "as loaded", moved_samples=self.moved,
                        capacities=self.capacities.round(4).tolist())
