@@ -5,6 +5,7 @@ Runs ``mpiexec -n P python -m mpidp train ...`` jobs (one BLAS thread per rank),
 ``metrics.json``, takes the median over ``--repeats`` of the last epoch's figures, checks the
 targets of issue 3 and writes ``benchmarks/results/partition.{json,md,png}``. Imbalance is
 reported from wall time and from CPU (process) time; with 4 ranks on 2 cores judge by CPU.
+The machine's 1-minute load average is sampled between jobs and reported with the results.
 """
 
 from __future__ import annotations
@@ -31,13 +32,32 @@ WORKLOADS = {
     "uniform": ["--dataset", "synthetic", "--n-samples", "8192", "--n-features", "784",
                 "--hidden", "256", "--batch-size", "512", "--epochs", "2"],
 }
-# The standard benchmark model (784-1024-1024-10, batch 512), so compute dominates a step.
-STRAGGLER = ["--dataset", "synthetic", "--n-samples", "6144", "--n-features", "784",
-             "--hidden", "1024,1024", "--batch-size", "512", "--epochs", "3", "--slowdown", "1:2"]
+# Rank 1 slowed 2x (its forward/backward; see StepTimer). The standard benchmark model
+# (784-1024-1024-10, 1.9 M parameters) with global batches of 4096, so that per-sample compute
+# dominates a step: at batch 512 the 7.5 MB Allreduce plus the replicated update were ~20% of
+# a step, which no split can remove (measured as ``fixed_s``); at 4096 they are ~3-4%.
+STRAGGLER = ["--dataset", "synthetic", "--n-samples", "24576", "--n-features", "784",
+             "--hidden", "1024,1024", "--batch-size", "4096", "--epochs", "3", "--slowdown", "1:2"]
+#: Rows per chunk of every map/reduce mode (static and dynamic alike, so the comparison is
+#: about the split only). The heaviest 16-row chunk of the sorted bag-of-words rows is 12% of
+#: a rank's share at P = 4 (46% for 64 rows): a dynamic schedule can end with that chunk.
+MR_CHUNK = 16
+#: The straggler rows: the equal split, the 2:1 split told by hand, and adaptive (re-measured
+#: every epoch; add e.g. "adaptive-every-2": [..., "--adapt-every", "2"] to compare).
+STRAGGLER_RUNS = {"block": ["--partition", "block"],
+                  "weighted": ["--partition", "weighted", "--capacities", "2,1"],
+                  "adaptive": ["--partition", "adaptive"]}
+LOADS: list[float] = []
+
+
+def load_now() -> float:
+    LOADS.append(os.getloadavg()[0])
+    return LOADS[-1]
 ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def run_train(args, ranks: int, extra: list[str]) -> dict:
+    load_now()
     with tempfile.TemporaryDirectory() as out:
         cmd = [args.mpiexec, "-n", str(ranks), args.python, "-m", "mpidp", "train",
                "--no-progress", "--model", "mlp", "--lr", "0.05", "--test-fraction", "0",
@@ -52,16 +72,20 @@ def run_train(args, ranks: int, extra: list[str]) -> dict:
 def summarize(runs: list[dict]) -> dict:
     """Median over repeats of the last epoch's figures (per-rank figures of the median run)."""
     last = [m["history"][-1]["balance"] for m in runs]
-    keys = ("imbalance", "imbalance_cpu", "efficiency", "efficiency_cpu", "rate", "ideal_rate")
+    keys = ("imbalance", "imbalance_cpu", "efficiency", "efficiency_cpu", "rate", "ideal_rate",
+            "attainable_rate", "fixed_s")
     out = {k: float(np.median([b[k] for b in last])) for k in keys}
     mid = int(np.argsort([b["imbalance_cpu"] for b in last])[len(last) // 2])
     out["per_rank"] = last[mid]["per_rank"]
     out["slowest_rank"] = last[mid]["slowest_rank"]
     out["epoch_s"] = float(np.median([m["history"][-1]["seconds"] for m in runs]))
-    out["eff_vs_ideal_by_epoch"] = [float(np.median([m["history"][e]["balance"]["rate"] /
-                                                     m["history"][e]["balance"]["ideal_rate"]
-                                                     for m in runs]))
-                                    for e in range(len(runs[0]["history"]))]
+    epochs = range(len(runs[0]["history"]))
+    for key, ideal in (("eff_vs_ideal_by_epoch", "ideal_rate"),
+                       ("eff_vs_attainable_by_epoch", "attainable_rate")):
+        out[key] = [float(np.median([m["history"][e]["balance"]["rate"] /
+                                     m["history"][e]["balance"][ideal] for m in runs]))
+                    for e in epochs]
+    out["capacities_by_epoch"] = [runs[0]["history"][e]["balance"]["capacities"] for e in epochs]
     return out
 
 
@@ -77,19 +101,20 @@ def bench_training(args) -> list[dict]:
                 rows.append({"P": ranks, "workload": name, "strategy": strategy, **summarize(runs)})
                 print(f"P={ranks} {name:10s} {strategy:9s} imbalance {rows[-1]['imbalance']:.3f} "
                       f"(cpu {rows[-1]['imbalance_cpu']:.3f})", flush=True)
-    for strategy in ("block", "weighted", "adaptive"):
-        opts = ["--partition", strategy] + (["--capacities", "2,1"] if strategy == "weighted" else [])
+    for strategy, opts in STRAGGLER_RUNS.items():
         runs = [run_train(args, 2, STRAGGLER + opts) for _ in range(args.repeats)]
         rows.append({"P": 2, "workload": "straggler-2x", "strategy": strategy, **summarize(runs)})
-        print(f"straggler {strategy}: {rows[-1]['eff_vs_ideal_by_epoch']}", flush=True)
+        print(f"straggler {strategy}: vs sum of speeds {rows[-1]['eff_vs_ideal_by_epoch']}, "
+              f"vs attainable {rows[-1]['eff_vs_attainable_by_epoch']}", flush=True)
     return rows
 
 
 def bench_mapreduce(args) -> dict:
     out = {}
     for ranks in args.ranks:
+        load_now()
         cmd = [args.mpiexec, "-n", str(ranks), args.python, str(HERE / "mapreduce_worker.py"),
-               str(args.repeats)]
+               str(max(args.repeats, 9)), str(MR_CHUNK)]  # each map takes < 1 s
         env = {**os.environ, **ENV, "PYTHONPATH": str(REPO)}
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         if r.returncode != 0:
@@ -110,39 +135,50 @@ def targets(rows: list[dict], mr: dict) -> list[dict]:
                 checks.append({"target": f"bow-sorted P={P} {strategy} {kind} {op} {bound}",
                                "value": round(v, 3), "pass": v >= bound if op == ">=" else v <= bound,
                                "headline": P == 2 or kind == "imbalance_cpu"})
-    eq, ad = pick[(2, "straggler-2x", "block")], pick[(2, "straggler-2x", "adaptive")]
-    checks.append({"target": "straggler 2x P=2: equal split <= 75% of ideal", "headline": True,
-                   "value": round(eq["eff_vs_ideal_by_epoch"][-1], 3),
-                   "pass": eq["eff_vs_ideal_by_epoch"][-1] <= 0.75})
-    checks.append({"target": "straggler 2x P=2: adaptive >= 90% of ideal by epoch 2",
-                   "value": round(ad["eff_vs_ideal_by_epoch"][1], 3), "headline": True,
-                   "pass": ad["eff_vs_ideal_by_epoch"][1] >= 0.90})
+    eq = pick[(2, "straggler-2x", "block")]
+    for key, ideal in (("eff_vs_ideal_by_epoch", "sum of speeds"),
+                       ("eff_vs_attainable_by_epoch", "attainable")):
+        checks.append({"target": f"straggler 2x P=2: equal split <= 75% of ideal ({ideal})",
+                       "value": round(eq[key][-1], 3), "pass": eq[key][-1] <= 0.75,
+                       "headline": True})
+        for name in ("adaptive", "adaptive-every-2"):
+            ad = pick.get((2, "straggler-2x", name))
+            if ad is not None:
+                checks.append({"target": f"straggler 2x P=2: {name} >= 90% of ideal ({ideal}) "
+                               "by epoch 2", "value": round(ad[key][1], 3),
+                               "pass": ad[key][1] >= 0.90, "headline": True})
     for P, m in mr.items():
-        best = min(m[s]["seconds"] for s in ("block", "cyclic", "cost"))
-        ratio = m["dynamic"]["seconds"] / best
-        checks.append({"target": f"map/reduce P={P}: dynamic within 10% of best static",
-                       "value": round(ratio, 3), "pass": ratio <= 1.10, "headline": P == 2})
+        for kind, label in (("seconds", "wall"), ("cpu_makespan", "CPU")):
+            best = min(m[s][kind] for s in ("block", "cyclic", "cost"))
+            ratio = m["dynamic"][kind] / best
+            checks.append({"target": f"map/reduce P={P}: dynamic within 10% of best static "
+                           f"({label})", "value": round(ratio, 3), "pass": ratio <= 1.10,
+                           "headline": P == 2 or label == "CPU"})
     return checks
 
 
 def markdown(rows, mr, checks, meta) -> str:
     lines = [f"Machine: {meta['machine']}; command: `{meta['command']}`; median of "
-             f"{meta['repeats']} runs, last epoch.", "",
+             f"{meta['repeats']} runs, last epoch; 1-minute load average {meta['load']}.", "",
              "| P | workload | strategy | imbalance (wall) | imbalance (CPU) | efficiency | "
-             "max idle | slowest | epoch s | rate / ideal by epoch |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "max idle | slowest | epoch s | rate / sum of speeds, by epoch | "
+             "rate / attainable, by epoch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         idle = max(p["idle_fraction"] for p in r["per_rank"])
         eff = ", ".join(f"{e:.0%}" for e in r["eff_vs_ideal_by_epoch"])
+        att = ", ".join(f"{e:.0%}" for e in r["eff_vs_attainable_by_epoch"])
         lines.append(f"| {r['P']} | {r['workload']} | {r['strategy']} | {r['imbalance']:.3f} | "
                      f"{r['imbalance_cpu']:.3f} | {r['efficiency']:.1%} | {idle:.0%} | "
-                     f"{r['slowest_rank']} | {r['epoch_s']:.2f} | {eff} |")
-    lines += ["", "| P | map/reduce mode | seconds | CPU imbalance | samples per rank |",
-              "|---|---|---|---|---|"]
+                     f"{r['slowest_rank']} | {r['epoch_s']:.2f} | {eff} | {att} |")
+    lines += ["", f"Map/reduce: {MR_CHUNK} rows per chunk in every mode; CPU makespan = the "
+              "largest per-rank CPU (process) time.", "",
+              "| P | map/reduce mode | wall s | CPU makespan s | CPU imbalance | "
+              "samples per rank |", "|---|---|---|---|---|---|"]
     for P, m in mr.items():
         for mode, v in m.items():
-            lines.append(f"| {P} | {mode} | {v['seconds']:.3f} | {v['imbalance_cpu']:.3f} | "
-                         f"{v['samples']} |")
+            lines.append(f"| {P} | {mode} | {v['seconds']:.3f} | {v['cpu_makespan']:.3f} | "
+                         f"{v['imbalance_cpu']:.3f} | {v['samples']} |")
     lines += ["", "| target | measured | result |", "|---|---|---|"]
     for c in checks:
         lines.append(f"| {c['target']} | {c['value']} | {'PASS' if c['pass'] else 'FAIL'} |")
@@ -190,13 +226,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.ranks = [int(r) for r in args.ranks.split(",")]
     t0 = time.time()
+    print(f"1-minute load average at start: {load_now():.2f}", flush=True)
     rows = bench_training(args)
     mr = bench_mapreduce(args)
     checks = targets(rows, mr)
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} "
                        f"{platform.release()}, Python {platform.python_version()}",
             "command": "make bench-partition", "repeats": args.repeats,
-            "seconds": round(time.time() - t0, 1)}
+            "seconds": round(time.time() - t0, 1),
+            "load": f"{min(LOADS):.2f}-{max(LOADS):.2f} (sampled before each job)"}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "partition.json").write_text(json.dumps(

@@ -1,6 +1,9 @@
 """One map/reduce timing job (run by bench_partition.py under mpiexec): the bag-of-words rows
 (work proportional to non-zeros) through a sparse layer, summed; static strategies vs the
-dynamic counter. Rank 0 prints one JSON line."""
+dynamic counter, all with the same rows per chunk (argv[1]; the work of a row depends on the
+chunk size, since the temporaries grow with it). Per mode: median wall seconds, median CPU
+makespan (the largest per-rank CPU time: the measure under oversubscription) and CPU
+imbalance. Rank 0 prints one JSON line."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from mpidp.workloads import BowSource
 def main(argv: list[str]) -> None:
     comm = MPI.COMM_WORLD
     repeats = int(argv[0]) if argv else 3
+    chunk = int(argv[1]) if len(argv) > 1 else 16
     src = BowSource(16000, 2000, seed=0)
     X = src.read(np.arange(src.n_samples))[0]  # every rank: same rows, outside the timing
     W = np.random.default_rng(0).standard_normal((2000, 128))
@@ -31,16 +35,20 @@ def main(argv: list[str]) -> None:
 
     modes = {"block": dict(partition="block"), "cyclic": dict(partition="cyclic"),
              "cost": dict(partition="cost", costs=src.costs()),
-             "dynamic": dict(dynamic=True, chunk_size=64)}
+             "dynamic": dict(dynamic=True)}
+    map_reduce(comm, fn, X, "sum", chunk_size=chunk, dynamic=True)  # warm-up, not timed
     result = {}
     for name, kw in modes.items():
-        times, cpu_imb = [], []
+        times, makespan, cpu_imb = [], [], []
         for _ in range(repeats):
-            res = map_reduce(comm, fn, X, "sum", **({"chunk_size": 256} | kw))
+            res = map_reduce(comm, fn, X, "sum", chunk_size=chunk, **kw)
             times.append(res.seconds)
             cpu = [r["compute_cpu_s"] for r in res.per_rank]
+            makespan.append(max(cpu))
             cpu_imb.append(max(cpu) / np.mean(cpu))
-        result[name] = {"seconds": float(np.median(times)), "imbalance_cpu": float(np.median(cpu_imb)),
+        result[name] = {"seconds": float(np.median(times)),
+                        "cpu_makespan": float(np.median(makespan)),
+                        "imbalance_cpu": float(np.median(cpu_imb)), "chunk_size": chunk,
                         "samples": [r["samples"] for r in res.per_rank]}
     if comm.rank == 0:
         print(json.dumps(result), flush=True)

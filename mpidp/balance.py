@@ -166,7 +166,9 @@ class Plan:
             stop = min(steps, s + every) if every else steps
             for idx in itertools.islice(self._local(shard, epoch, s), stop - s):
                 timer.note_cost(float(self.costs[shard.positions[idx]].sum()))
-                yield shard.X[idx], shard.y[idx]
+                with timer.compute():  # gathering the rows is per-sample local work too
+                    X, y = shard.X[idx], shard.y[idx]
+                yield X, y
             s = stop
             if every and s < steps:
                 self._adapt(timer, every)
@@ -187,10 +189,14 @@ class Plan:
         everyone = C.allgather_rows(self.comm, rows.reshape(-1))
         records = everyone.reshape(self.comm.size, len(rows), len(STEP_FIELDS))
         figures = balance_figures(records)
-        if self.strategy == "adaptive" and not self.partition.adapt_every:
-            per = figures["per_rank"]
+        if self.strategy == "adaptive" and len(rows):
+            # per epoch: the whole epoch; with --adapt-every k: the epoch's last window (the
+            # steps since the last in-epoch re-measurement), which would otherwise go unused
+            every = self.partition.adapt_every or len(rows)
+            last = records[:, (len(rows) - 1) // every * every:]
             self.capacities = Pt.adaptive_capacities(
-                [r["cost"] for r in per], [r["compute_s"] for r in per], self.capacities)
+                last[:, :, _F["cost"]].sum(axis=1), last[:, :, _F["compute_s"]].sum(axis=1),
+                self.capacities)
             self.history_caps.append(self.capacities.round(4).tolist())
         figures.update(strategy=self.strategy or "as loaded", moved_samples=self.moved,
                        capacities=self.capacities.round(4).tolist())
@@ -207,8 +213,17 @@ def balance_figures(records: np.ndarray) -> dict:
     critical path that is useful work); both also from CPU time (``*_cpu``: judge
     oversubscribed runs by these). Per rank: samples, cost, compute, wait (estimated, see
     the module notes), communication proper, update, idle fraction = wait / all step time,
-    and ``speed`` = cost per second of compute. ``rate``: cost per second of critical path;
-    ``ideal_rate``: the sum of the ranks' speeds.
+    and ``speed`` = cost per second of compute. ``rate``: cost per second of critical path
+    (per step the slowest rank's compute + collective + update, summed over steps).
+
+    Two ideals. ``ideal_rate``: the sum of the ranks' speeds -- the throughput if the
+    ranks computed all the time with no communication or update at all; no split can reach
+    it. ``attainable_rate``: what a perfect split reaches at the measured speeds, with the
+    part of a step that no split can shorten counted explicitly: ``W / (W / sum(speed) +
+    fixed_s)`` where ``W`` is the epoch's cost and ``fixed_s`` sums, over steps, the
+    smallest ``communication proper + update`` of any rank (the collective minus the
+    estimated wait, plus the replicated optimizer step: the same whoever owns the samples).
+    ``fixed_s`` is reported too.
     """
     size, steps = records.shape[:2]
     c, cpu = records[:, :, _F["compute_s"]], records[:, :, _F["compute_cpu_s"]]
@@ -228,6 +243,8 @@ def balance_figures(records: np.ndarray) -> dict:
     cost = records[:, :, _F["cost"]].sum(axis=1)
     speed = np.where(c.sum(axis=1) > 0, cost / np.maximum(c.sum(axis=1), 1e-300), 0.0)
     critical = float(total.max(axis=0).sum()) if steps else 0.0
+    fixed = float((proper + upd).min(axis=0).sum()) if steps else 0.0
+    balanced = cost.sum() / speed.sum() if speed.sum() > 0 else 0.0
     per_rank = [{"rank": r, "samples": int(records[r, :, _F["samples"]].sum()),
                  "cost": float(cost[r]), "compute_s": float(c[r].sum()),
                  "compute_cpu_s": float(cpu[r].sum()), "wait_s": float(wait[r].sum()),
@@ -238,7 +255,9 @@ def balance_figures(records: np.ndarray) -> dict:
             "imbalance_cpu": imbalance_cpu, "efficiency_cpu": efficiency_cpu,
             "slowest_rank": int(np.argmax(c.sum(axis=1))) if steps else 0,
             "rate": float(cost.sum() / critical) if critical else 0.0,
-            "ideal_rate": float(speed.sum()), "per_rank": per_rank}
+            "ideal_rate": float(speed.sum()), "fixed_s": fixed,
+            "attainable_rate": float(cost.sum() / (balanced + fixed)) if balanced + fixed > 0
+            else 0.0, "per_rank": per_rank}
 
 
 def trace_events(records: np.ndarray, events: list, clock0: float | None) -> float:
@@ -271,11 +290,18 @@ def trace_events(records: np.ndarray, events: list, clock0: float | None) -> flo
     return clock0
 
 
+def _share(fig: dict, key: str) -> str:
+    return f"{fig['rate'] / fig[key]:.0%}" if fig.get(key) else "n/a"
+
+
 def format_balance(fig: dict) -> str:
     """A short per-rank table of the load-balance figures."""
     lines = [f"load balance ({fig['strategy']}): imbalance {fig['imbalance']:.3f} "
              f"(cpu {fig['imbalance_cpu']:.3f}), efficiency {fig['efficiency']:.1%} "
              f"(cpu {fig['efficiency_cpu']:.1%}), slowest rank {fig['slowest_rank']}",
+             f"throughput {fig['rate']:.4g} cost/s = {_share(fig, 'ideal_rate')} of the sum "
+             f"of the ranks' speeds, {_share(fig, 'attainable_rate')} of the attainable "
+             f"(with {fig.get('fixed_s', 0.0):.3f} s of communication + update no split can shorten)",
              "rank  samples        cost  compute_s  wait_s  comm_s  idle"]
     for d in fig["per_rank"]:
         lines.append(f"{d['rank']:>4}  {d['samples']:>7}  {d['cost']:>10.0f}  "

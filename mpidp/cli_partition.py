@@ -58,8 +58,9 @@ def add_partition_options(p: argparse.ArgumentParser) -> None:
     a("--adapt-every", type=int, default=None,
       help="adaptive: re-measure speeds every N steps (default: every epoch)")
     a("--slowdown", type=_slowdown, default={}, metavar="RANK:FACTOR",
-      help="FOR BENCHMARKS AND TESTS: make RANK's compute FACTOR times slower (it sleeps "
-      "(FACTOR-1)x its compute time), simulating a straggler or slower node")
+      help="FOR BENCHMARKS AND TESTS: make RANK's per-sample work (each step's forward/"
+      "backward) FACTOR times slower by sleeping (FACTOR-1)x its duration, simulating a "
+      "straggler or slower node; the replicated update after the collective is not slowed")
     a("--trace", default=None, metavar="FILE",
       help="write a Chrome trace-event JSON timeline (compute / wait / comm / update per rank "
       "and step) to FILE; open it in Perfetto or chrome://tracing")

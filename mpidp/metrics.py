@@ -26,8 +26,11 @@ class StepTimer:
     the step's start, the wall and CPU (process) time of the local forward/backward before
     the step's collective, the collective's wall time, the update after it, the samples and
     their cost (:meth:`note_cost`). Rows stay local until :meth:`take_records`.
-    ``slowdown`` > 1 stretches every compute section by that factor by sleeping
-    ``(slowdown - 1) x`` its duration: a simulated slower node, for benchmarks and tests.
+    ``slowdown`` > 1 simulates a slower node (for benchmarks and tests): the step's local
+    forward/backward -- the work that scales with this rank's share of the batch -- is
+    stretched by that factor by sleeping ``(slowdown - 1) x`` its duration. The replicated
+    update after the collective (the same on every rank whatever the split, so nothing a
+    partition can rebalance) is not stretched.
     """
 
     compute_s: float = 0.0
@@ -47,11 +50,12 @@ class StepTimer:
             self._cur[0] = t
         yield
         dt = time.perf_counter() - t
-        if self.slowdown > 1.0:
+        local = self._cur[3] == 0.0  # before the step's collective: the per-sample work
+        if local and self.slowdown > 1.0:
             time.sleep((self.slowdown - 1.0) * dt)
             dt = time.perf_counter() - t
         self.compute_s += dt
-        if self._cur[3] == 0.0:  # before the step's collective: the local work
+        if local:
             self._cur[1] += dt
             self._cur[2] += time.process_time() - c
         else:

@@ -189,6 +189,66 @@ def test_balance_figures_on_a_known_timeline():
     assert perfect["imbalance"] == 1.0 and perfect["efficiency"] == 1.0
 
 
+def test_attainable_rate_counts_the_time_no_split_can_shorten():
+    # rank 1 is twice as slow; every step has 0.1 s of Allreduce proper and 0.05 s of update
+    rec = _records([[1.0, 1.0], [2.0, 2.0]])
+    rec[:, :, STEP_FIELDS.index("update_s")] = 0.05
+    fig = balance_figures(rec)
+    assert fig["fixed_s"] == pytest.approx(2 * (0.1 + 0.05))
+    assert fig["ideal_rate"] == pytest.approx(4.0 + 2.0)  # cost 8 per rank over 2 s and 4 s
+    assert fig["attainable_rate"] == pytest.approx(16 / (16 / 6.0 + 0.3))
+    assert fig["rate"] == pytest.approx(16 / (2 * (2.0 + 0.1 + 0.05)))
+    assert fig["rate"] < fig["attainable_rate"] < fig["ideal_rate"]
+    # a split in proportion to the speeds reaches the attainable rate exactly
+    fair = _records([[4 / 3, 4 / 3], [4 / 3, 4 / 3]], cost=[[16 / 3] * 2, [8 / 3] * 2])
+    fair[:, :, STEP_FIELDS.index("update_s")] = 0.05
+    fair_fig = balance_figures(fair)
+    assert fair_fig["rate"] == pytest.approx(fair_fig["attainable_rate"])
+
+
+def test_adaptive_rebalances_a_2x_straggler_after_one_measurement():
+    """No damping: measured speeds replace the capacities. With a rank's step time
+    ``slow_r (a + x)`` (``x``: its samples, ``a``: a per-step overhead, both stretched on the
+    slowed rank) one measurement is exact when ``a = 0``; with ``a > 0`` the iteration
+    under-corrects and approaches the balanced split from one side, never overshooting, so
+    damping would only slow it down."""
+    slow, batch = np.array([1.0, 2.0]), 2048
+
+    def times(caps, a):
+        x = np.bincount(Pt.balance_batches(np.arange(batch), batch, np.ones(batch), caps),
+                        minlength=2).astype(float)
+        return x, slow * (a + x)
+
+    for a, epochs, tolerance in ((0.0, 1, 3e-3), (100.0, 3, 0.01)):
+        caps, ratios = np.ones(2), []
+        for _ in range(epochs):
+            x, t = times(caps, a)
+            ratios.append(t[1] / t[0])
+            caps = Pt.adaptive_capacities(x, t, caps)
+        t = times(caps, a)[1]
+        ratios.append(t[1] / t[0])
+        assert ratios[0] == pytest.approx(2.0)  # the equal split: rank 1 takes twice as long
+        assert abs(ratios[-1] - 1) <= tolerance, ratios
+        assert all(1 - 3e-3 <= r1 <= r0 for r0, r1 in zip(ratios, ratios[1:])), ratios
+
+
+def test_step_timer_slowdown_stretches_the_local_work_but_not_the_update():
+    import time
+
+    from mpidp.metrics import StepTimer
+    timer = StepTimer(slowdown=3.0)
+    with timer.compute():
+        time.sleep(0.02)  # forward/backward: scales with the rank's samples
+    with timer.communicate():
+        pass
+    with timer.compute():
+        time.sleep(0.02)  # the replicated update after the collective
+    timer.end_step(4)
+    row = timer.take_records()[0]
+    assert row[STEP_FIELDS.index("compute_s")] >= 3 * 0.02
+    assert 0.02 <= row[STEP_FIELDS.index("update_s")] < 2 * 0.02
+
+
 def test_csr_rows_and_sparse_layer_match_dense():
     rng = np.random.default_rng(0)
     lengths = np.array([3, 0, 5, 1, 0])

@@ -118,6 +118,19 @@ def test_adaptive_gives_a_slowed_rank_less_work(comm):
     all_ranks(comm, samples[slow] < min(np.delete(samples, slow)), f"samples {samples}")
 
 
+@pytest.mark.mpi(min_size=1)
+def test_adapt_every_also_uses_the_last_window_of_each_epoch(comm):
+    # 6 steps per epoch, re-measured every 2: after steps 2 and 4 and at the epoch's end
+    data = mpidp.load(comm, "synthetic", distribute="local", n_samples=6 * 64, n_features=16,
+                      partition="adaptive", test_fraction=0.0, dtype=np.float64)
+    net = nn.mlp(16, (8,), 10, dtype=np.float64).init_(0)
+    dp = mpidp.DataParallel(net, nn.SGD(0.01), nn.SoftmaxCrossEntropy(), comm)
+    plan = Plan(comm, Partition("adaptive", adapt_every=2), data.train.n_total, 64, 0)
+    hist = mpidp.fit(dp, data.train, 2, 64, partition=plan)
+    all_ranks(comm, len(plan.history_caps) == 2 * 3, f"{len(plan.history_caps)} re-measurements")
+    all_ranks(comm, hist[-1]["balance"]["capacities"] == plan.history_caps[-1])
+
+
 BAD = {
     "unknown strategy": (dict(partition="zigzag"), "unknown partition strategy 'zigzag'"),
     "costs wrong length": (dict(partition="cost", costs=np.ones(7)), "costs must have 50 entries"),
