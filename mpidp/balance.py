@@ -116,7 +116,8 @@ class Plan:
         if partition is not None:
             C.run_agreed(comm, partition.check, n, size)
         p = partition
-        self.costs = p.costs if p is not None and p.costs is not None else np.ones(n)
+        self.uniform = p is None or p.costs is None  # every sample costs the same
+        self.costs = np.ones(n) if self.uniform else p.costs
         self.capacities = (np.asarray(p.capacities, np.float64) if p is not None and
                            p.capacities is not None else np.ones(size))
         self.owner: np.ndarray | None = None
@@ -132,6 +133,10 @@ class Plan:
     def _wanted(self, epoch: int) -> np.ndarray | None:
         if self.partition is None:
             return None
+        if self.strategy == "adaptive" and self.uniform:
+            # equal costs: blocks proportional to the measured speeds balance every batch
+            # in expectation, and rows move only when the speeds change (not every epoch)
+            return Pt.assign("weighted", self.n, self.comm.size, capacities=self.capacities)
         if self.strategy in Pt.PER_BATCH:
             order = Pt.epoch_order(self.n, epoch, self.seed, self.shuffle)
             return Pt.balance_batches(order, self.batch_size, self.costs, self.capacities)
