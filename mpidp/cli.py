@@ -229,7 +229,7 @@ def _load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.
             error = str(exc)
     C.agree(comm, error)
     first_worker = 1 if server == 0 else 0
-    meta = comm.bcast(None if data is None else (
+    meta = C.bcast_obj(comm, None if data is None else (
         data.name, data.n_features, data.n_outputs, data.classification, data.train.n_total,
         data.test.n_total, data.train.y.dtype, data.train.y.shape[1:]), root=first_worker)
     if data is not None:
@@ -329,15 +329,22 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
                "steps": dp.global_step, "skipped_steps": dp.skipped_steps, **extra,
                "sync": args.sync, "bytes_sent_per_step": dp.sync.bytes_sent / max(dp.global_step, 1),
                "timings": timings, "balance": balance, "config": config, "mpi": mpi}
+    return finish(comm, args, metrics, model, data)
+
+
+def finish(comm: C.Comm, args: argparse.Namespace, metrics: dict, model: nn.Sequential,
+           data: D.Data) -> dict:
+    """On rank 0: write ``model.npz`` and ``metrics.json`` (atomically) and print the summary."""
     meta = {"model": args.model, "hidden": list(args.hidden), "n_features": data.n_features,
             "n_outputs": data.n_outputs, "classification": data.classification}
     _save(args.out, metrics, model, meta)
+    last = metrics["history"][-1]
     final = f"final: loss {last['loss']:.4f}"
     if last.get("test_accuracy") is not None:
         final += f", test accuracy {last['test_accuracy']:.4f}"
-    _say(comm, final, f"replicas bit-identical: {in_sync}", "per-rank timing:",
-         format_timings(timings), f"wrote {args.out}/metrics.json and {args.out}/model.npz "
-         f"({wall:.1f}s)")
+    _say(comm, final, f"replicas bit-identical: {metrics['params_in_sync']}", "per-rank timing:",
+         format_timings(metrics["timings"]), f"wrote {args.out}/metrics.json and "
+         f"{args.out}/model.npz ({metrics['wall_s']:.1f}s)")
     return metrics
 
 

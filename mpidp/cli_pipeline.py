@@ -16,7 +16,7 @@ import numpy as np
 from . import comm as C
 from . import data as D
 from . import nn
-from .metrics import format_timings, gather_timings
+from .metrics import gather_timings
 from .parallel import make_trainer, model_layers
 from .train_pipeline import fit_pipeline
 
@@ -34,7 +34,7 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
 
 def train_model_parallel(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     """Run ``mpidp train`` with a pipeline or hybrid. Collective. Metrics on rank 0."""
-    from .cli import _check_out, _save, _say  # the CLI module imports this one lazily
+    from .cli import _check_out, _say  # the CLI module imports this one lazily
 
     t_start = time.perf_counter()
     C.root_decides(comm, _check_out, args.out)
@@ -65,10 +65,11 @@ def train_model_parallel(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     history = fit_pipeline(pipe, data.train.X, data.train.y, args.epochs, args.batch_size,
                            seed=args.seed, shuffle=not args.no_shuffle, drop_last=args.drop_last,
                            X_test=data.test.X, y_test=data.test.y, on_epoch=report)
-    return _finish(args, comm, pipe, history, data, t_start, _save, _say)
+    return _finish(args, comm, pipe, history, data, t_start)
 
 
-def _finish(args, comm, pipe, history, data, t_start, save, say) -> dict | None:
+def _finish(args, comm, pipe, history, data, t_start) -> dict | None:
+    from .cli import finish
     in_sync = pipe.in_sync()
     full = pipe.gather_params(0)
     timings = gather_timings(comm, pipe.timer)
@@ -89,12 +90,4 @@ def _finish(args, comm, pipe, history, data, t_start, save, say) -> dict | None:
                "history": history, "steps": pipe.global_step, "timings": timings,
                "memory_per_rank": [dict(zip(pipe.memory(), map(int, row))) for row in memory],
                "config": config, "mpi": C.mpi_info(C.self_comm())}
-    meta = {"model": args.model, "hidden": list(args.hidden), "n_features": data.n_features,
-            "n_outputs": data.n_outputs, "classification": data.classification}
-    save(args.out, metrics, model, meta)
-    final = f"final: loss {last['loss']:.4f}"
-    if last.get("test_accuracy") is not None:
-        final += f", test accuracy {last['test_accuracy']:.4f}"
-    say(comm, final, f"replicas bit-identical: {in_sync}", "per-rank timing:",
-        format_timings(timings), f"wrote {args.out}/metrics.json and {args.out}/model.npz")
-    return metrics
+    return finish(comm, args, metrics, model, data)

@@ -109,6 +109,11 @@ def _pieces(n: int, limit: int | None = None):
     return [(lo, min(lo + limit, n)) for lo in range(0, n, limit)] or [(0, 0)]
 
 
+def bcast_obj(comm: Comm, obj: Any, root: int = 0) -> Any:
+    """Broadcast a small picklable object (metadata, never arrays on the per-step path)."""
+    return comm.bcast(obj, root=root)
+
+
 def bcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
     """Broadcast contiguous ``buf`` from ``root`` in place. Collective. Returns ``buf``.
 

@@ -109,7 +109,7 @@ def train_async(model: Sequential, optimizer: Optimizer, loss: Loss, comm: C.Com
         _worker(comm, model, loss, shard, epochs, batch_size, seed, root)
         stats = AsyncStats()
     C.bcast_(comm, model.params, root)
-    summary = comm.bcast(stats.summary() | {"epoch_loss": stats.epoch_loss}, root=root)
+    summary = C.bcast_obj(comm, stats.summary() | {"epoch_loss": stats.epoch_loss}, root)
     stats.applied, stats.dropped = summary["applied"], summary["dropped"]
     stats.epoch_loss = summary["epoch_loss"]
     return stats

@@ -21,3 +21,19 @@ def raises_everywhere(comm, exc_type, fn, match: str | None = None):
     ok = err is not None and (match is None or match in str(err))
     all_ranks(comm, ok, f"rank {comm.rank}: got {err!r}, expected {exc_type.__name__} with {match!r}")
     return err
+
+
+class CountingComm:
+    """Forwards to a communicator and records the names of the calls made on it."""
+
+    def __init__(self, comm):
+        self._comm, self.calls = comm, []
+
+    def __getattr__(self, name):
+        attr = getattr(self._comm, name)
+        if callable(attr):
+            def wrapped(*args, **kwargs):
+                self.calls.append(name)
+                return attr(*args, **kwargs)
+            return wrapped
+        return attr

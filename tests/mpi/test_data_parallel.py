@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_helpers import all_ranks, raises_everywhere
+from mpi_helpers import CountingComm, all_ranks, raises_everywhere
 
 import mpidp
 from mpidp import nn
@@ -88,25 +88,9 @@ def test_step_is_global_mean_gradient_of_plain_formula(comm):
     all_ranks(comm, stats.count == 37 and abs(stats.loss - np.mean(-np.log(p[np.arange(37), y]))) < 1e-12)
 
 
-class _CountingComm:
-    """Forwards to a communicator and counts the calls the trainer makes."""
-
-    def __init__(self, comm):
-        self._comm, self.calls = comm, []
-
-    def __getattr__(self, name):
-        attr = getattr(self._comm, name)
-        if callable(attr):
-            def wrapped(*args, **kwargs):
-                self.calls.append(name)
-                return attr(*args, **kwargs)
-            return wrapped
-        return attr
-
-
 @pytest.mark.mpi(min_size=1)
 def test_one_allreduce_per_step_and_one_bcast_for_init(comm):
-    counting = _CountingComm(comm)
+    counting = CountingComm(comm)
     model = nn.mlp(6, (10,), 3, dtype=np.float32).init_(0)
     dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), counting)
     all_ranks(comm, counting.calls == ["Bcast"], f"init made {counting.calls}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_helpers import all_ranks, raises_everywhere
+from mpi_helpers import CountingComm, all_ranks, raises_everywhere
 
 import mpidp
 from mpidp import nn
@@ -110,22 +110,6 @@ def test_evaluate_equals_single_process(comm):
     all_ranks(comm, ev.correct == loss.n_correct(out, y))
 
 
-class _CountingComm:
-    """Forwards to a communicator and records the calls made on it."""
-
-    def __init__(self, comm):
-        self._comm, self.calls = comm, []
-
-    def __getattr__(self, name):
-        attr = getattr(self._comm, name)
-        if callable(attr):
-            def wrapped(*args, **kwargs):
-                self.calls.append(name)
-                return attr(*args, **kwargs)
-            return wrapped
-        return attr
-
-
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_step_sends_only_buffers_of_the_agreed_shapes(comm, schedule):
@@ -133,7 +117,7 @@ def test_step_sends_only_buffers_of_the_agreed_shapes(comm, schedule):
     layers, loss = model_layers("mlp", 7, 3, HIDDEN)
     pipe = Pipeline(layers, 7, nn.SGD(0.1), loss, comm, micro_batches=4, schedule=schedule,
                     dtype=np.float64).init_(0)
-    pipe.pipe = _CountingComm(pipe.pipe)
+    pipe.pipe = CountingComm(pipe.pipe)
     X, y = _data(n=30)
     pipe.step(X, y)
     s, P = pipe.stage, pipe.n_stages
