@@ -49,6 +49,25 @@ def accuracy(mode: str, tmp: Path, env: dict, args) -> dict:
             "bytes_per_step": m["bytes_sent_per_step"]}
 
 
+def ddp(strong: dict, tmp: Path, env: dict, args) -> str:
+    """PyTorch DDP (gloo, CPU, one thread per rank) at P = 1, 2 when torch is installed."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "skipped (PyTorch is not installed in this environment)"
+    parts = []
+    for P in (1, 2):
+        out = tmp / f"ddp{P}.json"
+        _run([str(BIN / "mpiexec"), "-n", str(P), sys.executable, str(HERE / "bench_ddp.py"),
+              "--out", str(out), "--repeats", str(args.repeats)], env, args.timeout)
+        r = json.loads(out.read_text())
+        mine = strong[P]["modes"]["allreduce"]
+        parts.append(f"P={P}: DDP {r['step_ms']:.1f} ms/step ({r['samples_per_s']:.0f} samples/s, "
+                     f"torch {r['torch']}), mpidp allreduce {mine['step_ms']:.1f} ms/step: "
+                     f"mpidp/DDP samples/s = {mine['samples_per_s'] / r['samples_per_s']:.2f}")
+    return "; ".join(parts)
+
+
 def predictions(model: dict, strong: dict) -> list[dict]:
     """Cost-model step time for allreduce at P = 2, 3, 4 vs measured (compute from P = 1)."""
     sys.path.insert(0, str(REPO))
@@ -147,11 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               str(tmp / "model")], env, args.timeout)
         model = json.loads((tmp / "model" / "model.json").read_text())
         acc = {m: accuracy(m, tmp, env, args) for m in LOSSY}
-    try:
-        import torch  # noqa: F401
-        torch_note = "installed, but the DDP comparison is not implemented yet"
-    except ImportError:
-        torch_note = "skipped (PyTorch is not installed in this environment)"
+        torch_note = ddp(strong, tmp, env, args)
     report = {"steps": args.steps, "repeats": args.repeats, "strong": strong, "weak": weak,
               "validation": predictions(model, {**strong, 3: strong_3}), "model_fit": model["fit"],
               "accuracy": acc, "torch": torch_note, "machine": cpu_model(), "commit": git_commit(),
