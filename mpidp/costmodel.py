@@ -33,11 +33,22 @@ class Fit:
         return asdict(self)
 
 
-def fit_alpha_beta(nbytes: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
-    """Least-squares ``t = alpha + beta * m`` over ping-pong samples (both clipped >= 0)."""
-    A = np.column_stack([np.ones(len(nbytes)), np.asarray(nbytes, float)])
-    (alpha, beta), *_ = np.linalg.lstsq(A, np.asarray(seconds, float), rcond=None)
-    return max(float(alpha), 0.0), max(float(beta), 0.0)
+def fit_alpha_beta(nbytes: np.ndarray, seconds: np.ndarray, small: int = 4096,
+                   large: int = 1 << 18) -> tuple[float, float]:
+    """``t = alpha + beta * m`` from ping-pong samples, the Hockney way: ``alpha`` is the
+    mean time of the small messages (``m <= small`` bytes), ``beta`` the least-squares slope
+    of ``t - alpha`` over the large ones (``m >= large``), which are what gradients are.
+    A single least-squares line would let the largest message decide both (alpha came out
+    negative here). Falls back to that line when a range has no samples; both >= 0."""
+    m, t = np.asarray(nbytes, float), np.asarray(seconds, float)
+    lo, hi = m <= small, m >= large
+    if not lo.any() or not hi.any():
+        A = np.column_stack([np.ones(len(m)), m])
+        (alpha, beta), *_ = np.linalg.lstsq(A, t, rcond=None)
+        return max(float(alpha), 0.0), max(float(beta), 0.0)
+    alpha = float(t[lo].mean())
+    beta = float(np.dot(m[hi], t[hi] - alpha) / np.dot(m[hi], m[hi]))
+    return max(alpha, 0.0), max(beta, 0.0)
 
 
 def fit_gamma(P: int, nbytes: np.ndarray, seconds: np.ndarray, alpha: float, beta: float,
