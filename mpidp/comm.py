@@ -228,6 +228,19 @@ def assert_in_sync(comm: Comm, params: np.ndarray, root: int = 0) -> None:
 # --- failing loudly ---------------------------------------------------------------------
 
 _FORWARD_S = 0.3
+_ABORT_GRACE_S = 10.0
+
+
+def abort_job(comm: Comm, code: int) -> None:
+    """``MPI_Abort`` the job, and leave this process within seconds even if the launcher
+    cannot be reached (a rank cut off from its job by a dead link must not live on)."""
+    import threading
+    sys.stderr.flush()
+    sys.stdout.flush()
+    time.sleep(_FORWARD_S)  # let mpiexec forward our output before it kills everything
+    threading.Timer(_ABORT_GRACE_S, os._exit, args=(code,)).start()
+    comm.Abort(code)
+    os._exit(code)
 
 
 def _abort_hook(exc_type, exc, tb) -> None:
@@ -237,11 +250,7 @@ def _abort_hook(exc_type, exc, tb) -> None:
         return
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     sys.stderr.write(f"[mpidp] rank {comm.rank}/{comm.size} failed; aborting the job.\n{text}")
-    sys.stderr.flush()
-    sys.stdout.flush()
-    time.sleep(_FORWARD_S)  # let mpiexec forward our output before it kills everything
-    comm.Abort(1)
-    os._exit(1)
+    abort_job(comm, 1)
 
 
 def abort_on_error(enable: bool = True) -> None:
@@ -293,6 +302,10 @@ class Watchdog:
     The collective is started non-blocking and polled. Ranks that are waiting at the same
     point answer a roll call on a private duplicate of ``comm``; ranks that do not answer
     within ``grace`` seconds (dead, hung, or busy elsewhere) are the ones named.
+
+    Backstop for the collectives that are not polled (an epoch's evaluation or load-balance
+    gather, a checksum check): once armed (:meth:`arm`), a thread aborts the job when no
+    :meth:`beat` has come for ``2 * timeout + grace`` seconds (the ranks are then not named).
     """
 
     def __init__(self, comm: Comm, timeout: float, grace: float = 2.0) -> None:
@@ -303,6 +316,37 @@ class Watchdog:
         self.where = np.zeros(1, np.int64)  # what this rank is waiting in (a step number)
         self._call = np.zeros(1, np.int64)
         self._listen = self.side.Irecv(self._call, source=MPI.ANY_SOURCE, tag=_ROLL)
+        self._last, self._what, self._armed, self._thread = time.monotonic(), "start", False, None
+
+    def arm(self) -> None:
+        """Start (or resume) the backstop: abort after ``2 * timeout + grace`` s without a beat."""
+        self.beat("arming the watchdog")
+        self._armed = True
+        if self._thread is None:
+            import threading
+            self._thread = threading.Thread(target=self._backstop, name="mpidp-watchdog",
+                                            daemon=True)
+            self._thread.start()
+
+    def disarm(self) -> None:
+        """Pause the backstop (outside training, long waits are not hangs)."""
+        self._armed = False
+
+    def beat(self, what: str) -> None:
+        """Record progress: ``what`` just completed."""
+        self._last, self._what = time.monotonic(), what
+
+    def _backstop(self) -> None:
+        limit = 2 * self.timeout + self.grace
+        while True:
+            time.sleep(min(0.25, self.timeout / 4))
+            idle = time.monotonic() - self._last
+            if self._armed and idle > limit:
+                sys.stderr.write(
+                    f"[mpidp] watchdog: rank {self.comm.rank}/{self.comm.size} made no progress "
+                    f"for {idle:.1f}s after {self._what} (blocked in a collective that is not "
+                    f"polled, or computing); aborting the job.\n")
+                abort_job(self.comm, 3)
 
     def _answer_roll_calls(self) -> None:
         status = MPI.Status()
@@ -345,10 +389,8 @@ class Watchdog:
         sys.stderr.write(
             f"[mpidp] watchdog: rank {me}/{comm.size} waited {waited:.1f}s in {what}; "
             f"ranks that never arrived: {missing}. Aborting the job.\n")
-        sys.stderr.flush()
         del sends
-        time.sleep(_FORWARD_S)
-        comm.Abort(3)
+        abort_job(comm, 3)
 
 
 # --- primitives for the synchronisation strategies (mpidp.parallel.sync) ------------------

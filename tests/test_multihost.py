@@ -121,9 +121,10 @@ def _cut_after(cluster, cmd, host: int, ready, timeout: float = 120):
 
 
 def test_link_down_ends_the_job_and_names_the_lost_ranks(cluster):
-    cmd = cluster.mpiexec(2, 1, PY, *LONG, "--watchdog", "5", "--out", str(cluster.root / "ld"))
-    start = time.monotonic()
-    rc, out, after = _cut_after(cluster, cmd, 1, lambda: time.monotonic() - start > 5)
+    ck = cluster.root / "ld-ck"  # the first checkpoint says training is under way
+    cmd = cluster.mpiexec(2, 1, PY, *LONG, "--watchdog", "5", "--checkpoint-dir", str(ck),
+                          "--checkpoint-every", "100", "--out", str(cluster.root / "ld"))
+    rc, out, after = _cut_after(cluster, cmd, 1, lambda: any(ck.glob("ckpt-*.npz")))
     assert rc not in (None, 0), out[-3000:]
     assert after < 45, f"job took {after:.0f} s to end after the link went down"
     assert "ranks that never arrived: [1]" in out

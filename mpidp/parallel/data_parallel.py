@@ -136,6 +136,8 @@ class DataParallel:
         self.global_step += 1
         if self.check_every and self.global_step % self.check_every == 0:
             C.assert_in_sync(self.comm, self.model.params, self.root)
+        if self.watchdog is not None:
+            self.watchdog.beat(f"step {self.global_step - 1}")
         return StepStats(loss_sum, count, correct, skipped)
 
     def apply_global(self, buf: np.ndarray) -> tuple[float, int, int, bool]:
@@ -176,4 +178,6 @@ class DataParallel:
             loss_sum, correct = self._eval_pass(X[s:s + batch_size], y[s:s + batch_size])
             total += (loss_sum, len(X[s:s + batch_size]), correct)
         C.allreduce_sum_(self.comm, total)
+        if self.watchdog is not None:
+            self.watchdog.beat("an evaluation")
         return StepStats(float(total[0]), int(total[1]), int(total[2]))

@@ -105,8 +105,15 @@ class Cluster:
         self.launcher.chmod(0o755)
 
     def down(self) -> None:
-        """Remove every host, link and file (idempotent)."""
+        """Remove every host, link and file (idempotent), killing what still runs there
+        (a rank cut off by a link test may still be shutting down)."""
         for name in self.names:
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
+            for pid in pids.stdout.split():
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
             _ip("netns", "del", name, check=False)
         for veth in self.veths:
             _ip("link", "del", veth, check=False)
