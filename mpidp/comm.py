@@ -480,12 +480,17 @@ def barrier(comm: Comm) -> None:
     comm.Barrier()
 
 
-def allgather_rows(comm: Comm, values: np.ndarray) -> np.ndarray:
+def allgather_rows(comm: Comm, values: np.ndarray, watchdog: Watchdog | None = None,
+                   where: int = -1, what: str = "an Allgather") -> np.ndarray:
     """Every rank's float64 row ``(k,)`` (same ``k`` everywhere) as ``(size, k)`` on every
-    rank. Collective (one ``Allgather``)."""
+    rank. Collective (one ``Allgather``; polled by ``watchdog`` when given)."""
     values = np.ascontiguousarray(values, np.float64)
     out = np.empty((comm.size, len(values)))
-    comm.Allgather(values, out)
+    if watchdog is None:
+        comm.Allgather(values, out)
+    else:
+        watchdog.where[0] = where
+        watchdog.wait(comm.Iallgather(values, out), what)
     return out
 
 

@@ -90,6 +90,7 @@ def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int 
         dp.watchdog.arm()  # backstop for the collectives of the epoch loop that are not polled
     plan = partition if isinstance(partition, Plan) else Plan(
         dp.comm, partition, train.n_total, batch_size, seed, shuffle, drop_last)
+    plan.watchdog = dp.watchdog
     if state.partition.get("capacities") is not None:
         plan.capacities = np.asarray(state.partition["capacities"], np.float64)
     for epoch in range(state.epoch, epochs):

@@ -177,7 +177,10 @@ class DataParallel:
         for s in range(0, len(X), batch_size):
             loss_sum, correct = self._eval_pass(X[s:s + batch_size], y[s:s + batch_size])
             total += (loss_sum, len(X[s:s + batch_size]), correct)
-        C.allreduce_sum_(self.comm, total)
-        if self.watchdog is not None:
+        if self.watchdog is None:
+            C.allreduce_sum_(self.comm, total)
+        else:  # a distinct "where" for the roll call: not a step number
+            self.watchdog.allreduce_sum_(total, -(10**9 + self.global_step),
+                                         f"the evaluation Allreduce after step {self.global_step}")
             self.watchdog.beat("an evaluation")
         return StepStats(float(total[0]), int(total[1]), int(total[2]))

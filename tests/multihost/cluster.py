@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
@@ -121,8 +122,14 @@ class Cluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def link(self, i: int, up: bool) -> None:
-        """Cut (or restore) host ``i``'s network link."""
+        """Cut (or restore) host ``i``'s network link. Restoring also forgets the failed
+        address lookups of the cut (else the next job's first connects find no route)."""
         _ip("link", "set", self.veths[i], "up" if up else "down")
+        if up:
+            for name in self.names:
+                _ip("-n", name, "neigh", "flush", "all", check=False)
+            _ip("neigh", "flush", "dev", self.bridge, check=False)
+            time.sleep(0.5)
 
     def mpiexec(self, n: int, per_host: int, *cmd: str, hosts: list[int] | None = None,
                 tcp: bool = True) -> list[str]:
