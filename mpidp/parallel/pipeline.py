@@ -268,8 +268,9 @@ class Pipeline:
         slot = run.slots[i % self.n_slots]
         t, cpu = time.perf_counter(), time.process_time()
         with self.timer.compute():
-            for layer in reversed(slot):
-                dy = layer.backward(dy, accumulate=True)
+            for j, layer in enumerate(reversed(slot)):  # the model's input needs no gradient
+                dy = layer.backward(dy, accumulate=True,
+                                    need_input_grad=not self.first or j < len(slot) - 1)
         self._trace("B", i, t, cpu)
         run.slots[i % self.n_slots] = None  # drop this micro-batch's activations
         run.alive.pop(i)

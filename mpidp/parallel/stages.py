@@ -47,10 +47,11 @@ def param_counts(layers: Sequence[Layer]) -> list[int]:
 def measure_costs(layers: Sequence[Layer], n_in: int, n_samples: int = 256,
                   dtype: npt.DTypeLike = np.float32, repeats: int = 3) -> list[float]:
     """Median seconds of one forward plus backward of each layer on ``(n_samples, width)``
-    random inputs. Allocates one layer's parameters at a time (copies; ``layers`` untouched)."""
+    random inputs. Allocates one layer's parameters at a time (copies; ``layers`` untouched).
+    The first layer's backward skips dL/dx, as in training (its input is the data)."""
     rng = np.random.default_rng(0)
     widths, out = chain_widths(layers, n_in), []
-    for layer, width in zip(layers, widths):
+    for i, (layer, width) in enumerate(zip(layers, widths)):
         probe = copy.copy(layer)
         shapes = probe.param_shapes()
         probe.bind({k: np.zeros(s, dtype) for k, s in shapes.items()},
@@ -61,7 +62,7 @@ def measure_costs(layers: Sequence[Layer], n_in: int, n_samples: int = 256,
         for _ in range(repeats + 1):  # the first run warms caches and is dropped
             t = time.perf_counter()
             y = probe.forward(x)
-            probe.backward(np.ones_like(y))
+            probe.backward(np.ones_like(y), need_input_grad=i > 0)
             times.append(time.perf_counter() - t)
         out.append(float(np.median(times[1:])))
     return out
