@@ -19,11 +19,22 @@ from mpi4py import MPI
 
 import mpidp
 from mpidp import nn
-from mpidp.parallel.sync import make_sync
+from mpidp.parallel.sync import Sync, make_sync
 from mpidp.partition import local_batches
 
 MODES = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "ps-dedicated",
-         "sharded-ps", "accumulate", "local-sgd")
+         "sharded-ps", "accumulate", "local-sgd", "compute-only")
+
+
+class ComputeOnly(Sync):
+    """Not a training mode: each rank updates from its own gradient and never communicates.
+    Its step time is the floor any synchronisation mode could reach on this machine (the
+    ranks still share its cores and memory bandwidth), which bounds every speed-up claim."""
+
+    name = "compute-only"
+
+    def reduce(self, dp) -> None:
+        pass
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -31,7 +42,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="JSON results (rank 0)")
     p.add_argument("--weak", action="store_true", help="256 samples per rank (weak scaling)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--n-samples", type=int, default=60000)
@@ -42,6 +53,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _sync_for(mode: str):
+    if mode == "compute-only":
+        return ComputeOnly()
     if mode == "ps-dedicated":
         return make_sync("ps", dedicated=True)
     return make_sync(mode, lambda: nn.SGD(0.05), bucket_bytes=1 << 20, k=4)

@@ -59,13 +59,21 @@ def ddp(strong: dict, tmp: Path, env: dict, args) -> str:
     for P in (1, 2):
         out = tmp / f"ddp{P}.json"
         _run([str(BIN / "mpiexec"), "-n", str(P), sys.executable, str(HERE / "bench_ddp.py"),
-              "--out", str(out), "--repeats", str(args.repeats)], env, args.timeout)
+              "--out", str(out), "--repeats", str(args.repeats), "--steps", str(args.steps)],
+             env, args.timeout)
         r = json.loads(out.read_text())
-        mine = strong[P]["modes"]["allreduce"]
-        parts.append(f"P={P}: DDP {r['step_ms']:.1f} ms/step ({r['samples_per_s']:.0f} samples/s, "
-                     f"torch {r['torch']}), mpidp allreduce {mine['step_ms']:.1f} ms/step: "
-                     f"mpidp/DDP samples/s = {mine['samples_per_s'] / r['samples_per_s']:.2f}")
-    return "; ".join(parts)
+        modes = strong[P]["modes"]
+        mine = modes["allreduce"]
+        best = min((m for m in modes if m not in ("compute-only", "handwritten")),
+                   key=lambda m: modes[m]["step_ms"])
+        floor = modes["compute-only"]["step_ms"]
+        parts.append(f"- P={P}: DDP {r['step_ms']:.1f} ms/step ({r['samples_per_s']:.0f} samples/s, "
+                     f"torch {r['torch']}); mpidp allreduce {mine['step_ms']:.1f} ms/step, "
+                     f"mpidp/DDP samples/s = **{r['step_ms'] / mine['step_ms']:.2f}**; best mode "
+                     f"({best}) {r['step_ms'] / modes[best]['step_ms']:.2f}; compute-only floor "
+                     f"{floor:.1f} ms/step, so even with free communication mpidp/DDP <= "
+                     f"{r['step_ms'] / floor:.2f}")
+    return "\n".join(parts)
 
 
 def predictions(model: dict, strong: dict) -> list[dict]:
@@ -120,10 +128,22 @@ def markdown(report: dict) -> str:
           "| mode | test accuracy | final loss | bytes/step |", "|---|---:|---:|---:|"]
     L += [f"| {k} | {v['test_accuracy']:.4f} | {v['final_loss']:.4f} | {v['bytes_per_step']:.0f} |"
           for k, v in report["accuracy"].items()]
-    L += ["", f"PyTorch DDP: {report['torch']}", "", "## Where and how", "",
+    L += ["", "## PyTorch DDP (gloo, CPU, one thread per rank; same model, data and batches)", "",
+          report["torch"], "", "## Where and how", "",
           f"- Machine: {report['machine']}", f"- Command: `{report['command']}`",
+          f"- {_blas_line(report['strong'][2]['environment'])}",
           f"- mpidp commit {report['commit']}; {report['date']}"]
     return "\n".join(L) + "\n"
+
+
+def _blas_line(env: dict) -> str:
+    """BLAS kernel (threadpoolctl), MPI library and whether the OpenBLAS variables were set."""
+    blas = env.get("blas")
+    kern = ", ".join(f"{b['internal_api']} {b['version']} {b['architecture']} kernel, "
+                     f"{b['num_threads']} thread(s)" for b in blas) if isinstance(blas, list) else blas
+    unset = [v for v, present in env.get("openblas_env_set", {}).items() if not present]
+    return (f"BLAS: {kern}; {env.get('mpi_library')}; numpy {env.get('numpy')}; "
+            f"not set for the ranks: {', '.join(unset) or 'none'}")
 
 
 def plot(report: dict, path: Path) -> bool:
@@ -149,7 +169,7 @@ def plot(report: dict, path: Path) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=60, help="timed steps per repeat (>= 60: DESIGN.md)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--results", default=str(HERE / "results"))
