@@ -628,6 +628,12 @@ def irecv(comm: Comm, buf: np.ndarray, source: int, tag: int) -> list[MPI.Reques
     return [comm.Irecv(flat[lo:hi], source=source, tag=tag) for lo, hi in _pieces(flat.size)]
 
 
+def test_all(requests: Sequence[MPI.Request]) -> bool:
+    """True (and the requests freed) if every request in ``requests`` is complete; never
+    blocks. A False result leaves them all pending, to test or wait on again."""
+    return bool(MPI.Request.Testall(list(requests))) if requests else True
+
+
 def wait_all(requests: Sequence[MPI.Request]) -> None:
     """Complete every request in ``requests``."""
     if requests:

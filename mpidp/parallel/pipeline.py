@@ -285,22 +285,23 @@ class Pipeline:
         self.counters.p2p_messages += 1
 
     def _exchange(self, buf: np.ndarray | None, source: int, tag: int) -> None:
-        """Receive this op's input into ``buf`` (None: no input) and complete the sends still
-        in flight, all in one wait, before computing.
+        """Receive this op's input into ``buf`` (None: no input) before computing; test the
+        sends still in flight and drop those done, without waiting for the rest.
 
-        A large message moves only while both ranks are inside MPI: a send left pending
-        during the next computation would delay the neighbour by a whole op. Waiting for the
-        sends together with the next receive (not one after the other) cannot deadlock: in
-        1F1B, neighbours that send to each other at the same time each expect the other's
-        message next, and both receives are posted before either waits.
+        Waiting for this rank's own sends here would tie each stage to its neighbour's pace
+        op by op (a send completes only once the neighbour posts the matching receive, i.e.
+        starts the op that consumes it), so the jitter of every op would add to the idle
+        time. Left pending, a send's buffer stays alive in ``run.sends`` and the step waits
+        for all of them at its end, after every receive of the step is posted: no deadlock.
+        Testing here also gives MPI libraries that move data only inside MPI calls their
+        chance to progress between ops.
         """
         run = self._run
-        reqs = [r for pending, _ in run.sends for r in pending]
-        if buf is not None:
-            reqs += C.irecv(self.pipe, buf, source, tag)
         with self.timer.communicate():
-            C.wait_all(reqs)
-        run.sends = []
+            if run.sends:
+                run.sends = [(reqs, b) for reqs, b in run.sends if not C.test_all(reqs)]
+            if buf is not None:
+                C.wait_all(C.irecv(self.pipe, buf, source, tag))
 
     def _note_memory(self) -> None:
         run, c = self._run, self.counters

@@ -34,8 +34,9 @@ def _reference(X, y, optimizer, epochs, batch_size, hidden=HIDDEN):
     return model, history
 
 
-def _pipeline(comm, X, y, parallel, schedule, m, optimizer, epochs, batch_size, **kw):
-    layers, loss = model_layers("mlp", X.shape[1], 3, HIDDEN)
+def _pipeline(comm, X, y, parallel, schedule, m, optimizer, epochs, batch_size, hidden=HIDDEN,
+              **kw):
+    layers, loss = model_layers("mlp", X.shape[1], 3, hidden)
     pipe = make_trainer(parallel, layers, X.shape[1], nn.make_optimizer(optimizer, 0.05), loss,
                         comm, dtype=np.float64, micro_batches=m, schedule=schedule, **kw)
     pipe.init_(np.random.default_rng(11))
@@ -64,6 +65,45 @@ def test_pipeline_matches_single_process(comm, schedule, m, optimizer):
     ref, ref_hist = _reference(X, y, optimizer, 2, 24)
     all_ranks(comm, pipe.n_stages == comm.size and pipe.n_replicas == 1)
     _check_exact(comm, pipe, hist, ref, ref_hist)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_large_messages_left_in_flight_stay_exact(comm, schedule):
+    """Activations of 24 x 1024 float64 (192 KiB, past any eager limit) sent while the
+    sender moves on to its next op: same parameters as one process, no hang."""
+    X, y = _data(n=96, d=32)
+    hidden = (1024, 1024, 8)
+    pipe, hist = _pipeline(comm, X, y, "pipeline", schedule, 2, "sgd", 1, 48, hidden=hidden)
+    ref, ref_hist = _reference(X, y, "sgd", 1, 48, hidden=hidden)
+    all_ranks(comm, pipe.counters.p2p_bytes >= (24 * 1024 * 8 if comm.size > 1 else 0))
+    _check_exact(comm, pipe, hist, ref, ref_hist)
+
+
+class _Probe(nn.Dense):
+    """A Dense layer that records whether each backward was asked for dL/dx."""
+
+    asked: list[bool] = []
+
+    def backward(self, dy, accumulate=False, need_input_grad=True):
+        _Probe.asked.append(need_input_grad)
+        return super().backward(dy, accumulate, need_input_grad)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_first_stage_skips_the_gradient_of_the_data(comm):
+    layers, loss = model_layers("mlp", 7, 3, HIDDEN)
+    layers[0] = _Probe(7, HIDDEN[0])
+    layers[2] = _Probe(HIDDEN[0], HIDDEN[1])
+    _Probe.asked = []
+    pipe = Pipeline(layers, 7, nn.SGD(0.1), loss, comm, micro_batches=3,
+                    dtype=np.float64).init_(0)
+    X, y = _data(n=12)
+    pipe.step(X, y)
+    first, second = layers[0], layers[2]
+    mine = [b for b, lo_hi in ((first, 0), (second, 2)) if pipe.lo <= lo_hi < pipe.hi]
+    expected = ([False] * 3 if first in mine else []) + ([True] * 3 if second in mine else [])
+    all_ranks(comm, sorted(_Probe.asked) == sorted(expected), f"{_Probe.asked} != {expected}")
 
 
 @pytest.mark.mpi(min_size=2)
