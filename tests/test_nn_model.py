@@ -308,3 +308,50 @@ print("ok")
 def test_public_names():
     for name in nn.__all__:
         assert hasattr(nn, name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("blas", [True, False])
+def test_add_xt_dy_accumulates_in_place(dtype, blas, monkeypatch):
+    """``dW += x.T @ dy`` with and without SciPy's in-place gemm, against the plain formula;
+    strided, empty and integer operands take the NumPy path and stay right."""
+    from mpidp.nn import layers as L
+    if not blas:
+        monkeypatch.setattr(L, "_blas", None)
+    elif L._scipy_blas() is None:
+        pytest.skip("SciPy is not installed")
+    rng = np.random.default_rng(0)
+    x, dy = rng.standard_normal((9, 5)).astype(dtype), rng.standard_normal((9, 4)).astype(dtype)
+    dW = rng.standard_normal((5, 4)).astype(dtype)
+    expected = dW + x.T @ dy
+    view = dW
+    L.add_xt_dy_(dW, x, dy)
+    assert dW is view
+    np.testing.assert_allclose(dW, expected, rtol=1e-5 if dtype == np.float32 else 1e-12)
+    expected = dW + x[::2].T @ dy[::2]  # not contiguous
+    L.add_xt_dy_(dW, x[::2], dy[::2])
+    np.testing.assert_allclose(dW, expected, rtol=1e-5 if dtype == np.float32 else 1e-12)
+    before = dW.copy()
+    L.add_xt_dy_(dW, x[:0], dy[:0])  # an empty micro-batch adds nothing
+    np.testing.assert_array_equal(dW, before)
+    ints = np.ones((5, 4), np.int64)
+    L.add_xt_dy_(ints, np.ones((2, 5), np.int64), np.ones((2, 4), np.int64))
+    np.testing.assert_array_equal(ints, 3)
+
+
+def test_dense_accumulate_equals_sum_of_single_backwards():
+    rng = np.random.default_rng(1)
+    layer = nn.Dense(6, 3)
+    W, b = np.zeros((6, 3)), np.zeros(3)
+    dW, db = np.zeros((6, 3)), np.zeros(3)
+    layer.bind({"W": W, "b": b}, {"W": dW, "b": db})
+    layer.init_(rng)
+    x1, x2 = rng.standard_normal((4, 6)), rng.standard_normal((5, 6))
+    g1, g2 = rng.standard_normal((4, 3)), rng.standard_normal((5, 3))
+    layer.forward(x1)
+    layer.backward(g1)
+    layer.forward(x2)
+    layer.backward(g2, accumulate=True)
+    x, g = np.concatenate([x1, x2]), np.concatenate([g1, g2])
+    np.testing.assert_allclose(dW, x.T @ g, rtol=1e-12)
+    np.testing.assert_allclose(db, g.sum(axis=0), rtol=1e-12)
