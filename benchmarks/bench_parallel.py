@@ -50,9 +50,10 @@ def rss_kib(field: str = "VmHWM") -> int:
     return -1
 
 
-def _layers(w: int, d: int):
+def _layers(w: int, d: int, n_in: int | None = None):
+    """``d`` Dense layers (``n_in`` -> w, then w x w), ReLU between, ``w`` classes."""
     from mpidp.parallel import model_layers
-    return model_layers("mlp", w, w, [w] * (d - 1), True)
+    return model_layers("mlp", n_in or w, w, [w] * (d - 1), True)
 
 
 def _timed(comm, step, steps: int, warmup: int, repeats: int) -> tuple[float, float]:
@@ -84,9 +85,9 @@ def run_data(comm, a, X, y, rss0) -> dict:
     Xl, yl = X[lo:hi], y[lo:hi]
     wall, cpu = _timed(comm, lambda: dp.step(Xl, yl), a.steps, a.warmup, a.repeats)
     idle = dp.timer.comm_s / (dp.timer.comm_s + dp.timer.compute_s)
-    return {"param_bytes": model.params.nbytes + dp._buf.nbytes, "activation_bytes":
+    return {"param_bytes": model.params.nbytes + dp.buf.nbytes, "activation_bytes":
             _held_bytes(model.layers, Xl) + len(Xl) * a.width * 4,  # + the loss gradient (n, w)
-            "comm_bytes": dp._buf.nbytes,
+            "comm_bytes": dp.buf.nbytes,
             "step_s": wall, "cpu_s": cpu, "idle_wall": idle, "rss0_kib": rss0}
 
 
@@ -112,18 +113,19 @@ def _bubble(comm, pipe, step, reps: int) -> dict:
               for s in range(pipe.n_stages)]
     durations = [np.median([c[s] for c in cpu], axis=0) for s in range(pipe.n_stages)]
     busy, makespan = St.replay(scheds, durations)
-    return {"idle_wall": statistics.median(walls), "idle_replay": 1 - busy[pipe.stage] / makespan}
+    return {"idle_wall": statistics.median(walls), "idle_replay": 1 - busy[pipe.stage] / makespan,
+            "stage_busy_s": busy.tolist(), "makespan_s": makespan}
 
 
 def run_pipeline(comm, a, X, y, rss0, m: int | None = None, sweep: bool = False) -> dict:
     from mpidp import nn
     from mpidp.parallel import Pipeline
     from mpidp.partition import block_range
-    layers, loss = _layers(a.width, a.depth)
+    layers, loss = _layers(a.width, a.depth, a.n_in)
     n_stages = 2 if a.mode == "hybrid" else comm.size
     schedule = "1f1b" if a.mode == "hybrid" else a.mode
     m = m or a.micro_batches
-    pipe = Pipeline(layers, a.width, nn.SGD(0.05), loss, comm, n_stages=n_stages,
+    pipe = Pipeline(layers, a.n_in or a.width, nn.SGD(0.05), loss, comm, n_stages=n_stages,
                     micro_batches=m, schedule=schedule, dtype=np.float32).init_(0)
     lo, hi = block_range(len(X), pipe.n_replicas, pipe.replica)
     Xl, yl = (X[lo:hi] if pipe.first else None), (y[lo:hi] if pipe.last else None)
@@ -151,7 +153,7 @@ def worker(a) -> None:
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     rng = np.random.default_rng(0)
-    X = rng.standard_normal((a.batch, a.width)).astype(np.float32)
+    X = rng.standard_normal((a.batch, a.n_in or a.width)).astype(np.float32)
     y = rng.integers(0, a.width, a.batch)
     rss0 = rss_kib("VmRSS")
     if a.sweep:
@@ -213,8 +215,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--bubble-reps", type=int, default=5, help="traced steps per bubble figure")
-    p.add_argument("--sweep-model", default="1024x8", help="model of the bubble-vs-m sweep")
+    p.add_argument("--bubble-reps", type=int, default=15, help="traced steps per bubble figure")
+    p.add_argument("--sweep-model", default="1024x16", help="model of the bubble-vs-m sweep")
+    p.add_argument("--sweep-in", type=int, default=0,
+                   help="input width of the sweep model (default 1.5 x width: the first layer, "
+                        "whose backward skips dL/dx, then costs the FLOPs of the others, so "
+                        "the stages can be balanced as (P-1)/(m+P-1) assumes)")
     p.add_argument("--sweep", default="1,2,4,8,16", help="micro-batch counts of the sweep")
     p.add_argument("--budget-mib", type=float, default=256, help="memory budget per rank")
     p.add_argument("--budget-depth", type=int, default=8)
@@ -227,6 +233,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=MODES, default="data", help=argparse.SUPPRESS)
     p.add_argument("--width", type=int, default=256, help=argparse.SUPPRESS)
     p.add_argument("--depth", type=int, default=4, help=argparse.SUPPRESS)
+    p.add_argument("--n-in", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--micro-batches", type=int, default=4, help=argparse.SUPPRESS)
     p.add_argument("--sweep-ms", default="", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -266,10 +273,12 @@ def _drive(a, tmp: Path) -> dict:
                              "ranks": rows})
                 print(f"P={P} {mode:>6} {model:>8}: step {rows[0]['step_s'] * 1e3:.1f} ms", flush=True)
         w, d = map(int, a.sweep_model.split("x"))
+        n_in = a.sweep_in or round(1.5 * w)
         for schedule in ("gpipe", "1f1b"):
             rows = launch(a, P, ["--mode", schedule, "--width", str(w), "--depth", str(d),
-                                 "--sweep-ms", a.sweep], tmp)
-            sweeps.append({"P": P, "schedule": schedule, "width": w, "depth": d, "by_m": rows})
+                                 "--n-in", str(n_in), "--sweep-ms", a.sweep], tmp)
+            sweeps.append({"P": P, "schedule": schedule, "width": w, "depth": d, "n_in": n_in,
+                           "by_m": rows})
             print(f"P={P} sweep {schedule} done", flush=True)
     env = {"python": platform.python_version(), "numpy": np.__version__, "cpus": os.cpu_count(),
            "machine": platform.machine(), "processor": platform.processor(),

@@ -57,23 +57,38 @@ def comparison_table(runs: list[dict]) -> list[str]:
 
 
 def sweep_checks(sweeps: list[dict]) -> tuple[list[str], list[dict]]:
-    """Bubble per rank vs prediction for every (P, schedule, m); 1F1B vs GPipe activations."""
-    lines = ["| P | schedule | m | predicted | idle replay per rank | idle wall per rank | "
-             "max abs(replay - predicted) | within 0.05 |", "|---|---|---|---|---|---|---|---|"]
+    """Bubble vs prediction for every (P, schedule, m), by replay and by wall clock.
+
+    A rank's idle share is the schedule's bubble plus its load imbalance: the busiest stage
+    idles least, and only because of the schedule, so the bubble is the smallest idle share
+    over the ranks and each rank's imbalance is its idle share minus that. Both the bubble
+    and every rank's whole idle share are compared with (P-1)/(m+P-1)."""
+    lines = ["| P | schedule | m | predicted | idle per rank (replay) | bubble (replay) | "
+             "error | idle per rank (wall) | bubble (wall) | error | stage busy min/max | "
+             "max error of any rank's idle (replay, wall) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     checks = []
     for sw in sweeps:
         for rows in sw["by_m"]:
             P, m = sw["P"], rows[0]["m"]
+            pred = predicted(P, m)
             rep = [x["idle_replay"] for x in rows]
             wall = [x["idle_wall"] for x in rows]
-            err = max(abs(v - predicted(P, m)) for v in rep)
-            werr = max(abs(v - predicted(P, m)) for v in wall)
-            checks.append({"P": P, "schedule": sw["schedule"], "m": m, "replay_err": err,
-                           "wall_err": werr, "ok": err <= 0.05})
-            lines.append(f"| {P} | {sw['schedule']} | {m} | {predicted(P, m):.3f} | "
-                         f"{', '.join(f'{v:.3f}' for v in rep)} | "
-                         f"{', '.join(f'{v:.3f}' for v in wall)} | {err:.3f} | "
-                         f"{'yes' if err <= 0.05 else 'NO'} |")
+            c = {"P": P, "schedule": sw["schedule"], "m": m, "predicted": pred,
+                 "bubble_replay": min(rep), "bubble_wall": min(wall),
+                 "replay_err": abs(min(rep) - pred), "wall_err": abs(min(wall) - pred),
+                 "any_rank_replay_err": max(abs(v - pred) for v in rep),
+                 "any_rank_wall_err": max(abs(v - pred) for v in wall)}
+            c["ok"] = c["replay_err"] <= 0.05
+            checks.append(c)
+            busy = rows[0].get("stage_busy_s")
+            lines.append(
+                f"| {P} | {sw['schedule']} | {m} | {pred:.3f} | "
+                f"{', '.join(f'{v:.3f}' for v in rep)} | {c['bubble_replay']:.3f} | "
+                f"{c['replay_err']:.3f}{'' if c['ok'] else ' (over 0.05)'} | "
+                f"{', '.join(f'{v:.3f}' for v in wall)} | {c['bubble_wall']:.3f} | "
+                f"{c['wall_err']:.3f} | {f'{min(busy) / max(busy):.3f}' if busy else '–'} | "
+                f"{c['any_rank_replay_err']:.3f}, {c['any_rank_wall_err']:.3f} |")
     return lines, checks
 
 
@@ -175,6 +190,24 @@ def plot(path: Path, results: dict) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _sweep_model(sweeps: list[dict]) -> str:
+    if not sweeps:
+        return ""
+    sw = sweeps[0]
+    n_in = sw.get("n_in", sw["width"])
+    return (f"Model: {sw['depth']} Dense layers, {n_in} -> {sw['width']} then {sw['width']} x "
+            f"{sw['width']}, ReLU, {sw['width']} classes. The first layer's backward skips dL/dx "
+            f"(the data needs no gradient), so an input width of 1.5 x {sw['width']} gives it the "
+            f"FLOPs of the other layers and the stages can be equal, as (P-1)/(m+P-1) assumes. "
+            f"A rank's idle share is the schedule's bubble plus its load imbalance; the "
+            f"busiest stage idles least and only because of the schedule, so 'bubble' is the "
+            f"smallest idle share over the ranks, and the last column holds each rank's whole "
+            f"idle share to the same bound. 'stage busy min/max' shows how equal the stages "
+            f"were. Replay: each op's median CPU time run through the schedule's "
+            f"dependencies (every rank as if on its own core); wall: time inside ops over the "
+            f"step's makespan (faithful at P = 2, inflated by core sharing at P = 4).")
+
+
 def write_reports(a, results: dict) -> None:
     out = Path(a.out)
     sweep_lines, bubble = sweep_checks(results["sweeps"])
@@ -183,6 +216,9 @@ def write_reports(a, results: dict) -> None:
     results["targets"] = {
         "bubble_within_0.05_replay": all(c["ok"] for c in bubble),
         "bubble_within_0.05_wall_P2": all(c["wall_err"] <= 0.05 for c in bubble if c["P"] == 2),
+        "every_rank_idle_within_0.05_replay": all(c["any_rank_replay_err"] <= 0.05 for c in bubble),
+        "every_rank_idle_within_0.05_wall_P2": all(c["any_rank_wall_err"] <= 0.05
+                                                   for c in bubble if c["P"] == 2),
         "bubble_checks": bubble, "1f1b_activation_le_P_over_m": all(c["ok"] for c in act),
         "activation_checks": act, "pipeline_params_le_share_plus_imbalance": all(c["ok"] for c in par),
         "param_checks": par}
@@ -190,7 +226,7 @@ def write_reports(a, results: dict) -> None:
           f"Machine: {results['env']['cpus']} CPUs ({results['env']['machine']}), python "
           f"{results['env']['python']}, numpy {results['env']['numpy']}; one BLAS thread per rank.",
           "", "## Comparison (m = 2P micro-batches)", "", *comparison_table(results["runs"]), "",
-          "## Bubble vs micro-batches", "", *sweep_lines, "",
+          "## Bubble vs micro-batches", "", _sweep_model(results["sweeps"]), "", *sweep_lines, "",
           "## 1F1B vs GPipe activation memory (m >= 2P)", "", *act_lines, "",
           "## Pipeline parameter memory per rank", "", *par_lines, "",
           "## Largest model within the memory budget", "", *budget_table(a, results["runs"]), "",
