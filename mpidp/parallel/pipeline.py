@@ -216,8 +216,7 @@ class Pipeline:
         count = int(round(float(buf[k + 1])))
         with self.timer.compute():
             if count:
-                self.model.grads[...] *= 1.0 / count
-                self.optimizer.step_(self.model.params, self.model.grads)
+                self.optimizer.step_(self.model.params, self.model.grads, scale=1.0 / count)
         if self.tracing:
             self.counters.trace.append(("step", -1, t_step, time.perf_counter(), 0.0))
         self.timer.steps += 1
