@@ -69,15 +69,23 @@ class State:
 def save(directory: str, model: Sequential, optimizer: Optimizer, state: State, keep: int = 3) -> str:
     """Write a checkpoint for ``state`` into ``directory``; keep the newest ``keep``. Not
     collective: call it on one rank. Returns the file's path."""
+    return save_flat(directory, model.params, optimizer.state, optimizer, state, keep)
+
+
+def save_flat(directory: str, params: np.ndarray, opt_state: dict[str, np.ndarray],
+              optimizer: Optimizer, state: State, keep: int = 3) -> str:
+    """:func:`save` from the whole model's flat ``params`` and optimizer state arrays (as a
+    pipeline gathers them from its stages); ``optimizer`` gives the type and step count.
+    The file is the same whoever wrote it, so any layout may resume it."""
     os.makedirs(directory, exist_ok=True)
-    arrays = {"params": model.params, **{f"opt.{k}": v for k, v in optimizer.state.items()}}
+    arrays = {"params": params, **{f"opt.{k}": v for k, v in opt_state.items()}}
     meta = json.dumps({"version": VERSION, "epoch": state.epoch, "step": state.step,
                        "global_step": state.global_step, "totals": state.totals,
                        "history": state.history, "config": state.config,
                        "partition": state.partition,
-                       "n_params": model.n_params, "dtype": str(model.dtype),
+                       "n_params": int(params.size), "dtype": str(params.dtype),
                        "optimizer": {"type": type(optimizer).__name__, "t": optimizer.t,
-                                     "state": {k: list(v.shape) for k, v in optimizer.state.items()}}})
+                                     "state": {k: list(v.shape) for k, v in opt_state.items()}}})
     path = os.path.join(directory, PATTERN.format(state.global_step))
     write_atomic(path, lambda f: np.savez(f, meta=meta, checksum=_digest(meta, arrays), **arrays))
     for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
@@ -144,15 +152,7 @@ def restore(comm: C.Comm, directory: str, model: Sequential, optimizer: Optimize
         if found is None:
             return None
         path, meta, arrays = found
-        if meta["n_params"] != model.n_params:
-            raise ValueError(f"checkpoint {path} has {meta['n_params']} parameters but the model "
-                             f"has {model.n_params}: a different model")
-        if meta["dtype"] != str(model.dtype):
-            raise ValueError(f"checkpoint {path} holds {meta['dtype']} parameters, the model "
-                             f"is {model.dtype}")
-        if meta["optimizer"]["type"] != type(optimizer).__name__:
-            raise ValueError(f"checkpoint {path} was written with {meta['optimizer']['type']}, "
-                             f"not {type(optimizer).__name__}")
+        check_fits(path, meta, model.n_params, model.dtype, optimizer)
         held["arrays"] = arrays
         return path, meta
 
@@ -160,7 +160,7 @@ def restore(comm: C.Comm, directory: str, model: Sequential, optimizer: Optimize
     if found is None:
         return None
     path, meta = found
-    arrays = held.get("arrays", {})
+    arrays = held.pop("arrays", {})
     if comm.rank == root:
         model.params[...] = arrays["params"]
     C.bcast_(comm, model.params, root)
@@ -169,5 +169,23 @@ def restore(comm: C.Comm, directory: str, model: Sequential, optimizer: Optimize
         buf = arrays[f"opt.{name}"] if comm.rank == root else np.empty(shape, model.dtype)
         optimizer.state[name] = C.bcast_(comm, np.ascontiguousarray(buf, model.dtype), root)
     optimizer.t = meta["optimizer"]["t"]
-    return path, State(meta["epoch"], meta["step"], meta["global_step"], meta["totals"],
-                       meta["history"], meta["config"], meta.get("partition", {}))
+    return path, state_of(meta)
+
+
+def state_of(meta: dict) -> State:
+    """The :class:`State` recorded in a checkpoint's ``meta``."""
+    return State(meta["epoch"], meta["step"], meta["global_step"], meta["totals"],
+                 meta["history"], meta["config"], meta.get("partition", {}))
+
+
+def check_fits(path: str, meta: dict, n_params: int, dtype: np.dtype, optimizer: Optimizer) -> None:
+    """ValueError naming ``path`` unless its model size, dtype and optimizer type match."""
+    if meta["n_params"] != n_params:
+        raise ValueError(f"checkpoint {path} has {meta['n_params']} parameters but the model "
+                         f"has {n_params}: a different model")
+    if meta["dtype"] != str(np.dtype(dtype)):
+        raise ValueError(f"checkpoint {path} holds {meta['dtype']} parameters, the model "
+                         f"is {np.dtype(dtype)}")
+    if meta["optimizer"]["type"] != type(optimizer).__name__:
+        raise ValueError(f"checkpoint {path} was written with {meta['optimizer']['type']}, "
+                         f"not {type(optimizer).__name__}")

@@ -196,7 +196,12 @@ def _save(out: str, metrics: dict, model: nn.Sequential, meta: dict) -> None:
 
 def _resume(comm: C.Comm, args: argparse.Namespace, config: dict, dp: DataParallel):
     """Restore the newest good checkpoint (collective); None (and a notice) if there is none."""
-    found = restore(comm, args.checkpoint_dir, dp.model, dp.optimizer)
+    return resumed(comm, args, config, restore(comm, args.checkpoint_dir, dp.model, dp.optimizer))
+
+
+def resumed(comm: C.Comm, args: argparse.Namespace, config: dict, found):
+    """The resume state from ``found`` (``(path, state)`` or None), after checking that the
+    checkpoint was written with the settings ``RESUME_MUST_MATCH``; says what it resumed."""
     if found is None:
         _say(comm, f"no checkpoint in {args.checkpoint_dir}: starting from the beginning")
         return None

@@ -18,11 +18,12 @@ from . import data as D
 from . import nn
 from .metrics import gather_timings
 from .parallel import make_trainer, model_layers
-from .train_pipeline import fit_pipeline
+from .train import Checkpointing
+from .train_pipeline import fit_pipeline, restore_checkpoint
 
 # Data-parallel-only options the pipeline does not implement: refused, not ignored.
-_UNSUPPORTED = {"checkpoint_dir": None, "resume": False, "watchdog": None, "check_every": 0,
-                "sync": "allreduce", "partition": "block", "slowdown": {}, "trace": None}
+_UNSUPPORTED = {"watchdog": None, "check_every": 0, "sync": "allreduce", "partition": "block",
+                "slowdown": {}, "trace": None}
 
 
 def _refuse_unsupported(args: argparse.Namespace) -> None:
@@ -34,11 +35,13 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
 
 def train_model_parallel(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     """Run ``mpidp train`` with a pipeline or hybrid. Collective. Metrics on rank 0."""
-    from .cli import _check_out, _say  # the CLI module imports this one lazily
+    from .cli import _check_out, _say, resumed  # the CLI module imports this one lazily
 
     t_start = time.perf_counter()
     C.root_decides(comm, _check_out, args.out)
     _refuse_unsupported(args)
+    if args.resume and not args.checkpoint_dir:
+        raise C.MpidpError("--resume needs --checkpoint-dir")
     data = C.run_agreed(comm, D.load, C.self_comm(), args.dataset, seed=args.seed,
                         test_fraction=args.test_fraction, dtype=args.dtype,
                         n_classes=args.n_classes, n_samples=args.n_samples,
@@ -62,9 +65,16 @@ def train_model_parallel(args: argparse.Namespace, comm: C.Comm) -> dict | None:
         _say(comm, f"epoch {r['epoch']:>3}/{args.epochs}  loss {r['loss']:.4f}{acc}{test}"
              f"  ({r['seconds']:.2f}s)")
 
+    config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()}
+    config["world_size"] = comm.size
+    resume = (resumed(comm, args, config, restore_checkpoint(pipe, args.checkpoint_dir))
+              if args.resume else None)
+    checkpointing = (Checkpointing(args.checkpoint_dir, args.checkpoint_every,
+                                   args.keep_checkpoints, config) if args.checkpoint_dir else None)
     history = fit_pipeline(pipe, data.train.X, data.train.y, args.epochs, args.batch_size,
                            seed=args.seed, shuffle=not args.no_shuffle, drop_last=args.drop_last,
-                           X_test=data.test.X, y_test=data.test.y, on_epoch=report)
+                           X_test=data.test.X, y_test=data.test.y, on_epoch=report,
+                           checkpoint=checkpointing, resume=resume)
     return _finish(args, comm, pipe, history, data, t_start)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -72,3 +73,33 @@ def test_bad_input_clear_error_every_rank_nothing_written(tmp_path, case):
     assert r.stderr.count(message) == 1, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert not out.exists()
+
+
+def test_pipeline_checkpoints_resume_as_pipeline_or_data_parallel(tmp_path):
+    """A 3-stage pipeline run checkpoints, stops after 2 of 3 epochs, and is finished once by
+    a 2-stage pipeline and once by data-parallel training on 2 ranks: both give the model
+    of an uninterrupted single-process run."""
+    data = _npz(tmp_path)
+    args = ["train", "--dataset", data, "--batch-size", "16", "--dtype", "float64",
+            "--hidden", "8,6", "--optimizer", "momentum", "--lr", "0.05", "--no-progress"]
+    r = run_mpi(1, *args, "--epochs", "3", "--out", str(tmp_path / "ref"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = tmp_path / "ckpt"
+    r = run_mpi(3, *args, "--epochs", "2", "--parallel", "pipeline", "--micro-batches", "2",
+                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4",
+                "--out", str(tmp_path / "first"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(os.listdir(ckpt))[-1] == "ckpt-0000000010.npz"  # 5 steps per epoch
+    finish = {"pipeline": (2, ["--parallel", "pipeline", "--schedule", "gpipe"]),
+              "data": (2, ["--parallel", "data"])}
+    for name, (n, extra) in finish.items():
+        mine = tmp_path / f"ckpt-{name}"  # each finisher from the same checkpoints
+        shutil.copytree(ckpt, mine)
+        r = run_mpi(n, *args, "--epochs", "3", *extra, "--checkpoint-dir", str(mine),
+                    "--resume", "--out", str(tmp_path / name))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "resumed from" in r.stdout + r.stderr and "written with 3 ranks" in r.stdout + r.stderr
+        np.testing.assert_allclose(_params(tmp_path / name), _params(tmp_path / "ref"),
+                                   rtol=1e-9, atol=1e-11)
+        m = json.loads((tmp_path / name / "metrics.json").read_text())
+        assert len(m["history"]) == 3

@@ -7,6 +7,8 @@ number of ranks (2 stages x P/2 replicas). The reference is plain ``DataParallel
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -14,8 +16,11 @@ from mpi_helpers import CountingComm, all_ranks, raises_everywhere
 
 import mpidp
 from mpidp import nn
+from mpidp.checkpoint import list_checkpoints, restore
 from mpidp.parallel import Pipeline, make_trainer, model_layers
-from mpidp.train_pipeline import fit_pipeline
+from mpidp.partition import block_range
+from mpidp.train import Checkpointing
+from mpidp.train_pipeline import fit_pipeline, restore_checkpoint
 
 RTOL, ATOL = 1e-9, 1e-11  # as in test_data_parallel: summation order differs, nothing else
 HIDDEN = (16, 12, 8)  # 7 layers: up to 4 stages with at least one layer each
@@ -78,6 +83,82 @@ def test_large_messages_left_in_flight_stay_exact(comm, schedule):
     ref, ref_hist = _reference(X, y, "sgd", 1, 48, hidden=hidden)
     all_ranks(comm, pipe.counters.p2p_bytes >= (24 * 1024 * 8 if comm.size > 1 else 0))
     _check_exact(comm, pipe, hist, ref, ref_hist)
+
+
+def _fresh(comm, parallel, schedule, m, optimizer, n_features=7, **kw):
+    layers, loss = model_layers("mlp", n_features, 3, HIDDEN)
+    pipe = make_trainer(parallel, layers, n_features, nn.make_optimizer(optimizer, 0.05), loss,
+                        comm, dtype=np.float64, micro_batches=m, schedule=schedule, **kw)
+    return pipe.init_(np.random.default_rng(11))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("parallel,schedule,optimizer", [("pipeline", "gpipe", "momentum"),
+                                                        ("pipeline", "1f1b", "adam"),
+                                                        ("hybrid", "1f1b", "momentum")])
+def test_checkpoint_resume_mid_epoch_equals_uninterrupted(comm, shared_tmp, parallel, schedule,
+                                                          optimizer):
+    """Checkpoints every 5 steps (mid-epoch: 9 steps per epoch), 'crash' after 2 epochs,
+    resume from the newest in a fresh pipeline, finish 3 epochs: bit-identical parameters,
+    optimizer step count and loss history to one run of 3 epochs."""
+    if parallel == "hybrid" and comm.size % 2:
+        pytest.skip("the hybrid needs an even number of ranks")
+    X, y = _data()
+    ckpt = Checkpointing(f"{shared_tmp}/{parallel}-{schedule}", every=5, keep=2)
+    straight = _fresh(comm, parallel, schedule, 3, optimizer)
+    ref = fit_pipeline(straight, X, y, 3, 24, seed=5)
+    first = _fresh(comm, parallel, schedule, 3, optimizer)
+    fit_pipeline(first, X, y, 2, 24, seed=5, checkpoint=ckpt)
+    files = comm.bcast([p.rsplit("/", 1)[-1] for p in list_checkpoints(ckpt.directory)]
+                       if comm.rank == 0 else None)
+    all_ranks(comm, files == ["ckpt-0000000015.npz", "ckpt-0000000018.npz"], str(files))
+    if comm.rank == 0:  # drop the end-of-run one: resume from step 15, in epoch 2
+        os.unlink(f"{ckpt.directory}/{files[-1]}")
+    again = _fresh(comm, parallel, schedule, 3, optimizer)
+    path, state = restore_checkpoint(again, ckpt.directory)
+    all_ranks(comm, (state.epoch, state.step, state.global_step) == (1, 6, 15), str(state))
+    hist = fit_pipeline(again, X, y, 3, 24, seed=5, resume=state)
+    all_ranks(comm, np.array_equal(again.model.params, straight.model.params), "params differ")
+    all_ranks(comm, again.optimizer.t == straight.optimizer.t == 27)
+    all_ranks(comm, [h["loss"] for h in hist] == [h["loss"] for h in ref], "loss history")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_pipeline_checkpoint_resumes_data_parallel_and_back(comm, shared_tmp):
+    """The file a pipeline writes is the file data-parallel training writes: a pipeline's
+    checkpoint continues as data-parallel training (any ranks), and a data-parallel one as a
+    pipeline, both matching single-process training."""
+    X, y = _data()
+    ref, ref_hist = _reference(X, y, "momentum", 3, 24)
+    ckpt = Checkpointing(f"{shared_tmp}/mixed", every=100, keep=1)
+    pipe = _fresh(comm, "pipeline", "1f1b", 2, "momentum")
+    fit_pipeline(pipe, X, y, 1, 24, seed=5, checkpoint=ckpt)
+    model = nn.mlp(7, HIDDEN, 3, dtype=np.float64)
+    dp = mpidp.DataParallel(model, nn.make_optimizer("momentum", 0.05),
+                            nn.SoftmaxCrossEntropy(), comm)
+    _, state = restore(comm, ckpt.directory, model, dp.optimizer)
+    dp_ckpt = Checkpointing(f"{shared_tmp}/mixed-dp", every=100, keep=1)
+    lo, hi = block_range(len(X), comm.size, comm.rank)  # this rank's rows
+    mpidp.fit(dp, mpidp.shard_from_arrays(comm, X[lo:hi], y[lo:hi]), 2, 24, seed=5,
+              resume=state, checkpoint=dp_ckpt)
+    back = _fresh(comm, "pipeline", "gpipe", 3, "momentum")
+    _, state = restore_checkpoint(back, dp_ckpt.directory)
+    hist = fit_pipeline(back, X, y, 3, 24, seed=5, resume=state)
+    _check_exact(comm, back, hist, ref, ref_hist)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_restore_refuses_a_different_model(comm, shared_tmp):
+    ckpt = Checkpointing(f"{shared_tmp}/other", every=100, keep=1)
+    X, y = _data()
+    fit_pipeline(_fresh(comm, "pipeline", "1f1b", 1, "sgd"), X, y, 1, 48, seed=5, checkpoint=ckpt)
+    layers, loss = model_layers("mlp", 7, 3, (16, 12, 9))
+    other = make_trainer("pipeline", layers, 7, nn.SGD(0.05), loss, comm, dtype=np.float64)
+    raises_everywhere(comm, mpidp.comm.MpidpError,
+                      lambda: restore_checkpoint(other, ckpt.directory), "parameters")
+    sgd_vs_adam = _fresh(comm, "pipeline", "1f1b", 1, "adam")
+    raises_everywhere(comm, mpidp.comm.MpidpError,
+                      lambda: restore_checkpoint(sgd_vs_adam, ckpt.directory), "SGD")
 
 
 class _Probe(nn.Dense):
