@@ -154,3 +154,21 @@ def test_async_parameter_server_terminates_and_accounts_for_every_push(comm):
         ref, _ = _reference(X, y, optimizer=lambda: nn.SGD(0.05), epochs=3)
         all_ranks(comm, stats.dropped == 0 and np.allclose(model.params, ref.model.params,
                                                            rtol=RTOL, atol=ATOL))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("n", [1, 3, 1000, 40_000])  # 40,000 float64: the split path
+@pytest.mark.parametrize("last_root", [False, True])
+def test_reduce_sum_to_root_equals_the_plain_sum(comm, n, last_root):
+    from mpidp import comm as C
+    root = comm.size - 1 if last_root else 0
+    parts = [np.random.default_rng(r).standard_normal(n) for r in range(comm.size)]
+    buf = parts[comm.rank].copy()
+    C.reduce_sum_to_(comm, buf, root)
+    if comm.rank == root:
+        expected = np.sum(parts, axis=0)
+        all_ranks(comm, np.allclose(buf, expected, rtol=1e-13, atol=1e-13),
+                  f"max diff {np.max(np.abs(buf - expected)):.3g}")
+    else:
+        all_ranks(comm, True)
+    all_ranks(comm, (n * 8 >= C.REDUCE_SPLIT_BYTES) == (n == 40_000))
