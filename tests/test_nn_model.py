@@ -355,26 +355,3 @@ def test_dense_accumulate_equals_sum_of_single_backwards():
     x, g = np.concatenate([x1, x2]), np.concatenate([g1, g2])
     np.testing.assert_allclose(dW, x.T @ g, rtol=1e-12)
     np.testing.assert_allclose(db, g.sum(axis=0), rtol=1e-12)
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("blas", [True, False])
-def test_axpy_updates_in_place(dtype, blas, monkeypatch):
-    from mpidp.nn import blas as L
-    if not blas:
-        monkeypatch.setattr(L, "_blas", None)
-    elif L.scipy_blas() is None:
-        pytest.skip("SciPy is not installed")
-    rng = np.random.default_rng(2)
-    y, x = rng.standard_normal(11).astype(dtype), rng.standard_normal(11).astype(dtype)
-    expected = y - 0.3 * x
-    view = y
-    L.axpy_(y, -0.3, x.copy())
-    assert y is view
-    np.testing.assert_allclose(y, expected, rtol=1e-6 if dtype == np.float32 else 1e-14)
-    z = rng.standard_normal(11).astype(dtype)
-    expected = z + 2.0 * x[::2].repeat(2)[:11]
-    L.axpy_(z, 2.0, x[::2].repeat(2)[:11])  # a fresh contiguous copy: fast path
-    np.testing.assert_allclose(z, expected, rtol=1e-6 if dtype == np.float32 else 1e-14)
-    w = np.arange(6.0)[::2].copy()
-    L.axpy_(w[:0], 1.0, np.ones(0))  # empty: nothing to do, no error

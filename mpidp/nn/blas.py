@@ -1,9 +1,10 @@
 """In-place BLAS updates through SciPy when it is installed; plain NumPy otherwise.
 
-NumPy has no ``C += A @ B`` or ``y += a * x``: it forms the right-hand side in a
-temporary and adds it, one more pass over the output. SciPy exposes the BLAS routines
-(``gemm`` with ``beta = 1``, ``axpy``) that update in place. Results are the same up to
-rounding; SciPy is optional (the ``fast`` extra) and imported on first use.
+NumPy has no ``C += A @ B``: it forms the product in a temporary and adds it, one more
+pass over the output. SciPy exposes BLAS ``gemm`` with ``beta = 1``, which accumulates in
+place. Results are the same up to rounding (so a pipeline's float32 parameters differ in
+the last bits between installs with and without SciPy); SciPy is optional (the ``fast``
+extra) and imported on first use.
 """
 
 from __future__ import annotations
@@ -51,17 +52,3 @@ def add_xt_dy_(dW: np.ndarray, x: np.ndarray, dy: np.ndarray) -> None:
     out = gemm(1.0, dy.T, x.T, beta=1.0, c=dW.T, trans_b=True, overwrite_c=True)
     if not np.shares_memory(out, dW):  # not expected: SciPy returned a copy
         dW[...] = out.T
-
-
-def axpy_(y: np.ndarray, a: float, x: np.ndarray) -> None:
-    """``y += a * x`` in place, 1-D: one pass over ``x`` and ``y`` with SciPy's ``axpy``;
-    NumPy alone scales ``x`` in place first (so ``x`` is overwritten either way)."""
-    blas = _fast(y, x) if y.ndim == 1 and x.ndim == 1 and y.size else None
-    if blas is None:
-        x *= a
-        y += x
-        return
-    axpy = blas.get_blas_funcs("axpy", (y,))
-    out = axpy(x, y, a=a)
-    if not np.shares_memory(out, y):  # not expected: SciPy returned a copy
-        y[...] = out

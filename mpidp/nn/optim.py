@@ -10,8 +10,6 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from .blas import axpy_
-
 
 class Optimizer(ABC):
     """Base class: ``step_`` mutates ``params`` in place; ``state`` holds flat arrays."""
@@ -59,8 +57,11 @@ class SGD(Optimizer):
 
     def step_(self, params: np.ndarray, grad: np.ndarray, scale: float = 1.0) -> None:
         self.t += 1
-        if self.momentum == 0 and not self.weight_decay:  # the common case: one axpy
-            axpy_(params, -self.lr * scale, grad)
+        if self.momentum == 0 and not self.weight_decay:  # the common case: two passes
+            # (not one BLAS axpy: that rounds differently, and this keeps plain SGD
+            # bit-identical to a hand-written NumPy loop and to NumPy-only installs)
+            grad *= self.lr * scale
+            params -= grad
             return
         g = self._grad(params, grad, scale)
         v = self.state.get("velocity")
