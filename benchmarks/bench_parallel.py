@@ -258,6 +258,12 @@ def drive(a) -> dict:
         return _drive(a, Path(tmp))
 
 
+def _commit() -> str:
+    sys.path.insert(0, str(HERE))
+    from run_step_bench import git_commit
+    return git_commit()
+
+
 def _drive(a, tmp: Path) -> dict:
     ranks = [int(r) for r in a.ranks.split(",")]
     runs, sweeps = [], []
@@ -282,7 +288,8 @@ def _drive(a, tmp: Path) -> dict:
             print(f"P={P} sweep {schedule} done", flush=True)
     env = {"python": platform.python_version(), "numpy": np.__version__, "cpus": os.cpu_count(),
            "machine": platform.machine(), "processor": platform.processor(),
-           "command": " ".join([Path(sys.executable).name, *sys.argv])}
+           "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": _commit(),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     return {"runs": runs, "sweeps": sweeps, "env": env}
 
 

@@ -224,7 +224,8 @@ def write_reports(a, results: dict) -> None:
         "param_checks": par}
     md = ["# Data parallel vs pipeline vs hybrid", "", f"Command: `{results['env']['command']}`",
           f"Machine: {results['env']['cpus']} CPUs ({results['env']['machine']}), python "
-          f"{results['env']['python']}, numpy {results['env']['numpy']}; one BLAS thread per rank.",
+          f"{results['env']['python']}, numpy {results['env']['numpy']}; one BLAS thread per rank; "
+          f"mpidp commit {results['env'].get('commit', 'unknown')}, {results['env'].get('date', '')}.",
           "", "## Comparison (m = 2P micro-batches)", "", *comparison_table(results["runs"]), "",
           "## Bubble vs micro-batches", "", _sweep_model(results["sweeps"]), "", *sweep_lines, "",
           "## 1F1B vs GPipe activation memory (m >= 2P)", "", *act_lines, "",
