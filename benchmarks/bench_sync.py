@@ -19,10 +19,10 @@ from mpi4py import MPI
 
 import mpidp
 from mpidp import nn
-from mpidp.parallel.sync import Sync, make_sync
+from mpidp.parallel.sync import ParameterServer, Sync, make_sync
 from mpidp.partition import local_batches
 
-MODES = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "ps-dedicated",
+MODES = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "ps-bcast", "ps-dedicated",
          "sharded-ps", "accumulate", "local-sgd", "compute-only")
 
 
@@ -57,6 +57,8 @@ def _sync_for(mode: str):
         return ComputeOnly()
     if mode == "ps-dedicated":
         return make_sync("ps", dedicated=True)
+    if mode == "ps-bcast":  # the server's parameters sent by one Bcast, not shared memory
+        return ParameterServer(shared_memory=False)
     return make_sync(mode, lambda: nn.SGD(0.05), bucket_bytes=1 << 20, k=4)
 
 

@@ -212,3 +212,32 @@ def test_scale_equals_prescaled_gradient(make):
         ob.step_(b, g.copy())
     np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
     assert not np.allclose(a, p0)
+
+
+@pytest.mark.parametrize("make", [lambda: SGD(0.1), lambda: SGD(0.1, momentum=0.9, weight_decay=0.01),
+                                  lambda: SGD(0.1, momentum=0.9, nesterov=True),
+                                  lambda: Adam(0.01, weight_decay=0.1)])
+@pytest.mark.parametrize("chunks", [2, 7, 50])
+def test_chunked_step_is_bit_identical_and_reports_each_piece(make, chunks):
+    """step_(chunks=k) gives exactly the whole-array update (float32; also with more chunks
+    than elements), calling on_chunk once per piece, in order, when that piece is final."""
+    p0 = np.random.default_rng(4).standard_normal(23).astype(np.float32)
+    a, b, oa, ob = p0.copy(), p0.copy(), make(), make()
+    for g in _grads(23):
+        g = g.astype(np.float32)
+        before, seen = a.copy(), []
+
+        def on_chunk(lo, hi, seen=seen, before=before):
+            seen.append((lo, hi))
+            np.testing.assert_array_equal(a[:hi], b[:hi])  # done so far: final
+            np.testing.assert_array_equal(a[hi:], before[hi:])  # the rest: not touched yet
+
+        ob.step_(b, g.copy(), scale=0.5)
+        oa.step_(a, g.copy(), scale=0.5, chunks=chunks, on_chunk=on_chunk)
+        np.testing.assert_array_equal(a, b)
+        assert seen[0][0] == 0 and seen[-1][1] == 23 and len(seen) == min(chunks, 23)
+        assert all(x[1] == y[0] for x, y in zip(seen, seen[1:]))
+        assert oa.t == ob.t
+        assert oa.state.keys() == ob.state.keys()
+        for k in ob.state:
+            np.testing.assert_array_equal(oa.state[k], ob.state[k])

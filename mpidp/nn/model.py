@@ -73,6 +73,15 @@ class Sequential:
             raise ValueError(f"grad buffer must be 1-D {self.dtype} with >= {self.n_params} items")
         self._bind(self.params, buffer[:self.n_params])
 
+    def use_param_buffer(self, buffer: np.ndarray) -> None:
+        """Move ``params`` (and every layer's parameter views) into ``buffer`` ``(n_params,)``,
+        keeping their values: e.g. into memory other processes can read. Arrays taken from
+        ``params`` before the move no longer follow the model."""
+        if buffer.dtype != self.dtype or buffer.shape != (self.n_params,):
+            raise ValueError(f"param buffer must be 1-D {self.dtype} with {self.n_params} items")
+        buffer[...] = self.params
+        self._bind(buffer, self.grads)
+
     def init_(self, rng: np.random.Generator | int) -> Sequential:
         """Initialise every layer's parameters from ``rng`` (a Generator or a seed); returns self."""
         rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng

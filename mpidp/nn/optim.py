@@ -7,8 +7,15 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import numpy as np
+
+
+def chunk_edges(n: int, chunks: int) -> list[int]:
+    """``chunks + 1`` boundaries cutting ``range(n)`` into near-equal consecutive pieces."""
+    chunks = max(1, min(int(chunks), n)) if n else 1
+    return [n * k // chunks for k in range(chunks + 1)]
 
 
 class Optimizer(ABC):
@@ -31,13 +38,33 @@ class Optimizer(ABC):
             grad += self.weight_decay * params
         return grad
 
-    @abstractmethod
-    def step_(self, params: np.ndarray, grad: np.ndarray, scale: float = 1.0) -> None:
+    def step_(self, params: np.ndarray, grad: np.ndarray, scale: float = 1.0, chunks: int = 1,
+              on_chunk: Callable[[int, int], None] | None = None) -> None:
         """Update ``params`` (1-D) in place from the mean gradient ``scale * grad``.
 
         ``grad`` (same shape) is used as scratch space and overwritten: folding the
         ``1 / count`` of a global mean into ``scale`` saves a pass over the gradient.
+        ``chunks > 1`` updates ``params[lo:hi]`` piece by piece (the same numbers: every
+        rule is elementwise) and calls ``on_chunk(lo, hi)`` as soon as each piece is final,
+        so a caller can ship it while the next one is computed.
         """
+        self.t += 1
+        first = self._prepare(params)
+        edges = chunk_edges(len(params), chunks)
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            state = {k: v[lo:hi] for k, v in self.state.items()}
+            self._update(params[lo:hi], grad[lo:hi], state, scale, first)
+            if on_chunk is not None:
+                on_chunk(lo, hi)
+
+    def _prepare(self, params: np.ndarray) -> bool:
+        """Allocate missing state for ``params``; True if it was missing (a first step)."""
+        return False
+
+    @abstractmethod
+    def _update(self, params: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
+                scale: float, first: bool) -> None:
+        """Apply this step to one piece: ``params``, ``grad`` and ``state`` are matching slices."""
 
 
 class SGD(Optimizer):
@@ -55,8 +82,14 @@ class SGD(Optimizer):
             raise ValueError("nesterov momentum needs momentum > 0")
         self.momentum, self.nesterov = float(momentum), nesterov
 
-    def step_(self, params: np.ndarray, grad: np.ndarray, scale: float = 1.0) -> None:
-        self.t += 1
+    def _prepare(self, params: np.ndarray) -> bool:
+        if not self.momentum or "velocity" in self.state:
+            return False
+        self.state["velocity"] = np.empty_like(params)
+        return True
+
+    def _update(self, params: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
+                scale: float, first: bool) -> None:
         if self.momentum == 0 and not self.weight_decay:  # the common case: two passes
             # (not one BLAS axpy: that rounds differently, and this keeps plain SGD
             # bit-identical to a hand-written NumPy loop and to NumPy-only installs)
@@ -64,16 +97,17 @@ class SGD(Optimizer):
             params -= grad
             return
         g = self._grad(params, grad, scale)
-        v = self.state.get("velocity")
-        if v is None:
-            v = self.state["velocity"] = g.astype(params.dtype, copy=True)
-        else:
-            v *= self.momentum
-            v += g
-        if self.nesterov:
-            g += self.momentum * v
-        else:
-            g[...] = v
+        if self.momentum:
+            v = state["velocity"]
+            if first:
+                v[...] = g
+            else:
+                v *= self.momentum
+                v += g
+            if self.nesterov:
+                g += self.momentum * v
+            else:
+                g[...] = v
         g *= self.lr
         params -= g
 
@@ -89,13 +123,17 @@ class Adam(Optimizer):
             raise ValueError(f"Adam betas must be in [0, 1), got {betas}")
         self.b1, self.b2, self.eps = float(b1), float(b2), float(eps)
 
-    def step_(self, params: np.ndarray, grad: np.ndarray, scale: float = 1.0) -> None:
+    def _prepare(self, params: np.ndarray) -> bool:
+        if self.state:
+            return False
+        self.state["m"] = np.zeros_like(params)
+        self.state["v"] = np.zeros_like(params)
+        return True
+
+    def _update(self, params: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
+                scale: float, first: bool) -> None:
         g = self._grad(params, grad, scale)
-        if not self.state:
-            self.state["m"] = np.zeros_like(params)
-            self.state["v"] = np.zeros_like(params)
-        m, v = self.state["m"], self.state["v"]
-        self.t += 1
+        m, v = state["m"], state["v"]
         m *= self.b1
         m += (1 - self.b1) * g
         v *= self.b2

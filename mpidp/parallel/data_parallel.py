@@ -144,13 +144,19 @@ class DataParallel:
         """Update from the GLOBAL sums in ``buf`` (gradients | loss | count | correct):
         mean gradient = sum / count, folded into the optimizer step. Returns
         ``(loss_sum, count, correct, skipped)``."""
+        loss_sum, count, correct, skipped = self.judge_global(buf)
+        if count and not skipped:
+            self.optimizer.step_(self.model.params, buf[:self.model.n_params], scale=1.0 / count)
+        return loss_sum, count, correct, skipped
+
+    def judge_global(self, buf: np.ndarray) -> tuple[float, int, int, bool]:
+        """``(loss_sum, count, correct, skipped)`` of the global sums in ``buf``, with the NaN
+        policy applied to them (raises for ``stop``); the update is left to the caller."""
         n = self.model.n_params
         count = int(round(float(buf[n + 1])))
         skipped = False
         if count:
             skipped = not self.finite_or_skip(math.isfinite(float(np.dot(buf, buf))), buf[n])
-            if not skipped:
-                self.optimizer.step_(self.model.params, buf[:n], scale=1.0 / count)
         return float(buf[n]), count, int(round(float(buf[n + 2]))), skipped
 
     def finite_or_skip(self, finite: bool, loss_sum: float) -> bool:

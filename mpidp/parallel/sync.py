@@ -16,6 +16,7 @@ import numpy as np
 from .. import comm as C
 from .. import compress
 from ..nn import Optimizer
+from ..nn.optim import chunk_edges
 
 if TYPE_CHECKING:
     from .data_parallel import DataParallel
@@ -164,32 +165,59 @@ class Compressed(Sync):
 
 
 class ParameterServer(Sync):
-    """Synchronous parameter server: gradient sums are ``Reduce``d to the server (rank
-    ``root``), which applies the optimizer and ``Bcast``s the new parameters.
+    """Synchronous parameter server: gradient sums are reduced to the server (rank
+    ``root``), which applies the optimizer and broadcasts the new parameters.
 
     ``dedicated=True``: the server holds no data (give it an empty shard); otherwise it
     computes like every worker. Same arithmetic as allreduce training.
+
+    ``shared_memory=True`` (the default) and every rank on the server's node: gradients and
+    the server's parameters live in MPI shared-memory windows. Each rank sums its ``1/P``
+    of the gradients over all ranks straight into the server's buffer
+    (:class:`mpidp.comm.SharedReduce`); the server updates its parameters in pieces of
+    ``chunk_bytes``, and each worker copies a piece out of the server's memory as soon as
+    it is final (:class:`mpidp.comm.SharedBroadcast`), so copying overlaps the update
+    instead of following it. Otherwise (or ``shared_memory=False``) the sums go to the
+    server by ``Reduce_scatter`` + ``Gatherv`` and the parameters come back by ``Bcast``.
     """
 
     name = "ps"
 
-    def __init__(self, dedicated: bool = False) -> None:
+    def __init__(self, dedicated: bool = False, shared_memory: bool = True,
+                 chunk_bytes: int = 1 << 20) -> None:
         super().__init__()
-        self.dedicated = dedicated
+        if chunk_bytes < 1:
+            raise C.MpidpError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        self.dedicated, self.shared_memory, self.chunk_bytes = dedicated, shared_memory, chunk_bytes
+        self.shared: C.SharedBroadcast | None = None
+        self.gather: C.SharedReduce | None = None
 
     def setup(self, dp: DataParallel) -> None:
         if dp.comm.size < 2:
             raise C.MpidpError("a parameter server needs at least 2 ranks (a server and a worker)")
+        params = dp.model.params
+        if self.shared_memory and C.SharedBroadcast.possible(dp.comm):
+            self.shared = C.SharedBroadcast(dp.comm, params.size, params.dtype, dp.root)
+            if dp.comm.rank == dp.root:
+                dp.model.use_param_buffer(self.shared.array)
+            self.gather = C.SharedReduce(dp.comm, dp.buf.size, dp.buf.dtype, dp.root)
+            self.gather.array[...] = dp.buf
+            dp.buf = self.gather.array
+            dp.model.use_grad_buffer(dp.buf)
+            self.edges = chunk_edges(params.size, -(-params.nbytes // self.chunk_bytes))
 
     def exchange(self, dp: DataParallel) -> tuple[float, int, int, bool]:
         comm, root, buf, n = dp.comm, dp.root, dp.buf, dp.model.n_params
         verdict = np.zeros(5, np.float64)  # loss, count, correct, skipped, error
         with dp.timer.communicate():
-            C.reduce_sum_to_(comm, buf, root)
+            if self.gather is not None:
+                self.gather.reduce()
+            else:
+                C.reduce_sum_to_(comm, buf, root)
         if comm.rank == root:
             with dp.timer.compute():
                 try:
-                    verdict[:4] = dp.apply_global(buf)
+                    verdict[:4] = dp.judge_global(buf)
                 except C.MpidpError:
                     verdict[:3], verdict[4] = buf[n:], 1
         with dp.timer.communicate():
@@ -198,10 +226,27 @@ class ParameterServer(Sync):
                 dp.raise_nonfinite(verdict[0])
             if verdict[3] and comm.rank != root:
                 dp.skipped_steps += 1
-            C.bcast_(comm, dp.model.params, root)
+        count = int(verdict[1])
+        update = bool(count) and not verdict[3]
+        if self.shared is None or not update:
+            if comm.rank == root and update:
+                with dp.timer.compute():
+                    dp.optimizer.step_(dp.model.params, buf[:n], scale=1.0 / count)
+            with dp.timer.communicate():
+                C.bcast_(comm, dp.model.params, root)
+        elif comm.rank == root:  # update piece by piece; workers copy each piece when done
+            with dp.timer.compute():
+                dp.optimizer.step_(dp.model.params, buf[:n], scale=1.0 / count,
+                                   chunks=len(self.edges) - 1,
+                                   on_chunk=lambda lo, hi: self.shared.publish())
+            with dp.timer.communicate():
+                self.shared.finish()
+        else:
+            with dp.timer.communicate():
+                self.shared.pull(dp.model.params, self.edges)
         # what this rank contributes: a worker its gradients, the server the parameters
         self.bytes_sent += buf.nbytes if comm.rank != root else dp.model.params.nbytes
-        return float(verdict[0]), int(verdict[1]), int(verdict[2]), bool(verdict[3])
+        return float(verdict[0]), count, int(verdict[2]), bool(verdict[3])
 
 
 class ShardedParameterServer(Sync):

@@ -10,6 +10,7 @@ from mpi_helpers import all_ranks, raises_everywhere
 
 import mpidp
 from mpidp import nn
+from mpidp.parallel.data_parallel import NonFiniteError
 from mpidp.parallel.sync import Overlapped, make_sync
 
 RTOL, ATOL = 1e-9, 1e-11  # reduction order only: see test_data_parallel.py
@@ -69,6 +70,58 @@ def test_parameter_server_matches_single_process(comm, dedicated):
     all_ranks(comm, dp.in_sync())
     if dedicated:
         all_ranks(comm, (len(shard.X) == 0) == (comm.rank == 0))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("shared_memory", [True, False])
+@pytest.mark.parametrize("optimizer", [lambda: nn.Adam(0.01), lambda: nn.SGD(0.1, momentum=0.9)],
+                         ids=["adam", "momentum"])
+@pytest.mark.parametrize("last_root", [False, True])
+def test_parameter_server_in_pieces_matches_single_process(comm, shared_memory, optimizer, last_root):
+    """Gradients summed in shared memory, and the server updating in 64-byte pieces that
+    workers copy out of its memory (or, with shared_memory=False, Reduce_scatter + Gatherv
+    and one Bcast): still the single-process arithmetic, whichever rank serves."""
+    from mpidp.parallel.sync import ParameterServer
+    shard, X, y = _data(comm)
+    root = comm.size - 1 if last_root else 0
+    ps = ParameterServer(shared_memory=shared_memory, chunk_bytes=64)
+    model = nn.mlp(6, (12, 8), 3, dtype=np.float64).init_(4)
+    dp = mpidp.DataParallel(model, optimizer(), nn.SoftmaxCrossEntropy(), comm, sync=ps, root=root)
+    mpidp.fit(dp, shard, 2, 16, seed=2)
+    ref, _ = _reference(X, y, optimizer=optimizer)
+    all_ranks(comm, np.allclose(dp.model.params, ref.model.params, rtol=RTOL, atol=ATOL),
+              f"max diff {np.abs(dp.model.params - ref.model.params).max():.3g}")
+    all_ranks(comm, dp.in_sync())
+    # one node here: the shared path is taken exactly when asked for, in many pieces, with
+    # the gradient buffer and the server's parameters in the shared windows themselves
+    all_ranks(comm, (ps.shared is not None) == (ps.gather is not None) == shared_memory)
+    if shared_memory:
+        all_ranks(comm, len(ps.edges) - 1 == -(-dp.model.params.nbytes // 64))
+        all_ranks(comm, np.shares_memory(dp.model.params, ps.shared.array) == (comm.rank == root))
+        all_ranks(comm, np.shares_memory(dp.model.grads, ps.gather.array))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_parameter_server_nan_policy_is_shared_by_every_rank(comm, shared_memory):
+    """A non-finite gradient on one rank: with "skip" every rank skips the same steps and
+    the replicas stay equal (no worker waits for pieces that never come); with "stop" every
+    rank raises."""
+    from mpidp.parallel.sync import ParameterServer
+    shard, _, _ = _data(comm)
+    if comm.rank == comm.size - 1:
+        shard.X[3] = np.nan
+    model = nn.mlp(6, (12, 8), 3, dtype=np.float64).init_(4)
+    dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,
+                            sync=ParameterServer(shared_memory=shared_memory, chunk_bytes=64),
+                            on_nonfinite="skip")
+    mpidp.fit(dp, shard, 2, 16, seed=2)
+    skipped = comm.allgather(dp.skipped_steps)
+    all_ranks(comm, skipped[0] == 2 and len(set(skipped)) == 1, f"skipped {skipped}")
+    all_ranks(comm, dp.in_sync() and np.isfinite(dp.model.params).all())
+    raises_everywhere(comm, NonFiniteError, lambda: _train(
+        comm, shard, ParameterServer(shared_memory=shared_memory, chunk_bytes=64), epochs=1),
+        "non-finite")
 
 
 @pytest.mark.mpi(min_size=1)
