@@ -189,3 +189,20 @@ def test_watchdog_backstop_ends_a_wait_in_a_collective_that_is_not_polled(tmp_pa
     r = run_mpi(2, str(script), module=False, timeout=60)
     assert r.returncode != 0 and time.monotonic() - t < 30
     assert "rank 0/2 made no progress" in r.stderr and "aborting the job" in r.stderr
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nan_check_flags_nan_and_inf_but_not_huge_finite_values(dtype):
+    """The per-step NaN/Inf check: a dot product whose overflow (squares of finite values
+    past the dtype's range) must not be mistaken for a non-finite gradient."""
+    from mpidp.parallel.data_parallel import all_finite
+    big = np.sqrt(np.finfo(dtype).max) * 4  # its square overflows; the value does not
+    v = np.linspace(-1, 1, 1001).astype(dtype)
+    assert all_finite(v)
+    v[500] = big
+    with np.errstate(over="ignore"):
+        assert all_finite(v) and not np.isfinite(np.dot(v, v))
+    for bad in (np.nan, np.inf, -np.inf):
+        w = v.copy()
+        w[-1] = bad
+        assert not all_finite(w)
