@@ -14,59 +14,120 @@ from . import costmodel as M
 from . import nn
 
 SIZES = [2**k for k in range(3, 25, 3)]  # 8 B .. 16 MiB
+EVICT_BYTES = 32 << 20  # read before each timed Allreduce: past the L2 and most L3 caches
 
 
-def compute_per_sample(batch: int = 512, repeats: int = 5) -> tuple[float, int]:
-    """Seconds per sample of forward+backward+update of the standard MLP (784-1024-1024-10,
-    float32) on this process, and its parameter count."""
+def _standard_steps(batches: list[int]):
+    """Closures running one forward+backward+update of ONE standard MLP (784-1024-1024-10,
+    float32) on ``batch`` rows for each of ``batches``, and the model's parameter count."""
     model = nn.mlp(784, (1024, 1024), 10, dtype=np.float32).init_(0)
     loss, opt = nn.SoftmaxCrossEntropy(), nn.SGD(0.05)
     rng = np.random.default_rng(0)
-    X = rng.standard_normal((batch, 784)).astype(np.float32)
-    y = rng.integers(0, 10, batch)
-    times = []
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
-        loss.forward(model.forward(X), y)
-        model.backward(loss.backward(), input_grad=False)
-        opt.step_(model.params, model.grads, scale=1 / batch)
-        times.append(time.perf_counter() - t)
-    return float(np.median(times[1:])) / batch, model.n_params
+    X = rng.standard_normal((max(batches), 784)).astype(np.float32)
+    y = rng.integers(0, 10, max(batches))
+
+    def make(batch: int):
+        def step() -> None:
+            loss.forward(model.forward(X[:batch]), y[:batch])
+            model.backward(loss.backward(), input_grad=False)
+            opt.step_(model.params, model.grads, scale=1 / batch)
+        return step
+    return [make(b) for b in batches], model.n_params
+
+
+def compute_times(batch: int, repeats: int = 5, before=None) -> list[float]:
+    """Seconds of ``repeats`` standard-MLP steps on ``batch`` rows (after one warm-up step),
+    calling ``before()`` ahead of each timed one."""
+    return _alternate([batch], repeats, before)[0]
+
+
+def _alternate(batches: list[int], repeats: int, before=None) -> list[list[float]]:
+    """Step times for each of ``batches``, measured in turns (so that a slower moment of a
+    shared machine hits every batch size alike)."""
+    steps, _ = _standard_steps(batches)
+    for step in steps:
+        step()
+    times: list[list[float]] = [[] for _ in batches]
+    for _ in range(repeats):
+        for step, out in zip(steps, times):
+            if before is not None:
+                before()
+            t = time.perf_counter()
+            step()
+            out.append(time.perf_counter() - t)
+    return times
+
+
+def compute_per_sample(batch: int = 512, repeats: int = 5) -> tuple[float, int]:
+    """Seconds per sample of forward+backward+update of the standard MLP on this process,
+    and its parameter count."""
+    return float(np.median(compute_times(batch, repeats))) / batch, _standard_steps([1])[1]
+
+
+def measure_compute(comm: C.Comm, batch: int = 512, repeats: int = 15) -> M.Compute | None:
+    """The standard MLP's :class:`costmodel.Compute` on this machine. Collective; the
+    result is on rank 0 (None elsewhere).
+
+    Every rank runs steps of ``batch // P`` rows at the same moment (a barrier before
+    each): their spread gives ``jitter``, and their median over rank 0's time alone gives
+    ``contention``. Rank 0 alone at ``batch // P`` and ``batch`` rows gives the fixed part
+    and the part per sample.
+    """
+    local = max(1, batch // comm.size)
+    together = compute_times(local, repeats, before=comm.Barrier)
+    steps = np.array(comm.gather(together, root=0) or [[0.0]])  # (ranks, repeats)
+    if comm.rank != 0:  # rank 0 times compute alone, as one rank of a quiet node would run
+        C.agree(comm, None)
+        return None
+    small, full = (float(np.median(t)) for t in _alternate([local, batch], repeats))
+    C.agree(comm, None)
+    per_sample = (full - small) / (batch - local) if batch > local else full / batch
+    if per_sample <= 0:  # noise swamped the difference: no fixed part
+        per_sample, small = full / batch, local * full / batch
+    overhead = max(small - per_sample * local, 0.0)
+    jitter = float(np.mean(steps.std(axis=0)) / steps.mean())  # spread within a step
+    return M.Compute(per_sample, overhead, float(np.median(steps)) / small, jitter)
 
 
 def calibrate(comm: C.Comm, batch: int = 512) -> dict:
-    """Measure (collective: ping-pong between ranks 0 and 1, Allreduce sweep on all) and
-    fit. Returns the fit, the samples, and predictions (meaningful on rank 0)."""
+    """Measure (collective: ping-pong between ranks 0 and 1, Allreduce sweep on all with the
+    buffer out of cache, compute on all) and fit. Returns the fit, the samples, and
+    predictions (meaningful on rank 0)."""
     if comm.size < 2:
         raise C.MpidpError("mpidp model measures the network: run it with at least 2 ranks")
     pp = [C.pingpong(comm, s) for s in SIZES]
-    ar = [C.time_allreduce(comm, s // 4) for s in SIZES]
-    if comm.rank != 0:  # rank 0 times compute alone, as one rank of a quiet node would run
-        C.agree(comm, None)
+    scratch = np.ones(EVICT_BYTES // 4, np.float32)
+    ar = [C.time_allreduce(comm, s // 4, evict=scratch) for s in SIZES]
+    del scratch
+    compute = measure_compute(comm, batch)
+    if compute is None:
         return {}
-    c, n_params = compute_per_sample(batch)
-    C.agree(comm, None)
+    n_params = _standard_steps([1])[1]
     alpha, beta = M.fit_alpha_beta(np.array(SIZES), np.array(pp))
     gamma = M.fit_gamma(comm.size, np.array(SIZES), np.array(ar), alpha, beta)
     fit = M.Fit(alpha, beta, gamma)
-    c_per_param = c / n_params
+    per_param = compute.scaled(1 / n_params)
     return {"world_size": comm.size, "fit": fit.as_dict(), "batch": batch,
-            "compute_per_sample_s": c, "standard_model_params": n_params,
+            "compute_per_sample_s": compute.per_sample + compute.overhead / batch,
+            "compute": compute.as_dict(), "standard_model_params": n_params,
             "pingpong": dict(zip(SIZES, pp)), "allreduce": dict(zip(SIZES, ar)),
             "allreduce_predicted": dict(zip(SIZES, M.allreduce_time(
                 comm.size, np.array(SIZES), fit).tolist())),
-            "ps_stops_scaling_at": {int(n): M.ps_limit(4 * n, batch, c_per_param * n, fit)
+            "ps_stops_scaling_at": {int(n): M.ps_limit(4 * n, batch, per_param.scaled(n), fit)
                                     for n in (1e4, 1e5, 1e6, 1e7, 1e8, 1e9)},
-            "table": M.prediction_table(fit, c_per_param, batch)}
+            "table": M.prediction_table(fit, per_param, batch)}
 
 
 def format_report(r: dict) -> str:
     """Markdown: the fit, the ping-pong/allreduce check, efficiency by P and size, PS limit."""
-    f = r["fit"]
+    f, c = r["fit"], r["compute"]
     lines = [f"fit on {r['world_size']} ranks: alpha {f['alpha'] * 1e6:.2f} us, "
              f"beta {f['beta'] * 1e9:.3f} ns/B ({1 / max(f['beta'], 1e-30) / 1e9:.2f} GB/s), "
              f"gamma {f['gamma'] * 1e9:.3f} ns/B; compute {r['compute_per_sample_s'] * 1e6:.1f} "
-             f"us/sample for the {r['standard_model_params']:,}-parameter standard MLP", "",
+             f"us/sample for the {r['standard_model_params']:,}-parameter standard MLP "
+             f"({c['overhead'] * 1e3:.2f} ms per step + {c['per_sample'] * 1e6:.1f} us per sample; "
+             f"x{c['contention']:.2f} with every rank computing at once; step-time spread "
+             f"{c['jitter']:.1%})", "",
              "| params | algorithm | " + " | ".join(f"P={p}" for p in (2, 4, 16, 64, 256, 1024)) + " |",
              "|---|---|" + "---:|" * 6]
     for n in (1e4, 1e6, 1e8, 1e9):

@@ -470,12 +470,17 @@ def pingpong(comm: Comm, nbytes: int, reps: int = 50, peer: int = 1) -> float | 
     return float(np.median(times[3:])) if comm.rank == 0 else None
 
 
-def time_allreduce(comm: Comm, n: int, dtype=np.float32, reps: int = 20) -> float:
+def time_allreduce(comm: Comm, n: int, dtype=np.float32, reps: int = 20,
+                   evict: np.ndarray | None = None) -> float:
     """Median seconds of an in-place ``Allreduce`` of ``n`` elements (between barriers, the
-    slowest rank's time). Collective."""
+    slowest rank's time). Collective. ``evict``: an array read before each repetition to
+    push the buffer out of the caches, as a gradient buffer is after a training step's
+    other memory traffic (a warm buffer reduced over and over is up to ~1.5x faster)."""
     buf = np.ones(n, dtype)
     times = []
     for _ in range(reps + 2):
+        if evict is not None:
+            evict.sum()
         comm.Barrier()
         t = MPI.Wtime()
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)

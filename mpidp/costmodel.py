@@ -9,7 +9,12 @@ Thakur, Rabenseifner & Gropp 2005):
 * central parameter server:    ``2 (P-1) (alpha + m beta) + (P-1) m gamma`` — the server's
   link carries every worker's gradient in and every worker's parameters out, one by one.
 
-A step is ``compute(B/P) + communicate(P, m)``; compute time per sample is measured.
+A step is ``compute(B/P) + wait(P) + communicate(P, m)``. Compute is measured (see
+:class:`Compute`): a fixed part plus a part per local sample, slowed by ``contention`` when
+the other ranks of a node compute at the same time. ``wait`` is what a synchronous step
+loses to the slowest of ``P`` ranks: with step times of relative spread ``jitter``, the
+expected maximum of ``P`` of them lies ``jitter * sqrt(2 ln P)`` means above their mean
+(the Gaussian extreme-value rate).
 """
 
 from __future__ import annotations
@@ -31,6 +36,26 @@ class Fit:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class Compute:
+    """A rank's compute per step: ``overhead + per_sample * b`` seconds for ``b`` local
+    samples when it has the node to itself; times ``contention`` when every rank of a node
+    computes at once (shared caches and memory bandwidth); ``jitter`` is the standard
+    deviation of a step's compute time over its mean."""
+
+    per_sample: float
+    overhead: float = 0.0
+    contention: float = 1.0
+    jitter: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def scaled(self, factor: float) -> Compute:
+        """The same machine doing ``factor`` times the work per step (a bigger model)."""
+        return Compute(self.per_sample * factor, self.overhead * factor, self.contention, self.jitter)
 
 
 def fit_alpha_beta(nbytes: np.ndarray, seconds: np.ndarray, small: int = 4096,
@@ -76,40 +101,49 @@ def allreduce_time(P, m, fit: Fit, algorithm: str = "ring"):
     return np.where(P <= 1, 0.0, t)
 
 
-def step_time(P, m, batch: int, compute_per_sample: float, fit: Fit, algorithm: str = "ring",
+def step_time(P, m, batch: int, compute: float | Compute, fit: Fit, algorithm: str = "ring",
               cores: int | None = None):
-    """Predicted step seconds: ``compute_per_sample * batch / P`` plus communication.
+    """Predicted step seconds at ``P`` ranks for a global ``batch`` and ``m`` gradient bytes.
 
-    ``cores``: when the ranks share this many cores (P > cores oversubscribes them), the
-    compute runs at most ``cores`` ways in parallel: ``compute * batch / min(P, cores)``.
+    ``compute``: a :class:`Compute`, or seconds per sample (no fixed part, contention or
+    jitter). ``cores``: when the ranks share this many cores (P > cores oversubscribes
+    them), compute runs at most ``cores`` ways in parallel: ``batch / min(P, cores)``
+    samples' worth per rank.
     """
+    c = compute if isinstance(compute, Compute) else Compute(float(compute))
     P = np.asarray(P, float)
     ways = P if cores is None else np.minimum(P, cores)
-    return compute_per_sample * batch / ways + allreduce_time(P, m, fit, algorithm)
+    many = P > 1
+    work = (c.overhead + c.per_sample * batch / ways) * np.where(many, c.contention, 1.0)
+    wait = work * c.jitter * np.sqrt(2 * np.log(np.maximum(P, 1)))
+    return work + wait + allreduce_time(P, m, fit, algorithm)
 
 
-def efficiency(P, m, batch: int, compute_per_sample: float, fit: Fit, algorithm: str = "ring"):
+def efficiency(P, m, batch: int, compute: float | Compute, fit: Fit, algorithm: str = "ring"):
     """Parallel efficiency ``T(1) / (P T(P))`` at fixed global batch (strong scaling)."""
-    t1 = step_time(1, m, batch, compute_per_sample, fit, algorithm)
-    return t1 / (np.asarray(P, float) * step_time(P, m, batch, compute_per_sample, fit, algorithm))
+    t1 = step_time(1, m, batch, compute, fit, algorithm)
+    return t1 / (np.asarray(P, float) * step_time(P, m, batch, compute, fit, algorithm))
 
 
-def ps_limit(m: float, batch: int, compute_per_sample: float, fit: Fit, max_P: int = 1024) -> int:
+def ps_limit(m: float, batch: int, compute: float | Compute, fit: Fit, max_P: int = 1024) -> int:
     """The rank count beyond which a central parameter server gets SLOWER per step: the P
     minimising its predicted step time (powers of two up to ``max_P``)."""
     Ps = 2 ** np.arange(0, int(np.log2(max_P)) + 1)
-    t = step_time(Ps, m, batch, compute_per_sample, fit, "parameter-server")
+    t = step_time(Ps, m, batch, compute, fit, "parameter-server")
     return int(Ps[int(np.argmin(t))])
 
 
-def prediction_table(fit: Fit, compute_per_sample_per_param: float, batch: int,
+def prediction_table(fit: Fit, compute_per_param: float | Compute, batch: int,
                      params=(1e4, 1e5, 1e6, 1e7, 1e8, 1e9), bytes_per_param: int = 4,
                      Ps=(1, 2, 4, 8, 16, 64, 256, 1024)) -> list[dict]:
-    """Rows ``{params, P, algorithm, step_s, efficiency}``. Compute per sample scales with the
-    parameter count (an MLP does ~6 flops per parameter per sample)."""
+    """Rows ``{params, P, algorithm, step_s, efficiency}``. Compute scales with the
+    parameter count (an MLP does ~6 flops per parameter per sample): ``compute_per_param``
+    is the compute of a one-parameter model (seconds per sample, or a :class:`Compute`)."""
+    per_param = (compute_per_param if isinstance(compute_per_param, Compute)
+                 else Compute(float(compute_per_param)))
     rows = []
     for n in params:
-        c = compute_per_sample_per_param * n
+        c = per_param.scaled(n)
         m = n * bytes_per_param
         for alg in ALGORITHMS:
             for P in Ps:

@@ -69,3 +69,27 @@ def test_bench_sync_small(tmp_path):
     assert modes["ps"]["bytes_per_step"] == (buf + 4 * n_params) / 2
     assert modes["compute-only"]["bytes_per_step"] == 0
     assert all(m["step_ms"] > 0 for m in modes.values())
+
+
+def test_bench_sync_validation_rescales_compute_to_the_run():
+    """bench-sync's cost-model check: compute is rescaled so that the model's P = 1 step
+    equals the measured one, then predicted at P = 2, 3, 4 (on this machine's cores)."""
+    sys.path.insert(0, str(BENCH))
+    from run_sync_bench import predictions
+
+    from mpidp import costmodel as M
+    fit = {"alpha": 2e-6, "beta": 1e-10, "gamma": 2e-10}
+    compute = {"per_sample": 6e-5, "overhead": 2e-3, "contention": 1.05, "jitter": 0.03}
+    model = {"fit": fit, "compute": compute, "standard_model_params": 1000}
+    strong = {P: {"modes": {"allreduce": {"step_ms": ms}}} for P, ms in
+              ((1, 40.0), (2, 22.0), (3, 30.0), (4, 35.0))}
+    rows = predictions(model, strong)
+    c = M.Compute(**compute)
+    c = c.scaled(0.040 / (c.overhead + c.per_sample * 512))
+    assert M.step_time(1, 4000, 512, c, M.Fit(**fit)) == pytest.approx(0.040)
+    for r in rows:
+        want = M.step_time(r["P"], 4000, 512, c, M.Fit(**fit), cores=os.cpu_count()) * 1e3
+        assert r["predicted_ms"] == pytest.approx(want)
+        assert r["error"] == pytest.approx(want / strong[r["P"]]["modes"]["allreduce"]["step_ms"] - 1)
+        assert r["ideal_ms"] < r["predicted_ms"]  # no fixed part, contention or wait
+    assert [r["P"] for r in rows] == [2, 3, 4]

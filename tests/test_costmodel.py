@@ -52,6 +52,30 @@ def test_strong_scaling_and_ps_limit():
     assert len(rows) == 2 * 3 * 2 and {r["algorithm"] for r in rows} == set(M.ALGORITHMS)
 
 
+def test_step_time_with_measured_compute_by_hand():
+    """Fixed part + per sample, times contention only when ranks share the node's work,
+    plus the expected wait for the slowest of P ranks: jitter * sqrt(2 ln P) of the work."""
+    c = M.Compute(per_sample=1e-4, overhead=2e-3, contention=1.1, jitter=0.05)
+    m, B = 1e6, 512
+    comm = M.allreduce_time(4, m, FIT)
+    work = (2e-3 + 1e-4 * B / 4) * 1.1
+    assert M.step_time(4, m, B, c, FIT) == pytest.approx(work * (1 + 0.05 * np.sqrt(2 * np.log(4))) + comm)
+    assert M.step_time(1, m, B, c, FIT) == pytest.approx(2e-3 + 1e-4 * B)  # alone, no wait
+    # 3 ranks on 2 cores: the work of B/2 samples per rank
+    work3 = (2e-3 + 1e-4 * B / 2) * 1.1
+    assert M.step_time(3, m, B, c, FIT, cores=2) == pytest.approx(
+        work3 * (1 + 0.05 * np.sqrt(2 * np.log(3))) + M.allreduce_time(3, m, FIT))
+    # a plain float is seconds per sample with nothing else, as before
+    assert M.step_time(4, m, B, 1e-4, FIT) == pytest.approx(1e-4 * B / 4 + comm)
+    big = c.scaled(10)
+    assert (big.per_sample, big.overhead, big.contention, big.jitter) == (1e-3, 2e-2, 1.1, 0.05)
+    # jitter and contention lower the efficiency the model predicts
+    assert M.efficiency(16, m, B, c, FIT) < M.efficiency(16, m, B, M.Compute(1e-4, 2e-3), FIT)
+    rows = M.prediction_table(FIT, c.scaled(1e-6), B, params=(1e6,), Ps=(1, 4))
+    ring4 = [r for r in rows if r["algorithm"] == "ring" and r["P"] == 4][0]
+    assert ring4["step_s"] == pytest.approx(float(M.step_time(4, 4e6, B, c, FIT)))
+
+
 @pytest.mark.parametrize("codec", compress.CODECS)
 def test_codecs_round_trip_within_their_precision(codec):
     x = np.random.default_rng(0).standard_normal(1000).astype(np.float32) * 100
@@ -74,6 +98,12 @@ def test_mpidp_model_command(tmp_path):
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "m" / "model.json").read_text())
     assert report["fit"]["beta"] > 0 and report["compute_per_sample_s"] > 0
+    c = report["compute"]
+    assert c["per_sample"] > 0 and c["overhead"] >= 0 and 0.3 < c["contention"] < 3
+    assert 0 <= c["jitter"] < 1
+    # the fixed part and the part per sample add up to the compute of a full batch
+    assert c["overhead"] / report["batch"] + c["per_sample"] == pytest.approx(
+        report["compute_per_sample_s"])
     assert set(report["ps_stops_scaling_at"]) == {"10000", "100000", "1000000", "10000000",
                                                   "100000000", "1000000000"}
     assert "parameter-server" in (tmp_path / "m" / "model.md").read_text()
