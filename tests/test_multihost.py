@@ -81,6 +81,16 @@ def test_scatter_across_hosts_when_only_rank_0s_host_has_the_file(cluster, datas
     np.testing.assert_allclose(_params(out), dataset, rtol=1e-9, atol=1e-11)
 
 
+def test_parameter_server_across_hosts_falls_back_to_mpi(cluster, dataset):
+    """2 ranks per host: the ranks cannot all share the server's memory, so the server
+    sends by MPI (the shared-memory path is for one node) and training is still exact."""
+    out = cluster.root / "ps"
+    r = _run(cluster.mpiexec(4, 2, PY, *ARGS, "--dataset", str(cluster.data / "d.npz"),
+                             "--distribute", "scatter", "--sync", "ps", "--out", str(out)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    np.testing.assert_allclose(_params(out), dataset, rtol=1e-9, atol=1e-11)
+
+
 def test_local_reads_need_and_use_each_hosts_own_copy(cluster, dataset):
     out = cluster.root / "local"
     cmd = cluster.mpiexec(4, 2, PY, *ARGS, "--dataset", str(cluster.data / "d.npz"),
