@@ -166,7 +166,7 @@ class DataParallel:
         n = self.model.n_params
         count = int(round(float(buf[n + 1])))
         skipped = False
-        if count:
+        if count and self.on_nonfinite != "ignore":  # "ignore" skips the pass altogether
             skipped = not self.finite_or_skip(all_finite(buf), buf[n])
         return float(buf[n]), count, int(round(float(buf[n + 2]))), skipped
 

@@ -125,6 +125,22 @@ def test_parameter_server_nan_policy_is_shared_by_every_rank(comm, shared_memory
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("sync", ["allreduce", "ps"])
+def test_ignore_policy_applies_non_finite_updates_without_checking(comm, sync):
+    """on_nonfinite="ignore": no check, no skip, no error: the NaN reaches every replica."""
+    if sync == "ps" and comm.size < 2:
+        pytest.skip("a parameter server needs 2 ranks")
+    shard, _, _ = _data(comm)
+    if comm.rank == 0:
+        shard.X[0] = np.nan
+    model = nn.mlp(6, (12, 8), 3, dtype=np.float64).init_(4)
+    dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm, sync=sync,
+                            on_nonfinite="ignore")
+    mpidp.fit(dp, shard, 1, 16, seed=2)
+    all_ranks(comm, dp.skipped_steps == 0 and np.isnan(dp.model.params).any())
+
+
+@pytest.mark.mpi(min_size=1)
 def test_sharded_ps_keeps_a_slice_of_optimizer_state(comm):
     shard, _, _ = _data(comm)
     dp, _ = _train(comm, shard, "sharded-ps", epochs=1)
