@@ -144,6 +144,10 @@ def _add_train(sub) -> None:
                    help="async-ps: drop gradients computed on parameters older than this")
     g.add_argument("--ps-placement", choices=("root", "dedicated"), default="root",
                    help="ps: the server also computes (root) or holds no data (dedicated)")
+    g.add_argument("--ps-transport", choices=("shared", "mpi"), default="shared",
+                   help="ps: gradients and parameters through MPI shared memory when every "
+                   "rank is on the server's node (shared; otherwise MPI anyway), or always "
+                   "Reduce_scatter + Gatherv and Bcast (mpi)")
     g.add_argument("--bucket-mb", type=_positive(float), default=1.0,
                    help="overlapped: bucket size in MiB")
     g.add_argument("--compress", choices=("bfloat16", "float16"), default="bfloat16",
@@ -285,7 +289,8 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
                      lambda: nn.make_optimizer(args.optimizer, args.lr, args.momentum,
                                                args.weight_decay),
                      bucket_bytes=int(args.bucket_mb * 2**20), codec=args.compress,
-                     dedicated=dedicated, k=args.sync_every)
+                     dedicated=dedicated, k=args.sync_every,
+                     ps_shared_memory=args.ps_transport == "shared")
     dp = DataParallel(model, optimizer, loss, comm, init_sync=args.init_sync,
                       check_every=args.check_every, on_nonfinite=args.on_nonfinite,
                       watchdog=args.watchdog, sync=sync)

@@ -195,6 +195,22 @@ def test_cli_sync_modes_give_single_process_parameters(tmp_path, sync):
     assert m["sync"] == sync[1] and m["bytes_sent_per_step"] > 0
 
 
+def test_cli_ps_transports_give_the_same_bits(tmp_path):
+    """--ps-transport shared (sums and parameters through shared memory) and mpi
+    (Reduce_scatter + Gatherv, Bcast): at 2 ranks every sum is one addition, so the two
+    must agree to the last bit, and both match one process."""
+    data = _npz(tmp_path)
+    args = ["train", "--dataset", data, "--epochs", "2", "--batch-size", "16", "--dtype", "float32",
+            "--hidden", "8", "--optimizer", "momentum", "--lr", "0.05", "--no-progress",
+            "--sync", "ps"]
+    runs = {t: run_mpi(2, *args, "--ps-transport", t, "--out", str(tmp_path / t)) for t in ("shared", "mpi")}
+    assert all(r.returncode == 0 for r in runs.values()), [r.stderr for r in runs.values()]
+    np.testing.assert_array_equal(_params(tmp_path / "shared"), _params(tmp_path / "mpi"))
+    r1 = run_mpi(1, *args[:-2], "--out", str(tmp_path / "one"))
+    assert r1.returncode == 0, r1.stderr
+    np.testing.assert_allclose(_params(tmp_path / "shared"), _params(tmp_path / "one"), rtol=1e-4, atol=1e-6)
+
+
 def test_cli_async_ps_reports_staleness(tmp_path):
     # plain SGD: stale momentum makes asynchronous runs erratic (seen: 0.70 to 0.96)
     r = run_mpi(3, "train", "--dataset", "digits", "--epochs", "5", "--lr", "0.1",

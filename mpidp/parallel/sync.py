@@ -369,11 +369,13 @@ class LocalSGD(_Periodic):
 
 
 def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
-              codec: str = "bfloat16", dedicated: bool = False, k: int = 4) -> Sync:
+              codec: str = "bfloat16", dedicated: bool = False, k: int = 4,
+              ps_shared_memory: bool = True) -> Sync:
     """A strategy by name: ``allreduce`` (fused), ``per-layer``, ``overlapped`` (bucketed
-    ``Iallreduce`` during backward), ``compressed`` (16-bit, error feedback), ``ps``,
-    ``sharded-ps`` (needs ``optimizer_factory``), ``accumulate`` and ``local-sgd`` (every
-    ``k`` steps)."""
+    ``Iallreduce`` during backward), ``compressed`` (16-bit, error feedback), ``ps``
+    (``dedicated`` server or not; through shared memory on one node unless
+    ``ps_shared_memory=False``), ``sharded-ps`` (needs ``optimizer_factory``),
+    ``accumulate`` and ``local-sgd`` (every ``k`` steps)."""
     if name == "allreduce":
         return Sync()
     if name == "per-layer":
@@ -383,7 +385,7 @@ def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
     if name == "compressed":
         return Compressed(codec)
     if name == "ps":
-        return ParameterServer(dedicated)
+        return ParameterServer(dedicated, shared_memory=ps_shared_memory)
     if name == "accumulate":
         return Accumulate(k)
     if name == "local-sgd":
