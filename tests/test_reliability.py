@@ -77,6 +77,21 @@ def test_stop_after_k_steps_and_resume_k_more_is_bit_identical(tmp_path, referen
     assert [h["epoch"] for h in hist] == [1, 2, 3]
 
 
+def test_parameter_server_resumes_bit_identical(tmp_path, reference):
+    """--sync ps through shared memory (the server's parameters live in its window, and a
+    restore writes them there): stop after epoch 1, resume, and at 2 ranks end on the very
+    bits of allreduce training (each sum is one addition; the server's update is the one
+    every replica would make)."""
+    ck = tmp_path / "ck"
+    r = _train(2, tmp_path / "a", "--sync", "ps", "--checkpoint-dir", str(ck),
+               "--checkpoint-every", "1000", "--epochs", "1")
+    assert r.returncode == 0, r.stderr
+    r = _train(2, tmp_path / "b", "--sync", "ps", "--checkpoint-dir", str(ck), "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout
+    assert np.array_equal(_params(tmp_path / "b"), reference)
+
+
 @pytest.mark.parametrize("before,after", [(4, 2), (2, 4)])
 def test_elastic_resume_on_another_world_size(tmp_path, reference, before, after):
     ck = tmp_path / "ck"
