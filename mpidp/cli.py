@@ -148,6 +148,8 @@ def _add_train(sub) -> None:
                    help="ps: gradients and parameters through MPI shared memory when every "
                    "rank is on the server's node (shared; otherwise MPI anyway), or always "
                    "Reduce_scatter + Gatherv and Bcast (mpi)")
+    g.add_argument("--ps-chunk-mb", type=_positive(float), default=1.0,
+                   help="ps (shared): the server ships its update in pieces of this many MiB")
     g.add_argument("--bucket-mb", type=_positive(float), default=1.0,
                    help="overlapped: bucket size in MiB")
     g.add_argument("--compress", choices=("bfloat16", "float16"), default="bfloat16",
@@ -290,7 +292,8 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
                                                args.weight_decay),
                      bucket_bytes=int(args.bucket_mb * 2**20), codec=args.compress,
                      dedicated=dedicated, k=args.sync_every,
-                     ps_shared_memory=args.ps_transport == "shared")
+                     ps_shared_memory=args.ps_transport == "shared",
+                     ps_chunk_bytes=max(1, int(args.ps_chunk_mb * 2**20)))
     dp = DataParallel(model, optimizer, loss, comm, init_sync=args.init_sync,
                       check_every=args.check_every, on_nonfinite=args.on_nonfinite,
                       watchdog=args.watchdog, sync=sync)

@@ -596,10 +596,28 @@ class SharedCounter:
         self._win.Free()
 
 
+def node_split(comm: Comm, first: int = 0) -> tuple[Comm, Comm | None]:
+    """``(node, leaders)``: the ranks of ``comm`` that share this rank's node (shared
+    memory), with ``first`` as rank 0 of its node (elsewhere the lowest rank), and, on each
+    node's rank 0 only, a communicator of those node leaders (``first``'s node leader is
+    its rank 0; None on the other ranks). Collective."""
+    key = -1 if comm.rank == first else comm.rank
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
+    leaders = comm.Split(0 if node.rank == 0 else MPI.UNDEFINED, key=key)
+    return node, (leaders if node.rank == 0 else None)
+
+
+def ibcast(comm: Comm, buf: np.ndarray, root: int = 0) -> MPI.Request:
+    """Start a non-blocking broadcast of contiguous ``buf`` (at most :data:`MAX_COUNT`
+    elements) from ``root``; complete it with :func:`wait_all`."""
+    return comm.Ibcast(buf, root=root)
+
+
 class SharedReduce:
     """Sum a 1-D array over the ranks of one node into ``root``'s copy, through shared memory.
 
-    Collective to create; only where :meth:`SharedBroadcast.possible`. ``array`` is this
+    Collective to create; only for communicators whose ranks all share one node (see
+    :func:`node_split`). ``array`` is this
     rank's ``(n,)`` array in an MPI shared-memory window; every rank can read every rank's.
     :meth:`reduce` has each rank add up its ``1/P`` of the elements over all ranks (in rank
     order) straight into ``root``'s array: one read of every element and one write of the
@@ -642,8 +660,8 @@ class SharedReduce:
 class SharedBroadcast:
     """Broadcast a 1-D array from ``root`` as a piece-by-piece copy out of its memory.
 
-    Collective to create; only for communicators whose ranks all share ``root``'s node
-    (:meth:`possible`). ``array`` is ``root``'s ``(n,)`` array, allocated in an MPI
+    Collective to create; only for communicators whose ranks all share one node (see
+    :func:`node_split`). ``array`` is ``root``'s ``(n,)`` array, allocated in an MPI
     shared-memory window (``Win.Allocate_shared``) and readable by every rank. ``root``
     calls :meth:`publish` for each finished piece (a zero-byte message to each rank);
     :meth:`pull` on the others copies each piece as soon as it is published. So the
@@ -665,14 +683,6 @@ class SharedBroadcast:
         self._win.Lock_all(MPI.MODE_NOCHECK)
         self._empty = np.empty(0, np.uint8)
         self._sent: list[MPI.Request] = []
-
-    @staticmethod
-    def possible(comm: Comm) -> bool:
-        """True (on every rank) iff all ranks of ``comm`` can share memory. Collective."""
-        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        one_node = local.size == comm.size
-        local.Free()
-        return bool(comm.allreduce(int(one_node), op=MPI.MIN))
 
     def publish(self) -> None:
         """On ``root``: the next piece of ``array`` is final; let every rank copy it."""

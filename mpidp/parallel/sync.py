@@ -171,14 +171,16 @@ class ParameterServer(Sync):
     ``dedicated=True``: the server holds no data (give it an empty shard); otherwise it
     computes like every worker. Same arithmetic as allreduce training.
 
-    ``shared_memory=True`` (the default) and every rank on the server's node: gradients and
-    the server's parameters live in MPI shared-memory windows. Each rank sums its ``1/P``
-    of the gradients over all ranks straight into the server's buffer
-    (:class:`mpidp.comm.SharedReduce`); the server updates its parameters in pieces of
-    ``chunk_bytes``, and each worker copies a piece out of the server's memory as soon as
-    it is final (:class:`mpidp.comm.SharedBroadcast`), so copying overlaps the update
-    instead of following it. Otherwise (or ``shared_memory=False``) the sums go to the
-    server by ``Reduce_scatter`` + ``Gatherv`` and the parameters come back by ``Bcast``.
+    ``shared_memory=True`` (the default), where some node runs several ranks: within each
+    node, gradients and the node leader's parameters live in MPI shared-memory windows.
+    Each rank sums its share of the node's gradients straight into its leader's buffer
+    (:class:`mpidp.comm.SharedReduce`); the leaders' sums go to the server (the leader of
+    its node) by ``Reduce_scatter`` + ``Gatherv``. The server updates in pieces of
+    ``chunk_bytes`` and ships each piece as soon as it is final: ``Ibcast`` to the other
+    leaders, and to the ranks of each node by letting them copy it out of their leader's
+    memory (:class:`mpidp.comm.SharedBroadcast`), so copying overlaps the update instead of
+    following it. Otherwise (``shared_memory=False``, or one rank per node) the sums go to
+    the server by ``Reduce_scatter`` + ``Gatherv`` and the parameters come back by ``Bcast``.
     """
 
     name = "ps"
@@ -191,29 +193,37 @@ class ParameterServer(Sync):
         self.dedicated, self.shared_memory, self.chunk_bytes = dedicated, shared_memory, chunk_bytes
         self.shared: C.SharedBroadcast | None = None
         self.gather: C.SharedReduce | None = None
+        self.leaders: C.Comm | None = None
 
     def setup(self, dp: DataParallel) -> None:
-        if dp.comm.size < 2:
+        comm, params = dp.comm, dp.model.params
+        if comm.size < 2:
             raise C.MpidpError("a parameter server needs at least 2 ranks (a server and a worker)")
-        params = dp.model.params
-        if self.shared_memory and C.SharedBroadcast.possible(dp.comm):
-            self.shared = C.SharedBroadcast(dp.comm, params.size, params.dtype, dp.root)
-            if dp.comm.rank == dp.root:
-                dp.model.use_param_buffer(self.shared.array)
-            self.gather = C.SharedReduce(dp.comm, dp.buf.size, dp.buf.dtype, dp.root)
-            self.gather.array[...] = dp.buf
-            dp.buf = self.gather.array
-            dp.model.use_grad_buffer(dp.buf)
-            self.edges = chunk_edges(params.size, -(-params.nbytes // self.chunk_bytes))
+        if not self.shared_memory:
+            return
+        node, leaders = C.node_split(comm, dp.root)
+        if C.allreduce_max(comm, [node.size])[0] == 1:  # one rank per node: nothing to share
+            return
+        self.shared = C.SharedBroadcast(node, params.size, params.dtype, 0)
+        if node.rank == 0:  # the node leader's parameters are what its node copies
+            dp.model.use_param_buffer(self.shared.array)
+        self.gather = C.SharedReduce(node, dp.buf.size, dp.buf.dtype, 0)
+        self.gather.array[...] = dp.buf
+        dp.buf = self.gather.array
+        dp.model.use_grad_buffer(dp.buf)
+        self.leaders = leaders if leaders is not None and leaders.size > 1 else None
+        self.edges = chunk_edges(params.size, -(-params.nbytes // self.chunk_bytes))
 
     def exchange(self, dp: DataParallel) -> tuple[float, int, int, bool]:
         comm, root, buf, n = dp.comm, dp.root, dp.buf, dp.model.n_params
         verdict = np.zeros(5, np.float64)  # loss, count, correct, skipped, error
         with dp.timer.communicate():
-            if self.gather is not None:
-                self.gather.reduce()
-            else:
+            if self.gather is None:
                 C.reduce_sum_to_(comm, buf, root)
+            else:
+                self.gather.reduce()  # each node's sum on its leader
+                if self.leaders is not None:
+                    C.reduce_sum_to_(self.leaders, buf, 0)  # the server leads leaders
         if comm.rank == root:
             with dp.timer.compute():
                 try:
@@ -227,26 +237,46 @@ class ParameterServer(Sync):
             if verdict[3] and comm.rank != root:
                 dp.skipped_steps += 1
         count = int(verdict[1])
-        update = bool(count) and not verdict[3]
-        if self.shared is None or not update:
-            if comm.rank == root and update:
-                with dp.timer.compute():
-                    dp.optimizer.step_(dp.model.params, buf[:n], scale=1.0 / count)
-            with dp.timer.communicate():
-                C.bcast_(comm, dp.model.params, root)
-        elif comm.rank == root:  # update piece by piece; workers copy each piece when done
-            with dp.timer.compute():
-                dp.optimizer.step_(dp.model.params, buf[:n], scale=1.0 / count,
-                                   chunks=len(self.edges) - 1,
-                                   on_chunk=lambda lo, hi: self.shared.publish())
-            with dp.timer.communicate():
-                self.shared.finish()
-        else:
-            with dp.timer.communicate():
-                self.shared.pull(dp.model.params, self.edges)
+        if count and not verdict[3]:  # otherwise the parameters stay as they are everywhere
+            if self.shared is None:
+                if comm.rank == root:
+                    with dp.timer.compute():
+                        dp.optimizer.step_(dp.model.params, buf[:n], scale=1.0 / count)
+                with dp.timer.communicate():
+                    C.bcast_(comm, dp.model.params, root)
+            else:
+                self._update_and_ship(dp, buf[:n], count)
         # what this rank contributes: a worker its gradients, the server the parameters
         self.bytes_sent += buf.nbytes if comm.rank != root else dp.model.params.nbytes
         return float(verdict[0]), count, int(verdict[2]), bool(verdict[3])
+
+    def _update_and_ship(self, dp: DataParallel, grads: np.ndarray, count: int) -> None:
+        """The server updates piece by piece; each piece goes to the other node leaders
+        (``Ibcast``) and to the ranks of each node (copied out of the leader's memory)."""
+        params, shared, sent = dp.model.params, self.shared, []
+        pieces = list(zip(self.edges[:-1], self.edges[1:]))
+
+        def ship(lo: int, hi: int) -> None:
+            if self.leaders is not None:
+                sent.append(C.ibcast(self.leaders, params[lo:hi], 0))
+            shared.publish()
+
+        if dp.comm.rank == dp.root:
+            with dp.timer.compute():
+                dp.optimizer.step_(params, grads, scale=1.0 / count, chunks=len(pieces),
+                                   on_chunk=ship)
+            with dp.timer.communicate():
+                C.wait_all(sent)
+                shared.finish()
+        elif self.leaders is not None:  # another node's leader: relay each piece
+            with dp.timer.communicate():
+                for lo, hi in pieces:
+                    C.wait_all([C.ibcast(self.leaders, params[lo:hi], 0)])
+                    shared.publish()
+                shared.finish()
+        else:
+            with dp.timer.communicate():
+                shared.pull(params, self.edges)
 
 
 class ShardedParameterServer(Sync):
@@ -370,11 +400,12 @@ class LocalSGD(_Periodic):
 
 def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
               codec: str = "bfloat16", dedicated: bool = False, k: int = 4,
-              ps_shared_memory: bool = True) -> Sync:
+              ps_shared_memory: bool = True, ps_chunk_bytes: int = 1 << 20) -> Sync:
     """A strategy by name: ``allreduce`` (fused), ``per-layer``, ``overlapped`` (bucketed
     ``Iallreduce`` during backward), ``compressed`` (16-bit, error feedback), ``ps``
-    (``dedicated`` server or not; through shared memory on one node unless
-    ``ps_shared_memory=False``), ``sharded-ps`` (needs ``optimizer_factory``),
+    (``dedicated`` server or not; through shared memory within nodes unless
+    ``ps_shared_memory=False``; updates shipped in pieces of ``ps_chunk_bytes``),
+    ``sharded-ps`` (needs ``optimizer_factory``),
     ``accumulate`` and ``local-sgd`` (every ``k`` steps)."""
     if name == "allreduce":
         return Sync()
@@ -385,7 +416,7 @@ def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
     if name == "compressed":
         return Compressed(codec)
     if name == "ps":
-        return ParameterServer(dedicated, shared_memory=ps_shared_memory)
+        return ParameterServer(dedicated, shared_memory=ps_shared_memory, chunk_bytes=ps_chunk_bytes)
     if name == "accumulate":
         return Accumulate(k)
     if name == "local-sgd":
