@@ -139,7 +139,10 @@ def format_report(r: dict) -> str:
     lines += ["", "Parallel efficiency at a fixed global batch of "
               f"{r['batch']} (strong scaling); compute per sample scales with the parameter count.",
               "", "A central parameter server is fastest at (beyond this, more ranks make steps slower): "
-              + ", ".join(f"{int(n):.0e} params: P={p}" for n, p in r["ps_stops_scaling_at"].items())]
+              + ", ".join(f"{int(n):.0e} params: P={p}" for n, p in r["ps_stops_scaling_at"].items()),
+              "", "mpidp's `ps` between nodes is `reduce-broadcast` (reduce-scatter, gather to the "
+              "server, scatter + allgather broadcast): twice a ring's bytes, but no link carries "
+              "more than 2 m, so it keeps scaling where the central server stops."]
     return "\n".join(lines)
 
 
@@ -159,7 +162,7 @@ def save(r: dict, out: str) -> list[str]:
         return paths
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for n, style in ((1e6, "-"), (1e8, "--")):
-        for alg, color in zip(M.ALGORITHMS, ("C0", "C1", "C3")):
+        for alg, color in zip(M.ALGORITHMS, ("C0", "C1", "C3", "C2")):
             rows = [x for x in r["table"] if x["params"] == int(n) and x["algorithm"] == alg]
             ax.plot([x["P"] for x in rows], [x["efficiency"] for x in rows], style, color=color,
                     label=f"{alg}, {n:.0e} params")

@@ -8,6 +8,10 @@ Thakur, Rabenseifner & Gropp 2005):
 * recursive doubling:          ``log2(P) (alpha + m beta + m gamma)``
 * central parameter server:    ``2 (P-1) (alpha + m beta) + (P-1) m gamma`` — the server's
   link carries every worker's gradient in and every worker's parameters out, one by one.
+* reduce + broadcast (mpidp's ``ps`` between nodes: ``Reduce_scatter``, ``Gatherv`` to the
+  server, then a scatter + allgather ``Bcast``):
+  ``(3 (P-1) + log2 P) alpha + 4 (P-1)/P m beta + (P-1)/P m gamma`` — twice a ring's
+  bytes, but no link carries more than ``2 m``, so it scales like the ring.
 
 A step is ``compute(B/P) + wait(P) + communicate(P, m)``. Compute is measured (see
 :class:`Compute`): a fixed part plus a part per local sample, slowed by ``contention`` when
@@ -23,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-ALGORITHMS = ("ring", "recursive-doubling", "parameter-server")
+ALGORITHMS = ("ring", "recursive-doubling", "parameter-server", "reduce-broadcast")
 
 
 @dataclass
@@ -96,6 +100,9 @@ def allreduce_time(P, m, fit: Fit, algorithm: str = "ring"):
         t = np.log2(np.maximum(P, 1)) * (fit.alpha + m * fit.beta + m * fit.gamma)
     elif algorithm == "parameter-server":
         t = 2 * (P - 1) * (fit.alpha + m * fit.beta) + (P - 1) * m * fit.gamma
+    elif algorithm == "reduce-broadcast":
+        t = ((3 * (P - 1) + np.log2(np.maximum(P, 1))) * fit.alpha
+             + 4 * (P - 1) / P * m * fit.beta + (P - 1) / P * m * fit.gamma)
     else:
         raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     return np.where(P <= 1, 0.0, t)

@@ -21,6 +21,14 @@ def test_formulas_by_hand():
     ps = 6 * (2e-6 + m * 1e-9) + 3 * m * 5e-10
     assert M.allreduce_time(4, m, FIT, "parameter-server") == pytest.approx(ps)
     assert M.allreduce_time(1, m, FIT) == 0
+    rb = (3 * 7 + 3) * 2e-6 + 4 * 7 / 8 * m * 1e-9 + 7 / 8 * m * 5e-10
+    assert M.allreduce_time(8, m, FIT, "reduce-broadcast") == pytest.approx(rb)
+    # twice the ring's bytes at any P, never the central server's P-fold load
+    big = 1e9
+    for P in (2, 64, 1024):
+        r = M.allreduce_time(P, big, FIT, "reduce-broadcast")
+        assert r < 2.1 * M.allreduce_time(P, big, FIT, "ring") + 4 * P * 2e-6
+        assert P == 2 or r < M.allreduce_time(P, big, FIT, "parameter-server") / 10
     with pytest.raises(ValueError, match="unknown algorithm"):
         M.allreduce_time(2, m, FIT, "gossip")
 
@@ -49,7 +57,7 @@ def test_strong_scaling_and_ps_limit():
     t = M.step_time(Ps, 4e6, 512, c, FIT, "parameter-server")
     assert t[1] <= t[0] and t[1] <= t[2]
     rows = M.prediction_table(FIT, 1e-10, 512, params=(1e4, 1e9), Ps=(1, 2))
-    assert len(rows) == 2 * 3 * 2 and {r["algorithm"] for r in rows} == set(M.ALGORITHMS)
+    assert len(rows) == 2 * 4 * 2 and {r["algorithm"] for r in rows} == set(M.ALGORITHMS)
 
 
 def test_step_time_with_measured_compute_by_hand():
