@@ -596,6 +596,20 @@ class SharedCounter:
         self._win.Free()
 
 
+SHM_DIR = "/dev/shm"  # where MPICH (and Open MPI) keep shared-memory segments on Linux
+
+
+def shm_room(nbytes: int, path: str | None = None) -> bool:
+    """True if ``path`` (when it exists) has twice ``nbytes`` free: a shared-memory window
+    larger than its tmpfs (64 MiB by default in Docker) is not refused when allocated but
+    kills the process with SIGBUS when touched. Not collective."""
+    try:
+        st = os.statvfs(SHM_DIR if path is None else path)
+    except OSError:
+        return True  # no such mount: the MPI library keeps segments elsewhere
+    return st.f_bavail * st.f_frsize >= 2 * nbytes
+
+
 def node_split(comm: Comm, first: int = 0) -> tuple[Comm, Comm | None]:
     """``(node, leaders)``: the ranks of ``comm`` that share this rank's node (shared
     memory), with ``first`` as rank 0 of its node (elsewhere the lowest rank), and, on each

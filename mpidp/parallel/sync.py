@@ -9,6 +9,7 @@ count, appended to the same flat buffer) into an update that leaves all replicas
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -202,7 +203,12 @@ class ParameterServer(Sync):
         if not self.shared_memory:
             return
         node, leaders = C.node_split(comm, dp.root)
-        if C.allreduce_max(comm, [node.size])[0] == 1:  # one rank per node: nothing to share
+        need = node.size * dp.buf.nbytes + params.nbytes  # this node's windows
+        crowded, no_room = C.allreduce_max(comm, [node.size, not C.shm_room(need)])
+        if crowded == 1 or no_room:  # one rank per node (nothing to share), or no room
+            if no_room and comm.rank == 0:
+                print(f"mpidp: ps: not enough free space in {C.SHM_DIR} for {need / 2**20:.0f} "
+                      "MiB of shared windows on some node; using MPI instead", file=sys.stderr)
             return
         self.shared = C.SharedBroadcast(node, params.size, params.dtype, 0)
         if node.rank == 0:  # the node leader's parameters are what its node copies

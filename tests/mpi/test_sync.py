@@ -102,6 +102,28 @@ def test_parameter_server_in_pieces_matches_single_process(comm, shared_memory, 
 
 
 @pytest.mark.mpi(min_size=2)
+def test_parameter_server_without_room_for_shared_windows_uses_mpi(comm, monkeypatch):
+    """One rank finds too little free shared memory (a 64 MiB Docker /dev/shm and a big
+    model): every rank takes the MPI path together, and training stays exact."""
+    from mpidp import comm as C
+    from mpidp.parallel.sync import ParameterServer
+    if comm.rank == comm.size - 1:
+        monkeypatch.setattr(C, "shm_room", lambda nbytes, path=None: False)
+    shard, X, y = _data(comm)
+    ps = ParameterServer()
+    dp, _ = _train(comm, shard, ps)
+    ref, _ = _reference(X, y)
+    all_ranks(comm, ps.shared is None and ps.gather is None)
+    all_ranks(comm, np.allclose(dp.model.params, ref.model.params, rtol=RTOL, atol=ATOL))
+
+
+def test_shm_room_reads_the_free_space(tmp_path):
+    from mpidp import comm as C
+    assert C.shm_room(0, str(tmp_path)) and not C.shm_room(1 << 62, str(tmp_path))
+    assert C.shm_room(1 << 62, str(tmp_path / "missing"))  # no such mount: not our call
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("shared_memory", [True, False])
 def test_parameter_server_nan_policy_is_shared_by_every_rank(comm, shared_memory):
     """A non-finite gradient on one rank: with "skip" every rank skips the same steps and
