@@ -221,3 +221,10 @@ def test_nan_check_flags_nan_and_inf_but_not_huge_finite_values(dtype):
         w = v.copy()
         w[-1] = bad
         assert not all_finite(w)
+
+
+def test_shm_room_reads_the_free_space(tmp_path):
+    """The parameter server's guard against shared windows bigger than /dev/shm."""
+    from mpidp import comm as C
+    assert C.shm_room(0, str(tmp_path)) and not C.shm_room(1 << 62, str(tmp_path))
+    assert C.shm_room(1 << 62, str(tmp_path / "missing"))  # no such mount: not our call
