@@ -145,9 +145,9 @@ def _add_train(sub) -> None:
     g.add_argument("--ps-placement", choices=("root", "dedicated"), default="root",
                    help="ps: the server also computes (root) or holds no data (dedicated)")
     g.add_argument("--ps-transport", choices=("shared", "mpi"), default="shared",
-                   help="ps: gradients and parameters through MPI shared memory when every "
-                   "rank is on the server's node (shared; otherwise MPI anyway), or always "
-                   "Reduce_scatter + Gatherv and Bcast (mpi)")
+                   help="ps: within each node that runs several ranks, gradients and "
+                   "parameters go through MPI shared memory and node leaders relay over MPI "
+                   "(shared), or always Reduce_scatter + Gatherv and Bcast (mpi)")
     g.add_argument("--ps-chunk-mb", type=_positive(float), default=1.0,
                    help="ps (shared): the server ships its update in pieces of this many MiB")
     g.add_argument("--bucket-mb", type=_positive(float), default=1.0,
