@@ -1,0 +1,47 @@
+"""Shared test fixtures for the tests that launch their own ``mpiexec`` jobs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+SHM = Path("/dev/shm")
+
+
+def _shm_in_use() -> set[str]:
+    """Names of the files in /dev/shm that some live process has mapped or open."""
+    names: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for line in (proc / "maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    names.add(line.split("/dev/shm/", 1)[1].removesuffix(" (deleted)"))
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/dev/shm/"):
+                    names.add(target[len("/dev/shm/"):])
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    return names
+
+
+@pytest.fixture(autouse=True)
+def _remove_shm_left_by_killed_jobs():
+    """Jobs that a test kills or aborts on purpose leave MPICH's shared-memory files in
+    /dev/shm (RAM), about 13 per run of the suite. After each test, remove the ones it
+    created that no live process still uses. Not inside MPI ranks (tests/mpi)."""
+    if not SHM.is_dir() or "PMI_RANK" in os.environ:
+        yield
+        return
+    before = {p.name for p in SHM.glob("mpich_shm_*")}
+    yield
+    new = [p for p in SHM.glob("mpich_shm_*") if p.name not in before]
+    if new:
+        in_use = _shm_in_use()
+        for p in new:
+            if p.name not in in_use:
+                p.unlink(missing_ok=True)
