@@ -19,6 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 Comm = MPI.Comm
+SHM_DIR = "/dev/shm"  # where MPICH (and Open MPI) keep shared-memory segments on Linux
 
 
 class MpidpError(ValueError):
@@ -231,12 +232,30 @@ _FORWARD_S = 0.3
 _ABORT_GRACE_S = 10.0
 
 
+def _unlink_mpich_segments() -> None:
+    """Remove the names of the MPICH shared-memory files this process maps (``/dev/shm/
+    mpich_shm_*``): after ``MPI_Abort`` nobody would, and they hold RAM until reboot. Ranks
+    still running keep their mappings; only the names go."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[5].strip().removesuffix(" (deleted)")
+                     for line in f if f"{SHM_DIR}/mpich_shm_" in line}
+    except (OSError, IndexError):
+        return
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def abort_job(comm: Comm, code: int) -> None:
     """``MPI_Abort`` the job, and leave this process within seconds even if the launcher
     cannot be reached (a rank cut off from its job by a dead link must not live on)."""
     import threading
     sys.stderr.flush()
     sys.stdout.flush()
+    _unlink_mpich_segments()
     time.sleep(_FORWARD_S)  # let mpiexec forward our output before it kills everything
     threading.Timer(_ABORT_GRACE_S, os._exit, args=(code,)).start()
     comm.Abort(code)
@@ -594,9 +613,6 @@ class SharedCounter:
         self._win.Unlock_all()
         comm.Barrier()
         self._win.Free()
-
-
-SHM_DIR = "/dev/shm"  # where MPICH (and Open MPI) keep shared-memory segments on Linux
 
 
 def shm_room(nbytes: int, path: str | None = None) -> bool:

@@ -10,6 +10,7 @@ import json
 import os
 import time
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,10 +47,15 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_exception_on_rank_1_at_step_k_ends_the_job(tmp_path, n):
+    shm = Path("/dev/shm")
+    before = set(shm.glob("mpich_shm_*")) if shm.is_dir() else set()
     r = _train(n, tmp_path / "out", fault="raise@1:5")
     assert r.returncode != 0 and r.elapsed < 30
     assert f"rank 1/{n} failed" in r.stderr and "injected fault on rank 1 at step 5" in r.stderr
     assert not (tmp_path / "out").exists()
+    # the aborting rank removed MPICH's shared-memory files, which would outlive the job
+    if shm.is_dir():
+        assert set(shm.glob("mpich_shm_*")) <= before
 
 
 def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(tmp_path, reference):
