@@ -233,7 +233,7 @@ class ParameterServer(Sync):
         if comm.rank == root:
             with dp.timer.compute():
                 try:
-                    verdict[:4] = dp.judge_global(buf)
+                    verdict[:4] = dp.judge_global(buf, everywhere=False)
                 except C.MpidpError:
                     verdict[:3], verdict[4] = buf[n:], 1
         with dp.timer.communicate():

@@ -141,6 +141,39 @@ def test_parameter_server_nan_policy_is_shared_by_every_rank(comm, shared_memory
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("sync", ["allreduce", "per-layer", "overlapped", "accumulate"])
+def test_allreduce_nan_policy_is_shared_by_every_rank(comm, sync, monkeypatch):
+    """A NaN in one gradient of the reduced sums, inside the last rank's share, with the
+    check split over the ranks (each checks 1/P of the sums): "skip" drops the same steps
+    everywhere and the replicas stay equal and finite; "stop" raises on every rank."""
+    from mpidp.parallel import data_parallel
+    monkeypatch.setattr(data_parallel, "SPLIT_CHECK_BYTES", 0)  # split even this small model
+    shard, _, _ = _data(comm)
+
+    def train(policy, epochs):
+        model = nn.mlp(6, (12, 8), 3, dtype=np.float64).init_(4)
+        strategy = make_sync(sync, k=2, bucket_bytes=200)
+        reduce, done = strategy.reduce, []
+
+        def poisoned(dp):  # the 2nd and 4th reductions carry a NaN gradient
+            reduce(dp)
+            done.append(1)
+            if len(done) in (2, 4):
+                dp.buf[dp.model.n_params - 2] = np.nan  # a last-layer bias: the last share
+        strategy.reduce = poisoned
+        dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,
+                                sync=strategy, on_nonfinite=policy)
+        mpidp.fit(dp, shard, epochs, 16, seed=2)
+        return dp
+
+    dp = train("skip", 2)
+    skipped = comm.allgather(dp.skipped_steps)
+    all_ranks(comm, skipped[0] == 2 and len(set(skipped)) == 1, f"skipped {skipped}")
+    all_ranks(comm, dp.in_sync() and np.isfinite(dp.model.params).all())
+    raises_everywhere(comm, NonFiniteError, lambda: train("stop", 1), "non-finite")
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("sync", ["allreduce", "ps"])
 def test_ignore_policy_applies_non_finite_updates_without_checking(comm, sync):
     """on_nonfinite="ignore": no check, no skip, no error: the NaN reaches every replica."""
