@@ -1,7 +1,9 @@
 """One MPI job of ``make bench-sync``: every synchronisation mode on the standard workload.
 
 Run: mpiexec -n P python benchmarks/bench_sync.py --out results.json [--weak]
-Strong scaling: global batch 512 over P ranks; ``--weak``: 256 samples per rank.
+Strong scaling: global batch 512 over P ranks; ``--weak``: 256 samples per rank. Fused
+allreduce and the hand-written loop also run ``--pair-repeats`` times back to back (in turns
+first), and their paired ratio is the median of the per-pair ratios.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--pair-repeats", type=int, default=7,
+                   help="runs of fused allreduce and the hand-written loop back to back (at "
+                   "least --repeats; the extra ones follow all modes), for the paired ratio")
     p.add_argument("--n-samples", type=int, default=60000)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -108,12 +113,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results["handwritten"].append(run_handwritten(comm, shard, init, args)[0])
         if "allreduce" not in modes:
             results["handwritten"].append(run_handwritten(comm, shard, init, args)[0])
+    for r in range(args.repeats, args.pair_repeats if "allreduce" in modes else 0):
+        pair = (("allreduce", lambda: run_mode(comm, shard, init, "allreduce", args)),
+                ("handwritten", lambda: run_handwritten(comm, shard, init, args)[0]))
+        for name, run in pair[::-1] if r % 2 else pair:
+            results[name].append(run())
     summary = {}
     for mode, runs in results.items():
         step = statistics.median(x["step_s"] for x in runs)
         summary[mode] = {"step_ms": step * 1e3, "samples_per_s": args.batch_size / step,
                          "comm_share": statistics.median(x["comm_share"] for x in runs),
                          "bytes_per_step": runs[0].get("bytes_per_step"), "repeats": runs}
+    if "allreduce" in modes:  # the i-th runs of the two ran back to back
+        summary["allreduce"]["paired_ratio_to_handwritten"] = statistics.median(
+            a["step_s"] / h["step_s"] for a, h in zip(results["allreduce"], results["handwritten"]))
     if comm.rank == 0:
         out = {"world_size": comm.size, "batch_size": args.batch_size, "weak": args.weak,
                "steps": args.steps, "repeats": args.repeats, "modes": summary,

@@ -33,7 +33,8 @@ def _run(cmd: list[str], env: dict, timeout: float) -> None:
 
 def job(P: int, out: Path, env: dict, args, *extra: str) -> dict:
     _run([str(BIN / "mpiexec"), "-n", str(P), sys.executable, str(HERE / "bench_sync.py"),
-          "--out", str(out), "--steps", str(args.steps), "--repeats", str(args.repeats), *extra],
+          "--out", str(out), "--steps", str(args.steps), "--repeats", str(args.repeats),
+          "--pair-repeats", str(max(args.pair_repeats, args.repeats)), *extra],
          env, args.timeout)
     return json.loads(out.read_text())
 
@@ -49,23 +50,24 @@ def accuracy(mode: str, tmp: Path, env: dict, args) -> dict:
             "bytes_per_step": m["bytes_sent_per_step"]}
 
 
-def ddp(strong: dict, tmp: Path, env: dict, args) -> str:
-    """PyTorch DDP (gloo, CPU, one thread per rank) at P = 1, 2 when torch is installed."""
+def ddp(strong: dict, tmp: Path, env: dict, args) -> tuple[str, dict]:
+    """PyTorch DDP (gloo, CPU, one thread per rank) at P = 1, 2 when torch is installed:
+    the report's text and ``{P: DDP ms per step}``."""
     try:
         import torch  # noqa: F401
     except ImportError:
-        return "skipped (PyTorch is not installed in this environment)"
-    parts = []
+        return "skipped (PyTorch is not installed in this environment)", {}
+    parts, steps = [], {}
     for P in (1, 2):
         out = tmp / f"ddp{P}.json"
         _run([str(BIN / "mpiexec"), "-n", str(P), sys.executable, str(HERE / "bench_ddp.py"),
               "--out", str(out), "--repeats", str(args.repeats), "--steps", str(args.steps)],
              env, args.timeout)
         r = json.loads(out.read_text())
+        steps[P] = r["step_ms"]
         modes = strong[P]["modes"]
         mine = modes["allreduce"]
-        best = min((m for m in modes if m not in ("compute-only", "handwritten")),
-                   key=lambda m: modes[m]["step_ms"])
+        best = best_mode(modes)
         floor = modes["compute-only"]["step_ms"]
         parts.append(f"- P={P}: DDP {r['step_ms']:.1f} ms/step ({r['samples_per_s']:.0f} samples/s, "
                      f"torch {r['torch']}); mpidp allreduce {mine['step_ms']:.1f} ms/step, "
@@ -73,7 +75,48 @@ def ddp(strong: dict, tmp: Path, env: dict, args) -> str:
                      f"({best}) {r['step_ms'] / modes[best]['step_ms']:.2f}; compute-only floor "
                      f"{floor:.1f} ms/step, so even with free communication mpidp/DDP <= "
                      f"{r['step_ms'] / floor:.2f}")
-    return "\n".join(parts)
+    return "\n".join(parts), steps
+
+
+def best_mode(modes: dict) -> str:
+    """The fastest training mode (not the compute-only floor or the hand-written loop)."""
+    return min((m for m in modes if m not in ("compute-only", "handwritten")),
+               key=lambda m: modes[m]["step_ms"])
+
+
+def targets(strong: dict, ddp_ms: dict) -> list[dict]:
+    """The issue's targets at P = 2 (strong scaling), each with the figure that decides it."""
+    one, two = strong[1]["modes"], strong[2]["modes"]
+
+    def eff(mode: str) -> float:
+        base = one.get(mode, one["allreduce"])["step_ms"]
+        return base / (2 * two[mode]["step_ms"])
+
+    ar, hw, best = two["allreduce"], two["handwritten"], best_mode(two)
+    rows = [
+        {"target": "fused allreduce within 5% of the hand-written loop (paired ratio)",
+         "value": f"{ar['paired_ratio_to_handwritten']:.3f} (ratio of medians "
+                  f"{ar['step_ms'] / hw['step_ms']:.3f})",
+         "met": ar["paired_ratio_to_handwritten"] <= 1.05},
+        {"target": "best variant beats the hand-written loop with efficiency >= 0.88",
+         "value": f"{best} {two[best]['step_ms']:.1f} vs {hw['step_ms']:.1f} ms, efficiency "
+                  f"{eff(best):.2f} (hand-written {eff('handwritten'):.2f})",
+         "met": two[best]["step_ms"] < hw["step_ms"] and eff(best) >= 0.88},
+        {"target": "synchronous parameter server within 10% of allreduce",
+         "value": f"{two['ps']['step_ms'] / ar['step_ms'] - 1:+.1%}",
+         "met": two["ps"]["step_ms"] <= 1.10 * ar["step_ms"]},
+        {"target": "compression halves the bytes per step",
+         "value": f"{two['compressed']['bytes_per_step'] / 2**20:.2f} vs "
+                  f"{ar['bytes_per_step'] / 2**20:.2f} MiB",
+         "met": two["compressed"]["bytes_per_step"] <= ar["bytes_per_step"] / 2}]
+    if 2 in ddp_ms:
+        floor = ddp_ms[2] / two["compute-only"]["step_ms"]
+        rows.append({"target": "mpidp >= 2x the samples/s of PyTorch DDP",
+                     "value": f"{ddp_ms[2] / ar['step_ms']:.2f}x (best mode "
+                              f"{ddp_ms[2] / two[best]['step_ms']:.2f}x; with no communication "
+                              f"at all <= {floor:.2f}x)",
+                     "met": ddp_ms[2] / ar["step_ms"] >= 2})
+    return rows
 
 
 def predictions(model: dict, strong: dict) -> list[dict]:
@@ -102,7 +145,12 @@ def predictions(model: dict, strong: dict) -> list[dict]:
 def markdown(report: dict) -> str:
     L = ["# Synchronisation strategies on the standard workload", "",
          "MLP 784-1024-1024-10, float32, SGD lr 0.05, synthetic 60,000 x 784; median of "
-         f"{report['repeats']} repeats of {report['steps']} timed steps (slowest rank).", ""]
+         f"{report['repeats']} repeats of {report['steps']} timed steps (slowest rank); fused "
+         f"allreduce and the hand-written loop: {report['pair_repeats']} repeats, back to back.",
+         "", "## Targets at P = 2", "", "| target | measured | met |", "|---|---|---|"]
+    L += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else '**no**'} |"
+          for t in report["targets"]]
+    L.append("")
     for kind in ("strong", "weak"):
         runs = report[kind]
         Ps = sorted(runs)
@@ -184,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60, help="timed steps per repeat (>= 60: DESIGN.md)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--pair-repeats", type=int, default=7,
+                   help="back-to-back runs of fused allreduce and the hand-written loop")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--results", default=str(HERE / "results"))
     args = p.parse_args(argv)
@@ -199,8 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               str(tmp / "model")], env, args.timeout)
         model = json.loads((tmp / "model" / "model.json").read_text())
         acc = {m: accuracy(m, tmp, env, args) for m in LOSSY}
-        torch_note = ddp(strong, tmp, env, args)
-    report = {"steps": args.steps, "repeats": args.repeats, "strong": strong, "weak": weak,
+        torch_note, ddp_ms = ddp(strong, tmp, env, args)
+    report = {"steps": args.steps, "repeats": args.repeats, "pair_repeats": args.pair_repeats,
+              "strong": strong, "weak": weak, "targets": targets(strong, ddp_ms),
               "validation": predictions(model, {**strong, 3: strong_3}), "model_fit": model["fit"],
               "model_compute": model["compute"],
               "accuracy": acc, "torch": torch_note, "machine": cpu_model(), "commit": git_commit(),

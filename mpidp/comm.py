@@ -462,6 +462,13 @@ def allgather_(comm: Comm, mine: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
+def allgather_in_place(comm: Comm, buf: np.ndarray) -> np.ndarray:
+    """``buf`` ``(size * k,)``: every rank's block ``r`` (its own, ``buf[r*k:(r+1)*k]``) copied
+    into the others' ``buf``. Collective."""
+    comm.Allgather(MPI.IN_PLACE, buf)
+    return buf
+
+
 def split_off(comm: Comm, rank: int) -> Comm | None:
     """A communicator of every rank but ``rank`` (None on ``rank``). Collective."""
     color = MPI.UNDEFINED if comm.rank == rank else 0

@@ -93,6 +93,9 @@ def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int 
     plan.watchdog = dp.watchdog
     if state.partition.get("capacities") is not None:
         plan.capacities = np.asarray(state.partition["capacities"], np.float64)
+    if resume is not None:
+        dp.sync.after_restore(dp)  # e.g. a sharded optimizer takes its slice of the state
+    save_due = False
     for epoch in range(state.epoch, epochs):
         t0 = time.perf_counter()
         first = state.step if epoch == state.epoch else 0
@@ -105,9 +108,11 @@ def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int 
             if not s.skipped:
                 totals += (s.loss_sum, s.count, s.correct)
             bar.update(s.loss)
-            if checkpoint and dp.global_step % checkpoint.every == 0:
+            save_due |= bool(checkpoint) and dp.global_step % checkpoint.every == 0
+            if save_due and dp.sync.at_boundary():  # not inside an accumulation group
                 _save(dp, checkpoint, plan, State(epoch, step + 1, dp.global_step,
                                                   totals.tolist(), history))
+                save_due = False
         bar.close()
         record = {"epoch": epoch + 1, "loss": totals[0] / totals[1],
                   "accuracy": totals[2] / totals[1] if labelled else None,
@@ -128,7 +133,9 @@ def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int 
 
 
 def _save(dp: DataParallel, checkpoint: Checkpointing, plan: Plan, state: State) -> None:
+    dp.sync.before_checkpoint(dp)  # collective: a sharded optimizer state is gathered to root
     if dp.comm.rank == dp.root:
         state.config = checkpoint.config
         state.partition = {"strategy": plan.strategy, "capacities": plan.capacities.tolist()}
         save(checkpoint.directory, dp.model, dp.optimizer, state, checkpoint.keep)
+    dp.sync.after_checkpoint(dp)

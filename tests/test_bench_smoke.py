@@ -59,9 +59,13 @@ def test_bench_sync_small(tmp_path):
     out = tmp_path / "sync.json"
     _run([str(MPIEXEC), "-n", "2", sys.executable, "bench_sync.py", "--out", str(out),
           "--modes", "allreduce,ps,compute-only", "--steps", "2", "--warmup", "1",
-          "--repeats", "1", "--n-samples", "2048"])
+          "--repeats", "1", "--pair-repeats", "3", "--n-samples", "2048"])
     res = json.loads(out.read_text())
     modes = res["modes"]
+    ar, hw = modes["allreduce"]["repeats"], modes["handwritten"]["repeats"]
+    assert len(ar) == len(hw) == 3 and len(modes["ps"]["repeats"]) == 1
+    assert modes["allreduce"]["paired_ratio_to_handwritten"] == pytest.approx(
+        float(np.median([a["step_s"] / h["step_s"] for a, h in zip(ar, hw)])))
     n_params = 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
     buf = 4 * (n_params + 3)  # gradients, loss, count, correct
     assert modes["allreduce"]["bytes_per_step"] == buf
@@ -93,3 +97,27 @@ def test_bench_sync_validation_rescales_compute_to_the_run():
         assert r["error"] == pytest.approx(want / strong[r["P"]]["modes"]["allreduce"]["step_ms"] - 1)
         assert r["ideal_ms"] < r["predicted_ms"]  # no fixed part, contention or wait
     assert [r["P"] for r in rows] == [2, 3, 4]
+
+
+def test_bench_sync_targets_are_decided_from_the_run():
+    """Each target row is met exactly when its figure passes the issue's threshold."""
+    sys.path.insert(0, str(BENCH))
+    from run_sync_bench import targets
+
+    def run(ratio, ps_ms, compressed_bytes):
+        one = {"allreduce": {"step_ms": 44.0}, "handwritten": {"step_ms": 40.0},
+               "compute-only": {"step_ms": 44.0}}
+        two = {"allreduce": {"step_ms": 25.0, "paired_ratio_to_handwritten": ratio,
+                             "bytes_per_step": 100},
+               "handwritten": {"step_ms": 24.0}, "ps": {"step_ms": ps_ms},
+               "compressed": {"step_ms": 40.0, "bytes_per_step": compressed_bytes},
+               "compute-only": {"step_ms": 20.0}}
+        return {t["target"].split()[0] + " " + t["target"].split()[1]: t["met"]
+                for t in targets({1: {"modes": one}, 2: {"modes": two}}, {2: 48.0})}
+
+    good = run(1.049, 23.0, 50)  # ps: 23 ms < hand-written 24, efficiency 44 / 46 = 0.96
+    assert good == {"fused allreduce": True, "best variant": True, "synchronous parameter": True,
+                    "compression halves": True, "mpidp >=": False}  # 48 / 25 = 1.92x
+    bad = run(1.051, 27.6, 51)  # ps 10.4% slower; the best mode is allreduce, not faster
+    assert bad == {"fused allreduce": False, "best variant": False,
+                   "synchronous parameter": False, "compression halves": False, "mpidp >=": False}

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +12,7 @@ from .. import comm as C
 from ..metrics import StepTimer
 from ..nn import Loss, Optimizer, Sequential
 from ..nn.optim import chunk_edges
+from .finite import all_finite
 from .sync import Sync, make_sync
 
 INIT_SYNC = ("bcast", "seed")
@@ -22,17 +22,6 @@ _EXTRA = 3  # loss sum, sample count, correct predictions, appended to the gradi
 #: ``Allreduce``; smaller ones whole on every rank (a pass over 1 MiB takes ~40 us, about
 #: the latency of the extra collective between nodes).
 SPLIT_CHECK_BYTES = 1 << 20
-
-
-def all_finite(values: np.ndarray) -> bool:
-    """True iff no element of 1-D ``values`` is NaN or infinite.
-
-    One BLAS dot product (a memory-speed pass; NaN and Inf reach the result). Squares of
-    finite values beyond ~1.8e19 (float32) overflow it too, so only then is every element
-    checked one by one.
-    """
-    with np.errstate(over="ignore", invalid="ignore"):
-        return math.isfinite(float(np.dot(values, values))) or bool(np.isfinite(values).all())
 
 
 class NonFiniteError(C.MpidpError):

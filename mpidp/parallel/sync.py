@@ -9,6 +9,7 @@ count, appended to the same flat buffer) into an update that leaves all replicas
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ from .. import comm as C
 from .. import compress
 from ..nn import Optimizer
 from ..nn.optim import chunk_edges
+from .finite import all_finite
 
 if TYPE_CHECKING:
     from .data_parallel import DataParallel
@@ -51,6 +53,20 @@ class Sync:
         else:
             C.allreduce_sum_(dp.comm, buf)
         self.bytes_sent += buf.nbytes
+
+    def at_boundary(self) -> bool:
+        """True when nothing is pending between synchronisations (a checkpoint may be taken)."""
+        return True
+
+    def before_checkpoint(self, dp: DataParallel) -> None:
+        """Collective, before the root writes a checkpoint: make ``dp.optimizer`` hold the
+        whole optimizer state on the root (a strategy that shards it gathers it here)."""
+
+    def after_checkpoint(self, dp: DataParallel) -> None:
+        """After the checkpoint is written (every rank)."""
+
+    def after_restore(self, dp: DataParallel) -> None:
+        """After :func:`mpidp.checkpoint.restore` filled ``dp.optimizer`` on every rank."""
 
     def exchange(self, dp: DataParallel) -> tuple[float, int, int, bool]:
         """Communicate and update; returns the global ``(loss_sum, count, correct, skipped)``."""
@@ -288,7 +304,15 @@ class ParameterServer(Sync):
 class ShardedParameterServer(Sync):
     """Every rank serves ``1/P`` of the parameters: ``Reduce_scatter`` the gradient sums, each
     rank updates only its slice (so optimizer state and update work are divided by ``P``),
-    ``Allgather`` the slices. Same bytes as an allreduce."""
+    ``Allgather`` the slices. Same bytes as an allreduce.
+
+    The gradient and parameter buffers are padded to ``P`` equal blocks, so the reduce-scatter
+    reads the gradients where backward wrote them, the update runs in place on this rank's
+    block of the parameters and the allgather fills the others in place: no copies. One
+    more ``Allreduce`` of four numbers carries the loss and counts and each slice's NaN/Inf
+    verdict. Checkpoints gather the sliced optimizer state to the root
+    (:meth:`before_checkpoint`) and a resumed run slices it again (:meth:`after_restore`).
+    """
 
     name = "sharded-ps"
 
@@ -297,38 +321,55 @@ class ShardedParameterServer(Sync):
         self.make_optimizer = make_optimizer  # () -> a fresh Optimizer for one slice
 
     def setup(self, dp: DataParallel) -> None:
-        P, n = dp.comm.size, dp.model.n_params
-        self.k = -(-n // P)  # slice length; the last slice is padded
-        self.send = np.zeros(self.k * P, dp.model.dtype)
-        self.slice = np.zeros(self.k, dp.model.dtype)
-        self.params = np.zeros(self.k * P, dp.model.dtype)
+        P, n, model = dp.comm.size, dp.model.n_params, dp.model
+        self.k = -(-dp.buf.size // P)  # block length: the gradients and the extras, padded
+        self.grads = np.zeros(self.k * P, model.dtype)
+        self.grads[:dp.buf.size] = dp.buf
+        dp.buf = self.grads[:dp.buf.size]
+        model.use_grad_buffer(dp.buf)
+        self.params = np.zeros(self.k * P, model.dtype)
+        model.use_param_buffer(self.params[:n])
         self.lo = dp.comm.rank * self.k
         self.hi = max(self.lo, min(self.lo + self.k, n))  # the padding past n is never updated
+        # one rank reduces nothing: its block of the sums is the buffer itself
+        self.slice = self.grads if P == 1 else np.zeros(self.k, model.dtype)
         self.optimizer: Optimizer = self.make_optimizer()
 
     def exchange(self, dp: DataParallel) -> tuple[float, int, int, bool]:
-        n, buf, m = dp.model.n_params, dp.buf, self.hi - self.lo
-        extras = np.zeros(4, np.float64)  # loss, count, correct, non-finite slices
+        n, m, comm = dp.model.n_params, self.hi - self.lo, dp.comm
+        extras = np.zeros(4, np.float64)  # loss, count, correct, slices with NaN/Inf
         with dp.timer.communicate():
-            self.send[:n] = dp.model.grads
-            C.reduce_scatter_sum(dp.comm, self.send, self.slice)
-            extras[:3] = buf[n:]
-            extras[3] = not np.isfinite(self.slice[:m]).all()
-            C.allreduce_sum_(dp.comm, extras)  # every rank learns every slice's verdict
+            if comm.size > 1:
+                C.reduce_scatter_sum(comm, self.grads, self.slice)
+            extras[:3] = dp.buf[n:]
+            extras[3] = dp.on_nonfinite != "ignore" and not all_finite(self.slice[:m])
+            C.allreduce_sum_(comm, extras)  # every rank learns every slice's verdict
         with dp.timer.compute():
             count = int(round(extras[1]))
-            finite = np.isfinite(extras[0]) and not extras[3]
+            finite = math.isfinite(extras[0]) and not extras[3]
             skipped = bool(count) and not dp.finite_or_skip(finite, extras[0])
             if count and not skipped:
-                mine = self.params[self.lo:self.hi]
-                mine[...] = dp.model.params[self.lo:self.hi]
-                self.optimizer.step_(mine, self.slice[:m], scale=1.0 / count)
-        with dp.timer.communicate():
-            C.allgather_(dp.comm, self.params[self.lo:self.lo + self.k].copy(), self.params)
-            dp.model.params[...] = self.params[:n]
+                self.optimizer.step_(self.params[self.lo:self.hi], self.slice[:m],
+                                     scale=1.0 / count)
+        if count and not skipped and comm.size > 1:
+            with dp.timer.communicate():
+                C.allgather_in_place(comm, self.params)
         # the reduce-scatter and allgather together move what one ring allreduce moves
-        self.bytes_sent += self.send.nbytes + extras.nbytes
+        self.bytes_sent += self.grads.nbytes + extras.nbytes
         return float(extras[0]), count, int(round(extras[2])), skipped
+
+    def before_checkpoint(self, dp: DataParallel) -> None:
+        gathered = {k: C.gatherv(dp.comm, v, dp.root) for k, v in self.optimizer.state.items()}
+        if dp.comm.rank == dp.root:
+            dp.optimizer.state, dp.optimizer.t = gathered, self.optimizer.t
+
+    def after_checkpoint(self, dp: DataParallel) -> None:
+        dp.optimizer.state = {}  # the whole state was only lent to the checkpoint writer
+
+    def after_restore(self, dp: DataParallel) -> None:
+        self.optimizer.state = {k: v[self.lo:self.hi].copy() for k, v in dp.optimizer.state.items()}
+        self.optimizer.t = dp.optimizer.t
+        dp.optimizer.state = {}
 
 
 class _Periodic(Sync):
@@ -341,6 +382,9 @@ class _Periodic(Sync):
         if k < 1:
             raise C.MpidpError(f"{self.what} must be >= 1, got {k}")
         self.k, self.pending = int(k), 0
+
+    def at_boundary(self) -> bool:
+        return self.pending == 0
 
     def due(self, dp: DataParallel) -> bool:
         """Count this step; True (and restart the count) when it is time to synchronise."""
