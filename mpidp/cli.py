@@ -24,6 +24,7 @@ from .checkpoint import restore, write_atomic
 from .cli_partition import (
     add_partition_options,
     add_predict,
+    apply_slowdown,
     is_sparse,
     load_options,
     make_plan,
@@ -254,8 +255,10 @@ def _fit_async(args, comm, dp: DataParallel, data: D.Data, report) -> tuple[list
     """``--sync async-ps``: train asynchronously, then evaluate; history has one entry per
     epoch (the workers' training loss as the server received it) and the final test figures."""
     t0 = time.perf_counter()
+    apply_slowdown(args, comm, dp.timer)
     stats = train_async(dp.model, dp.optimizer, dp.loss, comm, data.train, args.epochs,
-                        args.batch_size, seed=args.seed, max_staleness=args.max_staleness)
+                        args.batch_size, seed=args.seed, max_staleness=args.max_staleness,
+                        timer=dp.timer)
     history = [{"epoch": e + 1, "loss": s / c, "accuracy": None, "seconds": None}
                for e, (s, c) in sorted((int(k), v) for k, v in stats.epoch_loss.items())]
     ev = dp.evaluate(data.test.X, data.test.y) if data.test.n_total else None
@@ -285,6 +288,9 @@ def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     optimizer = nn.make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay)
     if args.resume and not args.checkpoint_dir:
         raise C.MpidpError("--resume needs --checkpoint-dir")
+    if args.sync == "async-ps" and args.checkpoint_dir:
+        raise C.MpidpError("--sync async-ps does not write or resume checkpoints (its "
+                           "workers are at different steps); drop --checkpoint-dir")
     if args.check_every < 0:
         raise C.MpidpError(f"--check-every must be >= 0, got {args.check_every}")
     sync = make_sync("allreduce" if args.sync == "async-ps" else args.sync,  # async: eval only

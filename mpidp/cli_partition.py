@@ -81,12 +81,18 @@ def load_options(args: argparse.Namespace, comm: C.Comm) -> dict:
     return {"partition": args.partition, "costs": costs, "capacities": args.capacities}
 
 
-def make_plan(args: argparse.Namespace, comm: C.Comm, data: Data, timer) -> Plan:
-    """The training :class:`Plan`; applies ``--slowdown`` to this rank's ``timer``."""
+def apply_slowdown(args: argparse.Namespace, comm: C.Comm, timer) -> None:
+    """Set this rank's ``timer.slowdown`` from ``--slowdown`` (raises on every rank for a
+    rank that does not exist)."""
     bad = [r for r in args.slowdown if r >= comm.size]
     if bad:
         raise C.MpidpError(f"--slowdown names rank {bad[0]} but there are {comm.size} ranks")
     timer.slowdown = args.slowdown.get(comm.rank, 1.0)
+
+
+def make_plan(args: argparse.Namespace, comm: C.Comm, data: Data, timer) -> Plan:
+    """The training :class:`Plan`; applies ``--slowdown`` to this rank's ``timer``."""
+    apply_slowdown(args, comm, timer)
     costs = None if args.costs == "uniform" else data.costs
     part = Partition(args.partition, costs, args.capacities, args.adapt_every, args.seed)
     return Plan(comm, part, data.train.n_total, args.batch_size, args.seed,

@@ -121,3 +121,37 @@ def test_bench_sync_targets_are_decided_from_the_run():
     bad = run(1.051, 27.6, 51)  # ps 10.4% slower; the best mode is allreduce, not faster
     assert bad == {"fused allreduce": False, "best variant": False,
                    "synchronous parameter": False, "compression halves": False, "mpidp >=": False}
+
+
+def test_bench_async_small(tmp_path):
+    """Sync and async dedicated-server runs, with and without a straggler, on 3 ranks: every
+    sample is in each trace, and the report's summary reads them."""
+    sys.path.insert(0, str(BENCH))
+    from run_sync_bench import async_markdown, async_summary
+    out = tmp_path / "async.json"
+    _run([str(MPIEXEC), "-n", "3", sys.executable, "bench_async.py", "--out", str(out),
+          "--epochs", "1", "--n-samples", "2000", "--batch-size", "256"])
+    res = json.loads(out.read_text())
+    assert set(res["runs"]) == {"sync-equal", "async-equal", "sync-straggler", "async-straggler"}
+    for r in res["runs"].values():
+        assert sum(row[2] for row in r["trace"]) == 1800  # the training rows (10% are test)
+    a = res["runs"]["async-straggler"]
+    assert a["applied"] + a["dropped"] == len(a["pushes"]) == 2 * 8  # 2 workers x 8 batches
+    summary = async_summary(res, window=256)
+    assert summary["runs"]["sync-equal"]["seconds_to"]["end"] is not None
+    assert "async-straggler" in "\n".join(async_markdown(summary, res))
+
+
+def test_smoothed_loss_is_the_mean_over_the_last_window_of_samples():
+    sys.path.insert(0, str(BENCH))
+    from run_sync_bench import smoothed
+    rng = np.random.default_rng(0)
+    counts = rng.integers(1, 50, 40).astype(float)
+    losses = rng.random(40) * counts
+    trace = np.column_stack([np.arange(40.0), losses, counts])
+    got = smoothed(trace.tolist(), 100)
+    for i in range(40):  # rows whose samples all lie within the last 100 seen at row i
+        seen = np.cumsum(counts)
+        keep = [j for j in range(i + 1) if seen[i] - seen[j] + counts[j] <= 100] or [i]
+        assert got[i, 2] == pytest.approx(losses[keep].sum() / counts[keep].sum())
+        assert got[i, 1] == seen[i] and got[i, 0] == i

@@ -223,3 +223,6 @@ def test_cli_async_ps_reports_staleness(tmp_path):
     assert m["test_accuracy"] > 0.7 and m["params_in_sync"] is True  # chance is 0.1
     r = run_mpi(1, "train", "--sync", "async-ps", "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and "needs at least 2 ranks" in r.stderr
+    r = run_mpi(2, "train", "--sync", "async-ps", "--checkpoint-dir", str(tmp_path / "ck"),
+                "--out", str(tmp_path / "y"))
+    assert r.returncode == 2 and "async-ps does not write or resume checkpoints" in r.stderr

@@ -274,6 +274,33 @@ def test_async_parameter_server_terminates_and_accounts_for_every_push(comm):
                                                            rtol=RTOL, atol=ATOL))
 
 
+@pytest.mark.mpi(min_size=2)
+def test_async_trace_and_straggler_timer(comm):
+    """The server's trace has one row per push that adds up to the stats; a worker's timer
+    counts its pushes, and the last worker's slowdown stretches its compute."""
+    from mpidp.metrics import StepTimer
+    from mpidp.parallel.async_ps import TRACE_FIELDS, train_async
+    shard, _, _ = _data(comm, skip_rank=0)
+    model = nn.mlp(6, (12, 8), 3, dtype=np.float64).init_(4)
+    timer = StepTimer(slowdown=3.0 if comm.rank == comm.size - 1 else 1.0)
+    stats = train_async(model, nn.SGD(0.05), nn.SoftmaxCrossEntropy(), comm, shard, 2, 16,
+                        seed=2, max_staleness=1, timer=timer)
+    mine = sum(1 for e in range(2) for idx in mpidp.partition.local_batches(
+        shard.n_total, 16, shard.start, shard.stop, e, 2) if len(idx))
+    all_ranks(comm, timer.steps == (0 if comm.rank == 0 else mine), f"{timer.steps} != {mine}")
+    rows = timer.take_records()
+    wall, cpu = rows[:, 1].sum(), rows[:, 2].sum()
+    all_ranks(comm, comm.rank != comm.size - 1 or wall >= 2.5 * cpu, f"wall {wall}, cpu {cpu}")
+    if comm.rank == 0:
+        t = np.array(stats.trace, np.float64).reshape(-1, len(TRACE_FIELDS))
+        ok = (len(t) == stats.applied + stats.dropped and t[:, 4].sum() == stats.applied
+              and t[:, 2].sum() == 150 * 2 and np.all(np.diff(t[:, 0]) >= 0)
+              and list(t[:, 3]) == stats.staleness and set(t[:, 5]) <= set(range(1, comm.size)))
+        all_ranks(comm, ok, f"trace {t[:5]}")
+    else:
+        all_ranks(comm, stats.trace == [])
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("n", [1, 3, 1000, 40_000])  # 40,000 float64: the split path
 @pytest.mark.parametrize("last_root", [False, True])
