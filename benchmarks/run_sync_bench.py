@@ -252,8 +252,9 @@ def markdown(report: dict) -> str:
         L += [f"## {kind.capitalize()} scaling ("
               + ("global batch 512" if kind == "strong" else "256 samples per rank") + ")", "",
               "| mode | " + " | ".join(f"P={p} ms" for p in Ps) + " | "
-              + " | ".join(f"P={p} eff" for p in Ps if p > 1) + " | comm share P=2 | MB/step/rank |",
-              "|---|" + "---:|" * (2 * len(Ps) - 1 + 2)]
+              + " | ".join(f"P={p} eff" for p in Ps if p > 1)
+              + " | samples/s P=2 | comm share P=2 | MB/step/rank |",
+              "|---|" + "---:|" * (2 * len(Ps) - 1 + 3)]
         for mode in runs[Ps[-1]]["modes"]:
             base = runs[1]["modes"].get(mode) or runs[1]["modes"]["allreduce"]
             cells, effs = [], []
@@ -267,8 +268,10 @@ def markdown(report: dict) -> str:
                     effs.append("-")
             r2 = runs[2]["modes"].get(mode, {})
             mb = r2.get("bytes_per_step")
+            sps = f"{r2['samples_per_s']:.0f}" if r2 else "-"
             L.append(f"| {mode} | " + " | ".join(cells) + " | " + " | ".join(effs) +
-                     f" | {r2.get('comm_share', 0):.1%} | " + (f"{mb / 2**20:.2f}" if mb else "-") + " |")
+                     f" | {sps} | {r2.get('comm_share', 0):.1%} | "
+                     + (f"{mb / 2**20:.2f}" if mb else "-") + " |")
         L.append("")
     c = report.get("model_compute", {})
     L += ["## Cost model vs measurement (allreduce, strong scaling)", "",
@@ -284,6 +287,14 @@ def markdown(report: dict) -> str:
           "| mode | test accuracy | final loss | bytes/step |", "|---|---:|---:|---:|"]
     L += [f"| {k} | {v['test_accuracy']:.4f} | {v['final_loss']:.4f} | {v['bytes_per_step']:.0f} |"
           for k, v in report["accuracy"].items()]
+    if report.get("progress"):
+        two, thread = report["strong"][2]["modes"], report["progress"]["modes"]
+        L += ["", "## MPICH's progress thread (P = 2, `MPIR_CVAR_ASYNC_PROGRESS=1`)", "",
+              "Without it, a non-blocking collective advances only inside MPI calls, so "
+              "`overlapped` cannot overlap much; with it, a thread per rank drives them.", "",
+              "| mode | ms per step, default | ms per step, progress thread |", "|---|---:|---:|"]
+        L += [f"| {m} | {two[m]['step_ms']:.1f} | {thread[m]['step_ms']:.1f} |"
+              for m in ("overlapped", "compute-only", "handwritten") if m in thread]
     if report.get("async"):
         L += [""] + async_markdown(report["async"], report["async_run"])
     L += ["", "## PyTorch DDP (gloo, CPU, one thread per rank; same model, data and batches)", "",
@@ -341,6 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         tmp = Path(t)
         strong = {P: job(P, tmp / f"s{P}.json", env, args) for P in (1, 2, 4)}
         strong_3 = job(3, tmp / "s3.json", env, args, "--modes", "allreduce")
+        # does overlapping pay when MPICH progresses collectives from a thread of its own?
+        progress = job(2, tmp / "progress.json", {**env, "MPIR_CVAR_ASYNC_PROGRESS": "1"}, args,
+                       "--modes", "overlapped,compute-only")
         weak = {P: job(P, tmp / f"w{P}.json", env, args, "--weak") for P in (1, 2, 4)}
         _run([str(BIN / "mpiexec"), "-n", "2", sys.executable, "-m", "mpidp", "model", "--out",
               str(tmp / "model")], env, args.timeout)
@@ -352,6 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch_note, ddp_ms = ddp(strong, tmp, env, args)
     report = {"steps": args.steps, "repeats": args.repeats, "pair_repeats": args.pair_repeats,
               "strong": strong, "weak": weak, "targets": targets(strong, ddp_ms),
+              "progress": progress,
               "validation": predictions(model, {**strong, 3: strong_3}), "model_fit": model["fit"],
               "model_compute": model["compute"],
               "accuracy": acc, "torch": torch_note, "async": async_summary(async_run),

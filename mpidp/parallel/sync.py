@@ -97,7 +97,7 @@ class Overlapped(Sync):
 
     Whether communication really overlaps computation depends on the MPI library making
     progress in the background: MPICH does so only inside MPI calls unless its progress
-    thread is enabled (``MPIR_CVAR_ASYNC_PROGRESS=1``); the benchmark measures both.
+    thread is enabled (``MPIR_CVAR_ASYNC_PROGRESS=1``); ``make bench-sync`` measures both.
     """
 
     name = "overlapped"
