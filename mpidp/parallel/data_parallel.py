@@ -131,12 +131,17 @@ class DataParallel:
         totals when they synchronise; ``last_of_epoch`` makes them synchronise now)."""
         buf, n = self.buf, self.model.n_params
         self.last_of_epoch = last_of_epoch
+        add = self.sync.accumulating()  # gradient accumulation: add to the buffer's sums
         with self.timer.compute():
             out = self.model.forward(X)
             loss_sum = self.loss.forward(out, y)
             labelled = self.loss.classification or y.dtype.kind in "iu"
-            buf[n:] = (loss_sum, len(X), self.loss.n_correct(out, y) if labelled else 0)
-            self.model.backward(self.loss.backward(), input_grad=False,
+            extras = (loss_sum, len(X), self.loss.n_correct(out, y) if labelled else 0)
+            if add:
+                buf[n:] += extras
+            else:
+                buf[n:] = extras
+            self.model.backward(self.loss.backward(), accumulate=add, input_grad=False,
                                 on_layer_done=self._on_layer_done)
         loss_sum, count, correct, skipped = self.sync.exchange(self)
         self.timer.end_step(len(X))

@@ -58,6 +58,11 @@ class Sync:
         """True when nothing is pending between synchronisations (a checkpoint may be taken)."""
         return True
 
+    def accumulating(self) -> bool:
+        """True when this step's backward must ADD to the gradient sums already in the buffer
+        (and its loss and counts to theirs) instead of overwriting them."""
+        return False
+
     def before_checkpoint(self, dp: DataParallel) -> None:
         """Collective, before the root writes a checkpoint: make ``dp.optimizer`` hold the
         whole optimizer state on the root (a strategy that shards it gathers it here)."""
@@ -398,20 +403,19 @@ class _Periodic(Sync):
 class Accumulate(_Periodic):
     """Gradient accumulation: sum gradients over ``k`` global batches locally, then ONE
     ``Allreduce`` and one update — exactly training with global batch ``k * B`` (a group
-    is cut short at an epoch's end). ``1/k`` of the synchronisations."""
+    is cut short at an epoch's end). ``1/k`` of the synchronisations.
+
+    Backward adds each batch's gradients into the buffer it reduces (BLAS ``gemm`` with
+    ``beta = 1`` where SciPy is installed), so accumulating costs no pass of its own."""
 
     name, what = "accumulate", "accumulation steps"
 
-    def setup(self, dp: DataParallel) -> None:
-        self.acc = np.zeros_like(dp.buf)
+    def accumulating(self) -> bool:
+        return self.pending > 0  # the first batch of a group overwrites the last group's sums
 
     def exchange(self, dp: DataParallel) -> tuple[float, int, int, bool]:
-        with dp.timer.compute():
-            self.acc += dp.buf
         if not self.due(dp):
             return 0.0, 0, 0, False  # no communication; totals arrive with the group
-        dp.buf[...] = self.acc
-        self.acc[...] = 0
         return super().exchange(dp)
 
 
@@ -441,7 +445,7 @@ class LocalSGD(_Periodic):
         with dp.timer.communicate():
             self.avg[:n], self.avg[n:] = dp.model.params, self.totals
             C.allreduce_sum_(dp.comm, self.avg)
-            dp.model.params[...] = self.avg[:n] / dp.comm.size
+            np.divide(self.avg[:n], dp.comm.size, out=dp.model.params)
         self.bytes_sent += self.avg.nbytes
         loss, count, correct = self.avg[n:]
         self.totals[...] = 0
