@@ -214,10 +214,12 @@ def test_cli_ps_transports_give_the_same_bits(tmp_path):
 def test_cli_async_ps_reports_staleness(tmp_path):
     # plain SGD: stale momentum makes asynchronous runs erratic (seen: 0.70 to 0.96)
     r = run_mpi(3, "train", "--dataset", "digits", "--epochs", "5", "--lr", "0.1",
-                "--optimizer", "sgd", "--sync", "async-ps",
+                "--optimizer", "sgd", "--sync", "async-ps", "--slowdown", "2:3",
                 "--max-staleness", "4", "--no-progress", "--out", str(tmp_path / "o"))
     assert r.returncode == 0, r.stderr
     m = json.loads((tmp_path / "o" / "metrics.json").read_text())
+    t = {d["rank"]: d for d in m["timings"]}  # rank 2 computes 3x slower than rank 1
+    assert t[1]["steps"] == t[2]["steps"] > 0 and t[2]["compute_s"] > 2 * t[1]["compute_s"]
     a = m["async"]
     assert a["applied"] + a["dropped"] > 0 and 0 <= a["staleness_max"]
     assert m["test_accuracy"] > 0.7 and m["params_in_sync"] is True  # chance is 0.1
