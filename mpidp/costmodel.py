@@ -114,14 +114,15 @@ def step_time(P, m, batch: int, compute: float | Compute, fit: Fit, algorithm: s
 
     ``compute``: a :class:`Compute`, or seconds per sample (no fixed part, contention or
     jitter). ``cores``: when the ranks share this many cores (P > cores oversubscribes
-    them), compute runs at most ``cores`` ways in parallel: ``batch / min(P, cores)``
-    samples' worth per rank.
+    them), the busiest core runs ``ceil(P / cores)`` ranks one after another, each with its
+    fixed part and ``batch / P`` samples.
     """
     c = compute if isinstance(compute, Compute) else Compute(float(compute))
     P = np.asarray(P, float)
-    ways = P if cores is None else np.minimum(P, cores)
+    per_core = 1.0 if cores is None else np.ceil(P / cores)
     many = P > 1
-    work = (c.overhead + c.per_sample * batch / ways) * np.where(many, c.contention, 1.0)
+    work = (per_core * (c.overhead + c.per_sample * batch / P)
+            * np.where(many, c.contention, 1.0))
     wait = work * c.jitter * np.sqrt(2 * np.log(np.maximum(P, 1)))
     return work + wait + allreduce_time(P, m, fit, algorithm)
 

@@ -69,8 +69,8 @@ def test_step_time_with_measured_compute_by_hand():
     work = (2e-3 + 1e-4 * B / 4) * 1.1
     assert M.step_time(4, m, B, c, FIT) == pytest.approx(work * (1 + 0.05 * np.sqrt(2 * np.log(4))) + comm)
     assert M.step_time(1, m, B, c, FIT) == pytest.approx(2e-3 + 1e-4 * B)  # alone, no wait
-    # 3 ranks on 2 cores: the work of B/2 samples per rank
-    work3 = (2e-3 + 1e-4 * B / 2) * 1.1
+    # 3 ranks on 2 cores: one core runs two ranks of B/3 samples each, one after the other
+    work3 = 2 * (2e-3 + 1e-4 * B / 3) * 1.1
     assert M.step_time(3, m, B, c, FIT, cores=2) == pytest.approx(
         work3 * (1 + 0.05 * np.sqrt(2 * np.log(3))) + M.allreduce_time(3, m, FIT))
     # a plain float is seconds per sample with nothing else, as before
@@ -123,3 +123,10 @@ def test_oversubscribed_compute_runs_only_as_many_ways_as_cores():
     t4 = M.step_time(4, 0, 512, 1e-4, M.Fit(0, 0, 0), cores=2)
     assert t4 == pytest.approx(1e-4 * 512 / 2)
     assert M.step_time(2, 0, 512, 1e-4, M.Fit(0, 0, 0), cores=2) == pytest.approx(1e-4 * 256)
+    # 3 on 2 cores: the busiest core does two ranks' shares (2/3 of the batch); each rank
+    # also pays its fixed part, so 4 ranks on 2 cores pay it twice per step
+    t3 = M.step_time(3, 0, 512, 1e-4, M.Fit(0, 0, 0), cores=2)
+    assert t3 == pytest.approx(1e-4 * 512 * 2 / 3)
+    fixed = M.Compute(per_sample=1e-4, overhead=3e-3)
+    assert M.step_time(4, 0, 512, fixed, M.Fit(0, 0, 0), cores=2) == pytest.approx(
+        2 * (3e-3 + 1e-4 * 128))
