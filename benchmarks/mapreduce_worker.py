@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 import mpidp  # noqa: F401  (BLAS threads before numpy)
 from mpidp.mapreduce import map_reduce
-from mpidp.workloads import BowSource
+from mpidp.sources import BowSource
 
 
 def main(argv: list[str]) -> None:

@@ -4,7 +4,8 @@ When several ranks share a node, each rank's BLAS would otherwise start one thre
 core: P ranks x C threads fight over C cores and spinning BLAS threads starve MPI's
 progress (seen here: 12-20 ms stalls per Allreduce after an evaluation pass). Like
 ``torchrun``, mpidp then defaults each rank to ``cores // ranks_on_this_node`` threads.
-Variables the user set are never changed.
+Variables the user set are never changed. The count of ranks on the node comes from the
+launcher's environment, so this runs before MPI starts (and without an MPI library).
 """
 
 from __future__ import annotations
@@ -30,11 +31,7 @@ def blas_threads_default() -> int | None:
     """
     if any(v in os.environ for v in _VARS):
         return None
-    from mpi4py import MPI
-
-    local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-    ranks_here = local.size
-    local.Free()
+    ranks_here = ranks_on_node()
     if ranks_here <= 1:
         return None
     n = max(1, _cores() // ranks_here)
@@ -43,6 +40,21 @@ def blas_threads_default() -> int | None:
     if "numpy" in sys.modules:  # BLAS already loaded: the variables come too late
         return n if limit_blas_threads(n) is not None else None
     return n
+
+
+#: What launchers set: ranks of the job on this node (MPICH's Hydra, Open MPI, PMIx, Slurm).
+_LOCAL_SIZE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMIX_LOCAL_SIZE",
+               "SLURM_NTASKS_PER_NODE")
+
+
+def ranks_on_node() -> int:
+    """Ranks of this job on this node, from the launcher's environment (1 if not launched
+    by one). Read without starting MPI, which must wait until BLAS threads are set."""
+    for var in _LOCAL_SIZE:
+        text = os.environ.get(var, "").split("(")[0].split(",")[0]
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    return 1
 
 
 def limit_blas_threads(n: int):

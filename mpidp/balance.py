@@ -121,7 +121,6 @@ class Plan:
         self.capacities = (np.asarray(p.capacities, np.float64) if p is not None and
                            p.capacities is not None else np.ones(size))
         self.owner: np.ndarray | None = None
-        self.watchdog: C.Watchdog | None = None  # polls the per-epoch gathers when set
         self.epochs_done = 0
         self.moved, self.rebalances, self.history_caps = 0, 0, []
         self.trace = trace
@@ -194,9 +193,7 @@ class Plan:
         every rank), re-measure ``adaptive`` capacities, extend the trace. Collective."""
         rows = timer.take_records()
         self.epochs_done += 1
-        everyone = C.allgather_rows(self.comm, rows.reshape(-1), self.watchdog,
-                                    -(2 * 10**9 + self.epochs_done),
-                                    "the epoch's load-balance Allgather")
+        everyone = C.allgather_rows(self.comm, rows.reshape(-1))
         records = everyone.reshape(self.comm.size, len(rows), len(STEP_FIELDS))
         figures = balance_figures(records)
         if self.strategy == "adaptive" and len(rows):

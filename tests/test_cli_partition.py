@@ -11,7 +11,7 @@ from clitools import run_mpi
 
 from mpidp import nn
 from mpidp.partition import train_test_split
-from mpidp.workloads import BowSource
+from mpidp.sources import BowSource
 
 BOW = ["--dataset", "bow", "--n-samples", "1500", "--n-features", "300", "--hidden", "16",
        "--batch-size", "128", "--no-progress"]

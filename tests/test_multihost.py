@@ -141,7 +141,7 @@ def test_link_down_ends_the_job_and_names_the_lost_ranks(cluster):
     rc, out, after = _cut_after(cluster, cmd, 1, lambda: any(ck.glob("ckpt-*.npz")))
     assert rc not in (None, 0), out[-3000:]
     assert after < 45, f"job took {after:.0f} s to end after the link went down"
-    assert "ranks that never arrived: [1]" in out
+    assert "stalled rank(s) [1]" in out
 
 
 def test_host_lost_for_good_resume_on_the_remaining_host(cluster, tmp_path):

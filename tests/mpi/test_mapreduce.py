@@ -12,7 +12,7 @@ from mpi_helpers import all_ranks, raises_everywhere
 import mpidp
 from mpidp.mapreduce import map_reduce
 from mpidp.partition import STRATEGIES
-from mpidp.workloads import BowSource
+from mpidp.sources import BowSource
 
 X = np.random.default_rng(5).standard_normal((101, 3))  # prime n
 

@@ -13,7 +13,7 @@ from mpidp import nn
 from mpidp.balance import Partition, Plan, redistribute
 from mpidp.data import Shard
 from mpidp.partition import STRATEGIES, positions_of
-from mpidp.workloads import BowSource
+from mpidp.sources import BowSource
 
 RTOL, ATOL = 1e-9, 1e-11  # as in test_data_parallel.py: summation order only
 

@@ -86,11 +86,8 @@ def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int 
     show = progress and dp.comm.rank == 0
     labelled = dp.loss.classification or train.y.dtype.kind in "iu"
     faults = Injector(dp.comm.rank)
-    if dp.watchdog is not None:
-        dp.watchdog.arm()  # backstop for the collectives of the epoch loop that are not polled
     plan = partition if isinstance(partition, Plan) else Plan(
         dp.comm, partition, train.n_total, batch_size, seed, shuffle, drop_last)
-    plan.watchdog = dp.watchdog
     if state.partition.get("capacities") is not None:
         plan.capacities = np.asarray(state.partition["capacities"], np.float64)
     if resume is not None:
@@ -127,8 +124,6 @@ def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int 
             on_epoch(record)
     if checkpoint:
         _save(dp, checkpoint, plan, State(epochs, 0, dp.global_step, [0.0, 0.0, 0.0], history))
-    if dp.watchdog is not None:
-        dp.watchdog.disarm()
     return history
 
 

@@ -1,0 +1,73 @@
+"""Failing loudly: an error on one rank ends the whole job, never leaves the others waiting."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+from mpi4py import MPI
+
+from .runtime import SHM_DIR, Comm
+
+
+_FORWARD_S = 0.3
+
+
+_ABORT_GRACE_S = 10.0
+
+
+def _unlink_mpich_segments() -> None:
+    """Remove the names of the MPICH shared-memory files this process maps (``/dev/shm/
+    mpich_shm_*``): after ``MPI_Abort`` nobody would, and they hold RAM until reboot. Ranks
+    still running keep their mappings; only the names go."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[5].strip().removesuffix(" (deleted)")
+                     for line in f if f"{SHM_DIR}/mpich_shm_" in line}
+    except (OSError, IndexError):
+        return
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def abort_job(comm: Comm, code: int) -> None:
+    """``MPI_Abort`` the job, and leave this process within seconds even if the launcher
+    cannot be reached (a rank cut off from its job by a dead link must not live on)."""
+    import threading
+    sys.stderr.flush()
+    sys.stdout.flush()
+    _unlink_mpich_segments()
+    time.sleep(_FORWARD_S)  # let mpiexec forward our output before it kills everything
+    threading.Timer(_ABORT_GRACE_S, os._exit, args=(code,)).start()
+    comm.Abort(code)
+    os._exit(code)
+
+
+def _abort_hook(exc_type, exc, tb) -> None:
+    comm = MPI.COMM_WORLD
+    if comm.size == 1 or issubclass(exc_type, KeyboardInterrupt):
+        sys.__excepthook__(exc_type, exc, tb)  # nobody waits on us: exit the normal way
+        return
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    sys.stderr.write(f"[mpidp] rank {comm.rank}/{comm.size} failed; aborting the job.\n{text}")
+    abort_job(comm, 1)
+
+
+def abort_on_error(enable: bool = True) -> None:
+    """Install (or with ``enable=False`` remove) a ``sys.excepthook`` that prints the rank
+    and traceback, then ``MPI_Abort``s the whole job.
+
+    Without it an uncaught exception on one rank leaves the others waiting in their next
+    collective forever. ``import mpidp`` installs it (set ``MPIDP_ABORT_ON_ERROR=0`` to
+    opt out); ``python -m mpi4py script.py`` gives the same guard. Idempotent.
+    """
+    if not enable:
+        if sys.excepthook is _abort_hook:
+            sys.excepthook = sys.__excepthook__
+    elif MPI.Is_initialized() and not MPI.Is_finalized():
+        sys.excepthook = _abort_hook

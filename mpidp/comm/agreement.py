@@ -1,0 +1,111 @@
+"""Collective decisions: every rank reaches the same verdict, so every rank raises the same
+error (or none) and nobody is left waiting in a later collective. Also the parameter
+checksums that prove replicas are bit-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .runtime import Comm
+from .activity import watched
+
+
+class MpidpError(ValueError):
+    """A problem with the input or the job, raised with the same message on every rank."""
+
+
+@watched("an agreement Allreduce")
+def agree(comm: Comm, error: str | None) -> None:
+    """Raise the same :class:`MpidpError` on every rank if ``error`` is set on any rank.
+
+    Collective. Each rank passes its own verdict (``None`` when fine). The message names
+    the lowest failing rank's problem and how many ranks failed.
+    """
+    flag = np.array([0 if error is None else 1], np.int32)
+    comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+    if not flag[0]:
+        return
+    errors = comm.allgather(error)  # small control message, only on the failure path
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    rank, msg = failed[0]
+    where = f"rank {rank}" if len(failed) == 1 else f"ranks {[r for r, _ in failed]}"
+    raise MpidpError(msg if comm.size == 1 else f"{msg} (on {where})")
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: {text}"
+
+
+def run_agreed(comm: Comm, fn, *args, **kwargs) -> Any:
+    """Call ``fn`` on every rank; if it raises on any rank, every rank raises.
+
+    Collective. Returns ``fn``'s result. A ``ValueError``/``OSError`` (bad input) becomes
+    :class:`MpidpError` everywhere; any other exception is re-raised unchanged on the rank
+    that hit it (a bug: the traceback matters) while the others raise :class:`MpidpError`,
+    so no rank is left waiting in a later collective.
+    """
+    try:
+        result, error, exc = fn(*args, **kwargs), None, None
+    except Exception as caught:  # noqa: BLE001 - agreed on, then re-raised below
+        result, error, exc = None, _describe(caught), caught
+    try:
+        agree(comm, error)
+    except MpidpError:
+        if exc is not None and not isinstance(exc, (ValueError, OSError)):
+            raise exc from None
+        raise
+    return result
+
+
+@watched("a root decision (Bcast)")
+def root_decides(comm: Comm, fn, *args, root: int = 0, **kwargs) -> Any:
+    """Run ``fn`` on ``root`` only; its result, or its failure, reaches every rank.
+
+    Collective. The result is broadcast pickled, so keep it small (metadata, not arrays).
+    Failures are raised as in :func:`run_agreed`.
+    """
+    payload: tuple[Any, str | None] = (None, None)
+    exc = None
+    if comm.rank == root:
+        try:
+            payload = (fn(*args, **kwargs), None)
+        except Exception as caught:  # noqa: BLE001 - broadcast, then re-raised below
+            payload, exc = (None, _describe(caught)), caught
+    result, error = comm.bcast(payload, root=root)
+    if error is None:
+        return result
+    if exc is not None and not isinstance(exc, (ValueError, OSError)):
+        raise exc
+    raise MpidpError(error)
+
+
+def checksum(array: np.ndarray) -> int:
+    """A 63-bit digest of ``array``'s bytes: equal arrays (bit for bit) give equal digests."""
+    digest = hashlib.blake2b(np.ascontiguousarray(array).view(np.uint8), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@watched("the replica checksum Allreduce")
+def params_in_sync(comm: Comm, params: np.ndarray) -> bool:
+    """True on every rank iff all ranks hold bit-identical ``params``. Collective, 1 Allreduce."""
+    h = checksum(params)
+    buf = np.array([h, -h], np.int64)
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+    return bool(buf[0] == -buf[1])
+
+
+@watched("the replica checksum Allreduce")
+def assert_in_sync(comm: Comm, params: np.ndarray, root: int = 0) -> None:
+    """Raise :class:`MpidpError` on every rank, naming the ranks whose ``params`` differ from
+    ``root``'s, unless all are bit-identical. Collective."""
+    if params_in_sync(comm, params):
+        return
+    hashes = comm.allgather(checksum(params))  # failure path only
+    bad = [r for r, h in enumerate(hashes) if h != hashes[root]]
+    raise MpidpError(f"parameters differ from rank {root}'s on ranks {bad}: replicas are out of sync")

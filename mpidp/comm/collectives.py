@@ -1,0 +1,292 @@
+"""Buffer-based collectives on NumPy arrays, with the large-count path.
+
+All array traffic uses upper-case mpi4py calls; the pickled ``bcast_obj`` carries small
+control messages only. MPI counts are C ints: buffers over :data:`MAX_COUNT` elements go in
+pieces, and row-wise transfers count rows with a contiguous row datatype. Every function
+here is collective over ``comm``: every rank must call it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .agreement import MpidpError
+from .runtime import Comm
+from .activity import watched
+
+
+#: Largest element count passed to one MPI call. MPI counts are C ints (2**31 - 1); bigger
+#: buffers are sent in pieces. Tests lower it (``MPIDP_MAX_COUNT``) to exercise chunking.
+MAX_COUNT = int(os.environ.get("MPIDP_MAX_COUNT", 2**31 - 1))
+
+
+def _pieces(n: int, limit: int | None = None):
+    """``(lo, hi)`` slices of at most ``limit`` (default :data:`MAX_COUNT`) covering ``0 .. n``."""
+    limit = MAX_COUNT if limit is None else limit
+    return [(lo, min(lo + limit, n)) for lo in range(0, n, limit)] or [(0, 0)]
+
+
+@watched("a Bcast (control message)")
+def bcast_obj(comm: Comm, obj: Any, root: int = 0) -> Any:
+    """Broadcast a small picklable object (metadata, never arrays on the per-step path)."""
+    return comm.bcast(obj, root=root)
+
+
+@watched("a Bcast")
+def bcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
+    """Broadcast contiguous ``buf`` from ``root`` in place. Collective. Returns ``buf``.
+
+    Buffers over :data:`MAX_COUNT` elements go in pieces (sizes are Python ints: 64-bit).
+    """
+    flat = buf.reshape(-1)
+    for lo, hi in _pieces(flat.size):
+        comm.Bcast(flat[lo:hi], root=root)
+    return buf
+
+
+@watched("an Allreduce")
+def allreduce_sum_(comm: Comm, buf: np.ndarray) -> np.ndarray:
+    """Sum contiguous ``buf`` over all ranks in place: ONE ``Allreduce`` unless ``buf`` has
+    more than :data:`MAX_COUNT` elements (then one per piece). Collective."""
+    flat = buf.reshape(-1)
+    if flat.size <= MAX_COUNT:
+        comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        return buf
+    for lo, hi in _pieces(flat.size):
+        comm.Allreduce(MPI.IN_PLACE, flat[lo:hi], op=MPI.SUM)
+    return buf
+
+
+@watched("an Allreduce")
+def allreduce_(comm: Comm, buf: np.ndarray, op: str) -> np.ndarray:
+    """Reduce contiguous ``buf`` in place over all ranks with ``op`` in ``sum``, ``min``,
+    ``max``. Collective (one ``Allreduce``)."""
+    ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
+    comm.Allreduce(MPI.IN_PLACE, buf, op=ops[op])
+    return buf
+
+
+@watched("an Allreduce (max)")
+def allreduce_max(comm: Comm, values: Sequence[float]) -> np.ndarray:
+    """Element-wise max over ranks of a few float64 values. Collective."""
+    buf = np.asarray(values, np.float64).copy()
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+    return buf
+
+
+def iallreduce_sum_(comm: Comm, buf: np.ndarray) -> MPI.Request:
+    """Start a non-blocking in-place sum of ``buf``; complete it with :func:`wait_all`."""
+    return comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+
+#: Buffers of at least this many bytes are summed to a root as a reduce-scatter + gather.
+REDUCE_SPLIT_BYTES = 1 << 16
+
+
+@watched("a Reduce")
+def reduce_sum_to_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
+    """Sum 1-D ``buf`` over ranks into ``root``'s ``buf`` (in place there; other ranks'
+    ``buf`` is left unspecified). Collective.
+
+    From :data:`REDUCE_SPLIT_BYTES` on, as ``Reduce_scatter`` (each rank sums 1/P of the
+    elements) then ``Gatherv`` of the sums to ``root``: the same result (each element is
+    still one sum over the ranks), but the additions are spread over the ranks. Measured
+    with MPICH 5.0.2 on this project's 2-core VM, 7.1 MiB float32: 1.8 ms against 4.4 ms
+    for ``MPI_Reduce`` at P = 2, and 4.3 against 15.0 ms at P = 4.
+    """
+    if comm.size == 1:
+        return buf
+    if buf.nbytes < REDUCE_SPLIT_BYTES or buf.size > MAX_COUNT or not buf.flags.c_contiguous:
+        if comm.rank == root:
+            comm.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=root)
+        else:
+            comm.Reduce(buf, None, op=MPI.SUM, root=root)
+        return buf
+    counts = np.full(comm.size, buf.size // comm.size, np.int64)
+    counts[:buf.size % comm.size] += 1
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    mine = np.empty(int(counts[comm.rank]), buf.dtype)
+    comm.Reduce_scatter(buf, mine, recvcounts=counts.tolist(), op=MPI.SUM)
+    comm.Gatherv(mine, [buf, (counts, displs)] if comm.rank == root else None, root=root)
+    return buf
+
+
+@watched("a Reduce_scatter")
+def reduce_scatter_sum(comm: Comm, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
+    """Sum ``send`` ``(size * k,)`` over ranks; rank ``r`` gets block ``r`` ``(k,)``. Collective."""
+    comm.Reduce_scatter_block(send, recv, op=MPI.SUM)
+    return recv
+
+
+@watched("an Allgather")
+def allgather_in_place(comm: Comm, buf: np.ndarray) -> np.ndarray:
+    """``buf`` ``(size * k,)``: every rank's block ``r`` (its own, ``buf[r*k:(r+1)*k]``) copied
+    into the others' ``buf``. Collective."""
+    comm.Allgather(MPI.IN_PLACE, buf)
+    return buf
+
+
+@watched("an Allgather (counts)")
+def allgather_counts(comm: Comm, n: int) -> np.ndarray:
+    """Every rank's ``n`` as an int64 array ``(size,)`` on every rank. Collective."""
+    out = np.empty(comm.size, np.int64)
+    comm.Allgather(np.array([n], np.int64), out)
+    return out
+
+
+@watched("an Allgather")
+def allgather_rows(comm: Comm, values: np.ndarray) -> np.ndarray:
+    """Every rank's float64 row ``(k,)`` (same ``k`` everywhere) as ``(size, k)`` on every
+    rank. Collective (one ``Allgather``)."""
+    values = np.ascontiguousarray(values, np.float64)
+    out = np.empty((comm.size, len(values)))
+    comm.Allgather(values, out)
+    return out
+
+
+@watched("a Gather")
+def gather_rows(comm: Comm, values: np.ndarray, root: int = 0) -> np.ndarray | None:
+    """Gather one float64 row ``(k,)`` per rank into ``(size, k)`` on ``root``. Collective."""
+    values = np.ascontiguousarray(values, np.float64)
+    out = np.empty((comm.size, len(values))) if comm.rank == root else None
+    comm.Gather(values, out, root=root)
+    return out
+
+
+@watched("a Gatherv")
+def gatherv(comm: Comm, values: np.ndarray, root: int = 0) -> np.ndarray | None:
+    """Concatenate every rank's 1-D ``values`` (lengths may differ, same dtype) in rank order
+    on ``root``; None elsewhere. Collective."""
+    values = np.ascontiguousarray(values)
+    counts = allgather_counts(comm, values.size)
+    if counts.sum() > MAX_COUNT:
+        raise MpidpError(f"gatherv of {counts.sum()} elements exceeds one MPI call")
+    out = None
+    if comm.rank == root:
+        out = np.empty(int(counts.sum()), values.dtype)
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        comm.Gatherv(values, [out, (counts, displs)], root=root)
+    else:
+        comm.Gatherv(values, None, root=root)
+    return out
+
+
+@watched("a Gatherv")
+def gatherv_rows(comm: Comm, rows: np.ndarray, root: int = 0) -> np.ndarray | None:
+    """Concatenate every rank's ``(k_r, *row_shape)`` rows, rank order, on ``root``; None
+    elsewhere. Collective (one ``Gather`` of counts, one buffer-based ``Gatherv``)."""
+    rows = np.ascontiguousarray(rows)
+    counts = np.empty(comm.size, np.int64) if comm.rank == root else None
+    comm.Gather(np.array([len(rows)], np.int64), counts, root=root)
+    row_size = max(int(np.prod(rows.shape[1:], dtype=np.int64)), 1)
+    rtype = _row_type(rows.dtype, row_size)
+    try:
+        out = None
+        recv = None
+        if comm.rank == root:
+            out = np.empty((int(counts.sum()), *rows.shape[1:]), rows.dtype)
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+            recv = [out, (counts, displs), rtype]
+        comm.Gatherv([rows, len(rows), rtype], recv, root=root)
+    finally:
+        rtype.Free()
+    return out
+
+
+def _row_type(dtype: np.dtype, row_size: int) -> MPI.Datatype:
+    """A committed MPI datatype for one row of ``row_size`` elements (keeps counts small)."""
+    base = MPI._typedict[np.dtype(dtype).char]
+    return base.Create_contiguous(max(row_size, 1)).Commit()
+
+
+@watched("a Scatterv")
+def scatterv_rows(comm: Comm, array: np.ndarray | None, counts: Sequence[int],
+                  row_shape: tuple[int, ...], dtype: np.dtype, root: int = 0,
+                  rows_per_round: int | None = None) -> np.ndarray:
+    """Send rank ``r`` rows ``displs[r]:displs[r]+counts[r]`` of ``array`` (held on ``root``).
+
+    Collective. ``array`` is ``(sum(counts), *row_shape)`` on root (any array-like that
+    slices by rows, e.g. a memmap) and ignored elsewhere. Counts may be uneven or zero.
+    Returns this rank's ``(counts[rank], *row_shape)`` rows.
+
+    Notes
+    -----
+    Counts are in rows (a contiguous row datatype), and the transfer goes in rounds of at
+    most ``rows_per_round`` rows per rank (default: what keeps each round's element count
+    within :data:`MAX_COUNT`), so root holds one round's rows at a time besides its input.
+    """
+    counts = np.asarray(counts, np.int64)
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    row_size = int(np.prod(row_shape, dtype=np.int64))
+    out = np.empty((int(counts[comm.rank]), *row_shape), dtype)
+    if row_size == 0 or counts.sum() == 0:
+        return out
+    if rows_per_round is None:
+        rows_per_round = max(1, MAX_COUNT // (row_size * comm.size))
+    if row_size > MAX_COUNT:
+        raise MpidpError(f"one row has {row_size} elements, more than one MPI call takes")
+    rtype = _row_type(dtype, row_size)
+    try:
+        for lo in range(0, int(counts.max()), rows_per_round):
+            take = np.clip(counts - lo, 0, rows_per_round)  # rows each rank gets this round
+            send = None
+            if comm.rank == root:
+                parts = [array[d + lo:d + lo + t] for d, t in zip(displs, take)]
+                send = [np.ascontiguousarray(np.concatenate(parts), dtype),
+                        (take, np.concatenate([[0], np.cumsum(take)[:-1]])), rtype]
+            mine = int(take[comm.rank])
+            comm.Scatterv(send, [out[lo:lo + mine], mine, rtype], root=root)
+    finally:
+        rtype.Free()
+    return out
+
+
+@watched("an Allgather (counts)")
+def alltoall_counts(comm: Comm, send_counts: Sequence[int]) -> np.ndarray:
+    """The full ``(size, size)`` matrix ``M[src, dst]`` of rows each rank sends each rank.
+    Collective (one ``Allgather``), so every rank can decide alike whether anything moves."""
+    out = np.empty((comm.size, comm.size), np.int64)
+    comm.Allgather(np.ascontiguousarray(send_counts, np.int64), out)
+    return out
+
+
+@watched("an Alltoallv")
+def alltoallv_rows(comm: Comm, rows: np.ndarray, send_counts: Sequence[int],
+                   recv_counts: Sequence[int]) -> np.ndarray:
+    """Exchange rows: this rank's ``rows`` ``(sum(send_counts), *row_shape)`` are sent in
+    rank order (the first ``send_counts[0]`` to rank 0, ...); returns the received
+    ``(sum(recv_counts), *row_shape)`` rows, sender 0's first. Collective (one buffer-based
+    ``Alltoallv`` with a contiguous row datatype; ``row_shape`` and dtype equal everywhere)."""
+    rows = np.ascontiguousarray(rows)
+    send_counts, recv_counts = (np.asarray(c, np.int64) for c in (send_counts, recv_counts))
+    row_shape = rows.shape[1:]
+    out = np.empty((int(recv_counts.sum()), *row_shape), rows.dtype)
+    row_size = int(np.prod(row_shape, dtype=np.int64))
+    if row_size == 0:
+        return out
+    sdispl = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).astype(np.int64)
+    rdispl = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).astype(np.int64)
+    rtype = _row_type(rows.dtype, row_size)
+    try:
+        comm.Alltoallv([rows, (send_counts, sdispl), rtype], [out, (recv_counts, rdispl), rtype])
+    finally:
+        rtype.Free()
+    return out
+
+
+@watched("an Allgather")
+def allgather_(comm: Comm, mine: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Concatenate every rank's ``mine`` ``(k,)`` into ``out`` ``(size * k,)``. Collective."""
+    comm.Allgather(mine, out)
+    return out
+
+
+@watched("a Barrier")
+def barrier(comm: Comm) -> None:
+    """Wait until every rank of ``comm`` arrives. Collective."""
+    comm.Barrier()

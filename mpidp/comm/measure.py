@@ -1,0 +1,47 @@
+"""Measuring the network: point-to-point latency and bandwidth, and Allreduce times (the
+cost model's inputs)."""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from .runtime import Comm
+
+
+def pingpong(comm: Comm, nbytes: int, reps: int = 50, peer: int = 1) -> float | None:
+    """One-way time (seconds) of an ``nbytes`` message between rank 0 and ``peer``, the
+    median of ``reps`` round trips halved; None on other ranks. Collective over the pair
+    (other ranks return at once)."""
+    if comm.rank not in (0, peer):
+        return None
+    buf = np.zeros(max(nbytes, 1), np.uint8)[:nbytes]
+    times = []
+    for _ in range(reps + 3):
+        t = MPI.Wtime()
+        if comm.rank == 0:
+            comm.Send(buf, dest=peer, tag=5)
+            comm.Recv(buf, source=peer, tag=5)
+        else:
+            comm.Recv(buf, source=0, tag=5)
+            comm.Send(buf, dest=0, tag=5)
+        times.append((MPI.Wtime() - t) / 2)
+    return float(np.median(times[3:])) if comm.rank == 0 else None
+
+
+def time_allreduce(comm: Comm, n: int, dtype=np.float32, reps: int = 20,
+                   evict: np.ndarray | None = None) -> float:
+    """Median seconds of an in-place ``Allreduce`` of ``n`` elements (between barriers, the
+    slowest rank's time). Collective. ``evict``: an array read before each repetition to
+    push the buffer out of the caches, as a gradient buffer is after a training step's
+    other memory traffic (a warm buffer reduced over and over is up to ~1.5x faster)."""
+    buf = np.ones(n, dtype)
+    times = []
+    for _ in range(reps + 2):
+        if evict is not None:
+            evict.sum()
+        comm.Barrier()
+        t = MPI.Wtime()
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        times.append(comm.allreduce(MPI.Wtime() - t, op=MPI.MAX))
+    return float(np.median(times[2:]))

@@ -1,0 +1,70 @@
+"""The MPI world: communicators, their construction, and what the library is.
+
+Importing this module (or anything in :mod:`mpidp.comm`) starts MPI; nothing else in mpidp
+imports mpi4py, so ``import mpidp`` and ``mpidp --help`` work without an MPI library.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpi4py import MPI
+
+from .activity import watched
+
+Comm = MPI.Comm
+SHM_DIR = "/dev/shm"  # where MPICH (and Open MPI) keep shared-memory segments on Linux
+
+
+def world() -> Comm:
+    """``MPI.COMM_WORLD``."""
+    return MPI.COMM_WORLD
+
+
+def self_comm() -> Comm:
+    """``MPI.COMM_SELF``: a communicator of this rank alone."""
+    return MPI.COMM_SELF
+
+
+def mpi_info(comm: Comm | None = None) -> dict[str, Any]:
+    """MPI vendor, version, library string, world size and processor names (rank 0's view)."""
+    comm = comm or MPI.COMM_WORLD
+    vendor, version = MPI.get_vendor()
+    return {
+        "vendor": vendor,
+        "vendor_version": ".".join(map(str, version)),
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
+        "library": MPI.Get_library_version().strip().splitlines()[0],
+        "mpi4py": __import__("mpi4py").__version__,
+        "world_size": comm.size,
+        "processor": MPI.Get_processor_name(),
+    }
+
+
+@watched("a Comm.Split")
+def split_off(comm: Comm, rank: int) -> Comm | None:
+    """A communicator of every rank but ``rank`` (None on ``rank``). Collective."""
+    color = MPI.UNDEFINED if comm.rank == rank else 0
+    sub = comm.Split(color, key=comm.rank)
+    return None if sub == MPI.COMM_NULL else sub
+
+
+@watched("a Comm.Split")
+def node_split(comm: Comm, first: int = 0) -> tuple[Comm, Comm | None]:
+    """``(node, leaders)``: the ranks of ``comm`` that share this rank's node (shared
+    memory), with ``first`` as rank 0 of its node (elsewhere the lowest rank), and, on each
+    node's rank 0 only, a communicator of those node leaders (``first``'s node leader is
+    its rank 0; None on the other ranks). Collective."""
+    key = -1 if comm.rank == first else comm.rank
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
+    leaders = comm.Split(0 if node.rank == 0 else MPI.UNDEFINED, key=key)
+    return node, (leaders if node.rank == 0 else None)
+
+
+@watched("a Comm.Split")
+def local_ranks(comm: Comm) -> int:
+    """How many ranks of ``comm`` share this rank's node. Collective."""
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    n = local.size
+    local.Free()
+    return n

@@ -1,0 +1,177 @@
+"""The watchdog: a stalled rank ends the job within about twice the timeout, named.
+
+Every MPI call of :mod:`mpidp.comm` marks this process as *waiting in MPI* while it runs
+(:func:`watched`); between calls the process is *computing*; :meth:`Watchdog.excused`
+marks work that may legitimately outlast a step (writing a checkpoint). That costs two
+attribute writes per call, so it covers every mode and every collective, point-to-point
+wait and shared-memory fence alike, without polling on the main thread.
+
+A thread per rank checks the mark. When this rank has waited or computed for longer than
+the timeout, the thread holds a roll call on a private duplicate of the communicator:
+every other rank's thread answers with its own mark (state, the call it is in, for how
+long, at which step). Then:
+
+- a rank that does not answer within ``grace`` seconds is stopped (SIGSTOP), dead, or
+  stuck outside Python: it is named;
+- a rank that has been computing (or excused) for longer than the timeout (resp. ten
+  timeouts) is stuck: it is named;
+- every rank waiting in MPI for longer than the timeout: a deadlock (mismatched
+  collectives); every rank's call and step is printed;
+- otherwise somebody is making progress (a straggler, an uneven end of training): the
+  roll call is repeated a timeout later.
+
+Naming a rank ends the job with ``MPI_Abort`` (exit code 3). The threads need
+``MPI_THREAD_MULTIPLE`` (mpi4py's default); without it the watchdog still ends a stalled
+job after the timeout, without names.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .abort import abort_job
+from .activity import STATE_NAMES, CALLS, COMPUTING, EXCUSED, IN_MPI, MARK
+
+
+_ROLL, _REPLY = 71, 72
+EXIT_CODE = 3
+
+
+class Watchdog:
+    """Watch this rank of ``comm`` for stalls longer than ``timeout`` seconds. Collective to
+    create (it duplicates ``comm``); :meth:`start` it on every rank, :meth:`stop` at the end.
+
+    ``timeout=None`` derives the timeout from the step times reported to :meth:`step_done`:
+    ``max(floor, steps * median step)``, so a healthy run never trips it.
+    """
+
+    def __init__(self, comm: MPI.Comm, timeout: float | None, grace: float = 2.0,
+                 floor: float = 600.0, steps: int = 50) -> None:
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"watchdog timeout must be > 0 seconds, got {timeout}")
+        self.comm, self.grace = comm, float(grace)
+        self.auto, self.floor, self.n_steps = timeout is None, float(floor), int(steps)
+        self.timeout = float(timeout) if timeout is not None else self.floor
+        self._durations: list[float] = []
+        self.side = comm.Dup()
+        self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def step_done(self, seconds: float) -> None:
+        """Report a step's duration (auto timeout: ``max(floor, steps * median)``)."""
+        if self.auto:
+            self._durations.append(seconds)
+            if len(self._durations) % 16 == 1:
+                self.timeout = max(self.floor, self.n_steps * float(np.median(self._durations)))
+
+    def start(self) -> Watchdog:
+        if self._thread is None:
+            MARK.since = time.monotonic()
+            self._thread = threading.Thread(target=self._run, name="mpidp-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (not collective; late roll calls to this rank go unanswered)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # --- the thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        me = self.comm.rank
+        call = np.zeros(1, np.int64)
+        listen = self.side.Irecv(call, source=MPI.ANY_SOURCE, tag=_ROLL) if self.threaded else None
+        replies: list = []
+        next_check = 0.0
+        try:
+            while not self._stop.wait(min(0.1, self.timeout / 8)):
+                if listen is not None:
+                    listen, replies = self._answer(listen, call, replies)
+                now = time.monotonic()
+                age = now - MARK.since
+                limit = self.timeout * (10 if MARK.state == EXCUSED else 1)
+                if age > limit and now >= next_check:
+                    if not self.threaded:
+                        self._abort(f"rank {me} stalled for {age:.1f}s "
+                                    f"({self._describe(self._mine())}); ranks not named "
+                                    "(MPI lacks MPI_THREAD_MULTIPLE)")
+                    self._roll_call(listen, call)
+                    next_check = time.monotonic() + self.timeout
+        finally:
+            if listen is not None:
+                listen.Cancel()
+                listen.Wait()
+
+    def _mine(self) -> np.ndarray:
+        m = MARK
+        return np.array([m.state, m.call, int((time.monotonic() - m.since) * 1000), m.step],
+                        np.int64)
+
+    def _answer(self, listen, call, replies):
+        status = MPI.Status()
+        while listen.Test(status):
+            mine = self._mine()
+            replies.append((self.side.Isend(mine, dest=status.Get_source(), tag=_REPLY), mine))
+            listen = self.side.Irecv(call, source=MPI.ANY_SOURCE, tag=_ROLL)
+        replies = [(r, b) for r, b in replies if not r.Test()]
+        return listen, replies
+
+    def _roll_call(self, listen, call) -> None:
+        comm, me = self.side, self.side.rank
+        others = [r for r in range(comm.size) if r != me]
+        ping = np.array([me], np.int64)
+        sent = [comm.Isend(ping, dest=r, tag=_ROLL) for r in others]
+        got = {r: np.full(4, -1, np.int64) for r in others}
+        pending = {r: comm.Irecv(got[r], source=r, tag=_REPLY) for r in others}
+        deadline = time.monotonic() + min(self.grace, max(self.timeout, 0.5))
+        replies: list = []
+        while pending and time.monotonic() < deadline:
+            listen, replies = self._answer(listen, call, replies)
+            pending = {r: q for r, q in pending.items() if not q.Test()}
+            time.sleep(0.002)
+        marks = {r: got[r] for r in others if r not in pending}
+        marks[me] = self._mine()
+        self._judge(sorted(pending), marks)
+        for q in list(pending.values()) + sent:
+            q.Cancel()
+
+    def _describe(self, mark: np.ndarray) -> str:
+        state, call, ms, step = (int(v) for v in mark)
+        where = f" in {CALLS[call]}" if state == IN_MPI and 0 <= call < len(CALLS) else ""
+        if state == EXCUSED:
+            where = f" ({MARK.excuse or 'excused'})"
+        at = f" at step {step}" if step >= 0 else ""
+        return f"{STATE_NAMES[state]}{where} for {ms / 1000:.1f}s{at}"
+
+    def _judge(self, silent: list[int], marks: dict[int, np.ndarray]) -> None:
+        t_ms = self.timeout * 1000
+        stuck = [r for r, m in marks.items()
+                 if (m[0] == COMPUTING and m[2] > t_ms) or (m[0] == EXCUSED and m[2] > 10 * t_ms)]
+        waiting = [r for r, m in marks.items() if m[0] == IN_MPI]
+        table = "; ".join(f"rank {r}: {self._describe(m)}" for r, m in sorted(marks.items()))
+        if silent or stuck:
+            named = sorted(set(silent) | set(stuck))
+            why = []
+            if silent:
+                why.append(f"{silent} did not answer (stopped, killed or stuck outside Python)")
+            if stuck:
+                why.append(f"{stuck} made no progress for over {self.timeout:.1f}s")
+            self._abort(f"stalled rank(s) {named}: " + " and ".join(why) + f". {table}")
+        if len(waiting) == len(marks) and all(m[2] > t_ms for m in marks.values()):
+            self._abort(f"every rank has waited in MPI for over {self.timeout:.1f}s "
+                        f"(mismatched collectives?): {table}")
+
+    def _abort(self, message: str) -> None:
+        sys.stderr.write(f"[mpidp] watchdog (rank {self.comm.rank}/{self.comm.size}, timeout "
+                         f"{self.timeout:.1f}s): {message}. Aborting the job.\n")
+        abort_job(self.comm, EXIT_CODE)
+
