@@ -21,7 +21,7 @@ blas_threads_default()  # before numpy loads BLAS: see mpidp/_threads.py
 __version__ = "0.2.0"
 
 _LAZY = {
-    "Checkpointing": "fit", "fit": "fit", "Data": "data", "Shard": "data", "load": "data",
+    "Checkpointing": "loop", "fit": "loop", "Data": "data", "Shard": "data", "load": "data",
     "shard_from_arrays": "data", "Partition": "balance", "Plan": "balance",
     "MpidpError": "comm", "abort_on_error": "comm", "assert_in_sync": "comm",
     "checksum": "comm", "params_in_sync": "comm", "map_reduce": "mapreduce",

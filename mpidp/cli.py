@@ -35,7 +35,7 @@ from .metrics import format_timings, gather_timings
 from .parallel import INIT_SYNC, ON_NONFINITE, DataParallel
 from .parallel.async_ps import train_async
 from .parallel.sync import SYNCS, make_sync
-from .fit import Checkpointing, fit
+from .loop import Checkpointing, fit
 
 # Settings a checkpoint must share with the run that resumes it (the world size may differ).
 RESUME_MUST_MATCH = ("dataset", "model", "hidden", "batch_size", "seed", "dtype", "optimizer",

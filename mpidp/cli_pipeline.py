@@ -18,7 +18,7 @@ from . import data as D
 from . import nn
 from .metrics import gather_timings
 from .parallel import make_trainer, model_layers
-from .fit import Checkpointing
+from .loop import Checkpointing
 from .train_pipeline import fit_pipeline, restore_checkpoint
 
 # Data-parallel-only options the pipeline does not implement: refused, not ignored.

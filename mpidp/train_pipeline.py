@@ -18,7 +18,7 @@ from . import comm as C
 from .checkpoint import State, check_fits, read_latest, save_flat, state_of
 from .parallel.pipeline import Pipeline
 from .partition import block_counts, block_range, epoch_order, steps_per_epoch
-from .fit import Checkpointing
+from .loop import Checkpointing
 
 
 def check_batches(n: int, batch_size: int, drop_last: bool, n_replicas: int,

@@ -9,6 +9,7 @@ from mpi_helpers import all_ranks
 
 import mpidp
 from mpidp import comm as C
+from mpidp.comm import collectives as Coll
 from mpidp import nn
 from mpidp.partition import block_counts
 
@@ -16,13 +17,14 @@ from mpidp.partition import block_counts
 @pytest.fixture
 def small_limit(monkeypatch):
     monkeypatch.setattr(C, "MAX_COUNT", 7)
+    monkeypatch.setattr(Coll, "MAX_COUNT", 7)  # where the chunking reads it
     return 7
 
 
 @pytest.mark.mpi(min_size=1)
 def test_pieces_cover_exactly(small_limit):
     for n in (0, 1, 6, 7, 8, 50):
-        pieces = C._pieces(n)
+        pieces = Coll._pieces(n)
         assert sum(hi - lo for lo, hi in pieces) == n
         assert all(0 < hi - lo <= 7 for lo, hi in pieces if n)
 

@@ -19,7 +19,7 @@ from mpidp import nn
 from mpidp.checkpoint import list_checkpoints, restore
 from mpidp.parallel import Pipeline, make_trainer, model_layers
 from mpidp.partition import block_range
-from mpidp.fit import Checkpointing
+from mpidp.loop import Checkpointing
 from mpidp.train_pipeline import fit_pipeline, restore_checkpoint
 
 RTOL, ATOL = 1e-9, 1e-11  # as in test_data_parallel: summation order differs, nothing else

@@ -335,7 +335,7 @@ def test_resume_mid_epoch_is_bit_identical(comm, shared_tmp, sync, optimizer, fi
     import shutil
 
     from mpidp.checkpoint import restore
-    from mpidp.fit import Checkpointing
+    from mpidp.loop import Checkpointing
     shard, _, _ = _data(comm)  # 150 rows, batches of 16: 10 steps per epoch
 
     def run(ck, resume=False, every=3):
