@@ -1,0 +1,295 @@
+"""A timeline per rank, for Perfetto / ``chrome://tracing``: what each rank did, when.
+
+Each rank records spans locally (:class:`Tracer`: a tuple appended to a list, nothing sent
+during training); :func:`write` aligns the ranks' clocks, gathers every rank's spans to
+rank 0 once, at the end, and writes one Chrome trace-event JSON file:
+
+- one process per rank, named ``rank r (host)``, sorted by rank;
+- one thread per track (``compute``, ``comm``, then any other track in order of first
+  use), named after the track; spans on one track should not overlap (nested is allowed);
+- every span's args hold its ``epoch`` and ``step`` plus what the caller gave (``bytes``,
+  ``samples``, ``micro_batch``, ``stage`` ...);
+- optional flow arrows between spans of different ranks (a send and its receive), drawn
+  by Perfetto when both ends carry the same ``flow`` key.
+
+Clocks: every rank timestamps with :func:`time.perf_counter`. :func:`write` estimates each
+rank's offset to rank 0 by ping-pong exchanges (see :func:`clock_offsets`) and shifts that
+rank's times onto rank 0's clock, so spans of different ranks (and the arrows between them)
+line up to within the stated uncertainty, also across hosts.
+
+``import mpidp.trace`` does not start MPI: :mod:`mpidp.comm` is imported inside
+:func:`write` and :func:`clock_offsets` only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+
+#: Tracks with fixed thread ids (in this order); other tracks follow, in order of first use.
+TRACKS = ("compute", "comm", "wait", "eval", "io")
+#: Tag of the clock-alignment messages (outside the range the trainers use).
+CLOCK_TAG = 7919
+_NULL = nullcontext()
+
+
+class _Span:
+    """Context manager of one span: times ``with`` body and appends it on exit."""
+
+    __slots__ = ("tracer", "name", "cat", "track", "args", "flow", "t0")
+
+    def __init__(self, tracer: Tracer, name: str, cat: str, track: str, flow, args: dict):
+        self.tracer, self.name, self.cat, self.track = tracer, name, cat, track
+        self.flow, self.args = flow, args
+
+    def __enter__(self) -> _Span:
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.tracer.add(self.name, self.cat, self.track, self.t0, time.perf_counter(),
+                        flow=self.flow, **self.args)
+
+
+class Tracer:
+    """This rank's spans, kept in memory until :func:`write`.
+
+    Parameters
+    ----------
+    rank, host : this process's rank and host name (the process is named ``rank r (host)``).
+    enabled : False makes every call a cheap no-op (``span`` returns a shared null context).
+    steps : ``(a, b)``: record only while ``a <= tracer.step < b`` (global steps counted
+        from 0), to keep the file small on long runs; None records every step.
+
+    Notes
+    -----
+    Set ``tracer.step`` (global step) and ``tracer.epoch`` as the loop advances; every span
+    records them in its args. Spans recorded before the first step (``step == -1``) are
+    kept only without a window. Memory: one tuple per span (~200 bytes), so bound long runs
+    with ``steps``.
+    """
+
+    def __init__(self, rank: int, host: str, enabled: bool = True,
+                 steps: tuple[int, int] | None = None) -> None:
+        if steps is not None and not (0 <= steps[0] < steps[1]):
+            raise ValueError(f"trace step window {steps[0]}:{steps[1]} is empty; give A:B "
+                             "with 0 <= A < B")
+        self.rank, self.host, self.enabled = rank, host, enabled
+        self.window = None if steps is None else (int(steps[0]), int(steps[1]))
+        self.epoch = 0
+        self.events: list[tuple] = []
+        self._step = -1
+        self.on = enabled and self.window is None
+
+    @property
+    def step(self) -> int:
+        """The current global step; spans outside the window are dropped."""
+        return self._step
+
+    @step.setter
+    def step(self, k: int) -> None:
+        self._step = k
+        w = self.window
+        self.on = self.enabled and (w is None or w[0] <= k < w[1])
+
+    def span(self, name: str, cat: str, track: str = "compute", flow: Any = None, **args):
+        """Context manager that records the ``with`` body as one span on ``track``.
+
+        ``flow``: a key (hashable, picklable) shared with a span on another rank, to draw
+        an arrow from the earlier span to the later one (a message and its receipt).
+        ``args``: small JSON-able values shown with the span (bytes, samples, ...).
+        """
+        if not self.on:
+            return _NULL
+        return _Span(self, name, cat, track, flow, args)
+
+    def add(self, name: str, cat: str, track: str, t0: float, t1: float, flow: Any = None,
+            **args) -> None:
+        """Record a span from ``t0`` to ``t1`` (:func:`time.perf_counter` seconds)."""
+        if self.on:
+            self.events.append((name, cat, track, t0, t1, self._step, self.epoch, flow,
+                                args or None))
+
+    def clear(self) -> None:
+        """Forget the spans recorded so far."""
+        self.events.clear()
+
+
+def clock_offsets(comm, rounds: int = 8) -> tuple[float, float]:
+    """``(offset, uncertainty)`` in seconds of this rank's :func:`time.perf_counter` relative
+    to rank 0's (``(0, 0)`` on rank 0): rank-0 time = local time - offset. Collective.
+
+    Rank 0 exchanges ``rounds`` round trips with each rank in turn: it sends, rank r stamps
+    its clock ``t_r`` and answers, and rank 0 takes ``t_r`` to have happened halfway
+    between its send ``s`` and receipt ``e``: ``offset = t_r - (s + e) / 2``. The round with
+    the shortest trip wins; its error is at most half that trip (``uncertainty``).
+    Chosen over "every rank leaves a Barrier at the same time": a Barrier releases ranks
+    one message hop apart (more at larger P) and gives no error bound.
+    """
+    from . import comm as C
+    buf = np.zeros(1, np.float64)
+    if comm.rank == 0:
+        res = np.zeros((comm.size, 2))
+        for r in range(1, comm.size):
+            trips = []
+            for _ in range(rounds):
+                s = time.perf_counter()
+                C.send(comm, buf, r, CLOCK_TAG)
+                C.recv_(comm, buf, r, CLOCK_TAG)
+                e = time.perf_counter()
+                trips.append((e - s, float(buf[0]) - (s + e) / 2))
+            rtt, off = min(trips)
+            res[r] = off, rtt / 2
+    else:
+        for _ in range(rounds):
+            C.recv_(comm, buf, 0, CLOCK_TAG)
+            buf[0] = time.perf_counter()
+            C.send(comm, buf, 0, CLOCK_TAG)
+        res = np.zeros((comm.size, 2))
+    C.bcast_(comm, res, root=0)
+    return float(res[comm.rank, 0]), float(res[comm.rank, 1])
+
+
+def _gather_obj(comm, obj: Any) -> list | None:
+    """Every rank's picklable ``obj`` in rank order on rank 0 (None elsewhere). Collective:
+    one Allgather of sizes and one Gatherv of bytes."""
+    from . import comm as C
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    counts = C.allgather_counts(comm, data.size)
+    joined = C.gatherv(comm, data)
+    if joined is None:
+        return None
+    ends = np.cumsum(counts)
+    return [pickle.loads(joined[e - n:e].tobytes()) for n, e in zip(counts, ends)]
+
+
+def write(comm, tracer: Tracer, path: str) -> int | None:
+    """Align clocks, gather every rank's spans and write ``path`` (Chrome trace-event JSON)
+    on rank 0. Collective: every rank of ``comm`` must call this (a disabled tracer
+    contributes nothing). Returns the number of spans written on rank 0, None elsewhere.
+
+    The file is written to a temporary name and moved into place (never half-written);
+    its ``otherData.clock_sync`` records each rank's offset and uncertainty.
+    """
+    offset, err = clock_offsets(comm)
+    mine = {"rank": comm.rank, "host": tracer.host, "offset": offset, "uncertainty": err,
+            "events": tracer.events}
+    parts = _gather_obj(comm, mine)
+    if parts is None:
+        return None
+    trace = build(parts, tracer.window)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(trace, f, separators=(",", ":"))
+    os.replace(tmp, path)
+    return sum(len(p["events"]) for p in parts)
+
+
+def _track_ids(parts: Sequence[dict]) -> dict[str, int]:
+    """Thread id of every track: :data:`TRACKS` first, then the others by first use."""
+    ids = {t: i + 1 for i, t in enumerate(TRACKS)}
+    for p in parts:
+        for ev in p["events"]:
+            ids.setdefault(ev[2], len(ids) + 1)
+    return ids
+
+
+def _metadata(parts: Sequence[dict], tids: dict[str, int]) -> list[dict]:
+    out = []
+    for p in parts:
+        pid = p["rank"]
+        out += [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                 "args": {"name": f"rank {pid} ({p['host']})"}},
+                {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
+                 "args": {"sort_index": pid}}]
+        for track in sorted({ev[2] for ev in p["events"]}, key=tids.get):
+            out += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tids[track],
+                     "args": {"name": track}},
+                    {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tids[track],
+                     "args": {"sort_index": tids[track]}}]
+    return out
+
+
+def build(parts: Sequence[dict], window: tuple[int, int] | None = None) -> dict:
+    """The trace-event document from every rank's ``{"rank", "host", "offset",
+    "uncertainty", "events"}`` (pure; :func:`write` gathers ``parts``). Times become
+    microseconds on rank 0's clock, from the earliest span of any rank."""
+    tids = _track_ids(parts)
+    starts = [ev[3] - p["offset"] for p in parts for ev in p["events"]]
+    origin = min(starts) if starts else 0.0
+    events, flows, fid = _metadata(parts, tids), {}, {}
+    for p in parts:
+        for name, cat, track, t0, t1, step, epoch, flow, args in p["events"]:
+            ts = (t0 - p["offset"] - origin) * 1e6
+            dur = max(t1 - t0, 0.0) * 1e6
+            ev = {"name": name, "cat": cat, "ph": "X", "pid": p["rank"], "tid": tids[track],
+                  "ts": round(ts, 3), "dur": round(dur, 3),
+                  "args": {"epoch": epoch, "step": step, **(args or {})}}
+            events.append(ev)
+            if flow is not None:
+                flows.setdefault(repr(flow), []).append(ev)
+    for key, evs in flows.items():  # an arrow from each span to the next one of the key
+        evs.sort(key=lambda e: e["ts"])
+        fid[key] = len(fid) + 1
+        for a, b in zip(evs, evs[1:]):
+            common = {"name": a["name"], "cat": "flow", "id": fid[key]}
+            events.append({**common, "ph": "s", "pid": a["pid"], "tid": a["tid"], "ts": _mid(a)})
+            events.append({**common, "ph": "f", "bp": "e", "pid": b["pid"], "tid": b["tid"],
+                           "ts": _mid(b)})
+    sync = {"method": "ping-pong with rank 0, shortest of 8 round trips",
+            "offsets_us": [p["offset"] * 1e6 for p in parts],
+            "uncertainty_us": [p["uncertainty"] * 1e6 for p in parts]}
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"clock_sync": sync, "steps": list(window) if window else None,
+                          "ranks": len(parts)}}
+
+
+def _mid(ev: dict) -> float:
+    """The middle of span ``ev`` (a flow arrow's end binds to the span around it)."""
+    return round(ev["ts"] + ev["dur"] / 2, 3)
+
+
+def overlaps(trace: dict, nested_ok: bool = True) -> list[str]:
+    """Problems in ``trace``: spans on one (pid, tid) track that overlap without one
+    containing the other (any overlap if not ``nested_ok``). Empty when the tracks are
+    clean. Pure; used by tests and by :mod:`benchmarks.plot_timeline`."""
+    tracks: dict[tuple, list] = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X":
+            tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"], e))
+    problems = []
+    for key, spans in tracks.items():
+        spans.sort(key=lambda s: (s[0], -s[1]))
+        open_ends: list[float] = []
+        for t0, t1, e in spans:
+            while open_ends and open_ends[-1] <= t0 + 1e-3:
+                open_ends.pop()
+            if open_ends and (not nested_ok or t1 > open_ends[-1] + 1e-3):
+                problems.append(f"pid {key[0]} tid {key[1]}: {e['name']} at {t0:.3f} us "
+                                f"overlaps a span ending at {open_ends[-1]:.3f} us")
+            open_ends.append(t1)
+    return problems
+
+
+def parse_window(text: str | None) -> tuple[int, int] | None:
+    """``"A:B"`` -> ``(A, B)`` (global steps A to B-1); None or "" -> None. Raises
+    ValueError with the fix for anything else."""
+    if not text:
+        return None
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--trace-steps {text!r}: give A:B, two step numbers "
+                         "(e.g. 100:110 records steps 100 to 109)") from None
+    if not 0 <= a < b:
+        raise ValueError(f"--trace-steps {text!r}: give A:B with 0 <= A < B (e.g. 100:110)")
+    return a, b
