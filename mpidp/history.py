@@ -1,0 +1,153 @@
+"""Live metrics of a run: ``history.jsonl`` (one JSON object per line, flushed as written)
+and, optionally, TensorBoard scalars. Written on the root rank only; no MPI here.
+
+A job that fails or is killed keeps every line up to its last one: each line is written
+whole and flushed to the operating system at once (an epoch line is also fsync'ed, so it
+survives a machine crash). ``metrics.json`` and ``model.npz`` stay success-only; this file
+is what ``mpidp plot`` reads when they are missing.
+
+Line format: ``{"kind": "config" | "epoch" | "steps", ...the record...}``. Records are flat dicts of
+numbers and strings; per-rank figures are lists indexed by rank (e.g. ``"compute_s": [..]``
+with ``"comm_s"`` and ``"wait_s"``), from which :func:`derived` adds the communication
+share and the load imbalance. Non-finite floats are written as ``null`` (strict JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+#: Per-rank lists that :func:`derived` reads: seconds per rank over the record's span.
+PER_RANK = ("compute_s", "comm_s", "wait_s")
+#: The message when TensorBoard output is asked for without its package.
+NEED_TENSORBOARD = ("--tensorboard needs the tensorboardX package: pip install "
+                    "'mpidp[tensorboard]' (or pip install tensorboardX)")
+
+
+def _clean(v: Any) -> Any:
+    """``v`` with non-finite floats as None, NumPy scalars/arrays as Python values."""
+    if hasattr(v, "tolist"):
+        v = v.tolist()
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {str(k): _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+def derived(record: dict) -> dict:
+    """``comm_share`` (communication seconds over compute + communication + wait, summed
+    over ranks) and ``imbalance`` (slowest rank's compute over the mean; 1 = balanced) from
+    the per-rank lists of :data:`PER_RANK`; empty when ``record`` lacks ``compute_s``."""
+    compute = record.get("compute_s")
+    if not isinstance(compute, (list, tuple)) or not compute:
+        return {}
+    comm = record.get("comm_s") or [0.0] * len(compute)
+    wait = record.get("wait_s") or [0.0] * len(compute)
+    total = sum(compute) + sum(comm) + sum(wait)
+    mean = sum(compute) / len(compute)
+    return {"comm_share": sum(comm) / total if total > 0 else 0.0,
+            "imbalance": max(compute) / mean if mean > 0 else 1.0}
+
+
+class History:
+    """Appends records to ``path_jsonl``; mirrors them to TensorBoard when asked.
+
+    Parameters
+    ----------
+    path_jsonl : the JSON-lines file (its folder is created). Truncated unless ``append``
+        (a resumed run continues its file).
+    tensorboard_dir : folder for TensorBoard event files, or None. Raises ValueError
+        naming the fix when tensorboardX is not installed.
+    fsync_epochs : fsync after each epoch line (steps lines are only flushed).
+
+    Files are created with the process umask (``open`` mode 0o666 & ~umask).
+    """
+
+    def __init__(self, path_jsonl: str, tensorboard_dir: str | None = None,
+                 append: bool = False, fsync_epochs: bool = True) -> None:
+        self.writer = None
+        if tensorboard_dir is not None:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                raise ValueError(NEED_TENSORBOARD) from None
+            os.makedirs(tensorboard_dir, exist_ok=True)
+            self.writer = SummaryWriter(logdir=tensorboard_dir)
+        os.makedirs(os.path.dirname(os.path.abspath(path_jsonl)), exist_ok=True)
+        self.path, self.fsync_epochs = path_jsonl, fsync_epochs
+        self._f = open(path_jsonl, "a" if append else "w", encoding="utf-8")
+
+    def _write(self, kind: str, record: dict, sync: bool) -> dict:
+        rec = {"kind": kind, **_clean(record)}
+        rec.update({k: v for k, v in derived(rec).items() if k not in rec})
+        self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        self._f.flush()
+        if sync:
+            os.fsync(self._f.fileno())
+        return rec
+
+    def config(self, config: dict) -> None:
+        """Write the run's configuration (first, once): ``mpidp plot`` labels a killed run
+        from it. Keys as in ``metrics.json``'s ``config`` (``sync``, ``world_size`` ...)."""
+        self._write("config", config, self.fsync_epochs)
+
+    def epoch(self, record: dict) -> None:
+        """Append one finished epoch (must hold ``epoch``; usually ``loss``, ``accuracy``,
+        ``seconds``, ``elapsed_s``, ``samples_per_s``, test figures, per-rank lists)."""
+        rec = self._write("epoch", record, self.fsync_epochs)
+        self._scalars("epoch", rec, int(rec.get("epoch", 0)))
+
+    def steps(self, record: dict) -> None:
+        """Append one ``--log-every`` record (must hold ``step``; usually ``epoch``,
+        ``loss``, ``samples_per_s`` and the per-rank lists over the last N steps)."""
+        rec = self._write("steps", record, False)
+        self._scalars("step", rec, int(rec.get("step", 0)))
+
+    def _scalars(self, prefix: str, rec: dict, x: int) -> None:
+        """Every number of ``rec`` as ``prefix/key`` (lists: ``prefix/key/rank<r>``)."""
+        if self.writer is None:
+            return
+        for key, v in rec.items():
+            if key in ("kind", "epoch", "step"):
+                continue
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.writer.add_scalar(f"{prefix}/{key}", v, x)
+            elif isinstance(v, list) and all(isinstance(y, (int, float)) for y in v):
+                for r, y in enumerate(v):
+                    self.writer.add_scalar(f"{prefix}/{key}/rank{r}", y, x)
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the files (safe to call twice)."""
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def __enter__(self) -> History:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read(path: str) -> list[dict]:
+    """The records of a ``history.jsonl``, in order; a last line cut short by a kill is
+    skipped (everything before it is whole)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                if line.endswith("\n"):
+                    raise
+    return out
