@@ -1,0 +1,185 @@
+"""``mpidp plot RUN_DIR [RUN_DIR ...] --out FILE.png``: loss and accuracy of one or several
+runs against epochs and against seconds, each run labelled from its configuration.
+
+A run folder holds ``metrics.json`` (a finished run) or, for a run that failed or was
+killed, ``history.jsonl`` (its epochs up to the last line written). No MPI here;
+matplotlib is imported only when drawing (an error names the fix when it is missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from .history import read as read_history
+
+#: Configuration keys worth naming in a label, in this order, with their short names.
+LABEL_KEYS = (("parallel", "parallel"), ("sync", "sync"), ("world_size", "P"),
+              ("partition", "partition"), ("schedule", "schedule"),
+              ("micro_batches", "m"), ("optimizer", "opt"), ("lr", "lr"),
+              ("batch_size", "batch"), ("compress", "compress"), ("sync_every", "every"),
+              ("dataset", "data"), ("model", "model"), ("hidden", "hidden"), ("seed", "seed"))
+NEED_MATPLOTLIB = ("mpidp plot needs matplotlib: pip install 'mpidp[bench]' "
+                   "(or pip install matplotlib)")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``plot`` subcommand to ``subparsers`` (from ``add_subparsers``)."""
+    p = subparsers.add_parser(
+        "plot", help="plot loss and accuracy of finished or killed runs (no MPI needed)",
+        description=__doc__.split("\n\n")[0].replace("``", ""))
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                   help="a train --out folder (metrics.json, or history.jsonl if it was killed)")
+    p.add_argument("--out", required=True, metavar="FILE.png", help="the image to write")
+    p.add_argument("--x", choices=("epochs", "seconds", "both"), default="both",
+                   help="horizontal axis: epochs, seconds since the start, or both (default)")
+    p.add_argument("--title", default=None, help="a title over the figure")
+    return p
+
+
+def load_run(folder: str) -> dict:
+    """``{"folder", "config", "epochs": [records], "finished": bool}`` from a run folder.
+
+    Raises ValueError naming the folder when it holds neither file, or no epoch yet."""
+    metrics = os.path.join(folder, "metrics.json")
+    jsonl = os.path.join(folder, "history.jsonl")
+    if os.path.isfile(metrics):
+        with open(metrics, encoding="utf-8") as f:
+            m = json.load(f)
+        config = dict(m.get("config") or {})
+        config.setdefault("world_size", m.get("world_size"))
+        config.setdefault("sync", m.get("sync"))
+        return {"folder": folder, "config": config, "epochs": list(m.get("history") or []),
+                "finished": True}
+    if not os.path.isfile(jsonl):
+        raise ValueError(f"{folder}: no metrics.json or history.jsonl; give a folder that "
+                         "mpidp train wrote (its --out)")
+    records = read_history(jsonl)
+    config = {}
+    for r in records:
+        if r.get("kind") == "config":
+            config = {k: v for k, v in r.items() if k != "kind"}
+    epochs = [r for r in records if r.get("kind") == "epoch"]
+    if not epochs:
+        raise ValueError(f"{folder}: history.jsonl has no finished epoch yet")
+    return {"folder": folder, "config": config, "epochs": epochs, "finished": False}
+
+
+def elapsed(epochs: list[dict]) -> list[float]:
+    """Seconds since the start at the end of each epoch: ``elapsed_s`` when recorded, else
+    the running sum of each epoch's ``seconds``."""
+    out, t = [], 0.0
+    for e in epochs:
+        t += float(e.get("seconds") or 0.0)
+        out.append(float(e["elapsed_s"]) if e.get("elapsed_s") is not None else t)
+    return out
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return ",".join(map(str, v))
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def labels(runs: list[dict]) -> list[str]:
+    """One label per run: the configuration keys whose values differ between the runs that
+    record them (always ``sync`` or ``parallel``, and ``P``), e.g. ``sync=ps P=2``; the folder name
+    is added where two labels would be equal; ``(killed)`` for runs without metrics.json."""
+    cfgs = [r["config"] for r in runs]
+    keys = []
+    for key, short in LABEL_KEYS:
+        values = {json.dumps(c[key], sort_keys=True) for c in cfgs if c.get(key) is not None}
+        always = key == "world_size" or (key == "sync" and all(
+            c.get("parallel", "data") == "data" for c in cfgs))
+        if len(values) > 1 or (always and values):
+            keys.append((key, short))
+    if not any(k == "parallel" for k, _ in keys) and any(
+            c.get("parallel", "data") != "data" for c in cfgs):
+        keys.insert(0, ("parallel", "parallel"))
+    out = [" ".join(f"{s}={_short(c[k])}" for k, s in keys if c.get(k) is not None)
+           for c in cfgs]
+    same = [not lab or out.count(lab) > 1 for lab in out]
+    for i, r in enumerate(runs):
+        if same[i]:
+            out[i] = f"{out[i]} [{os.path.basename(os.path.normpath(r['folder']))}]".strip()
+    return [lab + ("" if r["finished"] else " (killed)") for lab, r in zip(out, runs)]
+
+
+def _series(epochs: list[dict], key: str) -> list[float | None]:
+    return [e.get(key) for e in epochs]
+
+
+def _wide_range(values: list[float]) -> bool:
+    """True when positive ``values`` span more than a factor of 20 (use a log axis)."""
+    pos = [v for v in values if v is not None and v > 0]
+    return bool(pos) and max(pos) / min(pos) > 20
+
+
+def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) -> list[str]:
+    """Draw loss (top) and accuracy (bottom) against epochs and/or seconds into ``out``.
+    Training figures solid, test figures dashed in the same colour. Returns the legend's
+    entries (outside the axes, so it hides no curve)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+    xs = ["epochs", "seconds"] if x == "both" else [x]
+    fig, axes = plt.subplots(2, len(xs), figsize=(5.5 * len(xs) + 2.5, 7), squeeze=False)
+    losses: list[float] = []
+    for i, (run, label) in enumerate(zip(runs, labels(runs))):
+        color = f"C{i % 10}"
+        ep = run["epochs"]
+        xvals = {"epochs": [e.get("epoch", j + 1) for j, e in enumerate(ep)],
+                 "seconds": elapsed(ep)}
+        mark = "o" if len(ep) <= 30 else None
+        for col, name in enumerate(xs):
+            for row, (train, test) in enumerate((("loss", "test_loss"),
+                                                  ("accuracy", "test_accuracy"))):
+                ax = axes[row][col]
+                for key, style in ((train, "-"), (test, "--")):
+                    ys = _series(ep, key)
+                    if all(v is None for v in ys):
+                        continue
+                    losses += [v for v in ys if row == 0 and v is not None]
+                    ax.plot(xvals[name], [float("nan") if v is None else v for v in ys],
+                            style, color=color, marker=mark, ms=3,
+                            label=f"{label}, {'train' if key == train else 'test'}")
+    for col, name in enumerate(xs):
+        axes[0][col].set(ylabel="loss", xlabel="epoch" if name == "epochs" else "seconds")
+        axes[1][col].set(ylabel="accuracy", xlabel="epoch" if name == "epochs" else "seconds")
+        if _wide_range(losses):
+            axes[0][col].set_yscale("log")
+        for row in (0, 1):
+            axes[row][col].grid(alpha=0.3)
+            if name == "epochs":
+                axes[row][col].xaxis.set_major_locator(MaxNLocator(integer=True))
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
+               title="solid: train, dashed: test")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return names
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``mpidp plot``; returns the exit status (2 with a message on bad input)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"mpidp: error: {NEED_MATPLOTLIB}", file=sys.stderr)
+        return 2
+    try:
+        runs = [load_run(folder) for folder in args.runs]
+    except (ValueError, OSError) as exc:
+        print(f"mpidp: error: {exc}", file=sys.stderr)
+        return 2
+    draw(runs, args.out, getattr(args, "x", "both"), getattr(args, "title", None))
+    print(f"wrote {args.out} ({len(runs)} run{'s' if len(runs) > 1 else ''})")
+    return 0

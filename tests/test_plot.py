@@ -1,0 +1,111 @@
+"""mpidp plot: runs read from metrics.json or (killed) history.jsonl, labelled from their
+configurations, drawn into a non-trivial PNG; bad folders are clear errors; no MPI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+from clitools import ROOT
+
+from mpidp import plot as P
+from mpidp.history import History
+
+
+def _metrics(folder, sync, P_, losses, seconds=0.5, lr=0.05):
+    folder.mkdir(parents=True)
+    hist = [{"epoch": i + 1, "loss": v, "accuracy": 1 - v / 3, "seconds": seconds,
+             "test_loss": v * 1.1, "test_accuracy": 1 - v / 2.5} for i, v in enumerate(losses)]
+    config = {"command": "train", "sync": sync, "world_size": P_, "parallel": "data",
+              "lr": lr, "dataset": "digits", "out": str(folder)}
+    (folder / "metrics.json").write_text(json.dumps(
+        {"world_size": P_, "sync": sync, "history": hist, "config": config}))
+    return folder
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="mpidp")
+    P.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+@pytest.fixture
+def runs(tmp_path):
+    a = _metrics(tmp_path / "a", "allreduce", 2, [1.2, 0.6, 0.3, 0.2])
+    b = _metrics(tmp_path / "b", "ps", 2, [1.3, 0.7, 0.4, 0.25], seconds=0.8)
+    killed = tmp_path / "c"
+    with History(str(killed / "history.jsonl")) as h:
+        h.config({"sync": "local-sgd", "world_size": 4, "parallel": "data", "lr": 0.05,
+                  "dataset": "digits"})
+        h.epoch({"epoch": 1, "loss": 1.5, "accuracy": 0.4, "seconds": 0.3, "elapsed_s": 0.4})
+        h.epoch({"epoch": 2, "loss": 0.9, "accuracy": 0.6, "seconds": 0.3, "elapsed_s": 0.7})
+    with open(killed / "history.jsonl", "a") as f:
+        f.write('{"kind":"epoch","epo')  # the line the kill cut short
+    return a, b, killed
+
+
+def test_labels_come_from_the_configs(runs):
+    a, b, killed = runs
+    loaded = [P.load_run(str(x)) for x in runs]
+    assert P.labels(loaded[:2]) == ["sync=allreduce P=2", "sync=ps P=2"]
+    assert P.labels(loaded) == ["sync=allreduce P=2", "sync=ps P=2", "sync=local-sgd P=4 (killed)"]
+    # same configuration twice: the folder names tell them apart
+    assert P.labels([loaded[0], loaded[0]]) == ["sync=allreduce P=2 [a]"] * 2
+    pipe = dict(loaded[0], config={"parallel": "pipeline", "world_size": 2, "sync": "allreduce"})
+    assert P.labels([loaded[0], pipe]) == ["parallel=data P=2", "parallel=pipeline P=2"]
+
+
+def test_elapsed_sums_epoch_seconds_unless_recorded(runs):
+    a, _, killed = runs
+    assert P.elapsed(P.load_run(str(a))["epochs"]) == [0.5, 1.0, 1.5, 2.0]
+    assert P.elapsed(P.load_run(str(killed))["epochs"]) == [0.4, 0.7]
+
+
+def test_plot_draws_every_run_into_a_png(runs, tmp_path):
+    a, b, killed = runs
+    out = tmp_path / "figs" / "runs.png"
+    legend = P.draw([P.load_run(str(x)) for x in runs], str(out))
+    assert legend == ["sync=allreduce P=2, train", "sync=allreduce P=2, test",
+                      "sync=ps P=2, train", "sync=ps P=2, test",
+                      "sync=local-sgd P=4 (killed), train"]
+    import matplotlib.image as mpimg
+    img = mpimg.imread(str(out))
+    assert img.shape[0] > 400 and img.shape[1] > 800
+    assert img[..., :3].std() > 0.05  # curves, axes and text, not a blank canvas
+    assert out.stat().st_size > 20_000
+
+
+def test_main_reads_args_and_one_axis(runs, tmp_path, capsys):
+    out = tmp_path / "one.png"
+    args = _parse(["plot", *map(str, runs[:2]), "--out", str(out), "--x", "seconds"])
+    assert P.main(args) == 0
+    assert out.exists() and "wrote" in capsys.readouterr().out
+
+
+def test_folder_without_results_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    args = _parse(["plot", str(tmp_path / "empty"), "--out", str(tmp_path / "x.png")])
+    assert P.main(args) == 2
+    err = capsys.readouterr().err
+    assert "no metrics.json or history.jsonl" in err and "--out" in err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_missing_matplotlib_is_a_clear_error(runs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    args = _parse(["plot", str(runs[0]), "--out", str(tmp_path / "x.png")])
+    assert P.main(args) == 2
+    assert "pip install" in capsys.readouterr().err
+
+
+def test_plot_needs_no_mpi(runs, tmp_path):
+    code = ("import sys, argparse; from mpidp import plot as P; "
+            "p = argparse.ArgumentParser(); P.add_parser(p.add_subparsers()); "
+            f"rc = P.main(p.parse_args(['plot', {str(runs[0])!r}, '--out', {str(tmp_path / 'n.png')!r}])); "
+            "assert rc == 0 and 'mpi4py' not in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
