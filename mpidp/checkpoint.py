@@ -3,17 +3,24 @@ independent of the number of ranks (parameters are replicated; positions are glo
 
 A checkpoint is an ``.npz`` holding ``params``, the optimizer's flat state arrays
 (``opt.<name>``), a JSON ``meta`` (epoch, step, optimizer step count, the epoch's running
-totals, history, configuration) and a BLAKE2 ``checksum`` over all of them.
+totals, history, configuration, run id) and a BLAKE2 ``checksum`` over all of them.
+
+A checkpoint folder belongs to one run at a time (:func:`claim`, on the root rank, before
+anything is read or written there): a fresh run into a folder that holds another run's
+checkpoints is refused, two jobs cannot share a folder, a checkpoint is only ever replaced
+by a newer one (:func:`save`), and a resume must agree with the checkpoint on the settings
+and the data that shape the run (:func:`compare_resume`, :func:`data_fingerprint`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
 import os
+import re
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,27 +28,32 @@ from typing import Any
 import numpy as np
 
 from . import comm as C
+from .folders import (
+    RUN_FILE,
+    Claim,
+    clean_stale_tmp,
+    lock_folder,
+    read_run,
+    unlock_folder,
+    write_atomic,
+    write_run,
+)
 from .nn import Optimizer, Sequential
 
 PATTERN = "ckpt-{:010d}.npz"
+DAMAGED_PREFIX = "damaged-"
 VERSION = 1
 
+# Settings a checkpoint must share with the run that resumes it (the world size may differ).
+RESUME_MUST_MATCH = ("dataset", "model", "hidden", "batch_size", "seed", "dtype", "optimizer",
+                     "test_fraction", "no_shuffle", "drop_last", "n_samples", "n_features")
+# Settings a resume may change; the change is announced and recorded.
+RESUME_MAY_CHANGE = ("lr", "momentum", "weight_decay")
 
-def write_atomic(path: str, write) -> None:
-    """Write ``path`` via a temporary file in the same folder: write, flush, fsync, rename.
-
-    A crash at any moment leaves either the old file or the complete new one.
-    """
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+__all__ = ["Claim", "DAMAGED_PREFIX", "PATTERN", "RESUME_MAY_CHANGE", "RESUME_MUST_MATCH",
+           "State", "check_fits", "claim", "compare_resume", "data_fingerprint",
+           "format_changes", "list_checkpoints", "newest_step", "read", "read_latest",
+           "restore", "save", "save_flat", "state_of", "write_atomic"]
 
 
 def _digest(meta: str, arrays: dict[str, np.ndarray]) -> str:
@@ -66,37 +78,137 @@ class State:
     partition: dict[str, Any] = field(default_factory=dict)  # e.g. adaptive capacities
 
 
-def save(directory: str, model: Sequential, optimizer: Optimizer, state: State, keep: int = 3) -> str:
+# --- the folder ------------------------------------------------------------------------
+
+def claim(directory: str, run_id: str, *, resume: bool, restart: bool = False) -> Claim:
+    """Take checkpoint folder ``directory`` for run ``run_id``. Not collective: call it on
+    the root rank before any checkpoint is read or written there; hold the returned
+    :class:`~mpidp.folders.Claim` for the whole run, then :meth:`~Claim.release` it.
+
+    In order: create the folder, take its lock (another live job holding it is refused),
+    remove ``.tmp-*`` files that killed writers left, then decide ownership:
+
+    - ``restart``: delete the folder's checkpoints and ``run.json``; the folder is this run's.
+    - ``resume``: keep the folder's run (``Claim.run_id`` is the id in its ``run.json``, not
+      ``run_id``); a folder without ``run.json`` is adopted for ``run_id``.
+    - neither: a folder holding checkpoints is refused; an empty one (or one whose run wrote
+      no checkpoint) becomes this run's.
+
+    Raises ValueError naming the folder and the way forward; the lock is not kept then.
+    """
+    if resume and restart:
+        raise ValueError(f"--resume continues the run in {directory} and --restart deletes "
+                         f"it: give one of them")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd = lock_folder(directory)
+    except OSError as exc:
+        raise ValueError(f"--checkpoint-dir {directory}: cannot use it as a checkpoint "
+                         f"folder ({exc})") from exc
+    try:
+        held = Claim(directory, run_id, _fd=fd)
+        held.cleaned = clean_stale_tmp(directory, max_age_s=60.0)
+        owner, found = read_run(directory), list_checkpoints(directory)
+        if restart:
+            held.wiped = _wipe(directory)
+            owner = None
+        elif found and not resume:
+            raise ValueError(_used_message(directory, owner, found))
+        if resume and owner is not None and owner.get("run_id"):
+            held.run_id, held.continued = owner["run_id"], True
+        else:
+            held.continued = bool(resume and found)
+            write_run(directory, run_id)
+    except BaseException:
+        unlock_folder(fd)
+        raise
+    return held
+
+
+def _used_message(directory: str, owner: dict | None, found: list[str]) -> str:
+    if owner is None or not owner.get("run_id"):
+        whose = "another run"
+    else:
+        whose = (f"another run (run {owner['run_id']}, started {owner.get('created', '?')} on "
+                 f"{owner.get('host', '?')})")
+    return (f"checkpoint folder {directory} already holds checkpoints of {whose}, the newest "
+            f"{os.path.basename(found[-1])}: give this run another --checkpoint-dir, continue "
+            f"that run with --resume, or add --restart to delete its checkpoints and start over")
+
+
+def _wipe(directory: str) -> list[str]:
+    """Delete the checkpoints (good or set aside) and ``run.json`` in ``directory``."""
+    removed = []
+    paths = list_checkpoints(directory) + glob.glob(os.path.join(directory, DAMAGED_PREFIX + "ckpt-*"))
+    for path in paths + [os.path.join(directory, RUN_FILE)]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
+
+
+def list_checkpoints(directory: str) -> list[str]:
+    """Checkpoint files in ``directory``, oldest first."""
+    return sorted(p for p in glob.glob(os.path.join(directory, "ckpt-*.npz"))
+                  if re.fullmatch(r"ckpt-\d{10}\.npz", os.path.basename(p)))
+
+
+def newest_step(directory: str) -> int | None:
+    """Global step of the newest checkpoint file in ``directory`` (None if there is none)."""
+    found = list_checkpoints(directory)
+    return int(os.path.basename(found[-1])[5:15]) if found else None
+
+
+# --- writing ---------------------------------------------------------------------------
+
+def save(directory: str, model: Sequential, optimizer: Optimizer, state: State, keep: int = 3,
+         *, run_id: str | None = None) -> str:
     """Write a checkpoint for ``state`` into ``directory``; keep the newest ``keep``. Not
-    collective: call it on one rank. Returns the file's path."""
-    return save_flat(directory, model.params, optimizer.state, optimizer, state, keep)
+    collective: call it on one rank. Returns the file's path. See :func:`save_flat`."""
+    return save_flat(directory, model.params, optimizer.state, optimizer, state, keep,
+                     run_id=run_id)
 
 
 def save_flat(directory: str, params: np.ndarray, opt_state: dict[str, np.ndarray],
-              optimizer: Optimizer, state: State, keep: int = 3) -> str:
+              optimizer: Optimizer, state: State, keep: int = 3, *,
+              run_id: str | None = None) -> str:
     """:func:`save` from the whole model's flat ``params`` and optimizer state arrays (as a
     pipeline gathers them from its stages); ``optimizer`` gives the type and step count.
-    The file is the same whoever wrote it, so any layout may resume it."""
+    The file is the same whoever wrote it, so any layout may resume it.
+
+    Raises ValueError, writing nothing, if ``state.global_step`` is not newer than the
+    newest checkpoint in ``directory`` (a checkpoint is never rewritten by an older or equal
+    one), or if ``run_id`` is given and ``directory``'s ``run.json`` names another run.
+    """
     os.makedirs(directory, exist_ok=True)
+    newest = newest_step(directory)
+    if newest is not None and state.global_step <= newest:
+        raise ValueError(f"not writing a checkpoint of step {state.global_step} into "
+                         f"{directory}: it holds step {newest} already, and a checkpoint is "
+                         f"only ever replaced by a newer one")
+    if run_id is not None:
+        owner = read_run(directory) or {}
+        if owner.get("run_id") != run_id:
+            raise ValueError(f"checkpoint folder {directory} belongs to run "
+                             f"{owner.get('run_id')}, not to this run ({run_id}): another job "
+                             f"took it over; this run writes no more checkpoints there")
     arrays = {"params": params, **{f"opt.{k}": v for k, v in opt_state.items()}}
     meta = json.dumps({"version": VERSION, "epoch": state.epoch, "step": state.step,
                        "global_step": state.global_step, "totals": state.totals,
                        "history": state.history, "config": state.config,
-                       "partition": state.partition,
+                       "partition": state.partition, "run_id": run_id,
                        "n_params": int(params.size), "dtype": str(params.dtype),
                        "optimizer": {"type": type(optimizer).__name__, "t": optimizer.t,
                                      "state": {k: list(v.shape) for k, v in opt_state.items()}}})
     path = os.path.join(directory, PATTERN.format(state.global_step))
     write_atomic(path, lambda f: np.savez(f, meta=meta, checksum=_digest(meta, arrays), **arrays))
     for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
-        os.unlink(old)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(old)
     return path
 
 
-def list_checkpoints(directory: str) -> list[str]:
-    """Checkpoint files in ``directory``, oldest first."""
-    return sorted(glob.glob(os.path.join(directory, "ckpt-*.npz")))
-
+# --- reading ---------------------------------------------------------------------------
 
 def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     """``(meta, arrays)`` of a checkpoint, after verifying its checksum.
@@ -116,21 +228,32 @@ def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     return json.loads(meta), arrays
 
 
-def read_latest(directory: str) -> tuple[str, dict, dict[str, np.ndarray]] | None:
+def read_latest(directory: str, *, set_aside: bool = True
+                ) -> tuple[str, dict, dict[str, np.ndarray]] | None:
     """The newest checkpoint in ``directory`` that verifies; falls back to older ones and
-    says so on stderr. None if there is none; ValueError if every one is damaged."""
+    says so on stderr. None if there is none; ValueError if every one is damaged.
+
+    With ``set_aside``, damaged checkpoints newer than the one returned are renamed
+    ``damaged-ckpt-*.npz`` (kept for inspection, no longer "the newest"), so the resumed
+    run may write those steps again.
+    """
     files = list_checkpoints(directory)
-    problems = []
+    problems, damaged = [], []
     for path in reversed(files):
         try:
             meta, arrays = read(path)
         except ValueError as exc:
             problems.append(str(exc))
+            damaged.append(path)
             print(f"[mpidp] {exc}; trying the previous checkpoint", file=sys.stderr, flush=True)
             continue
         if problems:
             print(f"[mpidp] resuming from the previous good checkpoint {path}", file=sys.stderr,
                   flush=True)
+        for bad in damaged if set_aside else []:
+            aside = os.path.join(directory, DAMAGED_PREFIX + os.path.basename(bad))
+            os.replace(bad, aside)
+            print(f"[mpidp] set the damaged {bad} aside as {aside}", file=sys.stderr, flush=True)
         return path, meta, arrays
     if problems:
         raise ValueError(f"no usable checkpoint in {directory}: " + "; ".join(problems))
@@ -189,3 +312,99 @@ def check_fits(path: str, meta: dict, n_params: int, dtype: np.dtype, optimizer:
     if meta["optimizer"]["type"] != type(optimizer).__name__:
         raise ValueError(f"checkpoint {path} was written with {meta['optimizer']['type']}, "
                          f"not {type(optimizer).__name__}")
+
+
+# --- resuming --------------------------------------------------------------------------
+
+def data_fingerprint(spec: str, *, block: int = 1 << 16, n_blocks: int = 16) -> dict:
+    """What identifies dataset ``spec`` cheaply: for a built-in, its name (its parameters
+    are in the configuration); for a file (or each of a folder's ``X.npy``, ``y.npy``), its
+    size and, for a zip (``.npz``), the size and CRC-32 of every member from its directory
+    (any change to a member's contents shows; a re-save of the same arrays does not), else a
+    BLAKE2 hash of the first, the last and ``n_blocks`` evenly spaced blocks of ``block``
+    bytes (the whole file when small). Reads at most about ``(n_blocks + 2) * block`` bytes
+    per file. JSON-able. Raises ValueError naming a file that cannot be read.
+    """
+    from .sources import BUILTIN
+    if spec in BUILTIN:
+        return {"builtin": spec}
+    paths = [os.path.join(spec, n) for n in ("X.npy", "y.npy")] if os.path.isdir(spec) else [spec]
+    return {"files": [_file_fingerprint(p, block, n_blocks) for p in paths]}
+
+
+def _file_fingerprint(path: str, block: int, n_blocks: int) -> dict:
+    try:
+        size = os.path.getsize(path)
+        out: dict = {"name": os.path.basename(path), "size": size}
+        if zipfile.is_zipfile(path):  # the members' CRCs cover every byte, timestamps aside
+            with zipfile.ZipFile(path) as z:
+                out["crc"] = {i.filename: [i.file_size, i.CRC] for i in z.infolist()}
+            return out
+        h = hashlib.blake2b(digest_size=16)
+        with open(path, "rb") as f:
+            starts = [0] if size <= block * (n_blocks + 2) else sorted(
+                {0, size - block, *np.linspace(0, size - block, n_blocks, dtype=np.int64).tolist()})
+            for start in starts:
+                f.seek(start)
+                h.update(f.read(block if len(starts) > 1 else size))
+        out["sample"] = h.hexdigest()
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"cannot fingerprint dataset file {path}: {exc}") from exc
+    return out
+
+
+def _fingerprint_change(was: dict, now: dict) -> str:
+    if "builtin" in was or "builtin" in now:
+        return f"{was.get('builtin', 'files')} -> {now.get('builtin', 'files')}"
+    for a, b in zip(was.get("files", []), now.get("files", [])):
+        if a["size"] != b["size"]:
+            return f"{b['name']} was {a['size']} bytes, now {b['size']}"
+        if a != b:
+            return f"{b['name']} has the same size but different contents"
+    return "its files differ"
+
+
+def compare_resume(saved_config: dict, config: dict, *, state: State | None = None,
+                   path: str = "the checkpoint", must_match: tuple[str, ...] = RESUME_MUST_MATCH,
+                   may_change: tuple[str, ...] = RESUME_MAY_CHANGE) -> tuple[dict, str | None]:
+    """Whether a run configured by ``config`` may resume checkpoint ``path`` (whose
+    configuration is ``saved_config`` and progress ``state``).
+
+    Returns ``(changed, refusal)``: ``changed`` maps each of ``may_change`` that differs to
+    ``{"checkpoint": old, "now": new}`` (allowed: announce it with :func:`format_changes`
+    and record it); ``refusal`` is None, or the message to raise because a setting of
+    ``must_match`` differs, the dataset's ``data_fingerprint`` differs (compared when both
+    configurations have one), or ``config["epochs"]`` is below the epochs ``state`` has done.
+    """
+    problems = []
+    differ = [k for k in must_match if saved_config.get(k) != config.get(k)]
+    if differ:
+        problems.append(f"checkpoint {path} was written with different settings: " + ", ".join(
+            f"--{k.replace('_', '-')} {saved_config.get(k)} (now {config.get(k)})" for k in differ))
+    was, now = saved_config.get("data_fingerprint"), config.get("data_fingerprint")
+    if was is not None and now is not None and was != now:
+        problems.append(f"the dataset {config.get('dataset')} changed since checkpoint {path} "
+                        f"was written ({_fingerprint_change(was, now)}): resume with the data "
+                        f"it was trained on, or start over with --restart or another "
+                        f"--checkpoint-dir")
+    epochs = config.get("epochs")
+    if state is not None and epochs is not None and (
+            epochs < state.epoch or (epochs == state.epoch and state.step > 0)):
+        done = f"{state.epoch} epochs" + (f" and {state.step} steps of epoch {state.epoch + 1}"
+                                          if state.step else "")
+        need = state.epoch + (1 if state.step else 0)
+        problems.append(f"--epochs {epochs} is below what checkpoint {path} has done ({done}, "
+                        f"global step {state.global_step}): resume with --epochs {need} or "
+                        f"more, or start over with --restart")
+    changed = {k: {"checkpoint": saved_config.get(k), "now": config.get(k)}
+               for k in may_change if saved_config.get(k) != config.get(k)}
+    return changed, "; ".join(problems) or None
+
+
+def format_changes(changed: dict) -> str:
+    """One line announcing the hyperparameters a resume changed ('' if none)."""
+    if not changed:
+        return ""
+    return "resuming with changed hyperparameters: " + ", ".join(
+        f"--{k.replace('_', '-')} {v['now']} (the checkpoint used {v['checkpoint']})"
+        for k, v in changed.items())

@@ -1,0 +1,283 @@
+"""Files and folders that mpidp writes: atomic writes that honour the umask, temporary files
+left by killed processes, and checkpoint folders that belong to one run at a time.
+
+No MPI here: the root rank calls these. A checkpoint folder holds
+
+- ``run.json``: the run it belongs to (``run_id``, when and where that run started);
+- ``.lock``: taken with ``flock`` by the job writing there, and naming it (host, pid, start
+  time). The kernel drops the lock when its holder dies, however it dies, so a dead holder
+  never keeps it. On NFS, Linux maps ``flock`` to byte-range locks that the server enforces
+  across hosts (and releases when a dead client's lease expires); on a filesystem without
+  locks the file's contents decide (see :func:`lock_folder`);
+- ``ckpt-*.npz`` (see :mod:`mpidp.checkpoint`), and briefly ``.tmp-*`` files being written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO
+
+RUN_FILE = "run.json"
+LOCK_FILE = ".lock"
+TMP_PREFIX = ".tmp-"
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask() -> int:
+    """The process's file-mode creation mask, read without changing it.
+
+    Linux shows it in ``/proc/self/status``; elsewhere it is read by setting and restoring
+    it, which is not atomic (a file another thread creates at that instant could get the
+    wrong mode), so that path is taken only when ``/proc`` has no answer.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o077)
+        os.umask(mask)
+    return mask
+
+
+def host_tag() -> str:
+    """A short hex tag of this host's name (safe in file names)."""
+    return hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+
+
+def write_atomic(path: str, write: Callable[[IO[bytes]], object]) -> None:
+    """Write ``path`` via a temporary file in the same folder: write, flush, fsync, rename.
+
+    A crash at any moment leaves either the old file or the complete new one. The file gets
+    the mode a plain ``open`` would give it (``0o666`` less the umask), not the ``0o600`` of
+    a temporary file. The temporary name ``.tmp-<host tag>-<pid>-*`` says who wrote it, so
+    :func:`clean_stale_tmp` can tell a live writer's file from one a killed process left.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{TMP_PREFIX}{host_tag()}-{os.getpid()}-")
+    try:
+        os.fchmod(fd, 0o666 & ~current_umask())
+        with os.fdopen(fd, "wb") as f:
+            fd = -1
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make a rename in ``directory`` durable (best effort: some filesystems refuse)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    """True if process ``pid`` exists on this host (owned by anyone)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _proc_start(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot), to tell it from a later reuse of its
+    number; None where ``/proc`` does not say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def clean_stale_tmp(directory: str, max_age_s: float = 3600.0) -> list[str]:
+    """Remove the ``.tmp-*`` files in ``directory`` that no live writer will finish.
+
+    A file named by :func:`write_atomic` on this host is stale when its process is gone;
+    one from another host, or with an older name, when it is more than ``max_age_s``
+    seconds old. Returns the paths removed.
+    """
+    removed, mine, now = [], host_tag(), time.time()
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(TMP_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        parts = name[len(TMP_PREFIX):].split("-")
+        try:
+            if len(parts) >= 3 and parts[0] == mine and parts[1].isdigit():
+                stale = not pid_alive(int(parts[1]))
+            else:
+                stale = now - os.stat(path).st_mtime > max_age_s
+            if stale:
+                os.unlink(path)
+                removed.append(path)
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+    return removed
+
+
+# --- the lock --------------------------------------------------------------------------
+
+def _holder_record() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "proc_start": _proc_start(os.getpid()),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+
+
+def _read_record(fd: int) -> dict | None:
+    try:
+        text = os.pread(fd, 4096, 0).decode()
+        return json.loads(text) if text.strip() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _describe(record: dict | None) -> str:
+    if not record:
+        return "holder unknown"
+    return f"host {record.get('host')}, pid {record.get('pid')}, since {record.get('since')}"
+
+
+def _record_alive(record: dict | None) -> bool:
+    """Whether the job a lock record names may still run (always True for another host)."""
+    if not record or "pid" not in record:
+        return False
+    if record.get("host") != socket.gethostname():
+        return True  # cannot look at another host's processes
+    pid = int(record["pid"])
+    started = record.get("proc_start")
+    return pid_alive(pid) and (started is None or _proc_start(pid) in (None, started))
+
+
+def lock_folder(directory: str) -> int:
+    """Take ``directory``'s lock for this process; returns the lock file's descriptor.
+
+    Raises ValueError naming the holder (host, pid, since when) if another job holds it.
+    Where the filesystem has no locks, the record in the lock file decides: a holder on
+    this host that is no longer running does not keep it; one on another host is trusted,
+    and the message says to delete the file if that job has ended.
+    """
+    path = os.path.join(directory, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        import fcntl
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        record = _read_record(fd)
+        os.close(fd)
+        raise ValueError(f"checkpoint folder {directory} is in use by another mpidp job "
+                         f"({_describe(record)}): wait for it to finish, or give this run "
+                         f"another --checkpoint-dir") from None
+    except (ImportError, OSError) as exc:  # no flock here (ENOLCK, EOPNOTSUPP ...)
+        if isinstance(exc, OSError) and exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP,
+                                                         errno.ENOSYS, errno.EINVAL):
+            os.close(fd)
+            raise
+        record = _read_record(fd)
+        if _record_alive(record) and record.get("pid") != os.getpid():
+            os.close(fd)
+            raise ValueError(f"checkpoint folder {directory} is in use by another mpidp job "
+                             f"({_describe(record)}; this filesystem has no locks, so if that "
+                             f"job has ended, delete {path}): wait for it, or give this run "
+                             f"another --checkpoint-dir") from None
+    _write_record(fd, _holder_record())
+    return fd
+
+
+def _write_record(fd: int, record: dict | None) -> None:
+    os.ftruncate(fd, 0)
+    if record is not None:
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    with contextlib.suppress(OSError):
+        os.fsync(fd)
+
+
+def unlock_folder(fd: int) -> None:
+    """Release a lock from :func:`lock_folder`: clear its record, then close (which drops
+    the ``flock``). The file stays: removing it would let two jobs lock different files."""
+    with contextlib.suppress(OSError):
+        _write_record(fd, None)
+    os.close(fd)
+
+
+# --- ownership -------------------------------------------------------------------------
+
+def read_run(directory: str) -> dict | None:
+    """The ``run.json`` record of ``directory`` (``run_id``, ``created``, ``host``), or None
+    if there is none. An unreadable record reads as ``{"run_id": None, ...}`` (a used
+    folder whose run is unknown)."""
+    path = os.path.join(directory, RUN_FILE)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        return {"run_id": None, "problem": f"{path} is unreadable: {exc}"}
+    return record if isinstance(record, dict) else {"run_id": None, "problem": f"{path} is odd"}
+
+
+def write_run(directory: str, run_id: str) -> dict:
+    """Record that ``directory`` belongs to run ``run_id`` (atomically). Returns the record."""
+    record = {"run_id": run_id, "created": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+              "host": socket.gethostname(), "pid": os.getpid()}
+    write_atomic(os.path.join(directory, RUN_FILE),
+                 lambda f: f.write((json.dumps(record, indent=1) + "\n").encode()))
+    return record
+
+
+@dataclass
+class Claim:
+    """A checkpoint folder held by this process for run ``run_id`` until :meth:`release`.
+
+    ``continued``: the folder already held the run being resumed (its ``run_id`` was kept).
+    ``cleaned``: stale temporary files removed. ``wiped``: files removed by ``restart``.
+    """
+
+    directory: str
+    run_id: str
+    continued: bool = False
+    cleaned: list[str] = field(default_factory=list)
+    wiped: list[str] = field(default_factory=list)
+    _fd: int | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """Give the folder's lock back (idempotent)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            unlock_folder(fd)
+
+    def __enter__(self) -> Claim:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
