@@ -20,6 +20,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from plotting import (
+    OVER_HATCH,
+    cores,
+    legend_outside,
+    oversubscribed,
+    p_label,
+    shade_oversubscribed,
+    spread,
+)
 from run_step_bench import bench_env, cpu_model, git_commit
 
 HERE = Path(__file__).resolve().parent
@@ -48,8 +57,10 @@ def accuracy(mode: str, tmp: Path, env: dict, args) -> dict:
           "digits", "--epochs", "15", "--lr", "0.05", "--sync", mode, "--no-progress",
           "--out", str(out)], env, args.timeout)
     m = json.loads((out / "metrics.json").read_text())
+    t = np.cumsum([h.get("seconds") or 0.0 for h in m["history"]])
     return {"test_accuracy": m["test_accuracy"], "final_loss": m["final_loss"],
-            "bytes_per_step": m["bytes_sent_per_step"]}
+            "bytes_per_step": m["bytes_sent_per_step"],
+            "curve": [[float(s), h["loss"]] for s, h in zip(t, m["history"])]}
 
 
 def ddp(strong: dict, tmp: Path, env: dict, args) -> tuple[str, dict]:
@@ -208,9 +219,10 @@ def plot_async(a: dict, path: Path) -> bool:
     for ax in axes:
         ax.axhline(a["targets"]["half"], color="grey", lw=0.5)
         ax.set_ylim(top=2.5)
-    axes[0].legend()
+    legend_outside(axes[1])
     fig.suptitle("Synchronous vs asynchronous parameter server, with and without a straggler")
     fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
     return True
 
 
@@ -315,25 +327,124 @@ def _blas_line(env: dict) -> str:
             f"not set for the ranks: {', '.join(unset) or 'none'}")
 
 
+def _step_ms(mode_row: dict) -> tuple[float, float, float]:
+    """Median step ms of a mode and its error bar (min and max over the repeats)."""
+    reps = [r["step_s"] * 1e3 for r in mode_row.get("repeats", [])]
+    return spread(reps) if reps else (mode_row["step_ms"], 0.0, 0.0)
+
+
+def _bars(ax, runs: dict, n_cores: int) -> None:
+    """Step time per mode and P, with the repeats' range; oversubscribed P hatched."""
+    Ps = sorted(runs)
+    modes = list(runs[Ps[-1]]["modes"])
+    width = 0.8 / len(Ps)
+    x = np.arange(len(modes))
+    for i, P in enumerate(Ps):
+        rows = [runs[P]["modes"].get(m) for m in modes]
+        med = [_step_ms(r) if r else (np.nan, 0.0, 0.0) for r in rows]
+        over = oversubscribed(P, n_cores)
+        ax.bar(x + i * width, [m[0] for m in med], width, yerr=[[m[1] for m in med],
+               [m[2] for m in med]], capsize=2, label=p_label(P, n_cores),
+               hatch=OVER_HATCH if over else None, edgecolor="0.3" if over else None,
+               alpha=0.6 if over else 1.0, error_kw={"lw": 0.8})
+    ax.set_xticks(x + width * (len(Ps) - 1) / 2, modes, rotation=35, ha="right", fontsize=8)
+    ax.set(ylabel="ms per step (global batch 512)",
+           title="Step time, strong scaling (bars: median; whiskers: min-max of repeats)")
+    legend_outside(ax)
+
+
+def _efficiency(ax, runs: dict, n_cores: int, title: str) -> None:
+    """Parallel efficiency against P per mode (whiskers from the repeats' range)."""
+    Ps = sorted(runs)
+    for mode in runs[Ps[-1]]["modes"]:
+        if mode == "compute-only":
+            continue
+        base = runs[1]["modes"].get(mode) or runs[1]["modes"]["allreduce"]
+        rate1 = runs[1]["batch_size"] / base["step_ms"]
+        pts = []
+        for P in Ps:
+            r = runs[P]["modes"].get(mode)
+            if r:
+                med, lo, hi = _step_ms(r)
+                e = [runs[P]["batch_size"] / ms / (P * rate1) for ms in (med, med + hi, med - lo)]
+                pts.append((P, e[0], e[0] - e[1], e[2] - e[0]))
+        P_, e, lo, hi = zip(*pts)
+        hand = mode == "handwritten"
+        ax.errorbar(P_, e, yerr=[lo, hi], fmt="--" if hand else "o-", ms=4, capsize=2, lw=1,
+                    label=mode, color="k" if hand else None)
+    shade_oversubscribed(ax, n_cores, max(Ps))
+    ax.axhline(1.0, color="0.5", lw=0.5)
+    ax.set(xlabel="ranks P", ylabel="parallel efficiency", title=title, xticks=Ps)
+    legend_outside(ax)
+
+
+def _cost_model(ax, report: dict, n_cores: int) -> None:
+    """The cost model's step time (lines) with the measured steps on top (points)."""
+    v = sorted(report["validation"], key=lambda r: r["P"])
+    strong = report["strong"]
+    one = _step_ms(strong[1]["modes"]["allreduce"])
+    P_ = [1] + [r["P"] for r in v]
+    ax.plot(P_, [one[0]] + [r["predicted_ms"] for r in v], "s-", color="C1", ms=5, zorder=1,
+            label="cost model (contention, jitter, cores)")
+    ax.plot(P_, [one[0]] + [r["ideal_ms"] for r in v], "^:", color="C2", ms=5, zorder=1,
+            label="ideal (P=1 compute / P + allreduce)")
+    meas = [one] + [_step_ms(strong[r["P"]]["modes"]["allreduce"]) if r["P"] in strong
+                    else (r["measured_ms"], 0.0, 0.0) for r in v]
+    ax.errorbar(P_, [m[0] for m in meas], yerr=[[m[1] for m in meas], [m[2] for m in meas]],
+                fmt="o", color="k", ms=6, capsize=3, zorder=3, label="measured (min-max)")
+    shade_oversubscribed(ax, n_cores, max(P_))
+    ax.set(xlabel="ranks P", ylabel="ms per step (allreduce, batch 512)", xticks=P_,
+           title="Cost model vs measurement", ylim=(0, None))
+    legend_outside(ax)
+
+
 def plot(report: dict, path: Path) -> bool:
+    """``sync_bench.png``: step times with error bars, efficiency against P (strong and
+    weak scaling), the cost model under the measured points, and (when the report holds
+    them) loss against seconds per synchronisation mode."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(8, 4))
-    runs = report["strong"]
-    modes = list(runs[max(runs)]["modes"])
-    x = np.arange(len(modes))
-    for i, P in enumerate(sorted(runs)):
-        ax.bar(x + i * 0.27, [runs[P]["modes"].get(m, {}).get("step_ms", 0) for m in modes],
-               0.27, label=f"P={P}")
-    ax.set_xticks(x + 0.27, modes, rotation=30, ha="right")
-    ax.set(ylabel="ms per step (global batch 512)", title="Synchronisation modes, strong scaling")
-    ax.legend()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    n_cores = cores(report)
+    curves = any("curve" in a for a in report.get("accuracy", {}).values())
+    fig, axes = plt.subplots(4 + curves, 1, figsize=(10, 4.2 * (4 + curves)))
+    _bars(axes[0], report["strong"], n_cores)
+    _efficiency(axes[1], report["strong"], n_cores, "Efficiency, strong scaling (batch 512)")
+    _efficiency(axes[2], report["weak"], n_cores, "Efficiency, weak scaling (256 per rank)")
+    _cost_model(axes[3], report, n_cores)
+    if curves:
+        _loss_curves(axes[4], report["accuracy"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
     return True
+
+
+def _loss_curves(ax, acc: dict) -> None:
+    """Training loss against seconds since the start, one curve per synchronisation mode."""
+    for mode, a in acc.items():
+        if "curve" in a:
+            c = np.asarray(a["curve"], np.float64)
+            ax.plot(c[:, 0], c[:, 1], "o-", ms=3, label=mode)
+    ax.set(xlabel="seconds since the start", ylabel="training loss", yscale="log",
+           title="Loss against time per synchronisation mode (digits, 2 ranks)")
+    legend_outside(ax)
+
+
+def replot(path: Path, results: Path) -> int:
+    """Redraw the figures from a saved report (JSON turned the ranks counts into strings)."""
+    report = json.loads(path.read_text())
+    for kind in ("strong", "weak"):
+        report[kind] = {int(P): r for P, r in report[kind].items()}
+    results.mkdir(parents=True, exist_ok=True)
+    ok = plot(report, results / "sync_bench.png") and plot_async(report["async"],
+                                                                  results / "sync_async.png")
+    print(f"wrote {results / 'sync_bench.png'} and {results / 'sync_async.png'}" if ok
+          else "matplotlib is not installed: pip install matplotlib")
+    return 0 if ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -344,7 +455,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="back-to-back runs of fused allreduce and the hand-written loop")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--results", default=str(HERE / "results"))
+    p.add_argument("--replot", metavar="JSON", default=None,
+                   help="only redraw sync_bench.png and sync_async.png (into --results) from "
+                   "a sync_bench.json written earlier; runs nothing")
     args = p.parse_args(argv)
+    if args.replot:
+        return replot(Path(args.replot), Path(args.results))
     env, _ = bench_env()
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
@@ -371,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "model_compute": model["compute"],
               "accuracy": acc, "torch": torch_note, "async": async_summary(async_run),
               "async_run": {k: v for k, v in async_run.items() if k != "runs"},
-              "machine": cpu_model(), "commit": git_commit(),
+              "machine": cpu_model(), "cores": os.cpu_count(), "commit": git_commit(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "command": "python benchmarks/run_sync_bench.py"}
     (results / "sync_bench.json").write_text(json.dumps(report, indent=2))
