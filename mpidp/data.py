@@ -8,6 +8,7 @@ positions ``0 .. n_train-1`` (in file order) and rank ``r`` owns the block
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,11 +21,12 @@ from .partition import (
     block_counts,
     block_range,
     check_weights,
+    counts_displs,
     positions_of,
     scatter_plan,
     train_test_split,
 )
-from .sources import Source, check_rows, open_source
+from .sources import ArraySource, Source, check_rows, open_source
 
 DISTRIBUTE = ("scatter", "local")
 
@@ -88,19 +90,6 @@ def _train_costs(src: Source, costs, train_rows: np.ndarray) -> np.ndarray | Non
     return check_weights(costs, src.n_samples, "costs")[train_rows]
 
 
-def _scatter_X(comm, X, counts, meta, dtype, root) -> np.ndarray | CSR:
-    """Scatterv rows of dense ``X`` or of CSR ``X`` (row lengths, then indices and values)."""
-    if not meta["sparse"]:
-        return C.scatterv_rows(comm, X, counts, (meta["n_features"],), np.dtype(dtype), root)
-    is_root = comm.rank == root
-    lengths = C.scatterv_rows(comm, X.row_lengths() if is_root else None, counts, (),
-                              np.dtype(np.int64), root)
-    nnz = C.allgather_counts(comm, int(lengths.sum()))
-    indices = C.scatterv_rows(comm, X.indices if is_root else None, nnz, (), np.dtype(np.int64), root)
-    data = C.scatterv_rows(comm, X.data if is_root else None, nnz, (), np.dtype(dtype), root)
-    return CSR(np.concatenate([[0], np.cumsum(lengths)]), indices, data, meta["n_features"])
-
-
 def _n_outputs_from(classification: bool, target_shape: tuple[int, ...], max_label: int,
                     n_classes: int | None) -> int:
     if not classification:
@@ -108,36 +97,150 @@ def _n_outputs_from(classification: bool, target_shape: tuple[int, ...], max_lab
     return n_classes if n_classes is not None else max(max_label + 1, 2)
 
 
-class _RootReader:
-    """Root's view of ``rows`` of ``source`` (in any order) that ``scatterv_rows`` slices
-    round by round: it reads, checks and casts only the rows asked for, and keeps the
-    (small) targets, so root never holds more than one round of features at a time."""
+#: Source rows are read, checked and cast this many bytes at a time, so that each block is
+#: checked while it is still in the CPU cache.
+BLOCK_BYTES = 1 << 20
 
-    def __init__(self, source: Source, rows: np.ndarray, dtype, n_classes: int | None) -> None:
-        self.source, self.rows, self.dtype, self.n_classes = source, rows, dtype, n_classes
-        y_dtype = np.int64 if source.classification else np.dtype(dtype)
-        self.y = np.empty((len(rows), *source.target_shape), y_dtype)
-        self.error: str | None = None
-        self.max_label = -1
 
-    def __len__(self) -> int:
-        return len(self.rows)
+class _Timings:
+    """Seconds per phase (``open``, ``read``, ``check``, ``cast``, ``send``), added into
+    the caller's dict when one is given (``load(..., timings={})``); each :meth:`lap`
+    charges the time since the previous lap to one phase."""
 
-    def __getitem__(self, sl: slice):
-        rows = self.rows[sl]
-        order = np.argsort(rows, kind="stable")  # sources read increasing row numbers
-        X, y = self.source.read(rows[order])
-        back = np.argsort(order, kind="stable")
-        X, y = X[back], y[back]
-        self.error = self.error or check_rows(self.source, X, y, rows, self.n_classes)
-        if self.source.classification and len(y):
+    def __init__(self, into: dict | None) -> None:
+        self.into, self.t = into, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        if self.into is not None:
+            self.into[phase] = self.into.get(phase, 0.0) + now - self.t
+        self.t = now
+
+
+def _finite_at_a_glance(X: np.ndarray) -> bool:
+    """True when a float array is certainly finite: its sum is (NaN and Inf propagate into
+    a sum). A finite array whose sum overflows answers False; the full check decides then."""
+    return X.dtype.kind != "f" or bool(np.isfinite(np.sum(X)))
+
+
+class _RowReader:
+    """Reads increasing rows of ``source`` into buffers, checks and casts them.
+
+    Arrays (``.npy``, ``.npz``, HDF5) go block by block straight into the destination:
+    each block is copied from the source (cast in the same copy) and then checked while it
+    is still in the CPU cache, so no second copy of the rows is ever made. The first
+    problem found is kept in ``error`` (a message, not raised: the caller agrees on it);
+    ``max_label`` is the largest class label seen (-1 if none).
+    """
+
+    def __init__(self, source: Source, dtype, n_classes: int | None, clock: _Timings) -> None:
+        self.source, self.dtype, self.n_classes = source, np.dtype(dtype), n_classes
+        self.clock, self.error, self.max_label = clock, None, -1
+        self.y_dtype = np.dtype(np.int64) if source.classification else self.dtype
+        self.blocked = isinstance(source, ArraySource)
+
+    def empty(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Buffers for ``n`` rows: ``X`` ``(n, n_features)`` in the load dtype and ``y``
+        ``(n, *target_shape)`` (int64 labels, or targets in the load dtype)."""
+        return (np.empty((n, self.source.n_features), self.dtype),
+                np.empty((n, *self.source.target_shape), self.y_dtype))
+
+    def read(self, rows: np.ndarray) -> tuple[np.ndarray | CSR, np.ndarray]:
+        """``(X[rows], y[rows])`` cast to the load dtypes; ``rows`` int64, increasing."""
+        if self.blocked:
+            X, y = self.empty(len(rows))
+            self.into(rows, X, y)
+            return X, y
+        X, y = self.source.read(rows)  # generated sources: read, check, cast whole
+        self.clock.lap("read")
+        self._note(check_rows(self.source, X, y, rows, self.n_classes), y)
+        self.clock.lap("check")
+        X, y = _cast(self.source, X, y, self.dtype)
+        self.clock.lap("cast")
+        return X, y
+
+    def into(self, rows: np.ndarray, X_out: np.ndarray, y_out: np.ndarray) -> None:
+        """Write ``X[rows]`` into ``X_out`` ``(m, n_features)`` and ``y[rows]`` into
+        ``y_out`` ``(m, ...)``, cast to their dtypes; ``rows`` int64 ``(m,)``, increasing."""
+        if len(rows) == 0:
+            return
+        if not self.blocked:
+            X_out[...], y_out[...] = self.read(rows)
+            return
+        step = max(1, BLOCK_BYTES // (self.source.n_features * self.source.X.dtype.itemsize))
+        for a in range(0, len(rows), step):
+            self._block(rows[a:a + step], X_out[a:a + step])
+        lo = int(rows[0])
+        y_out[...] = np.asarray(self.source.y[lo:int(rows[-1]) + 1])[rows - lo]
+        self.clock.lap("read")
+        no_X = np.empty((len(rows), 0), X_out.dtype)  # X was checked block by block
+        self._note(check_rows(self.source, no_X, y_out, rows, self.n_classes), y_out)
+        self.clock.lap("check")
+
+    def _block(self, rows: np.ndarray, X_out: np.ndarray) -> None:
+        lo, hi = int(rows[0]), int(rows[-1]) + 1
+        span = self.source.X[lo:hi]  # a memmap view, or an HDF5 slab read here
+        if hi - lo == len(rows):
+            X_out[...] = span
+            X = X_out if span.dtype == X_out.dtype else span  # checked in the source dtype
+        elif span.dtype == X_out.dtype and isinstance(span, np.ndarray):
+            X = np.take(span, rows - lo, axis=0, out=X_out)
+        else:
+            X = np.asarray(span)[rows - lo]
+            X_out[...] = X
+        self.clock.lap("read")
+        if self.error is None and not _finite_at_a_glance(X):
+            y = np.asarray(self.source.y[lo:hi])[rows - lo]
+            self._note(check_rows(self.source, np.asarray(X), y, rows, self.n_classes), None)
+        self.clock.lap("check")
+
+    def _note(self, error: str | None, y: np.ndarray | None) -> None:
+        self.error = self.error or error
+        if y is not None and self.source.classification and len(y):
             self.max_label = max(self.max_label, int(np.max(y)))
-        X, self.y[sl] = _cast(self.source, X, y, self.dtype)
-        return X
+
+
+def _scatter_sparse(comm, reader, rows, counts, meta, dtype, root):
+    """Scatterv CSR rows (row lengths, then indices and values) and their targets; root
+    reads each rank's rows (increasing) in one piece."""
+    is_root = comm.rank == root
+    X = y = None
+    if is_root:
+        displs = counts_displs(counts)[1]
+        parts = [reader.read(rows[d:d + c]) for d, c in zip(displs, counts)]
+        X = CSR.concat([p[0] for p in parts], meta["n_features"], dtype)
+        y = np.concatenate([p[1] for p in parts]) if parts else None
+    lengths = C.scatterv_rows(comm, X.row_lengths() if is_root else None, counts, (),
+                              np.dtype(np.int64), root)
+    nnz = C.allgather_counts(comm, int(lengths.sum()))
+    indices = C.scatterv_rows(comm, X.indices if is_root else None, nnz, (), np.dtype(np.int64), root)
+    data = C.scatterv_rows(comm, X.data if is_root else None, nnz, (), np.dtype(dtype), root)
+    y = C.scatterv_rows(comm, y, counts, meta["y_shape"], meta["y_dtype"], root)
+    return CSR(np.concatenate([[0], np.cumsum(lengths)]), indices, data, meta["n_features"]), y
+
+
+def _scatter_dense(comm, reader, rows, counts, meta, dtype, root, clock):
+    """Stream ``X[rows]`` to the ranks (``counts[r]`` rows each, rank 0's first) in rounds:
+    root reads each rank's next rows straight into the round's send buffer (its own rows
+    into its own shard), then its targets in one ``Scatterv``."""
+    displs = counts_displs(counts)[1]
+    fill, y_all = None, None
+    if comm.rank == root:
+        y_all = np.empty((len(rows), *meta["y_shape"]), meta["y_dtype"])
+
+        def fill(rank: int, lo: int, dest: np.ndarray) -> None:
+            clock.lap("send")  # the time since the last fill went to the previous Scatterv
+            a = int(displs[rank]) + lo
+            reader.into(rows[a:a + len(dest)], dest, y_all[a:a + len(dest)])
+
+    X = C.scatterv_fill(comm, counts, (meta["n_features"],), np.dtype(dtype), fill, root)
+    y = C.scatterv_rows(comm, y_all, counts, meta["y_shape"], meta["y_dtype"], root)
+    clock.lap("send")
+    return X, y
 
 
 def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, source_kw,
-                  layout) -> Data:
+                  layout, clock) -> Data:
     held: dict = {}
 
     def open_on_root() -> dict:
@@ -145,7 +248,7 @@ def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, sourc
         train_rows, test_rows = train_test_split(src.n_samples, test_fraction, seed)
         held["costs"] = _train_costs(src, layout["costs"], train_rows)
         sparse = len(train_rows) > 0 and isinstance(src.read(train_rows[:1])[0], CSR)
-        held.update(src=src, split=(train_rows, test_rows), readers=[])
+        held.update(src=src, split=(train_rows, test_rows))
         return {"name": src.name, "n": (len(train_rows), len(test_rows)),
                 "n_features": src.n_features, "classification": src.classification,
                 "y_shape": src.target_shape,
@@ -157,30 +260,28 @@ def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, sourc
     costs = C.bcast_(comm, np.ascontiguousarray(costs, np.float64), root) if meta["has_costs"] else None
     owner = C.run_agreed(comm, assign, layout["strategy"], meta["n"][0], comm.size,
                          seed=seed, costs=costs, capacities=layout["capacities"])
+    reader = _RowReader(held["src"], dtype, n_classes, clock) if comm.rank == root else None
+    clock.lap("open")
     shards = []
     for i, n in enumerate(meta["n"]):
-        counts, positions, order = block_counts(n, comm.size), None, None
+        counts, positions, rows = block_counts(n, comm.size), None, None
         if i == 0:  # training rows follow the partition strategy; test rows stay in blocks
             order, counts, _ = scatter_plan(owner, comm.size)
             positions = positions_of(owner, comm.rank)
-        reader = None
-        if comm.rank == root:
-            rows = held["split"][i] if order is None else held["split"][i][order]
-            reader = _RootReader(held["src"], rows, dtype, n_classes)
-            held["readers"].append(reader)
-        X = reader if not meta["sparse"] or reader is None else reader[0:len(reader)]
-        X = _scatter_X(comm, X, counts, meta, dtype, root)
-        y = C.scatterv_rows(comm, reader.y if reader else None, counts, meta["y_shape"],
-                            meta["y_dtype"], root)
+        if comm.rank == root:  # each rank's rows in increasing order, rank 0's first
+            rows = held["split"][i] if i else held["split"][i][order]
+        if meta["sparse"]:
+            X, y = _scatter_sparse(comm, reader, rows, counts, meta, dtype, root)
+        else:
+            X, y = _scatter_dense(comm, reader, rows, counts, meta, dtype, root, clock)
         start = block_range(n, comm.size, comm.rank)[0] if positions is None else (
             int(positions[0]) if len(positions) else 0)
         shards.append(Shard(X, y, start, n, positions))
 
     def verdict() -> int:  # root checked every row while sending: agree on what it found
-        error = next((r.error for r in held["readers"] if r.error), None)
-        if error:
-            raise ValueError(error)
-        return max((r.max_label for r in held["readers"]), default=-1)
+        if reader.error:
+            raise ValueError(reader.error)
+        return reader.max_label
 
     max_label = C.root_decides(comm, verdict, root=root)
     n_outputs = _n_outputs_from(meta["classification"], meta["y_shape"], max_label, n_classes)
@@ -188,24 +289,24 @@ def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, sourc
                 meta["classification"], costs)
 
 
-def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, layout) -> Data:
+def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, layout,
+                clock) -> Data:
     src = C.run_agreed(comm, open_source, spec, seed=seed, **source_kw)
     split = train_test_split(src.n_samples, test_fraction, seed)
     costs = C.run_agreed(comm, _train_costs, src, layout["costs"], split[0])
     owner = C.run_agreed(comm, assign, layout["strategy"], len(split[0]), comm.size,
                          seed=seed, costs=costs, capacities=layout["capacities"])
-    shards, error, max_label = [], None, -1
+    reader = _RowReader(src, dtype, n_classes, clock)
+    clock.lap("open")
+    shards = []
     for i, rows in enumerate(split):
         start, stop = block_range(len(rows), comm.size, comm.rank)
         positions = np.arange(start, stop) if i else positions_of(owner, comm.rank)
-        X, y = src.read(rows[positions])
-        error = error or check_rows(src, X, y, rows[positions], n_classes)
-        if src.classification and len(y):
-            max_label = max(max_label, int(y.max()))
+        X, y = reader.read(rows[positions])
         start = int(positions[0]) if len(positions) else start
-        shards.append(Shard(*_cast(src, X, y, dtype), start, len(rows), positions))
-    C.agree(comm, error)
-    max_label = int(C.allreduce_max(comm, [max_label])[0])
+        shards.append(Shard(X, y, start, len(rows), positions))
+    C.agree(comm, reader.error)
+    max_label = int(C.allreduce_max(comm, [reader.max_label])[0])
     return Data(shards[0], shards[1], src.name, src.n_features,
                 _n_outputs_from(src.classification, src.target_shape, max_label, n_classes),
                 src.classification, costs)
@@ -214,7 +315,7 @@ def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, la
 def load(comm: C.Comm, spec: str, *, distribute: str = "scatter", test_fraction: float = 0.2,
          seed: int = 0, dtype: npt.DTypeLike = np.float32, root: int = 0,
          n_classes: int | None = None, partition: str = "block", costs=None,
-         capacities=None, **source_kw) -> Data:
+         capacities=None, timings: dict | None = None, **source_kw) -> Data:
     """Load dataset ``spec`` (see :func:`mpidp.sources.open_source`) split over ``comm``.
 
     Collective. ``distribute="scatter"``: ``root`` reads everything and sends each rank its
@@ -227,7 +328,18 @@ def load(comm: C.Comm, spec: str, *, distribute: str = "scatter", test_fraction:
     ``(n_samples,)`` are per-row costs of the whole dataset (default: the source's own, for
     the ``bow`` workload, else none) and ``capacities`` ``(size,)`` relative rank speeds.
     ``Data.costs`` holds the training positions' costs.
+
+    ``timings``, if given, a dict that receives this rank's seconds per phase: ``open``
+    (metadata, split, partition), ``read`` (copying rows out of the source; a cast to
+    ``dtype`` happens in the same copy), ``check`` (NaN/Inf, labels), ``cast`` (generated
+    sources only) and ``send`` (Scatterv, waiting included).
+
+    Notes
+    -----
+    Each rank's rows arrive in increasing file order (its positions are increasing, and
+    so are the rows they map to), so root reads increasing rows and no rank reorders.
     """
+    clock = _Timings(timings)
     if distribute not in DISTRIBUTE:
         raise C.MpidpError(f"unknown distribute mode {distribute!r}; expected one of {DISTRIBUTE}")
     if not 0 <= test_fraction < 1:
@@ -239,9 +351,10 @@ def load(comm: C.Comm, spec: str, *, distribute: str = "scatter", test_fraction:
     layout = {"strategy": partition, "costs": costs, "capacities": capacities}
     if distribute == "scatter":
         data = _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, source_kw,
-                             layout)
+                             layout, clock)
     else:
-        data = _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, layout)
+        data = _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, layout,
+                           clock)
     if data.train.n_total == 0:
         raise C.MpidpError(f"{data.name}: no training samples left after the test split")
     return data

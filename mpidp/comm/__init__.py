@@ -41,6 +41,7 @@ from .collectives import (
     iallreduce_sum_,
     reduce_scatter_sum,
     reduce_sum_to_,
+    scatterv_fill,
     scatterv_rows,
 )
 from .measure import pingpong, time_allreduce
@@ -61,7 +62,7 @@ __all__ = [
     "assert_in_sync", "bcast_", "bcast_obj", "checksum", "excused", "gather_rows", "gatherv",
     "gatherv_rows", "iallreduce_sum_", "irecv", "isend", "local_ranks", "mpi_info",
     "node_split", "params_in_sync", "pingpong", "recv_", "reduce_scatter_sum",
-    "reduce_sum_to_", "root_decides", "run_agreed", "scatterv_rows", "self_comm",
+    "reduce_sum_to_", "root_decides", "run_agreed", "scatterv_fill", "scatterv_rows", "self_comm",
     "set_step", "shm_room", "split_off", "test_all", "time_allreduce", "wait_all",
     "wait_any", "world",
 ]

@@ -9,7 +9,7 @@ here is collective over ``comm``: every rank must call it.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -216,34 +216,18 @@ def scatterv_rows(comm: Comm, array: np.ndarray | None, counts: Sequence[int],
 
     Notes
     -----
-    Counts are in rows (a contiguous row datatype), and the transfer goes in rounds of at
-    most ``rows_per_round`` rows per rank (default: what keeps each round's element count
-    within :data:`MAX_COUNT`), so root holds one round's rows at a time besides its input.
+    Streamed by :func:`scatterv_fill`: rounds of at most ``rows_per_round`` rows per rank
+    (default: about :data:`ROUND_BYTES` per rank), so root holds one round of the other
+    ranks' rows at a time besides its input.
     """
     counts = np.asarray(counts, np.int64)
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    row_size = int(np.prod(row_shape, dtype=np.int64))
-    out = np.empty((int(counts[comm.rank]), *row_shape), dtype)
-    if row_size == 0 or counts.sum() == 0:
-        return out
-    if rows_per_round is None:
-        rows_per_round = max(1, MAX_COUNT // (row_size * comm.size))
-    if row_size > MAX_COUNT:
-        raise MpidpError(f"one row has {row_size} elements, more than one MPI call takes")
-    rtype = _row_type(dtype, row_size)
-    try:
-        for lo in range(0, int(counts.max()), rows_per_round):
-            take = np.clip(counts - lo, 0, rows_per_round)  # rows each rank gets this round
-            send = None
-            if comm.rank == root:
-                parts = [array[d + lo:d + lo + t] for d, t in zip(displs, take)]
-                send = [np.ascontiguousarray(np.concatenate(parts), dtype),
-                        (take, np.concatenate([[0], np.cumsum(take)[:-1]])), rtype]
-            mine = int(take[comm.rank])
-            comm.Scatterv(send, [out[lo:lo + mine], mine, rtype], root=root)
-    finally:
-        rtype.Free()
-    return out
+
+    def fill(rank: int, lo: int, dest: np.ndarray) -> None:
+        start = int(displs[rank]) + lo
+        dest[...] = array[start:start + len(dest)]
+
+    return scatterv_fill(comm, counts, row_shape, dtype, fill, root, rows_per_round)
 
 
 @watched("an Allgather (counts)")
@@ -290,3 +274,59 @@ def allgather_(comm: Comm, mine: np.ndarray, out: np.ndarray) -> np.ndarray:
 def barrier(comm: Comm) -> None:
     """Wait until every rank of ``comm`` arrives. Collective."""
     comm.Barrier()
+
+
+#: Bytes sent to each rank per round by :func:`scatterv_fill` (when no round size is given).
+ROUND_BYTES = 32 << 20
+
+
+@watched("a Scatterv")
+def scatterv_fill(comm: Comm, counts: Sequence[int], row_shape: tuple[int, ...],
+                  dtype: np.dtype, fill: Callable[[int, int, np.ndarray], None] | None,
+                  root: int = 0, rows_per_round: int | None = None) -> np.ndarray:
+    """Scatterv rows that ``root`` produces round by round: rank ``r`` receives
+    ``counts[r]`` rows ``(counts[r], *row_shape)`` of ``dtype``.
+
+    Collective. On root, ``fill(r, lo, dest)`` writes rows ``lo .. lo+len(dest)-1`` of rank
+    ``r``'s part into ``dest``: a view of root's own result for ``r == root`` (those rows
+    never pass through a send buffer), of the round's send buffer otherwise. ``fill`` is
+    ignored elsewhere. Counts may be uneven or zero.
+
+    Notes
+    -----
+    Each round carries at most ``rows_per_round`` rows per rank (default: about
+    :data:`ROUND_BYTES`, and never more elements than :data:`MAX_COUNT` per rank). Root
+    holds its own result plus ONE send buffer, reused every round; counts are in rows of a
+    contiguous row datatype and root's own part goes ``MPI.IN_PLACE``.
+    """
+    counts = np.asarray(counts, np.int64)
+    row_size = int(np.prod(row_shape, dtype=np.int64))
+    out = np.empty((int(counts[comm.rank]), *row_shape), dtype)
+    if row_size == 0 or counts.sum() == 0:
+        return out
+    if row_size > MAX_COUNT:
+        raise MpidpError(f"one row has {row_size} elements, more than one MPI call takes")
+    if rows_per_round is None:
+        rows_per_round = max(1, min(ROUND_BYTES // (row_size * np.dtype(dtype).itemsize),
+                                    MAX_COUNT // row_size))
+    rtype = _row_type(dtype, row_size)
+    send = None
+    try:
+        for lo in range(0, int(counts.max()), rows_per_round):
+            take = np.clip(counts - lo, 0, rows_per_round)  # rows each rank gets this round
+            if comm.rank != root:
+                mine = int(take[comm.rank])
+                comm.Scatterv(None, [out[lo:lo + mine], mine, rtype], root=root)
+                continue
+            take[root] = 0  # root's rows are written into its result directly
+            displs = np.concatenate([[0], np.cumsum(take)[:-1]])
+            if send is None:  # the first round is the largest
+                send = np.empty((int(take.sum()), *row_shape), dtype)
+            for r in range(comm.size):
+                n = int(min(max(counts[r] - lo, 0), rows_per_round))
+                if n:
+                    fill(r, lo, out[lo:lo + n] if r == root else send[displs[r]:displs[r] + n])
+            comm.Scatterv([send, (take, displs), rtype], MPI.IN_PLACE, root=root)
+    finally:
+        rtype.Free()
+    return out
