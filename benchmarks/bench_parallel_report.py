@@ -6,10 +6,14 @@ import json
 from pathlib import Path
 
 import numpy as np
+from plotting import cores, legend_outside, log_if_wide, oversubscribed, p_label
 
 MIB = 2**20
 LABEL = {"data": "data parallel", "gpipe": "pipeline GPipe", "1f1b": "pipeline 1F1B",
          "hybrid": "hybrid 2 stages x 2 (1F1B)"}
+
+
+MARKERS = {"data": "o", "gpipe": "s", "1f1b": "^", "hybrid": "D"}
 
 
 def predicted(P: int, m: int) -> float:
@@ -156,38 +160,67 @@ def budget_table(a, runs: list[dict]) -> list[str]:
     return lines
 
 
-def plot(path: Path, results: dict) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    ax = axes[0]
-    for sw in results["sweeps"]:
+def _bubble_panel(ax, sweeps: list[dict], n_cores: int) -> None:
+    """Idle share against micro-batches, measured (replay, wall) over the prediction."""
+    for P in sorted({sw["P"] for sw in sweeps}):
+        ms = np.arange(1, 17)
+        ax.plot(ms, [predicted(P, m) for m in ms], "k--", lw=0.8, zorder=1,
+                label=f"(P-1)/(m+P-1), P={P}")
+    for i, sw in enumerate(sweeps):
         ms = [rows[0]["m"] for rows in sw["by_m"]]
         rep = [np.mean([x["idle_replay"] for x in rows]) for rows in sw["by_m"]]
         wall = [np.mean([x["idle_wall"] for x in rows]) for rows in sw["by_m"]]
-        ax.plot(ms, rep, "o-", label=f"P={sw['P']} {sw['schedule']} replay")
-        ax.plot(ms, wall, "x:", label=f"P={sw['P']} {sw['schedule']} wall")
-    for P in sorted({sw["P"] for sw in results["sweeps"]}):
-        ms = np.arange(1, 17)
-        ax.plot(ms, [predicted(P, m) for m in ms], "k--", lw=0.8)
+        over = oversubscribed(sw["P"], n_cores)
+        c = f"C{i}"
+        ax.plot(ms, rep, "o-", color=c, zorder=3, mfc="none" if over else c,
+                label=f"{p_label(sw['P'], n_cores)} {sw['schedule']}, replay")
+        ax.plot(ms, wall, "x:", color=c, zorder=3,
+                label=f"{p_label(sw['P'], n_cores)} {sw['schedule']}, wall")
     ax.set(xscale="log", xlabel="micro-batches m", ylabel="idle fraction (mean over ranks)",
-           title="bubble: measured vs (P-1)/(m+P-1) (dashed)")
-    ax.legend(fontsize=6)
+           title="Bubble: measured (points) over the prediction (dashed)")
+    legend_outside(ax, fontsize=6)
+
+
+def _by_model_panel(ax, rows: list[dict], key: str, title: str, n_cores: int) -> list[float]:
+    """``key`` per model for each (P, mode); oversubscribed P hollow and dotted, a marker
+    per mode."""
+    models = list(dict.fromkeys(x["model"] for x in rows))
+    values, k = [], 0
+    for P in sorted({x["P"] for x in rows}):
+        over = oversubscribed(P, n_cores)
+        for j, mode in enumerate(LABEL):
+            pts = [x for x in rows if x["P"] == P and x["mode"] == mode]
+            if pts:  # each series nudged sideways: equal values stay visible
+                c, dx = f"C{j}", 0.04 * (k - 3.5)
+                ax.plot([models.index(x["model"]) + dx for x in pts], [x[key] for x in pts],
+                        MARKERS[mode] + (":" if over else "-"), color=c,
+                        mfc="none" if over else c, label=f"{p_label(P, n_cores)} {LABEL[mode]}")
+                values += [x[key] for x in pts]
+                k += 1
+    ax.set_xticks(range(len(models)), models)
+    ax.set(title=title, xlabel="model (width x depth)")
+    legend_outside(ax, fontsize=6)
+    return values
+
+
+def plot(path: Path, results: dict) -> None:
+    """``parallel.png``: the bubble against micro-batches, parameter memory and throughput
+    per model (log axes: they span orders of magnitude); runs with more ranks than cores
+    drawn hollow and dotted, legends beside the panels."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    n_cores = cores(results)
+    fig, axes = plt.subplots(3, 1, figsize=(10, 13))
+    _bubble_panel(axes[0], results["sweeps"], n_cores)
     rows = [_row(r) for r in results["runs"]]
-    for ax, key, title in ((axes[1], "param_mib", "params+grads per rank (MiB)"),
-                           (axes[2], "samples_s", "throughput (samples/s)")):
-        for P in sorted({x["P"] for x in rows}):
-            for mode in LABEL:
-                pts = [x for x in rows if x["P"] == P and x["mode"] == mode]
-                if pts:
-                    ax.plot([x["model"] for x in pts], [x[key] for x in pts], "o-",
-                            label=f"P={P} {mode}")
-        ax.set(title=title, xlabel="model (width x depth)")
-        ax.legend(fontsize=6)
-    axes[1].set_yscale("log")
+    mem = _by_model_panel(axes[1], rows, "param_mib", "params+grads per rank (MiB)", n_cores)
+    rate = _by_model_panel(axes[2], rows, "samples_s", "throughput (samples/s)", n_cores)
+    log_if_wide(axes[1], mem, factor=5)
+    log_if_wide(axes[2], rate, factor=5)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def _sweep_model(sweeps: list[dict]) -> str:
@@ -237,3 +270,20 @@ def write_reports(a, results: dict) -> None:
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     plot(out.with_suffix(".png"), results)
     print("\n".join(md))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``--replot parallel.json [--out parallel.png]``: redraw the figure, run nothing."""
+    import argparse
+    p = argparse.ArgumentParser(description="redraw bench_parallel's figure from its JSON")
+    p.add_argument("--replot", metavar="JSON", required=True)
+    p.add_argument("--out", default=None, help="PNG to write (default: beside the JSON)")
+    a = p.parse_args(argv)
+    out = Path(a.out or Path(a.replot).with_suffix(".png"))
+    plot(out, json.loads(Path(a.replot).read_text()))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
