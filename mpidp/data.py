@@ -168,8 +168,9 @@ class _RowReader:
             X_out[...], y_out[...] = self.read(rows)
             return
         step = max(1, BLOCK_BYTES // (self.source.n_features * self.source.X.dtype.itemsize))
-        for a in range(0, len(rows), step):
-            self._block(rows[a:a + step], X_out[a:a + step])
+        with np.errstate(over="ignore"):  # a cast that overflows is reported by check_rows
+            for a in range(0, len(rows), step):
+                self._block(rows[a:a + step], X_out[a:a + step])
         lo = int(rows[0])
         y_out[...] = np.asarray(self.source.y[lo:int(rows[-1]) + 1])[rows - lo]
         self.clock.lap("read")
@@ -189,9 +190,10 @@ class _RowReader:
             X = np.asarray(span)[rows - lo]
             X_out[...] = X
         self.clock.lap("read")
-        if self.error is None and not _finite_at_a_glance(X):
+        if self.error is None and not _finite_at_a_glance(X_out):  # cast: overflow shows
             y = np.asarray(self.source.y[lo:hi])[rows - lo]
-            self._note(check_rows(self.source, np.asarray(X), y, rows, self.n_classes), None)
+            self._note(check_rows(self.source, np.asarray(X), y, rows, self.n_classes,
+                                  dtype=self.dtype), None)
         self.clock.lap("check")
 
     def _note(self, error: str | None, y: np.ndarray | None) -> None:

@@ -25,6 +25,8 @@ import numpy as np
 from .nn.sparse import CSR
 
 BUILTIN = ("digits", "synthetic", "bow")
+ACCEPTED = ("expected 'digits', 'synthetic', 'bow', an .npz file with arrays X and y, a folder "
+            "with X.npy and y.npy, or an .h5/.hdf5 file with datasets X and y")
 
 
 class Source(ABC):
@@ -60,6 +62,10 @@ def _check_arrays(name: str, X, y) -> None:
     for label, a in (("X", X), ("y", y)):
         if not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
             raise ValueError(f"{name}: {label} must be numeric, got dtype {a.dtype}")
+        if a.dtype.kind == "c":
+            raise ValueError(f"{name}: {label} is complex ({a.dtype}) but mpidp trains on real "
+                             f"numbers: store its real part, its magnitude, or both as separate "
+                             f"columns")
     if np.issubdtype(y.dtype, np.integer) and y.ndim != 1:
         raise ValueError(f"{name}: integer class labels must be 1-D, got shape {y.shape}")
 
@@ -198,49 +204,117 @@ def _load_digits() -> Source:
 
 
 def _npz_member(path: str, zf: zipfile.ZipFile, key: str):
-    """Memory-map member ``key`` of an uncompressed ``.npz``; load it if compressed."""
+    """Memory-map member ``key`` of an uncompressed ``.npz`` after checking its CRC-32 (a
+    memory map bypasses zipfile's check); load it if compressed (zipfile checks it then)."""
     name = key + ".npy"
     if name not in zf.namelist():
         raise ValueError(f"{path}: no array named {key!r} (found {sorted(zf.namelist())})")
     info = zf.getinfo(name)
     if info.compress_type != zipfile.ZIP_STORED:
-        with zf.open(name) as f:  # compressed: cannot map, read it whole
-            return np.lib.format.read_array(f)
+        try:  # compressed: cannot map, read it whole (zipfile checks the CRC-32)
+            with zf.open(name) as f:
+                return np.lib.format.read_array(f, allow_pickle=False)
+        except ValueError as exc:
+            if "Object arrays" in str(exc):
+                raise ValueError(f"{path}: {key} holds Python objects (pickled); expected a "
+                                 f"numeric array") from None
+            raise ValueError(f"{path}: member {name} cannot be read: {exc}") from None
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as exc:
+            raise ValueError(f"{path}: member {name} is corrupted ({exc}): re-create or "
+                             f"re-copy the file") from None
     with open(path, "rb") as f:
         f.seek(info.header_offset)
         local = f.read(30)
         offset = info.header_offset + 30 + int.from_bytes(local[26:28], "little") \
             + int.from_bytes(local[28:30], "little")
+        _check_crc(path, f, offset, info)
         f.seek(offset)
-        version = np.lib.format.read_magic(f)
-        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                       else np.lib.format.read_array_header_2_0)
-        shape, fortran, dtype = read_header(f)
+        try:
+            version = np.lib.format.read_magic(f)
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            shape, fortran, dtype = read_header(f)
+        except ValueError as exc:
+            raise ValueError(f"{path}: member {name} is not a valid .npy array ({exc})") from None
         data_offset = f.tell()
     if dtype.hasobject:
-        raise ValueError(f"{path}: {key} holds Python objects; expected a numeric array")
-    return np.memmap(path, dtype, "r", offset=data_offset, shape=shape,
-                     order="F" if fortran else "C")
+        raise ValueError(f"{path}: {key} holds Python objects (pickled); expected a numeric "
+                         f"array")
+    try:
+        return np.memmap(path, dtype, "r", offset=data_offset, shape=shape,
+                         order="F" if fortran else "C")
+    except ValueError as exc:
+        raise ValueError(f"{path}: member {name} cannot be memory-mapped ({exc})") from None
+
+
+def _check_crc(path: str, f, offset: int, info: zipfile.ZipInfo, chunk: int = 1 << 22) -> None:
+    """ValueError naming ``path`` unless the stored member at ``offset`` matches its CRC-32."""
+    f.seek(offset)
+    crc, left = 0, info.compress_size
+    while left:
+        block = f.read(min(left, chunk))
+        if not block:
+            raise ValueError(f"{path}: member {info.filename} is truncated")
+        crc, left = zlib.crc32(block, crc), left - len(block)
+    if crc != info.CRC:
+        raise ValueError(f"{path}: member {info.filename} fails its CRC-32 check: the file is "
+                         f"corrupted (a byte changed on disk or in a copy); re-create or re-copy it")
+
+
+def _npy_problem(path: str, exc: Exception) -> str:
+    """Why the ``.npy`` file ``path`` cannot be memory-mapped, in words."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            shape, _, dtype = read_header(f)
+            start = f.tell()
+    except (OSError, ValueError) as bad:
+        return f"not a valid .npy file ({bad})"
+    if dtype.hasobject:
+        return "it holds Python objects (pickled); expected a numeric array"
+    need = start + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    size = os.path.getsize(path)
+    if size < need:
+        return f"it is truncated: {size} bytes, but its header describes {shape} {dtype} ({need} bytes)"
+    return str(exc)
+
+
+def _open_npy(folder: str, name: str):
+    """Memory-map ``folder/name``; ValueError naming the file if it cannot be."""
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        raise ValueError(f"dataset folder {folder!r} has no {name}")
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise ValueError(f"dataset file {path!r} cannot be memory-mapped: "
+                         f"{_npy_problem(path, exc)}") from None
 
 
 def _open_path(path: str) -> Source:
     if not os.path.exists(path):
-        raise ValueError(f"dataset not found: {path!r} (expected 'digits', 'synthetic', an "
-                         f".npz file with X and y, or a folder with X.npy and y.npy)")
+        raise ValueError(f"dataset not found: {path!r} ({ACCEPTED})")
+    if os.path.isdir(path):
+        return ArraySource(path, _open_npy(path, "X.npy"), _open_npy(path, "y.npy"))
+    if path.endswith((".h5", ".hdf5")):
+        return _open_hdf5(path)
     try:
-        if os.path.isdir(path):
-            files = [os.path.join(path, f) for f in ("X.npy", "y.npy")]
-            for f in files:
-                if not os.path.isfile(f):
-                    raise ValueError(f"dataset folder {path!r} has no {os.path.basename(f)}")
-            X, y = (np.load(f, mmap_mode="r", allow_pickle=False) for f in files)
-        elif path.endswith((".h5", ".hdf5")):
-            return _open_hdf5(path)
-        else:
-            with zipfile.ZipFile(path) as zf:
-                X, y = _npz_member(path, zf, "X"), _npz_member(path, zf, "y")
-    except (zipfile.BadZipFile, EOFError, OSError, zlib.error) as exc:
-        raise ValueError(f"cannot read dataset {path!r}: {exc}") from exc
+        with open(path, "rb") as f:
+            magic = f.read(6)
+        if magic == b"\x93NUMPY":
+            raise ValueError(f"{path!r} is a single .npy array, but a dataset needs features X "
+                             f"and targets y: save both in one .npz (numpy.savez(path, X=X, "
+                             f"y=y)), or as X.npy and y.npy in a folder and give the folder; "
+                             f"{ACCEPTED}")
+        with zipfile.ZipFile(path) as zf:
+            X, y = _npz_member(path, zf, "X"), _npz_member(path, zf, "y")
+    except zipfile.BadZipFile as exc:
+        raise ValueError(f"cannot read dataset {path!r}: not a readable .npz (zip) file, or "
+                         f"truncated ({exc}); {ACCEPTED}") from None
+    except (EOFError, OSError, zlib.error) as exc:
+        raise ValueError(f"cannot read dataset {path!r}: {exc}") from None
     return ArraySource(path, X, y)
 
 
@@ -249,11 +323,21 @@ def _open_hdf5(path: str) -> Source:
         import h5py
     except ImportError as exc:
         raise ValueError(f"{path}: reading HDF5 needs h5py: pip install 'mpidp[hdf5]'") from exc
-    f = h5py.File(path, "r")
-    for key in ("X", "y"):
-        if key not in f:
-            raise ValueError(f"{path}: no dataset named {key!r} (found {sorted(f.keys())})")
-    return ArraySource(path, f["X"], f["y"])
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise ValueError(f"cannot read dataset {path!r} as HDF5: {exc}") from None
+    try:
+        for key in ("X", "y"):
+            if key not in f:
+                raise ValueError(f"{path}: no dataset named {key!r} (found {sorted(f.keys())})")
+            if not isinstance(f[key], h5py.Dataset):
+                raise ValueError(f"{path}: {key!r} is an HDF5 {type(f[key]).__name__.lower()}, "
+                                 f"not a dataset; expected arrays X and y at the top level")
+        return ArraySource(path, f["X"], f["y"])
+    except BaseException:
+        f.close()
+        raise
 
 
 def open_source(spec: str, *, n_samples: int = 60000, n_features: int = 784,
@@ -272,19 +356,51 @@ def open_source(spec: str, *, n_samples: int = 60000, n_features: int = 784,
     return _open_path(spec)
 
 
+def _first_row(a, bad: np.ndarray, rows: np.ndarray) -> int:
+    """Dataset row of the first ``True`` in ``bad``: one flag per element of dense ``a``
+    ``(m, ...)``, or per stored value of CSR ``a``."""
+    if hasattr(a, "indptr"):
+        return int(rows[np.searchsorted(a.indptr, np.flatnonzero(bad)[0], side="right") - 1])
+    return int(rows[np.flatnonzero(bad.reshape(len(bad), -1).any(axis=1))[0]])
+
+
+def check_values(name: str, label: str, a, rows: np.ndarray, dtype=None) -> str | None:
+    """NaN/Inf in ``a`` (dense ``(m, ...)`` or CSR rows ``rows``), or, when ``dtype`` is a
+    narrower float, finite values beyond its range (a cast would make them inf). None if
+    fine. Complex arrays are refused too (a cast would drop the imaginary part)."""
+    values = a.data if hasattr(a, "indptr") else a
+    if values.dtype.kind == "c":
+        return (f"{name}: {label} is complex ({values.dtype}) but mpidp trains on real numbers: "
+                f"store its real part, its magnitude, or both as separate columns")
+    if values.dtype.kind != "f" or values.size == 0:
+        return None
+    finite = np.isfinite(values)
+    if not finite.all():
+        return f"{name}: {label} contains NaN or Inf (first at row {_first_row(a, ~finite, rows)})"
+    target = np.dtype(dtype) if dtype is not None else values.dtype
+    if target.kind == "f" and target.itemsize < values.dtype.itemsize:
+        limit = np.finfo(target).max
+        big = np.abs(values) > limit
+        if big.any():
+            value = values.reshape(-1)[np.flatnonzero(big.reshape(-1))[0]]
+            return (f"{name}: {label} row {_first_row(a, big, rows)} holds {value:.4g}, beyond the {target} "
+                    f"range (+-{limit:.4g}): as {target} it would be inf; rescale the data or "
+                    f"train with --dtype float64")
+    return None
+
+
 def check_rows(source: Source, X: np.ndarray, y: np.ndarray, rows: np.ndarray,
-               n_classes: int | None = None) -> str | None:
-    """Problems in the rows read (``None`` if fine): NaN/Inf, bad or out-of-range labels."""
+               n_classes: int | None = None, *, dtype=None) -> str | None:
+    """Problems in the rows read (``None`` if fine): NaN/Inf, values that ``dtype`` (the
+    dtype they will be cast to, when given) cannot hold, bad or out-of-range labels.
+
+    ``X`` ``(m, n_features)`` (or CSR) and ``y`` ``(m, ...)`` hold dataset rows ``rows``
+    ``(m,)`` in the source's dtypes; messages name the dataset row, not the position.
+    """
     for label, a in (("X", X), ("y", y)):
-        if hasattr(a, "indptr"):  # sparse rows: check the stored values
-            bad = np.flatnonzero(~np.isfinite(a.data))
-            if len(bad):
-                row = int(rows[np.searchsorted(a.indptr, bad[0], side="right") - 1])
-                return f"{source.name}: {label} contains NaN or Inf (first at row {row})"
-            continue
-        if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
-            bad = int(rows[np.flatnonzero(~np.isfinite(a.reshape(len(a), -1)).all(axis=1))[0]])
-            return f"{source.name}: {label} contains NaN or Inf (first at row {bad})"
+        problem = check_values(source.name, label, a, rows, dtype)
+        if problem:
+            return problem
     if source.classification and len(y):
         lo, hi = int(y.min()), int(y.max())
         if lo < 0:
@@ -292,4 +408,20 @@ def check_rows(source: Source, X: np.ndarray, y: np.ndarray, rows: np.ndarray,
         if n_classes is not None and hi >= n_classes:
             return (f"{source.name}: class label {hi} is out of range for {n_classes} classes "
                     f"(labels must be in [0, {n_classes - 1}])")
+    return None
+
+
+def scan_rows(source: Source, rows: np.ndarray, *, dtype=None, block_bytes: int = 1 << 24
+              ) -> str | None:
+    """:func:`check_values` over the features of ``rows`` (sorted, int64) of ``source``, read
+    ``block_bytes`` at a time: the first NaN/Inf row, or a value ``dtype`` cannot hold. None
+    if fine. Generated sources are finite by construction and are not read."""
+    if not isinstance(source, ArraySource) or len(rows) == 0:
+        return None
+    step = max(1, block_bytes // (source.n_features * max(source.X.dtype.itemsize, 1)))
+    for a in range(0, len(rows), step):
+        part = rows[a:a + step]
+        problem = check_values(source.name, "X", source.read(part)[0], part, dtype)
+        if problem:
+            return problem
     return None

@@ -368,3 +368,155 @@ def test_check_rows_empty_selection(arrays):
     src = ArraySource("mem", X, y)
     rows = np.array([], np.int64)
     assert check_rows(src, *src.read(rows), rows, n_classes=4) is None
+
+
+# ---------------------------------------------------------------------------- bad files, named
+
+
+@pytest.mark.parametrize("writer", ["folder", "npz", "npz_compressed", "h5"])
+@pytest.mark.parametrize("which", ["X", "y"])
+def test_complex_arrays_are_refused_not_truncated_to_real(tmp_path, writer, which):
+    X, y = np.ones((4, 2)), np.linspace(0, 1, 4)
+    if which == "X":
+        X = X + 1j
+    else:
+        y = y + 2j
+    path = _write(tmp_path, writer, X, y)
+    with pytest.raises(ValueError, match=f"{which} is complex .* real numbers") as e:
+        open_source(path)
+    assert path in str(e.value)
+
+
+def _member_data_start(path, member):
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo(member)
+    data = path.read_bytes()
+    h = info.header_offset
+    return h + 30 + int.from_bytes(data[h + 26:h + 28], "little") \
+        + int.from_bytes(data[h + 28:h + 30], "little"), info
+
+
+@pytest.mark.parametrize("member,where", [("X.npy", "values"), ("y.npy", "values"),
+                                          ("X.npy", "header")])
+def test_one_flipped_byte_in_an_uncompressed_npz_is_detected(tmp_path, arrays, member, where):
+    X, y = arrays
+    path = tmp_path / "d.npz"
+    np.savez(path, X=X, y=y)
+    start, info = _member_data_start(path, member)
+    at = start + (info.file_size - 5 if where == "values" else 20)
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError) as e:
+        open_source(str(path))
+    assert str(path) in str(e.value) and f"member {member} fails its CRC-32 check" in str(e.value)
+
+
+def test_pickled_arrays_name_the_file(tmp_path):
+    np.save(tmp_path / "X.npy", OBJ, allow_pickle=True)
+    np.save(tmp_path / "y.npy", np.zeros(2, np.int64))
+    with pytest.raises(ValueError) as e:
+        open_source(str(tmp_path))
+    assert f"{tmp_path / 'X.npy'}" in str(e.value) and "Python objects (pickled)" in str(e.value)
+    np.savez_compressed(tmp_path / "c.npz", X=OBJ, y=np.zeros(2))
+    with pytest.raises(ValueError, match=f"{tmp_path / 'c.npz'}: X holds Python objects"):
+        open_source(str(tmp_path / "c.npz"))
+
+
+def test_truncated_npy_in_a_folder_names_the_file_and_the_sizes(tmp_path, arrays):
+    X, y = arrays
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    full = (tmp_path / "X.npy").stat().st_size
+    with open(tmp_path / "X.npy", "r+b") as f:
+        f.truncate(full - 8)
+    with pytest.raises(ValueError) as e:
+        open_source(str(tmp_path))
+    msg = str(e.value)
+    assert f"{tmp_path / 'X.npy'}" in msg and "truncated" in msg
+    assert f"{full - 8} bytes" in msg and f"({full} bytes)" in msg
+
+
+def test_hdf5_group_instead_of_dataset_is_named(tmp_path):
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        f.create_group("X").create_dataset("values", data=np.zeros((3, 2)))
+        f["y"] = np.zeros(3)
+    with pytest.raises(ValueError, match=f"{path}: 'X' is an HDF5 group, not a dataset"):
+        open_source(str(path))
+
+
+def test_a_file_that_is_not_hdf5_is_named(tmp_path):
+    path = tmp_path / "d.h5"
+    path.write_bytes(b"not hdf5 at all" * 10)
+    with pytest.raises(ValueError, match=f"cannot read dataset '{path}' as HDF5"):
+        open_source(str(path))
+
+
+@pytest.mark.parametrize("name", ["X.npy", "data.bin"])
+def test_a_bare_npy_says_which_forms_are_accepted(tmp_path, name):
+    path = tmp_path / name
+    np.save(tmp_path / "tmp.npy", np.zeros((3, 2)))
+    (tmp_path / "tmp.npy").rename(path)
+    with pytest.raises(ValueError) as e:
+        open_source(str(path))
+    msg = str(e.value)
+    assert str(path) in msg and "single .npy array" in msg
+    assert "a folder with X.npy and y.npy" in msg and ".npz file with arrays X and y" in msg
+
+
+def test_a_file_that_is_not_a_zip_lists_the_accepted_forms(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text("1,2,3\n")
+    with pytest.raises(ValueError, match="not a readable .npz .*expected 'digits'"):
+        open_source(str(path))
+
+
+# ---------------------------------------------------------------------------- value ranges
+
+
+def test_values_beyond_float32_are_named_by_row_when_casting_to_float32():
+    X = np.ones((6, 3))
+    X[4, 1] = -1e300
+    src = ArraySource("mem", X, np.arange(6) % 2)
+    rows = np.array([1, 3, 4, 5])
+    msg = check_rows(src, *src.read(rows), rows, dtype=np.float32)
+    assert msg == ("mem: X row 4 holds -1e+300, beyond the float32 range (+-3.403e+38): as "
+                   "float32 it would be inf; rescale the data or train with --dtype float64")
+    assert check_rows(src, *src.read(rows), rows, dtype=np.float64) is None
+    assert check_rows(src, *src.read(rows), rows) is None
+    X[4, 1] = 3.0e38  # the largest float32 is about 3.4028e38: still representable
+    assert check_rows(ArraySource("mem", X, np.arange(6) % 2), *src.read(rows), rows,
+                      dtype=np.float32) is None
+
+
+def test_regression_targets_and_sparse_rows_beyond_float32():
+    from mpidp.nn.sparse import CSR
+    y = np.zeros(5)
+    y[2] = 1e39
+    src = ArraySource("mem", np.ones((5, 2)), y)
+    rows = np.arange(5)
+    assert "y row 2 holds 1e+39" in check_rows(src, *src.read(rows), rows, dtype=np.float32)
+    X = CSR(np.array([0, 1, 3, 4]), np.array([0, 1, 0, 1]), np.array([1.0, 2.0, 5e40, 3.0]), 2)
+    assert "X row 11 holds 5e+40" in check_rows(src, X, np.zeros(3), np.array([10, 11, 12]),
+                                                 dtype=np.float32)
+
+
+def test_nan_is_reported_before_range():
+    X = np.ones((3, 2))
+    X[1, 0], X[2, 0] = 1e300, np.nan
+    src = ArraySource("mem", X, np.zeros(3, np.int64))
+    rows = np.arange(3)
+    assert "NaN or Inf (first at row 2)" in check_rows(src, *src.read(rows), rows, dtype=np.float32)
+
+
+def test_scan_rows_reads_in_blocks_and_names_the_first_bad_row(tmp_path):
+    from mpidp.sources import scan_rows
+    X = np.ones((1000, 4))
+    X[777, 3] = np.nan
+    np.savez(tmp_path / "d.npz", X=X, y=np.zeros(1000))
+    src = open_source(str(tmp_path / "d.npz"))
+    rows = np.arange(1000)
+    assert "first at row 777" in scan_rows(src, rows, block_bytes=320)  # 10 rows a block
+    assert scan_rows(src, rows[:777], block_bytes=320) is None
+    assert scan_rows(open_source("synthetic", n_samples=50, n_features=3), np.arange(50)) is None
