@@ -86,6 +86,7 @@ def summarize(runs: list[dict]) -> dict:
                                      m["history"][e]["balance"][ideal] for m in runs]))
                     for e in epochs]
     out["capacities_by_epoch"] = [runs[0]["history"][e]["balance"]["capacities"] for e in epochs]
+    out["repeats"] = {k: [b[k] for b in last] for k in ("efficiency", "efficiency_cpu")}
     return out
 
 
@@ -185,34 +186,65 @@ def markdown(rows, mr, checks, meta) -> str:
     return "\n".join(lines) + "\n"
 
 
-def figure(rows, path: Path) -> None:
+def _per_rank_bars(ax, sel: list[dict], over: bool) -> None:
+    """Stacked compute / comm / wait seconds of every rank, grouped by strategy."""
+    from plotting import OVER_HATCH
+    colors = {"compute_s": "#4c72b0", "comm_s": "#55a868", "wait_s": "#c44e52"}
+    x, ticks, labels = 0, [], []
+    for r in sel:
+        for p in r["per_rank"]:
+            bottom = 0.0
+            for key, color in colors.items():
+                ax.bar(x, p[key], bottom=bottom, color=color, width=0.8,
+                       hatch=OVER_HATCH if over else None, edgecolor="white" if over else None,
+                       label=key[:-2] if x == 0 else None)
+                bottom += p[key]
+            x += 1
+        ticks.append(x - (len(r["per_rank"]) + 1) / 2)
+        labels.append(r["strategy"])
+        x += 1
+    ax.set_xticks(ticks, labels, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("seconds in last epoch (per rank)")
+
+
+def _efficiency_bars(ax, sel: list[dict], over: bool) -> None:
+    """Efficiency per strategy: from wall time, or from CPU time when oversubscribed (ranks
+    sharing a core wait for it, which wall time counts as imbalance); whiskers: min-max
+    over the repeats when recorded."""
+    from plotting import OVER_HATCH, spread
+    key = "efficiency_cpu" if over else "efficiency"
+    for i, r in enumerate(sel):
+        reps = r.get("repeats", {}).get(key)
+        med, lo, hi = spread(reps) if reps else (r[key], 0.0, 0.0)
+        ax.bar(i, med, 0.7, yerr=[[lo], [hi]] if reps else None, capsize=3, color="C0",
+               hatch=OVER_HATCH if over else None, edgecolor="white" if over else None)
+    ax.set_xticks(range(len(sel)), [r["strategy"] for r in sel], rotation=45, ha="right",
+                  fontsize=8)
+    ax.set(ylabel=f"efficiency ({'CPU' if over else 'wall'} time)", ylim=(0, 1.05))
+    ax.axhline(1.0, color="0.5", lw=0.5)
+
+
+def figure(rows, path: Path, n_cores: int | None = None) -> None:
+    """Per-rank seconds (top) and efficiency (bottom) per strategy, one column per
+    (P, workload); P above the core count hatched and titled oversubscribed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from plotting import cores, legend_outside, oversubscribed, p_label  # beside this file
+    n_cores = n_cores or cores()
     panels = sorted({(r["P"], r["workload"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
-    colors = {"compute_s": "#4c72b0", "comm_s": "#55a868", "wait_s": "#c44e52"}
-    for ax, (P, wl) in zip(axes[0], panels):
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 8),
+                             squeeze=False, height_ratios=(3, 2))
+    for col, (P, wl) in enumerate(panels):
         sel = [r for r in rows if r["P"] == P and r["workload"] == wl]
-        x = 0
-        ticks, labels = [], []
-        for r in sel:
-            for p in r["per_rank"]:
-                bottom = 0.0
-                for key, color in colors.items():
-                    ax.bar(x, p[key], bottom=bottom, color=color, width=0.8,
-                           label=key[:-2] if x == 0 else None)
-                    bottom += p[key]
-                x += 1
-            ticks.append(x - (len(r["per_rank"]) + 1) / 2)
-            labels.append(r["strategy"])
-            x += 1
-        ax.set_xticks(ticks, labels, rotation=45, ha="right", fontsize=8)
-        ax.set_title(f"{wl}, P={P}", fontsize=10)
-        ax.set_ylabel("seconds in last epoch (per rank)")
-    axes[0][0].legend(fontsize=8)
+        over = oversubscribed(P, n_cores)
+        _per_rank_bars(axes[0][col], sel, over)
+        _efficiency_bars(axes[1][col], sel, over)
+        axes[0][col].set_title(f"{wl}, {p_label(P, n_cores)}", fontsize=9)
+    legend_outside(axes[0][-1], fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
+    plt.close(fig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -223,7 +255,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--mpiexec", default=str(REPO / ".venv" / "bin" / "mpiexec"))
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--out-dir", default=str(HERE / "results"))
+    p.add_argument("--replot", metavar="JSON", default=None,
+                   help="only redraw partition.png (into --out-dir) from a partition.json "
+                   "written earlier; runs nothing")
     args = p.parse_args(argv)
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        cpus = [int(w) for w in saved["meta"]["machine"].split() if w.isdigit()]
+        out = Path(args.out_dir) / "partition.png"
+        figure([r for r in saved["training"] if r["workload"] != "uniform"], out,
+               cpus[0] if cpus else None)
+        print(f"wrote {out}")
+        return 0
     args.ranks = [int(r) for r in args.ranks.split(",")]
     t0 = time.time()
     print(f"1-minute load average at start: {load_now():.2f}", flush=True)
