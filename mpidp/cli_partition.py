@@ -8,6 +8,8 @@ import argparse
 import json
 import os
 import sys
+import zipfile
+import zlib
 
 import numpy as np
 
@@ -17,8 +19,8 @@ from .balance import Partition, Plan, format_balance
 from .data import Data
 from .mapreduce import map_reduce
 from .nn.sparse import CSR
-from .partition import STRATEGIES, train_test_split
-from .sources import open_source
+from .partition import STRATEGIES, block_range, train_test_split
+from .sources import open_source, scan_rows
 
 
 def _floats(text: str) -> list[float]:
@@ -164,13 +166,21 @@ class _Pairs:
 
 
 def _open_model(path: str):
+    """The model saved in ``path`` (a ``model.npz`` or its folder); ValueError naming the
+    file if it is missing, truncated, corrupted (zip CRC-32), not a model, or not finite."""
     path = os.path.join(path, "model.npz") if os.path.isdir(path) else path
     try:
-        saved = np.load(path)
-        model = nn.from_spec(json.loads(str(saved["spec"])), str(saved["dtype"]))
-        model.params[...] = saved["params"]
-    except (OSError, KeyError, ValueError) as exc:
-        raise ValueError(f"--model {path!r}: cannot load a saved model ({exc})") from exc
+        with np.load(path, allow_pickle=False) as saved:
+            spec, dtype, params = json.loads(str(saved["spec"])), str(saved["dtype"]), saved["params"]
+        model = nn.from_spec(spec, dtype)
+        model.params[...] = params
+    except (OSError, KeyError, ValueError, TypeError, EOFError, zipfile.BadZipFile,
+            zlib.error) as exc:
+        raise ValueError(f"--model {path!r}: cannot load a saved model ({type(exc).__name__}: "
+                         f"{exc}); give the model.npz that 'mpidp train' wrote, or its "
+                         f"folder") from None
+    if not np.isfinite(model.params).all():
+        raise ValueError(f"--model {path!r}: the saved parameters contain NaN or Inf")
     return model
 
 
@@ -182,6 +192,13 @@ def predict(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     rows = np.arange(src.n_samples)
     if args.rows == "test":
         rows = train_test_split(src.n_samples, args.test_fraction, args.seed)[1]
+    if src.n_features != model.n_in:  # same verdict on every rank
+        raise C.MpidpError(f"--dataset {args.dataset} has {src.n_features} features, but the "
+                           f"model in {args.model} takes {model.n_in}")
+    mine = rows[slice(*block_range(len(rows), comm.size, comm.rank))]
+    bad = scan_rows(src, mine, dtype=model.dtype)  # each rank its block, before any work
+    C.agree(comm, bad and f"{bad}: predictions for such rows are meaningless; clean or drop "
+            f"them first")
     data = _Rows(src, rows, model.dtype)
     costs = data.costs() if args.partition == "cost" else None
     res = map_reduce(comm, model.forward, data, "concat", partition=args.partition, costs=costs,

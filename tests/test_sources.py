@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import zipfile
 
 import numpy as np
@@ -520,3 +521,76 @@ def test_scan_rows_reads_in_blocks_and_names_the_first_bad_row(tmp_path):
     assert "first at row 777" in scan_rows(src, rows, block_bytes=320)  # 10 rows a block
     assert scan_rows(src, rows[:777], block_bytes=320) is None
     assert scan_rows(open_source("synthetic", n_samples=50, n_features=3), np.arange(50)) is None
+
+
+# ---------------------------------------------------------------------------- at the command line
+
+
+def _cli_error(r):
+    """The job failed cleanly: status 2, one message, no traceback."""
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "Warning" not in r.stderr, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("mpidp: error:")]
+    assert len(lines) == 1, r.stderr[-2000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("distribute", ["scatter", "local"])
+def test_train_refuses_a_corrupt_npz_and_a_float32_overflow_on_every_rank(tmp_path, distribute):
+    from clitools import run_mpi
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((120, 4)), rng.integers(0, 3, 120)
+    X[77, 2] = 1e300
+    np.savez(tmp_path / "big.npz", X=X, y=y)
+    X[77, 2] = 0.5
+    np.savez(tmp_path / "flip.npz", X=X, y=y)
+    start, info = _member_data_start(tmp_path / "flip.npz", "X.npy")
+    data = bytearray((tmp_path / "flip.npz").read_bytes())
+    data[start + info.file_size // 2] ^= 0x40
+    (tmp_path / "flip.npz").write_bytes(bytes(data))
+    common = ["--dtype", "float32", "--epochs", "1", "--no-progress", "--distribute", distribute]
+    r = run_mpi(2, "train", "--dataset", str(tmp_path / "flip.npz"), *common,
+                "--out", str(tmp_path / "a"))
+    assert f"{tmp_path / 'flip.npz'}: member X.npy fails its CRC-32 check" in _cli_error(r)
+    r = run_mpi(2, "train", "--dataset", str(tmp_path / "big.npz"), *common,
+                "--out", str(tmp_path / "b"))
+    assert "X row 77 holds 1e+300, beyond the float32 range" in _cli_error(r)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.fixture
+def saved_model(tmp_path):
+    from mpidp import nn
+    model = nn.mlp(4, (8,), 3).init_(0)
+    path = tmp_path / "model.npz"
+    np.savez(path, params=model.params, spec=json.dumps(model.spec()), dtype=str(model.dtype),
+             meta="{}")
+    return path
+
+
+def test_predict_refuses_a_corrupt_model_and_nan_rows(tmp_path, saved_model):
+    from clitools import run_mpi
+    X = np.random.default_rng(1).standard_normal((60, 4))
+    X[41, 0] = np.nan
+    np.savez(tmp_path / "nan.npz", X=X, y=np.arange(60) % 3)
+    out = tmp_path / "p.npy"
+    r = run_mpi(2, "predict", "--model", str(saved_model), "--dataset", str(tmp_path / "nan.npz"),
+                "--out", str(out))
+    msg = _cli_error(r)
+    assert f"{tmp_path / 'nan.npz'}: X contains NaN or Inf (first at row 41)" in msg
+    assert "predictions" in msg and not out.exists()
+    X[41, 0] = 0.0
+    np.savez(tmp_path / "wide.npz", X=np.hstack([X, X]), y=np.arange(60) % 3)
+    r = run_mpi(2, "predict", "--model", str(saved_model), "--dataset", str(tmp_path / "wide.npz"),
+                "--out", str(out))
+    assert "has 8 features, but the model in" in _cli_error(r)
+    data = bytearray(saved_model.read_bytes())
+    start, info = _member_data_start(saved_model, "params.npy")
+    data[start + info.file_size - 3] ^= 0x01
+    saved_model.write_bytes(bytes(data))
+    np.savez(tmp_path / "ok.npz", X=X, y=np.arange(60) % 3)
+    r = run_mpi(2, "predict", "--model", str(saved_model), "--dataset", str(tmp_path / "ok.npz"),
+                "--out", str(out))
+    msg = _cli_error(r)
+    assert f"--model '{saved_model}': cannot load a saved model" in msg and "CRC-32" in msg
+    assert not out.exists()
