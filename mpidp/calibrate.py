@@ -154,13 +154,23 @@ def save(r: dict, out: str) -> list[str]:
         json.dump(r, f, indent=2)
     with open(paths[1], "w") as f:
         f.write(format_report(r) + "\n")
+    png = os.path.join(out, "model.png")
+    if plot(r, png):
+        paths.append(png)
+    return paths
+
+
+def plot(r: dict, path: str) -> bool:
+    """``model.png``: predicted efficiency against P (left) and the Allreduce time against
+    message size, the fitted model as lines with the measured points on top (right).
+    False (nothing written) when matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return paths
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+        return False
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5))
     for n, style in ((1e6, "-"), (1e8, "--")):
         for alg, color in zip(M.ALGORITHMS, ("C0", "C1", "C3", "C2")):
             rows = [x for x in r["table"] if x["params"] == int(n) and x["algorithm"] == alg]
@@ -168,7 +178,22 @@ def save(r: dict, out: str) -> list[str]:
                     label=f"{alg}, {n:.0e} params")
     ax.set(xscale="log", xlabel="ranks P", ylabel="parallel efficiency (fixed global batch)",
            title="Cost-model predictions", ylim=(0, 1.05))
-    ax.legend(fontsize=7)
-    paths.append(os.path.join(out, "model.png"))
-    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
-    return paths
+    ax.legend(fontsize=7, loc="upper right")  # the curves fall away from that corner
+    for key, name, color in (("allreduce", "Allreduce", "C0"), ("pingpong", "ping-pong", "C1")):
+        meas = {int(b): t for b, t in (r.get(key) or {}).items()}
+        if meas:
+            b = sorted(meas)
+            bx.plot(b, [meas[k] * 1e6 for k in b], "o", color=color, ms=6, zorder=3,
+                    label=f"{name}, measured")
+    pred = {int(b): t for b, t in (r.get("allreduce_predicted") or {}).items()}
+    if pred:
+        b = sorted(pred)
+        bx.plot(b, [pred[k] * 1e6 for k in b], "-", color="C0", lw=1.5, zorder=1,
+                label="Allreduce, model (alpha, beta, gamma fit)")
+    bx.set(xscale="log", yscale="log", xlabel="message bytes", ylabel="microseconds",
+           title=f"Model vs measurement, P = {r.get('world_size', '?')}")
+    bx.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return True
