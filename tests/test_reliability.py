@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
+import uuid
 import zipfile
 from pathlib import Path
 
@@ -24,12 +26,68 @@ ARGS = ["train", "--dataset", "synthetic", "--n-samples", "600", "--n-features",
         "--lr", "0.01", "--hidden", "16", "--no-progress"]
 
 
-def _train(n, out, *extra, fault=None, timeout=120):
-    env = {"MPIDP_FAULT": fault} if fault else {}
+def _train(n, out, *extra, fault=None, timeout=120, env=None):
+    env = {**({"MPIDP_FAULT": fault} if fault else {}), **(env or {})}
     t = time.monotonic()
     r = run_mpi(n, *ARGS, "--out", str(out), *extra, timeout=timeout, env=env)
     r.elapsed = time.monotonic() - t
     return r
+
+
+SHM = Path("/dev/shm")
+
+
+class JobShm:
+    """The /dev/shm files that the processes of ONE job map or hold open, so that a test
+    judges only its own job, whatever other MPI jobs on the machine create meanwhile.
+
+    The job is launched with :attr:`env` (a variable holding a unique token; mpiexec passes
+    the environment on to every rank); a thread looks every 20 ms at the processes whose
+    environment holds that token and records their /dev/shm files in :attr:`seen`.
+    A segment lives from ``MPI_Init`` to the end of the job, far longer than 20 ms.
+    """
+
+    def __init__(self) -> None:
+        token = uuid.uuid4().hex
+        self.env = {"MPIDP_TEST_JOB": token}
+        self._marker = f"MPIDP_TEST_JOB={token}".encode()
+        self.seen: set[str] = set()
+        self._stop = threading.Event()
+        self._others = {p.name for p in Path("/proc").iterdir() if p.name.isdigit()}  # older
+
+    def _scan(self) -> None:
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or proc.name in self._others:
+                continue
+            try:
+                if self._marker not in (proc / "environ").read_bytes().split(b"\0"):
+                    continue  # not (yet) the job's: a forked child may exec into it later
+                for line in (proc / "maps").read_text().splitlines():
+                    if "/dev/shm/" in line:
+                        self.seen.add(line.split("/dev/shm/", 1)[1].removesuffix(" (deleted)"))
+                for fd in (proc / "fd").iterdir():
+                    target = os.readlink(fd)
+                    if target.startswith("/dev/shm/"):
+                        self.seen.add(target[len("/dev/shm/"):].removesuffix(" (deleted)"))
+            except OSError:  # ended meanwhile, or not ours to read
+                continue
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.02):
+            self._scan()
+
+    def left(self) -> set[str]:
+        """The job's files still in /dev/shm."""
+        return {name for name in self.seen if (SHM / name).exists()}
+
+    def __enter__(self) -> JobShm:
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _params(out):
@@ -47,15 +105,15 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_exception_on_rank_1_at_step_k_ends_the_job(tmp_path, n):
-    shm = Path("/dev/shm")
-    before = set(shm.glob("mpich_shm_*")) if shm.is_dir() else set()
-    r = _train(n, tmp_path / "out", fault="raise@1:5")
+    with JobShm() as shm:
+        r = _train(n, tmp_path / "out", fault="raise@1:5", env=shm.env)
     assert r.returncode != 0 and r.elapsed < 30
     assert f"rank 1/{n} failed" in r.stderr and "injected fault on rank 1 at step 5" in r.stderr
     assert not (tmp_path / "out").exists()
     # the aborting rank removed MPICH's shared-memory files, which would outlive the job
-    if shm.is_dir():
-        assert set(shm.glob("mpich_shm_*")) <= before
+    if SHM.is_dir():
+        assert any(name.startswith("mpich_shm_") for name in shm.seen), "the watch saw no segment"
+        assert shm.left() == set()
 
 
 def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(tmp_path, reference):
