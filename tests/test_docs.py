@@ -119,6 +119,29 @@ def test_links_resolve_inside_the_repository(path):
     assert bad == [], f"{path.name}: {bad}"
 
 
+def _section(path: Path, heading: str) -> str:
+    text = path.read_text()
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+@pytest.mark.parametrize("path", [README, ROOT / "docs" / "design.md"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_layout_names_every_module_and_only_modules_that_exist(path):
+    """The Layout section lists each module of mpidp/ and each subpackage, and every
+    ``name.py`` it mentions exists in the repository."""
+    layout = _section(path, "Layout")
+    pkg = ROOT / "mpidp"
+    wanted = [f"{p.name}" for p in pkg.glob("*.py") if not p.name.startswith("__")]
+    wanted += [f"{p.name}/" for p in pkg.iterdir() if (p / "__init__.py").exists()]
+    missing = [w for w in wanted if w not in layout]
+    existing = {p.name for d in ("mpidp", "tests", "benchmarks", "examples")
+                for p in (ROOT / d).rglob("*.py")}
+    stale = sorted({n for n in re.findall(r"\b(\w+\.py)\b", layout)} - existing)
+    assert (missing, stale) == ([], []), f"{path.name} Layout: not listed {missing}, gone {stale}"
+
+
 def test_docs_index_links_every_page():
     index = (ROOT / "docs" / "index.md").read_text()
     linked = {t.partition("#")[0] for t in LINK.findall(index)}
