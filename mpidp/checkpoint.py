@@ -176,16 +176,16 @@ def save_flat(directory: str, params: np.ndarray, opt_state: dict[str, np.ndarra
     pipeline gathers them from its stages); ``optimizer`` gives the type and step count.
     The file is the same whoever wrote it, so any layout may resume it.
 
-    Raises ValueError, writing nothing, if ``state.global_step`` is not newer than the
-    newest checkpoint in ``directory`` (a checkpoint is never rewritten by an older or equal
-    one), or if ``run_id`` is given and ``directory``'s ``run.json`` names another run.
+    Raises ValueError, writing nothing, if ``state`` is behind the newest checkpoint in
+    ``directory`` (a checkpoint is never replaced by an older one): its ``global_step`` is
+    smaller, or equal with an earlier ``(epoch, step)`` position. The same step at the same
+    or a later position may be rewritten: the end-of-training checkpoint ``(epochs, 0)``
+    after a periodic one ``(epochs - 1, steps_per_epoch)`` of the same step adds the last
+    epoch's record. Also refused: ``run_id`` given and ``directory``'s ``run.json`` naming
+    another run.
     """
     os.makedirs(directory, exist_ok=True)
-    newest = newest_step(directory)
-    if newest is not None and state.global_step <= newest:
-        raise ValueError(f"not writing a checkpoint of step {state.global_step} into "
-                         f"{directory}: it holds step {newest} already, and a checkpoint is "
-                         f"only ever replaced by a newer one")
+    _check_not_behind(directory, state)
     if run_id is not None:
         owner = read_run(directory) or {}
         if owner.get("run_id") != run_id:
@@ -206,6 +206,26 @@ def save_flat(directory: str, params: np.ndarray, opt_state: dict[str, np.ndarra
         with contextlib.suppress(FileNotFoundError):
             os.unlink(old)
     return path
+
+
+def _check_not_behind(directory: str, state: State) -> None:
+    """ValueError unless ``state`` may be written beside the newest checkpoint (see save)."""
+    newest = newest_step(directory)
+    if newest is None or state.global_step > newest:
+        return
+    held = f"step {newest}"
+    if state.global_step == newest:
+        try:
+            with np.load(os.path.join(directory, PATTERN.format(newest)), allow_pickle=False) as z:
+                meta = json.loads(str(z["meta"]))
+        except Exception:  # noqa: BLE001 - a damaged file of the same step may be replaced
+            return
+        if (state.epoch, state.step) >= (meta["epoch"], meta["step"]):
+            return
+        held += f" at epoch {meta['epoch']}, step {meta['step']}"
+    raise ValueError(f"not writing a checkpoint of step {state.global_step} (epoch "
+                     f"{state.epoch}, step {state.step}) into {directory}: it holds {held} "
+                     f"already, and a checkpoint is only ever replaced by a newer one")
 
 
 # --- reading ---------------------------------------------------------------------------

@@ -219,15 +219,26 @@ def test_written_files_honour_the_umask(tmp_path, mask, mode):
 
 # --- never an older checkpoint ---------------------------------------------------------
 
-def test_save_refuses_a_step_that_is_not_newer_and_writes_nothing(tmp_path):
+def test_save_refuses_a_checkpoint_behind_the_newest_and_writes_nothing(tmp_path):
     model, opt = _model_and_opt()
     path = ck.save(str(tmp_path), model, opt, ck.State(epoch=4, global_step=60))
     before = open(path, "rb").read()
-    for step in (60, 45):
-        with pytest.raises(ValueError, match=f"step {step} .* holds step 60 already"):
-            ck.save(str(tmp_path), model, opt, ck.State(epoch=2, global_step=step))
+    with pytest.raises(ValueError, match=r"step 45 \(epoch 2, step 0\) .* holds step 60 already"):
+        ck.save(str(tmp_path), model, opt, ck.State(epoch=2, global_step=45))
+    # --resume --epochs 2 of a run that finished 4: the loop's final save has the same step
+    with pytest.raises(ValueError, match="holds step 60 at epoch 4, step 0 already"):
+        ck.save(str(tmp_path), model, opt, ck.State(epoch=2, global_step=60))
     assert open(path, "rb").read() == before and _names(tmp_path) == ["ckpt-0000000060.npz"]
     assert [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")] == []
+
+
+def test_the_final_checkpoint_may_follow_a_periodic_one_of_the_same_step(tmp_path):
+    model, opt = _model_and_opt()
+    ck.save(str(tmp_path), model, opt, ck.State(epoch=2, step=15, global_step=45))
+    path = ck.save(str(tmp_path), model, opt, ck.State(epoch=3, step=0, global_step=45,
+                                                       history=[{"epoch": 3}]))
+    assert ck.read(path)[0]["epoch"] == 3 and ck.read(path)[0]["history"] == [{"epoch": 3}]
+    ck.save(str(tmp_path), model, opt, ck.State(epoch=3, step=0, global_step=45))  # same place
 
 
 def test_save_checks_the_folder_still_belongs_to_the_run(tmp_path):
