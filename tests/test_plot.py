@@ -109,3 +109,55 @@ def test_plot_needs_no_mpi(runs, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def _timeline():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plot_timeline",
+                                                  ROOT / "benchmarks" / "plot_timeline.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _trace_doc():
+    """2 ranks x 3 steps; step 1 is slow on rank 1 (rank 0 waits for it)."""
+    from mpidp.trace import build
+    parts = []
+    for rank in (0, 1):
+        ev, t = [], 0.0
+        for step in range(3):
+            c = 0.030 if (rank == 1 and step == 1) else 0.010
+            w = 0.020 if (rank == 0 and step == 1) else 0.0
+            ev.append(("forward/backward", "compute", "compute", t, t + c, step, 0, None, None))
+            ev.append(("wait", "comm", "wait", t + c, t + c + w, step, 0, None, None))
+            ev.append(("allreduce", "comm", "comm", t + c + w, t + c + w + 0.002, step, 0,
+                       None, {"bytes": 64}))
+            t += 0.040
+        parts.append({"rank": rank, "host": "h", "offset": 0.0, "uncertainty": 0.0,
+                      "events": ev})
+    return build(parts)
+
+
+def test_timeline_picks_steps_and_draws_one(tmp_path):
+    tl = _timeline()
+    doc = _trace_doc()
+    steps = tl.spans_by_step(doc)
+    assert sorted(steps) == [0, 1, 2] and all(len(v) == 6 for v in steps.values())
+    assert tl.pick_step(steps, None, slowest=True) == 1
+    assert tl.pick_step(steps, 2, slowest=False) == 2
+    with pytest.raises(SystemExit, match="not in the trace"):
+        tl.pick_step(steps, 7, slowest=False)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    out = tmp_path / "tl.png"
+    assert tl.main([str(path), "--out", str(out), "--slowest"]) == 0
+    assert out.stat().st_size > 10_000
+
+
+def test_timeline_reads_the_planner_layout():
+    tl = _timeline()
+    ev = [{"name": n, "ph": "X", "pid": 0, "tid": r, "ts": 10.0 * i + r, "dur": 5.0}
+          for i, n in enumerate(["compute", "wait", "comm", "compute", "comm"]) for r in (0, 1)]
+    steps = tl.spans_by_step({"traceEvents": ev})
+    assert {k: len(v) for k, v in steps.items()} == {0: 6, 1: 4}
