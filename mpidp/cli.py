@@ -1,7 +1,10 @@
-"""Command line: ``mpidp train``, ``mpidp info``. Run under ``mpiexec -n P``.
+"""Command line: ``mpidp train``, ``predict``, ``model``, ``info``, run under ``mpiexec -n P``.
 
 Every rank parses the same arguments and takes the same decisions; only rank 0 prints.
-Bad input exits with status 2 on every rank and leaves ``--out`` untouched.
+Bad input exits with status 2 on every rank and leaves ``--out`` untouched; a stop on
+SIGTERM/SIGUSR1 exits with 75 after a checkpoint; a stalled rank ends the job with 3.
+``mpidp --help``, ``--version`` and ``info`` work without an MPI library: MPI starts only
+for the commands that need it.
 """
 
 from __future__ import annotations
@@ -9,47 +12,50 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import sys
-import time
 from collections.abc import Sequence
 
-import numpy as np
+from . import __version__
+from .options import MODES
+from .partition import STRATEGIES
 
-from . import comm as C
-from . import data as D
-from . import nn
-from .calibrate import calibrate, format_report
-from .calibrate import save as save_model
-from .checkpoint import restore, write_atomic
-from .cli_partition import (
-    add_partition_options,
-    add_predict,
-    apply_slowdown,
-    is_sparse,
-    load_options,
-    make_plan,
-    predict,
-    summarize,
-)
-from .metrics import format_timings, gather_timings
-from .parallel import INIT_SYNC, ON_NONFINITE, DataParallel
-from .parallel.async_ps import train_async
-from .parallel.sync import SYNCS, make_sync
-from .loop import Checkpointing, fit
+EXIT_USAGE, EXIT_PREEMPTED = 2, 75
+NO_MPI = ("mpidp: cannot start MPI ({}). Install it with pip install 'mpidp[mpi]' (mpi4py and "
+          "the mpich wheel), or build mpi4py against your cluster's MPI: "
+          "pip install --no-binary mpi4py mpi4py")
 
-# Settings a checkpoint must share with the run that resumes it (the world size may differ).
-RESUME_MUST_MATCH = ("dataset", "model", "hidden", "batch_size", "seed", "dtype", "optimizer",
-                     "test_fraction", "no_shuffle", "drop_last", "n_samples", "n_features")
+
+def _launcher_rank() -> int:
+    """This process's rank as the launcher says (MPICH, Open MPI, PMIx, Slurm), without MPI."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
 
 
 class _Parser(argparse.ArgumentParser):
     """Usage errors are printed by rank 0 only; every rank exits with status 2."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # an option is given by its full name
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
-        if C.world().rank == 0:
+        if _launcher_rank() == 0:
             self.print_usage(sys.stderr)
             print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(EXIT_USAGE)
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults appended once, and only where the help does not already say one."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS, {}):
+            return text
+        return super()._get_help_string(action)
 
 
 def _positive(kind):
@@ -60,6 +66,18 @@ def _positive(kind):
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def _non_negative(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not value >= 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be >= 0 and finite, got {text}")
         return value
     return parse
 
@@ -79,10 +97,11 @@ def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a model data-parallel over the MPI ranks",
                        description="Train a model data-parallel: every rank holds a replica, "
                        "gradients are summed with one Allreduce per step. Run under mpiexec -n P.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_Help)
     a = p.add_argument
-    a("--dataset", default="digits", help="'digits' (scikit-learn's 8x8 digits), 'synthetic', "
-      "or PATH: an .npz with arrays X and y, a folder with X.npy and y.npy, or an .h5 file")
+    a("--dataset", default="digits", help="'digits' (scikit-learn's 8x8 digits), 'synthetic' "
+      "(Gaussian clusters), 'bow' (sparse bag-of-words rows of varying cost), or PATH: an "
+      ".npz with arrays X and y, a folder with X.npy and y.npy, or an .h5 file")
     a("--model", choices=("linear", "logreg", "mlp"), default="mlp",
       help="linear: least squares; logreg: softmax regression; mlp: ReLU MLP")
     a("--hidden", type=_hidden, default=(128, 64), help="MLP hidden widths, comma-separated")
@@ -96,10 +115,10 @@ def _add_train(sub) -> None:
     a("--weight-decay", type=float, default=0.0, help="L2 weight decay")
     a("--seed", type=int, default=0, help="seed for initialisation, split, shuffling, synthetic data")
     a("--dtype", choices=("float32", "float64"), default="float32", help="floating-point type")
-    a("--distribute", choices=D.DISTRIBUTE, default="scatter",
+    a("--distribute", choices=("scatter", "local"), default="scatter",
       help="scatter: rank 0 reads and Scatterv's each rank its rows; "
       "local: each rank reads only its own rows from the file")
-    a("--init-sync", choices=INIT_SYNC, default="bcast",
+    a("--init-sync", choices=("bcast", "seed"), default="bcast",
       help="bcast: rank 0's initial parameters are broadcast; seed: every rank initialises "
       "from the same seed (verified by checksum)")
     a("--out", default="out", help="folder for metrics.json and model.npz (written at the end)")
@@ -130,11 +149,12 @@ def _add_train(sub) -> None:
                    "number of ranks); starts afresh if there is none")
     r.add_argument("--check-every", type=int, default=0,
                    help="compare parameter checksums across ranks every N steps (0: only at the end)")
-    r.add_argument("--on-nonfinite", choices=ON_NONFINITE, default="stop",
+    r.add_argument("--on-nonfinite", choices=("stop", "skip", "ignore"), default="stop",
                    help="NaN/Inf in the global loss or gradient: stop with an error, skip the "
                    "step's update, or ignore")
     g = p.add_argument_group("synchronisation")
-    g.add_argument("--sync", choices=(*SYNCS, "async-ps"), default="allreduce",
+    g.add_argument("--sync", choices=[m for m in MODES if m not in ("pipeline", "hybrid")],
+                   default="allreduce",
                    help="allreduce: one fused in-place Allreduce per step; per-layer: one per "
                    "array; overlapped: bucketed Iallreduce during backward; compressed: 16-bit "
                    "with error feedback; ps: parameter server (rank 0); sharded-ps: every rank "
@@ -157,222 +177,129 @@ def _add_train(sub) -> None:
                    help="compressed: 16-bit format of the gradients on the wire")
     g.add_argument("--sync-every", type=_positive(int), default=4,
                    help="accumulate / local-sgd: steps between synchronisations")
-    r.add_argument("--watchdog", type=_positive(float), default=None, metavar="SECONDS",
-                   help="abort, naming the ranks that never arrived, if a step's Allreduce "
-                   "waits longer than this")
+    r.add_argument("--watchdog", type=_non_negative(float), default=None, metavar="SECONDS",
+                   help="end the job, naming the stalled ranks, when a rank makes no progress "
+                   "(stuck computing or waiting in MPI) for this long; 0 turns it off "
+                   "(default: on, max(600 s, 50 median steps))")
     add_partition_options(p)
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers like 1,2, got {text!r}") from None
+
+
+def _slowdown(text: str) -> dict[int, float]:
+    out = {}
+    for part in text.split(","):
+        try:
+            rank, factor = part.split(":")
+            out[int(rank)] = float(factor)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected RANK:FACTOR[,RANK:FACTOR...] like 1:2, got {text!r}") from None
+        if not out[int(rank)] >= 1 or int(rank) < 0:
+            raise argparse.ArgumentTypeError(f"need RANK >= 0 and FACTOR >= 1, got {part!r}")
+    return out
+
+
+def add_partition_options(p: argparse.ArgumentParser) -> None:
+    """The partitioning and load-balance options of ``mpidp train``."""
+    a = p.add_argument
+    a("--partition", choices=STRATEGIES, default="block",
+      help="which samples each rank owns: block (contiguous), cyclic (round robin), shuffled "
+      "(seeded), weighted (by --capacities), cost (every batch balanced by per-sample cost), "
+      "adaptive (re-weighted from each rank's measured speed)")
+    a("--costs", default="auto", help="per-sample costs for cost/adaptive: 'auto' (the "
+      "workload's own, e.g. non-zeros for --dataset bow; else uniform), 'uniform', or a .npy "
+      "file with one cost per dataset row")
+    a("--capacities", type=_floats, default=None,
+      help="relative rank speeds, comma-separated, one per rank (weighted; adaptive's start)")
+    a("--adapt-every", type=int, default=None,
+      help="adaptive: re-measure speeds every N steps (default: every epoch)")
+    a("--slowdown", type=_slowdown, default={}, metavar="RANK:FACTOR",
+      help="FOR BENCHMARKS AND TESTS: make RANK's per-sample work (each step's forward/"
+      "backward) FACTOR times slower by sleeping (FACTOR-1)x its duration, simulating a "
+      "straggler or slower node; the replicated update after the collective is not slowed")
+    a("--trace", default=None, metavar="FILE",
+      help="write a Chrome trace-event JSON timeline (compute / wait / comm / update per rank "
+      "and step) to FILE; open it in Perfetto or chrome://tracing")
+
+
+def add_predict(sub) -> None:
+    p = sub.add_parser("predict", help="apply a trained model to a dataset across the ranks",
+                       description="Predict with a model saved by 'mpidp train' (model.npz). "
+                       "Rows are split over the ranks (any --partition, or --dynamic work "
+                       "stealing); every rank writes its own rows of one .npy file.",
+                       formatter_class=_Help)
+    a = p.add_argument
+    a("--model", required=True, help="model.npz written by mpidp train, or its folder")
+    a("--dataset", required=True, help="as for train: digits, synthetic, bow or PATH")
+    a("--rows", choices=("all", "test"), default="all",
+      help="all rows, or the held-out test rows of the seeded split used by train")
+    a("--seed", type=int, default=0, help="seed of the split and of synthetic data")
+    a("--test-fraction", type=float, default=0.2, help="as for train (with --rows test)")
+    a("--n-samples", type=int, default=60000, help="synthetic/bow: samples")
+    a("--n-features", type=int, default=784, help="synthetic/bow: features")
+    a("--partition", choices=STRATEGIES[:-1], default="block", help="static split of the rows")
+    a("--dynamic", action="store_true", help="ranks take chunks from a shared counter instead")
+    a("--chunk-size", type=int, default=512, help="rows per chunk")
+    a("--out", required=True, help=".npy file for the outputs (n_rows, n_outputs)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="mpidp", description="Data-parallel training of NumPy models over MPI.")
+    parser = _Parser(prog="mpidp", description="Data-parallel training of NumPy models over "
+                     "MPI. Run the commands under mpiexec -n P (or srun).")
+    parser.add_argument("--version", action="version", version=f"mpidp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_train(sub)
-    sub.add_parser("info", help="print MPI library, world size and numpy/BLAS configuration")
+    sub.add_parser("info", help="print versions, the MPI library and each rank's host, BLAS",
+                   description="Print mpidp, Python, numpy and BLAS versions, the MPI library "
+                   "and every rank's host (works without MPI too).")
     m = sub.add_parser("model", help="measure latency, bandwidth and compute; predict scaling "
-                       "of allreduce and parameter server up to 1,024 ranks (needs >= 2 ranks)")
+                       "of allreduce and parameter server up to 1,024 ranks (needs >= 2 ranks)",
+                       description="Measure this machine's MPI latency, bandwidth and compute "
+                       "speed, and predict step times up to 1,024 ranks.", formatter_class=_Help)
     m.add_argument("--out", default="out/model", help="folder for model.json, model.md, model.png")
     m.add_argument("--batch-size", type=_positive(int), default=512, help="global batch")
     add_predict(sub)
     return parser
 
 
-def _say(comm, *lines: str) -> None:
+def _start_mpi():
+    """``mpidp.comm`` (MPI starts here); a one-line hint and exit 2 when there is no MPI."""
+    try:
+        from . import comm as C
+    except (ImportError, RuntimeError, OSError) as exc:
+        print(NO_MPI.format(str(exc).splitlines()[0] if str(exc) else type(exc).__name__),
+              file=sys.stderr, flush=True)
+        sys.exit(EXIT_USAGE)
+    return C
+
+
+def info() -> dict:
+    """Versions, the MPI library and every rank's host (printed by rank 0). Collective when
+    MPI is there; without it, a single process's view."""
+    import numpy as np
+
+    result = {"mpidp": __version__, "python": platform.python_version(), "numpy": np.__version__,
+              "blas": _blas_info(), "env": {k: os.environ[k] for k in sorted(os.environ)
+                                              if k.startswith(("OPENBLAS", "OMP_", "MKL_"))}}
+    try:
+        from . import comm as C
+    except (ImportError, RuntimeError, OSError) as exc:
+        result["mpi"] = f"not available: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+        result["hosts"] = [platform.node()]
+        print(json.dumps(result, indent=2), flush=True)
+        return result
+    comm = C.world()
+    result["mpi"] = C.mpi_info(comm)
+    result["hosts"] = C.bcast_obj(comm, comm.gather(platform.node(), root=0))
     if comm.rank == 0:
-        print(*lines, sep="\n", flush=True)
-
-
-def _check_out(out: str) -> None:
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out {out!r} exists and is not a folder")
-    parent = os.path.dirname(os.path.abspath(out))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    target = out if os.path.isdir(out) else parent
-    if not os.access(target, os.W_OK):
-        raise ValueError(f"--out {out!r}: no permission to write in {target!r}")
-
-
-def _save(out: str, metrics: dict, model: nn.Sequential, meta: dict) -> None:
-    os.makedirs(out, exist_ok=True)
-    write_atomic(os.path.join(out, "model.npz"), lambda f: np.savez(
-        f, params=model.params, spec=json.dumps(model.spec()), dtype=str(model.dtype),
-        meta=json.dumps(meta)))
-    write_atomic(os.path.join(out, "metrics.json"),
-                  lambda f: f.write(json.dumps(metrics, indent=2).encode()))
-
-
-def _resume(comm: C.Comm, args: argparse.Namespace, config: dict, dp: DataParallel):
-    """Restore the newest good checkpoint (collective); None (and a notice) if there is none."""
-    return resumed(comm, args, config, restore(comm, args.checkpoint_dir, dp.model, dp.optimizer))
-
-
-def resumed(comm: C.Comm, args: argparse.Namespace, config: dict, found):
-    """The resume state from ``found`` (``(path, state)`` or None), after checking that the
-    checkpoint was written with the settings ``RESUME_MUST_MATCH``; says what it resumed."""
-    if found is None:
-        _say(comm, f"no checkpoint in {args.checkpoint_dir}: starting from the beginning")
-        return None
-    path, state = found
-    changed = [k for k in RESUME_MUST_MATCH if state.config.get(k) != config.get(k)]
-    if changed:
-        raise C.MpidpError(f"checkpoint {path} was written with different settings: " + ", ".join(
-            f"--{k.replace('_', '-')} {state.config.get(k)} (now {config.get(k)})" for k in changed))
-    _say(comm, f"resumed from {path}: epoch {state.epoch + 1}, step {state.step}, "
-         f"{state.global_step} steps done (written with "
-         f"{state.config.get('world_size', '?')} ranks, now {comm.size})")
-    return state
-
-
-def _load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.Data:
-    """Load the dataset over all ranks, or (dedicated parameter server) over the workers only,
-    the server getting empty shards. Collective; errors reach every rank."""
-    kw = dict(distribute=args.distribute, seed=args.seed, test_fraction=args.test_fraction,
-              dtype=args.dtype, n_classes=args.n_classes, n_samples=args.n_samples,
-              n_features=args.n_features,
-              regression=args.model == "linear" and args.dataset == "synthetic")
-    if server is None:
-        return D.load(comm, args.dataset, **kw, **load_options(args, comm))
-    workers = C.split_off(comm, server)
-    data, error = None, None
-    if workers is not None:
-        try:
-            data = D.load(workers, args.dataset, **kw, **load_options(args, workers))
-        except C.MpidpError as exc:
-            error = str(exc)
-    C.agree(comm, error)
-    first_worker = 1 if server == 0 else 0
-    meta = C.bcast_obj(comm, None if data is None else (
-        data.name, data.n_features, data.n_outputs, data.classification, data.train.n_total,
-        data.test.n_total, data.train.y.dtype, data.train.y.shape[1:]), root=first_worker)
-    if data is not None:
-        return data
-    name, d, n_out, classification, n_train, n_test, y_dtype, y_shape = meta
-    empty = lambda n: D.Shard(np.empty((0, d), args.dtype), np.empty((0, *y_shape), y_dtype), 0, n)
-    return D.Data(empty(n_train), empty(n_test), name, d, n_out, classification)
-
-
-def _fit_async(args, comm, dp: DataParallel, data: D.Data, report) -> tuple[list[dict], dict]:
-    """``--sync async-ps``: train asynchronously, then evaluate; history has one entry per
-    epoch (the workers' training loss as the server received it) and the final test figures."""
-    t0 = time.perf_counter()
-    apply_slowdown(args, comm, dp.timer)
-    stats = train_async(dp.model, dp.optimizer, dp.loss, comm, data.train, args.epochs,
-                        args.batch_size, seed=args.seed, max_staleness=args.max_staleness,
-                        timer=dp.timer)
-    history = [{"epoch": e + 1, "loss": s / c, "accuracy": None, "seconds": None}
-               for e, (s, c) in sorted((int(k), v) for k, v in stats.epoch_loss.items())]
-    ev = dp.evaluate(data.test.X, data.test.y) if data.test.n_total else None
-    if ev is not None:
-        history[-1].update(test_loss=ev.loss, test_accuracy=ev.accuracy if data.classification else None)
-    history[-1]["seconds"] = time.perf_counter() - t0
-    report(history[-1])
-    return history, {"async": stats.summary()}
-
-
-def train(args: argparse.Namespace, comm: C.Comm) -> dict | None:
-    """Run ``mpidp train``. Collective. Returns the metrics on rank 0, None elsewhere."""
-    if getattr(args, "parallel", "data") != "data":
-        from .cli_pipeline import train_model_parallel
-        return train_model_parallel(args, comm)
-    t_start = time.perf_counter()
-    C.root_decides(comm, _check_out, args.out)
-    if not 0 <= args.test_fraction < 1:
-        raise C.MpidpError(f"--test-fraction must be in [0, 1), got {args.test_fraction}")
-    dedicated = (args.sync == "ps" and args.ps_placement == "dedicated") or args.sync == "async-ps"
-    if args.sync in ("ps", "async-ps") and comm.size < 2:
-        raise C.MpidpError(f"--sync {args.sync} needs at least 2 ranks (a server and a worker)")
-    data = _load_data(comm, args, server=0 if dedicated else None)
-    model, loss = C.run_agreed(comm, nn.build, args.model, data.n_features, data.n_outputs,
-                               args.hidden, args.dtype, data.classification, is_sparse(data))
-    model.init_(np.random.default_rng(args.seed))
-    optimizer = nn.make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay)
-    if args.resume and not args.checkpoint_dir:
-        raise C.MpidpError("--resume needs --checkpoint-dir")
-    if args.sync == "async-ps" and args.checkpoint_dir:
-        raise C.MpidpError("--sync async-ps does not write or resume checkpoints (its "
-                           "workers are at different steps); drop --checkpoint-dir")
-    if args.check_every < 0:
-        raise C.MpidpError(f"--check-every must be >= 0, got {args.check_every}")
-    sync = make_sync("allreduce" if args.sync == "async-ps" else args.sync,  # async: eval only
-                     lambda: nn.make_optimizer(args.optimizer, args.lr, args.momentum,
-                                               args.weight_decay),
-                     bucket_bytes=int(args.bucket_mb * 2**20), codec=args.compress,
-                     dedicated=dedicated, k=args.sync_every,
-                     ps_shared_memory=args.ps_transport == "shared",
-                     ps_chunk_bytes=max(1, int(args.ps_chunk_mb * 2**20)))
-    dp = DataParallel(model, optimizer, loss, comm, init_sync=args.init_sync,
-                      check_every=args.check_every, on_nonfinite=args.on_nonfinite,
-                      watchdog=args.watchdog, sync=sync)
-    config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()}
-    config["world_size"] = comm.size
-    mpi = C.mpi_info(comm)
-    _say(comm, f"mpidp train  {json.dumps(config)}",
-         f"MPI: {mpi['library']} (MPI {mpi['mpi_standard']}, mpi4py {mpi['mpi4py']}), "
-         f"world size {comm.size}",
-         f"data: {data.name}, {data.train.n_total} train / {data.test.n_total} test samples, "
-         f"{data.n_features} features, {data.n_outputs} outputs; this rank holds "
-         f"{len(data.train.X)} train rows",
-         f"model: {model!r}")
-    resume = _resume(comm, args, config, dp) if args.resume else None
-
-    def report(r: dict) -> None:
-        acc = "" if r["accuracy"] is None else f"  acc {r['accuracy']:.4f}"
-        test = "" if r.get("test_accuracy") is None else f"  test acc {r['test_accuracy']:.4f}"
-        tl = "" if "test_loss" not in r else f"  test loss {r['test_loss']:.4f}"
-        _say(comm, f"epoch {r['epoch']:>3}/{args.epochs}  loss {r['loss']:.4f}{acc}{tl}{test}"
-             f"  ({r['seconds']:.2f}s)")
-
-    checkpointing = (Checkpointing(args.checkpoint_dir, args.checkpoint_every,
-                                   args.keep_checkpoints, config) if args.checkpoint_dir else None)
-    extra: dict = {}
-    if args.sync == "async-ps":
-        history, extra = _fit_async(args, comm, dp, data, report)
-        balance = None
-    else:
-        plan = make_plan(args, comm, data, dp.timer)
-        history = fit(dp, data.train, args.epochs, args.batch_size, seed=args.seed,
-                      shuffle=not args.no_shuffle, drop_last=args.drop_last, test=data.test,
-                      progress=not args.no_progress, on_epoch=report, checkpoint=checkpointing,
-                      resume=resume, partition=plan)
-        balance = summarize(args, comm, plan, history, write_atomic)
-    in_sync = dp.in_sync()
-    timings = gather_timings(comm, dp.timer)
-    if comm.rank != 0:
-        return None
-    last = history[-1]
-    wall = time.perf_counter() - t_start
-    metrics = {"world_size": comm.size, "epochs": args.epochs, "final_loss": last["loss"],
-               "train_accuracy": last["accuracy"], "test_loss": last.get("test_loss"),
-               "test_accuracy": last.get("test_accuracy"), "params_in_sync": in_sync,
-               "n_params": model.n_params, "wall_s": wall, "history": history,
-               "steps": dp.global_step, "skipped_steps": dp.skipped_steps, **extra,
-               "sync": args.sync, "bytes_sent_per_step": dp.sync.bytes_sent / max(dp.global_step, 1),
-               "timings": timings, "balance": balance, "config": config, "mpi": mpi}
-    return finish(comm, args, metrics, model, data)
-
-
-def finish(comm: C.Comm, args: argparse.Namespace, metrics: dict, model: nn.Sequential,
-           data: D.Data) -> dict:
-    """On rank 0: write ``model.npz`` and ``metrics.json`` (atomically) and print the summary."""
-    meta = {"model": args.model, "hidden": list(args.hidden), "n_features": data.n_features,
-            "n_outputs": data.n_outputs, "classification": data.classification}
-    _save(args.out, metrics, model, meta)
-    last = metrics["history"][-1]
-    final = f"final: loss {last['loss']:.4f}"
-    if last.get("test_accuracy") is not None:
-        final += f", test accuracy {last['test_accuracy']:.4f}"
-    _say(comm, final, f"replicas bit-identical: {metrics['params_in_sync']}", "per-rank timing:",
-         format_timings(metrics["timings"]), f"wrote {args.out}/metrics.json and "
-         f"{args.out}/model.npz ({metrics['wall_s']:.1f}s)")
-    return metrics
-
-
-def info(comm: C.Comm) -> dict:
-    """MPI and numpy/BLAS configuration (printed by rank 0)."""
-    result = {"mpi": C.mpi_info(comm), "numpy": np.__version__, "blas": _blas_info(),
-              "env": {k: os.environ[k] for k in sorted(os.environ)
-                      if k.startswith(("OPENBLAS", "OMP_", "MKL_"))}}
-    _say(comm, json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2), flush=True)
     return result
 
 
@@ -380,31 +307,53 @@ def _blas_info() -> list[dict] | str:
     try:
         from threadpoolctl import threadpool_info
     except ImportError:
-        cfg = np.show_config(mode="dicts") if hasattr(np, "show_config") else {}
-        return str(cfg.get("Build Dependencies", {}).get("blas", "unknown"))
+        return "unknown (install threadpoolctl)"
     return [{k: d.get(k) for k in ("internal_api", "version", "num_threads",
                                    "threading_layer", "architecture")}
             for d in threadpool_info() if d.get("user_api") == "blas"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        info()
+        return 0
+    C = _start_mpi()
     comm = C.world()
-    C.abort_on_error()
+    from .signals import PREEMPTED_EXIT, Preempted
     try:
-        if args.command == "train":
-            train(args, comm)
-        elif args.command == "model":
-            report = calibrate(comm, args.batch_size)
-            if comm.rank == 0:
-                print(format_report(report), "\nwrote " + ", ".join(save_model(report, args.out)),
-                      flush=True)
-        elif args.command == "predict":
-            predict(args, comm)
-        else:
-            info(comm)
+        _run(args, comm, parser, argv)
+    except Preempted as exc:
+        if comm.rank == 0:
+            print(f"mpidp: {exc}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT
     except C.MpidpError as exc:  # raised identically on every rank
         if comm.rank == 0:
             print(f"mpidp: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_USAGE
+    except (SystemExit, KeyboardInterrupt) as exc:  # one rank leaving must not hang the others
+        code = exc.code if isinstance(exc, SystemExit) else 130
+        if comm.size > 1:
+            C.abort_job(comm, code if isinstance(code, int) and code else 1)
+        raise
     return 0
+
+
+def _run(args, comm, parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    if args.command == "train":
+        from .options import given
+        from .train import train
+        train_parser = parser._subparsers._group_actions[0].choices["train"]  # noqa: SLF001
+        train(args, comm, given(train_parser, argv[argv.index("train") + 1:]))
+    elif args.command == "model":
+        from .calibrate import calibrate, format_report
+        from .calibrate import save as save_model
+        report = calibrate(comm, args.batch_size)
+        if comm.rank == 0:
+            print(format_report(report), "\nwrote " + ", ".join(save_model(report, args.out)),
+                  flush=True)
+    elif args.command == "predict":
+        from .cli_partition import predict
+        predict(args, comm)

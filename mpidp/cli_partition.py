@@ -19,53 +19,8 @@ from .balance import Partition, Plan, format_balance
 from .data import Data
 from .mapreduce import map_reduce
 from .nn.sparse import CSR
-from .partition import STRATEGIES, block_range, train_test_split
+from .partition import block_range, train_test_split
 from .sources import open_source, scan_rows
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers like 1,2, got {text!r}") from None
-
-
-def _slowdown(text: str) -> dict[int, float]:
-    out = {}
-    for part in text.split(","):
-        try:
-            rank, factor = part.split(":")
-            out[int(rank)] = float(factor)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected RANK:FACTOR[,RANK:FACTOR...] like 1:2, got {text!r}") from None
-        if not out[int(rank)] >= 1 or int(rank) < 0:
-            raise argparse.ArgumentTypeError(f"need RANK >= 0 and FACTOR >= 1, got {part!r}")
-    return out
-
-
-def add_partition_options(p: argparse.ArgumentParser) -> None:
-    """The partitioning and load-balance options of ``mpidp train``."""
-    a = p.add_argument
-    a("--partition", choices=STRATEGIES, default="block",
-      help="which samples each rank owns: block (contiguous), cyclic (round robin), shuffled "
-      "(seeded), weighted (by --capacities), cost (every batch balanced by per-sample cost), "
-      "adaptive (re-weighted from each rank's measured speed)")
-    a("--costs", default="auto", help="per-sample costs for cost/adaptive: 'auto' (the "
-      "workload's own, e.g. non-zeros for --dataset bow; else uniform), 'uniform', or a .npy "
-      "file with one cost per dataset row")
-    a("--capacities", type=_floats, default=None,
-      help="relative rank speeds, comma-separated, one per rank (weighted; adaptive's start)")
-    a("--adapt-every", type=int, default=None,
-      help="adaptive: re-measure speeds every N steps (default: every epoch)")
-    a("--slowdown", type=_slowdown, default={}, metavar="RANK:FACTOR",
-      help="FOR BENCHMARKS AND TESTS: make RANK's per-sample work (each step's forward/"
-      "backward) FACTOR times slower by sleeping (FACTOR-1)x its duration, simulating a "
-      "straggler or slower node; the replicated update after the collective is not slowed")
-    a("--trace", default=None, metavar="FILE",
-      help="write a Chrome trace-event JSON timeline (compute / wait / comm / update per rank "
-      "and step) to FILE; open it in Perfetto or chrome://tracing")
 
 
 def _costs_arg(spec: str, n_samples: int):
@@ -92,11 +47,14 @@ def apply_slowdown(args: argparse.Namespace, comm: C.Comm, timer) -> None:
     timer.slowdown = args.slowdown.get(comm.rank, 1.0)
 
 
-def make_plan(args: argparse.Namespace, comm: C.Comm, data: Data, timer) -> Plan:
-    """The training :class:`Plan`; applies ``--slowdown`` to this rank's ``timer``."""
+def make_plan(args: argparse.Namespace, comm: C.Comm, data: Data, timer,
+              partition: bool = True) -> Plan:
+    """The training :class:`Plan`; applies ``--slowdown`` to this rank's ``timer``.
+    ``partition=False`` (a dedicated server): the shards stay as loaded, over the workers."""
     apply_slowdown(args, comm, timer)
     costs = None if args.costs == "uniform" else data.costs
-    part = Partition(args.partition, costs, args.capacities, args.adapt_every, args.seed)
+    part = Partition(args.partition, costs, args.capacities, args.adapt_every, args.seed) \
+        if partition else None
     return Plan(comm, part, data.train.n_total, args.batch_size, args.seed,
                 not args.no_shuffle, args.drop_last, trace=args.trace is not None)
 
@@ -119,27 +77,6 @@ def summarize(args, comm, plan: Plan, history: list[dict], write) -> dict:
 
 
 # --- mpidp predict ----------------------------------------------------------------------
-
-def add_predict(sub) -> None:
-    p = sub.add_parser("predict", help="apply a trained model to a dataset across the ranks",
-                       description="Predict with a model saved by 'mpidp train' (model.npz). "
-                       "Rows are split over the ranks (any --partition, or --dynamic work "
-                       "stealing); every rank writes its own rows of one .npy file.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    a = p.add_argument
-    a("--model", required=True, help="model.npz written by mpidp train, or its folder")
-    a("--dataset", required=True, help="as for train: digits, synthetic, bow or PATH")
-    a("--rows", choices=("all", "test"), default="all",
-      help="all rows, or the held-out test rows of the seeded split used by train")
-    a("--seed", type=int, default=0, help="seed of the split and of synthetic data")
-    a("--test-fraction", type=float, default=0.2, help="as for train (with --rows test)")
-    a("--n-samples", type=int, default=60000, help="synthetic/bow: samples")
-    a("--n-features", type=int, default=784, help="synthetic/bow: features")
-    a("--partition", choices=STRATEGIES[:-1], default="block", help="static split of the rows")
-    a("--dynamic", action="store_true", help="ranks take chunks from a shared counter instead")
-    a("--chunk-size", type=int, default=512, help="rows per chunk")
-    a("--out", required=True, help=".npy file for the outputs (n_rows, n_outputs)")
-
 
 class _Rows:
     """A source restricted to ``rows`` (sorted), cast to the model's dtype."""

@@ -1,10 +1,10 @@
 """Fault injection for tests and drills: ``MPIDP_FAULT=kind@rank:step[,kind@rank:step...]``.
 
-Kinds, applied on ``rank`` just before global step ``step`` (0-based) of training:
-``raise`` (an exception), ``kill`` (SIGKILL: the process vanishes), ``hang`` (sleeps for an
-hour, as a stuck rank would), ``nan`` (this rank's batch becomes NaN), ``desync`` (this
-rank's first parameter moves by one ulp). Unset (the default), nothing happens and the
-per-step cost is one comparison.
+Kinds, applied on ``rank`` just before global step ``step`` (0-based) of training, in every
+mode: ``raise`` (an exception), ``kill`` (SIGKILL: the process vanishes), ``hang`` (sleeps
+for an hour, as a stuck rank would), ``nan`` (this rank's contribution to the step's
+gradient becomes NaN), ``desync`` (this rank's first parameter moves by one ulp). Unset
+(the default), nothing happens and the per-step cost is one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-
-import numpy as np
 
 KINDS = ("raise", "kill", "hang", "nan", "desync")
 
@@ -30,25 +28,29 @@ def parse(spec: str | None) -> dict[tuple[int, int], str]:
             kind, where = item.strip().split("@")
             rank, step = (int(x) for x in where.split(":"))
         except ValueError:
-            raise ValueError(f"MPIDP_FAULT item {item!r} is not kind@rank:step") from None
+            raise ValueError(f"MPIDP_FAULT item {item!r} is not kind@rank:step (e.g. "
+                             f"raise@1:5; kinds: {', '.join(KINDS)})") from None
         if kind not in KINDS:
-            raise ValueError(f"MPIDP_FAULT kind {kind!r} is not one of {KINDS}")
+            raise ValueError(f"MPIDP_FAULT kind {kind!r} is not one of {', '.join(KINDS)}")
+        if rank < 0 or step < 0:
+            raise ValueError(f"MPIDP_FAULT item {item!r}: rank and step must be >= 0")
         faults[(rank, step)] = kind
     return faults
 
 
 class Injector:
-    """Applies the faults planned for this rank; ``apply`` returns the (possibly poisoned) X."""
+    """The faults planned for this rank. ``apply(step, trainer)`` acts on ``trainer``'s
+    ``poison_()`` (``nan``) and ``nudge_()`` (``desync``)."""
 
     def __init__(self, rank: int, spec: str | None = None) -> None:
         planned = parse(os.environ.get("MPIDP_FAULT") if spec is None else spec)
         self.steps = {step: kind for (r, step), kind in planned.items() if r == rank}
         self.rank = rank
 
-    def apply(self, step: int, X: np.ndarray, params: np.ndarray) -> np.ndarray:
+    def apply(self, step: int, trainer) -> None:
         kind = self.steps.get(step)
         if kind is None:
-            return X
+            return
         if kind == "raise":
             raise InjectedFault(f"injected fault on rank {self.rank} at step {step}")
         if kind == "kill":
@@ -56,6 +58,6 @@ class Injector:
         if kind == "hang":
             time.sleep(3600)
         if kind == "desync":
-            params[0] = np.nextafter(params[0], np.inf)
-            return X
-        return np.full_like(X, np.nan)  # nan
+            trainer.nudge_()
+        if kind == "nan":
+            trainer.poison_()

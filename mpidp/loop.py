@@ -1,20 +1,34 @@
-"""The epoch loop: same global batches for any world size, same number of steps on every rank."""
+"""The one epoch loop, for every trainer: data parallel (each gradient-exchange strategy),
+pipelines and hybrids. Every guarantee is written here once:
+
+per step: fault injection (``MPIDP_FAULT``) -> ``trainer.step`` (which applies the NaN
+policy before its update) -> the step mark the watchdog reports -> the replica check every
+``check_every`` steps -> a checkpoint when due (outside accumulation groups, excused from
+the watchdog) -> an agreed stop on SIGTERM/SIGUSR1 (checkpoint, then :class:`Preempted`);
+per epoch: global totals, load-balance figures, evaluation, history, ``on_epoch``.
+
+The same global batches for any world size; the same number of steps on every rank.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
+from . import comm as C
 from .balance import Partition, Plan
-from .checkpoint import State, save
+from .checkpoint import State
 from .data import Shard
+from .errors import MpidpError
 from .faults import Injector
-from .parallel import DataParallel
+from .parallel import DataParallel, StepStats
 from .partition import steps_per_epoch
+from .signals import Preempted, StopSignals
 
 
 class _Progress:
@@ -58,11 +72,173 @@ class Checkpointing:
             raise ValueError(f"checkpoint every/keep must be >= 1, got {self.every}/{self.keep}")
 
 
+class Trainer(Protocol):
+    """What the loop needs of a trainer (:class:`~mpidp.DataParallel`,
+    :class:`~mpidp.parallel.Pipeline`)."""
+
+    world: C.Comm
+    global_step: int
+
+    def step(self, *batch: Any, last_of_epoch: bool = False) -> StepStats: ...
+
+    def check_replicas(self) -> None: ...
+
+    def poison_(self) -> None: ...
+
+    def nudge_(self) -> None: ...
+
+    def at_boundary(self) -> bool: ...
+
+    def epoch_totals(self, totals: np.ndarray) -> np.ndarray: ...
+
+    def save_checkpoint(self, directory: str, state: State, keep: int) -> None: ...
+
+
+class Feed(Protocol):
+    """Where a trainer's batches come from, epoch by epoch."""
+
+    n_steps: int
+
+    def batches(self, epoch: int, first: int) -> Iterator[tuple]: ...
+
+    def end_epoch(self) -> dict | None: ...
+
+    def evaluate(self) -> StepStats | None: ...
+
+
+@dataclass
+class Loop:
+    """Settings of :func:`run` beyond the trainer and its feed."""
+
+    epochs: int
+    labelled: bool = True
+    checkpoint: Checkpointing | None = None
+    resume: State | None = None
+    check_every: int = 0
+    progress: bool = False
+    on_epoch: Callable[[dict], None] | None = None
+    on_step: Callable[[int, StepStats], None] | None = None
+    stop: StopSignals | None = None
+    watchdog: C.Watchdog | None = None
+    extra_state: Callable[[], dict] | None = None  # e.g. adaptive capacities, saved with state
+
+
+def run(trainer: Trainer, feed: Feed, loop: Loop) -> list[dict]:
+    """Train until ``loop.epochs`` epochs are done. Collective. Returns the history (one
+    dict per epoch: ``epoch, loss, accuracy, seconds`` and, when measured, ``balance``,
+    ``test_loss``, ``test_accuracy``), the same on every rank."""
+    if loop.check_every < 0:
+        raise MpidpError(f"check_every must be >= 0, got {loop.check_every}")
+    state = loop.resume or State()
+    trainer.global_step = state.global_step
+    history, world = list(state.history), trainer.world
+    faults = Injector(world.rank)
+    if loop.watchdog is not None:
+        loop.watchdog.start()
+    save_due = False
+    try:
+        for epoch in range(state.epoch, loop.epochs):
+            t0 = time.perf_counter()
+            first = state.step if epoch == state.epoch else 0
+            totals = np.array(state.totals if first else (0.0, 0.0, 0.0), np.float64)
+            bar = _Progress(feed.n_steps, f"epoch {epoch + 1}", loop.progress and world.rank == 0,
+                            initial=first)
+            for step, batch in enumerate(feed.batches(epoch, first), start=first):
+                C.set_step(trainer.global_step)
+                faults.apply(trainer.global_step, trainer)
+                t_step = time.perf_counter()
+                s = trainer.step(*batch, last_of_epoch=step == feed.n_steps - 1)
+                if not s.skipped:
+                    totals += (s.loss_sum, s.count, s.correct)
+                bar.update(s.loss)
+                if loop.watchdog is not None:
+                    loop.watchdog.step_done(time.perf_counter() - t_step)
+                if loop.check_every and trainer.global_step % loop.check_every == 0:
+                    trainer.check_replicas()
+                if loop.on_step is not None:
+                    loop.on_step(epoch, s)
+                save_due |= bool(loop.checkpoint) and trainer.global_step % loop.checkpoint.every == 0
+                stopping = loop.stop is not None and loop.stop.agreed(world)
+                if (save_due or stopping) and trainer.at_boundary():
+                    if loop.checkpoint:
+                        _save(trainer, loop, State(epoch, step + 1, trainer.global_step,
+                                                   totals.tolist(), history))
+                    save_due = False
+                    if stopping:
+                        raise Preempted(trainer.global_step, loop.checkpoint)
+            bar.close()
+            history.append(_record(trainer, feed, loop, epoch, totals, t0))
+            if loop.on_epoch is not None:
+                loop.on_epoch(history[-1])
+        if loop.checkpoint:
+            _save(trainer, loop, State(loop.epochs, 0, trainer.global_step, [0.0, 0.0, 0.0],
+                                       history))
+    except (SystemExit, KeyboardInterrupt) as exc:  # from a callback: never leave others waiting
+        _end_job(world, exc)
+    return history
+
+
+def _record(trainer, feed, loop: Loop, epoch: int, totals: np.ndarray, t0: float) -> dict:
+    totals = trainer.epoch_totals(totals)
+    record = {"epoch": epoch + 1, "loss": totals[0] / totals[1] if totals[1] else float("nan"),
+              "accuracy": totals[2] / totals[1] if loop.labelled and totals[1] else None,
+              "seconds": time.perf_counter() - t0}
+    balance = feed.end_epoch()
+    if balance is not None:
+        record["balance"] = balance
+    ev = feed.evaluate()
+    if ev is not None:
+        record.update(test_loss=ev.loss, test_accuracy=ev.accuracy if loop.labelled else None)
+    return record
+
+
+def _save(trainer, loop: Loop, state: State) -> None:
+    state.config = loop.checkpoint.config
+    if loop.extra_state is not None:
+        state.partition = loop.extra_state()
+    with C.excused("writing a checkpoint"):
+        trainer.save_checkpoint(loop.checkpoint.directory, state, loop.checkpoint.keep)
+
+
+def _end_job(world: C.Comm, exc: BaseException) -> None:
+    """``sys.exit`` or Ctrl-C on one rank inside training: end the whole job (the others are
+    inside a collective and would wait forever); a lone process just exits."""
+    code = exc.code if isinstance(exc, SystemExit) else 130
+    code = code if isinstance(code, int) else 1
+    if world.size == 1:
+        raise exc
+    sys.stderr.write(f"[mpidp] rank {world.rank}/{world.size}: {type(exc).__name__}"
+                     f"({code}) during training; ending the job.\n")
+    C.abort_job(world, code or 1)
+
+
+class _PlanFeed:
+    """A :class:`Feed` over this rank's shard, partitioned by a :class:`Plan`."""
+
+    def __init__(self, dp: DataParallel, plan: Plan, train: Shard, test: Shard | None) -> None:
+        self.dp, self.plan, self.shard, self.test = dp, plan, train, test
+        self.n_steps = steps_per_epoch(train.n_total, plan.batch_size, plan.drop_last)
+
+    def batches(self, epoch: int, first: int) -> Iterator[tuple]:
+        for X, y in self.plan.batches(self.shard, epoch, self.dp.timer, first):
+            yield X, y
+        self.shard = self.plan.shard
+
+    def end_epoch(self) -> dict:
+        return self.plan.end_epoch(self.dp.timer)
+
+    def evaluate(self) -> StepStats | None:
+        if self.test is None or not self.test.n_total:
+            return None
+        return self.dp.evaluate(self.test.X, self.test.y)
+
+
 def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int = 0,
         shuffle: bool = True, drop_last: bool = False, test: Shard | None = None,
         progress: bool = False, on_epoch: Callable[[dict], None] | None = None,
         checkpoint: Checkpointing | None = None, resume: State | None = None,
-        partition: Partition | Plan | None = None) -> list[dict]:
+        partition: Partition | Plan | None = None, stop: StopSignals | None = None,
+        watchdog: C.Watchdog | None = None) -> list[dict]:
     """Train until ``epochs`` epochs of global batches of ``batch_size`` samples are done.
 
     Collective. Epoch ``e`` visits positions in :func:`mpidp.partition.epoch_order` order,
@@ -76,61 +252,22 @@ def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int 
     keep its trace) decides which rank owns which samples, epoch by epoch; rows move between
     ranks when that changes. Each record also has ``balance``: the epoch's load-balance
     figures (:func:`mpidp.balance.balance_figures`), the same on every rank.
+
+    ``stop`` (:class:`mpidp.signals.StopSignals`): stop cleanly on SIGTERM/SIGUSR1;
+    ``watchdog`` (:class:`mpidp.comm.Watchdog`): end the job, naming the stalled ranks, when
+    a rank makes no progress (a ``DataParallel(watchdog=...)`` already has one).
     """
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     state = resume or State()
-    dp.global_step = state.global_step
-    history = list(state.history)
-    n_steps = steps_per_epoch(train.n_total, batch_size, drop_last)
-    show = progress and dp.comm.rank == 0
-    labelled = dp.loss.classification or train.y.dtype.kind in "iu"
-    faults = Injector(dp.comm.rank)
     plan = partition if isinstance(partition, Plan) else Plan(
         dp.comm, partition, train.n_total, batch_size, seed, shuffle, drop_last)
     if state.partition.get("capacities") is not None:
         plan.capacities = np.asarray(state.partition["capacities"], np.float64)
     if resume is not None:
         dp.sync.after_restore(dp)  # e.g. a sharded optimizer takes its slice of the state
-    save_due = False
-    for epoch in range(state.epoch, epochs):
-        t0 = time.perf_counter()
-        first = state.step if epoch == state.epoch else 0
-        totals = np.array(state.totals if first else (0.0, 0.0, 0.0), np.float64)
-        bar = _Progress(n_steps, f"epoch {epoch + 1}", show, initial=first)
-        for step, (X, y) in enumerate(plan.batches(train, epoch, dp.timer, first), start=first):
-            if faults.steps:
-                X = faults.apply(dp.global_step, X, dp.model.params)
-            s = dp.step(X, y, last_of_epoch=step == n_steps - 1)
-            if not s.skipped:
-                totals += (s.loss_sum, s.count, s.correct)
-            bar.update(s.loss)
-            save_due |= bool(checkpoint) and dp.global_step % checkpoint.every == 0
-            if save_due and dp.sync.at_boundary():  # not inside an accumulation group
-                _save(dp, checkpoint, plan, State(epoch, step + 1, dp.global_step,
-                                                  totals.tolist(), history))
-                save_due = False
-        bar.close()
-        record = {"epoch": epoch + 1, "loss": totals[0] / totals[1],
-                  "accuracy": totals[2] / totals[1] if labelled else None,
-                  "seconds": time.perf_counter() - t0}
-        train = plan.shard
-        record["balance"] = plan.end_epoch(dp.timer)
-        if test is not None and test.n_total:
-            ev = dp.evaluate(test.X, test.y)
-            record.update(test_loss=ev.loss, test_accuracy=ev.accuracy if labelled else None)
-        history.append(record)
-        if on_epoch is not None:
-            on_epoch(record)
-    if checkpoint:
-        _save(dp, checkpoint, plan, State(epochs, 0, dp.global_step, [0.0, 0.0, 0.0], history))
-    return history
-
-
-def _save(dp: DataParallel, checkpoint: Checkpointing, plan: Plan, state: State) -> None:
-    dp.sync.before_checkpoint(dp)  # collective: a sharded optimizer state is gathered to root
-    if dp.comm.rank == dp.root:
-        state.config = checkpoint.config
-        state.partition = {"strategy": plan.strategy, "capacities": plan.capacities.tolist()}
-        save(checkpoint.directory, dp.model, dp.optimizer, state, checkpoint.keep)
-    dp.sync.after_checkpoint(dp)
+    labelled = dp.loss.classification or train.y.dtype.kind in "iu"
+    loop = Loop(epochs, labelled, checkpoint, resume, dp.check_every, progress, on_epoch,
+                stop=stop, watchdog=watchdog, extra_state=lambda: {"strategy": plan.strategy,
+                                                "capacities": plan.capacities.tolist()})
+    return run(dp, _PlanFeed(dp, plan, train, test), loop)

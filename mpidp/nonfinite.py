@@ -1,10 +1,21 @@
-"""The NaN/Inf test that the synchronisation strategies apply to reduced gradients."""
+"""The NaN/Inf policy, one place for every mode: what happens when a step's global loss or
+gradient is not finite.
+
+``stop`` raises :class:`NonFiniteError` on every rank before the update (parameters and
+checkpoints stay at the last good step); ``skip`` drops the update and counts the step;
+``ignore`` applies it (and skips the check altogether). Every trainer reaches one verdict
+that all ranks share, then calls :meth:`Policy.apply`.
+"""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
+
+from .errors import MpidpError
+
+ON_NONFINITE = ("stop", "skip", "ignore")
 
 
 def all_finite(values: np.ndarray) -> bool:
@@ -16,3 +27,39 @@ def all_finite(values: np.ndarray) -> bool:
     """
     with np.errstate(over="ignore", invalid="ignore"):
         return math.isfinite(float(np.dot(values, values))) or bool(np.isfinite(values).all())
+
+
+class NonFiniteError(MpidpError):
+    """The global loss or gradient of a step is NaN or Inf (raised on every rank)."""
+
+
+class Policy:
+    """The ``on_nonfinite`` policy and its count of skipped steps."""
+
+    def __init__(self, mode: str = "stop") -> None:
+        if mode not in ON_NONFINITE:
+            raise ValueError(f"unknown on_nonfinite {mode!r}; expected one of {ON_NONFINITE}")
+        self.mode, self.skipped = mode, 0
+
+    @property
+    def checks(self) -> bool:
+        """False for ``ignore``: the check is not even computed."""
+        return self.mode != "ignore"
+
+    def apply(self, finite: bool, loss_sum: float, step: int) -> bool:
+        """Given a verdict every rank shares: True to go ahead with the update, False to skip
+        it (``skip``); raises :class:`NonFiniteError` for ``stop``."""
+        if finite or self.mode == "ignore":
+            return True
+        if self.mode == "skip":
+            self.skipped += 1
+            return False
+        raise self.error(loss_sum, step)
+
+    @staticmethod
+    def error(loss_sum: float, step: int) -> NonFiniteError:
+        return NonFiniteError(
+            f"non-finite loss or gradient at step {step} (global loss sum {float(loss_sum)}); "
+            f"stopped before the update, so the parameters and checkpoints are from the last "
+            f"good step. Lower the learning rate, check the data, or skip such steps "
+            f"(on_nonfinite='skip', --on-nonfinite skip)")

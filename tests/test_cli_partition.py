@@ -92,7 +92,7 @@ def _bad_costs(tmp_path):
 BAD = {
     "unknown strategy": (lambda t: ["--partition", "zigzag"], "invalid choice: 'zigzag'"),
     "capacities length": (lambda t: ["--partition", "weighted", "--capacities", "1,2"],
-                          "capacities must have 3 entries"),
+                          "--capacities has 2 entries; give one per rank: 3"),
     "negative capacities": (lambda t: ["--partition", "weighted", "--capacities", "1,-1,1"],
                             "capacities must be >= 0"),
     "costs length": (lambda t: ["--partition", "cost", "--costs", _bad_costs(t)],

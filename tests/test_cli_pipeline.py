@@ -58,8 +58,10 @@ BAD = {
     "micro-batches": (2, ["--parallel", "pipeline", "--micro-batches", "9", "--batch-size", "8"],
                       "more micro-batches (9) than samples in a batch"),
     "hybrid on 3 ranks": (3, ["--parallel", "hybrid"], "must be a multiple of the number of stages"),
-    "unsupported": (2, ["--parallel", "pipeline", "--watchdog", "5"],
-                    "--parallel pipeline does not support --watchdog"),
+    "unsupported": (2, ["--parallel", "pipeline", "--distribute", "local"],
+                    "--distribute does not apply to --parallel pipeline"),
+    "seed init": (2, ["--parallel", "hybrid", "--init-sync", "seed"],
+                  "--init-sync does not apply to --parallel hybrid"),
 }
 
 

@@ -11,12 +11,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from ..errors import MpidpError
 from .runtime import Comm
 from .activity import watched
-
-
-class MpidpError(ValueError):
-    """A problem with the input or the job, raised with the same message on every rank."""
 
 
 @watched("an agreement Allreduce")

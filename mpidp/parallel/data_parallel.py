@@ -4,46 +4,24 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import numpy as np
 
 from .. import comm as C
+from .. import checkpoint as ckpt
 from ..metrics import StepTimer
 from ..nn import Loss, Optimizer, Sequential
 from ..nn.optim import chunk_edges
-from .finite import all_finite
+from ..nonfinite import ON_NONFINITE, NonFiniteError, Policy, all_finite
+from . import buffer
+from .stats import StepStats
 from .sync import Sync, make_sync
 
 INIT_SYNC = ("bcast", "seed")
-ON_NONFINITE = ("stop", "skip", "ignore")
-_EXTRA = 3  # loss sum, sample count, correct predictions, appended to the gradient buffer
 #: Reduced buffers at least this big are checked for NaN/Inf 1/P per rank plus a one-flag
 #: ``Allreduce``; smaller ones whole on every rank (a pass over 1 MiB takes ~40 us, about
 #: the latency of the extra collective between nodes).
 SPLIT_CHECK_BYTES = 1 << 20
-
-
-class NonFiniteError(C.MpidpError):
-    """The global loss or gradient of a step is NaN or Inf (raised on every rank)."""
-
-
-@dataclass
-class StepStats:
-    """Global figures of one step or evaluation: summed loss, samples and correct ones."""
-
-    loss_sum: float
-    count: int
-    correct: int
-    skipped: bool = False  # non-finite, update dropped (on_nonfinite="skip")
-
-    @property
-    def loss(self) -> float:
-        return self.loss_sum / self.count if self.count else float("nan")
-
-    @property
-    def accuracy(self) -> float:
-        return self.correct / self.count if self.count else float("nan")
 
 
 class DataParallel:
@@ -65,8 +43,10 @@ class DataParallel:
         same reduced sums, so each checks ``1/P`` of them (one dot product, at memory speed)
         and a one-integer ``Allreduce`` shares the verdict (below ``SPLIT_CHECK_BYTES``
         every rank checks all of them and there is no extra collective).
-    watchdog : seconds after which a step's ``Allreduce`` that has not completed is reported
-        (naming the ranks that never arrived) and the job aborted. None: wait forever.
+    watchdog : seconds: a rank that makes no progress (stuck computing, or waiting in an
+        MPI call) for longer ends the job, naming the stalled ranks
+        (:class:`mpidp.comm.Watchdog`); also the guard for a user's loop that calls
+        :meth:`step` a different number of times on different ranks. None: no watchdog.
     sync : how gradients are combined: a :class:`mpidp.parallel.sync.Sync` or a name from
         ``SYNCS`` (``allreduce``, the default: one fused in-place ``Allreduce`` per step).
 
@@ -87,10 +67,10 @@ class DataParallel:
             raise C.MpidpError(f"unknown on_nonfinite {on_nonfinite!r}; expected one of {ON_NONFINITE}")
         if check_every < 0:
             raise C.MpidpError(f"check_every must be >= 0, got {check_every}")
-        self.check_every, self.on_nonfinite = check_every, on_nonfinite
+        self.check_every, self.policy = check_every, Policy(on_nonfinite)
         self.global_step = 0  # steps taken (or skipped) since training started
         self.last_of_epoch = False
-        self.skipped_steps = 0
+        self._poison = False
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.comm = comm if comm is not None else C.world()
         self.root = root
@@ -99,7 +79,7 @@ class DataParallel:
         if abort_on_error:
             C.abort_on_error()
         # grads | loss_sum | count | correct: ONE buffer, so ONE Allreduce per step
-        self.buf = np.zeros(model.n_params + _EXTRA, model.dtype)
+        self.buf = buffer.new(model.n_params, model.dtype)
         model.use_grad_buffer(self.buf)
         self.sync_params(init_sync)
         self.sync = (make_sync(sync, lambda: copy.deepcopy(optimizer)) if isinstance(sync, str)
@@ -114,9 +94,58 @@ class DataParallel:
         else:
             C.assert_in_sync(self.comm, self.model.params, self.root)
 
+    @property
+    def on_nonfinite(self) -> str:
+        return self.policy.mode
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.policy.skipped
+
+    @property
+    def world(self) -> C.Comm:
+        return self.comm
+
     def in_sync(self) -> bool:
         """True on every rank iff all replicas' parameters are bit-identical. Collective."""
         return C.params_in_sync(self.comm, self.model.params)
+
+    def check_replicas(self) -> None:
+        """Raise :class:`mpidp.MpidpError` on every rank, naming the ranks whose parameters
+        differ from the root's, unless all replicas are bit-identical. Collective."""
+        C.assert_in_sync(self.comm, self.model.params, self.root)
+
+    def poison_(self) -> None:
+        """Fault injection: this rank's gradient contribution to the next step is NaN."""
+        self._poison = True
+
+    def nudge_(self) -> None:
+        """Fault injection: move this rank's first parameter by one ulp (a desync)."""
+        p = self.model.params
+        p[0] = np.nextafter(p[0], np.inf)
+
+    def at_boundary(self) -> bool:
+        """True when a checkpoint may be taken (not inside an accumulation group)."""
+        return self.sync.at_boundary()
+
+    def save_checkpoint(self, directory: str, state: ckpt.State, keep: int) -> None:
+        """Write a checkpoint of ``state`` (root writes). Collective."""
+        self.sync.before_checkpoint(self)  # a sharded optimizer state is gathered to root
+        if self.comm.rank == self.root:
+            ckpt.save(directory, self.model, self.optimizer, state, keep)
+        self.sync.after_checkpoint(self)
+
+    def restore(self, directory: str) -> tuple[str, ckpt.State] | None:
+        """Load the newest good checkpoint in ``directory`` on every rank (the strategy takes
+        its share when training resumes, :func:`mpidp.fit`). Collective."""
+        found = ckpt.restore(self.comm, directory, self.model, self.optimizer, self.root)
+        if found is not None:
+            self.global_step = found[1].global_step
+        return found
+
+    def epoch_totals(self, totals: np.ndarray) -> np.ndarray:
+        """The epoch's ``(loss, count, correct)`` sums: already global here."""
+        return totals
 
     def _eval_pass(self, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
         out = self.model.forward(X)
@@ -143,6 +172,9 @@ class DataParallel:
                 buf[n:] = extras
             self.model.backward(self.loss.backward(), accumulate=add, input_grad=False,
                                 on_layer_done=self._on_layer_done)
+            if self._poison:  # fault injection: only this rank's contribution
+                buf[0] = buf[n] = np.nan
+                self._poison = False
         loss_sum, count, correct, skipped = self.sync.exchange(self)
         self.timer.end_step(len(X))
         self.global_step += 1
@@ -167,13 +199,12 @@ class DataParallel:
         ``everywhere``: every rank holds the same ``buf`` and calls this (collective), so
         each checks only its ``1/P`` of it and one tiny ``Allreduce`` shares the verdict;
         False: only this rank has ``buf`` (a parameter server) and checks all of it."""
-        n = self.model.n_params
-        count = int(round(float(buf[n + 1])))
+        loss_sum, count, correct = buffer.totals(buf, self.model.n_params)
         skipped = False
-        if count and self.on_nonfinite != "ignore":  # "ignore" skips the pass altogether
+        if count and self.policy.checks:  # "ignore" skips the pass altogether
             finite = self.all_finite_everywhere(buf) if everywhere else all_finite(buf)
-            skipped = not self.finite_or_skip(finite, buf[n])
-        return float(buf[n]), count, int(round(float(buf[n + 2]))), skipped
+            skipped = not self.finite_or_skip(finite, loss_sum)
+        return loss_sum, count, correct, skipped
 
     def all_finite_everywhere(self, buf: np.ndarray) -> bool:
         """``all_finite(buf)`` for a 1-D ``buf`` that every rank holds identically. From
@@ -187,22 +218,8 @@ class DataParallel:
         return bool(C.allreduce_(self.comm, flag, "min")[0])
 
     def finite_or_skip(self, finite: bool, loss_sum: float) -> bool:
-        """Apply the NaN policy to a verdict every rank shares: True to go ahead with the
-        update, False to skip it (policy ``skip``); raises on every rank for ``stop``."""
-        if finite or self.on_nonfinite == "ignore":
-            return True
-        if self.on_nonfinite == "skip":
-            self.skipped_steps += 1
-            return False
-        self.raise_nonfinite(loss_sum)
-        return False
-
-    def raise_nonfinite(self, loss_sum: float) -> None:
-        raise NonFiniteError(
-            f"non-finite loss or gradient at step {self.global_step} (global loss sum "
-            f"{float(loss_sum)}); stopped before the update, so the parameters "
-            f"and checkpoints are from the last good step. Lower the learning rate, check the "
-            f"data, or skip such steps (on_nonfinite='skip', --on-nonfinite skip)")
+        """The NaN policy on a verdict every rank shares (:meth:`mpidp.nonfinite.Policy.apply`)."""
+        return self.policy.apply(finite, loss_sum, self.global_step)
 
     def evaluate(self, X: np.ndarray, y: np.ndarray, batch_size: int = 4096) -> StepStats:
         """Loss and correct predictions over every rank's ``(X, y)``. Collective (1 Allreduce)."""

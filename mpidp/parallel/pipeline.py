@@ -16,6 +16,7 @@ micro-batches; the update divides by the batch's sample count, as single-process
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,14 +24,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from .. import checkpoint as ckpt
 from .. import comm as C
 from ..metrics import StepTimer
 from ..nn import Layer, Loss, Optimizer, Sequential
+from ..nonfinite import Policy, all_finite
+from . import buffer
 from . import stages as St
-from .data_parallel import StepStats
+from .stats import StepStats
 
 _TAG_F, _TAG_B = 21, 22  # activations forward, gradients backward (order kept per tag)
-_EXTRA = 3  # loss sum, sample count, correct predictions after the gradients
 
 
 @dataclass
@@ -101,6 +104,9 @@ class Pipeline:
     balance : stage split by ``"params"`` (parameter count per layer) or ``"time"``
         (forward+backward seconds per layer measured on rank 0); or pass ``costs``.
     trace : record every op's start, end and CPU seconds in ``counters.trace``.
+    on_nonfinite : the NaN/Inf policy (:mod:`mpidp.nonfinite`): every stage checks its own
+        summed gradients (the last stage its loss too) and one ``Allreduce`` of a flag over
+        all ranks shares the verdict before any stage updates.
 
     Notes
     -----
@@ -113,7 +119,7 @@ class Pipeline:
                  micro_batches: int = 1, schedule: str = "1f1b",
                  dtype: npt.DTypeLike = np.float32, balance: str = "params",
                  costs: Sequence[float] | None = None, abort_on_error: bool = True,
-                 trace: bool = False) -> None:
+                 trace: bool = False, on_nonfinite: str = "stop") -> None:
         comm = comm if comm is not None else C.world()
         n_stages = comm.size if n_stages is None else int(n_stages)
         dtype = np.dtype(dtype)
@@ -137,7 +143,9 @@ class Pipeline:
         self.lo, self.hi = self.plan.bounds[self.stage], self.plan.bounds[self.stage + 1]
         self.layers = list(layers)
         self.model = Sequential(self.layers[self.lo:self.hi], self.plan.widths[self.lo], dtype)
-        self._buf = np.zeros(self.model.n_params + _EXTRA, dtype)
+        self.policy = Policy(on_nonfinite)
+        self._poison = False
+        self._buf = buffer.new(self.model.n_params, dtype)
         self.model.use_grad_buffer(self._buf)
         self.ops = St.schedule(schedule, n_stages, self.stage, micro_batches)
         self.n_slots = St.max_in_flight(self.ops)
@@ -179,6 +187,42 @@ class Pipeline:
         ok = C.params_in_sync(self.dp, self.model.params)
         return bool(C.allreduce_max(self.world, [0.0 if ok else 1.0])[0] == 0.0)
 
+    def check_replicas(self) -> None:
+        """Raise :class:`mpidp.MpidpError` on every rank, naming the world ranks whose stage
+        differs from replica 0's copy of it, unless every stage is bit-identical across
+        replicas. Collective."""
+        ok = C.params_in_sync(self.dp, self.model.params)
+        if C.allreduce_max(self.world, [0.0 if ok else 1.0])[0] == 0.0:
+            return
+        hashes = C.allgather_counts(self.world, C.checksum(self.model.params))
+        S = self.n_stages  # world rank r holds stage r % S; replica 0's copy is rank r % S
+        bad = [r for r in range(self.world.size) if hashes[r] != hashes[r % S]]
+        raise C.MpidpError(f"parameters differ from replica 0's on ranks {bad}: replicas are "
+                           "out of sync")
+
+    @property
+    def n_copies(self) -> int:
+        """Replicas of the model that must agree (1: nothing to compare)."""
+        return self.n_replicas
+
+    def poison_(self) -> None:
+        """Fault injection: this stage's gradient contribution to the next step is NaN."""
+        self._poison = True
+
+    def nudge_(self) -> None:
+        """Fault injection: move this rank's first parameter by one ulp (a desync)."""
+        p = self.model.params
+        if p.size:
+            p[0] = np.nextafter(p[0], np.inf)
+
+    def at_boundary(self) -> bool:
+        return True
+
+    def epoch_totals(self, totals: np.ndarray) -> np.ndarray:
+        """The epoch's ``(loss, count, correct)`` sums on every rank (they live on the last
+        stage). Collective."""
+        return C.bcast_(self.pipe, totals, self.n_stages - 1)
+
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds for the model: parameters, gradients, optimizer state, and
         the peak of activations alive during a step (since ``counters.reset``)."""
@@ -189,7 +233,8 @@ class Pipeline:
 
     # --- one step ---------------------------------------------------------------------
 
-    def step(self, X: np.ndarray | None, y: np.ndarray | None, n: int | None = None) -> StepStats:
+    def step(self, X: np.ndarray | None, y: np.ndarray | None, n: int | None = None,
+             last_of_epoch: bool = False) -> StepStats:
         """One training step on a batch of ``n`` samples of this replica.
 
         Collective over the pipeline (and its replicas). ``X`` ``(n, n_in)`` is needed on the
@@ -209,21 +254,33 @@ class Pipeline:
             C.wait_all([r for reqs, _ in self._run.sends for r in reqs])
         buf, k = self._buf, self.model.n_params
         buf[k:] = (self._run.loss_sum, n, self._run.correct)
+        if self._poison:  # fault injection: this stage's gradient contribution is NaN
+            buf[0], self._poison = np.nan, False
         if self.n_replicas > 1:
             with self.timer.communicate():
                 C.allreduce_sum_(self.dp, buf)
             self.counters.allreduce_bytes += buf.nbytes
-        count = int(round(float(buf[k + 1])))
+        _, count, _ = buffer.totals(buf, k)
+        skipped = count > 0 and self.policy.checks and not self._go_ahead(buf)
         with self.timer.compute():
-            if count:
+            if count and not skipped:
                 self.optimizer.step_(self.model.params, self.model.grads, scale=1.0 / count)
         if self.tracing:
             self.counters.trace.append(("step", -1, t_step, time.perf_counter(), 0.0))
         self.timer.steps += 1
         self.timer.samples += n
         self.global_step += 1
-        loss_sum = float(buf[k]) if self.last else float("nan")
-        return StepStats(loss_sum, count, int(round(float(buf[k + 2]))) if self.last else 0)
+        loss_sum, _, correct = buffer.totals(buf, k)
+        return StepStats(loss_sum if self.last else float("nan"), count,
+                         correct if self.last else 0, skipped)
+
+    def _go_ahead(self, buf: np.ndarray) -> bool:
+        """One verdict for every rank: all stages' summed gradients (and the last stage's
+        loss) finite. Applies the NaN policy: False to skip the update; raises for stop."""
+        mine = all_finite(buf[:self.model.n_params]) and (not self.last or all_finite(buf[-3:]))
+        flag = C.allreduce_(self.world, np.array([int(mine)], np.int32), "min")
+        return self.policy.apply(bool(flag[0]), buf[-3] if self.last else float("nan"),
+                                 self.global_step)
 
     def _slot(self) -> list[Layer]:
         """Fresh shallow copies of this stage's layers: shared parameter and gradient views,
@@ -313,6 +370,68 @@ class Pipeline:
         if self.tracing:
             self.counters.trace.append((kind, i, t, time.perf_counter(),
                                         time.process_time() - cpu))
+
+    # --- checkpoints (the same file data-parallel training writes) --------------------
+
+    def _stage_counts(self) -> list[int]:
+        b = self.plan.bounds
+        return [int(sum(self.plan.n_params[b[s]:b[s + 1]])) for s in range(self.n_stages)]
+
+    def save_checkpoint(self, directory: str, state: ckpt.State, keep: int) -> None:
+        """Gather the whole model's parameters and optimizer state from the stages of
+        replica 0 and write them on world rank 0 as one checkpoint, the file data-parallel
+        training writes, so any number of stages or replicas, or ``--parallel data``,
+        resumes it. Collective over replica 0 (the others hold copies and do nothing).
+        ``state.totals`` are taken from the last stage, where the loss figures live."""
+        if self.replica != 0:
+            return
+        totals = C.bcast_(self.pipe, np.array(state.totals, np.float64), self.n_stages - 1)
+        params = C.gatherv(self.pipe, self.model.params, 0)
+        opt = {k: C.gatherv(self.pipe, v, 0) for k, v in sorted(self.optimizer.state.items())}
+        if self.world.rank == 0:
+            state.totals = totals.tolist()
+            ckpt.save_flat(directory, params, opt, self.optimizer, state, keep)
+
+    def restore(self, directory: str) -> tuple[str, ckpt.State] | None:
+        """Load the newest good checkpoint in ``directory`` (written by a pipeline of any
+        shape or by data-parallel training): world rank 0 reads and checks it, each stage of
+        replica 0 receives its slice (``Scatterv``), the other replicas a copy of their
+        stage's (``Bcast``). Collective. Returns ``(path, state)``, or None."""
+        n_total, dtype = int(sum(self.plan.n_params)), self.model.dtype
+        held: dict = {}
+
+        def load_on_root():
+            found = ckpt.read_latest(directory) if os.path.isdir(directory) else None
+            if found is None:
+                return None
+            path, meta, arrays = found
+            ckpt.check_fits(path, meta, n_total, dtype, self.optimizer)
+            odd = [k for k, shape in meta["optimizer"]["state"].items() if shape != [n_total]]
+            if odd:
+                raise ValueError(f"checkpoint {path}: optimizer state {odd} is not one value "
+                                 "per parameter, so it cannot be split into pipeline stages")
+            held["arrays"] = arrays
+            return path, meta
+
+        found = C.root_decides(self.world, load_on_root)
+        if found is None:
+            return None
+        path, meta = found
+        arrays, counts = held.pop("arrays", {}), self._stage_counts()
+
+        def my_slice(key: str) -> np.ndarray:
+            if self.replica == 0:
+                part = C.scatterv_rows(self.pipe, arrays.get(key), counts, (), dtype)
+            else:
+                part = np.empty(counts[self.stage], dtype)
+            return C.bcast_(self.dp, part, 0)
+
+        self.model.params[...] = my_slice("params")
+        self.optimizer.state = {k: my_slice(f"opt.{k}") for k in sorted(meta["optimizer"]["state"])}
+        self.optimizer.t = meta["optimizer"]["t"]
+        state = ckpt.state_of(meta)
+        self.global_step = state.global_step
+        return path, state
 
     # --- evaluation -------------------------------------------------------------------
 

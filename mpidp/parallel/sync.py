@@ -11,18 +11,38 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from .. import comm as C
 from .. import compress
-from ..nn import Optimizer
+from ..metrics import StepTimer
+from ..nn import Optimizer, Sequential
 from ..nn.optim import chunk_edges
-from .finite import all_finite
+from ..nonfinite import Policy, all_finite
+from . import buffer
 
-if TYPE_CHECKING:
-    from .data_parallel import DataParallel
+
+
+class Replica(Protocol):
+    """What a strategy uses of the data-parallel trainer (:class:`~.Replica`)."""
+
+    comm: C.Comm
+    root: int
+    buf: np.ndarray  # gradients | loss | count | correct (mpidp.parallel.buffer)
+    model: Sequential
+    optimizer: Optimizer
+    timer: StepTimer
+    policy: Policy
+    global_step: int
+    last_of_epoch: bool
+
+    def apply_global(self, buf: np.ndarray) -> tuple[float, int, int, bool]: ...
+
+    def judge_global(self, buf: np.ndarray, everywhere: bool = True) -> tuple[float, int, int, bool]: ...
+
+    def finite_or_skip(self, finite: bool, loss_sum: float) -> bool: ...
 
 SYNCS = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "sharded-ps",
          "accumulate", "local-sgd")
@@ -37,14 +57,14 @@ class Sync:
     def __init__(self) -> None:
         self.bytes_sent = 0
 
-    def setup(self, dp: DataParallel) -> None:
+    def setup(self, dp: Replica) -> None:
         """Called once by ``DataParallel`` after its buffers exist. Collective."""
 
-    def on_layer_done(self, dp: DataParallel):
+    def on_layer_done(self, dp: Replica):
         """A backward hook (``Sequential.backward(on_layer_done=...)``), or None."""
         return None
 
-    def reduce(self, dp: DataParallel) -> None:
+    def reduce(self, dp: Replica) -> None:
         """Make ``dp.buf`` hold the global sums on every rank."""
         buf = dp.buf
         C.allreduce_sum_(dp.comm, buf)
@@ -59,17 +79,17 @@ class Sync:
         (and its loss and counts to theirs) instead of overwriting them."""
         return False
 
-    def before_checkpoint(self, dp: DataParallel) -> None:
+    def before_checkpoint(self, dp: Replica) -> None:
         """Collective, before the root writes a checkpoint: make ``dp.optimizer`` hold the
         whole optimizer state on the root (a strategy that shards it gathers it here)."""
 
-    def after_checkpoint(self, dp: DataParallel) -> None:
+    def after_checkpoint(self, dp: Replica) -> None:
         """After the checkpoint is written (every rank)."""
 
-    def after_restore(self, dp: DataParallel) -> None:
+    def after_restore(self, dp: Replica) -> None:
         """After :func:`mpidp.checkpoint.restore` filled ``dp.optimizer`` on every rank."""
 
-    def exchange(self, dp: DataParallel) -> tuple[float, int, int, bool]:
+    def exchange(self, dp: Replica) -> tuple[float, int, int, bool]:
         """Communicate and update; returns the global ``(loss_sum, count, correct, skipped)``."""
         with dp.timer.communicate():
             self.reduce(dp)
@@ -83,7 +103,7 @@ class PerLayer(Sync):
 
     name = "per-layer"
 
-    def reduce(self, dp: DataParallel) -> None:
+    def reduce(self, dp: Replica) -> None:
         n = dp.model.n_params
         for layer in dp.model.layers:
             for g in layer.grads.values():
@@ -109,7 +129,7 @@ class Overlapped(Sync):
             raise C.MpidpError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
         self.bucket_bytes = int(bucket_bytes)
 
-    def setup(self, dp: DataParallel) -> None:
+    def setup(self, dp: Replica) -> None:
         # buckets of whole layers, from the last layer back; the first one also carries the
         # loss and counts at the end of the buffer (known before backward starts)
         self.buckets: list[tuple[int, int]] = []  # (first layer, hi) in buffer order
@@ -123,14 +143,14 @@ class Overlapped(Sync):
                 hi, size = ranges[i][0], 0
         self.requests: list = []
 
-    def on_layer_done(self, dp: DataParallel):
+    def on_layer_done(self, dp: Replica):
         def launch(i: int) -> None:
             if i in self.starts:
                 lo, hi = self.starts[i]
                 self.requests.append(C.iallreduce_sum_(dp.comm, dp.buf[lo:hi]))
         return launch
 
-    def reduce(self, dp: DataParallel) -> None:
+    def reduce(self, dp: Replica) -> None:
         C.wait_all(self.requests)
         self.requests = []
         self.bytes_sent += dp.buf.nbytes
@@ -154,19 +174,28 @@ class Compressed(Sync):
             raise C.MpidpError(f"unknown compression {codec!r}; expected one of {compress.CODECS}")
         self.codec, self.error_feedback = codec, error_feedback
 
-    def setup(self, dp: DataParallel) -> None:
+    def setup(self, dp: Replica) -> None:
         n = dp.model.n_params
-        self.residual = np.zeros(n, np.float32)
+        # what rounding lost: the residual in use and the next one, kept apart so that a
+        # skipped (non-finite) step leaves the residual as it was instead of poisoning it
+        self.residual, self._next = np.zeros(n, np.float32), np.zeros(n, np.float32)
         self.gathered = np.empty((dp.comm.size, n), np.uint16)
 
-    def reduce(self, dp: DataParallel) -> None:
+    def exchange(self, dp: Replica) -> tuple[float, int, int, bool]:
+        out = super().exchange(dp)
+        if self.error_feedback and not out[3]:  # the step was applied: its residual counts
+            self.residual, self._next = self._next, self.residual
+        return out
+
+    def reduce(self, dp: Replica) -> None:
         n, g = dp.model.n_params, dp.model.grads
-        target = g + self.residual if self.error_feedback else g.astype(np.float32)
+        target = np.add(g, self.residual, out=self._next) if self.error_feedback \
+            else g.astype(np.float32)
         big = float(np.max(np.abs(target), initial=0))
         overflow = self.codec == "float16" and not big <= compress.FLOAT16_MAX  # NaN: policy
         codes = compress.encode(target, self.codec)
         if self.error_feedback:
-            self.residual[...] = target - compress.decode(codes, self.codec)
+            target -= compress.decode(codes, self.codec)
         extras = np.append(dp.buf[n:].astype(np.float64), float(overflow and np.isfinite(big)))
         C.allgather_(dp.comm, codes, self.gathered.reshape(-1))
         C.allreduce_sum_(dp.comm, extras)
@@ -213,7 +242,7 @@ class ParameterServer(Sync):
         self.gather: C.SharedReduce | None = None
         self.leaders: C.Comm | None = None
 
-    def setup(self, dp: DataParallel) -> None:
+    def setup(self, dp: Replica) -> None:
         comm, params = dp.comm, dp.model.params
         if comm.size < 2:
             raise C.MpidpError("a parameter server needs at least 2 ranks (a server and a worker)")
@@ -237,7 +266,7 @@ class ParameterServer(Sync):
         self.leaders = leaders if leaders is not None and leaders.size > 1 else None
         self.edges = chunk_edges(params.size, -(-params.nbytes // self.chunk_bytes))
 
-    def exchange(self, dp: DataParallel) -> tuple[float, int, int, bool]:
+    def exchange(self, dp: Replica) -> tuple[float, int, int, bool]:
         comm, root, buf, n = dp.comm, dp.root, dp.buf, dp.model.n_params
         verdict = np.zeros(5, np.float64)  # loss, count, correct, skipped, error
         with dp.timer.communicate():
@@ -256,9 +285,9 @@ class ParameterServer(Sync):
         with dp.timer.communicate():
             C.bcast_(comm, verdict, root)
             if verdict[4]:
-                dp.raise_nonfinite(verdict[0])
+                raise dp.policy.error(verdict[0], dp.global_step)
             if verdict[3] and comm.rank != root:
-                dp.skipped_steps += 1
+                dp.policy.skipped += 1
         count = int(verdict[1])
         if count and not verdict[3]:  # otherwise the parameters stay as they are everywhere
             if self.shared is None:
@@ -273,7 +302,7 @@ class ParameterServer(Sync):
         self.bytes_sent += buf.nbytes if comm.rank != root else dp.model.params.nbytes
         return float(verdict[0]), count, int(verdict[2]), bool(verdict[3])
 
-    def _update_and_ship(self, dp: DataParallel, grads: np.ndarray, count: int) -> None:
+    def _update_and_ship(self, dp: Replica, grads: np.ndarray, count: int) -> None:
         """The server updates piece by piece; each piece goes to the other node leaders
         (``Ibcast``) and to the ranks of each node (copied out of the leader's memory)."""
         params, shared, sent = dp.model.params, self.shared, []
@@ -321,7 +350,7 @@ class ShardedParameterServer(Sync):
         super().__init__()
         self.make_optimizer = make_optimizer  # () -> a fresh Optimizer for one slice
 
-    def setup(self, dp: DataParallel) -> None:
+    def setup(self, dp: Replica) -> None:
         P, n, model = dp.comm.size, dp.model.n_params, dp.model
         self.k = -(-dp.buf.size // P)  # block length: the gradients and the extras, padded
         self.grads = np.zeros(self.k * P, model.dtype)
@@ -336,7 +365,7 @@ class ShardedParameterServer(Sync):
         self.slice = self.grads if P == 1 else np.zeros(self.k, model.dtype)
         self.optimizer: Optimizer = self.make_optimizer()
 
-    def exchange(self, dp: DataParallel) -> tuple[float, int, int, bool]:
+    def exchange(self, dp: Replica) -> tuple[float, int, int, bool]:
         n, m, comm = dp.model.n_params, self.hi - self.lo, dp.comm
         extras = np.zeros(4, np.float64)  # loss, count, correct, slices with NaN/Inf
         with dp.timer.communicate():
@@ -359,15 +388,15 @@ class ShardedParameterServer(Sync):
         self.bytes_sent += self.grads.nbytes + extras.nbytes
         return float(extras[0]), count, int(round(extras[2])), skipped
 
-    def before_checkpoint(self, dp: DataParallel) -> None:
+    def before_checkpoint(self, dp: Replica) -> None:
         gathered = {k: C.gatherv(dp.comm, v, dp.root) for k, v in self.optimizer.state.items()}
         if dp.comm.rank == dp.root:
             dp.optimizer.state, dp.optimizer.t = gathered, self.optimizer.t
 
-    def after_checkpoint(self, dp: DataParallel) -> None:
+    def after_checkpoint(self, dp: Replica) -> None:
         dp.optimizer.state = {}  # the whole state was only lent to the checkpoint writer
 
-    def after_restore(self, dp: DataParallel) -> None:
+    def after_restore(self, dp: Replica) -> None:
         self.optimizer.state = {k: v[self.lo:self.hi].copy() for k, v in dp.optimizer.state.items()}
         self.optimizer.t = dp.optimizer.t
         dp.optimizer.state = {}
@@ -387,7 +416,7 @@ class _Periodic(Sync):
     def at_boundary(self) -> bool:
         return self.pending == 0
 
-    def due(self, dp: DataParallel) -> bool:
+    def due(self, dp: Replica) -> bool:
         """Count this step; True (and restart the count) when it is time to synchronise."""
         self.pending += 1
         if self.pending < self.k and not dp.last_of_epoch:
@@ -409,7 +438,7 @@ class Accumulate(_Periodic):
     def accumulating(self) -> bool:
         return self.pending > 0  # the first batch of a group overwrites the last group's sums
 
-    def exchange(self, dp: DataParallel) -> tuple[float, int, int, bool]:
+    def exchange(self, dp: Replica) -> tuple[float, int, int, bool]:
         if not self.due(dp):
             return 0.0, 0, 0, False  # no communication; totals arrive with the group
         return super().exchange(dp)
@@ -425,27 +454,35 @@ class LocalSGD(_Periodic):
 
     name, what = "local-sgd", "local SGD period"
 
-    def setup(self, dp: DataParallel) -> None:
-        self.totals = np.zeros(3, np.float64)
-        self.avg = np.zeros(dp.model.n_params + 3, dp.model.dtype)
+    def setup(self, dp: Replica) -> None:
+        # loss, count, correct and non-finite steps of this rank since the last average
+        self.totals = np.zeros(4, np.float64)
+        self.avg = np.zeros(dp.model.n_params + 4, dp.model.dtype)
 
-    def exchange(self, dp: DataParallel) -> tuple[float, int, int, bool]:
+    def exchange(self, dp: Replica) -> tuple[float, int, int, bool]:
         n = dp.model.n_params
         with dp.timer.compute():
-            count = int(round(float(dp.buf[n + 1])))
-            if count:
+            loss, count, correct = buffer.totals(dp.buf, n)
+            finite = not dp.policy.checks or all_finite(dp.buf)
+            if count and (finite or dp.policy.mode == "ignore"):  # a bad step stays local
                 dp.optimizer.step_(dp.model.params, dp.model.grads, scale=1.0 / count)
-            self.totals += dp.buf[n:]
+            if finite:
+                self.totals[:3] += (loss, count, correct)
+            else:
+                self.totals[3] += 1
         if not self.due(dp):
             return 0.0, 0, 0, False
         with dp.timer.communicate():
             self.avg[:n], self.avg[n:] = dp.model.params, self.totals
             C.allreduce_sum_(dp.comm, self.avg)
-            np.divide(self.avg[:n], dp.comm.size, out=dp.model.params)
-        self.bytes_sent += self.avg.nbytes
-        loss, count, correct = self.avg[n:]
+        loss, count, correct, bad = (float(v) for v in self.avg[n:])
         self.totals[...] = 0
-        return float(loss), int(round(count)), int(round(correct)), False
+        if bad and dp.policy.mode == "stop":  # before averaging: parameters stay as they were
+            raise dp.policy.error(float("nan"), dp.global_step)
+        dp.policy.skipped += int(bad) if dp.policy.mode == "skip" else 0
+        np.divide(self.avg[:n], dp.comm.size, out=dp.model.params)
+        self.bytes_sent += self.avg.nbytes
+        return loss, int(round(count)), int(round(correct)), False
 
 
 def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,

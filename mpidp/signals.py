@@ -1,0 +1,86 @@
+"""Clean ends on signals, decided together.
+
+``SIGTERM`` or ``SIGUSR1`` to every rank (what Slurm sends before a time limit with
+``--signal``, or on preemption): training finishes the current step, every rank agrees to
+stop (one small ``Allreduce`` per step), a checkpoint is written when checkpointing is on,
+and the job exits with :data:`PREEMPTED_EXIT`; ``--resume`` continues bit-identically.
+
+``SIGINT`` to one rank (Ctrl-C, or ``kill -INT``): the whole job ends within seconds with
+exit status 130, even while this rank waits inside an MPI call (a thread reads the signal
+from a wakeup pipe, so it does not wait for the main thread to leave MPI).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+import numpy as np
+
+from .errors import MpidpError
+
+#: Exit status after a stop on SIGTERM/SIGUSR1 (EX_TEMPFAIL: "try again": resume the run).
+PREEMPTED_EXIT = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(MpidpError):
+    """Training stopped on SIGTERM/SIGUSR1 after a checkpoint (raised on every rank)."""
+
+    def __init__(self, step: int, checkpoint) -> None:
+        where = (f"checkpoint written to {checkpoint.directory}; continue with --resume"
+                 if checkpoint else "no --checkpoint-dir, so nothing was saved")
+        super().__init__(f"stopped by a signal after step {step}: {where}")
+
+
+class StopSignals:
+    """Install the handlers (main thread only); :meth:`agreed` is the per-step decision.
+    :meth:`close` puts the previous handlers back."""
+
+    def __init__(self, comm) -> None:
+        self.comm, self.requested = comm, False
+        self._flag = np.zeros(1, np.int32)
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._old = {s: signal.signal(s, self._note) for s in (*STOP_SIGNALS, signal.SIGINT)}
+        self._old_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, name="mpidp-signals", daemon=True)
+        self._thread.start()
+
+    def _note(self, signum, frame) -> None:  # the Python-level handler: the thread acts
+        pass
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                got = os.read(self._read, 64)
+            except OSError:
+                return
+            if not got:
+                return
+            for signum in got:
+                if signum == signal.SIGINT:
+                    self._interrupt()
+                elif signum in STOP_SIGNALS:
+                    self.requested = True
+
+    def _interrupt(self) -> None:
+        from . import comm as C
+        sys.stderr.write(f"[mpidp] rank {self.comm.rank}/{self.comm.size}: interrupted "
+                         "(SIGINT); ending the job.\n")
+        C.abort_job(self.comm, 130)
+
+    def agreed(self, comm) -> bool:
+        """True on every rank once any rank has been asked to stop. Collective."""
+        from . import comm as C
+        self._flag[0] = self.requested
+        return bool(C.allreduce_(comm, self._flag, "max")[0])
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._old_fd)
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        os.close(self._write)
+        os.close(self._read)
