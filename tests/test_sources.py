@@ -594,3 +594,17 @@ def test_predict_refuses_a_corrupt_model_and_nan_rows(tmp_path, saved_model):
     msg = _cli_error(r)
     assert f"--model '{saved_model}': cannot load a saved model" in msg and "CRC-32" in msg
     assert not out.exists()
+
+
+def test_verify_false_skips_the_crc_pass(tmp_path, arrays):
+    X, y = arrays
+    path = tmp_path / "d.npz"
+    np.savez(path, X=X, y=y)
+    start, info = _member_data_start(path, "X.npy")
+    data = bytearray(path.read_bytes())
+    data[start + info.file_size - 1] ^= 0x01  # the last byte of X's last value
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="CRC-32"):
+        open_source(str(path))
+    src = open_source(str(path), verify=False)  # the caller verified elsewhere, or chose not to
+    assert src.read(np.array([36]))[0][0, -1] != X[36, -1]
