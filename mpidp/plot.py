@@ -22,6 +22,7 @@ LABEL_KEYS = (("parallel", "parallel"), ("sync", "sync"), ("world_size", "P"),
               ("micro_batches", "m"), ("optimizer", "opt"), ("lr", "lr"),
               ("batch_size", "batch"), ("compress", "compress"), ("sync_every", "every"),
               ("dataset", "data"), ("model", "model"), ("hidden", "hidden"), ("seed", "seed"))
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
 NEED_MATPLOTLIB = ("mpidp plot needs matplotlib: pip install 'mpidp[bench]' "
                    "(or pip install matplotlib)")
 
@@ -129,12 +130,15 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
     xs = ["epochs", "seconds"] if x == "both" else [x]
     fig, axes = plt.subplots(2, len(xs), figsize=(5.5 * len(xs) + 2.5, 7), squeeze=False)
     losses: list[float] = []
+    n = len(runs)
     for i, (run, label) in enumerate(zip(runs, labels(runs))):
         color = f"C{i % 10}"
         ep = run["epochs"]
         xvals = {"epochs": [e.get("epoch", j + 1) for j, e in enumerate(ep)],
                  "seconds": elapsed(ep)}
-        mark = "o" if len(ep) <= 30 else None
+        # earlier runs wider and underneath, a marker each: equal curves stay visible
+        lw = 1.0 + 2.5 * (n - 1 - i) / max(n - 1, 1)
+        mark = MARKERS[i % len(MARKERS)] if len(ep) <= 30 else None
         for col, name in enumerate(xs):
             for row, (train, test) in enumerate((("loss", "test_loss"),
                                                   ("accuracy", "test_accuracy"))):
@@ -145,7 +149,7 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
                         continue
                     losses += [v for v in ys if row == 0 and v is not None]
                     ax.plot(xvals[name], [float("nan") if v is None else v for v in ys],
-                            style, color=color, marker=mark, ms=3,
+                            style, color=color, marker=mark, ms=2 + lw, lw=lw, zorder=2 + i,
                             label=f"{label}, {'train' if key == train else 'test'}")
     for col, name in enumerate(xs):
         axes[0][col].set(ylabel="loss", xlabel="epoch" if name == "epochs" else "seconds")
