@@ -133,7 +133,6 @@ def _scalars(folder) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_tensorboard_scalars_per_epoch_and_step(tmp_path):
-    pytest.importorskip("tensorboardX")  # the optional 'tensorboard' extra
     pytest.importorskip("tensorboardX")
     tb = tmp_path / "tb"
     with H.History(str(tmp_path / "h.jsonl"), tensorboard_dir=str(tb)) as h:
