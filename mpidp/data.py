@@ -118,9 +118,14 @@ class _Timings:
 
 
 def _finite_at_a_glance(X: np.ndarray) -> bool:
-    """True when a float array is certainly finite: its sum is (NaN and Inf propagate into
-    a sum). A finite array whose sum overflows answers False; the full check decides then."""
-    return X.dtype.kind != "f" or bool(np.isfinite(np.sum(X)))
+    """True when a contiguous float array is certainly finite: its sum of squares is (NaN
+    and Inf propagate into it; one BLAS dot, about twice as fast as ``isfinite().all()``).
+    Finite values whose squares overflow answer False; the full check decides then."""
+    if X.dtype.kind != "f":
+        return True
+    flat = X.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.dot(flat, flat)))
 
 
 class _RowReader:

@@ -136,6 +136,45 @@ def _create_npy(path: str, dtype: str, shape: tuple[int, ...]) -> None:
     np.lib.format.open_memmap(path, "w+", np.dtype(dtype), shape).flush()
 
 
+class _RowFile:
+    """One rank's writer of rows into an existing ``.npy``: each run of consecutive rows
+    goes with one ``pwrite`` at its offset (a plain write into the page cache, no memory
+    map to fault in and no ``msync`` of the whole file); chunks that are mostly single
+    rows (cyclic splits) go through a memory map instead of a system call per row."""
+
+    def __init__(self, path: str) -> None:
+        header = np.load(path, mmap_mode="r")
+        self.path, self.offset, self.dtype = path, header.offset, header.dtype
+        self.row_bytes = header.dtype.itemsize * int(np.prod(header.shape[1:], dtype=np.int64))
+        del header
+        self.fd, self.map = os.open(path, os.O_WRONLY), None
+
+    def write(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """Write ``values`` ``(m, ...)`` at increasing row numbers ``rows`` ``(m,)``."""
+        if len(rows) == 0:
+            return
+        values = np.ascontiguousarray(values, self.dtype)
+        starts = np.flatnonzero(np.diff(rows) != 1) + 1
+        if len(starts) + 1 > max(1, len(rows) // 8):
+            if self.map is None:
+                self.map = np.load(self.path, mmap_mode="r+")
+            self.map[rows] = values
+            return
+        for a, b in zip([0, *starts.tolist()], [*starts.tolist(), len(rows)]):
+            view = memoryview(values[a:b]).cast("B")
+            at = self.offset + int(rows[a]) * self.row_bytes
+            while len(view):  # pwrite may write less than asked for
+                done = os.pwrite(self.fd, view, at)
+                view, at = view[done:], at + done
+
+    def close(self) -> None:
+        """Finish: the memory map (if any) is flushed, the file closed."""
+        if self.map is not None:
+            self.map.flush()
+            self.map = None
+        os.close(self.fd)
+
+
 class _Sink:
     """Where one rank's outputs go: a running reduction, rows kept for a gather, or a file."""
 
@@ -148,7 +187,7 @@ class _Sink:
         self.file = None
         if out is not None:  # created by the root (_create_npy); each rank maps it
             self.tmp = out + ".part.npy"
-            self.file = np.load(self.tmp, mmap_mode="r+")
+            self.file = _RowFile(self.tmp)
 
     def add(self, rows: np.ndarray, values: np.ndarray) -> None:
         if values.shape != (len(rows), *self.shape):
@@ -161,7 +200,7 @@ class _Sink:
         elif self.reduce == "max":
             np.maximum(self.acc, values.max(axis=0, initial=-np.inf), out=self.acc)
         elif self.file is not None:
-            self.file[rows] = values
+            self.file.write(rows, values)
         else:
             self.rows.append(rows)
             self.outs.append(values.astype(self.dtype, copy=False))
@@ -172,8 +211,7 @@ class _Sink:
                                if self.reduce != "mean" else "sum")
             return acc / self.n if self.reduce == "mean" else acc
         if self.file is not None:
-            self.file.flush()
-            del self.file
+            self.file.close()
             C.barrier(self.comm)
             if self.comm.rank == self.root:
                 os.replace(self.tmp, self.out)
