@@ -60,6 +60,14 @@ bench-large: $(STAMP)
 bench-partition: $(STAMP)
 	$(BIN)/python benchmarks/bench_partition.py --mpiexec $(MPIEXEC)
 
+# Data distribution (scatter, local, predict writes) against hand-written mpi4py/NumPy code,
+# data sets of 64 MiB and 1 GiB in every file format, P = 1, 2, 4; generated data sets go to
+# a temporary folder -> benchmarks/results/data.{json,md,png}. BENCH_DATA_ARGS adds options
+# (e.g. --sizes-mb 64,1024,4096 on a bigger machine).
+bench-data: $(STAMP)
+	mkdir -p benchmarks/results
+	timeout 1800 $(BIN)/python benchmarks/bench_data.py --mpiexec $(MPIEXEC) $(BENCH_DATA_ARGS)
+
 # Data parallel vs pipeline (GPipe, 1F1B) vs hybrid at P = 2 and 4: memory, bytes, bubble,
 # throughput, largest model in a memory budget -> benchmarks/results/parallel.{json,md,png}.
 bench-parallel: $(STAMP)

@@ -344,7 +344,7 @@ from bench_data_report import report  # noqa: E402
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes-mb", default="64,256,1024", help="data set sizes in MiB of X")
+    p.add_argument("--sizes-mb", default="64,1024", help="data set sizes in MiB of X")
     p.add_argument("--formats", default="npy,npz,h5,sparse")
     p.add_argument("--ranks", default="1,2,4")
     p.add_argument("--repeats", type=int, default=3)
