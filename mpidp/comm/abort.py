@@ -11,21 +11,31 @@ from mpi4py import MPI
 
 from .runtime import SHM_DIR, Comm
 
-
 _FORWARD_S = 0.3
 
 
 _ABORT_GRACE_S = 10.0
 
 
-def _unlink_mpich_segments() -> None:
-    """Remove the names of the MPICH shared-memory files this process maps (``/dev/shm/
-    mpich_shm_*``): after ``MPI_Abort`` nobody would, and they hold RAM until reboot. Ranks
-    still running keep their mappings; only the names go."""
+#: Name prefixes of the shared-memory files each MPI keeps in /dev/shm while a job runs:
+#: MPICH's ``mpich_shm_*``; Open MPI 5's ``sm_segment.*`` (``vader_segment.*`` in 4.x),
+#: which its launcher also removes after an abort, unless the launcher itself is killed.
+_SHM_PREFIXES = {"MPICH": ("mpich_shm_",), "Open MPI": ("sm_segment.", "vader_segment.")}
+
+
+def _unlink_shm_segments() -> None:
+    """Remove the names of the MPI library's shared-memory files this process maps: after
+    ``MPI_Abort`` nobody would (with MPICH or Open MPI), and they hold RAM until reboot.
+    Ranks still running keep their mappings; only the names go. Only the files of the MPI
+    this job runs on, by its vendor's prefixes; nothing for another MPI."""
+    prefixes = tuple(f"{SHM_DIR}/{p}" for p in _SHM_PREFIXES.get(MPI.get_vendor()[0], ()))
+    if not prefixes:
+        return
     try:
         with open("/proc/self/maps") as f:
-            paths = {line.split(None, 5)[5].strip().removesuffix(" (deleted)")
-                     for line in f if f"{SHM_DIR}/mpich_shm_" in line}
+            paths = {path for path in (line.split(None, 5)[5].strip().removesuffix(" (deleted)")
+                                       for line in f if f"{SHM_DIR}/" in line)
+                     if path.startswith(prefixes)}
     except (OSError, IndexError):
         return
     for path in paths:
@@ -41,7 +51,7 @@ def abort_job(comm: Comm, code: int) -> None:
     import threading
     sys.stderr.flush()
     sys.stdout.flush()
-    _unlink_mpich_segments()
+    _unlink_shm_segments()
     time.sleep(_FORWARD_S)  # let mpiexec forward our output before it kills everything
     threading.Timer(_ABORT_GRACE_S, os._exit, args=(code,)).start()
     comm.Abort(code)
