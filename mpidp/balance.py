@@ -18,6 +18,7 @@ wait). The rest of the measured ``Allreduce`` time is communication proper.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -108,8 +109,7 @@ class Plan:
     the same decisions from the same (allgathered) measurements."""
 
     def __init__(self, comm: C.Comm, partition: Partition | None, n: int, batch_size: int,
-                 seed: int, shuffle: bool = True, drop_last: bool = False,
-                 trace: bool = False) -> None:
+                 seed: int, shuffle: bool = True, drop_last: bool = False) -> None:
         self.comm, self.partition, self.n, self.batch_size = comm, partition, n, batch_size
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         size = comm.size
@@ -123,9 +123,6 @@ class Plan:
         self.owner: np.ndarray | None = None
         self.epochs_done = 0
         self.moved, self.rebalances, self.history_caps = 0, 0, []
-        self.trace = trace
-        self.events: list[dict] = []
-        self._clock0: float | None = None
 
     @property
     def strategy(self) -> str | None:
@@ -143,10 +140,13 @@ class Plan:
             return Pt.balance_batches(order, self.batch_size, self.costs, self.capacities)
         return self.owner if self.owner is not None else self.partition.owner(self.n, self.comm.size)
 
-    def _apply(self, shard: Shard, owner: np.ndarray | None) -> Shard:
+    def _apply(self, shard: Shard, owner: np.ndarray | None, tracer=None) -> Shard:
         if owner is None or (self.owner is not None and np.array_equal(owner, self.owner)):
             return shard
+        t0 = time.perf_counter()
         shard, moved = redistribute(self.comm, shard, owner)
+        if tracer is not None:
+            tracer.add("move rows", "partition", "comm", t0, time.perf_counter(), rows=moved)
         self.owner, self.moved = owner, self.moved + moved
         self.rebalances += moved > 0
         return shard
@@ -167,7 +167,7 @@ class Plan:
         every = self.partition.adapt_every if self.strategy == "adaptive" else None
         s = first
         while s < steps:
-            shard = self._apply(shard, self._wanted(epoch))
+            shard = self._apply(shard, self._wanted(epoch), timer.tracer)
             self.shard = shard
             stop = min(steps, s + every) if every else steps
             for idx in itertools.islice(self._local(shard, epoch, s), stop - s):
@@ -190,7 +190,7 @@ class Plan:
 
     def end_epoch(self, timer: StepTimer) -> dict:
         """Gather the epoch's per-step rows (one ``Allgather``), return the figures (same on
-        every rank), re-measure ``adaptive`` capacities, extend the trace. Collective."""
+        every rank) and re-measure ``adaptive`` capacities. Collective."""
         rows = timer.take_records()
         self.epochs_done += 1
         everyone = C.allgather_rows(self.comm, rows.reshape(-1))
@@ -207,8 +207,6 @@ class Plan:
             self.history_caps.append(self.capacities.round(4).tolist())
         figures.update(strategy=self.strategy or "as loaded", moved_samples=self.moved,
                        capacities=self.capacities.round(4).tolist())
-        if self.trace and self.comm.rank == 0:
-            self._clock0 = trace_events(records, self.events, self._clock0)
         return figures
 
 
@@ -265,36 +263,6 @@ def balance_figures(records: np.ndarray) -> dict:
             "ideal_rate": float(speed.sum()), "fixed_s": fixed,
             "attainable_rate": float(cost.sum() / (balanced + fixed)) if balanced + fixed > 0
             else 0.0, "per_rank": per_rank}
-
-
-def trace_events(records: np.ndarray, events: list, clock0: float | None) -> float:
-    """Append Chrome trace-event ``X`` events (compute, wait, comm, update per rank and step)
-    for ``records`` ``(size, steps, STEP_FIELDS)`` to ``events``; returns the time origin.
-
-    Clocks are aligned on the end of each step's ``Allreduce``, which all ranks leave at
-    nearly the same moment: rank ``r`` is shifted by the median of its offset to rank 0.
-    """
-    begin, c = records[:, :, _F["t_begin"]], records[:, :, _F["compute_s"]]
-    comm, upd = records[:, :, _F["comm_s"]], records[:, :, _F["update_s"]]
-    if records.shape[1] == 0:
-        return clock0 if clock0 is not None else 0.0
-    end = begin + c + comm
-    begin = begin - np.median(end - end[0], axis=1, keepdims=True)
-    if clock0 is None:
-        clock0 = float(begin.min())
-        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
-                    "args": {"name": f"rank {r}"}} for r in range(records.shape[0])]
-    wait = c.max(axis=0, keepdims=True) - c
-    for r in range(records.shape[0]):
-        for s in range(records.shape[1]):
-            t = (begin[r, s] - clock0) * 1e6
-            for name, dur in (("compute", c[r, s]), ("wait", min(wait[r, s], comm[r, s])),
-                              ("comm", max(comm[r, s] - wait[r, s], 0.0)), ("update", upd[r, s])):
-                if dur > 0:
-                    events.append({"name": name, "cat": name, "ph": "X", "pid": 0, "tid": r,
-                                   "ts": round(t, 3), "dur": round(dur * 1e6, 3)})
-                t += dur * 1e6
-    return clock0
 
 
 def _share(fig: dict, key: str) -> str:

@@ -128,7 +128,20 @@ def _add_train(sub) -> None:
     a("--n-features", type=_positive(int), default=784, help="synthetic: features")
     a("--no-shuffle", action="store_true", help="visit samples in file order every epoch")
     a("--drop-last", action="store_true", help="skip the last, smaller batch of each epoch")
-    a("--no-progress", action="store_true", help="no progress bar")
+    a("--no-progress", action="store_true",
+      help="no progress bar (there is none anyway when stderr is not a terminal: a batch "
+      "log gets one line per epoch)")
+    a("--config", default=None, metavar="FILE",
+      help="read options from a TOML file (e.g. the config.toml a run writes into --out); "
+      "options on the command line win")
+    a("-q", "--quiet", action="store_true", help="print only warnings and errors")
+    a("-v", "--verbose", action="store_true", help="print more: per-rank details")
+    a("--log-every", type=_positive(int), default=None, metavar="N",
+      help="also append a line to OUT/history.jsonl every N steps (loss, samples/s, "
+      "compute/communication per rank)")
+    a("--tensorboard", default=None, metavar="DIR",
+      help="write TensorBoard event files to DIR (needs tensorboardX: the 'tensorboard' "
+      "extra)")
     m = p.add_argument_group("model parallelism")
     m.add_argument("--parallel", choices=("data", "pipeline", "hybrid"), default="data",
                    help="data: every rank a replica; pipeline: consecutive layers on consecutive "
@@ -144,6 +157,9 @@ def _add_train(sub) -> None:
                    help="steps between checkpoints (one more is written at the end)")
     r.add_argument("--keep-checkpoints", type=_positive(int), default=3,
                    help="how many recent checkpoints to keep")
+    r.add_argument("--restart", action="store_true",
+                   help="delete the checkpoints in --checkpoint-dir (of an earlier run) and "
+                   "start over; without it a used folder is refused")
     r.add_argument("--resume", action="store_true",
                    help="continue from the newest good checkpoint in --checkpoint-dir (any "
                    "number of ranks); starts afresh if there is none")
@@ -225,8 +241,10 @@ def add_partition_options(p: argparse.ArgumentParser) -> None:
       "backward) FACTOR times slower by sleeping (FACTOR-1)x its duration, simulating a "
       "straggler or slower node; the replicated update after the collective is not slowed")
     a("--trace", default=None, metavar="FILE",
-      help="write a Chrome trace-event JSON timeline (compute / wait / comm / update per rank "
-      "and step) to FILE; open it in Perfetto or chrome://tracing")
+      help="write a timeline to FILE (Chrome trace-event JSON: one process per rank, tracks "
+      "for compute, communication, evaluation and checkpoints; open it in Perfetto)")
+    a("--trace-steps", default=None, metavar="A:B",
+      help="with --trace: record only global steps A to B-1 (keeps files small)")
 
 
 def add_predict(sub) -> None:
@@ -266,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", default="out/model", help="folder for model.json, model.md, model.png")
     m.add_argument("--batch-size", type=_positive(int), default=512, help="global batch")
     add_predict(sub)
+    from . import plot
+    plot.add_parser(sub)
     return parser
 
 
@@ -313,18 +333,61 @@ def _blas_info() -> list[dict] | str:
             for d in threadpool_info() if d.get("user_api") == "blas"]
 
 
+def _train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    return parser._subparsers._group_actions[0].choices["train"]  # noqa: SLF001
+
+
+def _with_table(parser, argv: list[str], table: dict, source: str) -> tuple[argparse.Namespace,
+                                                                           list[str], set[str]]:
+    """Parse ``train`` with ``table``'s options in front of the command line's (which win).
+    Returns the arguments, the new argv and the options the table sets to other than their
+    defaults (those count as given: an inapplicable one is refused like a flag)."""
+    from . import config
+    from .options import given
+    train = _train_parser(parser)
+    after = argv[argv.index("train") + 1:]
+    try:
+        toks = config.tokens(table, train, skip=given(train, after), source=source)
+    except ValueError as exc:
+        parser.error(str(exc))
+    new = [*argv[:argv.index("train") + 1], *toks, *after]
+    args = parser.parse_args(new)
+    set_ = {k.replace("-", "_") for k, v in table.items()
+            if train.get_default(k.replace("-", "_")) != v and not isinstance(v, list)}
+    set_ |= {k.replace("-", "_") for k, v in table.items()
+             if isinstance(v, list) and list(train.get_default(k.replace("-", "_")) or []) != v}
+    return args, new, set_ - config.NOT_STORED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    typed = list(argv)  # what the user wrote: the options given (a table's are added below)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "info":
         info()
         return 0
+    if args.command == "plot":
+        from . import plot
+        return plot.main(args)
+    from_file: set[str] = set()
+    if args.command == "train" and args.config:
+        from . import config
+        try:
+            table = config.load(args.config)
+        except ValueError as exc:
+            parser.error(str(exc))
+        args, argv, from_file = _with_table(parser, argv, table, f"--config {args.config}")
     C = _start_mpi()
     comm = C.world()
     from .signals import PREEMPTED_EXIT, Preempted
     try:
-        _run(args, comm, parser, argv)
+        if args.command == "train" and args.resume and args.checkpoint_dir:
+            stored = C.root_decides(comm, _stored_config, args.checkpoint_dir)
+            if stored:
+                args, argv, more = _with_table(parser, argv, stored, "the checkpoint's settings")
+                from_file |= more
+        _run(args, comm, parser, typed, from_file)
     except Preempted as exc:
         if comm.rank == 0:
             print(f"mpidp: {exc}", file=sys.stderr, flush=True)
@@ -341,12 +404,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _run(args, comm, parser: argparse.ArgumentParser, argv: list[str]) -> None:
+def _stored_config(directory: str) -> dict | None:
+    """The settings recorded in the newest readable checkpoint of ``directory`` (rank 0)."""
+    from .checkpoint import list_checkpoints, read
+    for path in reversed(list_checkpoints(directory) if os.path.isdir(directory) else []):
+        try:
+            return read(path)[0].get("config")
+        except ValueError:
+            continue
+    return None
+
+
+def _run(args, comm, parser: argparse.ArgumentParser, argv: list[str],
+         from_file: set[str] = frozenset()) -> None:
     if args.command == "train":
         from .options import given
         from .train import train
-        train_parser = parser._subparsers._group_actions[0].choices["train"]  # noqa: SLF001
-        train(args, comm, given(train_parser, argv[argv.index("train") + 1:]))
+        after = argv[argv.index("train") + 1:]
+        train(args, comm, given(_train_parser(parser), after) | set(from_file))
     elif args.command == "model":
         from .calibrate import calibrate, format_report
         from .calibrate import save as save_model

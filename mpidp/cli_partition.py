@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import zipfile
@@ -56,23 +57,19 @@ def make_plan(args: argparse.Namespace, comm: C.Comm, data: Data, timer,
     part = Partition(args.partition, costs, args.capacities, args.adapt_every, args.seed) \
         if partition else None
     return Plan(comm, part, data.train.n_total, args.batch_size, args.seed,
-                not args.no_shuffle, args.drop_last, trace=args.trace is not None)
+                not args.no_shuffle, args.drop_last)
 
 
 def is_sparse(data: Data) -> bool:
     return isinstance(data.train.X, CSR)
 
 
-def summarize(args, comm, plan: Plan, history: list[dict], write) -> dict:
-    """The last epoch's load-balance figures; writes the trace (rank 0). Returns them."""
+def summarize(comm, history: list[dict]) -> dict:
+    """The last epoch's load-balance figures, printed by rank 0 (labelled: last epoch)."""
     figures = history[-1]["balance"]
     if comm.rank == 0:
-        print(format_balance(figures), flush=True)
-        if args.trace:
-            os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
-            write(args.trace, lambda f: f.write(json.dumps(
-                {"traceEvents": plan.events, "displayTimeUnit": "ms"}).encode()))
-            print(f"wrote timeline {args.trace} ({len(plan.events)} events)", flush=True)
+        logging.getLogger("mpidp").info("load balance of the last epoch:\n"
+                                        + format_balance(figures))
     return figures
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -66,6 +67,7 @@ class Checkpointing:
     every: int  # steps between checkpoints (a final one is written at the end too)
     keep: int = 3
     config: dict = field(default_factory=dict)
+    run_id: str | None = None  # the folder's owner (mpidp.checkpoint.claim); None: unchecked
 
     def __post_init__(self) -> None:
         if self.every < 1 or self.keep < 1:
@@ -91,7 +93,8 @@ class Trainer(Protocol):
 
     def epoch_totals(self, totals: np.ndarray) -> np.ndarray: ...
 
-    def save_checkpoint(self, directory: str, state: State, keep: int) -> None: ...
+    def save_checkpoint(self, directory: str, state: State, keep: int,
+                        run_id: str | None = None) -> None: ...
 
 
 class Feed(Protocol):
@@ -133,6 +136,7 @@ def run(trainer: Trainer, feed: Feed, loop: Loop) -> list[dict]:
     trainer.global_step = state.global_step
     history, world = list(state.history), trainer.world
     faults = Injector(world.rank)
+    tracer = getattr(getattr(trainer, "timer", None), "tracer", None)
     if loop.watchdog is not None:
         loop.watchdog.start()
     save_due = False
@@ -145,6 +149,8 @@ def run(trainer: Trainer, feed: Feed, loop: Loop) -> list[dict]:
                             initial=first)
             for step, batch in enumerate(feed.batches(epoch, first), start=first):
                 C.set_step(trainer.global_step)
+                if tracer is not None:
+                    tracer.step, tracer.epoch = trainer.global_step, epoch
                 faults.apply(trainer.global_step, trainer)
                 t_step = time.perf_counter()
                 s = trainer.step(*batch, last_of_epoch=step == feed.n_steps - 1)
@@ -167,7 +173,7 @@ def run(trainer: Trainer, feed: Feed, loop: Loop) -> list[dict]:
                     if stopping:
                         raise Preempted(trainer.global_step, loop.checkpoint)
             bar.close()
-            history.append(_record(trainer, feed, loop, epoch, totals, t0))
+            history.append(_record(trainer, feed, loop, epoch, totals, t0, tracer))
             if loop.on_epoch is not None:
                 loop.on_epoch(history[-1])
         if loop.checkpoint:
@@ -178,7 +184,12 @@ def run(trainer: Trainer, feed: Feed, loop: Loop) -> list[dict]:
     return history
 
 
-def _record(trainer, feed, loop: Loop, epoch: int, totals: np.ndarray, t0: float) -> dict:
+def _span(tracer, name: str, track: str):
+    return tracer.span(name, name, track) if tracer is not None else nullcontext()
+
+
+def _record(trainer, feed, loop: Loop, epoch: int, totals: np.ndarray, t0: float,
+            tracer=None) -> dict:
     totals = trainer.epoch_totals(totals)
     record = {"epoch": epoch + 1, "loss": totals[0] / totals[1] if totals[1] else float("nan"),
               "accuracy": totals[2] / totals[1] if loop.labelled and totals[1] else None,
@@ -186,7 +197,8 @@ def _record(trainer, feed, loop: Loop, epoch: int, totals: np.ndarray, t0: float
     balance = feed.end_epoch()
     if balance is not None:
         record["balance"] = balance
-    ev = feed.evaluate()
+    with _span(tracer, "evaluate", "eval"):
+        ev = feed.evaluate()
     if ev is not None:
         record.update(test_loss=ev.loss, test_accuracy=ev.accuracy if loop.labelled else None)
     return record
@@ -196,8 +208,10 @@ def _save(trainer, loop: Loop, state: State) -> None:
     state.config = loop.checkpoint.config
     if loop.extra_state is not None:
         state.partition = loop.extra_state()
-    with C.excused("writing a checkpoint"):
-        trainer.save_checkpoint(loop.checkpoint.directory, state, loop.checkpoint.keep)
+    tracer = getattr(getattr(trainer, "timer", None), "tracer", None)
+    with C.excused("writing a checkpoint"), _span(tracer, "checkpoint", "io"):
+        trainer.save_checkpoint(loop.checkpoint.directory, state, loop.checkpoint.keep,
+                                loop.checkpoint.run_id)
 
 
 def _end_job(world: C.Comm, exc: BaseException) -> None:
@@ -220,8 +234,7 @@ class _PlanFeed:
         self.n_steps = steps_per_epoch(train.n_total, plan.batch_size, plan.drop_last)
 
     def batches(self, epoch: int, first: int) -> Iterator[tuple]:
-        for X, y in self.plan.batches(self.shard, epoch, self.dp.timer, first):
-            yield X, y
+        yield from self.plan.batches(self.shard, epoch, self.dp.timer, first)
         self.shard = self.plan.shard
 
     def end_epoch(self) -> dict:
@@ -238,7 +251,8 @@ def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int 
         progress: bool = False, on_epoch: Callable[[dict], None] | None = None,
         checkpoint: Checkpointing | None = None, resume: State | None = None,
         partition: Partition | Plan | None = None, stop: StopSignals | None = None,
-        watchdog: C.Watchdog | None = None) -> list[dict]:
+        watchdog: C.Watchdog | None = None,
+        on_step: Callable[[int, StepStats], None] | None = None) -> list[dict]:
     """Train until ``epochs`` epochs of global batches of ``batch_size`` samples are done.
 
     Collective. Epoch ``e`` visits positions in :func:`mpidp.partition.epoch_order` order,
@@ -268,6 +282,6 @@ def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int 
         dp.sync.after_restore(dp)  # e.g. a sharded optimizer takes its slice of the state
     labelled = dp.loss.classification or train.y.dtype.kind in "iu"
     loop = Loop(epochs, labelled, checkpoint, resume, dp.check_every, progress, on_epoch,
-                stop=stop, watchdog=watchdog, extra_state=lambda: {"strategy": plan.strategy,
+                on_step=on_step, stop=stop, watchdog=watchdog, extra_state=lambda: {"strategy": plan.strategy,
                                                 "capacities": plan.capacities.tolist()})
     return run(dp, _PlanFeed(dp, plan, train, test), loop)

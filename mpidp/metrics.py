@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +32,10 @@ class StepTimer:
     stretched by that factor by sleeping ``(slowdown - 1) x`` its duration. The replicated
     update after the collective (the same on every rank whatever the split, so nothing a
     partition can rebalance) is not stretched.
+
+    ``tracer`` (a :class:`mpidp.trace.Tracer`, or None): every ``compute`` and
+    ``communicate`` span also goes to the per-rank timeline, on the ``compute`` and ``comm``
+    tracks (a compute span after the step's collective is named ``update``).
     """
 
     compute_s: float = 0.0
@@ -38,12 +43,13 @@ class StepTimer:
     steps: int = 0
     samples: int = 0
     slowdown: float = 1.0
+    tracer: Any = None
     _t: float = field(default=0.0, repr=False)
     _cur: np.ndarray = field(default_factory=lambda: np.zeros(len(STEP_FIELDS)), repr=False)
     _rows: list = field(default_factory=list, repr=False)
 
     @contextmanager
-    def compute(self):
+    def compute(self, name: str = "compute", **args):
         t, c = time.perf_counter(), time.process_time()
         first = self._cur[0] == 0.0
         if first:
@@ -60,14 +66,19 @@ class StepTimer:
             self._cur[2] += time.process_time() - c
         else:
             self._cur[4] += dt
+        if self.tracer is not None:
+            self.tracer.add(name if local or name != "compute" else "update", "step", "compute",
+                            t, t + dt, **args)
 
     @contextmanager
-    def communicate(self):
+    def communicate(self, name: str = "communicate", **args):
         t = time.perf_counter()
         yield
         dt = time.perf_counter() - t
         self.comm_s += dt
         self._cur[3] += max(dt, 1e-12)
+        if self.tracer is not None:
+            self.tracer.add(name, "step", "comm", t, t + dt, **args)
 
     def note_cost(self, cost: float) -> None:
         """Record the cost of the samples of the step about to run (default: its samples)."""

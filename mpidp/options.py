@@ -38,9 +38,10 @@ TABLE: dict[str, tuple[frozenset, str]] = {
                    "synchronise every few steps"),
     "checkpoint_dir": (ALL - {"async-ps"}, "its workers are at different steps, so no "
                        "consistent checkpoint exists"),
+    "log_every": (ALL - {"async-ps"}, "its workers are at different steps, so there is no "
+                  "common step to log (its epochs are in history.jsonl)"),
     "check_every": (ALL - {"async-ps"}, "its workers hold different parameters by design "
                     "until the end"),
-    "trace": (frozenset(SYNC_MODES), "the timeline covers synchronous data-parallel steps"),
 }
 
 #: Strategies that decide owners again every epoch (they need the whole world in the plan).
@@ -81,9 +82,11 @@ def problems(args: argparse.Namespace, given_: set[str], size: int) -> list[str]
                        f"{TABLE[dest][1]}")
     if mode in TABLE["partition"][0]:
         out += _partition_problems(args, given_, size)
+    if "trace_steps" in given_ and not args.trace:
+        out.append("--trace-steps needs --trace")
     if args.resume and not args.checkpoint_dir:
         out.append("--resume needs --checkpoint-dir")
-    for dest in ("checkpoint_every", "keep_checkpoints"):
+    for dest in ("checkpoint_every", "keep_checkpoints", "restart"):
         if dest in given_ and not args.checkpoint_dir:
             out.append(f"--{dest.replace('_', '-')} needs --checkpoint-dir")
     if mode in ("ps", "async-ps") and size < 2:

@@ -5,10 +5,10 @@ open it cheaply, and :meth:`Source.read` returns only the rows asked for: ``.npy
 and uncompressed ``.npz`` members are memory-mapped, HDF5 datasets are sliced.
 
 Built in: ``digits`` (scikit-learn's), ``synthetic`` (Gaussian clusters or a linear
-regression) and ``bow``, a workload that makes partitioning matter: a bag-of-words classification set whose rows are sparse (CSR) with Zipf-like
-(Pareto-tailed) lengths, stored SORTED BY LENGTH as real files often are: the short
-documents first, the long ones last. With :class:`mpidp.nn.SparseDense` as the first layer
-the work of a sample is proportional to its number of non-zeros, so a contiguous split of
+regression) and ``bow``, a workload that makes partitioning matter: a bag-of-words
+classification set whose rows are sparse (CSR) with Zipf-like (Pareto-tailed) lengths,
+stored SORTED BY LENGTH as real files often are: the short documents first, the long ones
+last. With :class:`mpidp.nn.SparseDense` as the first layer the work of a sample is proportional to its number of non-zeros, so a contiguous split of
 this data is badly skewed. Every rank can generate any rows (seeded per chunk), and the
 per-sample cost (``nnz + overhead``) is known from the lengths alone.
 """

@@ -14,15 +14,20 @@ import argparse
 import json
 import os
 import time
+import uuid
+from contextlib import contextmanager
 
 import numpy as np
 
+from . import checkpoint as ck
 from . import comm as C
+from . import config as config_file
 from . import data as D
 from . import nn
 from . import options as O
 from .checkpoint import restore, write_atomic
 from .cli_partition import apply_slowdown, is_sparse, load_options, make_plan, summarize
+from .folders import clean_stale_tmp
 from .loop import Checkpointing, fit
 from .metrics import format_timings, gather_timings
 from .parallel import DataParallel, make_trainer, model_layers
@@ -30,30 +35,16 @@ from .parallel.async_ps import train_async
 from .parallel.sync import make_sync
 from .signals import StopSignals
 from .train_pipeline import fit_pipeline, restore_checkpoint
-
-# Settings a checkpoint must share with the run that resumes it (the world size may differ).
-RESUME_MUST_MATCH = ("dataset", "model", "hidden", "batch_size", "seed", "dtype", "optimizer",
-                     "test_fraction", "no_shuffle", "drop_last", "n_samples", "n_features")
+from .watch import Watch, check_writable, log, say, setup_logging
 
 
-def say(comm: C.Comm, *lines: str) -> None:
-    if comm.rank == 0:
-        print(*lines, sep="\n", flush=True)
-
-
-def check_out(out: str) -> None:
-    """ValueError unless a file can be created in folder ``out`` (tried for real)."""
+def check_out(args: argparse.Namespace) -> None:
+    """ValueError unless every output location can be written (tried for real)."""
+    out = args.out
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out!r} exists and is not a folder")
-    parent = os.path.abspath(out)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    try:
-        with open(os.path.join(parent, f".mpidp-probe-{os.getpid()}"), "wb") as f:
-            name = f.name
-        os.unlink(name)
-    except OSError as exc:
-        raise ValueError(f"--out {out!r}: cannot write in {parent!r} ({exc.strerror})") from None
+    check_writable(os.path.join(out, "metrics.json"), "--out")
+    Watch.check(args)
 
 
 def _config(args: argparse.Namespace, comm: C.Comm) -> dict:
@@ -64,23 +55,47 @@ def _config(args: argparse.Namespace, comm: C.Comm) -> dict:
 
 def resumed(comm: C.Comm, args: argparse.Namespace, config: dict, found):
     """The resume state from ``found`` (``(path, state)`` or None), after checking that the
-    checkpoint was written with the settings ``RESUME_MUST_MATCH``; says what it resumed."""
+    checkpoint fits this run (:func:`mpidp.checkpoint.compare_resume`: same settings and
+    data, not more epochs done than asked); announces changed hyperparameters and records
+    them in ``config["resume_changes"]``."""
     if found is None:
         say(comm, f"no checkpoint in {args.checkpoint_dir}: starting from the beginning")
         return None
     path, state = found
-    changed = [k for k in RESUME_MUST_MATCH if state.config.get(k) != config.get(k)]
+    changed, refusal = ck.compare_resume(state.config, config, state=state, path=path)
+    if refusal:
+        raise C.MpidpError(refusal)
     if changed:
-        raise C.MpidpError(f"checkpoint {path} was written with different settings: " + ", ".join(
-            f"--{k.replace('_', '-')} {state.config.get(k)} (now {config.get(k)})" for k in changed))
-    if state.epoch > args.epochs:
-        raise C.MpidpError(f"checkpoint {path} is at epoch {state.epoch} but --epochs is "
-                           f"{args.epochs}: it would be rewritten as if less were trained; "
-                           f"use --epochs >= {state.epoch}")
+        config["resume_changes"] = changed
+        say(comm, ck.format_changes(changed))
     say(comm, f"resumed from {path}: epoch {state.epoch + 1}, step {state.step}, "
         f"{state.global_step} steps done (written with "
         f"{state.config.get('world_size', '?')} ranks, now {comm.size})")
     return state
+
+
+@contextmanager
+def claimed(comm: C.Comm, args: argparse.Namespace, config: dict):
+    """Hold ``--checkpoint-dir`` for this run (rank 0 locks it; see
+    :func:`mpidp.checkpoint.claim`) and record the data's fingerprint in ``config``.
+    Yields the run id (None without checkpoints). Collective."""
+    if not args.checkpoint_dir:
+        yield None
+        return
+    held: dict = {}
+
+    def take() -> str:
+        held["claim"] = ck.claim(args.checkpoint_dir, uuid.uuid4().hex, resume=args.resume,
+                                 restart=args.restart)
+        return held["claim"].run_id
+
+    run_id = C.root_decides(comm, take)
+    config["data_fingerprint"] = C.root_decides(comm, ck.data_fingerprint, args.dataset)
+    try:
+        yield run_id
+    finally:
+        if "claim" in held:
+            held["claim"].release()
 
 
 def _load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.Data:
@@ -131,6 +146,7 @@ class _Report:
 def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | None:
     """Run ``mpidp train``. Collective. Returns the metrics on rank 0, None elsewhere."""
     t_start = time.perf_counter()
+    setup_logging(args)
     errors = O.problems(args, given, comm.size)
     if errors:  # every rank computes the same list from the same arguments
         raise C.MpidpError("; ".join(errors))
@@ -138,26 +154,43 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
         raise C.MpidpError(f"--test-fraction must be in [0, 1), got {args.test_fraction}")
     if args.check_every < 0:
         raise C.MpidpError(f"--check-every must be >= 0, got {args.check_every}")
-    C.root_decides(comm, check_out, args.out)
+    C.root_decides(comm, check_out, args)
+    if comm.rank == 0 and os.path.isdir(args.out):
+        clean_stale_tmp(args.out)  # what a writer killed mid-write left behind
     watchdog = C.Watchdog(comm, args.watchdog or None) if args.watchdog != 0 else None
-    stop = StopSignals(comm)
+    stop, config = StopSignals(comm), _config(args, comm)
     try:
-        if O.mode_of(args) in O.MODEL_PARALLEL:
-            return _train_model_parallel(args, comm, t_start, watchdog, stop)
-        return _train_data_parallel(args, comm, t_start, watchdog, stop)
+        with claimed(comm, args, config) as run_id:  # before any work: a used folder is refused
+            run = (_train_model_parallel if O.mode_of(args) in O.MODEL_PARALLEL
+                   else _train_data_parallel)
+            return run(args, comm, t_start, watchdog, stop, config, run_id)
     finally:
         stop.close()
         if watchdog is not None:
             watchdog.stop()
 
 
-def _checkpointing(args, config) -> Checkpointing | None:
+def _progress(args) -> bool:
+    """A progress bar only on a terminal: a batch log gets the epoch lines alone."""
+    import sys
+    return not args.no_progress and not args.quiet and sys.stderr.isatty()
+
+
+def _both(*callbacks):
+    def call(record: dict) -> None:
+        for cb in callbacks:
+            cb(record)
+    return call
+
+
+def _checkpointing(args, config, run_id) -> Checkpointing | None:
     if not args.checkpoint_dir:
         return None
-    return Checkpointing(args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints, config)
+    return Checkpointing(args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints,
+                         config, run_id)
 
 
-def _train_data_parallel(args, comm, t_start, watchdog, stop) -> dict | None:
+def _train_data_parallel(args, comm, t_start, watchdog, stop, config, run_id) -> dict | None:
     dedicated = O.dedicated_server(args)
     data = _load_data(comm, args, server=0 if dedicated else None)
     model, loss = C.run_agreed(comm, nn.build, args.model, data.n_features, data.n_outputs,
@@ -171,24 +204,18 @@ def _train_data_parallel(args, comm, t_start, watchdog, stop) -> dict | None:
                      ps_chunk_bytes=max(1, int(args.ps_chunk_mb * 2**20)))
     dp = DataParallel(model, make_opt(), loss, comm, init_sync=args.init_sync,
                       check_every=args.check_every, on_nonfinite=args.on_nonfinite, sync=sync)
-    config, report = _config(args, comm), _Report(comm, args.epochs)
-    _announce(comm, args, data, f"model: {model!r}", f"this rank holds {len(data.train.X)} "
-              "train rows")
+    report, watch = _Report(comm, args.epochs), Watch(comm, args, dp.timer, config)
+    _announce(comm, args, data, f"model: {model!r}")
+    log.debug(f"[rank {comm.rank}] {C.mpi_info(C.self_comm())['processor']}: "
+              f"{len(data.train.X)} train rows, {len(data.test.X)} test rows")
     resume = resumed(comm, args, config, restore(comm, args.checkpoint_dir, dp.model,
                                                   dp.optimizer)) if args.resume else None
-    extra: dict = {}
-    if args.sync == "async-ps":
-        history = _fit_async(args, comm, dp, data, report, watchdog)
-        extra, balance = {"async": history.pop()}, None
-    else:
-        plan = make_plan(args, comm, data, dp.timer, partition=not dedicated)
-        history = fit(dp, data.train, args.epochs, args.batch_size, seed=args.seed,
-                      shuffle=not args.no_shuffle, drop_last=args.drop_last, test=data.test,
-                      progress=not args.no_progress, on_epoch=report,
-                      checkpoint=_checkpointing(args, config), resume=resume, partition=plan,
-                      stop=stop, watchdog=watchdog)
-        balance = summarize(args, comm, plan, history, write_atomic)
-    dp.check_replicas()  # a mismatch is a failed run: every rank raises, nothing is written
+    try:
+        history, extra, balance = _train_dp(args, comm, dp, data, report, watchdog, stop,
+                                            _checkpointing(args, config, run_id), resume, watch)
+        dp.check_replicas()
+    finally:
+        watch.close_history()  # a mismatch is a failed run: every rank raises, nothing is written
     timings = gather_timings(comm, dp.timer)
     if comm.rank != 0:
         return None
@@ -197,6 +224,26 @@ def _train_data_parallel(args, comm, t_start, watchdog, stop) -> dict | None:
                    **extra, sync=args.sync, balance=balance, config=config,
                    bytes_sent_per_step=dp.sync.bytes_sent / max(dp.global_step, 1))
     return finish(comm, args, metrics, model, data, "bit-identical (checked)")
+
+
+def _train_dp(args, comm, dp, data, report, watchdog, stop, checkpointing, resume, watch):
+    """Train a data-parallel (or async-ps) run; ``(history, extra metrics, balance)``."""
+    extra: dict = {}
+    if args.sync == "async-ps":
+        history = _fit_async(args, comm, dp, data, report, watchdog)
+        summary = history.pop()
+        watch.finish(history)
+        return history, {"async": summary}, None
+    else:
+        plan = make_plan(args, comm, data, dp.timer, partition=not O.dedicated_server(args))
+        history = fit(dp, data.train, args.epochs, args.batch_size, seed=args.seed,
+                      shuffle=not args.no_shuffle, drop_last=args.drop_last, test=data.test,
+                      progress=_progress(args), on_epoch=_both(report, watch.epoch),
+                      checkpoint=checkpointing, resume=resume, partition=plan, stop=stop,
+                      watchdog=watchdog, on_step=watch.step)
+        balance = summarize(comm, history)
+        watch.finish(history)
+    return history, extra, balance
 
 
 def _fit_async(args, comm, dp: DataParallel, data: D.Data, report, watchdog) -> list[dict]:
@@ -229,7 +276,7 @@ def _announce(comm, args, data: D.Data, *lines: str) -> None:
         f"{data.n_features} features, {data.n_outputs} outputs", *lines)
 
 
-def _train_model_parallel(args, comm, t_start, watchdog, stop) -> dict | None:
+def _train_model_parallel(args, comm, t_start, watchdog, stop, config, run_id) -> dict | None:
     """``--parallel pipeline|hybrid``: every rank loads the whole training set (the first
     stage needs the inputs, the last the targets) and builds only its own stage."""
     data = C.run_agreed(comm, D.load, C.self_comm(), args.dataset, seed=args.seed,
@@ -245,19 +292,24 @@ def _train_model_parallel(args, comm, t_start, watchdog, stop) -> dict | None:
                         schedule=args.schedule, on_nonfinite=args.on_nonfinite)
     pipe.init_(np.random.default_rng(args.seed))  # the same initial model as --parallel data
     apply_slowdown(args, comm, pipe.timer)
+    watch = Watch(comm, args, pipe.timer, config)
     _announce(comm, args, data, f"{pipe.n_stages} stages x {pipe.n_replicas} replicas, "
               f"{args.micro_batches} micro-batches, {args.schedule}; stage bounds (layers) "
               f"{pipe.plan.bounds}")
-    config = _config(args, comm)
     resume = (resumed(comm, args, config, restore_checkpoint(pipe, args.checkpoint_dir))
               if args.resume else None)
-    history = fit_pipeline(pipe, data.train.X, data.train.y, args.epochs, args.batch_size,
-                           seed=args.seed, shuffle=not args.no_shuffle, drop_last=args.drop_last,
-                           X_test=data.test.X, y_test=data.test.y,
-                           on_epoch=_Report(comm, args.epochs),
-                           checkpoint=_checkpointing(args, config), resume=resume,
-                           check_every=args.check_every, stop=stop, watchdog=watchdog)
-    pipe.check_replicas()
+    try:
+        history = fit_pipeline(pipe, data.train.X, data.train.y, args.epochs, args.batch_size,
+                               seed=args.seed, shuffle=not args.no_shuffle,
+                               drop_last=args.drop_last, X_test=data.test.X, y_test=data.test.y,
+                               on_epoch=_both(_Report(comm, args.epochs), watch.epoch),
+                               checkpoint=_checkpointing(args, config, run_id), resume=resume,
+                               check_every=args.check_every, stop=stop, watchdog=watchdog,
+                               on_step=watch.step)
+        watch.finish(history)
+        pipe.check_replicas()
+    finally:
+        watch.close_history()
     full = pipe.gather_params(0)
     timings = gather_timings(comm, pipe.timer)
     memory = C.gather_rows(comm, np.array(list(pipe.memory().values()), np.float64))
@@ -296,11 +348,13 @@ def finish(comm: C.Comm, args: argparse.Namespace, metrics: dict, model: nn.Sequ
         meta=json.dumps(meta)))
     write_atomic(os.path.join(args.out, "metrics.json"),
                  lambda f: f.write(json.dumps(metrics, indent=2).encode()))
+    write_atomic(os.path.join(args.out, "config.toml"),
+                 lambda f: f.write(config_file.dumps(metrics["config"]).encode()))
     last = metrics["history"][-1]
     final = f"final: loss {last['loss']:.4f}"
     if last.get("test_accuracy") is not None:
         final += f", test accuracy {last['test_accuracy']:.4f}"
     say(comm, final, f"replicas: {replicas}", "per-rank timing (whole run):",
-        format_timings(metrics["timings"]), f"wrote {args.out}/metrics.json and "
-        f"{args.out}/model.npz ({metrics['wall_s']:.1f}s)")
+        format_timings(metrics["timings"]), f"wrote {args.out}/: model.npz, metrics.json, "
+        f"config.toml, history.jsonl ({metrics['wall_s']:.1f}s)")
     return metrics

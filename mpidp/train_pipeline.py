@@ -74,7 +74,8 @@ def fit_pipeline(pipe: Pipeline, X: np.ndarray, y: np.ndarray, epochs: int, batc
                  on_epoch: Callable[[dict], None] | None = None,
                  checkpoint: Checkpointing | None = None, resume: State | None = None,
                  check_every: int = 0, stop: StopSignals | None = None,
-                 watchdog: C.Watchdog | None = None) -> list[dict]:
+                 watchdog: C.Watchdog | None = None,
+                 on_step: Callable[[int, StepStats], None] | None = None) -> list[dict]:
     """Train ``pipe`` until ``epochs`` epochs of global batches of ``batch_size`` samples
     are done (:func:`mpidp.loop.run`, so with faults, NaN policy, replica checks,
     checkpoints and signals as in data-parallel training).
@@ -88,7 +89,8 @@ def fit_pipeline(pipe: Pipeline, X: np.ndarray, y: np.ndarray, epochs: int, batc
     feed = PipelineFeed(pipe, X, y, batch_size, seed, shuffle, drop_last, X_test, y_test)
     labelled = pipe.loss.classification or y.dtype.kind in "iu"
     return run(pipe, feed, Loop(epochs, labelled, checkpoint, resume, check_every,
-                                on_epoch=on_epoch, stop=stop, watchdog=watchdog))
+                                on_epoch=on_epoch, on_step=on_step, stop=stop,
+                                watchdog=watchdog))
 
 
 def restore_checkpoint(pipe: Pipeline, directory: str) -> tuple[str, State] | None:

@@ -12,8 +12,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import MpidpError
-from .runtime import Comm
 from .activity import watched
+from .runtime import Comm
 
 
 @watched("an agreement Allreduce")

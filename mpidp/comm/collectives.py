@@ -15,10 +15,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .activity import watched
 from .agreement import MpidpError
 from .runtime import Comm
-from .activity import watched
-
 
 #: Largest element count passed to one MPI call. MPI counts are C ints (2**31 - 1); bigger
 #: buffers are sent in pieces. Tests lower it (``MPIDP_MAX_COUNT``) to exercise chunking.

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 import numpy as np
 from mpi4py import MPI
 
+from .activity import watched
 from .collectives import _pieces
 from .runtime import Comm
-from .activity import watched
 
 
 def isend(comm: Comm, buf: np.ndarray, dest: int, tag: int) -> list[MPI.Request]:

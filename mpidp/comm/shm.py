@@ -9,10 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .runtime import SHM_DIR, Comm
 from .activity import watched
-
-
+from .runtime import SHM_DIR, Comm
 
 
 def shm_room(nbytes: int, path: str | None = None) -> bool:

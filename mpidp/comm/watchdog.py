@@ -35,8 +35,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .abort import abort_job
-from .activity import STATE_NAMES, CALLS, COMPUTING, EXCUSED, IN_MPI, MARK
-
+from .activity import CALLS, COMPUTING, EXCUSED, IN_MPI, MARK, STATE_NAMES
 
 _ROLL, _REPLY = 71, 72
 EXIT_CODE = 3

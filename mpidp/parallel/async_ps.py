@@ -74,7 +74,7 @@ class _Worker:
             if self._poison:
                 msg[0], self._poison = np.nan, False
         msg[n + 1:n + 4] = (len(X), epoch, self.version[0])
-        with self.timer.communicate():
+        with self.timer.communicate("push and pull", bytes=int(msg.nbytes)):
             C.send(self.comm, msg, self.root, _PUSH)
             C.recv_(self.comm, model.params, self.root, _PULL)  # fresh parameters...
             C.recv_(self.comm, self.version, self.root, _PULL)  # ...and their version
@@ -89,6 +89,8 @@ def _work(w: _Worker, shard: Shard, epochs: int, batch_size: int, seed: int) -> 
             if len(idx) == 0:
                 continue
             C.set_step(step)
+            if w.timer.tracer is not None:
+                w.timer.tracer.step, w.timer.tracer.epoch = step, epoch
             faults.apply(step, w)
             step += 1
             if not w.push(shard.X[idx], shard.y[idx], epoch):
@@ -97,7 +99,8 @@ def _work(w: _Worker, shard: Shard, epochs: int, batch_size: int, seed: int) -> 
     C.send(w.comm, w.msg, w.root, _PUSH)
 
 
-def _server(comm, model, optimizer, root, max_staleness, policy: Policy) -> tuple[AsyncStats, str | None]:
+def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
+            tracer=None) -> tuple[AsyncStats, str | None]:
     n, stats, version = model.n_params, AsyncStats(), np.zeros(1, np.int64)
     stop = np.array([_STOP], np.int64)
     error = None
@@ -107,7 +110,9 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy) -> tupl
     reqs = [C.irecv(comm, bufs[w], w, _PUSH)[0] for w in workers]  # one piece each
     active = len(workers)
     while active:
+        t_wait = time.perf_counter()
         i = C.wait_any(reqs)
+        t_got = time.perf_counter()
         w, msg = workers[i], bufs[workers[i]]
         if msg[n + 3] < 0:  # this worker is done
             active -= 1
@@ -141,6 +146,11 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy) -> tupl
                             applied, w))
         C.send(comm, model.params, w, _PULL)
         C.send(comm, stop if error is not None else version, w, _PULL)
+        if tracer is not None:
+            tracer.step = stats.applied + stats.dropped + stats.skipped
+            tracer.add("wait for a push", "ps", "comm", t_wait, t_got)
+            tracer.add("serve a push", "ps", "compute", t_got, time.perf_counter(), worker=w,
+                       staleness=stale, applied=bool(applied))
         if error is not None:
             active -= 1
             reqs[i] = C.MPI_REQUEST_NULL
@@ -172,7 +182,8 @@ def train_async(model: Sequential, optimizer: Optimizer, loss: Loss, comm: C.Com
     C.bcast_(comm, model.params, root)
     policy, error = Policy(on_nonfinite), None
     if comm.rank == root:
-        stats, error = _server(comm, model, optimizer, root, max_staleness, policy)
+        stats, error = _server(comm, model, optimizer, root, max_staleness, policy,
+                               None if timer is None else timer.tracer)
     else:
         worker = _Worker(comm, model, loss, root, timer if timer is not None else StepTimer())
         _work(worker, shard, epochs, batch_size, seed)

@@ -7,12 +7,12 @@ import copy
 
 import numpy as np
 
-from .. import comm as C
 from .. import checkpoint as ckpt
+from .. import comm as C
 from ..metrics import StepTimer
 from ..nn import Loss, Optimizer, Sequential
 from ..nn.optim import chunk_edges
-from ..nonfinite import ON_NONFINITE, NonFiniteError, Policy, all_finite
+from ..nonfinite import ON_NONFINITE, Policy, all_finite
 from . import buffer
 from .stats import StepStats
 from .sync import Sync, make_sync
@@ -128,12 +128,16 @@ class DataParallel:
         """True when a checkpoint may be taken (not inside an accumulation group)."""
         return self.sync.at_boundary()
 
-    def save_checkpoint(self, directory: str, state: ckpt.State, keep: int) -> None:
-        """Write a checkpoint of ``state`` (root writes). Collective."""
+    def save_checkpoint(self, directory: str, state: ckpt.State, keep: int,
+                        run_id: str | None = None) -> None:
+        """Write a checkpoint of ``state`` (root writes; a refusal, e.g. a folder taken
+        over by another run, is raised on every rank). Collective."""
         self.sync.before_checkpoint(self)  # a sharded optimizer state is gathered to root
-        if self.comm.rank == self.root:
-            ckpt.save(directory, self.model, self.optimizer, state, keep)
-        self.sync.after_checkpoint(self)
+        try:
+            C.root_decides(self.comm, ckpt.save, directory, self.model, self.optimizer, state,
+                           keep, root=self.root, run_id=run_id)
+        finally:
+            self.sync.after_checkpoint(self)
 
     def restore(self, directory: str) -> tuple[str, ckpt.State] | None:
         """Load the newest good checkpoint in ``directory`` on every rank (the strategy takes

@@ -250,14 +250,14 @@ class Pipeline:
         t_step = time.perf_counter()
         for kind, i in self.ops:
             (self._forward if kind == "F" else self._backward)(i)
-        with self.timer.communicate():
+        with self.timer.communicate("wait for sends"):
             C.wait_all([r for reqs, _ in self._run.sends for r in reqs])
         buf, k = self._buf, self.model.n_params
         buf[k:] = (self._run.loss_sum, n, self._run.correct)
         if self._poison:  # fault injection: this stage's gradient contribution is NaN
             buf[0], self._poison = np.nan, False
         if self.n_replicas > 1:
-            with self.timer.communicate():
+            with self.timer.communicate("allreduce", bytes=int(buf.nbytes)):
                 C.allreduce_sum_(self.dp, buf)
             self.counters.allreduce_bytes += buf.nbytes
         _, count, _ = buffer.totals(buf, k)
@@ -298,7 +298,7 @@ class Pipeline:
             self._exchange(x, self.stage - 1, _TAG_F)
         slot = run.slots[i % self.n_slots] = self._slot()
         t, cpu = time.perf_counter(), time.process_time()
-        with self.timer.compute():
+        with self.timer.compute("forward", micro_batch=i, stage=self.stage):
             for layer in slot:
                 x = layer.forward(x)
             if self.last:
@@ -323,7 +323,7 @@ class Pipeline:
             self._exchange(dy, self.stage + 1, _TAG_B)
         slot = run.slots[i % self.n_slots]
         t, cpu = time.perf_counter(), time.process_time()
-        with self.timer.compute():
+        with self.timer.compute("backward", micro_batch=i, stage=self.stage):
             for j, layer in enumerate(reversed(slot)):  # the model's input needs no gradient
                 dy = layer.backward(dy, accumulate=True,
                                     need_input_grad=not self.first or j < len(slot) - 1)
@@ -335,7 +335,7 @@ class Pipeline:
 
     def _send(self, buf: np.ndarray, dest: int, tag: int) -> None:
         buf = np.ascontiguousarray(buf)
-        with self.timer.communicate():
+        with self.timer.communicate("send", bytes=int(buf.nbytes), to=dest):
             self._run.sends.append((C.isend(self.pipe, buf, dest, tag), buf))
         self.counters.p2p_bytes += buf.nbytes
         self.counters.p2p_messages += 1
@@ -353,7 +353,7 @@ class Pipeline:
         chance to progress between ops.
         """
         run = self._run
-        with self.timer.communicate():
+        with self.timer.communicate("receive" if buf is not None else "test sends"):
             if run.sends:
                 run.sends = [(reqs, b) for reqs, b in run.sends if not C.test_all(reqs)]
             if buf is not None:
@@ -377,20 +377,21 @@ class Pipeline:
         b = self.plan.bounds
         return [int(sum(self.plan.n_params[b[s]:b[s + 1]])) for s in range(self.n_stages)]
 
-    def save_checkpoint(self, directory: str, state: ckpt.State, keep: int) -> None:
+    def save_checkpoint(self, directory: str, state: ckpt.State, keep: int,
+                        run_id: str | None = None) -> None:
         """Gather the whole model's parameters and optimizer state from the stages of
         replica 0 and write them on world rank 0 as one checkpoint, the file data-parallel
         training writes, so any number of stages or replicas, or ``--parallel data``,
-        resumes it. Collective over replica 0 (the others hold copies and do nothing).
+        resumes it. Collective (replica 0 gathers; the others hold copies).
         ``state.totals`` are taken from the last stage, where the loss figures live."""
-        if self.replica != 0:
-            return
-        totals = C.bcast_(self.pipe, np.array(state.totals, np.float64), self.n_stages - 1)
-        params = C.gatherv(self.pipe, self.model.params, 0)
-        opt = {k: C.gatherv(self.pipe, v, 0) for k, v in sorted(self.optimizer.state.items())}
-        if self.world.rank == 0:
+        params, opt = None, {}
+        if self.replica == 0:
+            totals = C.bcast_(self.pipe, np.array(state.totals, np.float64), self.n_stages - 1)
+            params = C.gatherv(self.pipe, self.model.params, 0)
+            opt = {k: C.gatherv(self.pipe, v, 0) for k, v in sorted(self.optimizer.state.items())}
             state.totals = totals.tolist()
-            ckpt.save_flat(directory, params, opt, self.optimizer, state, keep)
+        C.root_decides(self.world, lambda: ckpt.save_flat(directory, params, opt, self.optimizer,
+                                                          state, keep, run_id=run_id))
 
     def restore(self, directory: str) -> tuple[str, ckpt.State] | None:
         """Load the newest good checkpoint in ``directory`` (written by a pipeline of any

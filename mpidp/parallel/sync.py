@@ -24,7 +24,6 @@ from ..nonfinite import Policy, all_finite
 from . import buffer
 
 
-
 class Replica(Protocol):
     """What a strategy uses of the data-parallel trainer (:class:`~.Replica`)."""
 

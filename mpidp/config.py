@@ -1,0 +1,98 @@
+"""Configuration files for ``mpidp train``: ``--config FILE`` (TOML) and ``DIR/config.toml``.
+
+A configuration is the table of ``train`` options by name (``batch-size = 64`` or
+``batch_size = 64``). It becomes command-line tokens in front of the real ones, so every
+value goes through the same parsing and checks as a flag, and a flag on the command line
+wins. ``--resume`` takes the same road with the configuration stored in the checkpoint.
+No MPI here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Iterable
+
+#: Keys never taken from a stored configuration: what to do now, and how to show it, not
+#: how to train.
+NOT_STORED = frozenset({"command", "config", "resume", "restart", "world_size",
+                        "data_fingerprint", "resume_changes", "quiet", "verbose",
+                        "no_progress", "trace", "trace_steps", "tensorboard", "log_every"})
+
+
+def load(path: str) -> dict:
+    """The table in TOML file ``path``; ValueError naming the file on any problem."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.9/3.10
+        try:
+            import tomli as tomllib
+        except ImportError as exc:
+            raise ValueError("--config needs the tomli package on Python < 3.11: "
+                             "pip install tomli") from exc
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ValueError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--config {path}: not valid TOML ({exc})") from None
+
+
+def _value(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return ",".join(_value(x) for x in v)
+    if isinstance(v, dict):  # --slowdown RANK:FACTOR,...
+        return ",".join(f"{k}:{x}" for k, x in v.items())
+    return str(v)
+
+
+def tokens(table: dict, parser: argparse.ArgumentParser, skip: Iterable[str] = (),
+           source: str = "the configuration") -> list[str]:
+    """Command-line tokens for ``table`` (option name -> value), leaving out the options in
+    ``skip`` (given on the command line) and :data:`NOT_STORED`. ValueError names a key
+    that is no option of ``parser``."""
+    actions = {a.dest: a for a in parser._actions}  # noqa: SLF001 - argparse offers no map
+    skip, out = set(skip) | NOT_STORED, []
+    for key, value in table.items():
+        dest = key.replace("-", "_")
+        if dest in skip or value is None or value == {}:
+            continue
+        action = actions.get(dest)
+        if action is None or not action.option_strings:
+            raise ValueError(f"{source}: {key!r} is not an option of mpidp train")
+        flag = action.option_strings[-1]
+        if action.nargs == 0:  # store_true
+            if not isinstance(value, bool):
+                raise ValueError(f"{source}: {key} must be true or false, got {value!r}")
+            out += [flag] if value else []
+        else:
+            out += [flag, _value(value)]
+    return out
+
+
+def _toml(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return repr(v) if math.isfinite(v) else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    if isinstance(v, dict):  # --slowdown: write it as the flag's text
+        return _toml(_value(v))
+    text = str(v).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{text}"'
+
+
+def dumps(config: dict) -> str:
+    """``config`` (option dest -> value) as TOML that :func:`load` and ``--config`` read back;
+    None values and :data:`NOT_STORED` keys are left out."""
+    lines = ["# mpidp train configuration: mpidp train --config THIS_FILE reproduces the run"]
+    for key in sorted(config):
+        if key in NOT_STORED or config[key] is None or config[key] == {}:
+            continue
+        lines.append(f"{key.replace('_', '-')} = {_toml(config[key])}")
+    return "\n".join(lines) + "\n"

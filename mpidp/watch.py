@@ -1,0 +1,141 @@
+"""What a ``mpidp train`` run shows while it runs and leaves behind: log lines (rank 0,
+``-q``/``-v``), ``OUT/history.jsonl`` (one line per epoch, and every ``--log-every`` steps),
+TensorBoard scalars, and the per-rank timeline (``--trace``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+from . import comm as C
+from .history import History
+from .trace import Tracer, parse_window
+from .trace import write as write_trace
+
+log = logging.getLogger("mpidp")
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    """Messages to stdout, plain; ``-q`` keeps warnings and errors, ``-v`` adds details."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO)
+
+
+def say(comm: C.Comm, *lines: str) -> None:
+    """Log ``lines`` once, from rank 0."""
+    if comm.rank == 0:
+        log.info("\n".join(lines))
+
+
+def check_writable(path: str, what: str) -> None:
+    """ValueError unless a file can be created where ``path`` will go (tried for real:
+    permission bits alone say nothing for root)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    try:
+        with open(os.path.join(folder, f".mpidp-probe-{os.getpid()}"), "wb") as f:
+            name = f.name
+        os.unlink(name)
+    except OSError as exc:
+        raise ValueError(f"{what} {path!r}: cannot write in {folder!r} ({exc.strerror})") from None
+
+
+class Watch:
+    """The run's live outputs. Collective to create (every rank of ``comm``)."""
+
+    def __init__(self, comm: C.Comm, args: argparse.Namespace, timer, config: dict) -> None:
+        self.comm, self.args, self.timer, self.config = comm, args, timer, config
+        self.t0, self._history = time.perf_counter(), None
+        self.tracer = None
+        if args.trace:
+            self.tracer = Tracer(comm.rank, platform.node(), steps=parse_window(args.trace_steps))
+            timer.tracer = self.tracer
+        self._last = np.zeros(2)  # compute, comm seconds at the last step line
+        self._steps = 0
+
+    @staticmethod
+    def check(args: argparse.Namespace) -> None:
+        """Up front, on one rank: the outputs asked for can be written."""
+        if args.trace:
+            check_writable(args.trace, "--trace")
+            parse_window(args.trace_steps)
+        if args.tensorboard:
+            check_writable(os.path.join(args.tensorboard, "x"), "--tensorboard")
+            try:
+                import tensorboardX  # noqa: F401
+            except ImportError:
+                raise ValueError("--tensorboard needs tensorboardX: pip install "
+                                 "'mpidp[tensorboard]'") from None
+
+    def history(self) -> History | None:
+        """Rank 0's history file, opened on first use (after the run's checks passed)."""
+        if self.comm.rank != 0:
+            return None
+        if self._history is None:
+            os.makedirs(self.args.out, exist_ok=True)
+            self._history = History(os.path.join(self.args.out, "history.jsonl"),
+                                    self.args.tensorboard)
+            self._history.config(self.config)
+        return self._history
+
+    def epoch(self, record: dict) -> None:
+        """``on_epoch`` (every rank): the epoch's line, with per-rank figures when known."""
+        h = self.history()
+        if h is None:
+            return
+        line = {k: v for k, v in record.items() if k != "balance"}
+        line["elapsed_s"] = time.perf_counter() - self.t0
+        per_rank = record.get("balance", {}).get("per_rank")
+        if per_rank:
+            for key in ("compute_s", "comm_s", "wait_s", "samples"):
+                line[key] = [d[key] for d in per_rank]
+            line["samples_per_s"] = sum(line["samples"]) / record["seconds"]
+            line["imbalance"] = record["balance"]["imbalance"]
+        h.epoch(line)
+
+    def step(self, epoch: int, stats) -> None:
+        """``on_step`` (every rank; collective every ``--log-every`` steps)."""
+        every = self.args.log_every
+        self._steps = step = self._steps + 1
+        if not every or step % every:
+            return
+        now = np.array([self.timer.compute_s, self.timer.comm_s])
+        rows = C.allgather_rows(self.comm, np.append(now - self._last, self.timer.samples))
+        self._last = now
+        h = self.history()
+        if h is not None:
+            h.steps({"step": step, "epoch": epoch + 1, "loss": stats.loss,
+                     "compute_s": rows[:, 0].tolist(), "comm_s": rows[:, 1].tolist(),
+                     "samples_per_s": float(rows[:, 2].sum() / max(time.perf_counter() - self.t0,
+                                                                   1e-9))})
+
+    def finish(self, history: list[dict]) -> None:
+        """At the end of training (every rank): write the trace (collective; failing to
+        write it is a warning, never the run's failure); a mode that learns its epochs only
+        at the end (async-ps) writes their lines now."""
+        if self.tracer is not None:
+            try:
+                n = write_trace(self.comm, self.tracer, self.args.trace)
+                say(self.comm, f"wrote timeline {self.args.trace} ({n} spans)")
+            except OSError as exc:
+                log.warning(f"mpidp: could not write the timeline {self.args.trace}: {exc}")
+        if self.comm.rank == 0 and self._history is None:
+            for record in history:
+                self.epoch(record)
+
+    def close_history(self) -> None:
+        """Close the history file (rank 0; also after a failure: it keeps every line)."""
+        if self._history is not None:
+            self._history.close()
+            self._history = None
