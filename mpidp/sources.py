@@ -8,9 +8,10 @@ Built in: ``digits`` (scikit-learn's), ``synthetic`` (Gaussian clusters or a lin
 regression) and ``bow``, a workload that makes partitioning matter: a bag-of-words
 classification set whose rows are sparse (CSR) with Zipf-like (Pareto-tailed) lengths,
 stored SORTED BY LENGTH as real files often are: the short documents first, the long ones
-last. With :class:`mpidp.nn.SparseDense` as the first layer the work of a sample is proportional to its number of non-zeros, so a contiguous split of
-this data is badly skewed. Every rank can generate any rows (seeded per chunk), and the
-per-sample cost (``nnz + overhead``) is known from the lengths alone.
+last. With :class:`mpidp.nn.SparseDense` as the first layer the work of a sample is
+proportional to its number of non-zeros, so a contiguous split of this data is badly
+skewed. Every rank can generate any rows (seeded per chunk), and the per-sample cost
+(``nnz + overhead``) is known from the lengths alone.
 """
 
 from __future__ import annotations
