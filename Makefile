@@ -99,6 +99,14 @@ bench-compare: $(STAMP)
 	timeout 1800 $(BIN)/python benchmarks/bench_compare.py --out benchmarks/results/compare \
 	  --mpiexec $(MPIEXEC)
 
+# Data parallel vs sync/async parameter server vs pipeline vs hybrid on eight properties
+# (task split, communication, SIGKILL + resume, parallelism, transfer, waiting, balance,
+# convergence) at P = 2 and 4 -> benchmarks/results/compare.{json,md,png} (~10 min).
+bench-compare: $(STAMP)
+	mkdir -p benchmarks/results
+	timeout 1800 $(BIN)/python benchmarks/bench_compare.py --out benchmarks/results/compare \
+	  --mpiexec $(MPIEXEC)
+
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff && $(BIN)/ruff check mpidp tests benchmarks
 
