@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -58,28 +59,31 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _positive(kind):
+def _number(kind, low: float, high: float = math.inf, low_open: bool = False,
+            high_open: bool = True):
+    """A parser of ``kind`` values in a range (finite always: NaN and Inf are refused)."""
+    left, right = "(" if low_open else "[", ")" if high_open else "]"
+    span = f"{left}{low:g}, {'inf' if high == math.inf else f'{high:g}'}{right}"
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        ok = math.isfinite(value) and (value > low if low_open else value >= low) and (
+            value < high if high_open else value <= high)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be a finite number in {span}, got {text}")
         return value
     return parse
+
+
+def _positive(kind):
+    return _number(kind, 0, low_open=True)
 
 
 def _non_negative(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not value >= 0 or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be >= 0 and finite, got {text}")
-        return value
-    return parse
+    return _number(kind, 0)
 
 
 def _hidden(text: str) -> tuple[int, ...]:
@@ -90,6 +94,10 @@ def _hidden(text: str) -> tuple[int, ...]:
             f"expected comma-separated layer widths like 128,64, got {text!r}") from None
     if any(s < 1 for s in sizes):
         raise argparse.ArgumentTypeError(f"layer widths must be >= 1, got {text!r}")
+    if not sizes:
+        raise argparse.ArgumentTypeError(
+            f"no layer width in {text!r}: an mlp needs at least one hidden layer (e.g. "
+            "--hidden 128,64); for none, use --model logreg or --model linear")
     return sizes
 
 
@@ -111,9 +119,11 @@ def _add_train(sub) -> None:
     a("--lr", type=_positive(float), default=0.1, help="learning rate")
     a("--optimizer", choices=("sgd", "momentum", "adam"), default="momentum",
       help="sgd, SGD with momentum (--momentum), or adam")
-    a("--momentum", type=float, default=0.9, help="momentum factor for --optimizer momentum")
-    a("--weight-decay", type=float, default=0.0, help="L2 weight decay")
-    a("--seed", type=int, default=0, help="seed for initialisation, split, shuffling, synthetic data")
+    a("--momentum", type=_number(float, 0, 1), default=0.9,
+      help="momentum factor for --optimizer momentum, in [0, 1)")
+    a("--weight-decay", type=_non_negative(float), default=0.0, help="L2 weight decay (>= 0)")
+    a("--seed", type=_non_negative(int), default=0,
+      help="seed for initialisation, split, shuffling, synthetic data (>= 0)")
     a("--dtype", choices=("float32", "float64"), default="float32", help="floating-point type")
     a("--distribute", choices=("scatter", "local"), default="scatter",
       help="scatter: rank 0 reads and Scatterv's each rank its rows; "
@@ -122,8 +132,10 @@ def _add_train(sub) -> None:
       help="bcast: rank 0's initial parameters are broadcast; seed: every rank initialises "
       "from the same seed (verified by checksum)")
     a("--out", default="out", help="folder for metrics.json and model.npz (written at the end)")
-    a("--test-fraction", type=float, default=0.2, help="share of samples held out for testing")
-    a("--n-classes", type=int, default=None, help="number of classes (default: max label + 1)")
+    a("--test-fraction", type=_number(float, 0, 1), default=0.2,
+      help="share of samples held out for testing, in [0, 1)")
+    a("--n-classes", type=_number(int, 2), default=None,
+      help="number of classes, >= 2 (default: max label + 1)")
     a("--n-samples", type=_positive(int), default=60000, help="synthetic: samples")
     a("--n-features", type=_positive(int), default=784, help="synthetic: features")
     a("--no-shuffle", action="store_true", help="visit samples in file order every epoch")
@@ -163,7 +175,7 @@ def _add_train(sub) -> None:
     r.add_argument("--resume", action="store_true",
                    help="continue from the newest good checkpoint in --checkpoint-dir (any "
                    "number of ranks); starts afresh if there is none")
-    r.add_argument("--check-every", type=int, default=0,
+    r.add_argument("--check-every", type=_non_negative(int), default=0,
                    help="compare parameter checksums across ranks every N steps (0: only at the end)")
     r.add_argument("--on-nonfinite", choices=("stop", "skip", "ignore"), default="stop",
                    help="NaN/Inf in the global loss or gradient: stop with an error, skip the "
@@ -177,7 +189,7 @@ def _add_train(sub) -> None:
                    "updates 1/P of the parameters; accumulate: sync every --sync-every batches; "
                    "local-sgd: average parameters every --sync-every steps; async-ps: workers "
                    "push gradients and pull parameters without waiting (rank 0 serves)")
-    g.add_argument("--max-staleness", type=int, default=8,
+    g.add_argument("--max-staleness", type=_non_negative(int), default=8,
                    help="async-ps: drop gradients computed on parameters older than this")
     g.add_argument("--ps-placement", choices=("root", "dedicated"), default="root",
                    help="ps: the server also computes (root) or holds no data (dedicated)")
@@ -234,7 +246,7 @@ def add_partition_options(p: argparse.ArgumentParser) -> None:
       "file with one cost per dataset row")
     a("--capacities", type=_floats, default=None,
       help="relative rank speeds, comma-separated, one per rank (weighted; adaptive's start)")
-    a("--adapt-every", type=int, default=None,
+    a("--adapt-every", type=_positive(int), default=None,
       help="adaptive: re-measure speeds every N steps (default: every epoch)")
     a("--slowdown", type=_slowdown, default={}, metavar="RANK:FACTOR",
       help="FOR BENCHMARKS AND TESTS: make RANK's per-sample work (each step's forward/"

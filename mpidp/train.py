@@ -23,7 +23,7 @@ from . import checkpoint as ck
 from . import comm as C
 from . import config as config_file
 from . import data as D
-from . import nn
+from . import faults, memory, nn
 from . import options as O
 from .checkpoint import restore, write_atomic
 from .cli_partition import apply_slowdown, is_sparse, load_options, make_plan, summarize
@@ -128,6 +128,26 @@ def _load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.
     return D.Data(empty(n_train), empty(n_test), name, d, n_out, classification)
 
 
+def _fits(args, data: D.Data, share: float, ranks_here: int) -> None:
+    """ValueError, with the figure and the fix, when the model cannot fit in memory."""
+    need = memory.estimate(args.model, data.n_features, data.n_outputs, args.hidden, args.dtype,
+                           args.optimizer, args.batch_size, share)
+    count = memory.n_params(args.model, data.n_features, data.n_outputs, args.hidden)
+    layers = f", hidden {','.join(map(str, args.hidden))}" if args.model == "mlp" else ""
+    size = (f"the {args.model} model of {count:,} parameters ({data.n_features} features, "
+            f"{data.n_outputs} outputs{layers})")
+    try:
+        memory.check(need, ranks_here, size)
+    except ValueError as exc:
+        hint = (" (outputs come from the largest class label + 1: check the labels or set "
+                "--n-classes)" if data.classification and args.n_classes is None
+                and data.n_outputs > 10_000 else "")
+        fixes = ["smaller --hidden layers" if args.model == "mlp" else None,
+                 "--dtype float32" if args.dtype == "float64" else None,
+                 "fewer ranks per node", "a node with more memory"]
+        raise ValueError(f"{exc}{hint}; use " + ", ".join(f for f in fixes if f)) from None
+
+
 class _Report:
     """One line per epoch on rank 0."""
 
@@ -148,6 +168,10 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
     t_start = time.perf_counter()
     setup_logging(args)
     errors = O.problems(args, given, comm.size)
+    try:
+        faults.parse(os.environ.get("MPIDP_FAULT"))
+    except ValueError as exc:
+        errors.append(str(exc))
     if errors:  # every rank computes the same list from the same arguments
         raise C.MpidpError("; ".join(errors))
     if not 0 <= args.test_fraction < 1:
@@ -193,6 +217,7 @@ def _checkpointing(args, config, run_id) -> Checkpointing | None:
 def _train_data_parallel(args, comm, t_start, watchdog, stop, config, run_id) -> dict | None:
     dedicated = O.dedicated_server(args)
     data = _load_data(comm, args, server=0 if dedicated else None)
+    C.run_agreed(comm, _fits, args, data, 1.0, C.local_ranks(comm))
     model, loss = C.run_agreed(comm, nn.build, args.model, data.n_features, data.n_outputs,
                                args.hidden, args.dtype, data.classification, is_sparse(data))
     model.init_(np.random.default_rng(args.seed))
@@ -284,6 +309,7 @@ def _train_model_parallel(args, comm, t_start, watchdog, stop, config, run_id) -
                         n_classes=args.n_classes, n_samples=args.n_samples,
                         n_features=args.n_features,
                         regression=args.model == "linear" and args.dataset == "synthetic")
+    C.run_agreed(comm, _fits, args, data, 1.0 / max(comm.size // 2, 1), C.local_ranks(comm))
     layers, loss = C.run_agreed(comm, model_layers, args.model, data.n_features,
                                 data.n_outputs, args.hidden, data.classification)
     optimizer = nn.make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay)

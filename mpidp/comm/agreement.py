@@ -31,7 +31,7 @@ def agree(comm: Comm, error: str | None) -> None:
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     rank, msg = failed[0]
     where = f"rank {rank}" if len(failed) == 1 else f"ranks {[r for r, _ in failed]}"
-    raise MpidpError(msg if comm.size == 1 else f"{msg} (on {where})")
+    raise MpidpError(msg if len(failed) == comm.size else f"{msg} (on {where})")
 
 
 def _describe(exc: BaseException) -> str:

@@ -10,7 +10,7 @@ from mpi_helpers import all_ranks, raises_everywhere
 
 import mpidp
 from mpidp import nn
-from mpidp.parallel.data_parallel import NonFiniteError
+from mpidp.nonfinite import NonFiniteError
 from mpidp.parallel.sync import Overlapped, make_sync
 
 RTOL, ATOL = 1e-9, 1e-11  # reduction order only: see test_data_parallel.py

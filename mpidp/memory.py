@@ -1,0 +1,53 @@
+"""How much memory a run needs, estimated before anything is allocated, so that a model too
+big for the node is refused with the figure and what to change, not a ``MemoryError`` on
+every rank. Pure arithmetic plus ``/proc/meminfo``; no MPI."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+#: Copies of the parameter vector a rank may hold: parameters, gradients (with the reduced
+#: buffer), two more for the exchange strategies (residuals, padded or shared buffers).
+BASE_COPIES = 4
+OPTIMIZER_COPIES = {"sgd": 0, "momentum": 1, "adam": 2}
+
+
+def n_params(model: str, n_in: int, n_out: int, hidden: Sequence[int]) -> int:
+    """Parameters of ``model`` (``linear``/``logreg``: one dense layer; ``mlp``: hidden)."""
+    widths = [n_in, *(hidden if model == "mlp" else ()), n_out]
+    return int(sum(a * b + b for a, b in zip(widths[:-1], widths[1:])))
+
+
+def estimate(model: str, n_in: int, n_out: int, hidden: Sequence[int], dtype, optimizer: str,
+             batch: int, share: float = 1.0) -> int:
+    """Bytes one rank needs: ``share`` of the model's parameter copies (a pipeline stage
+    holds part of it) plus the activations of a batch of ``batch`` samples."""
+    item = np.dtype(dtype).itemsize
+    copies = BASE_COPIES + OPTIMIZER_COPIES.get(optimizer, 2)
+    widths = [n_in, *(hidden if model == "mlp" else ()), n_out]
+    params = n_params(model, n_in, n_out, hidden) * share
+    return int(params * copies * item + 3 * batch * sum(widths) * item)
+
+
+def available() -> int | None:
+    """Bytes of memory available on this node (``MemAvailable``), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check(need: int, ranks_here: int, what: str) -> None:
+    """ValueError when ``ranks_here`` ranks needing ``need`` bytes each do not fit."""
+    have = available()
+    if have is None or need * ranks_here <= have:
+        return
+    raise ValueError(f"{what} needs about {need / 2**30:.1f} GiB per rank, {ranks_here} "
+                     f"rank(s) on this node {need * ranks_here / 2**30:.1f} GiB, but only "
+                     f"{have / 2**30:.1f} GiB are available")

@@ -1,0 +1,292 @@
+"""Clean ends and honest outputs of ``mpidp train``: signals, one rank leaving, the watchdog
+naming a stopped rank, replicas that differ, and what a run leaves behind (config.toml,
+history.jsonl, a per-rank trace)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from clitools import ROOT, mpiexec, run_mpi
+
+ARGS = ["train", "--dataset", "synthetic", "--n-samples", "600", "--n-features", "10",
+        "--dtype", "float64", "--epochs", "3", "--batch-size", "32", "--optimizer", "adam",
+        "--lr", "0.01", "--hidden", "16", "--no-progress"]
+
+
+def _params(out) -> np.ndarray:
+    return np.load(Path(out) / "model.npz")["params"]
+
+
+def _ranks(job: subprocess.Popen, n: int, timeout: float = 30) -> list[int]:
+    """Pids of the ``n`` ranks of ``job`` (children of mpiexec's proxy), by PMI_RANK."""
+    deadline, found = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline and len(found) < n:
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            token = f"MPIDP_TEST_TOKEN={job.token}".encode()
+            if token in env and b"mpidp" in cmd:
+                rank = next((int(e.split(b"=")[1]) for e in env if e.startswith(b"PMI_RANK=")), None)
+                if rank is not None:
+                    found[rank] = int(pid)
+        time.sleep(0.05)
+    assert len(found) == n, f"found ranks {found}"
+    return [found[r] for r in range(n)]
+
+
+def _start(n: int, *args: str, token: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPIDP_TEST_TOKEN": token}
+    job = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable, "-m", "mpidp", *args],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, stdin=subprocess.DEVNULL)
+    job.token = token
+    return job
+
+
+def _history_lines(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "history.jsonl").read_text().splitlines()]
+
+
+def _wait_for_epoch(out, timeout: float = 60) -> None:
+    """Until the run in ``out`` has finished its first epoch (its history says so)."""
+    path, deadline = Path(out) / "history.jsonl", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and '"kind":"epoch"' in path.read_text():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"no epoch finished in {out} within {timeout}s")
+
+
+LONG = ["--epochs", "12", "--hidden", "64,64"]  # long enough to be signalled mid-run
+
+
+@pytest.mark.parametrize("mode", [[], ["--parallel", "pipeline"]], ids=["data", "pipeline"])
+def test_sigterm_to_every_rank_checkpoints_and_resume_is_bit_identical(tmp_path, mode):
+    n = 2
+    ref = tmp_path / "ref"
+    r = run_mpi(n, *ARGS, *LONG, *mode, "--out", str(ref))
+    assert r.returncode == 0, r.stderr
+    ck, slow = tmp_path / "ck", ["--slowdown", "0:20,1:20"]
+    job = _start(n, *ARGS, *LONG, *mode, *slow, "--checkpoint-dir", str(ck),
+                 "--checkpoint-every", "1000", "--out", str(tmp_path / "a"),
+                 token=f"term-{tmp_path.name}")
+    pids = _ranks(job, n)
+    _wait_for_epoch(tmp_path / "a")
+    for pid in pids:  # what Slurm's --signal does: every rank gets it
+        os.kill(pid, signal.SIGTERM)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 75, (job.returncode, err[-2000:])
+    assert "stopped by a signal after step" in err and "--resume" in err
+    assert not (tmp_path / "a" / "model.npz").exists()
+    assert any(ck.glob("ckpt-*.npz")), "a checkpoint was written on the way out"
+    r = run_mpi(n, *ARGS, *LONG, *mode, "--checkpoint-dir", str(ck), "--resume", "--out",
+                str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr
+    assert np.array_equal(_params(tmp_path / "b"), _params(ref))
+
+
+def test_sigint_to_one_rank_ends_the_job_within_seconds(tmp_path):
+    job = _start(2, *ARGS, *LONG, "--slowdown", "0:20,1:20", "--out", str(tmp_path / "o"),
+                 token=f"int-{tmp_path.name}")
+    pids = _ranks(job, 2)
+    _wait_for_epoch(tmp_path / "o")
+    t = time.monotonic()
+    os.kill(pids[1], signal.SIGINT)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode != 0 and time.monotonic() - t < 15, (job.returncode, err[-1500:])
+    assert "interrupted (SIGINT)" in err
+
+
+def test_sys_exit_in_a_callback_on_one_rank_ends_the_job(tmp_path):
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "import sys\nimport mpidp\nfrom mpi4py import MPI\nfrom mpidp import nn\n"
+        "comm = MPI.COMM_WORLD\n"
+        "X = __import__('numpy').random.default_rng(0).standard_normal((400, 4))\n"
+        "y = (X[:, 0] > 0).astype('int64')\n"
+        "shard = mpidp.shard_from_arrays(comm, X[comm.rank::2], y[comm.rank::2])\n"
+        "dp = mpidp.DataParallel(nn.mlp(4, (8,), 2).init_(0), nn.SGD(0.1),"
+        " nn.SoftmaxCrossEntropy(), comm)\n"
+        "def leave(record):\n    if comm.rank == 1:\n        sys.exit(4)\n"
+        "mpidp.fit(dp, shard, 5, 32, on_epoch=leave)\n")
+    t = time.monotonic()
+    r = run_mpi(2, str(script), module=False, timeout=60)
+    assert r.returncode != 0 and time.monotonic() - t < 30, (r.returncode, r.stderr[-1500:])
+    assert "SystemExit(4) during training; ending the job" in r.stderr
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_the_watchdog_names_a_stopped_rank_among_four(tmp_path, attempt):
+    job = _start(4, *ARGS, *LONG, "--epochs", "200", "--watchdog", "2", "--out",
+                 str(tmp_path / "o"), token=f"stop-{tmp_path.name}-{attempt}")
+    pids = _ranks(job, 4)
+    _wait_for_epoch(tmp_path / "o")
+    time.sleep(0.1 * attempt)
+    os.kill(pids[2], signal.SIGSTOP)
+    try:
+        out, err = job.communicate(timeout=60)
+    finally:
+        os.kill(pids[2], signal.SIGCONT) if os.path.exists(f"/proc/{pids[2]}") else None
+    assert job.returncode == 3, (job.returncode, err[-2000:])
+    assert "stalled rank(s) [2]" in err and "did not answer" in err, err[-2000:]
+
+
+def test_replicas_that_differ_at_the_end_fail_the_run(tmp_path):
+    env = {"MPIDP_FAULT": "desync@1:44"}  # the last step: nothing can round it away
+    r = run_mpi(2, *ARGS, "--out", str(tmp_path / "o"), env=env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "parameters differ from rank 0's on ranks [1]" in r.stderr
+    assert not (tmp_path / "o" / "model.npz").exists()
+
+
+def test_a_long_checkpoint_write_does_not_trip_the_watchdog(tmp_path):
+    script = tmp_path / "slow_save.py"
+    script.write_text(
+        "import time\nimport mpidp\nfrom mpi4py import MPI\nfrom mpidp import nn\n"
+        "from mpidp.loop import Checkpointing\n"
+        "comm = MPI.COMM_WORLD\n"
+        "X = __import__('numpy').random.default_rng(0).standard_normal((256, 4))\n"
+        "y = (X[:, 0] > 0).astype('int64')\n"
+        "class Slow(mpidp.DataParallel):\n"
+        "    def save_checkpoint(self, *a, **k):\n"
+        "        if self.comm.rank == 0:\n            time.sleep(3.0)  # a slow file system\n"
+        "        super().save_checkpoint(*a, **k)\n"
+        "dp = Slow(nn.mlp(4, (8,), 2).init_(0), nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm)\n"
+        f"ck = Checkpointing({str(tmp_path / 'ck')!r}, every=4)\n"
+        "w = mpidp.comm.Watchdog(comm, 1.0)\n"
+        "mpidp.fit(dp, mpidp.shard_from_arrays(comm, X[comm.rank::2], y[comm.rank::2]), 1, 32,"
+        " checkpoint=ck, watchdog=w)\n"
+        "print('done', comm.rank)\n")
+    r = run_mpi(2, str(script), module=False, timeout=90)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "done 0" in r.stdout and "done 1" in r.stdout
+
+
+def test_config_toml_reproduces_the_run_and_resume_reads_the_stored_settings(tmp_path):
+    a = tmp_path / "a"
+    r = run_mpi(2, *ARGS, "--out", str(a), "--checkpoint-dir", str(tmp_path / "ck"))
+    assert r.returncode == 0, r.stderr
+    r = run_mpi(2, "train", "--config", str(a / "config.toml"), "--out", str(tmp_path / "b"),
+                "--checkpoint-dir", str(tmp_path / "ck2"))  # the command line wins
+    assert r.returncode == 0, r.stderr
+    assert np.array_equal(_params(a), _params(tmp_path / "b"))
+    # --resume with only the folder and a new epoch count: the other 15 settings come back
+    r = run_mpi(2, "train", "--checkpoint-dir", str(tmp_path / "ck"), "--resume", "--epochs",
+                "4", "--out", str(tmp_path / "c"))
+    assert r.returncode == 0, r.stderr
+    m = json.loads((tmp_path / "c" / "metrics.json").read_text())
+    assert m["config"]["hidden"] == [16] and m["config"]["optimizer"] == "adam"
+    assert len(m["history"]) == 4 and "resumed from" in r.stdout
+
+
+def test_a_killed_run_keeps_its_history(tmp_path):
+    out = tmp_path / "o"
+    r = run_mpi(2, *ARGS, "--out", str(out), "--log-every", "5",
+                env={"MPIDP_FAULT": "kill@1:25"})  # 15 steps per epoch: dies in epoch 2
+    assert r.returncode != 0
+    lines = _history_lines(out)
+    assert lines[0]["kind"] == "config" and lines[0]["hidden"] == [16]
+    epochs = [x for x in lines if x["kind"] == "epoch"]
+    steps = [x for x in lines if x["kind"] == "steps"]
+    assert [x["epoch"] for x in epochs] == [1] and np.isfinite(epochs[0]["loss"])
+    assert [x["step"] for x in steps] == [5, 10, 15, 20, 25][:len(steps)] and len(steps) >= 4
+    assert len(steps[0]["compute_s"]) == 2  # one figure per rank
+    assert not (out / "metrics.json").exists() and not (out / "model.npz").exists()
+
+
+@pytest.mark.parametrize("mode,n", [([], 2), (["--parallel", "pipeline", "--micro-batches", "3"], 3),
+                                    (["--sync", "async-ps"], 3)], ids=["data", "pipeline", "async-ps"])
+def test_the_trace_has_a_process_per_rank_in_every_mode(tmp_path, mode, n):
+    trace = tmp_path / "t.json"
+    r = run_mpi(n, *ARGS, *mode, "--epochs", "1", "--out", str(tmp_path / "o"), "--trace",
+                str(trace))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(trace.read_text())
+    spans = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    assert sorted(names) == list(range(n)) and all(names[r].startswith(f"rank {r}") for r in names)
+    assert all("step" in e["args"] and "epoch" in e["args"] for e in spans)
+    from mpidp.trace import overlaps
+    assert overlaps(doc) == []
+    if "pipeline" in mode:  # each stage ran every micro-batch forward and backward
+        steps = 15  # 480 training rows / 32 per batch
+        for pid in range(n):
+            fwd = [e for e in spans if e["pid"] == pid and e["name"] == "forward"]
+            assert len(fwd) == 3 * steps
+            assert {e["args"]["micro_batch"] for e in fwd} == {0, 1, 2}
+
+
+def test_a_dedicated_server_holds_no_rows(tmp_path):
+    r = run_mpi(3, "train", "--dataset", "digits", "--epochs", "1", "--sync", "ps",
+                "--ps-placement", "dedicated", "--out", str(tmp_path / "o"), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    m = json.loads((tmp_path / "o" / "metrics.json").read_text())
+    per_rank = m["balance"]["per_rank"]
+    assert per_rank[0]["samples"] == 0 and per_rank[1]["samples"] + per_rank[2]["samples"] == 1438
+    assert m["balance"]["moved_samples"] == 0
+
+
+@pytest.mark.parametrize("caps,ok", [("1,3", True), ("1,3,1", False)])
+def test_capacities_of_a_dedicated_server_are_one_per_worker(tmp_path, caps, ok):
+    r = run_mpi(3, "train", "--dataset", "digits", "--epochs", "1", "--sync", "async-ps",
+                "--partition", "weighted", "--capacities", caps, "--out", str(tmp_path / "o"))
+    if ok:
+        assert r.returncode == 0, r.stderr
+        rows = json.loads((tmp_path / "o" / "metrics.json").read_text())["timings"]
+        assert rows[0]["samples"] == 0 and rows[2]["samples"] > 2.5 * rows[1]["samples"]
+    else:
+        assert r.returncode == 2
+        assert r.stderr.count("--capacities has 3 entries; give one per worker") == 1
+        assert "(on ranks" not in r.stderr
+
+
+@pytest.mark.parametrize("sync", ["compressed", "local-sgd", "allreduce"])
+def test_a_skipped_nan_step_does_not_poison_the_next_ones(tmp_path, sync):
+    r = run_mpi(2, *ARGS, "--sync", sync, "--on-nonfinite", "skip", "--out",
+                str(tmp_path / "o"), env={"MPIDP_FAULT": "nan@1:3"})
+    assert r.returncode == 0, r.stderr
+    m = json.loads((tmp_path / "o" / "metrics.json").read_text())
+    assert m["skipped_steps"] == 1 and np.isfinite(_params(tmp_path / "o")).all()
+
+
+def test_async_staleness_counts_only_applied_pushes(tmp_path):
+    r = run_mpi(4, "train", "--dataset", "digits", "--epochs", "2", "--sync", "async-ps",
+                "--max-staleness", "1", "--out", str(tmp_path / "o"), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    a = json.loads((tmp_path / "o" / "metrics.json").read_text())["async"]
+    assert a["staleness_max"] <= 1 and a["applied"] > 0
+
+
+@pytest.mark.parametrize("flag,message", [
+    (["--momentum", "nan"], "argument --momentum: must be a finite number"),
+    (["--weight-decay", "-100"], "argument --weight-decay: must be a finite number"),
+    (["--bucket-mb", "inf"], "argument --bucket-mb: must be a finite number"),
+    (["--ps-chunk-mb", "inf"], "argument --ps-chunk-mb: must be a finite number"),
+    (["--seed", "-1"], "argument --seed: must be a finite number"),
+    (["--hidden", ",,"], "an mlp needs at least one hidden layer"),
+    (["--hidden", "200000,200000"], "GiB are available"),
+    (["--trace-steps", "3:5"], "--trace-steps needs --trace"),
+])
+def test_bad_options_are_one_clear_error(tmp_path, flag, message):
+    r = run_mpi(2, *ARGS, "--out", str(tmp_path / "o"), *flag)
+    assert r.returncode == 2 and r.stderr.count(message) == 1, r.stderr[-1500:]
+    assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
+
+
+def test_malformed_fault_spec_is_named(tmp_path):
+    r = run_mpi(2, *ARGS, "--out", str(tmp_path / "o"), env={"MPIDP_FAULT": "boom@1"})
+    assert r.returncode != 0 and "MPIDP_FAULT item 'boom@1' is not kind@rank:step" in r.stderr
