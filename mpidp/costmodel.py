@@ -47,12 +47,23 @@ class Compute:
     """A rank's compute per step: ``overhead + per_sample * b`` seconds for ``b`` local
     samples when it has the node to itself; times ``contention`` when every rank of a node
     computes at once (shared caches and memory bandwidth); ``jitter`` is the standard
-    deviation of a step's compute time over its mean."""
+    deviation of a step's compute time over its mean.
+
+    Notes
+    -----
+    ``contention`` is at least 1 and ``jitter`` at least 0: sharing a node never speeds a
+    rank up, so a measurement below 1 (noise on a loaded machine) is taken as 1; otherwise
+    the model would predict a parallel efficiency above 1.
+    """
 
     per_sample: float
     overhead: float = 0.0
     contention: float = 1.0
     jitter: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.contention = max(1.0, float(self.contention))
+        self.jitter = max(0.0, float(self.jitter))
 
     def as_dict(self) -> dict:
         return asdict(self)

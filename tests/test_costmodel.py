@@ -130,3 +130,15 @@ def test_oversubscribed_compute_runs_only_as_many_ways_as_cores():
     fixed = M.Compute(per_sample=1e-4, overhead=3e-3)
     assert M.step_time(4, 0, 512, fixed, M.Fit(0, 0, 0), cores=2) == pytest.approx(
         2 * (3e-3 + 1e-4 * 128))
+
+
+def test_efficiency_never_exceeds_one_even_from_a_noisy_contention():
+    """A contention measured below 1 on a loaded machine (noise) must not predict a
+    parallel efficiency above 1."""
+    fit = M.Fit(alpha=2e-6, beta=1e-10, gamma=1e-10)
+    c = M.Compute(per_sample=1e-5, overhead=1e-4, contention=0.8, jitter=-0.1)
+    assert c.contention == 1.0 and c.jitter == 0.0
+    P = np.array([1, 2, 4, 64, 1024])
+    for alg in M.ALGORITHMS:
+        eff = M.efficiency(P, 4e6, 512, c, fit, alg)
+        assert np.all(eff <= 1.0 + 1e-12) and eff[0] == 1.0
