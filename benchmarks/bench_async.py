@@ -26,8 +26,8 @@ from mpi4py import MPI
 import mpidp
 from mpidp import nn
 from mpidp.metrics import StepTimer
-from mpidp.parallel.async_ps import TRACE_FIELDS, train_async
-from mpidp.parallel.sync import make_sync
+from mpidp.parallel.param_server import TRACE_FIELDS, train_async
+from mpidp.parallel.strategies import make_sync
 from mpidp.partition import local_batches
 
 MODES = ("sync", "async")

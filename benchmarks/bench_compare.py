@@ -143,7 +143,7 @@ def _pipeline(comm, column: str, balance: str, micro: int):
 def _replica(comm, column: str):
     from mpidp import nn
     from mpidp.parallel import DataParallel
-    from mpidp.parallel.sync import make_sync
+    from mpidp.parallel.strategies import make_sync
     model = nn.Sequential(_layers()[0], N_IN, np.float32).init_(0)
     sync = (make_sync("ps", dedicated=True, ps_shared_memory=False) if column == "ps"
             else "allreduce")
@@ -254,7 +254,7 @@ def speed_async(comm, a, wire: Wire) -> dict:
     from mpidp import nn
     from mpidp.data import Shard
     from mpidp.metrics import StepTimer
-    from mpidp.parallel.async_ps import train_async
+    from mpidp.parallel.param_server import train_async
     from mpidp.parallel.pipeline import _held_bytes
     model = nn.Sequential(_layers()[0], N_IN, np.float32).init_(0)
     opt, loss = _optimizer(), nn.SoftmaxCrossEntropy()
@@ -323,7 +323,7 @@ def conv(comm, a) -> list:
     """One column's loss trace (the rank that holds the losses sends it to rank 0)."""
     from mpidp import nn
     from mpidp.data import Shard
-    from mpidp.parallel.async_ps import train_async
+    from mpidp.parallel.param_server import train_async
     from mpidp.partition import block_range
     n = a.n_conv
     if a.column == "async":

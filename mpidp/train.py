@@ -31,8 +31,8 @@ from .folders import clean_stale_tmp
 from .loop import Checkpointing, fit
 from .metrics import format_timings, gather_timings
 from .parallel import DataParallel, make_trainer, model_layers
-from .parallel.async_ps import train_async
-from .parallel.sync import make_sync
+from .parallel.param_server import train_async
+from .parallel.strategies import make_sync
 from .signals import StopSignals
 from .train_pipeline import fit_pipeline, restore_checkpoint
 from .watch import Watch, check_writable, log, say, setup_logging

@@ -15,7 +15,8 @@ from ..nn.optim import chunk_edges
 from ..nonfinite import ON_NONFINITE, Policy, all_finite
 from . import buffer
 from .stats import StepStats
-from .sync import Sync, make_sync
+from .strategies import make_sync
+from .sync import Sync
 
 INIT_SYNC = ("bcast", "seed")
 #: Reduced buffers at least this big are checked for NaN/Inf 1/P per rank plus a one-flag

@@ -37,7 +37,7 @@ _TAG_F, _TAG_B = 21, 22  # activations forward, gradients backward (order kept p
 
 
 @dataclass
-class Plan:
+class StagePlan:
     """What every rank agrees on before any message: stage bounds and boundary widths."""
 
     bounds: list[int]  # stage s holds layers bounds[s] .. bounds[s+1]-1
@@ -69,8 +69,8 @@ class PipeCounters:
         self.trace.clear()
 
 
-def make_plan(layers: Sequence[Layer], n_in: int, n_stages: int, size: int, micro_batches: int,
-              schedule: str, balance: str, costs: Sequence[float] | None) -> Plan:
+def plan_stages(layers: Sequence[Layer], n_in: int, n_stages: int, size: int, micro_batches: int,
+              schedule: str, balance: str, costs: Sequence[float] | None) -> StagePlan:
     """Validate the pipeline's settings and split the layers; ``ValueError`` if impossible."""
     if schedule not in St.SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {St.SCHEDULES}")
@@ -86,7 +86,7 @@ def make_plan(layers: Sequence[Layer], n_in: int, n_stages: int, size: int, micr
     costs = list(costs) if costs is not None else [float(c) for c in n_params]
     if len(costs) != len(layers):
         raise ValueError(f"got {len(costs)} layer costs for {len(layers)} layers")
-    return Plan(St.split_stages(costs, n_stages), widths, costs, n_params)
+    return StagePlan(St.split_stages(costs, n_stages), widths, costs, n_params)
 
 
 class Pipeline:
@@ -125,7 +125,7 @@ class Pipeline:
         dtype = np.dtype(dtype)
         if balance == "time" and costs is None:
             costs = C.root_decides(comm, St.measure_costs, layers, n_in, dtype=dtype)
-        self.plan = C.run_agreed(comm, make_plan, layers, n_in, n_stages, comm.size,
+        self.plan = C.run_agreed(comm, plan_stages, layers, n_in, n_stages, comm.size,
                                  micro_batches, schedule, balance, costs)
         seen = C.allgather_counts(comm, self.plan.fingerprint(micro_batches, dtype.num,
                                                               St.SCHEDULES.index(schedule)))

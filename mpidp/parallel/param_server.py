@@ -1,0 +1,402 @@
+"""Parameter servers: gradients go to a server that applies the update, parameters come back.
+
+Synchronous, as gradient-exchange strategies of :class:`~mpidp.DataParallel`:
+:class:`ParameterServer` (one central server, rank ``root``, optionally holding no data)
+and :class:`ShardedParameterServer` (every rank serves ``1/P`` of the parameters).
+
+Asynchronous (:func:`train_async`, ``--sync async-ps``): workers push gradients and pull
+parameters without waiting for each other; the server (rank ``root``, holding no data)
+applies each push as it comes.
+
+A worker computes on the parameters it last pulled; by the time its gradient arrives,
+other workers may have updated them ``s`` times (its *staleness*). Pushes staler than
+``max_staleness`` are dropped (counted), bounding how old a gradient can be. Every worker
+pushes exactly its own number of batches and then a "done" message, so the server knows
+when to stop: the job always ends. Buffer-based point-to-point only; one final ``Bcast``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import comm as C
+from ..data import Shard
+from ..faults import Injector
+from ..metrics import StepTimer
+from ..nn import Loss, Optimizer, Sequential
+from ..nn.optim import chunk_edges
+from ..nonfinite import Policy, all_finite
+from ..partition import local_batches, steps_per_epoch
+from .sync import Replica, Sync
+
+
+class ParameterServer(Sync):
+    """Synchronous parameter server: gradient sums are reduced to the server (rank
+    ``root``), which applies the optimizer and broadcasts the new parameters.
+
+    ``dedicated=True``: the server holds no data (give it an empty shard); otherwise it
+    computes like every worker. Same arithmetic as allreduce training.
+
+    ``shared_memory=True`` (the default), where some node runs several ranks: within each
+    node, gradients and the node leader's parameters live in MPI shared-memory windows.
+    Each rank sums its share of the node's gradients straight into its leader's buffer
+    (:class:`mpidp.comm.SharedReduce`); the leaders' sums go to the server (the leader of
+    its node) by ``Reduce_scatter`` + ``Gatherv``. The server updates in pieces of
+    ``chunk_bytes`` and ships each piece as soon as it is final: ``Ibcast`` to the other
+    leaders, and to the ranks of each node by letting them copy it out of their leader's
+    memory (:class:`mpidp.comm.SharedBroadcast`), so copying overlaps the update instead of
+    following it. Otherwise (``shared_memory=False``, or one rank per node) the sums go to
+    the server by ``Reduce_scatter`` + ``Gatherv`` and the parameters come back by ``Bcast``.
+    """
+
+    name = "ps"
+
+    def __init__(self, dedicated: bool = False, shared_memory: bool = True,
+                 chunk_bytes: int = 1 << 20) -> None:
+        super().__init__()
+        if chunk_bytes < 1:
+            raise C.MpidpError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        self.dedicated, self.shared_memory, self.chunk_bytes = dedicated, shared_memory, chunk_bytes
+        self.shared: C.SharedBroadcast | None = None
+        self.gather: C.SharedReduce | None = None
+        self.leaders: C.Comm | None = None
+
+    def setup(self, dp: Replica) -> None:
+        comm, params = dp.comm, dp.model.params
+        if comm.size < 2:
+            raise C.MpidpError("a parameter server needs at least 2 ranks (a server and a worker)")
+        if not self.shared_memory:
+            return
+        node, leaders = C.node_split(comm, dp.root)
+        need = node.size * dp.buf.nbytes + params.nbytes  # this node's windows
+        crowded, no_room = C.allreduce_max(comm, [node.size, not C.shm_room(need)])
+        if crowded == 1 or no_room:  # one rank per node (nothing to share), or no room
+            if no_room and comm.rank == 0:
+                print(f"mpidp: ps: not enough free space in {C.SHM_DIR} for {need / 2**20:.0f} "
+                      "MiB of shared windows on some node; using MPI instead", file=sys.stderr)
+            return
+        self.shared = C.SharedBroadcast(node, params.size, params.dtype, 0)
+        if node.rank == 0:  # the node leader's parameters are what its node copies
+            dp.model.use_param_buffer(self.shared.array)
+        self.gather = C.SharedReduce(node, dp.buf.size, dp.buf.dtype, 0)
+        self.gather.array[...] = dp.buf
+        dp.buf = self.gather.array
+        dp.model.use_grad_buffer(dp.buf)
+        self.leaders = leaders if leaders is not None and leaders.size > 1 else None
+        self.edges = chunk_edges(params.size, -(-params.nbytes // self.chunk_bytes))
+
+    def exchange(self, dp: Replica) -> tuple[float, int, int, bool]:
+        comm, root, buf, n = dp.comm, dp.root, dp.buf, dp.model.n_params
+        verdict = np.zeros(5, np.float64)  # loss, count, correct, skipped, error
+        with dp.timer.communicate():
+            if self.gather is None:
+                C.reduce_sum_to_(comm, buf, root)
+            else:
+                self.gather.reduce()  # each node's sum on its leader
+                if self.leaders is not None:
+                    C.reduce_sum_to_(self.leaders, buf, 0)  # the server leads leaders
+        if comm.rank == root:
+            with dp.timer.compute():
+                try:
+                    verdict[:4] = dp.judge_global(buf, everywhere=False)
+                except C.MpidpError:
+                    verdict[:3], verdict[4] = buf[n:], 1
+        with dp.timer.communicate():
+            C.bcast_(comm, verdict, root)
+            if verdict[4]:
+                raise dp.policy.error(verdict[0], dp.global_step)
+            if verdict[3] and comm.rank != root:
+                dp.policy.skipped += 1
+        count = int(verdict[1])
+        if count and not verdict[3]:  # otherwise the parameters stay as they are everywhere
+            if self.shared is None:
+                if comm.rank == root:
+                    with dp.timer.compute():
+                        dp.optimizer.step_(dp.model.params, buf[:n], scale=1.0 / count)
+                with dp.timer.communicate():
+                    C.bcast_(comm, dp.model.params, root)
+            else:
+                self._update_and_ship(dp, buf[:n], count)
+        # what this rank contributes: a worker its gradients, the server the parameters
+        self.bytes_sent += buf.nbytes if comm.rank != root else dp.model.params.nbytes
+        return float(verdict[0]), count, int(verdict[2]), bool(verdict[3])
+
+    def _update_and_ship(self, dp: Replica, grads: np.ndarray, count: int) -> None:
+        """The server updates piece by piece; each piece goes to the other node leaders
+        (``Ibcast``) and to the ranks of each node (copied out of the leader's memory)."""
+        params, shared, sent = dp.model.params, self.shared, []
+        pieces = list(zip(self.edges[:-1], self.edges[1:]))
+
+        def ship(lo: int, hi: int) -> None:
+            if self.leaders is not None:
+                sent.append(self.leaders.Ibcast(params[lo:hi], root=0))
+            shared.publish()
+
+        if dp.comm.rank == dp.root:
+            with dp.timer.compute():
+                dp.optimizer.step_(params, grads, scale=1.0 / count, chunks=len(pieces),
+                                   on_chunk=ship)
+            with dp.timer.communicate():
+                C.wait_all(sent)
+                shared.finish()
+        elif self.leaders is not None:  # another node's leader: relay each piece
+            with dp.timer.communicate():
+                for lo, hi in pieces:
+                    C.wait_all([self.leaders.Ibcast(params[lo:hi], root=0)])
+                    shared.publish()
+                shared.finish()
+        else:
+            with dp.timer.communicate():
+                shared.pull(params, self.edges)
+
+
+class ShardedParameterServer(Sync):
+    """Every rank serves ``1/P`` of the parameters: ``Reduce_scatter`` the gradient sums, each
+    rank updates only its slice (so optimizer state and update work are divided by ``P``),
+    ``Allgather`` the slices. Same bytes as an allreduce.
+
+    The gradient and parameter buffers are padded to ``P`` equal blocks, so the reduce-scatter
+    reads the gradients where backward wrote them, the update runs in place on this rank's
+    block of the parameters and the allgather fills the others in place: no copies. One
+    more ``Allreduce`` of four numbers carries the loss and counts and each slice's NaN/Inf
+    verdict. Checkpoints gather the sliced optimizer state to the root
+    (:meth:`before_checkpoint`) and a resumed run slices it again (:meth:`after_restore`).
+    """
+
+    name = "sharded-ps"
+
+    def __init__(self, make_optimizer) -> None:
+        super().__init__()
+        self.make_optimizer = make_optimizer  # () -> a fresh Optimizer for one slice
+
+    def setup(self, dp: Replica) -> None:
+        P, n, model = dp.comm.size, dp.model.n_params, dp.model
+        self.k = -(-dp.buf.size // P)  # block length: the gradients and the extras, padded
+        self.grads = np.zeros(self.k * P, model.dtype)
+        self.grads[:dp.buf.size] = dp.buf
+        dp.buf = self.grads[:dp.buf.size]
+        model.use_grad_buffer(dp.buf)
+        self.params = np.zeros(self.k * P, model.dtype)
+        model.use_param_buffer(self.params[:n])
+        self.lo = dp.comm.rank * self.k
+        self.hi = max(self.lo, min(self.lo + self.k, n))  # the padding past n is never updated
+        # one rank reduces nothing: its block of the sums is the buffer itself
+        self.slice = self.grads if P == 1 else np.zeros(self.k, model.dtype)
+        self.optimizer: Optimizer = self.make_optimizer()
+
+    def exchange(self, dp: Replica) -> tuple[float, int, int, bool]:
+        n, m, comm = dp.model.n_params, self.hi - self.lo, dp.comm
+        extras = np.zeros(4, np.float64)  # loss, count, correct, slices with NaN/Inf
+        with dp.timer.communicate():
+            if comm.size > 1:
+                C.reduce_scatter_sum(comm, self.grads, self.slice)
+            extras[:3] = dp.buf[n:]
+            extras[3] = dp.on_nonfinite != "ignore" and not all_finite(self.slice[:m])
+            C.allreduce_sum_(comm, extras)  # every rank learns every slice's verdict
+        with dp.timer.compute():
+            count = int(round(extras[1]))
+            finite = math.isfinite(extras[0]) and not extras[3]
+            skipped = bool(count) and not dp.finite_or_skip(finite, extras[0])
+            if count and not skipped:
+                self.optimizer.step_(self.params[self.lo:self.hi], self.slice[:m],
+                                     scale=1.0 / count)
+        if count and not skipped and comm.size > 1:
+            with dp.timer.communicate():
+                C.allgather_in_place(comm, self.params)
+        # the reduce-scatter and allgather together move what one ring allreduce moves
+        self.bytes_sent += self.grads.nbytes + extras.nbytes
+        return float(extras[0]), count, int(round(extras[2])), skipped
+
+    def before_checkpoint(self, dp: Replica) -> None:
+        gathered = {k: C.gatherv(dp.comm, v, dp.root) for k, v in self.optimizer.state.items()}
+        if dp.comm.rank == dp.root:
+            dp.optimizer.state, dp.optimizer.t = gathered, self.optimizer.t
+
+    def after_checkpoint(self, dp: Replica) -> None:
+        dp.optimizer.state = {}  # the whole state was only lent to the checkpoint writer
+
+    def after_restore(self, dp: Replica) -> None:
+        self.optimizer.state = {k: v[self.lo:self.hi].copy() for k, v in dp.optimizer.state.items()}
+        self.optimizer.t = dp.optimizer.t
+        dp.optimizer.state = {}
+
+
+# --- the asynchronous server ----------------------------------------------------------
+
+_PUSH, _PULL = 11, 12
+_STOP = -2  # the version the server answers with when training must stop (NaN policy)
+#: Columns of :attr:`AsyncStats.trace`: seconds since training started (server clock), the
+#: push's loss sum and sample count, its staleness, whether it was applied, the worker.
+TRACE_FIELDS = ("t", "loss_sum", "count", "staleness", "applied", "worker")
+
+
+@dataclass
+class AsyncStats:
+    """What the server saw: applied and dropped pushes, staleness, per-epoch loss, and (on
+    the server) one :data:`TRACE_FIELDS` row per push."""
+
+    applied: int = 0
+    dropped: int = 0  # staler than max_staleness
+    skipped: int = 0  # non-finite (on_nonfinite="skip")
+    staleness: list[int] = field(default_factory=list)  # of the applied pushes
+    epoch_loss: dict[int, list[float]] = field(default_factory=dict)  # epoch -> [sum, count]
+    trace: list[tuple] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        s = np.array(self.staleness or [0])
+        return {"applied": self.applied, "dropped": self.dropped, "skipped": self.skipped,
+                "staleness_max": int(s.max()), "staleness_mean": float(s.mean())}
+
+
+class _Worker:
+    """One worker's side: compute on the last pulled parameters, push, pull."""
+
+    def __init__(self, comm, model: Sequential, loss: Loss, root: int, timer: StepTimer) -> None:
+        self.comm, self.model, self.loss, self.root, self.timer = comm, model, loss, root, timer
+        n = model.n_params
+        self.msg = np.zeros(n + 4, model.dtype)  # grads | loss | count | epoch | version (-1: done)
+        self.version = np.zeros(1, np.int64)
+        self._poison = False
+        model.use_grad_buffer(self.msg)
+
+    def poison_(self) -> None:  # fault injection (mpidp.faults)
+        self._poison = True
+
+    def nudge_(self) -> None:
+        self.model.params[0] = np.nextafter(self.model.params[0], np.inf)
+
+    def push(self, X: np.ndarray, y: np.ndarray, epoch: int) -> bool:
+        """One push and pull; False when the server says stop."""
+        model, msg, n = self.model, self.msg, self.model.n_params
+        with self.timer.compute():  # stretched by timer.slowdown (a simulated slower node)
+            msg[n] = self.loss.forward(model.forward(X), y)
+            model.backward(self.loss.backward(), input_grad=False)
+            if self._poison:
+                msg[0], self._poison = np.nan, False
+        msg[n + 1:n + 4] = (len(X), epoch, self.version[0])
+        with self.timer.communicate("push and pull", bytes=int(msg.nbytes)):
+            C.send(self.comm, msg, self.root, _PUSH)
+            C.recv_(self.comm, model.params, self.root, _PULL)  # fresh parameters...
+            C.recv_(self.comm, self.version, self.root, _PULL)  # ...and their version
+        self.timer.end_step(len(X))
+        return self.version[0] != _STOP
+
+
+def _work(w: _Worker, shard: Shard, epochs: int, batch_size: int, seed: int) -> None:
+    faults, step = Injector(w.comm.rank), 0
+    for epoch in range(epochs):
+        for idx in local_batches(shard.n_total, batch_size, shard.start, shard.stop, epoch, seed):
+            if len(idx) == 0:
+                continue
+            C.set_step(step)
+            if w.timer.tracer is not None:
+                w.timer.tracer.step, w.timer.tracer.epoch = step, epoch
+            faults.apply(step, w)
+            step += 1
+            if not w.push(shard.X[idx], shard.y[idx], epoch):
+                return  # the server stopped training: it already counts us as done
+    w.msg[w.model.n_params + 3] = -1
+    C.send(w.comm, w.msg, w.root, _PUSH)
+
+
+def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
+            tracer=None) -> tuple[AsyncStats, str | None]:
+    n, stats, version = model.n_params, AsyncStats(), np.zeros(1, np.int64)
+    stop = np.array([_STOP], np.int64)
+    error = None
+    t0 = time.perf_counter()
+    workers = [r for r in range(comm.size) if r != root]
+    bufs = {w: np.zeros(n + 4, model.dtype) for w in workers}
+    reqs = [C.irecv(comm, bufs[w], w, _PUSH)[0] for w in workers]  # one piece each
+    active = len(workers)
+    while active:
+        t_wait = time.perf_counter()
+        i = C.wait_any(reqs)
+        t_got = time.perf_counter()
+        w, msg = workers[i], bufs[workers[i]]
+        if msg[n + 3] < 0:  # this worker is done
+            active -= 1
+            reqs[i] = C.MPI_REQUEST_NULL
+            continue
+        if error is not None:  # stopping: this worker is done once told
+            C.send(comm, model.params, w, _PULL)
+            C.send(comm, stop, w, _PULL)
+            active -= 1
+            reqs[i] = C.MPI_REQUEST_NULL
+            continue
+        stale = int(version[0] - msg[n + 3])
+        applied = stale <= max_staleness
+        if applied and policy.checks and not all_finite(msg[:n + 1]):
+            try:
+                applied = policy.apply(False, float(msg[n]), stats.applied + stats.dropped)
+            except C.MpidpError as exc:
+                error, applied = str(exc), False
+            stats.skipped += error is None
+        if applied:
+            tot = stats.epoch_loss.setdefault(int(msg[n + 2]), [0.0, 0.0])
+            tot[0] += float(msg[n])
+            tot[1] += float(msg[n + 1])
+            optimizer.step_(model.params, msg[:n], scale=1.0 / float(msg[n + 1]))
+            version[0] += 1
+            stats.applied += 1
+            stats.staleness.append(stale)
+        elif stale > max_staleness:
+            stats.dropped += 1
+        stats.trace.append((time.perf_counter() - t0, float(msg[n]), float(msg[n + 1]), stale,
+                            applied, w))
+        C.send(comm, model.params, w, _PULL)
+        C.send(comm, stop if error is not None else version, w, _PULL)
+        if tracer is not None:
+            tracer.step = stats.applied + stats.dropped + stats.skipped
+            tracer.add("wait for a push", "ps", "comm", t_wait, t_got)
+            tracer.add("serve a push", "ps", "compute", t_got, time.perf_counter(), worker=w,
+                       staleness=stale, applied=bool(applied))
+        if error is not None:
+            active -= 1
+            reqs[i] = C.MPI_REQUEST_NULL
+        else:
+            reqs[i] = C.irecv(comm, msg, w, _PUSH)[0]
+    return stats, error
+
+
+def train_async(model: Sequential, optimizer: Optimizer, loss: Loss, comm: C.Comm, shard: Shard,
+                epochs: int, batch_size: int, seed: int = 0, root: int = 0,
+                max_staleness: int = 8, timer: StepTimer | None = None,
+                on_nonfinite: str = "stop") -> AsyncStats:
+    """Train asynchronously. Collective. ``shard`` on ``root`` is ignored (the server holds
+    no data); workers split each global batch by their blocks, as in synchronous training,
+    but update without waiting. Returns the server's :class:`AsyncStats` on every rank
+    (summary only off root; the trace stays on root). A non-finite push meets
+    ``on_nonfinite`` on the server: ``skip`` drops it (counted), ``stop`` tells every worker
+    to stop and raises the same error on every rank. Parameters end identical on every
+    rank (one ``Bcast``). A worker's ``timer`` (a :class:`mpidp.metrics.StepTimer`) records
+    its compute and communication per push, and its ``slowdown`` makes it a straggler."""
+    if comm.size < 2:
+        raise C.MpidpError("async-ps needs at least 2 ranks (a server and a worker)")
+    if model.n_params + 4 > C.MAX_COUNT:
+        raise C.MpidpError("async-ps sends the parameters in one message: at most "
+                           f"{C.MAX_COUNT - 4} parameters, got {model.n_params}")
+    if max_staleness < 0:
+        raise C.MpidpError(f"max staleness must be >= 0, got {max_staleness}")
+    steps_per_epoch(shard.n_total, batch_size)  # validates batch_size
+    C.bcast_(comm, model.params, root)
+    policy, error = Policy(on_nonfinite), None
+    if comm.rank == root:
+        stats, error = _server(comm, model, optimizer, root, max_staleness, policy,
+                               None if timer is None else timer.tracer)
+    else:
+        worker = _Worker(comm, model, loss, root, timer if timer is not None else StepTimer())
+        _work(worker, shard, epochs, batch_size, seed)
+        stats = AsyncStats()
+    C.agree(comm, error)  # the NaN policy's stop reaches every rank as one error
+    C.bcast_(comm, model.params, root)
+    summary = C.bcast_obj(comm, stats.summary() | {"epoch_loss": stats.epoch_loss}, root)
+    stats.applied, stats.dropped, stats.skipped = (summary[k] for k in ("applied", "dropped",
+                                                                        "skipped"))
+    stats.epoch_loss = summary["epoch_loss"]
+    return stats
