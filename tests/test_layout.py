@@ -84,3 +84,42 @@ def test_importing_does_not_start_mpi(code):
                         "sys.modules, 'mpi4py was imported'"], capture_output=True, text=True,
                        cwd=str(ROOT))
     assert r.returncode == 0, r.stderr
+
+
+def _cli_without_mpi(*args: str) -> subprocess.CompletedProcess:
+    """``python -m mpidp ARGS`` in a process where mpi4py cannot be imported at all."""
+    code = ("import sys; sys.modules['mpi4py'] = None; sys.argv = ['mpidp', *sys.argv[1:]]; "
+            "from mpidp.cli import main; sys.exit(main())")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          cwd=str(ROOT))
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--help"], "Data-parallel training"), (["--version"], "mpidp "),
+    (["train", "--help"], "--checkpoint-dir"), (["info"], '"mpi": "not available'),
+])
+def test_help_version_and_info_work_without_mpi(args, expect):
+    r = _cli_without_mpi(*args)
+    assert r.returncode == 0, r.stderr
+    assert expect in r.stdout
+
+
+def test_train_without_mpi_says_how_to_get_it():
+    r = _cli_without_mpi("train", "--epochs", "1")
+    assert r.returncode == 2
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "pip install 'mpidp[mpi]'" in lines[0], r.stderr
+
+
+def test_help_says_each_default_once():
+    r = _cli_without_mpi("train", "--help")
+    assert r.returncode == 0 and "bow" in r.stdout  # every dataset form is listed
+    blocks, current = [], []
+    for line in r.stdout.splitlines():  # one block per option: a line starting with "  -"
+        if line.startswith("  -") and current:
+            blocks.append(" ".join(current))
+            current = []
+        current.append(line.strip())
+    blocks.append(" ".join(current))
+    doubled = [b for b in blocks if b.count("default") > 1]
+    assert doubled == [] and not any("(default: None)" in b for b in blocks), doubled

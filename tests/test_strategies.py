@@ -3,9 +3,6 @@ capacities, including n = 0, n < P and prime n; the load-balance figures; no MPI
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from hypothesis import given, settings

@@ -9,8 +9,8 @@ from mpi_helpers import all_ranks
 
 import mpidp
 from mpidp import comm as C
-from mpidp.comm import collectives as Coll
 from mpidp import nn
+from mpidp.comm import collectives as Coll
 from mpidp.partition import block_counts
 
 

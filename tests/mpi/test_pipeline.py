@@ -17,9 +17,9 @@ from mpi_helpers import CountingComm, all_ranks, raises_everywhere
 import mpidp
 from mpidp import nn
 from mpidp.checkpoint import list_checkpoints, restore
+from mpidp.loop import Checkpointing
 from mpidp.parallel import Pipeline, make_trainer, model_layers
 from mpidp.partition import block_range
-from mpidp.loop import Checkpointing
 from mpidp.train_pipeline import fit_pipeline, restore_checkpoint
 
 RTOL, ATOL = 1e-9, 1e-11  # as in test_data_parallel: summation order differs, nothing else
