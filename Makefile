@@ -30,7 +30,7 @@ install: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q --upgrade pip 'setuptools>=70.1'
 	$(BIN)/python -m pip install -q -e '.[$(MPI_EXTRA),full,test]'
 	touch $@
 
@@ -90,14 +90,6 @@ bench-parallel: $(STAMP)
 	mkdir -p benchmarks/results
 	timeout 3600 $(BIN)/python benchmarks/bench_parallel.py --out benchmarks/results/parallel \
 	  --mpiexec $(MPIEXEC) --budget-mib 256
-
-# Data parallel vs sync/async parameter server vs pipeline vs hybrid on eight properties
-# (task split, communication, SIGKILL + resume, parallelism, transfer, waiting, balance,
-# convergence) at P = 2 and 4 -> benchmarks/results/compare.{json,md,png} (~10 min).
-bench-compare: $(STAMP)
-	mkdir -p benchmarks/results
-	timeout 1800 $(BIN)/python benchmarks/bench_compare.py --out benchmarks/results/compare \
-	  --mpiexec $(MPIEXEC)
 
 # Data parallel vs sync/async parameter server vs pipeline vs hybrid on eight properties
 # (task split, communication, SIGKILL + resume, parallelism, transfer, waiting, balance,
