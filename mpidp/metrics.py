@@ -67,7 +67,7 @@ class StepTimer:
         else:
             self._cur[4] += dt
         if self.tracer is not None:
-            self.tracer.add(name if local or name != "compute" else "update", "step", "compute",
+            self.tracer.add(name if local or name != "compute" else "update", "compute", "compute",
                             t, t + dt, **args)
 
     @contextmanager
@@ -78,7 +78,7 @@ class StepTimer:
         self.comm_s += dt
         self._cur[3] += max(dt, 1e-12)
         if self.tracer is not None:
-            self.tracer.add(name, "step", "comm", t, t + dt, **args)
+            self.tracer.add(name, "communication", "comm", t, t + dt, **args)
 
     def note_cost(self, cost: float) -> None:
         """Record the cost of the samples of the step about to run (default: its samples)."""
