@@ -396,9 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train" and args.resume and args.checkpoint_dir:
             stored = C.root_decides(comm, _stored_config, args.checkpoint_dir)
-            if stored:
-                args, argv, more = _with_table(parser, argv, stored, "the checkpoint's settings")
-                from_file |= more
+            if stored:  # what the run was trained with; a mode switched now keeps its own
+                args, argv, _ = _with_table(parser, argv, stored, "the checkpoint's settings")
         _run(args, comm, parser, typed, from_file)
     except Preempted as exc:
         if comm.rank == 0:
