@@ -3,7 +3,7 @@ straggler case, and map/reduce (dynamic vs static) on variable-cost work.
 
 Runs ``mpiexec -n P python -m mpidp train ...`` jobs (one BLAS thread per rank), reads their
 ``metrics.json``, takes the median over ``--repeats`` of the last epoch's figures, checks the
-targets of issue 3 and writes ``benchmarks/results/partition.{json,md,png}``. Imbalance is
+targets and writes ``benchmarks/results/partition.{json,md,png}``. Imbalance is
 reported from wall time and from CPU (process) time; with 4 ranks on 2 cores judge by CPU.
 The machine's 1-minute load average is sampled between jobs and reported with the results.
 """

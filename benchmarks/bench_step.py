@@ -1,7 +1,7 @@
 """Step time of mpidp's data-parallel training against a hand-written mpi4py + NumPy loop.
 
 Run under ``mpiexec -n P python benchmarks/bench_step.py --out results.json``. The standard
-workload (DESIGN.md): MLP 784 -> 1024 -> 1024 -> 10, ReLU, softmax cross-entropy, SGD lr
+workload (docs/benchmarks.md): MLP 784 -> 1024 -> 1024 -> 10, ReLU, softmax cross-entropy, SGD lr
 0.05, float32; synthetic MNIST-shaped data 60,000 x 784, 10 classes, fixed seed; global
 batch 512 split over the P ranks; warm-up steps, then measured steps timed between
 barriers with ``MPI.Wtime`` (the slowest rank's time). mpidp and the hand-written loop run

@@ -6,7 +6,7 @@ the loss sum and sample count appended), forward/backward in plain NumPy on this
 share of the global batch, ONE in-place ``Allreduce`` per step, then SGD with the global
 gradient sum divided by the global sample count.
 
-Model (DESIGN.md, "The standard benchmark workload"): ``784 -> 1024 -> 1024 -> 10``, ReLU,
+Model (the standard benchmark workload of docs/benchmarks.md): ``784 -> 1024 -> 1024 -> 10``, ReLU,
 softmax cross-entropy, plain SGD. Batches: positions ``0 .. n_total-1`` in a seeded
 per-epoch permutation; a rank owns positions ``start .. stop-1`` and trains on the ones
 of each global batch that fall in its block.

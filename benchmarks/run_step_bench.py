@@ -250,7 +250,7 @@ def markdown(report: dict) -> str:
     """The report as Markdown: results table, targets with verdicts, machine and commands."""
     lines = [
         "# Step time: mpidp vs a hand-written mpi4py + NumPy loop", "",
-        "Standard workload (DESIGN.md): MLP 784-1024-1024-10 ReLU, softmax cross-entropy, SGD "
+        "Standard workload (docs/benchmarks.md): MLP 784-1024-1024-10 ReLU, softmax cross-entropy, SGD "
         "lr 0.05, float32; synthetic 60,000 x 784, 10 classes; global batch 512 split over P "
         f"ranks; {report['warmup']} warm-up + {report['steps']} timed steps between barriers "
         f"(slowest rank); median of {report['repeats']} alternating repeats.", "",

@@ -98,7 +98,7 @@ def best_mode(modes: dict) -> str:
 
 
 def targets(strong: dict, ddp_ms: dict) -> list[dict]:
-    """The issue's targets at P = 2 (strong scaling), each with the figure that decides it."""
+    """The targets at P = 2 (strong scaling), each with the figure that decides it."""
     one, two = strong[1]["modes"], strong[2]["modes"]
 
     def eff(mode: str) -> float:
@@ -449,7 +449,7 @@ def replot(path: Path, results: Path) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=60, help="timed steps per repeat (>= 60: DESIGN.md)")
+    p.add_argument("--steps", type=int, default=60, help="timed steps per repeat (>= 60: the standard workload)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--pair-repeats", type=int, default=7,
                    help="back-to-back runs of fused allreduce and the hand-written loop")

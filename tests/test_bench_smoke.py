@@ -100,7 +100,7 @@ def test_bench_sync_validation_rescales_compute_to_the_run():
 
 
 def test_bench_sync_targets_are_decided_from_the_run():
-    """Each target row is met exactly when its figure passes the issue's threshold."""
+    """Each target row is met exactly when its figure passes its threshold."""
     sys.path.insert(0, str(BENCH))
     from run_sync_bench import targets
 
