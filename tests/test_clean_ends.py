@@ -290,3 +290,20 @@ def test_bad_options_are_one_clear_error(tmp_path, flag, message):
 def test_malformed_fault_spec_is_named(tmp_path):
     r = run_mpi(2, *ARGS, "--out", str(tmp_path / "o"), env={"MPIDP_FAULT": "boom@1"})
     assert r.returncode != 0 and "MPIDP_FAULT item 'boom@1' is not kind@rank:step" in r.stderr
+
+
+def test_a_library_loop_with_one_step_too_few_on_a_rank_is_ended_by_the_watchdog(tmp_path):
+    script = tmp_path / "uneven.py"
+    script.write_text(
+        "import mpidp, numpy as np\nfrom mpi4py import MPI\nfrom mpidp import nn\n"
+        "comm = MPI.COMM_WORLD\n"
+        "dp = mpidp.DataParallel(nn.mlp(4, (8,), 2).init_(0), nn.SGD(0.1),"
+        " nn.SoftmaxCrossEntropy(), comm, watchdog=2.0)\n"
+        "X = np.random.default_rng(comm.rank).standard_normal((32, 4))\n"
+        "y = (X[:, 0] > 0).astype(np.int64)\n"
+        "for step in range(10 if comm.rank == 0 else 9):  # rank 1 runs out one step early\n"
+        "    dp.step(X, y)\n")
+    t = time.monotonic()
+    r = run_mpi(2, str(script), module=False, timeout=60)
+    assert r.returncode == 3 and time.monotonic() - t < 30, (r.returncode, r.stderr[-1500:])
+    assert "stalled rank(s) [1]" in r.stderr and "at step 9" in r.stderr

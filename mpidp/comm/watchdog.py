@@ -161,7 +161,8 @@ class Watchdog:
             named = sorted(set(silent) | set(stuck))
             why = []
             if silent:
-                why.append(f"{silent} did not answer (stopped, killed or stuck outside Python)")
+                why.append(f"{silent} did not answer (stopped, killed, already finished, or stuck "
+                           "outside Python)")
             if stuck:
                 why.append(f"{stuck} made no progress for over {self.timeout:.1f}s")
             self._abort(f"stalled rank(s) {named}: " + " and ".join(why) + f". {table}")
