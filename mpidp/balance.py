@@ -172,7 +172,7 @@ class Plan:
             stop = min(steps, s + every) if every else steps
             for idx in itertools.islice(self._local(shard, epoch, s), stop - s):
                 timer.note_cost(float(self.costs[shard.positions[idx]].sum()))
-                with timer.compute():  # gathering the rows is per-sample local work too
+                with timer.compute("gather rows"):  # per-sample local work too
                     X, y = shard.X[idx], shard.y[idx]
                 yield X, y
             s = stop

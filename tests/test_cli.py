@@ -112,7 +112,7 @@ BAD = {
                              "needs integer class labels"),
     "unknown option value": (lambda t: ["--model", "resnet"], "invalid choice: 'resnet'"),
     "bad hidden": (lambda t: ["--hidden", "12,x"], "comma-separated"),
-    "non-positive batch": (lambda t: ["--batch-size", "0"], "must be > 0"),
+    "non-positive batch": (lambda t: ["--batch-size", "0"], "must be a finite number in (0, inf)"),
     "out is a file": (lambda t: ["--out", str(_garbage(t))], "is not a folder"),
 }
 

@@ -91,7 +91,7 @@ def test_pipeline_checkpoints_resume_as_pipeline_or_data_parallel(tmp_path):
                 "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4",
                 "--out", str(tmp_path / "first"))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert sorted(os.listdir(ckpt))[-1] == "ckpt-0000000010.npz"  # 5 steps per epoch
+    assert sorted(p.name for p in ckpt.glob("ckpt-*.npz"))[-1] == "ckpt-0000000010.npz"  # 5 steps per epoch
     finish = {"pipeline": (2, ["--parallel", "pipeline", "--schedule", "gpipe"]),
               "data": (2, ["--parallel", "data"])}
     for name, (n, extra) in finish.items():
