@@ -145,9 +145,10 @@ def test_link_down_ends_the_job_and_names_the_lost_ranks(cluster):
 
 
 def test_host_lost_for_good_resume_on_the_remaining_host(cluster, tmp_path):
-    ck, args = cluster.root / "ck", [*LONG, "--epochs", "4", "--checkpoint-every", "50"]
+    ck, base = cluster.root / "ck", [*LONG, "--epochs", "4"]
+    args = [*base, "--checkpoint-every", "50"]
     ref = tmp_path / "ref"
-    r = run_mpi(2, *args[2:], "--out", str(ref))  # uninterrupted, on one host
+    r = run_mpi(2, *base[2:], "--out", str(ref))  # uninterrupted, on one host
     assert r.returncode == 0, r.stderr
     cmd = cluster.mpiexec(2, 1, PY, *args, "--watchdog", "5", "--checkpoint-dir", str(ck),
                           "--out", str(cluster.root / "lost"))
