@@ -194,8 +194,9 @@ def predict_write(comm, path: str, out: str, chunk_size: int = 512) -> None:
                      chunk_size=chunk_size)
 
 
-def hand_write(comm, path: str, out: str) -> None:
-    """Root creates the .npy; every rank pwrites its own block of rows, then root renames."""
+def hand_write(comm, path: str, out: str, chunk_size: int = 512) -> None:
+    """Root creates the .npy; every rank pwrites its own block of rows, ``chunk_size`` rows
+    per call from one reused buffer (as the map hands out rows), then root renames it."""
     n = int(comm.bcast(len(_raw_X(path)[0]) if comm.rank == 0 else None))
     tmp = out + ".part"
     if comm.rank == 0:
@@ -203,10 +204,12 @@ def hand_write(comm, path: str, out: str) -> None:
     comm.Barrier()
     start = comm.rank * (n // comm.size) + min(comm.rank, n % comm.size)
     count = n // comm.size + (comm.rank < n % comm.size)
-    rows = np.ones((count, N_FEATURES), np.float32)
-    offset = np.load(tmp, mmap_mode="r").offset
+    block = np.ones((chunk_size, N_FEATURES), np.float32)
+    offset = np.load(tmp, mmap_mode="r").offset + start * N_FEATURES * 4
     fd = os.open(tmp, os.O_WRONLY)
-    os.pwrite(fd, memoryview(rows).cast("B"), offset + start * N_FEATURES * 4)
+    for lo in range(0, count, chunk_size):
+        m = min(chunk_size, count - lo)
+        os.pwrite(fd, memoryview(block[:m]).cast("B"), offset + lo * N_FEATURES * 4)
     os.close(fd)
     comm.Barrier()
     if comm.rank == 0:
@@ -315,12 +318,14 @@ def measure(args) -> dict:
         for size in sizes:
             paths = make_datasets(root, size, formats)
             for fmt, path in paths.items():
-                modes = ["scatter", "hand-scatter", "local", "hand-local"]
-                if fmt == "npy":
-                    modes += ["predict-write", "hand-write"]
                 for P in ranks:
                     print(f"bench-data: {size:g} MB {fmt} P={P}", flush=True)
-                    res = run_job(args, path, P, modes, str(root))
+                    os.sync()  # no write-back of earlier files under the measured reads
+                    res = run_job(args, path, P, ["scatter", "hand-scatter", "local",
+                                                  "hand-local"], str(root))
+                    if fmt == "npy":  # writes in a job of their own, after the reads
+                        res.update(run_job(args, path, P, ["predict-write", "hand-write"],
+                                           str(root)))
                     cells.append({"size_mb": size, "format": fmt, "P": P, "results": res})
             shutil.rmtree(root / f"{size:g}mb", ignore_errors=True)
             for ext in (".npz", ".h5"):
