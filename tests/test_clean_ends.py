@@ -307,3 +307,57 @@ def test_a_library_loop_with_one_step_too_few_on_a_rank_is_ended_by_the_watchdog
     r = run_mpi(2, str(script), module=False, timeout=60)
     assert r.returncode == 3 and time.monotonic() - t < 30, (r.returncode, r.stderr[-1500:])
     assert "stalled rank(s) [1]" in r.stderr and "at step 9" in r.stderr
+
+
+def test_checkpoint_folders_belong_to_one_run(tmp_path):
+    ck, a = tmp_path / "ck", ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "5"]
+    r = run_mpi(2, *ARGS, *a, "--out", str(tmp_path / "one"))
+    assert r.returncode == 0, r.stderr
+    before = sorted(p.name for p in ck.glob("ckpt-*.npz"))
+    r = run_mpi(2, *ARGS, *a, "--seed", "3", "--out", str(tmp_path / "two"))  # a fresh run
+    assert r.returncode == 2 and "already holds checkpoints of another run" in r.stderr
+    assert "--restart" in r.stderr and sorted(p.name for p in ck.glob("ckpt-*.npz")) == before
+    r = run_mpi(2, *ARGS, *a, "--seed", "3", "--restart", "--out", str(tmp_path / "two"))
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_second_job_on_the_same_checkpoint_folder_is_refused(tmp_path):
+    ck = tmp_path / "ck"
+    job = _start(2, *ARGS, *LONG, "--slowdown", "0:20,1:20", "--checkpoint-dir", str(ck),
+                 "--out", str(tmp_path / "a"), token=f"lock-{tmp_path.name}")
+    try:
+        _wait_for_epoch(tmp_path / "a")
+        r = run_mpi(2, *ARGS, "--checkpoint-dir", str(ck), "--resume", "--out",
+                    str(tmp_path / "b"))
+        assert r.returncode == 2 and "is in use by another mpidp job" in r.stderr, r.stderr
+        assert "pid" in r.stderr
+    finally:
+        job.kill()
+        job.communicate()
+
+
+def test_resume_with_other_hyperparameters_is_announced_and_recorded(tmp_path):
+    ck = ["--checkpoint-dir", str(tmp_path / "ck")]
+    r = run_mpi(2, *ARGS, *ck, "--epochs", "2", "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr
+    r = run_mpi(2, *ARGS, *ck, "--lr", "0.005", "--resume", "--out", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr
+    assert "resuming with changed hyperparameters: --lr 0.005 (the checkpoint used 0.01)" in r.stdout
+    m = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    assert m["config"]["resume_changes"] == {"lr": {"checkpoint": 0.01, "now": 0.005}}
+    r = run_mpi(2, *ARGS, *ck, "--epochs", "1", "--resume", "--out", str(tmp_path / "c"))
+    assert r.returncode == 2 and "--epochs 1 is below what checkpoint" in r.stderr
+
+
+def test_resume_on_changed_data_is_refused(tmp_path):
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((300, 5)), rng.integers(0, 3, 300)
+    np.savez(tmp_path / "d.npz", X=X, y=y)
+    args = ["train", "--dataset", str(tmp_path / "d.npz"), "--epochs", "1", "--hidden", "8",
+            "--checkpoint-dir", str(tmp_path / "ck"), "--no-progress"]
+    r = run_mpi(2, *args, "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr
+    X[7, 2] += 1.0  # same size, other contents
+    np.savez(tmp_path / "d.npz", X=X, y=y)
+    r = run_mpi(2, *args, "--epochs", "2", "--resume", "--out", str(tmp_path / "b"))
+    assert r.returncode == 2 and "changed since checkpoint" in r.stderr, r.stderr
