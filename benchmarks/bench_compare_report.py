@@ -264,7 +264,8 @@ def verdicts(c: dict, pred: dict, a) -> list[dict]:
          "stages; with many equal layers per stage they balance as well as samples do."),
         ("8. Convergence", "Model parallelism converges faster: more frequent updates.",
          f"P={P}: time to loss {a.target}: dp {dp['time_to_target_s']:.1f} s, pipeline "
-         f"{pipe['time_to_target_s']:.1f} s, async {asy['time_to_target_s']:.1f} s "
+         f"{pipe['time_to_target_s']:.1f} s, async {_fmt(asy['time_to_target_s'], '.1f')} "
+         f"(final loss {asy['final_loss']:.3f}) "
          f"(staleness mean {asy['staleness_mean']:.2f}, max {asy['staleness_max']}); samples "
          f"to target dp {dp['samples_to_target']}, pipeline {pipe['samples_to_target']}",
          pipe["time_to_target_s"] < dp["time_to_target_s"],
@@ -297,6 +298,7 @@ FIGURES = [  # (row, key, label, format)
     ("7", "balance_balanced", "compute max/mean, balanced", ".2f"),
     ("8", "time_to_target_s", "time to target s", ".1f"),
     ("8", "samples_to_target", "samples to target", ".0f"),
+    ("8", "final_loss", "loss at the end of the run", ".3f"),
     ("8", "staleness_mean", "staleness mean (async)", ".2f"),
 ]
 COLS = ("dp", "ps", "async", "pipeline", "hybrid")
@@ -305,6 +307,8 @@ COLS = ("dp", "ps", "async", "pipeline", "hybrid")
 def _fmt(v, spec: str) -> str:
     if v is None:
         return "n/a"
+    if isinstance(v, float) and math.isnan(v):  # measured: the target was not reached
+        return "not reached"
     return str(v) if not spec else format(v, spec)
 
 
