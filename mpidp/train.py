@@ -255,7 +255,7 @@ def _train_dp(args, comm, dp, data, report, watchdog, stop, checkpointing, resum
     """Train a data-parallel (or async-ps) run; ``(history, extra metrics, balance)``."""
     extra: dict = {}
     if args.sync == "async-ps":
-        history = _fit_async(args, comm, dp, data, report, watchdog)
+        history = _fit_async(args, comm, dp, data, report, watchdog, stop)
         summary = history.pop()
         watch.finish(history)
         return history, {"async": summary}, None
@@ -271,7 +271,7 @@ def _train_dp(args, comm, dp, data, report, watchdog, stop, checkpointing, resum
     return history, extra, balance
 
 
-def _fit_async(args, comm, dp: DataParallel, data: D.Data, report, watchdog) -> list[dict]:
+def _fit_async(args, comm, dp: DataParallel, data: D.Data, report, watchdog, stop) -> list[dict]:
     """``--sync async-ps``: train asynchronously, then evaluate; one history entry per epoch
     (the workers' training loss as the server received it), then the server's summary."""
     t0 = time.perf_counter()
@@ -280,7 +280,7 @@ def _fit_async(args, comm, dp: DataParallel, data: D.Data, report, watchdog) -> 
         watchdog.start()
     stats = train_async(dp.model, dp.optimizer, dp.loss, comm, data.train, args.epochs,
                         args.batch_size, seed=args.seed, max_staleness=args.max_staleness,
-                        timer=dp.timer, on_nonfinite=args.on_nonfinite)
+                        timer=dp.timer, on_nonfinite=args.on_nonfinite, signals=stop)
     history = [{"epoch": e + 1, "loss": s / c, "accuracy": None, "seconds": None}
                for e, (s, c) in sorted((int(k), v) for k, v in stats.epoch_loss.items())]
     if not history:

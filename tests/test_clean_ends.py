@@ -73,6 +73,18 @@ def _wait_for_epoch(out, timeout: float = 60) -> None:
 LONG = ["--epochs", "12", "--hidden", "64,64"]  # long enough to be signalled mid-run
 
 
+def test_sigterm_stops_async_ps_cleanly(tmp_path):
+    job = _start(3, *ARGS, *LONG, "--sync", "async-ps", "--slowdown", "1:20,2:20", "--out",
+                 str(tmp_path / "a"), token=f"aterm-{tmp_path.name}")
+    pids = _ranks(job, 3)
+    time.sleep(1.0)
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 75, (job.returncode, err[-2000:])
+    assert "stopped by a signal" in err and not (tmp_path / "a" / "model.npz").exists()
+
+
 @pytest.mark.parametrize("mode", [[], ["--parallel", "pipeline"]], ids=["data", "pipeline"])
 def test_sigterm_to_every_rank_checkpoints_and_resume_is_bit_identical(tmp_path, mode):
     n = 2

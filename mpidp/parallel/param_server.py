@@ -30,8 +30,9 @@ from ..faults import Injector
 from ..metrics import StepTimer
 from ..nn import Loss, Optimizer, Sequential
 from ..nn.optim import chunk_edges
-from ..nonfinite import Policy, all_finite
+from ..nonfinite import NonFiniteError, Policy, all_finite
 from ..partition import local_batches, steps_per_epoch
+from ..signals import Preempted
 from .sync import Replica, Sync
 
 
@@ -229,7 +230,8 @@ class ShardedParameterServer(Sync):
 # --- the asynchronous server ----------------------------------------------------------
 
 _PUSH, _PULL = 11, 12
-_STOP = -2  # the version the server answers with when training must stop (NaN policy)
+_STOP = -2  # the version the server answers with when training must stop
+_PREEMPTED = "preempted"  # the server's reason to stop on SIGTERM/SIGUSR1
 #: Columns of :attr:`AsyncStats.trace`: seconds since training started (server clock), the
 #: push's loss sum and sample count, its staleness, whether it was applied, the worker.
 TRACE_FIELDS = ("t", "loss_sum", "count", "staleness", "applied", "worker")
@@ -305,10 +307,10 @@ def _work(w: _Worker, shard: Shard, epochs: int, batch_size: int, seed: int) -> 
 
 
 def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
-            tracer=None) -> tuple[AsyncStats, str | None]:
+            tracer=None, signals=None) -> tuple[AsyncStats, str | None]:
     n, stats, version = model.n_params, AsyncStats(), np.zeros(1, np.int64)
     stop = np.array([_STOP], np.int64)
-    error = None
+    error = None  # once set, every worker is told to stop at its next push
     t0 = time.perf_counter()
     workers = [r for r in range(comm.size) if r != root]
     bufs = {w: np.zeros(n + 4, model.dtype) for w in workers}
@@ -323,6 +325,8 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
             active -= 1
             reqs[i] = C.MPI_REQUEST_NULL
             continue
+        if error is None and signals is not None and signals.requested:
+            error = _PREEMPTED
         if error is not None:  # stopping: this worker is done once told
             C.send(comm, model.params, w, _PULL)
             C.send(comm, stop, w, _PULL)
@@ -367,13 +371,15 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
 def train_async(model: Sequential, optimizer: Optimizer, loss: Loss, comm: C.Comm, shard: Shard,
                 epochs: int, batch_size: int, seed: int = 0, root: int = 0,
                 max_staleness: int = 8, timer: StepTimer | None = None,
-                on_nonfinite: str = "stop") -> AsyncStats:
+                on_nonfinite: str = "stop", signals=None) -> AsyncStats:
     """Train asynchronously. Collective. ``shard`` on ``root`` is ignored (the server holds
     no data); workers split each global batch by their blocks, as in synchronous training,
     but update without waiting. Returns the server's :class:`AsyncStats` on every rank
     (summary only off root; the trace stays on root). A non-finite push meets
     ``on_nonfinite`` on the server: ``skip`` drops it (counted), ``stop`` tells every worker
-    to stop and raises the same error on every rank. Parameters end identical on every
+    to stop and raises the same error on every rank; so does a stop asked for by
+    ``signals`` (:class:`mpidp.signals.StopSignals`, on the server: SIGTERM/SIGUSR1), with
+    :class:`mpidp.signals.Preempted`. Parameters end identical on every
     rank (one ``Bcast``). A worker's ``timer`` (a :class:`mpidp.metrics.StepTimer`) records
     its compute and communication per push, and its ``slowdown`` makes it a straggler."""
     if comm.size < 2:
@@ -388,12 +394,16 @@ def train_async(model: Sequential, optimizer: Optimizer, loss: Loss, comm: C.Com
     policy, error = Policy(on_nonfinite), None
     if comm.rank == root:
         stats, error = _server(comm, model, optimizer, root, max_staleness, policy,
-                               None if timer is None else timer.tracer)
+                               None if timer is None else timer.tracer, signals)
     else:
         worker = _Worker(comm, model, loss, root, timer if timer is not None else StepTimer())
         _work(worker, shard, epochs, batch_size, seed)
         stats = AsyncStats()
-    C.agree(comm, error)  # the NaN policy's stop reaches every rank as one error
+    error = C.bcast_obj(comm, error, root)  # the server's reason to stop, on every rank
+    if error == _PREEMPTED:
+        raise Preempted(int(C.bcast_obj(comm, stats.applied, root)), None)
+    if error is not None:
+        raise NonFiniteError(error)
     C.bcast_(comm, model.params, root)
     summary = C.bcast_obj(comm, stats.summary() | {"epoch_loss": stats.epoch_loss}, root)
     stats.applied, stats.dropped, stats.skipped = (summary[k] for k in ("applied", "dropped",
