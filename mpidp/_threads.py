@@ -44,7 +44,7 @@ def blas_threads_default() -> int | None:
 
 #: What launchers set: ranks of the job on this node (MPICH's Hydra, Open MPI, PMIx, Slurm).
 _LOCAL_SIZE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMIX_LOCAL_SIZE",
-               "SLURM_NTASKS_PER_NODE")
+               "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 
 
 def ranks_on_node() -> int:

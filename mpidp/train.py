@@ -360,7 +360,7 @@ def _metrics(args, comm, history, n_params, steps, timings, t_start) -> dict:
             "test_loss": last.get("test_loss"), "test_accuracy": last.get("test_accuracy"),
             "params_in_sync": True, "n_params": n_params,
             "wall_s": time.perf_counter() - t_start, "history": history, "steps": steps,
-            "timings": timings, "mpi": C.mpi_info(C.self_comm())}
+            "timings": timings, "mpi": C.mpi_info(comm)}
 
 
 def finish(comm: C.Comm, args: argparse.Namespace, metrics: dict, model: nn.Sequential,

@@ -31,15 +31,17 @@ def _shm_in_use() -> set[str]:
 
 @pytest.fixture(autouse=True)
 def _remove_shm_left_by_killed_jobs():
-    """Jobs that a test kills or aborts on purpose leave MPICH's shared-memory files in
+    """Jobs that a test kills or aborts on purpose leave the MPI library's shared-memory files in
     /dev/shm (RAM), about 13 per run of the suite. After each test, remove the ones it
     created that no live process still uses. Not inside MPI ranks (tests/mpi)."""
-    if not SHM.is_dir() or "PMI_RANK" in os.environ:
+    if not SHM.is_dir() or "PMI_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
         yield
         return
-    before = {p.name for p in SHM.glob("mpich_shm_*")}
+    segments = lambda: [p for pattern in ("mpich_shm_*", "sm_segment.*", "vader_segment.*")
+                        for p in SHM.glob(pattern)]  # MPICH's and Open MPI's
+    before = {p.name for p in segments()}
     yield
-    new = [p for p in SHM.glob("mpich_shm_*") if p.name not in before]
+    new = [p for p in segments() if p.name not in before]
     if new:
         in_use = _shm_in_use()
         for p in new:
