@@ -373,3 +373,15 @@ def test_resume_on_changed_data_is_refused(tmp_path):
     np.savez(tmp_path / "d.npz", X=X, y=y)
     r = run_mpi(2, *args, "--epochs", "2", "--resume", "--out", str(tmp_path / "b"))
     assert r.returncode == 2 and "changed since checkpoint" in r.stderr, r.stderr
+
+
+def test_tensorboard_event_files_are_written(tmp_path):
+    pytest.importorskip("tensorboardX")  # the 'tensorboard' extra
+    r = run_mpi(2, *ARGS, "--epochs", "2", "--out", str(tmp_path / "o"), "--tensorboard",
+                str(tmp_path / "tb"))
+    assert r.returncode == 0, r.stderr
+    from test_history import _scalars
+    scalars = _scalars(tmp_path / "tb")
+    assert [step for step, _ in scalars["epoch/loss"]] == [1, 2]
+    m = json.loads((tmp_path / "o" / "metrics.json").read_text())
+    assert np.allclose([v for _, v in scalars["epoch/loss"]], [h["loss"] for h in m["history"]])
