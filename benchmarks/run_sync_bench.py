@@ -449,7 +449,8 @@ def replot(path: Path, results: Path) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=60, help="timed steps per repeat (>= 60: the standard workload)")
+    p.add_argument("--steps", type=int, default=60,
+                   help="timed steps per repeat (>= 60: the standard workload)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--pair-repeats", type=int, default=7,
                    help="back-to-back runs of fused allreduce and the hand-written loop")
