@@ -27,9 +27,9 @@ from .checkpoint import State
 from .data import Shard
 from .errors import MpidpError
 from .faults import Injector
-from .parallel import DataParallel, StepStats
 from .partition import steps_per_epoch
 from .signals import Preempted, StopSignals
+from .stats import StepStats
 
 
 class _Progress:
@@ -229,7 +229,7 @@ def _end_job(world: C.Comm, exc: BaseException) -> None:
 class _PlanFeed:
     """A :class:`Feed` over this rank's shard, partitioned by a :class:`Plan`."""
 
-    def __init__(self, dp: DataParallel, plan: Plan, train: Shard, test: Shard | None) -> None:
+    def __init__(self, dp, plan: Plan, train: Shard, test: Shard | None) -> None:
         self.dp, self.plan, self.shard, self.test = dp, plan, train, test
         self.n_steps = steps_per_epoch(train.n_total, plan.batch_size, plan.drop_last)
 
@@ -246,14 +246,15 @@ class _PlanFeed:
         return self.dp.evaluate(self.test.X, self.test.y)
 
 
-def fit(dp: DataParallel, train: Shard, epochs: int, batch_size: int, seed: int = 0,
+def fit(dp, train: Shard, epochs: int, batch_size: int, seed: int = 0,
         shuffle: bool = True, drop_last: bool = False, test: Shard | None = None,
         progress: bool = False, on_epoch: Callable[[dict], None] | None = None,
         checkpoint: Checkpointing | None = None, resume: State | None = None,
         partition: Partition | Plan | None = None, stop: StopSignals | None = None,
         watchdog: C.Watchdog | None = None,
         on_step: Callable[[int, StepStats], None] | None = None) -> list[dict]:
-    """Train until ``epochs`` epochs of global batches of ``batch_size`` samples are done.
+    """Train ``dp`` (a :class:`mpidp.DataParallel`) until ``epochs`` epochs of global batches
+    of ``batch_size`` samples are done.
 
     Collective. Epoch ``e`` visits positions in :func:`mpidp.partition.epoch_order` order,
     so the global batches do not depend on the number of ranks. ``resume`` (from

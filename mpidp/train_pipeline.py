@@ -16,9 +16,9 @@ from . import comm as C
 from .checkpoint import State
 from .loop import Checkpointing, Loop, run
 from .parallel.pipeline import Pipeline
-from .parallel.stats import StepStats
 from .partition import block_counts, block_range, epoch_order, steps_per_epoch
 from .signals import StopSignals
+from .stats import StepStats
 
 
 def check_batches(n: int, batch_size: int, drop_last: bool, n_replicas: int,

@@ -1,8 +1,8 @@
 """Strategies that combine communication, data and models."""
 
 from ..nonfinite import ON_NONFINITE, NonFiniteError
+from ..stats import StepStats
 from .data_parallel import INIT_SYNC, DataParallel
-from .stats import StepStats
 
 __all__ = ["INIT_SYNC", "ON_NONFINITE", "DataParallel", "NonFiniteError", "StepStats"]
 from .hybrid import PARALLEL, make_trainer, model_layers  # noqa: E402

@@ -13,8 +13,8 @@ from ..metrics import StepTimer
 from ..nn import Loss, Optimizer, Sequential
 from ..nn.optim import chunk_edges
 from ..nonfinite import ON_NONFINITE, Policy, all_finite
+from ..stats import StepStats
 from . import buffer
-from .stats import StepStats
 from .strategies import make_sync
 from .sync import Sync
 

@@ -26,13 +26,14 @@ import numpy as np
 
 from .. import comm as C
 from ..data import Shard
-from ..faults import Injector
+from ..loop import Loop, run
 from ..metrics import StepTimer
 from ..nn import Loss, Optimizer, Sequential
 from ..nn.optim import chunk_edges
 from ..nonfinite import NonFiniteError, Policy, all_finite
 from ..partition import local_batches, steps_per_epoch
 from ..signals import Preempted
+from ..stats import StepStats
 from .sync import Replica, Sync
 
 
@@ -255,14 +256,20 @@ class AsyncStats:
                 "staleness_max": int(s.max()), "staleness_mean": float(s.mean())}
 
 
+class _Stopped(Exception):
+    """The server told this worker to stop (NaN policy or a signal); not an error here."""
+
+
 class _Worker:
-    """One worker's side: compute on the last pulled parameters, push, pull."""
+    """One worker as a trainer of the one loop (:func:`mpidp.loop.run`): a step computes on
+    the last pulled parameters, pushes the gradient and pulls fresh parameters."""
 
     def __init__(self, comm, model: Sequential, loss: Loss, root: int, timer: StepTimer) -> None:
         self.comm, self.model, self.loss, self.root, self.timer = comm, model, loss, root, timer
         n = model.n_params
         self.msg = np.zeros(n + 4, model.dtype)  # grads | loss | count | epoch | version (-1: done)
         self.version = np.zeros(1, np.int64)
+        self.world, self.global_step, self.epoch = comm, 0, 0
         self._poison = False
         model.use_grad_buffer(self.msg)
 
@@ -272,36 +279,65 @@ class _Worker:
     def nudge_(self) -> None:
         self.model.params[0] = np.nextafter(self.model.params[0], np.inf)
 
-    def push(self, X: np.ndarray, y: np.ndarray, epoch: int) -> bool:
-        """One push and pull; False when the server says stop."""
+    def step(self, X: np.ndarray, y: np.ndarray, last_of_epoch: bool = False) -> StepStats:
+        """One push and pull; raises :class:`_Stopped` when the server says stop."""
         model, msg, n = self.model, self.msg, self.model.n_params
         with self.timer.compute():  # stretched by timer.slowdown (a simulated slower node)
             msg[n] = self.loss.forward(model.forward(X), y)
             model.backward(self.loss.backward(), input_grad=False)
             if self._poison:
                 msg[0], self._poison = np.nan, False
-        msg[n + 1:n + 4] = (len(X), epoch, self.version[0])
+        msg[n + 1:n + 4] = (len(X), self.epoch, self.version[0])
         with self.timer.communicate("push and pull", bytes=int(msg.nbytes)):
             C.send(self.comm, msg, self.root, _PUSH)
             C.recv_(self.comm, model.params, self.root, _PULL)  # fresh parameters...
             C.recv_(self.comm, self.version, self.root, _PULL)  # ...and their version
         self.timer.end_step(len(X))
-        return self.version[0] != _STOP
+        self.global_step += 1
+        if self.version[0] == _STOP:
+            raise _Stopped
+        return StepStats(float(msg[n]), len(X), 0)
+
+    # what the loop asks of every trainer; a worker alone has nothing to agree on
+    def check_replicas(self) -> None:
+        """Workers hold different parameters by design until the end."""
+
+    def at_boundary(self) -> bool:
+        return True
+
+    def epoch_totals(self, totals: np.ndarray) -> np.ndarray:
+        return totals
+
+    def save_checkpoint(self, *args) -> None:
+        raise C.MpidpError("async-ps writes no checkpoints")
+
+
+class _WorkerFeed:
+    """This worker's non-empty batches of each epoch (a :class:`mpidp.loop.Feed`)."""
+
+    def __init__(self, w: _Worker, shard: Shard, batch_size: int, seed: int) -> None:
+        self.w, self.shard, self.batch_size, self.seed = w, shard, batch_size, seed
+        self.n_steps = steps_per_epoch(shard.n_total, batch_size)
+
+    def batches(self, epoch: int, first: int):
+        self.w.epoch = epoch
+        for idx in local_batches(self.shard.n_total, self.batch_size, self.shard.start,
+                                 self.shard.stop, epoch, self.seed):
+            if len(idx):
+                yield self.shard.X[idx], self.shard.y[idx]
+
+    def end_epoch(self) -> None:
+        return None
+
+    def evaluate(self) -> None:
+        return None
 
 
 def _work(w: _Worker, shard: Shard, epochs: int, batch_size: int, seed: int) -> None:
-    faults, step = Injector(w.comm.rank), 0
-    for epoch in range(epochs):
-        for idx in local_batches(shard.n_total, batch_size, shard.start, shard.stop, epoch, seed):
-            if len(idx) == 0:
-                continue
-            C.set_step(step)
-            if w.timer.tracer is not None:
-                w.timer.tracer.step, w.timer.tracer.epoch = step, epoch
-            faults.apply(step, w)
-            step += 1
-            if not w.push(shard.X[idx], shard.y[idx], epoch):
-                return  # the server stopped training: it already counts us as done
+    try:
+        run(w, _WorkerFeed(w, shard, batch_size, seed), Loop(epochs))
+    except _Stopped:
+        return  # the server stopped training: it already counts us as done
     w.msg[w.model.n_params + 3] = -1
     C.send(w.comm, w.msg, w.root, _PUSH)
 

@@ -29,9 +29,9 @@ from .. import comm as C
 from ..metrics import StepTimer
 from ..nn import Layer, Loss, Optimizer, Sequential
 from ..nonfinite import Policy, all_finite
+from ..stats import StepStats
 from . import buffer
 from . import stages as St
-from .stats import StepStats
 
 _TAG_F, _TAG_B = 21, 22  # activations forward, gradients backward (order kept per tag)
 
