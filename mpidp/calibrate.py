@@ -58,12 +58,6 @@ def _alternate(batches: list[int], repeats: int, before=None) -> list[list[float
     return times
 
 
-def compute_per_sample(batch: int = 512, repeats: int = 5) -> tuple[float, int]:
-    """Seconds per sample of forward+backward+update of the standard MLP on this process,
-    and its parameter count."""
-    return float(np.median(compute_times(batch, repeats))) / batch, _standard_steps([1])[1]
-
-
 def measure_compute(comm: C.Comm, batch: int = 512, repeats: int = 15) -> M.Compute | None:
     """The standard MLP's :class:`costmodel.Compute` on this machine. Collective; the
     result is on rank 0 (None elsewhere).

@@ -174,10 +174,6 @@ class Pipeline:
         C.bcast_(self.dp, self.model.params, 0)  # replicas start bit-identical
         return self
 
-    def set_full_params_(self, full: np.ndarray) -> None:
-        """Copy this stage's slice of the whole model's flat parameter vector ``full``."""
-        self.model.params[...] = full[self.param_offset:self.param_offset + self.model.n_params]
-
     def gather_params(self, root: int = 0) -> np.ndarray | None:
         """The whole model's flat parameters on stage ``root`` of each replica. Collective."""
         return C.gatherv(self.pipe, self.model.params, root)
@@ -199,11 +195,6 @@ class Pipeline:
         bad = [r for r in range(self.world.size) if hashes[r] != hashes[r % S]]
         raise C.MpidpError(f"parameters differ from replica 0's on ranks {bad}: replicas are "
                            "out of sync")
-
-    @property
-    def n_copies(self) -> int:
-        """Replicas of the model that must agree (1: nothing to compare)."""
-        return self.n_replicas
 
     def poison_(self) -> None:
         """Fault injection: this stage's gradient contribution to the next step is NaN."""
