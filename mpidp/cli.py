@@ -154,6 +154,13 @@ def _add_train(sub) -> None:
     a("--tensorboard", default=None, metavar="DIR",
       help="write TensorBoard event files to DIR (needs tensorboardX: the 'tensorboard' "
       "extra)")
+    _add_model_parallel(p)
+    _add_reliability(p)
+    _add_sync(p)
+    add_partition_options(p)
+
+
+def _add_model_parallel(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model parallelism")
     m.add_argument("--parallel", choices=("data", "pipeline", "hybrid"), default="data",
                    help="data: every rank a replica; pipeline: consecutive layers on consecutive "
@@ -162,6 +169,9 @@ def _add_train(sub) -> None:
                    help="pipeline/hybrid: micro-batches per batch (sizes differ by at most 1)")
     m.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b",
                    help="pipeline/hybrid: gpipe (all forwards, then all backwards) or 1f1b")
+
+
+def _add_reliability(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("reliability")
     r.add_argument("--checkpoint-dir", default=None,
                    help="folder for checkpoints (rank 0 writes them atomically, with a checksum)")
@@ -180,6 +190,13 @@ def _add_train(sub) -> None:
     r.add_argument("--on-nonfinite", choices=("stop", "skip", "ignore"), default="stop",
                    help="NaN/Inf in the global loss or gradient: stop with an error, skip the "
                    "step's update, or ignore")
+    r.add_argument("--watchdog", type=_non_negative(float), default=None, metavar="SECONDS",
+                   help="end the job, naming the stalled ranks, when a rank makes no progress "
+                   "(stuck computing or waiting in MPI) for this long; 0 turns it off "
+                   "(default: on, max(600 s, 50 median steps))")
+
+
+def _add_sync(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("synchronisation")
     g.add_argument("--sync", choices=[m for m in MODES if m not in ("pipeline", "hybrid")],
                    default="allreduce",
@@ -205,11 +222,6 @@ def _add_train(sub) -> None:
                    help="compressed: 16-bit format of the gradients on the wire")
     g.add_argument("--sync-every", type=_positive(int), default=4,
                    help="accumulate / local-sgd: steps between synchronisations")
-    r.add_argument("--watchdog", type=_non_negative(float), default=None, metavar="SECONDS",
-                   help="end the job, naming the stalled ranks, when a rank makes no progress "
-                   "(stuck computing or waiting in MPI) for this long; 0 turns it off "
-                   "(default: on, max(600 s, 50 median steps))")
-    add_partition_options(p)
 
 
 def _floats(text: str) -> list[float]:
