@@ -269,8 +269,8 @@ def _share(fig: dict, key: str) -> str:
     return f"{fig['rate'] / fig[key]:.0%}" if fig.get(key) else "n/a"
 
 
-def format_balance(fig: dict) -> str:
-    """A short per-rank table of the load-balance figures."""
+def format_balance(fig: dict, per_rank: bool = True) -> str:
+    """The load-balance summary lines, and (``per_rank``) a per-rank table."""
     lines = [f"load balance ({fig['strategy']}): imbalance {fig['imbalance']:.3f} "
              f"(cpu {fig['imbalance_cpu']:.3f}), efficiency {fig['efficiency']:.1%} "
              f"(cpu {fig['efficiency_cpu']:.1%}), slowest rank {fig['slowest_rank']}",
@@ -278,6 +278,8 @@ def format_balance(fig: dict) -> str:
              f"of the ranks' speeds, {_share(fig, 'attainable_rate')} of the attainable "
              f"(with {fig.get('fixed_s', 0.0):.3f} s of communication + update no split can shorten)",
              "rank  samples        cost  compute_s  wait_s  comm_s  idle"]
+    if not per_rank:
+        return "\n".join(lines[:2])
     for d in fig["per_rank"]:
         lines.append(f"{d['rank']:>4}  {d['samples']:>7}  {d['cost']:>10.0f}  "
                      f"{d['compute_s']:>9.3f}  {d['wait_s']:>6.3f}  {d['comm_s']:>6.3f}  "

@@ -68,8 +68,7 @@ def summarize(comm, history: list[dict]) -> dict:
     """The last epoch's load-balance figures, printed by rank 0 (labelled: last epoch)."""
     figures = history[-1]["balance"]
     if comm.rank == 0:
-        logging.getLogger("mpidp").info("load balance of the last epoch:\n"
-                                        + format_balance(figures))
+        logging.getLogger("mpidp").info("last epoch: " + format_balance(figures, per_rank=False))
     return figures
 
 

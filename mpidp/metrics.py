@@ -126,10 +126,13 @@ def gather_timings(comm: C.Comm, timer: StepTimer, root: int = 0) -> list[dict] 
     return out
 
 
-def format_timings(rows: list[dict]) -> str:
-    """A short per-rank table: samples, compute and communication seconds and share."""
-    lines = ["rank  samples  compute_s  comm_s  comm_share"]
+def format_timings(rows: list[dict], wait: list[float] | None = None) -> str:
+    """The per-rank table of a whole run: samples, compute and communication seconds (and
+    ``wait``, the part of communication spent waiting for slower ranks, when measured) and
+    the communication share."""
+    lines = ["rank  samples  compute_s  comm_s" + ("  wait_s" if wait else "") + "  comm_share"]
     for d in rows:
+        w = f"  {wait[d['rank']]:>6.3f}" if wait else ""
         lines.append(f"{d['rank']:>4}  {d['samples']:>7}  {d['compute_s']:>9.3f}  "
-                     f"{d['comm_s']:>6.3f}  {d['comm_fraction']:>9.1%}")
+                     f"{d['comm_s']:>6.3f}{w}  {d['comm_fraction']:>10.1%}")
     return "\n".join(lines)

@@ -380,7 +380,10 @@ def finish(comm: C.Comm, args: argparse.Namespace, metrics: dict, model: nn.Sequ
     final = f"final: loss {last['loss']:.4f}"
     if last.get("test_accuracy") is not None:
         final += f", test accuracy {last['test_accuracy']:.4f}"
-    say(comm, final, f"replicas: {replicas}", "per-rank timing (whole run):",
-        format_timings(metrics["timings"]), f"wrote {args.out}/: model.npz, metrics.json, "
+    per_epoch = [h["balance"]["per_rank"] for h in metrics["history"] if "balance" in h]
+    wait = [sum(e[r]["wait_s"] for e in per_epoch) for r in range(comm.size)] if per_epoch \
+        else None
+    say(comm, final, f"replicas: {replicas}", "per rank, whole run:",
+        format_timings(metrics["timings"], wait), f"wrote {args.out}/: model.npz, metrics.json, "
         f"config.toml, history.jsonl ({metrics['wall_s']:.1f}s)")
     return metrics
