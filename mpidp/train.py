@@ -296,7 +296,7 @@ def _fit_async(args, comm, dp: DataParallel, data: D.Data, report, watchdog, sto
 def _announce(comm, args, data: D.Data, *lines: str) -> None:
     mpi = C.mpi_info(comm)
     say(comm, f"mpidp train: {O.mode_of(args)} on {comm.size} rank(s), "
-        f"{mpi['library']} (mpi4py {mpi['mpi4py']})",
+        f"{' '.join(mpi['library'].split())} (mpi4py {mpi['mpi4py']})",
         f"data: {data.name}, {data.train.n_total} train / {data.test.n_total} test samples, "
         f"{data.n_features} features, {data.n_outputs} outputs", *lines)
 
