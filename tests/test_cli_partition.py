@@ -46,7 +46,7 @@ def test_trace_is_chrome_trace_json_with_every_rank(cost_run):
     trace = json.loads((out / "trace.json").read_text())
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in events} == {0, 1}  # one process per rank
-    assert {"compute", "communicate", "update"} <= {e["name"] for e in events}
+    assert {"compute", "allreduce", "update"} <= {e["name"] for e in events}
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events)
     steps = 2 * -(-1200 // 128)
     for rank in (0, 1):  # one local forward/backward per step, with its step number

@@ -166,7 +166,7 @@ class DataParallel:
         buf, n = self.buf, self.model.n_params
         self.last_of_epoch = last_of_epoch
         add = self.sync.accumulating()  # gradient accumulation: add to the buffer's sums
-        with self.timer.compute():
+        with self.timer.compute("compute", samples=len(X)):
             out = self.model.forward(X)
             loss_sum = self.loss.forward(out, y)
             labelled = self.loss.classification or y.dtype.kind in "iu"

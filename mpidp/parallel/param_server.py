@@ -95,7 +95,7 @@ class ParameterServer(Sync):
     def exchange(self, dp: Replica) -> tuple[float, int, int, bool]:
         comm, root, buf, n = dp.comm, dp.root, dp.buf, dp.model.n_params
         verdict = np.zeros(5, np.float64)  # loss, count, correct, skipped, error
-        with dp.timer.communicate():
+        with dp.timer.communicate(self.name, bytes=int(dp.buf.nbytes)):
             if self.gather is None:
                 C.reduce_sum_to_(comm, buf, root)
             else:
@@ -108,7 +108,7 @@ class ParameterServer(Sync):
                     verdict[:4] = dp.judge_global(buf, everywhere=False)
                 except C.MpidpError:
                     verdict[:3], verdict[4] = buf[n:], 1
-        with dp.timer.communicate():
+        with dp.timer.communicate(self.name, bytes=int(dp.buf.nbytes)):
             C.bcast_(comm, verdict, root)
             if verdict[4]:
                 raise dp.policy.error(verdict[0], dp.global_step)
@@ -120,7 +120,7 @@ class ParameterServer(Sync):
                 if comm.rank == root:
                     with dp.timer.compute():
                         dp.optimizer.step_(dp.model.params, buf[:n], scale=1.0 / count)
-                with dp.timer.communicate():
+                with dp.timer.communicate(self.name):
                     C.bcast_(comm, dp.model.params, root)
             else:
                 self._update_and_ship(dp, buf[:n], count)
@@ -143,17 +143,17 @@ class ParameterServer(Sync):
             with dp.timer.compute():
                 dp.optimizer.step_(params, grads, scale=1.0 / count, chunks=len(pieces),
                                    on_chunk=ship)
-            with dp.timer.communicate():
+            with dp.timer.communicate(self.name):
                 C.wait_all(sent)
                 shared.finish()
         elif self.leaders is not None:  # another node's leader: relay each piece
-            with dp.timer.communicate():
+            with dp.timer.communicate(self.name):
                 for lo, hi in pieces:
                     C.wait_all([self.leaders.Ibcast(params[lo:hi], root=0)])
                     shared.publish()
                 shared.finish()
         else:
-            with dp.timer.communicate():
+            with dp.timer.communicate(self.name):
                 shared.pull(params, self.edges)
 
 
@@ -194,7 +194,7 @@ class ShardedParameterServer(Sync):
     def exchange(self, dp: Replica) -> tuple[float, int, int, bool]:
         n, m, comm = dp.model.n_params, self.hi - self.lo, dp.comm
         extras = np.zeros(4, np.float64)  # loss, count, correct, slices with NaN/Inf
-        with dp.timer.communicate():
+        with dp.timer.communicate(self.name, bytes=int(dp.buf.nbytes)):
             if comm.size > 1:
                 C.reduce_scatter_sum(comm, self.grads, self.slice)
             extras[:3] = dp.buf[n:]
@@ -208,7 +208,7 @@ class ShardedParameterServer(Sync):
                 self.optimizer.step_(self.params[self.lo:self.hi], self.slice[:m],
                                      scale=1.0 / count)
         if count and not skipped and comm.size > 1:
-            with dp.timer.communicate():
+            with dp.timer.communicate(self.name):
                 C.allgather_in_place(comm, self.params)
         # the reduce-scatter and allgather together move what one ring allreduce moves
         self.bytes_sent += self.grads.nbytes + extras.nbytes

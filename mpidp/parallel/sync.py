@@ -83,7 +83,7 @@ class Sync:
 
     def exchange(self, dp: Replica) -> tuple[float, int, int, bool]:
         """Communicate and update; returns the global ``(loss_sum, count, correct, skipped)``."""
-        with dp.timer.communicate():
+        with dp.timer.communicate(self.name, bytes=int(dp.buf.nbytes)):
             self.reduce(dp)
         with dp.timer.compute():
             return dp.apply_global(dp.buf)
@@ -273,7 +273,7 @@ class LocalSGD(_Periodic):
                 self.totals[3] += 1
         if not self.due(dp):
             return 0.0, 0, 0, False
-        with dp.timer.communicate():
+        with dp.timer.communicate(self.name, bytes=int(dp.buf.nbytes)):
             self.avg[:n], self.avg[n:] = dp.model.params, self.totals
             C.allreduce_sum_(dp.comm, self.avg)
         loss, count, correct, bad = (float(v) for v in self.avg[n:])
