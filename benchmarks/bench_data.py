@@ -44,6 +44,9 @@ N_FEATURES = 784
 HAND_ROUND_ROWS = 32768
 PHASES = ("open", "read", "check", "cast", "send")
 MODES = ("scatter", "hand-scatter", "local", "hand-local", "predict-write", "hand-write")
+#: The code these figures depend on: a commit is "+dirty" when any of it is uncommitted.
+MEASURED_CODE = ("mpidp/data.py", "mpidp/sources.py", "mpidp/partition.py", "mpidp/comm",
+                 "mpidp/mapreduce.py", "benchmarks/bench_data.py", "benchmarks/bench_data_report.py")
 ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -296,7 +299,7 @@ def machine() -> dict:
                 if line.startswith("model name")), platform.processor())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=REPO).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "mpidp", "benchmarks"],
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", *MEASURED_CODE],
                            capture_output=True, text=True, cwd=REPO).stdout.strip()
     try:
         from threadpoolctl import threadpool_info
