@@ -8,6 +8,7 @@ positions ``0 .. n_train-1`` (in file order) and rank ``r`` owns the block
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -97,10 +98,8 @@ def _n_outputs_from(classification: bool, target_shape: tuple[int, ...], max_lab
     return n_classes if n_classes is not None else max(max_label + 1, 2)
 
 
-#: Source rows are read, checked and cast this many bytes at a time. Measured on the 2-core
-#: VM, 256 MiB of page-cached .npy rows to one rank: 4 MiB blocks copied from the memory map
-#: and checked take 0.096-0.098 s, one plain ``readinto`` 0.096-0.127 s (a ``preadv`` per
-#: block instead of the map's copy: 0.119-0.123 s; 1 MiB blocks: 0.105 s).
+#: Source rows are read, checked and cast this many bytes at a time (block sizes from 256 KiB
+#: to 4 MiB measured the same within noise; see docs/benchmarks-data.md).
 BLOCK_BYTES = 4 << 20
 
 
@@ -132,6 +131,25 @@ def _finite_at_a_glance(X: np.ndarray) -> bool:
         return bool(np.isfinite(np.dot(flat, flat)))
 
 
+def _open_mapped(X) -> tuple[int, int, int] | None:
+    """``(fd, offset of row 0, bytes per row)`` of a C-ordered ``np.memmap`` file, opened
+    for reading, or None for anything else (HDF5, arrays in memory)."""
+    if type(X) is not np.memmap or not X.flags.c_contiguous or not getattr(X, "filename", None):
+        return None
+    return os.open(X.filename, os.O_RDONLY), int(X.offset), X.dtype.itemsize * X.shape[1]
+
+
+def _pread_into(fd: int, out: np.ndarray, offset: int) -> None:
+    """Fill contiguous ``out`` with the file's bytes from ``offset``: the kernel copies
+    from the page cache, with no page faults on a freshly opened memory map."""
+    view = memoryview(out).cast("B")
+    while len(view):
+        got = os.preadv(fd, [view], offset)
+        if got == 0:
+            raise OSError(f"unexpected end of file at byte {offset}")
+        view, offset = view[got:], offset + got
+
+
 class _RowReader:
     """Reads increasing rows of ``source`` into buffers, checks and casts them.
 
@@ -147,6 +165,7 @@ class _RowReader:
         self.clock, self.error, self.max_label = clock, None, -1
         self.y_dtype = np.dtype(np.int64) if source.classification else self.dtype
         self.blocked = isinstance(source, ArraySource)
+        self._file: tuple[int, int, int] | None = None  # (fd, offset, row bytes) of X's file
 
     def empty(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Buffers for ``n`` rows: ``X`` ``(n, n_features)`` in the load dtype and ``y``
@@ -179,6 +198,7 @@ class _RowReader:
         block = BLOCK_BYTES * (8 if hasattr(self.source.X, "read_direct") else 1)  # HDF5:
         # each call costs a fixed ~0.1 ms, so fewer, larger blocks
         step = max(1, block // (self.source.n_features * self.source.X.dtype.itemsize))
+        self._file = _open_mapped(self.source.X)
         try:
             with np.errstate(over="ignore"):  # a cast that overflows is reported by check_rows
                 for a in range(0, len(rows), step):
@@ -186,6 +206,10 @@ class _RowReader:
         except OSError as exc:  # noted, not raised: the other ranks may be mid-collective
             self._note(f"{self.source.name}: cannot read rows {int(rows[0])}..{int(rows[-1])}: "
                        f"{exc}", None)
+        finally:
+            if self._file is not None:
+                os.close(self._file[0])
+            self._file = None
         lo = int(rows[0])
         y_out[...] = np.asarray(self.source.y[lo:int(rows[-1]) + 1])[rows - lo]
         self.clock.lap("read")
@@ -208,6 +232,10 @@ class _RowReader:
         lo, hi = int(rows[0]), int(rows[-1]) + 1
         source_X, contiguous = self.source.X, hi - lo == len(rows)
         same = source_X.dtype == X_out.dtype
+        if contiguous and same and self._file is not None:  # a plain read, no page faults
+            fd, offset, row_bytes = self._file
+            _pread_into(fd, X_out, offset + lo * row_bytes)
+            return X_out
         if contiguous and same and hasattr(source_X, "read_direct"):
             source_X.read_direct(X_out, np.s_[lo:hi])  # HDF5 straight into place
             return X_out
