@@ -282,7 +282,8 @@ def fit(dp, train: Shard, epochs: int, batch_size: int, seed: int = 0,
     if resume is not None:
         dp.sync.after_restore(dp)  # e.g. a sharded optimizer takes its slice of the state
     labelled = dp.loss.classification or train.y.dtype.kind in "iu"
-    loop = Loop(epochs, labelled, checkpoint, resume, dp.check_every, progress, on_epoch,
+    # check_every=0: DataParallel compares replicas in its own step (for users' own loops too)
+    loop = Loop(epochs, labelled, checkpoint, resume, 0, progress, on_epoch,
                 on_step=on_step, stop=stop, watchdog=watchdog, extra_state=lambda: {"strategy": plan.strategy,
                                                 "capacities": plan.capacities.tolist()})
     return run(dp, _PlanFeed(dp, plan, train, test), loop)
