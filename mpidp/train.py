@@ -238,9 +238,9 @@ def _train_data_parallel(args, comm, t_start, watchdog, stop, config, run_id) ->
     try:
         history, extra, balance = _train_dp(args, comm, dp, data, report, watchdog, stop,
                                             _checkpointing(args, config, run_id), resume, watch)
-        dp.check_replicas()
+        dp.check_replicas()  # a mismatch is a failed run: every rank raises, nothing is written
     finally:
-        watch.close_history()  # a mismatch is a failed run: every rank raises, nothing is written
+        watch.close_history()
     timings = gather_timings(comm, dp.timer)
     if comm.rank != 0:
         return None
