@@ -380,7 +380,8 @@ def finish(comm: C.Comm, args: argparse.Namespace, metrics: dict, model: nn.Sequ
     final = f"final: loss {last['loss']:.4f}"
     if last.get("test_accuracy") is not None:
         final += f", test accuracy {last['test_accuracy']:.4f}"
-    per_epoch = [h["balance"]["per_rank"] for h in metrics["history"] if "balance" in h]
+    per_epoch = [h["balance"]["per_rank"] for h in metrics["history"]  # this world's epochs
+                 if len(h.get("balance", {}).get("per_rank", ())) == comm.size]
     wait = [sum(e[r]["wait_s"] for e in per_epoch) for r in range(comm.size)] if per_epoch \
         else None
     say(comm, final, f"replicas: {replicas}", "per rank, whole run:",
