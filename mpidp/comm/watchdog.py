@@ -27,6 +27,7 @@ job after the timeout, without names.
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import time
@@ -74,6 +75,7 @@ class Watchdog:
             MARK.since = time.monotonic()
             self._thread = threading.Thread(target=self._run, name="mpidp-watchdog", daemon=True)
             self._thread.start()
+            atexit.register(self.stop)  # before MPI finalizes: no receive left posted
         return self
 
     def stop(self) -> None:
