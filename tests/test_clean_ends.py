@@ -47,13 +47,25 @@ def _ranks(job: subprocess.Popen, n: int, timeout: float = 30) -> list[int]:
     return [found[r] for r in range(n)]
 
 
-def _start(n: int, *args: str, token: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPIDP_TEST_TOKEN": token}
+def _start(n: int, *args: str, token: str, log: Path | None = None) -> subprocess.Popen:
+    """The job in the background; its stdout goes to ``log`` when given (to be polled)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPIDP_TEST_TOKEN": token,
+           "PYTHONUNBUFFERED": "1"}
+    out = open(log, "w") if log is not None else subprocess.PIPE  # noqa: SIM115
     job = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable, "-m", "mpidp", *args],
-                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           cwd=ROOT, env=env, stdout=out, stderr=subprocess.PIPE,
                            text=True, stdin=subprocess.DEVNULL)
     job.token = token
     return job
+
+
+def _wait_for(path: Path, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{text!r} never appeared in {path}")
 
 
 def _history_lines(out) -> list[dict]:
@@ -74,10 +86,12 @@ LONG = ["--epochs", "12", "--hidden", "64,64"]  # long enough to be signalled mi
 
 
 def test_sigterm_stops_async_ps_cleanly(tmp_path):
+    log = tmp_path / "stdout.txt"
     job = _start(3, *ARGS, *LONG, "--sync", "async-ps", "--slowdown", "1:20,2:20", "--out",
-                 str(tmp_path / "a"), token=f"aterm-{tmp_path.name}")
+                 str(tmp_path / "a"), token=f"aterm-{tmp_path.name}", log=log)
     pids = _ranks(job, 3)
-    time.sleep(1.0)
+    _wait_for(log, "model:")  # every rank has its handlers: the data are loaded together
+    time.sleep(0.5)
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
     out, err = job.communicate(timeout=60)
