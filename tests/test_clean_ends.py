@@ -81,6 +81,27 @@ def _wait_for_epoch(out, timeout: float = 60) -> None:
         time.sleep(0.02)
     raise AssertionError(f"no epoch finished in {out} within {timeout}s")
 
+PRELUDE = (
+    "import sys, time\nimport numpy as np\nimport mpidp\nfrom mpi4py import MPI\n"
+    "from mpidp import nn\nfrom mpidp.loop import Checkpointing\n"
+    "comm = MPI.COMM_WORLD\n"
+    "X = np.random.default_rng(0).standard_normal((400, 4))\n"
+    "y = (X[:, 0] > 0).astype(np.int64)\n"
+    "shard = mpidp.shard_from_arrays(comm, X[comm.rank::2], y[comm.rank::2])\n"
+    "def replica(cls=mpidp.DataParallel, **kw):\n"
+    "    return cls(nn.mlp(4, (8,), 2).init_(0), nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,"
+    " **kw)\n")
+
+
+def _library_job(tmp_path, body: str, timeout: float = 60):
+    """Run a 2-rank library program: :data:`PRELUDE` (data, a ``replica`` factory) + ``body``."""
+    script = tmp_path / "job.py"
+    script.write_text(PRELUDE + body)
+    t = time.monotonic()
+    r = run_mpi(2, str(script), module=False, timeout=timeout)
+    r.elapsed = time.monotonic() - t
+    return r
+
 
 LONG = ["--epochs", "12", "--hidden", "64,64"]  # long enough to be signalled mid-run
 
@@ -137,20 +158,10 @@ def test_sigint_to_one_rank_ends_the_job_within_seconds(tmp_path):
 
 
 def test_sys_exit_in_a_callback_on_one_rank_ends_the_job(tmp_path):
-    script = tmp_path / "leave.py"
-    script.write_text(
-        "import sys\nimport mpidp\nfrom mpi4py import MPI\nfrom mpidp import nn\n"
-        "comm = MPI.COMM_WORLD\n"
-        "X = __import__('numpy').random.default_rng(0).standard_normal((400, 4))\n"
-        "y = (X[:, 0] > 0).astype('int64')\n"
-        "shard = mpidp.shard_from_arrays(comm, X[comm.rank::2], y[comm.rank::2])\n"
-        "dp = mpidp.DataParallel(nn.mlp(4, (8,), 2).init_(0), nn.SGD(0.1),"
-        " nn.SoftmaxCrossEntropy(), comm)\n"
-        "def leave(record):\n    if comm.rank == 1:\n        sys.exit(4)\n"
-        "mpidp.fit(dp, shard, 5, 32, on_epoch=leave)\n")
-    t = time.monotonic()
-    r = run_mpi(2, str(script), module=False, timeout=60)
-    assert r.returncode != 0 and time.monotonic() - t < 30, (r.returncode, r.stderr[-1500:])
+    r = _library_job(tmp_path, "dp = replica()\n"
+                     "def leave(record):\n    if comm.rank == 1:\n        sys.exit(4)\n"
+                     "mpidp.fit(dp, shard, 5, 32, on_epoch=leave)\n")
+    assert r.returncode != 0 and r.elapsed < 30, (r.returncode, r.stderr[-1500:])
     assert "SystemExit(4) during training; ending the job" in r.stderr
 
 
@@ -179,25 +190,16 @@ def test_replicas_that_differ_at_the_end_fail_the_run(tmp_path):
 
 
 def test_a_long_checkpoint_write_does_not_trip_the_watchdog(tmp_path):
-    script = tmp_path / "slow_save.py"
-    script.write_text(
-        "import time\nimport mpidp\nfrom mpi4py import MPI\nfrom mpidp import nn\n"
-        "from mpidp.loop import Checkpointing\n"
-        "comm = MPI.COMM_WORLD\n"
-        "X = __import__('numpy').random.default_rng(0).standard_normal((256, 4))\n"
-        "y = (X[:, 0] > 0).astype('int64')\n"
+    r = _library_job(tmp_path, (
         "class Slow(mpidp.DataParallel):\n"
         "    def save_checkpoint(self, *a, **k):\n"
         "        if self.comm.rank == 0:\n            time.sleep(3.0)  # a slow file system\n"
         "        super().save_checkpoint(*a, **k)\n"
-        "dp = Slow(nn.mlp(4, (8,), 2).init_(0), nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm)\n"
         f"ck = Checkpointing({str(tmp_path / 'ck')!r}, every=4)\n"
-        "w = mpidp.comm.Watchdog(comm, 1.0)\n"
-        "mpidp.fit(dp, mpidp.shard_from_arrays(comm, X[comm.rank::2], y[comm.rank::2]), 1, 32,"
-        " checkpoint=ck, watchdog=w)\n"
+        "mpidp.fit(replica(Slow), shard, 1, 32, checkpoint=ck,"
+        " watchdog=mpidp.comm.Watchdog(comm, 1.0))\n"
         "done = comm.gather(comm.rank)\n"
-        "if comm.rank == 0:\n    print('done', done, flush=True)\n")
-    r = run_mpi(2, str(script), module=False, timeout=90)
+        "if comm.rank == 0:\n    print('done', done, flush=True)\n"), timeout=90)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "done [0, 1]" in r.stdout
 
@@ -320,19 +322,10 @@ def test_malformed_fault_spec_is_named(tmp_path):
 
 
 def test_a_library_loop_with_one_step_too_few_on_a_rank_is_ended_by_the_watchdog(tmp_path):
-    script = tmp_path / "uneven.py"
-    script.write_text(
-        "import mpidp, numpy as np\nfrom mpi4py import MPI\nfrom mpidp import nn\n"
-        "comm = MPI.COMM_WORLD\n"
-        "dp = mpidp.DataParallel(nn.mlp(4, (8,), 2).init_(0), nn.SGD(0.1),"
-        " nn.SoftmaxCrossEntropy(), comm, watchdog=2.0)\n"
-        "X = np.random.default_rng(comm.rank).standard_normal((32, 4))\n"
-        "y = (X[:, 0] > 0).astype(np.int64)\n"
-        "for step in range(10 if comm.rank == 0 else 9):  # rank 1 runs out one step early\n"
-        "    dp.step(X, y)\n")
-    t = time.monotonic()
-    r = run_mpi(2, str(script), module=False, timeout=60)
-    assert r.returncode == 3 and time.monotonic() - t < 30, (r.returncode, r.stderr[-1500:])
+    r = _library_job(tmp_path, "dp = replica(watchdog=2.0)\n"
+                     "for step in range(10 if comm.rank == 0 else 9):  # rank 1: one step less\n"
+                     "    dp.step(X[:32], y[:32])\n")
+    assert r.returncode == 3 and r.elapsed < 30, (r.returncode, r.stderr[-1500:])
     assert "stalled rank(s) [1]" in r.stderr and "at step 9" in r.stderr
 
 
