@@ -45,8 +45,14 @@ def environment(a, seconds: float) -> dict:
                      for d in threadpool_info() if d.get("user_api") == "blas"],
             "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": seconds,
-            "settings": {k: v for k, v in vars(a).items() if k not in ("task", "column", "json",
-                                                                      "step_dir", "rest", "split")}}
+            "settings": {k: _in_repo(v) for k, v in vars(a).items()
+                         if k not in ("task", "column", "json", "step_dir", "rest", "split")}}
+
+
+def _in_repo(value):
+    """A path inside the repository as the relative path a reader types (others as they are)."""
+    root = str(Path(__file__).resolve().parents[1]) + os.sep
+    return value[len(root):] if isinstance(value, str) and value.startswith(root) else value
 
 
 # --- one measured figure (or a few) per row, column and P -------------------------------
