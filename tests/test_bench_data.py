@@ -9,6 +9,8 @@ import math
 import sys
 from pathlib import Path
 
+from clitools import mpiexec
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -25,7 +27,8 @@ def test_tiny_bench_data_measures_every_cell(tmp_path):
     out = tmp_path / "data"
     assert bench.main(["--sizes-mb", "1", "--ranks", "1,2", "--repeats", "1",
                        "--formats", "npy,npz,h5,sparse", "--out", str(out),
-                       "--data-dir", str(tmp_path), "--job-timeout", "300"]) == 0
+                       "--data-dir", str(tmp_path), "--job-timeout", "300",
+                       "--mpiexec", mpiexec()]) == 0  # the MPI of this interpreter
     results = json.loads(Path(str(out) + ".json").read_text())
     formats = {c["format"] for c in results["cells"]}
     assert {"npy", "npz", "sparse (bow)"} <= formats

@@ -26,7 +26,7 @@ def _params(out) -> np.ndarray:
 
 
 def _ranks(job: subprocess.Popen, n: int, timeout: float = 30) -> list[int]:
-    """Pids of the ``n`` ranks of ``job`` (children of mpiexec's proxy), by PMI_RANK."""
+    """Pids of the ``n`` ranks of ``job``, found by its token and ordered by their rank."""
     deadline, found = time.monotonic() + timeout, {}
     while time.monotonic() < deadline and len(found) < n:
         for pid in os.listdir("/proc"):
@@ -39,7 +39,9 @@ def _ranks(job: subprocess.Popen, n: int, timeout: float = 30) -> list[int]:
                 continue
             token = f"MPIDP_TEST_TOKEN={job.token}".encode()
             if token in env and b"mpidp" in cmd:
-                rank = next((int(e.split(b"=")[1]) for e in env if e.startswith(b"PMI_RANK=")), None)
+                rank = next((int(e.split(b"=")[1]) for e in env  # MPICH, Open MPI, PMIx
+                             if e.startswith((b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=",
+                                              b"PMIX_RANK="))), None)
                 if rank is not None:
                     found[rank] = int(pid)
         time.sleep(0.05)
@@ -343,8 +345,9 @@ def test_checkpoint_folders_belong_to_one_run(tmp_path):
 
 def test_a_second_job_on_the_same_checkpoint_folder_is_refused(tmp_path):
     ck = tmp_path / "ck"
-    job = _start(2, *ARGS, *LONG, "--slowdown", "0:20,1:20", "--checkpoint-dir", str(ck),
-                 "--out", str(tmp_path / "a"), token=f"lock-{tmp_path.name}")
+    job = _start(2, *ARGS, *LONG, "--epochs", "500", "--slowdown", "0:20,1:20",  # still
+                 "--checkpoint-dir", str(ck), "--out", str(tmp_path / "a"),  # running below
+                 token=f"lock-{tmp_path.name}")
     try:
         _wait_for_epoch(tmp_path / "a")
         r = run_mpi(2, *ARGS, "--checkpoint-dir", str(ck), "--resume", "--out",
