@@ -175,11 +175,11 @@ class DataParallel:
                 buf[n:] += extras
             else:
                 buf[n:] = extras
-            self.model.backward(self.loss.backward(), accumulate=add, input_grad=False,
+            dy = self.loss.backward()
+            if self._poison:  # fault injection: this rank's contribution, before any bucket
+                dy, buf[n], self._poison = np.full_like(dy, np.nan), np.nan, False  # leaves
+            self.model.backward(dy, accumulate=add, input_grad=False,
                                 on_layer_done=self._on_layer_done)
-            if self._poison:  # fault injection: only this rank's contribution
-                buf[0] = buf[n] = np.nan
-                self._poison = False
         loss_sum, count, correct, skipped = self.sync.exchange(self)
         self.timer.end_step(len(X))
         self.global_step += 1
