@@ -46,6 +46,9 @@ class _Parser(argparse.ArgumentParser):
         if _launcher_rank() == 0:
             self.print_usage(sys.stderr)
             print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        else:  # Open MPI's launcher ends the job at the first non-zero exit: let rank 0 speak
+            import time
+            time.sleep(1.0)
         sys.exit(EXIT_USAGE)
 
 
