@@ -105,16 +105,18 @@ def _library_job(tmp_path, body: str, timeout: float = 60):
     return r
 
 
-LONG = ["--epochs", "12", "--hidden", "64,64"]  # long enough to be signalled mid-run
+LONG = ["--epochs", "12", "--hidden", "64,64"]
+SLOW = ["--slowdown", "0:200,1:200"]  # about 0.5 s an epoch: a signal lands mid-run
 
 
 def test_sigterm_stops_async_ps_cleanly(tmp_path):
     log = tmp_path / "stdout.txt"
-    job = _start(3, *ARGS, *LONG, "--sync", "async-ps", "--slowdown", "1:20,2:20", "--out",
-                 str(tmp_path / "a"), token=f"aterm-{tmp_path.name}", log=log)
+    job = _start(3, *ARGS, *LONG, "--epochs", "400", "--sync", "async-ps", "--slowdown",
+                 "1:200,2:200", "--out", str(tmp_path / "a"), token=f"aterm-{tmp_path.name}",
+                 log=log)
     pids = _ranks(job, 3)
     _wait_for(log, "model:")  # every rank has its handlers: the data are loaded together
-    time.sleep(0.5)
+    time.sleep(0.5)  # mid-run: 400 slowed epochs last minutes
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
     out, err = job.communicate(timeout=60)
@@ -128,8 +130,8 @@ def test_sigterm_to_every_rank_checkpoints_and_resume_is_bit_identical(tmp_path,
     ref = tmp_path / "ref"
     r = run_mpi(n, *ARGS, *LONG, *mode, "--out", str(ref))
     assert r.returncode == 0, r.stderr
-    ck, slow = tmp_path / "ck", ["--slowdown", "0:20,1:20"]
-    job = _start(n, *ARGS, *LONG, *mode, *slow, "--checkpoint-dir", str(ck),
+    ck = tmp_path / "ck"
+    job = _start(n, *ARGS, *LONG, *mode, *SLOW, "--checkpoint-dir", str(ck),
                  "--checkpoint-every", "1000", "--out", str(tmp_path / "a"),
                  token=f"term-{tmp_path.name}")
     pids = _ranks(job, n)
@@ -148,7 +150,7 @@ def test_sigterm_to_every_rank_checkpoints_and_resume_is_bit_identical(tmp_path,
 
 
 def test_sigint_to_one_rank_ends_the_job_within_seconds(tmp_path):
-    job = _start(2, *ARGS, *LONG, "--slowdown", "0:20,1:20", "--out", str(tmp_path / "o"),
+    job = _start(2, *ARGS, *LONG, "--epochs", "400", *SLOW, "--out", str(tmp_path / "o"),
                  token=f"int-{tmp_path.name}")
     pids = _ranks(job, 2)
     _wait_for_epoch(tmp_path / "o")
@@ -345,7 +347,7 @@ def test_checkpoint_folders_belong_to_one_run(tmp_path):
 
 def test_a_second_job_on_the_same_checkpoint_folder_is_refused(tmp_path):
     ck = tmp_path / "ck"
-    job = _start(2, *ARGS, *LONG, "--epochs", "500", "--slowdown", "0:20,1:20",  # still
+    job = _start(2, *ARGS, *LONG, "--epochs", "500", *SLOW,  # still
                  "--checkpoint-dir", str(ck), "--out", str(tmp_path / "a"),  # running below
                  token=f"lock-{tmp_path.name}")
     try:
