@@ -132,11 +132,32 @@ def _finite_at_a_glance(X: np.ndarray) -> bool:
 
 
 def _open_mapped(X) -> tuple[int, int, int] | None:
-    """``(fd, offset of row 0, bytes per row)`` of a C-ordered ``np.memmap`` file, opened
-    for reading, or None for anything else (HDF5, arrays in memory)."""
-    if type(X) is not np.memmap or not X.flags.c_contiguous or not getattr(X, "filename", None):
-        return None
-    return os.open(X.filename, os.O_RDONLY), int(X.offset), X.dtype.itemsize * X.shape[1]
+    """``(fd, offset of row 0, bytes per row)`` of an array stored as plain C-ordered bytes
+    in a file (an ``np.memmap`` of ``.npy``/``.npz``, or a contiguous, unfiltered HDF5
+    dataset of the default file driver), opened for reading; None for anything else
+    (chunked or compressed HDF5, arrays in memory)."""
+    if type(X) is np.memmap:
+        if not X.flags.c_contiguous or not getattr(X, "filename", None):
+            return None
+        path, offset = X.filename, int(X.offset)
+    else:
+        path, offset = _hdf5_bytes(X)
+        if path is None:
+            return None
+    return os.open(path, os.O_RDONLY), offset, X.dtype.itemsize * int(np.prod(X.shape[1:]))
+
+
+def _hdf5_bytes(X) -> tuple[str | None, int]:
+    """``(file, byte offset)`` of an HDF5 dataset whose elements lie in one contiguous
+    run of the file in C order (no chunks, filters or external storage), else (None, 0)."""
+    try:
+        if (not hasattr(X, "id") or X.chunks is not None or X.external
+                or X.file.driver != "sec2" or X.dtype.hasobject):
+            return None, 0
+        offset = X.id.get_offset()  # None while the data are not allocated
+    except (AttributeError, TypeError, ValueError):
+        return None, 0
+    return (X.file.filename, int(offset)) if offset is not None else (None, 0)
 
 
 def _pread_into(fd: int, out: np.ndarray, offset: int) -> None:
@@ -195,10 +216,11 @@ class _RowReader:
         if not self.blocked:
             X_out[...], y_out[...] = self.read(rows)
             return
-        block = BLOCK_BYTES * (8 if hasattr(self.source.X, "read_direct") else 1)  # HDF5:
-        # each call costs a fixed ~0.1 ms, so fewer, larger blocks
-        step = max(1, block // (self.source.n_features * self.source.X.dtype.itemsize))
         self._file = _open_mapped(self.source.X)
+        h5py_calls = self._file is None and hasattr(self.source.X, "read_direct")
+        block = BLOCK_BYTES * (8 if h5py_calls else 1)  # each HDF5 call costs a fixed
+        # ~0.1 ms, so fewer, larger blocks there
+        step = max(1, block // (self.source.n_features * self.source.X.dtype.itemsize))
         try:
             with np.errstate(over="ignore"):  # a cast that overflows is reported by check_rows
                 for a in range(0, len(rows), step):

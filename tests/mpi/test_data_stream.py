@@ -55,7 +55,7 @@ def _reference(X, y, test_fraction, seed, strategy, size, rank, dtype):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("fmt", ["folder", "h5"])
+@pytest.mark.parametrize("fmt", ["folder", "h5", "h5-chunked", "h5-big-endian"])
 @pytest.mark.parametrize("strategy", ["block", "cyclic", "shuffled"])
 @pytest.mark.parametrize("distribute", ["scatter", "local"])
 @pytest.mark.parametrize("file_dtype", [np.float64, np.float32])  # cast on load, or not
@@ -69,12 +69,15 @@ def test_streamed_shards_match_numpy(comm, shared_tmp, tiny_limits, fmt, strateg
             os.makedirs(path)
             np.save(os.path.join(path, "X.npy"), X)
             np.save(os.path.join(path, "y.npy"), y)
-        else:
+        else:  # contiguous: read by byte offset; chunked or big-endian: through h5py
             h5py = pytest.importorskip("h5py")
             with h5py.File(path + ".h5", "w") as f:
-                f["X"], f["y"] = X, y
+                kw = {"chunks": (7, 5), "compression": "gzip"} if fmt == "h5-chunked" else {}
+                f.create_dataset("X", data=X.astype(X.dtype.newbyteorder(">"))
+                                 if fmt == "h5-big-endian" else X, **kw)
+                f["y"] = y
     comm.Barrier()
-    path += ".h5" if fmt == "h5" else ""
+    path += ".h5" if fmt != "folder" else ""
     data = mpidp.load(comm, path, distribute=distribute, test_fraction=0.3, seed=2,
                       dtype=np.float32, partition=strategy)
     refs = _reference(X, y, 0.3, 2, strategy, comm.size, comm.rank, np.float32)
@@ -104,3 +107,18 @@ def test_first_nan_named_across_blocks_and_huge_finite_values_pass(comm, shared_
     comm.Barrier()
     raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.load(
         comm, path, distribute="scatter", test_fraction=0.0), "NaN or Inf (first at row 41)")
+
+
+def test_hdf5_bytes_found_only_for_contiguous_datasets(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    X = np.arange(40, dtype=np.float32).reshape(10, 4)
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        f["plain"] = X
+        f.create_dataset("chunked", data=X, chunks=(5, 4))
+        f.create_dataset("empty", shape=(10, 4), dtype=np.float32)  # never written
+    with h5py.File(tmp_path / "a.h5", "r") as f:
+        path, offset = D._hdf5_bytes(f["plain"])
+        raw = np.fromfile(path, np.float32, count=40, offset=offset)
+        assert np.array_equal(raw.reshape(10, 4), X)
+        assert D._hdf5_bytes(f["chunked"]) == (None, 0)
+        assert D._hdf5_bytes(f["empty"]) == (None, 0)
