@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import comm as C
+from . import crc32
 from .nn.sparse import CSR
 from .partition import (
     assign,
@@ -27,7 +28,7 @@ from .partition import (
     scatter_plan,
     train_test_split,
 )
-from .sources import ArraySource, Source, check_rows, open_source
+from .sources import ArraySource, Source, check_rows, crc_mismatch, open_source, stored_members
 
 DISTRIBUTE = ("scatter", "local")
 
@@ -366,12 +367,35 @@ def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, sourc
                 meta["classification"], costs)
 
 
+def _verify_together(comm, path: str) -> None:
+    """Check the CRC-32 of each memory-mapped member of the ``.npz`` file ``path`` (nothing
+    for other sources), each rank reading ``1/size`` of it; collective, and a mismatch or
+    a read error raises the same error on every rank."""
+    members = C.run_agreed(comm, stored_members, path)
+    mine, error = np.zeros((len(members), 2)), None
+    for i, (name, offset, size, _) in enumerate(members):
+        a, b = crc32.share(size, comm.size, comm.rank)
+        try:
+            mine[i] = crc32.of_range(path, offset + a, b - a), b - a
+        except OSError as exc:
+            error = error or f"{path}: member {name} cannot be read: {exc}"
+    C.agree(comm, error)
+    parts = C.allgather_rows(comm, mine.reshape(-1)).reshape(comm.size, len(members), 2)
+    for i, (name, _, _, stored) in enumerate(members):
+        crc = 0
+        for part, length in parts[:, i]:  # CRC-32 values and lengths are exact in float64
+            crc = crc32.combine(crc, int(part), int(length))
+        if crc != stored:  # the same table on every rank: the same verdict
+            raise C.MpidpError(crc_mismatch(path, name))
+
+
 def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, layout,
                 clock) -> Data:
-    # A file's checksum (.npz) is one pass over all of it: one rank verifies, the agreement
-    # tells the others, who read only their own rows.
-    src = C.run_agreed(comm, open_source, spec, seed=seed,
-                       **{"verify": comm.rank == 0, **source_kw})
+    # A file's checksum (.npz) is one pass over all of it: every rank checks an equal share
+    # of each member, and the combined CRC-32 is compared with the stored one.
+    if source_kw.pop("verify", True) and isinstance(spec, str):
+        _verify_together(comm, spec)  # first: a corrupted byte is named as such
+    src = C.run_agreed(comm, open_source, spec, seed=seed, verify=False, **source_kw)
     split = train_test_split(src.n_samples, test_fraction, seed)
     costs = C.run_agreed(comm, _train_costs, src, layout["costs"], split[0])
     owner = C.run_agreed(comm, assign, layout["strategy"], len(split[0]), comm.size,

@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from . import crc32
 from .nn.sparse import CSR
 
 BUILTIN = ("digits", "synthetic", "bow")
@@ -224,12 +225,9 @@ def _npz_member(path: str, zf: zipfile.ZipFile, key: str, verify: bool = True):
             raise ValueError(f"{path}: member {name} is corrupted ({exc}): re-create or "
                              f"re-copy the file") from None
     with open(path, "rb") as f:
-        f.seek(info.header_offset)
-        local = f.read(30)
-        offset = info.header_offset + 30 + int.from_bytes(local[26:28], "little") \
-            + int.from_bytes(local[28:30], "little")
+        offset = _member_offset(f, info)
         if verify:
-            _check_crc(path, f, offset, info)
+            _check_crc(path, offset, info)
         f.seek(offset)
         try:
             version = np.lib.format.read_magic(f)
@@ -249,18 +247,43 @@ def _npz_member(path: str, zf: zipfile.ZipFile, key: str, verify: bool = True):
         raise ValueError(f"{path}: member {name} cannot be memory-mapped ({exc})") from None
 
 
-def _check_crc(path: str, f, offset: int, info: zipfile.ZipInfo, chunk: int = 1 << 22) -> None:
+def _member_offset(f, info: zipfile.ZipInfo) -> int:
+    """Byte offset in open zip file ``f`` where the stored bytes of member ``info`` begin."""
+    f.seek(info.header_offset)
+    local = f.read(30)
+    return (info.header_offset + 30 + int.from_bytes(local[26:28], "little")
+            + int.from_bytes(local[28:30], "little"))
+
+
+def _check_crc(path: str, offset: int, info: zipfile.ZipInfo) -> None:
     """ValueError naming ``path`` unless the stored member at ``offset`` matches its CRC-32."""
-    f.seek(offset)
-    crc, left = 0, info.compress_size
-    while left:
-        block = f.read(min(left, chunk))
-        if not block:
-            raise ValueError(f"{path}: member {info.filename} is truncated")
-        crc, left = zlib.crc32(block, crc), left - len(block)
+    try:
+        crc = crc32.of_range(path, offset, info.compress_size)
+    except OSError:
+        raise ValueError(f"{path}: member {info.filename} is truncated") from None
     if crc != info.CRC:
-        raise ValueError(f"{path}: member {info.filename} fails its CRC-32 check: the file is "
-                         f"corrupted (a byte changed on disk or in a copy); re-create or re-copy it")
+        raise ValueError(crc_mismatch(path, info.filename))
+
+
+def crc_mismatch(path: str, member: str) -> str:
+    """The message for a member of ``path`` whose bytes do not match its CRC-32."""
+    return (f"{path}: member {member} fails its CRC-32 check: the file is corrupted (a byte "
+            f"changed on disk or in a copy); re-create or re-copy it")
+
+
+def stored_members(path: str) -> list[tuple[str, int, int, int]]:
+    """``(name, offset, size, crc)`` of the uncompressed ``X.npy`` and ``y.npy`` members of
+    the ``.npz`` file ``path`` (the ones memory-mapped, whose CRC-32 must be checked apart);
+    empty for anything else (opening it then says what is wrong)."""
+    try:
+        with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
+            names = set(zf.namelist())
+            return [(info.filename, _member_offset(f, info), info.compress_size, info.CRC)
+                    for info in (zf.getinfo(k + ".npy") for k in ("X", "y")
+                                 if k + ".npy" in names)
+                    if info.compress_type == zipfile.ZIP_STORED]
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
+        return []
 
 
 def _npy_problem(path: str, exc: Exception) -> str:

@@ -122,3 +122,36 @@ def test_hdf5_bytes_found_only_for_contiguous_datasets(tmp_path):
         assert np.array_equal(raw.reshape(10, 4), X)
         assert D._hdf5_bytes(f["chunked"]) == (None, 0)
         assert D._hdf5_bytes(f["empty"]) == (None, 0)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("member,where", [("X.npy", 0.0), ("X.npy", 0.5), ("X.npy", 0.999),
+                                          ("y.npy", 0.7), (None, 0.0)])
+def test_local_loads_check_an_npz_checksum_together(comm, shared_tmp, member, where):
+    """Each rank checks a share of every member: a flipped byte anywhere (in any rank's
+    share) is found, the same error on every rank; an intact file loads."""
+    import zipfile
+    rng = np.random.default_rng(5)
+    X, y = rng.standard_normal((97, 6)), rng.integers(0, 3, 97)
+    path = os.path.join(shared_tmp, f"c-{member}-{where}.npz")
+    if comm.rank == 0:
+        np.savez(path, X=X, y=y)
+        if member is not None:
+            with zipfile.ZipFile(path) as zf, open(path, "r+b") as f:
+                info = zf.getinfo(member)
+                f.seek(info.header_offset + 26)
+                skip = int.from_bytes(f.read(2), "little") + int.from_bytes(f.read(2), "little")
+                at = info.header_offset + 30 + skip + int(where * (info.compress_size - 1))
+                f.seek(at)
+                byte = f.read(1)[0]
+                f.seek(at)
+                f.write(bytes([byte ^ 0x10]))
+    comm.Barrier()
+    if member is None:
+        data = mpidp.load(comm, path, distribute="local", test_fraction=0.0, dtype=np.float64)
+        got = np.concatenate(comm.allgather(data.train.X))
+        all_ranks(comm, np.array_equal(got, X))
+    else:
+        raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.load(
+            comm, path, distribute="local", test_fraction=0.0), f"member {member} fails its "
+            "CRC-32 check")
