@@ -416,8 +416,8 @@ def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, la
                 src.classification, costs)
 
 
-def load(comm: C.Comm, spec: str, *, distribute: str = "scatter", test_fraction: float = 0.2,
-         seed: int = 0, dtype: npt.DTypeLike = np.float32, root: int = 0,
+def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
+         test_fraction: float = 0.2, seed: int = 0, dtype: npt.DTypeLike = np.float32, root: int = 0,
          n_classes: int | None = None, partition: str = "block", costs=None,
          capacities=None, timings: dict | None = None, **source_kw) -> Data:
     """Load dataset ``spec`` (see :func:`mpidp.sources.open_source`) split over ``comm``.
@@ -444,6 +444,7 @@ def load(comm: C.Comm, spec: str, *, distribute: str = "scatter", test_fraction:
     so are the rows they map to), so root reads increasing rows and no rank reorders.
     """
     clock = _Timings(timings)
+    spec = os.fspath(spec)  # a pathlib.Path names a file as a string does
     if distribute not in DISTRIBUTE:
         raise C.MpidpError(f"unknown distribute mode {distribute!r}; expected one of {DISTRIBUTE}")
     if not 0 <= test_fraction < 1:

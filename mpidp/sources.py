@@ -365,8 +365,8 @@ def _open_hdf5(path: str) -> Source:
         raise
 
 
-def open_source(spec: str, *, n_samples: int = 60000, n_features: int = 784,
-                n_classes: int = 10, seed: int = 0, regression: bool = False,
+def open_source(spec: str | os.PathLike, *, n_samples: int = 60000,
+                n_features: int = 784, n_classes: int = 10, seed: int = 0, regression: bool = False,
                 verify: bool = True) -> Source:
     """Open ``spec``: ``digits``, ``synthetic`` (sized by the keywords), or a path to an
     ``.npz`` with ``X`` and ``y``, a folder with ``X.npy`` and ``y.npy``, or an ``.h5`` file.
@@ -376,6 +376,7 @@ def open_source(spec: str, *, n_samples: int = 60000, n_features: int = 784,
     as they are inflated anyway). Only ``.npz`` files carry checksums.
     Raises ValueError with a message that names the problem.
     """
+    spec = os.fspath(spec)
     if spec == "digits":
         return _load_digits()
     if spec == "synthetic":

@@ -608,3 +608,10 @@ def test_verify_false_skips_the_crc_pass(tmp_path, arrays):
         open_source(str(path))
     src = open_source(str(path), verify=False)  # the caller verified elsewhere, or chose not to
     assert src.read(np.array([36]))[0][0, -1] != X[36, -1]
+
+
+def test_a_pathlib_path_is_accepted_like_a_string(tmp_path, arrays):
+    X, y = arrays
+    np.savez(tmp_path / "d.npz", X=X, y=y)
+    src = open_source(tmp_path / "d.npz")
+    assert src.n_samples == len(X) and np.array_equal(np.asarray(src.X), X)
