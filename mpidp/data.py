@@ -417,8 +417,8 @@ def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, la
 
 
 def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
-         test_fraction: float = 0.2, seed: int = 0, dtype: npt.DTypeLike = np.float32, root: int = 0,
-         n_classes: int | None = None, partition: str = "block", costs=None,
+         test_fraction: float = 0.2, seed: int = 0, dtype: npt.DTypeLike = np.float32,
+         root: int = 0, n_classes: int | None = None, partition: str = "block", costs=None,
          capacities=None, timings: dict | None = None, **source_kw) -> Data:
     """Load dataset ``spec`` (see :func:`mpidp.sources.open_source`) split over ``comm``.
 

@@ -366,8 +366,8 @@ def _open_hdf5(path: str) -> Source:
 
 
 def open_source(spec: str | os.PathLike, *, n_samples: int = 60000,
-                n_features: int = 784, n_classes: int = 10, seed: int = 0, regression: bool = False,
-                verify: bool = True) -> Source:
+                n_features: int = 784, n_classes: int = 10, seed: int = 0,
+                regression: bool = False, verify: bool = True) -> Source:
     """Open ``spec``: ``digits``, ``synthetic`` (sized by the keywords), or a path to an
     ``.npz`` with ``X`` and ``y``, a folder with ``X.npy`` and ``y.npy``, or an ``.h5`` file.
 
