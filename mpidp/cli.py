@@ -179,7 +179,8 @@ def _add_reliability(p: argparse.ArgumentParser) -> None:
     r.add_argument("--checkpoint-dir", default=None,
                    help="folder for checkpoints (rank 0 writes them atomically, with a checksum)")
     r.add_argument("--checkpoint-every", type=_positive(int), default=100,
-                   help="steps between checkpoints (one more is written at the end)")
+                   help="steps between checkpoints, pushes served for async-ps (one more "
+                   "is written at the end)")
     r.add_argument("--keep-checkpoints", type=_positive(int), default=3,
                    help="how many recent checkpoints to keep")
     r.add_argument("--restart", action="store_true",

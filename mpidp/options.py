@@ -36,8 +36,6 @@ TABLE: dict[str, tuple[frozenset, str]] = {
     "compress": (frozenset({"compressed"}), "only --sync compressed encodes gradients"),
     "sync_every": (frozenset({"accumulate", "local-sgd"}), "only accumulate and local-sgd "
                    "synchronise every few steps"),
-    "checkpoint_dir": (ALL - {"async-ps"}, "its workers are at different steps, so no "
-                       "consistent checkpoint exists"),
     "log_every": (ALL - {"async-ps"}, "its workers are at different steps, so there is no "
                   "common step to log (its epochs are in history.jsonl)"),
     "check_every": (ALL - {"async-ps"}, "its workers hold different parameters by design "

@@ -255,7 +255,8 @@ def _train_dp(args, comm, dp, data, report, watchdog, stop, checkpointing, resum
     """Train a data-parallel (or async-ps) run; ``(history, extra metrics, balance)``."""
     extra: dict = {}
     if args.sync == "async-ps":
-        history = _fit_async(args, comm, dp, data, report, watchdog, stop)
+        history = _fit_async(args, comm, dp, data, report, watchdog, stop, checkpointing,
+                             resume)
         summary = history.pop()
         watch.finish(history)
         return history, {"async": summary}, None
@@ -271,7 +272,8 @@ def _train_dp(args, comm, dp, data, report, watchdog, stop, checkpointing, resum
     return history, extra, balance
 
 
-def _fit_async(args, comm, dp: DataParallel, data: D.Data, report, watchdog, stop) -> list[dict]:
+def _fit_async(args, comm, dp: DataParallel, data: D.Data, report, watchdog, stop,
+               checkpointing=None, resume=None) -> list[dict]:
     """``--sync async-ps``: train asynchronously, then evaluate; one history entry per epoch
     (the workers' training loss as the server received it), then the server's summary."""
     t0 = time.perf_counter()
@@ -280,7 +282,8 @@ def _fit_async(args, comm, dp: DataParallel, data: D.Data, report, watchdog, sto
         watchdog.start()
     stats = train_async(dp.model, dp.optimizer, dp.loss, comm, data.train, args.epochs,
                         args.batch_size, seed=args.seed, max_staleness=args.max_staleness,
-                        timer=dp.timer, on_nonfinite=args.on_nonfinite, signals=stop)
+                        timer=dp.timer, on_nonfinite=args.on_nonfinite, signals=stop,
+                        checkpoint=checkpointing, resume=resume)
     history = [{"epoch": e + 1, "loss": s / c, "accuracy": None, "seconds": None}
                for e, (s, c) in sorted((int(k), v) for k, v in stats.epoch_loss.items())]
     if not history:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -122,6 +123,40 @@ def test_sigterm_stops_async_ps_cleanly(tmp_path):
     out, err = job.communicate(timeout=60)
     assert job.returncode == 75, (job.returncode, err[-2000:])
     assert "stopped by a signal" in err and not (tmp_path / "a" / "model.npz").exists()
+
+
+def test_async_ps_checkpoints_on_sigterm_and_resume_pushes_every_batch_once(tmp_path):
+    a = [*ARGS, "--n-samples", "3000", "--epochs", "4", "--sync", "async-ps",
+         "--max-staleness", "1000"]  # nothing dropped: every batch's push is applied
+    r = run_mpi(3, *a, "--out", str(tmp_path / "ref"))
+    assert r.returncode == 0, r.stderr
+    ref = json.loads((tmp_path / "ref" / "metrics.json").read_text())["async"]
+    log, ck = tmp_path / "stdout.txt", tmp_path / "ck"
+    job = _start(3, *a, "--slowdown", "1:200,2:200", "--checkpoint-dir", str(ck),
+                 "--checkpoint-every", "5", "--out", str(tmp_path / "a"),
+                 token=f"ack-{tmp_path.name}", log=log)
+    pids = _ranks(job, 3)
+    _wait_for(log, "model:")
+    time.sleep(1.0)  # mid-run: the slowed run lasts minutes
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 75, (job.returncode, err[-2000:])
+    assert f"checkpoint written to {ck}" in err and not (tmp_path / "a" / "model.npz").exists()
+    shutil.copytree(ck, tmp_path / "ck4")
+    from mpidp.checkpoint import list_checkpoints, read
+    at_stop = read(list_checkpoints(str(ck))[-1])[0]["partition"]["async"]
+    r = run_mpi(3, *a, "--checkpoint-dir", str(ck), "--resume", "--out", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr
+    got = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    # each worker went on from the batch after its last served push: none twice, none lost
+    assert got["async"]["applied"] == ref["applied"] and got["async"]["dropped"] == 0
+    assert [h["epoch"] for h in got["history"]] == [1, 2, 3, 4]
+    r = run_mpi(4, *a, "--checkpoint-dir", str(tmp_path / "ck4"), "--resume", "--out",
+                str(tmp_path / "c"))  # another number of ranks: from the slowest worker on
+    assert r.returncode == 0 and "written with 3 ranks, now 4" in r.stdout, r.stderr
+    more = json.loads((tmp_path / "c" / "metrics.json").read_text())["async"]["applied"]
+    assert len(at_stop["workers"]) == 2 and 0 < at_stop["applied"] < ref["applied"] < more
 
 
 @pytest.mark.parametrize("mode", [[], ["--parallel", "pipeline"]], ids=["data", "pipeline"])

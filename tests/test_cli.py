@@ -225,6 +225,11 @@ def test_cli_async_ps_reports_staleness(tmp_path):
     assert m["test_accuracy"] > 0.7 and m["params_in_sync"] is True  # chance is 0.1
     r = run_mpi(1, "train", "--sync", "async-ps", "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and "needs at least 2 ranks" in r.stderr
-    r = run_mpi(2, "train", "--sync", "async-ps", "--checkpoint-dir", str(tmp_path / "ck"),
-                "--out", str(tmp_path / "y"))
-    assert r.returncode == 2 and "--checkpoint-dir does not apply to --sync async-ps" in r.stderr
+    small = ["train", "--dataset", "synthetic", "--n-samples", "300", "--n-features", "8",
+             "--checkpoint-dir", str(tmp_path / "ck")]
+    r = run_mpi(2, *small, "--epochs", "1", "--out", str(tmp_path / "y"))
+    assert r.returncode == 0, r.stderr  # a synchronous run's checkpoints...
+    r = run_mpi(2, *small, "--epochs", "2", "--resume", "--sync", "async-ps", "--out",
+                str(tmp_path / "z"))  # ...are not resumed asynchronously
+    assert r.returncode == 2 and "async-ps resumes only its own checkpoints" in r.stderr
+    assert not (tmp_path / "z" / "model.npz").exists()

@@ -6,7 +6,11 @@ and :class:`ShardedParameterServer` (every rank serves ``1/P`` of the parameters
 
 Asynchronous (:func:`train_async`, ``--sync async-ps``): workers push gradients and pull
 parameters without waiting for each other; the server (rank ``root``, holding no data)
-applies each push as it comes.
+applies each push as it comes. With checkpoints, the server saves the parameters, the
+optimizer and each worker's position (epoch and next global batch) every N pushes it
+serves, at the end, and when stopped by a signal; a resume on the same number of ranks
+puts every worker back at its own position, on another number of ranks every worker
+starts from the slowest one's (batches the faster ones pushed after it are pushed again).
 
 A worker computes on the parameters it last pulled; by the time its gradient arrives,
 other workers may have updated them ``s`` times (its *staleness*). Pushes staler than
@@ -25,8 +29,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import comm as C
+from ..checkpoint import State, save
 from ..data import Shard
-from ..loop import Loop, run
+from ..loop import Checkpointing, Loop, run
 from ..metrics import StepTimer
 from ..nn import Loss, Optimizer, Sequential
 from ..nn.optim import chunk_edges
@@ -233,6 +238,7 @@ class ShardedParameterServer(Sync):
 _PUSH, _PULL = 11, 12
 _STOP = -2  # the version the server answers with when training must stop
 _PREEMPTED = "preempted"  # the server's reason to stop on SIGTERM/SIGUSR1
+_EXTRA = 5  # a push's slots after the gradient: loss, count, epoch, batch, version
 #: Columns of :attr:`AsyncStats.trace`: seconds since training started (server clock), the
 #: push's loss sum and sample count, its staleness, whether it was applied, the worker.
 TRACE_FIELDS = ("t", "loss_sum", "count", "staleness", "applied", "worker")
@@ -267,9 +273,10 @@ class _Worker:
     def __init__(self, comm, model: Sequential, loss: Loss, root: int, timer: StepTimer) -> None:
         self.comm, self.model, self.loss, self.root, self.timer = comm, model, loss, root, timer
         n = model.n_params
-        self.msg = np.zeros(n + 4, model.dtype)  # grads | loss | count | epoch | version (-1: done)
+        # grads | loss | count | epoch | global batch of the epoch | version (-1: done)
+        self.msg = np.zeros(n + _EXTRA, model.dtype)
         self.version = np.zeros(1, np.int64)
-        self.world, self.global_step, self.epoch = comm, 0, 0
+        self.world, self.global_step, self.epoch, self.batch = comm, 0, 0, 0
         self._poison = False
         model.use_grad_buffer(self.msg)
 
@@ -287,7 +294,7 @@ class _Worker:
             model.backward(self.loss.backward(), input_grad=False)
             if self._poison:
                 msg[0], self._poison = np.nan, False
-        msg[n + 1:n + 4] = (len(X), self.epoch, self.version[0])
+        msg[n + 1:n + _EXTRA] = (len(X), self.epoch, self.batch, self.version[0])
         with self.timer.communicate("push and pull", bytes=int(msg.nbytes)):
             C.send(self.comm, msg, self.root, _PUSH)
             C.recv_(self.comm, model.params, self.root, _PULL)  # fresh parameters...
@@ -309,7 +316,7 @@ class _Worker:
         return totals
 
     def save_checkpoint(self, *args) -> None:
-        raise C.MpidpError("async-ps writes no checkpoints")
+        raise C.MpidpError("async-ps checkpoints are written by the server")
 
 
 class _WorkerFeed:
@@ -320,10 +327,13 @@ class _WorkerFeed:
         self.n_steps = steps_per_epoch(shard.n_total, batch_size)
 
     def batches(self, epoch: int, first: int):
+        """This worker's parts of the epoch's global batches ``first`` and later."""
         self.w.epoch = epoch
-        for idx in local_batches(self.shard.n_total, self.batch_size, self.shard.start,
-                                 self.shard.stop, epoch, self.seed):
-            if len(idx):
+        for b, idx in enumerate(local_batches(self.shard.n_total, self.batch_size,
+                                              self.shard.start, self.shard.stop, epoch,
+                                              self.seed)):
+            if b >= first and len(idx):
+                self.w.batch = b
                 yield self.shard.X[idx], self.shard.y[idx]
 
     def end_epoch(self) -> None:
@@ -333,23 +343,79 @@ class _WorkerFeed:
         return None
 
 
-def _work(w: _Worker, shard: Shard, epochs: int, batch_size: int, seed: int) -> None:
+def _work(w: _Worker, shard: Shard, epochs: int, batch_size: int, seed: int,
+          start: State | None = None) -> None:
     try:
-        run(w, _WorkerFeed(w, shard, batch_size, seed), Loop(epochs))
+        run(w, _WorkerFeed(w, shard, batch_size, seed), Loop(epochs, resume=start))
     except _Stopped:
         return  # the server stopped training: it already counts us as done
-    w.msg[w.model.n_params + 3] = -1
+    w.msg[w.model.n_params + _EXTRA - 1] = -1
     C.send(w.comm, w.msg, w.root, _PUSH)
 
 
+class _Positions:
+    """Where each worker is, as the server has served it: ``[epoch, next global batch of
+    that epoch, pushes made]``; what an async-ps checkpoint records to resume from."""
+
+    KEY = "async"  # under this key of :attr:`mpidp.checkpoint.State.partition`
+
+    def __init__(self, workers: list[int], resume: State | None, epochs: int) -> None:
+        self.at = {w: [0, 0, 0] for w in workers}
+        self.epochs, self.saved = epochs, {}
+        if resume is not None:
+            self.saved = resume.partition[self.KEY]
+            old = {int(w): p for w, p in self.saved["workers"].items()}
+            if sorted(old) == workers:
+                self.at = {w: list(p) for w, p in old.items()}
+            else:  # another number of ranks: all from the slowest worker's position
+                slowest = min((p[0], p[1]) for p in old.values())
+                self.at = {w: [*slowest, 0] for w in workers}
+
+    def served(self, w: int, epoch: int, batch: int) -> None:
+        self.at[w] = [epoch, batch + 1, self.at[w][2] + 1]
+
+    def done(self, w: int) -> None:
+        self.at[w] = [self.epochs, 0, self.at[w][2]]
+
+    def start_of(self, w: int) -> State:
+        epoch, batch, pushes = self.at[w]
+        return State(epoch, batch, pushes)
+
+    def state(self, stats: AsyncStats, version: int, config: dict) -> State:
+        """The checkpoint's :class:`~mpidp.checkpoint.State`: its position is the slowest
+        worker's, its step the pushes served (applied, dropped or skipped) so far."""
+        epoch, batch = min((p[0], p[1]) for p in self.at.values())
+        info = {"workers": {str(w): p for w, p in self.at.items()}, "version": version,
+                "applied": stats.applied, "dropped": stats.dropped, "skipped": stats.skipped,
+                "epoch_loss": {str(e): v for e, v in stats.epoch_loss.items()}}
+        return State(epoch, batch, stats.applied + stats.dropped + stats.skipped,
+                     [0.0, 0.0, 0.0], [], config, {self.KEY: info})
+
+
+def _save(checkpoint: Checkpointing, model, optimizer, state: State, tracer=None) -> None:
+    with C.excused("writing a checkpoint"):
+        t = time.perf_counter()
+        save(checkpoint.directory, model, optimizer, state, checkpoint.keep,
+             run_id=checkpoint.run_id)
+        if tracer is not None:
+            tracer.add("checkpoint", "checkpoint", "io", t, time.perf_counter())
+
+
 def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
-            tracer=None, signals=None) -> tuple[AsyncStats, str | None]:
+            tracer=None, signals=None, positions: _Positions | None = None,
+            checkpoint: Checkpointing | None = None) -> tuple[AsyncStats, str | None]:
     n, stats, version = model.n_params, AsyncStats(), np.zeros(1, np.int64)
+    if positions is not None and positions.saved:  # resumed: the counts go on
+        saved = positions.saved
+        version[0] = saved["version"]
+        stats.applied, stats.dropped, stats.skipped = (saved[k] for k in (
+            "applied", "dropped", "skipped"))
+        stats.epoch_loss = {int(e): list(v) for e, v in saved["epoch_loss"].items()}
     stop = np.array([_STOP], np.int64)
     error = None  # once set, every worker is told to stop at its next push
     t0 = time.perf_counter()
     workers = [r for r in range(comm.size) if r != root]
-    bufs = {w: np.zeros(n + 4, model.dtype) for w in workers}
+    bufs = {w: np.zeros(n + _EXTRA, model.dtype) for w in workers}
     reqs = [C.irecv(comm, bufs[w], w, _PUSH)[0] for w in workers]  # one piece each
     active = len(workers)
     while active:
@@ -357,9 +423,11 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
         i = C.wait_any(reqs)
         t_got = time.perf_counter()
         w, msg = workers[i], bufs[workers[i]]
-        if msg[n + 3] < 0:  # this worker is done
+        if msg[n + _EXTRA - 1] < 0:  # this worker is done
             active -= 1
             reqs[i] = C.MPI_REQUEST_NULL
+            if positions is not None:
+                positions.done(w)
             continue
         if error is None and signals is not None and signals.requested:
             error = _PREEMPTED
@@ -369,7 +437,7 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
             active -= 1
             reqs[i] = C.MPI_REQUEST_NULL
             continue
-        stale = int(version[0] - msg[n + 3])
+        stale = int(version[0] - msg[n + _EXTRA - 1])
         applied = stale <= max_staleness
         if applied and policy.checks and not all_finite(msg[:n + 1]):
             try:
@@ -396,18 +464,29 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
             tracer.add("wait for a push", "ps", "comm", t_wait, t_got)
             tracer.add("serve a push", "ps", "compute", t_got, time.perf_counter(), worker=w,
                        staleness=stale, applied=bool(applied))
+        if positions is not None and error is None:  # this batch is done, whatever became of it
+            positions.served(w, int(msg[n + 2]), int(msg[n + 3]))
+            served = stats.applied + stats.dropped + stats.skipped
+            if checkpoint is not None and served % checkpoint.every == 0:
+                _save(checkpoint, model, optimizer,
+                      positions.state(stats, int(version[0]), checkpoint.config), tracer)
         if error is not None:
             active -= 1
             reqs[i] = C.MPI_REQUEST_NULL
         else:
             reqs[i] = C.irecv(comm, msg, w, _PUSH)[0]
+    if checkpoint is not None and error in (None, _PREEMPTED):  # the end, or a clean stop
+        _save(checkpoint, model, optimizer,
+              positions.state(stats, int(version[0]), checkpoint.config), tracer)
     return stats, error
 
 
 def train_async(model: Sequential, optimizer: Optimizer, loss: Loss, comm: C.Comm, shard: Shard,
                 epochs: int, batch_size: int, seed: int = 0, root: int = 0,
                 max_staleness: int = 8, timer: StepTimer | None = None,
-                on_nonfinite: str = "stop", signals=None) -> AsyncStats:
+                on_nonfinite: str = "stop", signals=None,
+                checkpoint: Checkpointing | None = None,
+                resume: State | None = None) -> AsyncStats:
     """Train asynchronously. Collective. ``shard`` on ``root`` is ignored (the server holds
     no data); workers split each global batch by their blocks, as in synchronous training,
     but update without waiting. Returns the server's :class:`AsyncStats` on every rank
@@ -417,27 +496,39 @@ def train_async(model: Sequential, optimizer: Optimizer, loss: Loss, comm: C.Com
     ``signals`` (:class:`mpidp.signals.StopSignals`, on the server: SIGTERM/SIGUSR1), with
     :class:`mpidp.signals.Preempted`. Parameters end identical on every
     rank (one ``Bcast``). A worker's ``timer`` (a :class:`mpidp.metrics.StepTimer`) records
-    its compute and communication per push, and its ``slowdown`` makes it a straggler."""
+    its compute and communication per push, and its ``slowdown`` makes it a straggler.
+
+    ``checkpoint``: the server saves every ``checkpoint.every`` pushes it serves, at the
+    end and on a signal's stop. ``resume`` (the :class:`~mpidp.checkpoint.State` of such a
+    checkpoint, whose parameters and optimizer :func:`mpidp.checkpoint.restore` has put
+    in place) puts the workers back where it says (see the module's notes)."""
     if comm.size < 2:
         raise C.MpidpError("async-ps needs at least 2 ranks (a server and a worker)")
-    if model.n_params + 4 > C.MAX_COUNT:
+    if model.n_params + _EXTRA > C.MAX_COUNT:
         raise C.MpidpError("async-ps sends the parameters in one message: at most "
-                           f"{C.MAX_COUNT - 4} parameters, got {model.n_params}")
+                           f"{C.MAX_COUNT - _EXTRA} parameters, got {model.n_params}")
+    if resume is not None and _Positions.KEY not in resume.partition:
+        raise C.MpidpError("this checkpoint was written by synchronous training; async-ps "
+                           "resumes only its own checkpoints (resume it with the --sync it "
+                           "was written with, or start over with --restart)")
     if max_staleness < 0:
         raise C.MpidpError(f"max staleness must be >= 0, got {max_staleness}")
     steps_per_epoch(shard.n_total, batch_size)  # validates batch_size
     C.bcast_(comm, model.params, root)
     policy, error = Policy(on_nonfinite), None
+    positions = _Positions([r for r in range(comm.size) if r != root], resume, epochs)
     if comm.rank == root:
         stats, error = _server(comm, model, optimizer, root, max_staleness, policy,
-                               None if timer is None else timer.tracer, signals)
+                               None if timer is None else timer.tracer, signals, positions,
+                               checkpoint)
     else:
         worker = _Worker(comm, model, loss, root, timer if timer is not None else StepTimer())
-        _work(worker, shard, epochs, batch_size, seed)
+        _work(worker, shard, epochs, batch_size, seed,
+              positions.start_of(comm.rank) if resume is not None else None)
         stats = AsyncStats()
     error = C.bcast_obj(comm, error, root)  # the server's reason to stop, on every rank
     if error == _PREEMPTED:
-        raise Preempted(int(C.bcast_obj(comm, stats.applied, root)), None)
+        raise Preempted(int(C.bcast_obj(comm, stats.applied, root)), checkpoint)
     if error is not None:
         raise NonFiniteError(error)
     C.bcast_(comm, model.params, root)
