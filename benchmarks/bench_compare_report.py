@@ -146,8 +146,9 @@ def cells(res: dict, a) -> dict:
         out[f["P"]][f["column"]].update(
             kill_to_end_s=f["seconds_kill_to_end"], steps_lost=f["steps_lost"],
             resumed_param_diff=f["max_param_diff"], recovery_overhead_s=f["recovery_overhead_s"],
-            continues=(f"resumes on {f['survivors']} as {f['resumed_as']} from step "
-                       f"{f['last_checkpoint_step']}" if f["checkpoints"] else
+            continues=(f"resumes on {f['survivors']} as {f['resumed_as']} from "
+                       f"{f.get('resumed_from', 'step {}'.format(f['last_checkpoint_step']))}"
+                       if f["checkpoints"] else
                        f"no checkpoint: restart from step 0 on {f['survivors']} as "
                        f"{f['resumed_as']}"))
     return out
