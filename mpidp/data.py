@@ -371,9 +371,13 @@ def _verify_together(comm, path: str) -> None:
     """Check the CRC-32 of each memory-mapped member of the ``.npz`` file ``path`` (nothing
     for other sources), each rank reading ``1/size`` of it; collective, and a mismatch or
     a read error raises the same error on every rank."""
-    members = C.run_agreed(comm, stored_members, path)
+    members = C.root_decides(comm, stored_members, path)  # one list (and offsets) for all
+    if not members:
+        return
     mine, error = np.zeros((len(members), 2)), None
-    for i, (name, offset, size, _) in enumerate(members):
+    if not os.path.isfile(path):  # this rank's host has no copy (local reads need one)
+        error = f"dataset not found: {path!r} on this rank's host"
+    for i, (name, offset, size, _) in enumerate(members if error is None else []):
         a, b = crc32.share(size, comm.size, comm.rank)
         try:
             mine[i] = crc32.of_range(path, offset + a, b - a), b - a

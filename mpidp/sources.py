@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from . import crc32
+from .crc32 import of_range
 from .nn.sparse import CSR
 
 BUILTIN = ("digits", "synthetic", "bow")
@@ -258,7 +258,7 @@ def _member_offset(f, info: zipfile.ZipInfo) -> int:
 def _check_crc(path: str, offset: int, info: zipfile.ZipInfo) -> None:
     """ValueError naming ``path`` unless the stored member at ``offset`` matches its CRC-32."""
     try:
-        crc = crc32.of_range(path, offset, info.compress_size)
+        crc = of_range(path, offset, info.compress_size)
     except OSError:
         raise ValueError(f"{path}: member {info.filename} is truncated") from None
     if crc != info.CRC:
