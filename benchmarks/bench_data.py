@@ -5,11 +5,13 @@ file format (folder of ``.npy``, uncompressed ``.npz``, ``.h5`` when h5py is ins
 the generated sparse ``bow`` source, under a temporary folder that is removed afterwards.
 For P = 1, 2, 4 one ``mpiexec`` job per data set measures, in turns and after a warm-up:
 
-- ``scatter`` / ``local``: ``mpidp.load`` (``--test-fraction 0``, block partition), the time
-  from start to the first training step (between barriers, slowest rank), split into
-  ``open``, ``read``, ``check``, ``cast``, ``send`` (root's phases for scatter, the slowest
-  rank's for local), and each rank's peak anonymous memory (``RssAnon``, page cache and
-  MPI shared memory not counted) above what it held before;
+- ``scatter`` / ``local`` / ``local-copy``: ``mpidp.load`` (``--test-fraction 0``, block
+  partition; ``local`` maps each rank's rows from the file where it can, ``local-copy``
+  reads them into private memory, as ``--copy-data``), the time from start to the first
+  training step (between barriers, slowest rank), split into ``open``, ``read``,
+  ``check``, ``cast``, ``send`` (root's phases for scatter, the slowest rank's for local),
+  and each rank's peak anonymous memory (``RssAnon``, page cache and MPI shared memory not
+  counted) above what it held before;
 - ``hand-scatter``: root memory-maps X (h5py slices for ``.h5``) and sends the same rows
   with a plain streamed ``Scatterv`` in rounds of 32,768 rows per rank, targets after;
 - ``hand-local``: each rank reads its own rows with one plain read (``readinto`` at the
@@ -45,7 +47,9 @@ REPO = HERE.parent
 N_FEATURES = 784
 HAND_ROUND_ROWS = 32768
 PHASES = ("open", "read", "check", "cast", "send")
-MODES = ("scatter", "hand-scatter", "local", "hand-local", "predict-write", "hand-write")
+MODES = ("scatter", "hand-scatter", "local", "local-copy", "hand-local", "predict-write",
+         "hand-write")
+LOADS = ("scatter", "local", "local-copy")  # the modes that are mpidp.load
 #: The code these figures depend on: a commit is "+dirty" when any of it is uncommitted.
 MEASURED_CODE = ("mpidp/data.py", "mpidp/sources.py", "mpidp/partition.py", "mpidp/comm",
                  "mpidp/mapreduce.py", "benchmarks/bench_data.py", "benchmarks/bench_data_report.py")
@@ -233,10 +237,10 @@ def one_run(comm, mode: str, path: str, scratch: str) -> dict:
     comm.Barrier()
     with PeakAnon() as mem:
         t0 = time.perf_counter()
-        if mode in ("scatter", "local"):
+        if mode in LOADS:
             kw = {"n_samples": 20000, "n_features": 2000} if path == "bow" else {}
-            data = mpidp.load(comm, path, distribute=mode, test_fraction=0.0, timings=timings,
-                              **kw)
+            data = mpidp.load(comm, path, distribute=mode.split("-")[0], test_fraction=0.0,
+                              timings=timings, copy=mode == "local-copy", **kw)
             X = data.train.X
             shard_bytes = data.train.y.nbytes + (X.nbytes if isinstance(X, np.ndarray) else
                                                  X.indptr.nbytes + X.indices.nbytes + X.data.nbytes)
@@ -252,7 +256,7 @@ def one_run(comm, mode: str, path: str, scratch: str) -> dict:
         seconds = time.perf_counter() - t0
     data = None
     return {"seconds": seconds, "peak_anon_mib": mem.peak_mib, **timings,
-            **({"shard_mib": shard_bytes / 2**20} if mode in ("scatter", "local") else {})}
+            **({"shard_mib": shard_bytes / 2**20} if mode in LOADS else {})}
 
 
 def worker(args) -> None:
@@ -277,7 +281,7 @@ def summarize(runs: list[list[dict]], mode: str) -> dict:
     i = int(np.argsort(secs)[len(secs) // 2])  # the median repeat, for its phases
     rep = runs[i]
     who = 0 if mode == "scatter" else int(np.argmax([r["seconds"] for r in rep]))
-    if mode == "local":  # the slowest reader
+    if mode in ("local", "local-copy"):  # the slowest reader
         who = int(np.argmax([sum(r.get(p, 0.0) for p in PHASES) for r in rep]))
     out = {"seconds": float(np.median(secs)), "repeats": secs,
            "phases": {p: float(rep[who].get(p, 0.0)) for p in PHASES},
@@ -332,7 +336,7 @@ def measure(args) -> dict:
                     print(f"bench-data: {size:g} MB {fmt} P={P}", flush=True)
                     os.sync()  # no write-back of earlier files under the measured reads
                     res = run_job(args, path, P, ["scatter", "hand-scatter", "local",
-                                                  "hand-local"], str(root))
+                                                  "local-copy", "hand-local"], str(root))
                     if fmt == "npy":  # writes in a job of their own, after the reads
                         res.update(run_job(args, path, P, ["predict-write", "hand-write"],
                                            str(root)))

@@ -10,6 +10,7 @@ for the commands that need it.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import math
 import os
@@ -131,6 +132,10 @@ def _add_train(sub) -> None:
     a("--distribute", choices=("scatter", "local"), default="scatter",
       help="scatter: rank 0 reads and Scatterv's each rank its rows; "
       "local: each rank reads only its own rows from the file")
+    a("--copy-data", action="store_true",
+      help="local: read each rank's rows into its own memory, even where they could be "
+      "mapped from the file (one run of rows stored in --dtype: --test-fraction 0 and a "
+      "block partition)")
     a("--init-sync", choices=("bcast", "seed"), default="bcast",
       help="bcast: rank 0's initial parameters are broadcast; seed: every rank initialises "
       "from the same seed (verified by checksum)")
@@ -406,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         args, argv, from_file = _with_table(parser, argv, table, f"--config {args.config}")
+    faulthandler.enable()  # a rank killed by SIGSEGV or SIGBUS (a mapped data file cut
+    # short under it) prints where it was before mpiexec ends the job
     C = _start_mpi()
     comm = C.world()
     from .signals import PREEMPTED_EXIT, Preempted

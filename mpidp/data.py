@@ -8,6 +8,8 @@ positions ``0 .. n_train-1`` (in file order) and rank ``r`` owns the block
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import time
 from dataclasses import dataclass
@@ -38,7 +40,8 @@ class Shard:
     """This rank's part of a global set of ``n_total`` samples.
 
     ``X`` is ``(n_local, n_features)``; ``y`` is ``(n_local,)`` int64 labels or
-    ``(n_local, n_targets)`` / ``(n_local,)`` float targets. Row ``i`` of ``X`` has global
+    ``(n_local, n_targets)`` / ``(n_local,)`` float targets. ``X`` may be a copy-on-write
+    memory map of the data file (see :func:`load`). Row ``i`` of ``X`` has global
     position ``positions[i]`` (int64, increasing); for a contiguous block (the default when
     ``positions`` is not given) that is ``start + i``. ``X`` may also be a
     :class:`mpidp.nn.sparse.CSR` of sparse rows.
@@ -161,6 +164,19 @@ def _hdf5_bytes(X) -> tuple[str | None, int]:
     return (X.file.filename, int(offset)) if offset is not None else (None, 0)
 
 
+def _map_rows(fd: int, start: int, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+    """The ``shape`` array of ``dtype`` stored from byte ``start`` of the open file ``fd``,
+    as a private copy-on-write memory map: nothing is copied, the pages are the page
+    cache's (shared with every process mapping the file) until a write copies one; the file
+    is never written."""
+    nbytes = shape[0] * shape[1] * dtype.itemsize
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    mm = mmap.mmap(fd, start - base + nbytes, access=mmap.ACCESS_COPY, offset=base)
+    with contextlib.suppress(AttributeError, OSError):
+        mm.madvise(mmap.MADV_WILLNEED)  # a file not in the page cache: read ahead now
+    return np.frombuffer(mm, dtype, shape[0] * shape[1], start - base).reshape(shape)
+
+
 def _pread_into(fd: int, out: np.ndarray, offset: int) -> None:
     """Fill contiguous ``out`` with the file's bytes from ``offset``: the kernel copies
     from the page cache, with no page faults on a freshly opened memory map."""
@@ -179,12 +195,16 @@ class _RowReader:
     each block is copied from the source (cast in the same copy) and then checked while it
     is still in the CPU cache, so no second copy of the rows is ever made. The first
     problem found is kept in ``error`` (a message, not raised: the caller agrees on it);
-    ``max_label`` is the largest class label seen (-1 if none).
+    ``max_label`` is the largest class label seen (-1 if none). With ``maps``, :meth:`read`
+    of one run of rows stored as plain bytes in the load dtype maps them instead of copying
+    (then checks them in place).
     """
 
-    def __init__(self, source: Source, dtype, n_classes: int | None, clock: _Timings) -> None:
+    def __init__(self, source: Source, dtype, n_classes: int | None, clock: _Timings,
+                 maps: bool = False) -> None:
         self.source, self.dtype, self.n_classes = source, np.dtype(dtype), n_classes
-        self.clock, self.error, self.max_label = clock, None, -1
+        self.clock, self.error, self.max_label, self.maps = clock, None, -1, maps
+        self._in_place = False  # X_out already holds the rows (a map of the file)
         self.y_dtype = np.dtype(np.int64) if source.classification else self.dtype
         self.blocked = isinstance(source, ArraySource)
         self._file: tuple[int, int, int] | None = None  # (fd, offset, row bytes) of X's file
@@ -199,8 +219,13 @@ class _RowReader:
         """``(X[rows], y[rows])`` cast to the load dtypes; ``rows`` int64, increasing."""
         if self.blocked:
             X, y = self.empty(len(rows))
-            self.into(rows, X, y)
-            return X, y
+            mapped = self._map(rows) if self.maps else None
+            self._in_place = mapped is not None
+            try:
+                self.into(rows, X if mapped is None else mapped, y)
+            finally:
+                self._in_place = False
+            return (X if mapped is None else mapped), y
         X, y = self.source.read(rows)  # generated sources: read, check, cast whole
         self.clock.lap("read")
         self._note(check_rows(self.source, X, y, rows, self.n_classes), y)
@@ -217,7 +242,7 @@ class _RowReader:
         if not self.blocked:
             X_out[...], y_out[...] = self.read(rows)
             return
-        self._file = _open_mapped(self.source.X)
+        self._file = None if self._in_place else _open_mapped(self.source.X)
         h5py_calls = self._file is None and hasattr(self.source.X, "read_direct")
         block = BLOCK_BYTES * (8 if h5py_calls else 1)  # each HDF5 call costs a fixed
         # ~0.1 ms, so fewer, larger blocks there
@@ -255,6 +280,8 @@ class _RowReader:
         lo, hi = int(rows[0]), int(rows[-1]) + 1
         source_X, contiguous = self.source.X, hi - lo == len(rows)
         same = source_X.dtype == X_out.dtype
+        if self._in_place:
+            return X_out
         if contiguous and same and self._file is not None:  # a plain read, no page faults
             fd, offset, row_bytes = self._file
             _pread_into(fd, X_out, offset + lo * row_bytes)
@@ -271,6 +298,25 @@ class _RowReader:
         X = np.asarray(span)[rows - lo]
         X_out[...] = X
         return X
+
+    def _map(self, rows: np.ndarray) -> np.ndarray | None:
+        """``X[rows]`` as a copy-on-write map of the file when ``rows`` are one run of rows
+        stored as plain bytes in the load dtype (else, or where the file system cannot map,
+        None: the caller reads)."""
+        if (len(rows) == 0 or int(rows[-1]) - int(rows[0]) + 1 != len(rows)
+                or self.source.X.dtype != self.dtype):
+            return None
+        where = _open_mapped(self.source.X)
+        if where is None:
+            return None
+        fd, offset, row_bytes = where
+        try:
+            return _map_rows(fd, offset + int(rows[0]) * row_bytes,
+                             (len(rows), self.source.n_features), self.dtype)
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
 
     def _note(self, error: str | None, y: np.ndarray | None) -> None:
         self.error = self.error or error
@@ -394,7 +440,7 @@ def _verify_together(comm, path: str) -> None:
 
 
 def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, layout,
-                clock) -> Data:
+                clock, copy) -> Data:
     # A file's checksum (.npz) is one pass over all of it: every rank checks an equal share
     # of each member, and the combined CRC-32 is compared with the stored one.
     if source_kw.pop("verify", True) and isinstance(spec, str):
@@ -404,7 +450,7 @@ def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, la
     costs = C.run_agreed(comm, _train_costs, src, layout["costs"], split[0])
     owner = C.run_agreed(comm, assign, layout["strategy"], len(split[0]), comm.size,
                          seed=seed, costs=costs, capacities=layout["capacities"])
-    reader = _RowReader(src, dtype, n_classes, clock)
+    reader = _RowReader(src, dtype, n_classes, clock, maps=not copy)
     clock.lap("open")
     shards = []
     for i, rows in enumerate(split):
@@ -423,13 +469,24 @@ def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, la
 def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
          test_fraction: float = 0.2, seed: int = 0, dtype: npt.DTypeLike = np.float32,
          root: int = 0, n_classes: int | None = None, partition: str = "block", costs=None,
-         capacities=None, timings: dict | None = None, **source_kw) -> Data:
+         capacities=None, timings: dict | None = None, copy: bool = False,
+         **source_kw) -> Data:
     """Load dataset ``spec`` (see :func:`mpidp.sources.open_source`) split over ``comm``.
 
     Collective. ``distribute="scatter"``: ``root`` reads everything and sends each rank its
     rows with ``Scatterv``. ``"local"``: every rank reads only its own rows (memory-mapped
     ``.npy``/``.npz``, HDF5 slices), with no data communication. Bad input raises the same
     :class:`mpidp.MpidpError` on every rank.
+
+    Local reads map rather than copy where they can: a rank whose training (or test) rows
+    are one run of the file, stored as plain bytes in ``dtype`` (``.npy``, an uncompressed
+    ``.npz`` member, a contiguous HDF5 dataset; with ``test_fraction=0`` and a block
+    partition), gets ``X`` as a private copy-on-write memory map of the file. Nothing is
+    copied and the pages stay shared with the page cache (and every rank on the node) until
+    written; the file is never written. Its rows are checked like copied ones. The file must
+    then not be truncated or rewritten in place while the data are in use (replacing it by
+    a rename is safe): rows not yet written would change, or reading them would end the
+    process with SIGBUS. ``copy=True`` reads every row into private memory instead.
 
     ``partition`` names the strategy (:data:`mpidp.partition.STRATEGIES`) that decides which
     training samples each rank holds (test samples are always split in blocks); ``costs``
@@ -463,7 +520,7 @@ def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
                              layout, clock)
     else:
         data = _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, layout,
-                           clock)
+                           clock, copy)
     if data.train.n_total == 0:
         raise C.MpidpError(f"{data.name}: no training samples left after the test split")
     return data

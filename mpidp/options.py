@@ -21,6 +21,7 @@ DATA = frozenset((*SYNC_MODES, "async-ps"))  # every rank (or worker) holds a sh
 #: option (argparse dest) -> the modes it applies to, and why not elsewhere.
 TABLE: dict[str, tuple[frozenset, str]] = {
     "distribute": (DATA, "every pipeline stage reads the whole training set"),
+    "copy_data": (DATA, "every pipeline stage reads the whole training set"),
     "init_sync": (frozenset(SYNC_MODES), "the initial parameters are set by the mode itself"),
     "partition": (DATA, "pipeline stages all see the whole batch"),
     "costs": (DATA, "pipeline stages all see the whole batch"),
@@ -80,6 +81,9 @@ def problems(args: argparse.Namespace, given_: set[str], size: int) -> list[str]
                        f"{TABLE[dest][1]}")
     if mode in TABLE["partition"][0]:
         out += _partition_problems(args, given_, size)
+    if "copy_data" in given_ and args.distribute != "local" and mode in DATA:
+        out.append(f"--copy-data does not apply to --distribute {args.distribute}: only "
+                   "local reads can map rows from the file")
     if "trace_steps" in given_ and not args.trace:
         out.append("--trace-steps needs --trace")
     if args.resume and not args.checkpoint_dir:

@@ -101,7 +101,8 @@ def claimed(comm: C.Comm, args: argparse.Namespace, config: dict):
 def _load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.Data:
     """Load the dataset over all ranks, or (dedicated parameter server) over the workers only,
     the server getting empty shards. Collective; errors reach every rank, said once."""
-    kw = dict(distribute=args.distribute, seed=args.seed, test_fraction=args.test_fraction,
+    kw = dict(distribute=args.distribute, copy=args.copy_data, seed=args.seed,
+              test_fraction=args.test_fraction,
               dtype=args.dtype, n_classes=args.n_classes, n_samples=args.n_samples,
               n_features=args.n_features,
               regression=args.model == "linear" and args.dataset == "synthetic")

@@ -34,14 +34,14 @@ def test_tiny_bench_data_measures_every_cell(tmp_path):
     assert {"npy", "npz", "sparse (bow)"} <= formats
     assert {c["P"] for c in results["cells"]} == {1, 2}
     for cell in results["cells"]:
-        expected = {"scatter", "local"} | ({"hand-scatter", "hand-local"}
+        expected = {"scatter", "local"} | ({"hand-scatter", "local-copy", "hand-local"}
                                            if cell["size_mb"] is not None else set())
         assert expected <= set(cell["results"]), cell
         for mode, res in cell["results"].items():
             assert res["seconds"] > 0 and math.isfinite(res["seconds"]), (cell, mode)
             assert len(res["peak_anon_mib"]) == cell["P"]
             assert all(math.isfinite(m) for m in res["peak_anon_mib"])
-            if mode in ("scatter", "local"):
+            if mode in ("scatter", "local", "local-copy"):
                 assert all(math.isfinite(v) and v >= 0 for v in res["phases"].values())
                 assert res["phases"]["read"] > 0 and len(res["shard_mib"]) == cell["P"]
     assert any(t["limit"] is not None for t in results["targets"])

@@ -125,6 +125,44 @@ def test_sigterm_stops_async_ps_cleanly(tmp_path):
     assert "stopped by a signal" in err and not (tmp_path / "a" / "model.npz").exists()
 
 
+def _folder(tmp_path) -> tuple[Path, list[str]]:
+    """A float64 folder data set and the arguments that train on it with mapped rows."""
+    rng, folder = np.random.default_rng(8), tmp_path / "d"
+    folder.mkdir()
+    np.save(folder / "X.npy", rng.standard_normal((600, 10)))
+    np.save(folder / "y.npy", rng.integers(0, 3, 600))
+    return folder, [*ARGS, "--dataset", str(folder), "--distribute", "local",
+                    "--test-fraction", "0"]
+
+
+def test_a_data_file_cut_short_under_mapped_rows_ends_the_job(tmp_path):
+    folder, args = _folder(tmp_path)
+    log = tmp_path / "stdout.txt"
+    job = _start(2, *args, "--epochs", "400", *SLOW, "--out", str(tmp_path / "o"),
+                 token=f"cut-{tmp_path.name}", log=log)
+    _wait_for(log, "model:")
+    time.sleep(0.3)
+    os.truncate(folder / "X.npy", 128)  # the header only: the mapped rows are gone
+    out, err = job.communicate(timeout=60)
+    assert job.returncode != 0 and "Bus error" in err, (job.returncode, err[-2000:])
+    assert not (tmp_path / "o" / "model.npz").exists()
+
+
+def test_a_data_file_replaced_by_rename_under_mapped_rows_changes_nothing(tmp_path):
+    folder, args = _folder(tmp_path)
+    r = run_mpi(2, *args, "--epochs", "6", "--out", str(tmp_path / "ref"))
+    assert r.returncode == 0, r.stderr
+    log = tmp_path / "stdout.txt"
+    job = _start(2, *args, "--epochs", "6", *SLOW, "--out", str(tmp_path / "o"),
+                 token=f"ren-{tmp_path.name}", log=log)
+    _wait_for(log, "model:")
+    np.save(tmp_path / "new.npy", np.zeros((600, 10)))
+    os.replace(tmp_path / "new.npy", folder / "X.npy")  # the old file lives on while mapped
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err[-2000:]
+    assert np.array_equal(_params(tmp_path / "o"), _params(tmp_path / "ref"))
+
+
 def test_async_ps_checkpoints_on_sigterm_and_resume_pushes_every_batch_once(tmp_path):
     a = [*ARGS, "--n-samples", "3000", "--epochs", "4", "--sync", "async-ps",
          "--max-staleness", "1000"]  # nothing dropped: every batch's push is applied
@@ -348,6 +386,7 @@ def test_async_staleness_counts_only_applied_pushes(tmp_path):
     (["--hidden", ",,"], "an mlp needs at least one hidden layer"),
     (["--hidden", "200000,200000"], "GiB are available"),
     (["--trace-steps", "3:5"], "--trace-steps needs --trace"),
+    (["--copy-data"], "--copy-data does not apply to --distribute scatter"),
 ])
 def test_bad_options_are_one_clear_error(tmp_path, flag, message):
     r = run_mpi(2, *ARGS, "--out", str(tmp_path / "o"), *flag)

@@ -95,6 +95,23 @@ def test_cli_float64_same_parameters_for_1_and_3_ranks(tmp_path):
     np.testing.assert_allclose(_params(tmp_path / "o3"), _params(tmp_path / "o1"), rtol=1e-9, atol=1e-11)
 
 
+def test_mapped_local_rows_train_like_one_process_and_like_copied_rows(tmp_path):
+    """--test-fraction 0 on a float64 folder: each rank maps its own rows of X.npy."""
+    folder, rng = tmp_path / "d", np.random.default_rng(6)
+    folder.mkdir()
+    np.save(folder / "X.npy", rng.standard_normal((90, 5)))
+    np.save(folder / "y.npy", rng.integers(0, 3, 90))
+    args = ["train", "--dataset", str(folder), "--test-fraction", "0", "--epochs", "3",
+            "--batch-size", "16", "--dtype", "float64", "--hidden", "8", "--no-progress"]
+    r1 = run_mpi(1, *args, "--out", str(tmp_path / "o1"))
+    r2 = run_mpi(2, *args, "--distribute", "local", "--out", str(tmp_path / "o2"))
+    r3 = run_mpi(2, *args, "--distribute", "local", "--copy-data", "--out", str(tmp_path / "o3"))
+    assert r1.returncode == r2.returncode == r3.returncode == 0, r1.stderr + r2.stderr + r3.stderr
+    np.testing.assert_allclose(_params(tmp_path / "o2"), _params(tmp_path / "o1"), rtol=1e-9,
+                               atol=1e-11)
+    assert np.array_equal(_params(tmp_path / "o3"), _params(tmp_path / "o2"))
+
+
 BAD = {
     "missing file": (lambda t: ["--dataset", str(t / "nope.npz")], "dataset not found"),
     "unreadable file": (lambda t: ["--dataset", str(_garbage(t))], "cannot read dataset"),

@@ -37,3 +37,15 @@ class CountingComm:
                 return attr(*args, **kwargs)
             return wrapped
         return attr
+
+
+def file_map(a):
+    """The ``mmap.mmap`` whose pages hold array ``a``, or None when ``a`` owns its memory."""
+    import mmap
+
+    import numpy as np
+    while isinstance(a, np.ndarray):
+        a = a.base
+    if isinstance(a, memoryview):
+        a = a.obj
+    return a if isinstance(a, mmap.mmap) else None

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import pytest
-from mpi_helpers import all_ranks, raises_everywhere
+from mpi_helpers import all_ranks, file_map, raises_everywhere
 
 import mpidp
 from mpidp import comm as C
@@ -105,8 +105,52 @@ def test_first_nan_named_across_blocks_and_huge_finite_values_pass(comm, shared_
         X[[41, 52], 1] = [np.inf, np.nan]
         np.save(os.path.join(path, "X.npy"), X)
     comm.Barrier()
-    raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.load(
-        comm, path, distribute="scatter", test_fraction=0.0), "NaN or Inf (first at row 41)")
+    raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.load(  # local: rows mapped
+        comm, path, distribute=distribute, test_fraction=0.0), "NaN or Inf (first at row 41)")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("fmt", ["folder", "npz", "h5", "h5-chunked", "float64 file"])
+@pytest.mark.parametrize("test_fraction", [0.0, 0.3])
+def test_local_reads_map_one_run_of_rows_and_copy_the_rest(comm, shared_tmp, fmt,
+                                                          test_fraction):
+    """One run of float32 rows stored as plain bytes is mapped, not copied; scattered rows,
+    chunked HDF5 and a cast are copied. Both give the rows of the file exactly, and writes
+    to a mapped shard stay in that rank's memory."""
+    h5py = pytest.importorskip("h5py") if fmt.startswith("h5") else None  # on every rank
+    rng = np.random.default_rng(4)
+    X = rng.standard_normal((97, 6)).astype(np.float64 if fmt == "float64 file" else np.float32)
+    y = rng.integers(0, 3, 97)
+    path = os.path.join(shared_tmp, "m") + {"npz": ".npz", "h5": ".h5", "h5-chunked": ".h5"}.get(
+        fmt, "")
+    if comm.rank == 0:
+        if fmt == "npz":
+            np.savez(path, X=X, y=y)  # stored members: plain bytes at an offset
+        elif h5py is not None:
+            with h5py.File(path, "w") as f:
+                f.create_dataset("X", data=X, chunks=(8, 6) if fmt == "h5-chunked" else None)
+                f["y"] = y
+        else:
+            os.makedirs(path)
+            np.save(os.path.join(path, "X.npy"), X)
+            np.save(os.path.join(path, "y.npy"), y)
+    comm.Barrier()
+    data = mpidp.load(comm, path, distribute="local", test_fraction=test_fraction, seed=5)
+    refs = _reference(X, y, test_fraction, 5, "block", comm.size, comm.rank, np.float32)
+    exact = all(np.array_equal(s.X, Xr) and np.array_equal(s.y, yr)
+                and s.X.dtype == np.float32 for s, (Xr, yr, _) in zip((data.train, data.test), refs))
+    all_ranks(comm, exact, f"{fmt}: rows differ from the file's")
+    maps = test_fraction == 0 and fmt in ("folder", "npz", "h5")
+    train = data.train.X
+    all_ranks(comm, len(train) == 0 or (file_map(train) is not None) == maps,
+              f"{fmt}, test fraction {test_fraction}: mapped is not {maps}")
+    all_ranks(comm, train.flags.writeable)
+    train[:] = -1.0  # copy-on-write: neither the file nor another rank sees it
+    comm.Barrier()
+    again = mpidp.load(comm, path, distribute="local", test_fraction=test_fraction, seed=5,
+                       copy=True)
+    all_ranks(comm, np.array_equal(again.train.X, refs[0][0])
+              and file_map(again.train.X) is None, "a write reached the file")
 
 
 def test_hdf5_bytes_found_only_for_contiguous_datasets(tmp_path):

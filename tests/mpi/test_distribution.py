@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import numpy as np
 import pytest
-from mpi_helpers import all_ranks, raises_everywhere
+from mpi_helpers import all_ranks, file_map, raises_everywhere
 
 import mpidp
 from mpidp.comm import scatterv_rows
@@ -80,9 +81,14 @@ def test_local_reads_hold_about_n_over_p_rows(comm, shared_tmp):
     X = np.arange(n * 2, dtype=np.float32).reshape(n, 2)
     path = os.path.join(shared_tmp, "big")
     _write_folder(comm, path, X, np.zeros(n, np.int64))
+    mine = block_counts(n, comm.size)[comm.rank]
     data = mpidp.load(comm, path, distribute="local", test_fraction=0.0)
-    all_ranks(comm, len(data.train.X) == block_counts(n, comm.size)[comm.rank])
-    all_ranks(comm, not isinstance(data.train.X, np.memmap))  # copied into memory, own rows
+    pages = file_map(data.train.X)  # mapped: only this rank's rows, shared with the cache
+    all_ranks(comm, len(data.train.X) == mine and pages is not None
+              and mine * 8 <= len(pages) < mine * 8 + mmap.PAGESIZE)
+    data = mpidp.load(comm, path, distribute="local", test_fraction=0.0, copy=True)
+    all_ranks(comm, len(data.train.X) == mine and file_map(data.train.X) is None
+              and data.train.X.flags.owndata and data.train.X.nbytes == mine * 8)
 
 
 @pytest.mark.mpi(min_size=1)
