@@ -5,12 +5,21 @@ that several ranks can each check a part of one large file.
 the CRC of ``A`` is carried past ``len(B)`` bytes by multiplying it by ``x**(8*len(B))``
 modulo the CRC polynomial (bit-reflected, as zlib stores it), then XORed with the CRC of
 ``B``; the pre- and post-inversion of CRC-32 cancel in this sum.
+
+The CRC itself is ISA-L's (the ``isal`` package, in the ``fast`` extra: about 15 GB/s on
+one core) when it is installed, else zlib's (about 2 GB/s); both give the same value.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
-import zlib
+
+try:
+    from isal.isal_zlib import crc32
+except ImportError:  # the same checksum, slower
+    from zlib import crc32
 
 POLY = 0xEDB88320  # x^32 + x^26 + ... + 1, bit-reflected
 _ONE = 1 << 31  # the polynomial 1 (x^0) in the reflected representation
@@ -44,20 +53,37 @@ def combine(crc_a: int, crc_b: int, len_b: int) -> int:
 
 
 def of_range(path: str, offset: int, length: int, chunk: int = 1 << 22) -> int:
-    """CRC-32 of ``length`` bytes of file ``path`` from byte ``offset`` (read ``chunk``
-    bytes at a time into one reused buffer). ``OSError`` if the file ends before."""
-    buf = bytearray(min(chunk, max(length, 1)))
-    crc, left = 0, length
+    """CRC-32 of ``length`` bytes of file ``path`` from byte ``offset``: over a memory map
+    of them (nothing copied), or where the file cannot be mapped, read ``chunk`` bytes at a
+    time into one reused buffer. ``OSError`` if the file ends before."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        while left:
-            view = memoryview(buf)[:min(left, len(buf))]
-            got = os.preadv(fd, [view], offset)
-            if got == 0:
-                raise OSError(f"{path}: unexpected end of file at byte {offset}")
-            crc, left, offset = zlib.crc32(view[:got], crc), left - got, offset + got
+        if length and offset + length <= os.fstat(fd).st_size:
+            with contextlib.suppress(OSError, ValueError):
+                return _of_mapped(fd, offset, length)
+        return _of_read(fd, path, offset, length, chunk)
     finally:
         os.close(fd)
+
+
+def _of_mapped(fd: int, offset: int, length: int) -> int:
+    base = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(fd, offset - base + length, access=mmap.ACCESS_READ, offset=base) as mm:
+        with contextlib.suppress(AttributeError, OSError):
+            mm.madvise(mmap.MADV_SEQUENTIAL)
+        with memoryview(mm) as view, view[offset - base:] as part:
+            return crc32(part)
+
+
+def _of_read(fd: int, path: str, offset: int, length: int, chunk: int) -> int:
+    buf = bytearray(min(chunk, max(length, 1)))
+    crc, left = 0, length
+    while left:
+        view = memoryview(buf)[:min(left, len(buf))]
+        got = os.preadv(fd, [view], offset)
+        if got == 0:
+            raise OSError(f"{path}: unexpected end of file at byte {offset}")
+        crc, left, offset = crc32(view[:got], crc), left - got, offset + got
     return crc
 
 

@@ -301,8 +301,8 @@ class _RowReader:
 
     def _map(self, rows: np.ndarray) -> np.ndarray | None:
         """``X[rows]`` as a copy-on-write map of the file when ``rows`` are one run of rows
-        stored as plain bytes in the load dtype (else, or where the file system cannot map,
-        None: the caller reads)."""
+        stored as plain bytes in the load dtype, aligned for it (else, or where the file
+        system cannot map, None: the caller reads)."""
         if (len(rows) == 0 or int(rows[-1]) - int(rows[0]) + 1 != len(rows)
                 or self.source.X.dtype != self.dtype):
             return None
@@ -311,6 +311,8 @@ class _RowReader:
             return None
         fd, offset, row_bytes = where
         try:
+            if (offset + int(rows[0]) * row_bytes) % self.dtype.alignment:
+                return None  # (an .npz member after its zip header): BLAS wants aligned rows
             return _map_rows(fd, offset + int(rows[0]) * row_bytes,
                              (len(rows), self.source.n_features), self.dtype)
         except (OSError, ValueError):
@@ -479,9 +481,10 @@ def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
     :class:`mpidp.MpidpError` on every rank.
 
     Local reads map rather than copy where they can: a rank whose training (or test) rows
-    are one run of the file, stored as plain bytes in ``dtype`` (``.npy``, an uncompressed
-    ``.npz`` member, a contiguous HDF5 dataset; with ``test_fraction=0`` and a block
-    partition), gets ``X`` as a private copy-on-write memory map of the file. Nothing is
+    are one run of the file, stored as plain bytes in ``dtype`` at an aligned offset
+    (``.npy``, a contiguous HDF5 dataset; not the members ``np.savez`` writes, which sit
+    unaligned after their zip headers), with ``test_fraction=0`` and a block partition,
+    gets ``X`` as a private copy-on-write memory map of the file. Nothing is
     copied and the pages stay shared with the page cache (and every rank on the node) until
     written; the file is never written. Its rows are checked like copied ones. The file must
     then not be truncated or rewritten in place while the data are in use (replacing it by

@@ -38,3 +38,18 @@ def test_a_range_past_the_end_of_the_file_is_an_error(tmp_path):
         crc32.of_range(str(tmp_path / "f"), 1, 5)
     with pytest.raises(ValueError):
         crc32.combine(0, 0, -1)
+
+
+@pytest.mark.parametrize("offset,length", [(0, 1), (4095, 2), (4096, 70_000), (5, 99_990)])
+def test_mapped_and_read_ranges_give_zlibs_crc(tmp_path, monkeypatch, offset, length):
+    data = np.random.default_rng(length).bytes(100_000)
+    (tmp_path / "f").write_bytes(data)
+    want = zlib.crc32(data[offset:offset + length])
+    assert crc32.crc32(data) == zlib.crc32(data)  # ISA-L's where installed: the same value
+    assert crc32.of_range(str(tmp_path / "f"), offset, length) == want  # over a memory map
+
+    def no_map(*args):
+        raise OSError("this file system cannot map files")
+
+    monkeypatch.setattr(crc32, "_of_mapped", no_map)
+    assert crc32.of_range(str(tmp_path / "f"), offset, length, chunk=1000) == want
