@@ -3,7 +3,8 @@
 Generates float32 data sets (784 features, int64 labels) of a few sizes in each supported
 file format (folder of ``.npy``, uncompressed ``.npz``, ``.h5`` when h5py is installed) plus
 the generated sparse ``bow`` source, under a temporary folder that is removed afterwards.
-For P = 1, 2, 4 one ``mpiexec`` job per data set measures, in turns and after a warm-up:
+For P = 1, 2, 4 one ``mpiexec`` job per data set measures, after a warm-up and in a new
+seeded random order each repeat (what ran just before changes how fast memory comes):
 
 - ``scatter`` / ``local`` / ``local-copy``: ``mpidp.load`` (``--test-fraction 0``, block
   partition; ``local`` maps each rank's rows from the file where it can, ``local-copy``
@@ -265,7 +266,7 @@ def worker(args) -> None:
     modes = args.modes.split(",")
     runs: dict = {m: [] for m in modes}
     for rep in range(args.repeats + 1):  # repeat 0 is the warm-up
-        for m in (modes if rep % 2 else modes[::-1]):  # take turns going first
+        for m in (modes[i] for i in np.random.default_rng(rep).permutation(len(modes))):
             res = comm.gather(one_run(comm, m, args.path, args.scratch), root=0)
             if rep and comm.rank == 0:
                 runs[m].append(res)
@@ -366,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sizes-mb", default="64,1024", help="data set sizes in MiB of X")
     p.add_argument("--formats", default="npy,npz,h5,sparse")
     p.add_argument("--ranks", default="1,2,4")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--mpiexec", default=str(REPO / ".venv" / "bin" / "mpiexec"))
     p.add_argument("--out", default=str(HERE / "results" / "data"))
     p.add_argument("--data-dir", default=None, help="where to put the generated data sets")
