@@ -133,9 +133,9 @@ def _add_train(sub) -> None:
       help="scatter: rank 0 reads and Scatterv's each rank its rows; "
       "local: each rank reads only its own rows from the file")
     a("--copy-data", action="store_true",
-      help="local: read each rank's rows into its own memory, even where they could be "
-      "mapped from the file (one run of rows stored in --dtype: --test-fraction 0 and a "
-      "block partition)")
+      help="--distribute local, pipeline and hybrid: read rows into each rank's own memory, "
+      "even where they could be mapped from the file (one run of rows stored in --dtype: "
+      "--test-fraction 0 and a block partition)")
     a("--init-sync", choices=("bcast", "seed"), default="bcast",
       help="bcast: rank 0's initial parameters are broadcast; seed: every rank initialises "
       "from the same seed (verified by checksum)")

@@ -21,7 +21,6 @@ DATA = frozenset((*SYNC_MODES, "async-ps"))  # every rank (or worker) holds a sh
 #: option (argparse dest) -> the modes it applies to, and why not elsewhere.
 TABLE: dict[str, tuple[frozenset, str]] = {
     "distribute": (DATA, "every pipeline stage reads the whole training set"),
-    "copy_data": (DATA, "every pipeline stage reads the whole training set"),
     "init_sync": (frozenset(SYNC_MODES), "the initial parameters are set by the mode itself"),
     "partition": (DATA, "pipeline stages all see the whole batch"),
     "costs": (DATA, "pipeline stages all see the whole batch"),

@@ -307,8 +307,11 @@ def _announce(comm, args, data: D.Data, *lines: str) -> None:
 
 def _train_model_parallel(args, comm, t_start, watchdog, stop, config, run_id) -> dict | None:
     """``--parallel pipeline|hybrid``: every rank loads the whole training set (the first
-    stage needs the inputs, the last the targets) and builds only its own stage."""
-    data = C.run_agreed(comm, D.load, C.self_comm(), args.dataset, seed=args.seed,
+    stage needs the inputs, the last the targets) and builds only its own stage. Read as
+    one rank's local rows, so a file that can be mapped is (unless ``--copy-data``): the
+    ranks of a node then share one copy in the page cache instead of one each."""
+    data = C.run_agreed(comm, D.load, C.self_comm(), args.dataset, distribute="local",
+                        copy=args.copy_data, seed=args.seed,
                         test_fraction=args.test_fraction, dtype=args.dtype,
                         n_classes=args.n_classes, n_samples=args.n_samples,
                         n_features=args.n_features,
