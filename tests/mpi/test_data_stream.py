@@ -154,6 +154,31 @@ def test_local_reads_map_one_run_of_rows_and_copy_the_rest(comm, shared_tmp, fmt
               and file_map(again.train.X) is None, "a write reached the file")
 
 
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("n_rows", [2, 61])  # 2: some ranks hold no rows at P = 3, 4
+@pytest.mark.parametrize("can_map", [True, False])
+def test_rows_a_file_system_cannot_map_are_read(comm, shared_tmp, monkeypatch, n_rows,
+                                                can_map):
+    def no_map(*args):
+        raise OSError("this file system cannot map files")
+
+    if not can_map:
+        monkeypatch.setattr(D, "_map_rows", no_map)
+    X = np.arange(n_rows * 3, dtype=np.float32).reshape(n_rows, 3)
+    path = os.path.join(shared_tmp, "r")
+    if comm.rank == 0:
+        os.makedirs(path)
+        np.save(os.path.join(path, "X.npy"), X)
+        np.save(os.path.join(path, "y.npy"), np.zeros(n_rows, np.int64))
+    comm.Barrier()
+    data = mpidp.load(comm, path, distribute="local", test_fraction=0.0)
+    (Xr, _, _), _ = _reference(X, np.zeros(n_rows, np.int64), 0.0, 0, "block", comm.size,
+                               comm.rank, np.float32)
+    mapped = file_map(data.train.X) is not None
+    all_ranks(comm, np.array_equal(data.train.X, Xr) and data.train.X.shape == (len(Xr), 3)
+              and mapped == (can_map and len(Xr) > 0), f"mapped {mapped}")
+
+
 def test_hdf5_bytes_found_only_for_contiguous_datasets(tmp_path):
     h5py = pytest.importorskip("h5py")
     X = np.arange(40, dtype=np.float32).reshape(10, 4)
