@@ -10,6 +10,7 @@ for the commands that need it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import math
@@ -411,8 +412,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         args, argv, from_file = _with_table(parser, argv, table, f"--config {args.config}")
-    faulthandler.enable()  # a rank killed by SIGSEGV or SIGBUS (a mapped data file cut
-    # short under it) prints where it was before mpiexec ends the job
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr with no file
+        faulthandler.enable()  # descriptor (a notebook): no traceback on a fatal signal
+    # A rank killed by SIGSEGV or SIGBUS (a mapped data file cut short under it) prints
+    # where it was before mpiexec ends the job.
     C = _start_mpi()
     comm = C.world()
     from .signals import PREEMPTED_EXIT, Preempted

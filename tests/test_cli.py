@@ -112,6 +112,19 @@ def test_mapped_local_rows_train_like_one_process_and_like_copied_rows(tmp_path)
     assert np.array_equal(_params(tmp_path / "o3"), _params(tmp_path / "o2"))
 
 
+def test_main_runs_where_stderr_has_no_file_descriptor(tmp_path):
+    """As in a notebook: ``mpidp.cli.main`` called with ``sys.stderr`` a Python object."""
+    script = tmp_path / "nb.py"
+    script.write_text(
+        "import io, sys\nsys.stderr = io.StringIO()\nfrom mpidp import cli\n"
+        f"rc = cli.main(['train', '--dataset', 'digits', '--epochs', '1', '--no-progress', "
+        f"'--out', {str(tmp_path / 'o')!r}])\n"
+        "sys.stderr = sys.__stderr__\nprint('exit', rc)\n")
+    r = run_mpi(1, str(script), module=False)
+    assert r.returncode == 0 and "exit 0" in r.stdout, r.stderr[-2000:]
+    assert (tmp_path / "o" / "model.npz").exists()
+
+
 BAD = {
     "missing file": (lambda t: ["--dataset", str(t / "nope.npz")], "dataset not found"),
     "unreadable file": (lambda t: ["--dataset", str(_garbage(t))], "cannot read dataset"),
