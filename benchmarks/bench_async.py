@@ -25,10 +25,10 @@ from mpi4py import MPI
 
 import mpidp
 from mpidp import nn
-from mpidp.metrics import StepTimer
-from mpidp.parallel.param_server import TRACE_FIELDS, train_async
+from mpidp.data.partition import local_batches
+from mpidp.observe.metrics import StepTimer
+from mpidp.parallel.async_ps import TRACE_FIELDS, train_async
 from mpidp.parallel.strategies import make_sync
-from mpidp.partition import local_batches
 
 MODES = ("sync", "async")
 

@@ -114,7 +114,7 @@ def _layers():
 
 def _data(n: int, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Rows of the synthetic MNIST-shaped set of ``n`` samples (float32 X, int64 y)."""
-    from mpidp.sources import open_source
+    from mpidp.data.sources import open_source
     src = open_source("synthetic", n_samples=n, n_features=N_IN, n_classes=N_OUT, seed=0)
     X, y = src.read(np.arange(n) if rows is None else rows)
     return X.astype(np.float32), y
@@ -123,7 +123,7 @@ def _data(n: int, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarra
 def _split(comm, column: str, n: int, caps: np.ndarray | None) -> np.ndarray:
     """Samples per rank of a global batch of ``n``: blocks, or weighted by ``caps``; a
     dedicated server (rank 0 of ``ps``/``async``) gets none."""
-    from mpidp.partition import block_counts, weighted_counts
+    from mpidp.data.partition import block_counts, weighted_counts
     served = column in ("ps", "async")
     k = comm.size - served
     counts = weighted_counts(n, caps) if caps is not None else block_counts(n, k)
@@ -156,7 +156,7 @@ def _held(optimizer) -> int:
 
 def _per_step(rows: np.ndarray, n: int) -> dict:
     """Means per step of StepTimer rows (``STEP_FIELDS``) over ``n`` global steps."""
-    from mpidp.metrics import STEP_FIELDS
+    from mpidp.observe.metrics import STEP_FIELDS
     tot = dict(zip(STEP_FIELDS, rows.sum(axis=0) if len(rows) else np.zeros(len(STEP_FIELDS))))
     return {"compute_s": tot["compute_s"] / n, "compute_cpu_s": tot["compute_cpu_s"] / n,
             "update_s": tot["update_s"] / n, "comm_s": tot["comm_s"] / n}
@@ -164,7 +164,7 @@ def _per_step(rows: np.ndarray, n: int) -> dict:
 
 def _balanced_caps(comm, column: str, samples: int, seconds: float) -> np.ndarray:
     """Capacities (mean 1) of the ranks that hold data, from their measured samples/s."""
-    from mpidp.partition import adaptive_capacities
+    from mpidp.data.partition import adaptive_capacities
     rows = comm.allgather((samples, seconds))
     if column in ("ps", "async"):
         rows = rows[1:]
@@ -220,8 +220,8 @@ def speed_pipeline(comm, a, wire: Wire) -> dict:
     """Pipeline or hybrid (1F1B): one job's figures for this rank, with the replayed bubble."""
     from bench_parallel import _bubble, _timed
 
-    from mpidp.metrics import StepTimer
-    from mpidp.partition import block_range
+    from mpidp.data.partition import block_range
+    from mpidp.observe.metrics import StepTimer
     pipe = _pipeline(comm, a.column, "time" if a.split == "balanced" else "params", a.micro)
     X, y = _data(4 * a.batch)
     lo, hi = block_range(a.batch, pipe.n_replicas, pipe.replica)
@@ -252,9 +252,9 @@ def speed_pipeline(comm, a, wire: Wire) -> dict:
 def speed_async(comm, a, wire: Wire) -> dict:
     """Asynchronous server: one job's figures for this rank, per global batch of pushes."""
     from mpidp import nn
-    from mpidp.data import Shard
-    from mpidp.metrics import StepTimer
-    from mpidp.parallel.param_server import train_async
+    from mpidp.data.distribute import Shard
+    from mpidp.observe.metrics import StepTimer
+    from mpidp.parallel.async_ps import train_async
     from mpidp.parallel.pipeline import _held_bytes
     model = nn.Sequential(_layers()[0], N_IN, np.float32).init_(0)
     opt, loss = _optimizer(), nn.SoftmaxCrossEntropy()
@@ -306,7 +306,7 @@ def speed_async(comm, a, wire: Wire) -> dict:
 
 def _conv_steps(comm, a, X, y, offs, step_fn) -> list:
     """Synchronous columns: every step of ``a.epochs`` epochs; rows ``(t, loss_sum, count)``."""
-    from mpidp.partition import epoch_order, steps_per_epoch
+    from mpidp.data.partition import epoch_order, steps_per_epoch
     n, trace = len(y), []
     comm.Barrier()
     t0 = time.perf_counter()
@@ -322,9 +322,9 @@ def _conv_steps(comm, a, X, y, offs, step_fn) -> list:
 def conv(comm, a) -> list:
     """One column's loss trace (the rank that holds the losses sends it to rank 0)."""
     from mpidp import nn
-    from mpidp.data import Shard
-    from mpidp.parallel.param_server import train_async
-    from mpidp.partition import block_range
+    from mpidp.data.distribute import Shard
+    from mpidp.data.partition import block_range
+    from mpidp.parallel.async_ps import train_async
     n = a.n_conv
     if a.column == "async":
         counts = _split(comm, "async", n, None)

@@ -21,8 +21,8 @@ def cli_with_step_file(argv: list[str], folder: str) -> int:
     """Run ``mpidp <argv>`` on this rank, writing its pid and the number of training steps
     it finished (worker pushes for the asynchronous server) to ``folder/rank-R``, so that
     the driver can SIGKILL it after a chosen step."""
-    from mpidp import cli
-    from mpidp.metrics import StepTimer
+    from mpidp.cli import main as cli
+    from mpidp.observe.metrics import StepTimer
     from mpidp.parallel import Pipeline
     rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     fd = os.open(os.path.join(folder, f"rank-{rank}"), os.O_WRONLY | os.O_CREAT, 0o644)
@@ -44,7 +44,7 @@ def cli_with_step_file(argv: list[str], folder: str) -> int:
         return out
     StepTimer.end_step, Pipeline.step = counted_end, counted_pipe
     note(0)
-    return cli.main(argv)
+    return cli(argv)
 
 
 def mode_flags(column: str, P: int) -> tuple[list[str], str]:
@@ -134,7 +134,7 @@ def fault(a, column: str, P: int, tmp: Path) -> dict:
     last_ckpt = int(saved[-1].stem.split("-")[1]) if saved else 0
     resumed_from = f"step {last_ckpt}"
     if saved and column == "async" and P > 1:  # steps: the killed worker's own pushes
-        from mpidp.checkpoint import read
+        from mpidp.run.checkpoint import read
         meta = read(str(saved[-1]))[0]
         last_ckpt = meta["partition"]["async"]["workers"][str(P - 1)][2]
         resumed_from = (f"the slowest worker's step {meta['step']} ({meta['global_step']} "

@@ -162,7 +162,7 @@ def predictions(res: dict, a, Ps=(64, 1024)) -> dict:
     pipelines: P m/(m+P-1) with equal stages) and mean async staleness (workers - 1)."""
     from bench_compare import wire_bytes
 
-    from mpidp import costmodel as M
+    from mpidp.scale import costmodel as M
     base = res["baseline"][0]
     m = base["grad_bytes"]
     act = max(x["sent"] for s in res["speed"] if s["column"] == "pipeline"

@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpidp
-from mpidp.partition import local_batches
+from mpidp.data.partition import local_batches
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidp import comm as C
-from mpidp.partition import block_counts
+from mpidp.data.partition import block_counts
 
 
 def _peak_rss_gib() -> float:

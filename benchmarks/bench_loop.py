@@ -13,9 +13,9 @@ import numpy as np
 
 import mpidp  # before numpy: BLAS threads per rank
 from mpidp import nn
-from mpidp.balance import Plan
 from mpidp.comm import Watchdog, world
-from mpidp.signals import StopSignals
+from mpidp.data.balance import Plan
+from mpidp.run.signals import StopSignals
 
 BATCH, STEPS = 512, 40
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "tests" / "multihost"))
 sys.path.insert(0, str(REPO))
 from cluster import MPIEXEC, Cluster, available  # noqa: E402
 
-from mpidp.costmodel import Fit, step_time  # noqa: E402
+from mpidp.scale.costmodel import Fit, step_time  # noqa: E402
 
 
 def _run(cmd: list[str], env: dict) -> None:

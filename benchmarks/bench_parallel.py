@@ -76,8 +76,8 @@ def _timed(comm, step, steps: int, warmup: int, repeats: int) -> tuple[float, fl
 def run_data(comm, a, X, y, rss0) -> dict:
     import mpidp
     from mpidp import nn
+    from mpidp.data.partition import block_range
     from mpidp.parallel.pipeline import _held_bytes
-    from mpidp.partition import block_range
     layers, loss = _layers(a.width, a.depth)
     model = nn.Sequential(layers, a.width, np.float32).init_(0)
     dp = mpidp.DataParallel(model, nn.SGD(0.05), loss, comm)
@@ -119,8 +119,8 @@ def _bubble(comm, pipe, step, reps: int) -> dict:
 
 def run_pipeline(comm, a, X, y, rss0, m: int | None = None, sweep: bool = False) -> dict:
     from mpidp import nn
+    from mpidp.data.partition import block_range
     from mpidp.parallel import Pipeline
-    from mpidp.partition import block_range
     layers, loss = _layers(a.width, a.depth, a.n_in)
     n_stages = 2 if a.mode == "hybrid" else comm.size
     schedule = "1f1b" if a.mode == "hybrid" else a.mode

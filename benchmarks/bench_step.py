@@ -9,7 +9,7 @@ alternately in the same job, from the same initial parameters on the same local 
 global batches, ``--repeats`` times each; the medians are reported. Rank 0 writes JSON.
 
 mpidp is driven exactly as :func:`mpidp.fit` drives it: ``DataParallel.step`` on
-``X[idx], y[idx]`` for each ``idx`` of :func:`mpidp.partition.local_batches`.
+``X[idx], y[idx]`` for each ``idx`` of :func:`mpidp.data.partition.local_batches`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 import mpidp
 from mpidp import nn
-from mpidp.partition import local_batches
+from mpidp.data.partition import local_batches
 
 HIDDEN = (1024, 1024)
 OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
@@ -127,7 +127,7 @@ def comm_share(comm: MPI.Comm, busy_s: float, comm_s: float) -> dict:
 
 
 def run_mpidp(comm: MPI.Comm, shard: mpidp.Shard, init: np.ndarray, args) -> tuple[dict, np.ndarray]:
-    """Time ``DataParallel.step`` fed by :func:`mpidp.partition.local_batches`, as ``fit`` does."""
+    """Time ``DataParallel.step`` fed by :func:`mpidp.data.partition.local_batches`, as ``fit`` does."""
     model = nn.mlp(args.n_features, HIDDEN, args.n_classes, dtype=np.float32)
     model.params[...] = init
     dp = mpidp.DataParallel(model, nn.SGD(args.lr), nn.SoftmaxCrossEntropy(), comm,

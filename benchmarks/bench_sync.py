@@ -21,10 +21,10 @@ from mpi4py import MPI
 
 import mpidp
 from mpidp import nn
-from mpidp.parallel.param_server import ParameterServer
+from mpidp.data.partition import local_batches
+from mpidp.parallel.ps import ParameterServer
 from mpidp.parallel.strategies import make_sync
 from mpidp.parallel.sync import Sync
-from mpidp.partition import local_batches
 
 MODES = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "ps-bcast", "ps-dedicated",
          "sharded-ps", "accumulate", "local-sgd", "compute-only")

@@ -14,8 +14,8 @@ import numpy as np
 from mpi4py import MPI
 
 import mpidp  # noqa: F401  (BLAS threads before numpy)
-from mpidp.mapreduce import map_reduce
-from mpidp.sources import BowSource
+from mpidp.data.sources import BowSource
+from mpidp.parallel.mapreduce import map_reduce
 
 
 def main(argv: list[str]) -> None:

@@ -5,7 +5,7 @@ so the reader sees at a glance which rank was late and what the others did meanw
 Run: python benchmarks/plot_timeline.py TRACE.json --out timeline.png [--step K | --slowest]
 
 Reads Chrome trace-event JSON in either layout mpidp writes: one process per rank with a
-thread per track (:mod:`mpidp.trace`; spans carry ``args.step``), or one process with a
+thread per track (:mod:`mpidp.observe.trace`; spans carry ``args.step``), or one process with a
 thread per rank (the partition planner's trace; there a step starts at each ``compute``).
 """
 

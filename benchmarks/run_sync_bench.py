@@ -232,7 +232,7 @@ def predictions(model: dict, strong: dict) -> list[dict]:
     jitter that ``mpidp model`` measured; ``ideal_ms`` leaves those out (P = 1's compute / P
     plus the allreduce), as the model did before it measured them."""
     sys.path.insert(0, str(REPO))
-    from mpidp.costmodel import Compute, Fit, step_time
+    from mpidp.scale.costmodel import Compute, Fit, step_time
     fit = Fit(**model["fit"])
     t1 = strong[1]["modes"]["allreduce"]["step_ms"] / 1e3
     c = Compute(**model["compute"])

@@ -12,8 +12,7 @@ on any rank into ``MPI_Abort``; ``MPIDP_ABORT_ON_ERROR=0`` turns that off).
 
 from __future__ import annotations
 
-import importlib
-
+from ._lazy import exports
 from ._threads import blas_threads_default
 
 blas_threads_default()  # before numpy loads BLAS: see mpidp/_threads.py
@@ -21,25 +20,13 @@ blas_threads_default()  # before numpy loads BLAS: see mpidp/_threads.py
 __version__ = "0.2.0"
 
 _LAZY = {
-    "Checkpointing": "loop", "fit": "loop", "Data": "data", "Shard": "data", "load": "data",
-    "shard_from_arrays": "data", "Partition": "balance", "Plan": "balance",
-    "MpidpError": "comm", "abort_on_error": "comm", "assert_in_sync": "comm",
-    "checksum": "comm", "params_in_sync": "comm", "map_reduce": "mapreduce",
-    "DataParallel": "parallel", "StepStats": "parallel", "nn": None, "partition": None,
+    "Checkpointing": ".run.loop", "fit": ".run.loop", "Data": ".data.distribute",
+    "Shard": ".data.distribute", "load": ".data.distribute",
+    "shard_from_arrays": ".data.distribute", "Partition": ".data.balance",
+    "Plan": ".data.balance", "MpidpError": ".errors", "abort_on_error": ".comm",
+    "assert_in_sync": ".comm", "checksum": ".comm", "params_in_sync": ".comm",
+    "map_reduce": ".parallel.mapreduce", "DataParallel": ".parallel.data_parallel",
+    "StepStats": ".run.stats", "nn": None, "partition": ".data.partition",
 }
-
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'mpidp' has no attribute {name!r}")
-    module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
-    value = module if _LAZY[name] is None else getattr(module, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
-
-
+__getattr__, __dir__ = exports(__name__, _LAZY)
 __all__ = sorted(_LAZY)

@@ -1,7 +1,7 @@
-"""``python -m mpidp``: see :mod:`mpidp.cli`."""
+"""``python -m mpidp``: see :mod:`mpidp.cli.main`."""
 
 import sys
 
-from .cli import main
+from .cli.main import main
 
 sys.exit(main())

@@ -81,7 +81,7 @@ def test_bench_sync_validation_rescales_compute_to_the_run():
     sys.path.insert(0, str(BENCH))
     from run_sync_bench import predictions
 
-    from mpidp import costmodel as M
+    from mpidp.scale import costmodel as M
     fit = {"alpha": 2e-6, "beta": 1e-10, "gamma": 2e-10}
     compute = {"per_sample": 6e-5, "overhead": 2e-3, "contention": 1.05, "jitter": 0.03}
     model = {"fit": fit, "compute": compute, "standard_model_params": 1000}

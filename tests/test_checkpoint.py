@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from mpidp import checkpoint as ck
 from mpidp import nn
+from mpidp.run import checkpoint as ck
 
 
 def _model_and_opt(seed=0):

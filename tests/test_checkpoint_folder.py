@@ -14,8 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from mpidp import checkpoint as ck
-from mpidp import folders, nn
+from mpidp import nn
+from mpidp.run import checkpoint as ck
+from mpidp.run import folders
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -124,7 +125,7 @@ def test_unusable_folder_is_a_value_error_naming_it(tmp_path):
 
 HOLDER = """
 import sys, time
-from mpidp import checkpoint as ck
+from mpidp.run import checkpoint as ck
 held = ck.claim(sys.argv[1], "holder", resume=False)
 print("held", flush=True)
 time.sleep(120)
@@ -192,7 +193,7 @@ def test_claim_removes_temporary_files_of_dead_writers_only(tmp_path):
 
 
 def test_a_killed_write_leaves_a_file_the_next_cleanup_removes(tmp_path):
-    code = ("import os, sys\nfrom mpidp.folders import write_atomic\n"
+    code = ("import os, sys\nfrom mpidp.run.folders import write_atomic\n"
             "write_atomic(sys.argv[1], lambda f: os._exit(9))\n")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model.npz")],
                        env={**os.environ, "PYTHONPATH": ROOT})

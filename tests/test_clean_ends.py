@@ -86,7 +86,7 @@ def _wait_for_epoch(out, timeout: float = 60) -> None:
 
 PRELUDE = (
     "import sys, time\nimport numpy as np\nimport mpidp\nfrom mpi4py import MPI\n"
-    "from mpidp import nn\nfrom mpidp.loop import Checkpointing\n"
+    "from mpidp import nn\nfrom mpidp.run.loop import Checkpointing\n"
     "comm = MPI.COMM_WORLD\n"
     "X = np.random.default_rng(0).standard_normal((400, 4))\n"
     "y = (X[:, 0] > 0).astype(np.int64)\n"
@@ -182,7 +182,7 @@ def test_async_ps_checkpoints_on_sigterm_and_resume_pushes_every_batch_once(tmp_
     assert job.returncode == 75, (job.returncode, err[-2000:])
     assert f"checkpoint written to {ck}" in err and not (tmp_path / "a" / "model.npz").exists()
     shutil.copytree(ck, tmp_path / "ck4")
-    from mpidp.checkpoint import list_checkpoints, read
+    from mpidp.run.checkpoint import list_checkpoints, read
     at_stop = read(list_checkpoints(str(ck))[-1])[0]["partition"]["async"]
     r = run_mpi(3, *a, "--checkpoint-dir", str(ck), "--resume", "--out", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
@@ -326,7 +326,7 @@ def test_the_trace_has_a_process_per_rank_in_every_mode(tmp_path, mode, n):
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     assert sorted(names) == list(range(n)) and all(names[r].startswith(f"rank {r}") for r in names)
     assert all("step" in e["args"] and "epoch" in e["args"] for e in spans)
-    from mpidp.trace import overlaps
+    from mpidp.observe.trace import overlaps
     assert overlaps(doc) == []
     if "pipeline" in mode:  # each stage ran every micro-batch forward and backward
         steps = 15  # 480 training rows / 32 per batch

@@ -10,8 +10,8 @@ import pytest
 from clitools import ROOT, run_mpi
 
 from mpidp import nn
-from mpidp.partition import train_test_split
-from mpidp.sources import open_source
+from mpidp.data.partition import train_test_split
+from mpidp.data.sources import open_source
 
 CONTRACT = ["--dataset", "--model", "--hidden", "--epochs", "--batch-size", "--lr", "--optimizer",
             "--seed", "--dtype", "--distribute", "--init-sync", "--out"]

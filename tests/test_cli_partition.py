@@ -10,8 +10,8 @@ import pytest
 from clitools import run_mpi
 
 from mpidp import nn
-from mpidp.partition import train_test_split
-from mpidp.sources import BowSource
+from mpidp.data.partition import train_test_split
+from mpidp.data.sources import BowSource
 
 BOW = ["--dataset", "bow", "--n-samples", "1500", "--n-features", "300", "--hidden", "16",
        "--batch-size", "128", "--no-progress"]

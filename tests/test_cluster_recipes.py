@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from mpidp.cli import build_parser
+from mpidp.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "examples" / "cluster"
@@ -104,7 +104,7 @@ def test_slurm_script_checkpoints_on_a_signal_and_requeues():
     parsed = build_parser().parse_args(["train", *args])
     assert parsed.resume and parsed.checkpoint_dir
     assert re.search(r"^srun --mpi=", text, re.M)
-    from mpidp.signals import PREEMPTED_EXIT, STOP_SIGNALS
+    from mpidp.run.signals import PREEMPTED_EXIT, STOP_SIGNALS
     assert getattr(signal, "SIG" + sig.group(1)) in STOP_SIGNALS
     block = re.search(r'if \[ "\$status" -eq (\d+) \]; then(.*?)\nfi', text, re.S)
     assert block and int(block.group(1)) == PREEMPTED_EXIT

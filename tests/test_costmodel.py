@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from clitools import run_mpi
 
-from mpidp import compress
-from mpidp import costmodel as M
+from mpidp.parallel import compress
+from mpidp.scale import costmodel as M
 
 FIT = M.Fit(alpha=2e-6, beta=1e-9, gamma=5e-10)
 

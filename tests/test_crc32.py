@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from mpidp import crc32
+from mpidp.data import crc32
 
 
 @pytest.mark.parametrize("len_a,len_b", [(0, 0), (1, 0), (0, 5), (7, 13), (1000, 1),

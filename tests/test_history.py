@@ -1,4 +1,4 @@
-"""mpidp.history: one JSON line per record, on disk as soon as it is written (a killed job
+"""mpidp.observe.history: one JSON line per record, on disk as soon as it is written (a killed job
 keeps them), strict JSON, derived figures, TensorBoard scalars and its missing-package
 error, files that honour the umask."""
 
@@ -14,7 +14,7 @@ import textwrap
 import pytest
 from clitools import ROOT
 
-from mpidp import history as H
+from mpidp.observe import history as H
 
 
 def test_lines_are_on_disk_before_close(tmp_path):
@@ -34,7 +34,7 @@ def test_killed_process_keeps_every_line(tmp_path):
     path = tmp_path / "history.jsonl"
     code = textwrap.dedent(f"""
         import os, signal
-        from mpidp.history import History
+        from mpidp.observe.history import History
         h = History({str(path)!r})
         for e in range(3):
             h.epoch({{"epoch": e + 1, "loss": 1.0 / (e + 1)}})
@@ -101,7 +101,7 @@ def test_append_continues_a_file(tmp_path):
 
 def test_file_honours_the_umask(tmp_path):
     path = tmp_path / "h.jsonl"
-    code = (f"import os; os.umask(0o077); from mpidp.history import History; "
+    code = (f"import os; os.umask(0o077); from mpidp.observe.history import History; "
             f"h = History({str(path)!r}); h.epoch({{'epoch': 1}}); h.close()")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60, check=True)
     assert path.stat().st_mode & 0o777 == 0o600

@@ -76,7 +76,7 @@ def test_no_import_cycles():
 @pytest.mark.parametrize("code", [
     "import mpidp",
     "import mpidp.nn; mpidp.nn.mlp(4, (8,), 2).init_(0)",
-    "import mpidp.partition, mpidp.sources, mpidp.nn.sparse, mpidp.costmodel",
+    "import mpidp.data.partition, mpidp.data.sources, mpidp.nn.sparse, mpidp.scale.costmodel",
     "import mpidp; mpidp.__version__",
 ])
 def test_importing_does_not_start_mpi(code):
@@ -89,7 +89,7 @@ def test_importing_does_not_start_mpi(code):
 def _cli_without_mpi(*args: str) -> subprocess.CompletedProcess:
     """``python -m mpidp ARGS`` in a process where mpi4py cannot be imported at all."""
     code = ("import sys; sys.modules['mpi4py'] = None; sys.argv = ['mpidp', *sys.argv[1:]]; "
-            "from mpidp.cli import main; sys.exit(main())")
+            "from mpidp.cli.main import main; sys.exit(main())")
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           cwd=str(ROOT))
 

@@ -71,7 +71,7 @@ def test_a_nan_stops_the_run_and_keeps_the_last_checkpoint(mode, tmp_path):
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert "non-finite loss or gradient" in r.stderr
     assert not (tmp_path / "out" / "model.npz").exists()
-    from mpidp.checkpoint import list_checkpoints, read
+    from mpidp.run.checkpoint import list_checkpoints, read
     files = list_checkpoints(str(tmp_path / "ck"))
     assert files, "a checkpoint was due before the NaN"
     meta, arrays = read(files[-1])  # verifies the checksum

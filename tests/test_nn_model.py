@@ -242,7 +242,7 @@ def test_build_errors():
 # ---------------------------------------------------------------------------- no MPI
 
 
-NO_MPI_FILES = sorted(PKG.joinpath("nn").glob("*.py")) + [PKG / "partition.py", PKG / "sources.py"]
+NO_MPI_FILES = sorted(PKG.joinpath("nn").glob("*.py")) + [PKG / "data" / "partition.py", PKG / "data" / "sources.py"]
 
 
 def _imports(path: Path) -> list[str]:
@@ -290,11 +290,11 @@ pkg = types.ModuleType("mpidp")
 pkg.__path__ = [{str(PKG)!r}]
 sys.modules["mpidp"] = pkg     # stub parent: mpidp/__init__.py is not executed
 import numpy as np
-import mpidp.nn, mpidp.partition, mpidp.sources
+import mpidp.nn, mpidp.data.partition, mpidp.data.sources
 m = mpidp.nn.mlp(3, (4,), 2).init_(0)
 assert m(np.ones((2, 3), np.float32)).shape == (2, 2)
-assert mpidp.partition.block_counts(5, 2).tolist() == [3, 2]
-assert mpidp.sources.open_source("synthetic", n_samples=10, n_features=3).n_samples == 10
+assert mpidp.data.partition.block_counts(5, 2).tolist() == [3, 2]
+assert mpidp.data.sources.open_source("synthetic", n_samples=10, n_features=3).n_samples == 10
 bad = [k for k in sys.modules if k.startswith("mpi4py") and sys.modules[k] is not None]
 assert not bad, bad
 assert "mpidp.comm" not in sys.modules

@@ -1,4 +1,4 @@
-"""Row ownership and batch composition (``mpidp.partition``): plain and property-based tests."""
+"""Row ownership and batch composition (``mpidp.data.partition``): plain and property-based tests."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpidp.partition import (
+from mpidp.data.partition import (
     block_counts,
     block_range,
     counts_displs,

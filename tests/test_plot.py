@@ -11,8 +11,8 @@ import sys
 import pytest
 from clitools import ROOT
 
-from mpidp import plot as P
-from mpidp.history import History
+from mpidp.observe import plot as P
+from mpidp.observe.history import History
 
 
 def _metrics(folder, sync, P_, losses, seconds=0.5, lr=0.05):
@@ -102,7 +102,7 @@ def test_missing_matplotlib_is_a_clear_error(runs, tmp_path, monkeypatch, capsys
 
 
 def test_plot_needs_no_mpi(runs, tmp_path):
-    code = ("import sys, argparse; from mpidp import plot as P; "
+    code = ("import sys, argparse; from mpidp.observe import plot as P; "
             "p = argparse.ArgumentParser(); P.add_parser(p.add_subparsers()); "
             f"rc = P.main(p.parse_args(['plot', {str(runs[0])!r}, '--out', {str(tmp_path / 'n.png')!r}])); "
             "assert rc == 0 and 'mpi4py' not in sys.modules")
@@ -122,7 +122,7 @@ def _timeline():
 
 def _trace_doc():
     """2 ranks x 3 steps; step 1 is slow on rank 1 (rank 0 waits for it)."""
-    from mpidp.trace import build
+    from mpidp.observe.trace import build
     parts = []
     for rank in (0, 1):
         ev, t = [], 0.0

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from clitools import run_mpi
 
-from mpidp.checkpoint import list_checkpoints, read
+from mpidp.run.checkpoint import list_checkpoints, read
 
 # 480 training samples / batch 32 = 15 steps per epoch; 3 epochs = 45 steps.
 ARGS = ["train", "--dataset", "synthetic", "--n-samples", "600", "--n-features", "10",

@@ -1,4 +1,4 @@
-"""Dataset sources (``mpidp.sources``): file formats, row reads, synthetic data and errors."""
+"""Dataset sources (``mpidp.data.sources``): file formats, row reads, synthetic data and errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from mpidp.sources import ArraySource, SyntheticSource, check_rows, open_source
+from mpidp.data.sources import ArraySource, SyntheticSource, check_rows, open_source
 
 h5py = pytest.importorskip("h5py")
 
@@ -512,7 +512,7 @@ def test_nan_is_reported_before_range():
 
 
 def test_scan_rows_reads_in_blocks_and_names_the_first_bad_row(tmp_path):
-    from mpidp.sources import scan_rows
+    from mpidp.data.sources import scan_rows
     X = np.ones((1000, 4))
     X[777, 3] = np.nan
     np.savez(tmp_path / "d.npz", X=X, y=np.zeros(1000))

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpidp import partition as Pt
-from mpidp.balance import balance_figures
-from mpidp.metrics import STEP_FIELDS
+from mpidp.data import partition as Pt
+from mpidp.data.balance import balance_figures
+from mpidp.data.sources import BowSource
 from mpidp.nn.sparse import CSR, SparseDense
-from mpidp.sources import BowSource
+from mpidp.observe.metrics import STEP_FIELDS
 
 FAST = settings(max_examples=120, deadline=None)
 sizes = st.integers(1, 9)
@@ -232,7 +232,7 @@ def test_adaptive_rebalances_a_2x_straggler_after_one_measurement():
 def test_step_timer_slowdown_stretches_the_local_work_but_not_the_update():
     import time
 
-    from mpidp.metrics import StepTimer
+    from mpidp.observe.metrics import StepTimer
     timer = StepTimer(slowdown=3.0)
     with timer.compute():
         time.sleep(0.02)  # forward/backward: scales with the rank's samples

@@ -1,4 +1,4 @@
-"""mpidp.trace: the step window, the trace document's structure (one process per rank,
+"""mpidp.observe.trace: the step window, the trace document's structure (one process per rank,
 named tracks, no overlapping spans on a track, counts that match the steps run) and the
 clock alignment, on 2 real ranks."""
 
@@ -12,7 +12,7 @@ import textwrap
 import pytest
 from clitools import ROOT, run_mpi
 
-from mpidp import trace as T
+from mpidp.observe import trace as T
 
 
 def test_window_keeps_only_steps_a_to_b_minus_1():
@@ -93,7 +93,7 @@ def test_overlaps_finds_partial_overlap_but_accepts_nesting():
 
 
 def test_importing_trace_history_plot_starts_no_mpi():
-    code = ("import sys, mpidp.trace, mpidp.history, mpidp.plot; "
+    code = ("import sys, mpidp.observe.trace, mpidp.observe.history, mpidp.observe.plot; "
             "assert 'mpi4py' not in sys.modules, 'mpi4py imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=ROOT, timeout=60)
@@ -104,7 +104,7 @@ SCRIPT = textwrap.dedent("""
     import socket, sys
     import numpy as np
     from mpidp import comm as C
-    from mpidp.trace import Tracer, write
+    from mpidp.observe.trace import Tracer, write
     comm = C.world()
     tr = Tracer(comm.rank, socket.gethostname(), steps=(1, 4))
     buf = np.ones(1000, np.float32)

@@ -46,16 +46,7 @@ from .collectives import (
     scatterv_rows,
 )
 from .measure import pingpong, time_allreduce
-from .p2p import (
-    MPI_REQUEST_NULL,
-    irecv,
-    isend,
-    recv_,
-    send,
-    test_all,
-    wait_all,
-    wait_any,
-)
+from .p2p import MPI_REQUEST_NULL, irecv, isend, recv_, send, test_all, wait_all, wait_any
 from .runtime import SHM_DIR, Comm, local_ranks, mpi_info, node_split, self_comm, split_off, world
 from .shm import SharedBroadcast, SharedCounter, SharedReduce, shm_room
 from .watchdog import Watchdog

@@ -2,7 +2,7 @@
 
 The work of :class:`SparseDense` is proportional to the number of non-zeros of the rows it
 is given (``O(nnz * n_out)`` forward and backward), which makes per-sample cost vary with
-the sample's length: the variable-cost ``bow`` workload of ``mpidp.sources``.
+the sample's length: the variable-cost ``bow`` workload of ``mpidp.data.sources``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,17 @@
-"""Strategies that combine communication, data and models."""
+"""Trainers and how they combine work: data parallelism with its gradient-exchange
+strategies, parameter servers, pipelines and hybrids, map/reduce.
 
-from ..nonfinite import ON_NONFINITE, NonFiniteError
-from ..stats import StepStats
-from .data_parallel import INIT_SYNC, DataParallel
+Names are imported on first use: importing a pure module of this package (the strategy
+names in :mod:`~mpidp.parallel.strategies`, the schedules in :mod:`~.stages`) starts no MPI.
+"""
 
-__all__ = ["INIT_SYNC", "ON_NONFINITE", "DataParallel", "NonFiniteError", "StepStats"]
-from .hybrid import PARALLEL, make_trainer, model_layers  # noqa: E402
-from .pipeline import Pipeline  # noqa: E402
+from .._lazy import exports
 
-__all__ += ["PARALLEL", "Pipeline", "make_trainer", "model_layers"]
+_NAMES = {
+    "DataParallel": ".data_parallel", "INIT_SYNC": ".data_parallel",
+    "Pipeline": ".pipeline", "PARALLEL": ".trainers", "make_trainer": ".trainers",
+    "model_layers": ".trainers", "ON_NONFINITE": "..run.nonfinite",
+    "NonFiniteError": "..run.nonfinite", "StepStats": "..run.stats",
+}
+__getattr__, __dir__ = exports(__name__, _NAMES)
+__all__ = sorted(_NAMES)

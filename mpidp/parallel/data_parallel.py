@@ -7,13 +7,13 @@ import copy
 
 import numpy as np
 
-from .. import checkpoint as ckpt
 from .. import comm as C
-from ..metrics import StepTimer
 from ..nn import Loss, Optimizer, Sequential
 from ..nn.optim import chunk_edges
-from ..nonfinite import ON_NONFINITE, Policy, all_finite
-from ..stats import StepStats
+from ..observe.metrics import StepTimer
+from ..run import checkpoint as ckpt
+from ..run.nonfinite import ON_NONFINITE, Policy, all_finite
+from ..run.stats import StepStats
 from . import buffer
 from .strategies import make_sync
 from .sync import Sync
@@ -223,7 +223,7 @@ class DataParallel:
         return bool(C.allreduce_(self.comm, flag, "min")[0])
 
     def finite_or_skip(self, finite: bool, loss_sum: float) -> bool:
-        """The NaN policy on a verdict every rank shares (:meth:`mpidp.nonfinite.Policy.apply`)."""
+        """The NaN policy on a verdict every rank shares (:meth:`mpidp.run.nonfinite.Policy.apply`)."""
         return self.policy.apply(finite, loss_sum, self.global_step)
 
     def evaluate(self, X: np.ndarray, y: np.ndarray, batch_size: int = 4096) -> StepStats:

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from .. import checkpoint as ckpt
 from .. import comm as C
-from ..metrics import StepTimer
 from ..nn import Layer, Loss, Optimizer, Sequential
-from ..nonfinite import Policy, all_finite
-from ..stats import StepStats
+from ..observe.metrics import StepTimer
+from ..run import checkpoint as ckpt
+from ..run.nonfinite import Policy, all_finite
+from ..run.stats import StepStats
 from . import buffer
 from . import stages as St
 
@@ -104,7 +104,7 @@ class Pipeline:
     balance : stage split by ``"params"`` (parameter count per layer) or ``"time"``
         (forward+backward seconds per layer measured on rank 0); or pass ``costs``.
     trace : record every op's start, end and CPU seconds in ``counters.trace``.
-    on_nonfinite : the NaN/Inf policy (:mod:`mpidp.nonfinite`): every stage checks its own
+    on_nonfinite : the NaN/Inf policy (:mod:`mpidp.run.nonfinite`): every stage checks its own
         summed gradients (the last stage its loss too) and one ``Allreduce`` of a flag over
         all ranks shares the verdict before any stage updates.
 

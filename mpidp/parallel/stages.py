@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from ..data.partition import block_counts
 from ..nn.layers import Layer
-from ..partition import block_counts
 
 SCHEDULES = ("gpipe", "1f1b")
 BALANCE = ("params", "time")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .. import comm as C
-from .param_server import ParameterServer, ShardedParameterServer
+from .ps import ParameterServer, ShardedParameterServer
 from .sync import Accumulate, Compressed, LocalSGD, Overlapped, PerLayer, Sync
 
 SYNCS = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "sharded-ps",

@@ -14,11 +14,10 @@ from typing import Protocol
 import numpy as np
 
 from .. import comm as C
-from .. import compress
-from ..metrics import StepTimer
 from ..nn import Optimizer, Sequential
-from ..nonfinite import Policy, all_finite
-from . import buffer
+from ..observe.metrics import StepTimer
+from ..run.nonfinite import Policy, all_finite
+from . import buffer, compress
 
 
 class Replica(Protocol):
@@ -79,7 +78,7 @@ class Sync:
         """After the checkpoint is written (every rank)."""
 
     def after_restore(self, dp: Replica) -> None:
-        """After :func:`mpidp.checkpoint.restore` filled ``dp.optimizer`` on every rank."""
+        """After :func:`mpidp.run.checkpoint.restore` filled ``dp.optimizer`` on every rank."""
 
     def exchange(self, dp: Replica) -> tuple[float, int, int, bool]:
         """Communicate and update; returns the global ``(loss_sum, count, correct, skipped)``."""

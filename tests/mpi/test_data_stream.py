@@ -12,9 +12,9 @@ from mpi_helpers import all_ranks, file_map, raises_everywhere
 
 import mpidp
 from mpidp import comm as C
-from mpidp import data as D
 from mpidp.comm import collectives as Coll
-from mpidp.partition import assign, positions_of, train_test_split
+from mpidp.data import distribute as D
+from mpidp.data.partition import assign, positions_of, train_test_split
 
 
 @pytest.fixture

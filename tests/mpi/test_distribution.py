@@ -11,7 +11,7 @@ from mpi_helpers import all_ranks, file_map, raises_everywhere
 
 import mpidp
 from mpidp.comm import scatterv_rows
-from mpidp.partition import block_counts
+from mpidp.data.partition import block_counts
 
 
 @pytest.mark.mpi(min_size=1)

@@ -11,7 +11,7 @@ import mpidp
 from mpidp import comm as C
 from mpidp import nn
 from mpidp.comm import collectives as Coll
-from mpidp.partition import block_counts
+from mpidp.data.partition import block_counts
 
 
 @pytest.fixture

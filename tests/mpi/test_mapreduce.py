@@ -10,9 +10,9 @@ import pytest
 from mpi_helpers import all_ranks, raises_everywhere
 
 import mpidp
-from mpidp.mapreduce import map_reduce
-from mpidp.partition import STRATEGIES
-from mpidp.sources import BowSource
+from mpidp.data.partition import STRATEGIES
+from mpidp.data.sources import BowSource
+from mpidp.parallel.mapreduce import map_reduce
 
 X = np.random.default_rng(5).standard_normal((101, 3))  # prime n
 

@@ -10,10 +10,10 @@ from mpi_helpers import all_ranks, raises_everywhere
 
 import mpidp
 from mpidp import nn
-from mpidp.balance import Partition, Plan, redistribute
-from mpidp.data import Shard
-from mpidp.partition import STRATEGIES, positions_of
-from mpidp.sources import BowSource
+from mpidp.data.balance import Partition, Plan, redistribute
+from mpidp.data.distribute import Shard
+from mpidp.data.partition import STRATEGIES, positions_of
+from mpidp.data.sources import BowSource
 
 RTOL, ATOL = 1e-9, 1e-11  # as in test_data_parallel.py: summation order only
 

@@ -16,11 +16,11 @@ from mpi_helpers import CountingComm, all_ranks, raises_everywhere
 
 import mpidp
 from mpidp import nn
-from mpidp.checkpoint import list_checkpoints, restore
-from mpidp.loop import Checkpointing
+from mpidp.data.partition import block_range
 from mpidp.parallel import Pipeline, make_trainer, model_layers
-from mpidp.partition import block_range
-from mpidp.train_pipeline import fit_pipeline, restore_checkpoint
+from mpidp.parallel.pipeline_fit import fit_pipeline, restore_checkpoint
+from mpidp.run.checkpoint import list_checkpoints, restore
+from mpidp.run.loop import Checkpointing
 
 RTOL, ATOL = 1e-9, 1e-11  # as in test_data_parallel: summation order differs, nothing else
 HIDDEN = (16, 12, 8)  # 7 layers: up to 4 stages with at least one layer each

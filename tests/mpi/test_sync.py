@@ -10,9 +10,9 @@ from mpi_helpers import all_ranks, raises_everywhere
 
 import mpidp
 from mpidp import nn
-from mpidp.nonfinite import NonFiniteError
 from mpidp.parallel.strategies import make_sync
 from mpidp.parallel.sync import Overlapped
+from mpidp.run.nonfinite import NonFiniteError
 
 RTOL, ATOL = 1e-9, 1e-11  # reduction order only: see test_data_parallel.py
 
@@ -82,7 +82,7 @@ def test_parameter_server_in_pieces_matches_single_process(comm, shared_memory, 
     """Gradients summed in shared memory, and the server updating in 64-byte pieces that
     workers copy out of its memory (or, with shared_memory=False, Reduce_scatter + Gatherv
     and one Bcast): still the single-process arithmetic, whichever rank serves."""
-    from mpidp.parallel.param_server import ParameterServer
+    from mpidp.parallel.ps import ParameterServer
     shard, X, y = _data(comm)
     root = comm.size - 1 if last_root else 0
     ps = ParameterServer(shared_memory=shared_memory, chunk_bytes=64)
@@ -107,7 +107,7 @@ def test_parameter_server_without_room_for_shared_windows_uses_mpi(comm, monkeyp
     """One rank finds too little free shared memory (a 64 MiB Docker /dev/shm and a big
     model): every rank takes the MPI path together, and training stays exact."""
     from mpidp import comm as C
-    from mpidp.parallel.param_server import ParameterServer
+    from mpidp.parallel.ps import ParameterServer
     if comm.rank == comm.size - 1:
         monkeypatch.setattr(C, "shm_room", lambda nbytes, path=None: False)
     shard, X, y = _data(comm)
@@ -124,7 +124,7 @@ def test_parameter_server_nan_policy_is_shared_by_every_rank(comm, shared_memory
     """A non-finite gradient on one rank: with "skip" every rank skips the same steps and
     the replicas stay equal (no worker waits for pieces that never come); with "stop" every
     rank raises."""
-    from mpidp.parallel.param_server import ParameterServer
+    from mpidp.parallel.ps import ParameterServer
     shard, _, _ = _data(comm)
     if comm.rank == comm.size - 1:
         shard.X[3] = np.nan
@@ -258,12 +258,12 @@ def test_bad_sync_options_fail_everywhere(comm):
 
 @pytest.mark.mpi(min_size=2)
 def test_async_parameter_server_terminates_and_accounts_for_every_push(comm):
-    from mpidp.parallel.param_server import train_async
+    from mpidp.parallel.async_ps import train_async
     shard, X, y = _data(comm, skip_rank=0)  # the server holds no data
     model = nn.mlp(6, (12, 8), 3, dtype=np.float64).init_(4)
     stats = train_async(model, nn.SGD(0.05), nn.SoftmaxCrossEntropy(), comm, shard, 3, 16, seed=2,
                         max_staleness=1)
-    pushes = comm.allreduce(sum(1 for e in range(3) for idx in mpidp.partition.local_batches(
+    pushes = comm.allreduce(sum(1 for e in range(3) for idx in mpidp.data.partition.local_batches(
         shard.n_total, 16, shard.start, shard.stop, e, 2) if len(idx)))
     all_ranks(comm, stats.applied + stats.dropped == pushes, f"{stats.applied}+{stats.dropped} != {pushes}")
     all_ranks(comm, mpidp.params_in_sync(comm, model.params))
@@ -279,14 +279,14 @@ def test_async_parameter_server_terminates_and_accounts_for_every_push(comm):
 def test_async_trace_and_straggler_timer(comm):
     """The server's trace has one row per push that adds up to the stats; a worker's timer
     counts its pushes, and the last worker's slowdown stretches its compute."""
-    from mpidp.metrics import StepTimer
-    from mpidp.parallel.param_server import TRACE_FIELDS, train_async
+    from mpidp.observe.metrics import StepTimer
+    from mpidp.parallel.async_ps import TRACE_FIELDS, train_async
     shard, _, _ = _data(comm, skip_rank=0)
     model = nn.mlp(6, (12, 8), 3, dtype=np.float64).init_(4)
     timer = StepTimer(slowdown=3.0 if comm.rank == comm.size - 1 else 1.0)
     stats = train_async(model, nn.SGD(0.05), nn.SoftmaxCrossEntropy(), comm, shard, 2, 16,
                         seed=2, max_staleness=1, timer=timer)
-    mine = sum(1 for e in range(2) for idx in mpidp.partition.local_batches(
+    mine = sum(1 for e in range(2) for idx in mpidp.data.partition.local_batches(
         shard.n_total, 16, shard.start, shard.stop, e, 2) if len(idx))
     all_ranks(comm, timer.steps == (0 if comm.rank == 0 else mine), f"{timer.steps} != {mine}")
     rows = timer.take_records()
@@ -336,8 +336,8 @@ def test_resume_mid_epoch_is_bit_identical(comm, shared_tmp, sync, optimizer, fi
     import os
     import shutil
 
-    from mpidp.checkpoint import restore
-    from mpidp.loop import Checkpointing
+    from mpidp.run.checkpoint import restore
+    from mpidp.run.loop import Checkpointing
     shard, _, _ = _data(comm)  # 150 rows, batches of 16: 10 steps per epoch
 
     def run(ck, resume=False, every=3):

@@ -9,7 +9,7 @@ No MPI here: the root rank calls these. A checkpoint folder holds
   never keeps it. On NFS, Linux maps ``flock`` to byte-range locks that the server enforces
   across hosts (and releases when a dead client's lease expires); on a filesystem without
   locks the file's contents decide (see :func:`lock_folder`);
-- ``ckpt-*.npz`` (see :mod:`mpidp.checkpoint`), and briefly ``.tmp-*`` files being written.
+- ``ckpt-*.npz`` (see :mod:`mpidp.run.checkpoint`), and briefly ``.tmp-*`` files being written.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Data-parallel map/reduce outside training: split a dataset over the ranks, apply the same
 NumPy function to every part, combine the results.
 
-Static mode uses any partition strategy (:mod:`mpidp.partition`); dynamic mode lets each
+Static mode uses any partition strategy (:mod:`mpidp.data.partition`); dynamic mode lets each
 rank take the next chunk of rows from a shared counter whenever it finishes one (work
 stealing), which balances work of unknown cost. Per-sample outputs can be combined in the
 original order either on one rank or in one ``.npy`` file that every rank writes its own
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import comm as C
-from .partition import assign, positions_of
+from .. import comm as C
+from ..data.partition import assign, positions_of
 
 REDUCTIONS = ("sum", "mean", "min", "max", "concat")
 
@@ -80,7 +80,7 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
     """Apply ``fn`` to every row of ``data`` across ``comm`` and combine the outputs.
 
     Collective. ``data``: an array (or memmap, or CSR) with the same rows on every rank, or a
-    :class:`mpidp.sources.Source` from which each rank reads only its rows. ``fn`` maps rows
+    :class:`mpidp.data.sources.Source` from which each rank reads only its rows. ``fn`` maps rows
     ``(m, ...)`` to per-row outputs ``(m, *out_shape)``. ``reduce``: ``sum``/``mean``/``min``/
     ``max`` over all rows (result ``out_shape``, float64, on every rank) or ``concat``: all
     outputs ``(n, *out_shape)`` in the original row order, on ``root``, or, with ``out``, in

@@ -1,9 +1,9 @@
 """Feeding pipelines (and hybrids) the same global batches as :func:`mpidp.fit`.
 
 Every rank passes the whole training set; each global batch is the next ``batch_size``
-positions of :func:`mpidp.partition.epoch_order`, replica ``r`` takes its block of it
-(:func:`mpidp.partition.block_range`), the first stage reads its rows of ``X`` and the last
-its targets. Training itself is the one loop, :func:`mpidp.loop.run`.
+positions of :func:`mpidp.data.partition.epoch_order`, replica ``r`` takes its block of it
+(:func:`mpidp.data.partition.block_range`), the first stage reads its rows of ``X`` and the last
+its targets. Training itself is the one loop, :func:`mpidp.run.loop.run`.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from . import comm as C
-from .checkpoint import State
-from .loop import Checkpointing, Loop, run
-from .parallel.pipeline import Pipeline
-from .partition import block_counts, block_range, epoch_order, steps_per_epoch
-from .signals import StopSignals
-from .stats import StepStats
+from .. import comm as C
+from ..data.partition import block_counts, block_range, epoch_order, steps_per_epoch
+from ..run.checkpoint import State
+from ..run.loop import Checkpointing, Loop, run
+from ..run.signals import StopSignals
+from ..run.stats import StepStats
+from .pipeline import Pipeline
 
 
 def check_batches(n: int, batch_size: int, drop_last: bool, n_replicas: int,
@@ -38,7 +38,7 @@ def check_batches(n: int, batch_size: int, drop_last: bool, n_replicas: int,
 
 
 class PipelineFeed:
-    """A :class:`mpidp.loop.Feed` for ``pipe`` over the whole training set ``(X, y)``."""
+    """A :class:`mpidp.run.loop.Feed` for ``pipe`` over the whole training set ``(X, y)``."""
 
     def __init__(self, pipe: Pipeline, X: np.ndarray, y: np.ndarray, batch_size: int,
                  seed: int, shuffle: bool, drop_last: bool, X_test=None, y_test=None) -> None:
@@ -77,7 +77,7 @@ def fit_pipeline(pipe: Pipeline, X: np.ndarray, y: np.ndarray, epochs: int, batc
                  watchdog: C.Watchdog | None = None,
                  on_step: Callable[[int, StepStats], None] | None = None) -> list[dict]:
     """Train ``pipe`` until ``epochs`` epochs of global batches of ``batch_size`` samples
-    are done (:func:`mpidp.loop.run`, so with faults, NaN policy, replica checks,
+    are done (:func:`mpidp.run.loop.run`, so with faults, NaN policy, replica checks,
     checkpoints and signals as in data-parallel training).
 
     Collective. ``X`` ``(n_samples, n_features)`` and ``y`` are the whole training set on

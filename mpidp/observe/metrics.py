@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from . import comm as C
+from .. import comm as C
 
 FIELDS = ("compute_s", "comm_s", "steps", "samples")
 
@@ -33,7 +33,7 @@ class StepTimer:
     update after the collective (the same on every rank whatever the split, so nothing a
     partition can rebalance) is not stretched.
 
-    ``tracer`` (a :class:`mpidp.trace.Tracer`, or None): every ``compute`` and
+    ``tracer`` (a :class:`mpidp.observe.trace.Tracer`, or None): every ``compute`` and
     ``communicate`` span also goes to the per-rank timeline, on the ``compute`` and ``comm``
     tracks (a compute span after the step's collective is named ``update``).
     """

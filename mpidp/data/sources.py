@@ -23,8 +23,8 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from ..nn.sparse import CSR
 from .crc32 import of_range
-from .nn.sparse import CSR
 
 BUILTIN = ("digits", "synthetic", "bow")
 ACCEPTED = ("expected 'digits', 'synthetic', 'bow', an .npz file with arrays X and y, a folder "

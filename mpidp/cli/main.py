@@ -19,9 +19,9 @@ import platform
 import sys
 from collections.abc import Sequence
 
-from . import __version__
+from .. import __version__
+from ..data.partition import STRATEGIES
 from .options import MODES
-from .partition import STRATEGIES
 
 EXIT_USAGE, EXIT_PREEMPTED = 2, 75
 NO_MPI = ("mpidp: cannot start MPI ({}). Install it with pip install 'mpidp[mpi]' (mpi4py and "
@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", default="out/model", help="folder for model.json, model.md, model.png")
     m.add_argument("--batch-size", type=_positive(int), default=512, help="global batch")
     add_predict(sub)
-    from . import plot
+    from ..observe import plot
     plot.add_parser(sub)
     return parser
 
@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _start_mpi():
     """``mpidp.comm`` (MPI starts here); a one-line hint and exit 2 when there is no MPI."""
     try:
-        from . import comm as C
+        from .. import comm as C
     except (ImportError, RuntimeError, OSError) as exc:
         print(NO_MPI.format(str(exc).splitlines()[0] if str(exc) else type(exc).__name__),
               file=sys.stderr, flush=True)
@@ -343,7 +343,7 @@ def info() -> dict:
               "blas": _blas_info(), "env": {k: os.environ[k] for k in sorted(os.environ)
                                               if k.startswith(("OPENBLAS", "OMP_", "MKL_"))}}
     try:
-        from . import comm as C
+        from .. import comm as C
     except (ImportError, RuntimeError, OSError) as exc:
         result["mpi"] = f"not available: {str(exc).splitlines()[0] if str(exc) else exc!r}"
         result["hosts"] = [platform.node()]
@@ -402,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         info()
         return 0
     if args.command == "plot":
-        from . import plot
+        from ..observe import plot
         return plot.main(args)
     from_file: set[str] = set()
     if args.command == "train" and args.config:
@@ -418,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # where it was before mpiexec ends the job.
     C = _start_mpi()
     comm = C.world()
-    from .signals import PREEMPTED_EXIT, Preempted
+    from ..run.signals import PREEMPTED_EXIT, Preempted
     try:
         if args.command == "train" and args.resume and args.checkpoint_dir:
             stored = C.root_decides(comm, _stored_config, args.checkpoint_dir)
@@ -443,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _stored_config(directory: str) -> dict | None:
     """The settings recorded in the newest readable checkpoint of ``directory`` (rank 0)."""
-    from .checkpoint import list_checkpoints, read
+    from ..run.checkpoint import list_checkpoints, read
     for path in reversed(list_checkpoints(directory) if os.path.isdir(directory) else []):
         try:
             return read(path)[0].get("config")
@@ -460,12 +460,12 @@ def _run(args, comm, parser: argparse.ArgumentParser, argv: list[str],
         after = argv[argv.index("train") + 1:]
         train(args, comm, given(_train_parser(parser), after) | set(from_file))
     elif args.command == "model":
-        from .calibrate import calibrate, format_report
-        from .calibrate import save as save_model
+        from ..scale.calibrate import calibrate, format_report
+        from ..scale.calibrate import save as save_model
         report = calibrate(comm, args.batch_size)
         if comm.rank == 0:
             print(format_report(report), "\nwrote " + ", ".join(save_model(report, args.out)),
                   flush=True)
     elif args.command == "predict":
-        from .cli_partition import predict
+        from .predict import predict
         predict(args, comm)

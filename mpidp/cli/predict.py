@@ -14,14 +14,14 @@ import zlib
 
 import numpy as np
 
-from . import comm as C
-from . import nn
-from .balance import Partition, Plan, format_balance
-from .data import Data
-from .mapreduce import map_reduce
-from .nn.sparse import CSR
-from .partition import block_range, train_test_split
-from .sources import open_source, scan_rows
+from .. import comm as C
+from .. import nn
+from ..data.balance import Partition, Plan, format_balance
+from ..data.distribute import Data
+from ..data.partition import block_range, train_test_split
+from ..data.sources import open_source, scan_rows
+from ..nn.sparse import CSR
+from ..parallel.mapreduce import map_reduce
 
 
 def _costs_arg(spec: str, n_samples: int):

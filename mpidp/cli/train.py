@@ -1,8 +1,8 @@
 """``mpidp train``: from command-line options to a finished run, in every mode.
 
-Options are checked against the mode first (:mod:`mpidp.options`); then data are loaded,
+Options are checked against the mode first (:mod:`mpidp.cli.options`); then data are loaded,
 the trainer for the mode is built, and every synchronous mode trains through the one loop
-(:func:`mpidp.loop.run`) with the same watchdog, signals, fault injection, NaN policy,
+(:func:`mpidp.run.loop.run`) with the same watchdog, signals, fault injection, NaN policy,
 replica check and checkpoints. ``async-ps`` runs its server/worker protocol, under the
 same watchdog, faults and NaN policy. The end is the same for all: replicas checked
 (a mismatch fails the run), ``model.npz`` and ``metrics.json`` written by rank 0.
@@ -19,23 +19,24 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import checkpoint as ck
-from . import comm as C
+from .. import comm as C
+from .. import nn
+from ..data import distribute as D
+from ..observe.metrics import format_timings, gather_timings
+from ..observe.watch import Watch, check_writable, log, say, setup_logging
+from ..parallel import DataParallel, make_trainer, model_layers
+from ..parallel.async_ps import train_async
+from ..parallel.pipeline_fit import fit_pipeline, restore_checkpoint
+from ..parallel.strategies import make_sync
+from ..run import checkpoint as ck
+from ..run import faults, memory
+from ..run.checkpoint import restore, write_atomic
+from ..run.folders import clean_stale_tmp
+from ..run.loop import Checkpointing, fit
+from ..run.signals import StopSignals
 from . import config as config_file
-from . import data as D
-from . import faults, memory, nn
 from . import options as O
-from .checkpoint import restore, write_atomic
-from .cli_partition import apply_slowdown, is_sparse, load_options, make_plan, summarize
-from .folders import clean_stale_tmp
-from .loop import Checkpointing, fit
-from .metrics import format_timings, gather_timings
-from .parallel import DataParallel, make_trainer, model_layers
-from .parallel.param_server import train_async
-from .parallel.strategies import make_sync
-from .signals import StopSignals
-from .train_pipeline import fit_pipeline, restore_checkpoint
-from .watch import Watch, check_writable, log, say, setup_logging
+from .predict import apply_slowdown, is_sparse, load_options, make_plan, summarize
 
 
 def check_out(args: argparse.Namespace) -> None:
@@ -55,7 +56,7 @@ def _config(args: argparse.Namespace, comm: C.Comm) -> dict:
 
 def resumed(comm: C.Comm, args: argparse.Namespace, config: dict, found):
     """The resume state from ``found`` (``(path, state)`` or None), after checking that the
-    checkpoint fits this run (:func:`mpidp.checkpoint.compare_resume`: same settings and
+    checkpoint fits this run (:func:`mpidp.run.checkpoint.compare_resume`: same settings and
     data, not more epochs done than asked); announces changed hyperparameters and records
     them in ``config["resume_changes"]``."""
     if found is None:
@@ -77,7 +78,7 @@ def resumed(comm: C.Comm, args: argparse.Namespace, config: dict, found):
 @contextmanager
 def claimed(comm: C.Comm, args: argparse.Namespace, config: dict):
     """Hold ``--checkpoint-dir`` for this run (rank 0 locks it; see
-    :func:`mpidp.checkpoint.claim`) and record the data's fingerprint in ``config``.
+    :func:`mpidp.run.checkpoint.claim`) and record the data's fingerprint in ``config``.
     Yields the run id (None without checkpoints). Collective."""
     if not args.checkpoint_dir:
         yield None

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from . import comm as C
+from .. import comm as C
+from ..nn import Optimizer, Sequential
 from .folders import (
     RUN_FILE,
     Claim,
@@ -38,7 +39,6 @@ from .folders import (
     write_atomic,
     write_run,
 )
-from .nn import Optimizer, Sequential
 
 PATTERN = "ckpt-{:010d}.npz"
 DAMAGED_PREFIX = "damaged-"
@@ -83,7 +83,7 @@ class State:
 def claim(directory: str, run_id: str, *, resume: bool, restart: bool = False) -> Claim:
     """Take checkpoint folder ``directory`` for run ``run_id``. Not collective: call it on
     the root rank before any checkpoint is read or written there; hold the returned
-    :class:`~mpidp.folders.Claim` for the whole run, then :meth:`~Claim.release` it.
+    :class:`~mpidp.run.folders.Claim` for the whole run, then :meth:`~Claim.release` it.
 
     In order: create the folder, take its lock (another live job holding it is refused),
     remove ``.tmp-*`` files that killed writers left, then decide ownership:
@@ -345,7 +345,7 @@ def data_fingerprint(spec: str, *, block: int = 1 << 16, n_blocks: int = 16) -> 
     bytes (the whole file when small). Reads at most about ``(n_blocks + 2) * block`` bytes
     per file. JSON-able. Raises ValueError naming a file that cannot be read.
     """
-    from .sources import BUILTIN
+    from ..data.sources import BUILTIN
     if spec in BUILTIN:
         return {"builtin": spec}
     paths = [os.path.join(spec, n) for n in ("X.npy", "y.npy")] if os.path.isdir(spec) else [spec]

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from .errors import MpidpError
+from ..errors import MpidpError
 
 ON_NONFINITE = ("stop", "skip", "ignore")
 

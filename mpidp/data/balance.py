@@ -1,7 +1,7 @@
 """Partitioning during training: who owns which samples each epoch, moving rows when that
 changes, and the load-balance figures measured on every rank.
 
-:class:`Partition` names a strategy (see :mod:`mpidp.partition`) and what it needs;
+:class:`Partition` names a strategy (see :mod:`mpidp.data.partition`) and what it needs;
 :class:`Plan` applies it inside :func:`mpidp.fit`: static strategies keep their owners,
 ``cost`` gives every epoch's global batches a cost-balanced owner, ``adaptive`` does the same
 with capacities re-measured from each rank's throughput. When the owner of samples changes
@@ -24,18 +24,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import comm as C
+from .. import comm as C
+from ..nn.sparse import CSR
+from ..observe.metrics import STEP_FIELDS, StepTimer
 from . import partition as Pt
-from .data import Shard
-from .metrics import STEP_FIELDS, StepTimer
-from .nn.sparse import CSR
+from .distribute import Shard
 
 _F = {name: i for i, name in enumerate(STEP_FIELDS)}
 
 
 @dataclass
 class Partition:
-    """A strategy by name (``mpidp.partition.STRATEGIES``) and its inputs.
+    """A strategy by name (``mpidp.data.partition.STRATEGIES``) and its inputs.
 
     costs : float ``(n,)`` per training position (``cost``/``adaptive``; unit costs if None).
     capacities : float ``(size,)`` relative rank speeds (``weighted``; ``adaptive``'s start).
@@ -63,7 +63,7 @@ class Partition:
             Pt.assign(self.strategy, n, size)
 
     def owner(self, n: int, size: int) -> np.ndarray:
-        """The initial owner ``(n,)`` (:func:`mpidp.partition.assign`)."""
+        """The initial owner ``(n,)`` (:func:`mpidp.data.partition.assign`)."""
         return Pt.assign(self.strategy, n, size, seed=self.seed, costs=self.costs,
                          capacities=self.capacities)
 

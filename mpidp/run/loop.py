@@ -21,13 +21,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import comm as C
-from .balance import Partition, Plan
+from .. import comm as C
+from ..data.balance import Partition, Plan
+from ..data.distribute import Shard
+from ..data.partition import steps_per_epoch
+from ..errors import MpidpError
 from .checkpoint import State
-from .data import Shard
-from .errors import MpidpError
 from .faults import Injector
-from .partition import steps_per_epoch
 from .signals import Preempted, StopSignals
 from .stats import StepStats
 
@@ -67,7 +67,7 @@ class Checkpointing:
     every: int  # steps between checkpoints (a final one is written at the end too)
     keep: int = 3
     config: dict = field(default_factory=dict)
-    run_id: str | None = None  # the folder's owner (mpidp.checkpoint.claim); None: unchecked
+    run_id: str | None = None  # the folder's owner (mpidp.run.checkpoint.claim); None: unchecked
 
     def __post_init__(self) -> None:
         if self.every < 1 or self.keep < 1:
@@ -256,19 +256,19 @@ def fit(dp, train: Shard, epochs: int, batch_size: int, seed: int = 0,
     """Train ``dp`` (a :class:`mpidp.DataParallel`) until ``epochs`` epochs of global batches
     of ``batch_size`` samples are done.
 
-    Collective. Epoch ``e`` visits positions in :func:`mpidp.partition.epoch_order` order,
+    Collective. Epoch ``e`` visits positions in :func:`mpidp.data.partition.epoch_order` order,
     so the global batches do not depend on the number of ranks. ``resume`` (from
-    :func:`mpidp.checkpoint.restore`) continues mid-epoch exactly where the checkpoint was
+    :func:`mpidp.run.checkpoint.restore`) continues mid-epoch exactly where the checkpoint was
     taken. Returns the history, one dict per epoch: ``epoch, loss, accuracy, test_loss,
     test_accuracy, seconds`` (global figures). Only rank 0 shows ``progress``;
     ``on_epoch`` is called on every rank.
 
-    ``partition`` (a :class:`mpidp.balance.Partition`, or a :class:`~mpidp.balance.Plan` to
+    ``partition`` (a :class:`mpidp.data.balance.Partition`, or a :class:`~mpidp.data.balance.Plan` to
     keep its trace) decides which rank owns which samples, epoch by epoch; rows move between
     ranks when that changes. Each record also has ``balance``: the epoch's load-balance
-    figures (:func:`mpidp.balance.balance_figures`), the same on every rank.
+    figures (:func:`mpidp.data.balance.balance_figures`), the same on every rank.
 
-    ``stop`` (:class:`mpidp.signals.StopSignals`): stop cleanly on SIGTERM/SIGUSR1;
+    ``stop`` (:class:`mpidp.run.signals.StopSignals`): stop cleanly on SIGTERM/SIGUSR1;
     ``watchdog`` (:class:`mpidp.comm.Watchdog`): end the job, naming the stalled ranks, when
     a rank makes no progress (a ``DataParallel(watchdog=...)`` already has one).
     """

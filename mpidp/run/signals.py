@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from .errors import MpidpError
+from ..errors import MpidpError
 
 #: Exit status after a stop on SIGTERM/SIGUSR1 (EX_TEMPFAIL: "try again": resume the run).
 PREEMPTED_EXIT = 75
@@ -67,14 +67,14 @@ class StopSignals:
                     self.requested = True
 
     def _interrupt(self) -> None:
-        from . import comm as C
+        from .. import comm as C
         sys.stderr.write(f"[mpidp] rank {self.comm.rank}/{self.comm.size}: interrupted "
                          "(SIGINT); ending the job.\n")
         C.abort_job(self.comm, 130)
 
     def agreed(self, comm) -> bool:
         """True on every rank once any rank has been asked to stop. Collective."""
-        from . import comm as C
+        from .. import comm as C
         self._flag[0] = self.requested
         return bool(C.allreduce_(comm, self._flag, "max")[0])
 

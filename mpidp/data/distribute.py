@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from . import comm as C
+from .. import comm as C
+from ..nn.sparse import CSR
 from . import crc32
-from .nn.sparse import CSR
 from .partition import (
     assign,
     block_counts,
@@ -475,7 +475,7 @@ def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
          root: int = 0, n_classes: int | None = None, partition: str = "block", costs=None,
          capacities=None, timings: dict | None = None, copy: bool = False,
          **source_kw) -> Data:
-    """Load dataset ``spec`` (see :func:`mpidp.sources.open_source`) split over ``comm``.
+    """Load dataset ``spec`` (see :func:`mpidp.data.sources.open_source`) split over ``comm``.
 
     Collective. ``distribute="scatter"``: ``root`` reads everything and sends each rank its
     rows with ``Scatterv``. ``"local"``: every rank reads only its own rows (memory-mapped
@@ -493,7 +493,7 @@ def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
     a rename is safe): rows not yet written would change, or reading them would end the
     process with SIGBUS. ``copy=True`` reads every row into private memory instead.
 
-    ``partition`` names the strategy (:data:`mpidp.partition.STRATEGIES`) that decides which
+    ``partition`` names the strategy (:data:`mpidp.data.partition.STRATEGIES`) that decides which
     training samples each rank holds (test samples are always split in blocks); ``costs``
     ``(n_samples,)`` are per-row costs of the whole dataset (default: the source's own, for
     the ``bow`` workload, else none) and ``capacities`` ``(size,)`` relative rank speeds.

@@ -17,7 +17,7 @@ rank's offset to rank 0 by ping-pong exchanges (see :func:`clock_offsets`) and s
 rank's times onto rank 0's clock, so spans of different ranks (and the arrows between them)
 line up to within the stated uncertainty, also across hosts.
 
-``import mpidp.trace`` does not start MPI: :mod:`mpidp.comm` is imported inside
+``import mpidp.observe.trace`` does not start MPI: :mod:`mpidp.comm` is imported inside
 :func:`write` and :func:`clock_offsets` only.
 """
 
@@ -133,7 +133,7 @@ def clock_offsets(comm, rounds: int = 8) -> tuple[float, float]:
     Chosen over "every rank leaves a Barrier at the same time": a Barrier releases ranks
     one message hop apart (more at larger P) and gives no error bound.
     """
-    from . import comm as C
+    from .. import comm as C
     buf = np.zeros(1, np.float64)
     if comm.rank == 0:
         res = np.zeros((comm.size, 2))
@@ -160,7 +160,7 @@ def clock_offsets(comm, rounds: int = 8) -> tuple[float, float]:
 def _gather_obj(comm, obj: Any) -> list | None:
     """Every rank's picklable ``obj`` in rank order on rank 0 (None elsewhere). Collective:
     one Allgather of sizes and one Gatherv of bytes."""
-    from . import comm as C
+    from .. import comm as C
     data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
     counts = C.allgather_counts(comm, data.size)
     joined = C.gatherv(comm, data)

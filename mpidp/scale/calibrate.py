@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 
-from . import comm as C
+from .. import comm as C
+from .. import nn
 from . import costmodel as M
-from . import nn
 
 SIZES = [2**k for k in range(3, 25, 3)]  # 8 B .. 16 MiB
 EVICT_BYTES = 32 << 20  # read before each timed Allreduce: past the L2 and most L3 caches

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from . import comm as C
+from .. import comm as C
 from .history import History
 from .trace import Tracer, parse_window
 from .trace import write as write_trace
