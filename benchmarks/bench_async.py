@@ -27,7 +27,7 @@ import mpidp
 from mpidp import nn
 from mpidp.data.partition import local_batches
 from mpidp.observe.metrics import StepTimer
-from mpidp.parallel.async_ps import TRACE_FIELDS, train_async
+from mpidp.parallel.async_ps import TRACE_FIELDS, AsyncPS, fit_async
 from mpidp.parallel.strategies import make_sync
 
 MODES = ("sync", "async")
@@ -95,9 +95,9 @@ def run_async(comm, train, test, init, args, slowdown: float) -> dict:
     model.params[...] = init
     comm.Barrier()
     t0 = MPI.Wtime()
-    stats = train_async(model, nn.SGD(args.lr), nn.SoftmaxCrossEntropy(), comm, train,
-                        args.epochs, args.batch_size, seed=args.seed,
-                        max_staleness=args.max_staleness, timer=StepTimer(slowdown=slowdown))
+    ps = AsyncPS(model, nn.SGD(args.lr), nn.SoftmaxCrossEntropy(), comm, args.max_staleness,
+                 timer=StepTimer(slowdown=slowdown))
+    stats = fit_async(ps, train, args.epochs, args.batch_size, seed=args.seed)
     comm.Barrier()
     wall = MPI.Wtime() - t0
     trace = [(t, loss, count) for t, loss, count, *_ in stats.trace]

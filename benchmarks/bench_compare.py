@@ -254,7 +254,7 @@ def speed_async(comm, a, wire: Wire) -> dict:
     from mpidp import nn
     from mpidp.data.distribute import Shard
     from mpidp.observe.metrics import StepTimer
-    from mpidp.parallel.async_ps import train_async
+    from mpidp.parallel.async_ps import AsyncPS, fit_async
     from mpidp.parallel.pipeline import _held_bytes
     model = nn.Sequential(_layers()[0], N_IN, np.float32).init_(0)
     opt, loss = _optimizer(), nn.SoftmaxCrossEntropy()
@@ -268,8 +268,8 @@ def speed_async(comm, a, wire: Wire) -> dict:
 
     timer = StepTimer()
     warm = shard(a.batch * max(a.warmup, 1), None)
-    train_async(model, opt, loss, comm, warm, 1, a.batch, timer=timer,
-                max_staleness=a.max_staleness)
+    ps = AsyncPS(model, opt, loss, comm, a.max_staleness, timer=timer)
+    fit_async(ps, warm, 1, a.batch)
     w = _per_step(timer.take_records(), max(a.warmup, 1))
     caps = (_balanced_caps(comm, "async", len(warm.X), w["compute_s"])
             if a.split == "balanced" else None)
@@ -277,8 +277,7 @@ def speed_async(comm, a, wire: Wire) -> dict:
     comm.Barrier()
     t, c = time.perf_counter(), time.process_time()
     wire.on = True
-    stats = train_async(model, opt, loss, comm, data, 1, a.batch, timer=timer,
-                        max_staleness=a.max_staleness)
+    stats = fit_async(ps, data, 1, a.batch)
     wire.on = False
     wall = comm.allreduce(time.perf_counter() - t, op=__import__("mpi4py").MPI.MAX)
     cpu = time.process_time() - c
@@ -324,7 +323,7 @@ def conv(comm, a) -> list:
     from mpidp import nn
     from mpidp.data.distribute import Shard
     from mpidp.data.partition import block_range
-    from mpidp.parallel.async_ps import train_async
+    from mpidp.parallel.async_ps import AsyncPS, fit_async
     n = a.n_conv
     if a.column == "async":
         counts = _split(comm, "async", n, None)
@@ -332,9 +331,8 @@ def conv(comm, a) -> list:
         X, y = _data(n, np.arange(lo, lo + counts[comm.rank]))
         model = nn.Sequential(_layers()[0], N_IN, np.float32).init_(0)
         comm.Barrier()
-        stats = train_async(model, _optimizer(), nn.SoftmaxCrossEntropy(), comm,
-                            Shard(X, y, lo, n), a.epochs, a.batch,
-                            max_staleness=a.max_staleness)
+        ps = AsyncPS(model, _optimizer(), nn.SoftmaxCrossEntropy(), comm, a.max_staleness)
+        stats = fit_async(ps, Shard(X, y, lo, n), a.epochs, a.batch)
         return stats.trace if comm.rank == 0 else None
     X, y = _data(n)
     if a.column in ("dp", "ps"):

@@ -184,13 +184,14 @@ def launch(a, P: int, extra: list[str], tmp: Path) -> list:
 
 def param_bytes_model(w: int, d: int, P: int, mode: str) -> list[int]:
     """Predicted parameter + gradient bytes per rank (float32), from the stage split alone."""
+    from mpidp.parallel import buffer
     from mpidp.parallel import stages as St
-    counts = St.param_counts(_layers(w, d)[0])
+    counts, extras = St.param_counts(_layers(w, d)[0]), 4 * buffer.N_EXTRA
     if mode == "data":
-        return [8 * sum(counts) + 12] * P
+        return [8 * sum(counts) + extras] * P
     S = 2 if mode == "hybrid" else P
     b = St.split_stages(counts, S)
-    return [8 * sum(counts[b[r % S]:b[r % S + 1]]) + 12 for r in range(P)]
+    return [8 * sum(counts[b[r % S]:b[r % S + 1]]) + extras for r in range(P)]
 
 
 def largest_width(a, mode: str, P: int) -> int:

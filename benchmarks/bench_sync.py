@@ -37,7 +37,7 @@ class ComputeOnly(Sync):
 
     name = "compute-only"
 
-    def reduce(self, dp) -> None:
+    def reduce(self) -> None:
         pass
 
 

@@ -5,7 +5,8 @@ Public API::
     from mpidp import DataParallel, fit, load, nn
     from mpidp import Partition, map_reduce  # partition strategies, map/reduce
 
-``import mpidp`` and ``import mpidp.nn`` do not start MPI: the names that need it are
+``import mpidp`` and ``import mpidp.nn`` do not start MPI, nor do the pure names
+(``MpidpError``, ``Partition``, ``checksum``, ``partition``, ``nn``); the names that need it are
 imported on first use, and MPI starts then (with the hook that turns an uncaught exception
 on any rank into ``MPI_Abort``; ``MPIDP_ABORT_ON_ERROR=0`` turns that off).
 """
@@ -20,13 +21,13 @@ blas_threads_default()  # before numpy loads BLAS: see mpidp/_threads.py
 __version__ = "0.2.0"
 
 _LAZY = {
-    "Checkpointing": ".run.loop", "fit": ".run.loop", "Data": ".data.distribute",
+    "Checkpointing": ".run.spec", "fit": ".parallel.data_parallel", "Data": ".data.distribute",
     "Shard": ".data.distribute", "load": ".data.distribute",
-    "shard_from_arrays": ".data.distribute", "Partition": ".data.balance",
+    "shard_from_arrays": ".data.distribute", "Partition": ".data.partition",
     "Plan": ".data.balance", "MpidpError": ".errors", "abort_on_error": ".comm",
-    "assert_in_sync": ".comm", "checksum": ".comm", "params_in_sync": ".comm",
+    "assert_in_sync": ".comm", "checksum": ".digest", "params_in_sync": ".comm",
     "map_reduce": ".parallel.mapreduce", "DataParallel": ".parallel.data_parallel",
-    "StepStats": ".run.stats", "nn": None, "partition": ".data.partition",
+    "StepStats": ".run.stats", "RunSpec": ".run.spec", "nn": None, "partition": ".data.partition",
 }
 __getattr__, __dir__ = exports(__name__, _LAZY)
 __all__ = sorted(_LAZY)

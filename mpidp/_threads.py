@@ -2,7 +2,7 @@
 
 When several ranks share a node, each rank's BLAS would otherwise start one thread per
 core: P ranks x C threads fight over C cores and spinning BLAS threads starve MPI's
-progress (seen here: 12-20 ms stalls per Allreduce after an evaluation pass). Like
+progress (stalls of many milliseconds per Allreduce after an evaluation pass). Like
 ``torchrun``, mpidp then defaults each rank to ``cores // ranks_on_this_node`` threads.
 Variables the user set are never changed. The count of ranks on the node comes from the
 launcher's environment, so this runs before MPI starts (and without an MPI library).

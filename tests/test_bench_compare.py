@@ -68,13 +68,13 @@ def test_fault_row_killed_and_resumed(result):
 
 
 def test_bytes_match_the_model(result):
-    """Data parallel: one Allreduce of the float32 gradient buffer (params + 3 figures),
+    """Data parallel: one Allreduce of the float32 gradient buffer (params + 4 figures),
     2(P-1)/P of it each way per rank at P = 2; a pipeline stage of 2 sends one way the
     activations of the batch (128 x 1024 float32)."""
     res, _ = result
     runs = {(s["column"], s["split"]): s["ranks"] for s in res["speed"]}
     n_params = 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
-    assert [r["sent"] for r in runs[("dp", "default")]] == [4.0 * (n_params + 3)] * 2
+    assert [r["sent"] for r in runs[("dp", "default")]] == [4.0 * (n_params + 4)] * 2
     assert runs[("pipeline", "default")][0]["sent"] == 128 * 1024 * 4
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mpidp.parallel import buffer
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -38,10 +40,12 @@ def test_bench_parallel_small(tmp_path):
     n_params = 4 * (64 * 64 + 64)  # four Dense 64 x 64 layers with biases
     runs = {r["mode"]: r["ranks"] for r in res["runs"]}
     assert set(runs) == {"data", "gpipe", "1f1b"}
-    # data parallel: params + (grads, loss, count, correct) in float32 on every rank
-    assert [r["param_bytes"] for r in runs["data"]] == [4 * (2 * n_params + 3)] * 2
+    # data parallel: params + (grads, loss, count, correct, stop) in float32 on every rank
+    extras = buffer.N_EXTRA
+    assert extras == 4
+    assert [r["param_bytes"] for r in runs["data"]] == [4 * (2 * n_params + extras)] * 2
     for mode in ("gpipe", "1f1b"):  # two stages of two layers each
-        assert [r["param_bytes"] for r in runs[mode]] == [4 * (n_params + 3)] * 2
+        assert [r["param_bytes"] for r in runs[mode]] == [4 * (n_params + extras)] * 2
         # each stage sends 512 rows of 64 float32 one way per step
         assert [r["comm_bytes"] for r in runs[mode]] == [512 * 64 * 4] * 2
     assert res["targets"]["pipeline_params_le_share_plus_imbalance"] is True
@@ -67,7 +71,7 @@ def test_bench_sync_small(tmp_path):
     assert modes["allreduce"]["paired_ratio_to_handwritten"] == pytest.approx(
         float(np.median([a["step_s"] / h["step_s"] for a, h in zip(ar, hw)])))
     n_params = 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
-    buf = 4 * (n_params + 3)  # gradients, loss, count, correct
+    buf = 4 * (n_params + buffer.N_EXTRA)  # gradients, loss, count, correct, stop
     assert modes["allreduce"]["bytes_per_step"] == buf
     # mean over the ranks: the worker sends its buffer, the server broadcasts the parameters
     assert modes["ps"]["bytes_per_step"] == (buf + 4 * n_params) / 2

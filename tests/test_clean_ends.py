@@ -86,7 +86,7 @@ def _wait_for_epoch(out, timeout: float = 60) -> None:
 
 PRELUDE = (
     "import sys, time\nimport numpy as np\nimport mpidp\nfrom mpi4py import MPI\n"
-    "from mpidp import nn\nfrom mpidp.run.loop import Checkpointing\n"
+    "from mpidp import nn\nfrom mpidp.run.spec import Checkpointing\n"
     "comm = MPI.COMM_WORLD\n"
     "X = np.random.default_rng(0).standard_normal((400, 4))\n"
     "y = (X[:, 0] > 0).astype(np.int64)\n"

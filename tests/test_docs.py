@@ -136,6 +136,18 @@ def test_layout_names_every_module_and_only_modules_that_exist(path):
     wanted = [f"{p.name}" for p in pkg.glob("*.py") if not p.name.startswith("__")]
     wanted += [f"{p.name}/" for p in pkg.iterdir() if (p / "__init__.py").exists()]
     missing = [w for w in wanted if w not in layout]
+    if path == README:  # one line per module, each under its package
+        lines = layout.splitlines()
+        for p in sorted(pkg.glob("*/*.py")):
+            if p.name == "__init__.py":
+                continue
+            head = next((i for i, line in enumerate(lines)
+                         if line.strip().startswith(f"{p.parent.name}/")), None)
+            ends = [i for i, line in enumerate(lines) if i > (head or 0)
+                    and re.match(r"^ {2}[a-z_]+/", line)]
+            body = lines[head + 1:ends[0] if ends else None] if head is not None else []
+            if not any(line.strip().startswith(p.name) for line in body):
+                missing.append(f"{p.parent.name}/{p.name}")
     existing = {p.name for d in ("mpidp", "tests", "benchmarks", "examples")
                 for p in (ROOT / d).rglob("*.py")}
     stale = sorted({n for n in re.findall(r"\b(\w+\.py)\b", layout)} - existing)

@@ -242,7 +242,8 @@ def test_build_errors():
 # ---------------------------------------------------------------------------- no MPI
 
 
-NO_MPI_FILES = sorted(PKG.joinpath("nn").glob("*.py")) + [PKG / "data" / "partition.py", PKG / "data" / "sources.py"]
+NO_MPI_FILES = sorted(PKG.joinpath("nn").glob("*.py")) + [
+    PKG / "data" / name for name in ("partition.py", "sources.py", "rows.py")] + [PKG / "digest.py"]
 
 
 def _imports(path: Path) -> list[str]:

@@ -1,9 +1,10 @@
 """mpidp plot: runs read from metrics.json or (killed) history.jsonl, labelled from their
-configurations, drawn into a non-trivial PNG; bad folders are clear errors; no MPI."""
+configurations, drawn into a non-trivial PNG; bad folders are clear errors; no MPI; the
+command line (:mod:`mpidp.cli.plot`) apart from the drawing (:mod:`mpidp.observe.plot`)."""
 
 from __future__ import annotations
 
-import argparse
+import ast
 import json
 import subprocess
 import sys
@@ -11,6 +12,9 @@ import sys
 import pytest
 from clitools import ROOT
 
+from mpidp.cli import build_parser
+from mpidp.cli import main as cli_main
+from mpidp.cli import plot as cli_plot
 from mpidp.observe import plot as P
 from mpidp.observe.history import History
 
@@ -27,9 +31,7 @@ def _metrics(folder, sync, P_, losses, seconds=0.5, lr=0.05):
 
 
 def _parse(argv):
-    parser = argparse.ArgumentParser(prog="mpidp")
-    P.add_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(argv)
+    return build_parser().parse_args(argv)
 
 
 @pytest.fixture
@@ -81,14 +83,47 @@ def test_plot_draws_every_run_into_a_png(runs, tmp_path):
 def test_main_reads_args_and_one_axis(runs, tmp_path, capsys):
     out = tmp_path / "one.png"
     args = _parse(["plot", *map(str, runs[:2]), "--out", str(out), "--x", "seconds"])
-    assert P.main(args) == 0
-    assert out.exists() and "wrote" in capsys.readouterr().out
+    assert (args.runs, args.out, args.x, args.title) == ([str(runs[0]), str(runs[1])],
+                                                         str(out), "seconds", None)
+    assert cli_plot.main(args) == 0
+    assert out.exists() and capsys.readouterr().out == f"wrote {out} (2 runs)\n"
+
+
+def test_the_command_line_draws_like_the_functions(runs, tmp_path, capsys):
+    one, two = tmp_path / "cli.png", tmp_path / "lib.png"
+    assert cli_main(["plot", str(runs[2]), "--out", str(one), "--x", "epochs", "--title",
+                     "t"]) == 0
+    assert capsys.readouterr().out == f"wrote {one} (1 run)\n"
+    P.need_matplotlib()
+    P.draw(P.load_runs([str(runs[2])]), str(two), "epochs", "t")
+    import matplotlib.image as mpimg
+    assert (mpimg.imread(str(one)) == mpimg.imread(str(two))).all()
+
+
+def test_plot_options_and_defaults():
+    args = _parse(["plot", "r", "--out", "f.png"])
+    assert (args.command, args.runs, args.out, args.x, args.title) == ("plot", ["r"], "f.png",
+                                                                       "both", None)
+    with pytest.raises(SystemExit):
+        _parse(["plot", "r"])  # --out is required
+    with pytest.raises(SystemExit):
+        _parse(["plot", "--out", "f.png"])  # at least one run folder
+    with pytest.raises(SystemExit):
+        _parse(["plot", "r", "--out", "f.png", "--x", "steps"])
+
+
+def test_the_drawing_module_takes_no_namespace():
+    tree = ast.parse((ROOT / "mpidp" / "observe" / "plot.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "argparse" not in imported and "sys" not in imported
+    assert not hasattr(P, "main") and not hasattr(P, "add_parser")
 
 
 def test_folder_without_results_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     args = _parse(["plot", str(tmp_path / "empty"), "--out", str(tmp_path / "x.png")])
-    assert P.main(args) == 2
+    assert cli_plot.main(args) == 2
     err = capsys.readouterr().err
     assert "no metrics.json or history.jsonl" in err and "--out" in err
     assert not (tmp_path / "x.png").exists()
@@ -97,15 +132,17 @@ def test_folder_without_results_is_a_clear_error(tmp_path, capsys):
 def test_missing_matplotlib_is_a_clear_error(runs, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     args = _parse(["plot", str(runs[0]), "--out", str(tmp_path / "x.png")])
-    assert P.main(args) == 2
-    assert "pip install" in capsys.readouterr().err
+    assert cli_plot.main(args) == 2
+    assert capsys.readouterr().err == f"mpidp: error: {P.NEED_MATPLOTLIB}\n"
+    assert not (tmp_path / "x.png").exists()
+    with pytest.raises(ImportError, match="pip install"):
+        P.need_matplotlib()
 
 
 def test_plot_needs_no_mpi(runs, tmp_path):
-    code = ("import sys, argparse; from mpidp.observe import plot as P; "
-            "p = argparse.ArgumentParser(); P.add_parser(p.add_subparsers()); "
-            f"rc = P.main(p.parse_args(['plot', {str(runs[0])!r}, '--out', {str(tmp_path / 'n.png')!r}])); "
-            "assert rc == 0 and 'mpi4py' not in sys.modules")
+    code = ("import sys; from mpidp.cli import main; "
+            f"rc = main(['plot', {str(runs[0])!r}, '--out', {str(tmp_path / 'n.png')!r}]); "
+            "assert rc == 0 and 'mpi4py' not in sys.modules, rc")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr

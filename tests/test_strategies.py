@@ -271,3 +271,37 @@ def test_bow_rows_are_sorted_by_length_and_reproducible():
     np.testing.assert_array_equal(X.toarray(), X2[np.array([5, 2999, 1500])].toarray())
     np.testing.assert_array_equal(X.row_lengths(), src.lengths[[5, 2999, 1500]])
     assert (y == y2[[5, 2999, 1500]]).all() and len(np.unique(y2)) > 3
+
+
+# --- gradient-exchange strategies: names, the reduced buffer's slots, the NaN policy -----
+
+def test_sync_names_import_without_mpi():
+    import subprocess
+    import sys
+    code = ("import sys, mpidp.parallel.strategies as s, mpidp.cli.options as o; "
+            "assert 'mpi4py.MPI' not in sys.modules, 'MPI started'; "
+            "assert o.SYNC_MODES is s.SYNCS and 'allreduce' in s.SYNCS")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_buffer_slots_carry_totals_and_the_stop_request():
+    from mpidp.parallel import buffer
+    buf = buffer.new(5, np.float32)
+    assert buf.shape == (5 + buffer.N_EXTRA,) and buffer.EXTRAS[-1] == "stop"
+    buffer.put(buf, 5, 2.5, 4, 3, stop=False)
+    buffer.put(buf, 5, 1.0, 2, 1, stop=True, add=True)  # accumulated; the request is set
+    assert buffer.totals(buf, 5) == (3.5, 6, 4) and buffer.stopping(buf, 5)
+    buffer.put(buf, 5, 0.5, 1, 0, stop=False)
+    assert buffer.totals(buf, 5) == (0.5, 1, 0) and not buffer.stopping(buf, 5)
+    summed = buf + np.eye(1, buf.size, buf.size - 1, dtype=np.float32)[0]  # one rank asked
+    assert buffer.stopping(summed, 5)
+
+
+def test_policy_counts_every_skipped_step_and_stops_before_the_update():
+    from mpidp.run.nonfinite import NonFiniteError, Policy
+    skip, stop, ignore = Policy("skip"), Policy("stop"), Policy("ignore")
+    assert skip.apply(True, 1.0, 0) and not skip.apply(False, float("nan"), 1, steps=3)
+    assert not skip.apply(False, float("nan"), 2) and skip.skipped == 4
+    with pytest.raises(NonFiniteError, match="step 7"):
+        stop.apply(False, float("nan"), 7)
+    assert ignore.apply(False, float("nan"), 0) and not ignore.checks and ignore.skipped == 0

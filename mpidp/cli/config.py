@@ -51,25 +51,45 @@ def _value(v) -> str:
 def tokens(table: dict, parser: argparse.ArgumentParser, skip: Iterable[str] = (),
            source: str = "the configuration") -> list[str]:
     """Command-line tokens for ``table`` (option name -> value), leaving out the options in
-    ``skip`` (given on the command line) and :data:`NOT_STORED`. ValueError names a key
-    that is no option of ``parser``."""
+    ``skip`` (given on the command line) and :data:`NOT_STORED`. ValueError names
+    ``source`` and the key when a key is no option of ``parser``, names an option twice
+    (``batch-size`` and ``batch_size``), or holds a value its flag would refuse."""
     actions = {a.dest: a for a in parser._actions}  # noqa: SLF001 - argparse offers no map
-    skip, out = set(skip) | NOT_STORED, []
+    skip, out, seen = set(skip) | NOT_STORED, [], {}
     for key, value in table.items():
         dest = key.replace("-", "_")
+        if dest in seen:
+            raise ValueError(f"{source}: {seen[dest]} and {key} are the same option")
+        seen[dest] = key
         if dest in skip or value is None or value == {}:
             continue
         action = actions.get(dest)
-        if action is None or not action.option_strings:
+        if action is None or not action.option_strings or dest == "help":
             raise ValueError(f"{source}: {key!r} is not an option of mpidp train")
         flag = action.option_strings[-1]
         if action.nargs == 0:  # store_true
             if not isinstance(value, bool):
-                raise ValueError(f"{source}: {key} must be true or false, got {value!r}")
+                raise ValueError(f"{source}: {key} must be true or false, got {_toml(value)}")
             out += [flag] if value else []
         else:
-            out += [flag, _value(value)]
+            out += [flag, _checked(action, key, value, source)]
     return out
+
+
+def _checked(action: argparse.Action, key: str, value, source: str) -> str:
+    """``value`` as the text of ``action``'s flag; ValueError naming ``source`` and ``key``
+    when the flag would refuse it."""
+    text = _value(value)
+    try:
+        if isinstance(value, bool):
+            raise ValueError("takes a value, not true or false")
+        parsed = action.type(text) if callable(action.type) else text
+    except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: {key} = {_toml(value)}: {exc}") from None
+    if action.choices is not None and parsed not in action.choices:
+        raise ValueError(f"{source}: {key} = {_toml(value)}: choose from "
+                         + ", ".join(map(str, action.choices)))
+    return text
 
 
 def _toml(v) -> str:
@@ -83,8 +103,12 @@ def _toml(v) -> str:
         return "[" + ", ".join(_toml(x) for x in v) + "]"
     if isinstance(v, dict):  # --slowdown: write it as the flag's text
         return _toml(_value(v))
-    text = str(v).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{text}"'
+    return '"' + "".join(_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if c < " " or c == "\x7f" else c)
+                         for c in str(v)) + '"'
+
+
+#: Characters a TOML basic string writes as an escape (other control characters: \uXXXX).
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
 
 def dumps(config: dict) -> str:

@@ -23,7 +23,7 @@ from .. import __version__
 from ..data.partition import STRATEGIES
 from .options import MODES
 
-EXIT_USAGE, EXIT_PREEMPTED = 2, 75
+EXIT_USAGE = 2
 NO_MPI = ("mpidp: cannot start MPI ({}). Install it with pip install 'mpidp[mpi]' (mpi4py and "
           "the mpich wheel), or build mpi4py against your cluster's MPI: "
           "pip install --no-binary mpi4py mpi4py")
@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", default="out/model", help="folder for model.json, model.md, model.png")
     m.add_argument("--batch-size", type=_positive(int), default=512, help="global batch")
     add_predict(sub)
-    from ..observe import plot
+    from . import plot
     plot.add_parser(sub)
     return parser
 
@@ -351,7 +351,7 @@ def info() -> dict:
         return result
     comm = C.world()
     result["mpi"] = C.mpi_info(comm)
-    result["hosts"] = C.bcast_obj(comm, comm.gather(platform.node(), root=0))
+    result["hosts"] = C.bcast_obj(comm, C.gather_obj(comm, platform.node()))
     if comm.rank == 0:
         print(json.dumps(result, indent=2), flush=True)
     return result
@@ -402,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         info()
         return 0
     if args.command == "plot":
-        from ..observe import plot
+        from . import plot
         return plot.main(args)
     from_file: set[str] = set()
     if args.command == "train" and args.config:

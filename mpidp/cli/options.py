@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-SYNC_MODES = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "sharded-ps",
-              "accumulate", "local-sgd")
+from ..parallel.strategies import SYNCS as SYNC_MODES
+
 MODES = (*SYNC_MODES, "async-ps", "pipeline", "hybrid")
 MODEL_PARALLEL = ("pipeline", "hybrid")
 ALL = frozenset(MODES)

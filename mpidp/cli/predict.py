@@ -1,12 +1,10 @@
-"""Command-line pieces for partitioning and load balance: the ``train`` options
-(``--partition``, ``--costs``, ``--capacities``, ``--adapt-every``, ``--slowdown``,
-``--trace``), their summary, and ``mpidp predict`` (map/reduce over a dataset)."""
+"""``mpidp predict``: a saved model applied to a dataset across the ranks (map/reduce),
+every rank writing its own rows of one ``.npy`` file."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import zipfile
@@ -16,63 +14,11 @@ import numpy as np
 
 from .. import comm as C
 from .. import nn
-from ..data.balance import Partition, Plan, format_balance
-from ..data.distribute import Data
 from ..data.partition import block_range, train_test_split
 from ..data.sources import open_source, scan_rows
 from ..nn.sparse import CSR
 from ..parallel.mapreduce import map_reduce
 
-
-def _costs_arg(spec: str, n_samples: int):
-    if spec in ("auto", "uniform"):
-        return None
-    try:
-        return np.load(spec, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--costs {spec!r}: cannot read a .npy file ({exc})") from exc
-
-
-def load_options(args: argparse.Namespace, comm: C.Comm) -> dict:
-    """Keyword arguments for :func:`mpidp.load` from the partition options. Collective."""
-    costs = C.run_agreed(comm, _costs_arg, args.costs, args.n_samples)
-    return {"partition": args.partition, "costs": costs, "capacities": args.capacities}
-
-
-def apply_slowdown(args: argparse.Namespace, comm: C.Comm, timer) -> None:
-    """Set this rank's ``timer.slowdown`` from ``--slowdown`` (raises on every rank for a
-    rank that does not exist)."""
-    bad = [r for r in args.slowdown if r >= comm.size]
-    if bad:
-        raise C.MpidpError(f"--slowdown names rank {bad[0]} but there are {comm.size} ranks")
-    timer.slowdown = args.slowdown.get(comm.rank, 1.0)
-
-
-def make_plan(args: argparse.Namespace, comm: C.Comm, data: Data, timer,
-              partition: bool = True) -> Plan:
-    """The training :class:`Plan`; applies ``--slowdown`` to this rank's ``timer``.
-    ``partition=False`` (a dedicated server): the shards stay as loaded, over the workers."""
-    apply_slowdown(args, comm, timer)
-    costs = None if args.costs == "uniform" else data.costs
-    part = Partition(args.partition, costs, args.capacities, args.adapt_every, args.seed) \
-        if partition else None
-    return Plan(comm, part, data.train.n_total, args.batch_size, args.seed,
-                not args.no_shuffle, args.drop_last)
-
-
-def is_sparse(data: Data) -> bool:
-    return isinstance(data.train.X, CSR)
-
-
-def summarize(comm, history: list[dict]) -> dict:
-    """The last epoch's load-balance figures, printed by rank 0 (labelled: last epoch)."""
-    figures = history[-1]["balance"]
-    if comm.rank == 0:
-        logging.getLogger("mpidp").info("last epoch: " + format_balance(figures, per_rank=False))
-    return figures
-
-
-# --- mpidp predict ----------------------------------------------------------------------
 
 class _Rows:
     """A source restricted to ``rows`` (sorted), cast to the model's dtype."""

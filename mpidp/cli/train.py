@@ -13,30 +13,34 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import comm as C
 from .. import nn
 from ..data import distribute as D
+from ..data.balance import Partition, format_balance
+from ..nn.sparse import CSR
 from ..observe.metrics import format_timings, gather_timings
-from ..observe.watch import Watch, check_writable, log, say, setup_logging
+from ..observe.watch import Outputs, Watch, check_writable, log, say, setup_logging
 from ..parallel import DataParallel, make_trainer, model_layers
-from ..parallel.async_ps import train_async
-from ..parallel.pipeline_fit import fit_pipeline, restore_checkpoint
+from ..parallel.async_ps import AsyncPS, fit_async
+from ..parallel.data_parallel import fit
+from ..parallel.pipeline import fit_pipeline
 from ..parallel.strategies import make_sync
 from ..run import checkpoint as ck
 from ..run import faults, memory
 from ..run.checkpoint import restore, write_atomic
 from ..run.folders import clean_stale_tmp
-from ..run.loop import Checkpointing, fit
 from ..run.signals import StopSignals
+from ..run.spec import Checkpointing, RunSpec
 from . import config as config_file
 from . import options as O
-from .predict import apply_slowdown, is_sparse, load_options, make_plan, summarize
 
 
 def check_out(args: argparse.Namespace) -> None:
@@ -45,7 +49,45 @@ def check_out(args: argparse.Namespace) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out!r} exists and is not a folder")
     check_writable(os.path.join(out, "metrics.json"), "--out")
-    Watch.check(args)
+    Watch.check(outputs(args))
+
+
+def outputs(args: argparse.Namespace) -> Outputs:
+    """Where the run's live outputs go, from the options."""
+    return Outputs(args.out, args.log_every, args.tensorboard, args.trace, args.trace_steps)
+
+
+def _costs_arg(path: str):
+    if path in ("auto", "uniform"):
+        return None
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--costs {path!r}: cannot read a .npy file ({exc})") from exc
+
+
+def load_options(args: argparse.Namespace, comm: C.Comm) -> dict:
+    """Keyword arguments for :func:`mpidp.load` from the partition options. Collective."""
+    costs = C.run_agreed(comm, _costs_arg, args.costs)
+    return {"partition": args.partition, "costs": costs, "capacities": args.capacities}
+
+
+def apply_slowdown(args: argparse.Namespace, comm: C.Comm, timer) -> None:
+    """Set this rank's ``timer.slowdown`` from ``--slowdown`` (raises on every rank for a
+    rank that does not exist)."""
+    bad = [r for r in args.slowdown if r >= comm.size]
+    if bad:
+        raise C.MpidpError(f"--slowdown names rank {bad[0]} but there are {comm.size} ranks")
+    timer.slowdown = args.slowdown.get(comm.rank, 1.0)
+
+
+def partition_of(args: argparse.Namespace, data: D.Data) -> Partition | None:
+    """The training partition the options ask for; None with a dedicated server (the
+    shards stay as loaded, over the workers)."""
+    if O.dedicated_server(args):
+        return None
+    costs = None if args.costs == "uniform" else data.costs
+    return Partition(args.partition, costs, args.capacities, args.adapt_every, args.seed)
 
 
 def _config(args: argparse.Namespace, comm: C.Comm) -> dict:
@@ -132,9 +174,9 @@ def _load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.
 
 def _fits(args, data: D.Data, share: float, ranks_here: int) -> None:
     """ValueError, with the figure and the fix, when the model cannot fit in memory."""
-    need = memory.estimate(args.model, data.n_features, data.n_outputs, args.hidden, args.dtype,
-                           args.optimizer, args.batch_size, share)
-    count = memory.n_params(args.model, data.n_features, data.n_outputs, args.hidden)
+    widths = memory.widths(args.model, data.n_features, data.n_outputs, args.hidden)
+    need = memory.estimate(widths, args.dtype, args.optimizer, args.batch_size, share)
+    count = memory.n_params(widths)
     layers = f", hidden {','.join(map(str, args.hidden))}" if args.model == "mlp" else ""
     size = (f"the {args.model} model of {count:,} parameters ({data.n_features} features, "
             f"{data.n_outputs} outputs{layers})")
@@ -165,10 +207,49 @@ class _Report:
             f"{test}{secs}")
 
 
+@dataclass
+class _Job:
+    """One ``mpidp train`` job: its options, communicator and what watches over it."""
+
+    args: argparse.Namespace
+    comm: C.Comm
+    config: dict  # the settings recorded in checkpoints and OUT/config.toml
+    run_id: str | None  # the checkpoint folder's owner (None: no checkpoints)
+    watchdog: C.Watchdog | None
+    stop: StopSignals
+    t_start: float
+
+    def spec(self, watch: Watch, **settings) -> RunSpec:
+        """The run specification the options ask for (``settings``: what the mode adds,
+        e.g. its partition and the checkpoint to resume from)."""
+        a = self.args
+        checkpoint = (Checkpointing(a.checkpoint_dir, a.checkpoint_every, a.keep_checkpoints,
+                                    self.config, self.run_id) if a.checkpoint_dir else None)
+        return RunSpec(a.epochs, a.batch_size, a.seed, not a.no_shuffle, a.drop_last,
+                       check_every=a.check_every, checkpoint=checkpoint,
+                       progress=not a.no_progress and not a.quiet and sys.stderr.isatty(),
+                       on_epoch=_both(_Report(self.comm, a.epochs), watch.epoch),
+                       on_step=watch.step, stop=self.stop, watchdog=self.watchdog, **settings)
+
+    def resume(self, found) -> ck.State | None:
+        """The state to resume from (``--resume``), given what restoring ``found``."""
+        return resumed(self.comm, self.args, self.config, found) if self.args.resume else None
+
+    def metrics(self, history: list[dict], n_params: int, steps: int, timings) -> dict:
+        last = history[-1]
+        return {"world_size": self.comm.size, "mode": O.mode_of(self.args),
+                "epochs": self.args.epochs, "final_loss": last["loss"],
+                "train_accuracy": last["accuracy"], "test_loss": last.get("test_loss"),
+                "test_accuracy": last.get("test_accuracy"), "params_in_sync": True,
+                "n_params": n_params, "wall_s": time.perf_counter() - self.t_start,
+                "history": history, "steps": steps, "timings": timings,
+                "mpi": C.mpi_info(self.comm), "config": self.config}
+
+
 def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | None:
     """Run ``mpidp train``. Collective. Returns the metrics on rank 0, None elsewhere."""
     t_start = time.perf_counter()
-    setup_logging(args)
+    setup_logging(args.quiet, args.verbose)
     errors = O.problems(args, given, comm.size)
     try:
         faults.parse(os.environ.get("MPIDP_FAULT"))
@@ -176,10 +257,6 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
         errors.append(str(exc))
     if errors:  # every rank computes the same list from the same arguments
         raise C.MpidpError("; ".join(errors))
-    if not 0 <= args.test_fraction < 1:
-        raise C.MpidpError(f"--test-fraction must be in [0, 1), got {args.test_fraction}")
-    if args.check_every < 0:
-        raise C.MpidpError(f"--check-every must be >= 0, got {args.check_every}")
     C.root_decides(comm, check_out, args)
     if comm.rank == 0 and os.path.isdir(args.out):
         clean_stale_tmp(args.out)  # what a writer killed mid-write left behind
@@ -187,19 +264,14 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
     stop, config = StopSignals(comm), _config(args, comm)
     try:
         with claimed(comm, args, config) as run_id:  # before any work: a used folder is refused
-            run = (_train_model_parallel if O.mode_of(args) in O.MODEL_PARALLEL
-                   else _train_data_parallel)
-            return run(args, comm, t_start, watchdog, stop, config, run_id)
+            job = _Job(args, comm, config, run_id, watchdog, stop, t_start)
+            if O.mode_of(args) in O.MODEL_PARALLEL:
+                return _train_model_parallel(job)
+            return _train_data_parallel(job)
     finally:
         stop.close()
         if watchdog is not None:
             watchdog.stop()
-
-
-def _progress(args) -> bool:
-    """A progress bar only on a terminal: a batch log gets the epoch lines alone."""
-    import sys
-    return not args.no_progress and not args.quiet and sys.stderr.isatty()
 
 
 def _both(*callbacks):
@@ -209,93 +281,76 @@ def _both(*callbacks):
     return call
 
 
-def _checkpointing(args, config, run_id) -> Checkpointing | None:
-    if not args.checkpoint_dir:
-        return None
-    return Checkpointing(args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints,
-                         config, run_id)
-
-
-def _train_data_parallel(args, comm, t_start, watchdog, stop, config, run_id) -> dict | None:
-    dedicated = O.dedicated_server(args)
-    data = _load_data(comm, args, server=0 if dedicated else None)
-    C.run_agreed(comm, _fits, args, data, 1.0, C.local_ranks(comm))
+def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
+    """The model and its data-parallel trainer, as the options say. Collective."""
+    args, comm = job.args, job.comm
     model, loss = C.run_agreed(comm, nn.build, args.model, data.n_features, data.n_outputs,
-                               args.hidden, args.dtype, data.classification, is_sparse(data))
+                               args.hidden, args.dtype, data.classification,
+                               isinstance(data.train.X, CSR))
     model.init_(np.random.default_rng(args.seed))
     make_opt = lambda: nn.make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay)
     sync = make_sync("allreduce" if args.sync == "async-ps" else args.sync,  # async: eval only
                      make_opt, bucket_bytes=int(args.bucket_mb * 2**20), codec=args.compress,
-                     dedicated=dedicated, k=args.sync_every,
+                     dedicated=O.dedicated_server(args), k=args.sync_every,
                      ps_shared_memory=args.ps_transport == "shared",
                      ps_chunk_bytes=max(1, int(args.ps_chunk_mb * 2**20)))
     dp = DataParallel(model, make_opt(), loss, comm, init_sync=args.init_sync,
-                      check_every=args.check_every, on_nonfinite=args.on_nonfinite, sync=sync)
-    report, watch = _Report(comm, args.epochs), Watch(comm, args, dp.timer, config)
-    _announce(comm, args, data, f"model: {model!r}")
+                      on_nonfinite=args.on_nonfinite, sync=sync)
+    apply_slowdown(args, comm, dp.timer)
+    return dp
+
+
+def _train_data_parallel(job: _Job) -> dict | None:
+    args, comm = job.args, job.comm
+    data = _load_data(comm, args, server=0 if O.dedicated_server(args) else None)
+    C.run_agreed(comm, _fits, args, data, 1.0, C.local_ranks(comm))
+    dp = _data_parallel_trainer(job, data)
+    watch = Watch(comm, outputs(args), dp.timer, job.config)
+    _announce(comm, args, data, f"model: {dp.model!r}")
     log.debug(f"[rank {comm.rank}] {C.mpi_info(C.self_comm())['processor']}: "
               f"{len(data.train.X)} train rows, {len(data.test.X)} test rows")
-    resume = resumed(comm, args, config, restore(comm, args.checkpoint_dir, dp.model,
-                                                  dp.optimizer)) if args.resume else None
+    resume = job.resume(restore(comm, args.checkpoint_dir, dp.model, dp.optimizer)
+                        if args.resume else None)
     try:
-        history, extra, balance = _train_dp(args, comm, dp, data, report, watchdog, stop,
-                                            _checkpointing(args, config, run_id), resume, watch)
+        if args.sync == "async-ps":
+            history, extra = _fit_async(job, dp, data, job.spec(watch, resume=resume))
+        else:
+            history = fit(dp, data.train, test=data.test, spec=job.spec(
+                watch, partition=partition_of(args, data), resume=resume))
+            extra = {"balance": history[-1]["balance"]}
+            say(comm, "last epoch: " + format_balance(extra["balance"], per_rank=False))
+        watch.finish(history)
         dp.check_replicas()  # a mismatch is a failed run: every rank raises, nothing is written
     finally:
         watch.close_history()
     timings = gather_timings(comm, dp.timer)
     if comm.rank != 0:
         return None
-    metrics = _metrics(args, comm, history, model.n_params, dp.global_step, timings, t_start)
+    metrics = job.metrics(history, dp.model.n_params, dp.global_step, timings)
     metrics.update(skipped_steps=dp.skipped_steps + extra.get("async", {}).get("skipped", 0),
-                   **extra, sync=args.sync, balance=balance, config=config,
+                   sync=args.sync, balance=extra.pop("balance", None), **extra,
                    bytes_sent_per_step=dp.sync.bytes_sent / max(dp.global_step, 1))
-    return finish(comm, args, metrics, model, data, "bit-identical (checked)")
+    return finish(comm, args, metrics, dp.model, data, "bit-identical (checked)")
 
 
-def _train_dp(args, comm, dp, data, report, watchdog, stop, checkpointing, resume, watch):
-    """Train a data-parallel (or async-ps) run; ``(history, extra metrics, balance)``."""
-    extra: dict = {}
-    if args.sync == "async-ps":
-        history = _fit_async(args, comm, dp, data, report, watchdog, stop, checkpointing,
-                             resume)
-        summary = history.pop()
-        watch.finish(history)
-        return history, {"async": summary}, None
-    else:
-        plan = make_plan(args, comm, data, dp.timer, partition=not O.dedicated_server(args))
-        history = fit(dp, data.train, args.epochs, args.batch_size, seed=args.seed,
-                      shuffle=not args.no_shuffle, drop_last=args.drop_last, test=data.test,
-                      progress=_progress(args), on_epoch=_both(report, watch.epoch),
-                      checkpoint=checkpointing, resume=resume, partition=plan, stop=stop,
-                      watchdog=watchdog, on_step=watch.step)
-        balance = summarize(comm, history)
-        watch.finish(history)
-    return history, extra, balance
-
-
-def _fit_async(args, comm, dp: DataParallel, data: D.Data, report, watchdog, stop,
-               checkpointing=None, resume=None) -> list[dict]:
+def _fit_async(job: _Job, dp: DataParallel, data: D.Data, spec: RunSpec) -> tuple[list, dict]:
     """``--sync async-ps``: train asynchronously, then evaluate; one history entry per epoch
-    (the workers' training loss as the server received it), then the server's summary."""
+    (the workers' training loss as the server received it) and the server's summary."""
     t0 = time.perf_counter()
-    apply_slowdown(args, comm, dp.timer)
-    if watchdog is not None:
-        watchdog.start()
-    stats = train_async(dp.model, dp.optimizer, dp.loss, comm, data.train, args.epochs,
-                        args.batch_size, seed=args.seed, max_staleness=args.max_staleness,
-                        timer=dp.timer, on_nonfinite=args.on_nonfinite, signals=stop,
-                        checkpoint=checkpointing, resume=resume)
+    ps = AsyncPS(dp.model, dp.optimizer, dp.loss, job.comm, job.args.max_staleness,
+                 job.args.on_nonfinite, dp.timer)
+    stats = fit_async(ps, data.train, spec=spec)
     history = [{"epoch": e + 1, "loss": s / c, "accuracy": None, "seconds": None}
                for e, (s, c) in sorted((int(k), v) for k, v in stats.epoch_loss.items())]
     if not history:
         raise C.MpidpError("async-ps applied no update (every push was dropped or skipped)")
     ev = dp.evaluate(data.test.X, data.test.y) if data.test.n_total else None
     if ev is not None:
-        history[-1].update(test_loss=ev.loss, test_accuracy=ev.accuracy if data.classification else None)
+        history[-1].update(test_loss=ev.loss,
+                           test_accuracy=ev.accuracy if data.classification else None)
     history[-1]["seconds"] = time.perf_counter() - t0
-    report(history[-1])
-    return [*history, stats.summary()]
+    _Report(job.comm, job.args.epochs)(history[-1])
+    return history, {"async": stats.summary()}
 
 
 def _announce(comm, args, data: D.Data, *lines: str) -> None:
@@ -306,11 +361,12 @@ def _announce(comm, args, data: D.Data, *lines: str) -> None:
         f"{data.n_features} features, {data.n_outputs} outputs", *lines)
 
 
-def _train_model_parallel(args, comm, t_start, watchdog, stop, config, run_id) -> dict | None:
+def _train_model_parallel(job: _Job) -> dict | None:
     """``--parallel pipeline|hybrid``: every rank loads the whole training set (the first
     stage needs the inputs, the last the targets) and builds only its own stage. Read as
     one rank's local rows, so a file that can be mapped is (unless ``--copy-data``): the
     ranks of a node then share one copy in the page cache instead of one each."""
+    args, comm = job.args, job.comm
     data = C.run_agreed(comm, D.load, C.self_comm(), args.dataset, distribute="local",
                         copy=args.copy_data, seed=args.seed,
                         test_fraction=args.test_fraction, dtype=args.dtype,
@@ -326,49 +382,39 @@ def _train_model_parallel(args, comm, t_start, watchdog, stop, config, run_id) -
                         schedule=args.schedule, on_nonfinite=args.on_nonfinite)
     pipe.init_(np.random.default_rng(args.seed))  # the same initial model as --parallel data
     apply_slowdown(args, comm, pipe.timer)
-    watch = Watch(comm, args, pipe.timer, config)
+    watch = Watch(comm, outputs(args), pipe.timer, job.config)
     _announce(comm, args, data, f"{pipe.n_stages} stages x {pipe.n_replicas} replicas, "
               f"{args.micro_batches} micro-batches, {args.schedule}; stage bounds (layers) "
               f"{pipe.plan.bounds}")
-    resume = (resumed(comm, args, config, restore_checkpoint(pipe, args.checkpoint_dir))
-              if args.resume else None)
+    resume = job.resume(pipe.restore(args.checkpoint_dir) if args.resume else None)
     try:
-        history = fit_pipeline(pipe, data.train.X, data.train.y, args.epochs, args.batch_size,
-                               seed=args.seed, shuffle=not args.no_shuffle,
-                               drop_last=args.drop_last, X_test=data.test.X, y_test=data.test.y,
-                               on_epoch=_both(_Report(comm, args.epochs), watch.epoch),
-                               checkpoint=_checkpointing(args, config, run_id), resume=resume,
-                               check_every=args.check_every, stop=stop, watchdog=watchdog,
-                               on_step=watch.step)
+        history = fit_pipeline(pipe, (data.train.X, data.train.y),
+                               test=(data.test.X, data.test.y),
+                               spec=job.spec(watch, resume=resume))
         watch.finish(history)
         pipe.check_replicas()
     finally:
         watch.close_history()
+    return _pipeline_metrics(job, pipe, data, history)
+
+
+def _pipeline_metrics(job: _Job, pipe, data: D.Data, history: list[dict]) -> dict | None:
+    """Gather the whole model and the per-rank figures; on rank 0 write the outputs."""
+    args, comm = job.args, job.comm
     full = pipe.gather_params(0)
     timings = gather_timings(comm, pipe.timer)
-    memory = C.gather_rows(comm, np.array(list(pipe.memory().values()), np.float64))
+    held = C.gather_rows(comm, np.array(list(pipe.memory().values()), np.float64))
     if comm.rank != 0:
         return None
     model, _ = nn.build(args.model, data.n_features, data.n_outputs, args.hidden, args.dtype,
                         data.classification)
     model.params[...] = full
-    metrics = _metrics(args, comm, history, model.n_params, pipe.global_step, timings, t_start)
+    metrics = job.metrics(history, model.n_params, pipe.global_step, timings)
     metrics.update(parallel=args.parallel, stages=pipe.n_stages, replicas=pipe.n_replicas,
-                   stage_bounds=pipe.plan.bounds, config=config,
-                   skipped_steps=pipe.policy.skipped,
-                   memory_per_rank=[dict(zip(pipe.memory(), map(int, row))) for row in memory])
+                   stage_bounds=pipe.plan.bounds, skipped_steps=pipe.policy.skipped,
+                   memory_per_rank=[dict(zip(pipe.memory(), map(int, row))) for row in held])
     same = "bit-identical (checked)" if pipe.n_replicas > 1 else "one replica (nothing to compare)"
     return finish(comm, args, metrics, model, data, same)
-
-
-def _metrics(args, comm, history, n_params, steps, timings, t_start) -> dict:
-    last = history[-1]
-    return {"world_size": comm.size, "mode": O.mode_of(args), "epochs": args.epochs,
-            "final_loss": last["loss"], "train_accuracy": last["accuracy"],
-            "test_loss": last.get("test_loss"), "test_accuracy": last.get("test_accuracy"),
-            "params_in_sync": True, "n_params": n_params,
-            "wall_s": time.perf_counter() - t_start, "history": history, "steps": steps,
-            "timings": timings, "mpi": C.mpi_info(comm)}
 
 
 def finish(comm: C.Comm, args: argparse.Namespace, metrics: dict, model: nn.Sequential,

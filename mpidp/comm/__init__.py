@@ -36,10 +36,12 @@ from .collectives import (
     barrier,
     bcast_,
     bcast_obj,
+    gather_obj,
     gather_rows,
     gatherv,
     gatherv_rows,
     iallreduce_sum_,
+    ibcast_,
     reduce_scatter_sum,
     reduce_sum_to_,
     scatterv_fill,
@@ -47,7 +49,17 @@ from .collectives import (
 )
 from .measure import pingpong, time_allreduce
 from .p2p import MPI_REQUEST_NULL, irecv, isend, recv_, send, test_all, wait_all, wait_any
-from .runtime import SHM_DIR, Comm, local_ranks, mpi_info, node_split, self_comm, split_off, world
+from .runtime import (
+    SHM_DIR,
+    Comm,
+    local_ranks,
+    mpi_info,
+    node_split,
+    self_comm,
+    split,
+    split_off,
+    world,
+)
 from .shm import SharedBroadcast, SharedCounter, SharedReduce, shm_room
 from .watchdog import Watchdog
 
@@ -57,11 +69,12 @@ if os.environ.get("MPIDP_ABORT_ON_ERROR", "1") != "0":
 __all__ = [
     "Comm", "MAX_COUNT", "MPI_REQUEST_NULL", "MpidpError", "REDUCE_SPLIT_BYTES", "SHM_DIR",
     "SharedBroadcast", "SharedCounter", "SharedReduce", "Watchdog", "abort_job", "abort_on_error",
-    "agree", "allgather_", "allgather_counts", "allgather_in_place", "allgather_rows", "allreduce_",
-    "allreduce_max", "allreduce_sum_", "alltoall_counts", "alltoallv_rows", "assert_in_sync",
-    "barrier", "bcast_", "bcast_obj", "checksum", "excused", "gather_rows", "gatherv",
-    "gatherv_rows", "iallreduce_sum_", "irecv", "isend", "local_ranks", "mpi_info", "node_split",
-    "params_in_sync", "pingpong", "recv_", "reduce_scatter_sum", "reduce_sum_to_", "root_decides",
-    "run_agreed", "scatterv_fill", "scatterv_rows", "self_comm", "send", "set_step", "shm_room",
-    "split_off", "test_all", "time_allreduce", "wait_all", "wait_any", "world",
+    "agree", "allgather_", "allgather_counts", "allgather_in_place", "allgather_rows",
+    "allreduce_", "allreduce_max", "allreduce_sum_", "alltoall_counts", "alltoallv_rows",
+    "assert_in_sync", "barrier", "bcast_", "bcast_obj", "checksum", "excused", "gather_obj",
+    "gather_rows", "gatherv", "gatherv_rows", "iallreduce_sum_", "ibcast_", "irecv", "isend",
+    "local_ranks", "mpi_info", "node_split", "params_in_sync", "pingpong", "recv_",
+    "reduce_scatter_sum", "reduce_sum_to_", "root_decides", "run_agreed", "scatterv_fill",
+    "scatterv_rows", "self_comm", "send", "set_step", "shm_room", "split", "split_off", "test_all",
+    "time_allreduce", "wait_all", "wait_any", "world",
 ]

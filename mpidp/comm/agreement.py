@@ -1,16 +1,17 @@
 """Collective decisions: every rank reaches the same verdict, so every rank raises the same
 error (or none) and nobody is left waiting in a later collective. Also the parameter
-checksums that prove replicas are bit-identical.
+checksums that prove replicas are bit-identical (:func:`checksum` itself is pure, in
+:mod:`mpidp.digest`, and re-exported here).
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
+from ..digest import checksum
 from ..errors import MpidpError
 from .activity import watched
 from .runtime import Comm
@@ -80,12 +81,6 @@ def root_decides(comm: Comm, fn, *args, root: int = 0, **kwargs) -> Any:
     if exc is not None and not isinstance(exc, (ValueError, OSError)):
         raise exc
     raise MpidpError(error)
-
-
-def checksum(array: np.ndarray) -> int:
-    """A 63-bit digest of ``array``'s bytes: equal arrays (bit for bit) give equal digests."""
-    digest = hashlib.blake2b(np.ascontiguousarray(array).view(np.uint8), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 @watched("the replica checksum Allreduce")

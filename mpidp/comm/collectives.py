@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 from mpi4py import MPI
+from mpi4py.util.dtlib import from_numpy_dtype
 
 from .activity import watched
 from .agreement import MpidpError
@@ -34,6 +35,13 @@ def _pieces(n: int, limit: int | None = None):
 def bcast_obj(comm: Comm, obj: Any, root: int = 0) -> Any:
     """Broadcast a small picklable object (metadata, never arrays on the per-step path)."""
     return comm.bcast(obj, root=root)
+
+
+@watched("a Gather (control message)")
+def gather_obj(comm: Comm, obj: Any, root: int = 0) -> list[Any] | None:
+    """Every rank's small picklable ``obj`` as a list (index = rank) on ``root``; None
+    elsewhere. Collective. For metadata and a few measurements, never arrays per step."""
+    return comm.gather(obj, root=root)
 
 
 @watched("a Bcast")
@@ -83,6 +91,15 @@ def iallreduce_sum_(comm: Comm, buf: np.ndarray) -> MPI.Request:
     return comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
 
+def ibcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> list[MPI.Request]:
+    """Start broadcasting contiguous ``buf`` from ``root`` in place; returns the requests
+    to complete with :func:`wait_all`. Collective (every rank starts the same broadcasts in
+    the same order). Buffers over :data:`MAX_COUNT` elements go in pieces, one request each.
+    ``buf`` must stay alive, and unchanged on ``root``, until the requests complete."""
+    flat = buf.reshape(-1)
+    return [comm.Ibcast(flat[lo:hi], root=root) for lo, hi in _pieces(flat.size)]
+
+
 #: Buffers of at least this many bytes are summed to a root as a reduce-scatter + gather.
 REDUCE_SPLIT_BYTES = 1 << 16
 
@@ -94,9 +111,9 @@ def reduce_sum_to_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
 
     From :data:`REDUCE_SPLIT_BYTES` on, as ``Reduce_scatter`` (each rank sums 1/P of the
     elements) then ``Gatherv`` of the sums to ``root``: the same result (each element is
-    still one sum over the ranks), but the additions are spread over the ranks. Measured
-    with MPICH 5.0.2 on this project's 2-core VM, 7.1 MiB float32: 1.8 ms against 4.4 ms
-    for ``MPI_Reduce`` at P = 2, and 4.3 against 15.0 ms at P = 4.
+    still one sum over the ranks), but the additions are spread over the ranks, which
+    measured faster than ``MPI_Reduce`` from P = 2 on (docs/benchmarks.md, "Figures behind
+    the code").
     """
     if comm.size == 1:
         return buf
@@ -199,8 +216,11 @@ def gatherv_rows(comm: Comm, rows: np.ndarray, root: int = 0) -> np.ndarray | No
 
 def _row_type(dtype: np.dtype, row_size: int) -> MPI.Datatype:
     """A committed MPI datatype for one row of ``row_size`` elements (keeps counts small)."""
-    base = MPI._typedict[np.dtype(dtype).char]
-    return base.Create_contiguous(max(row_size, 1)).Commit()
+    base = from_numpy_dtype(np.dtype(dtype))
+    try:
+        return base.Create_contiguous(max(row_size, 1)).Commit()
+    finally:
+        base.Free()
 
 
 @watched("a Scatterv")

@@ -34,7 +34,8 @@ def time_allreduce(comm: Comm, n: int, dtype=np.float32, reps: int = 20,
     """Median seconds of an in-place ``Allreduce`` of ``n`` elements (between barriers, the
     slowest rank's time). Collective. ``evict``: an array read before each repetition to
     push the buffer out of the caches, as a gradient buffer is after a training step's
-    other memory traffic (a warm buffer reduced over and over is up to ~1.5x faster)."""
+    other memory traffic (a warm buffer reduced over and over measures faster than a
+    training step sees)."""
     buf = np.ones(n, dtype)
     times = []
     for _ in range(reps + 2):

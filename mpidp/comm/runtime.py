@@ -42,6 +42,13 @@ def mpi_info(comm: Comm | None = None) -> dict[str, Any]:
 
 
 @watched("a Comm.Split")
+def split(comm: Comm, color: int, key: int) -> Comm:
+    """The ranks of ``comm`` with this rank's ``color``, ordered by ``key``
+    (``Comm.Split``). Collective."""
+    return comm.Split(color, key)
+
+
+@watched("a Comm.Split")
 def split_off(comm: Comm, rank: int) -> Comm | None:
     """A communicator of every rank but ``rank`` (None on ``rank``). Collective."""
     color = MPI.UNDEFINED if comm.rank == rank else 0

@@ -1,12 +1,13 @@
 """Partitioning during training: who owns which samples each epoch, moving rows when that
 changes, and the load-balance figures measured on every rank.
 
-:class:`Partition` names a strategy (see :mod:`mpidp.data.partition`) and what it needs;
-:class:`Plan` applies it inside :func:`mpidp.fit`: static strategies keep their owners,
-``cost`` gives every epoch's global batches a cost-balanced owner, ``adaptive`` does the same
-with capacities re-measured from each rank's throughput. When the owner of samples changes
-they move between ranks with one ``Alltoallv`` per array (counts agreed first), so training
-stays exact: the global batches are the same whatever the owners.
+:class:`~mpidp.data.partition.Partition` (defined there, pure; re-exported here) names a
+strategy and what it needs; :class:`Plan` applies it inside :func:`mpidp.fit`: static
+strategies keep their owners, ``cost`` gives every epoch's global batches a cost-balanced
+owner, ``adaptive`` does the same with capacities re-measured from each rank's throughput.
+When the owner of samples changes they move between ranks with one ``Alltoallv`` per array
+(counts agreed first), so training stays exact: the global batches are the same whatever
+the owners.
 
 Waiting is estimated without a collective per step: each rank records its per-step local
 compute time; at epoch end one ``Allgather`` brings every rank's rows to every rank, and
@@ -20,7 +21,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,43 +29,9 @@ from ..nn.sparse import CSR
 from ..observe.metrics import STEP_FIELDS, StepTimer
 from . import partition as Pt
 from .distribute import Shard
+from .partition import Partition
 
 _F = {name: i for i, name in enumerate(STEP_FIELDS)}
-
-
-@dataclass
-class Partition:
-    """A strategy by name (``mpidp.data.partition.STRATEGIES``) and its inputs.
-
-    costs : float ``(n,)`` per training position (``cost``/``adaptive``; unit costs if None).
-    capacities : float ``(size,)`` relative rank speeds (``weighted``; ``adaptive``'s start).
-    adapt_every : ``adaptive`` re-measures every this many steps (None: every epoch).
-    """
-
-    strategy: str = "block"
-    costs: np.ndarray | None = None
-    capacities: np.ndarray | None = None
-    adapt_every: int | None = None
-    seed: int = 0
-
-    def check(self, n: int, size: int) -> None:
-        """Raise ValueError for an unknown strategy, bad costs/capacities or a bad interval."""
-        if self.strategy not in Pt.STRATEGIES:
-            raise ValueError(f"unknown partition strategy {self.strategy!r}; expected one of "
-                             f"{Pt.STRATEGIES}")
-        if self.costs is not None:
-            Pt.check_weights(self.costs, n, "costs")
-        if self.capacities is not None:
-            Pt.check_weights(self.capacities, size, "capacities")
-        if self.adapt_every is not None and self.adapt_every < 1:
-            raise ValueError(f"adapt interval must be >= 1 step, got {self.adapt_every}")
-        if self.strategy == "adaptive" and n < size:
-            Pt.assign(self.strategy, n, size)
-
-    def owner(self, n: int, size: int) -> np.ndarray:
-        """The initial owner ``(n,)`` (:func:`mpidp.data.partition.assign`)."""
-        return Pt.assign(self.strategy, n, size, seed=self.seed, costs=self.costs,
-                         capacities=self.capacities)
 
 
 def _move_X(comm: C.Comm, X, send: np.ndarray, recv: np.ndarray):
@@ -121,8 +87,7 @@ class Plan:
         self.capacities = (np.asarray(p.capacities, np.float64) if p is not None and
                            p.capacities is not None else np.ones(size))
         self.owner: np.ndarray | None = None
-        self.epochs_done = 0
-        self.moved, self.rebalances, self.history_caps = 0, 0, []
+        self.moved, self.history_caps = 0, []
 
     @property
     def strategy(self) -> str | None:
@@ -148,7 +113,6 @@ class Plan:
         if tracer is not None:
             tracer.add("move rows", "partition", "comm", t0, time.perf_counter(), rows=moved)
         self.owner, self.moved = owner, self.moved + moved
-        self.rebalances += moved > 0
         return shard
 
     def _adapt(self, timer: StepTimer, k: int) -> None:
@@ -192,7 +156,6 @@ class Plan:
         """Gather the epoch's per-step rows (one ``Allgather``), return the figures (same on
         every rank) and re-measure ``adaptive`` capacities. Collective."""
         rows = timer.take_records()
-        self.epochs_done += 1
         everyone = C.allgather_rows(self.comm, rows.reshape(-1))
         records = everyone.reshape(self.comm.size, len(rows), len(STEP_FIELDS))
         figures = balance_figures(records)

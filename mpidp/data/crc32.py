@@ -6,8 +6,9 @@ the CRC of ``A`` is carried past ``len(B)`` bytes by multiplying it by ``x**(8*l
 modulo the CRC polynomial (bit-reflected, as zlib stores it), then XORed with the CRC of
 ``B``; the pre- and post-inversion of CRC-32 cancel in this sum.
 
-The CRC itself is ISA-L's (the ``isal`` package, in the ``fast`` extra: about 15 GB/s on
-one core) when it is installed, else zlib's (about 2 GB/s); both give the same value.
+The CRC itself is ISA-L's (the ``isal`` package, in the ``fast`` extra: several times
+faster, see docs/benchmarks-data.md) when it is installed, else zlib's; both give the same
+value.
 """
 
 from __future__ import annotations

@@ -4,11 +4,13 @@ Positions ``0 .. n-1`` index the training samples in a fixed global order. A ran
 contiguous block of positions; a global batch is a set of positions drawn from a seeded
 per-epoch permutation, identical for every world size. Each rank processes the part of
 each global batch it owns, so the union over ranks is exactly the single-process batch.
+:class:`Partition` names a strategy (:data:`STRATEGIES`) and its inputs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -292,3 +294,38 @@ def owned_batches(n: int, batch_size: int, positions: np.ndarray, epoch: int, se
     for s in range(first_step, steps_per_epoch(n, batch_size, drop_last)):
         idx = local[order[s * batch_size:(s + 1) * batch_size]]
         yield idx[idx >= 0]
+
+
+@dataclass
+class Partition:
+    """A strategy by name (``mpidp.data.partition.STRATEGIES``) and its inputs.
+
+    costs : float ``(n,)`` per training position (``cost``/``adaptive``; unit costs if None).
+    capacities : float ``(size,)`` relative rank speeds (``weighted``; ``adaptive``'s start).
+    adapt_every : ``adaptive`` re-measures every this many steps (None: every epoch).
+    """
+
+    strategy: str = "block"
+    costs: np.ndarray | None = None
+    capacities: np.ndarray | None = None
+    adapt_every: int | None = None
+    seed: int = 0
+
+    def check(self, n: int, size: int) -> None:
+        """Raise ValueError for an unknown strategy, bad costs/capacities or a bad interval."""
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown partition strategy {self.strategy!r}; expected one of "
+                             f"{STRATEGIES}")
+        if self.costs is not None:
+            check_weights(self.costs, n, "costs")
+        if self.capacities is not None:
+            check_weights(self.capacities, size, "capacities")
+        if self.adapt_every is not None and self.adapt_every < 1:
+            raise ValueError(f"adapt interval must be >= 1 step, got {self.adapt_every}")
+        if self.strategy == "adaptive" and n < size:
+            assign(self.strategy, n, size)
+
+    def owner(self, n: int, size: int) -> np.ndarray:
+        """The initial owner ``(n,)`` (:func:`mpidp.data.partition.assign`)."""
+        return assign(self.strategy, n, size, seed=self.seed, costs=self.costs,
+                      capacities=self.capacities)

@@ -372,7 +372,7 @@ def open_source(spec: str | os.PathLike, *, n_samples: int = 60000,
     ``.npz`` with ``X`` and ``y``, a folder with ``X.npy`` and ``y.npy``, or an ``.h5`` file.
 
     ``verify``: check the CRC-32 of uncompressed ``.npz`` members before memory-mapping
-    them (one pass over the file, about 2 ms per MB here; compressed members are checked
+    them (one more pass over the file: docs/benchmarks-data.md; compressed members are checked
     as they are inflated anyway). Only ``.npz`` files carry checksums.
     Raises ValueError with a message that names the problem.
     """

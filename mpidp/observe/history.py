@@ -19,8 +19,6 @@ import math
 import os
 from typing import Any
 
-#: Per-rank lists that :func:`derived` reads: seconds per rank over the record's span.
-PER_RANK = ("compute_s", "comm_s", "wait_s")
 #: The message when TensorBoard output is asked for without its package.
 NEED_TENSORBOARD = ("--tensorboard needs the tensorboardX package: pip install "
                     "'mpidp[tensorboard]' (or pip install tensorboardX)")
@@ -42,7 +40,8 @@ def _clean(v: Any) -> Any:
 def derived(record: dict) -> dict:
     """``comm_share`` (communication seconds over compute + communication + wait, summed
     over ranks) and ``imbalance`` (slowest rank's compute over the mean; 1 = balanced) from
-    the per-rank lists of :data:`PER_RANK`; empty when ``record`` lacks ``compute_s``."""
+    the per-rank lists ``compute_s``, ``comm_s`` and ``wait_s`` (seconds per rank over the
+    record's span); empty when ``record`` lacks ``compute_s``."""
     compute = record.get("compute_s")
     if not isinstance(compute, (list, tuple)) or not compute:
         return {}

@@ -17,6 +17,9 @@ FIELDS = ("compute_s", "comm_s", "steps", "samples")
 
 #: Columns of :attr:`StepTimer.records`, one row per step.
 STEP_FIELDS = ("t_begin", "compute_s", "compute_cpu_s", "comm_s", "update_s", "samples", "cost")
+#: Column numbers of the :data:`STEP_FIELDS`, by name.
+_T_BEGIN, _COMPUTE, _CPU, _COMM, _UPDATE, _SAMPLES, _COST = (STEP_FIELDS.index(f) for f in (
+    "t_begin", "compute_s", "compute_cpu_s", "comm_s", "update_s", "samples", "cost"))
 
 
 @dataclass
@@ -51,21 +54,21 @@ class StepTimer:
     @contextmanager
     def compute(self, name: str = "compute", **args):
         t, c = time.perf_counter(), time.process_time()
-        first = self._cur[0] == 0.0
+        first = self._cur[_T_BEGIN] == 0.0
         if first:
-            self._cur[0] = t
+            self._cur[_T_BEGIN] = t
         yield
         dt = time.perf_counter() - t
-        local = self._cur[3] == 0.0  # before the step's collective: the per-sample work
+        local = self._cur[_COMM] == 0.0  # before the step's collective: the per-sample work
         if local and self.slowdown > 1.0:
             time.sleep((self.slowdown - 1.0) * dt)
             dt = time.perf_counter() - t
         self.compute_s += dt
         if local:
-            self._cur[1] += dt
-            self._cur[2] += time.process_time() - c
+            self._cur[_COMPUTE] += dt
+            self._cur[_CPU] += time.process_time() - c
         else:
-            self._cur[4] += dt
+            self._cur[_UPDATE] += dt
         if self.tracer is not None:
             self.tracer.add(name if local or name != "compute" else "update", "compute", "compute",
                             t, t + dt, **args)
@@ -76,21 +79,21 @@ class StepTimer:
         yield
         dt = time.perf_counter() - t
         self.comm_s += dt
-        self._cur[3] += max(dt, 1e-12)
+        self._cur[_COMM] += max(dt, 1e-12)
         if self.tracer is not None:
             self.tracer.add(name, "communication", "comm", t, t + dt, **args)
 
     def note_cost(self, cost: float) -> None:
         """Record the cost of the samples of the step about to run (default: its samples)."""
-        self._cur[6] = cost if cost > 0 else -1.0
+        self._cur[_COST] = cost if cost > 0 else -1.0
 
     def end_step(self, n_samples: int) -> None:
         """Close the current step's row."""
         self.steps += 1
         self.samples += n_samples
         row = self._cur.copy()
-        row[5] = n_samples
-        row[6] = n_samples if row[6] == 0.0 else max(row[6], 0.0)
+        row[_SAMPLES] = n_samples
+        row[_COST] = n_samples if row[_COST] == 0.0 else max(row[_COST], 0.0)
         self._rows.append(row)
         self._cur[:] = 0.0
 

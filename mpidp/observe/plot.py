@@ -1,5 +1,5 @@
-"""``mpidp plot RUN_DIR [RUN_DIR ...] --out FILE.png``: loss and accuracy of one or several
-runs against epochs and against seconds, each run labelled from its configuration.
+"""Loss and accuracy of one or several runs against epochs and against seconds, each run
+labelled from its configuration (``mpidp plot``, :mod:`mpidp.cli.plot`).
 
 A run folder holds ``metrics.json`` (a finished run) or, for a run that failed or was
 killed, ``history.jsonl`` (its epochs up to the last line written). No MPI here;
@@ -8,10 +8,9 @@ matplotlib is imported only when drawing (an error names the fix when it is miss
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
+from collections.abc import Sequence
 from typing import Any
 
 from .history import read as read_history
@@ -25,20 +24,6 @@ LABEL_KEYS = (("parallel", "parallel"), ("sync", "sync"), ("world_size", "P"),
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
 NEED_MATPLOTLIB = ("mpidp plot needs matplotlib: pip install 'mpidp[bench]' "
                    "(or pip install matplotlib)")
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``plot`` subcommand to ``subparsers`` (from ``add_subparsers``)."""
-    p = subparsers.add_parser(
-        "plot", help="plot loss and accuracy of finished or killed runs (no MPI needed)",
-        description=__doc__.split("\n\n")[0].replace("``", ""))
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                   help="a train --out folder (metrics.json, or history.jsonl if it was killed)")
-    p.add_argument("--out", required=True, metavar="FILE.png", help="the image to write")
-    p.add_argument("--x", choices=("epochs", "seconds", "both"), default="both",
-                   help="horizontal axis: epochs, seconds since the start, or both (default)")
-    p.add_argument("--title", default=None, help="a title over the figure")
-    return p
 
 
 def load_run(folder: str) -> dict:
@@ -172,18 +157,14 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
     return names
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run ``mpidp plot``; returns the exit status (2 with a message on bad input)."""
+def need_matplotlib() -> None:
+    """Raise ImportError with the command that installs matplotlib when it is missing."""
     try:
         import matplotlib  # noqa: F401
-    except ImportError:
-        print(f"mpidp: error: {NEED_MATPLOTLIB}", file=sys.stderr)
-        return 2
-    try:
-        runs = [load_run(folder) for folder in args.runs]
-    except (ValueError, OSError) as exc:
-        print(f"mpidp: error: {exc}", file=sys.stderr)
-        return 2
-    draw(runs, args.out, getattr(args, "x", "both"), getattr(args, "title", None))
-    print(f"wrote {args.out} ({len(runs)} run{'s' if len(runs) > 1 else ''})")
-    return 0
+    except ImportError as exc:
+        raise ImportError(NEED_MATPLOTLIB) from exc
+
+
+def load_runs(folders: Sequence[str]) -> list[dict]:
+    """:func:`load_run` of every folder, in order."""
+    return [load_run(folder) for folder in folders]

@@ -4,12 +4,12 @@ TensorBoard scalars, and the per-rank timeline (``--trace``)."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,14 +21,28 @@ from .trace import write as write_trace
 log = logging.getLogger("mpidp")
 
 
-def setup_logging(args: argparse.Namespace) -> None:
-    """Messages to stdout, plain; ``-q`` keeps warnings and errors, ``-v`` adds details."""
+@dataclass(frozen=True)
+class Outputs:
+    """Where a run's live outputs go: ``out`` (the folder of ``history.jsonl``), a history
+    line every ``log_every`` steps (None: per epoch only), TensorBoard event files in
+    ``tensorboard``, a timeline in ``trace`` of the global steps ``trace_steps`` (``"A:B"``)."""
+
+    out: str
+    log_every: int | None = None
+    tensorboard: str | None = None
+    trace: str | None = None
+    trace_steps: str | None = None
+
+
+def setup_logging(quiet: bool = False, verbose: bool = False) -> None:
+    """Messages to stdout, plain; ``quiet`` keeps warnings and errors, ``verbose`` adds
+    details."""
     if not log.handlers:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
         log.propagate = False
-    log.setLevel(logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO)
+    log.setLevel(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)
 
 
 def say(comm: C.Comm, *lines: str) -> None:
@@ -54,24 +68,25 @@ def check_writable(path: str, what: str) -> None:
 class Watch:
     """The run's live outputs. Collective to create (every rank of ``comm``)."""
 
-    def __init__(self, comm: C.Comm, args: argparse.Namespace, timer, config: dict) -> None:
-        self.comm, self.args, self.timer, self.config = comm, args, timer, config
+    def __init__(self, comm: C.Comm, outputs: Outputs, timer, config: dict) -> None:
+        self.comm, self.outputs, self.timer, self.config = comm, outputs, timer, config
         self.t0, self._history = time.perf_counter(), None
         self.tracer = None
-        if args.trace:
-            self.tracer = Tracer(comm.rank, platform.node(), steps=parse_window(args.trace_steps))
+        if outputs.trace:
+            self.tracer = Tracer(comm.rank, platform.node(),
+                                 steps=parse_window(outputs.trace_steps))
             timer.tracer = self.tracer
         self._last = np.zeros(2)  # compute, comm seconds at the last step line
         self._steps = 0
 
     @staticmethod
-    def check(args: argparse.Namespace) -> None:
+    def check(outputs: Outputs) -> None:
         """Up front, on one rank: the outputs asked for can be written."""
-        if args.trace:
-            check_writable(args.trace, "--trace")
-            parse_window(args.trace_steps)
-        if args.tensorboard:
-            check_writable(os.path.join(args.tensorboard, "x"), "--tensorboard")
+        if outputs.trace:
+            check_writable(outputs.trace, "--trace")
+            parse_window(outputs.trace_steps)
+        if outputs.tensorboard:
+            check_writable(os.path.join(outputs.tensorboard, "x"), "--tensorboard")
             try:
                 import tensorboardX  # noqa: F401
             except ImportError:
@@ -83,9 +98,9 @@ class Watch:
         if self.comm.rank != 0:
             return None
         if self._history is None:
-            os.makedirs(self.args.out, exist_ok=True)
-            self._history = History(os.path.join(self.args.out, "history.jsonl"),
-                                    self.args.tensorboard)
+            os.makedirs(self.outputs.out, exist_ok=True)
+            self._history = History(os.path.join(self.outputs.out, "history.jsonl"),
+                                    self.outputs.tensorboard)
             self._history.config(self.config)
         return self._history
 
@@ -106,7 +121,7 @@ class Watch:
 
     def step(self, epoch: int, stats) -> None:
         """``on_step`` (every rank; collective every ``--log-every`` steps)."""
-        every = self.args.log_every
+        every = self.outputs.log_every
         self._steps = step = self._steps + 1
         if not every or step % every:
             return
@@ -126,10 +141,10 @@ class Watch:
         at the end (async-ps) writes their lines now."""
         if self.tracer is not None:
             try:
-                n = write_trace(self.comm, self.tracer, self.args.trace)
-                say(self.comm, f"wrote timeline {self.args.trace} ({n} spans)")
+                n = write_trace(self.comm, self.tracer, self.outputs.trace)
+                say(self.comm, f"wrote timeline {self.outputs.trace} ({n} spans)")
             except OSError as exc:
-                log.warning(f"mpidp: could not write the timeline {self.args.trace}: {exc}")
+                log.warning(f"mpidp: could not write the timeline {self.outputs.trace}: {exc}")
         if self.comm.rank == 0 and self._history is None:
             for record in history:
                 self.epoch(record)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import numpy as np
 
@@ -28,15 +29,28 @@ from ..data.partition import local_batches, steps_per_epoch
 from ..nn import Loss, Optimizer, Sequential
 from ..observe.metrics import StepTimer
 from ..run.checkpoint import State, save
-from ..run.loop import Checkpointing, Loop, run
+from ..run.loop import run
 from ..run.nonfinite import NonFiniteError, Policy, all_finite
 from ..run.signals import Preempted
+from ..run.spec import Checkpointing, RunSpec
 from ..run.stats import StepStats
 
 _PUSH, _PULL = 11, 12
 _STOP = -2  # the version the server answers with when training must stop
 _PREEMPTED = "preempted"  # the server's reason to stop on SIGTERM/SIGUSR1
-_EXTRA = 5  # a push's slots after the gradient: loss, count, epoch, batch, version
+
+
+class _Slot(IntEnum):
+    """The slots of a push message after the gradient ``(n_params,)``: ``msg[n + slot]``."""
+
+    LOSS = 0  # the batch's loss sum
+    COUNT = 1  # its samples
+    EPOCH = 2
+    BATCH = 3  # the global batch of the epoch
+    VERSION = 4  # of the parameters the gradient was computed on; -1: the worker is done
+
+
+_EXTRA = len(_Slot)  # a push message is (n_params + _EXTRA,)
 #: Columns of :attr:`AsyncStats.trace`: seconds since training started (server clock), the
 #: push's loss sum and sample count, its staleness, whether it was applied, the worker.
 TRACE_FIELDS = ("t", "loss_sum", "count", "staleness", "applied", "worker")
@@ -71,7 +85,6 @@ class _Worker:
     def __init__(self, comm, model: Sequential, loss: Loss, root: int, timer: StepTimer) -> None:
         self.comm, self.model, self.loss, self.root, self.timer = comm, model, loss, root, timer
         n = model.n_params
-        # grads | loss | count | epoch | global batch of the epoch | version (-1: done)
         self.msg = np.zeros(n + _EXTRA, model.dtype)
         self.version = np.zeros(1, np.int64)
         self.world, self.global_step, self.epoch, self.batch = comm, 0, 0, 0
@@ -88,11 +101,12 @@ class _Worker:
         """One push and pull; raises :class:`_Stopped` when the server says stop."""
         model, msg, n = self.model, self.msg, self.model.n_params
         with self.timer.compute():  # stretched by timer.slowdown (a simulated slower node)
-            msg[n] = self.loss.forward(model.forward(X), y)
+            msg[n + _Slot.LOSS] = self.loss.forward(model.forward(X), y)
             model.backward(self.loss.backward(), input_grad=False)
             if self._poison:
                 msg[0], self._poison = np.nan, False
-        msg[n + 1:n + _EXTRA] = (len(X), self.epoch, self.batch, self.version[0])
+        msg[n + _Slot.COUNT], msg[n + _Slot.EPOCH] = len(X), self.epoch
+        msg[n + _Slot.BATCH], msg[n + _Slot.VERSION] = self.batch, self.version[0]
         with self.timer.communicate("push and pull", bytes=int(msg.nbytes)):
             C.send(self.comm, msg, self.root, _PUSH)
             C.recv_(self.comm, model.params, self.root, _PULL)  # fresh parameters...
@@ -101,7 +115,7 @@ class _Worker:
         self.global_step += 1
         if self.version[0] == _STOP:
             raise _Stopped
-        return StepStats(float(msg[n]), len(X), 0)
+        return StepStats(float(msg[n + _Slot.LOSS]), len(X), 0)
 
     # what the loop asks of every trainer; a worker alone has nothing to agree on
     def check_replicas(self) -> None:
@@ -118,21 +132,25 @@ class _Worker:
 
 
 class _WorkerFeed:
-    """This worker's non-empty batches of each epoch (a :class:`mpidp.run.loop.Feed`)."""
+    """This worker's non-empty parts of each epoch's global batches (a
+    :class:`mpidp.run.loop.Feed`)."""
 
-    def __init__(self, w: _Worker, shard: Shard, batch_size: int, seed: int) -> None:
-        self.w, self.shard, self.batch_size, self.seed = w, shard, batch_size, seed
-        self.n_steps = steps_per_epoch(shard.n_total, batch_size)
+    labelled = False  # the server reports the loss only
+
+    def __init__(self, w: _Worker, shard: Shard, spec: RunSpec) -> None:
+        self.w, self.shard, self.spec = w, shard, spec
+        self.n_steps = steps_per_epoch(shard.n_total, spec.batch_size, spec.drop_last)
 
     def batches(self, epoch: int, first: int):
         """This worker's parts of the epoch's global batches ``first`` and later."""
-        self.w.epoch = epoch
-        for b, idx in enumerate(local_batches(self.shard.n_total, self.batch_size,
-                                              self.shard.start, self.shard.stop, epoch,
-                                              self.seed)):
-            if b >= first and len(idx):
+        self.w.epoch, spec, shard = epoch, self.spec, self.shard
+        for b, idx in enumerate(local_batches(shard.n_total, spec.batch_size, shard.start,
+                                              shard.stop, epoch, spec.seed, spec.shuffle,
+                                              spec.drop_last)):
+            y = shard.y[idx]
+            if b >= first and len(y):
                 self.w.batch = b
-                yield self.shard.X[idx], self.shard.y[idx]
+                yield shard.X[idx], y
 
     def end_epoch(self) -> None:
         return None
@@ -140,14 +158,17 @@ class _WorkerFeed:
     def evaluate(self) -> None:
         return None
 
+    def state(self) -> dict:
+        return {}
 
-def _work(w: _Worker, shard: Shard, epochs: int, batch_size: int, seed: int,
-          start: State | None = None) -> None:
+
+def _work(w: _Worker, shard: Shard, spec: RunSpec, start: State | None) -> None:
     try:
-        run(w, _WorkerFeed(w, shard, batch_size, seed), Loop(epochs, resume=start))
+        run(w, _WorkerFeed(w, shard, spec),
+            RunSpec(spec.epochs, spec.batch_size, resume=start))
     except _Stopped:
         return  # the server stopped training: it already counts us as done
-    w.msg[w.model.n_params + _EXTRA - 1] = -1
+    w.msg[w.model.n_params + _Slot.VERSION] = -1
     C.send(w.comm, w.msg, w.root, _PUSH)
 
 
@@ -221,7 +242,7 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
         i = C.wait_any(reqs)
         t_got = time.perf_counter()
         w, msg = workers[i], bufs[workers[i]]
-        if msg[n + _EXTRA - 1] < 0:  # this worker is done
+        if msg[n + _Slot.VERSION] < 0:  # this worker is done
             active -= 1
             reqs[i] = C.MPI_REQUEST_NULL
             if positions is not None:
@@ -235,26 +256,26 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
             active -= 1
             reqs[i] = C.MPI_REQUEST_NULL
             continue
-        stale = int(version[0] - msg[n + _EXTRA - 1])
+        stale = int(version[0] - msg[n + _Slot.VERSION])
+        loss, count = float(msg[n + _Slot.LOSS]), float(msg[n + _Slot.COUNT])
         applied = stale <= max_staleness
-        if applied and policy.checks and not all_finite(msg[:n + 1]):
+        if applied and policy.checks and not all_finite(msg[:n + _Slot.LOSS + 1]):
             try:
-                applied = policy.apply(False, float(msg[n]), stats.applied + stats.dropped)
+                applied = policy.apply(False, loss, stats.applied + stats.dropped)
             except C.MpidpError as exc:
                 error, applied = str(exc), False
             stats.skipped += error is None
         if applied:
-            tot = stats.epoch_loss.setdefault(int(msg[n + 2]), [0.0, 0.0])
-            tot[0] += float(msg[n])
-            tot[1] += float(msg[n + 1])
-            optimizer.step_(model.params, msg[:n], scale=1.0 / float(msg[n + 1]))
+            tot = stats.epoch_loss.setdefault(int(msg[n + _Slot.EPOCH]), [0.0, 0.0])
+            tot[0] += loss
+            tot[1] += count
+            optimizer.step_(model.params, msg[:n], scale=1.0 / count)
             version[0] += 1
             stats.applied += 1
             stats.staleness.append(stale)
         elif stale > max_staleness:
             stats.dropped += 1
-        stats.trace.append((time.perf_counter() - t0, float(msg[n]), float(msg[n + 1]), stale,
-                            applied, w))
+        stats.trace.append((time.perf_counter() - t0, loss, count, stale, applied, w))
         C.send(comm, model.params, w, _PULL)
         C.send(comm, stop if error is not None else version, w, _PULL)
         if tracer is not None:
@@ -263,7 +284,7 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
             tracer.add("serve a push", "ps", "compute", t_got, time.perf_counter(), worker=w,
                        staleness=stale, applied=bool(applied))
         if positions is not None and error is None:  # this batch is done, whatever became of it
-            positions.served(w, int(msg[n + 2]), int(msg[n + 3]))
+            positions.served(w, int(msg[n + _Slot.EPOCH]), int(msg[n + _Slot.BATCH]))
             served = stats.applied + stats.dropped + stats.skipped
             if checkpoint is not None and served % checkpoint.every == 0:
                 _save(checkpoint, model, optimizer,
@@ -279,57 +300,91 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
     return stats, error
 
 
-def train_async(model: Sequential, optimizer: Optimizer, loss: Loss, comm: C.Comm, shard: Shard,
-                epochs: int, batch_size: int, seed: int = 0, root: int = 0,
-                max_staleness: int = 8, timer: StepTimer | None = None,
-                on_nonfinite: str = "stop", signals=None,
-                checkpoint: Checkpointing | None = None,
-                resume: State | None = None) -> AsyncStats:
-    """Train asynchronously. Collective. ``shard`` on ``root`` is ignored (the server holds
-    no data); workers split each global batch by their blocks, as in synchronous training,
-    but update without waiting. Returns the server's :class:`AsyncStats` on every rank
-    (summary only off root; the trace stays on root). A non-finite push meets
-    ``on_nonfinite`` on the server: ``skip`` drops it (counted), ``stop`` tells every worker
-    to stop and raises the same error on every rank; so does a stop asked for by
-    ``signals`` (:class:`mpidp.run.signals.StopSignals`, on the server: SIGTERM/SIGUSR1), with
-    :class:`mpidp.run.signals.Preempted`. Parameters end identical on every
-    rank (one ``Bcast``). A worker's ``timer`` (a :class:`mpidp.observe.metrics.StepTimer`) records
-    its compute and communication per push, and its ``slowdown`` makes it a straggler.
+@dataclass
+class AsyncPS:
+    """The asynchronous parameter server's trainer over ``comm``: rank ``root`` serves
+    (holding no data), the others are workers. Pushes staler than ``max_staleness``
+    versions are dropped; a non-finite push meets ``on_nonfinite`` on the server (``skip``
+    drops it, counted; ``stop`` tells every worker to stop and raises the same
+    :class:`~mpidp.run.nonfinite.NonFiniteError` on every rank). A worker's ``timer`` (a
+    :class:`mpidp.observe.metrics.StepTimer`) records its compute and communication per
+    push, and its ``slowdown`` makes it a straggler. Train it with :func:`fit_async`."""
 
-    ``checkpoint``: the server saves every ``checkpoint.every`` pushes it serves, at the
-    end and on a signal's stop. ``resume`` (the :class:`~mpidp.run.checkpoint.State` of such a
-    checkpoint, whose parameters and optimizer :func:`mpidp.run.checkpoint.restore` has put
-    in place) puts the workers back where it says (see the module's notes)."""
-    if comm.size < 2:
-        raise C.MpidpError("async-ps needs at least 2 ranks (a server and a worker)")
-    if model.n_params + _EXTRA > C.MAX_COUNT:
-        raise C.MpidpError("async-ps sends the parameters in one message: at most "
-                           f"{C.MAX_COUNT - _EXTRA} parameters, got {model.n_params}")
-    if resume is not None and _Positions.KEY not in resume.partition:
+    model: Sequential
+    optimizer: Optimizer
+    loss: Loss
+    comm: C.Comm
+    max_staleness: int = 8
+    on_nonfinite: str = "stop"
+    timer: StepTimer = field(default_factory=StepTimer)
+    root: int = 0
+
+    def __post_init__(self) -> None:
+        if self.comm.size < 2:
+            raise C.MpidpError("async-ps needs at least 2 ranks (a server and a worker)")
+        if self.model.n_params + _EXTRA > C.MAX_COUNT:
+            raise C.MpidpError("async-ps sends the parameters in one message: at most "
+                               f"{C.MAX_COUNT - _EXTRA} parameters, got {self.model.n_params}")
+        if self.max_staleness < 0:
+            raise C.MpidpError(f"max staleness must be >= 0, got {self.max_staleness}")
+        self.policy = Policy(self.on_nonfinite)
+
+
+def _check_spec(spec: RunSpec) -> None:
+    if spec.resume is not None and _Positions.KEY not in spec.resume.partition:
         raise C.MpidpError("this checkpoint was written by synchronous training; async-ps "
                            "resumes only its own checkpoints (resume it with the --sync it "
                            "was written with, or start over with --restart)")
-    if max_staleness < 0:
-        raise C.MpidpError(f"max staleness must be >= 0, got {max_staleness}")
-    steps_per_epoch(shard.n_total, batch_size)  # validates batch_size
-    C.bcast_(comm, model.params, root)
-    policy, error = Policy(on_nonfinite), None
-    positions = _Positions([r for r in range(comm.size) if r != root], resume, epochs)
+    if spec.partition is not None:
+        raise C.MpidpError("partition does not apply to async-ps: its workers keep the "
+                           "contiguous blocks they loaded (block or weighted)")
+    if spec.check_every:
+        raise C.MpidpError("check_every does not apply to async-ps: its workers hold "
+                           "different parameters by design until the end")
+
+
+def fit_async(ps: AsyncPS, train: Shard, epochs: int | None = None,
+              batch_size: int | None = None, *, spec: RunSpec | None = None,
+              **settings) -> AsyncStats:
+    """Train asynchronously. Collective. ``train`` on the server is ignored; workers split
+    each global batch by their blocks, as in synchronous training, but update without
+    waiting. ``spec`` and ``settings`` as for :func:`mpidp.fit`: ``stop`` (SIGTERM/SIGUSR1
+    on the server) ends training with :class:`mpidp.run.signals.Preempted` on every rank;
+    ``checkpoint``: the server saves every ``checkpoint.every`` pushes it serves, at the
+    end and on a signal's stop; ``resume`` (the :class:`~mpidp.run.checkpoint.State` of
+    such a checkpoint, whose parameters and optimizer :func:`mpidp.run.checkpoint.restore`
+    has put in place) puts the workers back where it says (see the module's notes).
+    Returns the server's :class:`AsyncStats` on every rank (summary only off the server;
+    the trace stays there). Parameters end identical on every rank (one ``Bcast``)."""
+    spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
+    comm, root = ps.comm, ps.root
+    C.run_agreed(comm, _check_spec, spec)
+    C.run_agreed(comm, steps_per_epoch, train.n_total, spec.batch_size, spec.drop_last)
+    C.bcast_(comm, ps.model.params, root)
+    if spec.watchdog is not None:
+        spec.watchdog.start()
+    positions = _Positions([r for r in range(comm.size) if r != root], spec.resume, spec.epochs)
+    error = None
     if comm.rank == root:
-        stats, error = _server(comm, model, optimizer, root, max_staleness, policy,
-                               None if timer is None else timer.tracer, signals, positions,
-                               checkpoint)
+        stats, error = _server(comm, ps.model, ps.optimizer, root, ps.max_staleness, ps.policy,
+                               ps.timer.tracer, spec.stop, positions, spec.checkpoint)
     else:
-        worker = _Worker(comm, model, loss, root, timer if timer is not None else StepTimer())
-        _work(worker, shard, epochs, batch_size, seed,
-              positions.start_of(comm.rank) if resume is not None else None)
+        worker = _Worker(comm, ps.model, ps.loss, root, ps.timer)
+        _work(worker, train, spec,
+              positions.start_of(comm.rank) if spec.resume is not None else None)
         stats = AsyncStats()
+    return _finish(ps, stats, error, spec)
+
+
+def _finish(ps: AsyncPS, stats: AsyncStats, error: str | None, spec: RunSpec) -> AsyncStats:
+    """The server's verdict and summary on every rank, the parameters from the server."""
+    comm, root = ps.comm, ps.root
     error = C.bcast_obj(comm, error, root)  # the server's reason to stop, on every rank
     if error == _PREEMPTED:
-        raise Preempted(int(C.bcast_obj(comm, stats.applied, root)), checkpoint)
+        raise Preempted(int(C.bcast_obj(comm, stats.applied, root)), spec.checkpoint)
     if error is not None:
         raise NonFiniteError(error)
-    C.bcast_(comm, model.params, root)
+    C.bcast_(comm, ps.model.params, root)
     summary = C.bcast_obj(comm, stats.summary() | {"epoch_loss": stats.epoch_loss}, root)
     stats.applied, stats.dropped, stats.skipped = (summary[k] for k in ("applied", "dropped",
                                                                         "skipped"))

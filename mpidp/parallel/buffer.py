@@ -1,8 +1,10 @@
 """The flat buffer every synchronous trainer reduces, named once:
-``gradients (n_params) | loss sum | sample count | correct predictions``.
+``gradients (n_params) | loss sum | sample count | correct predictions | stop``.
 
 Gradients are SUMS over the local samples (not means), so summing the buffer over ranks
-and dividing by the global count gives the single-process gradient for any split.
+and dividing by the global count gives the single-process gradient for any split. The
+last slot is this rank's request to stop (1 or 0): summed with the rest, it is non-zero
+on every rank once any rank asked, so stopping needs no collective of its own.
 """
 
 from __future__ import annotations
@@ -10,16 +12,35 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-EXTRAS = ("loss_sum", "count", "correct")
+EXTRAS = ("loss_sum", "count", "correct", "stop")
 N_EXTRA = len(EXTRAS)
+STOP = EXTRAS.index("stop")
 
 
-def new(n_params: int, dtype: npt.DTypeLike) -> np.ndarray:
-    """A zeroed buffer ``(n_params + N_EXTRA,)`` of ``dtype``."""
-    return np.zeros(n_params + N_EXTRA, dtype)
+def new(n_params: int, dtype: npt.DTypeLike, length: int | None = None) -> np.ndarray:
+    """A zeroed buffer ``(n_params + N_EXTRA,)`` of ``dtype`` (``(length,)`` when given,
+    e.g. padded to equal blocks)."""
+    return np.zeros(n_params + N_EXTRA if length is None else length, dtype)
+
+
+def put(buf: np.ndarray, n_params: int, loss_sum: float, count: int, correct: int,
+        stop: bool, add: bool = False) -> None:
+    """Write this rank's extras after the gradients (``add``: add the loss and counts to
+    those already there, as gradient accumulation does; the stop request is always set)."""
+    extras = buf[n_params:n_params + STOP]
+    if add:
+        extras += (loss_sum, count, correct)
+    else:
+        extras[...] = (loss_sum, count, correct)
+    buf[n_params + STOP] = float(bool(stop))
 
 
 def totals(buf: np.ndarray, n_params: int) -> tuple[float, int, int]:
     """``(loss_sum, count, correct)`` from the slots after the gradients."""
-    loss, count, correct = (float(v) for v in buf[n_params:n_params + N_EXTRA])
+    loss, count, correct = (float(v) for v in buf[n_params:n_params + STOP])
     return loss, int(round(count)), int(round(correct))
+
+
+def stopping(buf: np.ndarray, n_params: int) -> bool:
+    """True when the (reduced) stop slot says some rank asked to stop."""
+    return bool(buf[n_params + STOP] > 0)

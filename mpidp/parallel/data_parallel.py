@@ -1,28 +1,30 @@
 """Synchronous data parallelism: every rank holds the whole model; one in-place
-``Allreduce`` per step combines gradient sums, the loss sum and the sample counts."""
+``Allreduce`` per step combines gradient sums, the loss sum and the sample counts.
+:class:`DataParallel` is the trainer, :class:`DataFeed` its batches, :func:`fit` its run."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import numpy as np
 
 from .. import comm as C
+from ..data.balance import Plan
+from ..data.distribute import Shard
+from ..data.partition import steps_per_epoch
 from ..nn import Loss, Optimizer, Sequential
-from ..nn.optim import chunk_edges
 from ..observe.metrics import StepTimer
 from ..run import checkpoint as ckpt
+from ..run.loop import run
 from ..run.nonfinite import ON_NONFINITE, Policy, all_finite
+from ..run.spec import RunSpec
 from ..run.stats import StepStats
 from . import buffer
 from .strategies import make_sync
-from .sync import Sync
+from .sync import Exchanged, Round, Setup, Sync
 
 INIT_SYNC = ("bcast", "seed")
-#: Reduced buffers at least this big are checked for NaN/Inf 1/P per rank plus a one-flag
-#: ``Allreduce``; smaller ones whole on every rank (a pass over 1 MiB takes ~40 us, about
-#: the latency of the extra collective between nodes).
-SPLIT_CHECK_BYTES = 1 << 20
 
 
 class DataParallel:
@@ -37,13 +39,13 @@ class DataParallel:
         ends the job instead of leaving the others waiting.
     check_every : every this many steps, compare parameter checksums across ranks (one
         small ``Allreduce``) and raise on every rank, naming the odd ranks, on a mismatch.
-        0 disables the check.
+        0 disables the check. For your own loop of :meth:`step` calls; :func:`fit` takes
+        the same setting as ``RunSpec.check_every`` (the loop checks every trainer so).
     on_nonfinite : ``"stop"`` raises :class:`NonFiniteError` on every rank when the global
         loss or gradient holds NaN/Inf, before the update; ``"skip"`` drops that step's
         update (counted in ``skipped_steps``); ``"ignore"`` applies it. Every rank holds the
-        same reduced sums, so each checks ``1/P`` of them (one dot product, at memory speed)
-        and a one-integer ``Allreduce`` shares the verdict (below ``SPLIT_CHECK_BYTES``
-        every rank checks all of them and there is no extra collective).
+        same reduced sums and checks all of them (one dot product, at memory speed), so
+        every rank reaches the same verdict with no collective of its own.
     watchdog : seconds: a rank that makes no progress (stuck computing, or waiting in an
         MPI call) for longer ends the job, naming the stalled ranks
         (:class:`mpidp.comm.Watchdog`); also the guard for a user's loop that calls
@@ -70,7 +72,7 @@ class DataParallel:
             raise C.MpidpError(f"check_every must be >= 0, got {check_every}")
         self.check_every, self.policy = check_every, Policy(on_nonfinite)
         self.global_step = 0  # steps taken (or skipped) since training started
-        self.last_of_epoch = False
+        self.stop_requested: bool | None = None  # this rank asks to stop (set by the loop)
         self._poison = False
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.comm = comm if comm is not None else C.world()
@@ -79,14 +81,17 @@ class DataParallel:
         self.watchdog = C.Watchdog(self.comm, watchdog).start() if watchdog else None
         if abort_on_error:
             C.abort_on_error()
-        # grads | loss_sum | count | correct: ONE buffer, so ONE Allreduce per step
-        self.buf = buffer.new(model.n_params, model.dtype)
-        model.use_grad_buffer(self.buf)
         self.sync_params(init_sync)
         self.sync = (make_sync(sync, lambda: copy.deepcopy(optimizer)) if isinstance(sync, str)
                      else sync)
-        self.sync.setup(self)  # its checks depend only on what every rank shares
-        self._on_layer_done = self.sync.on_layer_done(self)
+        # grads | loss_sum | count | correct | stop: ONE buffer, so ONE Allreduce per step,
+        # laid out as the strategy needs it (padded, in shared memory)
+        bufs = self.sync.setup(Setup(self.comm, root, model, self.timer))
+        model.use_grad_buffer(bufs.grads)
+        if bufs.params is not None:
+            model.use_param_buffer(bufs.params)
+        self.buf = bufs.grads
+        self._on_layer_done = self.sync.on_layer_done()
 
     def sync_params(self, how: str = "bcast") -> None:
         """Make every rank's parameters equal ``root``'s (``bcast``) or check they are (``seed``)."""
@@ -133,12 +138,12 @@ class DataParallel:
                         run_id: str | None = None) -> None:
         """Write a checkpoint of ``state`` (root writes; a refusal, e.g. a folder taken
         over by another run, is raised on every rank). Collective."""
-        self.sync.before_checkpoint(self)  # a sharded optimizer state is gathered to root
+        self.sync.before_checkpoint(self.optimizer)  # a sharded state is gathered to root
         try:
             C.root_decides(self.comm, ckpt.save, directory, self.model, self.optimizer, state,
                            keep, root=self.root, run_id=run_id)
         finally:
-            self.sync.after_checkpoint(self)
+            self.sync.after_checkpoint(self.optimizer)
 
     def restore(self, directory: str) -> tuple[str, ckpt.State] | None:
         """Load the newest good checkpoint in ``directory`` on every rank (the strategy takes
@@ -164,67 +169,46 @@ class DataParallel:
         (strategies that synchronise every k steps return zeros in between and the group's
         totals when they synchronise; ``last_of_epoch`` makes them synchronise now)."""
         buf, n = self.buf, self.model.n_params
-        self.last_of_epoch = last_of_epoch
         add = self.sync.accumulating()  # gradient accumulation: add to the buffer's sums
         with self.timer.compute("compute", samples=len(X)):
             out = self.model.forward(X)
             loss_sum = self.loss.forward(out, y)
             labelled = self.loss.classification or y.dtype.kind in "iu"
-            extras = (loss_sum, len(X), self.loss.n_correct(out, y) if labelled else 0)
-            if add:
-                buf[n:] += extras
-            else:
-                buf[n:] = extras
+            buffer.put(buf, n, loss_sum, len(X), self.loss.n_correct(out, y) if labelled else 0,
+                       bool(self.stop_requested), add)
             dy = self.loss.backward()
             if self._poison:  # fault injection: this rank's contribution, before any bucket
                 dy, buf[n], self._poison = np.full_like(dy, np.nan), np.nan, False  # leaves
             self.model.backward(dy, accumulate=add, input_grad=False,
                                 on_layer_done=self._on_layer_done)
-        loss_sum, count, correct, skipped = self.sync.exchange(self)
+        got = self.sync.exchange(Round(self.optimizer, self._judge, self.policy.checks,
+                                       self.global_step, last_of_epoch))
+        skipped = got.skipped if got.updated else not self._update(got)
         self.timer.end_step(len(X))
         self.global_step += 1
         if self.check_every and self.global_step % self.check_every == 0:
             C.assert_in_sync(self.comm, self.model.params, self.root)
         C.set_step(self.global_step)
-        return StepStats(loss_sum, count, correct, skipped)
+        return StepStats(got.loss_sum, got.count, got.correct, skipped, got.stop)
 
-    def apply_global(self, buf: np.ndarray) -> tuple[float, int, int, bool]:
-        """Update from the GLOBAL sums in ``buf`` (gradients | loss | count | correct):
-        mean gradient = sum / count, folded into the optimizer step. Every rank holds the
-        same ``buf`` and calls this (collective). Returns ``(loss_sum, count, correct, skipped)``."""
-        loss_sum, count, correct, skipped = self.judge_global(buf)
-        if count and not skipped:
-            self.optimizer.step_(self.model.params, buf[:self.model.n_params], scale=1.0 / count)
-        return loss_sum, count, correct, skipped
+    def _judge(self, finite: bool, loss_sum: float, steps: int = 1) -> bool:
+        """The NaN policy on a verdict every rank shares: True to update, False to skip
+        (counted); raises :class:`~mpidp.run.nonfinite.NonFiniteError` for ``stop``."""
+        return self.policy.apply(finite, loss_sum, self.global_step, steps)
 
-    def judge_global(self, buf: np.ndarray, everywhere: bool = True) -> tuple[float, int, int, bool]:
-        """``(loss_sum, count, correct, skipped)`` of the global sums in ``buf``, with the NaN
-        policy applied to them (raises for ``stop``); the update is left to the caller.
-
-        ``everywhere``: every rank holds the same ``buf`` and calls this (collective), so
-        each checks only its ``1/P`` of it and one tiny ``Allreduce`` shares the verdict;
-        False: only this rank has ``buf`` (a parameter server) and checks all of it."""
-        loss_sum, count, correct = buffer.totals(buf, self.model.n_params)
-        skipped = False
-        if count and self.policy.checks:  # "ignore" skips the pass altogether
-            finite = self.all_finite_everywhere(buf) if everywhere else all_finite(buf)
-            skipped = not self.finite_or_skip(finite, loss_sum)
-        return loss_sum, count, correct, skipped
-
-    def all_finite_everywhere(self, buf: np.ndarray) -> bool:
-        """``all_finite(buf)`` for a 1-D ``buf`` that every rank holds identically. From
-        :data:`SPLIT_CHECK_BYTES` up, each rank checks its ``1/P`` and one ``Allreduce`` of a
-        flag combines them. Collective."""
-        P, r = self.comm.size, self.comm.rank
-        if P == 1 or buf.nbytes < SPLIT_CHECK_BYTES:
-            return all_finite(buf)
-        edges = chunk_edges(len(buf), P)
-        flag = np.array([all_finite(buf[edges[r]:edges[r + 1]])], np.int32)
-        return bool(C.allreduce_(self.comm, flag, "min")[0])
-
-    def finite_or_skip(self, finite: bool, loss_sum: float) -> bool:
-        """The NaN policy on a verdict every rank shares (:meth:`mpidp.run.nonfinite.Policy.apply`)."""
-        return self.policy.apply(finite, loss_sum, self.global_step)
+    def _update(self, got: Exchanged) -> bool:
+        """Judge and apply the global sums in ``self.buf`` (mean gradient = sum / count,
+        folded into the optimizer step); False if the policy dropped the update. Every rank
+        holds the same sums and checks all of them, so no collective is needed."""
+        if not got.count:
+            return True
+        with self.timer.compute():
+            finite = got.finite if got.finite is not None else (
+                not self.policy.checks or all_finite(self.buf))
+            if not self._judge(finite, got.loss_sum):
+                return False
+            self.optimizer.step_(self.model.params, self.model.grads, scale=1.0 / got.count)
+        return True
 
     def evaluate(self, X: np.ndarray, y: np.ndarray, batch_size: int = 4096) -> StepStats:
         """Loss and correct predictions over every rank's ``(X, y)``. Collective (1 Allreduce)."""
@@ -234,3 +218,72 @@ class DataParallel:
             total += (loss_sum, len(X[s:s + batch_size]), correct)
         C.allreduce_sum_(self.comm, total)
         return StepStats(float(total[0]), int(total[1]), int(total[2]))
+
+
+class DataFeed:
+    """This rank's part of every global batch of a :class:`DataParallel` run: the rows of
+    its shard, partitioned by a :class:`~mpidp.data.balance.Plan` (a :class:`Feed` of
+    :func:`mpidp.run.loop.run`)."""
+
+    def __init__(self, dp: DataParallel, plan: Plan, train: Shard, test: Shard | None) -> None:
+        self.dp, self.plan, self.shard, self.test = dp, plan, train, test
+        self.n_steps = steps_per_epoch(train.n_total, plan.batch_size, plan.drop_last)
+        self.labelled = dp.loss.classification or train.y.dtype.kind in "iu"
+
+    def batches(self, epoch: int, first: int) -> Iterator[tuple]:
+        yield from self.plan.batches(self.shard, epoch, self.dp.timer, first)
+        self.shard = self.plan.shard
+
+    def end_epoch(self) -> dict:
+        return self.plan.end_epoch(self.dp.timer)
+
+    def evaluate(self) -> StepStats | None:
+        if self.test is None or not self.test.n_total:
+            return None
+        return self.dp.evaluate(self.test.X, self.test.y)
+
+    def state(self) -> dict:
+        return {"strategy": self.plan.strategy, "capacities": self.plan.capacities.tolist()}
+
+
+def _plan(dp: DataParallel, train: Shard, spec: RunSpec) -> Plan:
+    """The spec's :class:`Plan` (its own, or one made from its partition and batches)."""
+    if not isinstance(spec.partition, Plan):
+        return Plan(dp.comm, spec.partition, train.n_total, spec.batch_size, spec.seed,
+                    spec.shuffle, spec.drop_last)
+    plan = spec.partition
+    theirs = (plan.batch_size, plan.seed, plan.shuffle, plan.drop_last)
+    ours = (spec.batch_size, spec.seed, spec.shuffle, spec.drop_last)
+    if theirs != ours:
+        raise C.MpidpError(
+            f"the Plan given as partition batches by (batch_size, seed, shuffle, drop_last) "
+            f"= {theirs} but the run asks for {ours}; give the same settings to both, or a "
+            f"Partition instead of a Plan")
+    return plan
+
+
+def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
+        batch_size: int | None = None, *, test: Shard | None = None,
+        spec: RunSpec | None = None, **settings) -> list[dict]:
+    """Train ``dp`` on this rank's shard ``train`` until ``epochs`` epochs of global batches
+    of ``batch_size`` samples are done. Collective.
+
+    ``spec`` (a :class:`mpidp.RunSpec`) holds every setting of the run; ``epochs``,
+    ``batch_size`` and ``settings`` (any field of :class:`~mpidp.RunSpec`: ``seed``,
+    ``shuffle``, ``drop_last``, ``partition``, ``checkpoint``, ``resume``, ``progress``,
+    ``on_epoch``, ``on_step``, ``stop``, ``watchdog``, ``check_every``) fill or override
+    it. Epoch ``e`` visits positions in :func:`mpidp.data.partition.epoch_order` order, so
+    the global batches do not depend on the number of ranks; ``resume`` (from
+    :func:`mpidp.run.checkpoint.restore`) continues mid-epoch exactly where the checkpoint
+    was taken. Returns the history, one dict per epoch: ``epoch, loss, accuracy,
+    test_loss, test_accuracy, seconds`` and ``balance`` (the epoch's load-balance figures,
+    :func:`mpidp.data.balance.balance_figures`), global figures, the same on every rank.
+    """
+    spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
+    plan = _plan(dp, train, spec)
+    if spec.resume is not None:
+        if spec.resume.partition.get("capacities") is not None:
+            plan.capacities = np.asarray(spec.resume.partition["capacities"], np.float64)
+        dp.sync.after_restore(dp.optimizer)  # e.g. a sharded optimizer takes its slice of the state
+    return run(dp, DataFeed(dp, plan, train, test), spec)
+

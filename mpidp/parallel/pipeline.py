@@ -11,6 +11,10 @@ Per step: the batch is cut into ``m`` micro-batches (sizes differ by at most one
 point-to-point messages whose shapes every rank derives from the agreed plan (widths and
 micro-batch sizes), so nothing is pickled per step. Gradient sums accumulate over the
 micro-batches; the update divides by the batch's sample count, as single-process training.
+
+:class:`Pipeline` is the trainer, :class:`PipelineFeed` its batches (the same global
+batches as :func:`mpidp.fit`: replica ``r`` takes its block of each, the first stage reads
+its rows of ``X`` and the last its targets), :func:`fit_pipeline` its run.
 """
 
 from __future__ import annotations
@@ -18,17 +22,20 @@ from __future__ import annotations
 import copy
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
 from .. import comm as C
+from ..data.partition import block_counts, block_range, epoch_order, steps_per_epoch
 from ..nn import Layer, Loss, Optimizer, Sequential
 from ..observe.metrics import StepTimer
 from ..run import checkpoint as ckpt
+from ..run.loop import run
 from ..run.nonfinite import Policy, all_finite
+from ..run.spec import RunSpec
 from ..run.stats import StepStats
 from . import buffer
 from . import stages as St
@@ -105,8 +112,9 @@ class Pipeline:
         (forward+backward seconds per layer measured on rank 0); or pass ``costs``.
     trace : record every op's start, end and CPU seconds in ``counters.trace``.
     on_nonfinite : the NaN/Inf policy (:mod:`mpidp.run.nonfinite`): every stage checks its own
-        summed gradients (the last stage its loss too) and one ``Allreduce`` of a flag over
-        all ranks shares the verdict before any stage updates.
+        summed gradients (the last stage its loss too) and one ``Allreduce`` of two flags
+        over all ranks shares the verdict, and any rank's stop request
+        (``stop_requested``, set by :func:`mpidp.run.loop.run`), before any stage updates.
 
     Notes
     -----
@@ -136,14 +144,15 @@ class Pipeline:
             C.abort_on_error()
         self.n_stages, self.n_replicas = n_stages, comm.size // n_stages
         self.stage, self.replica = comm.rank % n_stages, comm.rank // n_stages
-        self.pipe = comm.Split(self.replica, self.stage)  # one replica's stages
-        self.dp = comm.Split(self.stage, self.replica)  # this stage in every replica
+        self.pipe = C.split(comm, self.replica, self.stage)  # one replica's stages
+        self.dp = C.split(comm, self.stage, self.replica)  # this stage in every replica
         self.world, self.optimizer, self.loss = comm, optimizer, loss
         self.micro_batches, self.schedule = micro_batches, schedule
         self.lo, self.hi = self.plan.bounds[self.stage], self.plan.bounds[self.stage + 1]
         self.layers = list(layers)
         self.model = Sequential(self.layers[self.lo:self.hi], self.plan.widths[self.lo], dtype)
         self.policy = Policy(on_nonfinite)
+        self.stop_requested: bool | None = None  # this rank asks to stop (set by the loop)
         self._poison = False
         self._buf = buffer.new(self.model.n_params, dtype)
         self.model.use_grad_buffer(self._buf)
@@ -244,15 +253,17 @@ class Pipeline:
         with self.timer.communicate("wait for sends"):
             C.wait_all([r for reqs, _ in self._run.sends for r in reqs])
         buf, k = self._buf, self.model.n_params
-        buf[k:] = (self._run.loss_sum, n, self._run.correct)
+        buffer.put(buf, k, self._run.loss_sum, n, self._run.correct, False)  # stop: _agree
         if self._poison:  # fault injection: this stage's gradient contribution is NaN
             buf[0], self._poison = np.nan, False
         if self.n_replicas > 1:
             with self.timer.communicate("allreduce", bytes=int(buf.nbytes)):
                 C.allreduce_sum_(self.dp, buf)
             self.counters.allreduce_bytes += buf.nbytes
-        _, count, _ = buffer.totals(buf, k)
-        skipped = count > 0 and self.policy.checks and not self._go_ahead(buf)
+        loss_sum, count, correct = buffer.totals(buf, k)
+        finite, stop = self._agree(buf)
+        skipped = count > 0 and not self.policy.apply(
+            finite, loss_sum if self.last else float("nan"), self.global_step)
         with self.timer.compute():
             if count and not skipped:
                 self.optimizer.step_(self.model.params, self.model.grads, scale=1.0 / count)
@@ -261,17 +272,22 @@ class Pipeline:
         self.timer.steps += 1
         self.timer.samples += n
         self.global_step += 1
-        loss_sum, _, correct = buffer.totals(buf, k)
         return StepStats(loss_sum if self.last else float("nan"), count,
-                         correct if self.last else 0, skipped)
+                         correct if self.last else 0, skipped, stop)
 
-    def _go_ahead(self, buf: np.ndarray) -> bool:
-        """One verdict for every rank: all stages' summed gradients (and the last stage's
-        loss) finite. Applies the NaN policy: False to skip the update; raises for stop."""
-        mine = all_finite(buf[:self.model.n_params]) and (not self.last or all_finite(buf[-3:]))
-        flag = C.allreduce_(self.world, np.array([int(mine)], np.int32), "min")
-        return self.policy.apply(bool(flag[0]), buf[-3] if self.last else float("nan"),
-                                 self.global_step)
+    def _agree(self, buf: np.ndarray) -> tuple[bool, bool]:
+        """``(finite, stop)``, the same on every rank: all stages' summed gradients (and the
+        last stage's loss) finite, and some rank asked to stop. Collective: one
+        ``Allreduce`` of two flags over all ranks, skipped when there is nothing to agree
+        on (``on_nonfinite="ignore"`` and no stop signals)."""
+        if not self.policy.checks and self.stop_requested is None:
+            return True, False
+        k = self.model.n_params
+        mine = not self.policy.checks or (
+            all_finite(buf[:k]) and (not self.last or all_finite(buf[k:])))
+        flags = np.array([int(not mine), int(bool(self.stop_requested))], np.int32)
+        C.allreduce_(self.world, flags, "max")
+        return not flags[0], bool(flags[1])
 
     def _slot(self) -> list[Layer]:
         """Fresh shallow copies of this stage's layers: shared parameter and gradient views,
@@ -381,8 +397,10 @@ class Pipeline:
             params = C.gatherv(self.pipe, self.model.params, 0)
             opt = {k: C.gatherv(self.pipe, v, 0) for k, v in sorted(self.optimizer.state.items())}
             state.totals = totals.tolist()
-        C.root_decides(self.world, lambda: ckpt.save_flat(directory, params, opt, self.optimizer,
-                                                          state, keep, run_id=run_id))
+        whole = copy.copy(self.optimizer)  # this stage's type and step, the whole state
+        whole.state = opt
+        C.root_decides(self.world, lambda: ckpt.save_flat(directory, params, whole, state, keep,
+                                                          run_id=run_id))
 
     def restore(self, directory: str) -> tuple[str, ckpt.State] | None:
         """Load the newest good checkpoint in ``directory`` (written by a pipeline of any
@@ -494,3 +512,77 @@ def _held_bytes(layers: Sequence[Layer], exclude: np.ndarray | None) -> int:
             seen.add(id(base))
             total += base.nbytes
     return total
+
+
+def check_batches(n: int, batch_size: int, drop_last: bool, n_replicas: int,
+                  micro_batches: int) -> None:
+    """``ValueError`` unless every replica's part of every batch has >= ``micro_batches``
+    samples (pure arithmetic: every rank reaches the same verdict)."""
+    steps = steps_per_epoch(n, batch_size, drop_last)
+    if steps == 0:
+        raise ValueError(f"no full batch of {batch_size} in {n} samples (drop_last)")
+    sizes = [min(batch_size, n - s * batch_size) for s in range(steps)]
+    smallest = int(block_counts(min(sizes), n_replicas).min())
+    if smallest < micro_batches:
+        where = "" if n_replicas == 1 else f" per replica ({n_replicas} replicas)"
+        raise ValueError(f"more micro-batches ({micro_batches}) than samples in a batch: the "
+                         f"smallest batch has {smallest} samples{where}; use --micro-batches "
+                         f"<= {smallest}, a larger batch size, or --drop-last")
+
+
+class PipelineFeed:
+    """A :class:`mpidp.run.loop.Feed` for ``pipe`` over the whole training set ``train``
+    ``(X, y)`` (every rank holds all of it) and test set ``test`` (or None)."""
+
+    def __init__(self, pipe: Pipeline, train: tuple, test: tuple | None, spec: RunSpec) -> None:
+        X, y = train
+        C.run_agreed(pipe.world, check_batches, len(y), spec.batch_size, spec.drop_last,
+                     pipe.n_replicas, pipe.micro_batches)
+        self.pipe, self.X, self.y, self.spec = pipe, X, y, spec
+        self.test = test if test is not None and test[1] is not None and len(test[1]) else None
+        self.n_steps = steps_per_epoch(len(y), spec.batch_size, spec.drop_last)
+        self.labelled = pipe.loss.classification or y.dtype.kind in "iu"
+
+    def batches(self, epoch: int, first: int) -> Iterator[tuple]:
+        pipe, b = self.pipe, self.spec.batch_size
+        order = epoch_order(len(self.y), epoch, self.spec.seed, self.spec.shuffle)
+        for s in range(first, self.n_steps):
+            pos = order[s * b:(s + 1) * b]
+            lo, hi = block_range(len(pos), pipe.n_replicas, pipe.replica)
+            idx = pos[lo:hi]
+            yield (self.X[idx] if pipe.first else None, self.y[idx] if pipe.last else None,
+                   len(idx))
+
+    def end_epoch(self) -> None:
+        return None
+
+    def evaluate(self) -> StepStats | None:
+        if self.test is None:
+            return None
+        X, y = self.test
+        lo, hi = block_range(len(y), self.pipe.n_replicas, self.pipe.replica)
+        return self.pipe.evaluate(X[lo:hi], y[lo:hi])
+
+    def state(self) -> dict:
+        return {}
+
+
+def fit_pipeline(pipe: Pipeline, train: tuple, epochs: int | None = None,
+                 batch_size: int | None = None, *, test: tuple | None = None,
+                 spec: RunSpec | None = None, **settings) -> list[dict]:
+    """Train ``pipe`` until ``epochs`` epochs of global batches of ``batch_size`` samples
+    are done, through the one loop (:func:`mpidp.run.loop.run`: faults, NaN policy,
+    replica checks, checkpoints and signals as in data-parallel training). Collective.
+
+    ``train`` is ``(X, y)``, the whole training set ``(n_samples, n_features)`` on every
+    rank; ``test`` likewise or None. ``spec`` and ``settings`` as for :func:`mpidp.fit`
+    (``partition`` does not apply: every stage sees the whole batch). ``resume`` (from
+    :meth:`Pipeline.restore`) continues mid-epoch where a checkpoint was taken. Returns the
+    history (one dict per epoch: ``epoch, loss, accuracy, seconds`` and, with a test set,
+    ``test_loss, test_accuracy``) on every rank.
+    """
+    spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
+    C.agree(pipe.world, None if spec.partition is None else
+            "partition does not apply to a pipeline: every stage sees the whole batch")
+    return run(pipe, PipelineFeed(pipe, train, test, spec), spec)
+

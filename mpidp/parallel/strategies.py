@@ -1,10 +1,15 @@
-"""Gradient-exchange strategies by name, for :class:`~mpidp.DataParallel` and the CLI."""
+"""Gradient-exchange strategies by name, for :class:`~mpidp.DataParallel` and the CLI.
+
+Importing this module starts no MPI: :data:`SYNCS` is a tuple of names, and
+:func:`make_sync` imports the strategies (and so MPI) when first called.
+"""
 
 from __future__ import annotations
 
-from .. import comm as C
-from .ps import ParameterServer, ShardedParameterServer
-from .sync import Accumulate, Compressed, LocalSGD, Overlapped, PerLayer, Sync
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .sync import Sync
 
 SYNCS = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "sharded-ps",
          "accumulate", "local-sgd")
@@ -19,6 +24,9 @@ def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
     ``ps_shared_memory=False``; updates shipped in pieces of ``ps_chunk_bytes``),
     ``sharded-ps`` (needs ``optimizer_factory``),
     ``accumulate`` and ``local-sgd`` (every ``k`` steps)."""
+    from .. import comm as C
+    from .ps import ParameterServer, ShardedParameterServer
+    from .sync import Accumulate, Compressed, LocalSGD, Overlapped, PerLayer, Sync
     if name == "allreduce":
         return Sync()
     if name == "per-layer":

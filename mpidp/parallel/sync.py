@@ -1,7 +1,18 @@
 """How replicas combine gradients: one strategy object per way, behind ``make_sync(name)``.
 
-Every strategy turns each rank's gradient SUMS (plus loss sum, sample count and correct
-count, appended to the same flat buffer) into an update that leaves all replicas equal.
+Every strategy turns each rank's gradient SUMS (plus loss sum, sample count, correct count
+and stop request, appended to the same flat buffer, :mod:`mpidp.parallel.buffer`) into
+global sums that every replica shares. The flow is one way:
+
+1. ``setup(Setup)`` allocates the buffers the strategy needs (padded, or in shared
+   memory) and returns them as :class:`Buffers`; the trainer binds its model to them.
+2. ``exchange(Round)`` communicates and returns an :class:`Exchanged`: the global loss,
+   count and correct count, and the agreed stop. The trainer then applies its NaN policy
+   (to the strategy's ``finite`` verdict, or else to the reduced buffer, which every rank
+   holds and checks whole) and updates; a strategy that updates by itself (a server, a
+   sharded optimizer, local SGD) asks ``Round.judge`` (the trainer's policy) for the
+   verdict first and says so with ``updated=True``. No strategy holds its trainer.
+
 ``bytes_sent`` counts the payload this rank contributes to MPI per step (a buffer of
 ``m`` bytes reduced or gathered counts ``m``; on the wire a ring allreduce sends
 ``2 (P-1)/P m``, as do a reduce-scatter plus an allgather).
@@ -9,57 +20,96 @@ count, appended to the same flat buffer) into an update that leaves all replicas
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import comm as C
 from ..nn import Optimizer, Sequential
 from ..observe.metrics import StepTimer
-from ..run.nonfinite import Policy, all_finite
+from ..run.nonfinite import all_finite
 from . import buffer, compress
 
 
-class Replica(Protocol):
-    """What a strategy uses of the data-parallel trainer (:class:`~.Replica`)."""
+@dataclass
+class Setup:
+    """What a trainer tells its strategy once: where, what model, which clock."""
 
     comm: C.Comm
     root: int
-    buf: np.ndarray  # gradients | loss | count | correct (mpidp.parallel.buffer)
-    model: Sequential
-    optimizer: Optimizer
+    model: Sequential  # read for its sizes and parameters; the trainer binds it
     timer: StepTimer
-    policy: Policy
-    global_step: int
-    last_of_epoch: bool
 
-    def apply_global(self, buf: np.ndarray) -> tuple[float, int, int, bool]: ...
 
-    def judge_global(self, buf: np.ndarray, everywhere: bool = True) -> tuple[float, int, int, bool]: ...
+@dataclass
+class Buffers:
+    """What a strategy allocates in :meth:`Sync.setup`; the trainer binds its model to it."""
 
-    def finite_or_skip(self, finite: bool, loss_sum: float) -> bool: ...
+    grads: np.ndarray  # (n_params + buffer.N_EXTRA,): gradients | extras, the reduced buffer
+    params: np.ndarray | None = None  # (n_params,): where the parameters must live; None: stay
+
+
+@dataclass
+class Round:
+    """What a trainer hands its strategy every step."""
+
+    optimizer: Optimizer
+    #: the trainer's NaN policy on a verdict every rank shares: ``judge(finite, loss_sum,
+    #: steps=1)`` is True to update, False to skip (counting ``steps``); raises to stop
+    judge: Callable[..., bool]
+    checks: bool  # False: judge accepts anything, so the finiteness check can be skipped
+    step: int  # the global step, for messages
+    last_of_epoch: bool = False
+
+
+@dataclass
+class Exchanged:
+    """What one exchange produced, the same on every rank."""
+
+    loss_sum: float = 0.0
+    count: int = 0
+    correct: int = 0
+    stop: bool = False  # some rank asked to stop
+    finite: bool | None = None  # the verdict on the sums, where the strategy computed it
+    updated: bool = False  # the strategy already updated (or, judged, dropped) this step
+    skipped: bool = False  # with ``updated``: the judge dropped the update
+
+
+def global_sums(buf: np.ndarray, n_params: int) -> Exchanged:
+    """The :class:`Exchanged` of a reduced buffer ``buf`` ``(n_params + N_EXTRA,)``."""
+    loss, count, correct = buffer.totals(buf, n_params)
+    return Exchanged(loss, count, correct, buffer.stopping(buf, n_params))
+
 
 class Sync:
-    """Fused allreduce: ONE in-place ``Allreduce`` of the whole buffer, then the same update
-    on every rank. The default, and the base of the others."""
+    """Fused allreduce: ONE in-place ``Allreduce`` of the whole buffer; the trainer then
+    makes the same update on every rank. The default, and the base of the others."""
 
     name = "allreduce"
 
     def __init__(self) -> None:
         self.bytes_sent = 0
 
-    def setup(self, dp: Replica) -> None:
-        """Called once by ``DataParallel`` after its buffers exist. Collective."""
+    def setup(self, s: Setup) -> Buffers:
+        """Allocate this strategy's buffers for ``s.model``. Collective."""
+        self.comm, self.root, self.model, self.timer = s.comm, s.root, s.model, s.timer
+        self.n = s.model.n_params
+        self.buf = self.allocate(s)
+        return Buffers(self.buf)
 
-    def on_layer_done(self, dp: Replica):
+    def allocate(self, s: Setup) -> np.ndarray:
+        """The reduced buffer ``(n_params + N_EXTRA,)``, zeroed."""
+        return buffer.new(s.model.n_params, s.model.dtype)
+
+    def on_layer_done(self) -> Callable[[int], None] | None:
         """A backward hook (``Sequential.backward(on_layer_done=...)``), or None."""
         return None
 
-    def reduce(self, dp: Replica) -> None:
-        """Make ``dp.buf`` hold the global sums on every rank."""
-        buf = dp.buf
-        C.allreduce_sum_(dp.comm, buf)
-        self.bytes_sent += buf.nbytes
+    def reduce(self) -> None:
+        """Make ``self.buf`` hold the global sums on every rank. Collective."""
+        C.allreduce_sum_(self.comm, self.buf)
+        self.bytes_sent += self.buf.nbytes
 
     def at_boundary(self) -> bool:
         """True when nothing is pending between synchronisations (a checkpoint may be taken)."""
@@ -70,22 +120,22 @@ class Sync:
         (and its loss and counts to theirs) instead of overwriting them."""
         return False
 
-    def before_checkpoint(self, dp: Replica) -> None:
-        """Collective, before the root writes a checkpoint: make ``dp.optimizer`` hold the
-        whole optimizer state on the root (a strategy that shards it gathers it here)."""
+    def before_checkpoint(self, optimizer: Optimizer) -> None:
+        """Collective, before the root writes a checkpoint: make ``optimizer`` (the
+        trainer's) hold the whole optimizer state on the root (a strategy that shards it
+        gathers it here)."""
 
-    def after_checkpoint(self, dp: Replica) -> None:
+    def after_checkpoint(self, optimizer: Optimizer) -> None:
         """After the checkpoint is written (every rank)."""
 
-    def after_restore(self, dp: Replica) -> None:
-        """After :func:`mpidp.run.checkpoint.restore` filled ``dp.optimizer`` on every rank."""
+    def after_restore(self, optimizer: Optimizer) -> None:
+        """After :func:`mpidp.run.checkpoint.restore` filled ``optimizer`` on every rank."""
 
-    def exchange(self, dp: Replica) -> tuple[float, int, int, bool]:
-        """Communicate and update; returns the global ``(loss_sum, count, correct, skipped)``."""
-        with dp.timer.communicate(self.name, bytes=int(dp.buf.nbytes)):
-            self.reduce(dp)
-        with dp.timer.compute():
-            return dp.apply_global(dp.buf)
+    def exchange(self, r: Round) -> Exchanged:
+        """Communicate; returns the global sums (the trainer judges and updates). Collective."""
+        with self.timer.communicate(self.name, bytes=int(self.buf.nbytes)):
+            self.reduce()
+        return global_sums(self.buf, self.n)
 
 
 class PerLayer(Sync):
@@ -94,13 +144,12 @@ class PerLayer(Sync):
 
     name = "per-layer"
 
-    def reduce(self, dp: Replica) -> None:
-        n = dp.model.n_params
-        for layer in dp.model.layers:
+    def reduce(self) -> None:
+        for layer in self.model.layers:
             for g in layer.grads.values():
-                C.allreduce_sum_(dp.comm, g)
-        C.allreduce_sum_(dp.comm, dp.buf[n:])
-        self.bytes_sent += dp.buf.nbytes
+                C.allreduce_sum_(self.comm, g)
+        C.allreduce_sum_(self.comm, self.buf[self.n:])
+        self.bytes_sent += self.buf.nbytes
 
 
 class Overlapped(Sync):
@@ -120,31 +169,32 @@ class Overlapped(Sync):
             raise C.MpidpError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
         self.bucket_bytes = int(bucket_bytes)
 
-    def setup(self, dp: Replica) -> None:
+    def setup(self, s: Setup) -> Buffers:
+        out = super().setup(s)
         # buckets of whole layers, from the last layer back; the first one also carries the
-        # loss and counts at the end of the buffer (known before backward starts)
-        self.buckets: list[tuple[int, int]] = []  # (first layer, hi) in buffer order
+        # extras at the end of the buffer (known before backward starts)
         self.starts: dict[int, tuple[int, int]] = {}  # layer index -> (lo, hi) to launch
-        hi, size = dp.buf.size, 0
-        ranges = dp.model.layer_ranges
+        hi, size = self.buf.size, 0
+        ranges = s.model.layer_ranges
         for i in range(len(ranges) - 1, -1, -1):
-            size += (ranges[i][1] - ranges[i][0]) * dp.buf.itemsize
+            size += (ranges[i][1] - ranges[i][0]) * self.buf.itemsize
             if size >= self.bucket_bytes or i == 0:
                 self.starts[i] = (ranges[i][0], hi)
                 hi, size = ranges[i][0], 0
         self.requests: list = []
+        return out
 
-    def on_layer_done(self, dp: Replica):
+    def on_layer_done(self) -> Callable[[int], None]:
         def launch(i: int) -> None:
             if i in self.starts:
                 lo, hi = self.starts[i]
-                self.requests.append(C.iallreduce_sum_(dp.comm, dp.buf[lo:hi]))
+                self.requests.append(C.iallreduce_sum_(self.comm, self.buf[lo:hi]))
         return launch
 
-    def reduce(self, dp: Replica) -> None:
+    def reduce(self) -> None:
         C.wait_all(self.requests)
         self.requests = []
-        self.bytes_sent += dp.buf.nbytes
+        self.bytes_sent += self.buf.nbytes
 
 
 class Compressed(Sync):
@@ -165,21 +215,25 @@ class Compressed(Sync):
             raise C.MpidpError(f"unknown compression {codec!r}; expected one of {compress.CODECS}")
         self.codec, self.error_feedback = codec, error_feedback
 
-    def setup(self, dp: Replica) -> None:
-        n = dp.model.n_params
+    def setup(self, s: Setup) -> Buffers:
+        out = super().setup(s)
         # what rounding lost: the residual in use and the next one, kept apart so that a
         # skipped (non-finite) step leaves the residual as it was instead of poisoning it
-        self.residual, self._next = np.zeros(n, np.float32), np.zeros(n, np.float32)
-        self.gathered = np.empty((dp.comm.size, n), np.uint16)
+        self.residual, self._next = np.zeros(self.n, np.float32), np.zeros(self.n, np.float32)
+        self.gathered = np.empty((s.comm.size, self.n), np.uint16)
+        return out
 
-    def exchange(self, dp: Replica) -> tuple[float, int, int, bool]:
-        out = super().exchange(dp)
-        if self.error_feedback and not out[3]:  # the step was applied: its residual counts
+    def exchange(self, r: Round) -> Exchanged:
+        self._step = r.step
+        out = super().exchange(r)
+        with self.timer.compute():  # the trainer's verdict too: every rank has these sums
+            out.finite = not r.checks or all_finite(self.buf)
+        if self.error_feedback and out.finite:  # applied: its rounding residual counts
             self.residual, self._next = self._next, self.residual
         return out
 
-    def reduce(self, dp: Replica) -> None:
-        n, g = dp.model.n_params, dp.model.grads
+    def reduce(self) -> None:
+        n, g = self.n, self.buf[:self.n]
         target = np.add(g, self.residual, out=self._next) if self.error_feedback \
             else g.astype(np.float32)
         big = float(np.max(np.abs(target), initial=0))
@@ -187,18 +241,18 @@ class Compressed(Sync):
         codes = compress.encode(target, self.codec)
         if self.error_feedback:
             target -= compress.decode(codes, self.codec)
-        extras = np.append(dp.buf[n:].astype(np.float64), float(overflow and np.isfinite(big)))
-        C.allgather_(dp.comm, codes, self.gathered.reshape(-1))
-        C.allreduce_sum_(dp.comm, extras)
+        extras = np.append(self.buf[n:].astype(np.float64), float(overflow and np.isfinite(big)))
+        C.allgather_(self.comm, codes, self.gathered.reshape(-1))
+        C.allreduce_sum_(self.comm, extras)
         if extras[-1]:
             raise C.MpidpError(
-                f"float16 gradient compression overflowed at step {dp.global_step}: a gradient "
+                f"float16 gradient compression overflowed at step {self._step}: a gradient "
                 f"exceeds {compress.FLOAT16_MAX:g}; use bfloat16 or no compression")
         total = compress.decode(self.gathered[0], self.codec)
         for codes_r in self.gathered[1:]:
             total += compress.decode(codes_r, self.codec)
         g[...] = total
-        dp.buf[n:] = extras[:-1]
+        self.buf[n:] = extras[:-1]
         self.bytes_sent += codes.nbytes + extras.nbytes
 
 
@@ -216,10 +270,10 @@ class _Periodic(Sync):
     def at_boundary(self) -> bool:
         return self.pending == 0
 
-    def due(self, dp: Replica) -> bool:
+    def due(self, last_of_epoch: bool) -> bool:
         """Count this step; True (and restart the count) when it is time to synchronise."""
         self.pending += 1
-        if self.pending < self.k and not dp.last_of_epoch:
+        if self.pending < self.k and not last_of_epoch:
             return False
         self.pending = 0
         return True
@@ -228,7 +282,8 @@ class _Periodic(Sync):
 class Accumulate(_Periodic):
     """Gradient accumulation: sum gradients over ``k`` global batches locally, then ONE
     ``Allreduce`` and one update — exactly training with global batch ``k * B`` (a group
-    is cut short at an epoch's end). ``1/k`` of the synchronisations.
+    is cut short at an epoch's end). ``1/k`` of the synchronisations; a stop request
+    arrives with the group's sums.
 
     Backward adds each batch's gradients into the buffer it reduces (BLAS ``gemm`` with
     ``beta = 1`` where SciPy is installed), so accumulating costs no pass of its own."""
@@ -238,48 +293,56 @@ class Accumulate(_Periodic):
     def accumulating(self) -> bool:
         return self.pending > 0  # the first batch of a group overwrites the last group's sums
 
-    def exchange(self, dp: Replica) -> tuple[float, int, int, bool]:
-        if not self.due(dp):
-            return 0.0, 0, 0, False  # no communication; totals arrive with the group
-        return super().exchange(dp)
+    def exchange(self, r: Round) -> Exchanged:
+        if not self.due(r.last_of_epoch):
+            return Exchanged()  # no communication, no update; totals arrive with the group
+        return super().exchange(r)
 
 
 class LocalSGD(_Periodic):
     """Local SGD: each rank updates from its own part of the batch, and every ``k`` steps
-    (and at each epoch's end) the parameters are averaged with one ``Allreduce``.
+    (and at each epoch's end) the parameters are averaged with one ``Allreduce``, which
+    also carries the group's loss and counts, its non-finite steps and the stop request.
 
+    A non-finite local step is not applied on its rank (unless the policy ignores it);
+    the policy's verdict on the group's non-finite steps comes at the average, before it.
     Not the single-process arithmetic: replicas drift between averages and optimizer state
     stays per rank; the benchmark measures the accuracy this costs.
     """
 
     name, what = "local-sgd", "local SGD period"
 
-    def setup(self, dp: Replica) -> None:
+    def setup(self, s: Setup) -> Buffers:
+        out = super().setup(s)
         # loss, count, correct and non-finite steps of this rank since the last average
         self.totals = np.zeros(4, np.float64)
-        self.avg = np.zeros(dp.model.n_params + 4, dp.model.dtype)
+        self.avg = np.zeros(self.n + 5, s.model.dtype)  # params | totals | stop
+        return out
 
-    def exchange(self, dp: Replica) -> tuple[float, int, int, bool]:
-        n = dp.model.n_params
-        with dp.timer.compute():
-            loss, count, correct = buffer.totals(dp.buf, n)
-            finite = not dp.policy.checks or all_finite(dp.buf)
-            if count and (finite or dp.policy.mode == "ignore"):  # a bad step stays local
-                dp.optimizer.step_(dp.model.params, dp.model.grads, scale=1.0 / count)
-            if finite:
-                self.totals[:3] += (loss, count, correct)
-            else:
-                self.totals[3] += 1
-        if not self.due(dp):
-            return 0.0, 0, 0, False
-        with dp.timer.communicate(self.name, bytes=int(dp.buf.nbytes)):
-            self.avg[:n], self.avg[n:] = dp.model.params, self.totals
-            C.allreduce_sum_(dp.comm, self.avg)
-        loss, count, correct, bad = (float(v) for v in self.avg[n:])
+    def exchange(self, r: Round) -> Exchanged:
+        with self.timer.compute():
+            self._local_step(r)
+        if not self.due(r.last_of_epoch):
+            return Exchanged()
+        n, params = self.n, self.model.params
+        with self.timer.communicate(self.name, bytes=int(self.avg.nbytes)):
+            self.avg[:n], self.avg[n:n + 4] = params, self.totals
+            self.avg[n + 4] = self.buf[n + buffer.STOP]
+            C.allreduce_sum_(self.comm, self.avg)
+        loss, count, correct, bad, stop = (float(v) for v in self.avg[n:])
         self.totals[...] = 0
-        if bad and dp.policy.mode == "stop":  # before averaging: parameters stay as they were
-            raise dp.policy.error(float("nan"), dp.global_step)
-        dp.policy.skipped += int(bad) if dp.policy.mode == "skip" else 0
-        np.divide(self.avg[:n], dp.comm.size, out=dp.model.params)
+        r.judge(not bad, float("nan"), int(round(bad)))  # stop raises before the average
+        np.divide(self.avg[:n], self.comm.size, out=params)
         self.bytes_sent += self.avg.nbytes
-        return loss, int(round(count)), int(round(correct)), False
+        return Exchanged(loss, int(round(count)), int(round(correct)), stop > 0, updated=True)
+
+    def _local_step(self, r: Round) -> None:
+        """This rank's own update from its own sums; a non-finite one stays out."""
+        loss, count, correct = buffer.totals(self.buf, self.n)
+        finite = not r.checks or all_finite(self.buf)
+        if count and finite:
+            r.optimizer.step_(self.model.params, self.buf[:self.n], scale=1.0 / count)
+        if finite:
+            self.totals[:3] += (loss, count, correct)
+        else:
+            self.totals[3] += 1

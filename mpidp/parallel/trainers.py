@@ -44,7 +44,7 @@ def make_trainer(parallel: str, layers: Sequence[Layer], n_in: int, optimizer: O
     ``micro_batches``/``schedule`` unused; train with :func:`mpidp.fit`). ``"pipeline"``: one
     pipeline over all ranks. ``"hybrid"``: pipelines of ``n_stages`` (default 2) stages,
     ``comm.size // n_stages`` data-parallel replicas. Train pipelines with
-    :func:`mpidp.parallel.pipeline_fit.fit_pipeline`. Initialise the parameters (``init_``) after.
+    :func:`mpidp.parallel.pipeline.fit_pipeline`. Initialise the parameters (``init_``) after.
     """
     comm = comm if comm is not None else C.world()
     C.agree(comm, None if parallel in PARALLEL else

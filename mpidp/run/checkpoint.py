@@ -165,16 +165,15 @@ def save(directory: str, model: Sequential, optimizer: Optimizer, state: State, 
          *, run_id: str | None = None) -> str:
     """Write a checkpoint for ``state`` into ``directory``; keep the newest ``keep``. Not
     collective: call it on one rank. Returns the file's path. See :func:`save_flat`."""
-    return save_flat(directory, model.params, optimizer.state, optimizer, state, keep,
-                     run_id=run_id)
+    return save_flat(directory, model.params, optimizer, state, keep, run_id=run_id)
 
 
-def save_flat(directory: str, params: np.ndarray, opt_state: dict[str, np.ndarray],
-              optimizer: Optimizer, state: State, keep: int = 3, *,
-              run_id: str | None = None) -> str:
-    """:func:`save` from the whole model's flat ``params`` and optimizer state arrays (as a
-    pipeline gathers them from its stages); ``optimizer`` gives the type and step count.
-    The file is the same whoever wrote it, so any layout may resume it.
+def save_flat(directory: str, params: np.ndarray, optimizer: Optimizer, state: State,
+              keep: int = 3, *, run_id: str | None = None) -> str:
+    """:func:`save` from the whole model's flat ``params`` and an ``optimizer`` holding the
+    whole model's state arrays (as a pipeline gathers them from its stages: a copy of a
+    stage's optimizer with the gathered state gives the type, step count and state). The
+    file is the same whoever wrote it, so any layout may resume it.
 
     Raises ValueError, writing nothing, if ``state`` is behind the newest checkpoint in
     ``directory`` (a checkpoint is never replaced by an older one): its ``global_step`` is
@@ -192,6 +191,7 @@ def save_flat(directory: str, params: np.ndarray, opt_state: dict[str, np.ndarra
             raise ValueError(f"checkpoint folder {directory} belongs to run "
                              f"{owner.get('run_id')}, not to this run ({run_id}): another job "
                              f"took it over; this run writes no more checkpoints there")
+    opt_state = optimizer.state
     arrays = {"params": params, **{f"opt.{k}": v for k, v in opt_state.items()}}
     meta = json.dumps({"version": VERSION, "epoch": state.epoch, "step": state.step,
                        "global_step": state.global_step, "totals": state.totals,

@@ -14,21 +14,25 @@ BASE_COPIES = 4
 OPTIMIZER_COPIES = {"sgd": 0, "momentum": 1, "adam": 2}
 
 
-def n_params(model: str, n_in: int, n_out: int, hidden: Sequence[int]) -> int:
-    """Parameters of ``model`` (``linear``/``logreg``: one dense layer; ``mlp``: hidden)."""
-    widths = [n_in, *(hidden if model == "mlp" else ()), n_out]
+def widths(model: str, n_in: int, n_out: int, hidden: Sequence[int]) -> list[int]:
+    """Layer widths of ``model``, input to output (``linear``/``logreg``: one dense layer;
+    ``mlp``: the ``hidden`` widths between)."""
+    return [n_in, *(hidden if model == "mlp" else ()), n_out]
+
+
+def n_params(widths: Sequence[int]) -> int:
+    """Parameters of dense layers of these ``widths`` (weights and biases)."""
     return int(sum(a * b + b for a, b in zip(widths[:-1], widths[1:])))
 
 
-def estimate(model: str, n_in: int, n_out: int, hidden: Sequence[int], dtype, optimizer: str,
-             batch: int, share: float = 1.0) -> int:
-    """Bytes one rank needs: ``share`` of the model's parameter copies (a pipeline stage
-    holds part of it) plus the activations of a batch of ``batch`` samples."""
+def estimate(widths: Sequence[int], dtype, optimizer: str, batch: int,
+             share: float = 1.0) -> int:
+    """Bytes one rank needs: ``share`` of the parameter copies of dense layers of these
+    ``widths`` (a pipeline stage holds part of them) plus the activations of a batch of
+    ``batch`` samples."""
     item = np.dtype(dtype).itemsize
     copies = BASE_COPIES + OPTIMIZER_COPIES.get(optimizer, 2)
-    widths = [n_in, *(hidden if model == "mlp" else ()), n_out]
-    params = n_params(model, n_in, n_out, hidden) * share
-    return int(params * copies * item + 3 * batch * sum(widths) * item)
+    return int(n_params(widths) * share * copies * item + 3 * batch * sum(widths) * item)
 
 
 def available() -> int | None:

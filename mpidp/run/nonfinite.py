@@ -46,13 +46,14 @@ class Policy:
         """False for ``ignore``: the check is not even computed."""
         return self.mode != "ignore"
 
-    def apply(self, finite: bool, loss_sum: float, step: int) -> bool:
+    def apply(self, finite: bool, loss_sum: float, step: int, steps: int = 1) -> bool:
         """Given a verdict every rank shares: True to go ahead with the update, False to skip
-        it (``skip``); raises :class:`NonFiniteError` for ``stop``."""
+        it (``skip``, counting ``steps`` skipped steps); raises :class:`NonFiniteError` for
+        ``stop``."""
         if finite or self.mode == "ignore":
             return True
         if self.mode == "skip":
-            self.skipped += 1
+            self.skipped += int(steps)
             return False
         raise self.error(loss_sum, step)
 

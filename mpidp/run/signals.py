@@ -2,7 +2,8 @@
 
 ``SIGTERM`` or ``SIGUSR1`` to every rank (what Slurm sends before a time limit with
 ``--signal``, or on preemption): training finishes the current step, every rank agrees to
-stop (one small ``Allreduce`` per step), a checkpoint is written when checkpointing is on,
+stop (the request rides in the step's own collective: :attr:`StopSignals.requested` is
+what a trainer adds to it), a checkpoint is written when checkpointing is on,
 and the job exits with :data:`PREEMPTED_EXIT`; ``--resume`` continues bit-identically.
 
 ``SIGINT`` to one rank (Ctrl-C, or ``kill -INT``): the whole job ends within seconds with
@@ -16,8 +17,6 @@ import os
 import signal
 import sys
 import threading
-
-import numpy as np
 
 from ..errors import MpidpError
 
@@ -36,12 +35,12 @@ class Preempted(MpidpError):
 
 
 class StopSignals:
-    """Install the handlers (main thread only); :meth:`agreed` is the per-step decision.
-    :meth:`close` puts the previous handlers back."""
+    """Install the handlers (main thread only); :attr:`requested` turns True on
+    SIGTERM/SIGUSR1 (this rank only: trainers agree on it in their step). :meth:`close`
+    puts the previous handlers back."""
 
     def __init__(self, comm) -> None:
         self.comm, self.requested = comm, False
-        self._flag = np.zeros(1, np.int32)
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)
         self._old = {s: signal.signal(s, self._note) for s in (*STOP_SIGNALS, signal.SIGINT)}
@@ -71,12 +70,6 @@ class StopSignals:
         sys.stderr.write(f"[mpidp] rank {self.comm.rank}/{self.comm.size}: interrupted "
                          "(SIGINT); ending the job.\n")
         C.abort_job(self.comm, 130)
-
-    def agreed(self, comm) -> bool:
-        """True on every rank once any rank has been asked to stop. Collective."""
-        from .. import comm as C
-        self._flag[0] = self.requested
-        return bool(C.allreduce_(comm, self._flag, "max")[0])
 
     def close(self) -> None:
         signal.set_wakeup_fd(self._old_fd)

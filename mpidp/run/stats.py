@@ -13,6 +13,7 @@ class StepStats:
     count: int
     correct: int
     skipped: bool = False  # non-finite, update dropped (on_nonfinite="skip")
+    stop: bool = False  # some rank asked to stop (SIGTERM/SIGUSR1), agreed by every rank
 
     @property
     def loss(self) -> float:

@@ -68,8 +68,8 @@ def measure_compute(comm: C.Comm, batch: int = 512, repeats: int = 15) -> M.Comp
     and the part per sample.
     """
     local = max(1, batch // comm.size)
-    together = compute_times(local, repeats, before=comm.Barrier)
-    steps = np.array(comm.gather(together, root=0) or [[0.0]])  # (ranks, repeats)
+    together = compute_times(local, repeats, before=lambda: C.barrier(comm))
+    steps = np.array(C.gather_obj(comm, together, 0) or [[0.0]])  # (ranks, repeats)
     if comm.rank != 0:  # rank 0 times compute alone, as one rank of a quiet node would run
         C.agree(comm, None)
         return None

@@ -10,8 +10,7 @@ from mpi_helpers import CountingComm, all_ranks, raises_everywhere
 import mpidp
 from mpidp import nn
 from mpidp.comm import checksum
-from mpidp.nn.optim import chunk_edges
-from mpidp.parallel.data_parallel import SPLIT_CHECK_BYTES, all_finite
+from mpidp.run.nonfinite import all_finite
 
 # Tolerance: P ranks and one process add the same per-sample gradients in a different
 # order, so each step's gradient differs by a few ulps (~1e-16 relative); a few dozen
@@ -104,41 +103,38 @@ def test_one_allreduce_per_step_and_one_bcast_for_init(comm):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_big_buffers_add_one_flag_allreduce_for_the_split_nan_check(comm):
-    """From SPLIT_CHECK_BYTES up each rank checks 1/P of the reduced buffer and a second,
-    one-integer Allreduce shares the verdict; on one rank the check needs no collective."""
+def test_big_buffers_need_no_collective_for_the_nan_check(comm):
+    """Every rank holds the same reduced sums and checks all of them: still one Allreduce
+    per step for a buffer over 1 MiB."""
     counting = CountingComm(comm)
     model = nn.mlp(512, (512,), 10, dtype=np.float32).init_(0)  # 1.03 MiB of float32
     dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), counting)
-    assert dp.buf.nbytes >= SPLIT_CHECK_BYTES
+    assert dp.buf.nbytes >= 1 << 20
     counting.calls.clear()
     rng = np.random.default_rng(comm.rank)
     for _ in range(3):
         dp.step(rng.standard_normal((4, 512)).astype(np.float32), rng.integers(0, 10, 4))
-    want = ["Allreduce"] * (2 if comm.size > 1 else 1) * 3
-    all_ranks(comm, counting.calls == want, f"3 steps made {counting.calls}")
+    all_ranks(comm, counting.calls == ["Allreduce"] * 3, f"3 steps made {counting.calls}")
 
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_split_nan_check_sees_every_position_on_every_rank(comm, bad):
-    """A bad value in any rank's share of the buffer -- first or last element of a share,
-    or the loss slot -- gives False on every rank; huge finite values (whose squares
-    overflow the dot product) and a clean buffer give True, as the whole-buffer check."""
+def test_nan_check_sees_every_position_of_the_reduced_buffer(comm, bad):
+    """A bad value anywhere in the reduced buffer -- first or last gradient, the loss or
+    the stop slot -- gives False; huge finite values (whose squares overflow the dot
+    product) and a clean buffer give True."""
     model = nn.mlp(512, (512,), 10, dtype=np.float32).init_(0)
     dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm)
     buf = np.random.default_rng(1).standard_normal(dp.buf.size).astype(np.float32)
-    edges = chunk_edges(buf.size, comm.size)
-    spots = sorted({e for e in edges[:-1]} | {e - 1 for e in edges[1:]} | {model.n_params})
     verdicts = []
-    for i in spots:
+    for i in sorted({0, buf.size // 2, model.n_params - 1, model.n_params, buf.size - 1}):
         b = buf.copy()
         b[i] = bad
-        verdicts.append(dp.all_finite_everywhere(b) == all_finite(b) is False)
+        verdicts.append(all_finite(b) is False)
     huge = buf.copy()
-    huge[edges[-2]] = 3e38  # finite, in the last rank's share; its square overflows
-    verdicts += [dp.all_finite_everywhere(buf), dp.all_finite_everywhere(huge)]
-    all_ranks(comm, all(verdicts), f"spots {spots}: {verdicts}")
+    huge[-2] = 3e38  # finite; its square overflows
+    verdicts += [all_finite(buf), all_finite(huge)]
+    all_ranks(comm, all(verdicts), str(verdicts))
 
 
 @pytest.mark.mpi(min_size=1)

@@ -13,13 +13,13 @@ from mpi_helpers import all_ranks, file_map, raises_everywhere
 import mpidp
 from mpidp import comm as C
 from mpidp.comm import collectives as Coll
-from mpidp.data import distribute as D
+from mpidp.data import rows as R
 from mpidp.data.partition import assign, positions_of, train_test_split
 
 
 @pytest.fixture
 def tiny_limits(monkeypatch):
-    monkeypatch.setattr(D, "BLOCK_BYTES", 64)  # a few rows per block
+    monkeypatch.setattr(R, "BLOCK_BYTES", 64)  # a few rows per block
     monkeypatch.setattr(Coll, "ROUND_BYTES", 200)  # a few rows per rank per round
 
 
@@ -163,7 +163,7 @@ def test_rows_a_file_system_cannot_map_are_read(comm, shared_tmp, monkeypatch, n
         raise OSError("this file system cannot map files")
 
     if not can_map:
-        monkeypatch.setattr(D, "_map_rows", no_map)
+        monkeypatch.setattr(R, "map_rows", no_map)
     X = np.arange(n_rows * 3, dtype=np.float32).reshape(n_rows, 3)
     path = os.path.join(shared_tmp, "r")
     if comm.rank == 0:
@@ -187,11 +187,11 @@ def test_hdf5_bytes_found_only_for_contiguous_datasets(tmp_path):
         f.create_dataset("chunked", data=X, chunks=(5, 4))
         f.create_dataset("empty", shape=(10, 4), dtype=np.float32)  # never written
     with h5py.File(tmp_path / "a.h5", "r") as f:
-        path, offset = D._hdf5_bytes(f["plain"])
+        path, offset = R.hdf5_bytes(f["plain"])
         raw = np.fromfile(path, np.float32, count=40, offset=offset)
         assert np.array_equal(raw.reshape(10, 4), X)
-        assert D._hdf5_bytes(f["chunked"]) == (None, 0)
-        assert D._hdf5_bytes(f["empty"]) == (None, 0)
+        assert R.hdf5_bytes(f["chunked"]) == (None, 0)
+        assert R.hdf5_bytes(f["empty"]) == (None, 0)
 
 
 @pytest.mark.mpi(min_size=1)

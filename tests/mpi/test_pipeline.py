@@ -18,9 +18,9 @@ import mpidp
 from mpidp import nn
 from mpidp.data.partition import block_range
 from mpidp.parallel import Pipeline, make_trainer, model_layers
-from mpidp.parallel.pipeline_fit import fit_pipeline, restore_checkpoint
+from mpidp.parallel.pipeline import fit_pipeline
 from mpidp.run.checkpoint import list_checkpoints, restore
-from mpidp.run.loop import Checkpointing
+from mpidp.run.spec import Checkpointing
 
 RTOL, ATOL = 1e-9, 1e-11  # as in test_data_parallel: summation order differs, nothing else
 HIDDEN = (16, 12, 8)  # 7 layers: up to 4 stages with at least one layer each
@@ -45,7 +45,7 @@ def _pipeline(comm, X, y, parallel, schedule, m, optimizer, epochs, batch_size, 
     pipe = make_trainer(parallel, layers, X.shape[1], nn.make_optimizer(optimizer, 0.05), loss,
                         comm, dtype=np.float64, micro_batches=m, schedule=schedule, **kw)
     pipe.init_(np.random.default_rng(11))
-    history = fit_pipeline(pipe, X, y, epochs, batch_size, seed=5)
+    history = fit_pipeline(pipe, (X, y), epochs, batch_size, seed=5)
     return pipe, history
 
 
@@ -106,18 +106,18 @@ def test_checkpoint_resume_mid_epoch_equals_uninterrupted(comm, shared_tmp, para
     X, y = _data()
     ckpt = Checkpointing(f"{shared_tmp}/{parallel}-{schedule}", every=5, keep=2)
     straight = _fresh(comm, parallel, schedule, 3, optimizer)
-    ref = fit_pipeline(straight, X, y, 3, 24, seed=5)
+    ref = fit_pipeline(straight, (X, y), 3, 24, seed=5)
     first = _fresh(comm, parallel, schedule, 3, optimizer)
-    fit_pipeline(first, X, y, 2, 24, seed=5, checkpoint=ckpt)
+    fit_pipeline(first, (X, y), 2, 24, seed=5, checkpoint=ckpt)
     files = comm.bcast([p.rsplit("/", 1)[-1] for p in list_checkpoints(ckpt.directory)]
                        if comm.rank == 0 else None)
     all_ranks(comm, files == ["ckpt-0000000015.npz", "ckpt-0000000018.npz"], str(files))
     if comm.rank == 0:  # drop the end-of-run one: resume from step 15, in epoch 2
         os.unlink(f"{ckpt.directory}/{files[-1]}")
     again = _fresh(comm, parallel, schedule, 3, optimizer)
-    path, state = restore_checkpoint(again, ckpt.directory)
+    path, state = again.restore(ckpt.directory)
     all_ranks(comm, (state.epoch, state.step, state.global_step) == (1, 6, 15), str(state))
-    hist = fit_pipeline(again, X, y, 3, 24, seed=5, resume=state)
+    hist = fit_pipeline(again, (X, y), 3, 24, seed=5, resume=state)
     all_ranks(comm, np.array_equal(again.model.params, straight.model.params), "params differ")
     all_ranks(comm, again.optimizer.t == straight.optimizer.t == 27)
     all_ranks(comm, [h["loss"] for h in hist] == [h["loss"] for h in ref], "loss history")
@@ -132,7 +132,7 @@ def test_pipeline_checkpoint_resumes_data_parallel_and_back(comm, shared_tmp):
     ref, ref_hist = _reference(X, y, "momentum", 3, 24)
     ckpt = Checkpointing(f"{shared_tmp}/mixed", every=100, keep=1)
     pipe = _fresh(comm, "pipeline", "1f1b", 2, "momentum")
-    fit_pipeline(pipe, X, y, 1, 24, seed=5, checkpoint=ckpt)
+    fit_pipeline(pipe, (X, y), 1, 24, seed=5, checkpoint=ckpt)
     model = nn.mlp(7, HIDDEN, 3, dtype=np.float64)
     dp = mpidp.DataParallel(model, nn.make_optimizer("momentum", 0.05),
                             nn.SoftmaxCrossEntropy(), comm)
@@ -142,8 +142,8 @@ def test_pipeline_checkpoint_resumes_data_parallel_and_back(comm, shared_tmp):
     mpidp.fit(dp, mpidp.shard_from_arrays(comm, X[lo:hi], y[lo:hi]), 2, 24, seed=5,
               resume=state, checkpoint=dp_ckpt)
     back = _fresh(comm, "pipeline", "gpipe", 3, "momentum")
-    _, state = restore_checkpoint(back, dp_ckpt.directory)
-    hist = fit_pipeline(back, X, y, 3, 24, seed=5, resume=state)
+    _, state = back.restore(dp_ckpt.directory)
+    hist = fit_pipeline(back, (X, y), 3, 24, seed=5, resume=state)
     _check_exact(comm, back, hist, ref, ref_hist)
 
 
@@ -151,14 +151,15 @@ def test_pipeline_checkpoint_resumes_data_parallel_and_back(comm, shared_tmp):
 def test_restore_refuses_a_different_model(comm, shared_tmp):
     ckpt = Checkpointing(f"{shared_tmp}/other", every=100, keep=1)
     X, y = _data()
-    fit_pipeline(_fresh(comm, "pipeline", "1f1b", 1, "sgd"), X, y, 1, 48, seed=5, checkpoint=ckpt)
+    fit_pipeline(_fresh(comm, "pipeline", "1f1b", 1, "sgd"), (X, y), 1, 48, seed=5,
+                 checkpoint=ckpt)
     layers, loss = model_layers("mlp", 7, 3, (16, 12, 9))
     other = make_trainer("pipeline", layers, 7, nn.SGD(0.05), loss, comm, dtype=np.float64)
     raises_everywhere(comm, mpidp.comm.MpidpError,
-                      lambda: restore_checkpoint(other, ckpt.directory), "parameters")
+                      lambda: other.restore(ckpt.directory), "parameters")
     sgd_vs_adam = _fresh(comm, "pipeline", "1f1b", 1, "adam")
     raises_everywhere(comm, mpidp.comm.MpidpError,
-                      lambda: restore_checkpoint(sgd_vs_adam, ckpt.directory), "SGD")
+                      lambda: sgd_vs_adam.restore(ckpt.directory), "SGD")
 
 
 class _Probe(nn.Dense):
@@ -311,10 +312,45 @@ def test_more_micro_batches_than_samples(comm):
     layers, loss = model_layers("mlp", 7, 3, HIDDEN)
     pipe = make_trainer("pipeline", layers, 7, nn.make_optimizer("momentum", 0.05), loss, comm,
                         dtype=np.float64, micro_batches=4).init_(np.random.default_rng(11))
-    raises_everywhere(comm, mpidp.MpidpError, lambda: fit_pipeline(pipe, X, y, 1, 20, seed=5),
+    raises_everywhere(comm, mpidp.MpidpError, lambda: fit_pipeline(pipe, (X, y), 1, 20, seed=5),
                       "more micro-batches (4) than samples in a batch: the smallest batch has 3")
     raises_everywhere(comm, ValueError, lambda: pipe.step(X[:3], y[:3]), "more micro-batches (4)")
     all_ranks(comm, pipe.counters.p2p_messages == 0 and pipe.global_step == 0)
-    hist = fit_pipeline(pipe, X, y, 2, 24, seed=5)
+    hist = fit_pipeline(pipe, (X, y), 2, 24, seed=5)
     ref, ref_hist = _reference(X, y, "momentum", 2, 24)
     _check_exact(comm, pipe, hist, ref, ref_hist)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("parallel,on_nonfinite", [("pipeline", "stop"), ("pipeline", "ignore"),
+                                                   ("hybrid", "skip")])
+def test_a_stop_request_on_one_rank_stops_every_stage_at_the_next_step(comm, parallel,
+                                                                       on_nonfinite):
+    """The last rank asks to stop after step 2: the request rides in the step's one flag
+    Allreduce over all ranks (the NaN verdict's), so every stage of every replica raises
+    Preempted after step 3, having made exactly one world collective per step (the first
+    step's calls also hold the setup's agreements)."""
+    from mpidp.run.signals import Preempted, StopSignals
+    if parallel == "hybrid" and comm.size % 2:
+        pytest.skip("the hybrid needs an even number of ranks")
+    X, y = _data()
+    layers, loss = model_layers("mlp", 7, 3, HIDDEN)
+    pipe = make_trainer(parallel, layers, 7, nn.SGD(0.05), loss, comm, dtype=np.float64,
+                        micro_batches=2, on_nonfinite=on_nonfinite).init_(0)
+    pipe.world = CountingComm(pipe.world)
+    stop, seen = StopSignals(comm), []
+
+    def on_step(epoch, stats):
+        seen.append((stats.stop, list(pipe.world.calls)))
+        pipe.world.calls.clear()
+        if pipe.global_step == 2 and comm.rank == comm.size - 1:
+            stop.requested = True
+
+    try:
+        err = raises_everywhere(comm, Preempted, lambda: fit_pipeline(
+            pipe, (X, y), 2, 24, seed=5, stop=stop, on_step=on_step))
+    finally:
+        stop.close()
+    want = [(False, ["Allreduce"]), (True, ["Allreduce"])]
+    all_ranks(comm, "after step 3:" in str(err) and len(seen) == 3 and seen[1:] == want
+              and not seen[0][0], f"{err}; {seen}")

@@ -6,13 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_helpers import all_ranks, raises_everywhere
+from mpi_helpers import CountingComm, all_ranks, raises_everywhere
 
 import mpidp
 from mpidp import nn
-from mpidp.parallel.strategies import make_sync
+from mpidp.parallel.buffer import N_EXTRA
+from mpidp.parallel.strategies import SYNCS, make_sync
 from mpidp.parallel.sync import Overlapped
+from mpidp.run.loop import run
 from mpidp.run.nonfinite import NonFiniteError
+from mpidp.run.signals import Preempted, StopSignals
+from mpidp.run.spec import RunSpec
 
 RTOL, ATOL = 1e-9, 1e-11  # reduction order only: see test_data_parallel.py
 
@@ -143,12 +147,10 @@ def test_parameter_server_nan_policy_is_shared_by_every_rank(comm, shared_memory
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("sync", ["allreduce", "per-layer", "overlapped", "accumulate"])
-def test_allreduce_nan_policy_is_shared_by_every_rank(comm, sync, monkeypatch):
-    """A NaN in one gradient of the reduced sums, inside the last rank's share, with the
-    check split over the ranks (each checks 1/P of the sums): "skip" drops the same steps
-    everywhere and the replicas stay equal and finite; "stop" raises on every rank."""
-    from mpidp.parallel import data_parallel
-    monkeypatch.setattr(data_parallel, "SPLIT_CHECK_BYTES", 0)  # split even this small model
+def test_allreduce_nan_policy_is_shared_by_every_rank(comm, sync):
+    """A NaN in one gradient of the reduced sums (every rank checks all of them): "skip"
+    drops the same steps everywhere and the replicas stay equal and finite; "stop" raises
+    on every rank."""
     shard, _, _ = _data(comm)
 
     def train(policy, epochs):
@@ -156,11 +158,11 @@ def test_allreduce_nan_policy_is_shared_by_every_rank(comm, sync, monkeypatch):
         strategy = make_sync(sync, k=2, bucket_bytes=200)
         reduce, done = strategy.reduce, []
 
-        def poisoned(dp):  # the 2nd and 4th reductions carry a NaN gradient
-            reduce(dp)
+        def poisoned():  # the 2nd and 4th reductions carry a NaN gradient
+            reduce()
             done.append(1)
             if len(done) in (2, 4):
-                dp.buf[dp.model.n_params - 2] = np.nan  # a last-layer bias: the last share
+                strategy.buf[strategy.n - 2] = np.nan  # a last-layer bias
         strategy.reduce = poisoned
         dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,
                                 sync=strategy, on_nonfinite=policy)
@@ -195,7 +197,7 @@ def test_sharded_ps_keeps_a_slice_of_optimizer_state(comm):
     shard, _, _ = _data(comm)
     dp, _ = _train(comm, shard, "sharded-ps", epochs=1)
     n = dp.model.n_params
-    all_ranks(comm, dp.sync.optimizer.state["m"].size <= -(-(n + 3) // comm.size))  # + loss, counts
+    all_ranks(comm, dp.sync.optimizer.state["m"].size <= -(-(n + N_EXTRA) // comm.size))
     all_ranks(comm, dp.optimizer.state == {}, "the full optimizer must stay unused")
 
 
@@ -258,11 +260,11 @@ def test_bad_sync_options_fail_everywhere(comm):
 
 @pytest.mark.mpi(min_size=2)
 def test_async_parameter_server_terminates_and_accounts_for_every_push(comm):
-    from mpidp.parallel.async_ps import train_async
+    from mpidp.parallel.async_ps import AsyncPS, fit_async
     shard, X, y = _data(comm, skip_rank=0)  # the server holds no data
     model = nn.mlp(6, (12, 8), 3, dtype=np.float64).init_(4)
-    stats = train_async(model, nn.SGD(0.05), nn.SoftmaxCrossEntropy(), comm, shard, 3, 16, seed=2,
-                        max_staleness=1)
+    ps = AsyncPS(model, nn.SGD(0.05), nn.SoftmaxCrossEntropy(), comm, max_staleness=1)
+    stats = fit_async(ps, shard, 3, 16, seed=2)
     pushes = comm.allreduce(sum(1 for e in range(3) for idx in mpidp.data.partition.local_batches(
         shard.n_total, 16, shard.start, shard.stop, e, 2) if len(idx)))
     all_ranks(comm, stats.applied + stats.dropped == pushes, f"{stats.applied}+{stats.dropped} != {pushes}")
@@ -280,12 +282,13 @@ def test_async_trace_and_straggler_timer(comm):
     """The server's trace has one row per push that adds up to the stats; a worker's timer
     counts its pushes, and the last worker's slowdown stretches its compute."""
     from mpidp.observe.metrics import StepTimer
-    from mpidp.parallel.async_ps import TRACE_FIELDS, train_async
+    from mpidp.parallel.async_ps import TRACE_FIELDS, AsyncPS, fit_async
     shard, _, _ = _data(comm, skip_rank=0)
     model = nn.mlp(6, (12, 8), 3, dtype=np.float64).init_(4)
     timer = StepTimer(slowdown=3.0 if comm.rank == comm.size - 1 else 1.0)
-    stats = train_async(model, nn.SGD(0.05), nn.SoftmaxCrossEntropy(), comm, shard, 2, 16,
-                        seed=2, max_staleness=1, timer=timer)
+    ps = AsyncPS(model, nn.SGD(0.05), nn.SoftmaxCrossEntropy(), comm, max_staleness=1,
+                 timer=timer)
+    stats = fit_async(ps, shard, 2, 16, seed=2)
     mine = sum(1 for e in range(2) for idx in mpidp.data.partition.local_batches(
         shard.n_total, 16, shard.start, shard.stop, e, 2) if len(idx))
     all_ranks(comm, timer.steps == (0 if comm.rank == 0 else mine), f"{timer.steps} != {mine}")
@@ -337,7 +340,7 @@ def test_resume_mid_epoch_is_bit_identical(comm, shared_tmp, sync, optimizer, fi
     import shutil
 
     from mpidp.run.checkpoint import restore
-    from mpidp.run.loop import Checkpointing
+    from mpidp.run.spec import Checkpointing
     shard, _, _ = _data(comm)  # 150 rows, batches of 16: 10 steps per epoch
 
     def run(ck, resume=False, every=3):
@@ -363,3 +366,84 @@ def test_resume_mid_epoch_is_bit_identical(comm, shared_tmp, sync, optimizer, fi
     resumed = run(again, resume=True, every=1000)
     all_ranks(comm, np.array_equal(resumed.model.params, dp.model.params),
               f"max diff {np.abs(resumed.model.params - dp.model.params).max():.3g}")
+
+
+class _Batches:
+    """A :class:`mpidp.run.loop.Feed` of the same batches every epoch; no collectives."""
+
+    labelled = True
+
+    def __init__(self, batches):
+        self.items, self.n_steps = batches, len(batches)
+
+    def batches(self, epoch, first):
+        yield from self.items[first:]
+
+    def end_epoch(self):
+        return None
+
+    def evaluate(self):
+        return None
+
+    def state(self):
+        return {}
+
+
+@pytest.mark.mpi(min_size=1)
+def test_allreduce_step_is_one_collective_with_nan_check_and_stop_signals(comm):
+    """Through the loop, with on_nonfinite="stop" on a buffer over 1 MiB and stop signals
+    installed: each step makes exactly ONE collective (the Allreduce, which also carries the
+    stop request and gives every rank the sums it checks), plus the replica check every
+    check_every steps."""
+    counting = CountingComm(comm)
+    model = nn.mlp(512, (512,), 10, dtype=np.float32).init_(0)  # 1.03 MiB of float32
+    dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), counting,
+                            on_nonfinite="stop")
+    rng = np.random.default_rng(comm.rank)
+    feed = _Batches([(rng.standard_normal((4, 512)).astype(np.float32), rng.integers(0, 10, 4))
+                     for _ in range(6)])
+    per_step = []
+
+    def on_step(epoch, stats):
+        per_step.append((dp.global_step, list(counting.calls), stats.stop))
+        counting.calls.clear()
+
+    stop = StopSignals(comm)
+    try:
+        counting.calls.clear()
+        run(dp, feed, RunSpec(2, 4, check_every=3, on_step=on_step, stop=stop))
+    finally:
+        stop.close()
+    all_ranks(comm, dp.buf.nbytes >= 1 << 20, f"{dp.buf.nbytes} bytes")
+    want = [(i, ["Allreduce"] * (2 if i % 3 == 0 else 1), False) for i in range(1, 13)]
+    all_ranks(comm, per_step == want, f"per step: {per_step}")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("sync", SYNCS)
+def test_a_stop_request_on_one_rank_stops_every_rank_at_the_same_step(comm, sync):
+    """The last rank asks to stop after step 1: every strategy delivers the request with its
+    next synchronisation (step 2; step 4 for those synchronising every 4 steps), and every
+    rank raises Preempted after that same step."""
+    if sync == "ps" and comm.size < 2:
+        pytest.skip("a parameter server needs 2 ranks")
+    shard, _, _ = _data(comm)
+    model = nn.mlp(6, (12, 8), 3, dtype=np.float64).init_(4)
+    dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,
+                            sync=make_sync(sync, lambda: nn.SGD(0.1), k=4))
+    stop, seen = StopSignals(comm), []
+
+    def on_step(epoch, stats):
+        seen.append(stats.stop)
+        if dp.global_step == 1 and comm.rank == comm.size - 1:
+            stop.requested = True
+
+    try:
+        err = raises_everywhere(comm, Preempted, lambda: mpidp.fit(
+            dp, shard, 2, 16, seed=2, stop=stop, on_step=on_step))
+    finally:
+        stop.close()
+    at = 4 if sync in ("accumulate", "local-sgd") else 2
+    all_ranks(comm, f"after step {at}:" in str(err) and seen == [False] * (at - 1) + [True],
+              f"{err}; stop seen {seen}")
+    all_ranks(comm, dp.in_sync(), "replicas differ after the stop")

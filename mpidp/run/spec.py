@@ -1,0 +1,90 @@
+"""What a run does, beyond its trainer and its data: one settings object for every trainer
+kind, built once (by the command line from its options, or by a library user directly or
+from the keyword arguments of :func:`mpidp.fit`). No MPI here."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..errors import MpidpError
+
+if TYPE_CHECKING:
+    from ..comm import Watchdog
+    from ..data.balance import Partition, Plan
+    from .checkpoint import State
+    from .signals import StopSignals
+    from .stats import StepStats
+
+
+@dataclass
+class Checkpointing:
+    """Where and how often a run saves checkpoints (root rank writes them)."""
+
+    directory: str
+    every: int  # steps between checkpoints (a final one is written at the end too)
+    keep: int = 3
+    config: dict = field(default_factory=dict)
+    run_id: str | None = None  # the folder's owner (mpidp.run.checkpoint.claim); None: unchecked
+
+    def __post_init__(self) -> None:
+        if self.every < 1 or self.keep < 1:
+            raise ValueError(f"checkpoint every/keep must be >= 1, got {self.every}/{self.keep}")
+
+
+@dataclass
+class RunSpec:
+    """One run: how long, in which batches, and what watches over it.
+
+    ``epochs`` passes over the training set in GLOBAL batches of ``batch_size`` samples
+    (summed over all ranks), visited in :func:`mpidp.data.partition.epoch_order` order
+    (``seed``, ``shuffle``), the last smaller batch dropped with ``drop_last``.
+    ``partition`` (data parallel only): a :class:`mpidp.Partition` deciding which rank owns
+    which samples, or a :class:`mpidp.Plan` (which then fixes batch size, seed, shuffle
+    and drop_last itself). ``check_every``: compare replicas every this many steps (0:
+    never during training). ``checkpoint``/``resume``: where to save, and the
+    :class:`~mpidp.run.checkpoint.State` to continue from. ``progress``: a bar on rank 0.
+    ``on_epoch(record)`` and ``on_step(epoch, stats)`` are called on every rank. ``stop``
+    (:class:`mpidp.run.signals.StopSignals`): stop cleanly on SIGTERM/SIGUSR1;
+    ``watchdog`` (:class:`mpidp.comm.Watchdog`): end the job when a rank stalls.
+    """
+
+    epochs: int
+    batch_size: int
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+    partition: Partition | Plan | None = None
+    check_every: int = 0
+    checkpoint: Checkpointing | None = None
+    resume: State | None = None
+    progress: bool = False
+    on_epoch: Callable[[dict], None] | None = None
+    on_step: Callable[[int, StepStats], None] | None = None
+    stop: StopSignals | None = None
+    watchdog: Watchdog | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "seed", "check_every"):
+            value = getattr(self, name)
+            low = 0 if name in ("seed", "check_every") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise MpidpError(f"{name} must be an integer >= {low}, got {value!r}")
+
+    @classmethod
+    def of(cls, spec: RunSpec | None = None, **settings: Any) -> RunSpec:
+        """``spec`` with ``settings`` (field names of :class:`RunSpec`) replaced, or a new
+        spec from ``settings`` alone; a ``TypeError`` names an unknown setting."""
+        settings = {k: v for k, v in settings.items() if v is not None}
+        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"unknown run setting(s) {', '.join(unknown)}; expected fields "
+                            f"of RunSpec: {', '.join(f.name for f in dataclasses.fields(cls))}")
+        if spec is None:
+            missing = [k for k in ("epochs", "batch_size") if settings.get(k) is None]
+            if missing:
+                raise TypeError(f"missing run setting(s): {', '.join(missing)} (or give spec=)")
+            return cls(**settings)
+        return dataclasses.replace(spec, **settings)

@@ -1,0 +1,87 @@
+"""The fit entry points take the trainer, the data and one RunSpec; keyword arguments fill
+it, and settings that cannot apply are refused on every rank before any work."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi_helpers import all_ranks, raises_everywhere
+
+import mpidp
+from mpidp import nn
+from mpidp.data.balance import Plan
+from mpidp.parallel.pipeline import Pipeline, fit_pipeline
+
+
+def _data(comm, n=60, d=5):
+    rng = np.random.default_rng(7)
+    X, y = rng.normal(size=(n, d)), rng.integers(0, 3, n)
+    lo, hi = n * comm.rank // comm.size, n * (comm.rank + 1) // comm.size
+    return mpidp.shard_from_arrays(comm, X[lo:hi], y[lo:hi]), X, y
+
+
+def _dp(comm):
+    model = nn.mlp(5, (8,), 3, dtype=np.float64).init_(3)
+    return mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_spec_and_the_same_keywords_train_the_same_model(comm):
+    shard, _, _ = _data(comm)
+    a, b = _dp(comm), _dp(comm)
+    mpidp.fit(a, shard, 2, 16, seed=4, shuffle=False)
+    mpidp.fit(b, shard, spec=mpidp.RunSpec(2, 16, seed=4, shuffle=False))
+    all_ranks(comm, np.array_equal(a.model.params, b.model.params))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_keywords_override_the_spec(comm):
+    shard, _, _ = _data(comm)
+    a, b = _dp(comm), _dp(comm)
+    h = mpidp.fit(a, shard, 1, 16, seed=4)
+    g = mpidp.fit(b, shard, spec=mpidp.RunSpec(3, 16, seed=9), epochs=1, seed=4)
+    all_ranks(comm, len(h) == len(g) == 1 and np.array_equal(a.model.params, b.model.params))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_plan_that_disagrees_with_the_run_is_refused(comm):
+    shard, _, _ = _data(comm)
+    dp = _dp(comm)
+    plan = Plan(comm, None, shard.n_total, 16, 0, True, False)
+    raises_everywhere(comm, mpidp.MpidpError,
+                      lambda: mpidp.fit(dp, shard, 1, 16, seed=1, partition=plan),
+                      "batch_size, seed, shuffle, drop_last")
+    hist = mpidp.fit(dp, shard, 1, 16, seed=0, partition=plan)  # the same settings: fine
+    all_ranks(comm, len(hist) == 1)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_an_unknown_setting_is_a_type_error_on_every_rank(comm):
+    shard, _, _ = _data(comm)
+    raises_everywhere(comm, TypeError, lambda: mpidp.fit(_dp(comm), shard, 1, 16, sed=1),
+                      "unknown run setting")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_pipeline_refuses_a_partition(comm):
+    _, X, y = _data(comm)
+    layers = nn.mlp(5, (8, 8, 8), 3, dtype=np.float64).layers  # 7 layers: up to 4 stages
+    pipe = Pipeline(layers, 5, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,
+                    n_stages=comm.size, micro_batches=1, dtype=np.float64)
+    pipe.init_(0)
+    raises_everywhere(comm, mpidp.MpidpError,
+                      lambda: fit_pipeline(pipe, (X, y), 1, 16, partition=mpidp.Partition("block")),
+                      "partition does not apply to a pipeline")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_asynchronous_server_refuses_what_it_cannot_honour(comm):
+    from mpidp.parallel.async_ps import AsyncPS, fit_async
+    shard, _, _ = _data(comm)
+    model = nn.mlp(5, (8,), 3, dtype=np.float64).init_(3)
+    ps = AsyncPS(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm)
+    raises_everywhere(comm, mpidp.MpidpError, lambda: fit_async(ps, shard, 1, 16, check_every=2),
+                      "check_every does not apply to async-ps")
+    raises_everywhere(comm, mpidp.MpidpError,
+                      lambda: fit_async(ps, shard, 1, 16, partition=mpidp.Partition("block")),
+                      "partition does not apply to async-ps")
