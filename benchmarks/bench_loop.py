@@ -2,7 +2,8 @@
 signals installed, their request riding in the step's own Allreduce, the watchdog on, the
 epoch's load-balance gather) against ``DataParallel.step`` called in a bare loop on the
 same batches, on the standard workload (MLP 784-1024-1024-10, global batch 512). Run:
-``mpiexec -n 2 python benchmarks/bench_loop.py`` (with one BLAS thread per rank); prints the medians of 5 alternating repeats."""
+``mpiexec -n 2 python benchmarks/bench_loop.py`` (with one BLAS thread per rank); prints the
+medians of 5 alternating repeats."""
 
 from __future__ import annotations
 
