@@ -15,4 +15,3 @@ history = mpidp.fit(dp, data.train, epochs=4, batch_size=128, seed=0, test=data.
 mpidp.assert_in_sync(comm, model.params)  # all replicas bit-identical
 if comm.rank == 0:
     print(f"ranks {comm.size}  test accuracy {history[-1]['test_accuracy']:.3f}")
-    np.save("params.npy", model.params)

@@ -309,6 +309,7 @@ def test_a_killed_run_keeps_its_history(tmp_path):
     steps = [x for x in lines if x["kind"] == "steps"]
     assert [x["epoch"] for x in epochs] == [1] and np.isfinite(epochs[0]["loss"])
     assert [x["step"] for x in steps] == [5, 10, 15, 20, 25][:len(steps)] and len(steps) >= 4
+    assert [x["epoch"] for x in steps] == [1, 1, 1, 2, 2][:len(steps)]
     assert len(steps[0]["compute_s"]) == 2  # one figure per rank
     assert not (out / "metrics.json").exists() and not (out / "model.npz").exists()
 
@@ -378,11 +379,11 @@ def test_async_staleness_counts_only_applied_pushes(tmp_path):
 
 
 @pytest.mark.parametrize("flag,message", [
-    (["--momentum", "nan"], "argument --momentum: must be a finite number"),
-    (["--weight-decay", "-100"], "argument --weight-decay: must be a finite number"),
-    (["--bucket-mb", "inf"], "argument --bucket-mb: must be a finite number"),
-    (["--ps-chunk-mb", "inf"], "argument --ps-chunk-mb: must be a finite number"),
-    (["--seed", "-1"], "argument --seed: must be a finite number"),
+    (["--momentum", "nan"], "argument --momentum: must be a number >= 0 and < 1, got nan"),
+    (["--weight-decay", "-100"], "argument --weight-decay: must be a finite number >= 0"),
+    (["--bucket-mb", "inf"], "argument --bucket-mb: must be a finite number > 0, got inf"),
+    (["--ps-chunk-mb", "inf"], "argument --ps-chunk-mb: must be a finite number > 0"),
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
     (["--hidden", ",,"], "an mlp needs at least one hidden layer"),
     (["--hidden", "200000,200000"], "GiB are available"),
     (["--trace-steps", "3:5"], "--trace-steps needs --trace"),

@@ -142,7 +142,7 @@ BAD = {
                              "needs integer class labels"),
     "unknown option value": (lambda t: ["--model", "resnet"], "invalid choice: 'resnet'"),
     "bad hidden": (lambda t: ["--hidden", "12,x"], "comma-separated"),
-    "non-positive batch": (lambda t: ["--batch-size", "0"], "must be a finite number in (0, inf)"),
+    "non-positive batch": (lambda t: ["--batch-size", "0"], "must be an integer >= 1, got 0"),
     "out is a file": (lambda t: ["--out", str(_garbage(t))], "is not a folder"),
 }
 
@@ -185,16 +185,22 @@ def test_exception_on_one_rank_aborts_the_whole_job_promptly(tmp_path):
 
 
 def test_readme_example_is_the_tested_script_and_is_exact(tmp_path):
+    """The example writes nothing; a wrapper saves its parameters to compare 1 and 4 ranks."""
     code = (ROOT / "examples" / "train_mlp.py").read_text()
     assert code.strip() in (ROOT / "README.md").read_text(), "README must show examples/train_mlp.py"
+    wrapper = tmp_path / "run_example.py"
+    wrapper.write_text("import mpidp\nimport runpy, sys\nimport numpy as np\n"
+                       "g = runpy.run_path(sys.argv[1], run_name='__main__')\n"
+                       "if g['comm'].rank == 0:\n    np.save('params.npy', g['model'].params)\n")
     runs = {}
     for n in (1, 4):
         cwd = tmp_path / f"p{n}"
         cwd.mkdir()
-        r = run_mpi(n, str(ROOT / "examples" / "train_mlp.py"), cwd=cwd, module=False)
+        r = run_mpi(n, str(wrapper), str(ROOT / "examples" / "train_mlp.py"), cwd=cwd, module=False)
         assert r.returncode == 0, r.stderr
         assert f"ranks {n}  test accuracy" in r.stdout
         runs[n] = np.load(cwd / "params.npy")
+        assert sorted(q.name for q in cwd.iterdir()) == ["params.npy"], "the example writes nothing"
     np.testing.assert_allclose(runs[4], runs[1], rtol=1e-9, atol=1e-11)
     assert float(r.stdout.split()[-1]) > 0.8
 

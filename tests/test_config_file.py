@@ -76,7 +76,7 @@ def test_not_stored_keys_are_neither_written_nor_read():
     table = {"quiet": True, "verbose": True, "no_progress": True, "trace": "t.json",
              "trace_steps": "1:2", "tensorboard": "tb", "log_every": 2, "resume": True,
              "restart": True, "config": "other.toml", "command": "predict", "world_size": 8,
-             "data_fingerprint": "abc", "resume_changes": {"lr": [0.1, 0.2]}}
+             "data_fingerprint": "abc", "resume_changes": {"lr": [0.1, 0.2]}, "progress": "bar"}
     assert set(table) == NOT_STORED
     assert tokens(table, TRAIN) == []
 

@@ -189,8 +189,6 @@ def _claims(command: str) -> list[str]:
         return [value("--out")]
     if "mpidp" in words and "model" in words and value("--out"):
         return [f"{value('--out')}/model.json"]
-    if any(w.endswith("examples/train_mlp.py") for w in words):
-        return ["params.npy"]
     return []
 
 
@@ -248,3 +246,17 @@ def test_shown_commands_run_and_write_what_they_claim(tmp_path, path, index, com
         if claims and claims[0].endswith("metrics.json"):
             metrics = json.loads((work / claims[0]).read_text())
             assert metrics["world_size"] == _ranks(command), command
+            _assert_it_learned(command, metrics["history"])
+
+
+def _assert_it_learned(command: str, history: list[dict]) -> None:
+    """A shown training command trains visibly well: over two or more epochs the loss
+    falls and the test accuracy rises."""
+    if len(history) < 2:
+        return
+    first, last = history[0], history[-1]
+    assert last["loss"] < first["loss"], f"{command!r}: loss {first['loss']} -> {last['loss']}"
+    if first.get("test_accuracy") is not None and last.get("test_accuracy") is not None:
+        assert last["test_accuracy"] > first["test_accuracy"], (
+            f"{command!r}: test accuracy {first['test_accuracy']} -> {last['test_accuracy']}")
+

@@ -34,6 +34,7 @@ VALUES: dict[str, list[str]] = {
     "compress": ["--compress", "float16"],
     "sync_every": ["--sync-every", "2"],
     "log_every": ["--log-every", "5"],
+    "progress": ["--progress", "lines"],
     "check_every": ["--check-every", "2"],
 }
 

@@ -54,3 +54,11 @@ def test_the_spec_starts_no_mpi():
             "assert 'mpi4py.MPI' not in sys.modules")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_step_stats_show_means_first():
+    from mpidp.run.stats import StepStats
+    s = StepStats(12.0, 8, 6)
+    assert (s.loss, s.accuracy) == (1.5, 0.75)
+    assert repr(s) == "StepStats(loss=1.5, accuracy=0.75, count=8, loss_sum=12, correct=6)"
+    assert repr(StepStats(0.0, 0, 0, skipped=True)).endswith("correct=0, skipped=True)")

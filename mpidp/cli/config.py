@@ -18,7 +18,7 @@ from collections.abc import Iterable
 #: how to train.
 NOT_STORED = frozenset({"command", "config", "resume", "restart", "world_size",
                         "data_fingerprint", "resume_changes", "quiet", "verbose",
-                        "no_progress", "trace", "trace_steps", "tensorboard", "log_every"})
+                        "no_progress", "progress", "trace", "trace_steps", "tensorboard", "log_every"})
 
 
 def load(path: str) -> dict:

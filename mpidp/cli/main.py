@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import faulthandler
 import json
 import math
@@ -37,8 +38,16 @@ def _launcher_rank() -> int:
     return 0
 
 
+def _closest(word: str, names) -> str | None:
+    """The name in ``names`` nearest ``word``, if one is near."""
+    match = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
 class _Parser(argparse.ArgumentParser):
-    """Usage errors are printed by rank 0 only; every rank exits with status 2."""
+    """A usage error is two lines, the error and where the help is, printed by rank 0 only;
+    every rank exits with status 2. A misspelt option, command or choice gets the closest
+    valid one suggested."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)  # an option is given by its full name
@@ -46,12 +55,45 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         if _launcher_rank() == 0:
-            self.print_usage(sys.stderr)
-            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+            what = "commands" if self._subparsers else "options"
+            print(f"{self.prog}: error: {message}\nSee '{self.prog} --help' for the {what}.",
+                  file=sys.stderr, flush=True)
         else:  # Open MPI's launcher ends the job at the first non-zero exit: let rank 0 speak
             import time
             time.sleep(1.0)
         sys.exit(EXIT_USAGE)
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's; unknown arguments are reported by the subcommand they follow,
+        with the closest option for each misspelt one."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            target = self._command(namespace)
+            near = [(w, m) for w in extras if w.startswith("-")
+                    for m in [_closest(w.split("=")[0], target._option_string_actions)] if m]
+            hint = (f" (did you mean {near[0][1]}?)" if len(near) == 1 else
+                    "; did you mean " + ", ".join(f"{m} for {w}" for w, m in near) + "?"
+                    if near else "")
+            target.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return namespace
+
+    def _command(self, namespace) -> argparse.ArgumentParser:
+        """The parser of the subcommand chosen in ``namespace`` (else this one)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+                chosen = action.choices.get(getattr(namespace, action.dest, None) or "")
+                if isinstance(chosen, _Parser):
+                    return chosen._command(namespace)
+        return self
+
+    def _check_value(self, action, value) -> None:
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as exc:
+            match = _closest(str(value), [str(c) for c in action.choices])
+            if match is None:
+                raise
+            raise argparse.ArgumentError(action, f"{exc.message} (did you mean {match}?)") from None
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -67,18 +109,24 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 def _number(kind, low: float, high: float = math.inf, low_open: bool = False,
             high_open: bool = True):
     """A parser of ``kind`` values in a range (finite always: NaN and Inf are refused)."""
-    left, right = "(" if low_open else "[", ")" if high_open else "]"
-    span = f"{left}{low:g}, {'inf' if high == math.inf else f'{high:g}'}{right}"
+    if kind is int:  # an open bound is the next integer in: > 0 is >= 1
+        low, low_open = (math.floor(low) + 1 if low_open else math.ceil(low)), False
+        if high != math.inf:
+            high, high_open = (math.ceil(high) - 1 if high_open else math.floor(high)), False
+    name = "an integer" if kind is int else "a number"
+    what = "a finite number" if kind is float and high == math.inf else name
+    bounds = f"{'>' if low_open else '>='} {low:g}" + (
+        "" if high == math.inf else f" and {'<' if high_open else '<='} {high:g}")
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}") from None
         ok = math.isfinite(value) and (value > low if low_open else value >= low) and (
             value < high if high_open else value <= high)
         if not ok:
-            raise argparse.ArgumentTypeError(f"must be a finite number in {span}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be {what} {bounds}, got {text}")
         return value
     return parse
 
@@ -121,7 +169,7 @@ def _add_train(sub) -> None:
     a("--epochs", type=_positive(int), default=10, help="passes over the training set")
     a("--batch-size", type=_positive(int), default=64,
       help="GLOBAL batch size: samples per step summed over all ranks")
-    a("--lr", type=_positive(float), default=0.1, help="learning rate")
+    a("--lr", type=_positive(float), default=0.03, help="learning rate")
     a("--optimizer", choices=("sgd", "momentum", "adam"), default="momentum",
       help="sgd, SGD with momentum (--momentum), or adam")
     a("--momentum", type=_number(float, 0, 1), default=0.9,
@@ -149,9 +197,11 @@ def _add_train(sub) -> None:
     a("--n-features", type=_positive(int), default=784, help="synthetic: features")
     a("--no-shuffle", action="store_true", help="visit samples in file order every epoch")
     a("--drop-last", action="store_true", help="skip the last, smaller batch of each epoch")
-    a("--no-progress", action="store_true",
-      help="no progress bar (there is none anyway when stderr is not a terminal: a batch "
-      "log gets one line per epoch)")
+    a("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
+      help="how rank 0 shows the steps of an epoch: bar (live), lines (a line every 10 s; "
+      "MPIDP_PROGRESS_SECONDS changes it), none, or auto: a bar when the terminal of "
+      "mpiexec is watched, lines when the output goes to a file or a pipe")
+    a("--no-progress", action="store_true", help="the same as --progress none")
     a("--config", default=None, metavar="FILE",
       help="read options from a TOML file (e.g. the config.toml a run writes into --out); "
       "options on the command line win")
@@ -299,7 +349,13 @@ def add_predict(sub) -> None:
     a("--partition", choices=STRATEGIES[:-1], default="block", help="static split of the rows")
     a("--dynamic", action="store_true", help="ranks take chunks from a shared counter instead")
     a("--chunk-size", type=int, default=512, help="rows per chunk")
-    a("--out", required=True, help=".npy file for the outputs (n_rows, n_outputs)")
+    a("--out", required=True, help=".npy file for the predictions, one row per dataset row "
+      "(in the dataset's order)")
+    a("--output", choices=("scores", "proba", "label"), default="scores",
+      help="what to write: scores (the model's raw outputs, float (n_rows, n_outputs): "
+      "logits for a classifier, the predicted values for regression), proba (class "
+      "probabilities, softmax of the scores, each row summing to 1) or label (the most "
+      "likely class, int64 (n_rows,)); proba and label need a classifier")
 
 
 def build_parser() -> argparse.ArgumentParser:

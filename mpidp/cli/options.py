@@ -40,6 +40,8 @@ TABLE: dict[str, tuple[frozenset, str]] = {
                   "common step to log (its epochs are in history.jsonl)"),
     "check_every": (ALL - {"async-ps"}, "its workers hold different parameters by design "
                     "until the end"),
+    "progress": (ALL - {"async-ps"}, "its workers are at different steps; the server "
+                 "reports when training ends"),
 }
 
 #: Strategies that decide owners again every epoch (they need the whole world in the plan).

@@ -4,11 +4,8 @@ every rank writing its own rows of one ``.npy`` file."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import zipfile
-import zlib
 
 import numpy as np
 
@@ -44,21 +41,17 @@ class _Pairs:
         return self.data.read(idx), None
 
 
-def _open_model(path: str):
-    """The model saved in ``path`` (a ``model.npz`` or its folder); ValueError naming the
-    file if it is missing, truncated, corrupted (zip CRC-32), not a model, or not finite."""
-    path = os.path.join(path, "model.npz") if os.path.isdir(path) else path
+def _open_model(path: str) -> nn.Sequential:
+    """The model saved in ``path`` (a ``model.npz`` or its folder), by :func:`mpidp.nn.load`;
+    ValueError naming the file if it is missing, truncated, corrupted (zip CRC-32), not a
+    model, or not finite."""
     try:
-        with np.load(path, allow_pickle=False) as saved:
-            spec, dtype, params = json.loads(str(saved["spec"])), str(saved["dtype"]), saved["params"]
-        model = nn.from_spec(spec, dtype)
-        model.params[...] = params
-    except (OSError, KeyError, ValueError, TypeError, EOFError, zipfile.BadZipFile,
-            zlib.error) as exc:
-        raise ValueError(f"--model {path!r}: cannot load a saved model ({type(exc).__name__}: "
-                         f"{exc}); give the model.npz that 'mpidp train' wrote, or its "
+        model = nn.load(path, check_finite=False)
+    except ValueError as exc:
+        raise ValueError(f"--model {exc}; give the model.npz that 'mpidp train' wrote, or its "
                          f"folder") from None
     if not np.isfinite(model.params).all():
+        path = os.path.join(path, "model.npz") if os.path.isdir(path) else path
         raise ValueError(f"--model {path!r}: the saved parameters contain NaN or Inf")
     return model
 
@@ -78,10 +71,15 @@ def predict(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     bad = scan_rows(src, mine, dtype=model.dtype)  # each rank its block, before any work
     C.agree(comm, bad and f"{bad}: predictions for such rows are meaningless; clean or drop "
             f"them first")
+    classifier = model.meta.get("classification", src.classification)
+    C.agree(comm, None if args.output == "scores" or classifier else
+            f"--output {args.output} needs a classifier, but the model in {args.model} was "
+            f"trained for regression: use --output scores")
     data = _Rows(src, rows, model.dtype)
     costs = data.costs() if args.partition == "cost" else None
-    res = map_reduce(comm, model.forward, data, "concat", partition=args.partition, costs=costs,
-                     dynamic=args.dynamic, chunk_size=args.chunk_size, out=args.out)
+    res = map_reduce(comm, lambda X: nn.outputs(model.forward(X), args.output), data, "concat",
+                     partition=args.partition, costs=costs, dynamic=args.dynamic,
+                     chunk_size=args.chunk_size, out=args.out)
     correct = None
     if src.classification:  # evaluation: a second map over the same rows, reduced by a sum
         pairs = _Pairs(data)

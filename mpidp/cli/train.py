@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import uuid
 from contextlib import contextmanager
@@ -226,14 +225,17 @@ class _Job:
         checkpoint = (Checkpointing(a.checkpoint_dir, a.checkpoint_every, a.keep_checkpoints,
                                     self.config, self.run_id) if a.checkpoint_dir else None)
         return RunSpec(a.epochs, a.batch_size, a.seed, not a.no_shuffle, a.drop_last,
-                       check_every=a.check_every, checkpoint=checkpoint,
-                       progress=not a.no_progress and not a.quiet and sys.stderr.isatty(),
-                       on_epoch=_both(_Report(self.comm, a.epochs), watch.epoch),
-                       on_step=watch.step, stop=self.stop, watchdog=self.watchdog, **settings)
+                       **{"check_every": a.check_every, "checkpoint": checkpoint,
+                          "progress": "none" if a.no_progress or a.quiet else a.progress,
+                          "on_epoch": _both(_Report(self.comm, a.epochs), watch.epoch),
+                          "on_step": watch.step, "stop": self.stop, "watchdog": self.watchdog,
+                          **settings})
 
-    def resume(self, found) -> ck.State | None:
+    def resume(self, found, watch: Watch) -> ck.State | None:
         """The state to resume from (``--resume``), given what restoring ``found``."""
-        return resumed(self.comm, self.args, self.config, found) if self.args.resume else None
+        state = resumed(self.comm, self.args, self.config, found) if self.args.resume else None
+        watch.epoch_index = state.epoch if state is not None else 0
+        return state
 
     def metrics(self, history: list[dict], n_params: int, steps: int, timings) -> dict:
         last = history[-1]
@@ -310,10 +312,11 @@ def _train_data_parallel(job: _Job) -> dict | None:
     log.debug(f"[rank {comm.rank}] {C.mpi_info(C.self_comm())['processor']}: "
               f"{len(data.train.X)} train rows, {len(data.test.X)} test rows")
     resume = job.resume(restore(comm, args.checkpoint_dir, dp.model, dp.optimizer)
-                        if args.resume else None)
+                        if args.resume else None, watch)
     try:
         if args.sync == "async-ps":
-            history, extra = _fit_async(job, dp, data, job.spec(watch, resume=resume))
+            history, extra = _fit_async(job, dp, data, job.spec(  # the server reports
+                watch, resume=resume, on_epoch=None, on_step=None, progress=False))
         else:
             history = fit(dp, data.train, test=data.test, spec=job.spec(
                 watch, partition=partition_of(args, data), resume=resume))
@@ -386,7 +389,7 @@ def _train_model_parallel(job: _Job) -> dict | None:
     _announce(comm, args, data, f"{pipe.n_stages} stages x {pipe.n_replicas} replicas, "
               f"{args.micro_batches} micro-batches, {args.schedule}; stage bounds (layers) "
               f"{pipe.plan.bounds}")
-    resume = job.resume(pipe.restore(args.checkpoint_dir) if args.resume else None)
+    resume = job.resume(pipe.restore(args.checkpoint_dir) if args.resume else None, watch)
     try:
         history = fit_pipeline(pipe, (data.train.X, data.train.y),
                                test=(data.test.X, data.test.y),
@@ -423,9 +426,7 @@ def finish(comm: C.Comm, args: argparse.Namespace, metrics: dict, model: nn.Sequ
     meta = {"model": args.model, "hidden": list(args.hidden), "n_features": data.n_features,
             "n_outputs": data.n_outputs, "classification": data.classification}
     os.makedirs(args.out, exist_ok=True)
-    write_atomic(os.path.join(args.out, "model.npz"), lambda f: np.savez(
-        f, params=model.params, spec=json.dumps(model.spec()), dtype=str(model.dtype),
-        meta=json.dumps(meta)))
+    nn.save(model, os.path.join(args.out, "model.npz"), meta=meta)
     write_atomic(os.path.join(args.out, "metrics.json"),
                  lambda f: f.write(json.dumps(metrics, indent=2).encode()))
     write_atomic(os.path.join(args.out, "config.toml"),

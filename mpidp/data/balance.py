@@ -233,16 +233,19 @@ def _share(fig: dict, key: str) -> str:
 
 
 def format_balance(fig: dict, per_rank: bool = True) -> str:
-    """The load-balance summary lines, and (``per_rank``) a per-rank table."""
+    """The load-balance summary lines, and (``per_rank``) the raw rates and a per-rank table."""
     lines = [f"load balance ({fig['strategy']}): imbalance {fig['imbalance']:.3f} "
              f"(cpu {fig['imbalance_cpu']:.3f}), efficiency {fig['efficiency']:.1%} "
-             f"(cpu {fig['efficiency_cpu']:.1%}), slowest rank {fig['slowest_rank']}",
-             f"throughput {fig['rate']:.4g} cost/s = {_share(fig, 'ideal_rate')} of the sum "
-             f"of the ranks' speeds, {_share(fig, 'attainable_rate')} of the attainable "
-             f"(with {fig.get('fixed_s', 0.0):.3f} s of communication + update no split can shorten)",
-             "rank  samples        cost  compute_s  wait_s  comm_s  idle"]
+             f"(cpu {fig['efficiency_cpu']:.1%}), slowest rank {fig['slowest_rank']}"]
+    if fig.get("ideal_rate"):
+        lines.append(f"  each step waits for the slowest rank: the ranks ran at "
+                     f"{_share(fig, 'ideal_rate')} of their combined speed, "
+                     f"{_share(fig, 'attainable_rate')} of what the best split could reach")
     if not per_rank:
-        return "\n".join(lines[:2])
+        return "\n".join(lines)
+    lines += [f"  throughput {fig['rate']:.4g} cost/s; {fig.get('fixed_s', 0.0):.3f} s of "
+              "communication + update that no split can shorten",
+              "rank  samples        cost  compute_s  wait_s  comm_s  idle"]
     for d in fig["per_rank"]:
         lines.append(f"{d['rank']:>4}  {d['samples']:>7}  {d['cost']:>10.0f}  "
                      f"{d['compute_s']:>9.3f}  {d['wait_s']:>6.3f}  {d['comm_s']:>6.3f}  "

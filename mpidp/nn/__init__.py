@@ -1,14 +1,15 @@
 """Pure-NumPy neural networks with flat parameter buffers. Imports nothing from mpi4py."""
 
-from .layers import Dense, Layer, ReLU, Sigmoid, Tanh
-from .losses import Loss, MeanSquaredError, SoftmaxCrossEntropy
-from .model import Sequential
+from .layers import Dense, Layer, ReLU, Sigmoid, Tanh, register_layer, registered_layers
+from .losses import OUTPUTS, Loss, MeanSquaredError, SoftmaxCrossEntropy, outputs
+from .model import Sequential, from_spec, load, save
 from .optim import SGD, Adam, Optimizer, make_optimizer
-from .presets import build, from_spec, linear, logreg, mlp
+from .presets import build, linear, logreg, mlp
 from .sparse import CSR, SparseDense
 
 __all__ = [
-    "Adam", "CSR", "Dense", "Layer", "Loss", "MeanSquaredError", "Optimizer", "ReLU", "SGD",
-    "Sequential", "Sigmoid", "SoftmaxCrossEntropy", "SparseDense", "Tanh", "build", "from_spec", "linear",
-    "logreg", "make_optimizer", "mlp",
+    "OUTPUTS", "Adam", "CSR", "Dense", "Layer", "Loss", "MeanSquaredError", "Optimizer", "ReLU",
+    "SGD", "Sequential", "Sigmoid", "SoftmaxCrossEntropy", "SparseDense", "Tanh", "build",
+    "from_spec", "linear", "load", "logreg", "make_optimizer", "mlp", "outputs",
+    "register_layer", "registered_layers", "save",
 ]

@@ -4,11 +4,16 @@ A layer declares the shapes of its parameters; :class:`mpidp.nn.Sequential` allo
 one flat buffer for every layer's parameters (and one for gradients) and hands each layer
 views into it through :meth:`Layer.bind`. Gradients are SUMS over the samples of a batch,
 never means: the caller divides by the global sample count after combining ranks.
+
+Every layer class that :func:`mpidp.nn.from_spec` (and so :func:`mpidp.nn.load`) can rebuild
+is registered by name with :func:`register_layer`; the built-in ones are registered here.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -58,6 +63,96 @@ class Layer(ABC):
         return f"{type(self).__name__}()"
 
 
+# ---------------------------------------------------------------------------- registry
+
+_LayerT = TypeVar("_LayerT", bound=type)
+
+_CLASSES: dict[str, type] = {}  # registered name -> layer class
+_NAMES: dict[type, str] = {}    # layer class -> the name its specs are written under
+
+
+def _where(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_layer(cls: _LayerT | None = None, *, name: str | None = None
+                   ) -> _LayerT | Callable[[_LayerT], _LayerT]:
+    """Register a layer class so a saved model that uses it can be rebuilt; returns ``cls``.
+
+    Usable as ``register_layer(MyLayer)``, ``@register_layer`` or
+    ``@register_layer(name="my-layer")``. The key is ``name``, by default the class name;
+    it is the ``"type"`` that :meth:`mpidp.nn.Sequential.spec` writes for the layer, and
+    :func:`mpidp.nn.from_spec` / :func:`mpidp.nn.load` look it up here. A process that
+    loads a model must register its classes too (importing the module that defines them
+    with the decorator is enough). Registering the same class again is a no-op.
+
+    What a registered layer must provide: its settings, the JSON-able keyword arguments
+    that rebuild it, from a method ``config() -> dict`` (without it: ``n_in`` and ``n_out``
+    when the layer has an ``n_out`` attribute, else nothing). It is rebuilt by the
+    classmethod ``from_config(settings)`` where defined, else by ``cls(**settings)``.
+    Parameters are not settings: they travel in the model's flat ``params`` vector, in
+    ``param_shapes()`` order.
+
+    Parameters
+    ----------
+    cls : a subclass of :class:`Layer`; omitted, a decorator is returned.
+    name : the registry key, if not ``cls.__name__``.
+
+    Raises
+    ------
+    ValueError : ``name`` is already registered to a different class (both are named). A
+        class redefined under the same module and qualified name (a module reloaded, a
+        notebook cell run again) replaces the earlier definition instead.
+    TypeError : ``cls`` is not a subclass of :class:`Layer`.
+    """
+    def add(layer_cls: _LayerT) -> _LayerT:
+        if not (isinstance(layer_cls, type) and issubclass(layer_cls, Layer)):
+            raise TypeError(f"register_layer needs a subclass of mpidp.nn.Layer, got {layer_cls!r}")
+        key = layer_cls.__name__ if name is None else str(name)
+        if not key:
+            raise ValueError("a layer class needs a non-empty name")
+        have = _CLASSES.get(key)
+        if have is not None and have is not layer_cls:
+            if _where(have) != _where(layer_cls):
+                raise ValueError(f"layer name {key!r} is already registered to {_where(have)}; "
+                                 f"cannot register {_where(layer_cls)} under it too (pass "
+                                 f"name=... to register_layer to keep both)")
+            del _NAMES[have]  # the same class, defined again: the new definition wins
+        _CLASSES[key] = layer_cls
+        _NAMES.setdefault(layer_cls, key)
+        return layer_cls
+
+    return add if cls is None else add(cls)
+
+
+def registered_layers() -> dict[str, type]:
+    """A copy of the registry: name -> layer class."""
+    return dict(_CLASSES)
+
+
+def layer_name(cls: type) -> str:
+    """The name ``cls`` is registered under; its class name when it is not registered."""
+    return _NAMES.get(cls, cls.__name__)
+
+
+def layer_class(name: str) -> type:
+    """The layer class registered under ``name``.
+
+    Raises
+    ------
+    ValueError : nothing is registered under ``name``; the message names it and says how
+        to register it.
+    """
+    try:
+        return _CLASSES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"the model spec names layer class {name!r}, which is not registered: "
+                         f"register it with mpidp.nn.register_layer (e.g. decorate the class "
+                         f"with @mpidp.nn.register_layer) before loading; registered: "
+                         f"{', '.join(sorted(_CLASSES))}") from None
+
+
+@register_layer
 class Dense(Layer):
     """Fully connected layer ``y = x @ W + b``; ``W`` is ``(n_in, n_out)``, ``b`` ``(n_out,)``.
 
@@ -114,6 +209,7 @@ class Dense(Layer):
         return f"Dense({self.n_in}, {self.n_out})"
 
 
+@register_layer
 class ReLU(Layer):
     """``max(x, 0)``; the derivative at 0 is taken as 0.
 
@@ -137,6 +233,7 @@ class ReLU(Layer):
         return np.multiply(dy, self._y > 0, out=dy if self.inplace else None)
 
 
+@register_layer
 class Tanh(Layer):
     """``tanh(x)``."""
 
@@ -149,6 +246,7 @@ class Tanh(Layer):
         return dy * (1 - self._y * self._y) if need_input_grad else None
 
 
+@register_layer
 class Sigmoid(Layer):
     """``1 / (1 + exp(-x))``, computed without overflow for large ``|x|``."""
 

@@ -74,3 +74,21 @@ class MeanSquaredError(Loss):
 
     def backward(self) -> np.ndarray:
         return self._diff * (2.0 / self._diff.shape[1])
+
+
+#: What a classifier's prediction can be: raw ``scores`` (logits ``(n, k)``), ``proba``
+#: (softmax probabilities ``(n, k)``, rows summing to 1) or ``label`` (``(n,)`` int64).
+OUTPUTS = ("scores", "proba", "label")
+
+
+def outputs(scores: np.ndarray, kind: str = "scores") -> np.ndarray:
+    """A classifier's ``scores`` ``(n, k)`` as ``kind`` (see :data:`OUTPUTS`); ``scores``
+    returns them unchanged. ValueError for an unknown ``kind``."""
+    if kind not in OUTPUTS:
+        raise ValueError(f"unknown output {kind!r}; expected one of {OUTPUTS}")
+    if kind == "scores":
+        return scores
+    if kind == "label":
+        return scores.argmax(axis=1).astype(np.int64)
+    e = np.exp(scores - scores.max(axis=1, keepdims=True)) if len(scores) else scores
+    return e / e.sum(axis=1, keepdims=True)

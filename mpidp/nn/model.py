@@ -2,18 +2,33 @@
 
 ``model.params`` (all weights) and ``model.grads`` (all gradients) are contiguous 1-D
 arrays, so synchronising a model is one ``Bcast`` and combining gradients one ``Allreduce``.
+
+A model is saved to and loaded from one ``model.npz`` (:func:`save`, :func:`load`): the file
+``mpidp train`` writes and ``mpidp predict`` reads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import socket
+import zipfile
+import zlib
 from collections.abc import Callable, Sequence
+from typing import IO, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from .layers import Layer
+from .layers import Layer, layer_class, layer_name
+from .losses import outputs
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_RESERVED = ("type", "model_n_in")  # spec keys that are not a layer's settings
+MODEL_FILE = "model.npz"
 
 
 class Sequential:
@@ -29,6 +44,8 @@ class Sequential:
     -----
     ``params`` and ``grads`` have ``n_params`` elements; ``layer.params[k]`` is a view of
     ``params`` for every layer and key, in layer order then ``param_shapes`` order.
+    ``meta`` is a JSON-able dict that :meth:`save` stores with the model and :func:`load`
+    restores (empty unless set).
     """
 
     def __init__(self, layers: Sequence[Layer], n_in: int,
@@ -48,6 +65,7 @@ class Sequential:
                             for s in layer.param_shapes().values())
         self.params = np.zeros(self.n_params, self.dtype)
         self._bind(self.params, np.zeros(self.n_params, self.dtype))
+        self.meta: dict[str, Any] = {}
 
     def _bind(self, params: np.ndarray, grads: np.ndarray) -> None:
         self.params, self.grads = params, grads
@@ -97,6 +115,12 @@ class Sequential:
 
     __call__ = forward
 
+    def predict(self, x: np.ndarray, output: str = "scores") -> np.ndarray:
+        """A classifier's predictions for ``x`` ``(n, n_in)`` as ``output``: ``scores``
+        ``(n, n_out)``, ``proba`` (softmax, rows summing to 1) or ``label`` ``(n,)`` int64
+        (:func:`mpidp.nn.losses.outputs`); ``scores`` is also what a regression predicts."""
+        return outputs(self.forward(x), output)
+
     def backward(self, dy: np.ndarray, accumulate: bool = False, input_grad: bool = True,
                  on_layer_done: Callable[[int], None] | None = None) -> np.ndarray | None:
         """Back-propagate dL/dy ``(n, n_out)``; writes (or adds to) ``grads``; returns dL/dx
@@ -113,16 +137,234 @@ class Sequential:
         return dy
 
     def spec(self) -> list[dict]:
-        """A JSON-able description from which :func:`mpidp.nn.from_spec` rebuilds the model."""
+        """A JSON-able description from which :func:`from_spec` rebuilds the model.
+
+        Returns
+        -------
+        list of dict : one per layer, ``{"type": <registered name>, **settings}``, where the
+            settings are ``layer.config()`` if the layer defines it, else ``n_in`` and
+            ``n_out`` if it has them (see :func:`mpidp.nn.register_layer`); the first
+            dict also holds ``"model_n_in"``. Parameters are not part of it.
+        """
         out = []
         for layer in self.layers:
-            d: dict = {"type": type(layer).__name__}
-            if hasattr(layer, "n_out"):
-                d.update(n_in=layer.n_in, n_out=layer.n_out)
-            out.append(d)
+            if callable(getattr(layer, "config", None)):
+                settings = dict(layer.config())
+            elif hasattr(layer, "n_out"):
+                settings = {"n_in": layer.n_in, "n_out": layer.n_out}
+            else:
+                settings = {}
+            clash = [k for k in _RESERVED if k in settings]
+            if clash:
+                raise ValueError(f"{type(layer).__name__}.config() may not use the key(s) "
+                                 f"{clash}: they are reserved in a model spec")
+            out.append({"type": layer_name(type(layer)), **settings})
         out[0]["model_n_in"] = self.n_in
         return out
+
+    def save(self, path: str | os.PathLike, meta: dict | None = None) -> str:
+        """Write the model to ``path``: see :func:`save`. Returns the path written."""
+        return save(self, path, meta)
 
     def __repr__(self) -> str:
         inner = ", ".join(map(repr, self.layers))
         return f"Sequential([{inner}], n_in={self.n_in}, dtype={self.dtype}, n_params={self.n_params})"
+
+
+def from_spec(spec: Sequence[dict], dtype: npt.DTypeLike = np.float32) -> Sequential:
+    """Rebuild a model, parameters zero, from :meth:`Sequential.spec`.
+
+    Every ``"type"`` is looked up in the layer registry (:func:`mpidp.nn.register_layer`);
+    the layer is built by ``cls.from_config(settings)`` where the class defines it, else
+    by ``cls(**settings)``, ``settings`` being the dict less ``"type"`` and ``"model_n_in"``.
+
+    Parameters
+    ----------
+    spec : one dict per layer, as :meth:`Sequential.spec` returns (or JSON of it, parsed).
+    dtype : ``float32`` or ``float64``.
+
+    Raises
+    ------
+    ValueError : a layer type is not registered (the message names it and says how to
+        register it), its settings do not rebuild it, or ``spec`` is malformed.
+    """
+    if not isinstance(spec, Sequence) or not spec or \
+            not all(isinstance(d, dict) and isinstance(d.get("type"), str) for d in spec):
+        raise ValueError("a model spec is a non-empty list of dicts, each with a 'type' string")
+    layers = []
+    for d in spec:
+        cls = layer_class(d["type"])
+        settings = {k: v for k, v in d.items() if k not in _RESERVED}
+        try:
+            layers.append(cls.from_config(settings) if callable(getattr(cls, "from_config", None))
+                          else cls(**settings))
+        except TypeError as exc:
+            raise ValueError(f"layer {d['type']!r} cannot be rebuilt from its settings "
+                             f"{settings} ({exc}); a layer whose constructor does not take "
+                             f"them defines config() and from_config()") from None
+    n_in = spec[0].get("model_n_in", spec[0].get("n_in"))
+    if not isinstance(n_in, int):
+        raise ValueError(f"the model spec gives no input width ('model_n_in'), got {n_in!r}")
+    return Sequential(layers, n_in, dtype)
+
+
+# ---------------------------------------------------------------------------- files
+
+_TMP_PREFIX = ".tmp-"
+
+# what reading a damaged, truncated or foreign file can raise (turned into one ValueError).
+_READ_ERRORS: tuple[type[BaseException], ...] = (
+    OSError, KeyError, ValueError, TypeError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
+def _write_atomic(path: str, write: Callable[[IO[bytes]], object]) -> None:
+    """Write ``path`` via a temporary file in the same folder: write, flush, fsync, rename.
+
+    A crash at any moment leaves either the old file or the complete new one. The file gets
+    the mode a plain ``open`` would give it (``0o666`` less the umask). The temporary name,
+    ``.tmp-<host tag>-<pid>-<random>``, follows the convention of
+    :func:`mpidp.run.folders.write_atomic`, so a run folder's clean-up can tell a live
+    writer's file from one a killed process left.
+
+    Parameters
+    ----------
+    path : the file to create or replace.
+    write : called once with the temporary file, opened for binary writing.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    tag = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+    while True:
+        tmp = os.path.join(directory, f"{_TMP_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies
+            break
+        except FileExistsError:
+            continue
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fd = -1
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename durable (some filesystems refuse)
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def _read_npz(path: str, required: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Every array of the ``.npz`` archive ``path``, read in full (so every member's zip
+    CRC-32 is checked), with ``allow_pickle=False``.
+
+    Parameters
+    ----------
+    path : the archive.
+    required : names that must be present.
+
+    Returns
+    -------
+    dict : member name (without ``.npy``) -> array.
+
+    Raises
+    ------
+    One of ``_READ_ERRORS``: the file is missing, unreadable, truncated, corrupted,
+    not an ``.npz`` archive, or lacks a ``required`` member (``ValueError``).
+    """
+    saved = np.load(path, allow_pickle=False)
+    if not isinstance(saved, np.lib.npyio.NpzFile):
+        raise ValueError("not a .npz archive (a single .npy array)")
+    with saved:
+        missing = [k for k in required if k not in saved.files]
+        if missing:
+            raise ValueError(f"not a saved model: no {', '.join(map(repr, missing))} in the "
+                             f"archive (it holds {', '.join(map(repr, saved.files)) or 'nothing'})")
+        return {k: saved[k] for k in saved.files}
+
+
+def _model_path(path: str | os.PathLike) -> str:
+    path = os.fspath(path)
+    return os.path.join(path, MODEL_FILE) if os.path.isdir(path) else path
+
+
+def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None) -> str:
+    """Write ``model`` to ``path`` atomically, as the ``model.npz`` of ``mpidp train``.
+
+    The archive (``np.savez``, no pickles) holds ``params`` (the flat ``(n_params,)``
+    vector, in the model's dtype), ``spec`` (JSON of :meth:`Sequential.spec`), ``dtype``
+    (``"float32"`` or ``"float64"``) and ``meta`` (JSON of ``meta``, else of
+    ``model.meta``). It is written to a temporary file in the same folder, fsynced and
+    renamed, so ``path`` is at every moment absent, the old file, or the whole new one.
+
+    Parameters
+    ----------
+    model : the model to save.
+    path : the file; an existing folder means ``model.npz`` in it.
+    meta : JSON-able dict stored alongside (default ``model.meta``).
+
+    Returns
+    -------
+    str : the path written.
+
+    Raises
+    ------
+    ValueError : the spec or ``meta`` is not JSON-able (nothing is written).
+    """
+    path = _model_path(path)
+    meta = model.meta if meta is None else meta
+    try:
+        spec_json, meta_json = json.dumps(model.spec()), json.dumps(meta)
+    except TypeError as exc:
+        raise ValueError(f"cannot save the model to {path!r}: {exc} (a layer's config() and "
+                         f"meta must be JSON-able)") from None
+    _write_atomic(path, lambda f: np.savez(f, params=model.params, spec=spec_json,
+                                          dtype=str(model.dtype), meta=meta_json))
+    return path
+
+
+def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
+    """The model saved in ``path`` by :func:`save` (or by ``mpidp train``), parameters set.
+
+    Its ``meta`` attribute holds the stored meta (``{}`` if the file has none). A model
+    with a layer of the user's own must have that class registered in this process first
+    (:func:`mpidp.nn.register_layer`).
+
+    Parameters
+    ----------
+    path : a ``model.npz``, or a folder holding one.
+    check_finite : refuse parameters that hold NaN or Inf.
+
+    Raises
+    ------
+    ValueError : naming the file, if it is missing, truncated, corrupted (zip CRC-32), not
+        a saved model, names an unregistered layer class, or (with ``check_finite``) holds
+        non-finite parameters. Read with ``allow_pickle=False`` always.
+    """
+    path = _model_path(path)
+    try:
+        saved = _read_npz(path, ("params", "spec", "dtype"))
+        params = saved["params"]
+        spec, dtype = json.loads(str(saved["spec"])), str(saved["dtype"])
+        meta = json.loads(str(saved["meta"])) if "meta" in saved else {}
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta is a {type(meta).__name__}, not a dict")
+        model = from_spec(spec, dtype)
+        if params.shape != (model.n_params,) or params.dtype != model.dtype:
+            raise ValueError(f"params is {params.dtype} {params.shape}, but the spec needs "
+                             f"{model.dtype} ({model.n_params},)")
+        model.params[...] = params
+        model.meta = meta
+    except _READ_ERRORS as exc:
+        raise ValueError(f"{path!r}: cannot load a saved model ({type(exc).__name__}: "
+                         f"{exc})") from None
+    if check_finite and not np.isfinite(model.params).all():
+        raise ValueError(f"{path!r}: the saved parameters contain NaN or Inf")
+    return model

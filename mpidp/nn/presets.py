@@ -70,16 +70,3 @@ def build(name: str, n_in: int, n_out: int, hidden: Sequence[int] = (128, 64),
         loss = SoftmaxCrossEntropy() if classification else MeanSquaredError()
         return mlp(n_in, hidden, n_out, dtype=dtype), loss
     raise ValueError(f"unknown model {name!r}; expected 'linear', 'logreg' or 'mlp'")
-
-
-def from_spec(spec: Sequence[dict], dtype: npt.DTypeLike = np.float32) -> Sequential:
-    """Rebuild a model from :meth:`Sequential.spec` (for example from ``model.npz``)."""
-    kinds = {"Dense": L.Dense, "ReLU": L.ReLU, "Tanh": L.Tanh, "Sigmoid": L.Sigmoid,
-             "SparseDense": SparseDense}
-    layers = []
-    for d in spec:
-        if d["type"] not in kinds:
-            raise ValueError(f"unknown layer type {d['type']!r} in model spec")
-        cls = kinds[d["type"]]
-        layers.append(cls(d["n_in"], d["n_out"]) if "n_in" in d else cls())
-    return Sequential(layers, spec[0].get("model_n_in", spec[0].get("n_in")), dtype)

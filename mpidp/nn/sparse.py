@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from .layers import Layer, Shapes
+from .layers import Layer, Shapes, register_layer
 
 
 class CSR:
@@ -91,6 +91,7 @@ class CSR:
         return f"CSR(shape={self.shape}, nnz={self.nnz}, dtype={self.dtype})"
 
 
+@register_layer
 class SparseDense(Layer):
     """``y = x @ W + b`` for CSR input ``x`` ``(n, n_in)``; ``W`` ``(n_in, n_out)``.
 

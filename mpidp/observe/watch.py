@@ -77,7 +77,7 @@ class Watch:
                                  steps=parse_window(outputs.trace_steps))
             timer.tracer = self.tracer
         self._last = np.zeros(2)  # compute, comm seconds at the last step line
-        self._steps = 0
+        self.epoch_index = 0  # the epoch in progress (0-based; a resumed run sets it)
 
     @staticmethod
     def check(outputs: Outputs) -> None:
@@ -106,6 +106,7 @@ class Watch:
 
     def epoch(self, record: dict) -> None:
         """``on_epoch`` (every rank): the epoch's line, with per-rank figures when known."""
+        self.epoch_index = record["epoch"]  # 1-based epoch done = the next one's index
         h = self.history()
         if h is None:
             return
@@ -119,10 +120,9 @@ class Watch:
             line["imbalance"] = record["balance"]["imbalance"]
         h.epoch(line)
 
-    def step(self, epoch: int, stats) -> None:
-        """``on_step`` (every rank; collective every ``--log-every`` steps)."""
+    def step(self, step: int, stats) -> None:
+        """``on_step`` (every rank; collective every ``log_every`` global steps)."""
         every = self.outputs.log_every
-        self._steps = step = self._steps + 1
         if not every or step % every:
             return
         now = np.array([self.timer.compute_s, self.timer.comm_s])
@@ -130,7 +130,7 @@ class Watch:
         self._last = now
         h = self.history()
         if h is not None:
-            h.steps({"step": step, "epoch": epoch + 1, "loss": stats.loss,
+            h.steps({"step": step, "epoch": self.epoch_index + 1, "loss": stats.loss,
                      "compute_s": rows[:, 0].tolist(), "comm_s": rows[:, 1].tolist(),
                      "samples_per_s": float(rows[:, 2].sum() / max(time.perf_counter() - self.t0,
                                                                    1e-9))})

@@ -12,7 +12,9 @@ A worker computes on the parameters it last pulled; by the time its gradient arr
 other workers may have updated them ``s`` times (its *staleness*). Pushes staler than
 ``max_staleness`` are dropped (counted), bounding how old a gradient can be. Every worker
 pushes exactly its own number of batches and then a "done" message, so the server knows
-when to stop: the job always ends. Buffer-based point-to-point only; one final ``Bcast``.
+when to stop: the job always ends. Training is buffer-based point-to-point; collectives
+come only before it (the checks, the initial parameters) and after it (the server's
+verdict, the final parameters and its summary, from the server).
 """
 
 from __future__ import annotations
@@ -341,6 +343,11 @@ def _check_spec(spec: RunSpec) -> None:
     if spec.check_every:
         raise C.MpidpError("check_every does not apply to async-ps: its workers hold "
                            "different parameters by design until the end")
+    given = [name for name in ("on_step", "on_epoch", "progress") if getattr(spec, name)]
+    if given:
+        raise C.MpidpError(f"{', '.join(given)} does not apply to async-ps: its workers are "
+                           "at different steps, and the server reports when training ends "
+                           "(AsyncStats)")
 
 
 def fit_async(ps: AsyncPS, train: Shard, epochs: int | None = None,

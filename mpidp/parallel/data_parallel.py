@@ -211,7 +211,10 @@ class DataParallel:
         return True
 
     def evaluate(self, X: np.ndarray, y: np.ndarray, batch_size: int = 4096) -> StepStats:
-        """Loss and correct predictions over every rank's ``(X, y)``. Collective (1 Allreduce)."""
+        """Loss and accuracy over every rank's ``(X, y)`` together: a
+        :class:`~mpidp.run.stats.StepStats` whose ``loss`` and ``accuracy`` are means over all
+        ranks' samples (``loss_sum``, ``count``, ``correct`` the sums). Collective (one
+        ``Allreduce``)."""
         total = np.zeros(3, np.float64)
         for s in range(0, len(X), batch_size):
             loss_sum, correct = self._eval_pass(X[s:s + batch_size], y[s:s + batch_size])

@@ -18,7 +18,13 @@ from ..nn import Optimizer
 from ..nn.optim import chunk_edges
 from ..run.nonfinite import all_finite
 from . import buffer
-from .sync import Buffers, Exchanged, Round, Setup, Sync
+from .sync import Buffers, Exchanged, Round, Setup, Sync, global_sums
+
+#: What the server broadcasts after the sums: the buffer's extras, then its verdict.
+_VERDICT = (*buffer.EXTRAS, "finite")
+#: What the sharded server's ranks add up after their slices: the buffer's extras, then
+#: how many slices hold NaN/Inf.
+_SHARD_EXTRAS = (*buffer.EXTRAS, "nonfinite_slices")
 
 
 class ParameterServer(Sync):
@@ -78,7 +84,7 @@ class ParameterServer(Sync):
 
     def exchange(self, r: Round) -> Exchanged:
         comm, root, buf, n = self.comm, self.root, self.buf, self.n
-        verdict = np.zeros(5, np.float64)  # loss, count, correct, stop, finite
+        verdict = np.zeros(len(_VERDICT), np.float64)
         with self.timer.communicate(self.name, bytes=int(buf.nbytes)):
             if self.gather is None:
                 C.reduce_sum_to_(comm, buf, root)
@@ -88,12 +94,12 @@ class ParameterServer(Sync):
                     C.reduce_sum_to_(self.leaders, buf, 0)  # the server leads leaders
         if comm.rank == root:
             with self.timer.compute():  # only the server holds the sums: it checks them all
-                verdict[:4] = buf[n:]
-                verdict[4] = not r.checks or all_finite(buf)
+                verdict[:buffer.N_EXTRA] = buf[n:]
+                verdict[-1] = not r.checks or all_finite(buf)
         with self.timer.communicate(self.name, bytes=int(verdict.nbytes)):
             C.bcast_(comm, verdict, root)
-        out = Exchanged(float(verdict[0]), int(round(verdict[1])), int(round(verdict[2])),
-                        bool(verdict[3] > 0), bool(verdict[4]), updated=True)
+        out = global_sums(verdict, 0)
+        out.finite, out.updated = bool(verdict[-1]), True
         out.skipped = bool(out.count) and not r.judge(out.finite, out.loss_sum)
         if out.count and not out.skipped:  # otherwise the parameters stay as they are everywhere
             if self.shared is None:
@@ -175,16 +181,15 @@ class ShardedParameterServer(Sync):
 
     def exchange(self, r: Round) -> Exchanged:
         n, m, comm = self.n, self.hi - self.lo, self.comm
-        extras = np.zeros(5, np.float64)  # loss, count, correct, stop, slices with NaN/Inf
+        extras = np.zeros(len(_SHARD_EXTRAS), np.float64)
         with self.timer.communicate(self.name, bytes=int(self.buf.nbytes)):
             if comm.size > 1:
                 C.reduce_scatter_sum(comm, self.grads, self.slice)
-            extras[:4] = self.buf[n:]
-            extras[4] = r.checks and not all_finite(self.slice[:m])
+            extras[:buffer.N_EXTRA] = self.buf[n:]
+            extras[-1] = r.checks and not all_finite(self.slice[:m])
             C.allreduce_sum_(comm, extras)  # every rank learns every slice's verdict
-        out = Exchanged(float(extras[0]), int(round(extras[1])), int(round(extras[2])),
-                        bool(extras[3] > 0), math.isfinite(extras[0]) and not extras[4],
-                        updated=True)
+        out = global_sums(extras, 0)
+        out.finite, out.updated = math.isfinite(out.loss_sum) and not extras[-1], True
         with self.timer.compute():
             out.skipped = bool(out.count) and not r.judge(out.finite, out.loss_sum)
             if out.count and not out.skipped:

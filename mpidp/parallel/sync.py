@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 
@@ -77,7 +78,8 @@ class Exchanged:
 
 
 def global_sums(buf: np.ndarray, n_params: int) -> Exchanged:
-    """The :class:`Exchanged` of a reduced buffer ``buf`` ``(n_params + N_EXTRA,)``."""
+    """The :class:`Exchanged` of a reduced buffer ``buf`` ``(n_params + N_EXTRA,)``: its
+    extras (:data:`mpidp.parallel.buffer.EXTRAS`) after the first ``n_params`` values."""
     loss, count, correct = buffer.totals(buf, n_params)
     return Exchanged(loss, count, correct, buffer.stopping(buf, n_params))
 
@@ -299,6 +301,17 @@ class Accumulate(_Periodic):
         return super().exchange(r)
 
 
+class _Averaged(IntEnum):
+    """The slots after the parameters ``(n_params,)`` in local SGD's averaged buffer:
+    ``avg[n + slot]``; the first four are this rank's totals since the last average."""
+
+    LOSS = 0
+    COUNT = 1
+    CORRECT = 2
+    NONFINITE = 3  # local steps left out for NaN/Inf
+    STOP = 4  # this rank's stop request
+
+
 class LocalSGD(_Periodic):
     """Local SGD: each rank updates from its own part of the batch, and every ``k`` steps
     (and at each epoch's end) the parameters are averaged with one ``Allreduce``, which
@@ -314,9 +327,8 @@ class LocalSGD(_Periodic):
 
     def setup(self, s: Setup) -> Buffers:
         out = super().setup(s)
-        # loss, count, correct and non-finite steps of this rank since the last average
-        self.totals = np.zeros(4, np.float64)
-        self.avg = np.zeros(self.n + 5, s.model.dtype)  # params | totals | stop
+        self.totals = np.zeros(_Averaged.STOP, np.float64)  # the totals slots, kept here
+        self.avg = np.zeros(self.n + len(_Averaged), s.model.dtype)  # params | _Averaged
         return out
 
     def exchange(self, r: Round) -> Exchanged:
@@ -326,8 +338,8 @@ class LocalSGD(_Periodic):
             return Exchanged()
         n, params = self.n, self.model.params
         with self.timer.communicate(self.name, bytes=int(self.avg.nbytes)):
-            self.avg[:n], self.avg[n:n + 4] = params, self.totals
-            self.avg[n + 4] = self.buf[n + buffer.STOP]
+            self.avg[:n], self.avg[n:n + _Averaged.STOP] = params, self.totals
+            self.avg[n + _Averaged.STOP] = self.buf[n + buffer.STOP]
             C.allreduce_sum_(self.comm, self.avg)
         loss, count, correct, bad, stop = (float(v) for v in self.avg[n:])
         self.totals[...] = 0
@@ -343,6 +355,6 @@ class LocalSGD(_Periodic):
         if count and finite:
             r.optimizer.step_(self.model.params, self.buf[:self.n], scale=1.0 / count)
         if finite:
-            self.totals[:3] += (loss, count, correct)
+            self.totals[:_Averaged.NONFINITE] += (loss, count, correct)
         else:
-            self.totals[3] += 1
+            self.totals[_Averaged.NONFINITE] += 1

@@ -1,4 +1,4 @@
-"""Choosing a strategy by name: ``"data"``, ``"pipeline"`` or ``"hybrid"``.
+"""Choosing a trainer by name: ``"data"``, ``"pipeline"`` or ``"hybrid"``.
 
 ``hybrid`` is :class:`~mpidp.parallel.pipeline.Pipeline` with several replicas: ranks
 ``r`` with the same ``r // S`` form one pipeline of ``S`` stages, ranks with the same
@@ -44,7 +44,9 @@ def make_trainer(parallel: str, layers: Sequence[Layer], n_in: int, optimizer: O
     ``micro_batches``/``schedule`` unused; train with :func:`mpidp.fit`). ``"pipeline"``: one
     pipeline over all ranks. ``"hybrid"``: pipelines of ``n_stages`` (default 2) stages,
     ``comm.size // n_stages`` data-parallel replicas. Train pipelines with
-    :func:`mpidp.parallel.pipeline.fit_pipeline`. Initialise the parameters (``init_``) after.
+    :func:`mpidp.parallel.pipeline.fit_pipeline`. Initialise a pipeline's parameters with
+    its ``init_`` after; a :class:`DataParallel` broadcasts root's (zero) parameters when
+    it is made, so initialise its ``model`` after with the same seed on every rank.
     """
     comm = comm if comm is not None else C.world()
     C.agree(comm, None if parallel in PARALLEL else

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import comm as C
-from ..observe.progress import Progress
+from ..observe.progress import Progress, resolve
 from .checkpoint import State
 from .faults import Injector
 from .signals import Preempted
@@ -75,15 +75,28 @@ class Feed(Protocol):
 
 
 def run(trainer: Trainer, feed: Feed, spec: RunSpec) -> list[dict]:
-    """Train until ``spec.epochs`` epochs are done. Collective. Returns the history (one
-    dict per epoch: ``epoch, loss, accuracy, seconds`` and, when measured, ``balance``,
-    ``test_loss``, ``test_accuracy``), the same on every rank."""
+    """Train until ``spec.epochs`` epochs are done, or until a callback asks to stop.
+    Collective. Returns the history (one dict per epoch: ``epoch, loss, accuracy, seconds``
+    and, when measured, ``balance``, ``test_loss``, ``test_accuracy``; an epoch cut short
+    by a callback's stop also has ``stopped_at``, the global step), the same on every rank.
+
+    ``spec.on_step(step, stats)`` gets the global step just done (1 for the first) and its
+    :class:`StepStats`; ``spec.on_epoch(record)`` the epoch's record. A callback that
+    returns a true value asks to stop, on its rank alone if need be: ``on_step``'s request
+    rides in the next step's own collective and every rank ends after that same step;
+    ``on_epoch``'s is agreed by one small ``Allreduce`` at the epoch's end (only when
+    ``on_epoch`` is given). Either way the run ends normally, with a checkpoint where
+    checkpoints are on, instead of raising :class:`Preempted` as a stop signal does."""
     job = _Run(trainer, feed, spec)
     try:
         job.epochs()
     except (SystemExit, KeyboardInterrupt) as exc:  # from a callback: never leave others waiting
         _end_job(trainer.world, exc)
     return job.history
+
+
+class _Stopped(Exception):
+    """A callback's stop, agreed by every rank."""
 
 
 class _Run:
@@ -97,29 +110,52 @@ class _Run:
         self.faults = Injector(trainer.world.rank)
         self.tracer = getattr(getattr(trainer, "timer", None), "tracer", None)
         self.save_due = False
+        self.asked = False  # a callback on this rank asked to stop
+        self.carries_stop = spec.stop is not None or spec.on_step is not None
+        self.progress = resolve(spec.progress) if trainer.world.rank == 0 else "none"
 
     def epochs(self) -> None:
-        spec, state, feed = self.spec, self.state, self.feed
+        spec, state = self.spec, self.state
         if spec.watchdog is not None:
             spec.watchdog.start()
         for epoch in range(state.epoch, spec.epochs):
             t0 = time.perf_counter()
             first = state.step if epoch == state.epoch else 0
             totals = np.array(state.totals if first else (0.0, 0.0, 0.0), np.float64)
-            bar = Progress(feed.n_steps, f"epoch {epoch + 1}",
-                           spec.progress and self.trainer.world.rank == 0, initial=first)
-            for step, batch in enumerate(feed.batches(epoch, first), start=first):
+            try:
+                self.steps(epoch, first, totals)
+            except _Stopped:
+                self.end_epoch(epoch, totals, t0, stopped_at=self.trainer.global_step)
+                return
+            if self.end_epoch(epoch, totals, t0):
+                if spec.checkpoint:
+                    self.save(State(epoch + 1, 0, self.trainer.global_step, [0.0, 0.0, 0.0]))
+                return
+        if spec.checkpoint:
+            self.save(State(spec.epochs, 0, self.trainer.global_step, [0.0, 0.0, 0.0]))
+
+    def steps(self, epoch: int, first: int, totals: np.ndarray) -> None:
+        """The epoch's steps from ``first`` on, their figures added to ``totals``."""
+        bar = Progress(self.feed.n_steps, f"epoch {epoch + 1}", self.progress, initial=first)
+        try:
+            for step, batch in enumerate(self.feed.batches(epoch, first), start=first):
                 s = self.step(epoch, step, batch)
                 if not s.skipped:
                     totals += (s.loss_sum, s.count, s.correct)
                 bar.update(s.loss)
                 self.after_step(epoch, step, s, totals)
+        finally:
             bar.close()
-            self.history.append(_record(self.trainer, feed, epoch, totals, t0, self.tracer))
-            if spec.on_epoch is not None:
-                spec.on_epoch(self.history[-1])
-        if spec.checkpoint:
-            self.save(State(spec.epochs, 0, self.trainer.global_step, [0.0, 0.0, 0.0]))
+
+    def end_epoch(self, epoch: int, totals: np.ndarray, t0: float, **extra) -> bool:
+        """Record the epoch and call ``on_epoch``; True when some rank's ``on_epoch`` asks
+        to stop (agreed: collective when ``on_epoch`` is given)."""
+        record = _record(self.trainer, self.feed, epoch, totals, t0, self.tracer)
+        self.history.append(record | extra)
+        if self.spec.on_epoch is None:
+            return False
+        asked = bool(self.spec.on_epoch(self.history[-1]))
+        return bool(C.allreduce_max(self.trainer.world, [asked])[0])
 
     def step(self, epoch: int, step: int, batch: tuple) -> StepStats:
         """Faults, the trainer's step, the watchdog's mark and the replica check."""
@@ -129,8 +165,8 @@ class _Run:
             self.tracer.step, self.tracer.epoch = trainer.global_step, epoch
         self.faults.apply(trainer.global_step, trainer)
         t_step = time.perf_counter()
-        if spec.stop is not None:  # the request rides in the step's own collective
-            trainer.stop_requested = spec.stop.requested
+        if self.carries_stop:  # the request rides in the step's own collective
+            trainer.stop_requested = self.asked or (spec.stop is not None and spec.stop.requested)
         s = trainer.step(*batch, last_of_epoch=step == self.feed.n_steps - 1)
         if spec.watchdog is not None:
             spec.watchdog.step_done(time.perf_counter() - t_step)
@@ -141,15 +177,20 @@ class _Run:
     def after_step(self, epoch: int, step: int, s: StepStats, totals: np.ndarray) -> None:
         """``on_step``, then a checkpoint when due and an agreed stop, at a boundary."""
         trainer, spec = self.trainer, self.spec
-        if spec.on_step is not None:
-            spec.on_step(epoch, s)
+        if spec.on_step is not None and spec.on_step(trainer.global_step, s):
+            self.asked = True
         self.save_due |= bool(spec.checkpoint) and trainer.global_step % spec.checkpoint.every == 0
         if (self.save_due or s.stop) and trainer.at_boundary():
+            # why the ranks stop: a signal on any rank (one small Allreduce, once per run)
+            signalled = s.stop and bool(C.allreduce_max(trainer.world, [
+                spec.stop is not None and spec.stop.requested])[0])
             if spec.checkpoint:
                 self.save(State(epoch, step + 1, trainer.global_step, totals.tolist()))
             self.save_due = False
-            if s.stop:
+            if signalled:
                 raise Preempted(trainer.global_step, spec.checkpoint)
+            if s.stop:
+                raise _Stopped
 
     def save(self, state: State) -> None:
         """Write a checkpoint of ``state`` with the history so far. Collective."""

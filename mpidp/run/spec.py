@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import MpidpError
+from ..observe.progress import MODES as PROGRESS
 
 if TYPE_CHECKING:
     from ..comm import Watchdog
-    from ..data.balance import Partition, Plan
+    from ..data.balance import Plan
+    from ..data.partition import Partition
     from .checkpoint import State
     from .signals import StopSignals
     from .stats import StepStats
@@ -42,13 +44,24 @@ class RunSpec:
     (summed over all ranks), visited in :func:`mpidp.data.partition.epoch_order` order
     (``seed``, ``shuffle``), the last smaller batch dropped with ``drop_last``.
     ``partition`` (data parallel only): a :class:`mpidp.Partition` deciding which rank owns
-    which samples, or a :class:`mpidp.Plan` (which then fixes batch size, seed, shuffle
-    and drop_last itself). ``check_every``: compare replicas every this many steps (0:
-    never during training). ``checkpoint``/``resume``: where to save, and the
-    :class:`~mpidp.run.checkpoint.State` to continue from. ``progress``: a bar on rank 0.
-    ``on_epoch(record)`` and ``on_step(epoch, stats)`` are called on every rank. ``stop``
-    (:class:`mpidp.run.signals.StopSignals`): stop cleanly on SIGTERM/SIGUSR1;
-    ``watchdog`` (:class:`mpidp.comm.Watchdog`): end the job when a rank stalls.
+    which samples, or a :class:`mpidp.Plan` (whose batch size, seed, shuffle and
+    drop_last must be the spec's: a Plan that batches otherwise is refused).
+    ``check_every``: compare replicas every this many steps (0: never during training).
+    ``checkpoint``/``resume``: where to save, and the
+    :class:`~mpidp.run.checkpoint.State` to continue from. ``progress``: rank 0 shows the
+    epoch's steps: ``"bar"`` (live), ``"lines"`` (a line every few seconds), ``"auto"`` (a
+    bar when someone watches the launcher's terminal, else lines) or ``"none"``; True is
+    ``"auto"``, False ``"none"``.
+    ``stop`` (:class:`mpidp.run.signals.StopSignals`): stop cleanly on SIGTERM/SIGUSR1
+    (checkpoint, then :class:`~mpidp.run.signals.Preempted`); ``watchdog``
+    (:class:`mpidp.comm.Watchdog`): end the job when a rank stalls.
+
+    Callbacks, called on every rank: ``on_step(step, stats)`` after each step, with the
+    global step just done (1 for the first, counting on after a resume) and its
+    :class:`~mpidp.run.stats.StepStats` (global figures); ``on_epoch(record)`` after each
+    epoch, with its history record. A callback that returns a true value asks to stop
+    (on one rank is enough): every rank ends together, after the next step for
+    ``on_step``, at once for ``on_epoch`` (see :func:`mpidp.run.loop.run`).
     """
 
     epochs: int
@@ -60,7 +73,7 @@ class RunSpec:
     check_every: int = 0
     checkpoint: Checkpointing | None = None
     resume: State | None = None
-    progress: bool = False
+    progress: bool | str = False
     on_epoch: Callable[[dict], None] | None = None
     on_step: Callable[[int, StepStats], None] | None = None
     stop: StopSignals | None = None
@@ -72,6 +85,9 @@ class RunSpec:
             low = 0 if name in ("seed", "check_every") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise MpidpError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.progress, bool) and self.progress not in PROGRESS:
+            raise MpidpError(f"progress must be one of {PROGRESS} or a bool, got "
+                             f"{self.progress!r}")
 
     @classmethod
     def of(cls, spec: RunSpec | None = None, **settings: Any) -> RunSpec:

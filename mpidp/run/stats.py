@@ -5,15 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(repr=False)
 class StepStats:
-    """Global figures of one step or evaluation: summed loss, samples and correct ones."""
+    """Global figures of one step or evaluation over all ranks: :attr:`loss` and
+    :attr:`accuracy` are means over the ``count`` samples; ``loss_sum`` and ``correct``
+    the sums they come from (what ranks add up exactly)."""
 
     loss_sum: float
     count: int
     correct: int
     skipped: bool = False  # non-finite, update dropped (on_nonfinite="skip")
-    stop: bool = False  # some rank asked to stop (SIGTERM/SIGUSR1), agreed by every rank
+    stop: bool = False  # some rank asked to stop (a signal or a callback), agreed by every rank
 
     @property
     def loss(self) -> float:
@@ -22,3 +24,9 @@ class StepStats:
     @property
     def accuracy(self) -> float:
         return self.correct / self.count if self.count else float("nan")
+
+    def __repr__(self) -> str:
+        flags = "".join(f", {k}=True" for k in ("skipped", "stop") if getattr(self, k))
+        return (f"StepStats(loss={self.loss:.6g}, accuracy={self.accuracy:.6g}, "
+                f"count={self.count}, loss_sum={self.loss_sum:.6g}, "
+                f"correct={self.correct}{flags})")

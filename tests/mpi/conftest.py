@@ -7,7 +7,9 @@ differ between ranks goes through :func:`all_ranks` first, so all ranks pass or 
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 import tempfile
 
 import numpy as np
@@ -15,9 +17,23 @@ import pytest
 from mpi4py import MPI
 
 
+@pytest.hookimpl(trylast=True)  # after the terminal plugin has set up its reporter
 def pytest_configure(config):
-    if MPI.COMM_WORLD.rank > 0:  # one readable report: rank 0's (exit codes still count)
-        config.option.verbose = -1
+    """One readable report per job: rank 0's. The other ranks print nothing unless they
+    fail (their exit status still counts; MPIDP_TEST_EVERY_RANK=1 shows every rank)."""
+    if MPI.COMM_WORLD.rank == 0 or os.environ.get("MPIDP_TEST_EVERY_RANK") == "1":
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        config.pluginmanager.unregister(reporter)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    rank = MPI.COMM_WORLD.rank
+    if rank > 0 and exitstatus not in (0, pytest.ExitCode.NO_TESTS_COLLECTED):
+        sys.stderr.write(f"[rank {rank}] pytest failed (exit status {int(exitstatus)}, "
+                         f"{session.testsfailed} failed); MPIDP_TEST_EVERY_RANK=1 shows "
+                         f"every rank's report\n")
 
 
 @pytest.fixture

@@ -85,3 +85,72 @@ def test_the_asynchronous_server_refuses_what_it_cannot_honour(comm):
     raises_everywhere(comm, mpidp.MpidpError,
                       lambda: fit_async(ps, shard, 1, 16, partition=mpidp.Partition("block")),
                       "partition does not apply to async-ps")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_on_step_gets_the_global_step_across_epochs_and_a_resume(comm, shared_tmp):
+    shard, _, _ = _data(comm)  # 60 samples, batch 16: 4 steps per epoch
+    seen = []
+    ck = mpidp.Checkpointing(shared_tmp, every=3)
+    mpidp.fit(_dp(comm), shard, 2, 16, on_step=lambda step, s: seen.append(step), checkpoint=ck)
+    all_ranks(comm, seen == list(range(1, 9)), str(seen))
+    dp = _dp(comm)
+    _, state = dp.restore(shared_tmp)  # the end of the run: 8 steps, 2 epochs
+    later = []
+    mpidp.fit(dp, shard, 3, 16, resume=state, on_step=lambda step, s: later.append(step))
+    all_ranks(comm, later == [9, 10, 11, 12], str(later))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_on_step_on_one_rank_stops_every_rank_after_the_next_step(comm, shared_tmp):
+    """The last rank's callback asks after step 5: the request rides in step 6's Allreduce,
+    every rank ends after step 6 with its history and a checkpoint, and nothing raises."""
+    shard, _, _ = _data(comm)
+    dp, calls = _dp(comm), []
+
+    def on_step(step, stats):
+        calls.append(step)
+        return step == 5 and comm.rank == comm.size - 1
+
+    ck = mpidp.Checkpointing(shared_tmp, every=100)
+    hist = mpidp.fit(dp, shard, 5, 16, on_step=on_step, checkpoint=ck)
+    all_ranks(comm, calls == [1, 2, 3, 4, 5, 6] and dp.global_step == 6, str(calls))
+    all_ranks(comm, [h["epoch"] for h in hist] == [1, 2] and hist[-1].get("stopped_at") == 6
+              and "stopped_at" not in hist[0], str(hist))
+    all_ranks(comm, dp.in_sync())
+    again = _dp(comm)
+    _, state = again.restore(shared_tmp)
+    all_ranks(comm, (state.global_step, state.epoch, state.step) == (6, 1, 2),
+              str((state.global_step, state.epoch, state.step)))
+    all_ranks(comm, np.array_equal(again.model.params, dp.model.params))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_on_epoch_on_one_rank_stops_every_rank_at_that_epoch(comm):
+    shard, _, _ = _data(comm)
+    dp = _dp(comm)
+    hist = mpidp.fit(dp, shard, 6, 16, on_epoch=lambda r: r["epoch"] == 2 and comm.rank == 0)
+    all_ranks(comm, len(hist) == 2 and dp.global_step == 8, f"{len(hist)} {dp.global_step}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_pipeline_stops_on_a_callback_too(comm):
+    _, X, y = _data(comm)
+    layers = nn.mlp(5, (8, 8, 8), 3, dtype=np.float64).layers
+    pipe = Pipeline(layers, 5, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,
+                    n_stages=comm.size, micro_batches=1, dtype=np.float64)
+    pipe.init_(0)
+    hist = fit_pipeline(pipe, (X, y), 3, 16,
+                        on_step=lambda step, s: step == 2 and comm.rank == 0)
+    all_ranks(comm, pipe.global_step == 3 and hist[-1].get("stopped_at") == 3, str(hist))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_asynchronous_server_refuses_callbacks_it_would_not_call(comm):
+    from mpidp.parallel.async_ps import AsyncPS, fit_async
+    shard, _, _ = _data(comm)
+    model = nn.mlp(5, (8,), 3, dtype=np.float64).init_(3)
+    ps = AsyncPS(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm)
+    raises_everywhere(comm, mpidp.MpidpError,
+                      lambda: fit_async(ps, shard, 1, 16, on_step=lambda step, s: None),
+                      "on_step does not apply to async-ps")

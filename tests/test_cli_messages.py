@@ -1,0 +1,150 @@
+"""What a user reads first: usage errors, option ranges, suggestions for misspellings, the
+end-of-run balance line, and the README and docs pages that describe the command line."""
+
+from __future__ import annotations
+
+import configparser
+import re
+
+import pytest
+from clitools import ROOT, run_mpi
+
+from mpidp.cli.main import _number, build_parser
+from mpidp.data.balance import format_balance
+
+
+def _error(capsys, monkeypatch, *argv: str) -> list[str]:
+    """The stderr lines of a parse that fails with status 2."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(list(argv))
+    assert exc.value.code == 2
+    return capsys.readouterr().err.splitlines()
+
+
+def test_a_bad_value_is_two_lines_without_the_usage_block(capsys, monkeypatch):
+    assert _error(capsys, monkeypatch, "train", "--epochs", "-1") == [
+        "mpidp train: error: argument --epochs: must be an integer >= 1, got -1",
+        "See 'mpidp train --help' for the options."]
+
+
+def test_a_bad_command_points_to_the_commands(capsys, monkeypatch):
+    lines = _error(capsys, monkeypatch)
+    assert lines == ["mpidp: error: the following arguments are required: command",
+                     "See 'mpidp --help' for the commands."]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--epochs", "-1"], "--epochs: must be an integer >= 1, got -1"),
+    (["--epochs", "1.5"], "--epochs: expected an integer, got '1.5'"),
+    (["--seed", "-2"], "--seed: must be an integer >= 0, got -2"),
+    (["--n-classes", "1"], "--n-classes: must be an integer >= 2, got 1"),
+    (["--lr", "0"], "--lr: must be a finite number > 0, got 0"),
+    (["--lr", "inf"], "--lr: must be a finite number > 0, got inf"),
+    (["--lr", "x"], "--lr: expected a number, got 'x'"),
+    (["--weight-decay", "-1"], "--weight-decay: must be a finite number >= 0, got -1"),
+    (["--momentum", "1"], "--momentum: must be a number >= 0 and < 1, got 1"),
+    (["--test-fraction", "nan"], "--test-fraction: must be a number >= 0 and < 1, got nan"),
+])
+def test_ranges_are_said_in_words(capsys, monkeypatch, argv, message):
+    line = _error(capsys, monkeypatch, "train", *argv)[0]
+    assert line == f"mpidp train: error: argument {message}"
+
+
+def test_number_parser_closes_open_integer_bounds():
+    with pytest.raises(Exception, match=r"^must be an integer >= 1 and <= 4, got 9$"):
+        _number(int, 0, 5, low_open=True)("9")
+    with pytest.raises(Exception, match=r"^must be a number > 0 and <= 1, got 2$"):
+        _number(float, 0, 1, low_open=True, high_open=False)("2")
+    assert _number(int, 0, low_open=True)("1") == 1
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["train", "--epoch", "3"],
+     "mpidp train: error: unrecognized arguments: --epoch 3 (did you mean --epochs?)"),
+    (["train", "--batchsize=8"],
+     "mpidp train: error: unrecognized arguments: --batchsize=8 (did you mean --batch-size?)"),
+    (["train", "--batchsize", "8", "--epoch", "3"],
+     "mpidp train: error: unrecognized arguments: --batchsize 8 --epoch 3; did you mean "
+     "--batch-size for --batchsize, --epochs for --epoch?"),
+    (["train", "--zzzz"], "mpidp train: error: unrecognized arguments: --zzzz"),
+    (["predict", "--model", "m", "--dataset", "d", "--out", "o.npy", "--chunksize", "9"],
+     "mpidp predict: error: unrecognized arguments: --chunksize 9 (did you mean --chunk-size?)"),
+])
+def test_a_misspelt_option_gets_the_closest_one(capsys, monkeypatch, argv, line):
+    lines = _error(capsys, monkeypatch, *argv)
+    assert lines == [line, f"See '{line.split(':')[0]} --help' for the options."]
+
+
+def test_a_misspelt_command_or_choice_gets_the_closest_one(capsys, monkeypatch):
+    first = _error(capsys, monkeypatch, "trian")[0]
+    assert first.startswith("mpidp: error: argument command: invalid choice: 'trian'")
+    assert first.endswith("(did you mean train?)")
+    first = _error(capsys, monkeypatch, "train", "--optimizer", "adma")[0]
+    assert first.endswith("invalid choice: 'adma' (choose from 'sgd', 'momentum', 'adam') "
+                          "(did you mean adam?)")
+
+
+def test_every_rank_exits_2_and_rank_0_alone_speaks():
+    r = run_mpi(3, "train", "--epoch", "3", timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.count("did you mean --epochs?") == 1, r.stderr[-2000:]
+    assert "usage:" not in r.stderr
+
+
+FIG = {"strategy": "block", "imbalance": 1.2, "imbalance_cpu": 1.1, "efficiency": 0.8,
+       "efficiency_cpu": 0.85, "slowest_rank": 1, "rate": 55.0, "ideal_rate": 100.0,
+       "attainable_rate": 55 / 0.9, "fixed_s": 0.25,
+       "per_rank": [{"rank": 0, "samples": 10, "cost": 10.0, "compute_s": 1.0, "wait_s": 0.1,
+                     "comm_s": 0.01, "idle_fraction": 0.1}]}
+
+
+def test_the_balance_line_speaks_plainly():
+    text = format_balance(FIG, per_rank=False)
+    assert text.splitlines()[1] == ("  each step waits for the slowest rank: the ranks ran at "
+                                    "55% of their combined speed, 90% of what the best split "
+                                    "could reach")
+    assert "attainable" not in text and "cost/s" not in text
+    detail = format_balance(FIG)
+    assert "throughput 55 cost/s; 0.250 s of communication + update" in detail
+    assert "n/a" not in format_balance({**FIG, "ideal_rate": 0.0, "attainable_rate": 0.0},
+                                       per_rank=False)
+
+
+def _readme() -> str:
+    return (ROOT / "README.md").read_text()
+
+
+def test_readme_names_every_command():
+    commands = build_parser()._subparsers._group_actions[0].choices  # noqa: SLF001
+    words = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+    assert f"has {words[len(commands)]} commands" in _readme()
+    for name in commands:
+        assert f"| `mpidp {name}` |" in _readme(), name
+
+
+def test_readme_extras_table_matches_setup_cfg_and_the_messages():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    extras = cfg["options.extras_require"]
+    rows = {line.split("|")[1]: line.split("|")[2] for line in _readme().splitlines()
+            if line.startswith("| `") and line.split("|")[1].strip().startswith("`")}
+    listed = {n for cell in rows for n in re.findall(r"`([a-z]+)`", cell)}
+    full_row = next(v for k, v in rows.items() if k.strip() == "`full`").lower()
+    for package in extras["full"].split():
+        assert package.lower() in full_row, package
+    named = {m for p in (ROOT / "mpidp").rglob("*.py")
+             for m in re.findall(r"mpidp\[([a-z]+)\]", p.read_text())}
+    assert named and named <= listed, named - listed
+
+
+def test_docs_index_describes_the_compare_page():
+    row = next(line for line in (ROOT / "docs" / "index.md").read_text().splitlines()
+               if "(benchmarks-compare.md)" in line)
+    assert "other tools" not in row and "mpidp's own modes" in row
+
+
+def test_the_example_writes_nothing():
+    code = (ROOT / "examples" / "train_mlp.py").read_text()
+    assert "np.save" not in code and "open(" not in code

@@ -1,0 +1,51 @@
+"""``mpidp predict --output`` writes scores, probabilities or labels, and the library's
+``Sequential.predict`` gives the same."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from clitools import run_mpi
+
+from mpidp import nn
+from mpidp.data.sources import open_source
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    r = run_mpi(2, "train", "--dataset", "digits", "--epochs", "2", "--out", str(out / "m"))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.mark.slow
+def test_each_output_kind_from_the_command_line_and_the_library(trained):
+    got = {}
+    for kind in ("scores", "proba", "label"):
+        path = trained / f"{kind}.npy"
+        r = run_mpi(2, "predict", "--model", str(trained / "m"), "--dataset", "digits",
+                    "--output", kind, "--out", str(path))
+        assert r.returncode == 0, r.stderr
+        got[kind] = np.load(path)
+    scores, proba, label = got["scores"], got["proba"], got["label"]
+    assert scores.shape == proba.shape == (1797, 10) and label.shape == (1797,)
+    assert label.dtype == np.int64 and np.array_equal(label, scores.argmax(1))
+    assert np.allclose(proba.sum(1), 1) and np.array_equal(proba.argmax(1), label)
+    model = nn.load(str(trained / "m"))
+    X, _ = open_source("digits").read(np.arange(1797))
+    X = np.asarray(X, model.dtype)
+    assert np.allclose(model.predict(X, "proba"), proba, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(model.predict(X, "label"), label)
+
+
+@pytest.mark.slow
+def test_probabilities_of_a_regression_are_refused(tmp_path):
+    r = run_mpi(2, "train", "--dataset", "synthetic", "--model", "linear", "--n-samples", "500",
+                "--n-features", "8", "--epochs", "1", "--out", str(tmp_path / "m"))
+    assert r.returncode == 0, r.stderr
+    r = run_mpi(2, "predict", "--model", str(tmp_path / "m"), "--dataset", "synthetic",
+                "--n-samples", "500", "--n-features", "8", "--output", "label",
+                "--out", str(tmp_path / "p.npy"))
+    assert r.returncode == 2 and "--output label needs a classifier" in r.stderr, r.stderr
+    assert not (tmp_path / "p.npy").exists()
