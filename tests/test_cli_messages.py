@@ -148,3 +148,15 @@ def test_docs_index_describes_the_compare_page():
 def test_the_example_writes_nothing():
     code = (ROOT / "examples" / "train_mlp.py").read_text()
     assert "np.save" not in code and "open(" not in code
+
+
+def test_a_config_file_that_names_the_out_folder_says_so(tmp_path):
+    out = tmp_path / "from-file"
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'dataset = "digits"\nepochs = 1\nout = "{out}"\n')
+    r = run_mpi(2, "train", "--config", str(cfg), "-q")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count(f"writing into --out {out} as --config {cfg} says") == 1, r.stderr
+    assert (out / "model.npz").exists()
+    r = run_mpi(1, "train", "--config", str(cfg), "--out", str(tmp_path / "mine"), "-q")
+    assert r.returncode == 0 and "writing into --out" not in r.stderr, r.stderr

@@ -235,3 +235,18 @@ def test_parsing_and_checking_start_no_mpi():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_recorded_config_keeps_only_what_applied():
+    from mpidp.cli.options import applying
+    args = build_parser().parse_args(["train", "--dataset", "digits"])
+    kept = applying(vars(args))
+    assert "n_samples" not in kept and "n_features" not in kept
+    assert not {"ps_placement", "ps_transport", "ps_chunk_mb", "bucket_mb", "compress",
+                "sync_every", "max_staleness", "micro_batches", "schedule"} & set(kept)
+    assert {"lr", "epochs", "dataset", "sync", "partition", "check_every"} <= set(kept)
+    synthetic = applying(vars(build_parser().parse_args(
+        ["train", "--dataset", "synthetic", "--sync", "ps", "--parallel", "data"])))
+    assert {"n_samples", "n_features", "ps_placement"} <= set(synthetic)
+    pipe = applying(vars(build_parser().parse_args(["train", "--parallel", "pipeline"])))
+    assert {"micro_batches", "schedule"} <= set(pipe) and "partition" not in pipe

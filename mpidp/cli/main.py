@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from .. import __version__
 from ..data.partition import STRATEGIES
-from .options import MODES
+from .options import MODES, given
 
 EXIT_USAGE = 2
 NO_MPI = ("mpidp: cannot start MPI ({}). Install it with pip install 'mpidp[mpi]' (mpi4py and "
@@ -468,6 +468,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         args, argv, from_file = _with_table(parser, argv, table, f"--config {args.config}")
+        if "out" in table and "out" not in given(_train_parser(parser),
+                                                 typed[typed.index("train") + 1:]) \
+                and _launcher_rank() == 0:
+            print(f"mpidp: writing into --out {args.out} as --config {args.config} says "
+                  "(give --out to write elsewhere)", file=sys.stderr, flush=True)
     with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr with no file
         faulthandler.enable()  # descriptor (a notebook): no traceback on a fatal signal
     # A rank killed by SIGSEGV or SIGBUS (a mapped data file cut short under it) prints

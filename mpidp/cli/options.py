@@ -58,6 +58,20 @@ def dedicated_server(args: argparse.Namespace) -> bool:
     return args.sync == "async-ps" or (args.sync == "ps" and args.ps_placement == "dedicated")
 
 
+#: Options that only the generated datasets read.
+GENERATED = {"n_samples": ("synthetic", "bow"), "n_features": ("synthetic", "bow")}
+
+
+def applying(config: dict) -> dict:
+    """``config`` (option ``dest`` -> value, as a run records it) without the options that
+    do not apply to its mode or its dataset, so a config file says only what mattered."""
+    mode = config.get("parallel", "data")
+    mode = mode if mode != "data" else config.get("sync", "allreduce")
+    return {k: v for k, v in config.items()
+            if not (k in TABLE and mode not in TABLE[k][0])
+            and not (k in GENERATED and config.get("dataset") not in GENERATED[k])}
+
+
 def given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
     """The ``dest`` of every option written on the command line ``argv`` (after the
     subcommand), whatever its value: an option given with its default value is still given."""

@@ -430,7 +430,7 @@ def finish(comm: C.Comm, args: argparse.Namespace, metrics: dict, model: nn.Sequ
     write_atomic(os.path.join(args.out, "metrics.json"),
                  lambda f: f.write(json.dumps(metrics, indent=2).encode()))
     write_atomic(os.path.join(args.out, "config.toml"),
-                 lambda f: f.write(config_file.dumps(metrics["config"]).encode()))
+                 lambda f: f.write(config_file.dumps(O.applying(metrics["config"])).encode()))
     last = metrics["history"][-1]
     final = f"final: loss {last['loss']:.4f}"
     if last.get("test_accuracy") is not None:

@@ -181,9 +181,9 @@ class DataParallel:
                 dy, buf[n], self._poison = np.full_like(dy, np.nan), np.nan, False  # leaves
             self.model.backward(dy, accumulate=add, input_grad=False,
                                 on_layer_done=self._on_layer_done)
-        got = self.sync.exchange(Round(self.optimizer, self._judge, self.policy.checks,
-                                       self.global_step, last_of_epoch))
-        skipped = got.skipped if got.updated else not self._update(got)
+        got = self.sync.exchange(Round(self.optimizer, self.policy.checks, self.global_step,
+                                       last_of_epoch))
+        skipped = not self._judge_and_update(got)
         self.timer.end_step(len(X))
         self.global_step += 1
         if self.check_every and self.global_step % self.check_every == 0:
@@ -191,23 +191,23 @@ class DataParallel:
         C.set_step(self.global_step)
         return StepStats(got.loss_sum, got.count, got.correct, skipped, got.stop)
 
-    def _judge(self, finite: bool, loss_sum: float, steps: int = 1) -> bool:
-        """The NaN policy on a verdict every rank shares: True to update, False to skip
-        (counted); raises :class:`~mpidp.run.nonfinite.NonFiniteError` for ``stop``."""
-        return self.policy.apply(finite, loss_sum, self.global_step, steps)
-
-    def _update(self, got: Exchanged) -> bool:
-        """Judge and apply the global sums in ``self.buf`` (mean gradient = sum / count,
-        folded into the optimizer step); False if the policy dropped the update. Every rank
-        holds the same sums and checks all of them, so no collective is needed."""
+    def _judge_and_update(self, got: Exchanged) -> bool:
+        """The NaN policy on the exchange's global sums, then the strategy's update; False
+        if the policy dropped the update. Every rank holds the same sums (or the same
+        verdict), so every rank reaches the same decision with no collective of its own;
+        raises :class:`~mpidp.run.nonfinite.NonFiniteError` for ``stop``."""
+        if got.averaged:  # local SGD: the replicas are equal already; judge what it left out
+            self.policy.apply(got.finite, got.loss_sum, self.global_step, got.nonfinite_steps)
+            return True
         if not got.count:
             return True
         with self.timer.compute():
             finite = got.finite if got.finite is not None else (
                 not self.policy.checks or all_finite(self.buf))
-            if not self._judge(finite, got.loss_sum):
-                return False
-            self.optimizer.step_(self.model.params, self.model.grads, scale=1.0 / got.count)
+        if not self.policy.apply(finite, got.loss_sum, self.global_step,
+                                 1 if finite else got.nonfinite_steps):
+            return False
+        self.sync.update(self.optimizer, got.count)
         return True
 
     def evaluate(self, X: np.ndarray, y: np.ndarray, batch_size: int = 4096) -> StepStats:

@@ -99,20 +99,22 @@ class ParameterServer(Sync):
         with self.timer.communicate(self.name, bytes=int(verdict.nbytes)):
             C.bcast_(comm, verdict, root)
         out = global_sums(verdict, 0)
-        out.finite, out.updated = bool(verdict[-1]), True
-        out.skipped = bool(out.count) and not r.judge(out.finite, out.loss_sum)
-        if out.count and not out.skipped:  # otherwise the parameters stay as they are everywhere
-            if self.shared is None:
-                if comm.rank == root:
-                    with self.timer.compute():
-                        r.optimizer.step_(self.model.params, buf[:n], scale=1.0 / out.count)
-                with self.timer.communicate(self.name):
-                    C.bcast_(comm, self.model.params, root)
-            else:
-                self._update_and_ship(r.optimizer, buf[:n], out.count)
+        out.finite = bool(verdict[-1])
         # what this rank contributes: a worker its gradients, the server the parameters
         self.bytes_sent += buf.nbytes if comm.rank != root else self.model.params.nbytes
         return out
+
+    def update(self, optimizer: Optimizer, count: int) -> None:
+        """The server steps; the parameters go back to every rank. Collective."""
+        comm, root, params = self.comm, self.root, self.model.params
+        if self.shared is not None:
+            self._update_and_ship(optimizer, self.buf[:self.n], count)
+            return
+        if comm.rank == root:
+            with self.timer.compute():
+                optimizer.step_(params, self.buf[:self.n], scale=1.0 / count)
+        with self.timer.communicate(self.name):
+            C.bcast_(comm, params, root)
 
     def _update_and_ship(self, optimizer: Optimizer, grads: np.ndarray, count: int) -> None:
         """The server updates piece by piece; each piece goes to the other node leaders
@@ -189,18 +191,20 @@ class ShardedParameterServer(Sync):
             extras[-1] = r.checks and not all_finite(self.slice[:m])
             C.allreduce_sum_(comm, extras)  # every rank learns every slice's verdict
         out = global_sums(extras, 0)
-        out.finite, out.updated = math.isfinite(out.loss_sum) and not extras[-1], True
-        with self.timer.compute():
-            out.skipped = bool(out.count) and not r.judge(out.finite, out.loss_sum)
-            if out.count and not out.skipped:
-                self.optimizer.step_(self.params[self.lo:self.hi], self.slice[:m],
-                                     scale=1.0 / out.count)
-        if out.count and not out.skipped and comm.size > 1:
-            with self.timer.communicate(self.name):
-                C.allgather_in_place(comm, self.params)
+        out.finite = math.isfinite(out.loss_sum) and not extras[-1]
         # the reduce-scatter and allgather together move what one ring allreduce moves
         self.bytes_sent += self.grads.nbytes + extras.nbytes
         return out
+
+    def update(self, optimizer: Optimizer, count: int) -> None:
+        """Each rank steps its slice with its own slice of the optimizer state, then the
+        slices are gathered in place. Collective."""
+        with self.timer.compute():
+            self.optimizer.step_(self.params[self.lo:self.hi], self.slice[:self.hi - self.lo],
+                                 scale=1.0 / count)
+        if self.comm.size > 1:
+            with self.timer.communicate(self.name):
+                C.allgather_in_place(self.comm, self.params)
 
     def before_checkpoint(self, optimizer: Optimizer) -> None:
         gathered = {k: C.gatherv(self.comm, v, self.root) for k, v in self.optimizer.state.items()}

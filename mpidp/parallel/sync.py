@@ -7,11 +7,14 @@ global sums that every replica shares. The flow is one way:
 1. ``setup(Setup)`` allocates the buffers the strategy needs (padded, or in shared
    memory) and returns them as :class:`Buffers`; the trainer binds its model to them.
 2. ``exchange(Round)`` communicates and returns an :class:`Exchanged`: the global loss,
-   count and correct count, and the agreed stop. The trainer then applies its NaN policy
-   (to the strategy's ``finite`` verdict, or else to the reduced buffer, which every rank
-   holds and checks whole) and updates; a strategy that updates by itself (a server, a
-   sharded optimizer, local SGD) asks ``Round.judge`` (the trainer's policy) for the
-   verdict first and says so with ``updated=True``. No strategy holds its trainer.
+   count and correct count, the agreed stop, and the NaN/Inf verdict where the strategy
+   computed it (else every rank checks the reduced buffer, which it holds whole).
+3. The trainer applies its NaN policy to that verdict, then, unless the policy drops the
+   step, calls ``update(optimizer, count)``: the same optimizer step on every rank by
+   default; a parameter server updates on the server and ships the parameters, a sharded
+   one updates each rank's slice and gathers them. Local SGD combines parameters, not
+   gradients: its exchange averages them and says so (``averaged``); the trainer then only
+   judges the non-finite local steps the average left out. No strategy calls its trainer.
 
 ``bytes_sent`` counts the payload this rank contributes to MPI per step (a buffer of
 ``m`` bytes reduced or gathered counts ``m``; on the wire a ring allreduce sends
@@ -53,13 +56,10 @@ class Buffers:
 
 @dataclass
 class Round:
-    """What a trainer hands its strategy every step."""
+    """What a trainer tells its strategy every step."""
 
-    optimizer: Optimizer
-    #: the trainer's NaN policy on a verdict every rank shares: ``judge(finite, loss_sum,
-    #: steps=1)`` is True to update, False to skip (counting ``steps``); raises to stop
-    judge: Callable[..., bool]
-    checks: bool  # False: judge accepts anything, so the finiteness check can be skipped
+    optimizer: Optimizer  # local SGD steps with it on every rank before averaging
+    checks: bool  # False: the policy accepts anything, so finiteness need not be computed
     step: int  # the global step, for messages
     last_of_epoch: bool = False
 
@@ -73,8 +73,8 @@ class Exchanged:
     correct: int = 0
     stop: bool = False  # some rank asked to stop
     finite: bool | None = None  # the verdict on the sums, where the strategy computed it
-    updated: bool = False  # the strategy already updated (or, judged, dropped) this step
-    skipped: bool = False  # with ``updated``: the judge dropped the update
+    nonfinite_steps: int = 1  # with finite False: how many steps it speaks for
+    averaged: bool = False  # the exchange already made the replicas equal (local SGD)
 
 
 def global_sums(buf: np.ndarray, n_params: int) -> Exchanged:
@@ -134,10 +134,17 @@ class Sync:
         """After :func:`mpidp.run.checkpoint.restore` filled ``optimizer`` on every rank."""
 
     def exchange(self, r: Round) -> Exchanged:
-        """Communicate; returns the global sums (the trainer judges and updates). Collective."""
+        """Communicate; returns the global sums (the trainer judges them). Collective."""
         with self.timer.communicate(self.name, bytes=int(self.buf.nbytes)):
             self.reduce()
         return global_sums(self.buf, self.n)
+
+    def update(self, optimizer: Optimizer, count: int) -> None:
+        """Apply the judged global sums: the mean gradient ``sum / count`` folded into
+        ``optimizer``'s step, the same on every rank. Collective where a strategy ships
+        parameters."""
+        with self.timer.compute():
+            optimizer.step_(self.model.params, self.buf[:self.n], scale=1.0 / count)
 
 
 class PerLayer(Sync):
@@ -227,12 +234,12 @@ class Compressed(Sync):
 
     def exchange(self, r: Round) -> Exchanged:
         self._step = r.step
-        out = super().exchange(r)
-        with self.timer.compute():  # the trainer's verdict too: every rank has these sums
-            out.finite = not r.checks or all_finite(self.buf)
-        if self.error_feedback and out.finite:  # applied: its rounding residual counts
+        return super().exchange(r)
+
+    def update(self, optimizer: Optimizer, count: int) -> None:
+        if self.error_feedback:  # applied: this step's rounding residual counts
             self.residual, self._next = self._next, self.residual
-        return out
+        super().update(optimizer, count)
 
     def reduce(self) -> None:
         n, g = self.n, self.buf[:self.n]
@@ -318,7 +325,8 @@ class LocalSGD(_Periodic):
     also carries the group's loss and counts, its non-finite steps and the stop request.
 
     A non-finite local step is not applied on its rank (unless the policy ignores it);
-    the policy's verdict on the group's non-finite steps comes at the average, before it.
+    the policy's verdict on the group's non-finite steps (raise, or count them) comes with
+    the average.
     Not the single-process arithmetic: replicas drift between averages and optimizer state
     stays per rank; the benchmark measures the accuracy this costs.
     """
@@ -343,10 +351,11 @@ class LocalSGD(_Periodic):
             C.allreduce_sum_(self.comm, self.avg)
         loss, count, correct, bad, stop = (float(v) for v in self.avg[n:])
         self.totals[...] = 0
-        r.judge(not bad, float("nan"), int(round(bad)))  # stop raises before the average
         np.divide(self.avg[:n], self.comm.size, out=params)
         self.bytes_sent += self.avg.nbytes
-        return Exchanged(loss, int(round(count)), int(round(correct)), stop > 0, updated=True)
+        bad = int(round(bad))  # local steps left out: the trainer's policy judges them
+        return Exchanged(loss, int(round(count)), int(round(correct)), stop > 0,
+                         finite=not bad, nonfinite_steps=max(bad, 1), averaged=True)
 
     def _local_step(self, r: Round) -> None:
         """This rank's own update from its own sums; a non-finite one stays out."""
