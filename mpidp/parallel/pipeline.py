@@ -529,16 +529,42 @@ def check_batches(n: int, batch_size: int, drop_last: bool, n_replicas: int,
                          f"<= {smallest}, a larger batch size, or --drop-last")
 
 
+def _set_length(data, what: str) -> int:
+    """The rows of ``data``, a tuple ``(X, y)`` of as many rows each; ValueError if not."""
+    if not isinstance(data, (tuple, list)) or len(data) != 2 or any(a is None for a in data):
+        got = type(data).__name__ if not isinstance(data, (tuple, list)) else \
+            f"({', '.join(type(a).__name__ for a in data)})"
+        raise ValueError(f"{what} must be a tuple (X, y) of the whole set on every rank, "
+                         f"got {got}")
+    X, y = data
+    if len(X) != len(y):
+        raise ValueError(f"{what}: X has {len(X)} rows but y has {len(y)}")
+    return len(y)
+
+
+def _same_sets(comm: C.Comm, train, test) -> None:
+    """Raise on every rank unless ``train`` and ``test`` (or None) are ``(X, y)`` tuples of
+    the same lengths on every rank (each stage cuts the same batches out of them)."""
+    n = C.run_agreed(comm, lambda: [_set_length(train, "train"),
+                                    -1 if test is None else _set_length(test, "test")])
+    for what, lengths in zip(("train", "test"), C.allgather_rows(comm, n).reshape(-1, 2).T):
+        C.agree(comm, None if len(set(lengths.tolist())) == 1 else
+                f"the {what} set has {lengths.tolist()} rows on ranks 0..{comm.size - 1}: "
+                f"a pipeline needs the whole set, the same, on every rank")
+
+
 class PipelineFeed:
     """A :class:`mpidp.run.loop.Feed` for ``pipe`` over the whole training set ``train``
     ``(X, y)`` (every rank holds all of it) and test set ``test`` (or None)."""
 
     def __init__(self, pipe: Pipeline, train: tuple, test: tuple | None, spec: RunSpec) -> None:
+        test = None if test is None or (isinstance(test, tuple) and test[1:] == (None,)) else test
+        _same_sets(pipe.world, train, test)
         X, y = train
         C.run_agreed(pipe.world, check_batches, len(y), spec.batch_size, spec.drop_last,
                      pipe.n_replicas, pipe.micro_batches)
         self.pipe, self.X, self.y, self.spec = pipe, X, y, spec
-        self.test = test if test is not None and test[1] is not None and len(test[1]) else None
+        self.test = test if test is not None and len(test[1]) else None
         self.n_steps = steps_per_epoch(len(y), spec.batch_size, spec.drop_last)
         self.labelled = pipe.loss.classification or y.dtype.kind in "iu"
 
