@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from mpidp import nn
+from mpidp import atomic, nn
 from mpidp.run import checkpoint as ck
 from mpidp.run import folders
 
@@ -193,7 +193,7 @@ def test_claim_removes_temporary_files_of_dead_writers_only(tmp_path):
 
 
 def test_a_killed_write_leaves_a_file_the_next_cleanup_removes(tmp_path):
-    code = ("import os, sys\nfrom mpidp.run.folders import write_atomic\n"
+    code = ("import os, sys\nfrom mpidp.atomic import write_atomic\n"
             "write_atomic(sys.argv[1], lambda f: os._exit(9))\n")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model.npz")],
                        env={**os.environ, "PYTHONPATH": ROOT})
@@ -208,7 +208,7 @@ def test_a_killed_write_leaves_a_file_the_next_cleanup_removes(tmp_path):
 def test_written_files_honour_the_umask(tmp_path, mask, mode):
     old = os.umask(mask)
     try:
-        assert folders.current_umask() == mask
+        assert atomic.current_umask() == mask
         ck.write_atomic(str(tmp_path / "metrics.json"), lambda f: f.write(b"{}"))
         path = ck.save(str(tmp_path / "ck"), *_model_and_opt(), ck.State(global_step=1))
         folders.write_run(str(tmp_path), "r")

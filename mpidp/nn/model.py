@@ -9,20 +9,17 @@ A model is saved to and loaded from one ``model.npz`` (:func:`save`, :func:`load
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
-import secrets
-import socket
 import zipfile
 import zlib
 from collections.abc import Callable, Sequence
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from ..atomic import write_atomic
 from .layers import Layer, layer_class, layer_name
 from .losses import outputs
 
@@ -210,55 +207,10 @@ def from_spec(spec: Sequence[dict], dtype: npt.DTypeLike = np.float32) -> Sequen
 
 # ---------------------------------------------------------------------------- files
 
-_TMP_PREFIX = ".tmp-"
 
 # what reading a damaged, truncated or foreign file can raise (turned into one ValueError).
 _READ_ERRORS: tuple[type[BaseException], ...] = (
     OSError, KeyError, ValueError, TypeError, EOFError, zipfile.BadZipFile, zlib.error)
-
-
-def _write_atomic(path: str, write: Callable[[IO[bytes]], object]) -> None:
-    """Write ``path`` via a temporary file in the same folder: write, flush, fsync, rename.
-
-    A crash at any moment leaves either the old file or the complete new one. The file gets
-    the mode a plain ``open`` would give it (``0o666`` less the umask). The temporary name,
-    ``.tmp-<host tag>-<pid>-<random>``, follows the convention of
-    :func:`mpidp.run.folders.write_atomic`, so a run folder's clean-up can tell a live
-    writer's file from one a killed process left.
-
-    Parameters
-    ----------
-    path : the file to create or replace.
-    write : called once with the temporary file, opened for binary writing.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    tag = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
-    while True:
-        tmp = os.path.join(directory, f"{_TMP_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies
-            break
-        except FileExistsError:
-            continue
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fd = -1
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename durable (some filesystems refuse)
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
 
 def _read_npz(path: str, required: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -325,7 +277,7 @@ def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None) -
     except TypeError as exc:
         raise ValueError(f"cannot save the model to {path!r}: {exc} (a layer's config() and "
                          f"meta must be JSON-able)") from None
-    _write_atomic(path, lambda f: np.savez(f, params=model.params, spec=spec_json,
+    write_atomic(path, lambda f: np.savez(f, params=model.params, spec=spec_json,
                                           dtype=str(model.dtype), meta=meta_json))
     return path
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .. import comm as C
+from ..atomic import write_atomic
 from ..nn import Optimizer, Sequential
 from .folders import (
     RUN_FILE,
@@ -36,7 +37,6 @@ from .folders import (
     lock_folder,
     read_run,
     unlock_folder,
-    write_atomic,
     write_run,
 )
 
