@@ -125,6 +125,21 @@ def test_sigterm_stops_async_ps_cleanly(tmp_path):
     assert "stopped by a signal" in err and not (tmp_path / "a" / "model.npz").exists()
 
 
+def test_sigterm_to_one_async_ps_worker_stops_every_rank(tmp_path):
+    """The worker's request rides in its next push; the server stops everyone."""
+    log, ck = tmp_path / "stdout.txt", tmp_path / "ck"
+    job = _start(3, *ARGS, *LONG, "--epochs", "400", "--sync", "async-ps", "--slowdown",
+                 "1:200,2:200", "--checkpoint-dir", str(ck), "--out", str(tmp_path / "a"),
+                 token=f"aone-{tmp_path.name}", log=log)
+    pids = _ranks(job, 3)
+    _wait_for(log, "model:")
+    time.sleep(0.5)  # mid-run: 400 slowed epochs last minutes
+    os.kill(pids[1], signal.SIGTERM)  # a worker, not the server
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 75, (job.returncode, err[-2000:])
+    assert f"checkpoint written to {ck}" in err and not (tmp_path / "a" / "model.npz").exists()
+
+
 def _folder(tmp_path) -> tuple[Path, list[str]]:
     """A float64 folder data set and the arguments that train on it with mapped rows."""
     rng, folder = np.random.default_rng(8), tmp_path / "d"

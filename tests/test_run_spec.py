@@ -49,6 +49,18 @@ def test_checkpointing_refuses_non_positive_periods():
         Checkpointing("ck", 0)
 
 
+def test_checkpointing_names_a_period_that_is_not_an_integer():
+    with pytest.raises(ValueError, match="every/keep must be integers"):
+        Checkpointing("ck", "5")
+
+
+def test_numpy_integers_are_integers():
+    import numpy as np
+    spec = RunSpec(np.int32(2), np.int64(16), seed=np.int64(3), check_every=np.uint8(1))
+    assert (spec.epochs, spec.batch_size, spec.seed, spec.check_every) == (2, 16, 3, 1)
+    assert all(type(v) is int for v in (spec.epochs, spec.batch_size, spec.seed))
+
+
 def test_the_spec_starts_no_mpi():
     code = ("import sys; from mpidp.run.spec import RunSpec; RunSpec(1, 2); "
             "assert 'mpi4py.MPI' not in sys.modules")

@@ -52,14 +52,19 @@ class StepTimer:
     _rows: list = field(default_factory=list, repr=False)
 
     @contextmanager
-    def compute(self, name: str = "compute", **args):
+    def compute(self, name: str = "compute", local: bool | None = None, **args):
+        """Time a piece of computation. ``local``: per-sample work (stretched by
+        ``slowdown``) or, False, the replicated update; None: per-sample work exactly when
+        the step has not communicated yet (data parallelism: forward and backward come
+        before the collective, the update after it; a pipeline says which is which)."""
         t, c = time.perf_counter(), time.process_time()
         first = self._cur[_T_BEGIN] == 0.0
         if first:
             self._cur[_T_BEGIN] = t
         yield
         dt = time.perf_counter() - t
-        local = self._cur[_COMM] == 0.0  # before the step's collective: the per-sample work
+        if local is None:
+            local = self._cur[_COMM] == 0.0
         if local and self.slowdown > 1.0:
             time.sleep((self.slowdown - 1.0) * dt)
             dt = time.perf_counter() - t

@@ -50,6 +50,7 @@ class _Slot(IntEnum):
     EPOCH = 2
     BATCH = 3  # the global batch of the epoch
     VERSION = 4  # of the parameters the gradient was computed on; -1: the worker is done
+    STOP = 5  # 1: this worker was asked to stop (SIGTERM/SIGUSR1 on its rank)
 
 
 _EXTRA = len(_Slot)  # a push message is (n_params + _EXTRA,)
@@ -90,6 +91,7 @@ class _Worker:
         self.msg = np.zeros(n + _EXTRA, model.dtype)
         self.version = np.zeros(1, np.int64)
         self.world, self.global_step, self.epoch, self.batch = comm, 0, 0, 0
+        self.stop_requested: bool | None = None  # a signal on this rank (set by the loop)
         self._poison = False
         model.use_grad_buffer(self.msg)
 
@@ -109,6 +111,7 @@ class _Worker:
                 msg[0], self._poison = np.nan, False
         msg[n + _Slot.COUNT], msg[n + _Slot.EPOCH] = len(X), self.epoch
         msg[n + _Slot.BATCH], msg[n + _Slot.VERSION] = self.batch, self.version[0]
+        msg[n + _Slot.STOP] = bool(self.stop_requested)  # the server stops every worker
         with self.timer.communicate("push and pull", bytes=int(msg.nbytes)):
             C.send(self.comm, msg, self.root, _PUSH)
             C.recv_(self.comm, model.params, self.root, _PULL)  # fresh parameters...
@@ -167,7 +170,7 @@ class _WorkerFeed:
 def _work(w: _Worker, shard: Shard, spec: RunSpec, start: State | None) -> None:
     try:
         run(w, _WorkerFeed(w, shard, spec),
-            RunSpec(spec.epochs, spec.batch_size, resume=start))
+            RunSpec(spec.epochs, spec.batch_size, resume=start, stop=spec.stop))
     except _Stopped:
         return  # the server stopped training: it already counts us as done
     w.msg[w.model.n_params + _Slot.VERSION] = -1
@@ -250,8 +253,9 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
             if positions is not None:
                 positions.done(w)
             continue
-        if error is None and signals is not None and signals.requested:
-            error = _PREEMPTED
+        if error is None and (msg[n + _Slot.STOP] > 0 or
+                              signals is not None and signals.requested):
+            error = _PREEMPTED  # a signal on the server or on this worker
         if error is not None:  # stopping: this worker is done once told
             C.send(comm, model.params, w, _PULL)
             C.send(comm, stop, w, _PULL)
@@ -356,7 +360,7 @@ def fit_async(ps: AsyncPS, train: Shard, epochs: int | None = None,
     """Train asynchronously. Collective. ``train`` on the server is ignored; workers split
     each global batch by their blocks, as in synchronous training, but update without
     waiting. ``spec`` and ``settings`` as for :func:`mpidp.fit`: ``stop`` (SIGTERM/SIGUSR1
-    on the server) ends training with :class:`mpidp.run.signals.Preempted` on every rank;
+    on any rank) ends training with :class:`mpidp.run.signals.Preempted` on every rank;
     ``checkpoint``: the server saves every ``checkpoint.every`` pushes it serves, at the
     end and on a signal's stop; ``resume`` (the :class:`~mpidp.run.checkpoint.State` of
     such a checkpoint, whose parameters and optimizer :func:`mpidp.run.checkpoint.restore`

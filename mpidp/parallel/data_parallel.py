@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from .. import comm as C
-from ..data.balance import Plan
+from ..data.balance import Partition, Plan
 from ..data.distribute import Shard
 from ..data.partition import steps_per_epoch
 from ..nn import Loss, Optimizer, Sequential
@@ -251,6 +251,9 @@ class DataFeed:
 
 def _plan(dp: DataParallel, train: Shard, spec: RunSpec) -> Plan:
     """The spec's :class:`Plan` (its own, or one made from its partition and batches)."""
+    if not isinstance(spec.partition, (Plan, Partition, type(None))):
+        raise C.MpidpError(f"partition must be a mpidp.Partition (e.g. Partition('cyclic')), "
+                           f"a Plan or None, got {spec.partition!r}")
     if not isinstance(spec.partition, Plan):
         return Plan(dp.comm, spec.partition, train.n_total, spec.batch_size, spec.seed,
                     spec.shuffle, spec.drop_last)

@@ -263,13 +263,12 @@ class Pipeline:
         finite, stop = self._agree(buf)
         skipped = count > 0 and not self.policy.apply(
             finite, loss_sum if self.last else float("nan"), self.global_step)
-        with self.timer.compute():
+        with self.timer.compute(local=False):
             if count and not skipped:
                 self.optimizer.step_(self.model.params, self.model.grads, scale=1.0 / count)
         if self.tracing:
             self.counters.trace.append(("step", -1, t_step, time.perf_counter(), 0.0))
-        self.timer.steps += 1
-        self.timer.samples += n
+        self.timer.end_step(n)
         self.global_step += 1
         return StepStats(loss_sum if self.last else float("nan"), count,
                          correct if self.last else 0, skipped, stop)
@@ -304,7 +303,7 @@ class Pipeline:
             self._exchange(x, self.stage - 1, _TAG_F)
         slot = run.slots[i % self.n_slots] = self._slot()
         t, cpu = time.perf_counter(), time.process_time()
-        with self.timer.compute("forward", micro_batch=i, stage=self.stage):
+        with self.timer.compute("forward", local=True, micro_batch=i, stage=self.stage):
             for layer in slot:
                 x = layer.forward(x)
             if self.last:
@@ -329,7 +328,7 @@ class Pipeline:
             self._exchange(dy, self.stage + 1, _TAG_B)
         slot = run.slots[i % self.n_slots]
         t, cpu = time.perf_counter(), time.process_time()
-        with self.timer.compute("backward", micro_batch=i, stage=self.stage):
+        with self.timer.compute("backward", local=True, micro_batch=i, stage=self.stage):
             for j, layer in enumerate(reversed(slot)):  # the model's input needs no gradient
                 dy = layer.backward(dy, accumulate=True,
                                     need_input_grad=not self.first or j < len(slot) - 1)
@@ -547,7 +546,7 @@ def _same_sets(comm: C.Comm, train, test) -> None:
     the same lengths on every rank (each stage cuts the same batches out of them)."""
     n = C.run_agreed(comm, lambda: [_set_length(train, "train"),
                                     -1 if test is None else _set_length(test, "test")])
-    for what, lengths in zip(("train", "test"), C.allgather_rows(comm, n).reshape(-1, 2).T):
+    for what, lengths in zip(("train", "test"), C.allgather_rows(comm, n).astype(np.int64).T):
         C.agree(comm, None if len(set(lengths.tolist())) == 1 else
                 f"the {what} set has {lengths.tolist()} rows on ranks 0..{comm.size - 1}: "
                 f"a pipeline needs the whole set, the same, on every rank")
@@ -558,7 +557,8 @@ class PipelineFeed:
     ``(X, y)`` (every rank holds all of it) and test set ``test`` (or None)."""
 
     def __init__(self, pipe: Pipeline, train: tuple, test: tuple | None, spec: RunSpec) -> None:
-        test = None if test is None or (isinstance(test, tuple) and test[1:] == (None,)) else test
+        if isinstance(test, (tuple, list)) and len(test) == 2 and test[1] is None:
+            test = None  # (X, None): no test set
         _same_sets(pipe.world, train, test)
         X, y = train
         C.run_agreed(pipe.world, check_batches, len(y), spec.batch_size, spec.drop_last,
@@ -579,6 +579,7 @@ class PipelineFeed:
                    len(idx))
 
     def end_epoch(self) -> None:
+        self.pipe.timer.take_records()  # per-step rows: no load balance to draw from them
         return None
 
     def evaluate(self) -> StepStats | None:

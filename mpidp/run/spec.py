@@ -5,6 +5,7 @@ from the keyword arguments of :func:`mpidp.fit`). No MPI here."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,8 +33,10 @@ class Checkpointing:
     run_id: str | None = None  # the folder's owner (mpidp.run.checkpoint.claim); None: unchecked
 
     def __post_init__(self) -> None:
-        if self.every < 1 or self.keep < 1:
-            raise ValueError(f"checkpoint every/keep must be >= 1, got {self.every}/{self.keep}")
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
+                   for v in (self.every, self.keep)):
+            raise ValueError(f"checkpoint every/keep must be integers >= 1, got "
+                             f"{self.every!r}/{self.keep!r}")
 
 
 @dataclass
@@ -83,8 +86,9 @@ class RunSpec:
         for name in ("epochs", "batch_size", "seed", "check_every"):
             value = getattr(self, name)
             low = 0 if name in ("seed", "check_every") else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
                 raise MpidpError(f"{name} must be an integer >= {low}, got {value!r}")
+            setattr(self, name, int(value))  # e.g. a NumPy integer
         if not isinstance(self.progress, bool) and self.progress not in PROGRESS:
             raise MpidpError(f"progress must be one of {PROGRESS} or a bool, got "
                              f"{self.progress!r}")

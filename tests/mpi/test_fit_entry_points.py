@@ -154,3 +154,101 @@ def test_the_asynchronous_server_refuses_callbacks_it_would_not_call(comm):
     raises_everywhere(comm, mpidp.MpidpError,
                       lambda: fit_async(ps, shard, 1, 16, on_step=lambda step, s: None),
                       "on_step does not apply to async-ps")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_plan_for_another_set_is_refused_on_every_rank(comm):
+    shard, _, _ = _data(comm)
+    plan = Plan(comm, mpidp.Partition("cyclic"), shard.n_total + 30, 16, 0, True, False)
+    raises_everywhere(comm, mpidp.MpidpError,
+                      lambda: mpidp.fit(_dp(comm), shard, 1, 16, partition=plan),
+                      f"is for {shard.n_total + 30} samples but the training set has")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_partition_of_the_wrong_type_is_named(comm):
+    shard, _, _ = _data(comm)
+    raises_everywhere(comm, mpidp.MpidpError,
+                      lambda: mpidp.fit(_dp(comm), shard, 1, 16, partition="cyclic"),
+                      "partition must be a mpidp.Partition")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_plan_given_again_still_partitions_as_it_says(comm):
+    """A second fit with the same Plan moves the given (as loaded) rows again, as a fresh
+    partition does: same owners, so the same bits."""
+    shard, _, _ = _data(comm)
+    a, b = _dp(comm), _dp(comm)
+    plan = Plan(comm, mpidp.Partition("cyclic"), shard.n_total, 16, 0, True, False)
+    for _ in range(2):
+        mpidp.fit(a, shard, 1, 16, partition=plan)
+        mpidp.fit(b, shard, 1, 16, partition=mpidp.Partition("cyclic"))
+    all_ranks(comm, np.array_equal(a.model.params, b.model.params),
+              f"rank {comm.rank}: params differ by {np.abs(a.model.params - b.model.params).max()}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_resume_from_another_world_size_starts_the_capacities_afresh(comm):
+    """A checkpoint written on another number of ranks holds one capacity per old rank."""
+    from mpidp.run.checkpoint import State
+    shard, _, _ = _data(comm)
+    for strategy in ("adaptive", "cost"):
+        state = State(0, 1, 1, [0.0, 0.0, 0.0], [], {},
+                      {"strategy": strategy, "capacities": [1.0] * (comm.size + 1)})
+        dp = _dp(comm)
+        dp.global_step = 1
+        hist = mpidp.fit(dp, shard, 1, 16, partition=mpidp.Partition(strategy), resume=state)
+        all_ranks(comm, len(hist) == 1 and dp.global_step == 4, f"{strategy}: {hist}")
+
+
+def _pipe(comm):
+    layers = nn.mlp(5, (8, 8, 8), 3, dtype=np.float64).layers
+    pipe = Pipeline(layers, 5, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,
+                    n_stages=comm.size, micro_batches=1, dtype=np.float64)
+    return pipe.init_(0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_pipeline_refuses_sets_that_differ_between_ranks(comm):
+    _, X, y = _data(comm)
+    m = len(y) - comm.rank  # rank r holds r rows fewer: the stages would cut other batches
+    raises_everywhere(comm, mpidp.MpidpError,
+                      lambda: fit_pipeline(_pipe(comm), (X[:m], y[:m]), 1, 16),
+                      "the train set has")
+    raises_everywhere(comm, mpidp.MpidpError,
+                      lambda: fit_pipeline(_pipe(comm), (X, y), 1, 16, test=(X[:m], y[:m])),
+                      "the test set has")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_pipeline_names_sets_it_cannot_use(comm):
+    shard, X, y = _data(comm)
+    raises_everywhere(comm, mpidp.MpidpError,
+                      lambda: fit_pipeline(_pipe(comm), (X[:50], y), 1, 16),
+                      "train: X has 50 rows but y has 60")
+    raises_everywhere(comm, mpidp.MpidpError, lambda: fit_pipeline(_pipe(comm), shard, 1, 16),
+                      "train must be a tuple (X, y)")
+    raises_everywhere(comm, mpidp.MpidpError,
+                      lambda: fit_pipeline(_pipe(comm), (X, y), 1, 16, test=(None, y)),
+                      "test must be a tuple (X, y)")
+    hist = fit_pipeline(_pipe(comm), (X, y), 1, 16, test=(X, None))  # (X, None): no test set
+    all_ranks(comm, "test_loss" not in hist[-1], str(hist))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_slow_pipeline_stage_is_slow_in_every_step(comm):
+    """A pipeline step's forward and backward are per-sample work: ``slowdown`` stretches
+    them in every step (and the step's row is closed), never the update."""
+    _, X, y = _data(comm)
+    layers = nn.mlp(5, (64, 64, 64), 3, dtype=np.float64).layers
+    pipe = Pipeline(layers, 5, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,
+                    n_stages=comm.size, micro_batches=2, dtype=np.float64)
+    pipe.init_(0)
+    slow = comm.rank == comm.size - 1
+    pipe.timer.slowdown = 4.0 if slow else 1.0
+    rows = []
+    fit_pipeline(pipe, (X, y), 2, 16, on_step=lambda step, s: rows.append(pipe.timer.recent(1)))
+    rows = np.concatenate(rows)
+    compute, cpu = rows[:, 1], rows[:, 2]
+    all_ranks(comm, len(rows) == 8 and bool(np.all(compute > 0)), f"rows {rows}")
+    all_ranks(comm, not slow or bool(np.all(compute >= 2.5 * cpu)), f"compute {compute} cpu {cpu}")
