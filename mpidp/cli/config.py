@@ -107,7 +107,8 @@ def _toml(v) -> str:
                          for c in str(v)) + '"'
 
 
-#: Characters a TOML basic string writes as an escape (other control characters: a backslash-u escape with four hex digits).
+#: Characters a TOML basic string writes as an escape (other control characters: a
+#: backslash-u escape with four hex digits).
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
 
