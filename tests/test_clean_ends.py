@@ -75,12 +75,16 @@ def _history_lines(out) -> list[dict]:
     return [json.loads(line) for line in (Path(out) / "history.jsonl").read_text().splitlines()]
 
 
-def _wait_for_epoch(out, timeout: float = 60) -> None:
-    """Until the run in ``out`` has finished its first epoch (its history says so)."""
+def _wait_for_epoch(out, timeout: float = 60, job: subprocess.Popen | None = None) -> None:
+    """Until the run in ``out`` has finished its first epoch (its history says so); fails at
+    once if ``job`` ends first."""
     path, deadline = Path(out) / "history.jsonl", time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists() and '"kind":"epoch"' in path.read_text():
             return
+        if job is not None and job.poll() is not None:
+            raise AssertionError(f"the job ended ({job.returncode}) before an epoch finished: "
+                                 f"{job.stderr.read()[-1500:]}")
         time.sleep(0.02)
     raise AssertionError(f"no epoch finished in {out} within {timeout}s")
 
@@ -108,6 +112,9 @@ def _library_job(tmp_path, body: str, timeout: float = 60):
 
 LONG = ["--epochs", "12", "--hidden", "64,64"]
 SLOW = ["--slowdown", "0:200,1:200"]  # about 0.5 s an epoch: a signal lands mid-run
+# A pipeline's local compute is longer per step (every micro-batch is timed), so the same
+# stretch there is about 1 s an epoch with a far smaller factor.
+SLOW_PIPELINE = ["--slowdown", "0:15,1:15"]
 
 
 def test_sigterm_stops_async_ps_cleanly(tmp_path):
@@ -219,11 +226,12 @@ def test_sigterm_to_every_rank_checkpoints_and_resume_is_bit_identical(tmp_path,
     r = run_mpi(n, *ARGS, *LONG, *mode, "--out", str(ref))
     assert r.returncode == 0, r.stderr
     ck = tmp_path / "ck"
-    job = _start(n, *ARGS, *LONG, *mode, *SLOW, "--checkpoint-dir", str(ck),
+    slow = SLOW_PIPELINE if mode else SLOW
+    job = _start(n, *ARGS, *LONG, *mode, *slow, "--checkpoint-dir", str(ck),
                  "--checkpoint-every", "1000", "--out", str(tmp_path / "a"),
                  token=f"term-{tmp_path.name}")
     pids = _ranks(job, n)
-    _wait_for_epoch(tmp_path / "a")
+    _wait_for_epoch(tmp_path / "a", job=job)
     for pid in pids:  # what Slurm's --signal does: every rank gets it
         os.kill(pid, signal.SIGTERM)
     out, err = job.communicate(timeout=60)
