@@ -9,7 +9,7 @@ from mpidp import nn
 
 
 @nn.register_layer  # so that nn.load can rebuild a saved model that uses it
-class LeakyReLU(nn.Layer):
+class Leaky(nn.Layer):
     """max(x, slope * x): no parameters, one setting."""
 
     def __init__(self, slope: float = 0.01) -> None:
@@ -19,7 +19,7 @@ class LeakyReLU(nn.Layer):
     def config(self) -> dict:  # the settings that rebuild it (JSON-able)
         return {"slope": self.slope}
 
-    def forward(self, x):  # (n, d) -> (n, d), caching what backward needs
+    def forward(self, x):  # (n, *shape) -> (n, *shape), caching what backward needs
         self.mask = x > 0
         return np.where(self.mask, x, self.slope * x)
 
@@ -37,7 +37,8 @@ class SignSGD(nn.Optimizer):
 comm = MPI.COMM_WORLD
 out = sys.argv[1] if len(sys.argv) > 1 else "out/custom.npz"
 data = mpidp.load(comm, "digits", distribute="local", dtype=np.float64, seed=0)
-model = nn.Sequential([nn.Dense(64, 64), LeakyReLU(0.1), nn.Dense(64, 10)], 64, np.float64)
+model = nn.Sequential([nn.Flatten(), nn.Dense(64, 64), Leaky(0.1), nn.Dense(64, 10)],
+                      data.sample_shape, np.float64)  # digits: (1, 8, 8) images
 model.init_(np.random.default_rng(0))
 dp = mpidp.DataParallel(model, SignSGD(1e-3), nn.SoftmaxCrossEntropy(), comm)
 
@@ -49,7 +50,7 @@ def enough(record: dict) -> bool:  # on every rank; True on any one rank stops t
 history = mpidp.fit(dp, data.train, epochs=30, batch_size=64, test=data.test, on_epoch=enough)
 if comm.rank == 0:
     nn.save(model, out)  # the model.npz layout `mpidp train` writes
-    again = nn.load(out)  # needs LeakyReLU registered, as above
+    again = nn.load(out)  # needs Leaky registered, as above
     X, y = data.test.X, data.test.y  # rank 0's part of the test set
     same = np.array_equal(again.predict(X, "label"), model.predict(X, "label"))
     print(f"ranks {comm.size}  epochs {len(history)}  test accuracy "

@@ -86,7 +86,7 @@ import numpy as np
 from mpidp import nn
 
 @nn.register_layer
-class LeakyReLU(nn.Layer):
+class Leaky(nn.Layer):
     """``x`` if ``x > 0`` else ``slope * x``."""
 
     def __init__(self, slope: float = 0.01) -> None:
@@ -113,7 +113,7 @@ def _run(code: str, *args: str) -> subprocess.CompletedProcess:
 def test_a_registered_user_layer_reloads_in_a_fresh_process(tmp_path):
     save = USER_LAYER + textwrap.dedent('''
         import sys
-        model = nn.Sequential([nn.Dense(5, 6), LeakyReLU(slope=0.25), nn.Dense(6, 2)], 5,
+        model = nn.Sequential([nn.Dense(5, 6), Leaky(slope=0.25), nn.Dense(6, 2)], 5,
                               np.float64).init_(4)
         x = np.random.default_rng(5).standard_normal((8, 5))
         model.save(sys.argv[1], meta={"slope": 0.25})
@@ -124,11 +124,11 @@ def test_a_registered_user_layer_reloads_in_a_fresh_process(tmp_path):
     r = _run(save, *files[:3])
     assert r.returncode == 0, r.stderr
     spec = json.loads(str(np.load(files[0])["spec"]))
-    assert spec[1] == {"type": "LeakyReLU", "slope": 0.25}
+    assert spec[1] == {"type": "Leaky", "slope": 0.25}
     load = USER_LAYER + textwrap.dedent('''
         import sys
         model = nn.load(sys.argv[1])
-        assert type(model.layers[1]).__name__ == "LeakyReLU" and model.layers[1].slope == 0.25
+        assert type(model.layers[1]).__name__ == "Leaky" and model.layers[1].slope == 0.25
         assert model.meta == {"slope": 0.25}
         np.save(sys.argv[3], model(np.load(sys.argv[2])))
         ''')
@@ -140,7 +140,7 @@ def test_a_registered_user_layer_reloads_in_a_fresh_process(tmp_path):
     r = _run(unregistered, files[0])
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("ValueError:") and "'LeakyReLU'" in last and files[0] in last
+    assert last.startswith("ValueError:") and "'Leaky'" in last and files[0] in last
     assert "mpidp.nn.register_layer" in last
 
 

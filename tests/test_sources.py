@@ -26,10 +26,11 @@ ROW_SETS = [np.array([0]), np.array([36]), np.array([2, 3, 4]), np.array([0, 5, 
 
 
 def _check_reads(src, X, y):
-    assert (src.n_samples, src.n_features) == X.shape
+    assert (src.n_samples, *src.sample_shape) == X.shape
+    assert src.n_features == int(np.prod(X.shape[1:]))
     for rows in ROW_SETS:
         Xr, yr = src.read(rows)
-        assert Xr.shape == (len(rows), X.shape[1])
+        assert Xr.shape == (len(rows), *X.shape[1:])
         assert yr.shape == (len(rows),) + y.shape[1:]
         np.testing.assert_array_equal(Xr, X[rows])
         np.testing.assert_array_equal(yr, y[rows])
@@ -167,19 +168,21 @@ def test_synthetic_rejects_bad_sizes(kw):
         SyntheticSource(**kw)
 
 
-def test_digits():
+def test_digits_are_images():
     pytest.importorskip("sklearn")
     src = open_source("digits")
-    assert (src.n_samples, src.n_features) == (1797, 64)
-    assert src.classification
+    assert (src.n_samples, src.sample_shape, src.n_features) == (1797, (1, 8, 8), 64)
+    assert src.classification and src.fixed_test is None
     X, y = src.read(np.arange(1797))
+    assert X.shape == (1797, 1, 8, 8) and X.dtype == np.float64
     assert X.min() == 0.0 and X.max() == 1.0
     assert sorted(np.unique(y).tolist()) == list(range(10))
     from sklearn.datasets import load_digits
     d = load_digits()
     rows = np.array([0, 100, 1796])
     Xr, yr = src.read(rows)
-    np.testing.assert_allclose(Xr, d.data[rows] / 16.0)
+    np.testing.assert_array_equal(Xr[:, 0], d.images[rows] / 16.0)
+    np.testing.assert_array_equal(Xr.reshape(3, 64), d.data[rows] / 16.0)  # the same pixels
     np.testing.assert_array_equal(yr, d.target[rows])
 
 
@@ -206,10 +209,14 @@ def test_npz_without_y(tmp_path):
 
 
 BAD_ARRAYS = {
-    "X-1D": (np.zeros(5), np.zeros(5, np.int64), "2-D"),
-    "X-3D": (np.zeros((5, 2, 2)), np.zeros(5, np.int64), "2-D"),
+    "X-1D": (np.zeros(5), np.zeros(5, np.int64),
+             r"X must be \(n_samples, \*sample_shape\) with at least 2 dimensions"),
+    "X-0D": (np.float64(3.0), np.zeros(5, np.int64), "at least 2 dimensions"),
     "empty": (np.zeros((0, 3)), np.zeros(0, np.int64), "empty"),
+    "empty-images": (np.zeros((0, 1, 2, 2)), np.zeros(0, np.int64), "empty"),
     "no-features": (np.zeros((4, 0)), np.zeros(4, np.int64), "no features"),
+    "no-features-3D": (np.zeros((4, 3, 0)), np.zeros(4, np.int64), "no features"),
+    "length-3D": (np.zeros((4, 2, 2)), np.zeros(5, np.int64), "X has 4 rows but y has 5"),
     "string-y": (np.zeros((3, 2)), np.array(["a", "b", "c"]), "numeric"),
     "int-2D-y": (np.zeros((3, 2)), np.zeros((3, 2), np.int64), "1-D"),
 }
@@ -615,3 +622,154 @@ def test_a_pathlib_path_is_accepted_like_a_string(tmp_path, arrays):
     np.savez(tmp_path / "d.npz", X=X, y=y)
     src = open_source(tmp_path / "d.npz")
     assert src.n_samples == len(X) and np.array_equal(np.asarray(src.X), X)
+
+
+# ---------------------------------------------------------------------------- samples of any shape
+
+SHAPES = [(3,), (2, 5), (1, 8, 8), (2, 3, 2, 2)]  # flat, signals, images, 4-D samples
+
+
+def _images(shape, n=37, dtype=np.float64, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, *shape)).astype(dtype), rng.integers(0, 4, n)
+
+
+@pytest.mark.parametrize("writer", ["folder", "npz", "npz_compressed", "h5", "h5-chunked"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_samples_keep_their_shape_in_every_format(tmp_path, writer, shape):
+    X, y = _images(shape)
+    if writer == "h5-chunked":
+        with h5py.File(tmp_path / "d.h5", "w") as f:
+            f.create_dataset("X", data=X, chunks=(5, *shape), compression="gzip")
+            f["y"] = y
+        path = str(tmp_path / "d.h5")
+    else:
+        path = _write(tmp_path, writer, X, y)
+    src = open_source(path)
+    assert src.sample_shape == shape and src.n_features == int(np.prod(shape))
+    _check_reads(src, X, y)
+
+
+def test_fortran_ordered_images_in_an_npz_are_read_in_c_order(tmp_path):
+    X = np.asfortranarray(np.arange(37 * 2 * 3 * 4, dtype=np.float32).reshape(37, 2, 3, 4))
+    np.savez(tmp_path / "f.npz", X=X, y=np.arange(37) % 2)
+    src = open_source(str(tmp_path / "f.npz"))
+    assert src.sample_shape == (2, 3, 4) and not src.X.flags.c_contiguous
+    _check_reads(src, X, np.arange(37) % 2)
+    Xr, _ = _reader(src, np.float32, maps=True).read(np.arange(37))  # not mappable: copied
+    assert Xr.flags.c_contiguous and np.array_equal(Xr, X)
+
+
+def _reader(src, dtype, maps=False):
+    from mpidp.data.rows import RowReader, Timings
+    return RowReader(src, dtype, None, Timings(None), maps=maps)
+
+
+def _base_map(a):
+    import mmap
+    while isinstance(a, np.ndarray):
+        a = a.base
+    if isinstance(a, memoryview):
+        a = a.obj
+    return a if isinstance(a, mmap.mmap) else None
+
+
+@pytest.mark.parametrize("writer", ["folder", "npz", "h5", "h5-chunked"])
+@pytest.mark.parametrize("file_dtype", [np.float32, np.float64])
+def test_row_reader_reads_4d_samples_block_by_block(tmp_path, monkeypatch, writer, file_dtype):
+    """Blocks of a few rows (tiny block size), a cast or none, runs and scattered rows:
+    every path of the reader gives the file's rows with their shape, in the load dtype."""
+    from mpidp.data import rows as R
+    monkeypatch.setattr(R, "BLOCK_BYTES", 3 * 24 * 4)  # about 3 samples a block
+    X, y = _images((2, 3, 2, 2), n=41, dtype=file_dtype, seed=1)
+    if writer == "h5-chunked":
+        with h5py.File(tmp_path / "d.h5", "w") as f:
+            f.create_dataset("X", data=X, chunks=(4, 2, 3, 2, 2))
+            f["y"] = y
+        path = str(tmp_path / "d.h5")
+    else:
+        path = _write(tmp_path, writer, X, y)
+    src = open_source(path)
+    for rows in (np.arange(41), np.arange(5, 30), np.array([0, 3, 4, 17, 40]), np.array([], np.int64)):
+        reader = _reader(src, np.float32)
+        Xr, yr = reader.read(rows)
+        assert Xr.shape == (len(rows), 2, 3, 2, 2) and Xr.dtype == np.float32
+        np.testing.assert_array_equal(Xr, X[rows].astype(np.float32))
+        np.testing.assert_array_equal(yr, y[rows])
+        assert reader.error is None
+
+
+@pytest.mark.parametrize("writer", ["folder", "h5"])
+def test_mapped_reads_of_4d_samples_are_copy_on_write_maps_of_the_file(tmp_path, writer):
+    X, y = _images((2, 3, 2, 2), n=300, dtype=np.float32, seed=2)
+    path = _write(tmp_path, writer, X, y)
+    src = open_source(path)
+    rows = np.arange(100, 260)  # one run: mapped
+    Xr, yr = _reader(src, np.float32, maps=True).read(rows)
+    assert _base_map(Xr) is not None and Xr.shape == (160, 2, 3, 2, 2)
+    assert Xr.flags.c_contiguous and Xr.flags.writeable
+    np.testing.assert_array_equal(Xr, X[rows])
+    np.testing.assert_array_equal(yr, y[rows])
+    Xr[:] = -7.0  # copy-on-write: the file keeps its values
+    np.testing.assert_array_equal(_reader(open_source(path), np.float32).read(rows)[0], X[rows])
+    scattered = np.array([1, 5, 6, 299])  # not one run: copied
+    Xs, _ = _reader(src, np.float32, maps=True).read(scattered)
+    assert _base_map(Xs) is None and np.array_equal(Xs, X[scattered])
+    Xc, _ = _reader(src, np.float64, maps=True).read(rows)  # a cast: copied
+    assert _base_map(Xc) is None and np.array_equal(Xc, X[rows].astype(np.float64))
+
+
+def test_pread_fills_a_4d_buffer_from_the_file(tmp_path):
+    import os
+
+    from mpidp.data.rows import open_mapped, pread_into
+    X, y = _images((2, 3, 4), n=20, dtype=np.float32, seed=3)
+    path = _write(tmp_path, "folder", X, y)
+    src = open_source(path)
+    fd, offset, row_bytes = open_mapped(src.X)
+    try:
+        assert row_bytes == 2 * 3 * 4 * 4
+        out = np.empty((6, 2, 3, 4), np.float32)
+        pread_into(fd, out, offset + 9 * row_bytes)
+    finally:
+        os.close(fd)
+    np.testing.assert_array_equal(out, X[9:15])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_bad_values_in_image_rows_are_named_by_dataset_row(tmp_path, monkeypatch, bad):
+    from mpidp.data import rows as R
+    from mpidp.data.sources import scan_rows
+    X, y = _images((1, 4, 4), n=50, seed=4)
+    X[33, 0, 2, 1] = bad
+    X[45, 0, 0, 0] = bad
+    path = _write(tmp_path, "folder", X, y)
+    src = open_source(path)
+    rows = np.arange(10, 50)
+    assert "first at row 33" in check_rows(src, *src.read(rows), rows)
+    assert "first at row 33" in scan_rows(src, rows, block_bytes=5 * 16 * 8)  # 5 rows a block
+    assert scan_rows(src, np.arange(33)) is None
+    monkeypatch.setattr(R, "BLOCK_BYTES", 4 * 16 * 8)
+    reader = _reader(src, np.float32)
+    reader.read(rows)
+    assert "first at row 33" in reader.error
+    X[33, 0, 2, 1], X[45, 0, 0, 0] = 0.0, 0.0
+    X[47, 0, 3, 3] = -1e300  # beyond float32
+    src = ArraySource("mem", X, y)
+    assert "X row 47 holds -1e+300, beyond the float32 range" in check_rows(
+        src, *src.read(rows), rows, dtype=np.float32)
+
+
+def test_image_labels_are_checked_like_any_others():
+    X, y = _images((1, 2, 2), n=10)
+    y[6] = 9
+    src = ArraySource("mem", X, y)
+    rows = np.arange(10)
+    assert "class label 9 is out of range for 4 classes" in check_rows(src, *src.read(rows), rows,
+                                                                       n_classes=4)
+
+
+def test_generated_sources_are_flat():
+    from mpidp.data.sources import BowSource
+    assert SyntheticSource(10, 6).sample_shape == (6,)
+    assert BowSource(30, 50).sample_shape == (50,)

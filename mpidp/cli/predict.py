@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import comm as C
 from .. import nn
-from ..data.partition import block_range, train_test_split
+from ..data.partition import block_range, split_rows
 from ..data.sources import open_source, scan_rows
 from ..nn.sparse import CSR
 from ..parallel.mapreduce import map_reduce
@@ -63,10 +63,13 @@ def predict(args: argparse.Namespace, comm: C.Comm) -> dict | None:
                        n_samples=args.n_samples, n_features=args.n_features)
     rows = np.arange(src.n_samples)
     if args.rows == "test":
-        rows = train_test_split(src.n_samples, args.test_fraction, args.seed)[1]
-    if src.n_features != model.n_in:  # same verdict on every rank
-        raise C.MpidpError(f"--dataset {args.dataset} has {src.n_features} features, but the "
-                           f"model in {args.model} takes {model.n_in}")
+        rows = split_rows(src.n_samples, args.test_fraction, args.seed, src.fixed_test)[1]
+    shape = tuple(src.sample_shape)
+    if shape != model.in_shape and not (len(model.in_shape) == 1 and src.n_features == model.n_in):
+        # the same verdict on every rank
+        what = lambda s: f"{s[0]} features" if len(s) == 1 else f"samples of shape {s}"
+        raise C.MpidpError(f"--dataset {args.dataset} has {what(shape)}, but the model in "
+                           f"{args.model} takes {what(model.in_shape)}")
     mine = rows[slice(*block_range(len(rows), comm.size, comm.rank))]
     bad = scan_rows(src, mine, dtype=model.dtype)  # each rank its block, before any work
     C.agree(comm, bad and f"{bad}: predictions for such rows are meaningless; clean or drop "

@@ -24,12 +24,14 @@ from .. import comm as C
 from .. import nn
 from ..data import distribute as D
 from ..data.balance import Partition, format_balance
+from ..nn.modelfile import is_model_file, layers_from, read_model_file
 from ..nn.sparse import CSR
 from ..observe.metrics import format_timings, gather_timings
 from ..observe.watch import Outputs, Watch, check_writable, log, say, setup_logging
-from ..parallel import DataParallel, make_trainer, model_layers
+from ..parallel import DataParallel, make_trainer
 from ..parallel.async_ps import AsyncPS, fit_async
 from ..parallel.data_parallel import fit
+from ..parallel.layer_needs import refuses_model
 from ..parallel.pipeline import fit_pipeline
 from ..parallel.strategies import make_sync
 from ..run import checkpoint as ck
@@ -162,20 +164,43 @@ def _load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.
     if error is not None:
         raise C.MpidpError(error)
     meta = C.bcast_obj(comm, None if data is None else (
-        data.name, data.n_features, data.n_outputs, data.classification, data.train.n_total,
-        data.test.n_total, data.train.y.dtype, data.train.y.shape[1:]), root=first_worker)
+        data.name, data.sample_shape, data.n_outputs, data.classification, data.train.n_total,
+        data.test.n_total, data.train.y.dtype, data.train.y.shape[1:], data.test_split),
+        root=first_worker)
     if data is not None:
         return data
-    name, d, n_out, classification, n_train, n_test, y_dtype, y_shape = meta
-    empty = lambda n: D.Shard(np.empty((0, d), args.dtype), np.empty((0, *y_shape), y_dtype), 0, n)
-    return D.Data(empty(n_train), empty(n_test), name, d, n_out, classification)
+    name, shape, n_out, classification, n_train, n_test, y_dtype, y_shape, split = meta
+    empty = lambda n: D.Shard(np.empty((0, *shape), args.dtype), np.empty((0, *y_shape), y_dtype),
+                              0, n)
+    return D.Data(empty(n_train), empty(n_test), name, int(np.prod(shape)), n_out,
+                  classification, sample_shape=shape, test_split=split)
+
+
+def _check_model(args: argparse.Namespace) -> None:
+    """ValueError naming the option, the mode and the reason when ``--model`` (a model
+    file) holds a layer the chosen ``--parallel`` / ``--sync`` cannot train."""
+    if not is_model_file(args.model):
+        return
+    layers = layers_from(read_model_file(args.model), 1,
+                                      where=f"--model {args.model}")
+    why = refuses_model(frozenset().union(*(layer.needs for layer in layers)), args.parallel,
+                        args.sync)
+    if why:
+        raise ValueError(f"--model {args.model}: {why}")
+
+
+def _layers(args, data: D.Data) -> tuple[list, nn.Loss]:
+    """The unbound layers and loss that ``--model`` names, for ``data``'s samples."""
+    return nn.model_layers(args.model, data.sample_shape, data.n_outputs, args.hidden,
+                           data.classification, isinstance(data.train.X, CSR))
 
 
 def _fits(args, data: D.Data, share: float, ranks_here: int) -> None:
     """ValueError, with the figure and the fix, when the model cannot fit in memory."""
-    widths = memory.widths(args.model, data.n_features, data.n_outputs, args.hidden)
-    need = memory.estimate(widths, args.dtype, args.optimizer, args.batch_size, share)
-    count = memory.n_params(widths)
+    layers, _ = _layers(args, data)
+    count, activations = memory.model_size(layers, data.sample_shape)
+    need = memory.estimate_counts(count, activations, args.dtype, args.optimizer,
+                                  args.batch_size, share)
     layers = f", hidden {','.join(map(str, args.hidden))}" if args.model == "mlp" else ""
     size = (f"the {args.model} model of {count:,} parameters ({data.n_features} features, "
             f"{data.n_outputs} outputs{layers})")
@@ -252,6 +277,8 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
     """Run ``mpidp train``. Collective. Returns the metrics on rank 0, None elsewhere."""
     t_start = time.perf_counter()
     setup_logging(args.quiet, args.verbose)
+    if "epochs" not in given:
+        args.epochs = nn.default_epochs(args.model)
     errors = O.problems(args, given, comm.size)
     try:
         faults.parse(os.environ.get("MPIDP_FAULT"))
@@ -259,6 +286,7 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
         errors.append(str(exc))
     if errors:  # every rank computes the same list from the same arguments
         raise C.MpidpError("; ".join(errors))
+    C.run_agreed(comm, _check_model, args)  # a bad model file or a refused layer: before any work
     C.root_decides(comm, check_out, args)
     if comm.rank == 0 and os.path.isdir(args.out):
         clean_stale_tmp(args.out)  # what a writer killed mid-write left behind
@@ -286,9 +314,8 @@ def _both(*callbacks):
 def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
     """The model and its data-parallel trainer, as the options say. Collective."""
     args, comm = job.args, job.comm
-    model, loss = C.run_agreed(comm, nn.build, args.model, data.n_features, data.n_outputs,
-                               args.hidden, args.dtype, data.classification,
-                               isinstance(data.train.X, CSR))
+    layers, loss = C.run_agreed(comm, _layers, args, data)
+    model = nn.Sequential(layers, data.sample_shape, args.dtype)
     model.init_(np.random.default_rng(args.seed))
     make_opt = lambda: nn.make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay)
     sync = make_sync("allreduce" if args.sync == "async-ps" else args.sync,  # async: eval only
@@ -361,7 +388,13 @@ def _announce(comm, args, data: D.Data, *lines: str) -> None:
     say(comm, f"mpidp train: {O.mode_of(args)} on {comm.size} rank(s), "
         f"{' '.join(mpi['library'].split())} (mpi4py {mpi['mpi4py']})",
         f"data: {data.name}, {data.train.n_total} train / {data.test.n_total} test samples, "
-        f"{data.n_features} features, {data.n_outputs} outputs", *lines)
+        f"{_features(data)}, {data.n_outputs} outputs", *lines)
+
+
+def _features(data: D.Data) -> str:
+    if len(data.sample_shape) == 1:
+        return f"{data.n_features} features"
+    return f"samples of shape {'x'.join(map(str, data.sample_shape))}"
 
 
 def _train_model_parallel(job: _Job) -> dict | None:
@@ -377,10 +410,9 @@ def _train_model_parallel(job: _Job) -> dict | None:
                         n_features=args.n_features,
                         regression=args.model == "linear" and args.dataset == "synthetic")
     C.run_agreed(comm, _fits, args, data, 1.0 / max(comm.size // 2, 1), C.local_ranks(comm))
-    layers, loss = C.run_agreed(comm, model_layers, args.model, data.n_features,
-                                data.n_outputs, args.hidden, data.classification)
+    layers, loss = C.run_agreed(comm, _layers, args, data)
     optimizer = nn.make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay)
-    pipe = make_trainer(args.parallel, layers, data.n_features, optimizer, loss, comm,
+    pipe = make_trainer(args.parallel, layers, data.sample_shape, optimizer, loss, comm,
                         dtype=args.dtype, micro_batches=args.micro_batches,
                         schedule=args.schedule, on_nonfinite=args.on_nonfinite)
     pipe.init_(np.random.default_rng(args.seed))  # the same initial model as --parallel data
@@ -409,8 +441,7 @@ def _pipeline_metrics(job: _Job, pipe, data: D.Data, history: list[dict]) -> dic
     held = C.gather_rows(comm, np.array(list(pipe.memory().values()), np.float64))
     if comm.rank != 0:
         return None
-    model, _ = nn.build(args.model, data.n_features, data.n_outputs, args.hidden, args.dtype,
-                        data.classification)
+    model = nn.Sequential(_layers(args, data)[0], data.sample_shape, args.dtype)
     model.params[...] = full
     metrics = job.metrics(history, model.n_params, pipe.global_step, timings)
     metrics.update(parallel=args.parallel, stages=pipe.n_stages, replicas=pipe.n_replicas,
@@ -424,6 +455,7 @@ def finish(comm: C.Comm, args: argparse.Namespace, metrics: dict, model: nn.Sequ
            data: D.Data, replicas: str) -> dict:
     """On rank 0: write ``model.npz`` and ``metrics.json`` (atomically) and print the summary."""
     meta = {"model": args.model, "hidden": list(args.hidden), "n_features": data.n_features,
+            "sample_shape": list(data.sample_shape),
             "n_outputs": data.n_outputs, "classification": data.classification}
     os.makedirs(args.out, exist_ok=True)
     nn.save(model, os.path.join(args.out, "model.npz"), meta=meta)

@@ -1,6 +1,7 @@
-"""Data: sources read by row (:mod:`~.sources`, :mod:`~.rows`), partitions (pure,
-:mod:`~.partition`), distribution over the ranks (:mod:`~.distribute`: ``Scatterv`` or
-each rank its own rows), load balance (:mod:`~.balance`) and CRC-32 in pieces
+"""Data: samples of any shape ``(n, *sample_shape)``; sources read by row
+(:mod:`~.sources`, :mod:`~.rows`; built-in image and signal sets in :mod:`~.datasets`),
+partitions (pure, :mod:`~.partition`), distribution over the ranks (:mod:`~.distribute`:
+``Scatterv`` or each rank its own rows), load balance (:mod:`~.balance`) and CRC-32 in pieces
 (:mod:`~.crc32`). Names are imported on first use: the pure ones (``Partition``,
 ``RowReader``) start no MPI."""
 

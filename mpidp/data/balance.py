@@ -123,10 +123,11 @@ class Plan:
         self.history_caps.append(self.capacities.round(4).tolist())
 
     def batches(self, shard: Shard, epoch: int, timer: StepTimer,
-                first: int = 0) -> Iterator[tuple]:
+                first: int = 0, with_index: bool = False) -> Iterator[tuple]:
         """Yield ``(X, y)`` of this rank's part of each global batch of ``epoch`` from step
         ``first`` on (a resumed epoch), moving rows first when the owners change. Notes each
-        step's cost on ``timer``. Collective."""
+        step's cost on ``timer``. Collective. ``with_index``: yield ``(X, y, index)``, with
+        ``index`` ``(n_local,)`` int64 the rows' global positions in the set."""
         steps = Pt.steps_per_epoch(self.n, self.batch_size, self.drop_last)
         every = self.partition.adapt_every if self.strategy == "adaptive" else None
         s = first
@@ -138,7 +139,7 @@ class Plan:
                 timer.note_cost(float(self.costs[shard.positions[idx]].sum()))
                 with timer.compute("gather rows"):  # per-sample local work too
                     X, y = shard.X[idx], shard.y[idx]
-                yield X, y
+                yield (X, y, shard.positions[idx]) if with_index else (X, y)
             s = stop
             if every and s < steps:
                 self._adapt(timer, every)

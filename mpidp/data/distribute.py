@@ -2,8 +2,12 @@
 reads only its own rows. Either way rank ``r`` ends up with the same :class:`Shard`. The
 rows themselves are read, cast and checked by :class:`mpidp.data.rows.RowReader`.
 
-The train/test split is a seeded choice of rows; the training rows then get global
-positions ``0 .. n_train-1`` (in file order) and rank ``r`` owns the block
+Samples keep their shape: ``X`` is ``(n, *sample_shape)`` on every rank, a row being
+``prod(sample_shape)`` values (sparse rows: CSR ``(n, n_features)``).
+
+The train/test split is a seeded choice of rows, or the dataset's own test set
+(:func:`~.partition.split_rows`); the training rows then get global positions
+``0 .. n_train-1`` (in file order) and rank ``r`` owns the block
 ``partition.block_range(n_train, size, r)``.
 """
 
@@ -18,6 +22,7 @@ import numpy.typing as npt
 from .. import comm as C
 from ..nn.sparse import CSR
 from . import crc32
+from .arrays import SHAPE_RULE, Source
 from .partition import (
     assign,
     block_counts,
@@ -26,10 +31,10 @@ from .partition import (
     counts_displs,
     positions_of,
     scatter_plan,
-    train_test_split,
+    split_rows,
 )
 from .rows import RowReader, Timings
-from .sources import Source, crc_mismatch, open_source, stored_members
+from .sources import crc_mismatch, open_source, stored_members
 
 DISTRIBUTE = ("scatter", "local")
 
@@ -38,7 +43,7 @@ DISTRIBUTE = ("scatter", "local")
 class Shard:
     """This rank's part of a global set of ``n_total`` samples.
 
-    ``X`` is ``(n_local, n_features)``; ``y`` is ``(n_local,)`` int64 labels or
+    ``X`` is ``(n_local, *sample_shape)``; ``y`` is ``(n_local,)`` int64 labels or
     ``(n_local, n_targets)`` / ``(n_local,)`` float targets. ``X`` may be a copy-on-write
     memory map of the data file (see :func:`load`). Row ``i`` of ``X`` has global
     position ``positions[i]`` (int64, increasing); for a contiguous block (the default when
@@ -58,6 +63,11 @@ class Shard:
         self.positions = np.asarray(self.positions, np.int64)
 
     @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """The shape of one sample, ``X.shape[1:]`` (``(n_features,)`` for sparse rows)."""
+        return tuple(self.X.shape[1:])
+
+    @property
     def stop(self) -> int:
         """End of the block (meaningful when :attr:`contiguous`)."""
         return self.start + len(self.X)
@@ -71,7 +81,13 @@ class Shard:
 
 @dataclass
 class Data:
-    """Train and test shards plus what every rank needs to build a model."""
+    """Train and test shards plus what every rank needs to build a model.
+
+    ``n_features`` is the number of values per sample, ``prod(sample_shape)``;
+    ``sample_shape`` the shape of one sample (default: the training shard's, or
+    ``(n_features,)``). ``test_split`` says how the test rows were chosen: ``"random"``
+    (a seeded fraction) or ``"fixed"`` (the dataset's own test set, its last rows).
+    """
 
     train: Shard
     test: Shard
@@ -80,6 +96,22 @@ class Data:
     n_outputs: int  # classes for classification, targets for regression
     classification: bool
     costs: np.ndarray | None = None  # (n_train,) work per training position, if known
+    sample_shape: tuple[int, ...] | None = None
+    test_split: str = "random"
+
+    def __post_init__(self) -> None:
+        if self.sample_shape is None:
+            shape = tuple(self.train.X.shape[1:])
+            self.sample_shape = shape if int(np.prod(shape)) == self.n_features else (self.n_features,)
+        self.sample_shape = tuple(int(d) for d in self.sample_shape)
+        if int(np.prod(self.sample_shape, dtype=np.int64)) != self.n_features:
+            raise ValueError(f"sample shape {self.sample_shape} does not hold {self.n_features} "
+                             f"features")
+
+
+def _is_fixed(src: Source, test_fraction: float | None) -> bool:
+    """True when :func:`split_rows` takes the source's own test set."""
+    return test_fraction is None and src.fixed_test is not None
 
 
 def _train_costs(src: Source, costs, train_rows: np.ndarray) -> np.ndarray | None:
@@ -129,7 +161,7 @@ def _scatter_dense(comm, reader, rows, counts, meta, dtype, root, clock):
             a = int(displs[rank]) + lo
             reader.into(rows[a:a + len(dest)], dest, y_all[a:a + len(dest)])
 
-    X = C.scatterv_fill(comm, counts, (meta["n_features"],), np.dtype(dtype), fill, root)
+    X = C.scatterv_fill(comm, counts, meta["sample_shape"], np.dtype(dtype), fill, root)
     y = C.scatterv_rows(comm, y_all, counts, meta["y_shape"], meta["y_dtype"], root)
     clock.lap("send")
     return X, y
@@ -141,12 +173,13 @@ def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, sourc
 
     def open_on_root() -> dict:
         src = open_source(spec, seed=seed, **source_kw)
-        train_rows, test_rows = train_test_split(src.n_samples, test_fraction, seed)
+        train_rows, test_rows = split_rows(src.n_samples, test_fraction, seed, src.fixed_test)
         held["costs"] = _train_costs(src, layout["costs"], train_rows)
         sparse = len(train_rows) > 0 and isinstance(src.read(train_rows[:1])[0], CSR)
         held.update(src=src, split=(train_rows, test_rows))
         return {"name": src.name, "n": (len(train_rows), len(test_rows)),
-                "n_features": src.n_features, "classification": src.classification,
+                "n_features": src.n_features, "sample_shape": src.sample_shape,
+                "classification": src.classification, "fixed": _is_fixed(src, test_fraction),
                 "y_shape": src.target_shape,
                 "y_dtype": np.dtype(np.int64) if src.classification else np.dtype(dtype),
                 "sparse": sparse, "has_costs": held["costs"] is not None}
@@ -182,7 +215,8 @@ def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, sourc
     max_label = C.root_decides(comm, verdict, root=root)
     n_outputs = _n_outputs_from(meta["classification"], meta["y_shape"], max_label, n_classes)
     return Data(shards[0], shards[1], meta["name"], meta["n_features"], n_outputs,
-                meta["classification"], costs)
+                meta["classification"], costs, meta["sample_shape"],
+                "fixed" if meta["fixed"] else "random")
 
 
 def _verify_together(comm, path: str) -> None:
@@ -218,7 +252,7 @@ def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, la
     if source_kw.pop("verify", True) and isinstance(spec, str):
         _verify_together(comm, spec)  # first: a corrupted byte is named as such
     src = C.run_agreed(comm, open_source, spec, seed=seed, verify=False, **source_kw)
-    split = train_test_split(src.n_samples, test_fraction, seed)
+    split = split_rows(src.n_samples, test_fraction, seed, src.fixed_test)
     costs = C.run_agreed(comm, _train_costs, src, layout["costs"], split[0])
     owner = C.run_agreed(comm, assign, layout["strategy"], len(split[0]), comm.size,
                          seed=seed, costs=costs, capacities=layout["capacities"])
@@ -235,15 +269,22 @@ def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, la
     max_label = int(C.allreduce_max(comm, [reader.max_label])[0])
     return Data(shards[0], shards[1], src.name, src.n_features,
                 _n_outputs_from(src.classification, src.target_shape, max_label, n_classes),
-                src.classification, costs)
+                src.classification, costs, src.sample_shape,
+                "fixed" if _is_fixed(src, test_fraction) else "random")
 
 
 def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
-         test_fraction: float = 0.2, seed: int = 0, dtype: npt.DTypeLike = np.float32,
+         test_fraction: float | None = None, seed: int = 0, dtype: npt.DTypeLike = np.float32,
          root: int = 0, n_classes: int | None = None, partition: str = "block", costs=None,
          capacities=None, timings: dict | None = None, copy: bool = False,
          **source_kw) -> Data:
     """Load dataset ``spec`` (see :func:`mpidp.data.sources.open_source`) split over ``comm``.
+
+    Every rank gets samples of the file's shape, ``X`` ``(n_local, *sample_shape)``
+    (``Data.sample_shape``; ``Data.n_features`` is their size). ``test_fraction``: the
+    share of rows held out at random (seeded); None (the default) takes the dataset's own
+    test set where it has one (``mnist1d``: the package's 1,000 test series, the last rows;
+    ``Data.test_split == "fixed"``), else 0.2.
 
     Collective. ``distribute="scatter"``: ``root`` reads everything and sends each rank its
     rows with ``Scatterv``. ``"local"``: every rank reads only its own rows (memory-mapped
@@ -253,13 +294,14 @@ def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
     Local reads map rather than copy where they can: a rank whose training (or test) rows
     are one run of the file, stored as plain bytes in ``dtype`` at an aligned offset
     (``.npy``, a contiguous HDF5 dataset; not the members ``np.savez`` writes, which sit
-    unaligned after their zip headers), with ``test_fraction=0`` and a block partition,
-    gets ``X`` as a private copy-on-write memory map of the file. Nothing is
-    copied and the pages stay shared with the page cache (and every rank on the node) until
-    written; the file is never written. Its rows are checked like copied ones. The file must
-    then not be truncated or rewritten in place while the data are in use (replacing it by
-    a rename is safe): rows not yet written would change, or reading them would end the
-    process with SIGBUS. ``copy=True`` reads every row into private memory instead.
+    unaligned after their zip headers), with ``test_fraction=0`` (or a fixed test set, whose
+    rows follow the training rows) and a block partition, gets ``X`` as a private
+    copy-on-write memory map of the file. Nothing is copied and the pages stay shared with
+    the page cache (and every rank on the node) until written; the file is never written.
+    Its rows are checked like copied ones. The file must then not be truncated or rewritten
+    in place while the data are in use (replacing it by a rename is safe): rows not yet
+    written would change, or reading them would end the process with SIGBUS. ``copy=True``
+    reads every row into private memory instead.
 
     ``partition`` names the strategy (:data:`mpidp.data.partition.STRATEGIES`) that decides which
     training samples each rank holds (test samples are always split in blocks); ``costs``
@@ -281,7 +323,7 @@ def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
     spec = os.fspath(spec)  # a pathlib.Path names a file as a string does
     if distribute not in DISTRIBUTE:
         raise C.MpidpError(f"unknown distribute mode {distribute!r}; expected one of {DISTRIBUTE}")
-    if not 0 <= test_fraction < 1:
+    if test_fraction is not None and not 0 <= test_fraction < 1:
         raise C.MpidpError(f"test fraction must be in [0, 1), got {test_fraction}")
     if n_classes is not None and n_classes < 2:
         raise C.MpidpError(f"number of classes must be >= 2, got {n_classes}")
@@ -300,28 +342,54 @@ def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
 
 
 def shard_from_arrays(comm: C.Comm, X: np.ndarray, y: np.ndarray,
-                      n_features: int | None = None) -> Shard:
+                      n_features: int | None = None, *,
+                      sample_shape: tuple[int, ...] | None = None) -> Shard:
     """Wrap this rank's own ``(X, y)`` as a :class:`Shard`; global order is rank order.
 
-    Collective. Checks on every rank, agreed so all raise the same error: ``X`` 2-D with
-    the same number of features everywhere (``n_features`` if given), ``len(X) == len(y)``,
-    finite values, non-negative integer labels.
+    Collective. Checks on every rank, agreed so all raise the same error: ``X``
+    ``(n_local, *sample_shape)``, at least 2-D, with the same sample shape on every rank
+    (an error names the ranks otherwise), ``n_features`` values per sample and the shape
+    ``sample_shape`` if given, ``len(X) == len(y)``, finite values, non-negative integer
+    labels.
     """
     X, y = np.asarray(X), np.asarray(y)
     error = None
-    if X.ndim != 2:
-        error = f"X must be 2-D (n_samples, n_features), got shape {X.shape}"
+    shape = tuple(X.shape[1:])
+    size = int(np.prod(shape, dtype=np.int64))
+    if X.ndim < 2:
+        error = f"{SHAPE_RULE} (2-D for flat features), got shape {X.shape}"
     elif len(X) != len(y):
         error = f"X has {len(X)} rows but y has {len(y)}: lengths disagree"
-    elif n_features is not None and X.shape[1] != n_features:
-        error = f"X has {X.shape[1]} features but the model expects {n_features}"
+    elif n_features is not None and size != n_features:
+        error = (f"X has {size} features but the model expects {n_features} (samples of shape "
+                 f"{shape})")
+    elif sample_shape is not None and shape != tuple(sample_shape):
+        error = f"X's samples have shape {shape} but the model expects {tuple(sample_shape)}"
     elif not np.isfinite(X).all() or (y.dtype.kind == "f" and not np.isfinite(y).all()):
         error = "the data contains NaN or Inf"
     elif y.dtype.kind in "iu" and len(y) and y.min() < 0:
         error = f"class labels must be >= 0, found {y.min()}"
     C.agree(comm, error)
-    widths = C.allgather_counts(comm, X.shape[1])
-    if len(set(widths.tolist())) > 1:
-        raise C.MpidpError(f"ranks disagree on the number of features: {widths.tolist()}")
+    _agree_sample_shape(comm, shape)
     counts = C.allgather_counts(comm, len(X))
     return Shard(X, y, int(counts[:comm.rank].sum()), int(counts.sum()))
+
+
+def _agree_sample_shape(comm: C.Comm, shape: tuple[int, ...]) -> None:
+    """Raise the same :class:`mpidp.MpidpError` on every rank unless every rank's sample
+    shape is ``shape``; it names each shape and its ranks. Collective (two Allgathers)."""
+    ndims = C.allgather_counts(comm, len(shape))
+    padded = np.full(int(ndims.max()), -1.0)
+    padded[:len(shape)] = shape
+    rows = C.allgather_rows(comm, padded)  # sizes are exact in float64
+    shapes = [tuple(int(d) for d in row[:k]) for row, k in zip(rows, ndims)]
+    if len(set(shapes)) > 1:
+        ranks: dict[tuple[int, ...], list[int]] = {}
+        for r, s in enumerate(shapes):
+            ranks.setdefault(s, []).append(r)
+        sizes = {int(np.prod(s, dtype=np.int64)) for s in ranks}
+        what = "sample shape" if len(sizes) == 1 else "number of features per sample"
+        raise C.MpidpError(f"ranks disagree on the {what}: " + "; ".join(
+            f"{s} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+            for s, rs in ranks.items()) + "; every rank's X must be (n_local, *sample_shape) "
+            "with the same sample_shape")

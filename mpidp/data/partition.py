@@ -55,6 +55,24 @@ def train_test_split(n: int, test_fraction: float, seed: int) -> tuple[np.ndarra
     return np.flatnonzero(~mask), np.flatnonzero(mask)
 
 
+#: The share of rows held out for testing when neither a fraction nor a fixed test set is given.
+DEFAULT_TEST_FRACTION = 0.2
+
+
+def split_rows(n: int, test_fraction: float | None, seed: int,
+               fixed_test: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted ``(train_rows, test_rows)`` of ``n`` rows: the dataset's own test set (its
+    last ``fixed_test`` rows, e.g. MNIST-1D's published split) when ``test_fraction`` is
+    None and it has one; else :func:`train_test_split` with ``test_fraction`` (None:
+    :data:`DEFAULT_TEST_FRACTION`). An explicit fraction always means a random split."""
+    if test_fraction is None and fixed_test is not None:
+        if not 0 < fixed_test < n:
+            raise ValueError(f"a fixed test set of {fixed_test} rows needs 0 < rows < {n}")
+        return np.arange(n - fixed_test, dtype=np.int64), np.arange(n - fixed_test, n, dtype=np.int64)
+    return train_test_split(n, DEFAULT_TEST_FRACTION if test_fraction is None else test_fraction,
+                            seed)
+
+
 def steps_per_epoch(n: int, batch_size: int, drop_last: bool = False) -> int:
     """Global steps in one epoch of ``n`` samples: the same on every rank."""
     if batch_size < 1:

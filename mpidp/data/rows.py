@@ -16,8 +16,8 @@ from .sources import ArraySource, Source, check_rows
 
 
 def cast_rows(source: Source, X, y, dtype) -> tuple[np.ndarray | CSR, np.ndarray]:
-    """``(X, y)`` in the load dtypes: ``X`` ``(n, n_features)`` (dense and C-contiguous, or
-    CSR) in ``dtype``; ``y`` ``(n, ...)`` int64 labels, or targets in ``dtype``."""
+    """``(X, y)`` in the load dtypes: ``X`` ``(n, *sample_shape)`` (dense and C-contiguous,
+    or CSR ``(n, n_features)``) in ``dtype``; ``y`` ``(n, ...)`` int64 labels, or targets in ``dtype``."""
     y = np.asarray(y, np.int64) if source.classification else np.asarray(y, dtype)
     return (X.astype(dtype) if isinstance(X, CSR) else np.ascontiguousarray(X, dtype)), y
 
@@ -84,21 +84,22 @@ def hdf5_bytes(X) -> tuple[str | None, int]:
     return (X.file.filename, int(offset)) if offset is not None else (None, 0)
 
 
-def map_rows(fd: int, start: int, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
-    """The ``shape`` array of ``dtype`` stored from byte ``start`` of the open file ``fd``,
-    as a private copy-on-write memory map: nothing is copied, the pages are the page
-    cache's (shared with every process mapping the file) until a write copies one; the file
-    is never written."""
-    nbytes = shape[0] * shape[1] * dtype.itemsize
+def map_rows(fd: int, start: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """The C-ordered ``shape`` array (``(n_rows, *sample_shape)``) of ``dtype`` stored from
+    byte ``start`` of the open file ``fd``, as a private copy-on-write memory map: nothing
+    is copied, the pages are the page cache's (shared with every process mapping the file)
+    until a write copies one; the file is never written."""
+    count = int(np.prod(shape, dtype=np.int64))
     base = start - start % mmap.ALLOCATIONGRANULARITY
-    mm = mmap.mmap(fd, start - base + nbytes, access=mmap.ACCESS_COPY, offset=base)
+    mm = mmap.mmap(fd, start - base + count * dtype.itemsize, access=mmap.ACCESS_COPY,
+                   offset=base)
     with contextlib.suppress(AttributeError, OSError):
         mm.madvise(mmap.MADV_WILLNEED)  # a file not in the page cache: read ahead now
-    return np.frombuffer(mm, dtype, shape[0] * shape[1], start - base).reshape(shape)
+    return np.frombuffer(mm, dtype, count, start - base).reshape(shape)
 
 
 def pread_into(fd: int, out: np.ndarray, offset: int) -> None:
-    """Fill contiguous ``out`` with the file's bytes from ``offset``: the kernel copies
+    """Fill C-contiguous ``out`` (any shape) with the file's bytes from ``offset``: the kernel copies
     from the page cache, with no page faults on a freshly opened memory map."""
     view = memoryview(out).cast("B")
     while len(view):
@@ -130,9 +131,9 @@ class RowReader:
         self._file: tuple[int, int, int] | None = None  # (fd, offset, row bytes) of X's file
 
     def empty(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Buffers for ``n`` rows: ``X`` ``(n, n_features)`` in the load dtype and ``y``
+        """Buffers for ``n`` rows: ``X`` ``(n, *sample_shape)`` in the load dtype and ``y``
         ``(n, *target_shape)`` (int64 labels, or targets in the load dtype)."""
-        return (np.empty((n, self.source.n_features), self.dtype),
+        return (np.empty((n, *self.source.sample_shape), self.dtype),
                 np.empty((n, *self.source.target_shape), self.y_dtype))
 
     def read(self, rows: np.ndarray) -> tuple[np.ndarray | CSR, np.ndarray]:
@@ -155,7 +156,7 @@ class RowReader:
         return X, y
 
     def into(self, rows: np.ndarray, X_out: np.ndarray, y_out: np.ndarray) -> None:
-        """Write ``X[rows]`` into ``X_out`` ``(m, n_features)`` and ``y[rows]`` into
+        """Write ``X[rows]`` into ``X_out`` ``(m, *sample_shape)`` and ``y[rows]`` into
         ``y_out`` ``(m, ...)``, cast to their dtypes; ``rows`` int64 ``(m,)``, increasing."""
         if len(rows) == 0:
             return
@@ -236,7 +237,7 @@ class RowReader:
             if (offset + int(rows[0]) * row_bytes) % self.dtype.alignment:
                 return None  # (an .npz member after its zip header): BLAS wants aligned rows
             return map_rows(fd, offset + int(rows[0]) * row_bytes,
-                             (len(rows), self.source.n_features), self.dtype)
+                            (len(rows), *self.source.sample_shape), self.dtype)
         except (OSError, ValueError):
             return None
         finally:

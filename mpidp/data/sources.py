@@ -4,8 +4,14 @@ A :class:`Source` knows its shape from metadata alone (file headers), so every r
 open it cheaply, and :meth:`Source.read` returns only the rows asked for: ``.npy`` files
 and uncompressed ``.npz`` members are memory-mapped, HDF5 datasets are sliced.
 
-Built in: ``digits`` (scikit-learn's), ``synthetic`` (Gaussian clusters or a linear
-regression) and ``bow``, a workload that makes partitioning matter: a bag-of-words
+Samples may have any shape: ``X`` is ``(n_samples, *sample_shape)`` (images
+``(n, channels, height, width)``, signals ``(n, channels, length)``, flat features
+``(n, n_features)``); ``n_features`` is always the number of values per sample,
+``prod(sample_shape)``. Sparse (CSR) rows are ``(n_samples, n_features)``.
+
+Built in: the image and signal sets of :mod:`~.datasets` (``digits``, ``mnist1d``,
+``mnist``: made or read locally, nothing downloaded), ``synthetic`` (Gaussian clusters or
+a linear regression) and ``bow``, a workload that makes partitioning matter: a bag-of-words
 classification set whose rows are sparse (CSR) with Zipf-like (Pareto-tailed) lengths,
 stored SORTED BY LENGTH as real files often are: the short documents first, the long ones
 last. With :class:`mpidp.nn.SparseDense` as the first layer the work of a sample is
@@ -19,76 +25,17 @@ from __future__ import annotations
 import os
 import zipfile
 import zlib
-from abc import ABC, abstractmethod
 
 import numpy as np
 
 from ..nn.sparse import CSR
+from .arrays import ArraySource, Source
 from .crc32 import of_range
 
-BUILTIN = ("digits", "synthetic", "bow")
-ACCEPTED = ("expected 'digits', 'synthetic', 'bow', an .npz file with arrays X and y, a folder "
-            "with X.npy and y.npy, or an .h5/.hdf5 file with datasets X and y")
-
-
-class Source(ABC):
-    """A dataset of ``n_samples`` rows: features ``(n_samples, n_features)`` and targets.
-
-    ``classification`` is True when targets are integer labels ``(n_samples,)``;
-    otherwise targets are floats ``(n_samples,)`` or ``(n_samples, n_targets)``.
-    """
-
-    name: str
-    n_samples: int
-    n_features: int
-    classification: bool
-    target_shape: tuple[int, ...] = ()
-
-    @abstractmethod
-    def read(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(X[rows], y[rows])`` for sorted row numbers ``rows``."""
-
-
-def _check_arrays(name: str, X, y) -> None:
-    """Shape and type checks that need only metadata; raise ValueError naming the problem."""
-    if X.ndim != 2:
-        raise ValueError(f"{name}: X must be 2-D (n_samples, n_features), got shape {X.shape}")
-    if y.ndim not in (1, 2):
-        raise ValueError(f"{name}: y must be 1-D labels or 2-D targets, got shape {y.shape}")
-    if len(X) != len(y):
-        raise ValueError(f"{name}: X has {len(X)} rows but y has {len(y)}: lengths disagree")
-    if len(X) == 0:
-        raise ValueError(f"{name}: the dataset is empty (0 samples)")
-    if X.shape[1] == 0:
-        raise ValueError(f"{name}: X has no features (shape {X.shape})")
-    for label, a in (("X", X), ("y", y)):
-        if not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
-            raise ValueError(f"{name}: {label} must be numeric, got dtype {a.dtype}")
-        if a.dtype.kind == "c":
-            raise ValueError(f"{name}: {label} is complex ({a.dtype}) but mpidp trains on real "
-                             f"numbers: store its real part, its magnitude, or both as separate "
-                             f"columns")
-    if np.issubdtype(y.dtype, np.integer) and y.ndim != 1:
-        raise ValueError(f"{name}: integer class labels must be 1-D, got shape {y.shape}")
-
-
-class ArraySource(Source):
-    """Arrays (in memory or memory-mapped) read by fancy indexing."""
-
-    def __init__(self, name: str, X, y) -> None:
-        _check_arrays(name, X, y)
-        self.name, self.X, self.y = name, X, y
-        self.n_samples, self.n_features = X.shape
-        self.classification = bool(np.issubdtype(y.dtype, np.integer) or y.dtype == bool)
-        self.target_shape = tuple(y.shape[1:])
-
-    def read(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        if len(rows) == 0:
-            return self.X[:0], self.y[:0]
-        lo, hi = int(rows[0]), int(rows[-1]) + 1  # one contiguous span, then select
-        return (np.asarray(self.X[lo:hi])[rows - lo], np.asarray(self.y[lo:hi])[rows - lo])
-
-
+BUILTIN = ("digits", "mnist1d", "mnist", "synthetic", "bow")
+ACCEPTED = ("expected 'digits', 'mnist1d', 'mnist', 'synthetic', 'bow', an .npz file with arrays "
+            "X and y, a folder with X.npy and y.npy, or an .h5/.hdf5 file with datasets X and y")
+IMAGES = ("digits", "mnist1d", "mnist")  # made by mpidp.data.datasets
 class SyntheticSource(Source):
     """Seeded synthetic data generated in fixed chunks, so any rank can make any rows.
 
@@ -195,15 +142,6 @@ class BowSource(Source):
         if (np.diff(by_chunk) < 0).any():
             X = X[np.argsort(by_chunk)]
         return X, self._labels(X)
-
-def _load_digits() -> Source:
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as exc:
-        raise ValueError("dataset 'digits' needs scikit-learn: pip install 'mpidp[datasets]'") from exc
-    d = load_digits()
-    return ArraySource("digits", d.data / 16.0, d.target.astype(np.int64))
-
 
 def _npz_member(path: str, zf: zipfile.ZipFile, key: str, verify: bool = True):
     """Memory-map member ``key`` of an uncompressed ``.npz`` after checking its CRC-32 (a
@@ -368,8 +306,10 @@ def _open_hdf5(path: str) -> Source:
 def open_source(spec: str | os.PathLike, *, n_samples: int = 60000,
                 n_features: int = 784, n_classes: int = 10, seed: int = 0,
                 regression: bool = False, verify: bool = True) -> Source:
-    """Open ``spec``: ``digits``, ``synthetic`` (sized by the keywords), or a path to an
-    ``.npz`` with ``X`` and ``y``, a folder with ``X.npy`` and ``y.npy``, or an ``.h5`` file.
+    """Open ``spec``: a built-in (``digits``, ``mnist1d``, ``mnist``: see
+    :mod:`~.datasets`; ``synthetic`` and ``bow``, sized by the keywords), or a path to an
+    ``.npz`` with ``X`` and ``y``, a folder with ``X.npy`` and ``y.npy``, or an ``.h5`` file
+    (``X`` ``(n_samples, *sample_shape)``, at least 2-D).
 
     ``verify``: check the CRC-32 of uncompressed ``.npz`` members before memory-mapping
     them (one more pass over the file: docs/benchmarks-data.md; compressed members are checked
@@ -377,8 +317,9 @@ def open_source(spec: str | os.PathLike, *, n_samples: int = 60000,
     Raises ValueError with a message that names the problem.
     """
     spec = os.fspath(spec)
-    if spec == "digits":
-        return _load_digits()
+    if spec in IMAGES:
+        from . import datasets  # the optional packages load only when asked for
+        return getattr(datasets, spec)()
     if spec == "synthetic":
         return SyntheticSource(n_samples, n_features, n_classes, seed, regression)
     if spec == "bow":  # sparse, variable-cost rows sorted by length
@@ -424,7 +365,7 @@ def check_rows(source: Source, X: np.ndarray, y: np.ndarray, rows: np.ndarray,
     """Problems in the rows read (``None`` if fine): NaN/Inf, values that ``dtype`` (the
     dtype they will be cast to, when given) cannot hold, bad or out-of-range labels.
 
-    ``X`` ``(m, n_features)`` (or CSR) and ``y`` ``(m, ...)`` hold dataset rows ``rows``
+    ``X`` ``(m, *sample_shape)`` (or CSR) and ``y`` ``(m, ...)`` hold dataset rows ``rows``
     ``(m,)`` in the source's dtypes; messages name the dataset row, not the position.
     """
     for label, a in (("X", X), ("y", y)):

@@ -1,15 +1,27 @@
 """Pure-NumPy neural networks with flat parameter buffers. Imports nothing from mpi4py."""
 
-from .layers import Dense, Layer, ReLU, Sigmoid, Tanh, register_layer, registered_layers
+from .activations import GELU, LeakyReLU, ReLU, Sigmoid, Softmax, Tanh
+from .blocks import Residual
+from .context import Context
+from .conv import Conv1d, Conv2d
+from .dropout import Dropout
+from .embedding import Embedding
+from .layers import Dense, Layer, register_layer, registered_layers
 from .losses import OUTPUTS, Loss, MeanSquaredError, SoftmaxCrossEntropy, outputs
 from .model import Sequential, from_spec, load, save
+from .norm import BatchNorm, LayerNorm
 from .optim import SGD, Adam, Optimizer, make_optimizer
-from .presets import build, linear, logreg, mlp
+from .pool import AvgPool, GlobalAvgPool, MaxPool
+from .presets import PRESETS, build, default_epochs, linear, logreg, mlp, model_layers
+from .reshape import Flatten, Reshape
 from .sparse import CSR, SparseDense
 
 __all__ = [
-    "OUTPUTS", "Adam", "CSR", "Dense", "Layer", "Loss", "MeanSquaredError", "Optimizer", "ReLU",
-    "SGD", "Sequential", "Sigmoid", "SoftmaxCrossEntropy", "SparseDense", "Tanh", "build",
-    "from_spec", "linear", "load", "logreg", "make_optimizer", "mlp", "outputs",
-    "register_layer", "registered_layers", "save",
+    "Adam", "AvgPool", "BatchNorm", "build", "Context", "Conv1d", "Conv2d", "CSR",
+    "default_epochs", "Dense", "Dropout", "Embedding", "Flatten", "from_spec", "GELU",
+    "GlobalAvgPool", "Layer", "LayerNorm", "LeakyReLU", "linear", "load", "logreg", "Loss",
+    "make_optimizer", "MaxPool", "MeanSquaredError", "mlp", "model_layers", "Optimizer",
+    "OUTPUTS", "outputs", "PRESETS", "register_layer", "registered_layers", "ReLU", "Reshape",
+    "Residual", "save", "Sequential", "SGD", "Sigmoid", "Softmax", "SoftmaxCrossEntropy",
+    "SparseDense", "Tanh",
 ]

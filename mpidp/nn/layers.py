@@ -5,8 +5,16 @@ one flat buffer for every layer's parameters (and one for gradients) and hands e
 views into it through :meth:`Layer.bind`. Gradients are SUMS over the samples of a batch,
 never means: the caller divides by the global sample count after combining ranks.
 
+A layer maps ``(n, *in_shape)`` to ``(n, *out_shape)``: the batch axis comes first and is
+the one split across ranks. Values that are not trained (batch norm's running
+statistics) are the layer's *state*: declared by :meth:`Layer.state_shapes`, views into the
+model's one flat ``state`` buffer, saved and checkpointed with the parameters. A layer
+learns of the step it runs in (training or not, the samples' global indices, a sum over the
+replica group) from ``self.context`` (:class:`mpidp.nn.Context`).
+
 Every layer class that :func:`mpidp.nn.from_spec` (and so :func:`mpidp.nn.load`) can rebuild
-is registered by name with :func:`register_layer`; the built-in ones are registered here.
+is registered by name with :func:`register_layer`; the built-in ones are registered where
+they are defined (this module, ``activations``, ``conv``, ``norm`` ...).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from typing import TypeVar
 import numpy as np
 
 from .blas import add_xt_dy_
+from .context import Context
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -26,10 +35,19 @@ class Layer(ABC):
 
     params: dict[str, np.ndarray]
     grads: dict[str, np.ndarray]
+    state: dict[str, np.ndarray]
+    context: Context
+    #: what the layer needs from whoever runs it: ``"replica-sums"`` (``context.reduce_sum``
+    #: over the global batch, as batch norm), ``"sample-index"`` (``context.index``, as
+    #: dropout). A trainer that cannot provide one refuses the model, naming it.
+    needs: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         self.params = {}
         self.grads = {}
+        self.state = {}
+        self.context = Context()
+        self.key: tuple[int, ...] = ()
 
     def param_shapes(self) -> Shapes:
         """Shapes of this layer's parameters, in a fixed order (empty: no parameters)."""
@@ -39,21 +57,47 @@ class Layer(ABC):
         """Attach views into the model's flat parameter and gradient buffers."""
         self.params, self.grads = params, grads
 
+    def state_shapes(self) -> Shapes:
+        """Shapes of this layer's untrained state (running statistics), in a fixed order."""
+        return {}
+
+    def bind_state(self, state: dict[str, np.ndarray]) -> None:
+        """Attach views into the model's flat state buffer (called after :meth:`bind`)."""
+        self.state = state
+
     def init_(self, rng: np.random.Generator) -> None:  # noqa: B027 - no parameters: nothing to do
-        """Fill this layer's parameters in place from ``rng``."""
+        """Fill this layer's parameters (and state) in place from ``rng``."""
+
+    def set_context(self, context: Context, key: tuple[int, ...] = ()) -> None:
+        """Share the model's :class:`Context` and give the layer its ``key``: its position
+        in the model (``(i,)``; a layer inside a block ``(i, j)``), which keys anything
+        random the layer draws. A layer holding layers passes both on, extending ``key``."""
+        self.context, self.key = context, tuple(key)
 
     def output_dim(self, n_in: int) -> int:
-        """Number of output features for ``n_in`` input features."""
+        """Number of output features for ``n_in`` input features (a layer of flat
+        features may define this instead of :meth:`output_shape`)."""
         return n_in
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Per-sample output shape for per-sample input shape ``in_shape``; raises
+        ``ValueError`` if the layer cannot take it. The model calls it once, before
+        :meth:`param_shapes`, so a layer may fix sizes it infers from ``in_shape`` here.
+        By default: :meth:`output_dim` for flat features, else the shape unchanged."""
+        if len(in_shape) == 1:
+            return (int(self.output_dim(in_shape[0])),)
+        return tuple(in_shape)
 
     @abstractmethod
     def forward(self, x: np.ndarray) -> np.ndarray:
-        """Map ``x`` ``(n, n_in)`` to ``(n, n_out)``, caching what ``backward`` needs."""
+        """Map ``x`` ``(n, *in_shape)`` to ``(n, *out_shape)``, caching what ``backward``
+        needs."""
 
     @abstractmethod
     def backward(self, dy: np.ndarray, accumulate: bool = False,
                  need_input_grad: bool = True) -> np.ndarray | None:
-        """Given dL/dy ``(n, n_out)`` return dL/dx ``(n, n_in)``; write (or add to) grads.
+        """Given dL/dy ``(n, *out_shape)`` return dL/dx ``(n, *in_shape)``; write (or add
+        to) grads.
 
         With ``need_input_grad=False`` (the first layer of a model) dL/dx is not computed
         and None is returned: for a ``Dense`` layer that saves a third of its backward work.
@@ -67,6 +111,7 @@ class Layer(ABC):
 
 _LayerT = TypeVar("_LayerT", bound=type)
 
+RESERVED = ("type", "model_n_in", "model_in_shape")  # spec keys that are not a layer's settings
 _CLASSES: dict[str, type] = {}  # registered name -> layer class
 _NAMES: dict[type, str] = {}    # layer class -> the name its specs are written under
 
@@ -135,6 +180,23 @@ def layer_name(cls: type) -> str:
     return _NAMES.get(cls, cls.__name__)
 
 
+def layer_spec(layer: Layer) -> dict:
+    """``{"type": <registered name>, **settings}`` for one layer: the settings from its
+    ``config()``, else ``n_in``/``n_out`` where the layer has ``n_out``. Raises
+    ``ValueError`` if the settings use a key a model spec reserves."""
+    if callable(getattr(layer, "config", None)):
+        settings = dict(layer.config())
+    elif hasattr(layer, "n_out"):
+        settings = {"n_in": layer.n_in, "n_out": layer.n_out}
+    else:
+        settings = {}
+    clash = [k for k in RESERVED if k in settings]
+    if clash:
+        raise ValueError(f"{type(layer).__name__}.config() may not use the key(s) {clash}: "
+                         f"they are reserved in a model spec")
+    return {"type": layer_name(type(layer)), **settings}
+
+
 def layer_class(name: str) -> type:
     """The layer class registered under ``name``.
 
@@ -152,17 +214,23 @@ def layer_class(name: str) -> type:
                          f"{', '.join(sorted(_CLASSES))}") from None
 
 
+def _bad_size(v) -> bool:
+    return isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1
+
+
 @register_layer
 class Dense(Layer):
     """Fully connected layer ``y = x @ W + b``; ``W`` is ``(n_in, n_out)``, ``b`` ``(n_out,)``.
 
     ``init="he"`` (default, for ReLU) draws ``W ~ N(0, 2/n_in)``; ``"xavier"`` draws
     ``U(±sqrt(6/(n_in+n_out)))``; ``"zeros"`` is for linear models. ``b`` starts at zero.
+    ``n_in=None`` takes the width of the input the model gives it (flat features only:
+    put a :class:`Flatten` in front of image-shaped inputs).
     """
 
-    def __init__(self, n_in: int, n_out: int, init: str = "he") -> None:
+    def __init__(self, n_in: int | None, n_out: int, init: str = "he") -> None:
         super().__init__()
-        if n_in < 1 or n_out < 1:
+        if (n_in is not None and _bad_size(n_in)) or _bad_size(n_out):
             raise ValueError(f"Dense needs n_in >= 1 and n_out >= 1, got {n_in}, {n_out}")
         if init not in ("he", "xavier", "zeros"):
             raise ValueError(f"unknown init {init!r}; expected 'he', 'xavier' or 'zeros'")
@@ -173,9 +241,17 @@ class Dense(Layer):
         return {"W": (self.n_in, self.n_out), "b": (self.n_out,)}
 
     def output_dim(self, n_in: int) -> int:
+        if self.n_in is None:
+            self.n_in = int(n_in)
         if n_in != self.n_in:
             raise ValueError(f"Dense expects {self.n_in} input features, got {n_in}")
         return self.n_out
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if len(in_shape) != 1:
+            raise ValueError(f"Dense takes flat features, got per-sample shape {tuple(in_shape)}: "
+                             f"put a Flatten in front of it")
+        return (self.output_dim(in_shape[0]),)
 
     def init_(self, rng: np.random.Generator) -> None:
         W, b = self.params["W"], self.params["b"]
@@ -207,54 +283,3 @@ class Dense(Layer):
 
     def __repr__(self) -> str:
         return f"Dense({self.n_in}, {self.n_out})"
-
-
-@register_layer
-class ReLU(Layer):
-    """``max(x, 0)``; the derivative at 0 is taken as 0.
-
-    ``inplace=True`` overwrites ``x`` in forward and ``dy`` in backward instead of
-    allocating new arrays; use it only where both are temporaries (after a ``Dense``, as
-    :func:`mpidp.nn.mlp` does), never as a model's first layer.
-    """
-
-    def __init__(self, inplace: bool = False) -> None:
-        super().__init__()
-        self.inplace = inplace
-
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        self._y = np.maximum(x, 0, out=x if self.inplace else None)
-        return self._y
-
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        if not need_input_grad:
-            return None
-        return np.multiply(dy, self._y > 0, out=dy if self.inplace else None)
-
-
-@register_layer
-class Tanh(Layer):
-    """``tanh(x)``."""
-
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        self._y = np.tanh(x)
-        return self._y
-
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        return dy * (1 - self._y * self._y) if need_input_grad else None
-
-
-@register_layer
-class Sigmoid(Layer):
-    """``1 / (1 + exp(-x))``, computed without overflow for large ``|x|``."""
-
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        e = np.exp(-np.abs(x))
-        self._y = np.where(x >= 0, 1 / (1 + e), e / (1 + e))
-        return self._y
-
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        return dy * self._y * (1 - self._y) if need_input_grad else None

@@ -20,32 +20,63 @@ import numpy as np
 import numpy.typing as npt
 
 from ..atomic import write_atomic
-from .layers import Layer, layer_class, layer_name
+from .context import Context
+from .layers import RESERVED, Layer, layer_class, layer_spec
 from .losses import outputs
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-_RESERVED = ("type", "model_n_in")  # spec keys that are not a layer's settings
 MODEL_FILE = "model.npz"
 
 
+def as_shape(n_in: int | Sequence[int], what: str = "n_in") -> tuple[int, ...]:
+    """A per-sample shape from a width or a sequence of sizes (each >= 1)."""
+    shape = (n_in,) if isinstance(n_in, (int, np.integer)) else tuple(n_in)
+    if not shape or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1
+                        for d in shape):
+        raise ValueError(f"{what} must be a positive width or a tuple of positive sizes, "
+                         f"got {n_in!r}")
+    return tuple(int(d) for d in shape)
+
+
+def chain_shapes(layers: Sequence[Layer], in_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Per-sample shapes ``[in_shape, out of layer 0, ..., out of the last layer]``.
+
+    Raises ``ValueError`` naming the first layer that cannot take its input's shape.
+    """
+    shapes = [tuple(in_shape)]
+    for i, layer in enumerate(layers):
+        try:
+            shapes.append(as_shape(layer.output_shape(shapes[-1]), "an output shape"))
+        except ValueError as exc:
+            got = (f"{shapes[-1][0]} features" if len(shapes[-1]) == 1
+                   else f"samples of shape {shapes[-1]}")
+            raise ValueError(f"layer shapes do not chain: layer {i} ({layer!r}) gets "
+                             f"{got} from the layer before it: {exc}") from None
+    return shapes
+
+
 class Sequential:
-    """Layers applied in order to inputs of shape ``(n_samples, n_in)``.
+    """Layers applied in order to inputs of shape ``(n_samples, *in_shape)``.
 
     Parameters
     ----------
     layers : the layers, in order; their shapes must chain (checked here).
-    n_in : number of input features.
+    n_in : the per-sample input shape: a number of features, or a tuple such as
+        ``(channels, height, width)``.
     dtype : ``float32`` or ``float64``; parameters, gradients and activations use it.
 
     Notes
     -----
     ``params`` and ``grads`` have ``n_params`` elements; ``layer.params[k]`` is a view of
     ``params`` for every layer and key, in layer order then ``param_shapes`` order.
-    ``meta`` is a JSON-able dict that :meth:`save` stores with the model and :func:`load`
-    restores (empty unless set).
+    ``state`` (``n_state`` elements) likewise holds every layer's untrained state (batch
+    norm's running statistics). ``in_shape`` / ``out_shape`` are the per-sample shapes;
+    ``n_in`` / ``n_out`` their sizes (features per sample). ``context`` is the
+    :class:`Context` every layer shares. ``meta`` is a JSON-able dict that :meth:`save`
+    stores with the model and :func:`load` restores (empty unless set).
     """
 
-    def __init__(self, layers: Sequence[Layer], n_in: int,
+    def __init__(self, layers: Sequence[Layer], n_in: int | Sequence[int],
                  dtype: npt.DTypeLike = np.float32) -> None:
         self.dtype = np.dtype(dtype)
         if self.dtype not in _FLOATS:
@@ -53,16 +84,50 @@ class Sequential:
         if not layers:
             raise ValueError("Sequential needs at least one layer")
         self.layers = list(layers)
-        self.n_in = int(n_in)
-        dim = self.n_in
-        for layer in self.layers:
-            dim = layer.output_dim(dim)
-        self.n_out = dim
+        self.in_shape = as_shape(n_in)
+        self.shapes = chain_shapes(self.layers, self.in_shape)
+        self.out_shape = self.shapes[-1]
+        self.n_in, self.n_out = int(np.prod(self.in_shape)), int(np.prod(self.out_shape))
         self.n_params = sum(int(np.prod(s)) for layer in self.layers
                             for s in layer.param_shapes().values())
+        self.n_state = sum(int(np.prod(s)) for layer in self.layers
+                           for s in layer.state_shapes().values())
         self.params = np.zeros(self.n_params, self.dtype)
         self._bind(self.params, np.zeros(self.n_params, self.dtype))
+        self.state = np.zeros(self.n_state, self.dtype)
+        self._bind_state(self.state)
+        self.set_context(Context())
         self.meta: dict[str, Any] = {}
+
+    @property
+    def needs(self) -> frozenset[str]:
+        """What the layers need from the trainer (:attr:`mpidp.nn.Layer.needs`), together."""
+        return frozenset().union(*(layer.needs for layer in self.layers))
+
+    def _bind_state(self, state: np.ndarray) -> None:
+        offset = 0
+        for layer in self.layers:
+            views = {}
+            for name, shape in layer.state_shapes().items():
+                size = int(np.prod(shape))
+                views[name] = state[offset:offset + size].reshape(shape)
+                offset += size
+            layer.bind_state(views)
+
+    def use_state_buffer(self, buffer: np.ndarray) -> None:
+        """Move ``state`` (and every layer's state views) into ``buffer`` ``(n_state,)``,
+        keeping its values."""
+        if buffer.dtype != self.dtype or buffer.shape != (self.n_state,):
+            raise ValueError(f"state buffer must be 1-D {self.dtype} with {self.n_state} items")
+        buffer[...] = self.state
+        self.state = buffer
+        self._bind_state(buffer)
+
+    def set_context(self, context: Context) -> None:
+        """Share ``context`` with every layer (a trainer's, filled before each step)."""
+        self.context = context
+        for i, layer in enumerate(self.layers):
+            layer.set_context(context, (i,))
 
     def _bind(self, params: np.ndarray, grads: np.ndarray) -> None:
         self.params, self.grads = params, grads
@@ -105,7 +170,12 @@ class Sequential:
         return self
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        """``x`` ``(n, n_in)`` → output ``(n, n_out)``; caches activations for ``backward``."""
+        """``x`` ``(n, *in_shape)`` → output ``(n, *out_shape)``; caches activations for
+        ``backward``. Runs in the mode ``context.training`` says (False: evaluation)."""
+        if tuple(x.shape[1:]) != self.in_shape and not (
+                len(self.in_shape) == 1 and x.ndim == 2 and x.shape[1] == self.n_in):
+            raise ValueError(f"the model takes samples of shape {self.in_shape}, got a batch "
+                             f"of shape {tuple(x.shape)}")
         for layer in self.layers:
             x = layer.forward(x)
         return x
@@ -113,10 +183,15 @@ class Sequential:
     __call__ = forward
 
     def predict(self, x: np.ndarray, output: str = "scores") -> np.ndarray:
-        """A classifier's predictions for ``x`` ``(n, n_in)`` as ``output``: ``scores``
+        """A classifier's predictions for ``x`` ``(n, *in_shape)`` as ``output``: ``scores``
         ``(n, n_out)``, ``proba`` (softmax, rows summing to 1) or ``label`` ``(n,)`` int64
-        (:func:`mpidp.nn.losses.outputs`); ``scores`` is also what a regression predicts."""
-        return outputs(self.forward(x), output)
+        (:func:`mpidp.nn.losses.outputs`); ``scores`` is also what a regression predicts.
+        Always in evaluation mode (no dropout; batch norm's running statistics)."""
+        was, self.context.training = self.context.training, False
+        try:
+            return outputs(self.forward(x), output)
+        finally:
+            self.context.training = was
 
     def backward(self, dy: np.ndarray, accumulate: bool = False, input_grad: bool = True,
                  on_layer_done: Callable[[int], None] | None = None) -> np.ndarray | None:
@@ -141,22 +216,14 @@ class Sequential:
         list of dict : one per layer, ``{"type": <registered name>, **settings}``, where the
             settings are ``layer.config()`` if the layer defines it, else ``n_in`` and
             ``n_out`` if it has them (see :func:`mpidp.nn.register_layer`); the first
-            dict also holds ``"model_n_in"``. Parameters are not part of it.
+            dict also holds ``"model_n_in"`` (flat inputs) or ``"model_in_shape"`` (a list).
+            Parameters are not part of it.
         """
-        out = []
-        for layer in self.layers:
-            if callable(getattr(layer, "config", None)):
-                settings = dict(layer.config())
-            elif hasattr(layer, "n_out"):
-                settings = {"n_in": layer.n_in, "n_out": layer.n_out}
-            else:
-                settings = {}
-            clash = [k for k in _RESERVED if k in settings]
-            if clash:
-                raise ValueError(f"{type(layer).__name__}.config() may not use the key(s) "
-                                 f"{clash}: they are reserved in a model spec")
-            out.append({"type": layer_name(type(layer)), **settings})
-        out[0]["model_n_in"] = self.n_in
+        out = [layer_spec(layer) for layer in self.layers]
+        if len(self.in_shape) == 1:
+            out[0]["model_n_in"] = self.n_in
+        else:
+            out[0]["model_in_shape"] = list(self.in_shape)
         return out
 
     def save(self, path: str | os.PathLike, meta: dict | None = None) -> str:
@@ -165,7 +232,8 @@ class Sequential:
 
     def __repr__(self) -> str:
         inner = ", ".join(map(repr, self.layers))
-        return f"Sequential([{inner}], n_in={self.n_in}, dtype={self.dtype}, n_params={self.n_params})"
+        shape = self.n_in if len(self.in_shape) == 1 else self.in_shape
+        return f"Sequential([{inner}], n_in={shape}, dtype={self.dtype}, n_params={self.n_params})"
 
 
 def from_spec(spec: Sequence[dict], dtype: npt.DTypeLike = np.float32) -> Sequential:
@@ -191,7 +259,7 @@ def from_spec(spec: Sequence[dict], dtype: npt.DTypeLike = np.float32) -> Sequen
     layers = []
     for d in spec:
         cls = layer_class(d["type"])
-        settings = {k: v for k, v in d.items() if k not in _RESERVED}
+        settings = {k: v for k, v in d.items() if k not in RESERVED}
         try:
             layers.append(cls.from_config(settings) if callable(getattr(cls, "from_config", None))
                           else cls(**settings))
@@ -199,10 +267,13 @@ def from_spec(spec: Sequence[dict], dtype: npt.DTypeLike = np.float32) -> Sequen
             raise ValueError(f"layer {d['type']!r} cannot be rebuilt from its settings "
                              f"{settings} ({exc}); a layer whose constructor does not take "
                              f"them defines config() and from_config()") from None
-    n_in = spec[0].get("model_n_in", spec[0].get("n_in"))
-    if not isinstance(n_in, int):
-        raise ValueError(f"the model spec gives no input width ('model_n_in'), got {n_in!r}")
-    return Sequential(layers, n_in, dtype)
+    n_in = spec[0].get("model_in_shape", spec[0].get("model_n_in", spec[0].get("n_in")))
+    try:
+        shape = as_shape(n_in)
+    except (ValueError, TypeError):
+        raise ValueError(f"the model spec gives no input shape ('model_n_in' or "
+                         f"'model_in_shape'), got {n_in!r}") from None
+    return Sequential(layers, shape, dtype)
 
 
 # ---------------------------------------------------------------------------- files
@@ -251,7 +322,8 @@ def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None) -
     """Write ``model`` to ``path`` atomically, as the ``model.npz`` of ``mpidp train``.
 
     The archive (``np.savez``, no pickles) holds ``params`` (the flat ``(n_params,)``
-    vector, in the model's dtype), ``spec`` (JSON of :meth:`Sequential.spec`), ``dtype``
+    vector, in the model's dtype), ``state`` (the flat ``(n_state,)`` untrained state,
+    when the model has any), ``spec`` (JSON of :meth:`Sequential.spec`), ``dtype``
     (``"float32"`` or ``"float64"``) and ``meta`` (JSON of ``meta``, else of
     ``model.meta``). It is written to a temporary file in the same folder, fsynced and
     renamed, so ``path`` is at every moment absent, the old file, or the whole new one.
@@ -277,8 +349,9 @@ def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None) -
     except TypeError as exc:
         raise ValueError(f"cannot save the model to {path!r}: {exc} (a layer's config() and "
                          f"meta must be JSON-able)") from None
+    extra = {"state": model.state} if model.n_state else {}
     write_atomic(path, lambda f: np.savez(f, params=model.params, spec=spec_json,
-                                          dtype=str(model.dtype), meta=meta_json))
+                                          dtype=str(model.dtype), meta=meta_json, **extra))
     return path
 
 
@@ -313,10 +386,15 @@ def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
             raise ValueError(f"params is {params.dtype} {params.shape}, but the spec needs "
                              f"{model.dtype} ({model.n_params},)")
         model.params[...] = params
+        state = saved.get("state", np.zeros(0, model.dtype))
+        if state.shape != (model.n_state,) or (model.n_state and state.dtype != model.dtype):
+            raise ValueError(f"state is {state.dtype} {state.shape}, but the spec needs "
+                             f"{model.dtype} ({model.n_state},)")
+        model.state[...] = state
         model.meta = meta
     except _READ_ERRORS as exc:
         raise ValueError(f"{path!r}: cannot load a saved model ({type(exc).__name__}: "
                          f"{exc})") from None
-    if check_finite and not np.isfinite(model.params).all():
+    if check_finite and not (np.isfinite(model.params).all() and np.isfinite(model.state).all()):
         raise ValueError(f"{path!r}: the saved parameters contain NaN or Inf")
     return model

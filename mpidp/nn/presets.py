@@ -1,4 +1,5 @@
-"""Ready-made models: linear regression, softmax (logistic) regression and MLPs."""
+"""Ready-made models (linear regression, softmax (logistic) regression, MLPs, a small CNN)
+and models by name or model file (:func:`model_layers`)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ import numpy as np
 import numpy.typing as npt
 
 from . import layers as L
+from .activations import ReLU, Sigmoid, Tanh
+from .conv import Conv1d, Conv2d
 from .losses import Loss, MeanSquaredError, SoftmaxCrossEntropy
-from .model import Sequential
+from .model import Sequential, as_shape
+from .modelfile import is_model_file, layers_from, read_model_file
+from .pool import MaxPool
+from .reshape import Flatten
 from .sparse import SparseDense
 
-_ACTIVATIONS = {"relu": L.ReLU, "tanh": L.Tanh, "sigmoid": L.Sigmoid}
+_ACTIVATIONS = {"relu": ReLU, "tanh": Tanh, "sigmoid": Sigmoid}
 
 
 def linear(n_in: int, n_out: int = 1, dtype: npt.DTypeLike = np.float32) -> Sequential:
@@ -36,7 +42,7 @@ def mlp_layers(n_in: int, hidden: Sequence[int], n_out: int,
     """The layers of :func:`mlp`, not yet bound to parameters (nothing is allocated)."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(_ACTIVATIONS)}")
-    act = (lambda: L.ReLU(inplace=True)) if activation == "relu" else _ACTIVATIONS[activation]
+    act = (lambda: ReLU(inplace=True)) if activation == "relu" else _ACTIVATIONS[activation]
     init = "he" if activation == "relu" else "xavier"
     layers: list[L.Layer] = []
     dims = [n_in, *hidden]
@@ -46,27 +52,95 @@ def mlp_layers(n_in: int, hidden: Sequence[int], n_out: int,
     return layers
 
 
-def build(name: str, n_in: int, n_out: int, hidden: Sequence[int] = (128, 64),
-          dtype: npt.DTypeLike = np.float32, classification: bool = True,
-          sparse: bool = False) -> tuple[Sequential, Loss]:
-    """Model and loss by CLI name: ``linear`` (MSE), ``logreg`` or ``mlp``.
+PRESETS = ("linear", "logreg", "mlp", "cnn")
+#: epochs a preset trains for unless told (``mpidp train`` without ``--epochs``)
+DEFAULT_EPOCHS = {"cnn": 20}
+EPOCHS = 10  # every other model
 
-    ``mlp`` uses softmax cross-entropy when ``classification`` else mean squared error.
+
+def default_epochs(model: str) -> int:
+    """The epochs ``mpidp train --model MODEL`` runs when ``--epochs`` is not given."""
+    return DEFAULT_EPOCHS.get(model, EPOCHS)
+
+
+def cnn_layers(in_shape: Sequence[int], n_out: int) -> list[L.Layer]:
+    """A small convolutional classifier for ``(channels, length)`` signals or
+    ``(channels, height, width)`` images, unbound. Signals: three ``Conv1d`` of 32
+    channels (kernel 5, padded) with ReLU, a 2-wide ``MaxPool`` after the first two (while
+    the signal is at least 4 long), then a ``Dense`` to ``n_out``. Images: ``Conv2d`` of
+    16 then 32 channels (3x3, padded), each with ReLU and a 2x2 ``MaxPool`` (the pooling
+    only while the image is at least 4 pixels across), then ``Dense`` 64, ReLU, ``Dense`` to ``n_out``."""
+    shape = tuple(in_shape)
+    if len(shape) == 2:
+        layers = []
+        length = shape[1]
+        for i in range(3):
+            layers += [Conv1d(32, 5, padding=2), ReLU(inplace=True)]
+            if i < 2 and length >= 4:
+                layers.append(MaxPool(2))
+                length //= 2
+        return [*layers, Flatten(), _dense(n_out, "xavier")]
+    if len(shape) == 3:
+        layers: list[L.Layer] = []
+        side = min(shape[1:])
+        for channels in (16, 32):
+            layers += [Conv2d(channels, 3, padding=1), ReLU(inplace=True)]
+            if side >= 4:
+                layers.append(MaxPool(2))
+                side //= 2
+        return [*layers, Flatten(), _dense(64, "he"), ReLU(inplace=True),
+                _dense(n_out, "xavier")]
+    raise ValueError(f"model 'cnn' needs samples shaped (channels, length) or (channels, "
+                     f"height, width), got per-sample shape {shape}; for flat features use "
+                     f"--model mlp")
+
+
+def _dense(n_out: int, init: str) -> L.Dense:
+    """A Dense layer whose input width is taken from the layer before it."""
+    return L.Dense(None, n_out, init=init)
+
+
+def model_layers(name: str, in_shape: int | Sequence[int], n_out: int,
+                 hidden: Sequence[int] = (128, 64), classification: bool = True,
+                 sparse: bool = False) -> tuple[list[L.Layer], Loss]:
+    """The layers (unbound: nothing allocated) and loss of the model ``name``.
+
+    ``name``: a preset of :data:`PRESETS` (``linear`` (MSE), ``logreg``, ``mlp``, ``cnn``)
+    or a model file (``.toml``/``.json``, :mod:`mpidp.nn.modelfile`). Presets other than
+    ``cnn`` put a ``Flatten`` in front when samples are not flat. The loss is softmax
+    cross-entropy when ``classification`` (``linear``: always MSE) else mean squared error.
     ``sparse=True`` makes the first layer a :class:`SparseDense` (CSR input).
     """
-    if sparse:
-        model, loss = build(name, n_in, n_out, hidden, dtype, classification)
-        first = model.layers[0]
-        layers = [SparseDense(first.n_in, first.n_out), *model.layers[1:]]
-        return Sequential(layers, n_in, dtype), loss
+    shape = as_shape(in_shape)
+    loss: Loss = SoftmaxCrossEntropy() if classification else MeanSquaredError()
+    flat = [] if len(shape) == 1 else [Flatten()]
+    n_in = int(np.prod(shape))
+    if is_model_file(name):
+        return layers_from(read_model_file(name), n_out, where=f"model file {name}"), loss
+    if name == "cnn":
+        return cnn_layers(shape, n_out), loss
     if name == "linear":
-        return linear(n_in, n_out, dtype), MeanSquaredError()
-    if name == "logreg":
+        layers: list[L.Layer] = [L.Dense(n_in, n_out, init="zeros")]
+        loss = MeanSquaredError()
+    elif name == "logreg":
         if not classification:
             raise ValueError("model 'logreg' needs integer class labels; "
                              "use 'linear' or 'mlp' for regression")
-        return logreg(n_in, n_out, dtype), SoftmaxCrossEntropy()
-    if name == "mlp":
-        loss = SoftmaxCrossEntropy() if classification else MeanSquaredError()
-        return mlp(n_in, hidden, n_out, dtype=dtype), loss
-    raise ValueError(f"unknown model {name!r}; expected 'linear', 'logreg' or 'mlp'")
+        layers = [L.Dense(n_in, n_out, init="zeros")]
+    elif name == "mlp":
+        layers = mlp_layers(n_in, hidden, n_out)
+    else:
+        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(PRESETS)}, or "
+                         f"a model file (.toml or .json)")
+    if sparse:
+        layers[0] = SparseDense(layers[0].n_in, layers[0].n_out)
+    return flat + layers, loss
+
+
+def build(name: str, n_in: int | Sequence[int], n_out: int, hidden: Sequence[int] = (128, 64),
+          dtype: npt.DTypeLike = np.float32, classification: bool = True,
+          sparse: bool = False) -> tuple[Sequential, Loss]:
+    """Model (parameters zero: call ``init_``) and loss by name: see :func:`model_layers`.
+    ``n_in``: the per-sample input shape (or number of features)."""
+    layers, loss = model_layers(name, n_in, n_out, hidden, classification, sparse)
+    return Sequential(layers, n_in, dtype), loss

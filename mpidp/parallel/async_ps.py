@@ -36,6 +36,7 @@ from ..run.nonfinite import NonFiniteError, Policy, all_finite
 from ..run.signals import Preempted
 from ..run.spec import Checkpointing, RunSpec
 from ..run.stats import StepStats
+from .layer_needs import refuses_model
 
 _PUSH, _PULL = 11, 12
 _STOP = -2  # the version the server answers with when training must stop
@@ -104,9 +105,11 @@ class _Worker:
     def step(self, X: np.ndarray, y: np.ndarray, last_of_epoch: bool = False) -> StepStats:
         """One push and pull; raises :class:`_Stopped` when the server says stop."""
         model, msg, n = self.model, self.msg, self.model.n_params
+        model.context.training, model.context.step = True, self.global_step
         with self.timer.compute():  # stretched by timer.slowdown (a simulated slower node)
             msg[n + _Slot.LOSS] = self.loss.forward(model.forward(X), y)
             model.backward(self.loss.backward(), input_grad=False)
+            model.context.training, model.context.index = False, None
             if self._poison:
                 msg[0], self._poison = np.nan, False
         msg[n + _Slot.COUNT], msg[n + _Slot.EPOCH] = len(X), self.epoch
@@ -149,12 +152,15 @@ class _WorkerFeed:
     def batches(self, epoch: int, first: int):
         """This worker's parts of the epoch's global batches ``first`` and later."""
         self.w.epoch, spec, shard = epoch, self.spec, self.shard
+        ctx = self.w.model.context
+        ctx.epoch, ctx.seed = epoch, spec.seed
         for b, idx in enumerate(local_batches(shard.n_total, spec.batch_size, shard.start,
                                               shard.stop, epoch, spec.seed, spec.shuffle,
                                               spec.drop_last)):
             y = shard.y[idx]
             if b >= first and len(y):
                 self.w.batch = b
+                ctx.index = shard.positions[idx]  # keys dropout masks to the samples
                 yield shard.X[idx], y
 
     def end_epoch(self) -> None:
@@ -333,6 +339,9 @@ class AsyncPS:
                                f"{C.MAX_COUNT - _EXTRA} parameters, got {self.model.n_params}")
         if self.max_staleness < 0:
             raise C.MpidpError(f"max staleness must be >= 0, got {self.max_staleness}")
+        refused = refuses_model(self.model.needs, "data", "async-ps")
+        if refused:
+            raise C.MpidpError(refused)
         self.policy = Policy(self.on_nonfinite)
 
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -13,7 +14,7 @@ from .. import comm as C
 from ..data.balance import Partition, Plan
 from ..data.distribute import Shard
 from ..data.partition import steps_per_epoch
-from ..nn import Loss, Optimizer, Sequential
+from ..nn import Context, Loss, Optimizer, Sequential
 from ..observe.metrics import StepTimer
 from ..run import checkpoint as ckpt
 from ..run.loop import run
@@ -78,12 +79,18 @@ class DataParallel:
         self.comm = comm if comm is not None else C.world()
         self.root = root
         self.timer = StepTimer()
+        self.layer_sums, self.layer_sums_s = 0, 0.0  # layers' own collectives (batch norm)
         self.watchdog = C.Watchdog(self.comm, watchdog).start() if watchdog else None
         if abort_on_error:
             C.abort_on_error()
-        self.sync_params(init_sync)
+        # layers that sum over the global batch (batch norm) ask through the model's context
+        model.set_context(Context(reduce_sum=self._reduce_sum, group_size=self.comm.size))
         self.sync = (make_sync(sync, lambda: copy.deepcopy(optimizer)) if isinstance(sync, str)
                      else sync)
+        refused = self.sync.refuses(model)  # the same verdict on every rank, before any work
+        if refused:
+            raise C.MpidpError(refused)
+        self.sync_params(init_sync)
         # grads | loss_sum | count | correct | stop: ONE buffer, so ONE Allreduce per step,
         # laid out as the strategy needs it (padded, in shared memory)
         bufs = self.sync.setup(Setup(self.comm, root, model, self.timer))
@@ -93,10 +100,22 @@ class DataParallel:
         self.buf = bufs.grads
         self._on_layer_done = self.sync.on_layer_done()
 
+    def _reduce_sum(self, a: np.ndarray) -> np.ndarray:
+        """A layer's sum over the replicas (batch norm's statistics), inside forward or
+        backward: timed in ``layer_sums_s`` (and counted as the step's compute)."""
+        t = time.perf_counter()
+        C.allreduce_sum_(self.comm, a)
+        self.layer_sums_s += time.perf_counter() - t
+        self.layer_sums += 1
+        return a
+
     def sync_params(self, how: str = "bcast") -> None:
-        """Make every rank's parameters equal ``root``'s (``bcast``) or check they are (``seed``)."""
+        """Make every rank's parameters (and layer state) equal ``root``'s (``bcast``) or
+        check they are (``seed``)."""
         if how == "bcast":
             C.bcast_(self.comm, self.model.params, self.root)
+            if self.model.n_state:
+                C.bcast_(self.comm, self.model.state, self.root)
         else:
             C.assert_in_sync(self.comm, self.model.params, self.root)
 
@@ -158,20 +177,31 @@ class DataParallel:
         return totals
 
     def _eval_pass(self, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
+        self.model.context.training = False
         out = self.model.forward(X)
         loss_sum = self.loss.forward(out, y)
         labelled = self.loss.classification or y.dtype.kind in "iu"
         return loss_sum, self.loss.n_correct(out, y) if labelled else 0
 
-    def step(self, X: np.ndarray, y: np.ndarray, last_of_epoch: bool = False) -> StepStats:
-        """One synchronous step on this rank's part ``X`` ``(n_local, n_features)`` of the
-        global batch (``n_local`` may be 0). Collective. Returns the global batch's stats
+    def step(self, X: np.ndarray, y: np.ndarray, last_of_epoch: bool = False,
+             index: np.ndarray | None = None) -> StepStats:
+        """One synchronous step on this rank's part ``X`` ``(n_local, *sample_shape)`` of
+        the global batch (``n_local`` may be 0). Collective. Returns the global batch's stats
         (strategies that synchronise every k steps return zeros in between and the group's
-        totals when they synchronise; ``last_of_epoch`` makes them synchronise now)."""
+        totals when they synchronise; ``last_of_epoch`` makes them synchronise now).
+        ``index`` ``(n_local,)``: the rows' global positions in the training set, which
+        keys dropout masks (:func:`fit` passes them; a loop of your own must, for dropout)."""
         buf, n = self.buf, self.model.n_params
         add = self.sync.accumulating()  # gradient accumulation: add to the buffer's sums
+        ctx = self.model.context
+        ctx.training, ctx.step = True, self.global_step
+        if index is not None:
+            ctx.index = np.asarray(index, np.int64)
         with self.timer.compute("compute", samples=len(X)):
-            out = self.model.forward(X)
+            try:
+                out = self.model.forward(X)
+            finally:
+                ctx.index = None  # never reused by a later step
             loss_sum = self.loss.forward(out, y)
             labelled = self.loss.classification or y.dtype.kind in "iu"
             buffer.put(buf, n, loss_sum, len(X), self.loss.n_correct(out, y) if labelled else 0,
@@ -181,6 +211,7 @@ class DataParallel:
                 dy, buf[n], self._poison = np.full_like(dy, np.nan), np.nan, False  # leaves
             self.model.backward(dy, accumulate=add, input_grad=False,
                                 on_layer_done=self._on_layer_done)
+            ctx.training = False
         got = self.sync.exchange(Round(self.optimizer, self.policy.checks, self.global_step,
                                        last_of_epoch))
         skipped = not self._judge_and_update(got)
@@ -234,7 +265,12 @@ class DataFeed:
         self.labelled = dp.loss.classification or train.y.dtype.kind in "iu"
 
     def batches(self, epoch: int, first: int) -> Iterator[tuple]:
-        yield from self.plan.batches(self.shard, epoch, self.dp.timer, first)
+        ctx = self.dp.model.context
+        ctx.epoch = epoch
+        for X, y, index in self.plan.batches(self.shard, epoch, self.dp.timer, first,
+                                             with_index=True):
+            ctx.index = index  # the rows' global positions: what keys a dropout mask
+            yield X, y
         self.shard = self.plan.shard
 
     def end_epoch(self) -> dict:
@@ -291,6 +327,7 @@ def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
     """
     spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
     plan = _plan(dp, train, spec)
+    dp.model.context.seed = spec.seed
     if spec.resume is not None:
         saved = spec.resume.partition.get("capacities")
         if saved is not None and len(saved) == dp.comm.size:  # another world: start afresh

@@ -31,6 +31,7 @@ import numpy.typing as npt
 from .. import comm as C
 from ..data.partition import block_counts, block_range, epoch_order, steps_per_epoch
 from ..nn import Layer, Loss, Optimizer, Sequential
+from ..nn.model import as_shape, chain_shapes
 from ..observe.metrics import StepTimer
 from ..run import checkpoint as ckpt
 from ..run.loop import run
@@ -39,6 +40,7 @@ from ..run.spec import RunSpec
 from ..run.stats import StepStats
 from . import buffer
 from . import stages as St
+from .layer_needs import refuses_model
 
 _TAG_F, _TAG_B = 21, 22  # activations forward, gradients backward (order kept per tag)
 
@@ -48,12 +50,15 @@ class StagePlan:
     """What every rank agrees on before any message: stage bounds and boundary widths."""
 
     bounds: list[int]  # stage s holds layers bounds[s] .. bounds[s+1]-1
-    widths: list[int]  # widths[i]: features entering layer i; widths[-1]: model output
+    widths: list[int]  # widths[i]: features per sample entering layer i; [-1]: model output
     costs: list[float]
     n_params: list[int]  # per layer
+    shapes: list[tuple[int, ...]] = field(default_factory=list)  # per-sample shapes, likewise
 
     def fingerprint(self, *extra) -> int:
-        return C.checksum(np.array([*self.bounds, -1, *self.widths, -1, *extra], np.int64))
+        dims = [d for s in self.shapes for d in (*s, -2)]
+        return C.checksum(np.array([*self.bounds, -1, *self.widths, -1, *dims, -1, *extra],
+                                   np.int64))
 
 
 @dataclass
@@ -88,12 +93,13 @@ def plan_stages(layers: Sequence[Layer], n_in: int, n_stages: int, size: int, mi
     if n_stages < 1 or size % n_stages:
         raise ValueError(f"{size} ranks cannot form replicas of {n_stages} pipeline stages: "
                          f"the number of ranks must be a multiple of the number of stages")
-    widths = St.chain_widths(layers, n_in)
+    shapes = chain_shapes(layers, as_shape(n_in))
+    widths = [int(np.prod(s)) for s in shapes]
     n_params = St.param_counts(layers)
     costs = list(costs) if costs is not None else [float(c) for c in n_params]
     if len(costs) != len(layers):
         raise ValueError(f"got {len(costs)} layer costs for {len(layers)} layers")
-    return StagePlan(St.split_stages(costs, n_stages), widths, costs, n_params)
+    return StagePlan(St.split_stages(costs, n_stages), widths, costs, n_params, shapes)
 
 
 class Pipeline:
@@ -131,6 +137,10 @@ class Pipeline:
         comm = comm if comm is not None else C.world()
         n_stages = comm.size if n_stages is None else int(n_stages)
         dtype = np.dtype(dtype)
+        refused = refuses_model(frozenset().union(*(layer.needs for layer in layers)),
+                                "pipeline")
+        if refused:
+            raise C.MpidpError(refused)
         if balance == "time" and costs is None:
             costs = C.root_decides(comm, St.measure_costs, layers, n_in, dtype=dtype)
         self.plan = C.run_agreed(comm, plan_stages, layers, n_in, n_stages, comm.size,
@@ -150,7 +160,7 @@ class Pipeline:
         self.micro_batches, self.schedule = micro_batches, schedule
         self.lo, self.hi = self.plan.bounds[self.stage], self.plan.bounds[self.stage + 1]
         self.layers = list(layers)
-        self.model = Sequential(self.layers[self.lo:self.hi], self.plan.widths[self.lo], dtype)
+        self.model = Sequential(self.layers[self.lo:self.hi], self.plan.shapes[self.lo], dtype)
         self.policy = Policy(on_nonfinite)
         self.stop_requested: bool | None = None  # this rank asks to stop (set by the loop)
         self._poison = False
@@ -299,7 +309,7 @@ class Pipeline:
             x = run.X[lo:lo + size]
             self._exchange(None, -1, _TAG_F)
         else:
-            x = np.empty((size, self.plan.widths[self.lo]), self.model.dtype)
+            x = np.empty((size, *self.plan.shapes[self.lo]), self.model.dtype)
             self._exchange(x, self.stage - 1, _TAG_F)
         slot = run.slots[i % self.n_slots] = self._slot()
         t, cpu = time.perf_counter(), time.process_time()
@@ -324,7 +334,7 @@ class Pipeline:
             dy = run.dy.pop(i)
             self._exchange(None, -1, _TAG_B)
         else:
-            dy = np.empty((int(run.sizes[i]), self.plan.widths[self.hi]), self.model.dtype)
+            dy = np.empty((int(run.sizes[i]), *self.plan.shapes[self.hi]), self.model.dtype)
             self._exchange(dy, self.stage + 1, _TAG_B)
         slot = run.slots[i % self.n_slots]
         t, cpu = time.perf_counter(), time.process_time()
@@ -454,7 +464,7 @@ class Pipeline:
             if self.first:
                 x = X[lo:lo + size]
             else:
-                x = C.recv_(self.pipe, np.empty((size, self.plan.widths[self.lo]),
+                x = C.recv_(self.pipe, np.empty((size, *self.plan.shapes[self.lo]),
                                                 self.model.dtype), self.stage - 1, _TAG_F)
             for layer in self._slot():
                 x = layer.forward(x)

@@ -18,25 +18,20 @@ import numpy.typing as npt
 
 from ..data.partition import block_counts
 from ..nn.layers import Layer
+from ..nn.model import as_shape, chain_shapes
 
 SCHEDULES = ("gpipe", "1f1b")
 BALANCE = ("params", "time")
 Op = tuple[str, int]  # ("F" | "B", micro-batch index)
 
 
-def chain_widths(layers: Sequence[Layer], n_in: int) -> list[int]:
-    """Feature widths ``[n_in, out of layer 0, ..., out of the last layer]``.
+def chain_widths(layers: Sequence[Layer], n_in: int | Sequence[int]) -> list[int]:
+    """Features per sample ``[n_in, out of layer 0, ..., out of the last layer]`` (the
+    sizes of :func:`mpidp.nn.model.chain_shapes`).
 
     Raises ``ValueError`` naming the first pair of layers whose shapes do not chain.
     """
-    widths = [int(n_in)]
-    for i, layer in enumerate(layers):
-        try:
-            widths.append(int(layer.output_dim(widths[-1])))
-        except ValueError as exc:
-            raise ValueError(f"layer shapes do not chain: layer {i} ({layer!r}) gets "
-                             f"{widths[-1]} features from the layer before it: {exc}") from None
-    return widths
+    return [int(np.prod(s)) for s in chain_shapes(layers, as_shape(n_in))]
 
 
 def param_counts(layers: Sequence[Layer]) -> list[int]:
@@ -50,14 +45,14 @@ def measure_costs(layers: Sequence[Layer], n_in: int, n_samples: int = 256,
     random inputs. Allocates one layer's parameters at a time (copies; ``layers`` untouched).
     The first layer's backward skips dL/dx, as in training (its input is the data)."""
     rng = np.random.default_rng(0)
-    widths, out = chain_widths(layers, n_in), []
-    for i, (layer, width) in enumerate(zip(layers, widths)):
+    shapes, out = chain_shapes(layers, as_shape(n_in)), []
+    for i, (layer, shape) in enumerate(zip(layers, shapes)):
         probe = copy.copy(layer)
         shapes = probe.param_shapes()
         probe.bind({k: np.zeros(s, dtype) for k, s in shapes.items()},
                    {k: np.zeros(s, dtype) for k, s in shapes.items()})
         probe.init_(rng)
-        x = rng.standard_normal((n_samples, width)).astype(dtype)
+        x = rng.standard_normal((n_samples, *shape)).astype(dtype)
         times = []
         for _ in range(repeats + 1):  # the first run warms caches and is dropped
             t = time.perf_counter()

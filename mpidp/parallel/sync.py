@@ -34,6 +34,7 @@ from ..nn import Optimizer, Sequential
 from ..observe.metrics import StepTimer
 from ..run.nonfinite import all_finite
 from . import buffer, compress
+from .layer_needs import refuses_model
 
 
 @dataclass
@@ -107,6 +108,10 @@ class Sync:
     def on_layer_done(self) -> Callable[[int], None] | None:
         """A backward hook (``Sequential.backward(on_layer_done=...)``), or None."""
         return None
+
+    def refuses(self, model) -> str | None:
+        """Why this strategy cannot train ``model`` (a layer it cannot honour), or None."""
+        return refuses_model(model.needs, "data", self.name)
 
     def reduce(self) -> None:
         """Make ``self.buf`` hold the global sums on every rank. Collective."""

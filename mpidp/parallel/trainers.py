@@ -13,25 +13,13 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import comm as C
-from ..nn import Layer, Loss, MeanSquaredError, Optimizer, Sequential, SoftmaxCrossEntropy
-from ..nn import build as build_model
-from ..nn.presets import mlp_layers
+from ..nn import Layer, Loss, Optimizer, Sequential
+from ..nn.presets import model_layers  # noqa: F401 - the layers a trainer is made of, by name
 from .data_parallel import DataParallel
 from .pipeline import Pipeline
 
 PARALLEL = ("data", "pipeline", "hybrid")
 HYBRID_STAGES = 2  # default stages per pipeline for "hybrid"
-
-
-def model_layers(name: str, n_in: int, n_out: int, hidden: Sequence[int] = (128, 64),
-                 classification: bool = True) -> tuple[list[Layer], Loss]:
-    """The layers (unbound: nothing allocated for an MLP) and loss of model ``name``, as
-    :func:`mpidp.nn.build` would make them."""
-    if name == "mlp":
-        return mlp_layers(n_in, hidden, n_out), (SoftmaxCrossEntropy() if classification
-                                                 else MeanSquaredError())
-    model, loss = build_model(name, n_in, n_out, hidden, np.float64, classification)
-    return model.layers, loss  # one layer: small; the trainer rebinds it
 
 
 def make_trainer(parallel: str, layers: Sequence[Layer], n_in: int, optimizer: Optimizer,

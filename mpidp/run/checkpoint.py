@@ -165,7 +165,8 @@ def save(directory: str, model: Sequential, optimizer: Optimizer, state: State, 
          *, run_id: str | None = None) -> str:
     """Write a checkpoint for ``state`` into ``directory``; keep the newest ``keep``. Not
     collective: call it on one rank. Returns the file's path. See :func:`save_flat`."""
-    return save_flat(directory, model.params, optimizer, state, keep, run_id=run_id)
+    arrays = {"params": model.params, **({"state": model.state} if model.n_state else {})}
+    return _save(directory, arrays, optimizer, state, keep, run_id)
 
 
 def save_flat(directory: str, params: np.ndarray, optimizer: Optimizer, state: State,
@@ -183,6 +184,14 @@ def save_flat(directory: str, params: np.ndarray, optimizer: Optimizer, state: S
     epoch's record. Also refused: ``run_id`` given and ``directory``'s ``run.json`` naming
     another run.
     """
+    return _save(directory, {"params": params}, optimizer, state, keep, run_id)
+
+
+def _save(directory: str, model_arrays: dict[str, np.ndarray], optimizer: Optimizer,
+          state: State, keep: int, run_id: str | None) -> str:
+    """:func:`save_flat` of ``model_arrays``: ``params`` and, when the model has layer
+    state (batch norm's running statistics), ``state``."""
+    params = model_arrays["params"]
     os.makedirs(directory, exist_ok=True)
     _check_not_behind(directory, state)
     if run_id is not None:
@@ -192,12 +201,14 @@ def save_flat(directory: str, params: np.ndarray, optimizer: Optimizer, state: S
                              f"{owner.get('run_id')}, not to this run ({run_id}): another job "
                              f"took it over; this run writes no more checkpoints there")
     opt_state = optimizer.state
-    arrays = {"params": params, **{f"opt.{k}": v for k, v in opt_state.items()}}
+    arrays = {**model_arrays, **{f"opt.{k}": v for k, v in opt_state.items()}}
+    n_state = int(model_arrays["state"].size) if "state" in model_arrays else 0
     meta = json.dumps({"version": VERSION, "epoch": state.epoch, "step": state.step,
                        "global_step": state.global_step, "totals": state.totals,
                        "history": state.history, "config": state.config,
                        "partition": state.partition, "run_id": run_id,
-                       "n_params": int(params.size), "dtype": str(params.dtype),
+                       "n_params": int(params.size), "n_state": n_state,
+                       "dtype": str(params.dtype),
                        "optimizer": {"type": type(optimizer).__name__, "t": optimizer.t,
                                      "state": {k: list(v.shape) for k, v in opt_state.items()}}})
     path = os.path.join(directory, PATTERN.format(state.global_step))
@@ -296,6 +307,10 @@ def restore(comm: C.Comm, directory: str, model: Sequential, optimizer: Optimize
             return None
         path, meta, arrays = found
         check_fits(path, meta, model.n_params, model.dtype, optimizer)
+        if meta.get("n_state", 0) != model.n_state:
+            raise ValueError(f"checkpoint {path} holds {meta.get('n_state', 0)} values of "
+                             f"layer state (running statistics) but the model has "
+                             f"{model.n_state}: a different model")
         held["arrays"] = arrays
         return path, meta
 
@@ -306,7 +321,11 @@ def restore(comm: C.Comm, directory: str, model: Sequential, optimizer: Optimize
     arrays = held.pop("arrays", {})
     if comm.rank == root:
         model.params[...] = arrays["params"]
+        if model.n_state:
+            model.state[...] = arrays["state"]
     C.bcast_(comm, model.params, root)
+    if model.n_state:
+        C.bcast_(comm, model.state, root)
     optimizer.state = {}
     for name, shape in meta["optimizer"]["state"].items():
         buf = arrays[f"opt.{name}"] if comm.rank == root else np.empty(shape, model.dtype)

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..nn.model import as_shape, chain_shapes
+
 #: Copies of the parameter vector a rank may hold: parameters, gradients (with the reduced
 #: buffer), two more for the exchange strategies (residuals, padded or shared buffers).
 BASE_COPIES = 4
@@ -30,9 +32,25 @@ def estimate(widths: Sequence[int], dtype, optimizer: str, batch: int,
     """Bytes one rank needs: ``share`` of the parameter copies of dense layers of these
     ``widths`` (a pipeline stage holds part of them) plus the activations of a batch of
     ``batch`` samples."""
+    return estimate_counts(n_params(widths), sum(widths), dtype, optimizer, batch, share)
+
+
+def estimate_counts(count: int, activations: int, dtype, optimizer: str, batch: int,
+                    share: float = 1.0) -> int:
+    """Bytes one rank needs for a model of ``count`` parameters whose layers' inputs and
+    output hold ``activations`` values per sample: ``share`` of the parameter copies plus
+    three copies of a batch's activations."""
     item = np.dtype(dtype).itemsize
     copies = BASE_COPIES + OPTIMIZER_COPIES.get(optimizer, 2)
-    return int(n_params(widths) * share * copies * item + 3 * batch * sum(widths) * item)
+    return int(count * share * copies * item + 3 * batch * activations * item)
+
+
+def model_size(layers: Sequence, in_shape: Sequence[int]) -> tuple[int, int]:
+    """``(parameters, activation values per sample)`` of unbound ``layers`` taking samples
+    of ``in_shape``; nothing is allocated."""
+    shapes = chain_shapes(layers, as_shape(in_shape))
+    count = sum(int(np.prod(s)) for layer in layers for s in layer.param_shapes().values())
+    return count, sum(int(np.prod(s)) for s in shapes)
 
 
 def available() -> int | None:

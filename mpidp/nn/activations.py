@@ -1,0 +1,186 @@
+"""Elementwise and per-row activation layers: no parameters, any per-sample shape.
+
+``ReLU``, ``LeakyReLU``, ``Tanh``, ``Sigmoid`` and ``GELU`` act on each element;
+``Softmax`` on each vector along the last axis. Each keeps the dtype of its input and
+maps ``(n, *shape)`` to ``(n, *shape)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .layers import Layer, register_layer
+
+
+@register_layer
+class ReLU(Layer):
+    """``max(x, 0)``; the derivative at 0 is taken as 0.
+
+    ``inplace=True`` overwrites ``x`` in forward and ``dy`` in backward instead of
+    allocating new arrays; use it only where both are temporaries (after a ``Dense``, as
+    :func:`mpidp.nn.mlp` does), never as a model's first layer. ``inplace`` is a memory
+    setting, not part of the model: it is not saved, and a reloaded ``ReLU`` allocates.
+    """
+
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__()
+        self.inplace = inplace
+
+    def config(self) -> dict:
+        return {}
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        self._y = np.maximum(x, 0, out=x if self.inplace else None)
+        return self._y
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        if not need_input_grad:
+            return None
+        return np.multiply(dy, self._y > 0, out=dy if self.inplace else None)
+
+
+@register_layer
+class Tanh(Layer):
+    """``tanh(x)``."""
+
+    def config(self) -> dict:
+        return {}
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        self._y = np.tanh(x)
+        return self._y
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        return dy * (1 - self._y * self._y) if need_input_grad else None
+
+
+@register_layer
+class Sigmoid(Layer):
+    """``1 / (1 + exp(-x))``, computed without overflow for large ``|x|``."""
+
+    def config(self) -> dict:
+        return {}
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        e = np.exp(-np.abs(x))
+        self._y = np.where(x >= 0, 1 / (1 + e), e / (1 + e))
+        return self._y
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        return dy * self._y * (1 - self._y) if need_input_grad else None
+
+
+@register_layer
+class LeakyReLU(Layer):
+    """``x`` where ``x > 0``, else ``slope * x``; the derivative at 0 is taken as ``slope``.
+
+    Parameters
+    ----------
+    slope : the factor for negative inputs (a finite number; 0 gives :class:`ReLU`).
+    """
+
+    def __init__(self, slope: float = 0.01) -> None:
+        super().__init__()
+        if isinstance(slope, bool) or not isinstance(slope, (int, float, np.number)) \
+                or not math.isfinite(slope):
+            raise ValueError(f"LeakyReLU needs a finite number as slope, got {slope!r}")
+        self.slope = float(slope)
+
+    def config(self) -> dict:
+        return {"slope": self.slope}
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        self._pos = x > 0
+        return np.where(self._pos, x, x * self.slope)
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        return np.where(self._pos, dy, dy * self.slope) if need_input_grad else None
+
+    def __repr__(self) -> str:
+        return f"LeakyReLU({self.slope})"
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_A = 0.044715
+
+
+@register_layer
+class GELU(Layer):
+    """Gaussian error linear unit, in its **tanh approximation**:
+    ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))``.
+
+    It differs from the exact ``x * Phi(x)`` by less than ~1e-3; ``backward`` is the exact
+    derivative of the approximation above (not of ``x * Phi(x)``).
+    """
+
+    def config(self) -> dict:
+        return {}
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        self._x = x
+        x2 = x * x
+        u = x2 * _GELU_A
+        u += 1
+        u *= x
+        u *= _GELU_C
+        self._t = t = np.tanh(u, out=u)  # tanh(c (x + a x^3))
+        self._x2 = x2
+        y = t + 1
+        y *= x
+        y *= 0.5
+        return y
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        if not need_input_grad:
+            return None
+        x, t = self._x, self._t
+        # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)
+        inner = self._x2 * (3 * _GELU_A)
+        inner += 1
+        inner *= x
+        inner *= 0.5 * _GELU_C
+        sech2 = t * t
+        np.subtract(1, sech2, out=sech2)
+        inner *= sech2
+        inner += 0.5 * t
+        inner += 0.5
+        inner *= dy
+        return inner
+
+
+@register_layer
+class Softmax(Layer):
+    """``exp(x) / sum(exp(x))`` over the last axis (shifted by the row maximum, so it does
+    not overflow); every vector along that axis sums to 1.
+
+    ``backward`` is the Jacobian-vector product ``y * (dy - sum(dy * y, axis=-1))``. For
+    training a classifier prefer :class:`mpidp.nn.SoftmaxCrossEntropy` on raw scores: it
+    fuses the two and is better conditioned.
+    """
+
+    def config(self) -> dict:
+        return {}
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        y = x - x.max(axis=-1, keepdims=True)
+        np.exp(y, out=y)
+        y /= y.sum(axis=-1, keepdims=True)
+        self._y = y
+        return y
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        if not need_input_grad:
+            return None
+        y = self._y
+        dx = dy * y
+        s = dx.sum(axis=-1, keepdims=True)
+        dx -= y * s
+        return dx

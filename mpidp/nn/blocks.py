@@ -1,0 +1,129 @@
+"""Blocks: layers built of layers. ``Residual``: ``y = x + f(x)``."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import numpy as np
+
+from .context import Context
+from .layers import Layer, Shapes, layer_spec, register_layer
+from .model import chain_shapes
+from .modelfile import layers_from
+
+
+def _split(views: dict[str, np.ndarray], j: int, names: Sequence[str]) -> dict[str, np.ndarray]:
+    return {name: views[f"{j}.{name}"] for name in names}
+
+
+@register_layer
+class Residual(Layer):
+    """``y = x + f(x)``, ``f`` the chain of ``layers``; ``f`` must keep the per-sample shape.
+
+    The inner layers' parameters and state appear under their position in the block:
+    ``"0.W"``, ``"0.b"``, ``"2.gamma"`` (a block inside a block: ``"1.0.W"``), in the flat
+    buffers of the model, in order. Inner layer ``j`` gets the key ``key + (j,)``.
+
+    Parameters
+    ----------
+    layers : the layers of ``f``, in order (at least one). The first may not overwrite its
+        input (``ReLU(inplace=True)``): ``x`` is needed for the sum.
+    """
+
+    def __init__(self, layers: Sequence[Layer]) -> None:
+        super().__init__()
+        layers = list(layers)
+        if not layers or not all(isinstance(la, Layer) for la in layers):
+            raise ValueError(f"Residual needs a non-empty list of layers, got {layers!r}")
+        if getattr(layers[0], "inplace", False):
+            raise ValueError(f"Residual: its first layer {layers[0]!r} overwrites its input, "
+                             f"which the block adds to the output; build it with inplace=False")
+        self.layers = layers
+
+    @property
+    def needs(self) -> frozenset[str]:  # type: ignore[override]
+        """What the inner layers need from the trainer, together."""
+        return frozenset().union(*(la.needs for la in self.layers))
+
+    def config(self) -> dict:
+        return {"layers": [layer_spec(la) for la in self.layers]}
+
+    @classmethod
+    def from_config(cls, settings: dict) -> Residual:
+        """Rebuild from :meth:`config`: each inner spec through the layer registry, as a
+        model file's layers (so ``n_in`` / ``in_channels`` may be left out)."""
+        specs = settings.get("layers")
+        if set(settings) != {"layers"} or not isinstance(specs, list):
+            raise ValueError(f"Residual settings are {{'layers': [layer specs]}}, got {settings!r}")
+        if not all(isinstance(d, dict) and isinstance(d.get("type"), str) for d in specs):
+            raise ValueError(f"Residual: each of its layers is a dict with a 'type' string, got "
+                             f"{specs!r}")
+        return cls(layers_from(specs, where="Residual"))
+
+    def output_dim(self, n_in: int) -> int:
+        return self.output_shape((n_in,))[0]
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        in_shape = tuple(in_shape)
+        out = chain_shapes(self.layers, in_shape)[-1]
+        if out != in_shape:
+            raise ValueError(f"Residual adds its input to the output of its layers, so they "
+                             f"must keep the per-sample shape: they map {in_shape} to {out}")
+        return in_shape
+
+    def _names(self, shapes: str) -> list[list[str]]:
+        return [list(getattr(la, shapes)()) for la in self.layers]
+
+    def param_shapes(self) -> Shapes:
+        return {f"{j}.{k}": s for j, la in enumerate(self.layers)
+                for k, s in la.param_shapes().items()}
+
+    def state_shapes(self) -> Shapes:
+        return {f"{j}.{k}": s for j, la in enumerate(self.layers)
+                for k, s in la.state_shapes().items()}
+
+    def bind(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
+        super().bind(params, grads)
+        for j, (la, names) in enumerate(zip(self.layers, self._names("param_shapes"))):
+            la.bind(_split(params, j, names), _split(grads, j, names) if grads else {})
+
+    def bind_state(self, state: dict[str, np.ndarray]) -> None:
+        super().bind_state(state)
+        for j, (la, names) in enumerate(zip(self.layers, self._names("state_shapes"))):
+            la.bind_state(_split(state, j, names))
+
+    def set_context(self, context: Context, key: tuple[int, ...] = ()) -> None:
+        super().set_context(context, key)
+        for j, la in enumerate(self.layers):
+            la.set_context(context, (*self.key, j))
+
+    def init_(self, rng: np.random.Generator) -> None:
+        for la in self.layers:
+            la.init_(rng)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        h = x
+        for la in self.layers:
+            h = la.forward(h)
+        if h.shape != x.shape:
+            raise ValueError(f"Residual: its layers map a batch of shape {x.shape} to {h.shape}")
+        return x + h  # a new array: h may be x itself or an inner layer's cache
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        g = dy.copy() if getattr(self.layers[-1], "inplace", False) else dy
+        for j in range(len(self.layers) - 1, -1, -1):
+            g = self.layers[j].backward(g, accumulate, need_input_grad=need_input_grad or j > 0)
+        return dy + g if need_input_grad else None
+
+    def __copy__(self) -> Residual:
+        """A copy with its own copies of the inner layers (sharing their parameter views),
+        so copies can run forward and backward on different batches in turn (pipelines)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.layers = [copy.copy(la) for la in self.layers]
+        return new
+
+    def __repr__(self) -> str:
+        return f"Residual([{', '.join(map(repr, self.layers))}])"

@@ -1,0 +1,60 @@
+"""What a layer may know of the step it runs in, without importing MPI.
+
+A :class:`Context` is shared by every layer of a :class:`mpidp.nn.Sequential`
+(``model.context``, also ``layer.context``). The trainer that runs the model fills it
+before each forward pass: whether this is training or evaluation, the run's seed, the
+epoch and global step, the global index of every sample of the batch, and a
+``reduce_sum`` that sums an array over the ranks that hold the rest of the global batch
+(the replica group). On one process ``reduce_sum`` is the identity, so a layer written
+against it (:class:`mpidp.nn.BatchNorm`) gives the same numbers at any number of ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def _identity(a: np.ndarray) -> np.ndarray:
+    return a
+
+
+@dataclass
+class Context:
+    """The step a model's forward and backward passes belong to.
+
+    Attributes
+    ----------
+    training : True in a training step (dropout drops, batch norm uses batch statistics
+        and updates its running ones); False for evaluation and prediction.
+    seed : the run's seed; randomness inside layers (dropout) derives from it.
+    epoch : the epoch of the current step (0-based).
+    step : the global step (0 for the first step of a run; it continues across a resume).
+    index : ``(n,)`` int64, the global position in the training set of each row of the
+        batch, or None when the caller did not say (a layer that needs it raises).
+    reduce_sum : sums a float array over the replica group, in place, and returns it; the
+        same call on every rank of the group, in the same order (it is a collective).
+    group_size : number of ranks ``reduce_sum`` sums over (1 on one process).
+    """
+
+    training: bool = False
+    seed: int = 0
+    epoch: int = 0
+    step: int = 0
+    index: np.ndarray | None = None
+    reduce_sum: Callable[[np.ndarray], np.ndarray] = _identity
+    group_size: int = 1
+
+    def sample_index(self, n: int, who: str) -> np.ndarray:
+        """The batch's global sample indices ``(n,)``; raises ``ValueError`` naming ``who``
+        when they were not given or do not match the batch."""
+        if self.index is None:
+            raise ValueError(f"{who} needs the global index of every sample of a training "
+                             f"batch: train with mpidp.fit, or pass index= to the trainer's "
+                             f"step (model.context.index for a loop of your own)")
+        if len(self.index) != n:
+            raise ValueError(f"{who}: the batch has {n} samples but model.context.index "
+                             f"holds {len(self.index)}")
+        return self.index

@@ -1,0 +1,137 @@
+"""Inverted dropout whose mask does not depend on how the batch is split across ranks.
+
+Each element's keep/drop bit is a hash of (run seed, global step, the layer's key, the
+sample's GLOBAL index, the element's position in the sample): a counter-based generator,
+splitmix64's mixing function in vectorised ``uint64`` NumPy arithmetic. So a sample gets
+the same mask on any number of ranks, in any row of any rank's batch. (A NumPy
+``Generator`` per sample, e.g. Philox keyed by the index, gives the same property but
+costs ~100 us per sample: measured 10-20x slower than this hash, run in cache-sized
+blocks, on a 256 x 4096 batch.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .layers import Layer, register_layer
+
+_M = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_U = np.uint64
+_S30, _S27, _S31 = _U(30), _U(27), _U(31)
+
+
+def _mix_int(z: int) -> int:
+    """splitmix64's finaliser on a Python int (mod 2**64)."""
+    z &= _M
+    z = ((z ^ (z >> 30)) * _C1) & _M
+    z = ((z ^ (z >> 27)) * _C2) & _M
+    return z ^ (z >> 31)
+
+
+def _mix_(z: np.ndarray, tmp: np.ndarray | None = None) -> np.ndarray:
+    """splitmix64's finaliser applied in place to a ``uint64`` array (wraps mod 2**64);
+    ``tmp``, of ``z``'s shape, saves allocating the shifted copies."""
+    tmp = np.empty_like(z) if tmp is None else tmp
+    z ^= np.right_shift(z, _S30, out=tmp)
+    z *= _U(_C1)
+    z ^= np.right_shift(z, _S27, out=tmp)
+    z *= _U(_C2)
+    z ^= np.right_shift(z, _S31, out=tmp)
+    return z
+
+
+def stream_key(*values: int) -> int:
+    """A 64-bit key mixing ``values`` (seed, step, the layer's key, ...) in order; tuples of
+    different lengths give unrelated keys."""
+    h = _mix_int(len(values) * _GOLDEN)
+    for v in values:
+        h = _mix_int(h ^ (int(v) & _M))
+        h = _mix_int(h + _GOLDEN)
+    return h
+
+
+_BLOCK = 1 << 14  # words hashed at a time: the working set stays in cache (measured 5-9x faster)
+
+
+def keep_mask(key: int, index: np.ndarray, size: int, threshold: int) -> np.ndarray:
+    """``(len(index), size)`` bool: word ``j`` of row ``r``, a splitmix64 output that depends
+    only on ``key``, ``index[r]`` and ``j`` (stream ``j`` seeded by the mixed index), is
+    ``>= threshold``; so each element is True with probability ``1 - threshold / 2**64``.
+
+    Hashed in blocks of about ``_BLOCK`` words (whole rows, or pieces of one long row)."""
+    n = len(index)
+    rows = _mix_(np.asarray(index).astype(np.uint64) ^ _U(key))
+    step = np.arange(1, size + 1, dtype=np.uint64)
+    step *= _U(_GOLDEN)
+    out = np.empty((n, size), bool)
+    thr = _U(threshold)
+    per = max(1, _BLOCK // size)  # rows per block
+    cols = min(size, _BLOCK)      # columns per block
+    shape = (max(1, min(per, n)), cols)
+    z, tmp = np.empty(shape, np.uint64), np.empty(shape, np.uint64)
+    for r in range(0, n, per):
+        m = min(per, n - r)
+        for c in range(0, size, cols):
+            w = min(cols, size - c)
+            zz = np.add(rows[r:r + m, None], step[None, c:c + w], out=z[:m, :w])
+            np.greater_equal(_mix_(zz, tmp[:m, :w]), thr, out=out[r:r + m, c:c + w])
+    return out
+
+
+@register_layer
+class Dropout(Layer):
+    """Inverted dropout: in training each element is zeroed with probability ``rate`` and
+    the kept ones are scaled by ``1 / (1 - rate)``; in evaluation (and at ``rate == 0``)
+    the layer returns its input itself.
+
+    The mask of a sample depends only on ``context.seed``, ``context.step``, this layer's
+    ``key``, the sample's global index (``context.sample_index``, so a training step needs
+    ``context.index``) and the element's position: never on the rank, the row or the number
+    of ranks. It changes from step to step and between layers. Any per-sample shape.
+
+    Parameters
+    ----------
+    rate : the probability of dropping an element, ``0 <= rate < 1``.
+    """
+
+    def __init__(self, rate: float = 0.5) -> None:
+        super().__init__()
+        if isinstance(rate, bool) or not isinstance(rate, (int, float, np.number)) \
+                or not 0 <= rate < 1:
+            raise ValueError(f"Dropout rate must be a number with 0 <= rate < 1, got {rate!r}")
+        self.rate = float(rate)
+        self.needs = frozenset({"sample-index"}) if self.rate else frozenset()
+        self._threshold = int(self.rate * 2.0 ** 64)  # exact: a float times a power of 2
+        self._scale = 1 / (1 - self.rate)
+        self._keep: np.ndarray | None = None  # the mask of the last training forward
+
+    def config(self) -> dict:
+        return {"rate": self.rate}
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        if not self.context.training or self.rate == 0:
+            self._keep = None
+            return x
+        ctx = self.context
+        index = ctx.sample_index(x.shape[0], "Dropout")
+        size = int(np.prod(x.shape[1:]))
+        keep = keep_mask(stream_key(ctx.seed, ctx.step, *self.key), index, size, self._threshold)
+        self._keep = keep.reshape(x.shape)
+        y = x * self._keep
+        y *= x.dtype.type(self._scale)
+        return y
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        if not need_input_grad:
+            return None
+        if self._keep is None:
+            return dy
+        dx = dy * self._keep
+        dx *= dy.dtype.type(self._scale)
+        return dx
+
+    def __repr__(self) -> str:
+        return f"Dropout({self.rate})"

@@ -1,0 +1,101 @@
+"""Token embeddings: integer ids -> rows of a trained table."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .layers import Layer, Shapes, register_layer
+
+_INITS = ("normal", "xavier", "zeros")
+
+
+def _size(v, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"Embedding needs {what} >= 1 (an int), got {v!r}")
+    return int(v)
+
+
+@register_layer
+class Embedding(Layer):
+    """Looks up ``W[id]`` for every token id: ``(n, *s)`` ids -> ``(n, *s, dim)``.
+
+    The ids may come as an integer or a float array (a model's data is float); every value
+    must be a whole number in ``[0, n_tokens)`` (else ``ValueError`` naming the value and
+    where it is). Parameter ``W`` ``(n_tokens, dim)``: ``init="normal"`` draws N(0, 1),
+    ``"xavier"`` U(±sqrt(6 / (n_tokens + dim))), ``"zeros"`` zeros.
+
+    ``backward`` writes (or adds) the gradient into the rows of the ids used only (the
+    others get zeros, or are left alone with ``accumulate``) and returns **no input
+    gradient** (None): the ids are data, not a function of parameters. So an Embedding
+    must be a model's first layer, or come after layers that have no parameters and need
+    no dL/dx themselves.
+    """
+
+    def __init__(self, n_tokens: int, dim: int, init: str = "normal") -> None:
+        super().__init__()
+        self.n_tokens, self.dim = _size(n_tokens, "n_tokens"), _size(dim, "dim")
+        if init not in _INITS:
+            raise ValueError(f"unknown Embedding init {init!r}; expected one of {_INITS}")
+        self.init = init
+
+    def config(self) -> dict:
+        return {"n_tokens": self.n_tokens, "dim": self.dim, "init": self.init}
+
+    def output_dim(self, n_in: int) -> int:
+        raise ValueError(f"Embedding maps each id to {self.dim} values: its output is not flat "
+                         f"features (use output_shape)")
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (*tuple(in_shape), self.dim)
+
+    def param_shapes(self) -> Shapes:
+        return {"W": (self.n_tokens, self.dim)}
+
+    def init_(self, rng: np.random.Generator) -> None:
+        W = self.params["W"]
+        if self.init == "normal":
+            W[...] = rng.standard_normal(W.shape)
+        elif self.init == "xavier":
+            limit = np.sqrt(6.0 / (self.n_tokens + self.dim))
+            W[...] = rng.uniform(-limit, limit, W.shape)
+        else:
+            W[...] = 0
+
+    def token_ids(self, x: np.ndarray) -> np.ndarray:
+        """``x`` as ``intp`` ids, checked to be whole numbers in ``[0, n_tokens)``."""
+        x = np.asarray(x)
+        if x.dtype.kind not in "iuf":
+            raise ValueError(f"Embedding takes token ids as an integer or float array, got "
+                             f"dtype {x.dtype}")
+        ok = (x >= 0) & (x < self.n_tokens)
+        if x.dtype.kind == "f":
+            ok &= x == np.floor(x)
+        if not ok.all():
+            at = tuple(int(i) for i in np.unravel_index(int(np.argmin(ok)), x.shape))
+            raise ValueError(f"Embedding({self.n_tokens}, {self.dim}): token id {x[at].item()!r} "
+                             f"at batch position {at} is not a whole number in "
+                             f"[0, {self.n_tokens}); {int(ok.size - ok.sum())} such value(s)")
+        return x.astype(np.intp)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        self._ids = ids = self.token_ids(x)
+        return np.take(self.params["W"], ids, axis=0)
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        dW, d = self.grads["W"], self.dim
+        if not accumulate:
+            dW[...] = 0
+        ids = self._ids.reshape(-1)
+        if ids.size:
+            # scatter-add by bincount over the used rows only (float64 sums): measured 1.5-3x
+            # faster than np.add.at, and it allocates (used rows x dim), not (n_tokens x dim)
+            used, row = np.unique(ids, return_inverse=True)
+            flat = (row.reshape(-1, 1) * d + np.arange(d)).reshape(-1)
+            sums = np.bincount(flat, weights=dy.reshape(-1, d).reshape(-1),
+                               minlength=len(used) * d)
+            dW[used] += sums.reshape(len(used), d)
+        return None
+
+    def __repr__(self) -> str:
+        return f"Embedding({self.n_tokens}, {self.dim})"

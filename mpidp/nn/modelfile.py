@@ -1,0 +1,132 @@
+"""Models without code: a list of layers with their settings, in a TOML or JSON file.
+
+TOML::
+
+    [[layers]]
+    type = "Conv1d"
+    out_channels = 32
+    kernel = 5
+
+    [[layers]]
+    type = "ReLU"
+
+    [[layers]]
+    type = "Flatten"
+
+    [[layers]]
+    type = "Dense"          # n_in is taken from the layer before; n_out left out: the
+                            # number of outputs the data set needs
+
+JSON: the same as ``{"layers": [{"type": "Conv1d", "out_channels": 32, ...}, ...]}`` or
+just the list. ``type`` is a registered layer name (:func:`mpidp.nn.register_layer`); the
+other keys are the settings its constructor takes. Sizes that follow from the input
+(``in_channels``, ``n_in``) may be left out.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from typing import Any
+
+import tomllib
+
+from .layers import Layer, layer_class
+
+MODEL_FILE_SUFFIXES = (".toml", ".json")
+
+
+def is_model_file(spec: str) -> bool:
+    """True when ``spec`` names a model file (by its suffix) rather than a preset."""
+    return str(spec).lower().endswith(MODEL_FILE_SUFFIXES)
+
+
+def read_model_file(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The layer list of a model file: one dict per layer, each with a ``type`` string.
+
+    Raises
+    ------
+    ValueError : naming the file and the line (a syntax error) or the layer and key.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"model file {path}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        doc = (tomllib.loads(text.decode()) if path.lower().endswith(".toml")
+               else json.loads(text))
+    except UnicodeDecodeError:
+        raise ValueError(f"model file {path}: not UTF-8 text") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"model file {path}: {exc}") from None
+    layers = doc.get("layers") if isinstance(doc, dict) else doc
+    if isinstance(doc, dict) and set(doc) - {"layers"}:
+        raise ValueError(f"model file {path}: unknown key(s) "
+                         f"{', '.join(map(repr, sorted(set(doc) - {'layers'})))}; it holds "
+                         f"only 'layers', a list of tables (TOML [[layers]])")
+    if not isinstance(layers, list) or not layers:
+        raise ValueError(f"model file {path}: needs a non-empty list of layers (TOML: "
+                         f"[[layers]] tables; JSON: a list, or {{\"layers\": [...]}})")
+    for i, d in enumerate(layers):
+        if not isinstance(d, dict) or not isinstance(d.get("type"), str):
+            raise ValueError(f"model file {path}: layer {i + 1} needs a 'type' string "
+                             f"(a layer class name such as \"Dense\"), got {d!r}")
+    return layers
+
+
+def layers_from(specs: list[dict[str, Any]], n_outputs: int | None = None,
+                where: str = "model file") -> list[Layer]:
+    """Build the layers of ``specs`` (as :func:`read_model_file` returns them), unbound.
+
+    A required ``n_in`` / ``in_channels`` left out is inferred from the layer's input; a
+    required ``n_out`` left out is ``n_outputs`` (what the data set needs).
+
+    Raises
+    ------
+    ValueError : naming the layer (1-based) and the key when a type is not registered, a
+        setting is unknown or missing, or the layer refuses its settings.
+    """
+    out = []
+    for i, d in enumerate(specs):
+        kind = d["type"]
+        try:
+            cls = layer_class(kind)
+        except ValueError as exc:
+            raise ValueError(f"{where}: layer {i + 1}: {exc}") from None
+        settings = {k: v for k, v in d.items() if k != "type"}
+        if "from_config" not in vars(cls):
+            settings = _fill(cls, settings, n_outputs, f"{where}: layer {i + 1} ({kind})")
+        try:
+            layer = (cls.from_config(settings) if callable(getattr(cls, "from_config", None))
+                     else cls(**settings))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: layer {i + 1} ({kind}): {exc}") from None
+        out.append(layer)
+    return out
+
+
+def _fill(cls: type, settings: dict, n_outputs: int | None, who: str) -> dict:
+    """``settings`` checked against ``cls``'s constructor, with inferable sizes filled."""
+    params = inspect.signature(cls).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        unknown = [k for k in settings if k not in params]
+        if unknown:
+            takes = ", ".join(k for k, p in params.items()
+                              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+            raise ValueError(f"{who}: unknown setting {unknown[0]!r} (it takes "
+                             f"{takes or 'no settings'})")
+    filled = dict(settings)
+    for name, p in params.items():
+        if name in filled or p.default is not p.empty or p.kind in (p.VAR_POSITIONAL,
+                                                                      p.VAR_KEYWORD):
+            continue
+        if name in ("n_in", "in_channels"):
+            filled[name] = None
+        elif name == "n_out" and n_outputs is not None:
+            filled[name] = int(n_outputs)
+        else:
+            raise ValueError(f"{who}: missing setting {name!r}")
+    return filled

@@ -1,0 +1,279 @@
+"""Normalisation layers: batch norm over the GLOBAL batch, and layer norm per sample.
+
+:class:`BatchNorm` in training normalises with the statistics of the whole global batch,
+summed over the replica group with ``context.reduce_sum``; so P ranks holding parts of a
+batch (uneven, some even empty) compute what one process computes on the whole batch.
+:class:`LayerNorm` needs nothing from other samples, hence no collective.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .layers import Layer, Shapes, register_layer
+
+
+def _positive(v, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not math.isfinite(v) \
+            or v <= 0:
+        raise ValueError(f"{what} must be a finite number > 0, got {v!r}")
+    return float(v)
+
+
+def _channel_sums(a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    """Per-channel sums of ``a`` (or of ``a * b``) over the batch and spatial axes of an
+    ``(n, C, *spatial)`` array, as float64 ``(C,)``: the spatial sums in the arrays' dtype
+    (pairwise, and without a temporary for the product), the sum over samples in float64."""
+    if a.ndim == 2:
+        return np.sum(a if b is None else a * b, axis=0, dtype=np.float64)
+    n, c = a.shape[:2]
+    a3 = a.reshape(n, c, int(np.prod(a.shape[2:])))
+    part = a3.sum(axis=2) if b is None else np.einsum("ncs,ncs->nc", a3, b.reshape(a3.shape))
+    return part.sum(axis=0, dtype=np.float64)
+
+
+@register_layer
+class BatchNorm(Layer):
+    """Batch normalisation ``y = gamma * (x - mean) / sqrt(var + eps) + beta``.
+
+    Takes ``(n, F)`` (statistics per feature, over the batch) or ``(n, C, *spatial)``
+    (statistics per channel, over the batch and every spatial position); the output has
+    the shape of the input. Parameters ``gamma`` (ones) and ``beta`` (zeros), state
+    ``mean`` (zeros) and ``var`` (ones), each ``(F,)`` or ``(C,)``.
+
+    Training (``context.training``): mean and biased variance of the GLOBAL batch, from
+    sums over the replica group (``context.reduce_sum``, in float64): first the count and
+    per-channel sums, then the per-channel sums of squares about the global mean (two
+    passes, so no cancellation in ``E[x^2] - E[x]^2``). Backward sums ``dy`` and
+    ``dy * xhat`` over the group in one more ``reduce_sum``; ``dgamma`` and ``dbeta`` are
+    this rank's own sums (the trainer adds the ranks' gradients). So the forward makes two
+    collective calls and the backward one, on every rank, even with no local samples; the
+    backward makes none when ``need_input_grad`` is False (the same on every rank: it
+    depends on the layer's place in the model).
+
+    Running statistics, updated in every training forward from the global figures (so
+    the same on every rank): ``mean <- (1 - momentum) * mean + momentum * batch_mean`` and
+    ``var <- (1 - momentum) * var + momentum * batch_var * N / (N - 1)`` (the unbiased
+    variance; left alone when the global count ``N`` per channel is 1). A global batch with
+    no samples changes nothing. Evaluation uses the running statistics and makes no
+    collective call.
+
+    Parameters
+    ----------
+    momentum : weight of the current batch in the running statistics, in [0, 1].
+    eps : added to the variance, > 0.
+    """
+
+    needs = frozenset({"replica-sums"})
+
+    def __init__(self, momentum: float = 0.1, eps: float = 1e-5) -> None:
+        super().__init__()
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float, np.number)) \
+                or not 0 <= momentum <= 1:
+            raise ValueError(f"BatchNorm momentum must be a number in [0, 1], got {momentum!r}")
+        self.momentum, self.eps = float(momentum), _positive(eps, "BatchNorm eps")
+        self.n_channels: int | None = None
+
+    def config(self) -> dict:
+        return {"momentum": self.momentum, "eps": self.eps}
+
+    def _fix(self, in_shape: tuple[int, ...]) -> None:
+        if len(in_shape) < 1:
+            raise ValueError("BatchNorm needs samples with at least one axis")
+        c = int(in_shape[0])
+        if self.n_channels is not None and c != self.n_channels:
+            raise ValueError(f"BatchNorm was set up for {self.n_channels} channels, got "
+                             f"per-sample shape {tuple(in_shape)}")
+        self.n_channels = c
+
+    def output_dim(self, n_in: int) -> int:
+        self._fix((n_in,))
+        return n_in
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        self._fix(tuple(in_shape))
+        return tuple(in_shape)
+
+    def _c(self) -> int:
+        if self.n_channels is None:
+            raise ValueError("BatchNorm does not know its number of channels yet: put it in a "
+                             "Sequential (or call output_shape) first")
+        return self.n_channels
+
+    def param_shapes(self) -> Shapes:
+        return {"gamma": (self._c(),), "beta": (self._c(),)}
+
+    def state_shapes(self) -> Shapes:
+        return {"mean": (self._c(),), "var": (self._c(),)}
+
+    def init_(self, rng: np.random.Generator) -> None:
+        self.params["gamma"][...] = 1
+        self.params["beta"][...] = 0
+        if self.state:  # a scratch copy (a pipeline's other stages) may have none bound
+            self.state["mean"][...] = 0
+            self.state["var"][...] = 1
+
+    def _bshape(self, x: np.ndarray) -> tuple[int, ...]:
+        """The shape ``(C, 1, ...)`` that broadcasts a channel vector against ``x``."""
+        c = self._c()
+        if x.ndim < 2 or x.shape[1] != c:
+            raise ValueError(f"BatchNorm takes (n, {c}, ...) batches, got shape {x.shape}")
+        return (c,) + (1,) * (x.ndim - 2)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        bshape = self._bshape(x)
+        self._training = bool(self.context.training)
+        gamma, beta = self.params["gamma"].reshape(bshape), self.params["beta"].reshape(bshape)
+        if not self._training:
+            inv = 1 / np.sqrt(self.state["var"] + self.eps)
+            scale = gamma * inv.reshape(bshape)
+            self._x, self._inv = x, inv
+            y = x * scale
+            y += beta - self.state["mean"].reshape(bshape) * scale
+            return y
+        c, dt = self._c(), x.dtype
+        first = np.empty(c + 1, np.float64)
+        first[0] = x.size // c  # local count per channel
+        first[1:] = _channel_sums(x)
+        first = self.context.reduce_sum(first)
+        n = float(first[0])
+        mean = first[1:] / n if n > 0 else np.zeros(c)
+        xc = x - mean.astype(dt).reshape(bshape)
+        ss = self.context.reduce_sum(_channel_sums(xc, xc))  # about the GLOBAL mean
+        var = ss / n if n > 0 else np.zeros(c)
+        inv = (1 / np.sqrt(var + self.eps)).astype(dt)
+        xc *= inv.reshape(bshape)  # now xhat
+        self._xhat, self._inv, self._n = xc, inv, n
+        y = xc * gamma
+        y += beta
+        m = self.momentum
+        if n > 0:
+            mu = self.state["mean"]
+            mu[...] = (1 - m) * mu.astype(np.float64) + m * mean
+        if n > 1:
+            v = self.state["var"]
+            v[...] = (1 - m) * v.astype(np.float64) + m * var * (n / (n - 1))
+        return y
+
+    def _write(self, key: str, local: np.ndarray, accumulate: bool) -> None:
+        g = self.grads[key]
+        if accumulate:
+            g += local
+        else:
+            g[...] = local
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        bshape = self._bshape(dy)
+        c, dt = self._c(), dy.dtype
+        gamma = self.params["gamma"]
+        if not self._training:  # running statistics: a per-channel affine map
+            xhat = (self._x - self.state["mean"].reshape(bshape)) * self._inv.reshape(bshape)
+            self._write("gamma", _channel_sums(dy, xhat), accumulate)
+            self._write("beta", _channel_sums(dy), accumulate)
+            return dy * (gamma * self._inv).reshape(bshape) if need_input_grad else None
+        xhat = self._xhat
+        sums = np.empty(2 * c, np.float64)
+        sums[:c], sums[c:] = _channel_sums(dy), _channel_sums(dy, xhat)
+        self._write("beta", sums[:c], accumulate)  # local sums: the trainer adds the ranks'
+        self._write("gamma", sums[c:], accumulate)
+        if not need_input_grad:
+            return None
+        sums = self.context.reduce_sum(sums)
+        n = self._n
+        if n == 0:
+            return np.zeros_like(dy)
+        # dx = gamma / sqrt(var + eps) * (dy - sum(dy) / N - xhat * sum(dy * xhat) / N)
+        dx = xhat * (sums[c:] / n).astype(dt).reshape(bshape)
+        np.subtract(dy, dx, out=dx)
+        dx -= (sums[:c] / n).astype(dt).reshape(bshape)
+        dx *= (gamma * self._inv).reshape(bshape)
+        return dx
+
+    def __repr__(self) -> str:
+        return f"BatchNorm(momentum={self.momentum}, eps={self.eps})"
+
+
+@register_layer
+class LayerNorm(Layer):
+    """Layer normalisation: each sample normalised over ALL its per-sample axes,
+    ``y = gamma * (x - mean) / sqrt(var + eps) + beta``, mean and (biased) variance taken
+    over the sample's ``prod(shape)`` values.
+
+    ``gamma`` (ones) and ``beta`` (zeros) are elementwise, of the full per-sample shape
+    (for ``(n, F)`` inputs: ``(F,)``; for ``(n, C, H, W)``: ``(C, H, W)``). Needs no other
+    sample, so no collective, and is the same in training and evaluation.
+
+    Parameters
+    ----------
+    eps : added to the variance, > 0.
+    """
+
+    def __init__(self, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = _positive(eps, "LayerNorm eps")
+        self.shape: tuple[int, ...] | None = None
+
+    def config(self) -> dict:
+        return {"eps": self.eps}
+
+    def output_dim(self, n_in: int) -> int:
+        return self.output_shape((n_in,))[0]
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        in_shape = tuple(int(d) for d in in_shape)
+        if self.shape is not None and in_shape != self.shape:
+            raise ValueError(f"LayerNorm was set up for per-sample shape {self.shape}, got "
+                             f"{in_shape}")
+        self.shape = in_shape
+        return in_shape
+
+    def param_shapes(self) -> Shapes:
+        if self.shape is None:
+            raise ValueError("LayerNorm does not know its per-sample shape yet: put it in a "
+                             "Sequential (or call output_shape) first")
+        return {"gamma": self.shape, "beta": self.shape}
+
+    def init_(self, rng: np.random.Generator) -> None:
+        self.params["gamma"][...] = 1
+        self.params["beta"][...] = 0
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        if tuple(x.shape[1:]) != self.shape:
+            raise ValueError(f"LayerNorm takes samples of shape {self.shape}, got a batch of "
+                             f"shape {x.shape}")
+        n, d = x.shape[0], int(np.prod(self.shape))
+        xc = x.reshape(n, d) - x.reshape(n, d).mean(axis=1, keepdims=True)
+        var = np.einsum("ij,ij->i", xc, xc) / d
+        inv = 1 / np.sqrt(var + self.eps)
+        xc *= inv[:, None]  # xhat
+        self._xhat, self._inv = xc, inv
+        y = xc * self.params["gamma"].reshape(d)
+        y += self.params["beta"].reshape(d)
+        return y.reshape(x.shape)
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        xhat, inv = self._xhat, self._inv
+        n, d = xhat.shape
+        g = dy.reshape(n, d)
+        dgamma, dbeta = self.grads["gamma"].reshape(d), self.grads["beta"].reshape(d)
+        if accumulate:
+            dgamma += np.einsum("ij,ij->j", g, xhat)
+            dbeta += g.sum(axis=0)
+        else:
+            dgamma[...] = np.einsum("ij,ij->j", g, xhat)
+            np.sum(g, axis=0, out=dbeta)
+        if not need_input_grad:
+            return None
+        gd = g * self.params["gamma"].reshape(d)  # dL/dxhat
+        m2 = np.einsum("ij,ij->i", gd, xhat) / d
+        dx = gd - gd.mean(axis=1, keepdims=True)
+        dx -= xhat * m2[:, None]
+        dx *= inv[:, None]
+        return dx.reshape(dy.shape)
+
+    def __repr__(self) -> str:
+        return f"LayerNorm(eps={self.eps})"

@@ -1,0 +1,208 @@
+"""Pooling over 1-D ``(n, C, L)`` and 2-D ``(n, C, H, W)`` inputs: :class:`MaxPool`,
+:class:`AvgPool` (windows, no padding) and :class:`GlobalAvgPool`. Pure NumPy, no MPI.
+
+A window pool of size ``K = prod(size)`` copies the input once, through a strided view,
+into ``(K, n, C, *out)`` (every window offset's value for every output), reduces over the
+first axis and, in backward, makes one vectorised pass per window offset: never a loop
+over samples or positions. Output size per axis: ``floor((L - size) / stride) + 1`` (must
+be >= 1). Values keep the input's dtype.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from .conv import as_sizes, out_sizes, tap
+from .layers import Layer, register_layer
+
+
+def _spec(value: int | Sequence[int] | None, what: str) -> int | tuple[int, ...] | None:
+    """A pool size or stride as given (an int, a pair, or None), checked and normalised."""
+    if value is None:
+        return None
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(f"{what} must be an int or a pair (for 2-D inputs), got {value!r}")
+        return as_sizes(value, 2, what)
+    return as_sizes(value, 1, what)[0]
+
+
+class _WindowPool(Layer):
+    """Shared shape handling of :class:`MaxPool` and :class:`AvgPool`."""
+
+    def __init__(self, size: int | Sequence[int], stride: int | Sequence[int] | None = None) -> None:
+        super().__init__()
+        name = type(self).__name__
+        self.size = _spec(size, f"{name} size")
+        self.stride = _spec(stride, f"{name} stride")
+
+    def config(self) -> dict:
+        def js(v):
+            return list(v) if isinstance(v, tuple) else v
+        return {"size": js(self.size), "stride": js(self.stride)}
+
+    def _geometry(self, shape: Sequence[int], batch: bool) -> tuple[tuple[int, ...], ...]:
+        """``(size, stride, out)`` per spatial axis for a sample (or, with ``batch``, a
+        batch) of ``shape``."""
+        nd = len(shape) - (2 if batch else 1)
+        if nd not in (1, 2):
+            lead = "(n, C, L) or (n, C, H, W)" if batch else "(C, L) or (C, H, W)"
+            what = "a batch" if batch else "samples"
+            raise ValueError(f"{self!r} takes {what} of shape {lead}, got {tuple(shape)}")
+        for v in (self.size, self.stride):
+            if isinstance(v, tuple) and nd != len(v):
+                raise ValueError(f"{self!r} has a 2-D window, so it needs (n, C, H, W) inputs, "
+                                 f"got shape {tuple(shape)}; give an int size for 1-D inputs")
+        size = as_sizes(self.size, nd, "size")
+        stride = size if self.stride is None else as_sizes(self.stride, nd, "stride")
+        return size, stride, out_sizes(repr(self), shape[-nd:], size, stride)
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (in_shape[0], *self._geometry(in_shape, batch=False)[2])
+
+    def _check_dy(self, dy: np.ndarray) -> None:
+        if getattr(self, "_x_shape", None) is None:
+            raise ValueError(f"{self!r}: backward before forward")
+        want = (*self._x_shape[:2], *self._geom[2])
+        if dy.shape != want:
+            raise ValueError(f"{self!r}: dy has shape {tuple(dy.shape)}, but the forward output "
+                             f"was {want}")
+
+    def _taps(self):
+        """(offset number, input slices) for every window offset of the cached forward."""
+        size, stride, out = self._geom
+        lead = (slice(None), slice(None))
+        for k, offset in enumerate(itertools.product(*map(range, size))):
+            yield k, (*lead, *tap(offset, stride, out))
+
+    def _by_offset(self, x: np.ndarray) -> np.ndarray:
+        """``(K, n, C, *out)``: for every window offset (row-major), the input value each
+        output position reads there; one strided copy, so the reductions that follow run
+        over contiguous memory."""
+        size, stride, out = self._geom
+        sn, sc, *ss = x.strides
+        view = as_strided(x, (*size, *x.shape[:2], *out),
+                          (*ss, sn, sc, *(s * st for s, st in zip(ss, stride))), writeable=False)
+        taps = np.empty(view.shape, x.dtype)
+        np.copyto(taps, view)
+        return taps.reshape(int(np.prod(size)), *x.shape[:2], *out)  # no -1: n may be 0
+
+    def __repr__(self) -> str:
+        stride = "" if self.stride is None else f", stride={self.stride}"
+        return f"{type(self).__name__}({self.size}{stride})"
+
+
+@register_layer
+class MaxPool(_WindowPool):
+    """Maximum over windows: ``(n, C, L)`` or ``(n, C, H, W)`` -> ``(n, C, *out)``.
+
+    Parameters
+    ----------
+    size : window size: an int (every spatial axis) or a pair ``(h, w)`` (2-D inputs).
+    stride : step between windows (int or pair); None (default) means ``size``.
+
+    Backward routes each output's gradient to the first maximum of its window (row-major
+    order within the window), so ties do not duplicate it; overlapping windows add up.
+    """
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        self._geom = self._geometry(x.shape, batch=True)
+        self._x_shape = x.shape
+        taps = self._by_offset(x)
+        n_taps = len(taps)
+        y = np.max(taps, axis=0)
+        # offset of each window's first maximum, branch-free (masked writes are slow):
+        # best = max over offsets k holding the maximum of (n_taps - k); arg = n_taps - best
+        code = np.uint8 if n_taps < 256 else np.int32
+        best, eq, cand = np.zeros(y.shape, code), np.empty(y.shape, bool), np.empty(y.shape, code)
+        for k in range(n_taps):
+            np.equal(taps[k], y, out=eq)
+            np.multiply(eq, code(n_taps - k), out=cand)
+            np.maximum(best, cand, out=best)
+        self._arg = np.subtract(code(n_taps), best, out=best)  # n_taps where y is NaN: no gradient
+        return y
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        if not need_input_grad:
+            return None
+        self._check_dy(dy)
+        size, stride, _ = self._geom
+        dx = np.zeros(self._x_shape, dy.dtype)
+        disjoint = all(s >= k for s, k in zip(stride, size))  # each input in one window at most
+        part = None if disjoint else np.empty(dy.shape, dy.dtype)
+        for k, where in self._taps():
+            if disjoint:
+                np.multiply(dy, self._arg == k, out=dx[where])
+            else:
+                np.multiply(dy, self._arg == k, out=part)
+                dx[where] += part
+        return dx
+
+
+@register_layer
+class AvgPool(_WindowPool):
+    """Mean over windows: ``(n, C, L)`` or ``(n, C, H, W)`` -> ``(n, C, *out)``.
+
+    Parameters
+    ----------
+    size : window size: an int (every spatial axis) or a pair ``(h, w)`` (2-D inputs).
+    stride : step between windows (int or pair); None (default) means ``size``.
+    """
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        self._geom = self._geometry(x.shape, batch=True)
+        self._x_shape = x.shape
+        taps = self._by_offset(x)
+        y = np.sum(taps, axis=0)
+        y *= 1.0 / len(taps)
+        return y
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        if not need_input_grad:
+            return None
+        self._check_dy(dy)
+        g = dy * (1.0 / int(np.prod(self._geom[0])))
+        dx = np.zeros(self._x_shape, g.dtype)
+        for _, where in self._taps():
+            dx[where] += g
+        return dx
+
+
+@register_layer
+class GlobalAvgPool(Layer):
+    """Mean over every spatial axis: ``(n, C, *spatial)`` -> ``(n, C)``."""
+
+    def config(self) -> dict:
+        return {}
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if len(in_shape) < 2:
+            raise ValueError(f"GlobalAvgPool takes samples of shape (channels, *spatial), got "
+                             f"{tuple(in_shape)}: it needs at least one spatial axis")
+        return (in_shape[0],)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        if x.ndim < 3:
+            raise ValueError(f"GlobalAvgPool takes a batch of shape (n, C, *spatial), got "
+                             f"{tuple(x.shape)}")
+        self._x_shape = x.shape
+        return x.mean(axis=tuple(range(2, x.ndim)))
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        if not need_input_grad:
+            return None
+        shape = self._x_shape
+        if dy.shape != shape[:2]:
+            raise ValueError(f"GlobalAvgPool: dy has shape {tuple(dy.shape)}, but the forward "
+                             f"output was {shape[:2]}")
+        g = dy * (1.0 / int(np.prod(shape[2:])))
+        dx = np.empty(shape, g.dtype)
+        dx[...] = g.reshape(*shape[:2], *(1,) * (len(shape) - 2))
+        return dx

@@ -1,0 +1,86 @@
+"""Layers that only change the per-sample shape: :class:`Flatten`, :class:`Reshape`.
+Pure NumPy, no MPI; views where the input's layout allows (no copy), the batch axis kept."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .layers import Layer, register_layer
+
+
+class _ShapeOnly(Layer):
+    """Forward reshapes each sample; backward gives ``dy`` the input's shape back."""
+
+    def _target(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return self._target(tuple(in_shape))
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        if x.ndim < 1:
+            raise ValueError(f"{self!r} takes a batch (n, ...), got a scalar")
+        self._x_shape = x.shape
+        return x.reshape(len(x), *self._target(x.shape[1:]))  # no -1: n may be 0
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        if not need_input_grad:
+            return None
+        if dy.size != int(np.prod(self._x_shape)):
+            raise ValueError(f"{self!r}: dy has shape {tuple(dy.shape)}, which does not match "
+                             f"the forward input {tuple(self._x_shape)}")
+        return dy.reshape(self._x_shape)
+
+
+@register_layer
+class Flatten(_ShapeOnly):
+    """``(n, *s)`` -> ``(n, prod(s))``: e.g. image features into a :class:`Dense` layer."""
+
+    def config(self) -> dict:
+        return {}
+
+    def _target(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (int(np.prod(in_shape)),)
+
+
+@register_layer
+class Reshape(_ShapeOnly):
+    """``(n, *s)`` -> ``(n, *shape)``, ``prod(shape) == prod(s)``; one entry of ``shape``
+    may be -1 (inferred), e.g. ``Reshape((1, 28, 28))`` for flat MNIST rows.
+
+    Raises
+    ------
+    ValueError : ``shape`` is not a sequence of sizes >= 1 with at most one -1 (at
+        construction), or does not hold as many values as the input's samples.
+    """
+
+    def __init__(self, shape: int | Sequence[int]) -> None:
+        super().__init__()
+        dims = (shape,) if isinstance(shape, (int, np.integer)) else shape
+        if not isinstance(dims, (tuple, list)) or not dims or any(
+                isinstance(d, bool) or not isinstance(d, (int, np.integer)) or (d < 1 and d != -1)
+                for d in dims) or sum(d == -1 for d in dims) > 1:
+            raise ValueError(f"Reshape needs a shape of sizes >= 1 with at most one -1, got "
+                             f"{shape!r}")
+        self.shape = tuple(int(d) for d in dims)
+
+    def config(self) -> dict:
+        return {"shape": list(self.shape)}
+
+    def _target(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        size, known = int(np.prod(in_shape)), int(np.prod([d for d in self.shape if d != -1]))
+        if -1 in self.shape:
+            if size % known:
+                raise ValueError(f"{self!r}: samples of shape {in_shape} hold {size} values, "
+                                 f"not a multiple of {known}, so -1 cannot be inferred")
+            return tuple(size // known if d == -1 else d for d in self.shape)
+        if size != known:
+            raise ValueError(f"{self!r}: samples of shape {in_shape} hold {size} values, but "
+                             f"shape {self.shape} holds {known}; the sizes must match")
+        return self.shape
+
+    def __repr__(self) -> str:
+        return f"Reshape({self.shape})"

@@ -1,0 +1,86 @@
+"""``mpidp train --model cnn | FILE`` end to end: image data, batch norm's state through
+checkpoints, resume and predict, and the modes that refuse a layer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from clitools import ROOT, run_mpi
+
+BN_MODEL = ROOT / "examples" / "models" / "digits-cnn-bn.toml"
+SMALL = ["train", "--dataset", "digits", "--batch-size", "32", "--no-progress", "--seed", "1"]
+
+
+def _saved(out) -> dict:
+    with np.load(Path(out) / "model.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+def test_the_cnn_preset_trains_the_digits_as_images_and_predict_reads_it(tmp_path):
+    r = run_mpi(2, *SMALL, "--model", "cnn", "--epochs", "3", "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "samples of shape 1x8x8" in r.stdout and "Conv2d(16" in r.stdout
+    history = json.loads((tmp_path / "o" / "metrics.json").read_text())["history"]
+    assert history[-1]["loss"] < history[0]["loss"] and history[-1]["test_accuracy"] > 0.85
+    r = run_mpi(2, "predict", "--model", str(tmp_path / "o"), "--dataset", "digits",
+                "--output", "label", "--out", str(tmp_path / "labels.npy"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    labels = np.load(tmp_path / "labels.npy")
+    assert labels.shape == (1797,) and labels.dtype.kind == "i"
+    assert float(r.stdout.split("accuracy ")[1].split(";")[0]) > 0.85
+
+
+def test_a_model_file_with_batchnorm_and_dropout_is_the_same_at_one_and_two_ranks(tmp_path):
+    args = [*SMALL, "--model", str(BN_MODEL), "--epochs", "2", "--dtype", "float64"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    for n, out in ((1, one), (2, two)):
+        r = run_mpi(n, *args, "--out", str(out))
+        assert r.returncode == 0, r.stderr[-3000:]
+    a, b = _saved(one), _saved(two)
+    assert np.max(np.abs(a["params"] - b["params"])) <= 1e-10
+    assert a["state"].shape == (2 * (16 + 32),) and np.max(np.abs(a["state"] - b["state"])) <= 1e-10
+    spec = json.loads(str(a["spec"]))
+    assert spec[0]["in_channels"] == 1 and spec[-1]["n_out"] == 10  # inferred, recorded
+
+
+def test_batchnorm_statistics_survive_a_checkpoint_and_a_resume_on_other_ranks(tmp_path):
+    args = [*SMALL, "--model", str(BN_MODEL), "--dtype", "float64"]
+    r = run_mpi(2, *args, "--epochs", "3", "--out", str(tmp_path / "ref"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ck = tmp_path / "ck"
+    r = run_mpi(2, *args, "--epochs", "2", "--checkpoint-dir", str(ck), "--out",
+                str(tmp_path / "first"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_mpi(1, *args, "--epochs", "3", "--checkpoint-dir", str(ck), "--resume", "--out",
+                str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref, resumed = _saved(tmp_path / "ref"), _saved(tmp_path / "b")
+    assert np.max(np.abs(ref["params"] - resumed["params"])) <= 1e-10
+    assert np.max(np.abs(ref["state"] - resumed["state"])) <= 1e-10
+
+
+@pytest.mark.parametrize("mode, message", [
+    (["--parallel", "pipeline"], "--parallel pipeline cannot train a model with BatchNorm"),
+    (["--parallel", "hybrid"], "--parallel hybrid cannot train a model with BatchNorm"),
+    (["--sync", "local-sgd"], "--sync local-sgd cannot train a model with BatchNorm"),
+    (["--sync", "async-ps"], "--sync async-ps cannot train a model with BatchNorm"),
+])
+def test_a_mode_that_cannot_train_a_layer_refuses_it_before_any_work(tmp_path, mode, message):
+    r = run_mpi(2, *SMALL, "--model", str(BN_MODEL), *mode, "--out", str(tmp_path / "o"))
+    assert r.returncode == 2, r.stderr[-3000:]
+    line = [ln for ln in r.stderr.splitlines() if ln.startswith("mpidp: error:")]
+    assert len(line) == 1 and message in line[0] and str(BN_MODEL) in line[0], r.stderr
+    assert "data:" not in r.stdout and not (tmp_path / "o").exists()
+
+
+def test_a_bad_model_file_and_a_bad_model_name_are_one_line_each(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[layers]]\ntype = 'Conv2d'\nout_chanels = 4\nkernel = 3\n")
+    r = run_mpi(2, *SMALL, "--model", str(bad), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "layer 1 (Conv2d): unknown setting 'out_chanels'" in r.stderr
+    assert r.stderr.count("mpidp: error:") == 1
+    r = run_mpi(1, *SMALL, "--model", "resnet", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "'resnet' is neither a preset" in r.stderr
