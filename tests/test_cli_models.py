@@ -84,3 +84,30 @@ def test_a_bad_model_file_and_a_bad_model_name_are_one_line_each(tmp_path):
     assert r.stderr.count("mpidp: error:") == 1
     r = run_mpi(1, *SMALL, "--model", "resnet", "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "'resnet' is neither a preset" in r.stderr
+
+
+def test_an_embedding_model_trains_on_token_ids_and_refuses_other_data(tmp_path):
+    rng = np.random.default_rng(0)
+    X = rng.integers(0, 20, (400, 6))
+    np.savez(tmp_path / "tokens.npz", X=X, y=(X[:, 0] >= 10).astype(np.int64))
+    model = tmp_path / "emb.toml"
+    model.write_text("[[layers]]\ntype = 'Embedding'\nn_tokens = 20\ndim = 4\n"
+                     "[[layers]]\ntype = 'Flatten'\n[[layers]]\ntype = 'Dense'\n")
+    r = run_mpi(2, "train", "--dataset", str(tmp_path / "tokens.npz"), "--model", str(model),
+                "--epochs", "8", "--lr", "0.1", "--no-progress", "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    history = json.loads((tmp_path / "o" / "metrics.json").read_text())["history"]
+    assert history[-1]["test_accuracy"] > 0.9, history[-1]
+    r = run_mpi(2, *SMALL, "--model", str(model), "--out", str(tmp_path / "p"))
+    assert r.returncode == 2 and r.stderr.count("mpidp: error:") == 1, r.stderr[-3000:]
+    assert "does not suit --model" in r.stderr and "not a whole number in [0, 20)" in r.stderr
+
+
+def test_a_model_whose_shapes_do_not_fit_the_data_names_the_layer(tmp_path):
+    model = tmp_path / "conv.toml"
+    model.write_text("[[layers]]\ntype = 'Conv1d'\nout_channels = 4\nkernel = 3\n"
+                     "[[layers]]\ntype = 'Flatten'\n[[layers]]\ntype = 'Dense'\n")
+    r = run_mpi(2, *SMALL, "--model", str(model), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and r.stderr.count("mpidp: error:") == 1, r.stderr[-3000:]
+    assert f"--model {model}: layer shapes do not chain: layer 0 (Conv1d" in r.stderr
+    assert "samples of shape (1, 8, 8)" in r.stderr

@@ -189,6 +189,20 @@ def _check_model(args: argparse.Namespace) -> None:
         raise ValueError(f"--model {args.model}: {why}")
 
 
+def _check_inputs(comm: C.Comm, args: argparse.Namespace, layers: list, data: D.Data) -> None:
+    """Every rank checks its rows against a first layer that takes token ids (an
+    ``Embedding``); one error on every rank, before any work, if a row holds another value.
+    Collective."""
+    error = None
+    if isinstance(layers[0], nn.Embedding):
+        try:
+            for shard in (data.train, data.test):
+                layers[0].token_ids(shard.X)
+        except ValueError as exc:
+            error = f"--dataset {args.dataset} does not suit --model {args.model}: {exc}"
+    C.agree(comm, error)
+
+
 def _layers(args, data: D.Data) -> tuple[list, nn.Loss]:
     """The unbound layers and loss that ``--model`` names, for ``data``'s samples."""
     return nn.model_layers(args.model, data.sample_shape, data.n_outputs, args.hidden,
@@ -198,7 +212,10 @@ def _layers(args, data: D.Data) -> tuple[list, nn.Loss]:
 def _fits(args, data: D.Data, share: float, ranks_here: int) -> None:
     """ValueError, with the figure and the fix, when the model cannot fit in memory."""
     layers, _ = _layers(args, data)
-    count, activations = memory.model_size(layers, data.sample_shape)
+    try:
+        count, activations = memory.model_size(layers, data.sample_shape)
+    except ValueError as exc:
+        raise ValueError(f"--model {args.model}: {exc}") from None
     need = memory.estimate_counts(count, activations, args.dtype, args.optimizer,
                                   args.batch_size, share)
     layers = f", hidden {','.join(map(str, args.hidden))}" if args.model == "mlp" else ""
@@ -315,6 +332,7 @@ def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
     """The model and its data-parallel trainer, as the options say. Collective."""
     args, comm = job.args, job.comm
     layers, loss = C.run_agreed(comm, _layers, args, data)
+    _check_inputs(comm, args, layers, data)
     model = nn.Sequential(layers, data.sample_shape, args.dtype)
     model.init_(np.random.default_rng(args.seed))
     make_opt = lambda: nn.make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay)
@@ -411,6 +429,7 @@ def _train_model_parallel(job: _Job) -> dict | None:
                         regression=args.model == "linear" and args.dataset == "synthetic")
     C.run_agreed(comm, _fits, args, data, 1.0 / max(comm.size // 2, 1), C.local_ranks(comm))
     layers, loss = C.run_agreed(comm, _layers, args, data)
+    _check_inputs(comm, args, layers, data)
     optimizer = nn.make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay)
     pipe = make_trainer(args.parallel, layers, data.sample_shape, optimizer, loss, comm,
                         dtype=args.dtype, micro_batches=args.micro_batches,

@@ -22,9 +22,10 @@ N, BATCH, EPOCHS = 61, 16, 2
 def _models() -> dict:
     """name -> (per-sample input shape, integer inputs?, layers factory)."""
     return {
-        "conv1d": ((2, 12), False, lambda: [
+        "conv1d": ((2, 14), False, lambda: [
             nn.Conv1d(4, 3, padding=1), nn.ReLU(), nn.MaxPool(2),
-            nn.Conv1d(3, 3, stride=2), nn.Tanh(), nn.Flatten(), nn.Dense(None, 3)]),
+            nn.Conv1d(3, 3, stride=2), nn.Tanh(), nn.AvgPool(2), nn.Reshape(-1),
+            nn.Dense(None, 3)]),
         "conv2d": ((1, 6, 6), False, lambda: [
             nn.Conv2d(4, 3, padding=1), nn.ReLU(), nn.AvgPool(2), nn.Conv2d(3, 2),
             nn.GELU(), nn.GlobalAvgPool(), nn.Dense(None, 3)]),
