@@ -232,10 +232,13 @@ def test_the_model_file_of_mpidp_train_loads_and_predicts_what_its_params_imply(
     with np.load(out / "model.npz", allow_pickle=False) as raw:
         params, spec = raw["params"], json.loads(str(raw["spec"]))
     assert model.params.tobytes() == params.tobytes() and model.spec() == spec
-    x = np.random.default_rng(0).random((16, 64)).astype(model.dtype)
+    assert model.meta["sample_shape"] == [1, 8, 8] and spec[0]["model_in_shape"] == [1, 8, 8]
+    x = np.random.default_rng(0).random((16, 1, 8, 8)).astype(model.dtype)
     y, offset = x, 0  # the forward pass the flat vector and spec describe, by hand
     for layer in spec:
-        if layer["type"] == "Dense":
+        if layer["type"] == "Flatten":
+            y = y.reshape(len(y), -1)
+        elif layer["type"] == "Dense":
             n_in, n_out = layer["n_in"], layer["n_out"]
             W = params[offset:offset + n_in * n_out].reshape(n_in, n_out)
             b = params[offset + n_in * n_out:offset + n_in * n_out + n_out]

@@ -32,6 +32,7 @@ from .partition import (
     positions_of,
     scatter_plan,
     split_rows,
+    validation_split,
 )
 from .rows import RowReader, Timings
 from .sources import crc_mismatch, open_source, stored_members
@@ -81,7 +82,7 @@ class Shard:
 
 @dataclass
 class Data:
-    """Train and test shards plus what every rank needs to build a model.
+    """Train, test (and validation) shards plus what every rank needs to build a model.
 
     ``n_features`` is the number of values per sample, ``prod(sample_shape)``;
     ``sample_shape`` the shape of one sample (default: the training shard's, or
@@ -98,6 +99,7 @@ class Data:
     costs: np.ndarray | None = None  # (n_train,) work per training position, if known
     sample_shape: tuple[int, ...] | None = None
     test_split: str = "random"
+    val: Shard | None = None  # the validation rows (held out of training), if asked for
 
     def __post_init__(self) -> None:
         if self.sample_shape is None:
@@ -167,17 +169,25 @@ def _scatter_dense(comm, reader, rows, counts, meta, dtype, root, clock):
     return X, y
 
 
+def _split(src: Source, test_fraction, val_fraction, seed) -> tuple[np.ndarray, ...]:
+    """``(train_rows, test_rows, val_rows)``: the test split, then validation rows held out
+    of the training rows."""
+    train_rows, test_rows = split_rows(src.n_samples, test_fraction, seed, src.fixed_test)
+    train_rows, val_rows = validation_split(train_rows, val_fraction, seed)
+    return train_rows, test_rows, val_rows
+
+
 def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, source_kw,
                   layout, clock) -> Data:
     held: dict = {}
 
     def open_on_root() -> dict:
         src = open_source(spec, seed=seed, **source_kw)
-        train_rows, test_rows = split_rows(src.n_samples, test_fraction, seed, src.fixed_test)
-        held["costs"] = _train_costs(src, layout["costs"], train_rows)
-        sparse = len(train_rows) > 0 and isinstance(src.read(train_rows[:1])[0], CSR)
-        held.update(src=src, split=(train_rows, test_rows))
-        return {"name": src.name, "n": (len(train_rows), len(test_rows)),
+        split = _split(src, test_fraction, layout["val_fraction"], seed)
+        held["costs"] = _train_costs(src, layout["costs"], split[0])
+        sparse = len(split[0]) > 0 and isinstance(src.read(split[0][:1])[0], CSR)
+        held.update(src=src, split=split)
+        return {"name": src.name, "n": tuple(len(rows) for rows in split),
                 "n_features": src.n_features, "sample_shape": src.sample_shape,
                 "classification": src.classification, "fixed": _is_fixed(src, test_fraction),
                 "y_shape": src.target_shape,
@@ -216,7 +226,7 @@ def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, sourc
     n_outputs = _n_outputs_from(meta["classification"], meta["y_shape"], max_label, n_classes)
     return Data(shards[0], shards[1], meta["name"], meta["n_features"], n_outputs,
                 meta["classification"], costs, meta["sample_shape"],
-                "fixed" if meta["fixed"] else "random")
+                "fixed" if meta["fixed"] else "random", shards[2] if shards[2].n_total else None)
 
 
 def _verify_together(comm, path: str) -> None:
@@ -252,7 +262,7 @@ def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, la
     if source_kw.pop("verify", True) and isinstance(spec, str):
         _verify_together(comm, spec)  # first: a corrupted byte is named as such
     src = C.run_agreed(comm, open_source, spec, seed=seed, verify=False, **source_kw)
-    split = split_rows(src.n_samples, test_fraction, seed, src.fixed_test)
+    split = C.run_agreed(comm, _split, src, test_fraction, layout["val_fraction"], seed)
     costs = C.run_agreed(comm, _train_costs, src, layout["costs"], split[0])
     owner = C.run_agreed(comm, assign, layout["strategy"], len(split[0]), comm.size,
                          seed=seed, costs=costs, capacities=layout["capacities"])
@@ -270,21 +280,23 @@ def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, la
     return Data(shards[0], shards[1], src.name, src.n_features,
                 _n_outputs_from(src.classification, src.target_shape, max_label, n_classes),
                 src.classification, costs, src.sample_shape,
-                "fixed" if _is_fixed(src, test_fraction) else "random")
+                "fixed" if _is_fixed(src, test_fraction) else "random",
+                shards[2] if shards[2].n_total else None)
 
 
 def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
          test_fraction: float | None = None, seed: int = 0, dtype: npt.DTypeLike = np.float32,
          root: int = 0, n_classes: int | None = None, partition: str = "block", costs=None,
          capacities=None, timings: dict | None = None, copy: bool = False,
-         **source_kw) -> Data:
+         val_fraction: float = 0.0, **source_kw) -> Data:
     """Load dataset ``spec`` (see :func:`mpidp.data.sources.open_source`) split over ``comm``.
 
     Every rank gets samples of the file's shape, ``X`` ``(n_local, *sample_shape)``
     (``Data.sample_shape``; ``Data.n_features`` is their size). ``test_fraction``: the
     share of rows held out at random (seeded); None (the default) takes the dataset's own
     test set where it has one (``mnist1d``: the package's 1,000 test series, the last rows;
-    ``Data.test_split == "fixed"``), else 0.2.
+    ``Data.test_split == "fixed"``), else 0.2. ``val_fraction``: the share of the
+    training rows held out (seeded) as ``Data.val`` for validation (None when 0).
 
     Collective. ``distribute="scatter"``: ``root`` reads everything and sends each rank its
     rows with ``Scatterv``. ``"local"``: every rank reads only its own rows (memory-mapped
@@ -329,7 +341,10 @@ def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
         raise C.MpidpError(f"number of classes must be >= 2, got {n_classes}")
     if n_classes is not None:
         source_kw.setdefault("n_classes", n_classes)  # synthetic data makes that many
-    layout = {"strategy": partition, "costs": costs, "capacities": capacities}
+    if not 0 <= val_fraction < 1:
+        raise C.MpidpError(f"validation fraction must be in [0, 1), got {val_fraction}")
+    layout = {"strategy": partition, "costs": costs, "capacities": capacities,
+              "val_fraction": val_fraction}
     if distribute == "scatter":
         data = _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, source_kw,
                              layout, clock)

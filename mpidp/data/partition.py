@@ -55,6 +55,17 @@ def train_test_split(n: int, test_fraction: float, seed: int) -> tuple[np.ndarra
     return np.flatnonzero(~mask), np.flatnonzero(mask)
 
 
+def validation_split(train_rows: np.ndarray, val_fraction: float, seed: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Hold ``round(len(train_rows) * val_fraction)`` of the training rows out for
+    validation, at random (seeded, independent of the test split's draw): sorted
+    ``(train_rows, val_rows)``, disjoint from each other and from the test rows."""
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"validation fraction must be in [0, 1), got {val_fraction}")
+    keep, held = train_test_split(len(train_rows), val_fraction, seed + 0x5A11)
+    return train_rows[keep], train_rows[held]
+
+
 #: The share of rows held out for testing when neither a fraction nor a fixed test set is given.
 DEFAULT_TEST_FRACTION = 0.2
 
