@@ -82,8 +82,8 @@ def test_a_misspelt_command_or_choice_gets_the_closest_one(capsys, monkeypatch):
     assert first.startswith("mpidp: error: argument command: invalid choice: 'trian'")
     assert first.endswith("(did you mean train?)")
     first = _error(capsys, monkeypatch, "train", "--optimizer", "adma")[0]
-    assert first.endswith("invalid choice: 'adma' (choose from 'sgd', 'momentum', 'adam') "
-                          "(did you mean adam?)")
+    assert first.endswith("invalid choice: 'adma' (choose from 'sgd', 'momentum', 'adam', "
+                          "'adamw', 'lars', 'lamb') (did you mean adam?)")
 
 
 def test_every_rank_exits_2_and_rank_0_alone_speaks():

@@ -36,6 +36,20 @@ VALUES: dict[str, list[str]] = {
     "log_every": ["--log-every", "5"],
     "progress": ["--progress", "lines"],
     "check_every": ["--check-every", "2"],
+    "val_fraction": ["--val-fraction", "0.1"],
+    "early_stopping": ["--early-stopping", "2", "--val-fraction", "0.1"],
+    "min_delta": ["--min-delta", "0.01", "--val-fraction", "0.1"],
+    "lr_schedule": ["--lr-schedule", "cosine"],
+    "lr_step_epochs": ["--lr-step-epochs", "2", "--lr-schedule", "step"],
+    "lr_milestones": ["--lr-milestones", "2,4", "--lr-schedule", "multistep"],
+    "lr_gamma": ["--lr-gamma", "0.5", "--lr-schedule", "exponential"],
+    "lr_min": ["--lr-min", "0.001", "--lr-schedule", "cosine"],
+    "warmup_epochs": ["--warmup-epochs", "1"],
+    "warmup_steps": ["--warmup-steps", "5"],
+    "plateau_factor": ["--plateau-factor", "0.5", "--lr-schedule", "plateau", "--val-fraction",
+                       "0.1"],
+    "plateau_patience": ["--plateau-patience", "1", "--lr-schedule", "plateau",
+                         "--val-fraction", "0.1"],
 }
 
 #: (option, mode) pairs the table admits but no setting of the other options accepts: an

@@ -149,6 +149,18 @@ def _model(text: str) -> str:
         f"{text!r} is neither a preset ({', '.join(PRESETS)}) nor a model file (.toml or .json)")
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    """A comma-separated list of increasing positive integers (``--lr-milestones``)."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
+                                         f"integers (e.g. 30,60,80)") from None
+    if not values or min(values) < 1 or list(values) != sorted(set(values)):
+        raise argparse.ArgumentTypeError(f"{text!r}: give increasing epochs >= 1 (e.g. 30,60)")
+    return values
+
+
 def _hidden(text: str) -> tuple[int, ...]:
     try:
         sizes = tuple(int(s) for s in text.split(",") if s.strip())
@@ -186,11 +198,48 @@ def _add_train(sub) -> None:
     a("--batch-size", type=_positive(int), default=64,
       help="GLOBAL batch size: samples per step summed over all ranks")
     a("--lr", type=_positive(float), default=0.03, help="learning rate")
-    a("--optimizer", choices=("sgd", "momentum", "adam"), default="momentum",
-      help="sgd, SGD with momentum (--momentum), or adam")
+    a("--optimizer", choices=("sgd", "momentum", "adam", "adamw", "lars", "lamb"),
+      default="momentum", help="sgd, SGD with momentum (--momentum), adam, adamw (decoupled "
+      "weight decay), lars (momentum SGD with layer-wise trust ratios) or lamb (Adam with "
+      "layer-wise trust ratios); the trust ratios use each whole tensor's norms in every mode")
     a("--momentum", type=_number(float, 0, 1), default=0.9,
       help="momentum factor for --optimizer momentum, in [0, 1)")
     a("--weight-decay", type=_non_negative(float), default=0.0, help="L2 weight decay (>= 0)")
+    r = p.add_argument_group("learning-rate schedules, large batches, clipping")
+    r.add_argument("--lr-schedule", choices=("constant", "step", "multistep", "exponential",
+                                             "cosine", "polynomial", "plateau"),
+                   default="constant", help="how the rate moves: step (x --lr-gamma every "
+                   "--lr-step-epochs), multistep (x --lr-gamma at each of --lr-milestones), "
+                   "exponential (x --lr-gamma per epoch), cosine or polynomial (to --lr-min "
+                   "at the last epoch), plateau (x --plateau-factor when the validation loss "
+                   "has not improved for --plateau-patience epochs; needs --val-fraction)")
+    r.add_argument("--lr-step-epochs", type=_positive(int), default=None, metavar="N",
+                   help="step: epochs between decays")
+    r.add_argument("--lr-milestones", type=_ints, default=None, metavar="E1,E2,...",
+                   help="multistep: the epochs after which the rate decays")
+    r.add_argument("--lr-gamma", type=_number(float, 0, 1, low_open=True), default=0.1,
+                   help="step, multistep, exponential: the decay factor, in (0, 1)")
+    r.add_argument("--lr-min", type=_non_negative(float), default=0.0,
+                   help="cosine, polynomial: the rate at the end")
+    r.add_argument("--warmup-epochs", type=_non_negative(float), default=0.0,
+                   help="a linear warmup from 0 to the rate over this many epochs, then the "
+                   "schedule")
+    r.add_argument("--warmup-steps", type=_non_negative(int), default=0,
+                   help="the warmup in updates instead of epochs")
+    r.add_argument("--lr-scaling", choices=("none", "linear", "sqrt"), default="none",
+                   help="linear: the rate is --lr x batch-size / --base-batch (the linear "
+                   "scaling rule of Goyal et al. 2017); sqrt: x its square root")
+    r.add_argument("--base-batch", type=_positive(int), default=64,
+                   help="the global batch --lr is meant for, with --lr-scaling")
+    r.add_argument("--plateau-factor", type=_number(float, 0, 1, low_open=True), default=0.1,
+                   help="plateau: the factor on the rate")
+    r.add_argument("--plateau-patience", type=_non_negative(int), default=2,
+                   help="plateau: epochs without improvement before the rate drops")
+    r.add_argument("--clip-norm", type=_number(float, 0, low_open=True), default=None,
+                   help="clip the global mean gradient to this L2 norm (the norm over the "
+                   "whole model, on every rank, in every mode)")
+    r.add_argument("--clip-value", type=_number(float, 0, low_open=True), default=None,
+                   help="clip every element of the global mean gradient to [-x, x]")
     a("--seed", type=_non_negative(int), default=0,
       help="seed for initialisation, split, shuffling, synthetic data (>= 0)")
     a("--dtype", choices=("float32", "float64"), default="float32", help="floating-point type")
@@ -208,6 +257,20 @@ def _add_train(sub) -> None:
     a("--test-fraction", type=_number(float, 0, 1), default=None,
       help="share of samples held out for testing, in [0, 1) (default: the data set's own "
       "test set where it has one, as mnist1d, else 0.2)")
+    v = p.add_argument_group("validation, early stopping, standardization")
+    v.add_argument("--val-fraction", type=_number(float, 0, 1), default=0.0,
+                   help="share of the training samples held out for validation, in [0, 1): "
+                   "evaluated every epoch (val loss, accuracy, F1 or R^2); the best epoch's "
+                   "model is kept as OUT/best.npz")
+    v.add_argument("--early-stopping", type=_positive(int), default=None, metavar="PATIENCE",
+                   help="stop when the validation loss has not improved for PATIENCE epochs "
+                   "(needs --val-fraction); decided from global figures on every rank")
+    v.add_argument("--min-delta", type=_number(float, 0), default=0.0,
+                   help="an improvement must beat the best validation loss by more than this")
+    v.add_argument("--standardize", action="store_true",
+                   help="standardize every input feature with the exact mean and standard "
+                   "deviation of the whole training set (computed data-parallel), stored in "
+                   "the model (a Standardize layer), so predict applies it too")
     a("--n-classes", type=_number(int, 2), default=None,
       help="number of classes, >= 2 (default: max label + 1)")
     a("--n-samples", type=_positive(int), default=60000, help="synthetic: samples")
@@ -374,6 +437,11 @@ def add_predict(sub) -> None:
       "logits for a classifier, the predicted values for regression), proba (class "
       "probabilities, softmax of the scores, each row summing to 1) or label (the most "
       "likely class, int64 (n_rows,)); proba and label need a classifier")
+    a("--metrics", default=None, metavar="FILE",
+      help="also write the figures on the dataset's labels to FILE (JSON): accuracy, "
+      "precision, recall and F1 (per class and macro), top-k accuracy, log-loss and the "
+      "confusion matrix of a classifier; MSE, MAE and R^2 of a regression. Exact at any "
+      "number of ranks")
 
 
 def build_parser() -> argparse.ArgumentParser:

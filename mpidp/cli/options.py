@@ -42,7 +42,23 @@ TABLE: dict[str, tuple[frozenset, str]] = {
                     "until the end"),
     "progress": (ALL - {"async-ps"}, "its workers are at different steps; the server "
                  "reports when training ends"),
+    "val_fraction": (ALL - {"async-ps"}, "its workers are at different epochs, so there is "
+                     "no epoch's model to validate (the server evaluates once, at the end)"),
+    "early_stopping": (ALL - {"async-ps"}, "its workers are at different epochs, so there "
+                       "is no epoch's model to validate"),
+    "min_delta": (ALL - {"async-ps"}, "its workers are at different epochs, so there is no "
+                  "epoch's model to validate"),
+    **{dest: (ALL - {"async-ps"}, "its server applies each push as it comes, so an update is "
+              "no step of a global batch to schedule by (a constant rate only)")
+       for dest in ("lr_schedule", "lr_step_epochs", "lr_milestones", "lr_gamma", "lr_min",
+                    "warmup_epochs", "warmup_steps", "plateau_factor", "plateau_patience")},
 }
+
+#: schedule options -> the --lr-schedule values they belong to
+SCHEDULE_OPTIONS = {"lr_step_epochs": ("step",), "lr_milestones": ("multistep",),
+                    "lr_gamma": ("step", "multistep", "exponential"),
+                    "lr_min": ("cosine", "polynomial"),
+                    "plateau_factor": ("plateau",), "plateau_patience": ("plateau",)}
 
 #: Strategies that decide owners again every epoch (they need the whole world in the plan).
 DYNAMIC_PARTITIONS = ("cost", "adaptive")
@@ -101,6 +117,11 @@ def problems(args: argparse.Namespace, given_: set[str], size: int) -> list[str]
                    "local reads can map rows from the file")
     if "trace_steps" in given_ and not args.trace:
         out.append("--trace-steps needs --trace")
+    out += _schedule_problems(args, {d for d in given_ if d not in TABLE or mode in TABLE[d][0]})
+    for dest in ("early_stopping", "min_delta"):
+        if dest in given_ and not args.val_fraction:
+            out.append(f"--{dest.replace('_', '-')} needs --val-fraction (a validation set "
+                       f"to watch)")
     if args.resume and not args.checkpoint_dir:
         out.append("--resume needs --checkpoint-dir")
     for dest in ("checkpoint_every", "keep_checkpoints", "restart"):
@@ -108,6 +129,26 @@ def problems(args: argparse.Namespace, given_: set[str], size: int) -> list[str]
             out.append(f"--{dest.replace('_', '-')} needs --checkpoint-dir")
     if mode in ("ps", "async-ps") and size < 2:
         out.append(f"--sync {args.sync} needs at least 2 ranks (a server and a worker)")
+    return out
+
+
+def _schedule_problems(args, given_: set[str]) -> list[str]:
+    """Learning-rate options that contradict each other or the chosen schedule."""
+    out, name = [], args.lr_schedule
+    for dest, schedules in SCHEDULE_OPTIONS.items():
+        if dest in given_ and name not in schedules:
+            out.append(f"--{dest.replace('_', '-')} does not apply to --lr-schedule {name}: "
+                       f"it belongs to --lr-schedule {' or '.join(schedules)}")
+    if name == "step" and args.lr_step_epochs is None:
+        out.append("--lr-schedule step needs --lr-step-epochs (epochs between decays)")
+    if name == "multistep" and args.lr_milestones is None:
+        out.append("--lr-schedule multistep needs --lr-milestones (the epochs to decay after)")
+    if name == "plateau" and not args.val_fraction:
+        out.append("--lr-schedule plateau needs --val-fraction (a validation loss to watch)")
+    if "warmup_epochs" in given_ and "warmup_steps" in given_:
+        out.append("--warmup-epochs and --warmup-steps both set the warmup: give one")
+    if "base_batch" in given_ and args.lr_scaling == "none":
+        out.append("--base-batch needs --lr-scaling linear or sqrt")
     return out
 
 

@@ -4,6 +4,7 @@ every rank writing its own rows of one ``.npy`` file."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -11,9 +12,12 @@ import numpy as np
 
 from .. import comm as C
 from .. import nn
+from ..atomic import write_atomic
 from ..data.partition import block_range, split_rows
 from ..data.sources import open_source, scan_rows
 from ..nn.sparse import CSR
+from ..observe.scores import ScoreSums
+from ..parallel.evaluation import global_sums
 from ..parallel.mapreduce import map_reduce
 
 
@@ -31,16 +35,6 @@ class _Rows:
         return self.src.costs()[self.rows] if hasattr(self.src, "costs") else None
 
 
-class _Pairs:
-    """Rows handed to the function as ``(X, y)`` pairs (for evaluation)."""
-
-    def __init__(self, data: _Rows) -> None:
-        self.data, self.n_samples = data, data.n_samples
-
-    def read(self, idx):
-        return self.data.read(idx), None
-
-
 def _open_model(path: str) -> nn.Sequential:
     """The model saved in ``path`` (a ``model.npz`` or its folder), by :func:`mpidp.nn.load`;
     ValueError naming the file if it is missing, truncated, corrupted (zip CRC-32), not a
@@ -54,6 +48,17 @@ def _open_model(path: str) -> nn.Sequential:
         path = os.path.join(path, "model.npz") if os.path.isdir(path) else path
         raise ValueError(f"--model {path!r}: the saved parameters contain NaN or Inf")
     return model
+
+
+def _scores(comm: C.Comm, model: nn.Sequential, mine: _Rows, classifier: bool) -> dict:
+    """The figures of ``model`` on every rank's rows ``mine`` (:mod:`mpidp.observe.scores`),
+    equal to one process' on all of them. Collective."""
+    sums = ScoreSums(classifier, model.n_out)
+    for lo in range(0, mine.n_samples, 4096):
+        X, y = mine.read(np.arange(lo, min(lo + 4096, mine.n_samples)))
+        sums.add(model.predict(X, "scores"), y)
+    _, vector = global_sums(comm, np.zeros(1), sums)
+    return sums.scores(vector)
 
 
 def predict(args: argparse.Namespace, comm: C.Comm) -> dict | None:
@@ -83,17 +88,20 @@ def predict(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     res = map_reduce(comm, lambda X: nn.outputs(model.forward(X), args.output), data, "concat",
                      partition=args.partition, costs=costs, dynamic=args.dynamic,
                      chunk_size=args.chunk_size, out=args.out)
-    correct = None
-    if src.classification:  # evaluation: a second map over the same rows, reduced by a sum
-        pairs = _Pairs(data)
-        hits = map_reduce(comm, lambda XY: (model.forward(XY[0]).argmax(1) == XY[1])[:, None],
-                          pairs, "sum", partition=args.partition, costs=costs,
-                          dynamic=args.dynamic, chunk_size=args.chunk_size)
-        correct = float(hits.value[0]) / max(len(rows), 1)
-    summary = {"rows": len(rows), "out": args.out, "accuracy": correct,
+    scores = _scores(comm, model, _Rows(src, mine, model.dtype), classifier) \
+        if src.classification or classifier is False else None
+    correct = None if scores is None else scores.get("accuracy")
+    if args.metrics and scores is not None:
+        C.root_decides(comm, write_atomic, args.metrics,
+                       lambda f: f.write(json.dumps(scores, indent=2).encode()))
+    summary = {"rows": len(rows), "out": args.out, "accuracy": correct, "scores": scores,
                "per_rank": res.per_rank, "seconds": res.seconds}
     if comm.rank == 0:
         acc = "" if correct is None else f", accuracy {correct:.4f}"
+        if scores is not None and "f1_macro" in scores:
+            acc += f", macro F1 {scores['f1_macro']:.4f}"
+        elif scores is not None and scores.get("r2") is not None:
+            acc += f", MSE {scores['mse']:.6g}, R^2 {scores['r2']:.4f}"
         print(f"predicted {len(rows)} rows on {comm.size} ranks in {res.seconds:.2f}s{acc}; "
               f"wrote {args.out}", file=sys.stdout, flush=True)
         return summary

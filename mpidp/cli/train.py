@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 import uuid
@@ -24,8 +25,10 @@ from .. import comm as C
 from .. import nn
 from ..data import distribute as D
 from ..data.balance import Partition, format_balance
+from ..data.partition import block_range, steps_per_epoch
 from ..nn.modelfile import is_model_file, layers_from, read_model_file
 from ..nn.sparse import CSR
+from ..nn.standardize import moments, pass1_mean, pass1_sums, pass2_squares
 from ..observe.metrics import format_timings, gather_timings
 from ..observe.watch import Outputs, Watch, check_writable, log, say, setup_logging
 from ..parallel import DataParallel, make_trainer
@@ -37,6 +40,7 @@ from ..parallel.strategies import make_sync
 from ..run import checkpoint as ck
 from ..run import faults, memory
 from ..run.checkpoint import restore, write_atomic
+from ..run.early_stopping import EarlyStopping, ReduceOnPlateau
 from ..run.folders import clean_stale_tmp
 from ..run.signals import StopSignals
 from ..run.spec import Checkpointing, RunSpec
@@ -146,7 +150,7 @@ def _load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.
     """Load the dataset over all ranks, or (dedicated parameter server) over the workers only,
     the server getting empty shards. Collective; errors reach every rank, said once."""
     kw = dict(distribute=args.distribute, copy=args.copy_data, seed=args.seed,
-              test_fraction=args.test_fraction,
+              test_fraction=args.test_fraction, val_fraction=args.val_fraction,
               dtype=args.dtype, n_classes=args.n_classes, n_samples=args.n_samples,
               n_features=args.n_features,
               regression=args.model == "linear" and args.dataset == "synthetic")
@@ -165,15 +169,19 @@ def _load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.
         raise C.MpidpError(error)
     meta = C.bcast_obj(comm, None if data is None else (
         data.name, data.sample_shape, data.n_outputs, data.classification, data.train.n_total,
-        data.test.n_total, data.train.y.dtype, data.train.y.shape[1:], data.test_split),
-        root=first_worker)
+        data.test.n_total, data.train.y.dtype, data.train.y.shape[1:], data.test_split,
+        data.val.n_total if data.val is not None else 0), root=first_worker)
     if data is not None:
         return data
-    name, shape, n_out, classification, n_train, n_test, y_dtype, y_shape, split = meta
+    name, shape, n_out, classification, n_train, n_test, y_dtype, y_shape, split, n_val = meta
     empty = lambda n: D.Shard(np.empty((0, *shape), args.dtype), np.empty((0, *y_shape), y_dtype),
                               0, n)
     return D.Data(empty(n_train), empty(n_test), name, int(np.prod(shape)), n_out,
-                  classification, sample_shape=shape, test_split=split)
+                  classification, sample_shape=shape, test_split=split,
+                  val=empty(n_val) if n_val else None)
+
+
+BEST = "best.npz"  # the best validation epoch's model, in OUT
 
 
 def _check_model(args: argparse.Namespace) -> None:
@@ -204,9 +212,15 @@ def _check_inputs(comm: C.Comm, args: argparse.Namespace, layers: list, data: D.
 
 
 def _layers(args, data: D.Data) -> tuple[list, nn.Loss]:
-    """The unbound layers and loss that ``--model`` names, for ``data``'s samples."""
-    return nn.model_layers(args.model, data.sample_shape, data.n_outputs, args.hidden,
-                           data.classification, isinstance(data.train.X, CSR))
+    """The unbound layers and loss that ``--model`` names, for ``data``'s samples (with a
+    ``Standardize`` in front for ``--standardize``)."""
+    sparse = isinstance(data.train.X, CSR)
+    if args.standardize and sparse:
+        raise ValueError(f"--standardize does not apply to --dataset {args.dataset}: its rows "
+                         f"are sparse, and centring them would make them dense")
+    layers, loss = nn.model_layers(args.model, data.sample_shape, data.n_outputs, args.hidden,
+                                   data.classification, sparse)
+    return ([nn.Standardize(), *layers] if args.standardize else layers), loss
 
 
 def _fits(args, data: D.Data, share: float, ranks_here: int) -> None:
@@ -241,11 +255,17 @@ class _Report:
 
     def __call__(self, r: dict) -> None:
         acc = "" if r.get("accuracy") is None else f"  acc {r['accuracy']:.4f}"
-        tl = "" if "test_loss" not in r else f"  test loss {r['test_loss']:.4f}"
-        test = "" if r.get("test_accuracy") is None else f"  test acc {r['test_accuracy']:.4f}"
+        held = ""
+        for name in ("val", "test"):
+            if f"{name}_loss" in r:
+                held += f"  {name} loss {r[f'{name}_loss']:.4f}"
+            if r.get(f"{name}_accuracy") is not None:
+                held += f"  {name} acc {r[f'{name}_accuracy']:.4f}"
+            elif r.get(f"{name}_r2") is not None:
+                held += f"  {name} r2 {r[f'{name}_r2']:.4f}"
         secs = "" if r.get("seconds") is None else f"  ({r['seconds']:.2f}s)"
-        say(self.comm, f"epoch {r['epoch']:>3}/{self.epochs}  loss {r['loss']:.4f}{acc}{tl}"
-            f"{test}{secs}")
+        say(self.comm, f"epoch {r['epoch']:>3}/{self.epochs}  loss {r['loss']:.4f}{acc}{held}"
+            f"{secs}")
 
 
 @dataclass
@@ -259,6 +279,7 @@ class _Job:
     watchdog: C.Watchdog | None
     stop: StopSignals
     t_start: float
+    best: _Best | None = None  # keeps OUT/best.npz when there is a validation set
 
     def spec(self, watch: Watch, **settings) -> RunSpec:
         """The run specification the options ask for (``settings``: what the mode adds,
@@ -269,7 +290,13 @@ class _Job:
         return RunSpec(a.epochs, a.batch_size, a.seed, not a.no_shuffle, a.drop_last,
                        **{"check_every": a.check_every, "checkpoint": checkpoint,
                           "progress": "none" if a.no_progress or a.quiet else a.progress,
-                          "on_epoch": _both(_Report(self.comm, a.epochs), watch.epoch),
+                          "on_epoch": _both(_Report(self.comm, a.epochs), watch.epoch,
+                                            *([self.best] if self.best else [])),
+                          "early_stopping": (EarlyStopping(a.early_stopping, a.min_delta)
+                                             if a.early_stopping else None),
+                          "plateau": (ReduceOnPlateau(a.plateau_factor, a.plateau_patience,
+                                                      a.min_delta)
+                                      if a.lr_schedule == "plateau" else None),
                           "on_step": watch.step, "stop": self.stop, "watchdog": self.watchdog,
                           **settings})
 
@@ -277,6 +304,8 @@ class _Job:
         """The state to resume from (``--resume``), given what restoring ``found``."""
         state = resumed(self.comm, self.args, self.config, found) if self.args.resume else None
         watch.epoch_index = state.epoch if state is not None else 0
+        if state is not None and self.best is not None:
+            self.best.resume(state.history)
         return state
 
     def metrics(self, history: list[dict], n_params: int, steps: int, timings) -> dict:
@@ -321,6 +350,82 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
             watchdog.stop()
 
 
+class _Best:
+    """``on_epoch`` (every rank): OUT/best.npz, the model of the epoch with the lowest
+    validation loss so far, written atomically by rank 0. ``whole`` gives the whole model
+    (on rank 0; collective for a pipeline, whose stages gather it)."""
+
+    def __init__(self, comm: C.Comm, args: argparse.Namespace, whole, meta: dict) -> None:
+        self.comm, self.path, self.whole, self.meta = comm, os.path.join(args.out, BEST), whole, meta
+        self.loss, self.epoch = math.inf, None
+
+    def resume(self, history: list[dict]) -> None:
+        for record in history:  # a resumed run's best so far (the same figures everywhere)
+            if record.get("val_loss") is not None and record["val_loss"] < self.loss:
+                self.loss, self.epoch = record["val_loss"], record["epoch"]
+
+    def __call__(self, record: dict) -> None:
+        loss = record.get("val_loss")
+        if loss is None or not loss < self.loss:  # a global figure: the same verdict everywhere
+            return
+        self.loss, self.epoch = loss, record["epoch"]
+        model = self.whole()
+        if self.comm.rank == 0:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            nn.save(model, self.path, meta={**self.meta, "epoch": self.epoch, "val_loss": loss})
+
+    def summary(self) -> dict | None:
+        return None if self.epoch is None else {"file": BEST, "epoch": self.epoch,
+                                                "val_loss": self.loss}
+
+
+def _model_meta(args: argparse.Namespace, data: D.Data) -> dict:
+    """What ``model.npz`` (and ``best.npz``) records of the run besides the model."""
+    return {"model": args.model, "hidden": list(args.hidden), "n_features": data.n_features,
+            "sample_shape": list(data.sample_shape), "n_outputs": data.n_outputs,
+            "classification": data.classification, "standardized": bool(args.standardize)}
+
+
+def _optimizer(args: argparse.Namespace, n_train: int):
+    """A factory of the optimizer the options ask for, its rate a schedule of the update
+    count: epochs in the options become updates (``n_train`` training samples in global
+    batches; accumulation updates once per group)."""
+    steps = steps_per_epoch(n_train, args.batch_size, args.drop_last)
+    per_epoch = -(-steps // args.sync_every) if args.sync == "accumulate" else steps
+    lr = args.lr if args.lr_scaling == "none" else nn.scaled_lr(
+        args.lr, args.batch_size, args.base_batch, args.lr_scaling)
+    warmup = args.warmup_steps or int(round(args.warmup_epochs * per_epoch))
+    total = max(args.epochs * per_epoch - warmup, 1)
+    name, settings = args.lr_schedule, {}
+    if name == "step":
+        settings = {"step_size": args.lr_step_epochs * per_epoch, "gamma": args.lr_gamma}
+    elif name == "multistep":
+        settings = {"milestones": [max(m * per_epoch - warmup, 0) for m in args.lr_milestones],
+                    "gamma": args.lr_gamma}
+    elif name == "exponential":
+        settings = {"gamma": args.lr_gamma ** (1.0 / per_epoch)}
+    elif name == "cosine":
+        settings = {"total": total, "min_lr": args.lr_min}
+    elif name == "polynomial":
+        settings = {"total": total, "end_lr": args.lr_min}
+    schedule = nn.make_schedule("constant" if name == "plateau" else name, lr, warmup=warmup,
+                                **settings)
+    return lambda: nn.make_optimizer(args.optimizer, schedule, args.momentum, args.weight_decay,
+                                     clip_norm=args.clip_norm, clip_value=args.clip_value)
+
+
+def _standardize(comm: C.Comm, layer: nn.Standardize, X: np.ndarray) -> None:
+    """Fit ``layer`` to the exact mean and standard deviation of every rank's ``X`` together:
+    one ``Allreduce`` of the counts and sums, one of the centred sums of squares."""
+    count, mean = pass1_mean(C.allreduce_sum_(comm, pass1_sums(X)))
+    layer.fit_(count, mean, C.allreduce_sum_(comm, pass2_squares(X, mean)))
+
+
+def _held_out(data: D.Data):
+    """The sets evaluated after every epoch: the test set, and the validation set first."""
+    return data.test if data.val is None else {"val": data.val, "test": data.test}
+
+
 def _both(*callbacks):
     def call(record: dict) -> None:
         for cb in callbacks:
@@ -335,7 +440,9 @@ def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
     _check_inputs(comm, args, layers, data)
     model = nn.Sequential(layers, data.sample_shape, args.dtype)
     model.init_(np.random.default_rng(args.seed))
-    make_opt = lambda: nn.make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay)
+    if args.standardize:
+        _standardize(comm, model.layers[0], data.train.X)
+    make_opt = _optimizer(args, data.train.n_total)
     sync = make_sync("allreduce" if args.sync == "async-ps" else args.sync,  # async: eval only
                      make_opt, bucket_bytes=int(args.bucket_mb * 2**20), codec=args.compress,
                      dedicated=O.dedicated_server(args), k=args.sync_every,
@@ -352,6 +459,8 @@ def _train_data_parallel(job: _Job) -> dict | None:
     data = _load_data(comm, args, server=0 if O.dedicated_server(args) else None)
     C.run_agreed(comm, _fits, args, data, 1.0, C.local_ranks(comm))
     dp = _data_parallel_trainer(job, data)
+    if data.val is not None:
+        job.best = _Best(comm, args, lambda: dp.model, _model_meta(args, data))
     watch = Watch(comm, outputs(args), dp.timer, job.config)
     _announce(comm, args, data, f"model: {dp.model!r}")
     log.debug(f"[rank {comm.rank}] {C.mpi_info(C.self_comm())['processor']}: "
@@ -363,7 +472,7 @@ def _train_data_parallel(job: _Job) -> dict | None:
             history, extra = _fit_async(job, dp, data, job.spec(  # the server reports
                 watch, resume=resume, on_epoch=None, on_step=None, progress=False))
         else:
-            history = fit(dp, data.train, test=data.test, spec=job.spec(
+            history = fit(dp, data.train, test=_held_out(data), spec=job.spec(
                 watch, partition=partition_of(args, data), resume=resume))
             extra = {"balance": history[-1]["balance"]}
             say(comm, "last epoch: " + format_balance(extra["balance"], per_rank=False))
@@ -371,13 +480,17 @@ def _train_data_parallel(job: _Job) -> dict | None:
         dp.check_replicas()  # a mismatch is a failed run: every rank raises, nothing is written
     finally:
         watch.close_history()
+    scores = {name: dp.evaluate(shard.X, shard.y).scores  # the figures in full, at the end
+              for name, shard in (("val", data.val), ("test", data.test))
+              if shard is not None and shard.n_total}
     timings = gather_timings(comm, dp.timer)
     if comm.rank != 0:
         return None
     metrics = job.metrics(history, dp.model.n_params, dp.global_step, timings)
     metrics.update(skipped_steps=dp.skipped_steps + extra.get("async", {}).get("skipped", 0),
                    sync=args.sync, balance=extra.pop("balance", None), **extra,
-                   bytes_sent_per_step=dp.sync.bytes_sent / max(dp.global_step, 1))
+                   bytes_sent_per_step=dp.sync.bytes_sent / max(dp.global_step, 1),
+                   scores=scores, best=job.best.summary() if job.best else None)
     return finish(comm, args, metrics, dp.model, data, "bit-identical (checked)")
 
 
@@ -423,18 +536,24 @@ def _train_model_parallel(job: _Job) -> dict | None:
     args, comm = job.args, job.comm
     data = C.run_agreed(comm, D.load, C.self_comm(), args.dataset, distribute="local",
                         copy=args.copy_data, seed=args.seed,
-                        test_fraction=args.test_fraction, dtype=args.dtype,
+                        test_fraction=args.test_fraction, val_fraction=args.val_fraction,
+                        dtype=args.dtype,
                         n_classes=args.n_classes, n_samples=args.n_samples,
                         n_features=args.n_features,
                         regression=args.model == "linear" and args.dataset == "synthetic")
     C.run_agreed(comm, _fits, args, data, 1.0 / max(comm.size // 2, 1), C.local_ranks(comm))
     layers, loss = C.run_agreed(comm, _layers, args, data)
     _check_inputs(comm, args, layers, data)
-    optimizer = nn.make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay)
+    optimizer = _optimizer(args, data.train.n_total)()
     pipe = make_trainer(args.parallel, layers, data.sample_shape, optimizer, loss, comm,
                         dtype=args.dtype, micro_batches=args.micro_batches,
                         schedule=args.schedule, on_nonfinite=args.on_nonfinite)
     pipe.init_(np.random.default_rng(args.seed))  # the same initial model as --parallel data
+    if args.standardize and pipe.first:  # every rank holds the whole training set
+        pipe.model.layers[0].fit_(*moments(data.train.X))
+    if data.val is not None:
+        job.best = _Best(comm, args, lambda: _whole_model(job, pipe, data),
+                         _model_meta(args, data))
     apply_slowdown(args, comm, pipe.timer)
     watch = Watch(comm, outputs(args), pipe.timer, job.config)
     _announce(comm, args, data, f"{pipe.n_stages} stages x {pipe.n_replicas} replicas, "
@@ -442,8 +561,9 @@ def _train_model_parallel(job: _Job) -> dict | None:
               f"{pipe.plan.bounds}")
     resume = job.resume(pipe.restore(args.checkpoint_dir) if args.resume else None, watch)
     try:
-        history = fit_pipeline(pipe, (data.train.X, data.train.y),
-                               test=(data.test.X, data.test.y),
+        held = {name: (shard.X, shard.y) for name, shard in
+                (("val", data.val), ("test", data.test)) if shard is not None}
+        history = fit_pipeline(pipe, (data.train.X, data.train.y), test=held,
                                spec=job.spec(watch, resume=resume))
         watch.finish(history)
         pipe.check_replicas()
@@ -452,20 +572,36 @@ def _train_model_parallel(job: _Job) -> dict | None:
     return _pipeline_metrics(job, pipe, data, history)
 
 
+def _whole_model(job: _Job, pipe, data: D.Data) -> nn.Sequential | None:
+    """The whole model on rank 0 (stage 0 of replica 0), None elsewhere: every stage's
+    parameters gathered, the layer state (a Standardize in front) from stage 0. Collective."""
+    full = pipe.gather_params(0)
+    if job.comm.rank != 0:
+        return None
+    model = nn.Sequential(_layers(job.args, data)[0], data.sample_shape, job.args.dtype)
+    model.params[...] = full
+    model.state[:pipe.model.n_state] = pipe.model.state  # only stage 0 holds state
+    return model
+
+
 def _pipeline_metrics(job: _Job, pipe, data: D.Data, history: list[dict]) -> dict | None:
     """Gather the whole model and the per-rank figures; on rank 0 write the outputs."""
     args, comm = job.args, job.comm
-    full = pipe.gather_params(0)
+    model = _whole_model(job, pipe, data)
+    scores = {}
+    for name, shard in (("val", data.val), ("test", data.test)):
+        if shard is not None and shard.n_total:  # each replica its block of the rows
+            lo, hi = block_range(shard.n_total, pipe.n_replicas, pipe.replica)
+            scores[name] = pipe.evaluate(shard.X[lo:hi], shard.y[lo:hi]).scores
     timings = gather_timings(comm, pipe.timer)
     held = C.gather_rows(comm, np.array(list(pipe.memory().values()), np.float64))
     if comm.rank != 0:
         return None
-    model = nn.Sequential(_layers(args, data)[0], data.sample_shape, args.dtype)
-    model.params[...] = full
     metrics = job.metrics(history, model.n_params, pipe.global_step, timings)
     metrics.update(parallel=args.parallel, stages=pipe.n_stages, replicas=pipe.n_replicas,
                    stage_bounds=pipe.plan.bounds, skipped_steps=pipe.policy.skipped,
-                   memory_per_rank=[dict(zip(pipe.memory(), map(int, row))) for row in held])
+                   memory_per_rank=[dict(zip(pipe.memory(), map(int, row))) for row in held],
+                   scores=scores, best=job.best.summary() if job.best else None)
     same = "bit-identical (checked)" if pipe.n_replicas > 1 else "one replica (nothing to compare)"
     return finish(comm, args, metrics, model, data, same)
 
@@ -473,9 +609,7 @@ def _pipeline_metrics(job: _Job, pipe, data: D.Data, history: list[dict]) -> dic
 def finish(comm: C.Comm, args: argparse.Namespace, metrics: dict, model: nn.Sequential,
            data: D.Data, replicas: str) -> dict:
     """On rank 0: write ``model.npz`` and ``metrics.json`` (atomically) and print the summary."""
-    meta = {"model": args.model, "hidden": list(args.hidden), "n_features": data.n_features,
-            "sample_shape": list(data.sample_shape),
-            "n_outputs": data.n_outputs, "classification": data.classification}
+    meta = _model_meta(args, data)
     os.makedirs(args.out, exist_ok=True)
     nn.save(model, os.path.join(args.out, "model.npz"), meta=meta)
     write_atomic(os.path.join(args.out, "metrics.json"),
@@ -486,11 +620,20 @@ def finish(comm: C.Comm, args: argparse.Namespace, metrics: dict, model: nn.Sequ
     final = f"final: loss {last['loss']:.4f}"
     if last.get("test_accuracy") is not None:
         final += f", test accuracy {last['test_accuracy']:.4f}"
+    test = metrics.get("scores", {}).get("test", {})
+    if "f1_macro" in test:
+        final += f", macro F1 {test['f1_macro']:.4f}"
+    elif test.get("r2") is not None:
+        final += f", test R^2 {test['r2']:.4f}"
+    if metrics.get("best"):
+        b = metrics["best"]
+        final += f"; best validation loss {b['val_loss']:.4f} at epoch {b['epoch']} ({BEST})"
     per_epoch = [h["balance"]["per_rank"] for h in metrics["history"]  # this world's epochs
                  if len(h.get("balance", {}).get("per_rank", ())) == comm.size]
     wait = [sum(e[r]["wait_s"] for e in per_epoch) for r in range(comm.size)] if per_epoch \
         else None
     say(comm, final, f"replicas: {replicas}", "per rank, whole run:",
         format_timings(metrics["timings"], wait), f"wrote {args.out}/: model.npz, metrics.json, "
-        f"config.toml, history.jsonl ({metrics['wall_s']:.1f}s)")
+        f"config.toml, history.jsonl{', ' + BEST if metrics.get('best') else ''} "
+        f"({metrics['wall_s']:.1f}s)")
     return metrics

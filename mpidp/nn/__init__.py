@@ -10,18 +10,23 @@ from .layers import Dense, Layer, register_layer, registered_layers
 from .losses import OUTPUTS, Loss, MeanSquaredError, SoftmaxCrossEntropy, outputs
 from .model import Sequential, from_spec, load, save
 from .norm import BatchNorm, LayerNorm
-from .optim import SGD, Adam, Optimizer, make_optimizer
+from .optim import LAMB, LARS, OPTIMIZERS, SGD, Adam, AdamW, Optimizer, Segments, make_optimizer
 from .pool import AvgPool, GlobalAvgPool, MaxPool
 from .presets import PRESETS, build, default_epochs, linear, logreg, mlp, model_layers
 from .reshape import Flatten, Reshape
+from .schedules import SCHEDULES, Schedule, make_schedule, scaled_lr, schedule_from_config
 from .sparse import CSR, SparseDense
+from .standardize import Standardize
 
 __all__ = [
-    "Adam", "AvgPool", "BatchNorm", "build", "Context", "Conv1d", "Conv2d", "CSR",
+    "Adam", "AdamW", "AvgPool", "BatchNorm", "build", "Context", "Conv1d", "Conv2d", "CSR",
     "default_epochs", "Dense", "Dropout", "Embedding", "Flatten", "from_spec", "GELU",
     "GlobalAvgPool", "Layer", "LayerNorm", "LeakyReLU", "linear", "load", "logreg", "Loss",
     "make_optimizer", "MaxPool", "MeanSquaredError", "mlp", "model_layers", "Optimizer",
     "OUTPUTS", "outputs", "PRESETS", "register_layer", "registered_layers", "ReLU", "Reshape",
     "Residual", "save", "Sequential", "SGD", "Sigmoid", "Softmax", "SoftmaxCrossEntropy",
-    "SparseDense", "Tanh",
+    "SparseDense", "Standardize", "Tanh",
+    # optimizers and learning-rate schedules
+    "LAMB", "LARS", "make_schedule", "OPTIMIZERS", "scaled_lr", "Schedule",
+    "schedule_from_config", "SCHEDULES", "Segments",
 ]

@@ -2,14 +2,45 @@
 
 ``step_(params, grad)`` updates ``params`` in place from the global MEAN gradient. State
 (momentum, Adam moments) is flat too, so it checkpoints and shards like the parameters.
+
+The learning rate is a float or a schedule (:mod:`mpidp.nn.schedules`) of the update count
+``t`` (0 for the first update), times ``lr_scale`` (1.0; what a reduce-on-plateau
+controller sets).
+
+Norms and slices
+----------------
+Layer-wise rules (:class:`LARS`, :class:`LAMB`) and gradient clipping by global norm
+(``clip_norm``) need norms of whole tensors, but the vector an optimizer updates may be a
+slice of the model (a ``sharded-ps`` rank's block, a pipeline stage) or a piece of it
+(``chunks``). The trainer tells the optimizer where its vector lies with :meth:`Optimizer.place`:
+
+* ``segments``: the model's tensors (:class:`Segments`, boundaries in whole-model coordinates);
+* ``offset``: where the vector given to ``step_`` starts in the whole model;
+* ``reduce_sum``: sums a small float64 array in place over the ranks holding the other
+  slices (a collective: every such rank calls it as often, in the same order); identity
+  by default.
+
+Each update computes the squared norms of its slice's part of every tensor, adds them up
+over the ranks with ONE ``reduce_sum`` of all tensors' partials together, and only then
+updates (the first of ``chunks`` pieces too). :class:`LAMB` with ``clip_norm`` (or
+``track_grad_norm``) reduces twice: the clipped gradient feeds its moments, whose update's
+norm is needed after. An optimizer never placed treats the vector it is given as one
+tensor.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
+
+from .schedules import Schedule, as_schedule
+
+ReduceSum = Callable[[np.ndarray], np.ndarray]
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lars", "lamb")
 
 
 def chunk_edges(n: int, chunks: int) -> list[int]:
@@ -18,17 +49,240 @@ def chunk_edges(n: int, chunks: int) -> list[int]:
     return [n * k // chunks for k in range(chunks + 1)]
 
 
-class Optimizer(ABC):
-    """Base class: ``step_`` mutates ``params`` in place; ``state`` holds flat arrays."""
+class Segments:
+    """The tensors of a whole model's flat parameter vector.
 
-    def __init__(self, lr: float, weight_decay: float = 0.0) -> None:
-        if not lr > 0:
-            raise ValueError(f"learning rate must be > 0, got {lr}")
-        if weight_decay < 0:
+    ``bounds`` ``(k + 1,)`` int64: tensor ``j`` is ``[bounds[j], bounds[j + 1])``
+    (``bounds[0] = 0``, ``bounds[-1]`` the model's parameter count); ``ndim`` ``(k,)``: its
+    number of dimensions (1: a bias or a norm's scale, which :class:`LARS` and :class:`LAMB`
+    leave out of adaptation and weight decay by default).
+    """
+
+    __slots__ = ("bounds", "ndim")
+
+    def __init__(self, bounds: Sequence[int], ndim: Sequence[int] | None = None) -> None:
+        b = np.asarray(bounds, np.int64)
+        if b.ndim != 1 or len(b) < 1 or b[0] != 0 or np.any(np.diff(b) < 0):
+            raise ValueError(f"segment bounds must rise from 0, got {np.asarray(bounds).tolist()}")
+        d = np.full(len(b) - 1, 2, np.int64) if ndim is None else np.asarray(ndim, np.int64)
+        if d.shape != (len(b) - 1,):
+            raise ValueError(f"{len(b) - 1} segments need as many ndim values, got {d.size}")
+        self.bounds, self.ndim = b, d
+
+    @classmethod
+    def of(cls, layers: Any) -> Segments:
+        """One segment per parameter tensor of ``layers`` (a list of layers whose shapes are
+        known, or a :class:`~mpidp.nn.Sequential`), in the model's layout order: layer
+        order, then ``param_shapes()`` order."""
+        bounds, ndim = [0], []
+        for layer in getattr(layers, "layers", layers):
+            for shape in layer.param_shapes().values():
+                bounds.append(bounds[-1] + int(np.prod(shape)))
+                ndim.append(len(shape))
+        return cls(bounds, ndim)
+
+    @classmethod
+    def whole(cls, n: int) -> Segments:
+        """The vector as one tensor (never left out of adaptation)."""
+        return cls([0, int(n)], [2])
+
+    @property
+    def n(self) -> int:
+        """The whole model's parameter count."""
+        return int(self.bounds[-1])
+
+    def __len__(self) -> int:
+        return len(self.ndim)
+
+    def __repr__(self) -> str:
+        return f"Segments({len(self)} tensors, {self.n} parameters)"
+
+
+def _clip_setting(what: str, value: float | None) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number > 0 (or None: no clipping), got {value}")
+    return value
+
+
+class Optimizer(ABC):
+    """Base class: ``step_`` mutates ``params`` in place; ``state`` holds flat arrays.
+
+    Parameters
+    ----------
+    lr : a rate, or a :class:`~mpidp.nn.schedules.Schedule` of the update count.
+    weight_decay : >= 0; L2 (added to the gradient) unless the subclass says otherwise.
+    clip_norm : if set, the mean gradient is scaled down to this global L2 norm when it is
+        longer (the norm over the whole model, whatever slice this optimizer updates).
+    clip_value : if set, each component of the mean gradient is clipped to
+        ``[-clip_value, clip_value]`` (before ``clip_norm``, if both are set).
+
+    Attributes
+    ----------
+    t : updates taken (checkpointed). ``lr_scale`` : a factor on every rate (1.0), for a
+        controller such as reduce-on-plateau; NOT in the checkpoint: whoever sets it saves
+        it. ``last_grad_norm`` : the global norm of the last update's mean gradient, before
+        ``clip_norm`` (after ``clip_value``), where it was computed (``clip_norm`` set,
+        ``track_grad_norm`` True, or :class:`LARS`), else None.
+
+    Notes
+    -----
+    A subclass with an elementwise rule implements ``_update`` (and ``_prepare``); one that
+    needs per-tensor norms overrides ``_begin`` (before any piece: norms, one reduction)
+    and ``_apply`` (one piece, tensor by tensor through ``_pieces``), as LARS and LAMB do.
+    """
+
+    #: True where the update needs each tensor's gradient and parameter norms, reduced
+    #: together with the global norm (:class:`LARS`)
+    layer_norms = False
+
+    def __init__(self, lr: float | Schedule, weight_decay: float = 0.0, *,
+                 clip_norm: float | None = None, clip_value: float | None = None) -> None:
+        self.lr = lr
+        if not weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        self.lr, self.weight_decay = float(lr), float(weight_decay)
+        self.weight_decay = float(weight_decay)
+        self.clip_norm = _clip_setting("clip_norm", clip_norm)
+        self.clip_value = _clip_setting("clip_value", clip_value)
+        self.lr_scale = 1.0
+        self.track_grad_norm = False
+        self.last_grad_norm: float | None = None
         self.state: dict[str, np.ndarray] = {}
         self.t = 0  # number of steps taken
+        self.segments: Segments | None = None
+        self.offset = 0
+        self.reduce_sum: ReduceSum | None = None
+        self._now: float | None = None  # the rate of the update in progress
+
+    # --- the learning rate ------------------------------------------------------------
+
+    @property
+    def lr(self) -> float:
+        """The rate of the update in progress (inside ``step_``), else of the next one."""
+        return self._now if self._now is not None else self.lr_at(self.t)
+
+    @lr.setter
+    def lr(self, value: float | Schedule) -> None:
+        self.schedule = as_schedule(value)
+        self._now = None
+
+    def lr_at(self, t: int) -> float:
+        """The rate of update ``t`` (0: the first): ``schedule(t) * lr_scale``."""
+        return self.schedule(t) * self.lr_scale
+
+    # --- where the vector lies --------------------------------------------------------
+
+    def place(self, segments: Segments | None = None, offset: int = 0,
+              reduce_sum: ReduceSum | None = None) -> Optimizer:
+        """Say where the vectors given to ``step_`` lie (see the module's notes): the
+        whole model's ``segments``, the vector's ``offset`` in it, and ``reduce_sum`` over
+        the ranks holding the other slices (None: this rank holds the whole vector)."""
+        if offset < 0 or segments is not None and offset > segments.n:
+            raise ValueError(f"offset {offset} is outside the model's "
+                             f"{segments.n if segments else 0} parameters")
+        self.segments, self.offset, self.reduce_sum = segments, int(offset), reduce_sum
+        self._located = None
+        return self
+
+    def _locate(self, n: int) -> None:
+        """This update's view of the tensors: ``_segs``, ``_local`` (their bounds within
+        the vector of ``n``), ``_live`` (those it holds a part of)."""
+        key = (n, id(self.segments), self.offset)
+        if getattr(self, "_located", None) == key:
+            return
+        segs = self.segments if self.segments is not None else Segments.whole(n)
+        offset = self.offset if self.segments is not None else 0
+        if offset + n > segs.n:
+            raise ValueError(f"the optimizer got {n} parameters at offset {offset} but its "
+                             f"model has {segs.n}: place() it for this model")
+        self._segs = segs
+        self._local = np.clip(segs.bounds - offset, 0, n)
+        self._live = np.flatnonzero(self._local[1:] > self._local[:-1]).tolist()
+        self._located = key
+
+    def _pieces(self, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
+        """``(j, a, b)``: ``[a, b)`` is tensor ``j``'s part of ``[lo, hi)`` of the vector."""
+        local = self._local
+        for j in self._live:
+            a, b = max(int(local[j]), lo), min(int(local[j + 1]), hi)
+            if a < b:
+                yield j, a, b
+
+    def _partials(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``out[j]`` = the squared norm of this vector's part of tensor ``j`` (float64)."""
+        local = self._local
+        for j in self._live:
+            piece = x[local[j]:local[j + 1]]
+            out[j] = np.dot(piece, piece)
+        return out
+
+    def _reduce(self, parts: np.ndarray) -> np.ndarray:
+        return parts if self.reduce_sum is None else self.reduce_sum(parts)
+
+    # --- the update -------------------------------------------------------------------
+
+    def step_(self, params: np.ndarray, grad: np.ndarray, scale: float = 1.0, chunks: int = 1,
+              on_chunk: Callable[[int, int], None] | None = None) -> None:
+        """Update ``params`` (1-D) in place from the mean gradient ``scale * grad``.
+
+        ``grad`` (same shape) is used as scratch space and overwritten: folding the
+        ``1 / count`` of a global mean into ``scale`` saves a pass over the gradient.
+        ``chunks > 1`` updates ``params[lo:hi]`` piece by piece (the same numbers: the
+        norms, where needed, are taken over the whole vector first) and calls
+        ``on_chunk(lo, hi)`` as soon as each piece is final, so a caller can ship it while
+        the next one is computed. Collective over ``reduce_sum``'s ranks where norms are needed.
+        """
+        self._locate(len(params))
+        t = self.t
+        self.t += 1
+        self._now = self.lr_at(t)
+        try:
+            first = self._prepare(params)
+            if self.clip_value is not None:
+                if scale != 1.0:
+                    grad *= scale
+                np.clip(grad, -self.clip_value, self.clip_value, out=grad)
+                scale = 1.0
+            scale = self._begin(params, grad, scale, first)
+            edges = chunk_edges(len(params), chunks)
+            for lo, hi in zip(edges[:-1], edges[1:]):
+                self._apply(params, grad, lo, hi, scale, first)
+                if on_chunk is not None:
+                    on_chunk(lo, hi)
+        finally:
+            self._now = None
+
+    def _begin(self, params: np.ndarray, grad: np.ndarray, scale: float, first: bool) -> float:
+        """Before any piece: the global norm (one reduction, with the tensors' parameter
+        norms where :attr:`layer_norms`), clipping folded into the returned ``scale``.
+        Sets ``_g2`` (each tensor's squared gradient norm after clipping) and ``_w2``."""
+        want = self.clip_norm is not None or self.track_grad_norm or self.layer_norms
+        if not want:
+            self.last_grad_norm = None
+            return scale
+        k = len(self._segs)
+        parts = np.zeros(2 * k if self.layer_norms else k, np.float64)
+        self._partials(grad, parts[:k])
+        if self.layer_norms:
+            self._partials(params, parts[k:])
+        self._reduce(parts)
+        g2 = parts[:k] * (scale * scale)
+        norm = math.sqrt(float(g2.sum()))
+        self.last_grad_norm = norm
+        if self.clip_norm is not None and norm > self.clip_norm:
+            factor = self.clip_norm / norm
+            scale *= factor
+            g2 *= factor * factor
+        self._g2, self._w2 = g2, parts[k:]
+        return scale
+
+    def _apply(self, params: np.ndarray, grad: np.ndarray, lo: int, hi: int, scale: float,
+               first: bool) -> None:
+        """Update ``[lo, hi)`` of the vector (an elementwise rule: ``_update`` on the slices)."""
+        state = {k: v[lo:hi] for k, v in self.state.items()}
+        self._update(params[lo:hi], grad[lo:hi], state, scale, first)
 
     def _grad(self, params: np.ndarray, grad: np.ndarray, scale: float) -> np.ndarray:
         """``scale * grad + wd * params``, computed in ``grad``'s own buffer."""
@@ -37,25 +291,6 @@ class Optimizer(ABC):
         if self.weight_decay:
             grad += self.weight_decay * params
         return grad
-
-    def step_(self, params: np.ndarray, grad: np.ndarray, scale: float = 1.0, chunks: int = 1,
-              on_chunk: Callable[[int, int], None] | None = None) -> None:
-        """Update ``params`` (1-D) in place from the mean gradient ``scale * grad``.
-
-        ``grad`` (same shape) is used as scratch space and overwritten: folding the
-        ``1 / count`` of a global mean into ``scale`` saves a pass over the gradient.
-        ``chunks > 1`` updates ``params[lo:hi]`` piece by piece (the same numbers: every
-        rule is elementwise) and calls ``on_chunk(lo, hi)`` as soon as each piece is final,
-        so a caller can ship it while the next one is computed.
-        """
-        self.t += 1
-        first = self._prepare(params)
-        edges = chunk_edges(len(params), chunks)
-        for lo, hi in zip(edges[:-1], edges[1:]):
-            state = {k: v[lo:hi] for k, v in self.state.items()}
-            self._update(params[lo:hi], grad[lo:hi], state, scale, first)
-            if on_chunk is not None:
-                on_chunk(lo, hi)
 
     def _prepare(self, params: np.ndarray) -> bool:
         """Allocate missing state for ``params``; True if it was missing (a first step)."""
@@ -73,9 +308,10 @@ class SGD(Optimizer):
     ``v = momentum * v + g``; ``p -= lr * v`` (Nesterov: ``p -= lr * (g + momentum * v)``).
     """
 
-    def __init__(self, lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0,
-                 nesterov: bool = False) -> None:
-        super().__init__(lr, weight_decay)
+    def __init__(self, lr: float | Schedule = 0.01, momentum: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *,
+                 clip_norm: float | None = None, clip_value: float | None = None) -> None:
+        super().__init__(lr, weight_decay, clip_norm=clip_norm, clip_value=clip_value)
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if nesterov and momentum == 0:
@@ -112,16 +348,22 @@ class SGD(Optimizer):
         params -= g
 
 
+def _betas(betas: tuple[float, float], what: str) -> tuple[float, float]:
+    b1, b2 = betas
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise ValueError(f"{what} betas must be in [0, 1), got {betas}")
+    return float(b1), float(b2)
+
+
 class Adam(Optimizer):
     """Adam (Kingma & Ba, 2015) with bias correction; ``weight_decay`` is classic L2."""
 
-    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
-        super().__init__(lr, weight_decay)
-        b1, b2 = betas
-        if not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise ValueError(f"Adam betas must be in [0, 1), got {betas}")
-        self.b1, self.b2, self.eps = float(b1), float(b2), float(eps)
+    def __init__(self, lr: float | Schedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *,
+                 clip_norm: float | None = None, clip_value: float | None = None) -> None:
+        super().__init__(lr, weight_decay, clip_norm=clip_norm, clip_value=clip_value)
+        self.b1, self.b2 = _betas(betas, type(self).__name__)
+        self.eps = float(eps)
 
     def _prepare(self, params: np.ndarray) -> bool:
         if self.state:
@@ -130,26 +372,193 @@ class Adam(Optimizer):
         self.state["v"] = np.zeros_like(params)
         return True
 
-    def _update(self, params: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
-                scale: float, first: bool) -> None:
-        g = self._grad(params, grad, scale)
+    def _moments(self, g: np.ndarray, state: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         m, v = state["m"], state["v"]
         m *= self.b1
         m += (1 - self.b1) * g
         v *= self.b2
         v += (1 - self.b2) * (g * g)
+        return m, v
+
+    def _update(self, params: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
+                scale: float, first: bool) -> None:
+        m, v = self._moments(self._grad(params, grad, scale), state)
         m_hat_scale = 1 / (1 - self.b1 ** self.t)
         v_hat = v / (1 - self.b2 ** self.t)
         params -= (self.lr * m_hat_scale) * m / (np.sqrt(v_hat) + self.eps)
 
 
-def make_optimizer(name: str, lr: float, momentum: float = 0.9,
-                   weight_decay: float = 0.0) -> Optimizer:
-    """Build an optimizer by CLI name: ``sgd``, ``momentum`` (SGD with momentum) or ``adam``."""
+class AdamW(Adam):
+    """Adam with decoupled weight decay (Loshchilov & Hutter, 2019):
+    ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``; the decay is not part
+    of the gradient, so it reaches neither the moments nor clipping (PyTorch's convention:
+    the decay is scaled by the scheduled ``lr``)."""
+
+    def __init__(self, lr: float | Schedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, *,
+                 clip_norm: float | None = None, clip_value: float | None = None) -> None:
+        super().__init__(lr, betas, eps, weight_decay, clip_norm=clip_norm,
+                         clip_value=clip_value)
+
+    def _update(self, params: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
+                scale: float, first: bool) -> None:
+        if scale != 1.0:
+            grad *= scale
+        m, v = self._moments(grad, state)
+        step = (self.lr / (1 - self.b1 ** self.t)) * m / (np.sqrt(v / (1 - self.b2 ** self.t))
+                                                          + self.eps)
+        if self.weight_decay:
+            params *= 1 - self.lr * self.weight_decay
+        params -= step
+
+
+def _trust(num: np.ndarray, den: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """``num / den`` where both are > 0 and ``keep``, else 1."""
+    ok = (num > 0) & (den > 0) & keep
+    return np.where(ok, num / np.where(ok, den, 1.0), 1.0)
+
+
+class LARS(Optimizer):
+    """LARS (You, Gitman & Ginsburg, 2017, Algorithm 1): momentum SGD with a layer-wise
+    trust ratio. For each tensor ``w`` with mean gradient ``g``::
+
+        ratio = eta * ||w|| / (||g|| + weight_decay * ||w||)   (1 if ||w|| or ||g|| is 0)
+        v = momentum * v + lr * ratio * (g + weight_decay * w);  w -= v
+
+    Norms are of whole tensors (see the module's notes), ``g`` after clipping. With
+    ``exclude_1d`` (the default, as in large-batch ResNet practice), 1-D tensors (biases,
+    norm scales) get ratio 1 and no weight decay: plain momentum SGD.
+    """
+
+    layer_norms = True
+
+    def __init__(self, lr: float | Schedule = 0.1, momentum: float = 0.9,
+                 weight_decay: float = 0.0, eta: float = 0.001, exclude_1d: bool = True, *,
+                 clip_norm: float | None = None, clip_value: float | None = None) -> None:
+        super().__init__(lr, weight_decay, clip_norm=clip_norm, clip_value=clip_value)
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if not eta > 0:
+            raise ValueError(f"LARS trust coefficient eta must be > 0, got {eta}")
+        self.momentum, self.eta, self.exclude_1d = float(momentum), float(eta), bool(exclude_1d)
+
+    def _prepare(self, params: np.ndarray) -> bool:
+        if not self.momentum or "velocity" in self.state:
+            return False
+        self.state["velocity"] = np.empty_like(params)
+        return True
+
+    def _adapted(self) -> np.ndarray:
+        return self._segs.ndim > 1 if self.exclude_1d else np.ones(len(self._segs), bool)
+
+    def _begin(self, params: np.ndarray, grad: np.ndarray, scale: float, first: bool) -> float:
+        scale = super()._begin(params, grad, scale, first)
+        w, g = np.sqrt(self._w2), np.sqrt(self._g2)
+        adapted = self._adapted()
+        self._ratio = _trust(self.eta * w, g + self.weight_decay * w, adapted)
+        self._wd = np.where(adapted, self.weight_decay, 0.0)
+        return scale
+
+    def _apply(self, params: np.ndarray, grad: np.ndarray, lo: int, hi: int, scale: float,
+               first: bool) -> None:
+        velocity = self.state.get("velocity")
+        for j, a, b in self._pieces(lo, hi):
+            p, g, wd = params[a:b], grad[a:b], float(self._wd[j])
+            if scale != 1.0:
+                g *= scale
+            if wd:
+                g += wd * p
+            g *= self.lr * float(self._ratio[j])
+            if velocity is None:
+                p -= g
+                continue
+            v = velocity[a:b]
+            if first:
+                v[...] = g
+            else:
+                v *= self.momentum
+                v += g
+            p -= v
+
+    def _update(self, params, grad, state, scale, first) -> None:  # pragma: no cover
+        raise AssertionError("LARS updates tensor by tensor (_apply)")
+
+
+class LAMB(Optimizer):
+    """LAMB (You et al., 2019, Algorithm 2): Adam's moments with a layer-wise trust ratio.
+    For each tensor ``w``::
+
+        r = m_hat / (sqrt(v_hat) + eps);  u = r + weight_decay * w
+        w -= lr * ||w|| / ||u|| * u        (ratio 1 if ||w|| or ||u|| is 0)
+
+    with bias-corrected moments ``m_hat``, ``v_hat`` of the (clipped) mean gradient. Norms
+    are of whole tensors (see the module's notes). With ``exclude_1d`` (the default, as in
+    the BERT recipe), 1-D tensors get ratio 1 and no weight decay: plain Adam steps.
+    """
+
+    def __init__(self, lr: float | Schedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.01, exclude_1d: bool = True, *,
+                 clip_norm: float | None = None, clip_value: float | None = None) -> None:
+        super().__init__(lr, weight_decay, clip_norm=clip_norm, clip_value=clip_value)
+        self.b1, self.b2 = _betas(betas, "LAMB")
+        self.eps, self.exclude_1d = float(eps), bool(exclude_1d)
+
+    _prepare = Adam._prepare
+    _moments = Adam._moments
+    _adapted = LARS._adapted
+
+    def _begin(self, params: np.ndarray, grad: np.ndarray, scale: float, first: bool) -> float:
+        """The moments over the whole vector, its update ``u`` into ``grad``, then ONE
+        reduction of every tensor's ``||w||^2`` and ``||u||^2``."""
+        scale = super()._begin(params, grad, scale, first)  # clipping, if asked for
+        if scale != 1.0:
+            grad *= scale
+        m, v = self._moments(grad, self.state)
+        np.divide(v, 1 - self.b2 ** self.t, out=grad)
+        np.sqrt(grad, out=grad)
+        grad += self.eps
+        np.divide(m / (1 - self.b1 ** self.t), grad, out=grad)  # r
+        adapted = self._adapted()
+        if self.weight_decay:
+            for j, a, b in self._pieces(0, len(params)):
+                if adapted[j]:
+                    grad[a:b] += self.weight_decay * params[a:b]  # u
+        k = len(self._segs)
+        parts = np.zeros(2 * k, np.float64)
+        self._partials(params, parts[:k])
+        self._partials(grad, parts[k:])
+        self._reduce(parts)
+        self._ratio = _trust(np.sqrt(parts[:k]), np.sqrt(parts[k:]), adapted)
+        return 1.0
+
+    def _apply(self, params: np.ndarray, grad: np.ndarray, lo: int, hi: int, scale: float,
+               first: bool) -> None:
+        for j, a, b in self._pieces(lo, hi):
+            u = grad[a:b]
+            u *= self.lr * float(self._ratio[j])
+            params[a:b] -= u
+
+    def _update(self, params, grad, state, scale, first) -> None:  # pragma: no cover
+        raise AssertionError("LAMB updates tensor by tensor (_apply)")
+
+
+def make_optimizer(name: str, lr: float | Schedule, momentum: float = 0.9,
+                   weight_decay: float = 0.0, *, clip_norm: float | None = None,
+                   clip_value: float | None = None, **settings: Any) -> Optimizer:
+    """Build an optimizer by CLI name (:data:`OPTIMIZERS`): ``sgd``, ``momentum`` (SGD with
+    momentum), ``adam``, ``adamw``, ``lars`` (uses ``momentum``) or ``lamb``. ``settings``
+    go to the class (``betas``, ``eps``, ``eta``, ``exclude_1d``, ``nesterov``)."""
+    clip = {"clip_norm": clip_norm, "clip_value": clip_value}
     if name == "sgd":
-        return SGD(lr, weight_decay=weight_decay)
+        return SGD(lr, weight_decay=weight_decay, **clip, **settings)
     if name == "momentum":
-        return SGD(lr, momentum=momentum, weight_decay=weight_decay)
+        return SGD(lr, momentum=momentum, weight_decay=weight_decay, **clip, **settings)
     if name == "adam":
-        return Adam(lr, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {name!r}; expected 'sgd', 'momentum' or 'adam'")
+        return Adam(lr, weight_decay=weight_decay, **clip, **settings)
+    if name == "adamw":
+        return AdamW(lr, weight_decay=weight_decay, **clip, **settings)
+    if name == "lars":
+        return LARS(lr, momentum=momentum, weight_decay=weight_decay, **clip, **settings)
+    if name == "lamb":
+        return LAMB(lr, weight_decay=weight_decay, **clip, **settings)
+    raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")

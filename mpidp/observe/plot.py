@@ -105,7 +105,8 @@ def _wide_range(values: list[float]) -> bool:
 
 
 def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) -> list[str]:
-    """Draw loss (top) and accuracy (bottom) against epochs and/or seconds into ``out``.
+    """Draw loss (top) and accuracy (below) against epochs and/or seconds into ``out``, and
+    the learning rate of each epoch's last update (bottom) when the runs record it.
     Training figures solid, test figures dashed in the same colour. Returns the legend's
     entries (outside the axes, so it hides no curve)."""
     import matplotlib
@@ -113,7 +114,11 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
     xs = ["epochs", "seconds"] if x == "both" else [x]
-    fig, axes = plt.subplots(2, len(xs), figsize=(5.5 * len(xs) + 2.5, 7), squeeze=False)
+    rows = [("loss", "test_loss"), ("accuracy", "test_accuracy")]
+    if len({e.get("lr") for run in runs for e in run["epochs"]} - {None}) > 1:
+        rows.append(("lr", None))  # a schedule moved the rate: show it
+    fig, axes = plt.subplots(len(rows), len(xs), figsize=(5.5 * len(xs) + 2.5, 3.5 * len(rows)),
+                             squeeze=False)
     losses: list[float] = []
     n = len(runs)
     for i, (run, label) in enumerate(zip(runs, labels(runs))):
@@ -125,10 +130,11 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
         lw = 1.0 + 2.5 * (n - 1 - i) / max(n - 1, 1)
         mark = MARKERS[i % len(MARKERS)] if len(ep) <= 30 else None
         for col, name in enumerate(xs):
-            for row, (train, test) in enumerate((("loss", "test_loss"),
-                                                  ("accuracy", "test_accuracy"))):
+            for row, (train, test) in enumerate(rows):
                 ax = axes[row][col]
                 for key, style in ((train, "-"), (test, "--")):
+                    if key is None:
+                        continue
                     ys = _series(ep, key)
                     if all(v is None for v in ys):
                         continue
@@ -139,9 +145,12 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
     for col, name in enumerate(xs):
         axes[0][col].set(ylabel="loss", xlabel="epoch" if name == "epochs" else "seconds")
         axes[1][col].set(ylabel="accuracy", xlabel="epoch" if name == "epochs" else "seconds")
+        if len(rows) > 2:
+            axes[2][col].set(ylabel="learning rate",
+                             xlabel="epoch" if name == "epochs" else "seconds")
         if _wide_range(losses):
             axes[0][col].set_yscale("log")
-        for row in (0, 1):
+        for row in range(len(rows)):
             axes[row][col].grid(alpha=0.3)
             if name == "epochs":
                 axes[row][col].xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -29,6 +29,7 @@ from .. import comm as C
 from ..data.distribute import Shard
 from ..data.partition import local_batches, steps_per_epoch
 from ..nn import Loss, Optimizer, Sequential
+from ..nn.optim import Segments
 from ..observe.metrics import StepTimer
 from ..run.checkpoint import State, save
 from ..run.loop import run
@@ -343,6 +344,7 @@ class AsyncPS:
         if refused:
             raise C.MpidpError(refused)
         self.policy = Policy(self.on_nonfinite)
+        self.optimizer.place(Segments.of(self.model))  # the server updates the whole vector
 
 
 def _check_spec(spec: RunSpec) -> None:

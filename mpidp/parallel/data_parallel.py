@@ -15,13 +15,16 @@ from ..data.balance import Partition, Plan
 from ..data.distribute import Shard
 from ..data.partition import steps_per_epoch
 from ..nn import Context, Loss, Optimizer, Sequential
+from ..nn.optim import Segments
 from ..observe.metrics import StepTimer
+from ..observe.scores import ScoreSums
 from ..run import checkpoint as ckpt
 from ..run.loop import run
 from ..run.nonfinite import ON_NONFINITE, Policy, all_finite
 from ..run.spec import RunSpec
 from ..run.stats import StepStats
 from . import buffer
+from .evaluation import global_sums
 from .strategies import make_sync
 from .sync import Exchanged, Round, Setup, Sync
 
@@ -85,6 +88,9 @@ class DataParallel:
             C.abort_on_error()
         # layers that sum over the global batch (batch norm) ask through the model's context
         model.set_context(Context(reduce_sum=self._reduce_sum, group_size=self.comm.size))
+        # the optimizer updates the whole vector here (local SGD: its own, local norms);
+        # a sharded strategy places its own optimizer on its slice
+        optimizer.place(Segments.of(model))
         self.sync = (make_sync(sync, lambda: copy.deepcopy(optimizer)) if isinstance(sync, str)
                      else sync)
         refused = self.sync.refuses(model)  # the same verdict on every rank, before any work
@@ -176,12 +182,12 @@ class DataParallel:
         """The epoch's ``(loss, count, correct)`` sums: already global here."""
         return totals
 
-    def _eval_pass(self, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
+    def _eval_pass(self, X: np.ndarray, y: np.ndarray) -> tuple[float, int, np.ndarray]:
         self.model.context.training = False
         out = self.model.forward(X)
         loss_sum = self.loss.forward(out, y)
         labelled = self.loss.classification or y.dtype.kind in "iu"
-        return loss_sum, self.loss.n_correct(out, y) if labelled else 0
+        return loss_sum, self.loss.n_correct(out, y) if labelled else 0, out
 
     def step(self, X: np.ndarray, y: np.ndarray, last_of_epoch: bool = False,
              index: np.ndarray | None = None) -> StepStats:
@@ -244,14 +250,19 @@ class DataParallel:
     def evaluate(self, X: np.ndarray, y: np.ndarray, batch_size: int = 4096) -> StepStats:
         """Loss and accuracy over every rank's ``(X, y)`` together: a
         :class:`~mpidp.run.stats.StepStats` whose ``loss`` and ``accuracy`` are means over all
-        ranks' samples (``loss_sum``, ``count``, ``correct`` the sums). Collective (one
-        ``Allreduce``)."""
+        ranks' samples (``loss_sum``, ``count``, ``correct`` the sums) and whose ``scores``
+        are the classifier's or regression's figures (:mod:`mpidp.observe.scores`), each
+        equal to one process' on all the rows. Collective (one ``Allreduce``; a regression
+        gathers its statistics too)."""
         total = np.zeros(3, np.float64)
+        sums = ScoreSums(self.loss.classification, self.model.n_out)
         for s in range(0, len(X), batch_size):
-            loss_sum, correct = self._eval_pass(X[s:s + batch_size], y[s:s + batch_size])
-            total += (loss_sum, len(X[s:s + batch_size]), correct)
-        C.allreduce_sum_(self.comm, total)
-        return StepStats(float(total[0]), int(total[1]), int(total[2]))
+            loss_sum, correct, out = self._eval_pass(X[s:s + batch_size], y[s:s + batch_size])
+            total += (loss_sum, len(out), correct)
+            sums.add(out, y[s:s + batch_size])
+        total, vector = global_sums(self.comm, total, sums)
+        return StepStats(float(total[0]), int(total[1]), int(total[2]),
+                         scores=sums.scores(vector))
 
 
 class DataFeed:
@@ -259,7 +270,8 @@ class DataFeed:
     its shard, partitioned by a :class:`~mpidp.data.balance.Plan` (a :class:`Feed` of
     :func:`mpidp.run.loop.run`)."""
 
-    def __init__(self, dp: DataParallel, plan: Plan, train: Shard, test: Shard | None) -> None:
+    def __init__(self, dp: DataParallel, plan: Plan, train: Shard,
+                 test: Shard | dict[str, Shard] | None) -> None:
         self.dp, self.plan, self.shard, self.test = dp, plan, train, test
         self.n_steps = steps_per_epoch(train.n_total, plan.batch_size, plan.drop_last)
         self.labelled = dp.loss.classification or train.y.dtype.kind in "iu"
@@ -276,10 +288,12 @@ class DataFeed:
     def end_epoch(self) -> dict:
         return self.plan.end_epoch(self.dp.timer)
 
-    def evaluate(self) -> StepStats | None:
-        if self.test is None or not self.test.n_total:
-            return None
-        return self.dp.evaluate(self.test.X, self.test.y)
+    def evaluate(self) -> dict[str, StepStats]:
+        """Every held-out set's figures, by name (``test``; ``val`` and others when ``test``
+        is a dict of shards). Collective."""
+        sets = self.test if isinstance(self.test, dict) else {"test": self.test}
+        return {name: self.dp.evaluate(shard.X, shard.y) for name, shard in sets.items()
+                if shard is not None and shard.n_total}
 
     def state(self) -> dict:
         return {"strategy": self.plan.strategy, "capacities": self.plan.capacities.tolist()}
@@ -309,7 +323,7 @@ def _plan(dp: DataParallel, train: Shard, spec: RunSpec) -> Plan:
 
 
 def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
-        batch_size: int | None = None, *, test: Shard | None = None,
+        batch_size: int | None = None, *, test: Shard | dict[str, Shard] | None = None,
         spec: RunSpec | None = None, **settings) -> list[dict]:
     """Train ``dp`` on this rank's shard ``train`` until ``epochs`` epochs of global batches
     of ``batch_size`` samples are done. Collective.
@@ -321,9 +335,13 @@ def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
     it. Epoch ``e`` visits positions in :func:`mpidp.data.partition.epoch_order` order, so
     the global batches do not depend on the number of ranks; ``resume`` (from
     :func:`mpidp.run.checkpoint.restore`) continues mid-epoch exactly where the checkpoint
-    was taken. Returns the history, one dict per epoch: ``epoch, loss, accuracy,
-    test_loss, test_accuracy, seconds`` and ``balance`` (the epoch's load-balance figures,
-    :func:`mpidp.data.balance.balance_figures`), global figures, the same on every rank.
+    was taken. ``test``: a held-out shard, or several by name (``{"val": ..., "test":
+    ...}``), each evaluated after every epoch (``val_loss`` is what ``early_stopping``
+    watches by default). Returns the history, one dict per epoch: ``epoch, loss, accuracy,
+    test_loss, test_accuracy`` (and ``test_f1_macro`` ... or ``test_r2`` ...: the figures of
+    :data:`mpidp.run.loop.BRIEF`; the same for every named set), ``seconds`` and
+    ``balance`` (the epoch's load-balance figures, :func:`mpidp.data.balance.balance_figures`),
+    global figures, the same on every rank.
     """
     spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
     plan = _plan(dp, train, spec)

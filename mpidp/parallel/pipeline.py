@@ -32,7 +32,9 @@ from .. import comm as C
 from ..data.partition import block_counts, block_range, epoch_order, steps_per_epoch
 from ..nn import Layer, Loss, Optimizer, Sequential
 from ..nn.model import as_shape, chain_shapes
+from ..nn.optim import Segments
 from ..observe.metrics import StepTimer
+from ..observe.scores import ScoreSums
 from ..run import checkpoint as ckpt
 from ..run.loop import run
 from ..run.nonfinite import Policy, all_finite
@@ -40,6 +42,7 @@ from ..run.spec import RunSpec
 from ..run.stats import StepStats
 from . import buffer
 from . import stages as St
+from .evaluation import global_sums
 from .layer_needs import refuses_model
 
 _TAG_F, _TAG_B = 21, 22  # activations forward, gradients backward (order kept per tag)
@@ -161,6 +164,11 @@ class Pipeline:
         self.lo, self.hi = self.plan.bounds[self.stage], self.plan.bounds[self.stage + 1]
         self.layers = list(layers)
         self.model = Sequential(self.layers[self.lo:self.hi], self.plan.shapes[self.lo], dtype)
+        # whole tensors' norms: this stage's partials summed over the stages (replicas hold
+        # equal copies of their stage after the gradient Allreduce, so not over them)
+        pipe = self.pipe
+        optimizer.place(Segments.of(self.layers), self.param_offset,
+                        None if n_stages == 1 else lambda a: C.allreduce_sum_(pipe, a))
         self.policy = Policy(on_nonfinite)
         self.stop_requested: bool | None = None  # this rank asks to stop (set by the loop)
         self._poison = False
@@ -459,6 +467,7 @@ class Pipeline:
         replicas; the same result on every rank. Collective (forward passes only)."""
         n = _batch_len(X, y, n)
         total = np.zeros(3, np.float64)
+        sums = ScoreSums(self.loss.classification, self.plan.widths[-1])
         for lo in range(0, n, batch_size):
             size = min(batch_size, n - lo)
             if self.first:
@@ -473,11 +482,13 @@ class Pipeline:
                 labelled = self.loss.classification or yb.dtype.kind in "iu"
                 total += (self.loss.forward(x, yb), size,
                           self.loss.n_correct(x, yb) if labelled else 0)
+                sums.add(x, yb)
             else:
                 C.wait_all(C.isend(self.pipe, np.ascontiguousarray(x), self.stage + 1, _TAG_F))
-        C.allreduce_sum_(self.dp, total)
-        C.bcast_(self.pipe, total, self.n_stages - 1)
-        return StepStats(float(total[0]), int(total[1]), int(total[2]))
+        total, vector = global_sums(self.dp, total, sums)  # over the replicas
+        both = C.bcast_(self.pipe, np.concatenate([total, vector]), self.n_stages - 1)
+        return StepStats(float(both[0]), int(both[1]), int(both[2]),
+                         scores=sums.scores(both[3:]))
 
 
 @dataclass
@@ -566,15 +577,19 @@ class PipelineFeed:
     """A :class:`mpidp.run.loop.Feed` for ``pipe`` over the whole training set ``train``
     ``(X, y)`` (every rank holds all of it) and test set ``test`` (or None)."""
 
-    def __init__(self, pipe: Pipeline, train: tuple, test: tuple | None, spec: RunSpec) -> None:
-        if isinstance(test, (tuple, list)) and len(test) == 2 and test[1] is None:
-            test = None  # (X, None): no test set
-        _same_sets(pipe.world, train, test)
+    def __init__(self, pipe: Pipeline, train: tuple, test: tuple | dict | None,
+                 spec: RunSpec) -> None:
+        sets = dict(test) if isinstance(test, dict) else {"test": test}
+        for name, held in sets.items():
+            if isinstance(held, (tuple, list)) and len(held) == 2 and held[1] is None:
+                sets[name] = None  # (X, None): no such set
+            _same_sets(pipe.world, train, sets[name])
         X, y = train
         C.run_agreed(pipe.world, check_batches, len(y), spec.batch_size, spec.drop_last,
                      pipe.n_replicas, pipe.micro_batches)
         self.pipe, self.X, self.y, self.spec = pipe, X, y, spec
-        self.test = test if test is not None and len(test[1]) else None
+        self.test = {name: held for name, held in sets.items()
+                     if held is not None and len(held[1])}
         self.n_steps = steps_per_epoch(len(y), spec.batch_size, spec.drop_last)
         self.labelled = pipe.loss.classification or y.dtype.kind in "iu"
 
@@ -592,12 +607,17 @@ class PipelineFeed:
         self.pipe.timer.take_records()  # per-step rows: no load balance to draw from them
         return None
 
-    def evaluate(self) -> StepStats | None:
-        if self.test is None:
-            return None
-        X, y = self.test
-        lo, hi = block_range(len(y), self.pipe.n_replicas, self.pipe.replica)
-        return self.pipe.evaluate(X[lo:hi], y[lo:hi])
+    def evaluate(self) -> dict[str, StepStats]:
+        """Every held-out set's figures, by name (see :class:`DataFeed`). Collective."""
+        sets = self.test if isinstance(self.test, dict) else {"test": self.test}
+        out = {}
+        for name, held in sets.items():
+            if held is None or not len(held[1]):
+                continue
+            X, y = held
+            lo, hi = block_range(len(y), self.pipe.n_replicas, self.pipe.replica)
+            out[name] = self.pipe.evaluate(X[lo:hi], y[lo:hi])
+        return out
 
     def state(self) -> dict:
         return {}

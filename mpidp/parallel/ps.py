@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import comm as C
 from ..nn import Optimizer
-from ..nn.optim import chunk_edges
+from ..nn.optim import Segments, chunk_edges
 from ..run.nonfinite import all_finite
 from . import buffer
 from .sync import Buffers, Exchanged, Round, Setup, Sync, global_sums
@@ -107,6 +107,8 @@ class ParameterServer(Sync):
     def update(self, optimizer: Optimizer, count: int) -> None:
         """The server steps; the parameters go back to every rank. Collective."""
         comm, root, params = self.comm, self.root, self.model.params
+        if comm.rank != root:
+            optimizer.t += 1  # the server's count, so every rank knows the rate in use
         if self.shared is not None:
             self._update_and_ship(optimizer, self.buf[:self.n], count)
             return
@@ -179,6 +181,9 @@ class ShardedParameterServer(Sync):
         # one rank reduces nothing: its block of the sums is the buffer itself
         self.slice = self.grads if P == 1 else np.zeros(self.k, s.model.dtype)
         self.optimizer: Optimizer = self.make_optimizer()
+        comm = s.comm  # whole tensors' norms: this block's partials summed over the blocks
+        self.optimizer.place(Segments.of(s.model), min(self.lo, n),
+                             None if P == 1 else lambda a: C.allreduce_sum_(comm, a))
         return Buffers(out.grads, self.params[:n])
 
     def exchange(self, r: Round) -> Exchanged:
@@ -200,8 +205,10 @@ class ShardedParameterServer(Sync):
         """Each rank steps its slice with its own slice of the optimizer state, then the
         slices are gathered in place. Collective."""
         with self.timer.compute():
+            self.optimizer.lr_scale = optimizer.lr_scale  # a controller sets the trainer's
             self.optimizer.step_(self.params[self.lo:self.hi], self.slice[:self.hi - self.lo],
                                  scale=1.0 / count)
+            optimizer.t, optimizer.last_grad_norm = self.optimizer.t, self.optimizer.last_grad_norm
         if self.comm.size > 1:
             with self.timer.communicate(self.name):
                 C.allgather_in_place(self.comm, self.params)

@@ -113,6 +113,7 @@ class _Run:
         self.asked = False  # a callback on this rank asked to stop
         self.carries_stop = spec.stop is not None or spec.on_step is not None
         self.progress = resolve(spec.progress) if trainer.world.rank == 0 else "none"
+        self.replay()
 
     def epochs(self) -> None:
         spec, state = self.spec, self.state
@@ -148,14 +149,49 @@ class _Run:
             bar.close()
 
     def end_epoch(self, epoch: int, totals: np.ndarray, t0: float, **extra) -> bool:
-        """Record the epoch and call ``on_epoch``; True when some rank's ``on_epoch`` asks
-        to stop (agreed: collective when ``on_epoch`` is given)."""
+        """Record the epoch, let early stopping and the plateau rule judge it, and call
+        ``on_epoch``; True when training ends here: early stopping decides so (from global
+        figures, the same on every rank), or some rank's ``on_epoch`` asks (agreed:
+        collective when ``on_epoch`` is given)."""
         record = _record(self.trainer, self.feed, epoch, totals, t0, self.tracer)
         self.history.append(record | extra)
+        enough = self.judge(self.history[-1])
         if self.spec.on_epoch is None:
-            return False
+            return enough
         asked = bool(self.spec.on_epoch(self.history[-1]))
-        return bool(C.allreduce_max(self.trainer.world, [asked])[0])
+        return bool(C.allreduce_max(self.trainer.world, [asked])[0]) or enough
+
+    def judge(self, record: dict) -> bool:
+        """Early stopping and the plateau rule on ``record``'s monitored figure; marks the
+        record ``improved`` (the best so far) and ``lr_scale``; True: stop."""
+        spec, stop = self.spec, False
+        if spec.early_stopping is None and spec.plateau is None:
+            return False
+        if spec.monitor not in record:
+            raise C.MpidpError(f"early stopping and the plateau rule watch {spec.monitor!r}, "
+                               f"which the epoch does not report (it has "
+                               f"{', '.join(sorted(k for k in record if k != 'balance'))}): "
+                               f"give a validation set (test={{'val': shard}}) or another "
+                               f"monitor")
+        value = record[spec.monitor]
+        value = float("nan") if value is None else float(value)
+        if spec.early_stopping is not None:
+            record["improved"] = spec.early_stopping.improves(value)
+            stop = spec.early_stopping.update(value)
+        if spec.plateau is not None:
+            record["lr_scale"] = spec.plateau.update(value)
+            self.trainer.optimizer.lr_scale = record["lr_scale"]
+        return stop
+
+    def replay(self) -> None:
+        """A resumed run's early stopping and plateau rule, fed the epochs already done."""
+        for record in self.history:
+            value = record.get(self.spec.monitor)
+            value = float("nan") if value is None else float(value)
+            if self.spec.early_stopping is not None:
+                self.spec.early_stopping.update(value)
+            if self.spec.plateau is not None:
+                self.trainer.optimizer.lr_scale = self.spec.plateau.update(value)
 
     def step(self, epoch: int, step: int, batch: tuple) -> StepStats:
         """Faults, the trainer's step, the watchdog's mark and the replica check."""
@@ -211,14 +247,31 @@ def _record(trainer, feed: Feed, epoch: int, totals: np.ndarray, t0: float,
     record = {"epoch": epoch + 1, "loss": totals[0] / totals[1] if totals[1] else float("nan"),
               "accuracy": totals[2] / totals[1] if feed.labelled and totals[1] else None,
               "seconds": time.perf_counter() - t0}
+    optimizer = getattr(trainer, "optimizer", None)
+    if optimizer is not None and hasattr(optimizer, "lr_at"):  # the epoch's last update's
+        record["lr"] = optimizer.lr_at(max(optimizer.t - 1, 0))
     balance = feed.end_epoch()
     if balance is not None:
         record["balance"] = balance
     with _span(tracer, "evaluate", "eval"):
         ev = feed.evaluate()
-    if ev is not None:
-        record.update(test_loss=ev.loss, test_accuracy=ev.accuracy if feed.labelled else None)
+    for name, got in (ev if isinstance(ev, dict) else {"test": ev}).items():
+        if got is not None:
+            record[f"{name}_loss"] = got.loss
+            record[f"{name}_accuracy"] = got.accuracy if feed.labelled else None
+            record.update({f"{name}_{k}": v for k, v in brief(got.scores).items()})
     return record
+
+
+#: the figures of an evaluation an epoch's record keeps (the per-class lists and the
+#: confusion matrix stay out of the history: they grow with the classes)
+BRIEF = ("f1_macro", "precision_macro", "recall_macro", "top3_accuracy", "top5_accuracy",
+         "log_loss", "mse", "mae", "r2")
+
+
+def brief(scores: dict | None) -> dict:
+    """The figures of ``scores`` a history record keeps (:data:`BRIEF`)."""
+    return {k: scores[k] for k in BRIEF if scores and k in scores}
 
 
 def _end_job(world: C.Comm, exc: BaseException) -> None:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ..data.balance import Plan
     from ..data.partition import Partition
     from .checkpoint import State
+    from .early_stopping import EarlyStopping, ReduceOnPlateau
     from .signals import StopSignals
     from .stats import StepStats
 
@@ -65,6 +66,13 @@ class RunSpec:
     epoch, with its history record. A callback that returns a true value asks to stop
     (on one rank is enough): every rank ends together, after the next step for
     ``on_step``, at once for ``on_epoch`` (see :func:`mpidp.run.loop.run`).
+
+    ``early_stopping`` (:class:`mpidp.run.early_stopping.EarlyStopping`): end training when
+    the epoch's ``monitor`` figure (a key of its history record, default ``"val_loss"``:
+    the loss on the sets given as ``test={"val": ...}``) has not improved for its patience;
+    ``plateau`` (:class:`~mpidp.run.early_stopping.ReduceOnPlateau`): scale the optimizer's
+    learning rate by what it decides from the same figure. Both decide from global figures,
+    the same on every rank (no rank stops alone), and replay the history on a resume.
     """
 
     epochs: int
@@ -81,6 +89,9 @@ class RunSpec:
     on_step: Callable[[int, StepStats], None] | None = None
     stop: StopSignals | None = None
     watchdog: Watchdog | None = None
+    early_stopping: EarlyStopping | None = None
+    plateau: ReduceOnPlateau | None = None
+    monitor: str = "val_loss"
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "seed", "check_every"):

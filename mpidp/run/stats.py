@@ -9,13 +9,16 @@ from dataclasses import dataclass
 class StepStats:
     """Global figures of one step or evaluation over all ranks: :attr:`loss` and
     :attr:`accuracy` are means over the ``count`` samples; ``loss_sum`` and ``correct``
-    the sums they come from (what ranks add up exactly)."""
+    the sums they come from (what ranks add up exactly). An evaluation also gives
+    ``scores``: F1, precision, recall, top-k accuracy, log-loss and the confusion matrix of a
+    classifier, MSE, MAE and R² of a regression (:mod:`mpidp.observe.scores`)."""
 
     loss_sum: float
     count: int
     correct: int
     skipped: bool = False  # non-finite, update dropped (on_nonfinite="skip")
     stop: bool = False  # some rank asked to stop (a signal or a callback), agreed by every rank
+    scores: dict | None = None  # an evaluation's figures (mpidp.observe.scores), global
 
     @property
     def loss(self) -> float:

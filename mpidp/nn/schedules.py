@@ -1,0 +1,307 @@
+"""Learning-rate schedules: pure functions of the optimizer's update count ``t``.
+
+``t`` is 0 for the first update (:attr:`mpidp.nn.Optimizer.t` before it steps), so a run
+resumed from a checkpoint, at any number of ranks, continues the same rates. A schedule
+is a frozen dataclass: ``schedule(t) -> float``, ``config()`` a JSON-able dict that
+:func:`schedule_from_config` turns back into it, and :func:`make_schedule` builds one by
+name (what the command line and the config file name).
+
+=============  ==========================================================================
+``constant``   ``lr``
+``step``       ``lr * gamma ** (t // step_size)``
+``multistep``  ``lr * gamma ** (number of milestones <= t)``
+``exponential`` ``lr * gamma ** t``
+``cosine``     ``min_lr + (lr - min_lr) * (1 + cos(pi * t / total)) / 2``; ``min_lr`` from
+               ``t = total`` on
+``polynomial`` ``end_lr + (lr - end_lr) * (1 - t / total) ** power``; ``end_lr`` from
+               ``t = total`` on
+=============  ==========================================================================
+
+:class:`Warmup` puts a linear ramp of ``warmup`` updates in front of any of them: the rate
+rises from ``start`` (at the virtual update ``t = -1``) to the schedule's base rate,
+reached at ``t = warmup - 1``; from ``t = warmup`` on the schedule runs from its own
+``t = 0`` (``after(t - warmup)``). With the default ``start = 0`` the first update uses
+``base / warmup``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+SCHEDULES = ("constant", "step", "multistep", "exponential", "cosine", "polynomial")
+
+
+def _positive(what: str, value: float) -> float:
+    value = float(value)
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number > 0, got {value}")
+    return value
+
+
+def _at_least_zero(what: str, value: float) -> float:
+    value = float(value)
+    if not value >= 0 or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number >= 0, got {value}")
+    return value
+
+
+def _count(what: str, value: int, least: int = 1) -> int:
+    if isinstance(value, bool) or int(value) != value or value < least:
+        raise ValueError(f"{what} must be a whole number >= {least}, got {value!r}")
+    return int(value)
+
+
+def _t(t: int) -> int:
+    if t < 0:
+        raise ValueError(f"a schedule is defined for update counts t >= 0, got {t}")
+    return int(t)
+
+
+class Schedule:
+    """Base class: ``__call__(t) -> float`` the rate of update ``t`` (0: the first)."""
+
+    name: ClassVar[str] = ""
+
+    def __call__(self, t: int) -> float:
+        raise NotImplementedError
+
+    @property
+    def base(self) -> float:
+        """The rate at ``t = 0`` without warmup: what a warmup ramps up to."""
+        return self(0)
+
+    def config(self) -> dict[str, Any]:
+        """JSON-able settings: ``{"name": ..., **fields}``; see :func:`schedule_from_config`."""
+        return {"name": self.name, **asdict(self)}  # type: ignore[call-overload]
+
+
+@dataclass(frozen=True)
+class Constant(Schedule):
+    """``lr`` for every update."""
+
+    name: ClassVar[str] = "constant"
+    lr: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lr", _positive("lr", self.lr))
+
+    def __call__(self, t: int) -> float:
+        _t(t)
+        return self.lr
+
+
+@dataclass(frozen=True)
+class StepDecay(Schedule):
+    """``lr * gamma ** (t // step_size)``: times ``gamma`` every ``step_size`` updates."""
+
+    name: ClassVar[str] = "step"
+    lr: float
+    step_size: int
+    gamma: float = 0.1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lr", _positive("lr", self.lr))
+        object.__setattr__(self, "step_size", _count("step_size", self.step_size))
+        object.__setattr__(self, "gamma", _positive("gamma", self.gamma))
+
+    def __call__(self, t: int) -> float:
+        return self.lr * self.gamma ** (_t(t) // self.step_size)
+
+
+@dataclass(frozen=True)
+class MultiStep(Schedule):
+    """``lr * gamma ** k``, ``k`` the number of ``milestones`` (update counts) ``<= t``."""
+
+    name: ClassVar[str] = "multistep"
+    lr: float
+    milestones: tuple[int, ...]
+    gamma: float = 0.1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lr", _positive("lr", self.lr))
+        ms = tuple(_count("a milestone", m, 0) for m in self.milestones)
+        if list(ms) != sorted(set(ms)):
+            raise ValueError(f"milestones must increase strictly, got {list(ms)}")
+        object.__setattr__(self, "milestones", ms)
+        object.__setattr__(self, "gamma", _positive("gamma", self.gamma))
+
+    def __call__(self, t: int) -> float:
+        return self.lr * self.gamma ** bisect.bisect_right(self.milestones, _t(t))
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "milestones": list(self.milestones)}
+
+
+@dataclass(frozen=True)
+class Exponential(Schedule):
+    """``lr * gamma ** t``."""
+
+    name: ClassVar[str] = "exponential"
+    lr: float
+    gamma: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lr", _positive("lr", self.lr))
+        object.__setattr__(self, "gamma", _positive("gamma", self.gamma))
+
+    def __call__(self, t: int) -> float:
+        return self.lr * self.gamma ** _t(t)
+
+
+@dataclass(frozen=True)
+class Cosine(Schedule):
+    """Half a cosine from ``lr`` (``t = 0``) down to ``min_lr`` (``t = total`` and after)."""
+
+    name: ClassVar[str] = "cosine"
+    lr: float
+    total: int
+    min_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lr", _positive("lr", self.lr))
+        object.__setattr__(self, "total", _count("total", self.total))
+        object.__setattr__(self, "min_lr", _at_least_zero("min_lr", self.min_lr))
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr {self.min_lr} is above lr {self.lr}")
+
+    def __call__(self, t: int) -> float:
+        t = _t(t)
+        if t >= self.total:
+            return self.min_lr
+        return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1 + math.cos(math.pi * t / self.total))
+
+
+@dataclass(frozen=True)
+class Polynomial(Schedule):
+    """``end_lr + (lr - end_lr) * (1 - t / total) ** power``, ``end_lr`` from ``total`` on
+    (``power = 1``: a linear decay, as BERT's LAMB runs use)."""
+
+    name: ClassVar[str] = "polynomial"
+    lr: float
+    total: int
+    power: float = 1.0
+    end_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lr", _positive("lr", self.lr))
+        object.__setattr__(self, "total", _count("total", self.total))
+        object.__setattr__(self, "power", _positive("power", self.power))
+        object.__setattr__(self, "end_lr", _at_least_zero("end_lr", self.end_lr))
+        if self.end_lr > self.lr:
+            raise ValueError(f"end_lr {self.end_lr} is above lr {self.lr}")
+
+    def __call__(self, t: int) -> float:
+        t = _t(t)
+        if t >= self.total:
+            return self.end_lr
+        return self.end_lr + (self.lr - self.end_lr) * (1 - t / self.total) ** self.power
+
+
+@dataclass(frozen=True)
+class Warmup(Schedule):
+    """A linear ramp of ``warmup`` updates in front of ``after`` (a schedule or a rate).
+
+    ``t < warmup``: ``start + (after.base - start) * (t + 1) / warmup``; then
+    ``after(t - warmup)``. So the base rate is reached at ``t = warmup - 1`` and the
+    schedule behind starts at its own ``t = 0`` after the ramp.
+    """
+
+    name: ClassVar[str] = "warmup"
+    after: Schedule
+    warmup: int
+    start: float = 0.0
+    _base: float = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "after", as_schedule(self.after))
+        object.__setattr__(self, "warmup", _count("warmup", self.warmup))
+        object.__setattr__(self, "start", _at_least_zero("warmup start", self.start))
+        object.__setattr__(self, "_base", self.after.base)
+        if self.start > self._base:
+            raise ValueError(f"warmup start {self.start} is above the base rate {self._base}")
+
+    @property
+    def base(self) -> float:
+        return self._base
+
+    def __call__(self, t: int) -> float:
+        t = _t(t)
+        if t >= self.warmup:
+            return self.after(t - self.warmup)
+        return self.start + (self._base - self.start) * (t + 1) / self.warmup
+
+    def config(self) -> dict[str, Any]:
+        return {"name": self.name, "warmup": self.warmup, "start": self.start,
+                "after": self.after.config()}
+
+
+_BY_NAME: dict[str, type[Schedule]] = {
+    cls.name: cls for cls in (Constant, StepDecay, MultiStep, Exponential, Cosine, Polynomial,
+                              Warmup)}
+
+
+def schedule_from_config(config: dict[str, Any]) -> Schedule:
+    """The schedule a :meth:`Schedule.config` dict describes (``ValueError`` naming what is
+    wrong: an unknown name, a missing or unknown setting)."""
+    if not isinstance(config, dict) or "name" not in config:
+        raise ValueError(f"a schedule's config is a dict with a 'name', got {config!r}")
+    settings = dict(config)
+    name = settings.pop("name")
+    cls = _BY_NAME.get(name)
+    if cls is None:
+        raise ValueError(f"unknown learning-rate schedule {name!r}; expected one of "
+                         f"{(*SCHEDULES, 'warmup')}")
+    if cls is Warmup and isinstance(settings.get("after"), dict):
+        settings["after"] = schedule_from_config(settings["after"])
+    known = {f.name for f in fields(cls) if f.init}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"schedule {name!r} has no setting {unknown}; its settings are "
+                         f"{sorted(known)}")
+    try:
+        return cls(**settings)
+    except TypeError as exc:  # a required setting is missing
+        raise ValueError(f"schedule {name!r}: {exc}; its settings are {sorted(known)}") from None
+
+
+def make_schedule(name: str, lr: float, *, warmup: int = 0, warmup_start: float = 0.0,
+                  **settings: Any) -> Schedule:
+    """A schedule by name (:data:`SCHEDULES`) with base rate ``lr`` and its ``settings``
+    (``step_size``, ``milestones``, ``gamma``, ``total``, ``min_lr``, ``power``,
+    ``end_lr``), behind a linear warmup of ``warmup`` updates from ``warmup_start`` if
+    ``warmup > 0``. E.g. ``make_schedule("cosine", 0.1, total=1000, warmup=50)``."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown learning-rate schedule {name!r}; expected one of {SCHEDULES}")
+    schedule = schedule_from_config({"name": name, "lr": lr, **settings})
+    if warmup:
+        return Warmup(schedule, warmup, warmup_start)
+    return schedule
+
+
+def as_schedule(lr: float | Schedule | dict[str, Any]) -> Schedule:
+    """``lr`` as a schedule: a number is :class:`Constant`, a dict a config."""
+    if isinstance(lr, Schedule):
+        return lr
+    if isinstance(lr, dict):
+        return schedule_from_config(lr)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) and not hasattr(lr, "__float__"):
+        raise TypeError(f"a learning rate is a number or a mpidp.nn.schedules.Schedule, "
+                        f"got {type(lr).__name__}")
+    return Constant(float(lr))
+
+
+def scaled_lr(base_lr: float, global_batch: int, base_batch: int, rule: str = "linear") -> float:
+    """The linear scaling rule (Goyal et al. 2017): ``base_lr * global_batch / base_batch``,
+    the rate for a global batch of ``global_batch`` samples when ``base_lr`` suits
+    ``base_batch``; ``rule="sqrt"``: times the square root of that ratio (for Adam-like
+    optimizers)."""
+    base_lr = _positive("base_lr", base_lr)
+    ratio = _count("global_batch", global_batch) / _count("base_batch", base_batch)
+    if rule == "linear":
+        return base_lr * ratio
+    if rule == "sqrt":
+        return base_lr * math.sqrt(ratio)
+    raise ValueError(f"unknown scaling rule {rule!r}; expected 'linear' or 'sqrt'")

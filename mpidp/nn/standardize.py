@@ -1,0 +1,258 @@
+"""Feature standardisation with EXACT global statistics, computed data-parallel.
+
+:class:`Standardize` maps each element of a sample to ``(x - mean) / std``; ``mean`` and
+``std`` are layer *state* (saved with the model, not trained). They are set once, before
+training, by :meth:`Standardize.fit_` from the global count, mean and centred sum of
+squares of the training set, which ranks holding parts of it get in one of two ways:
+
+- one collective, not additive: each rank computes :func:`moments` of its rows, the ranks
+  ALLGATHER the :func:`pack_moments` vectors, and every rank merges them with
+  :func:`combine_moments` (Chan et al.'s pairwise formula; any order agrees to ~1e-12);
+- two collectives, additive: ALLREDUCE (sum) :func:`pass1_sums`, take the mean with
+  :func:`pass1_mean`, then ALLREDUCE :func:`pass2_squares` about that mean.
+
+Both are exact for uneven and empty shards: the result is what one process computes on
+all the rows, to rounding. The two passes are accurate to ~1e-15 relative whatever the
+data; the merge to about ``1e-16 * |mean| / std`` (each part's mean is rounded), i.e.
+~1e-12 unless a feature's mean is over ~1e4 times its spread: then prefer the two passes.
+Pure NumPy; no collective is called here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import numpy as np
+
+from .layers import Layer, Shapes, register_layer
+
+#: ``(count, mean, M2)``: number of rows, per-element mean and per-element centred sum of
+#: squares ``sum((x - mean)**2)`` over the rows; ``mean`` and ``M2`` float64, of one shape.
+Moments = tuple[int, np.ndarray, np.ndarray]
+
+_CHUNK = 1 << 20  # values per block in moments(): bounds the float64 temporary (8 MiB)
+
+
+def _rows(x: np.ndarray, what: str) -> np.ndarray:
+    x = np.asarray(x)
+    if x.ndim < 2:
+        raise ValueError(f"{what} takes a batch (n, *sample_shape) with at least one sample "
+                         f"axis, got shape {x.shape}: reshape a 1-D array to (n, 1)")
+    return x
+
+
+def _block_moments(x: np.ndarray) -> Moments:
+    """Corrected two-pass moments of the rows of one block (n >= 1), in float64."""
+    n = len(x)
+    mean = np.sum(x, axis=0, dtype=np.float64) / n
+    d = np.subtract(x, mean, dtype=np.float64)
+    corr = d.sum(axis=0) / n  # the rounding error of the first mean
+    m2 = np.einsum("i...,i...->...", d, d) - n * corr * corr
+    return n, mean + corr, np.maximum(m2, 0.0)
+
+
+def moments(x: np.ndarray) -> Moments:
+    """This rank's ``(count, mean, M2)`` of the rows of ``x`` ``(n, *sample_shape)``.
+
+    ``mean`` and ``M2`` are float64 of ``sample_shape``; ``n == 0`` gives
+    ``(0, zeros, zeros)``. Rows are taken in blocks (each by the corrected two-pass
+    formula) merged by :func:`merge_moments`, so memory stays bounded and the result is
+    accurate for any ``n``.
+    """
+    x = _rows(x, "moments")
+    n, shape = len(x), x.shape[1:]
+    if n == 0:
+        return 0, np.zeros(shape), np.zeros(shape)
+    step = max(1, _CHUNK // max(1, int(np.prod(shape))))
+    return combine_moments(_block_moments(x[i:i + step]) for i in range(0, n, step))
+
+
+def merge_moments(a: Moments, b: Moments) -> Moments:
+    """The moments of the union of two disjoint sets of rows (Chan, Golub and LeVeque):
+    ``mean = ma + d * nb / n``, ``M2 = M2a + M2b + d**2 * na * nb / n`` with
+    ``d = mb - ma``; either side may be empty (count 0)."""
+    na, ma, m2a = a
+    nb, mb, m2b = b
+    na, nb = int(na), int(nb)
+    ma, mb = np.asarray(ma, np.float64), np.asarray(mb, np.float64)
+    m2a, m2b = np.asarray(m2a, np.float64), np.asarray(m2b, np.float64)
+    if ma.shape != mb.shape:
+        raise ValueError(f"cannot merge moments of shapes {ma.shape} and {mb.shape}")
+    if nb == 0:
+        return na, ma.copy(), m2a.copy()
+    if na == 0:
+        return nb, mb.copy(), m2b.copy()
+    n = na + nb
+    d = mb - ma
+    return n, ma + d * (nb / n), m2a + m2b + d * d * (na * (nb / n))
+
+
+def combine_moments(parts: Iterable[Moments]) -> Moments:
+    """Merge the moments of disjoint parts (e.g. every rank's, after an Allgather) into
+    the moments of all their rows, by a pairwise tree of :func:`merge_moments`: the
+    result does not depend on the order of ``parts`` beyond rounding (~1e-12 relative)."""
+    level = list(parts)
+    if not level:
+        raise ValueError("combine_moments needs at least one (count, mean, M2) part")
+    while len(level) > 1:
+        nxt = [merge_moments(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
+        if len(level) % 2:
+            nxt.append(level[-1])
+        level = nxt
+    n, mean, m2 = level[0]
+    return int(n), np.asarray(mean, np.float64), np.asarray(m2, np.float64)
+
+
+def pack_moments(count: int, mean: np.ndarray, m2: np.ndarray) -> np.ndarray:
+    """``[count, *mean.ravel(), *M2.ravel()]`` as float64 ``(1 + 2F,)``: one rank's
+    moments in one buffer, for an Allgather (the rows of the result go to
+    :func:`unpack_moments`)."""
+    mean, m2 = np.ravel(mean), np.ravel(m2)
+    if mean.shape != m2.shape:
+        raise ValueError(f"mean and M2 differ in size: {mean.size} and {m2.size}")
+    return np.concatenate([[float(count)], mean, m2]).astype(np.float64, copy=False)
+
+
+def unpack_moments(vec: np.ndarray) -> Moments:
+    """The ``(count, mean (F,), M2 (F,))`` that :func:`pack_moments` packed."""
+    vec = np.asarray(vec, np.float64).ravel()
+    if vec.size < 1 or vec.size % 2 != 1:
+        raise ValueError(f"a packed moments vector has 1 + 2F items, got {vec.size}")
+    f = (vec.size - 1) // 2
+    return int(vec[0]), vec[1:1 + f].copy(), vec[1 + f:].copy()
+
+
+def pass1_sums(x: np.ndarray) -> np.ndarray:
+    """First pass of the two-pass route: ``[count, *sum(x, axis=0).ravel()]`` float64
+    ``(1 + F,)``, to be summed over the ranks (Allreduce)."""
+    x = _rows(x, "pass1_sums")
+    out = np.empty(1 + int(np.prod(x.shape[1:])), np.float64)
+    out[0] = len(x)
+    out[1:] = np.sum(x, axis=0, dtype=np.float64).ravel()
+    return out
+
+
+def pass1_mean(total: np.ndarray) -> tuple[int, np.ndarray]:
+    """``(count, mean (F,))`` from the summed :func:`pass1_sums`; mean 0 when count is 0."""
+    total = np.asarray(total, np.float64).ravel()
+    n = int(total[0])
+    return n, (total[1:] / n if n > 0 else np.zeros(total.size - 1))
+
+
+def pass2_squares(x: np.ndarray, mean: np.ndarray) -> np.ndarray:
+    """Second pass: ``sum((x - mean)**2, axis=0).ravel()`` float64 ``(F,)`` about the
+    GLOBAL ``mean`` (from :func:`pass1_mean`), to be summed over the ranks; with the count
+    and mean it is the ``M2`` for :meth:`Standardize.fit_`."""
+    x = _rows(x, "pass2_squares")
+    f = int(np.prod(x.shape[1:]))
+    mean = np.asarray(mean, np.float64).ravel()
+    if mean.size != f:
+        raise ValueError(f"pass2_squares: mean has {mean.size} items, the samples {f}")
+    out = np.zeros(f)
+    step = max(1, _CHUNK // max(1, f))
+    for i in range(0, len(x), step):
+        d = np.subtract(x[i:i + step].reshape(-1, f), mean, dtype=np.float64)
+        out += np.einsum("ij,ij->j", d, d)
+    return out
+
+
+@register_layer
+class Standardize(Layer):
+    """Per-element standardisation ``y = (x - mean) / std`` of samples of any shape.
+
+    State ``mean`` (zeros) and ``std`` (ones), each of the per-sample shape: an identity
+    map until :meth:`fit_` sets them from the training set's global moments. No
+    parameters, nothing trained, the same in training and evaluation, no collective.
+    Backward returns ``dy / std`` (None with ``need_input_grad=False``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shape: tuple[int, ...] | None = None
+        self._std: np.ndarray | None = None
+
+    def config(self) -> dict:
+        return {}
+
+    def output_dim(self, n_in: int) -> int:
+        return self.output_shape((n_in,))[0]
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        in_shape = tuple(int(d) for d in in_shape)
+        if self.shape is not None and in_shape != self.shape:
+            raise ValueError(f"Standardize was set up for per-sample shape {self.shape}, got "
+                             f"{in_shape}")
+        self.shape = in_shape
+        return in_shape
+
+    def state_shapes(self) -> Shapes:
+        if self.shape is None:
+            raise ValueError("Standardize does not know its per-sample shape yet: put it in a "
+                             "Sequential (or call output_shape) first")
+        return {"mean": self.shape, "std": self.shape}
+
+    def init_(self, rng: np.random.Generator) -> None:
+        if self.state:  # a scratch copy (a pipeline's other stages) may have none bound
+            self.state["mean"][...] = 0
+            self.state["std"][...] = 1
+
+    def fit_(self, count: int, mean: np.ndarray, m2: np.ndarray, eps: float = 1e-10
+             ) -> Standardize:
+        """Set the state from the GLOBAL moments of the training set; returns self.
+
+        ``std = sqrt(M2 / count)`` (the biased standard deviation, as scikit-learn's
+        ``StandardScaler``). A feature that is constant up to rounding, ``std <= eps *
+        |mean|`` (so also ``std == 0``), or whose std is below the smallest normal number of
+        the model's dtype, gets ``std = 1``: it is only centred.
+
+        Parameters
+        ----------
+        count : the global number of rows (>= 1).
+        mean, m2 : the global per-element mean and centred sum of squares, of the
+            per-sample shape or flat, from :func:`combine_moments` or the two passes.
+        eps : relative threshold for a constant feature, >= 0.
+        """
+        if self.shape is None or not self.state:
+            raise ValueError("Standardize.fit_ needs the layer in a model (its state bound)")
+        if int(count) < 1:
+            raise ValueError(f"Standardize.fit_ needs at least one training row, got count "
+                             f"{count}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float, np.number)) \
+                or not math.isfinite(eps) or eps < 0:
+            raise ValueError(f"Standardize.fit_ eps must be a finite number >= 0, got {eps!r}")
+        size = int(np.prod(self.shape))
+        mean = np.asarray(mean, np.float64).ravel()
+        m2 = np.asarray(m2, np.float64).ravel()
+        if mean.size != size or m2.size != size:
+            raise ValueError(f"Standardize.fit_: mean and M2 must have {size} items (shape "
+                             f"{self.shape}), got {mean.size} and {m2.size}")
+        if not (np.isfinite(mean).all() and np.isfinite(m2).all()):
+            raise ValueError("Standardize.fit_: the mean or M2 holds NaN or Inf: the training "
+                             "data has non-finite values")
+        std = np.sqrt(np.maximum(m2, 0.0) / int(count))
+        tiny = np.finfo(self.state["std"].dtype).tiny  # what would be 0 in the state's dtype
+        std[(std <= eps * np.abs(mean)) | (std < tiny)] = 1.0
+        self.state["mean"][...] = mean.reshape(self.shape)
+        self.state["std"][...] = std.reshape(self.shape)
+        return self
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        if tuple(x.shape[1:]) != self.shape:
+            raise ValueError(f"Standardize takes samples of shape {self.shape}, got a batch of "
+                             f"shape {x.shape}")
+        std = self.state["std"]
+        if not (std > 0).all():
+            raise ValueError("Standardize has a std <= 0 (or NaN) in its state: initialise the "
+                             "model (model.init_) or call Standardize.fit_ before using it")
+        self._std = std
+        y = np.subtract(x, self.state["mean"])
+        y /= std
+        return y
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        return dy / self._std if need_input_grad else None
+
+    def __repr__(self) -> str:
+        return "Standardize()"

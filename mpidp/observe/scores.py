@@ -1,0 +1,303 @@
+"""Evaluation figures from per-rank SUFFICIENT STATISTICS: exact at any number of ranks.
+
+Each rank turns its rows into a small float64 vector; the vectors of all ranks combine
+into the vector of the whole set, from which the figures follow. Pure NumPy, no MPI: the
+caller does the one collective.
+
+Classification (additive)::
+
+    stats = class_stats(scores, y, n_classes)      # this rank's rows (any number, even 0)
+    stats = allreduce_sum(stats)                   # one Allreduce (SUM) of the vector
+    figures = class_scores(stats, n_classes)       # the same dict on every rank
+
+Vectors of several batches of one rank are added too (``np.add``).
+
+Regression (NOT additive: the centred sums of squares that make R^2 exact merge by Chan et
+al.'s formula)::
+
+    stats = reg_combine_all([reg_stats(pred, t) for pred, t in batches])   # this rank
+    stats = reg_combine_all(allgather(stats))      # one Allgather, rows merged
+    figures = reg_scores(stats)
+
+Summing the statistics in another order (other ranks, other splits) changes the figures
+by rounding only: ~1e-12 relative (for R^2, ~1e-16 * |mean| / std of the targets, the
+merge's bound in :mod:`mpidp.nn.standardize`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..nn.standardize import combine_moments, merge_moments, moments
+
+#: The k of the top-k accuracies, of those below the number of classes (k >= n_classes is
+#: always a hit): see :func:`top_ks`.
+TOP_K = (1, 3, 5)
+
+
+def top_ks(n_classes: int) -> tuple[int, ...]:
+    """The k reported for ``n_classes`` classes: 1, and 3 and 5 where below n_classes."""
+    return tuple(k for k in TOP_K if k == 1 or k < n_classes)
+
+
+def _n_classes(n_classes: int) -> int:
+    if isinstance(n_classes, bool) or not isinstance(n_classes, (int, np.integer)) \
+            or n_classes < 1:
+        raise ValueError(f"n_classes must be an integer >= 1, got {n_classes!r}")
+    return int(n_classes)
+
+
+def class_stats_size(n_classes: int) -> int:
+    """Length of the :func:`class_stats` vector: ``2 + len(top_ks(k)) + k * k``."""
+    k = _n_classes(n_classes)
+    return 2 + len(top_ks(k)) + k * k
+
+
+def class_stats(scores: np.ndarray, y: np.ndarray, n_classes: int) -> np.ndarray:
+    """Additive statistics of a classifier's outputs on some rows.
+
+    Parameters
+    ----------
+    scores : ``(n, k)`` model outputs (logits; ``k == n_classes``). ``n`` may be 0.
+    y : ``(n,)`` integer labels in ``[0, k)``.
+    n_classes : k.
+
+    Returns
+    -------
+    float64 ``(class_stats_size(k),)``: ``[count, summed log-loss, top-k hits for each k
+    of top_ks(k), confusion matrix (k*k, row = true class, column = predicted)]``. Zeros
+    for an empty batch. Vectors of disjoint rows ADD (Allreduce SUM across ranks).
+
+    Notes
+    -----
+    The prediction is ``argmax(scores)`` (the first maximum on ties). A sample is a top-k
+    hit when its true class is among the first k of the classes sorted by decreasing score,
+    ties in the order of the classes (so top-1 hits are the correct predictions; scikit-
+    learn breaks ties the other way). A row with a NaN score is no top-k hit. The log-loss
+    of a sample is ``-log p_y``, ``p = softmax(scores)`` computed in float64 in log space,
+    clipped to ``[-log(1 - eps), -log(eps)]`` -- i.e. ``p_y`` to ``[eps, 1 - eps]`` as
+    scikit-learn's ``log_loss`` does -- with ``eps`` the machine epsilon of the scores'
+    float dtype (float64's for other dtypes).
+    """
+    k = _n_classes(n_classes)
+    scores, y = np.asarray(scores), np.asarray(y)
+    if scores.ndim != 2 or scores.shape[1] != k:
+        raise ValueError(f"class_stats takes scores of shape (n, {k}), got {scores.shape}")
+    if y.shape != (len(scores),):
+        raise ValueError(f"class_stats takes labels of shape ({len(scores)},), got {y.shape}: "
+                         f"pass integer labels, not one-hot rows")
+    ks = top_ks(k)
+    out = np.zeros(class_stats_size(k))
+    n = len(y)
+    if n == 0:
+        return out
+    if not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"class_stats takes integer labels, got dtype {y.dtype}")
+    if y.min() < 0 or y.max() >= k:
+        raise ValueError(f"class_stats: labels must lie in [0, {k}), got {y.min()}..{y.max()}")
+    eps = np.finfo(scores.dtype if np.issubdtype(scores.dtype, np.floating) else np.float64).eps
+    z = scores.astype(np.float64)
+    rows = np.arange(n)
+    zmax = z.max(axis=1)
+    zy = z[rows, y]
+    lse = np.log(np.exp(z - zmax[:, None]).sum(axis=1)) + zmax
+    loss = np.clip(lse - zy, -np.log1p(-eps), -np.log(eps))
+    ahead = z > zy[:, None]  # classes sorted before the true one
+    ahead |= (z == zy[:, None]) & (np.arange(k) < y[:, None])
+    rank = np.count_nonzero(ahead, axis=1)
+    rank[np.isnan(z).any(axis=1)] = k
+    out[0] = n
+    out[1] = loss.sum()
+    out[2:2 + len(ks)] = [np.count_nonzero(rank < t) for t in ks]
+    out[2 + len(ks):] = np.bincount(y * k + z.argmax(axis=1), minlength=k * k)
+    return out
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """``num / den``, 0 where ``den`` is 0 (scikit-learn's ``zero_division=0``)."""
+    return np.divide(num, den, out=np.zeros(np.shape(num)), where=den != 0)
+
+
+def class_scores(stats: np.ndarray, n_classes: int) -> dict:
+    """Classification figures from a (summed) :func:`class_stats` vector.
+
+    Returns
+    -------
+    dict, JSON-able (floats, ints, lists):
+
+    - ``count``; ``accuracy``; ``top{k}_accuracy`` for each k of :func:`top_ks`;
+      ``log_loss`` (the mean): NaN when ``count`` is 0;
+    - ``precision``, ``recall``, ``f1``, ``support`` (lists, one per class) and
+      ``precision_macro``, ``recall_macro``, ``f1_macro`` (unweighted means over ALL
+      ``n_classes`` classes, as scikit-learn with ``labels=range(n_classes)``). A ratio
+      whose denominator is 0 is 0 (scikit-learn's ``zero_division=0``); F1 is
+      ``2 tp / (2 tp + fp + fn)``;
+    - ``confusion_matrix``: nested lists of ints, row = true class, column = predicted.
+    """
+    k = _n_classes(n_classes)
+    stats = np.asarray(stats, np.float64)
+    if stats.shape != (class_stats_size(k),):
+        raise ValueError(f"class_scores: a statistics vector for {k} classes has "
+                         f"{class_stats_size(k)} items, got shape {stats.shape}")
+    ks = top_ks(k)
+    n = int(round(stats[0]))
+    cm = np.rint(stats[2 + len(ks):]).astype(np.int64).reshape(k, k)
+    tp = np.diag(cm).astype(np.float64)
+    support, predicted = cm.sum(axis=1), cm.sum(axis=0)
+    precision, recall = _ratio(tp, predicted), _ratio(tp, support)
+    f1 = _ratio(2 * tp, support + predicted)
+    per = (lambda v: float(v / n)) if n > 0 else (lambda v: float("nan"))
+    out: dict = {"count": n, "accuracy": per(tp.sum())}
+    out.update({f"top{t}_accuracy": per(h) for t, h in zip(ks, stats[2:2 + len(ks)])})
+    out["log_loss"] = per(stats[1])
+    out.update(precision=precision.tolist(), recall=recall.tolist(), f1=f1.tolist(),
+               support=support.tolist(), precision_macro=float(precision.mean()),
+               recall_macro=float(recall.mean()), f1_macro=float(f1.mean()),
+               confusion_matrix=cm.tolist())
+    return out
+
+
+# ---------------------------------------------------------------------------- regression
+
+
+def _targets(pred: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    pred, target = np.asarray(pred), np.asarray(target)
+    if pred.ndim == 1:
+        pred = pred[:, None]
+    if pred.ndim != 2:
+        raise ValueError(f"reg_stats takes predictions (n, t) or (n,), got {pred.shape}")
+    if target.ndim == 1 and pred.shape[1] == 1:
+        target = target[:, None]
+    if target.shape != pred.shape:
+        raise ValueError(f"reg_stats: targets of shape {target.shape} do not match predictions "
+                         f"of shape {pred.shape} (targets are (n, t), or (n,) when t is 1)")
+    return pred, target
+
+
+def reg_stats(pred: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Statistics of a regression's predictions on some rows.
+
+    Parameters
+    ----------
+    pred : ``(n, t)`` predictions (``(n,)`` for t = 1); ``n`` may be 0.
+    target : ``(n, t)``, or ``(n,)`` when t = 1.
+
+    Returns
+    -------
+    float64 ``(1 + 4t,)``: ``[count, SSE (t), SAE (t), target mean (t), target M2 (t)]``:
+    the per-output sums of squared and of absolute errors, and the mean and centred sum
+    of squares ``sum((target - mean)**2)`` of the targets. NOT additive: merge vectors with
+    :func:`reg_combine` / :func:`reg_combine_all` (across ranks: Allgather, then
+    ``reg_combine_all`` of the rows).
+    """
+    pred, target = _targets(pred, target)
+    n, t = pred.shape
+    out = np.zeros(1 + 4 * t)
+    if n == 0:
+        return out
+    err = np.subtract(pred, target, dtype=np.float64)
+    count, mean, m2 = moments(target)
+    out[0] = count
+    out[1:1 + t] = np.einsum("ij,ij->j", err, err)
+    out[1 + t:1 + 2 * t] = np.abs(err).sum(axis=0)
+    out[1 + 2 * t:1 + 3 * t] = mean
+    out[1 + 3 * t:] = m2
+    return out
+
+
+def _n_outputs(stats: np.ndarray, what: str) -> int:
+    if stats.ndim != 1 or stats.size < 5 or (stats.size - 1) % 4:
+        raise ValueError(f"{what}: a regression statistics vector has 1 + 4t items (t >= 1), "
+                         f"got shape {stats.shape}")
+    return (stats.size - 1) // 4
+
+
+def reg_combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The :func:`reg_stats` vector of the union of the rows of ``a`` and ``b``: counts and
+    error sums add, the targets' means and centred sums of squares merge by Chan et al.'s
+    formula (:func:`mpidp.nn.standardize.merge_moments`)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    t = _n_outputs(a, "reg_combine")
+    if b.shape != a.shape:
+        raise ValueError(f"reg_combine: vectors of shapes {a.shape} and {b.shape} (different "
+                         f"numbers of outputs)")
+    out = np.empty_like(a)
+    out[:1 + 2 * t] = a[:1 + 2 * t] + b[:1 + 2 * t]
+    parts = [(int(round(v[0])), v[1 + 2 * t:1 + 3 * t], v[1 + 3 * t:]) for v in (a, b)]
+    _, out[1 + 2 * t:1 + 3 * t], out[1 + 3 * t:] = merge_moments(*parts)
+    return out
+
+
+def reg_combine_all(parts: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:
+    """The :func:`reg_stats` vector of all the rows of ``parts`` (a list of vectors, or
+    the ``(P, 1 + 4t)`` array an Allgather gives), merged by a pairwise tree: the result
+    does not depend on their order beyond rounding."""
+    parts = [np.asarray(p, np.float64) for p in parts]
+    if not parts:
+        raise ValueError("reg_combine_all needs at least one statistics vector")
+    t = _n_outputs(parts[0], "reg_combine_all")
+    if any(p.shape != parts[0].shape for p in parts):
+        raise ValueError(f"reg_combine_all: vectors of different shapes "
+                         f"{sorted({p.shape for p in parts})}")
+    out = np.sum(parts, axis=0)
+    count, out[1 + 2 * t:1 + 3 * t], out[1 + 3 * t:] = combine_moments(
+        (int(round(p[0])), p[1 + 2 * t:1 + 3 * t], p[1 + 3 * t:]) for p in parts)
+    out[0] = count
+    return out
+
+
+def reg_scores(stats: np.ndarray) -> dict:
+    """Regression figures from a (combined) :func:`reg_stats` vector.
+
+    Returns
+    -------
+    dict, JSON-able: ``count``; ``mse``, ``mae``, ``r2`` -- the unweighted means over the
+    outputs (scikit-learn's ``multioutput="uniform_average"``) -- and the per-output lists
+    ``mse_outputs``, ``mae_outputs``, ``r2_outputs``. ``R^2 = 1 - SSE / M2`` per output,
+    with scikit-learn's ``force_finite`` convention: 1 when SSE is 0, else 0 when M2 is 0.
+    ``mse``/``mae`` are NaN when ``count`` is 0, ``r2`` when it is below 2 (as
+    scikit-learn).
+    """
+    stats = np.asarray(stats, np.float64)
+    t = _n_outputs(stats, "reg_scores")
+    n = int(round(stats[0]))
+    sse, sae, m2 = stats[1:1 + t], stats[1 + t:1 + 2 * t], stats[1 + 3 * t:]
+    nan = np.full(t, np.nan)
+    mse, mae = (sse / n, sae / n) if n > 0 else (nan, nan)
+    if n < 2:
+        r2 = nan
+    else:
+        r2 = np.where(sse == 0, 1.0, np.where(m2 == 0, 0.0, 1 - _ratio(sse, m2)))
+    return {"count": n, "mse": float(mse.mean()), "mae": float(mae.mean()),
+            "r2": float(r2.mean()), "mse_outputs": mse.tolist(), "mae_outputs": mae.tolist(),
+            "r2_outputs": r2.tolist()}
+
+
+class ScoreSums:
+    """This rank's evaluation statistics over its batches, for ``n_outputs`` outputs.
+
+    ``add(outputs, y)`` per batch. Classification: :func:`class_stats` vectors that ranks
+    ADD (``additive``: the trainer sums :attr:`vector` over the ranks, with its loss sums, in
+    one ``Allreduce``). Regression: :func:`reg_stats` merged by Chan's formula, not additive
+    (the trainer gathers every rank's :attr:`vector` and merges them with
+    :func:`reg_combine_all`). :meth:`scores` turns the global vector into the figures.
+    """
+
+    def __init__(self, classification: bool, n_outputs: int) -> None:
+        self.classification, self.n_outputs = bool(classification), int(n_outputs)
+        self.additive = self.classification
+        self.vector = (np.zeros(class_stats_size(self.n_outputs)) if self.classification
+                       else reg_stats(np.zeros((0, self.n_outputs)), np.zeros((0, self.n_outputs))))
+
+    def add(self, outputs: np.ndarray, y: np.ndarray) -> None:
+        """Count one batch: ``outputs`` ``(n, n_outputs)``, ``y`` its labels or targets."""
+        if self.classification:
+            self.vector += class_stats(outputs, y, self.n_outputs)
+        else:
+            self.vector = reg_combine(self.vector, reg_stats(outputs, y))
+
+    def scores(self, vector: np.ndarray) -> dict:
+        """The figures of a global ``vector`` (summed or merged over the ranks)."""
+        return class_scores(vector, self.n_outputs) if self.classification else reg_scores(vector)

@@ -1,0 +1,182 @@
+"""Early stopping and learning-rate reduction on a plateau: pure state machines.
+
+Each is fed ONE global figure per epoch (a validation loss, an accuracy), the same on
+every rank (already reduced over the ranks): then every rank takes the same decision and
+no collective is needed here. Their counters go into a checkpoint as a JSON-able dict
+(:meth:`state`) and come back with :meth:`restore`, so a resumed run decides as the
+uninterrupted one would.
+
+A value *improves* on the best so far when it beats it by MORE than ``min_delta``
+(``value < best - min_delta`` in mode ``"min"``, ``value > best + min_delta`` in mode
+``"max"``); the first finite value always does. NaN and +-Inf never improve (a diverged
+figure is never the best). A value that does not improve is a *bad epoch*; the best is
+only replaced by an improving value.
+"""
+
+from __future__ import annotations
+
+import math
+
+_MODES = ("min", "max")
+
+
+def _count(v, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{what} must be an integer >= 0, got {v!r}")
+    return v
+
+
+def _number(v, what: str, lo: float, hi: float, lo_open: bool = False,
+            hi_open: bool = False) -> float:
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) \
+        and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if not ok:
+        raise ValueError(f"{what} must be a number in {'(' if lo_open else '['}{lo}, {hi}"
+                         f"{')' if hi_open else ']'}, got {v!r}")
+    return float(v)
+
+
+class _Plateau:
+    """The best value so far, the epoch it came in, and the bad epochs since."""
+
+    _KEYS = ("best", "best_epoch", "bad_epochs", "epochs")
+
+    def __init__(self, patience: int, min_delta: float, mode: str) -> None:
+        self.patience = _count(patience, "patience")
+        self.min_delta = _number(min_delta, "min_delta", 0.0, math.inf, hi_open=True)
+        if mode not in _MODES:
+            raise ValueError(f"mode must be 'min' (a loss) or 'max' (an accuracy), got {mode!r}")
+        self.mode = mode
+        #: best value seen (None before the first finite one), the epoch it came in
+        self.best: float | None = None
+        self.best_epoch: int | None = None
+        #: epochs in a row without improvement, epochs seen
+        self.bad_epochs = 0
+        self.epochs = 0
+
+    def improves(self, value: float) -> bool:
+        """Whether ``value`` would improve on the best so far (does not change the state)."""
+        value = float(value)
+        if not math.isfinite(value):
+            return False
+        if self.best is None:
+            return True
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def _see(self, value: float) -> bool:
+        better = self.improves(value)
+        if better:
+            self.best, self.best_epoch, self.bad_epochs = float(value), self.epochs, 0
+        else:
+            self.bad_epochs += 1
+        self.epochs += 1
+        return better
+
+    def state(self) -> dict:
+        """The counters, JSON-able (settings are not included: they come from the run)."""
+        return {k: getattr(self, k) for k in self._KEYS}
+
+    def restore(self, state: dict) -> None:
+        """Take back counters :meth:`state` returned (e.g. from a checkpoint)."""
+        missing = [k for k in self._KEYS if k not in state]
+        if missing:
+            raise ValueError(f"{type(self).__name__}.restore: the saved state lacks "
+                             f"{missing}; it holds {sorted(state)}")
+        best = state["best"]
+        self.best = None if best is None else float(best)
+        self.best_epoch = None if state["best_epoch"] is None else int(state["best_epoch"])
+        self.bad_epochs, self.epochs = int(state["bad_epochs"]), int(state["epochs"])
+
+
+class EarlyStopping(_Plateau):
+    """Stop when the monitored figure has not improved for ``patience`` epochs in a row.
+
+    ``update(value)`` once per epoch returns True when the run should stop:
+    ``bad_epochs >= patience`` (``patience=0``: at the first bad epoch). Fed on after
+    that it keeps counting (and says False again after an improvement).
+
+    Parameters
+    ----------
+    patience : bad epochs in a row that stop the run, >= 0.
+    min_delta : how much a value must beat the best by to count as an improvement, >= 0.
+    mode : ``"min"`` (a loss) or ``"max"`` (an accuracy).
+
+    Attributes
+    ----------
+    best, best_epoch : the best value and the epoch (0-based count of updates) it came in;
+        None before the first finite value.
+    bad_epochs : epochs in a row without improvement; ``epochs``: updates so far.
+    """
+
+    def __init__(self, patience: int, min_delta: float = 0.0, mode: str = "min") -> None:
+        super().__init__(patience, min_delta, mode)
+
+    def update(self, value: float) -> bool:
+        """Feed this epoch's global figure; True: stop now."""
+        self._see(value)
+        return self.bad_epochs >= self.patience and self.bad_epochs > 0
+
+    def __repr__(self) -> str:
+        return (f"EarlyStopping(patience={self.patience}, min_delta={self.min_delta}, "
+                f"mode={self.mode!r}, best={self.best}, bad_epochs={self.bad_epochs})")
+
+
+class ReduceOnPlateau(_Plateau):
+    """Multiply the learning rate by ``factor`` when the figure has not improved for
+    ``patience`` epochs in a row.
+
+    ``update(value)`` once per epoch returns ``scale``, the multiplier to apply to the base
+    learning rate from the next epoch on (1.0 at first). On the ``patience``-th bad epoch
+    in a row (``patience=0``: every bad epoch) ``scale`` becomes ``max(scale * factor,
+    min_scale)``, the bad-epoch count restarts at 0, and for the next ``cooldown`` epochs
+    bad epochs are not counted. Note: PyTorch's ``ReduceLROnPlateau`` reduces one epoch
+    later (after ``patience + 1`` bad epochs); Keras's as here.
+
+    Parameters
+    ----------
+    factor : the multiplier, in (0, 1).
+    patience : bad epochs in a row before a reduction, >= 0.
+    min_delta : how much a value must beat the best by to count as an improvement, >= 0.
+    min_scale : the smallest ``scale``, in [0, 1].
+    mode : ``"min"`` or ``"max"``.
+    cooldown : epochs after a reduction whose bad epochs are not counted, >= 0.
+
+    Attributes
+    ----------
+    scale : the current multiplier; ``reductions``: how many times it was reduced;
+        ``best``, ``best_epoch``, ``bad_epochs``, ``epochs`` as :class:`EarlyStopping`.
+    """
+
+    _KEYS = _Plateau._KEYS + ("scale", "reductions", "cooldown_left")
+
+    def __init__(self, factor: float = 0.1, patience: int = 10, min_delta: float = 0.0,
+                 min_scale: float = 0.0, mode: str = "min", cooldown: int = 0) -> None:
+        super().__init__(patience, min_delta, mode)
+        self.factor = _number(factor, "factor", 0.0, 1.0, lo_open=True, hi_open=True)
+        self.min_scale = _number(min_scale, "min_scale", 0.0, 1.0)
+        self.cooldown = _count(cooldown, "cooldown")
+        self.scale, self.reductions, self.cooldown_left = 1.0, 0, 0
+
+    def update(self, value: float) -> float:
+        """Feed this epoch's global figure; returns the learning-rate multiplier."""
+        better = self._see(value)
+        if self.cooldown_left > 0:  # bad epochs right after a reduction do not count
+            self.cooldown_left -= 1
+            self.bad_epochs = 0
+        elif not better and self.bad_epochs >= self.patience:
+            new = max(self.scale * self.factor, self.min_scale)
+            if new < self.scale:
+                self.scale, self.reductions = new, self.reductions + 1
+            self.bad_epochs, self.cooldown_left = 0, self.cooldown
+        return self.scale
+
+    def restore(self, state: dict) -> None:
+        super().restore(state)
+        self.scale, self.reductions = float(state["scale"]), int(state["reductions"])
+        self.cooldown_left = int(state["cooldown_left"])
+
+    def __repr__(self) -> str:
+        return (f"ReduceOnPlateau(factor={self.factor}, patience={self.patience}, "
+                f"min_scale={self.min_scale}, scale={self.scale}, bad_epochs={self.bad_epochs})")

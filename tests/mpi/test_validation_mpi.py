@@ -1,0 +1,73 @@
+"""Validation figures, early stopping and the plateau rule decided from global figures:
+the same epochs, decisions and model at 1-4 ranks, whatever rows each rank holds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpi_helpers import all_ranks
+
+import mpidp
+from mpidp import nn
+from mpidp.run.early_stopping import EarlyStopping, ReduceOnPlateau
+
+N_TRAIN, N_VAL = 203, 47
+
+
+def _uneven(n: int, size: int, rank: int) -> slice:
+    """This rank's rows: uneven, and rank 1 holds none from 3 ranks on."""
+    w = np.arange(1, size + 1, dtype=np.float64)
+    if size >= 3:
+        w[1] = 0.0
+    edges = np.concatenate([[0], np.floor(np.cumsum(w) / w.sum() * n).astype(int)])
+    edges[-1] = n
+    return slice(int(edges[rank]), int(edges[rank + 1]))
+
+
+def _fit(comm, regression: bool = False):
+    rng = np.random.default_rng(4)
+    X = rng.standard_normal((N_TRAIN + N_VAL, 6))
+    y = X @ rng.standard_normal((6, 1)) + 0.3 * rng.standard_normal((N_TRAIN + N_VAL, 1)) \
+        if regression else (X[:, 0] + 0.5 * rng.standard_normal(N_TRAIN + N_VAL) > 0).astype(np.int64)
+    tr, va = _uneven(N_TRAIN, comm.size, comm.rank), _uneven(N_VAL, comm.size, comm.rank)
+    train = mpidp.shard_from_arrays(comm, X[:N_TRAIN][tr], y[:N_TRAIN][tr])
+    val = mpidp.shard_from_arrays(comm, X[N_TRAIN:][va], y[N_TRAIN:][va])
+    model, loss = nn.build("mlp", 6, 1 if regression else 2, (32,), np.float64,
+                           classification=not regression)
+    model.init_(1)
+    dp = mpidp.DataParallel(model, nn.make_optimizer("momentum", 0.01 if regression else 0.2),
+                            loss, comm)
+    history = mpidp.fit(dp, train, 60, 16, seed=3, test={"val": val},
+                        early_stopping=EarlyStopping(3, min_delta=1e-4),
+                        plateau=ReduceOnPlateau(0.5, patience=1))
+    return dp, history
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("regression", [False, True], ids=["classification", "regression"])
+def test_early_stopping_and_the_plateau_rule_decide_the_same_at_any_number_of_ranks(
+        comm, regression):
+    ref, ref_h = _fit(MPI.COMM_SELF, regression)
+    dp, h = _fit(comm, regression)
+    all_ranks(comm, len(h) == len(ref_h) < 60, f"stopped after {len(h)}, not {len(ref_h)}")
+    for a, b in zip(h, ref_h):
+        all_ranks(comm, abs(a["val_loss"] - b["val_loss"]) <= 1e-10
+                  and a["lr_scale"] == b["lr_scale"] and a["improved"] == b["improved"],
+                  f"epoch {a['epoch']}: {a} vs {b}")
+    key = "val_r2" if regression else "val_f1_macro"
+    all_ranks(comm, abs(h[-1][key] - ref_h[-1][key]) <= 1e-10, f"{key} differs")
+    err = float(np.max(np.abs(dp.model.params - ref.model.params)))
+    all_ranks(comm, err <= 1e-10, f"parameters differ by {err:.3g}")
+    all_ranks(comm, min(r["lr_scale"] for r in h) < 1.0, "the plateau rule never acted")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_monitor_the_epoch_does_not_report_is_one_error_on_every_rank(comm):
+    from mpi_helpers import raises_everywhere
+    model, loss = nn.build("logreg", 4, 2, dtype=np.float64)
+    dp = mpidp.DataParallel(model, nn.SGD(0.1), loss, comm)
+    X = np.random.default_rng(comm.rank).standard_normal((10, 4))
+    shard = mpidp.shard_from_arrays(comm, X, (X[:, 0] > 0).astype(np.int64))
+    raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.fit(
+        dp, shard, 2, 8, early_stopping=EarlyStopping(2)), "which the epoch does not report")
