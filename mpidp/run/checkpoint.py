@@ -46,9 +46,13 @@ VERSION = 1
 
 # Settings a checkpoint must share with the run that resumes it (the world size may differ).
 RESUME_MUST_MATCH = ("dataset", "model", "hidden", "batch_size", "seed", "dtype", "optimizer",
-                     "test_fraction", "no_shuffle", "drop_last", "n_samples", "n_features")
+                     "test_fraction", "no_shuffle", "drop_last", "n_samples", "n_features",
+                     "val_fraction", "standardize")
 # Settings a resume may change; the change is announced and recorded.
-RESUME_MAY_CHANGE = ("lr", "momentum", "weight_decay")
+RESUME_MAY_CHANGE = ("lr", "momentum", "weight_decay", "lr_schedule", "lr_step_epochs",
+                     "lr_milestones", "lr_gamma", "lr_min", "warmup_epochs", "warmup_steps",
+                     "lr_scaling", "base_batch", "plateau_factor", "plateau_patience",
+                     "clip_norm", "clip_value", "early_stopping", "min_delta")
 
 __all__ = ["Claim", "DAMAGED_PREFIX", "PATTERN", "RESUME_MAY_CHANGE", "RESUME_MUST_MATCH",
            "State", "check_fits", "claim", "compare_resume", "data_fingerprint",
