@@ -30,7 +30,7 @@ def test_the_cnn_preset_trains_the_digits_as_images_and_predict_reads_it(tmp_pat
     assert r.returncode == 0, r.stderr[-3000:]
     labels = np.load(tmp_path / "labels.npy")
     assert labels.shape == (1797,) and labels.dtype.kind == "i"
-    assert float(r.stdout.split("accuracy ")[1].split(";")[0]) > 0.85
+    assert float(r.stdout.split("accuracy ")[1].split(",")[0]) > 0.85
 
 
 def test_a_model_file_with_batchnorm_and_dropout_is_the_same_at_one_and_two_ranks(tmp_path):
