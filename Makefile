@@ -101,6 +101,15 @@ bench-compare: $(STAMP)
 	timeout 1800 $(BIN)/python benchmarks/bench_compare.py --out benchmarks/results/compare \
 	  --mpiexec $(MPIEXEC)
 
+# The new layers: MNIST-1D and digits accuracy through the CLI, the CNN's P-exactness, a
+# LeNet-sized CNN's step time vs PyTorch (a CPU build installed here; skipped if it cannot be),
+# GEMM share, batch norm's collectives -> benchmarks/results/models.{json,md} (~6 min).
+.PHONY: bench-models
+bench-models: $(STAMP)
+	$(BIN)/python -m pip install -q torch==2.13.0 || echo "bench-models: PyTorch 2.13.0 could not be installed; the comparison with it is skipped"
+	mkdir -p benchmarks/results
+	timeout 1800 $(BIN)/python benchmarks/bench_models.py --mpiexec $(MPIEXEC)
+
 # ruff pinned, so that a new release's rules never turn CI red by themselves
 RUFF_VERSION ?= 0.8.6
 lint: $(STAMP)

@@ -224,7 +224,11 @@ def _layers(args, data: D.Data) -> tuple[list, nn.Loss]:
 
 
 def _fits(args, data: D.Data, share: float, ranks_here: int) -> None:
-    """ValueError, with the figure and the fix, when the model cannot fit in memory."""
+    """ValueError, with the figure and the fix, when the model cannot fit in memory (or
+    ``--val-fraction`` left no validation rows to watch)."""
+    if args.val_fraction and data.val is None:
+        raise ValueError(f"--val-fraction {args.val_fraction} leaves no validation rows of the "
+                         f"{data.train.n_total} training samples: give a larger fraction")
     layers, _ = _layers(args, data)
     try:
         count, activations = memory.model_size(layers, data.sample_shape)
