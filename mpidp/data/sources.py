@@ -23,6 +23,7 @@ skewed. Every rank can generate any rows (seeded per chunk), and the per-sample 
 from __future__ import annotations
 
 import os
+import stat
 import zipfile
 import zlib
 
@@ -212,7 +213,10 @@ def crc_mismatch(path: str, member: str) -> str:
 def stored_members(path: str) -> list[tuple[str, int, int, int]]:
     """``(name, offset, size, crc)`` of the uncompressed ``X.npy`` and ``y.npy`` members of
     the ``.npz`` file ``path`` (the ones memory-mapped, whose CRC-32 must be checked apart);
-    empty for anything else (opening it then says what is wrong)."""
+    empty for anything else (opening it then says what is wrong: never a FIFO or a device,
+    which would be read without end)."""
+    if not os.path.isfile(path):
+        return []
     try:
         with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
             names = set(zf.namelist())
@@ -244,9 +248,23 @@ def _npy_problem(path: str, exc: Exception) -> str:
     return str(exc)
 
 
+def not_regular(path: str) -> ValueError:
+    """The error for a path that exists but is no regular file (reading a FIFO or a device
+    such as /dev/zero would wait, or read, without end)."""
+    kind = next((what for test, what in ((stat.S_ISFIFO, "a FIFO (named pipe)"),
+                                         (stat.S_ISCHR, "a character device"),
+                                         (stat.S_ISBLK, "a block device"),
+                                         (stat.S_ISSOCK, "a socket"))
+                 if test(os.stat(path).st_mode)), "not a regular file")
+    return ValueError(f"dataset {path!r} is {kind}: mpidp reads data sets from regular files "
+                      f"only (copy the data into a file first)")
+
+
 def _open_npy(folder: str, name: str):
     """Memory-map ``folder/name``; ValueError naming the file if it cannot be."""
     path = os.path.join(folder, name)
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise not_regular(path)
     if not os.path.isfile(path):
         raise ValueError(f"dataset folder {folder!r} has no {name}")
     try:
@@ -261,6 +279,8 @@ def _open_path(path: str, verify: bool = True) -> Source:
         raise ValueError(f"dataset not found: {path!r} ({ACCEPTED})")
     if os.path.isdir(path):
         return ArraySource(path, _open_npy(path, "X.npy"), _open_npy(path, "y.npy"))
+    if not os.path.isfile(path):
+        raise not_regular(path)
     if path.endswith((".h5", ".hdf5")):
         return _open_hdf5(path)
     try:

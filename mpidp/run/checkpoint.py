@@ -376,6 +376,9 @@ def data_fingerprint(spec: str, *, block: int = 1 << 16, n_blocks: int = 16) -> 
 
 
 def _file_fingerprint(path: str, block: int, n_blocks: int) -> dict:
+    from ..data.sources import not_regular
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise not_regular(path)  # a FIFO or a device would be read without end
     try:
         size = os.path.getsize(path)
         out: dict = {"name": os.path.basename(path), "size": size}
