@@ -37,6 +37,7 @@ VALUES: dict[str, list[str]] = {
     "progress": ["--progress", "lines"],
     "check_every": ["--check-every", "2"],
     "val_fraction": ["--val-fraction", "0.1"],
+    "max_skipped": ["--max-skipped", "0.2", "--on-nonfinite", "skip"],
     "early_stopping": ["--early-stopping", "2", "--val-fraction", "0.1"],
     "min_delta": ["--min-delta", "0.01", "--val-fraction", "0.1"],
     "lr_schedule": ["--lr-schedule", "cosine"],

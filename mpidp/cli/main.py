@@ -330,6 +330,10 @@ def _add_reliability(p: argparse.ArgumentParser) -> None:
     r.add_argument("--on-nonfinite", choices=("stop", "skip", "ignore"), default="stop",
                    help="NaN/Inf in the global loss or gradient: stop with an error, skip the "
                    "step's update, or ignore")
+    r.add_argument("--max-skipped", type=_number(float, 0, 1, high_open=False), default=0.5,
+                   metavar="FRACTION", help="with --on-nonfinite skip: fail the run when more "
+                   "than this share of its steps so far were skipped (checked after every "
+                   "epoch; each epoch's line says how many it skipped)")
     r.add_argument("--watchdog", type=_non_negative(float), default=None, metavar="SECONDS",
                    help="end the job, naming the stalled ranks, when a rank makes no progress "
                    "(stuck computing or waiting in MPI) for this long; 0 turns it off "

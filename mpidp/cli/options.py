@@ -42,6 +42,8 @@ TABLE: dict[str, tuple[frozenset, str]] = {
                     "until the end"),
     "progress": (ALL - {"async-ps"}, "its workers are at different steps; the server "
                  "reports when training ends"),
+    "max_skipped": (ALL - {"async-ps"}, "its server counts the pushes it drops, and fails "
+                    "the run when it applied none"),
     "val_fraction": (ALL - {"async-ps"}, "its workers are at different epochs, so there is "
                      "no epoch's model to validate (the server evaluates once, at the end)"),
     "early_stopping": (ALL - {"async-ps"}, "its workers are at different epochs, so there "

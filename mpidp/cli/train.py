@@ -268,8 +268,9 @@ class _Report:
             elif r.get(f"{name}_r2") is not None:
                 held += f"  {name} r2 {r[f'{name}_r2']:.4f}"
         secs = "" if r.get("seconds") is None else f"  ({r['seconds']:.2f}s)"
+        skipped = f"  skipped {r['skipped']} steps (NaN/Inf)" if r.get("skipped") else ""
         say(self.comm, f"epoch {r['epoch']:>3}/{self.epochs}  loss {r['loss']:.4f}{acc}{held}"
-            f"{secs}")
+            f"{secs}{skipped}")
 
 
 @dataclass
@@ -298,6 +299,7 @@ class _Job:
                                             *([self.best] if self.best else [])),
                           "early_stopping": (EarlyStopping(a.early_stopping, a.min_delta)
                                              if a.early_stopping else None),
+                          "max_skipped": a.max_skipped,
                           "plateau": (ReduceOnPlateau(a.plateau_factor, a.plateau_patience,
                                                       a.min_delta)
                                       if a.lr_schedule == "plateau" else None),

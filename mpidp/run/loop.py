@@ -25,6 +25,7 @@ from .. import comm as C
 from ..observe.progress import Progress, resolve
 from .checkpoint import State
 from .faults import Injector
+from .nonfinite import NonFiniteError
 from .signals import Preempted
 from .spec import Checkpointing, RunSpec
 from .stats import StepStats
@@ -113,6 +114,7 @@ class _Run:
         self.asked = False  # a callback on this rank asked to stop
         self.carries_stop = spec.stop is not None or spec.on_step is not None
         self.progress = resolve(spec.progress) if trainer.world.rank == 0 else "none"
+        self.first_step, self.skipped_before = trainer.global_step, _skipped(trainer)
         self.replay()
 
     def epochs(self) -> None:
@@ -154,12 +156,28 @@ class _Run:
         figures, the same on every rank), or some rank's ``on_epoch`` asks (agreed:
         collective when ``on_epoch`` is given)."""
         record = _record(self.trainer, self.feed, epoch, totals, t0, self.tracer)
+        skipped = _skipped(self.trainer)
+        if skipped is not None:
+            record["skipped"], self.skipped_before = skipped - self.skipped_before, skipped
         self.history.append(record | extra)
         enough = self.judge(self.history[-1])
-        if self.spec.on_epoch is None:
-            return enough
-        asked = bool(self.spec.on_epoch(self.history[-1]))
-        return bool(C.allreduce_max(self.trainer.world, [asked])[0]) or enough
+        if self.spec.on_epoch is not None:  # (the epoch is reported before any failure)
+            asked = bool(self.spec.on_epoch(self.history[-1]))
+            enough = bool(C.allreduce_max(self.trainer.world, [asked])[0]) or enough
+        self.check_skipped(skipped)
+        return enough
+
+    def check_skipped(self, skipped: int | None) -> None:
+        """Fail on every rank (the counts are global) when the NaN/Inf policy skipped more
+        than ``spec.max_skipped`` of this run's steps: a run that learns nothing must not
+        end as if it had."""
+        steps = self.trainer.global_step - self.first_step
+        if skipped and steps and skipped > self.spec.max_skipped * steps:
+            raise NonFiniteError(
+                f"{skipped} of the run's {steps} steps had a NaN/Inf loss or gradient and were "
+                f"skipped, more than the {self.spec.max_skipped:g} allowed (max_skipped, "
+                f"--max-skipped): the model is not learning; lower the learning rate or check "
+                f"the data")
 
     def judge(self, record: dict) -> bool:
         """Early stopping and the plateau rule on ``record``'s monitored figure; marks the
@@ -235,6 +253,12 @@ class _Run:
         with C.excused("writing a checkpoint"), _span(self.tracer, "checkpoint", "io"):
             self.trainer.save_checkpoint(self.spec.checkpoint.directory, state,
                                          self.spec.checkpoint.keep, self.spec.checkpoint.run_id)
+
+
+def _skipped(trainer) -> int | None:
+    """The steps the trainer's NaN/Inf policy has skipped so far (None: it keeps no count)."""
+    policy = getattr(trainer, "policy", None)
+    return None if policy is None else int(policy.skipped)
 
 
 def _span(tracer, name: str, track: str):

@@ -73,6 +73,9 @@ class RunSpec:
     ``plateau`` (:class:`~mpidp.run.early_stopping.ReduceOnPlateau`): scale the optimizer's
     learning rate by what it decides from the same figure. Both decide from global figures,
     the same on every rank (no rank stops alone), and replay the history on a resume.
+    ``max_skipped``: fail (:class:`~mpidp.run.nonfinite.NonFiniteError` on every rank) when
+    more than this share of the run's steps so far had their update skipped by the NaN/Inf
+    policy (``on_nonfinite="skip"``); each epoch's record has its ``skipped`` count.
     """
 
     epochs: int
@@ -92,6 +95,7 @@ class RunSpec:
     early_stopping: EarlyStopping | None = None
     plateau: ReduceOnPlateau | None = None
     monitor: str = "val_loss"
+    max_skipped: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "seed", "check_every"):
@@ -100,6 +104,9 @@ class RunSpec:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
                 raise MpidpError(f"{name} must be an integer >= {low}, got {value!r}")
             setattr(self, name, int(value))  # e.g. a NumPy integer
+        if isinstance(self.max_skipped, bool) or not isinstance(self.max_skipped, numbers.Real) \
+                or not 0 <= self.max_skipped <= 1:
+            raise MpidpError(f"max_skipped must be a share in [0, 1], got {self.max_skipped!r}")
         if not isinstance(self.progress, bool) and self.progress not in PROGRESS:
             raise MpidpError(f"progress must be one of {PROGRESS} or a bool, got "
                              f"{self.progress!r}")
