@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -319,8 +320,8 @@ def test_add_xt_dy_accumulates_in_place(dtype, blas, monkeypatch):
     from mpidp.nn import blas as L
     if not blas:
         monkeypatch.setattr(L, "_blas", None)
-    elif L.scipy_blas() is None:
-        pytest.skip("SciPy is not installed")
+    else:
+        monkeypatch.setattr(L, "_blas", pytest.importorskip("scipy.linalg.blas"))
     rng = np.random.default_rng(0)
     x, dy = rng.standard_normal((9, 5)).astype(dtype), rng.standard_normal((9, 4)).astype(dtype)
     dW = rng.standard_normal((5, 4)).astype(dtype)
@@ -356,3 +357,21 @@ def test_dense_accumulate_equals_sum_of_single_backwards():
     x, g = np.concatenate([x1, x2]), np.concatenate([g1, g2])
     np.testing.assert_allclose(dW, x.T @ g, rtol=1e-12)
     np.testing.assert_allclose(db, g.sum(axis=0), rtol=1e-12)
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_scipy_gemm_only_beside_a_single_threaded_blas(threads):
+    """SciPy's OpenBLAS has its own thread pool: beside a multi-threaded NumPy BLAS the two
+    pools starve each other, so the in-place gemm is used only when BLAS runs one thread."""
+    pytest.importorskip("scipy")
+    if threads == "2" and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two usable cores")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    env["OPENBLAS_NUM_THREADS"] = threads
+    code = ("from mpidp.nn import blas; import numpy\n"
+            "print(blas.single_threaded(), blas.scipy_blas() is not None)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == (["True", "True"] if threads == "1" else ["False", "False"])

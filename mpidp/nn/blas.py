@@ -5,9 +5,17 @@ pass over the output. SciPy exposes BLAS ``gemm`` with ``beta = 1``, which accum
 place. Results are the same up to rounding (so a pipeline's float32 parameters differ in
 the last bits between installs with and without SciPy); SciPy is optional (the ``fast``
 extra) and imported on first use.
+
+SciPy ships its own OpenBLAS, with its own thread pool. Two multi-threaded pools in one
+process take turns badly: each spins for a while after its call, starving the other's
+threads (a 30x slower step on one rank with two cores). So SciPy's ``gemm`` is used only
+where NumPy's BLAS runs one thread (:func:`single_threaded`), as it does under mpidp
+whenever a node runs one rank per core.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -16,15 +24,37 @@ _FLOATS = (np.float32, np.float64)
 
 
 def scipy_blas():
-    """``scipy.linalg.blas``, or None when SciPy is not installed."""
+    """``scipy.linalg.blas``, or None when SciPy is not installed or BLAS runs several
+    threads (decided on first use)."""
     global _blas
     if _blas is ...:
         try:
             from scipy.linalg import blas
-            _blas = blas
         except ImportError:
-            _blas = None
+            blas = None
+        _blas = blas if blas is not None and single_threaded() else None
     return _blas
+
+
+_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def single_threaded() -> bool:
+    """True when this process's BLAS runs one thread: one usable core, a thread variable
+    set to 1, or (with threadpoolctl) every BLAS pool limited to one thread. Read now."""
+    try:
+        if len(os.sched_getaffinity(0)) == 1:
+            return True
+    except AttributeError:  # not Linux
+        pass
+    if any(os.environ.get(v, "").strip() == "1" for v in _THREAD_VARS):
+        return True
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return False
+    pools = [p for p in threadpool_info() if p.get("user_api") == "blas"]
+    return bool(pools) and all(p.get("num_threads") == 1 for p in pools)
 
 
 def _fast(*arrays: np.ndarray):
