@@ -28,6 +28,7 @@ MODES = {
     "sharded-ps": (2, ["--sync", "sharded-ps"], ["--ps-placement", "dedicated"]),
     "accumulate": (2, ["--sync", "accumulate", "--sync-every", "2"], ["--schedule", "gpipe"]),
     "local-sgd": (2, ["--sync", "local-sgd", "--sync-every", "2"], ["--ps-transport", "mpi"]),
+    "auto": (2, ["--sync", "auto"], ["--sync-every", "2"]),
     "async-ps": (3, ["--sync", "async-ps"], ["--check-every", "2"]),
     "pipeline-gpipe": (3, ["--parallel", "pipeline", "--schedule", "gpipe"],
                        ["--distribute", "local"]),

@@ -32,6 +32,7 @@ VALUES: dict[str, list[str]] = {
     "ps_chunk_mb": ["--ps-chunk-mb", "2"],
     "bucket_mb": ["--bucket-mb", "2"],
     "compress": ["--compress", "float16"],
+    "node_aware": ["--node-aware", "on"],
     "sync_every": ["--sync-every", "2"],
     "log_every": ["--log-every", "5"],
     "progress": ["--progress", "lines"],

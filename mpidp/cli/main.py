@@ -349,7 +349,9 @@ def _add_sync(p: argparse.ArgumentParser) -> None:
                    "with error feedback; ps: parameter server (rank 0); sharded-ps: every rank "
                    "updates 1/P of the parameters; accumulate: sync every --sync-every batches; "
                    "local-sgd: average parameters every --sync-every steps; async-ps: workers "
-                   "push gradients and pull parameters without waiting (rank 0 serves)")
+                   "push gradients and pull parameters without waiting (rank 0 serves); auto: "
+                   "the fastest of allreduce, overlapped and compressed (float32 only) on the "
+                   "first steps, said in one line")
     g.add_argument("--max-staleness", type=_non_negative(int), default=8,
                    help="async-ps: drop gradients computed on parameters older than this")
     g.add_argument("--ps-placement", choices=("root", "dedicated"), default="root",
@@ -361,7 +363,13 @@ def _add_sync(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ps-chunk-mb", type=_positive(float), default=1.0,
                    help="ps (shared): the server ships its update in pieces of this many MiB")
     g.add_argument("--bucket-mb", type=_positive(float), default=1.0,
-                   help="overlapped: bucket size in MiB")
+                   help="overlapped: bucket size in MiB (auto also tries a quarter of the "
+                   "gradient)")
+    g.add_argument("--node-aware", choices=("auto", "on", "off"), default="auto",
+                   help="allreduce / accumulate / auto: sum inside each node through shared "
+                   "memory and across nodes between node leaders only, so a node's link "
+                   "carries one rank's gradient instead of every rank's (auto: when ranks "
+                   "share nodes and there are several nodes)")
     g.add_argument("--compress", choices=("bfloat16", "float16"), default="bfloat16",
                    help="compressed: 16-bit format of the gradients on the wire")
     g.add_argument("--sync-every", type=_positive(int), default=4,

@@ -32,8 +32,12 @@ TABLE: dict[str, tuple[frozenset, str]] = {
     "ps_placement": (frozenset({"ps"}), "only --sync ps has a server to place"),
     "ps_transport": (frozenset({"ps"}), "only --sync ps ships parameters from a server"),
     "ps_chunk_mb": (frozenset({"ps"}), "only --sync ps ships parameters from a server"),
-    "bucket_mb": (frozenset({"overlapped"}), "only --sync overlapped buckets gradients"),
-    "compress": (frozenset({"compressed"}), "only --sync compressed encodes gradients"),
+    "bucket_mb": (frozenset({"overlapped", "auto"}), "only --sync overlapped (and auto, "
+                  "which tries it) buckets gradients"),
+    "compress": (frozenset({"compressed", "auto"}), "only --sync compressed (and auto, which "
+                 "tries it) encodes gradients"),
+    "node_aware": (frozenset({"allreduce", "accumulate", "auto"}), "only a fused allreduce "
+                   "of the whole buffer (allreduce, accumulate, auto) goes node-aware"),
     "sync_every": (frozenset({"accumulate", "local-sgd"}), "only accumulate and local-sgd "
                    "synchronise every few steps"),
     "log_every": (ALL - {"async-ps"}, "its workers are at different steps, so there is no "

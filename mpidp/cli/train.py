@@ -453,7 +453,8 @@ def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
                      make_opt, bucket_bytes=int(args.bucket_mb * 2**20), codec=args.compress,
                      dedicated=O.dedicated_server(args), k=args.sync_every,
                      ps_shared_memory=args.ps_transport == "shared",
-                     ps_chunk_bytes=max(1, int(args.ps_chunk_mb * 2**20)))
+                     ps_chunk_bytes=max(1, int(args.ps_chunk_mb * 2**20)),
+                     node_aware={"auto": None, "on": True, "off": False}[args.node_aware])
     dp = DataParallel(model, make_opt(), loss, comm, init_sync=args.init_sync,
                       on_nonfinite=args.on_nonfinite, sync=sync)
     apply_slowdown(args, comm, dp.timer)

@@ -3,9 +3,10 @@ arrays out; importing it starts MPI (and installs the abort-on-error hook).
 
 One module per concern: :mod:`~mpidp.comm.runtime` (communicators), :mod:`~.agreement`
 (collective decisions, replica checksums), :mod:`~.collectives` (buffer-based collectives,
-large counts), :mod:`~.p2p` (point-to-point), :mod:`~.shm` (shared-memory windows),
-:mod:`~.abort` (failing loudly), :mod:`~.watchdog` (stalls), :mod:`~.measure` (latency and
-bandwidth for the cost model). Functions named "Collective" must be called by every rank.
+large counts), :mod:`~.hierarchy` (node-aware allreduce), :mod:`~.p2p` (point-to-point),
+:mod:`~.shm` (shared-memory windows), :mod:`~.abort` (failing loudly), :mod:`~.watchdog`
+(stalls), :mod:`~.measure` (latency and bandwidth for the cost model). Functions named
+"Collective" must be called by every rank.
 """
 
 import os
@@ -47,6 +48,7 @@ from .collectives import (
     scatterv_fill,
     scatterv_rows,
 )
+from .hierarchy import NodeAllreduce, node_aware_pays, node_layout
 from .measure import pingpong, time_allreduce
 from .p2p import MPI_REQUEST_NULL, irecv, isend, recv_, send, test_all, wait_all, wait_any
 from .runtime import (
@@ -67,7 +69,8 @@ if os.environ.get("MPIDP_ABORT_ON_ERROR", "1") != "0":
     abort_on_error()  # an uncaught exception on any rank ends the job instead of hanging it
 
 __all__ = [
-    "Comm", "MAX_COUNT", "MPI_REQUEST_NULL", "MpidpError", "REDUCE_SPLIT_BYTES", "SHM_DIR",
+    "Comm", "MAX_COUNT", "MPI_REQUEST_NULL", "MpidpError", "NodeAllreduce", "node_aware_pays",
+    "node_layout", "REDUCE_SPLIT_BYTES", "SHM_DIR",
     "SharedBroadcast", "SharedCounter", "SharedReduce", "Watchdog", "abort_job", "abort_on_error",
     "agree", "allgather_", "allgather_counts", "allgather_in_place", "allgather_rows",
     "allreduce_", "allreduce_max", "allreduce_sum_", "alltoall_counts", "alltoallv_rows",

@@ -6,6 +6,7 @@ imports mpi4py, so ``import mpidp`` and ``mpidp --help`` work without an MPI lib
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from mpi4py import MPI
@@ -63,15 +64,35 @@ def node_split(comm: Comm, first: int = 0) -> tuple[Comm, Comm | None]:
     node's rank 0 only, a communicator of those node leaders (``first``'s node leader is
     its rank 0; None on the other ranks). Collective."""
     key = -1 if comm.rank == first else comm.rank
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
+    node = _node(comm, key)
     leaders = comm.Split(0 if node.rank == 0 else MPI.UNDEFINED, key=key)
     return node, (leaders if node.rank == 0 else None)
+
+
+#: Testing the node-aware paths on one host: ``MPIDP_RANKS_PER_NODE=k`` makes every block
+#: of ``k`` consecutive ranks of a communicator one "node" (the ranks must really share
+#: memory, as all ranks on one host do). Unset: nodes are what MPI reports.
+RANKS_PER_NODE = "MPIDP_RANKS_PER_NODE"
+
+
+def _node(comm: Comm, key: int) -> Comm:
+    """The ranks of ``comm`` on this rank's node, ordered by ``key``. Collective."""
+    per_node = os.environ.get(RANKS_PER_NODE, "").strip()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
+    if not per_node:
+        return node
+    if not per_node.isdigit() or int(per_node) < 1:
+        raise ValueError(f"{RANKS_PER_NODE} must be a whole number >= 1, got {per_node!r}")
+    if node.size != comm.size:  # several real nodes: the variable cannot cut them finer
+        return node
+    node.Free()
+    return comm.Split(comm.rank // int(per_node), key=key)
 
 
 @watched("a Comm.Split")
 def local_ranks(comm: Comm) -> int:
     """How many ranks of ``comm`` share this rank's node. Collective."""
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local = _node(comm, comm.rank)
     n = local.size
     local.Free()
     return n

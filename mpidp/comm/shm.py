@@ -91,7 +91,12 @@ class SharedReduce:
         self._mine = slice(edges[comm.rank], edges[comm.rank + 1])
         self._win.Lock_all(MPI.MODE_NOCHECK)
 
-    def _fence(self) -> None:
+    def array_of(self, rank: int) -> np.ndarray:
+        """Rank ``rank``'s ``(n,)`` array (readable by every rank of the node)."""
+        return self._arrays[rank]
+
+    def fence(self) -> None:
+        """Make every rank's writes visible to all, and wait for the node. Collective."""
         self._win.Sync()
         self.comm.Barrier()
         self._win.Sync()
@@ -100,7 +105,7 @@ class SharedReduce:
     def reduce(self) -> None:
         """``root``'s ``array`` becomes the sum over ranks (the others' are left as they
         were). Collective; every rank may write its ``array`` again once it returns."""
-        self._fence()  # every rank's array is complete
+        self.fence()  # every rank's array is complete
         parts = [a[self._mine] for a in self._arrays]
         out = parts[self.root]
         if self.root == 0:
@@ -111,7 +116,7 @@ class SharedReduce:
             for part in parts[2:]:
                 total += part
             out[...] = total
-        self._fence()  # every slice is summed, and nobody reads the others' arrays any more
+        self.fence()  # every slice is summed, and nobody reads the others' arrays any more
 
 
 class SharedBroadcast:

@@ -221,6 +221,7 @@ class DataParallel:
         got = self.sync.exchange(Round(self.optimizer, self.policy.checks, self.global_step,
                                        last_of_epoch))
         skipped = not self._judge_and_update(got)
+        self.sync.step_done()
         self.timer.end_step(len(X))
         self.global_step += 1
         if self.check_every and self.global_step % self.check_every == 0:

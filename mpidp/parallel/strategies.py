@@ -12,23 +12,33 @@ if TYPE_CHECKING:
     from .sync import Sync
 
 SYNCS = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "sharded-ps",
-         "accumulate", "local-sgd")
+         "accumulate", "local-sgd", "auto")
 
 
 def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
               codec: str = "bfloat16", dedicated: bool = False, k: int = 4,
-              ps_shared_memory: bool = True, ps_chunk_bytes: int = 1 << 20) -> Sync:
+              ps_shared_memory: bool = True, ps_chunk_bytes: int = 1 << 20,
+              node_aware: bool | None = None) -> Sync:
     """A strategy by name: ``allreduce`` (fused), ``per-layer``, ``overlapped`` (bucketed
     ``Iallreduce`` during backward), ``compressed`` (16-bit, error feedback), ``ps``
     (``dedicated`` server or not; through shared memory within nodes unless
     ``ps_shared_memory=False``; updates shipped in pieces of ``ps_chunk_bytes``),
     ``sharded-ps`` (needs ``optimizer_factory``),
-    ``accumulate`` and ``local-sgd`` (every ``k`` steps)."""
+    ``accumulate`` and ``local-sgd`` (every ``k`` steps), ``auto`` (the fastest of
+    allreduce, overlapped and compressed on the first steps, :mod:`mpidp.parallel.auto`).
+    ``node_aware`` (``allreduce``, ``accumulate``, ``auto``): None chooses node-aware reduction
+    when ranks share nodes and there are several nodes, True forces it, False never."""
     from .. import comm as C
     from .ps import ParameterServer, ShardedParameterServer
-    from .sync import Accumulate, Compressed, LocalSGD, Overlapped, PerLayer, Sync
+    from .sync import NODE_AWARE, Accumulate, Compressed, LocalSGD, Overlapped, PerLayer, Sync
+    if node_aware and name not in (*NODE_AWARE, "auto"):
+        raise C.MpidpError(f"node-aware reduction applies to --sync {', '.join(NODE_AWARE)} "
+                           f"or auto, not {name}")
     if name == "allreduce":
-        return Sync()
+        return Sync(node_aware)
+    if name == "auto":
+        from .auto import Auto
+        return Auto(bucket_bytes, codec, node_aware)
     if name == "per-layer":
         return PerLayer()
     if name == "overlapped":
@@ -38,7 +48,9 @@ def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
     if name == "ps":
         return ParameterServer(dedicated, shared_memory=ps_shared_memory, chunk_bytes=ps_chunk_bytes)
     if name == "accumulate":
-        return Accumulate(k)
+        strategy = Accumulate(k)
+        strategy.node_aware = node_aware
+        return strategy
     if name == "local-sgd":
         return LocalSGD(k)
     if name == "sharded-ps":

@@ -23,6 +23,7 @@ global sums that every replica shares. The flow is one way:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -45,6 +46,7 @@ class Setup:
     root: int
     model: Sequential  # read for its sizes and parameters; the trainer binds it
     timer: StepTimer
+    grads: np.ndarray | None = None  # a buffer to reduce in place of a new one (delegation)
 
 
 @dataclass
@@ -85,21 +87,54 @@ def global_sums(buf: np.ndarray, n_params: int) -> Exchanged:
     return Exchanged(loss, count, correct, buffer.stopping(buf, n_params))
 
 
+#: The strategies whose one reduction of the whole buffer can go node-aware.
+NODE_AWARE = ("allreduce", "accumulate")
+
+
 class Sync:
     """Fused allreduce: ONE in-place ``Allreduce`` of the whole buffer; the trainer then
-    makes the same update on every rank. The default, and the base of the others."""
+    makes the same update on every rank. The default, and the base of the others.
+
+    ``node_aware``: reduce inside each node through shared memory and across nodes between
+    node leaders only (:class:`mpidp.comm.NodeAllreduce`), so a node's link carries one
+    rank's bytes instead of every rank's. None (the default) chooses it when ranks share
+    nodes and there are several nodes; True forces it (also on one node), False never.
+    """
 
     name = "allreduce"
 
-    def __init__(self) -> None:
+    def __init__(self, node_aware: bool | None = None) -> None:
         self.bytes_sent = 0
+        self.node_aware = node_aware
+        self.hierarchy: C.NodeAllreduce | None = None
 
     def setup(self, s: Setup) -> Buffers:
         """Allocate this strategy's buffers for ``s.model``. Collective."""
         self.comm, self.root, self.model, self.timer = s.comm, s.root, s.model, s.timer
         self.n = s.model.n_params
-        self.buf = self.allocate(s)
+        self.hierarchy = self._hierarchy(s) if s.grads is None else None
+        if s.grads is not None:
+            self.buf = s.grads
+        else:
+            self.buf = self.allocate(s) if self.hierarchy is None else self.hierarchy.array
+        self.buf[...] = 0
         return Buffers(self.buf)
+
+    def _hierarchy(self, s: Setup) -> C.NodeAllreduce | None:
+        """The node-aware reduction this strategy uses, or None (plain ``Allreduce``)."""
+        if self.name not in NODE_AWARE or self.node_aware is False or s.comm.size == 1:
+            return None
+        if not self.node_aware and not C.node_aware_pays(s.comm):
+            return None
+        try:
+            return C.NodeAllreduce(s.comm, self.n + buffer.N_EXTRA, s.model.dtype)
+        except MemoryError as e:  # the same on every rank
+            if self.node_aware:
+                raise C.MpidpError(f"node-aware reduction: {e}; free {C.SHM_DIR} or turn "
+                                   "node-aware reduction off") from None
+            if s.comm.rank == 0:
+                print(f"mpidp: node-aware reduction off: {e}", file=sys.stderr)
+            return None
 
     def allocate(self, s: Setup) -> np.ndarray:
         """The reduced buffer ``(n_params + N_EXTRA,)``, zeroed."""
@@ -115,6 +150,11 @@ class Sync:
 
     def reduce(self) -> None:
         """Make ``self.buf`` hold the global sums on every rank. Collective."""
+        if self.hierarchy is not None:
+            self.hierarchy.allreduce()
+            # a node leader hands the buffer to MPI; the others only to shared memory
+            self.bytes_sent += self.buf.nbytes if self.hierarchy.leads else 0
+            return
         C.allreduce_sum_(self.comm, self.buf)
         self.bytes_sent += self.buf.nbytes
 
@@ -137,6 +177,13 @@ class Sync:
 
     def after_restore(self, optimizer: Optimizer) -> None:
         """After :func:`mpidp.run.checkpoint.restore` filled ``optimizer`` on every rank."""
+
+    def step_done(self) -> None:
+        """After every step, updated or not (a strategy that measures itself, ``auto``).
+        Collective where a strategy decides something."""
+
+    def close(self) -> None:
+        """Release what the strategy holds beyond its buffers (threads); idempotent."""
 
     def exchange(self, r: Round) -> Exchanged:
         """Communicate; returns the global sums (the trainer judges them). Collective."""

@@ -1,0 +1,181 @@
+"""``--sync auto``: the fastest gradient exchange for this model on this network, measured.
+
+The first training steps are the measurement: after :data:`WARMUP` steps with a fused
+allreduce, the candidates train :data:`TRIALS` steps each, in turns, and the slowest
+rank's median step time decides (one small ``Allreduce``), so every rank commits to the same strategy at the
+same step. The candidates:
+
+* ``allreduce`` (node-aware where ranks share nodes, see :class:`mpidp.parallel.sync.Sync`),
+* ``overlapped`` with two bucket sizes: the one asked for and a quarter of the gradient,
+* ``compressed`` (16 bits with error feedback), only for float32 models: a float64 model
+  asks for the exact arithmetic, which 16-bit gradients do not give.
+
+Every exact candidate gives the same sums up to rounding order, so the trial steps are
+ordinary training steps. The choice and the figures behind it are in :attr:`Auto.report`
+(one line), with the link's bandwidth as the allreduce steps saw it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from time import perf_counter
+
+import numpy as np
+
+from .. import comm as C
+from ..nn import Optimizer
+from .sync import Buffers, Exchanged, Round, Setup, Sync
+
+WARMUP = 2  # allreduce steps before the trials: first steps pay page faults and caches
+TRIALS = 4  # steps per candidate, taken in turns; the median counts
+
+
+class Auto(Sync):
+    """Tries the candidates on the first steps, then delegates to the fastest.
+
+    Parameters
+    ----------
+    bucket_bytes : the overlapped candidate's bucket size asked for (bytes, > 0).
+    codec : the compressed candidate's 16-bit format.
+    node_aware : the allreduce candidate's node-aware reduction (see :class:`Sync`).
+    """
+
+    name = "auto"
+
+    def __init__(self, bucket_bytes: int = 1 << 20, codec: str = "bfloat16",
+                 node_aware: bool | None = None) -> None:
+        super().__init__(node_aware)
+        if bucket_bytes <= 0:
+            raise C.MpidpError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
+        self.bucket_bytes, self.codec = int(bucket_bytes), codec
+        self.choice: Sync | None = None  # the committed strategy
+        self.report = ""
+
+    def setup(self, s: Setup) -> Buffers:
+        from .strategies import make_sync
+        self.comm, self.root, self.model, self.timer = s.comm, s.root, s.model, s.timer
+        self.n = s.model.n_params
+        plain = make_sync("allreduce", node_aware=self.node_aware)
+        out = plain.setup(s)  # node-aware where it pays; its buffer is everyone's
+        self.buf = out.grads
+        shared = Setup(s.comm, s.root, s.model, s.timer, grads=self.buf)
+        self.labels = ["allreduce"]
+        self.candidates: list[Sync] = [plain]
+        if s.comm.size > 1:
+            grad_bytes = self.n * self.buf.itemsize
+            sizes = sorted({self.bucket_bytes, max(1 << 16, grad_bytes // 4)})
+            for size in sizes:
+                self.candidates.append(make_sync("overlapped", bucket_bytes=size))
+                self.labels.append(f"overlapped ({size / 2**20:.2g} MiB buckets)")
+            if s.model.dtype == np.float32:
+                self.candidates.append(make_sync("compressed", codec=self.codec))
+                self.labels.append(f"compressed ({self.codec})")
+        for c in self.candidates[1:]:
+            c.setup(shared)
+        keep = [i for i, c in enumerate(self.candidates) if i == 0 or c.refuses(s.model) is None]
+        for i, c in enumerate(self.candidates):
+            if i not in keep:
+                c.close()
+        self.candidates = [self.candidates[i] for i in keep]
+        self.labels = [self.labels[i] for i in keep]
+        self.comm_s: list[float] = []  # the allreduce trials' exchange times
+        self.times: list[list[float]] = [[] for _ in self.candidates]
+        self.steps, self._t0, self._last, self._after = 0, None, False, False
+        if len(self.candidates) == 1:
+            self.choice = plain
+            self.report = "auto: allreduce (one rank: nothing to exchange)"
+        self.current = plain
+        return out
+
+    def refuses(self, model) -> str | None:
+        """What a fused allreduce refuses (a candidate that refuses ``model`` is not tried)."""
+        from .layer_needs import refuses_model
+        return refuses_model(model.needs, "data", "allreduce")
+
+    def on_layer_done(self) -> Callable[[int], None]:
+        hooks = {id(c): c.on_layer_done() for c in self.candidates} if hasattr(
+            self, "candidates") else {}
+
+        def forward(i: int) -> None:
+            hook = hooks.get(id(self.current))
+            if hook is not None:
+                hook(i)
+        return forward
+
+    def _trial(self) -> int | None:
+        """Index of the candidate that runs trial step ``self.steps``, or None after."""
+        k = self.steps - WARMUP  # in turns, so that drift of the machine hits all alike
+        return None if k < 0 or k >= TRIALS * len(self.candidates) else k % len(self.candidates)
+
+    def exchange(self, r: Round) -> Exchanged:
+        self._last = r.last_of_epoch
+        t = perf_counter()
+        out = self.current.exchange(r)
+        if self.choice is None and self._trial() == 0:
+            self.comm_s.append(perf_counter() - t)
+        return out
+
+    def update(self, optimizer: Optimizer, count: int) -> None:
+        self.current.update(optimizer, count)
+
+    def at_boundary(self) -> bool:
+        return self.current.at_boundary()
+
+    def before_checkpoint(self, optimizer: Optimizer) -> None:
+        self.current.before_checkpoint(optimizer)
+
+    def after_checkpoint(self, optimizer: Optimizer) -> None:
+        self.current.after_checkpoint(optimizer)
+
+    def after_restore(self, optimizer: Optimizer) -> None:
+        self.current.after_restore(optimizer)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(c.bytes_sent for c in getattr(self, "candidates", ()))
+
+    @bytes_sent.setter
+    def bytes_sent(self, value: int) -> None:
+        pass  # the candidates count their own
+
+    def step_done(self) -> None:
+        """Called by the trainer after every step (updated or not): times the step and
+        picks the next step's strategy. Collective when the trials end."""
+        now = perf_counter()
+        if self.choice is None:
+            k = self._trial()
+            if k is not None and self._t0 is not None and not self._last and not self._after:
+                self.times[k].append(now - self._t0)  # a step around an epoch's end: no
+            self.steps += 1
+            nxt = self._trial()
+            if nxt is None and self.steps > WARMUP:
+                self._decide()
+            else:
+                self.current = self.candidates[0 if nxt is None else nxt]
+        self._after = self._last  # the next step also pays the epoch's evaluation
+        self._t0 = perf_counter()
+
+    def _decide(self) -> None:
+        medians = np.array([np.median(t) if t else np.inf for t in self.times]
+                           + [np.median(self.comm_s) if self.comm_s else 0.0], np.float64)
+        C.allreduce_(self.comm, medians, "max")  # the slowest rank's view decides
+        medians, comm_s = medians[:-1], float(medians[-1])
+        best = int(np.argmin(medians))
+        self.choice = self.current = self.candidates[best]
+        for i, c in enumerate(self.candidates):
+            if i != best:
+                c.close()
+        rates = ", ".join(f"{label} {1 / t:.3g}" for label, t in zip(self.labels, medians)
+                          if np.isfinite(t) and t > 0)
+        P, m = self.comm.size, self.buf.nbytes
+        link = (f"; an allreduce of {m / 1e6:.3g} MB took {comm_s * 1e3:.3g} ms, "
+                f"{2 * (P - 1) / P * m / comm_s / 1e6:.3g} MB/s per rank") if comm_s > 0 else ""
+        self.report = (f"auto: {self.labels[best]}, the fastest on steps {WARMUP + 1}-"
+                       f"{WARMUP + TRIALS * len(self.candidates)} (steps/s: {rates}{link})")
+        if self.comm.rank == self.root:
+            print(f"mpidp: {self.report}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        for c in getattr(self, "candidates", ()):
+            c.close()

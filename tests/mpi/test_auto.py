@@ -1,0 +1,77 @@
+"""``--sync auto``: trial steps are ordinary exact steps, every rank commits to the same
+strategy at the same step, and the slowest rank's timings decide."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpi_helpers import all_ranks
+
+import mpidp
+from mpidp import nn
+from mpidp.parallel import auto as A
+from mpidp.parallel.strategies import make_sync
+
+RTOL, ATOL = 1e-9, 1e-11
+
+
+def _data(comm, n=400, d=6):
+    rng = np.random.default_rng(3)
+    X, y = rng.standard_normal((n, d)), rng.integers(0, 3, n)
+    rows = np.array_split(np.arange(n), comm.size)[comm.rank]
+    return X, y, rows
+
+
+def _train(comm, X, y, sync, dtype=np.float64, epochs=2):
+    model = nn.mlp(X.shape[1], (10,), 3, dtype=dtype).init_(5)
+    dp = mpidp.DataParallel(model, nn.Adam(0.01), nn.SoftmaxCrossEntropy(), comm, sync=sync)
+    hist = mpidp.fit(dp, mpidp.shard_from_arrays(comm, X.astype(dtype), y), epochs, 16, seed=6)
+    return dp, hist
+
+
+@pytest.mark.mpi(min_size=1)
+def test_auto_trains_the_one_process_model_in_float64(comm):
+    X, y, rows = _data(comm)
+    sync = make_sync("auto", bucket_bytes=64)
+    dp, hist = _train(comm, X[rows], y[rows], sync)
+    ref, ref_hist = _train(MPI.COMM_SELF, X, y, make_sync("allreduce"))
+    labels = comm.allgather(sync.report)
+    all_ranks(comm, sync.choice is not None and len(set(labels)) == 1, f"{labels}")
+    all_ranks(comm, not any("compressed" in label for label in sync.labels),
+              f"float64 tried {sync.labels}")
+    all_ranks(comm, np.allclose(dp.model.params, ref.model.params, rtol=RTOL, atol=ATOL),
+              f"max diff {np.abs(dp.model.params - ref.model.params).max():.3g}")
+    all_ranks(comm, dp.in_sync() and abs(hist[-1]["loss"] - ref_hist[-1]["loss"]) < 1e-9)
+    if comm.size > 1:  # every candidate ran its trials
+        all_ranks(comm, len(sync.candidates) == 3 and "auto: " in sync.report
+                  and f"steps {A.WARMUP + 1}-{A.WARMUP + A.TRIALS * 3}" in sync.report,
+                  sync.report)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_auto_tries_compression_for_float32_and_keeps_replicas_identical(comm):
+    X, y, rows = _data(comm)
+    sync = make_sync("auto")
+    dp, _ = _train(comm, X[rows], y[rows], sync, dtype=np.float32)
+    all_ranks(comm, any("compressed" in label for label in sync.labels), f"{sync.labels}")
+    all_ranks(comm, sync.choice in sync.candidates and dp.in_sync(), sync.report)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_slowest_rank_decides(comm):
+    """Each rank finds a different candidate fastest; the max over ranks picks one for all."""
+    X, y, rows = _data(comm)
+    sync = make_sync("auto")
+    _train(comm, X[rows], y[rows], sync, epochs=1)
+    k = len(sync.candidates)
+    times = np.full(k, 1.0)
+    times[comm.rank % k] = 0.1  # this rank: its own favourite
+    times[-1] = 0.5 if comm.rank == 0 else 0.6  # everyone's second best
+    if comm.size >= k:
+        times[-1] = 0.55
+    sync.times, sync.choice = [[t] for t in times], None
+    sync._decide()
+    worst = np.max(comm.allgather(times), axis=0)
+    all_ranks(comm, sync.choice is sync.candidates[int(np.argmin(worst))],
+              f"picked {sync.report} from {worst}")

@@ -1,0 +1,111 @@
+"""Node-aware allreduce (shared memory inside a node, leaders across nodes): the one-process
+model in float64, identical replicas, chosen only where it takes bytes off the network.
+
+One host has one node; ``MPIDP_RANKS_PER_NODE=k`` makes each block of ``k`` ranks a node
+(they still share memory), so the several-node path runs here too. Across real test hosts,
+tests/test_multihost.py runs it."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpi_helpers import all_ranks, raises_everywhere
+
+import mpidp
+from mpidp import comm as C
+from mpidp import nn
+from mpidp.comm.runtime import RANKS_PER_NODE
+from mpidp.parallel.strategies import make_sync
+
+RTOL, ATOL = 1e-9, 1e-11
+
+
+@contextmanager
+def ranks_per_node(k):
+    old = os.environ.get(RANKS_PER_NODE)
+    if k is None:
+        os.environ.pop(RANKS_PER_NODE, None)
+    else:
+        os.environ[RANKS_PER_NODE] = str(k)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(RANKS_PER_NODE, None)
+        else:
+            os.environ[RANKS_PER_NODE] = old
+
+
+def _data(comm, n=130):
+    rng = np.random.default_rng(1)
+    X, y = rng.standard_normal((n, 5)), rng.integers(0, 3, n)
+    # uneven shards, and from 3 ranks on one rank holds nothing
+    cuts = np.linspace(0, n, comm.size + 1).astype(int)
+    if comm.size >= 3:
+        cuts[1] = 0
+    rows = np.arange(cuts[comm.rank], cuts[comm.rank + 1]) if comm.rank else np.arange(cuts[1])
+    return mpidp.shard_from_arrays(comm, X[rows], y[rows]), X, y
+
+
+def _train(comm, shard, sync, epochs=2):
+    model = nn.mlp(5, (9,), 3, dtype=np.float64).init_(3)
+    dp = mpidp.DataParallel(model, nn.Adam(0.01), nn.SoftmaxCrossEntropy(), comm, sync=sync)
+    return dp, mpidp.fit(dp, shard, epochs, 16, seed=4)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", ["allreduce", "accumulate"])
+@pytest.mark.parametrize("per_node", [None, 1, 2])
+def test_node_aware_matches_one_process(comm, name, per_node):
+    shard, X, y = _data(comm)
+    with ranks_per_node(per_node):
+        sync = make_sync(name, k=3, node_aware=True)
+        dp, hist = _train(comm, shard, sync)
+    ref, ref_hist = _train(MPI.COMM_SELF, mpidp.shard_from_arrays(MPI.COMM_SELF, X, y),
+                           make_sync(name, k=3))
+    all_ranks(comm, comm.size == 1 or sync.hierarchy is not None, "node-aware path not taken")
+    all_ranks(comm, np.allclose(dp.model.params, ref.model.params, rtol=RTOL, atol=ATOL),
+              f"max diff {np.abs(dp.model.params - ref.model.params).max():.3g}")
+    all_ranks(comm, dp.in_sync(), "replicas differ")
+    all_ranks(comm, abs(hist[-1]["loss"] - ref_hist[-1]["loss"]) < 1e-9)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("per_node", [None, 1, 2])
+def test_chosen_only_when_it_takes_bytes_off_the_network(comm, per_node):
+    """Automatic: on when there are several nodes and some node holds several ranks."""
+    shard, _, _ = _data(comm)
+    with ranks_per_node(per_node):
+        nodes, crowded = C.node_layout(comm)
+        sync = make_sync("allreduce")
+        _train(comm, shard, sync, epochs=1)
+    k = per_node or comm.size
+    expect_nodes = -(-comm.size // k)
+    all_ranks(comm, (nodes, crowded) == (expect_nodes, min(k, comm.size)), f"{nodes, crowded}")
+    want = expect_nodes > 1 and min(k, comm.size) > 1
+    all_ranks(comm, (sync.hierarchy is not None) == want, f"hierarchy {sync.hierarchy}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_only_node_leaders_hand_bytes_to_mpi(comm):
+    shard, _, _ = _data(comm)
+    with ranks_per_node(2):
+        sync = make_sync("allreduce", node_aware=True)
+        dp, hist = _train(comm, shard, sync, epochs=1)
+        node, leaders = C.node_split(comm)
+    leads = node.rank == 0 and comm.size > 2
+    expected = dp.global_step * dp.buf.nbytes if leads else 0
+    all_ranks(comm, dp.global_step > 0 and sync.bytes_sent == expected,
+              f"rank {comm.rank}: bytes {sync.bytes_sent}, expected {expected}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_node_aware_refused_where_it_cannot_apply(comm):
+    raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync("compressed", node_aware=True),
+                      "node-aware reduction applies to")
+    with ranks_per_node("two"):
+        raises_everywhere(comm, ValueError, lambda: C.node_layout(comm), RANKS_PER_NODE)
