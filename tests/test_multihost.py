@@ -106,6 +106,21 @@ def test_parameter_server_across_hosts(cluster, dataset, n, per_host):
     np.testing.assert_allclose(_params(out), dataset, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("n,per_host", [(4, 2), (3, 2)])
+def test_node_aware_allreduce_across_hosts(cluster, dataset, n, per_host):
+    """Two ranks on a host: the default allreduce sums each host's gradients in shared
+    memory and only the host leaders talk over TCP; exactly one process' model, as is the
+    flat allreduce it replaces (``--node-aware off``)."""
+    for mode in ("auto", "off"):
+        out = cluster.root / f"node-aware-{mode}{n}"
+        r = _run(cluster.mpiexec(n, per_host, PY, *ARGS, "--dataset", str(cluster.data / "d.npz"),
+                                 "--distribute", "scatter", "--node-aware", mode, "--out", str(out)))
+        assert r.returncode == 0, r.stderr[-3000:]
+        said = "node-aware reduction: 2 node(s), up to 2 ranks each" in r.stdout
+        assert said == (mode == "auto"), r.stdout
+        np.testing.assert_allclose(_params(out), dataset, rtol=1e-9, atol=1e-11)
+
+
 def test_local_reads_need_and_use_each_hosts_own_copy(cluster, dataset):
     out = cluster.root / "local"
     cmd = cluster.mpiexec(4, 2, PY, *ARGS, "--dataset", str(cluster.data / "d.npz"),

@@ -469,7 +469,8 @@ def _train_data_parallel(job: _Job) -> dict | None:
     if data.val is not None:
         job.best = _Best(comm, args, lambda: dp.model, _model_meta(args, data))
     watch = Watch(comm, outputs(args), dp.timer, job.config)
-    _announce(comm, args, data, f"model: {dp.model!r}")
+    how = dp.sync.describe()
+    _announce(comm, args, data, f"model: {dp.model!r}", *([how] if how else []))
     log.debug(f"[rank {comm.rank}] {C.mpi_info(C.self_comm())['processor']}: "
               f"{len(data.train.X)} train rows, {len(data.test.X)} test rows")
     resume = job.resume(restore(comm, args.checkpoint_dir, dp.model, dp.optimizer)

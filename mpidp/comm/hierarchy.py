@@ -49,6 +49,7 @@ class NodeAllreduce:
 
     def __init__(self, comm: Comm, n: int, dtype: np.dtype) -> None:
         dtype = np.dtype(dtype)
+        self.nodes, self.most_per_node = node_layout(comm)
         self.node, self.leaders = node_split(comm)
         short = np.array([not shm_room(self.node.size * n * dtype.itemsize)], np.float64)
         allreduce_(comm, short, "max")
@@ -59,6 +60,11 @@ class NodeAllreduce:
         self.array = self._sum.array
         self.leads = self.leaders is not None and self.leaders.size > 1  # sends over MPI
         self._leader_array = self._sum.array_of(0)
+
+    def describe(self) -> str:
+        """One line for people: the layout this reduction works on."""
+        return (f"node-aware reduction: {self.nodes} node(s), up to {self.most_per_node} "
+                "ranks each (summed in shared memory; node leaders exchange)")
 
     @watched("a node-aware allreduce")
     def allreduce(self) -> np.ndarray:

@@ -88,6 +88,12 @@ class Auto(Sync):
         self.current = plain
         return out
 
+    def describe(self) -> str | None:
+        plain = self.candidates[0].describe()
+        tried = ", ".join(self.labels)
+        return f"auto: trying {tried}" + (f"; {plain}" if plain else "") if \
+            len(self.candidates) > 1 else plain
+
     def refuses(self, model) -> str | None:
         """What a fused allreduce refuses (a candidate that refuses ``model`` is not tried)."""
         from .layer_needs import refuses_model

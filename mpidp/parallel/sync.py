@@ -178,6 +178,10 @@ class Sync:
     def after_restore(self, optimizer: Optimizer) -> None:
         """After :func:`mpidp.run.checkpoint.restore` filled ``optimizer`` on every rank."""
 
+    def describe(self) -> str | None:
+        """A line for the run's header about how this strategy exchanges, or None."""
+        return None if self.hierarchy is None else self.hierarchy.describe()
+
     def step_done(self) -> None:
         """After every step, updated or not (a strategy that measures itself, ``auto``).
         Collective where a strategy decides something."""
