@@ -142,3 +142,20 @@ def test_efficiency_never_exceeds_one_even_from_a_noisy_contention():
     for alg in M.ALGORITHMS:
         eff = M.efficiency(P, 4e6, 512, c, fit, alg)
         assert np.all(eff <= 1.0 + 1e-12) and eff[0] == 1.0
+
+
+def test_mode_step_times_by_hand():
+    fit = M.Fit(1e-4, 8e-9, 0.0)  # 1 Gbit/s
+    m, c = 7.45e6, 0.03
+    ring = 2 * 1e-4 + m * 8e-9  # P = 2: one send of m each way
+    assert M.mode_step_time("allreduce", 2, m, c, fit) == pytest.approx(c + ring)
+    # overlapped: hidden behind backward (2/3 of compute) once the first bucket is done
+    assert M.mode_step_time("overlapped", 2, m, c, fit, first_bucket=0.25) == pytest.approx(
+        c / 3 + max(2 * c / 3, 0.25 * 2 * c / 3 + ring))
+    assert M.mode_step_time("overlapped", 2, 1e3, c, fit) == pytest.approx(c)  # all hidden
+    assert M.mode_step_time("compressed", 2, m, c, fit, codec=0.004) == pytest.approx(
+        c + 0.004 + 2e-4 + m / 2 * 8e-9)
+    # two nodes of two ranks: the leaders' ring at P = 2, not the flat one at P = 4
+    assert M.mode_step_time("node-aware", 4, m, c, fit, per_node=2) == pytest.approx(c + ring)
+    with pytest.raises(ValueError, match="unknown mode"):
+        M.mode_step_time("telepathy", 2, m, c, fit)

@@ -170,3 +170,36 @@ def prediction_table(fit: Fit, compute_per_param: float | Compute, batch: int,
                              "step_s": float(step_time(P, m, batch, c, fit, alg)),
                              "efficiency": float(efficiency(P, m, batch, c, fit, alg))})
     return rows
+
+
+#: The modes :func:`mode_step_time` predicts.
+MODES = ("allreduce", "overlapped", "compressed", "node-aware")
+
+
+def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
+                   backward: float = 2 / 3, first_bucket: float = 0.0, codec: float = 0.0,
+                   per_node: int = 1) -> float:
+    """Predicted seconds of one step of a synchronisation ``mode`` at ``P`` ranks with ``m``
+    gradient bytes, from a measured ``compute`` (seconds of forward + backward + update on
+    one rank's share) and the link's :class:`Fit`:
+
+    * ``allreduce``: ``compute + ring(P, m)``;
+    * ``overlapped``: the exchange starts once the first bucket is final, ``first_bucket``
+      (a share) into the backward pass (``backward``: its share of ``compute``), and runs
+      beside the rest of it: ``(1 - backward) c + max(backward c, first_bucket backward c
+      + ring(P, m))``;
+    * ``compressed``: 16-bit codes reduce-scattered and allgathered, half a ring's bytes,
+      plus ``codec`` seconds of encoding and decoding: ``compute + codec + ring(P, m / 2)``;
+    * ``node-aware``: ``P / per_node`` node leaders run the ring; inside a node the sum
+      and the copy back go through memory (not modelled: far faster than a network link).
+    """
+    if mode == "allreduce":
+        return compute + float(allreduce_time(P, m, fit))
+    if mode == "overlapped":
+        b = backward * compute
+        return (compute - b) + max(b, first_bucket * b + float(allreduce_time(P, m, fit)))
+    if mode == "compressed":
+        return compute + codec + float(allreduce_time(P, m / 2, fit))
+    if mode == "node-aware":
+        return compute + float(allreduce_time(max(P // max(per_node, 1), 1), m, fit))
+    raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
