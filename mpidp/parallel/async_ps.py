@@ -32,6 +32,7 @@ from ..nn import Loss, Optimizer, Sequential
 from ..nn.optim import Segments
 from ..observe.metrics import StepTimer
 from ..run.checkpoint import State, save
+from ..run.faults import Injector
 from ..run.loop import run
 from ..run.nonfinite import NonFiniteError, Policy, all_finite
 from ..run.signals import Preempted
@@ -232,6 +233,21 @@ def _save(checkpoint: Checkpointing, model, optimizer, state: State, tracer=None
             tracer.add("checkpoint", "checkpoint", "io", t, time.perf_counter())
 
 
+class _ServerFaults:
+    """What ``nan`` and ``desync`` faults (:mod:`mpidp.run.faults`) do on the server: the
+    push being served turns NaN; the server's first parameter moves by one ulp."""
+
+    def __init__(self, model: Sequential, msg: np.ndarray) -> None:
+        self.model, self.msg = model, msg
+
+    def poison_(self) -> None:
+        self.msg[:self.model.n_params + _Slot.LOSS + 1] = np.nan
+
+    def nudge_(self) -> None:
+        p = self.model.params
+        p[0] = np.nextafter(p[0], np.inf)
+
+
 def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
             tracer=None, signals=None, positions: _Positions | None = None,
             checkpoint: Checkpointing | None = None) -> tuple[AsyncStats, str | None]:
@@ -243,6 +259,7 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
             "applied", "dropped", "skipped"))
         stats.epoch_loss = {int(e): list(v) for e, v in saved["epoch_loss"].items()}
     stop = np.array([_STOP], np.int64)
+    faults = Injector(comm.rank)  # the server's steps are the pushes it has served
     error = None  # once set, every worker is told to stop at its next push
     t0 = time.perf_counter()
     workers = [r for r in range(comm.size) if r != root]
@@ -269,6 +286,7 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
             active -= 1
             reqs[i] = C.MPI_REQUEST_NULL
             continue
+        faults.apply(stats.applied + stats.dropped + stats.skipped, _ServerFaults(model, msg))
         stale = int(version[0] - msg[n + _Slot.VERSION])
         loss, count = float(msg[n + _Slot.LOSS]), float(msg[n + _Slot.COUNT])
         applied = stale <= max_staleness
