@@ -13,3 +13,31 @@ def checksum(array: np.ndarray) -> int:
     bit) give equal digests. A non-negative Python int, so it fits an int64."""
     digest = hashlib.blake2b(np.ascontiguousarray(array).view(np.uint8), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def settings_of(obj: object, skip: tuple[str, ...] = ()) -> str:
+    """What identifies ``obj``'s settings: its class and its plain attributes (numbers,
+    strings, bools, None, and the ``config()`` of attributes that have one), sorted, as a
+    string. Arrays and other state are left out: two optimizers with equal settings but
+    different moments compare equal. ``skip``: attribute names that count what was done
+    (bytes sent, steps taken) rather than say how."""
+    plain = (int, float, str, bool, type(None), np.number)
+    parts = []
+    for name, value in sorted(vars(obj).items()) if hasattr(obj, "__dict__") else ():
+        if name.startswith("_") or name in skip:
+            continue
+        if isinstance(value, plain) or isinstance(value, tuple) and all(
+                isinstance(v, plain) for v in value):
+            parts.append(f"{name}={value!r}")
+        elif callable(getattr(value, "config", None)):
+            parts.append(f"{name}={type(value).__name__}{value.config()!r}")
+    return f"{type(obj).__name__}({', '.join(parts)})"
+
+
+def dtype_name(dtype: object) -> str:
+    """``dtype``'s NumPy name (``"float32"`` for ``np.float32`` and ``"float32"`` alike), or
+    its ``repr`` when it names no dtype (so a bad value is compared, not raised on one rank)."""
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return repr(dtype)

@@ -16,6 +16,7 @@ from .activity import excused, set_step
 from .agreement import (
     MpidpError,
     agree,
+    agree_same,
     assert_in_sync,
     checksum,
     params_in_sync,
@@ -72,7 +73,7 @@ __all__ = [
     "Comm", "MAX_COUNT", "MPI_REQUEST_NULL", "MpidpError", "NodeAllreduce", "node_aware_pays",
     "node_layout", "REDUCE_SPLIT_BYTES", "SHM_DIR",
     "SharedBroadcast", "SharedCounter", "SharedReduce", "Watchdog", "abort_job", "abort_on_error",
-    "agree", "allgather_", "allgather_counts", "allgather_in_place", "allgather_rows",
+    "agree", "agree_same", "allgather_", "allgather_counts", "allgather_in_place", "allgather_rows",
     "allreduce_", "allreduce_max", "allreduce_sum_", "alltoall_counts", "alltoallv_rows",
     "assert_in_sync", "barrier", "bcast_", "bcast_obj", "checksum", "excused", "gather_obj",
     "gather_rows", "gatherv", "gatherv_rows", "iallreduce_sum_", "ibcast_", "irecv", "isend",

@@ -6,6 +6,7 @@ checksums that prove replicas are bit-identical (:func:`checksum` itself is pure
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -101,3 +102,41 @@ def assert_in_sync(comm: Comm, params: np.ndarray, root: int = 0) -> None:
     hashes = comm.allgather(checksum(params))  # failure path only
     bad = [r for r, h in enumerate(hashes) if h != hashes[root]]
     raise MpidpError(f"parameters differ from rank {root}'s on ranks {bad}: replicas are out of sync")
+
+
+def _digest(value: Any) -> int:
+    """A 62-bit digest of ``repr(value)`` (the same for equal settings on every rank)."""
+    raw = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little") >> 2
+
+
+@watched("an agreement Allreduce (arguments)")
+def agree_same(comm: Comm, where: str, items: dict[str, Any]) -> None:
+    """Raise the same :class:`MpidpError` on every rank unless every rank passed equal
+    ``items`` (name -> a value whose ``repr`` identifies it). Collective: one ``Allreduce``
+    of two 62-bit digests per item; the values themselves travel only when some differ,
+    and the message names each differing item, its values and the ranks holding each."""
+    names = list(items)
+    h = np.array([_digest(items[k]) for k in names], np.int64)
+    buf = np.concatenate([h, -h])
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+    differ = [k for i, k in enumerate(names) if buf[i] != -buf[len(names) + i]]
+    if not differ:
+        return
+    shown = comm.allgather({k: _short(repr(items[k])) for k in differ})  # failure path only
+    parts = []
+    for k in differ:
+        groups: dict[str, list[int]] = {}
+        for rank, values in enumerate(shown):
+            groups.setdefault(values[k], []).append(rank)
+        parts.append(f"{k} is " + ", ".join(f"{v} on {_ranks(r)}" for v, r in groups.items()))
+    raise MpidpError(f"{where}: every rank must pass the same arguments, but " +
+                     "; ".join(parts))
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"

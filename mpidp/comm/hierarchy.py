@@ -14,27 +14,34 @@ import numpy as np
 
 from .activity import watched
 from .collectives import allreduce_, allreduce_sum_
-from .runtime import Comm, node_split
+from .runtime import Comm, _node, node_split
 from .shm import SharedReduce, shm_room
+
+
+def _node_sizes(comm: Comm) -> tuple[int, bool, bool]:
+    """``(most ranks on one node, several nodes, this rank leads its node)``. Collective
+    (a ``Split_type`` and one ``Allreduce``)."""
+    node = _node(comm, comm.rank)
+    size, leads = node.size, node.rank == 0
+    node.Free()
+    most = np.array([size, comm.size - size], np.int64)  # one node iff no node lacks a rank
+    allreduce_(comm, most, "max")
+    return int(most[0]), bool(most[1] > 0), leads
 
 
 def node_layout(comm: Comm) -> tuple[int, int]:
     """``(nodes, most ranks on one node)`` of ``comm``, the same on every rank. Collective."""
-    node, leaders = node_split(comm)
-    counts = np.array([node.rank == 0, node.size], np.float64)
-    allreduce_sum_(comm, counts[:1])
-    allreduce_(comm, counts[1:], "max")
-    node.Free()
-    if leaders is not None:
-        leaders.Free()
-    return int(counts[0]), int(counts[1])
+    most, several, leads = _node_sizes(comm)
+    if not several:
+        return 1, most
+    return int(allreduce_sum_(comm, np.array([float(leads)]))[0]), most
 
 
 def node_aware_pays(comm: Comm) -> bool:
     """True when ranks share nodes AND there are several nodes: only then does a node-aware
-    reduction take bytes off the network. Collective."""
-    nodes, crowded = node_layout(comm)
-    return nodes > 1 and crowded > 1
+    reduction take bytes off the network. Collective (a ``Split_type``, one ``Allreduce``)."""
+    most, several, _ = _node_sizes(comm)
+    return several and most > 1
 
 
 class NodeAllreduce:

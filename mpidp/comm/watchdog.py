@@ -85,6 +85,12 @@ class Watchdog:
             self._thread.join()
             self._thread = None
 
+    def close(self) -> None:
+        """Stop watching and free the duplicated communicator. Collective."""
+        self.stop()
+        if self.side != MPI.COMM_NULL:
+            self.side.Free()
+
     # --- the thread -------------------------------------------------------------------
 
     def _run(self) -> None:

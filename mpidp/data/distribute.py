@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import comm as C
+from ..digest import dtype_name
 from ..nn.sparse import CSR
 from . import crc32
 from .arrays import SHAPE_RULE, Source
@@ -67,6 +68,12 @@ class Shard:
     def sample_shape(self) -> tuple[int, ...]:
         """The shape of one sample, ``X.shape[1:]`` (``(n_features,)`` for sparse rows)."""
         return tuple(self.X.shape[1:])
+
+    def identity(self, name: str) -> dict[str, object]:
+        """What every rank's part of one data set shares, by name (``"{name} rows"``: the
+        global row count; the sample shape; the dtypes), for a collective check. Pure."""
+        return {f"{name} rows": int(self.n_total), f"{name} sample shape": self.sample_shape,
+                f"{name} dtypes": (str(self.X.dtype), str(self.y.dtype))}
 
     @property
     def stop(self) -> int:
@@ -333,6 +340,12 @@ def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
     """
     clock = Timings(timings)
     spec = os.fspath(spec)  # a pathlib.Path names a file as a string does
+    C.agree_same(comm, "load", {  # before any collective that could then hang
+        "dataset": spec, "distribute": distribute, "test_fraction": test_fraction,
+        "seed": seed, "dtype": dtype_name(dtype), "root": root, "n_classes": n_classes,
+        "partition": partition, "costs": None if costs is None else np.shape(costs),
+        "capacities": None if capacities is None else np.shape(capacities),
+        "copy": copy, "val_fraction": val_fraction, **dict(sorted(source_kw.items()))})
     if distribute not in DISTRIBUTE:
         raise C.MpidpError(f"unknown distribute mode {distribute!r}; expected one of {DISTRIBUTE}")
     if test_fraction is not None and not 0 <= test_fraction < 1:

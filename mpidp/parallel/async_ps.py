@@ -28,12 +28,13 @@ import numpy as np
 from .. import comm as C
 from ..data.distribute import Shard
 from ..data.partition import local_batches, steps_per_epoch
+from ..digest import settings_of
 from ..nn import Loss, Optimizer, Sequential
 from ..nn.optim import Segments
 from ..observe.metrics import StepTimer
 from ..run.checkpoint import State, save
 from ..run.faults import Injector
-from ..run.loop import run
+from ..run.loop import run, watched_run
 from ..run.nonfinite import NonFiniteError, Policy, all_finite
 from ..run.signals import Preempted
 from ..run.spec import Checkpointing, RunSpec
@@ -178,7 +179,8 @@ class _WorkerFeed:
 def _work(w: _Worker, shard: Shard, spec: RunSpec, start: State | None) -> None:
     try:
         run(w, _WorkerFeed(w, shard, spec),
-            RunSpec(spec.epochs, spec.batch_size, resume=start, stop=spec.stop))
+            RunSpec(spec.epochs, spec.batch_size, resume=start, stop=spec.stop,
+                    watchdog=spec.watchdog))
     except _Stopped:
         return  # the server stopped training: it already counts us as done
     w.msg[w.model.n_params + _Slot.VERSION] = -1
@@ -351,6 +353,11 @@ class AsyncPS:
     root: int = 0
 
     def __post_init__(self) -> None:
+        C.agree_same(self.comm, "AsyncPS", {  # before any collective that could then hang
+            "model": self.model.spec(), "dtype": str(self.model.dtype),
+            "optimizer": settings_of(self.optimizer), "loss": settings_of(self.loss),
+            "max_staleness": self.max_staleness, "on_nonfinite": self.on_nonfinite,
+            "root": self.root})
         if self.comm.size < 2:
             raise C.MpidpError("async-ps needs at least 2 ranks (a server and a worker)")
         if self.model.n_params + _EXTRA > C.MAX_COUNT:
@@ -398,9 +405,16 @@ def fit_async(ps: AsyncPS, train: Shard, epochs: int | None = None,
     the trace stays there). Parameters end identical on every rank (one ``Bcast``)."""
     spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
     comm, root = ps.comm, ps.root
+    C.agree_same(comm, "fit_async", {**spec.agreed(), **train.identity("train")})
     C.run_agreed(comm, _check_spec, spec)
     C.run_agreed(comm, steps_per_epoch, train.n_total, spec.batch_size, spec.drop_last)
     C.bcast_(comm, ps.model.params, root)
+    with watched_run(spec, comm) as spec:
+        return _serve_or_work(ps, train, spec)
+
+
+def _serve_or_work(ps: AsyncPS, train: Shard, spec: RunSpec) -> AsyncStats:
+    comm, root = ps.comm, ps.root
     if spec.watchdog is not None:
         spec.watchdog.start()
     positions = _Positions([r for r in range(comm.size) if r != root], spec.resume, spec.epochs)

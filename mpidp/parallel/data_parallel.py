@@ -14,12 +14,13 @@ from .. import comm as C
 from ..data.balance import Partition, Plan
 from ..data.distribute import Shard
 from ..data.partition import steps_per_epoch
+from ..digest import settings_of
 from ..nn import Context, Loss, Optimizer, Sequential
 from ..nn.optim import Segments
 from ..observe.metrics import StepTimer
 from ..observe.scores import ScoreSums
 from ..run import checkpoint as ckpt
-from ..run.loop import run
+from ..run.loop import run, watched_run
 from ..run.nonfinite import ON_NONFINITE, Policy, all_finite
 from ..run.spec import RunSpec
 from ..run.stats import StepStats
@@ -68,6 +69,13 @@ class DataParallel:
                  comm: C.Comm | None = None, init_sync: str = "bcast", root: int = 0,
                  abort_on_error: bool = True, check_every: int = 0, on_nonfinite: str = "stop",
                  watchdog: float | None = None, sync: Sync | str = "allreduce") -> None:
+        comm = comm if comm is not None else C.world()
+        C.agree_same(comm, "DataParallel", {  # before any collective that could then hang
+            "model": model.spec(), "dtype": str(model.dtype), "optimizer": settings_of(optimizer),
+            "loss": settings_of(loss), "sync": sync if isinstance(sync, str) else
+            settings_of(sync, skip=("bytes_sent",)), "init_sync": init_sync, "root": root,
+            "on_nonfinite": on_nonfinite, "check_every": check_every,
+            "watchdog": "off" if not watchdog else watchdog})
         if init_sync not in INIT_SYNC:
             raise C.MpidpError(f"unknown init sync {init_sync!r}; expected one of {INIT_SYNC}")
         if on_nonfinite not in ON_NONFINITE:
@@ -345,6 +353,10 @@ def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
     global figures, the same on every rank.
     """
     spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
+    tests = test if isinstance(test, dict) else {"test": test}
+    C.agree_same(dp.comm, "fit", {**spec.agreed(), **train.identity("train"), **{
+        k: v for name, shard in tests.items()
+        for k, v in (shard.identity(name) if shard is not None else {name: None}).items()}})
     plan = _plan(dp, train, spec)
     dp.model.context.seed = spec.seed
     if spec.resume is not None:
@@ -352,5 +364,6 @@ def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
         if saved is not None and len(saved) == dp.comm.size:  # another world: start afresh
             plan.capacities = np.asarray(saved, np.float64)
         dp.sync.after_restore(dp.optimizer)  # e.g. a sharded optimizer takes its slice of the state
-    return run(dp, DataFeed(dp, plan, train, test), spec)
+    with watched_run(spec, dp.comm, dp.watchdog) as spec:
+        return run(dp, DataFeed(dp, plan, train, test), spec)
 

@@ -40,6 +40,14 @@ def _rows_of(data, rows):
     return data[rows]
 
 
+def _rows_or_why(data) -> int | str:
+    """The row count of ``data``, or why it has none (compared, never raised alone)."""
+    try:
+        return _n_rows(data)
+    except Exception as exc:  # noqa: BLE001 - the same data raises the same on every rank
+        return f"{type(exc).__name__}: {exc}"
+
+
 def _n_rows(data) -> int:
     return int(data.n_samples) if hasattr(data, "n_samples") else len(data)
 
@@ -90,6 +98,12 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
     seeded random order, so the heaviest chunks of cost-sorted data do not all come last).
     Bad arguments raise the same :class:`mpidp.MpidpError` on every rank.
     """
+    C.agree_same(comm, "map_reduce", {  # the same rows everywhere: else messages mismatch
+        "reduce": reduce, "partition": partition, "seed": seed, "dynamic": dynamic,
+        "chunk_size": chunk_size, "out": out, "root": root, "rows": _rows_or_why(data),
+        "row shape": tuple(getattr(data, "shape", (0, 0))[1:]),
+        "costs": None if costs is None else np.asarray(costs).shape,
+        "capacities": None if capacities is None else np.asarray(capacities).shape})
     if reduce not in REDUCTIONS:
         raise C.MpidpError(f"unknown reduction {reduce!r}; expected one of {REDUCTIONS}")
     if chunk_size < 1:

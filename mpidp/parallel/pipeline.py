@@ -30,13 +30,15 @@ import numpy.typing as npt
 
 from .. import comm as C
 from ..data.partition import block_counts, block_range, epoch_order, steps_per_epoch
+from ..digest import dtype_name, settings_of
 from ..nn import Layer, Loss, Optimizer, Sequential
+from ..nn.layers import layer_spec
 from ..nn.model import as_shape, chain_shapes
 from ..nn.optim import Segments
 from ..observe.metrics import StepTimer
 from ..observe.scores import ScoreSums
 from ..run import checkpoint as ckpt
-from ..run.loop import run
+from ..run.loop import run, watched_run
 from ..run.nonfinite import Policy, all_finite
 from ..run.spec import RunSpec
 from ..run.stats import StepStats
@@ -138,6 +140,12 @@ class Pipeline:
                  costs: Sequence[float] | None = None, abort_on_error: bool = True,
                  trace: bool = False, on_nonfinite: str = "stop") -> None:
         comm = comm if comm is not None else C.world()
+        C.agree_same(comm, "Pipeline", {  # before any collective that could then hang
+            "layers": [layer_spec(layer) for layer in layers], "n_in": n_in,
+            "optimizer": settings_of(optimizer), "loss": settings_of(loss),
+            "n_stages": n_stages, "micro_batches": micro_batches, "schedule": schedule,
+            "dtype": dtype_name(dtype), "balance": balance, "costs": costs,
+            "on_nonfinite": on_nonfinite, "trace": trace})
         n_stages = comm.size if n_stages is None else int(n_stages)
         dtype = np.dtype(dtype)
         refused = refuses_model(frozenset().union(*(layer.needs for layer in layers)),
@@ -638,7 +646,9 @@ def fit_pipeline(pipe: Pipeline, train: tuple, epochs: int | None = None,
     ``test_loss, test_accuracy``) on every rank.
     """
     spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
+    C.agree_same(pipe.world, "fit_pipeline", spec.agreed())  # the sets: checked below
     C.agree(pipe.world, None if spec.partition is None else
             "partition does not apply to a pipeline: every stage sees the whole batch")
-    return run(pipe, PipelineFeed(pipe, train, test, spec), spec)
+    with watched_run(spec, pipe.world) as spec:
+        return run(pipe, PipelineFeed(pipe, train, test, spec), spec)
 

@@ -13,10 +13,12 @@ The same global batches for any world size; the same number of steps on every ra
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
 
 import numpy as np
@@ -87,13 +89,38 @@ def run(trainer: Trainer, feed: Feed, spec: RunSpec) -> list[dict]:
     rides in the next step's own collective and every rank ends after that same step;
     ``on_epoch``'s is agreed by one small ``Allreduce`` at the epoch's end (only when
     ``on_epoch`` is given). Either way the run ends normally, with a checkpoint where
-    checkpoints are on, instead of raising :class:`Preempted` as a stop signal does."""
+    checkpoints are on, instead of raising :class:`Preempted` as a stop signal does.
+
+    ``spec.watchdog`` is used when it is a :class:`mpidp.comm.Watchdog`; ``fit`` and the
+    other entry points make one for ``"auto"`` or a timeout (:func:`watched_run`)."""
     job = _Run(trainer, feed, spec)
     try:
         job.epochs()
     except (SystemExit, KeyboardInterrupt) as exc:  # from a callback: never leave others waiting
         _end_job(trainer.world, exc)
     return job.history
+
+
+@contextmanager
+def watched_run(spec: RunSpec, comm: C.Comm, own: C.Watchdog | None = None):
+    """``spec`` with its watchdog made real for one run over ``comm``: ``"auto"`` (the
+    default) is the command line's default, a timeout of ``max(600 s, 50 median steps)``; a
+    number of seconds, a fixed timeout; ``0``/``False``/None, none; a :class:`Watchdog`, that
+    one. ``own``: the trainer's (``DataParallel(watchdog=...)``), which then serves.
+    Collective (making a watchdog duplicates ``comm``); one made here is closed at the end."""
+    dog, made = spec.watchdog, False
+    if isinstance(dog, str) and own is not None:
+        dog = None  # the trainer's watchdog is already running
+    elif isinstance(dog, str) or isinstance(dog, numbers.Real) and not isinstance(dog, bool) \
+            and dog > 0:
+        dog, made = C.Watchdog(comm, None if isinstance(dog, str) else float(dog)), True
+    elif not isinstance(dog, C.Watchdog):
+        dog = None
+    try:
+        yield dataclasses.replace(spec, watchdog=dog)
+    finally:
+        if made:
+            dog.close()
 
 
 class _Stopped(Exception):
@@ -119,7 +146,7 @@ class _Run:
 
     def epochs(self) -> None:
         spec, state = self.spec, self.state
-        if spec.watchdog is not None:
+        if isinstance(spec.watchdog, C.Watchdog):
             spec.watchdog.start()
         for epoch in range(state.epoch, spec.epochs):
             t0 = time.perf_counter()
@@ -222,7 +249,7 @@ class _Run:
         if self.carries_stop:  # the request rides in the step's own collective
             trainer.stop_requested = self.asked or (spec.stop is not None and spec.stop.requested)
         s = trainer.step(*batch, last_of_epoch=step == self.feed.n_steps - 1)
-        if spec.watchdog is not None:
+        if isinstance(spec.watchdog, C.Watchdog):
             spec.watchdog.step_done(time.perf_counter() - t_step)
         if spec.check_every and trainer.global_step % spec.check_every == 0:
             trainer.check_replicas()

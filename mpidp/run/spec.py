@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import MpidpError
@@ -57,8 +57,11 @@ class RunSpec:
     bar when someone watches the launcher's terminal, else lines) or ``"none"``; True is
     ``"auto"``, False ``"none"``.
     ``stop`` (:class:`mpidp.run.signals.StopSignals`): stop cleanly on SIGTERM/SIGUSR1
-    (checkpoint, then :class:`~mpidp.run.signals.Preempted`); ``watchdog``
-    (:class:`mpidp.comm.Watchdog`): end the job when a rank stalls.
+    (checkpoint, then :class:`~mpidp.run.signals.Preempted`); ``watchdog``: end the job,
+    naming the stalled rank, when a rank makes no progress for a timeout: ``"auto"`` (the
+    default, as on the command line: ``max(600 s, 50 median steps)``), a timeout in
+    seconds, ``0``/``False`` (off; None means "not given" to ``fit``'s keywords), or a
+    :class:`mpidp.comm.Watchdog` of your own.
 
     Callbacks, called on every rank: ``on_step(step, stats)`` after each step, with the
     global step just done (1 for the first, counting on after a resume) and its
@@ -91,7 +94,7 @@ class RunSpec:
     on_epoch: Callable[[dict], None] | None = None
     on_step: Callable[[int, StepStats], None] | None = None
     stop: StopSignals | None = None
-    watchdog: Watchdog | None = None
+    watchdog: Watchdog | float | str | None = "auto"
     early_stopping: EarlyStopping | None = None
     plateau: ReduceOnPlateau | None = None
     monitor: str = "val_loss"
@@ -107,9 +110,36 @@ class RunSpec:
         if isinstance(self.max_skipped, bool) or not isinstance(self.max_skipped, numbers.Real) \
                 or not 0 <= self.max_skipped <= 1:
             raise MpidpError(f"max_skipped must be a share in [0, 1], got {self.max_skipped!r}")
+        dog = self.watchdog
+        if isinstance(dog, str) and dog != "auto" or isinstance(dog, numbers.Real) and not \
+                isinstance(dog, bool) and not dog >= 0:
+            raise MpidpError(f"watchdog must be 'auto', a timeout in seconds >= 0 (0: off), "
+                             f"None, or a Watchdog; got {dog!r}")
         if not isinstance(self.progress, bool) and self.progress not in PROGRESS:
             raise MpidpError(f"progress must be one of {PROGRESS} or a bool, got "
                              f"{self.progress!r}")
+
+    def agreed(self) -> dict[str, Any]:
+        """What every rank of a run must set alike (they take the same steps, in the same
+        collectives): the settings by name, as values whose ``repr`` identifies them
+        (callbacks and helpers by whether they are given). Pure."""
+        out: dict[str, Any] = {k: getattr(self, k) for k in (
+            "epochs", "batch_size", "seed", "shuffle", "drop_last", "check_every", "monitor",
+            "max_skipped")}
+        out["partition"] = (None if self.partition is None else
+                            repr(self.partition) if is_dataclass(self.partition)
+                            else type(self.partition).__name__)
+        out["checkpoint"] = None if self.checkpoint is None else (
+            self.checkpoint.directory, self.checkpoint.every)
+        out["resume"] = None if self.resume is None else (self.resume.epoch, self.resume.step)
+        out["early_stopping"] = repr(self.early_stopping)
+        out["plateau"] = repr(self.plateau)
+        for k in ("on_step", "on_epoch", "stop"):
+            out[k] = "given" if getattr(self, k) is not None else "not given"
+        dog = self.watchdog
+        out["watchdog"] = dog if isinstance(dog, (str, numbers.Real)) or dog is None \
+            else "a Watchdog"
+        return out
 
     @classmethod
     def of(cls, spec: RunSpec | None = None, **settings: Any) -> RunSpec:

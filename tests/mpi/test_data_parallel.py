@@ -94,7 +94,10 @@ def test_one_allreduce_per_step_and_one_bcast_for_init(comm):
     counting = CountingComm(comm)
     model = nn.mlp(6, (10,), 3, dtype=np.float32).init_(0)
     dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), counting)
-    all_ranks(comm, counting.calls == ["Bcast"], f"init made {counting.calls}")
+    # the arguments agreed, the initial broadcast, the node layout (node-aware or not)
+    layout = ["Split_type", "Allreduce"] if comm.size > 1 else []
+    all_ranks(comm, counting.calls == ["Allreduce", "Bcast", *layout],
+              f"init made {counting.calls}")
     counting.calls.clear()
     rng = np.random.default_rng(comm.rank)
     for _ in range(10):
