@@ -496,3 +496,59 @@ def test_tensorboard_event_files_are_written(tmp_path):
     assert [step for step, _ in scalars["epoch/loss"]] == [1, 2]
     m = json.loads((tmp_path / "o" / "metrics.json").read_text())
     assert np.allclose([v for _, v in scalars["epoch/loss"]], [h["loss"] for h in m["history"]])
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def test_sigterm_while_loading_ends_the_job_at_once(tmp_path):
+    """Nothing to checkpoint yet: a stop signal during loading ends the job promptly, every
+    rank saying why, with the preemption exit status, instead of training first."""
+    data = tmp_path / "big.npz"  # ~470 MB of zeros, compressed: rank 0 inflates it for seconds
+    np.savez_compressed(data, X=np.zeros((150_000, 784), np.float32),
+                        y=np.zeros(150_000, np.int64))
+    job = _start(2, "train", "--dataset", str(data), "--epochs", "1", "--no-progress",
+                 "--out", str(tmp_path / "out"), token=f"load{os.getpid()}")
+    pids = _ranks(job, 2)
+    deadline = time.monotonic() + 60
+    while _rss_mb(pids[0]) < 150 and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.02)  # rank 0 is inflating the file: loading is under way
+    assert job.poll() is None, job.communicate()[1][-2000:]
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    t = time.monotonic()
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 75, (job.returncode, err[-2000:])
+    assert time.monotonic() - t < 10
+    assert "stopped by SIGTERM while loading the data" in err
+    assert not (tmp_path / "out" / "model.npz").exists()
+
+
+def test_a_rank_stopped_while_loading_is_named_by_the_watchdog(tmp_path):
+    """Loading is watched too: a rank that stops answering mid-load (a hung file system
+    would do the same) ends the job, named, instead of leaving the others waiting."""
+    data = tmp_path / "big.npz"
+    np.savez_compressed(data, X=np.zeros((150_000, 784), np.float32),
+                        y=np.zeros(150_000, np.int64))
+    job = _start(2, "train", "--dataset", str(data), "--epochs", "1", "--no-progress",
+                 "--watchdog", "1", "--out", str(tmp_path / "out"), token=f"stop{os.getpid()}")
+    pids = _ranks(job, 2)
+    deadline = time.monotonic() + 60
+    while _rss_mb(pids[0]) < 150 and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.02)
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        _, err = job.communicate(timeout=60)
+    finally:
+        try:
+            os.kill(pids[0], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert job.returncode == 3 and "stalled rank(s) [0]" in err, (job.returncode, err[-2000:])

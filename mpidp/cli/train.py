@@ -286,6 +286,15 @@ class _Job:
     t_start: float
     best: _Best | None = None  # keeps OUT/best.npz when there is a validation set
 
+    @contextmanager
+    def loading(self):
+        """Loading the data: watched (up to ten watchdog timeouts: a file system that does
+        not answer ends the job), and a stop signal ends the job at once."""
+        if self.watchdog is not None:
+            self.watchdog.start()
+        with self.stop.during("loading the data"), C.excused("loading the data"):
+            yield
+
     def spec(self, watch: Watch, **settings) -> RunSpec:
         """The run specification the options ask for (``settings``: what the mode adds,
         e.g. its partition and the checkpoint to resume from)."""
@@ -463,7 +472,8 @@ def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
 
 def _train_data_parallel(job: _Job) -> dict | None:
     args, comm = job.args, job.comm
-    data = _load_data(comm, args, server=0 if O.dedicated_server(args) else None)
+    with job.loading():
+        data = _load_data(comm, args, server=0 if O.dedicated_server(args) else None)
     C.run_agreed(comm, _fits, args, data, 1.0, C.local_ranks(comm))
     dp = _data_parallel_trainer(job, data)
     if data.val is not None:
@@ -542,13 +552,14 @@ def _train_model_parallel(job: _Job) -> dict | None:
     one rank's local rows, so a file that can be mapped is (unless ``--copy-data``): the
     ranks of a node then share one copy in the page cache instead of one each."""
     args, comm = job.args, job.comm
-    data = C.run_agreed(comm, D.load, C.self_comm(), args.dataset, distribute="local",
-                        copy=args.copy_data, seed=args.seed,
-                        test_fraction=args.test_fraction, val_fraction=args.val_fraction,
-                        dtype=args.dtype,
-                        n_classes=args.n_classes, n_samples=args.n_samples,
-                        n_features=args.n_features,
-                        regression=args.model == "linear" and args.dataset == "synthetic")
+    with job.loading():
+        data = C.run_agreed(comm, D.load, C.self_comm(), args.dataset, distribute="local",
+                            copy=args.copy_data, seed=args.seed,
+                            test_fraction=args.test_fraction, val_fraction=args.val_fraction,
+                            dtype=args.dtype,
+                            n_classes=args.n_classes, n_samples=args.n_samples,
+                            n_features=args.n_features,
+                            regression=args.model == "linear" and args.dataset == "synthetic")
     C.run_agreed(comm, _fits, args, data, 1.0 / max(comm.size // 2, 1), C.local_ranks(comm))
     layers, loss = C.run_agreed(comm, _layers, args, data)
     _check_inputs(comm, args, layers, data)

@@ -30,7 +30,9 @@ MARK = _Mark()
 
 def watched(what: str):
     """Decorator for the MPI calls of :mod:`mpidp.comm`: mark this rank as waiting in
-    ``what`` while the call runs (nested calls keep the outer mark)."""
+    ``what`` while the call runs (nested calls keep the outer mark; inside an excused span
+    the call still counts as waiting in MPI, so a rank waiting for another's excused work
+    is not taken for the one doing it)."""
     CALLS.append(what)
     code = len(CALLS) - 1
 
@@ -38,13 +40,15 @@ def watched(what: str):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             m = MARK
-            if m.state != COMPUTING:  # nested in another watched call or an excused span
+            if m.state == IN_MPI:  # nested in another watched call: the outer one counts
                 return fn(*args, **kwargs)
+            outer, outer_since = m.state, m.since
             m.state, m.call, m.since = IN_MPI, code, time.monotonic()
             try:
                 return fn(*args, **kwargs)
-            finally:
-                m.state, m.since = COMPUTING, time.monotonic()
+            finally:  # back to computing, or to the excused span (whose clock runs on)
+                m.state = outer
+                m.since = outer_since if outer == EXCUSED else time.monotonic()
         return call
     return wrap
 

@@ -6,6 +6,9 @@ stop (the request rides in the step's own collective: :attr:`StopSignals.request
 what a trainer adds to it), a checkpoint is written when checkpointing is on,
 and the job exits with :data:`PREEMPTED_EXIT`; ``--resume`` continues bit-identically.
 
+A stop signal while the data load (nothing to save yet) ends the job at once, with the
+same exit status, even while a rank is blocked reading a file.
+
 ``SIGINT`` to one rank (Ctrl-C, or ``kill -INT``): the whole job ends within seconds with
 exit status 130, even while this rank waits inside an MPI call (a thread reads the signal
 from a wakeup pipe, so it does not wait for the main thread to leave MPI).
@@ -17,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+from contextlib import contextmanager
 
 from ..errors import MpidpError
 
@@ -41,6 +45,7 @@ class StopSignals:
 
     def __init__(self, comm) -> None:
         self.comm, self.requested = comm, False
+        self.phase: str | None = None  # a phase with nothing to save: a stop ends the job
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)
         self._old = {s: signal.signal(s, self._note) for s in (*STOP_SIGNALS, signal.SIGINT)}
@@ -64,12 +69,34 @@ class StopSignals:
                     self._interrupt()
                 elif signum in STOP_SIGNALS:
                     self.requested = True
+                    if self.phase is not None:
+                        self._end(signum)
 
     def _interrupt(self) -> None:
         from .. import comm as C
         sys.stderr.write(f"[mpidp] rank {self.comm.rank}/{self.comm.size}: interrupted "
                          "(SIGINT); ending the job.\n")
         C.abort_job(self.comm, 130)
+
+    @contextmanager
+    def during(self, phase: str):
+        """A span with nothing to checkpoint (``phase``, e.g. "loading the data"): a stop
+        signal ends the job at once, with :data:`PREEMPTED_EXIT`, even while this rank is
+        blocked reading a file or waiting in MPI."""
+        self.phase = phase
+        try:
+            yield
+        finally:
+            self.phase = None
+
+    def _end(self, signum: int) -> None:
+        from .. import comm as C
+        sys.stderr.write(f"[mpidp] rank {self.comm.rank}/{self.comm.size}: stopped by "
+                         f"{signal.Signals(signum).name} while {self.phase}; nothing was "
+                         f"trained or saved, so run the same command again (exit "
+                         f"{PREEMPTED_EXIT}).\n")
+        sys.stderr.flush()
+        C.abort_job(self.comm, PREEMPTED_EXIT)
 
     def close(self) -> None:
         signal.set_wakeup_fd(self._old_fd)
