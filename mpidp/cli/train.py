@@ -138,7 +138,8 @@ def claimed(comm: C.Comm, args: argparse.Namespace, config: dict):
         return held["claim"].run_id
 
     run_id = C.root_decides(comm, take)
-    config["data_fingerprint"] = C.root_decides(comm, ck.data_fingerprint, args.dataset)
+    config["data_fingerprint"] = D.data_fingerprint(  # all of its bytes, ranks sharing
+        comm, args.dataset, together=args.distribute == "local" and O.mode_of(args) != "async-ps")
     try:
         yield run_id
     finally:

@@ -236,6 +236,30 @@ def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, sourc
                 "fixed" if meta["fixed"] else "random", shards[2] if shards[2].n_total else None)
 
 
+def crc_together(comm: C.Comm, path: str, spans: list[tuple[int, int]]) -> list[int]:
+    """The CRC-32 of each ``(offset, size)`` span of file ``path``, each rank of ``comm``
+    reading ``1/size`` of every span (the pieces combined in order). Collective; a rank
+    that cannot read its share raises the same :class:`mpidp.MpidpError` on every rank."""
+    mine, error = np.zeros((len(spans), 2)), None
+    if not os.path.isfile(path):  # this rank's host has no copy (local reads need one)
+        error = f"dataset not found: {path!r} on this rank's host"
+    for i, (offset, size) in enumerate(spans if error is None else []):
+        a, b = crc32.share(size, comm.size, comm.rank)
+        try:
+            mine[i] = crc32.of_range(path, offset + a, b - a), b - a
+        except OSError as exc:
+            error = error or f"{path}: bytes {offset + a}-{offset + b} cannot be read: {exc}"
+    C.agree(comm, error)
+    parts = C.allgather_rows(comm, mine.reshape(-1)).reshape(comm.size, len(spans), 2)
+    out = []
+    for i in range(len(spans)):
+        crc = 0
+        for part, length in parts[:, i]:  # CRC-32 values and lengths are exact in float64
+            crc = crc32.combine(crc, int(part), int(length))
+        out.append(crc)
+    return out
+
+
 def _verify_together(comm, path: str) -> None:
     """Check the CRC-32 of each memory-mapped member of the ``.npz`` file ``path`` (nothing
     for other sources), each rank reading ``1/size`` of it; collective, and a mismatch or
@@ -243,23 +267,30 @@ def _verify_together(comm, path: str) -> None:
     members = C.root_decides(comm, stored_members, path)  # one list (and offsets) for all
     if not members:
         return
-    mine, error = np.zeros((len(members), 2)), None
-    if not os.path.isfile(path):  # this rank's host has no copy (local reads need one)
-        error = f"dataset not found: {path!r} on this rank's host"
-    for i, (name, offset, size, _) in enumerate(members if error is None else []):
-        a, b = crc32.share(size, comm.size, comm.rank)
-        try:
-            mine[i] = crc32.of_range(path, offset + a, b - a), b - a
-        except OSError as exc:
-            error = error or f"{path}: member {name} cannot be read: {exc}"
-    C.agree(comm, error)
-    parts = C.allgather_rows(comm, mine.reshape(-1)).reshape(comm.size, len(members), 2)
-    for i, (name, _, _, stored) in enumerate(members):
-        crc = 0
-        for part, length in parts[:, i]:  # CRC-32 values and lengths are exact in float64
-            crc = crc32.combine(crc, int(part), int(length))
+    crcs = crc_together(comm, path, [(offset, size) for _, offset, size, _ in members])
+    for (name, _, _, stored), crc in zip(members, crcs):
         if crc != stored:  # the same table on every rank: the same verdict
             raise C.MpidpError(crc_mismatch(path, name))
+
+
+def data_fingerprint(comm: C.Comm, spec: str, together: bool, root: int = 0) -> dict:
+    """:func:`mpidp.run.checkpoint.data_fingerprint` of dataset ``spec`` with the CRC-32 of
+    every byte of each file that is not a zip (whose members' CRCs cover their bytes):
+    every rank reads its share when ``together`` (each host has the file), else ``root``
+    alone. The same dict on every rank. Collective."""
+    from ..run.checkpoint import data_fingerprint as metadata
+    meta = C.root_decides(comm, metadata, spec, root=root)
+    files = [f for f in meta.get("files", []) if "crc" not in f]
+    if not files:
+        return meta
+    paths = [os.path.join(spec, f["name"]) if os.path.isdir(spec) else spec for f in files]
+    group = comm if together else C.self_comm()
+    if together or comm.rank == root:
+        crcs = [crc_together(group, p, [(0, f["size"])])[0] for p, f in zip(paths, files)]
+    crcs = C.bcast_obj(comm, crcs if comm.rank == root else None, root)
+    for f, crc in zip(files, crcs):
+        f["crc32"] = crc
+    return meta
 
 
 def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, layout,

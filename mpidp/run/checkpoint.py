@@ -359,41 +359,31 @@ def check_fits(path: str, meta: dict, n_params: int, dtype: np.dtype, optimizer:
 
 # --- resuming --------------------------------------------------------------------------
 
-def data_fingerprint(spec: str, *, block: int = 1 << 16, n_blocks: int = 16) -> dict:
-    """What identifies dataset ``spec`` cheaply: for a built-in, its name (its parameters
-    are in the configuration); for a file (or each of a folder's ``X.npy``, ``y.npy``), its
-    size and, for a zip (``.npz``), the size and CRC-32 of every member from its directory
-    (any change to a member's contents shows; a re-save of the same arrays does not), else a
-    BLAKE2 hash of the first, the last and ``n_blocks`` evenly spaced blocks of ``block``
-    bytes (the whole file when small). Reads at most about ``(n_blocks + 2) * block`` bytes
-    per file. JSON-able. Raises ValueError naming a file that cannot be read.
+def data_fingerprint(spec: str) -> dict:
+    """What identifies dataset ``spec`` from its metadata: for a built-in, its name (its
+    parameters are in the configuration); for a file (or each of a folder's ``X.npy``,
+    ``y.npy``), its size and, for a zip (``.npz``), the size and CRC-32 of every member from
+    its directory (any change to a member's contents shows: loading checks those CRCs; a
+    re-save of the same arrays does not). Other files get the CRC-32 of all their bytes
+    from :func:`mpidp.data.distribute.data_fingerprint`, which ranks compute together.
+    JSON-able. Raises ValueError naming a file that cannot be read.
     """
     from ..data.sources import BUILTIN
     if spec in BUILTIN:
         return {"builtin": spec}
     paths = [os.path.join(spec, n) for n in ("X.npy", "y.npy")] if os.path.isdir(spec) else [spec]
-    return {"files": [_file_fingerprint(p, block, n_blocks) for p in paths]}
+    return {"files": [_file_fingerprint(p) for p in paths]}
 
 
-def _file_fingerprint(path: str, block: int, n_blocks: int) -> dict:
+def _file_fingerprint(path: str) -> dict:
     from ..data.sources import not_regular
     if os.path.exists(path) and not os.path.isfile(path):
         raise not_regular(path)  # a FIFO or a device would be read without end
     try:
-        size = os.path.getsize(path)
-        out: dict = {"name": os.path.basename(path), "size": size}
+        out: dict = {"name": os.path.basename(path), "size": os.path.getsize(path)}
         if zipfile.is_zipfile(path):  # the members' CRCs cover every byte, timestamps aside
             with zipfile.ZipFile(path) as z:
                 out["crc"] = {i.filename: [i.file_size, i.CRC] for i in z.infolist()}
-            return out
-        h = hashlib.blake2b(digest_size=16)
-        with open(path, "rb") as f:
-            starts = [0] if size <= block * (n_blocks + 2) else sorted(
-                {0, size - block, *np.linspace(0, size - block, n_blocks, dtype=np.int64).tolist()})
-            for start in starts:
-                f.seek(start)
-                h.update(f.read(block if len(starts) > 1 else size))
-        out["sample"] = h.hexdigest()
     except (OSError, zipfile.BadZipFile) as exc:
         raise ValueError(f"cannot fingerprint dataset file {path}: {exc}") from exc
     return out
