@@ -24,7 +24,7 @@ MPIEXEC ?= $(BIN)/mpiexec
 MPI_TIMEOUT ?= 600
 RANKS   ?= 1 2 3 4
 
-.PHONY: install demo test test-unit test-mpi bench bench-sync bench-partition bench-parallel bench-compare bench-large bench-multihost lint clean
+.PHONY: install demo test test-unit test-mpi bench bench-sync bench-partition bench-parallel bench-compare bench-large bench-multihost bench-network lint clean
 
 install: $(STAMP)
 
@@ -66,6 +66,13 @@ bench-sync: $(STAMP)
 # Step time and cost model across two test hosts (network namespaces; needs root).
 bench-multihost: $(STAMP)
 	$(BIN)/python benchmarks/bench_multihost.py
+
+# Data parallelism over a slow link: two test hosts (network namespaces; needs root) whose
+# links are limited to 1 and 10 Gbit/s; the hand-written loop and mpidp's modes, node-aware
+# reduction at 2 x 2 ranks, host-link bytes from the veth counters ->
+# benchmarks/results/network.{json,md}. BENCH_NETWORK_ARGS adds options (e.g. --rates 1,10,25).
+bench-network: $(STAMP)
+	$(BIN)/python benchmarks/bench_network.py $(BENCH_NETWORK_ARGS)
 
 # Buffers over 2 GiB through Bcast, Allreduce and Scatterv (needs ~10 GB of RAM; not in CI).
 bench-large: $(STAMP)

@@ -32,6 +32,7 @@ NOT_RUN = {
     "make bench-partition": "benchmark: minutes",
     "make bench-parallel": "benchmark: minutes",
     "make bench-multihost": "benchmark: needs root",
+    "make bench-network": "benchmark: needs root",
     "make bench-large": "benchmark: needs about 10 GB of RAM",
 }
 

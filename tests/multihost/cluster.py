@@ -8,6 +8,11 @@ host list and a launcher that enters the host's namespaces in place of ssh. Traf
 between the bridge and these hosts. Needs root and iproute2; everything is removed on exit,
 also when a test fails.
 
+``rate_bits`` (or :meth:`Cluster.limit` between runs) makes each host's link a slower one: a
+token bucket (``tc qdisc ... tbf``) on both of its directions, the bridge side's egress
+(into the host) and the host's own ``eth0`` egress (out of it). :meth:`Cluster.link_bytes`
+reads the bytes that crossed each host's link from the bridge-side veth's counters.
+
 Run by hand: ``python tests/multihost/cluster.py 2 -- python -m mpidp train ...``
 """
 
@@ -19,9 +24,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
+BURST_S = 400e-6  # a rate limit's bucket holds this long at the rate, at least MIN_BURST bytes
+MIN_BURST = 128 * 1024  # two full-size GSO packets: tbf never splits one, nor waits per packet
+QUEUE_S = 0.005  # the longest a packet may wait in the bucket's queue before it is dropped
 
 LAUNCHER = """#!/bin/sh
 # ssh stand-in for mpiexec: launcher HOST COMMAND... (ssh options before HOST are ignored)
@@ -33,6 +42,29 @@ case "$host" in
 esac
 exec ip netns exec "$ns" unshare --uts --mount sh -c \\
   "hostname $ns && mount --bind $hostdir %(data)s && exec $*"
+"""
+
+# receiver / sender of Cluster.transfer: ADDRESS PORT NBYTES; the receiver prints "ready"
+# once listening, then the seconds from the first byte to the last
+RECEIVE = """import socket, sys, time
+s = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("ready", flush=True)
+c, _ = s.accept()
+buf, left, t0 = bytearray(1 << 20), int(sys.argv[3]), None
+while left > 0:
+    k = c.recv_into(buf)
+    if not k:
+        sys.exit("transfer: the sender closed early")
+    t0, left = t0 or time.perf_counter(), left - k
+print(time.perf_counter() - t0)
+"""
+SEND = """import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+block, left = bytes(1 << 20), int(sys.argv[3])
+while left > 0:
+    c.sendall(block[:left])
+    left -= len(block)
+c.close()
 """
 
 
@@ -51,17 +83,58 @@ def available() -> str | None:
     return None
 
 
+def limits_available() -> str | None:
+    """None if test hosts with rate limits (:meth:`Cluster.limit`) can be made here, else
+    the reason they cannot."""
+    return available() or (None if shutil.which("tc") else "rate limits need tc (iproute2)")
+
+
 def _ip(*args: str, check: bool = True) -> None:
-    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    _cmd("ip", *args, check=check)
+
+
+def _cmd(*args: str, check: bool = True) -> None:
+    r = subprocess.run(args, capture_output=True, text=True)
     if check and r.returncode:
-        raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+        raise RuntimeError(f"{' '.join(args)}: {r.stderr.strip()}")
+
+
+def tbf_args(rate_bits: float) -> list[str]:
+    """``tc`` arguments of a token bucket that passes ``rate_bits`` bits/s.
+
+    The bucket (``burst``, bytes) is what the link lets through at full speed after an idle
+    spell: 400 us at the rate, at least 128 KiB (128 KiB at 1 Gbit/s, 500 KB at 10 Gbit/s).
+    That is small against the megabytes of a step's exchange, so the idle link of a compute
+    phase hides little of the next transfer, yet big enough that TCP reaches the rate: a
+    bucket under one 64 KiB GSO packet makes tbf split every packet and wake per segment,
+    and a transfer between the hosts then falls well short of the rate. The queue
+    (``latency``) holds 5 ms at the rate: TCP's bursts are not dropped, and round trips
+    stay short.
+    """
+    if not rate_bits > 0:
+        raise ValueError(f"rate must be > 0 bits/s, got {rate_bits!r}")
+    burst = max(int(rate_bits / 8 * BURST_S), MIN_BURST)
+    return ["tbf", "rate", f"{int(rate_bits)}bit", "burst", str(burst),
+            "latency", f"{QUEUE_S * 1e6:.0f}us"]
+
+
+@dataclass(frozen=True)
+class LinkBytes:
+    """Bytes that crossed one host's link, as its bridge-side veth counts them (frames:
+    payload plus TCP/IP/Ethernet headers). ``sent``: out of the host; ``received``: into it."""
+
+    sent: int
+    received: int
+
+    def __sub__(self, other: LinkBytes) -> LinkBytes:
+        return LinkBytes(self.sent - other.sent, self.received - other.received)
 
 
 class Cluster:
     """``n_hosts`` test hosts; use as a context manager. ``data`` is the folder path that
     each host sees as its own (``host_dir(i)`` holds host ``i``'s files)."""
 
-    def __init__(self, n_hosts: int = 2, subnet: int = 231) -> None:
+    def __init__(self, n_hosts: int = 2, subnet: int = 231, rate_bits: float | None = None) -> None:
         tag = f"{os.getpid() % 100000}"
         self.bridge = f"mpbr{tag}"
         self.names = [f"mpdh{i}x{tag}" for i in range(n_hosts)]
@@ -70,6 +143,7 @@ class Cluster:
         self.ips = [self.gateway.rsplit(".", 1)[0] + f".{10 + i}" for i in range(n_hosts)]
         self.root = Path(tempfile.mkdtemp(prefix="mpidp-hosts-"))
         self.data = self.root / "data"  # the path every host sees as its own folder
+        self.rate_bits = rate_bits
 
     def host_dir(self, i: int) -> Path:
         return self.root / self.names[i]
@@ -101,6 +175,7 @@ class Cluster:
             _ip("-n", name, "link", "set", "eth0", "up")
             _ip("-n", name, "link", "set", "lo", "up")
             cases.append(f"  {ip}) ns={name}; hostdir={self.host_dir(i)};;")
+        self.limit(self.rate_bits)
         self.launcher = self.root / "launcher"
         self.launcher.write_text(LAUNCHER % {"cases": "\n".join(cases), "data": self.data})
         self.launcher.chmod(0o755)
@@ -130,6 +205,45 @@ class Cluster:
                 _ip("-n", name, "neigh", "flush", "all", check=False)
             _ip("neigh", "flush", "dev", self.bridge, check=False)
             time.sleep(0.5)
+
+    def limit(self, rate_bits: float | None) -> None:
+        """Limit every host's link to ``rate_bits`` bits/s each way (None: no limit, the
+        veth's own speed). May be called again between runs to change the rate."""
+        if rate_bits is not None and shutil.which("tc") is None:
+            raise RuntimeError("rate limits need tc: install iproute2")
+        self.rate_bits = rate_bits
+        for name, veth in zip(self.names, self.veths):
+            for ns, dev in ((None, veth), (name, "eth0")):
+                where = ["-n", ns] if ns else []
+                if rate_bits is None:
+                    _cmd("tc", *where, "qdisc", "del", "dev", dev, "root", check=False)
+                else:
+                    _cmd("tc", *where, "qdisc", "replace", "dev", dev, "root", *tbf_args(rate_bits))
+
+    def link_bytes(self) -> list[LinkBytes]:
+        """Bytes each host's link has carried so far (its bridge-side veth's counters: what
+        the veth received came out of the host). Subtract two readings for an interval."""
+        def read(veth: str, what: str) -> int:
+            return int(Path(f"/sys/class/net/{veth}/statistics/{what}_bytes").read_text())
+        return [LinkBytes(sent=read(v, "rx"), received=read(v, "tx")) for v in self.veths]
+
+    def transfer(self, src: int, dst: int, n_bytes: int, port: int = 5601,
+                 timeout: float = 60) -> float:
+        """Send ``n_bytes`` over TCP from host ``src`` to host ``dst``; return the seconds the
+        receiver took from the first byte to the last."""
+        ns = lambda i, code: ["ip", "netns", "exec", self.names[i], sys.executable, "-c", code,
+                              self.ips[dst], str(port), str(n_bytes)]
+        with subprocess.Popen(ns(dst, RECEIVE), stdout=subprocess.PIPE, text=True) as rx:
+            try:
+                if rx.stdout.readline().strip() != "ready":
+                    raise RuntimeError(f"transfer: the receiver on host {dst} did not start")
+                subprocess.run(ns(src, SEND), check=True, timeout=timeout)
+                out, _ = rx.communicate(timeout=timeout)
+            finally:
+                rx.kill()
+        if rx.returncode:
+            raise RuntimeError(f"transfer from host {src} to host {dst} failed")
+        return float(out)
 
     def mpiexec(self, n: int, per_host: int, *cmd: str, hosts: list[int] | None = None,
                 tcp: bool = True) -> list[str]:
