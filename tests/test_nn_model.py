@@ -375,3 +375,13 @@ def test_scipy_gemm_only_beside_a_single_threaded_blas(threads):
                          timeout=60, env=env)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == (["True", "True"] if threads == "1" else ["False", "False"])
+
+
+@pytest.mark.parametrize("loss", [nn.SoftmaxCrossEntropy(), nn.MeanSquaredError()])
+@pytest.mark.parametrize("bad", [-1, 3])
+def test_a_label_outside_the_classes_is_refused(loss, bad):
+    """NumPy's indexing would train label -1 as the last class (and fail obscurely on k)."""
+    pred = np.zeros((4, 3))
+    with pytest.raises(ValueError, match=f"label {bad} is outside the model's 3 classes"):
+        loss.forward(pred, np.array([0, 1, bad, 2]))
+    assert np.isfinite(loss.forward(pred, np.array([0, 1, 2, 2])))

@@ -33,6 +33,16 @@ class Loss(ABC):
         return int(np.count_nonzero(pred.argmax(axis=1) == labels))
 
 
+def _check_labels(y: np.ndarray, k: int) -> None:
+    """Integer labels ``(n,)`` must lie in ``[0, k)``: NumPy would take -1 for the last
+    class and fail on ``k`` with an index error. Raises ValueError naming the label."""
+    if len(y) and np.issubdtype(y.dtype, np.integer):
+        lo, hi = int(y.min()), int(y.max())
+        if lo < 0 or hi >= k:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"label {bad} is outside the model's {k} classes (0 to {k - 1})")
+
+
 class SoftmaxCrossEntropy(Loss):
     """Softmax over ``k`` logits then cross-entropy with integer labels ``(n,)`` in ``[0, k)``.
 
@@ -42,6 +52,7 @@ class SoftmaxCrossEntropy(Loss):
     classification = True
 
     def forward(self, pred: np.ndarray, target: np.ndarray) -> float:
+        _check_labels(target, pred.shape[1])
         z = pred - pred.max(axis=1, keepdims=True) if len(pred) else pred  # (n, k)
         e = np.exp(z)
         s = e.sum(axis=1, keepdims=True)
@@ -65,6 +76,7 @@ class MeanSquaredError(Loss):
 
     def forward(self, pred: np.ndarray, target: np.ndarray) -> float:
         if target.ndim == 1 and np.issubdtype(target.dtype, np.integer):
+            _check_labels(target, pred.shape[1])
             t = np.zeros_like(pred)
             t[np.arange(len(target)), target] = 1
         else:
