@@ -24,7 +24,7 @@ MPIEXEC ?= $(BIN)/mpiexec
 MPI_TIMEOUT ?= 600
 RANKS   ?= 1 2 3 4
 
-.PHONY: install demo test test-unit test-mpi bench bench-sync bench-partition bench-parallel bench-compare bench-large bench-multihost bench-network lint clean
+.PHONY: install demo test test-unit test-mpi test-faults bench bench-sync bench-partition bench-parallel bench-compare bench-large bench-multihost bench-network lint clean
 
 install: $(STAMP)
 
@@ -55,6 +55,12 @@ test-mpi: $(STAMP)
 	  timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest --with-mpi \
 	    -p no:cacheprovider tests/mpi || exit 1; \
 	done
+
+# The fault matrix (every mode x raise/kill/hang/NaN) and the signal tests: `make test`
+# runs them on MPICH; CI also runs them on Open MPI (`make test-faults MPI=openmpi`).
+test-faults: $(STAMP)
+	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/test_modes.py \
+	  tests/test_async_server_faults.py tests/test_clean_ends.py -k "not clean_ends or sigterm or sigint"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_step_bench.py

@@ -508,6 +508,19 @@ def _rss_mb(pid: int) -> float:
     return 0.0
 
 
+def _loading(job: subprocess.Popen) -> list[int]:
+    """The two ranks' pids once rank 0 is inflating the data file (its memory grows): the
+    ranks are looked up again while waiting, as a launcher's short-lived helper processes
+    may carry the same environment."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and job.poll() is None:
+        pids = _ranks(job, 2)
+        if _rss_mb(pids[0]) >= 150:
+            return pids
+        time.sleep(0.02)
+    raise AssertionError(f"loading never got under way: {job.poll()}")
+
+
 def test_sigterm_while_loading_ends_the_job_at_once(tmp_path):
     """Nothing to checkpoint yet: a stop signal during loading ends the job promptly, every
     rank saying why, with the preemption exit status, instead of training first."""
@@ -516,10 +529,7 @@ def test_sigterm_while_loading_ends_the_job_at_once(tmp_path):
                         y=np.zeros(150_000, np.int64))
     job = _start(2, "train", "--dataset", str(data), "--epochs", "1", "--no-progress",
                  "--out", str(tmp_path / "out"), token=f"load{os.getpid()}")
-    pids = _ranks(job, 2)
-    deadline = time.monotonic() + 60
-    while _rss_mb(pids[0]) < 150 and time.monotonic() < deadline and job.poll() is None:
-        time.sleep(0.02)  # rank 0 is inflating the file: loading is under way
+    pids = _loading(job)
     assert job.poll() is None, job.communicate()[1][-2000:]
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
@@ -539,10 +549,7 @@ def test_a_rank_stopped_while_loading_is_named_by_the_watchdog(tmp_path):
                         y=np.zeros(150_000, np.int64))
     job = _start(2, "train", "--dataset", str(data), "--epochs", "1", "--no-progress",
                  "--watchdog", "1", "--out", str(tmp_path / "out"), token=f"stop{os.getpid()}")
-    pids = _ranks(job, 2)
-    deadline = time.monotonic() + 60
-    while _rss_mb(pids[0]) < 150 and time.monotonic() < deadline and job.poll() is None:
-        time.sleep(0.02)
+    pids = _loading(job)
     os.kill(pids[0], signal.SIGSTOP)
     try:
         _, err = job.communicate(timeout=60)
