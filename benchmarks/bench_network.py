@@ -8,8 +8,12 @@ times in a seeded shuffled order; then 2 hosts x 2 ranks run fused allreduce wit
 node-aware reduction off and on. Each figure: steps/s (median of the repeats and their
 spread), the link-bound limit (rate / bytes each host must send per step), the share of it
 reached, and the bytes that crossed the host link per timed step, read from the bridge-side
-veth counters around exactly the timed steps (``bench_sync.py --marks``). Needs root;
-writes benchmarks/results/network.{json,md}.
+veth counters around exactly the timed steps (``bench_sync.py --marks``); and the cost
+model's prediction (:func:`mpidp.scale.costmodel.mode_step_time`) with its error, from
+inputs measured in the same run: the link's alpha and beta (an MPI ping-pong between the
+hosts), compute (``compute-only`` beside the modes, ranks that never communicate), and,
+measured here once, gamma, the backward pass's share and the first bucket's, and the
+codec's seconds. Needs root; writes benchmarks/results/network.{json,md}.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 from run_step_bench import bench_env, cpu_model, git_commit
 
 HERE = Path(__file__).resolve().parent
@@ -34,9 +39,17 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO / "tests" / "multihost"))
 from cluster import Cluster, LinkBytes, limits_available, tbf_args  # noqa: E402
 
+from mpidp.scale.costmodel import Fit, fit_alpha_beta, mode_step_time  # noqa: E402 (no MPI)
+
 PAIR_MODES = ("handwritten", "allreduce", "overlapped", "compressed", "auto")
 NODE_MODES = ("allreduce-flat", "allreduce-node")  # 2 hosts x 2 ranks
 GATHER = ("compressed",)  # 16-bit codes Allgathered: each rank sends (P-1) x its codes
+COMPUTE = "compute-only"  # run beside the modes in every job: the model's compute input
+#: bench_sync.py's mode (or the strategy auto chose) -> the cost model's mode
+MODEL_MODES = {"handwritten": "allreduce", "allreduce": "allreduce", "allreduce-flat": "allreduce",
+               "overlapped": "overlapped", "compressed": "compressed", "allreduce-node": "node-aware"}
+BUCKET_BYTES = 1 << 20  # bench_sync.py's overlapped buckets
+PING_SIZES = {8: 30, 512: 30, 4096: 30, 1 << 20: 8, 4 << 20: 5, 8 << 20: 5}  # bytes: round trips
 
 
 # --- arithmetic -------------------------------------------------------------------------
@@ -85,6 +98,8 @@ def rows_of(job: dict, marks: dict, rate_bits: float, hosts: int) -> list[dict]:
     its ``marks`` (label -> {"start": [...], "stop": [...]})."""
     ranks, steps, rows = job["world_size"], job["steps"], []
     for mode, m in job["modes"].items():
+        if mode == COMPUTE:  # an input of the model, not a row
+            continue
         sync = m["repeats"][0].get("sync", mode)
         link = [link_per_step(marks[r["mark"]]["start"], marks[r["mark"]]["stop"], steps)
                 for r in m["repeats"]]
@@ -105,6 +120,186 @@ def rows_of(job: dict, marks: dict, rate_bits: float, hosts: int) -> list[dict]:
     return rows
 
 
+# --- the cost model's prediction --------------------------------------------------------
+
+def compute_seconds(job: dict) -> float | None:
+    """Seconds per step of a job's ``compute-only`` runs (median of the repeats; None when
+    it did not run)."""
+    m = job["modes"].get(COMPUTE)
+    return statistics.median(r["step_s"] for r in m["repeats"]) if m else None
+
+
+def link_fit(pingpong: dict[int, float], gamma: float) -> dict:
+    """alpha (s) and beta (s/B) fitted to one-way ping-pong times (``{bytes: seconds}``) by
+    :func:`mpidp.scale.costmodel.fit_alpha_beta`, with ``gamma`` (s/B) beside them."""
+    sizes = sorted(pingpong)
+    alpha, beta = fit_alpha_beta(np.array(sizes, float), np.array([pingpong[k] for k in sizes]))
+    return {"alpha": alpha, "beta": beta, "gamma": gamma}
+
+
+def predicted_step_s(row: dict, fit: dict, compute: float, local: dict) -> tuple[str, float] | None:
+    """The cost model's mode for ``row`` (an auto row: the strategy it chose) and its step
+    seconds, from the link's ``fit`` (alpha, beta, gamma), ``compute`` (s per step of
+    forward + backward + update at this layout) and the ``local`` inputs (``m`` gradient
+    bytes, ``backward`` and ``first_bucket`` shares, ``codec_share``: the codec's seconds
+    per second of compute, so ``codec = codec_share * compute``); None for a mode the
+    model does not cover."""
+    mode = MODEL_MODES.get(row["mode"]) if row["mode"] != "auto" else MODEL_MODES.get(row["sync"])
+    if mode is None:
+        return None
+    t = mode_step_time(mode, row["ranks"], local["m"], compute, Fit(**fit),
+                       backward=local["backward"], first_bucket=local["first_bucket"],
+                       codec=local["codec_share"] * compute, per_node=row["ranks"] // row["hosts"])
+    return mode, t
+
+
+def with_predictions(rows: Sequence[dict], fit: dict, compute: dict, local: dict) -> list[dict]:
+    """``rows`` with ``model_mode``, ``predicted_steps_per_s`` and ``prediction_error``
+    (predicted / measured - 1) added; ``compute`` maps ranks per host to the seconds of
+    compute at that layout. Skipped rows, and modes without a prediction, get None."""
+    out = []
+    for r in rows:
+        if "skipped" in r:
+            out.append(r)
+            continue
+        c = compute.get(r["ranks"] // r["hosts"])
+        got = predicted_step_s(r, fit, c, local) if c is not None else None
+        pred, measured = (1 / got[1] if got else None), r["steps_per_s"]["median"]
+        out.append({**r, "model_mode": got[0] if got else None, "predicted_steps_per_s": pred,
+                    "prediction_error": pred / measured - 1 if pred and measured else None})
+    return out
+
+
+# --- measuring the model's inputs -------------------------------------------------------
+# measure_local and pingpong_job import mpidp.comm (which starts MPI): each runs in a
+# process of its own (``--local-inputs``, ``--pingpong``), never in the one that holds the hosts
+
+def _median_s(fn: Callable[[], object], reps: int) -> float:
+    """Median seconds of ``reps`` calls of ``fn`` after one untimed call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def codec_work(n: int, P: int = 2) -> tuple[Callable[[], None], str]:
+    """One step's CPU work of the ``compressed`` strategy on one of ``P`` ranks for ``n``
+    float32 gradients, without the exchanges, and what it runs. With
+    :class:`mpidp.parallel.compress.Codec`: per block, the gradient plus its residual
+    encoded with error feedback; this rank's chunk (``n / P``) decoded from ``P`` ranks'
+    codes and summed, plus the chunk residual, checked (a dot product) and encoded with
+    error feedback; every code decoded. Without it: :func:`encode` / :func:`decode` on
+    whole arrays with the same adds (a stand-in)."""
+    from mpidp.parallel import compress as Z
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal(n).astype(np.float32) * np.float32(1e-3)
+    res, nxt = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    h = -(-n // P)
+    other = [Z.encode(rng.standard_normal(h).astype(np.float32) * np.float32(1e-3), "bfloat16")
+             for _ in range(P - 1)]  # the other ranks' codes of this rank's chunk
+    cres, cnxt = np.zeros(h, np.float32), np.zeros(h, np.float32)
+    if not hasattr(Z, "Codec"):
+        def reference() -> None:
+            x = g + res
+            codes = Z.encode(x, "bfloat16")
+            nxt[...] = x - Z.decode(codes, "bfloat16")
+            acc = Z.decode(codes[:h], "bfloat16")  # the kernel's order of float32 adds
+            for c in other:
+                acc += Z.decode(c, "bfloat16")
+            acc += cres
+            float(np.dot(acc, acc))
+            codes[:h] = Z.encode(acc, "bfloat16")
+            cnxt[...] = acc - Z.decode(codes[:h], "bfloat16")
+            g[...] = Z.decode(codes, "bfloat16")
+        return reference, "compress.encode/decode on whole arrays (stand-in)"
+    k, block = Z.Codec("bfloat16"), Z.BLOCK
+    codes, acc = np.zeros(n, np.uint16), np.zeros(block, np.float32)
+
+    def kernel() -> None:
+        for lo in range(0, n, block):
+            hi = min(lo + block, n)
+            x = nxt[lo:hi]
+            np.add(g[lo:hi], res[lo:hi], out=x)
+            k.encode_(x, codes[lo:hi], x)
+        for lo in range(0, h, block):
+            hi = min(lo + block, h)
+            a = acc[:hi - lo]
+            k.decode_(codes[lo:hi], a)
+            for c in other:
+                k.decode_add_(c[lo:hi], a)
+            np.add(a, cres[lo:hi], out=a)
+            float(np.dot(a, a))
+            k.encode_(a, codes[lo:hi], cnxt[lo:hi])
+        k.decode_(codes, g)
+    return kernel, "compress.Codec: encode with error feedback, chunk sums, decode"
+
+
+def measure_local(reps: int = 7, batch: int = 256) -> dict:
+    """The model's inputs that do not depend on the link, measured in this process, medians
+    of ``reps``: one rank's standard MLP (float32) on ``batch`` rows timed in parts (forward
+    with the loss, backward, update); the share of backward done when the layer that closes
+    the first overlapped bucket (:data:`BUCKET_BYTES`) reports its gradients final; the
+    codec's seconds (:func:`codec_work`, P = 2) and their ratio to the step's, each codec
+    pass right after a step (so that both see the same load of a shared machine); gamma,
+    the seconds per byte of an in-memory float32 sum of the gradient vector."""
+    from mpidp import nn
+    from mpidp.parallel.buffer import N_EXTRA
+    from mpidp.parallel.overlap import _buckets
+    model = nn.mlp(784, (1024, 1024), 10, dtype=np.float32).init_(0)
+    loss, opt = nn.SoftmaxCrossEntropy(), nn.SGD(0.05)
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((batch, 784)).astype(np.float32)
+    y = rng.integers(0, 10, batch)
+    n = model.n_params
+    first = _buckets(model.layer_ranges, n + N_EXTRA, 4, BUCKET_BYTES)[0][0]
+    work, how = codec_work(n)
+    keys = ("forward_s", "backward_s", "update_s", "first_bucket", "codec_s", "codec_share")
+    parts: dict[str, list[float]] = {k: [] for k in keys}
+    done: list[float] = []  # when backward reported the first bucket's layer final
+
+    def hook(j: int) -> None:
+        if j == first:
+            done.append(time.perf_counter())
+    for i in range(reps + 1):  # the first is a warm-up
+        done.clear()
+        t0 = time.perf_counter()
+        loss.forward(model.forward(X), y)
+        dy = loss.backward()
+        t1 = time.perf_counter()
+        model.backward(dy, input_grad=False, on_layer_done=hook)
+        t2 = time.perf_counter()
+        opt.step_(model.params, model.grads, scale=1 / batch)
+        t3 = time.perf_counter()
+        work()
+        t4 = time.perf_counter()
+        got = (t1 - t0, t2 - t1, t3 - t2, (done[0] - t1) / (t2 - t1), t4 - t3, (t4 - t3) / (t3 - t0))
+        for key, v in zip(keys, got if i else ()):
+            parts[key].append(v)
+    med = {k: statistics.median(v) for k, v in parts.items()}
+    a, b = np.ones(n, np.float32), np.ones(n, np.float32)
+    return {"m": 4 * n, "batch": batch, "reps": reps, "bucket_bytes": BUCKET_BYTES,
+            "first_bucket_layer": first, **med, "codec_how": how,
+            "backward": med["backward_s"] / (med["forward_s"] + med["backward_s"] + med["update_s"]),
+            "gamma": _median_s(lambda: np.add(a, b, out=a), reps) / (4 * n)}
+
+
+def pingpong_job(out: str) -> None:
+    """Under ``mpiexec -n 2``: times of :data:`PING_SIZES` between ranks 0 and 1 with both
+    directions busy (:func:`mpidp.comm.exchange_time`: each sends the other the size at once,
+    as an allreduce's steps do; a one-way ping-pong overstates the link's speed under load);
+    rank 0 writes ``out``."""
+    from mpi4py import MPI
+
+    from mpidp import comm as C
+    comm = MPI.COMM_WORLD
+    got = {size: C.exchange_time(comm, size, reps) for size, reps in PING_SIZES.items()}
+    if comm.rank == 0:
+        Path(out).write_text(json.dumps(got))
+
+
 # --- report -----------------------------------------------------------------------------
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -113,17 +308,19 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def table(rows: Sequence[dict]) -> list[str]:
     """The Markdown table of ``rows`` (from :func:`rows_of`)."""
-    out = ["| link | hosts x ranks | mode | steps/s (median, spread) | link-bound limit | % of limit "
-           "| host-link MB/step (veth) | expected MB/step |",
-           "|---|---:|---|---:|---:|---:|---:|---:|"]
+    out = ["| link | hosts x ranks | mode | steps/s (median, spread) | predicted steps/s | error "
+           "| link-bound limit | % of limit | host-link MB/step (veth) | expected MB/step |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         where = f"| {r['rate_gbit']:g} Gbit/s | {r['hosts']} x {r['ranks'] // r['hosts']} "
         if "skipped" in r:
-            out.append(where + f"| {r['mode']} | skipped: {r['skipped']} | | | | |")
+            out.append(where + f"| {r['mode']} | skipped: {r['skipped']} | | | | | | |")
             continue
         s, mode = r["steps_per_s"], r["mode"]
         mode += f" ({r['sync']})" if r["sync"] not in (mode, "allreduce") else ""
         out.append(where + f"| {mode} | {s['median']:.2f} ±{s['spread'] / 2:.0%} | "
+                   f"{_fmt(r.get('predicted_steps_per_s'), '.2f')} | "
+                   f"{_fmt(r.get('prediction_error'), '+.0%')} | "
                    f"{_fmt(r['limit_steps_per_s'], '.2f')} | {_fmt(r['of_limit'], '.0%')} | "
                    f"{r['link_bytes_per_step'] / 1e6:.2f} | {r['expected_link_bytes'] / 1e6:.2f} |")
     return out
@@ -136,6 +333,46 @@ def blas_line(env: dict) -> str:
                      f"{b['num_threads']} thread(s)" for b in blas) if isinstance(blas, list) else blas
     mpi = " ".join(str(env.get("mpi_library")).split())
     return f"BLAS: {kern}; {mpi}; numpy {env.get('numpy')}"
+
+
+def model_lines(model: dict) -> list[str]:
+    """How the prediction was made and each of its inputs measured, with their values
+    (``model``: the report's ``model``, :func:`measure_local`'s and each link's inputs)."""
+    loc = model["local"]
+    lines = [
+        "- predicted steps/s: 1 / `mpidp.scale.costmodel.mode_step_time` of the row's mode at "
+        "P ranks for m = the float32 gradients' bytes: handwritten, allreduce and allreduce-flat "
+        "as `allreduce` (a ring over the P ranks), allreduce-node as `node-aware` (a ring of "
+        "the hosts' leaders), auto as the strategy it chose; error: predicted / measured - 1. "
+        "Its inputs, all measured in this run:"]
+    for k in model["links"]:
+        f, c = k["fit"], k["compute"]
+        lines.append(
+            f"  - at {k['rate_gbit']:g} Gbit/s: alpha {f['alpha'] * 1e6:.0f} us, beta "
+            f"{f['beta'] * 1e9:.2f} ns/B ({1 / f['beta'] / 1e6 if f['beta'] else float('inf'):.0f} "
+            "MB/s) from MPI exchanges between the hosts after the limit was set (one rank "
+            "each sending the other 8 B to 8 MiB at once, `mpidp.comm.exchange_time`, "
+            "medians), fitted "
+            "by `costmodel.fit_alpha_beta` (alpha: the mean up to 4 KiB; beta: the slope from "
+            "256 KiB); compute " + ", ".join(f"{s * 1e3:.1f} ms per step at 2 x {per}"
+                                              for per, s in sorted(c.items()))
+            + ": bench_sync.py's `compute-only` (forward, backward and update of each rank's "
+            "rows; the ranks never communicate) in the same jobs as the modes, shuffled among "
+            "them, median of the repeats.")
+    lines.append(
+        f"  - here, once (one process, BLAS on 1 thread, {loc['batch']} rows, medians of "
+        f"{loc['reps']}): backward {loc['backward']:.0%} of forward + backward + update "
+        f"({loc['forward_s'] * 1e3:.1f} + {loc['backward_s'] * 1e3:.1f} + "
+        f"{loc['update_s'] * 1e3:.1f} ms); first bucket ({loc['bucket_bytes'] / 2**20:g} MiB, "
+        f"from layer {loc['first_bucket_layer']} on: the bucket sizes are the layer sizes) "
+        f"final after {loc['first_bucket']:.0%} of backward, the time at which backward "
+        f"reports that layer done; codec: one rank's CPU work at P = 2 ({loc['codec_how']}), "
+        f"{loc['codec_s'] * 1e3:.1f} ms, timed right after each step: {loc['codec_share']:.0%} "
+        "of the step's time, the share of the measured compute the model adds to a compressed "
+        "step (so that a busier moment here or on the hosts scales both alike); gamma "
+        f"{loc['gamma'] * 1e9:.3f} ns/B, an in-memory float32 sum of the gradient vector "
+        "(`np.add`).")
+    return lines
 
 
 def markdown(report: dict) -> str:
@@ -164,6 +401,7 @@ def markdown(report: dict) -> str:
         "the hosts' leaders reduce over the link.",
         f"- The link itself (one TCP stream between the hosts, {report['probe_mb']} MB): "
         f"{probes}.",
+        *(model_lines(report["model"]) if report.get("model") else []),
         *(f"- At {r['rate_gbit']:g} Gbit/s, {r['hosts']} x {r['ranks'] // r['hosts']}: "
           f"{r['sync_report']}; the timed steps came after that choice"
           for r in report["rows"] if r.get("sync_report")), "",
@@ -231,23 +469,52 @@ def run_job(c: Cluster, per_host: int, modes: Sequence[str], args, env: dict,
     return json.loads(out.read_text()), marks.seen
 
 
-def measure_rate(c: Cluster, rate_bits: float, args, env: dict, tmp: Path) -> tuple[list, dict, dict]:
-    """Every figure on links of ``rate_bits``: rows, the TCP probe and the last job's JSON."""
+def measure_link(c: Cluster, env: dict, tmp: Path, name: str, timeout: float) -> dict[int, float]:
+    """One-way ping-pong seconds by message bytes between the two hosts (one rank each,
+    :func:`pingpong_job`)."""
+    out = tmp / f"{name}.json"
+    cmd = c.mpiexec(2, 1, sys.executable, str(Path(__file__).resolve()), "--pingpong", str(out))
+    subprocess.run(cmd, env=env, cwd=REPO, check=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return {int(k): v for k, v in json.loads(out.read_text()).items()}
+
+
+def measure_locally(env: dict, tmp: Path, timeout: float) -> dict:
+    """:func:`measure_local` in a process of its own (MPI starts there, not here) with the
+    ranks' environment (BLAS threads)."""
+    out = tmp / "local.json"
+    subprocess.run([sys.executable, str(Path(__file__).resolve()), "--local-inputs", str(out)],
+                   env=env, cwd=REPO, check=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def measure_rate(c: Cluster, rate_bits: float, args, env: dict, tmp: Path,
+                 local: dict) -> tuple[list, dict, dict, dict]:
+    """Every figure on links of ``rate_bits``: rows (with the model's predictions from
+    ``local`` and this link's inputs), the TCP probe, the last job's JSON and the link's
+    inputs of the model."""
     c.limit(rate_bits)
     n = int(args.probe_mb * 1e6)
     probe = {"rate_gbit": rate_bits / 1e9, "MB_per_s": n / c.transfer(0, 1, n) / 1e6}
     print(f"link at {rate_bits / 1e9:g} Gbit/s: one TCP stream {probe['MB_per_s']:.0f} MB/s", flush=True)
-    tag, rows, job = f"{rate_bits / 1e9:g}g", [], None
+    tag, rows, job, compute = f"{rate_bits / 1e9:g}g", [], None, {}
+    t = time.perf_counter()
+    pingpong = measure_link(c, env, tmp, f"pingpong-{tag}", args.timeout)
+    fit = link_fit(pingpong, local["gamma"])
+    print(f"ping-pong ({time.perf_counter() - t:.1f} s): alpha {fit['alpha'] * 1e6:.0f} us, "
+          f"beta {fit['beta'] * 1e9:.2f} ns/B", flush=True)
     if args.modes:
-        job, marks = run_job(c, 1, args.modes, args, env, tmp, f"pair-{tag}")
+        job, marks = run_job(c, 1, [*args.modes, COMPUTE], args, env, tmp, f"pair-{tag}")
         rows += rows_of(job, marks, rate_bits, 2)
+        compute[1] = compute_seconds(job)
     if args.node_modes:
-        job, marks = run_job(c, 2, args.node_modes, args, env, tmp, f"node-{tag}")
-        if not job["modes"]:  # no node_aware in make_sync: plain allreduce at 2 x 2
+        job, marks = run_job(c, 2, [*args.node_modes, COMPUTE], args, env, tmp, f"node-{tag}")
+        compute[2] = compute_seconds(job)
+        if set(job["modes"]) <= {COMPUTE}:  # no node_aware in make_sync: plain allreduce at 2 x 2
             rows += rows_of(job, marks, rate_bits, 2)
             job, marks = run_job(c, 2, ["allreduce"], args, env, tmp, f"plain-{tag}")
         rows += rows_of(job, marks, rate_bits, 2)
-    return rows, probe, job
+    inputs = {"rate_gbit": rate_bits / 1e9, "fit": fit, "pingpong": pingpong, "compute": compute}
+    return with_predictions(rows, fit, compute, local), probe, job, inputs
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -267,6 +534,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring with MPIR_CVAR_ALLREDUCE_COMPOSITION=3")
     p.add_argument("--timeout", type=float, default=1200, help="seconds allowed per MPI job")
     p.add_argument("--results", default=str(HERE / "results"))
+    p.add_argument("--local-inputs", metavar="FILE", help="(internal) measure the model's "
+                   "inputs that do not depend on the link into FILE, and exit")
+    p.add_argument("--pingpong", metavar="FILE", help="(internal, under mpiexec -n 2) the "
+                   "ping-pong of the link into FILE, and exit")
     args = p.parse_args(argv)
     try:
         args.rates = [float(r) * 1e9 for r in args.rates.split(",") if r.strip()]
@@ -291,6 +562,12 @@ def _terminate(signum, frame) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.local_inputs:
+        Path(args.local_inputs).write_text(json.dumps(measure_local()))
+        return 0
+    if args.pingpong:
+        pingpong_job(args.pingpong)
+        return 0
     reason = limits_available()
     if reason:
         print(f"bench-network skipped: {reason}")
@@ -299,12 +576,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     env, _ = bench_env()
     env["PYTHONPATH"] = str(REPO)
     env.update(kv.split("=", 1) for kv in args.job_env)
-    rows, probes, first = [], [], None
+    rows, probes, first, links = [], [], None, []
     with tempfile.TemporaryDirectory(prefix="mpidp-network-") as t, Cluster(2) as c:
+        local = measure_locally(env, Path(t), args.timeout)
         for rate in args.rates:
-            r, probe, job = measure_rate(c, rate, args, env, Path(t))
-            rows, probes, first = rows + r, probes + [probe], first or job
+            r, probe, job, inputs = measure_rate(c, rate, args, env, Path(t), local)
+            rows, probes, first, links = rows + r, probes + [probe], first or job, links + [inputs]
     report = {"rows": rows, "probes": probes, "probe_mb": args.probe_mb, "steps": args.steps,
+              "model": {"local": local, "links": links},
               "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed,
               "job_env": args.job_env,
               "tbf": "; ".join(f"{r / 1e9:g} Gbit/s: `{' '.join(tbf_args(r))}`" for r in args.rates),

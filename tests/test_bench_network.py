@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,11 +65,13 @@ def _job() -> tuple[dict, dict]:
                      "compressed": {"bytes_per_step": M / 4, "comm_share": 0.3,
                                     "repeats": reps("compressed", [0.1], M / 2)},
                      "auto": {"bytes_per_step": M / 4, "comm_share": 0.3,
-                              "repeats": reps("auto", [0.1], M / 2, "compressed")}}}
+                              "repeats": reps("auto", [0.1], M / 2, "compressed")},
+                     "compute-only": {"bytes_per_step": 0.0, "comm_share": 0.0,
+                                      "repeats": reps("compute-only", [0.09, 0.05, 0.07], 0.0)}}}
     zero = [LinkBytes(0, 0), LinkBytes(0, 0)]
     marks = {}
     for mode, per_step in (("allreduce", [7.5e6, 7.6e6, 7.4e6]), ("compressed", [3.8e6]),
-                           ("auto", [3.8e6])):
+                           ("auto", [3.8e6]), ("compute-only", [1e3, 1e3, 1e3])):
         for i, b in enumerate(per_step):
             n = int(b * 4)
             marks[f"{mode} {i}"] = {"start": zero, "stop": [LinkBytes(n, n - 8), LinkBytes(n - 8, n)]}
@@ -78,7 +81,7 @@ def _job() -> tuple[dict, dict]:
 def test_rows_from_a_job_and_its_marks():
     job, marks = _job()
     rows = B.rows_of(job, marks, 1e9, hosts=2)
-    ar, cz, auto, ps = rows
+    ar, cz, auto, ps = rows  # compute-only is the model's input, not a row
     assert ar["steps_per_s"]["median"] == pytest.approx(5.0)  # 1 / 0.2
     assert ar["steps_per_s"]["min"] == pytest.approx(4.0) and ar["steps_per_s"]["max"] == 10.0
     # the most one rank sends counts (a node-aware reduction's leaders send, others not)
@@ -92,15 +95,93 @@ def test_rows_from_a_job_and_its_marks():
                   "skipped": "MpidpError: no such mode"}
 
 
+FIT = {"alpha": 50e-6, "beta": 8e-9, "gamma": 3e-11}  # s, s/B, s/B
+LOCAL = {"m": M, "batch": 256, "reps": 7, "bucket_bytes": 1 << 20, "first_bucket_layer": 2,
+         "forward_s": 0.02, "backward_s": 0.04, "update_s": 0.001, "backward": 0.6,
+         "first_bucket": 0.7, "codec_s": 0.006, "codec_share": 0.1, "codec_how": "Codec",
+         "gamma": 3e-11}
+
+
+def _ring(P: int, m: float) -> float:
+    """A ring allreduce of ``m`` bytes over ``P`` ranks on FIT, by hand."""
+    return 2 * (P - 1) * 50e-6 + 2 * (P - 1) / P * m * 8e-9 + (P - 1) / P * m * 3e-11
+
+
+def _row(mode: str, ranks: int, steps_per_s: float, sync: str | None = None) -> dict:
+    return {"rate_gbit": 1.0, "ranks": ranks, "hosts": 2, "mode": mode, "sync": sync or mode,
+            "steps_per_s": {"median": steps_per_s, "min": steps_per_s, "max": steps_per_s,
+                            "spread": 0.0}}
+
+
+def test_compute_input_is_the_median_of_the_compute_only_repeats():
+    job, _ = _job()
+    assert B.compute_seconds(job) == pytest.approx(0.07)
+    del job["modes"]["compute-only"]
+    assert B.compute_seconds(job) is None
+
+
+def test_link_fit_recovers_alpha_and_beta_from_pingpong_times():
+    pp = {m: 40e-6 + m * 8.5e-9 for m in B.PING_SIZES}
+    fit = B.link_fit(pp, gamma=2e-11)
+    # alpha: the small messages' mean (their bytes count a little); beta: the large ones' slope
+    assert fit["alpha"] == pytest.approx(40e-6 + 8.5e-9 * (8 + 512 + 4096) / 3)
+    assert fit["beta"] == pytest.approx(8.5e-9, rel=1e-3) and fit["gamma"] == 2e-11
+
+
+def test_predictions_against_a_hand_computation():
+    c1, c2 = 0.07, 0.05  # compute at 2 x 1 and 2 x 2
+    rows = [_row("allreduce", 2, 7.0), _row("handwritten", 2, 8.0), _row("overlapped", 2, 9.0),
+            _row("compressed", 2, 10.0), _row("auto", 2, 9.0, "overlapped"),
+            _row("allreduce-flat", 4, 6.0), _row("allreduce-node", 4, 7.0),
+            _row("per-layer", 2, 8.0), {"rate_gbit": 1.0, "ranks": 2, "hosts": 2, "mode": "ps",
+                                        "skipped": "no such mode"}]
+    got = B.with_predictions(rows, FIT, {1: c1, 2: c2}, LOCAL)
+    ar, hw, ov, cz, auto, flat, node, pl, ps = got
+    t_ar = c1 + 2 * 50e-6 + M * 8e-9 + M / 2 * 3e-11
+    assert _ring(2, M) == pytest.approx(t_ar - c1)
+    b = 0.6 * c1  # backward; the exchange starts 70% into it and outlasts the rest of it
+    t_ov = 0.4 * c1 + max(b, 0.7 * b + t_ar - c1)
+    assert t_ov == pytest.approx(0.4 * c1 + 0.7 * b + _ring(2, M))
+    t_cz = c1 + 0.1 * c1 + _ring(2, M / 2)  # codec: its share of the measured compute
+    t_flat = c2 + 6 * 50e-6 + 1.5 * M * 8e-9 + 0.75 * M * 3e-11  # a ring of 4 ranks
+    t_node = c2 + _ring(2, M)  # a ring of the 2 hosts' leaders
+    for row, mode, t, measured in ((ar, "allreduce", t_ar, 7.0), (hw, "allreduce", t_ar, 8.0),
+                                   (ov, "overlapped", t_ov, 9.0), (cz, "compressed", t_cz, 10.0),
+                                   (auto, "overlapped", t_ov, 9.0), (flat, "allreduce", t_flat, 6.0),
+                                   (node, "node-aware", t_node, 7.0)):
+        assert row["model_mode"] == mode, row["mode"]
+        assert row["predicted_steps_per_s"] == pytest.approx(1 / t), row["mode"]
+        assert row["prediction_error"] == pytest.approx(1 / t / measured - 1), row["mode"]
+    assert 1 / t_ar == pytest.approx(7.70, abs=0.01)  # 129.8 ms a step
+    # the sign: a prediction above the measurement is positive, below it negative
+    assert ar["prediction_error"] == pytest.approx(7.70 / 7.0 - 1, abs=2e-3) and ar["prediction_error"] > 0
+    assert hw["prediction_error"] == pytest.approx(7.70 / 8.0 - 1, abs=2e-3) and hw["prediction_error"] < 0
+    assert pl["model_mode"] is pl["predicted_steps_per_s"] is pl["prediction_error"] is None
+    assert ps == rows[-1]  # skipped rows as they were
+    assert ar["steps_per_s"] == rows[0]["steps_per_s"] and "model_mode" not in rows[0]
+    # no compute-only measurement at a layout: no prediction there
+    none = B.with_predictions(rows[:1], FIT, {2: c2}, LOCAL)[0]
+    assert none["predicted_steps_per_s"] is None and none["prediction_error"] is None
+
+
 def test_table_and_report():
     job, marks = _job()
     rows = B.rows_of(job, marks, 1e9, hosts=2)
     lines = B.table(rows)
-    assert lines[0].count("|") == lines[1].count("|") == 9
-    assert lines[2] == ("| 1 Gbit/s | 2 x 1 | allreduce | 5.00 ±60% | 16.77 | 30% | 7.50 | 7.45 |")
-    assert lines[3].startswith("| 1 Gbit/s | 2 x 1 | compressed | 10.00 ±0% | 33.54 | 30% | 3.80 |")
-    assert lines[4].startswith("| 1 Gbit/s | 2 x 1 | auto (compressed) | 10.00 ±0% | 33.54 |")
-    assert lines[5] == "| 1 Gbit/s | 2 x 1 | ps | skipped: MpidpError: no such mode | | | | |"
+    assert lines[0].count("|") == lines[1].count("|") == 11
+    assert "| predicted steps/s | error |" in lines[0]
+    assert lines[2] == "| 1 Gbit/s | 2 x 1 | allreduce | 5.00 ±60% | – | – | 16.77 | 30% | 7.50 | 7.45 |"
+    lines = B.table(B.with_predictions(rows, FIT, {1: B.compute_seconds(job)}, LOCAL))
+    t_ar, t_cz = 0.07 + _ring(2, M), 0.077 + _ring(2, M / 2)  # compute 70 ms, codec 7 ms
+    assert f"{1 / t_ar:.2f} | {1 / t_ar / 5 - 1:+.0%}" == "7.70 | +54%"
+    assert f"{1 / t_cz:.2f} | {1 / t_cz / 10 - 1:+.0%}" == "9.35 | -7%"
+    assert lines[2] == ("| 1 Gbit/s | 2 x 1 | allreduce | 5.00 ±60% | 7.70 | +54% | 16.77 | 30% "
+                        "| 7.50 | 7.45 |")
+    assert lines[3].startswith("| 1 Gbit/s | 2 x 1 | compressed | 10.00 ±0% | 9.35 | -7% | 33.54 "
+                               "| 30% | 3.80 |")
+    assert lines[4].startswith("| 1 Gbit/s | 2 x 1 | auto (compressed) | 10.00 ±0% | 9.35 | -7% |")
+    assert lines[5] == "| 1 Gbit/s | 2 x 1 | ps | skipped: MpidpError: no such mode | | | | | | |"
+    assert all(line.count("|") == 11 for line in lines)
     report = {"rows": rows, "probes": [{"rate_gbit": 1.0, "MB_per_s": 119.4}], "probe_mb": 50,
               "steps": 4, "warmup": 2, "repeats": 3, "seed": 0, "tbf": "1 Gbit/s: `tbf ...`",
               "blas": "BLAS: openblas", "job_env": [], "machine": "cpu", "cores": 2,
@@ -109,6 +190,53 @@ def test_table_and_report():
     for part in ("| 1 Gbit/s | 2 x 1 | allreduce |", "1 Gbit/s: 119 MB/s", "share this machine's CPUs",
                  "BLAS: openblas", "commit abc1234", "`python benchmarks/bench_network.py`"):
         assert part in md, part
+    assert "mode_step_time" not in md  # no model inputs: no notes about them
+    report["model"] = {"local": LOCAL, "links": [{"rate_gbit": 1.0, "fit": FIT, "compute": {1: 0.07, 2: 0.05},
+                                                  "pingpong": {}}]}
+    md = B.markdown(report)
+    for part in ("`mpidp.scale.costmodel.mode_step_time`", "error: predicted / measured - 1",
+                 "at 1 Gbit/s: alpha 50 us, beta 8.00 ns/B (125 MB/s)", "`mpidp.comm.exchange_time`",
+                 "compute 70.0 ms per step at 2 x 1, 50.0 ms per step at 2 x 2", "`compute-only`",
+                 "backward 60% of forward + backward + update (20.0 + 40.0 + 1.0 ms)",
+                 "first bucket (1 MiB, from layer 2 on", "final after 70% of backward",
+                 "codec: one rank's CPU work at P = 2 (Codec), 6.0 ms", "10% of the step's time",
+                 "gamma 0.030 ns/B"):
+        assert part in md, part
+
+
+def test_local_inputs_are_measured_in_a_process_of_their_own(tmp_path):
+    """``--local-inputs``: the standard MLP's parts, the first bucket and the codec, timed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_network.py"), "--local-inputs",
+                    str(tmp_path / "l.json")], env=env, check=True, timeout=120)
+    got = json.loads((tmp_path / "l.json").read_text())
+    assert got["m"] == M and got["batch"] == 256 and got["bucket_bytes"] == 1 << 20
+    # 784-1024-1024-10 (Dense, ReLU, Dense, ReLU, Dense): 1 MiB closes at the middle Dense
+    assert got["first_bucket_layer"] == 2
+    assert 0.3 < got["backward"] < 0.9 and 0.4 < got["first_bucket"] < 0.95
+    assert got["forward_s"] > 0 and got["update_s"] > 0 and got["codec_s"] > 0
+    assert got["codec_share"] == pytest.approx(got["codec_s"] / (got["forward_s"] + got["backward_s"]
+                                                                  + got["update_s"]), rel=0.8)
+    assert got["codec_how"].startswith("compress.Codec") and 0 < got["gamma"] < 1e-8
+
+
+def test_codec_stand_in_does_what_the_kernel_does(monkeypatch):
+    """The whole-array stand-in (when compress has no Codec) and the block kernel: the
+    same codes, residuals and decoded sums from the same start."""
+    from mpidp.parallel import compress as Z
+    n = 3 * Z.BLOCK + 1001
+    kernel, how = B.codec_work(n)
+    assert how.startswith("compress.Codec")
+    monkeypatch.delattr(Z, "Codec")
+    ref, how = B.codec_work(n)
+    assert "stand-in" in how
+    kernel()
+    ref()
+    cells = lambda f: {v.cell_contents.tobytes() for v in f.__closure__
+                       if isinstance(v.cell_contents, np.ndarray) and v.cell_contents.dtype == np.float32
+                       and v.cell_contents.size in (n, -(-n // 2))}
+    # the gradient (decoded sums), both residuals (in use: zero; next) and the chunk residuals
+    assert cells(kernel) == cells(ref) and len(cells(ref)) == 5
 
 
 def test_token_bucket_arguments():
@@ -195,11 +323,19 @@ def test_bench_network_runs_and_its_bytes_add_up(tmp_path):
                    stdout=subprocess.DEVNULL)
     report = json.loads((tmp_path / "network.json").read_text())
     rows = {r["mode"]: r for r in report["rows"]}
-    assert set(rows) == {"allreduce", "handwritten"}
+    assert set(rows) == {"allreduce", "handwritten"}  # compute-only ran, as an input
     for r in rows.values():  # the counters saw the gradients cross, plus a few % of headers
         assert r["expected_link_bytes"] == pytest.approx(M, rel=1e-4)
         assert 1.0 <= r["link_bytes_per_step"] / r["expected_link_bytes"] < 1.08
         assert 0 < r["of_limit"] <= 1.05
+        assert r["model_mode"] == "allreduce" and r["predicted_steps_per_s"] > 0
+        assert r["prediction_error"] == pytest.approx(
+            r["predicted_steps_per_s"] / r["steps_per_s"]["median"] - 1)
+    (link,) = report["model"]["links"]
+    assert 6e-9 < link["fit"]["beta"] < 20e-9  # 1 Gbit/s: 8 ns/B, with headers and TCP's pace
+    assert 0 < link["fit"]["alpha"] < 5e-3 and set(link["compute"]) == {"1"}
+    # compute alone is faster than a step that also sends 7.45 MB over 1 Gbit/s
+    assert link["compute"]["1"] < 1 / rows["allreduce"]["steps_per_s"]["median"]
     assert "| 1 Gbit/s | 2 x 1 | allreduce |" in (tmp_path / "network.md").read_text()
 
 

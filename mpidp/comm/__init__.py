@@ -50,7 +50,7 @@ from .collectives import (
     scatterv_rows,
 )
 from .hierarchy import NodeAllreduce, node_aware_pays, node_layout
-from .measure import pingpong, time_allreduce
+from .measure import exchange_time, pingpong, time_allreduce
 from .p2p import MPI_REQUEST_NULL, irecv, isend, recv_, send, test_all, wait_all, wait_any
 from .runtime import (
     SHM_DIR,
@@ -75,7 +75,7 @@ __all__ = [
     "SharedBroadcast", "SharedCounter", "SharedReduce", "Watchdog", "abort_job", "abort_on_error",
     "agree", "agree_same", "allgather_", "allgather_counts", "allgather_in_place", "allgather_rows",
     "allreduce_", "allreduce_max", "allreduce_sum_", "alltoall_counts", "alltoallv_rows",
-    "assert_in_sync", "barrier", "bcast_", "bcast_obj", "checksum", "excused", "gather_obj",
+    "assert_in_sync", "barrier", "bcast_", "bcast_obj", "checksum", "exchange_time", "excused", "gather_obj",
     "gather_rows", "gatherv", "gatherv_rows", "iallreduce_sum_", "ibcast_", "irecv", "isend",
     "local_ranks", "mpi_info", "node_split", "params_in_sync", "pingpong", "recv_",
     "reduce_scatter_sum", "reduce_sum_to_", "root_decides", "run_agreed", "scatterv_fill",

@@ -46,3 +46,19 @@ def time_allreduce(comm: Comm, n: int, dtype=np.float32, reps: int = 20,
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         times.append(comm.allreduce(MPI.Wtime() - t, op=MPI.MAX))
     return float(np.median(times[2:]))
+
+
+def exchange_time(comm: Comm, nbytes: int, reps: int = 20, peer: int = 1) -> float | None:
+    """Seconds for rank 0 and ``peer`` to send each other ``nbytes`` at the same time
+    (``Sendrecv``, the median of ``reps``): a link's speed with both directions busy, as in
+    a ring allreduce's steps. None on other ranks. Collective over the pair."""
+    if comm.rank not in (0, peer):
+        return None
+    other = peer if comm.rank == 0 else 0
+    out, back = np.zeros(max(nbytes, 1), np.uint8)[:nbytes], np.zeros(max(nbytes, 1), np.uint8)[:nbytes]
+    times = []
+    for _ in range(reps + 3):
+        t = MPI.Wtime()
+        comm.Sendrecv(out, dest=other, sendtag=6, recvbuf=back, source=other, recvtag=6)
+        times.append(MPI.Wtime() - t)
+    return float(np.median(times[3:])) if comm.rank == 0 else None
