@@ -1,20 +1,64 @@
 """Atomic writes that honour the umask: a crash at any moment leaves either the old file or
 the complete new one. The bottom of the package: pure Python, used by checkpoints
-(:mod:`mpidp.run`) and saved models (:mod:`mpidp.nn`) alike."""
+(:mod:`mpidp.run`) and saved models (:mod:`mpidp.nn`) alike.
+
+A write that fails raises :class:`WriteError`, whose text is one line naming the file the
+caller asked for (never a temporary one), why, and the fix; a full disk says so.
+:func:`check_file` and :func:`check_folder` try an output place before any work.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import socket
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import IO
 
 TMP_PREFIX = ".tmp-"
 _UMASK_LOCK = threading.Lock()
+_EDQUOT = getattr(errno, "EDQUOT", errno.ENOSPC)  # not on every system
+#: The errors of a disk that has no room left (for anyone, or under this user's quota).
+DISK_FULL = frozenset({errno.ENOSPC, _EDQUOT})
+
+
+def shown(path: str) -> str:
+    """``path`` as a message shows it: as written, or quoted when it holds a character that
+    would break the line (a newline, a byte that is not text)."""
+    return path if path.isprintable() else repr(path)
+
+
+class WriteError(OSError):
+    """An output that could not be written. ``filename`` is the file asked for, ``what`` the
+    option that named its place (None: not known); ``str()`` is one line with the fix."""
+
+    what: str | None = None
+
+    def __str__(self) -> str:
+        path = "an output file" if self.filename is None else shown(str(self.filename))
+        elsewhere = f"give {self.what} a place on another disk" if self.what else \
+            "write to another disk"
+        if self.errno == errno.ENOSPC:
+            return (f"the disk is full: cannot write {path} ({self.strerror}); free space "
+                    f"on it or {elsewhere}")
+        if self.errno == _EDQUOT:
+            return (f"the disk quota is used up: cannot write {path} ({self.strerror}); "
+                    f"free space under your quota or {elsewhere}")
+        fix = f"; give {self.what} a place you can write to" if self.what else ""
+        return f"cannot write {path} ({self.strerror}){fix}"
+
+
+def write_error(exc: OSError, path: str | None = None, what: str | None = None) -> WriteError:
+    """``exc`` as a :class:`WriteError` naming ``path`` (default: its own ``filename``) and
+    ``what`` (default: its own, if it is one)."""
+    err = WriteError(exc.errno or errno.EIO, exc.strerror or str(exc),
+                     path if path is not None else exc.filename)
+    err.what = what or getattr(exc, "what", None)
+    return err
 
 
 def current_umask() -> int:
@@ -42,16 +86,22 @@ def host_tag() -> str:
     return hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
 
 
-def write_atomic(path: str, write: Callable[[IO[bytes]], object]) -> None:
+def write_atomic(path: str, write: Callable[[IO[bytes]], object], what: str | None = None) -> None:
     """Write ``path`` via a temporary file in the same folder: write, flush, fsync, rename.
 
     A crash at any moment leaves either the old file or the complete new one. The file gets
     the mode a plain ``open`` would give it (``0o666`` less the umask), not the ``0o600`` of
     a temporary file. The temporary name ``.tmp-<host tag>-<pid>-*`` says who wrote it, so
     :func:`clean_stale_tmp` can tell a live writer's file from one a killed process left.
+    An ``OSError`` is raised as a :class:`WriteError` naming ``path`` (``what``: the option
+    that named the place, for the fix); the temporary file is removed.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{TMP_PREFIX}{host_tag()}-{os.getpid()}-")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory,
+                                   prefix=f"{TMP_PREFIX}{host_tag()}-{os.getpid()}-")
+    except OSError as exc:
+        raise write_error(exc, path, what) from None
     try:
         os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as f:
@@ -60,13 +110,48 @@ def write_atomic(path: str, write: Callable[[IO[bytes]], object]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if fd >= 0:
             os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise write_error(exc, path, what) from None
         raise
     _fsync_dir(directory)
+
+
+def write_together(files: Sequence[tuple[str, Callable[[str], object]]],
+                   what: str | None = None) -> None:
+    """Write several files so that, short of a crash between two renames, either every one
+    is replaced or none is: ``save(tmp)`` of each ``(path, save)`` writes a complete file
+    under a temporary name beside ``path``; only when all are written are they renamed into
+    place. On a failure the temporary files are removed and a :class:`WriteError` names the
+    ``path`` that failed (its folders are created first)."""
+    staged: list[tuple[str, str]] = []
+    try:
+        for path, save in files:
+            folder = os.path.dirname(os.path.abspath(path))
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except OSError as exc:
+                raise write_error(exc, folder, what) from None
+            tmp = os.path.join(folder, f"{TMP_PREFIX}{host_tag()}-{os.getpid()}-"
+                               f"{os.path.basename(path)}")
+            staged.append((tmp, path))
+            try:
+                save(tmp)
+            except OSError as exc:
+                raise write_error(exc, path, what) from None
+        for tmp, path in staged:
+            os.replace(tmp, path)
+        for folder in {os.path.dirname(os.path.abspath(path)) for _, path in staged}:
+            _fsync_dir(folder)
+    except BaseException:
+        for tmp, _ in staged:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise
 
 
 def _fsync_dir(directory: str) -> None:
@@ -77,3 +162,70 @@ def _fsync_dir(directory: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _dangling(path: str) -> str | None:
+    """The first of ``path`` and its folders that is a symbolic link to nothing, if any."""
+    here = os.path.abspath(path)
+    while True:
+        if os.path.islink(here) and not os.path.exists(here):
+            return here
+        if os.path.exists(here) or os.path.dirname(here) == here:
+            return None
+        here = os.path.dirname(here)
+
+
+def _probe(path: str, what: str, name: str | None = None) -> None:
+    """ValueError unless a file can be created in the nearest existing folder of ``path``
+    (tried for real: permission bits alone say nothing for root); the message names
+    ``what`` and ``name`` (default ``path``)."""
+    name = path if name is None else name
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    try:
+        with open(os.path.join(folder, f".mpidp-probe-{os.getpid()}"), "wb") as f:
+            name = f.name
+        os.unlink(name)
+    except OSError as exc:
+        if exc.errno in DISK_FULL:
+            raise ValueError(f"{what} {shown(name)}: {write_error(exc, folder, what)}") from None
+        raise ValueError(f"{what} {shown(name)}: cannot write in {shown(folder)} "
+                         f"({exc.strerror}); give {what} a place you can write to") from None
+
+
+def _not_dangling(path: str, what: str) -> None:
+    link = _dangling(path)
+    if link is not None:
+        raise ValueError(f"{what} {shown(path)}: {shown(link)} is a symbolic link to "
+                         f"{shown(os.readlink(link))}, which does not exist: create what it "
+                         f"points to, or give {what} another place")
+
+
+def check_writable(path: str, what: str) -> None:
+    """ValueError naming ``what``, ``path`` and the fix unless a file can be created where
+    ``path`` will go (tried for real: permission bits alone say nothing for root), and no
+    symbolic link to nothing is in the way."""
+    _not_dangling(path, what)
+    _probe(path, what)
+
+
+def check_file(path: str, what: str, example: str = "out.npy") -> None:
+    """ValueError naming ``what`` (the option), ``path`` and the fix unless a file can be
+    written at ``path``: not an existing folder (the fix names ``example`` in it), not
+    under a symbolic link to nothing, in a folder where a file can be created."""
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise ValueError(f"{what} {shown(path)} is a folder: give the path of a file, e.g. "
+                         f"{shown(os.path.join(path, example))}")
+    check_writable(path, what)
+
+
+def check_folder(path: str, what: str) -> None:
+    """ValueError naming ``what``, ``path`` and the fix unless ``path`` is, or can be
+    created as, a folder to write in: not an existing file, not under a symbolic link to
+    nothing, in a place where files can be created."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{what} {shown(path)} exists and is not a folder: give a folder, "
+                         f"or a path where one can be made")
+    _not_dangling(path, what)
+    _probe(os.path.join(path, "x"), what, path)

@@ -33,9 +33,15 @@ def load(path: str) -> dict:
                              "pip install tomli") from exc
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            data = f.read()
     except OSError as exc:
         raise ValueError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"--config {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} on "
+                         f"line {line}); save it as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"--config {path}: not valid TOML ({exc})") from None
 
@@ -49,11 +55,13 @@ def _value(v) -> str:
 
 
 def tokens(table: dict, parser: argparse.ArgumentParser, skip: Iterable[str] = (),
-           source: str = "the configuration") -> list[str]:
+           source: str = "the configuration", literal: bool = False) -> list[str]:
     """Command-line tokens for ``table`` (option name -> value), leaving out the options in
     ``skip`` (given on the command line) and :data:`NOT_STORED`. ValueError names
     ``source`` and the key when a key is no option of ``parser``, names an option twice
-    (``batch-size`` and ``batch_size``), or holds a value its flag would refuse."""
+    (``batch-size`` and ``batch_size``), or holds a value its flag would refuse, or (unless
+    ``literal``: values a run recorded) a string that starts with ``-``, which reads as an
+    option. A value starting with ``-`` goes as ``--flag=value``, so it stays a value."""
     actions = {a.dest: a for a in parser._actions}  # noqa: SLF001 - argparse offers no map
     skip, out, seen = set(skip) | NOT_STORED, [], {}
     for key, value in table.items():
@@ -72,7 +80,12 @@ def tokens(table: dict, parser: argparse.ArgumentParser, skip: Iterable[str] = (
                 raise ValueError(f"{source}: {key} must be true or false, got {_toml(value)}")
             out += [flag] if value else []
         else:
-            out += [flag, _checked(action, key, value, source)]
+            if isinstance(value, str) and value.startswith("-") and not literal:
+                raise ValueError(f"{source}: {key} = {_toml(value)} looks like an option, "
+                                 f"not a value: give the value (a path that starts with '-' "
+                                 f"as ./{value})")
+            text = _checked(action, key, value, source)
+            out += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
     return out
 
 
@@ -110,6 +123,21 @@ def _toml(v) -> str:
 #: Characters a TOML basic string writes as an escape (other control characters: a
 #: backslash-u escape with four hex digits).
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def check_recordable(config: dict, name: str = "config.toml") -> None:
+    """ValueError naming the option, its value and the fix when :func:`dumps` of ``config``
+    could not be written as UTF-8 TOML (text that holds bytes that are not UTF-8, as a
+    path may on Linux): checked before a run, so it does not fail at its end."""
+    for key in sorted(config):
+        if key in NOT_STORED or config[key] is None:
+            continue
+        try:
+            _toml(config[key]).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"--{key.replace('_', '-')} {config[key]!r} is not UTF-8 text, "
+                             f"which {name} cannot record: give a name in UTF-8 (a symbolic "
+                             f"link with such a name will do)") from None
 
 
 def dumps(config: dict) -> str:

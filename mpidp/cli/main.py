@@ -525,17 +525,19 @@ def _train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser._subparsers._group_actions[0].choices["train"]  # noqa: SLF001
 
 
-def _with_table(parser, argv: list[str], table: dict, source: str) -> tuple[argparse.Namespace,
-                                                                           list[str], set[str]]:
+def _with_table(parser, argv: list[str], table: dict, source: str,
+                literal: bool = False) -> tuple[argparse.Namespace, list[str], set[str]]:
     """Parse ``train`` with ``table``'s options in front of the command line's (which win).
     Returns the arguments, the new argv and the options the table sets to other than their
-    defaults (those count as given: an inapplicable one is refused like a flag)."""
+    defaults (those count as given: an inapplicable one is refused like a flag).
+    ``literal``: the table is what a run recorded (see :func:`mpidp.cli.config.tokens`)."""
     from . import config
     from .options import given
     train = _train_parser(parser)
     after = argv[argv.index("train") + 1:]
     try:
-        toks = config.tokens(table, train, skip=given(train, after), source=source)
+        toks = config.tokens(table, train, skip=given(train, after), source=source,
+                             literal=literal)
     except ValueError as exc:
         parser.error(str(exc))
     new = [*argv[:argv.index("train") + 1], *toks, *after]
@@ -582,7 +584,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train" and args.resume and args.checkpoint_dir:
             stored = C.root_decides(comm, _stored_config, args.checkpoint_dir)
             if stored:  # what the run was trained with; a mode switched now keeps its own
-                args, argv, _ = _with_table(parser, argv, stored, "the checkpoint's settings")
+                args, argv, _ = _with_table(parser, argv, stored, "the checkpoint's settings",
+                                            literal=True)
         _run(args, comm, parser, typed, from_file)
     except Preempted as exc:
         if comm.rank == 0:
@@ -591,6 +594,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except C.MpidpError as exc:  # raised identically on every rank
         if comm.rank == 0:
             print(f"mpidp: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except OSError as exc:  # an output this rank alone writes (rank 0): a full disk ...
+        from ..atomic import DISK_FULL, WriteError, write_error
+        if not isinstance(exc, WriteError) and exc.errno not in DISK_FULL:
+            raise
+        print(f"mpidp: error: {write_error(exc)}", file=sys.stderr, flush=True)
+        if comm.size > 1:  # the others may wait in a collective: end the job, in one line
+            C.abort_job(comm, EXIT_USAGE)
         return EXIT_USAGE
     except (SystemExit, KeyboardInterrupt) as exc:  # one rank leaving must not hang the others
         code = exc.code if isinstance(exc, SystemExit) else 130

@@ -21,7 +21,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("runs", nargs="+", metavar="RUN_DIR",
                    help="a train --out folder (metrics.json, or history.jsonl if it was killed)")
-    p.add_argument("--out", required=True, metavar="FILE.png", help="the image to write")
+    p.add_argument("--out", required=True, metavar="FILE.png",
+                   help="the image to write (its extension says the format: .png, .svg, "
+                   f".pdf ...; a folder gets {P.IN_A_FOLDER} in it, a name without one .png)")
     p.add_argument("--x", choices=("epochs", "seconds", "both"), default="both",
                    help="horizontal axis: epochs, seconds since the start, or both (default)")
     p.add_argument("--title", default=None, help="a title over the figure")
@@ -30,13 +32,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``mpidp plot`` with the parsed ``args``; returns the exit status (2 with a message
-    on bad input, before anything is written)."""
+    on bad input, before anything is written, or when the image cannot be written: then
+    nothing is left half-written)."""
     try:
         P.need_matplotlib()
+        out = P.output_path(args.out)
         runs = P.load_runs(args.runs)
+        P.draw(runs, out, args.x, args.title)
     except (ImportError, ValueError, OSError) as exc:
         print(f"mpidp: error: {exc}", file=sys.stderr)
         return 2
-    P.draw(runs, args.out, args.x, args.title)
-    print(f"wrote {args.out} ({len(runs)} run{'s' if len(runs) > 1 else ''})")
+    print(f"wrote {out} ({len(runs)} run{'s' if len(runs) > 1 else ''})")
     return 0

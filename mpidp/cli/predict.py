@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import comm as C
 from .. import nn
-from ..atomic import write_atomic
+from ..atomic import check_file, write_atomic
 from ..data.partition import block_range, split_rows
 from ..data.sources import open_source, scan_rows
 from ..nn.sparse import CSR
@@ -61,8 +61,18 @@ def _scores(comm: C.Comm, model: nn.Sequential, mine: _Rows, classifier: bool) -
     return sums.scores(vector)
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """ValueError naming the option, the path and the fix unless ``--out`` (and
+    ``--metrics``) can be written as files: not a folder, not a symbolic link to nothing,
+    in a place where a file can be created (tried, before any work)."""
+    check_file(args.out, "--out", "predictions.npy")
+    if args.metrics:
+        check_file(args.metrics, "--metrics", "metrics.json")
+
+
 def predict(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     """Run ``mpidp predict``. Collective. Returns a summary on rank 0."""
+    C.root_decides(comm, check_outputs, args)
     model = C.run_agreed(comm, _open_model, args.model)
     src = C.run_agreed(comm, open_source, args.dataset, seed=args.seed,
                        n_samples=args.n_samples, n_features=args.n_features)
@@ -93,7 +103,7 @@ def predict(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     correct = None if scores is None else scores.get("accuracy")
     if args.metrics and scores is not None:
         C.root_decides(comm, write_atomic, args.metrics,
-                       lambda f: f.write(json.dumps(scores, indent=2).encode()))
+                       lambda f: f.write(json.dumps(scores, indent=2).encode()), "--metrics")
     summary = {"rows": len(rows), "out": args.out, "accuracy": correct, "scores": scores,
                "per_rank": res.per_rank, "seconds": res.seconds}
     if comm.rank == 0:

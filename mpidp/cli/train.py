@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import comm as C
 from .. import nn
+from ..atomic import check_folder, write_together
 from ..data import distribute as D
 from ..data.balance import Partition, format_balance
 from ..data.partition import block_range, steps_per_epoch
@@ -30,7 +31,7 @@ from ..nn.modelfile import is_model_file, layers_from, read_model_file
 from ..nn.sparse import CSR
 from ..nn.standardize import moments, pass1_mean, pass1_sums, pass2_squares
 from ..observe.metrics import format_timings, gather_timings
-from ..observe.watch import Outputs, Watch, check_writable, log, say, setup_logging
+from ..observe.watch import Outputs, Watch, log, say, setup_logging
 from ..parallel import DataParallel, make_trainer
 from ..parallel.async_ps import AsyncPS, fit_async
 from ..parallel.data_parallel import fit
@@ -49,11 +50,15 @@ from . import options as O
 
 
 def check_out(args: argparse.Namespace) -> None:
-    """ValueError unless every output location can be written (tried for real)."""
+    """ValueError unless every output location can be written (tried for real; no
+    symbolic link to nothing in the way) and ``OUT/config.toml`` can record the settings."""
     out = args.out
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out!r} exists and is not a folder")
-    check_writable(os.path.join(out, "metrics.json"), "--out")
+    check_folder(out, "--out")
+    if args.checkpoint_dir:
+        check_folder(args.checkpoint_dir, "--checkpoint-dir")
+    config_file.check_recordable(O.applying(vars(args)))
     Watch.check(outputs(args))
 
 
@@ -104,12 +109,13 @@ def _config(args: argparse.Namespace, comm: C.Comm) -> dict:
 def resumed(comm: C.Comm, args: argparse.Namespace, config: dict, found):
     """The resume state from ``found`` (``(path, state)`` or None), after checking that the
     checkpoint fits this run (:func:`mpidp.run.checkpoint.compare_resume`: same settings and
-    data, not more epochs done than asked); announces changed hyperparameters and records
-    them in ``config["resume_changes"]``."""
+    data, not more epochs done than asked); announces changed hyperparameters (and another
+    ``--sync``) and records them in ``config["resume_changes"]``."""
     if found is None:
         say(comm, f"no checkpoint in {args.checkpoint_dir}: starting from the beginning")
         return None
     path, state = found
+    state.source = state.source or path  # what a refusal of its position names
     changed, refusal = ck.compare_resume(state.config, config, state=state, path=path)
     if refusal:
         raise C.MpidpError(refusal)
@@ -480,6 +486,9 @@ def _train_data_parallel(job: _Job) -> dict | None:
     if data.val is not None:
         job.best = _Best(comm, args, lambda: dp.model, _model_meta(args, data))
     watch = Watch(comm, outputs(args), dp.timer, job.config)
+    if args.sync != "async-ps":  # async-ps counts its steps otherwise: said at the end
+        watch.check_steps(args.epochs * steps_per_epoch(data.train.n_total, args.batch_size,
+                                                        args.drop_last))
     how = dp.sync.describe()
     _announce(comm, args, data, f"model: {dp.model!r}", *([how] if how else []))
     log.debug(f"[rank {comm.rank}] {C.mpi_info(C.self_comm())['processor']}: "
@@ -576,6 +585,8 @@ def _train_model_parallel(job: _Job) -> dict | None:
                          _model_meta(args, data))
     apply_slowdown(args, comm, pipe.timer)
     watch = Watch(comm, outputs(args), pipe.timer, job.config)
+    watch.check_steps(args.epochs * steps_per_epoch(data.train.n_total, args.batch_size,
+                                                    args.drop_last))
     _announce(comm, args, data, f"{pipe.n_stages} stages x {pipe.n_replicas} replicas, "
               f"{args.micro_batches} micro-batches, {args.schedule}; stage bounds (layers) "
               f"{pipe.plan.bounds}")
@@ -628,14 +639,16 @@ def _pipeline_metrics(job: _Job, pipe, data: D.Data, history: list[dict]) -> dic
 
 def finish(comm: C.Comm, args: argparse.Namespace, metrics: dict, model: nn.Sequential,
            data: D.Data, replicas: str) -> dict:
-    """On rank 0: write ``model.npz`` and ``metrics.json`` (atomically) and print the summary."""
+    """On rank 0: write ``model.npz``, ``metrics.json`` and ``config.toml`` (all of them or,
+    when one fails, none: :func:`mpidp.atomic.write_together`) and print the summary."""
     meta = _model_meta(args, data)
-    os.makedirs(args.out, exist_ok=True)
-    nn.save(model, os.path.join(args.out, "model.npz"), meta=meta)
-    write_atomic(os.path.join(args.out, "metrics.json"),
-                 lambda f: f.write(json.dumps(metrics, indent=2).encode()))
-    write_atomic(os.path.join(args.out, "config.toml"),
-                 lambda f: f.write(config_file.dumps(O.applying(metrics["config"])).encode()))
+    texts = {"metrics.json": json.dumps(metrics, indent=2).encode(),
+             "config.toml": config_file.dumps(O.applying(metrics["config"])).encode()}
+    write_together([(os.path.join(args.out, "model.npz"),
+                     lambda path: nn.save(model, path, meta=meta)),
+                    *((os.path.join(args.out, name), lambda path, text=text: write_atomic(
+                        path, lambda f: f.write(text))) for name, text in texts.items())],
+                   what="--out")
     last = metrics["history"][-1]
     final = f"final: loss {last['loss']:.4f}"
     if last.get("test_accuracy") is not None:

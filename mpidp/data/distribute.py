@@ -407,31 +407,45 @@ def shard_from_arrays(comm: C.Comm, X: np.ndarray, y: np.ndarray,
 
     Collective. Checks on every rank, agreed so all raise the same error: ``X``
     ``(n_local, *sample_shape)``, at least 2-D, with the same sample shape on every rank
-    (an error names the ranks otherwise), ``n_features`` values per sample and the shape
-    ``sample_shape`` if given, ``len(X) == len(y)``, finite values, non-negative integer
-    labels.
+    (an error names the ranks otherwise), real numbers (not complex), ``n_features``
+    values per sample and the shape ``sample_shape`` if given, ``len(X) == len(y)``, finite
+    values, non-negative integer labels.
     """
     X, y = np.asarray(X), np.asarray(y)
-    error = None
+    error = _arrays_problem(X, y, n_features, sample_shape)  # this rank's verdict
     shape = tuple(X.shape[1:])
-    size = int(np.prod(shape, dtype=np.int64))
-    if X.ndim < 2:
-        error = f"{SHAPE_RULE} (2-D for flat features), got shape {X.shape}"
-    elif len(X) != len(y):
-        error = f"X has {len(X)} rows but y has {len(y)}: lengths disagree"
-    elif n_features is not None and size != n_features:
-        error = (f"X has {size} features but the model expects {n_features} (samples of shape "
-                 f"{shape})")
-    elif sample_shape is not None and shape != tuple(sample_shape):
-        error = f"X's samples have shape {shape} but the model expects {tuple(sample_shape)}"
-    elif not np.isfinite(X).all() or (y.dtype.kind == "f" and not np.isfinite(y).all()):
-        error = "the data contains NaN or Inf"
-    elif y.dtype.kind in "iu" and len(y) and y.min() < 0:
-        error = f"class labels must be >= 0, found {y.min()}"
     C.agree(comm, error)
     _agree_sample_shape(comm, shape)
     counts = C.allgather_counts(comm, len(X))
     return Shard(X, y, int(counts[:comm.rank].sum()), int(counts.sum()))
+
+
+def _arrays_problem(X: np.ndarray, y: np.ndarray, n_features: int | None,
+                    sample_shape: tuple[int, ...] | None) -> str | None:
+    """What is wrong with this rank's ``X`` and ``y`` for :func:`shard_from_arrays`, or
+    None. Pure: never raises, so every rank reaches the agreement."""
+    for label, a in (("X", X), ("y", y)):
+        if a.dtype.kind == "c":
+            return (f"{label} is complex ({a.dtype}) but mpidp trains on real numbers: pass "
+                    f"its real part, its magnitude, or both as separate columns")
+        if a.dtype.kind not in "biuf":
+            return f"{label} must be an array of numbers, got dtype {a.dtype}"
+    shape = tuple(X.shape[1:])
+    size = int(np.prod(shape, dtype=np.int64))
+    if X.ndim < 2:
+        return f"{SHAPE_RULE} (2-D for flat features), got shape {X.shape}"
+    if y.ndim == 0 or len(X) != len(y):
+        return f"X has {len(X)} rows but y has {len(y) if y.ndim else 'none'}: lengths disagree"
+    if n_features is not None and size != n_features:
+        return (f"X has {size} features but the model expects {n_features} (samples of shape "
+                f"{shape})")
+    if sample_shape is not None and shape != tuple(sample_shape):
+        return f"X's samples have shape {shape} but the model expects {tuple(sample_shape)}"
+    if not np.isfinite(X).all() or (y.dtype.kind == "f" and not np.isfinite(y).all()):
+        return "the data contains NaN or Inf"
+    if y.dtype.kind in "iu" and len(y) and y.min() < 0:
+        return f"class labels must be >= 0, found {y.min()}"
+    return None
 
 
 def _agree_sample_shape(comm: C.Comm, shape: tuple[int, ...]) -> None:

@@ -180,10 +180,14 @@ class RowReader:
                 os.close(self._file[0])
             self._file = None
         lo = int(rows[0])
-        y_out[...] = np.asarray(self.source.y[lo:int(rows[-1]) + 1])[rows - lo]
+        y = np.asarray(self.source.y[lo:int(rows[-1]) + 1])[rows - lo]
         self.clock.lap("read")
         no_X = np.empty((len(rows), 0), X_out.dtype)  # X was checked block by block
-        self._note(check_rows(self.source, no_X, y_out, rows, self.n_classes), y_out)
+        # checked as stored (a uint64 label past int64 must not be named as its cast)
+        error = check_rows(self.source, no_X, y, rows, self.n_classes, dtype=self.y_dtype)
+        self._note(error, y if error is None else None)
+        with np.errstate(over="ignore", invalid="ignore"):  # reported by the check
+            y_out[...] = y
         self.clock.lap("check")
 
     def _block(self, rows: np.ndarray, X_out: np.ndarray) -> None:

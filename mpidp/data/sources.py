@@ -152,6 +152,12 @@ def _npz_member(path: str, zf: zipfile.ZipFile, key: str, verify: bool = True):
         raise ValueError(f"{path}: no array named {key!r} (found {sorted(zf.namelist())})")
     info = zf.getinfo(name)
     if info.compress_type != zipfile.ZIP_STORED:
+        try:  # the header first (a few bytes inflated): numpy reads a negative shape
+            with zf.open(name) as f:
+                shape = read_npy_header(f)[0]
+        except Exception:  # noqa: BLE001 - reading the whole member below says what is wrong
+            shape = ()
+        _check_shape(f"{path}: member {name}", shape, "numpy.savez")
         try:  # compressed: cannot map, read it whole (zipfile checks the CRC-32)
             with zf.open(name) as f:
                 return np.lib.format.read_array(f, allow_pickle=False)
@@ -169,13 +175,11 @@ def _npz_member(path: str, zf: zipfile.ZipFile, key: str, verify: bool = True):
             _check_crc(path, offset, info)
         f.seek(offset)
         try:
-            version = np.lib.format.read_magic(f)
-            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                           else np.lib.format.read_array_header_2_0)
-            shape, fortran, dtype = read_header(f)
+            shape, fortran, dtype = read_npy_header(f)
         except ValueError as exc:
             raise ValueError(f"{path}: member {name} is not a valid .npy array ({exc})") from None
         data_offset = f.tell()
+    _check_shape(f"{path}: member {name}", shape, "numpy.savez")
     if dtype.hasobject:
         raise ValueError(f"{path}: {key} holds Python objects (pickled); expected a numeric "
                          f"array")
@@ -184,6 +188,25 @@ def _npz_member(path: str, zf: zipfile.ZipFile, key: str, verify: bool = True):
                          order="F" if fortran else "C")
     except ValueError as exc:
         raise ValueError(f"{path}: member {name} cannot be memory-mapped ({exc})") from None
+
+
+def read_npy_header(f) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """``(shape, fortran_order, dtype)`` from the ``.npy`` header at the position of the
+    open binary file ``f``, which is left at the first data byte; ValueError if it is none."""
+    version = np.lib.format.read_magic(f)
+    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                   else np.lib.format.read_array_header_2_0)
+    return read_header(f)
+
+
+def _check_shape(what: str, shape: tuple[int, ...], writer: str) -> None:
+    """ValueError naming ``what`` when a ``.npy`` header's ``shape`` has a dimension below
+    0 (numpy reads such a header, then fails to map it); ``writer`` is the numpy function
+    that writes a good one."""
+    if any(d < 0 for d in shape):
+        raise ValueError(f"{what}: its header gives the shape {tuple(shape)}, with a negative "
+                         f"dimension: the header was edited or damaged; write the array again "
+                         f"with {writer}")
 
 
 def _member_offset(f, info: zipfile.ZipInfo) -> int:
@@ -232,10 +255,7 @@ def _npy_problem(path: str, exc: Exception) -> str:
     """Why the ``.npy`` file ``path`` cannot be memory-mapped, in words."""
     try:
         with open(path, "rb") as f:
-            version = np.lib.format.read_magic(f)
-            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                           else np.lib.format.read_array_header_2_0)
-            shape, _, dtype = read_header(f)
+            shape, _, dtype = read_npy_header(f)
             start = f.tell()
     except (OSError, ValueError) as bad:
         return f"not a valid .npy file ({bad})"
@@ -267,6 +287,12 @@ def _open_npy(folder: str, name: str):
         raise not_regular(path)
     if not os.path.isfile(path):
         raise ValueError(f"dataset folder {folder!r} has no {name}")
+    try:
+        with open(path, "rb") as f:
+            shape = read_npy_header(f)[0]
+    except (OSError, ValueError):
+        shape = ()  # np.load below says what is wrong
+    _check_shape(f"dataset file {path!r}", shape, "numpy.save")
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
@@ -311,16 +337,40 @@ def _open_hdf5(path: str) -> Source:
     except OSError as exc:
         raise ValueError(f"cannot read dataset {path!r} as HDF5: {exc}") from None
     try:
+        found = {}
         for key in ("X", "y"):
             if key not in f:
                 raise ValueError(f"{path}: no dataset named {key!r} (found {sorted(f.keys())})")
-            if not isinstance(f[key], h5py.Dataset):
-                raise ValueError(f"{path}: {key!r} is an HDF5 {type(f[key]).__name__.lower()}, "
+            try:
+                found[key] = f[key]
+            except (KeyError, OSError) as exc:  # a link to nothing: h5py says KeyError
+                raise ValueError(_unresolved(h5py, path, f, key, exc)) from None
+            if not isinstance(found[key], h5py.Dataset):
+                raise ValueError(f"{path}: {key!r} is an HDF5 {type(found[key]).__name__.lower()}, "
                                  f"not a dataset; expected arrays X and y at the top level")
-        return ArraySource(path, f["X"], f["y"])
+        return ArraySource(path, found["X"], found["y"])
     except BaseException:
         f.close()
         raise
+
+
+def _unresolved(h5py, path: str, f, key: str, exc: Exception) -> str:
+    """Why ``key`` of the open HDF5 file ``f`` (at ``path``) names no object, in words."""
+    why = str(exc).strip("'\"").removeprefix("Unable to synchronously open object ")
+    link = f.get(key, getlink=True)
+    if isinstance(link, h5py.ExternalLink):
+        where = f"{path}: {key!r} is an external link to {link.path!r} in {link.filename!r}"
+        beside = os.path.join(os.path.dirname(path), link.filename)
+        if os.path.exists(beside) or os.path.exists(link.filename):
+            return (f"{where}, which does not hold it as HDF5 {why}: point the link at the "
+                    f"dataset, or copy the data into {path} itself")
+        return (f"{where}, a file that is not there {why}: put {link.filename} beside "
+                f"{path}, or copy the data into {path} itself")
+    if isinstance(link, h5py.SoftLink):
+        return (f"{path}: {key!r} is a soft link to {link.path!r}, which is not in the file "
+                f"{why}: store the dataset {key} in the file, or point the link at it")
+    return (f"{path}: {key!r} cannot be opened {why}: the file may be damaged; re-create or "
+            f"re-copy it")
 
 
 def open_source(spec: str | os.PathLike, *, n_samples: int = 60000,
@@ -393,12 +443,16 @@ def check_rows(source: Source, X: np.ndarray, y: np.ndarray, rows: np.ndarray,
         if problem:
             return problem
     if source.classification and len(y):
-        lo, hi = int(y.min()), int(y.max())
+        lo, hi = int(y.min()), int(y.max())  # Python ints: exact in any integer dtype
         if lo < 0:
             return f"{source.name}: class labels must be >= 0, found {lo}"
         if n_classes is not None and hi >= n_classes:
             return (f"{source.name}: class label {hi} is out of range for {n_classes} classes "
                     f"(labels must be in [0, {n_classes - 1}])")
+        if hi > np.iinfo(np.int64).max:
+            return (f"{source.name}: class label {hi} (row {int(rows[np.argmax(y)])}) is beyond "
+                    f"int64: labels are class numbers 0, 1, ...; fix that row, or store the "
+                    f"targets as floats for regression")
     return None
 
 

@@ -14,10 +14,13 @@ share and the load imbalance. Non-finite floats are written as ``null`` (strict 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 from typing import Any
+
+from ..atomic import write_error
 
 #: The message when TensorBoard output is asked for without its package.
 NEED_TENSORBOARD = ("--tensorboard needs the tensorboardX package: pip install "
@@ -63,13 +66,17 @@ class History:
     tensorboard_dir : folder for TensorBoard event files, or None. Raises ValueError
         naming the fix when tensorboardX is not installed.
     fsync_epochs : fsync after each epoch line (steps lines are only flushed).
+    what : the option that named the file's place (``"--out"``), for the fix in errors.
 
-    Files are created with the process umask (``open`` mode 0o666 & ~umask).
+    Files are created with the process umask (``open`` mode 0o666 & ~umask). A write that
+    fails (a full disk) raises :class:`mpidp.atomic.WriteError` naming ``path_jsonl``.
     """
 
     def __init__(self, path_jsonl: str, tensorboard_dir: str | None = None,
-                 append: bool = False, fsync_epochs: bool = True) -> None:
+                 append: bool = False, fsync_epochs: bool = True,
+                 what: str | None = None) -> None:
         self.writer = None
+        self.path, self.fsync_epochs, self.what, self._failed = path_jsonl, fsync_epochs, what, False
         if tensorboard_dir is not None:
             try:
                 from tensorboardX import SummaryWriter
@@ -77,17 +84,23 @@ class History:
                 raise ValueError(NEED_TENSORBOARD) from None
             os.makedirs(tensorboard_dir, exist_ok=True)
             self.writer = SummaryWriter(logdir=tensorboard_dir)
-        os.makedirs(os.path.dirname(os.path.abspath(path_jsonl)), exist_ok=True)
-        self.path, self.fsync_epochs = path_jsonl, fsync_epochs
-        self._f = open(path_jsonl, "a" if append else "w", encoding="utf-8")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path_jsonl)), exist_ok=True)
+            self._f = open(path_jsonl, "a" if append else "w", encoding="utf-8")
+        except OSError as exc:
+            raise write_error(exc, path_jsonl, what) from None
 
     def _write(self, kind: str, record: dict, sync: bool) -> dict:
         rec = {"kind": kind, **_clean(record)}
         rec.update({k: v for k, v in derived(rec).items() if k not in rec})
-        self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-        self._f.flush()
-        if sync:
-            os.fsync(self._f.fileno())
+        try:
+            self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            self._f.flush()
+            if sync:
+                os.fsync(self._f.fileno())
+        except OSError as exc:
+            self._failed = True  # said once: close() does not raise it again
+            raise write_error(exc, self.path, self.what) from None
         return rec
 
     def config(self, config: dict) -> None:
@@ -122,11 +135,21 @@ class History:
         self.writer.flush()
 
     def close(self) -> None:
-        """Flush and close the files (safe to call twice)."""
+        """Flush and close the files (safe to call twice; after a failed write, closing
+        raises nothing more)."""
         if not self._f.closed:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
+            error = None
+            try:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+            except OSError as exc:
+                error = exc
+            finally:
+                with contextlib.suppress(OSError):
+                    self._f.close()  # closed even where its flush fails
+            if error is not None and not self._failed:
+                self._failed = True
+                raise write_error(error, self.path, self.what) from None
         if self.writer is not None:
             self.writer.close()
             self.writer = None
@@ -140,13 +163,29 @@ class History:
 
 def read(path: str) -> list[dict]:
     """The records of a ``history.jsonl``, in order; a last line cut short by a kill is
-    skipped (everything before it is whole)."""
+    skipped (everything before it is whole). ValueError naming the file and the line
+    for any other line that is not a JSON object in UTF-8."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                if line.endswith("\n"):
-                    raise
+                record = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}, line {number}: not UTF-8 text (byte "
+                                 f"0x{raw[exc.start]:02x}); {_DAMAGED}") from None
+            except json.JSONDecodeError as exc:
+                if not raw.endswith(b"\n"):
+                    continue  # the last line, cut short
+                exc.args = (f"{path}, line {number}: not a JSON record ({exc.msg} at "
+                            f"column {exc.colno}); {_DAMAGED}",)
+                raise exc from None  # still a JSONDecodeError, its text naming the file
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}, line {number}: not a JSON object but "
+                                 f"{type(record).__name__} {raw.decode().strip()[:40]}; "
+                                 f"{_DAMAGED}")
+            out.append(record)
     return out
+
+
+#: The fix for a damaged history line.
+_DAMAGED = "the file is damaged there: delete that line (or fix it) and try again"

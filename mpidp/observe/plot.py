@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ..atomic import check_file, shown, write_atomic, write_error
 from .history import read as read_history
 
 #: Configuration keys worth naming in a label, in this order, with their short names.
@@ -33,8 +34,14 @@ def load_run(folder: str) -> dict:
     metrics = os.path.join(folder, "metrics.json")
     jsonl = os.path.join(folder, "history.jsonl")
     if os.path.isfile(metrics):
-        with open(metrics, encoding="utf-8") as f:
-            m = json.load(f)
+        try:
+            with open(metrics, encoding="utf-8") as f:
+                m = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{metrics}: not valid JSON ({exc}); the file is damaged: "
+                             "write it again, or delete it to plot history.jsonl") from None
+        if not isinstance(m, dict):
+            raise ValueError(f"{metrics}: not the metrics of a run (a JSON object)")
         config = dict(m.get("config") or {})
         config.setdefault("world_size", m.get("world_size"))
         config.setdefault("sync", m.get("sync"))
@@ -160,10 +167,40 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    fmt = os.path.splitext(out)[1][1:].lower() or "png"
+    try:  # atomically: a failure leaves no half-written image
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        except OSError as exc:
+            raise write_error(exc, out, "--out") from None
+        write_atomic(out, lambda f: fig.savefig(f, format=fmt, dpi=110, bbox_inches="tight"),
+                     what="--out")
+    finally:
+        plt.close(fig)
     return names
+
+
+#: The file written when ``--out`` names a folder.
+IN_A_FOLDER = "plot.png"
+
+
+def output_path(out: str) -> str:
+    """The image file ``--out`` means: ``out`` itself; ``OUT/plot.png`` when ``out`` is a
+    folder (or ends with a separator); ``out.png`` when it has no extension. ValueError
+    naming ``out`` and the fix for a format matplotlib cannot write, or a place where no
+    file can be written (tried)."""
+    if os.path.isdir(out) or out.endswith(os.sep):
+        out = os.path.join(out, IN_A_FOLDER)
+    elif not os.path.splitext(out)[1]:
+        out += ".png"
+    from matplotlib.backend_bases import FigureCanvasBase
+    formats = FigureCanvasBase.get_supported_filetypes()
+    ext = os.path.splitext(out)[1][1:].lower()
+    if ext not in formats:
+        raise ValueError(f"--out {shown(out)}: matplotlib cannot write .{ext} images; give "
+                         f"one of " + ", ".join(f".{f}" for f in sorted(formats)))
+    check_file(out, "--out", IN_A_FOLDER)
+    return out
 
 
 def need_matplotlib() -> None:

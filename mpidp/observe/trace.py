@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from ..atomic import write_atomic, write_error
+
 #: Tracks with fixed thread ids (in this order); other tracks follow, in order of first use.
 TRACKS = ("compute", "comm", "wait", "eval", "io")
 #: Tag of the clock-alignment messages (outside the range the trainers use).
@@ -86,6 +88,8 @@ class Tracer:
         self.epoch = 0
         self.events: list[tuple] = []
         self._step = -1
+        self.first_step: int | None = None  # the run's first and last global steps seen
+        self.last_step: int | None = None
         self.on = enabled and self.window is None
 
     @property
@@ -96,8 +100,25 @@ class Tracer:
     @step.setter
     def step(self, k: int) -> None:
         self._step = k
+        if k >= 0:
+            if self.first_step is None:
+                self.first_step = k
+            self.last_step = k
         w = self.window
         self.on = self.enabled and (w is None or w[0] <= k < w[1])
+
+    def missed(self) -> str | None:
+        """What to warn of when the step window holds none of the steps seen (a resumed
+        run past it, early stopping before it); None when it holds some, or has none."""
+        if self.window is None:
+            return None
+        a, b = self.window
+        if self.first_step is None:
+            return f"--trace-steps {a}:{b}: the run took no step, so the timeline holds none"
+        if self.last_step < a or self.first_step >= b:
+            return (f"--trace-steps {a}:{b} recorded no step: this run's steps were "
+                    f"{self.first_step} to {self.last_step}; give a range within them")
+        return None
 
     def span(self, name: str, cat: str, track: str = "compute", flow: Any = None, **args):
         """Context manager that records the ``with`` body as one span on ``track``.
@@ -175,8 +196,9 @@ def write(comm, tracer: Tracer, path: str) -> int | None:
     on rank 0. Collective: every rank of ``comm`` must call this (a disabled tracer
     contributes nothing). Returns the number of spans written on rank 0, None elsewhere.
 
-    The file is written to a temporary name and moved into place (never half-written);
-    its ``otherData.clock_sync`` records each rank's offset and uncertainty.
+    The file is written to a temporary name and moved into place (never half-written: a
+    failure removes the temporary file and raises :class:`mpidp.atomic.WriteError` naming
+    ``path``); its ``otherData.clock_sync`` records each rank's offset and uncertainty.
     """
     offset, err = clock_offsets(comm)
     mine = {"rank": comm.rank, "host": tracer.host, "offset": offset, "uncertainty": err,
@@ -185,12 +207,12 @@ def write(comm, tracer: Tracer, path: str) -> int | None:
     if parts is None:
         return None
     trace = build(parts, tracer.window)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(trace, f, separators=(",", ":"))
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    except OSError as exc:
+        raise write_error(exc, path, "--trace") from None
+    write_atomic(path, lambda f: f.write(json.dumps(trace, separators=(",", ":")).encode()),
+                 what="--trace")
     return sum(len(p["events"]) for p in parts)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import comm as C
+from ..atomic import check_file, check_writable
 from .history import History
 from .trace import Tracer, parse_window
 from .trace import write as write_trace
@@ -51,20 +52,6 @@ def say(comm: C.Comm, *lines: str) -> None:
         log.info("\n".join(lines))
 
 
-def check_writable(path: str, what: str) -> None:
-    """ValueError unless a file can be created where ``path`` will go (tried for real:
-    permission bits alone say nothing for root)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
-    try:
-        with open(os.path.join(folder, f".mpidp-probe-{os.getpid()}"), "wb") as f:
-            name = f.name
-        os.unlink(name)
-    except OSError as exc:
-        raise ValueError(f"{what} {path!r}: cannot write in {folder!r} ({exc.strerror})") from None
-
-
 class Watch:
     """The run's live outputs. Collective to create (every rank of ``comm``)."""
 
@@ -83,7 +70,7 @@ class Watch:
     def check(outputs: Outputs) -> None:
         """Up front, on one rank: the outputs asked for can be written."""
         if outputs.trace:
-            check_writable(outputs.trace, "--trace")
+            check_file(outputs.trace, "--trace", "trace.json")
             parse_window(outputs.trace_steps)
         if outputs.tensorboard:
             check_writable(os.path.join(outputs.tensorboard, "x"), "--tensorboard")
@@ -93,6 +80,16 @@ class Watch:
                 raise ValueError("--tensorboard needs tensorboardX: pip install "
                                  "'mpidp[tensorboard]'") from None
 
+    def check_steps(self, total: int) -> None:
+        """Raise :class:`~mpidp.comm.MpidpError` (on every rank: the same figures everywhere)
+        when the ``--trace-steps`` window starts at or after ``total``, the number of global
+        steps the run takes: the timeline would hold none of them."""
+        window = None if self.tracer is None else self.tracer.window
+        if window is not None and window[0] >= total:
+            raise C.MpidpError(f"--trace-steps {window[0]}:{window[1]}: this run has {total} "
+                               f"steps (0 to {total - 1}), so the timeline would hold none "
+                               f"of them: give a range that starts below {total}")
+
     def history(self) -> History | None:
         """Rank 0's history file, opened on first use (after the run's checks passed)."""
         if self.comm.rank != 0:
@@ -100,7 +97,7 @@ class Watch:
         if self._history is None:
             os.makedirs(self.outputs.out, exist_ok=True)
             self._history = History(os.path.join(self.outputs.out, "history.jsonl"),
-                                    self.outputs.tensorboard)
+                                    self.outputs.tensorboard, what="--out")
             self._history.config(self.config)
         return self._history
 
@@ -137,12 +134,16 @@ class Watch:
 
     def finish(self, history: list[dict]) -> None:
         """At the end of training (every rank): write the trace (collective; failing to
-        write it is a warning, never the run's failure); a mode that learns its epochs only
-        at the end (async-ps) writes their lines now."""
+        write it is a warning, never the run's failure, as is a ``--trace-steps`` window
+        that none of the run's steps fell in); a mode that learns its epochs only at the end
+        (async-ps) writes their lines now."""
         if self.tracer is not None:
             try:
                 n = write_trace(self.comm, self.tracer, self.outputs.trace)
                 say(self.comm, f"wrote timeline {self.outputs.trace} ({n} spans)")
+                missed = self.tracer.missed()
+                if missed and self.comm.rank == 0:
+                    log.warning(f"mpidp: warning: {missed}")
             except OSError as exc:
                 log.warning(f"mpidp: could not write the timeline {self.outputs.trace}: {exc}")
         if self.comm.rank == 0 and self._history is None:

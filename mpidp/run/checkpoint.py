@@ -15,6 +15,7 @@ and the data that shape the run (:func:`compare_resume`, :func:`data_fingerprint
 from __future__ import annotations
 
 import contextlib
+import copy
 import glob
 import hashlib
 import json
@@ -52,12 +53,18 @@ RESUME_MUST_MATCH = ("dataset", "model", "hidden", "batch_size", "seed", "dtype"
 RESUME_MAY_CHANGE = ("lr", "momentum", "weight_decay", "lr_schedule", "lr_step_epochs",
                      "lr_milestones", "lr_gamma", "lr_min", "warmup_epochs", "warmup_steps",
                      "lr_scaling", "base_batch", "plateau_factor", "plateau_patience",
-                     "clip_norm", "clip_value", "early_stopping", "min_delta")
+                     "clip_norm", "clip_value", "early_stopping", "min_delta",
+                     "sync", "sync_every", "compress")
+# Of those, the ones that choose the gradient exchange (said apart from the hyperparameters;
+# compared only when the checkpoint's configuration records them; the settings of a --sync
+# only under the same --sync).
+RESUME_EXCHANGE = ("sync", "sync_every", "compress")
 
-__all__ = ["Claim", "DAMAGED_PREFIX", "PATTERN", "RESUME_MAY_CHANGE", "RESUME_MUST_MATCH",
-           "State", "check_fits", "claim", "compare_resume", "data_fingerprint",
-           "format_changes", "list_checkpoints", "newest_step", "read", "read_latest",
-           "restore", "save", "save_flat", "state_of", "write_atomic"]
+__all__ = ["Claim", "DAMAGED_PREFIX", "PATTERN", "RESUME_EXCHANGE", "RESUME_MAY_CHANGE",
+           "RESUME_MUST_MATCH", "State", "check_fits", "check_position", "claim",
+           "compare_resume", "contents_problem", "data_fingerprint", "format_changes",
+           "list_checkpoints", "newest_step", "read", "read_latest", "restore", "save",
+           "save_flat", "state_of", "write_atomic"]
 
 
 def _digest(meta: str, arrays: dict[str, np.ndarray]) -> str:
@@ -80,6 +87,7 @@ class State:
     history: list[dict] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
     partition: dict[str, Any] = field(default_factory=dict)  # e.g. adaptive capacities
+    source: str | None = None  # the checkpoint file it was read from (not saved)
 
 
 # --- the folder ------------------------------------------------------------------------
@@ -246,9 +254,11 @@ def _check_not_behind(directory: str, state: State) -> None:
 # --- reading ---------------------------------------------------------------------------
 
 def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """``(meta, arrays)`` of a checkpoint, after verifying its checksum.
+    """``(meta, arrays)`` of a checkpoint, after verifying its checksum and its contents
+    (:func:`contents_problem`: a checksum recomputed over edited contents still holds).
 
-    Raises ValueError naming the file if it is truncated, corrupted or not a checkpoint.
+    Raises ValueError naming the file if it is truncated, corrupted, not a checkpoint, or
+    inconsistent.
     """
     try:
         with np.load(path, allow_pickle=False) as z:
@@ -260,7 +270,75 @@ def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
         raise ValueError(f"checkpoint {path} is unreadable: {type(exc).__name__}: {exc}") from None
     if _digest(meta, arrays) != checksum:
         raise ValueError(f"checkpoint {path} fails its checksum (corrupted)")
-    return json.loads(meta), arrays
+    try:
+        meta = json.loads(meta)
+    except ValueError as exc:
+        raise ValueError(f"checkpoint {path} is unreadable: its meta is not JSON ({exc})") from None
+    problem = contents_problem(meta, arrays)
+    if problem:
+        raise ValueError(f"checkpoint {path} is inconsistent (edited, or written by another "
+                         f"program): {problem}")
+    return meta, arrays
+
+
+def _count(value) -> bool:
+    """True for an integer >= 0 (JSON's, not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def contents_problem(meta, arrays: dict[str, np.ndarray]) -> str | None:
+    """What makes checkpoint contents ``(meta, arrays)`` unusable although their checksum
+    holds (a hand-edited file with a recomputed checksum), in words; None if they are a
+    checkpoint :func:`restore` can load: counters that are integers >= 0, running totals of
+    three numbers, and the arrays the meta records, of the recorded shapes (``params``
+    ``(n_params,)``, layer ``state`` ``(n_state,)``, each optimizer state array one value
+    per parameter)."""
+    if not isinstance(meta, dict):
+        return "its meta is not a JSON object"
+    for key, what in (("epoch", "epoch"), ("step", "step"), ("global_step", "global step"),
+                      ("n_params", "parameter count"), ("n_state", "layer state size")):
+        value = meta.get(key, 0 if key == "n_state" else None)
+        if not _count(value):
+            return f"its {what} is {value!r}, not an integer >= 0"
+    totals = meta.get("totals")
+    if not (isinstance(totals, list) and len(totals) == 3
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in totals)):
+        return f"its running totals are {totals!r}, not three numbers (loss, count, correct)"
+    for key, kind in (("history", list), ("config", dict), ("partition", dict)):
+        if not isinstance(meta.get(key, kind()), kind):
+            return f"its {key} is a {type(meta[key]).__name__}, not a {kind.__name__}"
+    opt = meta.get("optimizer")
+    if not (isinstance(opt, dict) and isinstance(opt.get("type"), str)
+            and isinstance(opt.get("state"), dict) and isinstance(meta.get("dtype"), str)):
+        return "its optimizer record (type, update count, state) or its dtype is missing"
+    if not _count(opt.get("t")):
+        return f"its optimizer's update count is {opt.get('t')!r}, not an integer >= 0"
+    return _arrays_problem(meta, arrays)
+
+
+def _arrays_problem(meta: dict, arrays: dict[str, np.ndarray]) -> str | None:
+    """:func:`contents_problem` of the arrays, for a ``meta`` whose records are well formed."""
+    n, n_state, opt = meta["n_params"], meta.get("n_state", 0), meta["optimizer"]
+    expected = {"params": (n,), **({"state": (n_state,)} if n_state else {})}
+    for name, shape in opt["state"].items():
+        if not (isinstance(shape, list) and all(_count(d) for d in shape)):
+            return f"its optimizer state {name!r} has the shape {shape!r}"
+        expected[f"opt.{name}"] = tuple(shape)
+    for key, shape in expected.items():
+        if key not in arrays:
+            return f"it holds no array {key}, which its meta records"
+        if arrays[key].shape != shape:
+            return (f"its array {key} has the shape {arrays[key].shape} but its meta records "
+                    f"{shape}")
+        if key.startswith("opt.") and shape != (n,):
+            return (f"its optimizer state {key[4:]!r} has the shape {shape}, but an optimizer "
+                    f"holds one value per parameter: ({n},)")
+    extra = sorted(set(arrays) - set(expected))
+    if extra:
+        return f"it holds arrays its meta does not record: {', '.join(extra)}"
+    if str(arrays["params"].dtype) != meta["dtype"]:
+        return f"its params are {arrays['params'].dtype}, its meta records {meta['dtype']}"
+    return None
 
 
 def read_latest(directory: str, *, set_aside: bool = True
@@ -291,7 +369,8 @@ def read_latest(directory: str, *, set_aside: bool = True
             print(f"[mpidp] set the damaged {bad} aside as {aside}", file=sys.stderr, flush=True)
         return path, meta, arrays
     if problems:
-        raise ValueError(f"no usable checkpoint in {directory}: " + "; ".join(problems))
+        raise ValueError(f"no usable checkpoint in {directory}: " + "; ".join(problems)
+                         + "; start over with --restart, or give another --checkpoint-dir")
     return None
 
 
@@ -335,7 +414,9 @@ def restore(comm: C.Comm, directory: str, model: Sequential, optimizer: Optimize
         buf = arrays[f"opt.{name}"] if comm.rank == root else np.empty(shape, model.dtype)
         optimizer.state[name] = C.bcast_(comm, np.ascontiguousarray(buf, model.dtype), root)
     optimizer.t = meta["optimizer"]["t"]
-    return path, state_of(meta)
+    state = state_of(meta)
+    state.source = path
+    return path, state
 
 
 def state_of(meta: dict) -> State:
@@ -355,6 +436,39 @@ def check_fits(path: str, meta: dict, n_params: int, dtype: np.dtype, optimizer:
     if meta["optimizer"]["type"] != type(optimizer).__name__:
         raise ValueError(f"checkpoint {path} was written with {meta['optimizer']['type']}, "
                          f"not {type(optimizer).__name__}")
+    held, needed = set(meta["optimizer"]["state"]), _state_needed(optimizer, dtype)
+    if held and needed and not needed <= held:  # (none held: the optimizer starts afresh)
+        raise ValueError(f"checkpoint {path} is inconsistent (edited, or written by another "
+                         f"program): it holds the {type(optimizer).__name__} state "
+                         f"{sorted(held)}, but {type(optimizer).__name__} needs "
+                         f"{sorted(needed)}; start over with --restart")
+
+
+def _state_needed(optimizer: Optimizer, dtype) -> set[str] | None:
+    """The state arrays ``optimizer`` (its type and settings) makes for its first update;
+    None where that cannot be asked of it."""
+    probe = copy.copy(optimizer)
+    probe.state = {}
+    try:
+        probe._prepare(np.zeros(1, dtype))
+    except Exception:  # noqa: BLE001 - an optimizer of another kind: nothing to compare
+        return None
+    return set(probe.state)
+
+
+def check_position(state: State, steps_per_epoch: int, path: str | None = None
+                   ) -> str | None:
+    """Why a run whose epochs have ``steps_per_epoch`` steps cannot resume at ``state``'s
+    position (its step lies past the end of its epoch: nothing would be trained there),
+    or None. ``state.step == steps_per_epoch`` is fine: a periodic checkpoint after an
+    epoch's last step holds it. ``path`` names the checkpoint (default: ``state.source``).
+    Pure: give every rank the same figures."""
+    if state.step <= steps_per_epoch:
+        return None
+    path = path or state.source or "the checkpoint"
+    return (f"checkpoint {path} is at step {state.step} of epoch {state.epoch + 1}, but an "
+            f"epoch of this run has {steps_per_epoch} steps: it was edited, or written for "
+            f"other data or batches; start over with --restart")
 
 
 # --- resuming --------------------------------------------------------------------------
@@ -408,9 +522,11 @@ def compare_resume(saved_config: dict, config: dict, *, state: State | None = No
 
     Returns ``(changed, refusal)``: ``changed`` maps each of ``may_change`` that differs to
     ``{"checkpoint": old, "now": new}`` (allowed: announce it with :func:`format_changes`
-    and record it); ``refusal`` is None, or the message to raise because a setting of
-    ``must_match`` differs, the dataset's ``data_fingerprint`` differs (compared when both
-    configurations have one), or ``config["epochs"]`` is below the epochs ``state`` has done.
+    and record it; of :data:`RESUME_EXCHANGE`, only what the checkpoint records, and
+    ``--sync-every``/``--compress`` only under the same ``--sync``); ``refusal`` is None,
+    or the message to raise because a setting of ``must_match`` differs, the dataset's
+    ``data_fingerprint`` differs (compared when both configurations have one), or
+    ``config["epochs"]`` is below the epochs ``state`` has done.
     """
     problems = []
     differ = [k for k in must_match if saved_config.get(k) != config.get(k)]
@@ -433,14 +549,29 @@ def compare_resume(saved_config: dict, config: dict, *, state: State | None = No
                         f"global step {state.global_step}): resume with --epochs {need} or "
                         f"more, or start over with --restart")
     changed = {k: {"checkpoint": saved_config.get(k), "now": config.get(k)}
-               for k in may_change if saved_config.get(k) != config.get(k)}
+               for k in may_change if saved_config.get(k) != config.get(k)
+               and _comparable(k, saved_config, config)}
     return changed, "; ".join(problems) or None
 
 
+def _comparable(key: str, saved_config: dict, config: dict) -> bool:
+    """Whether a change of ``key`` means something: an exchange setting
+    (:data:`RESUME_EXCHANGE`) the checkpoint records, and for ``--sync-every`` and
+    ``--compress`` one of the same ``--sync`` (another ``--sync`` is said by itself)."""
+    if key not in RESUME_EXCHANGE:
+        return True
+    return key in saved_config and (key == "sync" or saved_config.get("sync") == config.get("sync"))
+
+
 def format_changes(changed: dict) -> str:
-    """One line announcing the hyperparameters a resume changed ('' if none)."""
-    if not changed:
-        return ""
-    return "resuming with changed hyperparameters: " + ", ".join(
-        f"--{k.replace('_', '-')} {v['now']} (the checkpoint used {v['checkpoint']})"
-        for k, v in changed.items())
+    """One line announcing the settings a resume changed ('' if none): the hyperparameters,
+    then the gradient exchange (:data:`RESUME_EXCHANGE`: ``--sync`` and its settings)."""
+    def said(keys: list[str]) -> str:
+        return ", ".join(f"--{k.replace('_', '-')} {changed[k]['now']} (the checkpoint used "
+                         f"{changed[k]['checkpoint']})" for k in keys)
+
+    hyper = [k for k in changed if k not in RESUME_EXCHANGE]
+    exchange = [k for k in changed if k in RESUME_EXCHANGE]
+    parts = ([f"changed hyperparameters: {said(hyper)}"] if hyper else []) + (
+        [f"another gradient exchange: {said(exchange)}"] if exchange else [])
+    return "resuming with " + "; with ".join(parts) if parts else ""

@@ -22,7 +22,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from ..atomic import TMP_PREFIX, host_tag, write_atomic
+from ..atomic import TMP_PREFIX, host_tag, write_atomic, write_error
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
@@ -140,7 +140,11 @@ def lock_folder(directory: str) -> int:
                              f"({_describe(record)}; this filesystem has no locks, so if that "
                              f"job has ended, delete {path}): wait for it, or give this run "
                              f"another --checkpoint-dir") from None
-    _write_record(fd, _holder_record())
+    try:
+        _write_record(fd, _holder_record())
+    except OSError as exc:  # a full disk
+        os.close(fd)
+        raise write_error(exc, path, "--checkpoint-dir") from None
     return fd
 
 
@@ -182,7 +186,8 @@ def write_run(directory: str, run_id: str) -> dict:
     record = {"run_id": run_id, "created": time.strftime("%Y-%m-%d %H:%M:%S %z"),
               "host": socket.gethostname(), "pid": os.getpid()}
     write_atomic(os.path.join(directory, RUN_FILE),
-                 lambda f: f.write((json.dumps(record, indent=1) + "\n").encode()))
+                 lambda f: f.write((json.dumps(record, indent=1) + "\n").encode()),
+                 what="--checkpoint-dir")
     return record
 
 

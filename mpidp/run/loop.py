@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import comm as C
 from ..observe.progress import Progress, resolve
-from .checkpoint import State
+from .checkpoint import State, check_position
 from .faults import Injector
 from .nonfinite import NonFiniteError
 from .signals import Preempted
@@ -133,6 +133,9 @@ class _Run:
     def __init__(self, trainer: Trainer, feed: Feed, spec: RunSpec) -> None:
         self.trainer, self.feed, self.spec = trainer, feed, spec
         self.state = spec.resume or State()
+        problem = check_position(self.state, feed.n_steps)  # the same figures on every rank
+        if problem:
+            raise C.MpidpError(problem)
         trainer.global_step = self.state.global_step
         self.history = list(self.state.history)
         self.faults = Injector(trainer.world.rank)
