@@ -52,6 +52,7 @@ from .collectives import (
 from .hierarchy import NodeAllreduce, node_aware_pays, node_layout
 from .measure import exchange_time, pingpong, time_allreduce
 from .p2p import MPI_REQUEST_NULL, irecv, isend, recv_, send, test_all, wait_all, wait_any
+from .progress import BackgroundAllreduce, test_some, threads_supported
 from .runtime import (
     SHM_DIR,
     Comm,
@@ -70,6 +71,7 @@ if os.environ.get("MPIDP_ABORT_ON_ERROR", "1") != "0":
     abort_on_error()  # an uncaught exception on any rank ends the job instead of hanging it
 
 __all__ = [
+    "BackgroundAllreduce", "test_some", "threads_supported",
     "Comm", "MAX_COUNT", "MPI_REQUEST_NULL", "MpidpError", "NodeAllreduce", "node_aware_pays",
     "node_layout", "REDUCE_SPLIT_BYTES", "SHM_DIR",
     "SharedBroadcast", "SharedCounter", "SharedReduce", "Watchdog", "abort_job", "abort_on_error",

@@ -289,6 +289,31 @@ def allgather_(comm: Comm, mine: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
+def _fits(what: str, counts: np.ndarray, displs: np.ndarray) -> None:
+    """Refuse a vector collective whose counts or displacements do not fit one MPI call."""
+    reach = int((np.asarray(counts) + np.asarray(displs)).max(initial=0))
+    if reach > MAX_COUNT:
+        raise MpidpError(f"{what} reaching element {reach} exceeds one MPI call (counts and "
+                         f"displacements are C ints, at most {MAX_COUNT}); send it in pieces")
+
+
+@watched("an Alltoallv")
+def alltoallv_(comm: Comm, send: np.ndarray, send_parts: tuple[np.ndarray, np.ndarray],
+               recv: np.ndarray, recv_parts: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Send ``send[displs[r]:displs[r] + counts[r]]`` to rank ``r`` and receive rank ``r``'s
+    piece into ``recv[rdispls[r]:rdispls[r] + rcounts[r]]``, where ``send_parts`` is
+    ``(counts, displs)`` and ``recv_parts`` ``(rcounts, rdispls)``, int64 ``(size,)`` each,
+    in elements. Collective (one ``Alltoallv``). ``send`` and ``recv`` are distinct 1-D
+    contiguous arrays of one dtype, reused by the caller; a count may be 0 (this rank's
+    own piece need not travel). Refuses (:class:`MpidpError`) counts or displacements over
+    :data:`MAX_COUNT`: callers send larger exchanges in pieces. Returns ``recv``."""
+    for what, (counts, displs) in (("an Alltoallv send", send_parts),
+                                   ("an Alltoallv receive", recv_parts)):
+        _fits(what, counts, displs)
+    comm.Alltoallv([send, send_parts], [recv, recv_parts])
+    return recv
+
+
 @watched("a Barrier")
 def barrier(comm: Comm) -> None:
     """Wait until every rank of ``comm`` arrives. Collective."""

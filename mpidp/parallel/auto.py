@@ -25,6 +25,8 @@ import numpy as np
 
 from .. import comm as C
 from ..nn import Optimizer
+from .compress import Compressed
+from .overlap import Overlapped
 from .sync import Buffers, Exchanged, Round, Setup, Sync
 
 WARMUP = 2  # allreduce steps before the trials: first steps pay page faults and caches
@@ -53,10 +55,9 @@ class Auto(Sync):
         self.report = ""
 
     def setup(self, s: Setup) -> Buffers:
-        from .strategies import make_sync
         self.comm, self.root, self.model, self.timer = s.comm, s.root, s.model, s.timer
         self.n = s.model.n_params
-        plain = make_sync("allreduce", node_aware=self.node_aware)
+        plain = Sync(self.node_aware)
         out = plain.setup(s)  # node-aware where it pays; its buffer is everyone's
         self.buf = out.grads
         shared = Setup(s.comm, s.root, s.model, s.timer, grads=self.buf)
@@ -66,10 +67,10 @@ class Auto(Sync):
             grad_bytes = self.n * self.buf.itemsize
             sizes = sorted({self.bucket_bytes, max(1 << 16, grad_bytes // 4)})
             for size in sizes:
-                self.candidates.append(make_sync("overlapped", bucket_bytes=size))
+                self.candidates.append(Overlapped(size))
                 self.labels.append(f"overlapped ({size / 2**20:.2g} MiB buckets)")
             if s.model.dtype == np.float32:
-                self.candidates.append(make_sync("compressed", codec=self.codec))
+                self.candidates.append(Compressed(self.codec))
                 self.labels.append(f"compressed ({self.codec})")
         for c in self.candidates[1:]:
             c.setup(shared)

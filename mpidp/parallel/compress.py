@@ -1,15 +1,30 @@
-"""16-bit gradient codecs: IEEE float16 and a bfloat16-style truncation of float32. Pure NumPy.
+"""16-bit gradient compression: the codecs (IEEE float16, bfloat16) and the ``compressed``
+exchange strategy (the codecs are pure NumPy).
 
-Both store a value in 16 bits (half the bytes of float32). float16 keeps 11 significant bits
-but overflows beyond 65504; bfloat16 keeps float32's range with 8 significant bits.
+Both codecs store a value in 16 bits (half the bytes of float32). float16 keeps 11
+significant bits but overflows beyond 65504; bfloat16 keeps float32's range with 8
+significant bits. :func:`encode` and :func:`decode` are the reference formulas (whole
+arrays, new arrays out); :class:`Codec` does the same arithmetic in place on blocks, with
+scratch of its own, for the per-step passes of :class:`Compressed`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .. import comm as C
+from ..comm.collectives import alltoallv_
+from ..nn import Optimizer
+from . import buffer
+from .sync import Buffers, Exchanged, Round, Setup, Sync, global_sums
+
 CODECS = ("float16", "bfloat16")
 FLOAT16_MAX = float(np.finfo(np.float16).max)
+#: float32 magnitudes from this one on (bits 0x7F7F8000) round to bfloat16 Inf.
+BFLOAT16_INF_FROM = float(np.array(0x7F7F8000, np.uint32).view(np.float32))
+#: Values per block of :class:`Compressed`'s passes: a block's scratch (a few arrays of
+#: ``BLOCK`` 4-byte values) stays in a core's L2 cache while several NumPy ops run on it.
+BLOCK = 1 << 16
 
 
 def encode(x: np.ndarray, codec: str) -> np.ndarray:
@@ -33,3 +48,322 @@ def decode(codes: np.ndarray, codec: str) -> np.ndarray:
 def add(a: np.ndarray, b: np.ndarray, codec: str) -> np.ndarray:
     """Codes of ``decode(a) + decode(b)`` (the sum is formed in float32)."""
     return encode(decode(a, codec) + decode(b, codec), codec)
+
+
+class Codec:
+    """:func:`encode` and :func:`decode` in place, bit for bit, on blocks of at most
+    ``block`` values: no allocation per call. Call inside ``np.errstate(over="ignore",
+    invalid="ignore")`` (float16 overflow and NaN arithmetic are expected there).
+
+    ``x``, ``acc``, ``lost``: float32 ``(k,)``; ``codes``: uint16 ``(k,)``; ``out``: float32
+    or float64 ``(k,)``; ``k <= block``. ``lost`` may be ``x`` itself.
+
+    Both codecs work on the float32 bits with integer ops, float16 too (faster than NumPy's
+    float16 casts); its subnormals go through two float ops that round exactly as the cast.
+    """
+
+    def __init__(self, codec: str, block: int = BLOCK) -> None:
+        if codec not in CODECS:
+            raise C.MpidpError(f"unknown compression {codec!r}; expected one of {CODECS}")
+        self.codec, self.block = codec, int(block)
+        self._bits, self._a, self._t, self._o = (np.zeros(self.block, np.uint32) for _ in "abto")
+
+    def encode_(self, x: np.ndarray, codes: np.ndarray, lost: np.ndarray | None = None) -> None:
+        """``codes[...] = encode(x)``; with ``lost``, ``lost[...] = x - decode(codes)``."""
+        if self.codec == "float16":
+            self._encode_f16(x, codes, lost)
+            return
+        b, u = x.view(np.uint32), self._bits[:len(x)]
+        np.right_shift(b, 16, out=u)  # round to nearest, ties to even: add 0x7FFF + lsb
+        np.bitwise_and(u, 1, out=u)
+        np.add(u, 0x7FFF, out=u)
+        np.add(u, b, out=u)  # wraps modulo 2**32 as the reference formula does
+        if lost is not None:
+            np.bitwise_and(u, 0xFFFF0000, out=u)  # the decoded value's bits
+            np.subtract(x, u.view(np.float32), out=lost)
+        np.right_shift(u, 16, out=u)
+        codes[...] = u
+
+    def decode_(self, codes: np.ndarray, out: np.ndarray) -> None:
+        """``out[...] = decode(codes)`` (converted to ``out``'s dtype; any length)."""
+        if self.codec == "bfloat16" and out.dtype == np.float32:
+            bits = out.view(np.uint32)
+            bits[...] = codes
+            np.left_shift(bits, 16, out=bits)
+            return
+        for lo, hi in _blocks(0, len(codes), self.block):
+            mine = out.dtype == np.float32
+            value = out[lo:hi] if mine else self._o[:hi - lo].view(np.float32)
+            self._decode32(codes[lo:hi], value)
+            if not mine:
+                np.copyto(out[lo:hi], value)
+
+    def decode_add_(self, codes: np.ndarray, acc: np.ndarray) -> None:
+        """``acc += decode(codes)`` (float32 arithmetic)."""
+        value = self._o[:len(codes)].view(np.float32)
+        self._decode32(codes, value)
+        np.add(acc, value, out=acc)
+
+    def _decode32(self, codes: np.ndarray, out: np.ndarray) -> None:
+        """``out`` (float32, a block, not this codec's scratch but ``_o``) = decode(codes)."""
+        o, h = out.view(np.uint32), self._bits[:len(codes)]
+        if self.codec == "bfloat16":
+            o[...] = codes
+            np.left_shift(o, 16, out=o)
+            return
+        h[...] = codes
+        t = self._t[:len(codes)]
+        np.bitwise_and(h, 0x7FFF, out=t)
+        self._f16_magnitude(t, o)
+        np.bitwise_and(h, 0x8000, out=h)
+        np.left_shift(h, 16, out=h)
+        np.bitwise_or(o, h, out=o)
+
+    def _f16_magnitude(self, c: np.ndarray, out: np.ndarray) -> None:
+        """``out`` (uint32 float bits) = the value of float16 magnitudes ``c`` (uint32,
+        sign bit clear). Scratch: ``_a``."""
+        np.left_shift(c, 13, out=out)
+        np.add(out, 0x38000000, out=out)  # t, the value of a normal half (exponent rebased)
+        t, u = out.view(np.float32), self._a[:len(c)].view(np.float32)
+        np.add(t, t, out=u)
+        np.subtract(u, 2.0 ** -14, out=u)  # 2t - 2**-14: exact, the value of a subnormal one
+        np.minimum(t, u, out=t)  # the smaller is the right one (both normal floats)
+        if c.max(initial=0) >= 0x7C00:  # Inf, NaN (payload kept)
+            np.bitwise_or(out, 0x7F800000, out=out, where=c >= 0x7C00)
+
+    def _encode_f16(self, x: np.ndarray, codes: np.ndarray, lost: np.ndarray | None) -> None:
+        """float16 codes of ``x``, rounded to nearest, ties to even, as NumPy's cast."""
+        k, b = len(x), x.view(np.uint32)
+        a, h, t = self._a[:k], self._bits[:k], self._t[:k]
+        np.bitwise_and(b, 0x7FFFFFFF, out=a)
+        special = a.max(initial=0) >= 0x47800000  # |x| >= 65536, Inf or NaN
+        np.add(a.view(np.float32), 0.5, out=t.view(np.float32))
+        np.subtract(t, 0x3F000000, out=t)  # |x| in units of 2**-24, rounded by the FPU
+        np.maximum(a, 0x38800000, out=a)  # normal halves: rebase the exponent, round at bit 13
+        np.right_shift(a, 13, out=h)
+        np.bitwise_and(h, 1, out=h)
+        np.add(h, a, out=h)
+        np.add(h, 0xFFF - 0x38000000 + (1 << 32), out=h)
+        np.right_shift(h, 13, out=h)
+        np.minimum(h, t, out=h)  # the subnormal reading where it is the smaller
+        if special:
+            np.bitwise_and(b, 0x7FFFFFFF, out=a)
+            np.right_shift(a, 13, out=t)  # NaN: 0x7C00 + the payload's top bits (at least 1)
+            np.bitwise_and(t, 0x3FF, out=t)
+            np.maximum(t, 1, out=t)
+            np.add(t, 0x7C00, out=t)
+            np.copyto(h, 0x7C00, where=a >= 0x47800000)
+            np.copyto(h, t, where=a > 0x7F800000)
+        if lost is not None:
+            self._f16_magnitude(h, t)
+            np.bitwise_and(b, 0x80000000, out=a)
+            np.bitwise_or(t, a, out=t)
+        np.right_shift(b, 16, out=a)
+        np.bitwise_and(a, 0x8000, out=a)
+        np.bitwise_or(a, h, out=a)
+        codes[...] = a
+        if lost is not None:
+            np.subtract(x, t.view(np.float32), out=lost)
+
+
+def _blocks(lo: int, hi: int, block: int = BLOCK):
+    """``(lo, hi)`` slices of at most ``block`` values covering ``lo .. hi`` (none if empty)."""
+    return [(a, min(a + block, hi)) for a in range(lo, hi, block)]
+
+
+def _scan(x: np.ndarray, f16: bool) -> tuple[bool, bool]:
+    """Of a float32 block about to be encoded: whether it holds a value that is not finite
+    or that the codec turns into Inf, and (``f16``) whether it holds a finite value beyond
+    float16's 65504. One dot product clears most blocks; the others are searched."""
+    if float(np.dot(x, x)) < (FLOAT16_MAX ** 2 if f16 else np.inf):  # NaN: searched
+        return False, False
+    top = float(np.maximum(x.max(), -x.min())) if len(x) else 0.0  # NaN if x holds one
+    if not top < (np.inf if f16 else BFLOAT16_INF_FROM):
+        return True, False
+    return False, f16 and top > FLOAT16_MAX
+
+
+def _piece_length(size: int) -> int:
+    """Gradient values per exchange, so that no count or displacement passes ``MAX_COUNT``:
+    a piece's codes, ``size`` chunks apart (sent, gathered), and the other ranks' parts of
+    a chunk (received)."""
+    limit = int(C.collectives.MAX_COUNT)
+    return max(1, limit if size == 1 else size * (limit // size))
+
+
+class _Piece:
+    """One exchange: gradient values ``s0 .. s1`` (at most ``MAX_COUNT``) in ``size`` chunks
+    whose sizes differ by at most one (some empty when there are fewer values than ranks).
+    Their codes live at ``codes[o : o + size * c]``, chunk ``j`` at ``o + j * c`` (``c``:
+    the largest chunk), so that one ``Allgather`` of ``c`` codes per rank gathers them;
+    chunk ``rank``, values ``lo .. hi`` and codes from ``own``, is summed on this rank."""
+
+    def __init__(self, s0: int, s1: int, size: int, rank: int, o: int, at: int) -> None:
+        length = s1 - s0
+        counts = np.full(size, length // size, np.int64)
+        counts[:length % size] += 1
+        starts = s0 + np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self.c = c = int(counts[0])
+        self.o, self.end, self.m, self.at = o, o + size * c, int(counts[rank]), at
+        self.lo, self.own = int(starts[rank]), o + rank * c
+        self.hi = self.lo + self.m
+        #: ``(values lo, values hi, codes lo)`` of every non-empty chunk
+        self.runs = [(int(starts[j]), int(starts[j] + counts[j]), o + j * c)
+                     for j in range(size) if counts[j]]
+        send = counts.copy()
+        send[rank] = 0  # this rank's own chunk never travels to itself
+        self.send = (send, np.arange(size, dtype=np.int64) * c)
+        recv = np.full(size, self.m, np.int64)
+        recv[rank] = 0
+        slot = np.arange(size) - (np.arange(size) > rank)  # the other senders, packed
+        self.slot = (slot * self.m).astype(np.int64)  # where sender r's part starts
+        self.recv = (recv, self.slot)
+        self.sent = int(send.sum()) + c  # codes handed to MPI: chunks out, summed chunk in
+
+
+class Compressed(Sync):
+    """Gradients exchanged as 16-bit codes (``float16`` or ``bfloat16``) in two steps, with
+    error feedback: about half the bytes of a float32 ring allreduce at every P.
+
+    The ``n`` gradient values are cut into P chunks whose sizes differ by at most one (some
+    empty when ``n < P``); rank ``j`` owns chunk ``j``. Each rank encodes its gradient plus
+    its residual; one ``Alltoallv`` hands chunk ``j`` of every rank's codes to rank ``j``
+    (a reduce-scatter), which decodes the P contributions and sums them in float32 in rank
+    order: the same sum whatever order they arrived in. The owner encodes its summed chunk
+    (plus its chunk residual) and one ``Allgather`` (chunks padded to the largest) gives
+    every rank every chunk's codes; every rank decodes the same codes, so every replica
+    holds bit-identical sums. Per step ``2 (P-1)/P n`` values of 2 bytes leave a rank,
+    against ``2 (P-1)/P n`` of 4 for a float32 ring allreduce; ``bytes_sent`` counts the
+    codes it hands to MPI (its chunks for the others, its summed chunk with its padding)
+    plus the extras. Loss, counts, stop and two flags (float16 overflow, a non-finite sum)
+    go in one small float64 ``Allreduce`` between the two steps. Vectors of more than
+    ``MAX_COUNT`` values are exchanged in pieces of at most that many, each split alike.
+
+    Error feedback: what each rounding loses is added back at the next step, so no
+    rounding error is lost for good. Each rank keeps the residual of its own encoding
+    ``(n,)`` (what ``gradient + residual`` lost to 16 bits) and, as owner, the residual of
+    re-encoding its chunk sums ``(n/P,)``. A step that is not applied (the NaN policy drops
+    it) leaves both residuals as they were; ``error_feedback=False`` keeps none. Residuals
+    are not checkpointed: a resumed run starts them at zero.
+
+    A value beyond float16's 65504, in a rank's gradient or in a chunk's sum, is an
+    :class:`~mpidp.comm.MpidpError` on every rank, never an Inf; a non-finite sum goes to
+    the NaN policy (this strategy gives the trainer its verdict). The passes over the
+    vector run in blocks of :data:`BLOCK` values with preallocated scratch.
+
+    Parameters
+    ----------
+    codec : ``"bfloat16"`` (float32's range, 8 significant bits) or ``"float16"`` (11
+        significant bits, up to 65504).
+    error_feedback : keep both residuals (False: every step's rounding is lost).
+    """
+
+    name = "compressed"
+
+    def __init__(self, codec: str = "bfloat16", error_feedback: bool = True) -> None:
+        super().__init__()
+        if codec not in CODECS:
+            raise C.MpidpError(f"unknown compression {codec!r}; expected one of {CODECS}")
+        self.codec, self.error_feedback = codec, error_feedback
+        self._step, self._checks = 0, True  # of the current exchange
+
+    def setup(self, s: Setup) -> Buffers:
+        out = super().setup(s)
+        n, size, rank = self.n, s.comm.size, s.comm.rank
+        self.pieces, at, o, step = [], 0, 0, _piece_length(size)
+        for s0 in range(0, n, step) if n else [0]:
+            self.pieces.append(_Piece(s0, min(s0 + step, n), size, rank, o, at))
+            at, o = at + self.pieces[-1].m, self.pieces[-1].end
+        #: ``(values lo, values hi, codes lo)`` of every block of every chunk
+        self.blocks = [(a, b, clo + a - lo) for p in self.pieces for lo, hi, clo in p.runs
+                       for a, b in _blocks(lo, hi)]
+        self.kernel = Codec(self.codec)
+        self.codes = np.zeros(o, np.uint16)  # this rank's codes, then the summed ones
+        self.recv = np.zeros(max((size - 1) * p.m for p in self.pieces), np.uint16)
+        self.acc = np.zeros(BLOCK, np.float32)  # a block of sums (or of values to encode)
+        self.extras = np.zeros(buffer.N_EXTRA + 2, np.float64)  # | overflow | non-finite
+        self.step_bytes = self.extras.nbytes + (  # one rank: its codes are the sums
+            sum(p.sent for p in self.pieces) * 2 if size > 1 else 0)
+        # what rounding lost, in use and next, kept apart so that a skipped (non-finite)
+        # step leaves the residuals as they were instead of poisoning them
+        ef = self.error_feedback
+        self.residual, self._next = (np.zeros(n if ef else 0, np.float32) for _ in "ab")
+        self.chunk_residual, self._chunk_next = (np.zeros(at if ef else 0, np.float32)
+                                                 for _ in "ab")
+        return out
+
+    def exchange(self, r: Round) -> Exchanged:
+        self._step, self._checks = r.step, r.checks
+        with self.timer.communicate(self.name, bytes=self.step_bytes):
+            finite = self.reduce()
+        got = global_sums(self.buf, self.n)
+        got.finite = finite if r.checks else None
+        return got
+
+    def update(self, optimizer: Optimizer, count: int) -> None:
+        if self.error_feedback:  # applied: this step's rounding residuals count
+            self.residual, self._next = self._next, self.residual
+            self.chunk_residual, self._chunk_next = self._chunk_next, self.chunk_residual
+        super().update(optimizer, count)
+
+    def reduce(self) -> bool:
+        """The global sums into ``self.buf`` on every rank; returns whether they are finite
+        (loss and counts included). Collective: one ``Alltoallv``, one ``Allreduce`` and one
+        ``Allgather`` (per piece of ``MAX_COUNT`` values; only the ``Allreduce`` on one
+        rank, whose codes are the sums)."""
+        n, g, codes, k = self.n, self.buf[:self.n], self.codes, self.kernel
+        ef, f16, alone = self.error_feedback, self.codec == "float16", self.comm.size == 1
+        scan = f16 or (alone and self._checks)  # else the owners scan the sums
+        nonfinite = overflow = False
+        with np.errstate(over="ignore", invalid="ignore"):
+            for lo, hi, at in self.blocks:  # this rank's codes; what they lost into _next
+                x = self._next[lo:hi] if ef else self.acc[:hi - lo]
+                if ef:
+                    np.add(g[lo:hi], self.residual[lo:hi], out=x)
+                else:
+                    np.copyto(x, g[lo:hi], casting="same_kind")
+                if scan:
+                    bad, beyond = _scan(x, f16)
+                    nonfinite, overflow = nonfinite or bad, overflow or beyond
+                k.encode_(x, codes[at:at + hi - lo], x if ef else None)
+            for p in () if alone else self.pieces:  # chunks to their owners, summed there
+                alltoallv_(self.comm, codes[p.o:p.end], p.send, self.recv, p.recv)
+                bad, beyond = self._sum_chunk(p, f16 or self._checks)
+                nonfinite, overflow = nonfinite or bad, overflow or beyond
+        extras = self.extras
+        extras[:buffer.N_EXTRA] = self.buf[n:]
+        extras[buffer.N_EXTRA:] = (overflow, nonfinite)
+        C.allreduce_sum_(self.comm, extras)
+        if extras[buffer.N_EXTRA]:
+            raise C.MpidpError(
+                f"float16 gradient compression overflowed at step {self._step}: a gradient "
+                f"exceeds {FLOAT16_MAX:g}; use bfloat16 or no compression")
+        for p in () if alone else self.pieces:
+            C.allgather_in_place(self.comm, codes[p.o:p.end])
+        with np.errstate(invalid="ignore"):  # float16 NaN codes: casts warn
+            for p in self.pieces:
+                for lo, hi, at in p.runs:
+                    k.decode_(codes[at:at + hi - lo], g[lo:hi])
+        self.buf[n:] = extras[:buffer.N_EXTRA]
+        self.bytes_sent += self.step_bytes
+        return not extras[buffer.N_EXTRA + 1] and bool(np.isfinite(extras[:buffer.N_EXTRA]).all())
+
+    def _sum_chunk(self, p: _Piece, scan: bool) -> tuple[bool, bool]:
+        """Rank-order float32 sums of the P codes of this rank's chunk of ``p`` (its own in
+        ``self.codes``, the others' in ``self.recv``), plus the chunk residual, encoded back
+        into ``self.codes``. With ``scan``, the :func:`_scan` verdict on the sums."""
+        k, codes, recv, ef = self.kernel, self.codes, self.recv, self.error_feedback
+        f16, nonfinite, overflow = self.codec == "float16", False, False
+        for a, b in _blocks(0, p.m):  # offsets in the chunk
+            acc, mine = self.acc[:b - a], codes[p.own + a:p.own + b]
+            for r in range(self.comm.size):  # rank order: the sum never depends on arrival
+                src = mine if r == self.comm.rank else recv[p.slot[r] + a:p.slot[r] + b]
+                (k.decode_add_ if r else k.decode_)(src, acc)
+            if ef:
+                np.add(acc, self.chunk_residual[p.at + a:p.at + b], out=acc)
+            if scan:
+                bad, beyond = _scan(acc, f16)
+                nonfinite, overflow = nonfinite or bad, overflow or beyond
+            k.encode_(acc, mine, self._chunk_next[p.at + a:p.at + b] if ef else None)
+        return nonfinite, overflow
+

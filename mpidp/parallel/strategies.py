@@ -29,8 +29,10 @@ def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
     ``node_aware`` (``allreduce``, ``accumulate``, ``auto``): None chooses node-aware reduction
     when ranks share nodes and there are several nodes, True forces it, False never."""
     from .. import comm as C
+    from .compress import Compressed
+    from .overlap import Overlapped
     from .ps import ParameterServer, ShardedParameterServer
-    from .sync import NODE_AWARE, Accumulate, Compressed, LocalSGD, Overlapped, PerLayer, Sync
+    from .sync import NODE_AWARE, Accumulate, LocalSGD, PerLayer, Sync
     if node_aware and name not in (*NODE_AWARE, "auto"):
         raise C.MpidpError(f"node-aware reduction applies to --sync {', '.join(NODE_AWARE)} "
                            f"or auto, not {name}")

@@ -34,7 +34,7 @@ from .. import comm as C
 from ..nn import Optimizer, Sequential
 from ..observe.metrics import StepTimer
 from ..run.nonfinite import all_finite
-from . import buffer, compress
+from . import buffer
 from .layer_needs import refuses_model
 
 
@@ -215,110 +215,6 @@ class PerLayer(Sync):
                 C.allreduce_sum_(self.comm, g)
         C.allreduce_sum_(self.comm, self.buf[self.n:])
         self.bytes_sent += self.buf.nbytes
-
-
-class Overlapped(Sync):
-    """Bucketed non-blocking ``Iallreduce``s started during backward, as soon as a bucket's
-    layers are done (last layers first); all are completed before the update.
-
-    Whether communication really overlaps computation depends on the MPI library making
-    progress in the background: MPICH does so only inside MPI calls unless its progress
-    thread is enabled (``MPIR_CVAR_ASYNC_PROGRESS=1``); ``make bench-sync`` measures both.
-    """
-
-    name = "overlapped"
-
-    def __init__(self, bucket_bytes: int = 1 << 20) -> None:
-        super().__init__()
-        if bucket_bytes <= 0:
-            raise C.MpidpError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
-        self.bucket_bytes = int(bucket_bytes)
-
-    def setup(self, s: Setup) -> Buffers:
-        out = super().setup(s)
-        # buckets of whole layers, from the last layer back; the first one also carries the
-        # extras at the end of the buffer (known before backward starts)
-        self.starts: dict[int, tuple[int, int]] = {}  # layer index -> (lo, hi) to launch
-        hi, size = self.buf.size, 0
-        ranges = s.model.layer_ranges
-        for i in range(len(ranges) - 1, -1, -1):
-            size += (ranges[i][1] - ranges[i][0]) * self.buf.itemsize
-            if size >= self.bucket_bytes or i == 0:
-                self.starts[i] = (ranges[i][0], hi)
-                hi, size = ranges[i][0], 0
-        self.requests: list = []
-        return out
-
-    def on_layer_done(self) -> Callable[[int], None]:
-        def launch(i: int) -> None:
-            if i in self.starts:
-                lo, hi = self.starts[i]
-                self.requests.append(C.iallreduce_sum_(self.comm, self.buf[lo:hi]))
-        return launch
-
-    def reduce(self) -> None:
-        C.wait_all(self.requests)
-        self.requests = []
-        self.bytes_sent += self.buf.nbytes
-
-
-class Compressed(Sync):
-    """Gradients sent in 16 bits (``float16`` or ``bfloat16``) with error feedback: what
-    rounding lost this step is added back next step. Half the gradient bytes per rank.
-
-    The 16-bit codes are ``Allgather``ed and every rank decodes and adds them in rank order
-    in float32, so all replicas get the same sum (and no 16-bit rounding of partial sums).
-    A value beyond float16's 65504 is detected on every rank and raised, never turned
-    into Inf.
-    """
-
-    name = "compressed"
-
-    def __init__(self, codec: str = "bfloat16", error_feedback: bool = True) -> None:
-        super().__init__()
-        if codec not in compress.CODECS:
-            raise C.MpidpError(f"unknown compression {codec!r}; expected one of {compress.CODECS}")
-        self.codec, self.error_feedback = codec, error_feedback
-
-    def setup(self, s: Setup) -> Buffers:
-        out = super().setup(s)
-        # what rounding lost: the residual in use and the next one, kept apart so that a
-        # skipped (non-finite) step leaves the residual as it was instead of poisoning it
-        self.residual, self._next = np.zeros(self.n, np.float32), np.zeros(self.n, np.float32)
-        self.gathered = np.empty((s.comm.size, self.n), np.uint16)
-        return out
-
-    def exchange(self, r: Round) -> Exchanged:
-        self._step = r.step
-        return super().exchange(r)
-
-    def update(self, optimizer: Optimizer, count: int) -> None:
-        if self.error_feedback:  # applied: this step's rounding residual counts
-            self.residual, self._next = self._next, self.residual
-        super().update(optimizer, count)
-
-    def reduce(self) -> None:
-        n, g = self.n, self.buf[:self.n]
-        target = np.add(g, self.residual, out=self._next) if self.error_feedback \
-            else g.astype(np.float32)
-        big = float(np.max(np.abs(target), initial=0))
-        overflow = self.codec == "float16" and not big <= compress.FLOAT16_MAX  # NaN: policy
-        codes = compress.encode(target, self.codec)
-        if self.error_feedback:
-            target -= compress.decode(codes, self.codec)
-        extras = np.append(self.buf[n:].astype(np.float64), float(overflow and np.isfinite(big)))
-        C.allgather_(self.comm, codes, self.gathered.reshape(-1))
-        C.allreduce_sum_(self.comm, extras)
-        if extras[-1]:
-            raise C.MpidpError(
-                f"float16 gradient compression overflowed at step {self._step}: a gradient "
-                f"exceeds {compress.FLOAT16_MAX:g}; use bfloat16 or no compression")
-        total = compress.decode(self.gathered[0], self.codec)
-        for codes_r in self.gathered[1:]:
-            total += compress.decode(codes_r, self.codec)
-        g[...] = total
-        self.buf[n:] = extras[:-1]
-        self.bytes_sent += codes.nbytes + extras.nbytes
 
 
 class _Periodic(Sync):

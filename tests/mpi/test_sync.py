@@ -11,8 +11,8 @@ from mpi_helpers import CountingComm, all_ranks, raises_everywhere
 import mpidp
 from mpidp import nn
 from mpidp.parallel.buffer import N_EXTRA
+from mpidp.parallel.overlap import Overlapped
 from mpidp.parallel.strategies import SYNCS, make_sync
-from mpidp.parallel.sync import Overlapped
 from mpidp.run.loop import run
 from mpidp.run.nonfinite import NonFiniteError
 from mpidp.run.signals import Preempted, StopSignals

@@ -1,0 +1,173 @@
+"""Communication that moves while this process computes.
+
+An MPI library moves a non-blocking collective only while some thread of the process is
+inside MPI (MPICH over TCP, for one, has no background progress unless its progress thread
+is enabled, and that thread polls all the time, taking a core from the computation). Two
+ways to keep a reduction moving during a computation:
+
+- :class:`BackgroundAllreduce`: a communication thread runs one blocking in-place
+  ``Allreduce`` per buffer handed to it, in order, on a private duplicate of the
+  communicator, while the calling thread computes (NumPy releases the GIL in its
+  kernels, mpi4py in its MPI calls). The thread lives from the first buffer to the
+  :meth:`~BackgroundAllreduce.wait` that completes them, so none is left between
+  synchronisations. Needs ``MPI_THREAD_MULTIPLE``.
+- :func:`test_some`: advance started requests (``MPI_Testsome``) between pieces of work,
+  from the calling thread; they move only during the call.
+
+The watchdog (:mod:`~mpidp.comm.activity`) watches the calling thread: while it computes,
+the rank makes progress; when it waits for the communication thread it is marked as
+waiting in MPI (:meth:`BackgroundAllreduce.wait` is a watched call), so a reduction that
+never completes is seen as any stalled collective is. The communication thread leaves the
+mark alone: it is the calling thread's state that tells whether the rank is stuck.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import numpy as np
+from mpi4py import MPI
+
+from .activity import watched
+from .agreement import MpidpError
+from .collectives import _pieces
+from .runtime import Comm
+
+_END = None  # queued by wait(): the thread ends once everything before it is summed
+
+
+def threads_supported() -> bool:
+    """True if MPI runs with ``MPI_THREAD_MULTIPLE``, which :class:`BackgroundAllreduce`
+    needs (mpi4py asks for it by default)."""
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def test_some(requests: list[MPI.Request]) -> int:
+    """Advance ``requests`` (``MPI_Testsome``, never blocks); the completed ones are freed
+    and become ``MPI_REQUEST_NULL`` in the list. Returns how many are complete now."""
+    if requests:
+        MPI.Request.Testsome(requests)
+    return sum(r == MPI.REQUEST_NULL for r in requests)
+
+
+def _sum_in_place(comm: Comm, buf: np.ndarray) -> None:
+    """Blocking in-place ``Allreduce`` (sum) of contiguous ``buf``, in pieces of at most
+    ``MAX_COUNT`` elements; the communication thread's call (not watched: see the module)."""
+    flat = buf.reshape(-1)
+    for lo, hi in _pieces(flat.size):
+        comm.Allreduce(MPI.IN_PLACE, flat[lo:hi], op=MPI.SUM)
+
+
+class BackgroundAllreduce:
+    """In-place sums over the ranks of ``comm``, run by a communication thread.
+
+    Collective to create (duplicates ``comm``, so the thread's collectives never meet
+    the caller's) and to :meth:`close`. Every rank must :meth:`submit` the same sequence
+    of buffer sizes; the buffers are summed in that order, each by one blocking
+    ``Allreduce``, while the caller goes on computing. :meth:`wait` blocks (sleeping, not
+    polling) until every submitted buffer is summed and ends the thread.
+
+    A failure on the thread (an MPI error, or any exception) is raised by the next
+    :meth:`wait` or :meth:`submit` on the calling thread as :class:`MpidpError`, so it
+    ends the job the way any error on a rank does; later calls raise it again.
+
+    Notes
+    -----
+    A submitted buffer belongs to the thread until :meth:`wait` returns: do not read or
+    write it meanwhile. ``pending`` counts the buffers not yet summed, ``completed`` the
+    buffers summed since creation (instrumentation: it grows while the caller computes).
+    """
+
+    def __init__(self, comm: Comm, name: str = "mpidp-allreduce") -> None:
+        if not threads_supported():
+            raise MpidpError("a communication thread needs MPI_THREAD_MULTIPLE, but MPI runs "
+                             "with a lower thread level; use the single-thread progress "
+                             "(progress='test')")
+        self._comm, self.name = comm.Dup(), name
+        self._cv = threading.Condition()
+        self._queue: deque[np.ndarray | None] = deque()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.pending, self.completed = 0, 0
+
+    @property
+    def running(self) -> bool:
+        """True while the communication thread exists (between a submit and its wait)."""
+        return self._thread is not None
+
+    def submit(self, buf: np.ndarray) -> None:
+        """Queue the sum of contiguous ``buf`` over the ranks, in place; returns at once.
+        Starts the thread if none runs. Every rank submits the same sizes in the same order."""
+        if self._comm is None:
+            raise MpidpError(f"{self.name} is closed: make a new one to reduce again")
+        with self._cv:
+            self._raise_failure()
+            self._queue.append(buf)
+            self.pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    @watched("an Allreduce (on the communication thread)")
+    def wait(self) -> None:
+        """Block until every submitted buffer is summed, then end the thread. Raises the
+        thread's failure (:class:`MpidpError`) if it had one."""
+        with self._cv:
+            thread = self._thread
+            if thread is not None:
+                self._queue.append(_END)
+                self._cv.notify()
+        while thread is not None and thread.is_alive():
+            thread.join(0.5)  # sleeps; wakes to let signal handlers run
+        with self._cv:
+            self._raise_failure()
+
+    def close(self) -> None:
+        """Complete what is pending and free the duplicate communicator. Collective."""
+        if self._comm is not None:
+            try:
+                self.wait()
+            finally:
+                self._comm.Free()
+                self._comm = None
+
+    def __enter__(self) -> BackgroundAllreduce:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _raise_failure(self) -> None:
+        if self._error is not None:
+            raise MpidpError(f"the communication thread {self.name!r} failed: "
+                             f"{type(self._error).__name__}: {self._error}; this step's "
+                             "sums are incomplete") from self._error
+
+    def _work(self) -> None:
+        """The thread: sum the queued buffers in order until an end mark finds the queue empty."""
+        comm, cv = self._comm, self._cv
+        while True:
+            with cv:
+                while not self._queue:
+                    cv.wait()
+                buf = self._queue.popleft()
+                if buf is _END:
+                    if self._queue:  # buffers submitted after an interrupted wait: go on
+                        continue
+                    self._thread = None
+                    return
+            try:
+                _sum_in_place(comm, buf)
+            except BaseException as exc:  # handed to the calling thread, which raises it
+                with cv:
+                    self._error, self._thread = exc, None
+                    self._queue.clear()
+                    cv.notify_all()
+                return
+            with cv:
+                self.pending -= 1
+                self.completed += 1
+                cv.notify_all()
+

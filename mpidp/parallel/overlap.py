@@ -1,0 +1,135 @@
+"""Gradient sums that travel during backward: buckets of finished layers reduced while
+the layers before them are still being differentiated."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .. import comm as C
+from .sync import Buffers, Setup, Sync
+
+PROGRESS = ("test", "thread")
+
+
+class Overlapped(Sync):
+    """Bucketed in-place sums started during backward, as soon as a bucket's layers are
+    done (last layers first); all are complete before the update. The same sums as one
+    fused ``Allreduce`` up to the order of floating-point additions.
+
+    Parameters
+    ----------
+    bucket_bytes : a bucket closes once its layers hold at least this many bytes of
+        gradients (whole layers; the first bucket also carries the loss and counts). A
+        size beyond the whole gradient makes one bucket, started when backward ends: the
+        fused allreduce, for links where overlap does not pay.
+    progress : how the started sums move while backward computes. ``"test"`` (the
+        default): an ``Iallreduce`` per bucket, advanced by ``MPI_Testsome`` at every
+        layer boundary of backward; between boundaries the operating system still moves
+        what MPI has handed to it (socket buffers over TCP). ``"thread"``: a
+        communication thread runs one blocking ``Allreduce`` per bucket
+        (:class:`mpidp.comm.BackgroundAllreduce`), so a bucket also moves during one
+        long layer, at the cost of a core polling in MPI meanwhile; it needs
+        ``MPI_THREAD_MULTIPLE``.
+
+    Notes
+    -----
+    Buckets are ``(layer, lo, hi)`` in launch order: bucket ``k`` starts when backward has
+    finished ``layer`` and sums ``buf[lo:hi]``. A bucket not started by a backward hook
+    (a trainer that passes none) is started by :meth:`reduce`, so every element is summed
+    exactly once per step. Nothing is in flight between steps: the thread, if any, lives
+    from a step's first bucket to its :meth:`reduce`.
+
+    What overlap can hide is bounded by the model: a bucket starts only when its layers'
+    gradients are final, and the first layer's are final only when backward ends, so
+    forward, the backward of the last layers before the first large bucket, and the first
+    layer's transfer are never hidden. Communication also costs CPU time (copies, the
+    operating system's network stack), which overlap takes from the computation when the
+    cores are all busy: on a fast link that can cost more than it hides.
+    """
+
+    name = "overlapped"
+
+    def __init__(self, bucket_bytes: int = 1 << 20, progress: str = "test") -> None:
+        super().__init__()
+        if bucket_bytes <= 0:
+            raise C.MpidpError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
+        if progress not in PROGRESS:
+            raise C.MpidpError(f"unknown overlap progress {progress!r}; expected one of {PROGRESS}")
+        self.bucket_bytes, self.progress = int(bucket_bytes), progress
+        self.reducer: C.BackgroundAllreduce | None = None
+        self.requests: list = []
+        self.launched = 0  # buckets started this step
+        self._completed0 = 0  # the reducer's count of sums when this step's first started
+
+    def setup(self, s: Setup) -> Buffers:
+        self.close()  # set up again: the previous thread's communicator goes
+        out = super().setup(s)
+        self.buckets = _buckets(s.model.layer_ranges, self.buf.size, self.buf.itemsize,
+                                self.bucket_bytes)
+        self.starts = {layer: (lo, hi) for layer, lo, hi in self.buckets}
+        if self.progress == "thread":
+            self.reducer = C.BackgroundAllreduce(s.comm, name="mpidp-overlapped")
+        return out
+
+    @property
+    def reduced(self) -> int:
+        """Buckets of this step whose sums are complete already (instrumentation)."""
+        if self.reducer is not None:
+            return self.reducer.completed - self._completed0
+        return C.test_some(self.requests) if self.requests else 0
+
+    def on_layer_done(self) -> Callable[[int], None]:
+        def launch(i: int) -> None:
+            if self.launched < len(self.buckets) and self.buckets[self.launched][0] == i:
+                self._launch()
+            elif self.requests:
+                C.test_some(self.requests)  # between layers: let the started sums move
+        return launch
+
+    def _launch(self) -> None:
+        _, lo, hi = self.buckets[self.launched]
+        self.launched += 1
+        if self.reducer is not None:
+            if self.launched == 1:
+                self._completed0 = self.reducer.completed
+            self.reducer.submit(self.buf[lo:hi])
+        else:
+            self.requests.append(C.iallreduce_sum_(self.comm, self.buf[lo:hi]))
+            C.test_some(self.requests)
+
+    def reduce(self) -> None:
+        while self.launched < len(self.buckets):
+            self._launch()
+        self.launched = 0
+        if self.reducer is not None:
+            self.reducer.wait()
+        else:
+            C.wait_all(self.requests)
+            self.requests = []
+        self.bytes_sent += self.buf.nbytes
+
+    def at_boundary(self) -> bool:
+        return self.launched == 0 and not self.requests and (
+            self.reducer is None or self.reducer.pending == 0)
+
+    def close(self) -> None:
+        """End the communication thread, if any, and free its communicator. Collective."""
+        if self.reducer is not None:
+            self.reducer.close()
+            self.reducer = None
+
+
+def _buckets(ranges: list[tuple[int, int]], size: int, itemsize: int,
+             bucket_bytes: int) -> list[tuple[int, int, int]]:
+    """``(layer, lo, hi)`` per bucket, last layers first: whole layers (``ranges`` are
+    their ``[lo, hi)`` in the gradient buffer of ``size`` elements of ``itemsize`` bytes)
+    until a bucket holds ``bucket_bytes``; the first reaches to the buffer's end (the
+    extras), the last starts at 0. No bucket is empty."""
+    out, hi, nbytes = [], size, 0
+    for i in range(len(ranges) - 1, -1, -1):
+        lo = ranges[i][0]
+        nbytes += (ranges[i][1] - lo) * itemsize
+        if (nbytes >= bucket_bytes or i == 0) and lo < hi:
+            out.append((i, lo, hi))
+            hi, nbytes = lo, 0
+    return out

@@ -1,0 +1,361 @@
+"""The chunked 16-bit exchange (``--sync compressed``) under MPI: bytes counted at the
+communicator, sums bit for bit against a NumPy reference that adds every rank's codes in
+rank order, both error-feedback residuals, skipped steps, float16 overflow, pieces of
+``MAX_COUNT`` values, and bit-identical replicas in training.
+
+Run as a script (``mpiexec -n P python tests/mpi/test_compress_mpi.py``), it prints every
+rank's byte counts as JSON on rank 0: tests/test_compress.py launches it at 2, 4 and 8 ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpi_helpers import all_ranks, raises_everywhere
+
+import mpidp
+from mpidp import nn
+from mpidp.comm import collectives as Coll
+from mpidp.observe.metrics import StepTimer
+from mpidp.parallel import buffer
+from mpidp.parallel.compress import Compressed, decode, encode
+from mpidp.parallel.sync import Round, Setup
+
+
+class ByteCounter:
+    """Forwards to a communicator, counting what this rank hands to MPI (``handed``: the
+    buffers it passes, as ``bytes_sent`` counts them) and what leaves it (``leaving``: an
+    ``Alltoallv``'s pieces for other ranks, an allgathered block once per other rank, a
+    ring allreduce's ``2 (P-1)/P`` of its buffer). ``calls`` names every call made."""
+
+    def __init__(self, comm) -> None:
+        self._comm, self.size, self.rank = comm, comm.size, comm.rank
+        self.handed, self.leaving, self.calls = 0, 0.0, []
+
+    def __getattr__(self, name):
+        attr = getattr(self._comm, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return attr(*args, **kwargs)
+        return call
+
+    def Alltoallv(self, send, recv):
+        buf, (counts, _) = send
+        counts, item = np.asarray(counts), np.asarray(buf).itemsize
+        self.handed += int(counts.sum()) * item
+        self.leaving += int(counts.sum() - counts[self.rank]) * item
+        self.calls.append("Alltoallv")
+        return self._comm.Alltoallv(send, recv)
+
+    def Allgather(self, send, recv):
+        mine = np.asarray(recv).nbytes // self.size if send is MPI.IN_PLACE \
+            else np.asarray(send).nbytes
+        self.handed += mine
+        self.leaving += mine * (self.size - 1)
+        self.calls.append("Allgather")
+        return self._comm.Allgather(send, recv)
+
+    def Allreduce(self, send, recv, op=MPI.SUM):
+        nbytes = np.asarray(recv if send is MPI.IN_PLACE else send).nbytes
+        self.handed += nbytes
+        self.leaving += 2 * (self.size - 1) / self.size * nbytes
+        self.calls.append("Allreduce")
+        return self._comm.Allreduce(send, recv, op=op)
+
+
+class _NoStep:
+    """An optimizer that leaves the parameters alone: the tests read the sums."""
+
+    def step_(self, params, grads, scale=1.0) -> None:
+        pass
+
+
+def _strategy(comm, n: int, codec: str = "bfloat16", error_feedback: bool = True,
+              dtype=np.float64) -> Compressed:
+    model = SimpleNamespace(n_params=n, dtype=np.dtype(dtype), params=np.zeros(n, dtype))
+    sync = Compressed(codec, error_feedback)
+    sync.setup(Setup(comm, 0, model, StepTimer()))
+    return sync
+
+
+def _step(sync: Compressed, grads: np.ndarray, step: int, apply: bool = True,
+          checks: bool = True):
+    """One exchange of this rank's ``grads`` ``(n,)``; the update (which makes the step's
+    residuals count) only when ``apply`` and the sums are finite. Returns the verdict and
+    the sums ``(n,)`` float64."""
+    n = sync.n
+    sync.buf[:n] = grads
+    buffer.put(sync.buf, n, 1.0, 2, 1, False)
+    got = sync.exchange(Round(_NoStep(), checks, step))
+    sums = sync.buf[:n].astype(np.float64)
+    if apply and got.finite is not False:
+        sync.update(_NoStep(), got.count)
+    return got, sums
+
+
+def _reference(grads: np.ndarray, codec: str, error_feedback: bool = True,
+               skip: tuple[int, ...] = (), dtype=np.float64) -> np.ndarray:
+    """The sums every step ``(T, n)`` from every rank's gradients ``(T, P, n)`` by the
+    reference codec: each rank encodes gradient + residual; per element the P decoded codes
+    are added in float32 in rank order, plus the owner's residual, and encoded again.
+    Residuals do not move at the steps in ``skip``."""
+    T, P, n = grads.shape
+    res, chunk_res = np.zeros((P, n), np.float32), np.zeros(n, np.float32)
+    out = np.zeros((T, n))
+    for t in range(T):
+        wide = grads[t].astype(dtype)
+        x = (wide + res).astype(np.float32) if error_feedback else wide.astype(np.float32)
+        codes = [encode(x[r], codec) for r in range(P)]
+        total = decode(codes[0], codec)
+        for r in range(1, P):
+            total = total + decode(codes[r], codec)
+        if P > 1 and error_feedback:
+            total = total + chunk_res
+        summed = encode(total, codec) if P > 1 else codes[0]
+        out[t] = decode(summed, codec)
+        if error_feedback and t not in skip:
+            res = x - np.stack([decode(c, codec) for c in codes])
+            if P > 1:
+                chunk_res = total - decode(summed, codec)
+    return out
+
+
+def _grads(comm, T: int, n: int, codec: str, seed: int = 0) -> np.ndarray:
+    """Gradients ``(T, P, n)``, the same on every rank, over many magnitudes (so that the
+    order of a float32 sum of three or more shows in its last bits)."""
+    rng = np.random.default_rng(seed)
+    lo, hi = (-5, 3) if codec == "float16" else (-12, 9)
+    scale = 10.0 ** rng.integers(lo, hi, (T, comm.size, n))
+    return rng.standard_normal((T, comm.size, n)) * scale
+
+
+def _same_everywhere(comm, a: np.ndarray) -> bool:
+    return len(set(comm.allgather(np.ascontiguousarray(a).tobytes()))) == 1
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("codec", ["bfloat16", "float16"])
+@pytest.mark.parametrize("n", [0, 1, 3, 5, 1000, 70001])
+def test_sums_are_the_rank_order_reference_bit_for_bit(comm, codec, n):
+    T = 4
+    grads = _grads(comm, T, n, codec)
+    for ef in (True, False):
+        sync = _strategy(comm, n, codec, ef)
+        got = np.stack([_step(sync, grads[t, comm.rank], t)[1] for t in range(T)])
+        want = _reference(grads, codec, ef)
+        all_ranks(comm, np.array_equal(got, want),
+                  f"n={n} ef={ef}: {np.sum(got != want)} sums differ from the reference")
+        all_ranks(comm, _same_everywhere(comm, got), "every rank decodes the same codes")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_float32_buffers_and_blocks_too(comm):
+    n, T = 3 * (1 << 16) + 17, 3  # several blocks per pass
+    grads = _grads(comm, T, n, "bfloat16", seed=1).astype(np.float32)
+    sync = _strategy(comm, n, dtype=np.float32)
+    got = np.stack([_step(sync, grads[t, comm.rank], t)[1] for t in range(T)])
+    all_ranks(comm, np.array_equal(got, _reference(grads, "bfloat16", dtype=np.float32)))
+
+
+def measure(comm, steps: int = 3, codec: str = "bfloat16") -> dict:
+    """Byte counts of ``steps`` exchanges of a tiny float32 model's gradient (n = 7210,
+    uneven chunks at 3 or 8 ranks), counted at the communicator."""
+    counter = ByteCounter(comm)
+    model = nn.mlp(64, (96,), 10, dtype=np.float32).init_(0)
+    sync = Compressed(codec)
+    sync.setup(Setup(counter, 0, model, StepTimer()))
+    counter.handed, counter.leaving, counter.calls = 0, 0.0, []
+    rng = np.random.default_rng(comm.rank)
+    sums = []
+    for t in range(steps):
+        sums.append(_step(sync, rng.standard_normal(sync.n), t)[1])
+    return {"rank": comm.rank, "size": comm.size, "n": sync.n, "steps": steps,
+            "handed": counter.handed, "leaving": counter.leaving, "calls": counter.calls,
+            "bytes_sent": sync.bytes_sent, "allreduce_bytes": int(sync.buf.nbytes),
+            "sums": sum(float(np.sum(s)) for s in sums)}
+
+
+def check_bytes(row: dict) -> list[str]:
+    """What is wrong with one rank's :func:`measure` (empty when nothing)."""
+    P, n, steps = row["size"], row["n"], row["steps"]
+    wrong = []
+    if row["handed"] != row["bytes_sent"]:
+        wrong.append(f"handed {row['handed']} bytes to MPI but bytes_sent says {row['bytes_sent']}")
+    calls = ["Alltoallv", "Allreduce", "Allgather"] if P > 1 else ["Allreduce"]
+    if row["calls"] != calls * steps:
+        wrong.append(f"calls {row['calls']}")
+    if P > 1:
+        ring = 2 * (P - 1) / P * n * 4  # bytes a float32 ring allreduce sends per rank
+        ratio = row["leaving"] / steps / ring
+        if not 0.49 < ratio < 0.51:
+            wrong.append(f"sends {ratio:.4f} of a float32 ring allreduce's bytes")
+        if not 0.49 < row["bytes_sent"] / (steps * row["allreduce_bytes"]) < 0.51:
+            wrong.append(f"bytes_sent {row['bytes_sent']} against allreduce's "
+                         f"{steps * row['allreduce_bytes']}")
+    elif row["leaving"] != 0 or row["bytes_sent"] != steps * 8 * (buffer.N_EXTRA + 2):
+        wrong.append(f"one rank: leaving {row['leaving']}, bytes_sent {row['bytes_sent']}")
+    return wrong
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("codec", ["bfloat16", "float16"])
+def test_bytes_counted_at_the_communicator_are_half_a_float32_ring(comm, codec):
+    wrong = check_bytes(measure(comm, codec=codec))
+    all_ranks(comm, not wrong, f"rank {comm.rank}: {'; '.join(wrong)}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_skipped_step_leaves_both_residuals_as_they_were(comm):
+    n, T, bad = 1000, 5, 2
+    grads = _grads(comm, T, n, "bfloat16", seed=3)
+    grads[bad, comm.size - 1, 7] = np.nan  # the last rank's gradient at step 2
+    sync = _strategy(comm, n)
+    sums = []
+    for t in range(T):
+        before = sync.residual.copy(), sync.chunk_residual.copy()
+        got, s = _step(sync, grads[t, comm.rank], t)
+        sums.append(s)
+        all_ranks(comm, got.finite is (t != bad), f"step {t}: verdict {got.finite}")
+        if t == bad:  # the trainer's policy drops it: no update
+            all_ranks(comm, np.array_equal(sync.residual, before[0])
+                      and np.array_equal(sync.chunk_residual, before[1]))
+    want = _reference(grads, "bfloat16", skip=(bad,))
+    good = [t for t in range(T) if t != bad]
+    all_ranks(comm, np.array_equal(np.stack(sums)[good], want[good]))
+    got, _ = _step(sync, grads[bad, comm.rank], T, checks=False)
+    all_ranks(comm, got.finite is None, "no verdict when the policy checks nothing")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_non_finite_loss_is_a_non_finite_verdict(comm):
+    sync = _strategy(comm, 10)
+    sync.buf[:10] = 1.0
+    buffer.put(sync.buf, 10, np.nan if comm.rank == 0 else 1.0, 1, 0, False)
+    all_ranks(comm, sync.exchange(Round(_NoStep(), True, 0)).finite is False)
+
+
+def _residual_total(comm, sync: Compressed) -> np.ndarray:
+    """Every rank's residual plus every owner's chunk residual, as one vector ``(n,)``."""
+    total = sync.residual.astype(np.float64)
+    for p in sync.pieces:
+        total[p.lo:p.hi] += sync.chunk_residual[p.at:p.at + p.m]
+    return comm.allreduce(total, op=MPI.SUM)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_error_feedback_loses_nothing_for_good(comm):
+    """What was applied over the steps plus what the residuals hold is the sum of the true
+    gradients (to float32 rounding), so the applied sum tracks it within one rounding."""
+    n, T = 2000, 12
+    grads = _grads(comm, T, n, "bfloat16", seed=5)
+    sync = _strategy(comm, n)
+    applied = sum(_step(sync, grads[t, comm.rank], t)[1] for t in range(T))
+    true = grads.sum(axis=(0, 1))
+    held = _residual_total(comm, sync)
+    scale = np.abs(grads).sum(axis=1).max(axis=0)  # per element: the largest step's |sum|
+    all_ranks(comm, np.all(np.abs(applied + held - true) <= 1e-6 * T * comm.size * scale))
+    per_step = np.abs(grads.sum(axis=1)).max(axis=0) + scale
+    all_ranks(comm, np.all(np.abs(applied - true) <= (comm.size + 1) * 2.0 ** -8 * per_step))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_without_feedback_rounding_accumulates(comm):
+    """A gradient bfloat16 cannot hold (1 + 2**-9 rounds to 1): without feedback every step
+    loses its 2**-9; with it the total stays within one rounding."""
+    n, T = 4, 40
+    g = np.full(n, 1 + 2.0 ** -9)
+    err = {}
+    for ef in (True, False):
+        sync = _strategy(comm, n, error_feedback=ef)
+        applied = sum(_step(sync, g, t)[1] for t in range(T))
+        err[ef] = float(np.abs(applied - T * comm.size * g).max())
+    all_ranks(comm, err[False] >= T * comm.size * 2.0 ** -9 * 0.99, f"{err}")
+    all_ranks(comm, err[True] <= (comm.size + 1) * comm.size * 2.0 ** -8, f"{err}")
+
+
+MESSAGE = ("float16 gradient compression overflowed at step 7: a gradient exceeds 65504; "
+           "use bfloat16 or no compression")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_float16_overflow_of_one_rank_is_an_error_on_every_rank(comm):
+    sync = _strategy(comm, 100, "float16")
+    g = np.ones(100)
+    g[42] = 7e4 if comm.rank == comm.size - 1 else 1.0
+    err = raises_everywhere(comm, mpidp.MpidpError, lambda: _step(sync, g, 7), "overflowed")
+    all_ranks(comm, str(err) == MESSAGE, str(err))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_float16_overflow_of_a_partial_sum_is_an_error_on_every_rank(comm):
+    sync = _strategy(comm, 100, "float16")
+    g = np.ones(100)
+    g[99] = 4e4  # fits float16 on every rank; two or more of them do not
+    err = raises_everywhere(comm, mpidp.MpidpError, lambda: _step(sync, g, 7), "overflowed")
+    all_ranks(comm, str(err) == MESSAGE, str(err))
+
+
+@pytest.fixture
+def small_limit(monkeypatch):
+    monkeypatch.setattr(Coll, "MAX_COUNT", 7)  # where the collectives and the strategy read it
+    return 7
+
+
+@pytest.mark.mpi(min_size=1)
+def test_vectors_beyond_max_count_go_in_pieces(comm, small_limit):
+    n, T = 50, 3
+    grads = _grads(comm, T, n, "bfloat16", seed=7)
+    counter = ByteCounter(comm)
+    sync = _strategy(counter, n)
+    counter.handed = 0
+    got = np.stack([_step(sync, grads[t, comm.rank], t)[1] for t in range(T)])
+    all_ranks(comm, len(sync.pieces) > 1 and all(p.end - p.o <= 7 for p in sync.pieces))
+    all_ranks(comm, np.array_equal(got, _reference(grads, "bfloat16")))
+    all_ranks(comm, counter.handed == sync.bytes_sent, f"{counter.handed} vs {sync.bytes_sent}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_collectives_refuse_counts_beyond_max_count(comm, small_limit):
+    P = comm.size
+    big = (np.full(P, 8, np.int64), np.arange(P, dtype=np.int64) * 8)
+    buf = np.zeros(8 * P, np.uint16)
+    raises_everywhere(comm, mpidp.MpidpError, lambda: Coll.alltoallv_(comm, buf, big, buf.copy(), big),
+                      "exceeds one MPI call (counts and displacements are C ints, at most 7)")
+
+
+def _shard(comm, n=150):
+    """Uneven shards; with 2+ ranks the last rank has no samples."""
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((n, 6)).astype(np.float32), rng.integers(0, 3, n)
+    workers = max(comm.size - 1, 1)
+    cuts = np.cumsum([0] + [(2 * i + 1) * n // workers ** 2 for i in range(workers)])
+    cuts[-1] = n
+    rows = np.arange(cuts[comm.rank], cuts[comm.rank + 1]) if comm.rank < workers else np.arange(0)
+    return mpidp.shard_from_arrays(comm, X[rows], y[rows])
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("codec", ["bfloat16", "float16"])
+def test_replicas_stay_bit_identical_in_training(comm, codec):
+    shard = _shard(comm)
+    model = nn.mlp(6, (12, 8), 3, dtype=np.float32).init_(4)
+    dp = mpidp.DataParallel(model, nn.Adam(0.01), nn.SoftmaxCrossEntropy(), comm,
+                            sync=Compressed(codec))
+    hist = mpidp.fit(dp, shard, 3, 16, seed=2)
+    all_ranks(comm, _same_everywhere(comm, model.params), "parameters differ between ranks")
+    all_ranks(comm, hist[-1]["loss"] < hist[0]["loss"] and dp.global_step > 10)
+
+
+if __name__ == "__main__":
+    world = MPI.COMM_WORLD
+    row = measure(world)
+    rows = world.gather({**row, "wrong": check_bytes(row)}, root=0)
+    if world.rank == 0:
+        print(json.dumps(rows))
