@@ -33,6 +33,7 @@ VALUES: dict[str, list[str]] = {
     "bucket_mb": ["--bucket-mb", "2"],
     "compress": ["--compress", "float16"],
     "node_aware": ["--node-aware", "on"],
+    "overlap_progress": ["--overlap-progress", "thread"],
     "sync_every": ["--sync-every", "2"],
     "log_every": ["--log-every", "5"],
     "progress": ["--progress", "lines"],

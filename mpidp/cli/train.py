@@ -470,7 +470,8 @@ def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
                      dedicated=O.dedicated_server(args), k=args.sync_every,
                      ps_shared_memory=args.ps_transport == "shared",
                      ps_chunk_bytes=max(1, int(args.ps_chunk_mb * 2**20)),
-                     node_aware={"auto": None, "on": True, "off": False}[args.node_aware])
+                     node_aware={"auto": None, "on": True, "off": False}[args.node_aware],
+                     overlap_progress=args.overlap_progress)
     dp = DataParallel(model, make_opt(), loss, comm, init_sync=args.init_sync,
                       on_nonfinite=args.on_nonfinite, sync=sync)
     apply_slowdown(args, comm, dp.timer)

@@ -66,7 +66,9 @@ class BackgroundAllreduce:
     the caller's) and to :meth:`close`. Every rank must :meth:`submit` the same sequence
     of buffer sizes; the buffers are summed in that order, each by one blocking
     ``Allreduce``, while the caller goes on computing. :meth:`wait` blocks (sleeping, not
-    polling) until every submitted buffer is summed and ends the thread.
+    polling) until every submitted buffer is summed and ends the thread. The thread's
+    blocking calls poll (MPICH's do): a core per rank is busy while a sum is in flight,
+    also while the caller computes beside it.
 
     A failure on the thread (an MPI error, or any exception) is raised by the next
     :meth:`wait` or :meth:`submit` on the calling thread as :class:`MpidpError`, so it

@@ -18,9 +18,10 @@ SYNCS = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "sharded-ps
 def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
               codec: str = "bfloat16", dedicated: bool = False, k: int = 4,
               ps_shared_memory: bool = True, ps_chunk_bytes: int = 1 << 20,
-              node_aware: bool | None = None) -> Sync:
-    """A strategy by name: ``allreduce`` (fused), ``per-layer``, ``overlapped`` (bucketed
-    ``Iallreduce`` during backward), ``compressed`` (16-bit, error feedback), ``ps``
+              node_aware: bool | None = None, overlap_progress: str = "test") -> Sync:
+    """A strategy by name: ``allreduce`` (fused), ``per-layer``, ``overlapped`` (bucket
+    sums started during backward, moved by ``overlap_progress``: ``"test"`` or
+    ``"thread"``), ``compressed`` (16-bit reduce-scatter and allgather, error feedback), ``ps``
     (``dedicated`` server or not; through shared memory within nodes unless
     ``ps_shared_memory=False``; updates shipped in pieces of ``ps_chunk_bytes``),
     ``sharded-ps`` (needs ``optimizer_factory``),
@@ -44,7 +45,7 @@ def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
     if name == "per-layer":
         return PerLayer()
     if name == "overlapped":
-        return Overlapped(bucket_bytes)
+        return Overlapped(bucket_bytes, progress=overlap_progress)
     if name == "compressed":
         return Compressed(codec)
     if name == "ps":
