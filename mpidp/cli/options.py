@@ -36,8 +36,8 @@ TABLE: dict[str, tuple[frozenset, str]] = {
                   "which tries it) buckets gradients"),
     "compress": (frozenset({"compressed", "auto"}), "only --sync compressed (and auto, which "
                  "tries it) encodes gradients"),
-    "overlap_progress": (frozenset({"overlapped"}), "only --sync overlapped starts sums "
-                         "during backward"),
+    "overlap_progress": (frozenset({"overlapped", "auto"}), "only --sync overlapped (and "
+                         "auto, which tries it) starts sums during backward"),
     "node_aware": (frozenset({"allreduce", "accumulate", "auto"}), "only a fused allreduce "
                    "of the whole buffer (allreduce, accumulate, auto) goes node-aware"),
     "sync_every": (frozenset({"accumulate", "local-sgd"}), "only accumulate and local-sgd "

@@ -41,13 +41,15 @@ class Auto(Sync):
     bucket_bytes : the overlapped candidate's bucket size asked for (bytes, > 0).
     codec : the compressed candidate's 16-bit format.
     node_aware : the allreduce candidate's node-aware reduction (see :class:`Sync`).
+    overlap_progress : the overlapped candidates' ``progress`` (see :class:`Overlapped`).
     """
 
     name = "auto"
 
     def __init__(self, bucket_bytes: int = 1 << 20, codec: str = "bfloat16",
-                 node_aware: bool | None = None) -> None:
+                 node_aware: bool | None = None, overlap_progress: str = "test") -> None:
         super().__init__(node_aware)
+        self.overlap_progress = overlap_progress
         if bucket_bytes <= 0:
             raise C.MpidpError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
         self.bucket_bytes, self.codec = int(bucket_bytes), codec
@@ -67,7 +69,7 @@ class Auto(Sync):
             grad_bytes = self.n * self.buf.itemsize
             sizes = sorted({self.bucket_bytes, max(1 << 16, grad_bytes // 4)})
             for size in sizes:
-                self.candidates.append(Overlapped(size))
+                self.candidates.append(Overlapped(size, progress=self.overlap_progress))
                 self.labels.append(f"overlapped ({size / 2**20:.2g} MiB buckets)")
             if s.model.dtype == np.float32:
                 self.candidates.append(Compressed(self.codec))

@@ -41,7 +41,7 @@ def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
         return Sync(node_aware)
     if name == "auto":
         from .auto import Auto
-        return Auto(bucket_bytes, codec, node_aware)
+        return Auto(bucket_bytes, codec, node_aware, overlap_progress)
     if name == "per-layer":
         return PerLayer()
     if name == "overlapped":
