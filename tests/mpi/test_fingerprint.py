@@ -29,6 +29,7 @@ def folder(comm, tmp_path_factory):
 @pytest.mark.parametrize("together", [True, False])
 def test_every_byte_counts_and_every_rank_agrees(comm, folder, together):
     first = data_fingerprint(comm, folder, together)
+    assert [f["name"] for f in first["files"]] == ["X.npy", "y.npy"]
     with open(os.path.join(folder, "X.npy"), "rb") as f:
         whole = zlib.crc32(f.read())
     all_ranks(comm, first["files"][0]["crc32"] == whole, f"{first}")
