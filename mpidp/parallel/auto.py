@@ -26,6 +26,7 @@ import numpy as np
 from .. import comm as C
 from ..nn import Optimizer
 from .compress import Compressed
+from .layer_needs import refuses_model
 from .overlap import Overlapped
 from .sync import Buffers, Exchanged, Round, Setup, Sync
 
@@ -93,13 +94,12 @@ class Auto(Sync):
 
     def describe(self) -> str | None:
         plain = self.candidates[0].describe()
-        tried = ", ".join(self.labels)
-        return f"auto: trying {tried}" + (f"; {plain}" if plain else "") if \
-            len(self.candidates) > 1 else plain
+        if len(self.candidates) == 1:
+            return plain
+        return "; ".join(filter(None, [f"auto: trying {', '.join(self.labels)}", plain]))
 
     def refuses(self, model) -> str | None:
         """What a fused allreduce refuses (a candidate that refuses ``model`` is not tried)."""
-        from .layer_needs import refuses_model
         return refuses_model(model.needs, "data", "allreduce")
 
     def on_layer_done(self) -> Callable[[int], None]:
