@@ -10,6 +10,8 @@ option, the mode and the reason. Pure: no MPI.
 
 from __future__ import annotations
 
+from .kinds import PIPELINED
+
 _NO_GLOBAL_BATCH = "no global batch to take statistics over (use LayerNorm, or another {fix})"
 #: (a layer's need, a mode it cannot be met in) -> why; see :attr:`mpidp.nn.Layer.needs`
 REFUSED_NEEDS = {
@@ -31,7 +33,7 @@ def refuses_model(needs, parallel: str = "data", sync: str = "allreduce") -> str
     """Why a model whose layers need ``needs`` cannot be trained with ``parallel``
     (``data``, ``pipeline``, ``hybrid``) and ``sync``, naming the option, the mode and the
     reason; None when it can."""
-    mode = ("pipeline", f"--parallel {parallel}") if parallel in ("pipeline", "hybrid") \
+    mode = ("pipeline", f"--parallel {parallel}") if parallel in PIPELINED \
         else (sync, f"--sync {sync}")
     for need in sorted(needs):
         why = REFUSED_NEEDS.get((need, mode[0]))

@@ -16,10 +16,8 @@ from .. import comm as C
 from ..nn import Layer, Loss, Optimizer, Sequential
 from ..nn.presets import model_layers  # noqa: F401 - the layers a trainer is made of, by name
 from .data_parallel import DataParallel
+from .kinds import HYBRID_STAGES, PARALLEL
 from .pipeline import Pipeline
-
-PARALLEL = ("data", "pipeline", "hybrid")
-HYBRID_STAGES = 2  # default stages per pipeline for "hybrid"
 
 
 def make_trainer(parallel: str, layers: Sequence[Layer], n_in: int, optimizer: Optimizer,
