@@ -12,6 +12,8 @@ then MPI's reduction over the leaders), so every replica gets the same values.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from .activity import watched
@@ -46,6 +48,19 @@ def node_aware_pays(comm: Comm) -> bool:
     return several and most > 1
 
 
+#: A rank that waits long (for the ranks of its node, or for its leader's exchange over
+#: the network) sleeps in steps of at most this share of its last such wait (between 20 us
+#: and 1 ms), not polling: ranks still computing and the network stack keep the cores, and
+#: the wait ends at most 2 % late.
+SLEEP_SHARE, SHORTEST_SLEEP, LONGEST_SLEEP = 0.02, 2e-5, 1e-3
+
+
+def _sleep_for(last_wait: float) -> float:
+    """The longest sleep of the next wait after one of ``last_wait`` seconds (0: poll)."""
+    s = SLEEP_SHARE * last_wait
+    return 0.0 if s < SHORTEST_SLEEP else min(s, LONGEST_SLEEP)
+
+
 class NodeAllreduce:
     """Sum a 1-D buffer ``(n,)`` over ``comm`` in place: the node's sum formed in shared
     memory on its leader (each node rank adds up ``1/k`` of the elements), an ``Allreduce``
@@ -69,6 +84,7 @@ class NodeAllreduce:
         self.array = self._sum.array
         self.leads = self.leaders is not None and self.leaders.size > 1  # sends over MPI
         self._leader_array = self._sum.array_of(0)
+        self._sleep = (0.0, 0.0)  # longest sleeps waiting for the node, for the leader
 
     def describe(self) -> str:
         """One line for people: the layout this reduction works on."""
@@ -78,10 +94,14 @@ class NodeAllreduce:
     @watched("a node-aware allreduce")
     def allreduce(self) -> np.ndarray:
         """Make :attr:`array` hold the sum over every rank of ``comm``. Collective."""
-        self._sum.reduce()  # the node's sum in the leader's array
+        t = time.perf_counter()
+        self._sum.reduce(self._sleep[0])  # the node's sum in the leader's array
+        t, waited = time.perf_counter(), time.perf_counter() - t
         if self.leads:
             allreduce_sum_(self.leaders, self._leader_array)
-        self._sum.fence()  # the leader's array holds the global sum
+        t = time.perf_counter()
+        self._sum.fence(self._sleep[1])  # the leader's array holds the global sum
+        self._sleep = (_sleep_for(waited), _sleep_for(time.perf_counter() - t))
         if self.node.rank != 0:
             self.array[...] = self._leader_array
         self._sum.fence()  # nobody reads the leader's array any more

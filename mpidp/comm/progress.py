@@ -24,6 +24,7 @@ mark alone: it is the calling thread's state that tells whether the rank is stuc
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import numpy as np
@@ -49,6 +50,20 @@ def test_some(requests: list[MPI.Request]) -> int:
     if requests:
         MPI.Request.Testsome(requests)
     return sum(r == MPI.REQUEST_NULL for r in requests)
+
+
+def wait_yielding(request: MPI.Request, longest_sleep: float) -> None:
+    """Complete ``request``, testing it with sleeps in between (from 10 us, doubling up to
+    ``longest_sleep`` seconds) so that a rank waiting long leaves its core to the ranks
+    and the network stack that are working; it returns at most ``longest_sleep`` after the
+    request completed. ``longest_sleep`` <= 0: a plain ``Wait`` (which may poll)."""
+    if longest_sleep <= 0:
+        request.Wait()
+        return
+    pause = 1e-5
+    while not request.Test():
+        time.sleep(pause)
+        pause = min(2 * pause, longest_sleep)
 
 
 def _sum_in_place(comm: Comm, buf: np.ndarray) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .activity import watched
+from .progress import wait_yielding
 from .runtime import SHM_DIR, Comm
 
 
@@ -95,17 +96,20 @@ class SharedReduce:
         """Rank ``rank``'s ``(n,)`` array (readable by every rank of the node)."""
         return self._arrays[rank]
 
-    def fence(self) -> None:
-        """Make every rank's writes visible to all, and wait for the node. Collective."""
+    def fence(self, longest_sleep: float = 0.0) -> None:
+        """Make every rank's writes visible to all, and wait for the node. Collective.
+        ``longest_sleep`` > 0: wait in sleeps of at most that many seconds, not polling
+        (:func:`~mpidp.comm.progress.wait_yielding`)."""
         self._win.Sync()
-        self.comm.Barrier()
+        wait_yielding(self.comm.Ibarrier(), longest_sleep)
         self._win.Sync()
 
     @watched("a shared-memory reduction")
-    def reduce(self) -> None:
+    def reduce(self, longest_sleep: float = 0.0) -> None:
         """``root``'s ``array`` becomes the sum over ranks (the others' are left as they
-        were). Collective; every rank may write its ``array`` again once it returns."""
-        self.fence()  # every rank's array is complete
+        were). Collective; every rank may write its ``array`` again once it returns.
+        ``longest_sleep``: how this rank waits for the others' arrays (see :meth:`fence`)."""
+        self.fence(longest_sleep)  # every rank's array is complete
         parts = [a[self._mine] for a in self._arrays]
         out = parts[self.root]
         if self.root == 0:

@@ -109,3 +109,35 @@ def test_node_aware_refused_where_it_cannot_apply(comm):
                       "node-aware reduction applies to")
     with ranks_per_node("two"):
         raises_everywhere(comm, ValueError, lambda: C.node_layout(comm), RANKS_PER_NODE)
+
+
+def test_a_long_wait_for_the_leader_is_slept_and_a_short_one_polled():
+    from mpidp.comm.hierarchy import LONGEST_SLEEP, _sleep_for
+    assert _sleep_for(1e-4) == 0.0  # 2 us of sleep would cost more than it frees
+    assert _sleep_for(0.01) == pytest.approx(2e-4)
+    assert _sleep_for(10.0) == LONGEST_SLEEP
+
+
+@pytest.mark.mpi(min_size=3)
+def test_sums_stay_exact_when_ranks_sleep_while_their_leader_exchanges(comm):
+    """The last node's leader is slow to join the leaders' exchange, so the other nodes'
+    ranks wait long for their leader and sleep in their next waits (not poll): the sums
+    are those of a plain barrier's."""
+    import time
+
+    from mpidp.comm.hierarchy import NodeAllreduce
+    with ranks_per_node(2):
+        h = NodeAllreduce(comm, 1000, np.float64)
+    last = (comm.size - 1) // 2  # nodes of 2 ranks: the last node's index
+    slept = []
+    for step in range(4):
+        h.array[...] = np.arange(1000) * (comm.rank + 1) + step
+        if comm.rank == 2 * last:
+            time.sleep(0.1)
+        got = h.allreduce()
+        expect = np.arange(1000) * sum(range(1, comm.size + 1)) + comm.size * step
+        all_ranks(comm, np.array_equal(got, expect), f"step {step}: wrong sums")
+        slept.append(h._sleep[1])
+    from mpidp.comm.hierarchy import LONGEST_SLEEP
+    waits_long = h.node.rank != 0 and comm.rank // 2 != last  # >= 0.1 s each step
+    all_ranks(comm, not waits_long or slept[-1] == LONGEST_SLEEP, f"rank {comm.rank}: {slept}")
