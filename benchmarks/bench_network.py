@@ -149,7 +149,8 @@ def predicted_step_s(row: dict, fit: dict, compute: float, local: dict) -> tuple
         return None
     t = mode_step_time(mode, row["ranks"], local["m"], compute, Fit(**fit),
                        backward=local["backward"], first_bucket=local["first_bucket"],
-                       codec=local["codec_share"] * compute, per_node=row["ranks"] // row["hosts"])
+                       codec=local["codec_share"] * compute, per_node=row["ranks"] // row["hosts"],
+                       link_hops=row["ranks"] // row["hosts"] if row.get("placement") == "cyclic" else 1)
     return mode, t
 
 
@@ -312,7 +313,8 @@ def table(rows: Sequence[dict]) -> list[str]:
            "| link-bound limit | % of limit | host-link MB/step (veth) | expected MB/step |",
            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        where = f"| {r['rate_gbit']:g} Gbit/s | {r['hosts']} x {r['ranks'] // r['hosts']} "
+        where = (f"| {r['rate_gbit']:g} Gbit/s | {r['hosts']} x {r['ranks'] // r['hosts']}"
+                 f"{' cyclic' if r.get('placement') == 'cyclic' else ''} ")
         if "skipped" in r:
             out.append(where + f"| {r['mode']} | skipped: {r['skipped']} | | | | | | |")
             continue
@@ -398,7 +400,9 @@ def markdown(report: dict) -> str:
         "- allreduce-flat is the MPI library's own Allreduce over all the ranks: its host-link "
         "bytes are those of whichever algorithm the library picks for this size and layout "
         "(`--job-env` can pick one); allreduce-node sums inside each host first, then only "
-        "the hosts' leaders reduce over the link.",
+        "the hosts' leaders reduce over the link. `2 x 2 cyclic`: ranks dealt to the "
+        "hosts in turn (0 and 2 on one, 1 and 3 on the other), as a round-robin placement "
+        "does; else in blocks (0 and 1 on one).",
         f"- The link itself (one TCP stream between the hosts, {report['probe_mb']} MB): "
         f"{probes}.",
         *(model_lines(report["model"]) if report.get("model") else []),
@@ -451,11 +455,13 @@ class Marks:
 
 
 def run_job(c: Cluster, per_host: int, modes: Sequence[str], args, env: dict,
-            tmp: Path, name: str) -> tuple[dict, dict]:
-    """bench_sync.py on ``2 x per_host`` ranks with ``modes``; its JSON and its marks."""
+            tmp: Path, name: str, cyclic: bool = False) -> tuple[dict, dict]:
+    """bench_sync.py on ``2 x per_host`` ranks with ``modes``; its JSON and its marks.
+    ``cyclic``: ranks dealt to the hosts in turn (0, 2 on one host, 1, 3 on the other), as
+    a launcher's round-robin placement does; else in blocks (0, 1 on one host)."""
     out = tmp / f"{name}.json"
     marks = Marks(tmp / f"{name}.marks", c.link_bytes)
-    cmd = c.mpiexec(2 * per_host, per_host, sys.executable, str(HERE / "bench_sync.py"),
+    cmd = c.mpiexec(2 * per_host, 1 if cyclic else per_host, sys.executable, str(HERE / "bench_sync.py"),
                     "--only", "--modes", ",".join(modes), "--steps", str(args.steps),
                     "--warmup", str(args.warmup), "--repeats", str(args.repeats),
                     "--shuffle", str(args.seed), "--marks", str(tmp / f"{name}.marks"),
@@ -507,12 +513,14 @@ def measure_rate(c: Cluster, rate_bits: float, args, env: dict, tmp: Path,
         rows += rows_of(job, marks, rate_bits, 2)
         compute[1] = compute_seconds(job)
     if args.node_modes:
-        job, marks = run_job(c, 2, [*args.node_modes, COMPUTE], args, env, tmp, f"node-{tag}")
+        cyclic = args.placement == "cyclic"
+        job, marks = run_job(c, 2, [*args.node_modes, COMPUTE], args, env, tmp, f"node-{tag}",
+                             cyclic)
         compute[2] = compute_seconds(job)
         if set(job["modes"]) <= {COMPUTE}:  # no node_aware in make_sync: plain allreduce at 2 x 2
             rows += rows_of(job, marks, rate_bits, 2)
-            job, marks = run_job(c, 2, ["allreduce"], args, env, tmp, f"plain-{tag}")
-        rows += rows_of(job, marks, rate_bits, 2)
+            job, marks = run_job(c, 2, ["allreduce"], args, env, tmp, f"plain-{tag}", cyclic)
+        rows += [{**r, "placement": args.placement} for r in rows_of(job, marks, rate_bits, 2)]
     inputs = {"rate_gbit": rate_bits / 1e9, "fit": fit, "pingpong": pingpong, "compute": compute}
     return with_predictions(rows, fit, compute, local), probe, job, inputs
 
@@ -528,6 +536,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(PAIR_MODES), help="modes at 2 hosts x 1 rank")
     p.add_argument("--node-modes", default=",".join(NODE_MODES),
                    help="modes at 2 hosts x 2 ranks (empty: none)")
+    p.add_argument("--placement", choices=("block", "cyclic"), default="block",
+                   help="ranks of the 2 x 2 jobs: block (0, 1 on the first host) or cyclic "
+                   "(0, 2 on the first host: every neighbour in rank order on the other host)")
     p.add_argument("--probe-mb", type=float, default=50, help="MB of the TCP probe of each link")
     p.add_argument("--job-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the MPI jobs (repeatable), e.g. "

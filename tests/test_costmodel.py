@@ -157,5 +157,10 @@ def test_mode_step_times_by_hand():
         c + 0.004 + 2e-4 + m / 2 * 8e-9)
     # two nodes of two ranks: the leaders' ring at P = 2, not the flat one at P = 4
     assert M.mode_step_time("node-aware", 4, m, c, fit, per_node=2) == pytest.approx(c + ring)
+    # a flat ring at P = 4 sends 1.5 m per hop; dealt out in turn, two hops share each way
+    flat4 = 6 * 1e-4 + 1.5 * m * 8e-9
+    assert M.mode_step_time("allreduce", 4, m, c, fit) == pytest.approx(c + flat4)
+    assert M.mode_step_time("allreduce", 4, m, c, fit, link_hops=2) == pytest.approx(
+        c + 6 * 1e-4 + 2 * 1.5 * m * 8e-9)
     with pytest.raises(ValueError, match="unknown mode"):
         M.mode_step_time("telepathy", 2, m, c, fit)

@@ -178,7 +178,7 @@ MODES = ("allreduce", "overlapped", "compressed", "node-aware")
 
 def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
                    backward: float = 2 / 3, first_bucket: float = 0.0, codec: float = 0.0,
-                   per_node: int = 1) -> float:
+                   per_node: int = 1, link_hops: int = 1) -> float:
     """Predicted seconds of one step of a synchronisation ``mode`` at ``P`` ranks with ``m``
     gradient bytes, from a measured ``compute`` (seconds of forward + backward + update on
     one rank's share) and the link's :class:`Fit`:
@@ -192,9 +192,15 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
       plus ``codec`` seconds of encoding and decoding: ``compute + codec + ring(P, m / 2)``;
     * ``node-aware``: ``P / per_node`` node leaders run the ring; inside a node the sum
       and the copy back go through memory (not modelled: far faster than a network link).
+
+    ``link_hops``: how many hops of the flat ``allreduce``'s ring share one direction of
+    the busiest link, each at ``1 / link_hops`` of its bandwidth: 1 when ranks sit on the
+    nodes in blocks (one hop in and one out of each node), ``per_node`` when they are
+    dealt out in turn (every neighbour in rank order on another node).
     """
     if mode == "allreduce":
-        return compute + float(allreduce_time(P, m, fit))
+        shared = Fit(fit.alpha, fit.beta * max(link_hops, 1), fit.gamma)
+        return compute + float(allreduce_time(P, m, shared))
     if mode == "overlapped":
         b = backward * compute
         return (compute - b) + max(b, first_bucket * b + float(allreduce_time(P, m, fit)))
