@@ -21,6 +21,10 @@ def _identity(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def _unheard(layer: object) -> None:
+    return None
+
+
 @dataclass
 class Context:
     """The step a model's forward and backward passes belong to.
@@ -37,6 +41,11 @@ class Context:
     reduce_sum : sums a float array over the replica group, in place, and returns it; the
         same call on every rank of the group, in the same order (it is a collective).
     group_size : number of ranks ``reduce_sum`` sums over (1 on one process).
+    grads_final : a layer may call ``grads_final(self)`` in its ``backward`` once its
+        parameters' gradients are final, before it computes its input gradient, so that
+        whoever runs the model can start sending them meanwhile. Set by
+        :meth:`mpidp.nn.Sequential.backward` for each of its layers in turn; a call from
+        any other layer (one nested in a block) is ignored.
     """
 
     training: bool = False
@@ -46,6 +55,7 @@ class Context:
     index: np.ndarray | None = None
     reduce_sum: Callable[[np.ndarray], np.ndarray] = _identity
     group_size: int = 1
+    grads_final: Callable[[object], None] = _unheard
 
     def sample_index(self, n: int, who: str) -> np.ndarray:
         """The batch's global sample indices ``(n,)``; raises ``ValueError`` naming ``who``

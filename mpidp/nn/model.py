@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..atomic import write_atomic
-from .context import Context
+from .context import Context, _unheard
 from .layers import RESERVED, Layer, layer_class, layer_spec
 from .losses import outputs
 
@@ -199,13 +199,27 @@ class Sequential:
         ``(n, n_in)``, or None with ``input_grad=False`` (then its cost is skipped).
 
         ``on_layer_done(i)`` is called as soon as layer ``i``'s gradients are final (last
-        layer first), so a trainer can start communicating them during the rest of backward.
+        layer first), so a trainer can start communicating them during the rest of backward:
+        from the layer's ``context.grads_final(layer)`` if it calls it (a ``Dense`` does,
+        before its input gradient), else once its ``backward`` returns.
         """
         last = len(self.layers) - 1
-        for i, layer in enumerate(reversed(self.layers)):
-            dy = layer.backward(dy, accumulate, need_input_grad=input_grad or i < last)
-            if on_layer_done is not None:
-                on_layer_done(last - i)
+        told = set()  # the layers on_layer_done has heard of
+
+        def final(layer: object, i: int) -> None:
+            if layer is self.layers[i] and i not in told:
+                told.add(i)
+                on_layer_done(i)
+
+        try:
+            for i, layer in enumerate(reversed(self.layers)):
+                if on_layer_done is not None:
+                    self.context.grads_final = lambda who, i=last - i: final(who, i)
+                dy = layer.backward(dy, accumulate, need_input_grad=input_grad or i < last)
+                if on_layer_done is not None:
+                    final(layer, last - i)
+        finally:
+            self.context.grads_final = _unheard
         return dy
 
     def spec(self) -> list[dict]:
