@@ -2,43 +2,115 @@
 
 Under ``mpiexec`` a rank's stderr is a pipe to the launcher, so whether a person watches is
 the launcher's business: ``auto`` draws a live bar when this process's stderr, or that of
-the launcher it is forwarded through, is a terminal, and writes a plain line every
+the MPI launcher it is forwarded through, is a terminal, and writes a plain line every
 :data:`LINE_SECONDS` otherwise (a batch log gets a few lines, not thousands).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
 
+from ..errors import MpidpError
+
 MODES = ("auto", "bar", "lines", "none")
 #: Seconds between two plain progress lines (``MPIDP_PROGRESS_SECONDS`` overrides it).
 LINE_SECONDS = 10.0
+#: The environment variable that sets the seconds between two plain progress lines.
+SECONDS_VAR = "MPIDP_PROGRESS_SECONDS"
+#: MPI launchers (as ``/proc/PID/comm`` names them): MPICH's and Intel MPI's Hydra, MPICH's
+#: gforker, Open MPI 4's ``orterun`` and Open MPI 5's ``prterun``.
+LAUNCHERS = frozenset({"mpiexec", "mpirun", "mpiexec.hydra", "mpiexec.gforker", "orterun",
+                       "prterun", "prte"})
+#: The per-node daemons a launcher starts ranks through (their parent is the launcher on
+#: its own node).
+PROXIES = frozenset({"hydra_pmi_proxy", "pmi_proxy", "orted", "prted"})
+
+
+def line_seconds() -> float:
+    """The seconds between two plain progress lines: ``MPIDP_PROGRESS_SECONDS`` if set,
+    else :data:`LINE_SECONDS`. Raises :class:`~mpidp.errors.MpidpError` naming the variable
+    and its value unless that is a finite number above 0."""
+    text = os.environ.get(SECONDS_VAR)
+    if text is None:
+        return LINE_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise MpidpError(f"{SECONDS_VAR}={text!r}: expected the seconds between two progress "
+                         f"lines, a finite number above 0 (unset: {LINE_SECONDS:g})")
+    return seconds
+
+
+def _stderr(pid: int) -> str | None:
+    """Where process ``pid``'s stderr leads (``/dev/pts/3``, ``pipe:[…]``, a path), or None."""
+    try:
+        return os.readlink(f"/proc/{pid}/fd/2")
+    except OSError:
+        return None
+
+
+def _is_terminal(target: str | None) -> bool:
+    return target is not None and target.startswith(("/dev/pts/", "/dev/tty"))
+
+
+def _parent(pid: int) -> int:
+    """The parent of process ``pid``; 0 where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _launcher(pid: int, depth: int) -> int | None:
+    """The MPI launcher that process ``pid``'s stderr pipe leads to: the first process up
+    its chain of parents named in :data:`LAUNCHERS`, or the parent of one named in
+    :data:`PROXIES`, each reached through processes whose stderr is a pipe; None if none."""
+    for _ in range(depth):
+        parent = _parent(pid)
+        if parent <= 1:
+            return None
+        name = _name(parent)
+        if name in LAUNCHERS:
+            return parent
+        if name in PROXIES:
+            launcher = _parent(parent)
+            return launcher if launcher > 1 else None
+        if not (_stderr(parent) or "").startswith("pipe:"):
+            return None  # the output ends here, at no launcher
+        pid = parent
+    return None
 
 
 def watched(pid: int | None = None, depth: int = 8) -> bool:
-    """True when stderr of process ``pid`` (this one by default), or of the first process
-    up its chain of parents whose stderr is not a pipe (the launcher's, through which a
-    rank's output is forwarded), is a terminal. Linux ``/proc``; False where unknown."""
+    """True when stderr of process ``pid`` (this one by default) is a terminal or, when it
+    is a pipe to an MPI launcher (a rank's, forwarded through the launcher), when the
+    launcher's own stderr is a terminal. A pipe or a file anywhere else is not watched.
+    Linux ``/proc``; False where unknown."""
+    own = pid is None or pid == os.getpid()
     pid = os.getpid() if pid is None else pid
-    for _ in range(depth):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/2")
-        except OSError:
-            return sys.stderr.isatty() if pid == os.getpid() else False
-        if target.startswith(("/dev/pts/", "/dev/tty")):
-            return True
-        if not target.startswith("pipe:"):
-            return False  # a file or a socket: nobody watches
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rpartition(")")[2].split()[1])  # the parent's pid
-        except (OSError, ValueError, IndexError):
-            return False
-        if pid <= 1:
-            return False
-    return False
+    target = _stderr(pid)
+    if target is None:
+        return sys.stderr.isatty() if own else False
+    if _is_terminal(target):
+        return True
+    if not target.startswith("pipe:"):
+        return False  # a file or a socket: nobody watches
+    launcher = _launcher(pid, depth)
+    return launcher is not None and _is_terminal(_stderr(launcher))
 
 
 def resolve(mode: str | bool) -> str:
@@ -56,10 +128,13 @@ def resolve(mode: str | bool) -> str:
 class Progress:
     """The progress of one epoch of ``total`` steps (``initial`` already done), drawn as
     ``mode`` (``bar``, ``lines`` or ``none``, see :func:`resolve`): a tqdm bar (a line per
-    :data:`LINE_SECONDS` without tqdm), or a plain line every :data:`LINE_SECONDS`."""
+    :data:`LINE_SECONDS` without tqdm), or a plain line every :data:`LINE_SECONDS`. Raises
+    :class:`~mpidp.errors.MpidpError` for a bad ``MPIDP_PROGRESS_SECONDS`` (see
+    :func:`line_seconds`), whatever ``mode`` is, so every rank raises alike."""
 
     def __init__(self, total: int, desc: str, mode: str = "none", initial: int = 0,
                  clock=time.monotonic) -> None:
+        self.every = line_seconds()  # on every rank, whatever it draws: the same error on each
         self.total, self.desc, self.n, self._bar, self.clock = total, desc, initial, None, clock
         self.mode = mode
         if mode == "bar":
@@ -69,7 +144,6 @@ class Progress:
                                  file=sys.stderr, dynamic_ncols=True, mininterval=0.1)
             except ImportError:
                 self.mode = "lines"
-        self.every = float(os.environ.get("MPIDP_PROGRESS_SECONDS", LINE_SECONDS))
         self.t0 = self.last = clock()
         self.first = initial
 
