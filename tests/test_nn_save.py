@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -153,12 +154,58 @@ def test_an_unregistered_layer_class_is_named(tmp_path):
             return None
 
     model = nn.Sequential([nn.Dense(2, 3), Softsign()], 2).init_(0)
-    model.save(tmp_path / "m.npz")  # saving needs no registration
+    with pytest.warns(UserWarning) as caught:  # written, with a warning that names the class
+        model.save(tmp_path / "m.npz")
+    assert len(caught) == 1 and caught[0].filename == __file__, [str(w.message) for w in caught]
+    said = str(caught[0].message)
+    assert said.startswith(f"{tmp_path / 'm.npz'}: layer class 'Softsign' (") and \
+        "<locals>.Softsign) is not registered, so mpidp.nn.load cannot rebuild" in said
+    assert "register it with mpidp.nn.register_layer" in said
     with pytest.raises(ValueError, match="register_layer") as err:
         nn.load(tmp_path / "m.npz")
     assert "'Softsign'" in str(err.value) and str(tmp_path / "m.npz") in str(err.value)
     with pytest.raises(ValueError, match="'Softsign', which is not registered"):
         nn.from_spec(model.spec())
+
+
+def _warnings_of(save) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save()
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+def test_saving_warns_of_each_unregistered_class_alone(tmp_path):
+    class Shift(Layer):  # not registered
+        def forward(self, x):
+            return x + 1
+
+        def backward(self, dy, accumulate=False, need_input_grad=True):
+            return dy
+
+    class Dense(nn.Dense):  # not registered, but its name is mpidp's Dense's
+        pass
+
+    @register_layer(name="test_nn_save.Kept")
+    class Kept(Shift):
+        pass
+
+    path = str(tmp_path / "m.npz")
+    built_in = [nn.build(p, 7, 3)[0] for p in ("mlp", "logreg")] + [nn.build("cnn", (1, 8, 8), 3)[0]] + [
+        nn.Sequential([nn.Dense(4, 4), nn.Residual([nn.Dense(4, 4), nn.ReLU(), Kept()]),
+                       nn.LayerNorm(4), nn.Dropout(0.1), Kept()], 4)]
+    for model in built_in:
+        assert _warnings_of(lambda m=model: nn.save(m.init_(0), path)) == []
+    inner = nn.Sequential([nn.Residual([nn.Dense(4, 4), Shift()]), Shift(), Dense(4, 2)], 4)
+    said = _warnings_of(lambda: inner.init_(0).save(path))
+    assert len(said) == 2, said  # one per class, wherever and however often it appears
+    assert said[0].startswith(f"{path}: layer class 'Shift' (") and "cannot rebuild" in said[0]
+    assert said[1].startswith(f"{path}: layer class 'Dense' (") and \
+        "its name is registered to mpidp.nn.layers.Dense, which mpidp.nn.load would build " \
+        "in its place" in said[1]
+    assert all("register it with mpidp.nn.register_layer" in w for w in said)
+    with pytest.raises(ValueError, match="'Shift', which is not registered"):
+        nn.load(path)  # what the warning foretold
 
 
 def test_registering_two_classes_under_one_name_is_refused():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 import zipfile
 import zlib
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ import numpy.typing as npt
 
 from ..atomic import write_atomic
 from .context import Context, _unheard
-from .layers import RESERVED, Layer, layer_class, layer_spec
+from .layers import RESERVED, Layer, layer_class, layer_name, layer_spec, registered_layers
 from .losses import outputs
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -242,7 +243,7 @@ class Sequential:
 
     def save(self, path: str | os.PathLike, meta: dict | None = None) -> str:
         """Write the model to ``path``: see :func:`save`. Returns the path written."""
-        return save(self, path, meta)
+        return _save(self, path, meta, stacklevel=3)
 
     def __repr__(self) -> str:
         inner = ", ".join(map(repr, self.layers))
@@ -355,7 +356,33 @@ def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None) -
     Raises
     ------
     ValueError : the spec or ``meta`` is not JSON-able (nothing is written).
+
+    Warns
+    -----
+    UserWarning : a layer's class (or that of a layer inside a block) is not registered
+        (:func:`mpidp.nn.register_layer`), so :func:`load` cannot rebuild the file; the
+        warning names the class. The file is written all the same.
     """
+    return _save(model, path, meta, stacklevel=3)
+
+
+def _unregistered(layers: Sequence[Layer]) -> list[type]:
+    """The classes among ``layers`` (and the ``layers`` of blocks inside them) that
+    :func:`from_spec` would not rebuild: not registered, or their name registered to
+    another class."""
+    found: list[type] = []
+    for layer in layers:
+        cls = type(layer)
+        if registered_layers().get(layer_name(cls)) is not cls and cls not in found:
+            found.append(cls)
+        inner = getattr(layer, "layers", None)
+        if isinstance(inner, (list, tuple)) and all(isinstance(la, Layer) for la in inner):
+            found += [c for c in _unregistered(inner) if c not in found]
+    return found
+
+
+def _save(model: Sequential, path: str | os.PathLike, meta: dict | None,
+          stacklevel: int) -> str:
     path = _model_path(path)
     meta = model.meta if meta is None else meta
     try:
@@ -366,6 +393,16 @@ def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None) -
     extra = {"state": model.state} if model.n_state else {}
     write_atomic(path, lambda f: np.savez(f, params=model.params, spec=spec_json,
                                           dtype=str(model.dtype), meta=meta_json, **extra))
+    for cls in _unregistered(model.layers):
+        other = registered_layers().get(layer_name(cls))
+        why = "so mpidp.nn.load cannot rebuild this file" if other is None else \
+            (f"and its name is registered to {other.__module__}.{other.__qualname__}, which "
+             f"mpidp.nn.load would build in its place")
+        warnings.warn(f"{path}: layer class {cls.__name__!r} ({cls.__module__}."
+                      f"{cls.__qualname__}) is not registered, {why}; register it with "
+                      f"mpidp.nn.register_layer (decorate the class with "
+                      f"@mpidp.nn.register_layer) where it is defined",
+                      UserWarning, stacklevel=stacklevel)
     return path
 
 
