@@ -1,6 +1,7 @@
 """A user's own layers (one sums over the ranks) and optimizer, a callback that stops early,
 save, reload, predict.
 Run: mpiexec -n 2 python examples/custom_layer.py [OUT_FILE.npz]"""
+import os
 import sys
 
 import mpidp  # import before numpy: it sets one BLAS thread pool per rank that fits the node
@@ -80,6 +81,7 @@ def enough(record: dict) -> bool:  # on every rank; True on any one rank stops t
 
 history = mpidp.fit(dp, data.train, epochs=30, batch_size=64, test=data.test, on_epoch=enough)
 if comm.rank == 0:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     nn.save(model, out)  # the model.npz layout `mpidp train` writes
     again = nn.load(out)  # needs Leaky and Centre registered, as above
     X, y = data.test.X, data.test.y  # rank 0's part of the test set

@@ -6,11 +6,13 @@ from __future__ import annotations
 import configparser
 import re
 
+import numpy as np
 import pytest
 from clitools import ROOT, run_mpi
 
 from mpidp.cli.main import _number, build_parser
-from mpidp.data.balance import format_balance
+from mpidp.data.balance import balance_figures, format_balance
+from mpidp.observe.metrics import STEP_FIELDS
 
 
 def _error(capsys, monkeypatch, *argv: str) -> list[str]:
@@ -93,23 +95,46 @@ def test_every_rank_exits_2_and_rank_0_alone_speaks():
     assert "usage:" not in r.stderr
 
 
+def test_a_bad_progress_interval_is_refused_before_any_work(tmp_path):
+    out = tmp_path / "run"
+    r = run_mpi(2, "train", "--dataset", "synthetic", "--epochs", "1", "--out", str(out),
+                env={"MPIDP_PROGRESS_SECONDS": "-3"}, timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.count("MPIDP_PROGRESS_SECONDS='-3'") == 1, r.stderr[-2000:]
+    assert "data:" not in r.stdout and not out.exists()  # nothing read, nothing written
+
+
 FIG = {"strategy": "block", "imbalance": 1.2, "imbalance_cpu": 1.1, "efficiency": 0.8,
        "efficiency_cpu": 0.85, "slowest_rank": 1, "rate": 55.0, "ideal_rate": 100.0,
-       "attainable_rate": 55 / 0.9, "fixed_s": 0.25,
-       "per_rank": [{"rank": 0, "samples": 10, "cost": 10.0, "compute_s": 1.0, "wait_s": 0.1,
-                     "comm_s": 0.01, "idle_fraction": 0.1}]}
+       "attainable_rate": 61.0, "fixed_s": 0.25,
+       "per_rank": [{"rank": r, "samples": 10, "cost": 10.0, "compute_s": 1.0, "wait_s": 0.1,
+                     "comm_s": 0.01, "idle_fraction": 0.1} for r in range(2)]}
 
 
 def test_the_balance_line_speaks_plainly():
     text = format_balance(FIG, per_rank=False)
-    assert text.splitlines()[1] == ("  each step waits for the slowest rank: the ranks ran at "
-                                    "55% of their combined speed, 90% of what the best split "
-                                    "could reach")
+    assert text.splitlines()[1] == (
+        "  training ran at 55% of the ranks' combined compute speed (communication, the "
+        "optimizer update and waiting for slower ranks took the rest); a split of the rows in "
+        "proportion to the ranks' speeds would reach 61%")
     assert "attainable" not in text and "cost/s" not in text
     detail = format_balance(FIG)
     assert "throughput 55 cost/s; 0.250 s of communication + update" in detail
     assert "n/a" not in format_balance({**FIG, "ideal_rate": 0.0, "attainable_rate": 0.0},
                                        per_rank=False)
+
+
+def test_one_rank_has_no_slowest_rank_only_the_compute_share():
+    """On one rank ``rate / ideal_rate`` is compute / (compute + collective + update)."""
+    rec = np.zeros((1, 4, len(STEP_FIELDS)))
+    for name, value in (("compute_s", 0.6), ("comm_s", 0.1), ("update_s", 0.3),
+                        ("samples", 8), ("cost", 8)):
+        rec[0, :, STEP_FIELDS.index(name)] = value
+    fig = {**balance_figures(rec), "strategy": "block"}
+    text = format_balance(fig, per_rank=False)
+    assert text == ("load balance (block): one rank, nothing to balance; forward and backward "
+                    "took 60% of the step time, the optimizer update and the collective the rest")
+    assert "slowest" not in text and "waiting" not in text
 
 
 def _readme() -> str:

@@ -29,6 +29,7 @@ RUN = ["--dataset", 'data "x"\\y\nz.npz', "--hidden", "32,16", "--epochs", "3", 
        "--capacities", "1,2.5", "--slowdown", "1:2,2:1.5", "--drop-last", "--no-shuffle",
        "--n-classes", "3", "--watchdog", "0", "--checkpoint-dir", "ck", "--optimizer", "adam",
        "--momentum", "0.5", "--test-fraction", "0.125", "--dtype", "float64",
+       "--import", "my.layers", "--import", "lib/more layers.py",
        # not stored: what to do now and how to show it
        "--quiet", "--trace", "t.json", "--trace-steps", "1:3", "--log-every", "2", "--resume",
        "--restart"]
@@ -59,6 +60,7 @@ def test_a_written_configuration_reads_back_to_the_same_arguments(tmp_path, argv
         assert _stored(back) != _stored(_parse([]))
         assert back.slowdown == {1: 2.0, 2: 1.5} and back.hidden == (32, 16)
         assert back.dataset == 'data "x"\\y\nz.npz'
+        assert getattr(back, "import") == ["my.layers", "lib/more layers.py"]
     for dest in NOT_STORED & set(vars(args)) - {"command"}:  # left out: defaults again
         assert getattr(back, dest) == TRAIN.get_default(dest), dest
 
@@ -87,6 +89,17 @@ def test_the_command_line_wins_over_the_file():
     args = _parse([*tokens(table, TRAIN, skip=given(TRAIN, after)), *after])
     assert (args.epochs, args.lr, args.drop_last, args.hidden) == (10, 0.25, True, (8,))
     assert tokens(table, TRAIN, skip={"epochs", "lr", "drop_last", "hidden"}) == []
+
+
+def test_a_repeatable_option_is_given_once_per_value():
+    assert tokens({"import": ["a.b", "c.py"]}, TRAIN) == ["--import", "a.b", "--import", "c.py"]
+    assert tokens({"import": "a.b"}, TRAIN) == ["--import", "a.b"]
+    assert getattr(_parse(tokens({"import": ["a.b", "c.py"]}, TRAIN)), "import") == ["a.b",
+                                                                                    "c.py"]
+    with pytest.raises(ValueError, match=r'^f\.toml: import = \["a", "-b"\] looks like an '
+                       r"option, not a value: give the value \(a path that starts with '-' "
+                       r"as \./-b\)$"):
+        tokens({"import": ["a", "-b"]}, TRAIN, source="f.toml")
 
 
 def test_both_spellings_of_a_key_and_false_flags():

@@ -267,3 +267,63 @@ def test_a_recorded_config_keeps_only_what_applied():
     assert {"n_samples", "n_features", "ps_placement"} <= set(synthetic)
     pipe = applying(vars(build_parser().parse_args(["train", "--parallel", "pipeline"])))
     assert {"micro_batches", "schedule"} <= set(pipe) and "partition" not in pipe
+
+
+#: What ``mpidp train --dataset digits --epochs 2`` sets that its run does not use: no
+#: checkpoints, a constant rate without scaling, no validation, NaN/Inf stops the run, a
+#: block partition, SGD with momentum (it keeps --momentum).
+UNUSED_BY_DEFAULT = {"checkpoint_every", "keep_checkpoints", "lr_gamma", "lr_min",
+                     "plateau_factor", "plateau_patience", "min_delta", "base_batch",
+                     "max_skipped", "costs"}
+
+
+def test_a_recorded_config_leaves_out_settings_the_others_make_moot():
+    from mpidp.cli.options import applying
+    args = build_parser().parse_args(["train", "--dataset", "digits", "--epochs", "2"])
+    kept = applying(vars(args))
+    assert not UNUSED_BY_DEFAULT & set(kept), UNUSED_BY_DEFAULT & set(kept)
+    assert {"momentum", "lr_schedule", "lr_scaling", "on_nonfinite", "partition",
+            "warmup_epochs", "val_fraction", "epochs"} <= set(kept)
+    used = applying(vars(build_parser().parse_args(
+        ["train", "--checkpoint-dir", "ck", "--lr-schedule", "plateau", "--val-fraction", "0.1",
+         "--lr-scaling", "sqrt", "--on-nonfinite", "skip", "--partition", "cost"])))
+    assert UNUSED_BY_DEFAULT - {"lr_gamma", "lr_min"} <= set(used)
+    assert "lr_gamma" in applying(vars(build_parser().parse_args(
+        ["train", "--lr-schedule", "exponential"])))
+    assert {"lr_min", "min_delta"} <= set(applying(vars(build_parser().parse_args(
+        ["train", "--lr-schedule", "cosine", "--early-stopping", "2", "--val-fraction", "0.1"]))))
+
+
+@pytest.mark.parametrize("optimizer,kept", [("adam", False), ("adamw", False), ("lamb", False),
+                                            ("sgd", False), ("momentum", True), ("lars", True)])
+def test_momentum_is_recorded_only_for_an_optimizer_that_uses_it(optimizer, kept):
+    from mpidp.cli.options import applying
+    args = build_parser().parse_args(["train", "--optimizer", optimizer])
+    assert ("momentum" in applying(vars(args))) is kept
+    assert _check(["--optimizer", optimizer, "--momentum", "0.5"]) == ([] if kept else [
+        f"--momentum does not apply to --optimizer {optimizer}: only momentum and lars use it"])
+
+
+def test_max_skipped_needs_steps_to_be_skipped():
+    assert _check(["--max-skipped", "0.2"]) == [
+        "--max-skipped needs --on-nonfinite skip (only skipped steps are counted)"]
+    assert _check(["--max-skipped", "0.2", "--on-nonfinite", "ignore"]) == [
+        "--max-skipped needs --on-nonfinite skip (only skipped steps are counted)"]
+    assert _check(["--max-skipped", "0.2", "--on-nonfinite", "skip"]) == []
+
+
+def test_min_delta_alone_is_let_through_but_not_recorded():
+    from mpidp.cli.options import applying
+    argv = ["--min-delta", "0.01", "--val-fraction", "0.1"]
+    assert _check(argv) == []  # accepted, as it always was: it changes nothing
+    assert "min_delta" not in applying(vars(build_parser().parse_args(["train", *argv])))
+
+
+def test_the_trainer_kinds_come_from_one_list():
+    from mpidp.cli import options
+    from mpidp.parallel.kinds import HYBRID_STAGES, PARALLEL, PIPELINED
+    choices = {a.dest: a for a in TRAIN._actions}  # noqa: SLF001
+    assert tuple(choices["parallel"].choices) == PARALLEL
+    assert not set(choices["sync"].choices) & set(PIPELINED)
+    assert options.MODEL_PARALLEL == PIPELINED and set(PIPELINED) <= set(MODES)
+    assert f"pipelines of {HYBRID_STAGES} stages" in choices["parallel"].help

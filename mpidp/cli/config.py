@@ -79,13 +79,15 @@ def tokens(table: dict, parser: argparse.ArgumentParser, skip: Iterable[str] = (
             if not isinstance(value, bool):
                 raise ValueError(f"{source}: {key} must be true or false, got {_toml(value)}")
             out += [flag] if value else []
-        else:
-            if isinstance(value, str) and value.startswith("-") and not literal:
-                raise ValueError(f"{source}: {key} = {_toml(value)} looks like an option, "
-                                 f"not a value: give the value (a path that starts with '-' "
-                                 f"as ./{value})")
-            text = _checked(action, key, value, source)
-            out += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
+        else:  # a repeatable option (--import): the flag once per value
+            for item in (value if isinstance(action, argparse._AppendAction)  # noqa: SLF001
+                         and isinstance(value, list) else [value]):
+                if isinstance(item, str) and item.startswith("-") and not literal:
+                    raise ValueError(f"{source}: {key} = {_toml(value)} looks like an option, "
+                                     f"not a value: give the value (a path that starts with "
+                                     f"'-' as ./{item})")
+                text = _checked(action, key, item, source)
+                out += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
     return out
 
 

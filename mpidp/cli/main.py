@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from .. import __version__
 from ..data.partition import STRATEGIES
+from ..parallel.kinds import HYBRID_STAGES, PARALLEL, PIPELINED
 from .options import MODES, given
 
 EXIT_USAGE = 2
@@ -193,6 +194,7 @@ def _add_train(sub) -> None:
       "width) images; FILE: a model file (.toml or .json) listing layers and their "
       "settings (docs/models.md)")
     a("--hidden", type=_hidden, default=(128, 64), help="MLP hidden widths, comma-separated")
+    add_import(p)
     a("--epochs", type=_positive(int), default=10,
       help="passes over the training set (default: 10; 20 for --model cnn)")
     a("--batch-size", type=_positive(int), default=64,
@@ -203,7 +205,7 @@ def _add_train(sub) -> None:
       "weight decay), lars (momentum SGD with layer-wise trust ratios) or lamb (Adam with "
       "layer-wise trust ratios); the trust ratios use each whole tensor's norms in every mode")
     a("--momentum", type=_number(float, 0, 1), default=0.9,
-      help="momentum factor for --optimizer momentum, in [0, 1)")
+      help="momentum factor for --optimizer momentum and lars, in [0, 1)")
     a("--weight-decay", type=_non_negative(float), default=0.0, help="L2 weight decay (>= 0)")
     r = p.add_argument_group("learning-rate schedules, large batches, clipping")
     r.add_argument("--lr-schedule", choices=("constant", "step", "multistep", "exponential",
@@ -299,11 +301,21 @@ def _add_train(sub) -> None:
     add_partition_options(p)
 
 
+def add_import(p: argparse.ArgumentParser) -> None:
+    """``--import MODULE`` (repeatable): a user's module, imported on every rank first."""
+    p.add_argument("--import", action="append", default=None, metavar="MODULE",
+                   help="import MODULE on every rank before any model is built or loaded, "
+                   "so the layer classes it registers (mpidp.nn.register_layer) can be named "
+                   "in a --model file and reloaded: a dotted name importable from the "
+                   "current folder or sys.path, or a path to a .py file; repeatable")
+
+
 def _add_model_parallel(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model parallelism")
-    m.add_argument("--parallel", choices=("data", "pipeline", "hybrid"), default="data",
+    m.add_argument("--parallel", choices=PARALLEL, default="data",
                    help="data: every rank a replica; pipeline: consecutive layers on consecutive "
-                   "ranks; hybrid: pipelines of 2 stages x P/2 data-parallel replicas")
+                   f"ranks; hybrid: pipelines of {HYBRID_STAGES} stages x P/{HYBRID_STAGES} "
+                   "data-parallel replicas")
     m.add_argument("--micro-batches", type=_positive(int), default=4,
                    help="pipeline/hybrid: micro-batches per batch (sizes differ by at most 1)")
     m.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b",
@@ -342,7 +354,7 @@ def _add_reliability(p: argparse.ArgumentParser) -> None:
 
 def _add_sync(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("synchronisation")
-    g.add_argument("--sync", choices=[m for m in MODES if m not in ("pipeline", "hybrid")],
+    g.add_argument("--sync", choices=[m for m in MODES if m not in PIPELINED],
                    default="allreduce",
                    help="allreduce: one fused in-place Allreduce per step; per-layer: one per "
                    "array; overlapped: bucketed Iallreduce during backward; compressed: 16-bit "
@@ -435,6 +447,7 @@ def add_predict(sub) -> None:
                        formatter_class=_Help)
     a = p.add_argument
     a("--model", required=True, help="model.npz written by mpidp train, or its folder")
+    add_import(p)
     a("--dataset", required=True, help="as for train: digits, synthetic, bow or PATH")
     a("--rows", choices=("all", "test"), default="all",
       help="all rows, or the held-out test rows of the seeded split used by train")

@@ -1,20 +1,27 @@
-"""Which option of ``mpidp train`` applies to which mode: one table, decided before any work.
+"""Which option of ``mpidp train`` applies to which mode and settings: two tables, decided
+before any work.
 
 A mode is a ``--sync`` strategy of data parallelism (``allreduce``, ``per-layer``, ...,
-``local-sgd``), ``async-ps``, ``pipeline`` or ``hybrid``. An option given on the command
-line that does not apply to the mode is refused with one message naming the option and the
-mode, never silently ignored. Pure: no MPI here (every rank reaches the same verdict).
+``local-sgd``), ``async-ps``, ``pipeline`` or ``hybrid`` (:data:`TABLE`). Some options
+matter only under other settings (``--lr-gamma`` under a decaying schedule: :data:`DEPENDS`).
+An option given on the command line that does not apply is refused with one message naming
+the option and what it needs, never silently ignored (a :class:`Needs` without a refusal
+lets it through); a recorded configuration keeps only what applied (:func:`applying`).
+Pure: no MPI here (every rank reaches the same verdict).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+from ..parallel.kinds import PIPELINED
 from ..parallel.strategies import SYNCS as SYNC_MODES
 
-MODES = (*SYNC_MODES, "async-ps", "pipeline", "hybrid")
-MODEL_PARALLEL = ("pipeline", "hybrid")
+MODES = (*SYNC_MODES, "async-ps", *PIPELINED)
+MODEL_PARALLEL = PIPELINED
 ALL = frozenset(MODES)
 DATA = frozenset((*SYNC_MODES, "async-ps"))  # every rank (or worker) holds a shard
 
@@ -26,8 +33,8 @@ TABLE: dict[str, tuple[frozenset, str]] = {
     "costs": (DATA, "pipeline stages all see the whole batch"),
     "capacities": (DATA, "pipeline stages all see the whole batch"),
     "adapt_every": (DATA, "pipeline stages all see the whole batch"),
-    "micro_batches": (frozenset(MODEL_PARALLEL), "only pipelines cut batches into micro-batches"),
-    "schedule": (frozenset(MODEL_PARALLEL), "only pipelines have a schedule"),
+    "micro_batches": (frozenset(PIPELINED), "only pipelines cut batches into micro-batches"),
+    "schedule": (frozenset(PIPELINED), "only pipelines have a schedule"),
     "max_staleness": (frozenset({"async-ps"}), "only the asynchronous server drops stale pushes"),
     "ps_placement": (frozenset({"ps"}), "only --sync ps has a server to place"),
     "ps_transport": (frozenset({"ps"}), "only --sync ps ships parameters from a server"),
@@ -71,10 +78,79 @@ SCHEDULE_OPTIONS = {"lr_step_epochs": ("step",), "lr_milestones": ("multistep",)
 #: Strategies that decide owners again every epoch (they need the whole world in the plan).
 DYNAMIC_PARTITIONS = ("cost", "adaptive")
 
+#: The optimizers that read --momentum.
+MOMENTUM_OPTIMIZERS = ("momentum", "lars")
+
+
+@dataclass(frozen=True)
+class Needs:
+    """A condition on the other settings for an option to matter: ``holds(settings)``
+    (option dest -> value). ``refusal`` is what the option, given where the condition fails,
+    is told (a format string of the settings); None: it is accepted there. Either way a
+    recorded configuration leaves it out."""
+
+    holds: Callable[[Mapping[str, Any]], bool]
+    refusal: str | None
+
+
+def _schedule_needs(dest: str, schedules: tuple[str, ...]) -> Needs:
+    return Needs(lambda s: s.get("lr_schedule") in schedules,
+                 f"--{dest.replace('_', '-')} does not apply to --lr-schedule {{lr_schedule}}: "
+                 f"it belongs to --lr-schedule {' or '.join(schedules)}")
+
+
+def _checkpoint_needs(dest: str) -> Needs:
+    return Needs(lambda s: bool(s.get("checkpoint_dir")),
+                 f"--{dest.replace('_', '-')} needs --checkpoint-dir")
+
+
+def _validation_needs(dest: str) -> Needs:
+    return Needs(lambda s: bool(s.get("val_fraction")),
+                 f"--{dest.replace('_', '-')} needs --val-fraction (a validation set to watch)")
+
+
+#: option (argparse dest) -> what must hold of the other settings for it to matter, within
+#: a mode it applies to (:data:`TABLE`).
+DEPENDS: dict[str, tuple[Needs, ...]] = {
+    **{dest: (_schedule_needs(dest, names),) for dest, names in SCHEDULE_OPTIONS.items()},
+    "base_batch": (Needs(lambda s: s.get("lr_scaling") != "none",
+                         "--base-batch needs --lr-scaling linear or sqrt"),),
+    "momentum": (Needs(lambda s: s.get("optimizer") in MOMENTUM_OPTIMIZERS,
+                       "--momentum does not apply to --optimizer {optimizer}: only "
+                       + " and ".join(MOMENTUM_OPTIMIZERS) + " use it"),),
+    "early_stopping": (_validation_needs("early_stopping"),),
+    "min_delta": (_validation_needs("min_delta"),  # the loss watched for improvement
+                  Needs(lambda s: bool(s.get("early_stopping"))
+                        or s.get("lr_schedule") == "plateau", None)),
+    "max_skipped": (Needs(lambda s: s.get("on_nonfinite") == "skip",
+                          "--max-skipped needs --on-nonfinite skip (only skipped steps are "
+                          "counted)"),),
+    **{dest: (_checkpoint_needs(dest),)
+       for dest in ("checkpoint_every", "keep_checkpoints", "restart")},
+    "capacities": (Needs(lambda s: s.get("partition") in ("weighted", "adaptive"),
+                         "--capacities does not apply to --partition {partition}: only "
+                         "weighted and adaptive use rank speeds"),),
+    "costs": (Needs(lambda s: s.get("partition") in DYNAMIC_PARTITIONS,
+                    "--costs does not apply to --partition {partition}: only cost and "
+                    "adaptive balance by per-sample cost"),),
+    "adapt_every": (Needs(lambda s: s.get("partition") == "adaptive",
+                          "--adapt-every does not apply to --partition {partition}: only "
+                          "adaptive re-measures speeds"),),
+    "copy_data": (Needs(lambda s: _mode(s) not in DATA or s.get("distribute") == "local",
+                        "--copy-data does not apply to --distribute {distribute}: only local "
+                        "reads can map rows from the file"),),
+    "trace_steps": (Needs(lambda s: bool(s.get("trace")), "--trace-steps needs --trace"),),
+}
+
 
 def mode_of(args: argparse.Namespace) -> str:
     """The mode ``args`` selects (see :data:`MODES`)."""
-    return args.parallel if args.parallel != "data" else args.sync
+    return _mode(vars(args))
+
+
+def _mode(settings: Mapping[str, Any]) -> str:
+    parallel = settings.get("parallel", "data")
+    return parallel if parallel != "data" else settings.get("sync", "allreduce")
 
 
 def dedicated_server(args: argparse.Namespace) -> bool:
@@ -88,12 +164,13 @@ GENERATED = {"n_samples": ("synthetic", "bow"), "n_features": ("synthetic", "bow
 
 def applying(config: dict) -> dict:
     """``config`` (option ``dest`` -> value, as a run records it) without the options that
-    do not apply to its mode or its dataset, so a config file says only what mattered."""
-    mode = config.get("parallel", "data")
-    mode = mode if mode != "data" else config.get("sync", "allreduce")
+    do not apply to its mode, its dataset or its other settings (:data:`DEPENDS`), so a
+    config file says only what mattered."""
+    mode = _mode(config)
     return {k: v for k, v in config.items()
             if not (k in TABLE and mode not in TABLE[k][0])
-            and not (k in GENERATED and config.get("dataset") not in GENERATED[k])}
+            and not (k in GENERATED and config.get("dataset") not in GENERATED[k])
+            and all(needs.holds(config) for needs in DEPENDS.get(k, ()))}
 
 
 def given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
@@ -111,42 +188,32 @@ def given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
 
 
 def problems(args: argparse.Namespace, given_: set[str], size: int) -> list[str]:
-    """Every option in ``given_`` that does not apply to the mode of ``args``, and settings
-    that contradict each other, as messages (empty when all is well)."""
-    mode, out = mode_of(args), []
+    """Every option in ``given_`` that does not apply to the mode of ``args`` (:data:`TABLE`)
+    or to its other settings (:data:`DEPENDS`), and settings that contradict each other, as
+    messages (empty when all is well)."""
+    mode, settings, out = mode_of(args), vars(args), []
     for dest in sorted(given_):
         if dest in TABLE and mode not in TABLE[dest][0]:
             out.append(f"--{dest.replace('_', '-')} does not apply to {_mode_name(mode)}: "
                        f"{TABLE[dest][1]}")
+            continue
+        refusal = next((n.refusal for n in DEPENDS.get(dest, ())
+                        if n.refusal is not None and not n.holds(settings)), None)
+        if refusal is not None:
+            out.append(refusal.format(**settings))
     if mode in TABLE["partition"][0]:
-        out += _partition_problems(args, given_, size)
-    if "copy_data" in given_ and args.distribute != "local" and mode in DATA:
-        out.append(f"--copy-data does not apply to --distribute {args.distribute}: only "
-                   "local reads can map rows from the file")
-    if "trace_steps" in given_ and not args.trace:
-        out.append("--trace-steps needs --trace")
-    out += _schedule_problems(args, {d for d in given_ if d not in TABLE or mode in TABLE[d][0]})
-    for dest in ("early_stopping", "min_delta"):
-        if dest in given_ and not args.val_fraction:
-            out.append(f"--{dest.replace('_', '-')} needs --val-fraction (a validation set "
-                       f"to watch)")
+        out += _partition_problems(args, size)
+    out += _schedule_problems(args, given_)
     if args.resume and not args.checkpoint_dir:
         out.append("--resume needs --checkpoint-dir")
-    for dest in ("checkpoint_every", "keep_checkpoints", "restart"):
-        if dest in given_ and not args.checkpoint_dir:
-            out.append(f"--{dest.replace('_', '-')} needs --checkpoint-dir")
     if mode in ("ps", "async-ps") and size < 2:
         out.append(f"--sync {args.sync} needs at least 2 ranks (a server and a worker)")
     return out
 
 
 def _schedule_problems(args, given_: set[str]) -> list[str]:
-    """Learning-rate options that contradict each other or the chosen schedule."""
+    """Learning-rate settings that contradict each other or the chosen schedule."""
     out, name = [], args.lr_schedule
-    for dest, schedules in SCHEDULE_OPTIONS.items():
-        if dest in given_ and name not in schedules:
-            out.append(f"--{dest.replace('_', '-')} does not apply to --lr-schedule {name}: "
-                       f"it belongs to --lr-schedule {' or '.join(schedules)}")
     if name == "step" and args.lr_step_epochs is None:
         out.append("--lr-schedule step needs --lr-step-epochs (epochs between decays)")
     if name == "multistep" and args.lr_milestones is None:
@@ -155,25 +222,14 @@ def _schedule_problems(args, given_: set[str]) -> list[str]:
         out.append("--lr-schedule plateau needs --val-fraction (a validation loss to watch)")
     if "warmup_epochs" in given_ and "warmup_steps" in given_:
         out.append("--warmup-epochs and --warmup-steps both set the warmup: give one")
-    if "base_batch" in given_ and args.lr_scaling == "none":
-        out.append("--base-batch needs --lr-scaling linear or sqrt")
     return out
 
 
-def _partition_problems(args, given_: set[str], size: int) -> list[str]:
+def _partition_problems(args, size: int) -> list[str]:
     out, strategy = [], args.partition
-    if "capacities" in given_ and strategy not in ("weighted", "adaptive"):
-        out.append(f"--capacities does not apply to --partition {strategy}: only weighted "
-                   "and adaptive use rank speeds")
     if strategy == "weighted" and args.capacities is None:
         out.append("--partition weighted needs --capacities (one relative speed per "
                    + ("worker" if dedicated_server(args) else "rank") + ")")
-    if "costs" in given_ and strategy not in DYNAMIC_PARTITIONS:
-        out.append(f"--costs does not apply to --partition {strategy}: only cost and adaptive "
-                   "balance by per-sample cost")
-    if "adapt_every" in given_ and strategy != "adaptive":
-        out.append(f"--adapt-every does not apply to --partition {strategy}: only adaptive "
-                   "re-measures speeds")
     if dedicated_server(args) and strategy in DYNAMIC_PARTITIONS + ("cyclic", "shuffled") \
             and args.sync == "async-ps":
         out.append(f"--partition {strategy} does not apply to async-ps: its workers read "
@@ -193,6 +249,6 @@ def _partition_problems(args, given_: set[str], size: int) -> list[str]:
 
 
 def _mode_name(mode: str) -> str:
-    if mode in MODEL_PARALLEL:
+    if mode in PIPELINED:
         return f"--parallel {mode}"
     return f"--sync {mode}"

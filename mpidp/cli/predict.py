@@ -19,6 +19,7 @@ from ..nn.sparse import CSR
 from ..observe.scores import ScoreSums
 from ..parallel.evaluation import global_sums
 from ..parallel.mapreduce import map_reduce
+from .imports import HINT, import_modules, imports_of, saved_spec, unregistered
 
 
 class _Rows:
@@ -38,10 +39,16 @@ class _Rows:
 def _open_model(path: str) -> nn.Sequential:
     """The model saved in ``path`` (a ``model.npz`` or its folder), by :func:`mpidp.nn.load`;
     ValueError naming the file if it is missing, truncated, corrupted (zip CRC-32), not a
-    model, or not finite."""
+    model, or not finite, and naming the layer class and ``--import`` when it uses a class
+    no imported module registers."""
     try:
         model = nn.load(path, check_finite=False)
     except ValueError as exc:
+        missing = [name for name in unregistered(saved_spec(path)) if repr(name) in str(exc)]
+        if missing:
+            path = os.path.join(path, "model.npz") if os.path.isdir(path) else path
+            raise ValueError(f"--model {path!r} uses layer class {missing[0]!r}, which is not "
+                             f"registered: {HINT}") from None
         raise ValueError(f"--model {exc}; give the model.npz that 'mpidp train' wrote, or its "
                          f"folder") from None
     if not np.isfinite(model.params).all():
@@ -73,6 +80,7 @@ def check_outputs(args: argparse.Namespace) -> None:
 def predict(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     """Run ``mpidp predict``. Collective. Returns a summary on rank 0."""
     C.root_decides(comm, check_outputs, args)
+    C.run_agreed(comm, import_modules, imports_of(args))  # the user's layers, before the model
     model = C.run_agreed(comm, _open_model, args.model)
     src = C.run_agreed(comm, open_source, args.dataset, seed=args.seed,
                        n_samples=args.n_samples, n_features=args.n_features)

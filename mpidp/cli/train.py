@@ -31,6 +31,7 @@ from ..nn.modelfile import is_model_file, layers_from, read_model_file
 from ..nn.sparse import CSR
 from ..nn.standardize import moments, pass1_mean, pass1_sums, pass2_squares
 from ..observe.metrics import format_timings, gather_timings
+from ..observe.progress import line_seconds
 from ..observe.watch import Outputs, Watch, log, say, setup_logging
 from ..parallel import DataParallel, make_trainer
 from ..parallel.async_ps import AsyncPS, fit_async
@@ -47,6 +48,7 @@ from ..run.signals import StopSignals
 from ..run.spec import Checkpointing, RunSpec
 from . import config as config_file
 from . import options as O
+from .imports import HINT, import_modules, imports_of, unregistered
 
 
 def check_out(args: argparse.Namespace) -> None:
@@ -196,8 +198,12 @@ def _check_model(args: argparse.Namespace) -> None:
     file) holds a layer the chosen ``--parallel`` / ``--sync`` cannot train."""
     if not is_model_file(args.model):
         return
-    layers = layers_from(read_model_file(args.model), 1,
-                                      where=f"--model {args.model}")
+    specs = read_model_file(args.model)
+    missing = unregistered(specs)
+    if missing:
+        raise ValueError(f"--model {args.model}: layer class {missing[0]!r} is not registered: "
+                         f"{HINT}")
+    layers = layers_from(specs, 1, where=f"--model {args.model}")
     why = refuses_model(frozenset().union(*(layer.needs for layer in layers)), args.parallel,
                         args.sync)
     if why:
@@ -352,8 +358,13 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
         faults.parse(os.environ.get("MPIDP_FAULT"))
     except ValueError as exc:
         errors.append(str(exc))
+    try:
+        line_seconds()  # a bad MPIDP_PROGRESS_SECONDS: refused before any work
+    except C.MpidpError as exc:
+        errors.append(str(exc))
     if errors:  # every rank computes the same list from the same arguments
         raise C.MpidpError("; ".join(errors))
+    C.run_agreed(comm, import_modules, imports_of(args))  # the user's layers, before a model
     C.run_agreed(comm, _check_model, args)  # a bad model file or a refused layer: before any work
     C.root_decides(comm, check_out, args)
     if comm.rank == 0 and os.path.isdir(args.out):
@@ -460,10 +471,6 @@ def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
     args, comm = job.args, job.comm
     layers, loss = C.run_agreed(comm, _layers, args, data)
     _check_inputs(comm, args, layers, data)
-    model = nn.Sequential(layers, data.sample_shape, args.dtype)
-    model.init_(np.random.default_rng(args.seed))
-    if args.standardize:
-        _standardize(comm, model.layers[0], data.train.X)
     make_opt = _optimizer(args, data.train.n_total)
     sync = make_sync("allreduce" if args.sync == "async-ps" else args.sync,  # async: eval only
                      make_opt, bucket_bytes=int(args.bucket_mb * 2**20), codec=args.compress,
@@ -472,8 +479,13 @@ def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
                      ps_chunk_bytes=max(1, int(args.ps_chunk_mb * 2**20)),
                      node_aware={"auto": None, "on": True, "off": False}[args.node_aware],
                      overlap_progress=args.overlap_progress)
-    dp = DataParallel(model, make_opt(), loss, comm, init_sync=args.init_sync,
+    dp = make_trainer("data", layers, data.sample_shape, make_opt(), loss, comm,
+                      dtype=args.dtype, init_sync=args.init_sync,
                       on_nonfinite=args.on_nonfinite, sync=sync)
+    dp.model.init_(np.random.default_rng(args.seed))  # the same numbers on every rank
+    if args.standardize:
+        _standardize(comm, dp.model.layers[0], data.train.X)
+    dp.sync_params(args.init_sync)  # rank 0's initial model everywhere (bcast), or checked
     apply_slowdown(args, comm, dp.timer)
     return dp
 

@@ -229,19 +229,32 @@ def balance_figures(records: np.ndarray) -> dict:
             else 0.0, "per_rank": per_rank}
 
 
-def _share(fig: dict, key: str) -> str:
-    return f"{fig['rate'] / fig[key]:.0%}" if fig.get(key) else "n/a"
+def _share(part: float, whole: float) -> str:
+    return f"{part / whole:.0%}" if whole else "n/a"
 
 
 def format_balance(fig: dict, per_rank: bool = True) -> str:
-    """The load-balance summary lines, and (``per_rank``) the raw rates and a per-rank table."""
-    lines = [f"load balance ({fig['strategy']}): imbalance {fig['imbalance']:.3f} "
-             f"(cpu {fig['imbalance_cpu']:.3f}), efficiency {fig['efficiency']:.1%} "
-             f"(cpu {fig['efficiency_cpu']:.1%}), slowest rank {fig['slowest_rank']}"]
-    if fig.get("ideal_rate"):
-        lines.append(f"  each step waits for the slowest rank: the ranks ran at "
-                     f"{_share(fig, 'ideal_rate')} of their combined speed, "
-                     f"{_share(fig, 'attainable_rate')} of what the best split could reach")
+    """The load-balance summary lines, and (``per_rank``) the raw rates and a per-rank table.
+
+    The share quoted is ``rate / ideal_rate``: on one rank the forward and backward's share
+    of the step time; on several, the throughput against the ranks' summed compute speeds,
+    beside ``attainable_rate / ideal_rate``, what a split in proportion to the speeds
+    reaches (see :func:`balance_figures`)."""
+    rate, ideal = fig["rate"], fig.get("ideal_rate") or 0.0
+    if len(fig["per_rank"]) == 1:
+        lines = [f"load balance ({fig['strategy']}): one rank, nothing to balance"]
+        if ideal:
+            lines[0] += (f"; forward and backward took {_share(rate, ideal)} of the step time, "
+                         "the optimizer update and the collective the rest")
+    else:
+        lines = [f"load balance ({fig['strategy']}): imbalance {fig['imbalance']:.3f} "
+                 f"(cpu {fig['imbalance_cpu']:.3f}), efficiency {fig['efficiency']:.1%} "
+                 f"(cpu {fig['efficiency_cpu']:.1%}), slowest rank {fig['slowest_rank']}"]
+        if ideal:
+            lines.append(f"  training ran at {_share(rate, ideal)} of the ranks' combined "
+                         "compute speed (communication, the optimizer update and waiting for "
+                         "slower ranks took the rest); a split of the rows in proportion to "
+                         f"the ranks' speeds would reach {_share(fig['attainable_rate'], ideal)}")
     if not per_rank:
         return "\n".join(lines)
     lines += [f"  throughput {fig['rate']:.4g} cost/s; {fig.get('fixed_s', 0.0):.3f} s of "

@@ -1,0 +1,105 @@
+"""``--import MODULE``: a user's module, imported before any model is built or loaded, so
+that the layer classes it registers (:func:`mpidp.nn.register_layer`) can be named in a
+model file and rebuilt from a ``model.npz``. No MPI here."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+import numpy as np
+
+from ..nn import registered_layers
+
+HINT = "pass the module that registers it with --import MODULE"
+
+
+def imports_of(args: argparse.Namespace) -> list[str]:
+    """The modules ``--import`` names in ``args``, in order, each once."""
+    return list(dict.fromkeys(vars(args).get("import") or ()))
+
+
+def import_modules(names: Sequence[str]) -> list[ModuleType]:
+    """Import every module of ``names``: a dotted name importable from ``sys.path`` or the
+    current folder, or a path to a ``.py`` file. ValueError naming the first one that
+    cannot be imported, and why, in one line."""
+    if os.getcwd() not in sys.path and "" not in sys.path:  # the mpidp script: cwd not there
+        sys.path.append(os.getcwd())
+    out = []
+    for name in names:
+        path = os.path.abspath(name) if _is_path(name) else None
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--import {name}: cannot import it (no such file)")
+        try:
+            out.append(importlib.import_module(name) if path is None else _from_file(path))
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code: any failure
+            text = (str(exc).strip().splitlines() or [""])[0]
+            reason = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+            raise ValueError(f"--import {name}: cannot import it ({reason})") from None
+    return out
+
+
+def _is_path(name: str) -> bool:
+    return name.endswith(".py") or "/" in name or os.sep in name
+
+
+def _from_file(path: str) -> ModuleType:
+    """The module in file ``path``, imported under its file name (a private name when that
+    one is taken by another module)."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    module_name = stem if stem.isidentifier() else "_" + re.sub(r"\W", "_", stem)
+    have = sys.modules.get(module_name)
+    if have is not None:
+        where = getattr(have, "__file__", None)
+        if where and os.path.exists(where) and os.path.samefile(where, path):
+            return have
+        module_name = f"_mpidp_import_{module_name}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError("not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
+def unregistered(spec) -> list[str]:
+    """The layer class names in ``spec`` (a model spec or model file's layers, blocks'
+    inner layers included) that no imported module has registered."""
+    known, out = registered_layers(), []
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            kind = node.get("type")
+            if isinstance(kind, str) and kind not in known and kind not in out:
+                out.append(kind)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(spec)
+    return out
+
+
+def saved_spec(path: str):
+    """The model spec stored in ``path`` (a ``model.npz`` or its folder); None when it
+    cannot be read."""
+    path = os.path.join(path, "model.npz") if os.path.isdir(path) else path
+    try:
+        with np.load(path, allow_pickle=False) as saved:
+            return json.loads(str(saved["spec"]))
+    except Exception:  # noqa: BLE001 - any damage: the loader's own message says it
+        return None
