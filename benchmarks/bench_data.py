@@ -52,8 +52,8 @@ MODES = ("scatter", "hand-scatter", "local", "local-copy", "hand-local", "predic
          "hand-write")
 LOADS = ("scatter", "local", "local-copy")  # the modes that are mpidp.load
 #: The code these figures depend on: a commit is "+dirty" when any of it is uncommitted.
-MEASURED_CODE = ("mpidp/data.py", "mpidp/sources.py", "mpidp/partition.py", "mpidp/comm",
-                 "mpidp/mapreduce.py", "benchmarks/bench_data.py", "benchmarks/bench_data_report.py")
+MEASURED_CODE = ("mpidp/data", "mpidp/comm", "mpidp/parallel/mapreduce.py",
+                 "benchmarks/bench_data.py", "benchmarks/bench_data_report.py")
 ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mpidp import atomic, nn
+from mpidp.data.fingerprint import fingerprint_change
 from mpidp.run import checkpoint as ck
 from mpidp.run import folders
 
@@ -340,7 +341,7 @@ def test_fingerprint_of_a_folder_and_of_builtins(tmp_path):
     assert [f["name"] for f in first["files"]] == ["X.npy", "y.npy"]
     np.save(tmp_path / "y.npy", np.zeros(399_999))
     second = ck.data_fingerprint(str(tmp_path))
-    assert "y.npy was 3200128 bytes, now 3200120" in ck._fingerprint_change(first, second)
+    assert "y.npy was 3200128 bytes, now 3200120" in fingerprint_change(first, second)
     assert ck.data_fingerprint("synthetic") == {"builtin": "synthetic"}
     with pytest.raises(ValueError, match="cannot fingerprint dataset file .*missing"):
         ck.data_fingerprint(str(tmp_path / "missing.npz"))

@@ -67,14 +67,24 @@ from .runtime import (
 from .shm import SharedBroadcast, SharedCounter, SharedReduce, shm_room
 from .watchdog import Watchdog
 
-if os.environ.get("MPIDP_ABORT_ON_ERROR", "1") != "0":
-    abort_on_error()  # an uncaught exception on any rank ends the job instead of hanging it
+
+def install_abort_hook() -> None:
+    """:func:`abort_on_error`, unless ``MPIDP_ABORT_ON_ERROR=0``: an uncaught exception on
+    any rank ends the job instead of hanging it. Idempotent. Importing this package calls
+    it; a trainer calls it again when built (MPI may have started after the import, or the
+    hook have been removed)."""
+    if os.environ.get("MPIDP_ABORT_ON_ERROR", "1") != "0":
+        abort_on_error()
+
+
+install_abort_hook()
 
 __all__ = [
     "BackgroundAllreduce", "test_some", "threads_supported",
     "Comm", "MAX_COUNT", "MPI_REQUEST_NULL", "MpidpError", "NodeAllreduce", "node_aware_pays",
     "node_layout", "REDUCE_SPLIT_BYTES", "SHM_DIR",
     "SharedBroadcast", "SharedCounter", "SharedReduce", "Watchdog", "abort_job", "abort_on_error",
+    "install_abort_hook",
     "agree", "agree_same", "allgather_", "allgather_counts", "allgather_in_place", "allgather_rows",
     "allreduce_", "allreduce_max", "allreduce_sum_", "alltoall_counts", "alltoallv_rows",
     "assert_in_sync", "barrier", "bcast_", "bcast_obj", "checksum", "exchange_time", "excused", "gather_obj",

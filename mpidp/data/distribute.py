@@ -24,6 +24,7 @@ from ..digest import dtype_name
 from ..nn.sparse import CSR
 from . import crc32
 from .arrays import SHAPE_RULE, Source
+from .fingerprint import metadata_fingerprint
 from .partition import (
     assign,
     block_counts,
@@ -274,12 +275,11 @@ def _verify_together(comm, path: str) -> None:
 
 
 def data_fingerprint(comm: C.Comm, spec: str, together: bool, root: int = 0) -> dict:
-    """:func:`mpidp.run.checkpoint.data_fingerprint` of dataset ``spec`` with the CRC-32 of
-    every byte of each file that is not a zip (whose members' CRCs cover their bytes):
-    every rank reads its share when ``together`` (each host has the file), else ``root``
-    alone. The same dict on every rank. Collective."""
-    from ..run.checkpoint import data_fingerprint as metadata
-    meta = C.root_decides(comm, metadata, spec, root=root)
+    """:func:`mpidp.data.fingerprint.metadata_fingerprint` of dataset ``spec`` with the
+    CRC-32 of every byte of each file that is not a zip (whose members' CRCs cover their
+    bytes): every rank reads its share when ``together`` (each host has the file), else
+    ``root`` alone. The same dict on every rank. Collective."""
+    meta = C.root_decides(comm, metadata_fingerprint, spec, root=root)
     files = [f for f in meta.get("files", []) if "crc" not in f]
     if not files:
         return meta

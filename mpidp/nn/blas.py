@@ -8,7 +8,7 @@ extra) and imported on first use.
 
 SciPy ships its own OpenBLAS, with its own thread pool. Two multi-threaded pools in one
 process take turns badly: each spins for a while after its call, starving the other's
-threads (a 30x slower step on one rank with two cores). So SciPy's ``gemm`` is used only
+threads (docs/benchmarks.md, "Figures behind the code"). So SciPy's ``gemm`` is used only
 where NumPy's BLAS runs one thread (:func:`single_threaded`), as it does under mpidp
 whenever a node runs one rank per core.
 """

@@ -208,7 +208,7 @@ class _ConvNd(Layer):
         dyt = dyt.reshape(F, P * n)
         dW2 = dW.reshape(F, -1)
         g = (cols @ dyt.T).T  # (F, C*K); as (cols @ dy.T).T the long axis is the GEMM's
-        if accumulate:        # inner one in memory: measured 1.8x faster than dy @ cols.T
+        if accumulate:        # inner one in memory: faster than dy @ cols.T unless C*K is tiny
             dW2 += g
             db += dyt.sum(axis=1)
         else:

@@ -34,7 +34,7 @@ from ..nn.optim import Segments
 from ..observe.metrics import StepTimer
 from ..run.checkpoint import State, save
 from ..run.faults import Injector
-from ..run.loop import run, watched_run
+from ..run.loop import run, watched_run, writing_checkpoint
 from ..run.nonfinite import NonFiniteError, Policy, all_finite
 from ..run.signals import Preempted
 from ..run.spec import Checkpointing, RunSpec
@@ -70,7 +70,7 @@ class AsyncStats:
 
     applied: int = 0
     dropped: int = 0  # staler than max_staleness
-    skipped: int = 0  # non-finite (on_nonfinite="skip")
+    skipped: int = 0  # non-finite (on_nonfinite="skip"), as the server's Policy counts them
     staleness: list[int] = field(default_factory=list)  # of the applied pushes
     epoch_loss: dict[int, list[float]] = field(default_factory=dict)  # epoch -> [sum, count]
     trace: list[tuple] = field(default_factory=list)
@@ -226,13 +226,12 @@ class _Positions:
                      [0.0, 0.0, 0.0], [], config, {self.KEY: info})
 
 
-def _save(checkpoint: Checkpointing, model, optimizer, state: State, tracer=None) -> None:
-    with C.excused("writing a checkpoint"):
-        t = time.perf_counter()
+def _write_checkpoint(checkpoint: Checkpointing, model, optimizer, state: State,
+                      tracer=None) -> None:
+    """The server's checkpoint of ``state`` (the server alone writes)."""
+    with writing_checkpoint(tracer):
         save(checkpoint.directory, model, optimizer, state, checkpoint.keep,
              run_id=checkpoint.run_id)
-        if tracer is not None:
-            tracer.add("checkpoint", "checkpoint", "io", t, time.perf_counter())
 
 
 class _ServerFaults:
@@ -260,6 +259,7 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
         stats.applied, stats.dropped, stats.skipped = (saved[k] for k in (
             "applied", "dropped", "skipped"))
         stats.epoch_loss = {int(e): list(v) for e, v in saved["epoch_loss"].items()}
+    policy.skipped = stats.skipped  # the policy counts on from the checkpoint's count, or 0
     stop = np.array([_STOP], np.int64)
     faults = Injector(comm.rank)  # the server's steps are the pushes it has served
     error = None  # once set, every worker is told to stop at its next push
@@ -297,7 +297,7 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
                 applied = policy.apply(False, loss, stats.applied + stats.dropped)
             except C.MpidpError as exc:
                 error, applied = str(exc), False
-            stats.skipped += error is None
+            stats.skipped = policy.skipped
         if applied:
             tot = stats.epoch_loss.setdefault(int(msg[n + _Slot.EPOCH]), [0.0, 0.0])
             tot[0] += loss
@@ -320,16 +320,17 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
             positions.served(w, int(msg[n + _Slot.EPOCH]), int(msg[n + _Slot.BATCH]))
             served = stats.applied + stats.dropped + stats.skipped
             if checkpoint is not None and served % checkpoint.every == 0:
-                _save(checkpoint, model, optimizer,
-                      positions.state(stats, int(version[0]), checkpoint.config), tracer)
+                _write_checkpoint(checkpoint, model, optimizer,
+                                  positions.state(stats, int(version[0]), checkpoint.config),
+                                  tracer)
         if error is not None:
             active -= 1
             reqs[i] = C.MPI_REQUEST_NULL
         else:
             reqs[i] = C.irecv(comm, msg, w, _PUSH)[0]
     if checkpoint is not None and error in (None, _PREEMPTED):  # the end, or a clean stop
-        _save(checkpoint, model, optimizer,
-              positions.state(stats, int(version[0]), checkpoint.config), tracer)
+        _write_checkpoint(checkpoint, model, optimizer,
+                          positions.state(stats, int(version[0]), checkpoint.config), tracer)
     return stats, error
 
 

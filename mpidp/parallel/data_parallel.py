@@ -40,12 +40,14 @@ class DataParallel:
     init_sync : ``"bcast"`` copies ``root``'s parameters to every rank (one ``Bcast``);
         ``"seed"`` trusts that every rank initialised identically and verifies it with a
         checksum (one small ``Allreduce``), raising on every rank if not.
-    abort_on_error : install :func:`mpidp.comm.abort_on_error` so an exception on one rank
-        ends the job instead of leaving the others waiting.
+    abort_on_error : install :func:`mpidp.comm.abort_on_error` (unless
+        ``MPIDP_ABORT_ON_ERROR=0``) so an exception on one rank ends the job instead of
+        leaving the others waiting.
     check_every : every this many steps, compare parameter checksums across ranks (one
         small ``Allreduce``) and raise on every rank, naming the odd ranks, on a mismatch.
-        0 disables the check. For your own loop of :meth:`step` calls; :func:`fit` takes
-        the same setting as ``RunSpec.check_every`` (the loop checks every trainer so).
+        0 disables the check. For your own loop of :meth:`step` calls (it holds under
+        :func:`fit` too); :func:`fit` takes the same setting as ``RunSpec.check_every``,
+        with which the loop checks any trainer. Both call :meth:`check_replicas`.
     on_nonfinite : ``"stop"`` raises :class:`NonFiniteError` on every rank when the global
         loss or gradient holds NaN/Inf, before the update; ``"skip"`` drops that step's
         update (counted in ``skipped_steps``); ``"ignore"`` applies it. Every rank holds the
@@ -93,7 +95,7 @@ class DataParallel:
         self.layer_sums, self.layer_sums_s = 0, 0.0  # layers' own collectives (batch norm)
         self.watchdog = C.Watchdog(self.comm, watchdog).start() if watchdog else None
         if abort_on_error:
-            C.abort_on_error()
+            C.install_abort_hook()
         # layers that sum over the global batch (batch norm) ask through the model's context
         model.set_context(Context(reduce_sum=self._reduce_sum, group_size=self.comm.size))
         # the optimizer updates the whole vector here (local SGD: its own, local norms);
@@ -233,7 +235,7 @@ class DataParallel:
         self.timer.end_step(len(X))
         self.global_step += 1
         if self.check_every and self.global_step % self.check_every == 0:
-            C.assert_in_sync(self.comm, self.model.params, self.root)
+            self.check_replicas()
         C.set_step(self.global_step)
         return StepStats(got.loss_sum, got.count, got.correct, skipped, got.stop)
 

@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 
@@ -21,6 +22,16 @@ from .. import comm as C
 from ..data.partition import assign, positions_of
 
 REDUCTIONS = ("sum", "mean", "min", "max", "concat")
+
+
+class _Figure(IntEnum):
+    """One rank's figures of a map: the columns of the table the ranks gather."""
+
+    SAMPLES = 0  # rows mapped
+    CHUNKS = 1
+    COMPUTE_S = 2  # wall seconds in fn and the sink
+    COMPUTE_CPU_S = 3  # CPU seconds of the same
+    SECONDS = 4  # wall seconds of the whole map on this rank
 
 
 @dataclass
@@ -120,7 +131,8 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
     counter = C.SharedCounter(comm) if dynamic else None
     C.barrier(comm)
     t0 = time.perf_counter()
-    busy = np.zeros(4)  # samples, chunks, wall, cpu
+    figures = np.zeros(len(_Figure))
+    per_chunk = [_Figure.SAMPLES, _Figure.CHUNKS, _Figure.COMPUTE_S, _Figure.COMPUTE_CPU_S]
     chunks = _chunks_dynamic(counter, n, chunk_size, seed) if dynamic else _chunks_static(
         owner, comm.rank, chunk_size)
     error = None
@@ -131,18 +143,19 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
             pick = slice(int(rows[0]), int(rows[-1]) + 1) if contiguous and not hasattr(
                 data, "read") else rows  # a slice is cheaper for arrays and CSR rows
             sink.add(rows, np.asarray(fn(_rows_of(data, pick))))
-            busy += (len(rows), 1, time.perf_counter() - w, time.process_time() - c)
+            figures[per_chunk] += (len(rows), 1, time.perf_counter() - w, time.process_time() - c)
     except Exception as exc:  # noqa: BLE001 - agreed below, so every rank raises
         error = f"map_reduce: {type(exc).__name__}: {exc}"
-    seconds = time.perf_counter() - t0
+    figures[_Figure.SECONDS] = time.perf_counter() - t0
     if counter is not None:
         counter.free(comm)
     C.agree(comm, error)
     value = sink.finish()
-    table = C.allgather_rows(comm, [*busy, seconds])
-    per_rank = [{"rank": r, "samples": int(t[0]), "chunks": int(t[1]), "compute_s": float(t[2]),
-                 "compute_cpu_s": float(t[3])} for r, t in enumerate(table)]
-    return MapResult(value, per_rank, float(table[:, 4].max()))
+    table = C.allgather_rows(comm, figures)
+    per_rank = [{"rank": r, "samples": int(t[_Figure.SAMPLES]), "chunks": int(t[_Figure.CHUNKS]),
+                 "compute_s": float(t[_Figure.COMPUTE_S]),
+                 "compute_cpu_s": float(t[_Figure.COMPUTE_CPU_S])} for r, t in enumerate(table)]
+    return MapResult(value, per_rank, float(table[:, _Figure.SECONDS].max()))
 
 
 def _create_npy(path: str, dtype: str, shape: tuple[int, ...]) -> None:

@@ -162,7 +162,7 @@ class Pipeline:
             raise C.MpidpError("ranks disagree on the pipeline (layers, widths, stage split, "
                                "micro-batches, schedule or dtype): pass the same on every rank")
         if abort_on_error:
-            C.abort_on_error()
+            C.install_abort_hook()
         self.n_stages, self.n_replicas = n_stages, comm.size // n_stages
         self.stage, self.replica = comm.rank % n_stages, comm.rank // n_stages
         self.pipe = C.split(comm, self.replica, self.stage)  # one replica's stages

@@ -30,6 +30,8 @@ import numpy as np
 
 from .. import comm as C
 from ..atomic import write_atomic
+from ..data.fingerprint import fingerprint_change
+from ..data.fingerprint import metadata_fingerprint as data_fingerprint
 from ..nn import Optimizer, Sequential
 from .folders import (
     RUN_FILE,
@@ -178,7 +180,7 @@ def save(directory: str, model: Sequential, optimizer: Optimizer, state: State, 
     """Write a checkpoint for ``state`` into ``directory``; keep the newest ``keep``. Not
     collective: call it on one rank. Returns the file's path. See :func:`save_flat`."""
     arrays = {"params": model.params, **({"state": model.state} if model.n_state else {})}
-    return _save(directory, arrays, optimizer, state, keep, run_id)
+    return _write(directory, arrays, optimizer, state, keep, run_id)
 
 
 def save_flat(directory: str, params: np.ndarray, optimizer: Optimizer, state: State,
@@ -196,10 +198,10 @@ def save_flat(directory: str, params: np.ndarray, optimizer: Optimizer, state: S
     epoch's record. Also refused: ``run_id`` given and ``directory``'s ``run.json`` naming
     another run.
     """
-    return _save(directory, {"params": params}, optimizer, state, keep, run_id)
+    return _write(directory, {"params": params}, optimizer, state, keep, run_id)
 
 
-def _save(directory: str, model_arrays: dict[str, np.ndarray], optimizer: Optimizer,
+def _write(directory: str, model_arrays: dict[str, np.ndarray], optimizer: Optimizer,
           state: State, keep: int, run_id: str | None) -> str:
     """:func:`save_flat` of ``model_arrays``: ``params`` and, when the model has layer
     state (batch norm's running statistics), ``state``."""
@@ -473,47 +475,6 @@ def check_position(state: State, steps_per_epoch: int, path: str | None = None
 
 # --- resuming --------------------------------------------------------------------------
 
-def data_fingerprint(spec: str) -> dict:
-    """What identifies dataset ``spec`` from its metadata: for a built-in, its name (its
-    parameters are in the configuration); for a file (or each of a folder's ``X.npy``,
-    ``y.npy``), its size and, for a zip (``.npz``), the size and CRC-32 of every member from
-    its directory (any change to a member's contents shows: loading checks those CRCs; a
-    re-save of the same arrays does not). Other files get the CRC-32 of all their bytes
-    from :func:`mpidp.data.distribute.data_fingerprint`, which ranks compute together.
-    JSON-able. Raises ValueError naming a file that cannot be read.
-    """
-    from ..data.sources import BUILTIN
-    if spec in BUILTIN:
-        return {"builtin": spec}
-    paths = [os.path.join(spec, n) for n in ("X.npy", "y.npy")] if os.path.isdir(spec) else [spec]
-    return {"files": [_file_fingerprint(p) for p in paths]}
-
-
-def _file_fingerprint(path: str) -> dict:
-    from ..data.sources import not_regular
-    if os.path.exists(path) and not os.path.isfile(path):
-        raise not_regular(path)  # a FIFO or a device would be read without end
-    try:
-        out: dict = {"name": os.path.basename(path), "size": os.path.getsize(path)}
-        if zipfile.is_zipfile(path):  # the members' CRCs cover every byte, timestamps aside
-            with zipfile.ZipFile(path) as z:
-                out["crc"] = {i.filename: [i.file_size, i.CRC] for i in z.infolist()}
-    except (OSError, zipfile.BadZipFile) as exc:
-        raise ValueError(f"cannot fingerprint dataset file {path}: {exc}") from exc
-    return out
-
-
-def _fingerprint_change(was: dict, now: dict) -> str:
-    if "builtin" in was or "builtin" in now:
-        return f"{was.get('builtin', 'files')} -> {now.get('builtin', 'files')}"
-    for a, b in zip(was.get("files", []), now.get("files", [])):
-        if a["size"] != b["size"]:
-            return f"{b['name']} was {a['size']} bytes, now {b['size']}"
-        if a != b:
-            return f"{b['name']} has the same size but different contents"
-    return "its files differ"
-
-
 def compare_resume(saved_config: dict, config: dict, *, state: State | None = None,
                    path: str = "the checkpoint", must_match: tuple[str, ...] = RESUME_MUST_MATCH,
                    may_change: tuple[str, ...] = RESUME_MAY_CHANGE) -> tuple[dict, str | None]:
@@ -536,7 +497,7 @@ def compare_resume(saved_config: dict, config: dict, *, state: State | None = No
     was, now = saved_config.get("data_fingerprint"), config.get("data_fingerprint")
     if was is not None and now is not None and was != now:
         problems.append(f"the dataset {config.get('dataset')} changed since checkpoint {path} "
-                        f"was written ({_fingerprint_change(was, now)}): resume with the data "
+                        f"was written ({fingerprint_change(was, now)}): resume with the data "
                         f"it was trained on, or start over with --restart or another "
                         f"--checkpoint-dir")
     epochs = config.get("epochs")

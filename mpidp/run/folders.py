@@ -1,5 +1,5 @@
-"""Files and folders that mpidp writes: atomic writes that honour the umask, temporary files
-left by killed processes, and checkpoint folders that belong to one run at a time.
+"""Checkpoint folders that belong to one run at a time, and the temporary files that killed
+processes leave there (the files themselves are written by :mod:`mpidp.atomic`).
 
 No MPI here: the root rank calls these. A checkpoint folder holds
 

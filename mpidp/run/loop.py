@@ -37,7 +37,15 @@ __all__ = ["Checkpointing", "Feed", "RunSpec", "Trainer", "run"]
 
 class Trainer(Protocol):
     """What the loop needs of a trainer (:class:`~mpidp.DataParallel`,
-    :class:`~mpidp.parallel.Pipeline`)."""
+    :class:`~mpidp.parallel.Pipeline`).
+
+    Optional, used when the trainer has them: ``timer`` (a
+    :class:`~mpidp.observe.metrics.StepTimer`, whose ``tracer`` gets the loop's checkpoint
+    and evaluation spans); ``policy`` (the :class:`~mpidp.run.nonfinite.Policy` whose
+    ``skipped`` count each epoch's record reports and ``spec.max_skipped`` bounds);
+    ``optimizer`` (each epoch's record has its ``lr_at`` the epoch's last update;
+    ``spec.plateau`` needs one, and sets its ``lr_scale``).
+    """
 
     world: C.Comm
     global_step: int
@@ -139,7 +147,7 @@ class _Run:
         trainer.global_step = self.state.global_step
         self.history = list(self.state.history)
         self.faults = Injector(trainer.world.rank)
-        self.tracer = getattr(getattr(trainer, "timer", None), "tracer", None)
+        self.tracer = getattr(_optional(trainer, "timer"), "tracer", None)
         self.save_due = False
         self.asked = False  # a callback on this rank asked to stop
         self.carries_stop = spec.stop is not None or spec.on_step is not None
@@ -228,8 +236,16 @@ class _Run:
             stop = spec.early_stopping.update(value)
         if spec.plateau is not None:
             record["lr_scale"] = spec.plateau.update(value)
-            self.trainer.optimizer.lr_scale = record["lr_scale"]
+            self.plateau_optimizer().lr_scale = record["lr_scale"]
         return stop
+
+    def plateau_optimizer(self):
+        """The trainer's optimizer, whose ``lr_scale`` the plateau rule sets."""
+        optimizer = _optional(self.trainer, "optimizer")
+        if optimizer is None:
+            raise C.MpidpError(f"the plateau rule sets an optimizer's lr_scale, and this "
+                               f"trainer ({type(self.trainer).__name__}) has no optimizer")
+        return optimizer
 
     def replay(self) -> None:
         """A resumed run's early stopping and plateau rule, fed the epochs already done."""
@@ -239,7 +255,7 @@ class _Run:
             if self.spec.early_stopping is not None:
                 self.spec.early_stopping.update(value)
             if self.spec.plateau is not None:
-                self.trainer.optimizer.lr_scale = self.spec.plateau.update(value)
+                self.plateau_optimizer().lr_scale = self.spec.plateau.update(value)
 
     def step(self, epoch: int, step: int, batch: tuple) -> StepStats:
         """Faults, the trainer's step, the watchdog's mark and the replica check."""
@@ -280,14 +296,27 @@ class _Run:
         """Write a checkpoint of ``state`` with the history so far. Collective."""
         state.history, state.config = self.history, self.spec.checkpoint.config
         state.partition = self.feed.state()
-        with C.excused("writing a checkpoint"), _span(self.tracer, "checkpoint", "io"):
+        with writing_checkpoint(self.tracer):
             self.trainer.save_checkpoint(self.spec.checkpoint.directory, state,
                                          self.spec.checkpoint.keep, self.spec.checkpoint.run_id)
 
 
-def _skipped(trainer) -> int | None:
+@contextmanager
+def writing_checkpoint(tracer=None):
+    """Around the writing of a checkpoint: excused from the watchdog (a slow disk is not a
+    stall), and a ``checkpoint`` span on the ``io`` track of ``tracer`` (when given)."""
+    with C.excused("writing a checkpoint"), _span(tracer, "checkpoint", "io"):
+        yield
+
+
+def _optional(trainer: Trainer, name: str) -> Any:
+    """The trainer's optional attribute ``name`` (see :class:`Trainer`), or None."""
+    return getattr(trainer, name, None)
+
+
+def _skipped(trainer: Trainer) -> int | None:
     """The steps the trainer's NaN/Inf policy has skipped so far (None: it keeps no count)."""
-    policy = getattr(trainer, "policy", None)
+    policy = _optional(trainer, "policy")
     return None if policy is None else int(policy.skipped)
 
 
@@ -301,7 +330,7 @@ def _record(trainer, feed: Feed, epoch: int, totals: np.ndarray, t0: float,
     record = {"epoch": epoch + 1, "loss": totals[0] / totals[1] if totals[1] else float("nan"),
               "accuracy": totals[2] / totals[1] if feed.labelled and totals[1] else None,
               "seconds": time.perf_counter() - t0}
-    optimizer = getattr(trainer, "optimizer", None)
+    optimizer = _optional(trainer, "optimizer")
     if optimizer is not None and hasattr(optimizer, "lr_at"):  # the epoch's last update's
         record["lr"] = optimizer.lr_at(max(optimizer.t - 1, 0))
     balance = feed.end_epoch()
