@@ -63,3 +63,26 @@ def test_a_dense_layer_is_heard_before_its_input_gradient():
     assert ("input-grad", 0) not in log  # the first layer's input gradient is not needed
     # the block's inner Dense layers do not announce the block before it is done
     assert log[log.index(("done", 3)) + 1:log.index(("done", 2))] == [("input-grad", 3)]
+
+
+
+def test_a_convolution_is_heard_before_its_input_gradient(monkeypatch):
+    from mpidp.nn import conv as conv_module
+    log, tap = [], conv_module._clipped_tap
+
+    def logged_tap(*a):  # col2im, the input gradient's work
+        log.append("input-grad")
+        return tap(*a)
+
+    monkeypatch.setattr(conv_module, "_clipped_tap", logged_tap)
+    model = nn.Sequential([nn.Conv1d(1, 2, 3, padding=1), nn.ReLU(), nn.Conv1d(2, 3, 3, padding=1),
+                           nn.Flatten(), nn.Dense(None, 2)], (1, 6), dtype=np.float64).init_(0)
+    rng = np.random.default_rng(2)
+    x, y = rng.standard_normal((4, 1, 6)), rng.integers(0, 2, 4)
+    loss = nn.SoftmaxCrossEntropy()
+    loss.forward(model.forward(x), y)
+    log.clear()
+    model.backward(loss.backward(), input_grad=False, on_layer_done=lambda i: log.append(i))
+    first = log.index("input-grad")
+    assert log[:first] == [4, 3, 2]  # the second convolution, before its col2im
+    assert log[first:].count("input-grad") == 3 and log[-2:] == [1, 0]
