@@ -483,8 +483,11 @@ def _too_many_params(tree: ast.Module, only_fit: bool) -> list[tuple[int, str, i
 
 
 def test_run_layer_functions_take_few_parameters():
-    """The run layer and the fit entry points take a few values and settings objects, not
-    a long list of loose options."""
+    """The run layer (``mpidp/run/``) and the fit entry points take a few values and
+    settings objects, not a long list of loose options: what a run does beyond its trainer
+    and data travels in one ``RunSpec``. Constructors of trainers, strategies and
+    ``mpidp.load`` keep their keyword arguments (each a property of that one object or
+    read, as NumPy's or h5py's do); they are not threaded through other layers."""
     offenders = []
     for path in sorted((PKG / "run").glob("*.py")) + sorted((PKG / "parallel").glob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
