@@ -11,7 +11,8 @@ reached, and the bytes that crossed the host link per timed step, read from the 
 veth counters around exactly the timed steps (``bench_sync.py --marks``); and the cost
 model's prediction (:func:`mpidp.scale.costmodel.mode_step_time`) with its error, from
 inputs measured in the same run: the link's alpha and beta (an MPI ping-pong between the
-hosts), compute (``compute-only`` beside the modes, ranks that never communicate), and,
+hosts), compute (``compute-only`` beside the modes: ranks that exchange nothing but wait for
+each other once a step), and,
 measured here once, gamma, the backward pass's share and the first bucket's, and the
 codec's seconds. Needs root; writes benchmarks/results/network.{json,md}.
 """
@@ -19,6 +20,7 @@ codec's seconds. Needs root; writes benchmarks/results/network.{json,md}.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import signal
@@ -100,7 +102,10 @@ def rows_of(job: dict, marks: dict, rate_bits: float, hosts: int) -> list[dict]:
     for mode, m in job["modes"].items():
         if mode == COMPUTE:  # an input of the model, not a row
             continue
-        sync = m["repeats"][0].get("sync", mode)
+        # auto may choose differently in each repeat: the row is named after its most
+        # frequent choice, and counts every choice
+        chosen = collections.Counter(r.get("sync", mode) for r in m["repeats"])
+        sync = chosen.most_common(1)[0][0]
         link = [link_per_step(marks[r["mark"]]["start"], marks[r["mark"]]["stop"], steps)
                 for r in m["repeats"]]
         # the most one rank contributes (a node-aware reduction's leaders send, others not)
@@ -113,7 +118,7 @@ def rows_of(job: dict, marks: dict, rate_bits: float, hosts: int) -> list[dict]:
                      "expected_link_bytes": need, "limit_steps_per_s": limit,
                      "of_limit": sps["median"] / limit if limit else None,
                      "link_bytes_per_step": statistics.median(x["busiest"] for x in link),
-                     "link": link, "comm_share": m["comm_share"],
+                     "link": link, "comm_share": m["comm_share"], "chosen": dict(chosen),
                      "sync_report": m["repeats"][0].get("sync_report")})
     rows += [{"rate_gbit": rate_bits / 1e9, "ranks": ranks, "hosts": hosts, "mode": mode,
               "skipped": why} for mode, why in job.get("skipped", {}).items()]
@@ -319,7 +324,13 @@ def table(rows: Sequence[dict]) -> list[str]:
             out.append(where + f"| {r['mode']} | skipped: {r['skipped']} | | | | | | |")
             continue
         s, mode = r["steps_per_s"], r["mode"]
-        mode += f" ({r['sync']})" if r["sync"] not in (mode, "allreduce") else ""
+        chosen = r.get("chosen") or {r["sync"]: 1}
+        if len(chosen) > 1:  # auto chose differently in some repeats
+            n = sum(chosen.values())
+            mode += " (" + ", ".join(f"{k} {v}/{n}" for k, v in
+                                     sorted(chosen.items(), key=lambda kv: -kv[1])) + ")"
+        elif r["sync"] not in (mode, "allreduce"):
+            mode += f" ({r['sync']})"
         out.append(where + f"| {mode} | {s['median']:.2f} ±{s['spread'] / 2:.0%} | "
                    f"{_fmt(r.get('predicted_steps_per_s'), '.2f')} | "
                    f"{_fmt(r.get('prediction_error'), '+.0%')} | "
@@ -359,8 +370,9 @@ def model_lines(model: dict) -> list[str]:
             "256 KiB); compute " + ", ".join(f"{s * 1e3:.1f} ms per step at 2 x {per}"
                                               for per, s in sorted(c.items()))
             + ": bench_sync.py's `compute-only` (forward, backward and update of each rank's "
-            "rows; the ranks never communicate) in the same jobs as the modes, shuffled among "
-            "them, median of the repeats.")
+            "rows, then one Barrier: the ranks exchange nothing but wait for the slowest, as a "
+            "synchronous step does) in the same jobs as the modes, shuffled among them, median "
+            "of the repeats.")
     lines.append(
         f"  - here, once (one process, BLAS on 1 thread, {loc['batch']} rows, medians of "
         f"{loc['reps']}): backward {loc['backward']:.0%} of forward + backward + update "

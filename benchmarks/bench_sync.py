@@ -46,14 +46,16 @@ MAX_TRIAL_STEPS = 200  # untimed steps allowed for auto to commit to a strategy
 
 
 class ComputeOnly(Sync):
-    """Not a training mode: each rank updates from its own gradient and never communicates.
-    Its step time is the floor any synchronisation mode could reach on this machine (the
-    ranks still share its cores and memory bandwidth), which bounds every speed-up claim."""
+    """Not a training mode: each rank updates from its own gradient and exchanges nothing,
+    but waits for the others at a ``Barrier`` each step, as every synchronous step waits
+    for the slowest rank. Its step time is the floor any synchronisation mode could reach
+    on this machine (the ranks still share its cores and memory bandwidth), which bounds
+    every speed-up claim."""
 
     name = "compute-only"
 
     def reduce(self) -> None:
-        pass
+        self.comm.Barrier()
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

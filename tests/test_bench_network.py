@@ -95,6 +95,21 @@ def test_rows_from_a_job_and_its_marks():
                   "skipped": "MpidpError: no such mode"}
 
 
+def test_an_auto_row_that_chose_differently_is_named_after_its_usual_choice():
+    job, marks = _job()
+    picks = ["compressed", "overlapped", "compressed"]
+    job["modes"]["auto"]["repeats"] = [
+        {"step_s": 0.1, "mark": f"auto {i}", "sync": p, "rank_bytes_per_step": [M / 2, 0]}
+        for i, p in enumerate(picks)]
+    for i in range(3):
+        marks[f"auto {i}"] = marks["auto 0"]
+    auto = next(r for r in B.rows_of(job, marks, 1e9, hosts=2) if r["mode"] == "auto")
+    assert auto["sync"] == "compressed" and auto["chosen"] == {"compressed": 2, "overlapped": 1}
+    assert auto["expected_link_bytes"] == M / 2  # compressed's, the usual choice
+    line = next(x for x in B.table([auto]) if "auto" in x)
+    assert "auto (compressed 2/3, overlapped 1/3)" in line
+
+
 FIT = {"alpha": 50e-6, "beta": 8e-9, "gamma": 3e-11}  # s, s/B, s/B
 LOCAL = {"m": M, "batch": 256, "reps": 7, "bucket_bytes": 1 << 20, "first_bucket_layer": 2,
          "forward_s": 0.02, "backward_s": 0.04, "update_s": 0.001, "backward": 0.6,
@@ -213,7 +228,8 @@ def test_local_inputs_are_measured_in_a_process_of_their_own(tmp_path):
     assert got["m"] == M and got["batch"] == 256 and got["bucket_bytes"] == 1 << 20
     # 784-1024-1024-10 (Dense, ReLU, Dense, ReLU, Dense): 1 MiB closes at the middle Dense
     assert got["first_bucket_layer"] == 2
-    assert 0.3 < got["backward"] < 0.9 and 0.4 < got["first_bucket"] < 0.95
+    # the middle Dense announces its gradients before its input gradient: well before the end
+    assert 0.3 < got["backward"] < 0.9 and 0.1 < got["first_bucket"] < 0.8
     assert got["forward_s"] > 0 and got["update_s"] > 0 and got["codec_s"] > 0
     assert got["codec_share"] == pytest.approx(got["codec_s"] / (got["forward_s"] + got["backward_s"]
                                                                   + got["update_s"]), rel=0.8)
