@@ -272,11 +272,13 @@ def _short(path: str) -> str:
 
 
 def git_commit() -> str:
-    """The repository's commit, with ``+dirty`` when mpidp/ or benchmarks/ have changes."""
+    """The repository's commit, with ``+dirty`` when mpidp/ or benchmarks/ have changes
+    (results in benchmarks/results/ do not count: they are what the benchmarks write)."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
                               capture_output=True, timeout=30, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "mpidp", "benchmarks"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "mpidp", "benchmarks",
+                                ":(exclude)benchmarks/results"],
                                cwd=REPO, text=True, capture_output=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return "unknown"
