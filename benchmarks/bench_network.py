@@ -106,10 +106,11 @@ def rows_of(job: dict, marks: dict, rate_bits: float, hosts: int) -> list[dict]:
         # frequent choice, and counts every choice
         chosen = collections.Counter(r.get("sync", mode) for r in m["repeats"])
         sync = chosen.most_common(1)[0][0]
+        first = next(r for r in m["repeats"] if r.get("sync", mode) == sync)  # one that chose it
         link = [link_per_step(marks[r["mark"]]["start"], marks[r["mark"]]["stop"], steps)
                 for r in m["repeats"]]
         # the most one rank contributes (a node-aware reduction's leaders send, others not)
-        payload = max(m["repeats"][0].get("rank_bytes_per_step") or [m.get("bytes_per_step") or 0.0])
+        payload = max(first.get("rank_bytes_per_step") or [m.get("bytes_per_step") or 0.0])
         need = host_bytes(payload, ranks, hosts, gather=mode in GATHER or sync in GATHER)
         sps = spread([1 / r["step_s"] for r in m["repeats"]])
         limit = limit_steps_per_s(rate_bits, need)
@@ -119,7 +120,7 @@ def rows_of(job: dict, marks: dict, rate_bits: float, hosts: int) -> list[dict]:
                      "of_limit": sps["median"] / limit if limit else None,
                      "link_bytes_per_step": statistics.median(x["busiest"] for x in link),
                      "link": link, "comm_share": m["comm_share"], "chosen": dict(chosen),
-                     "sync_report": m["repeats"][0].get("sync_report")})
+                     "sync_report": first.get("sync_report")})
     rows += [{"rate_gbit": rate_bits / 1e9, "ranks": ranks, "hosts": hosts, "mode": mode,
               "skipped": why} for mode, why in job.get("skipped", {}).items()]
     return rows

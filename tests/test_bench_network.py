@@ -97,9 +97,10 @@ def test_rows_from_a_job_and_its_marks():
 
 def test_an_auto_row_that_chose_differently_is_named_after_its_usual_choice():
     job, marks = _job()
-    picks = ["compressed", "overlapped", "compressed"]
+    picks = ["overlapped", "compressed", "compressed"]
     job["modes"]["auto"]["repeats"] = [
-        {"step_s": 0.1, "mark": f"auto {i}", "sync": p, "rank_bytes_per_step": [M / 2, 0]}
+        {"step_s": 0.1, "mark": f"auto {i}", "sync": p,
+         "rank_bytes_per_step": [M / 2 if p == "compressed" else M, 0]}
         for i, p in enumerate(picks)]
     for i in range(3):
         marks[f"auto {i}"] = marks["auto 0"]

@@ -92,8 +92,8 @@ def _user_module(folder):
 @pytest.mark.slow
 def test_a_layer_of_the_users_module_trains_reloads_and_predicts(folder):
     out = folder / "run"
-    r = run_mpi(2, *TRAIN, "--model", str(folder / "net.toml"), "--import",
-                str(folder / "cilayers.py"), "--out", str(out))
+    r = run_mpi(2, *TRAIN, "--model", str(folder / "net.toml"), "--import", "cilayers.py",
+                "--out", str(out), cwd=folder)  # relative: recorded as an absolute path
     assert r.returncode == 0, r.stderr[-3000:]
     saved = json.loads(str(np.load(out / "model.npz")["spec"]))
     assert [d["type"] for d in saved] == ["Flatten", "Dense", "ScaledLeaky", "Dense"]

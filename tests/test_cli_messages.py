@@ -185,3 +185,18 @@ def test_a_config_file_that_names_the_out_folder_says_so(tmp_path):
     assert (out / "model.npz").exists()
     r = run_mpi(1, "train", "--config", str(cfg), "--out", str(tmp_path / "mine"), "-q")
     assert r.returncode == 0 and "writing into --out" not in r.stderr, r.stderr
+
+
+def test_a_setting_from_a_file_that_an_override_makes_moot_is_left_out(tmp_path):
+    """A file's momentum under --optimizer adam typed over it: trained, not refused, and
+    the new record has no momentum; typed on the command line, it is refused."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('dataset = "digits"\nepochs = 1\noptimizer = "momentum"\nmomentum = 0.95\n')
+    out = tmp_path / "adam"
+    r = run_mpi(2, "train", "--config", str(cfg), "--optimizer", "adam", "--out", str(out), "-q")
+    assert r.returncode == 0, r.stderr[-2000:]
+    recorded = (out / "config.toml").read_text()
+    assert 'optimizer = "adam"' in recorded and "momentum" not in recorded, recorded
+    r = run_mpi(2, "train", "--config", str(cfg), "--optimizer", "adam", "--momentum", "0.9",
+                "--out", str(tmp_path / "typed"), "-q")
+    assert r.returncode == 2 and "--momentum does not apply to --optimizer adam" in r.stderr

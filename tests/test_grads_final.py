@@ -86,3 +86,19 @@ def test_a_convolution_is_heard_before_its_input_gradient(monkeypatch):
     first = log.index("input-grad")
     assert log[:first] == [4, 3, 2]  # the second convolution, before its col2im
     assert log[first:].count("input-grad") == 3 and log[-2:] == [1, 0]
+
+
+def test_a_subclass_that_overrides_backward_is_heard_only_when_it_returns():
+    """It may change its gradients after the base class computed them (a frozen layer)."""
+
+    class Frozen(nn.Dense):
+        def backward(self, dy, accumulate=False, need_input_grad=True):
+            dx = super().backward(dy, accumulate, need_input_grad)
+            self.grads["W"][...] = 0.0
+            return dx
+
+    model = nn.Sequential([nn.Dense(6, 8), nn.ReLU(), Frozen(8, 3)], 6, dtype=np.float64).init_(0)
+    seen = _backward(model, [])
+    lo, hi = model.layer_ranges[2]
+    np.testing.assert_array_equal(seen[2], model.grads[lo:hi])  # heard with the zeros
+    assert not model.layers[2].grads["W"].any()

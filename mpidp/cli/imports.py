@@ -46,6 +46,12 @@ def import_modules(names: Sequence[str]) -> list[ModuleType]:
     return out
 
 
+def absolute_paths(names: Sequence[str]) -> list[str]:
+    """``names`` with each ``.py`` path made absolute (dotted names as given), so that a
+    recorded run imports the same files from another folder."""
+    return [os.path.abspath(n) if _is_path(n) else n for n in names]
+
+
 def _is_path(name: str) -> bool:
     return name.endswith(".py") or "/" in name or os.sep in name
 

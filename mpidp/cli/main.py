@@ -642,10 +642,13 @@ def _stored_config(directory: str) -> dict | None:
 def _run(args, comm, parser: argparse.ArgumentParser, argv: list[str],
          from_file: set[str] = frozenset()) -> None:
     if args.command == "train":
-        from .options import given
+        from .options import depends_met, given
         from .train import train
         after = argv[argv.index("train") + 1:]
-        train(args, comm, given(_train_parser(parser), after) | set(from_file))
+        # a setting a config file recorded counts as given, unless what it depends on no
+        # longer holds (a --optimizer adam typed over a file's momentum): then it is left out
+        recorded = {d for d in from_file if depends_met(d, vars(args))}
+        train(args, comm, given(_train_parser(parser), after) | recorded)
     elif args.command == "model":
         from ..scale.calibrate import calibrate, format_report
         from ..scale.calibrate import save as save_model

@@ -143,6 +143,12 @@ DEPENDS: dict[str, tuple[Needs, ...]] = {
 }
 
 
+def depends_met(dest: str, settings: Mapping[str, Any]) -> bool:
+    """Whether every condition :data:`DEPENDS` puts on option ``dest`` holds in
+    ``settings`` (option dest -> value)."""
+    return all(needs.holds(settings) for needs in DEPENDS.get(dest, ()))
+
+
 def mode_of(args: argparse.Namespace) -> str:
     """The mode ``args`` selects (see :data:`MODES`)."""
     return _mode(vars(args))
@@ -170,7 +176,7 @@ def applying(config: dict) -> dict:
     return {k: v for k, v in config.items()
             if not (k in TABLE and mode not in TABLE[k][0])
             and not (k in GENERATED and config.get("dataset") not in GENERATED[k])
-            and all(needs.holds(config) for needs in DEPENDS.get(k, ()))}
+            and depends_met(k, config)}
 
 
 def given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:

@@ -48,7 +48,7 @@ from ..run.signals import StopSignals
 from ..run.spec import Checkpointing, RunSpec
 from . import config as config_file
 from . import options as O
-from .imports import HINT, import_modules, imports_of, unregistered
+from .imports import HINT, absolute_paths, import_modules, imports_of, unregistered
 
 
 def check_out(args: argparse.Namespace) -> None:
@@ -365,6 +365,7 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
     if errors:  # every rank computes the same list from the same arguments
         raise C.MpidpError("; ".join(errors))
     C.run_agreed(comm, import_modules, imports_of(args))  # the user's layers, before a model
+    vars(args)["import"] = absolute_paths(imports_of(args))  # recorded so a resume finds them
     C.run_agreed(comm, _check_model, args)  # a bad model file or a refused layer: before any work
     C.root_decides(comm, check_out, args)
     if comm.rank == 0 and os.path.isdir(args.out):

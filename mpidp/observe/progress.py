@@ -69,8 +69,8 @@ def _parent(pid: int) -> int:
 
 def _name(pid: int) -> str:
     try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read().decode("utf-8", "replace").strip()
     except OSError:
         return ""
 
