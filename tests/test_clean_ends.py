@@ -196,15 +196,17 @@ def test_async_ps_checkpoints_on_sigterm_and_resume_pushes_every_batch_once(tmp_
                  "--checkpoint-every", "5", "--out", str(tmp_path / "a"),
                  token=f"ack-{tmp_path.name}", log=log)
     pids = _ranks(job, 3)
-    _wait_for(log, "model:")
-    time.sleep(1.0)  # mid-run: the slowed run lasts minutes
+    from mpidp.run.checkpoint import list_checkpoints, read
+    deadline = time.monotonic() + 120  # mid-run, once pushes were served: the slowed run
+    while not list_checkpoints(str(ck)) and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # lasts minutes, and its first checkpoint comes after 5 pushes
+    assert list_checkpoints(str(ck)) and job.poll() is None, "no checkpoint while it ran"
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
     out, err = job.communicate(timeout=60)
     assert job.returncode == 75, (job.returncode, err[-2000:])
     assert f"checkpoint written to {ck}" in err and not (tmp_path / "a" / "model.npz").exists()
     shutil.copytree(ck, tmp_path / "ck4")
-    from mpidp.run.checkpoint import list_checkpoints, read
     at_stop = read(list_checkpoints(str(ck))[-1])[0]["partition"]["async"]
     r = run_mpi(3, *a, "--checkpoint-dir", str(ck), "--resume", "--out", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
