@@ -3,7 +3,9 @@
 The first training steps are the measurement: after :data:`WARMUP` steps with a fused
 allreduce, the candidates train :data:`TRIALS` steps each, in turns, and the slowest
 rank's median step time decides (one small ``Allreduce``), so every rank commits to the same strategy at the
-same step. The candidates:
+same step. Where others come within :data:`CLOSE` of the fastest, those train
+:data:`TRIALS` more steps each, in turns, before the choice (a run-off: one noisy step
+should not decide between near equals). The candidates:
 
 * ``allreduce`` (node-aware where ranks share nodes, see :class:`mpidp.parallel.sync.Sync`),
 * ``overlapped`` with two bucket sizes: the one asked for and a quarter of the gradient,
@@ -32,6 +34,7 @@ from .sync import Buffers, Exchanged, Round, Setup, Sync
 
 WARMUP = 2  # allreduce steps before the trials: first steps pay page faults and caches
 TRIALS = 4  # steps per candidate, taken in turns; the median counts
+CLOSE = 0.10  # candidates this near the fastest median (a share of it) run off
 
 
 class Auto(Sync):
@@ -86,6 +89,7 @@ class Auto(Sync):
         self.comm_s: list[float] = []  # the allreduce trials' exchange times
         self.times: list[list[float]] = [[] for _ in self.candidates]
         self.steps, self._t0, self._last, self._after = 0, None, False, False
+        self.finalists: list[int] | None = None  # the run-off's candidates, once known
         if len(self.candidates) == 1:
             self.choice = plain
             self.report = "auto: allreduce (one rank: nothing to exchange)"
@@ -113,9 +117,16 @@ class Auto(Sync):
         return forward
 
     def _trial(self) -> int | None:
-        """Index of the candidate that runs trial step ``self.steps``, or None after."""
+        """Index of the candidate that runs trial step ``self.steps``, or None after (the
+        first round's end until a run-off is set, or the run-off's end)."""
         k = self.steps - WARMUP  # in turns, so that drift of the machine hits all alike
-        return None if k < 0 or k >= TRIALS * len(self.candidates) else k % len(self.candidates)
+        first = TRIALS * len(self.candidates)
+        if k < 0:
+            return None
+        if k < first:
+            return k % len(self.candidates)
+        j, run_off = k - first, self.finalists or []
+        return run_off[j % len(run_off)] if j < TRIALS * len(run_off) else None
 
     def exchange(self, r: Round) -> Exchanged:
         self._last = r.last_of_epoch
@@ -158,6 +169,13 @@ class Auto(Sync):
                 self.times[k].append(now - self._t0)  # a step around an epoch's end: no
             self.steps += 1
             nxt = self._trial()
+            if nxt is None and self.steps > WARMUP and self.finalists is None:
+                medians, _ = self._medians()
+                best = float(np.min(medians))
+                self.finalists = [i for i, t in enumerate(medians) if t <= best * (1 + CLOSE)]
+                if len(self.finalists) < 2:
+                    self.finalists = []  # a clear winner
+                nxt = self._trial()
             if nxt is None and self.steps > WARMUP:
                 self._decide()
             else:
@@ -165,11 +183,16 @@ class Auto(Sync):
         self._after = self._last  # the next step also pays the epoch's evaluation
         self._t0 = perf_counter()
 
-    def _decide(self) -> None:
+    def _medians(self) -> tuple[np.ndarray, float]:
+        """The slowest rank's median step seconds per candidate, and of the allreduce
+        trials' exchange. Collective (one small ``Allreduce``)."""
         medians = np.array([np.median(t) if t else np.inf for t in self.times]
                            + [np.median(self.comm_s) if self.comm_s else 0.0], np.float64)
         C.allreduce_(self.comm, medians, "max")  # the slowest rank's view decides
-        medians, comm_s = medians[:-1], float(medians[-1])
+        return medians[:-1], float(medians[-1])
+
+    def _decide(self) -> None:
+        medians, comm_s = self._medians()
         best = int(np.argmin(medians))
         self.choice = self.current = self.candidates[best]
         for i, c in enumerate(self.candidates):
@@ -180,8 +203,12 @@ class Auto(Sync):
         P, m = self.comm.size, self.buf.nbytes
         link = (f"; an allreduce of {m / 1e6:.3g} MB took {comm_s * 1e3:.3g} ms, "
                 f"{2 * (P - 1) / P * m / comm_s / 1e6:.3g} MB/s per rank") if comm_s > 0 else ""
-        self.report = (f"auto: {self.labels[best]}, the fastest on steps {WARMUP + 1}-"
-                       f"{WARMUP + TRIALS * len(self.candidates)} (steps/s: {rates}{link})")
+        end = WARMUP + TRIALS * len(self.candidates)
+        run_off = (f", then of {' and '.join(self.labels[i] for i in self.finalists)} (within "
+                   f"{CLOSE:.0%}) on steps {end + 1}-{end + TRIALS * len(self.finalists)}"
+                   if self.finalists else "")
+        self.report = (f"auto: {self.labels[best]}, the fastest on steps {WARMUP + 1}-{end}"
+                       f"{run_off} (steps/s: {rates}{link})")
         if self.comm.rank == self.root:
             print(f"mpidp: {self.report}", file=sys.stderr, flush=True)
 

@@ -75,3 +75,36 @@ def test_the_slowest_rank_decides(comm):
     worst = np.max(comm.allgather(times), axis=0)
     all_ranks(comm, sync.choice is sync.candidates[int(np.argmin(worst))],
               f"picked {sync.report} from {worst}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_near_equals_run_off_before_the_choice(comm):
+    """Candidates within CLOSE of the fastest train TRIALS more steps each, in turns; a
+    clear winner is chosen at once."""
+    X, y, rows = _data(comm)
+    sync = make_sync("auto")
+    _train(comm, X[rows], y[rows], sync, epochs=1)
+    k = len(sync.candidates)
+
+    def after_round_one(times):
+        sync.choice, sync.finalists, sync.steps = None, None, A.WARMUP + A.TRIALS * k - 1
+        sync.times, sync._t0 = [[t] * A.TRIALS for t in times], None
+        sync.step_done()  # the first round's last step ends
+
+    near = [1.0] * k
+    near[1], near[-1] = 0.50, 0.53  # within 10% of each other
+    after_round_one(near)
+    ran = [sync.candidates.index(sync.current)]
+    while sync.choice is None:
+        sync._t0 = None  # keep the planted times
+        sync.step_done()
+        if sync.choice is None:
+            ran.append(sync.candidates.index(sync.current))
+    all_ranks(comm, sync.finalists == [1, k - 1] and ran == [1, k - 1] * A.TRIALS,
+              f"finalists {sync.finalists}, ran {ran}")
+    all_ranks(comm, sync.choice is sync.candidates[1] and "then of" in sync.report, sync.report)
+    clear = [1.0] * k
+    clear[1] = 0.5
+    after_round_one(clear)
+    all_ranks(comm, sync.finalists == [] and sync.choice is sync.candidates[1]
+              and "then of" not in sync.report, sync.report)
