@@ -204,9 +204,9 @@ class Auto(Sync):
         link = (f"; an allreduce of {m / 1e6:.3g} MB took {comm_s * 1e3:.3g} ms, "
                 f"{2 * (P - 1) / P * m / comm_s / 1e6:.3g} MB/s per rank") if comm_s > 0 else ""
         end = WARMUP + TRIALS * len(self.candidates)
-        run_off = (f", then of {' and '.join(self.labels[i] for i in self.finalists)} (within "
-                   f"{CLOSE:.0%}) on steps {end + 1}-{end + TRIALS * len(self.finalists)}"
-                   if self.finalists else "")
+        names = [self.labels[i] for i in self.finalists or ()]
+        run_off = (f", then of {', '.join(names[:-1])} and {names[-1]} (within {CLOSE:.0%}) "
+                   f"on steps {end + 1}-{end + TRIALS * len(names)}" if names else "")
         self.report = (f"auto: {self.labels[best]}, the fastest on steps {WARMUP + 1}-{end}"
                        f"{run_off} (steps/s: {rates}{link})")
         if self.comm.rank == self.root:
