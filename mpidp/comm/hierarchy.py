@@ -96,7 +96,7 @@ class NodeAllreduce:
         """Make :attr:`array` hold the sum over every rank of ``comm``. Collective."""
         t = time.perf_counter()
         self._sum.reduce(self._sleep[0])  # the node's sum in the leader's array
-        t, waited = time.perf_counter(), time.perf_counter() - t
+        waited = time.perf_counter() - t
         if self.leads:
             allreduce_sum_(self.leaders, self._leader_array)
         t = time.perf_counter()
