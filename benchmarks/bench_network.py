@@ -148,14 +148,16 @@ def predicted_step_s(row: dict, fit: dict, compute: float, local: dict) -> tuple
     seconds, from the link's ``fit`` (alpha, beta, gamma), ``compute`` (s per step of
     forward + backward + update at this layout) and the ``local`` inputs (``m`` gradient
     bytes, ``backward`` and ``first_bucket`` shares, ``codec_share``: the codec's seconds
-    per second of compute, so ``codec = codec_share * compute``); None for a mode the
-    model does not cover."""
+    per second of compute, so ``codec = codec_share * compute``; ``cpu_per_byte``: beta of
+    the link without a limit, where the cores, not the wire, set the pace); None for a
+    mode the model does not cover."""
     mode = MODEL_MODES.get(row["mode"]) if row["mode"] != "auto" else MODEL_MODES.get(row["sync"])
     if mode is None:
         return None
     t = mode_step_time(mode, row["ranks"], local["m"], compute, Fit(**fit),
                        backward=local["backward"], first_bucket=local["first_bucket"],
                        codec=local["codec_share"] * compute, per_node=row["ranks"] // row["hosts"],
+                       cpu_per_byte=local.get("cpu_per_byte", 0.0),
                        link_hops=row["ranks"] // row["hosts"] if row.get("placement") == "cyclic" else 1)
     return mode, t
 
@@ -254,14 +256,14 @@ def measure_local(reps: int = 7, batch: int = 256) -> dict:
     the seconds per byte of an in-memory float32 sum of the gradient vector."""
     from mpidp import nn
     from mpidp.parallel.buffer import N_EXTRA
-    from mpidp.parallel.overlap import _buckets
+    from mpidp.parallel.overlap import layer_buckets
     model = nn.mlp(784, (1024, 1024), 10, dtype=np.float32).init_(0)
     loss, opt = nn.SoftmaxCrossEntropy(), nn.SGD(0.05)
     rng = np.random.default_rng(0)
     X = rng.standard_normal((batch, 784)).astype(np.float32)
     y = rng.integers(0, 10, batch)
     n = model.n_params
-    first = _buckets(model.layer_ranges, n + N_EXTRA, 4, BUCKET_BYTES)[0][0]
+    first = layer_buckets(model.layer_ranges, n + N_EXTRA, 4, BUCKET_BYTES)[0][0]
     work, how = codec_work(n)
     keys = ("forward_s", "backward_s", "update_s", "first_bucket", "codec_s", "codec_share")
     parts: dict[str, list[float]] = {k: [] for k in keys}
@@ -387,6 +389,12 @@ def model_lines(model: dict) -> list[str]:
         "step (so that a busier moment here or on the hosts scales both alike); gamma "
         f"{loc['gamma'] * 1e9:.3f} ns/B, an in-memory float32 sum of the gradient vector "
         "(`np.add`).")
+    if "cpu_per_byte" in loc:
+        lines.append(
+            f"  - the exchange's cost to the cores, {loc['cpu_per_byte'] * 1e9:.2f} ns per byte "
+            "sent: beta of the same MPI exchanges on the hosts' link without a limit, where "
+            "the cores (the network stack and MPI's copies), not the wire, set the pace; "
+            "overlapped and compressed steps add it to the backward pass they hide behind.")
     return lines
 
 
@@ -603,6 +611,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, probes, first, links = [], [], None, []
     with tempfile.TemporaryDirectory(prefix="mpidp-network-") as t, Cluster(2) as c:
         local = measure_locally(env, Path(t), args.timeout)
+        c.limit(None)  # what a byte costs the cores: the link as fast as they can drive it
+        free = measure_link(c, env, Path(t), "pingpong-unlimited", args.timeout)
+        local["cpu_per_byte"] = link_fit(free, 0.0)["beta"]
+        local["unlimited_pingpong"] = free
         for rate in args.rates:
             r, probe, job, inputs = measure_rate(c, rate, args, env, Path(t), local)
             rows, probes, first, links = rows + r, probes + [probe], first or job, links + [inputs]

@@ -115,7 +115,7 @@ FIT = {"alpha": 50e-6, "beta": 8e-9, "gamma": 3e-11}  # s, s/B, s/B
 LOCAL = {"m": M, "batch": 256, "reps": 7, "bucket_bytes": 1 << 20, "first_bucket_layer": 2,
          "forward_s": 0.02, "backward_s": 0.04, "update_s": 0.001, "backward": 0.6,
          "first_bucket": 0.7, "codec_s": 0.006, "codec_share": 0.1, "codec_how": "Codec",
-         "gamma": 3e-11}
+         "gamma": 3e-11, "cpu_per_byte": 5e-10}
 
 
 def _ring(P: int, m: float) -> float:
@@ -156,9 +156,11 @@ def test_predictions_against_a_hand_computation():
     t_ar = c1 + 2 * 50e-6 + M * 8e-9 + M / 2 * 3e-11
     assert _ring(2, M) == pytest.approx(t_ar - c1)
     b = 0.6 * c1  # backward; the exchange starts 70% into it and outlasts the rest of it
-    t_ov = 0.4 * c1 + max(b, 0.7 * b + t_ar - c1)
+    t_ov = 0.4 * c1 + max(b + 5e-10 * M, 0.7 * b + t_ar - c1)
     assert t_ov == pytest.approx(0.4 * c1 + 0.7 * b + _ring(2, M))
-    t_cz = c1 + 0.1 * c1 + _ring(2, M / 2)  # codec: its share of the measured compute
+    # compressed: half the bytes, overlapped alike, plus the codec's share of the compute
+    t_cz = 0.4 * c1 + max(b + 5e-10 * M / 2, 0.7 * b + _ring(2, M / 2)) + 0.1 * c1
+    assert t_cz == pytest.approx(0.4 * c1 + 0.7 * b + _ring(2, M / 2) + 0.1 * c1)  # the wire's
     t_flat = c2 + 6 * 50e-6 + 1.5 * M * 8e-9 + 0.75 * M * 3e-11  # a ring of 4 ranks
     t_node = c2 + _ring(2, M)  # a ring of the 2 hosts' leaders
     for row, mode, t, measured in ((ar, "allreduce", t_ar, 7.0), (hw, "allreduce", t_ar, 8.0),
@@ -188,14 +190,15 @@ def test_table_and_report():
     assert "| predicted steps/s | error |" in lines[0]
     assert lines[2] == "| 1 Gbit/s | 2 x 1 | allreduce | 5.00 ±60% | – | – | 16.77 | 30% | 7.50 | 7.45 |"
     lines = B.table(B.with_predictions(rows, FIT, {1: B.compute_seconds(job)}, LOCAL))
-    t_ar, t_cz = 0.07 + _ring(2, M), 0.077 + _ring(2, M / 2)  # compute 70 ms, codec 7 ms
+    t_ar = 0.07 + _ring(2, M)  # compute 70 ms; compressed: backward 42 ms, codec 7 ms
+    t_cz = 0.028 + 0.7 * 0.042 + _ring(2, M / 2) + 0.007
     assert f"{1 / t_ar:.2f} | {1 / t_ar / 5 - 1:+.0%}" == "7.70 | +54%"
-    assert f"{1 / t_cz:.2f} | {1 / t_cz / 10 - 1:+.0%}" == "9.35 | -7%"
+    assert f"{1 / t_cz:.2f} | {1 / t_cz / 10 - 1:+.0%}" == "10.60 | +6%"
     assert lines[2] == ("| 1 Gbit/s | 2 x 1 | allreduce | 5.00 ±60% | 7.70 | +54% | 16.77 | 30% "
                         "| 7.50 | 7.45 |")
-    assert lines[3].startswith("| 1 Gbit/s | 2 x 1 | compressed | 10.00 ±0% | 9.35 | -7% | 33.54 "
+    assert lines[3].startswith("| 1 Gbit/s | 2 x 1 | compressed | 10.00 ±0% | 10.60 | +6% | 33.54 "
                                "| 30% | 3.80 |")
-    assert lines[4].startswith("| 1 Gbit/s | 2 x 1 | auto (compressed) | 10.00 ±0% | 9.35 | -7% |")
+    assert lines[4].startswith("| 1 Gbit/s | 2 x 1 | auto (compressed) | 10.00 ±0% | 10.60 | +6% |")
     assert lines[5] == "| 1 Gbit/s | 2 x 1 | ps | skipped: MpidpError: no such mode | | | | | | |"
     assert all(line.count("|") == 11 for line in lines)
     report = {"rows": rows, "probes": [{"rate_gbit": 1.0, "MB_per_s": 119.4}], "probe_mb": 50,

@@ -153,8 +153,18 @@ def test_mode_step_times_by_hand():
     assert M.mode_step_time("overlapped", 2, m, c, fit, first_bucket=0.25) == pytest.approx(
         c / 3 + max(2 * c / 3, 0.25 * 2 * c / 3 + ring))
     assert M.mode_step_time("overlapped", 2, 1e3, c, fit) == pytest.approx(c)  # all hidden
+    # compressed: half the bytes, overlapped alike, plus the codec's CPU seconds
     assert M.mode_step_time("compressed", 2, m, c, fit, codec=0.004) == pytest.approx(
-        c + 0.004 + 2e-4 + m / 2 * 8e-9)
+        c / 3 + 2e-4 + m / 2 * 8e-9 + 0.004)
+    assert M.mode_step_time("compressed", 2, 1e3, c, fit, codec=0.004) == pytest.approx(
+        c + 0.004)  # hidden but for the codec
+    # the exchange's CPU work on the computing cores is not hidden (1 ns per byte sent)
+    assert M.mode_step_time("overlapped", 2, 1e6, c, fit, cpu_per_byte=1e-9) == pytest.approx(
+        c + 1e6 * 1e-9)
+    assert M.mode_step_time("compressed", 4, 1e6, c, fit, cpu_per_byte=1e-9) == pytest.approx(
+        c + 1.5 * 0.5e6 * 1e-9)
+    assert M.mode_step_time("overlapped", 2, m, c, fit, cpu_per_byte=1e-9) == pytest.approx(
+        c / 3 + ring)  # a slow link: the wire, not the cores, sets the step
     # two nodes of two ranks: the leaders' ring at P = 2, not the flat one at P = 4
     assert M.mode_step_time("node-aware", 4, m, c, fit, per_node=2) == pytest.approx(c + ring)
     # a flat ring at P = 4 sends 1.5 m per hop; dealt out in turn, two hops share each way

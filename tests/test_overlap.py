@@ -10,7 +10,7 @@ import time
 import pytest
 from clitools import run_mpi
 
-from mpidp.parallel.overlap import PROGRESS, Overlapped, _buckets
+from mpidp.parallel.overlap import PROGRESS, Overlapped, layer_buckets
 from mpidp.parallel.sync import Sync
 
 
@@ -18,7 +18,7 @@ from mpidp.parallel.sync import Sync
 def test_buckets_tile_the_buffer_last_layers_first(bucket_bytes):
     ranges = [(0, 0), (0, 84), (84, 84), (84, 188), (188, 188), (188, 215)]  # gate, mlp
     size = 215 + 5  # the extras after the parameters
-    buckets = _buckets(ranges, size, 8, bucket_bytes)
+    buckets = layer_buckets(ranges, size, 8, bucket_bytes)
     assert buckets[0][2] == size and buckets[-1][1] == 0  # extras first; ends at 0
     assert all(a[1] == b[2] for a, b in zip(buckets, buckets[1:]))  # contiguous, no overlap
     assert all(lo < hi for _, lo, hi in buckets)  # none empty

@@ -358,7 +358,7 @@ def _add_sync(p: argparse.ArgumentParser) -> None:
                    default="allreduce",
                    help="allreduce: one fused in-place Allreduce per step; per-layer: one per "
                    "array; overlapped: bucketed Iallreduce during backward; compressed: 16-bit "
-                   "with error feedback; ps: parameter server (rank 0); sharded-ps: every rank "
+                   "with error feedback, bucketed during backward; ps: parameter server (rank 0); sharded-ps: every rank "
                    "updates 1/P of the parameters; accumulate: sync every --sync-every batches; "
                    "local-sgd: average parameters every --sync-every steps; async-ps: workers "
                    "push gradients and pull parameters without waiting (rank 0 serves); auto: "
@@ -375,8 +375,8 @@ def _add_sync(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ps-chunk-mb", type=_positive(float), default=1.0,
                    help="ps (shared): the server ships its update in pieces of this many MiB")
     g.add_argument("--bucket-mb", type=_positive(float), default=1.0,
-                   help="overlapped: bucket size in MiB (auto also tries a quarter of the "
-                   "gradient)")
+                   help="overlapped, compressed: bucket size in MiB (auto also tries a quarter of "
+                   "the gradient)")
     g.add_argument("--overlap-progress", choices=("test", "thread"), default="test",
                    help="overlapped: how started bucket sums move during backward: tested at "
                    "every layer boundary (test), or a communication thread in a blocking "

@@ -39,8 +39,8 @@ TABLE: dict[str, tuple[frozenset, str]] = {
     "ps_placement": (frozenset({"ps"}), "only --sync ps has a server to place"),
     "ps_transport": (frozenset({"ps"}), "only --sync ps ships parameters from a server"),
     "ps_chunk_mb": (frozenset({"ps"}), "only --sync ps ships parameters from a server"),
-    "bucket_mb": (frozenset({"overlapped", "auto"}), "only --sync overlapped (and auto, "
-                  "which tries it) buckets gradients"),
+    "bucket_mb": (frozenset({"overlapped", "compressed", "auto"}), "only --sync overlapped "
+                  "and compressed (and auto, which tries them) bucket gradients"),
     "compress": (frozenset({"compressed", "auto"}), "only --sync compressed (and auto, which "
                  "tries it) encodes gradients"),
     "overlap_progress": (frozenset({"overlapped", "auto"}), "only --sync overlapped (and "

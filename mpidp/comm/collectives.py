@@ -91,6 +91,22 @@ def iallreduce_sum_(comm: Comm, buf: np.ndarray) -> MPI.Request:
     return comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
 
+def ialltoallv_(comm: Comm, send: np.ndarray, send_parts: tuple[np.ndarray, np.ndarray],
+                recv: np.ndarray, recv_parts: tuple[np.ndarray, np.ndarray]) -> MPI.Request:
+    """Start :func:`alltoallv_` (same arguments and limits); complete it with
+    :func:`wait_all` or :func:`test_some`. ``send`` and ``recv`` stay untouched meanwhile."""
+    for what, (counts, displs) in (("an Alltoallv send", send_parts),
+                                   ("an Alltoallv receive", recv_parts)):
+        _fits(what, counts, displs)
+    return comm.Ialltoallv([send, send_parts], [recv, recv_parts])
+
+
+def iallgather_in_place(comm: Comm, buf: np.ndarray) -> MPI.Request:
+    """Start :func:`allgather_in_place` of ``buf`` ``(size * k,)``; complete it with
+    :func:`wait_all` or :func:`test_some`."""
+    return comm.Iallgather(MPI.IN_PLACE, buf)
+
+
 def ibcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> list[MPI.Request]:
     """Start broadcasting contiguous ``buf`` from ``root`` in place; returns the requests
     to complete with :func:`wait_all`. Collective (every rank starts the same broadcasts in

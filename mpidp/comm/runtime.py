@@ -42,6 +42,18 @@ def mpi_info(comm: Comm | None = None) -> dict[str, Any]:
     }
 
 
+@watched("a Comm.Dup")
+def duplicate(comm: Comm) -> Comm:
+    """A new communicator of the same ranks (``Comm.Dup``), whose collectives never match
+    those of ``comm``; release it with :func:`free`. Collective."""
+    return comm.Dup()
+
+
+def free(comm: Comm) -> None:
+    """Release a communicator made by :func:`duplicate` or :func:`split`. Collective."""
+    comm.Free()
+
+
 @watched("a Comm.Split")
 def split(comm: Comm, color: int, key: int) -> Comm:
     """The ranks of ``comm`` with this rank's ``color``, ordered by ``key``

@@ -76,7 +76,7 @@ class Auto(Sync):
                 self.candidates.append(Overlapped(size, progress=self.overlap_progress))
                 self.labels.append(f"overlapped ({size / 2**20:.2g} MiB buckets)")
             if s.model.dtype == np.float32:
-                self.candidates.append(Compressed(self.codec))
+                self.candidates.append(Compressed(self.codec, bucket_bytes=self.bucket_bytes))
                 self.labels.append(f"compressed ({self.codec})")
         for c in self.candidates[1:]:
             c.setup(shared)

@@ -10,12 +10,15 @@ scratch of its own, for the per-step passes of :class:`Compressed`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .. import comm as C
 from ..comm.collectives import alltoallv_
 from ..nn import Optimizer
 from . import buffer
+from .overlap import layer_buckets
 from .sync import Buffers, Exchanged, Round, Setup, Sync, global_sums
 
 CODECS = ("float16", "bfloat16")
@@ -223,28 +226,35 @@ class _Piece:
 
 class Compressed(Sync):
     """Gradients exchanged as 16-bit codes (``float16`` or ``bfloat16``) in two steps, with
-    error feedback: about half the bytes of a float32 ring allreduce at every P.
+    error feedback: about half the bytes of a float32 ring allreduce at every P; started
+    during backward, bucket by bucket, as :class:`~mpidp.parallel.overlap.Overlapped` does.
 
-    The ``n`` gradient values are cut into P chunks whose sizes differ by at most one (some
-    empty when ``n < P``); rank ``j`` owns chunk ``j``. Each rank encodes its gradient plus
-    its residual; one ``Alltoallv`` hands chunk ``j`` of every rank's codes to rank ``j``
-    (a reduce-scatter), which decodes the P contributions and sums them in float32 in rank
-    order: the same sum whatever order they arrived in. The owner encodes its summed chunk
-    (plus its chunk residual) and one ``Allgather`` (chunks padded to the largest) gives
-    every rank every chunk's codes; every rank decodes the same codes, so every replica
-    holds bit-identical sums. Per step ``2 (P-1)/P n`` values of 2 bytes leave a rank,
-    against ``2 (P-1)/P n`` of 4 for a float32 ring allreduce; ``bytes_sent`` counts the
-    codes it hands to MPI (its chunks for the others, its summed chunk with its padding)
-    plus the extras. Loss, counts, stop and two flags (float16 overflow, a non-finite sum)
-    go in one small float64 ``Allreduce`` between the two steps. Vectors of more than
-    ``MAX_COUNT`` values are exchanged in pieces of at most that many, each split alike.
+    The ``n`` gradient values are cut into buckets of whole layers (last layers first, at
+    least ``bucket_bytes`` of gradients each), and each bucket into P chunks whose sizes
+    differ by at most one (some empty); rank ``j`` owns chunk ``j`` of every bucket. When
+    backward has finished a bucket's layers, each rank encodes that bucket's gradient plus
+    its residual, and one ``Ialltoallv`` hands chunk ``j`` of every rank's codes to rank
+    ``j`` (a reduce-scatter). Once it has arrived (``MPI_Testsome`` at every layer boundary
+    of backward moves it), the owner decodes the P contributions and sums them in float32
+    in rank order, the same sum whatever order they arrived in, encodes its summed chunk
+    (plus its chunk residual), and one ``Iallgather`` (chunks padded to the largest, on a
+    communicator of its own, so that the two kinds never need matching starts) gives every
+    rank every chunk's codes. Every rank decodes the same codes, so every replica holds
+    bit-identical sums; the buckets change who sums a value, never how, so the sums are
+    the same for every bucket size. Per step ``2 (P-1)/P n`` values of 2 bytes leave a
+    rank, against ``2 (P-1)/P n`` of 4 for a float32 ring allreduce; ``bytes_sent``
+    counts the codes it hands to MPI (its chunks for the others, its summed chunks with
+    their padding) plus the extras. Loss, counts, stop and two flags (float16 overflow, a
+    non-finite sum) go in one small float64 ``Allreduce`` once every bucket has been
+    started. Buckets of more than ``MAX_COUNT`` values are exchanged in pieces of at most
+    that many, each split alike.
 
     Error feedback: what each rounding loses is added back at the next step, so no
     rounding error is lost for good. Each rank keeps the residual of its own encoding
     ``(n,)`` (what ``gradient + residual`` lost to 16 bits) and, as owner, the residual of
-    re-encoding its chunk sums ``(n/P,)``. A step that is not applied (the NaN policy drops
-    it) leaves both residuals as they were; ``error_feedback=False`` keeps none. Residuals
-    are not checkpointed: a resumed run starts them at zero.
+    re-encoding its chunk sums ``(about n/P,)``. A step that is not applied (the NaN policy
+    drops it) leaves both residuals as they were; ``error_feedback=False`` keeps none.
+    Residuals are not checkpointed: a resumed run starts them at zero.
 
     A value beyond float16's 65504, in a rank's gradient or in a chunk's sum, is an
     :class:`~mpidp.comm.MpidpError` on every rank, never an Inf; a non-finite sum goes to
@@ -256,30 +266,48 @@ class Compressed(Sync):
     codec : ``"bfloat16"`` (float32's range, 8 significant bits) or ``"float16"`` (11
         significant bits, up to 65504).
     error_feedback : keep both residuals (False: every step's rounding is lost).
+    bucket_bytes : a bucket closes once its layers hold at least this many bytes of
+        gradients; a size beyond the whole gradient makes one bucket, started when
+        backward ends.
     """
 
     name = "compressed"
 
-    def __init__(self, codec: str = "bfloat16", error_feedback: bool = True) -> None:
+    def __init__(self, codec: str = "bfloat16", error_feedback: bool = True,
+                 bucket_bytes: int = 1 << 20) -> None:
         super().__init__()
         if codec not in CODECS:
             raise C.MpidpError(f"unknown compression {codec!r}; expected one of {CODECS}")
+        if bucket_bytes <= 0:
+            raise C.MpidpError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
         self.codec, self.error_feedback = codec, error_feedback
-        self._step, self._checks = 0, True  # of the current exchange
+        self.bucket_bytes = int(bucket_bytes)
+        self.gather_comm: C.Comm | None = None
+        self._step, self._checks = 0, True  # of the current exchange (the last one's meanwhile)
 
     def setup(self, s: Setup) -> Buffers:
+        self.close()  # set up again: the previous gathers' communicator goes
         out = super().setup(s)
         n, size, rank = self.n, s.comm.size, s.comm.rank
-        self.pieces, at, o, step = [], 0, 0, _piece_length(size)
-        for s0 in range(0, n, step) if n else [0]:
-            self.pieces.append(_Piece(s0, min(s0 + step, n), size, rank, o, at))
-            at, o = at + self.pieces[-1].m, self.pieces[-1].end
-        #: ``(values lo, values hi, codes lo)`` of every block of every chunk
-        self.blocks = [(a, b, clo + a - lo) for p in self.pieces for lo, hi, clo in p.runs
-                       for a, b in _blocks(lo, hi)]
+        buckets = layer_buckets(s.model.layer_ranges, n, self.buf.itemsize, self.bucket_bytes)
+        #: ``(layer, pieces)`` per bucket in launch order: started once ``layer`` is done
+        self.buckets: list[tuple[int, list[_Piece]]] = []
+        self.pieces, at, o, r, step = [], 0, 0, 0, _piece_length(size)
+        for layer, b0, b1 in buckets or [(0, 0, 0)]:
+            mine = []
+            for s0 in range(b0, b1, step) if b1 > b0 else [b0]:
+                p = _Piece(s0, min(s0 + step, b1), size, rank, o, at)
+                p.recv_at, r = r, r + (size - 1) * p.m  # its own room: pieces overlap in time
+                mine.append(p)
+                at, o = at + p.m, p.end
+            self.pieces += mine
+            self.buckets.append((layer, mine))
+        for p in self.pieces:
+            #: ``(values lo, values hi, codes lo)`` of every block of every chunk
+            p.blocks = [(a, b, clo + a - lo) for lo, hi, clo in p.runs for a, b in _blocks(lo, hi)]
         self.kernel = Codec(self.codec)
         self.codes = np.zeros(o, np.uint16)  # this rank's codes, then the summed ones
-        self.recv = np.zeros(max((size - 1) * p.m for p in self.pieces), np.uint16)
+        self.recv = np.zeros(r, np.uint16)  # the other ranks' codes of this rank's chunks
         self.acc = np.zeros(BLOCK, np.float32)  # a block of sums (or of values to encode)
         self.extras = np.zeros(buffer.N_EXTRA + 2, np.float64)  # | overflow | non-finite
         self.step_bytes = self.extras.nbytes + (  # one rank: its codes are the sums
@@ -290,7 +318,26 @@ class Compressed(Sync):
         self.residual, self._next = (np.zeros(n if ef else 0, np.float32) for _ in "ab")
         self.chunk_residual, self._chunk_next = (np.zeros(at if ef else 0, np.float32)
                                                  for _ in "ab")
+        if size > 1:
+            self.gather_comm = C.duplicate(s.comm)
+        self._begin()
         return out
+
+    def _begin(self) -> None:
+        """Nothing started: the state of every step's start."""
+        self.launched = 0  # buckets started
+        self.scattering: list = []  # the Ialltoallv of each started piece, in order
+        self.summed = 0  # pieces of those whose chunk this rank has summed
+        self.gathering: list = []  # the Iallgather of each summed piece, in order
+        self.nonfinite = self.overflow = False
+
+    def on_layer_done(self) -> Callable[[int], None]:
+        def launch(i: int) -> None:
+            if self.launched < len(self.buckets) and self.buckets[self.launched][0] == i:
+                self._launch()
+            else:
+                self._advance(wait=False)  # between layers: let the started exchanges move
+        return launch
 
     def exchange(self, r: Round) -> Exchanged:
         self._step, self._checks = r.step, r.checks
@@ -306,47 +353,93 @@ class Compressed(Sync):
             self.chunk_residual, self._chunk_next = self._chunk_next, self.chunk_residual
         super().update(optimizer, count)
 
+    def at_boundary(self) -> bool:
+        return self.launched == 0
+
+    def close(self) -> None:
+        """Free the gathers' communicator. Collective."""
+        if self.gather_comm is not None:
+            C.free(self.gather_comm)
+            self.gather_comm = None
+
     def reduce(self) -> bool:
         """The global sums into ``self.buf`` on every rank; returns whether they are finite
-        (loss and counts included). Collective: one ``Alltoallv``, one ``Allreduce`` and one
-        ``Allgather`` (per piece of ``MAX_COUNT`` values; only the ``Allreduce`` on one
-        rank, whose codes are the sums)."""
+        (loss and counts included). Starts the buckets backward has not started, completes
+        them all. Collective: per piece one ``Ialltoallv`` and one ``Iallgather``, and one
+        ``Allreduce`` (only the ``Allreduce`` on one rank, whose codes are the sums)."""
         n, g, codes, k = self.n, self.buf[:self.n], self.codes, self.kernel
-        ef, f16, alone = self.error_feedback, self.codec == "float16", self.comm.size == 1
-        scan = f16 or (alone and self._checks)  # else the owners scan the sums
-        nonfinite = overflow = False
-        with np.errstate(over="ignore", invalid="ignore"):
-            for lo, hi, at in self.blocks:  # this rank's codes; what they lost into _next
-                x = self._next[lo:hi] if ef else self.acc[:hi - lo]
-                if ef:
-                    np.add(g[lo:hi], self.residual[lo:hi], out=x)
-                else:
-                    np.copyto(x, g[lo:hi], casting="same_kind")
-                if scan:
-                    bad, beyond = _scan(x, f16)
-                    nonfinite, overflow = nonfinite or bad, overflow or beyond
-                k.encode_(x, codes[at:at + hi - lo], x if ef else None)
-            for p in () if alone else self.pieces:  # chunks to their owners, summed there
-                alltoallv_(self.comm, codes[p.o:p.end], p.send, self.recv, p.recv)
-                bad, beyond = self._sum_chunk(p, f16 or self._checks)
-                nonfinite, overflow = nonfinite or bad, overflow or beyond
+        while self.launched < len(self.buckets):
+            self._launch()
+        self._advance(wait=True)
         extras = self.extras
         extras[:buffer.N_EXTRA] = self.buf[n:]
-        extras[buffer.N_EXTRA:] = (overflow, nonfinite)
+        extras[buffer.N_EXTRA:] = (self.overflow, self.nonfinite)
         C.allreduce_sum_(self.comm, extras)
+        gathering, pieces = self.gathering, self.pieces
+        self._begin()
         if extras[buffer.N_EXTRA]:
+            C.wait_all(gathering)
             raise C.MpidpError(
                 f"float16 gradient compression overflowed at step {self._step}: a gradient "
                 f"exceeds {FLOAT16_MAX:g}; use bfloat16 or no compression")
-        for p in () if alone else self.pieces:
-            C.allgather_in_place(self.comm, codes[p.o:p.end])
         with np.errstate(invalid="ignore"):  # float16 NaN codes: casts warn
-            for p in self.pieces:
+            for j, p in enumerate(pieces):
+                if gathering:
+                    C.wait_all(gathering[j:j + 1])
                 for lo, hi, at in p.runs:
                     k.decode_(codes[at:at + hi - lo], g[lo:hi])
         self.buf[n:] = extras[:buffer.N_EXTRA]
         self.bytes_sent += self.step_bytes
         return not extras[buffer.N_EXTRA + 1] and bool(np.isfinite(extras[:buffer.N_EXTRA]).all())
+
+    def _launch(self) -> None:
+        """Encode the next bucket (its gradient plus residual; what that loses into
+        ``_next``) and start its reduce-scatter."""
+        g, codes, k, ef = self.buf[:self.n], self.codes, self.kernel, self.error_feedback
+        f16, alone = self.codec == "float16", self.comm.size == 1
+        scan = f16 or (alone and self._checks)  # else the owners scan the sums
+        _, pieces = self.buckets[self.launched]
+        self.launched += 1
+        with np.errstate(over="ignore", invalid="ignore"):
+            for p in pieces:
+                for lo, hi, at in p.blocks:
+                    x = self._next[lo:hi] if ef else self.acc[:hi - lo]
+                    if ef:
+                        np.add(g[lo:hi], self.residual[lo:hi], out=x)
+                    else:
+                        np.copyto(x, g[lo:hi], casting="same_kind")
+                    if scan:
+                        bad, beyond = _scan(x, f16)
+                        self.nonfinite, self.overflow = self.nonfinite or bad, self.overflow or beyond
+                    k.encode_(x, codes[at:at + hi - lo], x if ef else None)
+                if not alone:
+                    recv = self.recv[p.recv_at:p.recv_at + (self.comm.size - 1) * p.m]
+                    self.scattering.append(C.ialltoallv_(self.comm, codes[p.o:p.end], p.send,
+                                                         recv, p.recv))
+        self._advance(wait=False)
+
+    def _advance(self, wait: bool) -> None:
+        """Sum the chunks whose codes have all arrived (in launch order) and start their
+        gathers; with ``wait``, every started piece's."""
+        if not self.scattering:
+            return
+        if not wait:
+            C.test_some(self.scattering)
+            if self.gathering:
+                C.test_some(self.gathering)
+        while self.summed < len(self.scattering):
+            request = self.scattering[self.summed:self.summed + 1]
+            if wait:
+                C.wait_all(request)
+            elif request[0] != C.MPI_REQUEST_NULL:
+                return
+            p = self.pieces[self.summed]
+            self.summed += 1
+            with np.errstate(over="ignore", invalid="ignore"):
+                bad, beyond = self._sum_chunk(p, self.codec == "float16" or self._checks)
+            self.nonfinite, self.overflow = self.nonfinite or bad, self.overflow or beyond
+            self.gathering.append(C.iallgather_in_place(self.gather_comm,
+                                                        self.codes[p.o:p.end]))
 
     def _sum_chunk(self, p: _Piece, scan: bool) -> tuple[bool, bool]:
         """Rank-order float32 sums of the P codes of this rank's chunk of ``p`` (its own in
@@ -357,7 +450,8 @@ class Compressed(Sync):
         for a, b in _blocks(0, p.m):  # offsets in the chunk
             acc, mine = self.acc[:b - a], codes[p.own + a:p.own + b]
             for r in range(self.comm.size):  # rank order: the sum never depends on arrival
-                src = mine if r == self.comm.rank else recv[p.slot[r] + a:p.slot[r] + b]
+                at = p.recv_at + p.slot[r]
+                src = mine if r == self.comm.rank else recv[at + a:at + b]
                 (k.decode_add_ if r else k.decode_)(src, acc)
             if ef:
                 np.add(acc, self.chunk_residual[p.at + a:p.at + b], out=acc)
@@ -366,4 +460,3 @@ class Compressed(Sync):
                 nonfinite, overflow = nonfinite or bad, overflow or beyond
             k.encode_(acc, mine, self._chunk_next[p.at + a:p.at + b] if ef else None)
         return nonfinite, overflow
-

@@ -64,7 +64,7 @@ class Overlapped(Sync):
     def setup(self, s: Setup) -> Buffers:
         self.close()  # set up again: the previous thread's communicator goes
         out = super().setup(s)
-        self.buckets = _buckets(s.model.layer_ranges, self.buf.size, self.buf.itemsize,
+        self.buckets = layer_buckets(s.model.layer_ranges, self.buf.size, self.buf.itemsize,
                                 self.bucket_bytes)
         self.starts = {layer: (lo, hi) for layer, lo, hi in self.buckets}
         if self.progress == "thread":
@@ -119,7 +119,7 @@ class Overlapped(Sync):
             self.reducer = None
 
 
-def _buckets(ranges: list[tuple[int, int]], size: int, itemsize: int,
+def layer_buckets(ranges: list[tuple[int, int]], size: int, itemsize: int,
              bucket_bytes: int) -> list[tuple[int, int, int]]:
     """``(layer, lo, hi)`` per bucket, last layers first: whole layers (``ranges`` are
     their ``[lo, hi)`` in the gradient buffer of ``size`` elements of ``itemsize`` bytes)

@@ -21,7 +21,8 @@ def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
               node_aware: bool | None = None, overlap_progress: str = "test") -> Sync:
     """A strategy by name: ``allreduce`` (fused), ``per-layer``, ``overlapped`` (bucket
     sums started during backward, moved by ``overlap_progress``: ``"test"`` or
-    ``"thread"``), ``compressed`` (16-bit reduce-scatter and allgather, error feedback), ``ps``
+    ``"thread"``), ``compressed`` (16-bit reduce-scatter and allgather, error feedback, in
+    buckets of ``bucket_bytes`` started during backward), ``ps``
     (``dedicated`` server or not; through shared memory within nodes unless
     ``ps_shared_memory=False``; updates shipped in pieces of ``ps_chunk_bytes``),
     ``sharded-ps`` (needs ``optimizer_factory``),
@@ -47,7 +48,7 @@ def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
     if name == "overlapped":
         return Overlapped(bucket_bytes, progress=overlap_progress)
     if name == "compressed":
-        return Compressed(codec)
+        return Compressed(codec, bucket_bytes=bucket_bytes)
     if name == "ps":
         return ParameterServer(dedicated, shared_memory=ps_shared_memory, chunk_bytes=ps_chunk_bytes)
     if name == "accumulate":

@@ -178,7 +178,7 @@ MODES = ("allreduce", "overlapped", "compressed", "node-aware")
 
 def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
                    backward: float = 2 / 3, first_bucket: float = 0.0, codec: float = 0.0,
-                   per_node: int = 1, link_hops: int = 1) -> float:
+                   per_node: int = 1, link_hops: int = 1, cpu_per_byte: float = 0.0) -> float:
     """Predicted seconds of one step of a synchronisation ``mode`` at ``P`` ranks with ``m``
     gradient bytes, from a measured ``compute`` (seconds of forward + backward + update on
     one rank's share) and the link's :class:`Fit`:
@@ -189,7 +189,14 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
       beside the rest of it: ``(1 - backward) c + max(backward c, first_bucket backward c
       + ring(P, m))``;
     * ``compressed``: 16-bit codes reduce-scattered and allgathered, half a ring's bytes,
-      plus ``codec`` seconds of encoding and decoding: ``compute + codec + ring(P, m / 2)``;
+      started bucket by bucket during backward as ``overlapped``, plus ``codec`` seconds of
+      encoding and decoding on the same core: ``(1 - backward) c + max(backward c,
+      first_bucket backward c + ring(P, m / 2)) + codec``;
+    * both: what the exchange costs the cores that compute (``cpu_per_byte`` seconds per
+      byte a rank sends, ``2 (P-1)/P`` of what it reduces: the network stack's and MPI's
+      copies where they share those cores) lengthens the backward pass it hides behind:
+      ``backward c + cpu_per_byte 2 (P-1)/P m`` in place of ``backward c`` (0: a network
+      card does that work);
     * ``node-aware``: ``P / per_node`` node leaders run the ring; inside a node the sum
       and the copy back go through memory (not modelled: far faster than a network link).
 
@@ -201,11 +208,12 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
     if mode == "allreduce":
         shared = Fit(fit.alpha, fit.beta * max(link_hops, 1), fit.gamma)
         return compute + float(allreduce_time(P, m, shared))
-    if mode == "overlapped":
-        b = backward * compute
-        return (compute - b) + max(b, first_bucket * b + float(allreduce_time(P, m, fit)))
-    if mode == "compressed":
-        return compute + codec + float(allreduce_time(P, m / 2, fit))
+    if mode in ("overlapped", "compressed"):
+        b, half = backward * compute, mode == "compressed"
+        sent = (m / 2 if half else m) * 2 * (P - 1) / max(P, 1)
+        ring = float(allreduce_time(P, m / 2 if half else m, fit))
+        return ((compute - b) + max(b + cpu_per_byte * sent, first_bucket * b + ring)
+                + (codec if half else 0.0))
     if mode == "node-aware":
         return compute + float(allreduce_time(max(P // max(per_node, 1), 1), m, fit))
     raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")

@@ -32,9 +32,14 @@ class ByteCounter:
     ``Alltoallv``'s pieces for other ranks, an allgathered block once per other rank, a
     ring allreduce's ``2 (P-1)/P`` of its buffer). ``calls`` names every call made."""
 
-    def __init__(self, comm) -> None:
+    def __init__(self, comm, tally: ByteCounter | None = None) -> None:
         self._comm, self.size, self.rank = comm, comm.size, comm.rank
         self.handed, self.leaving, self.calls = 0, 0.0, []
+        self._tally = self if tally is None else tally  # a duplicate counts into its origin
+
+    def Dup(self):
+        self._tally.calls.append("Dup")
+        return ByteCounter(self._comm.Dup(), self._tally)
 
     def __getattr__(self, name):
         attr = getattr(self._comm, name)
@@ -42,31 +47,44 @@ class ByteCounter:
             return attr
 
         def call(*args, **kwargs):
-            self.calls.append(name)
+            self._tally.calls.append(name)
             return attr(*args, **kwargs)
         return call
 
-    def Alltoallv(self, send, recv):
+    def _count(self, name: str, handed: int, leaving: float) -> None:
+        t = self._tally
+        t.handed, t.leaving = t.handed + handed, t.leaving + leaving
+        t.calls.append(name)
+
+    def _alltoallv(self, name, send) -> None:
         buf, (counts, _) = send
         counts, item = np.asarray(counts), np.asarray(buf).itemsize
-        self.handed += int(counts.sum()) * item
-        self.leaving += int(counts.sum() - counts[self.rank]) * item
-        self.calls.append("Alltoallv")
+        self._count(name, int(counts.sum()) * item, int(counts.sum() - counts[self.rank]) * item)
+
+    def Alltoallv(self, send, recv):
+        self._alltoallv("Alltoallv", send)
         return self._comm.Alltoallv(send, recv)
 
-    def Allgather(self, send, recv):
+    def Ialltoallv(self, send, recv):
+        self._alltoallv("Ialltoallv", send)
+        return self._comm.Ialltoallv(send, recv)
+
+    def _allgather(self, name, send, recv) -> None:
         mine = np.asarray(recv).nbytes // self.size if send is MPI.IN_PLACE \
             else np.asarray(send).nbytes
-        self.handed += mine
-        self.leaving += mine * (self.size - 1)
-        self.calls.append("Allgather")
+        self._count(name, mine, mine * (self.size - 1))
+
+    def Allgather(self, send, recv):
+        self._allgather("Allgather", send, recv)
         return self._comm.Allgather(send, recv)
+
+    def Iallgather(self, send, recv):
+        self._allgather("Iallgather", send, recv)
+        return self._comm.Iallgather(send, recv)
 
     def Allreduce(self, send, recv, op=MPI.SUM):
         nbytes = np.asarray(recv if send is MPI.IN_PLACE else send).nbytes
-        self.handed += nbytes
-        self.leaving += 2 * (self.size - 1) / self.size * nbytes
-        self.calls.append("Allreduce")
+        self._count("Allreduce", nbytes, 2 * (self.size - 1) / self.size * nbytes)
         return self._comm.Allreduce(send, recv, op=op)
 
 
@@ -78,9 +96,12 @@ class _NoStep:
 
 
 def _strategy(comm, n: int, codec: str = "bfloat16", error_feedback: bool = True,
-              dtype=np.float64) -> Compressed:
-    model = SimpleNamespace(n_params=n, dtype=np.dtype(dtype), params=np.zeros(n, dtype))
-    sync = Compressed(codec, error_feedback)
+              dtype=np.float64, bucket_bytes: int = 1 << 30) -> Compressed:
+    """A strategy for a stand-in model of three layers of about ``n/3`` values each."""
+    cuts = [0, n // 3, 2 * n // 3, n]
+    model = SimpleNamespace(n_params=n, dtype=np.dtype(dtype), params=np.zeros(n, dtype),
+                            layer_ranges=list(zip(cuts[:-1], cuts[1:])))
+    sync = Compressed(codec, error_feedback, bucket_bytes)
     sync.setup(Setup(comm, 0, model, StepTimer()))
     return sync
 
@@ -143,11 +164,15 @@ def _same_everywhere(comm, a: np.ndarray) -> bool:
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("codec", ["bfloat16", "float16"])
 @pytest.mark.parametrize("n", [0, 1, 3, 5, 1000, 70001])
-def test_sums_are_the_rank_order_reference_bit_for_bit(comm, codec, n):
+@pytest.mark.parametrize("bucket_bytes", [1 << 30, 1])
+def test_sums_are_the_rank_order_reference_bit_for_bit(comm, codec, n, bucket_bytes):
+    """One bucket, or one per layer (every value then has another owner): the same sums."""
     T = 4
     grads = _grads(comm, T, n, codec)
     for ef in (True, False):
-        sync = _strategy(comm, n, codec, ef)
+        sync = _strategy(comm, n, codec, ef, bucket_bytes=bucket_bytes)
+        if bucket_bytes == 1 and n >= 3:
+            all_ranks(comm, len(sync.buckets) == 3, f"{len(sync.buckets)} buckets")
         got = np.stack([_step(sync, grads[t, comm.rank], t)[1] for t in range(T)])
         want = _reference(grads, codec, ef)
         all_ranks(comm, np.array_equal(got, want),
@@ -165,11 +190,12 @@ def test_float32_buffers_and_blocks_too(comm):
 
 
 def measure(comm, steps: int = 3, codec: str = "bfloat16") -> dict:
-    """Byte counts of ``steps`` exchanges of a tiny float32 model's gradient (n = 7210,
-    uneven chunks at 3 or 8 ranks), counted at the communicator."""
+    """Byte counts of ``steps`` exchanges of a tiny float32 model's gradient (n = 7210 in
+    two buckets, one per layer; uneven chunks at 3 or 8 ranks), counted at the
+    communicator."""
     counter = ByteCounter(comm)
     model = nn.mlp(64, (96,), 10, dtype=np.float32).init_(0)
-    sync = Compressed(codec)
+    sync = Compressed(codec, bucket_bytes=1)
     sync.setup(Setup(counter, 0, model, StepTimer()))
     counter.handed, counter.leaving, counter.calls = 0, 0.0, []
     rng = np.random.default_rng(comm.rank)
@@ -188,9 +214,13 @@ def check_bytes(row: dict) -> list[str]:
     wrong = []
     if row["handed"] != row["bytes_sent"]:
         wrong.append(f"handed {row['handed']} bytes to MPI but bytes_sent says {row['bytes_sent']}")
-    calls = ["Alltoallv", "Allreduce", "Allgather"] if P > 1 else ["Allreduce"]
-    if row["calls"] != calls * steps:
-        wrong.append(f"calls {row['calls']}")
+    k = 5 if P > 1 else 1  # per step and piece (two buckets): the scatters, the gathers;
+    calls = row["calls"]  # the Allreduce once both scatters started
+    want = ["Iallgather", "Iallgather", "Ialltoallv", "Ialltoallv", "Allreduce"][-k:]
+    steps_calls = [calls[i * k:(i + 1) * k] for i in range(steps)]
+    if len(calls) != k * steps or any(sorted(c[:-1]) != want[:-1] or c[-1] != "Allreduce"
+                                      for c in steps_calls):
+        wrong.append(f"calls {calls}")
     if P > 1:
         ring = 2 * (P - 1) / P * n * 4  # bytes a float32 ring allreduce sends per rank
         ratio = row["leaving"] / steps / ring
@@ -351,6 +381,26 @@ def test_replicas_stay_bit_identical_in_training(comm, codec):
     hist = mpidp.fit(dp, shard, 3, 16, seed=2)
     all_ranks(comm, _same_everywhere(comm, model.params), "parameters differ between ranks")
     all_ranks(comm, hist[-1]["loss"] < hist[0]["loss"] and dp.global_step > 10)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_buckets_started_during_backward_train_the_same_model_as_one(comm):
+    """A bucket per layer, each started by backward's hook as its layer finishes, gives
+    the same parameters, bit for bit, as one bucket started when backward ends."""
+    params = []
+    for bucket_bytes in (1, 1 << 30):
+        model = nn.mlp(6, (12, 8), 3, dtype=np.float32).init_(4)
+        sync = Compressed("bfloat16", bucket_bytes=bucket_bytes)
+        dp = mpidp.DataParallel(model, nn.Adam(0.01), nn.SoftmaxCrossEntropy(), comm, sync=sync)
+        launched, hook = [], dp._on_layer_done
+        dp._on_layer_done = lambda i: (hook(i), launched.append((i, sync.launched)))[0]
+        mpidp.fit(dp, _shard(comm), 2, 16, seed=2)
+        params.append(model.params.copy())
+        if bucket_bytes == 1:  # Dense layers 4, 2, 0 each start their bucket in backward
+            want = [(4, 1), (3, 1), (2, 2), (1, 2), (0, 3)]
+            all_ranks(comm, len(sync.buckets) == 3 and launched[:5] == want, f"{launched[:5]}")
+        all_ranks(comm, sync.at_boundary())
+    all_ranks(comm, np.array_equal(params[0], params[1]), "bucket size changed the sums")
 
 
 if __name__ == "__main__":
