@@ -358,8 +358,9 @@ def _add_sync(p: argparse.ArgumentParser) -> None:
                    default="allreduce",
                    help="allreduce: one fused in-place Allreduce per step; per-layer: one per "
                    "array; overlapped: bucketed Iallreduce during backward; compressed: 16-bit "
-                   "with error feedback, bucketed during backward; ps: parameter server (rank 0); sharded-ps: every rank "
-                   "updates 1/P of the parameters; accumulate: sync every --sync-every batches; "
+                   "with error feedback, bucketed during backward; ps: parameter server (rank "
+                   "0); sharded-ps: every rank updates 1/P of the parameters; accumulate: sync "
+                   "every --sync-every batches; "
                    "local-sgd: average parameters every --sync-every steps; async-ps: workers "
                    "push gradients and pull parameters without waiting (rank 0 serves); auto: "
                    "the fastest of allreduce, overlapped and compressed (float32 only) on the "

@@ -15,7 +15,6 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import comm as C
-from ..comm.collectives import alltoallv_
 from ..nn import Optimizer
 from . import buffer
 from .overlap import layer_buckets

@@ -392,8 +392,12 @@ def test_buckets_started_during_backward_train_the_same_model_as_one(comm):
         model = nn.mlp(6, (12, 8), 3, dtype=np.float32).init_(4)
         sync = Compressed("bfloat16", bucket_bytes=bucket_bytes)
         dp = mpidp.DataParallel(model, nn.Adam(0.01), nn.SoftmaxCrossEntropy(), comm, sync=sync)
-        launched, hook = [], dp._on_layer_done
-        dp._on_layer_done = lambda i: (hook(i), launched.append((i, sync.launched)))[0]
+        launched = []
+
+        def logged(i, hook=dp._on_layer_done, sync=sync, launched=launched):
+            hook(i)
+            launched.append((i, sync.launched))
+        dp._on_layer_done = logged
         mpidp.fit(dp, _shard(comm), 2, 16, seed=2)
         params.append(model.params.copy())
         if bucket_bytes == 1:  # Dense layers 4, 2, 0 each start their bucket in backward
