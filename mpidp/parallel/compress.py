@@ -332,10 +332,9 @@ class Compressed(Sync):
 
     def on_layer_done(self) -> Callable[[int], None]:
         def launch(i: int) -> None:
+            self._advance(wait=False)  # first what has arrived: its gather starts at once
             if self.launched < len(self.buckets) and self.buckets[self.launched][0] == i:
                 self._launch()
-            else:
-                self._advance(wait=False)  # between layers: let the started exchanges move
         return launch
 
     def exchange(self, r: Round) -> Exchanged:
@@ -367,6 +366,7 @@ class Compressed(Sync):
         them all. Collective: per piece one ``Ialltoallv`` and one ``Iallgather``, and one
         ``Allreduce`` (only the ``Allreduce`` on one rank, whose codes are the sums)."""
         n, g, codes, k = self.n, self.buf[:self.n], self.codes, self.kernel
+        self._advance(wait=False)
         while self.launched < len(self.buckets):
             self._launch()
         self._advance(wait=True)
