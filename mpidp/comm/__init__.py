@@ -58,8 +58,8 @@ from .progress import BackgroundAllreduce, test_some, threads_supported
 from .runtime import (
     SHM_DIR,
     Comm,
+    companion,
     duplicate,
-    free,
     local_ranks,
     mpi_info,
     node_split,
@@ -92,7 +92,7 @@ __all__ = [
     "agree", "agree_same", "allgather_", "allgather_counts", "allgather_in_place", "allgather_rows",
     "allreduce_", "allreduce_max", "allreduce_sum_", "alltoall_counts", "alltoallv_rows",
     "assert_in_sync", "barrier", "bcast_", "bcast_obj", "checksum", "exchange_time", "excused", "gather_obj",
-    "duplicate", "free", "gather_rows", "gatherv", "gatherv_rows", "iallgather_in_place",
+    "companion", "duplicate", "gather_rows", "gatherv", "gatherv_rows", "iallgather_in_place",
     "iallreduce_sum_", "ialltoallv_", "ibcast_", "irecv", "isend",
     "local_ranks", "mpi_info", "node_split", "params_in_sync", "pingpong", "recv_",
     "reduce_scatter_sum", "reduce_sum_to_", "root_decides", "run_agreed", "scatterv_fill",

@@ -7,6 +7,7 @@ imports mpi4py, so ``import mpidp`` and ``mpidp --help`` work without an MPI lib
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 from mpi4py import MPI
@@ -45,13 +46,27 @@ def mpi_info(comm: Comm | None = None) -> dict[str, Any]:
 @watched("a Comm.Dup")
 def duplicate(comm: Comm) -> Comm:
     """A new communicator of the same ranks (``Comm.Dup``), whose collectives never match
-    those of ``comm``; release it with :func:`free`. Collective."""
+    those of ``comm``. Collective."""
     return comm.Dup()
 
 
-def free(comm: Comm) -> None:
-    """Release a communicator made by :func:`duplicate` or :func:`split`. Collective."""
-    comm.Free()
+_companions: list[tuple[weakref.ref, Comm]] = []  # (communicator, its duplicate)
+
+
+def companion(comm: Comm) -> Comm:
+    """A duplicate of ``comm`` for operations that must never match its own collectives:
+    made (:func:`duplicate`) on the first call for this ``comm`` object, the same one on
+    every later call while ``comm`` lives, so that objects built again and again on one
+    communicator do not use up the library's communicators. Never freed (freeing is
+    collective, and the last user of a duplicate is not known). Collective on the first
+    call for ``comm``; every rank must make its calls for the same communicators."""
+    for ref, dup in _companions:
+        if ref() is comm:
+            return dup
+    dup = duplicate(comm)
+    _companions[:] = [(r, d) for r, d in _companions if r() is not None]
+    _companions.append((weakref.ref(comm), dup))
+    return dup
 
 
 @watched("a Comm.Split")

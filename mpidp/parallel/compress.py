@@ -282,10 +282,9 @@ class Compressed(Sync):
         self.codec, self.error_feedback = codec, error_feedback
         self.bucket_bytes = int(bucket_bytes)
         self.gather_comm: C.Comm | None = None
-        self._step, self._checks = 0, True  # of the current exchange (the last one's meanwhile)
+        self._step = 0  # of the current exchange, for messages
 
     def setup(self, s: Setup) -> Buffers:
-        self.close()  # set up again: the previous gathers' communicator goes
         out = super().setup(s)
         n, size, rank = self.n, s.comm.size, s.comm.rank
         buckets = layer_buckets(s.model.layer_ranges, n, self.buf.itemsize, self.bucket_bytes)
@@ -317,8 +316,7 @@ class Compressed(Sync):
         self.residual, self._next = (np.zeros(n if ef else 0, np.float32) for _ in "ab")
         self.chunk_residual, self._chunk_next = (np.zeros(at if ef else 0, np.float32)
                                                  for _ in "ab")
-        if size > 1:
-            self.gather_comm = C.duplicate(s.comm)
+        self.gather_comm = C.companion(s.comm) if size > 1 else None
         self._begin()
         return out
 
@@ -338,7 +336,7 @@ class Compressed(Sync):
         return launch
 
     def exchange(self, r: Round) -> Exchanged:
-        self._step, self._checks = r.step, r.checks
+        self._step = r.step
         with self.timer.communicate(self.name, bytes=self.step_bytes):
             finite = self.reduce()
         got = global_sums(self.buf, self.n)
@@ -353,12 +351,6 @@ class Compressed(Sync):
 
     def at_boundary(self) -> bool:
         return self.launched == 0
-
-    def close(self) -> None:
-        """Free the gathers' communicator. Collective."""
-        if self.gather_comm is not None:
-            C.free(self.gather_comm)
-            self.gather_comm = None
 
     def reduce(self) -> bool:
         """The global sums into ``self.buf`` on every rank; returns whether they are finite
@@ -396,7 +388,7 @@ class Compressed(Sync):
         ``_next``) and start its reduce-scatter."""
         g, codes, k, ef = self.buf[:self.n], self.codes, self.kernel, self.error_feedback
         f16, alone = self.codec == "float16", self.comm.size == 1
-        scan = f16 or (alone and self._checks)  # else the owners scan the sums
+        scan = f16 or alone  # else the owners scan the sums (always: one dot per block)
         _, pieces = self.buckets[self.launched]
         self.launched += 1
         with np.errstate(over="ignore", invalid="ignore"):
@@ -435,15 +427,16 @@ class Compressed(Sync):
             p = self.pieces[self.summed]
             self.summed += 1
             with np.errstate(over="ignore", invalid="ignore"):
-                bad, beyond = self._sum_chunk(p, self.codec == "float16" or self._checks)
+                bad, beyond = self._sum_chunk(p)
             self.nonfinite, self.overflow = self.nonfinite or bad, self.overflow or beyond
             self.gathering.append(C.iallgather_in_place(self.gather_comm,
                                                         self.codes[p.o:p.end]))
 
-    def _sum_chunk(self, p: _Piece, scan: bool) -> tuple[bool, bool]:
+    def _sum_chunk(self, p: _Piece) -> tuple[bool, bool]:
         """Rank-order float32 sums of the P codes of this rank's chunk of ``p`` (its own in
         ``self.codes``, the others' in ``self.recv``), plus the chunk residual, encoded back
-        into ``self.codes``. With ``scan``, the :func:`_scan` verdict on the sums."""
+        into ``self.codes``; returns the :func:`_scan` verdict on the sums (computed while
+        backward may still run, before the policy of the step is known, so always)."""
         k, codes, recv, ef = self.kernel, self.codes, self.recv, self.error_feedback
         f16, nonfinite, overflow = self.codec == "float16", False, False
         for a, b in _blocks(0, p.m):  # offsets in the chunk
@@ -454,8 +447,7 @@ class Compressed(Sync):
                 (k.decode_add_ if r else k.decode_)(src, acc)
             if ef:
                 np.add(acc, self.chunk_residual[p.at + a:p.at + b], out=acc)
-            if scan:
-                bad, beyond = _scan(acc, f16)
-                nonfinite, overflow = nonfinite or bad, overflow or beyond
+            bad, beyond = _scan(acc, f16)
+            nonfinite, overflow = nonfinite or bad, overflow or beyond
             k.encode_(acc, mine, self._chunk_next[p.at + a:p.at + b] if ef else None)
         return nonfinite, overflow

@@ -407,6 +407,17 @@ def test_buckets_started_during_backward_train_the_same_model_as_one(comm):
     all_ranks(comm, np.array_equal(params[0], params[1]), "bucket size changed the sums")
 
 
+
+@pytest.mark.mpi(min_size=2)
+def test_strategies_built_again_share_one_duplicate_communicator(comm):
+    """Setting up strategy after strategy on one communicator (a test suite, a notebook)
+    must not use up the MPI library's communicators: they share one duplicate."""
+    first = _strategy(comm, 10).gather_comm
+    others = [_strategy(comm, 10).gather_comm for _ in range(3)]
+    all_ranks(comm, first is not None and all(g is first for g in others))
+    all_ranks(comm, MPI.Comm.Compare(first, comm) == MPI.CONGRUENT)  # same ranks, not comm
+
+
 if __name__ == "__main__":
     world = MPI.COMM_WORLD
     row = measure(world)
