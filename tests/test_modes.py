@@ -1,6 +1,8 @@
 """Every guarantee in every mode: a mode x guarantee matrix of real ``mpidp train`` jobs.
 
-Modes: each ``--sync`` strategy, ``async-ps``, pipelines (both schedules) and the hybrid.
+Modes: each ``--sync`` strategy, ``async-ps``, pipelines (both schedules), the hybrid, and
+the node-aware allreduce (two nodes of two ranks simulated on this host; the faulty rank 1
+is not its node's leader, which waits for it in shared memory).
 Guarantees: an exception on one rank ends the job; a stalled rank is named by the
 watchdog; a NaN with the default policy fails the run without writing a model (and the
 last checkpoint stays good); an option that does not apply is refused on every rank.
@@ -35,12 +37,14 @@ MODES = {
     "pipeline-1f1b": (3, ["--parallel", "pipeline", "--schedule", "1f1b"],
                       ["--capacities", "1,1,1"]),
     "hybrid": (4, ["--parallel", "hybrid"], ["--init-sync", "seed"]),
+    "node-aware": (4, ["--sync", "allreduce", "--node-aware", "on"], ["--compress", "float16"]),
 }
+ENV = {"node-aware": {"MPIDP_RANKS_PER_NODE": "2"}}  # mode -> what its job needs besides
 
 
 def _run(mode, tmp_path, *extra, fault=None, timeout=90):
     n, flags, _ = MODES[mode]
-    env = {"MPIDP_FAULT": fault} if fault else {}
+    env = {**ENV.get(mode, {}), **({"MPIDP_FAULT": fault} if fault else {})}
     t = time.monotonic()
     r = run_mpi(n, *ARGS, *flags, "--out", str(tmp_path / "out"), *extra, env=env,
                 timeout=timeout)
@@ -91,3 +95,10 @@ def test_an_option_that_does_not_apply_is_refused(mode, tmp_path):
     assert f"{refused[0]} does not apply to" in r.stderr, r.stderr
     assert r.stderr.count("mpidp: error:") == 1  # said once (rank 0), raised on every rank
     assert not (tmp_path / "out").exists()
+
+
+def test_the_node_aware_job_reduces_node_aware(tmp_path):
+    """The node-aware row of the matrix runs what it names: two nodes, leaders exchange."""
+    r = _run("node-aware", tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "node-aware reduction: 2 node(s), up to 2 ranks each" in r.stdout + r.stderr
