@@ -43,13 +43,16 @@ from cluster import Cluster, LinkBytes, limits_available, tbf_args  # noqa: E402
 
 from mpidp.scale.costmodel import Fit, fit_alpha_beta, mode_step_time  # noqa: E402 (no MPI)
 
-PAIR_MODES = ("handwritten", "allreduce", "overlapped", "compressed", "auto")
+PAIR_MODES = ("handwritten", "allreduce", "overlapped", "compressed", "compressed-int8", "auto")
 NODE_MODES = ("allreduce-flat", "allreduce-node")  # 2 hosts x 2 ranks
-GATHER = ("compressed",)  # 16-bit codes Allgathered: each rank sends (P-1) x its codes
+GATHER = ("compressed", "compressed-int8")  # codes Allgathered: each rank sends (P-1) x its codes
 COMPUTE = "compute-only"  # run beside the modes in every job: the model's compute input
 #: bench_sync.py's mode (or the strategy auto chose) -> the cost model's mode
 MODEL_MODES = {"handwritten": "allreduce", "allreduce": "allreduce", "allreduce-flat": "allreduce",
-               "overlapped": "overlapped", "compressed": "compressed", "allreduce-node": "node-aware"}
+               "overlapped": "overlapped", "compressed": "compressed",
+               "compressed-int8": "compressed", "allreduce-node": "node-aware"}
+#: the share of float32's bytes that a compressed mode's codes take
+WIRE_SHARE = {"compressed": 0.5, "compressed-int8": (1 + 4 / 256) / 4}
 BUCKET_BYTES = 1 << 20  # bench_sync.py's overlapped buckets
 PING_SIZES = {8: 30, 512: 30, 4096: 30, 1 << 20: 8, 4 << 20: 5, 8 << 20: 5}  # bytes: round trips
 
@@ -154,9 +157,12 @@ def predicted_step_s(row: dict, fit: dict, compute: float, local: dict) -> tuple
     mode = MODEL_MODES.get(row["mode"]) if row["mode"] != "auto" else MODEL_MODES.get(row["sync"])
     if mode is None:
         return None
+    int8 = row["mode"] == "compressed-int8"
+    share = local.get("codec_int8_share", local["codec_share"]) if int8 else local["codec_share"]
     t = mode_step_time(mode, row["ranks"], local["m"], compute, Fit(**fit),
                        backward=local["backward"], first_bucket=local["first_bucket"],
-                       codec=local["codec_share"] * compute, per_node=row["ranks"] // row["hosts"],
+                       codec=share * compute, per_node=row["ranks"] // row["hosts"],
+                       wire_share=WIRE_SHARE["compressed-int8" if int8 else "compressed"],
                        cpu_per_byte=local.get("cpu_per_byte", 0.0),
                        link_hops=row["ranks"] // row["hosts"] if row.get("placement") == "cyclic" else 1)
     return mode, t
@@ -194,55 +200,46 @@ def _median_s(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def codec_work(n: int, P: int = 2) -> tuple[Callable[[], None], str]:
-    """One step's CPU work of the ``compressed`` strategy on one of ``P`` ranks for ``n``
-    float32 gradients, without the exchanges, and what it runs. With
+def codec_work(n: int, P: int = 2, codec: str = "bfloat16") -> tuple[Callable[[], None], str]:
+    """One step's CPU work of the ``compressed`` strategy (``codec``) on one of ``P`` ranks
+    for ``n`` float32 gradients, without the exchanges, and what it runs. With
     :class:`mpidp.parallel.compress.Codec`: per block, the gradient plus its residual
     encoded with error feedback; this rank's chunk (``n / P``) decoded from ``P`` ranks'
     codes and summed, plus the chunk residual, checked (a dot product) and encoded with
-    error feedback; every code decoded. Without it: :func:`encode` / :func:`decode` on
-    whole arrays with the same adds (a stand-in)."""
+    error feedback; every code decoded."""
     from mpidp.parallel import compress as Z
     rng = np.random.default_rng(0)
     g = rng.standard_normal(n).astype(np.float32) * np.float32(1e-3)
     res, nxt = np.zeros(n, np.float32), np.zeros(n, np.float32)
-    h = -(-n // P)
-    other = [Z.encode(rng.standard_normal(h).astype(np.float32) * np.float32(1e-3), "bfloat16")
-             for _ in range(P - 1)]  # the other ranks' codes of this rank's chunk
+    piece = Z._Piece(0, n, P, 0, 0, 0, codec)  # rank 0's layout: chunk 0 is summed here
+    whole = [seg for lo, hi, at in piece.runs for seg in Z._segments(lo, hi, at, codec)]
+    chunk = Z._segments(0, piece.m, 0, codec)  # offsets in the chunk and its codes
+    k, block, h, own = Z.Codec(codec), Z.BLOCK, piece.m, piece.own
+    codes = np.zeros(piece.end, np.uint16)
+    other = []  # the other ranks' codes of this rank's chunk
+    for _ in range(P - 1):
+        c = np.zeros(piece.mu, np.uint16)
+        for a, b, ca, cb in chunk:
+            c[ca:cb] = Z.encode(rng.standard_normal(b - a).astype(np.float32) * 1e-3, codec)
+        other.append(c)
     cres, cnxt = np.zeros(h, np.float32), np.zeros(h, np.float32)
-    if not hasattr(Z, "Codec"):
-        def reference() -> None:
-            x = g + res
-            codes = Z.encode(x, "bfloat16")
-            nxt[...] = x - Z.decode(codes, "bfloat16")
-            acc = Z.decode(codes[:h], "bfloat16")  # the kernel's order of float32 adds
-            for c in other:
-                acc += Z.decode(c, "bfloat16")
-            acc += cres
-            float(np.dot(acc, acc))
-            codes[:h] = Z.encode(acc, "bfloat16")
-            cnxt[...] = acc - Z.decode(codes[:h], "bfloat16")
-            g[...] = Z.decode(codes, "bfloat16")
-        return reference, "compress.encode/decode on whole arrays (stand-in)"
-    k, block = Z.Codec("bfloat16"), Z.BLOCK
-    codes, acc = np.zeros(n, np.uint16), np.zeros(block, np.float32)
+    acc = np.zeros(block, np.float32)
 
     def kernel() -> None:
-        for lo in range(0, n, block):
-            hi = min(lo + block, n)
-            x = nxt[lo:hi]
-            np.add(g[lo:hi], res[lo:hi], out=x)
-            k.encode_(x, codes[lo:hi], x)
-        for lo in range(0, h, block):
-            hi = min(lo + block, h)
-            a = acc[:hi - lo]
-            k.decode_(codes[lo:hi], a)
+        for a, b, ca, cb in whole:
+            x = nxt[a:b]
+            np.add(g[a:b], res[a:b], out=x)
+            k.encode_(x, codes[ca:cb], x)
+        for a, b, ca, cb in chunk:
+            v, mine = acc[:b - a], codes[own + ca:own + cb]
+            k.decode_(mine, v)
             for c in other:
-                k.decode_add_(c[lo:hi], a)
-            np.add(a, cres[lo:hi], out=a)
-            float(np.dot(a, a))
-            k.encode_(a, codes[lo:hi], cnxt[lo:hi])
-        k.decode_(codes, g)
+                k.decode_add_(c[ca:cb], v)
+            np.add(v, cres[a:b], out=v)
+            float(np.dot(v, v))
+            k.encode_(v, mine, cnxt[a:b])
+        for a, b, ca, cb in whole:
+            k.decode_(codes[ca:cb], g[a:b])
     return kernel, "compress.Codec: encode with error feedback, chunk sums, decode"
 
 
@@ -265,7 +262,9 @@ def measure_local(reps: int = 7, batch: int = 256) -> dict:
     n = model.n_params
     first = layer_buckets(model.layer_ranges, n + N_EXTRA, 4, BUCKET_BYTES)[0][0]
     work, how = codec_work(n)
-    keys = ("forward_s", "backward_s", "update_s", "first_bucket", "codec_s", "codec_share")
+    work8, _ = codec_work(n, codec="int8")
+    keys = ("forward_s", "backward_s", "update_s", "first_bucket", "codec_s", "codec_share",
+            "codec_int8_s", "codec_int8_share")
     parts: dict[str, list[float]] = {k: [] for k in keys}
     done: list[float] = []  # when backward reported the first bucket's layer final
 
@@ -284,7 +283,11 @@ def measure_local(reps: int = 7, batch: int = 256) -> dict:
         t3 = time.perf_counter()
         work()
         t4 = time.perf_counter()
-        got = (t1 - t0, t2 - t1, t3 - t2, (done[0] - t1) / (t2 - t1), t4 - t3, (t4 - t3) / (t3 - t0))
+        work8()
+        t5 = time.perf_counter()
+        step = t3 - t0
+        got = (t1 - t0, t2 - t1, t3 - t2, (done[0] - t1) / (t2 - t1), t4 - t3, (t4 - t3) / step,
+               t5 - t4, (t5 - t4) / step)
         for key, v in zip(keys, got if i else ()):
             parts[key].append(v)
     med = {k: statistics.median(v) for k, v in parts.items()}
@@ -332,8 +335,8 @@ def table(rows: Sequence[dict]) -> list[str]:
             n = sum(chosen.values())
             mode += " (" + ", ".join(f"{k} {v}/{n}" for k, v in
                                      sorted(chosen.items(), key=lambda kv: -kv[1])) + ")"
-        elif r["sync"] not in (mode, "allreduce"):
-            mode += f" ({r['sync']})"
+        elif r["sync"] not in (mode, "allreduce") and not mode.startswith(r["sync"] + "-"):
+            mode += f" ({r['sync']})"  # what auto chose (not a variant's own strategy name)
         out.append(where + f"| {mode} | {s['median']:.2f} ±{s['spread'] / 2:.0%} | "
                    f"{_fmt(r.get('predicted_steps_per_s'), '.2f')} | "
                    f"{_fmt(r.get('prediction_error'), '+.0%')} | "
@@ -384,7 +387,9 @@ def model_lines(model: dict) -> list[str]:
         f"from layer {loc['first_bucket_layer']} on: the bucket sizes are the layer sizes) "
         f"final after {loc['first_bucket']:.0%} of backward, the time at which backward "
         f"reports that layer done; codec: one rank's CPU work at P = 2 ({loc['codec_how']}), "
-        f"{loc['codec_s'] * 1e3:.1f} ms, timed right after each step: {loc['codec_share']:.0%} "
+        f"{loc['codec_s'] * 1e3:.1f} ms"
+        + (f" (int8: {loc['codec_int8_s'] * 1e3:.1f} ms)" if "codec_int8_s" in loc else "")
+        + f", timed right after each step: {loc['codec_share']:.0%} "
         "of the step's time, the share of the measured compute the model adds to a compressed "
         "step (so that a busier moment here or on the hosts scales both alike); gamma "
         f"{loc['gamma'] * 1e9:.3f} ns/B, an in-memory float32 sum of the gradient vector "

@@ -40,8 +40,9 @@ from mpidp.parallel.sync import Sync
 MODES = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "ps-bcast", "ps-dedicated",
          "sharded-ps", "accumulate", "local-sgd", "compute-only")
 # named in --modes only: strategy choice measured at setup, fused allreduce without and
-# with node-aware reduction, and the hand-written loop as a mode of its own (with --only)
-EXTRA_MODES = ("auto", "allreduce-flat", "allreduce-node", "handwritten")
+# with node-aware reduction, the hand-written loop as a mode of its own (with --only), and
+# compressed with int8 codes
+EXTRA_MODES = ("auto", "allreduce-flat", "allreduce-node", "handwritten", "compressed-int8")
 MAX_TRIAL_STEPS = 200  # untimed steps allowed for auto to commit to a strategy
 
 
@@ -125,6 +126,8 @@ def _sync_for(mode: str):
         return make_sync("allreduce", node_aware=mode == "allreduce-node")
     if mode == "ps-dedicated":
         return make_sync("ps", dedicated=True)
+    if mode == "compressed-int8":
+        return make_sync("compressed", codec="int8", bucket_bytes=1 << 20)
     if mode == "ps-bcast":  # the server's parameters sent by one Bcast, not shared memory
         return ParameterServer(shared_memory=False)
     return make_sync(mode, lambda: nn.SGD(0.05), bucket_bytes=1 << 20, k=4)

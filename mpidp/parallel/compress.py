@@ -1,11 +1,17 @@
-"""16-bit gradient compression: the codecs (IEEE float16, bfloat16) and the ``compressed``
-exchange strategy (the codecs are pure NumPy).
+"""Gradient compression: the codecs (IEEE float16, bfloat16, int8 with scales) and the
+``compressed`` exchange strategy (the codecs are pure NumPy).
 
-Both codecs store a value in 16 bits (half the bytes of float32). float16 keeps 11
+The 16-bit codecs store a value in 16 bits (half the bytes of float32). float16 keeps 11
 significant bits but overflows beyond 65504; bfloat16 keeps float32's range with 8
-significant bits. :func:`encode` and :func:`decode` are the reference formulas (whole
-arrays, new arrays out); :class:`Codec` does the same arithmetic in place on blocks, with
-scratch of its own, for the per-step passes of :class:`Compressed`.
+significant bits. ``int8`` stores a value in 8 bits plus one float32 scale per
+:data:`GROUP` values (about a quarter of float32's bytes): each value is rounded to the
+nearest of 255 evenly spaced levels between minus and plus its group's largest magnitude.
+:func:`encode` and :func:`decode` are the reference formulas (whole arrays, new arrays
+out; an int8 array is one segment whose groups start at its first value); :class:`Codec`
+does the same arithmetic in place on blocks, with scratch of its own, for the per-step
+passes of :class:`Compressed`. Codes travel as ``uint16`` units: one per value for the
+16-bit codecs, :func:`units` for ``k`` values of int8 (the int8 codes, padded to 4 bytes,
+then the float32 scales).
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from . import buffer
 from .overlap import layer_buckets
 from .sync import Buffers, Exchanged, Round, Setup, Sync, global_sums
 
-CODECS = ("float16", "bfloat16")
+FLOAT_CODECS = ("float16", "bfloat16")  # one 16-bit code per value
+CODECS = (*FLOAT_CODECS, "int8")
+#: int8: values per float32 scale (a group never spans two blocks of :data:`BLOCK`).
+GROUP = 256
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 #: float32 magnitudes from this one on (bits 0x7F7F8000) round to bfloat16 Inf.
 BFLOAT16_INF_FROM = float(np.array(0x7F7F8000, np.uint32).view(np.float32))
@@ -29,9 +38,56 @@ BFLOAT16_INF_FROM = float(np.array(0x7F7F8000, np.uint32).view(np.float32))
 BLOCK = 1 << 16
 
 
+def units(k: int, codec: str) -> int:
+    """``uint16`` units that the codes of one segment of ``k`` values take."""
+    if codec != "int8":
+        return k
+    return 2 * -(-k // 4) + 2 * -(-k // GROUP)
+
+
+def chunk_units(m: int, codec: str) -> int:
+    """Units of ``m`` values encoded in segments of :data:`BLOCK` (the last one shorter)."""
+    return (m // BLOCK) * units(BLOCK, codec) + units(m % BLOCK, codec)
+
+
+def _int8_parts(codes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The int8 codes ``(k,)`` and float32 scales ``(ceil(k / GROUP),)`` inside one
+    segment's ``uint16`` units (views)."""
+    b = codes.view(np.uint8)
+    at = 4 * -(-k // 4)
+    return b[:k].view(np.int8), b[at:at + 4 * -(-k // GROUP)].view(np.float32)
+
+
+def _int8_encode(x: np.ndarray) -> np.ndarray:
+    """The reference int8 encoding of one segment ``x`` (float32)."""
+    k, groups = len(x), -(-len(x) // GROUP)
+    padded = np.zeros(groups * GROUP, np.float32)
+    padded[:k] = x
+    g = padded.reshape(groups, GROUP)
+    top = np.maximum(g.max(axis=1), -g.min(axis=1))  # NaN when the group holds one
+    inv = np.zeros(groups, np.float32)
+    np.divide(np.float32(127), top, out=inv, where=top > 0)
+    out = np.zeros(units(k, "int8"), np.uint16)
+    q, scale = _int8_parts(out, k)
+    scale[...] = top / np.float32(127)
+    q[...] = np.rint(g * inv[:, None]).reshape(-1)[:k].astype(np.int8)
+    return out
+
+
+def _int8_decode(codes: np.ndarray, k: int) -> np.ndarray:
+    q, scale = _int8_parts(codes, k)
+    return (q.astype(np.float32) * np.repeat(scale, GROUP)[:k]).astype(np.float32)
+
+
 def encode(x: np.ndarray, codec: str) -> np.ndarray:
     """``x`` (float32/64) → ``uint16`` codes. bfloat16 rounds to nearest, ties to even;
-    float16 turns values beyond 65504 into Inf (callers check for overflow first)."""
+    float16 turns values beyond 65504 into Inf (callers check for overflow first); int8
+    rounds ``x * (127 / top)`` to the nearest integer (ties to even), ``top``
+    the largest magnitude of the value's group; a group holding NaN or Inf decodes to
+    NaN or Inf."""
+    if codec == "int8":
+        with np.errstate(invalid="ignore", over="ignore"):
+            return _int8_encode(np.asarray(x, np.float32))
     if codec == "float16":
         with np.errstate(over="ignore"):
             return np.asarray(x, np.float16).view(np.uint16)
@@ -40,16 +96,14 @@ def encode(x: np.ndarray, codec: str) -> np.ndarray:
     return (rounded >> 16).astype(np.uint16)
 
 
-def decode(codes: np.ndarray, codec: str) -> np.ndarray:
-    """``uint16`` codes → float32 values."""
+def decode(codes: np.ndarray, codec: str, n: int | None = None) -> np.ndarray:
+    """``uint16`` codes → float32 values (int8: the segment's ``n`` values)."""
+    if codec == "int8":
+        with np.errstate(invalid="ignore"):
+            return _int8_decode(codes, int(n))
     if codec == "float16":
         return codes.view(np.float16).astype(np.float32)
     return (codes.astype(np.uint32) << 16).view(np.float32)
-
-
-def add(a: np.ndarray, b: np.ndarray, codec: str) -> np.ndarray:
-    """Codes of ``decode(a) + decode(b)`` (the sum is formed in float32)."""
-    return encode(decode(a, codec) + decode(b, codec), codec)
 
 
 class Codec:
@@ -57,11 +111,14 @@ class Codec:
     ``block`` values: no allocation per call. Call inside ``np.errstate(over="ignore",
     invalid="ignore")`` (float16 overflow and NaN arithmetic are expected there).
 
-    ``x``, ``acc``, ``lost``: float32 ``(k,)``; ``codes``: uint16 ``(k,)``; ``out``: float32
-    or float64 ``(k,)``; ``k <= block``. ``lost`` may be ``x`` itself.
+    ``x``, ``acc``, ``lost``: float32 ``(k,)``; ``codes``: uint16 ``(units(k),)``, one
+    segment; ``out``: float32 or float64 ``(k,)``; ``k <= block``. ``lost`` may be ``x``
+    itself.
 
-    Both codecs work on the float32 bits with integer ops, float16 too (faster than NumPy's
-    float16 casts); its subnormals go through two float ops that round exactly as the cast.
+    The 16-bit codecs work on the float32 bits with integer ops, float16 too (faster than
+    NumPy's float16 casts); its subnormals go through two float ops that round exactly as
+    the cast. int8 takes each group's largest magnitude as an integer max of the float
+    bits with the sign cleared, and scales whole groups at once.
     """
 
     def __init__(self, codec: str, block: int = BLOCK) -> None:
@@ -69,9 +126,17 @@ class Codec:
             raise C.MpidpError(f"unknown compression {codec!r}; expected one of {CODECS}")
         self.codec, self.block = codec, int(block)
         self._bits, self._a, self._t, self._o = (np.zeros(self.block, np.uint32) for _ in "abto")
+        self._top, self._inv = (np.zeros(self.block // GROUP + 1, np.float32) for _ in "ti")
+
+    def units(self, k: int) -> int:
+        """``uint16`` units of the codes of one segment of ``k`` values."""
+        return units(k, self.codec)
 
     def encode_(self, x: np.ndarray, codes: np.ndarray, lost: np.ndarray | None = None) -> None:
         """``codes[...] = encode(x)``; with ``lost``, ``lost[...] = x - decode(codes)``."""
+        if self.codec == "int8":
+            self._encode_i8(x, codes, lost)
+            return
         if self.codec == "float16":
             self._encode_f16(x, codes, lost)
             return
@@ -87,7 +152,14 @@ class Codec:
         codes[...] = u
 
     def decode_(self, codes: np.ndarray, out: np.ndarray) -> None:
-        """``out[...] = decode(codes)`` (converted to ``out``'s dtype; any length)."""
+        """``out[...] = decode(codes)`` (converted to ``out``'s dtype; any length, but one
+        segment of ``len(out)`` values for int8)."""
+        if self.codec == "int8":
+            value = out if out.dtype == np.float32 else self._o[:len(out)].view(np.float32)
+            self._decode_i8(codes, value)
+            if value is not out:
+                np.copyto(out, value)
+            return
         if self.codec == "bfloat16" and out.dtype == np.float32:
             bits = out.view(np.uint32)
             bits[...] = codes
@@ -102,8 +174,8 @@ class Codec:
 
     def decode_add_(self, codes: np.ndarray, acc: np.ndarray) -> None:
         """``acc += decode(codes)`` (float32 arithmetic)."""
-        value = self._o[:len(codes)].view(np.float32)
-        self._decode32(codes, value)
+        value = self._o[:len(acc)].view(np.float32)
+        (self._decode_i8 if self.codec == "int8" else self._decode32)(codes, value)
         np.add(acc, value, out=acc)
 
     def _decode32(self, codes: np.ndarray, out: np.ndarray) -> None:
@@ -120,6 +192,54 @@ class Codec:
         np.bitwise_and(h, 0x8000, out=h)
         np.left_shift(h, 16, out=h)
         np.bitwise_or(o, h, out=o)
+
+    def _grouped(self, k: int):
+        """``(groups, full)``: int8 groups of ``k`` values, of which ``full`` are whole."""
+        return -(-k // GROUP), k // GROUP
+
+    def _encode_i8(self, x: np.ndarray, codes: np.ndarray, lost: np.ndarray | None) -> None:
+        """int8 codes and scales of one segment ``x``, as :func:`encode`. Scratch: ``_o``."""
+        k = len(x)
+        (groups, full), cut = self._grouped(k), k // GROUP * GROUP
+        q, scale = _int8_parts(codes, k)
+        top, inv = self._top[:groups], self._inv[:groups]
+        f = self._o[:k].view(np.float32)
+        # the largest magnitude per group: the sign bit cleared, float32 bits order as
+        # integers do (NaN above Inf, so a group holding one gets a NaN scale)
+        mag, tops = self._bits[:k], top.view(np.uint32)
+        np.bitwise_and(x.view(np.uint32), 0x7FFFFFFF, out=mag)
+        if full:
+            np.max(mag[:cut].reshape(full, GROUP), axis=1, out=tops[:full])
+        if full < groups:
+            tops[full] = mag[cut:].max()
+        np.divide(top, np.float32(127), out=scale)
+        inv[...] = 0
+        np.divide(np.float32(127), top, out=inv, where=top > 0)
+        if full:
+            np.multiply(x[:cut].reshape(full, GROUP), inv[:full, None],
+                        out=f[:cut].reshape(full, GROUP))
+        if full < groups:
+            np.multiply(x[cut:], inv[full], out=f[cut:])
+        np.rint(f, out=f)
+        np.copyto(q, f, casting="unsafe")
+        if lost is not None:
+            if full:
+                np.multiply(f[:cut].reshape(full, GROUP), scale[:full, None],
+                            out=f[:cut].reshape(full, GROUP))
+            if full < groups:
+                np.multiply(f[cut:], scale[full], out=f[cut:])
+            np.subtract(x, f, out=lost)
+
+    def _decode_i8(self, codes: np.ndarray, out: np.ndarray) -> None:
+        """``out`` (float32 ``(k,)``) = the values of one int8 segment of ``k`` values."""
+        k = len(out)
+        (groups, full), cut = self._grouped(k), k // GROUP * GROUP
+        q, scale = _int8_parts(codes, k)
+        if full:
+            np.multiply(q[:cut].reshape(full, GROUP), scale[:full, None],
+                        out=out[:cut].reshape(full, GROUP), dtype=np.float32)
+        if full < groups:
+            np.multiply(q[cut:], scale[full], out=out[cut:], dtype=np.float32)
 
     def _f16_magnitude(self, c: np.ndarray, out: np.ndarray) -> None:
         """``out`` (uint32 float bits) = the value of float16 magnitudes ``c`` (uint32,
@@ -173,6 +293,17 @@ def _blocks(lo: int, hi: int, block: int = BLOCK):
     return [(a, min(a + block, hi)) for a in range(lo, hi, block)]
 
 
+def _segments(lo: int, hi: int, at: int, codec: str):
+    """``(a, b, ca, cb)``: the blocks ``a .. b`` of values ``lo .. hi`` whose codes start
+    at unit ``at``, each with its codes' units ``ca .. cb`` (every block a segment)."""
+    whole = units(BLOCK, codec)
+    out = []
+    for j, (a, b) in enumerate(_blocks(lo, hi)):
+        ca = at + j * whole
+        out.append((a, b, ca, ca + units(b - a, codec)))
+    return out
+
+
 def _scan(x: np.ndarray, f16: bool) -> tuple[bool, bool]:
     """Of a float32 block about to be encoded: whether it holds a value that is not finite
     or that the codec turns into Inf, and (``f16``) whether it holds a finite value beyond
@@ -185,48 +316,60 @@ def _scan(x: np.ndarray, f16: bool) -> tuple[bool, bool]:
     return False, f16 and top > FLOAT16_MAX
 
 
+#: Values per exchange at most: a bucket goes in pieces, so that one piece travels while
+#: the next is encoded (or summed), and the last bucket's codec work overlaps its link time.
+PIECE = 1 << 18
+
+
 def _piece_length(size: int) -> int:
-    """Gradient values per exchange, so that no count or displacement passes ``MAX_COUNT``:
-    a piece's codes, ``size`` chunks apart (sent, gathered), and the other ranks' parts of
-    a chunk (received)."""
+    """Gradient values per exchange: at most :data:`PIECE` per rank, and never a count or
+    displacement beyond ``MAX_COUNT``: a piece's codes, ``size`` chunks apart (sent,
+    gathered), and the other ranks' parts of a chunk (received)."""
     limit = int(C.collectives.MAX_COUNT)
-    return max(1, limit if size == 1 else size * (limit // size))
+    return max(1, min(limit if size == 1 else size * (limit // size), size * PIECE))
 
 
 class _Piece:
     """One exchange: gradient values ``s0 .. s1`` (at most ``MAX_COUNT``) in ``size`` chunks
     whose sizes differ by at most one (some empty when there are fewer values than ranks).
-    Their codes live at ``codes[o : o + size * c]``, chunk ``j`` at ``o + j * c`` (``c``:
-    the largest chunk), so that one ``Allgather`` of ``c`` codes per rank gathers them;
-    chunk ``rank``, values ``lo .. hi`` and codes from ``own``, is summed on this rank."""
+    Their codes live at ``codes[o : o + size * cu]``, chunk ``j`` at ``o + j * cu`` (``cu``:
+    the units of the largest chunk, ``c`` values, :func:`chunk_units`), so that one
+    ``Allgather`` of ``cu`` units per rank gathers them; chunk ``rank``, values
+    ``lo .. hi`` (``m`` of them, ``mu`` units) and codes from ``own``, is summed on this
+    rank."""
 
-    def __init__(self, s0: int, s1: int, size: int, rank: int, o: int, at: int) -> None:
+    def __init__(self, s0: int, s1: int, size: int, rank: int, o: int, at: int,
+                 codec: str = "bfloat16") -> None:
         length = s1 - s0
         counts = np.full(size, length // size, np.int64)
         counts[:length % size] += 1
         starts = s0 + np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        self.c = c = int(counts[0])
-        self.o, self.end, self.m, self.at = o, o + size * c, int(counts[rank]), at
-        self.lo, self.own = int(starts[rank]), o + rank * c
+        sizes = np.array([chunk_units(int(k), codec) for k in counts], np.int64)
+        self.c, self.cu = int(counts[0]), int(sizes[0])
+        cu = self.cu
+        self.o, self.end, self.m, self.at = o, o + size * cu, int(counts[rank]), at
+        self.mu = int(sizes[rank])
+        self.lo, self.own = int(starts[rank]), o + rank * cu
         self.hi = self.lo + self.m
         #: ``(values lo, values hi, codes lo)`` of every non-empty chunk
-        self.runs = [(int(starts[j]), int(starts[j] + counts[j]), o + j * c)
+        self.runs = [(int(starts[j]), int(starts[j] + counts[j]), o + j * cu)
                      for j in range(size) if counts[j]]
-        send = counts.copy()
+        send = sizes.copy()
         send[rank] = 0  # this rank's own chunk never travels to itself
-        self.send = (send, np.arange(size, dtype=np.int64) * c)
-        recv = np.full(size, self.m, np.int64)
+        self.send = (send, np.arange(size, dtype=np.int64) * cu)
+        recv = np.full(size, self.mu, np.int64)
         recv[rank] = 0
         slot = np.arange(size) - (np.arange(size) > rank)  # the other senders, packed
-        self.slot = (slot * self.m).astype(np.int64)  # where sender r's part starts
+        self.slot = (slot * self.mu).astype(np.int64)  # where sender r's part starts
         self.recv = (recv, self.slot)
-        self.sent = int(send.sum()) + c  # codes handed to MPI: chunks out, summed chunk in
+        self.sent = int(send.sum()) + cu  # units handed to MPI: chunks out, summed chunk in
 
 
 class Compressed(Sync):
-    """Gradients exchanged as 16-bit codes (``float16`` or ``bfloat16``) in two steps, with
-    error feedback: about half the bytes of a float32 ring allreduce at every P; started
-    during backward, bucket by bucket, as :class:`~mpidp.parallel.overlap.Overlapped` does.
+    """Gradients exchanged as 16-bit codes (``float16`` or ``bfloat16``; or ``int8`` with
+    scales) in two steps, with error feedback: about half (int8: a quarter) the bytes of a
+    float32 ring allreduce at every P; started during backward, bucket by bucket, as
+    :class:`~mpidp.parallel.overlap.Overlapped` does.
 
     The ``n`` gradient values are cut into buckets of whole layers (last layers first, at
     least ``bucket_bytes`` of gradients each), and each bucket into P chunks whose sizes
@@ -239,14 +382,16 @@ class Compressed(Sync):
     (plus its chunk residual), and one ``Iallgather`` (chunks padded to the largest, on a
     communicator of its own, so that the two kinds never need matching starts) gives every
     rank every chunk's codes. Every rank decodes the same codes, so every replica holds
-    bit-identical sums; the buckets change who sums a value, never how, so the sums are
-    the same for every bucket size. Per step ``2 (P-1)/P n`` values of 2 bytes leave a
-    rank, against ``2 (P-1)/P n`` of 4 for a float32 ring allreduce; ``bytes_sent``
+    bit-identical sums; with a 16-bit codec the buckets change who sums a value, never
+    how, so the sums are the same for every bucket size. Per step ``2 (P-1)/P n`` values
+    of 2 bytes (int8: 1 byte, plus 4 per :data:`GROUP`) leave a rank, against
+    ``2 (P-1)/P n`` of 4 for a float32 ring allreduce; ``bytes_sent``
     counts the codes it hands to MPI (its chunks for the others, its summed chunks with
     their padding) plus the extras. Loss, counts, stop and two flags (float16 overflow, a
     non-finite sum) go in one small float64 ``Allreduce`` once every bucket has been
-    started. Buckets of more than ``MAX_COUNT`` values are exchanged in pieces of at most
-    that many, each split alike.
+    started. A bucket goes in pieces of at most :data:`PIECE` values per rank (and
+    ``MAX_COUNT`` in all), each split alike and started once encoded, so that one travels
+    while the next is encoded.
 
     Error feedback: what each rounding loses is added back at the next step, so no
     rounding error is lost for good. Each rank keeps the residual of its own encoding
@@ -262,8 +407,10 @@ class Compressed(Sync):
 
     Parameters
     ----------
-    codec : ``"bfloat16"`` (float32's range, 8 significant bits) or ``"float16"`` (11
-        significant bits, up to 65504).
+    codec : ``"bfloat16"`` (float32's range, 8 significant bits), ``"float16"`` (11
+        significant bits, up to 65504) or ``"int8"`` (255 levels per :data:`GROUP` values;
+        int8 groups start at each block of a chunk, so its sums depend on P and the
+        buckets, the 16-bit codecs' do not).
     error_feedback : keep both residuals (False: every step's rounding is lost).
     bucket_bytes : a bucket closes once its layers hold at least this many bytes of
         gradients; a size beyond the whole gradient makes one bucket, started when
@@ -294,15 +441,15 @@ class Compressed(Sync):
         for layer, b0, b1 in buckets or [(0, 0, 0)]:
             mine = []
             for s0 in range(b0, b1, step) if b1 > b0 else [b0]:
-                p = _Piece(s0, min(s0 + step, b1), size, rank, o, at)
-                p.recv_at, r = r, r + (size - 1) * p.m  # its own room: pieces overlap in time
+                p = _Piece(s0, min(s0 + step, b1), size, rank, o, at, self.codec)
+                p.recv_at, r = r, r + (size - 1) * p.mu  # its own room: pieces overlap in time
                 mine.append(p)
                 at, o = at + p.m, p.end
             self.pieces += mine
             self.buckets.append((layer, mine))
         for p in self.pieces:
-            #: ``(values lo, values hi, codes lo)`` of every block of every chunk
-            p.blocks = [(a, b, clo + a - lo) for lo, hi, clo in p.runs for a, b in _blocks(lo, hi)]
+            #: ``(values lo, values hi, codes lo, codes hi)`` of every block of every chunk
+            p.blocks = [seg for lo, hi, clo in p.runs for seg in _segments(lo, hi, clo, self.codec)]
         self.kernel = Codec(self.codec)
         self.codes = np.zeros(o, np.uint16)  # this rank's codes, then the summed ones
         self.recv = np.zeros(r, np.uint16)  # the other ranks' codes of this rank's chunks
@@ -377,8 +524,8 @@ class Compressed(Sync):
             for j, p in enumerate(pieces):
                 if gathering:
                     C.wait_all(gathering[j:j + 1])
-                for lo, hi, at in p.runs:
-                    k.decode_(codes[at:at + hi - lo], g[lo:hi])
+                for a, b, ca, cb in p.blocks:
+                    k.decode_(codes[ca:cb], g[a:b])
         self.buf[n:] = extras[:buffer.N_EXTRA]
         self.bytes_sent += self.step_bytes
         return not extras[buffer.N_EXTRA + 1] and bool(np.isfinite(extras[:buffer.N_EXTRA]).all())
@@ -393,7 +540,7 @@ class Compressed(Sync):
         self.launched += 1
         with np.errstate(over="ignore", invalid="ignore"):
             for p in pieces:
-                for lo, hi, at in p.blocks:
+                for lo, hi, ca, cb in p.blocks:
                     x = self._next[lo:hi] if ef else self.acc[:hi - lo]
                     if ef:
                         np.add(g[lo:hi], self.residual[lo:hi], out=x)
@@ -402,12 +549,12 @@ class Compressed(Sync):
                     if scan:
                         bad, beyond = _scan(x, f16)
                         self.nonfinite, self.overflow = self.nonfinite or bad, self.overflow or beyond
-                    k.encode_(x, codes[at:at + hi - lo], x if ef else None)
+                    k.encode_(x, codes[ca:cb], x if ef else None)
                 if not alone:
-                    recv = self.recv[p.recv_at:p.recv_at + (self.comm.size - 1) * p.m]
+                    recv = self.recv[p.recv_at:p.recv_at + (self.comm.size - 1) * p.mu]
                     self.scattering.append(C.ialltoallv_(self.comm, codes[p.o:p.end], p.send,
                                                          recv, p.recv))
-        self._advance(wait=False)
+                    self._advance(wait=False)  # moves what has started while the next encodes
 
     def _advance(self, wait: bool) -> None:
         """Sum the chunks whose codes have all arrived (in launch order) and start their
@@ -439,11 +586,11 @@ class Compressed(Sync):
         backward may still run, before the policy of the step is known, so always)."""
         k, codes, recv, ef = self.kernel, self.codes, self.recv, self.error_feedback
         f16, nonfinite, overflow = self.codec == "float16", False, False
-        for a, b in _blocks(0, p.m):  # offsets in the chunk
-            acc, mine = self.acc[:b - a], codes[p.own + a:p.own + b]
+        for a, b, ca, cb in _segments(0, p.m, 0, self.codec):  # offsets in the chunk
+            acc, mine = self.acc[:b - a], codes[p.own + ca:p.own + cb]
             for r in range(self.comm.size):  # rank order: the sum never depends on arrival
                 at = p.recv_at + p.slot[r]
-                src = mine if r == self.comm.rank else recv[at + a:at + b]
+                src = mine if r == self.comm.rank else recv[at + ca:at + cb]
                 (k.decode_add_ if r else k.decode_)(src, acc)
             if ef:
                 np.add(acc, self.chunk_residual[p.at + a:p.at + b], out=acc)

@@ -178,7 +178,8 @@ MODES = ("allreduce", "overlapped", "compressed", "node-aware")
 
 def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
                    backward: float = 2 / 3, first_bucket: float = 0.0, codec: float = 0.0,
-                   per_node: int = 1, link_hops: int = 1, cpu_per_byte: float = 0.0) -> float:
+                   per_node: int = 1, link_hops: int = 1, cpu_per_byte: float = 0.0,
+                   wire_share: float = 0.5) -> float:
     """Predicted seconds of one step of a synchronisation ``mode`` at ``P`` ranks with ``m``
     gradient bytes, from a measured ``compute`` (seconds of forward + backward + update on
     one rank's share) and the link's :class:`Fit`:
@@ -188,10 +189,10 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
       (a share) into the backward pass (``backward``: its share of ``compute``), and runs
       beside the rest of it: ``(1 - backward) c + max(backward c, first_bucket backward c
       + ring(P, m))``;
-    * ``compressed``: 16-bit codes reduce-scattered and allgathered, half a ring's bytes,
-      started bucket by bucket during backward as ``overlapped``, plus ``codec`` seconds of
-      encoding and decoding on the same core: ``(1 - backward) c + max(backward c,
-      first_bucket backward c + ring(P, m / 2)) + codec``;
+    * ``compressed``: codes reduce-scattered and allgathered, ``wire_share`` of a ring's
+      bytes (16 bits: 0.5), started bucket by bucket during backward as ``overlapped``,
+      plus ``codec`` seconds of encoding and decoding on the same core: ``(1 - backward) c
+      + max(backward c, first_bucket backward c + ring(P, wire_share m)) + codec``;
     * both: what the exchange costs the cores that compute (``cpu_per_byte`` seconds per
       byte a rank sends, ``2 (P-1)/P`` of what it reduces: the network stack's and MPI's
       copies where they share those cores) lengthens the backward pass it hides behind:
@@ -210,8 +211,9 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
         return compute + float(allreduce_time(P, m, shared))
     if mode in ("overlapped", "compressed"):
         b, half = backward * compute, mode == "compressed"
-        sent = (m / 2 if half else m) * 2 * (P - 1) / max(P, 1)
-        ring = float(allreduce_time(P, m / 2 if half else m, fit))
+        wire = m * wire_share if half else m
+        sent = wire * 2 * (P - 1) / max(P, 1)
+        ring = float(allreduce_time(P, wire, fit))
         return ((compute - b) + max(b + cpu_per_byte * sent, first_bucket * b + ring)
                 + (codec if half else 0.0))
     if mode == "node-aware":
