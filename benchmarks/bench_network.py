@@ -157,7 +157,7 @@ def predicted_step_s(row: dict, fit: dict, compute: float, local: dict) -> tuple
     mode = MODEL_MODES.get(row["mode"]) if row["mode"] != "auto" else MODEL_MODES.get(row["sync"])
     if mode is None:
         return None
-    int8 = row["mode"] == "compressed-int8"
+    int8 = "compressed-int8" in (row["mode"], row.get("sync"))
     share = local.get("codec_int8_share", local["codec_share"]) if int8 else local["codec_share"]
     t = mode_step_time(mode, row["ranks"], local["m"], compute, Fit(**fit),
                        backward=local["backward"], first_bucket=local["first_bucket"],

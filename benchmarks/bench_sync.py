@@ -166,6 +166,8 @@ def run_mode(comm, shard, init, mode: str, args, label: str = "") -> dict:
     result, _ = marked_run(comm, dp.step, shard, batches, args, label or mode)
     chosen = getattr(dp.sync, "choice", None) or dp.sync
     result["sync"] = getattr(chosen, "name", type(chosen).__name__)
+    if getattr(chosen, "codec", None) == "int8":  # the mode of that name here
+        result["sync"] = "compressed-int8"
     if getattr(dp.sync, "report", ""):
         result["sync_report"] = dp.sync.report
     busy = dp.timer.compute_s - c0 + dp.timer.comm_s - m0

@@ -387,10 +387,11 @@ def _add_sync(p: argparse.ArgumentParser) -> None:
                    "memory and across nodes between node leaders only, so a node's link "
                    "carries one rank's gradient instead of every rank's (auto: when ranks "
                    "share nodes and there are several nodes)")
-    g.add_argument("--compress", choices=("bfloat16", "float16", "int8"), default="bfloat16",
+    g.add_argument("--compress", choices=("bfloat16", "float16", "int8"), default=None,
                    help="compressed: format of the gradients on the wire: 16-bit floats "
                    "(half of float32's bytes), or int8 with a float32 scale per 256 values "
-                   "(about a quarter; coarser, error feedback keeps what it rounds off)")
+                   "(about a quarter; coarser, error feedback keeps what it rounds off) "
+                   "(default: bfloat16; auto tries bfloat16 and int8 unless one is given)")
     g.add_argument("--sync-every", type=_positive(int), default=4,
                    help="accumulate / local-sgd: steps between synchronisations")
 

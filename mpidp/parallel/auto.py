@@ -9,8 +9,9 @@ should not decide between near equals). The candidates:
 
 * ``allreduce`` (node-aware where ranks share nodes, see :class:`mpidp.parallel.sync.Sync`),
 * ``overlapped`` with two bucket sizes: the one asked for and a quarter of the gradient,
-* ``compressed`` (16 bits with error feedback), only for float32 models: a float64 model
-  asks for the exact arithmetic, which 16-bit gradients do not give.
+* ``compressed`` with error feedback, in bfloat16 and in int8 (or only the codec asked
+  for), only for float32 models: a float64 model asks for the exact arithmetic, which
+  compressed gradients do not give.
 
 Every exact candidate gives the same sums up to rounding order, so the trial steps are
 ordinary training steps. The choice and the figures behind it are in :attr:`Auto.report`
@@ -43,14 +44,15 @@ class Auto(Sync):
     Parameters
     ----------
     bucket_bytes : the overlapped candidate's bucket size asked for (bytes, > 0).
-    codec : the compressed candidate's 16-bit format.
+    codec : the compressed candidate's format; None (the default): one candidate in
+        bfloat16 and one in int8.
     node_aware : the allreduce candidate's node-aware reduction (see :class:`Sync`).
     overlap_progress : the overlapped candidates' ``progress`` (see :class:`Overlapped`).
     """
 
     name = "auto"
 
-    def __init__(self, bucket_bytes: int = 1 << 20, codec: str = "bfloat16",
+    def __init__(self, bucket_bytes: int = 1 << 20, codec: str | None = None,
                  node_aware: bool | None = None, overlap_progress: str = "test") -> None:
         super().__init__(node_aware)
         self.overlap_progress = overlap_progress
@@ -75,9 +77,11 @@ class Auto(Sync):
             for size in sizes:
                 self.candidates.append(Overlapped(size, progress=self.overlap_progress))
                 self.labels.append(f"overlapped ({size / 2**20:.2g} MiB buckets)")
-            if s.model.dtype == np.float32:
-                self.candidates.append(Compressed(self.codec, bucket_bytes=self.bucket_bytes))
-                self.labels.append(f"compressed ({self.codec})")
+            for codec in (self.codec,) if self.codec else ("bfloat16", "int8"):
+                if s.model.dtype != np.float32:
+                    break
+                self.candidates.append(Compressed(codec, bucket_bytes=self.bucket_bytes))
+                self.labels.append(f"compressed ({codec})")
         for c in self.candidates[1:]:
             c.setup(shared)
         keep = [i for i, c in enumerate(self.candidates) if i == 0 or c.refuses(s.model) is None]

@@ -16,18 +16,20 @@ SYNCS = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "sharded-ps
 
 
 def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
-              codec: str = "bfloat16", dedicated: bool = False, k: int = 4,
+              codec: str | None = None, dedicated: bool = False, k: int = 4,
               ps_shared_memory: bool = True, ps_chunk_bytes: int = 1 << 20,
               node_aware: bool | None = None, overlap_progress: str = "test") -> Sync:
     """A strategy by name: ``allreduce`` (fused), ``per-layer``, ``overlapped`` (bucket
     sums started during backward, moved by ``overlap_progress``: ``"test"`` or
-    ``"thread"``), ``compressed`` (16-bit reduce-scatter and allgather, error feedback, in
-    buckets of ``bucket_bytes`` started during backward), ``ps``
+    ``"thread"``), ``compressed`` (reduce-scatter and allgather of ``codec``'s codes,
+    bfloat16 unless given, error feedback, in buckets of ``bucket_bytes`` started during
+    backward), ``ps``
     (``dedicated`` server or not; through shared memory within nodes unless
     ``ps_shared_memory=False``; updates shipped in pieces of ``ps_chunk_bytes``),
     ``sharded-ps`` (needs ``optimizer_factory``),
     ``accumulate`` and ``local-sgd`` (every ``k`` steps), ``auto`` (the fastest of
-    allreduce, overlapped and compressed on the first steps, :mod:`mpidp.parallel.auto`).
+    allreduce, overlapped and compressed (``codec``, or bfloat16 and int8) on the first
+    steps, :mod:`mpidp.parallel.auto`).
     ``node_aware`` (``allreduce``, ``accumulate``, ``auto``): None chooses node-aware reduction
     when ranks share nodes and there are several nodes, True forces it, False never."""
     from .. import comm as C
@@ -48,7 +50,7 @@ def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
     if name == "overlapped":
         return Overlapped(bucket_bytes, progress=overlap_progress)
     if name == "compressed":
-        return Compressed(codec, bucket_bytes=bucket_bytes)
+        return Compressed(codec or "bfloat16", bucket_bytes=bucket_bytes)
     if name == "ps":
         return ParameterServer(dedicated, shared_memory=ps_shared_memory, chunk_bytes=ps_chunk_bytes)
     if name == "accumulate":

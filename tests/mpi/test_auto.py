@@ -54,8 +54,12 @@ def test_auto_tries_compression_for_float32_and_keeps_replicas_identical(comm):
     X, y, rows = _data(comm)
     sync = make_sync("auto")
     dp, _ = _train(comm, X[rows], y[rows], sync, dtype=np.float32)
-    all_ranks(comm, any("compressed" in label for label in sync.labels), f"{sync.labels}")
+    tried = [label for label in sync.labels if "compressed" in label]
+    all_ranks(comm, tried == ["compressed (bfloat16)", "compressed (int8)"], f"{sync.labels}")
     all_ranks(comm, sync.choice in sync.candidates and dp.in_sync(), sync.report)
+    only = make_sync("auto", codec="float16")  # a codec asked for: only that one is tried
+    _train(comm, X[rows], y[rows], only, dtype=np.float32)
+    all_ranks(comm, [lb for lb in only.labels if "compressed" in lb] == ["compressed (float16)"])
 
 
 @pytest.mark.mpi(min_size=2)
