@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import comm as C
 from ..nn import Optimizer
-from .compress import Compressed
+from .compress import CODECS, Compressed
 from .layer_needs import refuses_model
 from .overlap import Overlapped
 from .sync import Buffers, Exchanged, Round, Setup, Sync
@@ -58,6 +58,8 @@ class Auto(Sync):
         self.overlap_progress = overlap_progress
         if bucket_bytes <= 0:
             raise C.MpidpError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
+        if codec is not None and codec not in CODECS:
+            raise C.MpidpError(f"unknown compression {codec!r}; expected one of {CODECS}")
         self.bucket_bytes, self.codec = int(bucket_bytes), codec
         self.choice: Sync | None = None  # the committed strategy
         self.report = ""

@@ -250,8 +250,9 @@ def test_bad_sync_options_fail_everywhere(comm):
         model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm, sync="gossip"), "unknown sync mode")
     raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync("overlapped", bucket_bytes=0),
                       "bucket size must be > 0")
-    raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync("compressed", codec="int8"),
-                      "unknown compression")
+    for name in ("compressed", "auto"):  # auto refuses it too, not only when it tries it
+        raises_everywhere(comm, mpidp.MpidpError, lambda name=name: make_sync(name, codec="int4"),
+                          "unknown compression 'int4'")
     raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync("accumulate", k=0), ">= 1")
     if comm.size == 1:
         raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.DataParallel(
