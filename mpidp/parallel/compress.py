@@ -128,10 +128,6 @@ class Codec:
         self._bits, self._a, self._t, self._o = (np.zeros(self.block, np.uint32) for _ in "abto")
         self._top, self._inv = (np.zeros(self.block // GROUP + 1, np.float32) for _ in "ti")
 
-    def units(self, k: int) -> int:
-        """``uint16`` units of the codes of one segment of ``k`` values."""
-        return units(k, self.codec)
-
     def encode_(self, x: np.ndarray, codes: np.ndarray, lost: np.ndarray | None = None) -> None:
         """``codes[...] = encode(x)``; with ``lost``, ``lost[...] = x - decode(codes)``."""
         if self.codec == "int8":
