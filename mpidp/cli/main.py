@@ -379,9 +379,10 @@ def _add_sync(p: argparse.ArgumentParser) -> None:
                    help="overlapped, compressed: bucket size in MiB (auto also tries a quarter of "
                    "the gradient)")
     g.add_argument("--overlap-progress", choices=("test", "thread"), default="test",
-                   help="overlapped: how started bucket sums move during backward: tested at "
-                   "every layer boundary (test), or a communication thread in a blocking "
-                   "Allreduce per bucket (thread: a core polls meanwhile)")
+                   help="overlapped (and auto's overlapped trials): how started bucket "
+                   "sums move during backward: tested at every layer boundary (test), or a "
+                   "communication thread in a blocking Allreduce per bucket (thread: a core "
+                   "polls meanwhile); compressed always tests at every layer boundary")
     g.add_argument("--node-aware", choices=("auto", "on", "off"), default="auto",
                    help="allreduce / accumulate / auto: sum inside each node through shared "
                    "memory and across nodes between node leaders only, so a node's link "

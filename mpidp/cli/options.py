@@ -44,7 +44,8 @@ TABLE: dict[str, tuple[frozenset, str]] = {
     "compress": (frozenset({"compressed", "auto"}), "only --sync compressed (and auto, which "
                  "tries it) encodes gradients"),
     "overlap_progress": (frozenset({"overlapped", "auto"}), "only --sync overlapped (and "
-                         "auto, which tries it) starts sums during backward"),
+                         "auto, which tries it) has a choice of how its sums move during "
+                         "backward (compressed tests its exchanges at every layer boundary)"),
     "node_aware": (frozenset({"allreduce", "accumulate", "auto"}), "only a fused allreduce "
                    "of the whole buffer (allreduce, accumulate, auto) goes node-aware"),
     "sync_every": (frozenset({"accumulate", "local-sgd"}), "only accumulate and local-sgd "
