@@ -10,8 +10,10 @@ import os
 import weakref
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
+from ..errors import MpidpError
 from .activity import watched
 
 Comm = MPI.Comm
@@ -102,18 +104,32 @@ def node_split(comm: Comm, first: int = 0) -> tuple[Comm, Comm | None]:
 RANKS_PER_NODE = "MPIDP_RANKS_PER_NODE"
 
 
+def _forced_per_node(comm: Comm) -> int:
+    """``MPIDP_RANKS_PER_NODE`` as every rank of ``comm`` reads it (0: unset). Collective: a
+    value that is not a whole number >= 1 on any rank, or that differs between ranks,
+    raises the same :class:`MpidpError` on every rank."""
+    raw = os.environ.get(RANKS_PER_NODE, "").strip()
+    mine = (min(int(raw), 1 << 31) if raw.isdigit() and int(raw) >= 1 else -1) if raw else 0
+    seen = np.array([mine, -mine], np.int64)
+    comm.Allreduce(MPI.IN_PLACE, seen, op=MPI.MAX)
+    high, low = int(seen[0]), -int(seen[1])  # over the ranks
+    if low < 0:
+        raise MpidpError(f"{RANKS_PER_NODE} must be a whole number >= 1"
+                         + (f", got {raw!r}" if mine < 0 else " (on some rank it is not)"))
+    if low != high:
+        raise MpidpError(f"{RANKS_PER_NODE} must be the same on every rank: " + (
+            "it is set on some only" if low == 0 else f"{low} on some, {high} on others"))
+    return high
+
+
 def _node(comm: Comm, key: int) -> Comm:
     """The ranks of ``comm`` on this rank's node, ordered by ``key``. Collective."""
-    per_node = os.environ.get(RANKS_PER_NODE, "").strip()
+    per_node = _forced_per_node(comm)
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
-    if not per_node:
-        return node
-    if not per_node.isdigit() or int(per_node) < 1:
-        raise ValueError(f"{RANKS_PER_NODE} must be a whole number >= 1, got {per_node!r}")
-    if node.size != comm.size:  # several real nodes: the variable cannot cut them finer
+    if not per_node or node.size != comm.size:  # several real nodes: it cannot cut finer
         return node
     node.Free()
-    return comm.Split(comm.rank // int(per_node), key=key)
+    return comm.Split(comm.rank // per_node, key=key)
 
 
 @watched("a Comm.Split")

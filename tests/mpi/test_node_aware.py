@@ -107,8 +107,21 @@ def test_only_node_leaders_hand_bytes_to_mpi(comm):
 def test_node_aware_refused_where_it_cannot_apply(comm):
     raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync("compressed", node_aware=True),
                       "node-aware reduction applies to")
-    with ranks_per_node("two"):
-        raises_everywhere(comm, ValueError, lambda: C.node_layout(comm), RANKS_PER_NODE)
+    for bad in ("two", "0", "-1"):
+        with ranks_per_node(bad):
+            raises_everywhere(comm, mpidp.MpidpError, lambda: C.node_layout(comm),
+                              f"{RANKS_PER_NODE} must be a whole number >= 1")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_per_node_that_differs_between_ranks_is_refused_on_every_rank(comm):
+    """Read apart, the ranks would split differently and wait in different collectives."""
+    for mine, told in ((2 if comm.rank == 0 else None, "it is set on some only"),
+                       (1 + (comm.rank == 0), "1 on some, 2 on others"),
+                       ("x" if comm.rank == 1 else 2, "must be a whole number")):
+        with ranks_per_node(mine):
+            raises_everywhere(comm, mpidp.MpidpError, lambda: C.node_layout(comm), told)
+            raises_everywhere(comm, mpidp.MpidpError, lambda: C.local_ranks(comm), told)
 
 
 def test_a_long_wait_for_the_leader_is_slept_and_a_short_one_polled():
