@@ -136,6 +136,25 @@ def test_bytes_per_rank_are_half_a_float32_ring_allreduce(P):
     assert len({row["sums"] for row in rows}) == 1, "every rank decodes the same sums"
 
 
+def test_int8_keeps_groups_too_small_to_scale_in_its_error_feedback():
+    """A group whose largest magnitude is below ``127 / float32 max`` (about 3.7e-37) has
+    no finite ``127 / top``: it is coded on the grid of :data:`INT8_TINY`, so its values
+    decode to zero and what was lost is exactly the values, never NaN."""
+    x = np.zeros(3 * Z.GROUP, np.float32)
+    x[:4] = [1e-39, -3e-37, 2e-45, 0.0]  # group 0: subnormal and tiny values
+    x[Z.GROUP:Z.GROUP + 2] = [1e-34, -2.5e-34]  # group 1: under half a step of the grid
+    x[2 * Z.GROUP] = 0.5  # group 2: an ordinary one
+    codes, lost = np.zeros(Z.units(len(x), "int8"), np.uint16), np.zeros_like(x)
+    with np.errstate(invalid="ignore", over="ignore"):
+        Z.Codec("int8").encode_(x, codes, lost)
+    want = Z.encode(x, "int8")
+    back = Z.decode(want, "int8", len(x))
+    assert _same_bits(codes, want) and np.isfinite(Z._int8_parts(want, len(x))[1]).all()
+    assert np.array_equal(back[:2 * Z.GROUP], np.zeros(2 * Z.GROUP, np.float32))
+    assert back[2 * Z.GROUP] == np.float32(0.5)
+    assert _same_bits(lost, x - back) and np.array_equal(lost[:2 * Z.GROUP], x[:2 * Z.GROUP])
+
+
 @pytest.mark.parametrize("k", [1, 5, 255, 256, 257, 1000, Z.BLOCK])
 def test_int8_kernel_is_the_reference_bit_for_bit(k):
     """Codes, scales, what rounding lost and the decoded values, as :func:`encode` and

@@ -5,7 +5,8 @@ The 16-bit codecs store a value in 16 bits (half the bytes of float32). float16 
 significant bits but overflows beyond 65504; bfloat16 keeps float32's range with 8
 significant bits. ``int8`` stores a value in 8 bits plus one float32 scale per
 :data:`GROUP` values (about a quarter of float32's bytes): each value is rounded to the
-nearest of 255 evenly spaced levels between minus and plus its group's largest magnitude.
+nearest of 255 evenly spaced levels between minus and plus its group's largest magnitude
+(or :data:`INT8_TINY`, if that is larger).
 :func:`encode` and :func:`decode` are the reference formulas (whole arrays, new arrays
 out; an int8 array is one segment whose groups start at its first value); :class:`Codec`
 does the same arithmetic in place on blocks, with scratch of its own, for the per-step
@@ -30,6 +31,10 @@ FLOAT_CODECS = ("float16", "bfloat16")  # one 16-bit code per value
 CODECS = (*FLOAT_CODECS, "int8")
 #: int8: values per float32 scale (a group never spans two blocks of :data:`BLOCK`).
 GROUP = 256
+#: int8: the least largest magnitude a group is scaled by. Below it ``127 / top`` would
+#: overflow float32 (from about 3.7e-37), so such a group is coded on this grid instead:
+#: its values round to zero and error feedback keeps them.
+INT8_TINY = np.float32(2.0 ** -100)
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 #: float32 magnitudes from this one on (bits 0x7F7F8000) round to bfloat16 Inf.
 BFLOAT16_INF_FROM = float(np.array(0x7F7F8000, np.uint32).view(np.float32))
@@ -64,9 +69,8 @@ def _int8_encode(x: np.ndarray) -> np.ndarray:
     padded = np.zeros(groups * GROUP, np.float32)
     padded[:k] = x
     g = padded.reshape(groups, GROUP)
-    top = np.maximum(g.max(axis=1), -g.min(axis=1))  # NaN when the group holds one
-    inv = np.zeros(groups, np.float32)
-    np.divide(np.float32(127), top, out=inv, where=top > 0)
+    top = np.maximum(np.maximum(g.max(axis=1), -g.min(axis=1)), INT8_TINY)  # NaN stays
+    inv = np.float32(127) / top
     out = np.zeros(units(k, "int8"), np.uint16)
     q, scale = _int8_parts(out, k)
     scale[...] = top / np.float32(127)
@@ -83,8 +87,8 @@ def encode(x: np.ndarray, codec: str) -> np.ndarray:
     """``x`` (float32/64) → ``uint16`` codes. bfloat16 rounds to nearest, ties to even;
     float16 turns values beyond 65504 into Inf (callers check for overflow first); int8
     rounds ``x * (127 / top)`` to the nearest integer (ties to even), ``top``
-    the largest magnitude of the value's group; a group holding NaN or Inf decodes to
-    NaN or Inf."""
+    the largest magnitude of the value's group (at least :data:`INT8_TINY`); a group
+    holding NaN or Inf decodes to NaN or Inf."""
     if codec == "int8":
         with np.errstate(invalid="ignore", over="ignore"):
             return _int8_encode(np.asarray(x, np.float32))
@@ -208,9 +212,9 @@ class Codec:
             np.max(mag[:cut].reshape(full, GROUP), axis=1, out=tops[:full])
         if full < groups:
             tops[full] = mag[cut:].max()
+        np.maximum(top, INT8_TINY, out=top)
         np.divide(top, np.float32(127), out=scale)
-        inv[...] = 0
-        np.divide(np.float32(127), top, out=inv, where=top > 0)
+        np.divide(np.float32(127), top, out=inv)
         if full:
             np.multiply(x[:cut].reshape(full, GROUP), inv[:full, None],
                         out=f[:cut].reshape(full, GROUP))
