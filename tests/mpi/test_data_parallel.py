@@ -94,8 +94,9 @@ def test_one_allreduce_per_step_and_one_bcast_for_init(comm):
     counting = CountingComm(comm)
     model = nn.mlp(6, (10,), 3, dtype=np.float32).init_(0)
     dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), counting)
-    # the arguments agreed, the initial broadcast, the node layout (node-aware or not)
-    layout = ["Split_type", "Allreduce"] if comm.size > 1 else []
+    # the arguments agreed, the initial broadcast, the node layout (node-aware or not: the
+    # testing variable MPIDP_RANKS_PER_NODE agreed on, the node split, the verdict)
+    layout = ["Allreduce", "Split_type", "Allreduce"] if comm.size > 1 else []
     all_ranks(comm, counting.calls == ["Allreduce", "Bcast", *layout],
               f"init made {counting.calls}")
     counting.calls.clear()
