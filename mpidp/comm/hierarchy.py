@@ -86,6 +86,11 @@ class NodeAllreduce:
         self._leader_array = self._sum.array_of(0)
         self._sleep = (0.0, 0.0)  # longest sleeps waiting for the node, for the leader
 
+    def free(self) -> None:
+        """Release the shared-memory window (:attr:`array` with it; the node's
+        communicators are shared, see :func:`node_split`). Collective; idempotent."""
+        self._sum.free()
+
     def describe(self) -> str:
         """One line for people: the layout this reduction works on."""
         return (f"node-aware reduction: {self.nodes} node(s), up to {self.most_per_node} "

@@ -86,16 +86,30 @@ def split_off(comm: Comm, rank: int) -> Comm | None:
     return None if sub == MPI.COMM_NULL else sub
 
 
+_node_splits: list[tuple[weakref.ref, tuple[int, int], tuple[Comm, Comm | None]]] = []
+
+
 @watched("a Comm.Split")
 def node_split(comm: Comm, first: int = 0) -> tuple[Comm, Comm | None]:
     """``(node, leaders)``: the ranks of ``comm`` that share this rank's node (shared
     memory), with ``first`` as rank 0 of its node (elsewhere the lowest rank), and, on each
     node's rank 0 only, a communicator of those node leaders (``first``'s node leader is
-    its rank 0; None on the other ranks). Collective."""
+    its rank 0; None on the other ranks). Collective (one small ``Allreduce`` once made).
+
+    Made on the first call for ``comm`` and ``first``, the same pair on every later call
+    while ``comm`` lives (as :func:`companion`), so trainers built again and again on one
+    communicator do not use up the library's communicators; never free them."""
+    per_node = _forced_per_node(comm)
+    for ref, key, pair in _node_splits:
+        if ref() is comm and key == (first, per_node):
+            return pair
     key = -1 if comm.rank == first else comm.rank
-    node = _node(comm, key)
+    node = _node(comm, key, per_node)
     leaders = comm.Split(0 if node.rank == 0 else MPI.UNDEFINED, key=key)
-    return node, (leaders if node.rank == 0 else None)
+    pair = (node, leaders if node.rank == 0 else None)
+    _node_splits[:] = [e for e in _node_splits if e[0]() is not None]
+    _node_splits.append((weakref.ref(comm), (first, per_node), pair))
+    return pair
 
 
 #: Testing the node-aware paths on one host: ``MPIDP_RANKS_PER_NODE=k`` makes every block
@@ -122,9 +136,10 @@ def _forced_per_node(comm: Comm) -> int:
     return high
 
 
-def _node(comm: Comm, key: int) -> Comm:
-    """The ranks of ``comm`` on this rank's node, ordered by ``key``. Collective."""
-    per_node = _forced_per_node(comm)
+def _node(comm: Comm, key: int, per_node: int | None = None) -> Comm:
+    """The ranks of ``comm`` on this rank's node, ordered by ``key`` (``per_node``: what
+    :func:`_forced_per_node` said, when already asked). Collective."""
+    per_node = _forced_per_node(comm) if per_node is None else per_node
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
     if not per_node or node.size != comm.size:  # several real nodes: it cannot cut finer
         return node

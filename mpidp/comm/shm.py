@@ -70,6 +70,16 @@ class SharedCounter:
         self._win.Free()
 
 
+def _free_window(owner) -> bool:
+    """Free ``owner._win`` (locked with ``Lock_all``) once; True when this call freed it."""
+    win, owner._win = owner._win, None
+    if win is None:
+        return False
+    win.Unlock_all()
+    win.Free()
+    return True
+
+
 class SharedReduce:
     """Sum a 1-D array over the ranks of one node into ``root``'s copy, through shared memory.
 
@@ -95,6 +105,11 @@ class SharedReduce:
     def array_of(self, rank: int) -> np.ndarray:
         """Rank ``rank``'s ``(n,)`` array (readable by every rank of the node)."""
         return self._arrays[rank]
+
+    def free(self) -> None:
+        """Release the window; its arrays must not be touched again. Collective;
+        idempotent."""
+        _free_window(self)
 
     def fence(self, longest_sleep: float = 0.0) -> None:
         """Make every rank's writes visible to all, and wait for the node. Collective.
@@ -149,6 +164,12 @@ class SharedBroadcast:
         self._win.Lock_all(MPI.MODE_NOCHECK)
         self._empty = np.empty(0, np.uint8)
         self._sent: list[MPI.Request] = []
+
+    def free(self) -> None:
+        """Release the window and its communicator; :attr:`array` must not be touched
+        again. Collective; idempotent (after :meth:`finish`)."""
+        if _free_window(self):
+            self.comm.Free()
 
     def publish(self) -> None:
         """On ``root``: the next piece of ``array`` is final; let every rank copy it."""

@@ -221,3 +221,7 @@ class Auto(Sync):
     def close(self) -> None:
         for c in getattr(self, "candidates", ()):
             c.close()
+
+    def free(self) -> None:
+        for c in getattr(self, "candidates", ()):  # the first one's buffer is everyone's
+            c.free()

@@ -115,6 +115,7 @@ class DataParallel:
             model.use_param_buffer(bufs.params)
         self.buf = bufs.grads
         self._on_layer_done = self.sync.on_layer_done()
+        self.closed = False
 
     def _reduce_sum(self, a: np.ndarray) -> np.ndarray:
         """A layer's sum over the replicas (batch norm's statistics), inside forward or
@@ -124,6 +125,27 @@ class DataParallel:
         self.layer_sums_s += time.perf_counter() - t
         self.layer_sums += 1
         return a
+
+    def close(self) -> None:
+        """Release what the strategy holds (threads, shared-memory windows) once training
+        with this trainer is over; the model keeps its parameters and gradients, moved
+        into its own memory. Collective; idempotent. Also on leaving a ``with`` block:
+        a program that builds trainer after trainer (a sweep, folds) should close each."""
+        if self.closed:
+            return
+        model = self.model
+        self.buf = self.buf.copy()  # out of any window the strategy frees
+        model.use_grad_buffer(self.buf)
+        model.use_param_buffer(model.params.copy())
+        self.sync.close()
+        self.sync.free()
+        self.closed = True
+
+    def __enter__(self) -> DataParallel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def sync_params(self, how: str = "bcast") -> None:
         """Make every rank's parameters (and layer state) equal ``root``'s (``bcast``) or
@@ -207,6 +229,8 @@ class DataParallel:
         totals when they synchronise; ``last_of_epoch`` makes them synchronise now).
         ``index`` ``(n_local,)``: the rows' global positions in the training set, which
         keys dropout masks (:func:`fit` passes them; a loop of your own must, for dropout)."""
+        if self.closed:
+            raise C.MpidpError("this DataParallel is closed: build a new one to train again")
         buf, n = self.buf, self.model.n_params
         add = self.sync.accumulating()  # gradient accumulation: add to the buffer's sums
         ctx = self.model.context

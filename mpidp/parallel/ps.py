@@ -82,6 +82,14 @@ class ParameterServer(Sync):
         # the node leader's parameters are what its node copies
         return Buffers(self.buf, self.shared.array if node.rank == 0 else None)
 
+    def free(self) -> None:
+        if self.shared is not None:
+            self.shared.finish()
+            self.shared.free()
+            self.gather.free()
+            self.shared = self.gather = None
+        super().free()
+
     def exchange(self, r: Round) -> Exchanged:
         comm, root, buf, n = self.comm, self.root, self.buf, self.n
         verdict = np.zeros(len(_VERDICT), np.float64)

@@ -189,6 +189,14 @@ class Sync:
     def close(self) -> None:
         """Release what the strategy holds beyond its buffers (threads); idempotent."""
 
+    def free(self) -> None:
+        """Release the buffers that live outside this process's own memory (shared-memory
+        windows), after :meth:`close`: the strategy is not used again, and nothing may
+        hold its buffers any more. Collective; idempotent."""
+        if getattr(self, "hierarchy", None) is not None:
+            self.hierarchy.free()
+            self.hierarchy = None
+
     def exchange(self, r: Round) -> Exchanged:
         """Communicate; returns the global sums (the trainer judges them). Collective."""
         with self.timer.communicate(self.name, bytes=int(self.buf.nbytes)):

@@ -154,3 +154,26 @@ def test_sums_stay_exact_when_ranks_sleep_while_their_leader_exchanges(comm):
     from mpidp.comm.hierarchy import LONGEST_SLEEP
     waits_long = h.node.rank != 0 and comm.rank // 2 != last  # >= 0.1 s each step
     all_ranks(comm, not waits_long or slept[-1] == LONGEST_SLEEP, f"rank {comm.rank}: {slept}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sync, trainers", [(lambda: make_sync("allreduce", node_aware=True), 2100),
+                                            (lambda: make_sync("ps"), 700)])
+def test_trainers_built_again_and_again_and_closed_never_run_out_of_communicators(
+        comm, sync, trainers):
+    """A sweep's loop: each trainer's node communicators are shared, its shared-memory
+    windows freed by ``close`` (MPICH has 2048 communicators; one leaked per trainer would
+    run out), and its model keeps its values and stays usable."""
+    rng, ok = np.random.default_rng(comm.rank), True
+    for _ in range(trainers):
+        model = nn.mlp(6, (10,), 3, dtype=np.float64).init_(0)
+        with mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,
+                                sync=sync(), watchdog=0) as dp:
+            dp.step(rng.standard_normal((4, 6)), rng.integers(0, 3, 4))
+            params, grads = model.params.copy(), model.grads.copy()
+        ok = ok and np.array_equal(model.params, params) and np.array_equal(model.grads, grads)
+    model.forward(rng.standard_normal((2, 6)))
+    all_ranks(comm, ok, f"rank {comm.rank}: a model changed when its trainer closed")
+    raises_everywhere(comm, mpidp.MpidpError, lambda: dp.step(np.zeros((1, 6)), np.zeros(1, int)),
+                      "closed")
