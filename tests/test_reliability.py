@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -293,3 +295,34 @@ def test_shm_room_reads_the_free_space(tmp_path):
     from mpidp import comm as C
     assert C.shm_room(0, str(tmp_path)) and not C.shm_room(1 << 62, str(tmp_path))
     assert C.shm_room(1 << 62, str(tmp_path / "missing"))  # no such mount: not our call
+
+
+OUT_HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_job_into_the_same_out_is_refused_and_writes_nothing(tmp_path):
+    """Two jobs would truncate and interleave each other's history.jsonl: while one holds
+    --out (a lock on the folder itself), another is refused on every rank, exit 2."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("kept")
+    p = subprocess.Popen([sys.executable, "-c", OUT_HOLDER, str(out)], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        r = _train(2, out)
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert f"--out {out} is in use by another mpidp job" in r.stderr
+        assert sorted(os.listdir(out)) == ["mine.txt"]
+    finally:
+        p.kill()
+        p.wait()
+    r = _train(1, out)  # the holder gone, the folder is free again
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "history.jsonl" in os.listdir(out) and not (out / ".lock").exists()

@@ -16,7 +16,7 @@ import math
 import os
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +43,7 @@ from ..run import checkpoint as ck
 from ..run import faults, memory
 from ..run.checkpoint import restore, write_atomic
 from ..run.early_stopping import EarlyStopping, ReduceOnPlateau
-from ..run.folders import clean_stale_tmp
+from ..run.folders import clean_stale_tmp, hold_folder
 from ..run.signals import StopSignals
 from ..run.spec import Checkpointing, RunSpec
 from . import config as config_file
@@ -132,27 +132,37 @@ def resumed(comm: C.Comm, args: argparse.Namespace, config: dict, found):
 
 @contextmanager
 def claimed(comm: C.Comm, args: argparse.Namespace, config: dict):
-    """Hold ``--checkpoint-dir`` for this run (rank 0 locks it; see
-    :func:`mpidp.run.checkpoint.claim`) and record the data's fingerprint in ``config``.
-    Yields the run id (None without checkpoints). Collective."""
-    if not args.checkpoint_dir:
-        yield None
-        return
+    """Hold ``--out`` (rank 0 locks the folder, so two jobs never write one) and
+    ``--checkpoint-dir`` for this run (see :func:`mpidp.run.checkpoint.claim`), and record
+    the data's fingerprint in ``config``. Yields the run id (None without checkpoints).
+    Collective."""
     held: dict = {}
 
-    def take() -> str:
+    def take() -> str | None:
+        held["made"] = not os.path.isdir(args.out)  # removed again if nothing is written
+        os.makedirs(args.out, exist_ok=True)
+        held["out"] = hold_folder(args.out, "--out")
+        if not args.checkpoint_dir:
+            return None
         held["claim"] = ck.claim(args.checkpoint_dir, uuid.uuid4().hex, resume=args.resume,
                                  restart=args.restart)
         return held["claim"].run_id
 
-    run_id = C.root_decides(comm, take)
-    config["data_fingerprint"] = D.data_fingerprint(  # all of its bytes, ranks sharing
-        comm, args.dataset, together=args.distribute == "local" and O.mode_of(args) != "async-ps")
     try:
+        run_id = C.root_decides(comm, take)
+        if args.checkpoint_dir:
+            config["data_fingerprint"] = D.data_fingerprint(  # all of its bytes, ranks sharing
+                comm, args.dataset,
+                together=args.distribute == "local" and O.mode_of(args) != "async-ps")
         yield run_id
     finally:
         if "claim" in held:
             held["claim"].release()
+        if held.get("out") is not None:
+            os.close(held["out"])
+        if held.get("made"):
+            with suppress(OSError):  # only when it is still empty
+                os.rmdir(args.out)
 
 
 def _load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.Data:

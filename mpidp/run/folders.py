@@ -148,6 +148,27 @@ def lock_folder(directory: str) -> int:
     return fd
 
 
+def hold_folder(directory: str, option: str) -> int | None:
+    """Take an ``flock`` on the folder ``directory`` itself (no file is left in it) for this
+    process; returns its descriptor (close it to let go), or None where the filesystem
+    has no such locks. Raises ValueError naming ``option`` if another job holds it."""
+    import fcntl
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"{option} {directory} is in use by another mpidp job: wait for it "
+                         f"to finish, or give this run another {option}") from None
+    except OSError:  # no locks on this filesystem (or not on folders)
+        os.close(fd)
+        return None
+    return fd
+
+
 def _write_record(fd: int, record: dict | None) -> None:
     os.ftruncate(fd, 0)
     if record is not None:
