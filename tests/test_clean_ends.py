@@ -430,6 +430,7 @@ def test_async_staleness_counts_only_applied_pushes(tmp_path):
     (["--momentum", "nan"], "argument --momentum: must be a number >= 0 and < 1, got nan"),
     (["--weight-decay", "-100"], "argument --weight-decay: must be a finite number >= 0"),
     (["--bucket-mb", "inf"], "argument --bucket-mb: must be a finite number > 0, got inf"),
+    (["--bucket-mb", "1e-300"], "argument --bucket-mb: must be at least one byte"),
     (["--ps-chunk-mb", "inf"], "argument --ps-chunk-mb: must be a finite number > 0"),
     (["--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
     (["--hidden", ",,"], "an mlp needs at least one hidden layer"),

@@ -136,6 +136,15 @@ def _positive(kind):
     return _number(kind, 0, low_open=True)
 
 
+def _mebibytes(text: str) -> float:
+    """A size in MiB: a finite number > 0 that is at least one byte."""
+    value = _positive(float)(text)
+    if value * 2**20 < 1:
+        raise argparse.ArgumentTypeError(f"must be at least one byte (2^-20 = 9.5e-07 MiB), "
+                                         f"got {text}")
+    return value
+
+
 def _non_negative(kind):
     return _number(kind, 0)
 
@@ -373,9 +382,9 @@ def _add_sync(p: argparse.ArgumentParser) -> None:
                    help="ps: within each node that runs several ranks, gradients and "
                    "parameters go through MPI shared memory and node leaders relay over MPI "
                    "(shared), or always Reduce_scatter + Gatherv and Bcast (mpi)")
-    g.add_argument("--ps-chunk-mb", type=_positive(float), default=1.0,
+    g.add_argument("--ps-chunk-mb", type=_mebibytes, default=1.0,
                    help="ps (shared): the server ships its update in pieces of this many MiB")
-    g.add_argument("--bucket-mb", type=_positive(float), default=1.0,
+    g.add_argument("--bucket-mb", type=_mebibytes, default=1.0,
                    help="overlapped, compressed: bucket size in MiB (auto also tries a quarter of "
                    "the gradient)")
     g.add_argument("--overlap-progress", choices=("test", "thread"), default="test",

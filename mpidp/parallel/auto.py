@@ -105,7 +105,7 @@ class Auto(Sync):
     def describe(self) -> str | None:
         plain = self.candidates[0].describe()
         if len(self.candidates) == 1:
-            return plain
+            return "; ".join(filter(None, [self.report, plain]))
         return "; ".join(filter(None, [f"auto: trying {', '.join(self.labels)}", plain]))
 
     def refuses(self, model) -> str | None:
@@ -178,9 +178,10 @@ class Auto(Sync):
             if nxt is None and self.steps > WARMUP and self.finalists is None:
                 medians, _ = self._medians()
                 best = float(np.min(medians))
-                self.finalists = [i for i, t in enumerate(medians) if t <= best * (1 + CLOSE)]
+                self.finalists = [i for i, t in enumerate(medians)
+                                  if np.isfinite(t) and t <= best * (1 + CLOSE)]
                 if len(self.finalists) < 2:
-                    self.finalists = []  # a clear winner
+                    self.finalists = []  # a clear winner, or nothing timed to run off
                 nxt = self._trial()
             if nxt is None and self.steps > WARMUP:
                 self._decide()
@@ -199,7 +200,8 @@ class Auto(Sync):
 
     def _decide(self) -> None:
         medians, comm_s = self._medians()
-        best = int(np.argmin(medians))
+        among = self.finalists or list(range(len(medians)))  # a run-off decides among its own
+        best = among[int(np.argmin(medians[among]))]
         self.choice = self.current = self.candidates[best]
         for i, c in enumerate(self.candidates):
             if i != best:
@@ -213,8 +215,15 @@ class Auto(Sync):
         names = [self.labels[i] for i in self.finalists or ()]
         run_off = (f", then of {', '.join(names[:-1])} and {names[-1]} (within {CLOSE:.0%}) "
                    f"on steps {end + 1}-{end + TRIALS * len(names)}" if names else "")
-        self.report = (f"auto: {self.labels[best]}, the fastest on steps {WARMUP + 1}-{end}"
-                       f"{run_off} (steps/s: {rates}{link})")
+        untimed = [label for label, t in zip(self.labels, medians) if not np.isfinite(t)]
+        if len(untimed) == len(self.labels):
+            self.report = (f"auto: {self.labels[best]}, as no trial step could be timed (each "
+                           "was next to an epoch's end: too few steps per epoch)")
+        else:
+            self.report = (f"auto: {self.labels[best]}, the fastest on steps {WARMUP + 1}-{end}"
+                           f"{run_off} (steps/s: {rates}{link})"
+                           + (f"; not timed (next to an epoch's end): {', '.join(untimed)}"
+                              if untimed else ""))
         if self.comm.rank == self.root:
             print(f"mpidp: {self.report}", file=sys.stderr, flush=True)
 

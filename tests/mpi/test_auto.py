@@ -74,7 +74,7 @@ def test_the_slowest_rank_decides(comm):
     times[-1] = 0.5 if comm.rank == 0 else 0.6  # everyone's second best
     if comm.size >= k:
         times[-1] = 0.55
-    sync.times, sync.choice = [[t] for t in times], None
+    sync.times, sync.choice, sync.finalists = [[t] for t in times], None, None
     sync._decide()
     worst = np.max(comm.allgather(times), axis=0)
     all_ranks(comm, sync.choice is sync.candidates[int(np.argmin(worst))],
@@ -112,3 +112,29 @@ def test_near_equals_run_off_before_the_choice(comm):
     after_round_one(clear)
     all_ranks(comm, sync.finalists == [] and sync.choice is sync.candidates[1]
               and "then of" not in sync.report, sync.report)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_run_off_picks_among_its_finalists_and_untimed_candidates_are_named(comm):
+    """One left out of the run-off never wins it, even where the finalists' medians grow
+    past its own; a run too short to time any step says so in its line."""
+    X, y, rows = _data(comm)
+    sync = make_sync("auto")
+    _train(comm, X[rows], y[rows], sync, epochs=1)
+    k = len(sync.candidates)
+    times = [[0.8] * A.TRIALS for _ in range(k)]
+    times[1], times[-1] = [0.5] * A.TRIALS, [0.52] * A.TRIALS
+    sync.times, sync.finalists, sync.choice = times, [1, k - 1], None
+    for j in (1, k - 1):  # the run-off's steps were slow
+        sync.times[j] = sync.times[j] + [9.0] * (A.TRIALS + 1)
+    sync._decide()
+    all_ranks(comm, sync.choice is sync.candidates[1], sync.report)
+    sync.times, sync.finalists, sync.choice = [[] for _ in range(k)], [], None
+    sync.times[0] = [0.3]
+    sync._decide()
+    all_ranks(comm, sync.choice is sync.candidates[0] and "not timed" in sync.report
+              and sync.labels[1] in sync.report, sync.report)
+    sync.times, sync.choice = [[] for _ in range(k)], None
+    sync._decide()
+    all_ranks(comm, sync.choice is sync.candidates[0] and "could be timed" in sync.report,
+              sync.report)
