@@ -32,6 +32,7 @@ VALUES: dict[str, list[str]] = {
     "ps_chunk_mb": ["--ps-chunk-mb", "2"],
     "bucket_mb": ["--bucket-mb", "2"],
     "compress": ["--compress", "float16"],
+    "sync": ["--sync", "overlapped"],
     "node_aware": ["--node-aware", "on"],
     "overlap_progress": ["--overlap-progress", "thread"],
     "sync_every": ["--sync-every", "2"],
@@ -327,3 +328,17 @@ def test_the_trainer_kinds_come_from_one_list():
     assert not set(choices["sync"].choices) & set(PIPELINED)
     assert options.MODEL_PARALLEL == PIPELINED and set(PIPELINED) <= set(MODES)
     assert f"pipelines of {HYBRID_STAGES} stages" in choices["parallel"].help
+
+
+def test_compress_is_refused_for_auto_in_float64_where_compression_is_never_tried():
+    out = _check(["--sync", "auto", "--dtype", "float64", "--compress", "int8"])
+    assert out == ["--compress does not apply to --sync auto with --dtype float64: auto tries "
+                   "compression for float32 models only"]
+    assert _check(["--sync", "auto", "--compress", "int8"]) == []
+    assert _check(["--sync", "compressed", "--dtype", "float64", "--compress", "int8"]) == []
+
+
+def test_sync_is_refused_for_the_model_parallel_modes():
+    for mode in ("pipeline", "hybrid"):
+        out = _check(["--parallel", mode, "--sync", "auto"])
+        assert any(m.startswith(f"--sync does not apply to --parallel {mode}") for m in out), out

@@ -27,6 +27,8 @@ DATA = frozenset((*SYNC_MODES, "async-ps"))  # every rank (or worker) holds a sh
 
 #: option (argparse dest) -> the modes it applies to, and why not elsewhere.
 TABLE: dict[str, tuple[frozenset, str]] = {
+    "sync": (DATA, "a pipeline (and each of hybrid's pipelines) exchanges what its stages "
+             "need by itself: there is no gradient exchange to choose"),
     "distribute": (DATA, "every pipeline stage reads the whole training set"),
     "init_sync": (frozenset(SYNC_MODES), "the initial parameters are set by the mode itself"),
     "partition": (DATA, "pipeline stages all see the whole batch"),
@@ -141,6 +143,9 @@ DEPENDS: dict[str, tuple[Needs, ...]] = {
                         "--copy-data does not apply to --distribute {distribute}: only local "
                         "reads can map rows from the file"),),
     "trace_steps": (Needs(lambda s: bool(s.get("trace")), "--trace-steps needs --trace"),),
+    "compress": (Needs(lambda s: s.get("sync") != "auto" or s.get("dtype") != "float64",
+                       "--compress does not apply to --sync auto with --dtype float64: auto "
+                       "tries compression for float32 models only"),),
 }
 
 
