@@ -15,8 +15,9 @@ should not decide between near equals). The candidates:
 
 Every exact candidate gives the same sums up to rounding order, so the trial steps are
 ordinary training steps; a float32 model's compressed trials round their gradients, as
-``compressed`` does. The choice is not checkpointed: a resumed run tries again. The choice and the figures behind it are in :attr:`Auto.report`
-(one line), with the link's bandwidth as the allreduce steps saw it.
+``compressed`` does. The choice is not checkpointed: a resumed run tries again. The
+choice and the figures behind it are in :attr:`Auto.report` (one line), with the link's
+bandwidth as the allreduce steps saw it.
 """
 
 from __future__ import annotations
