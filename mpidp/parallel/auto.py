@@ -8,7 +8,8 @@ same step. Where others come within :data:`CLOSE` of the fastest, those train
 should not decide between near equals). The candidates:
 
 * ``allreduce`` (node-aware where ranks share nodes, see :class:`mpidp.parallel.sync.Sync`),
-* ``overlapped`` with two bucket sizes: the one asked for and a quarter of the gradient,
+* ``overlapped`` with two bucket sizes: the one asked for and a quarter of the gradient
+  (at least 64 KiB; one candidate where both cut the same buckets),
 * ``compressed`` with error feedback, in bfloat16 and in int8 (or only the codec asked
   for), only for float32 models: a float64 model asks for the exact arithmetic, which
   compressed gradients do not give.
@@ -32,7 +33,7 @@ from .. import comm as C
 from ..nn import Optimizer
 from .compress import CODECS, Compressed
 from .layer_needs import refuses_model
-from .overlap import Overlapped
+from .overlap import Overlapped, layer_buckets
 from .sync import Buffers, Exchanged, Round, Setup, Sync
 
 WARMUP = 2  # allreduce steps before the trials: first steps pay page faults and caches
@@ -77,8 +78,13 @@ class Auto(Sync):
         self.candidates: list[Sync] = [plain]
         if s.comm.size > 1:
             grad_bytes = self.n * self.buf.itemsize
-            sizes = sorted({self.bucket_bytes, max(1 << 16, grad_bytes // 4)})
+            sizes, layouts = sorted({self.bucket_bytes, max(1 << 16, grad_bytes // 4)}), set()
             for size in sizes:
+                layout = tuple(layer_buckets(s.model.layer_ranges, self.buf.size,
+                                             self.buf.itemsize, size))
+                if layout in layouts:  # the same buckets: the same strategy, tried once
+                    continue
+                layouts.add(layout)
                 self.candidates.append(Overlapped(size, progress=self.overlap_progress))
                 self.labels.append(f"overlapped ({size / 2**20:.2g} MiB buckets)")
             for codec in (self.codec,) if self.codec else ("bfloat16", "int8"):

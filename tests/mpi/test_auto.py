@@ -66,7 +66,7 @@ def test_auto_tries_compression_for_float32_and_keeps_replicas_identical(comm):
 def test_the_slowest_rank_decides(comm):
     """Each rank finds a different candidate fastest; the max over ranks picks one for all."""
     X, y, rows = _data(comm)
-    sync = make_sync("auto")
+    sync = make_sync("auto", bucket_bytes=64)  # per layer and one bucket: 3 candidates
     _train(comm, X[rows], y[rows], sync, epochs=1)
     k = len(sync.candidates)
     times = np.full(k, 1.0)
@@ -86,7 +86,7 @@ def test_near_equals_run_off_before_the_choice(comm):
     """Candidates within CLOSE of the fastest train TRIALS more steps each, in turns; a
     clear winner is chosen at once."""
     X, y, rows = _data(comm)
-    sync = make_sync("auto")
+    sync = make_sync("auto", bucket_bytes=64)  # per layer and one bucket: 3 candidates
     _train(comm, X[rows], y[rows], sync, epochs=1)
     k = len(sync.candidates)
 
@@ -119,7 +119,7 @@ def test_the_run_off_picks_among_its_finalists_and_untimed_candidates_are_named(
     """One left out of the run-off never wins it, even where the finalists' medians grow
     past its own; a run too short to time any step says so in its line."""
     X, y, rows = _data(comm)
-    sync = make_sync("auto")
+    sync = make_sync("auto", bucket_bytes=64)  # per layer and one bucket: 3 candidates
     _train(comm, X[rows], y[rows], sync, epochs=1)
     k = len(sync.candidates)
     times = [[0.8] * A.TRIALS for _ in range(k)]
@@ -138,3 +138,15 @@ def test_the_run_off_picks_among_its_finalists_and_untimed_candidates_are_named(
     sync._decide()
     all_ranks(comm, sync.choice is sync.candidates[0] and "could be timed" in sync.report,
               sync.report)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bucket_sizes_that_cut_the_same_buckets_are_one_candidate(comm):
+    """This model's gradient is far below 64 KiB: 1 MiB and a quarter of it (64 KiB at
+    least) both make one bucket, so overlapped is tried once, with the size asked for."""
+    X, y, rows = _data(comm)
+    sync = make_sync("auto", bucket_bytes=1 << 20)
+    _train(comm, X[rows], y[rows], sync, epochs=1)
+    overlapped = [label for label in sync.labels if label.startswith("overlapped")]
+    all_ranks(comm, len(overlapped) == 1 and len(sync.times) == len(sync.candidates),
+              f"{sync.labels}")
