@@ -541,6 +541,8 @@ def _train_data_parallel(job: _Job) -> dict | None:
     metrics = job.metrics(history, dp.model.n_params, dp.global_step, timings)
     metrics.update(skipped_steps=dp.skipped_steps + extra.get("async", {}).get("skipped", 0),
                    sync=args.sync, balance=extra.pop("balance", None), **extra,
+                   **({"auto": dp.sync.report or "still trying when the run ended"}
+                      if args.sync == "auto" else {}),
                    bytes_sent_per_step=dp.sync.bytes_sent / max(dp.global_step, 1),
                    scores=scores, best=job.best.summary() if job.best else None)
     return finish(comm, args, metrics, dp.model, data, "bit-identical (checked)")
