@@ -298,17 +298,17 @@ def test_shm_room_reads_the_free_space(tmp_path):
 
 
 OUT_HOLDER = """
-import fcntl, os, sys, time
-fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
-fcntl.flock(fd, fcntl.LOCK_EX)
-print("held", flush=True)
+import sys, time
+from mpidp.run.folders import hold_folder
+held = hold_folder(sys.argv[1], "--out")
+print("held" if held is not None else "no lock", flush=True)
 time.sleep(120)
 """
 
 
 def test_a_second_job_into_the_same_out_is_refused_and_writes_nothing(tmp_path):
     """Two jobs would truncate and interleave each other's history.jsonl: while one holds
-    --out (a lock on the folder itself), another is refused on every rank, exit 2."""
+    --out (a lock on its path), another is refused on every rank, exit 2."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "mine.txt").write_text("kept")

@@ -16,7 +16,7 @@ import math
 import os
 import time
 import uuid
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,15 +132,13 @@ def resumed(comm: C.Comm, args: argparse.Namespace, config: dict, found):
 
 @contextmanager
 def claimed(comm: C.Comm, args: argparse.Namespace, config: dict):
-    """Hold ``--out`` (rank 0 locks the folder, so two jobs never write one) and
+    """Hold ``--out`` (rank 0 locks its path, so two jobs on a host never write one) and
     ``--checkpoint-dir`` for this run (see :func:`mpidp.run.checkpoint.claim`), and record
     the data's fingerprint in ``config``. Yields the run id (None without checkpoints).
     Collective."""
     held: dict = {}
 
     def take() -> str | None:
-        held["made"] = not os.path.isdir(args.out)  # removed again if nothing is written
-        os.makedirs(args.out, exist_ok=True)
         held["out"] = hold_folder(args.out, "--out")
         if not args.checkpoint_dir:
             return None
@@ -160,9 +158,6 @@ def claimed(comm: C.Comm, args: argparse.Namespace, config: dict):
             held["claim"].release()
         if held.get("out") is not None:
             os.close(held["out"])
-        if held.get("made"):
-            with suppress(OSError):  # only when it is still empty
-                os.rmdir(args.out)
 
 
 def _load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.Data:

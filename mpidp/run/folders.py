@@ -149,12 +149,19 @@ def lock_folder(directory: str) -> int:
 
 
 def hold_folder(directory: str, option: str) -> int | None:
-    """Take an ``flock`` on the folder ``directory`` itself (no file is left in it) for this
-    process; returns its descriptor (close it to let go), or None where the filesystem
-    has no such locks. Raises ValueError naming ``option`` if another job holds it."""
+    """Take this host's lock on the folder path ``directory`` for this process (an
+    ``flock`` on a file named after its absolute path in the system's temporary folder, so
+    nothing is written to ``directory`` and it need not exist yet); returns its descriptor
+    (close it to let go), or None where no lock can be taken. Raises ValueError naming
+    ``option`` if another job on this host holds it."""
     import fcntl
+    import hashlib
+    import tempfile
+    key = hashlib.sha256(os.path.realpath(directory).encode()).hexdigest()[:32]
+    folder = os.path.join(tempfile.gettempdir(), "mpidp-folder-locks")
     try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        os.makedirs(folder, mode=0o1777, exist_ok=True)
+        fd = os.open(os.path.join(folder, f"{key}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
     except OSError:
         return None
     try:
@@ -163,7 +170,7 @@ def hold_folder(directory: str, option: str) -> int | None:
         os.close(fd)
         raise ValueError(f"{option} {directory} is in use by another mpidp job: wait for it "
                          f"to finish, or give this run another {option}") from None
-    except OSError:  # no locks on this filesystem (or not on folders)
+    except OSError:  # no locks there
         os.close(fd)
         return None
     return fd
