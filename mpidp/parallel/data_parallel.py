@@ -232,6 +232,7 @@ class DataParallel:
         if self.closed:
             raise C.MpidpError("this DataParallel is closed: build a new one to train again")
         buf, n = self.buf, self.model.n_params
+        self.sync.step_begins()
         add = self.sync.accumulating()  # gradient accumulation: add to the buffer's sums
         ctx = self.model.context
         ctx.training, ctx.step = True, self.global_step

@@ -182,6 +182,10 @@ class Sync:
         """A line for the run's header about how this strategy exchanges, or None."""
         return None if self.hierarchy is None else self.hierarchy.describe()
 
+    def step_begins(self) -> None:
+        """Before every step's forward pass (a strategy that times its steps, ``auto``,
+        starts its clock here, so work between steps is not charged to any of them)."""
+
     def step_done(self) -> None:
         """After every step, updated or not (a strategy that measures itself, ``auto``).
         Collective where a strategy decides something."""
