@@ -16,7 +16,9 @@ should not decide between near equals). The candidates:
 
 Every exact candidate gives the same sums up to rounding order, so the trial steps are
 ordinary training steps; a float32 model's compressed trials round their gradients, as
-``compressed`` does. The choice is not checkpointed: a resumed run tries again. The
+``compressed`` does. A float16 candidate whose gradients overflow is dropped (chosen
+already: ``allreduce`` takes over) and that step's gradients go by ``allreduce``: the
+run goes on. The choice is not checkpointed: a resumed run tries again. The
 choice and the figures behind it are in :attr:`Auto.report` (one line), with the link's
 bandwidth as the allreduce steps saw it.
 """
@@ -31,7 +33,7 @@ import numpy as np
 
 from .. import comm as C
 from ..nn import Optimizer
-from .compress import CODECS, Compressed
+from .compress import CODECS, FLOAT16_MAX, Compressed, Float16Overflow
 from .layer_needs import refuses_model
 from .overlap import Overlapped, layer_buckets
 from .sync import Buffers, Exchanged, Round, Setup, Sync
@@ -102,8 +104,9 @@ class Auto(Sync):
         self.labels = [self.labels[i] for i in keep]
         self.comm_s: list[float] = []  # the allreduce trials' exchange times
         self.times: list[list[float]] = [[] for _ in self.candidates]
-        self.steps, self._t0, self._last, self._after = 0, None, False, False
+        self.steps, self._t0, self._last = 0, None, False
         self.finalists: list[int] | None = None  # the run-off's candidates, once known
+        self.dropped: dict[int, int] = {}  # candidate -> the step it overflowed float16 at
         if len(self.candidates) == 1:
             self.choice = plain
             self.report = "auto: allreduce (one rank: nothing to exchange)"
@@ -145,10 +148,29 @@ class Auto(Sync):
     def exchange(self, r: Round) -> Exchanged:
         self._last = r.last_of_epoch
         t = perf_counter()
-        out = self.current.exchange(r)
+        try:
+            out = self.current.exchange(r)
+        except Float16Overflow:  # on every rank, the gradients untouched: another way
+            self._drop(r.step)
+            out = self.current.exchange(r)
         if self.choice is None and self._trial() == 0:
             self.comm_s.append(perf_counter() - t)
         return out
+
+    def _drop(self, step: int) -> None:
+        """The current candidate overflowed float16 at ``step``: never again; allreduce
+        exchanges this step (and, were it the choice, the rest of the run)."""
+        i = self.candidates.index(self.current)
+        self.dropped[i] = step
+        self.current = self.candidates[0]
+        if self.choice is not None:
+            self.choice = self.current
+            self.report += (f"; then {self.labels[i]} overflowed at step {step} (a gradient "
+                            f"beyond {FLOAT16_MAX:g}): allreduce from that step on")
+            if self.comm.rank == self.root:
+                print(f"mpidp: auto: {self.labels[i]} overflowed at step {step}; allreduce "
+                      "from now on", file=sys.stderr, flush=True)
+        self.candidates[i].close()
 
     def update(self, optimizer: Optimizer, count: int) -> None:
         self.current.update(optimizer, count)
@@ -179,8 +201,9 @@ class Auto(Sync):
         now = perf_counter()
         if self.choice is None:
             k = self._trial()
-            if k is not None and self._t0 is not None and not self._last and not self._after:
-                self.times[k].append(now - self._t0)  # a step around an epoch's end: no
+            timed = k is not None and k not in self.dropped and self._t0 is not None
+            if timed and not self._last:  # an epoch's last step is short: not timed
+                self.times[k].append(now - self._t0)
             self.steps += 1
             nxt = self._trial()
             if nxt is None and self.steps > WARMUP and self.finalists is None:
@@ -193,9 +216,13 @@ class Auto(Sync):
                 nxt = self._trial()
             if nxt is None and self.steps > WARMUP:
                 self._decide()
-            else:
-                self.current = self.candidates[0 if nxt is None else nxt]
-        self._after = self._last  # the next step also pays the epoch's evaluation
+            else:  # a dropped candidate's turns: allreduce, not timed
+                self.current = self.candidates[0 if nxt is None or nxt in self.dropped else nxt]
+        self._t0 = None  # a step is timed from its :meth:`step_begins`
+
+    def step_begins(self) -> None:
+        """Starts the step's clock: a step is timed from its forward pass to its update,
+        so what runs between steps (evaluation, checkpoints, logging) counts for none."""
         self._t0 = perf_counter()
 
     def _medians(self) -> tuple[np.ndarray, float]:
@@ -204,6 +231,7 @@ class Auto(Sync):
         medians = np.array([np.median(t) if t else np.inf for t in self.times]
                            + [np.median(self.comm_s) if self.comm_s else 0.0], np.float64)
         C.allreduce_(self.comm, medians, "max")  # the slowest rank's view decides
+        medians[list(self.dropped)] = np.inf  # never chosen, never in a run-off
         return medians[:-1], float(medians[-1])
 
     def _decide(self) -> None:
@@ -223,15 +251,18 @@ class Auto(Sync):
         names = [self.labels[i] for i in self.finalists or ()]
         run_off = (f", then of {', '.join(names[:-1])} and {names[-1]} (within {CLOSE:.0%}) "
                    f"on steps {end + 1}-{end + TRIALS * len(names)}" if names else "")
-        untimed = [label for label, t in zip(self.labels, medians) if not np.isfinite(t)]
-        if len(untimed) == len(self.labels):
+        untimed = [label for i, (label, t) in enumerate(zip(self.labels, medians))
+                   if not np.isfinite(t) and i not in self.dropped]
+        dropped = "".join(f"; {self.labels[i]} overflowed at step {step} (a gradient beyond "
+                          f"{FLOAT16_MAX:g}): dropped" for i, step in self.dropped.items())
+        if len(untimed) + len(self.dropped) == len(self.labels):
             self.report = (f"auto: {self.labels[best]}, as no trial step could be timed (each "
-                           "was next to an epoch's end: too few steps per epoch)")
+                           "was an epoch's last step: too few steps per epoch)")
         else:
             self.report = (f"auto: {self.labels[best]}, the fastest on steps {WARMUP + 1}-{end}"
                            f"{run_off} (steps/s: {rates}{link})"
-                           + (f"; not timed (next to an epoch's end): {', '.join(untimed)}"
-                              if untimed else ""))
+                           + (f"; not timed (each trial step an epoch's last): "
+                              f"{', '.join(untimed)}" if untimed else "")) + dropped
         if self.comm.rank == self.root:
             print(f"mpidp: {self.report}", file=sys.stderr, flush=True)
 

@@ -329,6 +329,12 @@ def _piece_length(size: int) -> int:
     return max(1, min(limit if size == 1 else size * (limit // size), size * PIECE))
 
 
+class Float16Overflow(C.MpidpError):
+    """A gradient, or a chunk's sum, beyond float16's 65504: raised on every rank by
+    :meth:`Compressed.reduce` before anything is decoded, so the gradient buffer still
+    holds this rank's own gradients (``auto`` exchanges them another way)."""
+
+
 class _Piece:
     """One exchange: gradient values ``s0 .. s1`` (at most ``MAX_COUNT``) in ``size`` chunks
     whose sizes differ by at most one (some empty when there are fewer values than ranks).
@@ -400,8 +406,8 @@ class Compressed(Sync):
     drops it) leaves both residuals as they were; ``error_feedback=False`` keeps none.
     Residuals are not checkpointed: a resumed run starts them at zero.
 
-    A value beyond float16's 65504, in a rank's gradient or in a chunk's sum, is an
-    :class:`~mpidp.comm.MpidpError` on every rank, never an Inf; a non-finite sum goes to
+    A value beyond float16's 65504, in a rank's gradient or in a chunk's sum, is a
+    :class:`Float16Overflow` on every rank, never an Inf; a non-finite sum goes to
     the NaN policy (this strategy gives the trainer its verdict). The passes over the
     vector run in blocks of :data:`BLOCK` values with preallocated scratch.
 
@@ -517,7 +523,7 @@ class Compressed(Sync):
         self._begin()
         if extras[buffer.N_EXTRA]:
             C.wait_all(gathering)
-            raise C.MpidpError(
+            raise Float16Overflow(
                 f"float16 gradient compression overflowed at step {self._step}: a gradient "
                 f"exceeds {FLOAT16_MAX:g}; use bfloat16 or no compression")
         with np.errstate(invalid="ignore"):  # float16 NaN codes: casts warn

@@ -150,3 +150,80 @@ def test_bucket_sizes_that_cut_the_same_buckets_are_one_candidate(comm):
     overlapped = [label for label in sync.labels if label.startswith("overlapped")]
     all_ranks(comm, len(overlapped) == 1 and len(sync.times) == len(sync.candidates),
               f"{sync.labels}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_step_is_timed_from_its_forward_pass_not_from_the_step_before(comm, monkeypatch):
+    """What runs between steps (an evaluation, a checkpoint) counts for no candidate: on a
+    planted clock each step's forward pass takes 1 s and each pause between steps 1000 s."""
+    clock = [0.0]
+    monkeypatch.setattr(A, "perf_counter", lambda: clock[0])
+    X, y, rows = _data(comm)
+    sync = make_sync("auto", bucket_bytes=64)  # per layer and one bucket: 3 candidates
+    model = nn.mlp(X.shape[1], (10,), 3).init_(5)
+    dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm, sync=sync)
+    forward = model.forward
+
+    def slow_forward(x):
+        clock[0] += 1.0
+        return forward(x)
+
+    model.forward = slow_forward
+    Xr, yr = X[rows][:8], y[rows][:8]
+    for _ in range(100):
+        if sync.choice is not None:
+            break
+        clock[0] += 1000.0
+        dp.step(Xr, yr)
+    times = [t for ts in sync.times for t in ts]
+    all_ranks(comm, sync.choice is not None and all(len(ts) >= A.TRIALS for ts in sync.times)
+              and set(times) == {1.0}, f"{sync.times}")
+
+
+def _float16_index(sync):
+    return sync.labels.index("compressed (float16)")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_float16_candidate_that_overflows_is_dropped_and_the_run_goes_on(comm):
+    """Gradients beyond 65504 end a ``compressed --compress float16`` run; under auto that
+    candidate is dropped, its steps go by allreduce, and training matches allreduce's."""
+    X, y, rows = _data(comm)
+    X = X * 1e6  # gradients far beyond float16's range
+    sync = make_sync("auto", codec="float16")
+    dp, hist = _train(comm, X[rows], y[rows], sync, dtype=np.float32, epochs=1)
+    ref, _ = _train(comm, X[rows], y[rows], make_sync("allreduce"), dtype=np.float32, epochs=1)
+    f16 = _float16_index(sync)
+    all_ranks(comm, list(sync.dropped) == [f16] and sync.choice is not sync.candidates[f16]
+              and f"compressed (float16) overflowed at step {A.WARMUP + f16}" in sync.report,
+              f"{sync.dropped} {sync.report}")
+    all_ranks(comm, dp.in_sync() and np.isfinite(hist[-1]["loss"]))
+    all_ranks(comm, np.allclose(dp.model.params, ref.model.params, rtol=1e-5, atol=1e-6),
+              f"max diff {np.abs(dp.model.params - ref.model.params).max():.3g}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_chosen_float16_candidate_that_overflows_hands_over_to_allreduce(comm, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(A, "perf_counter", lambda: clock[0])
+    X, y, rows = _data(comm)
+    sync = make_sync("auto", codec="float16")
+    model = nn.mlp(X.shape[1], (10,), 3).init_(5)
+    dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm, sync=sync)
+    forward, f16 = model.forward, _float16_index(sync)
+
+    def timed_forward(x):  # the float16 candidate's steps look twice as fast
+        clock[0] += 0.5 if sync.current is sync.candidates[f16] else 1.0
+        return forward(x)
+
+    model.forward = timed_forward
+    Xr, yr = X[rows][:8].astype(np.float32), y[rows][:8]
+    while sync.choice is None:
+        dp.step(Xr, yr)
+    all_ranks(comm, sync.choice is sync.candidates[f16], sync.report)
+    step = dp.global_step
+    dp.step(Xr * 1e6, yr)
+    dp.step(Xr, yr)
+    all_ranks(comm, sync.choice is sync.candidates[0] and sync.current is sync.candidates[0]
+              and f"overflowed at step {step}" in sync.report and "from that step on" in sync.report
+              and dp.in_sync() and np.isfinite(dp.model.params).all(), sync.report)
