@@ -246,6 +246,23 @@ def test_step_timer_slowdown_stretches_the_local_work_but_not_the_update():
     assert 0.02 <= row[STEP_FIELDS.index("update_s")] < 2 * 0.02
 
 
+def test_an_exchange_that_raises_is_still_timed():
+    """An exchange that fails and is done another way (auto's float16 fallback) costs the
+    step both: the failed one's seconds count as communication."""
+    import time
+
+    from mpidp.observe.metrics import StepTimer
+    timer = StepTimer()
+    with pytest.raises(RuntimeError), timer.communicate():
+        time.sleep(0.02)
+        raise RuntimeError("overflow")
+    with timer.communicate():
+        time.sleep(0.01)
+    timer.end_step(4)
+    row = timer.take_records()[0]
+    assert timer.comm_s >= 0.03 and row[STEP_FIELDS.index("comm_s")] >= 0.03
+
+
 def test_csr_rows_and_sparse_layer_match_dense():
     rng = np.random.default_rng(0)
     lengths = np.array([3, 0, 5, 1, 0])

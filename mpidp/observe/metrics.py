@@ -80,13 +80,17 @@ class StepTimer:
 
     @contextmanager
     def communicate(self, name: str = "communicate", **args):
+        """Time an exchange, also one that raises (``auto`` then exchanges another way:
+        the step paid for both)."""
         t = time.perf_counter()
-        yield
-        dt = time.perf_counter() - t
-        self.comm_s += dt
-        self._cur[_COMM] += max(dt, 1e-12)
-        if self.tracer is not None:
-            self.tracer.add(name, "communication", "comm", t, t + dt, **args)
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t
+            self.comm_s += dt
+            self._cur[_COMM] += max(dt, 1e-12)
+            if self.tracer is not None:
+                self.tracer.add(name, "communication", "comm", t, t + dt, **args)
 
     def note_cost(self, cost: float) -> None:
         """Record the cost of the samples of the step about to run (default: its samples)."""
