@@ -199,7 +199,9 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
       ``backward c + cpu_per_byte 2 (P-1)/P m`` in place of ``backward c`` (0: a network
       card does that work);
     * ``node-aware``: ``P / per_node`` node leaders run the ring; inside a node the sum
-      and the copy back go through memory (not modelled: far faster than a network link).
+      and the copy back go through memory, and the leaders meet before a large exchange
+      (one small-message round trip): neither is modelled, both far shorter than the link's
+      share.
 
     ``link_hops``: how many hops of the flat ``allreduce``'s ring share one direction of
     the busiest link, each at ``1 / link_hops`` of its bandwidth: 1 when ranks sit on the

@@ -156,6 +156,44 @@ def test_sums_stay_exact_when_ranks_sleep_while_their_leader_exchanges(comm):
     all_ranks(comm, not waits_long or slept[-1] == LONGEST_SLEEP, f"rank {comm.rank}: {slept}")
 
 
+class _CountingLeaders:
+    """The leaders' communicator, counting its ``Barrier`` calls."""
+
+    def __init__(self, comm):
+        self.comm, self.barriers = comm, 0
+
+    def Barrier(self):
+        self.barriers += 1
+        self.comm.Barrier()
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("large", [False, True])
+def test_leaders_meet_before_a_large_exchange_only(comm, large):
+    """A buffer of MEET_BYTES or more: the leaders meet (one Barrier among them) before
+    each exchange; a smaller one goes at once. The sums are exact either way."""
+    from mpidp.comm.hierarchy import MEET_BYTES, NodeAllreduce
+    n = MEET_BYTES // 8 if large else MEET_BYTES // 8 - 1
+    with ranks_per_node(2):
+        h = NodeAllreduce(comm, n, np.float64)
+    try:
+        counting = h.leaders = _CountingLeaders(h.leaders) if h.leaders is not None else None
+        for step in range(3):
+            h.array[...] = np.arange(n) * (comm.rank + 1) + step
+            got = h.allreduce()
+            expect = np.arange(n) * sum(range(1, comm.size + 1)) + comm.size * step
+            all_ranks(comm, np.array_equal(got, expect), f"step {step}: wrong sums")
+        met = 0 if counting is None else counting.barriers
+        all_ranks(comm, met == (3 if large and h.leads else 0),
+                  f"rank {comm.rank} (leads: {h.leads}): {met} meetings in 3 exchanges")
+    finally:
+        h.leaders = getattr(h.leaders, "comm", h.leaders)
+        h.free()
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sync, trainers", [(lambda: make_sync("allreduce", node_aware=True), 2100),
