@@ -57,11 +57,11 @@ SLEEP_SHARE, SHORTEST_SLEEP, LONGEST_SLEEP = 0.02, 2e-5, 1e-3
 
 #: Leaders with at least this many bytes to exchange meet (a ``Barrier`` among them) just
 #: before the exchange. On the two-host test bed (``make bench-network``, 2 hosts x 2
-#: ranks, MPICH over TCP) the leaders' exchange of 7.45 MB at 1 Gbit/s took 92 ms when
-#: each leader started as soon as its node's sum was ready and 64 ms (the link's time)
-#: when they had met first, whatever ``Allreduce`` algorithm MPICH ran; the node-aware
-#: step went from 7.6 to 9.1 steps/s. The meeting costs one small-message round trip, a
-#: small share of any exchange this large.
+#: ranks, MPICH over TCP, 1 Gbit/s) the leaders' exchange of 7.45 MB, timed inside the
+#: step, took about 92 ms when each leader started as soon as its node's sum was ready
+#: and 64 ms (the link's time) when they had met first, with any of MPICH's ``Allreduce``
+#: algorithms; the node-aware step went from 7.8 to 8.7 steps/s. The meeting costs one
+#: small-message round trip, a small share of any exchange this large.
 MEET_BYTES = 1 << 20
 
 
