@@ -152,8 +152,8 @@ def predicted_step_s(row: dict, fit: dict, compute: float, local: dict) -> tuple
     forward + backward + update at this layout) and the ``local`` inputs (``m`` gradient
     bytes, ``backward`` and ``first_bucket`` shares, ``codec_share``: the codec's seconds
     per second of compute, so ``codec = codec_share * compute``; ``cpu_per_byte``: beta of
-    the link without a limit, where the cores, not the wire, set the pace); None for a
-    mode the model does not cover."""
+    the link without a limit, where the cores, not the wire, set the pace; ``cores``: the
+    cores every rank of the test hosts shares); None for a mode the model does not cover."""
     mode = MODEL_MODES.get(row["mode"]) if row["mode"] != "auto" else MODEL_MODES.get(row["sync"])
     if mode is None:
         return None
@@ -164,7 +164,8 @@ def predicted_step_s(row: dict, fit: dict, compute: float, local: dict) -> tuple
                        codec=share * compute, per_node=row["ranks"] // row["hosts"],
                        wire_share=WIRE_SHARE["compressed-int8" if int8 else "compressed"],
                        cpu_per_byte=local.get("cpu_per_byte", 0.0),
-                       link_hops=row["ranks"] // row["hosts"] if row.get("placement") == "cyclic" else 1)
+                       link_hops=row["ranks"] // row["hosts"] if row.get("placement") == "cyclic" else 1,
+                       cores=local.get("cores"))
     return mode, t
 
 
@@ -399,7 +400,11 @@ def model_lines(model: dict) -> list[str]:
             f"  - the exchange's cost to the cores, {loc['cpu_per_byte'] * 1e9:.2f} ns per byte "
             "sent: beta of the same MPI exchanges on the hosts' link without a limit, where "
             "the cores (the network stack and MPI's copies), not the wire, set the pace; "
-            "overlapped and compressed steps add it to the backward pass they hide behind.")
+            "overlapped and compressed steps add it to the backward pass they hide behind; "
+            f"where more ranks exchange at once than the {loc.get('cores', '?')} cores (flat "
+            "allreduce at 2 x 2: 4 ranks; node-aware: its 2 leaders), each core's work per "
+            "byte is shared among them, and a flat or leaders' allreduce moves a byte at the "
+            "slower of the link's beta and that shared cost.")
     return lines
 
 
@@ -619,6 +624,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         c.limit(None)  # what a byte costs the cores: the link as fast as they can drive it
         free = measure_link(c, env, Path(t), "pingpong-unlimited", args.timeout)
         local["cpu_per_byte"] = link_fit(free, 0.0)["beta"]
+        local["cores"] = len(os.sched_getaffinity(0))  # the test hosts' ranks share them
         local["unlimited_pingpong"] = free
         for rate in args.rates:
             r, probe, job, inputs = measure_rate(c, rate, args, env, Path(t), local)

@@ -179,3 +179,26 @@ def test_mode_step_times_by_hand():
         c + 6 * 1e-4 + 2 * 1.5 * m * 8e-9)
     with pytest.raises(ValueError, match="unknown mode"):
         M.mode_step_time("telepathy", 2, m, c, fit)
+
+
+def test_ranks_that_outnumber_the_cores_share_each_cores_work_per_byte():
+    fast = M.Fit(1e-5, 1e-9, 0.0)  # 8 Gbit/s: the cores, at 0.7 ns per byte, nearly keep up
+    m, c, cpu = 7.45e6, 0.03, 0.7e-9
+    flat4 = lambda per_byte: c + 6 * 1e-5 + 1.5 * m * per_byte
+    # a core of its own per rank (or no cores given): the link's beta sets the pace
+    for cores in (None, 4, 8):
+        assert M.mode_step_time("allreduce", 4, m, c, fast, cpu_per_byte=cpu,
+                                cores=cores) == pytest.approx(flat4(1e-9))
+    # 4 ranks on 2 cores: two share each core's 0.7 ns per byte, 1.4 ns > beta
+    assert M.mode_step_time("allreduce", 4, m, c, fast, cpu_per_byte=cpu,
+                            cores=2) == pytest.approx(flat4(1.4e-9))
+    # node-aware: only the 2 leaders exchange, one per core: the link again
+    assert M.mode_step_time("node-aware", 4, m, c, fast, per_node=2, cpu_per_byte=cpu,
+                            cores=2) == pytest.approx(c + 2 * 1e-5 + m * 1e-9)
+    # on one core the 2 leaders share it: 1.4 ns per byte
+    assert M.mode_step_time("node-aware", 4, m, c, fast, per_node=2, cpu_per_byte=cpu,
+                            cores=1) == pytest.approx(c + 2 * 1e-5 + m * 1.4e-9)
+    # overlapped on a fast link: the shared cost lengthens the backward pass it hides behind
+    b = 2 * c / 3
+    assert M.mode_step_time("overlapped", 4, 1e6, c, fast, cpu_per_byte=1e-9,
+                            cores=2) == pytest.approx(c / 3 + b + 2 * 1.5e6 * 1e-9)

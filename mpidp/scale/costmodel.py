@@ -179,7 +179,7 @@ MODES = ("allreduce", "overlapped", "compressed", "node-aware")
 def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
                    backward: float = 2 / 3, first_bucket: float = 0.0, codec: float = 0.0,
                    per_node: int = 1, link_hops: int = 1, cpu_per_byte: float = 0.0,
-                   wire_share: float = 0.5) -> float:
+                   wire_share: float = 0.5, cores: int | None = None) -> float:
     """Predicted seconds of one step of a synchronisation ``mode`` at ``P`` ranks with ``m``
     gradient bytes, from a measured ``compute`` (seconds of forward + backward + update on
     one rank's share) and the link's :class:`Fit`:
@@ -207,17 +207,29 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
     the busiest link, each at ``1 / link_hops`` of its bandwidth: 1 when ranks sit on the
     nodes in blocks (one hop in and one out of each node), ``per_node`` when they are
     dealt out in turn (every neighbour in rank order on another node).
+
+    ``cores``: how many cores all ``P`` ranks share (one machine, as test hosts made from
+    network namespaces are; None: every rank has cores of its own). When more ranks
+    exchange at once than there are cores (all ``P``; for ``node-aware`` its leaders), each
+    core's work per byte is shared by ``s = exchanging ranks / cores`` of them: a byte
+    costs a rank ``s cpu_per_byte`` of its core, and a flat ``allreduce`` moves its bytes at
+    the slower of the link and the cores (``max(beta, s cpu_per_byte)`` per byte).
     """
+    def shared(exchanging: int) -> float:  # ranks per core driving an exchange at once
+        return 1.0 if cores is None else max(exchanging / max(cores, 1), 1.0)
+
     if mode == "allreduce":
-        shared = Fit(fit.alpha, fit.beta * max(link_hops, 1), fit.gamma)
-        return compute + float(allreduce_time(P, m, shared))
+        per_byte = max(fit.beta * max(link_hops, 1), shared(P) * cpu_per_byte)
+        return compute + float(allreduce_time(P, m, Fit(fit.alpha, per_byte, fit.gamma)))
     if mode in ("overlapped", "compressed"):
         b, half = backward * compute, mode == "compressed"
         wire = m * wire_share if half else m
         sent = wire * 2 * (P - 1) / max(P, 1)
         ring = float(allreduce_time(P, wire, fit))
-        return ((compute - b) + max(b + cpu_per_byte * sent, first_bucket * b + ring)
+        return ((compute - b) + max(b + shared(P) * cpu_per_byte * sent, first_bucket * b + ring)
                 + (codec if half else 0.0))
     if mode == "node-aware":
-        return compute + float(allreduce_time(max(P // max(per_node, 1), 1), m, fit))
+        leaders = max(P // max(per_node, 1), 1)
+        per_byte = max(fit.beta, shared(leaders) * cpu_per_byte)
+        return compute + float(allreduce_time(leaders, m, Fit(fit.alpha, per_byte, fit.gamma)))
     raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
