@@ -211,9 +211,10 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
     ``cores``: how many cores all ``P`` ranks share (one machine, as test hosts made from
     network namespaces are; None: every rank has cores of its own). When more ranks
     exchange at once than there are cores (all ``P``; for ``node-aware`` its leaders), each
-    core's work per byte is shared by ``s = exchanging ranks / cores`` of them: a byte
-    costs a rank ``s cpu_per_byte`` of its core, and a flat ``allreduce`` moves its bytes at
-    the slower of the link and the cores (``max(beta, s cpu_per_byte)`` per byte).
+    core's work per byte is shared by ``s = exchanging ranks / cores`` of them (else
+    ``s = 1``): a byte costs a rank ``s cpu_per_byte`` of its core, and an ``allreduce``
+    (flat, or the leaders' of ``node-aware``) moves its bytes at the slower of the link and
+    the cores (``max(beta, s cpu_per_byte)`` per byte).
     """
     def shared(exchanging: int) -> float:  # ranks per core driving an exchange at once
         return 1.0 if cores is None else max(exchanging / max(cores, 1), 1.0)
