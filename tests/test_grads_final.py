@@ -102,3 +102,56 @@ def test_a_subclass_that_overrides_backward_is_heard_only_when_it_returns():
     lo, hi = model.layer_ranges[2]
     np.testing.assert_array_equal(seen[2], model.grads[lo:hi])  # heard with the zeros
     assert not model.layers[2].grads["W"].any()
+
+
+def _parts(model, piece, fill=np.nan):
+    """Backward with ``on_layer_part``: what each call saw of its layer's range, and the
+    order of every call. The gradient buffer starts as ``fill``."""
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal((7, model.n_in)), rng.integers(0, 3, 7)
+    loss = nn.SoftmaxCrossEntropy()
+    loss.forward(model.forward(x), y)
+    model.grads[...] = fill
+    log, seen = [], []
+
+    def part(i, done):
+        log.append(("part", i, done))
+        lo, hi = model.layer_ranges[i]
+        seen.append((i, done, model.grads[lo:hi].copy()))
+
+    model.backward(loss.backward(), input_grad=False, on_layer_done=lambda i: log.append(("done", i)),
+                   on_layer_part=part, piece=piece)
+    return log, seen
+
+
+def test_a_large_dense_layer_announces_its_gradient_in_leading_parts():
+    """With ``piece`` = 20 values, ``Dense(9, 8)`` computes dW 3 rows at a time (24
+    values; ``Dense(8, 3)`` 7 rows, 21 values) and says after each part but the last how
+    many leading values are final; the rest of its range is not computed yet then; the
+    gradients are those of one product."""
+    model = nn.Sequential([nn.Dense(9, 8), nn.ReLU(), nn.Dense(8, 3)], 9, dtype=np.float64).init_(0)
+    whole = nn.Sequential([nn.Dense(9, 8), nn.ReLU(), nn.Dense(8, 3)], 9, dtype=np.float64).init_(0)
+    log, seen = _parts(model, piece=20)
+    _parts(whole, piece=0)
+    assert log == [("part", 2, 21), ("done", 2), ("done", 1), ("part", 0, 24), ("part", 0, 48), ("done", 0)]
+    for i, done, g in seen:
+        lo, hi = model.layer_ranges[i]
+        np.testing.assert_array_equal(g[:done], model.grads[lo:lo + done])  # final already
+        assert np.isnan(g[done:hi - lo - model.layers[i].n_out]).all()  # later rows: not yet
+    np.testing.assert_allclose(model.grads, whole.grads, rtol=1e-13, atol=1e-15)
+
+
+def test_parts_are_announced_only_when_asked_for_and_not_by_a_subclass():
+    class Frozen(nn.Dense):
+        def backward(self, dy, accumulate=False, need_input_grad=True):
+            dx = super().backward(dy, accumulate, need_input_grad)
+            self.grads["W"][...] = 0.0
+            return dx
+
+    model = nn.Sequential([nn.Dense(9, 8), nn.ReLU(), Frozen(8, 30)], 9, dtype=np.float64).init_(0)
+    log, _ = _parts(model, piece=20)
+    assert [e for e in log if e[0] == "part"] == [("part", 0, 24), ("part", 0, 48)]  # not Frozen
+    log, _ = _parts(model, piece=0)  # none asked for
+    assert log == [("done", 2), ("done", 1), ("done", 0)]
+    log, _ = _parts(model, piece=10 ** 6)  # larger than every layer: whole layers
+    assert log == [("done", 2), ("done", 1), ("done", 0)]

@@ -21,7 +21,7 @@ def _identity(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _unheard(layer: object) -> None:
+def _unheard(layer: object, done: int | None = None) -> None:
     return None
 
 
@@ -45,7 +45,13 @@ class Context:
         parameters' gradients are final, before it computes its input gradient, so that
         whoever runs the model can start sending them meanwhile. Set by
         :meth:`mpidp.nn.Sequential.backward` for each of its layers in turn; a call from
-        any other layer (one nested in a block) is ignored.
+        any other layer (one nested in a block) is ignored. ``grads_final(self, done)``
+        says that only the first ``done`` values of the layer's gradients (in
+        ``param_shapes`` order, flattened) are final so far; a later call says more.
+    grads_piece : how many gradient values the listener would like announced at a time
+        (0: whole layers only). A layer whose gradient is one large product (a ``Dense``)
+        may compute it in leading parts of about this many values and announce each with
+        ``grads_final(self, done)``; the values it computes are the same either way.
     """
 
     training: bool = False
@@ -55,7 +61,8 @@ class Context:
     index: np.ndarray | None = None
     reduce_sum: Callable[[np.ndarray], np.ndarray] = _identity
     group_size: int = 1
-    grads_final: Callable[[object], None] = _unheard
+    grads_final: Callable[..., None] = _unheard
+    grads_piece: int = 0
 
     def sample_index(self, n: int, who: str) -> np.ndarray:
         """The batch's global sample indices ``(n,)``; raises ``ValueError`` naming ``who``

@@ -273,13 +273,20 @@ class Dense(Layer):
     def backward(self, dy: np.ndarray, accumulate: bool = False,
                  need_input_grad: bool = True) -> np.ndarray | None:
         x, dW, db = self._x, self.grads["W"], self.grads["b"]
+        mine = type(self).backward is Dense.backward  # (a subclass may change them after)
         if accumulate:
             add_xt_dy_(dW, x, dy)
             db += dy.sum(axis=0)
         else:
-            np.matmul(x.T, dy, out=dW)
             np.sum(dy, axis=0, out=db)
-        if type(self).backward is Dense.backward:  # (a subclass may change them after)
+            piece = self.context.grads_piece if mine else 0
+            # rows of dW per part: the listener may send each part while the next is computed
+            rows = -(-piece // self.n_out) if 0 < piece < dW.size else len(dW)
+            for r in range(0, len(dW), rows):
+                np.matmul(x[:, r:r + rows].T, dy, out=dW[r:r + rows])
+                if r + rows < len(dW):
+                    self.context.grads_final(self, (r + rows) * self.n_out)
+        if mine:
             self.context.grads_final(self)  # W and b may be sent while dL/dx is computed
         return dy @ self.params["W"].T if need_input_grad else None  # (n, n_in)
 

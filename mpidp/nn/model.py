@@ -195,7 +195,9 @@ class Sequential:
             self.context.training = was
 
     def backward(self, dy: np.ndarray, accumulate: bool = False, input_grad: bool = True,
-                 on_layer_done: Callable[[int], None] | None = None) -> np.ndarray | None:
+                 on_layer_done: Callable[[int], None] | None = None,
+                 on_layer_part: Callable[[int, int], None] | None = None,
+                 piece: int = 0) -> np.ndarray | None:
         """Back-propagate dL/dy ``(n, n_out)``; writes (or adds to) ``grads``; returns dL/dx
         ``(n, n_in)``, or None with ``input_grad=False`` (then its cost is skipped).
 
@@ -203,24 +205,33 @@ class Sequential:
         layer first), so a trainer can start communicating them during the rest of backward:
         from the layer's ``context.grads_final(layer)`` if it calls it (a ``Dense`` does,
         before its input gradient), else once its ``backward`` returns.
+        ``on_layer_part(i, done)`` (with ``piece > 0``): before that, the first ``done``
+        values of layer ``i``'s range of ``grads`` are final; a layer that computes its
+        gradient in parts (a ``Dense`` larger than ``piece`` values) says so after each.
         """
         last = len(self.layers) - 1
         told = set()  # the layers on_layer_done has heard of
 
-        def final(layer: object, i: int) -> None:
-            if layer is self.layers[i] and i not in told:
+        def final(layer: object, i: int, done: int | None = None) -> None:
+            if layer is not self.layers[i] or i in told:
+                return
+            if done is None:
                 told.add(i)
                 on_layer_done(i)
+            elif on_layer_part is not None:
+                on_layer_part(i, int(done))
 
+        ctx = self.context
         try:
             for i, layer in enumerate(reversed(self.layers)):
                 if on_layer_done is not None:
-                    self.context.grads_final = lambda who, i=last - i: final(who, i)
+                    ctx.grads_final = lambda who, done=None, i=last - i: final(who, i, done)
+                    ctx.grads_piece = int(piece) if on_layer_part is not None else 0
                 dy = layer.backward(dy, accumulate, need_input_grad=input_grad or i < last)
                 if on_layer_done is not None:
                     final(layer, last - i)
         finally:
-            self.context.grads_final = _unheard
+            ctx.grads_final, ctx.grads_piece = _unheard, 0
         return dy
 
     def spec(self) -> list[dict]:

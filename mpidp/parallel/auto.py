@@ -133,6 +133,18 @@ class Auto(Sync):
                 hook(i)
         return forward
 
+    def on_layer_part(self) -> tuple[Callable[[int, int], None], int] | None:
+        parts = {id(c): c.on_layer_part() for c in getattr(self, "candidates", ())}
+        pieces = [got[1] for got in parts.values() if got is not None]
+        if not pieces:
+            return None
+
+        def forward(i: int, done: int) -> None:
+            got = parts.get(id(self.current))
+            if got is not None:
+                got[0](i, done)
+        return forward, min(pieces)
+
     def _trial(self) -> int | None:
         """Index of the candidate that runs trial step ``self.steps``, or None after (the
         first round's end until a run-off is set, or the run-off's end)."""

@@ -346,7 +346,7 @@ class _Piece:
 
     def __init__(self, s0: int, s1: int, size: int, rank: int, o: int, at: int,
                  codec: str = "bfloat16") -> None:
-        length = s1 - s0
+        length, self.s1 = s1 - s0, s1
         counts = np.full(size, length // size, np.int64)
         counts[:length % size] += 1
         starts = s0 + np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
@@ -397,7 +397,12 @@ class Compressed(Sync):
     non-finite sum) go in one small float64 ``Allreduce`` once every bucket has been
     started. A bucket goes in pieces of at most :data:`PIECE` values per rank (and
     ``MAX_COUNT`` in all), each split alike and started once encoded, so that one travels
-    while the next is encoded.
+    while the next is encoded. A piece starts as soon as its values are final: a layer
+    that announces its gradient in parts (a large ``Dense``, ``on_layer_part``) lets the
+    first pieces of its bucket go before it has finished. The sums of a piece whose
+    gather has arrived are decoded into the gradient buffer while backward still runs
+    (its values there were encoded and are read no more), except with float16, whose
+    overflow must leave every rank's own gradients in the buffer.
 
     Error feedback: what each rounding loses is added back at the next step, so no
     rounding error is lost for good. Each rank keeps the residual of its own encoding
@@ -457,6 +462,8 @@ class Compressed(Sync):
             #: ``(values lo, values hi, codes lo, codes hi)`` of every block of every chunk
             p.blocks = [seg for lo, hi, clo in p.runs for seg in _segments(lo, hi, clo, self.codec)]
         self.kernel = Codec(self.codec)
+        self.layer_lo = [lo for lo, _ in s.model.layer_ranges]
+        self.piece = step
         self.codes = np.zeros(o, np.uint16)  # this rank's codes, then the summed ones
         self.recv = np.zeros(r, np.uint16)  # the other ranks' codes of this rank's chunks
         self.acc = np.zeros(BLOCK, np.float32)  # a block of sums (or of values to encode)
@@ -476,9 +483,11 @@ class Compressed(Sync):
     def _begin(self) -> None:
         """Nothing started: the state of every step's start."""
         self.launched = 0  # buckets started
+        self.started = 0  # pieces started of the next bucket
         self.scattering: list = []  # the Ialltoallv of each started piece, in order
         self.summed = 0  # pieces of those whose chunk this rank has summed
         self.gathering: list = []  # the Iallgather of each summed piece, in order
+        self.decoded = 0  # pieces of those whose sums are in the gradient buffer already
         self.nonfinite = self.overflow = False
 
     def on_layer_done(self) -> Callable[[int], None]:
@@ -487,6 +496,16 @@ class Compressed(Sync):
             if self.launched < len(self.buckets) and self.buckets[self.launched][0] == i:
                 self._launch()
         return launch
+
+    def on_layer_part(self) -> tuple[Callable[[int, int], None], int] | None:
+        if self.comm.size == 1:
+            return None  # nothing travels: codes are encoded when backward ends
+
+        def launch(i: int, done: int) -> None:
+            self._advance(wait=False)
+            if self.launched < len(self.buckets) and self.buckets[self.launched][0] == i:
+                self._launch(upto=self.layer_lo[i] + done)
+        return launch, self.piece
 
     def exchange(self, r: Round) -> Exchanged:
         self._step = r.step
@@ -503,14 +522,14 @@ class Compressed(Sync):
         super().update(optimizer, count)
 
     def at_boundary(self) -> bool:
-        return self.launched == 0
+        return self.launched == 0 and self.started == 0
 
     def reduce(self) -> bool:
         """The global sums into ``self.buf`` on every rank; returns whether they are finite
         (loss and counts included). Starts the buckets backward has not started, completes
         them all. Collective: per piece one ``Ialltoallv`` and one ``Iallgather``, and one
         ``Allreduce`` (only the ``Allreduce`` on one rank, whose codes are the sums)."""
-        n, g, codes, k = self.n, self.buf[:self.n], self.codes, self.kernel
+        n = self.n
         self._advance(wait=False)
         while self.launched < len(self.buckets):
             self._launch()
@@ -519,7 +538,7 @@ class Compressed(Sync):
         extras[:buffer.N_EXTRA] = self.buf[n:]
         extras[buffer.N_EXTRA:] = (self.overflow, self.nonfinite)
         C.allreduce_sum_(self.comm, extras)
-        gathering, pieces = self.gathering, self.pieces
+        gathering, pieces, decoded = self.gathering, self.pieces, self.decoded
         self._begin()
         if extras[buffer.N_EXTRA]:
             C.wait_all(gathering)
@@ -527,25 +546,28 @@ class Compressed(Sync):
                 f"float16 gradient compression overflowed at step {self._step}: a gradient "
                 f"exceeds {FLOAT16_MAX:g}; use bfloat16 or no compression")
         with np.errstate(invalid="ignore"):  # float16 NaN codes: casts warn
-            for j, p in enumerate(pieces):
+            for j in range(decoded, len(pieces)):
                 if gathering:
                     C.wait_all(gathering[j:j + 1])
-                for a, b, ca, cb in p.blocks:
-                    k.decode_(codes[ca:cb], g[a:b])
+                self._decode(pieces[j])
         self.buf[n:] = extras[:buffer.N_EXTRA]
         self.bytes_sent += self.step_bytes
         return not extras[buffer.N_EXTRA + 1] and bool(np.isfinite(extras[:buffer.N_EXTRA]).all())
 
-    def _launch(self) -> None:
-        """Encode the next bucket (its gradient plus residual; what that loses into
-        ``_next``) and start its reduce-scatter."""
+    def _launch(self, upto: int | None = None) -> None:
+        """Encode the next bucket's pieces not started yet (its gradient plus residual;
+        what that loses into ``_next``) and start their reduce-scatters; with ``upto``,
+        only those whose values end by ``upto`` (the rest are not final yet)."""
         g, codes, k, ef = self.buf[:self.n], self.codes, self.kernel, self.error_feedback
         f16, alone = self.codec == "float16", self.comm.size == 1
         scan = f16 or alone  # else the owners scan the sums (always: one dot per block)
         _, pieces = self.buckets[self.launched]
-        self.launched += 1
+        ready = [p for p in pieces[self.started:] if upto is None or p.s1 <= upto]
+        self.started += len(ready)
+        if self.started == len(pieces):
+            self.launched, self.started = self.launched + 1, 0
         with np.errstate(over="ignore", invalid="ignore"):
-            for p in pieces:
+            for p in ready:
                 for lo, hi, ca, cb in p.blocks:
                     x = self._next[lo:hi] if ef else self.acc[:hi - lo]
                     if ef:
@@ -571,6 +593,7 @@ class Compressed(Sync):
             C.test_some(self.scattering)
             if self.gathering:
                 C.test_some(self.gathering)
+                self._decode_arrived()
         while self.summed < len(self.scattering):
             request = self.scattering[self.summed:self.summed + 1]
             if wait:
@@ -584,6 +607,24 @@ class Compressed(Sync):
             self.nonfinite, self.overflow = self.nonfinite or bad, self.overflow or beyond
             self.gathering.append(C.iallgather_in_place(self.gather_comm,
                                                         self.codes[p.o:p.end]))
+
+    def _decode(self, p: _Piece) -> None:
+        """The sums of piece ``p`` (every chunk's codes gathered) into the gradient buffer."""
+        g, codes, k = self.buf[:self.n], self.codes, self.kernel
+        for a, b, ca, cb in p.blocks:
+            k.decode_(codes[ca:cb], g[a:b])
+
+    def _decode_arrived(self) -> None:
+        """Decode the gathered pieces, in order, while backward runs: a piece's gradient
+        values were encoded already and are read no more. Not for float16, whose overflow
+        must leave this rank's own gradients in the buffer (see :class:`Float16Overflow`)."""
+        if self.codec == "float16":
+            return
+        gathering = self.gathering
+        with np.errstate(invalid="ignore"):
+            while self.decoded < len(gathering) and gathering[self.decoded] == C.MPI_REQUEST_NULL:
+                self._decode(self.pieces[self.decoded])
+                self.decoded += 1
 
     def _sum_chunk(self, p: _Piece) -> tuple[bool, bool]:
         """Rank-order float32 sums of the P codes of this rank's chunk of ``p`` (its own in

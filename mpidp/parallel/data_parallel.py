@@ -115,6 +115,7 @@ class DataParallel:
             model.use_param_buffer(bufs.params)
         self.buf = bufs.grads
         self._on_layer_done = self.sync.on_layer_done()
+        self._on_layer_part = self.sync.on_layer_part() if self._on_layer_done else None
         self.closed = False
 
     def _reduce_sum(self, a: np.ndarray) -> np.ndarray:
@@ -250,8 +251,10 @@ class DataParallel:
             dy = self.loss.backward()
             if self._poison:  # fault injection: this rank's contribution, before any bucket
                 dy, buf[n], self._poison = np.full_like(dy, np.nan), np.nan, False  # leaves
+            part, piece = self._on_layer_part or (None, 0)
             self.model.backward(dy, accumulate=add, input_grad=False,
-                                on_layer_done=self._on_layer_done)
+                                on_layer_done=self._on_layer_done, on_layer_part=part,
+                                piece=piece)
             ctx.training = False
         got = self.sync.exchange(Round(self.optimizer, self.policy.checks, self.global_step,
                                        last_of_epoch))

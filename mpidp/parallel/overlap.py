@@ -34,7 +34,10 @@ class Overlapped(Sync):
     Notes
     -----
     Buckets are ``(layer, lo, hi)`` in launch order: bucket ``k`` starts when backward has
-    finished ``layer`` and sums ``buf[lo:hi]``. A bucket not started by a backward hook
+    finished ``layer`` and sums ``buf[lo:hi]``. A layer that announces its gradient in
+    parts (a ``Dense`` larger than ``bucket_bytes``, ``on_layer_part``) starts its bucket
+    in parts: a sum of each stretch of at least ``bucket_bytes`` that is final, and one
+    of the bucket's rest when the layer is done. A bucket not started by a backward hook
     (a trainer that passes none) is started by :meth:`reduce`, so every element is summed
     exactly once per step. Nothing is in flight between steps: the thread, if any, lives
     from a step's first bucket to its :meth:`reduce`.
@@ -59,7 +62,9 @@ class Overlapped(Sync):
         self.reducer: C.BackgroundAllreduce | None = None
         self.requests: list = []
         self.launched = 0  # buckets started this step
+        self.sent_to = 0  # the next bucket's values from here on are not started yet
         self._completed0 = 0  # the reducer's count of sums when this step's first started
+        self._first = True  # no sum of this step started yet
 
     def setup(self, s: Setup) -> Buffers:
         self.close()  # set up again: the previous thread's communicator goes
@@ -67,6 +72,8 @@ class Overlapped(Sync):
         self.buckets = layer_buckets(s.model.layer_ranges, self.buf.size, self.buf.itemsize,
                                 self.bucket_bytes)
         self.starts = {layer: (lo, hi) for layer, lo, hi in self.buckets}
+        self.layer_lo = [lo for lo, _ in s.model.layer_ranges]
+        self.sent_to = self._first_lo()
         if self.progress == "thread":
             self.reducer = C.BackgroundAllreduce(s.comm, name="mpidp-overlapped")
         return out
@@ -86,12 +93,34 @@ class Overlapped(Sync):
                 C.test_some(self.requests)  # between layers: let the started sums move
         return launch
 
+    def on_layer_part(self) -> tuple[Callable[[int, int], None], int] | None:
+        if self.comm.size == 1:
+            return None
+        piece = max(1, self.bucket_bytes // self.buf.itemsize)
+
+        def launch(i: int, done: int) -> None:
+            if self.launched < len(self.buckets) and self.buckets[self.launched][0] == i:
+                end = min(self.layer_lo[i] + done, self.buckets[self.launched][2])
+                if end - self.sent_to >= piece:  # a bucket's worth is final: send it now
+                    self._start(self.sent_to, end)
+                    self.sent_to = end
+            elif self.requests:
+                C.test_some(self.requests)
+        return launch, piece
+
     def _launch(self) -> None:
-        _, lo, hi = self.buckets[self.launched]
+        """Start the rest of the next bucket (all of it unless parts went ahead)."""
+        _, _, hi = self.buckets[self.launched]
+        if self.sent_to < hi:
+            self._start(self.sent_to, hi)
         self.launched += 1
+        self.sent_to = hi if self.launched == len(self.buckets) else self.buckets[self.launched][1]
+
+    def _start(self, lo: int, hi: int) -> None:
+        """Start the sum of ``buf[lo:hi]``."""
         if self.reducer is not None:
-            if self.launched == 1:
-                self._completed0 = self.reducer.completed
+            if self._first:  # this step's first sum
+                self._completed0, self._first = self.reducer.completed, False
             self.reducer.submit(self.buf[lo:hi])
         else:
             self.requests.append(C.iallreduce_sum_(self.comm, self.buf[lo:hi]))
@@ -100,7 +129,8 @@ class Overlapped(Sync):
     def reduce(self) -> None:
         while self.launched < len(self.buckets):
             self._launch()
-        self.launched = 0
+        self.launched, self._first = 0, True
+        self.sent_to = self._first_lo()
         if self.reducer is not None:
             self.reducer.wait()
         else:
@@ -108,8 +138,13 @@ class Overlapped(Sync):
             self.requests = []
         self.bytes_sent += self.buf.nbytes
 
+    def _first_lo(self) -> int:
+        """Where the first bucket starts (0 before setup or with no buckets)."""
+        buckets = getattr(self, "buckets", None)
+        return buckets[0][1] if buckets else 0
+
     def at_boundary(self) -> bool:
-        return self.launched == 0 and not self.requests and (
+        return self.launched == 0 and not self.requests and self.sent_to == self._first_lo() and (
             self.reducer is None or self.reducer.pending == 0)
 
     def close(self) -> None:

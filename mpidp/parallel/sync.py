@@ -144,6 +144,11 @@ class Sync:
         """A backward hook (``Sequential.backward(on_layer_done=...)``), or None."""
         return None
 
+    def on_layer_part(self) -> tuple[Callable[[int, int], None], int] | None:
+        """A backward hook for parts of a layer's gradients and the values per part it
+        asks for (``Sequential.backward(on_layer_part=..., piece=...)``), or None."""
+        return None
+
     def refuses(self, model) -> str | None:
         """Why this strategy cannot train ``model`` (a layer it cannot honour), or None."""
         return refuses_model(model.needs, "data", self.name)

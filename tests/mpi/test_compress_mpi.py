@@ -462,6 +462,46 @@ def test_buckets_started_during_backward_train_the_same_model_as_one(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("codec", ["bfloat16", "float16", "int8"])
+def test_pieces_start_in_parts_of_a_layer_and_sums_decode_during_backward(comm, codec, monkeypatch):
+    """Pieces of 8 values per rank: ``Dense(10, 12)``'s gradient is announced in parts,
+    the first pieces of its bucket start before the layer is done, and (made to arrive
+    at once here) the gathered sums are decoded while backward still runs, except with
+    float16. Training gives the same parameters, bit for bit, as with whole layers and
+    every sum decoded when backward ends."""
+    from mpidp.parallel import compress as Z
+    monkeypatch.setattr(Z, "PIECE", 8)
+    rng = np.random.default_rng(5)
+    X, y = rng.standard_normal((96, 10)).astype(np.float32), rng.integers(0, 3, 96)
+    rows = np.array_split(np.arange(96), comm.size)[comm.rank]
+    params, early = [], []
+    for parts in (True, False):
+        model = nn.mlp(10, (12,), 3, dtype=np.float32).init_(4)
+        sync = Compressed(codec, bucket_bytes=1)
+        dp = mpidp.DataParallel(model, nn.Adam(0.01), nn.SoftmaxCrossEntropy(), comm, sync=sync)
+        if parts:
+            hook, piece = dp._on_layer_part
+
+            def logged(i, done, hook=hook, sync=sync):
+                before = len(sync.scattering)
+                hook(i, done)
+                sync._advance(wait=True)  # every rank is here: let the started pieces arrive
+                MPI.Request.Waitall(sync.gathering)
+                sync._decode_arrived()
+                early.append((i, len(sync.scattering) - before, sync.decoded))
+            dp._on_layer_part = (logged, piece)
+        else:
+            dp._on_layer_part = (lambda i, done: None, 0)
+        mpidp.fit(dp, mpidp.shard_from_arrays(comm, X[rows], y[rows]), 1, 32, seed=2)
+        params.append(model.params.copy())
+    started = sum(k for i, k, _ in early if i == 0)
+    all_ranks(comm, piece == 8 * comm.size and started > 0, f"{early}")
+    decoded = max(d for _, _, d in early)
+    all_ranks(comm, decoded == 0 if codec == "float16" else decoded > 0, f"{early}")
+    all_ranks(comm, np.array_equal(params[0], params[1]), "parts changed the sums")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_strategies_built_again_share_one_duplicate_communicator(comm):
     """Setting up strategy after strategy on one communicator (a test suite, a notebook)
     must not use up the MPI library's communicators: they share one duplicate."""

@@ -66,6 +66,34 @@ def test_overlapped_uses_several_buckets(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_overlapped_starts_a_large_layers_bucket_in_parts(comm):
+    """``bucket_bytes=200`` (25 float64 values), a bucket per layer: the second Dense's 96
+    gradient values are announced in parts of 4 rows (32 values), the first's 72 in parts
+    of 3 rows (36), so their buckets start in 3 and 2 sums, the first ones before the
+    layer is done (the last Dense, 24 values, in one). Every step's sums cover the buffer
+    once; still the single-process arithmetic."""
+    shard, X, y = _data(comm)
+    sync, starts = Overlapped(bucket_bytes=200), []
+
+    def counted(lo, hi, start=sync._start):
+        starts.append((lo, hi, sync.launched))
+        start(lo, hi)
+    sync._start = counted
+    dp, _ = _train(comm, shard, sync, epochs=1)
+    per_step = len(starts) // dp.global_step
+    first = sorted(starts[:per_step])
+    tiles = all(a[1] == b[0] for a, b in zip(first, first[1:]))
+    all_ranks(comm, len(starts) == per_step * dp.global_step and per_step == len(sync.buckets) + 3 == 6,
+              f"{per_step} sums per step, {len(sync.buckets)} buckets")
+    all_ranks(comm, tiles and first[0][0] == 0 and first[-1][1] == dp.buf.size, f"{first}")
+    last = [s for s in starts[:per_step] if s[2] == len(sync.buckets) - 1]
+    all_ranks(comm, last == [(0, 36, len(sync.buckets) - 1), (36, sync.buckets[-1][2],
+                                                               len(sync.buckets) - 1)], f"{last}")
+    ref, _ = _reference(X, y, epochs=1)
+    all_ranks(comm, np.allclose(dp.model.params, ref.model.params, rtol=RTOL, atol=ATOL))
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dedicated", [False, True])
 def test_parameter_server_matches_single_process(comm, dedicated):
     shard, X, y = _data(comm, skip_rank=0 if dedicated else None)
