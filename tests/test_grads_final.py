@@ -155,3 +155,15 @@ def test_parts_are_announced_only_when_asked_for_and_not_by_a_subclass():
     assert log == [("done", 2), ("done", 1), ("done", 0)]
     log, _ = _parts(model, piece=10 ** 6)  # larger than every layer: whole layers
     assert log == [("done", 2), ("done", 1), ("done", 0)]
+
+
+def test_parts_are_heard_without_a_layer_hook():
+    model = nn.Sequential([nn.Dense(9, 8), nn.ReLU(), nn.Dense(8, 3)], 9, dtype=np.float64).init_(0)
+    rng = np.random.default_rng(3)
+    loss = nn.SoftmaxCrossEntropy()
+    loss.forward(model.forward(rng.standard_normal((7, 9))), rng.integers(0, 3, 7))
+    log = []
+    model.backward(loss.backward(), input_grad=False, on_layer_part=lambda i, d: log.append((i, d)),
+                   piece=20)
+    assert log == [(2, 21), (0, 24), (0, 48)]
+    assert model.context.grads_piece == 0  # reset after backward

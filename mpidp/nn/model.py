@@ -217,18 +217,19 @@ class Sequential:
                 return
             if done is None:
                 told.add(i)
-                on_layer_done(i)
+                if on_layer_done is not None:
+                    on_layer_done(i)
             elif on_layer_part is not None:
                 on_layer_part(i, int(done))
 
-        ctx = self.context
+        ctx, heard = self.context, on_layer_done is not None or on_layer_part is not None
         try:
             for i, layer in enumerate(reversed(self.layers)):
-                if on_layer_done is not None:
+                if heard:
                     ctx.grads_final = lambda who, done=None, i=last - i: final(who, i, done)
-                    ctx.grads_piece = int(piece) if on_layer_part is not None else 0
+                    ctx.grads_piece = max(int(piece), 0) if on_layer_part is not None else 0
                 dy = layer.backward(dy, accumulate, need_input_grad=input_grad or i < last)
-                if on_layer_done is not None:
+                if heard:
                     final(layer, last - i)
         finally:
             ctx.grads_final, ctx.grads_piece = _unheard, 0

@@ -65,6 +65,8 @@ class Overlapped(Sync):
         self.sent_to = 0  # the next bucket's values from here on are not started yet
         self._completed0 = 0  # the reducer's count of sums when this step's first started
         self._first = True  # no sum of this step started yet
+        self._ends: list[int] = []  # per bucket started: this step's sums up to its last
+        self._submitted = 0  # this step's sums handed to the thread
 
     def setup(self, s: Setup) -> Buffers:
         self.close()  # set up again: the previous thread's communicator goes
@@ -80,10 +82,15 @@ class Overlapped(Sync):
 
     @property
     def reduced(self) -> int:
-        """Buckets of this step whose sums are complete already (instrumentation)."""
-        if self.reducer is not None:
-            return self.reducer.completed - self._completed0
-        return C.test_some(self.requests) if self.requests else 0
+        """Buckets of this step whose sums (all of its parts) are complete already
+        (instrumentation)."""
+        starts = [0, *self._ends[:-1]]
+        if self.reducer is not None:  # the thread completes the sums in order
+            done = self.reducer.completed - self._completed0
+            return sum(end <= done for end in self._ends)
+        C.test_some(self.requests)
+        free = [r == C.MPI_REQUEST_NULL for r in self.requests]
+        return sum(all(free[a:b]) for a, b in zip(starts, self._ends))
 
     def on_layer_done(self) -> Callable[[int], None]:
         def launch(i: int) -> None:
@@ -113,6 +120,7 @@ class Overlapped(Sync):
         _, _, hi = self.buckets[self.launched]
         if self.sent_to < hi:
             self._start(self.sent_to, hi)
+        self._ends.append(len(self.requests) if self.reducer is None else self._submitted)
         self.launched += 1
         self.sent_to = hi if self.launched == len(self.buckets) else self.buckets[self.launched][1]
 
@@ -120,8 +128,9 @@ class Overlapped(Sync):
         """Start the sum of ``buf[lo:hi]``."""
         if self.reducer is not None:
             if self._first:  # this step's first sum
-                self._completed0, self._first = self.reducer.completed, False
+                self._completed0, self._first, self._submitted = self.reducer.completed, False, 0
             self.reducer.submit(self.buf[lo:hi])
+            self._submitted += 1
         else:
             self.requests.append(C.iallreduce_sum_(self.comm, self.buf[lo:hi]))
             C.test_some(self.requests)
@@ -129,7 +138,7 @@ class Overlapped(Sync):
     def reduce(self) -> None:
         while self.launched < len(self.buckets):
             self._launch()
-        self.launched, self._first = 0, True
+        self.launched, self._first, self._ends = 0, True, []
         self.sent_to = self._first_lo()
         if self.reducer is not None:
             self.reducer.wait()
