@@ -64,9 +64,8 @@ class Overlapped(Sync):
         self.launched = 0  # buckets started this step
         self.sent_to = 0  # the next bucket's values from here on are not started yet
         self._completed0 = 0  # the reducer's count of sums when this step's first started
-        self._first = True  # no sum of this step started yet
+        self._sums = 0  # sums started this step
         self._ends: list[int] = []  # per bucket started: this step's sums up to its last
-        self._submitted = 0  # this step's sums handed to the thread
 
     def setup(self, s: Setup) -> Buffers:
         self.close()  # set up again: the previous thread's communicator goes
@@ -120,25 +119,25 @@ class Overlapped(Sync):
         _, _, hi = self.buckets[self.launched]
         if self.sent_to < hi:
             self._start(self.sent_to, hi)
-        self._ends.append(len(self.requests) if self.reducer is None else self._submitted)
+        self._ends.append(self._sums)
         self.launched += 1
         self.sent_to = hi if self.launched == len(self.buckets) else self.buckets[self.launched][1]
 
     def _start(self, lo: int, hi: int) -> None:
         """Start the sum of ``buf[lo:hi]``."""
         if self.reducer is not None:
-            if self._first:  # this step's first sum
-                self._completed0, self._first, self._submitted = self.reducer.completed, False, 0
+            if self._sums == 0:  # this step's first sum
+                self._completed0 = self.reducer.completed
             self.reducer.submit(self.buf[lo:hi])
-            self._submitted += 1
         else:
             self.requests.append(C.iallreduce_sum_(self.comm, self.buf[lo:hi]))
             C.test_some(self.requests)
+        self._sums += 1
 
     def reduce(self) -> None:
         while self.launched < len(self.buckets):
             self._launch()
-        self.launched, self._first, self._ends = 0, True, []
+        self.launched, self._sums, self._ends = 0, 0, []
         self.sent_to = self._first_lo()
         if self.reducer is not None:
             self.reducer.wait()
