@@ -43,13 +43,15 @@ from cluster import Cluster, LinkBytes, limits_available, tbf_args  # noqa: E402
 
 from mpidp.scale.costmodel import Fit, fit_alpha_beta, mode_step_time  # noqa: E402 (no MPI)
 
-PAIR_MODES = ("handwritten", "allreduce", "overlapped", "compressed", "compressed-int8", "auto")
+PAIR_MODES = ("handwritten", "allreduce", "overlapped", "overlapped-forward", "compressed",
+              "compressed-int8", "auto")
 NODE_MODES = ("allreduce-flat", "allreduce-node")  # 2 hosts x 2 ranks
 GATHER = ("compressed", "compressed-int8")  # codes Allgathered: each rank sends (P-1) x its codes
 COMPUTE = "compute-only"  # run beside the modes in every job: the model's compute input
 #: bench_sync.py's mode (or the strategy auto chose) -> the cost model's mode
 MODEL_MODES = {"handwritten": "allreduce", "allreduce": "allreduce", "allreduce-flat": "allreduce",
-               "overlapped": "overlapped", "compressed": "compressed",
+               "overlapped": "overlapped", "overlapped-forward": "overlapped-forward",
+               "compressed": "compressed",
                "compressed-int8": "compressed", "allreduce-node": "node-aware"}
 #: the share of float32's bytes that a compressed mode's codes take
 WIRE_SHARE = {"compressed": 0.5, "compressed-int8": (1 + 4 / 256) / 4}

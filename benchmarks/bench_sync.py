@@ -41,8 +41,9 @@ MODES = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "ps-bcast",
          "sharded-ps", "accumulate", "local-sgd", "compute-only")
 # named in --modes only: strategy choice measured at setup, fused allreduce without and
 # with node-aware reduction, the hand-written loop as a mode of its own (with --only), and
-# compressed with int8 codes
-EXTRA_MODES = ("auto", "allreduce-flat", "allreduce-node", "handwritten", "compressed-int8")
+# compressed with int8 codes, overlapped whose last sums finish during the next forward
+EXTRA_MODES = ("auto", "allreduce-flat", "allreduce-node", "handwritten", "compressed-int8",
+               "overlapped-forward")
 MAX_TRIAL_STEPS = 200  # untimed steps allowed for auto to commit to a strategy
 
 
@@ -128,6 +129,8 @@ def _sync_for(mode: str):
         return make_sync("ps", dedicated=True)
     if mode == "compressed-int8":
         return make_sync("compressed", codec="int8", bucket_bytes=1 << 20)
+    if mode == "overlapped-forward":  # half-MiB buckets: finer parts for the next forward to read
+        return make_sync("overlapped", bucket_bytes=1 << 19, overlap_finish="forward")
     if mode == "ps-bcast":  # the server's parameters sent by one Bcast, not shared memory
         return ParameterServer(shared_memory=False)
     return make_sync(mode, lambda: nn.SGD(0.05), bucket_bytes=1 << 20, k=4)
@@ -149,8 +152,10 @@ def run_mode(comm, shard, init, mode: str, args, label: str = "") -> dict:
     """Time ``DataParallel.step`` with sync ``mode``; the dedicated server gets no rows."""
     model = nn.mlp(784, HIDDEN, 10, dtype=np.float32)
     model.params[...] = init
+    # finishing in forward applies parts before the whole gradient is known: no NaN check
     dp = mpidp.DataParallel(model, nn.SGD(args.lr), nn.SoftmaxCrossEntropy(), comm,
-                            sync=_sync_for(mode))
+                            sync=_sync_for(mode),
+                            on_nonfinite="ignore" if mode == "overlapped-forward" else "stop")
     n = shard.n_total
     start, stop = shard.start, shard.stop
     if mode == "ps-dedicated":  # the server's block is empty; workers keep theirs
@@ -163,7 +168,10 @@ def run_mode(comm, shard, init, mode: str, args, label: str = "") -> dict:
             break
         warm_up(dp.step, shard.X, shard.y, batches, 1)
     c0, m0, b0, s0 = dp.timer.compute_s, dp.timer.comm_s, dp.sync.bytes_sent, dp.global_step
+    # a step whose last sums finish during the next forward pass starts with the previous
+    # step's and leaves its own: the timed steps each carry one step's exchange
     result, _ = marked_run(comm, dp.step, shard, batches, args, label or mode)
+    dp.settle()
     chosen = getattr(dp.sync, "choice", None) or dp.sync
     result["sync"] = getattr(chosen, "name", type(chosen).__name__)
     if getattr(chosen, "codec", None) == "int8":  # the mode of that name here

@@ -35,6 +35,7 @@ VALUES: dict[str, list[str]] = {
     "sync": ["--sync", "overlapped"],
     "node_aware": ["--node-aware", "on"],
     "overlap_progress": ["--overlap-progress", "thread"],
+    "overlap_finish": ["--overlap-finish", "forward", "--on-nonfinite", "ignore"],
     "sync_every": ["--sync-every", "2"],
     "log_every": ["--log-every", "5"],
     "progress": ["--progress", "lines"],

@@ -392,6 +392,12 @@ def _add_sync(p: argparse.ArgumentParser) -> None:
                    "sums move during backward: tested at every layer boundary (test), or a "
                    "communication thread in a blocking Allreduce per bucket (thread: a core "
                    "polls meanwhile); compressed always tests at every layer boundary")
+    g.add_argument("--overlap-finish", choices=("backward", "forward"), default="backward",
+                   help="overlapped: the bucket sums complete before the update (backward), "
+                   "or only the loss and counts do and each other part is applied as it "
+                   "arrives, at the latest when the next forward pass reads it (forward: the "
+                   "first layers' transfer overlaps the next forward; needs --on-nonfinite "
+                   "ignore, an elementwise optimizer and --overlap-progress test)")
     g.add_argument("--node-aware", choices=("auto", "on", "off"), default="auto",
                    help="allreduce / accumulate / auto: sum inside each node through shared "
                    "memory and across nodes between node leaders only, so a node's link "

@@ -48,6 +48,8 @@ TABLE: dict[str, tuple[frozenset, str]] = {
     "overlap_progress": (frozenset({"overlapped", "auto"}), "only --sync overlapped (and "
                          "auto, which tries it) has a choice of how its sums move during "
                          "backward (compressed tests its exchanges at every layer boundary)"),
+    "overlap_finish": (frozenset({"overlapped"}), "only --sync overlapped can leave its "
+                       "last sums to the next forward pass"),
     "node_aware": (frozenset({"allreduce", "accumulate", "auto"}), "only a fused allreduce "
                    "of the whole buffer (allreduce, accumulate, auto) goes node-aware"),
     "sync_every": (frozenset({"accumulate", "local-sgd"}), "only accumulate and local-sgd "

@@ -484,7 +484,7 @@ def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
                      ps_shared_memory=args.ps_transport == "shared",
                      ps_chunk_bytes=max(1, int(args.ps_chunk_mb * 2**20)),
                      node_aware={"auto": None, "on": True, "off": False}[args.node_aware],
-                     overlap_progress=args.overlap_progress)
+                     overlap_progress=args.overlap_progress, overlap_finish=args.overlap_finish)
     dp = make_trainer("data", layers, data.sample_shape, make_opt(), loss, comm,
                       dtype=args.dtype, init_sync=args.init_sync,
                       on_nonfinite=args.on_nonfinite, sync=sync)

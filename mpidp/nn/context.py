@@ -52,6 +52,15 @@ class Context:
         (0: whole layers only). A layer whose gradient is one large product (a ``Dense``)
         may compute it in leading parts of about this many values and announce each with
         ``grads_final(self, done)``; the values it computes are the same either way.
+    params_ready : the mirror of ``grads_final`` for a forward pass whose parameters are
+        still being updated (their sums still arriving): ``params_ready(self, upto)`` in a
+        layer's ``forward`` returns once the first ``upto`` values of its parameters (None:
+        all of them) are final. Set by :meth:`mpidp.nn.Sequential.forward`, which also
+        calls it for every layer before that layer's ``forward``, except for a layer that
+        reads its parameters in parts (a ``Dense`` larger than ``params_piece``).
+    params_piece : values per part in which such a layer may read its parameters (0:
+        whole layers). A ``Dense`` then sums its product over leading row blocks of its
+        weights, each as soon as it is final.
     """
 
     training: bool = False
@@ -63,6 +72,8 @@ class Context:
     group_size: int = 1
     grads_final: Callable[..., None] = _unheard
     grads_piece: int = 0
+    params_ready: Callable[..., None] = _unheard
+    params_piece: int = 0
 
     def sample_index(self, n: int, who: str) -> np.ndarray:
         """The batch's global sample indices ``(n,)``; raises ``ValueError`` naming ``who``

@@ -264,9 +264,26 @@ class Dense(Layer):
             W[...] = 0
         b[...] = 0
 
+    @property
+    def reads_params_in_parts(self) -> bool:
+        """True when ``forward`` reads its weights in parts as they become final
+        (``context.params_ready``): a plain ``Dense`` larger than ``context.params_piece``."""
+        piece = self.context.params_piece
+        return type(self).forward is Dense.forward and 0 < piece < self.n_in * self.n_out
+
     def forward(self, x: np.ndarray) -> np.ndarray:
         self._x = x  # (n, n_in)
-        y = x @ self.params["W"]  # (n, n_out)
+        W, ctx = self.params["W"], self.context
+        if not self.reads_params_in_parts:
+            y = x @ W  # (n, n_out)
+        else:  # the sum over row blocks of W, each read once it is final
+            rows = -(-ctx.params_piece // self.n_out)
+            y = None
+            for r in range(0, len(W), rows):
+                ctx.params_ready(self, min(r + rows, len(W)) * self.n_out)
+                part = x[:, r:r + rows] @ W[r:r + rows]
+                y = part if y is None else np.add(y, part, out=y)
+            ctx.params_ready(self)  # and b
         y += self.params["b"]
         return y
 

@@ -170,15 +170,38 @@ class Sequential:
             layer.init_(rng)
         return self
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
+    def forward(self, x: np.ndarray,
+                on_layer_params: Callable[[int, int | None], None] | None = None,
+                piece: int = 0) -> np.ndarray:
         """``x`` ``(n, *in_shape)`` → output ``(n, *out_shape)``; caches activations for
-        ``backward``. Runs in the mode ``context.training`` says (False: evaluation)."""
+        ``backward``. Runs in the mode ``context.training`` says (False: evaluation).
+
+        ``on_layer_params(i, upto)``: returns once the first ``upto`` values of layer
+        ``i``'s range of ``params`` (None: all) are final, for a trainer whose update is
+        still arriving: called before each layer's ``forward``, or, for a layer that reads
+        its parameters in parts of about ``piece`` values (a ``Dense``), before each part.
+        A layer sums over the same parts whether or not they had to wait, so the numbers
+        do not depend on timing.
+        """
         if tuple(x.shape[1:]) != self.in_shape and not (
                 len(self.in_shape) == 1 and x.ndim == 2 and x.shape[1] == self.n_in):
             raise ValueError(f"the model takes samples of shape {self.in_shape}, got a batch "
                              f"of shape {tuple(x.shape)}")
-        for layer in self.layers:
-            x = layer.forward(x)
+        if on_layer_params is None:
+            for layer in self.layers:
+                x = layer.forward(x)
+            return x
+        ctx = self.context
+        try:
+            ctx.params_piece = max(int(piece), 0)
+            for i, layer in enumerate(self.layers):
+                ctx.params_ready = (lambda who, upto=None, i=i, layer=layer: on_layer_params(
+                    i, None if upto is None else int(upto)) if who is layer else None)
+                if not getattr(layer, "reads_params_in_parts", False):
+                    on_layer_params(i, None)
+                x = layer.forward(x)
+        finally:
+            ctx.params_ready, ctx.params_piece = _unheard, 0
         return x
 
     __call__ = forward

@@ -254,6 +254,48 @@ class Optimizer(ABC):
         finally:
             self._now = None
 
+    def refuses_pieces(self) -> str | None:
+        """Why this optimizer cannot apply an update piece by piece while the rest of its
+        gradient is still arriving (:meth:`update_in_pieces_`), or None."""
+        if self.clip_norm is not None:
+            return "clip_norm scales by the norm of the whole gradient"
+        if self.track_grad_norm:
+            return "tracking the gradient norm needs the whole gradient"
+        if type(self)._begin is not Optimizer._begin or type(self)._apply is not Optimizer._apply:
+            return f"{type(self).__name__} scales each tensor by norms of the whole tensor"
+        return None
+
+    def update_in_pieces_(self, params: np.ndarray,
+                          scale: float = 1.0) -> Callable[[np.ndarray, int, int], None]:
+        """Begin one update of ``params`` (1-D) applied piece by piece as its gradient
+        arrives: the returned ``apply(grad, lo, hi)`` updates ``params[lo:hi]`` from the
+        mean gradient ``scale * grad[lo:hi]`` (``grad`` the whole vector; its ``[lo, hi)``
+        is used as scratch space). Once every value has been applied exactly once, the
+        numbers are those of ``step_(params, grad, scale)``. The update is counted (``t``)
+        and its rate fixed here. Only for an elementwise rule (:meth:`refuses_pieces`)."""
+        why = self.refuses_pieces()
+        if why:
+            raise ValueError(f"this update cannot be applied in pieces: {why}")
+        self._locate(len(params))
+        t = self.t
+        self.t += 1
+        rate, self.last_grad_norm = self.lr_at(t), None
+        first = self._prepare(params)
+
+        def apply(grad: np.ndarray, lo: int, hi: int) -> None:
+            self._now, part = rate, scale
+            try:
+                if self.clip_value is not None:  # as step_ does: scale, clip, then scale 1
+                    g = grad[lo:hi]
+                    if part != 1.0:
+                        g *= part
+                    np.clip(g, -self.clip_value, self.clip_value, out=g)
+                    part = 1.0
+                self._apply(params, grad, lo, hi, part, first)
+            finally:
+                self._now = None
+        return apply
+
     def _begin(self, params: np.ndarray, grad: np.ndarray, scale: float, first: bool) -> float:
         """Before any piece: the global norm (one reduction, with the tensors' parameter
         norms where :attr:`layer_norms`), clipping folded into the returned ``scale``.

@@ -103,7 +103,8 @@ class DataParallel:
         optimizer.place(Segments.of(model))
         self.sync = (make_sync(sync, lambda: copy.deepcopy(optimizer)) if isinstance(sync, str)
                      else sync)
-        refused = self.sync.refuses(model)  # the same verdict on every rank, before any work
+        # the same verdict on every rank, before any work
+        refused = self.sync.refuses(model) or self.sync.refuses_run(optimizer, on_nonfinite)
         if refused:
             raise C.MpidpError(refused)
         self.sync_params(init_sync)
@@ -116,6 +117,7 @@ class DataParallel:
         self.buf = bufs.grads
         self._on_layer_done = self.sync.on_layer_done()
         self._on_layer_part = self.sync.on_layer_part() if self._on_layer_done else None
+        self._on_forward = self.sync.on_forward()
         self.closed = False
 
     def _reduce_sum(self, a: np.ndarray) -> np.ndarray:
@@ -134,6 +136,7 @@ class DataParallel:
         a program that builds trainer after trainer (a sweep, folds) should close each."""
         if self.closed:
             return
+        self.sync.settle()
         model = self.model
         self.buf = self.buf.copy()  # out of any window the strategy frees
         model.use_grad_buffer(self.buf)
@@ -151,6 +154,8 @@ class DataParallel:
     def sync_params(self, how: str = "bcast") -> None:
         """Make every rank's parameters (and layer state) equal ``root``'s (``bcast``) or
         check they are (``seed``)."""
+        if hasattr(self, "sync"):
+            self.sync.settle()
         if how == "bcast":
             C.bcast_(self.comm, self.model.params, self.root)
             if self.model.n_state:
@@ -170,13 +175,23 @@ class DataParallel:
     def world(self) -> C.Comm:
         return self.comm
 
+    def settle(self) -> None:
+        """Make the parameters final: complete an update still arriving between steps
+        (``Overlapped(finish="forward")`` applies the first layers' part of a step's update
+        during the next forward pass). Everything of the trainer that reads them (evaluation,
+        checkpoints, replica checks, ``close``, the end of :func:`fit`) settles first; a
+        loop of your own calls it before it reads ``model.params``. Collective."""
+        self.sync.settle()
+
     def in_sync(self) -> bool:
         """True on every rank iff all replicas' parameters are bit-identical. Collective."""
+        self.sync.settle()
         return C.params_in_sync(self.comm, self.model.params)
 
     def check_replicas(self) -> None:
         """Raise :class:`mpidp.MpidpError` on every rank, naming the ranks whose parameters
         differ from the root's, unless all replicas are bit-identical. Collective."""
+        self.sync.settle()
         C.assert_in_sync(self.comm, self.model.params, self.root)
 
     def poison_(self) -> None:
@@ -196,6 +211,7 @@ class DataParallel:
                         run_id: str | None = None) -> None:
         """Write a checkpoint of ``state`` (root writes; a refusal, e.g. a folder taken
         over by another run, is raised on every rank). Collective."""
+        self.sync.settle()
         self.sync.before_checkpoint(self.optimizer)  # a sharded state is gathered to root
         try:
             C.root_decides(self.comm, ckpt.save, directory, self.model, self.optimizer, state,
@@ -206,6 +222,7 @@ class DataParallel:
     def restore(self, directory: str) -> tuple[str, ckpt.State] | None:
         """Load the newest good checkpoint in ``directory`` on every rank (the strategy takes
         its share when training resumes, :func:`mpidp.fit`). Collective."""
+        self.sync.settle()  # nothing still arriving may overwrite what is restored
         found = ckpt.restore(self.comm, directory, self.model, self.optimizer, self.root)
         if found is not None:
             self.global_step = found[1].global_step
@@ -241,7 +258,12 @@ class DataParallel:
             ctx.index = np.asarray(index, np.int64)
         with self.timer.compute("compute", samples=len(X)):
             try:
-                out = self.model.forward(X)
+                if self._on_forward is None:
+                    out = self.model.forward(X)
+                else:  # the last update's parts arrive as the layers read them
+                    hook, piece = self._on_forward
+                    out = self.model.forward(X, on_layer_params=hook, piece=piece)
+                    self.sync.settle()  # every sum is done before backward reuses the buffer
             finally:
                 ctx.index = None  # never reused by a later step
             loss_sum = self.loss.forward(out, y)
@@ -293,6 +315,7 @@ class DataParallel:
         are the classifier's or regression's figures (:mod:`mpidp.observe.scores`), each
         equal to one process' on all the rows. Collective (one ``Allreduce``; a regression
         gathers its statistics too)."""
+        self.sync.settle()
         total = np.zeros(3, np.float64)
         sums = ScoreSums(self.loss.classification, self.model.n_out)
         for s in range(0, len(X), batch_size):
@@ -395,5 +418,7 @@ def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
             plan.capacities = np.asarray(saved, np.float64)
         dp.sync.after_restore(dp.optimizer)  # e.g. a sharded optimizer takes its slice of the state
     with watched_run(spec, dp.comm, dp.watchdog) as spec:
-        return run(dp, DataFeed(dp, plan, train, test), spec)
+        history = run(dp, DataFeed(dp, plan, train, test), spec)
+        dp.settle()  # the last update is whole when fit returns
+        return history
 

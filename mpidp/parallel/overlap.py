@@ -9,6 +9,8 @@ from .. import comm as C
 from .sync import Buffers, Setup, Sync
 
 PROGRESS = ("test", "thread")
+FINISH = ("backward", "forward")
+WINDOW = 8  # sums in flight at once when they finish during forward
 
 
 class Overlapped(Sync):
@@ -30,6 +32,23 @@ class Overlapped(Sync):
         (:class:`mpidp.comm.BackgroundAllreduce`), so a bucket also moves during one
         long layer, at the cost of a core polling in MPI meanwhile; it needs
         ``MPI_THREAD_MULTIPLE``.
+    finish : where the last sums may complete. ``"backward"`` (the default): all of them
+        before the update, at the end of the step. ``"forward"``: the step waits only for
+        the sum holding the loss and counts; every other part is applied (this step's
+        update, piece by piece) as it arrives, at the latest when the next forward pass
+        reads it (:meth:`mpidp.nn.Sequential.forward`'s ``on_layer_params``: a ``Dense``
+        reads its weights in row blocks), so the first layers' transfer overlaps the next
+        forward pass. The sums start in an order made for that: the second half of every
+        bucket but the last (the first layers') waits until the last bucket's parts have
+        started, the last layer's gradients go with the loss and counts as soon as they
+        are final, and at most ``WINDOW`` sums are in flight. The numbers are those of
+        ``"backward"`` (a ``Dense`` sums its product over row blocks); it needs an
+        elementwise optimizer (no ``clip_norm``, no LARS or LAMB), ``on_nonfinite='ignore'``
+        (the update starts before the whole gradient is known) and progress ``"test"``.
+        Between steps the first layers' parameters are then still being updated:
+        :meth:`settle` (:meth:`mpidp.DataParallel.settle`, and everything of the trainer
+        that reads or writes them: evaluation, checkpoints, replica checks, ``close``, the
+        end of :func:`mpidp.fit`) completes them.
 
     Notes
     -----
@@ -52,13 +71,25 @@ class Overlapped(Sync):
 
     name = "overlapped"
 
-    def __init__(self, bucket_bytes: int = 1 << 20, progress: str = "test") -> None:
+    def __init__(self, bucket_bytes: int = 1 << 20, progress: str = "test",
+                 finish: str = "backward") -> None:
         super().__init__()
         if bucket_bytes <= 0:
             raise C.MpidpError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
         if progress not in PROGRESS:
             raise C.MpidpError(f"unknown overlap progress {progress!r}; expected one of {PROGRESS}")
-        self.bucket_bytes, self.progress = int(bucket_bytes), progress
+        if finish not in FINISH:
+            raise C.MpidpError(f"unknown overlap finish {finish!r}; expected one of {FINISH}")
+        if finish == "forward" and progress == "thread":
+            raise C.MpidpError("overlapped sums that finish during forward (finish 'forward') "
+                               "are applied as each arrives, which the communication thread "
+                               "does not report: use progress 'test'")
+        self.bucket_bytes, self.progress, self.finish = int(bucket_bytes), progress, finish
+        self.stretches: list[_Stretch] = []  # finish "forward": this step's sums, as queued
+        self.queue: list[_Stretch] = []  # to start, in order (at most WINDOW in flight)
+        self.late: list[_Stretch] = []  # held until the last bucket's parts are queued
+        self.apply = None  # the update being applied piece by piece, while sums arrive
+        self.tail_lo: int | None = None  # the first bucket's tail, started ahead of it
         self.reducer: C.BackgroundAllreduce | None = None
         self.requests: list = []
         self.launched = 0  # buckets started this step
@@ -93,10 +124,14 @@ class Overlapped(Sync):
 
     def on_layer_done(self) -> Callable[[int], None]:
         def launch(i: int) -> None:
+            if self.finish == "forward" and self.tail_lo is None and self.launched == 0 \
+                    and self.buckets[0][0] != i:  # the last layer and the loss and counts
+                self.tail_lo = self.layer_lo[i]
+                self._start(self.tail_lo, self.buckets[0][2])
             if self.launched < len(self.buckets) and self.buckets[self.launched][0] == i:
                 self._launch()
-            elif self.requests:
-                C.test_some(self.requests)  # between layers: let the started sums move
+            else:
+                self._advance()  # between layers: let the started sums move
         return launch
 
     def on_layer_part(self) -> tuple[Callable[[int, int], None], int] | None:
@@ -110,21 +145,35 @@ class Overlapped(Sync):
                 if end - self.sent_to >= piece:  # a bucket's worth is final: send it now
                     self._start(self.sent_to, end)
                     self.sent_to = end
-            elif self.requests:
-                C.test_some(self.requests)
+            else:
+                self._advance()
         return launch, piece
 
     def _launch(self) -> None:
         """Start the rest of the next bucket (all of it unless parts went ahead)."""
-        _, _, hi = self.buckets[self.launched]
+        hi = self._bucket_hi()
         if self.sent_to < hi:
             self._start(self.sent_to, hi)
         self._ends.append(self._sums)
         self.launched += 1
         self.sent_to = hi if self.launched == len(self.buckets) else self.buckets[self.launched][1]
+        if self.finish == "forward" and self.launched == len(self.buckets):
+            self.queue += sorted(self.late, key=lambda s: s.lo)  # in the order forward reads
+            self.late = []
+            self._advance()
 
     def _start(self, lo: int, hi: int) -> None:
-        """Start the sum of ``buf[lo:hi]``."""
+        """Start the sum of ``buf[lo:hi]`` (finish "forward": queue it)."""
+        if self.finish == "forward":
+            blo, bhi = self.buckets[self.launched][1], self._bucket_hi()
+            stretch = _Stretch(lo, hi)
+            self.stretches.append(stretch)
+            held = (self.launched < len(self.buckets) - 1 and hi <= self.n
+                    and lo - blo >= (bhi - blo) // 2)
+            (self.late if held else self.queue).append(stretch)
+            self._sums += 1
+            self._advance()
+            return
         if self.reducer is not None:
             if self._sums == 0:  # this step's first sum
                 self._completed0 = self.reducer.completed
@@ -134,11 +183,96 @@ class Overlapped(Sync):
             C.test_some(self.requests)
         self._sums += 1
 
+    def _advance(self) -> None:
+        """Let the started sums move; start queued ones while fewer than ``WINDOW`` are in
+        flight; apply the open update to every part whose sum is complete."""
+        if self.requests:
+            C.test_some(self.requests)
+        if self.finish != "forward":
+            return
+        for s in self.stretches:
+            if s.index is not None and not s.done and self.requests[s.index] == C.MPI_REQUEST_NULL:
+                s.done = True
+        live = sum(r != C.MPI_REQUEST_NULL for r in self.requests)
+        while self.queue and live < WINDOW:
+            s = self.queue.pop(0)
+            s.index = len(self.requests)
+            self.requests.append(C.iallreduce_sum_(self.comm, self.buf[s.lo:s.hi]))
+            live += 1
+        if self.apply is not None:
+            for s in self.stretches:
+                if s.done and not s.applied:
+                    if s.lo < self.n:
+                        self.apply(self.buf, s.lo, min(s.hi, self.n))
+                    s.applied = True
+
+    def _complete(self, done: Callable[[], bool]) -> None:
+        """Advance (waiting on the oldest sum in flight) until ``done()``."""
+        self._advance()
+        while not done():
+            if not any(r != C.MPI_REQUEST_NULL for r in self.requests):
+                raise C.MpidpError("overlapped: a part of the gradient was never started")
+            C.wait_any(self.requests)
+            self._advance()
+
+    def settle(self) -> None:
+        if self.finish != "forward" or not self.stretches:
+            return
+        self._complete(lambda: all(s.settled(self.apply) for s in self.stretches))
+        self.stretches, self.requests, self.apply = [], [], None
+
+    def on_forward(self) -> tuple[Callable[[int, int | None], None], int] | None:
+        if self.finish != "forward":
+            return None
+        ranges = self.model.layer_ranges
+
+        def ready(i: int, upto: int | None) -> None:
+            if not self.stretches:
+                return
+            lo, hi = ranges[i]
+            hi = hi if upto is None else min(hi, lo + upto)
+            if lo < hi:
+                self._complete(lambda: all(s.settled(self.apply) for s in self.stretches
+                                           if s.lo < hi and s.hi > lo))
+        # the same parts every step, arrived or not: the sums do not depend on timing
+        return ready, max(1, self.bucket_bytes // self.buf.itemsize)
+
+    def refuses_run(self, optimizer, on_nonfinite: str) -> str | None:
+        if self.finish != "forward":
+            return None
+        why = optimizer.refuses_pieces()
+        if why:
+            return (f"overlapped sums that finish during forward (finish 'forward', "
+                    f"--overlap-finish forward) update each part as it arrives, but {why}: "
+                    f"use finish 'backward'")
+        if on_nonfinite != "ignore":
+            return (f"overlapped sums that finish during forward (finish 'forward', "
+                    f"--overlap-finish forward) update each part as it arrives, before the "
+                    f"whole gradient can be judged, so "
+                    f"on_nonfinite {on_nonfinite!r} cannot hold: use on_nonfinite 'ignore' "
+                    f"(--on-nonfinite ignore) or finish 'backward'")
+        return None
+
+    def update(self, optimizer, count: int) -> None:
+        if self.finish != "forward":
+            return super().update(optimizer, count)
+        with self.timer.compute():
+            self.apply = optimizer.update_in_pieces_(self.model.params, 1.0 / count)
+            self._advance()
+
+    def _reduce_to_extras(self) -> None:
+        """finish "forward": wait only for the sum that holds the loss and counts."""
+        self._complete(lambda: all(s.done for s in self.stretches if s.hi > self.n))
+
     def reduce(self) -> None:
         while self.launched < len(self.buckets):
             self._launch()
-        self.launched, self._sums, self._ends = 0, 0, []
+        self.launched, self._sums, self._ends, self.tail_lo = 0, 0, [], None
         self.sent_to = self._first_lo()
+        if self.finish == "forward":
+            self._reduce_to_extras()
+            self.bytes_sent += self.buf.nbytes
+            return
         if self.reducer is not None:
             self.reducer.wait()
         else:
@@ -146,20 +280,47 @@ class Overlapped(Sync):
             self.requests = []
         self.bytes_sent += self.buf.nbytes
 
+    def _bucket_hi(self) -> int:
+        """Where the bucket being started ends: before the tail that went ahead of it."""
+        hi = self.buckets[self.launched][2]
+        return self.tail_lo if self.launched == 0 and self.tail_lo is not None else hi
+
     def _first_lo(self) -> int:
         """Where the first bucket starts (0 before setup or with no buckets)."""
         buckets = getattr(self, "buckets", None)
         return buckets[0][1] if buckets else 0
 
     def at_boundary(self) -> bool:
+        if self.finish == "forward":  # a checkpoint settles the sums still arriving
+            return self.launched == 0 and self.sent_to == self._first_lo()
         return self.launched == 0 and not self.requests and self.sent_to == self._first_lo() and (
             self.reducer is None or self.reducer.pending == 0)
 
+    def before_checkpoint(self, optimizer) -> None:
+        self.settle()
+
     def close(self) -> None:
-        """End the communication thread, if any, and free its communicator. Collective."""
+        """Complete the sums still arriving; end the communication thread, if any, and
+        free its communicator. Collective."""
+        if getattr(self, "stretches", None):
+            self.settle()
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None
+
+
+class _Stretch:
+    """One sum of ``buf[lo:hi]`` (finish "forward"): ``index`` in ``requests`` once
+    started, ``done`` once complete, ``applied`` once the open update has used it."""
+
+    __slots__ = ("lo", "hi", "index", "done", "applied")
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi, self.index, self.done, self.applied = lo, hi, None, False, False
+
+    def settled(self, update: object) -> bool:
+        """Nothing more to do for it: applied, or complete with no update open."""
+        return self.applied or (update is None and self.done)
 
 
 def layer_buckets(ranges: list[tuple[int, int]], size: int, itemsize: int,

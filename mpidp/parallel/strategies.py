@@ -18,10 +18,12 @@ SYNCS = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "sharded-ps
 def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
               codec: str | None = None, dedicated: bool = False, k: int = 4,
               ps_shared_memory: bool = True, ps_chunk_bytes: int = 1 << 20,
-              node_aware: bool | None = None, overlap_progress: str = "test") -> Sync:
+              node_aware: bool | None = None, overlap_progress: str = "test",
+              overlap_finish: str = "backward") -> Sync:
     """A strategy by name: ``allreduce`` (fused), ``per-layer``, ``overlapped`` (bucket
     sums started during backward, moved by ``overlap_progress``: ``"test"`` or
-    ``"thread"``), ``compressed`` (reduce-scatter and allgather of ``codec``'s codes,
+    ``"thread"``, and complete by the end of backward or, ``overlap_finish="forward"``,
+    during the next forward pass), ``compressed`` (reduce-scatter and allgather of ``codec``'s codes,
     bfloat16 unless given, error feedback, in buckets of ``bucket_bytes`` started during
     backward), ``ps``
     (``dedicated`` server or not; through shared memory within nodes unless
@@ -37,6 +39,9 @@ def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
     from .overlap import Overlapped
     from .ps import ParameterServer, ShardedParameterServer
     from .sync import NODE_AWARE, Accumulate, LocalSGD, PerLayer, Sync
+    if overlap_finish != "backward" and name != "overlapped":
+        raise C.MpidpError(f"overlap finish {overlap_finish!r} applies to --sync overlapped, "
+                           f"not {name}")
     if node_aware and name not in (*NODE_AWARE, "auto"):
         raise C.MpidpError(f"node-aware reduction applies to --sync {', '.join(NODE_AWARE)} "
                            f"or auto, not {name}")
@@ -48,7 +53,7 @@ def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
     if name == "per-layer":
         return PerLayer()
     if name == "overlapped":
-        return Overlapped(bucket_bytes, progress=overlap_progress)
+        return Overlapped(bucket_bytes, progress=overlap_progress, finish=overlap_finish)
     if name == "compressed":
         return Compressed(codec or "bfloat16", bucket_bytes=bucket_bytes)
     if name == "ps":

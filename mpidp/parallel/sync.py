@@ -149,6 +149,21 @@ class Sync:
         asks for (``Sequential.backward(on_layer_part=..., piece=...)``), or None."""
         return None
 
+    def on_forward(self) -> tuple[Callable[[int, int | None], None], int] | None:
+        """A forward hook for a strategy whose update is still arriving when the next step
+        begins, and the values per part it asks layers to read their parameters in
+        (``Sequential.forward(on_layer_params=..., piece=...)``), or None."""
+        return None
+
+    def settle(self) -> None:
+        """Complete an update still arriving (see :meth:`on_forward`), so that the
+        parameters are final. Collective."""
+
+    def refuses_run(self, optimizer: Optimizer, on_nonfinite: str) -> str | None:
+        """Why this strategy cannot train with ``optimizer`` under the NaN policy
+        ``on_nonfinite``, or None."""
+        return None
+
     def refuses(self, model) -> str | None:
         """Why this strategy cannot train ``model`` (a layer it cannot honour), or None."""
         return refuses_model(model.needs, "data", self.name)

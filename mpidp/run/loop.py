@@ -277,6 +277,8 @@ class _Run:
     def after_step(self, epoch: int, step: int, s: StepStats, totals: np.ndarray) -> None:
         """``on_step``, then a checkpoint when due and an agreed stop, at a boundary."""
         trainer, spec = self.trainer, self.spec
+        if spec.on_step is not None and getattr(trainer, "settle", None) is not None:
+            trainer.settle()  # the callback may read the parameters: the update is whole
         if spec.on_step is not None and spec.on_step(trainer.global_step, s):
             self.asked = True
         self.save_due |= bool(spec.checkpoint) and trainer.global_step % spec.checkpoint.every == 0

@@ -173,7 +173,7 @@ def prediction_table(fit: Fit, compute_per_param: float | Compute, batch: int,
 
 
 #: The modes :func:`mode_step_time` predicts.
-MODES = ("allreduce", "overlapped", "compressed", "node-aware")
+MODES = ("allreduce", "overlapped", "overlapped-forward", "compressed", "node-aware")
 
 
 def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
@@ -189,6 +189,9 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
       (a share) into the backward pass (``backward``: its share of ``compute``), and runs
       beside the rest of it: ``(1 - backward) c + max(backward c, first_bucket backward c
       + ring(P, m))``;
+    * ``overlapped-forward``: as ``overlapped``, but the last sums complete during the
+      next forward pass, so the exchange runs beside the rest of backward and all of the
+      next forward: ``max(c, first_bucket backward c + ring(P, m))``;
     * ``compressed``: codes reduce-scattered and allgathered, ``wire_share`` of a ring's
       bytes (16 bits: 0.5), started bucket by bucket during backward as ``overlapped``,
       plus ``codec`` seconds of encoding and decoding on the same core: ``(1 - backward) c
@@ -222,6 +225,10 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
     if mode == "allreduce":
         per_byte = max(fit.beta * max(link_hops, 1), shared(P) * cpu_per_byte)
         return compute + float(allreduce_time(P, m, Fit(fit.alpha, per_byte, fit.gamma)))
+    if mode == "overlapped-forward":
+        b, sent = backward * compute, m * 2 * (P - 1) / max(P, 1)
+        return max(compute + shared(P) * cpu_per_byte * sent,
+                   first_bucket * b + float(allreduce_time(P, m, fit)))
     if mode in ("overlapped", "compressed"):
         b, half = backward * compute, mode == "compressed"
         wire = m * wire_share if half else m
