@@ -37,7 +37,8 @@ OPTIMIZERS = {
     "sgd": lambda: nn.SGD(0.1),
     "momentum-wd-clip": lambda: nn.SGD(0.05, momentum=0.9, weight_decay=1e-3, clip_value=0.05),
     "adam": lambda: nn.Adam(0.01),
-    "adamw-schedule": lambda: nn.AdamW(nn.schedules.Warmup(nn.schedules.Cosine(0.02, 10), 2), weight_decay=0.01),
+    "adamw-schedule": lambda: nn.AdamW(nn.schedules.Warmup(nn.schedules.Cosine(0.02, 10), 2),
+                                       weight_decay=0.01),
 }
 
 
