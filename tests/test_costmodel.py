@@ -170,6 +170,11 @@ def test_mode_step_times_by_hand():
         c + 1.5 * 0.5e6 * 1e-9)
     assert M.mode_step_time("overlapped", 2, m, c, fit, cpu_per_byte=1e-9) == pytest.approx(
         c / 3 + ring)  # a slow link: the wire, not the cores, sets the step
+    # finishing in the next forward: the exchange runs beside backward and the next forward
+    assert M.mode_step_time("overlapped-forward", 2, m, c, fit, first_bucket=0.25) == pytest.approx(
+        max(c, 0.25 * 2 * c / 3 + ring))
+    assert M.mode_step_time("overlapped-forward", 2, 1e6, c, fit, cpu_per_byte=1e-9) == pytest.approx(
+        c + 1e6 * 1e-9)  # a fast link: compute and the exchange's CPU work
     # two nodes of two ranks: the leaders' ring at P = 2, not the flat one at P = 4
     assert M.mode_step_time("node-aware", 4, m, c, fit, per_node=2) == pytest.approx(c + ring)
     # a flat ring at P = 4 sends 1.5 m per hop; dealt out in turn, two hops share each way
