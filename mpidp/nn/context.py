@@ -51,7 +51,8 @@ class Context:
     grads_piece : how many gradient values the listener would like announced at a time
         (0: whole layers only). A layer whose gradient is one large product (a ``Dense``)
         may compute it in leading parts of about this many values and announce each with
-        ``grads_final(self, done)``; the values it computes are the same either way.
+        ``grads_final(self, done)``; its values are the same products up to rounding (BLAS
+        may sum a row block's products in another order than the whole product's).
     params_ready : the mirror of ``grads_final`` for a forward pass whose parameters are
         still being updated (their sums still arriving): ``params_ready(self, upto)`` in a
         layer's ``forward`` returns once the first ``upto`` values of its parameters (None:

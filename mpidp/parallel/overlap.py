@@ -41,8 +41,10 @@ class Overlapped(Sync):
         forward pass. The sums start in an order made for that: the second half of every
         bucket but the last (the first layers') waits until the last bucket's parts have
         started, the last layer's gradients go with the loss and counts as soon as they
-        are final, and at most ``WINDOW`` sums are in flight. The numbers are those of
-        ``"backward"`` (a ``Dense`` sums its product over row blocks); it needs an
+        are final, and at most ``WINDOW`` sums are in flight, on a communicator of their
+        own (so a layer's own sums, batch norm's, never need matching starts). The numbers
+        are those of ``"backward"`` up to rounding (a ``Dense`` sums its product over row
+        blocks, the same blocks every step); it needs an
         elementwise optimizer (no ``clip_norm``, no LARS or LAMB), ``on_nonfinite='ignore'``
         (the update starts before the whole gradient is known) and progress ``"test"``.
         Between steps the first layers' parameters are then still being updated:
@@ -106,6 +108,9 @@ class Overlapped(Sync):
         self.starts = {layer: (lo, hi) for layer, lo, hi in self.buckets}
         self.layer_lo = [lo for lo, _ in s.model.layer_ranges]
         self.sent_to = self._first_lo()
+        # started as windows free up, at moments that differ between ranks: never on the
+        # trainer's communicator, whose collectives (batch norm's) must match in order
+        self.sums_comm = C.companion(s.comm) if self.finish == "forward" else s.comm
         if self.progress == "thread":
             self.reducer = C.BackgroundAllreduce(s.comm, name="mpidp-overlapped")
         return out
@@ -197,7 +202,7 @@ class Overlapped(Sync):
         while self.queue and live < WINDOW:
             s = self.queue.pop(0)
             s.index = len(self.requests)
-            self.requests.append(C.iallreduce_sum_(self.comm, self.buf[s.lo:s.hi]))
+            self.requests.append(C.iallreduce_sum_(self.sums_comm, self.buf[s.lo:s.hi]))
             live += 1
         if self.apply is not None:
             for s in self.stretches:

@@ -467,8 +467,8 @@ def test_pieces_start_in_parts_of_a_layer_and_sums_decode_during_backward(comm, 
     """Pieces of 8 values per rank: ``Dense(10, 12)``'s gradient is announced in parts,
     the first pieces of its bucket start before the layer is done, and (made to arrive
     at once here) the gathered sums are decoded while backward still runs, except with
-    float16. Training gives the same parameters, bit for bit, as with whole layers and
-    every sum decoded when backward ends."""
+    float16. Training gives the parameters of whole layers with every sum decoded when
+    backward ends, up to the rounding of the row blocks' products."""
     from mpidp.parallel import compress as Z
     monkeypatch.setattr(Z, "PIECE", 8)
     rng = np.random.default_rng(5)
@@ -498,7 +498,11 @@ def test_pieces_start_in_parts_of_a_layer_and_sums_decode_during_backward(comm, 
     all_ranks(comm, piece == 8 * comm.size and started > 0, f"{early}")
     decoded = max(d for _, _, d in early)
     all_ranks(comm, decoded == 0 if codec == "float16" else decoded > 0, f"{early}")
-    all_ranks(comm, np.array_equal(params[0], params[1]), "parts changed the sums")
+    # the products of row blocks may round differently from one product (BLAS): ulps only,
+    # where a value sent twice or never would be off by a gradient's size
+    diff = np.abs(params[0] - params[1]).max()
+    all_ranks(comm, np.allclose(params[0], params[1], rtol=1e-6, atol=1e-7),
+              f"parts changed the sums: {diff:.3g} of {np.abs(params[1]).max():.3g}")
 
 
 @pytest.mark.mpi(min_size=2)

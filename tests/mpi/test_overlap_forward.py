@@ -187,3 +187,25 @@ def test_a_step_callback_reads_the_updated_parameters(comm):
               on_step=watch(ref_seen, ref))
     all_ranks(comm, sorted(seen) == sorted(ref_seen) == [1, 2, 3, 4, 5])
     all_ranks(comm, all(np.allclose(seen[k], ref_seen[k], rtol=RTOL, atol=ATOL) for k in seen))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_batch_norm_sums_in_forward_beside_the_arriving_parts(comm):
+    """Batch norm sums its statistics over the ranks during forward and backward, while
+    parts of the update are still arriving; their sums go on a communicator of their own,
+    so the two never need matching starts: the single-process model at any rank count."""
+    shard, X, y = _data(comm)
+
+    def train(comm, shard, sync):
+        model = nn.Sequential([nn.Dense(10, 24), nn.BatchNorm(), nn.ReLU(), nn.Dense(24, 16),
+                               nn.BatchNorm(), nn.ReLU(), nn.Dense(16, 4)], 10,
+                              dtype=np.float64).init_(2)
+        dp = mpidp.DataParallel(model, nn.SGD(0.1, momentum=0.9), nn.SoftmaxCrossEntropy(),
+                                comm, sync=sync, on_nonfinite="ignore")
+        mpidp.fit(dp, shard, 2, 24, seed=3)
+        return dp
+    dp = train(comm, shard, Overlapped(160, finish="forward"))
+    ref = train(MPI.COMM_SELF, mpidp.shard_from_arrays(MPI.COMM_SELF, X, y), "allreduce")
+    all_ranks(comm, np.allclose(dp.model.params, ref.model.params, rtol=RTOL, atol=ATOL),
+              f"max diff {np.abs(dp.model.params - ref.model.params).max():.3g}")
+    all_ranks(comm, np.allclose(dp.model.state, ref.model.state, rtol=RTOL, atol=ATOL))
