@@ -83,9 +83,10 @@ class Overlapped(Sync):
         if finish not in FINISH:
             raise C.MpidpError(f"unknown overlap finish {finish!r}; expected one of {FINISH}")
         if finish == "forward" and progress == "thread":
-            raise C.MpidpError("overlapped sums that finish during forward (finish 'forward') "
-                               "are applied as each arrives, which the communication thread "
-                               "does not report: use progress 'test'")
+            raise C.MpidpError("overlapped sums that finish during forward (finish 'forward', "
+                               "--overlap-finish forward) are applied as each arrives, which "
+                               "the communication thread does not report: use progress "
+                               "'test' (--overlap-progress test)")
         self.bucket_bytes, self.progress, self.finish = int(bucket_bytes), progress, finish
         self.stretches: list[_Stretch] = []  # finish "forward": this step's sums, as queued
         self.queue: list[_Stretch] = []  # to start, in order (at most WINDOW in flight)
