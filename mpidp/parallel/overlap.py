@@ -119,7 +119,7 @@ class Overlapped(Sync):
     @property
     def reduced(self) -> int:
         """Buckets of this step whose sums (all of its parts) are complete already
-        (instrumentation)."""
+        (instrumentation, for finish "backward")."""
         starts = [0, *self._ends[:-1]]
         if self.reducer is not None:  # the thread completes the sums in order
             done = self.reducer.completed - self._completed0
