@@ -302,9 +302,6 @@ class Overlapped(Sync):
         return self.launched == 0 and not self.requests and self.sent_to == self._first_lo() and (
             self.reducer is None or self.reducer.pending == 0)
 
-    def before_checkpoint(self, optimizer) -> None:
-        self.settle()
-
     def close(self) -> None:
         """Complete the sums still arriving; end the communication thread, if any, and
         free its communicator. Collective."""
