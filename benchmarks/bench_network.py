@@ -44,17 +44,21 @@ from cluster import Cluster, LinkBytes, limits_available, tbf_args  # noqa: E402
 from mpidp.scale.costmodel import Fit, fit_alpha_beta, mode_step_time  # noqa: E402 (no MPI)
 
 PAIR_MODES = ("handwritten", "allreduce", "overlapped", "overlapped-forward", "compressed",
-              "compressed-int8", "auto")
+              "compressed-numpy", "compressed-int8", "auto")
 NODE_MODES = ("allreduce-flat", "allreduce-node")  # 2 hosts x 2 ranks
-GATHER = ("compressed", "compressed-int8")  # codes Allgathered: each rank sends (P-1) x its codes
+# codes Allgathered: each rank sends (P-1) x its codes
+GATHER = ("compressed", "compressed-numpy", "compressed-int8")
 COMPUTE = "compute-only"  # run beside the modes in every job: the model's compute input
 #: bench_sync.py's mode (or the strategy auto chose) -> the cost model's mode
 MODEL_MODES = {"handwritten": "allreduce", "allreduce": "allreduce", "allreduce-flat": "allreduce",
                "overlapped": "overlapped", "overlapped-forward": "overlapped-forward",
-               "compressed": "compressed",
+               "compressed": "compressed", "compressed-numpy": "compressed",
                "compressed-int8": "compressed", "allreduce-node": "node-aware"}
 #: the share of float32's bytes that a compressed mode's codes take
-WIRE_SHARE = {"compressed": 0.5, "compressed-int8": (1 + 4 / 256) / 4}
+WIRE_SHARE = {"compressed": 0.5, "compressed-numpy": 0.5, "compressed-int8": (1 + 4 / 256) / 4}
+#: a compressed mode -> the key of its codec's share of compute in the local inputs
+CODEC_SHARE = {"compressed": "codec_share", "compressed-numpy": "codec_numpy_share",
+               "compressed-int8": "codec_int8_share"}
 BUCKET_BYTES = 1 << 20  # bench_sync.py's overlapped buckets
 PING_SIZES = {8: 30, 512: 30, 4096: 30, 1 << 20: 8, 4 << 20: 5, 8 << 20: 5}  # bytes: round trips
 
@@ -159,12 +163,12 @@ def predicted_step_s(row: dict, fit: dict, compute: float, local: dict) -> tuple
     mode = MODEL_MODES.get(row["mode"]) if row["mode"] != "auto" else MODEL_MODES.get(row["sync"])
     if mode is None:
         return None
-    int8 = "compressed-int8" in (row["mode"], row.get("sync"))
-    share = local.get("codec_int8_share", local["codec_share"]) if int8 else local["codec_share"]
+    coded = next((m for m in (row["mode"], row.get("sync")) if m in CODEC_SHARE), "compressed")
+    share = local.get(CODEC_SHARE[coded], local["codec_share"])
     t = mode_step_time(mode, row["ranks"], local["m"], compute, Fit(**fit),
                        backward=local["backward"], first_bucket=local["first_bucket"],
                        codec=share * compute, per_node=row["ranks"] // row["hosts"],
-                       wire_share=WIRE_SHARE["compressed-int8" if int8 else "compressed"],
+                       wire_share=WIRE_SHARE[coded],
                        cpu_per_byte=local.get("cpu_per_byte", 0.0),
                        link_hops=row["ranks"] // row["hosts"] if row.get("placement") == "cyclic" else 1,
                        cores=local.get("cores"))
@@ -203,13 +207,16 @@ def _median_s(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def codec_work(n: int, P: int = 2, codec: str = "bfloat16") -> tuple[Callable[[], None], str]:
+def codec_work(n: int, P: int = 2, codec: str = "bfloat16",
+               jit: bool | None = None) -> tuple[Callable[[], None], str]:
     """One step's CPU work of the ``compressed`` strategy (``codec``) on one of ``P`` ranks
-    for ``n`` float32 gradients, without the exchanges, and what it runs. With
-    :class:`mpidp.parallel.compress.Codec`: per block, the gradient plus its residual
-    encoded with error feedback; this rank's chunk (``n / P``) decoded from ``P`` ranks'
-    codes and summed, plus the chunk residual, checked (a dot product) and encoded with
-    error feedback; every code decoded."""
+    for ``n`` float32 gradients, without the exchanges, and what it runs: the strategy's
+    own :class:`mpidp.parallel.compress.Codec` calls with the kernels it picks here (numba's
+    for bfloat16 where numba is installed): per block, the gradient plus its residual
+    encoded with error feedback; this rank's chunk (``n / P``) summed from ``P`` ranks'
+    codes, plus the chunk residual, checked and encoded with error feedback; every code
+    decoded. ``jit``: numba's kernels (True), NumPy's passes (False), or as the strategy
+    picks (None)."""
     from mpidp.parallel import compress as Z
     rng = np.random.default_rng(0)
     g = rng.standard_normal(n).astype(np.float32) * np.float32(1e-3)
@@ -217,33 +224,29 @@ def codec_work(n: int, P: int = 2, codec: str = "bfloat16") -> tuple[Callable[[]
     piece = Z._Piece(0, n, P, 0, 0, 0, codec)  # rank 0's layout: chunk 0 is summed here
     whole = [seg for lo, hi, at in piece.runs for seg in Z._segments(lo, hi, at, codec)]
     chunk = Z._segments(0, piece.m, 0, codec)  # offsets in the chunk and its codes
-    k, block, h, own = Z.Codec(codec), Z.BLOCK, piece.m, piece.own
+    if jit is None:
+        jit = codec in Z.JIT_CODECS and Z.numba_available()
+    k, h, own = Z.Codec(codec, jit=jit), piece.m, piece.own
     codes = np.zeros(piece.end, np.uint16)
-    other = []  # the other ranks' codes of this rank's chunk
-    for _ in range(P - 1):
-        c = np.zeros(piece.mu, np.uint16)
+    recv = np.zeros((P - 1) * piece.mu, np.uint16)  # the other ranks' codes of this chunk
+    for r in range(P - 1):
         for a, b, ca, cb in chunk:
-            c[ca:cb] = Z.encode(rng.standard_normal(b - a).astype(np.float32) * 1e-3, codec)
-        other.append(c)
+            at = r * piece.mu
+            recv[at + ca:at + cb] = Z.encode(rng.standard_normal(b - a).astype(np.float32)
+                                             * np.float32(1e-3), codec)
     cres, cnxt = np.zeros(h, np.float32), np.zeros(h, np.float32)
-    acc = np.zeros(block, np.float32)
+    starts = np.arange(-1, P - 1, dtype=np.int64) * piece.mu  # rank 0: its own codes
 
     def kernel() -> None:
         for a, b, ca, cb in whole:
-            x = nxt[a:b]
-            np.add(g[a:b], res[a:b], out=x)
-            k.encode_(x, codes[ca:cb], x)
+            k.encode_sum_(g[a:b], codes[ca:cb], res[a:b], nxt[a:b])
         for a, b, ca, cb in chunk:
-            v, mine = acc[:b - a], codes[own + ca:own + cb]
-            k.decode_(mine, v)
-            for c in other:
-                k.decode_add_(c[ca:cb], v)
-            np.add(v, cres[a:b], out=v)
-            float(np.dot(v, v))
-            k.encode_(v, mine, cnxt[a:b])
+            starts[1:] = np.arange(P - 1) * piece.mu + ca
+            k.sum_encode_(codes[own + ca:own + cb], recv, starts, b - a, cres[a:b], cnxt[a:b])
         for a, b, ca, cb in whole:
             k.decode_(codes[ca:cb], g[a:b])
-    return kernel, "compress.Codec: encode with error feedback, chunk sums, decode"
+    how = "numba's kernels" if jit else "NumPy's passes"
+    return kernel, f"compress.Codec, {how}: encode with error feedback, chunk sums, decode"
 
 
 def measure_local(reps: int = 7, batch: int = 256) -> dict:
@@ -266,8 +269,9 @@ def measure_local(reps: int = 7, batch: int = 256) -> dict:
     first = layer_buckets(model.layer_ranges, n + N_EXTRA, 4, BUCKET_BYTES)[0][0]
     work, how = codec_work(n)
     work8, _ = codec_work(n, codec="int8")
+    work_np, _ = codec_work(n, jit=False)
     keys = ("forward_s", "backward_s", "update_s", "first_bucket", "codec_s", "codec_share",
-            "codec_int8_s", "codec_int8_share")
+            "codec_int8_s", "codec_int8_share", "codec_numpy_s", "codec_numpy_share")
     parts: dict[str, list[float]] = {k: [] for k in keys}
     done: list[float] = []  # when backward reported the first bucket's layer final
 
@@ -288,9 +292,11 @@ def measure_local(reps: int = 7, batch: int = 256) -> dict:
         t4 = time.perf_counter()
         work8()
         t5 = time.perf_counter()
+        work_np()
+        t6 = time.perf_counter()
         step = t3 - t0
         got = (t1 - t0, t2 - t1, t3 - t2, (done[0] - t1) / (t2 - t1), t4 - t3, (t4 - t3) / step,
-               t5 - t4, (t5 - t4) / step)
+               t5 - t4, (t5 - t4) / step, t6 - t5, (t6 - t5) / step)
         for key, v in zip(keys, got if i else ()):
             parts[key].append(v)
     med = {k: statistics.median(v) for k, v in parts.items()}
@@ -391,7 +397,10 @@ def model_lines(model: dict) -> list[str]:
         f"final after {loc['first_bucket']:.0%} of backward, the time at which backward "
         f"reports that layer done; codec: one rank's CPU work at P = 2 ({loc['codec_how']}), "
         f"{loc['codec_s'] * 1e3:.1f} ms"
-        + (f" (int8: {loc['codec_int8_s'] * 1e3:.1f} ms)" if "codec_int8_s" in loc else "")
+        + (f" (int8, NumPy's passes: {loc['codec_int8_s'] * 1e3:.1f} ms)"
+           if "codec_int8_s" in loc else "")
+        + (f" (bfloat16 by NumPy's passes, mode compressed-numpy: {loc['codec_numpy_s'] * 1e3:.1f} ms)"
+           if "codec_numpy_s" in loc else "")
         + f", timed right after each step: {loc['codec_share']:.0%} "
         "of the step's time, the share of the measured compute the model adds to a compressed "
         "step (so that a busier moment here or on the hosts scales both alike); gamma "

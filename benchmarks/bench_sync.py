@@ -33,6 +33,7 @@ from mpi4py import MPI
 import mpidp
 from mpidp import nn
 from mpidp.data.partition import local_batches
+from mpidp.parallel.compress import Compressed
 from mpidp.parallel.ps import ParameterServer
 from mpidp.parallel.strategies import make_sync
 from mpidp.parallel.sync import Sync
@@ -41,9 +42,10 @@ MODES = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "ps-bcast",
          "sharded-ps", "accumulate", "local-sgd", "compute-only")
 # named in --modes only: strategy choice measured at setup, fused allreduce without and
 # with node-aware reduction, the hand-written loop as a mode of its own (with --only), and
-# compressed with int8 codes, overlapped whose last sums finish during the next forward
+# compressed with int8 codes (or bfloat16 by NumPy's passes, not numba's kernels),
+# overlapped whose last sums finish during the next forward
 EXTRA_MODES = ("auto", "allreduce-flat", "allreduce-node", "handwritten", "compressed-int8",
-               "overlapped-forward")
+               "compressed-numpy", "overlapped-forward")
 MAX_TRIAL_STEPS = 200  # untimed steps allowed for auto to commit to a strategy
 
 
@@ -129,6 +131,8 @@ def _sync_for(mode: str):
         return make_sync("ps", dedicated=True)
     if mode == "compressed-int8":
         return make_sync("compressed", codec="int8", bucket_bytes=1 << 20)
+    if mode == "compressed-numpy":
+        return Compressed("bfloat16", bucket_bytes=1 << 20, kernels="numpy")
     if mode == "overlapped-forward":  # half-MiB buckets: finer parts for the next forward to read
         return make_sync("overlapped", bucket_bytes=1 << 19, overlap_finish="forward")
     if mode == "ps-bcast":  # the server's parameters sent by one Bcast, not shared memory
@@ -176,6 +180,8 @@ def run_mode(comm, shard, init, mode: str, args, label: str = "") -> dict:
     result["sync"] = getattr(chosen, "name", type(chosen).__name__)
     if getattr(chosen, "codec", None) == "int8":  # the mode of that name here
         result["sync"] = "compressed-int8"
+    elif mode == "compressed-numpy":
+        result["sync"] = mode
     if getattr(dp.sync, "report", ""):
         result["sync_report"] = dp.sync.report
     busy = dp.timer.compute_s - c0 + dp.timer.comm_s - m0

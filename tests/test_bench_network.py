@@ -258,7 +258,7 @@ def test_codec_work_is_a_compressed_step_of_one_rank(codec):
             mine[a:b] = Z.decode(Z.encode(g0[a:b], codec), codec, b - a)
     want = mine.copy()
     for a, b, ca, cb in Z._segments(0, h, 0, codec):  # chunk 0: rank order, encoded again
-        total = mine[a:b] + Z.decode(v["other"][0][ca:cb], codec, b - a)
+        total = mine[a:b] + Z.decode(v["recv"][ca:cb], codec, b - a)
         want[a:b] = Z.decode(Z.encode(total, codec), codec, b - a)
         assert np.array_equal(v["cnxt"][a:b], total - want[a:b])
     assert np.array_equal(v["g"], want)

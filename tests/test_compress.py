@@ -178,3 +178,118 @@ def test_int8_kernel_is_the_reference_bit_for_bit(k):
     assert _same_bits(acc[finite], (np.float32(1) + back)[finite])
     assert not np.isfinite(out[~finite]).any() and finite.any()
     assert (k > 300) == (not finite.all())
+
+
+numba_kernels = pytest.mark.skipif(not Z.numba_available(), reason="numba not installed")
+
+
+def _jit_inputs(k: int, seed: int):
+    """float32 values over every magnitude with the bit patterns' NaN, Inf, subnormals and
+    rounding ties mixed in; residuals of other magnitudes."""
+    rng = np.random.default_rng(seed)
+    bits = _bit_patterns(seed).view(np.float32)
+    x = (rng.standard_normal(k) * 10.0 ** rng.integers(-45, 38, k)).astype(np.float32)
+    at = rng.integers(0, k, k // 8)
+    x[at] = bits[rng.integers(0, len(bits), len(at))]
+    res = (rng.standard_normal(k) * 10.0 ** rng.integers(-40, 30, k)).astype(np.float32)
+    return x, res
+
+
+def _same_up_to_nan_payload(a: np.ndarray, b: np.ndarray, codec: str = "bfloat16",
+                            k: int = 0) -> bool:
+    """Equal bits, except that a NaN may be another NaN (a compiled sum of two NaNs may
+    keep either one's payload and sign). ``a``, ``b``: codes (bfloat16: one per value;
+    int8: one segment of ``k`` values) or float32/64 values."""
+    if a.dtype == np.uint16 and codec == "int8":
+        (qa, sa), (qb, sb) = Z._int8_parts(a, k), Z._int8_parts(b, k)
+        return _same_bits(qa, qb) and _same_up_to_nan_payload(sa, sb)
+    fa, fb = ((Z.decode(v, codec) if v.dtype == np.uint16 else v) for v in (a, b))
+    nan = np.isnan(fa)
+    return bool(np.array_equal(nan, np.isnan(fb)) and _same_bits(a[~nan], b[~nan]))
+
+
+
+@numba_kernels
+@pytest.mark.parametrize("codec", Z.JIT_CODECS)
+@pytest.mark.parametrize("k", [1, 3, 255, 4099, Z.BLOCK])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_encode_and_decode_are_numpys_bit_for_bit(codec, k, dtype):
+    """Codes, what they lose, the scan's verdict and decoded values (into float32 and
+    float64), with and without a residual, for finite and non-finite values alike (a NaN's
+    payload aside)."""
+    ref, jit = Z.Codec(codec), Z.Codec(codec, jit=True)
+    for seed in range(3):
+        x, res = _jit_inputs(k, seed)
+        with np.errstate(invalid="ignore"):
+            src = x.astype(dtype)
+        if seed == 0:
+            src[:] = np.abs(src)  # a block that is all finite: the verdict is False
+            src[~np.isfinite(src)] = 1.0
+        elif seed == 1 and k >= 8:  # int8 ties: a group scaled by 127 / 127
+            src[:8] = [127, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5, -2.5]
+            src[8:256] = np.clip(src[8:256], -1, 1)
+        elif seed == 2:
+            src[-1] = np.inf
+        with np.errstate(all="ignore"):
+            for with_res in (True, False):
+                got = []
+                for kern in (ref, jit):
+                    codes = np.zeros(Z.units(k, codec), np.uint16)
+                    lost = np.zeros(k, np.float32)
+                    verdict = kern.encode_sum_(src, codes, res if with_res else None,
+                                               lost if with_res else None, scan=True)
+                    out = np.zeros(k, dtype)
+                    kern.decode_(codes, out)
+                    got.append((codes, lost, verdict, out))
+                (c0, l0, v0, o0), (c1, l1, v1, o1) = got
+                assert _same_up_to_nan_payload(c0, c1, codec, k)
+                assert _same_up_to_nan_payload(l0, l1) and _same_up_to_nan_payload(o0, o1)
+                assert v0 == v1
+    assert v0 == (True, False)  # the last block held Inf
+
+
+@numba_kernels
+@pytest.mark.parametrize("codec", Z.JIT_CODECS)
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [1, 1000, Z.BLOCK])
+def test_compiled_chunk_sums_are_numpys_bit_for_bit(codec, P, k):
+    """P ranks' codes summed in rank order (this rank's own in place, the others' from
+    one receive buffer at offsets), plus the chunk residual, encoded again: the same bits
+    for every finite sum (the rows hold NaN, Inf and ties too)."""
+    ref, jit = Z.Codec(codec), Z.Codec(codec, jit=True)
+    rng = np.random.default_rng(P * k)
+    with np.errstate(all="ignore"):
+        rows = [Z.encode(_jit_inputs(k, r)[0], codec) for r in range(P)]
+    u = Z.units(k, codec)
+    mine_rank = P // 2
+    others = [rows[r] for r in range(P) if r != mine_rank]
+    recv = np.concatenate(others + [np.zeros(7, np.uint16)])
+    starts = np.array([-1 if r == mine_rank else u * (r - (r > mine_rank)) for r in range(P)],
+                      np.int64)
+    res = (rng.standard_normal(k) * 1e-3).astype(np.float32)
+    with np.errstate(all="ignore"):
+        for with_res in (True, False):
+            got = []
+            for kern in (ref, jit):
+                mine, lost = rows[mine_rank].copy(), np.zeros(k, np.float32)
+                verdict = kern.sum_encode_(mine, recv, starts, k, res if with_res else None,
+                                           lost if with_res else None)
+                got.append((mine, lost, verdict))
+            (m0, l0, v0), (m1, l1, v1) = got
+            assert _same_up_to_nan_payload(m0, m1, codec, k) and _same_up_to_nan_payload(l0, l1)
+            assert v0 == v1
+
+
+def test_compiled_kernels_exist_for_bfloat16_and_int8_only():
+    with pytest.raises(Z.C.MpidpError, match="bfloat16"):
+        Z.Codec("float16", jit=True)
+    with pytest.raises(Z.C.MpidpError, match="kernels 'numba' exist for"):
+        Z.Compressed("float16", kernels="numba")
+    with pytest.raises(Z.C.MpidpError, match="unknown compression kernels 'fast'"):
+        Z.Compressed(kernels="fast")
+
+
+def test_encode_takes_residual_and_lost_together():
+    codes, x = np.zeros(4, np.uint16), np.ones(4, np.float32)
+    with pytest.raises(ValueError, match="together"):
+        Z.Codec("bfloat16").encode_sum_(x, codes, res=x)

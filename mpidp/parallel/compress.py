@@ -17,6 +17,7 @@ then the float32 scales).
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 
 import numpy as np
@@ -37,7 +38,12 @@ GROUP = 256
 INT8_TINY = np.float32(2.0 ** -100)
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 #: float32 magnitudes from this one on (bits 0x7F7F8000) round to bfloat16 Inf.
-BFLOAT16_INF_FROM = float(np.array(0x7F7F8000, np.uint32).view(np.float32))
+BFLOAT16_INF_BITS = 0x7F7F8000
+BFLOAT16_INF_FROM = float(np.array(BFLOAT16_INF_BITS, np.uint32).view(np.float32))
+#: codecs with compiled kernels (:mod:`mpidp.parallel.compress_jit`, numba)
+JIT_CODECS = ("bfloat16", "int8")
+#: how :class:`Compressed` picks its codec's kernels
+KERNELS = ("auto", "numpy", "numba")
 #: Values per block of :class:`Compressed`'s passes: a block's scratch (a few arrays of
 #: ``BLOCK`` 4-byte values) stays in a core's L2 cache while several NumPy ops run on it.
 BLOCK = 1 << 16
@@ -125,12 +131,81 @@ class Codec:
     bits with the sign cleared, and scales whole groups at once.
     """
 
-    def __init__(self, codec: str, block: int = BLOCK) -> None:
+    def __init__(self, codec: str, block: int = BLOCK, jit: bool = False) -> None:
         if codec not in CODECS:
             raise C.MpidpError(f"unknown compression {codec!r}; expected one of {CODECS}")
-        self.codec, self.block = codec, int(block)
+        if jit and codec not in JIT_CODECS:
+            raise C.MpidpError(f"compiled compression kernels exist for {JIT_CODECS} only, "
+                               f"not {codec!r}")
+        self.codec, self.block, self.jit = codec, int(block), bool(jit)
         self._bits, self._a, self._t, self._o = (np.zeros(self.block, np.uint32) for _ in "abto")
         self._top, self._inv = (np.zeros(self.block // GROUP + 1, np.float32) for _ in "ti")
+        self._x = np.zeros(self.block, np.float32)  # values to encode, or a block of sums
+        self._one, self._none = np.zeros(1, np.float32), np.zeros(0, np.float32)
+        self._k = None
+        if jit:
+            from . import compress_jit  # imports numba
+            self._k = compress_jit
+
+    def encode_sum_(self, src: np.ndarray, codes: np.ndarray, res: np.ndarray | None = None,
+                    lost: np.ndarray | None = None, scan: bool = False) -> tuple[bool, bool]:
+        """``codes[...] = encode(src + res)`` (the sum in float32; ``src`` alone without
+        ``res``); with ``lost`` (and ``res``), what that loses into ``lost``. ``src``:
+        float32 or float64 ``(k,)``; ``res``, ``lost``: float32 ``(k,)``, ``lost`` may be
+        ``res``. With ``scan``, returns :func:`_scan`'s verdict on the values encoded,
+        else ``(False, False)``."""
+        if (res is None) != (lost is None):
+            raise ValueError("encode_sum_ takes res and lost together")
+        f16 = self.codec == "float16"
+        if self.jit:
+            ef = res is not None
+            res, lost = (res, lost) if ef else (self._none, self._none)
+            if self.codec == "int8":
+                q, scale = _int8_parts(codes, len(src))
+                x = lost if ef else self._x[:len(src)]
+                top = self._k.i8_encode(src, res, ef, x, lost, ef, q, scale, INT8_TINY,
+                                        self._one)
+            else:
+                top = self._k.bf16_encode(src, res, ef, lost, ef, codes, self._one)
+            return (scan and top >= BFLOAT16_INF_BITS), False
+        x = lost if lost is not None else self._x[:len(src)]
+        if res is not None:
+            np.add(src, res, out=x)
+        else:
+            np.copyto(x, src, casting="same_kind")
+        verdict = _scan(x, f16) if scan else (False, False)
+        self.encode_(x, codes, lost)
+        return verdict
+
+    def sum_encode_(self, mine: np.ndarray, recv: np.ndarray, starts: np.ndarray, k: int,
+                    res: np.ndarray | None = None,
+                    lost: np.ndarray | None = None) -> tuple[bool, bool]:
+        """``mine[...] = encode(sum + res)``: ``sum``, the float32 sum in rank order of the
+        ``P`` ranks' codes of one segment of ``k`` values, rank ``r``'s being ``mine``
+        where ``starts[r] < 0`` (int64 ``(P,)``), else ``recv[starts[r]:]``; with
+        ``lost`` (and ``res``, float32 ``(k,)``), what the encoding loses into ``lost``.
+        Returns :func:`_scan`'s verdict on ``sum + res``."""
+        if (res is None) != (lost is None):
+            raise ValueError("sum_encode_ takes res and lost together")
+        if self.jit:
+            ef, acc = res is not None, self._x[:k]
+            res, lost = (res, lost) if ef else (self._none, self._none)
+            if self.codec == "int8":
+                top = self._k.i8_sum(mine, recv, starts, k, res, ef, lost, ef, acc, INT8_TINY,
+                                     self._one)
+            else:
+                top = self._k.bf16_sum(mine, recv, starts, res, ef, lost, ef, acc,
+                                       acc.view(np.uint32), self._one)
+            return bool(top >= BFLOAT16_INF_BITS), False
+        acc, u = self._x[:k], len(mine)
+        for r, at in enumerate(starts):
+            src = mine if at < 0 else recv[at:at + u]
+            (self.decode_add_ if r else self.decode_)(src, acc)
+        if res is not None:
+            np.add(acc, res, out=acc)
+        verdict = _scan(acc, self.codec == "float16")
+        self.encode_(acc, mine, lost)
+        return verdict
 
     def encode_(self, x: np.ndarray, codes: np.ndarray, lost: np.ndarray | None = None) -> None:
         """``codes[...] = encode(x)``; with ``lost``, ``lost[...] = x - decode(codes)``."""
@@ -154,6 +229,12 @@ class Codec:
     def decode_(self, codes: np.ndarray, out: np.ndarray) -> None:
         """``out[...] = decode(codes)`` (converted to ``out``'s dtype; any length, but one
         segment of ``len(out)`` values for int8)."""
+        if self.jit and self.codec == "int8":
+            self._k.i8_decode(*_int8_parts(codes, len(out)), out)
+            return
+        if self.jit:
+            self._k.bf16_decode(codes, out, self._one)
+            return
         if self.codec == "int8":
             value = out if out.dtype == np.float32 else self._o[:len(out)].view(np.float32)
             self._decode_i8(codes, value)
@@ -329,6 +410,25 @@ def _piece_length(size: int) -> int:
     return max(1, min(limit if size == 1 else size * (limit // size), size * PIECE))
 
 
+def numba_available() -> bool:
+    """Whether numba, which the compiled kernels need, can be imported here."""
+    return importlib.util.find_spec("numba") is not None
+
+
+def _compile_kernels(codec: str, dtype: np.dtype) -> None:
+    """Compile (or load from numba's cache) the kernels that :class:`Compressed` calls for
+    ``codec`` and a gradient buffer of ``dtype``, once per process: every call of a step
+    then runs compiled code (a first compile takes seconds)."""
+    k, n = Codec(codec, jit=True), GROUP + 1
+    src, res, lost = np.zeros(n, dtype), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    codes = np.zeros(units(n, codec), np.uint16)
+    k.encode_sum_(src, codes, res, lost, scan=True)
+    k.encode_sum_(src, codes, scan=True)
+    for r, out in ((res, lost), (None, None)):
+        k.sum_encode_(codes, codes[:0], np.array([-1], np.int64), n, r, out)
+    k.decode_(codes, src)
+
+
 class Float16Overflow(C.MpidpError):
     """A gradient, or a chunk's sum, beyond float16's 65504: raised on every rank by
     :meth:`Compressed.reduce` before anything is decoded, so the gradient buffer still
@@ -426,18 +526,27 @@ class Compressed(Sync):
     bucket_bytes : a bucket closes once its layers hold at least this many bytes of
         gradients; a size beyond the whole gradient makes one bucket, started when
         backward ends.
+    kernels : how the codec's passes run: ``"numpy"``, ``"numba"`` (compiled, about 3x
+        faster; bfloat16 only, and numba importable on every rank, else refused) or
+        ``"auto"`` (numba where it can be, on every rank alike). Both give the same bits.
     """
 
     name = "compressed"
 
     def __init__(self, codec: str = "bfloat16", error_feedback: bool = True,
-                 bucket_bytes: int = 1 << 20) -> None:
+                 bucket_bytes: int = 1 << 20, kernels: str = "auto") -> None:
         super().__init__()
         if codec not in CODECS:
             raise C.MpidpError(f"unknown compression {codec!r}; expected one of {CODECS}")
         if bucket_bytes <= 0:
             raise C.MpidpError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
-        self.codec, self.error_feedback = codec, error_feedback
+        if kernels not in KERNELS:
+            raise C.MpidpError(f"unknown compression kernels {kernels!r}; expected one of "
+                               f"{KERNELS}")
+        if kernels == "numba" and codec not in JIT_CODECS:
+            raise C.MpidpError(f"compression kernels 'numba' exist for {JIT_CODECS} only, "
+                               f"not {codec!r}: use kernels 'auto' or 'numpy'")
+        self.codec, self.error_feedback, self.kernels = codec, error_feedback, kernels
         self.bucket_bytes = int(bucket_bytes)
         self.gather_comm: C.Comm | None = None
         self._step = 0  # of the current exchange, for messages
@@ -461,12 +570,12 @@ class Compressed(Sync):
         for p in self.pieces:
             #: ``(values lo, values hi, codes lo, codes hi)`` of every block of every chunk
             p.blocks = [seg for lo, hi, clo in p.runs for seg in _segments(lo, hi, clo, self.codec)]
-        self.kernel = Codec(self.codec)
+        self.kernel = Codec(self.codec, jit=self._compiled(s.comm))
         self.layer_lo = [lo for lo, _ in s.model.layer_ranges]
         self.piece = step
         self.codes = np.zeros(o, np.uint16)  # this rank's codes, then the summed ones
         self.recv = np.zeros(r, np.uint16)  # the other ranks' codes of this rank's chunks
-        self.acc = np.zeros(BLOCK, np.float32)  # a block of sums (or of values to encode)
+        self._starts = np.zeros(size, np.int64)  # where each rank's codes of a chunk start
         self.extras = np.zeros(buffer.N_EXTRA + 2, np.float64)  # | overflow | non-finite
         self.step_bytes = self.extras.nbytes + (  # one rank: its codes are the sums
             sum(p.sent for p in self.pieces) * 2 if size > 1 else 0)
@@ -479,6 +588,21 @@ class Compressed(Sync):
         self.gather_comm = C.companion(s.comm) if size > 1 else None
         self._begin()
         return out
+
+    def _compiled(self, comm: C.Comm) -> bool:
+        """Whether the codec runs numba's kernels: decided alike on every rank (numba
+        importable on all of them), then compiled (or loaded from numba's cache) on each.
+        Collective unless the codec or ``kernels`` rules them out."""
+        if self.kernels == "numpy" or self.codec not in JIT_CODECS:
+            return False
+        here = numba_available()
+        if self.kernels == "numba":
+            C.agree(comm, None if here else "compression kernels 'numba': numba cannot be "
+                    "imported (pip install numba); use kernels 'auto' or 'numpy'")
+        elif C.allreduce_max(comm, [0.0 if here else 1.0])[0]:
+            return False
+        C.run_agreed(comm, _compile_kernels, self.codec, self.buf.dtype)
+        return True
 
     def _begin(self) -> None:
         """Nothing started: the state of every step's start."""
@@ -569,15 +693,10 @@ class Compressed(Sync):
         with np.errstate(over="ignore", invalid="ignore"):
             for p in ready:
                 for lo, hi, ca, cb in p.blocks:
-                    x = self._next[lo:hi] if ef else self.acc[:hi - lo]
-                    if ef:
-                        np.add(g[lo:hi], self.residual[lo:hi], out=x)
-                    else:
-                        np.copyto(x, g[lo:hi], casting="same_kind")
-                    if scan:
-                        bad, beyond = _scan(x, f16)
-                        self.nonfinite, self.overflow = self.nonfinite or bad, self.overflow or beyond
-                    k.encode_(x, codes[ca:cb], x if ef else None)
+                    bad, beyond = k.encode_sum_(g[lo:hi], codes[ca:cb],
+                                                self.residual[lo:hi] if ef else None,
+                                                self._next[lo:hi] if ef else None, scan)
+                    self.nonfinite, self.overflow = self.nonfinite or bad, self.overflow or beyond
                 if not alone:
                     recv = self.recv[p.recv_at:p.recv_at + (self.comm.size - 1) * p.mu]
                     self.scattering.append(C.ialltoallv_(self.comm, codes[p.o:p.end], p.send,
@@ -631,17 +750,13 @@ class Compressed(Sync):
         ``self.codes``, the others' in ``self.recv``), plus the chunk residual, encoded back
         into ``self.codes``; returns the :func:`_scan` verdict on the sums (computed while
         backward may still run, before the policy of the step is known, so always)."""
-        k, codes, recv, ef = self.kernel, self.codes, self.recv, self.error_feedback
-        f16, nonfinite, overflow = self.codec == "float16", False, False
+        k, codes, ef, starts = self.kernel, self.codes, self.error_feedback, self._starts
+        nonfinite = overflow = False
         for a, b, ca, cb in _segments(0, p.m, 0, self.codec):  # offsets in the chunk
-            acc, mine = self.acc[:b - a], codes[p.own + ca:p.own + cb]
-            for r in range(self.comm.size):  # rank order: the sum never depends on arrival
-                at = p.recv_at + p.slot[r]
-                src = mine if r == self.comm.rank else recv[at + ca:at + cb]
-                (k.decode_add_ if r else k.decode_)(src, acc)
-            if ef:
-                np.add(acc, self.chunk_residual[p.at + a:p.at + b], out=acc)
-            bad, beyond = _scan(acc, f16)
+            starts[:] = p.recv_at + p.slot + ca  # rank order: the sum never depends on arrival
+            starts[self.comm.rank] = -1  # this rank's own codes, in place
+            bad, beyond = k.sum_encode_(codes[p.own + ca:p.own + cb], self.recv, starts, b - a,
+                                        self.chunk_residual[p.at + a:p.at + b] if ef else None,
+                                        self._chunk_next[p.at + a:p.at + b] if ef else None)
             nonfinite, overflow = nonfinite or bad, overflow or beyond
-            k.encode_(acc, mine, self._chunk_next[p.at + a:p.at + b] if ef else None)
         return nonfinite, overflow

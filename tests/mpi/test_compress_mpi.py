@@ -21,7 +21,7 @@ import mpidp
 from mpidp import nn
 from mpidp.comm import collectives as Coll
 from mpidp.observe.metrics import StepTimer
-from mpidp.parallel import buffer
+from mpidp.parallel import buffer, compress
 from mpidp.parallel.compress import Compressed, decode, encode
 from mpidp.parallel.sync import Round, Setup
 
@@ -96,12 +96,12 @@ class _NoStep:
 
 
 def _strategy(comm, n: int, codec: str = "bfloat16", error_feedback: bool = True,
-              dtype=np.float64, bucket_bytes: int = 1 << 30) -> Compressed:
+              dtype=np.float64, bucket_bytes: int = 1 << 30, kernels: str = "auto") -> Compressed:
     """A strategy for a stand-in model of three layers of about ``n/3`` values each."""
     cuts = [0, n // 3, 2 * n // 3, n]
     model = SimpleNamespace(n_params=n, dtype=np.dtype(dtype), params=np.zeros(n, dtype),
                             layer_ranges=list(zip(cuts[:-1], cuts[1:])))
-    sync = Compressed(codec, error_feedback, bucket_bytes)
+    sync = Compressed(codec, error_feedback, bucket_bytes, kernels=kernels)
     sync.setup(Setup(comm, 0, model, StepTimer()))
     return sync
 
@@ -194,6 +194,42 @@ def test_sums_are_the_rank_order_reference_bit_for_bit(comm, codec, n, bucket_by
         all_ranks(comm, np.array_equal(got, want),
                   f"n={n} ef={ef}: {np.sum(got != want)} sums differ from the reference")
         all_ranks(comm, _same_everywhere(comm, got), "every rank decodes the same codes")
+
+
+numba_kernels = pytest.mark.skipif(not compress.numba_available(), reason="numba not installed")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("codec", ["bfloat16", "int8"])
+@pytest.mark.parametrize("kernels", ["numpy", pytest.param("numba", marks=numba_kernels)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_both_kernels_give_the_reference_sums(comm, codec, kernels, dtype):
+    """NumPy's passes and the compiled kernels: the reference's sums, for float32 and
+    float64 models, one bucket or one per layer, with and without feedback."""
+    T, n = 3, 70001
+    grads = _grads(comm, T, n, codec, seed=5)
+    for bucket_bytes in (1 << 30, 1):
+        for ef in (True, False):
+            sync = _strategy(comm, n, codec, ef, dtype, bucket_bytes, kernels)
+            all_ranks(comm, sync.kernel.jit == (kernels == "numba"), "kernels not as asked")
+            got = np.stack([_step(sync, grads[t, comm.rank], t)[1] for t in range(T)])
+            want = _reference(grads, codec, ef, dtype=dtype, segments=_segments(sync))
+            all_ranks(comm, np.array_equal(got, want),
+                      f"{kernels} ef={ef}: {np.sum(got != want)} sums differ from the reference")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_numba_kernels_missing_on_one_rank(comm, monkeypatch):
+    """'numba' is refused on every rank, naming the option and the fix; 'auto' runs
+    NumPy's passes on every rank alike."""
+    if comm.rank == comm.size - 1:
+        monkeypatch.setattr(compress, "numba_available", lambda: False)
+    raises_everywhere(comm, mpidp.MpidpError, lambda: _strategy(comm, 99, kernels="numba"),
+                      "compression kernels 'numba': numba cannot be imported")
+    sync = _strategy(comm, 99)
+    all_ranks(comm, not sync.kernel.jit, "auto must fall back on every rank")
+    got = _step(sync, np.arange(99.0) * comm.rank, 0)[1]
+    all_ranks(comm, _same_everywhere(comm, got), "every rank decodes the same codes")
 
 
 @pytest.mark.mpi(min_size=1)
@@ -434,6 +470,22 @@ def test_replicas_stay_bit_identical_in_training(comm, codec):
     hist = mpidp.fit(dp, shard, 3, 16, seed=2)
     all_ranks(comm, _same_everywhere(comm, model.params), "parameters differ between ranks")
     all_ranks(comm, hist[-1]["loss"] < hist[0]["loss"] and dp.global_step > 10)
+
+
+@pytest.mark.mpi(min_size=1)
+@numba_kernels
+@pytest.mark.parametrize("codec", ["bfloat16", "int8"])
+def test_numba_and_numpy_kernels_train_the_same_model(comm, codec):
+    models = []
+    for kernels in ("numpy", "numba"):
+        model = nn.mlp(6, (12, 8), 3, dtype=np.float32).init_(4)
+        dp = mpidp.DataParallel(model, nn.Adam(0.01), nn.SoftmaxCrossEntropy(), comm,
+                                sync=Compressed(codec, kernels=kernels))
+        mpidp.fit(dp, _shard(comm), 3, 16, seed=2)
+        models.append(model.params.copy())
+    all_ranks(comm, np.array_equal(models[0].view(np.uint32), models[1].view(np.uint32)),
+              "the compiled kernels trained another model")
+    all_ranks(comm, _same_everywhere(comm, models[1]), "parameters differ between ranks")
 
 
 @pytest.mark.mpi(min_size=1)

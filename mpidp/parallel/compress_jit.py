@@ -1,0 +1,192 @@
+"""Compiled kernels of the bfloat16 and int8 codecs (numba, an optional dependency): each
+fuses what :class:`~mpidp.parallel.compress.Codec` does in several NumPy passes over a
+block (the residual added, the rounding, what it lost, the sum of P ranks' codes) into a
+few passes over a group at a time, with the same float32 arithmetic in the same order, so
+the codes, residuals and sums are the same bits as NumPy's (a NaN aside: a sum of two
+NaNs may keep either one's payload and sign; every rank runs the same kernels, so the
+replicas stay identical).
+
+The int8 group size here, 256, is ``compress.GROUP``.
+The encoding kernels return the largest magnitude they saw, as float32 bits with the sign
+cleared (NaN above Inf), which gives :func:`~mpidp.parallel.compress._scan`'s verdict
+without another pass. Compiled on first use and cached on disk (numba's cache).
+Importing this module imports numba: :func:`mpidp.parallel.compress.numba_available`
+tells whether it can be.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_jit = numba.njit(cache=True, nogil=True, boundscheck=False)
+_inline = numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+u32 = np.uint32
+half, low1, round_bias, top16 = u32(16), u32(1), u32(0x7FFF), u32(0xFFFF0000)
+sign_off, group = u32(0x7FFFFFFF), 256
+
+
+@_inline
+def bf16_round(bits):
+    """float32 bits rounded to bfloat16 (nearest, ties to even), as float32 bits."""
+    return (bits + (round_bias + ((bits >> half) & low1))) & top16
+
+
+@_jit
+def bf16_encode(src, res, use_res, lost, keep_lost, codes, scratch):
+    """codes = bf16(x), x = src + res (float32) or src; lost = x - decode (lost may
+    be res). ``scratch``: float32 (1,)."""
+    sb = scratch.view(np.uint32)
+    top = u32(0)
+    for i in range(src.shape[0]):
+        if use_res:
+            scratch[0] = src[i] + res[i]
+        else:
+            scratch[0] = src[i]
+        x = scratch[0]
+        b = sb[0]
+        top = max(top, b & sign_off)
+        u = bf16_round(b)
+        codes[i] = np.uint16(u >> half)
+        if keep_lost:
+            sb[0] = u
+            lost[i] = x - scratch[0]
+    return top
+
+
+@_jit
+def bf16_decode(codes, out, scratch):
+    """out = the float32 values of bfloat16 codes (converted to out's dtype)."""
+    sb = scratch.view(np.uint32)
+    for i in range(codes.shape[0]):
+        sb[0] = u32(codes[i]) << half
+        out[i] = scratch[0]
+
+
+@_jit
+def bf16_sum(mine, recv, starts, res, use_res, lost, keep_lost, acc, accb, scratch):
+    """The rank-order float32 sum of P rows of codes (row r: ``mine`` where
+    ``starts[r] < 0``, else ``recv[starts[r]:]``), plus res, re-encoded into mine.
+    ``acc``: float32 scratch of the row's length, ``accb`` its uint32 view."""
+    k = mine.shape[0]
+    first = mine if starts[0] < 0 else recv[starts[0]:starts[0] + k]
+    for i in range(k):
+        accb[i] = u32(first[i]) << half
+    sb = scratch.view(np.uint32)
+    for r in range(1, starts.shape[0]):
+        row = mine if starts[r] < 0 else recv[starts[r]:starts[r] + k]
+        for i in range(k):
+            sb[0] = u32(row[i]) << half
+            acc[i] = acc[i] + scratch[0]
+    top = u32(0)
+    for i in range(k):
+        if use_res:
+            scratch[0] = acc[i] + res[i]
+        else:
+            scratch[0] = acc[i]
+        x = scratch[0]
+        b = sb[0]
+        top = max(top, b & sign_off)
+        u = bf16_round(b)
+        mine[i] = np.uint16(u >> half)
+        if keep_lost:
+            sb[0] = u
+            lost[i] = x - scratch[0]
+    return top
+
+
+@_inline
+def i8_quantize(xs, qs, ls, keep_lost, top_bits, scale, g, tiny, scratch):
+    """int8 codes of one group ``xs`` (float32), its scale into ``scale[g]``: the
+    group's largest magnitude (bits ``top_bits``, at least ``tiny``; NaN stays) over
+    127; what rounding loses into ``ls`` (may be ``xs``)."""
+    scratch.view(np.uint32)[0] = top_bits
+    t = scratch[0]
+    if not t != t:
+        t = max(t, tiny)
+    scale[g] = t / np.float32(127)
+    inv = np.float32(127) / t
+    s = scale[g]
+    for i in range(xs.shape[0]):
+        f = np.rint(xs[i] * inv)
+        qs[i] = np.int8(f) if abs(f) <= np.float32(127) else np.int8(0)
+        if keep_lost:
+            ls[i] = xs[i] - f * s
+
+
+@_jit
+def i8_encode(src, res, use_res, x, lost, keep_lost, q, scale, tiny, scratch):
+    """int8 codes and scales of one segment x = src + res (float32) or src, groups
+    from its start; lost = x - decode (x, lost and res may be one array)."""
+    k = src.shape[0]
+    xb = x.view(np.uint32)
+    top = u32(0)
+    for g in range(-(-k // group)):
+        lo = g * group
+        hi = min(lo + group, k)
+        ss, xs, xbs = src[lo:hi], x[lo:hi], xb[lo:hi]
+        if use_res:
+            rs = res[lo:hi]
+            for i in range(ss.shape[0]):
+                xs[i] = ss[i] + rs[i]
+        else:
+            for i in range(ss.shape[0]):
+                xs[i] = ss[i]
+        t = u32(0)
+        for i in range(xbs.shape[0]):
+            t = max(t, xbs[i] & sign_off)
+        i8_quantize(xs, q[lo:hi], lost[lo:hi], keep_lost, t, scale, g, tiny, scratch)
+        top = max(top, t)
+    return top
+
+
+@_jit
+def i8_decode(q, scale, out):
+    """out = q * its group's scale (float32 products, converted to out's dtype)."""
+    k = q.shape[0]
+    for g in range(-(-k // group)):
+        lo = g * group
+        hi = min(lo + group, k)
+        qs, os, s = q[lo:hi], out[lo:hi], scale[g]
+        for i in range(qs.shape[0]):
+            os[i] = np.float32(qs[i]) * s
+
+
+@_jit
+def i8_sum(mine, recv, starts, k, res, use_res, lost, keep_lost, acc, tiny, scratch):
+    """The rank-order float32 sum of P int8 segments of k values (row r: ``mine``
+    where ``starts[r] < 0``, else ``recv[starts[r]:]``; uint16 units), plus res,
+    re-encoded into mine. ``acc``: float32 (k,) scratch."""
+    at, groups, u = 4 * -(-k // 4), -(-k // group), mine.shape[0]
+    accb = acc.view(np.uint32)
+    for r in range(starts.shape[0]):
+        row = mine if starts[r] < 0 else recv[starts[r]:starts[r] + u]
+        b = row.view(np.uint8)
+        q, scale = b[:k].view(np.int8), b[at:at + 4 * groups].view(np.float32)
+        for g in range(groups):
+            lo = g * group
+            hi = min(lo + group, k)
+            qs, acs, s = q[lo:hi], acc[lo:hi], scale[g]
+            if r == 0:
+                for i in range(qs.shape[0]):
+                    acs[i] = np.float32(qs[i]) * s
+            else:
+                for i in range(qs.shape[0]):
+                    acs[i] = acs[i] + np.float32(qs[i]) * s
+    b = mine.view(np.uint8)
+    q, scale = b[:k].view(np.int8), b[at:at + 4 * groups].view(np.float32)
+    top = u32(0)
+    for g in range(groups):
+        lo = g * group
+        hi = min(lo + group, k)
+        acs, abs_ = acc[lo:hi], accb[lo:hi]
+        if use_res:
+            rs = res[lo:hi]
+            for i in range(acs.shape[0]):
+                acs[i] = acs[i] + rs[i]
+        t = u32(0)
+        for i in range(abs_.shape[0]):
+            t = max(t, abs_[i] & sign_off)
+        i8_quantize(acs, q[lo:hi], lost[lo:hi], keep_lost, t, scale, g, tiny, scratch)
+        top = max(top, t)
+    return top
