@@ -397,8 +397,7 @@ def model_lines(model: dict) -> list[str]:
         f"final after {loc['first_bucket']:.0%} of backward, the time at which backward "
         f"reports that layer done; codec: one rank's CPU work at P = 2 ({loc['codec_how']}), "
         f"{loc['codec_s'] * 1e3:.1f} ms"
-        + (f" (int8, NumPy's passes: {loc['codec_int8_s'] * 1e3:.1f} ms)"
-           if "codec_int8_s" in loc else "")
+        + (f" (int8: {loc['codec_int8_s'] * 1e3:.1f} ms)" if "codec_int8_s" in loc else "")
         + (f" (bfloat16 by NumPy's passes, mode compressed-numpy: {loc['codec_numpy_s'] * 1e3:.1f} ms)"
            if "codec_numpy_s" in loc else "")
         + f", timed right after each step: {loc['codec_share']:.0%} "

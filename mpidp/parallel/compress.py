@@ -162,9 +162,8 @@ class Codec:
             res, lost = (res, lost) if ef else (self._none, self._none)
             if self.codec == "int8":
                 q, scale = _int8_parts(codes, len(src))
-                x = lost if ef else self._x[:len(src)]
-                top = self._k.i8_encode(src, res, ef, x, lost, ef, q, scale, INT8_TINY,
-                                        self._one)
+                top = self._k.i8_encode(src, res, ef, self._x[:len(src)], lost, ef, q, scale,
+                                        INT8_TINY, self._one)
             else:
                 top = self._k.bf16_encode(src, res, ef, lost, ef, codes, self._one)
             return (scan and top >= BFLOAT16_INF_BITS), False

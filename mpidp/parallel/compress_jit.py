@@ -117,7 +117,8 @@ def i8_quantize(xs, qs, ls, keep_lost, top_bits, scale, g, tiny, scratch):
 @_jit
 def i8_encode(src, res, use_res, x, lost, keep_lost, q, scale, tiny, scratch):
     """int8 codes and scales of one segment x = src + res (float32) or src, groups
-    from its start; lost = x - decode (x, lost and res may be one array)."""
+    from its start; lost = x - decode (lost may be res; x, scratch apart from lost, keeps
+    the group loops vectorized)."""
     k = src.shape[0]
     xb = x.view(np.uint32)
     top = u32(0)
