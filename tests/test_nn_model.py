@@ -341,6 +341,32 @@ def test_add_xt_dy_accumulates_in_place(dtype, blas, monkeypatch):
     np.testing.assert_array_equal(ints, 3)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("blas", [True, False])
+def test_add_matmul_accumulates_in_place(dtype, blas, monkeypatch):
+    """``y += a @ b`` with and without SciPy's in-place gemm, against the plain formula; a
+    column block of a larger array (as a ``Dense`` reading its weights in parts passes),
+    an empty batch and integer operands stay right."""
+    from mpidp.nn import blas as L
+    if not blas:
+        monkeypatch.setattr(L, "_blas", None)
+    else:
+        monkeypatch.setattr(L, "_blas", pytest.importorskip("scipy.linalg.blas"))
+    rng = np.random.default_rng(2)
+    x, W = rng.standard_normal((7, 9)).astype(dtype), rng.standard_normal((9, 4)).astype(dtype)
+    y = rng.standard_normal((7, 4)).astype(dtype)
+    view, expected = y, y + x[:, 3:6] @ W[3:6]
+    L.add_matmul_(y, x[:, 3:6], W[3:6])
+    assert y is view
+    np.testing.assert_allclose(y, expected, rtol=1e-5 if dtype == np.float32 else 1e-12)
+    before = y[:0].copy()
+    L.add_matmul_(y[:0], x[:0, :3], W[:3])
+    np.testing.assert_array_equal(y[:0], before)
+    ints = np.ones((2, 4), np.int64)
+    L.add_matmul_(ints, np.ones((2, 5), np.int64), np.ones((5, 4), np.int64))
+    np.testing.assert_array_equal(ints, 6)
+
+
 def test_dense_accumulate_equals_sum_of_single_backwards():
     rng = np.random.default_rng(1)
     layer = nn.Dense(6, 3)

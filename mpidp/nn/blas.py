@@ -82,3 +82,23 @@ def add_xt_dy_(dW: np.ndarray, x: np.ndarray, dy: np.ndarray) -> None:
     out = gemm(1.0, dy.T, x.T, beta=1.0, c=dW.T, trans_b=True, overwrite_c=True)
     if not np.shares_memory(out, dW):  # not expected: SciPy returned a copy
         dW[...] = out.T
+
+
+def add_matmul_(y: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """``y += a @ b`` in place: ``y`` ``(n, m)`` C-contiguous, ``a`` ``(n, k)`` (a column
+    block of a larger array is fine), ``b`` ``(k, m)``.
+
+    One ``gemm`` with ``beta = 1`` writing into ``y`` when SciPy is there (``a`` is copied
+    first when it is not contiguous: a block of ``n x k`` values, not of the output);
+    NumPy alone forms ``a @ b`` in a temporary and adds it.
+    """
+    blas = _fast(y, b) if len(a) and a.dtype == y.dtype else None
+    if blas is None:
+        y += a @ b
+        return
+    a = np.ascontiguousarray(a)
+    gemm = blas.get_blas_funcs("gemm", (y,))
+    # Fortran order: y.T (m, n) += b.T (m, k) @ a.T (k, n); no copies
+    out = gemm(1.0, b.T, a.T, beta=1.0, c=y.T, overwrite_c=True)
+    if not np.shares_memory(out, y):  # not expected: SciPy returned a copy
+        y[...] = out.T

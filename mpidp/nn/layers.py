@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from .blas import add_xt_dy_
+from .blas import add_matmul_, add_xt_dy_
 from .context import Context
 
 Shapes = dict[str, tuple[int, ...]]
@@ -278,11 +278,11 @@ class Dense(Layer):
             y = x @ W  # (n, n_out)
         else:  # the sum over row blocks of W, each read once it is final
             rows = -(-ctx.params_piece // self.n_out)
-            y = None
-            for r in range(0, len(W), rows):
+            ctx.params_ready(self, min(rows, len(W)) * self.n_out)
+            y = x[:, :rows] @ W[:rows]
+            for r in range(rows, len(W), rows):
                 ctx.params_ready(self, min(r + rows, len(W)) * self.n_out)
-                part = x[:, r:r + rows] @ W[r:r + rows]
-                y = part if y is None else np.add(y, part, out=y)
+                add_matmul_(y, x[:, r:r + rows], W[r:r + rows])  # in place: no pass of its own
             ctx.params_ready(self)  # and b
         y += self.params["b"]
         return y
