@@ -171,7 +171,7 @@ def predicted_step_s(row: dict, fit: dict, compute: float, local: dict) -> tuple
                        wire_share=WIRE_SHARE[coded],
                        cpu_per_byte=local.get("cpu_per_byte", 0.0),
                        link_hops=row["ranks"] // row["hosts"] if row.get("placement") == "cyclic" else 1,
-                       cores=local.get("cores"))
+                       cores=local.get("cores"), last_bucket=local.get("last_bucket", 0.0))
     return mode, t
 
 
@@ -266,7 +266,9 @@ def measure_local(reps: int = 7, batch: int = 256) -> dict:
     X = rng.standard_normal((batch, 784)).astype(np.float32)
     y = rng.integers(0, 10, batch)
     n = model.n_params
-    first = layer_buckets(model.layer_ranges, n + N_EXTRA, 4, BUCKET_BYTES)[0][0]
+    buckets = layer_buckets(model.layer_ranges, n + N_EXTRA, 4, BUCKET_BYTES)
+    first = buckets[0][0]
+    last = (buckets[-1][2] - buckets[-1][1]) / n  # the first layer's: final when backward ends
     work, how = codec_work(n)
     work8, _ = codec_work(n, codec="int8")
     work_np, _ = codec_work(n, jit=False)
@@ -302,7 +304,7 @@ def measure_local(reps: int = 7, batch: int = 256) -> dict:
     med = {k: statistics.median(v) for k, v in parts.items()}
     a, b = np.ones(n, np.float32), np.ones(n, np.float32)
     return {"m": 4 * n, "batch": batch, "reps": reps, "bucket_bytes": BUCKET_BYTES,
-            "first_bucket_layer": first, **med, "codec_how": how,
+            "first_bucket_layer": first, "last_bucket": last, **med, "codec_how": how,
             "backward": med["backward_s"] / (med["forward_s"] + med["backward_s"] + med["update_s"]),
             "gamma": _median_s(lambda: np.add(a, b, out=a), reps) / (4 * n)}
 

@@ -175,6 +175,21 @@ def test_mode_step_times_by_hand():
         max(c, 0.25 * 2 * c / 3 + ring))
     assert M.mode_step_time("overlapped-forward", 2, 1e6, c, fit, cpu_per_byte=1e-9) == pytest.approx(
         c + 1e6 * 1e-9)  # a fast link: compute and the exchange's CPU work
+    # the last bucket (the first layer's) starts when backward and the exchange's CPU work
+    # are over: its share of the ring follows them, also when it finishes in forward
+    ring_last = 2 * 1e-4 + 0.4 * m * 8e-9
+    f10 = M.Fit(1e-5, 8e-10, 0.0)  # 10 Gbit/s: the cores, not the wire, set the pace
+    ring10, last10 = 2 * 1e-5 + m * 8e-10, 2 * 1e-5 + 0.4 * m * 8e-10
+    assert M.mode_step_time("overlapped", 2, m, c, f10, first_bucket=0.25, last_bucket=0.4,
+                            cpu_per_byte=1e-9) == pytest.approx(c + m * 1e-9 + last10)
+    assert M.mode_step_time("overlapped-forward", 2, m, c, f10, last_bucket=0.4,
+                            cpu_per_byte=1e-9) == pytest.approx(c + m * 1e-9 + last10)
+    assert M.mode_step_time("compressed", 2, m, c, f10, last_bucket=0.4, codec=0.004) == pytest.approx(
+        c + (2 * 1e-5 + 0.2 * m * 8e-10) + 0.004)  # the last bucket's codes: half its bytes
+    # on a slow link the whole ring, started early, is still what sets the step
+    assert M.mode_step_time("overlapped", 2, m, c, fit, first_bucket=0.25, last_bucket=0.4) == (
+        pytest.approx(c / 3 + max(2 * c / 3 + ring_last, 0.25 * 2 * c / 3 + ring)))
+    assert ring10 < 2 * c / 3  # (the 10 Gbit/s cases above: the ring alone would hide)
     # two nodes of two ranks: the leaders' ring at P = 2, not the flat one at P = 4
     assert M.mode_step_time("node-aware", 4, m, c, fit, per_node=2) == pytest.approx(c + ring)
     # a flat ring at P = 4 sends 1.5 m per hop; dealt out in turn, two hops share each way

@@ -179,7 +179,8 @@ MODES = ("allreduce", "overlapped", "overlapped-forward", "compressed", "node-aw
 def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
                    backward: float = 2 / 3, first_bucket: float = 0.0, codec: float = 0.0,
                    per_node: int = 1, link_hops: int = 1, cpu_per_byte: float = 0.0,
-                   wire_share: float = 0.5, cores: int | None = None) -> float:
+                   wire_share: float = 0.5, cores: int | None = None,
+                   last_bucket: float = 0.0) -> float:
     """Predicted seconds of one step of a synchronisation ``mode`` at ``P`` ranks with ``m``
     gradient bytes, from a measured ``compute`` (seconds of forward + backward + update on
     one rank's share) and the link's :class:`Fit`:
@@ -196,6 +197,13 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
       bytes (16 bits: 0.5), started bucket by bucket during backward as ``overlapped``,
       plus ``codec`` seconds of encoding and decoding on the same core: ``(1 - backward) c
       + max(backward c, first_bucket backward c + ring(P, wire_share m)) + codec``;
+    * all three: the last bucket, ``last_bucket`` of the gradient's bytes (the first
+      layer's, final only when backward ends), starts its exchange when backward (with
+      the exchange's work on the cores, below) is over, and the next forward pass reads
+      it first: its ``ring(P, last_bucket m)`` (of the wire's bytes) follows backward on
+      every path, ``... max(..., backward c + cpu + ring(P, last_bucket m))``, and for
+      ``overlapped-forward`` ``c + cpu + ring(P, last_bucket m)``. On a fast link whose
+      bytes the computing cores carry, that is what stays in sight;
     * both: what the exchange costs the cores that compute (``cpu_per_byte`` seconds per
       byte a rank sends, ``2 (P-1)/P`` of what it reduces: the network stack's and MPI's
       copies where they share those cores) lengthens the backward pass it hides behind:
@@ -225,16 +233,15 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
     if mode == "allreduce":
         per_byte = max(fit.beta * max(link_hops, 1), shared(P) * cpu_per_byte)
         return compute + float(allreduce_time(P, m, Fit(fit.alpha, per_byte, fit.gamma)))
-    if mode == "overlapped-forward":
-        b, sent = backward * compute, m * 2 * (P - 1) / max(P, 1)
-        return max(compute + shared(P) * cpu_per_byte * sent,
-                   first_bucket * b + float(allreduce_time(P, m, fit)))
-    if mode in ("overlapped", "compressed"):
+    if mode in ("overlapped", "overlapped-forward", "compressed"):
         b, half = backward * compute, mode == "compressed"
         wire = m * wire_share if half else m
-        sent = wire * 2 * (P - 1) / max(P, 1)
+        cpu = shared(P) * cpu_per_byte * wire * 2 * (P - 1) / max(P, 1)
         ring = float(allreduce_time(P, wire, fit))
-        return ((compute - b) + max(b + shared(P) * cpu_per_byte * sent, first_bucket * b + ring)
+        last = float(allreduce_time(P, last_bucket * wire, fit)) if last_bucket > 0 else 0.0
+        if mode == "overlapped-forward":
+            return max(compute + cpu + last, first_bucket * b + ring)
+        return ((compute - b) + max(b + cpu + last, first_bucket * b + ring)
                 + (codec if half else 0.0))
     if mode == "node-aware":
         leaders = max(P // max(per_node, 1), 1)
