@@ -39,7 +39,7 @@ from run_step_bench import bench_env, cpu_model, git_commit
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "tests" / "multihost"))
-from cluster import Cluster, LinkBytes, limits_available, tbf_args  # noqa: E402
+from cluster import MPIEXEC, Cluster, LinkBytes, limits_available, tbf_args  # noqa: E402
 
 from mpidp.scale.costmodel import Fit, fit_alpha_beta, mode_step_time  # noqa: E402 (no MPI)
 
@@ -171,7 +171,8 @@ def predicted_step_s(row: dict, fit: dict, compute: float, local: dict) -> tuple
                        wire_share=WIRE_SHARE[coded],
                        cpu_per_byte=local.get("cpu_per_byte", 0.0),
                        link_hops=row["ranks"] // row["hosts"] if row.get("placement") == "cyclic" else 1,
-                       cores=local.get("cores"), last_bucket=local.get("last_bucket", 0.0))
+                       cores=local.get("cores"), last_bucket=local.get("last_bucket", 0.0),
+                       node=local.get("node", {}).get("node_s", 0.0))
     return mode, t
 
 
@@ -321,6 +322,50 @@ def pingpong_job(out: str) -> None:
     got = {size: C.exchange_time(comm, size, reps) for size, reps in PING_SIZES.items()}
     if comm.rank == 0:
         Path(out).write_text(json.dumps(got))
+
+
+def node_job(out: str, reps: int = 30) -> None:
+    """Under ``mpiexec -n P`` on one machine with ``MPIDP_RANKS_PER_NODE`` set (nodes of
+    that many ranks, as the test hosts have): the seconds a node-aware reduction of the
+    standard gradient (:class:`mpidp.comm.NodeAllreduce`) takes beyond its leaders'
+    exchange, i.e. the sums in shared memory and the copies back, with every rank of the
+    test hosts on these cores (the slowest rank's median of ``reps`` of each, in turns,
+    both after a Barrier). Rank 0 writes ``out``."""
+    from mpi4py import MPI
+
+    from mpidp import comm as C
+    from mpidp.parallel.buffer import N_EXTRA
+    comm, n = MPI.COMM_WORLD, 1863690 + N_EXTRA  # the standard workload's buffer
+    node = C.NodeAllreduce(comm, n, np.float32)
+    lead = np.ones(n, np.float32) if node.leads else None
+    whole, leaders = [], []
+    for _ in range(reps + 1):  # the first is a warm-up
+        node.array[...] = 1
+        comm.Barrier()
+        t = time.perf_counter()
+        node.allreduce()
+        whole.append(time.perf_counter() - t)
+        comm.Barrier()
+        t = time.perf_counter()
+        if lead is not None:
+            C.allreduce_sum_(node.leaders, lead)
+        leaders.append(time.perf_counter() - t)
+    got = [float(comm.allreduce(statistics.median(x[1:]), op=MPI.MAX)) for x in (whole, leaders)]
+    node.free()
+    if comm.rank == 0:
+        Path(out).write_text(json.dumps({"node_s": max(got[0] - got[1], 0.0), "whole_s": got[0],
+                                         "leaders_s": got[1], "ranks": comm.size}))
+
+
+def measure_node_locally(env: dict, tmp: Path, per_node: int, hosts: int, timeout: float) -> dict:
+    """:func:`node_job` with ``hosts x per_node`` ranks on this machine, in nodes of
+    ``per_node`` (the test hosts' layout, without their link)."""
+    out = tmp / "node.json"
+    cmd = [MPIEXEC, "-n", str(hosts * per_node), sys.executable, str(Path(__file__).resolve()),
+           "--node-inputs", str(out)]
+    subprocess.run(cmd, env={**env, "MPIDP_RANKS_PER_NODE": str(per_node)}, cwd=REPO,
+                   check=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return json.loads(out.read_text())
 
 
 # --- report -----------------------------------------------------------------------------
@@ -592,6 +637,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "inputs that do not depend on the link into FILE, and exit")
     p.add_argument("--pingpong", metavar="FILE", help="(internal, under mpiexec -n 2) the "
                    "ping-pong of the link into FILE, and exit")
+    p.add_argument("--node-inputs", metavar="FILE", help="(internal, under mpiexec with "
+                   "MPIDP_RANKS_PER_NODE) the in-node share of a node-aware reduction into "
+                   "FILE, and exit")
     args = p.parse_args(argv)
     try:
         args.rates = [float(r) * 1e9 for r in args.rates.split(",") if r.strip()]
@@ -622,6 +670,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.pingpong:
         pingpong_job(args.pingpong)
         return 0
+    if args.node_inputs:
+        node_job(args.node_inputs)
+        return 0
     reason = limits_available()
     if reason:
         print(f"bench-network skipped: {reason}")
@@ -633,6 +684,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, probes, first, links = [], [], None, []
     with tempfile.TemporaryDirectory(prefix="mpidp-network-") as t, Cluster(2) as c:
         local = measure_locally(env, Path(t), args.timeout)
+        if args.node_modes:  # the in-node share of node-aware reduction at 2 hosts x 2 ranks
+            local["node"] = measure_node_locally(env, Path(t), 2, 2, args.timeout)
         c.limit(None)  # what a byte costs the cores: the link as fast as they can drive it
         free = measure_link(c, env, Path(t), "pingpong-unlimited", args.timeout)
         local["cpu_per_byte"] = link_fit(free, 0.0)["beta"]

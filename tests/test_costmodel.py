@@ -192,6 +192,9 @@ def test_mode_step_times_by_hand():
     assert ring10 < 2 * c / 3  # (the 10 Gbit/s cases above: the ring alone would hide)
     # two nodes of two ranks: the leaders' ring at P = 2, not the flat one at P = 4
     assert M.mode_step_time("node-aware", 4, m, c, fit, per_node=2) == pytest.approx(c + ring)
+    # plus the measured sums inside the nodes and the copies back
+    assert M.mode_step_time("node-aware", 4, m, c, fit, per_node=2, node=0.003) == pytest.approx(
+        c + ring + 0.003)
     # a flat ring at P = 4 sends 1.5 m per hop; dealt out in turn, two hops share each way
     flat4 = 6 * 1e-4 + 1.5 * m * 8e-9
     assert M.mode_step_time("allreduce", 4, m, c, fit) == pytest.approx(c + flat4)

@@ -180,7 +180,7 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
                    backward: float = 2 / 3, first_bucket: float = 0.0, codec: float = 0.0,
                    per_node: int = 1, link_hops: int = 1, cpu_per_byte: float = 0.0,
                    wire_share: float = 0.5, cores: int | None = None,
-                   last_bucket: float = 0.0) -> float:
+                   last_bucket: float = 0.0, node: float = 0.0) -> float:
     """Predicted seconds of one step of a synchronisation ``mode`` at ``P`` ranks with ``m``
     gradient bytes, from a measured ``compute`` (seconds of forward + backward + update on
     one rank's share) and the link's :class:`Fit`:
@@ -209,10 +209,10 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
       copies where they share those cores) lengthens the backward pass it hides behind:
       ``backward c + cpu_per_byte 2 (P-1)/P m`` in place of ``backward c`` (0: a network
       card does that work);
-    * ``node-aware``: ``P / per_node`` node leaders run the ring; inside a node the sum
-      and the copy back go through memory, and the leaders meet before a large exchange
-      (one small-message round trip): neither is modelled, both far shorter than the link's
-      share.
+    * ``node-aware``: ``P / per_node`` node leaders run the ring, plus ``node`` seconds
+      for the sum inside each node and the copy back (through shared memory: measured,
+      since ranks sharing cores slow each other there); the leaders' meeting before a
+      large exchange (one small-message round trip) is not modelled.
 
     ``link_hops``: how many hops of the flat ``allreduce``'s ring share one direction of
     the busiest link, each at ``1 / link_hops`` of its bandwidth: 1 when ranks sit on the
@@ -246,5 +246,6 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
     if mode == "node-aware":
         leaders = max(P // max(per_node, 1), 1)
         per_byte = max(fit.beta, shared(leaders) * cpu_per_byte)
-        return compute + float(allreduce_time(leaders, m, Fit(fit.alpha, per_byte, fit.gamma)))
+        return (compute + node
+                + float(allreduce_time(leaders, m, Fit(fit.alpha, per_byte, fit.gamma))))
     raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
