@@ -462,6 +462,20 @@ def model_lines(model: dict) -> list[str]:
             "allreduce at 2 x 2: 4 ranks; node-aware: its 2 leaders), each core's work per "
             "byte is shared among them, and a flat or leaders' allreduce moves a byte at the "
             "slower of the link's beta and that shared cost.")
+    if "last_bucket" in loc:
+        lines.append(
+            f"  - the last bucket, the first layer's gradients ({loc['last_bucket']:.0%} of them), "
+            "is final only when backward ends: overlapped, overlapped-forward and compressed "
+            "steps add its exchange (its share of the ring, of the wire's bytes) after backward "
+            "and that CPU work.")
+    if "node" in loc:
+        nd = loc["node"]
+        lines.append(
+            f"  - node-aware adds {nd['node_s'] * 1e3:.1f} ms for the sums inside the nodes and "
+            f"the copies back: a node-aware reduction of the gradient with {nd['ranks']} ranks on "
+            f"this machine in nodes of 2 ({nd['whole_s'] * 1e3:.1f} ms, slowest rank, median) "
+            f"less its leaders' exchange alone ({nd['leaders_s'] * 1e3:.1f} ms), no link "
+            "between them (`--node-inputs`).")
     return lines
 
 

@@ -221,6 +221,13 @@ def test_table_and_report():
                  "codec: one rank's CPU work at P = 2 (Codec), 6.0 ms", "10% of the step's time",
                  "gamma 0.030 ns/B"):
         assert part in md, part
+    assert "the last bucket" not in md and "node-aware adds" not in md  # not measured: not said
+    report["model"]["local"] = {**LOCAL, "last_bucket": 0.43, "node": {
+        "node_s": 0.0009, "whole_s": 0.0037, "leaders_s": 0.0028, "ranks": 4}}
+    md = B.markdown(report)
+    for part in ("the first layer's gradients (43% of them)", "node-aware adds 0.9 ms",
+                 "4 ranks on this machine in nodes of 2 (3.7 ms", "exchange alone (2.8 ms)"):
+        assert part in md, part
 
 
 def test_local_inputs_are_measured_in_a_process_of_their_own(tmp_path):
@@ -232,12 +239,23 @@ def test_local_inputs_are_measured_in_a_process_of_their_own(tmp_path):
     assert got["m"] == M and got["batch"] == 256 and got["bucket_bytes"] == 1 << 20
     # 784-1024-1024-10 (Dense, ReLU, Dense, ReLU, Dense): 1 MiB closes at the middle Dense
     assert got["first_bucket_layer"] == 2
+    assert got["last_bucket"] == pytest.approx((784 * 1024 + 1024) / (M / 4))  # the first Dense
     # the middle Dense announces its gradients before its input gradient: well before the end
     assert 0.3 < got["backward"] < 0.9 and 0.1 < got["first_bucket"] < 0.8
     assert got["forward_s"] > 0 and got["update_s"] > 0 and got["codec_s"] > 0
     assert got["codec_share"] == pytest.approx(got["codec_s"] / (got["forward_s"] + got["backward_s"]
                                                                   + got["update_s"]), rel=0.8)
     assert got["codec_how"].startswith("compress.Codec") and 0 < got["gamma"] < 1e-8
+
+
+@pytest.mark.slow
+def test_node_inputs_time_the_in_node_share_on_the_hosts_layout(tmp_path):
+    """``--node-inputs``: 4 ranks here in nodes of 2, a whole node-aware reduction and its
+    leaders' exchange alone, the difference kept (never below 0)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    got = B.measure_node_locally(env, tmp_path, 2, 2, timeout=120)
+    assert got["ranks"] == 4 and got["whole_s"] > 0 and got["leaders_s"] > 0
+    assert got["node_s"] == pytest.approx(max(got["whole_s"] - got["leaders_s"], 0.0))
 
 
 @pytest.mark.parametrize("codec", ["bfloat16", "int8"])
