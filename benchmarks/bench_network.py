@@ -334,8 +334,10 @@ def node_job(out: str, reps: int = 30) -> None:
     from mpi4py import MPI
 
     from mpidp import comm as C
+    from mpidp import nn
     from mpidp.parallel.buffer import N_EXTRA
-    comm, n = MPI.COMM_WORLD, 1863690 + N_EXTRA  # the standard workload's buffer
+    comm = MPI.COMM_WORLD
+    n = nn.mlp(784, (1024, 1024), 10, dtype=np.float32).n_params + N_EXTRA  # its buffer
     node = C.NodeAllreduce(comm, n, np.float32)
     lead = np.ones(n, np.float32) if node.leads else None
     whole, leaders = [], []
@@ -354,7 +356,8 @@ def node_job(out: str, reps: int = 30) -> None:
     node.free()
     if comm.rank == 0:
         Path(out).write_text(json.dumps({"node_s": max(got[0] - got[1], 0.0), "whole_s": got[0],
-                                         "leaders_s": got[1], "ranks": comm.size}))
+                                         "leaders_s": got[1], "ranks": comm.size,
+                                         "per_node": node.node.size}))
 
 
 def measure_node_locally(env: dict, tmp: Path, per_node: int, hosts: int, timeout: float) -> dict:
@@ -473,7 +476,8 @@ def model_lines(model: dict) -> list[str]:
         lines.append(
             f"  - node-aware adds {nd['node_s'] * 1e3:.1f} ms for the sums inside the nodes and "
             f"the copies back: a node-aware reduction of the gradient with {nd['ranks']} ranks on "
-            f"this machine in nodes of 2 ({nd['whole_s'] * 1e3:.1f} ms, slowest rank, median) "
+            f"this machine in nodes of {nd.get('per_node', 2)} ({nd['whole_s'] * 1e3:.1f} ms, "
+            "slowest rank, median) "
             f"less its leaders' exchange alone ({nd['leaders_s'] * 1e3:.1f} ms), no link "
             "between them (`--node-inputs`).")
     return lines

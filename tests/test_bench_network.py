@@ -254,7 +254,7 @@ def test_node_inputs_time_the_in_node_share_on_the_hosts_layout(tmp_path):
     leaders' exchange alone, the difference kept (never below 0)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     got = B.measure_node_locally(env, tmp_path, 2, 2, timeout=120)
-    assert got["ranks"] == 4 and got["whole_s"] > 0 and got["leaders_s"] > 0
+    assert got["ranks"] == 4 and got["per_node"] == 2 and got["whole_s"] > 0 and got["leaders_s"] > 0
     assert got["node_s"] == pytest.approx(max(got["whole_s"] - got["leaders_s"], 0.0))
 
 
