@@ -54,7 +54,7 @@ from .collectives import (
 from .hierarchy import NodeAllreduce, node_aware_pays, node_layout
 from .measure import exchange_time, pingpong, time_allreduce
 from .p2p import MPI_REQUEST_NULL, irecv, isend, recv_, send, test_all, wait_all, wait_any
-from .progress import BackgroundAllreduce, test_some, threads_supported
+from .progress import BackgroundAllreduce, StartedSums, test_some, threads_supported
 from .runtime import (
     SHM_DIR,
     Comm,
@@ -84,7 +84,7 @@ def install_abort_hook() -> None:
 install_abort_hook()
 
 __all__ = [
-    "BackgroundAllreduce", "test_some", "threads_supported",
+    "BackgroundAllreduce", "StartedSums", "test_some", "threads_supported",
     "Comm", "MAX_COUNT", "MPI_REQUEST_NULL", "MpidpError", "NodeAllreduce", "node_aware_pays",
     "node_layout", "REDUCE_SPLIT_BYTES", "SHM_DIR",
     "SharedBroadcast", "SharedCounter", "SharedReduce", "Watchdog", "abort_job", "abort_on_error",

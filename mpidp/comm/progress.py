@@ -12,7 +12,9 @@ ways to keep a reduction moving during a computation:
   :meth:`~BackgroundAllreduce.wait` that completes them, so none is left between
   synchronisations. Needs ``MPI_THREAD_MULTIPLE``.
 - :func:`test_some`: advance started requests (``MPI_Testsome``) between pieces of work,
-  from the calling thread; they move only during the call.
+  from the calling thread; they move only during the call. :class:`StartedSums` does so
+  for the sums of a buffer's parts, at two ranks as one exchange per part (one round, so
+  one call can set the whole part moving).
 
 The watchdog (:mod:`~mpidp.comm.activity`) watches the calling thread: while it computes,
 the rank makes progress; when it waits for the communication thread it is marked as
@@ -32,7 +34,7 @@ from mpi4py import MPI
 
 from .activity import watched
 from .agreement import MpidpError
-from .collectives import _pieces
+from .collectives import MAX_COUNT, _pieces
 from .runtime import Comm
 
 _END = None  # queued by wait(): the thread ends once everything before it is summed
@@ -188,3 +190,104 @@ class BackgroundAllreduce:
                 self.completed += 1
                 cv.notify_all()
 
+
+
+#: Tag of :class:`StartedSums`'s exchanges (on the communicator it is given).
+PAIR_TAG = 0x5350
+
+
+class StartedSums:
+    """In-place sums over the ranks of ``comm`` of parts of one buffer, started one at a
+    time and completed in any order, advanced by :meth:`advance` between pieces of work.
+
+    With more than two ranks each part is one ``Iallreduce``. With two it is one exchange:
+    each rank sends its part whole (``Isend``), receives the other's into scratch of the
+    buffer's size (``Irecv``) and adds it, once both are complete, to its own. That is the
+    bytes of a ring allreduce at two ranks in one round instead of two, so a sum needs
+    the library's progress once, not again when its first round ends: over TCP, where a
+    started collective moves only while the process is inside MPI, more of it travels
+    while the process computes. The sum is the same (at two ranks an ``Allreduce`` adds
+    the same two numbers) and the same on both ranks (``a + b`` equals ``b + a``).
+
+    Every rank starts the same parts in the same order (as for collectives). ``comm``
+    carries nothing else with tag :data:`PAIR_TAG` meanwhile (give it a duplicate of its
+    own, :func:`mpidp.comm.companion`). A part belongs to the sums until it is
+    :meth:`done`: do not read or write it meanwhile.
+    """
+
+    def __init__(self, comm: Comm, buf: np.ndarray) -> None:
+        self.comm, self.buf = comm, buf.reshape(-1)
+        self.pairwise = comm.size == 2
+        self.peer = 1 - comm.rank if self.pairwise else None
+        self.scratch = np.empty_like(self.buf) if self.pairwise else None
+        self.requests: list[MPI.Request] = []  # every started request, in order
+        self._owner: list[int] = []  # per request: the index of its sum
+        self._spans: list[tuple[int, int]] = []  # per sum: its part
+        self._left: list[int] = []  # per sum: requests not yet complete
+        self._paired: list[bool] = []  # per sum: an exchange (add the other's part at the end)
+
+    def start(self, lo: int, hi: int) -> int:
+        """Start summing ``buf[lo:hi]``; returns the sum's index (0, 1, ... since
+        :meth:`clear`)."""
+        i, part = len(self._spans), self.buf[lo:hi]
+        paired = self.pairwise and hi - lo <= MAX_COUNT
+        if paired:
+            reqs = [self.comm.Irecv(self.scratch[lo:hi], source=self.peer, tag=PAIR_TAG),
+                    self.comm.Isend(part, dest=self.peer, tag=PAIR_TAG)]
+        else:
+            reqs = [self.comm.Iallreduce(MPI.IN_PLACE, part, op=MPI.SUM)]
+        self._spans.append((lo, hi))
+        self._left.append(len(reqs))
+        self._paired.append(paired)
+        self.requests += reqs
+        self._owner += [i] * len(reqs)
+        self.advance()
+        return i
+
+    def advance(self) -> None:
+        """Let the started sums move (``MPI_Testsome``, never blocks); finish those complete."""
+        if self.live:
+            for k in MPI.Request.Testsome(self.requests) or ():
+                self._finish(self._owner[k])
+
+    def done(self, i: int) -> bool:
+        """True once sum ``i`` is complete (as of the last :meth:`advance` or wait)."""
+        return self._left[i] == 0
+
+    @property
+    def live(self) -> int:
+        """Sums started and not yet complete."""
+        return sum(n > 0 for n in self._left)
+
+    @watched("a Waitany (started sums)")
+    def wait_any(self) -> None:
+        """Block until one more request is complete, then :meth:`advance`. Raises
+        :class:`MpidpError` if no sum is in flight."""
+        k = MPI.Request.Waitany(self.requests)
+        if k == MPI.UNDEFINED:
+            raise MpidpError("no started sum is in flight to wait for")
+        self._finish(self._owner[k])
+        self.advance()
+
+    @watched("a Waitall (started sums)")
+    def wait_all(self) -> None:
+        """Complete every started sum."""
+        if self.live:
+            MPI.Request.Waitall(self.requests)
+            for i, n in enumerate(self._left):
+                if n:
+                    self._finish(i, n)
+
+    def clear(self) -> None:
+        """Forget the sums (all complete): the next :meth:`start` is sum 0."""
+        if self.live:
+            raise MpidpError(f"{self.live} started sum(s) still in flight")
+        self.requests, self._owner, self._spans, self._left, self._paired = [], [], [], [], []
+
+    def _finish(self, i: int, requests: int = 1) -> None:
+        """``requests`` more of sum ``i``'s are complete; when all are, an exchange adds
+        the other rank's part to this one's."""
+        self._left[i] -= requests
+        if self._left[i] == 0 and self._paired[i]:
+            lo, hi = self._spans[i]
+            np.add(self.buf[lo:hi], self.scratch[lo:hi], out=self.buf[lo:hi])

@@ -25,9 +25,11 @@ class Overlapped(Sync):
         size beyond the whole gradient makes one bucket, started when backward ends: the
         fused allreduce, for links where overlap does not pay.
     progress : how the started sums move while backward computes. ``"test"`` (the
-        default): an ``Iallreduce`` per bucket, advanced by ``MPI_Testsome`` at every
-        layer boundary of backward; between boundaries the operating system still moves
-        what MPI has handed to it (socket buffers over TCP). ``"thread"``: a
+        default): a sum started per bucket (:class:`mpidp.comm.StartedSums`: an
+        ``Iallreduce``, or at two ranks one exchange of the bucket, which needs the
+        library's progress once instead of once per round), advanced by ``MPI_Testsome``
+        at every layer boundary of backward; between boundaries the operating system
+        still moves what MPI has handed to it (socket buffers over TCP). ``"thread"``: a
         communication thread runs one blocking ``Allreduce`` per bucket
         (:class:`mpidp.comm.BackgroundAllreduce`), so a bucket also moves during one
         long layer, at the cost of a core polling in MPI meanwhile; it needs
@@ -94,7 +96,7 @@ class Overlapped(Sync):
         self.apply = None  # the update being applied piece by piece, while sums arrive
         self.tail_lo: int | None = None  # the first bucket's tail, started ahead of it
         self.reducer: C.BackgroundAllreduce | None = None
-        self.requests: list = []
+        self.sums: C.StartedSums | None = None  # progress "test": the sums started
         self.launched = 0  # buckets started this step
         self.sent_to = 0  # the next bucket's values from here on are not started yet
         self._completed0 = 0  # the reducer's count of sums when this step's first started
@@ -109,11 +111,15 @@ class Overlapped(Sync):
         self.starts = {layer: (lo, hi) for layer, lo, hi in self.buckets}
         self.layer_lo = [lo for lo, _ in s.model.layer_ranges]
         self.sent_to = self._first_lo()
-        # started as windows free up, at moments that differ between ranks: never on the
-        # trainer's communicator, whose collectives (batch norm's) must match in order
-        self.sums_comm = C.companion(s.comm) if self.finish == "forward" else s.comm
         if self.progress == "thread":
             self.reducer = C.BackgroundAllreduce(s.comm, name="mpidp-overlapped")
+        else:
+            # finish "forward": started as windows free up, at moments that differ between
+            # ranks, so never on the trainer's communicator, whose collectives (batch
+            # norm's) must match in order; two ranks exchange by point-to-point messages,
+            # which keep to a communicator of their own too
+            own = self.finish == "forward" or s.comm.size == 2
+            self.sums = C.StartedSums(C.companion(s.comm) if own else s.comm, self.buf)
         return out
 
     @property
@@ -124,9 +130,11 @@ class Overlapped(Sync):
         if self.reducer is not None:  # the thread completes the sums in order
             done = self.reducer.completed - self._completed0
             return sum(end <= done for end in self._ends)
-        C.test_some(self.requests)
-        free = [r == C.MPI_REQUEST_NULL for r in self.requests]
-        return sum(all(free[a:b]) for a, b in zip(starts, self._ends))
+        if self.sums is None:
+            return 0
+        self.sums.advance()
+        return sum(all(self.sums.done(i) for i in range(a, b))
+                   for a, b in zip(starts, self._ends))
 
     def on_layer_done(self) -> Callable[[int], None]:
         def launch(i: int) -> None:
@@ -185,26 +193,25 @@ class Overlapped(Sync):
                 self._completed0 = self.reducer.completed
             self.reducer.submit(self.buf[lo:hi])
         else:
-            self.requests.append(C.iallreduce_sum_(self.comm, self.buf[lo:hi]))
-            C.test_some(self.requests)
+            self.sums.start(lo, hi)
         self._sums += 1
 
     def _advance(self) -> None:
         """Let the started sums move; start queued ones while fewer than ``WINDOW`` are in
         flight; apply the open update to every part whose sum is complete."""
-        if self.requests:
-            C.test_some(self.requests)
+        if self.sums is None:
+            return
+        self.sums.advance()
         if self.finish != "forward":
             return
         for s in self.stretches:
-            if s.index is not None and not s.done and self.requests[s.index] == C.MPI_REQUEST_NULL:
+            if s.index is not None and not s.done and self.sums.done(s.index):
                 s.done = True
-        live = sum(r != C.MPI_REQUEST_NULL for r in self.requests)
-        while self.queue and live < WINDOW:
+        while self.queue and self.sums.live < WINDOW:
             s = self.queue.pop(0)
-            s.index = len(self.requests)
-            self.requests.append(C.iallreduce_sum_(self.sums_comm, self.buf[s.lo:s.hi]))
-            live += 1
+            s.index = self.sums.start(s.lo, s.hi)
+            if self.sums.done(s.index):
+                s.done = True
         if self.apply is not None:
             for s in self.stretches:
                 if s.done and not s.applied:
@@ -216,16 +223,17 @@ class Overlapped(Sync):
         """Advance (waiting on the oldest sum in flight) until ``done()``."""
         self._advance()
         while not done():
-            if not any(r != C.MPI_REQUEST_NULL for r in self.requests):
+            if not self.sums.live:
                 raise C.MpidpError("overlapped: a part of the gradient was never started")
-            C.wait_any(self.requests)
+            self.sums.wait_any()
             self._advance()
 
     def settle(self) -> None:
         if self.finish != "forward" or not self.stretches:
             return
         self._complete(lambda: all(s.settled(self.apply) for s in self.stretches))
-        self.stretches, self.requests, self.apply = [], [], None
+        self.sums.clear()
+        self.stretches, self.apply = [], None
 
     def on_forward(self) -> tuple[Callable[[int, int | None], None], int] | None:
         if self.finish != "forward":
@@ -282,8 +290,8 @@ class Overlapped(Sync):
         if self.reducer is not None:
             self.reducer.wait()
         else:
-            C.wait_all(self.requests)
-            self.requests = []
+            self.sums.wait_all()
+            self.sums.clear()
         self.bytes_sent += self.buf.nbytes
 
     def _bucket_hi(self) -> int:
@@ -299,7 +307,7 @@ class Overlapped(Sync):
     def at_boundary(self) -> bool:
         if self.finish == "forward":  # a checkpoint settles the sums still arriving
             return self.launched == 0 and self.sent_to == self._first_lo()
-        return self.launched == 0 and not self.requests and self.sent_to == self._first_lo() and (
+        return self.launched == 0 and not (self.sums and self.sums.live) and self.sent_to == self._first_lo() and (
             self.reducer is None or self.reducer.pending == 0)
 
     def close(self) -> None:
@@ -313,7 +321,7 @@ class Overlapped(Sync):
 
 
 class _Stretch:
-    """One sum of ``buf[lo:hi]`` (finish "forward"): ``index`` in ``requests`` once
+    """One sum of ``buf[lo:hi]`` (finish "forward"): ``index`` among the started sums once
     started, ``done`` once complete, ``applied`` once the open update has used it."""
 
     __slots__ = ("lo", "hi", "index", "done", "applied")

@@ -1,0 +1,108 @@
+"""Sums of a buffer's parts started one at a time (``mpidp.comm.StartedSums``): each part
+equals the sum over the ranks of that part, the same bits on every rank, whatever order
+the sums complete in; at two ranks one exchange per part, each rank sending its part once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi_helpers import CountingComm, all_ranks, raises_everywhere
+
+from mpidp import comm as C
+from mpidp.comm import progress
+
+PARTS = [(0, 1), (1, 40), (40, 41), (41, 1000), (1000, 1003)]
+
+
+def _values(comm, n=1003, seed=5):
+    """Every rank's vector (``(size, n)`` float64, random, not integer-valued)."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((comm.size, n)) * 10.0 ** rng.integers(-3, 4, (comm.size, n))
+
+
+def _reference(all_values):
+    """The sums in rank order, one element at a time (the plain NumPy formula)."""
+    out = all_values[0].copy()
+    for row in all_values[1:]:
+        out += row
+    return out
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("finish", ["wait_all", "wait_any", "advance"])
+def test_each_part_is_the_sum_over_ranks(comm, finish):
+    values = _values(comm)
+    sums = C.StartedSums(C.companion(comm), values[comm.rank].copy())
+    for lo, hi in PARTS[::-1]:  # started last part first, as backward does
+        sums.start(lo, hi)
+    if finish == "wait_all":
+        sums.wait_all()
+    elif finish == "wait_any":
+        while sums.live:
+            sums.wait_any()
+    else:
+        while sums.live:
+            sums.advance()
+    ok = all(sums.done(i) for i in range(len(PARTS)))
+    got = sums.buf
+    exact = comm.size <= 2  # two numbers add the same in either order
+    close = (np.array_equal(got, _reference(values)) if exact
+             else np.allclose(got, _reference(values), rtol=1e-13, atol=0))
+    all_ranks(comm, ok and close, f"rank {comm.rank}: sums differ from the reference")
+    gathered = comm.allgather(got.tobytes())
+    all_ranks(comm, all(g == gathered[0] for g in gathered), "ranks hold different bits")
+    sums.clear()
+    all_ranks(comm, sums.live == 0 and not sums.requests)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_ranks_exchange_each_part_once(comm):
+    """At two ranks a part is one Isend and one Irecv of its whole size (a ring allreduce's
+    bytes at P = 2: n per rank); more ranks sum by the library's Iallreduce."""
+    sub = comm.Split(0 if comm.rank < 2 else 1, comm.rank)
+    try:
+        counting = CountingComm(sub)
+        values = _values(sub)
+        sums = C.StartedSums(counting, values[sub.rank].copy())
+        for lo, hi in PARTS:
+            sums.start(lo, hi)
+        sums.wait_all()
+        calls = [c for c in counting.calls if c in ("Isend", "Irecv", "Iallreduce")]
+        if sub.size == 2:
+            want = ["Irecv", "Isend"] * len(PARTS)
+        else:
+            want = ["Iallreduce"] * len(PARTS)
+        exact = np.array_equal(sums.buf, _reference(values)) if sub.size <= 2 else \
+            np.allclose(sums.buf, _reference(values), rtol=1e-13, atol=0)
+        all_ranks(comm, calls == want and exact,
+                  f"rank {comm.rank}: calls {calls}, sums exact {exact}")
+    finally:
+        sub.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_parts_beyond_one_message_go_by_iallreduce(comm, monkeypatch):
+    """A part over the largest message count is summed by the library, still exactly."""
+    monkeypatch.setattr(progress, "MAX_COUNT", 50)
+    counting = CountingComm(C.companion(comm))
+    values = _values(comm)
+    sums = C.StartedSums(counting, values[comm.rank].copy())
+    for lo, hi in PARTS:
+        sums.start(lo, hi)
+    sums.wait_all()
+    big = sum(hi - lo > 50 for lo, hi in PARTS) if comm.size == 2 else len(PARTS)
+    got = sum(c == "Iallreduce" for c in counting.calls)
+    ok = np.allclose(sums.buf, _reference(values), rtol=1e-13, atol=0)
+    all_ranks(comm, got == big and ok, f"rank {comm.rank}: {got} Iallreduce, sums ok {ok}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_misuse_is_named(comm):
+    sums = C.StartedSums(C.companion(comm), np.ones(8))
+    raises_everywhere(comm, C.MpidpError, sums.wait_any, "no started sum")
+    sums.start(0, 8)
+    if comm.size > 1:
+        raises_everywhere(comm, C.MpidpError, sums.clear, "still in flight")
+    sums.wait_all()
+    sums.clear()
+    all_ranks(comm, np.all(sums.buf == comm.size), "sum of ones")
