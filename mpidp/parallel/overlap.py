@@ -307,8 +307,9 @@ class Overlapped(Sync):
     def at_boundary(self) -> bool:
         if self.finish == "forward":  # a checkpoint settles the sums still arriving
             return self.launched == 0 and self.sent_to == self._first_lo()
-        return self.launched == 0 and not (self.sums and self.sums.live) and self.sent_to == self._first_lo() and (
-            self.reducer is None or self.reducer.pending == 0)
+        in_flight = (self.sums is not None and self.sums.live > 0) or (
+            self.reducer is not None and self.reducer.pending > 0)
+        return self.launched == 0 and not in_flight and self.sent_to == self._first_lo()
 
     def close(self) -> None:
         """Complete the sums still arriving; end the communication thread, if any, and
