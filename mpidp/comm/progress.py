@@ -207,7 +207,8 @@ class StartedSums:
     the library's progress once, not again when its first round ends: over TCP, where a
     started collective moves only while the process is inside MPI, more of it travels
     while the process computes. The sum is the same (at two ranks an ``Allreduce`` adds
-    the same two numbers) and the same on both ranks (``a + b`` equals ``b + a``).
+    the same two numbers) and the same bits on both ranks (both add rank 0's part first).
+    It holds scratch of ``buf``'s size meanwhile.
 
     Every rank starts the same parts in the same order (as for collectives). ``comm``
     carries nothing else with tag :data:`PAIR_TAG` meanwhile (give it a duplicate of its
@@ -290,4 +291,6 @@ class StartedSums:
         self._left[i] -= requests
         if self._left[i] == 0 and self._paired[i]:
             lo, hi = self._spans[i]
-            np.add(self.buf[lo:hi], self.scratch[lo:hi], out=self.buf[lo:hi])
+            own, other = self.buf[lo:hi], self.scratch[lo:hi]
+            # rank 0's part first on both ranks: the same bits, NaN payloads included
+            np.add(*((own, other) if self.comm.rank == 0 else (other, own)), out=own)

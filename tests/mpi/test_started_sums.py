@@ -106,3 +106,22 @@ def test_misuse_is_named(comm):
     sums.wait_all()
     sums.clear()
     all_ranks(comm, np.all(sums.buf == comm.size), "sum of ones")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_ranks_hold_the_same_bits_even_for_nans(comm):
+    """Each rank's own NaN (a payload of its rank) meets the other's: x86 keeps the first
+    operand's payload, so both ranks must add in the same order to stay identical."""
+    sub = comm.Split(0 if comm.rank < 2 else 1, comm.rank)
+    try:
+        bits = np.array([0x7FF8000000000001 + sub.rank, 0, 0], np.uint64)
+        values = bits.view(np.float64).copy()
+        values[1:] = [1.5, -2.0]
+        sums = C.StartedSums(C.companion(sub), values)
+        sums.start(0, 3)
+        sums.wait_all()
+        got = sub.allgather(sums.buf.view(np.uint64).tolist())
+        ok = all(g == got[0] for g in got) and np.isnan(sums.buf[0])
+        all_ranks(comm, ok, f"rank {comm.rank}: {got}")
+    finally:
+        sub.Free()
