@@ -96,11 +96,13 @@ def bf16_sum(mine, recv, starts, res, use_res, lost, keep_lost, acc, accb, scrat
 
 
 @_inline
-def i8_quantize(xs, qs, ls, keep_lost, top_bits, scale, g, tiny, scratch):
+def i8_quantize(xs, qs, ls, keep_lost, top_bits, scale, g, tiny, scratch, scratch_bits):
     """int8 codes of one group ``xs`` (float32), its scale into ``scale[g]``: the
     group's largest magnitude (bits ``top_bits``, at least ``tiny``; NaN stays) over
-    127; what rounding loses into ``ls`` (may be ``xs``)."""
-    scratch.view(np.uint32)[0] = top_bits
+    127; what rounding loses into ``ls`` (may be ``xs``). ``scratch_bits``: the uint32
+    view of ``scratch``, made once by the caller (a view made per group costs more than
+    the group's arithmetic)."""
+    scratch_bits[0] = top_bits
     t = scratch[0]
     if not t != t:
         t = max(t, tiny)
@@ -120,7 +122,7 @@ def i8_encode(src, res, use_res, x, lost, keep_lost, q, scale, tiny, scratch):
     from its start; lost = x - decode (lost may be res; x, scratch apart from lost, keeps
     the group loops vectorized)."""
     k = src.shape[0]
-    xb = x.view(np.uint32)
+    xb, sb = x.view(np.uint32), scratch.view(np.uint32)
     top = u32(0)
     for g in range(-(-k // group)):
         lo = g * group
@@ -136,7 +138,7 @@ def i8_encode(src, res, use_res, x, lost, keep_lost, q, scale, tiny, scratch):
         t = u32(0)
         for i in range(xbs.shape[0]):
             t = max(t, xbs[i] & sign_off)
-        i8_quantize(xs, q[lo:hi], lost[lo:hi], keep_lost, t, scale, g, tiny, scratch)
+        i8_quantize(xs, q[lo:hi], lost[lo:hi], keep_lost, t, scale, g, tiny, scratch, sb)
         top = max(top, t)
     return top
 
@@ -159,7 +161,7 @@ def i8_sum(mine, recv, starts, k, res, use_res, lost, keep_lost, acc, tiny, scra
     where ``starts[r] < 0``, else ``recv[starts[r]:]``; uint16 units), plus res,
     re-encoded into mine. ``acc``: float32 (k,) scratch."""
     at, groups, u = 4 * -(-k // 4), -(-k // group), mine.shape[0]
-    accb = acc.view(np.uint32)
+    accb, sb = acc.view(np.uint32), scratch.view(np.uint32)
     for r in range(starts.shape[0]):
         row = mine if starts[r] < 0 else recv[starts[r]:starts[r] + u]
         b = row.view(np.uint8)
@@ -188,6 +190,6 @@ def i8_sum(mine, recv, starts, k, res, use_res, lost, keep_lost, acc, tiny, scra
         t = u32(0)
         for i in range(abs_.shape[0]):
             t = max(t, abs_[i] & sign_off)
-        i8_quantize(acs, q[lo:hi], lost[lo:hi], keep_lost, t, scale, g, tiny, scratch)
+        i8_quantize(acs, q[lo:hi], lost[lo:hi], keep_lost, t, scale, g, tiny, scratch, sb)
         top = max(top, t)
     return top
