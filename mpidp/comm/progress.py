@@ -35,7 +35,7 @@ from mpi4py import MPI
 from .activity import watched
 from .agreement import MpidpError
 from .collectives import MAX_COUNT, _pieces
-from .runtime import Comm
+from .runtime import Comm, fresh_tag
 
 _END = None  # queued by wait(): the thread ends once everything before it is summed
 
@@ -192,8 +192,11 @@ class BackgroundAllreduce:
 
 
 
-#: Tag of :class:`StartedSums`'s exchanges (on the communicator it is given).
-PAIR_TAG = 0x5350
+#: Tags of :class:`StartedSums`'s exchanges: each one takes the next of these on its
+#: communicator (:func:`~mpidp.comm.runtime.fresh_tag`), so that several on one
+#: communicator, one with sums still in flight while another starts, never match each
+#: other's messages.
+PAIR_TAGS = (0x4000, 0x3000)
 
 
 class StartedSums:
@@ -201,26 +204,33 @@ class StartedSums:
     time and completed in any order, advanced by :meth:`advance` between pieces of work.
 
     With more than two ranks each part is one ``Iallreduce``. With two it is one exchange:
-    each rank sends its part whole (``Isend``), receives the other's into scratch of the
-    buffer's size (``Irecv``) and adds it, once both are complete, to its own. That is the
-    bytes of a ring allreduce at two ranks in one round instead of two, so a sum needs
-    the library's progress once, not again when its first round ends: over TCP, where a
-    started collective moves only while the process is inside MPI, more of it travels
-    while the process computes. The sum is the same (at two ranks an ``Allreduce`` adds
-    the same two numbers) and the same bits on both ranks (both add rank 0's part first).
-    It holds scratch of ``buf``'s size meanwhile.
+    each rank sends its part whole (``Isend``), receives the other's into scratch
+    (``Irecv``) and adds it, once both are complete, to its own. That is the bytes of a
+    ring allreduce at two ranks in one round instead of two, so a sum needs the library's
+    progress once, not again when its first round ends: over TCP, where a started
+    collective moves only while the process is inside MPI, more of it travels while the
+    process computes. The sum is the same (at two ranks an ``Allreduce`` adds the same two
+    numbers) and the same bits on both ranks (both add rank 0's part first). The scratch,
+    the size of ``buf``, is made at the first exchange and kept until :meth:`release`.
 
-    Every rank starts the same parts in the same order (as for collectives). ``comm``
-    carries nothing else with tag :data:`PAIR_TAG` meanwhile (give it a duplicate of its
+    Every rank makes its ``StartedSums`` on ``comm`` in the same order and starts the same
+    parts in the same order (as for collectives); each takes a tag of its own among
+    :data:`PAIR_TAGS`, which nothing else on ``comm`` may use (give it a duplicate of its
     own, :func:`mpidp.comm.companion`). A part belongs to the sums until it is
     :meth:`done`: do not read or write it meanwhile.
     """
 
     def __init__(self, comm: Comm, buf: np.ndarray) -> None:
-        self.comm, self.buf = comm, buf.reshape(-1)
+        if buf.ndim != 1 or not buf.flags.c_contiguous or not buf.flags.writeable:
+            raise MpidpError(f"started sums need a writable contiguous 1-D buffer, got shape "
+                             f"{buf.shape} (contiguous: {buf.flags.c_contiguous}, writable: "
+                             f"{buf.flags.writeable})")
+        self.comm, self.buf = comm, buf
         self.pairwise = comm.size == 2
         self.peer = 1 - comm.rank if self.pairwise else None
-        self.scratch = np.empty_like(self.buf) if self.pairwise else None
+        self.tag = fresh_tag(comm, *PAIR_TAGS) if self.pairwise else None
+        self.scratch: np.ndarray | None = None
+        self.live = 0  # sums started and not yet complete
         self.requests: list[MPI.Request] = []  # every started request, in order
         self._owner: list[int] = []  # per request: the index of its sum
         self._spans: list[tuple[int, int]] = []  # per sum: its part
@@ -230,11 +240,16 @@ class StartedSums:
     def start(self, lo: int, hi: int) -> int:
         """Start summing ``buf[lo:hi]``; returns the sum's index (0, 1, ... since
         :meth:`clear`)."""
+        if not 0 <= lo <= hi <= self.buf.size:
+            raise MpidpError(f"started sums: part [{lo}, {hi}) is not within the buffer's "
+                             f"{self.buf.size} values")
         i, part = len(self._spans), self.buf[lo:hi]
         paired = self.pairwise and hi - lo <= MAX_COUNT
         if paired:
-            reqs = [self.comm.Irecv(self.scratch[lo:hi], source=self.peer, tag=PAIR_TAG),
-                    self.comm.Isend(part, dest=self.peer, tag=PAIR_TAG)]
+            if self.scratch is None:
+                self.scratch = np.empty_like(self.buf)
+            reqs = [self.comm.Irecv(self.scratch[lo:hi], source=self.peer, tag=self.tag),
+                    self.comm.Isend(part, dest=self.peer, tag=self.tag)]
         else:
             reqs = [self.comm.Iallreduce(MPI.IN_PLACE, part, op=MPI.SUM)]
         self._spans.append((lo, hi))
@@ -242,6 +257,7 @@ class StartedSums:
         self._paired.append(paired)
         self.requests += reqs
         self._owner += [i] * len(reqs)
+        self.live += 1
         self.advance()
         return i
 
@@ -255,16 +271,11 @@ class StartedSums:
         """True once sum ``i`` is complete (as of the last :meth:`advance` or wait)."""
         return self._left[i] == 0
 
-    @property
-    def live(self) -> int:
-        """Sums started and not yet complete."""
-        return sum(n > 0 for n in self._left)
-
     @watched("a Waitany (started sums)")
     def wait_any(self) -> None:
         """Block until one more request is complete, then :meth:`advance`. Raises
         :class:`MpidpError` if no sum is in flight."""
-        k = MPI.Request.Waitany(self.requests)
+        k = MPI.Request.Waitany(self.requests) if self.live else MPI.UNDEFINED
         if k == MPI.UNDEFINED:
             raise MpidpError("no started sum is in flight to wait for")
         self._finish(self._owner[k])
@@ -285,11 +296,20 @@ class StartedSums:
             raise MpidpError(f"{self.live} started sum(s) still in flight")
         self.requests, self._owner, self._spans, self._left, self._paired = [], [], [], [], []
 
+    def release(self) -> None:
+        """Forget the sums (all complete) and free the scratch; the next exchange makes it
+        again."""
+        self.clear()
+        self.scratch = None
+
     def _finish(self, i: int, requests: int = 1) -> None:
         """``requests`` more of sum ``i``'s are complete; when all are, an exchange adds
         the other rank's part to this one's."""
         self._left[i] -= requests
-        if self._left[i] == 0 and self._paired[i]:
+        if self._left[i]:
+            return
+        self.live -= 1
+        if self._paired[i]:
             lo, hi = self._spans[i]
             own, other = self.buf[lo:hi], self.scratch[lo:hi]
             # rank 0's part first on both ranks: the same bits, NaN payloads included

@@ -52,23 +52,40 @@ def duplicate(comm: Comm) -> Comm:
     return comm.Dup()
 
 
-_companions: list[tuple[weakref.ref, Comm]] = []  # (communicator, its duplicate)
+def _free_companion(comm: Comm, keyval: int, dup: Comm) -> None:
+    """MPI's callback when ``comm`` is freed (collectively, on every rank): free its
+    companion with it. Must not raise into MPI."""
+    try:
+        dup.Free()
+    except Exception:  # noqa: BLE001 (MPI is freeing comm: nothing to report to)
+        pass
+
+
+_COMPANION = MPI.Comm.Create_keyval(delete_fn=_free_companion)
+_TAGS = MPI.Comm.Create_keyval()  # per communicator: the next tag of :func:`fresh_tag`
 
 
 def companion(comm: Comm) -> Comm:
     """A duplicate of ``comm`` for operations that must never match its own collectives:
-    made (:func:`duplicate`) on the first call for this ``comm`` object, the same one on
-    every later call while ``comm`` lives, so that objects built again and again on one
-    communicator do not use up the library's communicators. Never freed (freeing is
-    collective, and the last user of a duplicate is not known). Collective on the first
-    call for ``comm``; every rank must make its calls for the same communicators."""
-    for ref, dup in _companions:
-        if ref() is comm:
-            return dup
-    dup = duplicate(comm)
-    _companions[:] = [(r, d) for r, d in _companions if r() is not None]
-    _companions.append((weakref.ref(comm), dup))
+    made (:func:`duplicate`) on the first call for this communicator, the same one on
+    every later call, so that objects built again and again on one communicator do not
+    use up the library's communicators. Kept as an attribute of ``comm`` and freed with
+    it (``comm.Free()``). Collective on the first call for ``comm``; every rank must make
+    its calls for the same communicators."""
+    dup = comm.Get_attr(_COMPANION)
+    if dup is None:
+        dup = duplicate(comm)
+        comm.Set_attr(_COMPANION, dup)
     return dup
+
+
+def fresh_tag(comm: Comm, first: int, count: int) -> int:
+    """A tag for the next user of ``comm`` among ``first .. first + count - 1``, in turn
+    (after ``count`` users, from ``first`` again): every rank gets the same one if every
+    rank asks in the same order, as for collectives. Local."""
+    k = comm.Get_attr(_TAGS) or 0
+    comm.Set_attr(_TAGS, k + 1)
+    return first + k % count
 
 
 @watched("a Comm.Split")

@@ -313,10 +313,12 @@ class Overlapped(Sync):
         return self.launched == 0 and not in_flight and self.sent_to == self._first_lo()
 
     def close(self) -> None:
-        """Complete the sums still arriving; end the communication thread, if any, and
-        free its communicator. Collective."""
+        """Complete the sums still arriving and free their scratch; end the communication
+        thread, if any, and free its communicator. Collective."""
         if getattr(self, "stretches", None):
             self.settle()
+        if getattr(self, "sums", None) is not None and not self.sums.live:
+            self.sums.release()
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None

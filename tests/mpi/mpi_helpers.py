@@ -27,7 +27,13 @@ class CountingComm:
     """Forwards to a communicator and records the names of the calls made on it."""
 
     def __init__(self, comm):
-        self._comm, self.calls = comm, []
+        self._comm, self.calls, self._attrs = comm, [], {}
+
+    def Get_attr(self, keyval):  # a communicator of its own: its companion is its own too
+        return self._attrs.get(keyval)
+
+    def Set_attr(self, keyval, value) -> None:
+        self._attrs[keyval] = value
 
     def __getattr__(self, name):
         attr = getattr(self._comm, name)

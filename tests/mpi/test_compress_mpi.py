@@ -36,6 +36,13 @@ class ByteCounter:
         self._comm, self.size, self.rank = comm, comm.size, comm.rank
         self.handed, self.leaving, self.calls = 0, 0.0, []
         self._tally = self if tally is None else tally  # a duplicate counts into its origin
+        self._attrs: dict = {}  # a communicator of its own: its companion is its own too
+
+    def Get_attr(self, keyval):
+        return self._attrs.get(keyval)
+
+    def Set_attr(self, keyval, value) -> None:
+        self._attrs[keyval] = value
 
     def Dup(self):
         self._tally.calls.append("Dup")

@@ -209,3 +209,37 @@ def test_batch_norm_sums_in_forward_beside_the_arriving_parts(comm):
     all_ranks(comm, np.allclose(dp.model.params, ref.model.params, rtol=RTOL, atol=ATOL),
               f"max diff {np.abs(dp.model.params - ref.model.params).max():.3g}")
     all_ranks(comm, np.allclose(dp.model.state, ref.model.state, rtol=RTOL, atol=ATOL))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("finishes", [("forward", "backward"), ("backward", "forward")])
+def test_two_trainers_on_one_communicator_stay_apart(comm, finishes):
+    """One trainer's sums still arrive between its steps while another, on the same
+    communicator, steps (ranks at different moments): each gives its own one-process
+    model."""
+    import time
+
+    _, X, y = _data(comm, n=96)
+    wide = lambda seed: nn.mlp(10, (64, 64, 64), 4, dtype=np.float64).init_(seed)  # noqa: E731
+    pairs = []
+    for seed, finish in zip((1, 2), finishes):
+        dp = mpidp.DataParallel(wide(seed), nn.SGD(0.05), nn.SoftmaxCrossEntropy(), comm,
+                                sync=Overlapped(256, finish=finish), on_nonfinite="ignore")
+        ref = mpidp.DataParallel(wide(seed), nn.SGD(0.05), nn.SoftmaxCrossEntropy(),
+                                 MPI.COMM_SELF, sync="allreduce")
+        pairs.append((dp, ref))
+    jitter = np.random.default_rng(comm.rank)
+    for t in range(12):
+        batch = np.arange(24 * (t % 4), 24 * (t % 4 + 1))
+        mine = np.array_split(batch, comm.size)[comm.rank]
+        for dp, ref in pairs:
+            dp.step(X[mine], y[mine])
+            ref.step(X[batch], y[batch])
+            time.sleep(jitter.uniform(0, 0.002))
+    for dp, ref in pairs:
+        dp.settle()
+        diff = np.abs(dp.model.params - ref.model.params).max()
+        all_ranks(comm, np.allclose(dp.model.params, ref.model.params, rtol=RTOL, atol=ATOL),
+                  f"rank {comm.rank}: max diff {diff:.3g}")
+        all_ranks(comm, dp.in_sync(), "replicas differ")
+        dp.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 from mpi_helpers import CountingComm, all_ranks, raises_everywhere
 
 from mpidp import comm as C
@@ -125,3 +126,66 @@ def test_two_ranks_hold_the_same_bits_even_for_nans(comm):
         all_ranks(comm, ok, f"rank {comm.rank}: {got}")
     finally:
         sub.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sums_on_one_communicator_never_take_each_others_messages(comm):
+    """Two at once on one communicator, started in opposite orders on the two ranks (as
+    sums started when windows free up can be): each has a tag of its own."""
+    sub = comm.Split(0 if comm.rank < 2 else 1, comm.rank)
+    try:
+        a_values, b_values = _values(sub, 1003, 1), _values(sub, 517, 2)
+        shared = C.companion(sub)
+        a = C.StartedSums(shared, a_values[sub.rank].copy())
+        b = C.StartedSums(shared, b_values[sub.rank].copy())
+        order = [(a, 0, 1003), (b, 0, 517)]
+        for sums, lo, hi in (order if sub.rank == 0 else order[::-1]):
+            sums.start(lo, hi)
+        b.wait_all()
+        a.wait_all()
+        exact = sub.size > 2 or (np.array_equal(a.buf, _reference(a_values))
+                                 and np.array_equal(b.buf, _reference(b_values)))
+        all_ranks(comm, exact and (sub.size != 2 or a.tag != b.tag), f"rank {comm.rank}")
+    finally:
+        sub.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_scratch_is_made_at_the_first_exchange_and_released(comm):
+    sums = C.StartedSums(C.companion(comm), np.ones(64))
+    before = sums.scratch is None
+    sums.start(0, 64)
+    sums.wait_all()
+    made = (sums.scratch is not None) == (comm.size == 2)
+    sums.release()
+    again = sums.scratch is None
+    sums.start(0, 32)
+    sums.wait_all()
+    all_ranks(comm, before and made and again, "scratch not made or not released")
+    all_ranks(comm, np.all(sums.buf[:32] == comm.size ** 2) and np.all(sums.buf[32:] == comm.size))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_bad_buffers_and_parts_are_named(comm):
+    shared = C.companion(comm)
+    raises_everywhere(comm, C.MpidpError, lambda: C.StartedSums(shared, np.ones((4, 4))[:, 1]),
+                      "contiguous 1-D")
+    raises_everywhere(comm, C.MpidpError, lambda: C.StartedSums(shared, np.ones((2, 3))),
+                      "contiguous 1-D")
+    sums = C.StartedSums(shared, np.ones(8))
+    for part in ((3, 2), (-1, 4), (0, 9)):
+        raises_everywhere(comm, C.MpidpError, lambda part=part: sums.start(*part), "not within")
+    all_ranks(comm, sums.live == 0 and not sums.requests)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_companion_is_freed_with_its_communicator(comm):
+    """Built on communicators made and freed again and again, companions do not use up
+    the library's communicators (MPICH has about 2000)."""
+    firsts = []
+    for _ in range(1500):
+        sub = comm.Dup()
+        dup = C.companion(sub)
+        firsts.append(C.companion(sub) is dup)
+        sub.Free()
+    all_ranks(comm, all(firsts) and dup == MPI.COMM_NULL, "companion kept or made twice")
