@@ -97,6 +97,7 @@ class Overlapped(Sync):
         self.apply = None  # the update being applied piece by piece, while sums arrive
         self.tail_lo: int | None = None  # the first bucket's tail, started ahead of it
         self.reducer: C.BackgroundAllreduce | None = None
+        self.own_comm: C.Comm | None = None  # finish "forward" at more than 2 ranks
         self.sums: C.StartedSums | None = None  # progress "test": the sums started
         self.launched = 0  # buckets started this step
         self.sent_to = 0  # the next bucket's values from here on are not started yet
@@ -114,13 +115,17 @@ class Overlapped(Sync):
         self.sent_to = self._first_lo()
         if self.progress == "thread":
             self.reducer = C.BackgroundAllreduce(s.comm, name="mpidp-overlapped")
+        elif self.finish == "forward" and s.comm.size > 2:
+            # started as windows free up, at moments that differ between ranks, and still
+            # arriving between steps: collectives on a communicator of this object's own,
+            # never matched with the trainer's (batch norm's) or another object's
+            self.own_comm = C.duplicate(s.comm)
+            self.sums = C.StartedSums(self.own_comm, self.buf)
         else:
-            # finish "forward": started as windows free up, at moments that differ between
-            # ranks, so never on the trainer's communicator, whose collectives (batch
-            # norm's) must match in order; two ranks exchange by point-to-point messages,
-            # which keep to a communicator of their own too
-            own = self.finish == "forward" or s.comm.size == 2
-            self.sums = C.StartedSums(C.companion(s.comm) if own else s.comm, self.buf)
+            # two ranks exchange by point-to-point messages under a tag of their own, on
+            # the communicator's companion (other objects' sums may be arriving there)
+            pair = s.comm.size == 2
+            self.sums = C.StartedSums(C.companion(s.comm) if pair else s.comm, self.buf)
         return out
 
     @property
@@ -319,6 +324,10 @@ class Overlapped(Sync):
             self.settle()
         if getattr(self, "sums", None) is not None and not self.sums.live:
             self.sums.release()
+            self.sums = None
+        if self.own_comm is not None:
+            self.own_comm.Free()
+            self.own_comm = None
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None

@@ -212,7 +212,8 @@ def test_batch_norm_sums_in_forward_beside_the_arriving_parts(comm):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("finishes", [("forward", "backward"), ("backward", "forward")])
+@pytest.mark.parametrize("finishes", [("forward", "backward"), ("backward", "forward"),
+                                      ("forward", "forward")])
 def test_two_trainers_on_one_communicator_stay_apart(comm, finishes):
     """One trainer's sums still arrive between its steps while another, on the same
     communicator, steps (ranks at different moments): each gives its own one-process
@@ -243,3 +244,4 @@ def test_two_trainers_on_one_communicator_stay_apart(comm, finishes):
                   f"rank {comm.rank}: max diff {diff:.3g}")
         all_ranks(comm, dp.in_sync(), "replicas differ")
         dp.close()
+        all_ranks(comm, dp.sync.sums is None and dp.sync.own_comm is None, "kept after close")
