@@ -35,7 +35,7 @@ from mpi4py import MPI
 from .activity import watched
 from .agreement import MpidpError
 from .collectives import MAX_COUNT, _pieces
-from .runtime import Comm, fresh_tag
+from .runtime import Comm, duplicate, fresh_tag
 
 _END = None  # queued by wait(): the thread ends once everything before it is summed
 
@@ -216,19 +216,21 @@ class StartedSums:
     Every rank makes its ``StartedSums`` on ``comm`` in the same order and starts the same
     parts in the same order (as for collectives); each takes a tag of its own among
     :data:`PAIR_TAGS`, which nothing else on ``comm`` may use (give it a duplicate of its
-    own, :func:`mpidp.comm.companion`). A part belongs to the sums until it is
+    own, :func:`mpidp.comm.companion`, or ``private=True``: a duplicate made for these
+    sums alone, freed by :meth:`close`). A part belongs to the sums until it is
     :meth:`done`: do not read or write it meanwhile.
     """
 
-    def __init__(self, comm: Comm, buf: np.ndarray) -> None:
+    def __init__(self, comm: Comm, buf: np.ndarray, private: bool = False) -> None:
         if buf.ndim != 1 or not buf.flags.c_contiguous or not buf.flags.writeable:
             raise MpidpError(f"started sums need a writable contiguous 1-D buffer, got shape "
                              f"{buf.shape} (contiguous: {buf.flags.c_contiguous}, writable: "
                              f"{buf.flags.writeable})")
-        self.comm, self.buf = comm, buf
+        self.private = bool(private)  # sums on a duplicate of comm, freed by close()
+        self.comm, self.buf = (duplicate(comm) if private else comm), buf
         self.pairwise = comm.size == 2
         self.peer = 1 - comm.rank if self.pairwise else None
-        self.tag = fresh_tag(comm, *PAIR_TAGS) if self.pairwise else None
+        self.tag = fresh_tag(self.comm, *PAIR_TAGS) if self.pairwise else None
         self.scratch: np.ndarray | None = None
         self.live = 0  # sums started and not yet complete
         self.requests: list[MPI.Request] = []  # every started request, in order
@@ -301,6 +303,13 @@ class StartedSums:
         again."""
         self.clear()
         self.scratch = None
+
+    def close(self) -> None:
+        """:meth:`release`, and free the private duplicate, if any (collective then); no
+        sums after this."""
+        self.release()
+        if self.private and self.comm != MPI.COMM_NULL:
+            self.comm.Free()
 
     def _finish(self, i: int, requests: int = 1) -> None:
         """``requests`` more of sum ``i``'s are complete; when all are, an exchange adds

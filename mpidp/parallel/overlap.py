@@ -97,7 +97,6 @@ class Overlapped(Sync):
         self.apply = None  # the update being applied piece by piece, while sums arrive
         self.tail_lo: int | None = None  # the first bucket's tail, started ahead of it
         self.reducer: C.BackgroundAllreduce | None = None
-        self.own_comm: C.Comm | None = None  # finish "forward" at more than 2 ranks
         self.sums: C.StartedSums | None = None  # progress "test": the sums started
         self.launched = 0  # buckets started this step
         self.sent_to = 0  # the next bucket's values from here on are not started yet
@@ -119,8 +118,7 @@ class Overlapped(Sync):
             # started as windows free up, at moments that differ between ranks, and still
             # arriving between steps: collectives on a communicator of this object's own,
             # never matched with the trainer's (batch norm's) or another object's
-            self.own_comm = C.duplicate(s.comm)
-            self.sums = C.StartedSums(self.own_comm, self.buf)
+            self.sums = C.StartedSums(s.comm, self.buf, private=True)
         else:
             # two ranks exchange by point-to-point messages under a tag of their own, on
             # the communicator's companion (other objects' sums may be arriving there)
@@ -323,11 +321,8 @@ class Overlapped(Sync):
         if getattr(self, "stretches", None):
             self.settle()
         if getattr(self, "sums", None) is not None and not self.sums.live:
-            self.sums.release()
+            self.sums.close()
             self.sums = None
-        if self.own_comm is not None:
-            self.own_comm.Free()
-            self.own_comm = None
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None

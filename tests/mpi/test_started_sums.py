@@ -189,3 +189,15 @@ def test_a_companion_is_freed_with_its_communicator(comm):
         firsts.append(C.companion(sub) is dup)
         sub.Free()
     all_ranks(comm, all(firsts) and dup == MPI.COMM_NULL, "companion kept or made twice")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_private_sums_have_a_communicator_of_their_own_until_closed(comm):
+    sums = C.StartedSums(comm, np.ones(16), private=True)
+    other = sums.comm != comm and MPI.Comm.Compare(sums.comm, comm) == MPI.CONGRUENT
+    sums.start(0, 16)
+    sums.wait_all()
+    sums.close()
+    all_ranks(comm, other and sums.comm == MPI.COMM_NULL and sums.scratch is None,
+              "no duplicate, or not freed")
+    all_ranks(comm, np.all(sums.buf == comm.size))
