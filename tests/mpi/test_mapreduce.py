@@ -54,7 +54,9 @@ def test_outputs_written_by_every_rank_into_one_npy(comm, shared_tmp, dynamic):
     all_ranks(comm, res.value is None and not os.path.exists(out + ".part.npy"))
     got = np.load(out)
     all_ranks(comm, np.array_equal(got[:, 0], src.lengths) and got.shape == (300, 2))
-    if comm.size > 1:  # the work was shared: every rank wrote rows
+    all_ranks(comm, sum(r["samples"] for r in res.per_rank) == 300, str(res.per_rank))
+    if comm.size > 1 and not dynamic:  # cyclic rows: every rank wrote some (chunks handed
+        # out on demand may all go to the ranks that start first on a busy machine)
         all_ranks(comm, all(r["samples"] > 0 for r in res.per_rank), str(res.per_rank))
 
 
