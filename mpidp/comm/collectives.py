@@ -86,11 +86,6 @@ def allreduce_max(comm: Comm, values: Sequence[float]) -> np.ndarray:
     return buf
 
 
-def iallreduce_sum_(comm: Comm, buf: np.ndarray) -> MPI.Request:
-    """Start a non-blocking in-place sum of ``buf``; complete it with :func:`wait_all`."""
-    return comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-
-
 def ialltoallv_(comm: Comm, send: np.ndarray, send_parts: tuple[np.ndarray, np.ndarray],
                 recv: np.ndarray, recv_parts: tuple[np.ndarray, np.ndarray]) -> MPI.Request:
     """Start :func:`alltoallv_` (same arguments and limits); complete it with

@@ -28,9 +28,9 @@ class Overlapped(Sync):
         default): a sum started per bucket (:class:`mpidp.comm.StartedSums`: an
         ``Iallreduce``, or at two ranks one exchange of the bucket, which needs the
         library's progress once instead of once per round, and scratch the gradient's
-        size), advanced by ``MPI_Testsome``
-        at every layer boundary of backward; between boundaries the operating system
-        still moves what MPI has handed to it (socket buffers over TCP). ``"thread"``: a
+        size), advanced by ``MPI_Testsome`` at every layer boundary of backward; between
+        boundaries the operating system still moves what MPI has handed to it (socket
+        buffers over TCP). ``"thread"``: a
         communication thread runs one blocking ``Allreduce`` per bucket
         (:class:`mpidp.comm.BackgroundAllreduce`), so a bucket also moves during one
         long layer, at the cost of a core polling in MPI meanwhile; it needs
