@@ -519,7 +519,8 @@ def markdown(report: dict) -> str:
         f"- Machine: {report['machine']} ({report['cores']} cores). The test hosts share this "
         "machine's CPUs with their network stack (TCP, veth, bridge, token buckets run on the "
         "cores that compute), so a fast link costs compute time that a real NIC would not.",
-        f"- Links: `tc qdisc ... tbf` on both directions of each host's link; {report['tbf']}.",
+        f"- Links: `tc qdisc ... tbf` on both directions of each host's link; {report['tbf']}; "
+        f"MTU {report.get('mtu') or 1500} bytes.",
         f"- {report['blas']}",
         *([f"- Environment of the MPI jobs: `{' '.join(report['job_env'])}`"] if report["job_env"] else []),
         f"- Command: `{report['command']}`; commit {report['commit']}; {report['date']}"]
@@ -645,6 +646,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--placement", choices=("block", "cyclic"), default="block",
                    help="ranks of the 2 x 2 jobs: block (0, 1 on the first host) or cyclic "
                    "(0, 2 on the first host: every neighbour in rank order on the other host)")
+    p.add_argument("--mtu", type=int, default=None, help="the host links' MTU in bytes, "
+                   "68-65535 (default: the veths' own, 1500); 65535 leaves the stack little "
+                   "per-packet work, as a network card's segmentation offload does")
     p.add_argument("--probe-mb", type=float, default=50, help="MB of the TCP probe of each link")
     p.add_argument("--job-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the MPI jobs (repeatable), e.g. "
@@ -667,6 +671,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--rates needs at least one rate > 0 Gbit/s")
     if min(args.steps, args.repeats) < 1 or args.warmup < 0:
         p.error("--steps and --repeats must be >= 1, --warmup >= 0")
+    if args.mtu is not None and not 68 <= args.mtu <= 65535:
+        p.error(f"--mtu must be 68-65535 bytes, got {args.mtu}")
     if any("=" not in kv for kv in args.job_env):
         p.error(f"--job-env takes NAME=VALUE, got {args.job_env}")
     args.modes = [m for m in args.modes.split(",") if m]
@@ -700,7 +706,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env["PYTHONPATH"] = str(REPO)
     env.update(kv.split("=", 1) for kv in args.job_env)
     rows, probes, first, links = [], [], None, []
-    with tempfile.TemporaryDirectory(prefix="mpidp-network-") as t, Cluster(2) as c:
+    with tempfile.TemporaryDirectory(prefix="mpidp-network-") as t, Cluster(2, mtu=args.mtu) as c:
         local = measure_locally(env, Path(t), args.timeout)
         if args.node_modes:  # the in-node share of node-aware reduction at 2 hosts x 2 ranks
             local["node"] = measure_node_locally(env, Path(t), 2, 2, args.timeout)
@@ -715,7 +721,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {"rows": rows, "probes": probes, "probe_mb": args.probe_mb, "steps": args.steps,
               "model": {"local": local, "links": links},
               "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed,
-              "job_env": args.job_env,
+              "job_env": args.job_env, "mtu": args.mtu,
               "tbf": "; ".join(f"{r / 1e9:g} Gbit/s: `{' '.join(tbf_args(r))}`" for r in args.rates),
               "blas": blas_line(first["environment"]), "environment": first["environment"],
               "machine": cpu_model(), "cores": os.cpu_count(), "commit": git_commit(),

@@ -210,6 +210,7 @@ def test_table_and_report():
                  "BLAS: openblas", "commit abc1234", "`python benchmarks/bench_network.py`"):
         assert part in md, part
     assert "mode_step_time" not in md  # no model inputs: no notes about them
+    assert "MTU 1500 bytes" in md and "MTU 65535 bytes" in B.markdown({**report, "mtu": 65535})
     report["model"] = {"local": LOCAL, "links": [{"rate_gbit": 1.0, "fit": FIT, "compute": {1: 0.07, 2: 0.05},
                                                   "pingpong": {}}]}
     md = B.markdown(report)
@@ -316,7 +317,9 @@ def test_marks_answer_each_line_after_reading(tmp_path):
 def test_arguments_are_checked():
     assert B.parse_args(["--rates", "1,10"]).rates == [1e9, 10e9]
     assert B.parse_args(["--node-modes", ""]).node_modes == []
-    for bad in (["--rates", "fast"], ["--rates", "0"], ["--steps", "0"], ["--job-env", "X"]):
+    assert B.parse_args([]).mtu is None and B.parse_args(["--mtu", "65535"]).mtu == 65535
+    for bad in (["--rates", "fast"], ["--rates", "0"], ["--steps", "0"], ["--job-env", "X"],
+                ["--mtu", "67"], ["--mtu", "65536"], ["--mtu", "jumbo"]):
         with pytest.raises(SystemExit):
             B.parse_args(bad)
 
@@ -350,6 +353,14 @@ def test_rate_limit_limits_and_counters_count():
         assert 0.7 * 25e6 < n / c.transfer(1, 0, n) < 1.1 * 25e6
         c.limit(None)
         assert n / c.transfer(0, 1, n) > 3 * 25e6
+        c.set_mtu(9000)  # every end of every host's link, and the bridge
+        for args in (["link", "show", c.veths[1]], ["-n", c.names[1], "link", "show", "eth0"],
+                     ["link", "show", c.bridge]):
+            shown = subprocess.run(["ip", *args], capture_output=True, text=True).stdout
+            assert " mtu 9000 " in shown, shown
+        assert n / c.transfer(1, 0, n) > 3 * 25e6  # still carries
+        with pytest.raises(ValueError, match="MTU"):
+            c.set_mtu(70000)
         names = c.names
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in listed for name in names)

@@ -134,7 +134,8 @@ class Cluster:
     """``n_hosts`` test hosts; use as a context manager. ``data`` is the folder path that
     each host sees as its own (``host_dir(i)`` holds host ``i``'s files)."""
 
-    def __init__(self, n_hosts: int = 2, subnet: int = 231, rate_bits: float | None = None) -> None:
+    def __init__(self, n_hosts: int = 2, subnet: int = 231, rate_bits: float | None = None,
+                 mtu: int | None = None) -> None:
         tag = f"{os.getpid() % 100000}"
         self.bridge = f"mpbr{tag}"
         self.names = [f"mpdh{i}x{tag}" for i in range(n_hosts)]
@@ -143,7 +144,7 @@ class Cluster:
         self.ips = [self.gateway.rsplit(".", 1)[0] + f".{10 + i}" for i in range(n_hosts)]
         self.root = Path(tempfile.mkdtemp(prefix="mpidp-hosts-"))
         self.data = self.root / "data"  # the path every host sees as its own folder
-        self.rate_bits = rate_bits
+        self.rate_bits, self.mtu = rate_bits, mtu
 
     def host_dir(self, i: int) -> Path:
         return self.root / self.names[i]
@@ -175,6 +176,8 @@ class Cluster:
             _ip("-n", name, "link", "set", "eth0", "up")
             _ip("-n", name, "link", "set", "lo", "up")
             cases.append(f"  {ip}) ns={name}; hostdir={self.host_dir(i)};;")
+        if self.mtu is not None:
+            self.set_mtu(self.mtu)
         self.limit(self.rate_bits)
         self.launcher = self.root / "launcher"
         self.launcher.write_text(LAUNCHER % {"cases": "\n".join(cases), "data": self.data})
@@ -205,6 +208,16 @@ class Cluster:
                 _ip("-n", name, "neigh", "flush", "all", check=False)
             _ip("neigh", "flush", "dev", self.bridge, check=False)
             time.sleep(0.5)
+
+    def set_mtu(self, mtu: int) -> None:
+        """Every host link's MTU (bytes, 68-65535): both ends of each veth and the bridge."""
+        if not 68 <= mtu <= 65535:
+            raise ValueError(f"MTU must be 68-65535 bytes, got {mtu!r}")
+        self.mtu = mtu
+        for name, veth in zip(self.names, self.veths):
+            _ip("link", "set", veth, "mtu", str(mtu))
+            _ip("-n", name, "link", "set", "eth0", "mtu", str(mtu))
+        _ip("link", "set", self.bridge, "mtu", str(mtu))
 
     def limit(self, rate_bits: float | None) -> None:
         """Limit every host's link to ``rate_bits`` bits/s each way (None: no limit, the
