@@ -431,6 +431,7 @@ def test_async_staleness_counts_only_applied_pushes(tmp_path):
     (["--weight-decay", "-100"], "argument --weight-decay: must be a finite number >= 0"),
     (["--bucket-mb", "inf"], "argument --bucket-mb: must be a finite number > 0, got inf"),
     (["--bucket-mb", "1e-300"], "argument --bucket-mb: must be at least one byte"),
+    (["--bucket-mb", "1e308", "--sync", "compressed"], "argument --bucket-mb: must be under 2^42 MiB"),
     (["--ps-chunk-mb", "inf"], "argument --ps-chunk-mb: must be a finite number > 0"),
     (["--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
     (["--hidden", ",,"], "an mlp needs at least one hidden layer"),
@@ -442,6 +443,20 @@ def test_bad_options_are_one_clear_error(tmp_path, flag, message):
     r = run_mpi(2, *ARGS, "--out", str(tmp_path / "o"), *flag)
     assert r.returncode == 2 and r.stderr.count(message) == 1, r.stderr[-1500:]
     assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flag,message", [
+    (["--clip-norm", "1", "--on-nonfinite", "ignore"], "but clip_norm (--clip-norm) scales by"),
+    (["--optimizer", "lamb", "--on-nonfinite", "ignore"], "but LAMB scales each tensor"),
+    (["--overlap-progress", "thread", "--on-nonfinite", "ignore"], "use progress 'test'"),
+    ([], "so on_nonfinite 'stop' cannot hold"),
+])
+def test_overlap_finishing_in_forward_refuses_before_reading_data(tmp_path, flag, message):
+    """Refused from the options alone: the dataset named does not even exist."""
+    r = run_mpi(2, "train", "--dataset", str(tmp_path / "absent.npz"), "--sync", "overlapped",
+                "--overlap-finish", "forward", *flag, "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and r.stderr.count(message) == 1, r.stderr[-1500:]
+    assert "dataset not found" not in r.stderr and not (tmp_path / "o").exists()
 
 
 def test_malformed_fault_spec_is_named(tmp_path):

@@ -4,9 +4,11 @@ rank: an exception, a killed process, a hang. Every one ends the whole job."""
 
 from __future__ import annotations
 
+import re
 import textwrap
 import time
 
+import numpy as np
 import pytest
 from clitools import run_mpi
 
@@ -32,8 +34,15 @@ def test_buckets_tile_the_buffer_last_layers_first(bucket_bytes):
 
 
 def test_settings_are_checked_and_named():
-    with pytest.raises(Exception, match="bucket size must be > 0 bytes"):
-        Overlapped(0)
+    from mpidp.parallel.auto import Auto
+    from mpidp.parallel.compress import Compressed
+    for make in (Overlapped, Auto, lambda b: Compressed(bucket_bytes=b)):
+        for bad in (0, -1, 0.5, 1.5, float("nan"), float("inf"), 2.0**62, "1", True, None):
+            with pytest.raises(Exception, match=r"bucket_bytes must be .*got " + re.escape(repr(bad))):
+                make(bad)
+        assert make(1e6).bucket_bytes == 1000000 and make(np.int64(7)).bucket_bytes == 7
+    with pytest.raises(Exception, match="unknown overlap progress 'fast'"):
+        Auto(overlap_progress="fast")
     with pytest.raises(Exception, match="unknown overlap progress 'fast'"):
         Overlapped(progress="fast")
     s = Overlapped(1 << 20)

@@ -137,11 +137,14 @@ def _positive(kind):
 
 
 def _mebibytes(text: str) -> float:
-    """A size in MiB: a finite number > 0 that is at least one byte."""
+    """A size in MiB: a finite number > 0 that is at least one byte and under 2^62 bytes."""
     value = _positive(float)(text)
     if value * 2**20 < 1:
         raise argparse.ArgumentTypeError(f"must be at least one byte (2^-20 = 9.5e-07 MiB), "
                                          f"got {text}")
+    if value * 2**20 >= 2**62:
+        raise argparse.ArgumentTypeError(f"must be under 2^42 MiB (4.4e12; a size beyond the "
+                                         f"gradient makes one bucket), got {text}")
     return value
 
 

@@ -358,7 +358,7 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
     setup_logging(args.quiet, args.verbose)
     if "epochs" not in given:
         args.epochs = nn.default_epochs(args.model)
-    errors = O.problems(args, given, comm.size)
+    errors = O.problems(args, given, comm.size) or _strategy_problems(args)
     try:
         faults.parse(os.environ.get("MPIDP_FAULT"))
     except ValueError as exc:
@@ -470,6 +470,23 @@ def _both(*callbacks):
         for cb in callbacks:
             cb(record)
     return call
+
+
+def _strategy_problems(args: argparse.Namespace) -> list[str]:
+    """What ``--sync overlapped`` refuses of the other options, known before any data: the
+    strategy as the options make it, asked about the optimizer and the NaN policy."""
+    if O.mode_of(args) != "overlapped":
+        return []
+    try:
+        sync = make_sync("overlapped", bucket_bytes=int(args.bucket_mb * 2**20),
+                         overlap_progress=args.overlap_progress,
+                         overlap_finish=args.overlap_finish)
+        optimizer = nn.make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay,
+                                      clip_norm=args.clip_norm, clip_value=args.clip_value)
+    except (C.MpidpError, ValueError) as exc:
+        return [str(exc)]
+    why = sync.refuses_run(optimizer, args.on_nonfinite)
+    return [why] if why else []
 
 
 def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:

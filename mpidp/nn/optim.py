@@ -258,7 +258,7 @@ class Optimizer(ABC):
         """Why this optimizer cannot apply an update piece by piece while the rest of its
         gradient is still arriving (:meth:`update_in_pieces_`), or None."""
         if self.clip_norm is not None:
-            return "clip_norm scales by the norm of the whole gradient"
+            return "clip_norm (--clip-norm) scales by the norm of the whole gradient"
         if self.track_grad_norm:
             return "tracking the gradient norm needs the whole gradient"
         if type(self)._begin is not Optimizer._begin or type(self)._apply is not Optimizer._apply:

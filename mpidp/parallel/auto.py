@@ -35,8 +35,8 @@ from .. import comm as C
 from ..nn import Optimizer
 from .compress import CODECS, FLOAT16_MAX, Compressed, Float16Overflow
 from .layer_needs import refuses_model
-from .overlap import Overlapped, layer_buckets
-from .sync import Buffers, Exchanged, Round, Setup, Sync
+from .overlap import PROGRESS, Overlapped, layer_buckets
+from .sync import Buffers, Exchanged, Round, Setup, Sync, bucket_size
 
 WARMUP = 2  # allreduce steps before the trials: first steps pay page faults and caches
 TRIALS = 4  # steps per candidate, taken in turns; the median counts
@@ -61,8 +61,10 @@ class Auto(Sync):
                  node_aware: bool | None = None, overlap_progress: str = "test") -> None:
         super().__init__(node_aware)
         self.overlap_progress = overlap_progress
-        if bucket_bytes <= 0:
-            raise C.MpidpError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
+        bucket_bytes = bucket_size(bucket_bytes)
+        if overlap_progress not in PROGRESS:
+            raise C.MpidpError(f"unknown overlap progress {overlap_progress!r}; expected one "
+                               f"of {PROGRESS}")
         if codec is not None and codec not in CODECS:
             raise C.MpidpError(f"unknown compression {codec!r}; expected one of {CODECS}")
         self.bucket_bytes, self.codec = int(bucket_bytes), codec
@@ -120,7 +122,12 @@ class Auto(Sync):
         return "; ".join(filter(None, [f"auto: trying {', '.join(self.labels)}", plain]))
 
     def refuses(self, model) -> str | None:
-        """What a fused allreduce refuses (a candidate that refuses ``model`` is not tried)."""
+        """What a fused allreduce refuses (a candidate that refuses ``model`` is not tried);
+        a codec asked for with a model that is not float32."""
+        if self.codec is not None and model.dtype != np.float32:
+            return (f"auto with codec {self.codec!r} (--compress {self.codec}): auto tries "
+                    f"compression for float32 models only, and this model is "
+                    f"{np.dtype(model.dtype).name}; leave the codec out")
         return refuses_model(model.needs, "data", "allreduce")
 
     def on_layer_done(self) -> Callable[[int], None]:

@@ -26,7 +26,7 @@ from .. import comm as C
 from ..nn import Optimizer
 from . import buffer
 from .overlap import layer_buckets
-from .sync import Buffers, Exchanged, Round, Setup, Sync, global_sums
+from .sync import Buffers, Exchanged, Round, Setup, Sync, bucket_size, global_sums
 
 FLOAT_CODECS = ("float16", "bfloat16")  # one 16-bit code per value
 CODECS = (*FLOAT_CODECS, "int8")
@@ -537,8 +537,7 @@ class Compressed(Sync):
         super().__init__()
         if codec not in CODECS:
             raise C.MpidpError(f"unknown compression {codec!r}; expected one of {CODECS}")
-        if bucket_bytes <= 0:
-            raise C.MpidpError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
+        bucket_bytes = bucket_size(bucket_bytes)
         if kernels not in KERNELS:
             raise C.MpidpError(f"unknown compression kernels {kernels!r}; expected one of "
                                f"{KERNELS}")

@@ -72,6 +72,12 @@ class DataParallel:
                  abort_on_error: bool = True, check_every: int = 0, on_nonfinite: str = "stop",
                  watchdog: float | None = None, sync: Sync | str = "allreduce") -> None:
         comm = comm if comm is not None else C.world()
+        # a strategy object holds one trainer's buffers and state: never a second trainer's
+        C.agree(comm, None if isinstance(sync, str) or not getattr(sync, "_taken", False) else
+                f"this {type(sync).__name__} strategy object already served a DataParallel "
+                f"(it holds that trainer's buffers and state): give each DataParallel a "
+                f"strategy of its own, e.g. make_sync({getattr(sync, 'name', '...')!r}), or "
+                f"the strategy's name")
         C.agree_same(comm, "DataParallel", {  # before any collective that could then hang
             "model": model.spec(), "dtype": str(model.dtype), "optimizer": settings_of(optimizer),
             "loss": settings_of(loss), "sync": sync if isinstance(sync, str) else
@@ -107,6 +113,7 @@ class DataParallel:
         refused = self.sync.refuses(model) or self.sync.refuses_run(optimizer, on_nonfinite)
         if refused:
             raise C.MpidpError(refused)
+        self.sync._taken = True  # set up for this trainer from here on: its own
         self.sync_params(init_sync)
         # grads | loss_sum | count | correct | stop: ONE buffer, so ONE Allreduce per step,
         # laid out as the strategy needs it (padded, in shared memory)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .. import comm as C
-from .sync import Buffers, Setup, Sync
+from .sync import Buffers, Setup, Sync, bucket_size
 
 PROGRESS = ("test", "thread")
 FINISH = ("backward", "forward")
@@ -79,8 +79,7 @@ class Overlapped(Sync):
     def __init__(self, bucket_bytes: int = 1 << 20, progress: str = "test",
                  finish: str = "backward") -> None:
         super().__init__()
-        if bucket_bytes <= 0:
-            raise C.MpidpError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
+        bucket_bytes = bucket_size(bucket_bytes)
         if progress not in PROGRESS:
             raise C.MpidpError(f"unknown overlap progress {progress!r}; expected one of {PROGRESS}")
         if finish not in FINISH:

@@ -42,6 +42,12 @@ def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
     if overlap_finish != "backward" and name != "overlapped":
         raise C.MpidpError(f"overlap finish {overlap_finish!r} applies to --sync overlapped, "
                            f"not {name}")
+    if codec is not None and name not in ("compressed", "auto"):
+        raise C.MpidpError(f"codec {codec!r} (--compress) applies to --sync compressed or "
+                           f"auto, not {name}")
+    if overlap_progress != "test" and name not in ("overlapped", "auto"):
+        raise C.MpidpError(f"overlap progress {overlap_progress!r} applies to --sync "
+                           f"overlapped or auto, not {name}")
     if node_aware and name not in (*NODE_AWARE, "auto"):
         raise C.MpidpError(f"node-aware reduction applies to --sync {', '.join(NODE_AWARE)} "
                            f"or auto, not {name}")
@@ -55,7 +61,7 @@ def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
     if name == "overlapped":
         return Overlapped(bucket_bytes, progress=overlap_progress, finish=overlap_finish)
     if name == "compressed":
-        return Compressed(codec or "bfloat16", bucket_bytes=bucket_bytes)
+        return Compressed("bfloat16" if codec is None else codec, bucket_bytes=bucket_bytes)
     if name == "ps":
         return ParameterServer(dedicated, shared_memory=ps_shared_memory, chunk_bytes=ps_chunk_bytes)
     if name == "accumulate":

@@ -91,6 +91,20 @@ def global_sums(buf: np.ndarray, n_params: int) -> Exchanged:
 NODE_AWARE = ("allreduce", "accumulate")
 
 
+def bucket_size(value: object) -> int:
+    """``value`` as a bucket size in bytes: a whole number of at least one byte (an int,
+    or a float such as ``1e6``); anything else is refused, naming ``bucket_bytes``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                     np.floating)):
+        raise C.MpidpError(f"bucket_bytes must be a number of bytes, got {value!r}")
+    if not (np.isfinite(value) and 1 <= value < 2**62):
+        raise C.MpidpError(f"bucket_bytes must be a finite number of bytes from 1 to 2^62, "
+                           f"got {value!r}")
+    if value != int(value):
+        raise C.MpidpError(f"bucket_bytes must be a whole number of bytes, got {value!r}")
+    return int(value)
+
+
 class Sync:
     """Fused allreduce: ONE in-place ``Allreduce`` of the whole buffer; the trainer then
     makes the same update on every rank. The default, and the base of the others.

@@ -277,7 +277,17 @@ def test_bad_sync_options_fail_everywhere(comm):
     raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.DataParallel(
         model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm, sync="gossip"), "unknown sync mode")
     raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync("overlapped", bucket_bytes=0),
-                      "bucket size must be > 0")
+                      "bucket_bytes must be a finite number of bytes from 1")
+    raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync("compressed", codec=""),
+                      "unknown compression ''")
+    raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync("overlapped", codec="int8"),
+                      "codec 'int8' (--compress) applies to --sync compressed or auto, not overlapped")
+    raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync(
+        "compressed", overlap_progress="thread"), "applies to --sync overlapped or auto")
+    f64 = nn.mlp(6, (4,), 3, dtype=np.float64).init_(0)
+    raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.DataParallel(
+        f64, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm, sync=make_sync("auto", codec="int8")),
+        "auto tries compression for float32 models only, and this model is float64")
     for name in ("compressed", "auto"):  # auto refuses it too, not only when it tries it
         raises_everywhere(comm, mpidp.MpidpError, lambda name=name: make_sync(name, codec="int4"),
                           "unknown compression 'int4'")
@@ -285,6 +295,25 @@ def test_bad_sync_options_fail_everywhere(comm):
     if comm.size == 1:
         raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.DataParallel(
             model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm, sync="ps"), "at least 2 ranks")
+
+
+@pytest.mark.parametrize("name", ["allreduce", "overlapped", "compressed", "auto"])
+def test_a_strategy_object_serves_one_trainer(comm, name):
+    """A second DataParallel given the first one's strategy object is refused on every
+    rank (it would reduce the second's buffer for the first), before and after the first
+    closes; the first trains on exactly as a trainer that was never shared."""
+    shard, X, y = _data(comm)
+    models = [nn.mlp(6, (12, 8), 3, dtype=np.float32).init_(4) for _ in range(3)]
+    dps = [mpidp.DataParallel(models[i], nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,
+                              sync=make_sync(name)) for i in (0, 2)]
+    again = lambda: mpidp.DataParallel(models[1], nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,
+                                       sync=dps[0].sync)
+    raises_everywhere(comm, mpidp.MpidpError, again, "strategy object already served a DataParallel")
+    for dp in dps:
+        mpidp.fit(dp, shard, 1, 16, seed=2)
+        dp.close()
+    all_ranks(comm, np.array_equal(models[0].params, models[2].params), "the first trainer drifted")
+    raises_everywhere(comm, mpidp.MpidpError, again, "strategy object already served a DataParallel")
 
 
 @pytest.mark.mpi(min_size=2)
