@@ -7,7 +7,6 @@ imports mpi4py, so ``import mpidp`` and ``mpidp --help`` work without an MPI lib
 from __future__ import annotations
 
 import os
-import weakref
 from typing import Any
 
 import numpy as np
@@ -61,7 +60,17 @@ def _free_companion(comm: Comm, keyval: int, dup: Comm) -> None:
         pass
 
 
+def _free_node_splits(comm: Comm, keyval: int, splits: dict) -> None:
+    """MPI's callback when ``comm`` is freed: free the node and leader communicators that
+    :func:`node_split` made of it. Must not raise into MPI."""
+    for pair in splits.values():
+        for part in pair:
+            if part is not None:
+                _free_companion(comm, keyval, part)
+
+
 _COMPANION = MPI.Comm.Create_keyval(delete_fn=_free_companion)
+_NODE_SPLITS = MPI.Comm.Create_keyval(delete_fn=_free_node_splits)
 _TAGS = MPI.Comm.Create_keyval()  # per communicator: the next tag of :func:`fresh_tag`
 
 
@@ -103,9 +112,6 @@ def split_off(comm: Comm, rank: int) -> Comm | None:
     return None if sub == MPI.COMM_NULL else sub
 
 
-_node_splits: list[tuple[weakref.ref, tuple[int, int], tuple[Comm, Comm | None]]] = []
-
-
 @watched("a Comm.Split")
 def node_split(comm: Comm, first: int = 0) -> tuple[Comm, Comm | None]:
     """``(node, leaders)``: the ranks of ``comm`` that share this rank's node (shared
@@ -114,18 +120,20 @@ def node_split(comm: Comm, first: int = 0) -> tuple[Comm, Comm | None]:
     its rank 0; None on the other ranks). Collective (one small ``Allreduce`` once made).
 
     Made on the first call for ``comm`` and ``first``, the same pair on every later call
-    while ``comm`` lives (as :func:`companion`), so trainers built again and again on one
-    communicator do not use up the library's communicators; never free them."""
+    (as :func:`companion`), so trainers built again and again on one communicator do not
+    use up the library's communicators: kept as an attribute of ``comm`` and freed with it
+    (``comm.Free()``); never free them yourself."""
     per_node = _forced_per_node(comm)
-    for ref, key, pair in _node_splits:
-        if ref() is comm and key == (first, per_node):
-            return pair
-    key = -1 if comm.rank == first else comm.rank
-    node = _node(comm, key, per_node)
-    leaders = comm.Split(0 if node.rank == 0 else MPI.UNDEFINED, key=key)
-    pair = (node, leaders if node.rank == 0 else None)
-    _node_splits[:] = [e for e in _node_splits if e[0]() is not None]
-    _node_splits.append((weakref.ref(comm), (first, per_node), pair))
+    splits = comm.Get_attr(_NODE_SPLITS)
+    if splits is None:
+        splits = {}
+        comm.Set_attr(_NODE_SPLITS, splits)
+    pair = splits.get((first, per_node))
+    if pair is None:
+        key = -1 if comm.rank == first else comm.rank
+        node = _node(comm, key, per_node)
+        leaders = comm.Split(0 if node.rank == 0 else MPI.UNDEFINED, key=key)
+        pair = splits[first, per_node] = (node, leaders if node.rank == 0 else None)
     return pair
 
 

@@ -38,7 +38,8 @@ def make_sync(name: str, optimizer_factory=None, bucket_bytes: int = 1 << 20,
     from .compress import Compressed
     from .overlap import Overlapped
     from .ps import ParameterServer, ShardedParameterServer
-    from .sync import NODE_AWARE, Accumulate, LocalSGD, PerLayer, Sync
+    from .sync import NODE_AWARE, Accumulate, LocalSGD, PerLayer, Sync, node_aware_setting
+    node_aware = node_aware_setting(node_aware)
     if overlap_finish != "backward" and name != "overlapped":
         raise C.MpidpError(f"overlap finish {overlap_finish!r} applies to --sync overlapped, "
                            f"not {name}")

@@ -105,6 +105,15 @@ def bucket_size(value: object) -> int:
     return int(value)
 
 
+def node_aware_setting(value: object) -> bool | None:
+    """``value`` as a ``node_aware`` setting: None (where it pays), True or False (NumPy's
+    booleans too); anything else is refused, naming ``node_aware``."""
+    if value is not None and not isinstance(value, (bool, np.bool_)):
+        raise C.MpidpError(f"node_aware must be None (node-aware where it pays), True or "
+                           f"False, got {value!r}")
+    return None if value is None else bool(value)
+
+
 class Sync:
     """Fused allreduce: ONE in-place ``Allreduce`` of the whole buffer; the trainer then
     makes the same update on every rank. The default, and the base of the others.
@@ -119,7 +128,7 @@ class Sync:
 
     def __init__(self, node_aware: bool | None = None) -> None:
         self.bytes_sent = 0
-        self.node_aware = node_aware
+        self.node_aware = node_aware_setting(node_aware)
         self.hierarchy: C.NodeAllreduce | None = None
 
     def setup(self, s: Setup) -> Buffers:

@@ -215,3 +215,17 @@ def test_trainers_built_again_and_again_and_closed_never_run_out_of_communicator
     all_ranks(comm, ok, f"rank {comm.rank}: a model changed when its trainer closed")
     raises_everywhere(comm, mpidp.MpidpError, lambda: dp.step(np.zeros((1, 6)), np.zeros(1, int)),
                       "closed")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_node_splits_are_freed_with_their_communicator(comm):
+    """Node-aware trainers built on communicators made and freed again and again do not
+    use up the library's communicators (MPICH has about 2000; each split holds two)."""
+    kept = []
+    for _ in range(1200):
+        sub = comm.Dup()
+        node, leaders = C.node_split(sub)
+        kept.append(C.node_split(sub) == (node, leaders))
+        sub.Free()
+    all_ranks(comm, all(kept) and node == MPI.COMM_NULL
+              and (leaders is None or leaders == MPI.COMM_NULL), "node split kept or made twice")

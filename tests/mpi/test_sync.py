@@ -284,6 +284,11 @@ def test_bad_sync_options_fail_everywhere(comm):
                       "codec 'int8' (--compress) applies to --sync compressed or auto, not overlapped")
     raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync(
         "compressed", overlap_progress="thread"), "applies to --sync overlapped or auto")
+    for bad in ("off", 0, 1.0):
+        raises_everywhere(comm, mpidp.MpidpError, lambda bad=bad: make_sync(
+            "allreduce", node_aware=bad), f"node_aware must be None (node-aware where it pays), "
+            f"True or False, got {bad!r}")
+    assert make_sync("accumulate", node_aware=np.False_).node_aware is False
     f64 = nn.mlp(6, (4,), 3, dtype=np.float64).init_(0)
     raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.DataParallel(
         f64, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm, sync=make_sync("auto", codec="int8")),
