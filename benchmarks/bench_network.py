@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import signal
 import statistics
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 from run_step_bench import bench_env, cpu_model, git_commit
+from sync_modes import EXTRA_MODES, MODES
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -663,22 +665,35 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "MPIDP_RANKS_PER_NODE) the in-node share of a node-aware reduction into "
                    "FILE, and exit")
     args = p.parse_args(argv)
+    rates_text = args.rates
     try:
         args.rates = [float(r) * 1e9 for r in args.rates.split(",") if r.strip()]
     except ValueError:
         p.error(f"--rates must be comma-separated Gbit/s like 1,10, got {args.rates!r}")
-    if not args.rates or min(args.rates) <= 0:
-        p.error("--rates needs at least one rate > 0 Gbit/s")
+    if not args.rates or not all(math.isfinite(r) and r >= 1e6 for r in args.rates):
+        p.error(f"--rates must be finite Gbit/s of at least 0.001 (1 Mbit/s), got {rates_text!r}")
     if min(args.steps, args.repeats) < 1 or args.warmup < 0:
         p.error("--steps and --repeats must be >= 1, --warmup >= 0")
+    for flag, value in (("--timeout", args.timeout), ("--probe-mb", args.probe_mb)):
+        if not (math.isfinite(value) and value > 0):
+            p.error(f"{flag} must be a finite number > 0, got {value}")
     if args.mtu is not None and not 68 <= args.mtu <= 65535:
         p.error(f"--mtu must be 68-65535 bytes, got {args.mtu}")
     if any("=" not in kv for kv in args.job_env):
         p.error(f"--job-env takes NAME=VALUE, got {args.job_env}")
-    args.modes = [m for m in args.modes.split(",") if m]
-    args.node_modes = [m for m in args.node_modes.split(",") if m]
+    for name in ("modes", "node_modes"):
+        listed = [m.strip() for m in getattr(args, name).split(",") if m.strip()]
+        flag = "--" + name.replace("_", "-")
+        unknown = sorted(set(listed) - set(MODES + EXTRA_MODES))
+        if unknown:
+            p.error(f"{flag}: unknown mode(s) {unknown}; choose from {MODES + EXTRA_MODES}")
+        if len(set(listed)) < len(listed) or COMPUTE in listed:
+            p.error(f"{flag} names a mode twice (or {COMPUTE}, which runs in every job)")
+        setattr(args, name, listed)
     if not args.modes and not args.node_modes:
         p.error("--modes and --node-modes are both empty: nothing to run")
+    if args.placement != "block" and not args.node_modes:
+        p.error("--placement places the ranks of the 2 x 2 jobs, and --node-modes is empty")
     return args
 
 

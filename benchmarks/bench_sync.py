@@ -29,6 +29,7 @@ from bench_step import HIDDEN, comm_share, environment, timed_run, warm_up
 from handwritten_dp import HandwrittenDP
 from handwritten_dp import local_batches as hw_local_batches
 from mpi4py import MPI
+from sync_modes import EXTRA_MODES, MODES
 
 import mpidp
 from mpidp import nn
@@ -38,14 +39,6 @@ from mpidp.parallel.ps import ParameterServer
 from mpidp.parallel.strategies import make_sync
 from mpidp.parallel.sync import Sync
 
-MODES = ("allreduce", "per-layer", "overlapped", "compressed", "ps", "ps-bcast", "ps-dedicated",
-         "sharded-ps", "accumulate", "local-sgd", "compute-only")
-# named in --modes only: strategy choice measured at setup, fused allreduce without and
-# with node-aware reduction, the hand-written loop as a mode of its own (with --only), and
-# compressed with int8 codes (or bfloat16 by NumPy's passes, not numba's kernels),
-# overlapped whose last sums finish during the next forward
-EXTRA_MODES = ("auto", "allreduce-flat", "allreduce-node", "handwritten", "compressed-int8",
-               "compressed-numpy", "overlapped-forward")
 MAX_TRIAL_STEPS = 200  # untimed steps allowed for auto to commit to a strategy
 
 

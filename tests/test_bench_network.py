@@ -290,8 +290,17 @@ def test_token_bucket_arguments():
     assert int(one[one.index("burst") + 1]) == 128 * 1024  # the floor: 400 us is only 50 KB
     assert int(ten[ten.index("burst") + 1]) == 500_000  # 400 us at 1.25 GB/s
     assert one[-2:] == ["latency", "5000us"]
-    with pytest.raises(ValueError, match="rate"):
-        tbf_args(0)
+    for bad in (0, 0.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="rate must be a finite number of bits/s >= 1"):
+            tbf_args(bad)
+
+
+def test_clusters_of_one_process_have_names_of_their_own_and_a_bad_call_gets_a_usage():
+    import cluster
+    a, b = Cluster(2), Cluster(2)  # nothing is made before entering
+    assert a.bridge != b.bridge and set(a.names).isdisjoint(b.names) and a.ips != b.ips
+    for argv in ([], ["two", "--", "x"], ["2", "x"], ["2", "--"]):
+        assert cluster.main(argv) == 2
 
 
 def test_marks_answer_each_line_after_reading(tmp_path):
@@ -318,8 +327,13 @@ def test_arguments_are_checked():
     assert B.parse_args(["--rates", "1,10"]).rates == [1e9, 10e9]
     assert B.parse_args(["--node-modes", ""]).node_modes == []
     assert B.parse_args([]).mtu is None and B.parse_args(["--mtu", "65535"]).mtu == 65535
+    assert B.parse_args(["--modes", " allreduce, handwritten "]).modes == ["allreduce", "handwritten"]
     for bad in (["--rates", "fast"], ["--rates", "0"], ["--steps", "0"], ["--job-env", "X"],
-                ["--mtu", "67"], ["--mtu", "65536"], ["--mtu", "jumbo"]):
+                ["--mtu", "67"], ["--mtu", "65536"], ["--mtu", "jumbo"], ["--rates", "nan"],
+                ["--rates", "inf"], ["--rates", "1e-10"], ["--timeout", "0"], ["--timeout", "nan"],
+                ["--probe-mb", "0"], ["--probe-mb", "-1"], ["--modes", "bogus"],
+                ["--node-modes", "allreduce-node,bogus"], ["--modes", "allreduce,allreduce"],
+                ["--modes", "compute-only"], ["--placement", "cyclic", "--node-modes", ""]):
         with pytest.raises(SystemExit):
             B.parse_args(bad)
 
@@ -365,6 +379,17 @@ def test_rate_limit_limits_and_counters_count():
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in listed for name in names)
     assert not Path(f"/sys/class/net/{c.veths[0]}").exists() and not c.root.exists()
+
+
+@needs_hosts
+def test_a_cluster_whose_network_is_taken_moves_to_a_free_one():
+    with Cluster(2) as a:
+        b = Cluster(2)
+        b._set_net(a.net)  # as if its process number matched a's modulo 250
+        with b:
+            assert b.gateway != a.gateway and b.ips[0] != a.ips[0]
+            assert a.transfer(0, 1, 10**6) > 0 and b.transfer(1, 0, 10**6) > 0
+        assert Path(f"/sys/class/net/{a.bridge}").exists()  # b's end left a's alone
 
 
 @needs_hosts

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
+_MADE = 0  # clusters this process has made
 BURST_S = 400e-6  # a rate limit's bucket holds this long at the rate, at least MIN_BURST bytes
 MIN_BURST = 128 * 1024  # two full-size GSO packets: tbf never splits one, nor waits per packet
 QUEUE_S = 0.005  # the longest a packet may wait in the bucket's queue before it is dropped
@@ -111,8 +112,8 @@ def tbf_args(rate_bits: float) -> list[str]:
     (``latency``) holds 5 ms at the rate: TCP's bursts are not dropped, and round trips
     stay short.
     """
-    if not rate_bits > 0:
-        raise ValueError(f"rate must be > 0 bits/s, got {rate_bits!r}")
+    if not (rate_bits > 0 and rate_bits < float("inf")) or int(rate_bits) < 1:
+        raise ValueError(f"rate must be a finite number of bits/s >= 1, got {rate_bits!r}")
     burst = max(int(rate_bits / 8 * BURST_S), MIN_BURST)
     return ["tbf", "rate", f"{int(rate_bits)}bit", "burst", str(burst),
             "latency", f"{QUEUE_S * 1e6:.0f}us"]
@@ -136,15 +137,33 @@ class Cluster:
 
     def __init__(self, n_hosts: int = 2, subnet: int = 231, rate_bits: float | None = None,
                  mtu: int | None = None) -> None:
-        tag = f"{os.getpid() % 100000}"
+        global _MADE
+        _MADE += 1  # several clusters of one process: names of their own
+        tag = f"{os.getpid() % 100000}{'' if _MADE == 1 else chr(ord('a') + (_MADE - 2) % 26)}"
         self.bridge = f"mpbr{tag}"
         self.names = [f"mpdh{i}x{tag}" for i in range(n_hosts)]
         self.veths = [f"mpv{i}x{tag}" for i in range(n_hosts)]
-        self.gateway = f"10.{subnet}.{os.getpid() % 250}.1"
-        self.ips = [self.gateway.rsplit(".", 1)[0] + f".{10 + i}" for i in range(n_hosts)]
+        self.subnet, self.net = subnet, (os.getpid() + _MADE - 1) % 250
+        self._set_net(self.net)
         self.root = Path(tempfile.mkdtemp(prefix="mpidp-hosts-"))
         self.data = self.root / "data"  # the path every host sees as its own folder
         self.rate_bits, self.mtu = rate_bits, mtu
+
+    def _set_net(self, net: int) -> None:
+        self.net, self.gateway = net, f"10.{self.subnet}.{net}.1"
+        self.ips = [f"10.{self.subnet}.{net}.{10 + i}" for i in range(len(self.names))]
+
+    def _free_net(self) -> None:
+        """Move to the first ``10.subnet.x.0/24`` from this one on that no interface uses
+        (another cluster's, whose process number matched this one's modulo 250)."""
+        shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True,
+                               text=True).stdout
+        used = {int(w.split(".")[2]) for w in shown.split()
+                if w.startswith(f"10.{self.subnet}.") and w.count(".") == 3}
+        free = [k % 250 for k in range(self.net, self.net + 250) if k % 250 not in used]
+        if not free:
+            raise RuntimeError(f"no free 10.{self.subnet}.x.0/24 for the test hosts")
+        self._set_net(free[0])
 
     def host_dir(self, i: int) -> Path:
         return self.root / self.names[i]
@@ -162,6 +181,7 @@ class Cluster:
 
     def _up(self) -> None:
         self.data.mkdir()
+        self._free_net()
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
@@ -270,8 +290,12 @@ class Cluster:
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) < 3 or not argv[0].isdigit() or int(argv[0]) < 1 or argv[1] != "--":
+        print("usage: cluster.py N_HOSTS -- COMMAND...  (as root: runs COMMAND under "
+              "mpiexec with one rank on each of N_HOSTS test hosts)", file=sys.stderr)
+        return 2
     n = int(argv[0])
-    cmd = argv[argv.index("--") + 1:]
+    cmd = argv[2:]
     with Cluster(n) as c:
         return subprocess.call(c.mpiexec(len(c.ips), 1, *cmd))
 
