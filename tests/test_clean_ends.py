@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -457,6 +458,29 @@ def test_overlap_finishing_in_forward_refuses_before_reading_data(tmp_path, flag
                 "--overlap-finish", "forward", *flag, "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and r.stderr.count(message) == 1, r.stderr[-1500:]
     assert "dataset not found" not in r.stderr and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_stop_signal_while_mpi_starts_waits_for_it_then_ends_the_job(tmp_path, n):
+    """SIGTERM to rank 0 inside the start of MPI (where being killed would leave the
+    library's shared-memory segment behind) is obeyed once MPI has started: the job ends
+    with the stop's exit status and message, nothing written."""
+    script = tmp_path / "start.py"
+    script.write_text(textwrap.dedent(f"""
+        import importlib, os, signal, sys
+        M = importlib.import_module("mpidp.cli.main")
+        start = M._start_mpi
+        def signalled():
+            if os.environ.get("PMI_RANK", "0") == "0":
+                os.kill(os.getpid(), signal.SIGTERM)  # before MPI_Init, as if it came during
+            return start()
+        M._start_mpi = signalled
+        sys.exit(M.main({[*ARGS, "--out", str(tmp_path / "o")]!r}))
+    """))
+    r = run_mpi(n, str(script), module=False)
+    assert r.returncode == 75, (r.returncode, r.stderr[-1500:])
+    assert f"rank 0/{n}: stopped by SIGTERM while MPI started" in r.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_malformed_fault_spec_is_named(tmp_path):

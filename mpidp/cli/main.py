@@ -617,9 +617,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         faulthandler.enable()  # descriptor (a notebook): no traceback on a fatal signal
     # A rank killed by SIGSEGV or SIGBUS (a mapped data file cut short under it) prints
     # where it was before mpiexec ends the job.
-    C = _start_mpi()
-    comm = C.world()
-    from ..run.signals import PREEMPTED_EXIT, Preempted
+    from ..run.signals import PREEMPTED_EXIT, Preempted, deferred_stops
+    with deferred_stops() as noted:
+        C = _start_mpi()
+        comm = C.world()
+    if noted:  # nothing done yet: end as a stop during the data load does
+        import signal
+        sys.stderr.write(f"[mpidp] rank {comm.rank}/{comm.size}: stopped by "
+                         f"{signal.Signals(noted[0]).name} while MPI started; nothing was "
+                         f"trained or saved, so run the same command again (exit "
+                         f"{PREEMPTED_EXIT}).\n")
+        if comm.size > 1:  # the others may not have had it: end the job
+            C.abort_job(comm, PREEMPTED_EXIT)
+        return PREEMPTED_EXIT
     try:
         if args.command == "train" and args.resume and args.checkpoint_dir:
             stored = C.root_decides(comm, _stored_config, args.checkpoint_dir)

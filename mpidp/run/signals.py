@@ -29,6 +29,24 @@ PREEMPTED_EXIT = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+@contextmanager
+def deferred_stops():
+    """A stop signal (SIGTERM/SIGUSR1) inside the block is noted, not obeyed: the block
+    yields the list of the signals noted, for the caller to act on once it ends. Wraps the
+    start of MPI, where a rank killed mid-start leaves the library's shared-memory segment
+    behind (a handler in Python runs only once MPI_Init has returned). Main thread only."""
+    noted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():  # no handlers there
+        yield noted
+        return
+    old = {s: signal.signal(s, lambda signum, frame: noted.append(signum)) for s in STOP_SIGNALS}
+    try:
+        yield noted
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
 class Preempted(MpidpError):
     """Training stopped on SIGTERM/SIGUSR1 after a checkpoint (raised on every rank)."""
 
