@@ -73,17 +73,19 @@ class DataParallel:
                  watchdog: float | None = None, sync: Sync | str = "allreduce") -> None:
         comm = comm if comm is not None else C.world()
         # a strategy object holds one trainer's buffers and state: never a second trainer's
-        C.agree(comm, None if isinstance(sync, str) or not getattr(sync, "_taken", False) else
-                f"this {type(sync).__name__} strategy object already served a DataParallel "
-                f"(it holds that trainer's buffers and state): give each DataParallel a "
-                f"strategy of its own, e.g. make_sync({getattr(sync, 'name', '...')!r}), or "
-                f"the strategy's name")
+        taken = not isinstance(sync, str) and getattr(sync, "_taken", False)
         C.agree_same(comm, "DataParallel", {  # before any collective that could then hang
             "model": model.spec(), "dtype": str(model.dtype), "optimizer": settings_of(optimizer),
             "loss": settings_of(loss), "sync": sync if isinstance(sync, str) else
-            settings_of(sync, skip=("bytes_sent",)), "init_sync": init_sync, "root": root,
+            "a strategy object in use" if taken else settings_of(sync, skip=("bytes_sent",)),
+            "init_sync": init_sync, "root": root,
             "on_nonfinite": on_nonfinite, "check_every": check_every,
             "watchdog": "off" if not watchdog else watchdog})
+        if taken:  # on every rank: the arguments agree
+            raise C.MpidpError(
+                f"this {type(sync).__name__} strategy object already served a DataParallel (it "
+                f"holds that trainer's buffers and state): give each DataParallel a strategy "
+                f"of its own, e.g. make_sync({getattr(sync, 'name', '...')!r}), or its name")
         if init_sync not in INIT_SYNC:
             raise C.MpidpError(f"unknown init sync {init_sync!r}; expected one of {INIT_SYNC}")
         if on_nonfinite not in ON_NONFINITE:
