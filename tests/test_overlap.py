@@ -37,7 +37,8 @@ def test_settings_are_checked_and_named():
     from mpidp.parallel.auto import Auto
     from mpidp.parallel.compress import Compressed
     for make in (Overlapped, Auto, lambda b: Compressed(bucket_bytes=b)):
-        for bad in (0, -1, 0.5, 1.5, float("nan"), float("inf"), 2.0**62, "1", True, None):
+        for bad in (0, -1, 0.5, 1.5, float("nan"), float("inf"), 2.0**62, 10**400, "1", True,
+                    None):
             with pytest.raises(Exception, match=r"bucket_bytes must be .*got " + re.escape(repr(bad))):
                 make(bad)
         assert make(1e6).bucket_bytes == 1000000 and make(np.int64(7)).bucket_bytes == 7

@@ -97,7 +97,11 @@ def bucket_size(value: object) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
                                                                      np.floating)):
         raise C.MpidpError(f"bucket_bytes must be a number of bytes, got {value!r}")
-    if not (np.isfinite(value) and 1 <= value < 2**62):
+    try:
+        size = float(value)
+    except OverflowError:  # an int beyond float's range
+        size = float("inf")
+    if not (np.isfinite(size) and 1 <= size < 2**62):
         raise C.MpidpError(f"bucket_bytes must be a finite number of bytes from 1 to 2^62, "
                            f"got {value!r}")
     if value != int(value):
