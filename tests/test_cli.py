@@ -270,3 +270,24 @@ def test_cli_async_ps_reports_staleness(tmp_path):
                 str(tmp_path / "z"))  # ...are not resumed asynchronously
     assert r.returncode == 2 and "async-ps resumes only its own checkpoints" in r.stderr
     assert not (tmp_path / "z" / "model.npz").exists()
+
+
+@pytest.mark.parametrize("first", [
+    ["--sync", "compressed", "--compress", "int8"],
+    ["--sync", "overlapped", "--overlap-progress", "thread"],
+    ["--sync", "overlapped", "--overlap-finish", "forward", "--on-nonfinite", "ignore"],
+    ["--sync", "allreduce", "--node-aware", "on"],
+], ids=["int8", "thread", "forward", "node-aware"])
+def test_a_run_resumed_under_another_sync_leaves_the_old_modes_settings(tmp_path, first):
+    """The checkpoint's settings of the mode it was trained with (a codec, a progress) do
+    not follow the run into the mode it resumes with."""
+    args = ["train", "--dataset", "synthetic", "--n-samples", "400", "--model", "logreg",
+            "--batch-size", "64", "--no-progress", "--checkpoint-dir", str(tmp_path / "ck")]
+    r = run_mpi(2, *args, "--epochs", "2", "--checkpoint-every", "1", *first,
+                "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr[-1500:]
+    r = run_mpi(2, *args, "--epochs", "3", "--sync", "per-layer", "--resume",
+                "--out", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr[-1500:]
+    m = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    assert len(m["history"]) == 3 and m["config"]["sync"] == "per-layer"

@@ -143,8 +143,7 @@ def _mebibytes(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be at least one byte (2^-20 = 9.5e-07 MiB), "
                                          f"got {text}")
     if value * 2**20 >= 2**62:
-        raise argparse.ArgumentTypeError(f"must be under 2^42 MiB (4.4e12; a size beyond the "
-                                         f"gradient makes one bucket), got {text}")
+        raise argparse.ArgumentTypeError(f"must be under 2^42 MiB (4.4e12), got {text}")
     return value
 
 

@@ -495,13 +495,18 @@ def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
     layers, loss = C.run_agreed(comm, _layers, args, data)
     _check_inputs(comm, args, layers, data)
     make_opt = _optimizer(args, data.train.n_total)
-    sync = make_sync("allreduce" if args.sync == "async-ps" else args.sync,  # async: eval only
-                     make_opt, bucket_bytes=int(args.bucket_mb * 2**20), codec=args.compress,
+    name = "allreduce" if args.sync == "async-ps" else args.sync  # async: eval only
+    # a resumed run keeps its checkpoint's settings; those of another mode do not apply
+    sync = make_sync(name, make_opt, bucket_bytes=int(args.bucket_mb * 2**20),
+                     codec=args.compress if name in ("compressed", "auto") else None,
                      dedicated=O.dedicated_server(args), k=args.sync_every,
                      ps_shared_memory=args.ps_transport == "shared",
                      ps_chunk_bytes=max(1, int(args.ps_chunk_mb * 2**20)),
-                     node_aware={"auto": None, "on": True, "off": False}[args.node_aware],
-                     overlap_progress=args.overlap_progress, overlap_finish=args.overlap_finish)
+                     node_aware={"auto": None, "on": True, "off": False}[args.node_aware]
+                     if name in ("allreduce", "accumulate", "auto") else None,
+                     overlap_progress=args.overlap_progress if name in ("overlapped", "auto")
+                     else "test",
+                     overlap_finish=args.overlap_finish if name == "overlapped" else "backward")
     dp = make_trainer("data", layers, data.sample_shape, make_opt(), loss, comm,
                       dtype=args.dtype, init_sync=args.init_sync,
                       on_nonfinite=args.on_nonfinite, sync=sync)

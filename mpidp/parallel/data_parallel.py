@@ -115,11 +115,11 @@ class DataParallel:
         refused = self.sync.refuses(model) or self.sync.refuses_run(optimizer, on_nonfinite)
         if refused:
             raise C.MpidpError(refused)
-        self.sync._taken = True  # set up for this trainer from here on: its own
         self.sync_params(init_sync)
         # grads | loss_sum | count | correct | stop: ONE buffer, so ONE Allreduce per step,
         # laid out as the strategy needs it (padded, in shared memory)
         bufs = self.sync.setup(Setup(self.comm, root, model, self.timer))
+        self.sync._taken = True  # this trainer's from here on (a failed start leaves it free)
         model.use_grad_buffer(bufs.grads)
         if bufs.params is not None:
             model.use_param_buffer(bufs.params)

@@ -322,6 +322,20 @@ def test_a_strategy_object_serves_one_trainer(comm, name):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_strategy_whose_trainer_failed_to_start_serves_the_next(comm):
+    model = nn.mlp(6, (12,), 3, dtype=np.float32).init_(comm.rank)  # replicas differ
+    sync = make_sync("overlapped")
+    raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.DataParallel(
+        model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm, init_sync="seed", sync=sync),
+        "out of sync")
+    dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm, sync=sync)
+    shard, X, y = _data(comm)
+    mpidp.fit(dp, shard, 1, 16, seed=2)
+    all_ranks(comm, mpidp.params_in_sync(comm, model.params))
+    dp.close()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_async_parameter_server_terminates_and_accounts_for_every_push(comm):
     from mpidp.parallel.async_ps import AsyncPS, fit_async
     shard, X, y = _data(comm, skip_rank=0)  # the server holds no data
