@@ -497,16 +497,18 @@ def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
     make_opt = _optimizer(args, data.train.n_total)
     name = "allreduce" if args.sync == "async-ps" else args.sync  # async: eval only
     # a resumed run keeps its checkpoint's settings; those of another mode do not apply
+    applies = lambda dest: name in O.TABLE[dest][0]  # noqa: E731
     sync = make_sync(name, make_opt, bucket_bytes=int(args.bucket_mb * 2**20),
-                     codec=args.compress if name in ("compressed", "auto") else None,
+                     codec=args.compress if applies("compress") else None,
                      dedicated=O.dedicated_server(args), k=args.sync_every,
                      ps_shared_memory=args.ps_transport == "shared",
                      ps_chunk_bytes=max(1, int(args.ps_chunk_mb * 2**20)),
                      node_aware={"auto": None, "on": True, "off": False}[args.node_aware]
-                     if name in ("allreduce", "accumulate", "auto") else None,
-                     overlap_progress=args.overlap_progress if name in ("overlapped", "auto")
+                     if applies("node_aware") else None,
+                     overlap_progress=args.overlap_progress if applies("overlap_progress")
                      else "test",
-                     overlap_finish=args.overlap_finish if name == "overlapped" else "backward")
+                     overlap_finish=args.overlap_finish if applies("overlap_finish")
+                     else "backward")
     dp = make_trainer("data", layers, data.sample_shape, make_opt(), loss, comm,
                       dtype=args.dtype, init_sync=args.init_sync,
                       on_nonfinite=args.on_nonfinite, sync=sync)
