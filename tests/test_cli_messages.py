@@ -200,3 +200,30 @@ def test_a_setting_from_a_file_that_an_override_makes_moot_is_left_out(tmp_path)
     r = run_mpi(2, "train", "--config", str(cfg), "--optimizer", "adam", "--momentum", "0.9",
                 "--out", str(tmp_path / "typed"), "-q")
     assert r.returncode == 2 and "--momentum does not apply to --optimizer adam" in r.stderr
+
+
+@pytest.mark.parametrize("table, message", [
+    ('optimizer = "adam"\nmomentum = 0.5\n', "--momentum does not apply to --optimizer adam"),
+    ('sync = "auto"\ndtype = "float64"\ncompress = "int8"\n',
+     "--compress does not apply to --sync auto with --dtype float64"),
+])
+def test_a_file_that_contradicts_itself_is_refused_not_trimmed(tmp_path, table, message):
+    """Leaving out is for a file setting the command line made moot; the same setting
+    moot within the file itself is the file's mistake, refused as the flag would be."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('dataset = "digits"\nepochs = 1\n' + table)
+    r = run_mpi(1, "train", "--config", str(cfg), "--out", str(tmp_path / "o"), "-q")
+    assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_codec_made_moot_by_a_typed_dtype_is_not_passed_on(tmp_path):
+    """A file's auto with int8 codes under --dtype float64 typed over it: auto runs without
+    the codec (it used to be handed the codec and refuse it) and the record has none."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('dataset = "digits"\nepochs = 1\nsync = "auto"\ncompress = "int8"\n')
+    out = tmp_path / "f64"
+    r = run_mpi(2, "train", "--config", str(cfg), "--dtype", "float64", "--out", str(out), "-q")
+    assert r.returncode == 0, r.stderr[-2000:]
+    recorded = (out / "config.toml").read_text()
+    assert 'dtype = "float64"' in recorded and "compress" not in recorded, recorded

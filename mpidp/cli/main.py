@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from .. import __version__
 from ..data.partition import STRATEGIES
 from ..parallel.kinds import HYBRID_STAGES, PARALLEL, PIPELINED
-from .options import MODES, given
+from .options import MODES, depends_met, given
 
 EXIT_USAGE = 2
 NO_MPI = ("mpidp: cannot start MPI ({}). Install it with pip install 'mpidp[mpi]' (mpi4py and "
@@ -297,7 +297,8 @@ def _add_train(sub) -> None:
     a("--no-progress", action="store_true", help="the same as --progress none")
     a("--config", default=None, metavar="FILE",
       help="read options from a TOML file (e.g. the config.toml a run writes into --out); "
-      "options on the command line win")
+      "options on the command line win (a file setting they make moot is left out; one the "
+      "file itself contradicts is refused, as its flag would be)")
     a("-q", "--quiet", action="store_true", help="print only warnings and errors")
     a("-v", "--verbose", action="store_true", help="print more: per-rank details")
     a("--log-every", type=_positive(int), default=None, metavar="N",
@@ -606,7 +607,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             table = config.load(args.config)
         except ValueError as exc:
             parser.error(str(exc))
+        file_only = [*argv[:argv.index("train") + 1], "--config", args.config]
+        alone = vars(_with_table(parser, file_only, table, f"--config {args.config}")[0])
         args, argv, from_file = _with_table(parser, argv, table, f"--config {args.config}")
+        # a file setting whose condition the file itself breaks is the file's mistake:
+        # refused like a flag; one the command line overrode away is left out in _run
+        from_file = {(d, depends_met(d, alone)) for d in from_file}
         if "out" in table and "out" not in given(_train_parser(parser),
                                                  typed[typed.index("train") + 1:]) \
                 and _launcher_rank() == 0:
@@ -672,14 +678,15 @@ def _stored_config(directory: str) -> dict | None:
 
 
 def _run(args, comm, parser: argparse.ArgumentParser, argv: list[str],
-         from_file: set[str] = frozenset()) -> None:
+         from_file: set[tuple[str, bool]] = frozenset()) -> None:
     if args.command == "train":
         from .options import depends_met, given
         from .train import train
         after = argv[argv.index("train") + 1:]
-        # a setting a config file recorded counts as given, unless what it depends on no
-        # longer holds (a --optimizer adam typed over a file's momentum): then it is left out
-        recorded = {d for d in from_file if depends_met(d, vars(args))}
+        # a setting a config file holds counts as given, unless what it depends on held in
+        # the file but no longer holds (a --optimizer adam typed over a file's momentum):
+        # then it is left out. ``from_file``: (dest, whether the file alone met its needs)
+        recorded = {d for d, met in from_file if depends_met(d, vars(args)) or not met}
         train(args, comm, given(_train_parser(parser), after) | recorded)
     elif args.command == "model":
         from ..scale.calibrate import calibrate, format_report

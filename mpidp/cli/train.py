@@ -496,8 +496,9 @@ def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
     _check_inputs(comm, args, layers, data)
     make_opt = _optimizer(args, data.train.n_total)
     name = "allreduce" if args.sync == "async-ps" else args.sync  # async: eval only
-    # a resumed run keeps its checkpoint's settings; those of another mode do not apply
-    applies = lambda dest: name in O.TABLE[dest][0]  # noqa: E731
+    # a resumed run keeps its checkpoint's settings, and a config file's may be overridden:
+    # those of another mode, or whose other settings changed (DEPENDS), do not apply
+    applies = lambda dest: name in O.TABLE[dest][0] and O.depends_met(dest, vars(args))  # noqa: E731
     sync = make_sync(name, make_opt, bucket_bytes=int(args.bucket_mb * 2**20),
                      codec=args.compress if applies("compress") else None,
                      dedicated=O.dedicated_server(args), k=args.sync_every,
