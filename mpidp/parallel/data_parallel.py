@@ -18,14 +18,13 @@ from ..digest import settings_of
 from ..nn import Context, Loss, Optimizer, Sequential
 from ..nn.optim import Segments
 from ..observe.metrics import StepTimer
-from ..observe.scores import ScoreSums
 from ..run import checkpoint as ckpt
 from ..run.loop import run, watched_run
 from ..run.nonfinite import ON_NONFINITE, Policy, all_finite
 from ..run.spec import RunSpec
 from ..run.stats import StepStats
 from . import buffer
-from .evaluation import global_sums
+from .evaluation import global_sums, score_sums
 from .strategies import make_sync
 from .sync import Exchanged, Round, Setup, Sync
 
@@ -326,7 +325,7 @@ class DataParallel:
         gathers its statistics too)."""
         self.sync.settle()
         total = np.zeros(3, np.float64)
-        sums = ScoreSums(self.loss.classification, self.model.n_out)
+        sums = score_sums(self.comm, self.loss, y, self.model.n_out)
         for s in range(0, len(X), batch_size):
             loss_sum, correct, out = self._eval_pass(X[s:s + batch_size], y[s:s + batch_size])
             total += (loss_sum, len(out), correct)

@@ -6,7 +6,27 @@ from __future__ import annotations
 import numpy as np
 
 from .. import comm as C
+from ..nn import Loss
 from ..observe.scores import ScoreSums, reg_combine_all
+
+
+def score_sums(comm: C.Comm, loss: Loss, y: np.ndarray | None, n_outputs: int) -> ScoreSums:
+    """The :class:`ScoreSums` of an evaluation, the same kind on every rank of ``comm``: a
+    classifier's for a classification loss, or for 1-D integer labels (a least-squares
+    classifier: mean squared error on one-hot labels), else a regression's. ``y``: this
+    rank's labels or targets (None: a rank that holds none). Collective unless the loss
+    classifies; raises :class:`~mpidp.comm.MpidpError` on every rank when ranks hold
+    integer labels and real targets."""
+    if loss.classification:
+        return ScoreSums(True, n_outputs)
+    kinds = np.zeros(2)  # [ranks with targets, ranks with integer labels]
+    if y is not None:
+        kinds[int(y.ndim == 1 and y.dtype.kind in "iu")] = 1
+    C.allreduce_sum_(comm, kinds)
+    if kinds.all():
+        raise C.MpidpError("evaluation: some ranks hold integer class labels, others real "
+                           "targets; give every rank labels of one kind")
+    return ScoreSums(bool(kinds[1]), n_outputs)
 
 
 def global_sums(comm: C.Comm, totals: np.ndarray, sums: ScoreSums) -> tuple[np.ndarray, np.ndarray]:

@@ -36,7 +36,6 @@ from ..nn.layers import layer_spec
 from ..nn.model import as_shape, chain_shapes
 from ..nn.optim import Segments
 from ..observe.metrics import StepTimer
-from ..observe.scores import ScoreSums
 from ..run import checkpoint as ckpt
 from ..run.loop import run, watched_run
 from ..run.nonfinite import Policy, all_finite
@@ -44,7 +43,7 @@ from ..run.spec import RunSpec
 from ..run.stats import StepStats
 from . import buffer
 from . import stages as St
-from .evaluation import global_sums
+from .evaluation import global_sums, score_sums
 from .layer_needs import refuses_model
 
 _TAG_F, _TAG_B = 21, 22  # activations forward, gradients backward (order kept per tag)
@@ -475,7 +474,7 @@ class Pipeline:
         replicas; the same result on every rank. Collective (forward passes only)."""
         n = _batch_len(X, y, n)
         total = np.zeros(3, np.float64)
-        sums = ScoreSums(self.loss.classification, self.plan.widths[-1])
+        sums = score_sums(self.world, self.loss, y if self.last else None, self.plan.widths[-1])
         for lo in range(0, n, batch_size):
             size = min(batch_size, n - lo)
             if self.first:

@@ -83,6 +83,34 @@ def test_regression_loss_is_the_mean_squared_error_over_all_rows(comm, batch_siz
               abs(mae - float(np.mean(np.abs(err)))) <= TOL, f"scores {ev.scores}")
 
 
+@pytest.mark.mpi(min_size=1)
+def test_a_least_squares_classifier_is_scored_as_a_classifier(comm):
+    """Mean squared error on integer labels (one-hot targets, the ``linear`` preset): the
+    loss against the one-hot rows and the classifier's scores, not a regression's."""
+    rng = np.random.default_rng(3)
+    X, y = rng.standard_normal((N, D)), rng.integers(0, K, N)
+    model = _model(K)
+    dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.MeanSquaredError(), comm)
+    mine = _rows(comm)
+    ev = dp.evaluate(X[mine], y[mine], batch_size=5)
+    z = _forward(model, X)
+    accuracy = float(np.mean(z.argmax(axis=1) == y))
+    assert 0.0 < accuracy < 1.0
+    _check(comm, ev, float(np.mean((z - np.eye(K)[y]) ** 2)), accuracy)
+    all_ranks(comm, ev.scores["count"] == N and ev.scores["accuracy"] == accuracy
+              and "mse" not in ev.scores, f"scores {ev.scores}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_labels_of_two_kinds_across_ranks_are_refused_on_every_rank(comm):
+    model = _model(K)
+    dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.MeanSquaredError(), comm)
+    X = np.zeros((3, D))
+    y = np.zeros(3, np.int64) if comm.rank == 0 else np.zeros((3, K))
+    with pytest.raises(mpidp.MpidpError, match="integer class labels, others real targets"):
+        dp.evaluate(X, y)
+
+
 @pytest.mark.mpi(min_size=3)
 def test_the_shards_are_uneven_with_an_empty_rank(comm):
     sizes = comm.allgather(_rows(comm).stop - _rows(comm).start)
