@@ -20,7 +20,7 @@ from ..nn.optim import Segments
 from ..observe.metrics import StepTimer
 from ..run import checkpoint as ckpt
 from ..run.loop import run, watched_run
-from ..run.nonfinite import ON_NONFINITE, Policy, all_finite
+from ..run.nonfinite import ON_NONFINITE, NonFiniteError, Policy, all_finite
 from ..run.spec import RunSpec
 from ..run.stats import StepStats
 from . import buffer
@@ -95,6 +95,7 @@ class DataParallel:
         self.global_step = 0  # steps taken (or skipped) since training started
         self.stop_requested: bool | None = None  # this rank asks to stop (set by the loop)
         self._poison = False
+        self._kept_state: np.ndarray | None = None  # untrained state before this update's steps
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.comm = comm if comm is not None else C.world()
         self.root = root
@@ -262,6 +263,8 @@ class DataParallel:
         add = self.sync.accumulating()  # gradient accumulation: add to the buffer's sums
         ctx = self.model.context
         ctx.training, ctx.step = True, self.global_step
+        if self.model.n_state and self.policy.checks and not add:
+            self._keep_state()
         if index is not None:
             ctx.index = np.asarray(index, np.int64)
         with self.timer.compute("compute", samples=len(X)):
@@ -288,7 +291,13 @@ class DataParallel:
             ctx.training = False
         got = self.sync.exchange(Round(self.optimizer, self.policy.checks, self.global_step,
                                        last_of_epoch))
-        skipped = not self._judge_and_update(got)
+        try:
+            skipped = not self._judge_and_update(got)
+        except NonFiniteError:
+            self._restore_state()
+            raise
+        if skipped:
+            self._restore_state()
         self.sync.step_done()
         self.timer.end_step(len(X))
         self.global_step += 1
@@ -296,6 +305,18 @@ class DataParallel:
             self.check_replicas()
         C.set_step(self.global_step)
         return StepStats(got.loss_sum, got.count, got.correct, skipped, got.stop)
+
+    def _keep_state(self) -> None:
+        """Copy the untrained state (batch norm's running statistics, which forward passes
+        move) before the steps of an update, so that an update the NaN policy drops or
+        stops at leaves it as the last good step left it."""
+        if self._kept_state is None or self._kept_state.shape != self.model.state.shape:
+            self._kept_state = np.empty_like(self.model.state)
+        self._kept_state[...] = self.model.state
+
+    def _restore_state(self) -> None:
+        if self._kept_state is not None and self._kept_state.shape == self.model.state.shape:
+            self.model.state[...] = self._kept_state
 
     def _judge_and_update(self, got: Exchanged) -> bool:
         """The NaN policy on the exchange's global sums, then the strategy's update; False

@@ -11,6 +11,7 @@ from mpi_helpers import all_ranks, raises_everywhere
 
 import mpidp
 from mpidp import nn
+from mpidp.run.nonfinite import NonFiniteError
 
 # As in test_data_parallel: the same sums in another order differ by ulps; 1e-10 is what
 # the project promises, and a wrong statistic (per-rank instead of global, a mask keyed to
@@ -179,3 +180,42 @@ def test_a_pipeline_of_shaped_layers_matches_data_parallel(comm, name):
     whole = pipe.gather_params(0)
     ok = whole is None or float(np.max(np.abs(whole - ref.model.params))) <= TOL
     all_ranks(comm, ok, f"{name}: the pipeline's parameters differ from one process'")
+
+
+
+def _bn_steps(comm, steps: list[int], policy: str):
+    """Batch norm trained by ``dp.step`` on global batches ``steps`` of 24 rows (uneven
+    shares); batch 1's last row holds a NaN. Returns the trainer and the error a step
+    raised (training ends there), or None."""
+    rng = np.random.default_rng(11)
+    X, y = rng.standard_normal((4, 24, 5)), rng.integers(0, 3, (4, 24))
+    X[1, -1, 2] = np.nan
+    model = nn.Sequential([nn.Dense(5, 6), nn.BatchNorm(), nn.ReLU(), nn.Dense(6, 3)], (5,),
+                          np.float64).init_(np.random.default_rng(3))
+    dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,
+                            on_nonfinite=policy)
+    counts = _uneven(24, comm.size)
+    lo, hi = int(counts[:comm.rank].sum()), int(counts[:comm.rank + 1].sum())
+    try:
+        for b in steps:
+            dp.step(X[b, lo:hi], y[b, lo:hi])
+    except NonFiniteError as exc:
+        return dp, exc
+    return dp, None
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_skipped_or_stopped_step_leaves_the_running_statistics_as_they_were(comm):
+    """A NaN batch moves batch norm's running statistics in its forward pass; the step the
+    NaN policy drops (skip) or stops at (stop) must leave them, as it leaves the
+    parameters, where the last good step put them (they poisoned every later evaluation)."""
+    skipped, _ = _bn_steps(comm, [0, 1, 2], "skip")
+    ref, _ = _bn_steps(MPI.COMM_SELF, [0, 2], "skip")
+    all_ranks(comm, skipped.skipped_steps == 1, f"skipped {skipped.skipped_steps}")
+    _close(comm, skipped.model.params, ref.model.params, "parameters after a skipped step")
+    _close(comm, skipped.model.state, ref.model.state, "running statistics after a skipped step")
+    stopped, err = _bn_steps(comm, [0, 1], "stop")
+    good, _ = _bn_steps(MPI.COMM_SELF, [0], "stop")
+    all_ranks(comm, err is not None, "no NonFiniteError at the NaN batch")
+    _close(comm, stopped.model.state, good.model.state, "running statistics after a stop")
+    _close(comm, stopped.model.params, good.model.params, "parameters after a stop")
