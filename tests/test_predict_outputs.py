@@ -49,3 +49,23 @@ def test_probabilities_of_a_regression_are_refused(tmp_path):
                 "--out", str(tmp_path / "p.npy"))
     assert r.returncode == 2 and "--output label needs a classifier" in r.stderr, r.stderr
     assert not (tmp_path / "p.npy").exists()
+
+
+def test_metrics_written_over_the_predictions_are_refused(trained, tmp_path):
+    path = tmp_path / "p.npy"
+    r = run_mpi(2, "predict", "--model", str(trained / "m"), "--dataset", "digits",
+                "--out", str(path), "--metrics", f"{tmp_path}/./p.npy")
+    assert r.returncode == 2 and "is the --out file" in r.stderr, r.stderr
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--out", ""], ["train", "--checkpoint-dir", ""], ["train", "--tensorboard", ""],
+    ["train", "--trace", ""], ["train", "--config", ""], ["model", "--out", ""],
+    ["predict", "--model", "m", "--out", ""], ["predict", "--model", "m", "--out", "p.npy",
+                                               "--metrics", ""],
+])
+def test_an_empty_path_is_refused_before_any_work(argv, tmp_path):
+    r = run_mpi(1, *argv, cwd=tmp_path)
+    assert r.returncode == 2 and "is empty: give a path" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -132,6 +132,13 @@ def _number(kind, low: float, high: float = math.inf, low_open: bool = False,
     return parse
 
 
+def _path(text: str) -> str:
+    """A file or folder path: any text but the empty one (which names no place)."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty: give a path")
+    return text
+
+
 def _positive(kind):
     return _number(kind, 0, low_open=True)
 
@@ -266,7 +273,7 @@ def _add_train(sub) -> None:
     a("--init-sync", choices=("bcast", "seed"), default="bcast",
       help="bcast: rank 0's initial parameters are broadcast; seed: every rank initialises "
       "from the same seed (verified by checksum)")
-    a("--out", default="out", help="folder for metrics.json and model.npz (written at the end)")
+    a("--out", type=_path, default="out", help="folder for metrics.json and model.npz (written at the end)")
     a("--test-fraction", type=_number(float, 0, 1), default=None,
       help="share of samples held out for testing, in [0, 1) (default: the data set's own "
       "test set where it has one, as mnist1d, else 0.2)")
@@ -295,7 +302,7 @@ def _add_train(sub) -> None:
       "MPIDP_PROGRESS_SECONDS changes it), none, or auto: a bar when the terminal of "
       "mpiexec is watched, lines when the output goes to a file or a pipe")
     a("--no-progress", action="store_true", help="the same as --progress none")
-    a("--config", default=None, metavar="FILE",
+    a("--config", type=_path, default=None, metavar="FILE",
       help="read options from a TOML file (e.g. the config.toml a run writes into --out); "
       "options on the command line win (a file setting they make moot is left out; one the "
       "file itself contradicts is refused, as its flag would be)")
@@ -304,7 +311,7 @@ def _add_train(sub) -> None:
     a("--log-every", type=_positive(int), default=None, metavar="N",
       help="also append a line to OUT/history.jsonl every N steps (loss, samples/s, "
       "compute/communication per rank)")
-    a("--tensorboard", default=None, metavar="DIR",
+    a("--tensorboard", type=_path, default=None, metavar="DIR",
       help="write TensorBoard event files to DIR (needs tensorboardX: the 'tensorboard' "
       "extra)")
     _add_model_parallel(p)
@@ -336,7 +343,7 @@ def _add_model_parallel(p: argparse.ArgumentParser) -> None:
 
 def _add_reliability(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("reliability")
-    r.add_argument("--checkpoint-dir", default=None,
+    r.add_argument("--checkpoint-dir", type=_path, default=None,
                    help="folder for checkpoints (rank 0 writes them atomically, with a checksum)")
     r.add_argument("--checkpoint-every", type=_positive(int), default=100,
                    help="steps between checkpoints, pushes served for async-ps (one more "
@@ -455,7 +462,7 @@ def add_partition_options(p: argparse.ArgumentParser) -> None:
       help="FOR BENCHMARKS AND TESTS: make RANK's per-sample work (each step's forward/"
       "backward) FACTOR times slower by sleeping (FACTOR-1)x its duration, simulating a "
       "straggler or slower node; the replicated update after the collective is not slowed")
-    a("--trace", default=None, metavar="FILE",
+    a("--trace", type=_path, default=None, metavar="FILE",
       help="write a timeline to FILE (Chrome trace-event JSON: one process per rank, tracks "
       "for compute, communication, evaluation and checkpoints; open it in Perfetto)")
     a("--trace-steps", default=None, metavar="A:B",
@@ -469,7 +476,7 @@ def add_predict(sub) -> None:
                        "stealing); every rank writes its own rows of one .npy file.",
                        formatter_class=_Help)
     a = p.add_argument
-    a("--model", required=True, help="model.npz written by mpidp train, or its folder")
+    a("--model", type=_path, required=True, help="model.npz written by mpidp train, or its folder")
     add_import(p)
     a("--dataset", required=True, help="as for train: digits, synthetic, bow or PATH")
     a("--rows", choices=("all", "test"), default="all",
@@ -482,14 +489,14 @@ def add_predict(sub) -> None:
     a("--partition", choices=STRATEGIES[:-1], default="block", help="static split of the rows")
     a("--dynamic", action="store_true", help="ranks take chunks from a shared counter instead")
     a("--chunk-size", type=int, default=512, help="rows per chunk")
-    a("--out", required=True, help=".npy file for the predictions, one row per dataset row "
+    a("--out", type=_path, required=True, help=".npy file for the predictions, one row per dataset row "
       "(in the dataset's order)")
     a("--output", choices=("scores", "proba", "label"), default="scores",
       help="what to write: scores (the model's raw outputs, float (n_rows, n_outputs): "
       "logits for a classifier, the predicted values for regression), proba (class "
       "probabilities, softmax of the scores, each row summing to 1) or label (the most "
       "likely class, int64 (n_rows,)); proba and label need a classifier")
-    a("--metrics", default=None, metavar="FILE",
+    a("--metrics", type=_path, default=None, metavar="FILE",
       help="also write the figures on the dataset's labels to FILE (JSON): accuracy, "
       "precision, recall and F1 (per class and macro), top-k accuracy, log-loss and the "
       "confusion matrix of a classifier; MSE, MAE and R^2 of a regression. Exact at any "
@@ -509,7 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "of allreduce and parameter server up to 1,024 ranks (needs >= 2 ranks)",
                        description="Measure this machine's MPI latency, bandwidth and compute "
                        "speed, and predict step times up to 1,024 ranks.", formatter_class=_Help)
-    m.add_argument("--out", default="out/model", help="folder for model.json, model.md, model.png")
+    m.add_argument("--out", type=_path, default="out/model",
+                   help="folder for model.json, model.md, model.png")
     m.add_argument("--batch-size", type=_positive(int), default=512, help="global batch")
     add_predict(sub)
     from . import plot

@@ -75,6 +75,9 @@ def check_outputs(args: argparse.Namespace) -> None:
     check_file(args.out, "--out", "predictions.npy")
     if args.metrics:
         check_file(args.metrics, "--metrics", "metrics.json")
+        if os.path.realpath(args.metrics) == os.path.realpath(args.out):
+            raise ValueError(f"--metrics {args.metrics} is the --out file: the figures would "
+                             f"replace the predictions; give another path")
 
 
 def predict(args: argparse.Namespace, comm: C.Comm) -> dict | None:

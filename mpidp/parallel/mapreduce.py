@@ -10,7 +10,9 @@ disjoint rows of (no gather at the root).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -125,9 +127,9 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
     shape, dtype = C.root_decides(comm, _probe, fn, data, root=root)
     owner = None if dynamic else C.run_agreed(comm, assign, partition, n, comm.size, seed=seed,
                                               costs=costs, capacities=capacities)
-    if out is not None:
-        C.root_decides(comm, _create_npy, out + ".part.npy", dtype, (n, *shape), root=root)
-    sink = C.run_agreed(comm, _Sink, comm, reduce, n, shape, dtype, out, root)
+    tmp = None if out is None else C.root_decides(comm, _create_npy, out, dtype, (n, *shape),
+                                                   root=root)
+    sink = C.run_agreed(comm, _Sink, comm, reduce, n, shape, dtype, out, tmp, root)
     counter = C.SharedCounter(comm) if dynamic else None
     C.barrier(comm)
     t0 = time.perf_counter()
@@ -149,7 +151,11 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
     figures[_Figure.SECONDS] = time.perf_counter() - t0
     if counter is not None:
         counter.free(comm)
-    C.agree(comm, error)
+    try:
+        C.agree(comm, error)
+    except C.MpidpError:
+        sink.discard()
+        raise
     value = sink.finish()
     table = C.allgather_rows(comm, figures)
     per_rank = [{"rank": r, "samples": int(t[_Figure.SAMPLES]), "chunks": int(t[_Figure.CHUNKS]),
@@ -158,9 +164,19 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
     return MapResult(value, per_rank, float(table[:, _Figure.SECONDS].max()))
 
 
-def _create_npy(path: str, dtype: str, shape: tuple[int, ...]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    np.lib.format.open_memmap(path, "w+", np.dtype(dtype), shape).flush()
+def _create_npy(out: str, dtype: str, shape: tuple[int, ...]) -> str:
+    """A new ``.npy`` of ``shape`` beside ``out``, under a name no other job can hold (so
+    two jobs writing the same ``out`` never write into one file); returns its path."""
+    folder, name = os.path.split(os.path.abspath(out))
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(6)}.part.npy")
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask's mode
+    try:
+        np.lib.format.open_memmap(path, "w+", np.dtype(dtype), shape).flush()
+    except BaseException:
+        os.unlink(path)
+        raise
+    return path
 
 
 class _RowFile:
@@ -205,15 +221,15 @@ class _RowFile:
 class _Sink:
     """Where one rank's outputs go: a running reduction, rows kept for a gather, or a file."""
 
-    def __init__(self, comm, reduce, n, shape, dtype, out, root) -> None:
+    def __init__(self, comm, reduce, n, shape, dtype, out, tmp, root) -> None:
         self.comm, self.reduce, self.n, self.root, self.out = comm, reduce, n, root, out
         self.shape, self.dtype = shape, np.dtype(dtype)
         init = {"sum": 0.0, "mean": 0.0, "min": np.inf, "max": -np.inf}.get(reduce, 0.0)
         self.acc = np.full(shape, init, np.float64)
         self.rows, self.outs = [], []
         self.file = None
-        if out is not None:  # created by the root (_create_npy); each rank maps it
-            self.tmp = out + ".part.npy"
+        if out is not None:  # ``tmp``, created by the root (_create_npy); each rank maps it
+            self.tmp = tmp
             self.file = _RowFile(self.tmp)
 
     def add(self, rows: np.ndarray, values: np.ndarray) -> None:
@@ -231,6 +247,14 @@ class _Sink:
         else:
             self.rows.append(rows)
             self.outs.append(values.astype(self.dtype, copy=False))
+
+    def discard(self) -> None:
+        """After a failure on some rank: the unfinished file goes (the root removes it)."""
+        if self.file is not None:
+            self.file.close()
+            if self.comm.rank == self.root:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.tmp)
 
     def finish(self) -> np.ndarray | None:
         if self.reduce in ("sum", "mean", "min", "max"):

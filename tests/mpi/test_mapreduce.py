@@ -12,6 +12,7 @@ from mpi_helpers import all_ranks, raises_everywhere
 import mpidp
 from mpidp.data.partition import STRATEGIES
 from mpidp.data.sources import BowSource
+from mpidp.parallel import mapreduce
 from mpidp.parallel.mapreduce import map_reduce
 
 X = np.random.default_rng(5).standard_normal((101, 3))  # prime n
@@ -51,7 +52,8 @@ def test_outputs_written_by_every_rank_into_one_npy(comm, shared_tmp, dynamic):
     out = os.path.join(shared_tmp, "pred", "lengths.npy")
     res = map_reduce(comm, lambda R: R.row_lengths()[:, None] * np.ones((1, 2)), src, "concat",
                      dynamic=dynamic, chunk_size=16, out=out, partition="cyclic")
-    all_ranks(comm, res.value is None and not os.path.exists(out + ".part.npy"))
+    left = [f for f in os.listdir(os.path.dirname(out)) if f.endswith(".part.npy")]
+    all_ranks(comm, res.value is None and not left, f"left behind: {left}")
     got = np.load(out)
     all_ranks(comm, np.array_equal(got[:, 0], src.lengths) and got.shape == (300, 2))
     all_ranks(comm, sum(r["samples"] for r in res.per_rank) == 300, str(res.per_rank))
@@ -77,3 +79,26 @@ def test_bad_map_reduce_input_fails_everywhere(comm):
         return fn(rows)
     raises_everywhere(comm, mpidp.MpidpError, lambda: map_reduce(comm, picky, X, chunk_size=5),
                       "bad row 100")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_failed_write_leaves_neither_the_output_nor_its_part_file(comm, shared_tmp):
+    src = BowSource(64, 20, seed=4)
+    out = os.path.join(shared_tmp, "fail", "out.npy")
+
+    def fn(R):
+        if comm.rank == comm.size - 1 and R.shape[0] > 1:  # a chunk, not the probe's row
+            raise RuntimeError("this rank's function fails")
+        return R.row_lengths()[:, None] * np.ones((1, 2))
+    with pytest.raises(mpidp.MpidpError, match="this rank's function fails"):
+        map_reduce(comm, fn, src, "concat", chunk_size=8, out=out)
+    comm.Barrier()
+    all_ranks(comm, os.listdir(os.path.dirname(out)) == [], str(os.listdir(os.path.dirname(out))))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_two_jobs_writing_one_output_get_part_files_of_their_own(comm, shared_tmp):
+    out = os.path.join(shared_tmp, f"p{comm.rank}.npy")
+    a, b = (mapreduce._create_npy(out, "float32", (3, 2)) for _ in range(2))
+    all_ranks(comm, a != b and np.load(a).shape == np.load(b).shape == (3, 2)
+              and not os.path.exists(out), f"{a} {b}")
