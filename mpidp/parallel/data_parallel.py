@@ -43,8 +43,9 @@ class DataParallel:
         ``MPIDP_ABORT_ON_ERROR=0``) so an exception on one rank ends the job instead of
         leaving the others waiting.
     check_every : every this many steps, compare parameter checksums across ranks (one
-        small ``Allreduce``) and raise on every rank, naming the odd ranks, on a mismatch.
-        0 disables the check. For your own loop of :meth:`step` calls (it holds under
+        small ``Allreduce``) and raise on every rank, naming the odd ranks, on a mismatch;
+        where replicas differ by design between synchronisations (local SGD), at the next
+        one. 0 disables the check. For your own loop of :meth:`step` calls (it holds under
         :func:`fit` too); :func:`fit` takes the same setting as ``RunSpec.check_every``,
         with which the loop checks any trainer. Both call :meth:`check_replicas`.
     on_nonfinite : ``"stop"`` raises :class:`NonFiniteError` on every rank when the global
@@ -95,6 +96,7 @@ class DataParallel:
         self.global_step = 0  # steps taken (or skipped) since training started
         self.stop_requested: bool | None = None  # this rank asks to stop (set by the loop)
         self._poison = False
+        self._check_due = False  # a replica check waits for the next synchronisation
         self._kept_state: np.ndarray | None = None  # untrained state before this update's steps
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.comm = comm if comm is not None else C.world()
@@ -301,7 +303,10 @@ class DataParallel:
         self.sync.step_done()
         self.timer.end_step(len(X))
         self.global_step += 1
-        if self.check_every and self.global_step % self.check_every == 0:
+        # replicas are equal only between synchronisations (local SGD's differ in between)
+        self._check_due |= bool(self.check_every) and self.global_step % self.check_every == 0
+        if self._check_due and self.sync.at_boundary():
+            self._check_due = False
             self.check_replicas()
         C.set_step(self.global_step)
         return StepStats(got.loss_sum, got.count, got.correct, skipped, got.stop)

@@ -149,6 +149,7 @@ class _Run:
         self.faults = Injector(trainer.world.rank)
         self.tracer = getattr(_optional(trainer, "timer"), "tracer", None)
         self.save_due = False
+        self.check_due = False  # a replica check waits for the next synchronisation
         self.asked = False  # a callback on this rank asked to stop
         self.carries_stop = spec.stop is not None or spec.on_step is not None
         self.progress = resolve(spec.progress) if trainer.world.rank == 0 else "none"
@@ -270,7 +271,10 @@ class _Run:
         s = trainer.step(*batch, last_of_epoch=step == self.feed.n_steps - 1)
         if isinstance(spec.watchdog, C.Watchdog):
             spec.watchdog.step_done(time.perf_counter() - t_step)
-        if spec.check_every and trainer.global_step % spec.check_every == 0:
+        # replicas are equal only between synchronisations (local SGD's differ in between)
+        self.check_due |= bool(spec.check_every) and trainer.global_step % spec.check_every == 0
+        if self.check_due and trainer.at_boundary():
+            self.check_due = False
             trainer.check_replicas()
         return s
 

@@ -524,3 +524,29 @@ def test_a_stop_request_on_one_rank_stops_every_rank_at_the_same_step(comm, sync
     all_ranks(comm, f"after step {at}:" in str(err) and seen == [False] * (at - 1) + [True],
               f"{err}; stop seen {seen}")
     all_ranks(comm, dp.in_sync(), "replicas differ after the stop")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("through", ["step", "loop"])
+def test_replica_checks_under_local_sgd_wait_for_the_average(comm, through):
+    """Between averages local SGD's replicas differ by design: a check due then waits for
+    the next average (it used to fail a healthy run): due after steps 2 and 4 (and 6),
+    averages after steps 3 and 6, so checks after steps 3 and 6."""
+    model = nn.mlp(6, (5,), 3, dtype=np.float64).init_(0)
+    dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,
+                            sync=make_sync("local-sgd", k=3),
+                            check_every=2 if through == "step" else 0)
+    checked, check = [], dp.check_replicas
+
+    def recorded():
+        checked.append(dp.global_step)
+        check()
+    dp.check_replicas = recorded
+    rng = np.random.default_rng(comm.rank)  # each rank its own rows: replicas drift apart
+    batches = [(rng.standard_normal((4, 6)), rng.integers(0, 3, 4)) for _ in range(7)]
+    if through == "step":
+        for X, y in batches:
+            dp.step(X, y)
+    else:
+        run(dp, _Batches(batches), RunSpec(1, 4, check_every=2))
+    all_ranks(comm, checked == [3, 6], f"checked after steps {checked}")
