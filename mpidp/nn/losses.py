@@ -33,14 +33,30 @@ class Loss(ABC):
         return int(np.count_nonzero(pred.argmax(axis=1) == labels))
 
 
-def _check_labels(y: np.ndarray, k: int) -> None:
-    """Integer labels ``(n,)`` must lie in ``[0, k)``: NumPy would take -1 for the last
-    class and fail on ``k`` with an index error. Raises ValueError naming the label."""
-    if len(y) and np.issubdtype(y.dtype, np.integer):
+def label_problem(y: np.ndarray, k: int, classes_only: bool = True) -> str | None:
+    """What is wrong with ``y`` as integer class labels ``(n,)`` in ``[0, k)`` for a model
+    of ``k`` outputs, or None. ``classes_only`` False (targets allowed): only integer
+    labels ``(n,)`` are checked. Pure; never raises."""
+    integer = y.dtype.kind in "iu"
+    if classes_only and (y.ndim != 1 or (len(y) and not integer)):
+        return (f"class labels must be integers of shape (n,), got {y.dtype} of shape "
+                f"{y.shape}" + (": flatten them (y.ravel())" if y.ndim == 2 and y.shape[1] == 1
+                                 and integer else ""))
+    if y.ndim == 1 and integer and len(y):
         lo, hi = int(y.min()), int(y.max())
         if lo < 0 or hi >= k:
             bad = lo if lo < 0 else hi
-            raise ValueError(f"label {bad} is outside the model's {k} classes (0 to {k - 1})")
+            return f"label {bad} is outside the model's {k} classes (0 to {k - 1})"
+    return None
+
+
+def _check_labels(y: np.ndarray, k: int, classes_only: bool = True) -> None:
+    """Raise ValueError with :func:`label_problem`'s text, if any: NumPy would take -1
+    for the last class, fail on ``k`` with an index error, and broadcast labels of shape
+    ``(n, 1)`` into an ``(n, n)`` block."""
+    why = label_problem(y, k, classes_only)
+    if why:
+        raise ValueError(why)
 
 
 class SoftmaxCrossEntropy(Loss):
@@ -76,7 +92,7 @@ class MeanSquaredError(Loss):
 
     def forward(self, pred: np.ndarray, target: np.ndarray) -> float:
         if target.ndim == 1 and np.issubdtype(target.dtype, np.integer):
-            _check_labels(target, pred.shape[1])
+            _check_labels(target, pred.shape[1], classes_only=False)
             t = np.zeros_like(pred)
             t[np.arange(len(target)), target] = 1
         else:

@@ -16,6 +16,7 @@ from ..data.distribute import Shard
 from ..data.partition import steps_per_epoch
 from ..digest import settings_of
 from ..nn import Context, Loss, Optimizer, Sequential
+from ..nn.losses import label_problem
 from ..nn.optim import Segments
 from ..observe.metrics import StepTimer
 from ..run import checkpoint as ckpt
@@ -395,6 +396,17 @@ class DataFeed:
         return {"strategy": self.plan.strategy, "capacities": self.plan.capacities.tolist()}
 
 
+def _labels_problem(dp: DataParallel, sets: dict[str, Shard | None]) -> str | None:
+    """What is wrong with this rank's labels in ``sets`` for ``dp``'s model and loss (class
+    labels in range; for a loss that takes targets too, integer labels in range), or None."""
+    for name, shard in sets.items():
+        why = None if shard is None else label_problem(np.asarray(shard.y), dp.model.n_out,
+                                                       dp.loss.classification)
+        if why:
+            return f"the {name} set's {why}"
+    return None
+
+
 def _plan(dp: DataParallel, train: Shard, spec: RunSpec) -> Plan:
     """The spec's :class:`Plan` (its own, or one made from its partition and batches)."""
     if not isinstance(spec.partition, (Plan, Partition, type(None))):
@@ -444,6 +456,7 @@ def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
     C.agree_same(dp.comm, "fit", {**spec.agreed(), **train.identity("train"), **{
         k: v for name, shard in tests.items()
         for k, v in (shard.identity(name) if shard is not None else {name: None}).items()}})
+    C.agree(dp.comm, _labels_problem(dp, {"training": train, **tests}))
     plan = _plan(dp, train, spec)
     dp.model.context.seed = spec.seed
     if spec.resume is not None:

@@ -71,3 +71,32 @@ def test_a_monitor_the_epoch_does_not_report_is_one_error_on_every_rank(comm):
     shard = mpidp.shard_from_arrays(comm, X, (X[:, 0] > 0).astype(np.int64))
     raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.fit(
         dp, shard, 2, 8, early_stopping=EarlyStopping(2)), "which the epoch does not report")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("labels, message", [
+    (lambda y, r: y[:, None], "class labels must be integers of shape (n,), got int64 of "
+                              "shape (6, 1): flatten them"),
+    (lambda y, r: y.astype(bool), "class labels must be integers of shape (n,), got bool"),
+    (lambda y, r: y.astype(np.float64), "class labels must be integers of shape (n,), got float64"),
+    (lambda y, r: np.where(np.arange(6) == 5, 3, y), "label 3 is outside the model's 3 "
+                                                         "classes (0 to 2)"),
+])
+def test_labels_a_loss_cannot_take_are_refused_on_every_rank_before_training(comm, labels,
+                                                                              message):
+    """(n, 1) labels broadcast into an (n, n) block and bool labels act as a mask, silently
+    wrong; float labels and an out-of-range label on one rank failed on that rank only."""
+    rng = np.random.default_rng(comm.rank)
+    X, y = rng.standard_normal((6, 4)), rng.integers(0, 3, 6)
+    y = labels(y, comm.rank) if comm.rank == comm.size - 1 or message[0] == "c" else y
+    model = nn.mlp(4, (5,), 3, dtype=np.float64).init_(0)
+    dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm)
+    shard = mpidp.shard_from_arrays(comm, X, y)
+    before = model.params.copy()
+    try:
+        mpidp.fit(dp, shard, 1, 4)
+        err = None
+    except mpidp.MpidpError as exc:
+        err = str(exc)
+    all_ranks(comm, err is not None and message in err, f"got {err!r}")
+    all_ranks(comm, np.array_equal(model.params, before), "trained before refusing")
