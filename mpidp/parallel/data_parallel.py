@@ -232,12 +232,14 @@ class DataParallel:
             self.sync.after_checkpoint(self.optimizer)
 
     def restore(self, directory: str) -> tuple[str, ckpt.State] | None:
-        """Load the newest good checkpoint in ``directory`` on every rank (the strategy takes
-        its share when training resumes, :func:`mpidp.fit`). Collective."""
+        """Load the newest good checkpoint in ``directory`` on every rank, and hand the
+        strategy its share of the optimizer state (a sharded one keeps its slice), so that
+        :meth:`step` or :func:`mpidp.fit` continues from it. Collective."""
         self.sync.settle()  # nothing still arriving may overwrite what is restored
         found = ckpt.restore(self.comm, directory, self.model, self.optimizer, self.root)
         if found is not None:
             self.global_step = found[1].global_step
+            self.sync.after_restore(self.optimizer)
         return found
 
     def epoch_totals(self, totals: np.ndarray) -> np.ndarray:

@@ -230,6 +230,9 @@ class ShardedParameterServer(Sync):
         optimizer.state = {}  # the whole state was only lent to the checkpoint writer
 
     def after_restore(self, optimizer: Optimizer) -> None:
-        self.optimizer.state = {k: v[self.lo:self.hi].copy() for k, v in optimizer.state.items()}
+        # idempotent: DataParallel.restore hands the state over, and fit may again
+        if optimizer.state:
+            self.optimizer.state = {k: v[self.lo:self.hi].copy()
+                                    for k, v in optimizer.state.items()}
         self.optimizer.t = optimizer.t
         optimizer.state = {}
