@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mpidp import nn
 from mpidp.nn import SGD, Adam, make_optimizer
 from mpidp.nn.optim import Optimizer
 
@@ -241,3 +242,17 @@ def test_chunked_step_is_bit_identical_and_reports_each_piece(make, chunks):
         assert oa.state.keys() == ob.state.keys()
         for k in ob.state:
             np.testing.assert_array_equal(oa.state[k], ob.state[k])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.Adam(0.1, eps=float("nan")), lambda: nn.AdamW(0.1, eps=-1e-8),
+    lambda: nn.LAMB(0.1, eps=float("inf")), lambda: nn.Adam(0.1, eps=0.0),
+    lambda: nn.SGD(0.1, weight_decay=float("inf")), lambda: nn.LARS(0.1, eta=float("inf")),
+    lambda: nn.LARS(0.1, eta=float("nan")),
+], ids=["adam-eps-nan", "adamw-eps-negative", "lamb-eps-inf", "adam-eps-0", "sgd-wd-inf",
+        "lars-eta-inf", "lars-eta-nan"])
+def test_settings_that_would_make_every_parameter_nan_are_refused(make):
+    """Each of these turned every parameter into NaN at the first update, and the next
+    step's error then blamed the gradient."""
+    with pytest.raises(ValueError, match="must be a finite number"):
+        make()

@@ -98,6 +98,14 @@ class Segments:
         return f"Segments({len(self)} tensors, {self.n} parameters)"
 
 
+def _eps(value: float) -> float:
+    """``eps``, the denominators' guard: a finite number > 0."""
+    value = float(value)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"eps must be a finite number > 0, got {value}")
+    return value
+
+
 def _clip_setting(what: str, value: float | None) -> float | None:
     if value is None:
         return None
@@ -141,8 +149,8 @@ class Optimizer(ABC):
     def __init__(self, lr: float | Schedule, weight_decay: float = 0.0, *,
                  clip_norm: float | None = None, clip_value: float | None = None) -> None:
         self.lr = lr
-        if not weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if not (weight_decay >= 0 and math.isfinite(weight_decay)):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay}")
         self.weight_decay = float(weight_decay)
         self.clip_norm = _clip_setting("clip_norm", clip_norm)
         self.clip_value = _clip_setting("clip_value", clip_value)
@@ -405,7 +413,7 @@ class Adam(Optimizer):
                  clip_norm: float | None = None, clip_value: float | None = None) -> None:
         super().__init__(lr, weight_decay, clip_norm=clip_norm, clip_value=clip_value)
         self.b1, self.b2 = _betas(betas, type(self).__name__)
-        self.eps = float(eps)
+        self.eps = _eps(eps)
 
     def _prepare(self, params: np.ndarray) -> bool:
         if self.state:
@@ -480,8 +488,8 @@ class LARS(Optimizer):
         super().__init__(lr, weight_decay, clip_norm=clip_norm, clip_value=clip_value)
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if not eta > 0:
-            raise ValueError(f"LARS trust coefficient eta must be > 0, got {eta}")
+        if not (eta > 0 and math.isfinite(eta)):
+            raise ValueError(f"LARS trust coefficient eta must be a finite number > 0, got {eta}")
         self.momentum, self.eta, self.exclude_1d = float(momentum), float(eta), bool(exclude_1d)
 
     def _prepare(self, params: np.ndarray) -> bool:
@@ -543,7 +551,7 @@ class LAMB(Optimizer):
                  clip_norm: float | None = None, clip_value: float | None = None) -> None:
         super().__init__(lr, weight_decay, clip_norm=clip_norm, clip_value=clip_value)
         self.b1, self.b2 = _betas(betas, "LAMB")
-        self.eps, self.exclude_1d = float(eps), bool(exclude_1d)
+        self.eps, self.exclude_1d = _eps(eps), bool(exclude_1d)
 
     _prepare = Adam._prepare
     _moments = Adam._moments

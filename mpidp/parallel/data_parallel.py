@@ -352,6 +352,10 @@ class DataParallel:
         are the classifier's or regression's figures (:mod:`mpidp.observe.scores`), each
         equal to one process' on all the rows. Collective (one ``Allreduce``; a regression
         gathers its statistics too)."""
+        if isinstance(batch_size, (bool, np.bool_)) or not isinstance(
+                batch_size, (int, np.integer)) or batch_size < 1:
+            raise C.MpidpError(f"evaluate: batch_size must be a whole number >= 1, got "
+                               f"{batch_size!r}")
         self.sync.settle()
         total = np.zeros(3, np.float64)
         sums = score_sums(self.comm, self.loss, y, self.model.n_out)
@@ -455,11 +459,21 @@ def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
     """
     spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
     tests = test if isinstance(test, dict) else {"test": test}
+    for name, shard in {"train": train, **tests}.items():
+        if not (isinstance(shard, Shard) or (shard is None and name != "train")):
+            raise C.MpidpError(f"fit: {name} must be a mpidp.Shard (mpidp.shard_from_arrays("
+                               f"comm, X, y) wraps arrays){'' if name == 'train' else ' or None'}"
+                               f", got {type(shard).__name__}")
     C.agree_same(dp.comm, "fit", {**spec.agreed(), **train.identity("train"), **{
         k: v for name, shard in tests.items()
         for k, v in (shard.identity(name) if shard is not None else {name: None}).items()}})
     C.agree(dp.comm, _labels_problem(dp, {"training": train, **tests}))
     plan = _plan(dp, train, spec)
+    if not steps_per_epoch(train.n_total, plan.batch_size, plan.drop_last):
+        raise C.MpidpError(  # n_total and the plan are the same on every rank
+            "nothing to train on: the training set is empty on every rank" if not train.n_total
+            else f"nothing to train on: drop_last with batch_size {plan.batch_size} drops all "
+                 f"{train.n_total} samples; use a batch size of at most {train.n_total}")
     dp.model.context.seed = spec.seed
     if spec.resume is not None:
         saved = spec.resume.partition.get("capacities")

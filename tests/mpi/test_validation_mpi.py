@@ -100,3 +100,29 @@ def test_labels_a_loss_cannot_take_are_refused_on_every_rank_before_training(com
         err = str(exc)
     all_ranks(comm, err is not None and message in err, f"got {err!r}")
     all_ranks(comm, np.array_equal(model.params, before), "trained before refusing")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_fit_with_nothing_to_train_on_or_no_shard_is_refused_on_every_rank(comm):
+    """An all-empty training set, or drop_last with a batch larger than the set, used to
+    return a history of NaN with no step taken; arrays in place of shards failed deep in."""
+    model = nn.mlp(4, (5,), 3, dtype=np.float64).init_(0)
+    dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm)
+    empty = mpidp.shard_from_arrays(comm, np.zeros((0, 4)), np.zeros(0, np.int64))
+    rng = np.random.default_rng(comm.rank)
+    some = mpidp.shard_from_arrays(comm, rng.standard_normal((3, 4)), rng.integers(0, 3, 3))
+    cases = [(lambda: mpidp.fit(dp, empty, 1, 4), "the training set is empty on every rank"),
+             (lambda: mpidp.fit(dp, some, 1, 3 * comm.size + 1, drop_last=True),
+              f"drops all {3 * comm.size} samples"),
+             (lambda: mpidp.fit(dp, (some.X, some.y), 1, 4), "train must be a mpidp.Shard"),
+             (lambda: mpidp.fit(dp, some, 1, 4, test=some.X), "test must be a mpidp.Shard"),
+             (lambda: dp.evaluate(some.X, some.y, batch_size=0), "batch_size must be a whole"),
+             (lambda: dp.evaluate(some.X, some.y, batch_size=2.5), "batch_size must be a whole")]
+    for call, message in cases:
+        try:
+            call()
+            err = None
+        except mpidp.MpidpError as exc:
+            err = str(exc)
+        all_ranks(comm, err is not None and message in err, f"{message!r}: got {err!r}")
+    all_ranks(comm, dp.global_step == 0, f"{dp.global_step} steps taken")
