@@ -111,3 +111,13 @@ def test_a_model_whose_shapes_do_not_fit_the_data_names_the_layer(tmp_path):
     assert r.returncode == 2 and r.stderr.count("mpidp: error:") == 1, r.stderr[-3000:]
     assert f"--model {model}: layer shapes do not chain: layer 0 (Conv1d" in r.stderr
     assert "samples of shape (1, 8, 8)" in r.stderr
+
+
+def test_a_model_file_with_fewer_outputs_than_the_data_needs_is_refused(tmp_path):
+    """It used to train, then fail at the first label beyond its outputs (a traceback)."""
+    model = tmp_path / "few.toml"
+    model.write_text("[[layers]]\ntype = 'Flatten'\n[[layers]]\ntype = 'Dense'\nn_out = 5\n")
+    r = run_mpi(2, *SMALL, "--model", str(model), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and r.stderr.count("mpidp: error:") == 1, r.stderr[-3000:]
+    assert "gives outputs of shape (5,) per sample, but the data needs" in r.stderr
+    assert not (tmp_path / "o").exists()

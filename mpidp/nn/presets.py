@@ -12,7 +12,7 @@ from . import layers as L
 from .activations import ReLU, Sigmoid, Tanh
 from .conv import Conv1d, Conv2d
 from .losses import Loss, MeanSquaredError, SoftmaxCrossEntropy
-from .model import Sequential, as_shape
+from .model import Sequential, as_shape, chain_shapes
 from .modelfile import is_model_file, layers_from, read_model_file
 from .pool import MaxPool
 from .reshape import Flatten
@@ -116,7 +116,17 @@ def model_layers(name: str, in_shape: int | Sequence[int], n_out: int,
     flat = [] if len(shape) == 1 else [Flatten()]
     n_in = int(np.prod(shape))
     if is_model_file(name):
-        return layers_from(read_model_file(name), n_out, where=f"model file {name}"), loss
+        layers = layers_from(read_model_file(name), n_out, where=f"model file {name}")
+        try:
+            out = chain_shapes(layers, shape)[-1]
+        except ValueError:  # shapes that do not chain: the caller names the layer
+            return layers, loss
+        if tuple(out) != (n_out,):
+            raise ValueError(f"model file {name}: the model gives outputs of shape "
+                             f"{tuple(out)} per sample, but the data needs {n_out} "
+                             f"({'one per class' if classification else 'one per target'}); "
+                             f"give its last layer n_out = {n_out}, or leave n_out out")
+        return layers, loss
     if name == "cnn":
         return cnn_layers(shape, n_out), loss
     if name == "linear":
