@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -114,3 +115,21 @@ def test_bad_partition_options_clear_error_every_rank(tmp_path, case):
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert r.stderr.count(message) == 1, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and not out.exists()
+
+
+def test_a_resume_on_other_ranks_leaves_the_old_capacities_where_they_no_longer_apply(tmp_path):
+    """Capacities recorded for 2 ranks: a resume on 3 ranks under --partition block drops
+    them (it was refused for their count); under weighted it says they came from the run."""
+    run = ["train", "--dataset", "synthetic", "--n-samples", "400", "--no-progress",
+           "--checkpoint-dir", str(tmp_path / "ck")]
+    r = run_mpi(2, *run, "--epochs", "1", "--partition", "weighted", "--capacities", "1,2",
+                "--checkpoint-every", "2", "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    shutil.copytree(tmp_path / "ck", tmp_path / "ck2")
+    r = run_mpi(3, *run, "--epochs", "2", "--resume", "--partition", "block",
+                "--out", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "capacities" not in (tmp_path / "b" / "config.toml").read_text()
+    run[-1] = str(tmp_path / "ck2")
+    r = run_mpi(3, *run, "--epochs", "2", "--resume", "--out", str(tmp_path / "c"))
+    assert r.returncode == 2 and "the resumed run's capacities" in r.stderr, r.stderr[-2000:]

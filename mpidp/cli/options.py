@@ -216,7 +216,7 @@ def problems(args: argparse.Namespace, given_: set[str], size: int) -> list[str]
         if refusal is not None:
             out.append(refusal.format(**settings))
     if mode in TABLE["partition"][0]:
-        out += _partition_problems(args, size)
+        out += _partition_problems(args, size, "capacities" in given_)
     out += _schedule_problems(args, given_)
     if args.resume and not args.checkpoint_dir:
         out.append("--resume needs --checkpoint-dir")
@@ -239,7 +239,8 @@ def _schedule_problems(args, given_: set[str]) -> list[str]:
     return out
 
 
-def _partition_problems(args, size: int) -> list[str]:
+def _partition_problems(args, size: int, typed: bool = True) -> list[str]:
+    """``typed``: whether --capacities was given (else it is a resumed run's setting)."""
     out, strategy = [], args.partition
     if strategy == "weighted" and args.capacities is None:
         out.append("--partition weighted needs --capacities (one relative speed per "
@@ -252,13 +253,14 @@ def _partition_problems(args, size: int) -> list[str]:
         out.append(f"--partition {strategy} does not apply to a dedicated parameter server: "
                    "owners are fixed when the workers load their data (use block, cyclic, "
                    "shuffled or weighted)")
-    if args.capacities is not None:
+    if args.capacities is not None and depends_met("capacities", vars(args)):
         want = size - 1 if dedicated_server(args) else size
         who = "worker (rank 0 is the parameter server and holds no data)" \
             if dedicated_server(args) else "rank"
         if len(args.capacities) != want:
             out.append(f"--capacities has {len(args.capacities)} entries; give one per {who}: "
-                       f"{want}")
+                       f"{want}" + ("" if typed else " (the resumed run's capacities, for "
+                                    "another number of ranks: give --capacities for these)"))
     return out
 
 

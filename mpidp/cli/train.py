@@ -369,6 +369,8 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
         errors.append(str(exc))
     if errors:  # every rank computes the same list from the same arguments
         raise C.MpidpError("; ".join(errors))
+    if not O.depends_met("capacities", vars(args)):  # a resumed run's, under another partition
+        args.capacities = None
     C.run_agreed(comm, import_modules, imports_of(args))  # the user's layers, before a model
     vars(args)["import"] = absolute_paths(imports_of(args))  # recorded so a resume finds them
     C.run_agreed(comm, _check_model, args)  # a bad model file or a refused layer: before any work
