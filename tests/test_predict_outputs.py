@@ -69,3 +69,16 @@ def test_an_empty_path_is_refused_before_any_work(argv, tmp_path):
     r = run_mpi(1, *argv, cwd=tmp_path)
     assert r.returncode == 2 and "is empty: give a path" in r.stderr, r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_labels_the_model_cannot_score_are_refused_before_any_output(trained, tmp_path):
+    """Digits' labels reach 9; data labelled up to 19 used to be predicted and written, then
+    the figures failed with a traceback (exit 1)."""
+    rng = np.random.default_rng(0)
+    data = tmp_path / "wide.npz"
+    np.savez(data, X=rng.random((60, 1, 8, 8)), y=rng.integers(0, 20, 60))
+    path = tmp_path / "p.npy"
+    r = run_mpi(2, "predict", "--model", str(trained / "m"), "--dataset", str(data),
+                "--out", str(path))
+    assert r.returncode == 2 and "labels do not suit the model" in r.stderr, r.stderr[-2000:]
+    assert r.stderr.count("mpidp: error:") == 1 and sorted(tmp_path.iterdir()) == [data]

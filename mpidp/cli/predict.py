@@ -60,10 +60,16 @@ def _open_model(path: str) -> nn.Sequential:
 def _scores(comm: C.Comm, model: nn.Sequential, mine: _Rows, classifier: bool) -> dict:
     """The figures of ``model`` on every rank's rows ``mine`` (:mod:`mpidp.observe.scores`),
     equal to one process' on all of them. Collective."""
-    sums = ScoreSums(classifier, model.n_out)
+    sums, problem = ScoreSums(classifier, model.n_out), None
     for lo in range(0, mine.n_samples, 4096):
         X, y = mine.read(np.arange(lo, min(lo + 4096, mine.n_samples)))
-        sums.add(model.predict(X, "scores"), y)
+        try:
+            sums.add(model.predict(X, "scores"), y)
+        except ValueError as exc:  # labels or targets that do not suit the model: agreed
+            problem = str(exc)
+            break
+    C.agree(comm, problem and f"the dataset's labels do not suit the model ({problem}); no "
+            f"predictions were written")
     _, vector = global_sums(comm, np.zeros(1), sums)
     return sums.scores(vector)
 
@@ -106,11 +112,12 @@ def predict(args: argparse.Namespace, comm: C.Comm) -> dict | None:
             f"trained for regression: use --output scores")
     data = _Rows(src, rows, model.dtype)
     costs = data.costs() if args.partition == "cost" else None
+    # the figures first: labels that do not suit the model are refused before any output
+    scores = _scores(comm, model, _Rows(src, mine, model.dtype), classifier) \
+        if src.classification or classifier is False else None
     res = map_reduce(comm, lambda X: nn.outputs(model.forward(X), args.output), data, "concat",
                      partition=args.partition, costs=costs, dynamic=args.dynamic,
                      chunk_size=args.chunk_size, out=args.out)
-    scores = _scores(comm, model, _Rows(src, mine, model.dtype), classifier) \
-        if src.classification or classifier is False else None
     correct = None if scores is None else scores.get("accuracy")
     if args.metrics and scores is not None:
         C.root_decides(comm, write_atomic, args.metrics,
