@@ -343,3 +343,15 @@ def test_sync_is_refused_for_the_model_parallel_modes():
     for mode in ("pipeline", "hybrid"):
         out = _check(["--parallel", mode, "--sync", "auto"])
         assert any(m.startswith(f"--sync does not apply to --parallel {mode}") for m in out), out
+
+
+@pytest.mark.parametrize("model,kept", [("mlp", True), ("logreg", False), ("linear", False),
+                                        ("cnn", False)])
+def test_hidden_is_refused_and_not_recorded_for_a_model_without_hidden_layers(model, kept):
+    """--hidden under logreg used to train a plain Dense and record the sizes anyway."""
+    from mpidp.cli.options import applying
+    args = build_parser().parse_args(["train", "--model", model])
+    assert ("hidden" in applying(vars(args))) is kept
+    assert _check(["--model", model, "--hidden", "32"]) == ([] if kept else [
+        f"--hidden does not apply to --model {model}: only mlp has hidden layers of those "
+        "sizes (a model file sets its own)"])

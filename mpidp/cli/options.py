@@ -145,6 +145,9 @@ DEPENDS: dict[str, tuple[Needs, ...]] = {
                         "--copy-data does not apply to --distribute {distribute}: only local "
                         "reads can map rows from the file"),),
     "trace_steps": (Needs(lambda s: bool(s.get("trace")), "--trace-steps needs --trace"),),
+    "hidden": (Needs(lambda s: s.get("model") == "mlp",
+                     "--hidden does not apply to --model {model}: only mlp has hidden layers "
+                     "of those sizes (a model file sets its own)"),),
     "compress": (Needs(lambda s: s.get("sync") != "auto" or s.get("dtype") != "float64",
                        "--compress does not apply to --sync auto with --dtype float64: auto "
                        "tries compression for float32 models only"),),
