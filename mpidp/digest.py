@@ -15,6 +15,14 @@ def checksum(array: np.ndarray) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def state_of(optimizer: object) -> str:
+    """What identifies an optimizer's state (moments, velocities): each array's name and
+    :func:`checksum`, sorted; "none" when it holds none yet."""
+    state = getattr(optimizer, "state", None) or {}
+    return ", ".join(f"{k} {checksum(np.ascontiguousarray(v)):016x}"
+                     for k, v in sorted(state.items())) or "none"
+
+
 def settings_of(obj: object, skip: tuple[str, ...] = ()) -> str:
     """What identifies ``obj``'s settings: its class and its plain attributes (numbers,
     strings, bools, None, and the ``config()`` of attributes that have one), sorted, as a

@@ -14,7 +14,7 @@ from .. import comm as C
 from ..data.balance import Partition, Plan
 from ..data.distribute import Shard
 from ..data.partition import steps_per_epoch
-from ..digest import settings_of
+from ..digest import settings_of, state_of
 from ..nn import Context, Loss, Optimizer, Sequential
 from ..nn.losses import label_problem
 from ..nn.optim import Segments
@@ -77,6 +77,7 @@ class DataParallel:
         taken = not isinstance(sync, str) and getattr(sync, "_taken", False)
         C.agree_same(comm, "DataParallel", {  # before any collective that could then hang
             "model": model.spec(), "dtype": str(model.dtype), "optimizer": settings_of(optimizer),
+            "optimizer state": state_of(optimizer),  # a replica's moments, not another's
             "loss": settings_of(loss), "sync": sync if isinstance(sync, str) else
             "a strategy object in use" if taken else settings_of(sync, skip=("bytes_sent",)),
             "init_sync": init_sync, "root": root,

@@ -100,3 +100,15 @@ def test_the_library_watches_a_run_by_default_as_the_command_line_does(comm):
     with pytest.raises(mpidp.MpidpError, match="watchdog must be"):
         RunSpec(1, 8, watchdog="sometimes")
 
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_optimizer_whose_state_differs_between_ranks_is_refused(comm):
+    """After a parameter server run only the server's optimizer holds the moments: reusing
+    it for a replicated trainer made the replicas drift apart with no error."""
+    optimizer = nn.Adam(0.01)
+    with mpidp.DataParallel(nn.mlp(4, (6,), 3, dtype=np.float64).init_(0), optimizer,
+                            nn.SoftmaxCrossEntropy(), comm, sync="ps") as dp:
+        mpidp.fit(dp, _shard(comm), 1, 8)
+    raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.DataParallel(
+        dp.model, optimizer, nn.SoftmaxCrossEntropy(), comm), "optimizer state is")
