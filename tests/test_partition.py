@@ -15,6 +15,7 @@ from mpidp.data.partition import (
     local_batches,
     steps_per_epoch,
     train_test_split,
+    weighted_counts,
 )
 
 FAST = settings(max_examples=150, deadline=None)
@@ -232,3 +233,13 @@ def test_local_batches_shuffled_is_deterministic_and_epoch_dependent():
     c = [b.tolist() for b in local_batches(*args, epoch=2, seed=3)]
     assert a == b
     assert a != c
+
+
+def test_weighted_counts_of_capacities_near_floats_largest_value():
+    """Their sum overflowed to inf: NumPy warnings, then a message about negative repeats."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert weighted_counts(10, [1e308, 1e308]).tolist() == [5, 5]
+        assert weighted_counts(7, [0, 1e308, 1e-300]).tolist() == [0, 7, 0]
+        assert weighted_counts(9, [1e308, 2e307]).tolist() == weighted_counts(9, [10, 2]).tolist()

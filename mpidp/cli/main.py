@@ -439,8 +439,9 @@ def _slowdown(text: str) -> dict[int, float]:
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"expected RANK:FACTOR[,RANK:FACTOR...] like 1:2, got {text!r}") from None
-        if not out[int(rank)] >= 1 or int(rank) < 0:
-            raise argparse.ArgumentTypeError(f"need RANK >= 0 and FACTOR >= 1, got {part!r}")
+        if not 1 <= out[int(rank)] <= 1e6 or int(rank) < 0:
+            raise argparse.ArgumentTypeError(f"need RANK >= 0 and FACTOR from 1 to 1e6, got "
+                                             f"{part!r}")
     return out
 
 

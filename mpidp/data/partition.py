@@ -179,6 +179,10 @@ def weighted_counts(n: int, capacities) -> np.ndarray:
     caps = check_weights(capacities, len(np.atleast_1d(capacities)), "capacities")
     if n < 0:
         raise ValueError(f"need n >= 0, got {n}")
+    with np.errstate(over="ignore"):
+        huge = not np.isfinite(caps.sum() * max(n, 1))
+    if huge:  # capacities near float's largest value: the same shares, relative to the largest
+        caps = caps / caps.max()
     exact = n * caps / caps.sum()
     counts = np.floor(exact).astype(np.int64)
     extra = int(n - counts.sum())
