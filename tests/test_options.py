@@ -355,3 +355,13 @@ def test_hidden_is_refused_and_not_recorded_for_a_model_without_hidden_layers(mo
     assert _check(["--model", model, "--hidden", "32"]) == ([] if kept else [
         f"--hidden does not apply to --model {model}: only mlp has hidden layers of those "
         "sizes (a model file sets its own)"])
+
+
+@pytest.mark.parametrize("dataset,refused", [("synthetic", False), ("bow", False),
+                                             ("digits", True), ("data.npz", True)])
+def test_sizes_of_generated_data_are_refused_for_other_datasets(dataset, refused):
+    """--n-samples 10 with a file dataset trained on the whole file, silently."""
+    got = _check(["--dataset", dataset, "--n-samples", "10", "--n-features", "4"])
+    assert got == ([f"--{d} does not apply to --dataset {dataset}: only the generated "
+                    f"datasets (synthetic, bow) are made to a size"
+                    for d in ("n-features", "n-samples")] if refused else [])

@@ -218,6 +218,11 @@ def problems(args: argparse.Namespace, given_: set[str], size: int) -> list[str]
                         if n.refusal is not None and not n.holds(settings)), None)
         if refusal is not None:
             out.append(refusal.format(**settings))
+    for dest in sorted(given_ & GENERATED.keys()):
+        if args.dataset not in GENERATED[dest]:
+            out.append(f"--{dest.replace('_', '-')} does not apply to --dataset {args.dataset}: "
+                       f"only the generated datasets ({', '.join(GENERATED[dest])}) are made "
+                       f"to a size")
     if mode in TABLE["partition"][0]:
         out += _partition_problems(args, size, "capacities" in given_)
     out += _schedule_problems(args, given_)
