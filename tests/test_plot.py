@@ -198,3 +198,19 @@ def test_timeline_reads_the_planner_layout():
           for i, n in enumerate(["compute", "wait", "comm", "compute", "comm"]) for r in (0, 1)]
     steps = tl.spans_by_step({"traceEvents": ev})
     assert {k: len(v) for k, v in steps.items()} == {0: 6, 1: 4}
+
+
+@pytest.mark.parametrize("metrics, message", [
+    ({"history": 5}, "its history is int, not a list of epochs"),
+    ({"history": [3]}, "epoch record 1 is int, not an object"),
+    ({"history": [{"epoch": 1, "loss": 0.5}, {"epoch": 2, "loss": "x"}]},
+     "epoch record 2 has loss = 'x', not a number"),
+])
+def test_damaged_metrics_are_one_line_errors(tmp_path, capsys, metrics, message):
+    """They used to end in a TypeError traceback."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    assert cli_main(["plot", str(run), "--out", str(tmp_path / "p.png")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()

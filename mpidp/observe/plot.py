@@ -45,8 +45,8 @@ def load_run(folder: str) -> dict:
         config = dict(m.get("config") or {})
         config.setdefault("world_size", m.get("world_size"))
         config.setdefault("sync", m.get("sync"))
-        return {"folder": folder, "config": config, "epochs": list(m.get("history") or []),
-                "finished": True}
+        return {"folder": folder, "config": config,
+                "epochs": _checked_epochs(m.get("history") or [], metrics), "finished": True}
     if not os.path.isfile(jsonl):
         raise ValueError(f"{folder}: no metrics.json or history.jsonl; give a folder that "
                          "mpidp train wrote (its --out)")
@@ -58,7 +58,31 @@ def load_run(folder: str) -> dict:
     epochs = [r for r in records if r.get("kind") == "epoch"]
     if not epochs:
         raise ValueError(f"{folder}: history.jsonl has no finished epoch yet")
-    return {"folder": folder, "config": config, "epochs": epochs, "finished": False}
+    return {"folder": folder, "config": config, "epochs": _checked_epochs(epochs, jsonl),
+            "finished": False}
+
+
+#: The figures of an epoch record that are drawn or summed (numbers, or null when absent).
+PLOTTED = ("epoch", "loss", "accuracy", "test_loss", "test_accuracy", "lr", "seconds",
+           "elapsed_s")
+
+
+def _checked_epochs(epochs: object, path: str) -> list[dict]:
+    """``epochs`` as a list of epoch records; ValueError naming ``path``, the record and
+    the field when it is not a list of objects whose drawn figures are numbers."""
+    if not isinstance(epochs, list):
+        raise ValueError(f"{path}: its history is {type(epochs).__name__}, not a list of "
+                         f"epochs; the file is damaged")
+    for i, e in enumerate(epochs):
+        if not isinstance(e, dict):
+            raise ValueError(f"{path}: epoch record {i + 1} is {type(e).__name__}, not an "
+                             f"object; the file is damaged")
+        for key in PLOTTED:
+            v = e.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"{path}: epoch record {i + 1} has {key} = {v!r}, not a "
+                                 f"number; the file is damaged")
+    return epochs
 
 
 def elapsed(epochs: list[dict]) -> list[float]:
