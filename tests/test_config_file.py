@@ -80,7 +80,18 @@ def test_not_stored_keys_are_neither_written_nor_read():
              "restart": True, "config": "other.toml", "command": "predict", "world_size": 8,
              "data_fingerprint": "abc", "resume_changes": {"lr": [0.1, 0.2]}, "progress": "bar"}
     assert set(table) == NOT_STORED
-    assert tokens(table, TRAIN) == []
+    assert tokens(table, TRAIN, literal=True) == []  # a run's stored settings
+    with pytest.raises(ValueError, match="a configuration file cannot name another"):
+        tokens(table, TRAIN)
+
+
+def test_options_of_one_invocation_apply_from_a_hand_written_file():
+    """quiet, trace, log-every ... in a --config file used to be dropped in silence; what a
+    run records about itself (world size, data fingerprint) is still left out."""
+    table = {"quiet": True, "trace": "t.json", "log-every": 2, "world_size": 8,
+             "data_fingerprint": "abc", "command": "train"}
+    args = TRAIN.parse_args(tokens(table, TRAIN))
+    assert args.quiet and args.trace == "t.json" and args.log_every == 2
 
 
 def test_the_command_line_wins_over_the_file():

@@ -19,6 +19,10 @@ from collections.abc import Iterable
 NOT_STORED = frozenset({"command", "config", "resume", "restart", "world_size",
                         "data_fingerprint", "resume_changes", "quiet", "verbose",
                         "no_progress", "progress", "trace", "trace_steps", "tensorboard", "log_every"})
+#: Of those, what a run records about itself (not options): a file that holds them (the
+#: ``config`` of a metrics.json) is read without them. The others, options of this one
+#: invocation, apply when a hand-written ``--config`` file sets them.
+RECORDS = frozenset({"command", "world_size", "data_fingerprint", "resume_changes"})
 
 
 def load(path: str) -> dict:
@@ -57,13 +61,14 @@ def _value(v) -> str:
 def tokens(table: dict, parser: argparse.ArgumentParser, skip: Iterable[str] = (),
            source: str = "the configuration", literal: bool = False) -> list[str]:
     """Command-line tokens for ``table`` (option name -> value), leaving out the options in
-    ``skip`` (given on the command line) and :data:`NOT_STORED`. ValueError names
+    ``skip`` (given on the command line) and what a run records about itself
+    (:data:`RECORDS`; ``literal``: all of :data:`NOT_STORED`). ValueError names
     ``source`` and the key when a key is no option of ``parser``, names an option twice
     (``batch-size`` and ``batch_size``), or holds a value its flag would refuse, or (unless
     ``literal``: values a run recorded) a string that starts with ``-``, which reads as an
     option. A value starting with ``-`` goes as ``--flag=value``, so it stays a value."""
     actions = {a.dest: a for a in parser._actions}  # noqa: SLF001 - argparse offers no map
-    skip, out, seen = set(skip) | NOT_STORED, [], {}
+    skip, out, seen = set(skip) | (NOT_STORED if literal else RECORDS), [], {}
     for key, value in table.items():
         dest = key.replace("-", "_")
         if dest in seen:
@@ -72,6 +77,9 @@ def tokens(table: dict, parser: argparse.ArgumentParser, skip: Iterable[str] = (
         if dest in skip or value is None or value == {}:
             continue
         action = actions.get(dest)
+        if dest == "config":
+            raise ValueError(f"{source}: a configuration file cannot name another (config = "
+                             f"{_toml(value)}): put its settings in this one")
         if action is None or not action.option_strings or dest == "help":
             raise ValueError(f"{source}: {key!r} is not an option of mpidp train")
         flag = action.option_strings[-1]

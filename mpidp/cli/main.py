@@ -595,7 +595,7 @@ def _with_table(parser, argv: list[str], table: dict, source: str,
             if train.get_default(k.replace("-", "_")) != v and not isinstance(v, list)}
     set_ |= {k.replace("-", "_") for k, v in table.items()
              if isinstance(v, list) and list(train.get_default(k.replace("-", "_")) or []) != v}
-    return args, new, set_ - config.NOT_STORED
+    return args, new, set_ - (config.NOT_STORED if literal else config.RECORDS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
