@@ -82,3 +82,26 @@ def test_labels_the_model_cannot_score_are_refused_before_any_output(trained, tm
                 "--out", str(path))
     assert r.returncode == 2 and "labels do not suit the model" in r.stderr, r.stderr[-2000:]
     assert r.stderr.count("mpidp: error:") == 1 and sorted(tmp_path.iterdir()) == [data]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--partition", "cyclic", "--dynamic"], "--partition cyclic does not apply with --dynamic"),
+    (["--test-fraction", "0.2"], "--test-fraction needs --rows test"),
+    (["--partition", "weighted"], "invalid choice: 'weighted'"),
+])
+def test_predict_options_that_would_do_nothing_are_refused(trained, tmp_path, extra, message):
+    r = run_mpi(1, "predict", "--model", str(trained / "m"), "--dataset", "digits",
+                "--out", str(tmp_path / "p.npy"), *extra)
+    assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "p.npy").exists()
+
+
+def test_metrics_of_a_classifier_on_real_valued_targets_are_refused(trained, tmp_path):
+    """They were skipped in silence: exit 0 and no metrics file."""
+    rng = np.random.default_rng(1)
+    data = tmp_path / "reg.npz"
+    np.savez(data, X=rng.random((40, 1, 8, 8)), y=rng.standard_normal(40))
+    r = run_mpi(2, "predict", "--model", str(trained / "m"), "--dataset", str(data),
+                "--out", str(tmp_path / "p.npy"), "--metrics", str(tmp_path / "m.json"))
+    assert r.returncode == 2 and "holds real-valued targets, not class labels" in r.stderr
+    assert sorted(tmp_path.iterdir()) == [data]

@@ -487,7 +487,8 @@ def add_predict(sub) -> None:
       help="as for train (with --rows test)")
     a("--n-samples", type=int, default=60000, help="synthetic/bow: samples")
     a("--n-features", type=int, default=784, help="synthetic/bow: features")
-    a("--partition", choices=STRATEGIES[:-1], default="block", help="static split of the rows")
+    a("--partition", choices=[s for s in STRATEGIES if s not in ("weighted", "adaptive")],
+      default="block", help="static split of the rows (not with --dynamic)")
     a("--dynamic", action="store_true", help="ranks take chunks from a shared counter instead")
     a("--chunk-size", type=int, default=512, help="rows per chunk")
     a("--out", type=_path, required=True, help=".npy file for the predictions, one row per dataset row "

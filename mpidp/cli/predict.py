@@ -86,8 +86,22 @@ def check_outputs(args: argparse.Namespace) -> None:
                              f"replace the predictions; give another path")
 
 
+def problems(args: argparse.Namespace) -> list[str]:
+    """Options that would do nothing together, as messages (empty when all is well)."""
+    out = []
+    if args.dynamic and args.partition != "block":
+        out.append(f"--partition {args.partition} does not apply with --dynamic: the ranks "
+                   f"take chunks of rows as they go")
+    if args.test_fraction is not None and args.rows != "test":
+        out.append("--test-fraction needs --rows test (it sizes the held-out rows)")
+    return out
+
+
 def predict(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     """Run ``mpidp predict``. Collective. Returns a summary on rank 0."""
+    errors = problems(args)  # the same on every rank, from the same arguments
+    if errors:
+        raise C.MpidpError("; ".join(errors))
     C.root_decides(comm, check_outputs, args)
     C.run_agreed(comm, import_modules, imports_of(args))  # the user's layers, before the model
     model = C.run_agreed(comm, _open_model, args.model)
@@ -110,11 +124,14 @@ def predict(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     C.agree(comm, None if args.output == "scores" or classifier else
             f"--output {args.output} needs a classifier, but the model in {args.model} was "
             f"trained for regression: use --output scores")
+    scored = src.classification or classifier is False
+    C.agree(comm, None if scored or not args.metrics else
+            f"--metrics: the model in {args.model} is a classifier, but --dataset "
+            f"{args.dataset} holds real-valued targets, not class labels: no figures to write")
     data = _Rows(src, rows, model.dtype)
     costs = data.costs() if args.partition == "cost" else None
     # the figures first: labels that do not suit the model are refused before any output
-    scores = _scores(comm, model, _Rows(src, mine, model.dtype), classifier) \
-        if src.classification or classifier is False else None
+    scores = _scores(comm, model, _Rows(src, mine, model.dtype), classifier) if scored else None
     res = map_reduce(comm, lambda X: nn.outputs(model.forward(X), args.output), data, "concat",
                      partition=args.partition, costs=costs, dynamic=args.dynamic,
                      chunk_size=args.chunk_size, out=args.out)
