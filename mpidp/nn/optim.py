@@ -109,6 +109,8 @@ def _eps(value: float) -> float:
 def _clip_setting(what: str, value: float | None) -> float | None:
     if value is None:
         return None
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{what} must be a finite number > 0 (or None: no clipping), got {value}")
     value = float(value)
     if not value > 0 or not math.isfinite(value):
         raise ValueError(f"{what} must be a finite number > 0 (or None: no clipping), got {value}")

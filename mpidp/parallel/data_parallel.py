@@ -73,6 +73,7 @@ class DataParallel:
                  abort_on_error: bool = True, check_every: int = 0, on_nonfinite: str = "stop",
                  watchdog: float | None = None, sync: Sync | str = "allreduce") -> None:
         comm = comm if comm is not None else C.world()
+        _check_kinds(model, optimizer, loss, sync, comm, root)
         # a strategy object holds one trainer's buffers and state: never a second trainer's
         taken = not isinstance(sync, str) and getattr(sync, "_taken", False)
         C.agree_same(comm, "DataParallel", {  # before any collective that could then hang
@@ -92,8 +93,9 @@ class DataParallel:
             raise C.MpidpError(f"unknown init sync {init_sync!r}; expected one of {INIT_SYNC}")
         if on_nonfinite not in ON_NONFINITE:
             raise C.MpidpError(f"unknown on_nonfinite {on_nonfinite!r}; expected one of {ON_NONFINITE}")
-        if check_every < 0:
-            raise C.MpidpError(f"check_every must be >= 0, got {check_every}")
+        if isinstance(check_every, (bool, np.bool_)) or not isinstance(
+                check_every, (int, np.integer)) or check_every < 0:
+            raise C.MpidpError(f"check_every must be a whole number >= 0, got {check_every!r}")
         self.check_every, self.policy = check_every, Policy(on_nonfinite)
         self.global_step = 0  # steps taken (or skipped) since training started
         self.stop_requested: bool | None = None  # this rank asks to stop (set by the loop)
@@ -401,6 +403,29 @@ class DataFeed:
 
     def state(self) -> dict:
         return {"strategy": self.plan.strategy, "capacities": self.plan.capacities.tolist()}
+
+
+def _check_kinds(model, optimizer, loss, sync, comm, root) -> None:
+    """Raise :class:`~mpidp.comm.MpidpError` naming the argument of :class:`DataParallel`
+    that is not of its kind (a class in place of an instance, a layer in place of a model)."""
+    for name, value, kind, wanted in (
+            ("model", model, Sequential, "a model such as nn.mlp(...) or nn.Sequential(...)"),
+            ("optimizer", optimizer, Optimizer, "an optimizer such as nn.SGD(0.1)"),
+            ("loss", loss, Loss, "a loss such as nn.SoftmaxCrossEntropy()"),
+            ("sync", sync, (str, Sync), "a strategy's name such as 'allreduce', or a "
+                                        "strategy such as make_sync('overlapped')")):
+        if not isinstance(value, kind):
+            got = (f"the class {value.__name__} (call it)" if isinstance(value, type) else
+                   repr(value) if isinstance(value, (int, float, type(None))) else
+                   f"a {type(value).__name__}")
+            raise C.MpidpError(f"DataParallel: {name} must be {wanted}, got {got}")
+    if not all(hasattr(comm, a) for a in ("Allreduce", "size", "rank")):  # or a wrapper of one
+        raise C.MpidpError(f"DataParallel: comm must be an MPI communicator (or None: "
+                           f"COMM_WORLD), got {type(comm).__name__}")
+    if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)) \
+            or not 0 <= root < comm.size:
+        raise C.MpidpError(f"DataParallel: root must be a rank of the communicator, 0 to "
+                           f"{comm.size - 1}, got {root!r}")
 
 
 def _labels_problem(dp: DataParallel, sets: dict[str, Shard | None]) -> str | None:

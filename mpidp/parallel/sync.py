@@ -283,8 +283,8 @@ class _Periodic(Sync):
 
     def __init__(self, k: int) -> None:
         super().__init__()
-        if k < 1:
-            raise C.MpidpError(f"{self.what} must be >= 1, got {k}")
+        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise C.MpidpError(f"{self.what} must be a whole number >= 1, got {k!r}")
         self.k, self.pending = int(k), 0
 
     def at_boundary(self) -> bool:

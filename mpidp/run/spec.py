@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, is_dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..errors import MpidpError
 from ..observe.progress import MODES as PROGRESS
 
@@ -107,6 +109,9 @@ class RunSpec:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
                 raise MpidpError(f"{name} must be an integer >= {low}, got {value!r}")
             setattr(self, name, int(value))  # e.g. a NumPy integer
+        for name in ("shuffle", "drop_last"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise MpidpError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.max_skipped, bool) or not isinstance(self.max_skipped, numbers.Real) \
                 or not 0 <= self.max_skipped <= 1:
             raise MpidpError(f"max_skipped must be a share in [0, 1], got {self.max_skipped!r}")

@@ -112,3 +112,20 @@ def test_an_optimizer_whose_state_differs_between_ranks_is_refused(comm):
         mpidp.fit(dp, _shard(comm), 1, 8)
     raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.DataParallel(
         dp.model, optimizer, nn.SoftmaxCrossEntropy(), comm), "optimizer state is")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("change, message", [
+    ({"loss": nn.SoftmaxCrossEntropy}, "loss must be a loss such as"),
+    ({"optimizer": None}, "optimizer must be an optimizer such as"),
+    ({"model": nn.Dense(4, 3)}, "model must be a model such as"),
+    ({"sync": 5}, "sync must be a strategy's name"),
+    ({"root": 99}, "root must be a rank of the communicator"),
+    ({"check_every": 1.5}, "check_every must be a whole number"),
+])
+def test_arguments_of_the_wrong_kind_name_themselves(comm, change, message):
+    """They used to end in an AttributeError or TypeError from deep inside."""
+    kw = {"model": nn.mlp(4, (6,), 3, dtype=np.float64).init_(0), "optimizer": nn.SGD(0.1),
+          "loss": nn.SoftmaxCrossEntropy(), **change}
+    raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.DataParallel(comm=comm, **kw),
+                      message)
