@@ -154,7 +154,9 @@ def _folder(tmp_path) -> tuple[Path, list[str]]:
     folder.mkdir()
     np.save(folder / "X.npy", rng.standard_normal((600, 10)))
     np.save(folder / "y.npy", rng.integers(0, 3, 600))
-    return folder, [*ARGS, "--dataset", str(folder), "--distribute", "local",
+    sized = {"--n-samples", "--n-features"}  # of generated data only: the file sets both
+    own = [a for i, a in enumerate(ARGS) if a not in sized and ARGS[i - 1] not in sized]
+    return folder, [*own, "--dataset", str(folder), "--distribute", "local",
                     "--test-fraction", "0"]
 
 
