@@ -227,3 +227,17 @@ def test_a_codec_made_moot_by_a_typed_dtype_is_not_passed_on(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     recorded = (out / "config.toml").read_text()
     assert 'dtype = "float64"' in recorded and "compress" not in recorded, recorded
+
+
+def test_a_file_value_the_command_line_overrides_is_not_checked(tmp_path):
+    """The command line wins: a bad batch size in the file, a generated data set's sizes
+    under a typed --dataset digits, neither is refused (the sizes are left out)."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('epochs = 1\nbatch-size = 0\ndataset = "synthetic"\nn-samples = 300\n'
+                   'n-features = 20\n')
+    out = tmp_path / "o"
+    r = run_mpi(1, "train", "--config", str(cfg), "--batch-size", "64", "--dataset", "digits",
+                "--out", str(out), "-q")
+    assert r.returncode == 0, r.stderr[-2000:]
+    recorded = (out / "config.toml").read_text()
+    assert "n-samples" not in recorded and "n-features" not in recorded, recorded

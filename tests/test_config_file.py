@@ -179,3 +179,13 @@ def test_strings_are_valid_toml_whatever_they_hold(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text(dumps({"dataset": text, "out": "o"}))
     assert load(str(path)) == {"dataset": text, "out": "o"}
+
+
+def test_a_file_naming_another_config_is_refused_by_the_command(tmp_path, capsys):
+    path = tmp_path / "c.toml"
+    path.write_text('epochs = 1\nconfig = "other.toml"\n')
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["train", "--config", str(path), "--out", str(tmp_path / "o")])
+    assert exit_.value.code == 2
+    assert "a configuration file cannot name another" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

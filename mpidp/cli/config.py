@@ -74,12 +74,12 @@ def tokens(table: dict, parser: argparse.ArgumentParser, skip: Iterable[str] = (
         if dest in seen:
             raise ValueError(f"{source}: {seen[dest]} and {key} are the same option")
         seen[dest] = key
+        if dest == "config" and not literal and value is not None:  # before the typed --config
+            raise ValueError(f"{source}: a configuration file cannot name another (config = "
+                             f"{_toml(value)}): put its settings in this one")
         if dest in skip or value is None or value == {}:
             continue
         action = actions.get(dest)
-        if dest == "config":
-            raise ValueError(f"{source}: a configuration file cannot name another (config = "
-                             f"{_toml(value)}): put its settings in this one")
         if action is None or not action.option_strings or dest == "help":
             raise ValueError(f"{source}: {key!r} is not an option of mpidp train")
         flag = action.option_strings[-1]

@@ -617,9 +617,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             table = config.load(args.config)
         except ValueError as exc:
             parser.error(str(exc))
-        file_only = [*argv[:argv.index("train") + 1], "--config", args.config]
-        alone = vars(_with_table(parser, file_only, table, f"--config {args.config}")[0])
         args, argv, from_file = _with_table(parser, argv, table, f"--config {args.config}")
+        # the file's settings alone (its values as written, over the defaults): what held
+        # there, whatever the command line overrides
+        train = _train_parser(parser)
+        alone = {**{a.dest: a.default for a in train._actions},  # noqa: SLF001
+                 **{k.replace("-", "_"): v for k, v in table.items()}}
         # a file setting whose condition the file itself breaks is the file's mistake:
         # refused like a flag; one the command line overrode away is left out in _run
         from_file = {(d, depends_met(d, alone)) for d in from_file}

@@ -114,6 +114,9 @@ def _validation_needs(dest: str) -> Needs:
                  f"--{dest.replace('_', '-')} needs --val-fraction (a validation set to watch)")
 
 
+#: The datasets made to a size (--n-samples, --n-features).
+GENERATED = ("synthetic", "bow")
+
 #: option (argparse dest) -> what must hold of the other settings for it to matter, within
 #: a mode it applies to (:data:`TABLE`).
 DEPENDS: dict[str, tuple[Needs, ...]] = {
@@ -145,6 +148,10 @@ DEPENDS: dict[str, tuple[Needs, ...]] = {
                         "--copy-data does not apply to --distribute {distribute}: only local "
                         "reads can map rows from the file"),),
     "trace_steps": (Needs(lambda s: bool(s.get("trace")), "--trace-steps needs --trace"),),
+    **{dest: (Needs(lambda s: s.get("dataset") in GENERATED,
+                    f"--{dest.replace('_', '-')} does not apply to --dataset {{dataset}}: only "
+                    f"the generated datasets ({', '.join(GENERATED)}) are made to a size"),)
+       for dest in ("n_samples", "n_features")},
     "hidden": (Needs(lambda s: s.get("model") == "mlp",
                      "--hidden does not apply to --model {model}: only mlp has hidden layers "
                      "of those sizes (a model file sets its own)"),),
@@ -175,10 +182,6 @@ def dedicated_server(args: argparse.Namespace) -> bool:
     return args.sync == "async-ps" or (args.sync == "ps" and args.ps_placement == "dedicated")
 
 
-#: Options that only the generated datasets read.
-GENERATED = {"n_samples": ("synthetic", "bow"), "n_features": ("synthetic", "bow")}
-
-
 def applying(config: dict) -> dict:
     """``config`` (option ``dest`` -> value, as a run records it) without the options that
     do not apply to its mode, its dataset or its other settings (:data:`DEPENDS`), so a
@@ -186,7 +189,6 @@ def applying(config: dict) -> dict:
     mode = _mode(config)
     return {k: v for k, v in config.items()
             if not (k in TABLE and mode not in TABLE[k][0])
-            and not (k in GENERATED and config.get("dataset") not in GENERATED[k])
             and depends_met(k, config)}
 
 
@@ -218,11 +220,6 @@ def problems(args: argparse.Namespace, given_: set[str], size: int) -> list[str]
                         if n.refusal is not None and not n.holds(settings)), None)
         if refusal is not None:
             out.append(refusal.format(**settings))
-    for dest in sorted(given_ & GENERATED.keys()):
-        if args.dataset not in GENERATED[dest]:
-            out.append(f"--{dest.replace('_', '-')} does not apply to --dataset {args.dataset}: "
-                       f"only the generated datasets ({', '.join(GENERATED[dest])}) are made "
-                       f"to a size")
     if mode in TABLE["partition"][0]:
         out += _partition_problems(args, size, "capacities" in given_)
     out += _schedule_problems(args, given_)

@@ -129,46 +129,51 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
                                               costs=costs, capacities=capacities)
     tmp = None if out is None else C.root_decides(comm, _create_npy, out, dtype, (n, *shape),
                                                    root=root)
-    sink = C.run_agreed(comm, _Sink, comm, reduce, n, shape, dtype, out, tmp, root)
-    counter = C.SharedCounter(comm) if dynamic else None
-    C.barrier(comm)
-    t0 = time.perf_counter()
-    figures = np.zeros(len(_Figure))
-    per_chunk = [_Figure.SAMPLES, _Figure.CHUNKS, _Figure.COMPUTE_S, _Figure.COMPUTE_CPU_S]
-    chunks = _chunks_dynamic(counter, n, chunk_size, seed) if dynamic else _chunks_static(
-        owner, comm.rank, chunk_size)
-    error = None
     try:
-        for rows in chunks:
-            w, c = time.perf_counter(), time.process_time()
-            contiguous = len(rows) and rows[-1] - rows[0] + 1 == len(rows)
-            pick = slice(int(rows[0]), int(rows[-1]) + 1) if contiguous and not hasattr(
-                data, "read") else rows  # a slice is cheaper for arrays and CSR rows
-            sink.add(rows, np.asarray(fn(_rows_of(data, pick))))
-            figures[per_chunk] += (len(rows), 1, time.perf_counter() - w, time.process_time() - c)
-    except Exception as exc:  # noqa: BLE001 - agreed below, so every rank raises
-        error = f"map_reduce: {type(exc).__name__}: {exc}"
-    figures[_Figure.SECONDS] = time.perf_counter() - t0
-    if counter is not None:
-        counter.free(comm)
-    try:
-        C.agree(comm, error)
-    except C.MpidpError:
-        sink.discard()
-        raise
-    value = sink.finish()
-    table = C.allgather_rows(comm, figures)
-    per_rank = [{"rank": r, "samples": int(t[_Figure.SAMPLES]), "chunks": int(t[_Figure.CHUNKS]),
-                 "compute_s": float(t[_Figure.COMPUTE_S]),
-                 "compute_cpu_s": float(t[_Figure.COMPUTE_CPU_S])} for r, t in enumerate(table)]
-    return MapResult(value, per_rank, float(table[:, _Figure.SECONDS].max()))
+        sink = C.run_agreed(comm, _Sink, comm, reduce, n, shape, dtype, out, tmp, root)
+        counter = C.SharedCounter(comm) if dynamic else None
+        C.barrier(comm)
+        t0 = time.perf_counter()
+        figures = np.zeros(len(_Figure))
+        per_chunk = [_Figure.SAMPLES, _Figure.CHUNKS, _Figure.COMPUTE_S, _Figure.COMPUTE_CPU_S]
+        chunks = _chunks_dynamic(counter, n, chunk_size, seed) if dynamic else _chunks_static(
+            owner, comm.rank, chunk_size)
+        error = None
+        try:
+            for rows in chunks:
+                w, c = time.perf_counter(), time.process_time()
+                contiguous = len(rows) and rows[-1] - rows[0] + 1 == len(rows)
+                pick = slice(int(rows[0]), int(rows[-1]) + 1) if contiguous and not hasattr(
+                    data, "read") else rows  # a slice is cheaper for arrays and CSR rows
+                sink.add(rows, np.asarray(fn(_rows_of(data, pick))))
+                figures[per_chunk] += (len(rows), 1, time.perf_counter() - w, time.process_time() - c)
+        except Exception as exc:  # noqa: BLE001 - agreed below, so every rank raises
+            error = f"map_reduce: {type(exc).__name__}: {exc}"
+        figures[_Figure.SECONDS] = time.perf_counter() - t0
+        if counter is not None:
+            counter.free(comm)
+        try:
+            C.agree(comm, error)
+        except C.MpidpError:
+            sink.discard()
+            raise
+        value = sink.finish()
+        table = C.allgather_rows(comm, figures)
+        per_rank = [{"rank": r, "samples": int(t[_Figure.SAMPLES]), "chunks": int(t[_Figure.CHUNKS]),
+                     "compute_s": float(t[_Figure.COMPUTE_S]),
+                     "compute_cpu_s": float(t[_Figure.COMPUTE_CPU_S])} for r, t in enumerate(table)]
+        return MapResult(value, per_rank, float(table[:, _Figure.SECONDS].max()))
+    finally:  # written: renamed to ``out`` already; else (a failure anywhere) removed
+        if tmp is not None and comm.rank == root:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
 
 
 def _create_npy(out: str, dtype: str, shape: tuple[int, ...]) -> str:
     """A new ``.npy`` of ``shape`` beside ``out``, under a name no other job can hold (so
     two jobs writing the same ``out`` never write into one file); returns its path."""
-    folder, name = os.path.split(os.path.abspath(out))
-    os.makedirs(folder, exist_ok=True)
+    folder, name = os.path.split(out)  # relative stays relative: each rank's own folder
+    os.makedirs(folder or ".", exist_ok=True)
     path = os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(6)}.part.npy")
     os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask's mode
     try:
@@ -249,12 +254,10 @@ class _Sink:
             self.outs.append(values.astype(self.dtype, copy=False))
 
     def discard(self) -> None:
-        """After a failure on some rank: the unfinished file goes (the root removes it)."""
+        """After a failure on some rank: the unfinished file is closed (map_reduce's root
+        removes it)."""
         if self.file is not None:
             self.file.close()
-            if self.comm.rank == self.root:
-                with contextlib.suppress(OSError):
-                    os.unlink(self.tmp)
 
     def finish(self) -> np.ndarray | None:
         if self.reduce in ("sum", "mean", "min", "max"):

@@ -102,3 +102,5 @@ def test_two_jobs_writing_one_output_get_part_files_of_their_own(comm, shared_tm
     a, b = (mapreduce._create_npy(out, "float32", (3, 2)) for _ in range(2))
     all_ranks(comm, a != b and np.load(a).shape == np.load(b).shape == (3, 2)
               and not os.path.exists(out), f"{a} {b}")
+    os.unlink(a)
+    os.unlink(b)
