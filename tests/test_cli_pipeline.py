@@ -88,7 +88,8 @@ BAD = {
 def test_bad_input_clear_error_every_rank_nothing_written(tmp_path, case):
     n, extra, message = BAD[case]
     out = tmp_path / "out"
-    r = run_mpi(n, "train", "--dataset", _npz(tmp_path), "--hidden", "8", "--epochs", "1",
+    hidden = [] if "--model" in extra else ["--hidden", "8"]  # only an mlp has them
+    r = run_mpi(n, "train", "--dataset", _npz(tmp_path), *hidden, "--epochs", "1",
                 "--no-progress", *extra, "--out", str(out), timeout=60)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert r.stderr.count(message) == 1, r.stderr[-2000:]
