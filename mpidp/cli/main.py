@@ -693,14 +693,18 @@ def _stored_config(directory: str) -> dict | None:
 def _run(args, comm, parser: argparse.ArgumentParser, argv: list[str],
          from_file: set[tuple[str, bool]] = frozenset()) -> None:
     if args.command == "train":
-        from .options import depends_met, given
+        from .options import DEPENDS, depends_met, given
         from .train import train
-        after = argv[argv.index("train") + 1:]
+        after, options = argv[argv.index("train") + 1:], _train_parser(parser)
         # a setting a config file holds counts as given, unless what it depends on held in
         # the file but no longer holds (a --optimizer adam typed over a file's momentum):
         # then it is left out. ``from_file``: (dest, whether the file alone met its needs)
         recorded = {d for d, met in from_file if depends_met(d, vars(args)) or not met}
-        train(args, comm, given(_train_parser(parser), after) | recorded)
+        # a setting that matters nowhere now (a file's or a resumed run's, left out; a typed
+        # one is refused in train) is back at its default, so nothing downstream reads it
+        for dest in [d for d in DEPENDS if not depends_met(d, vars(args))]:
+            setattr(args, dest, options.get_default(dest))
+        train(args, comm, given(options, after) | recorded)
     elif args.command == "model":
         from ..scale.calibrate import calibrate, format_report
         from ..scale.calibrate import save as save_model

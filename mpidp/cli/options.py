@@ -258,7 +258,7 @@ def _partition_problems(args, size: int, typed: bool = True) -> list[str]:
         out.append(f"--partition {strategy} does not apply to a dedicated parameter server: "
                    "owners are fixed when the workers load their data (use block, cyclic, "
                    "shuffled or weighted)")
-    if args.capacities is not None and depends_met("capacities", vars(args)):
+    if args.capacities is not None:
         want = size - 1 if dedicated_server(args) else size
         who = "worker (rank 0 is the parameter server and holds no data)" \
             if dedicated_server(args) else "rank"

@@ -369,8 +369,6 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
         errors.append(str(exc))
     if errors:  # every rank computes the same list from the same arguments
         raise C.MpidpError("; ".join(errors))
-    if not O.depends_met("capacities", vars(args)):  # a resumed run's, under another partition
-        args.capacities = None
     C.run_agreed(comm, import_modules, imports_of(args))  # the user's layers, before a model
     vars(args)["import"] = absolute_paths(imports_of(args))  # recorded so a resume finds them
     C.run_agreed(comm, _check_model, args)  # a bad model file or a refused layer: before any work
@@ -498,9 +496,8 @@ def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
     _check_inputs(comm, args, layers, data)
     make_opt = _optimizer(args, data.train.n_total)
     name = "allreduce" if args.sync == "async-ps" else args.sync  # async: eval only
-    # a resumed run keeps its checkpoint's settings, and a config file's may be overridden:
-    # those of another mode, or whose other settings changed (DEPENDS), do not apply
-    applies = lambda dest: name in O.TABLE[dest][0] and O.depends_met(dest, vars(args))  # noqa: E731
+    # a resumed run keeps its checkpoint's settings: those of another mode do not apply
+    applies = lambda dest: name in O.TABLE[dest][0]  # noqa: E731
     sync = make_sync(name, make_opt, bucket_bytes=int(args.bucket_mb * 2**20),
                      codec=args.compress if applies("compress") else None,
                      dedicated=O.dedicated_server(args), k=args.sync_every,

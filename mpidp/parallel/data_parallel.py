@@ -15,6 +15,7 @@ from ..data.balance import Partition, Plan
 from ..data.distribute import Shard
 from ..data.partition import steps_per_epoch
 from ..digest import settings_of, state_of
+from ..errors import is_whole
 from ..nn import Context, Loss, Optimizer, Sequential
 from ..nn.losses import label_problem
 from ..nn.optim import Segments
@@ -93,8 +94,7 @@ class DataParallel:
             raise C.MpidpError(f"unknown init sync {init_sync!r}; expected one of {INIT_SYNC}")
         if on_nonfinite not in ON_NONFINITE:
             raise C.MpidpError(f"unknown on_nonfinite {on_nonfinite!r}; expected one of {ON_NONFINITE}")
-        if isinstance(check_every, (bool, np.bool_)) or not isinstance(
-                check_every, (int, np.integer)) or check_every < 0:
+        if not is_whole(check_every, 0):
             raise C.MpidpError(f"check_every must be a whole number >= 0, got {check_every!r}")
         self.check_every, self.policy = check_every, Policy(on_nonfinite)
         self.global_step = 0  # steps taken (or skipped) since training started
@@ -355,8 +355,7 @@ class DataParallel:
         are the classifier's or regression's figures (:mod:`mpidp.observe.scores`), each
         equal to one process' on all the rows. Collective (one ``Allreduce``; a regression
         gathers its statistics too)."""
-        if isinstance(batch_size, (bool, np.bool_)) or not isinstance(
-                batch_size, (int, np.integer)) or batch_size < 1:
+        if not is_whole(batch_size, 1):
             raise C.MpidpError(f"evaluate: batch_size must be a whole number >= 1, got "
                                f"{batch_size!r}")
         self.sync.settle()
@@ -422,8 +421,7 @@ def _check_kinds(model, optimizer, loss, sync, comm, root) -> None:
     if not all(hasattr(comm, a) for a in ("Allreduce", "size", "rank")):  # or a wrapper of one
         raise C.MpidpError(f"DataParallel: comm must be an MPI communicator (or None: "
                            f"COMM_WORLD), got {type(comm).__name__}")
-    if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)) \
-            or not 0 <= root < comm.size:
+    if not is_whole(root, 0) or root >= comm.size:
         raise C.MpidpError(f"DataParallel: root must be a rank of the communicator, 0 to "
                            f"{comm.size - 1}, got {root!r}")
 

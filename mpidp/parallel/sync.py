@@ -31,6 +31,7 @@ from enum import IntEnum
 import numpy as np
 
 from .. import comm as C
+from ..errors import is_whole
 from ..nn import Optimizer, Sequential
 from ..observe.metrics import StepTimer
 from ..run.nonfinite import all_finite
@@ -283,7 +284,7 @@ class _Periodic(Sync):
 
     def __init__(self, k: int) -> None:
         super().__init__()
-        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
+        if not is_whole(k, 1):
             raise C.MpidpError(f"{self.what} must be a whole number >= 1, got {k!r}")
         self.k, self.pending = int(k), 0
 

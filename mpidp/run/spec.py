@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import MpidpError
+from ..errors import MpidpError, is_whole
 from ..observe.progress import MODES as PROGRESS
 
 if TYPE_CHECKING:
@@ -36,8 +36,7 @@ class Checkpointing:
     run_id: str | None = None  # the folder's owner (mpidp.run.checkpoint.claim); None: unchecked
 
     def __post_init__(self) -> None:
-        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
-                   for v in (self.every, self.keep)):
+        if not (is_whole(self.every, 1) and is_whole(self.keep, 1)):
             raise ValueError(f"checkpoint every/keep must be integers >= 1, got "
                              f"{self.every!r}/{self.keep!r}")
 
@@ -106,7 +105,7 @@ class RunSpec:
         for name in ("epochs", "batch_size", "seed", "check_every"):
             value = getattr(self, name)
             low = 0 if name in ("seed", "check_every") else 1
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            if not is_whole(value, low):
                 raise MpidpError(f"{name} must be an integer >= {low}, got {value!r}")
             setattr(self, name, int(value))  # e.g. a NumPy integer
         for name in ("shuffle", "drop_last"):
