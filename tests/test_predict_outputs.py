@@ -88,6 +88,12 @@ def test_labels_the_model_cannot_score_are_refused_before_any_output(trained, tm
     (["--partition", "cyclic", "--dynamic"], "--partition cyclic does not apply with --dynamic"),
     (["--test-fraction", "0.2"], "--test-fraction needs --rows test"),
     (["--partition", "weighted"], "invalid choice: 'weighted'"),
+    (["--seed", "3"], "--seed does not apply to --dataset digits with --rows all"),
+    (["--n-samples", "100"], "--n-samples does not apply to --dataset digits"),
+    (["--n-features", "9", "--n-samples", "9"],
+     "--n-samples and --n-features do not apply to --dataset digits"),
+    (["--chunk-size", "64"], "--chunk-size needs --dynamic"),
+    (["--chunk-size", "0", "--dynamic"], "--chunk-size: must be an integer >= 1, got 0"),
 ])
 def test_predict_options_that_would_do_nothing_are_refused(trained, tmp_path, extra, message):
     r = run_mpi(1, "predict", "--model", str(trained / "m"), "--dataset", "digits",

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from .. import __version__
 from ..data.partition import STRATEGIES
 from ..parallel.kinds import HYBRID_STAGES, PARALLEL, PIPELINED
-from .options import MODES, depends_met, given
+from .options import MODES, SIZE_DEFAULTS, depends_met, given
 
 EXIT_USAGE = 2
 NO_MPI = ("mpidp: cannot start MPI ({}). Install it with pip install 'mpidp[mpi]' (mpi4py and "
@@ -293,8 +293,10 @@ def _add_train(sub) -> None:
                    "the model (a Standardize layer), so predict applies it too")
     a("--n-classes", type=_number(int, 2), default=None,
       help="number of classes, >= 2 (default: max label + 1)")
-    a("--n-samples", type=_positive(int), default=60000, help="synthetic: samples")
-    a("--n-features", type=_positive(int), default=784, help="synthetic: features")
+    a("--n-samples", type=_positive(int), default=SIZE_DEFAULTS["n_samples"],
+      help="synthetic: samples")
+    a("--n-features", type=_positive(int), default=SIZE_DEFAULTS["n_features"],
+      help="synthetic: features")
     a("--no-shuffle", action="store_true", help="visit samples in file order every epoch")
     a("--drop-last", action="store_true", help="skip the last, smaller batch of each epoch")
     a("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
@@ -482,15 +484,18 @@ def add_predict(sub) -> None:
     a("--dataset", required=True, help="as for train: digits, synthetic, bow or PATH")
     a("--rows", choices=("all", "test"), default="all",
       help="all rows, or the held-out test rows of the seeded split used by train")
-    a("--seed", type=int, default=0, help="seed of the split and of synthetic data")
+    a("--seed", type=_non_negative(int), default=0,
+      help="seed of the split (--rows test) and of generated data")
     a("--test-fraction", type=_number(float, 0, 1), default=None,
       help="as for train (with --rows test)")
-    a("--n-samples", type=int, default=60000, help="synthetic/bow: samples")
-    a("--n-features", type=int, default=784, help="synthetic/bow: features")
+    a("--n-samples", type=_positive(int), default=SIZE_DEFAULTS["n_samples"],
+      help="synthetic/bow: samples")
+    a("--n-features", type=_positive(int), default=SIZE_DEFAULTS["n_features"],
+      help="synthetic/bow: features")
     a("--partition", choices=[s for s in STRATEGIES if s not in ("weighted", "adaptive")],
       default="block", help="static split of the rows (not with --dynamic)")
     a("--dynamic", action="store_true", help="ranks take chunks from a shared counter instead")
-    a("--chunk-size", type=int, default=512, help="rows per chunk")
+    a("--chunk-size", type=_positive(int), default=512, help="rows per chunk (--dynamic)")
     a("--out", type=_path, required=True, help=".npy file for the predictions, one row per dataset row "
       "(in the dataset's order)")
     a("--output", choices=("scores", "proba", "label"), default="scores",

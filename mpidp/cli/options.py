@@ -117,6 +117,9 @@ def _validation_needs(dest: str) -> Needs:
 #: The datasets made to a size (--n-samples, --n-features).
 GENERATED = ("synthetic", "bow")
 
+#: the sizes of generated data (--n-samples, --n-features) when none is given
+SIZE_DEFAULTS = {"n_samples": 60000, "n_features": 784}
+
 #: option (argparse dest) -> what must hold of the other settings for it to matter, within
 #: a mode it applies to (:data:`TABLE`).
 DEPENDS: dict[str, tuple[Needs, ...]] = {

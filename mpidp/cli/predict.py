@@ -20,6 +20,7 @@ from ..observe.scores import ScoreSums
 from ..parallel.evaluation import global_sums
 from ..parallel.mapreduce import map_reduce
 from .imports import HINT, import_modules, imports_of, saved_spec, unregistered
+from .options import GENERATED, SIZE_DEFAULTS
 
 
 class _Rows:
@@ -86,14 +87,27 @@ def check_outputs(args: argparse.Namespace) -> None:
                              f"replace the predictions; give another path")
 
 
+
 def problems(args: argparse.Namespace) -> list[str]:
     """Options that would do nothing together, as messages (empty when all is well)."""
     out = []
     if args.dynamic and args.partition != "block":
         out.append(f"--partition {args.partition} does not apply with --dynamic: the ranks "
                    f"take chunks of rows as they go")
+    if args.chunk_size != 512 and not args.dynamic:
+        out.append("--chunk-size needs --dynamic (ranks then take chunks of that many rows)")
     if args.test_fraction is not None and args.rows != "test":
         out.append("--test-fraction needs --rows test (it sizes the held-out rows)")
+    if args.dataset not in GENERATED:  # a file or a built-in set: its own size and rows
+        sized = [f"--{dest.replace('_', '-')}" for dest, default in SIZE_DEFAULTS.items()
+                 if getattr(args, dest) != default]
+        if sized:
+            out.append(f"{' and '.join(sized)} {'do' if len(sized) > 1 else 'does'} not apply "
+                       f"to --dataset {args.dataset}: only the generated datasets "
+                       f"({', '.join(GENERATED)}) are made to a size")
+        if args.seed != 0 and args.rows != "test":
+            out.append(f"--seed does not apply to --dataset {args.dataset} with --rows "
+                       f"{args.rows}: it seeds the held-out split (--rows test) and generated data")
     return out
 
 

@@ -131,6 +131,13 @@ def _train_costs(src: Source, costs, train_rows: np.ndarray) -> np.ndarray | Non
     return check_weights(costs, src.n_samples, "costs")[train_rows]
 
 
+def _check_n_classes(src: Source, n_classes: int | None) -> None:
+    """ValueError when a number of classes is given for a dataset without classes."""
+    if n_classes is not None and not src.classification:
+        raise ValueError(f"{src.name}: n_classes {n_classes} (--n-classes) does not "
+                         f"apply: its targets are real values (a regression), not class labels")
+
+
 def _n_outputs_from(classification: bool, target_shape: tuple[int, ...], max_label: int,
                     n_classes: int | None) -> int:
     if not classification:
@@ -191,6 +198,7 @@ def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, sourc
 
     def open_on_root() -> dict:
         src = open_source(spec, seed=seed, **source_kw)
+        _check_n_classes(src, n_classes)
         split = _split(src, test_fraction, layout["val_fraction"], seed)
         held["costs"] = _train_costs(src, layout["costs"], split[0])
         sparse = len(split[0]) > 0 and isinstance(src.read(split[0][:1])[0], CSR)
@@ -300,6 +308,7 @@ def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, la
     if source_kw.pop("verify", True) and isinstance(spec, str):
         _verify_together(comm, spec)  # first: a corrupted byte is named as such
     src = C.run_agreed(comm, open_source, spec, seed=seed, verify=False, **source_kw)
+    C.run_agreed(comm, _check_n_classes, src, n_classes)
     split = C.run_agreed(comm, _split, src, test_fraction, layout["val_fraction"], seed)
     costs = C.run_agreed(comm, _train_costs, src, layout["costs"], split[0])
     owner = C.run_agreed(comm, assign, layout["strategy"], len(split[0]), comm.size,
