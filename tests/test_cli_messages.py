@@ -206,6 +206,10 @@ def test_a_setting_from_a_file_that_an_override_makes_moot_is_left_out(tmp_path)
     ('optimizer = "adam"\nmomentum = 0.5\n', "--momentum does not apply to --optimizer adam"),
     ('sync = "auto"\ndtype = "float64"\ncompress = "int8"\n',
      "--compress does not apply to --sync auto with --dtype float64"),
+    # at their default values: written in the file, they still say something wrong
+    ('optimizer = "sgd"\nmomentum = 0.9\n', "--momentum does not apply to --optimizer sgd"),
+    ('bucket-mb = 1.0\n', "--bucket-mb does not apply to --sync allreduce"),
+    ('lr-gamma = 0.1\n', "--lr-gamma does not apply to --lr-schedule constant"),
 ])
 def test_a_file_that_contradicts_itself_is_refused_not_trimmed(tmp_path, table, message):
     """Leaving out is for a file setting the command line made moot; the same setting
@@ -215,6 +219,17 @@ def test_a_file_that_contradicts_itself_is_refused_not_trimmed(tmp_path, table, 
     r = run_mpi(1, "train", "--config", str(cfg), "--out", str(tmp_path / "o"), "-q")
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "o").exists()
+
+
+def test_a_default_valued_setting_an_override_makes_moot_is_left_out(tmp_path):
+    """A run's own record (bucket size at its default under overlapped) reused with --sync
+    allreduce typed: trained, and the new record has no bucket size."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('dataset = "digits"\nepochs = 1\nsync = "overlapped"\nbucket-mb = 1.0\n')
+    out = tmp_path / "o"
+    r = run_mpi(1, "train", "--config", str(cfg), "--sync", "allreduce", "--out", str(out), "-q")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "bucket" not in (out / "config.toml").read_text()
 
 
 def test_a_codec_made_moot_by_a_typed_dtype_is_not_passed_on(tmp_path):

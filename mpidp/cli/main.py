@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from .. import __version__
 from ..data.partition import STRATEGIES
 from ..parallel.kinds import HYBRID_STAGES, PARALLEL, PIPELINED
-from .options import MODES, SIZE_DEFAULTS, depends_met, given
+from .options import MODES, SIZE_DEFAULTS, applying, depends_met, given
 
 EXIT_USAGE = 2
 NO_MPI = ("mpidp: cannot start MPI ({}). Install it with pip install 'mpidp[mpi]' (mpi4py and "
@@ -631,6 +631,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # a file setting whose condition the file itself breaks is the file's mistake:
         # refused like a flag; one the command line overrode away is left out in _run
         from_file = {(d, depends_met(d, alone)) for d in from_file}
+        # a key at its default value that does not apply to the file's own settings (a
+        # momentum beside --optimizer sgd) is refused too: written, it says something
+        idle = {k.replace("-", "_") for k in table} - set(applying(alone)) - config.RECORDS
+        from_file |= {(d, False) for d in idle if d not in {x for x, _ in from_file}}
         if "out" in table and "out" not in given(_train_parser(parser),
                                                  typed[typed.index("train") + 1:]) \
                 and _launcher_rank() == 0:
