@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from mpidp.parallel import buffer
+
 REPO = Path(__file__).resolve().parents[1]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 COLUMNS = ("dp", "ps", "async", "pipeline", "hybrid")
@@ -68,13 +70,13 @@ def test_fault_row_killed_and_resumed(result):
 
 
 def test_bytes_match_the_model(result):
-    """Data parallel: one Allreduce of the float32 gradient buffer (params + 4 figures),
+    """Data parallel: one Allreduce of the float32 gradient buffer (params + its extras),
     2(P-1)/P of it each way per rank at P = 2; a pipeline stage of 2 sends one way the
     activations of the batch (128 x 1024 float32)."""
     res, _ = result
     runs = {(s["column"], s["split"]): s["ranks"] for s in res["speed"]}
     n_params = 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
-    assert [r["sent"] for r in runs[("dp", "default")]] == [4.0 * (n_params + 4)] * 2
+    assert [r["sent"] for r in runs[("dp", "default")]] == [4.0 * (n_params + buffer.N_EXTRA)] * 2
     assert runs[("pipeline", "default")][0]["sent"] == 128 * 1024 * 4
 
 

@@ -40,9 +40,9 @@ def test_bench_parallel_small(tmp_path):
     n_params = 4 * (64 * 64 + 64)  # four Dense 64 x 64 layers with biases
     runs = {r["mode"]: r["ranks"] for r in res["runs"]}
     assert set(runs) == {"data", "gpipe", "1f1b"}
-    # data parallel: params + (grads, loss, count, correct, stop) in float32 on every rank
+    # data parallel: params + (grads, loss, count, correct, stop, early) in float32 on every rank
     extras = buffer.N_EXTRA
-    assert extras == 4
+    assert extras == 5
     assert [r["param_bytes"] for r in runs["data"]] == [4 * (2 * n_params + extras)] * 2
     for mode in ("gpipe", "1f1b"):  # two stages of two layers each
         assert [r["param_bytes"] for r in runs[mode]] == [4 * (n_params + extras)] * 2
@@ -71,7 +71,7 @@ def test_bench_sync_small(tmp_path):
     assert modes["allreduce"]["paired_ratio_to_handwritten"] == pytest.approx(
         float(np.median([a["step_s"] / h["step_s"] for a, h in zip(ar, hw)])))
     n_params = 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
-    buf = 4 * (n_params + buffer.N_EXTRA)  # gradients, loss, count, correct, stop
+    buf = 4 * (n_params + buffer.N_EXTRA)  # gradients and the extras (loss, counts, ...)
     assert modes["allreduce"]["bytes_per_step"] == buf
     # mean over the ranks: the worker sends its buffer, the server broadcasts the parameters
     assert modes["ps"]["bytes_per_step"] == (buf + 4 * n_params) / 2

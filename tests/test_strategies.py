@@ -304,14 +304,24 @@ def test_sync_names_import_without_mpi():
 def test_buffer_slots_carry_totals_and_the_stop_request():
     from mpidp.parallel import buffer
     buf = buffer.new(5, np.float32)
-    assert buf.shape == (5 + buffer.N_EXTRA,) and buffer.EXTRAS[-1] == "stop"
+    assert buf.shape == (5 + buffer.N_EXTRA,) and buffer.EXTRAS[buffer.STOP] == "stop"
     buffer.put(buf, 5, 2.5, 4, 3, stop=False)
     buffer.put(buf, 5, 1.0, 2, 1, stop=True, add=True)  # accumulated; the request is set
     assert buffer.totals(buf, 5) == (3.5, 6, 4) and buffer.stopping(buf, 5)
     buffer.put(buf, 5, 0.5, 1, 0, stop=False)
     assert buffer.totals(buf, 5) == (0.5, 1, 0) and not buffer.stopping(buf, 5)
-    summed = buf + np.eye(1, buf.size, buf.size - 1, dtype=np.float32)[0]  # one rank asked
+    summed = buf + np.eye(1, buf.size, 5 + buffer.STOP, dtype=np.float32)[0]  # one rank asked
     assert buffer.stopping(summed, 5)
+
+
+def test_the_early_mark_is_set_for_a_synchronisation_and_cleared_by_the_next_step():
+    from mpidp.parallel import buffer
+    buf = buffer.new(5, np.float32)
+    buffer.mark_early(buf, 5, True)
+    assert buffer.early_ranks(buf, 5) == 1 and buffer.totals(buf, 5) == (0.0, 0, 0)
+    assert buffer.early_ranks(buf * 3, 5) == 3  # three ranks' marks, summed
+    buffer.put(buf, 5, 1.0, 2, 1, stop=False, add=True)
+    assert buffer.early_ranks(buf, 5) == 0 and not buffer.stopping(buf, 5)
 
 
 def test_policy_counts_every_skipped_step_and_stops_before_the_update():

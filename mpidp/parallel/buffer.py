@@ -1,10 +1,13 @@
 """The flat buffer every synchronous trainer reduces, named once:
-``gradients (n_params) | loss sum | sample count | correct predictions | stop``.
+``gradients (n_params) | loss sum | sample count | correct predictions | stop | early``.
 
 Gradients are SUMS over the local samples (not means), so summing the buffer over ranks
 and dividing by the global count gives the single-process gradient for any split. The
 last slot is this rank's request to stop (1 or 0): summed with the rest, it is non-zero
-on every rank once any rank asked, so stopping needs no collective of its own.
+on every rank once any rank asked, so stopping needs no collective of its own. The
+``early`` slot is 1 on a rank whose periodic synchronisation (gradient accumulation) comes
+before its period is full because the caller said an epoch ended: summed, it must be 0 or
+the number of ranks, else the ranks were told of the end at different steps.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-EXTRAS = ("loss_sum", "count", "correct", "stop")
+EXTRAS = ("loss_sum", "count", "correct", "stop", "early")
 N_EXTRA = len(EXTRAS)
 STOP = EXTRAS.index("stop")
+EARLY = EXTRAS.index("early")
 
 
 def new(n_params: int, dtype: npt.DTypeLike, length: int | None = None) -> np.ndarray:
@@ -26,13 +30,25 @@ def new(n_params: int, dtype: npt.DTypeLike, length: int | None = None) -> np.nd
 def put(buf: np.ndarray, n_params: int, loss_sum: float, count: int, correct: int,
         stop: bool, add: bool = False) -> None:
     """Write this rank's extras after the gradients (``add``: add the loss and counts to
-    those already there, as gradient accumulation does; the stop request is always set)."""
+    those already there, as gradient accumulation does; the stop request is always set,
+    the early mark cleared)."""
     extras = buf[n_params:n_params + STOP]
     if add:
         extras += (loss_sum, count, correct)
     else:
         extras[...] = (loss_sum, count, correct)
     buf[n_params + STOP] = float(bool(stop))
+    buf[n_params + EARLY] = 0.0
+
+
+def mark_early(buf: np.ndarray, n_params: int, early: bool) -> None:
+    """Say whether this rank's synchronisation now comes early (see the module's notes)."""
+    buf[n_params + EARLY] = float(bool(early))
+
+
+def early_ranks(buf: np.ndarray, n_params: int) -> int:
+    """How many ranks marked the (reduced) buffer's synchronisation early."""
+    return int(round(float(buf[n_params + EARLY])))
 
 
 def totals(buf: np.ndarray, n_params: int) -> tuple[float, int, int]:

@@ -261,7 +261,8 @@ class DataParallel:
         """One synchronous step on this rank's part ``X`` ``(n_local, *sample_shape)`` of
         the global batch (``n_local`` may be 0). Collective. Returns the global batch's stats
         (strategies that synchronise every k steps return zeros in between and the group's
-        totals when they synchronise; ``last_of_epoch`` makes them synchronise now).
+        totals when they synchronise; ``last_of_epoch`` makes them synchronise now: give it
+        at the same step on every rank, else every rank raises ``MpidpError`` there).
         ``index`` ``(n_local,)``: the rows' global positions in the training set, which
         keys dropout masks (:func:`fit` passes them; a loop of your own must, for dropout)."""
         if self.closed:

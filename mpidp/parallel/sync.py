@@ -286,18 +286,31 @@ class _Periodic(Sync):
         super().__init__()
         if not is_whole(k, 1):
             raise C.MpidpError(f"{self.what} must be a whole number >= 1, got {k!r}")
-        self.k, self.pending = int(k), 0
+        self.k, self.pending, self.early = int(k), 0, False
 
     def at_boundary(self) -> bool:
         return self.pending == 0
 
     def due(self, last_of_epoch: bool) -> bool:
-        """Count this step; True (and restart the count) when it is time to synchronise."""
+        """Count this step; True (and restart the count) when it is time to synchronise.
+        ``self.early``: whether that time came only because an epoch ended."""
         self.pending += 1
         if self.pending < self.k and not last_of_epoch:
             return False
-        self.pending = 0
+        self.early, self.pending = self.pending < self.k, 0
         return True
+
+    def check_early(self, early_ranks: int) -> None:
+        """Refuse, on every rank alike, a synchronisation that some ranks but not all
+        brought forward for an epoch's end (``early_ranks`` of them, summed with the sums):
+        their steps no longer pair up."""
+        size = self.comm.size
+        if 0 < early_ranks < size:
+            raise C.MpidpError(
+                f"--sync {self.name}: the end of an epoch (last_of_epoch) came at different "
+                f"steps on different ranks ({early_ranks} of {size} ranks synchronised early "
+                f"for it); it synchronises every {self.k} steps and at each epoch's "
+                f"end, so every rank must be told of the end at the same step")
 
 
 class Accumulate(_Periodic):
@@ -317,7 +330,10 @@ class Accumulate(_Periodic):
     def exchange(self, r: Round) -> Exchanged:
         if not self.due(r.last_of_epoch):
             return Exchanged()  # no communication, no update; totals arrive with the group
-        return super().exchange(r)
+        buffer.mark_early(self.buf, self.n, self.early)
+        got = super().exchange(r)
+        self.check_early(buffer.early_ranks(self.buf, self.n))
+        return got
 
 
 class _Averaged(IntEnum):
@@ -329,6 +345,7 @@ class _Averaged(IntEnum):
     CORRECT = 2
     NONFINITE = 3  # local steps left out for NaN/Inf
     STOP = 4  # this rank's stop request
+    EARLY = 5  # this rank averages early, for an epoch's end (summed: 0 or every rank)
 
 
 class LocalSGD(_Periodic):
@@ -360,8 +377,10 @@ class LocalSGD(_Periodic):
         with self.timer.communicate(self.name, bytes=int(self.avg.nbytes)):
             self.avg[:n], self.avg[n:n + _Averaged.STOP] = params, self.totals
             self.avg[n + _Averaged.STOP] = self.buf[n + buffer.STOP]
+            self.avg[n + _Averaged.EARLY] = float(self.early)
             C.allreduce_sum_(self.comm, self.avg)
-        loss, count, correct, bad, stop = (float(v) for v in self.avg[n:])
+        loss, count, correct, bad, stop, early = (float(v) for v in self.avg[n:])
+        self.check_early(int(round(early)))
         self.totals[...] = 0
         np.divide(self.avg[:n], self.comm.size, out=params)
         self.bytes_sent += self.avg.nbytes

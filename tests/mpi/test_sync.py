@@ -250,6 +250,30 @@ def test_local_sgd_keeps_replicas_equal_after_averaging(comm):
         assert np.allclose(dp.model.params, ref.model.params, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("sync", ["accumulate", "local-sgd"])
+def test_an_epoch_end_told_on_some_ranks_only_is_refused_on_every_rank(comm, sync):
+    """A loop of one's own that tells rank 0 alone of an epoch's end: rank 0 synchronises
+    after 2 steps, the others after 3, and these two exchanges pair up. Every rank raises
+    there (the sums used to be applied as if nothing were wrong, and the steps stayed
+    shifted)."""
+    model = nn.mlp(6, (5,), 3, dtype=np.float64).init_(0)
+    dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,
+                            sync=make_sync(sync, k=3))
+    rng = np.random.default_rng(comm.rank)
+    X, y = rng.standard_normal((4, 6)), rng.integers(0, 3, 4)
+
+    def loop():
+        for i in range(6):
+            dp.step(X, y, last_of_epoch=comm.rank == 0 and i == 1)
+    raises_everywhere(comm, mpidp.MpidpError, loop, f"1 of {comm.size} ranks synchronised early")
+    told_all = mpidp.DataParallel(nn.mlp(6, (5,), 3, dtype=np.float64).init_(0), nn.SGD(0.1),
+                                  nn.SoftmaxCrossEntropy(), comm, sync=make_sync(sync, k=3))
+    for i in range(5):  # every rank told at the same step: no complaint (2 + 3 steps)
+        told_all.step(X, y, last_of_epoch=i == 1)
+    all_ranks(comm, told_all.sync.at_boundary() and told_all.in_sync())
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("codec", ["bfloat16", "float16"])
 def test_compressed_halves_gradient_bytes_and_tracks_full_precision(comm, codec):
