@@ -148,3 +148,12 @@ def test_tensorboard_scalars_per_epoch_and_step(tmp_path):
     assert s["step/comm_share"] == [(40, 0.25)] and s["step/imbalance"] == [(40, 1.5)]
     assert s["step/compute_s/rank1"] == [(40, 1.0)]
     assert not any(k.startswith("config") for k in s)
+
+
+def test_a_tensorboard_path_that_is_a_file_is_named_as_the_folder_it_must_be(tmp_path):
+    """The check names the path given (it used to name a file inside it: PATH/x)."""
+    from mpidp.observe.watch import Outputs, Watch
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    with pytest.raises(ValueError, match=rf"^--tensorboard {taken} exists and is not a folder"):
+        Watch.check(Outputs(str(tmp_path / "o"), tensorboard=str(taken)))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import comm as C
-from ..atomic import check_file, check_writable
+from ..atomic import check_file, check_folder
 from .history import History
 from .trace import Tracer, parse_window
 from .trace import write as write_trace
@@ -73,7 +73,7 @@ class Watch:
             check_file(outputs.trace, "--trace", "trace.json")
             parse_window(outputs.trace_steps)
         if outputs.tensorboard:
-            check_writable(os.path.join(outputs.tensorboard, "x"), "--tensorboard")
+            check_folder(outputs.tensorboard, "--tensorboard")
             try:
                 import tensorboardX  # noqa: F401
             except ImportError:

@@ -23,7 +23,7 @@ RTOL, ATOL = 1e-9, 1e-11
 def _train(comm, spec="synthetic", distribute="scatter", init_sync="bcast", optimizer="momentum",
            epochs=2, batch_size=24, n_samples=203, model="mlp", **kw):
     data = mpidp.load(comm, spec, distribute=distribute, seed=3, dtype=np.float64,
-                      n_samples=n_samples, n_features=7, n_classes=3,
+                      n_samples=n_samples, n_features=7, n_classes=None if model == "linear" else 3,
                       regression=model == "linear", **kw)
     net, loss = nn.build(model, data.n_features, data.n_outputs, (16, 8), np.float64,
                          data.classification)
