@@ -121,3 +121,45 @@ def test_a_model_file_with_fewer_outputs_than_the_data_needs_is_refused(tmp_path
     assert r.returncode == 2 and r.stderr.count("mpidp: error:") == 1, r.stderr[-3000:]
     assert "gives outputs of shape (5,) per sample, but the data needs" in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+def _file(tmp_path, first: str) -> Path:
+    path = tmp_path / f"{first}.toml"
+    path.write_text(f'[[layers]]\ntype = "{first}"\nn_in = 64\nn_out = 10\n')
+    return path
+
+
+BOW = ["--dataset", "bow", "--n-samples", "200", "--n-features", "64"]
+
+
+@pytest.mark.parametrize("first, data, message", [
+    ("SparseDense", ["--dataset", "digits"], "its first layer, SparseDense, takes sparse (CSR) "
+     "rows, and the dataset's rows are dense arrays"),
+    ("Dense", BOW, "the dataset's rows are sparse (CSR), and only a first SparseDense layer "
+     "takes them (this model's first layer is Dense)"),
+])
+def test_a_model_file_whose_first_layer_cannot_take_the_rows_is_refused(tmp_path, first, data,
+                                                                         message):
+    """Both used to end in a traceback inside the first forward pass."""
+    r = run_mpi(2, "train", "--model", str(_file(tmp_path, first)), *data, "--epochs", "1",
+                "--no-progress", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_predict_refuses_rows_of_the_other_kind_before_any_output(tmp_path):
+    """A model trained on sparse rows meets dense ones, and a dense model sparse ones."""
+    sparse, dense = tmp_path / "sparse", tmp_path / "dense"
+    for out, data in ((sparse, BOW), (dense, ["--dataset", "synthetic", "--n-samples", "200",
+                                              "--n-features", "64"])):
+        r = run_mpi(1, "train", *data, "--epochs", "1", "--no-progress", "--out", str(out))
+        assert r.returncode == 0, r.stderr[-2000:]
+    for model, data, message in (
+            (sparse, ["--dataset", "synthetic", "--n-features", "64", "--n-samples", "50"],
+             "takes sparse (CSR) rows, and the dataset's rows are dense"),
+            (dense, ["--dataset", "bow", "--n-features", "64", "--n-samples", "50"],
+             "the dataset's rows are sparse (CSR)")):
+        r = run_mpi(2, "predict", "--model", str(model), *data, "--out", str(tmp_path / "p.npy"))
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, \
+            r.stderr[-2000:]
+        assert not (tmp_path / "p.npy").exists()

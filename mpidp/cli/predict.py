@@ -15,7 +15,7 @@ from .. import nn
 from ..atomic import check_file, write_atomic
 from ..data.partition import block_range, split_rows
 from ..data.sources import open_source, scan_rows
-from ..nn.sparse import CSR
+from ..nn.sparse import CSR, input_problem
 from ..observe.scores import ScoreSums
 from ..parallel.evaluation import global_sums
 from ..parallel.mapreduce import map_reduce
@@ -130,6 +130,11 @@ def predict(args: argparse.Namespace, comm: C.Comm) -> dict | None:
         what = lambda s: f"{s[0]} features" if len(s) == 1 else f"samples of shape {s}"
         raise C.MpidpError(f"--dataset {args.dataset} has {what(shape)}, but the model in "
                            f"{args.model} takes {what(model.in_shape)}")
+    sparse = len(rows) > 0 and isinstance(src.read(rows[:1])[0], CSR)
+    problem = input_problem(model.layers, sparse)
+    if problem:  # the same verdict on every rank
+        raise C.MpidpError(f"--dataset {args.dataset} does not suit the model in "
+                           f"{args.model}: {problem}")
     mine = rows[slice(*block_range(len(rows), comm.size, comm.rank))]
     bad = scan_rows(src, mine, dtype=model.dtype)  # each rank its block, before any work
     C.agree(comm, bad and f"{bad}: predictions for such rows are meaningless; clean or drop "

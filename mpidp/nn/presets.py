@@ -16,7 +16,7 @@ from .model import Sequential, as_shape, chain_shapes
 from .modelfile import is_model_file, layers_from, read_model_file
 from .pool import MaxPool
 from .reshape import Flatten
-from .sparse import SparseDense
+from .sparse import SparseDense, input_problem
 
 _ACTIVATIONS = {"relu": ReLU, "tanh": Tanh, "sigmoid": Sigmoid}
 
@@ -117,6 +117,9 @@ def model_layers(name: str, in_shape: int | Sequence[int], n_out: int,
     n_in = int(np.prod(shape))
     if is_model_file(name):
         layers = layers_from(read_model_file(name), n_out, where=f"model file {name}")
+        problem = input_problem(layers, sparse)
+        if problem:
+            raise ValueError(f"model file {name}: {problem}")
         try:
             out = chain_shapes(layers, shape)[-1]
         except ValueError:  # shapes that do not chain: the caller names the layer

@@ -146,3 +146,18 @@ class SparseDense(Layer):
 
     def __repr__(self) -> str:
         return f"SparseDense({self.n_in}, {self.n_out})"
+
+
+def input_problem(layers: Sequence[Layer], sparse: bool) -> str | None:
+    """Why a model made of ``layers`` cannot take a dataset's rows, sparse (CSR) when
+    ``sparse`` else dense arrays, or None: only a first :class:`SparseDense` takes CSR
+    rows, and it takes nothing else."""
+    first = layers[0] if len(layers) else None
+    takes_csr = isinstance(first, SparseDense)
+    if takes_csr and not sparse:
+        return ("its first layer, SparseDense, takes sparse (CSR) rows, and the dataset's "
+                "rows are dense arrays")
+    if sparse and not takes_csr:
+        return (f"the dataset's rows are sparse (CSR), and only a first SparseDense layer "
+                f"takes them (this model's first layer is {type(first).__name__})")
+    return None
