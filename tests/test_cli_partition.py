@@ -133,3 +133,17 @@ def test_a_resume_on_other_ranks_leaves_the_old_capacities_where_they_no_longer_
     run[-1] = str(tmp_path / "ck2")
     r = run_mpi(3, *run, "--epochs", "2", "--resume", "--out", str(tmp_path / "c"))
     assert r.returncode == 2 and "the resumed run's capacities" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_resume_on_fewer_ranks_than_its_slowdown_names_says_where_it_came_from(tmp_path):
+    """A --slowdown stored for rank 2 of 3, resumed on 2 ranks: refused before any work,
+    saying the value is the resumed run's; 0:1 typed over it resumes."""
+    run = ["train", "--dataset", "digits", "--no-progress", "-q",
+           "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "o")]
+    r = run_mpi(3, *run, "--epochs", "1", "--slowdown", "2:1.5")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_mpi(2, *run, "--epochs", "2", "--resume")
+    assert r.returncode == 2 and "--slowdown names rank 2 but there are 2 ranks (the resumed " \
+        "run's --slowdown" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    r = run_mpi(2, *run, "--epochs", "2", "--resume", "--slowdown", "0:1")
+    assert r.returncode == 0, r.stderr[-2000:]
