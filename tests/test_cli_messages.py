@@ -4,6 +4,7 @@ end-of-run balance line, and the README and docs pages that describe the command
 from __future__ import annotations
 
 import configparser
+import json
 import re
 
 import numpy as np
@@ -230,6 +231,24 @@ def test_a_default_valued_setting_an_override_makes_moot_is_left_out(tmp_path):
     r = run_mpi(1, "train", "--config", str(cfg), "--sync", "allreduce", "--out", str(out), "-q")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "bucket" not in (out / "config.toml").read_text()
+
+
+def test_a_record_of_every_setting_and_flags_written_false_are_read_back(tmp_path):
+    """A metrics.json's config (every setting, defaults that apply nowhere included) as a
+    config file trains again, and so does a file writing flags as false: neither says
+    anything that does not apply."""
+    from mpidp.cli.config import dumps
+    first = tmp_path / "first"
+    r = run_mpi(1, "train", "--dataset", "digits", "--epochs", "1", "--out", str(first), "-q")
+    assert r.returncode == 0, r.stderr[-2000:]
+    record = json.loads((first / "metrics.json").read_text())["config"]
+    full = tmp_path / "full.toml"
+    full.write_text(dumps({**record, "out": str(tmp_path / "again")}))
+    flags = tmp_path / "flags.toml"
+    flags.write_text('dataset = "digits"\nepochs = 1\ncopy-data = false\nrestart = false\n')
+    for cfg in (full, flags):
+        r = run_mpi(1, "train", "--config", str(cfg), "--out", str(tmp_path / cfg.stem), "-q")
+        assert r.returncode == 0, (cfg.name, r.stderr[-2000:])
 
 
 def test_a_codec_made_moot_by_a_typed_dtype_is_not_passed_on(tmp_path):

@@ -411,3 +411,22 @@ def test_a_label_outside_the_classes_is_refused(loss, bad):
     with pytest.raises(ValueError, match=f"label {bad} is outside the model's 3 classes"):
         loss.forward(pred, np.array([0, 1, bad, 2]))
     assert np.isfinite(loss.forward(pred, np.array([0, 1, 2, 2])))
+
+
+def test_which_first_layers_take_sparse_rows():
+    """SparseDense takes CSR rows only, mpidp's other layers dense arrays only; a layer of
+    one's own (one that densifies its input, say) is trusted with either."""
+    from mpidp.nn.sparse import SparseDense, input_problem
+
+    class Densify(nn.Layer):
+        def forward(self, x):
+            return x
+
+        def backward(self, dy, accumulate=False, need_input_grad=True):
+            return dy
+
+    assert input_problem([SparseDense(4, 2)], sparse=True) is None
+    assert "takes sparse (CSR) rows" in input_problem([SparseDense(4, 2)], sparse=False)
+    assert "first layer is Dense" in input_problem([nn.Dense(4, 2)], sparse=True)
+    assert input_problem([nn.Dense(4, 2)], sparse=False) is None
+    assert input_problem([Densify(), nn.Dense(4, 2)], sparse=True) is None

@@ -93,6 +93,8 @@ def test_labels_the_model_cannot_score_are_refused_before_any_output(trained, tm
     (["--n-features", "9", "--n-samples", "9"],
      "--n-samples and --n-features do not apply to --dataset digits"),
     (["--chunk-size", "64"], "--chunk-size needs --dynamic"),
+    (["--chunk-size", "512"], "--chunk-size needs --dynamic"),  # typed: at its default too
+    (["--seed", "0"], "--seed does not apply to --dataset digits with --rows all"),
     (["--chunk-size", "0", "--dynamic"], "--chunk-size: must be an integer >= 1, got 0"),
 ])
 def test_predict_options_that_would_do_nothing_are_refused(trained, tmp_path, extra, message):
@@ -111,3 +113,18 @@ def test_metrics_of_a_classifier_on_real_valued_targets_are_refused(trained, tmp
                 "--out", str(tmp_path / "p.npy"), "--metrics", str(tmp_path / "m.json"))
     assert r.returncode == 2 and "holds real-valued targets, not class labels" in r.stderr
     assert sorted(tmp_path.iterdir()) == [data]
+
+
+def test_a_seed_for_the_held_out_rows_of_a_dataset_with_its_own_test_set_is_refused():
+    """``--rows test`` on a dataset with a fixed test set (MNIST-1D's) takes those rows:
+    a typed --seed would seed nothing, unless --test-fraction asks for a seeded split."""
+    from types import SimpleNamespace
+
+    from mpidp.cli.predict import _seed_problem
+    own, none = SimpleNamespace(fixed_test=40), SimpleNamespace(fixed_test=None)
+    args = SimpleNamespace(dataset="mnist1d", rows="test", test_fraction=None)
+    assert "its test rows are its own" in _seed_problem(args, {"seed"}, own)
+    assert _seed_problem(args, set(), own) is None  # not typed
+    assert _seed_problem(args, {"seed"}, none) is None  # a seeded split of its rows
+    args.test_fraction = 0.3
+    assert _seed_problem(args, {"seed", "test_fraction"}, own) is None

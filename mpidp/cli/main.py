@@ -604,6 +604,15 @@ def _with_table(parser, argv: list[str], table: dict, source: str,
     return args, new, set_ - (config.NOT_STORED if literal else config.RECORDS)
 
 
+def _records_every_setting(train: argparse.ArgumentParser, keys: dict) -> bool:
+    """Whether a config table ``keys`` (option dest -> value) holds every setting a run
+    stores that has a value by default, as a run's full record (metrics.json) does."""
+    from . import config
+    valued = {a.dest for a in train._actions  # noqa: SLF001
+              if a.default not in (None, {}, [], ()) and a.dest != "help"}
+    return valued - config.NOT_STORED <= set(keys)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     typed = list(argv)  # what the user wrote: the options given (a table's are added below)
@@ -632,9 +641,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # refused like a flag; one the command line overrode away is left out in _run
         from_file = {(d, depends_met(d, alone)) for d in from_file}
         # a key at its default value that does not apply to the file's own settings (a
-        # momentum beside --optimizer sgd) is refused too: written, it says something
-        idle = {k.replace("-", "_") for k in table} - set(applying(alone)) - config.RECORDS
-        from_file |= {(d, False) for d in idle if d not in {x for x, _ in from_file}}
+        # momentum beside --optimizer sgd) is refused too: written, it says something.
+        # Not in a record of every setting (a metrics.json's), nor a flag written false.
+        keys = {k.replace("-", "_"): v for k, v in table.items()}
+        if not _records_every_setting(train, keys):
+            idle = set(keys) - set(applying(alone)) - config.RECORDS
+            from_file |= {(d, False) for d in idle if d not in {x for x, _ in from_file}
+                          and keys[d] is not False}
         if "out" in table and "out" not in given(_train_parser(parser),
                                                  typed[typed.index("train") + 1:]) \
                 and _launcher_rank() == 0:
@@ -722,5 +735,7 @@ def _run(args, comm, parser: argparse.ArgumentParser, argv: list[str],
             print(format_report(report), "\nwrote " + ", ".join(save_model(report, args.out)),
                   flush=True)
     elif args.command == "predict":
+        from .options import given
         from .predict import predict
-        predict(args, comm)
+        options = parser._subparsers._group_actions[0].choices["predict"]  # noqa: SLF001
+        predict(args, comm, given(options, argv[argv.index("predict") + 1:]))

@@ -230,7 +230,8 @@ def problems(args: argparse.Namespace, given_: set[str], size: int) -> list[str]
         out.append("--resume needs --checkpoint-dir")
     beyond = sorted(r for r in (getattr(args, "slowdown", None) or {}) if r >= size)
     if beyond:
-        out.append(f"--slowdown names rank {beyond[0]} but there are {size} ranks"
+        out.append(f"--slowdown names rank{'s' * (len(beyond) > 1)} "
+                   f"{', '.join(map(str, beyond))} but there are {size} ranks"
                    + ("" if "slowdown" in given_ else " (the resumed run's --slowdown, for "
                       "another number of ranks: give --slowdown for these, 0:1 for none)"))
     if mode in ("ps", "async-ps") and size < 2:

@@ -88,32 +88,44 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 
 
-def problems(args: argparse.Namespace) -> list[str]:
-    """Options that would do nothing together, as messages (empty when all is well)."""
+def problems(args: argparse.Namespace, given: set[str] = frozenset()) -> list[str]:
+    """Options that would do nothing together, as messages (empty when all is well).
+    ``given``: the options written on the command line (refused where they do nothing,
+    whatever their value)."""
     out = []
     if args.dynamic and args.partition != "block":
         out.append(f"--partition {args.partition} does not apply with --dynamic: the ranks "
                    f"take chunks of rows as they go")
-    if args.chunk_size != 512 and not args.dynamic:
+    if "chunk_size" in given and not args.dynamic:
         out.append("--chunk-size needs --dynamic (ranks then take chunks of that many rows)")
     if args.test_fraction is not None and args.rows != "test":
         out.append("--test-fraction needs --rows test (it sizes the held-out rows)")
     if args.dataset not in GENERATED:  # a file or a built-in set: its own size and rows
-        sized = [f"--{dest.replace('_', '-')}" for dest, default in SIZE_DEFAULTS.items()
-                 if getattr(args, dest) != default]
+        sized = [f"--{dest.replace('_', '-')}" for dest in SIZE_DEFAULTS if dest in given]
         if sized:
             out.append(f"{' and '.join(sized)} {'do' if len(sized) > 1 else 'does'} not apply "
                        f"to --dataset {args.dataset}: only the generated datasets "
                        f"({', '.join(GENERATED)}) are made to a size")
-        if args.seed != 0 and args.rows != "test":
+        if "seed" in given and args.rows != "test":
             out.append(f"--seed does not apply to --dataset {args.dataset} with --rows "
                        f"{args.rows}: it seeds the held-out split (--rows test) and generated data")
     return out
 
 
-def predict(args: argparse.Namespace, comm: C.Comm) -> dict | None:
-    """Run ``mpidp predict``. Collective. Returns a summary on rank 0."""
-    errors = problems(args)  # the same on every rank, from the same arguments
+def _seed_problem(args: argparse.Namespace, given: set[str], src) -> str | None:
+    """``--seed`` given where it seeds nothing: the held-out rows of a dataset with a test
+    set of its own (no --test-fraction), on a dataset that is not generated."""
+    if "seed" in given and args.dataset not in GENERATED and args.rows == "test" \
+            and args.test_fraction is None and src.fixed_test:
+        return (f"--seed does not apply to --dataset {args.dataset} with --rows test: its "
+                f"test rows are its own (give --test-fraction for a seeded split)")
+    return None
+
+
+def predict(args: argparse.Namespace, comm: C.Comm, given: set[str] = frozenset()) -> dict | None:
+    """Run ``mpidp predict``. Collective. Returns a summary on rank 0. ``given``: the
+    options written on the command line."""
+    errors = problems(args, given)  # the same on every rank, from the same arguments
     if errors:
         raise C.MpidpError("; ".join(errors))
     C.root_decides(comm, check_outputs, args)
@@ -121,6 +133,9 @@ def predict(args: argparse.Namespace, comm: C.Comm) -> dict | None:
     model = C.run_agreed(comm, _open_model, args.model)
     src = C.run_agreed(comm, open_source, args.dataset, seed=args.seed,
                        n_samples=args.n_samples, n_features=args.n_features)
+    seed = _seed_problem(args, given, src)
+    if seed:  # the same verdict on every rank
+        raise C.MpidpError(seed)
     rows = np.arange(src.n_samples)
     if args.rows == "test":
         rows = split_rows(src.n_samples, args.test_fraction, args.seed, src.fixed_test)[1]
@@ -130,8 +145,7 @@ def predict(args: argparse.Namespace, comm: C.Comm) -> dict | None:
         what = lambda s: f"{s[0]} features" if len(s) == 1 else f"samples of shape {s}"
         raise C.MpidpError(f"--dataset {args.dataset} has {what(shape)}, but the model in "
                            f"{args.model} takes {what(model.in_shape)}")
-    sparse = len(rows) > 0 and isinstance(src.read(rows[:1])[0], CSR)
-    problem = input_problem(model.layers, sparse)
+    problem = len(rows) and input_problem(model.layers, isinstance(src.read(rows[:1])[0], CSR))
     if problem:  # the same verdict on every rank
         raise C.MpidpError(f"--dataset {args.dataset} does not suit the model in "
                            f"{args.model}: {problem}")

@@ -150,14 +150,14 @@ class SparseDense(Layer):
 
 def input_problem(layers: Sequence[Layer], sparse: bool) -> str | None:
     """Why a model made of ``layers`` cannot take a dataset's rows, sparse (CSR) when
-    ``sparse`` else dense arrays, or None: only a first :class:`SparseDense` takes CSR
-    rows, and it takes nothing else."""
+    ``sparse`` else dense arrays, or None: a first :class:`SparseDense` takes CSR rows
+    only, and mpidp's other layers dense arrays only (a layer of the user's own is
+    trusted to take what it is given)."""
     first = layers[0] if len(layers) else None
-    takes_csr = isinstance(first, SparseDense)
-    if takes_csr and not sparse:
-        return ("its first layer, SparseDense, takes sparse (CSR) rows, and the dataset's "
-                "rows are dense arrays")
-    if sparse and not takes_csr:
+    if isinstance(first, SparseDense):
+        return None if sparse else ("its first layer, SparseDense, takes sparse (CSR) rows, "
+                                    "and the dataset's rows are dense arrays")
+    if sparse and type(first).__module__.startswith(__package__ + "."):
         return (f"the dataset's rows are sparse (CSR), and only a first SparseDense layer "
                 f"takes them (this model's first layer is {type(first).__name__})")
     return None

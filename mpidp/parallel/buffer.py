@@ -3,11 +3,11 @@
 
 Gradients are SUMS over the local samples (not means), so summing the buffer over ranks
 and dividing by the global count gives the single-process gradient for any split. The
-last slot is this rank's request to stop (1 or 0): summed with the rest, it is non-zero
+stop slot is this rank's request to stop (1 or 0): summed with the rest, it is non-zero
 on every rank once any rank asked, so stopping needs no collective of its own. The
 ``early`` slot is 1 on a rank whose periodic synchronisation (gradient accumulation) comes
 before its period is full because the caller said an epoch ended: summed, it must be 0 or
-the number of ranks, else the ranks were told of the end at different steps.
+the number of ranks, else some ranks were told of the end and others not.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class DataParallel:
         if refused:
             raise C.MpidpError(refused)
         self.sync_params(init_sync)
-        # grads | loss_sum | count | correct | stop: ONE buffer, so ONE Allreduce per step,
+        # grads | extras (mpidp.parallel.buffer): ONE buffer, so ONE Allreduce per step,
         # laid out as the strategy needs it (padded, in shared memory)
         bufs = self.sync.setup(Setup(self.comm, root, model, self.timer))
         self.sync._taken = True  # this trainer's from here on (a failed start leaves it free)
@@ -262,7 +262,8 @@ class DataParallel:
         the global batch (``n_local`` may be 0). Collective. Returns the global batch's stats
         (strategies that synchronise every k steps return zeros in between and the group's
         totals when they synchronise; ``last_of_epoch`` makes them synchronise now: give it
-        at the same step on every rank, else every rank raises ``MpidpError`` there).
+        at the same step on every rank; a synchronisation that some ranks bring forward
+        for it and others do not raises ``MpidpError`` on every rank).
         ``index`` ``(n_local,)``: the rows' global positions in the training set, which
         keys dropout masks (:func:`fit` passes them; a loop of your own must, for dropout)."""
         if self.closed:
