@@ -146,6 +146,8 @@ BAD = {
                              "needs integer class labels"),
     "unknown option value": (lambda t: ["--model", "resnet"], "'resnet' is neither a preset"),
     "bad hidden": (lambda t: ["--hidden", "12,x"], "comma-separated"),
+    "slowdown beyond the job": (lambda t: ["--slowdown", "1:2,5:3,3:2"],
+                                "--slowdown names ranks 3, 5 but there are 3 ranks"),
     "huge slowdown": (lambda t: ["--slowdown", "0:1e308"], "FACTOR from 1 to 1e6"),
     "non-positive batch": (lambda t: ["--batch-size", "0"], "must be an integer >= 1, got 0"),
     "out is a file": (lambda t: ["--out", str(_garbage(t))], "is not a folder"),

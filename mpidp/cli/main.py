@@ -645,9 +645,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Not in a record of every setting (a metrics.json's), nor a flag written false.
         keys = {k.replace("-", "_"): v for k, v in table.items()}
         if not _records_every_setting(train, keys):
-            idle = set(keys) - set(applying(alone)) - config.RECORDS
-            from_file |= {(d, False) for d in idle if d not in {x for x, _ in from_file}
-                          and keys[d] is not False}
+            idle = set(keys) - set(applying(alone)) - config.RECORDS - {d for d, _ in from_file}
+            from_file |= {(d, False) for d in idle if keys[d] is not False}
         if "out" in table and "out" not in given(_train_parser(parser),
                                                  typed[typed.index("train") + 1:]) \
                 and _launcher_rank() == 0:

@@ -87,7 +87,6 @@ def check_outputs(args: argparse.Namespace) -> None:
                              f"replace the predictions; give another path")
 
 
-
 def problems(args: argparse.Namespace, given: set[str] = frozenset()) -> list[str]:
     """Options that would do nothing together, as messages (empty when all is well).
     ``given``: the options written on the command line (refused where they do nothing,
