@@ -309,6 +309,54 @@ def test_the_watchdog_names_a_stopped_rank_among_four(tmp_path, attempt):
     assert "stalled rank(s) [2]" in err and "did not answer" in err, err[-2000:]
 
 
+SLOW_TO_ANSWER = """\
+import os, signal, time
+import numpy as np
+import mpidp
+from mpi4py import MPI
+from mpidp import nn
+from mpidp.comm.watchdog import Watchdog
+comm = MPI.COMM_WORLD
+if comm.rank == 0:  # answers its first roll call 3 s late, as a rank starved of CPU would
+    plain = Watchdog._answer
+    def late(self, listen, call, replies):
+        if not getattr(self, "slept", False) and listen.Get_status():
+            self.slept = True
+            time.sleep(3.0)
+        return plain(self, listen, call, replies)
+    Watchdog._answer = late
+X = np.random.default_rng(0).standard_normal((300, 4))
+y = (X[:, 0] > 0).astype(np.int64)
+shard = mpidp.shard_from_arrays(comm, X[comm.rank::3], y[comm.rank::3])
+dp = mpidp.DataParallel(nn.mlp(4, (8,), 2).init_(0), nn.SGD(0.1), nn.SoftmaxCrossEntropy(),
+                        comm)
+def stop(record):
+    if comm.rank == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+mpidp.fit(dp, shard, 50, 12, on_epoch=stop, watchdog=Watchdog(comm, 1.0))
+"""
+
+
+def test_a_rank_slow_to_answer_the_roll_call_is_not_named(tmp_path):
+    """Rank 2 is stopped; rank 0 answers the roll call 3 s late (its cores busy elsewhere):
+    only rank 2 is named."""
+    script = tmp_path / "mpidp_job.py"
+    script.write_text(SLOW_TO_ANSWER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPIDP_TEST_TOKEN": f"late-{tmp_path.name}"}
+    job = subprocess.Popen([mpiexec(), "-n", "3", sys.executable, str(script)], cwd=ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           stdin=subprocess.DEVNULL)
+    job.token = env["MPIDP_TEST_TOKEN"]
+    pids = _ranks(job, 3)
+    try:
+        out, err = job.communicate(timeout=60)
+    finally:
+        os.kill(pids[2], signal.SIGCONT) if os.path.exists(f"/proc/{pids[2]}") else None
+    assert job.returncode == 3, (job.returncode, err[-2000:])
+    assert "stalled rank(s) [2]: [2] did not answer" in err, err[-2000:]
+    assert "stalled rank(s) [0" not in err, err[-2000:]
+
+
 def test_replicas_that_differ_at_the_end_fail_the_run(tmp_path):
     env = {"MPIDP_FAULT": "desync@1:44"}  # the last step: nothing can round it away
     r = run_mpi(2, *ARGS, "--out", str(tmp_path / "o"), env=env)

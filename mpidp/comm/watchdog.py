@@ -1,4 +1,4 @@
-"""The watchdog: a stalled rank ends the job within about twice the timeout, named.
+"""The watchdog: a stalled rank ends the job, named, within the timeout and a grace.
 
 Every MPI call of :mod:`mpidp.comm` marks this process as *waiting in MPI* while it runs
 (:func:`watched`); between calls the process is *computing*; :meth:`Watchdog.excused`
@@ -12,7 +12,8 @@ every other rank's thread answers with its own mark (state, the call it is in, f
 long, at which step). Then:
 
 - a rank that does not answer within ``grace`` seconds is stopped (SIGSTOP), dead, or
-  stuck outside Python: it is named;
+  stuck outside Python: it is named (the grace is long enough for a rank that is only
+  slow to answer, its cores taken by other processes, not to be named);
 - a rank that has been computing (or excused) for longer than the timeout (resp. ten
   timeouts) is stuck: it is named;
 - every rank waiting in MPI for longer than the timeout: a deadlock (mismatched
@@ -50,10 +51,12 @@ class Watchdog:
     ``max(floor, steps * median step)``, so a healthy run never trips it.
     """
 
-    def __init__(self, comm: MPI.Comm, timeout: float | None, grace: float = 2.0,
+    def __init__(self, comm: MPI.Comm, timeout: float | None, grace: float = 6.0,
                  floor: float = 600.0, steps: int = 50) -> None:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"watchdog timeout must be > 0 seconds, got {timeout}")
+        if not grace > 0:
+            raise ValueError(f"watchdog grace must be > 0 seconds, got {grace}")
         self.comm, self.grace = comm, float(grace)
         self.auto, self.floor, self.n_steps = timeout is None, float(floor), int(steps)
         self.timeout = float(timeout) if timeout is not None else self.floor
@@ -139,7 +142,7 @@ class Watchdog:
         sent = [comm.Isend(ping, dest=r, tag=_ROLL) for r in others]
         got = {r: np.full(4, -1, np.int64) for r in others}
         pending = {r: comm.Irecv(got[r], source=r, tag=_REPLY) for r in others}
-        deadline = time.monotonic() + min(self.grace, max(self.timeout, 0.5))
+        deadline = time.monotonic() + self.grace  # all answered: the loop ends at once
         replies: list = []
         while pending and time.monotonic() < deadline:
             listen, replies = self._answer(listen, call, replies)
