@@ -114,7 +114,7 @@ class Watchdog:
                         self._abort(f"rank {me} stalled for {age:.1f}s "
                                     f"({self._describe(self._mine())}); ranks not named "
                                     "(MPI lacks MPI_THREAD_MULTIPLE)")
-                    self._roll_call(listen, call)
+                    listen, replies = self._roll_call(listen, call, replies)
                     next_check = time.monotonic() + self.timeout
         finally:
             if listen is not None:
@@ -135,7 +135,10 @@ class Watchdog:
         replies = [(r, b) for r, b in replies if not r.Test()]
         return listen, replies
 
-    def _roll_call(self, listen, call) -> None:
+    def _roll_call(self, listen, call, replies):
+        """Ask every other rank for its mark, judge the answers; returns the listening request
+        and the replies in flight (answering others' roll calls meanwhile replaces both).
+        A :meth:`stop` meanwhile ends it without a verdict: this rank's work is done."""
         comm, me = self.side, self.side.rank
         others = [r for r in range(comm.size) if r != me]
         ping = np.array([me], np.int64)
@@ -143,16 +146,17 @@ class Watchdog:
         got = {r: np.full(4, -1, np.int64) for r in others}
         pending = {r: comm.Irecv(got[r], source=r, tag=_REPLY) for r in others}
         deadline = time.monotonic() + self.grace  # all answered: the loop ends at once
-        replies: list = []
-        while pending and time.monotonic() < deadline:
+        while pending and time.monotonic() < deadline and not self._stop.is_set():
             listen, replies = self._answer(listen, call, replies)
             pending = {r: q for r, q in pending.items() if not q.Test()}
             time.sleep(0.002)
-        marks = {r: got[r] for r in others if r not in pending}
-        marks[me] = self._mine()
-        self._judge(sorted(pending), marks)
+        if not self._stop.is_set():
+            marks = {r: got[r] for r in others if r not in pending}
+            marks[me] = self._mine()
+            self._judge(sorted(pending), marks)
         for q in list(pending.values()) + sent:
             q.Cancel()
+        return listen, replies
 
     def _describe(self, mark: np.ndarray) -> str:
         state, call, ms, step = (int(v) for v in mark)
