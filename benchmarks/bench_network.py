@@ -51,6 +51,7 @@ NODE_MODES = ("allreduce-flat", "allreduce-node")  # 2 hosts x 2 ranks
 # codes Allgathered: each rank sends (P-1) x its codes
 GATHER = ("compressed", "compressed-numpy", "compressed-int8")
 COMPUTE = "compute-only"  # run beside the modes in every job: the model's compute input
+LOOP = "handwritten"  # the reference every mode is compared with, repeat by repeat
 #: bench_sync.py's mode (or the strategy auto chose) -> the cost model's mode
 MODEL_MODES = {"handwritten": "allreduce", "allreduce": "allreduce", "allreduce-flat": "allreduce",
                "overlapped": "overlapped", "overlapped-forward": "overlapped-forward",
@@ -106,10 +107,20 @@ def spread(values: Sequence[float]) -> dict:
             "spread": (max(values) - min(values)) / med if med else 0.0}
 
 
+def vs_loop(mode: dict, loop: dict | None) -> dict | None:
+    """A mode's steps/s over the hand-written loop's, repeat by repeat (repeat ``r`` of
+    every mode runs in the same pass of the job, so each ratio is measured side by side):
+    :func:`spread` of the ratios; None without the loop's repeats beside them."""
+    if not loop or len(loop["repeats"]) != len(mode["repeats"]):
+        return None
+    return spread([h["step_s"] / r["step_s"] for r, h in zip(mode["repeats"], loop["repeats"])])
+
+
 def rows_of(job: dict, marks: dict, rate_bits: float, hosts: int) -> list[dict]:
     """One row per mode of a bench_sync.py ``job`` (its JSON) and the counter readings at
     its ``marks`` (label -> {"start": [...], "stop": [...]})."""
     ranks, steps, rows = job["world_size"], job["steps"], []
+    loop = job["modes"].get(LOOP)
     for mode, m in job["modes"].items():
         if mode == COMPUTE:  # an input of the model, not a row
             continue
@@ -131,7 +142,7 @@ def rows_of(job: dict, marks: dict, rate_bits: float, hosts: int) -> list[dict]:
                      "of_limit": sps["median"] / limit if limit else None,
                      "link_bytes_per_step": statistics.median(x["busiest"] for x in link),
                      "link": link, "comm_share": m["comm_share"], "chosen": dict(chosen),
-                     "sync_report": first.get("sync_report")})
+                     "sync_report": first.get("sync_report"), "vs_loop": vs_loop(m, loop)})
     rows += [{"rate_gbit": rate_bits / 1e9, "ranks": ranks, "hosts": hosts, "mode": mode,
               "skipped": why} for mode, why in job.get("skipped", {}).items()]
     return rows
@@ -381,14 +392,15 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def table(rows: Sequence[dict]) -> list[str]:
     """The Markdown table of ``rows`` (from :func:`rows_of`)."""
-    out = ["| link | hosts x ranks | mode | steps/s (median, spread) | predicted steps/s | error "
-           "| link-bound limit | % of limit | host-link MB/step (veth) | expected MB/step |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| link | hosts x ranks | mode | steps/s (median, spread) | x loop (range) "
+           "| predicted steps/s | error | link-bound limit | % of limit "
+           "| host-link MB/step (veth) | expected MB/step |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         where = (f"| {r['rate_gbit']:g} Gbit/s | {r['hosts']} x {r['ranks'] // r['hosts']}"
                  f"{' cyclic' if r.get('placement') == 'cyclic' else ''} ")
         if "skipped" in r:
-            out.append(where + f"| {r['mode']} | skipped: {r['skipped']} | | | | | | |")
+            out.append(where + f"| {r['mode']} | skipped: {r['skipped']} | | | | | | | |")
             continue
         s, mode = r["steps_per_s"], r["mode"]
         chosen = r.get("chosen") or {r["sync"]: 1}
@@ -398,7 +410,10 @@ def table(rows: Sequence[dict]) -> list[str]:
                                      sorted(chosen.items(), key=lambda kv: -kv[1])) + ")"
         elif r["sync"] not in (mode, "allreduce") and not mode.startswith(r["sync"] + "-"):
             mode += f" ({r['sync']})"  # what auto chose (not a variant's own strategy name)
-        out.append(where + f"| {mode} | {s['median']:.2f} ±{s['spread'] / 2:.0%} | "
+        x = r.get("vs_loop")
+        ratio = "–" if x is None else (
+            f"{x['median']:.2f} ({x['min']:.2f}-{x['max']:.2f})" if r["mode"] != LOOP else "1")
+        out.append(where + f"| {mode} | {s['median']:.2f} ±{s['spread'] / 2:.0%} | {ratio} | "
                    f"{_fmt(r.get('predicted_steps_per_s'), '.2f')} | "
                    f"{_fmt(r.get('prediction_error'), '+.0%')} | "
                    f"{_fmt(r['limit_steps_per_s'], '.2f')} | {_fmt(r['of_limit'], '.0%')} | "
@@ -496,6 +511,9 @@ def markdown(report: dict) -> str:
         f"{report['repeats']} repeat(s), each in a shuffled order (seed {report['seed']}).", "",
         *table(report["rows"]), "",
         "- steps/s: the slowest rank's, median of the repeats; ± half their range.",
+        "- x loop: steps/s over the hand-written loop's in the same repeat (each repeat runs "
+        "every mode of a job once, one after another, so each ratio is taken side by side); "
+        "median of the repeats and their range.",
         "- link-bound limit: rate / the least bytes each host must send per step (expected "
         "MB/step): an allreduce of m bytes per rank over H hosts 2(H-1)/H m (a ring of the "
         "hosts; at 2 x 1: m), an allgather (compressed: 16-bit codes) (H-1) k m with k ranks "

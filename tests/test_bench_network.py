@@ -129,6 +129,24 @@ def _row(mode: str, ranks: int, steps_per_s: float, sync: str | None = None) -> 
                             "spread": 0.0}}
 
 
+def test_each_mode_is_compared_with_the_loop_repeat_by_repeat():
+    job, marks = _job()
+    # repeat r of every mode ran in the same pass: the loop fast in pass 1, slow in pass 2
+    job["modes"]["handwritten"] = {"bytes_per_step": M / 2, "comm_share": 0.5, "repeats": [
+        {"step_s": s, "mark": f"allreduce {i}", "sync": "handwritten", "rank_bytes_per_step": [M, 0]}
+        for i, s in enumerate([0.2, 0.08, 0.3])]}
+    rows = {r["mode"]: r for r in B.rows_of(job, marks, 1e9, hosts=2)}
+    x = rows["allreduce"]["vs_loop"]  # allreduce took 0.2, 0.1, 0.25 s per step
+    assert (x["min"], x["median"], x["max"]) == pytest.approx((0.8, 1.0, 1.2))
+    # the ratio of the medians would say 5.0 / 5.0 = 1 too, but not the range; one repeat
+    # of compressed beside three of the loop cannot be paired: no ratio
+    assert rows["compressed"]["vs_loop"] is None
+    assert rows["handwritten"]["vs_loop"]["median"] == 1.0
+    lines = B.table(list(rows.values()))
+    assert "| allreduce | 5.00 ±60% | 1.00 (0.80-1.20) |" in lines[2]
+    assert "| handwritten | 5.00 ±" in lines[-2] and " | 1 | " in lines[-2]
+
+
 def test_compute_input_is_the_median_of_the_compute_only_repeats():
     job, _ = _job()
     assert B.compute_seconds(job) == pytest.approx(0.07)
@@ -186,21 +204,22 @@ def test_table_and_report():
     job, marks = _job()
     rows = B.rows_of(job, marks, 1e9, hosts=2)
     lines = B.table(rows)
-    assert lines[0].count("|") == lines[1].count("|") == 11
-    assert "| predicted steps/s | error |" in lines[0]
-    assert lines[2] == "| 1 Gbit/s | 2 x 1 | allreduce | 5.00 ±60% | – | – | 16.77 | 30% | 7.50 | 7.45 |"
+    assert lines[0].count("|") == lines[1].count("|") == 12
+    assert "| x loop (range) | predicted steps/s | error |" in lines[0]
+    assert lines[2] == "| 1 Gbit/s | 2 x 1 | allreduce | 5.00 ±60% | – | – | – | 16.77 | 30% | 7.50 | 7.45 |"
     lines = B.table(B.with_predictions(rows, FIT, {1: B.compute_seconds(job)}, LOCAL))
     t_ar = 0.07 + _ring(2, M)  # compute 70 ms; compressed: backward 42 ms, codec 7 ms
     t_cz = 0.028 + 0.7 * 0.042 + _ring(2, M / 2) + 0.007
     assert f"{1 / t_ar:.2f} | {1 / t_ar / 5 - 1:+.0%}" == "7.70 | +54%"
     assert f"{1 / t_cz:.2f} | {1 / t_cz / 10 - 1:+.0%}" == "10.60 | +6%"
-    assert lines[2] == ("| 1 Gbit/s | 2 x 1 | allreduce | 5.00 ±60% | 7.70 | +54% | 16.77 | 30% "
-                        "| 7.50 | 7.45 |")
-    assert lines[3].startswith("| 1 Gbit/s | 2 x 1 | compressed | 10.00 ±0% | 10.60 | +6% | 33.54 "
-                               "| 30% | 3.80 |")
-    assert lines[4].startswith("| 1 Gbit/s | 2 x 1 | auto (compressed) | 10.00 ±0% | 10.60 | +6% |")
-    assert lines[5] == "| 1 Gbit/s | 2 x 1 | ps | skipped: MpidpError: no such mode | | | | | | |"
-    assert all(line.count("|") == 11 for line in lines)
+    assert lines[2] == ("| 1 Gbit/s | 2 x 1 | allreduce | 5.00 ±60% | – | 7.70 | +54% | 16.77 "
+                        "| 30% | 7.50 | 7.45 |")
+    assert lines[3].startswith("| 1 Gbit/s | 2 x 1 | compressed | 10.00 ±0% | – | 10.60 | +6% "
+                               "| 33.54 | 30% | 3.80 |")
+    assert lines[4].startswith("| 1 Gbit/s | 2 x 1 | auto (compressed) | 10.00 ±0% | – | 10.60 "
+                               "| +6% |")
+    assert lines[5] == "| 1 Gbit/s | 2 x 1 | ps | skipped: MpidpError: no such mode | | | | | | | |"
+    assert all(line.count("|") == 12 for line in lines)
     report = {"rows": rows, "probes": [{"rate_gbit": 1.0, "MB_per_s": 119.4}], "probe_mb": 50,
               "steps": 4, "warmup": 2, "repeats": 3, "seed": 0, "tbf": "1 Gbit/s: `tbf ...`",
               "blas": "BLAS: openblas", "job_env": [], "machine": "cpu", "cores": 2,
