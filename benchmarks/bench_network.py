@@ -41,7 +41,7 @@ from sync_modes import EXTRA_MODES, MODES
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "tests" / "multihost"))
-from cluster import MPIEXEC, Cluster, LinkBytes, limits_available, tbf_args  # noqa: E402
+from cluster import Cluster, LinkBytes, limits_available, tbf_args  # noqa: E402
 
 from mpidp.scale.costmodel import Fit, fit_alpha_beta, mode_step_time  # noqa: E402 (no MPI)
 
@@ -338,49 +338,48 @@ def pingpong_job(out: str) -> None:
 
 
 def node_job(out: str, reps: int = 30) -> None:
-    """Under ``mpiexec -n P`` on one machine with ``MPIDP_RANKS_PER_NODE`` set (nodes of
-    that many ranks, as the test hosts have): the seconds a node-aware reduction of the
-    standard gradient (:class:`mpidp.comm.NodeAllreduce`) takes beyond its leaders'
-    exchange, i.e. the sums in shared memory and the copies back, with every rank of the
-    test hosts on these cores (the slowest rank's median of ``reps`` of each, in turns,
-    both after a Barrier). Rank 0 writes ``out``."""
+    """Under ``mpiexec -n P`` over several nodes (the test hosts; on one machine, nodes of
+    ``MPIDP_RANKS_PER_NODE`` ranks): the seconds a node-aware reduction of the standard
+    gradient (:class:`mpidp.comm.NodeAllreduce`) takes beyond its leaders' exchange, i.e.
+    the sums in shared memory, the wait for the leader and the copies back: per repeat,
+    the slowest rank's time less the slowest leader's meeting and exchange inside it
+    (``exchange_s``, so that the link's ups and downs cancel), the median of ``reps``.
+    Before each, the ranks meet in a barrier that they wait in asleep, as a node's ranks
+    wait for their leader. Rank 0 writes ``out``."""
     from mpi4py import MPI
 
     from mpidp import comm as C
     from mpidp import nn
+    from mpidp.comm import hierarchy as H
+    from mpidp.comm.progress import wait_yielding
     from mpidp.parallel.buffer import N_EXTRA
     comm = MPI.COMM_WORLD
     n = nn.mlp(784, (1024, 1024), 10, dtype=np.float32).n_params + N_EXTRA  # its buffer
     node = C.NodeAllreduce(comm, n, np.float32)
-    lead = np.ones(n, np.float32) if node.leads else None
-    whole, leaders = [], []
-    for _ in range(reps + 1):  # the first is a warm-up
+    whole, leaders = np.zeros(reps + 1), np.zeros(reps + 1)
+    for i in range(reps + 1):  # the first is a warm-up
         node.array[...] = 1
-        comm.Barrier()
+        wait_yielding(comm.Ibarrier(), H.LONGEST_SLEEP)  # no rank spinning on the cores
         t = time.perf_counter()
         node.allreduce()
-        whole.append(time.perf_counter() - t)
-        comm.Barrier()
-        t = time.perf_counter()
-        if lead is not None:
-            C.allreduce_sum_(node.leaders, lead)
-        leaders.append(time.perf_counter() - t)
-    got = [float(comm.allreduce(statistics.median(x[1:]), op=MPI.MAX)) for x in (whole, leaders)]
+        whole[i], leaders[i] = time.perf_counter() - t, node.exchange_s
+    for x in (whole, leaders):
+        comm.Allreduce(MPI.IN_PLACE, x, op=MPI.MAX)
     node.free()
     if comm.rank == 0:
-        Path(out).write_text(json.dumps({"node_s": max(got[0] - got[1], 0.0), "whole_s": got[0],
-                                         "leaders_s": got[1], "ranks": comm.size,
-                                         "per_node": node.node.size}))
+        Path(out).write_text(json.dumps({
+            "node_s": max(float(np.median(whole[1:] - leaders[1:])), 0.0),
+            "whole_s": float(np.median(whole[1:])), "leaders_s": float(np.median(leaders[1:])),
+            "ranks": comm.size, "per_node": node.node.size}))
 
 
-def measure_node_locally(env: dict, tmp: Path, per_node: int, hosts: int, timeout: float) -> dict:
-    """:func:`node_job` with ``hosts x per_node`` ranks on this machine, in nodes of
-    ``per_node`` (the test hosts' layout, without their link)."""
-    out = tmp / "node.json"
-    cmd = [MPIEXEC, "-n", str(hosts * per_node), sys.executable, str(Path(__file__).resolve()),
-           "--node-inputs", str(out)]
-    subprocess.run(cmd, env={**env, "MPIDP_RANKS_PER_NODE": str(per_node)}, cwd=REPO,
-                   check=True, timeout=timeout, stdin=subprocess.DEVNULL)
+def measure_node_on_hosts(c: Cluster, env: dict, tmp: Path, name: str, timeout: float) -> dict:
+    """:func:`node_job` with 2 ranks on each test host, on the link as it is set now: the
+    leaders' exchange takes the link's time, and the other ranks of each host wait for it
+    (asleep) and copy its result back as they do inside a step."""
+    out = tmp / f"{name}.json"
+    cmd = c.mpiexec(4, 2, sys.executable, str(Path(__file__).resolve()), "--node-inputs", str(out))
+    subprocess.run(cmd, env=env, cwd=REPO, check=True, timeout=timeout, stdin=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
 
@@ -454,7 +453,14 @@ def model_lines(model: dict) -> list[str]:
             + ": bench_sync.py's `compute-only` (forward, backward and update of each rank's "
             "rows, then one Barrier: the ranks exchange nothing but wait for the slowest, as a "
             "synchronous step does) in the same jobs as the modes, shuffled among them, median "
-            "of the repeats.")
+            "of the repeats" + (f"; node-aware adds {k['node']['node_s'] * 1e3:.1f} ms for the "
+                                "sums inside the hosts, the wait for the leader and the copies "
+                                "back: node-aware reductions of the gradient at 2 x "
+                                f"{k['node'].get('per_node', 2)} on the hosts at this rate "
+                                f"({k['node']['whole_s'] * 1e3:.1f} ms, slowest rank) less "
+                                "the leaders' exchange inside each "
+                                f"({k['node']['leaders_s'] * 1e3:.1f} ms), medians "
+                                "(`--node-inputs`)" if "node" in k else "") + ".")
     lines.append(
         f"  - here, once (one process, BLAS on 1 thread, {loc['batch']} rows, medians of "
         f"{loc['reps']}): backward {loc['backward']:.0%} of forward + backward + update "
@@ -488,15 +494,6 @@ def model_lines(model: dict) -> list[str]:
             "is final only when backward ends: overlapped, overlapped-forward and compressed "
             "steps add its exchange (its share of the ring, of the wire's bytes) after backward "
             "and that CPU work.")
-    if "node" in loc:
-        nd = loc["node"]
-        lines.append(
-            f"  - node-aware adds {nd['node_s'] * 1e3:.1f} ms for the sums inside the nodes and "
-            f"the copies back: a node-aware reduction of the gradient with {nd['ranks']} ranks on "
-            f"this machine in nodes of {nd.get('per_node', 2)} ({nd['whole_s'] * 1e3:.1f} ms, "
-            "slowest rank, median) "
-            f"less its leaders' exchange alone ({nd['leaders_s'] * 1e3:.1f} ms), no link "
-            "between them (`--node-inputs`).")
     return lines
 
 
@@ -640,6 +637,11 @@ def measure_rate(c: Cluster, rate_bits: float, args, env: dict, tmp: Path,
         rows += rows_of(job, marks, rate_bits, 2)
         compute[1] = compute_seconds(job)
     if args.node_modes:
+        t = time.perf_counter()
+        local = {**local, "node": measure_node_on_hosts(c, env, tmp, f"node-inputs-{tag}",
+                                                        args.timeout)}
+        print(f"node-aware reduction at 2 x 2 ({time.perf_counter() - t:.1f} s): "
+              f"{local['node']['node_s'] * 1e3:.1f} ms beyond its leaders' exchange", flush=True)
         cyclic = args.placement == "cyclic"
         job, marks = run_job(c, 2, [*args.node_modes, COMPUTE], args, env, tmp, f"node-{tag}",
                              cyclic)
@@ -648,7 +650,8 @@ def measure_rate(c: Cluster, rate_bits: float, args, env: dict, tmp: Path,
             rows += rows_of(job, marks, rate_bits, 2)
             job, marks = run_job(c, 2, ["allreduce"], args, env, tmp, f"plain-{tag}", cyclic)
         rows += [{**r, "placement": args.placement} for r in rows_of(job, marks, rate_bits, 2)]
-    inputs = {"rate_gbit": rate_bits / 1e9, "fit": fit, "pingpong": pingpong, "compute": compute}
+    inputs = {"rate_gbit": rate_bits / 1e9, "fit": fit, "pingpong": pingpong, "compute": compute,
+              **({"node": local["node"]} if "node" in local else {})}
     return with_predictions(rows, fit, compute, local), probe, job, inputs
 
 
@@ -679,9 +682,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "inputs that do not depend on the link into FILE, and exit")
     p.add_argument("--pingpong", metavar="FILE", help="(internal, under mpiexec -n 2) the "
                    "ping-pong of the link into FILE, and exit")
-    p.add_argument("--node-inputs", metavar="FILE", help="(internal, under mpiexec with "
-                   "MPIDP_RANKS_PER_NODE) the in-node share of a node-aware reduction into "
-                   "FILE, and exit")
+    p.add_argument("--node-inputs", metavar="FILE", help="(internal, under mpiexec over "
+                   "several nodes) the in-node share of a node-aware reduction into FILE, "
+                   "and exit")
     args = p.parse_args(argv)
     rates_text = args.rates
     try:
@@ -741,8 +744,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, probes, first, links = [], [], None, []
     with tempfile.TemporaryDirectory(prefix="mpidp-network-") as t, Cluster(2, mtu=args.mtu) as c:
         local = measure_locally(env, Path(t), args.timeout)
-        if args.node_modes:  # the in-node share of node-aware reduction at 2 hosts x 2 ranks
-            local["node"] = measure_node_locally(env, Path(t), 2, 2, args.timeout)
         c.limit(None)  # what a byte costs the cores: the link as fast as they can drive it
         free = measure_link(c, env, Path(t), "pingpong-unlimited", args.timeout)
         local["cpu_per_byte"] = link_fit(free, 0.0)["beta"]

@@ -77,6 +77,8 @@ class NodeAllreduce:
     among the leaders, and the result copied out of the leader's memory by the others.
 
     Leaders with :data:`MEET_BYTES` or more to exchange meet first (one ``Barrier``).
+    :attr:`exchange_s`: the seconds of the last :meth:`allreduce`'s meeting and exchange
+    between leaders on a leader (0 elsewhere); the rest of its time is the node's part.
 
     Collective to create. :attr:`array` is this rank's buffer, in an MPI shared-memory
     window: write the values to sum there, then call :meth:`allreduce` (collective). Raises
@@ -98,6 +100,7 @@ class NodeAllreduce:
         self.meets = self.leads and n * dtype.itemsize >= MEET_BYTES
         self._leader_array = self._sum.array_of(0)
         self._sleep = (0.0, 0.0)  # longest sleeps waiting for the node, for the leader
+        self.exchange_s = 0.0  # seconds of the last allreduce's exchange between leaders
 
     def free(self) -> None:
         """Release the shared-memory window (:attr:`array` with it; the node's
@@ -115,10 +118,12 @@ class NodeAllreduce:
         t = time.perf_counter()
         self._sum.reduce(self._sleep[0])  # the node's sum in the leader's array
         waited = time.perf_counter() - t
+        t = time.perf_counter()
         if self.meets:
             self.leaders.Barrier()  # see MEET_BYTES
         if self.leads:
             allreduce_sum_(self.leaders, self._leader_array)
+        self.exchange_s = time.perf_counter() - t if self.leads else 0.0
         t = time.perf_counter()
         self._sum.fence(self._sleep[1])  # the leader's array holds the global sum
         self._sleep = (_sleep_for(waited), _sleep_for(time.perf_counter() - t))

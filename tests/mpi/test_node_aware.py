@@ -156,6 +156,36 @@ def test_sums_stay_exact_when_ranks_sleep_while_their_leader_exchanges(comm):
     all_ranks(comm, not waits_long or slept[-1] == LONGEST_SLEEP, f"rank {comm.rank}: {slept}")
 
 
+@pytest.mark.mpi(min_size=3)
+def test_the_leaders_exchange_is_timed_apart_from_the_node(comm):
+    """``exchange_s``: on a leader, the seconds of its exchange with the other leaders (here
+    mostly a wait for the last node's leader, 0.2 s late); 0 on the other ranks."""
+    import time
+
+    from mpidp.comm.hierarchy import NodeAllreduce
+    with ranks_per_node(2):
+        h = NodeAllreduce(comm, 1000, np.float64)
+    try:
+        late = 2 * ((comm.size - 1) // 2)  # the last node's leader
+        h.array[...] = comm.rank
+        comm.Barrier()
+        if comm.rank == late:
+            time.sleep(0.2)
+        t = time.perf_counter()
+        got = h.allreduce()
+        took = time.perf_counter() - t
+        if not h.leads:
+            ok = h.exchange_s == 0.0
+        elif comm.rank == late:  # the others were waiting for it: no wait of its own
+            ok = 0 < h.exchange_s < 0.1
+        else:
+            ok = 0.15 < h.exchange_s <= took
+        all_ranks(comm, ok and np.array_equal(got, np.full(1000, sum(range(comm.size)))),
+                  f"rank {comm.rank} (leads: {h.leads}): exchange {h.exchange_s:.3f} s of {took:.3f} s")
+    finally:
+        h.free()
+
+
 class _CountingLeaders:
     """The leaders' communicator, counting its ``Barrier`` calls."""
 
