@@ -7,8 +7,9 @@ per host runs the hand-written loop and mpidp's ``allreduce``, ``overlapped``,
 times in a seeded shuffled order; then 2 hosts x 2 ranks run fused allreduce with
 node-aware reduction off and on. Each figure: steps/s (median of the repeats and their
 spread), its ratio to the loop's in the same repeat, the link-bound limit (rate / bytes
-each host must send per step), the share of it reached, and the bytes that crossed the host link per timed step, read from the bridge-side
-veth counters around exactly the timed steps (``bench_sync.py --marks``); and the cost
+each host must send per step), the share of it reached, and the bytes that crossed the
+host link per timed step, read from the bridge-side veth counters around exactly the
+timed steps (``bench_sync.py --marks``); and the cost
 model's prediction (:func:`mpidp.scale.costmodel.mode_step_time`) with its error, from
 inputs measured in the same run: the link's alpha and beta (an MPI ping-pong between the
 hosts), compute (``compute-only`` beside the modes: ranks that exchange nothing but wait for
