@@ -115,10 +115,10 @@ class NodeAllreduce:
     @watched("a node-aware allreduce")
     def allreduce(self) -> np.ndarray:
         """Make :attr:`array` hold the sum over every rank of ``comm``. Collective."""
-        t = time.perf_counter()
+        start = time.perf_counter()
         self._sum.reduce(self._sleep[0])  # the node's sum in the leader's array
-        waited = time.perf_counter() - t
         t = time.perf_counter()
+        waited = t - start
         if self.meets:
             self.leaders.Barrier()  # see MEET_BYTES
         if self.leads:
