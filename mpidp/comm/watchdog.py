@@ -154,8 +154,15 @@ class Watchdog:
             marks = {r: got[r] for r in others if r not in pending}
             marks[me] = self._mine()
             self._judge(sorted(pending), marks)
-        for q in list(pending.values()) + sent:
+        # the answers not in: withdraw their receives and complete them (cancelled, or
+        # matched by a late answer), so no request outlives the roll call; the pings are
+        # tested with the replies in flight until they complete (a rank that never reads
+        # its ping is named above, and the job ends)
+        late = list(pending.values())
+        for q in late:
             q.Cancel()
+        MPI.Request.Waitall(late)
+        replies += [(q, ping) for q in sent if not q.Test()]
         return listen, replies
 
     def _describe(self, mark: np.ndarray) -> str:
