@@ -203,8 +203,32 @@ def test_a_setting_from_a_file_that_an_override_makes_moot_is_left_out(tmp_path)
     assert r.returncode == 2 and "--momentum does not apply to --optimizer adam" in r.stderr
 
 
+@pytest.mark.parametrize("table, typed, gone", [
+    ('sync = "accumulate"\nsync-every = 3\n', "auto", "sync-every"),
+    ('sync = "overlapped"\noverlap-finish = "forward"\non-nonfinite = "ignore"\n',
+     "compressed", "overlap-finish"),
+])
+def test_a_file_setting_another_mode_typed_over_it_makes_moot_is_left_out(tmp_path, table,
+                                                                          typed, gone):
+    """A run's record of one mode's own settings reused with another --sync typed: trained
+    under the typed mode, and the new record leaves the first mode's settings out."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('dataset = "digits"\nepochs = 1\n' + table)
+    out = tmp_path / "o"
+    r = run_mpi(2, "train", "--config", str(cfg), "--sync", typed, "--out", str(out), "-q")
+    assert r.returncode == 0, r.stderr[-2000:]
+    recorded = (out / "config.toml").read_text()
+    assert f'sync = "{typed}"' in recorded and gone not in recorded, recorded
+    r = run_mpi(2, "train", "--config", str(cfg), "--sync", typed, f"--{gone}",
+                table.split(f"{gone} = ")[1].split("\n")[0].strip('"'), "--out",
+                str(tmp_path / "typed"), "-q")
+    assert r.returncode == 2 and f"--{gone} does not apply to --sync {typed}" in r.stderr, \
+        r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("table, message", [
     ('optimizer = "adam"\nmomentum = 0.5\n', "--momentum does not apply to --optimizer adam"),
+    ('sync = "auto"\nsync-every = 3\n', "--sync-every does not apply to --sync auto"),
     ('sync = "auto"\ndtype = "float64"\ncompress = "int8"\n',
      "--compress does not apply to --sync auto with --dtype float64"),
     # at their default values: written in the file, they still say something wrong

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from .. import __version__
 from ..data.partition import STRATEGIES
 from ..parallel.kinds import HYBRID_STAGES, PARALLEL, PIPELINED
-from .options import MODES, SIZE_DEFAULTS, applying, depends_met, given
+from .options import MODES, SIZE_DEFAULTS, applies, applying, depends_met, given
 
 EXIT_USAGE = 2
 NO_MPI = ("mpidp: cannot start MPI ({}). Install it with pip install 'mpidp[mpi]' (mpi4py and "
@@ -639,7 +639,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  **{k.replace("-", "_"): v for k, v in table.items()}}
         # a file setting whose condition the file itself breaks is the file's mistake:
         # refused like a flag; one the command line overrode away is left out in _run
-        from_file = {(d, depends_met(d, alone)) for d in from_file}
+        from_file = {(d, applies(d, alone)) for d in from_file}
         # a key at its default value that does not apply to the file's own settings (a
         # momentum beside --optimizer sgd) is refused too: written, it says something.
         # Not in a record of every setting (a metrics.json's), nor a flag written false.
@@ -714,16 +714,18 @@ def _stored_config(directory: str) -> dict | None:
 def _run(args, comm, parser: argparse.ArgumentParser, argv: list[str],
          from_file: set[tuple[str, bool]] = frozenset()) -> None:
     if args.command == "train":
-        from .options import DEPENDS, depends_met, given
+        from .options import DEPENDS, given
         from .train import train
         after, options = argv[argv.index("train") + 1:], _train_parser(parser)
-        # a setting a config file holds counts as given, unless what it depends on held in
-        # the file but no longer holds (a --optimizer adam typed over a file's momentum):
-        # then it is left out. ``from_file``: (dest, whether the file alone met its needs)
-        recorded = {d for d, met in from_file if depends_met(d, vars(args)) or not met}
+        # a setting a config file holds counts as given, unless it mattered in the file but
+        # no longer does (a --optimizer adam typed over a file's momentum, a --sync auto over
+        # its sync_every): then it is left out. ``from_file``: (dest, whether it applied to
+        # the file's own settings)
+        recorded = {d for d, met in from_file if applies(d, vars(args)) or not met}
+        moot = {d for d, _ in from_file} - recorded
         # a setting that matters nowhere now (a file's or a resumed run's, left out; a typed
         # one is refused in train) is back at its default, so nothing downstream reads it
-        for dest in [d for d in DEPENDS if not depends_met(d, vars(args))]:
+        for dest in [d for d in DEPENDS if not depends_met(d, vars(args))] + sorted(moot):
             setattr(args, dest, options.get_default(dest))
         train(args, comm, given(options, after) | recorded)
     elif args.command == "model":

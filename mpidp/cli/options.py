@@ -170,6 +170,12 @@ def depends_met(dest: str, settings: Mapping[str, Any]) -> bool:
     return all(needs.holds(settings) for needs in DEPENDS.get(dest, ()))
 
 
+def applies(dest: str, settings: Mapping[str, Any]) -> bool:
+    """Whether option ``dest`` matters under ``settings`` (option dest -> value): its mode
+    is one it applies to (:data:`TABLE`) and its conditions hold (:data:`DEPENDS`)."""
+    return (dest not in TABLE or _mode(settings) in TABLE[dest][0]) and depends_met(dest, settings)
+
+
 def mode_of(args: argparse.Namespace) -> str:
     """The mode ``args`` selects (see :data:`MODES`)."""
     return _mode(vars(args))
