@@ -293,3 +293,26 @@ def test_encode_takes_residual_and_lost_together():
     codes, x = np.zeros(4, np.uint16), np.ones(4, np.float32)
     with pytest.raises(ValueError, match="together"):
         Z.Codec("bfloat16").encode_sum_(x, codes, res=x)
+
+
+@pytest.mark.slow
+def test_a_numba_that_fails_to_import_leaves_numpys_passes(tmp_path):
+    """numba installed but broken on one rank (built for another NumPy: its import fails):
+    the default kernels run NumPy's passes on every rank, and training runs."""
+    broken = tmp_path / "broken" / "numba"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text(
+        "from mpi4py import MPI\n"
+        "if MPI.COMM_WORLD.rank == 1:\n"
+        "    raise ImportError('numba: built against another NumPy')\n"
+        "# elsewhere: the real numba\n"
+        "import sys\n"
+        "del sys.modules['numba']\n"
+        "sys.path.remove(__path__[0].rsplit('/', 1)[0])\n"
+        "sys.modules['numba'] = __import__('numba')\n")
+    env = {"PYTHONPATH": f"{tmp_path / 'broken'}:{ROOT}"}
+    args = ("train", "--dataset", "synthetic", "--n-samples", "600", "--n-features", "16",
+            "--epochs", "1", "--sync", "compressed", "-q")
+    r = run_mpi(2, *args, "--out", str(tmp_path / "auto"), env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "auto" / "model.npz").exists()

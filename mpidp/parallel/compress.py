@@ -17,7 +17,9 @@ then the float32 scales).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -409,9 +411,26 @@ def _piece_length(size: int) -> int:
     return max(1, min(limit if size == 1 else size * (limit // size), size * PIECE))
 
 
+@functools.cache
 def numba_available() -> bool:
-    """Whether numba, which the compiled kernels need, can be imported here."""
-    return importlib.util.find_spec("numba") is not None
+    """Whether numba, which the compiled kernels need, can be imported here (installed,
+    and its import works: a numba built for another NumPy fails there)."""
+    if importlib.util.find_spec("numba") is None:
+        return False
+    try:
+        import numba  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure of a third party's import: not usable
+        return False
+    return True
+
+
+def _kernels_compile(codec: str, dtype: np.dtype) -> str | None:
+    """:func:`_compile_kernels` here; None if it worked, else why not."""
+    try:
+        _compile_kernels(codec, dtype)
+    except Exception as exc:  # noqa: BLE001 - numba's errors have no common base
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _compile_kernels(codec: str, dtype: np.dtype) -> None:
@@ -597,10 +616,17 @@ class Compressed(Sync):
         if self.kernels == "numba":
             C.agree(comm, None if here else "compression kernels 'numba': numba cannot be "
                     "imported (pip install numba); use kernels 'auto' or 'numpy'")
-        elif C.allreduce_max(comm, [0.0 if here else 1.0])[0]:
+            C.run_agreed(comm, _compile_kernels, self.codec, self.buf.dtype)
+            return True
+        # auto: compiled where every rank can import numba and compile the kernels
+        if C.allreduce_max(comm, [0.0 if here else 1.0])[0]:
             return False
-        C.run_agreed(comm, _compile_kernels, self.codec, self.buf.dtype)
-        return True
+        why = _kernels_compile(self.codec, self.buf.dtype)
+        if why is not None:
+            warnings.warn(f"compression kernels: numba's failed to compile on rank "
+                          f"{comm.rank} ({why}); every rank runs NumPy's passes",
+                          RuntimeWarning, stacklevel=2)
+        return not C.allreduce_max(comm, [0.0 if why is None else 1.0])[0]
 
     def _begin(self) -> None:
         """Nothing started: the state of every step's start."""

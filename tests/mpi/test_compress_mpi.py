@@ -10,6 +10,7 @@ rank's byte counts as JSON on rank 0: tests/test_compress.py launches it at 2, 4
 from __future__ import annotations
 
 import json
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -237,6 +238,28 @@ def test_numba_kernels_missing_on_one_rank(comm, monkeypatch):
     all_ranks(comm, not sync.kernel.jit, "auto must fall back on every rank")
     got = _step(sync, np.arange(99.0) * comm.rank, 0)[1]
     all_ranks(comm, _same_everywhere(comm, got), "every rank decodes the same codes")
+
+
+@numba_kernels
+@pytest.mark.mpi(min_size=2)
+def test_numba_kernels_that_fail_to_compile_on_one_rank(comm, monkeypatch):
+    """numba importable everywhere, but its kernels fail on one rank: 'auto' runs NumPy's
+    passes on every rank alike (that rank warns why); 'numba' fails on every rank."""
+    def broken(codec, dtype):
+        raise RuntimeError("no LLVM here")
+    if comm.rank == comm.size - 1:
+        monkeypatch.setattr(compress, "_compile_kernels", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sync = _strategy(comm, 99)
+    all_ranks(comm, not sync.kernel.jit, "auto must fall back on every rank")
+    said = [str(w.message) for w in caught if "compression kernels" in str(w.message)]
+    all_ranks(comm, bool(said) == (comm.rank == comm.size - 1) and
+              all("no LLVM here" in m for m in said), f"warnings: {said}")
+    got = _step(sync, np.arange(99.0) * comm.rank, 0)[1]
+    all_ranks(comm, _same_everywhere(comm, got), "every rank decodes the same codes")
+    raises_everywhere(comm, Exception, lambda: _strategy(comm, 99, kernels="numba"),
+                      "no LLVM here")
 
 
 @pytest.mark.mpi(min_size=1)
