@@ -618,6 +618,11 @@ def measure_locally(env: dict, tmp: Path, timeout: float) -> dict:
     return json.loads(out.read_text())
 
 
+def rate_tag(rate_bits: float) -> str:
+    """The name of a rate's files (``1g`` for 1 Gbit/s): rates with one tag are one rate."""
+    return f"{rate_bits / 1e9:g}g"
+
+
 def measure_rate(c: Cluster, rate_bits: float, args, env: dict, tmp: Path,
                  local: dict) -> tuple[list, dict, dict, dict]:
     """Every figure on links of ``rate_bits``: rows (with the model's predictions from
@@ -627,7 +632,7 @@ def measure_rate(c: Cluster, rate_bits: float, args, env: dict, tmp: Path,
     n = int(args.probe_mb * 1e6)
     probe = {"rate_gbit": rate_bits / 1e9, "MB_per_s": n / c.transfer(0, 1, n) / 1e6}
     print(f"link at {rate_bits / 1e9:g} Gbit/s: one TCP stream {probe['MB_per_s']:.0f} MB/s", flush=True)
-    tag, rows, job, compute = f"{rate_bits / 1e9:g}g", [], None, {}
+    tag, rows, job, compute = rate_tag(rate_bits), [], None, {}
     t = time.perf_counter()
     pingpong = measure_link(c, env, tmp, f"pingpong-{tag}", args.timeout)
     fit = link_fit(pingpong, local["gamma"])
@@ -673,7 +678,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--mtu", type=int, default=None, help="the host links' MTU in bytes, "
                    "68-65535 (default: the veths' own, 1500); 65535 leaves the stack little "
                    "per-packet work, as a network card's segmentation offload does")
-    p.add_argument("--probe-mb", type=float, default=50, help="MB of the TCP probe of each link")
+    p.add_argument("--probe-mb", type=float, default=50,
+                   help="MB of the TCP probe of each link (>= 1)")
     p.add_argument("--job-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the MPI jobs (repeatable), e.g. "
                    "MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring with MPIR_CVAR_ALLREDUCE_COMPOSITION=3")
@@ -694,11 +700,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--rates must be comma-separated Gbit/s like 1,10, got {args.rates!r}")
     if not args.rates or not all(math.isfinite(r) and r >= 1e6 for r in args.rates):
         p.error(f"--rates must be finite Gbit/s of at least 0.001 (1 Mbit/s), got {rates_text!r}")
+    tags = [rate_tag(r) for r in args.rates]
+    if len(set(tags)) < len(tags):
+        p.error(f"--rates names a rate twice (to 6 significant digits), got {rates_text!r}")
     if min(args.steps, args.repeats) < 1 or args.warmup < 0:
         p.error("--steps and --repeats must be >= 1, --warmup >= 0")
-    for flag, value in (("--timeout", args.timeout), ("--probe-mb", args.probe_mb)):
-        if not (math.isfinite(value) and value > 0):
-            p.error(f"{flag} must be a finite number > 0, got {value}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        p.error(f"--timeout must be a finite number > 0, got {args.timeout}")
+    if not (math.isfinite(args.probe_mb) and args.probe_mb >= 1):
+        p.error(f"--probe-mb must be a finite number >= 1 (a probe of less measures start-up, "
+                f"not the link), got {args.probe_mb}")
     if args.mtu is not None and not 68 <= args.mtu <= 65535:
         p.error(f"--mtu must be 68-65535 bytes, got {args.mtu}")
     if any("=" not in kv for kv in args.job_env):

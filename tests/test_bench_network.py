@@ -356,7 +356,8 @@ def test_arguments_are_checked():
     for bad in (["--rates", "fast"], ["--rates", "0"], ["--steps", "0"], ["--job-env", "X"],
                 ["--mtu", "67"], ["--mtu", "65536"], ["--mtu", "jumbo"], ["--rates", "nan"],
                 ["--rates", "inf"], ["--rates", "1e-10"], ["--timeout", "0"], ["--timeout", "nan"],
-                ["--probe-mb", "0"], ["--probe-mb", "-1"], ["--modes", "bogus"],
+                ["--probe-mb", "0"], ["--probe-mb", "-1"], ["--probe-mb", "1e-7"],
+                ["--rates", "1,1"], ["--rates", "1,1.0000001"], ["--modes", "bogus"],
                 ["--node-modes", "allreduce-node,bogus"], ["--modes", "allreduce,allreduce"],
                 ["--modes", "compute-only"], ["--placement", "cyclic", "--node-modes", ""]):
         with pytest.raises(SystemExit):
