@@ -121,6 +121,16 @@ class Auto(Sync):
             return "; ".join(filter(None, [self.report, plain]))
         return "; ".join(filter(None, [f"auto: trying {', '.join(self.labels)}", plain]))
 
+    def undecided(self) -> str | None:
+        """Why there is no choice yet, when the trials are still running (a run that ended
+        early); None once chosen."""
+        if self.choice is not None:
+            return None
+        need = WARMUP + TRIALS * len(self.labels)
+        return (f"auto: no choice: the run ended after {self.steps} step(s), before the "
+                f"trials of {', '.join(self.labels)} (in turns from step {WARMUP + 1}) "
+                f"could end; they need {need} steps or more, so train longer for a choice")
+
     def refuses(self, model) -> str | None:
         """What a fused allreduce refuses (a candidate that refuses ``model`` is not tried);
         a codec asked for with a model that is not float32."""

@@ -227,3 +227,19 @@ def test_a_chosen_float16_candidate_that_overflows_hands_over_to_allreduce(comm,
     all_ranks(comm, sync.choice is sync.candidates[0] and sync.current is sync.candidates[0]
               and f"overflowed at step {step}" in sync.report and "from that step on" in sync.report
               and dp.in_sync() and np.isfinite(dp.model.params).all(), sync.report)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_run_too_short_for_the_trials_says_so(comm):
+    """Fewer steps than the trials need: no choice, and :meth:`undecided` says after how
+    many steps and how many the trials need (on every rank alike); None once chosen."""
+    X, y, rows = _data(comm, n=64)  # 4 steps of 16 per epoch, 1 epoch
+    sync = make_sync("auto", bucket_bytes=64)
+    _train(comm, X[rows], y[rows], sync, epochs=1)
+    said = sync.undecided()
+    need = A.WARMUP + A.TRIALS * len(sync.labels)
+    all_ranks(comm, sync.choice is None and said is not None and "after 4 step(s)" in said
+              and f"need {need} steps" in said and len(set(comm.allgather(said))) == 1, said)
+    longer = make_sync("auto", bucket_bytes=64)
+    _train(comm, X[rows], y[rows], longer, epochs=need)
+    all_ranks(comm, longer.choice is not None and longer.undecided() is None, longer.report)
