@@ -52,7 +52,7 @@ def ranks_on_node() -> int:
     by one). Read without starting MPI, which must wait until BLAS threads are set."""
     for var in _LOCAL_SIZE:
         text = os.environ.get(var, "").split("(")[0].split(",")[0]
-        if text.isdigit() and int(text) > 0:
+        if text.isascii() and text.isdigit() and int(text) > 0:
             return int(text)
     return 1
 

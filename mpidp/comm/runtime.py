@@ -148,7 +148,7 @@ def _forced_per_node(comm: Comm) -> int:
     value that is not a whole number >= 1 on any rank, or that differs between ranks,
     raises the same :class:`MpidpError` on every rank."""
     raw = os.environ.get(RANKS_PER_NODE, "").strip()
-    mine = (min(int(raw), 1 << 31) if raw.isdigit() and int(raw) >= 1 else -1) if raw else 0
+    mine = (min(int(raw), 1 << 31) if raw.isascii() and raw.isdigit() and int(raw) >= 1 else -1) if raw else 0
     seen = np.array([mine, -mine], np.int64)
     comm.Allreduce(MPI.IN_PLACE, seen, op=MPI.MAX)
     high, low = int(seen[0]), -int(seen[1])  # over the ranks

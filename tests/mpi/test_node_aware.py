@@ -107,7 +107,7 @@ def test_only_node_leaders_hand_bytes_to_mpi(comm):
 def test_node_aware_refused_where_it_cannot_apply(comm):
     raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync("compressed", node_aware=True),
                       "node-aware reduction applies to")
-    for bad in ("two", "0", "-1"):
+    for bad in ("two", "0", "-1", "\u00b2", "\u0662"):  # superscript two, Arabic-Indic two
         with ranks_per_node(bad):
             raises_everywhere(comm, mpidp.MpidpError, lambda: C.node_layout(comm),
                               f"{RANKS_PER_NODE} must be a whole number >= 1")
