@@ -34,8 +34,9 @@ NO_MPI = ("mpidp: cannot start MPI ({}). Install it with pip install 'mpidp[mpi]
 def _launcher_rank() -> int:
     """This process's rank as the launcher says (MPICH, Open MPI, PMIx, Slurm), without MPI."""
     for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if os.environ.get(var, "").isascii() and os.environ[var].isdigit():
-            return int(os.environ[var])
+        text = os.environ.get(var, "")
+        if text.isascii() and text.isdigit():
+            return int(text)
     return 0
 
 
