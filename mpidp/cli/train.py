@@ -555,12 +555,13 @@ def _train_data_parallel(job: _Job) -> dict | None:
     timings = gather_timings(comm, dp.timer)
     if comm.rank != 0:
         return None
-    if args.sync == "auto" and dp.sync.undecided():
-        print(f"mpidp: {dp.sync.undecided()}", file=sys.stderr, flush=True)
+    undecided = dp.sync.undecided() if args.sync == "auto" else None
+    if undecided:
+        print(f"mpidp: {undecided}", file=sys.stderr, flush=True)
     metrics = job.metrics(history, dp.model.n_params, dp.global_step, timings)
     metrics.update(skipped_steps=dp.skipped_steps + extra.get("async", {}).get("skipped", 0),
                    sync=args.sync, balance=extra.pop("balance", None), **extra,
-                   **({"auto": dp.sync.report or dp.sync.undecided()}
+                   **({"auto": dp.sync.report or undecided}
                       if args.sync == "auto" else {}),
                    bytes_sent_per_step=dp.sync.bytes_sent / max(dp.global_step, 1),
                    scores=scores, best=job.best.summary() if job.best else None)

@@ -619,10 +619,8 @@ class Compressed(Sync):
             C.run_agreed(comm, _compile_kernels, self.codec, self.buf.dtype)
             return True
         # auto: compiled where every rank can import numba and compile the kernels
-        if C.allreduce_max(comm, [0.0 if here else 1.0])[0]:
-            return False
-        why = _kernels_compile(self.codec, self.buf.dtype)
-        if why is not None:
+        why = _kernels_compile(self.codec, self.buf.dtype) if here else "no numba"
+        if here and why is not None:
             warnings.warn(f"compression kernels: numba's failed to compile on rank "
                           f"{comm.rank} ({why}); every rank runs NumPy's passes",
                           RuntimeWarning, stacklevel=2)
