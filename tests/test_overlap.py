@@ -57,6 +57,53 @@ def test_make_sync_builds_this_strategy():
     assert type(s) is Overlapped and s.bucket_bytes == 4096
 
 
+
+class _ScriptedSums:
+    """Started sums whose completions are scripted: starting sum ``i`` completes the sums
+    ``completes[i]`` (as the Testsome inside a real start can). ``wait_any`` stands for a
+    blocking wait, which on a real job hangs when the other ranks wait on this one."""
+
+    def __init__(self, completes: dict[int, list[int]]) -> None:
+        self.completes, self.left, self.waits = completes, [], 0
+
+    @property
+    def live(self) -> int:
+        return sum(self.left)
+
+    def start(self, lo: int, hi: int) -> int:
+        self.left.append(1)
+        i = len(self.left) - 1
+        for k in self.completes.get(i, []):
+            self.left[k] = 0
+        return i
+
+    def advance(self) -> None:
+        pass
+
+    def done(self, i: int) -> bool:
+        return self.left[i] == 0
+
+    def wait_any(self) -> None:
+        self.waits += 1
+        raise AssertionError("blocked in a wait though the awaited sum was complete")
+
+
+def test_a_sum_completed_while_others_start_counts_before_any_wait():
+    """finish "forward": a sum that completes inside a later sum's start is complete when
+    the strategy next decides whether to wait. A stale flag sent it into a blocking wait
+    on the later sums, which other ranks (waiting on this one in another trainer's sums)
+    could never complete."""
+    from mpidp.parallel.overlap import _Stretch
+    sync = Overlapped(256, finish="forward")
+    sync.sums, sync.n, sync.apply = _ScriptedSums({1: [0]}), 100, None
+    first, second = _Stretch(0, 50), _Stretch(50, 100)
+    sync.stretches, sync.queue = [first, second], [first, second]
+    sync._advance()  # starts both sums; starting the second completes the first
+    assert first.index == 0 and second.index == 1  # both started: room in the window
+    assert first.done and not second.done  # sum 0 completed inside sum 1's start
+    sync._complete(lambda: first.done)  # must not wait
+    assert sync.sums.waits == 0
+
 # --- failures in the communication path, in real jobs ----------------------------------
 
 JOB = textwrap.dedent("""

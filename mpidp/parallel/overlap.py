@@ -207,13 +207,13 @@ class Overlapped(Sync):
         self.sums.advance()
         if self.finish != "forward":
             return
-        for s in self.stretches:
-            if s.index is not None and not s.done and self.sums.done(s.index):
-                s.done = True
         while self.queue and self.sums.live < WINDOW:
             s = self.queue.pop(0)
             s.index = self.sums.start(s.lo, s.hi)
-            if self.sums.done(s.index):
+        # after the starts: each start tests every sum in flight, and one it completes
+        # must count now, or a wait could block on later sums (and on other ranks)
+        for s in self.stretches:
+            if s.index is not None and not s.done and self.sums.done(s.index):
                 s.done = True
         if self.apply is not None:
             for s in self.stretches:
