@@ -246,6 +246,30 @@ def test_step_timer_slowdown_stretches_the_local_work_but_not_the_update():
     assert 0.02 <= row[STEP_FIELDS.index("update_s")] < 2 * 0.02
 
 
+
+def test_a_slowdown_sleep_is_wall_time_not_the_works_cpu_time(monkeypatch):
+    """The CPU column holds the work's CPU time: what other threads of the process burn
+    while the slowed rank sleeps is not the forward/backward's (it made the wall-to-CPU
+    ratio of a slowed rank depend on the MPI library's threads)."""
+    import time
+    from types import SimpleNamespace
+
+    from mpidp.observe import metrics
+
+    def busy_sleep(seconds):  # the sleep, with another thread of the process on the CPU
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+    monkeypatch.setattr(metrics, "time", SimpleNamespace(
+        perf_counter=time.perf_counter, process_time=time.process_time, sleep=busy_sleep))
+    timer = metrics.StepTimer(slowdown=4.0)
+    with timer.compute():
+        time.sleep(0.02)  # forward/backward waiting on nothing: no CPU of its own
+    timer.end_step(4)
+    row = timer.take_records()[0]
+    wall, cpu = row[STEP_FIELDS.index("compute_s")], row[STEP_FIELDS.index("compute_cpu_s")]
+    assert wall >= 4 * 0.02 and cpu < 0.02, (wall, cpu)
+
 def test_an_exchange_that_raises_is_still_timed():
     """An exchange that fails and is done another way (auto's float16 fallback) costs the
     step both: the failed one's seconds count as communication."""

@@ -32,7 +32,8 @@ class StepTimer:
     their cost (:meth:`note_cost`). Rows stay local until :meth:`take_records`.
     ``slowdown`` > 1 simulates a slower node (for benchmarks and tests): the step's local
     forward/backward -- the work that scales with this rank's share of the batch -- is
-    stretched by that factor by sleeping ``(slowdown - 1) x`` its duration. The replicated
+    stretched by that factor by sleeping ``(slowdown - 1) x`` its duration (the sleep counts
+    in its wall time, not in its CPU time). The replicated
     update after the collective (the same on every rank whatever the split, so nothing a
     partition can rebalance) is not stretched.
 
@@ -63,6 +64,7 @@ class StepTimer:
             self._cur[_T_BEGIN] = t
         yield
         dt = time.perf_counter() - t
+        cpu = time.process_time() - c  # the work's, not other threads' during the sleep below
         if local is None:
             local = self._cur[_COMM] == 0.0
         if local and self.slowdown > 1.0:
@@ -71,7 +73,7 @@ class StepTimer:
         self.compute_s += dt
         if local:
             self._cur[_COMPUTE] += dt
-            self._cur[_CPU] += time.process_time() - c
+            self._cur[_CPU] += cpu
         else:
             self._cur[_UPDATE] += dt
         if self.tracer is not None:
