@@ -159,7 +159,8 @@ def test_sums_stay_exact_when_ranks_sleep_while_their_leader_exchanges(comm):
 @pytest.mark.mpi(min_size=3)
 def test_the_leaders_exchange_is_timed_apart_from_the_node(comm):
     """``exchange_s``: on a leader, the seconds of its exchange with the other leaders (here
-    mostly a wait for the last node's leader, 0.2 s late); 0 on the other ranks."""
+    mostly a wait for the last node's leader, 0.2 s late, whose own is shorter than any of
+    theirs); 0 on the other ranks."""
     import time
 
     from mpidp.comm.hierarchy import NodeAllreduce
@@ -174,10 +175,12 @@ def test_the_leaders_exchange_is_timed_apart_from_the_node(comm):
         t = time.perf_counter()
         got = h.allreduce()
         took = time.perf_counter() - t
+        waited = [x for r, x in enumerate(comm.allgather(h.exchange_s if h.leads else None))
+                  if x is not None and r != late]
         if not h.leads:
             ok = h.exchange_s == 0.0
         elif comm.rank == late:  # the others were waiting for it: no wait of its own
-            ok = 0 < h.exchange_s < 0.1
+            ok = 0 < h.exchange_s < min(waited)
         else:
             ok = 0.15 < h.exchange_s <= took
         all_ranks(comm, ok and np.array_equal(got, np.full(1000, sum(range(comm.size)))),
