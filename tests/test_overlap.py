@@ -90,9 +90,9 @@ class _ScriptedSums:
 
 def test_a_sum_completed_while_others_start_counts_before_any_wait():
     """finish "forward": a sum that completes inside a later sum's start is complete when
-    the strategy next decides whether to wait. A stale flag sent it into a blocking wait
-    on the later sums, which other ranks (waiting on this one in another trainer's sums)
-    could never complete."""
+    the strategy next decides whether to wait; else it would block on the later sums,
+    which other ranks (waiting on this one in another trainer's sums) may never let
+    complete."""
     from mpidp.parallel.overlap import _Stretch
     sync = Overlapped(256, finish="forward")
     sync.sums, sync.n, sync.apply = _ScriptedSums({1: [0]}), 100, None
@@ -100,8 +100,8 @@ def test_a_sum_completed_while_others_start_counts_before_any_wait():
     sync.stretches, sync.queue = [first, second], [first, second]
     sync._advance()  # starts both sums; starting the second completes the first
     assert first.index == 0 and second.index == 1  # both started: room in the window
-    assert first.done and not second.done  # sum 0 completed inside sum 1's start
-    sync._complete(lambda: first.done)  # must not wait
+    assert sync._arrived(first) and not sync._arrived(second)  # 0 ended in 1's start
+    sync._complete(lambda: sync._arrived(first))  # must not wait
     assert sync.sums.waits == 0
 
 # --- failures in the communication path, in real jobs ----------------------------------

@@ -210,14 +210,9 @@ class Overlapped(Sync):
         while self.queue and self.sums.live < WINDOW:
             s = self.queue.pop(0)
             s.index = self.sums.start(s.lo, s.hi)
-        # after the starts: each start tests every sum in flight, and one it completes
-        # must count now, or a wait could block on later sums (and on other ranks)
-        for s in self.stretches:
-            if s.index is not None and not s.done and self.sums.done(s.index):
-                s.done = True
         if self.apply is not None:
             for s in self.stretches:
-                if s.done and not s.applied:
+                if not s.applied and self._arrived(s):
                     if s.lo < self.n:
                         self.apply(self.buf, s.lo, min(s.hi, self.n))
                     s.applied = True
@@ -231,10 +226,18 @@ class Overlapped(Sync):
             self.sums.wait_any()
             self._advance()
 
+    def _arrived(self, s: _Stretch) -> bool:
+        """Stretch ``s``'s sum is complete (as of the last test of the sums in flight)."""
+        return s.index is not None and self.sums.done(s.index)
+
+    def _settled(self, s: _Stretch) -> bool:
+        """Nothing more to do for ``s``: applied, or complete with no update open."""
+        return s.applied or (self.apply is None and self._arrived(s))
+
     def settle(self) -> None:
         if self.finish != "forward" or not self.stretches:
             return
-        self._complete(lambda: all(s.settled(self.apply) for s in self.stretches))
+        self._complete(lambda: all(self._settled(s) for s in self.stretches))
         self.sums.clear()
         self.stretches, self.apply = [], None
 
@@ -249,7 +252,7 @@ class Overlapped(Sync):
             lo, hi = ranges[i]
             hi = hi if upto is None else min(hi, lo + upto)
             if lo < hi:
-                self._complete(lambda: all(s.settled(self.apply) for s in self.stretches
+                self._complete(lambda: all(self._settled(s) for s in self.stretches
                                            if s.lo < hi and s.hi > lo))
         # the same parts every step, arrived or not: the sums do not depend on timing
         return ready, max(1, self.bucket_bytes // self.buf.itemsize)
@@ -279,7 +282,7 @@ class Overlapped(Sync):
 
     def _reduce_to_extras(self) -> None:
         """finish "forward": wait only for the sum that holds the loss and counts."""
-        self._complete(lambda: all(s.done for s in self.stretches if s.hi > self.n))
+        self._complete(lambda: all(self._arrived(s) for s in self.stretches if s.hi > self.n))
 
     def reduce(self) -> None:
         while self.launched < len(self.buckets):
@@ -329,16 +332,13 @@ class Overlapped(Sync):
 
 class _Stretch:
     """One sum of ``buf[lo:hi]`` (finish "forward"): ``index`` among the started sums once
-    started, ``done`` once complete, ``applied`` once the open update has used it."""
+    started, ``applied`` once the open update has used it. Whether it is complete is asked
+    of the sums themselves (:meth:`Overlapped._arrived`), never kept beside them."""
 
-    __slots__ = ("lo", "hi", "index", "done", "applied")
+    __slots__ = ("lo", "hi", "index", "applied")
 
     def __init__(self, lo: int, hi: int) -> None:
-        self.lo, self.hi, self.index, self.done, self.applied = lo, hi, None, False, False
-
-    def settled(self, update: object) -> bool:
-        """Nothing more to do for it: applied, or complete with no update open."""
-        return self.applied or (update is None and self.done)
+        self.lo, self.hi, self.index, self.applied = lo, hi, None, False
 
 
 def layer_buckets(ranges: list[tuple[int, int]], size: int, itemsize: int,
