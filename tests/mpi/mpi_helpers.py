@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
 
 def all_ranks(comm, ok: bool, message: str = "") -> None:
     """Assert ``ok`` on every rank: fails everywhere (naming the ranks) if it fails anywhere."""
@@ -21,6 +26,23 @@ def raises_everywhere(comm, exc_type, fn, match: str | None = None):
     ok = err is not None and (match is None or match in str(err))
     all_ranks(comm, ok, f"rank {comm.rank}: got {err!r}, expected {exc_type.__name__} with {match!r}")
     return err
+
+
+def record_timer_sleeps(monkeypatch, slots: int = 1, slot=lambda: 0):
+    """Record every sleep of mpidp's step timer (its ``slowdown``) by ``slot()``, one of
+    ``slots``: returns float64 arrays ``(asked, slept)`` of the seconds asked for and those
+    taken (wall clock), summed per slot and filled in as the timer sleeps."""
+    from mpidp.observe import metrics
+    asked, slept = np.zeros(slots), np.zeros(slots)
+
+    def sleep(seconds):
+        i, t = slot(), time.perf_counter()
+        time.sleep(seconds)
+        asked[i] += seconds
+        slept[i] += time.perf_counter() - t
+    monkeypatch.setattr(metrics, "time", SimpleNamespace(
+        perf_counter=time.perf_counter, process_time=time.process_time, sleep=sleep))
+    return asked, slept
 
 
 class CountingComm:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mpi_helpers import all_ranks, raises_everywhere
+from mpi_helpers import all_ranks, raises_everywhere, record_timer_sleeps
 
 import mpidp
 from mpidp import nn
@@ -243,10 +243,6 @@ def test_a_slow_pipeline_stage_is_slow_in_every_step(comm, monkeypatch):
     work (slowdown 4), and the step's compute column holds that work and the sleep taken,
     so what was asked is at most 3x the column less the sleep; a stretched update (timed
     in its own column) asks more. No wall-clock threshold: a busy machine cannot fail it."""
-    import time
-    from types import SimpleNamespace
-
-    from mpidp.observe import metrics
     _, X, y = _data(comm)
     layers = nn.mlp(5, (64, 64, 64), 3, dtype=np.float64).layers
     pipe = Pipeline(layers, 5, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,
@@ -254,15 +250,7 @@ def test_a_slow_pipeline_stage_is_slow_in_every_step(comm, monkeypatch):
     pipe.init_(0)
     slow = comm.rank == comm.size - 1
     pipe.timer.slowdown = 4.0 if slow else 1.0
-    asked, slept = np.zeros(8), np.zeros(8)
-
-    def sleep(seconds):
-        step, t = min(pipe.timer.steps, 7), time.perf_counter()
-        time.sleep(seconds)
-        asked[step] += seconds
-        slept[step] += time.perf_counter() - t
-    monkeypatch.setattr(metrics, "time", SimpleNamespace(
-        perf_counter=time.perf_counter, process_time=time.process_time, sleep=sleep))
+    asked, slept = record_timer_sleeps(monkeypatch, 8, lambda: min(pipe.timer.steps, 7))
     rows = []
     fit_pipeline(pipe, (X, y), 2, 16, on_step=lambda step, s: rows.append(pipe.timer.recent(1)))
     rows = np.concatenate(rows)
