@@ -24,7 +24,7 @@ MPIEXEC ?= $(BIN)/mpiexec
 MPI_TIMEOUT ?= 600
 RANKS   ?= 1 2 3 4
 
-.PHONY: install demo test test-unit test-mpi test-faults bench bench-sync bench-partition bench-parallel bench-compare bench-large bench-multihost bench-network lint clean
+.PHONY: install demo test test-fast test-unit test-mpi test-faults bench bench-sync bench-partition bench-parallel bench-compare bench-large bench-multihost bench-network lint clean
 
 install: $(STAMP)
 
@@ -44,16 +44,23 @@ demo: $(STAMP)
 
 test: test-unit test-mpi
 
-# Unit tests and CLI tests (the CLI tests launch their own mpiexec jobs with timeouts).
+# The loop to run after each edit: every test that starts no process (no mpiexec job, no
+# command line in a subprocess); those are skipped, and `make test` runs them.
+test-fast: $(STAMP)
+	timeout 600 $(BIN)/python -m pytest tests --ignore=tests/mpi --fast -q -p no:cacheprovider
+
+# Unit tests and CLI tests (the CLI tests launch their own mpiexec jobs with timeouts); the
+# 25 slowest are listed at the end, so a slow test shows in the log.
 test-unit: $(STAMP)
-	timeout 1800 $(BIN)/python -m pytest tests --ignore=tests/mpi
+	timeout 1800 $(BIN)/python -m pytest tests --ignore=tests/mpi --durations=25
 
 # Collective tests under 1, 2, 3 and 4 ranks (4 oversubscribes 2 cores: fine for correctness).
 test-mpi: $(STAMP)
 	@for n in $(RANKS); do \
-	  echo "== MPI tests with $$n rank(s)"; \
+	  echo "== MPI tests with $$n rank(s)"; start=$$(date +%s); \
 	  timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest --with-mpi \
 	    -p no:cacheprovider tests/mpi || exit 1; \
+	  echo "== MPI tests with $$n rank(s) took $$(( $$(date +%s) - start )) s"; \
 	done
 
 # The fault matrix (every mode x raise/kill/hang/NaN) and the signal tests: `make test`

@@ -47,3 +47,19 @@ def _remove_shm_left_by_killed_jobs():
         for p in new:
             if p.name not in in_use:
                 p.unlink(missing_ok=True)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true",
+                     help="skip every test that starts a process (mpiexec jobs, the command "
+                     "line in a subprocess): the loop to run after each edit (make test-fast)")
+
+
+def pytest_configure(config):
+    if config.getoption("--fast", default=False):
+        import subprocess
+
+        def refuse(*args, **kwargs):
+            pytest.skip("starts a process (not with --fast)", allow_module_level=True)
+
+        subprocess.Popen.__init__ = refuse
