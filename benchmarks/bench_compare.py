@@ -187,7 +187,7 @@ def speed_replica(comm, a, wire: Wire) -> dict:
     """Data parallel or synchronous server: one job's figures for this rank."""
     from bench_parallel import _timed
 
-    from mpidp.parallel.pipeline import _held_bytes
+    from mpidp.parallel.stages import held_bytes
     dp = _replica(comm, a.column)
     X, y = _data(4 * a.batch)
     offs = np.concatenate([[0], np.cumsum(_split(comm, a.column, a.batch, None))])
@@ -211,7 +211,7 @@ def speed_replica(comm, a, wire: Wire) -> dict:
     dp.model.forward(Xl)  # leave this rank's activation caches in the layers
     return {"param_bytes": int(dp.model.params.nbytes), "grad_bytes": int(dp.buf.nbytes),
             "opt_bytes": _held(dp.optimizer),
-            "act_bytes": _held_bytes(dp.model.layers, Xl) + n_local * N_OUT * 4,
+            "act_bytes": held_bytes(dp.model.layers, Xl) + n_local * N_OUT * 4,
             "samples": n_local, "sent": wire.sent / n, "recv": wire.recv / n,
             "step_s": wall, "cpu_s": cpu, **_per_step(dp.timer.take_records(), n)}
 
@@ -255,7 +255,7 @@ def speed_async(comm, a, wire: Wire) -> dict:
     from mpidp.data.distribute import Shard
     from mpidp.observe.metrics import StepTimer
     from mpidp.parallel.async_ps import AsyncPS, fit_async
-    from mpidp.parallel.pipeline import _held_bytes
+    from mpidp.parallel.stages import held_bytes
     model = nn.Sequential(_layers()[0], N_IN, np.float32).init_(0)
     opt, loss = _optimizer(), nn.SoftmaxCrossEntropy()
     n_total = a.batch * a.steps
@@ -296,7 +296,7 @@ def speed_async(comm, a, wire: Wire) -> dict:
     else:
         local = len(data.X) // n
         out.update(grad_bytes=(model.n_params + 4) * model.params.itemsize, opt_bytes=0,
-                   act_bytes=_held_bytes(model.layers, None) + local * N_OUT * 4,
+                   act_bytes=held_bytes(model.layers, None) + local * N_OUT * 4,
                    samples=local, **_per_step(timer.take_records(), n))
     return out
 

@@ -226,28 +226,29 @@ def codec_work(n: int, P: int = 2, codec: str = "bfloat16",
                jit: bool | None = None) -> tuple[Callable[[], None], str]:
     """One step's CPU work of the ``compressed`` strategy (``codec``) on one of ``P`` ranks
     for ``n`` float32 gradients, without the exchanges, and what it runs: the strategy's
-    own :class:`mpidp.parallel.compress.Codec` calls with the kernels it picks here (numba's
+    own :class:`mpidp.parallel.codecs.Codec` calls with the kernels it picks here (numba's
     for bfloat16 where numba is installed): per block, the gradient plus its residual
     encoded with error feedback; this rank's chunk (``n / P``) summed from ``P`` ranks'
     codes, plus the chunk residual, checked and encoded with error feedback; every code
     decoded. ``jit``: numba's kernels (True), NumPy's passes (False), or as the strategy
     picks (None)."""
+    from mpidp.parallel import codecs as K
     from mpidp.parallel import compress as Z
     rng = np.random.default_rng(0)
     g = rng.standard_normal(n).astype(np.float32) * np.float32(1e-3)
     res, nxt = np.zeros(n, np.float32), np.zeros(n, np.float32)
     piece = Z._Piece(0, n, P, 0, 0, 0, codec)  # rank 0's layout: chunk 0 is summed here
-    whole = [seg for lo, hi, at in piece.runs for seg in Z._segments(lo, hi, at, codec)]
-    chunk = Z._segments(0, piece.m, 0, codec)  # offsets in the chunk and its codes
+    whole = [seg for lo, hi, at in piece.runs for seg in K.segments(lo, hi, at, codec)]
+    chunk = K.segments(0, piece.m, 0, codec)  # offsets in the chunk and its codes
     if jit is None:
-        jit = codec in Z.JIT_CODECS and Z.numba_available()
-    k, h, own = Z.Codec(codec, jit=jit), piece.m, piece.own
+        jit = codec in K.JIT_CODECS and K.numba_available()
+    k, h, own = K.Codec(codec, jit=jit), piece.m, piece.own
     codes = np.zeros(piece.end, np.uint16)
     recv = np.zeros((P - 1) * piece.mu, np.uint16)  # the other ranks' codes of this chunk
     for r in range(P - 1):
         for a, b, ca, cb in chunk:
             at = r * piece.mu
-            recv[at + ca:at + cb] = Z.encode(rng.standard_normal(b - a).astype(np.float32)
+            recv[at + ca:at + cb] = K.encode(rng.standard_normal(b - a).astype(np.float32)
                                              * np.float32(1e-3), codec)
     cres, cnxt = np.zeros(h, np.float32), np.zeros(h, np.float32)
     starts = np.arange(-1, P - 1, dtype=np.int64) * piece.mu  # rank 0: its own codes
@@ -261,7 +262,7 @@ def codec_work(n: int, P: int = 2, codec: str = "bfloat16",
         for a, b, ca, cb in whole:
             k.decode_(codes[ca:cb], g[a:b])
     how = "numba's kernels" if jit else "NumPy's passes"
-    return kernel, f"compress.Codec, {how}: encode with error feedback, chunk sums, decode"
+    return kernel, f"codecs.Codec, {how}: encode with error feedback, chunk sums, decode"
 
 
 def measure_local(reps: int = 7, batch: int = 256) -> dict:

@@ -77,7 +77,7 @@ def run_data(comm, a, X, y, rss0) -> dict:
     import mpidp
     from mpidp import nn
     from mpidp.data.partition import block_range
-    from mpidp.parallel.pipeline import _held_bytes
+    from mpidp.parallel.stages import held_bytes
     layers, loss = _layers(a.width, a.depth)
     model = nn.Sequential(layers, a.width, np.float32).init_(0)
     dp = mpidp.DataParallel(model, nn.SGD(0.05), loss, comm)
@@ -86,7 +86,7 @@ def run_data(comm, a, X, y, rss0) -> dict:
     wall, cpu = _timed(comm, lambda: dp.step(Xl, yl), a.steps, a.warmup, a.repeats)
     idle = dp.timer.comm_s / (dp.timer.comm_s + dp.timer.compute_s)
     return {"param_bytes": model.params.nbytes + dp.buf.nbytes, "activation_bytes":
-            _held_bytes(model.layers, Xl) + len(Xl) * a.width * 4,  # + the loss gradient (n, w)
+            held_bytes(model.layers, Xl) + len(Xl) * a.width * 4,  # + the loss gradient (n, w)
             "comm_bytes": dp.buf.nbytes,
             "step_s": wall, "cpu_s": cpu, "idle_wall": idle, "rss0_kib": rss0}
 

@@ -21,7 +21,7 @@ blas_threads_default()  # before numpy loads BLAS: see mpidp/_threads.py
 __version__ = "0.2.0"
 
 _LAZY = {
-    "Checkpointing": ".run.spec", "fit": ".parallel.data_parallel", "Data": ".data.distribute",
+    "Checkpointing": ".run.spec", "fit": ".parallel.data_feed", "Data": ".data.distribute",
     "Shard": ".data.distribute", "load": ".data.distribute",
     "shard_from_arrays": ".data.distribute", "Partition": ".data.partition",
     "Plan": ".data.balance", "MpidpError": ".errors", "abort_on_error": ".comm",

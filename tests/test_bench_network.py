@@ -267,7 +267,7 @@ def test_local_inputs_are_measured_in_a_process_of_their_own(tmp_path):
     assert got["forward_s"] > 0 and got["update_s"] > 0 and got["codec_s"] > 0
     assert got["codec_share"] == pytest.approx(got["codec_s"] / (got["forward_s"] + got["backward_s"]
                                                                   + got["update_s"]), rel=0.8)
-    assert got["codec_how"].startswith("compress.Codec") and 0 < got["gamma"] < 1e-8
+    assert got["codec_how"].startswith("codecs.Codec") and 0 < got["gamma"] < 1e-8
 
 
 @pytest.mark.slow
@@ -289,19 +289,19 @@ def test_codec_work_is_a_compressed_step_of_one_rank(codec):
     """What the codec timing runs: this rank's codes of gradient + residual, its chunk
     summed from every rank's codes and encoded again, every code decoded; checked against
     the reference codec segment by segment from the same start."""
-    from mpidp.parallel import compress as Z
+    from mpidp.parallel import codecs as Z
     n = 3 * Z.BLOCK + 1001
     kernel, how = B.codec_work(n, codec=codec)
-    assert how.startswith("compress.Codec")
+    assert how.startswith("codecs.Codec")
     v = dict(zip(kernel.__code__.co_freevars, (c.cell_contents for c in kernel.__closure__)))
     g0, h = v["g"].copy(), -(-n // 2)
     kernel()
     mine = np.empty(n, np.float32)  # what this rank's own codes decode to
     for lo, hi in ((0, h), (h, n)):  # the two chunks, each encoded in blocks from its start
-        for a, b, _, _ in Z._segments(lo, hi, 0, codec):
+        for a, b, _, _ in Z.segments(lo, hi, 0, codec):
             mine[a:b] = Z.decode(Z.encode(g0[a:b], codec), codec, b - a)
     want = mine.copy()
-    for a, b, ca, cb in Z._segments(0, h, 0, codec):  # chunk 0: rank order, encoded again
+    for a, b, ca, cb in Z.segments(0, h, 0, codec):  # chunk 0: rank order, encoded again
         total = mine[a:b] + Z.decode(v["recv"][ca:cb], codec, b - a)
         want[a:b] = Z.decode(Z.encode(total, codec), codec, b - a)
         assert np.array_equal(v["cnxt"][a:b], total - want[a:b])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from clitools import ROOT, run_mpi
 
+from mpidp.parallel import codecs as K
 from mpidp.parallel import compress as Z
 
 LOW = np.array([0, 1, 0x0FFF, 0x1000, 0x1001, 0x1FFF, 0x7FFF, 0x8000, 0x8001, 0xFFFF], np.uint32)
@@ -35,18 +36,18 @@ def _blockwise(fn, n: int, block: int):
         fn(lo, min(lo + block, n))
 
 
-@pytest.mark.parametrize("codec", Z.FLOAT_CODECS)
+@pytest.mark.parametrize("codec", K.FLOAT_CODECS)
 def test_in_place_encode_is_the_reference_bit_for_bit(codec):
     x = _bit_patterns().view(np.float32)
     block = 1 << 12
-    k = Z.Codec(codec, block)
+    k = K.Codec(codec, block)
     codes, lost = np.empty(len(x), np.uint16), np.empty(len(x), np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         _blockwise(lambda lo, hi: k.encode_(x[lo:hi], codes[lo:hi], lost[lo:hi]), len(x), block)
-        want = Z.encode(x, codec)
+        want = K.encode(x, codec)
         assert _same_bits(codes, want)
-        finite = np.isfinite(x) & np.isfinite(Z.decode(want, codec))
-        assert _same_bits(lost[finite], x[finite] - Z.decode(want, codec)[finite])
+        finite = np.isfinite(x) & np.isfinite(K.decode(want, codec))
+        assert _same_bits(lost[finite], x[finite] - K.decode(want, codec)[finite])
         again = x.copy()  # lost may be x itself (the strategy encodes in place)
         _blockwise(lambda lo, hi: k.encode_(again[lo:hi], codes[lo:hi], again[lo:hi]),
                    len(x), block)
@@ -54,23 +55,23 @@ def test_in_place_encode_is_the_reference_bit_for_bit(codec):
 
 
 def test_bfloat16_encode_keeps_nan_and_rounds_ties_to_even():
-    top = np.float32(Z.BFLOAT16_INF_FROM)
+    top = np.float32(K.BFLOAT16_INF_FROM)
     x = np.array([1 + 2**-8, 1 + 3 * 2**-8, np.nan, -np.inf, top, np.nextafter(top, 0)],
                  np.float32)
     codes = np.empty(len(x), np.uint16)
-    Z.Codec("bfloat16").encode_(x, codes)
-    back = Z.decode(codes, "bfloat16")
+    K.Codec("bfloat16").encode_(x, codes)
+    back = K.decode(codes, "bfloat16")
     assert back[:2].tolist() == [1.0, 1 + 2**-6] and np.isnan(back[2])
     assert back[3] == -np.inf and back[4] == np.inf  # from BFLOAT16_INF_FROM on: Inf
     assert back[5] == np.float32(3.3895314e38)  # the largest bfloat16 just below it
 
 
-@pytest.mark.parametrize("codec", Z.FLOAT_CODECS)
+@pytest.mark.parametrize("codec", K.FLOAT_CODECS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_in_place_decode_is_the_reference_for_every_code(codec, dtype):
     codes = np.arange(1 << 16, dtype=np.uint16)
-    want = Z.decode(codes, codec)
-    k = Z.Codec(codec, 1000)  # the float64 path goes through scratch of 1000 values
+    want = K.decode(codes, codec)
+    k = K.Codec(codec, 1000)  # the float64 path goes through scratch of 1000 values
     out = np.empty(len(codes), dtype)
     with np.errstate(invalid="ignore"):
         k.decode_(codes, out)
@@ -84,7 +85,7 @@ def test_in_place_decode_is_the_reference_for_every_code(codec, dtype):
 
 def test_unknown_codec_is_refused():
     with pytest.raises(Z.C.MpidpError, match="unknown compression 'int4'"):
-        Z.Codec("int4")
+        K.Codec("int4")
     with pytest.raises(Z.C.MpidpError, match="unknown compression 'int4'"):
         Z.Compressed("int4")
 
@@ -140,22 +141,22 @@ def test_int8_keeps_groups_too_small_to_scale_in_its_error_feedback():
     """A group whose largest magnitude is below ``127 / float32 max`` (about 3.7e-37) has
     no finite ``127 / top``: it is coded on the grid of :data:`INT8_TINY`, so its values
     decode to zero and what was lost is exactly the values, never NaN."""
-    x = np.zeros(3 * Z.GROUP, np.float32)
+    x = np.zeros(3 * K.GROUP, np.float32)
     x[:4] = [1e-39, -3e-37, 2e-45, 0.0]  # group 0: subnormal and tiny values
-    x[Z.GROUP:Z.GROUP + 2] = [1e-34, -2.5e-34]  # group 1: under half a step of the grid
-    x[2 * Z.GROUP] = 0.5  # group 2: an ordinary one
-    codes, lost = np.zeros(Z.units(len(x), "int8"), np.uint16), np.zeros_like(x)
+    x[K.GROUP:K.GROUP + 2] = [1e-34, -2.5e-34]  # group 1: under half a step of the grid
+    x[2 * K.GROUP] = 0.5  # group 2: an ordinary one
+    codes, lost = np.zeros(K.units(len(x), "int8"), np.uint16), np.zeros_like(x)
     with np.errstate(invalid="ignore", over="ignore"):
-        Z.Codec("int8").encode_(x, codes, lost)
-    want = Z.encode(x, "int8")
-    back = Z.decode(want, "int8", len(x))
-    assert _same_bits(codes, want) and np.isfinite(Z._int8_parts(want, len(x))[1]).all()
-    assert np.array_equal(back[:2 * Z.GROUP], np.zeros(2 * Z.GROUP, np.float32))
-    assert back[2 * Z.GROUP] == np.float32(0.5)
-    assert _same_bits(lost, x - back) and np.array_equal(lost[:2 * Z.GROUP], x[:2 * Z.GROUP])
+        K.Codec("int8").encode_(x, codes, lost)
+    want = K.encode(x, "int8")
+    back = K.decode(want, "int8", len(x))
+    assert _same_bits(codes, want) and np.isfinite(K._int8_parts(want, len(x))[1]).all()
+    assert np.array_equal(back[:2 * K.GROUP], np.zeros(2 * K.GROUP, np.float32))
+    assert back[2 * K.GROUP] == np.float32(0.5)
+    assert _same_bits(lost, x - back) and np.array_equal(lost[:2 * K.GROUP], x[:2 * K.GROUP])
 
 
-@pytest.mark.parametrize("k", [1, 5, 255, 256, 257, 1000, Z.BLOCK])
+@pytest.mark.parametrize("k", [1, 5, 255, 256, 257, 1000, K.BLOCK])
 def test_int8_kernel_is_the_reference_bit_for_bit(k):
     """Codes, scales, what rounding lost and the decoded values, as :func:`encode` and
     :func:`decode` give them; a group holding NaN or Inf decodes to no finite value."""
@@ -163,16 +164,16 @@ def test_int8_kernel_is_the_reference_bit_for_bit(k):
     x = (rng.standard_normal(k) * 10.0 ** rng.integers(-8, 3, k)).astype(np.float32)
     if k > 300:
         x[3], x[290], x[-1] = np.nan, np.inf, -np.inf
-    kernel, want = Z.Codec("int8"), Z.encode(x, "int8")
-    codes, lost = np.zeros(Z.units(k, "int8"), np.uint16), np.zeros(k, np.float32)
+    kernel, want = K.Codec("int8"), K.encode(x, "int8")
+    codes, lost = np.zeros(K.units(k, "int8"), np.uint16), np.zeros(k, np.float32)
     out, acc = np.zeros(k, np.float32), np.ones(k, np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         kernel.encode_(x, codes, lost)
         kernel.decode_(codes, out)
         kernel.decode_add_(codes, acc)
-        back = Z.decode(want, "int8", k)
-    (q, scale), (q0, scale0) = Z._int8_parts(codes, k), Z._int8_parts(want, k)
-    finite = np.isfinite(np.repeat(scale0, Z.GROUP)[:k])
+        back = K.decode(want, "int8", k)
+    (q, scale), (q0, scale0) = K._int8_parts(codes, k), K._int8_parts(want, k)
+    finite = np.isfinite(np.repeat(scale0, K.GROUP)[:k])
     assert _same_bits(scale, scale0) and np.array_equal(q[finite], q0[finite])
     assert _same_bits(lost[finite], (x - back)[finite]) and _same_bits(out[finite], back[finite])
     assert _same_bits(acc[finite], (np.float32(1) + back)[finite])
@@ -180,7 +181,7 @@ def test_int8_kernel_is_the_reference_bit_for_bit(k):
     assert (k > 300) == (not finite.all())
 
 
-numba_kernels = pytest.mark.skipif(not Z.numba_available(), reason="numba not installed")
+numba_kernels = pytest.mark.skipif(not K.numba_available(), reason="numba not installed")
 
 
 def _jit_inputs(k: int, seed: int):
@@ -201,23 +202,23 @@ def _same_up_to_nan_payload(a: np.ndarray, b: np.ndarray, codec: str = "bfloat16
     keep either one's payload and sign). ``a``, ``b``: codes (bfloat16: one per value;
     int8: one segment of ``k`` values) or float32/64 values."""
     if a.dtype == np.uint16 and codec == "int8":
-        (qa, sa), (qb, sb) = Z._int8_parts(a, k), Z._int8_parts(b, k)
+        (qa, sa), (qb, sb) = K._int8_parts(a, k), K._int8_parts(b, k)
         return _same_bits(qa, qb) and _same_up_to_nan_payload(sa, sb)
-    fa, fb = ((Z.decode(v, codec) if v.dtype == np.uint16 else v) for v in (a, b))
+    fa, fb = ((K.decode(v, codec) if v.dtype == np.uint16 else v) for v in (a, b))
     nan = np.isnan(fa)
     return bool(np.array_equal(nan, np.isnan(fb)) and _same_bits(a[~nan], b[~nan]))
 
 
 
 @numba_kernels
-@pytest.mark.parametrize("codec", Z.JIT_CODECS)
-@pytest.mark.parametrize("k", [1, 3, 255, 4099, Z.BLOCK])
+@pytest.mark.parametrize("codec", K.JIT_CODECS)
+@pytest.mark.parametrize("k", [1, 3, 255, 4099, K.BLOCK])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_compiled_encode_and_decode_are_numpys_bit_for_bit(codec, k, dtype):
     """Codes, what they lose, the scan's verdict and decoded values (into float32 and
     float64), with and without a residual, for finite and non-finite values alike (a NaN's
     payload aside)."""
-    ref, jit = Z.Codec(codec), Z.Codec(codec, jit=True)
+    ref, jit = K.Codec(codec), K.Codec(codec, jit=True)
     for seed in range(3):
         x, res = _jit_inputs(k, seed)
         with np.errstate(invalid="ignore"):
@@ -234,7 +235,7 @@ def test_compiled_encode_and_decode_are_numpys_bit_for_bit(codec, k, dtype):
             for with_res in (True, False):
                 got = []
                 for kern in (ref, jit):
-                    codes = np.zeros(Z.units(k, codec), np.uint16)
+                    codes = np.zeros(K.units(k, codec), np.uint16)
                     lost = np.zeros(k, np.float32)
                     verdict = kern.encode_sum_(src, codes, res if with_res else None,
                                                lost if with_res else None, scan=True)
@@ -249,18 +250,18 @@ def test_compiled_encode_and_decode_are_numpys_bit_for_bit(codec, k, dtype):
 
 
 @numba_kernels
-@pytest.mark.parametrize("codec", Z.JIT_CODECS)
+@pytest.mark.parametrize("codec", K.JIT_CODECS)
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
-@pytest.mark.parametrize("k", [1, 1000, Z.BLOCK])
+@pytest.mark.parametrize("k", [1, 1000, K.BLOCK])
 def test_compiled_chunk_sums_are_numpys_bit_for_bit(codec, P, k):
     """P ranks' codes summed in rank order (this rank's own in place, the others' from
     one receive buffer at offsets), plus the chunk residual, encoded again: the same bits
     for every finite sum (the rows hold NaN, Inf and ties too)."""
-    ref, jit = Z.Codec(codec), Z.Codec(codec, jit=True)
+    ref, jit = K.Codec(codec), K.Codec(codec, jit=True)
     rng = np.random.default_rng(P * k)
     with np.errstate(all="ignore"):
-        rows = [Z.encode(_jit_inputs(k, r)[0], codec) for r in range(P)]
-    u = Z.units(k, codec)
+        rows = [K.encode(_jit_inputs(k, r)[0], codec) for r in range(P)]
+    u = K.units(k, codec)
     mine_rank = P // 2
     others = [rows[r] for r in range(P) if r != mine_rank]
     recv = np.concatenate(others + [np.zeros(7, np.uint16)])
@@ -282,7 +283,7 @@ def test_compiled_chunk_sums_are_numpys_bit_for_bit(codec, P, k):
 
 def test_compiled_kernels_exist_for_bfloat16_and_int8_only():
     with pytest.raises(Z.C.MpidpError, match="bfloat16"):
-        Z.Codec("float16", jit=True)
+        K.Codec("float16", jit=True)
     with pytest.raises(Z.C.MpidpError, match="kernels 'numba' exist for"):
         Z.Compressed("float16", kernels="numba")
     with pytest.raises(Z.C.MpidpError, match="unknown compression kernels 'fast'"):
@@ -292,7 +293,7 @@ def test_compiled_kernels_exist_for_bfloat16_and_int8_only():
 def test_encode_takes_residual_and_lost_together():
     codes, x = np.zeros(4, np.uint16), np.ones(4, np.float32)
     with pytest.raises(ValueError, match="together"):
-        Z.Codec("bfloat16").encode_sum_(x, codes, res=x)
+        K.Codec("bfloat16").encode_sum_(x, codes, res=x)
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from clitools import run_mpi
 
-from mpidp.parallel import compress
+from mpidp.parallel import codecs
 from mpidp.scale import costmodel as M
 
 FIT = M.Fit(alpha=2e-6, beta=1e-9, gamma=5e-10)
@@ -84,15 +84,15 @@ def test_step_time_with_measured_compute_by_hand():
     assert ring4["step_s"] == pytest.approx(float(M.step_time(4, 4e6, B, c, FIT)))
 
 
-@pytest.mark.parametrize("codec", compress.CODECS)
+@pytest.mark.parametrize("codec", codecs.CODECS)
 def test_codecs_round_trip_within_their_precision(codec):
     x = np.random.default_rng(0).standard_normal(1000).astype(np.float32) * 100
-    codes = compress.encode(x, codec)
-    assert codes.dtype == np.uint16 and len(codes) == compress.units(len(x), codec)
-    back = compress.decode(codes, codec, len(x))
+    codes = codecs.encode(x, codec)
+    assert codes.dtype == np.uint16 and len(codes) == codecs.units(len(x), codec)
+    back = codecs.decode(codes, codec, len(x))
     if codec == "int8":  # half a level of the group's largest magnitude (127 levels a side)
-        groups = np.arange(len(x)) // compress.GROUP
-        top = np.maximum.reduceat(np.abs(x), np.arange(0, len(x), compress.GROUP))[groups]
+        groups = np.arange(len(x)) // codecs.GROUP
+        top = np.maximum.reduceat(np.abs(x), np.arange(0, len(x), codecs.GROUP))[groups]
         assert np.all(np.abs(back - x) <= top / 254 * (1 + 1e-6))
         assert len(codes) * 2 < 0.26 * x.nbytes  # a quarter of float32's bytes, and scales
         return
@@ -103,7 +103,7 @@ def test_codecs_round_trip_within_their_precision(codec):
 def test_bfloat16_rounds_to_nearest_even():
     # 1 + 2**-8 is exactly halfway between bfloat16 neighbours 1 and 1 + 2**-7: ties to even (1)
     x = np.array([1 + 2**-8, 1 + 3 * 2**-8], np.float32)
-    assert compress.decode(compress.encode(x, "bfloat16"), "bfloat16").tolist() == [1.0, 1 + 2**-6]
+    assert codecs.decode(codecs.encode(x, "bfloat16"), "bfloat16").tolist() == [1.0, 1 + 2**-6]
 
 
 def test_mpidp_model_command(tmp_path):

@@ -36,9 +36,9 @@ from ..observe.progress import line_seconds
 from ..observe.watch import Outputs, Watch, log, say, setup_logging
 from ..parallel import DataParallel, make_trainer
 from ..parallel.async_ps import AsyncPS, fit_async
-from ..parallel.data_parallel import fit
+from ..parallel.data_feed import fit
 from ..parallel.layer_needs import refuses_model
-from ..parallel.pipeline import fit_pipeline
+from ..parallel.pipeline_feed import fit_pipeline
 from ..parallel.strategies import make_sync
 from ..run import checkpoint as ck
 from ..run import faults, memory

@@ -10,7 +10,8 @@ from .layers import Dense, Layer, register_layer, registered_layers
 from .losses import OUTPUTS, Loss, MeanSquaredError, SoftmaxCrossEntropy, outputs
 from .model import Sequential, from_spec, load, save
 from .norm import BatchNorm, LayerNorm
-from .optim import LAMB, LARS, OPTIMIZERS, SGD, Adam, AdamW, Optimizer, Segments, make_optimizer
+from .optim import Optimizer, Segments
+from .optimizers import LAMB, LARS, OPTIMIZERS, SGD, Adam, AdamW, make_optimizer
 from .pool import AvgPool, GlobalAvgPool, MaxPool
 from .presets import PRESETS, build, default_epochs, linear, logreg, mlp, model_layers
 from .reshape import Flatten, Reshape

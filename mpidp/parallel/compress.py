@@ -1,24 +1,9 @@
-"""Gradient compression: the codecs (IEEE float16, bfloat16, int8 with scales) and the
-``compressed`` exchange strategy (the codecs are pure NumPy).
-
-The 16-bit codecs store a value in 16 bits (half the bytes of float32). float16 keeps 11
-significant bits but overflows beyond 65504; bfloat16 keeps float32's range with 8
-significant bits. ``int8`` stores a value in 8 bits plus one float32 scale per
-:data:`GROUP` values (about a quarter of float32's bytes): each value is rounded to the
-nearest of 255 evenly spaced levels between minus and plus its group's largest magnitude
-(or :data:`INT8_TINY`, if that is larger).
-:func:`encode` and :func:`decode` are the reference formulas (whole arrays, new arrays
-out; an int8 array is one segment whose groups start at its first value); :class:`Codec`
-does the same arithmetic in place on blocks, with scratch of its own, for the per-step
-passes of :class:`Compressed`. Codes travel as ``uint16`` units: one per value for the
-16-bit codecs, :func:`units` for ``k`` values of int8 (the int8 codes, padded to 4 bytes,
-then the float32 scales).
-"""
+"""The ``compressed`` exchange strategy: gradients summed as the codes of
+:mod:`~mpidp.parallel.codecs` (16-bit floats, or int8 with scales), in buckets started
+during backward, with error feedback."""
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import warnings
 from collections.abc import Callable
 
@@ -26,378 +11,13 @@ import numpy as np
 
 from .. import comm as C
 from ..nn import Optimizer
-from . import buffer
+from . import buffer, codecs
+from .codecs import CODECS, FLOAT16_MAX, JIT_CODECS, Codec, chunk_units, segments
 from .overlap import layer_buckets
 from .sync import Buffers, Exchanged, Round, Setup, Sync, bucket_size, global_sums
 
-FLOAT_CODECS = ("float16", "bfloat16")  # one 16-bit code per value
-CODECS = (*FLOAT_CODECS, "int8")
-#: int8: values per float32 scale (a group never spans two blocks of :data:`BLOCK`).
-GROUP = 256
-#: int8: the least largest magnitude a group is scaled by. Below it ``127 / top`` would
-#: overflow float32 (from about 3.7e-37), so such a group is coded on this grid instead:
-#: its values round to zero and error feedback keeps them.
-INT8_TINY = np.float32(2.0 ** -100)
-FLOAT16_MAX = float(np.finfo(np.float16).max)
-#: float32 magnitudes from this one on (bits 0x7F7F8000) round to bfloat16 Inf.
-BFLOAT16_INF_BITS = 0x7F7F8000
-BFLOAT16_INF_FROM = float(np.array(BFLOAT16_INF_BITS, np.uint32).view(np.float32))
-#: codecs with compiled kernels (:mod:`mpidp.parallel.compress_jit`, numba)
-JIT_CODECS = ("bfloat16", "int8")
 #: how :class:`Compressed` picks its codec's kernels
 KERNELS = ("auto", "numpy", "numba")
-#: Values per block of :class:`Compressed`'s passes: a block's scratch (a few arrays of
-#: ``BLOCK`` 4-byte values) stays in a core's L2 cache while several NumPy ops run on it.
-BLOCK = 1 << 16
-
-
-def units(k: int, codec: str) -> int:
-    """``uint16`` units that the codes of one segment of ``k`` values take."""
-    if codec != "int8":
-        return k
-    return 2 * -(-k // 4) + 2 * -(-k // GROUP)
-
-
-def chunk_units(m: int, codec: str) -> int:
-    """Units of ``m`` values encoded in segments of :data:`BLOCK` (the last one shorter)."""
-    return (m // BLOCK) * units(BLOCK, codec) + units(m % BLOCK, codec)
-
-
-def _int8_parts(codes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The int8 codes ``(k,)`` and float32 scales ``(ceil(k / GROUP),)`` inside one
-    segment's ``uint16`` units (views)."""
-    b = codes.view(np.uint8)
-    at = 4 * -(-k // 4)
-    return b[:k].view(np.int8), b[at:at + 4 * -(-k // GROUP)].view(np.float32)
-
-
-def _int8_encode(x: np.ndarray) -> np.ndarray:
-    """The reference int8 encoding of one segment ``x`` (float32)."""
-    k, groups = len(x), -(-len(x) // GROUP)
-    padded = np.zeros(groups * GROUP, np.float32)
-    padded[:k] = x
-    g = padded.reshape(groups, GROUP)
-    top = np.maximum(np.maximum(g.max(axis=1), -g.min(axis=1)), INT8_TINY)  # NaN stays
-    inv = np.float32(127) / top
-    out = np.zeros(units(k, "int8"), np.uint16)
-    q, scale = _int8_parts(out, k)
-    scale[...] = top / np.float32(127)
-    q[...] = np.rint(g * inv[:, None]).reshape(-1)[:k].astype(np.int8)
-    return out
-
-
-def _int8_decode(codes: np.ndarray, k: int) -> np.ndarray:
-    q, scale = _int8_parts(codes, k)
-    return (q.astype(np.float32) * np.repeat(scale, GROUP)[:k]).astype(np.float32)
-
-
-def encode(x: np.ndarray, codec: str) -> np.ndarray:
-    """``x`` (float32/64) → ``uint16`` codes. bfloat16 rounds to nearest, ties to even;
-    float16 turns values beyond 65504 into Inf (callers check for overflow first); int8
-    rounds ``x * (127 / top)`` to the nearest integer (ties to even), ``top``
-    the largest magnitude of the value's group (at least :data:`INT8_TINY`); a group
-    holding NaN or Inf decodes to NaN or Inf."""
-    if codec == "int8":
-        with np.errstate(invalid="ignore", over="ignore"):
-            return _int8_encode(np.asarray(x, np.float32))
-    if codec == "float16":
-        with np.errstate(over="ignore"):
-            return np.asarray(x, np.float16).view(np.uint16)
-    bits = np.asarray(x, np.float32).view(np.uint32)
-    rounded = bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))
-    return (rounded >> 16).astype(np.uint16)
-
-
-def decode(codes: np.ndarray, codec: str, n: int | None = None) -> np.ndarray:
-    """``uint16`` codes → float32 values (int8: the segment's ``n`` values)."""
-    if codec == "int8":
-        with np.errstate(invalid="ignore"):
-            return _int8_decode(codes, int(n))
-    if codec == "float16":
-        return codes.view(np.float16).astype(np.float32)
-    return (codes.astype(np.uint32) << 16).view(np.float32)
-
-
-class Codec:
-    """:func:`encode` and :func:`decode` in place, bit for bit, on blocks of at most
-    ``block`` values: no allocation per call. Call inside ``np.errstate(over="ignore",
-    invalid="ignore")`` (float16 overflow and NaN arithmetic are expected there).
-
-    ``x``, ``acc``, ``lost``: float32 ``(k,)``; ``codes``: uint16 ``(units(k),)``, one
-    segment; ``out``: float32 or float64 ``(k,)``; ``k <= block``. ``lost`` may be ``x``
-    itself.
-
-    The 16-bit codecs work on the float32 bits with integer ops, float16 too (faster than
-    NumPy's float16 casts); its subnormals go through two float ops that round exactly as
-    the cast. int8 takes each group's largest magnitude as an integer max of the float
-    bits with the sign cleared, and scales whole groups at once.
-    """
-
-    def __init__(self, codec: str, block: int = BLOCK, jit: bool = False) -> None:
-        if codec not in CODECS:
-            raise C.MpidpError(f"unknown compression {codec!r}; expected one of {CODECS}")
-        if jit and codec not in JIT_CODECS:
-            raise C.MpidpError(f"compiled compression kernels exist for {JIT_CODECS} only, "
-                               f"not {codec!r}")
-        self.codec, self.block, self.jit = codec, int(block), bool(jit)
-        self._bits, self._a, self._t, self._o = (np.zeros(self.block, np.uint32) for _ in "abto")
-        self._top, self._inv = (np.zeros(self.block // GROUP + 1, np.float32) for _ in "ti")
-        self._x = np.zeros(self.block, np.float32)  # values to encode, or a block of sums
-        self._one, self._none = np.zeros(1, np.float32), np.zeros(0, np.float32)
-        self._k = None
-        if jit:
-            from . import compress_jit  # imports numba
-            self._k = compress_jit
-
-    def encode_sum_(self, src: np.ndarray, codes: np.ndarray, res: np.ndarray | None = None,
-                    lost: np.ndarray | None = None, scan: bool = False) -> tuple[bool, bool]:
-        """``codes[...] = encode(src + res)`` (the sum in float32; ``src`` alone without
-        ``res``); with ``lost`` (and ``res``), what that loses into ``lost``. ``src``:
-        float32 or float64 ``(k,)``; ``res``, ``lost``: float32 ``(k,)``, ``lost`` may be
-        ``res``. With ``scan``, returns :func:`_scan`'s verdict on the values encoded,
-        else ``(False, False)``."""
-        if (res is None) != (lost is None):
-            raise ValueError("encode_sum_ takes res and lost together")
-        f16 = self.codec == "float16"
-        if self.jit:
-            ef = res is not None
-            res, lost = (res, lost) if ef else (self._none, self._none)
-            if self.codec == "int8":
-                q, scale = _int8_parts(codes, len(src))
-                top = self._k.i8_encode(src, res, ef, self._x[:len(src)], lost, ef, q, scale,
-                                        INT8_TINY, self._one)
-            else:
-                top = self._k.bf16_encode(src, res, ef, lost, ef, codes, self._one)
-            return (scan and top >= BFLOAT16_INF_BITS), False
-        x = lost if lost is not None else self._x[:len(src)]
-        if res is not None:
-            np.add(src, res, out=x)
-        else:
-            np.copyto(x, src, casting="same_kind")
-        verdict = _scan(x, f16) if scan else (False, False)
-        self.encode_(x, codes, lost)
-        return verdict
-
-    def sum_encode_(self, mine: np.ndarray, recv: np.ndarray, starts: np.ndarray, k: int,
-                    res: np.ndarray | None = None,
-                    lost: np.ndarray | None = None) -> tuple[bool, bool]:
-        """``mine[...] = encode(sum + res)``: ``sum``, the float32 sum in rank order of the
-        ``P`` ranks' codes of one segment of ``k`` values, rank ``r``'s being ``mine``
-        where ``starts[r] < 0`` (int64 ``(P,)``), else ``recv[starts[r]:]``; with
-        ``lost`` (and ``res``, float32 ``(k,)``), what the encoding loses into ``lost``.
-        Returns :func:`_scan`'s verdict on ``sum + res``."""
-        if (res is None) != (lost is None):
-            raise ValueError("sum_encode_ takes res and lost together")
-        if self.jit:
-            ef, acc = res is not None, self._x[:k]
-            res, lost = (res, lost) if ef else (self._none, self._none)
-            if self.codec == "int8":
-                top = self._k.i8_sum(mine, recv, starts, k, res, ef, lost, ef, acc, INT8_TINY,
-                                     self._one)
-            else:
-                top = self._k.bf16_sum(mine, recv, starts, res, ef, lost, ef, acc,
-                                       acc.view(np.uint32), self._one)
-            return bool(top >= BFLOAT16_INF_BITS), False
-        acc, u = self._x[:k], len(mine)
-        for r, at in enumerate(starts):
-            src = mine if at < 0 else recv[at:at + u]
-            (self.decode_add_ if r else self.decode_)(src, acc)
-        if res is not None:
-            np.add(acc, res, out=acc)
-        verdict = _scan(acc, self.codec == "float16")
-        self.encode_(acc, mine, lost)
-        return verdict
-
-    def encode_(self, x: np.ndarray, codes: np.ndarray, lost: np.ndarray | None = None) -> None:
-        """``codes[...] = encode(x)``; with ``lost``, ``lost[...] = x - decode(codes)``."""
-        if self.codec == "int8":
-            self._encode_i8(x, codes, lost)
-            return
-        if self.codec == "float16":
-            self._encode_f16(x, codes, lost)
-            return
-        b, u = x.view(np.uint32), self._bits[:len(x)]
-        np.right_shift(b, 16, out=u)  # round to nearest, ties to even: add 0x7FFF + lsb
-        np.bitwise_and(u, 1, out=u)
-        np.add(u, 0x7FFF, out=u)
-        np.add(u, b, out=u)  # wraps modulo 2**32 as the reference formula does
-        if lost is not None:
-            np.bitwise_and(u, 0xFFFF0000, out=u)  # the decoded value's bits
-            np.subtract(x, u.view(np.float32), out=lost)
-        np.right_shift(u, 16, out=u)
-        codes[...] = u
-
-    def decode_(self, codes: np.ndarray, out: np.ndarray) -> None:
-        """``out[...] = decode(codes)`` (converted to ``out``'s dtype; any length, but one
-        segment of ``len(out)`` values for int8)."""
-        if self.jit and self.codec == "int8":
-            self._k.i8_decode(*_int8_parts(codes, len(out)), out)
-            return
-        if self.jit:
-            self._k.bf16_decode(codes, out, self._one)
-            return
-        if self.codec == "int8":
-            value = out if out.dtype == np.float32 else self._o[:len(out)].view(np.float32)
-            self._decode_i8(codes, value)
-            if value is not out:
-                np.copyto(out, value)
-            return
-        if self.codec == "bfloat16" and out.dtype == np.float32:
-            bits = out.view(np.uint32)
-            bits[...] = codes
-            np.left_shift(bits, 16, out=bits)
-            return
-        for lo, hi in _blocks(0, len(codes), self.block):
-            mine = out.dtype == np.float32
-            value = out[lo:hi] if mine else self._o[:hi - lo].view(np.float32)
-            self._decode32(codes[lo:hi], value)
-            if not mine:
-                np.copyto(out[lo:hi], value)
-
-    def decode_add_(self, codes: np.ndarray, acc: np.ndarray) -> None:
-        """``acc += decode(codes)`` (float32 arithmetic)."""
-        value = self._o[:len(acc)].view(np.float32)
-        (self._decode_i8 if self.codec == "int8" else self._decode32)(codes, value)
-        np.add(acc, value, out=acc)
-
-    def _decode32(self, codes: np.ndarray, out: np.ndarray) -> None:
-        """``out`` (float32, a block, not this codec's scratch but ``_o``) = decode(codes)."""
-        o, h = out.view(np.uint32), self._bits[:len(codes)]
-        if self.codec == "bfloat16":
-            o[...] = codes
-            np.left_shift(o, 16, out=o)
-            return
-        h[...] = codes
-        t = self._t[:len(codes)]
-        np.bitwise_and(h, 0x7FFF, out=t)
-        self._f16_magnitude(t, o)
-        np.bitwise_and(h, 0x8000, out=h)
-        np.left_shift(h, 16, out=h)
-        np.bitwise_or(o, h, out=o)
-
-    def _grouped(self, k: int):
-        """``(groups, full)``: int8 groups of ``k`` values, of which ``full`` are whole."""
-        return -(-k // GROUP), k // GROUP
-
-    def _encode_i8(self, x: np.ndarray, codes: np.ndarray, lost: np.ndarray | None) -> None:
-        """int8 codes and scales of one segment ``x``, as :func:`encode`. Scratch: ``_o``."""
-        k = len(x)
-        (groups, full), cut = self._grouped(k), k // GROUP * GROUP
-        q, scale = _int8_parts(codes, k)
-        top, inv = self._top[:groups], self._inv[:groups]
-        f = self._o[:k].view(np.float32)
-        # the largest magnitude per group: the sign bit cleared, float32 bits order as
-        # integers do (NaN above Inf, so a group holding one gets a NaN scale)
-        mag, tops = self._bits[:k], top.view(np.uint32)
-        np.bitwise_and(x.view(np.uint32), 0x7FFFFFFF, out=mag)
-        if full:
-            np.max(mag[:cut].reshape(full, GROUP), axis=1, out=tops[:full])
-        if full < groups:
-            tops[full] = mag[cut:].max()
-        np.maximum(top, INT8_TINY, out=top)
-        np.divide(top, np.float32(127), out=scale)
-        np.divide(np.float32(127), top, out=inv)
-        if full:
-            np.multiply(x[:cut].reshape(full, GROUP), inv[:full, None],
-                        out=f[:cut].reshape(full, GROUP))
-        if full < groups:
-            np.multiply(x[cut:], inv[full], out=f[cut:])
-        np.rint(f, out=f)
-        np.copyto(q, f, casting="unsafe")
-        if lost is not None:
-            if full:
-                np.multiply(f[:cut].reshape(full, GROUP), scale[:full, None],
-                            out=f[:cut].reshape(full, GROUP))
-            if full < groups:
-                np.multiply(f[cut:], scale[full], out=f[cut:])
-            np.subtract(x, f, out=lost)
-
-    def _decode_i8(self, codes: np.ndarray, out: np.ndarray) -> None:
-        """``out`` (float32 ``(k,)``) = the values of one int8 segment of ``k`` values."""
-        k = len(out)
-        (groups, full), cut = self._grouped(k), k // GROUP * GROUP
-        q, scale = _int8_parts(codes, k)
-        if full:
-            np.multiply(q[:cut].reshape(full, GROUP), scale[:full, None],
-                        out=out[:cut].reshape(full, GROUP), dtype=np.float32)
-        if full < groups:
-            np.multiply(q[cut:], scale[full], out=out[cut:], dtype=np.float32)
-
-    def _f16_magnitude(self, c: np.ndarray, out: np.ndarray) -> None:
-        """``out`` (uint32 float bits) = the value of float16 magnitudes ``c`` (uint32,
-        sign bit clear). Scratch: ``_a``."""
-        np.left_shift(c, 13, out=out)
-        np.add(out, 0x38000000, out=out)  # t, the value of a normal half (exponent rebased)
-        t, u = out.view(np.float32), self._a[:len(c)].view(np.float32)
-        np.add(t, t, out=u)
-        np.subtract(u, 2.0 ** -14, out=u)  # 2t - 2**-14: exact, the value of a subnormal one
-        np.minimum(t, u, out=t)  # the smaller is the right one (both normal floats)
-        if c.max(initial=0) >= 0x7C00:  # Inf, NaN (payload kept)
-            np.bitwise_or(out, 0x7F800000, out=out, where=c >= 0x7C00)
-
-    def _encode_f16(self, x: np.ndarray, codes: np.ndarray, lost: np.ndarray | None) -> None:
-        """float16 codes of ``x``, rounded to nearest, ties to even, as NumPy's cast."""
-        k, b = len(x), x.view(np.uint32)
-        a, h, t = self._a[:k], self._bits[:k], self._t[:k]
-        np.bitwise_and(b, 0x7FFFFFFF, out=a)
-        special = a.max(initial=0) >= 0x47800000  # |x| >= 65536, Inf or NaN
-        np.add(a.view(np.float32), 0.5, out=t.view(np.float32))
-        np.subtract(t, 0x3F000000, out=t)  # |x| in units of 2**-24, rounded by the FPU
-        np.maximum(a, 0x38800000, out=a)  # normal halves: rebase the exponent, round at bit 13
-        np.right_shift(a, 13, out=h)
-        np.bitwise_and(h, 1, out=h)
-        np.add(h, a, out=h)
-        np.add(h, 0xFFF - 0x38000000 + (1 << 32), out=h)
-        np.right_shift(h, 13, out=h)
-        np.minimum(h, t, out=h)  # the subnormal reading where it is the smaller
-        if special:
-            np.bitwise_and(b, 0x7FFFFFFF, out=a)
-            np.right_shift(a, 13, out=t)  # NaN: 0x7C00 + the payload's top bits (at least 1)
-            np.bitwise_and(t, 0x3FF, out=t)
-            np.maximum(t, 1, out=t)
-            np.add(t, 0x7C00, out=t)
-            np.copyto(h, 0x7C00, where=a >= 0x47800000)
-            np.copyto(h, t, where=a > 0x7F800000)
-        if lost is not None:
-            self._f16_magnitude(h, t)
-            np.bitwise_and(b, 0x80000000, out=a)
-            np.bitwise_or(t, a, out=t)
-        np.right_shift(b, 16, out=a)
-        np.bitwise_and(a, 0x8000, out=a)
-        np.bitwise_or(a, h, out=a)
-        codes[...] = a
-        if lost is not None:
-            np.subtract(x, t.view(np.float32), out=lost)
-
-
-def _blocks(lo: int, hi: int, block: int = BLOCK):
-    """``(lo, hi)`` slices of at most ``block`` values covering ``lo .. hi`` (none if empty)."""
-    return [(a, min(a + block, hi)) for a in range(lo, hi, block)]
-
-
-def _segments(lo: int, hi: int, at: int, codec: str):
-    """``(a, b, ca, cb)``: the blocks ``a .. b`` of values ``lo .. hi`` whose codes start
-    at unit ``at``, each with its codes' units ``ca .. cb`` (every block a segment)."""
-    whole = units(BLOCK, codec)
-    out = []
-    for j, (a, b) in enumerate(_blocks(lo, hi)):
-        ca = at + j * whole
-        out.append((a, b, ca, ca + units(b - a, codec)))
-    return out
-
-
-def _scan(x: np.ndarray, f16: bool) -> tuple[bool, bool]:
-    """Of a float32 block about to be encoded: whether it holds a value that is not finite
-    or that the codec turns into Inf, and (``f16``) whether it holds a finite value beyond
-    float16's 65504. One dot product clears most blocks; the others are searched."""
-    if float(np.dot(x, x)) < (FLOAT16_MAX ** 2 if f16 else np.inf):  # NaN: searched
-        return False, False
-    top = float(np.maximum(x.max(), -x.min())) if len(x) else 0.0  # NaN if x holds one
-    if not top < (np.inf if f16 else BFLOAT16_INF_FROM):
-        return True, False
-    return False, f16 and top > FLOAT16_MAX
-
-
 #: Values per exchange at most: a bucket goes in pieces, so that one piece travels while
 #: the next is encoded (or summed), and the last bucket's codec work overlaps its link time.
 PIECE = 1 << 18
@@ -409,42 +29,6 @@ def _piece_length(size: int) -> int:
     gathered), and the other ranks' parts of a chunk (received)."""
     limit = int(C.collectives.MAX_COUNT)
     return max(1, min(limit if size == 1 else size * (limit // size), size * PIECE))
-
-
-@functools.cache
-def numba_available() -> bool:
-    """Whether numba, which the compiled kernels need, can be imported here (installed,
-    and its import works: a numba built for another NumPy fails there)."""
-    if importlib.util.find_spec("numba") is None:
-        return False
-    try:
-        import numba  # noqa: F401
-    except Exception:  # noqa: BLE001 - any failure of a third party's import: not usable
-        return False
-    return True
-
-
-def _kernels_compile(codec: str, dtype: np.dtype) -> str | None:
-    """:func:`_compile_kernels` here; None if it worked, else why not."""
-    try:
-        _compile_kernels(codec, dtype)
-    except Exception as exc:  # noqa: BLE001 - numba's errors have no common base
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-def _compile_kernels(codec: str, dtype: np.dtype) -> None:
-    """Compile (or load from numba's cache) the kernels that :class:`Compressed` calls for
-    ``codec`` and a gradient buffer of ``dtype``, once per process: every call of a step
-    then runs compiled code (a first compile takes seconds)."""
-    k, n = Codec(codec, jit=True), GROUP + 1
-    src, res, lost = np.zeros(n, dtype), np.zeros(n, np.float32), np.zeros(n, np.float32)
-    codes = np.zeros(units(n, codec), np.uint16)
-    k.encode_sum_(src, codes, res, lost, scan=True)
-    k.encode_sum_(src, codes, scan=True)
-    for r, out in ((res, lost), (None, None)):
-        k.sum_encode_(codes, codes[:0], np.array([-1], np.int64), n, r, out)
-    k.decode_(codes, src)
 
 
 class Float16Overflow(C.MpidpError):
@@ -508,7 +92,7 @@ class Compressed(Sync):
     rank every chunk's codes. Every rank decodes the same codes, so every replica holds
     bit-identical sums; with a 16-bit codec the buckets change who sums a value, never
     how, so the sums are the same for every bucket size. Per step ``2 (P-1)/P n`` values
-    of 2 bytes (int8: 1 byte, plus 4 per :data:`GROUP`) leave a rank, against
+    of 2 bytes (int8: 1 byte, plus 4 per :data:`.codecs.GROUP`) leave a rank, against
     ``2 (P-1)/P n`` of 4 for a float32 ring allreduce; ``bytes_sent``
     counts the codes it hands to MPI (its chunks for the others, its summed chunks with
     their padding) plus the extras. Loss, counts, stop and two flags (float16 overflow, a
@@ -532,12 +116,12 @@ class Compressed(Sync):
     A value beyond float16's 65504, in a rank's gradient or in a chunk's sum, is a
     :class:`Float16Overflow` on every rank, never an Inf; a non-finite sum goes to
     the NaN policy (this strategy gives the trainer its verdict). The passes over the
-    vector run in blocks of :data:`BLOCK` values with preallocated scratch.
+    vector run in blocks of :data:`.codecs.BLOCK` values with preallocated scratch.
 
     Parameters
     ----------
     codec : ``"bfloat16"`` (float32's range, 8 significant bits), ``"float16"`` (11
-        significant bits, up to 65504) or ``"int8"`` (255 levels per :data:`GROUP` values;
+        significant bits, up to 65504) or ``"int8"`` (255 levels per :data:`.codecs.GROUP` values;
         int8 groups start at each block of a chunk, so its sums depend on P and the
         buckets, the 16-bit codecs' do not).
     error_feedback : keep both residuals (False: every step's rounding is lost).
@@ -586,7 +170,7 @@ class Compressed(Sync):
             self.buckets.append((layer, mine))
         for p in self.pieces:
             #: ``(values lo, values hi, codes lo, codes hi)`` of every block of every chunk
-            p.blocks = [seg for lo, hi, clo in p.runs for seg in _segments(lo, hi, clo, self.codec)]
+            p.blocks = [seg for lo, hi, clo in p.runs for seg in segments(lo, hi, clo, self.codec)]
         self.kernel = Codec(self.codec, jit=self._compiled(s.comm))
         self.layer_lo = [lo for lo, _ in s.model.layer_ranges]
         self.piece = step
@@ -612,14 +196,14 @@ class Compressed(Sync):
         Collective unless the codec or ``kernels`` rules them out."""
         if self.kernels == "numpy" or self.codec not in JIT_CODECS:
             return False
-        here = numba_available()
+        here = codecs.numba_available()
         if self.kernels == "numba":
             C.agree(comm, None if here else "compression kernels 'numba': numba cannot be "
                     "imported (pip install numba); use kernels 'auto' or 'numpy'")
-            C.run_agreed(comm, _compile_kernels, self.codec, self.buf.dtype)
+            C.run_agreed(comm, codecs.compile_kernels, self.codec, self.buf.dtype)
             return True
         # auto: compiled where every rank can import numba and compile the kernels
-        why = _kernels_compile(self.codec, self.buf.dtype) if here else "no numba"
+        why = codecs.compile_error(self.codec, self.buf.dtype) if here else "no numba"
         if here and why is not None:
             warnings.warn(f"compression kernels: numba's failed to compile on rank "
                           f"{comm.rank} ({why}); every rank runs NumPy's passes",
@@ -770,11 +354,11 @@ class Compressed(Sync):
     def _sum_chunk(self, p: _Piece) -> tuple[bool, bool]:
         """Rank-order float32 sums of the P codes of this rank's chunk of ``p`` (its own in
         ``self.codes``, the others' in ``self.recv``), plus the chunk residual, encoded back
-        into ``self.codes``; returns the :func:`_scan` verdict on the sums (computed while
-        backward may still run, before the policy of the step is known, so always)."""
+        into ``self.codes``; returns :class:`~.codecs.Codec`'s verdict on the sums (computed
+        while backward may still run, before the policy of the step is known, so always)."""
         k, codes, ef, starts = self.kernel, self.codes, self.error_feedback, self._starts
         nonfinite = overflow = False
-        for a, b, ca, cb in _segments(0, p.m, 0, self.codec):  # offsets in the chunk
+        for a, b, ca, cb in segments(0, p.m, 0, self.codec):  # offsets in the chunk
             starts[:] = p.recv_at + p.slot + ca  # rank order: the sum never depends on arrival
             starts[self.comm.rank] = -1  # this rank's own codes, in place
             bad, beyond = k.sum_encode_(codes[p.own + ca:p.own + cb], self.recv, starts, b - a,

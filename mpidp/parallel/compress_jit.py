@@ -1,16 +1,16 @@
 """Compiled kernels of the bfloat16 and int8 codecs (numba, an optional dependency): each
-fuses what :class:`~mpidp.parallel.compress.Codec` does in several NumPy passes over a
+fuses what :class:`~mpidp.parallel.codecs.Codec` does in several NumPy passes over a
 block (the residual added, the rounding, what it lost, the sum of P ranks' codes) into a
 few passes over a group at a time, with the same float32 arithmetic in the same order, so
 the codes, residuals and sums are the same bits as NumPy's (a NaN aside: a sum of two
 NaNs may keep either one's payload and sign; every rank runs the same kernels, so the
 replicas stay identical).
 
-The int8 group size here, 256, is ``compress.GROUP``.
+The int8 group size here, 256, is ``codecs.GROUP``.
 The encoding kernels return the largest magnitude they saw, as float32 bits with the sign
-cleared (NaN above Inf), which gives :func:`~mpidp.parallel.compress._scan`'s verdict
+cleared (NaN above Inf), which gives :func:`~mpidp.parallel.codecs._scan`'s verdict
 without another pass. Compiled on first use and cached on disk (numba's cache).
-Importing this module imports numba: :func:`mpidp.parallel.compress.numba_available`
+Importing this module imports numba: :func:`mpidp.parallel.codecs.numba_available`
 tells whether it can be.
 """
 
@@ -35,7 +35,8 @@ def bf16_round(bits):
 @_jit
 def bf16_encode(src, res, use_res, lost, keep_lost, codes, scratch):
     """codes = bf16(x), x = src + res (float32) or src; lost = x - decode (lost may
-    be res). ``scratch``: float32 (1,)."""
+    be res); returns the largest magnitude of x (float32 bits). ``scratch``: float32
+    (1,)."""
     sb = scratch.view(np.uint32)
     top = u32(0)
     for i in range(src.shape[0]):
@@ -78,21 +79,7 @@ def bf16_sum(mine, recv, starts, res, use_res, lost, keep_lost, acc, accb, scrat
         for i in range(k):
             sb[0] = u32(row[i]) << half
             acc[i] = acc[i] + scratch[0]
-    top = u32(0)
-    for i in range(k):
-        if use_res:
-            scratch[0] = acc[i] + res[i]
-        else:
-            scratch[0] = acc[i]
-        x = scratch[0]
-        b = sb[0]
-        top = max(top, b & sign_off)
-        u = bf16_round(b)
-        mine[i] = np.uint16(u >> half)
-        if keep_lost:
-            sb[0] = u
-            lost[i] = x - scratch[0]
-    return top
+    return bf16_encode(acc, res, use_res, lost, keep_lost, mine, scratch)
 
 
 @_inline

@@ -12,9 +12,8 @@ point-to-point messages whose shapes every rank derives from the agreed plan (wi
 micro-batch sizes), so nothing is pickled per step. Gradient sums accumulate over the
 micro-batches; the update divides by the batch's sample count, as single-process training.
 
-:class:`Pipeline` is the trainer, :class:`PipelineFeed` its batches (the same global
-batches as :func:`mpidp.fit`: replica ``r`` takes its block of each, the first stage reads
-its rows of ``X`` and the last its targets), :func:`fit_pipeline` its run.
+:class:`Pipeline` is the trainer; its batches and run are in
+:mod:`~mpidp.parallel.pipeline_feed` (:func:`~mpidp.parallel.pipeline_feed.fit_pipeline`).
 """
 
 from __future__ import annotations
@@ -22,24 +21,20 @@ from __future__ import annotations
 import copy
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
 from .. import comm as C
-from ..data.partition import block_counts, block_range, epoch_order, steps_per_epoch
 from ..digest import dtype_name, settings_of
 from ..nn import Layer, Loss, Optimizer, Sequential
 from ..nn.layers import layer_spec
-from ..nn.model import as_shape, chain_shapes
 from ..nn.optim import Segments
 from ..observe.metrics import StepTimer
 from ..run import checkpoint as ckpt
-from ..run.loop import run, watched_run
 from ..run.nonfinite import Policy, all_finite
-from ..run.spec import RunSpec
 from ..run.stats import StepStats
 from . import buffer
 from . import stages as St
@@ -47,22 +42,6 @@ from .evaluation import global_sums, score_sums
 from .layer_needs import refuses_model
 
 _TAG_F, _TAG_B = 21, 22  # activations forward, gradients backward (order kept per tag)
-
-
-@dataclass
-class StagePlan:
-    """What every rank agrees on before any message: stage bounds and boundary widths."""
-
-    bounds: list[int]  # stage s holds layers bounds[s] .. bounds[s+1]-1
-    widths: list[int]  # widths[i]: features per sample entering layer i; [-1]: model output
-    costs: list[float]
-    n_params: list[int]  # per layer
-    shapes: list[tuple[int, ...]] = field(default_factory=list)  # per-sample shapes, likewise
-
-    def fingerprint(self, *extra) -> int:
-        dims = [d for s in self.shapes for d in (*s, -2)]
-        return C.checksum(np.array([*self.bounds, -1, *self.widths, -1, *dims, -1, *extra],
-                                   np.int64))
 
 
 @dataclass
@@ -83,27 +62,6 @@ class PipeCounters:
         self.p2p_bytes = self.p2p_messages = self.allreduce_bytes = 0
         self.peak_cached_bytes = self.peak_activation_bytes = 0
         self.trace.clear()
-
-
-def plan_stages(layers: Sequence[Layer], n_in: int, n_stages: int, size: int, micro_batches: int,
-              schedule: str, balance: str, costs: Sequence[float] | None) -> StagePlan:
-    """Validate the pipeline's settings and split the layers; ``ValueError`` if impossible."""
-    if schedule not in St.SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {St.SCHEDULES}")
-    if balance not in St.BALANCE:
-        raise ValueError(f"unknown balance {balance!r}; expected one of {St.BALANCE}")
-    if micro_batches < 1:
-        raise ValueError(f"need at least one micro-batch, got {micro_batches}")
-    if n_stages < 1 or size % n_stages:
-        raise ValueError(f"{size} ranks cannot form replicas of {n_stages} pipeline stages: "
-                         f"the number of ranks must be a multiple of the number of stages")
-    shapes = chain_shapes(layers, as_shape(n_in))
-    widths = [int(np.prod(s)) for s in shapes]
-    n_params = St.param_counts(layers)
-    costs = list(costs) if costs is not None else [float(c) for c in n_params]
-    if len(costs) != len(layers):
-        raise ValueError(f"got {len(costs)} layer costs for {len(layers)} layers")
-    return StagePlan(St.split_stages(costs, n_stages), widths, costs, n_params, shapes)
 
 
 class Pipeline:
@@ -153,7 +111,7 @@ class Pipeline:
             raise C.MpidpError(refused)
         if balance == "time" and costs is None:
             costs = C.root_decides(comm, St.measure_costs, layers, n_in, dtype=dtype)
-        self.plan = C.run_agreed(comm, plan_stages, layers, n_in, n_stages, comm.size,
+        self.plan = C.run_agreed(comm, St.plan_stages, layers, n_in, n_stages, comm.size,
                                  micro_batches, schedule, balance, costs)
         seen = C.allgather_counts(comm, self.plan.fingerprint(micro_batches, dtype.num,
                                                               St.SCHEDULES.index(schedule)))
@@ -340,7 +298,7 @@ class Pipeline:
         self._trace("F", i, t, cpu)
         if not self.last:
             self._send(x, self.stage + 1, _TAG_F)
-        run.alive[i] = _held_bytes(slot, run.X) + (run.dy[i].nbytes if self.last else 0)
+        run.alive[i] = St.held_bytes(slot, run.X) + (run.dy[i].nbytes if self.last else 0)
         self._note_memory()
 
     def _backward(self, i: int) -> None:
@@ -522,132 +480,3 @@ def _batch_len(X, y, n) -> int:
     if n is None:
         raise ValueError("pass X, y or the batch length n")
     return int(n)
-
-
-def _held_bytes(layers: Sequence[Layer], exclude: np.ndarray | None) -> int:
-    """Bytes of the arrays ``layers`` cache for backward (each buffer counted once), not
-    counting views of ``exclude`` (the caller's input batch)."""
-    seen, total = set(), 0
-    for layer in layers:
-        for value in vars(layer).values():
-            if not isinstance(value, np.ndarray):
-                continue
-            base = value if value.base is None else value.base
-            if id(base) in seen or (exclude is not None and np.may_share_memory(base, exclude)):
-                continue
-            seen.add(id(base))
-            total += base.nbytes
-    return total
-
-
-def check_batches(n: int, batch_size: int, drop_last: bool, n_replicas: int,
-                  micro_batches: int) -> None:
-    """``ValueError`` unless every replica's part of every batch has >= ``micro_batches``
-    samples (pure arithmetic: every rank reaches the same verdict)."""
-    steps = steps_per_epoch(n, batch_size, drop_last)
-    if steps == 0:
-        raise ValueError(f"no full batch of {batch_size} in {n} samples (drop_last)")
-    sizes = [min(batch_size, n - s * batch_size) for s in range(steps)]
-    smallest = int(block_counts(min(sizes), n_replicas).min())
-    if smallest < micro_batches:
-        where = "" if n_replicas == 1 else f" per replica ({n_replicas} replicas)"
-        raise ValueError(f"more micro-batches ({micro_batches}) than samples in a batch: the "
-                         f"smallest batch has {smallest} samples{where}; use --micro-batches "
-                         f"<= {smallest}, a larger batch size, or --drop-last")
-
-
-def _set_length(data, what: str) -> int:
-    """The rows of ``data``, a tuple ``(X, y)`` of as many rows each; ValueError if not."""
-    if not isinstance(data, (tuple, list)) or len(data) != 2 or any(a is None for a in data):
-        got = type(data).__name__ if not isinstance(data, (tuple, list)) else \
-            f"({', '.join(type(a).__name__ for a in data)})"
-        raise ValueError(f"{what} must be a tuple (X, y) of the whole set on every rank, "
-                         f"got {got}")
-    X, y = data
-    if len(X) != len(y):
-        raise ValueError(f"{what}: X has {len(X)} rows but y has {len(y)}")
-    return len(y)
-
-
-def _same_sets(comm: C.Comm, train, test) -> None:
-    """Raise on every rank unless ``train`` and ``test`` (or None) are ``(X, y)`` tuples of
-    the same lengths on every rank (each stage cuts the same batches out of them)."""
-    n = C.run_agreed(comm, lambda: [_set_length(train, "train"),
-                                    -1 if test is None else _set_length(test, "test")])
-    for what, lengths in zip(("train", "test"), C.allgather_rows(comm, n).astype(np.int64).T):
-        C.agree(comm, None if len(set(lengths.tolist())) == 1 else
-                f"the {what} set has {lengths.tolist()} rows on ranks 0..{comm.size - 1}: "
-                f"a pipeline needs the whole set, the same, on every rank")
-
-
-class PipelineFeed:
-    """A :class:`mpidp.run.loop.Feed` for ``pipe`` over the whole training set ``train``
-    ``(X, y)`` (every rank holds all of it) and test set ``test`` (or None)."""
-
-    def __init__(self, pipe: Pipeline, train: tuple, test: tuple | dict | None,
-                 spec: RunSpec) -> None:
-        sets = dict(test) if isinstance(test, dict) else {"test": test}
-        for name, held in sets.items():
-            if isinstance(held, (tuple, list)) and len(held) == 2 and held[1] is None:
-                sets[name] = None  # (X, None): no such set
-            _same_sets(pipe.world, train, sets[name])
-        X, y = train
-        C.run_agreed(pipe.world, check_batches, len(y), spec.batch_size, spec.drop_last,
-                     pipe.n_replicas, pipe.micro_batches)
-        self.pipe, self.X, self.y, self.spec = pipe, X, y, spec
-        self.test = {name: held for name, held in sets.items()
-                     if held is not None and len(held[1])}
-        self.n_steps = steps_per_epoch(len(y), spec.batch_size, spec.drop_last)
-        self.labelled = pipe.loss.classification or y.dtype.kind in "iu"
-
-    def batches(self, epoch: int, first: int) -> Iterator[tuple]:
-        pipe, b = self.pipe, self.spec.batch_size
-        order = epoch_order(len(self.y), epoch, self.spec.seed, self.spec.shuffle)
-        for s in range(first, self.n_steps):
-            pos = order[s * b:(s + 1) * b]
-            lo, hi = block_range(len(pos), pipe.n_replicas, pipe.replica)
-            idx = pos[lo:hi]
-            yield (self.X[idx] if pipe.first else None, self.y[idx] if pipe.last else None,
-                   len(idx))
-
-    def end_epoch(self) -> None:
-        self.pipe.timer.take_records()  # per-step rows: no load balance to draw from them
-        return None
-
-    def evaluate(self) -> dict[str, StepStats]:
-        """Every held-out set's figures, by name (see :class:`DataFeed`). Collective."""
-        sets = self.test if isinstance(self.test, dict) else {"test": self.test}
-        out = {}
-        for name, held in sets.items():
-            if held is None or not len(held[1]):
-                continue
-            X, y = held
-            lo, hi = block_range(len(y), self.pipe.n_replicas, self.pipe.replica)
-            out[name] = self.pipe.evaluate(X[lo:hi], y[lo:hi])
-        return out
-
-    def state(self) -> dict:
-        return {}
-
-
-def fit_pipeline(pipe: Pipeline, train: tuple, epochs: int | None = None,
-                 batch_size: int | None = None, *, test: tuple | None = None,
-                 spec: RunSpec | None = None, **settings) -> list[dict]:
-    """Train ``pipe`` until ``epochs`` epochs of global batches of ``batch_size`` samples
-    are done, through the one loop (:func:`mpidp.run.loop.run`: faults, NaN policy,
-    replica checks, checkpoints and signals as in data-parallel training). Collective.
-
-    ``train`` is ``(X, y)``, the whole training set ``(n_samples, n_features)`` on every
-    rank; ``test`` likewise or None. ``spec`` and ``settings`` as for :func:`mpidp.fit`
-    (``partition`` does not apply: every stage sees the whole batch). ``resume`` (from
-    :meth:`Pipeline.restore`) continues mid-epoch where a checkpoint was taken. Returns the
-    history (one dict per epoch: ``epoch, loss, accuracy, seconds`` and, with a test set,
-    ``test_loss, test_accuracy``) on every rank.
-    """
-    spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
-    C.agree_same(pipe.world, "fit_pipeline", spec.agreed())  # the sets: checked below
-    C.agree(pipe.world, None if spec.partition is None else
-            "partition does not apply to a pipeline: every stage sees the whole batch")
-    with watched_run(spec, pipe.world) as spec:
-        return run(pipe, PipelineFeed(pipe, train, test, spec), spec)
-

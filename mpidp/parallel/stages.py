@@ -5,6 +5,9 @@ travel between stages, how a batch is cut into micro-batches, and the order in w
 stage runs its forward (``F``) and backward (``B``) passes under the GPipe and 1F1B
 schedules. :func:`replay` runs a schedule on given op durations and reports each stage's
 idle (bubble) time, so schedules can be checked against ``(P-1)/(m+P-1)`` without MPI.
+:func:`plan_stages` checks a pipeline's settings and makes its :class:`StagePlan`,
+:func:`check_batches` that every batch has enough samples, :func:`held_bytes` what a
+stage's layers cache for backward.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
-from ..data.partition import block_counts
+from ..data.partition import block_counts, steps_per_epoch
+from ..digest import checksum
 from ..nn.layers import Layer
 from ..nn.model import as_shape, chain_shapes
 
@@ -167,3 +172,72 @@ def replay(schedules: Sequence[Sequence[Op]], durations: Sequence[Sequence[float
             raise ValueError("the schedules deadlock: no stage can run its next op")
     busy = np.array([float(np.sum(d)) for d in durations])
     return busy, max(free)
+
+
+@dataclass
+class StagePlan:
+    """What every rank agrees on before any message: stage bounds and boundary widths."""
+
+    bounds: list[int]  # stage s holds layers bounds[s] .. bounds[s+1]-1
+    widths: list[int]  # widths[i]: features per sample entering layer i; [-1]: model output
+    costs: list[float]
+    n_params: list[int]  # per layer
+    shapes: list[tuple[int, ...]] = field(default_factory=list)  # per-sample shapes, likewise
+
+    def fingerprint(self, *extra) -> int:
+        dims = [d for s in self.shapes for d in (*s, -2)]
+        return checksum(np.array([*self.bounds, -1, *self.widths, -1, *dims, -1, *extra],
+                                 np.int64))
+
+
+def plan_stages(layers: Sequence[Layer], n_in: int, n_stages: int, size: int, micro_batches: int,
+              schedule: str, balance: str, costs: Sequence[float] | None) -> StagePlan:
+    """Validate the pipeline's settings and split the layers; ``ValueError`` if impossible."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+    if balance not in BALANCE:
+        raise ValueError(f"unknown balance {balance!r}; expected one of {BALANCE}")
+    if micro_batches < 1:
+        raise ValueError(f"need at least one micro-batch, got {micro_batches}")
+    if n_stages < 1 or size % n_stages:
+        raise ValueError(f"{size} ranks cannot form replicas of {n_stages} pipeline stages: "
+                         f"the number of ranks must be a multiple of the number of stages")
+    shapes = chain_shapes(layers, as_shape(n_in))
+    widths = [int(np.prod(s)) for s in shapes]
+    n_params = param_counts(layers)
+    costs = list(costs) if costs is not None else [float(c) for c in n_params]
+    if len(costs) != len(layers):
+        raise ValueError(f"got {len(costs)} layer costs for {len(layers)} layers")
+    return StagePlan(split_stages(costs, n_stages), widths, costs, n_params, shapes)
+
+
+def check_batches(n: int, batch_size: int, drop_last: bool, n_replicas: int,
+                  micro_batches: int) -> None:
+    """``ValueError`` unless every replica's part of every batch has >= ``micro_batches``
+    samples (pure arithmetic: every rank reaches the same verdict)."""
+    steps = steps_per_epoch(n, batch_size, drop_last)
+    if steps == 0:
+        raise ValueError(f"no full batch of {batch_size} in {n} samples (drop_last)")
+    sizes = [min(batch_size, n - s * batch_size) for s in range(steps)]
+    smallest = int(block_counts(min(sizes), n_replicas).min())
+    if smallest < micro_batches:
+        where = "" if n_replicas == 1 else f" per replica ({n_replicas} replicas)"
+        raise ValueError(f"more micro-batches ({micro_batches}) than samples in a batch: the "
+                         f"smallest batch has {smallest} samples{where}; use --micro-batches "
+                         f"<= {smallest}, a larger batch size, or --drop-last")
+
+
+def held_bytes(layers: Sequence[Layer], exclude: np.ndarray | None) -> int:
+    """Bytes of the arrays ``layers`` cache for backward (each buffer counted once), not
+    counting views of ``exclude`` (the caller's input batch)."""
+    seen, total = set(), 0
+    for layer in layers:
+        for value in vars(layer).values():
+            if not isinstance(value, np.ndarray):
+                continue
+            base = value if value.base is None else value.base
+            if id(base) in seen or (exclude is not None and np.may_share_memory(base, exclude)):
+                continue
+            seen.add(id(base))
+            total += base.nbytes
+    return total

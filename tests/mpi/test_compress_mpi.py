@@ -22,8 +22,9 @@ import mpidp
 from mpidp import nn
 from mpidp.comm import collectives as Coll
 from mpidp.observe.metrics import StepTimer
-from mpidp.parallel import buffer, compress
-from mpidp.parallel.compress import Compressed, decode, encode
+from mpidp.parallel import buffer, codecs, compress
+from mpidp.parallel.codecs import decode, encode
+from mpidp.parallel.compress import Compressed
 from mpidp.parallel.sync import Round, Setup
 
 
@@ -204,7 +205,7 @@ def test_sums_are_the_rank_order_reference_bit_for_bit(comm, codec, n, bucket_by
         all_ranks(comm, _same_everywhere(comm, got), "every rank decodes the same codes")
 
 
-numba_kernels = pytest.mark.skipif(not compress.numba_available(), reason="numba not installed")
+numba_kernels = pytest.mark.skipif(not codecs.numba_available(), reason="numba not installed")
 
 
 @pytest.mark.mpi(min_size=1)
@@ -231,7 +232,7 @@ def test_numba_kernels_missing_on_one_rank(comm, monkeypatch):
     """'numba' is refused on every rank, naming the option and the fix; 'auto' runs
     NumPy's passes on every rank alike."""
     if comm.rank == comm.size - 1:
-        monkeypatch.setattr(compress, "numba_available", lambda: False)
+        monkeypatch.setattr(codecs, "numba_available", lambda: False)
     raises_everywhere(comm, mpidp.MpidpError, lambda: _strategy(comm, 99, kernels="numba"),
                       "compression kernels 'numba': numba cannot be imported")
     sync = _strategy(comm, 99)
@@ -248,7 +249,7 @@ def test_numba_kernels_that_fail_to_compile_on_one_rank(comm, monkeypatch):
     def broken(codec, dtype):
         raise RuntimeError("no LLVM here")
     if comm.rank == comm.size - 1:
-        monkeypatch.setattr(compress, "_compile_kernels", broken)
+        monkeypatch.setattr(codecs, "compile_kernels", broken)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sync = _strategy(comm, 99)

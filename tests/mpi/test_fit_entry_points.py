@@ -10,7 +10,8 @@ from mpi_helpers import all_ranks, raises_everywhere, record_timer_sleeps
 import mpidp
 from mpidp import nn
 from mpidp.data.balance import Plan
-from mpidp.parallel.pipeline import Pipeline, fit_pipeline
+from mpidp.parallel.pipeline import Pipeline
+from mpidp.parallel.pipeline_feed import fit_pipeline
 
 
 def _data(comm, n=60, d=5):

@@ -167,7 +167,7 @@ def test_a_pipeline_refuses_batchnorm_and_dropout_on_every_rank(comm, name, laye
 def test_a_pipeline_of_shaped_layers_matches_data_parallel(comm, name):
     """Activations of any per-sample shape travel between stages."""
     from mpidp.parallel import make_trainer
-    from mpidp.parallel.pipeline import fit_pipeline
+    from mpidp.parallel.pipeline_feed import fit_pipeline
     shape, tokens, make = MODELS[name]
     ref, _ = _train(MPI.COMM_SELF, name, epochs=1)
     X, y = _data(shape, tokens)

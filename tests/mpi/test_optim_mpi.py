@@ -194,7 +194,7 @@ def test_a_pipeline_or_hybrid_equals_data_parallel(comm, parallel, opt):
     """Stages hold slices of the model (a stage of Tanh alone holds none); the norms are
     summed over the pipeline's stages, not over the replicas (which hold equal copies)."""
     from mpidp.parallel import make_trainer
-    from mpidp.parallel.pipeline import fit_pipeline
+    from mpidp.parallel.pipeline_feed import fit_pipeline
     if parallel == "hybrid" and comm.size % 2:
         pytest.skip("the hybrid needs an even number of ranks")
     ref, ref_hist, _ = _reference(opt)
@@ -266,7 +266,7 @@ def test_a_checkpoint_mid_schedule_resumes_bit_identically(comm, shared_tmp, syn
 @pytest.mark.mpi(min_size=1)
 def test_a_pipeline_checkpoint_mid_schedule_resumes_bit_identically(comm, shared_tmp):
     from mpidp.parallel import make_trainer
-    from mpidp.parallel.pipeline import fit_pipeline
+    from mpidp.parallel.pipeline_feed import fit_pipeline
     X, y = _data()
 
     def make():

@@ -18,7 +18,7 @@ import mpidp
 from mpidp import nn
 from mpidp.data.partition import block_range
 from mpidp.parallel import Pipeline, make_trainer, model_layers
-from mpidp.parallel.pipeline import fit_pipeline
+from mpidp.parallel.pipeline_feed import fit_pipeline
 from mpidp.run.checkpoint import list_checkpoints, restore
 from mpidp.run.spec import Checkpointing
 
