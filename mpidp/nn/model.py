@@ -250,10 +250,11 @@ class Sequential:
     def spec(self) -> list[dict]:
         """A JSON-able description from which :func:`from_spec` rebuilds the model.
 
-        One dict per layer, ``{"type": <registered name>, **settings}``, where the settings are ``layer.config()`` if the layer defines it, else ``n_in`` and
-            ``n_out`` if it has them (see :func:`mpidp.nn.register_layer`); the first
-            dict also holds ``"model_n_in"`` (flat inputs) or ``"model_in_shape"`` (a list).
-            Parameters are not part of it.
+        One dict per layer, ``{"type": <registered name>, **settings}``, the settings being
+        ``layer.config()`` if the layer defines it, else ``n_in`` and ``n_out`` if it has
+        them (see :func:`mpidp.nn.register_layer`); the first dict also holds
+        ``"model_n_in"`` (flat inputs) or ``"model_in_shape"`` (a list). Parameters are not
+        part of it.
         """
         out = [layer_spec(layer) for layer in self.layers]
         if len(self.in_shape) == 1:
