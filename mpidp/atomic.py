@@ -202,14 +202,6 @@ def _not_dangling(path: str, what: str) -> None:
                          f"points to, or give {what} another place")
 
 
-def check_writable(path: str, what: str) -> None:
-    """ValueError naming ``what``, ``path`` and the fix unless a file can be created where
-    ``path`` will go (tried for real: permission bits alone say nothing for root), and no
-    symbolic link to nothing is in the way."""
-    _not_dangling(path, what)
-    _probe(path, what)
-
-
 def check_file(path: str, what: str, example: str = "out.npy") -> None:
     """ValueError naming ``what`` (the option), ``path`` and the fix unless a file can be
     written at ``path``: not an existing folder (the fix names ``example`` in it), not
@@ -217,7 +209,8 @@ def check_file(path: str, what: str, example: str = "out.npy") -> None:
     if os.path.isdir(path) or path.endswith(os.sep):
         raise ValueError(f"{what} {shown(path)} is a folder: give the path of a file, e.g. "
                          f"{shown(os.path.join(path, example))}")
-    check_writable(path, what)
+    _not_dangling(path, what)
+    _probe(path, what)
 
 
 def check_folder(path: str, what: str) -> None:

@@ -61,9 +61,6 @@ def allreduce_sum_(comm: Comm, buf: np.ndarray) -> np.ndarray:
     """Sum contiguous ``buf`` over all ranks in place: ONE ``Allreduce`` unless ``buf`` has
     more than :data:`MAX_COUNT` elements (then one per piece). Collective."""
     flat = buf.reshape(-1)
-    if flat.size <= MAX_COUNT:
-        comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
-        return buf
     for lo, hi in _pieces(flat.size):
         comm.Allreduce(MPI.IN_PLACE, flat[lo:hi], op=MPI.SUM)
     return buf

@@ -7,23 +7,11 @@ attribute writes per call, so it covers every mode and every collective, point-t
 wait and shared-memory fence alike, without polling on the main thread.
 
 A thread per rank checks the mark. When this rank has waited or computed for longer than
-the timeout, the thread holds a roll call on a private duplicate of the communicator:
-every other rank's thread answers with its own mark (state, the call it is in, for how
-long, at which step). Then:
-
-- a rank that does not answer within ``grace`` seconds is stopped (SIGSTOP), dead, or
-  stuck outside Python: it is named (the grace is long enough for a rank that is only
-  slow to answer, its cores taken by other processes, not to be named);
-- a rank that has been computing (or excused) for longer than the timeout (resp. ten
-  timeouts) is stuck: it is named;
-- every rank waiting in MPI for longer than the timeout: a deadlock (mismatched
-  collectives); every rank's call and step is printed;
-- otherwise somebody is making progress (a straggler, an uneven end of training): the
-  roll call is repeated a timeout later.
-
-Naming a rank ends the job with ``MPI_Abort`` (exit code 3). The threads need
-``MPI_THREAD_MULTIPLE`` (mpi4py's default); without it the watchdog still ends a stalled
-job after the timeout, without names.
+the timeout, the thread holds a roll call on a private duplicate of the communicator and
+names the ranks that do not answer within ``grace`` seconds, that compute (or are excused)
+too long, or, when every rank waits in MPI, reports a deadlock; the verdicts, the exit
+code and the fallback without ``MPI_THREAD_MULTIPLE`` are in docs/reliability.md
+("The watchdog").
 """
 
 from __future__ import annotations

@@ -201,19 +201,11 @@ def owner_weighted(n: int, capacities) -> np.ndarray:
 def balance_batches(order: np.ndarray, batch_size: int, costs, capacities) -> np.ndarray:
     """Owner of each position so that EVERY global batch is balanced by cost.
 
-    Parameters
-    ----------
-    order : int ``(n,)``, a permutation of ``0 .. n-1``; global batch ``s`` is
-        ``order[s*batch_size:(s+1)*batch_size]`` (as in :func:`epoch_order`).
-    costs : float ``(n,)``, the work of each position (>= 0).
-    capacities : float ``(size,)``, each rank's speed (>= 0, not all zero).
+    ``order`` ``(n,)`` is a permutation of ``0 .. n-1``, global batch ``s`` being
+    ``order[s*batch_size:(s+1)*batch_size]`` (as in :func:`epoch_order`); ``costs`` ``(n,)``
+    the work of each position (>= 0); ``capacities`` ``(size,)`` each rank's speed (>= 0,
+    not all zero). Returns ``owner``, int64 ``(n,)``.
 
-    Returns
-    -------
-    owner : int64 ``(n,)``.
-
-    Notes
-    -----
     Within each batch, samples are taken largest cost first and each goes to the rank that
     would finish it earliest, ``argmin_r (load_r + c) / capacity_r`` (LPT for machines of
     different speeds). Guarantee per batch, with ``W = sum(capacities)`` and ``P'`` ranks of

@@ -77,12 +77,8 @@ class Sigmoid(Layer):
 
 @register_layer
 class LeakyReLU(Layer):
-    """``x`` where ``x > 0``, else ``slope * x``; the derivative at 0 is taken as ``slope``.
-
-    Parameters
-    ----------
-    slope : the factor for negative inputs (a finite number; 0 gives :class:`ReLU`).
-    """
+    """``x`` where ``x > 0``, else ``slope * x`` (a finite number; 0 gives :class:`ReLU`);
+    the derivative at 0 is taken as ``slope``."""
 
     def __init__(self, slope: float = 0.01) -> None:
         super().__init__()

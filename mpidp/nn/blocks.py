@@ -23,12 +23,9 @@ class Residual(Layer):
 
     The inner layers' parameters and state appear under their position in the block:
     ``"0.W"``, ``"0.b"``, ``"2.gamma"`` (a block inside a block: ``"1.0.W"``), in the flat
-    buffers of the model, in order. Inner layer ``j`` gets the key ``key + (j,)``.
-
-    Parameters
-    ----------
-    layers : the layers of ``f``, in order (at least one). The first may not overwrite its
-        input (``ReLU(inplace=True)``): ``x`` is needed for the sum.
+    buffers of the model, in order. Inner layer ``j`` gets the key ``key + (j,)``. The
+    first of ``layers`` may not overwrite its input (``ReLU(inplace=True)``): ``x`` is
+    needed for the sum.
     """
 
     def __init__(self, layers: Sequence[Layer]) -> None:

@@ -41,27 +41,18 @@ class Context:
     reduce_sum : sums a float array over the replica group, in place, and returns it; the
         same call on every rank of the group, in the same order (it is a collective).
     group_size : number of ranks ``reduce_sum`` sums over (1 on one process).
-    grads_final : a layer may call ``grads_final(self)`` in its ``backward`` once its
-        parameters' gradients are final, before it computes its input gradient, so that
-        whoever runs the model can start sending them meanwhile. Set by
-        :meth:`mpidp.nn.Sequential.backward` for each of its layers in turn; a call from
-        any other layer (one nested in a block) is ignored. ``grads_final(self, done)``
-        says that only the first ``done`` values of the layer's gradients (in
-        ``param_shapes`` order, flattened) are final so far; a later call says more.
-    grads_piece : how many gradient values the listener would like announced at a time
-        (0: whole layers only). A layer whose gradient is one large product (a ``Dense``)
-        may compute it in leading parts of about this many values and announce each with
-        ``grads_final(self, done)``; its values are the same products up to rounding (BLAS
-        may sum a row block's products in another order than the whole product's).
+    grads_final : ``grads_final(self)`` in a layer's ``backward`` says its gradients are
+        final (before its input gradient), so they can be sent meanwhile;
+        ``grads_final(self, done)``: only their first ``done`` values (``param_shapes``
+        order, flattened) so far. Set by :meth:`mpidp.nn.Sequential.backward`; a call
+        from a layer nested in a block is ignored (docs/design.md).
+    grads_piece : gradient values the listener would like announced at a time (0: whole
+        layers); a ``Dense`` then computes its gradient in leading parts of about this size.
     params_ready : the mirror of ``grads_final`` for a forward pass whose parameters are
-        still being updated (their sums still arriving): ``params_ready(self, upto)`` in a
-        layer's ``forward`` returns once the first ``upto`` values of its parameters (None:
-        all of them) are final. Set by :meth:`mpidp.nn.Sequential.forward`, which also
-        calls it for every layer before that layer's ``forward``, except for a layer that
-        reads its parameters in parts (a ``Dense`` larger than ``params_piece``).
-    params_piece : values per part in which such a layer may read its parameters (0:
-        whole layers). A ``Dense`` then sums its product over leading row blocks of its
-        weights, each as soon as it is final.
+        still arriving: ``params_ready(self, upto)`` returns once the first ``upto`` values
+        (None: all) are final. Set by :meth:`mpidp.nn.Sequential.forward`.
+    params_piece : values per part in which a layer (a ``Dense``) may read its parameters
+        (0: whole layers).
     """
 
     training: bool = False

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .layers import Layer, Shapes, register_layer
+from .layers import Layer, Shapes, _bad_size, init_weights, register_layer
 
 _AXES = ("length",), ("height", "width")  # names of the spatial axes, by dimensionality
 
@@ -99,11 +99,9 @@ class _ConvNd(Layer):
                  init: str = "he") -> None:
         super().__init__()
         name, nd = type(self).__name__, self.nd
-        if isinstance(out_channels, bool) or not isinstance(out_channels, (int, np.integer)) \
-                or out_channels < 1:
+        if _bad_size(out_channels):
             raise ValueError(f"{name} needs out_channels >= 1, got {out_channels!r}")
-        if in_channels is not None and (isinstance(in_channels, bool) or not isinstance(
-                in_channels, (int, np.integer)) or in_channels < 1):
+        if in_channels is not None and _bad_size(in_channels):
             raise ValueError(f"{name} needs in_channels >= 1 or None (inferred), got {in_channels!r}")
         if init not in ("he", "xavier", "zeros"):
             raise ValueError(f"unknown init {init!r}; expected 'he', 'xavier' or 'zeros'")
@@ -153,16 +151,10 @@ class _ConvNd(Layer):
         super().bind(params, grads)
 
     def init_(self, rng: np.random.Generator) -> None:
-        W, b = self.params["W"], self.params["b"]
-        fan_in = int(np.prod(W.shape[1:]))
-        if self.init == "he":
-            W[...] = rng.standard_normal(W.shape) * np.sqrt(2.0 / fan_in)
-        elif self.init == "xavier":
-            limit = np.sqrt(6.0 / (fan_in + self.out_channels * int(np.prod(self.kernel))))
-            W[...] = rng.uniform(-limit, limit, W.shape)
-        else:
-            W[...] = 0
-        b[...] = 0
+        W = self.params["W"]
+        init_weights(W, self.init, int(np.prod(W.shape[1:])),
+                     self.out_channels * int(np.prod(self.kernel)), rng)
+        self.params["b"][...] = 0
 
     # ------------------------------------------------------------------ compute
 
@@ -241,16 +233,10 @@ class _ConvNd(Layer):
 class Conv1d(_ConvNd):
     """1-D convolution (cross-correlation): ``(n, C, L)`` -> ``(n, out_channels, L_out)``.
 
-    Parameters
-    ----------
-    out_channels : number of filters ``F``.
-    kernel, stride : window length and step (ints >= 1).
-    padding : zeros added at both ends (int >= 0).
-    in_channels : ``C``; None takes it from the input shape the model gives the layer.
-    init : ``"he"`` (default, for ReLU): ``W ~ N(0, 2 / (C * kernel))``; ``"xavier"``;
-        ``"zeros"``. ``b`` starts at zero.
-
-    Parameters are ``W`` ``(F, C, kernel)`` and ``b`` ``(F,)``;
+    ``kernel``, ``stride``: window length and step (>= 1); ``padding``: zeros at both ends;
+    ``in_channels=None`` takes ``C`` from the input shape; ``init``: ``"he"`` (default,
+    ``W ~ N(0, 2 / (C * kernel))``), ``"xavier"`` or ``"zeros"``; ``b`` starts at zero.
+    Parameters ``W`` ``(F, C, kernel)``, ``b`` ``(F,)``;
     ``L_out = floor((L + 2 * padding - kernel) / stride) + 1``.
     """
 
@@ -265,17 +251,9 @@ class Conv1d(_ConvNd):
 class Conv2d(_ConvNd):
     """2-D convolution (cross-correlation): ``(n, C, H, W)`` -> ``(n, out_channels, H_out, W_out)``.
 
-    Parameters
-    ----------
-    out_channels : number of filters ``F``.
-    kernel, stride : window size and step: an int (both axes) or a pair ``(h, w)``, >= 1.
-    padding : zeros added on both sides of each axis: an int or a pair, >= 0.
-    in_channels : ``C``; None takes it from the input shape the model gives the layer.
-    init : ``"he"`` (default, for ReLU): ``W ~ N(0, 2 / (C * kh * kw))``; ``"xavier"``;
-        ``"zeros"``. ``b`` starts at zero.
-
-    Parameters are ``W`` ``(F, C, kh, kw)`` and ``b`` ``(F,)``; per axis
-    ``out = floor((size + 2 * padding - kernel) / stride) + 1``.
+    ``kernel``, ``stride`` (>= 1) and ``padding`` (zeros on both sides, >= 0): an int (both
+    axes) or a pair ``(h, w)``; otherwise as :class:`Conv1d`, with ``W`` ``(F, C, kh, kw)``
+    and per axis ``out = floor((size + 2 * padding - kernel) / stride) + 1``.
     """
 
     nd = 2

@@ -92,10 +92,7 @@ class Dropout(Layer):
     ``key``, the sample's global index (``context.sample_index``, so a training step needs
     ``context.index``) and the element's position: never on the rank, the row or the number
     of ranks. It changes from step to step and between layers. Any per-sample shape.
-
-    Parameters
-    ----------
-    rate : the probability of dropping an element, ``0 <= rate < 1``.
+    ``0 <= rate < 1``.
     """
 
     def __init__(self, rate: float = 0.5) -> None:

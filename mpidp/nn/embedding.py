@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layers import Layer, Shapes, register_layer
+from .layers import Layer, Shapes, _bad_size, init_weights, register_layer
 
 _INITS = ("normal", "xavier", "zeros")
 
 
 def _size(v, what: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+    if _bad_size(v):
         raise ValueError(f"Embedding needs {what} >= 1 (an int), got {v!r}")
     return int(v)
 
@@ -52,14 +52,7 @@ class Embedding(Layer):
         return {"W": (self.n_tokens, self.dim)}
 
     def init_(self, rng: np.random.Generator) -> None:
-        W = self.params["W"]
-        if self.init == "normal":
-            W[...] = rng.standard_normal(W.shape)
-        elif self.init == "xavier":
-            limit = np.sqrt(6.0 / (self.n_tokens + self.dim))
-            W[...] = rng.uniform(-limit, limit, W.shape)
-        else:
-            W[...] = 0
+        init_weights(self.params["W"], self.init, self.n_tokens, self.dim, rng)
 
     def token_ids(self, x: np.ndarray) -> np.ndarray:
         """``x`` as ``intp`` ids, checked to be whole numbers in ``[0, n_tokens)``."""

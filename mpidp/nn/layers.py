@@ -129,26 +129,12 @@ def register_layer(cls: _LayerT | None = None, *, name: str | None = None
     it is the ``"type"`` that :meth:`mpidp.nn.Sequential.spec` writes for the layer, and
     :func:`mpidp.nn.from_spec` / :func:`mpidp.nn.load` look it up here. A process that
     loads a model must register its classes too (importing the module that defines them
-    with the decorator is enough). Registering the same class again is a no-op.
+    with the decorator is enough). Registering the same class again is a no-op. What a
+    registered layer provides (``config()``, ``from_config``) is in ``docs/extending.md``.
 
-    What a registered layer must provide: its settings, the JSON-able keyword arguments
-    that rebuild it, from a method ``config() -> dict`` (without it: ``n_in`` and ``n_out``
-    when the layer has an ``n_out`` attribute, else nothing). It is rebuilt by the
-    classmethod ``from_config(settings)`` where defined, else by ``cls(**settings)``.
-    Parameters are not settings: they travel in the model's flat ``params`` vector, in
-    ``param_shapes()`` order.
-
-    Parameters
-    ----------
-    cls : a subclass of :class:`Layer`; omitted, a decorator is returned.
-    name : the registry key, if not ``cls.__name__``.
-
-    Raises
-    ------
-    ValueError : ``name`` is already registered to a different class (both are named). A
-        class redefined under the same module and qualified name (a module reloaded, a
-        notebook cell run again) replaces the earlier definition instead.
-    TypeError : ``cls`` is not a subclass of :class:`Layer`.
+    Raises ``TypeError`` if ``cls`` is not a :class:`Layer` subclass, ``ValueError`` if
+    ``name`` is registered to a different class (both are named); a class redefined under
+    the same module and qualified name (a module reloaded) replaces the earlier one.
     """
     def add(layer_cls: _LayerT) -> _LayerT:
         if not (isinstance(layer_cls, type) and issubclass(layer_cls, Layer)):
@@ -198,13 +184,8 @@ def layer_spec(layer: Layer) -> dict:
 
 
 def layer_class(name: str) -> type:
-    """The layer class registered under ``name``.
-
-    Raises
-    ------
-    ValueError : nothing is registered under ``name``; the message names it and says how
-        to register it.
-    """
+    """The layer class registered under ``name``; ``ValueError`` (saying how to register
+    it) if there is none."""
     try:
         return _CLASSES[name]
     except (KeyError, TypeError):
@@ -216,6 +197,21 @@ def layer_class(name: str) -> type:
 
 def _bad_size(v) -> bool:
     return isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1
+
+
+def init_weights(W: np.ndarray, init: str, fan_in: int, fan_out: int,
+                 rng: np.random.Generator) -> None:
+    """Fill ``W`` in place: ``"he"`` N(0, 2/fan_in), ``"normal"`` N(0, 1), ``"xavier"``
+    U(±sqrt(6/(fan_in+fan_out))), else zeros."""
+    if init == "he":
+        W[...] = rng.standard_normal(W.shape) * np.sqrt(2.0 / fan_in)
+    elif init == "normal":
+        W[...] = rng.standard_normal(W.shape)
+    elif init == "xavier":
+        limit = np.sqrt(6.0 / (fan_in + fan_out))
+        W[...] = rng.uniform(-limit, limit, W.shape)
+    else:
+        W[...] = 0
 
 
 @register_layer
@@ -254,15 +250,8 @@ class Dense(Layer):
         return (self.output_dim(in_shape[0]),)
 
     def init_(self, rng: np.random.Generator) -> None:
-        W, b = self.params["W"], self.params["b"]
-        if self.init == "he":
-            W[...] = rng.standard_normal(W.shape) * np.sqrt(2.0 / self.n_in)
-        elif self.init == "xavier":
-            limit = np.sqrt(6.0 / (self.n_in + self.n_out))
-            W[...] = rng.uniform(-limit, limit, W.shape)
-        else:
-            W[...] = 0
-        b[...] = 0
+        init_weights(self.params["W"], self.init, self.n_in, self.n_out, rng)
+        self.params["b"][...] = 0
 
     @property
     def reads_params_in_parts(self) -> bool:

@@ -56,18 +56,24 @@ def chain_shapes(layers: Sequence[Layer], in_shape: tuple[int, ...]) -> list[tup
     return shapes
 
 
+def _carve(buffer: np.ndarray, shapes: dict[str, tuple[int, ...]],
+           offset: int) -> tuple[dict[str, np.ndarray], int]:
+    """Views of ``buffer`` from ``offset`` on, one per ``name: shape``; and the offset after."""
+    views = {}
+    for name, shape in shapes.items():
+        size = int(np.prod(shape))
+        views[name] = buffer[offset:offset + size].reshape(shape)
+        offset += size
+    return views, offset
+
+
 class Sequential:
     """Layers applied in order to inputs of shape ``(n_samples, *in_shape)``.
 
-    Parameters
-    ----------
-    layers : the layers, in order; their shapes must chain (checked here).
-    n_in : the per-sample input shape: a number of features, or a tuple such as
-        ``(channels, height, width)``.
-    dtype : ``float32`` or ``float64``; parameters, gradients and activations use it.
+    ``layers`` must chain (checked here); ``n_in`` is a number of features or a per-sample
+    shape such as ``(channels, height, width)``; ``dtype`` (``float32`` or ``float64``) is
+    that of parameters, gradients and activations.
 
-    Notes
-    -----
     ``params`` and ``grads`` have ``n_params`` elements; ``layer.params[k]`` is a view of
     ``params`` for every layer and key, in layer order then ``param_shapes`` order.
     ``state`` (``n_state`` elements) likewise holds every layer's untrained state (batch
@@ -108,21 +114,8 @@ class Sequential:
     def _bind_state(self, state: np.ndarray) -> None:
         offset = 0
         for layer in self.layers:
-            views = {}
-            for name, shape in layer.state_shapes().items():
-                size = int(np.prod(shape))
-                views[name] = state[offset:offset + size].reshape(shape)
-                offset += size
+            views, offset = _carve(state, layer.state_shapes(), offset)
             layer.bind_state(views)
-
-    def use_state_buffer(self, buffer: np.ndarray) -> None:
-        """Move ``state`` (and every layer's state views) into ``buffer`` ``(n_state,)``,
-        keeping its values."""
-        if buffer.dtype != self.dtype or buffer.shape != (self.n_state,):
-            raise ValueError(f"state buffer must be 1-D {self.dtype} with {self.n_state} items")
-        buffer[...] = self.state
-        self.state = buffer
-        self._bind_state(buffer)
 
     def set_context(self, context: Context) -> None:
         """Share ``context`` with every layer (a trainer's, filled before each step)."""
@@ -135,13 +128,9 @@ class Sequential:
         offset = 0
         self.layer_ranges: list[tuple[int, int]] = []  # [lo, hi) of each layer in the buffers
         for layer in self.layers:
-            p, g, lo = {}, {}, offset
-            for name, shape in layer.param_shapes().items():
-                size = int(np.prod(shape))
-                p[name] = params[offset:offset + size].reshape(shape)
-                g[name] = grads[offset:offset + size].reshape(shape)
-                offset += size
-            layer.bind(p, g)
+            shapes, lo = layer.param_shapes(), offset
+            g, offset = _carve(grads, shapes, lo)
+            layer.bind(_carve(params, shapes, lo)[0], g)
             self.layer_ranges.append((lo, offset))
 
     def use_grad_buffer(self, buffer: np.ndarray) -> None:
@@ -261,13 +250,11 @@ class Sequential:
     def spec(self) -> list[dict]:
         """A JSON-able description from which :func:`from_spec` rebuilds the model.
 
-        Returns
-        -------
-        list of dict : one per layer, ``{"type": <registered name>, **settings}``, where the
-            settings are ``layer.config()`` if the layer defines it, else ``n_in`` and
-            ``n_out`` if it has them (see :func:`mpidp.nn.register_layer`); the first
-            dict also holds ``"model_n_in"`` (flat inputs) or ``"model_in_shape"`` (a list).
-            Parameters are not part of it.
+        One dict per layer, ``{"type": <registered name>, **settings}``, the settings being
+        ``layer.config()`` if the layer defines it, else ``n_in`` and ``n_out`` if it has
+        them (see :func:`mpidp.nn.register_layer`); the first dict also holds
+        ``"model_n_in"`` (flat inputs) or ``"model_in_shape"`` (a list). Parameters are not
+        part of it.
         """
         out = [layer_spec(layer) for layer in self.layers]
         if len(self.in_shape) == 1:
@@ -293,15 +280,8 @@ def from_spec(spec: Sequence[dict], dtype: npt.DTypeLike = np.float32) -> Sequen
     the layer is built by ``cls.from_config(settings)`` where the class defines it, else
     by ``cls(**settings)``, ``settings`` being the dict less ``"type"`` and ``"model_n_in"``.
 
-    Parameters
-    ----------
-    spec : one dict per layer, as :meth:`Sequential.spec` returns (or JSON of it, parsed).
-    dtype : ``float32`` or ``float64``.
-
-    Raises
-    ------
-    ValueError : a layer type is not registered (the message names it and says how to
-        register it), its settings do not rebuild it, or ``spec`` is malformed.
+    Raises ``ValueError`` if a layer type is not registered (the message names it and says
+    how to register it), its settings do not rebuild it, or ``spec`` is malformed.
     """
     if not isinstance(spec, Sequence) or not spec or \
             not all(isinstance(d, dict) and isinstance(d.get("type"), str) for d in spec):
@@ -335,22 +315,11 @@ _READ_ERRORS: tuple[type[BaseException], ...] = (
 
 
 def _read_npz(path: str, required: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Every array of the ``.npz`` archive ``path``, read in full (so every member's zip
-    CRC-32 is checked), with ``allow_pickle=False``.
+    """Member name -> array for every member of the ``.npz`` archive ``path``, read in full
+    (so every zip CRC-32 is checked) with ``allow_pickle=False``.
 
-    Parameters
-    ----------
-    path : the archive.
-    required : names that must be present.
-
-    Returns
-    -------
-    dict : member name (without ``.npy``) -> array.
-
-    Raises
-    ------
-    One of ``_READ_ERRORS``: the file is missing, unreadable, truncated, corrupted,
-    not an ``.npz`` archive, or lacks a ``required`` member (``ValueError``).
+    Raises one of ``_READ_ERRORS`` if the file is unreadable, damaged, not an ``.npz``
+    archive, or lacks a ``required`` member (``ValueError``).
     """
     saved = np.load(path, allow_pickle=False)
     if not isinstance(saved, np.lib.npyio.NpzFile):
@@ -377,26 +346,12 @@ def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None) -
     (``"float32"`` or ``"float64"``) and ``meta`` (JSON of ``meta``, else of
     ``model.meta``). It is written to a temporary file in the same folder, fsynced and
     renamed, so ``path`` is at every moment absent, the old file, or the whole new one.
+    An existing folder ``path`` means ``model.npz`` in it. Returns the path written.
 
-    Parameters
-    ----------
-    model : the model to save.
-    path : the file; an existing folder means ``model.npz`` in it.
-    meta : JSON-able dict stored alongside (default ``model.meta``).
-
-    Returns
-    -------
-    str : the path written.
-
-    Raises
-    ------
-    ValueError : the spec or ``meta`` is not JSON-able (nothing is written).
-
-    Warns
-    -----
-    UserWarning : a layer's class (or that of a layer inside a block) is not registered
-        (:func:`mpidp.nn.register_layer`), so :func:`load` cannot rebuild the file; the
-        warning names the class. The file is written all the same.
+    Raises ``ValueError`` (writing nothing) if the spec or ``meta`` is not JSON-able. Warns
+    (``UserWarning``, naming the class, writing the file all the same) if a layer's class,
+    or that of a layer inside a block, is not registered (:func:`mpidp.nn.register_layer`),
+    so :func:`load` cannot rebuild the file.
     """
     return _save(model, path, meta, stacklevel=3)
 
@@ -446,18 +401,11 @@ def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
 
     Its ``meta`` attribute holds the stored meta (``{}`` if the file has none). A model
     with a layer of the user's own must have that class registered in this process first
-    (:func:`mpidp.nn.register_layer`).
+    (:func:`mpidp.nn.register_layer`). ``path``: a ``model.npz``, or a folder holding one.
 
-    Parameters
-    ----------
-    path : a ``model.npz``, or a folder holding one.
-    check_finite : refuse parameters that hold NaN or Inf.
-
-    Raises
-    ------
-    ValueError : naming the file, if it is missing, truncated, corrupted (zip CRC-32), not
-        a saved model, names an unregistered layer class, or (with ``check_finite``) holds
-        non-finite parameters. Read with ``allow_pickle=False`` always.
+    Raises ``ValueError``, naming the file, if it is missing, truncated, corrupted (zip
+    CRC-32), not a saved model, names an unregistered layer class, or (with
+    ``check_finite``) holds NaN or Inf parameters. Read with ``allow_pickle=False`` always.
     """
     path = _model_path(path)
     try:

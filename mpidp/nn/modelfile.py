@@ -44,11 +44,7 @@ def is_model_file(spec: str) -> bool:
 
 def read_model_file(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The layer list of a model file: one dict per layer, each with a ``type`` string.
-
-    Raises
-    ------
-    ValueError : naming the file and the line (a syntax error) or the layer and key.
-    """
+    Raises ``ValueError`` naming the file and the line (a syntax error) or the layer."""
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
@@ -82,12 +78,9 @@ def layers_from(specs: list[dict[str, Any]], n_outputs: int | None = None,
     """Build the layers of ``specs`` (as :func:`read_model_file` returns them), unbound.
 
     A required ``n_in`` / ``in_channels`` left out is inferred from the layer's input; a
-    required ``n_out`` left out is ``n_outputs`` (what the data set needs).
-
-    Raises
-    ------
-    ValueError : naming the layer (1-based) and the key when a type is not registered, a
-        setting is unknown or missing, or the layer refuses its settings.
+    required ``n_out`` left out is ``n_outputs`` (what the data set needs). Raises
+    ``ValueError`` naming the layer (1-based) and the key when a type is not registered, a
+    setting is unknown or missing, or the layer refuses its settings.
     """
     out = []
     for i, d in enumerate(specs):

@@ -34,6 +34,30 @@ def _channel_sums(a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
     return part.sum(axis=0, dtype=np.float64)
 
 
+class _SampleShaped(Layer):
+    """A layer whose output has the per-sample shape of its input, fixed by the first
+    :meth:`output_shape` call (``self.shape``)."""
+
+    shape: tuple[int, ...] | None = None
+
+    def output_dim(self, n_in: int) -> int:
+        return self.output_shape((n_in,))[0]
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        in_shape = tuple(int(d) for d in in_shape)
+        if self.shape is not None and in_shape != self.shape:
+            raise ValueError(f"{type(self).__name__} was set up for per-sample shape "
+                             f"{self.shape}, got {in_shape}")
+        self.shape = in_shape
+        return in_shape
+
+    def _known_shape(self) -> tuple[int, ...]:
+        if self.shape is None:
+            raise ValueError(f"{type(self).__name__} does not know its per-sample shape yet: "
+                             f"put it in a Sequential (or call output_shape) first")
+        return self.shape
+
+
 @register_layer
 class BatchNorm(Layer):
     """Batch normalisation ``y = gamma * (x - mean) / sqrt(var + eps) + beta``.
@@ -58,12 +82,7 @@ class BatchNorm(Layer):
     ``var <- (1 - momentum) * var + momentum * batch_var * N / (N - 1)`` (the unbiased
     variance; left alone when the global count ``N`` per channel is 1). A global batch with
     no samples changes nothing. Evaluation uses the running statistics and makes no
-    collective call.
-
-    Parameters
-    ----------
-    momentum : weight of the current batch in the running statistics, in [0, 1].
-    eps : added to the variance, > 0.
+    collective call. ``momentum`` is in [0, 1]; ``eps`` (added to the variance) > 0.
     """
 
     needs = frozenset({"replica-sums"})
@@ -197,44 +216,25 @@ class BatchNorm(Layer):
 
 
 @register_layer
-class LayerNorm(Layer):
+class LayerNorm(_SampleShaped):
     """Layer normalisation: each sample normalised over ALL its per-sample axes,
     ``y = gamma * (x - mean) / sqrt(var + eps) + beta``, mean and (biased) variance taken
     over the sample's ``prod(shape)`` values.
 
     ``gamma`` (ones) and ``beta`` (zeros) are elementwise, of the full per-sample shape
     (for ``(n, F)`` inputs: ``(F,)``; for ``(n, C, H, W)``: ``(C, H, W)``). Needs no other
-    sample, so no collective, and is the same in training and evaluation.
-
-    Parameters
-    ----------
-    eps : added to the variance, > 0.
+    sample, so no collective, and is the same in training and evaluation. ``eps`` > 0.
     """
 
     def __init__(self, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = _positive(eps, "LayerNorm eps")
-        self.shape: tuple[int, ...] | None = None
 
     def config(self) -> dict:
         return {"eps": self.eps}
 
-    def output_dim(self, n_in: int) -> int:
-        return self.output_shape((n_in,))[0]
-
-    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
-        in_shape = tuple(int(d) for d in in_shape)
-        if self.shape is not None and in_shape != self.shape:
-            raise ValueError(f"LayerNorm was set up for per-sample shape {self.shape}, got "
-                             f"{in_shape}")
-        self.shape = in_shape
-        return in_shape
-
     def param_shapes(self) -> Shapes:
-        if self.shape is None:
-            raise ValueError("LayerNorm does not know its per-sample shape yet: put it in a "
-                             "Sequential (or call output_shape) first")
-        return {"gamma": self.shape, "beta": self.shape}
+        return {"gamma": self._known_shape(), "beta": self._known_shape()}
 
     def init_(self, rng: np.random.Generator) -> None:
         self.params["gamma"][...] = 1

@@ -32,7 +32,9 @@ def _spec(value: int | Sequence[int] | None, what: str) -> int | tuple[int, ...]
 
 
 class _WindowPool(Layer):
-    """Shared shape handling of :class:`MaxPool` and :class:`AvgPool`."""
+    """Shared shape handling of :class:`MaxPool` and :class:`AvgPool`: ``size`` is an int
+    (every spatial axis) or a pair ``(h, w)`` (2-D inputs); ``stride`` likewise, None
+    (default) meaning ``size``."""
 
     def __init__(self, size: int | Sequence[int], stride: int | Sequence[int] | None = None) -> None:
         super().__init__()
@@ -82,7 +84,9 @@ class _WindowPool(Layer):
     def _by_offset(self, x: np.ndarray) -> np.ndarray:
         """``(K, n, C, *out)``: for every window offset (row-major), the input value each
         output position reads there; one strided copy, so the reductions that follow run
-        over contiguous memory."""
+        over contiguous memory. Caches the geometry and shape of ``x`` for backward."""
+        self._geom = self._geometry(x.shape, batch=True)
+        self._x_shape = x.shape
         size, stride, out = self._geom
         sn, sc, *ss = x.strides
         view = as_strided(x, (*size, *x.shape[:2], *out),
@@ -100,18 +104,11 @@ class _WindowPool(Layer):
 class MaxPool(_WindowPool):
     """Maximum over windows: ``(n, C, L)`` or ``(n, C, H, W)`` -> ``(n, C, *out)``.
 
-    Parameters
-    ----------
-    size : window size: an int (every spatial axis) or a pair ``(h, w)`` (2-D inputs).
-    stride : step between windows (int or pair); None (default) means ``size``.
-
     Backward routes each output's gradient to the first maximum of its window (row-major
     order within the window), so ties do not duplicate it; overlapping windows add up.
     """
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        self._geom = self._geometry(x.shape, batch=True)
-        self._x_shape = x.shape
         taps = self._by_offset(x)
         n_taps = len(taps)
         y = np.max(taps, axis=0)
@@ -146,17 +143,9 @@ class MaxPool(_WindowPool):
 
 @register_layer
 class AvgPool(_WindowPool):
-    """Mean over windows: ``(n, C, L)`` or ``(n, C, H, W)`` -> ``(n, C, *out)``.
-
-    Parameters
-    ----------
-    size : window size: an int (every spatial axis) or a pair ``(h, w)`` (2-D inputs).
-    stride : step between windows (int or pair); None (default) means ``size``.
-    """
+    """Mean over windows: ``(n, C, L)`` or ``(n, C, H, W)`` -> ``(n, C, *out)``."""
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        self._geom = self._geometry(x.shape, batch=True)
-        self._x_shape = x.shape
         taps = self._by_offset(x)
         y = np.sum(taps, axis=0)
         y *= 1.0 / len(taps)

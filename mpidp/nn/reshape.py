@@ -49,12 +49,8 @@ class Flatten(_ShapeOnly):
 @register_layer
 class Reshape(_ShapeOnly):
     """``(n, *s)`` -> ``(n, *shape)``, ``prod(shape) == prod(s)``; one entry of ``shape``
-    may be -1 (inferred), e.g. ``Reshape((1, 28, 28))`` for flat MNIST rows.
-
-    Raises
-    ------
-    ValueError : ``shape`` is not a sequence of sizes >= 1 with at most one -1 (at
-        construction), or does not hold as many values as the input's samples.
+    may be -1 (inferred), e.g. ``Reshape((1, 28, 28))`` for flat MNIST rows. ``ValueError``
+    for any other ``shape``, or one that does not hold as many values as the samples.
     """
 
     def __init__(self, shape: int | Sequence[int]) -> None:

@@ -25,7 +25,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .layers import Layer, Shapes, register_layer
+from .layers import Shapes, register_layer
+from .norm import _SampleShaped
 
 #: ``(count, mean, M2)``: number of rows, per-element mean and per-element centred sum of
 #: squares ``sum((x - mean)**2)`` over the rows; ``mean`` and ``M2`` float64, of one shape.
@@ -158,7 +159,7 @@ def pass2_squares(x: np.ndarray, mean: np.ndarray) -> np.ndarray:
 
 
 @register_layer
-class Standardize(Layer):
+class Standardize(_SampleShaped):
     """Per-element standardisation ``y = (x - mean) / std`` of samples of any shape.
 
     State ``mean`` (zeros) and ``std`` (ones), each of the per-sample shape: an identity
@@ -169,28 +170,13 @@ class Standardize(Layer):
 
     def __init__(self) -> None:
         super().__init__()
-        self.shape: tuple[int, ...] | None = None
         self._std: np.ndarray | None = None
 
     def config(self) -> dict:
         return {}
 
-    def output_dim(self, n_in: int) -> int:
-        return self.output_shape((n_in,))[0]
-
-    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
-        in_shape = tuple(int(d) for d in in_shape)
-        if self.shape is not None and in_shape != self.shape:
-            raise ValueError(f"Standardize was set up for per-sample shape {self.shape}, got "
-                             f"{in_shape}")
-        self.shape = in_shape
-        return in_shape
-
     def state_shapes(self) -> Shapes:
-        if self.shape is None:
-            raise ValueError("Standardize does not know its per-sample shape yet: put it in a "
-                             "Sequential (or call output_shape) first")
-        return {"mean": self.shape, "std": self.shape}
+        return {"mean": self._known_shape(), "std": self._known_shape()}
 
     def init_(self, rng: np.random.Generator) -> None:
         if self.state:  # a scratch copy (a pipeline's other stages) may have none bound
@@ -204,14 +190,9 @@ class Standardize(Layer):
         ``std = sqrt(M2 / count)`` (the biased standard deviation, as scikit-learn's
         ``StandardScaler``). A feature that is constant up to rounding, ``std <= eps *
         |mean|`` (so also ``std == 0``), or whose std is below the smallest normal number of
-        the model's dtype, gets ``std = 1``: it is only centred.
-
-        Parameters
-        ----------
-        count : the global number of rows (>= 1).
-        mean, m2 : the global per-element mean and centred sum of squares, of the
-            per-sample shape or flat, from :func:`combine_moments` or the two passes.
-        eps : relative threshold for a constant feature, >= 0.
+        the model's dtype, gets ``std = 1``: it is only centred. ``count`` >= 1; ``mean``
+        and ``m2`` of the per-sample shape or flat, from :func:`combine_moments` or the two
+        passes.
         """
         if self.shape is None or not self.state:
             raise ValueError("Standardize.fit_ needs the layer in a model (its state bound)")

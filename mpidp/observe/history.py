@@ -59,14 +59,11 @@ def derived(record: dict) -> dict:
 class History:
     """Appends records to ``path_jsonl``; mirrors them to TensorBoard when asked.
 
-    Parameters
-    ----------
-    path_jsonl : the JSON-lines file (its folder is created). Truncated unless ``append``
-        (a resumed run continues its file).
-    tensorboard_dir : folder for TensorBoard event files, or None. Raises ValueError
-        naming the fix when tensorboardX is not installed.
-    fsync_epochs : fsync after each epoch line (steps lines are only flushed).
-    what : the option that named the file's place (``"--out"``), for the fix in errors.
+    ``path_jsonl`` (its folder is created) is truncated unless ``append`` (a resumed run
+    continues its file). ``tensorboard_dir``: folder for TensorBoard event files, or None
+    (``ValueError`` naming the fix when tensorboardX is not installed). ``fsync_epochs``:
+    fsync after each epoch line (steps lines are only flushed). ``what``: the option that
+    named the file's place (``"--out"``), for the fix in errors.
 
     Files are created with the process umask (``open`` mode 0o666 & ~umask). A write that
     fails (a full disk) raises :class:`mpidp.atomic.WriteError` naming ``path_jsonl``.

@@ -56,22 +56,13 @@ def class_stats_size(n_classes: int) -> int:
 
 
 def class_stats(scores: np.ndarray, y: np.ndarray, n_classes: int) -> np.ndarray:
-    """Additive statistics of a classifier's outputs on some rows.
+    """Additive statistics of a classifier's ``scores`` ``(n, k)`` (logits, ``k ==
+    n_classes``, ``n`` may be 0) against integer labels ``y`` ``(n,)`` in ``[0, k)``.
 
-    Parameters
-    ----------
-    scores : ``(n, k)`` model outputs (logits; ``k == n_classes``). ``n`` may be 0.
-    y : ``(n,)`` integer labels in ``[0, k)``.
-    n_classes : k.
+    Returns float64 ``(class_stats_size(k),)``: ``[count, summed log-loss, top-k hits for
+    each k of top_ks(k), confusion matrix (k*k, row = true class, column = predicted)]``;
+    zeros for an empty batch. Vectors of disjoint rows ADD (Allreduce SUM across ranks).
 
-    Returns
-    -------
-    float64 ``(class_stats_size(k),)``: ``[count, summed log-loss, top-k hits for each k
-    of top_ks(k), confusion matrix (k*k, row = true class, column = predicted)]``. Zeros
-    for an empty batch. Vectors of disjoint rows ADD (Allreduce SUM across ranks).
-
-    Notes
-    -----
     The prediction is ``argmax(scores)`` (the first maximum on ties). A sample is a top-k
     hit when its true class is among the first k of the classes sorted by decreasing score,
     ties in the order of the classes (so top-1 hits are the correct predictions; scikit-
@@ -121,11 +112,7 @@ def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
 
 
 def class_scores(stats: np.ndarray, n_classes: int) -> dict:
-    """Classification figures from a (summed) :func:`class_stats` vector.
-
-    Returns
-    -------
-    dict, JSON-able (floats, ints, lists):
+    """Classification figures from a (summed) :func:`class_stats` vector, a JSON-able dict:
 
     - ``count``; ``accuracy``; ``top{k}_accuracy`` for each k of :func:`top_ks`;
       ``log_loss`` (the mean): NaN when ``count`` is 0;
@@ -177,16 +164,10 @@ def _targets(pred: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def reg_stats(pred: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Statistics of a regression's predictions on some rows.
+    """Statistics of a regression's predictions ``pred`` ``(n, t)`` against ``target``
+    ``(n, t)`` (both may be ``(n,)`` when t = 1; ``n`` may be 0).
 
-    Parameters
-    ----------
-    pred : ``(n, t)`` predictions (``(n,)`` for t = 1); ``n`` may be 0.
-    target : ``(n, t)``, or ``(n,)`` when t = 1.
-
-    Returns
-    -------
-    float64 ``(1 + 4t,)``: ``[count, SSE (t), SAE (t), target mean (t), target M2 (t)]``:
+    Returns float64 ``(1 + 4t,)``: ``[count, SSE (t), SAE (t), target mean (t), target M2 (t)]``:
     the per-output sums of squared and of absolute errors, and the mean and centred sum
     of squares ``sum((target - mean)**2)`` of the targets. NOT additive: merge vectors with
     :func:`reg_combine` / :func:`reg_combine_all` (across ranks: Allgather, then
@@ -249,11 +230,8 @@ def reg_combine_all(parts: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:
 
 
 def reg_scores(stats: np.ndarray) -> dict:
-    """Regression figures from a (combined) :func:`reg_stats` vector.
-
-    Returns
-    -------
-    dict, JSON-able: ``count``; ``mse``, ``mae``, ``r2`` -- the unweighted means over the
+    """Regression figures from a (combined) :func:`reg_stats` vector, a JSON-able dict:
+    ``count``; ``mse``, ``mae``, ``r2`` -- the unweighted means over the
     outputs (scikit-learn's ``multioutput="uniform_average"``) -- and the per-output lists
     ``mse_outputs``, ``mae_outputs``, ``r2_outputs``. ``R^2 = 1 - SSE / M2`` per output,
     with scikit-learn's ``force_finite`` convention: 1 when SSE is 0, else 0 when M2 is 0.

@@ -63,15 +63,10 @@ class _Span:
 class Tracer:
     """This rank's spans, kept in memory until :func:`write`.
 
-    Parameters
-    ----------
-    rank, host : this process's rank and host name (the process is named ``rank r (host)``).
-    enabled : False makes every call a cheap no-op (``span`` returns a shared null context).
-    steps : ``(a, b)``: record only while ``a <= tracer.step < b`` (global steps counted
-        from 0), to keep the file small on long runs; None records every step.
+    The process is named ``rank r (host)``. ``enabled=False`` makes every call a cheap no-op
+    (``span`` returns a shared null context). ``steps=(a, b)`` records only while ``a <=
+    tracer.step < b`` (global steps from 0), to keep the file small on long runs.
 
-    Notes
-    -----
     Set ``tracer.step`` (global step) and ``tracer.epoch`` as the loop advances; every span
     records them in its args. Spans recorded before the first step (``step == -1``) are
     kept only without a window. Memory: one tuple per span (~200 bytes), so bound long runs

@@ -41,7 +41,7 @@ class _Plateau:
 
     _KEYS = ("best", "best_epoch", "bad_epochs", "epochs")
 
-    def __init__(self, patience: int, min_delta: float, mode: str) -> None:
+    def __init__(self, patience: int, min_delta: float = 0.0, mode: str = "min") -> None:
         self.patience = _count(patience, "patience")
         self.min_delta = _number(min_delta, "min_delta", 0.0, math.inf, hi_open=True)
         if mode not in _MODES:
@@ -95,23 +95,12 @@ class EarlyStopping(_Plateau):
 
     ``update(value)`` once per epoch returns True when the run should stop:
     ``bad_epochs >= patience`` (``patience=0``: at the first bad epoch). Fed on after
-    that it keeps counting (and says False again after an improvement).
+    that it keeps counting (and says False again after an improvement). ``min_delta`` and
+    ``mode`` (``"min"``: a loss, ``"max"``: an accuracy) are as the module says.
 
-    Parameters
-    ----------
-    patience : bad epochs in a row that stop the run, >= 0.
-    min_delta : how much a value must beat the best by to count as an improvement, >= 0.
-    mode : ``"min"`` (a loss) or ``"max"`` (an accuracy).
-
-    Attributes
-    ----------
-    best, best_epoch : the best value and the epoch (0-based count of updates) it came in;
-        None before the first finite value.
-    bad_epochs : epochs in a row without improvement; ``epochs``: updates so far.
+    ``best`` and ``best_epoch`` (0-based count of updates) are None before the first finite
+    value; ``bad_epochs`` counts epochs in a row without improvement, ``epochs`` updates.
     """
-
-    def __init__(self, patience: int, min_delta: float = 0.0, mode: str = "min") -> None:
-        super().__init__(patience, min_delta, mode)
 
     def update(self, value: float) -> bool:
         """Feed this epoch's global figure; True: stop now."""
@@ -132,21 +121,9 @@ class ReduceOnPlateau(_Plateau):
     in a row (``patience=0``: every bad epoch) ``scale`` becomes ``max(scale * factor,
     min_scale)``, the bad-epoch count restarts at 0, and for the next ``cooldown`` epochs
     bad epochs are not counted. Note: PyTorch's ``ReduceLROnPlateau`` reduces one epoch
-    later (after ``patience + 1`` bad epochs); Keras's as here.
-
-    Parameters
-    ----------
-    factor : the multiplier, in (0, 1).
-    patience : bad epochs in a row before a reduction, >= 0.
-    min_delta : how much a value must beat the best by to count as an improvement, >= 0.
-    min_scale : the smallest ``scale``, in [0, 1].
-    mode : ``"min"`` or ``"max"``.
-    cooldown : epochs after a reduction whose bad epochs are not counted, >= 0.
-
-    Attributes
-    ----------
-    scale : the current multiplier; ``reductions``: how many times it was reduced;
-        ``best``, ``best_epoch``, ``bad_epochs``, ``epochs`` as :class:`EarlyStopping`.
+    later (after ``patience + 1`` bad epochs); Keras's as here. ``factor`` is in (0, 1),
+    ``min_scale`` in [0, 1]; ``reductions`` counts the reductions; the other attributes are
+    as :class:`EarlyStopping`'s.
     """
 
     _KEYS = _Plateau._KEYS + ("scale", "reductions", "cooldown_left")

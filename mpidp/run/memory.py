@@ -16,25 +16,6 @@ BASE_COPIES = 4
 OPTIMIZER_COPIES = {"sgd": 0, "momentum": 1, "adam": 2}
 
 
-def widths(model: str, n_in: int, n_out: int, hidden: Sequence[int]) -> list[int]:
-    """Layer widths of ``model``, input to output (``linear``/``logreg``: one dense layer;
-    ``mlp``: the ``hidden`` widths between)."""
-    return [n_in, *(hidden if model == "mlp" else ()), n_out]
-
-
-def n_params(widths: Sequence[int]) -> int:
-    """Parameters of dense layers of these ``widths`` (weights and biases)."""
-    return int(sum(a * b + b for a, b in zip(widths[:-1], widths[1:])))
-
-
-def estimate(widths: Sequence[int], dtype, optimizer: str, batch: int,
-             share: float = 1.0) -> int:
-    """Bytes one rank needs: ``share`` of the parameter copies of dense layers of these
-    ``widths`` (a pipeline stage holds part of them) plus the activations of a batch of
-    ``batch`` samples."""
-    return estimate_counts(n_params(widths), sum(widths), dtype, optimizer, batch, share)
-
-
 def estimate_counts(count: int, activations: int, dtype, optimizer: str, batch: int,
                     share: float = 1.0) -> int:
     """Bytes one rank needs for a model of ``count`` parameters whose layers' inputs and
