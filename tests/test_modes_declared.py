@@ -142,6 +142,11 @@ def test_strategy_constructors_take_their_settings_fields():
     assert Compressed("int8", False, 100).bucket_bytes == 100
     with pytest.raises(SettingError, match="bucket_bytes"):
         Overlapped(bucket_bytes=0)
+    from mpidp.parallel.sync import Sync
+
+    class Mine(Sync):  # a strategy of one's own: no declared mode, no settings
+        name = "mine"
+    assert Mine().node_aware is None
 
 
 def test_modes_import_without_mpi():

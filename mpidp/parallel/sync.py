@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
 
 import numpy as np
@@ -36,7 +36,7 @@ from ..nn import Optimizer, Sequential
 from ..observe.metrics import StepTimer
 from ..run.nonfinite import all_finite
 from . import buffer
-from .modes import MODES, refuses_model
+from .modes import MODES, Settings, refuses_model
 
 
 @dataclass
@@ -102,7 +102,8 @@ class Sync:
     nodes and there are several nodes; True forces it (also on one node), False never.
 
     Every strategy takes the fields of its mode's settings (``MODES[name].settings``,
-    checked there), as keywords or in their order, and holds them as attributes.
+    checked there; none for a strategy of one's own, whose name is no mode), as keywords or
+    in their order, and holds them as attributes.
     """
 
     name = "allreduce"
@@ -111,13 +112,18 @@ class Sync:
         self.bytes_sent = 0
         self.node_aware: bool | None = None
         self.hierarchy: C.NodeAllreduce | None = None
-        settings = MODES[self.name].settings(*args, **kwargs)
-        vars(self).update((name, getattr(settings, name)) for name in MODES[self.name].fields)
+        settings = self._settings(*args, **kwargs)
+        vars(self).update((f.name, getattr(settings, f.name)) for f in fields(settings))
 
     @classmethod
-    def of(cls, settings, optimizer_factory=None) -> Sync:
+    def _settings(cls, *args, **kwargs) -> Settings:
+        """The settings of the mode named ``cls.name`` (a strategy of one's own: none)."""
+        return (MODES[cls.name].settings if cls.name in MODES else Settings)(*args, **kwargs)
+
+    @classmethod
+    def of(cls, settings: Settings, optimizer_factory=None) -> Sync:
         """This strategy with ``settings``, its mode's (``optimizer_factory``: unused)."""
-        return cls(**{name: getattr(settings, name) for name in MODES[cls.name].fields})
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(settings)})
 
     def setup(self, s: Setup) -> Buffers:
         """Allocate this strategy's buffers for ``s.model``. Collective."""
