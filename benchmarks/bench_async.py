@@ -28,7 +28,7 @@ from mpidp import nn
 from mpidp.data.partition import local_batches
 from mpidp.observe.metrics import StepTimer
 from mpidp.parallel.async_ps import TRACE_FIELDS, AsyncPS, fit_async
-from mpidp.parallel.strategies import make_sync
+from mpidp.parallel.modes import make_sync
 
 MODES = ("sync", "async")
 

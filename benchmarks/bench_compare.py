@@ -143,9 +143,9 @@ def _pipeline(comm, column: str, balance: str, micro: int):
 def _replica(comm, column: str):
     from mpidp import nn
     from mpidp.parallel import DataParallel
-    from mpidp.parallel.strategies import make_sync
+    from mpidp.parallel.modes import make_sync
     model = nn.Sequential(_layers()[0], N_IN, np.float32).init_(0)
-    sync = (make_sync("ps", dedicated=True, ps_shared_memory=False) if column == "ps"
+    sync = (make_sync("ps", dedicated=True, shared_memory=False) if column == "ps"
             else "allreduce")
     return DataParallel(model, _optimizer(), nn.SoftmaxCrossEntropy(), comm, sync=sync)
 

@@ -34,9 +34,10 @@ from sync_modes import EXTRA_MODES, MODES
 import mpidp
 from mpidp import nn
 from mpidp.data.partition import local_batches
+from mpidp.parallel import modes
 from mpidp.parallel.compress import Compressed
+from mpidp.parallel.modes import make_sync
 from mpidp.parallel.ps import ParameterServer
-from mpidp.parallel.strategies import make_sync
 from mpidp.parallel.sync import Sync
 
 MAX_TRIAL_STEPS = 200  # untimed steps allowed for auto to commit to a strategy
@@ -127,10 +128,13 @@ def _sync_for(mode: str):
     if mode == "compressed-numpy":
         return Compressed("bfloat16", bucket_bytes=1 << 20, kernels="numpy")
     if mode == "overlapped-forward":  # half-MiB buckets: finer parts for the next forward to read
-        return make_sync("overlapped", bucket_bytes=1 << 19, overlap_finish="forward")
+        return make_sync("overlapped", bucket_bytes=1 << 19, finish="forward")
     if mode == "ps-bcast":  # the server's parameters sent by one Bcast, not shared memory
         return ParameterServer(shared_memory=False)
-    return make_sync(mode, lambda: nn.SGD(0.05), bucket_bytes=1 << 20, k=4)
+    own = modes.MODES[mode].fields  # the same bucket size and period wherever a mode has them
+    return make_sync(mode, lambda: nn.SGD(0.05), **{k: v for k, v in
+                                                    {"bucket_bytes": 1 << 20, "k": 4}.items()
+                                                    if k in own})
 
 
 def unavailable(comm, mode: str) -> str | None:

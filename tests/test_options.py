@@ -323,7 +323,7 @@ def test_min_delta_alone_is_let_through_but_not_recorded():
 
 def test_the_trainer_kinds_come_from_one_list():
     from mpidp.cli import options
-    from mpidp.parallel.kinds import HYBRID_STAGES, PARALLEL, PIPELINED
+    from mpidp.parallel.modes import HYBRID_STAGES, PARALLEL, PIPELINED
     choices = {a.dest: a for a in TRAIN._actions}  # noqa: SLF001
     assert tuple(choices["parallel"].choices) == PARALLEL
     assert not set(choices["sync"].choices) & set(PIPELINED)

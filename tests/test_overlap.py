@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from clitools import run_mpi
 
-from mpidp.parallel.overlap import PROGRESS, Overlapped, layer_buckets
+from mpidp.parallel.modes import PROGRESS
+from mpidp.parallel.overlap import Overlapped, layer_buckets
 from mpidp.parallel.sync import Sync
 
 
@@ -43,7 +44,7 @@ def test_settings_are_checked_and_named():
                 make(bad)
         assert make(1e6).bucket_bytes == 1000000 and make(np.int64(7)).bucket_bytes == 7
     with pytest.raises(Exception, match="unknown overlap progress 'fast'"):
-        Auto(overlap_progress="fast")
+        Auto(progress="fast")
     with pytest.raises(Exception, match="unknown overlap progress 'fast'"):
         Overlapped(progress="fast")
     s = Overlapped(1 << 20)
@@ -52,7 +53,7 @@ def test_settings_are_checked_and_named():
 
 
 def test_make_sync_builds_this_strategy():
-    from mpidp.parallel.strategies import make_sync
+    from mpidp.parallel.modes import make_sync
     s = make_sync("overlapped", bucket_bytes=4096)
     assert type(s) is Overlapped and s.bucket_bytes == 4096
 

@@ -319,9 +319,9 @@ def test_bow_rows_are_sorted_by_length_and_reproducible():
 def test_sync_names_import_without_mpi():
     import subprocess
     import sys
-    code = ("import sys, mpidp.parallel.strategies as s, mpidp.cli.options as o; "
+    code = ("import sys, mpidp.parallel.modes as s, mpidp.cli.options as o; "
             "assert 'mpi4py.MPI' not in sys.modules, 'MPI started'; "
-            "assert o.SYNC_MODES is s.SYNCS and 'allreduce' in s.SYNCS")
+            "assert o.MODES is s.MODES and 'allreduce' in s.SYNCS")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 from .. import __version__
 from ..data.partition import STRATEGIES
-from ..parallel.kinds import HYBRID_STAGES, PARALLEL, PIPELINED
-from .options import MODES, SIZE_DEFAULTS, applies, applying, depends_met, given
+from . import flags
+from .options import SIZE_DEFAULTS, applies, applying, depends_met, given
 
 EXIT_USAGE = 2
 NO_MPI = ("mpidp: cannot start MPI ({}). Install it with pip install 'mpidp[mpi]' (mpi4py and "
@@ -334,14 +334,8 @@ def add_import(p: argparse.ArgumentParser) -> None:
 
 def _add_model_parallel(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model parallelism")
-    m.add_argument("--parallel", choices=PARALLEL, default="data",
-                   help="data: every rank a replica; pipeline: consecutive layers on consecutive "
-                   f"ranks; hybrid: pipelines of {HYBRID_STAGES} stages x P/{HYBRID_STAGES} "
-                   "data-parallel replicas")
-    m.add_argument("--micro-batches", type=_positive(int), default=4,
-                   help="pipeline/hybrid: micro-batches per batch (sizes differ by at most 1)")
-    m.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b",
-                   help="pipeline/hybrid: gpipe (all forwards, then all backwards) or 1f1b")
+    flags.add_mode_choice(m, "--parallel", ("pipeline",), "data", data="every rank a replica")
+    flags.add_settings(m, ("pipeline",), number=_number, mebibytes=_mebibytes)
 
 
 def _add_reliability(p: argparse.ArgumentParser) -> None:
@@ -376,53 +370,8 @@ def _add_reliability(p: argparse.ArgumentParser) -> None:
 
 def _add_sync(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("synchronisation")
-    g.add_argument("--sync", choices=[m for m in MODES if m not in PIPELINED],
-                   default="allreduce",
-                   help="allreduce: one fused in-place Allreduce per step; per-layer: one per "
-                   "array; overlapped: bucketed Iallreduce during backward; compressed: 16- or "
-                   "8-bit with error feedback, bucketed during backward; ps: parameter server (rank "
-                   "0); sharded-ps: every rank updates 1/P of the parameters; accumulate: sync "
-                   "every --sync-every batches; "
-                   "local-sgd: average parameters every --sync-every steps; async-ps: workers "
-                   "push gradients and pull parameters without waiting (rank 0 serves); auto: "
-                   "the fastest of allreduce, overlapped and compressed (float32 only) on the "
-                   "first steps, said in one line")
-    g.add_argument("--max-staleness", type=_non_negative(int), default=8,
-                   help="async-ps: drop gradients computed on parameters older than this")
-    g.add_argument("--ps-placement", choices=("root", "dedicated"), default="root",
-                   help="ps: the server also computes (root) or holds no data (dedicated)")
-    g.add_argument("--ps-transport", choices=("shared", "mpi"), default="shared",
-                   help="ps: within each node that runs several ranks, gradients and "
-                   "parameters go through MPI shared memory and node leaders relay over MPI "
-                   "(shared), or always Reduce_scatter + Gatherv and Bcast (mpi)")
-    g.add_argument("--ps-chunk-mb", type=_mebibytes, default=1.0,
-                   help="ps (shared): the server ships its update in pieces of this many MiB")
-    g.add_argument("--bucket-mb", type=_mebibytes, default=1.0,
-                   help="overlapped, compressed: bucket size in MiB (auto also tries a quarter of "
-                   "the gradient)")
-    g.add_argument("--overlap-progress", choices=("test", "thread"), default="test",
-                   help="overlapped (and auto's overlapped trials): how started bucket "
-                   "sums move during backward: tested at every layer boundary (test), or a "
-                   "communication thread in a blocking Allreduce per bucket (thread: a core "
-                   "polls meanwhile); compressed always tests at every layer boundary")
-    g.add_argument("--overlap-finish", choices=("backward", "forward"), default="backward",
-                   help="overlapped: the bucket sums complete before the update (backward), "
-                   "or only the loss and counts do and each other part is applied as it "
-                   "arrives, at the latest when the next forward pass reads it (forward: the "
-                   "first layers' transfer overlaps the next forward; needs --on-nonfinite "
-                   "ignore, an elementwise optimizer and --overlap-progress test)")
-    g.add_argument("--node-aware", choices=("auto", "on", "off"), default="auto",
-                   help="allreduce / accumulate / auto: sum inside each node through shared "
-                   "memory and across nodes between node leaders only, so a node's link "
-                   "carries one rank's gradient instead of every rank's (auto: when ranks "
-                   "share nodes and there are several nodes)")
-    g.add_argument("--compress", choices=("bfloat16", "float16", "int8"), default=None,
-                   help="compressed: format of the gradients on the wire: 16-bit floats "
-                   "(half of float32's bytes), or int8 with a float32 scale per 256 values "
-                   "(about a quarter; coarser, error feedback keeps what it rounds off) "
-                   "(default: bfloat16; auto tries bfloat16 and int8 unless one is given)")
-    g.add_argument("--sync-every", type=_positive(int), default=4,
-                   help="accumulate / local-sgd: steps between synchronisations")
+    flags.add_mode_choice(g, "--sync", ("data", "async"), "allreduce")
+    flags.add_settings(g, ("data", "async"), number=_number, mebibytes=_mebibytes)
 
 
 def _floats(text: str) -> list[float]:

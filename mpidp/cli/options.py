@@ -2,11 +2,12 @@
 before any work.
 
 A mode is a ``--sync`` strategy of data parallelism (``allreduce``, ``per-layer``, ...,
-``local-sgd``), ``async-ps``, ``pipeline`` or ``hybrid`` (:data:`TABLE`). Some options
-matter only under other settings (``--lr-gamma`` under a decaying schedule: :data:`DEPENDS`).
-An option given on the command line that does not apply is refused with one message naming
-the option and what it needs, never silently ignored (a :class:`Needs` without a refusal
-lets it through); a recorded configuration keeps only what applied (:func:`applying`).
+``local-sgd``), ``async-ps``, ``pipeline`` or ``hybrid``, as :mod:`mpidp.parallel.modes`
+declares them (:data:`TABLE`). Some options matter only under other settings
+(``--lr-gamma`` under a decaying schedule: :data:`DEPENDS`). An option given on the
+command line that does not apply is refused with one message naming the option and what
+it needs, never silently ignored (a :class:`Needs` without a refusal lets it through); a
+recorded configuration keeps only what applied (:func:`applying`).
 Pure: no MPI here (every rank reaches the same verdict).
 """
 
@@ -17,58 +18,42 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..parallel.kinds import PIPELINED
-from ..parallel.strategies import SYNCS as SYNC_MODES
+from ..parallel.modes import MODES, PIPELINED, SYNCS
+from .flags import FLAGS
 
-MODES = (*SYNC_MODES, "async-ps", *PIPELINED)
 MODEL_PARALLEL = PIPELINED
 ALL = frozenset(MODES)
-DATA = frozenset((*SYNC_MODES, "async-ps"))  # every rank (or worker) holds a shard
+DATA = frozenset(n for n, m in MODES.items() if m.kind != "pipeline")  # each rank a shard
+LOCKSTEP = frozenset(n for n, m in MODES.items() if m.kind != "async")  # ranks step together
 
-#: option (argparse dest) -> the modes it applies to, and why not elsewhere.
+#: option (argparse dest) -> the modes it applies to, and why not elsewhere. A flag of a
+#: mode's settings (:data:`mpidp.cli.flags.FLAGS`) applies to the modes whose settings
+#: carry its field, for the reason its field's declaration gives.
 TABLE: dict[str, tuple[frozenset, str]] = {
     "sync": (DATA, "a pipeline (and each of hybrid's pipelines) exchanges what its stages "
              "need by itself: there is no gradient exchange to choose"),
     "distribute": (DATA, "every pipeline stage reads the whole training set"),
-    "init_sync": (frozenset(SYNC_MODES), "the initial parameters are set by the mode itself"),
+    "init_sync": (frozenset(SYNCS), "the initial parameters are set by the mode itself"),
     "partition": (DATA, "pipeline stages all see the whole batch"),
     "costs": (DATA, "pipeline stages all see the whole batch"),
     "capacities": (DATA, "pipeline stages all see the whole batch"),
     "adapt_every": (DATA, "pipeline stages all see the whole batch"),
-    "micro_batches": (frozenset(PIPELINED), "only pipelines cut batches into micro-batches"),
-    "schedule": (frozenset(PIPELINED), "only pipelines have a schedule"),
-    "max_staleness": (frozenset({"async-ps"}), "only the asynchronous server drops stale pushes"),
-    "ps_placement": (frozenset({"ps"}), "only --sync ps has a server to place"),
-    "ps_transport": (frozenset({"ps"}), "only --sync ps ships parameters from a server"),
-    "ps_chunk_mb": (frozenset({"ps"}), "only --sync ps ships parameters from a server"),
-    "bucket_mb": (frozenset({"overlapped", "compressed", "auto"}), "only --sync overlapped "
-                  "and compressed (and auto, which tries them) bucket gradients"),
-    "compress": (frozenset({"compressed", "auto"}), "only --sync compressed (and auto, which "
-                 "tries it) encodes gradients"),
-    "overlap_progress": (frozenset({"overlapped", "auto"}), "only --sync overlapped (and "
-                         "auto, which tries it) has a choice of how its sums move during "
-                         "backward (compressed tests its exchanges at every layer boundary)"),
-    "overlap_finish": (frozenset({"overlapped"}), "only --sync overlapped can leave its "
-                       "last sums to the next forward pass"),
-    "node_aware": (frozenset({"allreduce", "accumulate", "auto"}), "only a fused allreduce "
-                   "of the whole buffer (allreduce, accumulate, auto) goes node-aware"),
-    "sync_every": (frozenset({"accumulate", "local-sgd"}), "only accumulate and local-sgd "
-                   "synchronise every few steps"),
-    "log_every": (ALL - {"async-ps"}, "its workers are at different steps, so there is no "
+    **{f.dest: (frozenset(f.modes), f.meta["why"]) for f in FLAGS},
+    "log_every": (LOCKSTEP, "its workers are at different steps, so there is no "
                   "common step to log (its epochs are in history.jsonl)"),
-    "check_every": (ALL - {"async-ps"}, "its workers hold different parameters by design "
+    "check_every": (LOCKSTEP, "its workers hold different parameters by design "
                     "until the end"),
-    "progress": (ALL - {"async-ps"}, "its workers are at different steps; the server "
+    "progress": (LOCKSTEP, "its workers are at different steps; the server "
                  "reports when training ends"),
-    "max_skipped": (ALL - {"async-ps"}, "its server counts the pushes it drops, and fails "
+    "max_skipped": (LOCKSTEP, "its server counts the pushes it drops, and fails "
                     "the run when it applied none"),
-    "val_fraction": (ALL - {"async-ps"}, "its workers are at different epochs, so there is "
+    "val_fraction": (LOCKSTEP, "its workers are at different epochs, so there is "
                      "no epoch's model to validate (the server evaluates once, at the end)"),
-    "early_stopping": (ALL - {"async-ps"}, "its workers are at different epochs, so there "
+    "early_stopping": (LOCKSTEP, "its workers are at different epochs, so there "
                        "is no epoch's model to validate"),
-    "min_delta": (ALL - {"async-ps"}, "its workers are at different epochs, so there is no "
+    "min_delta": (LOCKSTEP, "its workers are at different epochs, so there is no "
                   "epoch's model to validate"),
-    **{dest: (ALL - {"async-ps"}, "its server applies each push as it comes, so an update is "
+    **{dest: (LOCKSTEP, "its server applies each push as it comes, so an update is "
               "no step of a global batch to schedule by (a constant rate only)")
        for dest in ("lr_schedule", "lr_step_epochs", "lr_milestones", "lr_gamma", "lr_min",
                     "warmup_epochs", "warmup_steps", "plateau_factor", "plateau_patience")},
@@ -285,6 +270,4 @@ def _partition_problems(args, size: int, typed: bool = True) -> list[str]:
 
 
 def _mode_name(mode: str) -> str:
-    if mode in PIPELINED:
-        return f"--parallel {mode}"
-    return f"--sync {mode}"
+    return MODES[mode].option

@@ -37,9 +37,8 @@ from ..observe.watch import Outputs, Watch, log, say, setup_logging
 from ..parallel import DataParallel, make_trainer
 from ..parallel.async_ps import AsyncPS, fit_async
 from ..parallel.data_feed import fit
-from ..parallel.layer_needs import refuses_model
+from ..parallel.modes import make_sync, refuses_model
 from ..parallel.pipeline_feed import fit_pipeline
-from ..parallel.strategies import make_sync
 from ..run import checkpoint as ck
 from ..run import faults, memory
 from ..run.checkpoint import restore, write_atomic
@@ -48,6 +47,7 @@ from ..run.folders import clean_stale_tmp, hold_folder
 from ..run.signals import StopSignals
 from ..run.spec import Checkpointing, RunSpec
 from . import config as config_file
+from . import flags
 from . import options as O
 from .imports import HINT, absolute_paths, import_modules, imports_of, unregistered
 
@@ -471,19 +471,18 @@ def _both(*callbacks):
 
 
 def _strategy_problems(args: argparse.Namespace) -> list[str]:
-    """What ``--sync overlapped`` refuses of the other options, known before any data: the
-    strategy as the options make it, asked about the optimizer and the NaN policy."""
-    if O.mode_of(args) != "overlapped":
-        return []
+    """What the mode's settings refuse as the options give them, and what ``--sync
+    overlapped`` refuses of the optimizer and the NaN policy: known before any data."""
+    mode = O.mode_of(args)
     try:
-        sync = make_sync("overlapped", bucket_bytes=int(args.bucket_mb * 2**20),
-                         overlap_progress=args.overlap_progress,
-                         overlap_finish=args.overlap_finish)
+        settings = flags.settings_of(mode, args)
+        if mode != "overlapped":
+            return []
         optimizer = nn.make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay,
                                       clip_norm=args.clip_norm, clip_value=args.clip_value)
     except (C.MpidpError, ValueError) as exc:
         return [str(exc)]
-    why = sync.refuses_run(optimizer, args.on_nonfinite)
+    why = make_sync(mode, settings).refuses_run(optimizer, args.on_nonfinite)
     return [why] if why else []
 
 
@@ -493,20 +492,10 @@ def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
     layers, loss = C.run_agreed(comm, _layers, args, data)
     _check_inputs(comm, args, layers, data)
     make_opt = _optimizer(args, data.train.n_total)
-    name = "allreduce" if args.sync == "async-ps" else args.sync  # async: eval only
-    # a resumed run keeps its checkpoint's settings: those of another mode do not apply
-    applies = lambda dest: name in O.TABLE[dest][0]  # noqa: E731
-    sync = make_sync(name, make_opt, bucket_bytes=int(args.bucket_mb * 2**20),
-                     codec=args.compress if applies("compress") else None,
-                     dedicated=O.dedicated_server(args), k=args.sync_every,
-                     ps_shared_memory=args.ps_transport == "shared",
-                     ps_chunk_bytes=max(1, int(args.ps_chunk_mb * 2**20)),
-                     node_aware={"auto": None, "on": True, "off": False}[args.node_aware]
-                     if applies("node_aware") else None,
-                     overlap_progress=args.overlap_progress if applies("overlap_progress")
-                     else "test",
-                     overlap_finish=args.overlap_finish if applies("overlap_finish")
-                     else "backward")
+    # async-ps evaluates with an allreduce; a resumed run's settings of another mode (kept
+    # from its checkpoint) are not read: a mode's settings carry only its own fields
+    name = "allreduce" if args.sync == "async-ps" else args.sync
+    sync = make_sync(name, flags.settings_of(name, args), optimizer_factory=make_opt)
     dp = make_trainer("data", layers, data.sample_shape, make_opt(), loss, comm,
                       dtype=args.dtype, init_sync=args.init_sync,
                       on_nonfinite=args.on_nonfinite, sync=sync)

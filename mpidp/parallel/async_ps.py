@@ -39,7 +39,7 @@ from ..run.nonfinite import NonFiniteError, Policy, all_finite
 from ..run.signals import Preempted
 from ..run.spec import Checkpointing, RunSpec
 from ..run.stats import StepStats
-from .layer_needs import refuses_model
+from .modes import AsyncPSSettings, refuses_model
 
 _PUSH, _PULL = 11, 12
 _STOP = -2  # the version the server answers with when training must stop
@@ -348,7 +348,7 @@ class AsyncPS:
     optimizer: Optimizer
     loss: Loss
     comm: C.Comm
-    max_staleness: int = 8
+    max_staleness: int = AsyncPSSettings.max_staleness
     on_nonfinite: str = "stop"
     timer: StepTimer = field(default_factory=StepTimer)
     root: int = 0
@@ -364,9 +364,8 @@ class AsyncPS:
         if self.model.n_params + _EXTRA > C.MAX_COUNT:
             raise C.MpidpError("async-ps sends the parameters in one message: at most "
                                f"{C.MAX_COUNT - _EXTRA} parameters, got {self.model.n_params}")
-        if self.max_staleness < 0:
-            raise C.MpidpError(f"max staleness must be >= 0, got {self.max_staleness}")
-        refused = refuses_model(self.model.needs, "data", "async-ps")
+        AsyncPSSettings(self.max_staleness)  # checked
+        refused = refuses_model(self.model.needs, "async-ps")
         if refused:
             raise C.MpidpError(refused)
         self.policy = Policy(self.on_nonfinite)

@@ -33,10 +33,10 @@ import numpy as np
 
 from .. import comm as C
 from ..nn import Optimizer
-from .compress import CODECS, FLOAT16_MAX, Compressed, Float16Overflow
-from .layer_needs import refuses_model
-from .overlap import PROGRESS, Overlapped, layer_buckets
-from .sync import Buffers, Exchanged, Round, Setup, Sync, bucket_size
+from .compress import FLOAT16_MAX, Compressed, Float16Overflow
+from .modes import refuses_model
+from .overlap import Overlapped, layer_buckets
+from .sync import Buffers, Exchanged, Round, Setup, Sync
 
 WARMUP = 2  # allreduce steps before the trials: first steps pay page faults and caches
 TRIALS = 4  # steps per candidate, taken in turns; the median counts
@@ -52,22 +52,13 @@ class Auto(Sync):
     codec : the compressed candidate's format; None (the default): one candidate in
         bfloat16 and one in int8.
     node_aware : the allreduce candidate's node-aware reduction (see :class:`Sync`).
-    overlap_progress : the overlapped candidates' ``progress`` (see :class:`Overlapped`).
+    progress : the overlapped candidates' ``progress`` (see :class:`Overlapped`).
     """
 
     name = "auto"
 
-    def __init__(self, bucket_bytes: int = 1 << 20, codec: str | None = None,
-                 node_aware: bool | None = None, overlap_progress: str = "test") -> None:
-        super().__init__(node_aware)
-        self.overlap_progress = overlap_progress
-        bucket_bytes = bucket_size(bucket_bytes)
-        if overlap_progress not in PROGRESS:
-            raise C.MpidpError(f"unknown overlap progress {overlap_progress!r}; expected one "
-                               f"of {PROGRESS}")
-        if codec is not None and codec not in CODECS:
-            raise C.MpidpError(f"unknown compression {codec!r}; expected one of {CODECS}")
-        self.bucket_bytes, self.codec = int(bucket_bytes), codec
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.choice: Sync | None = None  # the committed strategy
         self.report = ""
 
@@ -89,7 +80,7 @@ class Auto(Sync):
                 if layout in layouts:  # the same buckets: the same strategy, tried once
                     continue
                 layouts.add(layout)
-                self.candidates.append(Overlapped(size, progress=self.overlap_progress))
+                self.candidates.append(Overlapped(size, progress=self.progress))
                 self.labels.append(f"overlapped ({size / 2**20:.2g} MiB buckets)")
             for codec in (self.codec,) if self.codec else ("bfloat16", "int8"):
                 if s.model.dtype != np.float32:
@@ -138,7 +129,7 @@ class Auto(Sync):
             return (f"auto with codec {self.codec!r} (--compress {self.codec}): auto tries "
                     f"compression for float32 models only, and this model is "
                     f"{np.dtype(model.dtype).name}; leave the codec out")
-        return refuses_model(model.needs, "data", "allreduce")
+        return refuses_model(model.needs, "allreduce")
 
     def on_layer_done(self) -> Callable[[int], None]:
         hooks = {id(c): c.on_layer_done() for c in self.candidates} if hasattr(

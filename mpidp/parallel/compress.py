@@ -14,7 +14,7 @@ from ..nn import Optimizer
 from . import buffer, codecs
 from .codecs import CODECS, FLOAT16_MAX, JIT_CODECS, Codec, chunk_units, segments
 from .overlap import layer_buckets
-from .sync import Buffers, Exchanged, Round, Setup, Sync, bucket_size, global_sums
+from .sync import Buffers, Exchanged, Round, Setup, Sync, global_sums
 
 #: how :class:`Compressed` picks its codec's kernels
 KERNELS = ("auto", "numpy", "numba")
@@ -135,20 +135,8 @@ class Compressed(Sync):
 
     name = "compressed"
 
-    def __init__(self, codec: str = "bfloat16", error_feedback: bool = True,
-                 bucket_bytes: int = 1 << 20, kernels: str = "auto") -> None:
-        super().__init__()
-        if codec not in CODECS:
-            raise C.MpidpError(f"unknown compression {codec!r}; expected one of {CODECS}")
-        bucket_bytes = bucket_size(bucket_bytes)
-        if kernels not in KERNELS:
-            raise C.MpidpError(f"unknown compression kernels {kernels!r}; expected one of "
-                               f"{KERNELS}")
-        if kernels == "numba" and codec not in JIT_CODECS:
-            raise C.MpidpError(f"compression kernels 'numba' exist for {JIT_CODECS} only, "
-                               f"not {codec!r}: use kernels 'auto' or 'numpy'")
-        self.codec, self.error_feedback, self.kernels = codec, error_feedback, kernels
-        self.bucket_bytes = int(bucket_bytes)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.gather_comm: C.Comm | None = None
         self._step = 0  # of the current exchange, for messages
 

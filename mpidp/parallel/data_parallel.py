@@ -21,7 +21,7 @@ from ..run.nonfinite import ON_NONFINITE, NonFiniteError, Policy, all_finite
 from ..run.stats import StepStats
 from . import buffer
 from .evaluation import global_sums, score_sums
-from .strategies import make_sync
+from .modes import make_sync
 from .sync import Exchanged, Round, Setup, Sync
 
 INIT_SYNC = ("bcast", "seed")
@@ -109,8 +109,8 @@ class DataParallel:
         # the optimizer updates the whole vector here (local SGD: its own, local norms);
         # a sharded strategy places its own optimizer on its slice
         optimizer.place(Segments.of(model))
-        self.sync = (make_sync(sync, lambda: copy.deepcopy(optimizer)) if isinstance(sync, str)
-                     else sync)
+        self.sync = (make_sync(sync, optimizer_factory=lambda: copy.deepcopy(optimizer))
+                     if isinstance(sync, str) else sync)
         # the same verdict on every rank, before any work
         refused = self.sync.refuses(model) or self.sync.refuses_run(optimizer, on_nonfinite)
         if refused:

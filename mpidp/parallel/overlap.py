@@ -6,10 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .. import comm as C
-from .sync import Buffers, Setup, Sync, bucket_size
+from .sync import Buffers, Setup, Sync
 
-PROGRESS = ("test", "thread")
-FINISH = ("backward", "forward")
 WINDOW = 8  # sums in flight at once when they finish during forward
 
 
@@ -76,20 +74,8 @@ class Overlapped(Sync):
 
     name = "overlapped"
 
-    def __init__(self, bucket_bytes: int = 1 << 20, progress: str = "test",
-                 finish: str = "backward") -> None:
-        super().__init__()
-        bucket_bytes = bucket_size(bucket_bytes)
-        if progress not in PROGRESS:
-            raise C.MpidpError(f"unknown overlap progress {progress!r}; expected one of {PROGRESS}")
-        if finish not in FINISH:
-            raise C.MpidpError(f"unknown overlap finish {finish!r}; expected one of {FINISH}")
-        if finish == "forward" and progress == "thread":
-            raise C.MpidpError("overlapped sums that finish during forward (finish 'forward', "
-                               "--overlap-finish forward) are applied as each arrives, which "
-                               "the communication thread does not report: use progress "
-                               "'test' (--overlap-progress test)")
-        self.bucket_bytes, self.progress, self.finish = int(bucket_bytes), progress, finish
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.stretches: list[_Stretch] = []  # finish "forward": this step's sums, as queued
         self.queue: list[_Stretch] = []  # to start, in order (at most WINDOW in flight)
         self.late: list[_Stretch] = []  # held until the last bucket's parts are queued

@@ -39,7 +39,7 @@ from ..run.stats import StepStats
 from . import buffer
 from . import stages as St
 from .evaluation import global_sums, score_sums
-from .layer_needs import refuses_model
+from .modes import refuses_model
 
 _TAG_F, _TAG_B = 21, 22  # activations forward, gradients backward (order kept per tag)
 

@@ -48,12 +48,8 @@ class ParameterServer(Sync):
 
     name = "ps"
 
-    def __init__(self, dedicated: bool = False, shared_memory: bool = True,
-                 chunk_bytes: int = 1 << 20) -> None:
-        super().__init__()
-        if chunk_bytes < 1:
-            raise C.MpidpError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-        self.dedicated, self.shared_memory, self.chunk_bytes = dedicated, shared_memory, chunk_bytes
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.shared: C.SharedBroadcast | None = None
         self.gather: C.SharedReduce | None = None
         self.leaders: C.Comm | None = None
@@ -173,6 +169,12 @@ class ShardedParameterServer(Sync):
     def __init__(self, make_optimizer) -> None:
         super().__init__()
         self.make_optimizer = make_optimizer  # () -> a fresh Optimizer for one slice
+
+    @classmethod
+    def of(cls, settings, optimizer_factory=None) -> ShardedParameterServer:
+        if optimizer_factory is None:
+            raise C.MpidpError("sharded-ps needs an optimizer factory (one optimizer per slice)")
+        return cls(optimizer_factory)
 
     def allocate(self, s: Setup) -> np.ndarray:
         size = s.model.n_params + buffer.N_EXTRA

@@ -1,4 +1,5 @@
-"""How replicas combine gradients: one strategy object per way, behind ``make_sync(name)``.
+"""How replicas combine gradients: one strategy object per way, behind ``make_sync(name)``
+(:mod:`mpidp.parallel.modes` declares each, with its settings).
 
 Every strategy turns each rank's gradient SUMS (plus loss sum, sample count, correct count
 and stop request, appended to the same flat buffer, :mod:`mpidp.parallel.buffer`) into
@@ -25,18 +26,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
 
 import numpy as np
 
 from .. import comm as C
-from ..errors import is_whole
 from ..nn import Optimizer, Sequential
 from ..observe.metrics import StepTimer
 from ..run.nonfinite import all_finite
 from . import buffer
-from .layer_needs import refuses_model
+from .modes import MODES, Settings, refuses_model
 
 
 @dataclass
@@ -92,33 +92,6 @@ def global_sums(buf: np.ndarray, n_params: int) -> Exchanged:
 NODE_AWARE = ("allreduce", "accumulate")
 
 
-def bucket_size(value: object) -> int:
-    """``value`` as a bucket size in bytes: a whole number of at least one byte (an int,
-    or a float such as ``1e6``); anything else is refused, naming ``bucket_bytes``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
-                                                                     np.floating)):
-        raise C.MpidpError(f"bucket_bytes must be a number of bytes, got {value!r}")
-    try:
-        size = float(value)
-    except OverflowError:  # an int beyond float's range
-        size = float("inf")
-    if not (np.isfinite(size) and 1 <= size < 2**62):
-        raise C.MpidpError(f"bucket_bytes must be a finite number of bytes from 1 to 2^62, "
-                           f"got {value!r}")
-    if value != int(value):
-        raise C.MpidpError(f"bucket_bytes must be a whole number of bytes, got {value!r}")
-    return int(value)
-
-
-def node_aware_setting(value: object) -> bool | None:
-    """``value`` as a ``node_aware`` setting: None (where it pays), True or False (NumPy's
-    booleans too); anything else is refused, naming ``node_aware``."""
-    if value is not None and not isinstance(value, (bool, np.bool_)):
-        raise C.MpidpError(f"node_aware must be None (node-aware where it pays), True or "
-                           f"False, got {value!r}")
-    return None if value is None else bool(value)
-
-
 class Sync:
     """Fused allreduce: ONE in-place ``Allreduce`` of the whole buffer; the trainer then
     makes the same update on every rank. The default, and the base of the others.
@@ -127,14 +100,30 @@ class Sync:
     node leaders only (:class:`mpidp.comm.NodeAllreduce`), so a node's link carries one
     rank's bytes instead of every rank's. None (the default) chooses it when ranks share
     nodes and there are several nodes; True forces it (also on one node), False never.
+
+    Every strategy takes the fields of its mode's settings (``MODES[name].settings``,
+    checked there; none for a strategy of one's own, whose name is no mode), as keywords or
+    in their order, and holds them as attributes.
     """
 
     name = "allreduce"
 
-    def __init__(self, node_aware: bool | None = None) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         self.bytes_sent = 0
-        self.node_aware = node_aware_setting(node_aware)
+        self.node_aware: bool | None = None
         self.hierarchy: C.NodeAllreduce | None = None
+        settings = self._settings(*args, **kwargs)
+        vars(self).update((f.name, getattr(settings, f.name)) for f in fields(settings))
+
+    @classmethod
+    def _settings(cls, *args, **kwargs) -> Settings:
+        """The settings of the mode named ``cls.name`` (a strategy of one's own: none)."""
+        return (MODES[cls.name].settings if cls.name in MODES else Settings)(*args, **kwargs)
+
+    @classmethod
+    def of(cls, settings: Settings, optimizer_factory=None) -> Sync:
+        """This strategy with ``settings``, its mode's (``optimizer_factory``: unused)."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(settings)})
 
     def setup(self, s: Setup) -> Buffers:
         """Allocate this strategy's buffers for ``s.model``. Collective."""
@@ -194,7 +183,7 @@ class Sync:
 
     def refuses(self, model) -> str | None:
         """Why this strategy cannot train ``model`` (a layer it cannot honour), or None."""
-        return refuses_model(model.needs, "data", self.name)
+        return refuses_model(model.needs, self.name)
 
     def reduce(self) -> None:
         """Make ``self.buf`` hold the global sums on every rank. Collective."""
@@ -280,13 +269,9 @@ class PerLayer(Sync):
 class _Periodic(Sync):
     """A strategy that synchronises every ``k`` steps and at the end of each epoch."""
 
-    what = "synchronisation period"
-
-    def __init__(self, k: int) -> None:
-        super().__init__()
-        if not is_whole(k, 1):
-            raise C.MpidpError(f"{self.what} must be a whole number >= 1, got {k!r}")
-        self.k, self.pending, self.early = int(k), 0, False
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pending, self.early = 0, False
 
     def at_boundary(self) -> bool:
         return self.pending == 0
@@ -322,7 +307,7 @@ class Accumulate(_Periodic):
     Backward adds each batch's gradients into the buffer it reduces (BLAS ``gemm`` with
     ``beta = 1`` where SciPy is installed), so accumulating costs no pass of its own."""
 
-    name, what = "accumulate", "accumulation steps"
+    name = "accumulate"
 
     def accumulating(self) -> bool:
         return self.pending > 0  # the first batch of a group overwrites the last group's sums
@@ -360,7 +345,7 @@ class LocalSGD(_Periodic):
     stays per rank; the benchmark measures the accuracy this costs.
     """
 
-    name, what = "local-sgd", "local SGD period"
+    name = "local-sgd"
 
     def setup(self, s: Setup) -> Buffers:
         out = super().setup(s)

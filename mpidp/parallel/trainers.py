@@ -14,9 +14,8 @@ import numpy.typing as npt
 
 from .. import comm as C
 from ..nn import Layer, Loss, Optimizer, Sequential
-from ..nn.presets import model_layers  # noqa: F401 - the layers a trainer is made of, by name
 from .data_parallel import DataParallel
-from .kinds import HYBRID_STAGES, PARALLEL
+from .modes import HYBRID_STAGES, PARALLEL
 from .pipeline import Pipeline
 
 

@@ -11,7 +11,7 @@ from mpi_helpers import all_ranks
 import mpidp
 from mpidp import nn
 from mpidp.parallel import auto as A
-from mpidp.parallel.strategies import make_sync
+from mpidp.parallel.modes import make_sync
 
 RTOL, ATOL = 1e-9, 1e-11
 

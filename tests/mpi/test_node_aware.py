@@ -19,7 +19,7 @@ import mpidp
 from mpidp import comm as C
 from mpidp import nn
 from mpidp.comm.runtime import RANKS_PER_NODE
-from mpidp.parallel.strategies import make_sync
+from mpidp.parallel.modes import make_sync
 
 RTOL, ATOL = 1e-9, 1e-11
 
@@ -63,10 +63,10 @@ def _train(comm, shard, sync, epochs=2):
 def test_node_aware_matches_one_process(comm, name, per_node):
     shard, X, y = _data(comm)
     with ranks_per_node(per_node):
-        sync = make_sync(name, k=3, node_aware=True)
+        sync = make_sync(name, node_aware=True, **({"k": 3} if name == "accumulate" else {}))
         dp, hist = _train(comm, shard, sync)
     ref, ref_hist = _train(MPI.COMM_SELF, mpidp.shard_from_arrays(MPI.COMM_SELF, X, y),
-                           make_sync(name, k=3))
+                           make_sync(name, **({"k": 3} if name == "accumulate" else {})))
     all_ranks(comm, comm.size == 1 or sync.hierarchy is not None, "node-aware path not taken")
     all_ranks(comm, np.allclose(dp.model.params, ref.model.params, rtol=RTOL, atol=ATOL),
               f"max diff {np.abs(dp.model.params - ref.model.params).max():.3g}")
@@ -106,7 +106,7 @@ def test_only_node_leaders_hand_bytes_to_mpi(comm):
 @pytest.mark.mpi(min_size=1)
 def test_node_aware_refused_where_it_cannot_apply(comm):
     raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync("compressed", node_aware=True),
-                      "node-aware reduction applies to")
+                      "node_aware True applies to --sync allreduce, accumulate or auto")
     for bad in ("two", "0", "-1", "\u00b2", "\u0662"):  # superscript two, Arabic-Indic two
         with ranks_per_node(bad):
             raises_everywhere(comm, mpidp.MpidpError, lambda: C.node_layout(comm),

@@ -163,13 +163,13 @@ def test_what_cannot_finish_in_forward_is_refused_on_every_rank(comm, kw, match)
 
 
 def test_bad_finish_settings_are_refused():
-    from mpidp.parallel.strategies import make_sync
+    from mpidp.parallel.modes import make_sync
     with pytest.raises(mpidp.MpidpError, match="unknown overlap finish 'later'"):
         Overlapped(finish="later")
     with pytest.raises(mpidp.MpidpError, match="use progress 'test'"):
         Overlapped(progress="thread", finish="forward")
     with pytest.raises(mpidp.MpidpError, match="applies to --sync overlapped, not compressed"):
-        make_sync("compressed", overlap_finish="forward")
+        make_sync("compressed", finish="forward")
 
 
 @pytest.mark.mpi(min_size=1)

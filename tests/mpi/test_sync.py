@@ -11,8 +11,8 @@ from mpi_helpers import CountingComm, all_ranks, raises_everywhere, record_timer
 import mpidp
 from mpidp import nn
 from mpidp.parallel.buffer import N_EXTRA
+from mpidp.parallel.modes import MODES, SYNCS, make_sync
 from mpidp.parallel.overlap import Overlapped
-from mpidp.parallel.strategies import SYNCS, make_sync
 from mpidp.run.checkpoint import State
 from mpidp.run.loop import run
 from mpidp.run.nonfinite import NonFiniteError
@@ -39,6 +39,11 @@ def _train(comm, shard, sync="allreduce", optimizer=lambda: nn.Adam(0.01), epoch
     dp = mpidp.DataParallel(model, opt, nn.SoftmaxCrossEntropy(), comm, sync=sync)
     hist = mpidp.fit(dp, shard, epochs, batch, seed=2)
     return dp, hist
+
+
+def _own(sync, **values):
+    """Of ``values``, the settings that mode ``sync`` has."""
+    return {k: v for k, v in values.items() if k in MODES[sync].fields}
 
 
 def _reference(X, y, batch=16, **kw):
@@ -184,7 +189,7 @@ def test_allreduce_nan_policy_is_shared_by_every_rank(comm, sync):
 
     def train(policy, epochs):
         model = nn.mlp(6, (12, 8), 3, dtype=np.float64).init_(4)
-        strategy = make_sync(sync, k=2, bucket_bytes=200)
+        strategy = make_sync(sync, **_own(sync, k=2, bucket_bytes=200))
         reduce, done = strategy.reduce, []
 
         def poisoned():  # the 2nd and 4th reductions carry a NaN gradient
@@ -306,9 +311,9 @@ def test_bad_sync_options_fail_everywhere(comm):
     raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync("compressed", codec=""),
                       "unknown compression ''")
     raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync("overlapped", codec="int8"),
-                      "codec 'int8' (--compress) applies to --sync compressed or auto, not overlapped")
+                      "codec 'int8' applies to --sync compressed or auto, not overlapped")
     raises_everywhere(comm, mpidp.MpidpError, lambda: make_sync(
-        "compressed", overlap_progress="thread"), "applies to --sync overlapped or auto")
+        "compressed", progress="thread"), "applies to --sync overlapped or auto")
     for bad in ("off", 0, 1.0):
         raises_everywhere(comm, mpidp.MpidpError, lambda bad=bad: make_sync(
             "allreduce", node_aware=bad), f"node_aware must be None (node-aware where it pays), "
@@ -537,7 +542,7 @@ def test_a_stop_request_on_one_rank_stops_every_rank_at_the_same_step(comm, sync
     shard, _, _ = _data(comm)
     model = nn.mlp(6, (12, 8), 3, dtype=np.float64).init_(4)
     dp = mpidp.DataParallel(model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm,
-                            sync=make_sync(sync, lambda: nn.SGD(0.1), k=4))
+                            sync=make_sync(sync, lambda: nn.SGD(0.1), **_own(sync, k=4)))
     stop, seen = StopSignals(comm), []
 
     def on_step(epoch, stats):

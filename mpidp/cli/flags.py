@@ -1,0 +1,128 @@
+"""The flags of the modes' settings: :data:`FLAGS`, one line per flag naming the settings
+field it sets (:mod:`mpidp.parallel.modes`). From it and the fields' declarations the
+parser gets its options (:func:`add_settings`, :func:`add_mode_choice`), a mode gets its
+settings from parsed arguments (:func:`settings_of`), and a refused setting is told with
+its flag. Pure: no MPI here."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..errors import MpidpError
+from ..parallel.modes import MODES, SettingError, Settings, declared, having
+
+_MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Flag:
+    """``flag`` sets the settings ``field``; ``words``: the flag's values -> the field's;
+    ``mib``: given in MiB, held in bytes; otherwise the flag's value is the field's."""
+
+    flag: str
+    field: str
+    words: Mapping[str, Any] | None = None
+    mib: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes it applies to: those whose settings carry its field."""
+        return having(self.field)
+
+    @property
+    def meta(self) -> Mapping[str, Any]:
+        return declared(self.field).metadata
+
+    @property
+    def default(self) -> Any:
+        """Its field's default as the flag's value, where every mode that carries the
+        field agrees on it (None otherwise: each mode keeps its own)."""
+        found = {x.default for m in self.modes for x in fields(MODES[m].settings)
+                 if x.name == self.field}
+        return self.text(*found) if len(found) == 1 else None
+
+    def value(self, given: Any) -> Any:
+        """The field's value for the flag's ``given`` value."""
+        if self.words is not None:
+            return self.words[given]
+        return int(given * _MIB) if self.mib else given
+
+    def text(self, value: Any) -> Any:
+        """The flag's value for the field's ``value``."""
+        if self.words is not None:
+            return next(w for w, v in self.words.items() if v == value)
+        return value / _MIB if self.mib else value
+
+
+FLAGS = (
+    Flag("--max-staleness", "max_staleness"),
+    Flag("--ps-placement", "dedicated", {"root": False, "dedicated": True}),
+    Flag("--ps-transport", "shared_memory", {"shared": True, "mpi": False}),
+    Flag("--ps-chunk-mb", "chunk_bytes", mib=True),
+    Flag("--bucket-mb", "bucket_bytes", mib=True),
+    Flag("--overlap-progress", "progress"),
+    Flag("--overlap-finish", "finish"),
+    Flag("--node-aware", "node_aware", {"auto": None, "on": True, "off": False}),
+    Flag("--compress", "codec"),
+    Flag("--sync-every", "k"),
+    Flag("--micro-batches", "micro_batches"),
+    Flag("--schedule", "schedule"),
+)
+_BY_FIELD = {f.field: f for f in FLAGS}
+
+
+def add_mode_choice(group, flag: str, kinds: tuple[str, ...], default: str,
+                    **others: str) -> None:
+    """``flag``, choosing one of ``others`` (name -> what it is) or of the modes of
+    ``kinds``, each told by its note."""
+    notes = {**others, **{n: m.note for n, m in MODES.items() if m.kind in kinds}}
+    group.add_argument(flag, choices=tuple(notes), default=default,
+                       help="; ".join(f"{name}: {note}" for name, note in notes.items()))
+
+
+def add_settings(group, kinds: tuple[str, ...], *, number: Callable,
+                 mebibytes: Callable) -> None:
+    """The flags of :data:`FLAGS` whose settings belong to modes of ``kinds``; the values
+    parsed by ``mebibytes`` (MiB) or ``number(int, low)`` (a whole number >= low)."""
+    for f in FLAGS:
+        if MODES[f.modes[0]].kind not in kinds:
+            continue
+        meta = f.meta
+        kw: dict[str, Any] = {"choices": tuple(f.words) if f.words else meta.get("choices")}
+        if f.mib:
+            kw["type"] = mebibytes
+        elif meta.get("low") is not None:
+            kw["type"] = number(int, meta["low"])
+        group.add_argument(f.flag, default=f.default,
+                           help=f"{', '.join(f.modes)}: {meta['help']}", **kw)
+
+
+def settings_of(mode: str, args: argparse.Namespace) -> Settings:
+    """The settings of ``mode`` that the parsed ``args`` give (a flag left at None keeps
+    the mode's default), checked; a refusal names the flags beside the fields."""
+    own = MODES[mode].fields
+    values = {f.field: f.value(getattr(args, f.dest)) for f in FLAGS
+              if f.field in own and getattr(args, f.dest) is not None}
+    try:
+        return MODES[mode].settings(**values)
+    except SettingError as exc:
+        raise MpidpError(told_by_flags(exc)) from None
+
+
+def told_by_flags(exc: SettingError) -> str:
+    """``exc``'s message with each field it names followed by its flag in parentheses:
+    ``finish 'forward' (--overlap-finish forward)``."""
+    def refer(name: str, *value: Any) -> str:
+        named = name + "".join(f" {v!r}" for v in value)
+        flag = _BY_FIELD.get(name)
+        if flag is None:
+            return named
+        return f"{named} ({flag.flag}{''.join(f' {flag.text(v)}' for v in value)})"
+    return exc.render(refer)
