@@ -28,6 +28,7 @@ _LAZY = {
     "assert_in_sync": ".comm", "checksum": ".digest", "params_in_sync": ".comm",
     "map_reduce": ".parallel.mapreduce", "DataParallel": ".parallel.data_parallel",
     "StepStats": ".run.stats", "RunSpec": ".run.spec", "nn": None, "partition": ".data.partition",
+    "BestModel": ".observe.best",
 }
 __getattr__, __dir__ = exports(__name__, _LAZY)
 __all__ = sorted(_LAZY)

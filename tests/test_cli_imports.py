@@ -159,12 +159,12 @@ def test_import_names_the_module_and_why(tmp_path):
 
 
 def test_train_names_an_unregistered_layer_of_a_model_file_and_import(tmp_path):
-    from mpidp.cli.train import _check_model
+    from mpidp.cli.model import check_model_file
     path = tmp_path / "net.toml"
     path.write_text(MODEL.replace("ScaledLeaky", "NoSuchLayerAnywhere"))
     args = argparse.Namespace(model=str(path), parallel="data", sync="allreduce")
     with pytest.raises(ValueError) as err:
-        _check_model(args)
+        check_model_file(args)
     assert str(err.value) == (f"--model {path}: layer class 'NoSuchLayerAnywhere' is not "
                               f"registered: pass the module that registers it with --import "
                               f"MODULE")

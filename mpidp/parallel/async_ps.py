@@ -444,3 +444,14 @@ def _finish(ps: AsyncPS, stats: AsyncStats, error: str | None, spec: RunSpec) ->
                                                                         "skipped"))
     stats.epoch_loss = summary["epoch_loss"]
     return stats
+
+
+def epoch_history(stats: AsyncStats) -> list[dict]:
+    """A history record per epoch from the server's ``stats``: the workers' training loss
+    as the server received it (no accuracy or seconds); MpidpError when no update was
+    applied."""
+    history = [{"epoch": e + 1, "loss": s / c, "accuracy": None, "seconds": None}
+               for e, (s, c) in sorted((int(k), v) for k, v in stats.epoch_loss.items())]
+    if not history:
+        raise C.MpidpError("async-ps applied no update (every push was dropped or skipped)")
+    return history
