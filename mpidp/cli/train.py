@@ -50,6 +50,7 @@ from ..run.spec import Checkpointing, RunSpec
 from . import config as config_file
 from . import options as O
 from .imports import HINT, absolute_paths, import_modules, imports_of, unregistered
+from .settings import compare_resume, format_changes
 
 
 def check_out(args: argparse.Namespace) -> None:
@@ -108,7 +109,7 @@ def _config(args: argparse.Namespace, comm: C.Comm) -> dict:
 
 def resumed(comm: C.Comm, args: argparse.Namespace, config: dict, found):
     """The resume state from ``found`` (``(path, state)`` or None), after checking that the
-    checkpoint fits this run (:func:`mpidp.run.checkpoint.compare_resume`: same settings and
+    checkpoint fits this run (:func:`~.settings.compare_resume`: same settings and
     data, not more epochs done than asked); announces changed hyperparameters (and another
     ``--sync``) and records them in ``config["resume_changes"]``."""
     if found is None:
@@ -116,12 +117,12 @@ def resumed(comm: C.Comm, args: argparse.Namespace, config: dict, found):
         return None
     path, state = found
     state.source = state.source or path  # what a refusal of its position names
-    changed, refusal = ck.compare_resume(state.config, config, state=state, path=path)
+    changed, refusal = compare_resume(state.config, config, state=state, path=path)
     if refusal:
         raise C.MpidpError(refusal)
     if changed:
         config["resume_changes"] = changed
-        say(comm, ck.format_changes(changed))
+        say(comm, format_changes(changed))
     say(comm, f"resumed from {path}: epoch {state.epoch + 1}, step {state.step}, "
         f"{state.global_step} steps done (written with "
         f"{state.config.get('world_size', '?')} ranks, now {comm.size})")
