@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mpidp import atomic, nn
+from mpidp.cli import settings
 from mpidp.data.fingerprint import fingerprint_change
 from mpidp.run import checkpoint as ck
 from mpidp.run import folders
@@ -282,19 +283,19 @@ CONFIG = {"dataset": "synthetic", "model": "mlp", "hidden": [16], "batch_size": 
 
 
 def test_changed_hyperparameters_are_allowed_and_reported():
-    changed, refusal = ck.compare_resume(CONFIG, {**CONFIG, "lr": 0.05, "weight_decay": 1e-4,
+    changed, refusal = settings.compare_resume(CONFIG, {**CONFIG, "lr": 0.05, "weight_decay": 1e-4,
                                                   "epochs": 6, "checkpoint_every": 3})
     assert refusal is None
     assert changed == {"lr": {"checkpoint": 0.01, "now": 0.05},
                        "weight_decay": {"checkpoint": 0.0, "now": 1e-4}}
-    assert ck.format_changes(changed) == ("resuming with changed hyperparameters: --lr 0.05 "
+    assert settings.format_changes(changed) == ("resuming with changed hyperparameters: --lr 0.05 "
                                           "(the checkpoint used 0.01), --weight-decay 0.0001 "
                                           "(the checkpoint used 0.0)")
-    assert ck.compare_resume(CONFIG, dict(CONFIG)) == ({}, None) and ck.format_changes({}) == ""
+    assert settings.compare_resume(CONFIG, dict(CONFIG)) == ({}, None) and settings.format_changes({}) == ""
 
 
 def test_settings_that_shape_the_run_must_match():
-    changed, refusal = ck.compare_resume(CONFIG, {**CONFIG, "batch_size": 16, "momentum": 0.9},
+    changed, refusal = settings.compare_resume(CONFIG, {**CONFIG, "batch_size": 16, "momentum": 0.9},
                                          path="ck/ckpt-0000000015.npz")
     assert refusal == ("checkpoint ck/ckpt-0000000015.npz was written with different settings: "
                        "--batch-size 32 (now 16)")
@@ -308,7 +309,7 @@ def test_settings_that_shape_the_run_must_match():
     (4, ck.State(epoch=3, step=5, global_step=50), True),
 ])
 def test_epochs_below_the_checkpoints_progress_are_refused(epochs, state, ok):
-    _, refusal = ck.compare_resume(CONFIG, {**CONFIG, "epochs": epochs}, state=state, path="P")
+    _, refusal = settings.compare_resume(CONFIG, {**CONFIG, "epochs": epochs}, state=state, path="P")
     assert (refusal is None) == ok
     if not ok:
         need = state.epoch + (1 if state.step else 0)
@@ -328,7 +329,7 @@ def test_fingerprint_sees_changed_data_and_not_a_resave(tmp_path):
     np.savez(tmp_path / "d.npz", X=X, y=y)
     changed = ck.data_fingerprint(str(tmp_path / "d.npz"))
     assert changed != first
-    _, refusal = ck.compare_resume({**CONFIG, "data_fingerprint": first},
+    _, refusal = settings.compare_resume({**CONFIG, "data_fingerprint": first},
                                    {**CONFIG, "data_fingerprint": changed}, path="P")
     assert "the dataset synthetic changed since checkpoint P was written" in refusal
     assert "d.npz has the same size but different contents" in refusal

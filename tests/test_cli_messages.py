@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from clitools import ROOT, run_mpi
 
-from mpidp.cli.main import _number, build_parser
+from mpidp.cli.parser import _number, build_parser
 from mpidp.data.balance import balance_figures, format_balance
 from mpidp.observe.metrics import STEP_FIELDS
 

@@ -17,7 +17,7 @@ from mpidp import nn
 from mpidp.cli import build_parser
 from mpidp.cli import main as cli_main
 from mpidp.cli.config import load, tokens
-from mpidp.cli.main import _train_parser
+from mpidp.cli.parser import subcommand
 from mpidp.observe import plot as P
 from mpidp.observe.history import History
 from mpidp.observe.history import read as read_history
@@ -195,13 +195,13 @@ def test_a_value_that_looks_like_an_option_names_the_file_key_and_value(tmp_path
 
 
 def test_a_list_value_starting_with_a_minus_is_read_as_a_value():
-    train = _train_parser(build_parser())
+    train = subcommand(build_parser(), "train")
     argv = tokens({"capacities": [-1, 2]}, train, source="f.toml")
     assert build_parser().parse_args(["train", *argv]).capacities == [-1.0, 2.0]
 
 
 def test_a_value_stored_by_a_run_is_taken_as_written():
-    train = _train_parser(build_parser())
+    train = subcommand(build_parser(), "train")
     argv = tokens({"dataset": "-x.npz"}, train, source="the checkpoint's settings",
                   literal=True)
     assert build_parser().parse_args(["train", *argv]).dataset == "-x.npz"
@@ -293,7 +293,7 @@ def test_an_out_with_a_newline_reads_back_from_its_config_toml(tmp_path):
     r = run_mpi(1, "train", *QUICK, "--out", str(out), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     table = load(str(out / "config.toml"))
-    train = _train_parser(build_parser())
+    train = subcommand(build_parser(), "train")
     back = build_parser().parse_args(["train", *tokens(table, train, source="c")])
     assert back.out == str(out) and back.dataset == "digits"
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from clitools import run_mpi
 
+from mpidp.cli import settings
 from mpidp.data.sources import open_source
 from mpidp.run import checkpoint as ck
 
@@ -279,19 +280,19 @@ def test_resuming_with_another_sync_is_announced(written, tmp_path):
 
 
 def test_format_changes_says_a_new_exchange_apart_from_hyperparameters():
-    changed, refusal = ck.compare_resume({"lr": 0.1, "sync": "allreduce", "sync_every": 4},
+    changed, refusal = settings.compare_resume({"lr": 0.1, "sync": "allreduce", "sync_every": 4},
                                          {"lr": 0.05, "sync": "local-sgd", "sync_every": 4})
     assert refusal is None and set(changed) == {"lr", "sync"}
-    line = ck.format_changes(changed)
+    line = settings.format_changes(changed)
     assert "\n" not in line and line.startswith(
         "resuming with changed hyperparameters: --lr 0.05 (the checkpoint used 0.1)")
     assert "--sync local-sgd (the checkpoint used allreduce)" in line
-    only = ck.format_changes({"sync": changed["sync"]})
+    only = settings.format_changes({"sync": changed["sync"]})
     assert only.startswith("resuming with another gradient exchange: --sync local-sgd"), only
     # a checkpoint whose configuration does not record the exchange announces nothing
-    assert ck.compare_resume({"lr": 0.1}, {"lr": 0.1, "sync": "allreduce"}) == ({}, None)
+    assert settings.compare_resume({"lr": 0.1}, {"lr": 0.1, "sync": "allreduce"}) == ({}, None)
     # --sync-every changes under the same --sync; under another one the --sync says it all
     was = {"sync": "local-sgd", "sync_every": 4, "compress": "bfloat16"}
-    assert set(ck.compare_resume(was, {**was, "sync_every": 8})[0]) == {"sync_every"}
-    assert set(ck.compare_resume({**was, "sync": "allreduce"},
+    assert set(settings.compare_resume(was, {**was, "sync_every": 8})[0]) == {"sync_every"}
+    assert set(settings.compare_resume({**was, "sync": "allreduce"},
                                  {**was, "sync": "accumulate", "sync_every": 2})[0]) == {"sync"}

@@ -1,10 +1,9 @@
 """Configuration files for ``mpidp train``: ``--config FILE`` (TOML) and ``DIR/config.toml``.
 
 A configuration is the table of ``train`` options by name (``batch-size = 64`` or
-``batch_size = 64``). It becomes command-line tokens in front of the real ones, so every
-value goes through the same parsing and checks as a flag, and a flag on the command line
-wins. ``--resume`` takes the same road with the configuration stored in the checkpoint.
-No MPI here.
+``batch_size = 64``). It becomes command-line tokens (:func:`tokens`), so every value goes
+through the same parsing and checks as a flag; which source of a setting wins (the command
+line, a file, a resumed checkpoint's record) is :mod:`~.settings`. No MPI here.
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ from ..observe.report import EpochReport
 from ..observe.watch import Watch
 from ..run import checkpoint as ck
 from ..run.early_stopping import EarlyStopping, ReduceOnPlateau
-from ..run.resume import resumed
 from ..run.signals import StopSignals
 from ..run.spec import Checkpointing, RunSpec
 from . import options as O
 from .outputs import BEST, model_meta
+from .settings import resumed
 
 
 @dataclass

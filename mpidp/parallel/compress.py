@@ -12,7 +12,7 @@ import numpy as np
 from .. import comm as C
 from ..nn import Optimizer
 from . import buffer, codecs
-from .codecs import CODECS, FLOAT16_MAX, JIT_CODECS, Codec, chunk_units, segments
+from .codecs import FLOAT16_MAX, JIT_CODECS, Codec, chunk_units, segments
 from .overlap import layer_buckets
 from .sync import Buffers, Exchanged, Round, Setup, Sync, global_sums
 

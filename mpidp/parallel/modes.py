@@ -346,8 +346,9 @@ def make_sync(mode: str, settings: Settings | None = None, *, optimizer_factory=
     """The gradient exchange (a :class:`~mpidp.parallel.sync.Sync`) ``mode`` (a name of
     :data:`SYNCS`) with ``settings`` (its mode's settings object), or with the fields
     ``values`` of its settings: ``make_sync("overlapped", bucket_bytes=4096)``; a field
-    its settings lack is refused, naming it and the mode. ``sharded-ps`` needs ``optimizer_factory`` (one optimizer per
-    slice; a callable given in place of ``settings`` is taken for it)."""
+    its settings lack is refused, naming it and the mode. ``sharded-ps`` needs
+    ``optimizer_factory`` (one optimizer per slice; a callable given in place of
+    ``settings`` is taken for it)."""
     if callable(settings):
         settings, optimizer_factory = None, settings
     m = MODES.get(mode)

@@ -7,9 +7,9 @@ totals, history, configuration, run id) and a BLAKE2 ``checksum`` over all of th
 
 A checkpoint folder belongs to one run at a time (:func:`claim`, on the root rank, before
 anything is read or written there): a fresh run into a folder that holds another run's
-checkpoints is refused, two jobs cannot share a folder, a checkpoint is only ever replaced
-by a newer one (:func:`save`), and a resume must agree with the checkpoint on the settings
-and the data that shape the run (:func:`compare_resume`, :func:`data_fingerprint`).
+checkpoints is refused, two jobs cannot share a folder, and a checkpoint is only ever replaced
+by a newer one (:func:`save`). Each checkpoint records the run's settings and
+:func:`data_fingerprint`, which a resume must agree with (:mod:`mpidp.cli.settings`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import numpy as np
 
 from .. import comm as C
 from ..atomic import write_atomic
-from ..data.fingerprint import fingerprint_change
 from ..data.fingerprint import metadata_fingerprint as data_fingerprint
 from ..nn import Optimizer, Sequential
 from .folders import (
@@ -47,26 +46,9 @@ PATTERN = "ckpt-{:010d}.npz"
 DAMAGED_PREFIX = "damaged-"
 VERSION = 1
 
-# Settings a checkpoint must share with the run that resumes it (the world size may differ).
-RESUME_MUST_MATCH = ("dataset", "model", "hidden", "batch_size", "seed", "dtype", "optimizer",
-                     "test_fraction", "no_shuffle", "drop_last", "n_samples", "n_features",
-                     "val_fraction", "standardize")
-# Settings a resume may change; the change is announced and recorded.
-RESUME_MAY_CHANGE = ("lr", "momentum", "weight_decay", "lr_schedule", "lr_step_epochs",
-                     "lr_milestones", "lr_gamma", "lr_min", "warmup_epochs", "warmup_steps",
-                     "lr_scaling", "base_batch", "plateau_factor", "plateau_patience",
-                     "clip_norm", "clip_value", "early_stopping", "min_delta",
-                     "sync", "sync_every", "compress")
-# Of those, the ones that choose the gradient exchange (said apart from the hyperparameters;
-# compared only when the checkpoint's configuration records them; the settings of a --sync
-# only under the same --sync).
-RESUME_EXCHANGE = ("sync", "sync_every", "compress")
-
-__all__ = ["Claim", "DAMAGED_PREFIX", "PATTERN", "RESUME_EXCHANGE", "RESUME_MAY_CHANGE",
-           "RESUME_MUST_MATCH", "State", "check_fits", "check_position", "claim",
-           "compare_resume", "contents_problem", "data_fingerprint", "format_changes",
-           "list_checkpoints", "newest_step", "read", "read_latest", "restore", "save",
-           "save_flat", "state_of", "write_atomic"]
+__all__ = ["Claim", "DAMAGED_PREFIX", "PATTERN", "State", "check_fits", "check_position",
+           "claim", "contents_problem", "data_fingerprint", "list_checkpoints", "newest_step",
+           "read", "read_latest", "restore", "save", "save_flat", "state_of", "write_atomic"]
 
 
 def _digest(meta: str, arrays: dict[str, np.ndarray]) -> str:
@@ -471,68 +453,3 @@ def check_position(state: State, steps_per_epoch: int, path: str | None = None
     return (f"checkpoint {path} is at step {state.step} of epoch {state.epoch + 1}, but an "
             f"epoch of this run has {steps_per_epoch} steps: it was edited, or written for "
             f"other data or batches; start over with --restart")
-
-
-# --- resuming --------------------------------------------------------------------------
-
-def compare_resume(saved_config: dict, config: dict, *, state: State | None = None,
-                   path: str = "the checkpoint", must_match: tuple[str, ...] = RESUME_MUST_MATCH,
-                   may_change: tuple[str, ...] = RESUME_MAY_CHANGE) -> tuple[dict, str | None]:
-    """Whether a run configured by ``config`` may resume checkpoint ``path`` (whose
-    configuration is ``saved_config`` and progress ``state``).
-
-    Returns ``(changed, refusal)``: ``changed`` maps each of ``may_change`` that differs to
-    ``{"checkpoint": old, "now": new}`` (allowed: announce it with :func:`format_changes`
-    and record it; of :data:`RESUME_EXCHANGE`, only what the checkpoint records, and
-    ``--sync-every``/``--compress`` only under the same ``--sync``); ``refusal`` is None,
-    or the message to raise because a setting of ``must_match`` differs, the dataset's
-    ``data_fingerprint`` differs (compared when both configurations have one), or
-    ``config["epochs"]`` is below the epochs ``state`` has done.
-    """
-    problems = []
-    differ = [k for k in must_match if saved_config.get(k) != config.get(k)]
-    if differ:
-        problems.append(f"checkpoint {path} was written with different settings: " + ", ".join(
-            f"--{k.replace('_', '-')} {saved_config.get(k)} (now {config.get(k)})" for k in differ))
-    was, now = saved_config.get("data_fingerprint"), config.get("data_fingerprint")
-    if was is not None and now is not None and was != now:
-        problems.append(f"the dataset {config.get('dataset')} changed since checkpoint {path} "
-                        f"was written ({fingerprint_change(was, now)}): resume with the data "
-                        f"it was trained on, or start over with --restart or another "
-                        f"--checkpoint-dir")
-    epochs = config.get("epochs")
-    if state is not None and epochs is not None and (
-            epochs < state.epoch or (epochs == state.epoch and state.step > 0)):
-        done = f"{state.epoch} epochs" + (f" and {state.step} steps of epoch {state.epoch + 1}"
-                                          if state.step else "")
-        need = state.epoch + (1 if state.step else 0)
-        problems.append(f"--epochs {epochs} is below what checkpoint {path} has done ({done}, "
-                        f"global step {state.global_step}): resume with --epochs {need} or "
-                        f"more, or start over with --restart")
-    changed = {k: {"checkpoint": saved_config.get(k), "now": config.get(k)}
-               for k in may_change if saved_config.get(k) != config.get(k)
-               and _comparable(k, saved_config, config)}
-    return changed, "; ".join(problems) or None
-
-
-def _comparable(key: str, saved_config: dict, config: dict) -> bool:
-    """Whether a change of ``key`` means something: an exchange setting
-    (:data:`RESUME_EXCHANGE`) the checkpoint records, and for ``--sync-every`` and
-    ``--compress`` one of the same ``--sync`` (another ``--sync`` is said by itself)."""
-    if key not in RESUME_EXCHANGE:
-        return True
-    return key in saved_config and (key == "sync" or saved_config.get("sync") == config.get("sync"))
-
-
-def format_changes(changed: dict) -> str:
-    """One line announcing the settings a resume changed ('' if none): the hyperparameters,
-    then the gradient exchange (:data:`RESUME_EXCHANGE`: ``--sync`` and its settings)."""
-    def said(keys: list[str]) -> str:
-        return ", ".join(f"--{k.replace('_', '-')} {changed[k]['now']} (the checkpoint used "
-                         f"{changed[k]['checkpoint']})" for k in keys)
-
-    hyper = [k for k in changed if k not in RESUME_EXCHANGE]
-    exchange = [k for k in changed if k in RESUME_EXCHANGE]
-    parts = ([f"changed hyperparameters: {said(hyper)}"] if hyper else []) + (
-        [f"another gradient exchange: {said(exchange)}"] if exchange else [])
-    return "resuming with " + "; with ".join(parts) if parts else ""

@@ -22,7 +22,7 @@ import mpidp
 from mpidp import nn
 from mpidp.comm import collectives as Coll
 from mpidp.observe.metrics import StepTimer
-from mpidp.parallel import buffer, codecs, compress
+from mpidp.parallel import buffer, codecs
 from mpidp.parallel.codecs import decode, encode
 from mpidp.parallel.compress import Compressed
 from mpidp.parallel.sync import Round, Setup

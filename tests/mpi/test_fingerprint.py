@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from mpi_helpers import all_ranks
 
+from mpidp.cli import settings
 from mpidp.data.distribute import data_fingerprint
-from mpidp.run import checkpoint as ck
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def test_every_byte_counts_and_every_rank_agrees(comm, folder, together):
             f.write(b"\x01" * 8192)
     comm.Barrier()
     changed = data_fingerprint(comm, folder, together)
-    _, refusal = ck.compare_resume({"data_fingerprint": first, "dataset": folder},
+    _, refusal = settings.compare_resume({"data_fingerprint": first, "dataset": folder},
                                    {"data_fingerprint": changed, "dataset": folder}, path="P")
     all_ranks(comm, refusal is not None and "X.npy has the same size but different contents"
               in refusal, f"{refusal}")
