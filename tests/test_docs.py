@@ -130,25 +130,21 @@ def _section(path: Path, heading: str) -> str:
 @pytest.mark.parametrize("path", [README, ROOT / "docs" / "design.md"],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_layout_names_every_module_and_only_modules_that_exist(path):
-    """The Layout section lists each module of mpidp/ and each subpackage, and every
-    ``name.py`` it mentions exists in the repository."""
+    """The Layout section lists each top-level module of mpidp/ and each subpackage (the
+    design's table: every module, in its package's row), and every ``name.py`` it
+    mentions exists in the repository."""
     layout = _section(path, "Layout")
     pkg = ROOT / "mpidp"
     wanted = [f"{p.name}" for p in pkg.glob("*.py") if not p.name.startswith("__")]
     wanted += [f"{p.name}/" for p in pkg.iterdir() if (p / "__init__.py").exists()]
     missing = [w for w in wanted if w not in layout]
-    if path == README:  # one line per module, each under its package
-        lines = layout.splitlines()
-        for p in sorted(pkg.glob("*/*.py")):
-            if p.name == "__init__.py":
-                continue
-            head = next((i for i, line in enumerate(lines)
-                         if line.strip().startswith(f"{p.parent.name}/")), None)
-            ends = [i for i, line in enumerate(lines) if i > (head or 0)
-                    and re.match(r"^ {2}[a-z_]+/", line)]
-            body = lines[head + 1:ends[0] if ends else None] if head is not None else []
-            if not any(line.strip().startswith(p.name) for line in body):
-                missing.append(f"{p.parent.name}/{p.name}")
+    if path != README:  # every module named in its package's row
+        rows = {m.group(1): line for line in layout.splitlines()
+                for m in [re.match(r"^\| `mpidp/(\w+)/`", line)] if m}
+        missing += [f"{p.parent.name}/{p.name}" for p in sorted(pkg.glob("*/*.py"))
+                    if p.name != "__init__.py"
+                    and f"`{p.name}`" not in rows.get(p.parent.name, "")
+                    and f"`{p.stem}`" not in rows.get(p.parent.name, "")]
     existing = {p.name for d in ("mpidp", "tests", "benchmarks", "examples")
                 for p in (ROOT / d).rglob("*.py")}
     stale = sorted({n for n in re.findall(r"\b(\w+\.py)\b", layout)} - existing)
