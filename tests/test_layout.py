@@ -4,6 +4,7 @@ started by importing mpidp, its models, or asking the command line for help."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -504,6 +505,56 @@ def _measured_code_missing(bench: Path) -> list[str]:
                 and any(isinstance(t, ast.Name) and t.id == "MEASURED_CODE" for t in node.targets)):
             return [p for p in ast.literal_eval(node.value) if not (ROOT / p).exists()]
     return []
+
+
+# --- the command line's vocabulary stays in the command line ------------------------------
+
+DECLARATIONS = "mpidp/parallel/modes.py"  # the modes' declarations: their --help notes
+
+
+def _flags() -> set[str]:
+    from mpidp.cli.parser import build_parser
+    parser = build_parser()
+    parsers = [parser, *parser._subparsers._group_actions[0].choices.values()]  # noqa: SLF001
+    return {o for p in parsers for a in p._actions for o in a.option_strings  # noqa: SLF001
+            if o.startswith("--") and o not in ("--help", "--version")}
+
+
+def _library_modules() -> list[tuple[str, ast.Module]]:
+    return [(rel, tree) for rel, tree, _ in _sources("cli") if rel != DECLARATIONS]
+
+
+def _flag_spellings(tree: ast.Module, flags: set[str]) -> list[tuple[int, str]]:
+    """``(line, flag)`` for each string in ``tree`` (docstrings too) that spells a flag."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for word in re.findall(r"--[a-z][a-z0-9-]*", node.value):
+                if word in flags:
+                    found.append((node.lineno, word))
+    return found
+
+
+def _mode_names_compared(tree: ast.Module, names: set[str]) -> list[tuple[int, str]]:
+    """``(line, name)`` for each comparison in ``tree`` with a mode's name as a literal."""
+    return [(node.lineno, c.value) for node in ast.walk(tree) if isinstance(node, ast.Compare)
+            for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in names]
+
+
+@pytest.mark.parametrize("rel,tree", _library_modules(), ids=lambda v: v if isinstance(v, str)
+                         else "")
+def test_no_flag_spelling_or_mode_name_below_the_command_line(rel, tree):
+    """Library messages name a setting by its field (:func:`mpidp.errors.setting`); which
+    mode code runs is asked of :mod:`mpidp.parallel.modes`, never of a name's spelling."""
+    from mpidp.parallel.modes import MODES
+    assert _flag_spellings(tree, _flags()) == []
+    assert _mode_names_compared(tree, set(MODES)) == []
+
+
+def test_the_vocabulary_checks_find_planted_spellings():
+    tree = ast.parse('"""Use --bucket-mb."""\nif sync == "overlapped":\n    x = "--no-such"\n')
+    assert _flag_spellings(tree, _flags()) == [(1, "--bucket-mb")]
+    assert _mode_names_compared(tree, {"overlapped"}) == [(2, "overlapped")]
 
 
 def test_benchmarks_name_code_that_exists():

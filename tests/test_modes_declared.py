@@ -15,7 +15,7 @@ import pytest
 from mpidp.cli import flags
 from mpidp.cli.main import build_parser
 from mpidp.cli.options import TABLE
-from mpidp.errors import MpidpError
+from mpidp.errors import MpidpError, spelled
 from mpidp.parallel.modes import MODES, PARALLEL, PIPELINED, SYNCS, SettingError, make_sync
 
 #: settings field -> values its check refuses
@@ -56,21 +56,24 @@ def test_settings_keep_values_in_their_kind():
 
 
 def test_settings_that_contradict_each_other_are_refused_naming_both():
-    with pytest.raises(SettingError, match="finish 'forward'.*progress 'thread'.*progress "
+    with pytest.raises(SettingError, match="finish='forward'.*progress='thread'.*progress="
                                            "'test'"):
         MODES["overlapped"].settings(progress="thread", finish="forward")
-    with pytest.raises(SettingError, match="kernels 'numba'.*codec 'float16'"):
+    with pytest.raises(SettingError, match="kernels='numba'.*codec='float16'"):
         MODES["compressed"].settings(codec="float16", kernels="numba")
 
 
 def test_the_command_line_tells_a_refused_setting_by_its_flag():
     args = build_parser().parse_args(["train", "--sync", "overlapped", "--overlap-finish",
                                       "forward", "--overlap-progress", "thread"])
-    with pytest.raises(MpidpError) as caught:
+    with spelled(flags.spelling(build_parser())), pytest.raises(MpidpError) as caught:
         flags.settings_of("overlapped", args)
     message = str(caught.value)
-    assert "finish 'forward' (--overlap-finish forward)" in message
-    assert "use progress 'test' (--overlap-progress test)" in message
+    assert message.startswith("--overlap-finish forward applies each sum")
+    assert "thread of --overlap-progress thread does not report: use --overlap-progress test" \
+        in message
+    assert "finish='forward'" in str(pytest.raises(MpidpError, flags.settings_of, "overlapped",
+                                                   args).value)  # outside: the keywords
 
 
 @pytest.mark.parametrize("flag", flags.FLAGS, ids=lambda f: f.flag)

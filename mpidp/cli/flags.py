@@ -2,7 +2,7 @@
 field it sets (:mod:`mpidp.parallel.modes`). From it and the fields' declarations the
 parser gets its options (:func:`add_settings`, :func:`add_mode_choice`), a mode gets its
 settings from parsed arguments (:func:`settings_of`), and a refused setting is told with
-its flag. Pure: no MPI here."""
+its flag (:func:`spelling`). Pure: no MPI here."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..errors import MpidpError
-from ..parallel.modes import MODES, SettingError, Settings, declared, having
+from ..errors import keyword
+from ..parallel.modes import MODES, Settings, declared, having
 
 _MIB = 2**20
 
@@ -106,23 +106,25 @@ def add_settings(group, kinds: tuple[str, ...], *, number: Callable,
 
 def settings_of(mode: str, args: argparse.Namespace) -> Settings:
     """The settings of ``mode`` that the parsed ``args`` give (a flag left at None keeps
-    the mode's default), checked; a refusal names the flags beside the fields."""
+    the mode's default), checked."""
     own = MODES[mode].fields
-    values = {f.field: f.value(getattr(args, f.dest)) for f in FLAGS
-              if f.field in own and getattr(args, f.dest) is not None}
-    try:
-        return MODES[mode].settings(**values)
-    except SettingError as exc:
-        raise MpidpError(told_by_flags(exc)) from None
+    return MODES[mode].settings(**{f.field: f.value(getattr(args, f.dest)) for f in FLAGS
+                                   if f.field in own and getattr(args, f.dest) is not None})
 
 
-def told_by_flags(exc: SettingError) -> str:
-    """``exc``'s message with each field it names followed by its flag in parentheses:
-    ``finish 'forward' (--overlap-finish forward)``."""
-    def refer(name: str, *value: Any) -> str:
-        named = name + "".join(f" {v!r}" for v in value)
+def spelling(parser: argparse.ArgumentParser) -> Callable[..., str]:
+    """How the command line names a setting in messages (:func:`mpidp.errors.spelled`): a
+    mode setting by its flag and the value as typed (``--bucket-mb 1``), any other by the
+    option whose destination it is (``checkpoint_dir``: ``--checkpoint-dir``)."""
+    parsers = [parser, *parser._subparsers._group_actions[0].choices.values()]  # noqa: SLF001
+    options = {a.dest: max(a.option_strings, key=len) for p in parsers for a in p._actions
+               if a.option_strings and a.dest != "help"}  # noqa: SLF001
+
+    def spell(name: str, *value: Any) -> str:
         flag = _BY_FIELD.get(name)
-        if flag is None:
-            return named
-        return f"{named} ({flag.flag}{''.join(f' {flag.text(v)}' for v in value)})"
-    return exc.render(refer)
+        if flag is not None:
+            return flag.flag + "".join(f" {flag.text(v)}" for v in value)
+        if name not in options:
+            return keyword(name, *value)
+        return options[name] + "".join(f" {v}" for v in value)
+    return spell

@@ -19,7 +19,9 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
+from ..errors import spelled
 from . import settings
+from .flags import spelling
 from .parser import EXIT_USAGE, build_parser, subcommand
 
 NO_MPI = ("mpidp: cannot start MPI ({}). Install it with pip install 'mpidp[mpi]' (mpi4py and "
@@ -72,8 +74,13 @@ def _blas_info() -> list[dict] | str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    typed = list(argv)  # what the user wrote: the options given (a table's are added below)
     parser = build_parser()
+    with spelled(spelling(parser)):  # messages name settings by their flags
+        return _main(parser, argv)
+
+
+def _main(parser, argv: list[str]) -> int:
+    typed = list(argv)  # what the user wrote: the options given (a table's are added below)
     args = parser.parse_args(argv)
     if args.command == "info":
         info()

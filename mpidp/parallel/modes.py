@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import MpidpError, is_whole
+from ..errors import MpidpError, is_whole, setting
 from .stages import SCHEDULES
 
 CODECS = ("bfloat16", "float16", "int8")  # the formats of compressed gradients
@@ -36,18 +36,11 @@ HYBRID_STAGES = 2  # default stages per pipeline for "hybrid"
 
 
 class SettingError(MpidpError):
-    """A refused setting. ``parts`` are text and ``(field,)`` or ``(field, value)``: the
-    message names those as ``field`` and ``field 'value'``; :meth:`render` names them
-    otherwise (the command line adds its flags)."""
+    """A refused setting. ``parts`` are text and ``(field,)`` or ``(field, value)``, named
+    by :func:`~mpidp.errors.setting` (``finish='forward'``; the command line's flags)."""
 
     def __init__(self, *parts: str | tuple) -> None:
-        self.parts = parts
-        super().__init__(self.render(lambda name, *value: name + "".join(
-            f" {v!r}" for v in value)))
-
-    def render(self, refer: Callable[..., str]) -> str:
-        """The message with ``refer(field, *value)`` for each field it names."""
-        return "".join(p if isinstance(p, str) else refer(*p) for p in self.parts)
+        super().__init__("".join(p if isinstance(p, str) else setting(*p) for p in parts))
 
 
 # --- checks of one field's value: (field, value) -> the value kept, or SettingError ------
