@@ -1,20 +1,17 @@
-"""The asynchronous parameter server (``--sync async-ps``): workers push gradients and pull
+"""The asynchronous parameter server (mode ``async-ps``): workers push gradients and pull
 parameters without waiting for each other; the server (rank ``root``, holding no data)
 applies each push as it comes.
 
-With checkpoints, the server saves the parameters, the optimizer and each worker's
-position (epoch and next global batch) every N pushes it serves, at the end, and when
-stopped by a signal; a resume on the same number of ranks puts every worker back at its
-own position, on another number of ranks every worker starts from the slowest one's
-(batches the faster ones pushed after it are pushed again).
-
 A worker computes on the parameters it last pulled; by the time its gradient arrives,
 other workers may have updated them ``s`` times (its *staleness*). Pushes staler than
-``max_staleness`` are dropped (counted), bounding how old a gradient can be. Every worker
-pushes exactly its own number of batches and then a "done" message, so the server knows
-when to stop: the job always ends. Training is buffer-based point-to-point; collectives
-come only before it (the checks, the initial parameters) and after it (the server's
-verdict, the final parameters and its summary, from the server).
+``max_staleness`` are dropped (counted). Every worker pushes exactly its own number of
+batches and then a "done" message, so the job always ends. Training is buffer-based
+point-to-point; collectives come only before it and after it.
+
+With checkpoints, the server saves the parameters, the optimizer and each worker's
+position every N pushes it serves, at the end, and when stopped by a signal; a resume on
+the same number of ranks puts every worker back at its own position, on another number
+every worker starts from the slowest one's.
 """
 
 from __future__ import annotations
@@ -29,10 +26,12 @@ from .. import comm as C
 from ..data.distribute import Shard
 from ..data.partition import local_batches, steps_per_epoch
 from ..digest import settings_of
+from ..errors import setting
 from ..nn import Loss, Optimizer, Sequential
 from ..nn.optim import Segments
 from ..observe.metrics import StepTimer
-from ..run.checkpoint import State, save
+from ..run.checkpoint import State
+from ..run.checkpoint import save as save_checkpoint
 from ..run.faults import Injector
 from ..run.loop import run, watched_run, writing_checkpoint
 from ..run.nonfinite import NonFiniteError, Policy, all_finite
@@ -74,6 +73,11 @@ class AsyncStats:
     staleness: list[int] = field(default_factory=list)  # of the applied pushes
     epoch_loss: dict[int, list[float]] = field(default_factory=dict)  # epoch -> [sum, count]
     trace: list[tuple] = field(default_factory=list)
+
+    @property
+    def served(self) -> int:
+        """Pushes served: applied, dropped or skipped."""
+        return self.applied + self.dropped + self.skipped
 
     def summary(self) -> dict:
         s = np.array(self.staleness or [0])
@@ -222,16 +226,8 @@ class _Positions:
         info = {"workers": {str(w): p for w, p in self.at.items()}, "version": version,
                 "applied": stats.applied, "dropped": stats.dropped, "skipped": stats.skipped,
                 "epoch_loss": {str(e): v for e, v in stats.epoch_loss.items()}}
-        return State(epoch, batch, stats.applied + stats.dropped + stats.skipped,
+        return State(epoch, batch, stats.served,
                      [0.0, 0.0, 0.0], [], config, {self.KEY: info})
-
-
-def _write_checkpoint(checkpoint: Checkpointing, model, optimizer, state: State,
-                      tracer=None) -> None:
-    """The server's checkpoint of ``state`` (the server alone writes)."""
-    with writing_checkpoint(tracer):
-        save(checkpoint.directory, model, optimizer, state, checkpoint.keep,
-             run_id=checkpoint.run_id)
 
 
 class _ServerFaults:
@@ -249,11 +245,11 @@ class _ServerFaults:
         p[0] = np.nextafter(p[0], np.inf)
 
 
-def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
-            tracer=None, signals=None, positions: _Positions | None = None,
+def _server(comm, model, optimizer, root, max_staleness, policy: Policy, positions: _Positions,
+            tracer=None, signals=None,
             checkpoint: Checkpointing | None = None) -> tuple[AsyncStats, str | None]:
     n, stats, version = model.n_params, AsyncStats(), np.zeros(1, np.int64)
-    if positions is not None and positions.saved:  # resumed: the counts go on
+    if positions.saved:  # resumed: the counts go on
         saved = positions.saved
         version[0] = saved["version"]
         stats.applied, stats.dropped, stats.skipped = (saved[k] for k in (
@@ -268,6 +264,13 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
     bufs = {w: np.zeros(n + _EXTRA, model.dtype) for w in workers}
     reqs = [C.irecv(comm, bufs[w], w, _PUSH)[0] for w in workers]  # one piece each
     active = len(workers)
+
+    def save() -> None:
+        state = positions.state(stats, int(version[0]), checkpoint.config)
+        with writing_checkpoint(tracer):  # the server alone writes
+            save_checkpoint(checkpoint.directory, model, optimizer, state, checkpoint.keep,
+                            run_id=checkpoint.run_id)
+
     while active:
         t_wait = time.perf_counter()
         i = C.wait_any(reqs)
@@ -276,8 +279,7 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
         if msg[n + _Slot.VERSION] < 0:  # this worker is done
             active -= 1
             reqs[i] = C.MPI_REQUEST_NULL
-            if positions is not None:
-                positions.done(w)
+            positions.done(w)
             continue
         if error is None and (msg[n + _Slot.STOP] > 0 or
                               signals is not None and signals.requested):
@@ -288,7 +290,7 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
             active -= 1
             reqs[i] = C.MPI_REQUEST_NULL
             continue
-        faults.apply(stats.applied + stats.dropped + stats.skipped, _ServerFaults(model, msg))
+        faults.apply(stats.served, _ServerFaults(model, msg))
         stale = int(version[0] - msg[n + _Slot.VERSION])
         loss, count = float(msg[n + _Slot.LOSS]), float(msg[n + _Slot.COUNT])
         applied = stale <= max_staleness
@@ -312,25 +314,21 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy,
         C.send(comm, model.params, w, _PULL)
         C.send(comm, stop if error is not None else version, w, _PULL)
         if tracer is not None:
-            tracer.step = stats.applied + stats.dropped + stats.skipped
+            tracer.step = stats.served
             tracer.add("wait for a push", "ps", "comm", t_wait, t_got)
             tracer.add("serve a push", "ps", "compute", t_got, time.perf_counter(), worker=w,
                        staleness=stale, applied=bool(applied))
-        if positions is not None and error is None:  # this batch is done, whatever became of it
+        if error is None:  # this batch is done, whatever became of it
             positions.served(w, int(msg[n + _Slot.EPOCH]), int(msg[n + _Slot.BATCH]))
-            served = stats.applied + stats.dropped + stats.skipped
-            if checkpoint is not None and served % checkpoint.every == 0:
-                _write_checkpoint(checkpoint, model, optimizer,
-                                  positions.state(stats, int(version[0]), checkpoint.config),
-                                  tracer)
+            if checkpoint is not None and stats.served % checkpoint.every == 0:
+                save()
         if error is not None:
             active -= 1
             reqs[i] = C.MPI_REQUEST_NULL
         else:
             reqs[i] = C.irecv(comm, msg, w, _PUSH)[0]
     if checkpoint is not None and error in (None, _PREEMPTED):  # the end, or a clean stop
-        _write_checkpoint(checkpoint, model, optimizer,
-                          positions.state(stats, int(version[0]), checkpoint.config), tracer)
+        save()
     return stats, error
 
 
@@ -374,9 +372,10 @@ class AsyncPS:
 
 def _check_spec(spec: RunSpec) -> None:
     if spec.resume is not None and _Positions.KEY not in spec.resume.partition:
-        raise C.MpidpError("this checkpoint was written by synchronous training; async-ps "
-                           "resumes only its own checkpoints (resume it with the --sync it "
-                           "was written with, or start over with --restart)")
+        raise C.MpidpError(f"this checkpoint was written by synchronous training; async-ps "
+                           f"resumes only its own checkpoints (resume it with the "
+                           f"{setting('sync')} it was written with, or start over with "
+                           f"{setting('restart')})")
     if spec.partition is not None:
         raise C.MpidpError("partition does not apply to async-ps: its workers keep the "
                            "contiguous blocks they loaded (block or weighted)")
@@ -421,7 +420,7 @@ def _serve_or_work(ps: AsyncPS, train: Shard, spec: RunSpec) -> AsyncStats:
     error = None
     if comm.rank == root:
         stats, error = _server(comm, ps.model, ps.optimizer, root, ps.max_staleness, ps.policy,
-                               ps.timer.tracer, spec.stop, positions, spec.checkpoint)
+                               positions, ps.timer.tracer, spec.stop, spec.checkpoint)
     else:
         worker = _Worker(comm, ps.model, ps.loss, root, ps.timer)
         _work(worker, train, spec,

@@ -1,26 +1,17 @@
-"""``--sync auto``: the fastest gradient exchange for this model on this network, measured.
+"""The ``auto`` exchange: the fastest gradient exchange for this model on this network,
+measured on the first training steps.
 
-The first training steps are the measurement: after :data:`WARMUP` steps with a fused
-allreduce, the candidates train :data:`TRIALS` steps each, in turns, and the slowest
-rank's median step time decides (one small ``Allreduce``), so every rank commits to the same strategy at the
-same step. Where others come within :data:`CLOSE` of the fastest, those train
-:data:`TRIALS` more steps each, in turns, before the choice (a run-off: one noisy step
-should not decide between near equals). The candidates:
-
-* ``allreduce`` (node-aware where ranks share nodes, see :class:`mpidp.parallel.sync.Sync`),
-* ``overlapped`` with two bucket sizes: the one asked for and a quarter of the gradient
-  (at least 64 KiB; one candidate where both cut the same buckets),
-* ``compressed`` with error feedback, in bfloat16 and in int8 (or only the codec asked
-  for), only for float32 models: a float64 model asks for the exact arithmetic, which
-  compressed gradients do not give.
-
-Every exact candidate gives the same sums up to rounding order, so the trial steps are
-ordinary training steps; a float32 model's compressed trials round their gradients, as
-``compressed`` does. A float16 candidate whose gradients overflow is dropped (chosen
-already: ``allreduce`` takes over) and that step's gradients go by ``allreduce``: the
-run goes on. The choice is not checkpointed: a resumed run tries again. The
-choice and the figures behind it are in :attr:`Auto.report` (one line), with the link's
-bandwidth as the allreduce steps saw it.
+After :data:`WARMUP` steps with a fused allreduce, the candidates train :data:`TRIALS`
+steps each, in turns, and the slowest rank's median step time decides (one small
+``Allreduce``), so every rank commits to the same strategy at the same step; candidates
+within :data:`CLOSE` of the fastest run off over :data:`TRIALS` more steps each. The
+candidates: ``allreduce`` (node-aware where ranks share nodes), ``overlapped`` with the
+bucket size asked for and a quarter of the gradient (at least 64 KiB; one candidate where
+both cut the same buckets), and, for float32 models only, ``compressed`` in bfloat16 and
+int8 (or the codec asked for). The trial steps are ordinary training steps. A float16
+candidate whose gradients overflow is dropped and that step goes by ``allreduce``. The
+choice is not checkpointed (a resumed run tries again); it and the figures behind it are
+in :attr:`Auto.report`.
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ from time import perf_counter
 import numpy as np
 
 from .. import comm as C
-from ..nn import Optimizer
+from ..errors import setting
 from .compress import FLOAT16_MAX, Compressed, Float16Overflow
 from .modes import refuses_model
 from .overlap import Overlapped, layer_buckets
@@ -43,17 +34,15 @@ TRIALS = 4  # steps per candidate, taken in turns; the median counts
 CLOSE = 0.10  # candidates this near the fastest median (a share of it) run off
 
 
+def _to_current(name: str) -> Callable:
+    """A method of :class:`Auto` that calls the same method of the strategy in use."""
+    return lambda self, *args: getattr(self.current, name)(*args)
+
+
 class Auto(Sync):
     """Tries the candidates on the first steps, then delegates to the fastest.
-
-    Parameters
-    ----------
-    bucket_bytes : the overlapped candidate's bucket size asked for (bytes, > 0).
-    codec : the compressed candidate's format; None (the default): one candidate in
-        bfloat16 and one in int8.
-    node_aware : the allreduce candidate's node-aware reduction (see :class:`Sync`).
-    progress : the overlapped candidates' ``progress`` (see :class:`Overlapped`).
-    """
+    ``bucket_bytes`` and ``progress`` are the overlapped candidates', ``codec`` the
+    compressed one's (None: bfloat16 and int8), ``node_aware`` the allreduce one's."""
 
     name = "auto"
 
@@ -126,8 +115,8 @@ class Auto(Sync):
         """What a fused allreduce refuses (a candidate that refuses ``model`` is not tried);
         a codec asked for with a model that is not float32."""
         if self.codec is not None and model.dtype != np.float32:
-            return (f"auto with codec {self.codec!r} (--compress {self.codec}): auto tries "
-                    f"compression for float32 models only, and this model is "
+            return (f"auto with {setting('codec', self.codec)}: auto tries compression "
+                    f"for float32 models only, and this model is "
                     f"{np.dtype(model.dtype).name}; leave the codec out")
         return refuses_model(model.needs, "allreduce")
 
@@ -192,20 +181,10 @@ class Auto(Sync):
                       "from now on", file=sys.stderr, flush=True)
         self.candidates[i].close()
 
-    def update(self, optimizer: Optimizer, count: int) -> None:
-        self.current.update(optimizer, count)
-
-    def at_boundary(self) -> bool:
-        return self.current.at_boundary()
-
-    def before_checkpoint(self, optimizer: Optimizer) -> None:
-        self.current.before_checkpoint(optimizer)
-
-    def after_checkpoint(self, optimizer: Optimizer) -> None:
-        self.current.after_checkpoint(optimizer)
-
-    def after_restore(self, optimizer: Optimizer) -> None:
-        self.current.after_restore(optimizer)
+    # what the strategy in use does
+    update, at_boundary, before_checkpoint, after_checkpoint, after_restore = (
+        _to_current(name) for name in ("update", "at_boundary", "before_checkpoint",
+                                       "after_checkpoint", "after_restore"))
 
     @property
     def bytes_sent(self) -> int:

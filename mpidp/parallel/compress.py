@@ -16,8 +16,6 @@ from .codecs import FLOAT16_MAX, JIT_CODECS, Codec, chunk_units, segments
 from .overlap import layer_buckets
 from .sync import Buffers, Exchanged, Round, Setup, Sync, global_sums
 
-#: how :class:`Compressed` picks its codec's kernels
-KERNELS = ("auto", "numpy", "numba")
 #: Values per exchange at most: a bucket goes in pieces, so that one piece travels while
 #: the next is encoded (or summed), and the last bucket's codec work overlaps its link time.
 PIECE = 1 << 18
@@ -38,13 +36,11 @@ class Float16Overflow(C.MpidpError):
 
 
 class _Piece:
-    """One exchange: gradient values ``s0 .. s1`` (at most ``MAX_COUNT``) in ``size`` chunks
-    whose sizes differ by at most one (some empty when there are fewer values than ranks).
-    Their codes live at ``codes[o : o + size * cu]``, chunk ``j`` at ``o + j * cu`` (``cu``:
-    the units of the largest chunk, ``c`` values, :func:`chunk_units`), so that one
-    ``Allgather`` of ``cu`` units per rank gathers them; chunk ``rank``, values
-    ``lo .. hi`` (``m`` of them, ``mu`` units) and codes from ``own``, is summed on this
-    rank."""
+    """One exchange: gradient values ``s0 .. s1`` in ``size`` chunks whose sizes differ
+    by at most one. Chunk ``j``'s codes live at ``o + j * cu`` (``cu``: the units of the
+    largest chunk, ``c`` values), so one ``Allgather`` of ``cu`` units per rank gathers
+    them; chunk ``rank`` (values ``lo .. hi``, ``m`` of them, ``mu`` units, codes from
+    ``own``) is summed on this rank."""
 
     def __init__(self, s0: int, s1: int, size: int, rank: int, o: int, at: int,
                  codec: str = "bfloat16") -> None:
@@ -79,58 +75,45 @@ class Compressed(Sync):
     float32 ring allreduce at every P; started during backward, bucket by bucket, as
     :class:`~mpidp.parallel.overlap.Overlapped` does.
 
-    The ``n`` gradient values are cut into buckets of whole layers (last layers first, at
-    least ``bucket_bytes`` of gradients each), and each bucket into P chunks whose sizes
-    differ by at most one (some empty); rank ``j`` owns chunk ``j`` of every bucket. When
-    backward has finished a bucket's layers, each rank encodes that bucket's gradient plus
-    its residual, and one ``Ialltoallv`` hands chunk ``j`` of every rank's codes to rank
-    ``j`` (a reduce-scatter). Once it has arrived (``MPI_Testsome`` at every layer boundary
-    of backward moves it), the owner decodes the P contributions and sums them in float32
-    in rank order, the same sum whatever order they arrived in, encodes its summed chunk
-    (plus its chunk residual), and one ``Iallgather`` (chunks padded to the largest, on a
-    communicator of its own, so that the two kinds never need matching starts) gives every
-    rank every chunk's codes. Every rank decodes the same codes, so every replica holds
-    bit-identical sums; with a 16-bit codec the buckets change who sums a value, never
-    how, so the sums are the same for every bucket size. Per step ``2 (P-1)/P n`` values
-    of 2 bytes (int8: 1 byte, plus 4 per :data:`.codecs.GROUP`) leave a rank, against
-    ``2 (P-1)/P n`` of 4 for a float32 ring allreduce; ``bytes_sent``
-    counts the codes it hands to MPI (its chunks for the others, its summed chunks with
-    their padding) plus the extras. Loss, counts, stop and two flags (float16 overflow, a
-    non-finite sum) go in one small float64 ``Allreduce`` once every bucket has been
-    started. A bucket goes in pieces of at most :data:`PIECE` values per rank (and
-    ``MAX_COUNT`` in all), each split alike and started once encoded, so that one travels
-    while the next is encoded. A piece starts as soon as its values are final: a layer
-    that announces its gradient in parts (a large ``Dense``, ``on_layer_part``) lets the
-    first pieces of its bucket go before it has finished. The sums of a piece whose
-    gather has arrived are decoded into the gradient buffer while backward still runs
-    (its values there were encoded and are read no more), except with float16, whose
-    overflow must leave every rank's own gradients in the buffer.
+    The gradient is cut into buckets of whole layers (last layers first, at least
+    ``bucket_bytes`` each), each bucket into P chunks whose sizes differ by at most one;
+    rank ``j`` owns chunk ``j``. When backward has finished a bucket's layers, each rank
+    encodes that bucket's gradient plus its residual, and one ``Ialltoallv`` hands chunk
+    ``j`` of every rank's codes to rank ``j``. The owner decodes the P contributions and
+    sums them in float32 in rank order (the same sum whatever order they arrived in),
+    encodes its summed chunk (plus its chunk residual), and one ``Iallgather`` (on a
+    communicator of its own) gives every rank every chunk's codes: every replica decodes
+    the same codes into bit-identical sums. With a 16-bit codec the buckets change who
+    sums a value, never how. ``bytes_sent`` counts the codes handed to MPI plus the
+    extras; loss, counts, stop and two flags (float16 overflow, a non-finite sum) go in
+    one small float64 ``Allreduce`` once every bucket has been started. A bucket goes in
+    pieces of at most :data:`PIECE` values per rank, each started once encoded (a layer
+    that announces its gradient in parts lets the first pieces go before it has
+    finished); a piece's gathered sums are decoded into the gradient buffer while
+    backward still runs, except with float16, whose overflow must leave every rank's own
+    gradients in the buffer.
 
-    Error feedback: what each rounding loses is added back at the next step, so no
-    rounding error is lost for good. Each rank keeps the residual of its own encoding
-    ``(n,)`` (what ``gradient + residual`` lost to 16 bits) and, as owner, the residual of
-    re-encoding its chunk sums ``(about n/P,)``. A step that is not applied (the NaN policy
-    drops it) leaves both residuals as they were; ``error_feedback=False`` keeps none.
+    Error feedback: each rank keeps what the encoding of ``gradient + residual`` lost
+    ``(n,)`` and, as owner, what re-encoding its chunk sums lost ``(about n/P,)``, and adds
+    them back at the next step. A step the NaN policy drops leaves both as they were.
     Residuals are not checkpointed: a resumed run starts them at zero.
 
-    A value beyond float16's 65504, in a rank's gradient or in a chunk's sum, is a
-    :class:`Float16Overflow` on every rank, never an Inf; a non-finite sum goes to
-    the NaN policy (this strategy gives the trainer its verdict). The passes over the
-    vector run in blocks of :data:`.codecs.BLOCK` values with preallocated scratch.
+    A value beyond float16's 65504, in a gradient or a chunk's sum, is a
+    :class:`Float16Overflow` on every rank, never an Inf; a non-finite sum goes to the
+    NaN policy (this strategy gives the trainer its verdict).
 
     Parameters
     ----------
     codec : ``"bfloat16"`` (float32's range, 8 significant bits), ``"float16"`` (11
-        significant bits, up to 65504) or ``"int8"`` (255 levels per :data:`.codecs.GROUP` values;
-        int8 groups start at each block of a chunk, so its sums depend on P and the
-        buckets, the 16-bit codecs' do not).
+        significant bits, up to 65504) or ``"int8"`` (255 levels per
+        :data:`.codecs.GROUP` values; its groups start at each block of a chunk, so its
+        sums depend on P and the buckets).
     error_feedback : keep both residuals (False: every step's rounding is lost).
     bucket_bytes : a bucket closes once its layers hold at least this many bytes of
-        gradients; a size beyond the whole gradient makes one bucket, started when
-        backward ends.
-    kernels : how the codec's passes run: ``"numpy"``, ``"numba"`` (compiled, about 3x
-        faster; bfloat16 only, and numba importable on every rank, else refused) or
-        ``"auto"`` (numba where it can be, on every rank alike). Both give the same bits.
+        gradients; a size beyond the whole gradient makes one bucket.
+    kernels : ``"numpy"``, ``"numba"`` (compiled, about 3x faster; numba importable on
+        every rank, else refused) or ``"auto"`` (numba where every rank can). Both give
+        the same bits.
     """
 
     name = "compressed"

@@ -20,7 +20,7 @@ from ..run import checkpoint as ckpt
 from ..run.nonfinite import ON_NONFINITE, NonFiniteError, Policy, all_finite
 from ..run.stats import StepStats
 from . import buffer
-from .evaluation import global_sums, score_sums
+from .evaluation import global_sums, n_correct, score_sums
 from .modes import make_sync
 from .sync import Exchanged, Round, Setup, Sync
 
@@ -33,34 +33,24 @@ class DataParallel:
     Parameters
     ----------
     init_sync : ``"bcast"`` copies ``root``'s parameters to every rank (one ``Bcast``);
-        ``"seed"`` trusts that every rank initialised identically and verifies it with a
-        checksum (one small ``Allreduce``), raising on every rank if not.
+        ``"seed"`` verifies with a checksum that every rank initialised identically.
     abort_on_error : install :func:`mpidp.comm.abort_on_error` (unless
-        ``MPIDP_ABORT_ON_ERROR=0``) so an exception on one rank ends the job instead of
-        leaving the others waiting.
-    check_every : every this many steps, compare parameter checksums across ranks (one
-        small ``Allreduce``) and raise on every rank, naming the odd ranks, on a mismatch;
-        where replicas differ by design between synchronisations (local SGD), at the next
-        one. 0 disables the check. For your own loop of :meth:`step` calls (it holds under
-        :func:`fit` too); :func:`fit` takes the same setting as ``RunSpec.check_every``,
-        with which the loop checks any trainer. Both call :meth:`check_replicas`.
+        ``MPIDP_ABORT_ON_ERROR=0``) so an exception on one rank ends the job.
+    check_every : every this many steps (at the next synchronisation where replicas differ
+        by design, local SGD), compare parameter checksums across ranks and raise on every
+        rank, naming the odd ranks, on a mismatch (:meth:`check_replicas`). 0: never.
     on_nonfinite : ``"stop"`` raises :class:`NonFiniteError` on every rank when the global
         loss or gradient holds NaN/Inf, before the update; ``"skip"`` drops that step's
-        update (counted in ``skipped_steps``); ``"ignore"`` applies it. Every rank holds the
-        same reduced sums and checks all of them (one dot product, at memory speed), so
-        every rank reaches the same verdict with no collective of its own.
-    watchdog : seconds: a rank that makes no progress (stuck computing, or waiting in an
-        MPI call) for longer ends the job, naming the stalled ranks
-        (:class:`mpidp.comm.Watchdog`); also the guard for a user's loop that calls
-        :meth:`step` a different number of times on different ranks. None: no watchdog.
+        update (counted in ``skipped_steps``); ``"ignore"`` applies it. Every rank checks
+        the same reduced sums, so every rank reaches the same verdict.
+    watchdog : seconds: a rank that makes no progress for longer ends the job, naming the
+        stalled ranks (:class:`mpidp.comm.Watchdog`). None: no watchdog.
     sync : how gradients are combined: a :class:`mpidp.parallel.sync.Sync` or a name from
         ``SYNCS`` (``allreduce``, the default: one fused in-place ``Allreduce`` per step).
 
-    Notes
-    -----
     The gradient of a step is ``sum of per-sample gradients over the global batch /
-    global sample count``, so any split of the batch over ranks (uneven, some empty)
-    gives the single-process update up to floating-point summation order.
+    global sample count``, so any split of the batch over ranks gives the single-process
+    update up to floating-point summation order.
     """
 
     def __init__(self, model: Sequential, optimizer: Optimizer, loss: Loss,
@@ -97,8 +87,7 @@ class DataParallel:
         self._check_due = False  # a replica check waits for the next synchronisation
         self._kept_state: np.ndarray | None = None  # untrained state before this update's steps
         self.model, self.optimizer, self.loss = model, optimizer, loss
-        self.comm = comm if comm is not None else C.world()
-        self.root = root
+        self.comm, self.root = comm, root
         self.timer = StepTimer()
         self.layer_sums, self.layer_sums_s = 0, 0.0  # layers' own collectives (batch norm)
         self.watchdog = C.Watchdog(self.comm, watchdog).start() if watchdog else None
@@ -139,10 +128,9 @@ class DataParallel:
         return a
 
     def close(self) -> None:
-        """Release what the strategy holds (threads, shared-memory windows) once training
-        with this trainer is over; the model keeps its parameters and gradients, moved
-        into its own memory. Collective; idempotent. Also on leaving a ``with`` block:
-        a program that builds trainer after trainer (a sweep, folds) should close each."""
+        """Release what the strategy holds (threads, shared-memory windows); the model keeps
+        its parameters and gradients, moved into its own memory. Collective; idempotent.
+        Also on leaving a ``with`` block."""
         if self.closed:
             return
         self.sync.settle()
@@ -186,10 +174,8 @@ class DataParallel:
 
     def settle(self) -> None:
         """Make the parameters final: complete an update still arriving between steps
-        (``Overlapped(finish="forward")`` applies the first layers' part of a step's update
-        during the next forward pass). Everything of the trainer that reads them (evaluation,
-        checkpoints, replica checks, ``close``, the end of :func:`fit`) settles first; a
-        loop of your own calls it before it reads ``model.params``. Collective."""
+        (``Overlapped(finish="forward")``). The trainer settles before whatever reads them;
+        a loop of your own calls it before it reads ``model.params``. Collective."""
         self.sync.settle()
 
     def in_sync(self) -> bool:
@@ -243,13 +229,6 @@ class DataParallel:
         """The epoch's ``(loss, count, correct)`` sums: already global here."""
         return totals
 
-    def _eval_pass(self, X: np.ndarray, y: np.ndarray) -> tuple[float, int, np.ndarray]:
-        self.model.context.training = False
-        out = self.model.forward(X)
-        loss_sum = self.loss.forward(out, y)
-        labelled = self.loss.classification or y.dtype.kind in "iu"
-        return loss_sum, self.loss.n_correct(out, y) if labelled else 0, out
-
     def step(self, X: np.ndarray, y: np.ndarray, last_of_epoch: bool = False,
              index: np.ndarray | None = None) -> StepStats:
         """One synchronous step on this rank's part ``X`` ``(n_local, *sample_shape)`` of
@@ -281,9 +260,7 @@ class DataParallel:
                     self.sync.settle()  # every sum is done before backward reuses the buffer
             finally:
                 ctx.index = None  # never reused by a later step
-            loss_sum = self.loss.forward(out, y)
-            labelled = self.loss.classification or y.dtype.kind in "iu"
-            buffer.put(buf, n, loss_sum, len(X), self.loss.n_correct(out, y) if labelled else 0,
+            buffer.put(buf, n, self.loss.forward(out, y), len(X), n_correct(self.loss, out, y),
                        bool(self.stop_requested), add)
             dy = self.loss.backward()
             if self._poison:  # fault injection: this rank's contribution, before any bucket
@@ -345,12 +322,10 @@ class DataParallel:
         return True
 
     def evaluate(self, X: np.ndarray, y: np.ndarray, batch_size: int = 4096) -> StepStats:
-        """Loss and accuracy over every rank's ``(X, y)`` together: a
-        :class:`~mpidp.run.stats.StepStats` whose ``loss`` and ``accuracy`` are means over all
-        ranks' samples (``loss_sum``, ``count``, ``correct`` the sums) and whose ``scores``
-        are the classifier's or regression's figures (:mod:`mpidp.observe.scores`), each
-        equal to one process' on all the rows. Collective (one ``Allreduce``; a regression
-        gathers its statistics too)."""
+        """Loss and accuracy over every rank's ``(X, y)`` together (a
+        :class:`~mpidp.run.stats.StepStats` of sums over all ranks' samples), with the
+        figures of :mod:`mpidp.observe.scores`, each equal to one process' on all the rows.
+        Collective."""
         if not is_whole(batch_size, 1):
             raise C.MpidpError(f"evaluate: batch_size must be a whole number >= 1, got "
                                f"{batch_size!r}")
@@ -358,9 +333,11 @@ class DataParallel:
         total = np.zeros(3, np.float64)
         sums = score_sums(self.comm, self.loss, y, self.model.n_out)
         for s in range(0, len(X), batch_size):
-            loss_sum, correct, out = self._eval_pass(X[s:s + batch_size], y[s:s + batch_size])
-            total += (loss_sum, len(out), correct)
-            sums.add(out, y[s:s + batch_size])
+            yb = y[s:s + batch_size]
+            self.model.context.training = False
+            out = self.model.forward(X[s:s + batch_size])
+            total += (self.loss.forward(out, yb), len(out), n_correct(self.loss, out, yb))
+            sums.add(out, yb)
         total, vector = global_sums(self.comm, total, sums)
         return StepStats(float(total[0]), int(total[1]), int(total[2]),
                          scores=sums.scores(vector))

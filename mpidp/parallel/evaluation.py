@@ -10,6 +10,11 @@ from ..nn import Loss
 from ..observe.scores import ScoreSums, reg_combine_all
 
 
+def n_correct(loss: Loss, out: np.ndarray, y: np.ndarray) -> int:
+    """Correct predictions of ``out`` for ``y``; 0 where the loss takes real targets."""
+    return loss.n_correct(out, y) if loss.classification or y.dtype.kind in "iu" else 0
+
+
 def score_sums(comm: C.Comm, loss: Loss, y: np.ndarray | None, n_outputs: int) -> ScoreSums:
     """The :class:`ScoreSums` of an evaluation, the same kind on every rank of ``comm``: a
     classifier's for a classification loss, or for 1-D integer labels (a least-squares

@@ -246,7 +246,9 @@ class Mode:
     """One mode: ``kind`` is ``"data"`` (a gradient exchange of DataParallel), ``"async"``
     or ``"pipeline"``; ``runner`` the class that runs it (``".module:Class"`` in this
     package, imported when first asked for); ``refuses``: a layer's need
-    (:attr:`mpidp.nn.Layer.needs`) this mode cannot meet -> why."""
+    (:attr:`mpidp.nn.Layer.needs`) this mode cannot meet -> why; ``stages``: a pipeline's
+    stages by default (None: every rank one stage); ``overlaps``: its sums travel in
+    buckets during backward; ``measures``: it tries other modes on the first steps."""
 
     name: str
     kind: str
@@ -254,6 +256,9 @@ class Mode:
     note: str
     runner: str
     refuses: Mapping[str, str] = field(default_factory=dict)
+    stages: int | None = None
+    overlaps: bool = False
+    measures: bool = False
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -293,9 +298,9 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          ".sync:Sync"),
     Mode("per-layer", "data", Settings, "one per array", ".sync:PerLayer"),
     Mode("overlapped", "data", OverlappedSettings, "bucketed Iallreduce during backward",
-         ".overlap:Overlapped"),
+         ".overlap:Overlapped", overlaps=True),
     Mode("compressed", "data", CompressedSettings, "16- or 8-bit with error feedback, "
-         "bucketed during backward", ".compress:Compressed"),
+         "bucketed during backward", ".compress:Compressed", overlaps=True),
     Mode("ps", "data", PSSettings, "parameter server (rank 0)", ".ps:ParameterServer"),
     Mode("sharded-ps", "data", Settings, "every rank updates 1/P of the parameters",
          ".ps:ShardedParameterServer"),
@@ -305,7 +310,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          ".sync:LocalSGD", {"replica-sums": "each replica steps on its own part of the "
                             "batch, so there is " + _NO_GLOBAL_BATCH.format(fix="--sync")}),
     Mode("auto", "data", AutoSettings, "the fastest of allreduce, overlapped and compressed "
-         "(float32 only) on the first steps, said in one line", ".auto:Auto"),
+         "(float32 only) on the first steps, said in one line", ".auto:Auto", measures=True),
     Mode("async-ps", "async", AsyncPSSettings, "workers push gradients and pull parameters "
          "without waiting (rank 0 serves)", ".async_ps:AsyncPS",
          {"replica-sums": "each worker steps on its own batch at its own pace, so there is "
@@ -313,7 +318,8 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("pipeline", "pipeline", PipelineSettings, "consecutive layers on consecutive ranks",
          ".pipeline:Pipeline", _STAGED),
     Mode("hybrid", "pipeline", PipelineSettings, f"pipelines of {HYBRID_STAGES} stages x "
-         f"P/{HYBRID_STAGES} data-parallel replicas", ".pipeline:Pipeline", _STAGED),
+         f"P/{HYBRID_STAGES} data-parallel replicas", ".pipeline:Pipeline", _STAGED,
+         stages=HYBRID_STAGES),
 )}
 SYNCS = tuple(n for n, m in MODES.items() if m.kind == "data")  # DataParallel's exchanges
 PIPELINED = tuple(n for n, m in MODES.items() if m.kind == "pipeline")  # the model in stages

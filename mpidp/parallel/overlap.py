@@ -4,8 +4,10 @@ the layers before them are still being differentiated."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from .. import comm as C
+from ..errors import setting
 from .sync import Buffers, Setup, Sync
 
 WINDOW = 8  # sums in flight at once when they finish during forward
@@ -20,56 +22,36 @@ class Overlapped(Sync):
     ----------
     bucket_bytes : a bucket closes once its layers hold at least this many bytes of
         gradients (whole layers; the first bucket also carries the loss and counts). A
-        size beyond the whole gradient makes one bucket, started when backward ends: the
-        fused allreduce, for links where overlap does not pay.
+        size beyond the whole gradient makes one bucket, started when backward ends.
     progress : how the started sums move while backward computes. ``"test"`` (the
-        default): a sum started per bucket (:class:`mpidp.comm.StartedSums`: an
-        ``Iallreduce``, or at two ranks one exchange of the bucket, which needs the
-        library's progress once instead of once per round, and scratch the gradient's
-        size), advanced by ``MPI_Testsome`` at every layer boundary of backward; between
-        boundaries the operating system still moves what MPI has handed to it (socket
-        buffers over TCP). ``"thread"``: a
-        communication thread runs one blocking ``Allreduce`` per bucket
-        (:class:`mpidp.comm.BackgroundAllreduce`), so a bucket also moves during one
-        long layer, at the cost of a core polling in MPI meanwhile; it needs
+        default): a sum per bucket (:class:`mpidp.comm.StartedSums`: an ``Iallreduce``,
+        or at two ranks one exchange of the bucket), advanced by ``MPI_Testsome`` at every
+        layer boundary. ``"thread"``: a communication thread runs one blocking
+        ``Allreduce`` per bucket (:class:`mpidp.comm.BackgroundAllreduce`), so a bucket
+        also moves during one long layer, at the cost of a core polling in MPI; it needs
         ``MPI_THREAD_MULTIPLE``.
-    finish : where the last sums may complete. ``"backward"`` (the default): all of them
-        before the update, at the end of the step. ``"forward"``: the step waits only for
-        the sum holding the loss and counts; every other part is applied (this step's
-        update, piece by piece) as it arrives, at the latest when the next forward pass
-        reads it (:meth:`mpidp.nn.Sequential.forward`'s ``on_layer_params``: a ``Dense``
-        reads its weights in row blocks), so the first layers' transfer overlaps the next
-        forward pass. The sums start in an order made for that: the second half of every
-        bucket but the last (the first layers') waits until the last bucket's parts have
-        started, the last layer's gradients go with the loss and counts as soon as they
-        are final, and at most ``WINDOW`` sums are in flight, on a communicator of their
-        own (so a layer's own sums, batch norm's, never need matching starts). The numbers
-        are those of ``"backward"`` up to rounding (a ``Dense`` sums its product over row
-        blocks, the same blocks every step); it needs an
-        elementwise optimizer (no ``clip_norm``, no LARS or LAMB), ``on_nonfinite='ignore'``
-        (the update starts before the whole gradient is known) and progress ``"test"``.
-        Between steps the first layers' parameters are then still being updated:
-        :meth:`settle` (:meth:`mpidp.DataParallel.settle`, and everything of the trainer
-        that reads or writes them: evaluation, checkpoints, replica checks, ``close``, the
-        end of :func:`mpidp.fit`) completes them.
+    finish : ``"backward"`` (the default): every sum completes before the update.
+        ``"forward"``: the step waits only for the sum holding the loss and counts; every
+        other part is applied (this step's update, piece by piece) as it arrives, at the
+        latest when the next forward pass reads it (``on_layer_params`` of
+        :meth:`mpidp.nn.Sequential.forward`), so the first layers' transfer overlaps the
+        next forward pass. The second half of every bucket but the last waits until the
+        last bucket's parts have started, the last layer's gradients go with the loss and
+        counts, and at most ``WINDOW`` sums are in flight, on a communicator of their own.
+        The numbers are those of ``"backward"`` up to rounding; it needs an elementwise
+        optimizer (no ``clip_norm``, no LARS or LAMB), ``on_nonfinite='ignore'`` and
+        progress ``"test"``. Between steps the first layers' parameters are then still
+        being updated: :meth:`settle` (which the trainer calls before whatever reads them)
+        completes them.
 
     Notes
     -----
     Buckets are ``(layer, lo, hi)`` in launch order: bucket ``k`` starts when backward has
     finished ``layer`` and sums ``buf[lo:hi]``. A layer that announces its gradient in
-    parts (a ``Dense`` larger than ``bucket_bytes``, ``on_layer_part``) starts its bucket
-    in parts: a sum of each stretch of at least ``bucket_bytes`` that is final, and one
-    of the bucket's rest when the layer is done. A bucket not started by a backward hook
-    (a trainer that passes none) is started by :meth:`reduce`, so every element is summed
-    exactly once per step. Nothing is in flight between steps: the thread, if any, lives
-    from a step's first bucket to its :meth:`reduce`.
-
-    What overlap can hide is bounded by the model: a bucket starts only when its layers'
-    gradients are final, and the first layer's are final only when backward ends, so
-    forward, the backward of the last layers before the first large bucket, and the first
-    layer's transfer are never hidden. Communication also costs CPU time (copies, the
-    operating system's network stack), which overlap takes from the computation when the
-    cores are all busy: on a fast link that can cost more than it hides.
+    parts (``on_layer_part``) starts its bucket in parts of at least ``bucket_bytes``. A
+    bucket not started by a backward hook is started by :meth:`reduce`, so every element
+    is summed exactly once per step. Forward, the backward of the last layers before the
+    first large bucket, and the first layer's transfer are never hidden.
     """
 
     name = "overlapped"
@@ -94,19 +76,15 @@ class Overlapped(Sync):
         out = super().setup(s)
         self.buckets = layer_buckets(s.model.layer_ranges, self.buf.size, self.buf.itemsize,
                                 self.bucket_bytes)
-        self.starts = {layer: (lo, hi) for layer, lo, hi in self.buckets}
         self.layer_lo = [lo for lo, _ in s.model.layer_ranges]
         self.sent_to = self._first_lo()
         if self.progress == "thread":
             self.reducer = C.BackgroundAllreduce(s.comm, name="mpidp-overlapped")
         elif self.finish == "forward" and s.comm.size > 2:
-            # started as windows free up, at moments that differ between ranks, and still
-            # arriving between steps: collectives on a communicator of this object's own,
-            # never matched with the trainer's (batch norm's) or another object's
+            # started at moments that differ between ranks, still arriving between steps:
+            # on a communicator of this object's own, never matched with another's sums
             self.sums = C.StartedSums(s.comm, self.buf, private=True)
-        else:
-            # two ranks exchange by point-to-point messages under a tag of their own, on
-            # the communicator's companion (other objects' sums may be arriving there)
+        else:  # two ranks: point-to-point on the companion, under a tag of their own
             pair = s.comm.size == 2
             self.sums = C.StartedSums(C.companion(s.comm) if pair else s.comm, self.buf)
         return out
@@ -246,17 +224,15 @@ class Overlapped(Sync):
     def refuses_run(self, optimizer, on_nonfinite: str) -> str | None:
         if self.finish != "forward":
             return None
+        head = (f"overlapped sums that finish during forward ({setting('finish', 'forward')}) "
+                "update each part as it arrives")
         why = optimizer.refuses_pieces()
         if why:
-            return (f"overlapped sums that finish during forward (finish 'forward', "
-                    f"--overlap-finish forward) update each part as it arrives, but {why}: "
-                    f"use finish 'backward'")
+            return f"{head}, but {why}: use {setting('finish', 'backward')}"
         if on_nonfinite != "ignore":
-            return (f"overlapped sums that finish during forward (finish 'forward', "
-                    f"--overlap-finish forward) update each part as it arrives, before the "
-                    f"whole gradient can be judged, so "
-                    f"on_nonfinite {on_nonfinite!r} cannot hold: use on_nonfinite 'ignore' "
-                    f"(--on-nonfinite ignore) or finish 'backward'")
+            return (f"{head}, before the whole gradient can be judged, so on_nonfinite "
+                    f"{on_nonfinite!r} cannot hold: use {setting('on_nonfinite', 'ignore')} "
+                    f"or {setting('finish', 'backward')}")
         return None
 
     def update(self, optimizer, count: int) -> None:
@@ -266,20 +242,14 @@ class Overlapped(Sync):
             self.apply = optimizer.update_in_pieces_(self.model.params, 1.0 / count)
             self._advance()
 
-    def _reduce_to_extras(self) -> None:
-        """finish "forward": wait only for the sum that holds the loss and counts."""
-        self._complete(lambda: all(self._arrived(s) for s in self.stretches if s.hi > self.n))
-
     def reduce(self) -> None:
         while self.launched < len(self.buckets):
             self._launch()
         self.launched, self._sums, self._ends, self.tail_lo = 0, 0, [], None
         self.sent_to = self._first_lo()
-        if self.finish == "forward":
-            self._reduce_to_extras()
-            self.bytes_sent += self.buf.nbytes
-            return
-        if self.reducer is not None:
+        if self.finish == "forward":  # wait only for the sum holding the loss and counts
+            self._complete(lambda: all(self._arrived(s) for s in self.stretches if s.hi > self.n))
+        elif self.reducer is not None:
             self.reducer.wait()
         else:
             self.sums.wait_all()
@@ -297,10 +267,9 @@ class Overlapped(Sync):
         return buckets[0][1] if buckets else 0
 
     def at_boundary(self) -> bool:
-        if self.finish == "forward":  # a checkpoint settles the sums still arriving
-            return self.launched == 0 and self.sent_to == self._first_lo()
-        in_flight = (self.sums is not None and self.sums.live > 0) or (
-            self.reducer is not None and self.reducer.pending > 0)
+        in_flight = self.finish != "forward" and (  # "forward": a checkpoint settles them
+            (self.sums is not None and self.sums.live > 0)
+            or (self.reducer is not None and self.reducer.pending > 0))
         return self.launched == 0 and not in_flight and self.sent_to == self._first_lo()
 
     def close(self) -> None:
@@ -316,15 +285,16 @@ class Overlapped(Sync):
             self.reducer = None
 
 
+@dataclass(slots=True, eq=False)
 class _Stretch:
     """One sum of ``buf[lo:hi]`` (finish "forward"): ``index`` among the started sums once
     started, ``applied`` once the open update has used it. Whether it is complete is asked
     of the sums themselves (:meth:`Overlapped._arrived`), never kept beside them."""
 
-    __slots__ = ("lo", "hi", "index", "applied")
-
-    def __init__(self, lo: int, hi: int) -> None:
-        self.lo, self.hi, self.index, self.applied = lo, hi, None, False
+    lo: int
+    hi: int
+    index: int | None = None
+    applied: bool = False
 
 
 def layer_buckets(ranges: list[tuple[int, int]], size: int, itemsize: int,

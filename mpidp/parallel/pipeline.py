@@ -1,19 +1,13 @@
 """Pipeline (model) parallelism: consecutive layers on consecutive ranks, micro-batched.
 
 Rank ``r`` of ``comm`` is stage ``r % S`` of replica ``r // S`` (``S`` stages): with one
-replica that is a pure pipeline; with several it is the hybrid, where the ranks holding
-the same stage form a data-parallel group (``Comm.Split``) that sums gradients with one
-``Allreduce`` per step. Each rank allocates only its own stage's parameters, as a
-:class:`mpidp.nn.Sequential` of its layers with its own flat buffers and optimizer.
-
-Per step: the batch is cut into ``m`` micro-batches (sizes differ by at most one); stage
-``s`` receives activations from ``s-1`` and gradients from ``s+1`` with buffer-based
-point-to-point messages whose shapes every rank derives from the agreed plan (widths and
-micro-batch sizes), so nothing is pickled per step. Gradient sums accumulate over the
-micro-batches; the update divides by the batch's sample count, as single-process training.
-
-:class:`Pipeline` is the trainer; its batches and run are in
-:mod:`~mpidp.parallel.pipeline_feed` (:func:`~mpidp.parallel.pipeline_feed.fit_pipeline`).
+replica a pure pipeline; with several the hybrid, where the ranks holding the same stage
+form a data-parallel group that sums gradients with one ``Allreduce`` per step. Each rank
+allocates only its own stage's layers. Per step the batch is cut into ``m`` micro-batches;
+activations and gradients travel by buffer-based point-to-point messages whose shapes
+every rank derives from the agreed plan; gradient sums accumulate over the micro-batches
+and the update divides by the batch's sample count, as single-process training. Its runs
+are in :mod:`~mpidp.parallel.pipeline_feed`.
 """
 
 from __future__ import annotations
@@ -38,7 +32,7 @@ from ..run.nonfinite import Policy, all_finite
 from ..run.stats import StepStats
 from . import buffer
 from . import stages as St
-from .evaluation import global_sums, score_sums
+from .evaluation import global_sums, n_correct, score_sums
 from .modes import refuses_model
 
 _TAG_F, _TAG_B = 21, 22  # activations forward, gradients backward (order kept per tag)
@@ -69,25 +63,21 @@ class Pipeline:
 
     Parameters
     ----------
-    layers : the whole model's layers, unbound; every rank passes the same list. Only this
-        rank's stage is allocated (``self.model``, a ``Sequential``).
-    n_stages : stages per pipeline; default ``comm.size`` (a pure pipeline). ``comm.size``
-        must be a multiple: ``comm.size // n_stages`` data-parallel replicas (hybrid).
-    micro_batches : ``m``; every batch is cut into ``m`` micro-batches of sizes differing
-        by at most one, so a batch needs at least ``m`` samples (per replica).
+    layers : the whole model's layers, unbound, the same on every rank; only this rank's
+        stage is allocated (``self.model``).
+    n_stages : stages per pipeline (default ``comm.size``), a divisor of ``comm.size``:
+        ``comm.size // n_stages`` data-parallel replicas (hybrid).
+    micro_batches : ``m``, micro-batches per batch (sizes differing by at most one).
     schedule : ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"``.
-    balance : stage split by ``"params"`` (parameter count per layer) or ``"time"``
-        (forward+backward seconds per layer measured on rank 0); or pass ``costs``.
+    balance : stage split by ``"params"`` (parameters per layer) or ``"time"`` (seconds per
+        layer measured on rank 0); or pass ``costs``.
     trace : record every op's start, end and CPU seconds in ``counters.trace``.
-    on_nonfinite : the NaN/Inf policy (:mod:`mpidp.run.nonfinite`): every stage checks its own
-        summed gradients (the last stage its loss too) and one ``Allreduce`` of two flags
-        over all ranks shares the verdict, and any rank's stop request
-        (``stop_requested``, set by :func:`mpidp.run.loop.run`), before any stage updates.
+    on_nonfinite : the NaN/Inf policy: every stage checks its summed gradients (the last
+        its loss too) and one ``Allreduce`` of two flags shares the verdict and any rank's
+        stop request before any stage updates.
 
-    Notes
-    -----
-    Collective: every rank of ``comm`` constructs it with the same arguments; bad settings
-    raise the same :class:`mpidp.MpidpError` on every rank before any message is sent.
+    Collective: every rank constructs it with the same arguments; bad settings raise the
+    same :class:`mpidp.MpidpError` on every rank before any message is sent.
     """
 
     def __init__(self, layers: Sequence[Layer], n_in: int, optimizer: Optimizer, loss: Loss,
@@ -292,8 +282,7 @@ class Pipeline:
             if self.last:
                 yb = run.y[lo:lo + size]
                 run.loss_sum += self.loss.forward(x, yb)
-                labelled = self.loss.classification or yb.dtype.kind in "iu"
-                run.correct += self.loss.n_correct(x, yb) if labelled else 0
+                run.correct += n_correct(self.loss, x, yb)
                 run.dy[i] = self.loss.backward()
         self._trace("F", i, t, cpu)
         if not self.last:
@@ -329,17 +318,9 @@ class Pipeline:
         self.counters.p2p_messages += 1
 
     def _exchange(self, buf: np.ndarray | None, source: int, tag: int) -> None:
-        """Receive this op's input into ``buf`` (None: no input) before computing; test the
-        sends still in flight and drop those done, without waiting for the rest.
-
-        Waiting for this rank's own sends here would tie each stage to its neighbour's pace
-        op by op (a send completes only once the neighbour posts the matching receive, i.e.
-        starts the op that consumes it), so the jitter of every op would add to the idle
-        time. Left pending, a send's buffer stays alive in ``run.sends`` and the step waits
-        for all of them at its end, after every receive of the step is posted: no deadlock.
-        Testing here also gives MPI libraries that move data only inside MPI calls their
-        chance to progress between ops.
-        """
+        """Receive this op's input into ``buf`` (None: no input); test the sends in flight
+        and drop those done. Waiting for them here would tie each stage to its neighbour's
+        pace op by op; the step waits for the rest at its end, after every receive."""
         run = self._run
         with self.timer.communicate("receive" if buf is not None else "test sends"):
             if run.sends:
@@ -368,10 +349,9 @@ class Pipeline:
     def save_checkpoint(self, directory: str, state: ckpt.State, keep: int,
                         run_id: str | None = None) -> None:
         """Gather the whole model's parameters and optimizer state from the stages of
-        replica 0 and write them on world rank 0 as one checkpoint, the file data-parallel
-        training writes, so any number of stages or replicas, or ``--parallel data``,
-        resumes it. Collective (replica 0 gathers; the others hold copies).
-        ``state.totals`` are taken from the last stage, where the loss figures live."""
+        replica 0 and write them on world rank 0 as the file data-parallel training writes,
+        so any number of stages or replicas, or data-parallel training, resumes it.
+        Collective. ``state.totals`` are taken from the last stage."""
         params, opt = None, {}
         if self.replica == 0:
             totals = C.bcast_(self.pipe, np.array(state.totals, np.float64), self.n_stages - 1)
@@ -384,10 +364,9 @@ class Pipeline:
                                                           run_id=run_id))
 
     def restore(self, directory: str) -> tuple[str, ckpt.State] | None:
-        """Load the newest good checkpoint in ``directory`` (written by a pipeline of any
-        shape or by data-parallel training): world rank 0 reads and checks it, each stage of
-        replica 0 receives its slice (``Scatterv``), the other replicas a copy of their
-        stage's (``Bcast``). Collective. Returns ``(path, state)``, or None."""
+        """Load the newest good checkpoint in ``directory`` (of a pipeline of any shape or
+        of data-parallel training): world rank 0 reads it, each stage receives its slice.
+        Collective. Returns ``(path, state)``, or None."""
         n_total, dtype = int(sum(self.plan.n_params)), self.model.dtype
         held: dict = {}
 
@@ -444,9 +423,7 @@ class Pipeline:
                 x = layer.forward(x)
             if self.last:
                 yb = y[lo:lo + size]
-                labelled = self.loss.classification or yb.dtype.kind in "iu"
-                total += (self.loss.forward(x, yb), size,
-                          self.loss.n_correct(x, yb) if labelled else 0)
+                total += (self.loss.forward(x, yb), size, n_correct(self.loss, x, yb))
                 sums.add(x, yb)
             else:
                 C.wait_all(C.isend(self.pipe, np.ascontiguousarray(x), self.stage + 1, _TAG_F))

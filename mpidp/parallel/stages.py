@@ -22,6 +22,7 @@ import numpy.typing as npt
 
 from ..data.partition import block_counts, steps_per_epoch
 from ..digest import checksum
+from ..errors import setting
 from ..nn.layers import Layer
 from ..nn.model import as_shape, chain_shapes
 
@@ -107,7 +108,7 @@ def micro_batch_sizes(n: int, m: int) -> np.ndarray:
         raise ValueError(f"need at least one micro-batch, got {m}")
     if m > n:
         raise ValueError(f"more micro-batches ({m}) than samples in a batch ({n}): every "
-                         f"micro-batch needs a sample; use --micro-batches <= {n}")
+                         f"micro-batch needs a sample; use {setting('micro_batches')} <= {n}")
     return block_counts(n, m)
 
 
@@ -223,8 +224,9 @@ def check_batches(n: int, batch_size: int, drop_last: bool, n_replicas: int,
     if smallest < micro_batches:
         where = "" if n_replicas == 1 else f" per replica ({n_replicas} replicas)"
         raise ValueError(f"more micro-batches ({micro_batches}) than samples in a batch: the "
-                         f"smallest batch has {smallest} samples{where}; use --micro-batches "
-                         f"<= {smallest}, a larger batch size, or --drop-last")
+                         f"smallest batch has {smallest} samples{where}; use "
+                         f"{setting('micro_batches')} <= {smallest}, a larger batch size, or "
+                         f"{setting('drop_last')}")
 
 
 def held_bytes(layers: Sequence[Layer], exclude: np.ndarray | None) -> int:

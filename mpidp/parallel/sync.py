@@ -1,25 +1,15 @@
 """How replicas combine gradients: one strategy object per way, behind ``make_sync(name)``
 (:mod:`mpidp.parallel.modes` declares each, with its settings).
 
-Every strategy turns each rank's gradient SUMS (plus loss sum, sample count, correct count
-and stop request, appended to the same flat buffer, :mod:`mpidp.parallel.buffer`) into
-global sums that every replica shares. The flow is one way:
+Every strategy turns each rank's gradient SUMS (plus the extras of
+:mod:`mpidp.parallel.buffer`, in the same flat buffer) into global sums every replica
+shares. ``setup(Setup)`` allocates its buffers (:class:`Buffers`), to which the trainer
+binds its model; ``exchange(Round)`` communicates and returns an :class:`Exchanged`; the
+trainer applies its NaN policy and then, unless the step is dropped, calls
+``update(optimizer, count)``. No strategy calls its trainer.
 
-1. ``setup(Setup)`` allocates the buffers the strategy needs (padded, or in shared
-   memory) and returns them as :class:`Buffers`; the trainer binds its model to them.
-2. ``exchange(Round)`` communicates and returns an :class:`Exchanged`: the global loss,
-   count and correct count, the agreed stop, and the NaN/Inf verdict where the strategy
-   computed it (else every rank checks the reduced buffer, which it holds whole).
-3. The trainer applies its NaN policy to that verdict, then, unless the policy drops the
-   step, calls ``update(optimizer, count)``: the same optimizer step on every rank by
-   default; a parameter server updates on the server and ships the parameters, a sharded
-   one updates each rank's slice and gathers them. Local SGD combines parameters, not
-   gradients: its exchange averages them and says so (``averaged``); the trainer then only
-   judges the non-finite local steps the average left out. No strategy calls its trainer.
-
-``bytes_sent`` counts the payload this rank contributes to MPI per step (a buffer of
-``m`` bytes reduced or gathered counts ``m``; on the wire a ring allreduce sends
-``2 (P-1)/P m``, as do a reduce-scatter plus an allgather).
+``bytes_sent`` counts the payload this rank hands to MPI per step (a buffer of ``m``
+bytes reduced or gathered counts ``m``; a ring allreduce sends ``2 (P-1)/P m``).
 """
 
 from __future__ import annotations
@@ -32,11 +22,12 @@ from enum import IntEnum
 import numpy as np
 
 from .. import comm as C
+from ..errors import setting
 from ..nn import Optimizer, Sequential
 from ..observe.metrics import StepTimer
 from ..run.nonfinite import all_finite
 from . import buffer
-from .modes import MODES, Settings, refuses_model
+from .modes import MODES, Settings, having, refuses_model
 
 
 @dataclass
@@ -88,22 +79,16 @@ def global_sums(buf: np.ndarray, n_params: int) -> Exchanged:
     return Exchanged(loss, count, correct, buffer.stopping(buf, n_params))
 
 
-#: The strategies whose one reduction of the whole buffer can go node-aware.
-NODE_AWARE = ("allreduce", "accumulate")
-
-
 class Sync:
     """Fused allreduce: ONE in-place ``Allreduce`` of the whole buffer; the trainer then
     makes the same update on every rank. The default, and the base of the others.
 
     ``node_aware``: reduce inside each node through shared memory and across nodes between
-    node leaders only (:class:`mpidp.comm.NodeAllreduce`), so a node's link carries one
-    rank's bytes instead of every rank's. None (the default) chooses it when ranks share
-    nodes and there are several nodes; True forces it (also on one node), False never.
+    node leaders only (:class:`mpidp.comm.NodeAllreduce`). None (the default) chooses it
+    when ranks share nodes and there are several nodes; True forces it, False never.
 
-    Every strategy takes the fields of its mode's settings (``MODES[name].settings``,
-    checked there; none for a strategy of one's own, whose name is no mode), as keywords or
-    in their order, and holds them as attributes.
+    Every strategy takes the fields of its mode's settings (``MODES[name].settings``; none
+    for a strategy of one's own), as keywords or in their order, as attributes.
     """
 
     name = "allreduce"
@@ -139,7 +124,7 @@ class Sync:
 
     def _hierarchy(self, s: Setup) -> C.NodeAllreduce | None:
         """The node-aware reduction this strategy uses, or None (plain ``Allreduce``)."""
-        if self.name not in NODE_AWARE or self.node_aware is False or s.comm.size == 1:
+        if self.name not in having("node_aware") or self.node_aware is False or s.comm.size == 1:
             return None
         if not self.node_aware and not C.node_aware_pays(s.comm):
             return None
@@ -292,7 +277,7 @@ class _Periodic(Sync):
         size = self.comm.size
         if 0 < early_ranks < size:
             raise C.MpidpError(
-                f"--sync {self.name}: the end of an epoch (last_of_epoch) came at different "
+                f"{setting('sync', self.name)}: the end of an epoch (last_of_epoch) came at different "
                 f"steps on different ranks ({early_ranks} of {size} ranks synchronised early "
                 f"for it); it synchronises every {self.k} steps and at each epoch's "
                 f"end, so every rank must be told of the end at the same step")

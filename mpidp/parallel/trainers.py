@@ -15,7 +15,7 @@ import numpy.typing as npt
 from .. import comm as C
 from ..nn import Layer, Loss, Optimizer, Sequential
 from .data_parallel import DataParallel
-from .modes import HYBRID_STAGES, PARALLEL
+from .modes import MODES, PARALLEL
 from .pipeline import Pipeline
 
 
@@ -36,12 +36,11 @@ def make_trainer(parallel: str, layers: Sequence[Layer], n_in: int, optimizer: O
     comm = comm if comm is not None else C.world()
     C.agree(comm, None if parallel in PARALLEL else
             f"unknown parallel mode {parallel!r}; expected one of {PARALLEL}")
-    if parallel == "data":
+    if parallel not in MODES:  # "data"
         model = C.run_agreed(comm, Sequential, layers, n_in, dtype)
         return DataParallel(model, optimizer, loss, comm, **kwargs)
-    if parallel == "pipeline":
-        n_stages = comm.size
-    elif n_stages is None:
-        n_stages = HYBRID_STAGES
+    stages = MODES[parallel].stages  # None: every rank a stage of one pipeline
+    if stages is None or n_stages is None:
+        n_stages = comm.size if stages is None else stages
     return Pipeline(layers, n_in, optimizer, loss, comm, n_stages=n_stages,
                     micro_batches=micro_batches, schedule=schedule, dtype=dtype, **kwargs)

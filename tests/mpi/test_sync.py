@@ -68,7 +68,7 @@ def test_overlapped_uses_several_buckets(comm):
     shard, _, _ = _data(comm)
     sync = Overlapped(bucket_bytes=200)
     _train(comm, shard, sync, epochs=1)
-    all_ranks(comm, len(sync.starts) > 2, f"buckets {sync.starts}")
+    all_ranks(comm, len(sync.buckets) > 2, f"buckets {sync.buckets}")
 
 
 @pytest.mark.mpi(min_size=2)
