@@ -50,12 +50,12 @@ def test_more_stages_than_layers_is_a_clear_error():
         St.split_stages([1, 2, 3], 4)
 
 
-def test_chain_widths_and_the_layer_that_breaks_the_chain():
+def test_plan_widths_and_the_layer_that_breaks_the_chain():
     layers = [nn.Dense(5, 4), nn.ReLU(), nn.Dense(4, 3)]
-    assert St.chain_widths(layers, 5) == [5, 4, 4, 3]
+    assert St.plan_stages(layers, 5, 1, 1, 1, "gpipe", "params", None).widths == [5, 4, 4, 3]
     bad = [nn.Dense(5, 4), nn.ReLU(), nn.Dense(6, 3)]
     with pytest.raises(ValueError, match=r"do not chain: layer 2 \(Dense\(6, 3\)\) gets 4 features"):
-        St.chain_widths(bad, 5)
+        St.plan_stages(bad, 5, 1, 1, 1, "gpipe", "params", None)
 
 
 @pytest.mark.parametrize("n,m", [(10, 3), (7, 7), (100, 8), (5, 1)])
@@ -90,7 +90,6 @@ def test_replay_with_equal_stages_gives_the_textbook_bubble(name, P, m):
     busy, makespan = St.replay(scheds, durations)
     assert makespan == pytest.approx(3 * (m + P - 1))
     np.testing.assert_allclose(1 - busy / makespan, (P - 1) / (m + P - 1), rtol=1e-12)
-    assert St.predicted_bubble(P, m) == pytest.approx((P - 1) / (m + P - 1))
 
 
 def test_replay_detects_a_deadlocking_order():

@@ -1,18 +1,13 @@
-"""The gradient codecs, pure NumPy (no MPI): IEEE float16, bfloat16, and int8 with scales.
+"""The gradient codecs, pure NumPy (no MPI): IEEE float16 (11 significant bits, up to
+65504), bfloat16 (float32's range, 8 significant bits), and int8: 8 bits plus one float32
+scale per :data:`GROUP` values, each value rounded to the nearest of 255 evenly spaced
+levels between minus and plus its group's largest magnitude (at least :data:`INT8_TINY`).
 
-The 16-bit codecs store a value in 16 bits (half the bytes of float32). float16 keeps 11
-significant bits but overflows beyond 65504; bfloat16 keeps float32's range with 8
-significant bits. ``int8`` stores a value in 8 bits plus one float32 scale per
-:data:`GROUP` values (about a quarter of float32's bytes): each value is rounded to the
-nearest of 255 evenly spaced levels between minus and plus its group's largest magnitude
-(or :data:`INT8_TINY`, if that is larger).
-:func:`encode` and :func:`decode` are the reference formulas (whole arrays, new arrays
-out; an int8 array is one segment whose groups start at its first value); :class:`Codec`
-does the same arithmetic in place on blocks, with scratch of its own, for the per-step
-passes of :class:`~mpidp.parallel.compress.Compressed` (with error feedback: what a
-rounding loses). Codes travel as ``uint16`` units: one per value for the 16-bit codecs,
-:func:`units` for ``k`` values of int8 (the int8 codes, padded to 4 bytes, then the
-float32 scales).
+:func:`encode` and :func:`decode` are the reference formulas; :class:`Codec` does the
+same arithmetic in place on blocks, for the per-step passes of
+:class:`~mpidp.parallel.compress.Compressed`. Codes travel as ``uint16`` units: one per
+value for the 16-bit codecs, :func:`units` for ``k`` values of int8 (the int8 codes,
+padded to 4 bytes, then the float32 scales).
 """
 
 from __future__ import annotations
@@ -112,17 +107,13 @@ def decode(codes: np.ndarray, codec: str, n: int | None = None) -> np.ndarray:
 
 class Codec:
     """:func:`encode` and :func:`decode` in place, bit for bit, on blocks of at most
-    ``block`` values: no allocation per call. Call inside ``np.errstate(over="ignore",
-    invalid="ignore")`` (float16 overflow and NaN arithmetic are expected there).
-
-    ``x``, ``acc``, ``lost``: float32 ``(k,)``; ``codes``: uint16 ``(units(k),)``, one
-    segment; ``out``: float32 or float64 ``(k,)``; ``k <= block``. ``lost`` may be ``x``
-    itself.
-
-    The 16-bit codecs work on the float32 bits with integer ops, float16 too (faster than
-    NumPy's float16 casts); its subnormals go through two float ops that round exactly as
-    the cast. int8 takes each group's largest magnitude as an integer max of the float
-    bits with the sign cleared, and scales whole groups at once.
+    ``block`` values, with scratch of its own (``jit``: numba's kernels). Call inside
+    ``np.errstate(over="ignore", invalid="ignore")``. ``x``, ``acc``, ``lost``: float32
+    ``(k,)`` (``lost`` may be ``x``); ``codes``: uint16 ``(units(k),)``, one segment;
+    ``out``: float32 or float64 ``(k,)``; ``k <= block``. The 16-bit codecs work on the
+    float32 bits with integer ops (float16's subnormals through two float ops that round
+    as the cast does); int8 takes each group's largest magnitude as an integer max of the
+    float bits with the sign cleared.
     """
 
     def __init__(self, codec: str, block: int = BLOCK, jit: bool = False) -> None:
@@ -267,14 +258,10 @@ class Codec:
         np.left_shift(h, 16, out=h)
         np.bitwise_or(o, h, out=o)
 
-    def _grouped(self, k: int):
-        """``(groups, full)``: int8 groups of ``k`` values, of which ``full`` are whole."""
-        return -(-k // GROUP), k // GROUP
-
     def _encode_i8(self, x: np.ndarray, codes: np.ndarray, lost: np.ndarray | None) -> None:
         """int8 codes and scales of one segment ``x``, as :func:`encode`. Scratch: ``_o``."""
         k = len(x)
-        (groups, full), cut = self._grouped(k), k // GROUP * GROUP
+        groups, full, cut = -(-k // GROUP), k // GROUP, k // GROUP * GROUP
         q, scale = _int8_parts(codes, k)
         top, inv = self._top[:groups], self._inv[:groups]
         f = self._o[:k].view(np.float32)
@@ -289,31 +276,17 @@ class Codec:
         np.maximum(top, INT8_TINY, out=top)
         np.divide(top, np.float32(127), out=scale)
         np.divide(np.float32(127), top, out=inv)
-        if full:
-            np.multiply(x[:cut].reshape(full, GROUP), inv[:full, None],
-                        out=f[:cut].reshape(full, GROUP))
-        if full < groups:
-            np.multiply(x[cut:], inv[full], out=f[cut:])
+        _by_group(x, inv, f)
         np.rint(f, out=f)
         np.copyto(q, f, casting="unsafe")
         if lost is not None:
-            if full:
-                np.multiply(f[:cut].reshape(full, GROUP), scale[:full, None],
-                            out=f[:cut].reshape(full, GROUP))
-            if full < groups:
-                np.multiply(f[cut:], scale[full], out=f[cut:])
+            _by_group(f, scale, f)
             np.subtract(x, f, out=lost)
 
     def _decode_i8(self, codes: np.ndarray, out: np.ndarray) -> None:
         """``out`` (float32 ``(k,)``) = the values of one int8 segment of ``k`` values."""
-        k = len(out)
-        (groups, full), cut = self._grouped(k), k // GROUP * GROUP
-        q, scale = _int8_parts(codes, k)
-        if full:
-            np.multiply(q[:cut].reshape(full, GROUP), scale[:full, None],
-                        out=out[:cut].reshape(full, GROUP), dtype=np.float32)
-        if full < groups:
-            np.multiply(q[cut:], scale[full], out=out[cut:], dtype=np.float32)
+        q, scale = _int8_parts(codes, len(out))
+        _by_group(q, scale, out, np.float32)
 
     def _f16_magnitude(self, c: np.ndarray, out: np.ndarray) -> None:
         """``out`` (uint32 float bits) = the value of float16 magnitudes ``c`` (uint32,
@@ -360,6 +333,17 @@ class Codec:
         codes[...] = a
         if lost is not None:
             np.subtract(x, t.view(np.float32), out=lost)
+
+
+def _by_group(a: np.ndarray, per_group: np.ndarray, out: np.ndarray, dtype=None) -> None:
+    """``out = a * per_group[g]`` for each group ``g`` of :data:`GROUP` values of ``a``."""
+    k = len(a)
+    full, cut = k // GROUP, k // GROUP * GROUP
+    if full:
+        np.multiply(a[:cut].reshape(full, GROUP), per_group[:full, None],
+                    out=out[:cut].reshape(full, GROUP), dtype=dtype)
+    if cut < k:
+        np.multiply(a[cut:], per_group[full], out=out[cut:], dtype=dtype)
 
 
 def _blocks(lo: int, hi: int, block: int = BLOCK):

@@ -1,12 +1,7 @@
-"""Data-parallel map/reduce outside training: split a dataset over the ranks, apply the same
-NumPy function to every part, combine the results.
-
-Static mode uses any partition strategy (:mod:`mpidp.data.partition`); dynamic mode lets each
-rank take the next chunk of rows from a shared counter whenever it finishes one (work
-stealing), which balances work of unknown cost. Per-sample outputs can be combined in the
-original order either on one rank or in one ``.npy`` file that every rank writes its own
-disjoint rows of (no gather at the root).
-"""
+"""Data-parallel map/reduce outside training: split a dataset over the ranks (by a partition
+strategy, or dynamically from a shared counter), apply the same NumPy function to every
+part, combine the results (a reduction, or the rows in order on one rank or in one
+``.npy`` file that every rank writes its own rows of)."""
 
 from __future__ import annotations
 
@@ -82,9 +77,8 @@ def _chunks_static(owner, rank, chunk) -> Iterator[np.ndarray]:
 
 
 def _chunks_dynamic(counter, n, chunk, seed) -> Iterator[np.ndarray]:
-    # Chunks are handed out in a seeded random order (the same on every rank): on data
-    # sorted by cost the heaviest chunks would otherwise all come last and one rank would
-    # finish alone; shuffled, the last chunk is an average one. Costs stay unknown.
+    # in a seeded random order, the same on every rank: the heaviest chunks of data sorted
+    # by cost would otherwise all come last
     order = np.random.default_rng([seed, 0xC4]).permutation(-(-n // chunk))
     while True:
         k = counter.next()
@@ -106,10 +100,9 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
     ``max`` over all rows (result ``out_shape``, float64, on every rank) or ``concat``: all
     outputs ``(n, *out_shape)`` in the original row order, on ``root``, or, with ``out``, in
     that ``.npy`` file written directly by every rank (returns None then).
-    Static mode splits rows by ``partition`` (+ ``costs``/``capacities``), ``chunk_size``
-    rows at a time; ``dynamic=True`` hands out chunks from a shared counter instead (in a
-    seeded random order, so the heaviest chunks of cost-sorted data do not all come last).
-    Bad arguments raise the same :class:`mpidp.MpidpError` on every rank.
+    Rows are split by ``partition`` (+ ``costs``/``capacities``), ``chunk_size`` rows at a
+    time; ``dynamic=True`` hands out chunks from a shared counter instead. Bad arguments
+    raise the same :class:`mpidp.MpidpError` on every rank.
     """
     C.agree_same(comm, "map_reduce", {  # the same rows everywhere: else messages mismatch
         "reduce": reduce, "partition": partition, "seed": seed, "dynamic": dynamic,
@@ -185,10 +178,8 @@ def _create_npy(out: str, dtype: str, shape: tuple[int, ...]) -> str:
 
 
 class _RowFile:
-    """One rank's writer of rows into an existing ``.npy``: each run of consecutive rows
-    goes with one ``pwrite`` at its offset (a plain write into the page cache, no memory
-    map to fault in and no ``msync`` of the whole file); chunks that are mostly single
-    rows (cyclic splits) go through a memory map instead of a system call per row."""
+    """One rank's writer of rows into an existing ``.npy``: one ``pwrite`` per run of
+    consecutive rows; chunks of mostly single rows (cyclic splits) through a memory map."""
 
     def __init__(self, path: str) -> None:
         header = np.load(path, mmap_mode="r")
@@ -232,10 +223,8 @@ class _Sink:
         init = {"sum": 0.0, "mean": 0.0, "min": np.inf, "max": -np.inf}.get(reduce, 0.0)
         self.acc = np.full(shape, init, np.float64)
         self.rows, self.outs = [], []
-        self.file = None
-        if out is not None:  # ``tmp``, created by the root (_create_npy); each rank maps it
-            self.tmp = tmp
-            self.file = _RowFile(self.tmp)
+        self.tmp = tmp  # created by the root (_create_npy); every rank writes its rows
+        self.file = None if out is None else _RowFile(tmp)
 
     def add(self, rows: np.ndarray, values: np.ndarray) -> None:
         if values.shape != (len(rows), *self.shape):

@@ -1,10 +1,6 @@
-"""Synchronous parameter servers, as gradient-exchange strategies of :class:`~mpidp.DataParallel`:
-gradients go to a server that applies the update, parameters come back.
-
-:class:`ParameterServer` (one central server, rank ``root``, optionally holding no data)
-and :class:`ShardedParameterServer` (every rank serves ``1/P`` of the parameters). The
-asynchronous server is :mod:`mpidp.parallel.async_ps`.
-"""
+"""Synchronous parameter servers, as gradient-exchange strategies of
+:class:`~mpidp.DataParallel`: :class:`ParameterServer` (one server, rank ``root``) and
+:class:`ShardedParameterServer` (every rank serves ``1/P`` of the parameters)."""
 
 from __future__ import annotations
 
@@ -29,21 +25,16 @@ _SHARD_EXTRAS = (*buffer.EXTRAS, "nonfinite_slices")
 
 class ParameterServer(Sync):
     """Synchronous parameter server: gradient sums are reduced to the server (rank
-    ``root``), which applies the optimizer and broadcasts the new parameters.
+    ``root``), which applies the optimizer and broadcasts the new parameters. Same
+    arithmetic as allreduce training. ``dedicated=True``: the server holds no data.
 
-    ``dedicated=True``: the server holds no data (give it an empty shard); otherwise it
-    computes like every worker. Same arithmetic as allreduce training.
-
-    ``shared_memory=True`` (the default), where some node runs several ranks: within each
-    node, gradients and the node leader's parameters live in MPI shared-memory windows.
-    Each rank sums its share of the node's gradients straight into its leader's buffer
-    (:class:`mpidp.comm.SharedReduce`); the leaders' sums go to the server (the leader of
-    its node) by ``Reduce_scatter`` + ``Gatherv``. The server updates in pieces of
-    ``chunk_bytes`` and ships each piece as soon as it is final: ``Ibcast`` to the other
-    leaders, and to the ranks of each node by letting them copy it out of their leader's
-    memory (:class:`mpidp.comm.SharedBroadcast`), so copying overlaps the update instead of
-    following it. Otherwise (``shared_memory=False``, or one rank per node) the sums go to
-    the server by ``Reduce_scatter`` + ``Gatherv`` and the parameters come back by ``Bcast``.
+    ``shared_memory=True`` (the default), where some node runs several ranks: each rank
+    sums its share of the node's gradients into its node leader's shared-memory buffer
+    (:class:`mpidp.comm.SharedReduce`), the leaders' sums go to the server; the server
+    updates in pieces of ``chunk_bytes`` and ships each as soon as it is final
+    (``Ibcast`` to the other leaders, which their nodes copy out of shared memory,
+    :class:`mpidp.comm.SharedBroadcast`). Otherwise the sums go to the server by
+    ``Reduce_scatter`` + ``Gatherv`` and the parameters come back by ``Bcast``.
     """
 
     name = "ps"
@@ -153,15 +144,10 @@ class ParameterServer(Sync):
 
 class ShardedParameterServer(Sync):
     """Every rank serves ``1/P`` of the parameters: ``Reduce_scatter`` the gradient sums, each
-    rank updates only its slice (so optimizer state and update work are divided by ``P``),
-    ``Allgather`` the slices. Same bytes as an allreduce.
-
-    The gradient and parameter buffers are padded to ``P`` equal blocks, so the reduce-scatter
-    reads the gradients where backward wrote them, the update runs in place on this rank's
-    block of the parameters and the allgather fills the others in place: no copies. One
-    more ``Allreduce`` of five numbers carries the loss and counts, the stop request and
-    each slice's NaN/Inf verdict. Checkpoints gather the sliced optimizer state to the root
-    (:meth:`before_checkpoint`) and a resumed run slices it again (:meth:`after_restore`).
+    rank updates only its slice (optimizer state and update work divided by ``P``),
+    ``Allgather`` the slices in place (buffers padded to ``P`` equal blocks). One more
+    small ``Allreduce`` carries the extras and each slice's NaN/Inf verdict. Checkpoints
+    gather the sliced optimizer state to the root; a resumed run slices it again.
     """
 
     name = "sharded-ps"

@@ -1,14 +1,8 @@
-"""Planning a pipeline: pure functions, no MPI.
-
-Which consecutive layers form each stage (balanced by a cost per layer), the widths that
-travel between stages, how a batch is cut into micro-batches, and the order in which each
-stage runs its forward (``F``) and backward (``B``) passes under the GPipe and 1F1B
-schedules. :func:`replay` runs a schedule on given op durations and reports each stage's
-idle (bubble) time, so schedules can be checked against ``(P-1)/(m+P-1)`` without MPI.
-:func:`plan_stages` checks a pipeline's settings and makes its :class:`StagePlan`,
-:func:`check_batches` that every batch has enough samples, :func:`held_bytes` what a
-stage's layers cache for backward.
-"""
+"""Planning a pipeline, pure (no MPI): which consecutive layers form each stage (balanced
+by a cost per layer, :func:`plan_stages`), how a batch is cut into micro-batches, and the
+order of each stage's forward (``F``) and backward (``B``) passes under the GPipe and
+1F1B schedules; :func:`replay` runs schedules on given op durations, so their idle
+(bubble) time can be checked against ``(P-1)/(m+P-1)`` without MPI."""
 
 from __future__ import annotations
 
@@ -29,15 +23,6 @@ from ..nn.model import as_shape, chain_shapes
 SCHEDULES = ("gpipe", "1f1b")
 BALANCE = ("params", "time")
 Op = tuple[str, int]  # ("F" | "B", micro-batch index)
-
-
-def chain_widths(layers: Sequence[Layer], n_in: int | Sequence[int]) -> list[int]:
-    """Features per sample ``[n_in, out of layer 0, ..., out of the last layer]`` (the
-    sizes of :func:`mpidp.nn.model.chain_shapes`).
-
-    Raises ``ValueError`` naming the first pair of layers whose shapes do not chain.
-    """
-    return [int(np.prod(s)) for s in chain_shapes(layers, as_shape(n_in))]
 
 
 def param_counts(layers: Sequence[Layer]) -> list[int]:
@@ -137,11 +122,6 @@ def max_in_flight(ops: Sequence[Op]) -> int:
         alive += 1 if kind == "F" else -1
         peak = max(peak, alive)
     return peak
-
-
-def predicted_bubble(n_stages: int, m: int) -> float:
-    """Idle share of every stage with equal stage costs: ``(P - 1) / (m + P - 1)``."""
-    return (n_stages - 1) / (m + n_stages - 1)
 
 
 def replay(schedules: Sequence[Sequence[Op]], durations: Sequence[Sequence[float]],
