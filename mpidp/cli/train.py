@@ -32,8 +32,7 @@ from ..parallel import DataParallel, make_trainer
 from ..parallel.async_ps import AsyncPS, epoch_history, fit_async
 from ..parallel.data_feed import fit
 from ..parallel.modes import make_sync
-from ..parallel.pipeline_feed import fit_pipeline
-from ..parallel.pipeline_result import figures, whole_model
+from ..parallel.pipeline_feed import figures, fit_pipeline, whole_model
 from ..run import faults
 from ..run.checkpoint import restore
 from ..run.folders import clean_stale_tmp

@@ -335,12 +335,9 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy, positio
 @dataclass
 class AsyncPS:
     """The asynchronous parameter server's trainer over ``comm``: rank ``root`` serves
-    (holding no data), the others are workers. Pushes staler than ``max_staleness``
-    versions are dropped; a non-finite push meets ``on_nonfinite`` on the server (``skip``
-    drops it, counted; ``stop`` tells every worker to stop and raises the same
-    :class:`~mpidp.run.nonfinite.NonFiniteError` on every rank). A worker's ``timer`` (a
-    :class:`mpidp.observe.metrics.StepTimer`) records its compute and communication per
-    push, and its ``slowdown`` makes it a straggler. Train it with :func:`fit_async`."""
+    (holding no data), the others are workers. Pushes staler than ``max_staleness`` are
+    dropped; a non-finite push meets ``on_nonfinite`` on the server. A worker's ``timer``
+    records its pushes (its ``slowdown`` makes it a straggler). Train with :func:`fit_async`."""
 
     model: Sequential
     optimizer: Optimizer
@@ -392,16 +389,12 @@ def _check_spec(spec: RunSpec) -> None:
 def fit_async(ps: AsyncPS, train: Shard, epochs: int | None = None,
               batch_size: int | None = None, *, spec: RunSpec | None = None,
               **settings) -> AsyncStats:
-    """Train asynchronously. Collective. ``train`` on the server is ignored; workers split
-    each global batch by their blocks, as in synchronous training, but update without
-    waiting. ``spec`` and ``settings`` as for :func:`mpidp.fit`: ``stop`` (SIGTERM/SIGUSR1
-    on any rank) ends training with :class:`mpidp.run.signals.Preempted` on every rank;
-    ``checkpoint``: the server saves every ``checkpoint.every`` pushes it serves, at the
-    end and on a signal's stop; ``resume`` (the :class:`~mpidp.run.checkpoint.State` of
-    such a checkpoint, whose parameters and optimizer :func:`mpidp.run.checkpoint.restore`
-    has put in place) puts the workers back where it says (see the module's notes).
-    Returns the server's :class:`AsyncStats` on every rank (summary only off the server;
-    the trace stays there). Parameters end identical on every rank (one ``Bcast``)."""
+    """Train asynchronously. Collective. Workers split each global batch by their blocks
+    (``train`` on the server is ignored) and update without waiting. ``spec`` and
+    ``settings`` as for :func:`mpidp.fit`; ``checkpoint``: the server saves every
+    ``checkpoint.every`` pushes, at the end and on a signal's stop; ``resume`` puts the
+    workers back where it says. Returns the server's :class:`AsyncStats` on every rank
+    (the trace only on the server); parameters end identical on every rank."""
     spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
     comm, root = ps.comm, ps.root
     C.agree_same(comm, "fit_async", {**spec.agreed(), **train.identity("train")})

@@ -1,13 +1,11 @@
 """The flat buffer every synchronous trainer reduces, named once:
 ``gradients (n_params) | loss sum | sample count | correct predictions | stop | early``.
 
-Gradients are SUMS over the local samples (not means), so summing the buffer over ranks
-and dividing by the global count gives the single-process gradient for any split. The
-stop slot is this rank's request to stop (1 or 0): summed with the rest, it is non-zero
-on every rank once any rank asked, so stopping needs no collective of its own. The
-``early`` slot is 1 on a rank whose periodic synchronisation (gradient accumulation) comes
-before its period is full because the caller said an epoch ended: summed, it must be 0 or
-the number of ranks, else some ranks were told of the end and others not.
+Gradients are SUMS over the local samples, so the buffer summed over ranks and divided by
+the global count gives the single-process gradient for any split. The stop slot (1: this
+rank asks to stop) summed is non-zero on every rank once any rank asked. The ``early``
+slot is 1 on a rank whose periodic synchronisation comes early because an epoch ended:
+summed, it must be 0 or the number of ranks.
 """
 
 from __future__ import annotations

@@ -72,48 +72,31 @@ class _Piece:
 class Compressed(Sync):
     """Gradients exchanged as 16-bit codes (``float16`` or ``bfloat16``; or ``int8`` with
     scales) in two steps, with error feedback: about half (int8: a quarter) the bytes of a
-    float32 ring allreduce at every P; started during backward, bucket by bucket, as
+    float32 ring allreduce, started during backward bucket by bucket, as
     :class:`~mpidp.parallel.overlap.Overlapped` does.
 
-    The gradient is cut into buckets of whole layers (last layers first, at least
-    ``bucket_bytes`` each), each bucket into P chunks whose sizes differ by at most one;
-    rank ``j`` owns chunk ``j``. When backward has finished a bucket's layers, each rank
-    encodes that bucket's gradient plus its residual, and one ``Ialltoallv`` hands chunk
-    ``j`` of every rank's codes to rank ``j``. The owner decodes the P contributions and
-    sums them in float32 in rank order (the same sum whatever order they arrived in),
-    encodes its summed chunk (plus its chunk residual), and one ``Iallgather`` (on a
-    communicator of its own) gives every rank every chunk's codes: every replica decodes
-    the same codes into bit-identical sums. With a 16-bit codec the buckets change who
-    sums a value, never how. ``bytes_sent`` counts the codes handed to MPI plus the
-    extras; loss, counts, stop and two flags (float16 overflow, a non-finite sum) go in
-    one small float64 ``Allreduce`` once every bucket has been started. A bucket goes in
-    pieces of at most :data:`PIECE` values per rank, each started once encoded (a layer
-    that announces its gradient in parts lets the first pieces go before it has
-    finished); a piece's gathered sums are decoded into the gradient buffer while
-    backward still runs, except with float16, whose overflow must leave every rank's own
-    gradients in the buffer.
+    Each bucket is cut into P chunks; rank ``j`` owns chunk ``j``. Each rank encodes a
+    finished bucket's gradient plus its residual, one ``Ialltoallv`` hands chunk ``j`` of
+    every rank's codes to rank ``j``, which sums the P contributions in float32 in rank
+    order, encodes the sum (plus its chunk residual), and one ``Iallgather`` gives every
+    rank every chunk's codes: bit-identical sums on every replica. Buckets go in pieces of
+    at most :data:`PIECE` values per rank, so one travels while the next is encoded. The
+    extras and two flags (float16 overflow, a non-finite sum) go in one small
+    ``Allreduce`` once every bucket has started.
 
-    Error feedback: each rank keeps what the encoding of ``gradient + residual`` lost
-    ``(n,)`` and, as owner, what re-encoding its chunk sums lost ``(about n/P,)``, and adds
-    them back at the next step. A step the NaN policy drops leaves both as they were.
-    Residuals are not checkpointed: a resumed run starts them at zero.
-
-    A value beyond float16's 65504, in a gradient or a chunk's sum, is a
-    :class:`Float16Overflow` on every rank, never an Inf; a non-finite sum goes to the
-    NaN policy (this strategy gives the trainer its verdict).
+    Error feedback keeps what each rounding loses (``(n,)`` per rank, and about ``n/P``
+    for its chunk sums) and adds it back at the next step; a step the NaN policy drops
+    leaves it as it was; it is not checkpointed. A value beyond float16's 65504 is a
+    :class:`Float16Overflow` on every rank; a non-finite sum goes to the NaN policy.
 
     Parameters
     ----------
-    codec : ``"bfloat16"`` (float32's range, 8 significant bits), ``"float16"`` (11
-        significant bits, up to 65504) or ``"int8"`` (255 levels per
-        :data:`.codecs.GROUP` values; its groups start at each block of a chunk, so its
-        sums depend on P and the buckets).
+    codec : ``"bfloat16"``, ``"float16"`` or ``"int8"`` (its groups start at each block
+        of a chunk, so its sums depend on P and the buckets; the 16-bit codecs' do not).
     error_feedback : keep both residuals (False: every step's rounding is lost).
-    bucket_bytes : a bucket closes once its layers hold at least this many bytes of
-        gradients; a size beyond the whole gradient makes one bucket.
-    kernels : ``"numpy"``, ``"numba"`` (compiled, about 3x faster; numba importable on
-        every rank, else refused) or ``"auto"`` (numba where every rank can). Both give
-        the same bits.
+    bucket_bytes : as :class:`~mpidp.parallel.overlap.Overlapped`'s.
+    kernels : ``"numpy"``, ``"numba"`` (compiled, about 3x faster; refused unless numba
+        imports on every rank) or ``"auto"`` (numba where every rank can); the same bits.
     """
 
     name = "compressed"

@@ -1,17 +1,10 @@
-"""Compiled kernels of the bfloat16 and int8 codecs (numba, an optional dependency): each
-fuses what :class:`~mpidp.parallel.codecs.Codec` does in several NumPy passes over a
-block (the residual added, the rounding, what it lost, the sum of P ranks' codes) into a
-few passes over a group at a time, with the same float32 arithmetic in the same order, so
-the codes, residuals and sums are the same bits as NumPy's (a NaN aside: a sum of two
-NaNs may keep either one's payload and sign; every rank runs the same kernels, so the
-replicas stay identical).
-
-The int8 group size here, 256, is ``codecs.GROUP``.
-The encoding kernels return the largest magnitude they saw, as float32 bits with the sign
-cleared (NaN above Inf), which gives :func:`~mpidp.parallel.codecs._scan`'s verdict
-without another pass. Compiled on first use and cached on disk (numba's cache).
-Importing this module imports numba: :func:`mpidp.parallel.codecs.numba_available`
-tells whether it can be.
+"""Compiled kernels of the bfloat16 and int8 codecs (numba, optional): each fuses several
+NumPy passes of :class:`~mpidp.parallel.codecs.Codec` over a block into a few passes over
+a group at a time, with the same float32 arithmetic in the same order, so the codes,
+residuals and sums are NumPy's bits (a sum of two NaNs aside). The encoding kernels
+return the largest magnitude they saw (float32 bits, sign cleared), which gives
+:func:`~mpidp.parallel.codecs._scan`'s verdict without another pass. The int8 group size
+here, 256, is ``codecs.GROUP``. Importing this module imports numba.
 """
 
 from __future__ import annotations

@@ -90,23 +90,16 @@ def _plan(dp: DataParallel, train: Shard, spec: RunSpec) -> Plan:
 def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
         batch_size: int | None = None, *, test: Shard | dict[str, Shard] | None = None,
         spec: RunSpec | None = None, **settings) -> list[dict]:
-    """Train ``dp`` on this rank's shard ``train`` until ``epochs`` epochs of global batches
-    of ``batch_size`` samples are done. Collective.
+    """Train ``dp`` on this rank's shard ``train`` for ``epochs`` epochs of global batches
+    of ``batch_size`` samples. Collective.
 
     ``spec`` (a :class:`mpidp.RunSpec`) holds every setting of the run; ``epochs``,
-    ``batch_size`` and ``settings`` (any field of :class:`~mpidp.RunSpec`: ``seed``,
-    ``shuffle``, ``drop_last``, ``partition``, ``checkpoint``, ``resume``, ``progress``,
-    ``on_epoch``, ``on_step``, ``stop``, ``watchdog``, ``check_every``) fill or override
-    it. Epoch ``e`` visits positions in :func:`mpidp.data.partition.epoch_order` order, so
-    the global batches do not depend on the number of ranks; ``resume`` (from
-    :func:`mpidp.run.checkpoint.restore`) continues mid-epoch exactly where the checkpoint
-    was taken. ``test``: a held-out shard, or several by name (``{"val": ..., "test":
-    ...}``), each evaluated after every epoch (``val_loss`` is what ``early_stopping``
-    watches by default). Returns the history, one dict per epoch: ``epoch, loss, accuracy,
-    test_loss, test_accuracy`` (and ``test_f1_macro`` ... or ``test_r2`` ...: the figures of
-    :data:`mpidp.run.loop.BRIEF`; the same for every named set), ``seconds`` and
-    ``balance`` (the epoch's load-balance figures, :func:`mpidp.data.balance.balance_figures`),
-    global figures, the same on every rank.
+    ``batch_size`` and ``settings`` (its fields) fill or override it. The global batches
+    do not depend on the number of ranks; ``resume`` (from
+    :func:`mpidp.run.checkpoint.restore`) continues mid-epoch where the checkpoint was
+    taken. ``test``: a held-out shard, or several by name (``{"val": ..., "test": ...}``),
+    each evaluated after every epoch. Returns the history, one dict per epoch (``epoch,
+    loss, accuracy``, each set's figures, ``seconds``, ``balance``), the same on every rank.
     """
     spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
     tests = test if isinstance(test, dict) else {"test": test}

@@ -231,14 +231,11 @@ class DataParallel:
 
     def step(self, X: np.ndarray, y: np.ndarray, last_of_epoch: bool = False,
              index: np.ndarray | None = None) -> StepStats:
-        """One synchronous step on this rank's part ``X`` ``(n_local, *sample_shape)`` of
-        the global batch (``n_local`` may be 0). Collective. Returns the global batch's stats
-        (strategies that synchronise every k steps return zeros in between and the group's
-        totals when they synchronise; ``last_of_epoch`` makes them synchronise now: give it
-        at the same step on every rank; a synchronisation that some ranks bring forward
-        for it and others do not raises ``MpidpError`` on every rank).
-        ``index`` ``(n_local,)``: the rows' global positions in the training set, which
-        keys dropout masks (:func:`fit` passes them; a loop of your own must, for dropout)."""
+        """One synchronous step on this rank's part ``X`` ``(n_local, ...)`` of the global
+        batch (``n_local`` may be 0). Collective. Returns the global batch's stats
+        (periodic strategies: zeros between synchronisations; ``last_of_epoch``, given at
+        the same step on every rank, makes them synchronise now). ``index``: the rows'
+        global positions, which key dropout masks."""
         if self.closed:
             raise C.MpidpError("this DataParallel is closed: build a new one to train again")
         buf, n = self.buf, self.model.n_params

@@ -94,15 +94,13 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
                root: int = 0) -> MapResult:
     """Apply ``fn`` to every row of ``data`` across ``comm`` and combine the outputs.
 
-    Collective. ``data``: an array (or memmap, or CSR) with the same rows on every rank, or a
-    :class:`mpidp.data.sources.Source` from which each rank reads only its rows. ``fn`` maps rows
-    ``(m, ...)`` to per-row outputs ``(m, *out_shape)``. ``reduce``: ``sum``/``mean``/``min``/
-    ``max`` over all rows (result ``out_shape``, float64, on every rank) or ``concat``: all
-    outputs ``(n, *out_shape)`` in the original row order, on ``root``, or, with ``out``, in
-    that ``.npy`` file written directly by every rank (returns None then).
-    Rows are split by ``partition`` (+ ``costs``/``capacities``), ``chunk_size`` rows at a
-    time; ``dynamic=True`` hands out chunks from a shared counter instead. Bad arguments
-    raise the same :class:`mpidp.MpidpError` on every rank.
+    Collective. ``data``: an array (or memmap, or CSR) with the same rows on every rank, or
+    a :class:`mpidp.data.sources.Source`. ``fn`` maps rows ``(m, ...)`` to ``(m,
+    *out_shape)``. ``reduce``: ``sum``/``mean``/``min``/``max`` over all rows (float64, on
+    every rank) or ``concat``: all outputs in row order on ``root``, or with ``out`` in
+    that ``.npy`` file (None returned). Rows are split by ``partition`` (+ ``costs``/
+    ``capacities``), ``chunk_size`` at a time; ``dynamic=True`` hands out chunks from a
+    shared counter. Bad arguments raise the same :class:`mpidp.MpidpError` on every rank.
     """
     C.agree_same(comm, "map_reduce", {  # the same rows everywhere: else messages mismatch
         "reduce": reduce, "partition": partition, "seed": seed, "dynamic": dynamic,

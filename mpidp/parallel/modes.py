@@ -1,16 +1,9 @@
 """Every parallel mode, declared once: its name, its kind, its settings (checked when
 made), the layers it cannot serve and why, its note for ``--help``, and the class that
-runs it.
-
-A mode is a gradient exchange of :class:`~mpidp.DataParallel` (``--sync allreduce``, ...,
-``auto``: kind ``"data"``), the asynchronous parameter server (``--sync async-ps``: kind
-``"async"``) or a pipeline (``--parallel pipeline`` and ``hybrid``: kind ``"pipeline"``).
-:data:`MODES` is the one table: the names below, :func:`make_sync`, :func:`refuses_model`
-and the command line's options (:mod:`mpidp.cli.flags`, :mod:`mpidp.cli.options`) read
-it. A setting shared by several modes has one name in all of them (``bucket_bytes``,
-``codec``, ``node_aware``, ``progress``, ``k``), so an option applies to the modes whose
-settings carry its field. Pure: no MPI here, so the command line refuses bad settings
-before MPI starts; the classes that run the modes are imported when first made.
+runs it. :data:`MODES` is the one table that :func:`make_sync`, :func:`refuses_model`
+and the command line's options read. A setting shared by several modes has one name in
+all of them (``bucket_bytes``, ``codec``, ``node_aware``, ``progress``, ``k``). Pure: no
+MPI here, so the command line refuses bad settings before MPI starts.
 """
 
 from __future__ import annotations

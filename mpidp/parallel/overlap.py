@@ -21,37 +21,23 @@ class Overlapped(Sync):
     Parameters
     ----------
     bucket_bytes : a bucket closes once its layers hold at least this many bytes of
-        gradients (whole layers; the first bucket also carries the loss and counts). A
-        size beyond the whole gradient makes one bucket, started when backward ends.
-    progress : how the started sums move while backward computes. ``"test"`` (the
-        default): a sum per bucket (:class:`mpidp.comm.StartedSums`: an ``Iallreduce``,
-        or at two ranks one exchange of the bucket), advanced by ``MPI_Testsome`` at every
-        layer boundary. ``"thread"``: a communication thread runs one blocking
-        ``Allreduce`` per bucket (:class:`mpidp.comm.BackgroundAllreduce`), so a bucket
-        also moves during one long layer, at the cost of a core polling in MPI; it needs
-        ``MPI_THREAD_MULTIPLE``.
+        gradients (whole layers; the first bucket also carries the loss and counts).
+    progress : ``"test"`` (the default): a sum per bucket (:class:`mpidp.comm.StartedSums`)
+        advanced by ``MPI_Testsome`` at every layer boundary; ``"thread"``: a
+        communication thread runs one blocking ``Allreduce`` per bucket (it needs
+        ``MPI_THREAD_MULTIPLE``, and a core polls meanwhile).
     finish : ``"backward"`` (the default): every sum completes before the update.
         ``"forward"``: the step waits only for the sum holding the loss and counts; every
-        other part is applied (this step's update, piece by piece) as it arrives, at the
-        latest when the next forward pass reads it (``on_layer_params`` of
-        :meth:`mpidp.nn.Sequential.forward`), so the first layers' transfer overlaps the
-        next forward pass. The second half of every bucket but the last waits until the
-        last bucket's parts have started, the last layer's gradients go with the loss and
-        counts, and at most ``WINDOW`` sums are in flight, on a communicator of their own.
-        The numbers are those of ``"backward"`` up to rounding; it needs an elementwise
-        optimizer (no ``clip_norm``, no LARS or LAMB), ``on_nonfinite='ignore'`` and
-        progress ``"test"``. Between steps the first layers' parameters are then still
-        being updated: :meth:`settle` (which the trainer calls before whatever reads them)
-        completes them.
+        other part is applied as it arrives, at the latest when the next forward pass
+        reads it, so the first layers' transfer overlaps the next forward pass (at most
+        ``WINDOW`` sums in flight, on a communicator of their own). It needs an
+        elementwise optimizer, ``on_nonfinite='ignore'`` and progress ``"test"``;
+        :meth:`settle` completes the parameters between steps.
 
-    Notes
-    -----
     Buckets are ``(layer, lo, hi)`` in launch order: bucket ``k`` starts when backward has
-    finished ``layer`` and sums ``buf[lo:hi]``. A layer that announces its gradient in
-    parts (``on_layer_part``) starts its bucket in parts of at least ``bucket_bytes``. A
-    bucket not started by a backward hook is started by :meth:`reduce`, so every element
-    is summed exactly once per step. Forward, the backward of the last layers before the
-    first large bucket, and the first layer's transfer are never hidden.
+    finished ``layer`` and sums ``buf[lo:hi]``; a layer that announces its gradient in
+    parts (``on_layer_part``) starts its bucket in parts. :meth:`reduce` starts what no
+    hook started, so every element is summed exactly once per step.
     """
 
     name = "overlapped"

@@ -207,13 +207,10 @@ class Pipeline:
 
     def step(self, X: np.ndarray | None, y: np.ndarray | None, n: int | None = None,
              last_of_epoch: bool = False) -> StepStats:
-        """One training step on a batch of ``n`` samples of this replica.
-
-        Collective over the pipeline (and its replicas). ``X`` ``(n, n_in)`` is needed on the
-        first stage, ``y`` ``(n,)`` or ``(n, k)`` on the last; others may pass None with
-        ``n``. Returns the global stats; ``loss_sum`` and ``correct`` are known on the last
-        stage only (NaN and 0 elsewhere).
-        """
+        """One training step on a batch of ``n`` samples of this replica. Collective.
+        ``X`` ``(n, n_in)`` is needed on the first stage, ``y`` on the last; others may
+        pass None with ``n``. ``loss_sum`` and ``correct`` are known on the last stage
+        only (NaN and 0 elsewhere)."""
         n = _batch_len(X, y, n)
         sizes = St.micro_batch_sizes(n, self.micro_batches)  # same check on every stage
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])

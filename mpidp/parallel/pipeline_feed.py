@@ -1,16 +1,20 @@
 """A pipeline's run: :class:`PipelineFeed`, the batches of a
 :class:`~mpidp.parallel.pipeline.Pipeline` (the same global batches as :func:`mpidp.fit`:
-replica ``r`` takes its block of each, the first stage reads its rows of ``X`` and the last
-its targets), and :func:`fit_pipeline`, its run through the one loop."""
+replica ``r`` takes its block of each), :func:`fit_pipeline`, its run through the one
+loop, and what it hands back beyond its history: the whole model (:func:`whole_model`),
+the held-out scores and each rank's memory (:func:`figures`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
 from .. import comm as C
+from ..data.distribute import Shard
 from ..data.partition import block_range, epoch_order, steps_per_epoch
+from ..nn.layers import Layer
+from ..nn.model import Sequential
 from ..run.loop import run, watched_run
 from ..run.spec import RunSpec
 from ..run.stats import StepStats
@@ -95,16 +99,10 @@ class PipelineFeed:
 def fit_pipeline(pipe: Pipeline, train: tuple, epochs: int | None = None,
                  batch_size: int | None = None, *, test: tuple | None = None,
                  spec: RunSpec | None = None, **settings) -> list[dict]:
-    """Train ``pipe`` until ``epochs`` epochs of global batches of ``batch_size`` samples
-    are done, through the one loop (:func:`mpidp.run.loop.run`: faults, NaN policy,
-    replica checks, checkpoints and signals as in data-parallel training). Collective.
-
-    ``train`` is ``(X, y)``, the whole training set ``(n_samples, n_features)`` on every
-    rank; ``test`` likewise or None. ``spec`` and ``settings`` as for :func:`mpidp.fit`
-    (``partition`` does not apply: every stage sees the whole batch). ``resume`` (from
-    :meth:`Pipeline.restore`) continues mid-epoch where a checkpoint was taken. Returns the
-    history (one dict per epoch: ``epoch, loss, accuracy, seconds`` and, with a test set,
-    ``test_loss, test_accuracy``) on every rank.
+    """Train ``pipe`` for ``epochs`` epochs of global batches of ``batch_size`` samples
+    through the one loop (:func:`mpidp.run.loop.run`), as :func:`mpidp.fit`. Collective.
+    ``train`` (and ``test``, or None) is ``(X, y)``, the whole set on every rank;
+    ``partition`` does not apply. Returns the history on every rank.
     """
     spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
     C.agree_same(pipe.world, "fit_pipeline", spec.agreed())  # the sets: checked below
@@ -113,3 +111,29 @@ def fit_pipeline(pipe: Pipeline, train: tuple, epochs: int | None = None,
     with watched_run(spec, pipe.world) as spec:
         return run(pipe, PipelineFeed(pipe, train, test, spec), spec)
 
+
+def whole_model(pipe: Pipeline, make_layers: Callable[[], Sequence[Layer]]) -> Sequential | None:
+    """The whole model on rank 0 (stage 0 of replica 0), None elsewhere: ``make_layers()``
+    (fresh unbound layers, the pipeline's) holding every stage's parameters, gathered, and
+    the layer state (a Standardize in front) of stage 0. Collective."""
+    full = pipe.gather_params(0)
+    if pipe.world.rank != 0:
+        return None
+    model = Sequential(make_layers(), pipe.plan.shapes[0], pipe.model.dtype)
+    model.params[...] = full
+    model.state[:pipe.model.n_state] = pipe.model.state  # only stage 0 holds state
+    return model
+
+
+def figures(pipe: Pipeline, held: dict[str, Shard | None]) -> tuple[dict, list[dict] | None]:
+    """The scores of each non-empty held-out set of ``held`` (each replica evaluates its
+    block of the rows), and on rank 0 the bytes each rank holds (None elsewhere: see
+    :meth:`Pipeline.memory`). Collective."""
+    scores = {}
+    for name, shard in held.items():
+        if shard is not None and shard.n_total:
+            lo, hi = block_range(shard.n_total, pipe.n_replicas, pipe.replica)
+            scores[name] = pipe.evaluate(shard.X[lo:hi], shard.y[lo:hi]).scores
+    rows = C.gather_rows(pipe.world, np.array(list(pipe.memory().values()), np.float64))
+    return scores, None if rows is None else [dict(zip(pipe.memory(), map(int, row)))
+                                              for row in rows]

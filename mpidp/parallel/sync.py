@@ -147,23 +147,19 @@ class Sync:
         return None
 
     def on_layer_part(self) -> tuple[Callable[[int, int], None], int] | None:
-        """A backward hook for parts of a layer's gradients and the values per part it
-        asks for (``Sequential.backward(on_layer_part=..., piece=...)``), or None."""
+        """``(hook, piece)`` for ``Sequential.backward(on_layer_part=..., piece=...)``, or None."""
         return None
 
     def on_forward(self) -> tuple[Callable[[int, int | None], None], int] | None:
-        """A forward hook for a strategy whose update is still arriving when the next step
-        begins, and the values per part it asks layers to read their parameters in
-        (``Sequential.forward(on_layer_params=..., piece=...)``), or None."""
+        """``(hook, piece)`` for ``Sequential.forward(on_layer_params=..., piece=...)`` where
+        an update is still arriving when the next step begins, or None."""
         return None
 
     def settle(self) -> None:
-        """Complete an update still arriving (see :meth:`on_forward`), so that the
-        parameters are final. Collective."""
+        """Complete an update still arriving (see :meth:`on_forward`). Collective."""
 
     def refuses_run(self, optimizer: Optimizer, on_nonfinite: str) -> str | None:
-        """Why this strategy cannot train with ``optimizer`` under the NaN policy
-        ``on_nonfinite``, or None."""
+        """Why it cannot train with ``optimizer`` under the NaN policy ``on_nonfinite``, or None."""
         return None
 
     def refuses(self, model) -> str | None:
@@ -185,14 +181,12 @@ class Sync:
         return True
 
     def accumulating(self) -> bool:
-        """True when this step's backward must ADD to the gradient sums already in the buffer
-        (and its loss and counts to theirs) instead of overwriting them."""
+        """True when this step's backward must ADD to the sums already in the buffer."""
         return False
 
     def before_checkpoint(self, optimizer: Optimizer) -> None:
-        """Collective, before the root writes a checkpoint: make ``optimizer`` (the
-        trainer's) hold the whole optimizer state on the root (a strategy that shards it
-        gathers it here)."""
+        """Make ``optimizer`` hold the whole optimizer state on the root before it writes a
+        checkpoint (a sharded state is gathered). Collective."""
 
     def after_checkpoint(self, optimizer: Optimizer) -> None:
         """After the checkpoint is written (every rank)."""
@@ -205,20 +199,17 @@ class Sync:
         return None if self.hierarchy is None else self.hierarchy.describe()
 
     def step_begins(self) -> None:
-        """Before every step's forward pass (a strategy that times its steps, ``auto``,
-        starts its clock here, so work between steps is not charged to any of them)."""
+        """Before every step's forward pass (``auto`` starts its clock here)."""
 
     def step_done(self) -> None:
-        """After every step, updated or not (a strategy that measures itself, ``auto``).
-        Collective where a strategy decides something."""
+        """After every step, updated or not (``auto`` measures itself). Collective there."""
 
     def close(self) -> None:
         """Release what the strategy holds beyond its buffers (threads); idempotent."""
 
     def free(self) -> None:
-        """Release the buffers that live outside this process's own memory (shared-memory
-        windows), after :meth:`close`: the strategy is not used again, and nothing may
-        hold its buffers any more. Collective; idempotent."""
+        """Release the shared-memory windows, after :meth:`close`, when nothing holds the
+        buffers any more. Collective; idempotent."""
         if getattr(self, "hierarchy", None) is not None:
             self.hierarchy.free()
             self.hierarchy = None
@@ -230,9 +221,8 @@ class Sync:
         return global_sums(self.buf, self.n)
 
     def update(self, optimizer: Optimizer, count: int) -> None:
-        """Apply the judged global sums: the mean gradient ``sum / count`` folded into
-        ``optimizer``'s step, the same on every rank. Collective where a strategy ships
-        parameters."""
+        """Apply the judged global sums: ``optimizer``'s step with the mean gradient
+        ``sum / count``, the same on every rank."""
         with self.timer.compute():
             optimizer.step_(self.model.params, self.buf[:self.n], scale=1.0 / count)
 
@@ -284,13 +274,9 @@ class _Periodic(Sync):
 
 
 class Accumulate(_Periodic):
-    """Gradient accumulation: sum gradients over ``k`` global batches locally, then ONE
-    ``Allreduce`` and one update — exactly training with global batch ``k * B`` (a group
-    is cut short at an epoch's end). ``1/k`` of the synchronisations; a stop request
-    arrives with the group's sums.
-
-    Backward adds each batch's gradients into the buffer it reduces (BLAS ``gemm`` with
-    ``beta = 1`` where SciPy is installed), so accumulating costs no pass of its own."""
+    """Gradient accumulation: sum gradients over ``k`` global batches locally (backward adds
+    into the buffer), then ONE ``Allreduce`` and one update: exactly training with global
+    batch ``k * B`` (a group is cut short at an epoch's end)."""
 
     name = "accumulate"
 
@@ -320,14 +306,10 @@ class _Averaged(IntEnum):
 
 class LocalSGD(_Periodic):
     """Local SGD: each rank updates from its own part of the batch, and every ``k`` steps
-    (and at each epoch's end) the parameters are averaged with one ``Allreduce``, which
-    also carries the group's loss and counts, its non-finite steps and the stop request.
-
-    A non-finite local step is not applied on its rank (unless the policy ignores it);
-    the policy's verdict on the group's non-finite steps (raise, or count them) comes with
-    the average.
-    Not the single-process arithmetic: replicas drift between averages and optimizer state
-    stays per rank; the benchmark measures the accuracy this costs.
+    (and at each epoch's end) one ``Allreduce`` averages the parameters and carries the
+    group's loss and counts, its non-finite steps and the stop request. A non-finite local
+    step is not applied (unless the policy ignores it); the policy's verdict on them comes
+    with the average. Not the single-process arithmetic: replicas drift between averages.
     """
 
     name = "local-sgd"

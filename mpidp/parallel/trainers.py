@@ -25,13 +25,12 @@ def make_trainer(parallel: str, layers: Sequence[Layer], n_in: int, optimizer: O
                  **kwargs) -> DataParallel | Pipeline:
     """A trainer by name. Collective.
 
-    ``"data"``: :class:`DataParallel` of ``Sequential(layers)`` (every rank the whole model;
-    ``micro_batches``/``schedule`` unused; train with :func:`mpidp.fit`). ``"pipeline"``: one
-    pipeline over all ranks. ``"hybrid"``: pipelines of ``n_stages`` (default 2) stages,
-    ``comm.size // n_stages`` data-parallel replicas. Train pipelines with
-    :func:`mpidp.parallel.pipeline.fit_pipeline`. Initialise a pipeline's parameters with
-    its ``init_`` after; a :class:`DataParallel` broadcasts root's (zero) parameters when
-    it is made, so initialise its ``model`` after with the same seed on every rank.
+    ``"data"``: :class:`DataParallel` of ``Sequential(layers)`` (train with
+    :func:`mpidp.fit`; ``micro_batches``/``schedule`` unused). ``"pipeline"``: one
+    pipeline over all ranks; ``"hybrid"``: pipelines of ``n_stages`` (default 2) stages
+    (train with :func:`mpidp.parallel.pipeline_feed.fit_pipeline`, initialise with the
+    pipeline's ``init_``). A :class:`DataParallel` broadcasts root's parameters when made,
+    so initialise its ``model`` after with the same seed on every rank.
     """
     comm = comm if comm is not None else C.world()
     C.agree(comm, None if parallel in PARALLEL else
