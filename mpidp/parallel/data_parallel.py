@@ -95,9 +95,7 @@ class DataParallel:
             C.install_abort_hook()
         # layers that sum over the global batch (batch norm) ask through the model's context
         model.set_context(Context(reduce_sum=self._reduce_sum, group_size=self.comm.size))
-        # the optimizer updates the whole vector here (local SGD: its own, local norms);
-        # a sharded strategy places its own optimizer on its slice
-        optimizer.place(Segments.of(model))
+        optimizer.place(Segments.of(model))  # a sharded strategy places its own on its slice
         self.sync = (make_sync(sync, optimizer_factory=lambda: copy.deepcopy(optimizer))
                      if isinstance(sync, str) else sync)
         # the same verdict on every rank, before any work
@@ -105,8 +103,7 @@ class DataParallel:
         if refused:
             raise C.MpidpError(refused)
         self.sync_params(init_sync)
-        # grads | extras (mpidp.parallel.buffer): ONE buffer, so ONE Allreduce per step,
-        # laid out as the strategy needs it (padded, in shared memory)
+        # grads | extras (mpidp.parallel.buffer): ONE buffer, laid out as the strategy needs
         bufs = self.sync.setup(Setup(self.comm, root, model, self.timer))
         self.sync._taken = True  # this trainer's from here on (a failed start leaves it free)
         model.use_grad_buffer(bufs.grads)

@@ -40,10 +40,9 @@ _TAG_F, _TAG_B = 21, 22  # activations forward, gradients backward (order kept p
 
 @dataclass
 class PipeCounters:
-    """Per-rank figures since the last :meth:`reset`: bytes and messages sent point to point,
-    bytes reduced across replicas, and (when tracing) every op. Peak activation bytes: those
-    cached for backward by the micro-batches in flight (``peak_cached_bytes``, fixed by the
-    schedule) and those plus outputs still being sent (``peak_activation_bytes``)."""
+    """Per-rank figures since the last :meth:`reset`: point-to-point bytes and messages,
+    bytes reduced across replicas, (when tracing) every op, and the peak activation bytes
+    cached for backward (plus, in ``peak_activation_bytes``, outputs still being sent)."""
 
     p2p_bytes: int = 0
     p2p_messages: int = 0
@@ -447,10 +446,8 @@ class _StepState:
 
 
 def _batch_len(X, y, n) -> int:
-    if X is not None:
-        return len(X)
-    if y is not None:
-        return len(y)
+    if X is not None or y is not None:
+        return len(X if X is not None else y)
     if n is None:
         raise ValueError("pass X, y or the batch length n")
     return int(n)
