@@ -166,7 +166,7 @@ def test_bad_finish_settings_are_refused():
     from mpidp.parallel.modes import make_sync
     with pytest.raises(mpidp.MpidpError, match="unknown overlap finish 'later'"):
         Overlapped(finish="later")
-    with pytest.raises(mpidp.MpidpError, match="use progress 'test'"):
+    with pytest.raises(mpidp.MpidpError, match="use progress='test'"):
         Overlapped(progress="thread", finish="forward")
     with pytest.raises(mpidp.MpidpError, match="applies to --sync overlapped, not compressed"):
         make_sync("compressed", finish="forward")
