@@ -134,11 +134,9 @@ class Codec:
 
     def encode_sum_(self, src: np.ndarray, codes: np.ndarray, res: np.ndarray | None = None,
                     lost: np.ndarray | None = None, scan: bool = False) -> tuple[bool, bool]:
-        """``codes[...] = encode(src + res)`` (the sum in float32; ``src`` alone without
-        ``res``); with ``lost`` (and ``res``), what that loses into ``lost``. ``src``:
-        float32 or float64 ``(k,)``; ``res``, ``lost``: float32 ``(k,)``, ``lost`` may be
-        ``res``. With ``scan``, returns :func:`_scan`'s verdict on the values encoded,
-        else ``(False, False)``."""
+        """``codes[...] = encode(src + res)`` (float32; ``src`` alone without ``res``), what
+        that loses into ``lost`` (given with ``res``; may be ``res``). With ``scan``,
+        returns :func:`_scan`'s verdict on the values encoded, else ``(False, False)``."""
         if (res is None) != (lost is None):
             raise ValueError("encode_sum_ takes res and lost together")
         f16 = self.codec == "float16"
@@ -164,10 +162,9 @@ class Codec:
     def sum_encode_(self, mine: np.ndarray, recv: np.ndarray, starts: np.ndarray, k: int,
                     res: np.ndarray | None = None,
                     lost: np.ndarray | None = None) -> tuple[bool, bool]:
-        """``mine[...] = encode(sum + res)``: ``sum``, the float32 sum in rank order of the
-        ``P`` ranks' codes of one segment of ``k`` values, rank ``r``'s being ``mine``
-        where ``starts[r] < 0`` (int64 ``(P,)``), else ``recv[starts[r]:]``; with
-        ``lost`` (and ``res``, float32 ``(k,)``), what the encoding loses into ``lost``.
+        """``mine[...] = encode(sum + res)``, ``sum`` the float32 sum in rank order of the
+        ``P`` ranks' codes of one segment of ``k`` values (rank ``r``'s: ``mine`` where
+        ``starts[r] < 0``, else ``recv[starts[r]:]``); ``lost`` as :meth:`encode_sum_`'s.
         Returns :func:`_scan`'s verdict on ``sum + res``."""
         if (res is None) != (lost is None):
             raise ValueError("sum_encode_ takes res and lost together")
