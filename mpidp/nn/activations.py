@@ -28,9 +28,6 @@ class ReLU(Layer):
         super().__init__()
         self.inplace = inplace
 
-    def config(self) -> dict:
-        return {}
-
     def forward(self, x: np.ndarray) -> np.ndarray:
         self._y = np.maximum(x, 0, out=x if self.inplace else None)
         return self._y
@@ -46,9 +43,6 @@ class ReLU(Layer):
 class Tanh(Layer):
     """``tanh(x)``."""
 
-    def config(self) -> dict:
-        return {}
-
     def forward(self, x: np.ndarray) -> np.ndarray:
         self._y = np.tanh(x)
         return self._y
@@ -61,9 +55,6 @@ class Tanh(Layer):
 @register_layer
 class Sigmoid(Layer):
     """``1 / (1 + exp(-x))``, computed without overflow for large ``|x|``."""
-
-    def config(self) -> dict:
-        return {}
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         e = np.exp(-np.abs(x))
@@ -115,9 +106,6 @@ class GELU(Layer):
     derivative of the approximation above (not of ``x * Phi(x)``).
     """
 
-    def config(self) -> dict:
-        return {}
-
     def forward(self, x: np.ndarray) -> np.ndarray:
         self._x = x
         x2 = x * x
@@ -160,9 +148,6 @@ class Softmax(Layer):
     training a classifier prefer :class:`mpidp.nn.SoftmaxCrossEntropy` on raw scores: it
     fuses the two and is better conditioned.
     """
-
-    def config(self) -> dict:
-        return {}
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         y = x - x.max(axis=-1, keepdims=True)

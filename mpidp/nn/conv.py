@@ -242,10 +242,6 @@ class Conv1d(_ConvNd):
 
     nd = 1
 
-    def __init__(self, out_channels: int, kernel: int, stride: int = 1, padding: int = 0,
-                 in_channels: int | None = None, init: str = "he") -> None:
-        super().__init__(out_channels, kernel, stride, padding, in_channels, init)
-
 
 @register_layer
 class Conv2d(_ConvNd):
@@ -257,8 +253,3 @@ class Conv2d(_ConvNd):
     """
 
     nd = 2
-
-    def __init__(self, out_channels: int, kernel: int | Sequence[int], stride: int | Sequence[int] = 1,
-                 padding: int | Sequence[int] = 0, in_channels: int | None = None,
-                 init: str = "he") -> None:
-        super().__init__(out_channels, kernel, stride, padding, in_channels, init)

@@ -68,6 +68,11 @@ class Layer(ABC):
     def init_(self, rng: np.random.Generator) -> None:  # noqa: B027 - no parameters: nothing to do
         """Fill this layer's parameters (and state) in place from ``rng``."""
 
+    def config(self) -> dict:
+        """The JSON-able settings that rebuild the layer (``cls(**config())``): by default
+        ``n_in`` and ``n_out`` where the layer has ``n_out``, else none."""
+        return {"n_in": self.n_in, "n_out": self.n_out} if hasattr(self, "n_out") else {}
+
     def set_context(self, context: Context, key: tuple[int, ...] = ()) -> None:
         """Share the model's :class:`Context` and give the layer its ``key``: its position
         in the model (``(i,)``; a layer inside a block ``(i, j)``), which keys anything
@@ -167,15 +172,9 @@ def layer_name(cls: type) -> str:
 
 
 def layer_spec(layer: Layer) -> dict:
-    """``{"type": <registered name>, **settings}`` for one layer: the settings from its
-    ``config()``, else ``n_in``/``n_out`` where the layer has ``n_out``. Raises
-    ``ValueError`` if the settings use a key a model spec reserves."""
-    if callable(getattr(layer, "config", None)):
-        settings = dict(layer.config())
-    elif hasattr(layer, "n_out"):
-        settings = {"n_in": layer.n_in, "n_out": layer.n_out}
-    else:
-        settings = {}
+    """``{"type": <registered name>, **layer.config()}``. Raises ``ValueError`` if the
+    settings use a key a model spec reserves."""
+    settings = dict(layer.config())
     clash = [k for k in RESERVED if k in settings]
     if clash:
         raise ValueError(f"{type(layer).__name__}.config() may not use the key(s) {clash}: "

@@ -1,33 +1,25 @@
 """The optimizer base over one flat parameter vector: its rate, where its vector lies in
-the model, clipping, and updates in pieces. Pure NumPy, no MPI, kept outside the layers;
-the rules themselves (SGD, Adam, LARS ...) are in :mod:`mpidp.nn.optimizers`.
+the model, clipping, and updates in pieces. Pure NumPy, no MPI; the rules themselves
+(SGD, Adam, LARS ...) are in :mod:`mpidp.nn.optimizers`.
 
 ``step_(params, grad)`` updates ``params`` in place from the global MEAN gradient. State
 (momentum, Adam moments) is flat too, so it checkpoints and shards like the parameters.
-
-The learning rate is a float or a schedule (:mod:`mpidp.nn.schedules`) of the update count
-``t`` (0 for the first update), times ``lr_scale`` (1.0; what a reduce-on-plateau
-controller sets).
+The rate is a float or a schedule (:mod:`mpidp.nn.schedules`) of the update count ``t``
+(0 for the first update), times ``lr_scale``.
 
 Norms and slices
 ----------------
-Layer-wise rules (:class:`LARS`, :class:`LAMB`) and gradient clipping by global norm
-(``clip_norm``) need norms of whole tensors, but the vector an optimizer updates may be a
-slice of the model (a ``sharded-ps`` rank's block, a pipeline stage) or a piece of it
-(``chunks``). The trainer tells the optimizer where its vector lies with :meth:`Optimizer.place`:
+Layer-wise rules (:class:`LARS`, :class:`LAMB`) and clipping by global norm need norms of
+whole tensors, but the vector an optimizer updates may be a slice of the model (a
+parameter server's block, a pipeline stage). :meth:`Optimizer.place` says where it lies:
+the model's tensors (:class:`Segments`), the vector's ``offset`` in the whole model, and
+``reduce_sum``, which sums a small float64 array in place over the ranks holding the
+other slices (a collective: every such rank calls it as often, in the same order).
 
-* ``segments``: the model's tensors (:class:`Segments`, boundaries in whole-model coordinates);
-* ``offset``: where the vector given to ``step_`` starts in the whole model;
-* ``reduce_sum``: sums a small float64 array in place over the ranks holding the other
-  slices (a collective: every such rank calls it as often, in the same order); identity
-  by default.
-
-Each update computes the squared norms of its slice's part of every tensor, adds them up
-over the ranks with ONE ``reduce_sum`` of all tensors' partials together, and only then
-updates (the first of ``chunks`` pieces too). :class:`LAMB` with ``clip_norm`` (or
+Each update adds up its slice's squared norms of every tensor over the ranks with ONE
+``reduce_sum``, and only then updates. :class:`LAMB` with ``clip_norm`` (or
 ``track_grad_norm``) reduces twice: the clipped gradient feeds its moments, whose update's
-norm is needed after. An optimizer never placed treats the vector it is given as one
-tensor.
+norm is needed after. An optimizer never placed treats its vector as one tensor.
 """
 
 from __future__ import annotations
@@ -39,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import setting
 from .schedules import Schedule, as_schedule
 
 ReduceSum = Callable[[np.ndarray], np.ndarray]
@@ -243,12 +236,7 @@ class Optimizer(ABC):
         self._now = self.lr_at(t)
         try:
             first = self._prepare(params)
-            if self.clip_value is not None:
-                if scale != 1.0:
-                    grad *= scale
-                np.clip(grad, -self.clip_value, self.clip_value, out=grad)
-                scale = 1.0
-            scale = self._begin(params, grad, scale, first)
+            scale = self._begin(params, grad, self._clip_values(grad, scale), first)
             edges = chunk_edges(len(params), chunks)
             for lo, hi in zip(edges[:-1], edges[1:]):
                 self._apply(params, grad, lo, hi, scale, first)
@@ -261,7 +249,7 @@ class Optimizer(ABC):
         """Why this optimizer cannot apply an update piece by piece while the rest of its
         gradient is still arriving (:meth:`update_in_pieces_`), or None."""
         if self.clip_norm is not None:
-            return "clip_norm (--clip-norm) scales by the norm of the whole gradient"
+            return f"{setting('clip_norm')} scales by the norm of the whole gradient"
         if self.track_grad_norm:
             return "tracking the gradient norm needs the whole gradient"
         if type(self)._begin is not Optimizer._begin or type(self)._apply is not Optimizer._apply:
@@ -286,18 +274,22 @@ class Optimizer(ABC):
         first = self._prepare(params)
 
         def apply(grad: np.ndarray, lo: int, hi: int) -> None:
-            self._now, part = rate, scale
+            self._now = rate
             try:
-                if self.clip_value is not None:  # as step_ does: scale, clip, then scale 1
-                    g = grad[lo:hi]
-                    if part != 1.0:
-                        g *= part
-                    np.clip(g, -self.clip_value, self.clip_value, out=g)
-                    part = 1.0
-                self._apply(params, grad, lo, hi, part, first)
+                self._apply(params, grad, lo, hi, self._clip_values(grad[lo:hi], scale), first)
             finally:
                 self._now = None
         return apply
+
+    def _clip_values(self, g: np.ndarray, scale: float) -> float:
+        """With ``clip_value``: ``g`` scaled and clipped in place, and 1.0 (the scale left
+        to apply); else ``scale``."""
+        if self.clip_value is None:
+            return scale
+        if scale != 1.0:
+            g *= scale
+        np.clip(g, -self.clip_value, self.clip_value, out=g)
+        return 1.0
 
     def _begin(self, params: np.ndarray, grad: np.ndarray, scale: float, first: bool) -> float:
         """Before any piece: the global norm (one reduction, with the tensors' parameter

@@ -167,9 +167,6 @@ class AvgPool(_WindowPool):
 class GlobalAvgPool(Layer):
     """Mean over every spatial axis: ``(n, C, *spatial)`` -> ``(n, C)``."""
 
-    def config(self) -> dict:
-        return {}
-
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         if len(in_shape) < 2:
             raise ValueError(f"GlobalAvgPool takes samples of shape (channels, *spatial), got "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -54,6 +55,13 @@ def _count(what: str, value: int, least: int = 1) -> int:
     return int(value)
 
 
+def _milestones(what: str, value: tuple[int, ...]) -> tuple[int, ...]:
+    ms = tuple(_count("a milestone", m, 0) for m in value)
+    if list(ms) != sorted(set(ms)):
+        raise ValueError(f"{what} must increase strictly, got {list(ms)}")
+    return ms
+
+
 def _t(t: int) -> int:
     if t < 0:
         raise ValueError(f"a schedule is defined for update counts t >= 0, got {t}")
@@ -64,6 +72,12 @@ class Schedule:
     """Base class: ``__call__(t) -> float`` the rate of update ``t`` (0: the first)."""
 
     name: ClassVar[str] = ""
+    #: each setting's check, in order: ``check(name, value)`` returns the value kept
+    _checks: ClassVar[dict[str, Callable[[str, Any], Any]]] = {}
+
+    def __post_init__(self) -> None:
+        for key, check in self._checks.items():
+            object.__setattr__(self, key, check(key, getattr(self, key)))
 
     def __call__(self, t: int) -> float:
         raise NotImplementedError
@@ -83,10 +97,8 @@ class Constant(Schedule):
     """``lr`` for every update."""
 
     name: ClassVar[str] = "constant"
+    _checks = {"lr": _positive}
     lr: float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "lr", _positive("lr", self.lr))
 
     def __call__(self, t: int) -> float:
         _t(t)
@@ -98,14 +110,10 @@ class StepDecay(Schedule):
     """``lr * gamma ** (t // step_size)``: times ``gamma`` every ``step_size`` updates."""
 
     name: ClassVar[str] = "step"
+    _checks = {"lr": _positive, "step_size": _count, "gamma": _positive}
     lr: float
     step_size: int
     gamma: float = 0.1
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "lr", _positive("lr", self.lr))
-        object.__setattr__(self, "step_size", _count("step_size", self.step_size))
-        object.__setattr__(self, "gamma", _positive("gamma", self.gamma))
 
     def __call__(self, t: int) -> float:
         return self.lr * self.gamma ** (_t(t) // self.step_size)
@@ -116,17 +124,10 @@ class MultiStep(Schedule):
     """``lr * gamma ** k``, ``k`` the number of ``milestones`` (update counts) ``<= t``."""
 
     name: ClassVar[str] = "multistep"
+    _checks = {"lr": _positive, "milestones": _milestones, "gamma": _positive}
     lr: float
     milestones: tuple[int, ...]
     gamma: float = 0.1
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "lr", _positive("lr", self.lr))
-        ms = tuple(_count("a milestone", m, 0) for m in self.milestones)
-        if list(ms) != sorted(set(ms)):
-            raise ValueError(f"milestones must increase strictly, got {list(ms)}")
-        object.__setattr__(self, "milestones", ms)
-        object.__setattr__(self, "gamma", _positive("gamma", self.gamma))
 
     def __call__(self, t: int) -> float:
         return self.lr * self.gamma ** bisect.bisect_right(self.milestones, _t(t))
@@ -140,12 +141,9 @@ class Exponential(Schedule):
     """``lr * gamma ** t``."""
 
     name: ClassVar[str] = "exponential"
+    _checks = {"lr": _positive, "gamma": _positive}
     lr: float
     gamma: float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "lr", _positive("lr", self.lr))
-        object.__setattr__(self, "gamma", _positive("gamma", self.gamma))
 
     def __call__(self, t: int) -> float:
         return self.lr * self.gamma ** _t(t)
@@ -156,14 +154,13 @@ class Cosine(Schedule):
     """Half a cosine from ``lr`` (``t = 0``) down to ``min_lr`` (``t = total`` and after)."""
 
     name: ClassVar[str] = "cosine"
+    _checks = {"lr": _positive, "total": _count, "min_lr": _at_least_zero}
     lr: float
     total: int
     min_lr: float = 0.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "lr", _positive("lr", self.lr))
-        object.__setattr__(self, "total", _count("total", self.total))
-        object.__setattr__(self, "min_lr", _at_least_zero("min_lr", self.min_lr))
+        super().__post_init__()
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr {self.min_lr} is above lr {self.lr}")
 
@@ -180,16 +177,14 @@ class Polynomial(Schedule):
     (``power = 1``: a linear decay, as BERT's LAMB runs use)."""
 
     name: ClassVar[str] = "polynomial"
+    _checks = {"lr": _positive, "total": _count, "power": _positive, "end_lr": _at_least_zero}
     lr: float
     total: int
     power: float = 1.0
     end_lr: float = 0.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "lr", _positive("lr", self.lr))
-        object.__setattr__(self, "total", _count("total", self.total))
-        object.__setattr__(self, "power", _positive("power", self.power))
-        object.__setattr__(self, "end_lr", _at_least_zero("end_lr", self.end_lr))
+        super().__post_init__()
         if self.end_lr > self.lr:
             raise ValueError(f"end_lr {self.end_lr} is above lr {self.lr}")
 

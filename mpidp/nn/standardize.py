@@ -6,8 +6,8 @@ training, by :meth:`Standardize.fit_` from the global count, mean and centred su
 squares of the training set, which ranks holding parts of it get in one of two ways:
 
 - one collective, not additive: each rank computes :func:`moments` of its rows, the ranks
-  ALLGATHER the :func:`pack_moments` vectors, and every rank merges them with
-  :func:`combine_moments` (Chan et al.'s pairwise formula; any order agrees to ~1e-12);
+  gather them, and every rank merges them with :func:`combine_moments` (Chan et al.'s
+  pairwise formula; any order agrees to ~1e-12);
 - two collectives, additive: ALLREDUCE (sum) :func:`pass1_sums`, take the mean with
   :func:`pass1_mean`, then ALLREDUCE :func:`pass2_squares` about that mean.
 
@@ -105,25 +105,6 @@ def combine_moments(parts: Iterable[Moments]) -> Moments:
     return int(n), np.asarray(mean, np.float64), np.asarray(m2, np.float64)
 
 
-def pack_moments(count: int, mean: np.ndarray, m2: np.ndarray) -> np.ndarray:
-    """``[count, *mean.ravel(), *M2.ravel()]`` as float64 ``(1 + 2F,)``: one rank's
-    moments in one buffer, for an Allgather (the rows of the result go to
-    :func:`unpack_moments`)."""
-    mean, m2 = np.ravel(mean), np.ravel(m2)
-    if mean.shape != m2.shape:
-        raise ValueError(f"mean and M2 differ in size: {mean.size} and {m2.size}")
-    return np.concatenate([[float(count)], mean, m2]).astype(np.float64, copy=False)
-
-
-def unpack_moments(vec: np.ndarray) -> Moments:
-    """The ``(count, mean (F,), M2 (F,))`` that :func:`pack_moments` packed."""
-    vec = np.asarray(vec, np.float64).ravel()
-    if vec.size < 1 or vec.size % 2 != 1:
-        raise ValueError(f"a packed moments vector has 1 + 2F items, got {vec.size}")
-    f = (vec.size - 1) // 2
-    return int(vec[0]), vec[1:1 + f].copy(), vec[1 + f:].copy()
-
-
 def pass1_sums(x: np.ndarray) -> np.ndarray:
     """First pass of the two-pass route: ``[count, *sum(x, axis=0).ravel()]`` float64
     ``(1 + F,)``, to be summed over the ranks (Allreduce)."""
@@ -171,9 +152,6 @@ class Standardize(_SampleShaped):
     def __init__(self) -> None:
         super().__init__()
         self._std: np.ndarray | None = None
-
-    def config(self) -> dict:
-        return {}
 
     def state_shapes(self) -> Shapes:
         return {"mean": self._known_shape(), "std": self._known_shape()}
