@@ -95,10 +95,9 @@ class Segments:
 def _clip_setting(what: str, value: float | None) -> float | None:
     if value is None:
         return None
-    if isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{what} must be a finite number > 0 (or None: no clipping), got {value}")
-    value = float(value)
-    if not value > 0 or not math.isfinite(value):
+    flag = isinstance(value, (bool, np.bool_))
+    value = value if flag else float(value)
+    if flag or not value > 0 or not math.isfinite(value):
         raise ValueError(f"{what} must be a finite number > 0 (or None: no clipping), got {value}")
     return value
 
@@ -118,16 +117,14 @@ class Optimizer(ABC):
     Attributes
     ----------
     t : updates taken (checkpointed). ``lr_scale`` : a factor on every rate (1.0), for a
-        controller such as reduce-on-plateau; NOT in the checkpoint: whoever sets it saves
-        it. ``last_grad_norm`` : the global norm of the last update's mean gradient, before
-        ``clip_norm`` (after ``clip_value``), where it was computed (``clip_norm`` set,
-        ``track_grad_norm`` True, or :class:`LARS`), else None.
+        controller such as reduce-on-plateau; not checkpointed: whoever sets it saves it.
+        ``last_grad_norm`` : the global norm of the last mean gradient, before ``clip_norm``
+        (after ``clip_value``), where computed (``clip_norm``, ``track_grad_norm``,
+        :class:`LARS`), else None.
 
-    Notes
-    -----
     A subclass with an elementwise rule implements ``_update`` (and ``_prepare``); one that
-    needs per-tensor norms overrides ``_begin`` (before any piece: norms, one reduction)
-    and ``_apply`` (one piece, tensor by tensor through ``_pieces``), as LARS and LAMB do.
+    needs per-tensor norms overrides ``_begin`` (norms, one reduction) and ``_apply`` (one
+    piece, tensor by tensor through ``_pieces``), as LARS and LAMB do.
     """
 
     #: True where the update needs each tensor's gradient and parameter norms, reduced
@@ -152,8 +149,6 @@ class Optimizer(ABC):
         self.reduce_sum: ReduceSum | None = None
         self._now: float | None = None  # the rate of the update in progress
 
-    # --- the learning rate ------------------------------------------------------------
-
     @property
     def lr(self) -> float:
         """The rate of the update in progress (inside ``step_``), else of the next one."""
@@ -167,8 +162,6 @@ class Optimizer(ABC):
     def lr_at(self, t: int) -> float:
         """The rate of update ``t`` (0: the first): ``schedule(t) * lr_scale``."""
         return self.schedule(t) * self.lr_scale
-
-    # --- where the vector lies --------------------------------------------------------
 
     def place(self, segments: Segments | None = None, offset: int = 0,
               reduce_sum: ReduceSum | None = None) -> Optimizer:
@@ -217,25 +210,18 @@ class Optimizer(ABC):
     def _reduce(self, parts: np.ndarray) -> np.ndarray:
         return parts if self.reduce_sum is None else self.reduce_sum(parts)
 
-    # --- the update -------------------------------------------------------------------
-
     def step_(self, params: np.ndarray, grad: np.ndarray, scale: float = 1.0, chunks: int = 1,
               on_chunk: Callable[[int, int], None] | None = None) -> None:
         """Update ``params`` (1-D) in place from the mean gradient ``scale * grad``.
 
-        ``grad`` (same shape) is used as scratch space and overwritten: folding the
-        ``1 / count`` of a global mean into ``scale`` saves a pass over the gradient.
-        ``chunks > 1`` updates ``params[lo:hi]`` piece by piece (the same numbers: the
-        norms, where needed, are taken over the whole vector first) and calls
-        ``on_chunk(lo, hi)`` as soon as each piece is final, so a caller can ship it while
-        the next one is computed. Collective over ``reduce_sum``'s ranks where norms are needed.
+        ``grad`` (same shape) is scratch space, overwritten (``scale`` saves a pass over it).
+        ``chunks > 1`` updates ``params[lo:hi]`` piece by piece (the same numbers: norms are
+        taken over the whole vector first) and calls ``on_chunk(lo, hi)`` as soon as each
+        piece is final, so a caller can ship it while the next one is computed. Collective
+        over ``reduce_sum``'s ranks where norms are needed.
         """
-        self._locate(len(params))
-        t = self.t
-        self.t += 1
-        self._now = self.lr_at(t)
+        self._now, first = self._start(params)
         try:
-            first = self._prepare(params)
             scale = self._begin(params, grad, self._clip_values(grad, scale), first)
             edges = chunk_edges(len(params), chunks)
             for lo, hi in zip(edges[:-1], edges[1:]):
@@ -267,11 +253,8 @@ class Optimizer(ABC):
         why = self.refuses_pieces()
         if why:
             raise ValueError(f"this update cannot be applied in pieces: {why}")
-        self._locate(len(params))
-        t = self.t
-        self.t += 1
-        rate, self.last_grad_norm = self.lr_at(t), None
-        first = self._prepare(params)
+        rate, first = self._start(params)
+        self.last_grad_norm = None
 
         def apply(grad: np.ndarray, lo: int, hi: int) -> None:
             self._now = rate
@@ -280,6 +263,12 @@ class Optimizer(ABC):
             finally:
                 self._now = None
         return apply
+
+    def _start(self, params: np.ndarray) -> tuple[float, bool]:
+        """Count an update of ``params``: its rate, and whether it is a first step."""
+        self._locate(len(params))
+        self.t += 1
+        return self.lr_at(self.t - 1), self._prepare(params)
 
     def _clip_values(self, g: np.ndarray, scale: float) -> float:
         """With ``clip_value``: ``g`` scaled and clipped in place, and 1.0 (the scale left
@@ -295,8 +284,7 @@ class Optimizer(ABC):
         """Before any piece: the global norm (one reduction, with the tensors' parameter
         norms where :attr:`layer_norms`), clipping folded into the returned ``scale``.
         Sets ``_g2`` (each tensor's squared gradient norm after clipping) and ``_w2``."""
-        want = self.clip_norm is not None or self.track_grad_norm or self.layer_norms
-        if not want:
+        if not (self.clip_norm is not None or self.track_grad_norm or self.layer_norms):
             self.last_grad_norm = None
             return scale
         k = len(self._segs)
