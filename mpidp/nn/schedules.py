@@ -3,32 +3,16 @@
 ``t`` is 0 for the first update (:attr:`mpidp.nn.Optimizer.t` before it steps), so a run
 resumed from a checkpoint, at any number of ranks, continues the same rates. A schedule
 is a frozen dataclass: ``schedule(t) -> float``, ``config()`` a JSON-able dict that
-:func:`schedule_from_config` turns back into it, and :func:`make_schedule` builds one by
-name (what the command line and the config file name).
-
-=============  ==========================================================================
-``constant``   ``lr``
-``step``       ``lr * gamma ** (t // step_size)``
-``multistep``  ``lr * gamma ** (number of milestones <= t)``
-``exponential`` ``lr * gamma ** t``
-``cosine``     ``min_lr + (lr - min_lr) * (1 + cos(pi * t / total)) / 2``; ``min_lr`` from
-               ``t = total`` on
-``polynomial`` ``end_lr + (lr - end_lr) * (1 - t / total) ** power``; ``end_lr`` from
-               ``t = total`` on
-=============  ==========================================================================
-
-:class:`Warmup` puts a linear ramp of ``warmup`` updates in front of any of them: the rate
-rises from ``start`` (at the virtual update ``t = -1``) to the schedule's base rate,
-reached at ``t = warmup - 1``; from ``t = warmup`` on the schedule runs from its own
-``t = 0`` (``after(t - warmup)``). With the default ``start = 0`` the first update uses
-``base / warmup``.
+:func:`schedule_from_config` turns back into it. :func:`make_schedule` builds one by name
+(:data:`SCHEDULES`), behind an optional linear :class:`Warmup`; :func:`epoch_schedule`
+from settings given in epochs.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -199,9 +183,9 @@ class Polynomial(Schedule):
 class Warmup(Schedule):
     """A linear ramp of ``warmup`` updates in front of ``after`` (a schedule or a rate).
 
-    ``t < warmup``: ``start + (after.base - start) * (t + 1) / warmup``; then
-    ``after(t - warmup)``. So the base rate is reached at ``t = warmup - 1`` and the
-    schedule behind starts at its own ``t = 0`` after the ramp.
+    ``t < warmup``: ``start + (after.base - start) * (t + 1) / warmup`` (so the first
+    update uses ``base / warmup`` when ``start`` is 0, and the base rate is reached at
+    ``t = warmup - 1``); then ``after(t - warmup)``.
     """
 
     name: ClassVar[str] = "warmup"
@@ -274,6 +258,36 @@ def make_schedule(name: str, lr: float, *, warmup: int = 0, warmup_start: float 
     if warmup:
         return Warmup(schedule, warmup, warmup_start)
     return schedule
+
+
+def epoch_schedule(name: str, lr: float, per_epoch: int, epochs: int, *, warmup_steps: int = 0,
+                   warmup_epochs: float = 0.0, step_epochs: int | None = None,
+                   milestones: Sequence[int] = (), gamma: float = 0.1,
+                   min_lr: float = 0.0) -> Schedule:
+    """The schedule ``name`` (of :data:`SCHEDULES`, or ``"plateau"``: constant, which
+    :class:`mpidp.run.early_stopping.ReduceOnPlateau` scales) from rate ``lr``, for a run
+    of ``epochs`` epochs of ``per_epoch`` updates each: a run knows its epochs, an optimizer
+    only its updates. Settings in epochs become updates: the warmup (``warmup_steps``
+    updates, else ``warmup_epochs``), a decay by ``gamma`` every ``step_epochs`` (``step``)
+    or after each of ``milestones`` (``multistep``), ``gamma`` per epoch (``exponential``),
+    down to ``min_lr`` at the end of the run (``cosine``, ``polynomial``). The schedule
+    counts from the warmup's end."""
+    warmup = warmup_steps or int(round(warmup_epochs * per_epoch))
+    total = max(epochs * per_epoch - warmup, 1)
+    settings = {}
+    if name == "step":
+        settings = {"step_size": step_epochs * per_epoch, "gamma": gamma}
+    elif name == "multistep":
+        settings = {"milestones": [max(m * per_epoch - warmup, 0) for m in milestones],
+                    "gamma": gamma}
+    elif name == "exponential":
+        settings = {"gamma": gamma ** (1.0 / per_epoch)}
+    elif name == "cosine":
+        settings = {"total": total, "min_lr": min_lr}
+    elif name == "polynomial":
+        settings = {"total": total, "end_lr": min_lr}
+    return make_schedule("constant" if name == "plateau" else name, lr, warmup=warmup,
+                         **settings)
 
 
 def as_schedule(lr: float | Schedule | dict[str, Any]) -> Schedule:
