@@ -1,12 +1,9 @@
 """What a layer may know of the step it runs in, without importing MPI.
 
 A :class:`Context` is shared by every layer of a :class:`mpidp.nn.Sequential`
-(``model.context``, also ``layer.context``). The trainer that runs the model fills it
-before each forward pass: whether this is training or evaluation, the run's seed, the
-epoch and global step, the global index of every sample of the batch, and a
-``reduce_sum`` that sums an array over the ranks that hold the rest of the global batch
-(the replica group). On one process ``reduce_sum`` is the identity, so a layer written
-against it (:class:`mpidp.nn.BatchNorm`) gives the same numbers at any number of ranks.
+(``model.context``, also ``layer.context``); the trainer fills it before each forward
+pass. On one process ``reduce_sum`` is the identity, so a layer written against it
+(:class:`mpidp.nn.BatchNorm`) gives the same numbers at any number of ranks.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Pooling over 1-D ``(n, C, L)`` and 2-D ``(n, C, H, W)`` inputs: :class:`MaxPool`,
 :class:`AvgPool` (windows, no padding) and :class:`GlobalAvgPool`. Pure NumPy, no MPI.
 
-A window pool of size ``K = prod(size)`` copies the input once, through a strided view,
-into ``(K, n, C, *out)`` (every window offset's value for every output), reduces over the
-first axis and, in backward, makes one vectorised pass per window offset: never a loop
-over samples or positions. Output size per axis: ``floor((L - size) / stride) + 1`` (must
-be >= 1). Values keep the input's dtype.
+A window pool of ``K = prod(size)`` copies the input once, through a strided view, into
+``(K, n, C, *out)``, reduces over the first axis and, in backward, makes one vectorised
+pass per window offset. Output size per axis: ``floor((L - size) / stride) + 1`` (>= 1).
 """
 
 from __future__ import annotations
@@ -43,9 +41,8 @@ class _WindowPool(Layer):
         self.stride = _spec(stride, f"{name} stride")
 
     def config(self) -> dict:
-        def js(v):
-            return list(v) if isinstance(v, tuple) else v
-        return {"size": js(self.size), "stride": js(self.stride)}
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in (("size", self.size), ("stride", self.stride))}
 
     def _geometry(self, shape: Sequence[int], batch: bool) -> tuple[tuple[int, ...], ...]:
         """``(size, stride, out)`` per spatial axis for a sample (or, with ``batch``, a

@@ -54,13 +54,9 @@ def _block_moments(x: np.ndarray) -> Moments:
 
 
 def moments(x: np.ndarray) -> Moments:
-    """This rank's ``(count, mean, M2)`` of the rows of ``x`` ``(n, *sample_shape)``.
-
-    ``mean`` and ``M2`` are float64 of ``sample_shape``; ``n == 0`` gives
-    ``(0, zeros, zeros)``. Rows are taken in blocks (each by the corrected two-pass
-    formula) merged by :func:`merge_moments`, so memory stays bounded and the result is
-    accurate for any ``n``.
-    """
+    """This rank's ``(count, mean, M2)`` of the rows of ``x`` ``(n, *sample_shape)``
+    (``mean``, ``M2`` float64 of ``sample_shape``; zeros when ``n == 0``), in blocks (each
+    by the corrected two-pass formula) merged by :func:`combine_moments`: bounded memory."""
     x = _rows(x, "moments")
     n, shape = len(x), x.shape[1:]
     if n == 0:
@@ -90,9 +86,8 @@ def merge_moments(a: Moments, b: Moments) -> Moments:
 
 
 def combine_moments(parts: Iterable[Moments]) -> Moments:
-    """Merge the moments of disjoint parts (e.g. every rank's, after an Allgather) into
-    the moments of all their rows, by a pairwise tree of :func:`merge_moments`: the
-    result does not depend on the order of ``parts`` beyond rounding (~1e-12 relative)."""
+    """The moments of all the rows of disjoint parts (every rank's, say), by a pairwise tree
+    of :func:`merge_moments`: the order of ``parts`` matters only to rounding (~1e-12)."""
     level = list(parts)
     if not level:
         raise ValueError("combine_moments needs at least one (count, mean, M2) part")
@@ -124,8 +119,7 @@ def pass1_mean(total: np.ndarray) -> tuple[int, np.ndarray]:
 
 def pass2_squares(x: np.ndarray, mean: np.ndarray) -> np.ndarray:
     """Second pass: ``sum((x - mean)**2, axis=0).ravel()`` float64 ``(F,)`` about the
-    GLOBAL ``mean`` (from :func:`pass1_mean`), to be summed over the ranks; with the count
-    and mean it is the ``M2`` for :meth:`Standardize.fit_`."""
+    GLOBAL ``mean`` (:func:`pass1_mean`), to be summed over the ranks: the ``M2``."""
     x = _rows(x, "pass2_squares")
     f = int(np.prod(x.shape[1:]))
     mean = np.asarray(mean, np.float64).ravel()
@@ -143,10 +137,9 @@ def pass2_squares(x: np.ndarray, mean: np.ndarray) -> np.ndarray:
 class Standardize(_SampleShaped):
     """Per-element standardisation ``y = (x - mean) / std`` of samples of any shape.
 
-    State ``mean`` (zeros) and ``std`` (ones), each of the per-sample shape: an identity
-    map until :meth:`fit_` sets them from the training set's global moments. No
-    parameters, nothing trained, the same in training and evaluation, no collective.
-    Backward returns ``dy / std`` (None with ``need_input_grad=False``).
+    State ``mean`` (zeros) and ``std`` (ones) of the per-sample shape: an identity map
+    until :meth:`fit_` sets them from the training set's global moments. Nothing trained,
+    the same in training and evaluation, no collective; backward returns ``dy / std``.
     """
 
     def __init__(self) -> None:
@@ -165,12 +158,10 @@ class Standardize(_SampleShaped):
              ) -> Standardize:
         """Set the state from the GLOBAL moments of the training set; returns self.
 
-        ``std = sqrt(M2 / count)`` (the biased standard deviation, as scikit-learn's
-        ``StandardScaler``). A feature that is constant up to rounding, ``std <= eps *
-        |mean|`` (so also ``std == 0``), or whose std is below the smallest normal number of
-        the model's dtype, gets ``std = 1``: it is only centred. ``count`` >= 1; ``mean``
-        and ``m2`` of the per-sample shape or flat, from :func:`combine_moments` or the two
-        passes.
+        ``std = sqrt(M2 / count)`` (biased, as scikit-learn's ``StandardScaler``). A
+        feature constant up to rounding (``std <= eps * |mean|``), or whose std is below
+        the smallest normal number of the model's dtype, gets ``std = 1``: only centred.
+        ``count`` >= 1; ``mean`` and ``m2`` of the per-sample shape or flat.
         """
         if self.shape is None or not self.state:
             raise ValueError("Standardize.fit_ needs the layer in a model (its state bound)")
