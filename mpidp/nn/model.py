@@ -1,10 +1,8 @@
 """``Sequential``: a stack of layers whose parameters are views into ONE flat buffer.
 
-``model.params`` (all weights) and ``model.grads`` (all gradients) are contiguous 1-D
-arrays, so synchronising a model is one ``Bcast`` and combining gradients one ``Allreduce``.
-
-A model is saved to and loaded from one ``model.npz`` (:func:`save`, :func:`load`): the file
-``mpidp train`` writes and ``mpidp predict`` reads.
+``model.params`` and ``model.grads`` are contiguous 1-D arrays, so synchronising a model is
+one ``Bcast`` and combining gradients one ``Allreduce``. A model is saved to and loaded
+from one ``model.npz`` (:func:`save`, :func:`load`), the file ``mpidp train`` writes.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import numpy.typing as npt
 
 from ..atomic import write_atomic
 from .context import Context, _unheard
-from .layers import RESERVED, Layer, layer_class, layer_name, layer_spec, registered_layers
+from .layers import RESERVED, Layer, _bad_size, layer_class, layer_name, layer_spec, registered_layers
 from .losses import outputs
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -32,18 +30,15 @@ MODEL_FILE = "model.npz"
 def as_shape(n_in: int | Sequence[int], what: str = "n_in") -> tuple[int, ...]:
     """A per-sample shape from a width or a sequence of sizes (each >= 1)."""
     shape = (n_in,) if isinstance(n_in, (int, np.integer)) else tuple(n_in)
-    if not shape or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1
-                        for d in shape):
+    if not shape or any(map(_bad_size, shape)):
         raise ValueError(f"{what} must be a positive width or a tuple of positive sizes, "
                          f"got {n_in!r}")
     return tuple(int(d) for d in shape)
 
 
 def chain_shapes(layers: Sequence[Layer], in_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Per-sample shapes ``[in_shape, out of layer 0, ..., out of the last layer]``.
-
-    Raises ``ValueError`` naming the first layer that cannot take its input's shape.
-    """
+    """Per-sample shapes ``[in_shape, out of layer 0, ..., out of the last layer]``; raises
+    ``ValueError`` naming the first layer that cannot take its input's shape."""
     shapes = [tuple(in_shape)]
     for i, layer in enumerate(layers):
         try:
@@ -185,10 +180,9 @@ class Sequential:
     __call__ = forward
 
     def predict(self, x: np.ndarray, output: str = "scores") -> np.ndarray:
-        """A classifier's predictions for ``x`` ``(n, *in_shape)`` as ``output``: ``scores``
-        ``(n, n_out)``, ``proba`` (softmax, rows summing to 1) or ``label`` ``(n,)`` int64
-        (:func:`mpidp.nn.losses.outputs`); ``scores`` is also what a regression predicts.
-        Always in evaluation mode (no dropout; batch norm's running statistics)."""
+        """Predictions for ``x`` ``(n, *in_shape)`` as ``output`` (:data:`mpidp.nn.OUTPUTS`:
+        ``scores``, also what a regression predicts, ``proba`` or ``label``), always in
+        evaluation mode (no dropout; batch norm's running statistics)."""
         was, self.context.training = self.context.training, False
         try:
             return outputs(self.forward(x), output)
@@ -257,15 +251,10 @@ class Sequential:
 
 
 def from_spec(spec: Sequence[dict], dtype: npt.DTypeLike = np.float32) -> Sequential:
-    """Rebuild a model, parameters zero, from :meth:`Sequential.spec`.
-
-    Every ``"type"`` is looked up in the layer registry (:func:`mpidp.nn.register_layer`);
-    the layer is built by ``cls.from_config(settings)`` where the class defines it, else
-    by ``cls(**settings)``, ``settings`` being the dict less ``"type"`` and ``"model_n_in"``.
-
-    Raises ``ValueError`` if a layer type is not registered (the message names it and says
-    how to register it), its settings do not rebuild it, or ``spec`` is malformed.
-    """
+    """Rebuild a model, parameters zero, from :meth:`Sequential.spec`: each layer by
+    ``cls.from_config(settings)`` where its registered class defines it, else
+    ``cls(**settings)``. Raises ``ValueError`` if a layer type is not registered (saying
+    how to register it), its settings do not rebuild it, or ``spec`` is malformed."""
     if not isinstance(spec, Sequence) or not spec or \
             not all(isinstance(d, dict) and isinstance(d.get("type"), str) for d in spec):
         raise ValueError("a model spec is a non-empty list of dicts, each with a 'type' string")
@@ -298,9 +287,8 @@ def _model_path(path: str | os.PathLike) -> str:
 
 
 def _unregistered(layers: Sequence[Layer]) -> list[type]:
-    """The classes among ``layers`` (and the ``layers`` of blocks inside them) that
-    :func:`from_spec` would not rebuild: not registered, or their name registered to
-    another class."""
+    """The classes among ``layers`` (and inside their blocks) that :func:`from_spec` would
+    not rebuild: not registered, or their name registered to another class."""
     found: list[type] = []
     for layer in layers:
         cls = type(layer)
@@ -353,11 +341,9 @@ def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None, *
 
 
 def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
-    """The model saved in ``path`` by :func:`save` (or by ``mpidp train``), parameters set.
-
-    Its ``meta`` attribute holds the stored meta (``{}`` if the file has none). A model
-    with a layer of the user's own must have that class registered in this process first
-    (:func:`mpidp.nn.register_layer`). ``path``: a ``model.npz``, or a folder holding one.
+    """The model saved in ``path`` (a ``model.npz``, or a folder holding one) by
+    :func:`save`, parameters set, its ``meta`` the stored meta (``{}`` if none). A layer
+    class of the user's own must be registered in this process first.
 
     Raises ``ValueError``, naming the file, if it is missing, truncated, corrupted (zip
     CRC-32), not a saved model, names an unregistered layer class, or (with

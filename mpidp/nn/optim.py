@@ -44,13 +44,10 @@ def chunk_edges(n: int, chunks: int) -> list[int]:
 
 
 class Segments:
-    """The tensors of a whole model's flat parameter vector.
-
-    ``bounds`` ``(k + 1,)`` int64: tensor ``j`` is ``[bounds[j], bounds[j + 1])``
-    (``bounds[0] = 0``, ``bounds[-1]`` the model's parameter count); ``ndim`` ``(k,)``: its
-    number of dimensions (1: a bias or a norm's scale, which :class:`LARS` and :class:`LAMB`
-    leave out of adaptation and weight decay by default).
-    """
+    """The tensors of a whole model's flat parameter vector: ``bounds`` ``(k + 1,)`` int64,
+    tensor ``j`` being ``[bounds[j], bounds[j + 1])`` (``bounds[0] = 0``); ``ndim`` ``(k,)``
+    their dimensions (1: a bias or a norm's scale, which LARS and LAMB leave out of
+    adaptation and weight decay by default)."""
 
     __slots__ = ("bounds", "ndim")
 
@@ -66,8 +63,7 @@ class Segments:
     @classmethod
     def of(cls, layers: Any) -> Segments:
         """One segment per parameter tensor of ``layers`` (a list of layers whose shapes are
-        known, or a :class:`~mpidp.nn.Sequential`), in the model's layout order: layer
-        order, then ``param_shapes()`` order."""
+        known, or a :class:`~mpidp.nn.Sequential`), in the model's layout order."""
         bounds, ndim = [0], []
         for layer in getattr(layers, "layers", layers):
             for shape in layer.param_shapes().values():
@@ -165,9 +161,8 @@ class Optimizer(ABC):
 
     def place(self, segments: Segments | None = None, offset: int = 0,
               reduce_sum: ReduceSum | None = None) -> Optimizer:
-        """Say where the vectors given to ``step_`` lie (see the module's notes): the
-        whole model's ``segments``, the vector's ``offset`` in it, and ``reduce_sum`` over
-        the ranks holding the other slices (None: this rank holds the whole vector)."""
+        """Say where the vectors given to ``step_`` lie (see the module's notes); ``reduce_sum``
+        None: this rank holds the whole vector."""
         if offset < 0 or segments is not None and offset > segments.n:
             raise ValueError(f"offset {offset} is outside the model's "
                              f"{segments.n if segments else 0} parameters")
@@ -245,11 +240,10 @@ class Optimizer(ABC):
     def update_in_pieces_(self, params: np.ndarray,
                           scale: float = 1.0) -> Callable[[np.ndarray, int, int], None]:
         """Begin one update of ``params`` (1-D) applied piece by piece as its gradient
-        arrives: the returned ``apply(grad, lo, hi)`` updates ``params[lo:hi]`` from the
-        mean gradient ``scale * grad[lo:hi]`` (``grad`` the whole vector; its ``[lo, hi)``
-        is used as scratch space). Once every value has been applied exactly once, the
-        numbers are those of ``step_(params, grad, scale)``. The update is counted (``t``)
-        and its rate fixed here. Only for an elementwise rule (:meth:`refuses_pieces`)."""
+        arrives: the returned ``apply(grad, lo, hi)`` updates ``params[lo:hi]`` from
+        ``scale * grad[lo:hi]`` (scratch space; ``grad`` the whole vector). Once every value
+        has been applied once, the numbers are those of ``step_(params, grad, scale)``. The
+        update is counted and its rate fixed here. Elementwise rules only."""
         why = self.refuses_pieces()
         if why:
             raise ValueError(f"this update cannot be applied in pieces: {why}")
@@ -282,8 +276,8 @@ class Optimizer(ABC):
 
     def _begin(self, params: np.ndarray, grad: np.ndarray, scale: float, first: bool) -> float:
         """Before any piece: the global norm (one reduction, with the tensors' parameter
-        norms where :attr:`layer_norms`), clipping folded into the returned ``scale``.
-        Sets ``_g2`` (each tensor's squared gradient norm after clipping) and ``_w2``."""
+        norms where :attr:`layer_norms`), clipping folded into the returned ``scale``; sets
+        ``_g2`` and ``_w2``, each tensor's squared norms (the gradient's after clipping)."""
         if not (self.clip_norm is not None or self.track_grad_norm or self.layer_norms):
             self.last_grad_norm = None
             return scale

@@ -69,11 +69,8 @@ def merge_moments(a: Moments, b: Moments) -> Moments:
     """The moments of the union of two disjoint sets of rows (Chan, Golub and LeVeque):
     ``mean = ma + d * nb / n``, ``M2 = M2a + M2b + d**2 * na * nb / n`` with
     ``d = mb - ma``; either side may be empty (count 0)."""
-    na, ma, m2a = a
-    nb, mb, m2b = b
-    na, nb = int(na), int(nb)
-    ma, mb = np.asarray(ma, np.float64), np.asarray(mb, np.float64)
-    m2a, m2b = np.asarray(m2a, np.float64), np.asarray(m2b, np.float64)
+    (na, ma, m2a), (nb, mb, m2b) = [(int(n), np.asarray(m, np.float64), np.asarray(q, np.float64))
+                                    for n, m, q in (a, b)]
     if ma.shape != mb.shape:
         raise ValueError(f"cannot merge moments of shapes {ma.shape} and {mb.shape}")
     if nb == 0:
@@ -91,11 +88,9 @@ def combine_moments(parts: Iterable[Moments]) -> Moments:
     level = list(parts)
     if not level:
         raise ValueError("combine_moments needs at least one (count, mean, M2) part")
-    while len(level) > 1:
-        nxt = [merge_moments(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
-        if len(level) % 2:
-            nxt.append(level[-1])
-        level = nxt
+    while len(level) > 1:  # neighbours in pairs; an odd one out waits for the next round
+        level = [merge_moments(*level[i:i + 2]) if i + 1 < len(level) else level[i]
+                 for i in range(0, len(level), 2)]
     n, mean, m2 = level[0]
     return int(n), np.asarray(mean, np.float64), np.asarray(m2, np.float64)
 
