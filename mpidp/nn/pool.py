@@ -74,9 +74,8 @@ class _WindowPool(Layer):
     def _taps(self):
         """(offset number, input slices) for every window offset of the cached forward."""
         size, stride, out = self._geom
-        lead = (slice(None), slice(None))
         for k, offset in enumerate(itertools.product(*map(range, size))):
-            yield k, (*lead, *tap(offset, stride, out))
+            yield k, (slice(None), slice(None), *tap(offset, stride, out))
 
     def _by_offset(self, x: np.ndarray) -> np.ndarray:
         """``(K, n, C, *out)``: for every window offset (row-major), the input value each

@@ -19,18 +19,16 @@ from typing import Any, ClassVar
 SCHEDULES = ("constant", "step", "multistep", "exponential", "cosine", "polynomial")
 
 
-def _positive(what: str, value: float) -> float:
+def _positive(what: str, value: float, zero: bool = False) -> float:
+    """``value`` as a float, checked finite and > 0 (``zero``: >= 0)."""
     value = float(value)
-    if not value > 0 or not math.isfinite(value):
-        raise ValueError(f"{what} must be a finite number > 0, got {value}")
+    if not (value >= 0 if zero else value > 0) or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number {'>=' if zero else '>'} 0, got {value}")
     return value
 
 
 def _at_least_zero(what: str, value: float) -> float:
-    value = float(value)
-    if not value >= 0 or not math.isfinite(value):
-        raise ValueError(f"{what} must be a finite number >= 0, got {value}")
-    return value
+    return _positive(what, value, zero=True)
 
 
 def _count(what: str, value: int, least: int = 1) -> int:
