@@ -497,7 +497,7 @@ def test_bad_options_are_one_clear_error(tmp_path, flag, message):
 
 
 @pytest.mark.parametrize("flag,message", [
-    (["--clip-norm", "1", "--on-nonfinite", "ignore"], "but clip_norm (--clip-norm) scales by"),
+    (["--clip-norm", "1", "--on-nonfinite", "ignore"], "but --clip-norm scales by"),
     (["--optimizer", "lamb", "--on-nonfinite", "ignore"], "but LAMB scales each tensor"),
     (["--overlap-progress", "thread", "--on-nonfinite", "ignore"], "use --overlap-progress test"),
     ([], "so on_nonfinite 'stop' cannot hold"),

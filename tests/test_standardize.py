@@ -15,11 +15,9 @@ from mpidp.nn.standardize import (
     combine_moments,
     merge_moments,
     moments,
-    pack_moments,
     pass1_mean,
     pass1_sums,
     pass2_squares,
-    unpack_moments,
 )
 
 
@@ -64,8 +62,6 @@ def test_moments_of_parts_equal_the_whole(shape, offset):
         local = [moments(p) for p in parts]
         for order in (local, local[::-1]):
             _check(*combine_moments(order), x)
-        rows = np.stack([pack_moments(*m) for m in local])  # what an Allgather gives
-        _check(*combine_moments(unpack_moments(r) for r in rows), flat)
         _check(*_two_pass(parts), flat)
 
 
@@ -94,8 +90,6 @@ def test_moments_blocks_and_edges(monkeypatch):
     assert pass1_mean(np.zeros(3)) == (0, pytest.approx(np.zeros(2)))
     with pytest.raises(ValueError, match="reshape a 1-D array"):
         moments(np.ones(3))
-    with pytest.raises(ValueError, match="1 \\+ 2F"):
-        unpack_moments(np.zeros(4))
     with pytest.raises(ValueError, match="at least one"):
         combine_moments([])
 

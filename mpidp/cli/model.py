@@ -11,7 +11,7 @@ from .. import comm as C
 from .. import nn
 from ..data import distribute as D
 from ..data.partition import steps_per_epoch
-from ..nn.epoch_schedules import epoch_schedule
+from ..nn.schedules import epoch_schedule
 from ..nn.modelfile import is_model_file, layers_from, read_model_file
 from ..nn.sparse import CSR
 from ..parallel.modes import refuses_model
@@ -91,7 +91,7 @@ def check_fits(args: argparse.Namespace, data: D.Data, share: float, ranks_here:
 
 def optimizer_factory(args: argparse.Namespace, n_train: int):
     """A factory of the optimizer the options ask for, its rate a schedule of the update
-    count (:func:`mpidp.nn.epoch_schedules.epoch_schedule`) for ``n_train`` training samples
+    count (:func:`mpidp.nn.schedules.epoch_schedule`) for ``n_train`` training samples
     in global batches (accumulation updates once per group)."""
     steps = steps_per_epoch(n_train, args.batch_size, args.drop_last)
     per_epoch = -(-steps // args.sync_every) if args.sync == "accumulate" else steps

@@ -1,9 +1,6 @@
-"""Elementwise and per-row activation layers: no parameters, any per-sample shape.
-
-``ReLU``, ``LeakyReLU``, ``Tanh``, ``Sigmoid`` and ``GELU`` act on each element;
-``Softmax`` on each vector along the last axis. Each keeps the dtype of its input and
-maps ``(n, *shape)`` to ``(n, *shape)``.
-"""
+"""Activation layers, no parameters, ``(n, *shape)`` to ``(n, *shape)`` in the input's
+dtype: ``ReLU``, ``LeakyReLU``, ``Tanh``, ``Sigmoid`` and ``GELU`` on each element,
+``Softmax`` on each vector along the last axis."""
 
 from __future__ import annotations
 
@@ -18,18 +15,14 @@ from .layers import Layer, register_layer
 class ReLU(Layer):
     """``max(x, 0)``; the derivative at 0 is taken as 0.
 
-    ``inplace=True`` overwrites ``x`` in forward and ``dy`` in backward instead of
-    allocating new arrays; use it only where both are temporaries (after a ``Dense``, as
-    :func:`mpidp.nn.mlp` does), never as a model's first layer. ``inplace`` is a memory
-    setting, not part of the model: it is not saved, and a reloaded ``ReLU`` allocates.
+    ``inplace=True`` overwrites ``x`` in forward and ``dy`` in backward; use it only where
+    both are temporaries (after a ``Dense``, as :func:`mpidp.nn.mlp` does), never as a
+    model's first layer. A memory setting, not saved: a reloaded ``ReLU`` allocates.
     """
 
     def __init__(self, inplace: bool = False) -> None:
         super().__init__()
         self.inplace = inplace
-
-    def config(self) -> dict:
-        return {}
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         self._y = np.maximum(x, 0, out=x if self.inplace else None)
@@ -46,9 +39,6 @@ class ReLU(Layer):
 class Tanh(Layer):
     """``tanh(x)``."""
 
-    def config(self) -> dict:
-        return {}
-
     def forward(self, x: np.ndarray) -> np.ndarray:
         self._y = np.tanh(x)
         return self._y
@@ -61,9 +51,6 @@ class Tanh(Layer):
 @register_layer
 class Sigmoid(Layer):
     """``1 / (1 + exp(-x))``, computed without overflow for large ``|x|``."""
-
-    def config(self) -> dict:
-        return {}
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         e = np.exp(-np.abs(x))
@@ -108,15 +95,9 @@ _GELU_A = 0.044715
 
 @register_layer
 class GELU(Layer):
-    """Gaussian error linear unit, in its **tanh approximation**:
-    ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))``.
-
-    It differs from the exact ``x * Phi(x)`` by less than ~1e-3; ``backward`` is the exact
-    derivative of the approximation above (not of ``x * Phi(x)``).
-    """
-
-    def config(self) -> dict:
-        return {}
+    """Gaussian error linear unit, in its **tanh approximation**
+    ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))`` (within ~1e-3 of the exact
+    ``x * Phi(x)``); ``backward`` is the exact derivative of the approximation."""
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         self._x = x
@@ -153,16 +134,9 @@ class GELU(Layer):
 
 @register_layer
 class Softmax(Layer):
-    """``exp(x) / sum(exp(x))`` over the last axis (shifted by the row maximum, so it does
-    not overflow); every vector along that axis sums to 1.
-
-    ``backward`` is the Jacobian-vector product ``y * (dy - sum(dy * y, axis=-1))``. For
-    training a classifier prefer :class:`mpidp.nn.SoftmaxCrossEntropy` on raw scores: it
-    fuses the two and is better conditioned.
-    """
-
-    def config(self) -> dict:
-        return {}
+    """``exp(x) / sum(exp(x))`` over the last axis (shifted by the row maximum: no
+    overflow). To train a classifier prefer :class:`mpidp.nn.SoftmaxCrossEntropy` on raw
+    scores: it fuses the two and is better conditioned."""
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         y = x - x.max(axis=-1, keepdims=True)
@@ -175,8 +149,6 @@ class Softmax(Layer):
                  need_input_grad: bool = True) -> np.ndarray | None:
         if not need_input_grad:
             return None
-        y = self._y
-        dx = dy * y
-        s = dx.sum(axis=-1, keepdims=True)
-        dx -= y * s
+        dx = dy * self._y
+        dx -= self._y * dx.sum(axis=-1, keepdims=True)
         return dx

@@ -1,16 +1,14 @@
 """In-place BLAS updates through SciPy when it is installed; plain NumPy otherwise.
 
 NumPy has no ``C += A @ B``: it forms the product in a temporary and adds it, one more
-pass over the output. SciPy exposes BLAS ``gemm`` with ``beta = 1``, which accumulates in
-place. Results are the same up to rounding (so a pipeline's float32 parameters differ in
-the last bits between installs with and without SciPy); SciPy is optional (the ``fast``
-extra) and imported on first use.
+pass over the output; SciPy's BLAS ``gemm`` with ``beta = 1`` accumulates in place. The
+results are the same up to rounding (a pipeline's float32 parameters differ in the last
+bits between installs with and without SciPy, the optional ``fast`` extra).
 
-SciPy ships its own OpenBLAS, with its own thread pool. Two multi-threaded pools in one
-process take turns badly: each spins for a while after its call, starving the other's
-threads (docs/benchmarks.md, "Figures behind the code"). So SciPy's ``gemm`` is used only
-where NumPy's BLAS runs one thread (:func:`single_threaded`), as it does under mpidp
-whenever a node runs one rank per core.
+SciPy ships its own OpenBLAS thread pool, and two multi-threaded pools in one process
+starve each other's threads (docs/benchmarks.md, "Figures behind the code"); so SciPy's
+``gemm`` is used only where NumPy's BLAS runs one thread (:func:`single_threaded`), as
+under mpidp whenever a node runs one rank per core.
 """
 
 from __future__ import annotations
@@ -67,12 +65,8 @@ def _fast(*arrays: np.ndarray):
 
 def add_xt_dy_(dW: np.ndarray, x: np.ndarray, dy: np.ndarray) -> None:
     """``dW += x.T @ dy`` in place: ``dW`` ``(n_in, n_out)``, ``x`` ``(n, n_in)``, ``dy``
-    ``(n, n_out)``.
-
-    One ``gemm`` with ``beta = 1`` writing into ``dW`` when SciPy is there; NumPy alone
-    must form ``x.T @ dy`` in a temporary and add it, which for small micro-batches costs
-    about as much as the product itself (docs/benchmarks.md, "Figures behind the code").
-    """
+    ``(n, n_out)`` (one ``gemm`` with SciPy; NumPy alone adds a temporary, which for small
+    micro-batches costs about as much as the product itself)."""
     blas = _fast(dW, x, dy) if len(x) else None
     if blas is None:
         dW += x.T @ dy
@@ -86,12 +80,7 @@ def add_xt_dy_(dW: np.ndarray, x: np.ndarray, dy: np.ndarray) -> None:
 
 def add_matmul_(y: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
     """``y += a @ b`` in place: ``y`` ``(n, m)`` C-contiguous, ``a`` ``(n, k)`` (a column
-    block of a larger array is fine), ``b`` ``(k, m)``.
-
-    One ``gemm`` with ``beta = 1`` writing into ``y`` when SciPy is there (``a`` is copied
-    first when it is not contiguous: a block of ``n x k`` values, not of the output);
-    NumPy alone forms ``a @ b`` in a temporary and adds it.
-    """
+    block of a larger array is fine: it is copied first), ``b`` ``(k, m)``."""
     blas = _fast(y, b) if len(a) and a.dtype == y.dtype else None
     if blas is None:
         y += a @ b

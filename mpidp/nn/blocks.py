@@ -13,10 +13,6 @@ from .model import chain_shapes
 from .modelfile import layers_from
 
 
-def _split(views: dict[str, np.ndarray], j: int, names: Sequence[str]) -> dict[str, np.ndarray]:
-    return {name: views[f"{j}.{name}"] for name in names}
-
-
 @register_layer
 class Residual(Layer):
     """``y = x + f(x)``, ``f`` the chain of ``layers``; ``f`` must keep the per-sample shape.
@@ -69,9 +65,6 @@ class Residual(Layer):
                              f"must keep the per-sample shape: they map {in_shape} to {out}")
         return in_shape
 
-    def _names(self, shapes: str) -> list[list[str]]:
-        return [list(getattr(la, shapes)()) for la in self.layers]
-
     def param_shapes(self) -> Shapes:
         return {f"{j}.{k}": s for j, la in enumerate(self.layers)
                 for k, s in la.param_shapes().items()}
@@ -80,15 +73,21 @@ class Residual(Layer):
         return {f"{j}.{k}": s for j, la in enumerate(self.layers)
                 for k, s in la.state_shapes().items()}
 
+    def _split(self, views: dict[str, np.ndarray], shapes: str) -> list[dict[str, np.ndarray]]:
+        """``views`` (``"j.name"`` keys) as one dict per inner layer, by its ``shapes()``."""
+        return [{k: views[f"{j}.{k}"] for k in getattr(la, shapes)()}
+                for j, la in enumerate(self.layers)]
+
     def bind(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
         super().bind(params, grads)
-        for j, (la, names) in enumerate(zip(self.layers, self._names("param_shapes"))):
-            la.bind(_split(params, j, names), _split(grads, j, names) if grads else {})
+        inner = self._split(grads, "param_shapes") if grads else [{}] * len(self.layers)
+        for la, p, g in zip(self.layers, self._split(params, "param_shapes"), inner):
+            la.bind(p, g)
 
     def bind_state(self, state: dict[str, np.ndarray]) -> None:
         super().bind_state(state)
-        for j, (la, names) in enumerate(zip(self.layers, self._names("state_shapes"))):
-            la.bind_state(_split(state, j, names))
+        for la, s in zip(self.layers, self._split(state, "state_shapes")):
+            la.bind_state(s)
 
     def set_context(self, context: Context, key: tuple[int, ...] = ()) -> None:
         super().set_context(context, key)

@@ -1,12 +1,9 @@
 """What a layer may know of the step it runs in, without importing MPI.
 
 A :class:`Context` is shared by every layer of a :class:`mpidp.nn.Sequential`
-(``model.context``, also ``layer.context``). The trainer that runs the model fills it
-before each forward pass: whether this is training or evaluation, the run's seed, the
-epoch and global step, the global index of every sample of the batch, and a
-``reduce_sum`` that sums an array over the ranks that hold the rest of the global batch
-(the replica group). On one process ``reduce_sum`` is the identity, so a layer written
-against it (:class:`mpidp.nn.BatchNorm`) gives the same numbers at any number of ranks.
+(``model.context``, also ``layer.context``); the trainer fills it before each forward
+pass. On one process ``reduce_sum`` is the identity, so a layer written against it
+(:class:`mpidp.nn.BatchNorm`) gives the same numbers at any number of ranks.
 """
 
 from __future__ import annotations
@@ -38,21 +35,17 @@ class Context:
     step : the global step (0 for the first step of a run; it continues across a resume).
     index : ``(n,)`` int64, the global position in the training set of each row of the
         batch, or None when the caller did not say (a layer that needs it raises).
-    reduce_sum : sums a float array over the replica group, in place, and returns it; the
-        same call on every rank of the group, in the same order (it is a collective).
+    reduce_sum : sums a float array over the replica group in place and returns it (a
+        collective: the same calls on every rank of the group, in the same order).
     group_size : number of ranks ``reduce_sum`` sums over (1 on one process).
     grads_final : ``grads_final(self)`` in a layer's ``backward`` says its gradients are
-        final (before its input gradient), so they can be sent meanwhile;
-        ``grads_final(self, done)``: only their first ``done`` values (``param_shapes``
-        order, flattened) so far. Set by :meth:`mpidp.nn.Sequential.backward`; a call
-        from a layer nested in a block is ignored (docs/design.md).
-    grads_piece : gradient values the listener would like announced at a time (0: whole
-        layers); a ``Dense`` then computes its gradient in leading parts of about this size.
-    params_ready : the mirror of ``grads_final`` for a forward pass whose parameters are
-        still arriving: ``params_ready(self, upto)`` returns once the first ``upto`` values
-        (None: all) are final. Set by :meth:`mpidp.nn.Sequential.forward`.
-    params_piece : values per part in which a layer (a ``Dense``) may read its parameters
-        (0: whole layers).
+        final, so they can be sent meanwhile; ``grads_final(self, done)``: their first
+        ``done`` values so far. Set by :meth:`mpidp.nn.Sequential.backward` (a call from a
+        layer nested in a block is ignored).
+    grads_piece : gradient values to announce at a time (0: whole layers).
+    params_ready : ``params_ready(self, upto)`` returns once the first ``upto`` values of
+        the layer's parameters (None: all) are final; set by ``Sequential.forward``.
+    params_piece : values per part in which a layer may read its parameters (0: whole).
     """
 
     training: bool = False

@@ -12,14 +12,11 @@ under that kernel tap. Then
   (``K = prod(kernel)`` adds in all, never a loop over samples or positions).
 
 The batch axis is innermost inside these steps (the input is first copied to
-``(C, *padded, n)``): a kernel tap then reads and writes runs of ``out_width * n``
-contiguous values rather than runs of ``out_width``, which makes the im2col copy and the
-col2im adds several times faster than with the samples outermost. Inputs and outputs keep
-the ``(n, C, *spatial)`` layout of every layer.
-
-``F`` is ``out_channels``, ``P`` the number of output positions. Output size per spatial
-axis: ``floor((L + 2 * padding - kernel) / stride) + 1`` (must be >= 1). Everything runs in
-the parameters' dtype: a float32 model stays float32.
+``(C, *padded, n)``), so a kernel tap reads and writes runs of ``out_width * n``
+contiguous values: several times faster than with the samples outermost. Inputs and
+outputs keep the ``(n, C, *spatial)`` layout. ``F`` is ``out_channels``, ``P`` the number
+of output positions; output size per spatial axis ``floor((L + 2 * padding - kernel) /
+stride) + 1`` (>= 1). Everything runs in the parameters' dtype.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .layers import Layer, Shapes, _bad_size, init_weights, register_layer
+from .layers import Layer, Shapes, _bad_size, check_init, init_weights, register_layer
 
 _AXES = ("length",), ("height", "width")  # names of the spatial axes, by dimensionality
 
@@ -103,17 +100,12 @@ class _ConvNd(Layer):
             raise ValueError(f"{name} needs out_channels >= 1, got {out_channels!r}")
         if in_channels is not None and _bad_size(in_channels):
             raise ValueError(f"{name} needs in_channels >= 1 or None (inferred), got {in_channels!r}")
-        if init not in ("he", "xavier", "zeros"):
-            raise ValueError(f"unknown init {init!r}; expected 'he', 'xavier' or 'zeros'")
-        self.out_channels = int(out_channels)
+        self.out_channels, self.init = int(out_channels), check_init(init)
         self.kernel = as_sizes(kernel, nd, f"{name} kernel")
         self.stride = as_sizes(stride, nd, f"{name} stride")
         self.padding = as_sizes(padding, nd, f"{name} padding", minimum=0)
         self.in_channels = None if in_channels is None else int(in_channels)
-        self.init = init
         self._cols: np.ndarray | None = None  # (C*K, n*P), cached for backward
-
-    # ------------------------------------------------------------------ shapes, params
 
     def config(self) -> dict:
         return {"out_channels": self.out_channels, "kernel": compact(self.kernel),
@@ -155,8 +147,6 @@ class _ConvNd(Layer):
         init_weights(W, self.init, int(np.prod(W.shape[1:])),
                      self.out_channels * int(np.prod(self.kernel)), rng)
         self.params["b"][...] = 0
-
-    # ------------------------------------------------------------------ compute
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         W, b = self.params["W"], self.params["b"]
@@ -242,10 +232,6 @@ class Conv1d(_ConvNd):
 
     nd = 1
 
-    def __init__(self, out_channels: int, kernel: int, stride: int = 1, padding: int = 0,
-                 in_channels: int | None = None, init: str = "he") -> None:
-        super().__init__(out_channels, kernel, stride, padding, in_channels, init)
-
 
 @register_layer
 class Conv2d(_ConvNd):
@@ -257,8 +243,3 @@ class Conv2d(_ConvNd):
     """
 
     nd = 2
-
-    def __init__(self, out_channels: int, kernel: int | Sequence[int], stride: int | Sequence[int] = 1,
-                 padding: int | Sequence[int] = 0, in_channels: int | None = None,
-                 init: str = "he") -> None:
-        super().__init__(out_channels, kernel, stride, padding, in_channels, init)

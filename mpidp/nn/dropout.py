@@ -1,12 +1,10 @@
 """Inverted dropout whose mask does not depend on how the batch is split across ranks.
 
 Each element's keep/drop bit is a hash of (run seed, global step, the layer's key, the
-sample's GLOBAL index, the element's position in the sample): a counter-based generator,
-splitmix64's mixing function in vectorised ``uint64`` NumPy arithmetic. So a sample gets
-the same mask on any number of ranks, in any row of any rank's batch. (A NumPy
-``Generator`` per sample, e.g. Philox keyed by the index, gives the same property but
-pays for a generator's construction per sample, and draws floats where one hash of
-integers will do: slower than this hash run in cache-sized blocks.)
+sample's GLOBAL index, the element's position in the sample): splitmix64's mixing function
+in vectorised ``uint64`` NumPy arithmetic, run in cache-sized blocks (faster than a NumPy
+``Generator`` per sample). So a sample gets the same mask on any number of ranks, in any
+row of any rank's batch.
 """
 
 from __future__ import annotations
@@ -86,13 +84,11 @@ def keep_mask(key: int, index: np.ndarray, size: int, threshold: int) -> np.ndar
 class Dropout(Layer):
     """Inverted dropout: in training each element is zeroed with probability ``rate`` and
     the kept ones are scaled by ``1 / (1 - rate)``; in evaluation (and at ``rate == 0``)
-    the layer returns its input itself.
+    the layer returns its input itself. ``0 <= rate < 1``; any per-sample shape.
 
-    The mask of a sample depends only on ``context.seed``, ``context.step``, this layer's
-    ``key``, the sample's global index (``context.sample_index``, so a training step needs
-    ``context.index``) and the element's position: never on the rank, the row or the number
-    of ranks. It changes from step to step and between layers. Any per-sample shape.
-    ``0 <= rate < 1``.
+    A sample's mask depends only on ``context.seed``, ``context.step``, this layer's
+    ``key``, the sample's global index (so a training step needs ``context.index``) and
+    the element's position: never on the rank, the row or the number of ranks.
     """
 
     def __init__(self, rate: float = 0.5) -> None:

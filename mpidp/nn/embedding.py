@@ -19,16 +19,14 @@ def _size(v, what: str) -> int:
 class Embedding(Layer):
     """Looks up ``W[id]`` for every token id: ``(n, *s)`` ids -> ``(n, *s, dim)``.
 
-    The ids may come as an integer or a float array (a model's data is float); every value
-    must be a whole number in ``[0, n_tokens)`` (else ``ValueError`` naming the value and
-    where it is). Parameter ``W`` ``(n_tokens, dim)``: ``init="normal"`` draws N(0, 1),
-    ``"xavier"`` U(±sqrt(6 / (n_tokens + dim))), ``"zeros"`` zeros.
+    The ids may be an integer or a float array; every value must be a whole number in
+    ``[0, n_tokens)`` (else ``ValueError`` naming the value and where it is). Parameter
+    ``W`` ``(n_tokens, dim)``: ``init="normal"`` draws N(0, 1), ``"xavier"``
+    U(±sqrt(6 / (n_tokens + dim))), ``"zeros"`` zeros.
 
-    ``backward`` writes (or adds) the gradient into the rows of the ids used only (the
-    others get zeros, or are left alone with ``accumulate``) and returns **no input
-    gradient** (None): the ids are data, not a function of parameters. So an Embedding
-    must be a model's first layer, or come after layers that have no parameters and need
-    no dL/dx themselves.
+    ``backward`` writes (or adds) the gradient of the rows used and returns **no input
+    gradient** (None): the ids are data. So an Embedding comes first in a model, or after
+    layers that have no parameters and need no dL/dx themselves.
     """
 
     def __init__(self, n_tokens: int, dim: int, init: str = "normal") -> None:
@@ -81,9 +79,8 @@ class Embedding(Layer):
             dW[...] = 0
         ids = self._ids.reshape(-1)
         if ids.size:
-            # scatter-add by bincount over the used rows only (float64 sums): one loop over
-            # all the values, where np.add.at runs a short loop per id; and it allocates
-            # (used rows x dim), not (n_tokens x dim)
+            # scatter-add by bincount over the used rows only (float64 sums): faster than
+            # np.add.at, and (used rows x dim) allocated, not (n_tokens x dim)
             used, row = np.unique(ids, return_inverse=True)
             flat = (row.reshape(-1, 1) * d + np.arange(d)).reshape(-1)
             sums = np.bincount(flat, weights=dy.reshape(-1, d).reshape(-1),

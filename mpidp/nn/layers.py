@@ -1,20 +1,14 @@
-"""Layers: pure NumPy, no MPI.
+"""The layer protocol, the registry of layer classes, and ``Dense``. Pure NumPy, no MPI.
 
-A layer declares the shapes of its parameters; :class:`mpidp.nn.Sequential` allocates
-one flat buffer for every layer's parameters (and one for gradients) and hands each layer
-views into it through :meth:`Layer.bind`. Gradients are SUMS over the samples of a batch,
-never means: the caller divides by the global sample count after combining ranks.
-
-A layer maps ``(n, *in_shape)`` to ``(n, *out_shape)``: the batch axis comes first and is
-the one split across ranks. Values that are not trained (batch norm's running
-statistics) are the layer's *state*: declared by :meth:`Layer.state_shapes`, views into the
-model's one flat ``state`` buffer, saved and checkpointed with the parameters. A layer
-learns of the step it runs in (training or not, the samples' global indices, a sum over the
-replica group) from ``self.context`` (:class:`mpidp.nn.Context`).
-
-Every layer class that :func:`mpidp.nn.from_spec` (and so :func:`mpidp.nn.load`) can rebuild
-is registered by name with :func:`register_layer`; the built-in ones are registered where
-they are defined (this module, ``activations``, ``conv``, ``norm`` ...).
+A layer declares the shapes of its parameters; :class:`mpidp.nn.Sequential` allocates one
+flat buffer for all of them (and one for gradients) and hands each layer views into it
+(:meth:`Layer.bind`). Gradients are SUMS over the samples of a batch, never means: the
+caller divides by the global sample count after combining ranks. A layer maps
+``(n, *in_shape)`` to ``(n, *out_shape)``, the batch axis (the one split across ranks)
+first. Untrained values (batch norm's running statistics) are the layer's *state*
+(:meth:`Layer.state_shapes`), saved and checkpointed with the parameters. A layer learns
+of the step it runs in from ``self.context`` (:class:`mpidp.nn.Context`). Every layer
+class that :func:`mpidp.nn.load` can rebuild is registered with :func:`register_layer`.
 """
 
 from __future__ import annotations
@@ -29,6 +23,8 @@ from .blas import add_matmul_, add_xt_dy_
 from .context import Context
 
 Shapes = dict[str, tuple[int, ...]]
+INITS = ("he", "xavier", "zeros")  # what a Dense or a convolution may start from
+
 
 class Layer(ABC):
     """Base class. ``forward`` caches what ``backward`` needs; ``backward`` writes grads."""
@@ -43,9 +39,7 @@ class Layer(ABC):
     needs: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
-        self.params = {}
-        self.grads = {}
-        self.state = {}
+        self.params, self.grads, self.state = {}, {}, {}
         self.context = Context()
         self.key: tuple[int, ...] = ()
 
@@ -67,6 +61,11 @@ class Layer(ABC):
 
     def init_(self, rng: np.random.Generator) -> None:  # noqa: B027 - no parameters: nothing to do
         """Fill this layer's parameters (and state) in place from ``rng``."""
+
+    def config(self) -> dict:
+        """The JSON-able settings that rebuild the layer (``cls(**config())``): by default
+        ``n_in`` and ``n_out`` where the layer has ``n_out``, else none."""
+        return {"n_in": self.n_in, "n_out": self.n_out} if hasattr(self, "n_out") else {}
 
     def set_context(self, context: Context, key: tuple[int, ...] = ()) -> None:
         """Share the model's :class:`Context` and give the layer its ``key``: its position
@@ -97,17 +96,12 @@ class Layer(ABC):
     def backward(self, dy: np.ndarray, accumulate: bool = False,
                  need_input_grad: bool = True) -> np.ndarray | None:
         """Given dL/dy ``(n, *out_shape)`` return dL/dx ``(n, *in_shape)``; write (or add
-        to) grads.
-
-        With ``need_input_grad=False`` (the first layer of a model) dL/dx is not computed
-        and None is returned: for a ``Dense`` layer that saves a third of its backward work.
-        """
+        to) grads. With ``need_input_grad=False`` (the first layer of a model) dL/dx is not
+        computed and None is returned (for a ``Dense``, a third of its backward work)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
-
-# ---------------------------------------------------------------------------- registry
 
 _LayerT = TypeVar("_LayerT", bound=type)
 
@@ -125,12 +119,10 @@ def register_layer(cls: _LayerT | None = None, *, name: str | None = None
     """Register a layer class so a saved model that uses it can be rebuilt; returns ``cls``.
 
     Usable as ``register_layer(MyLayer)``, ``@register_layer`` or
-    ``@register_layer(name="my-layer")``. The key is ``name``, by default the class name;
-    it is the ``"type"`` that :meth:`mpidp.nn.Sequential.spec` writes for the layer, and
-    :func:`mpidp.nn.from_spec` / :func:`mpidp.nn.load` look it up here. A process that
-    loads a model must register its classes too (importing the module that defines them
-    with the decorator is enough). Registering the same class again is a no-op. What a
-    registered layer provides (``config()``, ``from_config``) is in ``docs/extending.md``.
+    ``@register_layer(name="my-layer")``. The key (``name``, by default the class name) is
+    the ``"type"`` a model spec names the layer by. A process that loads a model must
+    register its classes too (importing the module that defines them is enough).
+    Registering the same class again is a no-op; see ``docs/extending.md``.
 
     Raises ``TypeError`` if ``cls`` is not a :class:`Layer` subclass, ``ValueError`` if
     ``name`` is registered to a different class (both are named); a class redefined under
@@ -167,15 +159,9 @@ def layer_name(cls: type) -> str:
 
 
 def layer_spec(layer: Layer) -> dict:
-    """``{"type": <registered name>, **settings}`` for one layer: the settings from its
-    ``config()``, else ``n_in``/``n_out`` where the layer has ``n_out``. Raises
-    ``ValueError`` if the settings use a key a model spec reserves."""
-    if callable(getattr(layer, "config", None)):
-        settings = dict(layer.config())
-    elif hasattr(layer, "n_out"):
-        settings = {"n_in": layer.n_in, "n_out": layer.n_out}
-    else:
-        settings = {}
+    """``{"type": <registered name>, **layer.config()}``. Raises ``ValueError`` if the
+    settings use a key a model spec reserves."""
+    settings = dict(layer.config())
     clash = [k for k in RESERVED if k in settings]
     if clash:
         raise ValueError(f"{type(layer).__name__}.config() may not use the key(s) {clash}: "
@@ -197,6 +183,12 @@ def layer_class(name: str) -> type:
 
 def _bad_size(v) -> bool:
     return isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1
+
+
+def check_init(init: str) -> str:
+    if init not in INITS:
+        raise ValueError(f"unknown init {init!r}; expected 'he', 'xavier' or 'zeros'")
+    return init
 
 
 def init_weights(W: np.ndarray, init: str, fan_in: int, fan_out: int,
@@ -228,9 +220,7 @@ class Dense(Layer):
         super().__init__()
         if (n_in is not None and _bad_size(n_in)) or _bad_size(n_out):
             raise ValueError(f"Dense needs n_in >= 1 and n_out >= 1, got {n_in}, {n_out}")
-        if init not in ("he", "xavier", "zeros"):
-            raise ValueError(f"unknown init {init!r}; expected 'he', 'xavier' or 'zeros'")
-        self.n_in, self.n_out, self.init = n_in, n_out, init
+        self.n_in, self.n_out, self.init = n_in, n_out, check_init(init)
         self._x: np.ndarray | None = None
 
     def param_shapes(self) -> Shapes:

@@ -1,8 +1,6 @@
-"""Losses: pure NumPy, no MPI. Each returns the SUM over samples of the per-sample loss.
-
-Summing (not averaging) lets every rank return its partial sum; the global mean is the
-global sum divided by the global sample count, which is exact for uneven or empty shards.
-"""
+"""Losses: pure NumPy, no MPI. Each returns the SUM over samples of the per-sample loss,
+so the global mean is the ranks' sums over the global count: exact for uneven or empty
+shards."""
 
 from __future__ import annotations
 
@@ -51,11 +49,9 @@ def label_problem(y: np.ndarray, k: int, classes_only: bool = True) -> str | Non
 
 
 def _check_labels(y: np.ndarray, k: int, classes_only: bool = True) -> None:
-    """Raise ValueError with :func:`label_problem`'s text, if any: NumPy would take -1
-    for the last class, fail on ``k`` with an index error, and broadcast labels of shape
-    ``(n, 1)`` into an ``(n, n)`` block."""
-    why = label_problem(y, k, classes_only)
-    if why:
+    """Raise ValueError with :func:`label_problem`'s text, if any (NumPy would take -1 for
+    the last class and broadcast labels ``(n, 1)`` into an ``(n, n)`` block)."""
+    if why := label_problem(y, k, classes_only):
         raise ValueError(why)
 
 

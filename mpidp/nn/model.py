@@ -1,10 +1,8 @@
 """``Sequential``: a stack of layers whose parameters are views into ONE flat buffer.
 
-``model.params`` (all weights) and ``model.grads`` (all gradients) are contiguous 1-D
-arrays, so synchronising a model is one ``Bcast`` and combining gradients one ``Allreduce``.
-
-A model is saved to and loaded from one ``model.npz`` (:func:`save`, :func:`load`): the file
-``mpidp train`` writes and ``mpidp predict`` reads.
+``model.params`` and ``model.grads`` are contiguous 1-D arrays, so synchronising a model is
+one ``Bcast`` and combining gradients one ``Allreduce``. A model is saved to and loaded
+from one ``model.npz`` (:func:`save`, :func:`load`), the file ``mpidp train`` writes.
 """
 
 from __future__ import annotations
@@ -40,10 +38,8 @@ def as_shape(n_in: int | Sequence[int], what: str = "n_in") -> tuple[int, ...]:
 
 
 def chain_shapes(layers: Sequence[Layer], in_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Per-sample shapes ``[in_shape, out of layer 0, ..., out of the last layer]``.
-
-    Raises ``ValueError`` naming the first layer that cannot take its input's shape.
-    """
+    """Per-sample shapes ``[in_shape, out of layer 0, ..., out of the last layer]``; raises
+    ``ValueError`` naming the first layer that cannot take its input's shape."""
     shapes = [tuple(in_shape)]
     for i, layer in enumerate(layers):
         try:
@@ -70,17 +66,15 @@ def _carve(buffer: np.ndarray, shapes: dict[str, tuple[int, ...]],
 class Sequential:
     """Layers applied in order to inputs of shape ``(n_samples, *in_shape)``.
 
-    ``layers`` must chain (checked here); ``n_in`` is a number of features or a per-sample
-    shape such as ``(channels, height, width)``; ``dtype`` (``float32`` or ``float64``) is
-    that of parameters, gradients and activations.
+    ``layers`` must chain; ``n_in`` is a number of features or a per-sample shape such as
+    ``(channels, height, width)``; ``dtype`` (``float32`` or ``float64``) is that of
+    parameters, gradients and activations.
 
     ``params`` and ``grads`` have ``n_params`` elements; ``layer.params[k]`` is a view of
-    ``params`` for every layer and key, in layer order then ``param_shapes`` order.
-    ``state`` (``n_state`` elements) likewise holds every layer's untrained state (batch
-    norm's running statistics). ``in_shape`` / ``out_shape`` are the per-sample shapes;
-    ``n_in`` / ``n_out`` their sizes (features per sample). ``context`` is the
-    :class:`Context` every layer shares. ``meta`` is a JSON-able dict that :meth:`save`
-    stores with the model and :func:`load` restores (empty unless set).
+    ``params``, in layer order then ``param_shapes`` order. ``state`` (``n_state``
+    elements) likewise holds every layer's untrained state. ``in_shape`` / ``out_shape``
+    are the per-sample shapes, ``n_in`` / ``n_out`` their sizes. ``context`` is the
+    :class:`Context` every layer shares; ``meta`` a JSON-able dict saved with the model.
     """
 
     def __init__(self, layers: Sequence[Layer], n_in: int | Sequence[int],
@@ -95,14 +89,15 @@ class Sequential:
         self.shapes = chain_shapes(self.layers, self.in_shape)
         self.out_shape = self.shapes[-1]
         self.n_in, self.n_out = int(np.prod(self.in_shape)), int(np.prod(self.out_shape))
-        self.n_params = sum(int(np.prod(s)) for layer in self.layers
-                            for s in layer.param_shapes().values())
-        self.n_state = sum(int(np.prod(s)) for layer in self.layers
-                           for s in layer.state_shapes().values())
-        self.params = np.zeros(self.n_params, self.dtype)
-        self._bind(self.params, np.zeros(self.n_params, self.dtype))
+        self.n_params, self.n_state = (sum(int(np.prod(s)) for layer in self.layers
+                                           for s in getattr(layer, f)().values())
+                                       for f in ("param_shapes", "state_shapes"))
+        self._bind(np.zeros(self.n_params, self.dtype), np.zeros(self.n_params, self.dtype))
         self.state = np.zeros(self.n_state, self.dtype)
-        self._bind_state(self.state)
+        offset = 0
+        for layer in self.layers:
+            views, offset = _carve(self.state, layer.state_shapes(), offset)
+            layer.bind_state(views)
         self.set_context(Context())
         self.meta: dict[str, Any] = {}
 
@@ -110,12 +105,6 @@ class Sequential:
     def needs(self) -> frozenset[str]:
         """What the layers need from the trainer (:attr:`mpidp.nn.Layer.needs`), together."""
         return frozenset().union(*(layer.needs for layer in self.layers))
-
-    def _bind_state(self, state: np.ndarray) -> None:
-        offset = 0
-        for layer in self.layers:
-            views, offset = _carve(state, layer.state_shapes(), offset)
-            layer.bind_state(views)
 
     def set_context(self, context: Context) -> None:
         """Share ``context`` with every layer (a trainer's, filled before each step)."""
@@ -134,11 +123,8 @@ class Sequential:
             self.layer_ranges.append((lo, offset))
 
     def use_grad_buffer(self, buffer: np.ndarray) -> None:
-        """Make ``grads`` (and every layer's gradient views) live in ``buffer[:n_params]``.
-
-        Lets a trainer append extra slots (loss, counts) to the gradient buffer so one
-        collective carries them all.
-        """
+        """Make ``grads`` (and every layer's gradient views) live in ``buffer[:n_params]``,
+        so a trainer's extra slots (loss, counts) after them travel in the same collective."""
         if buffer.dtype != self.dtype or buffer.ndim != 1 or len(buffer) < self.n_params:
             raise ValueError(f"grad buffer must be 1-D {self.dtype} with >= {self.n_params} items")
         self._bind(self.params, buffer[:self.n_params])
@@ -165,12 +151,11 @@ class Sequential:
         """``x`` ``(n, *in_shape)`` → output ``(n, *out_shape)``; caches activations for
         ``backward``. Runs in the mode ``context.training`` says (False: evaluation).
 
-        ``on_layer_params(i, upto)``: returns once the first ``upto`` values of layer
-        ``i``'s range of ``params`` (None: all) are final, for a trainer whose update is
-        still arriving: called before each layer's ``forward``, or, for a layer that reads
-        its parameters in parts of about ``piece`` values (a ``Dense``), before each part.
-        A layer sums over the same parts whether or not they had to wait, so the numbers
-        do not depend on timing.
+        ``on_layer_params(i, upto)`` returns once the first ``upto`` values of layer ``i``'s
+        range of ``params`` (None: all) are final, for an update still arriving: called
+        before each layer's ``forward``, or, for a layer that reads its parameters in parts
+        of about ``piece`` values (a ``Dense``), before each part (the same parts whether or
+        not they had to wait: the numbers do not depend on timing).
         """
         if tuple(x.shape[1:]) != self.in_shape and not (
                 len(self.in_shape) == 1 and x.ndim == 2 and x.shape[1] == self.n_in):
@@ -196,10 +181,9 @@ class Sequential:
     __call__ = forward
 
     def predict(self, x: np.ndarray, output: str = "scores") -> np.ndarray:
-        """A classifier's predictions for ``x`` ``(n, *in_shape)`` as ``output``: ``scores``
-        ``(n, n_out)``, ``proba`` (softmax, rows summing to 1) or ``label`` ``(n,)`` int64
-        (:func:`mpidp.nn.losses.outputs`); ``scores`` is also what a regression predicts.
-        Always in evaluation mode (no dropout; batch norm's running statistics)."""
+        """Predictions for ``x`` ``(n, *in_shape)`` as ``output`` (:data:`mpidp.nn.OUTPUTS`:
+        ``scores``, also what a regression predicts, ``proba`` or ``label``), always in
+        evaluation mode (no dropout; batch norm's running statistics)."""
         was, self.context.training = self.context.training, False
         try:
             return outputs(self.forward(x), output)
@@ -214,12 +198,11 @@ class Sequential:
         ``(n, n_in)``, or None with ``input_grad=False`` (then its cost is skipped).
 
         ``on_layer_done(i)`` is called as soon as layer ``i``'s gradients are final (last
-        layer first), so a trainer can start communicating them during the rest of backward:
-        from the layer's ``context.grads_final(layer)`` if it calls it (a ``Dense`` does,
-        before its input gradient), else once its ``backward`` returns.
-        ``on_layer_part(i, done)`` (with ``piece > 0``): before that, the first ``done``
-        values of layer ``i``'s range of ``grads`` are final; a layer that computes its
-        gradient in parts (a ``Dense`` larger than ``piece`` values) says so after each.
+        layer first), so they can be sent during the rest of backward: at the layer's
+        ``context.grads_final(layer)`` if it calls it (a ``Dense`` does, before its input
+        gradient), else once its ``backward`` returns. ``on_layer_part(i, done)`` (with
+        ``piece > 0``): the first ``done`` values of layer ``i``'s range of ``grads`` are
+        final, after each part of a layer that computes its gradient in parts of ``piece``.
         """
         last = len(self.layers) - 1
         told = set()  # the layers on_layer_done has heard of
@@ -248,14 +231,9 @@ class Sequential:
         return dy
 
     def spec(self) -> list[dict]:
-        """A JSON-able description from which :func:`from_spec` rebuilds the model.
-
-        One dict per layer, ``{"type": <registered name>, **settings}``, the settings being
-        ``layer.config()`` if the layer defines it, else ``n_in`` and ``n_out`` if it has
-        them (see :func:`mpidp.nn.register_layer`); the first dict also holds
-        ``"model_n_in"`` (flat inputs) or ``"model_in_shape"`` (a list). Parameters are not
-        part of it.
-        """
+        """A JSON-able description from which :func:`from_spec` rebuilds the model (not its
+        parameters): one ``{"type": <registered name>, **layer.config()}`` per layer, the
+        first also holding ``"model_n_in"`` (flat inputs) or ``"model_in_shape"`` (a list)."""
         out = [layer_spec(layer) for layer in self.layers]
         if len(self.in_shape) == 1:
             out[0]["model_n_in"] = self.n_in
@@ -265,7 +243,7 @@ class Sequential:
 
     def save(self, path: str | os.PathLike, meta: dict | None = None) -> str:
         """Write the model to ``path``: see :func:`save`. Returns the path written."""
-        return _save(self, path, meta, stacklevel=3)
+        return save(self, path, meta, stacklevel=3)
 
     def __repr__(self) -> str:
         inner = ", ".join(map(repr, self.layers))
@@ -274,15 +252,10 @@ class Sequential:
 
 
 def from_spec(spec: Sequence[dict], dtype: npt.DTypeLike = np.float32) -> Sequential:
-    """Rebuild a model, parameters zero, from :meth:`Sequential.spec`.
-
-    Every ``"type"`` is looked up in the layer registry (:func:`mpidp.nn.register_layer`);
-    the layer is built by ``cls.from_config(settings)`` where the class defines it, else
-    by ``cls(**settings)``, ``settings`` being the dict less ``"type"`` and ``"model_n_in"``.
-
-    Raises ``ValueError`` if a layer type is not registered (the message names it and says
-    how to register it), its settings do not rebuild it, or ``spec`` is malformed.
-    """
+    """Rebuild a model, parameters zero, from :meth:`Sequential.spec`: each layer by
+    ``cls.from_config(settings)`` where its registered class defines it, else
+    ``cls(**settings)``. Raises ``ValueError`` if a layer type is not registered (saying
+    how to register it), its settings do not rebuild it, or ``spec`` is malformed."""
     if not isinstance(spec, Sequence) or not spec or \
             not all(isinstance(d, dict) and isinstance(d.get("type"), str) for d in spec):
         raise ValueError("a model spec is a non-empty list of dicts, each with a 'type' string")
@@ -309,57 +282,14 @@ def from_spec(spec: Sequence[dict], dtype: npt.DTypeLike = np.float32) -> Sequen
 # ---------------------------------------------------------------------------- files
 
 
-# what reading a damaged, truncated or foreign file can raise (turned into one ValueError).
-_READ_ERRORS: tuple[type[BaseException], ...] = (
-    OSError, KeyError, ValueError, TypeError, EOFError, zipfile.BadZipFile, zlib.error)
-
-
-def _read_npz(path: str, required: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Member name -> array for every member of the ``.npz`` archive ``path``, read in full
-    (so every zip CRC-32 is checked) with ``allow_pickle=False``.
-
-    Raises one of ``_READ_ERRORS`` if the file is unreadable, damaged, not an ``.npz``
-    archive, or lacks a ``required`` member (``ValueError``).
-    """
-    saved = np.load(path, allow_pickle=False)
-    if not isinstance(saved, np.lib.npyio.NpzFile):
-        raise ValueError("not a .npz archive (a single .npy array)")
-    with saved:
-        missing = [k for k in required if k not in saved.files]
-        if missing:
-            raise ValueError(f"not a saved model: no {', '.join(map(repr, missing))} in the "
-                             f"archive (it holds {', '.join(map(repr, saved.files)) or 'nothing'})")
-        return {k: saved[k] for k in saved.files}
-
-
 def _model_path(path: str | os.PathLike) -> str:
     path = os.fspath(path)
     return os.path.join(path, MODEL_FILE) if os.path.isdir(path) else path
 
 
-def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None) -> str:
-    """Write ``model`` to ``path`` atomically, as the ``model.npz`` of ``mpidp train``.
-
-    The archive (``np.savez``, no pickles) holds ``params`` (the flat ``(n_params,)``
-    vector, in the model's dtype), ``state`` (the flat ``(n_state,)`` untrained state,
-    when the model has any), ``spec`` (JSON of :meth:`Sequential.spec`), ``dtype``
-    (``"float32"`` or ``"float64"``) and ``meta`` (JSON of ``meta``, else of
-    ``model.meta``). It is written to a temporary file in the same folder, fsynced and
-    renamed, so ``path`` is at every moment absent, the old file, or the whole new one.
-    An existing folder ``path`` means ``model.npz`` in it. Returns the path written.
-
-    Raises ``ValueError`` (writing nothing) if the spec or ``meta`` is not JSON-able. Warns
-    (``UserWarning``, naming the class, writing the file all the same) if a layer's class,
-    or that of a layer inside a block, is not registered (:func:`mpidp.nn.register_layer`),
-    so :func:`load` cannot rebuild the file.
-    """
-    return _save(model, path, meta, stacklevel=3)
-
-
 def _unregistered(layers: Sequence[Layer]) -> list[type]:
-    """The classes among ``layers`` (and the ``layers`` of blocks inside them) that
-    :func:`from_spec` would not rebuild: not registered, or their name registered to
-    another class."""
+    """The classes among ``layers`` (and inside their blocks) that :func:`from_spec` would
+    not rebuild: not registered, or their name registered to another class."""
     found: list[type] = []
     for layer in layers:
         cls = type(layer)
@@ -371,8 +301,23 @@ def _unregistered(layers: Sequence[Layer]) -> list[type]:
     return found
 
 
-def _save(model: Sequential, path: str | os.PathLike, meta: dict | None,
-          stacklevel: int) -> str:
+def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None, *,
+         stacklevel: int = 2) -> str:
+    """Write ``model`` to ``path`` atomically, as the ``model.npz`` of ``mpidp train``.
+
+    The archive (``np.savez``, no pickles) holds ``params`` (the flat ``(n_params,)``
+    vector, in the model's dtype), ``state`` (the flat ``(n_state,)`` untrained state,
+    when the model has any), ``spec`` (JSON of :meth:`Sequential.spec`), ``dtype``
+    (``"float32"`` or ``"float64"``) and ``meta`` (JSON of ``meta``, else of
+    ``model.meta``). Written to a temporary file in the same folder, fsynced and renamed:
+    ``path`` is at every moment absent, the old file, or the whole new one. An existing
+    folder ``path`` means ``model.npz`` in it. Returns the path written.
+
+    Raises ``ValueError`` (writing nothing) if the spec or ``meta`` is not JSON-able. Warns
+    (``UserWarning`` at ``stacklevel``, writing the file all the same) for each layer class,
+    also inside a block, that is not registered (:func:`mpidp.nn.register_layer`), so
+    :func:`load` cannot rebuild the file.
+    """
     path = _model_path(path)
     meta = model.meta if meta is None else meta
     try:
@@ -397,11 +342,9 @@ def _save(model: Sequential, path: str | os.PathLike, meta: dict | None,
 
 
 def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
-    """The model saved in ``path`` by :func:`save` (or by ``mpidp train``), parameters set.
-
-    Its ``meta`` attribute holds the stored meta (``{}`` if the file has none). A model
-    with a layer of the user's own must have that class registered in this process first
-    (:func:`mpidp.nn.register_layer`). ``path``: a ``model.npz``, or a folder holding one.
+    """The model saved in ``path`` (a ``model.npz``, or a folder holding one) by
+    :func:`save`, parameters set, its ``meta`` the stored meta (``{}`` if none). A layer
+    class of the user's own must be registered in this process first.
 
     Raises ``ValueError``, naming the file, if it is missing, truncated, corrupted (zip
     CRC-32), not a saved model, names an unregistered layer class, or (with
@@ -409,7 +352,16 @@ def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
     """
     path = _model_path(path)
     try:
-        saved = _read_npz(path, ("params", "spec", "dtype"))
+        saved = np.load(path, allow_pickle=False)
+        if not isinstance(saved, np.lib.npyio.NpzFile):
+            raise ValueError("not a .npz archive (a single .npy array)")
+        with saved:  # every member read in full: every zip CRC-32 is checked
+            missing = [k for k in ("params", "spec", "dtype") if k not in saved.files]
+            if missing:
+                raise ValueError(f"not a saved model: no {', '.join(map(repr, missing))} in "
+                                 f"the archive (it holds "
+                                 f"{', '.join(map(repr, saved.files)) or 'nothing'})")
+            saved = {k: saved[k] for k in saved.files}
         params = saved["params"]
         spec, dtype = json.loads(str(saved["spec"])), str(saved["dtype"])
         meta = json.loads(str(saved["meta"])) if "meta" in saved else {}
@@ -426,7 +378,8 @@ def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
                              f"{model.dtype} ({model.n_state},)")
         model.state[...] = state
         model.meta = meta
-    except _READ_ERRORS as exc:
+    except (OSError, KeyError, ValueError, TypeError, EOFError, zipfile.BadZipFile,
+            zlib.error) as exc:  # a file damaged, truncated or foreign
         raise ValueError(f"{path!r}: cannot load a saved model ({type(exc).__name__}: "
                          f"{exc})") from None
     if check_finite and not (np.isfinite(model.params).all() and np.isfinite(model.state).all()):

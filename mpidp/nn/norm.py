@@ -1,10 +1,6 @@
-"""Normalisation layers: batch norm over the GLOBAL batch, and layer norm per sample.
-
-:class:`BatchNorm` in training normalises with the statistics of the whole global batch,
-summed over the replica group with ``context.reduce_sum``; so P ranks holding parts of a
-batch (uneven, some even empty) compute what one process computes on the whole batch.
-:class:`LayerNorm` needs nothing from other samples, hence no collective.
-"""
+"""Normalisation layers: :class:`BatchNorm` over the GLOBAL batch (P ranks holding parts
+of it, uneven or empty, compute what one process computes on the whole batch), and
+:class:`LayerNorm` per sample (no collective)."""
 
 from __future__ import annotations
 
@@ -62,27 +58,23 @@ class _SampleShaped(Layer):
 class BatchNorm(Layer):
     """Batch normalisation ``y = gamma * (x - mean) / sqrt(var + eps) + beta``.
 
-    Takes ``(n, F)`` (statistics per feature, over the batch) or ``(n, C, *spatial)``
-    (statistics per channel, over the batch and every spatial position); the output has
-    the shape of the input. Parameters ``gamma`` (ones) and ``beta`` (zeros), state
-    ``mean`` (zeros) and ``var`` (ones), each ``(F,)`` or ``(C,)``.
+    Takes ``(n, F)`` (statistics per feature) or ``(n, C, *spatial)`` (per channel, over
+    the batch and every position); the output has the input's shape. Parameters ``gamma``
+    (ones) and ``beta`` (zeros), state ``mean`` (zeros) and ``var`` (ones), each ``(C,)``.
 
-    Training (``context.training``): mean and biased variance of the GLOBAL batch, from
-    sums over the replica group (``context.reduce_sum``, in float64): first the count and
-    per-channel sums, then the per-channel sums of squares about the global mean (two
-    passes, so no cancellation in ``E[x^2] - E[x]^2``). Backward sums ``dy`` and
-    ``dy * xhat`` over the group in one more ``reduce_sum``; ``dgamma`` and ``dbeta`` are
-    this rank's own sums (the trainer adds the ranks' gradients). So the forward makes two
-    collective calls and the backward one, on every rank, even with no local samples; the
-    backward makes none when ``need_input_grad`` is False (the same on every rank: it
-    depends on the layer's place in the model).
+    Training: mean and biased variance of the GLOBAL batch, from float64 sums over the
+    replica group (``context.reduce_sum``): the count and sums, then the sums of squares
+    about the global mean (two passes: no cancellation). Backward sums ``dy`` and
+    ``dy * xhat`` over the group in one more ``reduce_sum`` (none when ``need_input_grad``
+    is False, the same on every rank); ``dgamma`` and ``dbeta`` are this rank's own sums.
+    So every rank makes two collective calls forward and one backward, even with no
+    local samples.
 
-    Running statistics, updated in every training forward from the global figures (so
-    the same on every rank): ``mean <- (1 - momentum) * mean + momentum * batch_mean`` and
-    ``var <- (1 - momentum) * var + momentum * batch_var * N / (N - 1)`` (the unbiased
-    variance; left alone when the global count ``N`` per channel is 1). A global batch with
-    no samples changes nothing. Evaluation uses the running statistics and makes no
-    collective call. ``momentum`` is in [0, 1]; ``eps`` (added to the variance) > 0.
+    Running statistics, from the global figures (the same on every rank):
+    ``mean <- (1 - momentum) * mean + momentum * batch_mean`` and
+    ``var <- (1 - momentum) * var + momentum * batch_var * N / (N - 1)`` (left alone when
+    the global count ``N`` per channel is 1; an empty global batch changes nothing).
+    Evaluation uses them and makes no collective call. ``momentum`` in [0, 1]; ``eps`` > 0.
     """
 
     needs = frozenset({"replica-sums"})
@@ -98,21 +90,16 @@ class BatchNorm(Layer):
     def config(self) -> dict:
         return {"momentum": self.momentum, "eps": self.eps}
 
-    def _fix(self, in_shape: tuple[int, ...]) -> None:
-        if len(in_shape) < 1:
-            raise ValueError("BatchNorm needs samples with at least one axis")
-        c = int(in_shape[0])
-        if self.n_channels is not None and c != self.n_channels:
-            raise ValueError(f"BatchNorm was set up for {self.n_channels} channels, got "
-                             f"per-sample shape {tuple(in_shape)}")
-        self.n_channels = c
-
     def output_dim(self, n_in: int) -> int:
-        self._fix((n_in,))
-        return n_in
+        return self.output_shape((n_in,))[0]
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
-        self._fix(tuple(in_shape))
+        if len(in_shape) < 1:
+            raise ValueError("BatchNorm needs samples with at least one axis")
+        if self.n_channels is not None and in_shape[0] != self.n_channels:
+            raise ValueError(f"BatchNorm was set up for {self.n_channels} channels, got "
+                             f"per-sample shape {tuple(in_shape)}")
+        self.n_channels = int(in_shape[0])
         return tuple(in_shape)
 
     def _c(self) -> int:

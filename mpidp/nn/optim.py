@@ -1,33 +1,25 @@
 """The optimizer base over one flat parameter vector: its rate, where its vector lies in
-the model, clipping, and updates in pieces. Pure NumPy, no MPI, kept outside the layers;
-the rules themselves (SGD, Adam, LARS ...) are in :mod:`mpidp.nn.optimizers`.
+the model, clipping, and updates in pieces. Pure NumPy, no MPI; the rules themselves
+(SGD, Adam, LARS ...) are in :mod:`mpidp.nn.optimizers`.
 
 ``step_(params, grad)`` updates ``params`` in place from the global MEAN gradient. State
 (momentum, Adam moments) is flat too, so it checkpoints and shards like the parameters.
-
-The learning rate is a float or a schedule (:mod:`mpidp.nn.schedules`) of the update count
-``t`` (0 for the first update), times ``lr_scale`` (1.0; what a reduce-on-plateau
-controller sets).
+The rate is a float or a schedule (:mod:`mpidp.nn.schedules`) of the update count ``t``
+(0 for the first update), times ``lr_scale``.
 
 Norms and slices
 ----------------
-Layer-wise rules (:class:`LARS`, :class:`LAMB`) and gradient clipping by global norm
-(``clip_norm``) need norms of whole tensors, but the vector an optimizer updates may be a
-slice of the model (a ``sharded-ps`` rank's block, a pipeline stage) or a piece of it
-(``chunks``). The trainer tells the optimizer where its vector lies with :meth:`Optimizer.place`:
+Layer-wise rules (:class:`LARS`, :class:`LAMB`) and clipping by global norm need norms of
+whole tensors, but the vector an optimizer updates may be a slice of the model (a
+parameter server's block, a pipeline stage). :meth:`Optimizer.place` says where it lies:
+the model's tensors (:class:`Segments`), the vector's ``offset`` in the whole model, and
+``reduce_sum``, which sums a small float64 array in place over the ranks holding the
+other slices (a collective: every such rank calls it as often, in the same order).
 
-* ``segments``: the model's tensors (:class:`Segments`, boundaries in whole-model coordinates);
-* ``offset``: where the vector given to ``step_`` starts in the whole model;
-* ``reduce_sum``: sums a small float64 array in place over the ranks holding the other
-  slices (a collective: every such rank calls it as often, in the same order); identity
-  by default.
-
-Each update computes the squared norms of its slice's part of every tensor, adds them up
-over the ranks with ONE ``reduce_sum`` of all tensors' partials together, and only then
-updates (the first of ``chunks`` pieces too). :class:`LAMB` with ``clip_norm`` (or
+Each update adds up its slice's squared norms of every tensor over the ranks with ONE
+``reduce_sum``, and only then updates. :class:`LAMB` with ``clip_norm`` (or
 ``track_grad_norm``) reduces twice: the clipped gradient feeds its moments, whose update's
-norm is needed after. An optimizer never placed treats the vector it is given as one
-tensor.
+norm is needed after. An optimizer never placed treats its vector as one tensor.
 """
 
 from __future__ import annotations
@@ -39,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import setting
 from .schedules import Schedule, as_schedule
 
 ReduceSum = Callable[[np.ndarray], np.ndarray]
@@ -51,13 +44,10 @@ def chunk_edges(n: int, chunks: int) -> list[int]:
 
 
 class Segments:
-    """The tensors of a whole model's flat parameter vector.
-
-    ``bounds`` ``(k + 1,)`` int64: tensor ``j`` is ``[bounds[j], bounds[j + 1])``
-    (``bounds[0] = 0``, ``bounds[-1]`` the model's parameter count); ``ndim`` ``(k,)``: its
-    number of dimensions (1: a bias or a norm's scale, which :class:`LARS` and :class:`LAMB`
-    leave out of adaptation and weight decay by default).
-    """
+    """The tensors of a whole model's flat parameter vector: ``bounds`` ``(k + 1,)`` int64,
+    tensor ``j`` being ``[bounds[j], bounds[j + 1])`` (``bounds[0] = 0``); ``ndim`` ``(k,)``
+    their dimensions (1: a bias or a norm's scale, which LARS and LAMB leave out of
+    adaptation and weight decay by default)."""
 
     __slots__ = ("bounds", "ndim")
 
@@ -73,8 +63,7 @@ class Segments:
     @classmethod
     def of(cls, layers: Any) -> Segments:
         """One segment per parameter tensor of ``layers`` (a list of layers whose shapes are
-        known, or a :class:`~mpidp.nn.Sequential`), in the model's layout order: layer
-        order, then ``param_shapes()`` order."""
+        known, or a :class:`~mpidp.nn.Sequential`), in the model's layout order."""
         bounds, ndim = [0], []
         for layer in getattr(layers, "layers", layers):
             for shape in layer.param_shapes().values():
@@ -102,10 +91,9 @@ class Segments:
 def _clip_setting(what: str, value: float | None) -> float | None:
     if value is None:
         return None
-    if isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{what} must be a finite number > 0 (or None: no clipping), got {value}")
-    value = float(value)
-    if not value > 0 or not math.isfinite(value):
+    flag = isinstance(value, (bool, np.bool_))
+    value = value if flag else float(value)
+    if flag or not value > 0 or not math.isfinite(value):
         raise ValueError(f"{what} must be a finite number > 0 (or None: no clipping), got {value}")
     return value
 
@@ -125,16 +113,14 @@ class Optimizer(ABC):
     Attributes
     ----------
     t : updates taken (checkpointed). ``lr_scale`` : a factor on every rate (1.0), for a
-        controller such as reduce-on-plateau; NOT in the checkpoint: whoever sets it saves
-        it. ``last_grad_norm`` : the global norm of the last update's mean gradient, before
-        ``clip_norm`` (after ``clip_value``), where it was computed (``clip_norm`` set,
-        ``track_grad_norm`` True, or :class:`LARS`), else None.
+        controller such as reduce-on-plateau; not checkpointed: whoever sets it saves it.
+        ``last_grad_norm`` : the global norm of the last mean gradient, before ``clip_norm``
+        (after ``clip_value``), where computed (``clip_norm``, ``track_grad_norm``,
+        :class:`LARS`), else None.
 
-    Notes
-    -----
     A subclass with an elementwise rule implements ``_update`` (and ``_prepare``); one that
-    needs per-tensor norms overrides ``_begin`` (before any piece: norms, one reduction)
-    and ``_apply`` (one piece, tensor by tensor through ``_pieces``), as LARS and LAMB do.
+    needs per-tensor norms overrides ``_begin`` (norms, one reduction) and ``_apply`` (one
+    piece, tensor by tensor through ``_pieces``), as LARS and LAMB do.
     """
 
     #: True where the update needs each tensor's gradient and parameter norms, reduced
@@ -159,8 +145,6 @@ class Optimizer(ABC):
         self.reduce_sum: ReduceSum | None = None
         self._now: float | None = None  # the rate of the update in progress
 
-    # --- the learning rate ------------------------------------------------------------
-
     @property
     def lr(self) -> float:
         """The rate of the update in progress (inside ``step_``), else of the next one."""
@@ -175,13 +159,10 @@ class Optimizer(ABC):
         """The rate of update ``t`` (0: the first): ``schedule(t) * lr_scale``."""
         return self.schedule(t) * self.lr_scale
 
-    # --- where the vector lies --------------------------------------------------------
-
     def place(self, segments: Segments | None = None, offset: int = 0,
               reduce_sum: ReduceSum | None = None) -> Optimizer:
-        """Say where the vectors given to ``step_`` lie (see the module's notes): the
-        whole model's ``segments``, the vector's ``offset`` in it, and ``reduce_sum`` over
-        the ranks holding the other slices (None: this rank holds the whole vector)."""
+        """Say where the vectors given to ``step_`` lie (see the module's notes); ``reduce_sum``
+        None: this rank holds the whole vector."""
         if offset < 0 or segments is not None and offset > segments.n:
             raise ValueError(f"offset {offset} is outside the model's "
                              f"{segments.n if segments else 0} parameters")
@@ -224,31 +205,19 @@ class Optimizer(ABC):
     def _reduce(self, parts: np.ndarray) -> np.ndarray:
         return parts if self.reduce_sum is None else self.reduce_sum(parts)
 
-    # --- the update -------------------------------------------------------------------
-
     def step_(self, params: np.ndarray, grad: np.ndarray, scale: float = 1.0, chunks: int = 1,
               on_chunk: Callable[[int, int], None] | None = None) -> None:
         """Update ``params`` (1-D) in place from the mean gradient ``scale * grad``.
 
-        ``grad`` (same shape) is used as scratch space and overwritten: folding the
-        ``1 / count`` of a global mean into ``scale`` saves a pass over the gradient.
-        ``chunks > 1`` updates ``params[lo:hi]`` piece by piece (the same numbers: the
-        norms, where needed, are taken over the whole vector first) and calls
-        ``on_chunk(lo, hi)`` as soon as each piece is final, so a caller can ship it while
-        the next one is computed. Collective over ``reduce_sum``'s ranks where norms are needed.
+        ``grad`` (same shape) is scratch space, overwritten (``scale`` saves a pass over it).
+        ``chunks > 1`` updates ``params[lo:hi]`` piece by piece (the same numbers: norms are
+        taken over the whole vector first) and calls ``on_chunk(lo, hi)`` as soon as each
+        piece is final, so a caller can ship it while the next one is computed. Collective
+        over ``reduce_sum``'s ranks where norms are needed.
         """
-        self._locate(len(params))
-        t = self.t
-        self.t += 1
-        self._now = self.lr_at(t)
+        self._now, first = self._start(params)
         try:
-            first = self._prepare(params)
-            if self.clip_value is not None:
-                if scale != 1.0:
-                    grad *= scale
-                np.clip(grad, -self.clip_value, self.clip_value, out=grad)
-                scale = 1.0
-            scale = self._begin(params, grad, scale, first)
+            scale = self._begin(params, grad, self._clip_values(grad, scale), first)
             edges = chunk_edges(len(params), chunks)
             for lo, hi in zip(edges[:-1], edges[1:]):
                 self._apply(params, grad, lo, hi, scale, first)
@@ -261,7 +230,7 @@ class Optimizer(ABC):
         """Why this optimizer cannot apply an update piece by piece while the rest of its
         gradient is still arriving (:meth:`update_in_pieces_`), or None."""
         if self.clip_norm is not None:
-            return "clip_norm (--clip-norm) scales by the norm of the whole gradient"
+            return f"{setting('clip_norm')} scales by the norm of the whole gradient"
         if self.track_grad_norm:
             return "tracking the gradient norm needs the whole gradient"
         if type(self)._begin is not Optimizer._begin or type(self)._apply is not Optimizer._apply:
@@ -271,40 +240,45 @@ class Optimizer(ABC):
     def update_in_pieces_(self, params: np.ndarray,
                           scale: float = 1.0) -> Callable[[np.ndarray, int, int], None]:
         """Begin one update of ``params`` (1-D) applied piece by piece as its gradient
-        arrives: the returned ``apply(grad, lo, hi)`` updates ``params[lo:hi]`` from the
-        mean gradient ``scale * grad[lo:hi]`` (``grad`` the whole vector; its ``[lo, hi)``
-        is used as scratch space). Once every value has been applied exactly once, the
-        numbers are those of ``step_(params, grad, scale)``. The update is counted (``t``)
-        and its rate fixed here. Only for an elementwise rule (:meth:`refuses_pieces`)."""
+        arrives: the returned ``apply(grad, lo, hi)`` updates ``params[lo:hi]`` from
+        ``scale * grad[lo:hi]`` (scratch space; ``grad`` the whole vector). Once every value
+        has been applied once, the numbers are those of ``step_(params, grad, scale)``. The
+        update is counted and its rate fixed here. Elementwise rules only."""
         why = self.refuses_pieces()
         if why:
             raise ValueError(f"this update cannot be applied in pieces: {why}")
-        self._locate(len(params))
-        t = self.t
-        self.t += 1
-        rate, self.last_grad_norm = self.lr_at(t), None
-        first = self._prepare(params)
+        rate, first = self._start(params)
+        self.last_grad_norm = None
 
         def apply(grad: np.ndarray, lo: int, hi: int) -> None:
-            self._now, part = rate, scale
+            self._now = rate
             try:
-                if self.clip_value is not None:  # as step_ does: scale, clip, then scale 1
-                    g = grad[lo:hi]
-                    if part != 1.0:
-                        g *= part
-                    np.clip(g, -self.clip_value, self.clip_value, out=g)
-                    part = 1.0
-                self._apply(params, grad, lo, hi, part, first)
+                self._apply(params, grad, lo, hi, self._clip_values(grad[lo:hi], scale), first)
             finally:
                 self._now = None
         return apply
 
+    def _start(self, params: np.ndarray) -> tuple[float, bool]:
+        """Count an update of ``params``: its rate, and whether it is a first step."""
+        self._locate(len(params))
+        self.t += 1
+        return self.lr_at(self.t - 1), self._prepare(params)
+
+    def _clip_values(self, g: np.ndarray, scale: float) -> float:
+        """With ``clip_value``: ``g`` scaled and clipped in place, and 1.0 (the scale left
+        to apply); else ``scale``."""
+        if self.clip_value is None:
+            return scale
+        if scale != 1.0:
+            g *= scale
+        np.clip(g, -self.clip_value, self.clip_value, out=g)
+        return 1.0
+
     def _begin(self, params: np.ndarray, grad: np.ndarray, scale: float, first: bool) -> float:
         """Before any piece: the global norm (one reduction, with the tensors' parameter
-        norms where :attr:`layer_norms`), clipping folded into the returned ``scale``.
-        Sets ``_g2`` (each tensor's squared gradient norm after clipping) and ``_w2``."""
-        want = self.clip_norm is not None or self.track_grad_norm or self.layer_norms
-        if not want:
+        norms where :attr:`layer_norms`), clipping folded into the returned ``scale``; sets
+        ``_g2`` and ``_w2``, each tensor's squared norms (the gradient's after clipping)."""
+        if not (self.clip_norm is not None or self.track_grad_norm or self.layer_norms):
             self.last_grad_norm = None
             return scale
         k = len(self._segs)

@@ -1,7 +1,6 @@
-"""The optimizers' rules over one flat parameter vector (pure NumPy, no MPI): the
-elementwise ones (SGD with momentum, Adam, AdamW) and the large-batch ones with a
-layer-wise trust ratio (LARS, LAMB), and one by its command-line name. Their base, with
-the learning rate, clipping and where a slice lies, is :class:`~mpidp.nn.optim.Optimizer`.
+"""The optimizers' rules over one flat parameter vector (pure NumPy, no MPI): elementwise
+(SGD with momentum, Adam, AdamW) and with a layer-wise trust ratio (LARS, LAMB); one by
+name. Their base (rate, clipping, where a slice lies) is :class:`~mpidp.nn.optim.Optimizer`.
 """
 
 from __future__ import annotations
@@ -12,17 +11,15 @@ from typing import Any
 import numpy as np
 
 from .optim import Optimizer
-from .schedules import Schedule
+from .schedules import Schedule, _positive
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lars", "lamb")
 
 
-def _eps(value: float) -> float:
-    """``eps``, the denominators' guard: a finite number > 0."""
-    value = float(value)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"eps must be a finite number > 0, got {value}")
-    return value
+def _momentum(value: float) -> float:
+    if not 0 <= value < 1:
+        raise ValueError(f"momentum must be in [0, 1), got {value}")
+    return float(value)
 
 
 class SGD(Optimizer):
@@ -35,11 +32,9 @@ class SGD(Optimizer):
                  weight_decay: float = 0.0, nesterov: bool = False, *,
                  clip_norm: float | None = None, clip_value: float | None = None) -> None:
         super().__init__(lr, weight_decay, clip_norm=clip_norm, clip_value=clip_value)
-        if not 0 <= momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        self.momentum, self.nesterov = _momentum(momentum), nesterov
         if nesterov and momentum == 0:
             raise ValueError("nesterov momentum needs momentum > 0")
-        self.momentum, self.nesterov = float(momentum), nesterov
 
     def _prepare(self, params: np.ndarray) -> bool:
         if not self.momentum or "velocity" in self.state:
@@ -86,7 +81,7 @@ class Adam(Optimizer):
                  clip_norm: float | None = None, clip_value: float | None = None) -> None:
         super().__init__(lr, weight_decay, clip_norm=clip_norm, clip_value=clip_value)
         self.b1, self.b2 = _betas(betas, type(self).__name__)
-        self.eps = _eps(eps)
+        self.eps = _positive("eps", eps)
 
     def _prepare(self, params: np.ndarray) -> bool:
         if self.state:
@@ -159,17 +154,12 @@ class LARS(Optimizer):
                  weight_decay: float = 0.0, eta: float = 0.001, exclude_1d: bool = True, *,
                  clip_norm: float | None = None, clip_value: float | None = None) -> None:
         super().__init__(lr, weight_decay, clip_norm=clip_norm, clip_value=clip_value)
-        if not 0 <= momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        self.momentum = _momentum(momentum)
         if not (eta > 0 and math.isfinite(eta)):
             raise ValueError(f"LARS trust coefficient eta must be a finite number > 0, got {eta}")
-        self.momentum, self.eta, self.exclude_1d = float(momentum), float(eta), bool(exclude_1d)
+        self.eta, self.exclude_1d = float(eta), bool(exclude_1d)
 
-    def _prepare(self, params: np.ndarray) -> bool:
-        if not self.momentum or "velocity" in self.state:
-            return False
-        self.state["velocity"] = np.empty_like(params)
-        return True
+    _prepare = SGD._prepare
 
     def _adapted(self) -> np.ndarray:
         return self._segs.ndim > 1 if self.exclude_1d else np.ones(len(self._segs), bool)
@@ -204,7 +194,7 @@ class LARS(Optimizer):
             p -= v
 
     def _update(self, params, grad, state, scale, first) -> None:  # pragma: no cover
-        raise AssertionError("LARS updates tensor by tensor (_apply)")
+        raise AssertionError(f"{type(self).__name__} updates tensor by tensor (_apply)")
 
 
 class LAMB(Optimizer):
@@ -224,11 +214,12 @@ class LAMB(Optimizer):
                  clip_norm: float | None = None, clip_value: float | None = None) -> None:
         super().__init__(lr, weight_decay, clip_norm=clip_norm, clip_value=clip_value)
         self.b1, self.b2 = _betas(betas, "LAMB")
-        self.eps, self.exclude_1d = _eps(eps), bool(exclude_1d)
+        self.eps, self.exclude_1d = _positive("eps", eps), bool(exclude_1d)
 
     _prepare = Adam._prepare
     _moments = Adam._moments
     _adapted = LARS._adapted
+    _update = LARS._update
 
     def _begin(self, params: np.ndarray, grad: np.ndarray, scale: float, first: bool) -> float:
         """The moments over the whole vector, its update ``u`` into ``grad``, then ONE
@@ -260,9 +251,6 @@ class LAMB(Optimizer):
             u = grad[a:b]
             u *= self.lr * float(self._ratio[j])
             params[a:b] -= u
-
-    def _update(self, params, grad, state, scale, first) -> None:  # pragma: no cover
-        raise AssertionError("LAMB updates tensor by tensor (_apply)")
 
 
 def make_optimizer(name: str, lr: float | Schedule, momentum: float = 0.9,

@@ -1,11 +1,9 @@
 """Pooling over 1-D ``(n, C, L)`` and 2-D ``(n, C, H, W)`` inputs: :class:`MaxPool`,
 :class:`AvgPool` (windows, no padding) and :class:`GlobalAvgPool`. Pure NumPy, no MPI.
 
-A window pool of size ``K = prod(size)`` copies the input once, through a strided view,
-into ``(K, n, C, *out)`` (every window offset's value for every output), reduces over the
-first axis and, in backward, makes one vectorised pass per window offset: never a loop
-over samples or positions. Output size per axis: ``floor((L - size) / stride) + 1`` (must
-be >= 1). Values keep the input's dtype.
+A window pool of ``K = prod(size)`` copies the input once, through a strided view, into
+``(K, n, C, *out)``, reduces over the first axis and, in backward, makes one vectorised
+pass per window offset. Output size per axis: ``floor((L - size) / stride) + 1`` (>= 1).
 """
 
 from __future__ import annotations
@@ -43,9 +41,8 @@ class _WindowPool(Layer):
         self.stride = _spec(stride, f"{name} stride")
 
     def config(self) -> dict:
-        def js(v):
-            return list(v) if isinstance(v, tuple) else v
-        return {"size": js(self.size), "stride": js(self.stride)}
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in (("size", self.size), ("stride", self.stride))}
 
     def _geometry(self, shape: Sequence[int], batch: bool) -> tuple[tuple[int, ...], ...]:
         """``(size, stride, out)`` per spatial axis for a sample (or, with ``batch``, a
@@ -77,9 +74,8 @@ class _WindowPool(Layer):
     def _taps(self):
         """(offset number, input slices) for every window offset of the cached forward."""
         size, stride, out = self._geom
-        lead = (slice(None), slice(None))
         for k, offset in enumerate(itertools.product(*map(range, size))):
-            yield k, (*lead, *tap(offset, stride, out))
+            yield k, (slice(None), slice(None), *tap(offset, stride, out))
 
     def _by_offset(self, x: np.ndarray) -> np.ndarray:
         """``(K, n, C, *out)``: for every window offset (row-major), the input value each
@@ -166,9 +162,6 @@ class AvgPool(_WindowPool):
 @register_layer
 class GlobalAvgPool(Layer):
     """Mean over every spatial axis: ``(n, C, *spatial)`` -> ``(n, C)``."""
-
-    def config(self) -> dict:
-        return {}
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         if len(in_shape) < 2:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import setting
 from . import layers as L
 from .activations import ReLU, Sigmoid, Tanh
 from .conv import Conv1d, Conv2d
@@ -53,14 +54,12 @@ def mlp_layers(n_in: int, hidden: Sequence[int], n_out: int,
 
 
 PRESETS = ("linear", "logreg", "mlp", "cnn")
-#: epochs a preset trains for unless told (``mpidp train`` without ``--epochs``)
-DEFAULT_EPOCHS = {"cnn": 20}
-EPOCHS = 10  # every other model
 
 
 def default_epochs(model: str) -> int:
-    """The epochs ``mpidp train --model MODEL`` runs when ``--epochs`` is not given."""
-    return DEFAULT_EPOCHS.get(model, EPOCHS)
+    """The epochs the preset ``model`` trains for when none are given: 20 for ``cnn``,
+    else 10."""
+    return 20 if model == "cnn" else 10
 
 
 def cnn_layers(in_shape: Sequence[int], n_out: int) -> list[L.Layer]:
@@ -68,36 +67,26 @@ def cnn_layers(in_shape: Sequence[int], n_out: int) -> list[L.Layer]:
     ``(channels, height, width)`` images, unbound. Signals: three ``Conv1d`` of 32
     channels (kernel 5, padded) with ReLU, a 2-wide ``MaxPool`` after the first two (while
     the signal is at least 4 long), then a ``Dense`` to ``n_out``. Images: ``Conv2d`` of
-    16 then 32 channels (3x3, padded), each with ReLU and a 2x2 ``MaxPool`` (the pooling
-    only while the image is at least 4 pixels across), then ``Dense`` 64, ReLU, ``Dense`` to ``n_out``."""
+    16 then 32 channels (3x3, padded), each with ReLU and a 2x2 ``MaxPool`` (while the
+    image is at least 4 pixels across), then ``Dense`` 64, ReLU, ``Dense`` to ``n_out``."""
     shape = tuple(in_shape)
     if len(shape) == 2:
-        layers = []
-        length = shape[1]
-        for i in range(3):
-            layers += [Conv1d(32, 5, padding=2), ReLU(inplace=True)]
-            if i < 2 and length >= 4:
-                layers.append(MaxPool(2))
-                length //= 2
-        return [*layers, Flatten(), _dense(n_out, "xavier")]
-    if len(shape) == 3:
-        layers: list[L.Layer] = []
-        side = min(shape[1:])
-        for channels in (16, 32):
-            layers += [Conv2d(channels, 3, padding=1), ReLU(inplace=True)]
-            if side >= 4:
-                layers.append(MaxPool(2))
-                side //= 2
-        return [*layers, Flatten(), _dense(64, "he"), ReLU(inplace=True),
-                _dense(n_out, "xavier")]
-    raise ValueError(f"model 'cnn' needs samples shaped (channels, length) or (channels, "
-                     f"height, width), got per-sample shape {shape}; for flat features use "
-                     f"--model mlp")
-
-
-def _dense(n_out: int, init: str) -> L.Dense:
-    """A Dense layer whose input width is taken from the layer before it."""
-    return L.Dense(None, n_out, init=init)
+        conv, widths, kernel, head = Conv1d, (32, 32, 32), 5, []
+    elif len(shape) == 3:
+        conv, widths, kernel = Conv2d, (16, 32), 3
+        head = [L.Dense(None, 64, init="he"), ReLU(inplace=True)]
+    else:
+        raise ValueError(f"model 'cnn' needs samples shaped (channels, length) or (channels, "
+                         f"height, width), got per-sample shape {shape}; for flat features use "
+                         f"{setting('model', 'mlp')}")
+    layers: list[L.Layer] = []
+    side = min(shape[1:])
+    for i, channels in enumerate(widths):
+        layers += [conv(channels, kernel, padding=kernel // 2), ReLU(inplace=True)]
+        if i < 2 and side >= 4:
+            layers.append(MaxPool(2))
+            side //= 2
+    return [*layers, Flatten(), *head, L.Dense(None, n_out, init="xavier")]
 
 
 def model_layers(name: str, in_shape: int | Sequence[int], n_out: int,
@@ -132,19 +121,16 @@ def model_layers(name: str, in_shape: int | Sequence[int], n_out: int,
         return layers, loss
     if name == "cnn":
         return cnn_layers(shape, n_out), loss
-    if name == "linear":
-        layers: list[L.Layer] = [L.Dense(n_in, n_out, init="zeros")]
-        loss = MeanSquaredError()
-    elif name == "logreg":
-        if not classification:
-            raise ValueError("model 'logreg' needs integer class labels; "
-                             "use 'linear' or 'mlp' for regression")
-        layers = [L.Dense(n_in, n_out, init="zeros")]
-    elif name == "mlp":
-        layers = mlp_layers(n_in, hidden, n_out)
-    else:
+    if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; expected one of {', '.join(PRESETS)}, or "
                          f"a model file (.toml or .json)")
+    if name == "logreg" and not classification:
+        raise ValueError("model 'logreg' needs integer class labels; "
+                         "use 'linear' or 'mlp' for regression")
+    if name == "linear":
+        loss = MeanSquaredError()
+    layers = (mlp_layers(n_in, hidden, n_out) if name == "mlp"
+              else [L.Dense(n_in, n_out, init="zeros")])
     if sparse:
         layers[0] = SparseDense(layers[0].n_in, layers[0].n_out)
     return flat + layers, loss

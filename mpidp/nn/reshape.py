@@ -39,9 +39,6 @@ class _ShapeOnly(Layer):
 class Flatten(_ShapeOnly):
     """``(n, *s)`` -> ``(n, prod(s))``: e.g. image features into a :class:`Dense` layer."""
 
-    def config(self) -> dict:
-        return {}
-
     def _target(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         return (int(np.prod(in_shape)),)
 

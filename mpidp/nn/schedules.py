@@ -3,55 +3,45 @@
 ``t`` is 0 for the first update (:attr:`mpidp.nn.Optimizer.t` before it steps), so a run
 resumed from a checkpoint, at any number of ranks, continues the same rates. A schedule
 is a frozen dataclass: ``schedule(t) -> float``, ``config()`` a JSON-able dict that
-:func:`schedule_from_config` turns back into it, and :func:`make_schedule` builds one by
-name (what the command line and the config file name).
-
-=============  ==========================================================================
-``constant``   ``lr``
-``step``       ``lr * gamma ** (t // step_size)``
-``multistep``  ``lr * gamma ** (number of milestones <= t)``
-``exponential`` ``lr * gamma ** t``
-``cosine``     ``min_lr + (lr - min_lr) * (1 + cos(pi * t / total)) / 2``; ``min_lr`` from
-               ``t = total`` on
-``polynomial`` ``end_lr + (lr - end_lr) * (1 - t / total) ** power``; ``end_lr`` from
-               ``t = total`` on
-=============  ==========================================================================
-
-:class:`Warmup` puts a linear ramp of ``warmup`` updates in front of any of them: the rate
-rises from ``start`` (at the virtual update ``t = -1``) to the schedule's base rate,
-reached at ``t = warmup - 1``; from ``t = warmup`` on the schedule runs from its own
-``t = 0`` (``after(t - warmup)``). With the default ``start = 0`` the first update uses
-``base / warmup``.
+:func:`schedule_from_config` turns back into it. :func:`make_schedule` builds one by name
+(:data:`SCHEDULES`), behind an optional linear :class:`Warmup`; :func:`epoch_schedule`
+from settings given in epochs.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 SCHEDULES = ("constant", "step", "multistep", "exponential", "cosine", "polynomial")
 
 
-def _positive(what: str, value: float) -> float:
+def _positive(what: str, value: float, zero: bool = False) -> float:
+    """``value`` as a float, checked finite and > 0 (``zero``: >= 0)."""
     value = float(value)
-    if not value > 0 or not math.isfinite(value):
-        raise ValueError(f"{what} must be a finite number > 0, got {value}")
+    if not (value >= 0 if zero else value > 0) or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number {'>=' if zero else '>'} 0, got {value}")
     return value
 
 
 def _at_least_zero(what: str, value: float) -> float:
-    value = float(value)
-    if not value >= 0 or not math.isfinite(value):
-        raise ValueError(f"{what} must be a finite number >= 0, got {value}")
-    return value
+    return _positive(what, value, zero=True)
 
 
 def _count(what: str, value: int, least: int = 1) -> int:
     if isinstance(value, bool) or int(value) != value or value < least:
         raise ValueError(f"{what} must be a whole number >= {least}, got {value!r}")
     return int(value)
+
+
+def _milestones(what: str, value: tuple[int, ...]) -> tuple[int, ...]:
+    ms = tuple(_count("a milestone", m, 0) for m in value)
+    if list(ms) != sorted(set(ms)):
+        raise ValueError(f"{what} must increase strictly, got {list(ms)}")
+    return ms
 
 
 def _t(t: int) -> int:
@@ -64,6 +54,12 @@ class Schedule:
     """Base class: ``__call__(t) -> float`` the rate of update ``t`` (0: the first)."""
 
     name: ClassVar[str] = ""
+    #: each setting's check, in order: ``check(name, value)`` returns the value kept
+    _checks: ClassVar[dict[str, Callable[[str, Any], Any]]] = {}
+
+    def __post_init__(self) -> None:
+        for key, check in self._checks.items():
+            object.__setattr__(self, key, check(key, getattr(self, key)))
 
     def __call__(self, t: int) -> float:
         raise NotImplementedError
@@ -83,10 +79,8 @@ class Constant(Schedule):
     """``lr`` for every update."""
 
     name: ClassVar[str] = "constant"
+    _checks = {"lr": _positive}
     lr: float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "lr", _positive("lr", self.lr))
 
     def __call__(self, t: int) -> float:
         _t(t)
@@ -98,14 +92,10 @@ class StepDecay(Schedule):
     """``lr * gamma ** (t // step_size)``: times ``gamma`` every ``step_size`` updates."""
 
     name: ClassVar[str] = "step"
+    _checks = {"lr": _positive, "step_size": _count, "gamma": _positive}
     lr: float
     step_size: int
     gamma: float = 0.1
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "lr", _positive("lr", self.lr))
-        object.__setattr__(self, "step_size", _count("step_size", self.step_size))
-        object.__setattr__(self, "gamma", _positive("gamma", self.gamma))
 
     def __call__(self, t: int) -> float:
         return self.lr * self.gamma ** (_t(t) // self.step_size)
@@ -116,17 +106,10 @@ class MultiStep(Schedule):
     """``lr * gamma ** k``, ``k`` the number of ``milestones`` (update counts) ``<= t``."""
 
     name: ClassVar[str] = "multistep"
+    _checks = {"lr": _positive, "milestones": _milestones, "gamma": _positive}
     lr: float
     milestones: tuple[int, ...]
     gamma: float = 0.1
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "lr", _positive("lr", self.lr))
-        ms = tuple(_count("a milestone", m, 0) for m in self.milestones)
-        if list(ms) != sorted(set(ms)):
-            raise ValueError(f"milestones must increase strictly, got {list(ms)}")
-        object.__setattr__(self, "milestones", ms)
-        object.__setattr__(self, "gamma", _positive("gamma", self.gamma))
 
     def __call__(self, t: int) -> float:
         return self.lr * self.gamma ** bisect.bisect_right(self.milestones, _t(t))
@@ -140,12 +123,9 @@ class Exponential(Schedule):
     """``lr * gamma ** t``."""
 
     name: ClassVar[str] = "exponential"
+    _checks = {"lr": _positive, "gamma": _positive}
     lr: float
     gamma: float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "lr", _positive("lr", self.lr))
-        object.__setattr__(self, "gamma", _positive("gamma", self.gamma))
 
     def __call__(self, t: int) -> float:
         return self.lr * self.gamma ** _t(t)
@@ -156,14 +136,13 @@ class Cosine(Schedule):
     """Half a cosine from ``lr`` (``t = 0``) down to ``min_lr`` (``t = total`` and after)."""
 
     name: ClassVar[str] = "cosine"
+    _checks = {"lr": _positive, "total": _count, "min_lr": _at_least_zero}
     lr: float
     total: int
     min_lr: float = 0.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "lr", _positive("lr", self.lr))
-        object.__setattr__(self, "total", _count("total", self.total))
-        object.__setattr__(self, "min_lr", _at_least_zero("min_lr", self.min_lr))
+        super().__post_init__()
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr {self.min_lr} is above lr {self.lr}")
 
@@ -180,16 +159,14 @@ class Polynomial(Schedule):
     (``power = 1``: a linear decay, as BERT's LAMB runs use)."""
 
     name: ClassVar[str] = "polynomial"
+    _checks = {"lr": _positive, "total": _count, "power": _positive, "end_lr": _at_least_zero}
     lr: float
     total: int
     power: float = 1.0
     end_lr: float = 0.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "lr", _positive("lr", self.lr))
-        object.__setattr__(self, "total", _count("total", self.total))
-        object.__setattr__(self, "power", _positive("power", self.power))
-        object.__setattr__(self, "end_lr", _at_least_zero("end_lr", self.end_lr))
+        super().__post_init__()
         if self.end_lr > self.lr:
             raise ValueError(f"end_lr {self.end_lr} is above lr {self.lr}")
 
@@ -204,9 +181,9 @@ class Polynomial(Schedule):
 class Warmup(Schedule):
     """A linear ramp of ``warmup`` updates in front of ``after`` (a schedule or a rate).
 
-    ``t < warmup``: ``start + (after.base - start) * (t + 1) / warmup``; then
-    ``after(t - warmup)``. So the base rate is reached at ``t = warmup - 1`` and the
-    schedule behind starts at its own ``t = 0`` after the ramp.
+    ``t < warmup``: ``start + (after.base - start) * (t + 1) / warmup`` (so the first
+    update uses ``base / warmup`` when ``start`` is 0, and the base rate is reached at
+    ``t = warmup - 1``); then ``after(t - warmup)``.
     """
 
     name: ClassVar[str] = "warmup"
@@ -279,6 +256,36 @@ def make_schedule(name: str, lr: float, *, warmup: int = 0, warmup_start: float 
     if warmup:
         return Warmup(schedule, warmup, warmup_start)
     return schedule
+
+
+def epoch_schedule(name: str, lr: float, per_epoch: int, epochs: int, *, warmup_steps: int = 0,
+                   warmup_epochs: float = 0.0, step_epochs: int | None = None,
+                   milestones: Sequence[int] = (), gamma: float = 0.1,
+                   min_lr: float = 0.0) -> Schedule:
+    """The schedule ``name`` (of :data:`SCHEDULES`, or ``"plateau"``: constant, which
+    :class:`mpidp.run.early_stopping.ReduceOnPlateau` scales) from rate ``lr``, for a run
+    of ``epochs`` epochs of ``per_epoch`` updates each: a run knows its epochs, an optimizer
+    only its updates. Settings in epochs become updates: the warmup (``warmup_steps``
+    updates, else ``warmup_epochs``), a decay by ``gamma`` every ``step_epochs`` (``step``)
+    or after each of ``milestones`` (``multistep``), ``gamma`` per epoch (``exponential``),
+    down to ``min_lr`` at the end of the run (``cosine``, ``polynomial``). The schedule
+    counts from the warmup's end."""
+    warmup = warmup_steps or int(round(warmup_epochs * per_epoch))
+    total = max(epochs * per_epoch - warmup, 1)
+    settings = {}
+    if name == "step":
+        settings = {"step_size": step_epochs * per_epoch, "gamma": gamma}
+    elif name == "multistep":
+        settings = {"milestones": [max(m * per_epoch - warmup, 0) for m in milestones],
+                    "gamma": gamma}
+    elif name == "exponential":
+        settings = {"gamma": gamma ** (1.0 / per_epoch)}
+    elif name == "cosine":
+        settings = {"total": total, "min_lr": min_lr}
+    elif name == "polynomial":
+        settings = {"total": total, "end_lr": min_lr}
+    return make_schedule("constant" if name == "plateau" else name, lr, warmup=warmup,
+                         **settings)
 
 
 def as_schedule(lr: float | Schedule | dict[str, Any]) -> Schedule:

@@ -1,9 +1,6 @@
-"""Sparse inputs: a minimal CSR row container and a dense layer that reads it. Pure NumPy.
-
-The work of :class:`SparseDense` is proportional to the number of non-zeros of the rows it
-is given (``O(nnz * n_out)`` forward and backward), which makes per-sample cost vary with
-the sample's length: the variable-cost ``bow`` workload of ``mpidp.data.sources``.
-"""
+"""Sparse inputs: a minimal CSR row container and a dense layer that reads it, whose cost
+per sample grows with the sample's non-zeros (the variable-cost ``bow`` workload of
+``mpidp.data.sources``). Pure NumPy."""
 
 from __future__ import annotations
 
@@ -12,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from .layers import Layer, Shapes, register_layer
+from .layers import Layer, Shapes, init_weights, register_layer
 
 
 class CSR:
@@ -93,12 +90,9 @@ class CSR:
 
 @register_layer
 class SparseDense(Layer):
-    """``y = x @ W + b`` for CSR input ``x`` ``(n, n_in)``; ``W`` ``(n_in, n_out)``.
-
-    Must be the first layer (its input gradient is not formed: ``backward`` returns None).
-    Forward gathers the ``nnz`` rows of ``W`` the input touches and sums them per sample;
-    backward scatters ``value * dy`` into those rows: both ``O(nnz * n_out)``.
-    """
+    """``y = x @ W + b`` for CSR input ``x`` ``(n, n_in)``; ``W`` ``(n_in, n_out)``. The
+    first layer only (``backward`` returns None). Forward gathers the rows of ``W`` the
+    input touches, backward scatters ``value * dy`` into them: both ``O(nnz * n_out)``."""
 
     def __init__(self, n_in: int, n_out: int) -> None:
         super().__init__()
@@ -115,8 +109,7 @@ class SparseDense(Layer):
         return self.n_out
 
     def init_(self, rng: np.random.Generator) -> None:
-        limit = np.sqrt(6.0 / (self.n_in + self.n_out))
-        self.params["W"][...] = rng.uniform(-limit, limit, self.params["W"].shape)
+        init_weights(self.params["W"], "xavier", self.n_in, self.n_out, rng)
         self.params["b"][...] = 0
 
     def forward(self, x: CSR) -> np.ndarray:
@@ -149,10 +142,9 @@ class SparseDense(Layer):
 
 
 def input_problem(layers: Sequence[Layer], sparse: bool) -> str | None:
-    """Why a model made of ``layers`` cannot take a dataset's rows, sparse (CSR) when
-    ``sparse`` else dense arrays, or None: a first :class:`SparseDense` takes CSR rows
-    only, and mpidp's other layers dense arrays only (a layer of the user's own is
-    trusted to take what it is given)."""
+    """Why a model of ``layers`` cannot take a dataset's rows (CSR when ``sparse``, else
+    dense arrays), or None: a first :class:`SparseDense` takes CSR rows only, mpidp's other
+    layers dense arrays only (a layer of the user's own is trusted)."""
     first = layers[0] if len(layers) else None
     if isinstance(first, SparseDense):
         return None if sparse else ("its first layer, SparseDense, takes sparse (CSR) rows, "

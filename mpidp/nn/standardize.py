@@ -6,8 +6,8 @@ training, by :meth:`Standardize.fit_` from the global count, mean and centred su
 squares of the training set, which ranks holding parts of it get in one of two ways:
 
 - one collective, not additive: each rank computes :func:`moments` of its rows, the ranks
-  ALLGATHER the :func:`pack_moments` vectors, and every rank merges them with
-  :func:`combine_moments` (Chan et al.'s pairwise formula; any order agrees to ~1e-12);
+  gather them, and every rank merges them with :func:`combine_moments` (Chan et al.'s
+  pairwise formula; any order agrees to ~1e-12);
 - two collectives, additive: ALLREDUCE (sum) :func:`pass1_sums`, take the mean with
   :func:`pass1_mean`, then ALLREDUCE :func:`pass2_squares` about that mean.
 
@@ -54,13 +54,9 @@ def _block_moments(x: np.ndarray) -> Moments:
 
 
 def moments(x: np.ndarray) -> Moments:
-    """This rank's ``(count, mean, M2)`` of the rows of ``x`` ``(n, *sample_shape)``.
-
-    ``mean`` and ``M2`` are float64 of ``sample_shape``; ``n == 0`` gives
-    ``(0, zeros, zeros)``. Rows are taken in blocks (each by the corrected two-pass
-    formula) merged by :func:`merge_moments`, so memory stays bounded and the result is
-    accurate for any ``n``.
-    """
+    """This rank's ``(count, mean, M2)`` of the rows of ``x`` ``(n, *sample_shape)``
+    (``mean``, ``M2`` float64 of ``sample_shape``; zeros when ``n == 0``), in blocks (each
+    by the corrected two-pass formula) merged by :func:`combine_moments`: bounded memory."""
     x = _rows(x, "moments")
     n, shape = len(x), x.shape[1:]
     if n == 0:
@@ -73,11 +69,8 @@ def merge_moments(a: Moments, b: Moments) -> Moments:
     """The moments of the union of two disjoint sets of rows (Chan, Golub and LeVeque):
     ``mean = ma + d * nb / n``, ``M2 = M2a + M2b + d**2 * na * nb / n`` with
     ``d = mb - ma``; either side may be empty (count 0)."""
-    na, ma, m2a = a
-    nb, mb, m2b = b
-    na, nb = int(na), int(nb)
-    ma, mb = np.asarray(ma, np.float64), np.asarray(mb, np.float64)
-    m2a, m2b = np.asarray(m2a, np.float64), np.asarray(m2b, np.float64)
+    (na, ma, m2a), (nb, mb, m2b) = [(int(n), np.asarray(m, np.float64), np.asarray(q, np.float64))
+                                    for n, m, q in (a, b)]
     if ma.shape != mb.shape:
         raise ValueError(f"cannot merge moments of shapes {ma.shape} and {mb.shape}")
     if nb == 0:
@@ -90,38 +83,16 @@ def merge_moments(a: Moments, b: Moments) -> Moments:
 
 
 def combine_moments(parts: Iterable[Moments]) -> Moments:
-    """Merge the moments of disjoint parts (e.g. every rank's, after an Allgather) into
-    the moments of all their rows, by a pairwise tree of :func:`merge_moments`: the
-    result does not depend on the order of ``parts`` beyond rounding (~1e-12 relative)."""
+    """The moments of all the rows of disjoint parts (every rank's, say), by a pairwise tree
+    of :func:`merge_moments`: the order of ``parts`` matters only to rounding (~1e-12)."""
     level = list(parts)
     if not level:
         raise ValueError("combine_moments needs at least one (count, mean, M2) part")
-    while len(level) > 1:
-        nxt = [merge_moments(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
-        if len(level) % 2:
-            nxt.append(level[-1])
-        level = nxt
+    while len(level) > 1:  # neighbours in pairs; an odd one out waits for the next round
+        level = [merge_moments(*level[i:i + 2]) if i + 1 < len(level) else level[i]
+                 for i in range(0, len(level), 2)]
     n, mean, m2 = level[0]
     return int(n), np.asarray(mean, np.float64), np.asarray(m2, np.float64)
-
-
-def pack_moments(count: int, mean: np.ndarray, m2: np.ndarray) -> np.ndarray:
-    """``[count, *mean.ravel(), *M2.ravel()]`` as float64 ``(1 + 2F,)``: one rank's
-    moments in one buffer, for an Allgather (the rows of the result go to
-    :func:`unpack_moments`)."""
-    mean, m2 = np.ravel(mean), np.ravel(m2)
-    if mean.shape != m2.shape:
-        raise ValueError(f"mean and M2 differ in size: {mean.size} and {m2.size}")
-    return np.concatenate([[float(count)], mean, m2]).astype(np.float64, copy=False)
-
-
-def unpack_moments(vec: np.ndarray) -> Moments:
-    """The ``(count, mean (F,), M2 (F,))`` that :func:`pack_moments` packed."""
-    vec = np.asarray(vec, np.float64).ravel()
-    if vec.size < 1 or vec.size % 2 != 1:
-        raise ValueError(f"a packed moments vector has 1 + 2F items, got {vec.size}")
-    f = (vec.size - 1) // 2
-    return int(vec[0]), vec[1:1 + f].copy(), vec[1 + f:].copy()
 
 
 def pass1_sums(x: np.ndarray) -> np.ndarray:
@@ -143,8 +114,7 @@ def pass1_mean(total: np.ndarray) -> tuple[int, np.ndarray]:
 
 def pass2_squares(x: np.ndarray, mean: np.ndarray) -> np.ndarray:
     """Second pass: ``sum((x - mean)**2, axis=0).ravel()`` float64 ``(F,)`` about the
-    GLOBAL ``mean`` (from :func:`pass1_mean`), to be summed over the ranks; with the count
-    and mean it is the ``M2`` for :meth:`Standardize.fit_`."""
+    GLOBAL ``mean`` (:func:`pass1_mean`), to be summed over the ranks: the ``M2``."""
     x = _rows(x, "pass2_squares")
     f = int(np.prod(x.shape[1:]))
     mean = np.asarray(mean, np.float64).ravel()
@@ -162,18 +132,14 @@ def pass2_squares(x: np.ndarray, mean: np.ndarray) -> np.ndarray:
 class Standardize(_SampleShaped):
     """Per-element standardisation ``y = (x - mean) / std`` of samples of any shape.
 
-    State ``mean`` (zeros) and ``std`` (ones), each of the per-sample shape: an identity
-    map until :meth:`fit_` sets them from the training set's global moments. No
-    parameters, nothing trained, the same in training and evaluation, no collective.
-    Backward returns ``dy / std`` (None with ``need_input_grad=False``).
+    State ``mean`` (zeros) and ``std`` (ones) of the per-sample shape: an identity map
+    until :meth:`fit_` sets them from the training set's global moments. Nothing trained,
+    the same in training and evaluation, no collective; backward returns ``dy / std``.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._std: np.ndarray | None = None
-
-    def config(self) -> dict:
-        return {}
 
     def state_shapes(self) -> Shapes:
         return {"mean": self._known_shape(), "std": self._known_shape()}
@@ -187,12 +153,10 @@ class Standardize(_SampleShaped):
              ) -> Standardize:
         """Set the state from the GLOBAL moments of the training set; returns self.
 
-        ``std = sqrt(M2 / count)`` (the biased standard deviation, as scikit-learn's
-        ``StandardScaler``). A feature that is constant up to rounding, ``std <= eps *
-        |mean|`` (so also ``std == 0``), or whose std is below the smallest normal number of
-        the model's dtype, gets ``std = 1``: it is only centred. ``count`` >= 1; ``mean``
-        and ``m2`` of the per-sample shape or flat, from :func:`combine_moments` or the two
-        passes.
+        ``std = sqrt(M2 / count)`` (biased, as scikit-learn's ``StandardScaler``). A
+        feature constant up to rounding (``std <= eps * |mean|``), or whose std is below
+        the smallest normal number of the model's dtype, gets ``std = 1``: only centred.
+        ``count`` >= 1; ``mean`` and ``m2`` of the per-sample shape or flat.
         """
         if self.shape is None or not self.state:
             raise ValueError("Standardize.fit_ needs the layer in a model (its state bound)")
