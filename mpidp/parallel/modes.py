@@ -246,7 +246,8 @@ class Mode:
     """One mode: ``kind`` is ``"data"`` (a gradient exchange of DataParallel), ``"async"``
     or ``"pipeline"``; ``runner`` the class that runs it (``".module:Class"`` in this
     package, imported when first asked for); ``refuses``: a layer's need
-    (:attr:`mpidp.nn.Layer.needs`) this mode cannot meet -> why."""
+    (:attr:`mpidp.nn.Layer.needs`) this mode cannot meet -> why; ``elastic``: True when it
+    goes on over the survivors of a lost rank (:mod:`mpidp.parallel.elastic`), else why not."""
 
     name: str
     kind: str
@@ -254,6 +255,8 @@ class Mode:
     note: str
     runner: str
     refuses: Mapping[str, str] = field(default_factory=dict)
+    elastic: bool | str = (
+        "its servers, stages, buckets or groups of steps are not rebuilt over the survivors")
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -290,8 +293,8 @@ _STAGED = {"replica-sums": "each stage sees one micro-batch at a time, so no sta
 #: name -> :class:`Mode`: every mode, in the order the command line lists them.
 MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("allreduce", "data", AllreduceSettings, "one fused in-place Allreduce per step",
-         ".sync:Sync"),
-    Mode("per-layer", "data", Settings, "one per array", ".sync:PerLayer"),
+         ".sync:Sync", elastic=True),
+    Mode("per-layer", "data", Settings, "one per array", ".sync:PerLayer", elastic=True),
     Mode("overlapped", "data", OverlappedSettings, "bucketed Iallreduce during backward",
          ".overlap:Overlapped"),
     Mode("compressed", "data", CompressedSettings, "16- or 8-bit with error feedback, "
