@@ -56,13 +56,13 @@ def errors_return(*comms: Comm) -> None:
         threading.excepthook = _quiet_watchdog
 
 
-def _quiet_watchdog(args) -> None:
+def _quiet_watchdog(hook: threading.ExceptHookArgs) -> None:
     """A watchdog thread whose communicator lost a rank ends quietly: :func:`rewatch`
     starts another over the survivors."""
-    thread = getattr(args, "thread", None)
+    thread = hook.thread
     if not (thread is not None and thread.name == "mpidp-watchdog"
-            and is_lost_rank(args.exc_value)):
-        _quiet_watchdog.previous(args)
+            and is_lost_rank(hook.exc_value)):
+        _quiet_watchdog.previous(hook)
 
 
 _LOST = tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
