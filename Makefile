@@ -68,6 +68,7 @@ test-mpi: $(STAMP)
 test-faults: $(STAMP)
 	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/test_modes.py \
 	  tests/test_async_server_faults.py tests/test_clean_ends.py -k "not clean_ends or sigterm or sigint"
+	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/test_elastic.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_step_bench.py

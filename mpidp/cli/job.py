@@ -62,7 +62,7 @@ class Job:
         return RunSpec(a.epochs, a.batch_size, a.seed, not a.no_shuffle, a.drop_last,
                        **{"check_every": a.check_every, "checkpoint": checkpoint,
                           "progress": "none" if a.no_progress or a.quiet else a.progress,
-                          "on_epoch": _all(EpochReport(self.comm, a.epochs), watch.epoch,
+                          "on_epoch": _all(self._report(a.epochs), watch.epoch,
                                             *([self.best] if self.best else [])),
                           "early_stopping": (EarlyStopping(a.early_stopping, a.min_delta)
                                              if a.early_stopping else None),
@@ -72,6 +72,10 @@ class Job:
                                       if a.lr_schedule == "plateau" else None),
                           "on_step": watch.step, "stop": self.stop, "watchdog": self.watchdog,
                           **settings})
+
+    def _report(self, epochs: int) -> EpochReport:
+        self.report = EpochReport(self.comm, epochs)  # kept: an elastic run moves it
+        return self.report
 
     def resume(self, found, watch: Watch) -> ck.State | None:
         """The state to resume from (``--resume``), given what restoring ``found``."""

@@ -39,6 +39,9 @@ TABLE: dict[str, tuple[frozenset, str]] = {
     "capacities": (DATA, "pipeline stages all see the whole batch"),
     "adapt_every": (DATA, "pipeline stages all see the whole batch"),
     **{f.dest: (frozenset(f.modes), f.meta["why"]) for f in FLAGS},
+    "elastic": (frozenset(n for n, m in MODES.items() if m.elastic is True), "only "
+                + ", ".join(n for n, m in MODES.items() if m.elastic is True) + " go on over "
+                "the survivors of a lost rank (see docs/reliability.md)"),
     "log_every": (LOCKSTEP, "its workers are at different steps, so there is no "
                   "common step to log (its epochs are in history.jsonl)"),
     "check_every": (LOCKSTEP, "its workers hold different parameters by design "

@@ -351,6 +351,9 @@ def _add_reliability(p: argparse.ArgumentParser) -> None:
                    metavar="FRACTION", help="with --on-nonfinite skip: fail the run when more "
                    "than this share of its steps so far were skipped (checked after every "
                    "epoch; each epoch's line says how many it skipped)")
+    r.add_argument("--elastic", action="store_true",
+                   help="go on over the surviving ranks when ranks die (data parallel, "
+                   "Open MPI's ULFM: mpiexec --with-ft ulfm --mca btl tcp,self)")
     r.add_argument("--watchdog", type=_non_negative(float), default=None, metavar="SECONDS",
                    help="end the job, naming the stalled ranks, when a rank makes no progress "
                    "(stuck computing or waiting in MPI) for this long; 0 turns it off "

@@ -19,6 +19,7 @@ import numpy as np
 
 from .. import comm as C
 from .. import nn
+from ..comm.elastic import ulfm_problem
 from ..data import distribute as D
 from ..data.balance import format_balance
 from ..data.partition import steps_per_epoch
@@ -72,6 +73,8 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
         line_seconds()  # a bad MPIDP_PROGRESS_SECONDS: refused before any work
     except C.MpidpError as exc:
         errors.append(str(exc))
+    if args.elastic and not errors:  # refused before any work where MPI cannot survive it
+        errors += [why for why in (ulfm_problem(comm),) if why]
     if errors:  # every rank computes the same list from the same arguments
         raise C.MpidpError("; ".join(errors))
     C.run_agreed(comm, import_modules, imports_of(args))  # the user's layers, before a model
@@ -166,7 +169,10 @@ def _train_data_parallel(job: _Job) -> dict | None:
                 watch, resume=resume, on_epoch=None, on_step=None, progress=False))
         else:
             history = fit(dp, data.train, test=_held_out(data), spec=job.spec(
-                watch, partition=partition_of(args, data), resume=resume))
+                watch, partition=partition_of(args, data), resume=resume,
+                elastic=(lambda over: _regroup(job, watch, data, over)) if args.elastic
+                else False))
+            comm = job.comm  # elastic: the survivors
             extra = {"balance": history[-1]["balance"]}
             say(comm, "last epoch: " + format_balance(extra["balance"], per_rank=False))
         watch.finish(history)
@@ -189,6 +195,16 @@ def _train_data_parallel(job: _Job) -> dict | None:
         **({"auto": dp.sync.report or undecided} if args.sync == "auto" else {}),
         bytes_sent_per_step=dp.sync.bytes_sent / max(dp.global_step, 1))
     return finish(comm, args, metrics, dp.model, data, "bit-identical (checked)")
+
+
+def _regroup(job: _Job, watch: Watch, data: D.Data, comm: C.Comm):
+    """Elastic runs: the survivors' communicator for the job's outputs, and their rows of
+    the data sets, read again over ``comm`` (a lost rank's rows, a lost root's role)."""
+    for holder in (job, watch, job.stop, job.report):
+        holder.comm = comm
+    again = load_data(comm, job.args, server=None)
+    data.train, data.test, data.val = again.train, again.test, again.val
+    return again.train, _held_out(again)
 
 
 def _fit_async(job: _Job, dp: DataParallel, data: D.Data, spec: RunSpec) -> tuple[list, dict]:

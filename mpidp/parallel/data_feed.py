@@ -17,6 +17,7 @@ from ..run.loop import run, watched_run
 from ..run.spec import RunSpec
 from ..run.stats import StepStats
 from .data_parallel import DataParallel
+from .elastic import elastic_spec
 
 
 class DataFeed:
@@ -125,7 +126,11 @@ def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
             plan.capacities = np.asarray(saved, np.float64)
         dp.sync.after_restore(dp.optimizer)  # e.g. a sharded optimizer takes its slice of the state
     with watched_run(spec, dp.comm, dp.watchdog) as spec:
-        history = run(dp, DataFeed(dp, plan, train, test), spec)
+        feed = DataFeed(dp, plan, train, test)
+        spec = elastic_spec(dp, feed, spec)  # elastic: the survivors of a lost rank go on
+        history = run(dp, feed, spec)
+        if spec.elastic:
+            spec.elastic.finished()
         dp.settle()  # the last update is whole when fit returns
         return history
 

@@ -241,7 +241,9 @@ class Mode:
     package, imported when first asked for); ``refuses``: a layer's need
     (:attr:`mpidp.nn.Layer.needs`) this mode cannot meet -> why; ``stages``: a pipeline's
     stages by default (None: every rank one stage); ``overlaps``: its sums travel in
-    buckets during backward; ``measures``: it tries other modes on the first steps."""
+    buckets during backward; ``measures``: it tries other modes on the first steps;
+    ``elastic``: True when it goes on over the survivors of a lost rank
+    (:mod:`mpidp.parallel.elastic`), else why not."""
 
     name: str
     kind: str
@@ -252,6 +254,8 @@ class Mode:
     stages: int | None = None
     overlaps: bool = False
     measures: bool = False
+    elastic: bool | str = (
+        "its servers, stages, buckets or groups of steps are not rebuilt over the survivors")
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -288,8 +292,8 @@ _STAGED = {"replica-sums": "each stage sees one micro-batch at a time, so no sta
 #: name -> :class:`Mode`: every mode, in the order the command line lists them.
 MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("allreduce", "data", AllreduceSettings, "one fused in-place Allreduce per step",
-         ".sync:Sync"),
-    Mode("per-layer", "data", Settings, "one per array", ".sync:PerLayer"),
+         ".sync:Sync", elastic=True),
+    Mode("per-layer", "data", Settings, "one per array", ".sync:PerLayer", elastic=True),
     Mode("overlapped", "data", OverlappedSettings, "bucketed Iallreduce during backward",
          ".overlap:Overlapped", overlaps=True),
     Mode("compressed", "data", CompressedSettings, "16- or 8-bit with error feedback, "

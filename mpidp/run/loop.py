@@ -154,33 +154,55 @@ class _Run:
         self.carries_stop = spec.stop is not None or spec.on_step is not None
         self.progress = resolve(spec.progress) if trainer.world.rank == 0 else "none"
         self.first_step, self.skipped_before = trainer.global_step, _skipped(trainer)
+        self.elastic = spec.elastic if hasattr(spec.elastic, "recover") else None
         self.replay()
 
     def epochs(self) -> None:
         spec, state = self.spec, self.state
         if isinstance(spec.watchdog, C.Watchdog):
             spec.watchdog.start()
-        for epoch in range(state.epoch, spec.epochs):
+        epoch, first = state.epoch, state.step
+        totals = np.array(state.totals if first else (0.0, 0.0, 0.0), np.float64)
+        while epoch < spec.epochs:
             t0 = time.perf_counter()
-            first = state.step if epoch == state.epoch else 0
-            totals = np.array(state.totals if first else (0.0, 0.0, 0.0), np.float64)
             try:
                 self.steps(epoch, first, totals)
+                self.mark(epoch, self.feed.n_steps, totals)
+                done = self.end_epoch(epoch, totals, t0)
             except _Stopped:
                 self.end_epoch(epoch, totals, t0, stopped_at=self.trainer.global_step)
                 return
-            if self.end_epoch(epoch, totals, t0):
+            except Exception as exc:  # elastic: a lost rank, the survivors go on
+                if self.elastic is None:
+                    raise
+                epoch, first, totals = self.recover(exc)
+                continue
+            if done:
                 if spec.checkpoint:
                     self.save(State(epoch + 1, 0, self.trainer.global_step, [0.0, 0.0, 0.0]))
                 return
+            epoch, first, totals = epoch + 1, 0, np.zeros(3)
         if spec.checkpoint:
             self.save(State(spec.epochs, 0, self.trainer.global_step, [0.0, 0.0, 0.0]))
+
+    def mark(self, epoch: int, step: int, totals: np.ndarray) -> None:
+        """Elastic runs: where this rank is, before step ``step`` of ``epoch``."""
+        if self.elastic is not None:
+            self.elastic.mark(self.trainer.global_step, epoch, step, totals, len(self.history))
+
+    def recover(self, exc: Exception) -> tuple[int, int, np.ndarray]:
+        """Elastic runs: go on over the survivors of a lost rank (else raise ``exc``)."""
+        mark = self.elastic.recover(exc)
+        C.set_step(mark.global_step)
+        del self.history[mark.history:]
+        return mark.epoch, mark.step, mark.totals.copy()
 
     def steps(self, epoch: int, first: int, totals: np.ndarray) -> None:
         """The epoch's steps from ``first`` on, their figures added to ``totals``."""
         bar = Progress(self.feed.n_steps, f"epoch {epoch + 1}", self.progress, initial=first)
         try:
             for step, batch in enumerate(self.feed.batches(epoch, first), start=first):
+                self.mark(epoch, step, totals)
                 s = self.step(epoch, step, batch)
                 if not s.skipped:
                     totals += (s.loss_sum, s.count, s.correct)
@@ -199,6 +221,8 @@ class _Run:
         if skipped is not None:
             record["skipped"], self.skipped_before = skipped - self.skipped_before, skipped
         self.history.append(record | extra)
+        if self.elastic is not None:
+            self.elastic.report(self.history[-1])  # the ranks lost in this epoch
         enough = self.judge(self.history[-1])
         if self.spec.on_epoch is not None:  # (the epoch is reported before any failure)
             asked = bool(self.spec.on_epoch(self.history[-1]))

@@ -80,6 +80,9 @@ class RunSpec:
     ``max_skipped``: fail (:class:`~mpidp.run.nonfinite.NonFiniteError` on every rank) when
     more than this share of the run's steps so far had their update skipped by the NaN/Inf
     policy (``on_nonfinite="skip"``); each epoch's record has its ``skipped`` count.
+    ``elastic`` (data parallel, Open MPI's ULFM): a function ``rows(comm) -> Shard`` giving
+    this rank's training rows over ``comm``; when ranks die the survivors go on over the
+    rows it gives them (:mod:`mpidp.parallel.elastic`, docs/reliability.md). False: off.
     """
 
     epochs: int
@@ -100,6 +103,7 @@ class RunSpec:
     plateau: ReduceOnPlateau | None = None
     monitor: str = "val_loss"
     max_skipped: float = 0.5
+    elastic: Any = False
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "seed", "check_every"):
@@ -136,6 +140,7 @@ class RunSpec:
         out["checkpoint"] = None if self.checkpoint is None else (
             self.checkpoint.directory, self.checkpoint.every)
         out["resume"] = None if self.resume is None else (self.resume.epoch, self.resume.step)
+        out["elastic"] = self.elastic is not False and self.elastic is not None
         out["early_stopping"] = repr(self.early_stopping)
         out["plateau"] = repr(self.plateau)
         for k in ("on_step", "on_epoch", "stop"):

@@ -1,0 +1,138 @@
+"""Surviving a lost rank: Open MPI's User-Level Failure Mitigation (ULFM) calls.
+
+A run that may lose ranks sets ``MPI.ERRORS_RETURN`` on its communicators, so a collective
+that meets a dead rank raises on the survivors (:func:`is_lost_rank`) instead of ending
+the job; they revoke the communicator (every survivor's pending call fails too), shrink it
+to the survivors (:func:`shrink`) and agree on where to go on (:func:`agree_min`).
+Only Open MPI 5 started with ``--with-ft ulfm`` and without its shared-memory transport
+notices a dead rank in bounded time (:func:`ulfm_problem`; docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ..errors import MpidpError
+from .runtime import Comm
+
+#: the mpiexec options under which Open MPI notices a dead rank (see :func:`ulfm_problem`)
+MPIEXEC_OPTIONS = "--with-ft ulfm --mca btl tcp,self"
+
+
+def ulfm_problem(comm: Comm) -> str | None:
+    """Why this MPI cannot keep a run going past a lost rank, or None. The same on every
+    rank of a job (the library and the launcher's settings are the job's). Pure."""
+    vendor = MPI.get_vendor()[0]
+    if vendor != "Open MPI" or not hasattr(comm, "Shrink"):
+        return (f"surviving a lost rank needs Open MPI's ULFM (User-Level Failure "
+                f"Mitigation), and this MPI is {vendor}: use Open MPI 5 under "
+                f"mpiexec {MPIEXEC_OPTIONS}")
+    if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes"):
+        return (f"surviving a lost rank needs Open MPI's ULFM switched on: start the job "
+                f"with mpiexec {MPIEXEC_OPTIONS}")
+    btl = os.environ.get("OMPI_MCA_btl", "")
+    names = set(btl.lstrip("^").split(","))
+    shared = "sm" not in names if btl.startswith("^") else bool(names & {"sm", "vader"})
+    if not btl or shared or not btl.startswith("^") and "tcp" not in names:
+        return (f"surviving a lost rank needs Open MPI's TCP transport (with shared memory "
+                f"a dead rank is never noticed): start the job with mpiexec {MPIEXEC_OPTIONS}")
+    return None
+
+
+def errors_return(*comms: Comm) -> None:
+    """Make MPI errors on ``comms`` raise :class:`mpi4py.MPI.Exception` (a dead rank among
+    them included) instead of ending the job."""
+    for comm in comms:
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+    if threading.excepthook is not _quiet_watchdog:
+        _quiet_watchdog.previous = threading.excepthook
+        threading.excepthook = _quiet_watchdog
+
+
+def _quiet_watchdog(hook: threading.ExceptHookArgs) -> None:
+    """A watchdog thread whose communicator lost a rank ends quietly: :func:`rewatch`
+    starts another over the survivors."""
+    thread = hook.thread
+    if not (thread is not None and thread.name == "mpidp-watchdog"
+            and is_lost_rank(hook.exc_value)):
+        _quiet_watchdog.previous(hook)
+
+
+_LOST = tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
+                                              "ERR_REVOKED") if hasattr(MPI, name))
+
+
+def is_lost_rank(exc: BaseException) -> bool:
+    """True when ``exc`` says a rank of the communicator died (or another survivor revoked
+    it because one did): the failures :func:`shrink` recovers from."""
+    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in _LOST
+
+
+def shrink(comm: Comm) -> tuple[Comm, list[int]]:
+    """The survivors of ``comm``, in a new communicator with the same error handling, and
+    the ranks of ``comm`` that are gone (agreed by ``MPI_Comm_shrink``; confirmed by
+    ``MPI_Comm_agree``). Collective over the survivors."""
+    try:
+        comm.Revoke()  # every survivor's pending and next call on comm fails: all come here
+    except MPI.Exception:
+        pass
+    comm.Ack_failed()
+    new = comm.Shrink()
+    errors_return(new)
+    mine = np.arange(new.size, dtype=np.int32)
+    old = np.asarray(MPI.Group.Translate_ranks(new.Get_group(), mine, comm.Get_group()))
+    lost = sorted(set(range(comm.size)) - set(int(r) for r in old))
+    # every survivor must see the same set: bitwise AND of "mine equals the smallest view"
+    view = np.array([len(lost), sum(lost)], np.int64)
+    low = view.copy()
+    new.Allreduce(MPI.IN_PLACE, low, op=MPI.MIN)
+    if not new.Agree(int(np.array_equal(view, low))):
+        raise MpidpError(f"the survivors disagree on which ranks were lost ({lost} here)")
+    return new, lost
+
+
+def agree_min(comm: Comm, values) -> np.ndarray:
+    """The elementwise minimum of every rank's ``values`` (int64). Collective."""
+    out = np.asarray(values, np.int64).copy()
+    comm.Allreduce(MPI.IN_PLACE, out, op=MPI.MIN)
+    return out
+
+
+def processor_names(comm: Comm) -> list[str]:
+    """Every rank's processor name (host). Collective."""
+    return comm.allgather(MPI.Get_processor_name())
+
+
+def rewatch(dog, comm: Comm) -> None:
+    """Point the watchdog ``dog`` at ``comm`` (the survivors): its old thread and private
+    communicator, which a dead rank broke, are dropped. Collective over ``comm``."""
+    dog._stop.set()
+    thread = dog._thread
+    if thread is not None:
+        thread.join(timeout=2.0)
+    dog._thread, dog.comm = None, comm
+    dog.side = comm.Dup()
+    dog._stop.clear()
+    dog.start()
+
+
+def end_quietly_at_exit(comm: Comm) -> None:
+    """After a run that lost ranks: at the interpreter's exit, meet the survivors, then
+    leave without ``MPI_Finalize`` (which may wait for the dead ranks forever). Output is
+    flushed first; the exit status is 0 (the run ended normally)."""
+    def leave() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            comm.Barrier()
+            time.sleep(0.5)  # the others complete the barrier before this process goes
+        finally:
+            os._exit(0)
+    atexit.register(leave)

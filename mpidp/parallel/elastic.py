@@ -1,0 +1,105 @@
+"""A data-parallel run that goes on when ranks die (``fit(..., elastic=...)``, the command
+line's elastic option): what :mod:`mpidp.run.elastic` asks of a
+:class:`~mpidp.parallel.data_parallel.DataParallel` and its
+:class:`~mpidp.parallel.data_feed.DataFeed`.
+
+A replica is kept before each step (parameters, layer state, optimizer state, step
+counts) so one that got an update ahead of the other survivors can go back. Over the
+survivors the trainer reduces with a plain ``Allreduce`` and the feed takes the rows
+the survivors now own from ``rows(comm)``, the function given as ``elastic``: the same
+global batches, in the same order, split over fewer ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from .. import comm as C
+from ..comm import elastic as E
+from ..data.balance import Plan
+from ..data.distribute import Shard
+from ..errors import setting
+from ..run.elastic import Elastic
+from ..run.spec import RunSpec
+from .modes import MODES
+from .sync import Setup
+
+
+def refusal(sync: str) -> str | None:
+    """Why the gradient exchange ``sync`` cannot go on over fewer ranks, or None. Pure."""
+    m = MODES.get(sync)
+    if m is None or m.elastic is True:
+        return None
+    return (f"{setting('elastic')} cannot keep {m.option} going when a rank is lost: "
+            f"{m.elastic}; use {' or '.join(MODES[n].option for n in ELASTIC)}")
+
+
+#: the modes that go on over the survivors
+ELASTIC = tuple(n for n, m in MODES.items() if m.elastic is True)
+
+
+class DataParallelRegroup:
+    """Keeps, restores and moves one :class:`DataParallel` and its feed (a
+    :class:`~mpidp.run.elastic.Regroup`)."""
+
+    def __init__(self, dp, feed, rows: Callable[[C.Comm], Any]) -> None:
+        self.dp, self.feed, self.rows = dp, feed, rows
+
+    def keep(self) -> tuple:
+        dp, opt = self.dp, self.dp.optimizer
+        return (dp.model.params.copy(), dp.model.state.copy(), dp.global_step,
+                {k: v.copy() for k, v in opt.state.items()}, opt.t, opt.lr_scale,
+                dp.policy.skipped)
+
+    def restore(self, kept: tuple) -> None:
+        dp, opt = self.dp, self.dp.optimizer
+        params, state, dp.global_step, opt_state, opt.t, opt.lr_scale, dp.policy.skipped = kept
+        dp.model.params[...] = params
+        dp.model.state[...] = state
+        for k, v in opt_state.items():
+            opt.state[k][...] = v
+
+    def regroup(self, comm: C.Comm) -> None:
+        dp, feed = self.dp, self.feed
+        buf = dp.buf.copy()  # out of any shared-memory window; the old ones are dropped
+        dp.comm = comm
+        dp.model.context.group_size = comm.size
+        dp.sync.setup(Setup(comm, 0, dp.model, dp.timer, grads=buf))
+        dp.model.use_grad_buffer(buf)
+        dp.buf, dp.root = buf, 0
+        got = self.rows(comm)
+        train, test = got if isinstance(got, tuple) else (got, feed.test)
+        if not isinstance(train, Shard) or train.n_total != feed.plan.n:
+            raise C.MpidpError(f"elastic: the rows for the survivors must be a Shard of the "
+                               f"{feed.plan.n} training samples, got {train!r:.80}")
+        old = feed.plan
+        feed.plan = Plan(comm, old.partition, old.n, old.batch_size, old.seed, old.shuffle,
+                         old.drop_last)
+        feed.shard, feed.test = train, test
+        dp.timer.take_records()  # the epoch's balance figures: the survivors' steps only
+
+
+def elastic_spec(dp, feed, spec: RunSpec) -> RunSpec:
+    """``spec`` with its ``elastic`` setting made real (an :class:`Elastic` over ``dp``'s
+    communicator), or as it is when off. Refuses, on every rank, what cannot go on."""
+    rows = spec.elastic
+    if rows is False or rows is None or isinstance(rows, Elastic):
+        return spec
+    why = E.ulfm_problem(dp.comm) or refusal(dp.sync.name) or (
+        None if callable(rows) else
+        f"{setting('elastic')} must be a function comm -> Shard that reads this rank's "
+        f"training rows over comm (e.g. lambda comm: mpidp.load(comm, path, "
+        f"distribute='local').train): the rows of a lost rank are read again from it")
+    C.agree(dp.comm, why)
+    dog = spec.watchdog if isinstance(spec.watchdog, C.Watchdog) else dp.watchdog
+    return dataclasses.replace(spec, elastic=Elastic(DataParallelRegroup(dp, feed, rows),
+                                                     dp.comm, dog))
+
+
+def losses(spec_or_history: Any) -> list[dict]:
+    """The ranks an elastic run lost (``Elastic.losses``), or none."""
+    e = getattr(spec_or_history, "elastic", None)
+    return list(e.losses) if isinstance(e, Elastic) else []
+

@@ -1,0 +1,121 @@
+"""An elastic run: the epoch loop goes on over the survivors when ranks die.
+
+Before each step every rank keeps what it holds (the trainer's :meth:`Regroup.keep`, the
+loop's position and running totals), the last two such marks. A collective that meets a
+dead rank raises on the survivors (:func:`mpidp.comm.elastic.is_lost_rank`); they shrink the
+communicator to the survivors (an agreement on who is gone), agree on the last global step
+every survivor reached (the smallest), and a replica that had gone one update further
+goes back to its earlier mark. The trainer and its feed then move to the survivors
+(:meth:`Regroup.regroup`: the same global batches, the rest of the epoch split over fewer
+ranks) and the loop carries on from that step. Each loss is recorded (:attr:`Elastic.losses`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..comm import elastic as E
+from ..errors import MpidpError
+
+
+class Regroup(Protocol):
+    """What a trainer and its feed do for an elastic run (the data-parallel one:
+    :class:`mpidp.parallel.elastic.DataParallelRegroup`)."""
+
+    def keep(self) -> Any:
+        """What :meth:`restore` needs to put the replica back where it is now."""
+        ...
+
+    def restore(self, kept: Any) -> None: ...
+
+    def regroup(self, comm) -> None:
+        """Go on over ``comm`` (the survivors). Collective over ``comm``."""
+        ...
+
+
+@dataclass
+class _Mark:
+    global_step: int
+    epoch: int
+    step: int
+    totals: np.ndarray
+    history: int  # epochs recorded
+    kept: Any
+
+
+@dataclass
+class Elastic:
+    """The elastic part of one run (``RunSpec.elastic`` once :func:`mpidp.fit` has made it
+    real): its :class:`Regroup`, the marks, and the losses so far."""
+
+    group: Regroup
+    comm: Any
+    watchdog: Any = None
+    losses: list[dict] = field(default_factory=list)
+    marks: list[_Mark] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        E.errors_return(self.comm)
+        self.hosts = E.processor_names(self.comm)
+        self.ranks = list(range(self.comm.size))  # each rank's rank in the first world
+
+    def mark(self, global_step: int, epoch: int, step: int, totals: np.ndarray,
+             history: int) -> None:
+        """Keep where this rank is, before the step ``step`` of ``epoch`` (or after the
+        epoch's last step)."""
+        if self.marks and self.marks[-1].global_step == global_step:
+            self.marks.pop()  # the same point again (an epoch's end, then its next start)
+        self.marks.append(_Mark(global_step, epoch, step, totals.copy(), history,
+                                self.group.keep()))
+        del self.marks[:-2]
+
+    def recover(self, exc: BaseException) -> _Mark:
+        """After ``exc`` (a lost rank; anything else is re-raised): the survivors, the mark
+        they go on from (the replica restored to it). Collective over the survivors."""
+        if not E.is_lost_rank(exc):
+            raise exc
+        t0 = time.perf_counter()
+        comm, lost = E.shrink(self.comm)
+        here = self.marks[-1].global_step
+        low, high = (int(v) for v in E.agree_min(comm, [here, -here]))
+        high = -high
+        mark = next((m for m in self.marks if m.global_step == low), None)
+        if mark is None:  # never: survivors are at most one update apart
+            raise MpidpError(f"cannot roll back from step {here} to step {low}")
+        if mark is not self.marks[-1]:
+            self.group.restore(mark.kept)
+        self.marks = [mark]
+        self.group.regroup(comm)
+        if self.watchdog is not None:
+            E.rewatch(self.watchdog, comm)
+        gone = [self.ranks[r] for r in lost]
+        self.ranks = [r for i, r in enumerate(self.ranks) if i not in lost]
+        self.comm = comm
+        for r in gone:
+            loss = {"rank": r, "host": self.hosts[r], "step": low, "seconds_to_recover":
+                    time.perf_counter() - t0, "steps_recomputed": high - low,
+                    "survivors": comm.size, "epoch": mark.epoch + 1}
+            self.losses.append(loss)
+            if comm.rank == 0:
+                print(f"mpidp: lost rank {r} ({loss['host']}) at step {low}; going on with "
+                      f"{comm.size} rank(s) after {loss['seconds_to_recover']:.2f} s, "
+                      f"{loss['steps_recomputed']} step(s) recomputed",
+                      file=sys.stderr, flush=True)
+        return mark
+
+    def report(self, record: dict) -> None:
+        """Add the ranks lost during ``record``'s epoch to it (``lost_ranks``)."""
+        lost = [dict(x) for x in self.losses if x["epoch"] == record["epoch"]]
+        if lost:
+            record["lost_ranks"] = lost
+
+    def finished(self) -> None:
+        """The run ended normally: after losses, the process leaves at exit without
+        waiting for the dead ranks (:func:`mpidp.comm.elastic.end_quietly_at_exit`)."""
+        if self.losses:
+            E.end_quietly_at_exit(self.comm)
