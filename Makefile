@@ -37,7 +37,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $@
 
 # The main job: 2 ranks, handwritten digits, an MLP, a held-out test split.
-# (tests/test_cli.py runs these same arguments and checks the accuracy target.)
+# (tests/cli/test_train.py runs these same arguments and checks the accuracy target.)
 DEMO_ARGS = train --dataset digits --model mlp --hidden 128,64 --epochs 20 --batch-size 64 --lr 0.05 --optimizer momentum --seed 0 --out out/demo
 demo: $(STAMP)
 	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 2 $(BIN)/python -m mpidp $(DEMO_ARGS)
@@ -66,8 +66,8 @@ test-mpi: $(STAMP)
 # The fault matrix (every mode x raise/kill/hang/NaN) and the signal tests: `make test`
 # runs them on MPICH; CI also runs them on Open MPI (`make test-faults MPI=openmpi`).
 test-faults: $(STAMP)
-	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/test_modes.py \
-	  tests/test_async_server_faults.py tests/test_clean_ends.py -k "not clean_ends or sigterm or sigint"
+	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/parallel/test_modes.py \
+	  tests/parallel/test_async_server_faults.py tests/cli/test_clean_ends.py -k "not clean_ends or sigterm or sigint"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_step_bench.py
