@@ -50,9 +50,12 @@ test-fast: $(STAMP)
 	timeout 600 $(BIN)/python -m pytest tests --ignore=tests/mpi --fast -q -p no:cacheprovider
 
 # Unit tests and CLI tests (the CLI tests launch their own mpiexec jobs with timeouts); the
-# 25 slowest are listed at the end, so a slow test shows in the log.
+# 25 slowest are listed at the end, so a slow test shows in the log. With pytest-xdist (the
+# test extra) two workers share them, each file on one worker: much of the time is spent
+# waiting on jobs (start-up, watchdog timeouts, signals).
+XDIST = $(shell $(BIN)/python -c 'import xdist' 2>/dev/null && echo '-n 2 --dist loadfile')
 test-unit: $(STAMP)
-	timeout 1800 $(BIN)/python -m pytest tests --ignore=tests/mpi --durations=25
+	timeout 1800 $(BIN)/python -m pytest tests --ignore=tests/mpi $(XDIST) --durations=25
 
 # Collective tests under 1, 2, 3 and 4 ranks (4 oversubscribes 2 cores: fine for correctness).
 test-mpi: $(STAMP)
