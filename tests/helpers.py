@@ -1,5 +1,6 @@
 """Helpers shared by the tests: the repository's root, ``mpiexec`` jobs in a subprocess (always
-with a timeout: a hang = a failure), central finite differences, TensorBoard scalars."""
+with a timeout: a hang = a failure), the command line's parse errors, central finite
+differences, TensorBoard scalars."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,6 +31,16 @@ def run_mpi(n: int, *args: str, cwd: Path | str | None = None, timeout: float = 
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(cmd, cwd=cwd or ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def parse_error(capsys, *argv: str) -> str:
+    """What ``mpidp ARGV`` prints when its parser refuses the arguments (exit 2), in this
+    process: the parser refuses before MPI starts, the same on every rank."""
+    from mpidp.cli import build_parser
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(list(argv))
+    assert exc.value.code == 2
+    return capsys.readouterr().err
 
 
 def numgrad(f, x: np.ndarray, eps: float = 1e-6) -> np.ndarray:

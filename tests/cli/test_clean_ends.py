@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, mpiexec, run_mpi, tensorboard_scalars
+from helpers import ROOT, mpiexec, parse_error, run_mpi, tensorboard_scalars
 
 ARGS = ["train", "--dataset", "synthetic", "--n-samples", "600", "--n-features", "10",
         "--dtype", "float64", "--epochs", "3", "--batch-size", "32", "--optimizer", "adam",
@@ -486,6 +486,16 @@ def test_async_staleness_counts_only_applied_pushes(tmp_path):
     (["--ps-chunk-mb", "inf"], "argument --ps-chunk-mb: must be a finite number > 0"),
     (["--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
     (["--hidden", ",,"], "an mlp needs at least one hidden layer"),
+])
+def test_bad_option_values_are_one_clear_error_from_the_parser(tmp_path, capsys, flag, message):
+    """Refused by the parser, before MPI starts (every rank parses alike, rank 0 alone speaks:
+    tests/cli/test_messages.py's job at 3 ranks)."""
+    err = parse_error(capsys, *ARGS, "--out", str(tmp_path / "o"), *flag)
+    assert err.count(message) == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flag,message", [
     (["--hidden", "200000,200000"], "GiB are available"),
     (["--trace-steps", "3:5"], "--trace-steps needs --trace"),
     (["--copy-data"], "--copy-data does not apply to --distribute scatter"),

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import ROOT, run_mpi
+from helpers import ROOT, parse_error, run_mpi
 
 from mpidp import nn
 from mpidp.data.partition import train_test_split
@@ -155,12 +155,17 @@ BAD = {
                                 "n_classes 3 (--n-classes) does not apply: its targets are real"),
     "logreg on regression": (lambda t: ["--dataset", _npz(t, y=np.ones(90)), "--model", "logreg"],
                              "needs integer class labels"),
+}
+# refused whatever the data: by the parser, or once the job knows its size and its folder
+OPTIONS_BAD = {
     "unknown option value": (lambda t: ["--model", "resnet"], "'resnet' is neither a preset"),
     "bad hidden": (lambda t: ["--hidden", "12,x"], "comma-separated"),
-    "slowdown beyond the job": (lambda t: ["--slowdown", "1:2,5:3,3:2"],
-                                "--slowdown names ranks 3, 5 but there are 3 ranks"),
     "huge slowdown": (lambda t: ["--slowdown", "0:1e308"], "FACTOR from 1 to 1e6"),
     "non-positive batch": (lambda t: ["--batch-size", "0"], "must be an integer >= 1, got 0"),
+}
+JOB_BAD = {
+    "slowdown beyond the job": (lambda t: ["--slowdown", "1:2,5:3,3:2"],
+                                "--slowdown names ranks 3, 5 but there are 3 ranks"),
     "out is a file": (lambda t: ["--out", str(_garbage(t))], "is not a folder"),
 }
 
@@ -171,12 +176,9 @@ def _garbage(t):
     return path
 
 
-@pytest.mark.parametrize("case", sorted(BAD))
-@pytest.mark.parametrize("distribute", ["scatter", "local"])
-def test_bad_input_clear_error_every_rank_nothing_written(tmp_path, case, distribute):
-    make_args, message = BAD[case]
+def _refused_by_the_job(tmp_path, make_args, message, *more):
     out = tmp_path / "out"
-    args = ["train", *make_args(tmp_path), "--distribute", distribute, "--no-progress"]
+    args = ["train", *make_args(tmp_path), *more, "--no-progress"]
     if "--out" not in args:
         args += ["--out", str(out)]
     r = run_mpi(3, *args, timeout=60)
@@ -185,6 +187,25 @@ def test_bad_input_clear_error_every_rank_nothing_written(tmp_path, case, distri
     assert r.stderr.count(message) == 1, "printed by rank 0 only"
     assert "Traceback" not in r.stderr
     assert not out.exists(), "nothing may be written on error"
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+@pytest.mark.parametrize("distribute", ["scatter", "local"])
+def test_bad_input_clear_error_every_rank_nothing_written(tmp_path, case, distribute):
+    _refused_by_the_job(tmp_path, *BAD[case], "--distribute", distribute)
+
+
+@pytest.mark.parametrize("case", sorted(JOB_BAD))
+def test_bad_settings_clear_error_every_rank_nothing_written(tmp_path, case):
+    _refused_by_the_job(tmp_path, *JOB_BAD[case])
+
+
+@pytest.mark.parametrize("case", sorted(OPTIONS_BAD))
+def test_bad_option_values_are_refused_by_the_parser(tmp_path, capsys, case):
+    make_args, message = OPTIONS_BAD[case]
+    err = parse_error(capsys, "train", *make_args(tmp_path), "--out", str(tmp_path / "out"))
+    assert err.count(message) == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_exception_on_one_rank_aborts_the_whole_job_promptly(tmp_path):
