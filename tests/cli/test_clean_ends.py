@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, mpiexec, parse_error, run_mpi, tensorboard_scalars
+from helpers import ROOT, mpiexec, parser_refusal, run_mpi, tensorboard_scalars
 
 ARGS = ["train", "--dataset", "synthetic", "--n-samples", "600", "--n-features", "10",
         "--dtype", "float64", "--epochs", "3", "--batch-size", "32", "--optimizer", "adam",
@@ -490,8 +490,8 @@ def test_async_staleness_counts_only_applied_pushes(tmp_path):
 def test_bad_option_values_are_one_clear_error_from_the_parser(tmp_path, capsys, flag, message):
     """Refused by the parser, before MPI starts (every rank parses alike, rank 0 alone speaks:
     tests/cli/test_messages.py's job at 3 ranks)."""
-    err = parse_error(capsys, *ARGS, "--out", str(tmp_path / "o"), *flag)
-    assert err.count(message) == 1 and "Traceback" not in err, err
+    err = parser_refusal(capsys, *ARGS, "--out", str(tmp_path / "o"), *flag)
+    assert err is not None and err.count(message) == 1 and "Traceback" not in err, err
     assert not (tmp_path / "o").exists()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import run_mpi
+from helpers import parser_refusal, run_mpi
 
 from mpidp import nn
 from mpidp.data.sources import open_source
@@ -65,9 +65,10 @@ def test_metrics_written_over_the_predictions_are_refused(trained, tmp_path):
     ["predict", "--model", "m", "--out", ""], ["predict", "--model", "m", "--out", "p.npy",
                                                "--metrics", ""],
 ])
-def test_an_empty_path_is_refused_before_any_work(argv, tmp_path):
-    r = run_mpi(1, *argv, cwd=tmp_path)
-    assert r.returncode == 2 and "is empty: give a path" in r.stderr, r.stderr
+def test_an_empty_path_is_refused_before_any_work(argv, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    err = parser_refusal(capsys, *argv)
+    assert err is not None and "is empty: give a path" in err, err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -97,9 +98,15 @@ def test_labels_the_model_cannot_score_are_refused_before_any_output(trained, tm
     (["--seed", "0"], "--seed does not apply to --dataset digits with --rows all"),
     (["--chunk-size", "0", "--dynamic"], "--chunk-size: must be an integer >= 1, got 0"),
 ])
-def test_predict_options_that_would_do_nothing_are_refused(trained, tmp_path, extra, message):
-    r = run_mpi(1, "predict", "--model", str(trained / "m"), "--dataset", "digits",
-                "--out", str(tmp_path / "p.npy"), *extra)
+def test_predict_options_that_would_do_nothing_are_refused(trained, tmp_path, capsys, extra,
+                                                          message):
+    argv = ["predict", "--model", str(trained / "m"), "--dataset", "digits", "--out",
+            str(tmp_path / "p.npy"), *extra]
+    err = parser_refusal(capsys, *argv)
+    if err is not None:  # refused by the parser (in this process), else by the job's ranks
+        assert message in err and not (tmp_path / "p.npy").exists(), err
+        return
+    r = run_mpi(1, *argv)
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "p.npy").exists()
 

@@ -8,7 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import run_mpi
+from helpers import parser_refusal, run_mpi
 
 from mpidp import nn
 from mpidp.data.partition import train_test_split
@@ -108,10 +108,15 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_partition_options_clear_error_every_rank(tmp_path, case):
+def test_bad_partition_options_clear_error_every_rank(tmp_path, capsys, case):
     make, message = BAD[case]
     out = tmp_path / "out"
-    r = run_mpi(3, "train", *BOW, *make(tmp_path), "--epochs", "1", "--out", str(out), timeout=60)
+    argv = ["train", *BOW, *make(tmp_path), "--epochs", "1", "--out", str(out)]
+    err = parser_refusal(capsys, *argv)
+    if err is not None:  # refused by the parser (in this process), else by the job's ranks
+        assert err.count(message) == 1 and "Traceback" not in err and not out.exists(), err
+        return
+    r = run_mpi(3, *argv, timeout=60)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert r.stderr.count(message) == 1, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and not out.exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_mpi
+from helpers import parser_refusal, run_mpi
 
 BASE = ["train", "--dataset", "digits", "--no-progress", "--seed", "1", "--dtype", "float64",
         "--batch-size", "128"]
@@ -75,7 +75,11 @@ def test_the_plateau_rule_lowers_the_rate_when_the_validation_loss_stalls(tmp_pa
     (["--clip-norm", "0"], "--clip-norm"),
     (["--optimizer", "lion"], "invalid choice: 'lion'"),
 ])
-def test_schedule_options_that_cannot_work_are_refused(tmp_path, extra, message):
+def test_schedule_options_that_cannot_work_are_refused(tmp_path, capsys, extra, message):
+    err = parser_refusal(capsys, *BASE, *extra, "--out", str(tmp_path / "o"))
+    if err is not None:  # refused by the parser (in this process), else by the job's ranks
+        assert message in err and not (tmp_path / "o").exists(), err
+        return
     r = run_mpi(2, *BASE, *extra, "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "o" / "model.npz").exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_mpi
+from helpers import parser_refusal, run_mpi
 from sklearn.metrics import f1_score, log_loss, precision_recall_fscore_support
 
 from mpidp import nn
@@ -109,7 +109,11 @@ def test_standardize_uses_the_exact_moments_of_the_whole_training_set(tmp_path):
     (["--val-fraction", "1.5"], "--val-fraction"),
     (["--standardize", "--dataset", "bow"], "--standardize does not apply to --dataset bow"),
 ])
-def test_validation_options_that_cannot_work_are_refused(tmp_path, extra, message):
+def test_validation_options_that_cannot_work_are_refused(tmp_path, capsys, extra, message):
+    err = parser_refusal(capsys, *DIGITS, *extra, "--out", str(tmp_path / "o"))
+    if err is not None:  # refused by the parser (in this process), else by the job's ranks
+        assert message in err and not (tmp_path / "o").exists(), err
+        return
     r = run_mpi(2, *DIGITS, *extra, "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "o" / "model.npz").exists()
