@@ -37,7 +37,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $@
 
 # The main job: 2 ranks, handwritten digits, an MLP, a held-out test split.
-# (tests/test_cli.py runs these same arguments and checks the accuracy target.)
+# (tests/cli/test_train.py runs these same arguments and checks the accuracy target.)
 DEMO_ARGS = train --dataset digits --model mlp --hidden 128,64 --epochs 20 --batch-size 64 --lr 0.05 --optimizer momentum --seed 0 --out out/demo
 demo: $(STAMP)
 	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 2 $(BIN)/python -m mpidp $(DEMO_ARGS)
@@ -50,9 +50,12 @@ test-fast: $(STAMP)
 	timeout 600 $(BIN)/python -m pytest tests --ignore=tests/mpi --fast -q -p no:cacheprovider
 
 # Unit tests and CLI tests (the CLI tests launch their own mpiexec jobs with timeouts); the
-# 25 slowest are listed at the end, so a slow test shows in the log.
+# 25 slowest are listed at the end, so a slow test shows in the log. With pytest-xdist (the
+# test extra) two workers share them, each file on one worker: much of the time is spent
+# waiting on jobs (start-up, watchdog timeouts, signals).
+XDIST = $(shell $(BIN)/python -c 'import xdist' 2>/dev/null && echo '-n 2 --dist loadfile')
 test-unit: $(STAMP)
-	timeout 1800 $(BIN)/python -m pytest tests --ignore=tests/mpi --durations=25
+	timeout 1800 $(BIN)/python -m pytest tests --ignore=tests/mpi $(XDIST) --durations=25
 
 # Collective tests under 1, 2, 3 and 4 ranks (4 oversubscribes 2 cores: fine for correctness).
 test-mpi: $(STAMP)
@@ -66,9 +69,9 @@ test-mpi: $(STAMP)
 # The fault matrix (every mode x raise/kill/hang/NaN) and the signal tests: `make test`
 # runs them on MPICH; CI also runs them on Open MPI (`make test-faults MPI=openmpi`).
 test-faults: $(STAMP)
-	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/test_modes.py \
-	  tests/test_async_server_faults.py tests/test_clean_ends.py -k "not clean_ends or sigterm or sigint"
-	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/test_elastic.py
+	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/parallel/test_modes.py \
+	  tests/parallel/test_async_server_faults.py tests/cli/test_clean_ends.py -k "not clean_ends or sigterm or sigint"
+	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/run/test_elastic.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_step_bench.py

@@ -21,10 +21,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from mpidp.cli.main import build_parser
 
-ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "examples" / "cluster"
 SCRIPTS = ["slurm.sbatch", "pbs.sh", "run-hosts.sh"]
 DOC = ROOT / "docs" / "cluster.md"

@@ -18,14 +18,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 # Commands shown in ```bash blocks that this test does not run, and why.
 NOT_RUN = {
-    "make demo": "tests/test_cli.py runs its arguments; the README shows the same command",
+    "make demo": "tests/cli/test_train.py runs its arguments; the README shows the same command",
     "make test": "the whole test suite, this file included",
     "make bench": "benchmark: minutes of exclusive machine time",
     "make bench-sync": "benchmark: about 17 minutes",

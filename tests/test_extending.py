@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from clitools import ROOT, run_mpi
+from helpers import ROOT, run_mpi
 
 EXAMPLE = ROOT / "examples" / "custom_layer.py"
 

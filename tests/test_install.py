@@ -26,8 +26,8 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 SITE = Path(sysconfig.get_paths()["purelib"])  # the running environment's packages
 SHARED = ("numpy", "numpy.libs", "threadpoolctl.py")  # base dependencies, shared by link
 VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "mpidp" / "__init__.py").read_text())[1]

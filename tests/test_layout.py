@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "mpidp"
 
 

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 MPIEXEC = Path(sys.executable).with_name("mpiexec")
 PROBE = '''
 from mpi4py import MPI

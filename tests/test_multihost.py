@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "multihost"))
-from clitools import ROOT, mpiexec, run_mpi  # noqa: E402
 from cluster import Cluster, available  # noqa: E402
+from helpers import ROOT, mpiexec, run_mpi  # noqa: E402
 
 
 def _hydra() -> bool:

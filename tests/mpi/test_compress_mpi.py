@@ -4,7 +4,8 @@ rank order, both error-feedback residuals, skipped steps, float16 overflow, piec
 ``MAX_COUNT`` values, and bit-identical replicas in training.
 
 Run as a script (``mpiexec -n P python tests/mpi/test_compress_mpi.py``), it prints every
-rank's byte counts as JSON on rank 0: tests/test_compress.py launches it at 2, 4 and 8 ranks.
+rank's byte counts as JSON on rank 0: tests/parallel/test_compress.py launches it at 2, 4 and
+8 ranks.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def test_nan_in_an_image_fails_everywhere_naming_its_row(comm, shared_tmp, distr
 @pytest.mark.parametrize("distribute", ["scatter", "local"])
 def test_a_datasets_own_test_set_is_kept(comm, monkeypatch, distribute):
     """A source with a fixed test set (as ``mnist1d``: its last rows; a stand-in here, the
-    real set is checked in tests/test_datasets.py) keeps it as the test set unless a test
+    real set is checked in tests/data/test_datasets.py) keeps it as the test set unless a test
     fraction is asked for; the training rows stay in file order."""
     from mpidp.data import datasets
     from mpidp.data.sources import ArraySource

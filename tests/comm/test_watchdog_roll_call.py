@@ -1,0 +1,79 @@
+"""The watchdog's roll call itself: ranks whose roll calls overlap keep watching, and a rank
+that ends its watch during a roll call ends it without a verdict."""
+
+from __future__ import annotations
+
+import re
+
+from helpers import run_mpi
+
+# Rank 0 makes progress for 5 s; ranks 1 and 2 wait for it in MPI past the timeout, so
+# both hold roll calls, answering each other's; rank 0 answers 0.3 s late, so they overlap.
+OVERLAPPING = """\
+import time
+from mpi4py import MPI
+from mpidp.comm.activity import COMPUTING, IN_MPI, MARK
+from mpidp.comm.watchdog import Watchdog
+comm = MPI.COMM_WORLD
+if comm.rank == 0:
+    plain = Watchdog._answer
+    def slow(self, listen, call, replies):
+        if listen.Get_status():
+            time.sleep(0.3)
+        return plain(self, listen, call, replies)
+    Watchdog._answer = slow
+wd = Watchdog(comm, 1.0).start()
+t0 = time.monotonic()
+if comm.rank == 0:
+    while time.monotonic() - t0 < 5:
+        MARK.state, MARK.since = COMPUTING, time.monotonic()
+        time.sleep(0.1)
+else:
+    MARK.state, MARK.since = IN_MPI, time.monotonic()
+req = comm.Ibarrier()
+while not req.Test():
+    time.sleep(0.01)
+MARK.state, MARK.since = COMPUTING, time.monotonic()
+alive = comm.gather(wd._thread.is_alive())
+wd.stop()
+if comm.rank == 0:
+    print("watchdogs alive", alive, flush=True)
+"""
+
+# Rank 1 has finished watching; rank 0 has waited past the timeout, so its roll call is
+# under way (rank 1 will not answer) when its own run ends and stops the watch.
+STOPPED_DURING = """\
+import time
+from mpi4py import MPI
+from mpidp.comm.activity import COMPUTING, IN_MPI, MARK
+from mpidp.comm.watchdog import Watchdog
+comm = MPI.COMM_WORLD
+wd = Watchdog(comm, 1.0).start()
+if comm.rank == 1:
+    wd.stop()
+    time.sleep(4)
+else:
+    MARK.state, MARK.since = IN_MPI, time.monotonic()
+    time.sleep(1.5)
+    MARK.state, MARK.since = COMPUTING, time.monotonic()
+    t = time.monotonic()
+    wd.stop()
+    print(f"stop took {time.monotonic() - t:.2f}s", flush=True)
+"""
+
+def test_overlapping_roll_calls_leave_every_watchdog_running(tmp_path):
+    script = tmp_path / "overlap.py"
+    script.write_text(OVERLAPPING)
+    r = run_mpi(3, str(script), module=False, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "watchdogs alive [True, True, True]" in r.stdout, (r.stdout, r.stderr[-2000:])
+    assert "stalled" not in r.stderr, r.stderr[-2000:]
+
+
+def test_stopping_during_a_roll_call_ends_it_without_a_verdict(tmp_path):
+    script = tmp_path / "stop.py"
+    script.write_text(STOPPED_DURING)
+    r = run_mpi(2, str(script), module=False, timeout=60)
+    assert r.returncode == 0 and "stalled" not in r.stderr, (r.returncode, r.stderr[-2000:])
+    took = float(re.search(r"stop took ([0-9.]+)s", r.stdout).group(1))
+    assert took < 1.0, took  # not the grace (6 s) spent waiting for rank 1

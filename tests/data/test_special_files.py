@@ -1,0 +1,43 @@
+"""A data set that is no regular file (a FIFO, a device such as /dev/zero) is refused at
+once, naming it, in every way of reading it: never a job that waits or reads without end."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from helpers import run_mpi
+
+
+def _fifo(path):
+    os.mkfifo(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("how", [["--distribute", "scatter"], ["--distribute", "local"],
+                                 ["--parallel", "pipeline"],
+                                 ["--checkpoint-dir", "{tmp}/ck"]],
+                         ids=["scatter", "local", "pipeline", "fingerprint"])
+@pytest.mark.parametrize("kind", ["fifo", "fifo in a folder", "device"])
+def test_a_dataset_that_is_no_regular_file_is_refused_at_once(tmp_path, kind, how):
+    if kind == "fifo":
+        dataset, named, what = _fifo(tmp_path / "d.npz"), str(tmp_path / "d.npz"), "a FIFO"
+    elif kind == "device":
+        dataset, named, what = "/dev/zero", "/dev/zero", "a character device"
+    else:
+        (tmp_path / "d").mkdir()
+        _fifo(tmp_path / "d" / "X.npy")
+        dataset, named, what = str(tmp_path / "d"), str(tmp_path / "d" / "X.npy"), "a FIFO"
+    how = [a.replace("{tmp}", str(tmp_path)) for a in how]
+    r = run_mpi(2, "train", "--dataset", dataset, *how, "--out", str(tmp_path / "o"),
+                timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"dataset {named!r} is {what}" in r.stderr and r.stderr.count("mpidp: error:") == 1
+
+
+def test_predict_refuses_a_device_too(tmp_path):
+    r = run_mpi(1, "train", "--epochs", "1", "--out", str(tmp_path / "m"), "-q")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_mpi(2, "predict", "--model", str(tmp_path / "m"), "--dataset", "/dev/zero",
+                "--out", str(tmp_path / "p.npy"), timeout=60)
+    assert r.returncode == 2 and "'/dev/zero' is a character device" in r.stderr, r.stderr

@@ -1,0 +1,80 @@
+"""Helpers shared by the tests: the repository's root, ``mpiexec`` jobs in a subprocess (always
+with a timeout: a hang = a failure), the command line's parse errors, central finite
+differences, TensorBoard scalars."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mpiexec() -> str:
+    here = Path(sys.executable).parent / "mpiexec"
+    found = str(here) if here.exists() else shutil.which("mpiexec")
+    assert found, "mpiexec not found: install the 'mpi' extra (the mpich wheel) or a system MPI"
+    return found
+
+
+def run_mpi(n: int, *args: str, cwd: Path | str | None = None, timeout: float = 120,
+            module: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``mpiexec -n n python [-m mpidp] args...``; raises if it outlives ``timeout`` seconds."""
+    cmd = [mpiexec(), "-n", str(n), sys.executable, *(["-m", "mpidp"] if module else []), *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run(cmd, cwd=cwd or ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def parser_refusal(capsys, *argv: str) -> str | None:
+    """What ``mpidp ARGV`` prints when its parser refuses the arguments (exit 2), or None if
+    it takes them; in this process: the parser refuses before MPI starts, alike on every rank
+    (tests/cli/test_messages.py shows rank 0 alone speaking in a job)."""
+    from mpidp.cli import build_parser
+    try:
+        build_parser().parse_args(list(argv))
+    except SystemExit as exc:
+        assert exc.code == 2
+        return capsys.readouterr().err
+    return None
+
+
+def numgrad(f, x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """Central-difference gradient (float64) of the scalar ``f()`` w.r.t. ``x``, which is
+    perturbed in place, one element at a time, and restored."""
+    g = np.zeros(x.shape)
+    flat, gflat = x.reshape(-1), g.reshape(-1)
+    assert x.size == 0 or np.shares_memory(flat, x)  # perturbing flat perturbs x
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + eps
+        fp = f()
+        flat[i] = old - eps
+        fm = f()
+        flat[i] = old
+        gflat[i] = (fp - fm) / (2 * eps)
+    return g
+
+
+def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the TensorBoard event files under ``folder`` (TFRecord framing read
+    by hand, events parsed with tensorboardX's own protobuf classes)."""
+    from tensorboardX.proto.event_pb2 import Event
+    out: dict[str, list] = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            data = open(os.path.join(root, name), "rb").read()
+            i = 0
+            while i < len(data):
+                (n,) = struct.unpack("<Q", data[i:i + 8])
+                ev = Event.FromString(data[i + 12:i + 12 + n])
+                i += 12 + n + 4
+                for v in ev.summary.value:
+                    out.setdefault(v.tag, []).append((ev.step, v.simple_value))
+    return out

@@ -1,0 +1,94 @@
+"""Elastic data parallelism (``--elastic``): ranks SIGKILLed mid-epoch, the survivors go on
+and end with the model of the uninterrupted run (float64, 1e-10); refusals before any work
+where the MPI or the mode cannot survive a lost rank. The kills come from the fault
+injection hook (``MPIDP_FAULT=kill@RANK:STEP``), so they land at the same step every time.
+Each job runs under a timeout and is killed by its process id if it outlives it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import ROOT, mpiexec
+
+OPEN_MPI = (Path(sys.executable).parent / "ompi_info").exists()
+ULFM = ("--with-ft", "ulfm", "--mca", "btl", "tcp,self")
+TRAIN = ("train", "--dataset", "digits", "--model", "mlp", "--epochs", "2", "--batch-size",
+         "64", "--distribute", "local", "--dtype", "float64", "--no-progress", "--seed", "3")
+open_mpi_only = pytest.mark.skipif(not OPEN_MPI, reason="ULFM (surviving a lost rank) is Open "
+                                   "MPI's; MPICH refuses --elastic (tested below)")
+
+
+def _job(n: int, out: Path, *extra: str, launcher=ULFM, fault: str | None = None,
+         timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPIDP_FAULT": fault or ""}
+    if OPEN_MPI:  # as root (CI, containers), and 4 ranks on fewer cores
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                   PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
+    cmd = [mpiexec(), *(launcher if OPEN_MPI else ()), "-n", str(n), sys.executable, "-m",
+           "mpidp", *TRAIN, "--out", str(out), *extra]
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL) as job:
+        try:
+            stdout, stderr = job.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            job.kill()  # this job's launcher, by its pid
+            stdout, stderr = job.communicate()
+            pytest.fail(f"timed out after {timeout} s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(cmd, job.returncode, stdout, stderr)
+
+
+def _params(out: Path) -> np.ndarray:
+    with np.load(out / "model.npz") as z:
+        return np.concatenate([z[k].ravel() for k in sorted(z.files) if k != "meta"
+                               and z[k].dtype.kind == "f"])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> np.ndarray:
+    out = tmp_path_factory.mktemp("whole") / "out"
+    got = _job(4, out, "--elastic") if OPEN_MPI else None
+    if got is None:
+        pytest.skip("Open MPI only")
+    assert got.returncode == 0, got.stderr[-3000:]
+    return _params(out)
+
+
+@open_mpi_only
+@pytest.mark.parametrize("fault, lost", [
+    ("kill@1:5", [1]),  # a worker, in the first epoch
+    ("kill@0:20", [0]),  # the root, in the second epoch (digits: 23 steps of 64 an epoch)
+    ("kill@1:4,kill@2:30", [1, 2]),  # two ranks, one after the other
+])
+def test_the_survivors_end_with_the_uninterrupted_model(uninterrupted, tmp_path, fault, lost):
+    out = tmp_path / "out"
+    got = _job(4, out, "--elastic", fault=fault)
+    assert got.returncode == 0, got.stderr[-3000:]
+    np.testing.assert_allclose(_params(out), uninterrupted, rtol=0, atol=1e-10)
+    metrics = json.loads((out / "metrics.json").read_text())
+    records = [x for r in metrics["history"] for x in r.get("lost_ranks", [])]
+    assert [x["rank"] for x in records] == lost, records
+    assert all(x["seconds_to_recover"] >= 0 and x["steps_recomputed"] in (0, 1) for x in records)
+    assert got.stderr.count("mpidp: lost rank") == len(lost), got.stderr[-3000:]
+    assert "bit-identical" in got.stdout
+
+
+def test_elastic_is_refused_where_the_mpi_cannot_survive_a_lost_rank(tmp_path):
+    """MPICH has no ULFM; Open MPI without its fault tolerance switched on would hang."""
+    got = _job(2, tmp_path / "out", "--elastic", launcher=(), timeout=120)
+    assert got.returncode == 2, got.stderr[-3000:]
+    assert "ULFM" in got.stderr and not (tmp_path / "out").exists()
+    lines = {line for line in got.stderr.splitlines() if "ULFM" in line}
+    assert len(lines) == 1, got.stderr  # one line, said once
+
+
+def test_a_mode_that_is_not_elastic_is_refused(tmp_path):
+    got = _job(2, tmp_path / "out", "--elastic", "--sync", "sharded-ps", timeout=120)
+    assert got.returncode == 2, got.stderr[-3000:]
+    assert "--elastic does not apply to" in got.stderr and "allreduce" in got.stderr
+    assert not (tmp_path / "out").exists()
