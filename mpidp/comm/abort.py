@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -11,10 +12,8 @@ from mpi4py import MPI
 
 from .runtime import SHM_DIR, Comm
 
-_FORWARD_S = 0.3
-
-
-_ABORT_GRACE_S = 10.0
+#: Seconds for mpiexec to forward our output before the abort; for the abort to end us.
+_FORWARD_S, _ABORT_GRACE_S = 0.3, 10.0
 
 
 #: Name prefixes of the shared-memory files each MPI keeps in /dev/shm while a job runs:
@@ -39,10 +38,8 @@ def _unlink_shm_segments() -> None:
     except (OSError, IndexError):
         return
     for path in paths:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
 
 
 def abort_job(comm: Comm, code: int) -> None:
@@ -52,7 +49,7 @@ def abort_job(comm: Comm, code: int) -> None:
     sys.stderr.flush()
     sys.stdout.flush()
     _unlink_shm_segments()
-    time.sleep(_FORWARD_S)  # let mpiexec forward our output before it kills everything
+    time.sleep(_FORWARD_S)
     threading.Timer(_ABORT_GRACE_S, os._exit, args=(code,)).start()
     comm.Abort(code)
     os._exit(code)

@@ -25,10 +25,14 @@ from .runtime import Comm
 MAX_COUNT = int(os.environ.get("MPIDP_MAX_COUNT", 2**31 - 1))
 
 
-def _pieces(n: int, limit: int | None = None):
-    """``(lo, hi)`` slices of at most ``limit`` (default :data:`MAX_COUNT`) covering ``0 .. n``."""
-    limit = MAX_COUNT if limit is None else limit
-    return [(lo, min(lo + limit, n)) for lo in range(0, n, limit)] or [(0, 0)]
+def _pieces(n: int):
+    """``(lo, hi)`` slices of at most :data:`MAX_COUNT` elements covering ``0 .. n``."""
+    return [(lo, min(lo + MAX_COUNT, n)) for lo in range(0, n, MAX_COUNT)] or [(0, 0)]
+
+
+def _displs(counts) -> np.ndarray:
+    """int64 ``displs[r] = sum(counts[:r])``."""
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
 
 
 @watched("a Bcast (control message)")
@@ -85,11 +89,18 @@ def allreduce_max(comm: Comm, values: Sequence[float]) -> np.ndarray:
 
 def ialltoallv_(comm: Comm, send: np.ndarray, send_parts: tuple[np.ndarray, np.ndarray],
                 recv: np.ndarray, recv_parts: tuple[np.ndarray, np.ndarray]) -> MPI.Request:
-    """Start :func:`alltoallv_` (same arguments and limits); complete it with
-    :func:`wait_all` or :func:`test_some`. ``send`` and ``recv`` stay untouched meanwhile."""
-    for what, (counts, displs) in (("an Alltoallv send", send_parts),
-                                   ("an Alltoallv receive", recv_parts)):
-        _fits(what, counts, displs)
+    """Start sending ``send[displs[r]:displs[r] + counts[r]]`` to rank ``r`` and receiving
+    rank ``r``'s piece into ``recv[rdispls[r]:rdispls[r] + rcounts[r]]`` (``send_parts``:
+    ``(counts, displs)``, ``recv_parts``: ``(rcounts, rdispls)``, int64 ``(size,)`` each,
+    in elements; distinct 1-D contiguous arrays of one dtype, untouched until complete:
+    :func:`wait_all` or :func:`test_some`). Collective. Refuses (:class:`MpidpError`) counts
+    or displacements over :data:`MAX_COUNT`: callers send larger exchanges in pieces."""
+    for what, (counts, displs) in (("send", send_parts), ("receive", recv_parts)):
+        reach = int((np.asarray(counts) + np.asarray(displs)).max(initial=0))
+        if reach > MAX_COUNT:
+            raise MpidpError(f"an Alltoallv {what} reaching element {reach} exceeds one MPI "
+                             f"call (counts and displacements are C ints, at most "
+                             f"{MAX_COUNT}); send it in pieces")
     return comm.Ialltoallv([send, send_parts], [recv, recv_parts])
 
 
@@ -133,7 +144,7 @@ def reduce_sum_to_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
         return buf
     counts = np.full(comm.size, buf.size // comm.size, np.int64)
     counts[:buf.size % comm.size] += 1
-    displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    displs = _displs(counts)
     mine = np.empty(int(counts[comm.rank]), buf.dtype)
     comm.Reduce_scatter(buf, mine, recvcounts=counts.tolist(), op=MPI.SUM)
     comm.Gatherv(mine, [buf, (counts, displs)] if comm.rank == root else None, root=root)
@@ -190,13 +201,8 @@ def gatherv(comm: Comm, values: np.ndarray, root: int = 0) -> np.ndarray | None:
     counts = allgather_counts(comm, values.size)
     if counts.sum() > MAX_COUNT:
         raise MpidpError(f"gatherv of {counts.sum()} elements exceeds one MPI call")
-    out = None
-    if comm.rank == root:
-        out = np.empty(int(counts.sum()), values.dtype)
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        comm.Gatherv(values, [out, (counts, displs)], root=root)
-    else:
-        comm.Gatherv(values, None, root=root)
+    out = np.empty(int(counts.sum()), values.dtype) if comm.rank == root else None
+    comm.Gatherv(values, None if out is None else [out, (counts, _displs(counts))], root=root)
     return out
 
 
@@ -210,12 +216,9 @@ def gatherv_rows(comm: Comm, rows: np.ndarray, root: int = 0) -> np.ndarray | No
     row_size = max(int(np.prod(rows.shape[1:], dtype=np.int64)), 1)
     rtype = _row_type(rows.dtype, row_size)
     try:
-        out = None
-        recv = None
-        if comm.rank == root:
-            out = np.empty((int(counts.sum()), *rows.shape[1:]), rows.dtype)
-            displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-            recv = [out, (counts, displs), rtype]
+        out = None if counts is None else np.empty((int(counts.sum()), *rows.shape[1:]),
+                                                   rows.dtype)
+        recv = None if out is None else [out, (counts, _displs(counts)), rtype]
         comm.Gatherv([rows, len(rows), rtype], recv, root=root)
     finally:
         rtype.Free()
@@ -248,7 +251,7 @@ def scatterv_rows(comm: Comm, array: np.ndarray | None, counts: Sequence[int],
     ranks' rows at a time besides its input.
     """
     counts = np.asarray(counts, np.int64)
-    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    displs = _displs(counts)
 
     def fill(rank: int, lo: int, dest: np.ndarray) -> None:
         start = int(displs[rank]) + lo
@@ -280,46 +283,13 @@ def alltoallv_rows(comm: Comm, rows: np.ndarray, send_counts: Sequence[int],
     row_size = int(np.prod(row_shape, dtype=np.int64))
     if row_size == 0:
         return out
-    sdispl = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).astype(np.int64)
-    rdispl = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).astype(np.int64)
     rtype = _row_type(rows.dtype, row_size)
     try:
-        comm.Alltoallv([rows, (send_counts, sdispl), rtype], [out, (recv_counts, rdispl), rtype])
+        comm.Alltoallv([rows, (send_counts, _displs(send_counts)), rtype],
+                       [out, (recv_counts, _displs(recv_counts)), rtype])
     finally:
         rtype.Free()
     return out
-
-
-@watched("an Allgather")
-def allgather_(comm: Comm, mine: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Concatenate every rank's ``mine`` ``(k,)`` into ``out`` ``(size * k,)``. Collective."""
-    comm.Allgather(mine, out)
-    return out
-
-
-def _fits(what: str, counts: np.ndarray, displs: np.ndarray) -> None:
-    """Refuse a vector collective whose counts or displacements do not fit one MPI call."""
-    reach = int((np.asarray(counts) + np.asarray(displs)).max(initial=0))
-    if reach > MAX_COUNT:
-        raise MpidpError(f"{what} reaching element {reach} exceeds one MPI call (counts and "
-                         f"displacements are C ints, at most {MAX_COUNT}); send it in pieces")
-
-
-@watched("an Alltoallv")
-def alltoallv_(comm: Comm, send: np.ndarray, send_parts: tuple[np.ndarray, np.ndarray],
-               recv: np.ndarray, recv_parts: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """Send ``send[displs[r]:displs[r] + counts[r]]`` to rank ``r`` and receive rank ``r``'s
-    piece into ``recv[rdispls[r]:rdispls[r] + rcounts[r]]``, where ``send_parts`` is
-    ``(counts, displs)`` and ``recv_parts`` ``(rcounts, rdispls)``, int64 ``(size,)`` each,
-    in elements. Collective (one ``Alltoallv``). ``send`` and ``recv`` are distinct 1-D
-    contiguous arrays of one dtype, reused by the caller; a count may be 0 (this rank's
-    own piece need not travel). Refuses (:class:`MpidpError`) counts or displacements over
-    :data:`MAX_COUNT`: callers send larger exchanges in pieces. Returns ``recv``."""
-    for what, (counts, displs) in (("an Alltoallv send", send_parts),
-                                   ("an Alltoallv receive", recv_parts)):
-        _fits(what, counts, displs)
-    comm.Alltoallv([send, send_parts], [recv, recv_parts])
-    return recv
 
 
 @watched("a Barrier")
@@ -371,7 +341,7 @@ def scatterv_fill(comm: Comm, counts: Sequence[int], row_shape: tuple[int, ...],
                 comm.Scatterv(None, [out[lo:lo + mine], mine, rtype], root=root)
                 continue
             take[root] = 0  # root's rows are written into its result directly
-            displs = np.concatenate([[0], np.cumsum(take)[:-1]])
+            displs = _displs(take)
             if send is None:  # the first round is the largest
                 send = np.empty((int(take.sum()), *row_shape), dtype)
             for r in range(comm.size):

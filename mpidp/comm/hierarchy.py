@@ -1,13 +1,10 @@
 """Node-aware allreduce: sum inside each node through shared memory, across nodes between
 node leaders only, then copy back inside each node.
 
-With ``k`` ranks on each of ``H`` nodes, the node leaders run an allreduce at ``H`` ranks,
-so each node's link carries ``2 (H-1)/H m`` bytes of an ``m``-byte buffer each way: the
-least any allreduce can move, whatever algorithm the MPI library would have picked for the
-flat communicator (a flat ring with ranks placed by node moves ``2 (P-1)/P m`` over the
-link each way, 1.5 m at 2 nodes x 2 ranks; ``make bench-network`` reads it off the
-counters). The sum of each element is formed in a fixed order (the node's ranks in order,
-then MPI's reduction over the leaders), so every replica gets the same values.
+With ``H`` nodes the leaders' allreduce moves ``2 (H-1)/H m`` bytes of an ``m``-byte buffer
+over each node's link each way, the least any allreduce can (a flat ring placed by node:
+``2 (P-1)/P m``). Each element is summed in a fixed order (the node's ranks in order, then
+MPI's reduction over the leaders), so every replica gets the same values.
 """
 
 from __future__ import annotations
@@ -48,20 +45,14 @@ def node_aware_pays(comm: Comm) -> bool:
     return several and most > 1
 
 
-#: A rank that waits long (for the ranks of its node, or for its leader's exchange over
-#: the network) sleeps in steps of at most this share of its last such wait (between 20 us
-#: and 1 ms), not polling: ranks still computing and the network stack keep the cores, and
-#: the wait ends at most 2 % late.
+#: A rank that waits long (for its node, or its leader's exchange) sleeps in steps of at
+#: most this share of its last such wait (between 20 us and 1 ms), not polling: the wait
+#: ends at most 2 % late and leaves the cores to ranks still computing.
 SLEEP_SHARE, SHORTEST_SLEEP, LONGEST_SLEEP = 0.02, 2e-5, 1e-3
 
-
-#: Leaders with at least this many bytes to exchange meet (a ``Barrier`` among them) just
-#: before the exchange. On the two-host test bed (``make bench-network``, 2 hosts x 2
-#: ranks, MPICH over TCP, 1 Gbit/s) the leaders' exchange of 7.45 MB, timed inside the
-#: step, took about 92 ms when each leader started as soon as its node's sum was ready
-#: and 64 ms (the link's time) when they had met first, with any of MPICH's ``Allreduce``
-#: algorithms; the node-aware step went from 7.8 to 8.7 steps/s. The meeting costs one
-#: small-message round trip, a small share of any exchange this large.
+#: Leaders with at least this many bytes to exchange meet (a ``Barrier``) just before the
+#: exchange: 7.45 MB between 2 hosts x 2 ranks (``make bench-network``, MPICH, 1 Gbit/s TCP)
+#: then took 64 ms, the link's time, not 92 ms; the meeting costs one small round trip.
 MEET_BYTES = 1 << 20
 
 

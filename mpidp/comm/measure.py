@@ -55,7 +55,7 @@ def exchange_time(comm: Comm, nbytes: int, reps: int = 20, peer: int = 1) -> flo
     if comm.rank not in (0, peer):
         return None
     other = peer if comm.rank == 0 else 0
-    out, back = np.zeros(max(nbytes, 1), np.uint8)[:nbytes], np.zeros(max(nbytes, 1), np.uint8)[:nbytes]
+    out, back = (np.zeros(max(nbytes, 1), np.uint8)[:nbytes] for _ in range(2))
     times = []
     for _ in range(reps + 3):
         t = MPI.Wtime()

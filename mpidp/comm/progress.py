@@ -1,26 +1,17 @@
-"""Communication that moves while this process computes.
-
-An MPI library moves a non-blocking collective only while some thread of the process is
-inside MPI (MPICH over TCP, for one, has no background progress unless its progress thread
-is enabled, and that thread polls all the time, taking a core from the computation). Two
-ways to keep a reduction moving during a computation:
+"""Communication that moves while this process computes: MPI moves a non-blocking collective
+only while some thread of the process is inside MPI (MPICH over TCP has no background
+progress unless its polling progress thread is on).
 
 - :class:`BackgroundAllreduce`: a communication thread runs one blocking in-place
   ``Allreduce`` per buffer handed to it, in order, on a private duplicate of the
-  communicator, while the calling thread computes (NumPy releases the GIL in its
-  kernels, mpi4py in its MPI calls). The thread lives from the first buffer to the
-  :meth:`~BackgroundAllreduce.wait` that completes them, so none is left between
-  synchronisations. Needs ``MPI_THREAD_MULTIPLE``.
-- :func:`test_some`: advance started requests (``MPI_Testsome``) between pieces of work,
-  from the calling thread; they move only during the call. :class:`StartedSums` does so
-  for the sums of a buffer's parts, at two ranks as one exchange per part (one round, so
-  one call can set the whole part moving).
+  communicator, while the calling thread computes (NumPy and mpi4py release the GIL).
+  Needs ``MPI_THREAD_MULTIPLE``.
+- :func:`test_some` and :class:`StartedSums`: started requests advanced (``MPI_Testsome``)
+  between pieces of work, from the calling thread.
 
-The watchdog (:mod:`~mpidp.comm.activity`) watches the calling thread: while it computes,
-the rank makes progress; when it waits for the communication thread it is marked as
-waiting in MPI (:meth:`BackgroundAllreduce.wait` is a watched call), so a reduction that
-never completes is seen as any stalled collective is. The communication thread leaves the
-mark alone: it is the calling thread's state that tells whether the rank is stuck.
+The watchdog (:mod:`~mpidp.comm.activity`) watches the calling thread only: waiting for the
+communication thread is a watched call, so a reduction that never completes is seen as any
+stalled collective is.
 """
 
 from __future__ import annotations
@@ -34,7 +25,7 @@ from mpi4py import MPI
 
 from .activity import watched
 from .agreement import MpidpError
-from .collectives import MAX_COUNT, _pieces
+from .collectives import MAX_COUNT, allreduce_sum_
 from .runtime import Comm, duplicate, fresh_tag
 
 _END = None  # queued by wait(): the thread ends once everything before it is summed
@@ -68,34 +59,20 @@ def wait_yielding(request: MPI.Request, longest_sleep: float) -> None:
         pause = min(2 * pause, longest_sleep)
 
 
-def _sum_in_place(comm: Comm, buf: np.ndarray) -> None:
-    """Blocking in-place ``Allreduce`` (sum) of contiguous ``buf``, in pieces of at most
-    ``MAX_COUNT`` elements; the communication thread's call (not watched: see the module)."""
-    flat = buf.reshape(-1)
-    for lo, hi in _pieces(flat.size):
-        comm.Allreduce(MPI.IN_PLACE, flat[lo:hi], op=MPI.SUM)
+#: The communication thread's sum: :func:`allreduce_sum_` unwatched (see the module).
+_sum_in_place = allreduce_sum_.__wrapped__
 
 
 class BackgroundAllreduce:
     """In-place sums over the ranks of ``comm``, run by a communication thread.
 
-    Collective to create (duplicates ``comm``, so the thread's collectives never meet
-    the caller's) and to :meth:`close`. Every rank must :meth:`submit` the same sequence
-    of buffer sizes; the buffers are summed in that order, each by one blocking
-    ``Allreduce``, while the caller goes on computing. :meth:`wait` blocks (sleeping, not
-    polling) until every submitted buffer is summed and ends the thread. The thread's
-    blocking calls poll (MPICH's do): a core per rank is busy while a sum is in flight,
-    also while the caller computes beside it.
-
-    A failure on the thread (an MPI error, or any exception) is raised by the next
-    :meth:`wait` or :meth:`submit` on the calling thread as :class:`MpidpError`, so it
-    ends the job the way any error on a rank does; later calls raise it again.
-
-    Notes
-    -----
-    A submitted buffer belongs to the thread until :meth:`wait` returns: do not read or
-    write it meanwhile. ``pending`` counts the buffers not yet summed, ``completed`` the
-    buffers summed since creation (instrumentation: it grows while the caller computes).
+    Collective to create (duplicates ``comm``) and to :meth:`close`. Every rank must
+    :meth:`submit` the same sequence of buffer sizes; each buffer is summed by one blocking
+    ``Allreduce``, in order, while the caller computes. :meth:`wait` blocks (sleeping)
+    until every submitted buffer is summed and ends the thread. A failure on the thread is
+    raised by the next :meth:`wait` or :meth:`submit` as :class:`MpidpError` (and again by
+    later calls). A submitted buffer belongs to the thread until :meth:`wait` returns.
+    ``pending``: buffers not yet summed; ``completed``: buffers summed since creation.
     """
 
     def __init__(self, comm: Comm, name: str = "mpidp-allreduce") -> None:
@@ -191,34 +168,25 @@ class BackgroundAllreduce:
                 cv.notify_all()
 
 
-
-#: Tags of :class:`StartedSums`'s exchanges: each one takes the next of these on its
-#: communicator (:func:`~mpidp.comm.runtime.fresh_tag`), so that several on one
-#: communicator, one with sums still in flight while another starts, never match each
-#: other's messages.
+#: Tags of :class:`StartedSums`'s exchanges, taken in turn on a communicator
+#: (:func:`~mpidp.comm.runtime.fresh_tag`) so that several never match each other's messages.
 PAIR_TAGS = (0x4000, 0x3000)
 
 
 class StartedSums:
     """In-place sums over the ranks of ``comm`` of parts of one buffer, started one at a
-    time and completed in any order, advanced by :meth:`advance` between pieces of work.
+    time, completed in any order, advanced by :meth:`advance` between pieces of work.
 
-    With more than two ranks each part is one ``Iallreduce``. With two it is one exchange:
-    each rank sends its part whole (``Isend``), receives the other's into scratch
-    (``Irecv``) and adds it, once both are complete, to its own. That is the bytes of a
-    ring allreduce at two ranks in one round instead of two, so a sum needs the library's
-    progress once, not again when its first round ends: over TCP, where a started
-    collective moves only while the process is inside MPI, more of it travels while the
-    process computes. The sum is the same (at two ranks an ``Allreduce`` adds the same two
-    numbers) and the same bits on both ranks (both add rank 0's part first). The scratch,
-    the size of ``buf``, is made at the first exchange and kept until :meth:`release`.
+    With more than two ranks each part is one ``Iallreduce``. With two it is one exchange
+    (``Isend`` of the part, ``Irecv`` of the other's into scratch, added once both are
+    complete): a ring's bytes in one round, so one call of the library's progress sets it
+    all moving. The same bits on both ranks (rank 0's part added first). The scratch, the
+    size of ``buf``, lives from the first exchange until :meth:`release`.
 
-    Every rank makes its ``StartedSums`` on ``comm`` in the same order and starts the same
-    parts in the same order (as for collectives); each takes a tag of its own among
-    :data:`PAIR_TAGS`, which nothing else on ``comm`` may use (give it a duplicate of its
-    own, :func:`mpidp.comm.companion`, or ``private=True``: a duplicate made for these
-    sums alone, freed by :meth:`close`). A part belongs to the sums until it is
-    :meth:`done`: do not read or write it meanwhile.
+    Every rank makes its ``StartedSums`` on ``comm`` and starts its parts in the same order
+    (as for collectives); nothing else on ``comm`` may use :data:`PAIR_TAGS` (give it a
+    duplicate of its own, :func:`mpidp.comm.companion`, or ``private=True``: a duplicate
+    freed by :meth:`close`). A part belongs to the sums until it is :meth:`done`.
     """
 
     def __init__(self, comm: Comm, buf: np.ndarray, private: bool = False) -> None:

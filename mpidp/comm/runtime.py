@@ -6,6 +6,7 @@ imports mpi4py, so ``import mpidp`` and ``mpidp --help`` work without an MPI lib
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -51,26 +52,18 @@ def duplicate(comm: Comm) -> Comm:
     return comm.Dup()
 
 
-def _free_companion(comm: Comm, keyval: int, dup: Comm) -> None:
-    """MPI's callback when ``comm`` is freed (collectively, on every rank): free its
-    companion with it. Must not raise into MPI."""
-    try:
-        dup.Free()
-    except Exception:  # noqa: BLE001 (MPI is freeing comm: nothing to report to)
-        pass
-
-
-def _free_node_splits(comm: Comm, keyval: int, splits: dict) -> None:
-    """MPI's callback when ``comm`` is freed: free the node and leader communicators that
-    :func:`node_split` made of it. Must not raise into MPI."""
-    for pair in splits.values():
-        for part in pair:
+def _free_kept(comm: Comm, keyval: int, kept: Comm | dict) -> None:
+    """MPI's callback when ``comm`` is freed (collectively, on every rank): free what was
+    kept on it, its companion or the pairs :func:`node_split` made. Must not raise into MPI."""
+    parts = [c for pair in kept.values() for c in pair] if isinstance(kept, dict) else [kept]
+    for part in parts:
+        with contextlib.suppress(Exception):  # MPI is freeing comm: nothing to report to
             if part is not None:
-                _free_companion(comm, keyval, part)
+                part.Free()
 
 
-_COMPANION = MPI.Comm.Create_keyval(delete_fn=_free_companion)
-_NODE_SPLITS = MPI.Comm.Create_keyval(delete_fn=_free_node_splits)
+_COMPANION = MPI.Comm.Create_keyval(delete_fn=_free_kept)
+_NODE_SPLITS = MPI.Comm.Create_keyval(delete_fn=_free_kept)
 _TAGS = MPI.Comm.Create_keyval()  # per communicator: the next tag of :func:`fresh_tag`
 
 
@@ -148,7 +141,8 @@ def _forced_per_node(comm: Comm) -> int:
     value that is not a whole number >= 1 on any rank, or that differs between ranks,
     raises the same :class:`MpidpError` on every rank."""
     raw = os.environ.get(RANKS_PER_NODE, "").strip()
-    mine = (min(int(raw), 1 << 31) if raw.isascii() and raw.isdigit() and int(raw) >= 1 else -1) if raw else 0
+    whole = raw.isascii() and raw.isdigit() and int(raw) >= 1
+    mine = (min(int(raw), 1 << 31) if whole else -1) if raw else 0
     seen = np.array([mine, -mine], np.int64)
     comm.Allreduce(MPI.IN_PLACE, seen, op=MPI.MAX)
     high, low = int(seen[0]), -int(seen[1])  # over the ranks

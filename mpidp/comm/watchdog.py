@@ -1,17 +1,11 @@
 """The watchdog: a stalled rank ends the job, named, within the timeout and a grace.
 
-Every MPI call of :mod:`mpidp.comm` marks this process as *waiting in MPI* while it runs
-(:func:`watched`); between calls the process is *computing*; :meth:`Watchdog.excused`
-marks work that may legitimately outlast a step (writing a checkpoint). That costs two
-attribute writes per call, so it covers every mode and every collective, point-to-point
-wait and shared-memory fence alike, without polling on the main thread.
-
-A thread per rank checks the mark. When this rank has waited or computed for longer than
-the timeout, the thread holds a roll call on a private duplicate of the communicator and
-names the ranks that do not answer within ``grace`` seconds, that compute (or are excused)
-too long, or, when every rank waits in MPI, reports a deadlock; the verdicts, the exit
-code and the fallback without ``MPI_THREAD_MULTIPLE`` are in docs/reliability.md
-("The watchdog").
+Every MPI call of :mod:`mpidp.comm` marks this process as waiting in MPI while it runs
+(:mod:`~.activity`); between calls it is computing, or excused. A thread per rank checks
+the mark; past the timeout it holds a roll call on a private duplicate of the
+communicator and names the ranks that do not answer within ``grace`` seconds or compute
+too long, or reports a deadlock when every rank waits in MPI (docs/reliability.md, "The
+watchdog").
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ The train/test split is a seeded choice of rows, or the dataset's own test set
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ import numpy.typing as npt
 
 from .. import comm as C
 from ..digest import dtype_name
+from ..errors import setting
 from ..nn.sparse import CSR
 from . import crc32
 from .arrays import SHAPE_RULE, Source
@@ -119,30 +121,41 @@ class Data:
                              f"features")
 
 
-def _is_fixed(src: Source, test_fraction: float | None) -> bool:
-    """True when :func:`split_rows` takes the source's own test set."""
-    return test_fraction is None and src.fixed_test is not None
-
-
-def _train_costs(src: Source, costs, train_rows: np.ndarray) -> np.ndarray | None:
-    """Per-training-position costs: ``costs`` (one per dataset row) or the source's own."""
-    if costs is None:
-        return src.costs()[train_rows] if hasattr(src, "costs") else None
-    return check_weights(costs, src.n_samples, "costs")[train_rows]
-
-
 def _check_n_classes(src: Source, n_classes: int | None) -> None:
     """ValueError when a number of classes is given for a dataset without classes."""
     if n_classes is not None and not src.classification:
-        raise ValueError(f"{src.name}: n_classes {n_classes} (--n-classes) does not "
-                         f"apply: its targets are real values (a regression), not class labels")
+        raise ValueError(f"{src.name}: {setting('n_classes', n_classes)} does not apply: its "
+                         f"targets are real values (a regression), not class labels")
 
 
-def _n_outputs_from(classification: bool, target_shape: tuple[int, ...], max_label: int,
-                    n_classes: int | None) -> int:
-    if not classification:
-        return int(np.prod(target_shape, dtype=np.int64)) if target_shape else 1
-    return n_classes if n_classes is not None else max(max_label + 1, 2)
+def _plan(src: Source, n_classes, test_fraction, seed, layout) -> tuple[tuple, np.ndarray | None]:
+    """``((train_rows, test_rows, val_rows), costs)``: the test split, validation rows held
+    out of the training rows, and the training positions' costs (``layout["costs"]``, one
+    per dataset row, or the source's own)."""
+    _check_n_classes(src, n_classes)
+    train, test = split_rows(src.n_samples, test_fraction, seed, src.fixed_test)
+    train, val = validation_split(train, layout["val_fraction"], seed)
+    if layout["costs"] is None:
+        return (train, test, val), src.costs()[train] if hasattr(src, "costs") else None
+    return (train, test, val), check_weights(layout["costs"], src.n_samples, "costs")[train]
+
+
+def _meta(src: Source, split: tuple, costs, test_fraction, dtype) -> dict:
+    """What every rank needs of an opened source (pickled to the ranks by a scatter)."""
+    return {"name": src.name, "n": tuple(len(rows) for rows in split),
+            "n_features": src.n_features, "sample_shape": src.sample_shape,
+            "classification": src.classification, "y_shape": src.target_shape,
+            "fixed": test_fraction is None and src.fixed_test is not None,
+            "y_dtype": np.dtype(np.int64) if src.classification else np.dtype(dtype),
+            "has_costs": costs is not None}
+
+
+def _data(meta: dict, shards: list[Shard], costs, max_label: int, n_classes) -> Data:
+    outputs = (max(max_label + 1, 2) if n_classes is None else n_classes) if meta[
+        "classification"] else int(np.prod(meta["y_shape"], dtype=np.int64))
+    return Data(shards[0], shards[1], meta["name"], meta["n_features"], outputs,
+                meta["classification"], costs, meta["sample_shape"],
+                "fixed" if meta["fixed"] else "random", shards[2] if shards[2].n_total else None)
 
 
 def _scatter_sparse(comm, reader, rows, counts, meta, dtype, root):
@@ -155,10 +168,10 @@ def _scatter_sparse(comm, reader, rows, counts, meta, dtype, root):
         parts = [reader.read(rows[d:d + c]) for d, c in zip(displs, counts)]
         X = CSR.concat([p[0] for p in parts], meta["n_features"], dtype)
         y = np.concatenate([p[1] for p in parts]) if parts else None
-    lengths = C.scatterv_rows(comm, X.row_lengths() if is_root else None, counts, (),
-                              np.dtype(np.int64), root)
+    i64 = np.dtype(np.int64)
+    lengths = C.scatterv_rows(comm, X.row_lengths() if is_root else None, counts, (), i64, root)
     nnz = C.allgather_counts(comm, int(lengths.sum()))
-    indices = C.scatterv_rows(comm, X.indices if is_root else None, nnz, (), np.dtype(np.int64), root)
+    indices = C.scatterv_rows(comm, X.indices if is_root else None, nnz, (), i64, root)
     data = C.scatterv_rows(comm, X.data if is_root else None, nnz, (), np.dtype(dtype), root)
     y = C.scatterv_rows(comm, y, counts, meta["y_shape"], meta["y_dtype"], root)
     return CSR(np.concatenate([[0], np.cumsum(lengths)]), indices, data, meta["n_features"]), y
@@ -184,35 +197,21 @@ def _scatter_dense(comm, reader, rows, counts, meta, dtype, root, clock):
     return X, y
 
 
-def _split(src: Source, test_fraction, val_fraction, seed) -> tuple[np.ndarray, ...]:
-    """``(train_rows, test_rows, val_rows)``: the test split, then validation rows held out
-    of the training rows."""
-    train_rows, test_rows = split_rows(src.n_samples, test_fraction, seed, src.fixed_test)
-    train_rows, val_rows = validation_split(train_rows, val_fraction, seed)
-    return train_rows, test_rows, val_rows
-
-
 def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, source_kw,
                   layout, clock) -> Data:
     held: dict = {}
 
     def open_on_root() -> dict:
         src = open_source(spec, seed=seed, **source_kw)
-        _check_n_classes(src, n_classes)
-        split = _split(src, test_fraction, layout["val_fraction"], seed)
-        held["costs"] = _train_costs(src, layout["costs"], split[0])
+        split, costs = _plan(src, n_classes, test_fraction, seed, layout)
+        held.update(src=src, split=split, costs=costs)
         sparse = len(split[0]) > 0 and isinstance(src.read(split[0][:1])[0], CSR)
-        held.update(src=src, split=split)
-        return {"name": src.name, "n": tuple(len(rows) for rows in split),
-                "n_features": src.n_features, "sample_shape": src.sample_shape,
-                "classification": src.classification, "fixed": _is_fixed(src, test_fraction),
-                "y_shape": src.target_shape,
-                "y_dtype": np.dtype(np.int64) if src.classification else np.dtype(dtype),
-                "sparse": sparse, "has_costs": held["costs"] is not None}
+        return {**_meta(src, split, costs, test_fraction, dtype), "sparse": sparse}
 
     meta = C.root_decides(comm, open_on_root, root=root)
     costs = held.get("costs") if comm.rank == root else np.empty(meta["n"][0])
-    costs = C.bcast_(comm, np.ascontiguousarray(costs, np.float64), root) if meta["has_costs"] else None
+    costs = C.bcast_(comm, np.ascontiguousarray(costs, np.float64), root) if meta[
+        "has_costs"] else None
     owner = C.run_agreed(comm, assign, layout["strategy"], meta["n"][0], comm.size,
                          seed=seed, costs=costs, capacities=layout["capacities"])
     reader = RowReader(held["src"], dtype, n_classes, clock) if comm.rank == root else None
@@ -238,11 +237,7 @@ def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, sourc
             raise ValueError(reader.error)
         return reader.max_label
 
-    max_label = C.root_decides(comm, verdict, root=root)
-    n_outputs = _n_outputs_from(meta["classification"], meta["y_shape"], max_label, n_classes)
-    return Data(shards[0], shards[1], meta["name"], meta["n_features"], n_outputs,
-                meta["classification"], costs, meta["sample_shape"],
-                "fixed" if meta["fixed"] else "random", shards[2] if shards[2].n_total else None)
+    return _data(meta, shards, costs, C.root_decides(comm, verdict, root=root), n_classes)
 
 
 def crc_together(comm: C.Comm, path: str, spans: list[tuple[int, int]]) -> list[int]:
@@ -260,12 +255,10 @@ def crc_together(comm: C.Comm, path: str, spans: list[tuple[int, int]]) -> list[
             error = error or f"{path}: bytes {offset + a}-{offset + b} cannot be read: {exc}"
     C.agree(comm, error)
     parts = C.allgather_rows(comm, mine.reshape(-1)).reshape(comm.size, len(spans), 2)
-    out = []
-    for i in range(len(spans)):
-        crc = 0
-        for part, length in parts[:, i]:  # CRC-32 values and lengths are exact in float64
-            crc = crc32.combine(crc, int(part), int(length))
-        out.append(crc)
+    out = [0] * len(spans)
+    for i, rank in itertools.product(range(len(spans)), range(comm.size)):
+        part, length = parts[rank, i]  # CRC-32 values and lengths are exact in float64
+        out[i] = crc32.combine(out[i], int(part), int(length))
     return out
 
 
@@ -303,14 +296,12 @@ def data_fingerprint(comm: C.Comm, spec: str, together: bool, root: int = 0) -> 
 
 def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, layout,
                 clock, copy) -> Data:
-    # A file's checksum (.npz) is one pass over all of it: every rank checks an equal share
-    # of each member, and the combined CRC-32 is compared with the stored one.
+    # every rank checks an equal share of each .npz member's CRC-32, first: a corrupted
+    # byte is named as such
     if source_kw.pop("verify", True) and isinstance(spec, str):
-        _verify_together(comm, spec)  # first: a corrupted byte is named as such
+        _verify_together(comm, spec)
     src = C.run_agreed(comm, open_source, spec, seed=seed, verify=False, **source_kw)
-    C.run_agreed(comm, _check_n_classes, src, n_classes)
-    split = C.run_agreed(comm, _split, src, test_fraction, layout["val_fraction"], seed)
-    costs = C.run_agreed(comm, _train_costs, src, layout["costs"], split[0])
+    split, costs = C.run_agreed(comm, _plan, src, n_classes, test_fraction, seed, layout)
     owner = C.run_agreed(comm, assign, layout["strategy"], len(split[0]), comm.size,
                          seed=seed, costs=costs, capacities=layout["capacities"])
     reader = RowReader(src, dtype, n_classes, clock, maps=not copy)
@@ -324,11 +315,8 @@ def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, la
         shards.append(Shard(X, y, start, len(rows), positions))
     C.agree(comm, reader.error)
     max_label = int(C.allreduce_max(comm, [reader.max_label])[0])
-    return Data(shards[0], shards[1], src.name, src.n_features,
-                _n_outputs_from(src.classification, src.target_shape, max_label, n_classes),
-                src.classification, costs, src.sample_shape,
-                "fixed" if _is_fixed(src, test_fraction) else "random",
-                shards[2] if shards[2].n_total else None)
+    return _data(_meta(src, split, costs, test_fraction, dtype), shards, costs, max_label,
+                 n_classes)
 
 
 def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
@@ -338,45 +326,37 @@ def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
          val_fraction: float = 0.0, **source_kw) -> Data:
     """Load dataset ``spec`` (see :func:`mpidp.data.sources.open_source`) split over ``comm``.
 
-    Every rank gets samples of the file's shape, ``X`` ``(n_local, *sample_shape)``
-    (``Data.sample_shape``; ``Data.n_features`` is their size). ``test_fraction``: the
-    share of rows held out at random (seeded); None (the default) takes the dataset's own
-    test set where it has one (``mnist1d``: the package's 1,000 test series, the last rows;
-    ``Data.test_split == "fixed"``), else 0.2. ``val_fraction``: the share of the
-    training rows held out (seeded) as ``Data.val`` for validation (None when 0).
+    Every rank gets samples of the file's shape, ``X`` ``(n_local, *sample_shape)``.
+    ``test_fraction``: the share of rows held out at random (seeded); None takes the
+    dataset's own test set where it has one (``mnist1d``'s last 1,000 rows;
+    ``Data.test_split == "fixed"``), else 0.2. ``val_fraction``: the share of the training
+    rows held out (seeded) as ``Data.val`` (None when 0).
 
-    Collective. ``distribute="scatter"``: ``root`` reads everything and sends each rank its
-    rows with ``Scatterv``. ``"local"``: every rank reads only its own rows (memory-mapped
-    ``.npy``/``.npz``, HDF5 slices), with no data communication. Bad input raises the same
-    :class:`mpidp.MpidpError` on every rank.
+    Collective. ``distribute="scatter"``: ``root`` reads everything and streams each rank
+    its rows (``Scatterv``). ``"local"``: every rank reads only its own rows (memory-mapped
+    ``.npy``/``.npz``, HDF5 slices). Bad input raises the same :class:`mpidp.MpidpError`
+    on every rank.
 
-    Local reads map rather than copy where they can: a rank whose training (or test) rows
-    are one run of the file, stored as plain bytes in ``dtype`` at an aligned offset
-    (``.npy``, a contiguous HDF5 dataset; not the members ``np.savez`` writes, which sit
-    unaligned after their zip headers), with ``test_fraction=0`` (or a fixed test set, whose
-    rows follow the training rows) and a block partition, gets ``X`` as a private
-    copy-on-write memory map of the file. Nothing is copied and the pages stay shared with
-    the page cache (and every rank on the node) until written; the file is never written.
-    Its rows are checked like copied ones. The file must then not be truncated or rewritten
-    in place while the data are in use (replacing it by a rename is safe): rows not yet
-    written would change, or reading them would end the process with SIGBUS. ``copy=True``
-    reads every row into private memory instead.
+    Local reads map rather than copy where they can: a rank whose rows are one run of the
+    file, stored as plain bytes in ``dtype`` at an aligned offset (``.npy``, a contiguous
+    HDF5 dataset; not ``np.savez`` members), with no random test split and a block
+    partition, gets ``X`` as a private copy-on-write memory map of the file (pages shared
+    with the page cache; the file is never written). The file must then not be truncated
+    or rewritten in place while the data are in use (replacing it by a rename is safe), or
+    rows change or reading them ends the process with SIGBUS. ``copy=True`` reads every
+    row into private memory instead.
 
-    ``partition`` names the strategy (:data:`mpidp.data.partition.STRATEGIES`) that decides which
-    training samples each rank holds (test samples are always split in blocks); ``costs``
-    ``(n_samples,)`` are per-row costs of the whole dataset (default: the source's own, for
-    the ``bow`` workload, else none) and ``capacities`` ``(size,)`` relative rank speeds.
-    ``Data.costs`` holds the training positions' costs.
+    ``partition`` names the strategy (:data:`mpidp.data.partition.STRATEGIES`) that decides
+    which training samples each rank holds (test samples are split in blocks); ``costs``
+    ``(n_samples,)``: per-row costs of the whole dataset (default: the source's own, for
+    ``bow``); ``capacities`` ``(size,)``: relative rank speeds. ``Data.costs`` holds the
+    training positions' costs.
 
     ``timings``, if given, a dict that receives this rank's seconds per phase: ``open``
-    (metadata, split, partition), ``read`` (copying rows out of the source; a cast to
-    ``dtype`` happens in the same copy), ``check`` (NaN/Inf, labels), ``cast`` (generated
-    sources only) and ``send`` (Scatterv, waiting included).
-
-    Notes
-    -----
-    Each rank's rows arrive in increasing file order (its positions are increasing, and
-    so are the rows they map to), so root reads increasing rows and no rank reorders.
+    (metadata, split, partition), ``read`` (copying rows out of the source, cast in the
+    same copy), ``check`` (NaN/Inf, labels), ``cast`` (generated sources only) and
+    ``send`` (Scatterv, waiting included). Each rank's rows arrive in increasing file
+    order.
     """
     clock = Timings(timings)
     spec = os.fspath(spec)  # a pathlib.Path names a file as a string does
@@ -421,10 +401,8 @@ def shard_from_arrays(comm: C.Comm, X: np.ndarray, y: np.ndarray,
     values, non-negative integer labels.
     """
     X, y = np.asarray(X), np.asarray(y)
-    error = _arrays_problem(X, y, n_features, sample_shape)  # this rank's verdict
-    shape = tuple(X.shape[1:])
-    C.agree(comm, error)
-    _agree_sample_shape(comm, shape)
+    C.agree(comm, _arrays_problem(X, y, n_features, sample_shape))  # each rank's verdict
+    _agree_sample_shape(comm, tuple(X.shape[1:]))
     counts = C.allgather_counts(comm, len(X))
     return Shard(X, y, int(counts[:comm.rank].sum()), int(counts.sum()))
 

@@ -172,8 +172,9 @@ def prediction_table(fit: Fit, compute_per_param: float | Compute, batch: int,
     return rows
 
 
-#: The modes :func:`mode_step_time` predicts.
-MODES = ("allreduce", "overlapped", "overlapped-forward", "compressed", "node-aware")
+#: The schedules :func:`mode_step_time` predicts, by name, and how each exchanges the gradient.
+MODES = {"allreduce": "flat", "overlapped": "overlap", "overlapped-forward": "overlap-next",
+         "compressed": "coded", "node-aware": "leaders"}
 
 
 def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
@@ -181,71 +182,52 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
                    per_node: int = 1, link_hops: int = 1, cpu_per_byte: float = 0.0,
                    wire_share: float = 0.5, cores: int | None = None,
                    last_bucket: float = 0.0, node: float = 0.0) -> float:
-    """Predicted seconds of one step of a synchronisation ``mode`` at ``P`` ranks with ``m``
-    gradient bytes, from a measured ``compute`` (seconds of forward + backward + update on
-    one rank's share) and the link's :class:`Fit`:
+    """Predicted seconds of one step of the schedule ``mode`` (:data:`MODES`) at ``P`` ranks
+    with ``m`` gradient bytes, from a measured ``compute`` (seconds of forward + backward +
+    update on one rank's share) and the link's :class:`Fit`; ``c`` is ``compute``:
 
-    * ``allreduce``: ``compute + ring(P, m)``;
-    * ``overlapped``: the exchange starts once the first bucket is final, ``first_bucket``
-      (a share) into the backward pass (``backward``: its share of ``compute``), and runs
-      beside the rest of it: ``(1 - backward) c + max(backward c, first_bucket backward c
-      + ring(P, m))``;
-    * ``overlapped-forward``: as ``overlapped``, but the last sums complete during the
-      next forward pass, so the exchange runs beside the rest of backward and all of the
-      next forward: ``max(c, first_bucket backward c + ring(P, m))``;
-    * ``compressed``: codes reduce-scattered and allgathered, ``wire_share`` of a ring's
-      bytes (16 bits: 0.5), started bucket by bucket during backward as ``overlapped``,
-      plus ``codec`` seconds of encoding and decoding on the same core: ``(1 - backward) c
-      + max(backward c, first_bucket backward c + ring(P, wire_share m)) + codec``;
-    * all three: the last bucket, ``last_bucket`` of the gradient's bytes (the first
-      layer's, final only when backward ends), starts its exchange when backward (with
-      the exchange's work on the cores, below) is over, and the next forward pass reads
-      it first: its ``ring(P, last_bucket m)`` (of the wire's bytes) follows backward on
-      every path, ``... max(..., backward c + cpu + ring(P, last_bucket m))``, and for
-      ``overlapped-forward`` ``c + cpu + ring(P, last_bucket m)``. On a fast link whose
-      bytes the computing cores carry, that is what stays in sight;
-    * both: what the exchange costs the cores that compute (``cpu_per_byte`` seconds per
-      byte a rank sends, ``2 (P-1)/P`` of what it reduces: the network stack's and MPI's
-      copies where they share those cores) lengthens the backward pass it hides behind:
-      ``backward c + cpu_per_byte 2 (P-1)/P m`` in place of ``backward c`` (0: a network
-      card does that work);
+    * ``allreduce``: ``c + ring(P, m)``;
+    * ``overlapped``: the exchange starts ``first_bucket`` (a share) into the backward pass
+      (``backward``: its share of ``c``) and runs beside the rest of it: ``(1 - backward) c
+      + max(backward c, first_bucket backward c + ring(P, m))``;
+    * ``overlapped-forward``: as ``overlapped``, finishing during the next forward pass:
+      ``max(c, first_bucket backward c + ring(P, m))``;
+    * ``compressed``: as ``overlapped`` with ``wire_share`` of the bytes (16 bits: 0.5),
+      plus ``codec`` seconds of encoding and decoding;
+    * in these three the last bucket, ``last_bucket`` of the bytes (the first layer's),
+      starts when backward is over: ``ring(P, last_bucket m)`` follows backward on every
+      path; and the exchange's work on the computing cores (``cpu_per_byte`` seconds per
+      byte sent, ``2 (P-1)/P`` of what a rank reduces; 0: a network card does it)
+      lengthens the backward pass it hides behind;
     * ``node-aware``: ``P / per_node`` node leaders run the ring, plus ``node`` seconds
-      for the sum inside each node and the copy back (through shared memory: measured,
-      since ranks sharing cores slow each other there); the leaders' meeting before a
-      large exchange (one small-message round trip) is not modelled.
+      (measured) for the sums inside each node and the copies back.
 
-    ``link_hops``: how many hops of the flat ``allreduce``'s ring share one direction of
-    the busiest link, each at ``1 / link_hops`` of its bandwidth: 1 when ranks sit on the
-    nodes in blocks (one hop in and one out of each node), ``per_node`` when they are
-    dealt out in turn (every neighbour in rank order on another node).
-
-    ``cores``: how many cores all ``P`` ranks share (one machine, as test hosts made from
-    network namespaces are; None: every rank has cores of its own). When more ranks
-    exchange at once than there are cores (all ``P``; for ``node-aware`` its leaders), each
-    core's work per byte is shared by ``s = exchanging ranks / cores`` of them (else
-    ``s = 1``): a byte costs a rank ``s cpu_per_byte`` of its core, and an ``allreduce``
-    (flat, or the leaders' of ``node-aware``) moves its bytes at the slower of the link and
-    the cores (``max(beta, s cpu_per_byte)`` per byte).
+    ``link_hops``: hops of the flat ring sharing one direction of the busiest link (1 with
+    ranks placed in blocks, ``per_node`` when dealt out in turn). ``cores``: how many cores
+    all ``P`` ranks share (None: each has its own); with more ranks exchanging than cores,
+    ``s = exchanging / cores`` ranks share each core's work per byte, and a ring moves its
+    bytes at ``max(beta, s cpu_per_byte)`` per byte.
     """
+    shape = MODES.get(mode)
+    if shape is None:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {tuple(MODES)}")
+
     def shared(exchanging: int) -> float:  # ranks per core driving an exchange at once
         return 1.0 if cores is None else max(exchanging / max(cores, 1), 1.0)
 
-    if mode == "allreduce":
+    if shape == "flat":
         per_byte = max(fit.beta * max(link_hops, 1), shared(P) * cpu_per_byte)
         return compute + float(allreduce_time(P, m, Fit(fit.alpha, per_byte, fit.gamma)))
-    if mode in ("overlapped", "overlapped-forward", "compressed"):
-        b, half = backward * compute, mode == "compressed"
-        wire = m * wire_share if half else m
-        cpu = shared(P) * cpu_per_byte * wire * 2 * (P - 1) / max(P, 1)
-        ring = float(allreduce_time(P, wire, fit))
-        last = float(allreduce_time(P, last_bucket * wire, fit)) if last_bucket > 0 else 0.0
-        if mode == "overlapped-forward":
-            return max(compute + cpu + last, first_bucket * b + ring)
-        return ((compute - b) + max(b + cpu + last, first_bucket * b + ring)
-                + (codec if half else 0.0))
-    if mode == "node-aware":
+    if shape == "leaders":
         leaders = max(P // max(per_node, 1), 1)
         per_byte = max(fit.beta, shared(leaders) * cpu_per_byte)
         return (compute + node
                 + float(allreduce_time(leaders, m, Fit(fit.alpha, per_byte, fit.gamma))))
-    raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+    b, coded = backward * compute, shape == "coded"
+    wire = m * wire_share if coded else m
+    cpu = shared(P) * cpu_per_byte * wire * 2 * (P - 1) / max(P, 1)
+    ring = float(allreduce_time(P, wire, fit))
+    last = float(allreduce_time(P, last_bucket * wire, fit)) if last_bucket > 0 else 0.0
+    if shape == "overlap-next":
+        return max(compute + cpu + last, first_bucket * b + ring)
+    return (compute - b) + max(b + cpu + last, first_bucket * b + ring) + (codec if coded else 0.0)
