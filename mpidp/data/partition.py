@@ -1,10 +1,10 @@
 """Which samples go to which rank, and which samples form each global batch. Pure, no MPI.
 
-Positions ``0 .. n-1`` index the training samples in a fixed global order. A rank owns a
-contiguous block of positions; a global batch is a set of positions drawn from a seeded
-per-epoch permutation, identical for every world size. Each rank processes the part of
-each global batch it owns, so the union over ranks is exactly the single-process batch.
-:class:`Partition` names a strategy (:data:`STRATEGIES`) and its inputs.
+Positions ``0 .. n-1`` index the training samples in a fixed global order; a global batch
+is a set of positions drawn from a seeded per-epoch permutation, identical for every world
+size. Each rank processes the part of each global batch it owns, so the union over ranks
+is exactly the single-process batch. :class:`Partition` names a strategy
+(:data:`STRATEGIES`) that decides the owners, and its inputs.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def split_rows(n: int, test_fraction: float | None, seed: int,
     if test_fraction is None and fixed_test is not None:
         if not 0 < fixed_test < n:
             raise ValueError(f"a fixed test set of {fixed_test} rows needs 0 < rows < {n}")
-        return np.arange(n - fixed_test, dtype=np.int64), np.arange(n - fixed_test, n, dtype=np.int64)
+        return (np.arange(n - fixed_test, dtype=np.int64),
+                np.arange(n - fixed_test, n, dtype=np.int64))
     return train_test_split(n, DEFAULT_TEST_FRACTION if test_fraction is None else test_fraction,
                             seed)
 
@@ -116,12 +117,8 @@ def local_batches(n: int, batch_size: int, start: int, stop: int, epoch: int, se
         yield pos[(pos >= start) & (pos < stop)] - start
 
 
-# --- strategies: which rank owns each position ------------------------------------------
-#
-# A strategy returns ``owner``, an int64 array ``(n,)``: ``owner[i]`` is the rank that holds
-# training position ``i``. Every position has exactly one owner, so every sample is used
-# exactly once per epoch whatever the strategy; training stays exact because the gradient
-# is the global sum over the batch divided by the global count, whoever computes each term.
+# --- strategies: ``owner`` int64 ``(n,)``, the rank that holds each training position ----
+# (one owner each, so every sample is used once per epoch whatever the strategy)
 
 STRATEGIES = ("block", "cyclic", "shuffled", "weighted", "cost", "adaptive")
 #: Strategies whose ownership is recomputed for every epoch's global batches.
@@ -261,26 +258,31 @@ def adaptive_capacities(work: np.ndarray, seconds: np.ndarray, previous) -> np.n
     return caps / caps.mean()
 
 
-def assign(strategy: str, n: int, size: int, *, seed: int = 0, costs=None,
-           capacities=None) -> np.ndarray:
-    """The initial owner ``(n,)`` of every position under ``strategy`` (see STRATEGIES).
-
-    ``cost`` and ``adaptive`` start from one LPT assignment over the whole set (balanced
-    epoch totals, given ``costs`` or unit costs, and ``capacities`` or equal ones); training
-    then rebalances them for every epoch's batches (:func:`balance_batches`).
-    Raises ValueError for an unknown name or bad costs/capacities, and for ``adaptive`` with
-    fewer samples than ranks (a rank without samples cannot be measured).
-    """
+def _checked(strategy: str, n: int, size: int, costs, capacities) -> tuple:
+    """``(costs, capacities)`` checked (None where not given); ValueError for an unknown
+    strategy, bad weights, or ``adaptive`` with fewer samples than ranks (a rank without
+    samples cannot be measured)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown partition strategy {strategy!r}; expected one of {STRATEGIES}")
     if n < 0 or size < 1:
         raise ValueError(f"need n >= 0 and size >= 1, got n={n}, size={size}")
-    if costs is not None:
-        costs = check_weights(costs, n, "costs")
+    costs = check_weights(costs, n, "costs") if costs is not None else None
     caps = check_weights(capacities, size, "capacities") if capacities is not None else None
     if strategy == "adaptive" and n < size:
         raise ValueError(f"partition 'adaptive' needs at least one sample per rank to measure "
                          f"its speed: {n} samples for {size} ranks")
+    return costs, caps
+
+
+def assign(strategy: str, n: int, size: int, *, seed: int = 0, costs=None,
+           capacities=None) -> np.ndarray:
+    """The initial owner ``(n,)`` of every position under ``strategy`` (see STRATEGIES).
+
+    ``cost`` and ``adaptive`` start from one LPT assignment over the whole set (given
+    ``costs`` or unit costs, ``capacities`` or equal ones); training then rebalances every
+    epoch's batches (:func:`balance_batches`). ValueError as :func:`_checked` says.
+    """
+    costs, caps = _checked(strategy, n, size, costs, capacities)
     if strategy == "block":
         return owner_block(n, size)
     if strategy == "cyclic":
@@ -338,17 +340,9 @@ class Partition:
 
     def check(self, n: int, size: int) -> None:
         """Raise ValueError for an unknown strategy, bad costs/capacities or a bad interval."""
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown partition strategy {self.strategy!r}; expected one of "
-                             f"{STRATEGIES}")
-        if self.costs is not None:
-            check_weights(self.costs, n, "costs")
-        if self.capacities is not None:
-            check_weights(self.capacities, size, "capacities")
+        _checked(self.strategy, n, size, self.costs, self.capacities)
         if self.adapt_every is not None and self.adapt_every < 1:
             raise ValueError(f"adapt interval must be >= 1 step, got {self.adapt_every}")
-        if self.strategy == "adaptive" and n < size:
-            assign(self.strategy, n, size)
 
     def owner(self, n: int, size: int) -> np.ndarray:
         """The initial owner ``(n,)`` (:func:`mpidp.data.partition.assign`)."""

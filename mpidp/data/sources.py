@@ -2,22 +2,14 @@
 
 A :class:`Source` knows its shape from metadata alone (file headers), so every rank can
 open it cheaply, and :meth:`Source.read` returns only the rows asked for: ``.npy`` files
-and uncompressed ``.npz`` members are memory-mapped, HDF5 datasets are sliced.
+and uncompressed ``.npz`` members are memory-mapped, HDF5 datasets are sliced. ``X`` is
+``(n_samples, *sample_shape)``; sparse (CSR) rows are ``(n_samples, n_features)``.
 
-Samples may have any shape: ``X`` is ``(n_samples, *sample_shape)`` (images
-``(n, channels, height, width)``, signals ``(n, channels, length)``, flat features
-``(n, n_features)``); ``n_features`` is always the number of values per sample,
-``prod(sample_shape)``. Sparse (CSR) rows are ``(n_samples, n_features)``.
-
-Built in: the image and signal sets of :mod:`~.datasets` (``digits``, ``mnist1d``,
-``mnist``: made or read locally, nothing downloaded), ``synthetic`` (Gaussian clusters or
-a linear regression) and ``bow``, a workload that makes partitioning matter: a bag-of-words
-classification set whose rows are sparse (CSR) with Zipf-like (Pareto-tailed) lengths,
-stored SORTED BY LENGTH as real files often are: the short documents first, the long ones
-last. With :class:`mpidp.nn.SparseDense` as the first layer the work of a sample is
-proportional to its number of non-zeros, so a contiguous split of this data is badly
-skewed. Every rank can generate any rows (seeded per chunk), and the per-sample cost
-(``nnz + overhead``) is known from the lengths alone.
+Built in: the image and signal sets of :mod:`~.datasets`, ``synthetic`` (Gaussian clusters
+or a linear regression) and ``bow``, a bag-of-words set of sparse rows with Pareto-tailed
+lengths stored sorted by length, so that a contiguous split of it is badly skewed (with
+:class:`mpidp.nn.SparseDense` first, a sample's work is its non-zeros). Generated rows are
+seeded per chunk, so every rank can make any rows.
 """
 
 from __future__ import annotations
@@ -29,14 +21,17 @@ import zlib
 
 import numpy as np
 
+from ..errors import setting
 from ..nn.sparse import CSR
 from .arrays import ArraySource, Source
 from .crc32 import of_range
 
-BUILTIN = ("digits", "mnist1d", "mnist", "synthetic", "bow")
-ACCEPTED = ("expected 'digits', 'mnist1d', 'mnist', 'synthetic', 'bow', an .npz file with arrays "
-            "X and y, a folder with X.npy and y.npy, or an .h5/.hdf5 file with datasets X and y")
 IMAGES = ("digits", "mnist1d", "mnist")  # made by mpidp.data.datasets
+BUILTIN = (*IMAGES, "synthetic", "bow")
+ACCEPTED = ("expected " + ", ".join(map(repr, BUILTIN)) + ", an .npz file with arrays X and y, "
+            "a folder with X.npy and y.npy, or an .h5/.hdf5 file with datasets X and y")
+
+
 class SyntheticSource(Source):
     """Seeded synthetic data generated in fixed chunks, so any rank can make any rows.
 
@@ -62,7 +57,8 @@ class SyntheticSource(Source):
         if regression:
             self._w = rng.standard_normal(n_features) / np.sqrt(n_features)
         else:
-            self._centres = (2.5 / np.sqrt(n_features)) * rng.standard_normal((n_classes, n_features))
+            self._centres = 2.5 / np.sqrt(n_features) * rng.standard_normal((n_classes,
+                                                                             n_features))
 
     def _chunk(self, c: int) -> tuple[np.ndarray, np.ndarray]:
         m = min(self.CHUNK, self.n_samples - c * self.CHUNK)
@@ -135,40 +131,41 @@ class BowSource(Source):
     def read(self, rows: np.ndarray) -> tuple[CSR, np.ndarray]:
         rows = np.asarray(rows, np.int64)
         chunk_of = rows // self.CHUNK
-        parts = []
-        for c in np.unique(chunk_of):
-            parts.append(self._chunk(int(c))[rows[chunk_of == c] - c * self.CHUNK])
-        X = CSR.concat(parts, self.n_features, np.float64)
+        X = CSR.concat([self._chunk(int(c))[rows[chunk_of == c] - c * self.CHUNK]
+                        for c in np.unique(chunk_of)], self.n_features, np.float64)
         by_chunk = np.argsort(chunk_of, kind="stable")  # parts came chunk by chunk
         if (np.diff(by_chunk) < 0).any():
             X = X[np.argsort(by_chunk)]
         return X, self._labels(X)
 
+
 def _npz_member(path: str, zf: zipfile.ZipFile, key: str, verify: bool = True):
     """Memory-map member ``key`` of an uncompressed ``.npz`` after checking its CRC-32 (a
     memory map bypasses zipfile's check); load it if compressed (zipfile checks it then)."""
     name = key + ".npy"
+    what = f"{path}: member {name}"
     if name not in zf.namelist():
         raise ValueError(f"{path}: no array named {key!r} (found {sorted(zf.namelist())})")
     info = zf.getinfo(name)
+    objects = ValueError(f"{path}: {key} holds Python objects (pickled); expected a numeric "
+                         f"array")
     if info.compress_type != zipfile.ZIP_STORED:
         try:  # the header first (a few bytes inflated): numpy reads a negative shape
             with zf.open(name) as f:
                 shape = read_npy_header(f)[0]
         except Exception:  # noqa: BLE001 - reading the whole member below says what is wrong
             shape = ()
-        _check_shape(f"{path}: member {name}", shape, "numpy.savez")
+        _check_shape(what, shape, "numpy.savez")
         try:  # compressed: cannot map, read it whole (zipfile checks the CRC-32)
             with zf.open(name) as f:
                 return np.lib.format.read_array(f, allow_pickle=False)
         except ValueError as exc:
             if "Object arrays" in str(exc):
-                raise ValueError(f"{path}: {key} holds Python objects (pickled); expected a "
-                                 f"numeric array") from None
-            raise ValueError(f"{path}: member {name} cannot be read: {exc}") from None
+                raise objects from None
+            raise ValueError(f"{what} cannot be read: {exc}") from None
         except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as exc:
-            raise ValueError(f"{path}: member {name} is corrupted ({exc}): re-create or "
-                             f"re-copy the file") from None
+            raise ValueError(f"{what} is corrupted ({exc}): re-create or re-copy the "
+                             f"file") from None
     with open(path, "rb") as f:
         offset = _member_offset(f, info)
         if verify:
@@ -177,17 +174,16 @@ def _npz_member(path: str, zf: zipfile.ZipFile, key: str, verify: bool = True):
         try:
             shape, fortran, dtype = read_npy_header(f)
         except ValueError as exc:
-            raise ValueError(f"{path}: member {name} is not a valid .npy array ({exc})") from None
+            raise ValueError(f"{what} is not a valid .npy array ({exc})") from None
         data_offset = f.tell()
-    _check_shape(f"{path}: member {name}", shape, "numpy.savez")
+    _check_shape(what, shape, "numpy.savez")
     if dtype.hasobject:
-        raise ValueError(f"{path}: {key} holds Python objects (pickled); expected a numeric "
-                         f"array")
+        raise objects
     try:
         return np.memmap(path, dtype, "r", offset=data_offset, shape=shape,
                          order="F" if fortran else "C")
     except ValueError as exc:
-        raise ValueError(f"{path}: member {name} cannot be memory-mapped ({exc})") from None
+        raise ValueError(f"{what} cannot be memory-mapped ({exc})") from None
 
 
 def read_npy_header(f) -> tuple[tuple[int, ...], bool, np.dtype]:
@@ -264,7 +260,8 @@ def _npy_problem(path: str, exc: Exception) -> str:
     need = start + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     size = os.path.getsize(path)
     if size < need:
-        return f"it is truncated: {size} bytes, but its header describes {shape} {dtype} ({need} bytes)"
+        return (f"it is truncated: {size} bytes, but its header describes {shape} {dtype} "
+                f"({need} bytes)")
     return str(exc)
 
 
@@ -424,9 +421,9 @@ def check_values(name: str, label: str, a, rows: np.ndarray, dtype=None) -> str 
         big = np.abs(values) > limit
         if big.any():
             value = values.reshape(-1)[np.flatnonzero(big.reshape(-1))[0]]
-            return (f"{name}: {label} row {_first_row(a, big, rows)} holds {value:.4g}, beyond the {target} "
-                    f"range (+-{limit:.4g}): as {target} it would be inf; rescale the data or "
-                    f"train with --dtype float64")
+            return (f"{name}: {label} row {_first_row(a, big, rows)} holds {value:.4g}, beyond "
+                    f"the {target} range (+-{limit:.4g}): as {target} it would be inf; rescale "
+                    f"the data or train with {setting('dtype', 'float64')}")
     return None
 
 
