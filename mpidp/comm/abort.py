@@ -23,10 +23,8 @@ _SHM_PREFIXES = {"MPICH": ("mpich_shm_",), "Open MPI": ("sm_segment.", "vader_se
 
 
 def _unlink_shm_segments() -> None:
-    """Remove the names of the MPI library's shared-memory files this process maps: after
-    ``MPI_Abort`` nobody would (with MPICH or Open MPI), and they hold RAM until reboot.
-    Ranks still running keep their mappings; only the names go. Only the files of the MPI
-    this job runs on, by its vendor's prefixes; nothing for another MPI."""
+    """Remove the names of the MPI library's shared-memory files this process maps (after
+    ``MPI_Abort`` nobody would, and they hold RAM until reboot), by the vendor's prefixes."""
     prefixes = tuple(f"{SHM_DIR}/{p}" for p in _SHM_PREFIXES.get(MPI.get_vendor()[0], ()))
     if not prefixes:
         return
@@ -67,12 +65,9 @@ def _abort_hook(exc_type, exc, tb) -> None:
 
 def abort_on_error(enable: bool = True) -> None:
     """Install (or with ``enable=False`` remove) a ``sys.excepthook`` that prints the rank
-    and traceback, then ``MPI_Abort``s the whole job.
-
-    Without it an uncaught exception on one rank leaves the others waiting in their next
-    collective forever. ``import mpidp`` installs it (set ``MPIDP_ABORT_ON_ERROR=0`` to
-    opt out); ``python -m mpi4py script.py`` gives the same guard. Idempotent.
-    """
+    and traceback, then ``MPI_Abort``s the whole job, so that an uncaught exception on one
+    rank does not leave the others waiting forever. ``import mpidp.comm`` installs it
+    (``MPIDP_ABORT_ON_ERROR=0`` opts out). Idempotent."""
     if not enable:
         if sys.excepthook is _abort_hook:
             sys.excepthook = sys.__excepthook__

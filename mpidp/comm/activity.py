@@ -30,9 +30,8 @@ MARK = _Mark()
 
 def watched(what: str):
     """Decorator for the MPI calls of :mod:`mpidp.comm`: mark this rank as waiting in
-    ``what`` while the call runs (nested calls keep the outer mark; inside an excused span
-    the call still counts as waiting in MPI, so a rank waiting for another's excused work
-    is not taken for the one doing it)."""
+    ``what`` while the call runs (a nested call keeps the outer mark; within an excused span
+    it still counts as waiting in MPI)."""
     CALLS.append(what)
     code = len(CALLS) - 1
 
@@ -60,8 +59,8 @@ def set_step(step: int) -> None:
 
 @contextmanager
 def excused(what: str):
-    """Work that may take longer than a step (writing a checkpoint, the final save): other
-    ranks waiting meanwhile are not a stall, up to ten timeouts."""
+    """Work that may take longer than a step (writing a checkpoint): other ranks waiting
+    meanwhile are not a stall, up to ten timeouts."""
     m = MARK
     prev = m.state, m.excuse
     m.state, m.excuse, m.since = EXCUSED, what, time.monotonic()

@@ -1,8 +1,6 @@
 """Collective decisions: every rank reaches the same verdict, so every rank raises the same
-error (or none) and nobody is left waiting in a later collective. Also the parameter
-checksums that prove replicas are bit-identical (:func:`checksum` itself is pure, in
-:mod:`mpidp.digest`, and re-exported here).
-"""
+error (or none) and nobody is left waiting in a later collective; and the checksums that
+prove replicas bit-identical (:func:`checksum`, pure, from :mod:`mpidp.digest`)."""
 
 from __future__ import annotations
 
@@ -20,11 +18,9 @@ from .runtime import Comm
 
 @watched("an agreement Allreduce")
 def agree(comm: Comm, error: str | None) -> None:
-    """Raise the same :class:`MpidpError` on every rank if ``error`` is set on any rank.
-
-    Collective. Each rank passes its own verdict (``None`` when fine). The message names
-    the lowest failing rank's problem and how many ranks failed.
-    """
+    """Raise the same :class:`MpidpError` on every rank if ``error`` (this rank's verdict,
+    None when fine) is set on any rank, naming the lowest failing rank's problem and how many
+    ranks failed. Collective."""
     flag = np.array([0 if error is None else 1], np.int32)
     comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
     if not flag[0]:
@@ -42,13 +38,10 @@ def _describe(exc: BaseException) -> str:
 
 
 def run_agreed(comm: Comm, fn, *args, **kwargs) -> Any:
-    """Call ``fn`` on every rank; if it raises on any rank, every rank raises.
-
-    Collective. Returns ``fn``'s result. A ``ValueError``/``OSError`` (bad input) becomes
-    :class:`MpidpError` everywhere; any other exception is re-raised unchanged on the rank
-    that hit it (a bug: the traceback matters) while the others raise :class:`MpidpError`,
-    so no rank is left waiting in a later collective.
-    """
+    """Call ``fn`` on every rank and return its result; if it raises on any rank, every rank
+    raises. Collective. A ``ValueError``/``OSError`` (bad input) becomes :class:`MpidpError`
+    everywhere; any other exception (a bug) is re-raised unchanged on the rank that hit it
+    while the others raise :class:`MpidpError`."""
     try:
         result, error, exc = fn(*args, **kwargs), None, None
     except Exception as caught:  # noqa: BLE001 - agreed on, then re-raised below
@@ -64,11 +57,8 @@ def run_agreed(comm: Comm, fn, *args, **kwargs) -> Any:
 
 @watched("a root decision (Bcast)")
 def root_decides(comm: Comm, fn, *args, root: int = 0, **kwargs) -> Any:
-    """Run ``fn`` on ``root`` only; its result, or its failure, reaches every rank.
-
-    Collective. The result is broadcast pickled, so keep it small (metadata, not arrays).
-    Failures are raised as in :func:`run_agreed`.
-    """
+    """Run ``fn`` on ``root`` only; its result (pickled: keep it small) or its failure (as in
+    :func:`run_agreed`) reaches every rank. Collective."""
     payload: tuple[Any, str | None] = (None, None)
     exc = None
     if comm.rank == root:
@@ -113,9 +103,8 @@ def _digest(value: Any) -> int:
 @watched("an agreement Allreduce (arguments)")
 def agree_same(comm: Comm, where: str, items: dict[str, Any]) -> None:
     """Raise the same :class:`MpidpError` on every rank unless every rank passed equal
-    ``items`` (name -> a value whose ``repr`` identifies it). Collective: one ``Allreduce``
-    of two 62-bit digests per item; the values themselves travel only when some differ,
-    and the message names each differing item, its values and the ranks holding each."""
+    ``items`` (name -> a value whose ``repr`` identifies it). Collective: one ``Allreduce`` of
+    digests; the message names each differing item, its values and the ranks holding each."""
     names = list(items)
     h = np.array([_digest(items[k]) for k in names], np.int64)
     buf = np.concatenate([h, -h])

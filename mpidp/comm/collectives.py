@@ -1,10 +1,9 @@
-"""Buffer-based collectives on NumPy arrays, with the large-count path.
+"""Buffer-based collectives on NumPy arrays, with the large-count path. Every function here
+is collective over ``comm``: every rank must call it.
 
-All array traffic uses upper-case mpi4py calls; the pickled ``bcast_obj`` carries small
-control messages only. MPI counts are C ints: buffers over :data:`MAX_COUNT` elements go in
-pieces, and row-wise transfers count rows with a contiguous row datatype. Every function
-here is collective over ``comm``: every rank must call it.
-"""
+Arrays travel in upper-case mpi4py calls; the pickled ``*_obj`` calls carry small control
+messages only. MPI counts are C ints: buffers over :data:`MAX_COUNT` elements go in
+pieces, and row-wise transfers count rows of a contiguous row datatype."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ from .activity import watched
 from .agreement import MpidpError
 from .runtime import Comm
 
-#: Largest element count passed to one MPI call. MPI counts are C ints (2**31 - 1); bigger
-#: buffers are sent in pieces. Tests lower it (``MPIDP_MAX_COUNT``) to exercise chunking.
+#: Largest element count of one MPI call (a C int); tests lower it (``MPIDP_MAX_COUNT``).
 MAX_COUNT = int(os.environ.get("MPIDP_MAX_COUNT", 2**31 - 1))
 
 
@@ -43,17 +41,14 @@ def bcast_obj(comm: Comm, obj: Any, root: int = 0) -> Any:
 
 @watched("a Gather (control message)")
 def gather_obj(comm: Comm, obj: Any, root: int = 0) -> list[Any] | None:
-    """Every rank's small picklable ``obj`` as a list (index = rank) on ``root``; None
-    elsewhere. Collective. For metadata and a few measurements, never arrays per step."""
+    """Every rank's small picklable ``obj`` as a list (index = rank) on ``root``; None elsewhere."""
     return comm.gather(obj, root=root)
 
 
 @watched("a Bcast")
 def bcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
-    """Broadcast contiguous ``buf`` from ``root`` in place. Collective. Returns ``buf``.
-
-    Buffers over :data:`MAX_COUNT` elements go in pieces (sizes are Python ints: 64-bit).
-    """
+    """Broadcast contiguous ``buf`` from ``root`` in place (in pieces over :data:`MAX_COUNT`
+    elements); returns ``buf``."""
     flat = buf.reshape(-1)
     for lo, hi in _pieces(flat.size):
         comm.Bcast(flat[lo:hi], root=root)
@@ -62,8 +57,8 @@ def bcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
 
 @watched("an Allreduce")
 def allreduce_sum_(comm: Comm, buf: np.ndarray) -> np.ndarray:
-    """Sum contiguous ``buf`` over all ranks in place: ONE ``Allreduce`` unless ``buf`` has
-    more than :data:`MAX_COUNT` elements (then one per piece). Collective."""
+    """Sum contiguous ``buf`` over all ranks in place: one ``Allreduce`` per
+    :data:`MAX_COUNT` elements."""
     flat = buf.reshape(-1)
     for lo, hi in _pieces(flat.size):
         comm.Allreduce(MPI.IN_PLACE, flat[lo:hi], op=MPI.SUM)
@@ -72,8 +67,7 @@ def allreduce_sum_(comm: Comm, buf: np.ndarray) -> np.ndarray:
 
 @watched("an Allreduce")
 def allreduce_(comm: Comm, buf: np.ndarray, op: str) -> np.ndarray:
-    """Reduce contiguous ``buf`` in place over all ranks with ``op`` in ``sum``, ``min``,
-    ``max``. Collective (one ``Allreduce``)."""
+    """Reduce contiguous ``buf`` in place with ``op`` in ``sum``, ``min``, ``max``."""
     ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
     comm.Allreduce(MPI.IN_PLACE, buf, op=ops[op])
     return buf
@@ -81,7 +75,7 @@ def allreduce_(comm: Comm, buf: np.ndarray, op: str) -> np.ndarray:
 
 @watched("an Allreduce (max)")
 def allreduce_max(comm: Comm, values: Sequence[float]) -> np.ndarray:
-    """Element-wise max over ranks of a few float64 values. Collective."""
+    """Element-wise max over ranks of a few float64 values."""
     buf = np.asarray(values, np.float64).copy()
     comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
     return buf
@@ -91,10 +85,10 @@ def ialltoallv_(comm: Comm, send: np.ndarray, send_parts: tuple[np.ndarray, np.n
                 recv: np.ndarray, recv_parts: tuple[np.ndarray, np.ndarray]) -> MPI.Request:
     """Start sending ``send[displs[r]:displs[r] + counts[r]]`` to rank ``r`` and receiving
     rank ``r``'s piece into ``recv[rdispls[r]:rdispls[r] + rcounts[r]]`` (``send_parts``:
-    ``(counts, displs)``, ``recv_parts``: ``(rcounts, rdispls)``, int64 ``(size,)`` each,
-    in elements; distinct 1-D contiguous arrays of one dtype, untouched until complete:
-    :func:`wait_all` or :func:`test_some`). Collective. Refuses (:class:`MpidpError`) counts
-    or displacements over :data:`MAX_COUNT`: callers send larger exchanges in pieces."""
+    ``(counts, displs)``, ``recv_parts``: ``(rcounts, rdispls)``, int64 ``(size,)`` each, in
+    elements; distinct 1-D contiguous arrays of one dtype, untouched until :func:`wait_all`
+    or :func:`test_some` completes it). Refuses (:class:`MpidpError`) counts or displacements
+    over :data:`MAX_COUNT`: callers send larger exchanges in pieces."""
     for what, (counts, displs) in (("send", send_parts), ("receive", recv_parts)):
         reach = int((np.asarray(counts) + np.asarray(displs)).max(initial=0))
         if reach > MAX_COUNT:
@@ -105,16 +99,14 @@ def ialltoallv_(comm: Comm, send: np.ndarray, send_parts: tuple[np.ndarray, np.n
 
 
 def iallgather_in_place(comm: Comm, buf: np.ndarray) -> MPI.Request:
-    """Start :func:`allgather_in_place` of ``buf`` ``(size * k,)``; complete it with
-    :func:`wait_all` or :func:`test_some`."""
+    """Start :func:`allgather_in_place` of ``buf`` ``(size * k,)``."""
     return comm.Iallgather(MPI.IN_PLACE, buf)
 
 
 def ibcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> list[MPI.Request]:
-    """Start broadcasting contiguous ``buf`` from ``root`` in place; returns the requests
-    to complete with :func:`wait_all`. Collective (every rank starts the same broadcasts in
-    the same order). Buffers over :data:`MAX_COUNT` elements go in pieces, one request each.
-    ``buf`` must stay alive, and unchanged on ``root``, until the requests complete."""
+    """Start broadcasting contiguous ``buf`` from ``root`` in place (one request per
+    :data:`MAX_COUNT` elements); ``buf`` stays alive, and unchanged on ``root``, until
+    :func:`wait_all` completes the requests."""
     flat = buf.reshape(-1)
     return [comm.Ibcast(flat[lo:hi], root=root) for lo, hi in _pieces(flat.size)]
 
@@ -125,22 +117,15 @@ REDUCE_SPLIT_BYTES = 1 << 16
 
 @watched("a Reduce")
 def reduce_sum_to_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
-    """Sum 1-D ``buf`` over ranks into ``root``'s ``buf`` (in place there; other ranks'
-    ``buf`` is left unspecified). Collective.
-
-    From :data:`REDUCE_SPLIT_BYTES` on, as ``Reduce_scatter`` (each rank sums 1/P of the
-    elements) then ``Gatherv`` of the sums to ``root``: the same result (each element is
-    still one sum over the ranks), but the additions are spread over the ranks, which
-    measured faster than ``MPI_Reduce`` from P = 2 on (docs/benchmarks.md, "Figures behind
-    the code").
-    """
+    """Sum 1-D ``buf`` over ranks into ``root``'s ``buf`` (other ranks' ``buf`` is left
+    unspecified). From :data:`REDUCE_SPLIT_BYTES` on as ``Reduce_scatter`` then ``Gatherv`` to
+    ``root``: the same sums, with the additions spread over the ranks, faster than
+    ``MPI_Reduce`` from P = 2 on (docs/benchmarks.md, "Figures behind the code")."""
     if comm.size == 1:
         return buf
     if buf.nbytes < REDUCE_SPLIT_BYTES or buf.size > MAX_COUNT or not buf.flags.c_contiguous:
-        if comm.rank == root:
-            comm.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=root)
-        else:
-            comm.Reduce(buf, None, op=MPI.SUM, root=root)
+        mine = comm.rank == root
+        comm.Reduce(MPI.IN_PLACE if mine else buf, buf if mine else None, op=MPI.SUM, root=root)
         return buf
     counts = np.full(comm.size, buf.size // comm.size, np.int64)
     counts[:buf.size % comm.size] += 1
@@ -153,22 +138,21 @@ def reduce_sum_to_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
 
 @watched("a Reduce_scatter")
 def reduce_scatter_sum(comm: Comm, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
-    """Sum ``send`` ``(size * k,)`` over ranks; rank ``r`` gets block ``r`` ``(k,)``. Collective."""
+    """Sum ``send`` ``(size * k,)`` over ranks; rank ``r`` gets block ``r`` ``(k,)``."""
     comm.Reduce_scatter_block(send, recv, op=MPI.SUM)
     return recv
 
 
 @watched("an Allgather")
 def allgather_in_place(comm: Comm, buf: np.ndarray) -> np.ndarray:
-    """``buf`` ``(size * k,)``: every rank's block ``r`` (its own, ``buf[r*k:(r+1)*k]``) copied
-    into the others' ``buf``. Collective."""
+    """``buf`` ``(size * k,)``: every rank's own block ``r`` copied into the others' ``buf``."""
     comm.Allgather(MPI.IN_PLACE, buf)
     return buf
 
 
 @watched("an Allgather (counts)")
 def allgather_counts(comm: Comm, n: int) -> np.ndarray:
-    """Every rank's ``n`` as an int64 array ``(size,)`` on every rank. Collective."""
+    """Every rank's ``n`` as an int64 array ``(size,)`` on every rank."""
     out = np.empty(comm.size, np.int64)
     comm.Allgather(np.array([n], np.int64), out)
     return out
@@ -176,8 +160,7 @@ def allgather_counts(comm: Comm, n: int) -> np.ndarray:
 
 @watched("an Allgather")
 def allgather_rows(comm: Comm, values: np.ndarray) -> np.ndarray:
-    """Every rank's float64 row ``(k,)`` (same ``k`` everywhere) as ``(size, k)`` on every
-    rank. Collective (one ``Allgather``)."""
+    """Every rank's float64 row ``(k,)`` (same ``k`` everywhere) as ``(size, k)``."""
     values = np.ascontiguousarray(values, np.float64)
     out = np.empty((comm.size, len(values)))
     comm.Allgather(values, out)
@@ -186,7 +169,7 @@ def allgather_rows(comm: Comm, values: np.ndarray) -> np.ndarray:
 
 @watched("a Gather")
 def gather_rows(comm: Comm, values: np.ndarray, root: int = 0) -> np.ndarray | None:
-    """Gather one float64 row ``(k,)`` per rank into ``(size, k)`` on ``root``. Collective."""
+    """Every rank's float64 row ``(k,)`` as ``(size, k)`` on ``root``."""
     values = np.ascontiguousarray(values, np.float64)
     out = np.empty((comm.size, len(values))) if comm.rank == root else None
     comm.Gather(values, out, root=root)
@@ -195,8 +178,8 @@ def gather_rows(comm: Comm, values: np.ndarray, root: int = 0) -> np.ndarray | N
 
 @watched("a Gatherv")
 def gatherv(comm: Comm, values: np.ndarray, root: int = 0) -> np.ndarray | None:
-    """Concatenate every rank's 1-D ``values`` (lengths may differ, same dtype) in rank order
-    on ``root``; None elsewhere. Collective."""
+    """Every rank's 1-D ``values`` (lengths may differ) concatenated in rank order on
+    ``root``; None elsewhere."""
     values = np.ascontiguousarray(values)
     counts = allgather_counts(comm, values.size)
     if counts.sum() > MAX_COUNT:
@@ -208,8 +191,8 @@ def gatherv(comm: Comm, values: np.ndarray, root: int = 0) -> np.ndarray | None:
 
 @watched("a Gatherv")
 def gatherv_rows(comm: Comm, rows: np.ndarray, root: int = 0) -> np.ndarray | None:
-    """Concatenate every rank's ``(k_r, *row_shape)`` rows, rank order, on ``root``; None
-    elsewhere. Collective (one ``Gather`` of counts, one buffer-based ``Gatherv``)."""
+    """Every rank's ``(k_r, *row_shape)`` rows concatenated in rank order on ``root``; None
+    elsewhere (one ``Gather`` of counts, one ``Gatherv`` of rows)."""
     rows = np.ascontiguousarray(rows)
     counts = np.empty(comm.size, np.int64) if comm.rank == root else None
     comm.Gather(np.array([len(rows)], np.int64), counts, root=root)
@@ -238,18 +221,9 @@ def _row_type(dtype: np.dtype, row_size: int) -> MPI.Datatype:
 def scatterv_rows(comm: Comm, array: np.ndarray | None, counts: Sequence[int],
                   row_shape: tuple[int, ...], dtype: np.dtype, root: int = 0,
                   rows_per_round: int | None = None) -> np.ndarray:
-    """Send rank ``r`` rows ``displs[r]:displs[r]+counts[r]`` of ``array`` (held on ``root``).
-
-    Collective. ``array`` is ``(sum(counts), *row_shape)`` on root (any array-like that
-    slices by rows, e.g. a memmap) and ignored elsewhere. Counts may be uneven or zero.
-    Returns this rank's ``(counts[rank], *row_shape)`` rows.
-
-    Notes
-    -----
-    Streamed by :func:`scatterv_fill`: rounds of at most ``rows_per_round`` rows per rank
-    (default: about :data:`ROUND_BYTES` per rank), so root holds one round of the other
-    ranks' rows at a time besides its input.
-    """
+    """Send rank ``r`` rows ``displs[r]:displs[r]+counts[r]`` of ``array`` ``(sum(counts),
+    *row_shape)`` (on ``root``: any array-like that slices by rows, such as a memmap); returns
+    this rank's ``(counts[rank], *row_shape)`` rows. Streamed by :func:`scatterv_fill`."""
     counts = np.asarray(counts, np.int64)
     displs = _displs(counts)
 
@@ -262,8 +236,8 @@ def scatterv_rows(comm: Comm, array: np.ndarray | None, counts: Sequence[int],
 
 @watched("an Allgather (counts)")
 def alltoall_counts(comm: Comm, send_counts: Sequence[int]) -> np.ndarray:
-    """The full ``(size, size)`` matrix ``M[src, dst]`` of rows each rank sends each rank.
-    Collective (one ``Allgather``), so every rank can decide alike whether anything moves."""
+    """The ``(size, size)`` matrix ``M[src, dst]`` of rows each rank sends each rank, on every
+    rank (so every rank can decide alike whether anything moves)."""
     out = np.empty((comm.size, comm.size), np.int64)
     comm.Allgather(np.ascontiguousarray(send_counts, np.int64), out)
     return out
@@ -272,10 +246,9 @@ def alltoall_counts(comm: Comm, send_counts: Sequence[int]) -> np.ndarray:
 @watched("an Alltoallv")
 def alltoallv_rows(comm: Comm, rows: np.ndarray, send_counts: Sequence[int],
                    recv_counts: Sequence[int]) -> np.ndarray:
-    """Exchange rows: this rank's ``rows`` ``(sum(send_counts), *row_shape)`` are sent in
-    rank order (the first ``send_counts[0]`` to rank 0, ...); returns the received
-    ``(sum(recv_counts), *row_shape)`` rows, sender 0's first. Collective (one buffer-based
-    ``Alltoallv`` with a contiguous row datatype; ``row_shape`` and dtype equal everywhere)."""
+    """Send ``rows`` ``(sum(send_counts), *row_shape)`` in rank order (the first
+    ``send_counts[0]`` to rank 0, ...); returns the ``(sum(recv_counts), *row_shape)`` rows
+    received, sender 0's first. One ``Alltoallv`` of a contiguous row datatype."""
     rows = np.ascontiguousarray(rows)
     send_counts, recv_counts = (np.asarray(c, np.int64) for c in (send_counts, recv_counts))
     row_shape = rows.shape[1:]
@@ -294,7 +267,7 @@ def alltoallv_rows(comm: Comm, rows: np.ndarray, send_counts: Sequence[int],
 
 @watched("a Barrier")
 def barrier(comm: Comm) -> None:
-    """Wait until every rank of ``comm`` arrives. Collective."""
+    """Wait until every rank of ``comm`` arrives."""
     comm.Barrier()
 
 
@@ -307,20 +280,13 @@ def scatterv_fill(comm: Comm, counts: Sequence[int], row_shape: tuple[int, ...],
                   dtype: np.dtype, fill: Callable[[int, int, np.ndarray], None] | None,
                   root: int = 0, rows_per_round: int | None = None) -> np.ndarray:
     """Scatterv rows that ``root`` produces round by round: rank ``r`` receives
-    ``counts[r]`` rows ``(counts[r], *row_shape)`` of ``dtype``.
+    ``(counts[r], *row_shape)`` rows of ``dtype`` (counts may be uneven or zero).
 
-    Collective. On root, ``fill(r, lo, dest)`` writes rows ``lo .. lo+len(dest)-1`` of rank
-    ``r``'s part into ``dest``: a view of root's own result for ``r == root`` (those rows
-    never pass through a send buffer), of the round's send buffer otherwise. ``fill`` is
-    ignored elsewhere. Counts may be uneven or zero.
-
-    Notes
-    -----
-    Each round carries at most ``rows_per_round`` rows per rank (default: about
-    :data:`ROUND_BYTES`, and never more elements than :data:`MAX_COUNT` per rank). Root
-    holds its own result plus ONE send buffer, reused every round; counts are in rows of a
-    contiguous row datatype and root's own part goes ``MPI.IN_PLACE``.
-    """
+    On root, ``fill(r, lo, dest)`` writes rows ``lo .. lo+len(dest)-1`` of rank ``r``'s part
+    into ``dest``: a view of root's own result for ``r == root``, of the round's send buffer
+    otherwise. A round carries at most ``rows_per_round`` rows per rank (default: about
+    :data:`ROUND_BYTES`, at most :data:`MAX_COUNT` elements): root holds its result and ONE
+    send buffer, reused every round."""
     counts = np.asarray(counts, np.int64)
     row_size = int(np.prod(row_shape, dtype=np.int64))
     out = np.empty((int(counts[comm.rank]), *row_shape), dtype)

@@ -20,8 +20,7 @@ from .shm import SharedReduce, shm_room
 
 
 def _node_sizes(comm: Comm) -> tuple[int, bool, bool]:
-    """``(most ranks on one node, several nodes, this rank leads its node)``. Collective
-    (a ``Split_type`` and one ``Allreduce``)."""
+    """``(most ranks on one node, several nodes, this rank leads its node)``. Collective."""
     node = _node(comm, comm.rank)
     size, leads = node.size, node.rank == 0
     node.Free()
@@ -40,7 +39,7 @@ def node_layout(comm: Comm) -> tuple[int, int]:
 
 def node_aware_pays(comm: Comm) -> bool:
     """True when ranks share nodes AND there are several nodes: only then does a node-aware
-    reduction take bytes off the network. Collective (a ``Split_type``, one ``Allreduce``)."""
+    reduction take bytes off the network. Collective."""
     most, several, _ = _node_sizes(comm)
     return several and most > 1
 
@@ -65,16 +64,13 @@ def _sleep_for(last_wait: float) -> float:
 class NodeAllreduce:
     """Sum a 1-D buffer ``(n,)`` over ``comm`` in place: the node's sum formed in shared
     memory on its leader (each node rank adds up ``1/k`` of the elements), an ``Allreduce``
-    among the leaders, and the result copied out of the leader's memory by the others.
+    among the leaders (meeting first from :data:`MEET_BYTES`), and the result copied out of
+    the leader's memory by the others.
 
-    Leaders with :data:`MEET_BYTES` or more to exchange meet first (one ``Barrier``).
-    :attr:`exchange_s`: the seconds of the last :meth:`allreduce`'s meeting and exchange
-    between leaders on a leader (0 elsewhere); the rest of its time is the node's part.
-
-    Collective to create. :attr:`array` is this rank's buffer, in an MPI shared-memory
-    window: write the values to sum there, then call :meth:`allreduce` (collective). Raises
-    ``MemoryError`` on every rank when some node's shared-memory folder has no room.
-    """
+    Collective to create; raises ``MemoryError`` on every rank when some node's
+    shared-memory folder has no room. :attr:`array` is this rank's buffer in the window:
+    write the values there, then call :meth:`allreduce` (collective). :attr:`exchange_s`:
+    the seconds of the last meeting and exchange between leaders (0 off the leaders)."""
 
     def __init__(self, comm: Comm, n: int, dtype: np.dtype) -> None:
         dtype = np.dtype(dtype)
@@ -94,8 +90,7 @@ class NodeAllreduce:
         self.exchange_s = 0.0  # seconds of the last allreduce's exchange between leaders
 
     def free(self) -> None:
-        """Release the shared-memory window (:attr:`array` with it; the node's
-        communicators are shared, see :func:`node_split`). Collective; idempotent."""
+        """Release the shared-memory window (:attr:`array` with it). Collective; idempotent."""
         self._sum.free()
 
     def describe(self) -> str:

@@ -10,9 +10,8 @@ from .runtime import Comm
 
 
 def pingpong(comm: Comm, nbytes: int, reps: int = 50, peer: int = 1) -> float | None:
-    """One-way time (seconds) of an ``nbytes`` message between rank 0 and ``peer``, the
-    median of ``reps`` round trips halved; None on other ranks. Collective over the pair
-    (other ranks return at once)."""
+    """One-way seconds of an ``nbytes`` message between rank 0 and ``peer`` (the median of
+    ``reps`` round trips, halved) on rank 0; None elsewhere. Collective over the pair."""
     if comm.rank not in (0, peer):
         return None
     buf = np.zeros(max(nbytes, 1), np.uint8)[:nbytes]
@@ -31,11 +30,9 @@ def pingpong(comm: Comm, nbytes: int, reps: int = 50, peer: int = 1) -> float | 
 
 def time_allreduce(comm: Comm, n: int, dtype=np.float32, reps: int = 20,
                    evict: np.ndarray | None = None) -> float:
-    """Median seconds of an in-place ``Allreduce`` of ``n`` elements (between barriers, the
-    slowest rank's time). Collective. ``evict``: an array read before each repetition to
-    push the buffer out of the caches, as a gradient buffer is after a training step's
-    other memory traffic (a warm buffer reduced over and over measures faster than a
-    training step sees)."""
+    """Median seconds of an in-place ``Allreduce`` of ``n`` elements (the slowest rank's,
+    between barriers). Collective. ``evict``: an array read before each repetition to push the
+    buffer out of the caches, as a training step's other memory traffic does."""
     buf = np.ones(n, dtype)
     times = []
     for _ in range(reps + 2):
@@ -49,9 +46,9 @@ def time_allreduce(comm: Comm, n: int, dtype=np.float32, reps: int = 20,
 
 
 def exchange_time(comm: Comm, nbytes: int, reps: int = 20, peer: int = 1) -> float | None:
-    """Seconds for rank 0 and ``peer`` to send each other ``nbytes`` at the same time
-    (``Sendrecv``, the median of ``reps``): a link's speed with both directions busy, as in
-    a ring allreduce's steps. None on other ranks. Collective over the pair."""
+    """Seconds for rank 0 and ``peer`` to ``Sendrecv`` ``nbytes`` to each other (the median
+    of ``reps``: a link with both directions busy, as in a ring's steps) on rank 0; None
+    elsewhere. Collective over the pair."""
     if comm.rank not in (0, peer):
         return None
     other = peer if comm.rank == 0 else 0

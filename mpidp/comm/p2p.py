@@ -1,8 +1,6 @@
-"""Point-to-point messages (pipelines, the asynchronous parameter server) on NumPy buffers.
-
-Buffers over :data:`mpidp.comm.collectives.MAX_COUNT` elements go as several messages with
-the same tag (MPI keeps their order).
-"""
+"""Point-to-point messages (pipelines, the asynchronous parameter server) on NumPy buffers:
+over :data:`~mpidp.comm.collectives.MAX_COUNT` elements, as several messages with the same
+tag (MPI keeps their order)."""
 
 from __future__ import annotations
 
@@ -17,21 +15,16 @@ from .runtime import Comm
 
 
 def isend(comm: Comm, buf: np.ndarray, dest: int, tag: int) -> list[MPI.Request]:
-    """Start sending contiguous ``buf`` to ``dest``; returns the requests to wait on.
-
-    Buffers over :data:`MAX_COUNT` elements go as several messages with the same tag (MPI
-    keeps their order). ``buf`` must stay alive and unchanged until the requests complete.
-    """
+    """Start sending contiguous ``buf`` to ``dest``; returns the requests to wait on (``buf``
+    stays alive and unchanged until they complete)."""
     flat = buf.reshape(-1)
     return [comm.Isend(flat[lo:hi], dest=dest, tag=tag) for lo, hi in _pieces(flat.size)]
 
 
 @watched("a Recv")
 def recv_(comm: Comm, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
-    """Receive into contiguous ``buf`` (shape agreed beforehand) from ``source``; returns ``buf``.
-
-    Matches :func:`isend` of a buffer with the same number of elements.
-    """
+    """Receive into contiguous ``buf`` (matching :func:`isend` of as many elements) from
+    ``source``; returns ``buf``."""
     flat = buf.reshape(-1)
     for lo, hi in _pieces(flat.size):
         comm.Recv(flat[lo:hi], source=source, tag=tag)
@@ -39,15 +32,14 @@ def recv_(comm: Comm, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
 
 
 def irecv(comm: Comm, buf: np.ndarray, source: int, tag: int) -> list[MPI.Request]:
-    """Start receiving into contiguous ``buf`` from ``source`` (the non-blocking :func:`recv_`);
-    returns the requests to wait on."""
+    """Start receiving into contiguous ``buf`` from ``source``; returns the requests."""
     flat = buf.reshape(-1)
     return [comm.Irecv(flat[lo:hi], source=source, tag=tag) for lo, hi in _pieces(flat.size)]
 
 
 def test_all(requests: Sequence[MPI.Request]) -> bool:
-    """True (and the requests freed) if every request in ``requests`` is complete; never
-    blocks. A False result leaves them all pending, to test or wait on again."""
+    """True (and the requests freed) if every request is complete; never blocks (False
+    leaves them all pending)."""
     return bool(MPI.Request.Testall(list(requests))) if requests else True
 
 

@@ -32,24 +32,22 @@ _END = None  # queued by wait(): the thread ends once everything before it is su
 
 
 def threads_supported() -> bool:
-    """True if MPI runs with ``MPI_THREAD_MULTIPLE``, which :class:`BackgroundAllreduce`
-    needs (mpi4py asks for it by default)."""
+    """True if MPI runs with ``MPI_THREAD_MULTIPLE`` (:class:`BackgroundAllreduce` needs it)."""
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 def test_some(requests: list[MPI.Request]) -> int:
-    """Advance ``requests`` (``MPI_Testsome``, never blocks); the completed ones are freed
-    and become ``MPI_REQUEST_NULL`` in the list. Returns how many are complete now."""
+    """Advance ``requests`` (``MPI_Testsome``, never blocks; completed ones become
+    ``MPI_REQUEST_NULL``); returns how many are complete now."""
     if requests:
         MPI.Request.Testsome(requests)
     return sum(r == MPI.REQUEST_NULL for r in requests)
 
 
 def wait_yielding(request: MPI.Request, longest_sleep: float) -> None:
-    """Complete ``request``, testing it with sleeps in between (from 10 us, doubling up to
-    ``longest_sleep`` seconds) so that a rank waiting long leaves its core to the ranks
-    and the network stack that are working; it returns at most ``longest_sleep`` after the
-    request completed. ``longest_sleep`` <= 0: a plain ``Wait`` (which may poll)."""
+    """Complete ``request``, testing it with sleeps from 10 us doubling up to
+    ``longest_sleep`` seconds, so that a rank waiting long leaves its core to the working
+    ranks and the network stack (<= 0: a plain ``Wait``, which may poll)."""
     if longest_sleep <= 0:
         request.Wait()
         return
@@ -93,8 +91,8 @@ class BackgroundAllreduce:
         return self._thread is not None
 
     def submit(self, buf: np.ndarray) -> None:
-        """Queue the sum of contiguous ``buf`` over the ranks, in place; returns at once.
-        Starts the thread if none runs. Every rank submits the same sizes in the same order."""
+        """Queue the in-place sum of contiguous ``buf``; returns at once (starting the thread if
+        none runs)."""
         if self._comm is None:
             raise MpidpError(f"{self.name} is closed: make a new one to reduce again")
         with self._cv:
@@ -108,8 +106,7 @@ class BackgroundAllreduce:
 
     @watched("an Allreduce (on the communication thread)")
     def wait(self) -> None:
-        """Block until every submitted buffer is summed, then end the thread. Raises the
-        thread's failure (:class:`MpidpError`) if it had one."""
+        """Block until every submitted buffer is summed, then end the thread; raises its failure."""
         with self._cv:
             thread = self._thread
             if thread is not None:
@@ -208,8 +205,7 @@ class StartedSums:
         self._paired: list[bool] = []  # per sum: an exchange (add the other's part at the end)
 
     def start(self, lo: int, hi: int) -> int:
-        """Start summing ``buf[lo:hi]``; returns the sum's index (0, 1, ... since
-        :meth:`clear`)."""
+        """Start summing ``buf[lo:hi]``; returns the sum's index (0, 1, ... since :meth:`clear`)."""
         if not 0 <= lo <= hi <= self.buf.size:
             raise MpidpError(f"started sums: part [{lo}, {hi}) is not within the buffer's "
                              f"{self.buf.size} values")
@@ -243,8 +239,8 @@ class StartedSums:
 
     @watched("a Waitany (started sums)")
     def wait_any(self) -> None:
-        """Block until one more request is complete, then :meth:`advance`. Raises
-        :class:`MpidpError` if no sum is in flight."""
+        """Block until one more request is complete, then :meth:`advance`; :class:`MpidpError`
+        if no sum is in flight."""
         k = MPI.Request.Waitany(self.requests) if self.live else MPI.UNDEFINED
         if k == MPI.UNDEFINED:
             raise MpidpError("no started sum is in flight to wait for")
@@ -267,21 +263,19 @@ class StartedSums:
         self.requests, self._owner, self._spans, self._left, self._paired = [], [], [], [], []
 
     def release(self) -> None:
-        """Forget the sums (all complete) and free the scratch; the next exchange makes it
-        again."""
+        """Forget the sums (all complete) and free the scratch."""
         self.clear()
         self.scratch = None
 
     def close(self) -> None:
-        """:meth:`release`, and free the private duplicate, if any (collective then); no
-        sums after this."""
+        """:meth:`release`, and free the private duplicate, if any (collective then)."""
         self.release()
         if self.private and self.comm != MPI.COMM_NULL:
             self.comm.Free()
 
     def _finish(self, i: int, requests: int = 1) -> None:
-        """``requests`` more of sum ``i``'s are complete; when all are, an exchange adds
-        the other rank's part to this one's."""
+        """``requests`` more of sum ``i``'s are complete; when all are, an exchange adds the
+        other rank's part to this one's."""
         self._left[i] -= requests
         if self._left[i]:
             return

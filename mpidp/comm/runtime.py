@@ -1,8 +1,5 @@
-"""The MPI world: communicators, their construction, and what the library is.
-
-Importing this module (or anything in :mod:`mpidp.comm`) starts MPI; nothing else in mpidp
-imports mpi4py, so ``import mpidp`` and ``mpidp --help`` work without an MPI library.
-"""
+"""The MPI world: communicators, their construction, and what the library is. Importing
+this module starts MPI; nothing outside :mod:`mpidp.comm` imports mpi4py."""
 
 from __future__ import annotations
 
@@ -69,11 +66,8 @@ _TAGS = MPI.Comm.Create_keyval()  # per communicator: the next tag of :func:`fre
 
 def companion(comm: Comm) -> Comm:
     """A duplicate of ``comm`` for operations that must never match its own collectives:
-    made (:func:`duplicate`) on the first call for this communicator, the same one on
-    every later call, so that objects built again and again on one communicator do not
-    use up the library's communicators. Kept as an attribute of ``comm`` and freed with
-    it (``comm.Free()``). Collective on the first call for ``comm``; every rank must make
-    its calls for the same communicators."""
+    made on the first call for ``comm`` (collective then), the same one later, kept on
+    ``comm`` and freed with it."""
     dup = comm.Get_attr(_COMPANION)
     if dup is None:
         dup = duplicate(comm)
@@ -82,9 +76,8 @@ def companion(comm: Comm) -> Comm:
 
 
 def fresh_tag(comm: Comm, first: int, count: int) -> int:
-    """A tag for the next user of ``comm`` among ``first .. first + count - 1``, in turn
-    (after ``count`` users, from ``first`` again): every rank gets the same one if every
-    rank asks in the same order, as for collectives. Local."""
+    """A tag among ``first .. first + count - 1`` for the next user of ``comm``, in turn: the
+    same on every rank that asks in the same order. Local."""
     k = comm.Get_attr(_TAGS) or 0
     comm.Set_attr(_TAGS, k + 1)
     return first + k % count
@@ -92,8 +85,7 @@ def fresh_tag(comm: Comm, first: int, count: int) -> int:
 
 @watched("a Comm.Split")
 def split(comm: Comm, color: int, key: int) -> Comm:
-    """The ranks of ``comm`` with this rank's ``color``, ordered by ``key``
-    (``Comm.Split``). Collective."""
+    """The ranks of ``comm`` with this rank's ``color``, ordered by ``key``. Collective."""
     return comm.Split(color, key)
 
 
@@ -107,15 +99,10 @@ def split_off(comm: Comm, rank: int) -> Comm | None:
 
 @watched("a Comm.Split")
 def node_split(comm: Comm, first: int = 0) -> tuple[Comm, Comm | None]:
-    """``(node, leaders)``: the ranks of ``comm`` that share this rank's node (shared
-    memory), with ``first`` as rank 0 of its node (elsewhere the lowest rank), and, on each
-    node's rank 0 only, a communicator of those node leaders (``first``'s node leader is
-    its rank 0; None on the other ranks). Collective (one small ``Allreduce`` once made).
-
-    Made on the first call for ``comm`` and ``first``, the same pair on every later call
-    (as :func:`companion`), so trainers built again and again on one communicator do not
-    use up the library's communicators: kept as an attribute of ``comm`` and freed with it
-    (``comm.Free()``); never free them yourself."""
+    """``(node, leaders)``: the ranks of ``comm`` on this rank's node, with ``first`` as its
+    rank 0 (elsewhere the lowest rank), and on each node's rank 0 a communicator of the node
+    leaders (None elsewhere). Collective. Made once per ``comm`` and ``first``, kept on
+    ``comm`` and freed with it (never free them yourself)."""
     per_node = _forced_per_node(comm)
     splits = comm.Get_attr(_NODE_SPLITS)
     if splits is None:
@@ -130,16 +117,14 @@ def node_split(comm: Comm, first: int = 0) -> tuple[Comm, Comm | None]:
     return pair
 
 
-#: Testing the node-aware paths on one host: ``MPIDP_RANKS_PER_NODE=k`` makes every block
-#: of ``k`` consecutive ranks of a communicator one "node" (the ranks must really share
-#: memory, as all ranks on one host do). Unset: nodes are what MPI reports.
+#: For tests on one host: every ``k`` consecutive ranks are one "node" (unset: MPI's nodes).
 RANKS_PER_NODE = "MPIDP_RANKS_PER_NODE"
 
 
 def _forced_per_node(comm: Comm) -> int:
-    """``MPIDP_RANKS_PER_NODE`` as every rank of ``comm`` reads it (0: unset). Collective: a
-    value that is not a whole number >= 1 on any rank, or that differs between ranks,
-    raises the same :class:`MpidpError` on every rank."""
+    """``MPIDP_RANKS_PER_NODE`` (0: unset). Collective: a value that is not a whole number
+    >= 1 on some rank, or differs between ranks, raises the same :class:`MpidpError` on every
+    rank."""
     raw = os.environ.get(RANKS_PER_NODE, "").strip()
     whole = raw.isascii() and raw.isdigit() and int(raw) >= 1
     mine = (min(int(raw), 1 << 31) if whole else -1) if raw else 0
@@ -156,8 +141,8 @@ def _forced_per_node(comm: Comm) -> int:
 
 
 def _node(comm: Comm, key: int, per_node: int | None = None) -> Comm:
-    """The ranks of ``comm`` on this rank's node, ordered by ``key`` (``per_node``: what
-    :func:`_forced_per_node` said, when already asked). Collective."""
+    """The ranks of ``comm`` on this rank's node, ordered by ``key`` (``per_node``: the
+    forced size, when already known). Collective."""
     per_node = _forced_per_node(comm) if per_node is None else per_node
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
     if not per_node or node.size != comm.size:  # several real nodes: it cannot cut finer

@@ -15,9 +15,9 @@ from .runtime import SHM_DIR, Comm
 
 
 def shm_room(nbytes: int, path: str | None = None) -> bool:
-    """True if ``path`` (when it exists) has twice ``nbytes`` free: a shared-memory window
-    larger than its tmpfs (64 MiB by default in Docker) is not refused when allocated but
-    kills the process with SIGBUS when touched. Not collective."""
+    """True if ``path`` (default: the shared-memory folder; True if absent) has twice
+    ``nbytes`` free: a window larger than its tmpfs (64 MiB by default in Docker) is not
+    refused when allocated but kills the process with SIGBUS when touched."""
     try:
         st = os.statvfs(SHM_DIR if path is None else path)
     except OSError:
@@ -26,13 +26,9 @@ def shm_room(nbytes: int, path: str | None = None) -> bool:
 
 
 class SharedCounter:
-    """A global counter that any rank can fetch-and-add without the others' help.
-
-    Collective to create and to :meth:`free`. On one node (the usual case here) it lives in
-    an MPI shared-memory window (``Win.Allocate_shared``) and ``Fetch_and_op`` completes
-    without the owner entering MPI; across nodes it falls back to
-    ``mpi4py.util.sync.Counter`` (passive-target RMA, which may wait for progress on rank 0).
-    """
+    """A global counter that any rank can fetch-and-add without the others' help. Collective
+    to create and to :meth:`free`: on one node in a shared-memory window (``Fetch_and_op``
+    without the owner entering MPI), across nodes ``mpi4py.util.sync.Counter``."""
 
     def __init__(self, comm: Comm, start: int = 0) -> None:
         local = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -81,15 +77,10 @@ def _free_window(owner) -> bool:
 
 
 class SharedReduce:
-    """Sum a 1-D array over the ranks of one node into ``root``'s copy, through shared memory.
-
-    Collective to create; only for communicators whose ranks all share one node (see
-    :func:`node_split`). ``array`` is this
-    rank's ``(n,)`` array in an MPI shared-memory window; every rank can read every rank's.
-    :meth:`reduce` has each rank add up its ``1/P`` of the elements over all ranks (in rank
-    order) straight into ``root``'s array: one read of every element and one write of the
-    sum, where ``Reduce_scatter`` + ``Gatherv`` copy each piece through MPI's buffers.
-    """
+    """Sum a 1-D array over the ranks of one node (see :func:`node_split`) into ``root``'s
+    copy, through shared memory. Collective to create. ``array`` is this rank's ``(n,)`` array
+    in the window, readable by every rank; :meth:`reduce` has each rank add up its ``1/P`` of
+    the elements over all ranks (in rank order) straight into ``root``'s array."""
 
     def __init__(self, comm: Comm, n: int, dtype: np.dtype, root: int = 0) -> None:
         self.comm, self.root = comm, root
@@ -107,23 +98,20 @@ class SharedReduce:
         return self._arrays[rank]
 
     def free(self) -> None:
-        """Release the window; its arrays must not be touched again. Collective;
-        idempotent."""
+        """Release the window (its arrays must not be touched again). Collective; idempotent."""
         _free_window(self)
 
     def fence(self, longest_sleep: float = 0.0) -> None:
         """Make every rank's writes visible to all, and wait for the node. Collective.
-        ``longest_sleep`` > 0: wait in sleeps of at most that many seconds, not polling
-        (:func:`~mpidp.comm.progress.wait_yielding`)."""
+        ``longest_sleep`` > 0: wait in sleeps of at most that many seconds, not polling."""
         self._win.Sync()
         wait_yielding(self.comm.Ibarrier(), longest_sleep)
         self._win.Sync()
 
     @watched("a shared-memory reduction")
     def reduce(self, longest_sleep: float = 0.0) -> None:
-        """``root``'s ``array`` becomes the sum over ranks (the others' are left as they
-        were). Collective; every rank may write its ``array`` again once it returns.
-        ``longest_sleep``: how this rank waits for the others' arrays (see :meth:`fence`)."""
+        """``root``'s ``array`` becomes the sum over ranks (the others' are left as they were).
+        Collective; ``longest_sleep`` as for :meth:`fence`."""
         self.fence(longest_sleep)  # every rank's array is complete
         parts = [a[self._mine] for a in self._arrays]
         out = parts[self.root]
@@ -139,16 +127,11 @@ class SharedReduce:
 
 
 class SharedBroadcast:
-    """Broadcast a 1-D array from ``root`` as a piece-by-piece copy out of its memory.
-
-    Collective to create; only for communicators whose ranks all share one node (see
-    :func:`node_split`). ``array`` is ``root``'s ``(n,)`` array, allocated in an MPI
-    shared-memory window (``Win.Allocate_shared``) and readable by every rank. ``root``
-    calls :meth:`publish` for each finished piece (a zero-byte message to each rank);
-    :meth:`pull` on the others copies each piece as soon as it is published. So the
-    receivers copy while ``root`` is still computing the next piece, where ``Bcast`` would
-    make ``root`` wait for (and, through MPI's shared-memory cells, copy) the whole array.
-    """
+    """Broadcast a 1-D array from ``root`` of one node (see :func:`node_split`) as a
+    piece-by-piece copy out of its memory. Collective to create. ``array`` is ``root``'s
+    ``(n,)`` array in a shared-memory window; ``root`` :meth:`publish`-es each finished piece
+    (a zero-byte message to each rank) and the others :meth:`pull` it at once, copying while
+    ``root`` computes the next piece."""
 
     _TAG = 1
 
@@ -166,8 +149,7 @@ class SharedBroadcast:
         self._sent: list[MPI.Request] = []
 
     def free(self) -> None:
-        """Release the window and its communicator; :attr:`array` must not be touched
-        again. Collective; idempotent (after :meth:`finish`)."""
+        """Release the window and its communicator (after :meth:`finish`). Collective; idempotent."""
         if _free_window(self):
             self.comm.Free()
 

@@ -28,10 +28,7 @@ EXIT_CODE = 3
 class Watchdog:
     """Watch this rank of ``comm`` for stalls longer than ``timeout`` seconds. Collective to
     create (it duplicates ``comm``); :meth:`start` it on every rank, :meth:`stop` at the end.
-
-    ``timeout=None`` derives the timeout from the step times reported to :meth:`step_done`:
-    ``max(floor, steps * median step)``, so a healthy run never trips it.
-    """
+    ``timeout=None``: ``max(floor, steps * median step)`` of the times :meth:`step_done` gets."""
 
     def __init__(self, comm: MPI.Comm, timeout: float | None, grace: float = 6.0,
                  floor: float = 600.0, steps: int = 50) -> None:
@@ -118,9 +115,8 @@ class Watchdog:
         return listen, replies
 
     def _roll_call(self, listen, call, replies):
-        """Ask every other rank for its mark, judge the answers; returns the listening request
-        and the replies in flight (answering others' roll calls meanwhile replaces both).
-        A :meth:`stop` meanwhile ends it without a verdict: this rank's work is done."""
+        """Ask every other rank for its mark and judge the answers; returns the listening
+        request and the replies in flight. A :meth:`stop` meanwhile ends it without a verdict."""
         comm, me = self.side, self.side.rank
         others = [r for r in range(comm.size) if r != me]
         ping = np.array([me], np.int64)
