@@ -13,13 +13,10 @@ SHAPE_RULE = "X must be (n_samples, *sample_shape) with at least 2 dimensions"
 class Source(ABC):
     """A dataset of ``n_samples`` rows: samples ``(n_samples, *sample_shape)`` and targets.
 
-    ``n_features`` is the number of values per sample, ``prod(sample_shape)``.
-    ``classification`` is True when targets are integer labels ``(n_samples,)``;
-    otherwise targets are floats ``(n_samples,)`` or ``(n_samples, n_targets)``.
-    ``fixed_test``: the number of trailing rows that form the dataset's own test set (a
-    published split, as MNIST-1D's), or None when it has none
-    (:func:`mpidp.data.partition.split_rows` uses it).
-    """
+    ``n_features``: values per sample, ``prod(sample_shape)``. ``classification``: targets
+    are integer labels ``(n_samples,)``, else floats ``(n_samples,)`` or ``(n_samples,
+    n_targets)``. ``fixed_test``: how many trailing rows form the dataset's own test set (a
+    published split), or None."""
 
     name: str
     n_samples: int
@@ -44,7 +41,7 @@ class Source(ABC):
 
 
 def _check_arrays(name: str, X, y) -> None:
-    """Shape and type checks that need only metadata; raise ValueError naming the problem."""
+    """Checks that need only metadata; ValueError naming the problem."""
     if X.ndim < 2:
         raise ValueError(f"{name}: {SHAPE_RULE} (2-D for flat features), got shape {X.shape}")
     if y.ndim not in (1, 2):

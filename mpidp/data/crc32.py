@@ -1,15 +1,8 @@
 """CRC-32 (the checksum of ``.zip``/``.npz`` members) computed in pieces and combined, so
-that several ranks can each check a part of one large file.
-
-``combine(crc(A), crc(B), len(B)) == crc(A + B)`` for the CRC-32 of :func:`zlib.crc32`:
-the CRC of ``A`` is carried past ``len(B)`` bytes by multiplying it by ``x**(8*len(B))``
-modulo the CRC polynomial (bit-reflected, as zlib stores it), then XORed with the CRC of
-``B``; the pre- and post-inversion of CRC-32 cancel in this sum.
-
-The CRC itself is ISA-L's (the ``isal`` package, in the ``fast`` extra: several times
-faster, see docs/benchmarks-data.md) when it is installed, else zlib's; both give the same
-value.
-"""
+that several ranks can each check a part of one large file: ``combine(crc(A), crc(B),
+len(B)) == crc(A + B)``, multiplying the CRC of ``A`` by ``x**(8*len(B))`` modulo the
+(bit-reflected) CRC polynomial. The CRC itself is ISA-L's (``isal``, the ``fast`` extra:
+several times faster, docs/benchmarks-data.md) when installed, else zlib's: the same value."""
 
 from __future__ import annotations
 
@@ -54,9 +47,9 @@ def combine(crc_a: int, crc_b: int, len_b: int) -> int:
 
 
 def of_range(path: str, offset: int, length: int, chunk: int = 1 << 22) -> int:
-    """CRC-32 of ``length`` bytes of file ``path`` from byte ``offset``: over a memory map
-    of them (nothing copied), or where the file cannot be mapped, read ``chunk`` bytes at a
-    time into one reused buffer. ``OSError`` if the file ends before."""
+    """CRC-32 of ``length`` bytes of file ``path`` from byte ``offset``, over a memory map of
+    them, or where the file cannot be mapped, read ``chunk`` bytes at a time. ``OSError`` if
+    the file ends before."""
     fd = os.open(path, os.O_RDONLY)
     try:
         if length and offset + length <= os.fstat(fd).st_size:

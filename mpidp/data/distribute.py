@@ -1,15 +1,8 @@
-"""Distribute a dataset over ranks, both ways: root reads and ``Scatterv``s, or each rank
-reads only its own rows. Either way rank ``r`` ends up with the same :class:`Shard`. The
-rows themselves are read, cast and checked by :class:`mpidp.data.rows.RowReader`.
-
-Samples keep their shape: ``X`` is ``(n, *sample_shape)`` on every rank, a row being
-``prod(sample_shape)`` values (sparse rows: CSR ``(n, n_features)``).
-
-The train/test split is a seeded choice of rows, or the dataset's own test set
-(:func:`~.partition.split_rows`); the training rows then get global positions
-``0 .. n_train-1`` (in file order) and rank ``r`` owns the block
-``partition.block_range(n_train, size, r)``.
-"""
+"""Distribute a dataset over the ranks, both ways: root reads and streams ``Scatterv``s, or
+each rank reads only its own rows (:class:`mpidp.data.rows.RowReader` reads, casts and
+checks them); either way rank ``r`` ends up with the same :class:`Shard`. The training
+rows of the split (:func:`~.partition.split_rows`) get positions ``0 .. n_train-1`` in
+file order, owned as the partition strategy says; test rows are split in blocks."""
 
 from __future__ import annotations
 
@@ -46,15 +39,11 @@ DISTRIBUTE = ("scatter", "local")
 
 @dataclass
 class Shard:
-    """This rank's part of a global set of ``n_total`` samples.
-
-    ``X`` is ``(n_local, *sample_shape)``; ``y`` is ``(n_local,)`` int64 labels or
-    ``(n_local, n_targets)`` / ``(n_local,)`` float targets. ``X`` may be a copy-on-write
-    memory map of the data file (see :func:`load`). Row ``i`` of ``X`` has global
-    position ``positions[i]`` (int64, increasing); for a contiguous block (the default when
-    ``positions`` is not given) that is ``start + i``. ``X`` may also be a
-    :class:`mpidp.nn.sparse.CSR` of sparse rows.
-    """
+    """This rank's part of a global set of ``n_total`` samples: ``X`` ``(n_local,
+    *sample_shape)`` (or a :class:`mpidp.nn.sparse.CSR`; possibly a copy-on-write map of the
+    file, see :func:`load`), ``y`` ``(n_local,)`` int64 labels or float targets ``(n_local,
+    ...)``. Row ``i`` has global position ``positions[i]`` (int64, increasing; by default the
+    contiguous block ``start + i``)."""
 
     X: np.ndarray
     y: np.ndarray
@@ -74,7 +63,7 @@ class Shard:
 
     def identity(self, name: str) -> dict[str, object]:
         """What every rank's part of one data set shares, by name (``"{name} rows"``: the
-        global row count; the sample shape; the dtypes), for a collective check. Pure."""
+        global row count; the sample shape; the dtypes), for a collective check."""
         return {f"{name} rows": int(self.n_total), f"{name} sample shape": self.sample_shape,
                 f"{name} dtypes": (str(self.X.dtype), str(self.y.dtype))}
 
@@ -94,11 +83,9 @@ class Shard:
 class Data:
     """Train, test (and validation) shards plus what every rank needs to build a model.
 
-    ``n_features`` is the number of values per sample, ``prod(sample_shape)``;
-    ``sample_shape`` the shape of one sample (default: the training shard's, or
-    ``(n_features,)``). ``test_split`` says how the test rows were chosen: ``"random"``
-    (a seeded fraction) or ``"fixed"`` (the dataset's own test set, its last rows).
-    """
+    ``n_features``: values per sample, ``prod(sample_shape)`` (``sample_shape`` default: the
+    training shard's, or ``(n_features,)``). ``test_split``: ``"random"`` (a seeded fraction)
+    or ``"fixed"`` (the dataset's own test set, its last rows)."""
 
     train: Shard
     test: Shard
@@ -159,8 +146,7 @@ def _data(meta: dict, shards: list[Shard], costs, max_label: int, n_classes) -> 
 
 
 def _scatter_sparse(comm, reader, rows, counts, meta, dtype, root):
-    """Scatterv CSR rows (row lengths, then indices and values) and their targets; root
-    reads each rank's rows (increasing) in one piece."""
+    """Scatterv CSR rows (lengths, then indices and values) and their targets."""
     is_root = comm.rank == root
     X = y = None
     if is_root:
@@ -178,9 +164,8 @@ def _scatter_sparse(comm, reader, rows, counts, meta, dtype, root):
 
 
 def _scatter_dense(comm, reader, rows, counts, meta, dtype, root, clock):
-    """Stream ``X[rows]`` to the ranks (``counts[r]`` rows each, rank 0's first) in rounds:
-    root reads each rank's next rows straight into the round's send buffer (its own rows
-    into its own shard), then its targets in one ``Scatterv``."""
+    """Stream ``X[rows]`` to the ranks (``counts[r]`` rows each) in rounds, root reading each
+    rank's next rows straight into the send buffer; then the targets in one ``Scatterv``."""
     displs = counts_displs(counts)[1]
     fill, y_all = None, None
     if comm.rank == root:
@@ -241,9 +226,9 @@ def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, sourc
 
 
 def crc_together(comm: C.Comm, path: str, spans: list[tuple[int, int]]) -> list[int]:
-    """The CRC-32 of each ``(offset, size)`` span of file ``path``, each rank of ``comm``
-    reading ``1/size`` of every span (the pieces combined in order). Collective; a rank
-    that cannot read its share raises the same :class:`mpidp.MpidpError` on every rank."""
+    """The CRC-32 of each ``(offset, size)`` span of file ``path``, each rank reading ``1/size``
+    of every span. Collective; a rank that cannot read its share raises the same
+    :class:`mpidp.MpidpError` on every rank."""
     mine, error = np.zeros((len(spans), 2)), None
     if not os.path.isfile(path):  # this rank's host has no copy (local reads need one)
         error = f"dataset not found: {path!r} on this rank's host"
@@ -263,9 +248,8 @@ def crc_together(comm: C.Comm, path: str, spans: list[tuple[int, int]]) -> list[
 
 
 def _verify_together(comm, path: str) -> None:
-    """Check the CRC-32 of each memory-mapped member of the ``.npz`` file ``path`` (nothing
-    for other sources), each rank reading ``1/size`` of it; collective, and a mismatch or
-    a read error raises the same error on every rank."""
+    """Check the CRC-32 of each memory-mapped member of the ``.npz`` file ``path`` together
+    (nothing for other sources); a mismatch or read error raises on every rank. Collective."""
     members = C.root_decides(comm, stored_members, path)  # one list (and offsets) for all
     if not members:
         return
@@ -276,10 +260,9 @@ def _verify_together(comm, path: str) -> None:
 
 
 def data_fingerprint(comm: C.Comm, spec: str, together: bool, root: int = 0) -> dict:
-    """:func:`mpidp.data.fingerprint.metadata_fingerprint` of dataset ``spec`` with the
-    CRC-32 of every byte of each file that is not a zip (whose members' CRCs cover their
-    bytes): every rank reads its share when ``together`` (each host has the file), else
-    ``root`` alone. The same dict on every rank. Collective."""
+    """:func:`~mpidp.data.fingerprint.metadata_fingerprint` of ``spec`` with the CRC-32 of
+    each file that is not a zip, read by every rank's share when ``together`` (each host has
+    the file), else by ``root``. The same dict on every rank. Collective."""
     meta = C.root_decides(comm, metadata_fingerprint, spec, root=root)
     files = [f for f in meta.get("files", []) if "crc" not in f]
     if not files:
@@ -394,12 +377,10 @@ def shard_from_arrays(comm: C.Comm, X: np.ndarray, y: np.ndarray,
                       sample_shape: tuple[int, ...] | None = None) -> Shard:
     """Wrap this rank's own ``(X, y)`` as a :class:`Shard`; global order is rank order.
 
-    Collective. Checks on every rank, agreed so all raise the same error: ``X``
-    ``(n_local, *sample_shape)``, at least 2-D, with the same sample shape on every rank
-    (an error names the ranks otherwise), real numbers (not complex), ``n_features``
-    values per sample and the shape ``sample_shape`` if given, ``len(X) == len(y)``, finite
-    values, non-negative integer labels.
-    """
+    Collective; checked on every rank, agreed so that all raise the same error: ``X``
+    ``(n_local, *sample_shape)``, at least 2-D, the same sample shape on every rank (else the
+    ranks are named), real numbers, ``n_features`` values per sample and the shape
+    ``sample_shape`` if given, ``len(X) == len(y)``, finite values, labels >= 0."""
     X, y = np.asarray(X), np.asarray(y)
     C.agree(comm, _arrays_problem(X, y, n_features, sample_shape))  # each rank's verdict
     _agree_sample_shape(comm, tuple(X.shape[1:]))
@@ -409,8 +390,7 @@ def shard_from_arrays(comm: C.Comm, X: np.ndarray, y: np.ndarray,
 
 def _arrays_problem(X: np.ndarray, y: np.ndarray, n_features: int | None,
                     sample_shape: tuple[int, ...] | None) -> str | None:
-    """What is wrong with this rank's ``X`` and ``y`` for :func:`shard_from_arrays`, or
-    None. Pure: never raises, so every rank reaches the agreement."""
+    """What is wrong with this rank's ``X`` and ``y``, or None (never raises)."""
     for label, a in (("X", X), ("y", y)):
         if a.dtype.kind == "c":
             return (f"{label} is complex ({a.dtype}) but mpidp trains on real numbers: pass "
@@ -437,16 +417,14 @@ def _arrays_problem(X: np.ndarray, y: np.ndarray, n_features: int | None,
 
 def _agree_sample_shape(comm: C.Comm, shape: tuple[int, ...]) -> None:
     """Raise the same :class:`mpidp.MpidpError` on every rank unless every rank's sample
-    shape is ``shape``; it names each shape and its ranks. Collective (two Allgathers)."""
+    shape is ``shape``, naming each shape and its ranks. Collective."""
     ndims = C.allgather_counts(comm, len(shape))
     padded = np.full(int(ndims.max()), -1.0)
     padded[:len(shape)] = shape
     rows = C.allgather_rows(comm, padded)  # sizes are exact in float64
     shapes = [tuple(int(d) for d in row[:k]) for row, k in zip(rows, ndims)]
     if len(set(shapes)) > 1:
-        ranks: dict[tuple[int, ...], list[int]] = {}
-        for r, s in enumerate(shapes):
-            ranks.setdefault(s, []).append(r)
+        ranks = {s: [r for r, t in enumerate(shapes) if t == s] for s in dict.fromkeys(shapes)}
         sizes = {int(np.prod(s, dtype=np.int64)) for s in ranks}
         what = "sample shape" if len(sizes) == 1 else "number of features per sample"
         raise C.MpidpError(f"ranks disagree on the {what}: " + "; ".join(

@@ -1,7 +1,6 @@
-"""What identifies a dataset's contents, from its files' metadata (no MPI): recorded with a
-run so that a resume can tell whether its data changed. The CRC-32 of files that carry no
-checksum of their own is added by :func:`mpidp.data.distribute.data_fingerprint`, which
-ranks compute together."""
+"""What identifies a dataset's contents, from its files' metadata (no MPI), recorded with a
+run so that a resume can tell whether its data changed; the ranks add the CRC-32 of files
+without checksums of their own (:func:`mpidp.data.distribute.data_fingerprint`)."""
 
 from __future__ import annotations
 
@@ -14,13 +13,10 @@ __all__ = ["fingerprint_change", "metadata_fingerprint"]
 
 
 def metadata_fingerprint(spec: str) -> dict:
-    """What identifies dataset ``spec`` from its metadata: for a built-in, its name (its
-    parameters are in the configuration); for a file (or each of a folder's ``X.npy``,
-    ``y.npy``), its size and, for a zip (``.npz``), the size and CRC-32 of every member from
-    its directory (any change to a member's contents shows: loading checks those CRCs; a
-    re-save of the same arrays does not). JSON-able. Raises ValueError naming a file that
-    cannot be read.
-    """
+    """What identifies dataset ``spec`` (JSON-able): a built-in's name (its parameters are in
+    the configuration); a file's (or a folder's ``X.npy`` and ``y.npy``) size, and for a zip
+    (``.npz``) each member's size and CRC-32 from its directory. ValueError naming a file
+    that cannot be read."""
     if spec in BUILTIN:
         return {"builtin": spec}
     paths = [os.path.join(spec, n) for n in ("X.npy", "y.npy")] if os.path.isdir(spec) else [spec]

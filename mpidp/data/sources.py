@@ -33,13 +33,10 @@ ACCEPTED = ("expected " + ", ".join(map(repr, BUILTIN)) + ", an .npz file with a
 
 
 class SyntheticSource(Source):
-    """Seeded synthetic data generated in fixed chunks, so any rank can make any rows.
-
-    Classification: ``k`` Gaussian clusters (centres ``N(0, 6.25/d)``, so about 3.5 noise
-    standard deviations apart whatever ``d``; unit noise).
-    Regression: ``X ~ N(0, 1)``, ``y = X @ w + 0.1 * noise`` with ``w ~ N(0, 1/d)``.
-    Row ``i`` is the same whatever rows are requested together.
-    """
+    """Seeded synthetic data generated in fixed chunks, so any rank can make any rows (row
+    ``i`` is the same whatever rows are read with it). Classification: ``k`` Gaussian
+    clusters (centres ``N(0, 6.25/d)``, about 3.5 noise deviations apart; unit noise).
+    Regression: ``X ~ N(0, 1)``, ``y = X @ w + 0.1 * noise`` with ``w ~ N(0, 1/d)``."""
 
     CHUNK = 4096
 
@@ -82,14 +79,11 @@ class SyntheticSource(Source):
 
 
 class BowSource(Source):
-    """``n_samples`` sparse documents over a vocabulary of ``n_features`` words.
-
-    Row ``i`` has ``lengths[i]`` word occurrences (``lengths`` ascending, Pareto tail of
-    index ``alpha`` from ``min_len``, capped at ``max_len``); words are drawn Zipf-like from
-    the vocabulary; values are ``1/sqrt(length)``. The label is the class with the largest
-    summed affinity of the row's words (a planted linear rule, so it is learnable).
-    Row ``i`` is the same whatever rows are requested together.
-    """
+    """``n_samples`` sparse documents over a vocabulary of ``n_features`` words, generated in
+    chunks as :class:`SyntheticSource`. Row ``i`` has ``lengths[i]`` word occurrences
+    (ascending, a Pareto tail of index ``alpha`` from ``min_len``, capped at ``max_len``) drawn
+    Zipf-like, of value ``1/sqrt(length)``; its label is the class of largest summed affinity
+    of its words (a planted linear rule)."""
 
     CHUNK = 1024
 
@@ -187,8 +181,8 @@ def _npz_member(path: str, zf: zipfile.ZipFile, key: str, verify: bool = True):
 
 
 def read_npy_header(f) -> tuple[tuple[int, ...], bool, np.dtype]:
-    """``(shape, fortran_order, dtype)`` from the ``.npy`` header at the position of the
-    open binary file ``f``, which is left at the first data byte; ValueError if it is none."""
+    """``(shape, fortran_order, dtype)`` of the ``.npy`` header at the position of binary
+    file ``f``, left at the first data byte; ValueError if there is none."""
     version = np.lib.format.read_magic(f)
     read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                    else np.lib.format.read_array_header_2_0)
@@ -196,9 +190,9 @@ def read_npy_header(f) -> tuple[tuple[int, ...], bool, np.dtype]:
 
 
 def _check_shape(what: str, shape: tuple[int, ...], writer: str) -> None:
-    """ValueError naming ``what`` when a ``.npy`` header's ``shape`` has a dimension below
-    0 (numpy reads such a header, then fails to map it); ``writer`` is the numpy function
-    that writes a good one."""
+    """ValueError naming ``what`` when a ``.npy`` header's ``shape`` has a negative dimension
+    (numpy reads it, then fails to map it); ``writer``: the numpy function that writes a
+    good one."""
     if any(d < 0 for d in shape):
         raise ValueError(f"{what}: its header gives the shape {tuple(shape)}, with a negative "
                          f"dimension: the header was edited or damaged; write the array again "
@@ -230,10 +224,9 @@ def crc_mismatch(path: str, member: str) -> str:
 
 
 def stored_members(path: str) -> list[tuple[str, int, int, int]]:
-    """``(name, offset, size, crc)`` of the uncompressed ``X.npy`` and ``y.npy`` members of
-    the ``.npz`` file ``path`` (the ones memory-mapped, whose CRC-32 must be checked apart);
-    empty for anything else (opening it then says what is wrong: never a FIFO or a device,
-    which would be read without end)."""
+    """``(name, offset, size, crc)`` of the uncompressed (memory-mapped) ``X.npy`` and
+    ``y.npy`` members of the ``.npz`` file ``path``; empty for anything else, never reading a
+    FIFO or a device."""
     if not os.path.isfile(path):
         return []
     try:
@@ -266,8 +259,8 @@ def _npy_problem(path: str, exc: Exception) -> str:
 
 
 def not_regular(path: str) -> ValueError:
-    """The error for a path that exists but is no regular file (reading a FIFO or a device
-    such as /dev/zero would wait, or read, without end)."""
+    """The error for a path that exists but is no regular file (a FIFO or a device such as
+    /dev/zero would be read without end)."""
     kind = next((what for test, what in ((stat.S_ISFIFO, "a FIFO (named pipe)"),
                                          (stat.S_ISCHR, "a character device"),
                                          (stat.S_ISBLK, "a block device"),
@@ -373,16 +366,11 @@ def _unresolved(h5py, path: str, f, key: str, exc: Exception) -> str:
 def open_source(spec: str | os.PathLike, *, n_samples: int = 60000,
                 n_features: int = 784, n_classes: int = 10, seed: int = 0,
                 regression: bool = False, verify: bool = True) -> Source:
-    """Open ``spec``: a built-in (``digits``, ``mnist1d``, ``mnist``: see
-    :mod:`~.datasets`; ``synthetic`` and ``bow``, sized by the keywords), or a path to an
-    ``.npz`` with ``X`` and ``y``, a folder with ``X.npy`` and ``y.npy``, or an ``.h5`` file
-    (``X`` ``(n_samples, *sample_shape)``, at least 2-D).
-
-    ``verify``: check the CRC-32 of uncompressed ``.npz`` members before memory-mapping
-    them (one more pass over the file: docs/benchmarks-data.md; compressed members are checked
-    as they are inflated anyway). Only ``.npz`` files carry checksums.
-    Raises ValueError with a message that names the problem.
-    """
+    """Open ``spec``: a built-in (:data:`BUILTIN`; ``synthetic`` and ``bow`` sized by the
+    keywords), or a path to an ``.npz`` with ``X`` and ``y``, a folder with ``X.npy`` and
+    ``y.npy``, or an ``.h5`` file (``X`` ``(n_samples, *sample_shape)``, at least 2-D).
+    ``verify``: check the CRC-32 of uncompressed ``.npz`` members before mapping them (one more
+    pass over the file; docs/benchmarks-data.md). ValueError naming the problem."""
     spec = os.fspath(spec)
     if spec in IMAGES:
         from . import datasets  # the optional packages load only when asked for
@@ -395,17 +383,16 @@ def open_source(spec: str | os.PathLike, *, n_samples: int = 60000,
 
 
 def _first_row(a, bad: np.ndarray, rows: np.ndarray) -> int:
-    """Dataset row of the first ``True`` in ``bad``: one flag per element of dense ``a``
-    ``(m, ...)``, or per stored value of CSR ``a``."""
+    """Dataset row of the first ``True`` in ``bad``: one flag per element of dense ``a``, or
+    per stored value of CSR ``a``."""
     if hasattr(a, "indptr"):
         return int(rows[np.searchsorted(a.indptr, np.flatnonzero(bad)[0], side="right") - 1])
     return int(rows[np.flatnonzero(bad.reshape(len(bad), -1).any(axis=1))[0]])
 
 
 def check_values(name: str, label: str, a, rows: np.ndarray, dtype=None) -> str | None:
-    """NaN/Inf in ``a`` (dense ``(m, ...)`` or CSR rows ``rows``), or, when ``dtype`` is a
-    narrower float, finite values beyond its range (a cast would make them inf). None if
-    fine. Complex arrays are refused too (a cast would drop the imaginary part)."""
+    """NaN/Inf in ``a`` (dense ``(m, ...)`` or CSR rows ``rows``), complex values, or, when
+    ``dtype`` is a narrower float, finite values beyond its range; None if fine."""
     values = a.data if hasattr(a, "indptr") else a
     if values.dtype.kind == "c":
         return (f"{name}: {label} is complex ({values.dtype}) but mpidp trains on real numbers: "
@@ -429,12 +416,9 @@ def check_values(name: str, label: str, a, rows: np.ndarray, dtype=None) -> str 
 
 def check_rows(source: Source, X: np.ndarray, y: np.ndarray, rows: np.ndarray,
                n_classes: int | None = None, *, dtype=None) -> str | None:
-    """Problems in the rows read (``None`` if fine): NaN/Inf, values that ``dtype`` (the
-    dtype they will be cast to, when given) cannot hold, bad or out-of-range labels.
-
-    ``X`` ``(m, *sample_shape)`` (or CSR) and ``y`` ``(m, ...)`` hold dataset rows ``rows``
-    ``(m,)`` in the source's dtypes; messages name the dataset row, not the position.
-    """
+    """Problems in the rows read (None if fine): NaN/Inf, values ``dtype`` (the cast's, when
+    given) cannot hold, bad or out-of-range labels. ``X`` and ``y`` hold dataset rows ``rows``
+    ``(m,)`` in the source's dtypes; messages name the dataset row."""
     for label, a in (("X", X), ("y", y)):
         problem = check_values(source.name, label, a, rows, dtype)
         if problem:
@@ -455,9 +439,8 @@ def check_rows(source: Source, X: np.ndarray, y: np.ndarray, rows: np.ndarray,
 
 def scan_rows(source: Source, rows: np.ndarray, *, dtype=None, block_bytes: int = 1 << 24
               ) -> str | None:
-    """:func:`check_values` over the features of ``rows`` (sorted, int64) of ``source``, read
-    ``block_bytes`` at a time: the first NaN/Inf row, or a value ``dtype`` cannot hold. None
-    if fine. Generated sources are finite by construction and are not read."""
+    """:func:`check_values` over the features of sorted ``rows`` of ``source``, read
+    ``block_bytes`` at a time; None if fine (generated sources are finite and not read)."""
     if not isinstance(source, ArraySource) or len(rows) == 0:
         return None
     step = max(1, block_bytes // (source.n_features * max(source.X.dtype.itemsize, 1)))

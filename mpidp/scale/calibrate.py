@@ -35,15 +35,10 @@ def _standard_steps(batches: list[int]):
     return [make(b) for b in batches], model.n_params
 
 
-def compute_times(batch: int, repeats: int = 5, before=None) -> list[float]:
-    """Seconds of ``repeats`` standard-MLP steps on ``batch`` rows (after one warm-up step),
-    calling ``before()`` ahead of each timed one."""
-    return _alternate([batch], repeats, before)[0]
-
-
 def _alternate(batches: list[int], repeats: int, before=None) -> list[list[float]]:
-    """Step times for each of ``batches``, measured in turns (so that a slower moment of a
-    shared machine hits every batch size alike)."""
+    """Seconds of ``repeats`` standard-MLP steps for each of ``batches`` rows (after one
+    warm-up step each), in turns so that a slower moment of a shared machine hits every
+    batch size alike; ``before()`` is called ahead of each timed step."""
     steps, _ = _standard_steps(batches)
     for step in steps:
         step()
@@ -59,16 +54,13 @@ def _alternate(batches: list[int], repeats: int, before=None) -> list[list[float
 
 
 def measure_compute(comm: C.Comm, batch: int = 512, repeats: int = 15) -> M.Compute | None:
-    """The standard MLP's :class:`costmodel.Compute` on this machine. Collective; the
-    result is on rank 0 (None elsewhere).
-
-    Every rank runs steps of ``batch // P`` rows at the same moment (a barrier before
-    each): their spread gives ``jitter``, and their median over rank 0's time alone gives
-    ``contention``. Rank 0 alone at ``batch // P`` and ``batch`` rows gives the fixed part
-    and the part per sample.
-    """
+    """The standard MLP's :class:`costmodel.Compute` on this machine, on rank 0 (None
+    elsewhere). Collective. Every rank runs steps of ``batch // P`` rows at once (a barrier
+    before each): their spread gives ``jitter``, their median over rank 0's time alone
+    ``contention``; rank 0 alone at ``batch // P`` and ``batch`` rows gives the fixed part and
+    the part per sample."""
     local = max(1, batch // comm.size)
-    together = compute_times(local, repeats, before=lambda: C.barrier(comm))
+    together = _alternate([local], repeats, before=lambda: C.barrier(comm))[0]
     steps = np.array(C.gather_obj(comm, together, 0) or [[0.0]])  # (ranks, repeats)
     if comm.rank != 0:  # rank 0 times compute alone, as one rank of a quiet node would run
         C.agree(comm, None)
@@ -155,9 +147,9 @@ def save(r: dict, out: str) -> list[str]:
 
 
 def plot(r: dict, path: str) -> bool:
-    """``model.png``: predicted efficiency against P (left) and the Allreduce time against
-    message size, the fitted model as lines with the measured points on top (right).
-    False (nothing written) when matplotlib is not installed."""
+    """``model.png``: predicted efficiency against P (left), and the Allreduce time against
+    message size, the fit as lines and the measured points on top (right). False (nothing
+    written) without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
