@@ -114,15 +114,11 @@ class SharedReduce:
         Collective; ``longest_sleep`` as for :meth:`fence`."""
         self.fence(longest_sleep)  # every rank's array is complete
         parts = [a[self._mine] for a in self._arrays]
-        out = parts[self.root]
-        if self.root == 0:
-            for part in parts[1:]:
-                out += part
-        else:
-            total = parts[0] + parts[1]
-            for part in parts[2:]:
-                total += part
-            out[...] = total
+        total = parts[0] if self.root == 0 else parts[0].copy()  # summed in rank order
+        for part in parts[1:]:
+            total += part
+        if self.root:
+            parts[self.root][...] = total
         self.fence()  # every slice is summed, and nobody reads the others' arrays any more
 
 

@@ -2,12 +2,14 @@
 each rank reads only its own rows (:class:`mpidp.data.rows.RowReader` reads, casts and
 checks them); either way rank ``r`` ends up with the same :class:`Shard`. The training
 rows of the split (:func:`~.partition.split_rows`) get positions ``0 .. n_train-1`` in
-file order, owned as the partition strategy says; test rows are split in blocks."""
+file order, owned as the partition strategy says; test rows are split in blocks. Also the
+data of a job with a dedicated server, and standardizing over the ranks."""
 
 from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +19,7 @@ from .. import comm as C
 from ..digest import dtype_name
 from ..errors import setting
 from ..nn.sparse import CSR
+from ..nn.standardize import Standardize, pass1_mean, pass1_sums, pass2_squares
 from . import crc32
 from .arrays import SHAPE_RULE, Source
 from .fingerprint import metadata_fingerprint
@@ -307,40 +310,28 @@ def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
          root: int = 0, n_classes: int | None = None, partition: str = "block", costs=None,
          capacities=None, timings: dict | None = None, copy: bool = False,
          val_fraction: float = 0.0, **source_kw) -> Data:
-    """Load dataset ``spec`` (see :func:`mpidp.data.sources.open_source`) split over ``comm``.
+    """Load dataset ``spec`` (:func:`mpidp.data.sources.open_source`) split over ``comm``:
+    every rank gets ``X`` ``(n_local, *sample_shape)``. Collective; bad input raises the same
+    :class:`mpidp.MpidpError` on every rank.
 
-    Every rank gets samples of the file's shape, ``X`` ``(n_local, *sample_shape)``.
-    ``test_fraction``: the share of rows held out at random (seeded); None takes the
-    dataset's own test set where it has one (``mnist1d``'s last 1,000 rows;
-    ``Data.test_split == "fixed"``), else 0.2. ``val_fraction``: the share of the training
-    rows held out (seeded) as ``Data.val`` (None when 0).
+    ``test_fraction``: the share of rows held out at random (seeded); None: the dataset's
+    own test set where it has one (``Data.test_split == "fixed"``), else 0.2.
+    ``val_fraction``: the share of the training rows held out as ``Data.val``.
+    ``distribute``: ``"scatter"`` (``root`` reads and streams each rank its rows) or
+    ``"local"`` (every rank reads its own rows: memory-mapped ``.npy``/``.npz``, HDF5 slices).
 
-    Collective. ``distribute="scatter"``: ``root`` reads everything and streams each rank
-    its rows (``Scatterv``). ``"local"``: every rank reads only its own rows (memory-mapped
-    ``.npy``/``.npz``, HDF5 slices). Bad input raises the same :class:`mpidp.MpidpError`
-    on every rank.
+    Local reads of rows that are one run of plain bytes in ``dtype`` at an aligned offset
+    (``.npy``, contiguous HDF5; not ``np.savez`` members), with no random test split and a
+    block partition, get ``X`` as a private copy-on-write map of the file (never written):
+    the file must then not be truncated or rewritten in place while in use (a rename is
+    safe), or rows change or reading them ends the process with SIGBUS. ``copy=True`` reads
+    them into private memory instead.
 
-    Local reads map rather than copy where they can: a rank whose rows are one run of the
-    file, stored as plain bytes in ``dtype`` at an aligned offset (``.npy``, a contiguous
-    HDF5 dataset; not ``np.savez`` members), with no random test split and a block
-    partition, gets ``X`` as a private copy-on-write memory map of the file (pages shared
-    with the page cache; the file is never written). The file must then not be truncated
-    or rewritten in place while the data are in use (replacing it by a rename is safe), or
-    rows change or reading them ends the process with SIGBUS. ``copy=True`` reads every
-    row into private memory instead.
-
-    ``partition`` names the strategy (:data:`mpidp.data.partition.STRATEGIES`) that decides
-    which training samples each rank holds (test samples are split in blocks); ``costs``
-    ``(n_samples,)``: per-row costs of the whole dataset (default: the source's own, for
-    ``bow``); ``capacities`` ``(size,)``: relative rank speeds. ``Data.costs`` holds the
-    training positions' costs.
-
-    ``timings``, if given, a dict that receives this rank's seconds per phase: ``open``
-    (metadata, split, partition), ``read`` (copying rows out of the source, cast in the
-    same copy), ``check`` (NaN/Inf, labels), ``cast`` (generated sources only) and
-    ``send`` (Scatterv, waiting included). Each rank's rows arrive in increasing file
-    order.
-    """
+    ``partition``: the strategy (:data:`mpidp.data.partition.STRATEGIES`) for the training
+    samples; ``costs`` ``(n_samples,)``: per-row costs (default: the source's own, for
+    ``bow``); ``capacities`` ``(size,)``: relative rank speeds. ``timings``: a dict that
+    receives this rank's seconds per phase (``open``, ``read``, ``check``, ``cast``,
+    ``send``)."""
     clock = Timings(timings)
     spec = os.fspath(spec)  # a pathlib.Path names a file as a string does
     C.agree_same(comm, "load", {  # before any collective that could then hang
@@ -431,3 +422,46 @@ def _agree_sample_shape(comm: C.Comm, shape: tuple[int, ...]) -> None:
             f"{s} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
             for s, rs in ranks.items()) + "; every rank's X must be (n_local, *sample_shape) "
             "with the same sample_shape")
+
+
+def load_on_workers(comm: C.Comm, server: int, load: Callable[[C.Comm], Data],
+                    dtype) -> Data:
+    """``load(workers)`` on every rank of ``comm`` but a dedicated ``server`` (``workers``:
+    their own communicator); the server gets the same description with empty shards
+    (features of ``dtype``). Collective; a worker's error reaches every rank, said once."""
+    workers = C.split_off(comm, server)
+    data, error = None, None
+    if workers is not None:
+        try:
+            data = load(workers)
+        except C.MpidpError as exc:
+            error = str(exc)  # already agreed among the workers
+    first_worker = 1 if server == 0 else 0
+    error = C.bcast_obj(comm, error, root=first_worker)
+    if error is not None:
+        raise C.MpidpError(error)
+    empty = C.bcast_obj(comm, _emptied(data, dtype) if comm.rank == first_worker else None,
+                        root=first_worker)
+    return data if data is not None else empty
+
+
+def _emptied(data: Data, dtype) -> Data:
+    """``data`` with no rows: its description, shards of none of its samples."""
+    y = data.train.y
+
+    def empty(shard: Shard) -> Shard:
+        return Shard(np.empty((0, *data.sample_shape), dtype),
+                     np.empty((0, *y.shape[1:]), y.dtype), 0, shard.n_total)
+
+    return Data(empty(data.train), empty(data.test), data.name, data.n_features,
+                data.n_outputs, data.classification, sample_shape=data.sample_shape,
+                test_split=data.test_split,
+                val=empty(data.val) if data.val is not None and data.val.n_total else None)
+
+
+def fit_over_ranks(comm: C.Comm, layer: Standardize, X: np.ndarray) -> None:
+    """Fit ``layer`` to the exact mean and standard deviation of every rank's ``X`` together,
+    as one rank holding them all would: one ``Allreduce`` of the counts and sums, one of the
+    centred sums of squares. Collective."""
+    count, mean = pass1_mean(C.allreduce_sum_(comm, pass1_sums(X)))
+    layer.fit_(count, mean, C.allreduce_sum_(comm, pass2_squares(X, mean)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import asdict
 
 import numpy as np
 
@@ -93,9 +94,9 @@ def calibrate(comm: C.Comm, batch: int = 512) -> dict:
     gamma = M.fit_gamma(comm.size, np.array(SIZES), np.array(ar), alpha, beta)
     fit = M.Fit(alpha, beta, gamma)
     per_param = compute.scaled(1 / n_params)
-    return {"world_size": comm.size, "fit": fit.as_dict(), "batch": batch,
+    return {"world_size": comm.size, "fit": asdict(fit), "batch": batch,
             "compute_per_sample_s": compute.per_sample + compute.overhead / batch,
-            "compute": compute.as_dict(), "standard_model_params": n_params,
+            "compute": asdict(compute), "standard_model_params": n_params,
             "pingpong": dict(zip(SIZES, pp)), "allreduce": dict(zip(SIZES, ar)),
             "allreduce_predicted": dict(zip(SIZES, M.allreduce_time(
                 comm.size, np.array(SIZES), fit).tolist())),

@@ -1,29 +1,15 @@
 """A latency-bandwidth (alpha-beta-gamma) model of a data-parallel step. Pure NumPy.
 
-Sending ``m`` bytes costs ``alpha + m * beta``; reducing ``m`` bytes of data costs
-``m * gamma``. With ``P`` ranks and a model of ``m`` gradient bytes (standard formulas, e.g.
-Thakur, Rabenseifner & Gropp 2005):
-
-* ring allreduce:              ``2(P-1) alpha + 2 (P-1)/P m beta + (P-1)/P m gamma``
-* recursive doubling:          ``log2(P) (alpha + m beta + m gamma)``
-* central parameter server:    ``2 (P-1) (alpha + m beta) + (P-1) m gamma`` — the server's
-  link carries every worker's gradient in and every worker's parameters out, one by one.
-* reduce + broadcast (mpidp's ``ps`` between nodes: ``Reduce_scatter``, ``Gatherv`` to the
-  server, then a scatter + allgather ``Bcast``):
-  ``(3 (P-1) + log2 P) alpha + 4 (P-1)/P m beta + (P-1)/P m gamma`` — twice a ring's
-  bytes, but no link carries more than ``2 m``, so it scales like the ring.
-
-A step is ``compute(B/P) + wait(P) + communicate(P, m)``. Compute is measured (see
-:class:`Compute`): a fixed part plus a part per local sample, slowed by ``contention`` when
-the other ranks of a node compute at the same time. ``wait`` is what a synchronous step
-loses to the slowest of ``P`` ranks: with step times of relative spread ``jitter``, the
-expected maximum of ``P`` of them lies ``jitter * sqrt(2 ln P)`` means above their mean
-(the Gaussian extreme-value rate).
-"""
+Sending ``m`` bytes costs ``alpha + m * beta``, reducing them ``m * gamma``; the
+algorithms' costs at ``P`` ranks are the standard formulas (Thakur, Rabenseifner & Gropp
+2005; :func:`allreduce_time`). A step is ``compute(B/P) + wait(P) + communicate(P, m)``:
+compute is measured (:class:`Compute`), and ``wait``, what a synchronous step loses to the
+slowest of ``P`` ranks whose step times spread by ``jitter``, is ``jitter * sqrt(2 ln P)``
+means (the Gaussian extreme-value rate)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -38,23 +24,14 @@ class Fit:
     beta: float
     gamma: float
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass
 class Compute:
     """A rank's compute per step: ``overhead + per_sample * b`` seconds for ``b`` local
-    samples when it has the node to itself; times ``contention`` when every rank of a node
-    computes at once (shared caches and memory bandwidth); ``jitter`` is the standard
-    deviation of a step's compute time over its mean.
-
-    Notes
-    -----
-    ``contention`` is at least 1 and ``jitter`` at least 0: sharing a node never speeds a
-    rank up, so a measurement below 1 (noise on a loaded machine) is taken as 1; otherwise
-    the model would predict a parallel efficiency above 1.
-    """
+    samples alone on its node; times ``contention`` (at least 1) when every rank of a node
+    computes at once; ``jitter`` (at least 0): the standard deviation of a step's compute
+    time over its mean. A measurement below those bounds is noise (the model would predict
+    an efficiency above 1)."""
 
     per_sample: float
     overhead: float = 0.0
@@ -65,9 +42,6 @@ class Compute:
         self.contention = max(1.0, float(self.contention))
         self.jitter = max(0.0, float(self.jitter))
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
     def scaled(self, factor: float) -> Compute:
         """The same machine doing ``factor`` times the work per step (a bigger model)."""
         return Compute(self.per_sample * factor, self.overhead * factor, self.contention, self.jitter)
@@ -75,11 +49,10 @@ class Compute:
 
 def fit_alpha_beta(nbytes: np.ndarray, seconds: np.ndarray, small: int = 4096,
                    large: int = 1 << 18) -> tuple[float, float]:
-    """``t = alpha + beta * m`` from ping-pong samples, the Hockney way: ``alpha`` is the
-    mean time of the small messages (``m <= small`` bytes), ``beta`` the least-squares slope
-    of ``t - alpha`` over the large ones (``m >= large``), which are what gradients are.
-    A single least-squares line would let the largest message decide both (alpha came out
-    negative here). Falls back to that line when a range has no samples; both >= 0."""
+    """``t = alpha + beta * m`` from ping-pong samples, the Hockney way: ``alpha`` the mean
+    time of the small messages (``m <= small`` bytes), ``beta`` the least-squares slope of
+    ``t - alpha`` over the large ones (``m >= large``), so that the largest message does not
+    decide both; one least-squares line when a range has no samples. Both >= 0."""
     m, t = np.asarray(nbytes, float), np.asarray(seconds, float)
     lo, hi = m <= small, m >= large
     if not lo.any() or not hi.any():
@@ -102,7 +75,14 @@ def fit_gamma(P: int, nbytes: np.ndarray, seconds: np.ndarray, alpha: float, bet
 
 
 def allreduce_time(P, m, fit: Fit, algorithm: str = "ring"):
-    """Predicted seconds to combine ``m`` bytes over ``P`` ranks (arrays broadcast)."""
+    """Predicted seconds to combine ``m`` bytes over ``P`` ranks (arrays broadcast):
+
+    * ``ring``: ``2(P-1) alpha + 2 (P-1)/P m beta + (P-1)/P m gamma``;
+    * ``recursive-doubling``: ``log2(P) (alpha + m beta + m gamma)``;
+    * ``parameter-server`` (central): ``2 (P-1) (alpha + m beta) + (P-1) m gamma``;
+    * ``reduce-broadcast`` (mpidp's ``ps`` between nodes: reduce-scatter, gather to the
+      server, scatter + allgather): ``(3 (P-1) + log2 P) alpha + 4 (P-1)/P m beta + (P-1)/P
+      m gamma``: twice a ring's bytes, but no link carries more than ``2 m``."""
     P = np.asarray(P, float)
     m = np.asarray(m, float)
     if algorithm == "ring":
@@ -122,12 +102,8 @@ def allreduce_time(P, m, fit: Fit, algorithm: str = "ring"):
 def step_time(P, m, batch: int, compute: float | Compute, fit: Fit, algorithm: str = "ring",
               cores: int | None = None):
     """Predicted step seconds at ``P`` ranks for a global ``batch`` and ``m`` gradient bytes.
-
-    ``compute``: a :class:`Compute`, or seconds per sample (no fixed part, contention or
-    jitter). ``cores``: when the ranks share this many cores (P > cores oversubscribes
-    them), the busiest core runs ``ceil(P / cores)`` ranks one after another, each with its
-    fixed part and ``batch / P`` samples.
-    """
+    ``compute``: a :class:`Compute`, or seconds per sample. ``cores``: when the ranks share
+    this many cores, the busiest runs ``ceil(P / cores)`` ranks one after another."""
     c = compute if isinstance(compute, Compute) else Compute(float(compute))
     P = np.asarray(P, float)
     per_core = 1.0 if cores is None else np.ceil(P / cores)
@@ -155,9 +131,9 @@ def ps_limit(m: float, batch: int, compute: float | Compute, fit: Fit, max_P: in
 def prediction_table(fit: Fit, compute_per_param: float | Compute, batch: int,
                      params=(1e4, 1e5, 1e6, 1e7, 1e8, 1e9), bytes_per_param: int = 4,
                      Ps=(1, 2, 4, 8, 16, 64, 256, 1024)) -> list[dict]:
-    """Rows ``{params, P, algorithm, step_s, efficiency}``. Compute scales with the
-    parameter count (an MLP does ~6 flops per parameter per sample): ``compute_per_param``
-    is the compute of a one-parameter model (seconds per sample, or a :class:`Compute`)."""
+    """Rows ``{params, P, algorithm, step_s, efficiency}``, compute scaling with the
+    parameter count: ``compute_per_param`` is a one-parameter model's (seconds per sample, or
+    a :class:`Compute`)."""
     per_param = (compute_per_param if isinstance(compute_per_param, Compute)
                  else Compute(float(compute_per_param)))
     rows = []
