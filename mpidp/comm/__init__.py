@@ -5,7 +5,6 @@ per concern (docs/design.md); functions named "Collective" must be called by eve
 
 import os
 
-from .abort import abort_job, abort_on_error
 from .activity import excused, set_step
 from .agreement import (
     MpidpError,
@@ -19,6 +18,7 @@ from .agreement import (
 )
 from .collectives import (
     MAX_COUNT,
+    MPI_REQUEST_NULL,
     REDUCE_SPLIT_BYTES,
     allgather_counts,
     allgather_in_place,
@@ -38,14 +38,20 @@ from .collectives import (
     iallgather_in_place,
     ialltoallv_,
     ibcast_,
+    irecv,
+    isend,
+    recv_,
     reduce_scatter_sum,
     reduce_sum_to_,
     scatterv_fill,
     scatterv_rows,
+    send,
+    test_all,
+    wait_all,
+    wait_any,
 )
 from .hierarchy import NodeAllreduce, node_aware_pays, node_layout
 from .measure import exchange_time, pingpong, time_allreduce
-from .p2p import MPI_REQUEST_NULL, irecv, isend, recv_, send, test_all, wait_all, wait_any
 from .progress import BackgroundAllreduce, StartedSums, test_some, threads_supported
 from .runtime import (
     SHM_DIR,
@@ -62,7 +68,7 @@ from .runtime import (
     world,
 )
 from .shm import SharedBroadcast, SharedCounter, SharedReduce, shm_room
-from .watchdog import Watchdog
+from .watchdog import Watchdog, abort_job, abort_on_error
 
 
 def install_abort_hook() -> None:
