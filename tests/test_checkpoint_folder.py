@@ -16,7 +16,7 @@ import pytest
 
 from mpidp import atomic, nn
 from mpidp.cli import settings
-from mpidp.data.fingerprint import fingerprint_change
+from mpidp.data.sources import fingerprint_change
 from mpidp.run import checkpoint as ck
 from mpidp.run import folders
 

@@ -5,7 +5,6 @@ per concern (docs/design.md); functions named "Collective" must be called by eve
 
 import os
 
-from .activity import excused, set_step
 from .agreement import (
     MpidpError,
     agree,
@@ -58,11 +57,13 @@ from .runtime import (
     Comm,
     companion,
     duplicate,
+    excused,
     fresh_tag,
     local_ranks,
     mpi_info,
     node_split,
     self_comm,
+    set_step,
     split,
     split_off,
     world,

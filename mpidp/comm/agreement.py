@@ -12,8 +12,7 @@ from mpi4py import MPI
 
 from ..digest import checksum
 from ..errors import MpidpError
-from .activity import watched
-from .runtime import Comm
+from .runtime import Comm, watched
 
 
 @watched("an agreement Allreduce")

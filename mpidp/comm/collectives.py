@@ -15,9 +15,8 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
-from .activity import watched
 from .agreement import MpidpError
-from .runtime import Comm
+from .runtime import Comm, watched
 
 #: Largest element count of one MPI call (a C int); tests lower it (``MPIDP_MAX_COUNT``).
 MAX_COUNT = int(os.environ.get("MPIDP_MAX_COUNT", 2**31 - 1))

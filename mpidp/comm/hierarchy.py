@@ -13,9 +13,8 @@ import time
 
 import numpy as np
 
-from .activity import watched
 from .collectives import allreduce_, allreduce_sum_
-from .runtime import Comm, _node, node_split
+from .runtime import Comm, _node, node_split, watched
 from .shm import SharedReduce, shm_room
 
 

@@ -9,7 +9,7 @@ progress unless its polling progress thread is on).
 - :func:`test_some` and :class:`StartedSums`: started requests advanced (``MPI_Testsome``)
   between pieces of work, from the calling thread.
 
-The watchdog (:mod:`~mpidp.comm.activity`) watches the calling thread only: waiting for the
+The watchdog (:func:`~mpidp.comm.runtime.watched`) watches the calling thread only: waiting for the
 communication thread is a watched call, so a reduction that never completes is seen as any
 stalled collective is.
 """
@@ -23,10 +23,9 @@ from collections import deque
 import numpy as np
 from mpi4py import MPI
 
-from .activity import watched
 from .agreement import MpidpError
 from .collectives import MAX_COUNT, allreduce_sum_
-from .runtime import Comm, duplicate, fresh_tag
+from .runtime import Comm, duplicate, fresh_tag, watched
 
 _END = None  # queued by wait(): the thread ends once everything before it is summed
 

@@ -9,9 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .activity import watched
 from .progress import wait_yielding
-from .runtime import SHM_DIR, Comm
+from .runtime import SHM_DIR, Comm, watched
 
 
 def shm_room(nbytes: int, path: str | None = None) -> bool:

@@ -2,7 +2,7 @@
 stalled rank ends it too, named, within the watchdog's timeout and a grace.
 
 Every MPI call of :mod:`mpidp.comm` marks this process as waiting in MPI while it runs
-(:mod:`~.activity`); between calls it is computing, or excused. A thread per rank checks
+(:func:`~.runtime.watched`); between calls it is computing, or excused. A thread per rank checks
 the mark; past the timeout it holds a roll call on a private duplicate of the
 communicator and names the ranks that do not answer within ``grace`` seconds or compute
 too long, or reports a deadlock when every rank waits in MPI (docs/reliability.md, "The
@@ -22,8 +22,7 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
-from .activity import CALLS, COMPUTING, EXCUSED, IN_MPI, MARK, STATE_NAMES
-from .runtime import SHM_DIR, Comm
+from .runtime import CALLS, COMPUTING, EXCUSED, IN_MPI, MARK, SHM_DIR, STATE_NAMES, Comm
 
 #: Seconds for mpiexec to forward our output before the abort; for the abort to end us.
 _FORWARD_S, _ABORT_GRACE_S = 0.3, 10.0

@@ -22,7 +22,6 @@ from ..nn.sparse import CSR
 from ..nn.standardize import Standardize, pass1_mean, pass1_sums, pass2_squares
 from . import crc32
 from .arrays import SHAPE_RULE, Source
-from .fingerprint import metadata_fingerprint
 from .partition import (
     assign,
     block_counts,
@@ -35,7 +34,7 @@ from .partition import (
     validation_split,
 )
 from .rows import RowReader, Timings
-from .sources import crc_mismatch, open_source, stored_members
+from .sources import crc_mismatch, metadata_fingerprint, open_source, stored_members
 
 DISTRIBUTE = ("scatter", "local")
 
@@ -263,7 +262,7 @@ def _verify_together(comm, path: str) -> None:
 
 
 def data_fingerprint(comm: C.Comm, spec: str, together: bool, root: int = 0) -> dict:
-    """:func:`~mpidp.data.fingerprint.metadata_fingerprint` of ``spec`` with the CRC-32 of
+    """:func:`~mpidp.data.sources.metadata_fingerprint` of ``spec`` with the CRC-32 of
     each file that is not a zip, read by every rank's share when ``together`` (each host has
     the file), else by ``root``. The same dict on every rank. Collective."""
     meta = C.root_decides(comm, metadata_fingerprint, spec, root=root)
