@@ -30,6 +30,7 @@ from .collectives import (
     barrier,
     bcast_,
     bcast_obj,
+    exchange_time,
     gather_obj,
     gather_rows,
     gatherv,
@@ -39,6 +40,7 @@ from .collectives import (
     ibcast_,
     irecv,
     isend,
+    pingpong,
     recv_,
     reduce_scatter_sum,
     reduce_sum_to_,
@@ -46,11 +48,11 @@ from .collectives import (
     scatterv_rows,
     send,
     test_all,
+    time_allreduce,
     wait_all,
     wait_any,
 )
 from .hierarchy import NodeAllreduce, node_aware_pays, node_layout
-from .measure import exchange_time, pingpong, time_allreduce
 from .progress import BackgroundAllreduce, StartedSums, test_some, threads_supported
 from .runtime import (
     SHM_DIR,

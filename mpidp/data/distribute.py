@@ -21,7 +21,7 @@ from ..errors import setting
 from ..nn.sparse import CSR
 from ..nn.standardize import Standardize, pass1_mean, pass1_sums, pass2_squares
 from . import crc32
-from .arrays import SHAPE_RULE, Source
+from .datasets import SHAPE_RULE, Source
 from .partition import (
     assign,
     block_counts,
@@ -103,25 +103,21 @@ class Data:
     def __post_init__(self) -> None:
         if self.sample_shape is None:
             shape = tuple(self.train.X.shape[1:])
-            self.sample_shape = shape if int(np.prod(shape)) == self.n_features else (self.n_features,)
+            self.sample_shape = shape if int(np.prod(shape)) == self.n_features else (
+                self.n_features,)
         self.sample_shape = tuple(int(d) for d in self.sample_shape)
         if int(np.prod(self.sample_shape, dtype=np.int64)) != self.n_features:
             raise ValueError(f"sample shape {self.sample_shape} does not hold {self.n_features} "
                              f"features")
 
 
-def _check_n_classes(src: Source, n_classes: int | None) -> None:
-    """ValueError when a number of classes is given for a dataset without classes."""
-    if n_classes is not None and not src.classification:
-        raise ValueError(f"{src.name}: {setting('n_classes', n_classes)} does not apply: its "
-                         f"targets are real values (a regression), not class labels")
-
-
 def _plan(src: Source, n_classes, test_fraction, seed, layout) -> tuple[tuple, np.ndarray | None]:
     """``((train_rows, test_rows, val_rows), costs)``: the test split, validation rows held
     out of the training rows, and the training positions' costs (``layout["costs"]``, one
-    per dataset row, or the source's own)."""
-    _check_n_classes(src, n_classes)
+    per dataset row, or the source's own). ValueError for classes of a regression."""
+    if n_classes is not None and not src.classification:
+        raise ValueError(f"{src.name}: {setting('n_classes', n_classes)} does not apply: its "
+                         f"targets are real values (a regression), not class labels")
     train, test = split_rows(src.n_samples, test_fraction, seed, src.fixed_test)
     train, val = validation_split(train, layout["val_fraction"], seed)
     if layout["costs"] is None:

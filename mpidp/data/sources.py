@@ -23,10 +23,11 @@ import numpy as np
 
 from ..errors import setting
 from ..nn.sparse import CSR
-from .arrays import ArraySource, Source
+from . import datasets
 from .crc32 import of_range
+from .datasets import ArraySource, Source
 
-IMAGES = ("digits", "mnist1d", "mnist")  # made by mpidp.data.datasets
+IMAGES = ("digits", "mnist1d", "mnist")  # mpidp.data.datasets makes them
 BUILTIN = (*IMAGES, "synthetic", "bow")
 ACCEPTED = ("expected " + ", ".join(map(repr, BUILTIN)) + ", an .npz file with arrays X and y, "
             "a folder with X.npy and y.npy, or an .h5/.hdf5 file with datasets X and y")
@@ -373,7 +374,6 @@ def open_source(spec: str | os.PathLike, *, n_samples: int = 60000,
     pass over the file; docs/benchmarks-data.md). ValueError naming the problem."""
     spec = os.fspath(spec)
     if spec in IMAGES:
-        from . import datasets  # the optional packages load only when asked for
         return getattr(datasets, spec)()
     if spec == "synthetic":
         return SyntheticSource(n_samples, n_features, n_classes, seed, regression)
