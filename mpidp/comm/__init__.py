@@ -52,7 +52,6 @@ from .collectives import (
     wait_all,
     wait_any,
 )
-from .hierarchy import NodeAllreduce, node_aware_pays, node_layout
 from .progress import BackgroundAllreduce, StartedSums, test_some, threads_supported
 from .runtime import (
     SHM_DIR,
@@ -70,7 +69,15 @@ from .runtime import (
     split_off,
     world,
 )
-from .shm import SharedBroadcast, SharedCounter, SharedReduce, shm_room
+from .shm import (
+    NodeAllreduce,
+    SharedBroadcast,
+    SharedCounter,
+    SharedReduce,
+    node_aware_pays,
+    node_layout,
+    shm_room,
+)
 from .watchdog import Watchdog, abort_job, abort_on_error
 
 

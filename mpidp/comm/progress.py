@@ -1,18 +1,8 @@
-"""Communication that moves while this process computes: MPI moves a non-blocking collective
-only while some thread of the process is inside MPI (MPICH over TCP has no background
-progress unless its polling progress thread is on).
-
-- :class:`BackgroundAllreduce`: a communication thread runs one blocking in-place
-  ``Allreduce`` per buffer handed to it, in order, on a private duplicate of the
-  communicator, while the calling thread computes (NumPy and mpi4py release the GIL).
-  Needs ``MPI_THREAD_MULTIPLE``.
-- :func:`test_some` and :class:`StartedSums`: started requests advanced (``MPI_Testsome``)
-  between pieces of work, from the calling thread.
-
-The watchdog (:func:`~mpidp.comm.runtime.watched`) watches the calling thread only: waiting for the
-communication thread is a watched call, so a reduction that never completes is seen as any
-stalled collective is.
-"""
+"""Communication that moves while this process computes (MPI moves a started collective
+only while some thread is inside MPI): :class:`BackgroundAllreduce`, a communication
+thread (needs ``MPI_THREAD_MULTIPLE``), and :func:`test_some`/:class:`StartedSums`,
+requests advanced between pieces of work. The watchdog watches the calling thread only:
+waiting for the communication thread is a watched call."""
 
 from __future__ import annotations
 
@@ -61,16 +51,11 @@ _sum_in_place = allreduce_sum_.__wrapped__
 
 
 class BackgroundAllreduce:
-    """In-place sums over the ranks of ``comm``, run by a communication thread.
-
-    Collective to create (duplicates ``comm``) and to :meth:`close`. Every rank must
-    :meth:`submit` the same sequence of buffer sizes; each buffer is summed by one blocking
-    ``Allreduce``, in order, while the caller computes. :meth:`wait` blocks (sleeping)
-    until every submitted buffer is summed and ends the thread. A failure on the thread is
-    raised by the next :meth:`wait` or :meth:`submit` as :class:`MpidpError` (and again by
-    later calls). A submitted buffer belongs to the thread until :meth:`wait` returns.
-    ``pending``: buffers not yet summed; ``completed``: buffers summed since creation.
-    """
+    """In-place sums over the ranks of ``comm`` by a communication thread, one blocking
+    ``Allreduce`` per buffer in order, on a duplicate of ``comm`` (collective to create and to
+    :meth:`close`). Every rank :meth:`submit`-s the same buffer sizes; a buffer belongs to
+    the thread until :meth:`wait`, which raises the thread's failure as :class:`MpidpError`.
+    ``pending``: buffers not yet summed; ``completed``: summed since creation."""
 
     def __init__(self, comm: Comm, name: str = "mpidp-allreduce") -> None:
         if not threads_supported():
@@ -171,19 +156,13 @@ PAIR_TAGS = (0x4000, 0x3000)
 
 class StartedSums:
     """In-place sums over the ranks of ``comm`` of parts of one buffer, started one at a
-    time, completed in any order, advanced by :meth:`advance` between pieces of work.
-
-    With more than two ranks each part is one ``Iallreduce``. With two it is one exchange
-    (``Isend`` of the part, ``Irecv`` of the other's into scratch, added once both are
-    complete): a ring's bytes in one round, so one call of the library's progress sets it
-    all moving. The same bits on both ranks (rank 0's part added first). The scratch, the
-    size of ``buf``, lives from the first exchange until :meth:`release`.
-
-    Every rank makes its ``StartedSums`` on ``comm`` and starts its parts in the same order
-    (as for collectives); nothing else on ``comm`` may use :data:`PAIR_TAGS` (give it a
-    duplicate of its own, :func:`mpidp.comm.companion`, or ``private=True``: a duplicate
-    freed by :meth:`close`). A part belongs to the sums until it is :meth:`done`.
-    """
+    time, completed in any order, advanced by :meth:`advance` between pieces of work. With
+    more than two ranks each part is an ``Iallreduce``; with two, one exchange (``Isend``,
+    ``Irecv`` into scratch, added once complete, rank 0's part first): one round, so one call
+    sets it all moving. Every rank makes them and starts parts in the same order; nothing
+    else on ``comm`` may use :data:`PAIR_TAGS` (give it :func:`mpidp.comm.companion`, or
+    ``private=True``: a duplicate freed by :meth:`close`). A part belongs to the sums until
+    :meth:`done`."""
 
     def __init__(self, comm: Comm, buf: np.ndarray, private: bool = False) -> None:
         if buf.ndim != 1 or not buf.flags.c_contiguous or not buf.flags.writeable:

@@ -1,13 +1,8 @@
 """Failing loudly: an error on one rank ends the whole job (:func:`abort_on_error`), and a
-stalled rank ends it too, named, within the watchdog's timeout and a grace.
-
-Every MPI call of :mod:`mpidp.comm` marks this process as waiting in MPI while it runs
-(:func:`~.runtime.watched`); between calls it is computing, or excused. A thread per rank checks
-the mark; past the timeout it holds a roll call on a private duplicate of the
-communicator and names the ranks that do not answer within ``grace`` seconds or compute
-too long, or reports a deadlock when every rank waits in MPI (docs/reliability.md, "The
-watchdog").
-"""
+stalled rank ends it too, named. Every MPI call marks this process as waiting in MPI
+(:func:`~.runtime.watched`); a thread per rank checks the mark and past the timeout holds
+a roll call on a private duplicate of the communicator (docs/reliability.md, "The
+watchdog")."""
 
 from __future__ import annotations
 

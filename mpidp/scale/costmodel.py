@@ -158,32 +158,22 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
                    per_node: int = 1, link_hops: int = 1, cpu_per_byte: float = 0.0,
                    wire_share: float = 0.5, cores: int | None = None,
                    last_bucket: float = 0.0, node: float = 0.0) -> float:
-    """Predicted seconds of one step of the schedule ``mode`` (:data:`MODES`) at ``P`` ranks
-    with ``m`` gradient bytes, from a measured ``compute`` (seconds of forward + backward +
-    update on one rank's share) and the link's :class:`Fit`; ``c`` is ``compute``:
+    """Predicted seconds of one step of schedule ``mode`` (:data:`MODES`) at ``P`` ranks with
+    ``m`` gradient bytes, from a measured ``compute`` ``c`` (forward + backward + update of
+    one rank's share) and the link's :class:`Fit`:
 
     * ``allreduce``: ``c + ring(P, m)``;
-    * ``overlapped``: the exchange starts ``first_bucket`` (a share) into the backward pass
-      (``backward``: its share of ``c``) and runs beside the rest of it: ``(1 - backward) c
-      + max(backward c, first_bucket backward c + ring(P, m))``;
-    * ``overlapped-forward``: as ``overlapped``, finishing during the next forward pass:
-      ``max(c, first_bucket backward c + ring(P, m))``;
-    * ``compressed``: as ``overlapped`` with ``wire_share`` of the bytes (16 bits: 0.5),
-      plus ``codec`` seconds of encoding and decoding;
-    * in these three the last bucket, ``last_bucket`` of the bytes (the first layer's),
-      starts when backward is over: ``ring(P, last_bucket m)`` follows backward on every
-      path; and the exchange's work on the computing cores (``cpu_per_byte`` seconds per
-      byte sent, ``2 (P-1)/P`` of what a rank reduces; 0: a network card does it)
-      lengthens the backward pass it hides behind;
-    * ``node-aware``: ``P / per_node`` node leaders run the ring, plus ``node`` seconds
-      (measured) for the sums inside each node and the copies back.
+    * ``overlapped``: ``(1 - backward) c + max(backward c, first_bucket backward c + ring(P,
+      m))``: the exchange starts ``first_bucket`` into backward (``backward``: its share of c);
+    * ``overlapped-forward``: ``max(c, first_bucket backward c + ring(P, m))``;
+    * ``compressed``: as ``overlapped`` on ``wire_share`` of the bytes, plus ``codec`` seconds;
+    * in these three the last bucket's ``ring(P, last_bucket m)`` follows backward, and the
+      exchange's work on the computing cores (``cpu_per_byte`` per byte sent) lengthens it;
+    * ``node-aware``: ``P / per_node`` leaders run the ring, plus ``node`` seconds inside nodes.
 
-    ``link_hops``: hops of the flat ring sharing one direction of the busiest link (1 with
-    ranks placed in blocks, ``per_node`` when dealt out in turn). ``cores``: how many cores
-    all ``P`` ranks share (None: each has its own); with more ranks exchanging than cores,
-    ``s = exchanging / cores`` ranks share each core's work per byte, and a ring moves its
-    bytes at ``max(beta, s cpu_per_byte)`` per byte.
-    """
+    ``link_hops``: hops of the flat ring sharing the busiest link's direction. ``cores``: the
+    cores all ``P`` ranks share (None: their own); ``s = exchanging / cores`` ranks then share
+    each core's work, and a ring moves a byte in ``max(beta, s cpu_per_byte)``."""
     shape = MODES.get(mode)
     if shape is None:
         raise ValueError(f"unknown mode {mode!r}; expected one of {tuple(MODES)}")
