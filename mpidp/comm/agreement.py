@@ -17,9 +17,8 @@ from .runtime import Comm, watched
 
 @watched("an agreement Allreduce")
 def agree(comm: Comm, error: str | None) -> None:
-    """Raise the same :class:`MpidpError` on every rank if ``error`` (this rank's verdict,
-    None when fine) is set on any rank, naming the lowest failing rank's problem and how many
-    ranks failed. Collective."""
+    """Raise the same :class:`MpidpError` on every rank if any rank's ``error`` is set (None:
+    fine), naming the lowest failing rank's problem and the failed ranks. Collective."""
     flag = np.array([0 if error is None else 1], np.int32)
     comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
     if not flag[0]:
@@ -90,7 +89,8 @@ def assert_in_sync(comm: Comm, params: np.ndarray, root: int = 0) -> None:
         return
     hashes = comm.allgather(checksum(params))  # failure path only
     bad = [r for r, h in enumerate(hashes) if h != hashes[root]]
-    raise MpidpError(f"parameters differ from rank {root}'s on ranks {bad}: replicas are out of sync")
+    raise MpidpError(f"parameters differ from rank {root}'s on ranks {bad}: replicas are out of "
+                     f"sync")
 
 
 def _digest(value: Any) -> int:
@@ -111,20 +111,13 @@ def agree_same(comm: Comm, where: str, items: dict[str, Any]) -> None:
     differ = [k for i, k in enumerate(names) if buf[i] != -buf[len(names) + i]]
     if not differ:
         return
-    shown = comm.allgather({k: _short(repr(items[k])) for k in differ})  # failure path only
+    short = {k: r if len(r := repr(items[k])) <= 80 else r[:77] + "..." for k in differ}
+    shown = comm.allgather(short)  # failure path only
     parts = []
     for k in differ:
-        groups: dict[str, list[int]] = {}
-        for rank, values in enumerate(shown):
-            groups.setdefault(values[k], []).append(rank)
-        parts.append(f"{k} is " + ", ".join(f"{v} on {_ranks(r)}" for v, r in groups.items()))
+        seen = [values[k] for values in shown]
+        groups = {v: [r for r, w in enumerate(seen) if w == v] for v in dict.fromkeys(seen)}
+        parts.append(f"{k} is " + ", ".join(f"{v} on rank {r[0]}" if len(r) == 1 else
+                                            f"{v} on ranks {r}" for v, r in groups.items()))
     raise MpidpError(f"{where}: every rank must pass the same arguments, but " +
                      "; ".join(parts))
-
-
-def _short(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"

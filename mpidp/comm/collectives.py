@@ -104,9 +104,8 @@ def iallgather_in_place(comm: Comm, buf: np.ndarray) -> MPI.Request:
 
 
 def ibcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> list[MPI.Request]:
-    """Start broadcasting contiguous ``buf`` from ``root`` in place (one request per
-    :data:`MAX_COUNT` elements); ``buf`` stays alive, and unchanged on ``root``, until
-    :func:`wait_all` completes the requests."""
+    """Start broadcasting contiguous ``buf`` from ``root`` in place; ``buf`` stays alive, and
+    unchanged on ``root``, until :func:`wait_all` completes the requests."""
     flat = buf.reshape(-1)
     return [comm.Ibcast(flat[lo:hi], root=root) for lo, hi in _pieces(flat.size)]
 
@@ -401,9 +400,8 @@ def pingpong(comm: Comm, nbytes: int, reps: int = 50, peer: int = 1) -> float | 
 
 def time_allreduce(comm: Comm, n: int, dtype=np.float32, reps: int = 20,
                    evict: np.ndarray | None = None) -> float:
-    """Median seconds of an in-place ``Allreduce`` of ``n`` elements (the slowest rank's,
-    between barriers). Collective. ``evict``: an array read before each repetition to push the
-    buffer out of the caches, as a training step's other memory traffic does."""
+    """Median seconds of an in-place ``Allreduce`` of ``n`` elements (the slowest rank's).
+    Collective. ``evict``: read before each, to push the buffer out of the caches."""
     buf = np.ones(n, dtype)
     times = []
     for _ in range(reps + 2):
@@ -417,9 +415,8 @@ def time_allreduce(comm: Comm, n: int, dtype=np.float32, reps: int = 20,
 
 
 def exchange_time(comm: Comm, nbytes: int, reps: int = 20, peer: int = 1) -> float | None:
-    """Seconds for rank 0 and ``peer`` to ``Sendrecv`` ``nbytes`` to each other (the median
-    of ``reps``: a link with both directions busy, as in a ring's steps) on rank 0; None
-    elsewhere. Collective over the pair."""
+    """Median seconds for rank 0 and ``peer`` to ``Sendrecv`` ``nbytes`` to each other (both
+    directions busy, as in a ring), on rank 0; None elsewhere. Collective over the pair."""
     if comm.rank not in (0, peer):
         return None
     other = peer if comm.rank == 0 else 0

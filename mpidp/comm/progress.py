@@ -34,9 +34,8 @@ def test_some(requests: list[MPI.Request]) -> int:
 
 
 def wait_yielding(request: MPI.Request, longest_sleep: float) -> None:
-    """Complete ``request``, testing it with sleeps from 10 us doubling up to
-    ``longest_sleep`` seconds, so that a rank waiting long leaves its core to the working
-    ranks and the network stack (<= 0: a plain ``Wait``, which may poll)."""
+    """Complete ``request``, sleeping between tests (10 us doubling up to ``longest_sleep``)
+    to leave the core to working ranks (``longest_sleep <= 0``: a plain ``Wait``)."""
     if longest_sleep <= 0:
         request.Wait()
         return

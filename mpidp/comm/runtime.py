@@ -32,7 +32,8 @@ class _Mark:
     __slots__ = ("state", "call", "since", "step", "excuse")
 
     def __init__(self) -> None:
-        self.state, self.call, self.since, self.step, self.excuse = COMPUTING, 0, time.monotonic(), -1, ""
+        self.state, self.call, self.step, self.excuse = COMPUTING, 0, -1, ""
+        self.since = time.monotonic()
 
 
 MARK = _Mark()
@@ -132,9 +133,8 @@ _TAGS = MPI.Comm.Create_keyval()  # per communicator: the next tag of :func:`fre
 
 
 def companion(comm: Comm) -> Comm:
-    """A duplicate of ``comm`` for operations that must never match its own collectives:
-    made on the first call for ``comm`` (collective then), the same one later, kept on
-    ``comm`` and freed with it."""
+    """A duplicate of ``comm`` that never matches its collectives: made on the first call
+    (collective then), the same one later, kept on ``comm`` and freed with it."""
     dup = comm.Get_attr(_COMPANION)
     if dup is None:
         dup = duplicate(comm)
@@ -189,9 +189,8 @@ RANKS_PER_NODE = "MPIDP_RANKS_PER_NODE"
 
 
 def _forced_per_node(comm: Comm) -> int:
-    """``MPIDP_RANKS_PER_NODE`` (0: unset). Collective: a value that is not a whole number
-    >= 1 on some rank, or differs between ranks, raises the same :class:`MpidpError` on every
-    rank."""
+    """``MPIDP_RANKS_PER_NODE`` (0: unset). Collective: a bad value, or one that differs
+    between ranks, raises the same :class:`MpidpError` on every rank."""
     raw = os.environ.get(RANKS_PER_NODE, "").strip()
     whole = raw.isascii() and raw.isdigit() and int(raw) >= 1
     mine = (min(int(raw), 1 << 31) if whole else -1) if raw else 0

@@ -17,9 +17,8 @@ from .runtime import SHM_DIR, Comm, _node, node_split, watched
 
 
 def shm_room(nbytes: int, path: str | None = None) -> bool:
-    """True if ``path`` (default: the shared-memory folder; True if absent) has twice
-    ``nbytes`` free: a window larger than its tmpfs (64 MiB by default in Docker) is not
-    refused when allocated but kills the process with SIGBUS when touched."""
+    """True if ``path`` (default: the shared-memory folder; True if absent) has twice ``nbytes``
+    free: a window past its tmpfs kills the process with SIGBUS when touched."""
     try:
         st = os.statvfs(SHM_DIR if path is None else path)
     except OSError:
@@ -28,9 +27,8 @@ def shm_room(nbytes: int, path: str | None = None) -> bool:
 
 
 class SharedCounter:
-    """A global counter that any rank can fetch-and-add without the others' help. Collective
-    to create and to :meth:`free`: on one node in a shared-memory window (``Fetch_and_op``
-    without the owner entering MPI), across nodes ``mpi4py.util.sync.Counter``."""
+    """A global counter any rank can fetch-and-add alone, in a shared-memory window on one
+    node (``mpi4py.util.sync.Counter`` across nodes). Collective to create and to :meth:`free`."""
 
     def __init__(self, comm: Comm, start: int = 0) -> None:
         local = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -147,7 +145,7 @@ class SharedBroadcast:
         self._sent: list[MPI.Request] = []
 
     def free(self) -> None:
-        """Release the window and its communicator (after :meth:`finish`). Collective; idempotent."""
+        """Free the window and communicator (after :meth:`finish`). Collective; idempotent."""
         if _free_window(self):
             self.comm.Free()
 

@@ -78,9 +78,8 @@ def _check_arrays(name: str, X, y) -> None:
 
 
 class ArraySource(Source):
-    """Arrays (in memory, memory-mapped or HDF5 datasets) read by fancy indexing: ``X``
-    ``(n_samples, *sample_shape)``, ``y`` ``(n_samples,)`` or ``(n_samples, n_targets)``;
-    ``fixed_test`` as for :class:`Source`."""
+    """Arrays (in memory, memory-mapped or HDF5) read by fancy indexing: ``X`` ``(n_samples,
+    *sample_shape)``, ``y`` ``(n_samples,)`` or ``(n_samples, n_targets)``."""
 
     def __init__(self, name: str, X, y, fixed_test: int | None = None) -> None:
         _check_arrays(name, X, y)

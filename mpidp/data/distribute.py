@@ -112,9 +112,8 @@ class Data:
 
 
 def _plan(src: Source, n_classes, test_fraction, seed, layout) -> tuple[tuple, np.ndarray | None]:
-    """``((train_rows, test_rows, val_rows), costs)``: the test split, validation rows held
-    out of the training rows, and the training positions' costs (``layout["costs"]``, one
-    per dataset row, or the source's own). ValueError for classes of a regression."""
+    """``((train_rows, test_rows, val_rows), costs)``: the splits and the training positions'
+    costs (``layout["costs"]`` or the source's own); ValueError for classes of a regression."""
     if n_classes is not None and not src.classification:
         raise ValueError(f"{src.name}: {setting('n_classes', n_classes)} does not apply: its "
                          f"targets are real values (a regression), not class labels")
@@ -225,8 +224,7 @@ def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, sourc
 
 def crc_together(comm: C.Comm, path: str, spans: list[tuple[int, int]]) -> list[int]:
     """The CRC-32 of each ``(offset, size)`` span of file ``path``, each rank reading ``1/size``
-    of every span. Collective; a rank that cannot read its share raises the same
-    :class:`mpidp.MpidpError` on every rank."""
+    of every span. Collective; a rank's read error raises the same error on every rank."""
     mine, error = np.zeros((len(spans), 2)), None
     if not os.path.isfile(path):  # this rank's host has no copy (local reads need one)
         error = f"dataset not found: {path!r} on this rank's host"
@@ -421,9 +419,8 @@ def _agree_sample_shape(comm: C.Comm, shape: tuple[int, ...]) -> None:
 
 def load_on_workers(comm: C.Comm, server: int, load: Callable[[C.Comm], Data],
                     dtype) -> Data:
-    """``load(workers)`` on every rank of ``comm`` but a dedicated ``server`` (``workers``:
-    their own communicator); the server gets the same description with empty shards
-    (features of ``dtype``). Collective; a worker's error reaches every rank, said once."""
+    """``load(workers)`` on every rank of ``comm`` but a dedicated ``server``, which gets the
+    same description with empty shards (of ``dtype``). Collective; errors reach every rank."""
     workers = C.split_off(comm, server)
     data, error = None, None
     if workers is not None:
@@ -455,8 +452,7 @@ def _emptied(data: Data, dtype) -> Data:
 
 
 def fit_over_ranks(comm: C.Comm, layer: Standardize, X: np.ndarray) -> None:
-    """Fit ``layer`` to the exact mean and standard deviation of every rank's ``X`` together,
-    as one rank holding them all would: one ``Allreduce`` of the counts and sums, one of the
-    centred sums of squares. Collective."""
+    """Fit ``layer`` to the exact mean and standard deviation of every rank's ``X`` together
+    (one ``Allreduce`` of counts and sums, one of centred squares). Collective."""
     count, mean = pass1_mean(C.allreduce_sum_(comm, pass1_sums(X)))
     layer.fit_(count, mean, C.allreduce_sum_(comm, pass2_squares(X, mean)))

@@ -215,9 +215,8 @@ def balance_batches(order: np.ndarray, batch_size: int, costs, capacities) -> np
 
 
 def adaptive_capacities(work: np.ndarray, seconds: np.ndarray, previous) -> np.ndarray:
-    """New capacities ``(size,)``, positive with mean 1, from the measured throughput
-    ``work / seconds``; a rank that did no work or took no time keeps its previous capacity
-    (rescaled)."""
+    """New capacities ``(size,)`` (mean 1) from the measured ``work / seconds``; a rank that did
+    no work or took no time keeps its previous capacity (rescaled)."""
     work, seconds = np.asarray(work, np.float64), np.asarray(seconds, np.float64)
     prev = check_weights(previous, len(work), "capacities")
     measured = (work > 0) & (seconds > 0) & np.isfinite(seconds)
@@ -233,8 +232,7 @@ def adaptive_capacities(work: np.ndarray, seconds: np.ndarray, previous) -> np.n
 
 def _checked(strategy: str, n: int, size: int, costs, capacities) -> tuple:
     """``(costs, capacities)`` checked (None where not given); ValueError for an unknown
-    strategy, bad weights, or ``adaptive`` with fewer samples than ranks (a rank without
-    samples cannot be measured)."""
+    strategy, bad weights, or ``adaptive`` with fewer samples than ranks."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown partition strategy {strategy!r}; expected one of {STRATEGIES}")
     if n < 0 or size < 1:

@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from ..nn.sparse import CSR
+from .crc32 import pread_into
 from .sources import ArraySource, Source, check_rows
 
 
@@ -28,8 +29,7 @@ BLOCK_BYTES = 4 << 20
 
 class Timings:
     """Seconds per phase (``open``, ``read``, ``check``, ``cast``, ``send``) added into the
-    caller's dict, if any (``load(..., timings={})``); each :meth:`lap` charges the time since
-    the previous lap to one phase."""
+    caller's dict, if any; each :meth:`lap` charges the time since the last to one phase."""
 
     def __init__(self, into: dict | None) -> None:
         self.into, self.t = into, time.perf_counter()
@@ -43,8 +43,7 @@ class Timings:
 
 def finite_at_a_glance(X: np.ndarray) -> bool:
     """True when a float array is certainly finite: its sum of squares is (one BLAS dot, no
-    bool array; docs/benchmarks-data.md). Squares that overflow answer False: the full check
-    decides then."""
+    bool array; docs/benchmarks-data.md). False when squares overflow: check in full then."""
     if X.dtype.kind != "f":
         return True
     flat = X.reshape(-1)
@@ -81,9 +80,8 @@ def hdf5_bytes(X) -> tuple[str | None, int]:
 
 
 def map_rows(fd: int, start: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """The C-ordered ``shape`` array of ``dtype`` stored from byte ``start`` of open file ``fd``
-    as a private copy-on-write memory map: the page cache's pages until written; the file is
-    never written."""
+    """The C-ordered ``shape`` array of ``dtype`` from byte ``start`` of open file ``fd``, as
+    a private copy-on-write memory map (the page cache's pages until written)."""
     count = int(np.prod(shape, dtype=np.int64))
     base = start - start % mmap.ALLOCATIONGRANULARITY
     mm = mmap.mmap(fd, start - base + count * dtype.itemsize, access=mmap.ACCESS_COPY,
@@ -91,16 +89,6 @@ def map_rows(fd: int, start: int, shape: tuple[int, ...], dtype: np.dtype) -> np
     with contextlib.suppress(AttributeError, OSError):
         mm.madvise(mmap.MADV_WILLNEED)  # a file not in the page cache: read ahead now
     return np.frombuffer(mm, dtype, count, start - base).reshape(shape)
-
-
-def pread_into(fd: int, out: np.ndarray, offset: int) -> None:
-    """Fill C-contiguous ``out`` with the file's bytes from ``offset`` (no page faults)."""
-    view = memoryview(out).cast("B")
-    while len(view):
-        got = os.preadv(fd, [view], offset)
-        if got == 0:
-            raise OSError(f"unexpected end of file at byte {offset}")
-        view, offset = view[got:], offset + got
 
 
 class RowReader:
@@ -216,9 +204,8 @@ class RowReader:
         return X
 
     def _map(self, rows: np.ndarray) -> np.ndarray | None:
-        """``X[rows]`` as a copy-on-write map of the file when ``rows`` are one run stored as
-        plain bytes in the load dtype, aligned for it; else (or where the file system cannot
-        map) None."""
+        """``X[rows]`` as a copy-on-write map when ``rows`` are one run stored as plain bytes in
+        the load dtype, aligned for it; else (or where the file system cannot map) None."""
         if (len(rows) == 0 or int(rows[-1]) - int(rows[0]) + 1 != len(rows)
                 or self.source.X.dtype != self.dtype):
             return None

@@ -191,9 +191,8 @@ def read_npy_header(f) -> tuple[tuple[int, ...], bool, np.dtype]:
 
 
 def _check_shape(what: str, shape: tuple[int, ...], writer: str) -> None:
-    """ValueError naming ``what`` when a ``.npy`` header's ``shape`` has a negative dimension
-    (numpy reads it, then fails to map it); ``writer``: the numpy function that writes a
-    good one."""
+    """ValueError naming ``what`` when a ``.npy`` header's ``shape`` has a negative dimension;
+    ``writer``: the numpy function that writes a good one."""
     if any(d < 0 for d in shape):
         raise ValueError(f"{what}: its header gives the shape {tuple(shape)}, with a negative "
                          f"dimension: the header was edited or damaged; write the array again "
@@ -225,9 +224,8 @@ def crc_mismatch(path: str, member: str) -> str:
 
 
 def stored_members(path: str) -> list[tuple[str, int, int, int]]:
-    """``(name, offset, size, crc)`` of the uncompressed (memory-mapped) ``X.npy`` and
-    ``y.npy`` members of the ``.npz`` file ``path``; empty for anything else, never reading a
-    FIFO or a device."""
+    """``(name, offset, size, crc)`` of the uncompressed ``X.npy``, ``y.npy`` members of the
+    ``.npz`` file ``path``; empty for anything else (never reading a FIFO or a device)."""
     if not os.path.isfile(path):
         return []
     try:
