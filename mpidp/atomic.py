@@ -1,7 +1,6 @@
-"""Atomic writes that honour the umask: a crash at any moment leaves either the old file or
-the complete new one (pure Python; used by checkpoints and saved models alike). A failed
-write raises :class:`WriteError`: one line naming the file asked for (never a temporary
-one), why, and the fix. :func:`check_file` and :func:`check_folder` try a place first."""
+"""Atomic writes that honour the umask: a crash leaves the old file or the complete new one.
+A failed write raises :class:`WriteError`: one line naming the file asked for, why, and
+the fix; :func:`check_file` and :func:`check_folder` try a place first."""
 
 from __future__ import annotations
 
@@ -79,12 +78,9 @@ def host_tag() -> str:
 
 
 def write_atomic(path: str, write: Callable[[IO[bytes]], object], what: str | None = None) -> None:
-    """Write ``path`` via a temporary file in the same folder: write, flush, fsync, rename.
-
-    The file gets the mode a plain ``open`` would give it (``0o666`` less the umask). The
-    temporary name ``.tmp-<host tag>-<pid>-*`` says who wrote it, so a killed writer's file
-    can be told from a live one's. An ``OSError`` is raised as a :class:`WriteError` naming
-    ``path`` (``what``: the option that named the place); the temporary file is removed."""
+    """Write ``path`` via a temporary file in the same folder (write, flush, fsync, rename),
+    with the mode a plain ``open`` gives. The name ``.tmp-<host tag>-<pid>-*`` says who wrote
+    it; an ``OSError`` is raised as a :class:`WriteError` naming ``path`` and ``what``."""
     directory = os.path.dirname(os.path.abspath(path))
     try:
         fd, tmp = tempfile.mkstemp(dir=directory,
@@ -112,10 +108,9 @@ def write_atomic(path: str, write: Callable[[IO[bytes]], object], what: str | No
 
 def write_together(files: Sequence[tuple[str, Callable[[str], object]]],
                    what: str | None = None) -> None:
-    """Write several files so that, short of a crash between two renames, all are replaced or
-    none: ``save(tmp)`` of each ``(path, save)`` writes a temporary file beside ``path``
-    (folders created first), renamed into place once all are written. On a failure the
-    temporary files are removed and a :class:`WriteError` names the ``path`` that failed."""
+    """Write several files so that, short of a crash between renames, all are replaced or
+    none: ``save(tmp)`` of each ``(path, save)`` writes beside ``path``, renamed once all are
+    written; on a failure a :class:`WriteError` names the ``path`` that failed."""
     staged: list[tuple[str, str]] = []
     try:
         for path, save in files:
@@ -190,8 +185,7 @@ def _not_dangling(path: str, what: str) -> None:
 
 def check_file(path: str, what: str, example: str = "out.npy") -> None:
     """ValueError naming ``what`` (the option), ``path`` and the fix unless a file can be
-    written at ``path``: not a folder (the fix names ``example`` in it), not under a dangling
-    symbolic link, in a folder where files can be created."""
+    written at ``path`` (not a folder, not under a dangling link, in a writable folder)."""
     if os.path.isdir(path) or path.endswith(os.sep):
         raise ValueError(f"{what} {shown(path)} is a folder: give the path of a file, e.g. "
                          f"{shown(os.path.join(path, example))}")
@@ -201,8 +195,7 @@ def check_file(path: str, what: str, example: str = "out.npy") -> None:
 
 def check_folder(path: str, what: str) -> None:
     """ValueError naming ``what``, ``path`` and the fix unless ``path`` is, or can be made, a
-    folder to write in: not a file, not under a dangling symbolic link, where files can be
-    created."""
+    folder to write in (not a file, not under a dangling link, where files can be created)."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{what} {shown(path)} exists and is not a folder: give a folder, "
                          f"or a path where one can be made")

@@ -24,9 +24,8 @@ def state_of(optimizer: object) -> str:
 
 
 def settings_of(obj: object, skip: tuple[str, ...] = ()) -> str:
-    """What identifies ``obj``'s settings: its class and plain attributes (numbers, strings,
-    bools, None, and the ``config()`` of attributes that have one), sorted; arrays and other
-    state are left out. ``skip``: attributes that count what was done rather than say how."""
+    """What identifies ``obj``'s settings: its class and plain attributes (and the ``config()``
+    of those that have one), sorted; ``skip``: attributes that count what was done."""
     plain = (int, float, str, bool, type(None), np.number)
     parts = []
     for name, value in sorted(vars(obj).items()) if hasattr(obj, "__dict__") else ():

@@ -82,10 +82,8 @@ from .watchdog import Watchdog, abort_job, abort_on_error
 
 
 def install_abort_hook() -> None:
-    """:func:`abort_on_error`, unless ``MPIDP_ABORT_ON_ERROR=0``: an uncaught exception on
-    any rank ends the job instead of hanging it. Idempotent. Importing this package calls
-    it; a trainer calls it again when built (MPI may have started after the import, or the
-    hook have been removed)."""
+    """:func:`abort_on_error` unless ``MPIDP_ABORT_ON_ERROR=0``; idempotent (a trainer calls it
+    again: MPI may have started after the import)."""
     if os.environ.get("MPIDP_ABORT_ON_ERROR", "1") != "0":
         abort_on_error()
 

@@ -1,10 +1,7 @@
-"""Buffer-based collectives and point-to-point messages on NumPy arrays, with the
-large-count path, and the network's latency and bandwidth measured. Every collective must
-be called by every rank of ``comm``.
-
-Arrays travel in upper-case mpi4py calls; the pickled ``*_obj`` calls carry small control
-messages only. MPI counts are C ints: buffers over :data:`MAX_COUNT` elements go in
-pieces, and row-wise transfers count rows of a contiguous row datatype."""
+"""Buffer-based collectives and point-to-point messages on NumPy arrays, and the network's
+latency and bandwidth measured. Arrays travel in upper-case mpi4py calls, in pieces over
+:data:`MAX_COUNT` elements (rows as a contiguous datatype); every collective must be
+called by every rank of ``comm``."""
 
 from __future__ import annotations
 
@@ -83,12 +80,10 @@ def allreduce_max(comm: Comm, values: Sequence[float]) -> np.ndarray:
 
 def ialltoallv_(comm: Comm, send: np.ndarray, send_parts: tuple[np.ndarray, np.ndarray],
                 recv: np.ndarray, recv_parts: tuple[np.ndarray, np.ndarray]) -> MPI.Request:
-    """Start sending ``send[displs[r]:displs[r] + counts[r]]`` to rank ``r`` and receiving
-    rank ``r``'s piece into ``recv[rdispls[r]:rdispls[r] + rcounts[r]]`` (``send_parts``:
-    ``(counts, displs)``, ``recv_parts``: ``(rcounts, rdispls)``, int64 ``(size,)`` each, in
-    elements; distinct 1-D contiguous arrays of one dtype, untouched until :func:`wait_all`
-    or :func:`test_some` completes it). Refuses (:class:`MpidpError`) counts or displacements
-    over :data:`MAX_COUNT`: callers send larger exchanges in pieces."""
+    """Start sending ``send[displs[r]:displs[r] + counts[r]]`` to each rank ``r`` and receiving
+    into ``recv`` likewise (``send_parts``, ``recv_parts``: int64 ``(counts, displs)`` in
+    elements); complete with :func:`wait_all` or :func:`test_some`. :class:`MpidpError` for
+    counts or displacements over :data:`MAX_COUNT` (callers send in pieces)."""
     for what, (counts, displs) in (("send", send_parts), ("receive", recv_parts)):
         reach = int((np.asarray(counts) + np.asarray(displs)).max(initial=0))
         if reach > MAX_COUNT:
@@ -116,10 +111,8 @@ REDUCE_SPLIT_BYTES = 1 << 16
 
 @watched("a Reduce")
 def reduce_sum_to_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
-    """Sum 1-D ``buf`` over ranks into ``root``'s ``buf`` (other ranks' ``buf`` is left
-    unspecified). From :data:`REDUCE_SPLIT_BYTES` on as ``Reduce_scatter`` then ``Gatherv`` to
-    ``root``: the same sums, with the additions spread over the ranks, faster than
-    ``MPI_Reduce`` from P = 2 on (docs/benchmarks.md, "Figures behind the code")."""
+    """Sum 1-D ``buf`` over ranks into ``root``'s ``buf`` (others' left unspecified); from
+    :data:`REDUCE_SPLIT_BYTES` on as ``Reduce_scatter`` + ``Gatherv`` (docs/benchmarks.md)."""
     if comm.size == 1:
         return buf
     if buf.nbytes < REDUCE_SPLIT_BYTES or buf.size > MAX_COUNT or not buf.flags.c_contiguous:
@@ -279,13 +272,9 @@ def scatterv_fill(comm: Comm, counts: Sequence[int], row_shape: tuple[int, ...],
                   dtype: np.dtype, fill: Callable[[int, int, np.ndarray], None] | None,
                   root: int = 0, rows_per_round: int | None = None) -> np.ndarray:
     """Scatterv rows that ``root`` produces round by round: rank ``r`` receives
-    ``(counts[r], *row_shape)`` rows of ``dtype`` (counts may be uneven or zero).
-
-    On root, ``fill(r, lo, dest)`` writes rows ``lo .. lo+len(dest)-1`` of rank ``r``'s part
-    into ``dest``: a view of root's own result for ``r == root``, of the round's send buffer
-    otherwise. A round carries at most ``rows_per_round`` rows per rank (default: about
-    :data:`ROUND_BYTES`, at most :data:`MAX_COUNT` elements): root holds its result and ONE
-    send buffer, reused every round."""
+    ``(counts[r], *row_shape)`` rows of ``dtype``. On root ``fill(r, lo, dest)`` writes rows
+    ``lo .. lo+len(dest)-1`` of rank ``r``'s part into ``dest`` (root's own result, or the one
+    send buffer reused every round of ``rows_per_round`` rows, default :data:`ROUND_BYTES`)."""
     counts = np.asarray(counts, np.int64)
     row_size = int(np.prod(row_shape, dtype=np.int64))
     out = np.empty((int(counts[comm.rank]), *row_shape), dtype)

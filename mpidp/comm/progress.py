@@ -154,14 +154,10 @@ PAIR_TAGS = (0x4000, 0x3000)
 
 
 class StartedSums:
-    """In-place sums over the ranks of ``comm`` of parts of one buffer, started one at a
-    time, completed in any order, advanced by :meth:`advance` between pieces of work. With
-    more than two ranks each part is an ``Iallreduce``; with two, one exchange (``Isend``,
-    ``Irecv`` into scratch, added once complete, rank 0's part first): one round, so one call
-    sets it all moving. Every rank makes them and starts parts in the same order; nothing
-    else on ``comm`` may use :data:`PAIR_TAGS` (give it :func:`mpidp.comm.companion`, or
-    ``private=True``: a duplicate freed by :meth:`close`). A part belongs to the sums until
-    :meth:`done`."""
+    """In-place sums over ``comm`` of parts of one buffer, started one at a time, completed in
+    any order, moved by :meth:`advance`: an ``Iallreduce`` each, or at two ranks one exchange
+    (one round; rank 0's part added first). Every rank starts the same parts in order; only
+    they may use :data:`PAIR_TAGS` on ``comm`` (or ``private=True``: a duplicate of their own)."""
 
     def __init__(self, comm: Comm, buf: np.ndarray, private: bool = False) -> None:
         if buf.ndim != 1 or not buf.flags.c_contiguous or not buf.flags.writeable:

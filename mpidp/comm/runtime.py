@@ -166,10 +166,9 @@ def split_off(comm: Comm, rank: int) -> Comm | None:
 
 @watched("a Comm.Split")
 def node_split(comm: Comm, first: int = 0) -> tuple[Comm, Comm | None]:
-    """``(node, leaders)``: the ranks of ``comm`` on this rank's node, with ``first`` as its
-    rank 0 (elsewhere the lowest rank), and on each node's rank 0 a communicator of the node
-    leaders (None elsewhere). Collective. Made once per ``comm`` and ``first``, kept on
-    ``comm`` and freed with it (never free them yourself)."""
+    """``(node, leaders)``: the ranks of ``comm`` on this rank's node (``first`` as rank 0) and,
+    on each node's rank 0, the node leaders (None elsewhere). Collective; made once per
+    ``comm`` and ``first``, freed with ``comm``."""
     per_node = _forced_per_node(comm)
     splits = comm.Get_attr(_NODE_SPLITS)
     if splits is None:

@@ -77,10 +77,8 @@ def _free_window(owner) -> bool:
 
 
 class SharedReduce:
-    """Sum a 1-D array over the ranks of one node (see :func:`node_split`) into ``root``'s
-    copy, through shared memory. Collective to create. ``array`` is this rank's ``(n,)`` array
-    in the window, readable by every rank; :meth:`reduce` has each rank add up its ``1/P`` of
-    the elements over all ranks (in rank order) straight into ``root``'s array."""
+    """Sum a 1-D array over the ranks of one node into ``root``'s copy through shared memory
+    (collective to create): :meth:`reduce` has each rank add its ``1/P`` of the elements."""
 
     def __init__(self, comm: Comm, n: int, dtype: np.dtype, root: int = 0) -> None:
         self.comm, self.root = comm, root
@@ -123,11 +121,8 @@ class SharedReduce:
 
 
 class SharedBroadcast:
-    """Broadcast a 1-D array from ``root`` of one node (see :func:`node_split`) as a
-    piece-by-piece copy out of its memory. Collective to create. ``array`` is ``root``'s
-    ``(n,)`` array in a shared-memory window; ``root`` :meth:`publish`-es each finished piece
-    (a zero-byte message to each rank) and the others :meth:`pull` it at once, copying while
-    ``root`` computes the next piece."""
+    """Broadcast a 1-D array from ``root`` of one node as a piece-by-piece copy out of its
+    shared-memory window: ``root`` :meth:`publish`-es each piece, the others :meth:`pull` it."""
 
     _TAG = 1
 

@@ -70,10 +70,8 @@ def _abort_hook(exc_type, exc, tb) -> None:
 
 
 def abort_on_error(enable: bool = True) -> None:
-    """Install (or with ``enable=False`` remove) a ``sys.excepthook`` that prints the rank
-    and traceback, then ``MPI_Abort``s the whole job, so that an uncaught exception on one
-    rank does not leave the others waiting forever. ``import mpidp.comm`` installs it
-    (``MPIDP_ABORT_ON_ERROR=0`` opts out). Idempotent."""
+    """Install (``enable=False``: remove) a ``sys.excepthook`` that prints the rank and
+    traceback and ``MPI_Abort``s the job, so no rank waits forever. Idempotent."""
     if not enable:
         if sys.excepthook is _abort_hook:
             sys.excepthook = sys.__excepthook__

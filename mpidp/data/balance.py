@@ -1,17 +1,9 @@
-"""Partitioning during training: who owns which samples each epoch, moving rows when that
-changes, and the load-balance figures measured on every rank.
-
-:class:`Plan` applies a :class:`~mpidp.data.partition.Partition` inside :func:`mpidp.fit`:
-static strategies keep their owners; ``cost`` gives every epoch's global batches a
-cost-balanced owner, ``adaptive`` too, with capacities re-measured from each rank's
-throughput. Rows move with one ``Alltoallv`` per array; the global batches, and so
-training, are the same whatever the owners.
-
-Waiting is estimated without a collective per step: at epoch end one ``Allgather`` brings
-every rank's per-step compute times to every rank, and rank ``r``'s wait at step ``s`` is
-``max_q compute[q, s] - compute[r, s]`` (ranks leave the previous ``Allreduce`` together).
-The rest of the measured ``Allreduce`` time is communication proper.
-"""
+"""Partitioning during training: :class:`Plan` applies a :class:`~.partition.Partition`
+inside :func:`mpidp.fit` (``cost`` and ``adaptive`` rebalance every epoch's batches,
+moving rows by ``Alltoallv``; the global batches stay the same), and the load-balance
+figures. A rank's wait at step ``s`` is estimated as ``max_q compute[q, s] - compute[r,
+s]`` from the per-step times allgathered at epoch end; the rest of the ``Allreduce`` time
+is communication proper."""
 
 from __future__ import annotations
 
@@ -172,18 +164,12 @@ class Plan:
 
 
 def balance_figures(records: np.ndarray) -> dict:
-    """Load-balance figures from every rank's per-step rows ``(size, steps, STEP_FIELDS)``.
-
-    ``imbalance``: per step ``max/mean`` of the ranks' compute time, averaged (1 = perfect);
-    ``efficiency``: ``sum_s mean / sum_s max``; both also from CPU time (``*_cpu``: judge
-    oversubscribed runs by these). Per rank: samples, cost, compute, wait (estimated),
-    communication proper, update, idle fraction (wait / step time) and ``speed`` (cost per
-    second of compute). ``rate``: cost per second of critical path (per step the slowest
-    rank's compute + collective + update). ``ideal_rate``: the sum of the speeds (no
-    communication or update at all). ``attainable_rate``: what a perfect split reaches,
-    ``W / (W / sum(speed) + fixed_s)`` for the epoch's cost ``W``, where ``fixed_s`` (also
-    reported) sums over steps the smallest ``communication proper + update`` of any rank.
-    """
+    """Load-balance figures from every rank's per-step rows ``(size, steps, STEP_FIELDS)``:
+    ``imbalance`` (mean over steps of ``max/mean`` compute), ``efficiency`` (``sum mean / sum
+    max``), both from CPU time too; per rank samples, cost, compute, wait, communication,
+    update, idle fraction and ``speed``; ``rate`` (cost per second of critical path),
+    ``ideal_rate`` (summed speeds), ``attainable_rate`` (``W / (W / sum(speed) + fixed_s)``,
+    ``fixed_s`` the smallest communication + update per step, summed)."""
     size, steps = records.shape[:2]
     c, cpu = records[:, :, _F["compute_s"]], records[:, :, _F["compute_cpu_s"]]
     comm, upd = records[:, :, _F["comm_s"]], records[:, :, _F["update_s"]]

@@ -1,8 +1,7 @@
-"""CRC-32 (the checksum of ``.zip``/``.npz`` members) computed in pieces and combined, so
-that several ranks can each check a part of one large file: ``combine(crc(A), crc(B),
-len(B)) == crc(A + B)``, multiplying the CRC of ``A`` by ``x**(8*len(B))`` modulo the
-(bit-reflected) CRC polynomial. The CRC itself is ISA-L's (``isal``, the ``fast`` extra:
-several times faster, docs/benchmarks-data.md) when installed, else zlib's: the same value."""
+"""CRC-32 (of ``.zip``/``.npz`` members) in pieces, so that ranks can each check a part of
+one file: ``combine(crc(A), crc(B), len(B)) == crc(A + B)`` (the CRC of ``A`` times
+``x**(8*len(B))`` modulo the reflected polynomial). ISA-L's CRC (``isal``, the ``fast``
+extra, docs/benchmarks-data.md) when installed, else zlib's: the same value."""
 
 from __future__ import annotations
 

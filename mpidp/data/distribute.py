@@ -1,9 +1,7 @@
-"""Distribute a dataset over the ranks, both ways: root reads and streams ``Scatterv``s, or
-each rank reads only its own rows (:class:`mpidp.data.rows.RowReader` reads, casts and
-checks them); either way rank ``r`` ends up with the same :class:`Shard`. The training
-rows of the split (:func:`~.partition.split_rows`) get positions ``0 .. n_train-1`` in
-file order, owned as the partition strategy says; test rows are split in blocks. Also the
-data of a job with a dedicated server, and standardizing over the ranks."""
+"""Distribute a dataset over the ranks: root reads and streams ``Scatterv``s, or each rank
+reads its own rows (:class:`~.rows.RowReader`); either way rank ``r`` gets the same
+:class:`Shard`, training positions owned as the partition strategy says, test rows in
+blocks. Also loading over a dedicated server's workers, and standardizing over ranks."""
 
 from __future__ import annotations
 
@@ -305,26 +303,17 @@ def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
          val_fraction: float = 0.0, **source_kw) -> Data:
     """Load dataset ``spec`` (:func:`mpidp.data.sources.open_source`) split over ``comm``:
     every rank gets ``X`` ``(n_local, *sample_shape)``. Collective; bad input raises the same
-    :class:`mpidp.MpidpError` on every rank.
+    :class:`mpidp.MpidpError` on every rank. ``test_fraction``: rows held out at random
+    (None: the dataset's own test set, else 0.2); ``val_fraction``: training rows held out as
+    ``Data.val``. ``distribute``: ``"scatter"`` (``root`` reads and streams) or ``"local"``
+    (each rank reads its own rows). ``partition``, ``costs`` ``(n_samples,)``, ``capacities``
+    ``(size,)``: the strategy for the training rows and its inputs. ``timings``: a dict that
+    receives this rank's seconds per phase.
 
-    ``test_fraction``: the share of rows held out at random (seeded); None: the dataset's
-    own test set where it has one (``Data.test_split == "fixed"``), else 0.2.
-    ``val_fraction``: the share of the training rows held out as ``Data.val``.
-    ``distribute``: ``"scatter"`` (``root`` reads and streams each rank its rows) or
-    ``"local"`` (every rank reads its own rows: memory-mapped ``.npy``/``.npz``, HDF5 slices).
-
-    Local reads of rows that are one run of plain bytes in ``dtype`` at an aligned offset
-    (``.npy``, contiguous HDF5; not ``np.savez`` members), with no random test split and a
-    block partition, get ``X`` as a private copy-on-write map of the file (never written):
-    the file must then not be truncated or rewritten in place while in use (a rename is
-    safe), or rows change or reading them ends the process with SIGBUS. ``copy=True`` reads
-    them into private memory instead.
-
-    ``partition``: the strategy (:data:`mpidp.data.partition.STRATEGIES`) for the training
-    samples; ``costs`` ``(n_samples,)``: per-row costs (default: the source's own, for
-    ``bow``); ``capacities`` ``(size,)``: relative rank speeds. ``timings``: a dict that
-    receives this rank's seconds per phase (``open``, ``read``, ``check``, ``cast``,
-    ``send``)."""
+    Local reads of one run of plain bytes in ``dtype`` (``.npy``, contiguous HDF5), with a
+    block partition and no random test split, map the file copy-on-write: it must then not
+    be truncated or rewritten in place (a rename is safe), or reading ends with SIGBUS;
+    ``copy=True`` reads into private memory instead."""
     clock = Timings(timings)
     spec = os.fspath(spec)  # a pathlib.Path names a file as a string does
     C.agree_same(comm, "load", {  # before any collective that could then hang

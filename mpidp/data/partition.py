@@ -1,11 +1,6 @@
-"""Which samples go to which rank, and which samples form each global batch. Pure, no MPI.
-
-Positions ``0 .. n-1`` index the training samples in a fixed global order; a global batch
-is a set of positions drawn from a seeded per-epoch permutation, identical for every world
-size. Each rank processes the part of each global batch it owns, so the union over ranks
-is exactly the single-process batch. :class:`Partition` names a strategy
-(:data:`STRATEGIES`) that decides the owners, and its inputs.
-"""
+"""Which samples go to which rank, and which form each global batch. Pure, no MPI. A global
+batch is drawn from a seeded per-epoch permutation of positions ``0 .. n-1``, the same for
+any world size; each rank processes its part of it. :class:`Partition` names a strategy."""
 
 from __future__ import annotations
 
@@ -178,14 +173,10 @@ def owner_weighted(n: int, capacities) -> np.ndarray:
 
 
 def balance_batches(order: np.ndarray, batch_size: int, costs, capacities) -> np.ndarray:
-    """Owner (int64 ``(n,)``) of each position so that EVERY global batch is balanced by cost.
-
-    ``order`` ``(n,)``: a permutation, batch ``s`` being ``order[s*batch_size:(s+1)*batch_size]``;
-    ``costs`` ``(n,)``: each position's work (>= 0); ``capacities`` ``(size,)``: the ranks'
-    speeds. Within each batch, largest cost first, each sample goes to the rank that would
-    finish it earliest, ``argmin_r (load_r + c) / capacity_r`` (LPT): per batch ``max_r
-    load_r / capacity_r <= total / W + P' * max(c) / W`` (``W = sum(capacities)``, ``P'``
-    ranks of non-zero capacity). Deterministic (lowest rank on ties); vectorised over batches."""
+    """Owner (int64 ``(n,)``) of each position so that EVERY global batch of ``order`` is
+    balanced by ``costs`` ``(n,)`` over ranks of speeds ``capacities``: largest cost first,
+    each to the rank that would finish it earliest (LPT), lowest rank on ties; per batch
+    ``max_r load_r / capacity_r <= total / W + P' * max(c) / W``. Vectorised over batches."""
     order = np.asarray(order, np.int64)
     n = len(order)
     costs = check_weights(costs, n, "costs") if n else np.zeros(0)

@@ -92,13 +92,9 @@ def map_rows(fd: int, start: int, shape: tuple[int, ...], dtype: np.dtype) -> np
 
 
 class RowReader:
-    """Reads increasing rows of ``source`` into buffers, checks and casts them.
-
-    Arrays go block by block straight into the destination, cast in the same copy and
-    checked while still in the CPU cache. The first problem is kept in ``error`` (not raised:
-    the caller agrees on it); ``max_label`` is the largest class label seen (-1 if none).
-    With ``maps``, :meth:`read` maps one run of rows stored as plain bytes in the load dtype
-    instead of copying them."""
+    """Reads increasing rows of ``source`` into buffers block by block, cast in the same copy
+    and checked while in the CPU cache (or, with ``maps``, mapped); the first problem is kept
+    in ``error`` for the caller to agree on; ``max_label``: the largest label seen (-1)."""
 
     def __init__(self, source: Source, dtype, n_classes: int | None, clock: Timings,
                  maps: bool = False) -> None:

@@ -1,16 +1,9 @@
-"""Where samples come from: built-in datasets and files, read by row. No MPI here.
-
-A :class:`Source` knows its shape from metadata alone (file headers), so every rank can
-open it cheaply, and :meth:`Source.read` returns only the rows asked for: ``.npy`` files
-and uncompressed ``.npz`` members are memory-mapped, HDF5 datasets are sliced. ``X`` is
-``(n_samples, *sample_shape)``; sparse (CSR) rows are ``(n_samples, n_features)``.
-
-Built in: the image and signal sets of :mod:`~.datasets`, ``synthetic`` (Gaussian clusters
-or a linear regression) and ``bow``, a bag-of-words set of sparse rows with Pareto-tailed
-lengths stored sorted by length, so that a contiguous split of it is badly skewed (with
-:class:`mpidp.nn.SparseDense` first, a sample's work is its non-zeros). Generated rows are
-seeded per chunk, so every rank can make any rows.
-"""
+"""Where samples come from: built-in datasets and files, read by row, and what identifies
+their contents. No MPI. A :class:`Source` knows its shape from metadata alone and reads
+only the rows asked for (``.npy`` and stored ``.npz`` members memory-mapped, HDF5 sliced).
+Built in: :mod:`~.datasets`' sets, ``synthetic`` (Gaussian clusters or a linear
+regression) and ``bow`` (sparse bag-of-words rows sorted by their Pareto-tailed lengths,
+so that a contiguous split is skewed); generated rows are seeded per chunk."""
 
 from __future__ import annotations
 
@@ -80,11 +73,9 @@ class SyntheticSource(Source):
 
 
 class BowSource(Source):
-    """``n_samples`` sparse documents over a vocabulary of ``n_features`` words, generated in
-    chunks as :class:`SyntheticSource`. Row ``i`` has ``lengths[i]`` word occurrences
-    (ascending, a Pareto tail of index ``alpha`` from ``min_len``, capped at ``max_len``) drawn
-    Zipf-like, of value ``1/sqrt(length)``; its label is the class of largest summed affinity
-    of its words (a planted linear rule)."""
+    """``n_samples`` sparse documents over ``n_features`` words, rows of ascending
+    Pareto-tailed lengths of Zipf-drawn words, valued ``1/sqrt(length)``, labelled by a
+    planted linear rule; chunked as :class:`SyntheticSource`."""
 
     CHUNK = 1024
 

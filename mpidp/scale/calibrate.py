@@ -37,9 +37,8 @@ def _standard_steps(batches: list[int]):
 
 
 def _alternate(batches: list[int], repeats: int, before=None) -> list[list[float]]:
-    """Seconds of ``repeats`` standard-MLP steps for each of ``batches`` rows (after one
-    warm-up step each), in turns so that a slower moment of a shared machine hits every
-    batch size alike; ``before()`` is called ahead of each timed step."""
+    """Seconds of ``repeats`` standard-MLP steps for each of ``batches`` rows (one warm-up
+    each), taken in turns so that a slower moment hits every size alike; ``before()`` first."""
     steps, _ = _standard_steps(batches)
     for step in steps:
         step()
@@ -55,11 +54,9 @@ def _alternate(batches: list[int], repeats: int, before=None) -> list[list[float
 
 
 def measure_compute(comm: C.Comm, batch: int = 512, repeats: int = 15) -> M.Compute | None:
-    """The standard MLP's :class:`costmodel.Compute` on this machine, on rank 0 (None
-    elsewhere). Collective. Every rank runs steps of ``batch // P`` rows at once (a barrier
-    before each): their spread gives ``jitter``, their median over rank 0's time alone
-    ``contention``; rank 0 alone at ``batch // P`` and ``batch`` rows gives the fixed part and
-    the part per sample."""
+    """The standard MLP's :class:`costmodel.Compute` here, on rank 0 (None elsewhere).
+    Collective. All ranks step on ``batch // P`` rows at once: their spread gives ``jitter``,
+    against rank 0 alone ``contention``; rank 0 at two sizes, the fixed and per-sample parts."""
     local = max(1, batch // comm.size)
     together = _alternate([local], repeats, before=lambda: C.barrier(comm))[0]
     steps = np.array(C.gather_obj(comm, together, 0) or [[0.0]])  # (ranks, repeats)
@@ -77,9 +74,8 @@ def measure_compute(comm: C.Comm, batch: int = 512, repeats: int = 15) -> M.Comp
 
 
 def calibrate(comm: C.Comm, batch: int = 512) -> dict:
-    """Measure (collective: ping-pong between ranks 0 and 1, Allreduce sweep on all with the
-    buffer out of cache, compute on all) and fit. Returns the fit, the samples, and
-    predictions (meaningful on rank 0)."""
+    """Measure (collective: ping-pong between ranks 0 and 1, an Allreduce sweep and compute on
+    all) and fit: the fit, the samples and predictions (meaningful on rank 0)."""
     if comm.size < 2:
         raise C.MpidpError("mpidp model measures the network: run it with at least 2 ranks")
     pp = [C.pingpong(comm, s) for s in SIZES]
@@ -105,6 +101,9 @@ def calibrate(comm: C.Comm, batch: int = 512) -> dict:
             "table": M.prediction_table(fit, per_param, batch)}
 
 
+PS = (2, 4, 16, 64, 256, 1024)  # the report's columns
+
+
 def format_report(r: dict) -> str:
     """Markdown: the fit, the ping-pong/allreduce check, efficiency by P and size, PS limit."""
     f, c = r["fit"], r["compute"]
@@ -115,18 +114,18 @@ def format_report(r: dict) -> str:
              f"({c['overhead'] * 1e3:.2f} ms per step + {c['per_sample'] * 1e6:.1f} us per sample; "
              f"x{c['contention']:.2f} with every rank computing at once; step-time spread "
              f"{c['jitter']:.1%})", "",
-             "| params | algorithm | " + " | ".join(f"P={p}" for p in (2, 4, 16, 64, 256, 1024)) + " |",
+             "| params | algorithm | " + " | ".join(f"P={p}" for p in PS) + " |",
              "|---|---|" + "---:|" * 6]
     for n in (1e4, 1e6, 1e8, 1e9):
         for alg in M.ALGORITHMS:
             effs = {row["P"]: row["efficiency"] for row in r["table"]
                     if row["params"] == int(n) and row["algorithm"] == alg}
-            lines.append(f"| {n:.0e} | {alg} | " + " | ".join(f"{effs[p]:.2f}" for p in
-                                                             (2, 4, 16, 64, 256, 1024)) + " |")
-    lines += ["", "Parallel efficiency at a fixed global batch of "
-              f"{r['batch']} (strong scaling); compute per sample scales with the parameter count.",
-              "", "A central parameter server is fastest at (beyond this, more ranks make steps slower): "
-              + ", ".join(f"{int(n):.0e} params: P={p}" for n, p in r["ps_stops_scaling_at"].items()),
+            lines.append(f"| {n:.0e} | {alg} | " + " | ".join(f"{effs[p]:.2f}" for p in PS) + " |")
+    lines += ["", f"Parallel efficiency at a fixed global batch of {r['batch']} (strong "
+              "scaling); compute per sample scales with the parameter count.",
+              "", "A central parameter server is fastest at (beyond this, more ranks make steps "
+              "slower): " + ", ".join(f"{int(n):.0e} params: P={p}"
+                                      for n, p in r["ps_stops_scaling_at"].items()),
               "", "mpidp's `ps` between nodes is `reduce-broadcast` (reduce-scatter, gather to the "
               "server, scatter + allgather broadcast): twice a ring's bytes, but no link carries "
               "more than 2 m, so it keeps scaling where the central server stops."]
@@ -148,9 +147,8 @@ def save(r: dict, out: str) -> list[str]:
 
 
 def plot(r: dict, path: str) -> bool:
-    """``model.png``: predicted efficiency against P (left), and the Allreduce time against
-    message size, the fit as lines and the measured points on top (right). False (nothing
-    written) without matplotlib."""
+    """``model.png``: predicted efficiency against P, and the Allreduce time against message
+    size (the fit as lines, the measurements as points); False without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -166,17 +164,15 @@ def plot(r: dict, path: str) -> bool:
     ax.set(xscale="log", xlabel="ranks P", ylabel="parallel efficiency (fixed global batch)",
            title="Cost-model predictions", ylim=(0, 1.05))
     ax.legend(fontsize=7, loc="upper right")  # the curves fall away from that corner
-    for key, name, color in (("allreduce", "Allreduce", "C0"), ("pingpong", "ping-pong", "C1")):
-        meas = {int(b): t for b, t in (r.get(key) or {}).items()}
-        if meas:
-            b = sorted(meas)
-            bx.plot(b, [meas[k] * 1e6 for k in b], "o", color=color, ms=6, zorder=3,
-                    label=f"{name}, measured")
-    pred = {int(b): t for b, t in (r.get("allreduce_predicted") or {}).items()}
-    if pred:
-        b = sorted(pred)
-        bx.plot(b, [pred[k] * 1e6 for k in b], "-", color="C0", lw=1.5, zorder=1,
-                label="Allreduce, model (alpha, beta, gamma fit)")
+    for key, style, color, label in (
+            ("allreduce", "o", "C0", "Allreduce, measured"),
+            ("pingpong", "o", "C1", "ping-pong, measured"),
+            ("allreduce_predicted", "-", "C0", "Allreduce, model (alpha, beta, gamma fit)")):
+        got = {int(b): t for b, t in (r.get(key) or {}).items()}
+        if got:
+            b = sorted(got)
+            bx.plot(b, [got[k] * 1e6 for k in b], style, color=color, label=label,
+                    **({"ms": 6, "zorder": 3} if style == "o" else {"lw": 1.5, "zorder": 1}))
     bx.set(xscale="log", yscale="log", xlabel="message bytes", ylabel="microseconds",
            title=f"Model vs measurement, P = {r.get('world_size', '?')}")
     bx.legend(fontsize=7, loc="upper left")

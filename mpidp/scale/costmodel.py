@@ -9,7 +9,7 @@ means (the Gaussian extreme-value rate)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -27,11 +27,9 @@ class Fit:
 
 @dataclass
 class Compute:
-    """A rank's compute per step: ``overhead + per_sample * b`` seconds for ``b`` local
-    samples alone on its node; times ``contention`` (at least 1) when every rank of a node
-    computes at once; ``jitter`` (at least 0): the standard deviation of a step's compute
-    time over its mean. A measurement below those bounds is noise (the model would predict
-    an efficiency above 1)."""
+    """A rank's compute per step: ``overhead + per_sample * b`` seconds for ``b`` local samples
+    alone, times ``contention`` (>= 1) when all compute at once; ``jitter`` (>= 0): the
+    standard deviation of a step's time over its mean."""
 
     per_sample: float
     overhead: float = 0.0
@@ -44,15 +42,14 @@ class Compute:
 
     def scaled(self, factor: float) -> Compute:
         """The same machine doing ``factor`` times the work per step (a bigger model)."""
-        return Compute(self.per_sample * factor, self.overhead * factor, self.contention, self.jitter)
+        return replace(self, per_sample=self.per_sample * factor, overhead=self.overhead * factor)
 
 
 def fit_alpha_beta(nbytes: np.ndarray, seconds: np.ndarray, small: int = 4096,
                    large: int = 1 << 18) -> tuple[float, float]:
-    """``t = alpha + beta * m`` from ping-pong samples, the Hockney way: ``alpha`` the mean
-    time of the small messages (``m <= small`` bytes), ``beta`` the least-squares slope of
-    ``t - alpha`` over the large ones (``m >= large``), so that the largest message does not
-    decide both; one least-squares line when a range has no samples. Both >= 0."""
+    """``t = alpha + beta * m`` from ping-pong samples (Hockney): ``alpha`` the mean time of
+    the messages of at most ``small`` bytes, ``beta`` the least-squares slope of ``t - alpha``
+    over those of at least ``large`` (one line when a range is empty). Both >= 0."""
     m, t = np.asarray(nbytes, float), np.asarray(seconds, float)
     lo, hi = m <= small, m >= large
     if not lo.any() or not hi.any():
@@ -70,7 +67,8 @@ def fit_gamma(P: int, nbytes: np.ndarray, seconds: np.ndarray, alpha: float, bet
     m = np.asarray(nbytes, float)
     base = allreduce_time(P, m, Fit(alpha, beta, 0.0), algorithm)
     per_byte = allreduce_time(P, m, Fit(0.0, 0.0, 1.0), algorithm)
-    g = float(np.dot(per_byte, np.asarray(seconds) - base) / max(np.dot(per_byte, per_byte), 1e-300))
+    g = float(np.dot(per_byte, np.asarray(seconds) - base)
+              / max(np.dot(per_byte, per_byte), 1e-300))
     return max(g, 0.0)
 
 
@@ -101,9 +99,8 @@ def allreduce_time(P, m, fit: Fit, algorithm: str = "ring"):
 
 def step_time(P, m, batch: int, compute: float | Compute, fit: Fit, algorithm: str = "ring",
               cores: int | None = None):
-    """Predicted step seconds at ``P`` ranks for a global ``batch`` and ``m`` gradient bytes.
-    ``compute``: a :class:`Compute`, or seconds per sample. ``cores``: when the ranks share
-    this many cores, the busiest runs ``ceil(P / cores)`` ranks one after another."""
+    """Predicted step seconds at ``P`` ranks for a global ``batch`` and ``m`` gradient bytes
+    (``compute``: a :class:`Compute` or seconds per sample; ``cores``: ranks share them)."""
     c = compute if isinstance(compute, Compute) else Compute(float(compute))
     P = np.asarray(P, float)
     per_core = 1.0 if cores is None else np.ceil(P / cores)
@@ -131,9 +128,8 @@ def ps_limit(m: float, batch: int, compute: float | Compute, fit: Fit, max_P: in
 def prediction_table(fit: Fit, compute_per_param: float | Compute, batch: int,
                      params=(1e4, 1e5, 1e6, 1e7, 1e8, 1e9), bytes_per_param: int = 4,
                      Ps=(1, 2, 4, 8, 16, 64, 256, 1024)) -> list[dict]:
-    """Rows ``{params, P, algorithm, step_s, efficiency}``, compute scaling with the
-    parameter count: ``compute_per_param`` is a one-parameter model's (seconds per sample, or
-    a :class:`Compute`)."""
+    """Rows ``{params, P, algorithm, step_s, efficiency}``, compute scaling with the parameter
+    count from ``compute_per_param``, a one-parameter model's (s per sample, or a Compute)."""
     per_param = (compute_per_param if isinstance(compute_per_param, Compute)
                  else Compute(float(compute_per_param)))
     rows = []
