@@ -352,7 +352,7 @@ def node_job(out: str, reps: int = 30) -> None:
 
     from mpidp import comm as C
     from mpidp import nn
-    from mpidp.comm import hierarchy as H
+    from mpidp.comm import shm as H
     from mpidp.comm.progress import wait_yielding
     from mpidp.parallel.buffer import N_EXTRA
     comm = MPI.COMM_WORLD

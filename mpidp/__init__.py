@@ -5,11 +5,9 @@ Public API::
     from mpidp import DataParallel, fit, load, nn
     from mpidp import Partition, map_reduce  # partition strategies, map/reduce
 
-``import mpidp`` and ``import mpidp.nn`` do not start MPI, nor do the pure names
-(``MpidpError``, ``Partition``, ``checksum``, ``partition``, ``nn``); the names that need it are
-imported on first use, and MPI starts then (with the hook that turns an uncaught exception
-on any rank into ``MPI_Abort``; ``MPIDP_ABORT_ON_ERROR=0`` turns that off).
-"""
+``import mpidp`` starts no MPI, nor do its pure names (``MpidpError``, ``Partition``,
+``checksum``, ``partition``, ``nn``); the others are imported on first use, and MPI starts
+then (with the hook that turns an uncaught exception on any rank into ``MPI_Abort``)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""One BLAS thread pool per rank that fits the node, set before numpy loads its BLAS.
-
-When several ranks share a node, each rank's BLAS would otherwise start one thread per
-core: P ranks x C threads fight over C cores and spinning BLAS threads starve MPI's
-progress (stalls of many milliseconds per Allreduce after an evaluation pass). Like
-``torchrun``, mpidp then defaults each rank to ``cores // ranks_on_this_node`` threads.
-Variables the user set are never changed. The count of ranks on the node comes from the
-launcher's environment, so this runs before MPI starts (and without an MPI library).
-"""
+"""One BLAS thread pool per rank that fits the node, set before numpy loads its BLAS: P
+ranks of C BLAS threads each on C cores starve MPI's progress, so (as ``torchrun`` does)
+each rank defaults to ``cores // ranks_on_this_node`` threads. Variables the user set are
+kept. The ranks on the node come from the launcher's environment: no MPI needed."""
 
 from __future__ import annotations
 
@@ -24,11 +19,8 @@ def _cores() -> int:
 
 
 def blas_threads_default() -> int | None:
-    """Set BLAS/OpenMP thread-count variables that are unset; return the count (or None).
-
-    Only acts when more than one rank runs on this node. If numpy is already imported,
-    the limit is applied through threadpoolctl when that is installed.
-    """
+    """Set the unset BLAS/OpenMP thread-count variables when several ranks share this node;
+    return the count (or None). Once numpy is imported, through threadpoolctl if installed."""
     if any(v in os.environ for v in _VARS):
         return None
     ranks_here = ranks_on_node()
@@ -48,8 +40,7 @@ _LOCAL_SIZE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMIX_LOCAL_SIZE
 
 
 def ranks_on_node() -> int:
-    """Ranks of this job on this node, from the launcher's environment (1 if not launched
-    by one). Read without starting MPI, which must wait until BLAS threads are set."""
+    """Ranks of this job on this node, from the launcher's environment (1 if none)."""
     for var in _LOCAL_SIZE:
         text = os.environ.get(var, "").split("(")[0].split(",")[0]
         if text.isascii() and text.isdigit() and int(text) > 0:
@@ -58,8 +49,8 @@ def ranks_on_node() -> int:
 
 
 def limit_blas_threads(n: int):
-    """Limit BLAS threads to ``n`` in this process now (needs threadpoolctl); returns the
-    threadpoolctl limiter, or None when threadpoolctl is not installed."""
+    """Limit BLAS threads to ``n`` in this process now; returns threadpoolctl's limiter, or
+    None without threadpoolctl."""
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:

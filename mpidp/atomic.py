@@ -1,11 +1,6 @@
-"""Atomic writes that honour the umask: a crash at any moment leaves either the old file or
-the complete new one. The bottom of the package: pure Python, used by checkpoints
-(:mod:`mpidp.run`) and saved models (:mod:`mpidp.nn`) alike.
-
-A write that fails raises :class:`WriteError`, whose text is one line naming the file the
-caller asked for (never a temporary one), why, and the fix; a full disk says so.
-:func:`check_file` and :func:`check_folder` try an output place before any work.
-"""
+"""Atomic writes that honour the umask: a crash leaves the old file or the complete new one.
+A failed write raises :class:`WriteError`: one line naming the file asked for, why, and
+the fix; :func:`check_file` and :func:`check_folder` try a place first."""
 
 from __future__ import annotations
 
@@ -27,13 +22,13 @@ DISK_FULL = frozenset({errno.ENOSPC, _EDQUOT})
 
 
 def shown(path: str) -> str:
-    """``path`` as a message shows it: as written, or quoted when it holds a character that
-    would break the line (a newline, a byte that is not text)."""
+    """``path`` as a message shows it: quoted when it holds a character that would break the
+    line."""
     return path if path.isprintable() else repr(path)
 
 
 class WriteError(OSError):
-    """An output that could not be written. ``filename`` is the file asked for, ``what`` the
+    """An output that could not be written: ``filename`` the file asked for, ``what`` the
     option that named its place (None: not known); ``str()`` is one line with the fix."""
 
     what: str | None = None
@@ -54,7 +49,7 @@ class WriteError(OSError):
 
 def write_error(exc: OSError, path: str | None = None, what: str | None = None) -> WriteError:
     """``exc`` as a :class:`WriteError` naming ``path`` (default: its own ``filename``) and
-    ``what`` (default: its own, if it is one)."""
+    ``what`` (default: its own, if any)."""
     err = WriteError(exc.errno or errno.EIO, exc.strerror or str(exc),
                      path if path is not None else exc.filename)
     err.what = what or getattr(exc, "what", None)
@@ -62,12 +57,8 @@ def write_error(exc: OSError, path: str | None = None, what: str | None = None) 
 
 
 def current_umask() -> int:
-    """The process's file-mode creation mask, read without changing it.
-
-    Linux shows it in ``/proc/self/status``; elsewhere it is read by setting and restoring
-    it, which is not atomic (a file another thread creates at that instant could get the
-    wrong mode), so that path is taken only when ``/proc`` has no answer.
-    """
+    """The process's umask, read from ``/proc/self/status`` where there is one (elsewhere by
+    setting and restoring it, which is not atomic)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -87,15 +78,9 @@ def host_tag() -> str:
 
 
 def write_atomic(path: str, write: Callable[[IO[bytes]], object], what: str | None = None) -> None:
-    """Write ``path`` via a temporary file in the same folder: write, flush, fsync, rename.
-
-    A crash at any moment leaves either the old file or the complete new one. The file gets
-    the mode a plain ``open`` would give it (``0o666`` less the umask), not the ``0o600`` of
-    a temporary file. The temporary name ``.tmp-<host tag>-<pid>-*`` says who wrote it, so
-    :func:`clean_stale_tmp` can tell a live writer's file from one a killed process left.
-    An ``OSError`` is raised as a :class:`WriteError` naming ``path`` (``what``: the option
-    that named the place, for the fix); the temporary file is removed.
-    """
+    """Write ``path`` via a temporary file in the same folder (write, flush, fsync, rename),
+    with the mode a plain ``open`` gives. The name ``.tmp-<host tag>-<pid>-*`` says who wrote
+    it; an ``OSError`` is raised as a :class:`WriteError` naming ``path`` and ``what``."""
     directory = os.path.dirname(os.path.abspath(path))
     try:
         fd, tmp = tempfile.mkstemp(dir=directory,
@@ -123,11 +108,9 @@ def write_atomic(path: str, write: Callable[[IO[bytes]], object], what: str | No
 
 def write_together(files: Sequence[tuple[str, Callable[[str], object]]],
                    what: str | None = None) -> None:
-    """Write several files so that, short of a crash between two renames, either every one
-    is replaced or none is: ``save(tmp)`` of each ``(path, save)`` writes a complete file
-    under a temporary name beside ``path``; only when all are written are they renamed into
-    place. On a failure the temporary files are removed and a :class:`WriteError` names the
-    ``path`` that failed (its folders are created first)."""
+    """Write several files so that, short of a crash between renames, all are replaced or
+    none: ``save(tmp)`` of each ``(path, save)`` writes beside ``path``, renamed once all are
+    written; on a failure a :class:`WriteError` names the ``path`` that failed."""
     staged: list[tuple[str, str]] = []
     try:
         for path, save in files:
@@ -167,18 +150,16 @@ def _fsync_dir(directory: str) -> None:
 def _dangling(path: str) -> str | None:
     """The first of ``path`` and its folders that is a symbolic link to nothing, if any."""
     here = os.path.abspath(path)
-    while True:
-        if os.path.islink(here) and not os.path.exists(here):
-            return here
+    while not (os.path.islink(here) and not os.path.exists(here)):
         if os.path.exists(here) or os.path.dirname(here) == here:
             return None
         here = os.path.dirname(here)
+    return here
 
 
 def _probe(path: str, what: str, name: str | None = None) -> None:
     """ValueError unless a file can be created in the nearest existing folder of ``path``
-    (tried for real: permission bits alone say nothing for root); the message names
-    ``what`` and ``name`` (default ``path``)."""
+    (tried for real: permission bits say nothing for root), naming ``what`` and ``name``."""
     name = path if name is None else name
     folder = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(folder):
@@ -204,8 +185,7 @@ def _not_dangling(path: str, what: str) -> None:
 
 def check_file(path: str, what: str, example: str = "out.npy") -> None:
     """ValueError naming ``what`` (the option), ``path`` and the fix unless a file can be
-    written at ``path``: not an existing folder (the fix names ``example`` in it), not
-    under a symbolic link to nothing, in a folder where a file can be created."""
+    written at ``path`` (not a folder, not under a dangling link, in a writable folder)."""
     if os.path.isdir(path) or path.endswith(os.sep):
         raise ValueError(f"{what} {shown(path)} is a folder: give the path of a file, e.g. "
                          f"{shown(os.path.join(path, example))}")
@@ -214,9 +194,8 @@ def check_file(path: str, what: str, example: str = "out.npy") -> None:
 
 
 def check_folder(path: str, what: str) -> None:
-    """ValueError naming ``what``, ``path`` and the fix unless ``path`` is, or can be
-    created as, a folder to write in: not an existing file, not under a symbolic link to
-    nothing, in a place where files can be created."""
+    """ValueError naming ``what``, ``path`` and the fix unless ``path`` is, or can be made, a
+    folder to write in (not a file, not under a dangling link, where files can be created)."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{what} {shown(path)} exists and is not a folder: give a folder, "
                          f"or a path where one can be made")

@@ -9,8 +9,8 @@ import numpy as np
 
 
 def checksum(array: np.ndarray) -> int:
-    """A 63-bit digest of ``array``'s bytes (any shape, C order): equal arrays (bit for
-    bit) give equal digests. A non-negative Python int, so it fits an int64."""
+    """A 63-bit digest of ``array``'s bytes (C order): bit-identical arrays give equal
+    digests; a non-negative int that fits an int64."""
     digest = hashlib.blake2b(np.ascontiguousarray(array).view(np.uint8), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
@@ -24,11 +24,8 @@ def state_of(optimizer: object) -> str:
 
 
 def settings_of(obj: object, skip: tuple[str, ...] = ()) -> str:
-    """What identifies ``obj``'s settings: its class and its plain attributes (numbers,
-    strings, bools, None, and the ``config()`` of attributes that have one), sorted, as a
-    string. Arrays and other state are left out: two optimizers with equal settings but
-    different moments compare equal. ``skip``: attribute names that count what was done
-    (bytes sent, steps taken) rather than say how."""
+    """What identifies ``obj``'s settings: its class and plain attributes (and the ``config()``
+    of those that have one), sorted; ``skip``: attributes that count what was done."""
     plain = (int, float, str, bool, type(None), np.number)
     parts = []
     for name, value in sorted(vars(obj).items()) if hasattr(obj, "__dict__") else ():
@@ -43,8 +40,8 @@ def settings_of(obj: object, skip: tuple[str, ...] = ()) -> str:
 
 
 def dtype_name(dtype: object) -> str:
-    """``dtype``'s NumPy name (``"float32"`` for ``np.float32`` and ``"float32"`` alike), or
-    its ``repr`` when it names no dtype (so a bad value is compared, not raised on one rank)."""
+    """``dtype``'s NumPy name (``"float32"``), or its ``repr`` when it names none (so a bad
+    value is compared, not raised on one rank)."""
     try:
         return np.dtype(dtype).name
     except TypeError:

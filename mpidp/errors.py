@@ -20,10 +20,8 @@ _spell: list[Callable[..., str]] = [keyword]
 
 
 def setting(name: str, *value: Any) -> str:
-    """How a message names the setting ``name`` (given ``value``): as its keyword
-    (``finish='forward'``), or as the front end that runs the code spells it (the command
-    line names its flag and the value as typed). Messages below the command line use this,
-    never a flag."""
+    """How a message below the command line names the setting ``name`` (with ``value``): its
+    keyword (``finish='forward'``), or as the front end running the code spells it (a flag)."""
     return _spell[-1](name, *value)
 
 
@@ -38,6 +36,5 @@ def spelled(spell: Callable[..., str]) -> Iterator[None]:
 
 
 def is_whole(value: object, low: int = 0) -> bool:
-    """True when ``value`` is a whole number (a Python or NumPy integer, not a bool) of at
-    least ``low``: what every count argument must be."""
+    """True when ``value`` is a whole number (Python or NumPy integer, not a bool) >= ``low``."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low

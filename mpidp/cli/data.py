@@ -10,7 +10,7 @@ import numpy as np
 from .. import comm as C
 from ..data import distribute as D
 from ..data.balance import Partition
-from ..data.dedicated import load_on_workers
+from ..data.distribute import load_on_workers
 from . import options as O
 
 

@@ -157,7 +157,7 @@ def compare_resume(saved_config: dict, config: dict, *, state: State | None = No
             f"--{k.replace('_', '-')} {saved_config.get(k)} (now {config.get(k)})" for k in differ))
     was, now = saved_config.get("data_fingerprint"), config.get("data_fingerprint")
     if was is not None and now is not None and was != now:
-        from ..data.fingerprint import fingerprint_change  # the data's modules: only here
+        from ..data.sources import fingerprint_change  # the data's modules: only here
         problems.append(f"the dataset {config.get('dataset')} changed since checkpoint {path} "
                         f"was written ({fingerprint_change(was, now)}): resume with the data "
                         f"it was trained on, or start over with --restart or another "

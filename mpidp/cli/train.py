@@ -22,8 +22,8 @@ from .. import nn
 from ..comm.elastic import ulfm_problem
 from ..data import distribute as D
 from ..data.balance import format_balance
+from ..data.distribute import fit_over_ranks as _standardize
 from ..data.partition import steps_per_epoch
-from ..data.standardize import fit_over_ranks as _standardize
 from ..nn.standardize import moments
 from ..observe.metrics import gather_timings
 from ..observe.progress import line_seconds

@@ -1,8 +1,6 @@
 """Collective decisions: every rank reaches the same verdict, so every rank raises the same
-error (or none) and nobody is left waiting in a later collective. Also the parameter
-checksums that prove replicas are bit-identical (:func:`checksum` itself is pure, in
-:mod:`mpidp.digest`, and re-exported here).
-"""
+error (or none) and nobody is left waiting in a later collective; and the checksums that
+prove replicas bit-identical (:func:`checksum`, pure, from :mod:`mpidp.digest`)."""
 
 from __future__ import annotations
 
@@ -14,17 +12,13 @@ from mpi4py import MPI
 
 from ..digest import checksum
 from ..errors import MpidpError
-from .activity import watched
-from .runtime import Comm
+from .runtime import Comm, watched
 
 
 @watched("an agreement Allreduce")
 def agree(comm: Comm, error: str | None) -> None:
-    """Raise the same :class:`MpidpError` on every rank if ``error`` is set on any rank.
-
-    Collective. Each rank passes its own verdict (``None`` when fine). The message names
-    the lowest failing rank's problem and how many ranks failed.
-    """
+    """Raise the same :class:`MpidpError` on every rank if any rank's ``error`` is set (None:
+    fine), naming the lowest failing rank's problem and the failed ranks. Collective."""
     flag = np.array([0 if error is None else 1], np.int32)
     comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
     if not flag[0]:
@@ -42,13 +36,10 @@ def _describe(exc: BaseException) -> str:
 
 
 def run_agreed(comm: Comm, fn, *args, **kwargs) -> Any:
-    """Call ``fn`` on every rank; if it raises on any rank, every rank raises.
-
-    Collective. Returns ``fn``'s result. A ``ValueError``/``OSError`` (bad input) becomes
-    :class:`MpidpError` everywhere; any other exception is re-raised unchanged on the rank
-    that hit it (a bug: the traceback matters) while the others raise :class:`MpidpError`,
-    so no rank is left waiting in a later collective.
-    """
+    """Call ``fn`` on every rank and return its result; if it raises on any rank, every rank
+    raises. Collective. A ``ValueError``/``OSError`` (bad input) becomes :class:`MpidpError`
+    everywhere; any other exception (a bug) is re-raised unchanged on the rank that hit it
+    while the others raise :class:`MpidpError`."""
     try:
         result, error, exc = fn(*args, **kwargs), None, None
     except Exception as caught:  # noqa: BLE001 - agreed on, then re-raised below
@@ -64,11 +55,8 @@ def run_agreed(comm: Comm, fn, *args, **kwargs) -> Any:
 
 @watched("a root decision (Bcast)")
 def root_decides(comm: Comm, fn, *args, root: int = 0, **kwargs) -> Any:
-    """Run ``fn`` on ``root`` only; its result, or its failure, reaches every rank.
-
-    Collective. The result is broadcast pickled, so keep it small (metadata, not arrays).
-    Failures are raised as in :func:`run_agreed`.
-    """
+    """Run ``fn`` on ``root`` only; its result (pickled: keep it small) or its failure (as in
+    :func:`run_agreed`) reaches every rank. Collective."""
     payload: tuple[Any, str | None] = (None, None)
     exc = None
     if comm.rank == root:
@@ -101,7 +89,8 @@ def assert_in_sync(comm: Comm, params: np.ndarray, root: int = 0) -> None:
         return
     hashes = comm.allgather(checksum(params))  # failure path only
     bad = [r for r, h in enumerate(hashes) if h != hashes[root]]
-    raise MpidpError(f"parameters differ from rank {root}'s on ranks {bad}: replicas are out of sync")
+    raise MpidpError(f"parameters differ from rank {root}'s on ranks {bad}: replicas are out of "
+                     f"sync")
 
 
 def _digest(value: Any) -> int:
@@ -113,9 +102,8 @@ def _digest(value: Any) -> int:
 @watched("an agreement Allreduce (arguments)")
 def agree_same(comm: Comm, where: str, items: dict[str, Any]) -> None:
     """Raise the same :class:`MpidpError` on every rank unless every rank passed equal
-    ``items`` (name -> a value whose ``repr`` identifies it). Collective: one ``Allreduce``
-    of two 62-bit digests per item; the values themselves travel only when some differ,
-    and the message names each differing item, its values and the ranks holding each."""
+    ``items`` (name -> a value whose ``repr`` identifies it). Collective: one ``Allreduce`` of
+    digests; the message names each differing item, its values and the ranks holding each."""
     names = list(items)
     h = np.array([_digest(items[k]) for k in names], np.int64)
     buf = np.concatenate([h, -h])
@@ -123,20 +111,13 @@ def agree_same(comm: Comm, where: str, items: dict[str, Any]) -> None:
     differ = [k for i, k in enumerate(names) if buf[i] != -buf[len(names) + i]]
     if not differ:
         return
-    shown = comm.allgather({k: _short(repr(items[k])) for k in differ})  # failure path only
+    short = {k: r if len(r := repr(items[k])) <= 80 else r[:77] + "..." for k in differ}
+    shown = comm.allgather(short)  # failure path only
     parts = []
     for k in differ:
-        groups: dict[str, list[int]] = {}
-        for rank, values in enumerate(shown):
-            groups.setdefault(values[k], []).append(rank)
-        parts.append(f"{k} is " + ", ".join(f"{v} on {_ranks(r)}" for v, r in groups.items()))
+        seen = [values[k] for values in shown]
+        groups = {v: [r for r, w in enumerate(seen) if w == v] for v in dict.fromkeys(seen)}
+        parts.append(f"{k} is " + ", ".join(f"{v} on rank {r[0]}" if len(r) == 1 else
+                                            f"{v} on ranks {r}" for v, r in groups.items()))
     raise MpidpError(f"{where}: every rank must pass the same arguments, but " +
                      "; ".join(parts))
-
-
-def _short(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"

@@ -1,10 +1,7 @@
-"""Buffer-based collectives on NumPy arrays, with the large-count path.
-
-All array traffic uses upper-case mpi4py calls; the pickled ``bcast_obj`` carries small
-control messages only. MPI counts are C ints: buffers over :data:`MAX_COUNT` elements go in
-pieces, and row-wise transfers count rows with a contiguous row datatype. Every function
-here is collective over ``comm``: every rank must call it.
-"""
+"""Buffer-based collectives and point-to-point messages on NumPy arrays, and the network's
+latency and bandwidth measured. Arrays travel in upper-case mpi4py calls, in pieces over
+:data:`MAX_COUNT` elements (rows as a contiguous datatype); every collective must be
+called by every rank of ``comm``."""
 
 from __future__ import annotations
 
@@ -16,19 +13,21 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
-from .activity import watched
 from .agreement import MpidpError
-from .runtime import Comm
+from .runtime import Comm, watched
 
-#: Largest element count passed to one MPI call. MPI counts are C ints (2**31 - 1); bigger
-#: buffers are sent in pieces. Tests lower it (``MPIDP_MAX_COUNT``) to exercise chunking.
+#: Largest element count of one MPI call (a C int); tests lower it (``MPIDP_MAX_COUNT``).
 MAX_COUNT = int(os.environ.get("MPIDP_MAX_COUNT", 2**31 - 1))
 
 
-def _pieces(n: int, limit: int | None = None):
-    """``(lo, hi)`` slices of at most ``limit`` (default :data:`MAX_COUNT`) covering ``0 .. n``."""
-    limit = MAX_COUNT if limit is None else limit
-    return [(lo, min(lo + limit, n)) for lo in range(0, n, limit)] or [(0, 0)]
+def _pieces(n: int):
+    """``(lo, hi)`` slices of at most :data:`MAX_COUNT` elements covering ``0 .. n``."""
+    return [(lo, min(lo + MAX_COUNT, n)) for lo in range(0, n, MAX_COUNT)] or [(0, 0)]
+
+
+def _displs(counts) -> np.ndarray:
+    """int64 ``displs[r] = sum(counts[:r])``."""
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
 
 
 @watched("a Bcast (control message)")
@@ -39,17 +38,14 @@ def bcast_obj(comm: Comm, obj: Any, root: int = 0) -> Any:
 
 @watched("a Gather (control message)")
 def gather_obj(comm: Comm, obj: Any, root: int = 0) -> list[Any] | None:
-    """Every rank's small picklable ``obj`` as a list (index = rank) on ``root``; None
-    elsewhere. Collective. For metadata and a few measurements, never arrays per step."""
+    """Every rank's small picklable ``obj`` as a list (index = rank) on ``root``; None elsewhere."""
     return comm.gather(obj, root=root)
 
 
 @watched("a Bcast")
 def bcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
-    """Broadcast contiguous ``buf`` from ``root`` in place. Collective. Returns ``buf``.
-
-    Buffers over :data:`MAX_COUNT` elements go in pieces (sizes are Python ints: 64-bit).
-    """
+    """Broadcast contiguous ``buf`` from ``root`` in place (in pieces over :data:`MAX_COUNT`
+    elements); returns ``buf``."""
     flat = buf.reshape(-1)
     for lo, hi in _pieces(flat.size):
         comm.Bcast(flat[lo:hi], root=root)
@@ -58,8 +54,8 @@ def bcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
 
 @watched("an Allreduce")
 def allreduce_sum_(comm: Comm, buf: np.ndarray) -> np.ndarray:
-    """Sum contiguous ``buf`` over all ranks in place: ONE ``Allreduce`` unless ``buf`` has
-    more than :data:`MAX_COUNT` elements (then one per piece). Collective."""
+    """Sum contiguous ``buf`` over all ranks in place: one ``Allreduce`` per
+    :data:`MAX_COUNT` elements."""
     flat = buf.reshape(-1)
     for lo, hi in _pieces(flat.size):
         comm.Allreduce(MPI.IN_PLACE, flat[lo:hi], op=MPI.SUM)
@@ -68,8 +64,7 @@ def allreduce_sum_(comm: Comm, buf: np.ndarray) -> np.ndarray:
 
 @watched("an Allreduce")
 def allreduce_(comm: Comm, buf: np.ndarray, op: str) -> np.ndarray:
-    """Reduce contiguous ``buf`` in place over all ranks with ``op`` in ``sum``, ``min``,
-    ``max``. Collective (one ``Allreduce``)."""
+    """Reduce contiguous ``buf`` in place with ``op`` in ``sum``, ``min``, ``max``."""
     ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
     comm.Allreduce(MPI.IN_PLACE, buf, op=ops[op])
     return buf
@@ -77,7 +72,7 @@ def allreduce_(comm: Comm, buf: np.ndarray, op: str) -> np.ndarray:
 
 @watched("an Allreduce (max)")
 def allreduce_max(comm: Comm, values: Sequence[float]) -> np.ndarray:
-    """Element-wise max over ranks of a few float64 values. Collective."""
+    """Element-wise max over ranks of a few float64 values."""
     buf = np.asarray(values, np.float64).copy()
     comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
     return buf
@@ -85,25 +80,27 @@ def allreduce_max(comm: Comm, values: Sequence[float]) -> np.ndarray:
 
 def ialltoallv_(comm: Comm, send: np.ndarray, send_parts: tuple[np.ndarray, np.ndarray],
                 recv: np.ndarray, recv_parts: tuple[np.ndarray, np.ndarray]) -> MPI.Request:
-    """Start :func:`alltoallv_` (same arguments and limits); complete it with
-    :func:`wait_all` or :func:`test_some`. ``send`` and ``recv`` stay untouched meanwhile."""
-    for what, (counts, displs) in (("an Alltoallv send", send_parts),
-                                   ("an Alltoallv receive", recv_parts)):
-        _fits(what, counts, displs)
+    """Start sending ``send[displs[r]:displs[r] + counts[r]]`` to each rank ``r`` and receiving
+    into ``recv`` likewise (``send_parts``, ``recv_parts``: int64 ``(counts, displs)`` in
+    elements); complete with :func:`wait_all` or :func:`test_some`. :class:`MpidpError` for
+    counts or displacements over :data:`MAX_COUNT` (callers send in pieces)."""
+    for what, (counts, displs) in (("send", send_parts), ("receive", recv_parts)):
+        reach = int((np.asarray(counts) + np.asarray(displs)).max(initial=0))
+        if reach > MAX_COUNT:
+            raise MpidpError(f"an Alltoallv {what} reaching element {reach} exceeds one MPI "
+                             f"call (counts and displacements are C ints, at most "
+                             f"{MAX_COUNT}); send it in pieces")
     return comm.Ialltoallv([send, send_parts], [recv, recv_parts])
 
 
 def iallgather_in_place(comm: Comm, buf: np.ndarray) -> MPI.Request:
-    """Start :func:`allgather_in_place` of ``buf`` ``(size * k,)``; complete it with
-    :func:`wait_all` or :func:`test_some`."""
+    """Start :func:`allgather_in_place` of ``buf`` ``(size * k,)``."""
     return comm.Iallgather(MPI.IN_PLACE, buf)
 
 
 def ibcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> list[MPI.Request]:
-    """Start broadcasting contiguous ``buf`` from ``root`` in place; returns the requests
-    to complete with :func:`wait_all`. Collective (every rank starts the same broadcasts in
-    the same order). Buffers over :data:`MAX_COUNT` elements go in pieces, one request each.
-    ``buf`` must stay alive, and unchanged on ``root``, until the requests complete."""
+    """Start broadcasting contiguous ``buf`` from ``root`` in place; ``buf`` stays alive, and
+    unchanged on ``root``, until :func:`wait_all` completes the requests."""
     flat = buf.reshape(-1)
     return [comm.Ibcast(flat[lo:hi], root=root) for lo, hi in _pieces(flat.size)]
 
@@ -114,26 +111,17 @@ REDUCE_SPLIT_BYTES = 1 << 16
 
 @watched("a Reduce")
 def reduce_sum_to_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
-    """Sum 1-D ``buf`` over ranks into ``root``'s ``buf`` (in place there; other ranks'
-    ``buf`` is left unspecified). Collective.
-
-    From :data:`REDUCE_SPLIT_BYTES` on, as ``Reduce_scatter`` (each rank sums 1/P of the
-    elements) then ``Gatherv`` of the sums to ``root``: the same result (each element is
-    still one sum over the ranks), but the additions are spread over the ranks, which
-    measured faster than ``MPI_Reduce`` from P = 2 on (docs/benchmarks.md, "Figures behind
-    the code").
-    """
+    """Sum 1-D ``buf`` over ranks into ``root``'s ``buf`` (others' left unspecified); from
+    :data:`REDUCE_SPLIT_BYTES` on as ``Reduce_scatter`` + ``Gatherv`` (docs/benchmarks.md)."""
     if comm.size == 1:
         return buf
     if buf.nbytes < REDUCE_SPLIT_BYTES or buf.size > MAX_COUNT or not buf.flags.c_contiguous:
-        if comm.rank == root:
-            comm.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=root)
-        else:
-            comm.Reduce(buf, None, op=MPI.SUM, root=root)
+        mine = comm.rank == root
+        comm.Reduce(MPI.IN_PLACE if mine else buf, buf if mine else None, op=MPI.SUM, root=root)
         return buf
     counts = np.full(comm.size, buf.size // comm.size, np.int64)
     counts[:buf.size % comm.size] += 1
-    displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    displs = _displs(counts)
     mine = np.empty(int(counts[comm.rank]), buf.dtype)
     comm.Reduce_scatter(buf, mine, recvcounts=counts.tolist(), op=MPI.SUM)
     comm.Gatherv(mine, [buf, (counts, displs)] if comm.rank == root else None, root=root)
@@ -142,22 +130,21 @@ def reduce_sum_to_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
 
 @watched("a Reduce_scatter")
 def reduce_scatter_sum(comm: Comm, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
-    """Sum ``send`` ``(size * k,)`` over ranks; rank ``r`` gets block ``r`` ``(k,)``. Collective."""
+    """Sum ``send`` ``(size * k,)`` over ranks; rank ``r`` gets block ``r`` ``(k,)``."""
     comm.Reduce_scatter_block(send, recv, op=MPI.SUM)
     return recv
 
 
 @watched("an Allgather")
 def allgather_in_place(comm: Comm, buf: np.ndarray) -> np.ndarray:
-    """``buf`` ``(size * k,)``: every rank's block ``r`` (its own, ``buf[r*k:(r+1)*k]``) copied
-    into the others' ``buf``. Collective."""
+    """``buf`` ``(size * k,)``: every rank's own block ``r`` copied into the others' ``buf``."""
     comm.Allgather(MPI.IN_PLACE, buf)
     return buf
 
 
 @watched("an Allgather (counts)")
 def allgather_counts(comm: Comm, n: int) -> np.ndarray:
-    """Every rank's ``n`` as an int64 array ``(size,)`` on every rank. Collective."""
+    """Every rank's ``n`` as an int64 array ``(size,)`` on every rank."""
     out = np.empty(comm.size, np.int64)
     comm.Allgather(np.array([n], np.int64), out)
     return out
@@ -165,8 +152,7 @@ def allgather_counts(comm: Comm, n: int) -> np.ndarray:
 
 @watched("an Allgather")
 def allgather_rows(comm: Comm, values: np.ndarray) -> np.ndarray:
-    """Every rank's float64 row ``(k,)`` (same ``k`` everywhere) as ``(size, k)`` on every
-    rank. Collective (one ``Allgather``)."""
+    """Every rank's float64 row ``(k,)`` (same ``k`` everywhere) as ``(size, k)``."""
     values = np.ascontiguousarray(values, np.float64)
     out = np.empty((comm.size, len(values)))
     comm.Allgather(values, out)
@@ -175,7 +161,7 @@ def allgather_rows(comm: Comm, values: np.ndarray) -> np.ndarray:
 
 @watched("a Gather")
 def gather_rows(comm: Comm, values: np.ndarray, root: int = 0) -> np.ndarray | None:
-    """Gather one float64 row ``(k,)`` per rank into ``(size, k)`` on ``root``. Collective."""
+    """Every rank's float64 row ``(k,)`` as ``(size, k)`` on ``root``."""
     values = np.ascontiguousarray(values, np.float64)
     out = np.empty((comm.size, len(values))) if comm.rank == root else None
     comm.Gather(values, out, root=root)
@@ -184,38 +170,30 @@ def gather_rows(comm: Comm, values: np.ndarray, root: int = 0) -> np.ndarray | N
 
 @watched("a Gatherv")
 def gatherv(comm: Comm, values: np.ndarray, root: int = 0) -> np.ndarray | None:
-    """Concatenate every rank's 1-D ``values`` (lengths may differ, same dtype) in rank order
-    on ``root``; None elsewhere. Collective."""
+    """Every rank's 1-D ``values`` (lengths may differ) concatenated in rank order on
+    ``root``; None elsewhere."""
     values = np.ascontiguousarray(values)
     counts = allgather_counts(comm, values.size)
     if counts.sum() > MAX_COUNT:
         raise MpidpError(f"gatherv of {counts.sum()} elements exceeds one MPI call")
-    out = None
-    if comm.rank == root:
-        out = np.empty(int(counts.sum()), values.dtype)
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        comm.Gatherv(values, [out, (counts, displs)], root=root)
-    else:
-        comm.Gatherv(values, None, root=root)
+    out = np.empty(int(counts.sum()), values.dtype) if comm.rank == root else None
+    comm.Gatherv(values, None if out is None else [out, (counts, _displs(counts))], root=root)
     return out
 
 
 @watched("a Gatherv")
 def gatherv_rows(comm: Comm, rows: np.ndarray, root: int = 0) -> np.ndarray | None:
-    """Concatenate every rank's ``(k_r, *row_shape)`` rows, rank order, on ``root``; None
-    elsewhere. Collective (one ``Gather`` of counts, one buffer-based ``Gatherv``)."""
+    """Every rank's ``(k_r, *row_shape)`` rows concatenated in rank order on ``root``; None
+    elsewhere (one ``Gather`` of counts, one ``Gatherv`` of rows)."""
     rows = np.ascontiguousarray(rows)
     counts = np.empty(comm.size, np.int64) if comm.rank == root else None
     comm.Gather(np.array([len(rows)], np.int64), counts, root=root)
     row_size = max(int(np.prod(rows.shape[1:], dtype=np.int64)), 1)
     rtype = _row_type(rows.dtype, row_size)
     try:
-        out = None
-        recv = None
-        if comm.rank == root:
-            out = np.empty((int(counts.sum()), *rows.shape[1:]), rows.dtype)
-            displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-            recv = [out, (counts, displs), rtype]
+        out = None if counts is None else np.empty((int(counts.sum()), *rows.shape[1:]),
+                                                   rows.dtype)
+        recv = None if out is None else [out, (counts, _displs(counts)), rtype]
         comm.Gatherv([rows, len(rows), rtype], recv, root=root)
     finally:
         rtype.Free()
@@ -235,20 +213,11 @@ def _row_type(dtype: np.dtype, row_size: int) -> MPI.Datatype:
 def scatterv_rows(comm: Comm, array: np.ndarray | None, counts: Sequence[int],
                   row_shape: tuple[int, ...], dtype: np.dtype, root: int = 0,
                   rows_per_round: int | None = None) -> np.ndarray:
-    """Send rank ``r`` rows ``displs[r]:displs[r]+counts[r]`` of ``array`` (held on ``root``).
-
-    Collective. ``array`` is ``(sum(counts), *row_shape)`` on root (any array-like that
-    slices by rows, e.g. a memmap) and ignored elsewhere. Counts may be uneven or zero.
-    Returns this rank's ``(counts[rank], *row_shape)`` rows.
-
-    Notes
-    -----
-    Streamed by :func:`scatterv_fill`: rounds of at most ``rows_per_round`` rows per rank
-    (default: about :data:`ROUND_BYTES` per rank), so root holds one round of the other
-    ranks' rows at a time besides its input.
-    """
+    """Send rank ``r`` rows ``displs[r]:displs[r]+counts[r]`` of ``array`` ``(sum(counts),
+    *row_shape)`` (on ``root``: any array-like that slices by rows, such as a memmap); returns
+    this rank's ``(counts[rank], *row_shape)`` rows. Streamed by :func:`scatterv_fill`."""
     counts = np.asarray(counts, np.int64)
-    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    displs = _displs(counts)
 
     def fill(rank: int, lo: int, dest: np.ndarray) -> None:
         start = int(displs[rank]) + lo
@@ -259,8 +228,8 @@ def scatterv_rows(comm: Comm, array: np.ndarray | None, counts: Sequence[int],
 
 @watched("an Allgather (counts)")
 def alltoall_counts(comm: Comm, send_counts: Sequence[int]) -> np.ndarray:
-    """The full ``(size, size)`` matrix ``M[src, dst]`` of rows each rank sends each rank.
-    Collective (one ``Allgather``), so every rank can decide alike whether anything moves."""
+    """The ``(size, size)`` matrix ``M[src, dst]`` of rows each rank sends each rank, on every
+    rank (so every rank can decide alike whether anything moves)."""
     out = np.empty((comm.size, comm.size), np.int64)
     comm.Allgather(np.ascontiguousarray(send_counts, np.int64), out)
     return out
@@ -269,10 +238,9 @@ def alltoall_counts(comm: Comm, send_counts: Sequence[int]) -> np.ndarray:
 @watched("an Alltoallv")
 def alltoallv_rows(comm: Comm, rows: np.ndarray, send_counts: Sequence[int],
                    recv_counts: Sequence[int]) -> np.ndarray:
-    """Exchange rows: this rank's ``rows`` ``(sum(send_counts), *row_shape)`` are sent in
-    rank order (the first ``send_counts[0]`` to rank 0, ...); returns the received
-    ``(sum(recv_counts), *row_shape)`` rows, sender 0's first. Collective (one buffer-based
-    ``Alltoallv`` with a contiguous row datatype; ``row_shape`` and dtype equal everywhere)."""
+    """Send ``rows`` ``(sum(send_counts), *row_shape)`` in rank order (the first
+    ``send_counts[0]`` to rank 0, ...); returns the ``(sum(recv_counts), *row_shape)`` rows
+    received, sender 0's first. One ``Alltoallv`` of a contiguous row datatype."""
     rows = np.ascontiguousarray(rows)
     send_counts, recv_counts = (np.asarray(c, np.int64) for c in (send_counts, recv_counts))
     row_shape = rows.shape[1:]
@@ -280,51 +248,18 @@ def alltoallv_rows(comm: Comm, rows: np.ndarray, send_counts: Sequence[int],
     row_size = int(np.prod(row_shape, dtype=np.int64))
     if row_size == 0:
         return out
-    sdispl = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).astype(np.int64)
-    rdispl = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).astype(np.int64)
     rtype = _row_type(rows.dtype, row_size)
     try:
-        comm.Alltoallv([rows, (send_counts, sdispl), rtype], [out, (recv_counts, rdispl), rtype])
+        comm.Alltoallv([rows, (send_counts, _displs(send_counts)), rtype],
+                       [out, (recv_counts, _displs(recv_counts)), rtype])
     finally:
         rtype.Free()
     return out
 
 
-@watched("an Allgather")
-def allgather_(comm: Comm, mine: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Concatenate every rank's ``mine`` ``(k,)`` into ``out`` ``(size * k,)``. Collective."""
-    comm.Allgather(mine, out)
-    return out
-
-
-def _fits(what: str, counts: np.ndarray, displs: np.ndarray) -> None:
-    """Refuse a vector collective whose counts or displacements do not fit one MPI call."""
-    reach = int((np.asarray(counts) + np.asarray(displs)).max(initial=0))
-    if reach > MAX_COUNT:
-        raise MpidpError(f"{what} reaching element {reach} exceeds one MPI call (counts and "
-                         f"displacements are C ints, at most {MAX_COUNT}); send it in pieces")
-
-
-@watched("an Alltoallv")
-def alltoallv_(comm: Comm, send: np.ndarray, send_parts: tuple[np.ndarray, np.ndarray],
-               recv: np.ndarray, recv_parts: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """Send ``send[displs[r]:displs[r] + counts[r]]`` to rank ``r`` and receive rank ``r``'s
-    piece into ``recv[rdispls[r]:rdispls[r] + rcounts[r]]``, where ``send_parts`` is
-    ``(counts, displs)`` and ``recv_parts`` ``(rcounts, rdispls)``, int64 ``(size,)`` each,
-    in elements. Collective (one ``Alltoallv``). ``send`` and ``recv`` are distinct 1-D
-    contiguous arrays of one dtype, reused by the caller; a count may be 0 (this rank's
-    own piece need not travel). Refuses (:class:`MpidpError`) counts or displacements over
-    :data:`MAX_COUNT`: callers send larger exchanges in pieces. Returns ``recv``."""
-    for what, (counts, displs) in (("an Alltoallv send", send_parts),
-                                   ("an Alltoallv receive", recv_parts)):
-        _fits(what, counts, displs)
-    comm.Alltoallv([send, send_parts], [recv, recv_parts])
-    return recv
-
-
 @watched("a Barrier")
 def barrier(comm: Comm) -> None:
-    """Wait until every rank of ``comm`` arrives. Collective."""
+    """Wait until every rank of ``comm`` arrives."""
     comm.Barrier()
 
 
@@ -337,20 +272,9 @@ def scatterv_fill(comm: Comm, counts: Sequence[int], row_shape: tuple[int, ...],
                   dtype: np.dtype, fill: Callable[[int, int, np.ndarray], None] | None,
                   root: int = 0, rows_per_round: int | None = None) -> np.ndarray:
     """Scatterv rows that ``root`` produces round by round: rank ``r`` receives
-    ``counts[r]`` rows ``(counts[r], *row_shape)`` of ``dtype``.
-
-    Collective. On root, ``fill(r, lo, dest)`` writes rows ``lo .. lo+len(dest)-1`` of rank
-    ``r``'s part into ``dest``: a view of root's own result for ``r == root`` (those rows
-    never pass through a send buffer), of the round's send buffer otherwise. ``fill`` is
-    ignored elsewhere. Counts may be uneven or zero.
-
-    Notes
-    -----
-    Each round carries at most ``rows_per_round`` rows per rank (default: about
-    :data:`ROUND_BYTES`, and never more elements than :data:`MAX_COUNT` per rank). Root
-    holds its own result plus ONE send buffer, reused every round; counts are in rows of a
-    contiguous row datatype and root's own part goes ``MPI.IN_PLACE``.
-    """
+    ``(counts[r], *row_shape)`` rows of ``dtype``. On root ``fill(r, lo, dest)`` writes rows
+    ``lo .. lo+len(dest)-1`` of rank ``r``'s part into ``dest`` (root's own result, or the one
+    send buffer reused every round of ``rows_per_round`` rows, default :data:`ROUND_BYTES`)."""
     counts = np.asarray(counts, np.int64)
     row_size = int(np.prod(row_shape, dtype=np.int64))
     out = np.empty((int(counts[comm.rank]), *row_shape), dtype)
@@ -371,7 +295,7 @@ def scatterv_fill(comm: Comm, counts: Sequence[int], row_shape: tuple[int, ...],
                 comm.Scatterv(None, [out[lo:lo + mine], mine, rtype], root=root)
                 continue
             take[root] = 0  # root's rows are written into its result directly
-            displs = np.concatenate([[0], np.cumsum(take)[:-1]])
+            displs = _displs(take)
             if send is None:  # the first round is the largest
                 send = np.empty((int(take.sum()), *row_shape), dtype)
             for r in range(comm.size):
@@ -382,3 +306,113 @@ def scatterv_fill(comm: Comm, counts: Sequence[int], row_shape: tuple[int, ...],
     finally:
         rtype.Free()
     return out
+
+
+# --- point to point (pipelines, the asynchronous server): over MAX_COUNT elements as
+# several messages with the same tag (MPI keeps their order)
+
+
+def isend(comm: Comm, buf: np.ndarray, dest: int, tag: int) -> list[MPI.Request]:
+    """Start sending contiguous ``buf`` to ``dest``; returns the requests to wait on (``buf``
+    stays alive and unchanged until they complete)."""
+    flat = buf.reshape(-1)
+    return [comm.Isend(flat[lo:hi], dest=dest, tag=tag) for lo, hi in _pieces(flat.size)]
+
+
+@watched("a Recv")
+def recv_(comm: Comm, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
+    """Receive into contiguous ``buf`` (matching :func:`isend` of as many elements) from
+    ``source``; returns ``buf``."""
+    flat = buf.reshape(-1)
+    for lo, hi in _pieces(flat.size):
+        comm.Recv(flat[lo:hi], source=source, tag=tag)
+    return buf
+
+
+def irecv(comm: Comm, buf: np.ndarray, source: int, tag: int) -> list[MPI.Request]:
+    """Start receiving into contiguous ``buf`` from ``source``; returns the requests."""
+    flat = buf.reshape(-1)
+    return [comm.Irecv(flat[lo:hi], source=source, tag=tag) for lo, hi in _pieces(flat.size)]
+
+
+def test_all(requests: Sequence[MPI.Request]) -> bool:
+    """True (and the requests freed) if every request is complete; never blocks (False
+    leaves them all pending)."""
+    return bool(MPI.Request.Testall(list(requests))) if requests else True
+
+
+@watched("a Waitall")
+def wait_all(requests: Sequence[MPI.Request]) -> None:
+    """Complete every request in ``requests``."""
+    if requests:
+        MPI.Request.Waitall(list(requests))
+
+
+@watched("a Waitany")
+def wait_any(requests: list) -> int:
+    """Index of a completed request among ``requests`` (blocking)."""
+    return MPI.Request.Waitany(requests)
+
+
+MPI_REQUEST_NULL = MPI.REQUEST_NULL
+
+
+@watched("a Send")
+def send(comm: Comm, buf: np.ndarray, dest: int, tag: int) -> None:
+    """Send contiguous ``buf`` to ``dest`` (blocking; matches :func:`recv_`)."""
+    flat = buf.reshape(-1)
+    for lo, hi in _pieces(flat.size):
+        comm.Send(flat[lo:hi], dest=dest, tag=tag)
+
+
+# --- measuring the network: the cost model's inputs
+
+
+def pingpong(comm: Comm, nbytes: int, reps: int = 50, peer: int = 1) -> float | None:
+    """One-way seconds of an ``nbytes`` message between rank 0 and ``peer`` (the median of
+    ``reps`` round trips, halved) on rank 0; None elsewhere. Collective over the pair."""
+    if comm.rank not in (0, peer):
+        return None
+    buf = np.zeros(max(nbytes, 1), np.uint8)[:nbytes]
+    times = []
+    for _ in range(reps + 3):
+        t = MPI.Wtime()
+        if comm.rank == 0:
+            comm.Send(buf, dest=peer, tag=5)
+            comm.Recv(buf, source=peer, tag=5)
+        else:
+            comm.Recv(buf, source=0, tag=5)
+            comm.Send(buf, dest=0, tag=5)
+        times.append((MPI.Wtime() - t) / 2)
+    return float(np.median(times[3:])) if comm.rank == 0 else None
+
+
+def time_allreduce(comm: Comm, n: int, dtype=np.float32, reps: int = 20,
+                   evict: np.ndarray | None = None) -> float:
+    """Median seconds of an in-place ``Allreduce`` of ``n`` elements (the slowest rank's).
+    Collective. ``evict``: read before each, to push the buffer out of the caches."""
+    buf = np.ones(n, dtype)
+    times = []
+    for _ in range(reps + 2):
+        if evict is not None:
+            evict.sum()
+        comm.Barrier()
+        t = MPI.Wtime()
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        times.append(comm.allreduce(MPI.Wtime() - t, op=MPI.MAX))
+    return float(np.median(times[2:]))
+
+
+def exchange_time(comm: Comm, nbytes: int, reps: int = 20, peer: int = 1) -> float | None:
+    """Median seconds for rank 0 and ``peer`` to ``Sendrecv`` ``nbytes`` to each other (both
+    directions busy, as in a ring), on rank 0; None elsewhere. Collective over the pair."""
+    if comm.rank not in (0, peer):
+        return None
+    other = peer if comm.rank == 0 else 0
+    out, back = (np.zeros(max(nbytes, 1), np.uint8)[:nbytes] for _ in range(2))
+    times = []
+    for _ in range(reps + 3):
+        t = MPI.Wtime()
+        comm.Sendrecv(out, dest=other, sendtag=6, recvbuf=back, source=other, recvtag=6)
+        times.append(MPI.Wtime() - t)
+    return float(np.median(times[3:])) if comm.rank == 0 else None

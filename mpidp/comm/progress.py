@@ -1,27 +1,8 @@
-"""Communication that moves while this process computes.
-
-An MPI library moves a non-blocking collective only while some thread of the process is
-inside MPI (MPICH over TCP, for one, has no background progress unless its progress thread
-is enabled, and that thread polls all the time, taking a core from the computation). Two
-ways to keep a reduction moving during a computation:
-
-- :class:`BackgroundAllreduce`: a communication thread runs one blocking in-place
-  ``Allreduce`` per buffer handed to it, in order, on a private duplicate of the
-  communicator, while the calling thread computes (NumPy releases the GIL in its
-  kernels, mpi4py in its MPI calls). The thread lives from the first buffer to the
-  :meth:`~BackgroundAllreduce.wait` that completes them, so none is left between
-  synchronisations. Needs ``MPI_THREAD_MULTIPLE``.
-- :func:`test_some`: advance started requests (``MPI_Testsome``) between pieces of work,
-  from the calling thread; they move only during the call. :class:`StartedSums` does so
-  for the sums of a buffer's parts, at two ranks as one exchange per part (one round, so
-  one call can set the whole part moving).
-
-The watchdog (:mod:`~mpidp.comm.activity`) watches the calling thread: while it computes,
-the rank makes progress; when it waits for the communication thread it is marked as
-waiting in MPI (:meth:`BackgroundAllreduce.wait` is a watched call), so a reduction that
-never completes is seen as any stalled collective is. The communication thread leaves the
-mark alone: it is the calling thread's state that tells whether the rank is stuck.
-"""
+"""Communication that moves while this process computes (MPI moves a started collective
+only while some thread is inside MPI): :class:`BackgroundAllreduce`, a communication
+thread (needs ``MPI_THREAD_MULTIPLE``), and :func:`test_some`/:class:`StartedSums`,
+requests advanced between pieces of work. The watchdog watches the calling thread only:
+waiting for the communication thread is a watched call."""
 
 from __future__ import annotations
 
@@ -32,33 +13,29 @@ from collections import deque
 import numpy as np
 from mpi4py import MPI
 
-from .activity import watched
 from .agreement import MpidpError
-from .collectives import MAX_COUNT, _pieces
-from .runtime import Comm, duplicate, fresh_tag
+from .collectives import MAX_COUNT, allreduce_sum_
+from .runtime import Comm, duplicate, fresh_tag, watched
 
 _END = None  # queued by wait(): the thread ends once everything before it is summed
 
 
 def threads_supported() -> bool:
-    """True if MPI runs with ``MPI_THREAD_MULTIPLE``, which :class:`BackgroundAllreduce`
-    needs (mpi4py asks for it by default)."""
+    """True if MPI runs with ``MPI_THREAD_MULTIPLE`` (:class:`BackgroundAllreduce` needs it)."""
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 def test_some(requests: list[MPI.Request]) -> int:
-    """Advance ``requests`` (``MPI_Testsome``, never blocks); the completed ones are freed
-    and become ``MPI_REQUEST_NULL`` in the list. Returns how many are complete now."""
+    """Advance ``requests`` (``MPI_Testsome``, never blocks; completed ones become
+    ``MPI_REQUEST_NULL``); returns how many are complete now."""
     if requests:
         MPI.Request.Testsome(requests)
     return sum(r == MPI.REQUEST_NULL for r in requests)
 
 
 def wait_yielding(request: MPI.Request, longest_sleep: float) -> None:
-    """Complete ``request``, testing it with sleeps in between (from 10 us, doubling up to
-    ``longest_sleep`` seconds) so that a rank waiting long leaves its core to the ranks
-    and the network stack that are working; it returns at most ``longest_sleep`` after the
-    request completed. ``longest_sleep`` <= 0: a plain ``Wait`` (which may poll)."""
+    """Complete ``request``, sleeping between tests (10 us doubling up to ``longest_sleep``)
+    to leave the core to working ranks (``longest_sleep <= 0``: a plain ``Wait``)."""
     if longest_sleep <= 0:
         request.Wait()
         return
@@ -68,35 +45,16 @@ def wait_yielding(request: MPI.Request, longest_sleep: float) -> None:
         pause = min(2 * pause, longest_sleep)
 
 
-def _sum_in_place(comm: Comm, buf: np.ndarray) -> None:
-    """Blocking in-place ``Allreduce`` (sum) of contiguous ``buf``, in pieces of at most
-    ``MAX_COUNT`` elements; the communication thread's call (not watched: see the module)."""
-    flat = buf.reshape(-1)
-    for lo, hi in _pieces(flat.size):
-        comm.Allreduce(MPI.IN_PLACE, flat[lo:hi], op=MPI.SUM)
+#: The communication thread's sum: :func:`allreduce_sum_` unwatched (see the module).
+_sum_in_place = allreduce_sum_.__wrapped__
 
 
 class BackgroundAllreduce:
-    """In-place sums over the ranks of ``comm``, run by a communication thread.
-
-    Collective to create (duplicates ``comm``, so the thread's collectives never meet
-    the caller's) and to :meth:`close`. Every rank must :meth:`submit` the same sequence
-    of buffer sizes; the buffers are summed in that order, each by one blocking
-    ``Allreduce``, while the caller goes on computing. :meth:`wait` blocks (sleeping, not
-    polling) until every submitted buffer is summed and ends the thread. The thread's
-    blocking calls poll (MPICH's do): a core per rank is busy while a sum is in flight,
-    also while the caller computes beside it.
-
-    A failure on the thread (an MPI error, or any exception) is raised by the next
-    :meth:`wait` or :meth:`submit` on the calling thread as :class:`MpidpError`, so it
-    ends the job the way any error on a rank does; later calls raise it again.
-
-    Notes
-    -----
-    A submitted buffer belongs to the thread until :meth:`wait` returns: do not read or
-    write it meanwhile. ``pending`` counts the buffers not yet summed, ``completed`` the
-    buffers summed since creation (instrumentation: it grows while the caller computes).
-    """
+    """In-place sums over the ranks of ``comm`` by a communication thread, one blocking
+    ``Allreduce`` per buffer in order, on a duplicate of ``comm`` (collective to create and to
+    :meth:`close`). Every rank :meth:`submit`-s the same buffer sizes; a buffer belongs to
+    the thread until :meth:`wait`, which raises the thread's failure as :class:`MpidpError`.
+    ``pending``: buffers not yet summed; ``completed``: summed since creation."""
 
     def __init__(self, comm: Comm, name: str = "mpidp-allreduce") -> None:
         if not threads_supported():
@@ -116,8 +74,8 @@ class BackgroundAllreduce:
         return self._thread is not None
 
     def submit(self, buf: np.ndarray) -> None:
-        """Queue the sum of contiguous ``buf`` over the ranks, in place; returns at once.
-        Starts the thread if none runs. Every rank submits the same sizes in the same order."""
+        """Queue the in-place sum of contiguous ``buf``; returns at once (starting the thread if
+        none runs)."""
         if self._comm is None:
             raise MpidpError(f"{self.name} is closed: make a new one to reduce again")
         with self._cv:
@@ -131,8 +89,7 @@ class BackgroundAllreduce:
 
     @watched("an Allreduce (on the communication thread)")
     def wait(self) -> None:
-        """Block until every submitted buffer is summed, then end the thread. Raises the
-        thread's failure (:class:`MpidpError`) if it had one."""
+        """Block until every submitted buffer is summed, then end the thread; raises its failure."""
         with self._cv:
             thread = self._thread
             if thread is not None:
@@ -191,35 +148,16 @@ class BackgroundAllreduce:
                 cv.notify_all()
 
 
-
-#: Tags of :class:`StartedSums`'s exchanges: each one takes the next of these on its
-#: communicator (:func:`~mpidp.comm.runtime.fresh_tag`), so that several on one
-#: communicator, one with sums still in flight while another starts, never match each
-#: other's messages.
+#: Tags of :class:`StartedSums`'s exchanges, taken in turn on a communicator
+#: (:func:`~mpidp.comm.runtime.fresh_tag`) so that several never match each other's messages.
 PAIR_TAGS = (0x4000, 0x3000)
 
 
 class StartedSums:
-    """In-place sums over the ranks of ``comm`` of parts of one buffer, started one at a
-    time and completed in any order, advanced by :meth:`advance` between pieces of work.
-
-    With more than two ranks each part is one ``Iallreduce``. With two it is one exchange:
-    each rank sends its part whole (``Isend``), receives the other's into scratch
-    (``Irecv``) and adds it, once both are complete, to its own. That is the bytes of a
-    ring allreduce at two ranks in one round instead of two, so a sum needs the library's
-    progress once, not again when its first round ends: over TCP, where a started
-    collective moves only while the process is inside MPI, more of it travels while the
-    process computes. The sum is the same (at two ranks an ``Allreduce`` adds the same two
-    numbers) and the same bits on both ranks (both add rank 0's part first). The scratch,
-    the size of ``buf``, is made at the first exchange and kept until :meth:`release`.
-
-    Every rank makes its ``StartedSums`` on ``comm`` in the same order and starts the same
-    parts in the same order (as for collectives); each takes a tag of its own among
-    :data:`PAIR_TAGS`, which nothing else on ``comm`` may use (give it a duplicate of its
-    own, :func:`mpidp.comm.companion`, or ``private=True``: a duplicate made for these
-    sums alone, freed by :meth:`close`). A part belongs to the sums until it is
-    :meth:`done`: do not read or write it meanwhile.
-    """
+    """In-place sums over ``comm`` of parts of one buffer, started one at a time, completed in
+    any order, moved by :meth:`advance`: an ``Iallreduce`` each, or at two ranks one exchange
+    (one round; rank 0's part added first). Every rank starts the same parts in order; only
+    they may use :data:`PAIR_TAGS` on ``comm`` (or ``private=True``: a duplicate of their own)."""
 
     def __init__(self, comm: Comm, buf: np.ndarray, private: bool = False) -> None:
         if buf.ndim != 1 or not buf.flags.c_contiguous or not buf.flags.writeable:
@@ -240,8 +178,7 @@ class StartedSums:
         self._paired: list[bool] = []  # per sum: an exchange (add the other's part at the end)
 
     def start(self, lo: int, hi: int) -> int:
-        """Start summing ``buf[lo:hi]``; returns the sum's index (0, 1, ... since
-        :meth:`clear`)."""
+        """Start summing ``buf[lo:hi]``; returns the sum's index (0, 1, ... since :meth:`clear`)."""
         if not 0 <= lo <= hi <= self.buf.size:
             raise MpidpError(f"started sums: part [{lo}, {hi}) is not within the buffer's "
                              f"{self.buf.size} values")
@@ -275,8 +212,8 @@ class StartedSums:
 
     @watched("a Waitany (started sums)")
     def wait_any(self) -> None:
-        """Block until one more request is complete, then :meth:`advance`. Raises
-        :class:`MpidpError` if no sum is in flight."""
+        """Block until one more request is complete, then :meth:`advance`; :class:`MpidpError`
+        if no sum is in flight."""
         k = MPI.Request.Waitany(self.requests) if self.live else MPI.UNDEFINED
         if k == MPI.UNDEFINED:
             raise MpidpError("no started sum is in flight to wait for")
@@ -299,21 +236,19 @@ class StartedSums:
         self.requests, self._owner, self._spans, self._left, self._paired = [], [], [], [], []
 
     def release(self) -> None:
-        """Forget the sums (all complete) and free the scratch; the next exchange makes it
-        again."""
+        """Forget the sums (all complete) and free the scratch."""
         self.clear()
         self.scratch = None
 
     def close(self) -> None:
-        """:meth:`release`, and free the private duplicate, if any (collective then); no
-        sums after this."""
+        """:meth:`release`, and free the private duplicate, if any (collective then)."""
         self.release()
         if self.private and self.comm != MPI.COMM_NULL:
             self.comm.Free()
 
     def _finish(self, i: int, requests: int = 1) -> None:
-        """``requests`` more of sum ``i``'s are complete; when all are, an exchange adds
-        the other rank's part to this one's."""
+        """``requests`` more of sum ``i``'s are complete; when all are, an exchange adds the
+        other rank's part to this one's."""
         self._left[i] -= requests
         if self._left[i]:
             return

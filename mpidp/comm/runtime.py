@@ -1,19 +1,85 @@
-"""The MPI world: communicators, their construction, and what the library is.
-
-Importing this module (or anything in :mod:`mpidp.comm`) starts MPI; nothing else in mpidp
-imports mpi4py, so ``import mpidp`` and ``mpidp --help`` work without an MPI library.
-"""
+"""The MPI world: communicators, their construction, what the library is, and what this
+process is doing (the watchdog's view). Importing this module starts MPI; nothing outside
+:mod:`mpidp.comm` imports mpi4py."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import time
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from ..errors import MpidpError
-from .activity import watched
+
+# --- what this process is doing, as the watchdog sees it: computing, waiting in an MPI call
+# (every call of mpidp.comm marks itself with watched()), or excused (work that may outlast
+# a step, like writing a checkpoint); plain attribute writes, cheap enough for every call
+
+COMPUTING, IN_MPI, EXCUSED = 0, 1, 2
+STATE_NAMES = ("computing", "waiting in MPI", "excused")
+
+#: Names of the watched calls, in definition order (identical in every process).
+CALLS: list[str] = ["(nothing yet)"]
+
+
+class _Mark:
+    """This process's state, read by the watchdog thread (plain attributes: cheap)."""
+
+    __slots__ = ("state", "call", "since", "step", "excuse")
+
+    def __init__(self) -> None:
+        self.state, self.call, self.step, self.excuse = COMPUTING, 0, -1, ""
+        self.since = time.monotonic()
+
+
+MARK = _Mark()
+
+
+def watched(what: str):
+    """Decorator for the MPI calls of :mod:`mpidp.comm`: mark this rank as waiting in
+    ``what`` while the call runs (a nested call keeps the outer mark; within an excused span
+    it still counts as waiting in MPI)."""
+    CALLS.append(what)
+    code = len(CALLS) - 1
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            m = MARK
+            if m.state == IN_MPI:  # nested in another watched call: the outer one counts
+                return fn(*args, **kwargs)
+            outer, outer_since = m.state, m.since
+            m.state, m.call, m.since = IN_MPI, code, time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:  # back to computing, or to the excused span (whose clock runs on)
+                m.state = outer
+                m.since = outer_since if outer == EXCUSED else time.monotonic()
+        return call
+    return wrap
+
+
+def set_step(step: int) -> None:
+    """Record the training step this rank is at (shown in the watchdog's report)."""
+    MARK.step = step
+
+
+@contextlib.contextmanager
+def excused(what: str):
+    """Work that may take longer than a step (writing a checkpoint): other ranks waiting
+    meanwhile are not a stall, up to ten timeouts."""
+    m = MARK
+    prev = m.state, m.excuse
+    m.state, m.excuse, m.since = EXCUSED, what, time.monotonic()
+    try:
+        yield
+    finally:
+        (m.state, m.excuse), m.since = prev, time.monotonic()
+
 
 Comm = MPI.Comm
 SHM_DIR = "/dev/shm"  # where MPICH (and Open MPI) keep shared-memory segments on Linux
@@ -51,36 +117,24 @@ def duplicate(comm: Comm) -> Comm:
     return comm.Dup()
 
 
-def _free_companion(comm: Comm, keyval: int, dup: Comm) -> None:
-    """MPI's callback when ``comm`` is freed (collectively, on every rank): free its
-    companion with it. Must not raise into MPI."""
-    try:
-        dup.Free()
-    except Exception:  # noqa: BLE001 (MPI is freeing comm: nothing to report to)
-        pass
-
-
-def _free_node_splits(comm: Comm, keyval: int, splits: dict) -> None:
-    """MPI's callback when ``comm`` is freed: free the node and leader communicators that
-    :func:`node_split` made of it. Must not raise into MPI."""
-    for pair in splits.values():
-        for part in pair:
+def _free_kept(comm: Comm, keyval: int, kept: Comm | dict) -> None:
+    """MPI's callback when ``comm`` is freed (collectively, on every rank): free what was
+    kept on it, its companion or the pairs :func:`node_split` made. Must not raise into MPI."""
+    parts = [c for pair in kept.values() for c in pair] if isinstance(kept, dict) else [kept]
+    for part in parts:
+        with contextlib.suppress(Exception):  # MPI is freeing comm: nothing to report to
             if part is not None:
-                _free_companion(comm, keyval, part)
+                part.Free()
 
 
-_COMPANION = MPI.Comm.Create_keyval(delete_fn=_free_companion)
-_NODE_SPLITS = MPI.Comm.Create_keyval(delete_fn=_free_node_splits)
+_COMPANION = MPI.Comm.Create_keyval(delete_fn=_free_kept)
+_NODE_SPLITS = MPI.Comm.Create_keyval(delete_fn=_free_kept)
 _TAGS = MPI.Comm.Create_keyval()  # per communicator: the next tag of :func:`fresh_tag`
 
 
 def companion(comm: Comm) -> Comm:
-    """A duplicate of ``comm`` for operations that must never match its own collectives:
-    made (:func:`duplicate`) on the first call for this communicator, the same one on
-    every later call, so that objects built again and again on one communicator do not
-    use up the library's communicators. Kept as an attribute of ``comm`` and freed with
-    it (``comm.Free()``). Collective on the first call for ``comm``; every rank must make
-    its calls for the same communicators."""
+    """A duplicate of ``comm`` that never matches its collectives: made on the first call
+    (collective then), the same one later, kept on ``comm`` and freed with it."""
     dup = comm.Get_attr(_COMPANION)
     if dup is None:
         dup = duplicate(comm)
@@ -89,9 +143,8 @@ def companion(comm: Comm) -> Comm:
 
 
 def fresh_tag(comm: Comm, first: int, count: int) -> int:
-    """A tag for the next user of ``comm`` among ``first .. first + count - 1``, in turn
-    (after ``count`` users, from ``first`` again): every rank gets the same one if every
-    rank asks in the same order, as for collectives. Local."""
+    """A tag among ``first .. first + count - 1`` for the next user of ``comm``, in turn: the
+    same on every rank that asks in the same order. Local."""
     k = comm.Get_attr(_TAGS) or 0
     comm.Set_attr(_TAGS, k + 1)
     return first + k % count
@@ -99,8 +152,7 @@ def fresh_tag(comm: Comm, first: int, count: int) -> int:
 
 @watched("a Comm.Split")
 def split(comm: Comm, color: int, key: int) -> Comm:
-    """The ranks of ``comm`` with this rank's ``color``, ordered by ``key``
-    (``Comm.Split``). Collective."""
+    """The ranks of ``comm`` with this rank's ``color``, ordered by ``key``. Collective."""
     return comm.Split(color, key)
 
 
@@ -114,15 +166,9 @@ def split_off(comm: Comm, rank: int) -> Comm | None:
 
 @watched("a Comm.Split")
 def node_split(comm: Comm, first: int = 0) -> tuple[Comm, Comm | None]:
-    """``(node, leaders)``: the ranks of ``comm`` that share this rank's node (shared
-    memory), with ``first`` as rank 0 of its node (elsewhere the lowest rank), and, on each
-    node's rank 0 only, a communicator of those node leaders (``first``'s node leader is
-    its rank 0; None on the other ranks). Collective (one small ``Allreduce`` once made).
-
-    Made on the first call for ``comm`` and ``first``, the same pair on every later call
-    (as :func:`companion`), so trainers built again and again on one communicator do not
-    use up the library's communicators: kept as an attribute of ``comm`` and freed with it
-    (``comm.Free()``); never free them yourself."""
+    """``(node, leaders)``: the ranks of ``comm`` on this rank's node (``first`` as rank 0) and,
+    on each node's rank 0, the node leaders (None elsewhere). Collective; made once per
+    ``comm`` and ``first``, freed with ``comm``."""
     per_node = _forced_per_node(comm)
     splits = comm.Get_attr(_NODE_SPLITS)
     if splits is None:
@@ -137,18 +183,16 @@ def node_split(comm: Comm, first: int = 0) -> tuple[Comm, Comm | None]:
     return pair
 
 
-#: Testing the node-aware paths on one host: ``MPIDP_RANKS_PER_NODE=k`` makes every block
-#: of ``k`` consecutive ranks of a communicator one "node" (the ranks must really share
-#: memory, as all ranks on one host do). Unset: nodes are what MPI reports.
+#: For tests on one host: every ``k`` consecutive ranks are one "node" (unset: MPI's nodes).
 RANKS_PER_NODE = "MPIDP_RANKS_PER_NODE"
 
 
 def _forced_per_node(comm: Comm) -> int:
-    """``MPIDP_RANKS_PER_NODE`` as every rank of ``comm`` reads it (0: unset). Collective: a
-    value that is not a whole number >= 1 on any rank, or that differs between ranks,
-    raises the same :class:`MpidpError` on every rank."""
+    """``MPIDP_RANKS_PER_NODE`` (0: unset). Collective: a bad value, or one that differs
+    between ranks, raises the same :class:`MpidpError` on every rank."""
     raw = os.environ.get(RANKS_PER_NODE, "").strip()
-    mine = (min(int(raw), 1 << 31) if raw.isascii() and raw.isdigit() and int(raw) >= 1 else -1) if raw else 0
+    whole = raw.isascii() and raw.isdigit() and int(raw) >= 1
+    mine = (min(int(raw), 1 << 31) if whole else -1) if raw else 0
     seen = np.array([mine, -mine], np.int64)
     comm.Allreduce(MPI.IN_PLACE, seen, op=MPI.MAX)
     high, low = int(seen[0]), -int(seen[1])  # over the ranks
@@ -162,8 +206,8 @@ def _forced_per_node(comm: Comm) -> int:
 
 
 def _node(comm: Comm, key: int, per_node: int | None = None) -> Comm:
-    """The ranks of ``comm`` on this rank's node, ordered by ``key`` (``per_node``: what
-    :func:`_forced_per_node` said, when already asked). Collective."""
+    """The ranks of ``comm`` on this rank's node, ordered by ``key`` (``per_node``: the
+    forced size, when already known). Collective."""
     per_node = _forced_per_node(comm) if per_node is None else per_node
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
     if not per_node or node.size != comm.size:  # several real nodes: it cannot cut finer

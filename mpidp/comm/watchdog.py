@@ -1,31 +1,83 @@
-"""The watchdog: a stalled rank ends the job, named, within the timeout and a grace.
-
-Every MPI call of :mod:`mpidp.comm` marks this process as *waiting in MPI* while it runs
-(:func:`watched`); between calls the process is *computing*; :meth:`Watchdog.excused`
-marks work that may legitimately outlast a step (writing a checkpoint). That costs two
-attribute writes per call, so it covers every mode and every collective, point-to-point
-wait and shared-memory fence alike, without polling on the main thread.
-
-A thread per rank checks the mark. When this rank has waited or computed for longer than
-the timeout, the thread holds a roll call on a private duplicate of the communicator and
-names the ranks that do not answer within ``grace`` seconds, that compute (or are excused)
-too long, or, when every rank waits in MPI, reports a deadlock; the verdicts, the exit
-code and the fallback without ``MPI_THREAD_MULTIPLE`` are in docs/reliability.md
-("The watchdog").
-"""
+"""Failing loudly: an error on one rank ends the whole job (:func:`abort_on_error`), and a
+stalled rank ends it too, named. Every MPI call marks this process as waiting in MPI
+(:func:`~.runtime.watched`); a thread per rank checks the mark and past the timeout holds
+a roll call on a private duplicate of the communicator (docs/reliability.md, "The
+watchdog")."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 import sys
 import threading
 import time
+import traceback
 
 import numpy as np
 from mpi4py import MPI
 
-from .abort import abort_job
-from .activity import CALLS, COMPUTING, EXCUSED, IN_MPI, MARK, STATE_NAMES
+from .runtime import CALLS, COMPUTING, EXCUSED, IN_MPI, MARK, SHM_DIR, STATE_NAMES, Comm
+
+#: Seconds for mpiexec to forward our output before the abort; for the abort to end us.
+_FORWARD_S, _ABORT_GRACE_S = 0.3, 10.0
+
+#: Name prefixes of the shared-memory files each MPI keeps in /dev/shm while a job runs:
+#: MPICH's ``mpich_shm_*``; Open MPI 5's ``sm_segment.*`` (``vader_segment.*`` in 4.x),
+#: which its launcher also removes after an abort, unless the launcher itself is killed.
+_SHM_PREFIXES = {"MPICH": ("mpich_shm_",), "Open MPI": ("sm_segment.", "vader_segment.")}
+
+
+def _unlink_shm_segments() -> None:
+    """Remove the names of the MPI library's shared-memory files this process maps (after
+    ``MPI_Abort`` nobody would, and they hold RAM until reboot), by the vendor's prefixes."""
+    prefixes = tuple(f"{SHM_DIR}/{p}" for p in _SHM_PREFIXES.get(MPI.get_vendor()[0], ()))
+    if not prefixes:
+        return
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {path for path in (line.split(None, 5)[5].strip().removesuffix(" (deleted)")
+                                       for line in f if f"{SHM_DIR}/" in line)
+                     if path.startswith(prefixes)}
+    except (OSError, IndexError):
+        return
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def abort_job(comm: Comm, code: int) -> None:
+    """``MPI_Abort`` the job, and leave this process within seconds even if the launcher
+    cannot be reached (a rank cut off from its job by a dead link must not live on)."""
+    import threading
+    sys.stderr.flush()
+    sys.stdout.flush()
+    _unlink_shm_segments()
+    time.sleep(_FORWARD_S)
+    threading.Timer(_ABORT_GRACE_S, os._exit, args=(code,)).start()
+    comm.Abort(code)
+    os._exit(code)
+
+
+def _abort_hook(exc_type, exc, tb) -> None:
+    comm = MPI.COMM_WORLD
+    if comm.size == 1 or issubclass(exc_type, KeyboardInterrupt):
+        sys.__excepthook__(exc_type, exc, tb)  # nobody waits on us: exit the normal way
+        return
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    sys.stderr.write(f"[mpidp] rank {comm.rank}/{comm.size} failed; aborting the job.\n{text}")
+    abort_job(comm, 1)
+
+
+def abort_on_error(enable: bool = True) -> None:
+    """Install (``enable=False``: remove) a ``sys.excepthook`` that prints the rank and
+    traceback and ``MPI_Abort``s the job, so no rank waits forever. Idempotent."""
+    if not enable:
+        if sys.excepthook is _abort_hook:
+            sys.excepthook = sys.__excepthook__
+    elif MPI.Is_initialized() and not MPI.Is_finalized():
+        sys.excepthook = _abort_hook
+
 
 _ROLL, _REPLY = 71, 72
 EXIT_CODE = 3
@@ -34,10 +86,7 @@ EXIT_CODE = 3
 class Watchdog:
     """Watch this rank of ``comm`` for stalls longer than ``timeout`` seconds. Collective to
     create (it duplicates ``comm``); :meth:`start` it on every rank, :meth:`stop` at the end.
-
-    ``timeout=None`` derives the timeout from the step times reported to :meth:`step_done`:
-    ``max(floor, steps * median step)``, so a healthy run never trips it.
-    """
+    ``timeout=None``: ``max(floor, steps * median step)`` of the times :meth:`step_done` gets."""
 
     def __init__(self, comm: MPI.Comm, timeout: float | None, grace: float = 6.0,
                  floor: float = 600.0, steps: int = 50) -> None:
@@ -124,9 +173,8 @@ class Watchdog:
         return listen, replies
 
     def _roll_call(self, listen, call, replies):
-        """Ask every other rank for its mark, judge the answers; returns the listening request
-        and the replies in flight (answering others' roll calls meanwhile replaces both).
-        A :meth:`stop` meanwhile ends it without a verdict: this rank's work is done."""
+        """Ask every other rank for its mark and judge the answers; returns the listening
+        request and the replies in flight. A :meth:`stop` meanwhile ends it without a verdict."""
         comm, me = self.side, self.side.rank
         others = [r for r in range(comm.size) if r != me]
         ping = np.array([me], np.int64)

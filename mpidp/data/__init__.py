@@ -1,9 +1,6 @@
-"""Data: samples of any shape ``(n, *sample_shape)``; sources read by row
-(:mod:`~.sources`, :mod:`~.rows`; built-in image and signal sets in :mod:`~.datasets`),
-partitions (pure, :mod:`~.partition`), distribution over the ranks (:mod:`~.distribute`:
-``Scatterv`` or each rank its own rows), load balance (:mod:`~.balance`) and CRC-32 in pieces
-(:mod:`~.crc32`). Names are imported on first use: the pure ones (``Partition``,
-``RowReader``) start no MPI."""
+"""Data: samples of any shape ``(n, *sample_shape)`` read by row, partitioned, distributed
+over the ranks and balanced (docs/design.md). Names are imported on first use: the pure
+ones (``Partition``, ``RowReader``) start no MPI."""
 
 from .._lazy import exports
 

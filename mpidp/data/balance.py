@@ -1,20 +1,9 @@
-"""Partitioning during training: who owns which samples each epoch, moving rows when that
-changes, and the load-balance figures measured on every rank.
-
-:class:`~mpidp.data.partition.Partition` (defined there, pure; re-exported here) names a
-strategy and what it needs; :class:`Plan` applies it inside :func:`mpidp.fit`: static
-strategies keep their owners, ``cost`` gives every epoch's global batches a cost-balanced
-owner, ``adaptive`` does the same with capacities re-measured from each rank's throughput.
-When the owner of samples changes they move between ranks with one ``Alltoallv`` per array
-(counts agreed first), so training stays exact: the global batches are the same whatever
-the owners.
-
-Waiting is estimated without a collective per step: each rank records its per-step local
-compute time; at epoch end one ``Allgather`` brings every rank's rows to every rank, and
-rank ``r``'s wait at step ``s`` is ``max_q compute[q, s] - compute[r, s]`` (ranks leave the
-previous step's ``Allreduce`` together, so the last to arrive sets the end of everyone's
-wait). The rest of the measured ``Allreduce`` time is communication proper.
-"""
+"""Partitioning during training: :class:`Plan` applies a :class:`~.partition.Partition`
+inside :func:`mpidp.fit` (``cost`` and ``adaptive`` rebalance every epoch's batches,
+moving rows by ``Alltoallv``; the global batches stay the same), and the load-balance
+figures. A rank's wait at step ``s`` is estimated as ``max_q compute[q, s] - compute[r,
+s]`` from the per-step times allgathered at epoch end; the rest of the ``Allreduce`` time
+is communication proper."""
 
 from __future__ import annotations
 
@@ -78,14 +67,13 @@ class Plan:
                  seed: int, shuffle: bool = True, drop_last: bool = False) -> None:
         self.comm, self.partition, self.n, self.batch_size = comm, partition, n, batch_size
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
-        size = comm.size
-        if partition is not None:
-            C.run_agreed(comm, partition.check, n, size)
         p = partition
+        if p is not None:
+            C.run_agreed(comm, p.check, n, comm.size)
         self.uniform = p is None or p.costs is None  # every sample costs the same
         self.costs = np.ones(n) if self.uniform else p.costs
-        self.capacities = (np.asarray(p.capacities, np.float64) if p is not None and
-                           p.capacities is not None else np.ones(size))
+        caps = p.capacities if p is not None else None
+        self.capacities = np.ones(comm.size) if caps is None else np.asarray(caps, np.float64)
         self.owner: np.ndarray | None = None
         self.moved, self.history_caps = 0, []
 
@@ -103,7 +91,8 @@ class Plan:
         if self.strategy in Pt.PER_BATCH:
             order = Pt.epoch_order(self.n, epoch, self.seed, self.shuffle)
             return Pt.balance_batches(order, self.batch_size, self.costs, self.capacities)
-        return self.owner if self.owner is not None else self.partition.owner(self.n, self.comm.size)
+        return self.owner if self.owner is not None else self.partition.owner(self.n,
+                                                                              self.comm.size)
 
     def _apply(self, shard: Shard, owner: np.ndarray | None, tracer=None) -> Shard:
         if owner is None or (self.owner is not None and np.array_equal(owner, self.owner)):
@@ -119,7 +108,10 @@ class Plan:
         rows = timer.recent(k)
         mine = [rows[:, _F["cost"]].sum(), rows[:, _F["compute_s"]].sum()]
         both = C.allgather_rows(self.comm, mine)
-        self.capacities = Pt.adaptive_capacities(both[:, 0], both[:, 1], self.capacities)
+        self._remeasured(both[:, 0], both[:, 1])
+
+    def _remeasured(self, work: np.ndarray, seconds: np.ndarray) -> None:
+        self.capacities = Pt.adaptive_capacities(work, seconds, self.capacities)
         self.history_caps.append(self.capacities.round(4).tolist())
 
     def batches(self, shard: Shard, epoch: int, timer: StepTimer,
@@ -161,39 +153,23 @@ class Plan:
         records = everyone.reshape(self.comm.size, len(rows), len(STEP_FIELDS))
         figures = balance_figures(records)
         if self.strategy == "adaptive" and len(rows):
-            # per epoch: the whole epoch; with --adapt-every k: the epoch's last window (the
-            # steps since the last in-epoch re-measurement), which would otherwise go unused
+            # the whole epoch, or with adapt_every k the steps since the last re-measurement
             every = self.partition.adapt_every or len(rows)
             last = records[:, (len(rows) - 1) // every * every:]
-            self.capacities = Pt.adaptive_capacities(
-                last[:, :, _F["cost"]].sum(axis=1), last[:, :, _F["compute_s"]].sum(axis=1),
-                self.capacities)
-            self.history_caps.append(self.capacities.round(4).tolist())
+            self._remeasured(last[:, :, _F["cost"]].sum(axis=1),
+                             last[:, :, _F["compute_s"]].sum(axis=1))
         figures.update(strategy=self.strategy or "as loaded", moved_samples=self.moved,
                        capacities=self.capacities.round(4).tolist())
         return figures
 
 
 def balance_figures(records: np.ndarray) -> dict:
-    """Load-balance figures from every rank's per-step rows ``(size, steps, STEP_FIELDS)``.
-
-    ``imbalance``: per step ``max/mean`` of the ranks' local compute time, averaged over
-    steps (1 = perfect); ``efficiency``: ``sum_s mean / sum_s max`` (the share of the
-    critical path that is useful work); both also from CPU time (``*_cpu``: judge
-    oversubscribed runs by these). Per rank: samples, cost, compute, wait (estimated, see
-    the module notes), communication proper, update, idle fraction = wait / all step time,
-    and ``speed`` = cost per second of compute. ``rate``: cost per second of critical path
-    (per step the slowest rank's compute + collective + update, summed over steps).
-
-    Two ideals. ``ideal_rate``: the sum of the ranks' speeds -- the throughput if the
-    ranks computed all the time with no communication or update at all; no split can reach
-    it. ``attainable_rate``: what a perfect split reaches at the measured speeds, with the
-    part of a step that no split can shorten counted explicitly: ``W / (W / sum(speed) +
-    fixed_s)`` where ``W`` is the epoch's cost and ``fixed_s`` sums, over steps, the
-    smallest ``communication proper + update`` of any rank (the collective minus the
-    estimated wait, plus the replicated optimizer step: the same whoever owns the samples).
-    ``fixed_s`` is reported too.
-    """
+    """Load-balance figures from every rank's per-step rows ``(size, steps, STEP_FIELDS)``:
+    ``imbalance`` (mean over steps of ``max/mean`` compute), ``efficiency`` (``sum mean / sum
+    max``), both from CPU time too; per rank samples, cost, compute, wait, communication,
+    update, idle fraction and ``speed``; ``rate`` (cost per second of critical path),
+    ``ideal_rate`` (summed speeds), ``attainable_rate`` (``W / (W / sum(speed) + fixed_s)``,
+    ``fixed_s`` the smallest communication + update per step, summed)."""
     size, steps = records.shape[:2]
     c, cpu = records[:, :, _F["compute_s"]], records[:, :, _F["compute_cpu_s"]]
     comm, upd = records[:, :, _F["comm_s"]], records[:, :, _F["update_s"]]
@@ -235,11 +211,8 @@ def _share(part: float, whole: float) -> str:
 
 def format_balance(fig: dict, per_rank: bool = True) -> str:
     """The load-balance summary lines, and (``per_rank``) the raw rates and a per-rank table.
-
-    The share quoted is ``rate / ideal_rate``: on one rank the forward and backward's share
-    of the step time; on several, the throughput against the ranks' summed compute speeds,
-    beside ``attainable_rate / ideal_rate``, what a split in proportion to the speeds
-    reaches (see :func:`balance_figures`)."""
+    The share quoted is ``rate / ideal_rate`` (on one rank: the forward and backward's share
+    of the step time), beside ``attainable_rate / ideal_rate`` (:func:`balance_figures`)."""
     rate, ideal = fig["rate"], fig.get("ideal_rate") or 0.0
     if len(fig["per_rank"]) == 1:
         lines = [f"load balance ({fig['strategy']}): one rank, nothing to balance"]

@@ -1,15 +1,7 @@
-"""CRC-32 (the checksum of ``.zip``/``.npz`` members) computed in pieces and combined, so
-that several ranks can each check a part of one large file.
-
-``combine(crc(A), crc(B), len(B)) == crc(A + B)`` for the CRC-32 of :func:`zlib.crc32`:
-the CRC of ``A`` is carried past ``len(B)`` bytes by multiplying it by ``x**(8*len(B))``
-modulo the CRC polynomial (bit-reflected, as zlib stores it), then XORed with the CRC of
-``B``; the pre- and post-inversion of CRC-32 cancel in this sum.
-
-The CRC itself is ISA-L's (the ``isal`` package, in the ``fast`` extra: several times
-faster, see docs/benchmarks-data.md) when it is installed, else zlib's; both give the same
-value.
-"""
+"""CRC-32 (of ``.zip``/``.npz`` members) in pieces, so that ranks can each check a part of
+one file: ``combine(crc(A), crc(B), len(B)) == crc(A + B)`` (the CRC of ``A`` times
+``x**(8*len(B))`` modulo the reflected polynomial). ISA-L's CRC (``isal``, the ``fast``
+extra, docs/benchmarks-data.md) when installed, else zlib's: the same value."""
 
 from __future__ import annotations
 
@@ -54,15 +46,14 @@ def combine(crc_a: int, crc_b: int, len_b: int) -> int:
 
 
 def of_range(path: str, offset: int, length: int, chunk: int = 1 << 22) -> int:
-    """CRC-32 of ``length`` bytes of file ``path`` from byte ``offset``: over a memory map
-    of them (nothing copied), or where the file cannot be mapped, read ``chunk`` bytes at a
-    time into one reused buffer. ``OSError`` if the file ends before."""
+    """CRC-32 of ``length`` bytes of file ``path`` from byte ``offset`` (mapped, or read
+    ``chunk`` bytes at a time where it cannot be); ``OSError`` if the file ends before."""
     fd = os.open(path, os.O_RDONLY)
     try:
         if length and offset + length <= os.fstat(fd).st_size:
             with contextlib.suppress(OSError, ValueError):
                 return _of_mapped(fd, offset, length)
-        return _of_read(fd, path, offset, length, chunk)
+        return _of_read(fd, offset, length, chunk)
     finally:
         os.close(fd)
 
@@ -76,18 +67,26 @@ def _of_mapped(fd: int, offset: int, length: int) -> int:
             return crc32(part)
 
 
-def _of_read(fd: int, path: str, offset: int, length: int, chunk: int) -> int:
-    buf = bytearray(min(chunk, max(length, 1)))
-    crc, left = 0, length
-    while left:
-        view = memoryview(buf)[:min(left, len(buf))]
-        got = os.preadv(fd, [view], offset)
-        if got == 0:
-            raise OSError(f"{path}: unexpected end of file at byte {offset}")
-        crc, left, offset = crc32(view[:got], crc), left - got, offset + got
+def _of_read(fd: int, offset: int, length: int, chunk: int) -> int:
+    buf, crc = memoryview(bytearray(min(chunk, max(length, 1)))), 0
+    for a in range(0, length, len(buf)):
+        view = buf[:min(len(buf), length - a)]
+        pread_into(fd, view, offset + a)
+        crc = crc32(view, crc)
     return crc
 
 
 def share(length: int, parts: int, index: int) -> tuple[int, int]:
     """``(start, stop)`` of part ``index`` of ``parts`` near-equal parts of ``length`` bytes."""
     return length * index // parts, length * (index + 1) // parts
+
+
+def pread_into(fd: int, out, offset: int) -> None:
+    """Fill ``out`` (a C-contiguous array or buffer) with the file's bytes from ``offset``
+    (no page faults)."""
+    view = memoryview(out).cast("B")
+    while len(view):
+        got = os.preadv(fd, [view], offset)
+        if got == 0:
+            raise OSError(f"unexpected end of file at byte {offset}")
+        view, offset = view[got:], offset + got

@@ -1,19 +1,13 @@
-"""Distribute a dataset over ranks, both ways: root reads and ``Scatterv``s, or each rank
-reads only its own rows. Either way rank ``r`` ends up with the same :class:`Shard`. The
-rows themselves are read, cast and checked by :class:`mpidp.data.rows.RowReader`.
-
-Samples keep their shape: ``X`` is ``(n, *sample_shape)`` on every rank, a row being
-``prod(sample_shape)`` values (sparse rows: CSR ``(n, n_features)``).
-
-The train/test split is a seeded choice of rows, or the dataset's own test set
-(:func:`~.partition.split_rows`); the training rows then get global positions
-``0 .. n_train-1`` (in file order) and rank ``r`` owns the block
-``partition.block_range(n_train, size, r)``.
-"""
+"""Distribute a dataset over the ranks: root reads and streams ``Scatterv``s, or each rank
+reads its own rows (:class:`~.rows.RowReader`); either way rank ``r`` gets the same
+:class:`Shard`, training positions owned as the partition strategy says, test rows in
+blocks. Also loading over a dedicated server's workers, and standardizing over ranks."""
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,10 +15,11 @@ import numpy.typing as npt
 
 from .. import comm as C
 from ..digest import dtype_name
+from ..errors import setting
 from ..nn.sparse import CSR
+from ..nn.standardize import Standardize, pass1_mean, pass1_sums, pass2_squares
 from . import crc32
-from .arrays import SHAPE_RULE, Source
-from .fingerprint import metadata_fingerprint
+from .datasets import SHAPE_RULE, Source
 from .partition import (
     assign,
     block_counts,
@@ -37,22 +32,18 @@ from .partition import (
     validation_split,
 )
 from .rows import RowReader, Timings
-from .sources import crc_mismatch, open_source, stored_members
+from .sources import crc_mismatch, metadata_fingerprint, open_source, stored_members
 
 DISTRIBUTE = ("scatter", "local")
 
 
 @dataclass
 class Shard:
-    """This rank's part of a global set of ``n_total`` samples.
-
-    ``X`` is ``(n_local, *sample_shape)``; ``y`` is ``(n_local,)`` int64 labels or
-    ``(n_local, n_targets)`` / ``(n_local,)`` float targets. ``X`` may be a copy-on-write
-    memory map of the data file (see :func:`load`). Row ``i`` of ``X`` has global
-    position ``positions[i]`` (int64, increasing); for a contiguous block (the default when
-    ``positions`` is not given) that is ``start + i``. ``X`` may also be a
-    :class:`mpidp.nn.sparse.CSR` of sparse rows.
-    """
+    """This rank's part of a global set of ``n_total`` samples: ``X`` ``(n_local,
+    *sample_shape)`` (or a :class:`mpidp.nn.sparse.CSR`; possibly a copy-on-write map of the
+    file, see :func:`load`), ``y`` ``(n_local,)`` int64 labels or float targets ``(n_local,
+    ...)``. Row ``i`` has global position ``positions[i]`` (int64, increasing; by default the
+    contiguous block ``start + i``)."""
 
     X: np.ndarray
     y: np.ndarray
@@ -72,7 +63,7 @@ class Shard:
 
     def identity(self, name: str) -> dict[str, object]:
         """What every rank's part of one data set shares, by name (``"{name} rows"``: the
-        global row count; the sample shape; the dtypes), for a collective check. Pure."""
+        global row count; the sample shape; the dtypes), for a collective check."""
         return {f"{name} rows": int(self.n_total), f"{name} sample shape": self.sample_shape,
                 f"{name} dtypes": (str(self.X.dtype), str(self.y.dtype))}
 
@@ -92,11 +83,9 @@ class Shard:
 class Data:
     """Train, test (and validation) shards plus what every rank needs to build a model.
 
-    ``n_features`` is the number of values per sample, ``prod(sample_shape)``;
-    ``sample_shape`` the shape of one sample (default: the training shard's, or
-    ``(n_features,)``). ``test_split`` says how the test rows were chosen: ``"random"``
-    (a seeded fraction) or ``"fixed"`` (the dataset's own test set, its last rows).
-    """
+    ``n_features``: values per sample, ``prod(sample_shape)`` (``sample_shape`` default: the
+    training shard's, or ``(n_features,)``). ``test_split``: ``"random"`` (a seeded fraction)
+    or ``"fixed"`` (the dataset's own test set, its last rows)."""
 
     train: Shard
     test: Shard
@@ -112,42 +101,47 @@ class Data:
     def __post_init__(self) -> None:
         if self.sample_shape is None:
             shape = tuple(self.train.X.shape[1:])
-            self.sample_shape = shape if int(np.prod(shape)) == self.n_features else (self.n_features,)
+            self.sample_shape = shape if int(np.prod(shape)) == self.n_features else (
+                self.n_features,)
         self.sample_shape = tuple(int(d) for d in self.sample_shape)
         if int(np.prod(self.sample_shape, dtype=np.int64)) != self.n_features:
             raise ValueError(f"sample shape {self.sample_shape} does not hold {self.n_features} "
                              f"features")
 
 
-def _is_fixed(src: Source, test_fraction: float | None) -> bool:
-    """True when :func:`split_rows` takes the source's own test set."""
-    return test_fraction is None and src.fixed_test is not None
-
-
-def _train_costs(src: Source, costs, train_rows: np.ndarray) -> np.ndarray | None:
-    """Per-training-position costs: ``costs`` (one per dataset row) or the source's own."""
-    if costs is None:
-        return src.costs()[train_rows] if hasattr(src, "costs") else None
-    return check_weights(costs, src.n_samples, "costs")[train_rows]
-
-
-def _check_n_classes(src: Source, n_classes: int | None) -> None:
-    """ValueError when a number of classes is given for a dataset without classes."""
+def _plan(src: Source, n_classes, test_fraction, seed, layout) -> tuple[tuple, np.ndarray | None]:
+    """``((train_rows, test_rows, val_rows), costs)``: the splits and the training positions'
+    costs (``layout["costs"]`` or the source's own); ValueError for classes of a regression."""
     if n_classes is not None and not src.classification:
-        raise ValueError(f"{src.name}: n_classes {n_classes} (--n-classes) does not "
-                         f"apply: its targets are real values (a regression), not class labels")
+        raise ValueError(f"{src.name}: {setting('n_classes', n_classes)} does not apply: its "
+                         f"targets are real values (a regression), not class labels")
+    train, test = split_rows(src.n_samples, test_fraction, seed, src.fixed_test)
+    train, val = validation_split(train, layout["val_fraction"], seed)
+    if layout["costs"] is None:
+        return (train, test, val), src.costs()[train] if hasattr(src, "costs") else None
+    return (train, test, val), check_weights(layout["costs"], src.n_samples, "costs")[train]
 
 
-def _n_outputs_from(classification: bool, target_shape: tuple[int, ...], max_label: int,
-                    n_classes: int | None) -> int:
-    if not classification:
-        return int(np.prod(target_shape, dtype=np.int64)) if target_shape else 1
-    return n_classes if n_classes is not None else max(max_label + 1, 2)
+def _meta(src: Source, split: tuple, costs, test_fraction, dtype) -> dict:
+    """What every rank needs of an opened source (pickled to the ranks by a scatter)."""
+    return {"name": src.name, "n": tuple(len(rows) for rows in split),
+            "n_features": src.n_features, "sample_shape": src.sample_shape,
+            "classification": src.classification, "y_shape": src.target_shape,
+            "fixed": test_fraction is None and src.fixed_test is not None,
+            "y_dtype": np.dtype(np.int64) if src.classification else np.dtype(dtype),
+            "has_costs": costs is not None}
+
+
+def _data(meta: dict, shards: list[Shard], costs, max_label: int, n_classes) -> Data:
+    outputs = (max(max_label + 1, 2) if n_classes is None else n_classes) if meta[
+        "classification"] else int(np.prod(meta["y_shape"], dtype=np.int64))
+    return Data(shards[0], shards[1], meta["name"], meta["n_features"], outputs,
+                meta["classification"], costs, meta["sample_shape"],
+                "fixed" if meta["fixed"] else "random", shards[2] if shards[2].n_total else None)
 
 
 def _scatter_sparse(comm, reader, rows, counts, meta, dtype, root):
-    """Scatterv CSR rows (row lengths, then indices and values) and their targets; root
-    reads each rank's rows (increasing) in one piece."""
+    """Scatterv CSR rows (lengths, then indices and values) and their targets."""
     is_root = comm.rank == root
     X = y = None
     if is_root:
@@ -155,19 +149,18 @@ def _scatter_sparse(comm, reader, rows, counts, meta, dtype, root):
         parts = [reader.read(rows[d:d + c]) for d, c in zip(displs, counts)]
         X = CSR.concat([p[0] for p in parts], meta["n_features"], dtype)
         y = np.concatenate([p[1] for p in parts]) if parts else None
-    lengths = C.scatterv_rows(comm, X.row_lengths() if is_root else None, counts, (),
-                              np.dtype(np.int64), root)
+    i64 = np.dtype(np.int64)
+    lengths = C.scatterv_rows(comm, X.row_lengths() if is_root else None, counts, (), i64, root)
     nnz = C.allgather_counts(comm, int(lengths.sum()))
-    indices = C.scatterv_rows(comm, X.indices if is_root else None, nnz, (), np.dtype(np.int64), root)
+    indices = C.scatterv_rows(comm, X.indices if is_root else None, nnz, (), i64, root)
     data = C.scatterv_rows(comm, X.data if is_root else None, nnz, (), np.dtype(dtype), root)
     y = C.scatterv_rows(comm, y, counts, meta["y_shape"], meta["y_dtype"], root)
     return CSR(np.concatenate([[0], np.cumsum(lengths)]), indices, data, meta["n_features"]), y
 
 
 def _scatter_dense(comm, reader, rows, counts, meta, dtype, root, clock):
-    """Stream ``X[rows]`` to the ranks (``counts[r]`` rows each, rank 0's first) in rounds:
-    root reads each rank's next rows straight into the round's send buffer (its own rows
-    into its own shard), then its targets in one ``Scatterv``."""
+    """Stream ``X[rows]`` to the ranks (``counts[r]`` rows each) in rounds, root reading each
+    rank's next rows straight into the send buffer; then the targets in one ``Scatterv``."""
     displs = counts_displs(counts)[1]
     fill, y_all = None, None
     if comm.rank == root:
@@ -184,35 +177,21 @@ def _scatter_dense(comm, reader, rows, counts, meta, dtype, root, clock):
     return X, y
 
 
-def _split(src: Source, test_fraction, val_fraction, seed) -> tuple[np.ndarray, ...]:
-    """``(train_rows, test_rows, val_rows)``: the test split, then validation rows held out
-    of the training rows."""
-    train_rows, test_rows = split_rows(src.n_samples, test_fraction, seed, src.fixed_test)
-    train_rows, val_rows = validation_split(train_rows, val_fraction, seed)
-    return train_rows, test_rows, val_rows
-
-
 def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, source_kw,
                   layout, clock) -> Data:
     held: dict = {}
 
     def open_on_root() -> dict:
         src = open_source(spec, seed=seed, **source_kw)
-        _check_n_classes(src, n_classes)
-        split = _split(src, test_fraction, layout["val_fraction"], seed)
-        held["costs"] = _train_costs(src, layout["costs"], split[0])
+        split, costs = _plan(src, n_classes, test_fraction, seed, layout)
+        held.update(src=src, split=split, costs=costs)
         sparse = len(split[0]) > 0 and isinstance(src.read(split[0][:1])[0], CSR)
-        held.update(src=src, split=split)
-        return {"name": src.name, "n": tuple(len(rows) for rows in split),
-                "n_features": src.n_features, "sample_shape": src.sample_shape,
-                "classification": src.classification, "fixed": _is_fixed(src, test_fraction),
-                "y_shape": src.target_shape,
-                "y_dtype": np.dtype(np.int64) if src.classification else np.dtype(dtype),
-                "sparse": sparse, "has_costs": held["costs"] is not None}
+        return {**_meta(src, split, costs, test_fraction, dtype), "sparse": sparse}
 
     meta = C.root_decides(comm, open_on_root, root=root)
     costs = held.get("costs") if comm.rank == root else np.empty(meta["n"][0])
-    costs = C.bcast_(comm, np.ascontiguousarray(costs, np.float64), root) if meta["has_costs"] else None
+    costs = C.bcast_(comm, np.ascontiguousarray(costs, np.float64), root) if meta[
+        "has_costs"] else None
     owner = C.run_agreed(comm, assign, layout["strategy"], meta["n"][0], comm.size,
                          seed=seed, costs=costs, capacities=layout["capacities"])
     reader = RowReader(held["src"], dtype, n_classes, clock) if comm.rank == root else None
@@ -238,17 +217,12 @@ def _load_scatter(comm, spec, test_fraction, seed, dtype, root, n_classes, sourc
             raise ValueError(reader.error)
         return reader.max_label
 
-    max_label = C.root_decides(comm, verdict, root=root)
-    n_outputs = _n_outputs_from(meta["classification"], meta["y_shape"], max_label, n_classes)
-    return Data(shards[0], shards[1], meta["name"], meta["n_features"], n_outputs,
-                meta["classification"], costs, meta["sample_shape"],
-                "fixed" if meta["fixed"] else "random", shards[2] if shards[2].n_total else None)
+    return _data(meta, shards, costs, C.root_decides(comm, verdict, root=root), n_classes)
 
 
 def crc_together(comm: C.Comm, path: str, spans: list[tuple[int, int]]) -> list[int]:
-    """The CRC-32 of each ``(offset, size)`` span of file ``path``, each rank of ``comm``
-    reading ``1/size`` of every span (the pieces combined in order). Collective; a rank
-    that cannot read its share raises the same :class:`mpidp.MpidpError` on every rank."""
+    """The CRC-32 of each ``(offset, size)`` span of file ``path``, each rank reading ``1/size``
+    of every span. Collective; a rank's read error raises the same error on every rank."""
     mine, error = np.zeros((len(spans), 2)), None
     if not os.path.isfile(path):  # this rank's host has no copy (local reads need one)
         error = f"dataset not found: {path!r} on this rank's host"
@@ -260,19 +234,16 @@ def crc_together(comm: C.Comm, path: str, spans: list[tuple[int, int]]) -> list[
             error = error or f"{path}: bytes {offset + a}-{offset + b} cannot be read: {exc}"
     C.agree(comm, error)
     parts = C.allgather_rows(comm, mine.reshape(-1)).reshape(comm.size, len(spans), 2)
-    out = []
-    for i in range(len(spans)):
-        crc = 0
-        for part, length in parts[:, i]:  # CRC-32 values and lengths are exact in float64
-            crc = crc32.combine(crc, int(part), int(length))
-        out.append(crc)
+    out = [0] * len(spans)
+    for i, rank in itertools.product(range(len(spans)), range(comm.size)):
+        part, length = parts[rank, i]  # CRC-32 values and lengths are exact in float64
+        out[i] = crc32.combine(out[i], int(part), int(length))
     return out
 
 
 def _verify_together(comm, path: str) -> None:
-    """Check the CRC-32 of each memory-mapped member of the ``.npz`` file ``path`` (nothing
-    for other sources), each rank reading ``1/size`` of it; collective, and a mismatch or
-    a read error raises the same error on every rank."""
+    """Check the CRC-32 of each memory-mapped member of the ``.npz`` file ``path`` together
+    (nothing for other sources); a mismatch or read error raises on every rank. Collective."""
     members = C.root_decides(comm, stored_members, path)  # one list (and offsets) for all
     if not members:
         return
@@ -283,10 +254,9 @@ def _verify_together(comm, path: str) -> None:
 
 
 def data_fingerprint(comm: C.Comm, spec: str, together: bool, root: int = 0) -> dict:
-    """:func:`mpidp.data.fingerprint.metadata_fingerprint` of dataset ``spec`` with the
-    CRC-32 of every byte of each file that is not a zip (whose members' CRCs cover their
-    bytes): every rank reads its share when ``together`` (each host has the file), else
-    ``root`` alone. The same dict on every rank. Collective."""
+    """:func:`~mpidp.data.sources.metadata_fingerprint` of ``spec`` with the CRC-32 of
+    each file that is not a zip, read by every rank's share when ``together`` (each host has
+    the file), else by ``root``. The same dict on every rank. Collective."""
     meta = C.root_decides(comm, metadata_fingerprint, spec, root=root)
     files = [f for f in meta.get("files", []) if "crc" not in f]
     if not files:
@@ -303,14 +273,12 @@ def data_fingerprint(comm: C.Comm, spec: str, together: bool, root: int = 0) -> 
 
 def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, layout,
                 clock, copy) -> Data:
-    # A file's checksum (.npz) is one pass over all of it: every rank checks an equal share
-    # of each member, and the combined CRC-32 is compared with the stored one.
+    # every rank checks an equal share of each .npz member's CRC-32, first: a corrupted
+    # byte is named as such
     if source_kw.pop("verify", True) and isinstance(spec, str):
-        _verify_together(comm, spec)  # first: a corrupted byte is named as such
+        _verify_together(comm, spec)
     src = C.run_agreed(comm, open_source, spec, seed=seed, verify=False, **source_kw)
-    C.run_agreed(comm, _check_n_classes, src, n_classes)
-    split = C.run_agreed(comm, _split, src, test_fraction, layout["val_fraction"], seed)
-    costs = C.run_agreed(comm, _train_costs, src, layout["costs"], split[0])
+    split, costs = C.run_agreed(comm, _plan, src, n_classes, test_fraction, seed, layout)
     owner = C.run_agreed(comm, assign, layout["strategy"], len(split[0]), comm.size,
                          seed=seed, costs=costs, capacities=layout["capacities"])
     reader = RowReader(src, dtype, n_classes, clock, maps=not copy)
@@ -324,11 +292,8 @@ def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, la
         shards.append(Shard(X, y, start, len(rows), positions))
     C.agree(comm, reader.error)
     max_label = int(C.allreduce_max(comm, [reader.max_label])[0])
-    return Data(shards[0], shards[1], src.name, src.n_features,
-                _n_outputs_from(src.classification, src.target_shape, max_label, n_classes),
-                src.classification, costs, src.sample_shape,
-                "fixed" if _is_fixed(src, test_fraction) else "random",
-                shards[2] if shards[2].n_total else None)
+    return _data(_meta(src, split, costs, test_fraction, dtype), shards, costs, max_label,
+                 n_classes)
 
 
 def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
@@ -336,48 +301,19 @@ def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
          root: int = 0, n_classes: int | None = None, partition: str = "block", costs=None,
          capacities=None, timings: dict | None = None, copy: bool = False,
          val_fraction: float = 0.0, **source_kw) -> Data:
-    """Load dataset ``spec`` (see :func:`mpidp.data.sources.open_source`) split over ``comm``.
+    """Load dataset ``spec`` (:func:`mpidp.data.sources.open_source`) split over ``comm``:
+    every rank gets ``X`` ``(n_local, *sample_shape)``. Collective; bad input raises the same
+    :class:`mpidp.MpidpError` on every rank. ``test_fraction``: rows held out at random
+    (None: the dataset's own test set, else 0.2); ``val_fraction``: training rows held out as
+    ``Data.val``. ``distribute``: ``"scatter"`` (``root`` reads and streams) or ``"local"``
+    (each rank reads its own rows). ``partition``, ``costs`` ``(n_samples,)``, ``capacities``
+    ``(size,)``: the strategy for the training rows and its inputs. ``timings``: a dict that
+    receives this rank's seconds per phase.
 
-    Every rank gets samples of the file's shape, ``X`` ``(n_local, *sample_shape)``
-    (``Data.sample_shape``; ``Data.n_features`` is their size). ``test_fraction``: the
-    share of rows held out at random (seeded); None (the default) takes the dataset's own
-    test set where it has one (``mnist1d``: the package's 1,000 test series, the last rows;
-    ``Data.test_split == "fixed"``), else 0.2. ``val_fraction``: the share of the
-    training rows held out (seeded) as ``Data.val`` for validation (None when 0).
-
-    Collective. ``distribute="scatter"``: ``root`` reads everything and sends each rank its
-    rows with ``Scatterv``. ``"local"``: every rank reads only its own rows (memory-mapped
-    ``.npy``/``.npz``, HDF5 slices), with no data communication. Bad input raises the same
-    :class:`mpidp.MpidpError` on every rank.
-
-    Local reads map rather than copy where they can: a rank whose training (or test) rows
-    are one run of the file, stored as plain bytes in ``dtype`` at an aligned offset
-    (``.npy``, a contiguous HDF5 dataset; not the members ``np.savez`` writes, which sit
-    unaligned after their zip headers), with ``test_fraction=0`` (or a fixed test set, whose
-    rows follow the training rows) and a block partition, gets ``X`` as a private
-    copy-on-write memory map of the file. Nothing is copied and the pages stay shared with
-    the page cache (and every rank on the node) until written; the file is never written.
-    Its rows are checked like copied ones. The file must then not be truncated or rewritten
-    in place while the data are in use (replacing it by a rename is safe): rows not yet
-    written would change, or reading them would end the process with SIGBUS. ``copy=True``
-    reads every row into private memory instead.
-
-    ``partition`` names the strategy (:data:`mpidp.data.partition.STRATEGIES`) that decides which
-    training samples each rank holds (test samples are always split in blocks); ``costs``
-    ``(n_samples,)`` are per-row costs of the whole dataset (default: the source's own, for
-    the ``bow`` workload, else none) and ``capacities`` ``(size,)`` relative rank speeds.
-    ``Data.costs`` holds the training positions' costs.
-
-    ``timings``, if given, a dict that receives this rank's seconds per phase: ``open``
-    (metadata, split, partition), ``read`` (copying rows out of the source; a cast to
-    ``dtype`` happens in the same copy), ``check`` (NaN/Inf, labels), ``cast`` (generated
-    sources only) and ``send`` (Scatterv, waiting included).
-
-    Notes
-    -----
-    Each rank's rows arrive in increasing file order (its positions are increasing, and
-    so are the rows they map to), so root reads increasing rows and no rank reorders.
-    """
+    Local reads of one run of plain bytes in ``dtype`` (``.npy``, contiguous HDF5), with a
+    block partition and no random test split, map the file copy-on-write: it must then not
+    be truncated or rewritten in place (a rename is safe), or reading ends with SIGBUS;
+    ``copy=True`` reads into private memory instead."""
     clock = Timings(timings)
     spec = os.fspath(spec)  # a pathlib.Path names a file as a string does
     C.agree_same(comm, "load", {  # before any collective that could then hang
@@ -414,25 +350,20 @@ def shard_from_arrays(comm: C.Comm, X: np.ndarray, y: np.ndarray,
                       sample_shape: tuple[int, ...] | None = None) -> Shard:
     """Wrap this rank's own ``(X, y)`` as a :class:`Shard`; global order is rank order.
 
-    Collective. Checks on every rank, agreed so all raise the same error: ``X``
-    ``(n_local, *sample_shape)``, at least 2-D, with the same sample shape on every rank
-    (an error names the ranks otherwise), real numbers (not complex), ``n_features``
-    values per sample and the shape ``sample_shape`` if given, ``len(X) == len(y)``, finite
-    values, non-negative integer labels.
-    """
+    Collective; checked on every rank, agreed so that all raise the same error: ``X``
+    ``(n_local, *sample_shape)``, at least 2-D, the same sample shape on every rank (else the
+    ranks are named), real numbers, ``n_features`` values per sample and the shape
+    ``sample_shape`` if given, ``len(X) == len(y)``, finite values, labels >= 0."""
     X, y = np.asarray(X), np.asarray(y)
-    error = _arrays_problem(X, y, n_features, sample_shape)  # this rank's verdict
-    shape = tuple(X.shape[1:])
-    C.agree(comm, error)
-    _agree_sample_shape(comm, shape)
+    C.agree(comm, _arrays_problem(X, y, n_features, sample_shape))  # each rank's verdict
+    _agree_sample_shape(comm, tuple(X.shape[1:]))
     counts = C.allgather_counts(comm, len(X))
     return Shard(X, y, int(counts[:comm.rank].sum()), int(counts.sum()))
 
 
 def _arrays_problem(X: np.ndarray, y: np.ndarray, n_features: int | None,
                     sample_shape: tuple[int, ...] | None) -> str | None:
-    """What is wrong with this rank's ``X`` and ``y`` for :func:`shard_from_arrays`, or
-    None. Pure: never raises, so every rank reaches the agreement."""
+    """What is wrong with this rank's ``X`` and ``y``, or None (never raises)."""
     for label, a in (("X", X), ("y", y)):
         if a.dtype.kind == "c":
             return (f"{label} is complex ({a.dtype}) but mpidp trains on real numbers: pass "
@@ -459,19 +390,58 @@ def _arrays_problem(X: np.ndarray, y: np.ndarray, n_features: int | None,
 
 def _agree_sample_shape(comm: C.Comm, shape: tuple[int, ...]) -> None:
     """Raise the same :class:`mpidp.MpidpError` on every rank unless every rank's sample
-    shape is ``shape``; it names each shape and its ranks. Collective (two Allgathers)."""
+    shape is ``shape``, naming each shape and its ranks. Collective."""
     ndims = C.allgather_counts(comm, len(shape))
     padded = np.full(int(ndims.max()), -1.0)
     padded[:len(shape)] = shape
     rows = C.allgather_rows(comm, padded)  # sizes are exact in float64
     shapes = [tuple(int(d) for d in row[:k]) for row, k in zip(rows, ndims)]
     if len(set(shapes)) > 1:
-        ranks: dict[tuple[int, ...], list[int]] = {}
-        for r, s in enumerate(shapes):
-            ranks.setdefault(s, []).append(r)
+        ranks = {s: [r for r, t in enumerate(shapes) if t == s] for s in dict.fromkeys(shapes)}
         sizes = {int(np.prod(s, dtype=np.int64)) for s in ranks}
         what = "sample shape" if len(sizes) == 1 else "number of features per sample"
         raise C.MpidpError(f"ranks disagree on the {what}: " + "; ".join(
             f"{s} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
             for s, rs in ranks.items()) + "; every rank's X must be (n_local, *sample_shape) "
             "with the same sample_shape")
+
+
+def load_on_workers(comm: C.Comm, server: int, load: Callable[[C.Comm], Data],
+                    dtype) -> Data:
+    """``load(workers)`` on every rank of ``comm`` but a dedicated ``server``, which gets the
+    same description with empty shards (of ``dtype``). Collective; errors reach every rank."""
+    workers = C.split_off(comm, server)
+    data, error = None, None
+    if workers is not None:
+        try:
+            data = load(workers)
+        except C.MpidpError as exc:
+            error = str(exc)  # already agreed among the workers
+    first_worker = 1 if server == 0 else 0
+    error = C.bcast_obj(comm, error, root=first_worker)
+    if error is not None:
+        raise C.MpidpError(error)
+    empty = C.bcast_obj(comm, _emptied(data, dtype) if comm.rank == first_worker else None,
+                        root=first_worker)
+    return data if data is not None else empty
+
+
+def _emptied(data: Data, dtype) -> Data:
+    """``data`` with no rows: its description, shards of none of its samples."""
+    y = data.train.y
+
+    def empty(shard: Shard) -> Shard:
+        return Shard(np.empty((0, *data.sample_shape), dtype),
+                     np.empty((0, *y.shape[1:]), y.dtype), 0, shard.n_total)
+
+    return Data(empty(data.train), empty(data.test), data.name, data.n_features,
+                data.n_outputs, data.classification, sample_shape=data.sample_shape,
+                test_split=data.test_split,
+                val=empty(data.val) if data.val is not None and data.val.n_total else None)
+
+
+def fit_over_ranks(comm: C.Comm, layer: Standardize, X: np.ndarray) -> None:
+    """Fit ``layer`` to the exact mean and standard deviation of every rank's ``X`` together
+    (one ``Allreduce`` of counts and sums, one of centred squares). Collective."""
+    count, mean = pass1_mean(C.allreduce_sum_(comm, pass1_sums(X)))
+    layer.fit_(count, mean, C.allreduce_sum_(comm, pass2_squares(X, mean)))

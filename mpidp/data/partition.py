@@ -1,11 +1,6 @@
-"""Which samples go to which rank, and which samples form each global batch. Pure, no MPI.
-
-Positions ``0 .. n-1`` index the training samples in a fixed global order. A rank owns a
-contiguous block of positions; a global batch is a set of positions drawn from a seeded
-per-epoch permutation, identical for every world size. Each rank processes the part of
-each global batch it owns, so the union over ranks is exactly the single-process batch.
-:class:`Partition` names a strategy (:data:`STRATEGIES`) and its inputs.
-"""
+"""Which samples go to which rank, and which form each global batch. Pure, no MPI. A global
+batch is drawn from a seeded per-epoch permutation of positions ``0 .. n-1``, the same for
+any world size; each rank processes its part of it. :class:`Partition` names a strategy."""
 
 from __future__ import annotations
 
@@ -16,11 +11,8 @@ import numpy as np
 
 
 def block_counts(n: int, size: int) -> np.ndarray:
-    """Rows per rank for ``n`` rows over ``size`` ranks, as even as possible.
-
-    Notes: counts differ by at most 1, the first ``n % size`` ranks get one more;
-    ``sum(counts) == n``; ranks get zero rows when ``n < size``.
-    """
+    """Rows per rank for ``n`` rows over ``size`` ranks: the first ``n % size`` ranks get one
+    more (zero rows when ``n < size``)."""
     if n < 0 or size < 1:
         raise ValueError(f"need n >= 0 and size >= 1, got n={n}, size={size}")
     q, r = divmod(n, size)
@@ -42,10 +34,8 @@ def block_range(n: int, size: int, rank: int) -> tuple[int, int]:
 
 
 def train_test_split(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Split row numbers ``0 .. n-1`` at random into sorted ``(train_rows, test_rows)``.
-
-    ``len(test_rows) == round(n * test_fraction)``; deterministic given ``seed``.
-    """
+    """Split row numbers ``0 .. n-1`` at random (seeded) into sorted ``(train_rows,
+    test_rows)``, ``round(n * test_fraction)`` test rows."""
     if not 0 <= test_fraction < 1:
         raise ValueError(f"test fraction must be in [0, 1), got {test_fraction}")
     n_test = int(round(n * test_fraction))
@@ -57,9 +47,8 @@ def train_test_split(n: int, test_fraction: float, seed: int) -> tuple[np.ndarra
 
 def validation_split(train_rows: np.ndarray, val_fraction: float, seed: int
                      ) -> tuple[np.ndarray, np.ndarray]:
-    """Hold ``round(len(train_rows) * val_fraction)`` of the training rows out for
-    validation, at random (seeded, independent of the test split's draw): sorted
-    ``(train_rows, val_rows)``, disjoint from each other and from the test rows."""
+    """Hold ``round(len(train_rows) * val_fraction)`` of the training rows out, at random
+    (seeded apart from the test split): sorted ``(train_rows, val_rows)``."""
     if not 0 <= val_fraction < 1:
         raise ValueError(f"validation fraction must be in [0, 1), got {val_fraction}")
     keep, held = train_test_split(len(train_rows), val_fraction, seed + 0x5A11)
@@ -72,14 +61,14 @@ DEFAULT_TEST_FRACTION = 0.2
 
 def split_rows(n: int, test_fraction: float | None, seed: int,
                fixed_test: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted ``(train_rows, test_rows)`` of ``n`` rows: the dataset's own test set (its
-    last ``fixed_test`` rows, e.g. MNIST-1D's published split) when ``test_fraction`` is
-    None and it has one; else :func:`train_test_split` with ``test_fraction`` (None:
-    :data:`DEFAULT_TEST_FRACTION`). An explicit fraction always means a random split."""
+    """Sorted ``(train_rows, test_rows)`` of ``n`` rows: the dataset's own test set (its last
+    ``fixed_test`` rows) when ``test_fraction`` is None and it has one; else
+    :func:`train_test_split` (None: :data:`DEFAULT_TEST_FRACTION`)."""
     if test_fraction is None and fixed_test is not None:
         if not 0 < fixed_test < n:
             raise ValueError(f"a fixed test set of {fixed_test} rows needs 0 < rows < {n}")
-        return np.arange(n - fixed_test, dtype=np.int64), np.arange(n - fixed_test, n, dtype=np.int64)
+        return (np.arange(n - fixed_test, dtype=np.int64),
+                np.arange(n - fixed_test, n, dtype=np.int64))
     return train_test_split(n, DEFAULT_TEST_FRACTION if test_fraction is None else test_fraction,
                             seed)
 
@@ -100,12 +89,9 @@ def epoch_order(n: int, epoch: int, seed: int, shuffle: bool = True) -> np.ndarr
 
 def local_batches(n: int, batch_size: int, start: int, stop: int, epoch: int, seed: int,
                   shuffle: bool = True, drop_last: bool = False) -> Iterator[np.ndarray | slice]:
-    """For each global batch of an epoch, the LOCAL row indices (``0 .. stop-start-1``)
-    of the samples this rank owns (positions ``start .. stop-1``); may be empty. Without
-    shuffling each is a ``slice`` (so ``X[idx]`` is a view, not a copy).
-
-    Yields exactly :func:`steps_per_epoch` arrays on every rank.
-    """
+    """For each global batch of an epoch, the LOCAL row indices (``0 .. stop-start-1``) of
+    the samples this rank owns (positions ``start .. stop-1``); may be empty; without
+    shuffling a ``slice`` (a view, not a copy). Exactly :func:`steps_per_epoch` of them."""
     order = epoch_order(n, epoch, seed, shuffle)
     for s in range(steps_per_epoch(n, batch_size, drop_last)):
         pos = order[s * batch_size:(s + 1) * batch_size]
@@ -116,12 +102,8 @@ def local_batches(n: int, batch_size: int, start: int, stop: int, epoch: int, se
         yield pos[(pos >= start) & (pos < stop)] - start
 
 
-# --- strategies: which rank owns each position ------------------------------------------
-#
-# A strategy returns ``owner``, an int64 array ``(n,)``: ``owner[i]`` is the rank that holds
-# training position ``i``. Every position has exactly one owner, so every sample is used
-# exactly once per epoch whatever the strategy; training stays exact because the gradient
-# is the global sum over the batch divided by the global count, whoever computes each term.
+# --- strategies: ``owner`` int64 ``(n,)``, the rank that holds each training position ----
+# (one owner each, so every sample is used once per epoch whatever the strategy)
 
 STRATEGIES = ("block", "cyclic", "shuffled", "weighted", "cost", "adaptive")
 #: Strategies whose ownership is recomputed for every epoch's global batches.
@@ -129,8 +111,8 @@ PER_BATCH = ("cost", "adaptive")
 
 
 def check_weights(values, length: int, what: str) -> np.ndarray:
-    """``values`` as float64 ``(length,)`` after checking them; raise ValueError naming the
-    problem: wrong length, NaN/Inf, negative entries, or all zero."""
+    """``values`` as float64 ``(length,)``; ValueError for a wrong length, NaN/Inf, negative
+    entries, or all zero."""
     a = np.asarray(values, np.float64).reshape(-1) if values is not None else None
     if a is None or len(a) != length:
         got = "none" if a is None else str(len(a))
@@ -145,10 +127,7 @@ def check_weights(values, length: int, what: str) -> np.ndarray:
 
 
 def owner_block(n: int, size: int) -> np.ndarray:
-    """Contiguous blocks (:func:`block_counts`): rank 0 owns the first positions.
-
-    Notes: counts differ by at most 1; balance holds for sample counts only.
-    """
+    """Contiguous :func:`block_counts` blocks: rank 0 owns the first positions."""
     return np.repeat(np.arange(size, dtype=np.int64), block_counts(n, size))
 
 
@@ -161,9 +140,8 @@ def owner_cyclic(n: int, size: int) -> np.ndarray:
 
 
 def owner_shuffled(n: int, size: int, seed: int) -> np.ndarray:
-    """Blocks of a seeded permutation. The permutation depends on ``seed`` only (not on
-    ``size``), so the same data order is cut into ``size`` pieces for any world size.
-    Counts differ by at most 1; deterministic given ``seed``."""
+    """Blocks of a seeded permutation that depends on ``seed`` only, so the same order is cut
+    into ``size`` pieces for any world size."""
     perm = np.random.default_rng([seed, 0x5AFF]).permutation(n)
     owner = np.empty(n, np.int64)
     owner[perm] = owner_block(n, size)
@@ -171,11 +149,8 @@ def owner_shuffled(n: int, size: int, seed: int) -> np.ndarray:
 
 
 def weighted_counts(n: int, capacities) -> np.ndarray:
-    """Rows per rank proportional to ``capacities`` ``(size,)`` (largest remainder).
-
-    Notes: ``sum(counts) == n`` and ``|counts[r] - n * c[r] / sum(c)| < 1`` for every rank;
-    a rank of capacity 0 gets nothing; ties in the remainders go to the lower rank.
-    """
+    """Rows per rank proportional to ``capacities`` ``(size,)`` (largest remainder):
+    ``sum(counts) == n``, each within 1 of its share, ties to the lower rank."""
     caps = check_weights(capacities, len(np.atleast_1d(capacities)), "capacities")
     if n < 0:
         raise ValueError(f"need n >= 0, got {n}")
@@ -192,28 +167,16 @@ def weighted_counts(n: int, capacities) -> np.ndarray:
 
 
 def owner_weighted(n: int, capacities) -> np.ndarray:
-    """Contiguous blocks with :func:`weighted_counts` rows: a rank of twice the capacity
-    owns twice the samples (for heterogeneous ranks with samples of equal cost)."""
+    """Contiguous blocks of :func:`weighted_counts` rows (heterogeneous ranks, equal costs)."""
     counts = weighted_counts(n, capacities)
     return np.repeat(np.arange(len(counts), dtype=np.int64), counts)
 
 
 def balance_batches(order: np.ndarray, batch_size: int, costs, capacities) -> np.ndarray:
-    """Owner of each position so that EVERY global batch is balanced by cost.
-
-    ``order`` ``(n,)`` is a permutation of ``0 .. n-1``, global batch ``s`` being
-    ``order[s*batch_size:(s+1)*batch_size]`` (as in :func:`epoch_order`); ``costs`` ``(n,)``
-    the work of each position (>= 0); ``capacities`` ``(size,)`` each rank's speed (>= 0,
-    not all zero). Returns ``owner``, int64 ``(n,)``.
-
-    Within each batch, samples are taken largest cost first and each goes to the rank that
-    would finish it earliest, ``argmin_r (load_r + c) / capacity_r`` (LPT for machines of
-    different speeds). Guarantee per batch, with ``W = sum(capacities)`` and ``P'`` ranks of
-    non-zero capacity: ``max_r load_r / capacity_r <= total / W + P' * max(c) / W``; with equal
-    capacities the spread ``max(load) - min(load)`` is at most the batch's largest cost.
-    Deterministic (stable sort, lowest rank on ties). Vectorised over batches: one numpy
-    pass per position within a batch.
-    """
+    """Owner (int64 ``(n,)``) of each position so that EVERY global batch of ``order`` is
+    balanced by ``costs`` ``(n,)`` over ranks of speeds ``capacities``: largest cost first,
+    each to the rank that would finish it earliest (LPT), lowest rank on ties; per batch
+    ``max_r load_r / capacity_r <= total / W + P' * max(c) / W``. Vectorised over batches."""
     order = np.asarray(order, np.int64)
     n = len(order)
     costs = check_weights(costs, n, "costs") if n else np.zeros(0)
@@ -243,11 +206,8 @@ def balance_batches(order: np.ndarray, batch_size: int, costs, capacities) -> np
 
 
 def adaptive_capacities(work: np.ndarray, seconds: np.ndarray, previous) -> np.ndarray:
-    """New capacities from measured throughput ``work / seconds`` per rank ``(size,)``.
-
-    A rank that did no work or took no time keeps its previous capacity (rescaled to the
-    measured ones). Returns positive float64 ``(size,)`` with mean 1.
-    """
+    """New capacities ``(size,)`` (mean 1) from the measured ``work / seconds``; a rank that did
+    no work or took no time keeps its previous capacity (rescaled)."""
     work, seconds = np.asarray(work, np.float64), np.asarray(seconds, np.float64)
     prev = check_weights(previous, len(work), "capacities")
     measured = (work > 0) & (seconds > 0) & np.isfinite(seconds)
@@ -261,26 +221,30 @@ def adaptive_capacities(work: np.ndarray, seconds: np.ndarray, previous) -> np.n
     return caps / caps.mean()
 
 
-def assign(strategy: str, n: int, size: int, *, seed: int = 0, costs=None,
-           capacities=None) -> np.ndarray:
-    """The initial owner ``(n,)`` of every position under ``strategy`` (see STRATEGIES).
-
-    ``cost`` and ``adaptive`` start from one LPT assignment over the whole set (balanced
-    epoch totals, given ``costs`` or unit costs, and ``capacities`` or equal ones); training
-    then rebalances them for every epoch's batches (:func:`balance_batches`).
-    Raises ValueError for an unknown name or bad costs/capacities, and for ``adaptive`` with
-    fewer samples than ranks (a rank without samples cannot be measured).
-    """
+def _checked(strategy: str, n: int, size: int, costs, capacities) -> tuple:
+    """``(costs, capacities)`` checked (None where not given); ValueError for an unknown
+    strategy, bad weights, or ``adaptive`` with fewer samples than ranks."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown partition strategy {strategy!r}; expected one of {STRATEGIES}")
     if n < 0 or size < 1:
         raise ValueError(f"need n >= 0 and size >= 1, got n={n}, size={size}")
-    if costs is not None:
-        costs = check_weights(costs, n, "costs")
+    costs = check_weights(costs, n, "costs") if costs is not None else None
     caps = check_weights(capacities, size, "capacities") if capacities is not None else None
     if strategy == "adaptive" and n < size:
         raise ValueError(f"partition 'adaptive' needs at least one sample per rank to measure "
                          f"its speed: {n} samples for {size} ranks")
+    return costs, caps
+
+
+def assign(strategy: str, n: int, size: int, *, seed: int = 0, costs=None,
+           capacities=None) -> np.ndarray:
+    """The initial owner ``(n,)`` of every position under ``strategy`` (see STRATEGIES).
+
+    ``cost`` and ``adaptive`` start from one LPT assignment over the whole set (given
+    ``costs`` or unit costs, ``capacities`` or equal ones); training then rebalances every
+    epoch's batches (:func:`balance_batches`). ValueError as :func:`_checked` says.
+    """
+    costs, caps = _checked(strategy, n, size, costs, capacities)
     if strategy == "block":
         return owner_block(n, size)
     if strategy == "cyclic":
@@ -299,8 +263,8 @@ def positions_of(owner: np.ndarray, rank: int) -> np.ndarray:
 
 
 def scatter_plan(owner: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(rows, counts, displs)`` for ``Scatterv``: send ``X[rows]``, whose first
-    ``counts[0]`` rows are rank 0's positions in increasing order, then rank 1's, ..."""
+    """``(rows, counts, displs)`` for ``Scatterv``: ``X[rows]`` holds rank 0's positions in
+    increasing order, then rank 1's, ..."""
     owner = np.asarray(owner, np.int64)
     rows = np.argsort(owner, kind="stable").astype(np.int64)
     counts, displs = counts_displs(np.bincount(owner, minlength=size).astype(np.int64))
@@ -310,9 +274,8 @@ def scatter_plan(owner: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, 
 def owned_batches(n: int, batch_size: int, positions: np.ndarray, epoch: int, seed: int,
                   shuffle: bool = True, drop_last: bool = False,
                   first_step: int = 0) -> Iterator[np.ndarray]:
-    """Like :func:`local_batches` for any sorted set of owned ``positions`` ``(n_local,)``:
-    for each global batch from step ``first_step`` on, the local row indices (into arrays
-    ordered like ``positions``) of the samples this rank owns, in global-batch order."""
+    """As :func:`local_batches` for any sorted owned ``positions``: per global batch from
+    step ``first_step`` on, the local row indices of the samples this rank owns."""
     local = np.full(n, -1, np.int64)
     local[positions] = np.arange(len(positions))
     order = epoch_order(n, epoch, seed, shuffle)
@@ -323,12 +286,10 @@ def owned_batches(n: int, batch_size: int, positions: np.ndarray, epoch: int, se
 
 @dataclass
 class Partition:
-    """A strategy by name (``mpidp.data.partition.STRATEGIES``) and its inputs.
-
-    costs : float ``(n,)`` per training position (``cost``/``adaptive``; unit costs if None).
-    capacities : float ``(size,)`` relative rank speeds (``weighted``; ``adaptive``'s start).
-    adapt_every : ``adaptive`` re-measures every this many steps (None: every epoch).
-    """
+    """A strategy by name (:data:`STRATEGIES`) and its inputs: ``costs`` ``(n,)`` per training
+    position (``cost``/``adaptive``; None: unit costs), ``capacities`` ``(size,)`` relative
+    rank speeds (``weighted``; ``adaptive``'s start), ``adapt_every``: ``adaptive``
+    re-measures every this many steps (None: every epoch)."""
 
     strategy: str = "block"
     costs: np.ndarray | None = None
@@ -338,17 +299,9 @@ class Partition:
 
     def check(self, n: int, size: int) -> None:
         """Raise ValueError for an unknown strategy, bad costs/capacities or a bad interval."""
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown partition strategy {self.strategy!r}; expected one of "
-                             f"{STRATEGIES}")
-        if self.costs is not None:
-            check_weights(self.costs, n, "costs")
-        if self.capacities is not None:
-            check_weights(self.capacities, size, "capacities")
+        _checked(self.strategy, n, size, self.costs, self.capacities)
         if self.adapt_every is not None and self.adapt_every < 1:
             raise ValueError(f"adapt interval must be >= 1 step, got {self.adapt_every}")
-        if self.strategy == "adaptive" and n < size:
-            assign(self.strategy, n, size)
 
     def owner(self, n: int, size: int) -> np.ndarray:
         """The initial owner ``(n,)`` (:func:`mpidp.data.partition.assign`)."""

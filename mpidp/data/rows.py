@@ -1,6 +1,5 @@
-"""Reading rows of a source into buffers: block by block, cast in the same copy and
-checked while still in the CPU cache, or mapped from the file where the rows are stored
-as plain bytes. Pure: no MPI (errors are kept for the caller to agree on)."""
+"""Reading rows of a source into buffers, cast and checked block by block, or mapped from
+the file. Pure: no MPI (errors are kept for the caller to agree on)."""
 
 from __future__ import annotations
 
@@ -12,26 +11,25 @@ import time
 import numpy as np
 
 from ..nn.sparse import CSR
+from .crc32 import pread_into
 from .sources import ArraySource, Source, check_rows
 
 
 def cast_rows(source: Source, X, y, dtype) -> tuple[np.ndarray | CSR, np.ndarray]:
-    """``(X, y)`` in the load dtypes: ``X`` ``(n, *sample_shape)`` (dense and C-contiguous,
-    or CSR ``(n, n_features)``) in ``dtype``; ``y`` ``(n, ...)`` int64 labels, or targets in ``dtype``."""
+    """``(X, y)`` in the load dtypes: ``X`` (dense C-contiguous, or CSR) in ``dtype``; ``y``
+    int64 labels, or targets in ``dtype``."""
     y = np.asarray(y, np.int64) if source.classification else np.asarray(y, dtype)
     return (X.astype(dtype) if isinstance(X, CSR) else np.ascontiguousarray(X, dtype)), y
 
 
-#: Source rows are read, checked and cast this many bytes at a time: large enough that the
-#: per-block calls do not count, small enough that a block is checked while still in the
-#: CPU cache (block sizes: docs/benchmarks-data.md).
+#: Bytes read, checked and cast at a time: a block is checked while still in the CPU cache
+#: (block sizes: docs/benchmarks-data.md).
 BLOCK_BYTES = 4 << 20
 
 
 class Timings:
-    """Seconds per phase (``open``, ``read``, ``check``, ``cast``, ``send``), added into
-    the caller's dict when one is given (``load(..., timings={})``); each :meth:`lap`
-    charges the time since the previous lap to one phase."""
+    """Seconds per phase (``open``, ``read``, ``check``, ``cast``, ``send``) added into the
+    caller's dict, if any; each :meth:`lap` charges the time since the last to one phase."""
 
     def __init__(self, into: dict | None) -> None:
         self.into, self.t = into, time.perf_counter()
@@ -44,10 +42,8 @@ class Timings:
 
 
 def finite_at_a_glance(X: np.ndarray) -> bool:
-    """True when a contiguous float array is certainly finite: its sum of squares is (NaN
-    and Inf propagate into it; one BLAS dot, no bool array as ``isfinite().all()`` makes).
-    Finite values whose squares overflow answer False; the full check decides then.
-    Cheaper than ``max`` and ``min`` or ``isfinite`` (docs/benchmarks-data.md)."""
+    """True when a float array is certainly finite: its sum of squares is (one BLAS dot, no
+    bool array; docs/benchmarks-data.md). False when squares overflow: check in full then."""
     if X.dtype.kind != "f":
         return True
     flat = X.reshape(-1)
@@ -56,10 +52,9 @@ def finite_at_a_glance(X: np.ndarray) -> bool:
 
 
 def open_mapped(X) -> tuple[int, int, int] | None:
-    """``(fd, offset of row 0, bytes per row)`` of an array stored as plain C-ordered bytes
-    in a file (an ``np.memmap`` of ``.npy``/``.npz``, or a contiguous, unfiltered HDF5
-    dataset of the default file driver), opened for reading; None for anything else
-    (chunked or compressed HDF5, arrays in memory)."""
+    """``(fd, offset of row 0, bytes per row)`` of an array stored as plain C-ordered bytes in
+    a file (an ``np.memmap`` of ``.npy``/``.npz``, or :func:`hdf5_bytes`), opened for
+    reading; None for anything else."""
     if type(X) is np.memmap:
         if not X.flags.c_contiguous or not getattr(X, "filename", None):
             return None
@@ -72,8 +67,8 @@ def open_mapped(X) -> tuple[int, int, int] | None:
 
 
 def hdf5_bytes(X) -> tuple[str | None, int]:
-    """``(file, byte offset)`` of an HDF5 dataset whose elements lie in one contiguous
-    run of the file in C order (no chunks, filters or external storage), else (None, 0)."""
+    """``(file, byte offset)`` of an HDF5 dataset stored in one contiguous run of its file
+    (no chunks, filters or external storage; the default driver), else ``(None, 0)``."""
     try:
         if (not hasattr(X, "id") or X.chunks is not None or X.external
                 or X.file.driver != "sec2" or X.dtype.hasobject):
@@ -85,10 +80,8 @@ def hdf5_bytes(X) -> tuple[str | None, int]:
 
 
 def map_rows(fd: int, start: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """The C-ordered ``shape`` array (``(n_rows, *sample_shape)``) of ``dtype`` stored from
-    byte ``start`` of the open file ``fd``, as a private copy-on-write memory map: nothing
-    is copied, the pages are the page cache's (shared with every process mapping the file)
-    until a write copies one; the file is never written."""
+    """The C-ordered ``shape`` array of ``dtype`` from byte ``start`` of open file ``fd``, as
+    a private copy-on-write memory map (the page cache's pages until written)."""
     count = int(np.prod(shape, dtype=np.int64))
     base = start - start % mmap.ALLOCATIONGRANULARITY
     mm = mmap.mmap(fd, start - base + count * dtype.itemsize, access=mmap.ACCESS_COPY,
@@ -98,28 +91,10 @@ def map_rows(fd: int, start: int, shape: tuple[int, ...], dtype: np.dtype) -> np
     return np.frombuffer(mm, dtype, count, start - base).reshape(shape)
 
 
-def pread_into(fd: int, out: np.ndarray, offset: int) -> None:
-    """Fill C-contiguous ``out`` (any shape) with the file's bytes from ``offset``: the kernel copies
-    from the page cache, with no page faults on a freshly opened memory map."""
-    view = memoryview(out).cast("B")
-    while len(view):
-        got = os.preadv(fd, [view], offset)
-        if got == 0:
-            raise OSError(f"unexpected end of file at byte {offset}")
-        view, offset = view[got:], offset + got
-
-
 class RowReader:
-    """Reads increasing rows of ``source`` into buffers, checks and casts them.
-
-    Arrays (``.npy``, ``.npz``, HDF5) go block by block straight into the destination:
-    each block is copied from the source (cast in the same copy) and then checked while it
-    is still in the CPU cache, so no second copy of the rows is ever made. The first
-    problem found is kept in ``error`` (a message, not raised: the caller agrees on it);
-    ``max_label`` is the largest class label seen (-1 if none). With ``maps``, :meth:`read`
-    of one run of rows stored as plain bytes in the load dtype maps them instead of copying
-    (then checks them in place).
-    """
+    """Reads increasing rows of ``source`` into buffers block by block, cast in the same copy
+    and checked while in the CPU cache (or, with ``maps``, mapped); the first problem is kept
+    in ``error`` for the caller to agree on; ``max_label``: the largest label seen (-1)."""
 
     def __init__(self, source: Source, dtype, n_classes: int | None, clock: Timings,
                  maps: bool = False) -> None:
@@ -131,8 +106,7 @@ class RowReader:
         self._file: tuple[int, int, int] | None = None  # (fd, offset, row bytes) of X's file
 
     def empty(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Buffers for ``n`` rows: ``X`` ``(n, *sample_shape)`` in the load dtype and ``y``
-        ``(n, *target_shape)`` (int64 labels, or targets in the load dtype)."""
+        """Buffers for ``n`` rows: ``X`` ``(n, *sample_shape)`` and ``y`` ``(n, *target_shape)``."""
         return (np.empty((n, *self.source.sample_shape), self.dtype),
                 np.empty((n, *self.source.target_shape), self.y_dtype))
 
@@ -156,8 +130,8 @@ class RowReader:
         return X, y
 
     def into(self, rows: np.ndarray, X_out: np.ndarray, y_out: np.ndarray) -> None:
-        """Write ``X[rows]`` into ``X_out`` ``(m, *sample_shape)`` and ``y[rows]`` into
-        ``y_out`` ``(m, ...)``, cast to their dtypes; ``rows`` int64 ``(m,)``, increasing."""
+        """Write ``X[rows]`` into ``X_out`` and ``y[rows]`` into ``y_out``, cast to their dtypes;
+        ``rows`` int64 ``(m,)``, increasing."""
         if len(rows) == 0:
             return
         if not self.blocked:
@@ -165,8 +139,7 @@ class RowReader:
             return
         self._file = None if self._in_place else open_mapped(self.source.X)
         h5py_calls = self._file is None and hasattr(self.source.X, "read_direct")
-        block = BLOCK_BYTES * (8 if h5py_calls else 1)  # each HDF5 call has a fixed cost,
-        # so fewer, larger blocks there
+        block = BLOCK_BYTES * (8 if h5py_calls else 1)  # an HDF5 call has a fixed cost
         step = max(1, block // (self.source.n_features * self.source.X.dtype.itemsize))
         try:
             with np.errstate(over="ignore"):  # a cast that overflows is reported by check_rows
@@ -227,9 +200,8 @@ class RowReader:
         return X
 
     def _map(self, rows: np.ndarray) -> np.ndarray | None:
-        """``X[rows]`` as a copy-on-write map of the file when ``rows`` are one run of rows
-        stored as plain bytes in the load dtype, aligned for it (else, or where the file
-        system cannot map, None: the caller reads)."""
+        """``X[rows]`` as a copy-on-write map when ``rows`` are one run stored as plain bytes in
+        the load dtype, aligned for it; else (or where the file system cannot map) None."""
         if (len(rows) == 0 or int(rows[-1]) - int(rows[0]) + 1 != len(rows)
                 or self.source.X.dtype != self.dtype):
             return None

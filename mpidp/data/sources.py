@@ -1,24 +1,9 @@
-"""Where samples come from: built-in datasets and files, read by row. No MPI here.
-
-A :class:`Source` knows its shape from metadata alone (file headers), so every rank can
-open it cheaply, and :meth:`Source.read` returns only the rows asked for: ``.npy`` files
-and uncompressed ``.npz`` members are memory-mapped, HDF5 datasets are sliced.
-
-Samples may have any shape: ``X`` is ``(n_samples, *sample_shape)`` (images
-``(n, channels, height, width)``, signals ``(n, channels, length)``, flat features
-``(n, n_features)``); ``n_features`` is always the number of values per sample,
-``prod(sample_shape)``. Sparse (CSR) rows are ``(n_samples, n_features)``.
-
-Built in: the image and signal sets of :mod:`~.datasets` (``digits``, ``mnist1d``,
-``mnist``: made or read locally, nothing downloaded), ``synthetic`` (Gaussian clusters or
-a linear regression) and ``bow``, a workload that makes partitioning matter: a bag-of-words
-classification set whose rows are sparse (CSR) with Zipf-like (Pareto-tailed) lengths,
-stored SORTED BY LENGTH as real files often are: the short documents first, the long ones
-last. With :class:`mpidp.nn.SparseDense` as the first layer the work of a sample is
-proportional to its number of non-zeros, so a contiguous split of this data is badly
-skewed. Every rank can generate any rows (seeded per chunk), and the per-sample cost
-(``nnz + overhead``) is known from the lengths alone.
-"""
+"""Where samples come from: built-in datasets and files, read by row, and what identifies
+their contents. No MPI. A :class:`Source` knows its shape from metadata alone and reads
+only the rows asked for (``.npy`` and stored ``.npz`` members memory-mapped, HDF5 sliced).
+Built in: :mod:`~.datasets`' sets, ``synthetic`` (Gaussian clusters or a linear
+regression) and ``bow`` (sparse bag-of-words rows sorted by their Pareto-tailed lengths,
+so that a contiguous split is skewed); generated rows are seeded per chunk."""
 
 from __future__ import annotations
 
@@ -29,22 +14,23 @@ import zlib
 
 import numpy as np
 
+from ..errors import setting
 from ..nn.sparse import CSR
-from .arrays import ArraySource, Source
+from . import datasets
 from .crc32 import of_range
+from .datasets import ArraySource, Source
 
-BUILTIN = ("digits", "mnist1d", "mnist", "synthetic", "bow")
-ACCEPTED = ("expected 'digits', 'mnist1d', 'mnist', 'synthetic', 'bow', an .npz file with arrays "
-            "X and y, a folder with X.npy and y.npy, or an .h5/.hdf5 file with datasets X and y")
-IMAGES = ("digits", "mnist1d", "mnist")  # made by mpidp.data.datasets
+IMAGES = ("digits", "mnist1d", "mnist")  # mpidp.data.datasets makes them
+BUILTIN = (*IMAGES, "synthetic", "bow")
+ACCEPTED = ("expected " + ", ".join(map(repr, BUILTIN)) + ", an .npz file with arrays X and y, "
+            "a folder with X.npy and y.npy, or an .h5/.hdf5 file with datasets X and y")
+
+
 class SyntheticSource(Source):
-    """Seeded synthetic data generated in fixed chunks, so any rank can make any rows.
-
-    Classification: ``k`` Gaussian clusters (centres ``N(0, 6.25/d)``, so about 3.5 noise
-    standard deviations apart whatever ``d``; unit noise).
-    Regression: ``X ~ N(0, 1)``, ``y = X @ w + 0.1 * noise`` with ``w ~ N(0, 1/d)``.
-    Row ``i`` is the same whatever rows are requested together.
-    """
+    """Seeded synthetic data generated in fixed chunks, so any rank can make any rows (row
+    ``i`` is the same whatever rows are read with it). Classification: ``k`` Gaussian
+    clusters (centres ``N(0, 6.25/d)``, about 3.5 noise deviations apart; unit noise).
+    Regression: ``X ~ N(0, 1)``, ``y = X @ w + 0.1 * noise`` with ``w ~ N(0, 1/d)``."""
 
     CHUNK = 4096
 
@@ -62,7 +48,8 @@ class SyntheticSource(Source):
         if regression:
             self._w = rng.standard_normal(n_features) / np.sqrt(n_features)
         else:
-            self._centres = (2.5 / np.sqrt(n_features)) * rng.standard_normal((n_classes, n_features))
+            self._centres = 2.5 / np.sqrt(n_features) * rng.standard_normal((n_classes,
+                                                                             n_features))
 
     def _chunk(self, c: int) -> tuple[np.ndarray, np.ndarray]:
         m = min(self.CHUNK, self.n_samples - c * self.CHUNK)
@@ -86,14 +73,9 @@ class SyntheticSource(Source):
 
 
 class BowSource(Source):
-    """``n_samples`` sparse documents over a vocabulary of ``n_features`` words.
-
-    Row ``i`` has ``lengths[i]`` word occurrences (``lengths`` ascending, Pareto tail of
-    index ``alpha`` from ``min_len``, capped at ``max_len``); words are drawn Zipf-like from
-    the vocabulary; values are ``1/sqrt(length)``. The label is the class with the largest
-    summed affinity of the row's words (a planted linear rule, so it is learnable).
-    Row ``i`` is the same whatever rows are requested together.
-    """
+    """``n_samples`` sparse documents over ``n_features`` words, rows of ascending
+    Pareto-tailed lengths of Zipf-drawn words, valued ``1/sqrt(length)``, labelled by a
+    planted linear rule; chunked as :class:`SyntheticSource`."""
 
     CHUNK = 1024
 
@@ -135,40 +117,41 @@ class BowSource(Source):
     def read(self, rows: np.ndarray) -> tuple[CSR, np.ndarray]:
         rows = np.asarray(rows, np.int64)
         chunk_of = rows // self.CHUNK
-        parts = []
-        for c in np.unique(chunk_of):
-            parts.append(self._chunk(int(c))[rows[chunk_of == c] - c * self.CHUNK])
-        X = CSR.concat(parts, self.n_features, np.float64)
+        X = CSR.concat([self._chunk(int(c))[rows[chunk_of == c] - c * self.CHUNK]
+                        for c in np.unique(chunk_of)], self.n_features, np.float64)
         by_chunk = np.argsort(chunk_of, kind="stable")  # parts came chunk by chunk
         if (np.diff(by_chunk) < 0).any():
             X = X[np.argsort(by_chunk)]
         return X, self._labels(X)
 
+
 def _npz_member(path: str, zf: zipfile.ZipFile, key: str, verify: bool = True):
     """Memory-map member ``key`` of an uncompressed ``.npz`` after checking its CRC-32 (a
     memory map bypasses zipfile's check); load it if compressed (zipfile checks it then)."""
     name = key + ".npy"
+    what = f"{path}: member {name}"
     if name not in zf.namelist():
         raise ValueError(f"{path}: no array named {key!r} (found {sorted(zf.namelist())})")
     info = zf.getinfo(name)
+    objects = ValueError(f"{path}: {key} holds Python objects (pickled); expected a numeric "
+                         f"array")
     if info.compress_type != zipfile.ZIP_STORED:
         try:  # the header first (a few bytes inflated): numpy reads a negative shape
             with zf.open(name) as f:
                 shape = read_npy_header(f)[0]
         except Exception:  # noqa: BLE001 - reading the whole member below says what is wrong
             shape = ()
-        _check_shape(f"{path}: member {name}", shape, "numpy.savez")
+        _check_shape(what, shape, "numpy.savez")
         try:  # compressed: cannot map, read it whole (zipfile checks the CRC-32)
             with zf.open(name) as f:
                 return np.lib.format.read_array(f, allow_pickle=False)
         except ValueError as exc:
             if "Object arrays" in str(exc):
-                raise ValueError(f"{path}: {key} holds Python objects (pickled); expected a "
-                                 f"numeric array") from None
-            raise ValueError(f"{path}: member {name} cannot be read: {exc}") from None
+                raise objects from None
+            raise ValueError(f"{what} cannot be read: {exc}") from None
         except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as exc:
-            raise ValueError(f"{path}: member {name} is corrupted ({exc}): re-create or "
-                             f"re-copy the file") from None
+            raise ValueError(f"{what} is corrupted ({exc}): re-create or re-copy the "
+                             f"file") from None
     with open(path, "rb") as f:
         offset = _member_offset(f, info)
         if verify:
@@ -177,22 +160,21 @@ def _npz_member(path: str, zf: zipfile.ZipFile, key: str, verify: bool = True):
         try:
             shape, fortran, dtype = read_npy_header(f)
         except ValueError as exc:
-            raise ValueError(f"{path}: member {name} is not a valid .npy array ({exc})") from None
+            raise ValueError(f"{what} is not a valid .npy array ({exc})") from None
         data_offset = f.tell()
-    _check_shape(f"{path}: member {name}", shape, "numpy.savez")
+    _check_shape(what, shape, "numpy.savez")
     if dtype.hasobject:
-        raise ValueError(f"{path}: {key} holds Python objects (pickled); expected a numeric "
-                         f"array")
+        raise objects
     try:
         return np.memmap(path, dtype, "r", offset=data_offset, shape=shape,
                          order="F" if fortran else "C")
     except ValueError as exc:
-        raise ValueError(f"{path}: member {name} cannot be memory-mapped ({exc})") from None
+        raise ValueError(f"{what} cannot be memory-mapped ({exc})") from None
 
 
 def read_npy_header(f) -> tuple[tuple[int, ...], bool, np.dtype]:
-    """``(shape, fortran_order, dtype)`` from the ``.npy`` header at the position of the
-    open binary file ``f``, which is left at the first data byte; ValueError if it is none."""
+    """``(shape, fortran_order, dtype)`` of the ``.npy`` header at the position of binary
+    file ``f``, left at the first data byte; ValueError if there is none."""
     version = np.lib.format.read_magic(f)
     read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                    else np.lib.format.read_array_header_2_0)
@@ -200,9 +182,8 @@ def read_npy_header(f) -> tuple[tuple[int, ...], bool, np.dtype]:
 
 
 def _check_shape(what: str, shape: tuple[int, ...], writer: str) -> None:
-    """ValueError naming ``what`` when a ``.npy`` header's ``shape`` has a dimension below
-    0 (numpy reads such a header, then fails to map it); ``writer`` is the numpy function
-    that writes a good one."""
+    """ValueError naming ``what`` when a ``.npy`` header's ``shape`` has a negative dimension;
+    ``writer``: the numpy function that writes a good one."""
     if any(d < 0 for d in shape):
         raise ValueError(f"{what}: its header gives the shape {tuple(shape)}, with a negative "
                          f"dimension: the header was edited or damaged; write the array again "
@@ -234,10 +215,8 @@ def crc_mismatch(path: str, member: str) -> str:
 
 
 def stored_members(path: str) -> list[tuple[str, int, int, int]]:
-    """``(name, offset, size, crc)`` of the uncompressed ``X.npy`` and ``y.npy`` members of
-    the ``.npz`` file ``path`` (the ones memory-mapped, whose CRC-32 must be checked apart);
-    empty for anything else (opening it then says what is wrong: never a FIFO or a device,
-    which would be read without end)."""
+    """``(name, offset, size, crc)`` of the uncompressed ``X.npy``, ``y.npy`` members of the
+    ``.npz`` file ``path``; empty for anything else (never reading a FIFO or a device)."""
     if not os.path.isfile(path):
         return []
     try:
@@ -264,13 +243,14 @@ def _npy_problem(path: str, exc: Exception) -> str:
     need = start + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     size = os.path.getsize(path)
     if size < need:
-        return f"it is truncated: {size} bytes, but its header describes {shape} {dtype} ({need} bytes)"
+        return (f"it is truncated: {size} bytes, but its header describes {shape} {dtype} "
+                f"({need} bytes)")
     return str(exc)
 
 
 def not_regular(path: str) -> ValueError:
-    """The error for a path that exists but is no regular file (reading a FIFO or a device
-    such as /dev/zero would wait, or read, without end)."""
+    """The error for a path that exists but is no regular file (a FIFO or a device such as
+    /dev/zero would be read without end)."""
     kind = next((what for test, what in ((stat.S_ISFIFO, "a FIFO (named pipe)"),
                                          (stat.S_ISCHR, "a character device"),
                                          (stat.S_ISBLK, "a block device"),
@@ -376,19 +356,13 @@ def _unresolved(h5py, path: str, f, key: str, exc: Exception) -> str:
 def open_source(spec: str | os.PathLike, *, n_samples: int = 60000,
                 n_features: int = 784, n_classes: int = 10, seed: int = 0,
                 regression: bool = False, verify: bool = True) -> Source:
-    """Open ``spec``: a built-in (``digits``, ``mnist1d``, ``mnist``: see
-    :mod:`~.datasets`; ``synthetic`` and ``bow``, sized by the keywords), or a path to an
-    ``.npz`` with ``X`` and ``y``, a folder with ``X.npy`` and ``y.npy``, or an ``.h5`` file
-    (``X`` ``(n_samples, *sample_shape)``, at least 2-D).
-
-    ``verify``: check the CRC-32 of uncompressed ``.npz`` members before memory-mapping
-    them (one more pass over the file: docs/benchmarks-data.md; compressed members are checked
-    as they are inflated anyway). Only ``.npz`` files carry checksums.
-    Raises ValueError with a message that names the problem.
-    """
+    """Open ``spec``: a built-in (:data:`BUILTIN`; ``synthetic`` and ``bow`` sized by the
+    keywords), or a path to an ``.npz`` with ``X`` and ``y``, a folder with ``X.npy`` and
+    ``y.npy``, or an ``.h5`` file (``X`` ``(n_samples, *sample_shape)``, at least 2-D).
+    ``verify``: check the CRC-32 of uncompressed ``.npz`` members before mapping them (one more
+    pass over the file; docs/benchmarks-data.md). ValueError naming the problem."""
     spec = os.fspath(spec)
     if spec in IMAGES:
-        from . import datasets  # the optional packages load only when asked for
         return getattr(datasets, spec)()
     if spec == "synthetic":
         return SyntheticSource(n_samples, n_features, n_classes, seed, regression)
@@ -398,17 +372,16 @@ def open_source(spec: str | os.PathLike, *, n_samples: int = 60000,
 
 
 def _first_row(a, bad: np.ndarray, rows: np.ndarray) -> int:
-    """Dataset row of the first ``True`` in ``bad``: one flag per element of dense ``a``
-    ``(m, ...)``, or per stored value of CSR ``a``."""
+    """Dataset row of the first ``True`` in ``bad``: one flag per element of dense ``a``, or
+    per stored value of CSR ``a``."""
     if hasattr(a, "indptr"):
         return int(rows[np.searchsorted(a.indptr, np.flatnonzero(bad)[0], side="right") - 1])
     return int(rows[np.flatnonzero(bad.reshape(len(bad), -1).any(axis=1))[0]])
 
 
 def check_values(name: str, label: str, a, rows: np.ndarray, dtype=None) -> str | None:
-    """NaN/Inf in ``a`` (dense ``(m, ...)`` or CSR rows ``rows``), or, when ``dtype`` is a
-    narrower float, finite values beyond its range (a cast would make them inf). None if
-    fine. Complex arrays are refused too (a cast would drop the imaginary part)."""
+    """NaN/Inf in ``a`` (dense ``(m, ...)`` or CSR rows ``rows``), complex values, or, when
+    ``dtype`` is a narrower float, finite values beyond its range; None if fine."""
     values = a.data if hasattr(a, "indptr") else a
     if values.dtype.kind == "c":
         return (f"{name}: {label} is complex ({values.dtype}) but mpidp trains on real numbers: "
@@ -424,20 +397,17 @@ def check_values(name: str, label: str, a, rows: np.ndarray, dtype=None) -> str 
         big = np.abs(values) > limit
         if big.any():
             value = values.reshape(-1)[np.flatnonzero(big.reshape(-1))[0]]
-            return (f"{name}: {label} row {_first_row(a, big, rows)} holds {value:.4g}, beyond the {target} "
-                    f"range (+-{limit:.4g}): as {target} it would be inf; rescale the data or "
-                    f"train with --dtype float64")
+            return (f"{name}: {label} row {_first_row(a, big, rows)} holds {value:.4g}, beyond "
+                    f"the {target} range (+-{limit:.4g}): as {target} it would be inf; rescale "
+                    f"the data or train with {setting('dtype', 'float64')}")
     return None
 
 
 def check_rows(source: Source, X: np.ndarray, y: np.ndarray, rows: np.ndarray,
                n_classes: int | None = None, *, dtype=None) -> str | None:
-    """Problems in the rows read (``None`` if fine): NaN/Inf, values that ``dtype`` (the
-    dtype they will be cast to, when given) cannot hold, bad or out-of-range labels.
-
-    ``X`` ``(m, *sample_shape)`` (or CSR) and ``y`` ``(m, ...)`` hold dataset rows ``rows``
-    ``(m,)`` in the source's dtypes; messages name the dataset row, not the position.
-    """
+    """Problems in the rows read (None if fine): NaN/Inf, values ``dtype`` (the cast's, when
+    given) cannot hold, bad or out-of-range labels. ``X`` and ``y`` hold dataset rows ``rows``
+    ``(m,)`` in the source's dtypes; messages name the dataset row."""
     for label, a in (("X", X), ("y", y)):
         problem = check_values(source.name, label, a, rows, dtype)
         if problem:
@@ -458,9 +428,8 @@ def check_rows(source: Source, X: np.ndarray, y: np.ndarray, rows: np.ndarray,
 
 def scan_rows(source: Source, rows: np.ndarray, *, dtype=None, block_bytes: int = 1 << 24
               ) -> str | None:
-    """:func:`check_values` over the features of ``rows`` (sorted, int64) of ``source``, read
-    ``block_bytes`` at a time: the first NaN/Inf row, or a value ``dtype`` cannot hold. None
-    if fine. Generated sources are finite by construction and are not read."""
+    """:func:`check_values` over the features of sorted ``rows`` of ``source``, read
+    ``block_bytes`` at a time; None if fine (generated sources are finite and not read)."""
     if not isinstance(source, ArraySource) or len(rows) == 0:
         return None
     step = max(1, block_bytes // (source.n_features * max(source.X.dtype.itemsize, 1)))
@@ -470,3 +439,44 @@ def scan_rows(source: Source, rows: np.ndarray, *, dtype=None, block_bytes: int 
         if problem:
             return problem
     return None
+
+
+# --- what identifies a dataset's contents (recorded with a run, so that a resume can tell
+# whether its data changed; the ranks add the CRC-32 of files without checksums of their
+# own: mpidp.data.distribute.data_fingerprint)
+
+
+def metadata_fingerprint(spec: str) -> dict:
+    """What identifies dataset ``spec`` (JSON-able): a built-in's name (its parameters are in
+    the configuration); a file's (or a folder's ``X.npy`` and ``y.npy``) size, and for a zip
+    (``.npz``) each member's size and CRC-32 from its directory. ValueError naming a file
+    that cannot be read."""
+    if spec in BUILTIN:
+        return {"builtin": spec}
+    paths = [os.path.join(spec, n) for n in ("X.npy", "y.npy")] if os.path.isdir(spec) else [spec]
+    return {"files": [_file_fingerprint(p) for p in paths]}
+
+
+def _file_fingerprint(path: str) -> dict:
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise not_regular(path)  # a FIFO or a device would be read without end
+    try:
+        out: dict = {"name": os.path.basename(path), "size": os.path.getsize(path)}
+        if zipfile.is_zipfile(path):  # the members' CRCs cover every byte, timestamps aside
+            with zipfile.ZipFile(path) as z:
+                out["crc"] = {i.filename: [i.file_size, i.CRC] for i in z.infolist()}
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"cannot fingerprint dataset file {path}: {exc}") from exc
+    return out
+
+
+def fingerprint_change(was: dict, now: dict) -> str:
+    """How fingerprint ``now`` differs from ``was``, in a few words (for a refusal)."""
+    if "builtin" in was or "builtin" in now:
+        return f"{was.get('builtin', 'files')} -> {now.get('builtin', 'files')}"
+    for a, b in zip(was.get("files", []), now.get("files", [])):
+        if a["size"] != b["size"]:
+            return f"{b['name']} was {a['size']} bytes, now {b['size']}"
+        if a != b:
+            return f"{b['name']} has the same size but different contents"
+    return "its files differ"

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import comm as C
 from ..atomic import write_atomic
-from ..data.fingerprint import metadata_fingerprint as data_fingerprint
+from ..data.sources import metadata_fingerprint as data_fingerprint
 from ..nn import Optimizer, Sequential
 from .folders import (
     RUN_FILE,

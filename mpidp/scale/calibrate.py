@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import asdict
 
 import numpy as np
 
@@ -35,15 +36,9 @@ def _standard_steps(batches: list[int]):
     return [make(b) for b in batches], model.n_params
 
 
-def compute_times(batch: int, repeats: int = 5, before=None) -> list[float]:
-    """Seconds of ``repeats`` standard-MLP steps on ``batch`` rows (after one warm-up step),
-    calling ``before()`` ahead of each timed one."""
-    return _alternate([batch], repeats, before)[0]
-
-
 def _alternate(batches: list[int], repeats: int, before=None) -> list[list[float]]:
-    """Step times for each of ``batches``, measured in turns (so that a slower moment of a
-    shared machine hits every batch size alike)."""
+    """Seconds of ``repeats`` standard-MLP steps for each of ``batches`` rows (one warm-up
+    each), taken in turns so that a slower moment hits every size alike; ``before()`` first."""
     steps, _ = _standard_steps(batches)
     for step in steps:
         step()
@@ -59,16 +54,11 @@ def _alternate(batches: list[int], repeats: int, before=None) -> list[list[float
 
 
 def measure_compute(comm: C.Comm, batch: int = 512, repeats: int = 15) -> M.Compute | None:
-    """The standard MLP's :class:`costmodel.Compute` on this machine. Collective; the
-    result is on rank 0 (None elsewhere).
-
-    Every rank runs steps of ``batch // P`` rows at the same moment (a barrier before
-    each): their spread gives ``jitter``, and their median over rank 0's time alone gives
-    ``contention``. Rank 0 alone at ``batch // P`` and ``batch`` rows gives the fixed part
-    and the part per sample.
-    """
+    """The standard MLP's :class:`costmodel.Compute` here, on rank 0 (None elsewhere).
+    Collective. All ranks step on ``batch // P`` rows at once: their spread gives ``jitter``,
+    against rank 0 alone ``contention``; rank 0 at two sizes, the fixed and per-sample parts."""
     local = max(1, batch // comm.size)
-    together = compute_times(local, repeats, before=lambda: C.barrier(comm))
+    together = _alternate([local], repeats, before=lambda: C.barrier(comm))[0]
     steps = np.array(C.gather_obj(comm, together, 0) or [[0.0]])  # (ranks, repeats)
     if comm.rank != 0:  # rank 0 times compute alone, as one rank of a quiet node would run
         C.agree(comm, None)
@@ -84,9 +74,8 @@ def measure_compute(comm: C.Comm, batch: int = 512, repeats: int = 15) -> M.Comp
 
 
 def calibrate(comm: C.Comm, batch: int = 512) -> dict:
-    """Measure (collective: ping-pong between ranks 0 and 1, Allreduce sweep on all with the
-    buffer out of cache, compute on all) and fit. Returns the fit, the samples, and
-    predictions (meaningful on rank 0)."""
+    """Measure (collective: ping-pong between ranks 0 and 1, an Allreduce sweep and compute on
+    all) and fit: the fit, the samples and predictions (meaningful on rank 0)."""
     if comm.size < 2:
         raise C.MpidpError("mpidp model measures the network: run it with at least 2 ranks")
     pp = [C.pingpong(comm, s) for s in SIZES]
@@ -101,15 +90,18 @@ def calibrate(comm: C.Comm, batch: int = 512) -> dict:
     gamma = M.fit_gamma(comm.size, np.array(SIZES), np.array(ar), alpha, beta)
     fit = M.Fit(alpha, beta, gamma)
     per_param = compute.scaled(1 / n_params)
-    return {"world_size": comm.size, "fit": fit.as_dict(), "batch": batch,
+    return {"world_size": comm.size, "fit": asdict(fit), "batch": batch,
             "compute_per_sample_s": compute.per_sample + compute.overhead / batch,
-            "compute": compute.as_dict(), "standard_model_params": n_params,
+            "compute": asdict(compute), "standard_model_params": n_params,
             "pingpong": dict(zip(SIZES, pp)), "allreduce": dict(zip(SIZES, ar)),
             "allreduce_predicted": dict(zip(SIZES, M.allreduce_time(
                 comm.size, np.array(SIZES), fit).tolist())),
             "ps_stops_scaling_at": {int(n): M.ps_limit(4 * n, batch, per_param.scaled(n), fit)
                                     for n in (1e4, 1e5, 1e6, 1e7, 1e8, 1e9)},
             "table": M.prediction_table(fit, per_param, batch)}
+
+
+PS = (2, 4, 16, 64, 256, 1024)  # the report's columns
 
 
 def format_report(r: dict) -> str:
@@ -122,18 +114,18 @@ def format_report(r: dict) -> str:
              f"({c['overhead'] * 1e3:.2f} ms per step + {c['per_sample'] * 1e6:.1f} us per sample; "
              f"x{c['contention']:.2f} with every rank computing at once; step-time spread "
              f"{c['jitter']:.1%})", "",
-             "| params | algorithm | " + " | ".join(f"P={p}" for p in (2, 4, 16, 64, 256, 1024)) + " |",
+             "| params | algorithm | " + " | ".join(f"P={p}" for p in PS) + " |",
              "|---|---|" + "---:|" * 6]
     for n in (1e4, 1e6, 1e8, 1e9):
         for alg in M.ALGORITHMS:
             effs = {row["P"]: row["efficiency"] for row in r["table"]
                     if row["params"] == int(n) and row["algorithm"] == alg}
-            lines.append(f"| {n:.0e} | {alg} | " + " | ".join(f"{effs[p]:.2f}" for p in
-                                                             (2, 4, 16, 64, 256, 1024)) + " |")
-    lines += ["", "Parallel efficiency at a fixed global batch of "
-              f"{r['batch']} (strong scaling); compute per sample scales with the parameter count.",
-              "", "A central parameter server is fastest at (beyond this, more ranks make steps slower): "
-              + ", ".join(f"{int(n):.0e} params: P={p}" for n, p in r["ps_stops_scaling_at"].items()),
+            lines.append(f"| {n:.0e} | {alg} | " + " | ".join(f"{effs[p]:.2f}" for p in PS) + " |")
+    lines += ["", f"Parallel efficiency at a fixed global batch of {r['batch']} (strong "
+              "scaling); compute per sample scales with the parameter count.",
+              "", "A central parameter server is fastest at (beyond this, more ranks make steps "
+              "slower): " + ", ".join(f"{int(n):.0e} params: P={p}"
+                                      for n, p in r["ps_stops_scaling_at"].items()),
               "", "mpidp's `ps` between nodes is `reduce-broadcast` (reduce-scatter, gather to the "
               "server, scatter + allgather broadcast): twice a ring's bytes, but no link carries "
               "more than 2 m, so it keeps scaling where the central server stops."]
@@ -155,9 +147,8 @@ def save(r: dict, out: str) -> list[str]:
 
 
 def plot(r: dict, path: str) -> bool:
-    """``model.png``: predicted efficiency against P (left) and the Allreduce time against
-    message size, the fitted model as lines with the measured points on top (right).
-    False (nothing written) when matplotlib is not installed."""
+    """``model.png``: predicted efficiency against P, and the Allreduce time against message
+    size (the fit as lines, the measurements as points); False without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -173,17 +164,15 @@ def plot(r: dict, path: str) -> bool:
     ax.set(xscale="log", xlabel="ranks P", ylabel="parallel efficiency (fixed global batch)",
            title="Cost-model predictions", ylim=(0, 1.05))
     ax.legend(fontsize=7, loc="upper right")  # the curves fall away from that corner
-    for key, name, color in (("allreduce", "Allreduce", "C0"), ("pingpong", "ping-pong", "C1")):
-        meas = {int(b): t for b, t in (r.get(key) or {}).items()}
-        if meas:
-            b = sorted(meas)
-            bx.plot(b, [meas[k] * 1e6 for k in b], "o", color=color, ms=6, zorder=3,
-                    label=f"{name}, measured")
-    pred = {int(b): t for b, t in (r.get("allreduce_predicted") or {}).items()}
-    if pred:
-        b = sorted(pred)
-        bx.plot(b, [pred[k] * 1e6 for k in b], "-", color="C0", lw=1.5, zorder=1,
-                label="Allreduce, model (alpha, beta, gamma fit)")
+    for key, style, color, label in (
+            ("allreduce", "o", "C0", "Allreduce, measured"),
+            ("pingpong", "o", "C1", "ping-pong, measured"),
+            ("allreduce_predicted", "-", "C0", "Allreduce, model (alpha, beta, gamma fit)")):
+        got = {int(b): t for b, t in (r.get(key) or {}).items()}
+        if got:
+            b = sorted(got)
+            bx.plot(b, [got[k] * 1e6 for k in b], style, color=color, label=label,
+                    **({"ms": 6, "zorder": 3} if style == "o" else {"lw": 1.5, "zorder": 1}))
     bx.set(xscale="log", yscale="log", xlabel="message bytes", ylabel="microseconds",
            title=f"Model vs measurement, P = {r.get('world_size', '?')}")
     bx.legend(fontsize=7, loc="upper left")

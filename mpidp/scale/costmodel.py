@@ -1,29 +1,15 @@
 """A latency-bandwidth (alpha-beta-gamma) model of a data-parallel step. Pure NumPy.
 
-Sending ``m`` bytes costs ``alpha + m * beta``; reducing ``m`` bytes of data costs
-``m * gamma``. With ``P`` ranks and a model of ``m`` gradient bytes (standard formulas, e.g.
-Thakur, Rabenseifner & Gropp 2005):
-
-* ring allreduce:              ``2(P-1) alpha + 2 (P-1)/P m beta + (P-1)/P m gamma``
-* recursive doubling:          ``log2(P) (alpha + m beta + m gamma)``
-* central parameter server:    ``2 (P-1) (alpha + m beta) + (P-1) m gamma`` — the server's
-  link carries every worker's gradient in and every worker's parameters out, one by one.
-* reduce + broadcast (mpidp's ``ps`` between nodes: ``Reduce_scatter``, ``Gatherv`` to the
-  server, then a scatter + allgather ``Bcast``):
-  ``(3 (P-1) + log2 P) alpha + 4 (P-1)/P m beta + (P-1)/P m gamma`` — twice a ring's
-  bytes, but no link carries more than ``2 m``, so it scales like the ring.
-
-A step is ``compute(B/P) + wait(P) + communicate(P, m)``. Compute is measured (see
-:class:`Compute`): a fixed part plus a part per local sample, slowed by ``contention`` when
-the other ranks of a node compute at the same time. ``wait`` is what a synchronous step
-loses to the slowest of ``P`` ranks: with step times of relative spread ``jitter``, the
-expected maximum of ``P`` of them lies ``jitter * sqrt(2 ln P)`` means above their mean
-(the Gaussian extreme-value rate).
-"""
+Sending ``m`` bytes costs ``alpha + m * beta``, reducing them ``m * gamma``; the
+algorithms' costs at ``P`` ranks are the standard formulas (Thakur, Rabenseifner & Gropp
+2005; :func:`allreduce_time`). A step is ``compute(B/P) + wait(P) + communicate(P, m)``:
+compute is measured (:class:`Compute`), and ``wait``, what a synchronous step loses to the
+slowest of ``P`` ranks whose step times spread by ``jitter``, is ``jitter * sqrt(2 ln P)``
+means (the Gaussian extreme-value rate)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -38,23 +24,12 @@ class Fit:
     beta: float
     gamma: float
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass
 class Compute:
-    """A rank's compute per step: ``overhead + per_sample * b`` seconds for ``b`` local
-    samples when it has the node to itself; times ``contention`` when every rank of a node
-    computes at once (shared caches and memory bandwidth); ``jitter`` is the standard
-    deviation of a step's compute time over its mean.
-
-    Notes
-    -----
-    ``contention`` is at least 1 and ``jitter`` at least 0: sharing a node never speeds a
-    rank up, so a measurement below 1 (noise on a loaded machine) is taken as 1; otherwise
-    the model would predict a parallel efficiency above 1.
-    """
+    """A rank's compute per step: ``overhead + per_sample * b`` seconds for ``b`` local samples
+    alone, times ``contention`` (>= 1) when all compute at once; ``jitter`` (>= 0): the
+    standard deviation of a step's time over its mean."""
 
     per_sample: float
     overhead: float = 0.0
@@ -65,21 +40,16 @@ class Compute:
         self.contention = max(1.0, float(self.contention))
         self.jitter = max(0.0, float(self.jitter))
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
     def scaled(self, factor: float) -> Compute:
         """The same machine doing ``factor`` times the work per step (a bigger model)."""
-        return Compute(self.per_sample * factor, self.overhead * factor, self.contention, self.jitter)
+        return replace(self, per_sample=self.per_sample * factor, overhead=self.overhead * factor)
 
 
 def fit_alpha_beta(nbytes: np.ndarray, seconds: np.ndarray, small: int = 4096,
                    large: int = 1 << 18) -> tuple[float, float]:
-    """``t = alpha + beta * m`` from ping-pong samples, the Hockney way: ``alpha`` is the
-    mean time of the small messages (``m <= small`` bytes), ``beta`` the least-squares slope
-    of ``t - alpha`` over the large ones (``m >= large``), which are what gradients are.
-    A single least-squares line would let the largest message decide both (alpha came out
-    negative here). Falls back to that line when a range has no samples; both >= 0."""
+    """``t = alpha + beta * m`` from ping-pong samples (Hockney): ``alpha`` the mean time of
+    the messages of at most ``small`` bytes, ``beta`` the least-squares slope of ``t - alpha``
+    over those of at least ``large`` (one line when a range is empty). Both >= 0."""
     m, t = np.asarray(nbytes, float), np.asarray(seconds, float)
     lo, hi = m <= small, m >= large
     if not lo.any() or not hi.any():
@@ -97,12 +67,20 @@ def fit_gamma(P: int, nbytes: np.ndarray, seconds: np.ndarray, alpha: float, bet
     m = np.asarray(nbytes, float)
     base = allreduce_time(P, m, Fit(alpha, beta, 0.0), algorithm)
     per_byte = allreduce_time(P, m, Fit(0.0, 0.0, 1.0), algorithm)
-    g = float(np.dot(per_byte, np.asarray(seconds) - base) / max(np.dot(per_byte, per_byte), 1e-300))
+    g = float(np.dot(per_byte, np.asarray(seconds) - base)
+              / max(np.dot(per_byte, per_byte), 1e-300))
     return max(g, 0.0)
 
 
 def allreduce_time(P, m, fit: Fit, algorithm: str = "ring"):
-    """Predicted seconds to combine ``m`` bytes over ``P`` ranks (arrays broadcast)."""
+    """Predicted seconds to combine ``m`` bytes over ``P`` ranks (arrays broadcast):
+
+    * ``ring``: ``2(P-1) alpha + 2 (P-1)/P m beta + (P-1)/P m gamma``;
+    * ``recursive-doubling``: ``log2(P) (alpha + m beta + m gamma)``;
+    * ``parameter-server`` (central): ``2 (P-1) (alpha + m beta) + (P-1) m gamma``;
+    * ``reduce-broadcast`` (mpidp's ``ps`` between nodes: reduce-scatter, gather to the
+      server, scatter + allgather): ``(3 (P-1) + log2 P) alpha + 4 (P-1)/P m beta + (P-1)/P
+      m gamma``: twice a ring's bytes, but no link carries more than ``2 m``."""
     P = np.asarray(P, float)
     m = np.asarray(m, float)
     if algorithm == "ring":
@@ -121,13 +99,8 @@ def allreduce_time(P, m, fit: Fit, algorithm: str = "ring"):
 
 def step_time(P, m, batch: int, compute: float | Compute, fit: Fit, algorithm: str = "ring",
               cores: int | None = None):
-    """Predicted step seconds at ``P`` ranks for a global ``batch`` and ``m`` gradient bytes.
-
-    ``compute``: a :class:`Compute`, or seconds per sample (no fixed part, contention or
-    jitter). ``cores``: when the ranks share this many cores (P > cores oversubscribes
-    them), the busiest core runs ``ceil(P / cores)`` ranks one after another, each with its
-    fixed part and ``batch / P`` samples.
-    """
+    """Predicted step seconds at ``P`` ranks for a global ``batch`` and ``m`` gradient bytes
+    (``compute``: a :class:`Compute` or seconds per sample; ``cores``: ranks share them)."""
     c = compute if isinstance(compute, Compute) else Compute(float(compute))
     P = np.asarray(P, float)
     per_core = 1.0 if cores is None else np.ceil(P / cores)
@@ -155,9 +128,8 @@ def ps_limit(m: float, batch: int, compute: float | Compute, fit: Fit, max_P: in
 def prediction_table(fit: Fit, compute_per_param: float | Compute, batch: int,
                      params=(1e4, 1e5, 1e6, 1e7, 1e8, 1e9), bytes_per_param: int = 4,
                      Ps=(1, 2, 4, 8, 16, 64, 256, 1024)) -> list[dict]:
-    """Rows ``{params, P, algorithm, step_s, efficiency}``. Compute scales with the
-    parameter count (an MLP does ~6 flops per parameter per sample): ``compute_per_param``
-    is the compute of a one-parameter model (seconds per sample, or a :class:`Compute`)."""
+    """Rows ``{params, P, algorithm, step_s, efficiency}``, compute scaling with the parameter
+    count from ``compute_per_param``, a one-parameter model's (s per sample, or a Compute)."""
     per_param = (compute_per_param if isinstance(compute_per_param, Compute)
                  else Compute(float(compute_per_param)))
     rows = []
@@ -172,8 +144,9 @@ def prediction_table(fit: Fit, compute_per_param: float | Compute, batch: int,
     return rows
 
 
-#: The modes :func:`mode_step_time` predicts.
-MODES = ("allreduce", "overlapped", "overlapped-forward", "compressed", "node-aware")
+#: The schedules :func:`mode_step_time` predicts, by name, and how each exchanges the gradient.
+MODES = {"allreduce": "flat", "overlapped": "overlap", "overlapped-forward": "overlap-next",
+         "compressed": "coded", "node-aware": "leaders"}
 
 
 def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
@@ -181,71 +154,42 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
                    per_node: int = 1, link_hops: int = 1, cpu_per_byte: float = 0.0,
                    wire_share: float = 0.5, cores: int | None = None,
                    last_bucket: float = 0.0, node: float = 0.0) -> float:
-    """Predicted seconds of one step of a synchronisation ``mode`` at ``P`` ranks with ``m``
-    gradient bytes, from a measured ``compute`` (seconds of forward + backward + update on
+    """Predicted seconds of one step of schedule ``mode`` (:data:`MODES`) at ``P`` ranks with
+    ``m`` gradient bytes, from a measured ``compute`` ``c`` (forward + backward + update of
     one rank's share) and the link's :class:`Fit`:
 
-    * ``allreduce``: ``compute + ring(P, m)``;
-    * ``overlapped``: the exchange starts once the first bucket is final, ``first_bucket``
-      (a share) into the backward pass (``backward``: its share of ``compute``), and runs
-      beside the rest of it: ``(1 - backward) c + max(backward c, first_bucket backward c
-      + ring(P, m))``;
-    * ``overlapped-forward``: as ``overlapped``, but the last sums complete during the
-      next forward pass, so the exchange runs beside the rest of backward and all of the
-      next forward: ``max(c, first_bucket backward c + ring(P, m))``;
-    * ``compressed``: codes reduce-scattered and allgathered, ``wire_share`` of a ring's
-      bytes (16 bits: 0.5), started bucket by bucket during backward as ``overlapped``,
-      plus ``codec`` seconds of encoding and decoding on the same core: ``(1 - backward) c
-      + max(backward c, first_bucket backward c + ring(P, wire_share m)) + codec``;
-    * all three: the last bucket, ``last_bucket`` of the gradient's bytes (the first
-      layer's, final only when backward ends), starts its exchange when backward (with
-      the exchange's work on the cores, below) is over, and the next forward pass reads
-      it first: its ``ring(P, last_bucket m)`` (of the wire's bytes) follows backward on
-      every path, ``... max(..., backward c + cpu + ring(P, last_bucket m))``, and for
-      ``overlapped-forward`` ``c + cpu + ring(P, last_bucket m)``. On a fast link whose
-      bytes the computing cores carry, that is what stays in sight;
-    * both: what the exchange costs the cores that compute (``cpu_per_byte`` seconds per
-      byte a rank sends, ``2 (P-1)/P`` of what it reduces: the network stack's and MPI's
-      copies where they share those cores) lengthens the backward pass it hides behind:
-      ``backward c + cpu_per_byte 2 (P-1)/P m`` in place of ``backward c`` (0: a network
-      card does that work);
-    * ``node-aware``: ``P / per_node`` node leaders run the ring, plus ``node`` seconds
-      for the sum inside each node and the copy back (through shared memory: measured,
-      since ranks sharing cores slow each other there); the leaders' meeting before a
-      large exchange (one small-message round trip) is not modelled.
+    * ``allreduce``: ``c + ring(P, m)``;
+    * ``overlapped``: ``(1 - backward) c + max(backward c, first_bucket backward c + ring(P,
+      m))``: the exchange starts ``first_bucket`` into backward (``backward``: its share of c);
+    * ``overlapped-forward``: ``max(c, first_bucket backward c + ring(P, m))``;
+    * ``compressed``: as ``overlapped`` on ``wire_share`` of the bytes, plus ``codec`` seconds;
+    * in these three the last bucket's ``ring(P, last_bucket m)`` follows backward, and the
+      exchange's work on the computing cores (``cpu_per_byte`` per byte sent) lengthens it;
+    * ``node-aware``: ``P / per_node`` leaders run the ring, plus ``node`` seconds inside nodes.
 
-    ``link_hops``: how many hops of the flat ``allreduce``'s ring share one direction of
-    the busiest link, each at ``1 / link_hops`` of its bandwidth: 1 when ranks sit on the
-    nodes in blocks (one hop in and one out of each node), ``per_node`` when they are
-    dealt out in turn (every neighbour in rank order on another node).
+    ``link_hops``: hops of the flat ring sharing the busiest link's direction. ``cores``: the
+    cores all ``P`` ranks share (None: their own); ``s = exchanging / cores`` ranks then share
+    each core's work, and a ring moves a byte in ``max(beta, s cpu_per_byte)``."""
+    shape = MODES.get(mode)
+    if shape is None:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {tuple(MODES)}")
 
-    ``cores``: how many cores all ``P`` ranks share (one machine, as test hosts made from
-    network namespaces are; None: every rank has cores of its own). When more ranks
-    exchange at once than there are cores (all ``P``; for ``node-aware`` its leaders), each
-    core's work per byte is shared by ``s = exchanging ranks / cores`` of them (else
-    ``s = 1``): a byte costs a rank ``s cpu_per_byte`` of its core, and an ``allreduce``
-    (flat, or the leaders' of ``node-aware``) moves its bytes at the slower of the link and
-    the cores (``max(beta, s cpu_per_byte)`` per byte).
-    """
     def shared(exchanging: int) -> float:  # ranks per core driving an exchange at once
         return 1.0 if cores is None else max(exchanging / max(cores, 1), 1.0)
 
-    if mode == "allreduce":
+    if shape == "flat":
         per_byte = max(fit.beta * max(link_hops, 1), shared(P) * cpu_per_byte)
         return compute + float(allreduce_time(P, m, Fit(fit.alpha, per_byte, fit.gamma)))
-    if mode in ("overlapped", "overlapped-forward", "compressed"):
-        b, half = backward * compute, mode == "compressed"
-        wire = m * wire_share if half else m
-        cpu = shared(P) * cpu_per_byte * wire * 2 * (P - 1) / max(P, 1)
-        ring = float(allreduce_time(P, wire, fit))
-        last = float(allreduce_time(P, last_bucket * wire, fit)) if last_bucket > 0 else 0.0
-        if mode == "overlapped-forward":
-            return max(compute + cpu + last, first_bucket * b + ring)
-        return ((compute - b) + max(b + cpu + last, first_bucket * b + ring)
-                + (codec if half else 0.0))
-    if mode == "node-aware":
+    if shape == "leaders":
         leaders = max(P // max(per_node, 1), 1)
         per_byte = max(fit.beta, shared(leaders) * cpu_per_byte)
         return (compute + node
                 + float(allreduce_time(leaders, m, Fit(fit.alpha, per_byte, fit.gamma))))
-    raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+    b, coded = backward * compute, shape == "coded"
+    wire = m * wire_share if coded else m
+    cpu = shared(P) * cpu_per_byte * wire * 2 * (P - 1) / max(P, 1)
+    ring = float(allreduce_time(P, wire, fit))
+    last = float(allreduce_time(P, last_bucket * wire, fit)) if last_bucket > 0 else 0.0
+    if shape == "overlap-next":
+        return max(compute + cpu + last, first_bucket * b + ring)
+    return (compute - b) + max(b + cpu + last, first_bucket * b + ring) + (codec if coded else 0.0)

@@ -152,7 +152,7 @@ BAD = {
                   "X must be (n_samples, *sample_shape) with at least 2 dimensions"),
     "classes of a regression": (lambda t: ["--dataset", _npz(t, y=np.ones(90)), "--model", "linear",
                                            "--n-classes", "3"],
-                                "n_classes 3 (--n-classes) does not apply: its targets are real"),
+                                "--n-classes 3 does not apply: its targets are real"),
     "logreg on regression": (lambda t: ["--dataset", _npz(t, y=np.ones(90)), "--model", "logreg"],
                              "needs integer class labels"),
 }

@@ -12,7 +12,7 @@ from helpers import run_mpi
 OVERLAPPING = """\
 import time
 from mpi4py import MPI
-from mpidp.comm.activity import COMPUTING, IN_MPI, MARK
+from mpidp.comm.runtime import COMPUTING, IN_MPI, MARK
 from mpidp.comm.watchdog import Watchdog
 comm = MPI.COMM_WORLD
 if comm.rank == 0:
@@ -45,7 +45,7 @@ if comm.rank == 0:
 STOPPED_DURING = """\
 import time
 from mpi4py import MPI
-from mpidp.comm.activity import COMPUTING, IN_MPI, MARK
+from mpidp.comm.runtime import COMPUTING, IN_MPI, MARK
 from mpidp.comm.watchdog import Watchdog
 comm = MPI.COMM_WORLD
 wd = Watchdog(comm, 1.0).start()

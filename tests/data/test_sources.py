@@ -490,7 +490,7 @@ def test_values_beyond_float32_are_named_by_row_when_casting_to_float32():
     rows = np.array([1, 3, 4, 5])
     msg = check_rows(src, *src.read(rows), rows, dtype=np.float32)
     assert msg == ("mem: X row 4 holds -1e+300, beyond the float32 range (+-3.403e+38): as "
-                   "float32 it would be inf; rescale the data or train with --dtype float64")
+                   "float32 it would be inf; rescale the data or train with dtype='float64'")
     assert check_rows(src, *src.read(rows), rows, dtype=np.float64) is None
     assert check_rows(src, *src.read(rows), rows) is None
     X[4, 1] = 3.0e38  # the largest float32 is about 3.4028e38: still representable

@@ -477,7 +477,7 @@ def test_collectives_refuse_counts_beyond_max_count(comm, small_limit):
     P = comm.size
     big = (np.full(P, 8, np.int64), np.arange(P, dtype=np.int64) * 8)
     buf = np.zeros(8 * P, np.uint16)
-    raises_everywhere(comm, mpidp.MpidpError, lambda: Coll.alltoallv_(comm, buf, big, buf.copy(), big),
+    raises_everywhere(comm, mpidp.MpidpError, lambda: Coll.ialltoallv_(comm, buf, big, buf.copy(), big),
                       "exceeds one MPI call (counts and displacements are C ints, at most 7)")
 
 

@@ -125,7 +125,7 @@ def test_ranks_per_node_that_differs_between_ranks_is_refused_on_every_rank(comm
 
 
 def test_a_long_wait_for_the_leader_is_slept_and_a_short_one_polled():
-    from mpidp.comm.hierarchy import LONGEST_SLEEP, _sleep_for
+    from mpidp.comm.shm import LONGEST_SLEEP, _sleep_for
     assert _sleep_for(1e-4) == 0.0  # 2 us of sleep would cost more than it frees
     assert _sleep_for(0.01) == pytest.approx(2e-4)
     assert _sleep_for(10.0) == LONGEST_SLEEP
@@ -138,7 +138,7 @@ def test_sums_stay_exact_when_ranks_sleep_while_their_leader_exchanges(comm):
     are those of a plain barrier's."""
     import time
 
-    from mpidp.comm.hierarchy import NodeAllreduce
+    from mpidp.comm.shm import NodeAllreduce
     with ranks_per_node(2):
         h = NodeAllreduce(comm, 1000, np.float64)
     last = (comm.size - 1) // 2  # nodes of 2 ranks: the last node's index
@@ -151,7 +151,7 @@ def test_sums_stay_exact_when_ranks_sleep_while_their_leader_exchanges(comm):
         expect = np.arange(1000) * sum(range(1, comm.size + 1)) + comm.size * step
         all_ranks(comm, np.array_equal(got, expect), f"step {step}: wrong sums")
         slept.append(h._sleep[1])
-    from mpidp.comm.hierarchy import LONGEST_SLEEP
+    from mpidp.comm.shm import LONGEST_SLEEP
     waits_long = h.node.rank != 0 and comm.rank // 2 != last  # >= 0.1 s each step
     all_ranks(comm, not waits_long or slept[-1] == LONGEST_SLEEP, f"rank {comm.rank}: {slept}")
 
@@ -163,7 +163,7 @@ def test_the_leaders_exchange_is_timed_apart_from_the_node(comm):
     theirs); 0 on the other ranks."""
     import time
 
-    from mpidp.comm.hierarchy import NodeAllreduce
+    from mpidp.comm.shm import NodeAllreduce
     with ranks_per_node(2):
         h = NodeAllreduce(comm, 1000, np.float64)
     try:
@@ -208,7 +208,7 @@ class _CountingLeaders:
 def test_leaders_meet_before_a_large_exchange_only(comm, large):
     """A buffer of MEET_BYTES or more: the leaders meet (one Barrier among them) before
     each exchange; a smaller one goes at once. The sums are exact either way."""
-    from mpidp.comm.hierarchy import MEET_BYTES, NodeAllreduce
+    from mpidp.comm.shm import MEET_BYTES, NodeAllreduce
     n = MEET_BYTES // 8 if large else MEET_BYTES // 8 - 1
     with ranks_per_node(2):
         h = NodeAllreduce(comm, n, np.float64)

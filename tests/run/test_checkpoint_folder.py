@@ -17,7 +17,7 @@ from helpers import ROOT
 
 from mpidp import atomic, nn
 from mpidp.cli import settings
-from mpidp.data.fingerprint import fingerprint_change
+from mpidp.data.sources import fingerprint_change
 from mpidp.run import checkpoint as ck
 from mpidp.run import folders
 
