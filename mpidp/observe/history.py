@@ -21,10 +21,13 @@ import os
 from typing import Any
 
 from ..atomic import write_error
+from ..errors import setting
 
-#: The message when TensorBoard output is asked for without its package.
-NEED_TENSORBOARD = ("--tensorboard needs the tensorboardX package: pip install "
-                    "'mpidp[tensorboard]' (or pip install tensorboardX)")
+
+def need_tensorboard() -> ValueError:
+    """The error when TensorBoard output is asked for without its package."""
+    return ValueError(f"{setting('tensorboard')} needs the tensorboardX package: pip install "
+                      f"'mpidp[tensorboard]' (or pip install tensorboardX)")
 
 
 def _clean(v: Any) -> Any:
@@ -62,8 +65,8 @@ class History:
     ``path_jsonl`` (its folder is created) is truncated unless ``append`` (a resumed run
     continues its file). ``tensorboard_dir``: folder for TensorBoard event files, or None
     (``ValueError`` naming the fix when tensorboardX is not installed). ``fsync_epochs``:
-    fsync after each epoch line (steps lines are only flushed). ``what``: the option that
-    named the file's place (``"--out"``), for the fix in errors.
+    fsync after each epoch line (steps lines are only flushed). ``what``: the setting that
+    named the file's place (``"out"``), for the fix in errors.
 
     Files are created with the process umask (``open`` mode 0o666 & ~umask). A write that
     fails (a full disk) raises :class:`mpidp.atomic.WriteError` naming ``path_jsonl``.
@@ -78,14 +81,14 @@ class History:
             try:
                 from tensorboardX import SummaryWriter
             except ImportError:
-                raise ValueError(NEED_TENSORBOARD) from None
+                raise need_tensorboard() from None
             os.makedirs(tensorboard_dir, exist_ok=True)
             self.writer = SummaryWriter(logdir=tensorboard_dir)
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path_jsonl)), exist_ok=True)
             self._f = open(path_jsonl, "a" if append else "w", encoding="utf-8")
         except OSError as exc:
-            raise write_error(exc, path_jsonl, what) from None
+            raise self._error(exc) from None
 
     def _write(self, kind: str, record: dict, sync: bool) -> dict:
         rec = {"kind": kind, **_clean(record)}
@@ -97,8 +100,11 @@ class History:
                 os.fsync(self._f.fileno())
         except OSError as exc:
             self._failed = True  # said once: close() does not raise it again
-            raise write_error(exc, self.path, self.what) from None
+            raise self._error(exc) from None
         return rec
+
+    def _error(self, exc: OSError):
+        return write_error(exc, self.path, self.what and setting(self.what))
 
     def config(self, config: dict) -> None:
         """Write the run's configuration (first, once): ``mpidp plot`` labels a killed run
@@ -112,7 +118,7 @@ class History:
         self._scalars("epoch", rec, int(rec.get("epoch", 0)))
 
     def steps(self, record: dict) -> None:
-        """Append one ``--log-every`` record (must hold ``step``; usually ``epoch``,
+        """Append one record of the last ``log_every`` steps (must hold ``step``; usually ``epoch``,
         ``loss``, ``samples_per_s`` and the per-rank lists over the last N steps)."""
         rec = self._write("steps", record, False)
         self._scalars("step", rec, int(rec.get("step", 0)))
@@ -146,7 +152,7 @@ class History:
                     self._f.close()  # closed even where its flush fails
             if error is not None and not self._failed:
                 self._failed = True
-                raise write_error(error, self.path, self.what) from None
+                raise self._error(error) from None
         if self.writer is not None:
             self.writer.close()
             self.writer = None

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..atomic import check_file, shown, write_atomic, write_error
+from ..errors import setting
 from .history import read as read_history
 
 #: Configuration keys worth naming in a label, in this order, with their short names.
@@ -49,7 +50,7 @@ def load_run(folder: str) -> dict:
                 "epochs": _checked_epochs(m.get("history") or [], metrics), "finished": True}
     if not os.path.isfile(jsonl):
         raise ValueError(f"{folder}: no metrics.json or history.jsonl; give a folder that "
-                         "mpidp train wrote (its --out)")
+                         f"mpidp train wrote (its {setting('out')})")
     records = read_history(jsonl)
     config = {}
     for r in records:
@@ -196,20 +197,20 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
         try:
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         except OSError as exc:
-            raise write_error(exc, out, "--out") from None
+            raise write_error(exc, out, setting("out")) from None
         write_atomic(out, lambda f: fig.savefig(f, format=fmt, dpi=110, bbox_inches="tight"),
-                     what="--out")
+                     what=setting("out"))
     finally:
         plt.close(fig)
     return names
 
 
-#: The file written when ``--out`` names a folder.
+#: The file written when ``out`` names a folder.
 IN_A_FOLDER = "plot.png"
 
 
 def output_path(out: str) -> str:
-    """The image file ``--out`` means: ``out`` itself; ``OUT/plot.png`` when ``out`` is a
+    """The image file ``out`` means: ``out`` itself; ``OUT/plot.png`` when ``out`` is a
     folder (or ends with a separator); ``out.png`` when it has no extension. ValueError
     naming ``out`` and the fix for a format matplotlib cannot write, or a place where no
     file can be written (tried)."""
@@ -221,9 +222,9 @@ def output_path(out: str) -> str:
     formats = FigureCanvasBase.get_supported_filetypes()
     ext = os.path.splitext(out)[1][1:].lower()
     if ext not in formats:
-        raise ValueError(f"--out {shown(out)}: matplotlib cannot write .{ext} images; give "
-                         f"one of " + ", ".join(f".{f}" for f in sorted(formats)))
-    check_file(out, "--out", IN_A_FOLDER)
+        raise ValueError(f"{setting('out')} {shown(out)}: matplotlib cannot write .{ext} "
+                         f"images; give one of " + ", ".join(f".{f}" for f in sorted(formats)))
+    check_file(out, setting("out"), IN_A_FOLDER)
     return out
 
 

@@ -15,7 +15,9 @@ import time
 
 from ..errors import MpidpError
 
-MODES = ("auto", "bar", "lines", "none")
+#: Draw a bar when someone watches, else lines (see :func:`watched`).
+AUTO = "auto"
+MODES = (AUTO, "bar", "lines", "none")
 #: Seconds between two plain progress lines (``MPIDP_PROGRESS_SECONDS`` overrides it).
 LINE_SECONDS = 10.0
 #: The environment variable that sets the seconds between two plain progress lines.
@@ -117,10 +119,10 @@ def resolve(mode: str | bool) -> str:
     """``mode`` (one of :data:`MODES`, or True/False for auto/none) as what to draw here:
     ``bar``, ``lines`` or ``none``."""
     if mode is True or mode is False:
-        mode = "auto" if mode else "none"
+        mode = AUTO if mode else "none"
     if mode not in MODES:
         raise ValueError(f"unknown progress {mode!r}; expected one of {MODES}")
-    if mode == "auto":
+    if mode == AUTO:
         return "bar" if watched() else "lines"
     return mode
 

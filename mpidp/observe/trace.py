@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..atomic import write_atomic, write_error
+from ..errors import setting
 
 #: Tracks with fixed thread ids (in this order); other tracks follow, in order of first use.
 TRACKS = ("compute", "comm", "wait", "eval", "io")
@@ -108,10 +109,11 @@ class Tracer:
         if self.window is None:
             return None
         a, b = self.window
+        window = setting("trace_steps", f"{a}:{b}")
         if self.first_step is None:
-            return f"--trace-steps {a}:{b}: the run took no step, so the timeline holds none"
+            return f"{window}: the run took no step, so the timeline holds none"
         if self.last_step < a or self.first_step >= b:
-            return (f"--trace-steps {a}:{b} recorded no step: this run's steps were "
+            return (f"{window} recorded no step: this run's steps were "
                     f"{self.first_step} to {self.last_step}; give a range within them")
         return None
 
@@ -205,9 +207,9 @@ def write(comm, tracer: Tracer, path: str) -> int | None:
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     except OSError as exc:
-        raise write_error(exc, path, "--trace") from None
+        raise write_error(exc, path, setting("trace")) from None
     write_atomic(path, lambda f: f.write(json.dumps(trace, separators=(",", ":")).encode()),
-                 what="--trace")
+                 what=setting("trace"))
     return sum(len(p["events"]) for p in parts)
 
 
@@ -305,8 +307,9 @@ def parse_window(text: str | None) -> tuple[int, int] | None:
     try:
         a, b = (int(x) for x in text.split(":"))
     except ValueError:
-        raise ValueError(f"--trace-steps {text!r}: give A:B, two step numbers "
+        raise ValueError(f"{setting('trace_steps')} {text!r}: give A:B, two step numbers "
                          "(e.g. 100:110 records steps 100 to 109)") from None
     if not 0 <= a < b:
-        raise ValueError(f"--trace-steps {text!r}: give A:B with 0 <= A < B (e.g. 100:110)")
+        raise ValueError(f"{setting('trace_steps')} {text!r}: give A:B with 0 <= A < B "
+                         f"(e.g. 100:110)")
     return a, b

@@ -31,16 +31,10 @@ import numpy as np
 from .. import comm as C
 from ..atomic import write_atomic
 from ..data.fingerprint import metadata_fingerprint as data_fingerprint
+from ..errors import is_whole, setting
 from ..nn import Optimizer, Sequential
-from .folders import (
-    RUN_FILE,
-    Claim,
-    clean_stale_tmp,
-    lock_folder,
-    read_run,
-    unlock_folder,
-    write_run,
-)
+from .folders import RUN_FILE, Claim, clean_stale_tmp, lock_folder, read_run, unlock_folder
+from .folders import write_run
 
 PATTERN = "ckpt-{:010d}.npz"
 DAMAGED_PREFIX = "damaged-"
@@ -77,30 +71,26 @@ class State:
 # --- the folder ------------------------------------------------------------------------
 
 def claim(directory: str, run_id: str, *, resume: bool, restart: bool = False) -> Claim:
-    """Take checkpoint folder ``directory`` for run ``run_id``. Not collective: call it on
-    the root rank before any checkpoint is read or written there; hold the returned
-    :class:`~mpidp.run.folders.Claim` for the whole run, then :meth:`~Claim.release` it.
+    """Take checkpoint folder ``directory`` for run ``run_id`` (not collective: on the root
+    rank, before anything is read or written there); :meth:`~Claim.release` the returned
+    :class:`~mpidp.run.folders.Claim` at the end of the run.
 
-    In order: create the folder, take its lock (another live job holding it is refused),
-    remove ``.tmp-*`` files that killed writers left, then decide ownership:
-
-    - ``restart``: delete the folder's checkpoints and ``run.json``; the folder is this run's.
-    - ``resume``: keep the folder's run (``Claim.run_id`` is the id in its ``run.json``, not
-      ``run_id``); a folder without ``run.json`` is adopted for ``run_id``.
-    - neither: a folder holding checkpoints is refused; an empty one (or one whose run wrote
-      no checkpoint) becomes this run's.
+    The folder is created and locked (another live job holding it is refused), stale
+    ``.tmp-*`` files are removed, then: ``restart`` deletes its checkpoints and ``run.json``;
+    ``resume`` keeps its run (``Claim.run_id`` is the id in its ``run.json``; a folder
+    without one is adopted); neither refuses a folder holding checkpoints.
 
     Raises ValueError naming the folder and the way forward; the lock is not kept then.
     """
     if resume and restart:
-        raise ValueError(f"--resume continues the run in {directory} and --restart deletes "
-                         f"it: give one of them")
+        raise ValueError(f"{setting('resume')} continues the run in {directory} and "
+                         f"{setting('restart')} deletes it: give one of them")
     try:
         os.makedirs(directory, exist_ok=True)
         fd = lock_folder(directory)
     except OSError as exc:
-        raise ValueError(f"--checkpoint-dir {directory}: cannot use it as a checkpoint "
-                         f"folder ({exc})") from exc
+        raise ValueError(f"{setting('checkpoint_dir')} {directory}: cannot use it as a "
+                         f"checkpoint folder ({exc})") from exc
     try:
         held = Claim(directory, run_id, _fd=fd)
         held.cleaned = clean_stale_tmp(directory, max_age_s=60.0)
@@ -128,8 +118,9 @@ def _used_message(directory: str, owner: dict | None, found: list[str]) -> str:
         whose = (f"another run (run {owner['run_id']}, started {owner.get('created', '?')} on "
                  f"{owner.get('host', '?')})")
     return (f"checkpoint folder {directory} already holds checkpoints of {whose}, the newest "
-            f"{os.path.basename(found[-1])}: give this run another --checkpoint-dir, continue "
-            f"that run with --resume, or add --restart to delete its checkpoints and start over")
+            f"{os.path.basename(found[-1])}: give this run another {setting('checkpoint_dir')}, "
+            f"continue that run with {setting('resume')}, or add {setting('restart')} to "
+            f"delete its checkpoints and start over")
 
 
 def _wipe(directory: str) -> list[str]:
@@ -161,16 +152,18 @@ def save(directory: str, model: Sequential, optimizer: Optimizer, state: State, 
          *, run_id: str | None = None) -> str:
     """Write a checkpoint for ``state`` into ``directory``; keep the newest ``keep``. Not
     collective: call it on one rank. Returns the file's path. See :func:`save_flat`."""
-    arrays = {"params": model.params, **({"state": model.state} if model.n_state else {})}
-    return _write(directory, arrays, optimizer, state, keep, run_id)
+    return save_flat(directory, model.params, optimizer, state, keep, run_id=run_id,
+                     layer_state=model.state if model.n_state else None)
 
 
 def save_flat(directory: str, params: np.ndarray, optimizer: Optimizer, state: State,
-              keep: int = 3, *, run_id: str | None = None) -> str:
-    """:func:`save` from the whole model's flat ``params`` and an ``optimizer`` holding the
-    whole model's state arrays (as a pipeline gathers them from its stages: a copy of a
-    stage's optimizer with the gathered state gives the type, step count and state). The
-    file is the same whoever wrote it, so any layout may resume it.
+              keep: int = 3, *, run_id: str | None = None,
+              layer_state: np.ndarray | None = None) -> str:
+    """:func:`save` from the whole model's flat ``params`` (and ``layer_state``: batch
+    norm's running statistics) and an ``optimizer`` holding the whole model's state arrays
+    (as a pipeline gathers them from its stages: a copy of a stage's optimizer with the
+    gathered state gives the type, step count and state). The file is the same whoever
+    wrote it, so any layout may resume it.
 
     Raises ValueError, writing nothing, if ``state`` is behind the newest checkpoint in
     ``directory`` (a checkpoint is never replaced by an older one): its ``global_step`` is
@@ -180,14 +173,7 @@ def save_flat(directory: str, params: np.ndarray, optimizer: Optimizer, state: S
     epoch's record. Also refused: ``run_id`` given and ``directory``'s ``run.json`` naming
     another run.
     """
-    return _write(directory, {"params": params}, optimizer, state, keep, run_id)
-
-
-def _write(directory: str, model_arrays: dict[str, np.ndarray], optimizer: Optimizer,
-          state: State, keep: int, run_id: str | None) -> str:
-    """:func:`save_flat` of ``model_arrays``: ``params`` and, when the model has layer
-    state (batch norm's running statistics), ``state``."""
-    params = model_arrays["params"]
+    model_arrays = {"params": params, **({} if layer_state is None else {"state": layer_state})}
     os.makedirs(directory, exist_ok=True)
     _check_not_behind(directory, state)
     if run_id is not None:
@@ -198,7 +184,7 @@ def _write(directory: str, model_arrays: dict[str, np.ndarray], optimizer: Optim
                              f"took it over; this run writes no more checkpoints there")
     opt_state = optimizer.state
     arrays = {**model_arrays, **{f"opt.{k}": v for k, v in opt_state.items()}}
-    n_state = int(model_arrays["state"].size) if "state" in model_arrays else 0
+    n_state = 0 if layer_state is None else int(layer_state.size)
     meta = json.dumps({"version": VERSION, "epoch": state.epoch, "step": state.step,
                        "global_step": state.global_step, "totals": state.totals,
                        "history": state.history, "config": state.config,
@@ -265,11 +251,6 @@ def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     return meta, arrays
 
 
-def _count(value) -> bool:
-    """True for an integer >= 0 (JSON's, not a bool)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def contents_problem(meta, arrays: dict[str, np.ndarray]) -> str | None:
     """What makes checkpoint contents ``(meta, arrays)`` unusable although their checksum
     holds (a hand-edited file with a recomputed checksum), in words; None if they are a
@@ -282,7 +263,7 @@ def contents_problem(meta, arrays: dict[str, np.ndarray]) -> str | None:
     for key, what in (("epoch", "epoch"), ("step", "step"), ("global_step", "global step"),
                       ("n_params", "parameter count"), ("n_state", "layer state size")):
         value = meta.get(key, 0 if key == "n_state" else None)
-        if not _count(value):
+        if not is_whole(value):
             return f"its {what} is {value!r}, not an integer >= 0"
     totals = meta.get("totals")
     if not (isinstance(totals, list) and len(totals) == 3
@@ -295,7 +276,7 @@ def contents_problem(meta, arrays: dict[str, np.ndarray]) -> str | None:
     if not (isinstance(opt, dict) and isinstance(opt.get("type"), str)
             and isinstance(opt.get("state"), dict) and isinstance(meta.get("dtype"), str)):
         return "its optimizer record (type, update count, state) or its dtype is missing"
-    if not _count(opt.get("t")):
+    if not is_whole(opt.get("t")):
         return f"its optimizer's update count is {opt.get('t')!r}, not an integer >= 0"
     return _arrays_problem(meta, arrays)
 
@@ -305,7 +286,7 @@ def _arrays_problem(meta: dict, arrays: dict[str, np.ndarray]) -> str | None:
     n, n_state, opt = meta["n_params"], meta.get("n_state", 0), meta["optimizer"]
     expected = {"params": (n,), **({"state": (n_state,)} if n_state else {})}
     for name, shape in opt["state"].items():
-        if not (isinstance(shape, list) and all(_count(d) for d in shape)):
+        if not (isinstance(shape, list) and all(is_whole(d) for d in shape)):
             return f"its optimizer state {name!r} has the shape {shape!r}"
         expected[f"opt.{name}"] = tuple(shape)
     for key, shape in expected.items():
@@ -354,7 +335,8 @@ def read_latest(directory: str, *, set_aside: bool = True
         return path, meta, arrays
     if problems:
         raise ValueError(f"no usable checkpoint in {directory}: " + "; ".join(problems)
-                         + "; start over with --restart, or give another --checkpoint-dir")
+                         + f"; start over with {setting('restart')}, or give another "
+                         f"{setting('checkpoint_dir')}")
     return None
 
 
@@ -425,7 +407,7 @@ def check_fits(path: str, meta: dict, n_params: int, dtype: np.dtype, optimizer:
         raise ValueError(f"checkpoint {path} is inconsistent (edited, or written by another "
                          f"program): it holds the {type(optimizer).__name__} state "
                          f"{sorted(held)}, but {type(optimizer).__name__} needs "
-                         f"{sorted(needed)}; start over with --restart")
+                         f"{sorted(needed)}; start over with {setting('restart')}")
 
 
 def _state_needed(optimizer: Optimizer, dtype) -> set[str] | None:
@@ -452,4 +434,4 @@ def check_position(state: State, steps_per_epoch: int, path: str | None = None
     path = path or state.source or "the checkpoint"
     return (f"checkpoint {path} is at step {state.step} of epoch {state.epoch + 1}, but an "
             f"epoch of this run has {steps_per_epoch} steps: it was edited, or written for "
-            f"other data or batches; start over with --restart")
+            f"other data or batches; start over with {setting('restart')}")

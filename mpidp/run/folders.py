@@ -16,27 +16,29 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import socket
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 from ..atomic import TMP_PREFIX, host_tag, write_atomic, write_error
+from ..errors import setting
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
+
+
 def pid_alive(pid: int) -> bool:
     """True if process ``pid`` exists on this host (owned by anyone)."""
-    if pid <= 0:
-        return False
     try:
-        os.kill(pid, 0)
+        return pid > 0 and os.kill(pid, 0) is None
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
 
 
 def _proc_start(pid: int) -> int | None:
@@ -92,10 +94,14 @@ def _read_record(fd: int) -> dict | None:
         return None
 
 
-def _describe(record: dict | None) -> str:
-    if not record:
-        return "holder unknown"
-    return f"host {record.get('host')}, pid {record.get('pid')}, since {record.get('since')}"
+def _in_use(directory: str, record: dict | None, note: str = "", wait: str = "for it to finish"
+            ) -> ValueError:
+    """The refusal of a folder whose lock another job (``record``) holds."""
+    who = (f"host {record.get('host')}, pid {record.get('pid')}, since {record.get('since')}"
+           if record else "holder unknown")
+    return ValueError(f"checkpoint folder {directory} is in use by another mpidp job ({who}"
+                      f"{note}): wait {wait}, or give this run another "
+                      f"{setting('checkpoint_dir')}")
 
 
 def _record_alive(record: dict | None) -> bool:
@@ -125,9 +131,7 @@ def lock_folder(directory: str) -> int:
     except BlockingIOError:
         record = _read_record(fd)
         os.close(fd)
-        raise ValueError(f"checkpoint folder {directory} is in use by another mpidp job "
-                         f"({_describe(record)}): wait for it to finish, or give this run "
-                         f"another --checkpoint-dir") from None
+        raise _in_use(directory, record) from None
     except (ImportError, OSError) as exc:  # no flock here (ENOLCK, EOPNOTSUPP ...)
         if isinstance(exc, OSError) and exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP,
                                                          errno.ENOSYS, errno.EINVAL):
@@ -136,27 +140,23 @@ def lock_folder(directory: str) -> int:
         record = _read_record(fd)
         if _record_alive(record) and record.get("pid") != os.getpid():
             os.close(fd)
-            raise ValueError(f"checkpoint folder {directory} is in use by another mpidp job "
-                             f"({_describe(record)}; this filesystem has no locks, so if that "
-                             f"job has ended, delete {path}): wait for it, or give this run "
-                             f"another --checkpoint-dir") from None
+            raise _in_use(directory, record, f"; this filesystem has no locks, so if that job "
+                          f"has ended, delete {path}", "for it") from None
     try:
         _write_record(fd, _holder_record())
     except OSError as exc:  # a full disk
         os.close(fd)
-        raise write_error(exc, path, "--checkpoint-dir") from None
+        raise write_error(exc, path, setting("checkpoint_dir")) from None
     return fd
 
 
-def hold_folder(directory: str, option: str) -> int | None:
+def hold_folder(directory: str, name: str) -> int | None:
     """Take this host's lock on the folder path ``directory`` for this process (an
     ``flock`` on a file named after its absolute path in the system's temporary folder, so
     nothing is written to ``directory`` and it need not exist yet); returns its descriptor
-    (close it to let go), or None where no lock can be taken. Raises ValueError naming
-    ``option`` if another job on this host holds it."""
+    (close it to let go), or None where no lock can be taken. Raises ValueError naming the
+    setting ``name`` if another job on this host holds it."""
     import fcntl
-    import hashlib
-    import tempfile
     key = hashlib.sha256(os.path.realpath(directory).encode()).hexdigest()[:32]
     folder = os.path.join(tempfile.gettempdir(), "mpidp-folder-locks")
     try:
@@ -168,8 +168,8 @@ def hold_folder(directory: str, option: str) -> int | None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ValueError(f"{option} {directory} is in use by another mpidp job: wait for it "
-                         f"to finish, or give this run another {option}") from None
+        raise ValueError(f"{setting(name)} {directory} is in use by another mpidp job: wait "
+                         f"for it to finish, or give this run another {setting(name)}") from None
     except OSError:  # no locks there
         os.close(fd)
         return None
@@ -215,7 +215,7 @@ def write_run(directory: str, run_id: str) -> dict:
               "host": socket.gethostname(), "pid": os.getpid()}
     write_atomic(os.path.join(directory, RUN_FILE),
                  lambda f: f.write((json.dumps(record, indent=1) + "\n").encode()),
-                 what="--checkpoint-dir")
+                 what=setting("checkpoint_dir"))
     return record
 
 

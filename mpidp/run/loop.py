@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import comm as C
+from ..errors import setting
 from ..observe.progress import Progress, resolve
 from .checkpoint import State, check_position
 from .faults import Injector
@@ -147,7 +148,7 @@ class _Run:
         trainer.global_step = self.state.global_step
         self.history = list(self.state.history)
         self.faults = Injector(trainer.world.rank)
-        self.tracer = getattr(_optional(trainer, "timer"), "tracer", None)
+        self.tracer = getattr(getattr(trainer, "timer", None), "tracer", None)
         self.save_due = False
         self.check_due = False  # a replica check waits for the next synchronisation
         self.asked = False  # a callback on this rank asked to stop
@@ -214,9 +215,9 @@ class _Run:
         if skipped and steps and skipped > self.spec.max_skipped * steps:
             raise NonFiniteError(
                 f"{skipped} of the run's {steps} steps had a NaN/Inf loss or gradient and were "
-                f"skipped, more than the {self.spec.max_skipped:g} allowed (max_skipped, "
-                f"--max-skipped): the model is not learning; lower the learning rate or check "
-                f"the data")
+                f"skipped, more than the {self.spec.max_skipped:g} allowed "
+                f"({setting('max_skipped')}): the model is not learning; lower the learning "
+                f"rate or check the data")
 
     def judge(self, record: dict) -> bool:
         """Early stopping and the plateau rule on ``record``'s monitored figure; marks the
@@ -230,8 +231,7 @@ class _Run:
                                f"{', '.join(sorted(k for k in record if k != 'balance'))}): "
                                f"give a validation set (test={{'val': shard}}) or another "
                                f"monitor")
-        value = record[spec.monitor]
-        value = float("nan") if value is None else float(value)
+        value = _figure(record, spec.monitor)
         if spec.early_stopping is not None:
             record["improved"] = spec.early_stopping.improves(value)
             stop = spec.early_stopping.update(value)
@@ -242,7 +242,7 @@ class _Run:
 
     def plateau_optimizer(self):
         """The trainer's optimizer, whose ``lr_scale`` the plateau rule sets."""
-        optimizer = _optional(self.trainer, "optimizer")
+        optimizer = getattr(self.trainer, "optimizer", None)
         if optimizer is None:
             raise C.MpidpError(f"the plateau rule sets an optimizer's lr_scale, and this "
                                f"trainer ({type(self.trainer).__name__}) has no optimizer")
@@ -251,8 +251,7 @@ class _Run:
     def replay(self) -> None:
         """A resumed run's early stopping and plateau rule, fed the epochs already done."""
         for record in self.history:
-            value = record.get(self.spec.monitor)
-            value = float("nan") if value is None else float(value)
+            value = _figure(record, self.spec.monitor)
             if self.spec.early_stopping is not None:
                 self.spec.early_stopping.update(value)
             if self.spec.plateau is not None:
@@ -315,14 +314,15 @@ def writing_checkpoint(tracer=None):
         yield
 
 
-def _optional(trainer: Trainer, name: str) -> Any:
-    """The trainer's optional attribute ``name`` (see :class:`Trainer`), or None."""
-    return getattr(trainer, name, None)
+def _figure(record: dict, name: str) -> float:
+    """The epoch's figure ``name`` as a float (NaN where the record has None)."""
+    value = record.get(name)
+    return float("nan") if value is None else float(value)
 
 
 def _skipped(trainer: Trainer) -> int | None:
     """The steps the trainer's NaN/Inf policy has skipped so far (None: it keeps no count)."""
-    policy = _optional(trainer, "policy")
+    policy = getattr(trainer, "policy", None)
     return None if policy is None else int(policy.skipped)
 
 
@@ -336,7 +336,7 @@ def _record(trainer, feed: Feed, epoch: int, totals: np.ndarray, t0: float,
     record = {"epoch": epoch + 1, "loss": totals[0] / totals[1] if totals[1] else float("nan"),
               "accuracy": totals[2] / totals[1] if feed.labelled and totals[1] else None,
               "seconds": time.perf_counter() - t0}
-    optimizer = _optional(trainer, "optimizer")
+    optimizer = getattr(trainer, "optimizer", None)
     if optimizer is not None and hasattr(optimizer, "lr_at"):  # the epoch's last update's
         record["lr"] = optimizer.lr_at(max(optimizer.t - 1, 0))
     balance = feed.end_epoch()

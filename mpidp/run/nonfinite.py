@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from ..errors import MpidpError
+from ..errors import MpidpError, setting
 
 ON_NONFINITE = ("stop", "skip", "ignore")
 
@@ -63,4 +63,4 @@ class Policy:
             f"non-finite loss or gradient at step {step} (global loss sum {float(loss_sum)}); "
             f"stopped before the update, so the parameters and checkpoints are from the last "
             f"good step. Lower the learning rate, check the data, or skip such steps "
-            f"(on_nonfinite='skip', --on-nonfinite skip)")
+            f"({setting('on_nonfinite', 'skip')})")

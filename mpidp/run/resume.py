@@ -22,7 +22,7 @@ def claimed(comm: C.Comm, out: str, checkpoint_dir: str | None, *, resume: bool,
     held: dict = {}
 
     def take() -> str | None:
-        held["out"] = hold_folder(out, "--out")
+        held["out"] = hold_folder(out, "out")
         if not checkpoint_dir:
             return None
         held["claim"] = ck.claim(checkpoint_dir, uuid.uuid4().hex, resume=resume,

@@ -4,7 +4,7 @@
 ``--signal``, or on preemption): training finishes the current step, every rank agrees to
 stop (the request rides in the step's own collective: :attr:`StopSignals.requested` is
 what a trainer adds to it), a checkpoint is written when checkpointing is on,
-and the job exits with :data:`PREEMPTED_EXIT`; ``--resume`` continues bit-identically.
+and the job exits with :data:`PREEMPTED_EXIT`; resuming the run continues bit-identically.
 
 A stop signal while the data load (nothing to save yet) ends the job at once, with the
 same exit status, even while a rank is blocked reading a file.
@@ -22,7 +22,7 @@ import sys
 import threading
 from contextlib import contextmanager
 
-from ..errors import MpidpError
+from ..errors import MpidpError, setting
 
 #: Exit status after a stop on SIGTERM/SIGUSR1 (EX_TEMPFAIL: "try again": resume the run).
 PREEMPTED_EXIT = 75
@@ -51,8 +51,9 @@ class Preempted(MpidpError):
     """Training stopped on SIGTERM/SIGUSR1 after a checkpoint (raised on every rank)."""
 
     def __init__(self, step: int, checkpoint) -> None:
-        where = (f"checkpoint written to {checkpoint.directory}; continue with --resume"
-                 if checkpoint else "no --checkpoint-dir, so nothing was saved")
+        where = (f"checkpoint written to {checkpoint.directory}; continue with "
+                 f"{setting('resume')}" if checkpoint
+                 else f"no {setting('checkpoint_dir')}, so nothing was saved")
         super().__init__(f"stopped by a signal after step {step}: {where}")
 
 
@@ -66,13 +67,12 @@ class StopSignals:
         self.phase: str | None = None  # a phase with nothing to save: a stop ends the job
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)
-        self._old = {s: signal.signal(s, self._note) for s in (*STOP_SIGNALS, signal.SIGINT)}
+        # the Python-level handlers do nothing: the thread reads the signals and acts
+        self._old = {s: signal.signal(s, lambda signum, frame: None)
+                     for s in (*STOP_SIGNALS, signal.SIGINT)}
         self._old_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         self._thread = threading.Thread(target=self._watch, name="mpidp-signals", daemon=True)
         self._thread.start()
-
-    def _note(self, signum, frame) -> None:  # the Python-level handler: the thread acts
-        pass
 
     def _watch(self) -> None:
         while True:
@@ -84,17 +84,20 @@ class StopSignals:
                 return
             for signum in got:
                 if signum == signal.SIGINT:
-                    self._interrupt()
+                    self._abort("interrupted (SIGINT); ending the job.", 130)
                 elif signum in STOP_SIGNALS:
                     self.requested = True
                     if self.phase is not None:
-                        self._end(signum)
+                        self._abort(f"stopped by {signal.Signals(signum).name} while "
+                                    f"{self.phase}; nothing was trained or saved, so run the "
+                                    f"same command again (exit {PREEMPTED_EXIT}).",
+                                    PREEMPTED_EXIT)
 
-    def _interrupt(self) -> None:
+    def _abort(self, why: str, code: int) -> None:
         from .. import comm as C
-        sys.stderr.write(f"[mpidp] rank {self.comm.rank}/{self.comm.size}: interrupted "
-                         "(SIGINT); ending the job.\n")
-        C.abort_job(self.comm, 130)
+        sys.stderr.write(f"[mpidp] rank {self.comm.rank}/{self.comm.size}: {why}\n")
+        sys.stderr.flush()
+        C.abort_job(self.comm, code)
 
     @contextmanager
     def during(self, phase: str):
@@ -106,15 +109,6 @@ class StopSignals:
             yield
         finally:
             self.phase = None
-
-    def _end(self, signum: int) -> None:
-        from .. import comm as C
-        sys.stderr.write(f"[mpidp] rank {self.comm.rank}/{self.comm.size}: stopped by "
-                         f"{signal.Signals(signum).name} while {self.phase}; nothing was "
-                         f"trained or saved, so run the same command again (exit "
-                         f"{PREEMPTED_EXIT}).\n")
-        sys.stderr.flush()
-        C.abort_job(self.comm, PREEMPTED_EXIT)
 
     def close(self) -> None:
         signal.set_wakeup_fd(self._old_fd)

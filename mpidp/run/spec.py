@@ -15,6 +15,9 @@ import numpy as np
 from ..errors import MpidpError, is_whole
 from ..observe.progress import MODES as PROGRESS
 
+#: The watchdog's default: a timeout of ``max(600 s, 50 median steps)``, as on the command line.
+AUTO = "auto"
+
 if TYPE_CHECKING:
     from ..comm import Watchdog
     from ..data.balance import Plan
@@ -95,7 +98,7 @@ class RunSpec:
     on_epoch: Callable[[dict], None] | None = None
     on_step: Callable[[int, StepStats], None] | None = None
     stop: StopSignals | None = None
-    watchdog: Watchdog | float | str | None = "auto"
+    watchdog: Watchdog | float | str | None = AUTO
     early_stopping: EarlyStopping | None = None
     plateau: ReduceOnPlateau | None = None
     monitor: str = "val_loss"
@@ -115,7 +118,7 @@ class RunSpec:
                 or not 0 <= self.max_skipped <= 1:
             raise MpidpError(f"max_skipped must be a share in [0, 1], got {self.max_skipped!r}")
         dog = self.watchdog
-        if isinstance(dog, str) and dog != "auto" or isinstance(dog, numbers.Real) and not \
+        if isinstance(dog, str) and dog != AUTO or isinstance(dog, numbers.Real) and not \
                 isinstance(dog, bool) and not dog >= 0:
             raise MpidpError(f"watchdog must be 'auto', a timeout in seconds >= 0 (0: off), "
                              f"None, or a Watchdog; got {dog!r}")
