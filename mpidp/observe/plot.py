@@ -32,8 +32,7 @@ def load_run(folder: str) -> dict:
     """``{"folder", "config", "epochs": [records], "finished": bool}`` from a run folder.
 
     Raises ValueError naming the folder when it holds neither file, or no epoch yet."""
-    metrics = os.path.join(folder, "metrics.json")
-    jsonl = os.path.join(folder, "history.jsonl")
+    metrics, jsonl = os.path.join(folder, "metrics.json"), os.path.join(folder, "history.jsonl")
     if os.path.isfile(metrics):
         try:
             with open(metrics, encoding="utf-8") as f:
@@ -52,10 +51,8 @@ def load_run(folder: str) -> dict:
         raise ValueError(f"{folder}: no metrics.json or history.jsonl; give a folder that "
                          f"mpidp train wrote (its {setting('out')})")
     records = read_history(jsonl)
-    config = {}
-    for r in records:
-        if r.get("kind") == "config":
-            config = {k: v for k, v in r.items() if k != "kind"}
+    config = next(({k: v for k, v in r.items() if k != "kind"} for r in reversed(records)
+                   if r.get("kind") == "config"), {})
     epochs = [r for r in records if r.get("kind") == "epoch"]
     if not epochs:
         raise ValueError(f"{folder}: history.jsonl has no finished epoch yet")
@@ -126,10 +123,6 @@ def labels(runs: list[dict]) -> list[str]:
     return [lab + ("" if r["finished"] else " (killed)") for lab, r in zip(out, runs)]
 
 
-def _series(epochs: list[dict], key: str) -> list[float | None]:
-    return [e.get(key) for e in epochs]
-
-
 def _wide_range(values: list[float]) -> bool:
     """True when positive ``values`` span more than a factor of 20 (use a log axis)."""
     pos = [v for v in values if v is not None and v > 0]
@@ -167,7 +160,7 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
                 for key, style in ((train, "-"), (test, "--")):
                     if key is None:
                         continue
-                    ys = _series(ep, key)
+                    ys = [e.get(key) for e in ep]
                     if all(v is None for v in ys):
                         continue
                     losses += [v for v in ys if row == 0 and v is not None]
@@ -175,14 +168,10 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
                             style, color=color, marker=mark, ms=2 + lw, lw=lw, zorder=2 + i,
                             label=f"{label}, {'train' if key == train else 'test'}")
     for col, name in enumerate(xs):
-        axes[0][col].set(ylabel="loss", xlabel="epoch" if name == "epochs" else "seconds")
-        axes[1][col].set(ylabel="accuracy", xlabel="epoch" if name == "epochs" else "seconds")
-        if len(rows) > 2:
-            axes[2][col].set(ylabel="learning rate",
-                             xlabel="epoch" if name == "epochs" else "seconds")
         if _wide_range(losses):
             axes[0][col].set_yscale("log")
-        for row in range(len(rows)):
+        for row, ylabel in enumerate(("loss", "accuracy", "learning rate")[:len(rows)]):
+            axes[row][col].set(ylabel=ylabel, xlabel="epoch" if name == "epochs" else "seconds")
             axes[row][col].grid(alpha=0.3)
             if name == "epochs":
                 axes[row][col].xaxis.set_major_locator(MaxNLocator(integer=True))

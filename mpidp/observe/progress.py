@@ -60,21 +60,21 @@ def _is_terminal(target: str | None) -> bool:
     return target is not None and target.startswith(("/dev/pts/", "/dev/tty"))
 
 
+def _proc(pid: int, name: str) -> str:
+    """The text of ``/proc/PID/NAME``; "" where unknown."""
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
 def _parent(pid: int) -> int:
     """The parent of process ``pid``; 0 where unknown."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rpartition(")")[2].split()[1])
-    except (OSError, ValueError, IndexError):
+        return int(_proc(pid, "stat").rpartition(")")[2].split()[1])
+    except (ValueError, IndexError):
         return 0
-
-
-def _name(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm", "rb") as f:
-            return f.read().decode("utf-8", "replace").strip()
-    except OSError:
-        return ""
 
 
 def _launcher(pid: int, depth: int) -> int | None:
@@ -85,7 +85,7 @@ def _launcher(pid: int, depth: int) -> int | None:
         parent = _parent(pid)
         if parent <= 1:
             return None
-        name = _name(parent)
+        name = _proc(parent, "comm").strip()
         if name in LAUNCHERS:
             return parent
         if name in PROXIES:
@@ -138,7 +138,7 @@ class Progress:
                  clock=time.monotonic) -> None:
         self.every = line_seconds()  # on every rank, whatever it draws: the same error on each
         self.total, self.desc, self.n, self._bar, self.clock = total, desc, initial, None, clock
-        self.mode = mode
+        self.mode, self.first = mode, initial
         if mode == "bar":
             try:
                 from tqdm import tqdm
@@ -147,7 +147,6 @@ class Progress:
             except ImportError:
                 self.mode = "lines"
         self.t0 = self.last = clock()
-        self.first = initial
 
     def update(self, loss: float) -> None:
         self.n += 1

@@ -30,7 +30,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..nn.standardize import combine_moments, merge_moments, moments
+from ..errors import is_whole
+from ..nn.standardize import combine_moments, moments
 
 #: The k of the top-k accuracies, of those below the number of classes (k >= n_classes is
 #: always a hit): see :func:`top_ks`.
@@ -43,8 +44,7 @@ def top_ks(n_classes: int) -> tuple[int, ...]:
 
 
 def _n_classes(n_classes: int) -> int:
-    if isinstance(n_classes, bool) or not isinstance(n_classes, (int, np.integer)) \
-            or n_classes < 1:
+    if not is_whole(n_classes, 1):
         raise ValueError(f"n_classes must be an integer >= 1, got {n_classes!r}")
     return int(n_classes)
 
@@ -63,14 +63,12 @@ def class_stats(scores: np.ndarray, y: np.ndarray, n_classes: int) -> np.ndarray
     each k of top_ks(k), confusion matrix (k*k, row = true class, column = predicted)]``;
     zeros for an empty batch. Vectors of disjoint rows ADD (Allreduce SUM across ranks).
 
-    The prediction is ``argmax(scores)`` (the first maximum on ties). A sample is a top-k
-    hit when its true class is among the first k of the classes sorted by decreasing score,
-    ties in the order of the classes (so top-1 hits are the correct predictions; scikit-
-    learn breaks ties the other way). A row with a NaN score is no top-k hit. The log-loss
-    of a sample is ``-log p_y``, ``p = softmax(scores)`` computed in float64 in log space,
-    clipped to ``[-log(1 - eps), -log(eps)]`` -- i.e. ``p_y`` to ``[eps, 1 - eps]`` as
-    scikit-learn's ``log_loss`` does -- with ``eps`` the machine epsilon of the scores'
-    float dtype (float64's for other dtypes).
+    The prediction is ``argmax(scores)`` (the first maximum on ties). A top-k hit: the true
+    class is among the first k by decreasing score, ties in class order (scikit-learn breaks
+    them the other way); never for a row with a NaN score. The log-loss of a sample is
+    ``-log softmax(scores)_y`` in float64, with ``p_y`` clipped to ``[eps, 1 - eps]`` as
+    scikit-learn does (``eps``: the machine epsilon of the scores' float dtype, else
+    float64's).
     """
     k = _n_classes(n_classes)
     scores, y = np.asarray(scores), np.asarray(y)
@@ -199,16 +197,7 @@ def reg_combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The :func:`reg_stats` vector of the union of the rows of ``a`` and ``b``: counts and
     error sums add, the targets' means and centred sums of squares merge by Chan et al.'s
     formula (:func:`mpidp.nn.standardize.merge_moments`)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    t = _n_outputs(a, "reg_combine")
-    if b.shape != a.shape:
-        raise ValueError(f"reg_combine: vectors of shapes {a.shape} and {b.shape} (different "
-                         f"numbers of outputs)")
-    out = np.empty_like(a)
-    out[:1 + 2 * t] = a[:1 + 2 * t] + b[:1 + 2 * t]
-    parts = [(int(round(v[0])), v[1 + 2 * t:1 + 3 * t], v[1 + 3 * t:]) for v in (a, b)]
-    _, out[1 + 2 * t:1 + 3 * t], out[1 + 3 * t:] = merge_moments(*parts)
-    return out
+    return reg_combine_all([a, b])
 
 
 def reg_combine_all(parts: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:
@@ -254,12 +243,9 @@ def reg_scores(stats: np.ndarray) -> dict:
 
 
 class ScoreSums:
-    """This rank's evaluation statistics over its batches, for ``n_outputs`` outputs.
-
-    ``add(outputs, y)`` per batch. Classification: :func:`class_stats` vectors that ranks
-    ADD (``additive``: the trainer sums :attr:`vector` over the ranks, with its loss sums, in
-    one ``Allreduce``). Regression: :func:`reg_stats` merged by Chan's formula, not additive
-    (the trainer gathers every rank's :attr:`vector` and merges them with
+    """This rank's evaluation statistics over its batches (``add`` per batch), for
+    ``n_outputs`` outputs: :func:`class_stats` vectors, ``additive`` (ranks sum
+    :attr:`vector`), or :func:`reg_stats` (ranks gather it and merge with
     :func:`reg_combine_all`). :meth:`scores` turns the global vector into the figures.
     """
 

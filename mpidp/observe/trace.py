@@ -1,24 +1,14 @@
 """A timeline per rank, for Perfetto / ``chrome://tracing``: what each rank did, when.
 
-Each rank records spans locally (:class:`Tracer`: a tuple appended to a list, nothing sent
-during training); :func:`write` aligns the ranks' clocks, gathers every rank's spans to
-rank 0 once, at the end, and writes one Chrome trace-event JSON file:
+Each rank records spans locally (:class:`Tracer`, nothing sent during training);
+:func:`write` puts every rank's times on rank 0's clock (:func:`clock_offsets`), gathers
+the spans to rank 0 once, at the end, and writes one Chrome trace-event JSON file: a
+process per rank (``rank r (host)``), a thread per track (``compute``, ``comm``, then
+others by first use; spans on one track nest, never overlap), each span's ``epoch``,
+``step`` and the caller's args, and flow arrows between spans of different ranks that
+share a ``flow`` key (a send and its receive).
 
-- one process per rank, named ``rank r (host)``, sorted by rank;
-- one thread per track (``compute``, ``comm``, then any other track in order of first
-  use), named after the track; spans on one track should not overlap (nested is allowed);
-- every span's args hold its ``epoch`` and ``step`` plus what the caller gave (``bytes``,
-  ``samples``, ``micro_batch``, ``stage`` ...);
-- optional flow arrows between spans of different ranks (a send and its receive), drawn
-  by Perfetto when both ends carry the same ``flow`` key.
-
-Clocks: every rank timestamps with :func:`time.perf_counter`. :func:`write` estimates each
-rank's offset to rank 0 by ping-pong exchanges (see :func:`clock_offsets`) and shifts that
-rank's times onto rank 0's clock, so spans of different ranks (and the arrows between them)
-line up to within the stated uncertainty, also across hosts.
-
-``import mpidp.observe.trace`` does not start MPI: :mod:`mpidp.comm` is imported inside
-:func:`write` and :func:`clock_offsets` only.
+Importing this module does not start MPI (:mod:`mpidp.comm` is imported inside functions).
 """
 
 from __future__ import annotations
@@ -62,16 +52,12 @@ class _Span:
 
 
 class Tracer:
-    """This rank's spans, kept in memory until :func:`write`.
+    """This rank's spans, kept in memory (a tuple of ~200 bytes each) until :func:`write`.
 
-    The process is named ``rank r (host)``. ``enabled=False`` makes every call a cheap no-op
-    (``span`` returns a shared null context). ``steps=(a, b)`` records only while ``a <=
-    tracer.step < b`` (global steps from 0), to keep the file small on long runs.
-
-    Set ``tracer.step`` (global step) and ``tracer.epoch`` as the loop advances; every span
-    records them in its args. Spans recorded before the first step (``step == -1``) are
-    kept only without a window. Memory: one tuple per span (~200 bytes), so bound long runs
-    with ``steps``.
+    ``enabled=False`` makes every call a cheap no-op. ``steps=(a, b)`` records only while
+    ``a <= tracer.step < b`` (global steps from 0): bound long runs so. Set ``tracer.step``
+    and ``tracer.epoch`` as the loop advances; every span records them. Spans before the
+    first step (``step == -1``) are kept only without a window.
     """
 
     def __init__(self, rank: int, host: str, enabled: bool = True,
@@ -81,9 +67,7 @@ class Tracer:
                              "with 0 <= A < B")
         self.rank, self.host, self.enabled = rank, host, enabled
         self.window = None if steps is None else (int(steps[0]), int(steps[1]))
-        self.epoch = 0
-        self.events: list[tuple] = []
-        self._step = -1
+        self.epoch, self.events, self._step = 0, [], -1
         self.first_step: int | None = None  # the run's first and last global steps seen
         self.last_step: int | None = None
         self.on = enabled and self.window is None
@@ -97,8 +81,7 @@ class Tracer:
     def step(self, k: int) -> None:
         self._step = k
         if k >= 0:
-            if self.first_step is None:
-                self.first_step = k
+            self.first_step = k if self.first_step is None else self.first_step
             self.last_step = k
         w = self.window
         self.on = self.enabled and (w is None or w[0] <= k < w[1])
@@ -144,17 +127,14 @@ def clock_offsets(comm, rounds: int = 8) -> tuple[float, float]:
     """``(offset, uncertainty)`` in seconds of this rank's :func:`time.perf_counter` relative
     to rank 0's (``(0, 0)`` on rank 0): rank-0 time = local time - offset. Collective.
 
-    Rank 0 exchanges ``rounds`` round trips with each rank in turn: it sends, rank r stamps
-    its clock ``t_r`` and answers, and rank 0 takes ``t_r`` to have happened halfway
-    between its send ``s`` and receipt ``e``: ``offset = t_r - (s + e) / 2``. The round with
-    the shortest trip wins; its error is at most half that trip (``uncertainty``).
-    Chosen over "every rank leaves a Barrier at the same time": a Barrier releases ranks
-    one message hop apart (more at larger P) and gives no error bound.
+    Rank 0 makes ``rounds`` round trips with each rank: rank r answers with its clock
+    ``t_r``, taken to be halfway between rank 0's send ``s`` and receipt ``e``: ``offset =
+    t_r - (s + e) / 2``, from the shortest trip, whose half bounds the error (unlike a
+    Barrier, which releases ranks a message hop apart and gives no bound).
     """
     from .. import comm as C
-    buf = np.zeros(1, np.float64)
+    buf, res = np.zeros(1, np.float64), np.zeros((comm.size, 2))
     if comm.rank == 0:
-        res = np.zeros((comm.size, 2))
         for r in range(1, comm.size):
             trips = []
             for _ in range(rounds):
@@ -170,7 +150,6 @@ def clock_offsets(comm, rounds: int = 8) -> tuple[float, float]:
             C.recv_(comm, buf, 0, CLOCK_TAG)
             buf[0] = time.perf_counter()
             C.send(comm, buf, 0, CLOCK_TAG)
-        res = np.zeros((comm.size, 2))
     C.bcast_(comm, res, root=0)
     return float(res[comm.rank, 0]), float(res[comm.rank, 1])
 
@@ -189,14 +168,10 @@ def _gather_obj(comm, obj: Any) -> list | None:
 
 
 def write(comm, tracer: Tracer, path: str) -> int | None:
-    """Align clocks, gather every rank's spans and write ``path`` (Chrome trace-event JSON)
-    on rank 0. Collective: every rank of ``comm`` must call this (a disabled tracer
-    contributes nothing). Returns the number of spans written on rank 0, None elsewhere.
-
-    The file is written to a temporary name and moved into place (never half-written: a
-    failure removes the temporary file and raises :class:`mpidp.atomic.WriteError` naming
-    ``path``); its ``otherData.clock_sync`` records each rank's offset and uncertainty.
-    """
+    """Align clocks, gather every rank's spans and write ``path`` on rank 0, atomically (a
+    failure raises :class:`mpidp.atomic.WriteError` naming ``path``); its
+    ``otherData.clock_sync`` records each rank's offset and uncertainty. Collective.
+    Returns the number of spans written on rank 0, None elsewhere."""
     offset, err = clock_offsets(comm)
     mine = {"rank": comm.rank, "host": tracer.host, "offset": offset, "uncertainty": err,
             "events": tracer.events}
@@ -223,18 +198,18 @@ def _track_ids(parts: Sequence[dict]) -> dict[str, int]:
 
 
 def _metadata(parts: Sequence[dict], tids: dict[str, int]) -> list[dict]:
+    def meta(what: str, pid: int, tid: int, name: str, index: int) -> list[dict]:
+        return [{"ph": "M", "name": f"{what}_name", "pid": pid, "tid": tid,
+                 "args": {"name": name}},
+                {"ph": "M", "name": f"{what}_sort_index", "pid": pid, "tid": tid,
+                 "args": {"sort_index": index}}]
+
     out = []
     for p in parts:
         pid = p["rank"]
-        out += [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-                 "args": {"name": f"rank {pid} ({p['host']})"}},
-                {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
-                 "args": {"sort_index": pid}}]
+        out += meta("process", pid, 0, f"rank {pid} ({p['host']})", pid)
         for track in sorted({ev[2] for ev in p["events"]}, key=tids.get):
-            out += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tids[track],
-                     "args": {"name": track}},
-                    {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tids[track],
-                     "args": {"sort_index": tids[track]}}]
+            out += meta("thread", pid, tids[track], track, tids[track])
     return out
 
 
@@ -248,10 +223,9 @@ def build(parts: Sequence[dict], window: tuple[int, int] | None = None) -> dict:
     events, flows, fid = _metadata(parts, tids), {}, {}
     for p in parts:
         for name, cat, track, t0, t1, step, epoch, flow, args in p["events"]:
-            ts = (t0 - p["offset"] - origin) * 1e6
-            dur = max(t1 - t0, 0.0) * 1e6
             ev = {"name": name, "cat": cat, "ph": "X", "pid": p["rank"], "tid": tids[track],
-                  "ts": round(ts, 3), "dur": round(dur, 3),
+                  "ts": round((t0 - p["offset"] - origin) * 1e6, 3),
+                  "dur": round(max(t1 - t0, 0.0) * 1e6, 3),
                   "args": {"epoch": epoch, "step": step, **(args or {})}}
             events.append(ev)
             if flow is not None:

@@ -5,10 +5,8 @@ A checkpoint is an ``.npz`` holding ``params``, the optimizer's flat state array
 (``opt.<name>``), a JSON ``meta`` (epoch, step, optimizer step count, the epoch's running
 totals, history, configuration, run id) and a BLAKE2 ``checksum`` over all of them.
 
-A checkpoint folder belongs to one run at a time (:func:`claim`, on the root rank, before
-anything is read or written there): a fresh run into a folder that holds another run's
-checkpoints is refused, two jobs cannot share a folder, and a checkpoint is only ever replaced
-by a newer one (:func:`save`). Each checkpoint records the run's settings and
+A checkpoint folder belongs to one run at a time (:func:`claim`); a checkpoint is only
+ever replaced by a newer one (:func:`save`). Each records the run's settings and
 :func:`data_fingerprint`, which a resume must agree with (:mod:`mpidp.cli.settings`).
 """
 
@@ -30,7 +28,7 @@ import numpy as np
 
 from .. import comm as C
 from ..atomic import write_atomic
-from ..data.fingerprint import metadata_fingerprint as data_fingerprint
+from ..data.fingerprint import metadata_fingerprint as data_fingerprint  # noqa: F401
 from ..errors import is_whole, setting
 from ..nn import Optimizer, Sequential
 from .folders import RUN_FILE, Claim, clean_stale_tmp, lock_folder, read_run, unlock_folder
@@ -39,10 +37,6 @@ from .folders import write_run
 PATTERN = "ckpt-{:010d}.npz"
 DAMAGED_PREFIX = "damaged-"
 VERSION = 1
-
-__all__ = ["Claim", "DAMAGED_PREFIX", "PATTERN", "State", "check_fits", "check_position",
-           "claim", "contents_problem", "data_fingerprint", "list_checkpoints", "newest_step",
-           "read", "read_latest", "restore", "save", "save_flat", "state_of", "write_atomic"]
 
 
 def _digest(meta: str, arrays: dict[str, np.ndarray]) -> str:
@@ -161,17 +155,13 @@ def save_flat(directory: str, params: np.ndarray, optimizer: Optimizer, state: S
               layer_state: np.ndarray | None = None) -> str:
     """:func:`save` from the whole model's flat ``params`` (and ``layer_state``: batch
     norm's running statistics) and an ``optimizer`` holding the whole model's state arrays
-    (as a pipeline gathers them from its stages: a copy of a stage's optimizer with the
-    gathered state gives the type, step count and state). The file is the same whoever
-    wrote it, so any layout may resume it.
+    (as a pipeline gathers them from its stages). The file is the same whoever wrote it, so
+    any layout may resume it.
 
-    Raises ValueError, writing nothing, if ``state`` is behind the newest checkpoint in
-    ``directory`` (a checkpoint is never replaced by an older one): its ``global_step`` is
-    smaller, or equal with an earlier ``(epoch, step)`` position. The same step at the same
-    or a later position may be rewritten: the end-of-training checkpoint ``(epochs, 0)``
-    after a periodic one ``(epochs - 1, steps_per_epoch)`` of the same step adds the last
-    epoch's record. Also refused: ``run_id`` given and ``directory``'s ``run.json`` naming
-    another run.
+    Raises ValueError, writing nothing, if ``state`` is behind the newest checkpoint: its
+    ``global_step`` is smaller, or equal at an earlier ``(epoch, step)`` (the end-of-training
+    checkpoint ``(epochs, 0)`` may rewrite a periodic one of its step, adding the last
+    epoch's record); or if ``run_id`` is given and the folder's ``run.json`` names another.
     """
     model_arrays = {"params": params, **({} if layer_state is None else {"state": layer_state})}
     os.makedirs(directory, exist_ok=True)
@@ -225,11 +215,8 @@ def _check_not_behind(directory: str, state: State) -> None:
 
 def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     """``(meta, arrays)`` of a checkpoint, after verifying its checksum and its contents
-    (:func:`contents_problem`: a checksum recomputed over edited contents still holds).
-
-    Raises ValueError naming the file if it is truncated, corrupted, not a checkpoint, or
-    inconsistent.
-    """
+    (:func:`contents_problem`). Raises ValueError naming the file if it is truncated,
+    corrupted, not a checkpoint, or inconsistent."""
     try:
         with np.load(path, allow_pickle=False) as z:
             meta, checksum = str(z["meta"]), str(z["checksum"])
@@ -253,11 +240,8 @@ def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
 
 def contents_problem(meta, arrays: dict[str, np.ndarray]) -> str | None:
     """What makes checkpoint contents ``(meta, arrays)`` unusable although their checksum
-    holds (a hand-edited file with a recomputed checksum), in words; None if they are a
-    checkpoint :func:`restore` can load: counters that are integers >= 0, running totals of
-    three numbers, and the arrays the meta records, of the recorded shapes (``params``
-    ``(n_params,)``, layer ``state`` ``(n_state,)``, each optimizer state array one value
-    per parameter)."""
+    holds (a hand-edited file with a recomputed checksum), in words; None if :func:`restore`
+    can load them (counters, totals, and the arrays the meta records, of its shapes)."""
     if not isinstance(meta, dict):
         return "its meta is not a JSON object"
     for key, what in (("epoch", "epoch"), ("step", "step"), ("global_step", "global step"),
@@ -309,12 +293,9 @@ def _arrays_problem(meta: dict, arrays: dict[str, np.ndarray]) -> str | None:
 def read_latest(directory: str, *, set_aside: bool = True
                 ) -> tuple[str, dict, dict[str, np.ndarray]] | None:
     """The newest checkpoint in ``directory`` that verifies; falls back to older ones and
-    says so on stderr. None if there is none; ValueError if every one is damaged.
-
-    With ``set_aside``, damaged checkpoints newer than the one returned are renamed
-    ``damaged-ckpt-*.npz`` (kept for inspection, no longer "the newest"), so the resumed
-    run may write those steps again.
-    """
+    says so on stderr. None if there is none; ValueError if every one is damaged. With
+    ``set_aside``, damaged ones newer than the one returned are renamed
+    ``damaged-ckpt-*.npz``, so the resumed run may write those steps again."""
     files = list_checkpoints(directory)
     problems, damaged = [], []
     for path in reversed(files):
@@ -342,12 +323,9 @@ def read_latest(directory: str, *, set_aside: bool = True
 
 def restore(comm: C.Comm, directory: str, model: Sequential, optimizer: Optimizer,
             root: int = 0) -> tuple[str, State] | None:
-    """Load the newest good checkpoint on ``root`` and give every rank its contents.
-
-    Collective: ``root`` reads and checks the file; parameters and optimizer state reach the
-    other ranks by ``Bcast`` (no shared filesystem needed). Returns ``(path, state)``, or
-    None when ``directory`` holds no checkpoint. Any rank count may resume any checkpoint.
-    """
+    """Load the newest good checkpoint on ``root`` and ``Bcast`` its contents to every rank
+    (no shared filesystem needed; any rank count may resume any checkpoint). Collective.
+    Returns ``(path, state)``, or None when ``directory`` holds no checkpoint."""
     held: dict = {}
 
     def load_on_root():
@@ -425,10 +403,8 @@ def _state_needed(optimizer: Optimizer, dtype) -> set[str] | None:
 def check_position(state: State, steps_per_epoch: int, path: str | None = None
                    ) -> str | None:
     """Why a run whose epochs have ``steps_per_epoch`` steps cannot resume at ``state``'s
-    position (its step lies past the end of its epoch: nothing would be trained there),
-    or None. ``state.step == steps_per_epoch`` is fine: a periodic checkpoint after an
-    epoch's last step holds it. ``path`` names the checkpoint (default: ``state.source``).
-    Pure: give every rank the same figures."""
+    position (its step lies past the end of its epoch), or None. ``path`` names the
+    checkpoint (default: ``state.source``). Pure: give every rank the same figures."""
     if state.step <= steps_per_epoch:
         return None
     path = path or state.source or "the checkpoint"

@@ -1,6 +1,5 @@
-"""The one epoch loop, for every trainer: data parallel (each gradient-exchange strategy),
-pipelines and hybrids, and the asynchronous server's workers. Every guarantee is written
-here once:
+"""The one epoch loop, for every trainer (data parallel, pipelines, hybrids, the
+asynchronous server's workers). Every guarantee is written here once:
 
 per step: fault injection (``MPIDP_FAULT``) -> ``trainer.step`` (which applies the NaN
 policy before its update) -> the step mark the watchdog reports -> the replica check every
@@ -38,15 +37,10 @@ __all__ = ["Checkpointing", "Feed", "RunSpec", "Trainer", "run"]
 
 class Trainer(Protocol):
     """What the loop needs of a trainer (:class:`~mpidp.DataParallel`,
-    :class:`~mpidp.parallel.Pipeline`).
-
-    Optional, used when the trainer has them: ``timer`` (a
-    :class:`~mpidp.observe.metrics.StepTimer`, whose ``tracer`` gets the loop's checkpoint
-    and evaluation spans); ``policy`` (the :class:`~mpidp.run.nonfinite.Policy` whose
-    ``skipped`` count each epoch's record reports and ``spec.max_skipped`` bounds);
-    ``optimizer`` (each epoch's record has its ``lr_at`` the epoch's last update;
-    ``spec.plateau`` needs one, and sets its ``lr_scale``).
-    """
+    :class:`~mpidp.parallel.Pipeline`). Optional: ``timer`` (whose ``tracer`` gets the
+    loop's checkpoint and evaluation spans); ``policy`` (the NaN/Inf policy, whose
+    ``skipped`` count the records report); ``optimizer`` (each record has its ``lr_at`` the
+    epoch's last update; ``spec.plateau`` sets its ``lr_scale``)."""
 
     world: C.Comm
     global_step: int
@@ -69,8 +63,8 @@ class Trainer(Protocol):
 
 
 class Feed(Protocol):
-    """Where a trainer's batches come from, epoch by epoch (each trainer has its own, in
-    its module), and what else the loop must know of them."""
+    """Where a trainer's batches come from, epoch by epoch, and what else the loop must
+    know of them."""
 
     n_steps: int
     labelled: bool  # accuracy means something (classification, or integer targets)
@@ -92,16 +86,11 @@ def run(trainer: Trainer, feed: Feed, spec: RunSpec) -> list[dict]:
     and, when measured, ``balance``, ``test_loss``, ``test_accuracy``; an epoch cut short
     by a callback's stop also has ``stopped_at``, the global step), the same on every rank.
 
-    ``spec.on_step(step, stats)`` gets the global step just done (1 for the first) and its
-    :class:`StepStats`; ``spec.on_epoch(record)`` the epoch's record. A callback that
-    returns a true value asks to stop, on its rank alone if need be: ``on_step``'s request
-    rides in the next step's own collective and every rank ends after that same step;
-    ``on_epoch``'s is agreed by one small ``Allreduce`` at the epoch's end (only when
-    ``on_epoch`` is given). Either way the run ends normally, with a checkpoint where
-    checkpoints are on, instead of raising :class:`Preempted` as a stop signal does.
-
-    ``spec.watchdog`` is used when it is a :class:`mpidp.comm.Watchdog`; ``fit`` and the
-    other entry points make one for ``"auto"`` or a timeout (:func:`watched_run`)."""
+    A callback's stop request (see :class:`RunSpec`) rides in the next step's collective
+    (``on_step``) or one small ``Allreduce`` at the epoch's end (``on_epoch``); the run
+    then ends normally, with a checkpoint where checkpoints are on, instead of raising
+    :class:`Preempted` as a stop signal does. ``spec.watchdog`` is used when it is a
+    :class:`mpidp.comm.Watchdog` (:func:`watched_run` makes one)."""
     job = _Run(trainer, feed, spec)
     try:
         job.epochs()
@@ -112,10 +101,8 @@ def run(trainer: Trainer, feed: Feed, spec: RunSpec) -> list[dict]:
 
 @contextmanager
 def watched_run(spec: RunSpec, comm: C.Comm, own: C.Watchdog | None = None):
-    """``spec`` with its watchdog made real for one run over ``comm``: ``"auto"`` (the
-    default) is the command line's default, a timeout of ``max(600 s, 50 median steps)``; a
-    number of seconds, a fixed timeout; ``0``/``False``/None, none; a :class:`Watchdog`, that
-    one. ``own``: the trainer's (``DataParallel(watchdog=...)``), which then serves.
+    """``spec`` with its watchdog (see :class:`RunSpec`) made real for one run over
+    ``comm``; ``own``: the trainer's (``DataParallel(watchdog=...)``), which then serves.
     Collective (making a watchdog duplicates ``comm``); one made here is closed at the end."""
     dog, made = spec.watchdog, False
     if isinstance(dog, str) and own is not None:
@@ -161,6 +148,7 @@ class _Run:
         spec, state = self.spec, self.state
         if isinstance(spec.watchdog, C.Watchdog):
             spec.watchdog.start()
+        done = spec.epochs
         for epoch in range(state.epoch, spec.epochs):
             t0 = time.perf_counter()
             first = state.step if epoch == state.epoch else 0
@@ -171,11 +159,10 @@ class _Run:
                 self.end_epoch(epoch, totals, t0, stopped_at=self.trainer.global_step)
                 return
             if self.end_epoch(epoch, totals, t0):
-                if spec.checkpoint:
-                    self.save(State(epoch + 1, 0, self.trainer.global_step, [0.0, 0.0, 0.0]))
-                return
+                done = epoch + 1
+                break
         if spec.checkpoint:
-            self.save(State(spec.epochs, 0, self.trainer.global_step, [0.0, 0.0, 0.0]))
+            self.save(State(done, 0, self.trainer.global_step))
 
     def steps(self, epoch: int, first: int, totals: np.ndarray) -> None:
         """The epoch's steps from ``first`` on, their figures added to ``totals``."""
@@ -192,9 +179,8 @@ class _Run:
 
     def end_epoch(self, epoch: int, totals: np.ndarray, t0: float, **extra) -> bool:
         """Record the epoch, let early stopping and the plateau rule judge it, and call
-        ``on_epoch``; True when training ends here: early stopping decides so (from global
-        figures, the same on every rank), or some rank's ``on_epoch`` asks (agreed:
-        collective when ``on_epoch`` is given)."""
+        ``on_epoch``; True when training ends here (early stopping, or some rank's
+        ``on_epoch`` asks: agreed, collective when ``on_epoch`` is given)."""
         record = _record(self.trainer, self.feed, epoch, totals, t0, self.tracer)
         skipped = _skipped(self.trainer)
         if skipped is not None:
@@ -209,8 +195,7 @@ class _Run:
 
     def check_skipped(self, skipped: int | None) -> None:
         """Fail on every rank (the counts are global) when the NaN/Inf policy skipped more
-        than ``spec.max_skipped`` of this run's steps: a run that learns nothing must not
-        end as if it had."""
+        than ``spec.max_skipped`` of this run's steps."""
         steps = self.trainer.global_step - self.first_step
         if skipped and steps and skipped > self.spec.max_skipped * steps:
             raise NonFiniteError(

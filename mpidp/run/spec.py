@@ -49,40 +49,32 @@ class RunSpec:
     """One run: how long, in which batches, and what watches over it.
 
     ``epochs`` passes over the training set in GLOBAL batches of ``batch_size`` samples
-    (summed over all ranks), visited in :func:`mpidp.data.partition.epoch_order` order
-    (``seed``, ``shuffle``), the last smaller batch dropped with ``drop_last``.
-    ``partition`` (data parallel only): a :class:`mpidp.Partition` deciding which rank owns
-    which samples, or a :class:`mpidp.Plan` (whose batch size, seed, shuffle and
-    drop_last must be the spec's: a Plan that batches otherwise is refused).
-    ``check_every``: compare replicas every this many steps (0: never during training).
-    ``checkpoint``/``resume``: where to save, and the
-    :class:`~mpidp.run.checkpoint.State` to continue from. ``progress``: rank 0 shows the
-    epoch's steps: ``"bar"`` (live), ``"lines"`` (a line every few seconds), ``"auto"`` (a
-    bar when someone watches the launcher's terminal, else lines) or ``"none"``; True is
-    ``"auto"``, False ``"none"``.
+    (summed over all ranks), in :func:`mpidp.data.partition.epoch_order` (``seed``,
+    ``shuffle``), the last smaller batch dropped with ``drop_last``. ``partition`` (data
+    parallel only): a :class:`mpidp.Partition`, or a :class:`mpidp.Plan` batching as the
+    spec does. ``check_every``: compare replicas every this many steps (0: never).
+    ``checkpoint``/``resume``: where to save, and the :class:`~mpidp.run.checkpoint.State`
+    to continue from. ``progress`` (rank 0): ``"bar"``, ``"lines"`` (a line every few
+    seconds), ``"auto"`` (a bar when someone watches the launcher's terminal, else lines)
+    or ``"none"``; True is ``"auto"``, False ``"none"``.
     ``stop`` (:class:`mpidp.run.signals.StopSignals`): stop cleanly on SIGTERM/SIGUSR1
-    (checkpoint, then :class:`~mpidp.run.signals.Preempted`); ``watchdog``: end the job,
-    naming the stalled rank, when a rank makes no progress for a timeout: ``"auto"`` (the
-    default, as on the command line: ``max(600 s, 50 median steps)``), a timeout in
-    seconds, ``0``/``False`` (off; None means "not given" to ``fit``'s keywords), or a
-    :class:`mpidp.comm.Watchdog` of your own.
+    (checkpoint, then :class:`~mpidp.run.signals.Preempted`). ``watchdog``: end the job,
+    naming the stalled rank, when a rank makes no progress for a timeout: ``"auto"``
+    (:data:`AUTO`), seconds, ``0``/``False`` (off; None means "not given" to ``fit``'s
+    keywords), or a :class:`mpidp.comm.Watchdog` of your own.
 
-    Callbacks, called on every rank: ``on_step(step, stats)`` after each step, with the
-    global step just done (1 for the first, counting on after a resume) and its
-    :class:`~mpidp.run.stats.StepStats` (global figures); ``on_epoch(record)`` after each
-    epoch, with its history record. A callback that returns a true value asks to stop
-    (on one rank is enough): every rank ends together, after the next step for
-    ``on_step``, at once for ``on_epoch`` (see :func:`mpidp.run.loop.run`).
+    Callbacks, on every rank: ``on_step(step, stats)`` after each step (the global step
+    just done, 1 for the first, and its :class:`~mpidp.run.stats.StepStats`);
+    ``on_epoch(record)`` after each epoch. A true return value on any rank stops every
+    rank together: after the next step for ``on_step``, at once for ``on_epoch``.
 
-    ``early_stopping`` (:class:`mpidp.run.early_stopping.EarlyStopping`): end training when
-    the epoch's ``monitor`` figure (a key of its history record, default ``"val_loss"``:
-    the loss on the sets given as ``test={"val": ...}``) has not improved for its patience;
-    ``plateau`` (:class:`~mpidp.run.early_stopping.ReduceOnPlateau`): scale the optimizer's
-    learning rate by what it decides from the same figure. Both decide from global figures,
-    the same on every rank (no rank stops alone), and replay the history on a resume.
-    ``max_skipped``: fail (:class:`~mpidp.run.nonfinite.NonFiniteError` on every rank) when
-    more than this share of the run's steps so far had their update skipped by the NaN/Inf
-    policy (``on_nonfinite="skip"``); each epoch's record has its ``skipped`` count.
+    ``early_stopping`` (:class:`mpidp.run.early_stopping.EarlyStopping`) ends training when
+    the epoch's ``monitor`` figure (a key of its record, default ``"val_loss"``: the loss on
+    ``test={"val": ...}``) has not improved for its patience; ``plateau``
+    (:class:`~mpidp.run.early_stopping.ReduceOnPlateau`) scales the learning rate from the
+    same figure. Both decide from global figures and replay the history on a resume.
+    ``max_skipped``: fail (:class:`~mpidp.run.nonfinite.NonFiniteError`) when more than
+    this share of the run's steps had their update skipped by the NaN/Inf policy.
     """
 
     epochs: int
@@ -105,9 +97,8 @@ class RunSpec:
     max_skipped: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "seed", "check_every"):
+        for name, low in (("epochs", 1), ("batch_size", 1), ("seed", 0), ("check_every", 0)):
             value = getattr(self, name)
-            low = 0 if name in ("seed", "check_every") else 1
             if not is_whole(value, low):
                 raise MpidpError(f"{name} must be an integer >= {low}, got {value!r}")
             setattr(self, name, int(value))  # e.g. a NumPy integer
@@ -139,8 +130,7 @@ class RunSpec:
         out["checkpoint"] = None if self.checkpoint is None else (
             self.checkpoint.directory, self.checkpoint.every)
         out["resume"] = None if self.resume is None else (self.resume.epoch, self.resume.step)
-        out["early_stopping"] = repr(self.early_stopping)
-        out["plateau"] = repr(self.plateau)
+        out["early_stopping"], out["plateau"] = repr(self.early_stopping), repr(self.plateau)
         for k in ("on_step", "on_epoch", "stop"):
             out[k] = "given" if getattr(self, k) is not None else "not given"
         dog = self.watchdog
