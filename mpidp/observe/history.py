@@ -1,15 +1,14 @@
 """Live metrics of a run: ``history.jsonl`` (one JSON object per line, flushed as written)
 and, optionally, TensorBoard scalars. Written on the root rank only; no MPI here.
 
-A job that fails or is killed keeps every line up to its last one: each line is written
-whole and flushed to the operating system at once (an epoch line is also fsync'ed, so it
-survives a machine crash). ``metrics.json`` and ``model.npz`` stay success-only; this file
-is what ``mpidp plot`` reads when they are missing.
+A job that fails or is killed keeps every line up to its last one (each is written whole
+and flushed at once; an epoch line is also fsync'ed): ``mpidp plot`` reads this file when
+the success-only ``metrics.json`` is missing.
 
-Line format: ``{"kind": "config" | "epoch" | "steps", ...the record...}``. Records are flat dicts of
-numbers and strings; per-rank figures are lists indexed by rank (e.g. ``"compute_s": [..]``
-with ``"comm_s"`` and ``"wait_s"``), from which :func:`derived` adds the communication
-share and the load imbalance. Non-finite floats are written as ``null`` (strict JSON).
+Line format: ``{"kind": "config" | "epoch" | "steps", ...the record...}``: flat dicts of
+numbers and strings; per-rank figures are lists indexed by rank (``compute_s``,
+``comm_s``, ``wait_s``), from which :func:`derived` adds the communication share and the
+load imbalance. Non-finite floats are written as ``null`` (strict JSON).
 """
 
 from __future__ import annotations
@@ -64,19 +63,16 @@ class History:
 
     ``path_jsonl`` (its folder is created) is truncated unless ``append`` (a resumed run
     continues its file). ``tensorboard_dir``: folder for TensorBoard event files, or None
-    (``ValueError`` naming the fix when tensorboardX is not installed). ``fsync_epochs``:
-    fsync after each epoch line (steps lines are only flushed). ``what``: the setting that
-    named the file's place (``"out"``), for the fix in errors.
-
-    Files are created with the process umask (``open`` mode 0o666 & ~umask). A write that
-    fails (a full disk) raises :class:`mpidp.atomic.WriteError` naming ``path_jsonl``.
+    (``ValueError`` naming the fix when tensorboardX is not installed). Config and epoch
+    lines are fsync'ed, steps lines only flushed. ``what``: the setting that
+    named the file's place (``"out"``), for the fix in errors. A write that fails (a full
+    disk) raises :class:`mpidp.atomic.WriteError` naming ``path_jsonl``.
     """
 
     def __init__(self, path_jsonl: str, tensorboard_dir: str | None = None,
-                 append: bool = False, fsync_epochs: bool = True,
-                 what: str | None = None) -> None:
-        self.writer = None
-        self.path, self.fsync_epochs, self.what, self._failed = path_jsonl, fsync_epochs, what, False
+                 append: bool = False, what: str | None = None) -> None:
+        self.path, self.what = path_jsonl, what
+        self.writer, self._failed = None, False
         if tensorboard_dir is not None:
             try:
                 from tensorboardX import SummaryWriter
@@ -109,12 +105,12 @@ class History:
     def config(self, config: dict) -> None:
         """Write the run's configuration (first, once): ``mpidp plot`` labels a killed run
         from it. Keys as in ``metrics.json``'s ``config`` (``sync``, ``world_size`` ...)."""
-        self._write("config", config, self.fsync_epochs)
+        self._write("config", config, True)
 
     def epoch(self, record: dict) -> None:
         """Append one finished epoch (must hold ``epoch``; usually ``loss``, ``accuracy``,
         ``seconds``, ``elapsed_s``, ``samples_per_s``, test figures, per-rank lists)."""
-        rec = self._write("epoch", record, self.fsync_epochs)
+        rec = self._write("epoch", record, True)
         self._scalars("epoch", rec, int(rec.get("epoch", 0)))
 
     def steps(self, record: dict) -> None:
@@ -129,8 +125,8 @@ class History:
             return
         for key, v in rec.items():
             if key in ("kind", "epoch", "step"):
-                continue
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                pass
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
                 self.writer.add_scalar(f"{prefix}/{key}", v, x)
             elif isinstance(v, list) and all(isinstance(y, (int, float)) for y in v):
                 for r, y in enumerate(v):

@@ -20,7 +20,9 @@ import json
 import os
 import re
 import sys
+import uuid
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +33,7 @@ from ..atomic import write_atomic
 from ..data.fingerprint import metadata_fingerprint as data_fingerprint  # noqa: F401
 from ..errors import is_whole, setting
 from ..nn import Optimizer, Sequential
-from .folders import RUN_FILE, Claim, clean_stale_tmp, lock_folder, read_run, unlock_folder
-from .folders import write_run
+from . import folders as F
 
 PATTERN = "ckpt-{:010d}.npz"
 DAMAGED_PREFIX = "damaged-"
@@ -64,9 +65,9 @@ class State:
 
 # --- the folder ------------------------------------------------------------------------
 
-def claim(directory: str, run_id: str, *, resume: bool, restart: bool = False) -> Claim:
+def claim(directory: str, run_id: str, *, resume: bool, restart: bool = False) -> F.Claim:
     """Take checkpoint folder ``directory`` for run ``run_id`` (not collective: on the root
-    rank, before anything is read or written there); :meth:`~Claim.release` the returned
+    rank, before anything is read or written there); release the returned
     :class:`~mpidp.run.folders.Claim` at the end of the run.
 
     The folder is created and locked (another live job holding it is refused), stale
@@ -81,14 +82,14 @@ def claim(directory: str, run_id: str, *, resume: bool, restart: bool = False) -
                          f"{setting('restart')} deletes it: give one of them")
     try:
         os.makedirs(directory, exist_ok=True)
-        fd = lock_folder(directory)
+        fd = F.lock_folder(directory)
     except OSError as exc:
         raise ValueError(f"{setting('checkpoint_dir')} {directory}: cannot use it as a "
                          f"checkpoint folder ({exc})") from exc
     try:
-        held = Claim(directory, run_id, _fd=fd)
-        held.cleaned = clean_stale_tmp(directory, max_age_s=60.0)
-        owner, found = read_run(directory), list_checkpoints(directory)
+        held = F.Claim(directory, run_id, _fd=fd)
+        held.cleaned = F.clean_stale_tmp(directory, max_age_s=60.0)
+        owner, found = F.read_run(directory), list_checkpoints(directory)
         if restart:
             held.wiped = _wipe(directory)
             owner = None
@@ -98,11 +99,36 @@ def claim(directory: str, run_id: str, *, resume: bool, restart: bool = False) -
             held.run_id, held.continued = owner["run_id"], True
         else:
             held.continued = bool(resume and found)
-            write_run(directory, run_id)
+            F.write_run(directory, run_id)
     except BaseException:
-        unlock_folder(fd)
+        F.unlock_folder(fd)
         raise
     return held
+
+
+@contextlib.contextmanager
+def claimed(comm: C.Comm, out: str, checkpoint_dir: str | None, *, resume: bool,
+            restart: bool) -> Iterator[str | None]:
+    """Hold a run's folders: ``out`` (rank 0 locks its path, so two jobs on a host never
+    write one) and ``checkpoint_dir`` (:func:`claim`). Yields the run id (None without
+    checkpoints). Collective."""
+    held: dict = {}
+
+    def take() -> str | None:
+        held["out"] = F.hold_folder(out, "out")
+        if checkpoint_dir:
+            held["claim"] = claim(checkpoint_dir, uuid.uuid4().hex, resume=resume,
+                                  restart=restart)
+            return held["claim"].run_id
+        return None
+
+    try:
+        yield C.root_decides(comm, take)
+    finally:
+        if "claim" in held:
+            held["claim"].release()
+        if held.get("out") is not None:
+            os.close(held["out"])
 
 
 def _used_message(directory: str, owner: dict | None, found: list[str]) -> str:
@@ -121,7 +147,7 @@ def _wipe(directory: str) -> list[str]:
     """Delete the checkpoints (good or set aside) and ``run.json`` in ``directory``."""
     removed = []
     paths = list_checkpoints(directory) + glob.glob(os.path.join(directory, DAMAGED_PREFIX + "ckpt-*"))
-    for path in paths + [os.path.join(directory, RUN_FILE)]:
+    for path in paths + [os.path.join(directory, F.RUN_FILE)]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             removed.append(path)
@@ -167,7 +193,7 @@ def save_flat(directory: str, params: np.ndarray, optimizer: Optimizer, state: S
     os.makedirs(directory, exist_ok=True)
     _check_not_behind(directory, state)
     if run_id is not None:
-        owner = read_run(directory) or {}
+        owner = F.read_run(directory) or {}
         if owner.get("run_id") != run_id:
             raise ValueError(f"checkpoint folder {directory} belongs to run "
                              f"{owner.get('run_id')}, not to this run ({run_id}): another job "
@@ -290,15 +316,13 @@ def _arrays_problem(meta: dict, arrays: dict[str, np.ndarray]) -> str | None:
     return None
 
 
-def read_latest(directory: str, *, set_aside: bool = True
-                ) -> tuple[str, dict, dict[str, np.ndarray]] | None:
+def read_latest(directory: str) -> tuple[str, dict, dict[str, np.ndarray]] | None:
     """The newest checkpoint in ``directory`` that verifies; falls back to older ones and
-    says so on stderr. None if there is none; ValueError if every one is damaged. With
-    ``set_aside``, damaged ones newer than the one returned are renamed
-    ``damaged-ckpt-*.npz``, so the resumed run may write those steps again."""
-    files = list_checkpoints(directory)
+    says so on stderr. None if there is none; ValueError if every one is damaged. Damaged
+    ones newer than the one returned are renamed ``damaged-ckpt-*.npz``, so the resumed run
+    may write those steps again."""
     problems, damaged = [], []
-    for path in reversed(files):
+    for path in reversed(list_checkpoints(directory)):
         try:
             meta, arrays = read(path)
         except ValueError as exc:
@@ -309,7 +333,7 @@ def read_latest(directory: str, *, set_aside: bool = True
         if problems:
             print(f"[mpidp] resuming from the previous good checkpoint {path}", file=sys.stderr,
                   flush=True)
-        for bad in damaged if set_aside else []:
+        for bad in damaged:
             aside = os.path.join(directory, DAMAGED_PREFIX + os.path.basename(bad))
             os.replace(bad, aside)
             print(f"[mpidp] set the damaged {bad} aside as {aside}", file=sys.stderr, flush=True)

@@ -1,10 +1,8 @@
 """Early stopping and learning-rate reduction on a plateau: pure state machines.
 
 Each is fed ONE global figure per epoch (a validation loss, an accuracy), the same on
-every rank (already reduced over the ranks): then every rank takes the same decision and
-no collective is needed here. Their counters go into a checkpoint as a JSON-able dict
-(:meth:`state`) and come back with :meth:`restore`, so a resumed run decides as the
-uninterrupted one would.
+every rank: every rank takes the same decision, no collective needed. Their counters
+(:meth:`state`, :meth:`restore`) let a resumed run decide as the uninterrupted one would.
 
 A value *improves* on the best so far when it beats it by MORE than ``min_delta``
 (``value < best - min_delta`` in mode ``"min"``, ``value > best + min_delta`` in mode
@@ -47,12 +45,10 @@ class _Plateau:
         if mode not in _MODES:
             raise ValueError(f"mode must be 'min' (a loss) or 'max' (an accuracy), got {mode!r}")
         self.mode = mode
-        #: best value seen (None before the first finite one), the epoch it came in
+        #: best value seen (None before the first finite one), the epoch (0-based) it came in
         self.best: float | None = None
         self.best_epoch: int | None = None
-        #: epochs in a row without improvement, epochs seen
-        self.bad_epochs = 0
-        self.epochs = 0
+        self.bad_epochs, self.epochs = 0, 0  # epochs in a row without improvement, seen
 
     def improves(self, value: float) -> bool:
         """Whether ``value`` would improve on the best so far (does not change the state)."""
@@ -61,9 +57,8 @@ class _Plateau:
             return False
         if self.best is None:
             return True
-        if self.mode == "min":
-            return value < self.best - self.min_delta
-        return value > self.best + self.min_delta
+        return (value < self.best - self.min_delta if self.mode == "min"
+                else value > self.best + self.min_delta)
 
     def _see(self, value: float) -> bool:
         better = self.improves(value)
@@ -94,12 +89,8 @@ class EarlyStopping(_Plateau):
     """Stop when the monitored figure has not improved for ``patience`` epochs in a row.
 
     ``update(value)`` once per epoch returns True when the run should stop:
-    ``bad_epochs >= patience`` (``patience=0``: at the first bad epoch). Fed on after
-    that it keeps counting (and says False again after an improvement). ``min_delta`` and
-    ``mode`` (``"min"``: a loss, ``"max"``: an accuracy) are as the module says.
-
-    ``best`` and ``best_epoch`` (0-based count of updates) are None before the first finite
-    value; ``bad_epochs`` counts epochs in a row without improvement, ``epochs`` updates.
+    ``bad_epochs >= patience`` (``patience=0``: at the first bad epoch); fed on, it keeps
+    counting (False again after an improvement). ``mode``: ``"min"`` (a loss) or ``"max"``.
     """
 
     def update(self, value: float) -> bool:
@@ -120,10 +111,9 @@ class ReduceOnPlateau(_Plateau):
     learning rate from the next epoch on (1.0 at first). On the ``patience``-th bad epoch
     in a row (``patience=0``: every bad epoch) ``scale`` becomes ``max(scale * factor,
     min_scale)``, the bad-epoch count restarts at 0, and for the next ``cooldown`` epochs
-    bad epochs are not counted. Note: PyTorch's ``ReduceLROnPlateau`` reduces one epoch
-    later (after ``patience + 1`` bad epochs); Keras's as here. ``factor`` is in (0, 1),
-    ``min_scale`` in [0, 1]; ``reductions`` counts the reductions; the other attributes are
-    as :class:`EarlyStopping`'s.
+    bad epochs are not counted (PyTorch's ``ReduceLROnPlateau`` reduces one epoch later;
+    Keras's as here). ``factor`` is in (0, 1), ``min_scale`` in [0, 1]; ``reductions``
+    counts the reductions.
     """
 
     _KEYS = _Plateau._KEYS + ("scale", "reductions", "cooldown_left")
