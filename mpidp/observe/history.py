@@ -1,15 +1,12 @@
-"""Live metrics of a run: ``history.jsonl`` (one JSON object per line, flushed as written)
-and, optionally, TensorBoard scalars. Written on the root rank only; no MPI here.
-
-A job that fails or is killed keeps every line up to its last one (each is written whole
-and flushed at once; an epoch line is also fsync'ed): ``mpidp plot`` reads this file when
-the success-only ``metrics.json`` is missing.
+"""Live metrics of a run: ``history.jsonl`` (one JSON object per line) and, optionally,
+TensorBoard scalars. Written on the root rank only; no MPI here. A job that fails or is
+killed keeps every line written (each is flushed whole; epoch lines fsync'ed): ``mpidp
+plot`` reads it when the success-only ``metrics.json`` is missing.
 
 Line format: ``{"kind": "config" | "epoch" | "steps", ...the record...}``: flat dicts of
-numbers and strings; per-rank figures are lists indexed by rank (``compute_s``,
-``comm_s``, ``wait_s``), from which :func:`derived` adds the communication share and the
-load imbalance. Non-finite floats are written as ``null`` (strict JSON).
-"""
+numbers and strings, per-rank figures as lists indexed by rank (``compute_s``, ``comm_s``,
+``wait_s``: :func:`derived` adds the communication share and load imbalance), non-finite
+floats as ``null``."""
 
 from __future__ import annotations
 
@@ -43,10 +40,9 @@ def _clean(v: Any) -> Any:
 
 
 def derived(record: dict) -> dict:
-    """``comm_share`` (communication seconds over compute + communication + wait, summed
-    over ranks) and ``imbalance`` (slowest rank's compute over the mean; 1 = balanced) from
-    the per-rank lists ``compute_s``, ``comm_s`` and ``wait_s`` (seconds per rank over the
-    record's span); empty when ``record`` lacks ``compute_s``."""
+    """``comm_share`` (communication seconds over all seconds, summed over ranks) and
+    ``imbalance`` (slowest rank's compute over the mean) from the per-rank lists
+    ``compute_s``, ``comm_s``, ``wait_s``; empty when ``record`` lacks ``compute_s``."""
     compute = record.get("compute_s")
     if not isinstance(compute, (list, tuple)) or not compute:
         return {}
@@ -59,15 +55,11 @@ def derived(record: dict) -> dict:
 
 
 class History:
-    """Appends records to ``path_jsonl``; mirrors them to TensorBoard when asked.
-
-    ``path_jsonl`` (its folder is created) is truncated unless ``append`` (a resumed run
-    continues its file). ``tensorboard_dir``: folder for TensorBoard event files, or None
-    (``ValueError`` naming the fix when tensorboardX is not installed). Config and epoch
-    lines are fsync'ed, steps lines only flushed. ``what``: the setting that
-    named the file's place (``"out"``), for the fix in errors. A write that fails (a full
-    disk) raises :class:`mpidp.atomic.WriteError` naming ``path_jsonl``.
-    """
+    """Appends records to ``path_jsonl`` (truncated unless ``append``; its folder is created);
+    mirrors them to TensorBoard event files in ``tensorboard_dir`` when given (ValueError
+    naming the fix without tensorboardX). Config and epoch lines are fsync'ed, steps lines
+    flushed. A failed write raises :class:`mpidp.atomic.WriteError` naming the file and
+    ``what``, the setting that named its place (``"out"``)."""
 
     def __init__(self, path_jsonl: str, tensorboard_dir: str | None = None,
                  append: bool = False, what: str | None = None) -> None:

@@ -20,18 +20,14 @@ _T_BEGIN, _COMPUTE, _CPU, _COMM, _UPDATE, _SAMPLES, _COST = range(len(STEP_FIELD
 
 @dataclass
 class StepTimer:
-    """Accumulates seconds spent computing and communicating, steps and samples done here.
-
-    It also keeps one row per step (:data:`STEP_FIELDS`): the wall clock at the step's
-    start, the wall and CPU time of the local forward/backward before the step's
-    collective, the collective's wall time, the update after it, the samples and their
-    cost (:meth:`note_cost`). Rows stay local until :meth:`take_records`.
-    ``slowdown`` > 1 simulates a slower node (benchmarks, tests): the local
-    forward/backward (not the replicated update, which no partition can rebalance) is
-    stretched by sleeping ``(slowdown - 1) x`` its duration (wall time, not CPU time).
-    ``tracer`` (a :class:`mpidp.observe.trace.Tracer`, or None) also gets every span, on
-    the ``compute`` and ``comm`` tracks (a compute span after the collective: ``update``).
-    """
+    """Accumulates seconds spent computing and communicating, steps and samples done here,
+    and one row per step (:data:`STEP_FIELDS`: the step's start, wall and CPU seconds of its
+    local forward/backward, of its collective, of the update after it, its samples and their
+    cost, :meth:`note_cost`), kept local until :meth:`take_records`. ``slowdown`` > 1
+    simulates a slower node by sleeping ``(slowdown - 1) x`` the local forward/backward (not
+    the replicated update). ``tracer`` (a :class:`mpidp.observe.trace.Tracer`) also gets
+    every span, on the ``compute`` and ``comm`` tracks (a compute span after the collective:
+    ``update``)."""
 
     compute_s: float = 0.0
     comm_s: float = 0.0
@@ -114,10 +110,8 @@ class StepTimer:
 
 
 def gather_timings(comm: C.Comm, timer: StepTimer, root: int = 0) -> list[dict] | None:
-    """Every rank's timer as a list of dicts (index = rank) on ``root``; None elsewhere.
-
-    Collective (one ``Gather``). ``comm_fraction`` is comm / (compute + comm) per rank.
-    """
+    """Every rank's timer as a list of dicts (index = rank, with ``comm_fraction``: comm over
+    compute + comm) on ``root``; None elsewhere. Collective (one ``Gather``)."""
     rows = C.gather_rows(comm, timer.as_row(), root)
     if rows is None:
         return None

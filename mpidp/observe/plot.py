@@ -1,10 +1,7 @@
-"""Loss and accuracy of one or several runs against epochs and against seconds, each run
-labelled from its configuration (``mpidp plot``, :mod:`mpidp.cli.plot`).
-
-A run folder holds ``metrics.json`` (a finished run) or, for a run that failed or was
-killed, ``history.jsonl`` (its epochs up to the last line written). No MPI here;
-matplotlib is imported only when drawing (an error names the fix when it is missing).
-"""
+"""Loss and accuracy of one or several runs against epochs and seconds, each run labelled
+from its configuration (``mpidp plot``). A run folder holds ``metrics.json`` (a finished
+run) or ``history.jsonl`` (a failed or killed run's epochs). matplotlib is imported only
+when drawing."""
 
 from __future__ import annotations
 
@@ -130,10 +127,9 @@ def _wide_range(values: list[float]) -> bool:
 
 
 def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) -> list[str]:
-    """Draw loss (top) and accuracy (below) against epochs and/or seconds into ``out``, and
-    the learning rate of each epoch's last update (bottom) when the runs record it.
-    Training figures solid, test figures dashed in the same colour. Returns the legend's
-    entries (outside the axes, so it hides no curve)."""
+    """Draw loss (top), accuracy and, when the runs record a changing one, the learning rate
+    against epochs and/or seconds into ``out``: training solid, test dashed in the same
+    colour. Returns the legend's entries (beside the axes: it hides no curve)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -199,10 +195,9 @@ IN_A_FOLDER = "plot.png"
 
 
 def output_path(out: str) -> str:
-    """The image file ``out`` means: ``out`` itself; ``OUT/plot.png`` when ``out`` is a
-    folder (or ends with a separator); ``out.png`` when it has no extension. ValueError
-    naming ``out`` and the fix for a format matplotlib cannot write, or a place where no
-    file can be written (tried)."""
+    """The image file ``out`` means: ``out``, ``OUT/plot.png`` for a folder, ``out.png``
+    without an extension. ValueError naming the fix for a format matplotlib cannot write, or
+    a place where no file can be written."""
     if os.path.isdir(out) or out.endswith(os.sep):
         out = os.path.join(out, IN_A_FOLDER)
     elif not os.path.splitext(out)[1]:

@@ -98,10 +98,8 @@ def _launcher(pid: int, depth: int) -> int | None:
 
 
 def watched(pid: int | None = None, depth: int = 8) -> bool:
-    """True when stderr of process ``pid`` (this one by default) is a terminal or, when it
-    is a pipe to an MPI launcher (a rank's, forwarded through the launcher), when the
-    launcher's own stderr is a terminal. A pipe or a file anywhere else is not watched.
-    Linux ``/proc``; False where unknown."""
+    """True when stderr of process ``pid`` (this one by default) is a terminal, or a pipe to an
+    MPI launcher whose own stderr is a terminal (Linux ``/proc``; False where unknown)."""
     own = pid is None or pid == os.getpid()
     pid = os.getpid() if pid is None else pid
     target = _stderr(pid)
@@ -129,10 +127,8 @@ def resolve(mode: str | bool) -> str:
 
 class Progress:
     """The progress of one epoch of ``total`` steps (``initial`` already done), drawn as
-    ``mode`` (``bar``, ``lines`` or ``none``, see :func:`resolve`): a tqdm bar (a line per
-    :data:`LINE_SECONDS` without tqdm), or a plain line every :data:`LINE_SECONDS`. Raises
-    :class:`~mpidp.errors.MpidpError` for a bad ``MPIDP_PROGRESS_SECONDS`` (see
-    :func:`line_seconds`), whatever ``mode`` is, so every rank raises alike."""
+    ``mode`` (:func:`resolve`): a tqdm bar (lines without tqdm), or a line every
+    :func:`line_seconds`, whose error every rank raises alike, whatever it draws."""
 
     def __init__(self, total: int, desc: str, mode: str = "none", initial: int = 0,
                  clock=time.monotonic) -> None:

@@ -1,28 +1,20 @@
 """Evaluation figures from per-rank SUFFICIENT STATISTICS: exact at any number of ranks.
 
-Each rank turns its rows into a small float64 vector; the vectors of all ranks combine
-into the vector of the whole set, from which the figures follow. Pure NumPy, no MPI: the
-caller does the one collective.
+Each rank turns its rows into a small float64 vector; the vectors of all ranks combine into
+the whole set's, from which the figures follow. Pure NumPy: the caller does the collective.
 
-Classification (additive)::
+Classification (additive: also across batches, ``np.add``)::
 
     stats = class_stats(scores, y, n_classes)      # this rank's rows (any number, even 0)
-    stats = allreduce_sum(stats)                   # one Allreduce (SUM) of the vector
-    figures = class_scores(stats, n_classes)       # the same dict on every rank
+    figures = class_scores(allreduce_sum(stats), n_classes)
 
-Vectors of several batches of one rank are added too (``np.add``).
-
-Regression (NOT additive: the centred sums of squares that make R^2 exact merge by Chan et
-al.'s formula)::
+Regression (the centred sums of squares that make R^2 exact merge by Chan et al.)::
 
     stats = reg_combine_all([reg_stats(pred, t) for pred, t in batches])   # this rank
-    stats = reg_combine_all(allgather(stats))      # one Allgather, rows merged
-    figures = reg_scores(stats)
+    figures = reg_scores(reg_combine_all(allgather(stats)))
 
-Summing the statistics in another order (other ranks, other splits) changes the figures
-by rounding only: ~1e-12 relative (for R^2, ~1e-16 * |mean| / std of the targets, the
-merge's bound in :mod:`mpidp.nn.standardize`).
-"""
+Another order of summing changes the figures by rounding only: ~1e-12 relative (for R^2,
+~1e-16 * |mean| / std of the targets: :mod:`mpidp.nn.standardize`)."""
 
 from __future__ import annotations
 
@@ -111,16 +103,10 @@ def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
 
 def class_scores(stats: np.ndarray, n_classes: int) -> dict:
     """Classification figures from a (summed) :func:`class_stats` vector, a JSON-able dict:
-
-    - ``count``; ``accuracy``; ``top{k}_accuracy`` for each k of :func:`top_ks`;
-      ``log_loss`` (the mean): NaN when ``count`` is 0;
-    - ``precision``, ``recall``, ``f1``, ``support`` (lists, one per class) and
-      ``precision_macro``, ``recall_macro``, ``f1_macro`` (unweighted means over ALL
-      ``n_classes`` classes, as scikit-learn with ``labels=range(n_classes)``). A ratio
-      whose denominator is 0 is 0 (scikit-learn's ``zero_division=0``); F1 is
-      ``2 tp / (2 tp + fp + fn)``;
-    - ``confusion_matrix``: nested lists of ints, row = true class, column = predicted.
-    """
+    ``count``, ``accuracy``, ``top{k}_accuracy`` (each k of :func:`top_ks`), ``log_loss`` (NaN
+    when ``count`` is 0); per class ``precision``, ``recall``, ``f1``, ``support`` and their
+    unweighted means over ALL ``n_classes`` classes (``precision_macro`` ...), a ratio over 0
+    being 0 (scikit-learn's ``zero_division=0``); ``confusion_matrix`` (row = true class)."""
     k = _n_classes(n_classes)
     stats = np.asarray(stats, np.float64)
     if stats.shape != (class_stats_size(k),):
@@ -144,9 +130,6 @@ def class_scores(stats: np.ndarray, n_classes: int) -> dict:
     return out
 
 
-# ---------------------------------------------------------------------------- regression
-
-
 def _targets(pred: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     pred, target = np.asarray(pred), np.asarray(target)
     if pred.ndim == 1:
@@ -162,15 +145,10 @@ def _targets(pred: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def reg_stats(pred: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Statistics of a regression's predictions ``pred`` ``(n, t)`` against ``target``
-    ``(n, t)`` (both may be ``(n,)`` when t = 1; ``n`` may be 0).
-
-    Returns float64 ``(1 + 4t,)``: ``[count, SSE (t), SAE (t), target mean (t), target M2 (t)]``:
-    the per-output sums of squared and of absolute errors, and the mean and centred sum
-    of squares ``sum((target - mean)**2)`` of the targets. NOT additive: merge vectors with
-    :func:`reg_combine` / :func:`reg_combine_all` (across ranks: Allgather, then
-    ``reg_combine_all`` of the rows).
-    """
+    """Statistics of a regression's predictions ``pred`` ``(n, t)`` against ``target`` ``(n, t)``
+    (both may be ``(n,)`` when t = 1; ``n`` may be 0): float64 ``(1 + 4t,)``: ``[count, SSE (t),
+    SAE (t), target mean (t), target M2 (t)]``. NOT additive: merge vectors with
+    :func:`reg_combine` / :func:`reg_combine_all`."""
     pred, target = _targets(pred, target)
     n, t = pred.shape
     out = np.zeros(1 + 4 * t)
@@ -220,13 +198,10 @@ def reg_combine_all(parts: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:
 
 def reg_scores(stats: np.ndarray) -> dict:
     """Regression figures from a (combined) :func:`reg_stats` vector, a JSON-able dict:
-    ``count``; ``mse``, ``mae``, ``r2`` -- the unweighted means over the
-    outputs (scikit-learn's ``multioutput="uniform_average"``) -- and the per-output lists
-    ``mse_outputs``, ``mae_outputs``, ``r2_outputs``. ``R^2 = 1 - SSE / M2`` per output,
-    with scikit-learn's ``force_finite`` convention: 1 when SSE is 0, else 0 when M2 is 0.
-    ``mse``/``mae`` are NaN when ``count`` is 0, ``r2`` when it is below 2 (as
-    scikit-learn).
-    """
+    ``count``; ``mse``, ``mae``, ``r2`` (means over the outputs) and the per-output lists
+    ``mse_outputs``, ``mae_outputs``, ``r2_outputs``. ``R^2 = 1 - SSE / M2`` per output, 1 when
+    SSE is 0, else 0 when M2 is 0 (scikit-learn's ``force_finite``); NaN figures as
+    scikit-learn's (``mse``/``mae`` when ``count`` is 0, ``r2`` below 2)."""
     stats = np.asarray(stats, np.float64)
     t = _n_outputs(stats, "reg_scores")
     n = int(round(stats[0]))

@@ -101,12 +101,9 @@ class Tracer:
         return None
 
     def span(self, name: str, cat: str, track: str = "compute", flow: Any = None, **args):
-        """Context manager that records the ``with`` body as one span on ``track``.
-
-        ``flow``: a key (hashable, picklable) shared with a span on another rank, to draw
-        an arrow from the earlier span to the later one (a message and its receipt).
-        ``args``: small JSON-able values shown with the span (bytes, samples, ...).
-        """
+        """Context manager that records the ``with`` body as one span on ``track``. ``flow``: a
+        key (hashable, picklable) shared with a span on another rank, to draw an arrow between
+        them; ``args``: small JSON-able values shown with the span (bytes, samples, ...)."""
         if not self.on:
             return _NULL
         return _Span(self, name, cat, track, flow, args)

@@ -1,14 +1,12 @@
 """Checkpoints that survive crashes: written atomically by one rank, verified by checksum,
 independent of the number of ranks (parameters are replicated; positions are global).
 
-A checkpoint is an ``.npz`` holding ``params``, the optimizer's flat state arrays
-(``opt.<name>``), a JSON ``meta`` (epoch, step, optimizer step count, the epoch's running
-totals, history, configuration, run id) and a BLAKE2 ``checksum`` over all of them.
-
-A checkpoint folder belongs to one run at a time (:func:`claim`); a checkpoint is only
-ever replaced by a newer one (:func:`save`). Each records the run's settings and
-:func:`data_fingerprint`, which a resume must agree with (:mod:`mpidp.cli.settings`).
-"""
+A checkpoint is an ``.npz`` of ``params``, the optimizer's flat state arrays
+(``opt.<name>``), a JSON ``meta`` (position, optimizer step count, running totals,
+history, configuration, run id) and a BLAKE2 ``checksum`` over all of them. A folder
+belongs to one run at a time (:func:`claim`); a checkpoint is only ever replaced by a
+newer one (:func:`save`). Each records the run's settings and :func:`data_fingerprint`,
+which a resume must agree with (:mod:`mpidp.cli.settings`)."""
 
 from __future__ import annotations
 
@@ -63,20 +61,14 @@ class State:
     source: str | None = None  # the checkpoint file it was read from (not saved)
 
 
-# --- the folder ------------------------------------------------------------------------
-
 def claim(directory: str, run_id: str, *, resume: bool, restart: bool = False) -> F.Claim:
-    """Take checkpoint folder ``directory`` for run ``run_id`` (not collective: on the root
-    rank, before anything is read or written there); release the returned
-    :class:`~mpidp.run.folders.Claim` at the end of the run.
-
-    The folder is created and locked (another live job holding it is refused), stale
-    ``.tmp-*`` files are removed, then: ``restart`` deletes its checkpoints and ``run.json``;
-    ``resume`` keeps its run (``Claim.run_id`` is the id in its ``run.json``; a folder
-    without one is adopted); neither refuses a folder holding checkpoints.
-
-    Raises ValueError naming the folder and the way forward; the lock is not kept then.
-    """
+    """Take checkpoint folder ``directory`` for run ``run_id`` (on the root rank, before
+    anything is read or written there); release the returned
+    :class:`~mpidp.run.folders.Claim` at the end of the run. The folder is created and locked
+    (another live job's is refused) and cleaned of stale ``.tmp-*`` files; then ``restart``
+    deletes its checkpoints and ``run.json``, ``resume`` keeps its run (``Claim.run_id`` is
+    the one its ``run.json`` names), neither refuses a folder holding checkpoints. Raises
+    ValueError naming the folder and the way forward (the lock is not kept then)."""
     if resume and restart:
         raise ValueError(f"{setting('resume')} continues the run in {directory} and "
                          f"{setting('restart')} deletes it: give one of them")
@@ -166,30 +158,32 @@ def newest_step(directory: str) -> int | None:
     return int(os.path.basename(found[-1])[5:15]) if found else None
 
 
-# --- writing ---------------------------------------------------------------------------
-
 def save(directory: str, model: Sequential, optimizer: Optimizer, state: State, keep: int = 3,
          *, run_id: str | None = None) -> str:
     """Write a checkpoint for ``state`` into ``directory``; keep the newest ``keep``. Not
     collective: call it on one rank. Returns the file's path. See :func:`save_flat`."""
-    return save_flat(directory, model.params, optimizer, state, keep, run_id=run_id,
-                     layer_state=model.state if model.n_state else None)
+    arrays = {"params": model.params, **({"state": model.state} if model.n_state else {})}
+    return _write(directory, arrays, optimizer, state, keep, run_id)
 
 
 def save_flat(directory: str, params: np.ndarray, optimizer: Optimizer, state: State,
-              keep: int = 3, *, run_id: str | None = None,
-              layer_state: np.ndarray | None = None) -> str:
-    """:func:`save` from the whole model's flat ``params`` (and ``layer_state``: batch
-    norm's running statistics) and an ``optimizer`` holding the whole model's state arrays
-    (as a pipeline gathers them from its stages). The file is the same whoever wrote it, so
-    any layout may resume it.
+              keep: int = 3, *, run_id: str | None = None) -> str:
+    """:func:`save` from the whole model's flat ``params`` and an ``optimizer`` holding the
+    whole model's state arrays (as a pipeline gathers them from its stages). The file is
+    the same whoever wrote it, so any layout may resume it.
 
     Raises ValueError, writing nothing, if ``state`` is behind the newest checkpoint: its
     ``global_step`` is smaller, or equal at an earlier ``(epoch, step)`` (the end-of-training
     checkpoint ``(epochs, 0)`` may rewrite a periodic one of its step, adding the last
     epoch's record); or if ``run_id`` is given and the folder's ``run.json`` names another.
     """
-    model_arrays = {"params": params, **({} if layer_state is None else {"state": layer_state})}
+    return _write(directory, {"params": params}, optimizer, state, keep, run_id)
+
+
+def _write(directory: str, model_arrays: dict[str, np.ndarray], optimizer: Optimizer,
+           state: State, keep: int, run_id: str | None) -> str:
+    """:func:`save_flat` of ``params`` and, for a model with layer state, ``state``."""
+    params = model_arrays["params"]
     os.makedirs(directory, exist_ok=True)
     _check_not_behind(directory, state)
     if run_id is not None:
@@ -200,7 +194,7 @@ def save_flat(directory: str, params: np.ndarray, optimizer: Optimizer, state: S
                              f"took it over; this run writes no more checkpoints there")
     opt_state = optimizer.state
     arrays = {**model_arrays, **{f"opt.{k}": v for k, v in opt_state.items()}}
-    n_state = 0 if layer_state is None else int(layer_state.size)
+    n_state = int(model_arrays["state"].size) if "state" in model_arrays else 0
     meta = json.dumps({"version": VERSION, "epoch": state.epoch, "step": state.step,
                        "global_step": state.global_step, "totals": state.totals,
                        "history": state.history, "config": state.config,
@@ -236,8 +230,6 @@ def _check_not_behind(directory: str, state: State) -> None:
                      f"{state.epoch}, step {state.step}) into {directory}: it holds {held} "
                      f"already, and a checkpoint is only ever replaced by a newer one")
 
-
-# --- reading ---------------------------------------------------------------------------
 
 def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     """``(meta, arrays)`` of a checkpoint, after verifying its checksum and its contents

@@ -1,15 +1,11 @@
 """Early stopping and learning-rate reduction on a plateau: pure state machines.
 
-Each is fed ONE global figure per epoch (a validation loss, an accuracy), the same on
-every rank: every rank takes the same decision, no collective needed. Their counters
-(:meth:`state`, :meth:`restore`) let a resumed run decide as the uninterrupted one would.
-
-A value *improves* on the best so far when it beats it by MORE than ``min_delta``
-(``value < best - min_delta`` in mode ``"min"``, ``value > best + min_delta`` in mode
-``"max"``); the first finite value always does. NaN and +-Inf never improve (a diverged
-figure is never the best). A value that does not improve is a *bad epoch*; the best is
-only replaced by an improving value.
-"""
+Each is fed ONE global figure per epoch, the same on every rank, so every rank decides
+alike. Their counters (:meth:`state`, :meth:`restore`) let a resumed run decide as the
+uninterrupted one would. A value *improves* on the best so far when it beats it by MORE
+than ``min_delta`` (mode ``"min"``: ``value < best - min_delta``; ``"max"``: ``value >
+best + min_delta``); the first finite value always does, NaN and +-Inf never. A value
+that does not improve is a *bad epoch*."""
 
 from __future__ import annotations
 
@@ -107,14 +103,12 @@ class ReduceOnPlateau(_Plateau):
     """Multiply the learning rate by ``factor`` when the figure has not improved for
     ``patience`` epochs in a row.
 
-    ``update(value)`` once per epoch returns ``scale``, the multiplier to apply to the base
-    learning rate from the next epoch on (1.0 at first). On the ``patience``-th bad epoch
-    in a row (``patience=0``: every bad epoch) ``scale`` becomes ``max(scale * factor,
-    min_scale)``, the bad-epoch count restarts at 0, and for the next ``cooldown`` epochs
-    bad epochs are not counted (PyTorch's ``ReduceLROnPlateau`` reduces one epoch later;
-    Keras's as here). ``factor`` is in (0, 1), ``min_scale`` in [0, 1]; ``reductions``
-    counts the reductions.
-    """
+    ``update(value)`` once per epoch returns ``scale``, the learning rate's multiplier from
+    the next epoch on (1.0 at first). On the ``patience``-th bad epoch in a row
+    (``patience=0``: every bad epoch) ``scale`` becomes ``max(scale * factor, min_scale)``
+    (counted in ``reductions``), the count restarts, and bad epochs are not counted for the
+    next ``cooldown`` epochs (as Keras; PyTorch reduces one epoch later). ``factor`` is in
+    (0, 1), ``min_scale`` in [0, 1]."""
 
     _KEYS = _Plateau._KEYS + ("scale", "reductions", "cooldown_left")
 

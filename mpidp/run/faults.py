@@ -1,11 +1,9 @@
 """Fault injection for tests and drills: ``MPIDP_FAULT=kind@rank:step[,kind@rank:step...]``.
 
-Kinds, applied on ``rank`` just before global step ``step`` (0-based) of training, in every
-mode: ``raise`` (an exception), ``kill`` (SIGKILL: the process vanishes), ``hang`` (sleeps
-for an hour, as a stuck rank would), ``nan`` (this rank's contribution to the step's
-gradient becomes NaN), ``desync`` (this rank's first parameter moves by one ulp). Unset
-(the default), nothing happens and the per-step cost is one dictionary lookup.
-"""
+Kinds, applied on ``rank`` just before global step ``step`` (0-based), in every mode:
+``raise`` (an exception), ``kill`` (SIGKILL), ``hang`` (an hour's sleep), ``nan`` (this
+rank's gradient contribution becomes NaN), ``desync`` (its first parameter moves by one
+ulp). Unset, the per-step cost is one dictionary lookup."""
 
 from __future__ import annotations
 

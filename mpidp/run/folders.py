@@ -1,16 +1,12 @@
 """Checkpoint folders that belong to one run at a time, and the temporary files that killed
-processes leave there (the files themselves are written by :mod:`mpidp.atomic`).
-
-No MPI here: the root rank calls these. A checkpoint folder holds
+writers leave there. No MPI here: the root rank calls these. A checkpoint folder holds
 
 - ``run.json``: the run it belongs to (``run_id``, when and where that run started);
-- ``.lock``: taken with ``flock`` by the job writing there, and naming it (host, pid, start
-  time). The kernel drops the lock when its holder dies, however it dies, so a dead holder
-  never keeps it. On NFS, Linux maps ``flock`` to byte-range locks that the server enforces
-  across hosts (and releases when a dead client's lease expires); on a filesystem without
-  locks the file's contents decide (see :func:`lock_folder`);
-- ``ckpt-*.npz`` (see :mod:`mpidp.run.checkpoint`), and briefly ``.tmp-*`` files being written.
-"""
+- ``.lock``: ``flock``-ed by the job writing there, and naming it (host, pid, start time).
+  The kernel drops the lock when its holder dies; on NFS, Linux maps ``flock`` to
+  byte-range locks the server enforces across hosts; without locks, the file's contents
+  decide (see :func:`lock_folder`);
+- ``ckpt-*.npz`` (:mod:`mpidp.run.checkpoint`), and briefly ``.tmp-*`` files being written."""
 
 from __future__ import annotations
 
@@ -52,12 +48,9 @@ def _proc_start(pid: int) -> int | None:
 
 
 def clean_stale_tmp(directory: str, max_age_s: float = 3600.0) -> list[str]:
-    """Remove the ``.tmp-*`` files in ``directory`` that no live writer will finish.
-
-    A file named by :func:`write_atomic` on this host is stale when its process is gone;
-    one from another host, or with an older name, when it is more than ``max_age_s``
-    seconds old. Returns the paths removed.
-    """
+    """Remove the ``.tmp-*`` files in ``directory`` that no live writer will finish (returns
+    their paths): on this host, those whose process is gone; others, more than ``max_age_s``
+    seconds old."""
     removed, mine, now = [], host_tag(), time.time()
     try:
         names = [n for n in os.listdir(directory) if n.startswith(TMP_PREFIX)]
@@ -78,8 +71,6 @@ def clean_stale_tmp(directory: str, max_age_s: float = 3600.0) -> list[str]:
             continue
     return removed
 
-
-# --- the lock --------------------------------------------------------------------------
 
 def _holder_record() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(), "proc_start": _proc_start(os.getpid()),
@@ -116,13 +107,10 @@ def _record_alive(record: dict | None) -> bool:
 
 
 def lock_folder(directory: str) -> int:
-    """Take ``directory``'s lock for this process; returns the lock file's descriptor.
-
-    Raises ValueError naming the holder (host, pid, since when) if another job holds it.
-    Where the filesystem has no locks, the record in the lock file decides: a holder on
-    this host that is no longer running does not keep it; one on another host is trusted,
-    and the message says to delete the file if that job has ended.
-    """
+    """Take ``directory``'s lock for this process; returns the lock file's descriptor. Raises
+    ValueError naming the holder (host, pid, since when) if another job holds it. Without
+    locks, the lock file's record decides: a holder on this host no longer running does not
+    keep it; one on another host is trusted (the message says to delete the file)."""
     path = os.path.join(directory, LOCK_FILE)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
@@ -151,11 +139,10 @@ def lock_folder(directory: str) -> int:
 
 
 def hold_folder(directory: str, name: str) -> int | None:
-    """Take this host's lock on the folder path ``directory`` for this process (an
-    ``flock`` on a file named after its absolute path in the system's temporary folder, so
-    nothing is written to ``directory`` and it need not exist yet); returns its descriptor
-    (close it to let go), or None where no lock can be taken. Raises ValueError naming the
-    setting ``name`` if another job on this host holds it."""
+    """Take this host's lock on the folder path ``directory`` (an ``flock`` on a file named
+    after it in the system's temporary folder: ``directory`` need not exist); returns its
+    descriptor (close it to let go), or None where no lock can be taken. Raises ValueError
+    naming the setting ``name`` if another job on this host holds it."""
     import fcntl
     key = hashlib.sha256(os.path.realpath(directory).encode()).hexdigest()[:32]
     folder = os.path.join(tempfile.gettempdir(), "mpidp-folder-locks")
@@ -192,8 +179,6 @@ def unlock_folder(fd: int) -> None:
     os.close(fd)
 
 
-# --- ownership -------------------------------------------------------------------------
-
 def read_run(directory: str) -> dict | None:
     """The ``run.json`` record of ``directory`` (``run_id``, ``created``, ``host``), or None
     if there is none. An unreadable record reads as ``{"run_id": None, ...}`` (a used
@@ -222,10 +207,8 @@ def write_run(directory: str, run_id: str) -> dict:
 @dataclass
 class Claim:
     """A checkpoint folder held by this process for run ``run_id`` until :meth:`release`.
-
-    ``continued``: the folder already held the run being resumed (its ``run_id`` was kept).
-    ``cleaned``: stale temporary files removed. ``wiped``: files removed by ``restart``.
-    """
+    ``continued``: the folder held the run being resumed; ``cleaned``: stale temporary files
+    removed; ``wiped``: files removed by ``restart``."""
 
     directory: str
     run_id: str

@@ -2,13 +2,10 @@
 asynchronous server's workers). Every guarantee is written here once:
 
 per step: fault injection (``MPIDP_FAULT``) -> ``trainer.step`` (which applies the NaN
-policy before its update) -> the step mark the watchdog reports -> the replica check every
-``check_every`` steps -> a checkpoint when due (outside accumulation groups, excused from
-the watchdog) -> an agreed stop on SIGTERM/SIGUSR1 (checkpoint, then :class:`Preempted`);
-per epoch: global totals, load-balance figures, evaluation, history, ``on_epoch``.
-
-The same global batches for any world size; the same number of steps on every rank.
-"""
+policy) -> the watchdog's step mark -> the replica check every ``check_every`` steps -> a
+checkpoint when due (outside accumulation groups, excused from the watchdog) -> an agreed
+stop on SIGTERM/SIGUSR1; per epoch: global totals, load balance, evaluation, history,
+``on_epoch``. The same global batches for any world size, the same steps on every rank."""
 
 from __future__ import annotations
 
@@ -47,17 +44,11 @@ class Trainer(Protocol):
     stop_requested: bool | None  # this rank's stop request, sent with the next step
 
     def step(self, *batch: Any, last_of_epoch: bool = False) -> StepStats: ...
-
     def check_replicas(self) -> None: ...
-
-    def poison_(self) -> None: ...
-
-    def nudge_(self) -> None: ...
-
-    def at_boundary(self) -> bool: ...
-
+    def poison_(self) -> None: ...  # the faults' "nan"
+    def nudge_(self) -> None: ...  # the faults' "desync"
+    def at_boundary(self) -> bool: ...  # replicas agree here (between synchronisations)
     def epoch_totals(self, totals: np.ndarray) -> np.ndarray: ...
-
     def save_checkpoint(self, directory: str, state: State, keep: int,
                         run_id: str | None = None) -> None: ...
 
@@ -70,14 +61,9 @@ class Feed(Protocol):
     labelled: bool  # accuracy means something (classification, or integer targets)
 
     def batches(self, epoch: int, first: int) -> Iterator[tuple]: ...
-
-    def end_epoch(self) -> dict | None: ...
-
+    def end_epoch(self) -> dict | None: ...  # the epoch's load-balance figures
     def evaluate(self) -> StepStats | None: ...
-
-    def state(self) -> dict:
-        """What a checkpoint keeps of the feed (e.g. a partition's capacities)."""
-        ...
+    def state(self) -> dict: ...  # what a checkpoint keeps of it (a partition's capacities)
 
 
 def run(trainer: Trainer, feed: Feed, spec: RunSpec) -> list[dict]:

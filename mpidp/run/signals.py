@@ -1,18 +1,13 @@
 """Clean ends on signals, decided together.
 
-``SIGTERM`` or ``SIGUSR1`` to every rank (what Slurm sends before a time limit with
-``--signal``, or on preemption): training finishes the current step, every rank agrees to
-stop (the request rides in the step's own collective: :attr:`StopSignals.requested` is
-what a trainer adds to it), a checkpoint is written when checkpointing is on,
-and the job exits with :data:`PREEMPTED_EXIT`; resuming the run continues bit-identically.
+``SIGTERM`` or ``SIGUSR1`` to every rank (Slurm's warning before a time limit, or a
+preemption): training finishes the current step, every rank agrees to stop (the request
+rides in the step's own collective), a checkpoint is written when checkpointing is on, and
+the job exits with :data:`PREEMPTED_EXIT`; resuming the run continues bit-identically.
+During the data load (nothing to save yet) such a signal ends the job at once.
 
-A stop signal while the data load (nothing to save yet) ends the job at once, with the
-same exit status, even while a rank is blocked reading a file.
-
-``SIGINT`` to one rank (Ctrl-C, or ``kill -INT``): the whole job ends within seconds with
-exit status 130, even while this rank waits inside an MPI call (a thread reads the signal
-from a wakeup pipe, so it does not wait for the main thread to leave MPI).
-"""
+``SIGINT`` to one rank (Ctrl-C): the whole job ends within seconds with exit status 130,
+even while this rank waits inside an MPI call (a thread reads the signal from a wakeup pipe)."""
 
 from __future__ import annotations
 
@@ -31,10 +26,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 @contextmanager
 def deferred_stops():
-    """A stop signal (SIGTERM/SIGUSR1) inside the block is noted, not obeyed: the block
-    yields the list of the signals noted, for the caller to act on once it ends. Wraps the
-    start of MPI, where a rank killed mid-start leaves the library's shared-memory segment
-    behind (a handler in Python runs only once MPI_Init has returned). Main thread only."""
+    """A stop signal (SIGTERM/SIGUSR1) inside the block is noted, not obeyed: the block yields
+    the list of those noted. Wraps the start of MPI (a rank killed there leaves the library's
+    shared memory behind). Main thread only."""
     noted: list[int] = []
     if threading.current_thread() is not threading.main_thread():  # no handlers there
         yield noted

@@ -50,32 +50,25 @@ class RunSpec:
 
     ``epochs`` passes over the training set in GLOBAL batches of ``batch_size`` samples
     (summed over all ranks), in :func:`mpidp.data.partition.epoch_order` (``seed``,
-    ``shuffle``), the last smaller batch dropped with ``drop_last``. ``partition`` (data
-    parallel only): a :class:`mpidp.Partition`, or a :class:`mpidp.Plan` batching as the
-    spec does. ``check_every``: compare replicas every this many steps (0: never).
-    ``checkpoint``/``resume``: where to save, and the :class:`~mpidp.run.checkpoint.State`
-    to continue from. ``progress`` (rank 0): ``"bar"``, ``"lines"`` (a line every few
-    seconds), ``"auto"`` (a bar when someone watches the launcher's terminal, else lines)
-    or ``"none"``; True is ``"auto"``, False ``"none"``.
-    ``stop`` (:class:`mpidp.run.signals.StopSignals`): stop cleanly on SIGTERM/SIGUSR1
-    (checkpoint, then :class:`~mpidp.run.signals.Preempted`). ``watchdog``: end the job,
-    naming the stalled rank, when a rank makes no progress for a timeout: ``"auto"``
-    (:data:`AUTO`), seconds, ``0``/``False`` (off; None means "not given" to ``fit``'s
-    keywords), or a :class:`mpidp.comm.Watchdog` of your own.
+    ``shuffle``; ``drop_last`` drops the last smaller batch). ``partition`` (data parallel):
+    a :class:`mpidp.Partition`, or a :class:`mpidp.Plan` batching as the spec does.
+    ``check_every``: compare replicas every this many steps (0: never). ``checkpoint``,
+    ``resume``: where to save, the :class:`~mpidp.run.checkpoint.State` to continue from.
+    ``progress`` (rank 0): ``"bar"``, ``"lines"``, ``"auto"`` (a bar when someone watches
+    the launcher's terminal) or ``"none"``; True is ``"auto"``, False ``"none"``. ``stop``
+    (:class:`mpidp.run.signals.StopSignals`): stop cleanly on SIGTERM/SIGUSR1. ``watchdog``:
+    end the job, naming the stalled rank, when a rank makes no progress for a timeout:
+    ``"auto"`` (:data:`AUTO`), seconds, ``0``/``False`` (off; None: "not given" to ``fit``),
+    or a :class:`mpidp.comm.Watchdog` of your own.
 
-    Callbacks, on every rank: ``on_step(step, stats)`` after each step (the global step
-    just done, 1 for the first, and its :class:`~mpidp.run.stats.StepStats`);
-    ``on_epoch(record)`` after each epoch. A true return value on any rank stops every
-    rank together: after the next step for ``on_step``, at once for ``on_epoch``.
-
-    ``early_stopping`` (:class:`mpidp.run.early_stopping.EarlyStopping`) ends training when
-    the epoch's ``monitor`` figure (a key of its record, default ``"val_loss"``: the loss on
-    ``test={"val": ...}``) has not improved for its patience; ``plateau``
-    (:class:`~mpidp.run.early_stopping.ReduceOnPlateau`) scales the learning rate from the
-    same figure. Both decide from global figures and replay the history on a resume.
-    ``max_skipped``: fail (:class:`~mpidp.run.nonfinite.NonFiniteError`) when more than
-    this share of the run's steps had their update skipped by the NaN/Inf policy.
-    """
+    Callbacks, on every rank: ``on_step(step, stats)`` after each step (the global step just
+    done, 1 for the first, and its :class:`~mpidp.run.stats.StepStats`), ``on_epoch(record)``
+    after each epoch; a true result on any rank stops every rank together (after the next
+    step for ``on_step``). ``early_stopping`` (:class:`~mpidp.run.early_stopping.EarlyStopping`)
+    ends training, ``plateau`` (:class:`~mpidp.run.early_stopping.ReduceOnPlateau`) scales the
+    learning rate, from the epoch's ``monitor`` figure (default ``"val_loss"``: the loss on
+    ``test={"val": ...}``). ``max_skipped``: fail when more than this share of the run's steps
+    had their update skipped by the NaN/Inf policy."""
 
     epochs: int
     batch_size: int
