@@ -29,16 +29,6 @@ def test_window_keeps_only_steps_a_to_b_minus_1():
     assert tr.events[0][8] == {"samples": 8} and tr.events[1][8] == {"bytes": 100}
 
 
-def test_disabled_tracer_records_nothing_and_span_is_shared_null():
-    tr = T.Tracer(0, "h", enabled=False)
-    tr.step = 3
-    assert tr.span("a", "b") is tr.span("c", "d")
-    with tr.span("a", "b"):
-        pass
-    tr.add("x", "y", "comm", 0.0, 1.0)
-    assert tr.events == []
-
-
 def test_no_window_records_everything_with_epoch_and_step():
     tr = T.Tracer(1, "h")
     tr.add("pre", "init", "compute", 0.0, 0.1)

@@ -77,7 +77,7 @@ def _parent(pid: int) -> int:
         return 0
 
 
-def _launcher(pid: int, depth: int) -> int | None:
+def _launcher(pid: int, depth: int = 8) -> int | None:
     """The MPI launcher that process ``pid``'s stderr pipe leads to: the first process up
     its chain of parents named in :data:`LAUNCHERS`, or the parent of one named in
     :data:`PROXIES`, each reached through processes whose stderr is a pipe; None if none."""
@@ -97,19 +97,18 @@ def _launcher(pid: int, depth: int) -> int | None:
     return None
 
 
-def watched(pid: int | None = None, depth: int = 8) -> bool:
-    """True when stderr of process ``pid`` (this one by default) is a terminal, or a pipe to an
-    MPI launcher whose own stderr is a terminal (Linux ``/proc``; False where unknown)."""
-    own = pid is None or pid == os.getpid()
-    pid = os.getpid() if pid is None else pid
+def watched() -> bool:
+    """True when this process's stderr is a terminal, or a pipe to an MPI launcher whose own
+    stderr is a terminal (Linux ``/proc``; else whether stderr is a terminal)."""
+    pid = os.getpid()
     target = _stderr(pid)
     if target is None:
-        return sys.stderr.isatty() if own else False
+        return sys.stderr.isatty()
     if _is_terminal(target):
         return True
     if not target.startswith("pipe:"):
         return False  # a file or a socket: nobody watches
-    launcher = _launcher(pid, depth)
+    launcher = _launcher(pid)
     return launcher is not None and _is_terminal(_stderr(launcher))
 
 

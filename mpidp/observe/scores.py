@@ -49,19 +49,14 @@ def class_stats_size(n_classes: int) -> int:
 
 def class_stats(scores: np.ndarray, y: np.ndarray, n_classes: int) -> np.ndarray:
     """Additive statistics of a classifier's ``scores`` ``(n, k)`` (logits, ``k ==
-    n_classes``, ``n`` may be 0) against integer labels ``y`` ``(n,)`` in ``[0, k)``.
+    n_classes``, ``n`` may be 0) against integer labels ``y`` ``(n,)`` in ``[0, k)``: float64
+    ``(class_stats_size(k),)``: ``[count, summed log-loss, top-k hits for each k of
+    top_ks(k), confusion matrix (k*k, row = true class)]``; zeros for an empty batch.
 
-    Returns float64 ``(class_stats_size(k),)``: ``[count, summed log-loss, top-k hits for
-    each k of top_ks(k), confusion matrix (k*k, row = true class, column = predicted)]``;
-    zeros for an empty batch. Vectors of disjoint rows ADD (Allreduce SUM across ranks).
-
-    The prediction is ``argmax(scores)`` (the first maximum on ties). A top-k hit: the true
-    class is among the first k by decreasing score, ties in class order (scikit-learn breaks
-    them the other way); never for a row with a NaN score. The log-loss of a sample is
-    ``-log softmax(scores)_y`` in float64, with ``p_y`` clipped to ``[eps, 1 - eps]`` as
-    scikit-learn does (``eps``: the machine epsilon of the scores' float dtype, else
-    float64's).
-    """
+    The prediction is ``argmax(scores)``. A top-k hit: the true class is among the first k
+    by decreasing score, ties in class order; never for a row with a NaN score. The log-loss
+    is ``-log softmax(scores)_y`` in float64, ``p_y`` clipped to ``[eps, 1 - eps]`` as
+    scikit-learn does (``eps`` of the scores' float dtype, else float64's)."""
     k = _n_classes(n_classes)
     scores, y = np.asarray(scores), np.asarray(y)
     if scores.ndim != 2 or scores.shape[1] != k:

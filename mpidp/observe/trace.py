@@ -1,15 +1,10 @@
 """A timeline per rank, for Perfetto / ``chrome://tracing``: what each rank did, when.
 
-Each rank records spans locally (:class:`Tracer`, nothing sent during training);
-:func:`write` puts every rank's times on rank 0's clock (:func:`clock_offsets`), gathers
-the spans to rank 0 once, at the end, and writes one Chrome trace-event JSON file: a
-process per rank (``rank r (host)``), a thread per track (``compute``, ``comm``, then
-others by first use; spans on one track nest, never overlap), each span's ``epoch``,
-``step`` and the caller's args, and flow arrows between spans of different ranks that
-share a ``flow`` key (a send and its receive).
-
-Importing this module does not start MPI (:mod:`mpidp.comm` is imported inside functions).
-"""
+Each rank records spans locally (:class:`Tracer`); :func:`write` puts every rank's times
+on rank 0's clock, gathers the spans once, at the end, and writes a Chrome trace-event
+file: a process per rank, a thread per track (spans on one track nest, never overlap),
+and flow arrows between spans of different ranks that share a ``flow`` key. Importing
+this module does not start MPI."""
 
 from __future__ import annotations
 
@@ -52,25 +47,21 @@ class _Span:
 
 
 class Tracer:
-    """This rank's spans, kept in memory (a tuple of ~200 bytes each) until :func:`write`.
+    """This rank's spans, kept in memory (~200 bytes each) until :func:`write`.
+    ``steps=(a, b)``: only while ``a <= tracer.step < b`` (global steps from 0;
+    bound long runs so). Set ``tracer.step`` and ``tracer.epoch`` as the loop advances; every
+    span records them."""
 
-    ``enabled=False`` makes every call a cheap no-op. ``steps=(a, b)`` records only while
-    ``a <= tracer.step < b`` (global steps from 0): bound long runs so. Set ``tracer.step``
-    and ``tracer.epoch`` as the loop advances; every span records them. Spans before the
-    first step (``step == -1``) are kept only without a window.
-    """
-
-    def __init__(self, rank: int, host: str, enabled: bool = True,
-                 steps: tuple[int, int] | None = None) -> None:
+    def __init__(self, rank: int, host: str, steps: tuple[int, int] | None = None) -> None:
         if steps is not None and not (0 <= steps[0] < steps[1]):
             raise ValueError(f"trace step window {steps[0]}:{steps[1]} is empty; give A:B "
                              "with 0 <= A < B")
-        self.rank, self.host, self.enabled = rank, host, enabled
+        self.rank, self.host = rank, host
         self.window = None if steps is None else (int(steps[0]), int(steps[1]))
         self.epoch, self.events, self._step = 0, [], -1
         self.first_step: int | None = None  # the run's first and last global steps seen
         self.last_step: int | None = None
-        self.on = enabled and self.window is None
+        self.on = self.window is None
 
     @property
     def step(self) -> int:
@@ -84,7 +75,7 @@ class Tracer:
             self.first_step = k if self.first_step is None else self.first_step
             self.last_step = k
         w = self.window
-        self.on = self.enabled and (w is None or w[0] <= k < w[1])
+        self.on = w is None or w[0] <= k < w[1]
 
     def missed(self) -> str | None:
         """What to warn of when the step window holds none of the steps seen (a resumed
@@ -104,9 +95,7 @@ class Tracer:
         """Context manager that records the ``with`` body as one span on ``track``. ``flow``: a
         key (hashable, picklable) shared with a span on another rank, to draw an arrow between
         them; ``args``: small JSON-able values shown with the span (bytes, samples, ...)."""
-        if not self.on:
-            return _NULL
-        return _Span(self, name, cat, track, flow, args)
+        return _Span(self, name, cat, track, flow, args) if self.on else _NULL
 
     def add(self, name: str, cat: str, track: str, t0: float, t1: float, flow: Any = None,
             **args) -> None:
@@ -122,13 +111,8 @@ class Tracer:
 
 def clock_offsets(comm, rounds: int = 8) -> tuple[float, float]:
     """``(offset, uncertainty)`` in seconds of this rank's :func:`time.perf_counter` relative
-    to rank 0's (``(0, 0)`` on rank 0): rank-0 time = local time - offset. Collective.
-
-    Rank 0 makes ``rounds`` round trips with each rank: rank r answers with its clock
-    ``t_r``, taken to be halfway between rank 0's send ``s`` and receipt ``e``: ``offset =
-    t_r - (s + e) / 2``, from the shortest trip, whose half bounds the error (unlike a
-    Barrier, which releases ranks a message hop apart and gives no bound).
-    """
+    to rank 0's: rank-0 time = local time - offset. Collective. From ``rounds`` round trips
+    with rank 0, the shortest: the answer's time is taken to be halfway, within half the trip."""
     from .. import comm as C
     buf, res = np.zeros(1, np.float64), np.zeros((comm.size, 2))
     if comm.rank == 0:

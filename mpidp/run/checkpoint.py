@@ -124,11 +124,10 @@ def claimed(comm: C.Comm, out: str, checkpoint_dir: str | None, *, resume: bool,
 
 
 def _used_message(directory: str, owner: dict | None, found: list[str]) -> str:
-    if owner is None or not owner.get("run_id"):
-        whose = "another run"
-    else:
-        whose = (f"another run (run {owner['run_id']}, started {owner.get('created', '?')} on "
-                 f"{owner.get('host', '?')})")
+    whose = "another run"
+    if owner and owner.get("run_id"):
+        whose += (f" (run {owner['run_id']}, started {owner.get('created', '?')} on "
+                  f"{owner.get('host', '?')})")
     return (f"checkpoint folder {directory} already holds checkpoints of {whose}, the newest "
             f"{os.path.basename(found[-1])}: give this run another {setting('checkpoint_dir')}, "
             f"continue that run with {setting('resume')}, or add {setting('restart')} to "
@@ -362,13 +361,10 @@ def restore(comm: C.Comm, directory: str, model: Sequential, optimizer: Optimize
         return None
     path, meta = found
     arrays = held.pop("arrays", {})
-    if comm.rank == root:
-        model.params[...] = arrays["params"]
-        if model.n_state:
-            model.state[...] = arrays["state"]
-    C.bcast_(comm, model.params, root)
-    if model.n_state:
-        C.bcast_(comm, model.state, root)
+    for name in ("params", "state") if model.n_state else ("params",):
+        if comm.rank == root:
+            getattr(model, name)[...] = arrays[name]
+        C.bcast_(comm, getattr(model, name), root)
     optimizer.state = {}
     for name, shape in meta["optimizer"]["state"].items():
         buf = arrays[f"opt.{name}"] if comm.rank == root else np.empty(shape, model.dtype)

@@ -82,12 +82,9 @@ class _Plateau:
 
 
 class EarlyStopping(_Plateau):
-    """Stop when the monitored figure has not improved for ``patience`` epochs in a row.
-
-    ``update(value)`` once per epoch returns True when the run should stop:
-    ``bad_epochs >= patience`` (``patience=0``: at the first bad epoch); fed on, it keeps
-    counting (False again after an improvement). ``mode``: ``"min"`` (a loss) or ``"max"``.
-    """
+    """Stop when the monitored figure has not improved for ``patience`` epochs in a row:
+    ``update(value)`` once per epoch returns True when ``bad_epochs >= patience`` (0: at the
+    first bad epoch). ``mode``: ``"min"`` (a loss) or ``"max"`` (an accuracy)."""
 
     def update(self, value: float) -> bool:
         """Feed this epoch's global figure; True: stop now."""

@@ -68,15 +68,11 @@ class Feed(Protocol):
 
 def run(trainer: Trainer, feed: Feed, spec: RunSpec) -> list[dict]:
     """Train until ``spec.epochs`` epochs are done, or until a callback asks to stop.
-    Collective. Returns the history (one dict per epoch: ``epoch, loss, accuracy, seconds``
-    and, when measured, ``balance``, ``test_loss``, ``test_accuracy``; an epoch cut short
-    by a callback's stop also has ``stopped_at``, the global step), the same on every rank.
-
-    A callback's stop request (see :class:`RunSpec`) rides in the next step's collective
-    (``on_step``) or one small ``Allreduce`` at the epoch's end (``on_epoch``); the run
-    then ends normally, with a checkpoint where checkpoints are on, instead of raising
-    :class:`Preempted` as a stop signal does. ``spec.watchdog`` is used when it is a
-    :class:`mpidp.comm.Watchdog` (:func:`watched_run` makes one)."""
+    Collective. Returns the history, the same on every rank: a dict per epoch (``epoch, loss,
+    accuracy, seconds`` and, when measured, ``balance``, ``test_loss``, ``test_accuracy``;
+    ``stopped_at``, the global step, when a callback's stop cut it short). A callback's stop
+    ends the run normally, with a checkpoint where checkpoints are on, instead of raising
+    :class:`Preempted` as a stop signal does."""
     job = _Run(trainer, feed, spec)
     try:
         job.epochs()
