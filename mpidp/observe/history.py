@@ -1,12 +1,8 @@
-"""Live metrics of a run: ``history.jsonl`` (one JSON object per line) and, optionally,
-TensorBoard scalars. Written on the root rank only; no MPI here. A job that fails or is
-killed keeps every line written (each is flushed whole; epoch lines fsync'ed): ``mpidp
-plot`` reads it when the success-only ``metrics.json`` is missing.
-
-Line format: ``{"kind": "config" | "epoch" | "steps", ...the record...}``: flat dicts of
-numbers and strings, per-rank figures as lists indexed by rank (``compute_s``, ``comm_s``,
-``wait_s``: :func:`derived` adds the communication share and load imbalance), non-finite
-floats as ``null``."""
+"""Live metrics of a run: ``history.jsonl`` (one JSON object per line, each flushed whole,
+epoch lines fsync'ed: a killed job keeps them all, for ``mpidp plot``) and, optionally,
+TensorBoard scalars. Written on the root rank only; no MPI here. A line is ``{"kind":
+"config" | "epoch" | "steps", ...}``: numbers and strings, per-rank figures as lists
+indexed by rank, non-finite floats as ``null``."""
 
 from __future__ import annotations
 

@@ -41,10 +41,8 @@ class StepTimer:
 
     @contextmanager
     def compute(self, name: str = "compute", local: bool | None = None, **args):
-        """Time a piece of computation. ``local``: per-sample work (stretched by
-        ``slowdown``) or, False, the replicated update; None: per-sample work exactly when
-        the step has not communicated yet (data parallelism: forward and backward come
-        before the collective, the update after it; a pipeline says which is which)."""
+        """Time a piece of computation: per-sample work (``local``, stretched by ``slowdown``)
+        or the replicated update; ``local`` None: per-sample work until the step communicates."""
         t, c = time.perf_counter(), time.process_time()
         first = self._cur[_T_BEGIN] == 0.0
         if first:

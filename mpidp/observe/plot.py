@@ -120,12 +120,6 @@ def labels(runs: list[dict]) -> list[str]:
     return [lab + ("" if r["finished"] else " (killed)") for lab, r in zip(out, runs)]
 
 
-def _wide_range(values: list[float]) -> bool:
-    """True when positive ``values`` span more than a factor of 20 (use a log axis)."""
-    pos = [v for v in values if v is not None and v > 0]
-    return bool(pos) and max(pos) / min(pos) > 20
-
-
 def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) -> list[str]:
     """Draw loss (top), accuracy and, when the runs record a changing one, the learning rate
     against epochs and/or seconds into ``out``: training solid, test dashed in the same
@@ -163,8 +157,9 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
                     ax.plot(xvals[name], [float("nan") if v is None else v for v in ys],
                             style, color=color, marker=mark, ms=2 + lw, lw=lw, zorder=2 + i,
                             label=f"{label}, {'train' if key == train else 'test'}")
+    positive = [v for v in losses if v > 0]  # spanning over a factor of 20: a log axis
     for col, name in enumerate(xs):
-        if _wide_range(losses):
+        if positive and max(positive) / min(positive) > 20:
             axes[0][col].set_yscale("log")
         for row, ylabel in enumerate(("loss", "accuracy", "learning rate")[:len(rows)]):
             axes[row][col].set(ylabel=ylabel, xlabel="epoch" if name == "epochs" else "seconds")

@@ -1,20 +1,12 @@
 """Evaluation figures from per-rank SUFFICIENT STATISTICS: exact at any number of ranks.
 
-Each rank turns its rows into a small float64 vector; the vectors of all ranks combine into
-the whole set's, from which the figures follow. Pure NumPy: the caller does the collective.
+Each rank turns its rows into a small float64 vector; all ranks' vectors combine (the
+caller's one collective) into the whole set's, from which the figures follow::
 
-Classification (additive: also across batches, ``np.add``)::
+    figures = class_scores(allreduce_sum(class_stats(scores, y, k)), k)     # additive
+    figures = reg_scores(reg_combine_all(allgather(reg_stats(pred, t))))    # Chan et al.
 
-    stats = class_stats(scores, y, n_classes)      # this rank's rows (any number, even 0)
-    figures = class_scores(allreduce_sum(stats), n_classes)
-
-Regression (the centred sums of squares that make R^2 exact merge by Chan et al.)::
-
-    stats = reg_combine_all([reg_stats(pred, t) for pred, t in batches])   # this rank
-    figures = reg_scores(reg_combine_all(allgather(stats)))
-
-Another order of summing changes the figures by rounding only: ~1e-12 relative (for R^2,
-~1e-16 * |mean| / std of the targets: :mod:`mpidp.nn.standardize`)."""
+Another order of summing changes the figures by rounding only (~1e-12 relative)."""
 
 from __future__ import annotations
 
@@ -125,7 +117,11 @@ def class_scores(stats: np.ndarray, n_classes: int) -> dict:
     return out
 
 
-def _targets(pred: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def reg_stats(pred: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Statistics of a regression's predictions ``pred`` ``(n, t)`` against ``target`` ``(n, t)``
+    (both may be ``(n,)`` when t = 1; ``n`` may be 0): float64 ``(1 + 4t,)``: ``[count, SSE (t),
+    SAE (t), target mean (t), target M2 (t)]``. NOT additive: merge vectors with
+    :func:`reg_combine` / :func:`reg_combine_all`."""
     pred, target = np.asarray(pred), np.asarray(target)
     if pred.ndim == 1:
         pred = pred[:, None]
@@ -136,15 +132,6 @@ def _targets(pred: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarr
     if target.shape != pred.shape:
         raise ValueError(f"reg_stats: targets of shape {target.shape} do not match predictions "
                          f"of shape {pred.shape} (targets are (n, t), or (n,) when t is 1)")
-    return pred, target
-
-
-def reg_stats(pred: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Statistics of a regression's predictions ``pred`` ``(n, t)`` against ``target`` ``(n, t)``
-    (both may be ``(n,)`` when t = 1; ``n`` may be 0): float64 ``(1 + 4t,)``: ``[count, SSE (t),
-    SAE (t), target mean (t), target M2 (t)]``. NOT additive: merge vectors with
-    :func:`reg_combine` / :func:`reg_combine_all`."""
-    pred, target = _targets(pred, target)
     n, t = pred.shape
     out = np.zeros(1 + 4 * t)
     if n == 0:
@@ -193,10 +180,9 @@ def reg_combine_all(parts: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:
 
 def reg_scores(stats: np.ndarray) -> dict:
     """Regression figures from a (combined) :func:`reg_stats` vector, a JSON-able dict:
-    ``count``; ``mse``, ``mae``, ``r2`` (means over the outputs) and the per-output lists
-    ``mse_outputs``, ``mae_outputs``, ``r2_outputs``. ``R^2 = 1 - SSE / M2`` per output, 1 when
-    SSE is 0, else 0 when M2 is 0 (scikit-learn's ``force_finite``); NaN figures as
-    scikit-learn's (``mse``/``mae`` when ``count`` is 0, ``r2`` below 2)."""
+    ``count``; ``mse``, ``mae``, ``r2`` (means over the outputs) and per output
+    ``mse_outputs``, ``mae_outputs``, ``r2_outputs``; R^2 as scikit-learn's (``force_finite``:
+    1 when SSE is 0, else 0 when M2 is 0; NaN below 2 samples)."""
     stats = np.asarray(stats, np.float64)
     t = _n_outputs(stats, "reg_scores")
     n = int(round(stats[0]))
@@ -214,10 +200,8 @@ def reg_scores(stats: np.ndarray) -> dict:
 
 class ScoreSums:
     """This rank's evaluation statistics over its batches (``add`` per batch), for
-    ``n_outputs`` outputs: :func:`class_stats` vectors, ``additive`` (ranks sum
-    :attr:`vector`), or :func:`reg_stats` (ranks gather it and merge with
-    :func:`reg_combine_all`). :meth:`scores` turns the global vector into the figures.
-    """
+    ``n_outputs`` outputs: :func:`class_stats` vectors (``additive``: ranks sum
+    :attr:`vector`) or :func:`reg_stats` (merged with :func:`reg_combine_all`)."""
 
     def __init__(self, classification: bool, n_outputs: int) -> None:
         self.classification, self.n_outputs = bool(classification), int(n_outputs)

@@ -149,10 +149,9 @@ def _gather_obj(comm, obj: Any) -> list | None:
 
 
 def write(comm, tracer: Tracer, path: str) -> int | None:
-    """Align clocks, gather every rank's spans and write ``path`` on rank 0, atomically (a
-    failure raises :class:`mpidp.atomic.WriteError` naming ``path``); its
-    ``otherData.clock_sync`` records each rank's offset and uncertainty. Collective.
-    Returns the number of spans written on rank 0, None elsewhere."""
+    """Align clocks, gather every rank's spans and write ``path`` on rank 0, atomically, with
+    each rank's clock offset and uncertainty. Collective. Returns the number of spans written
+    on rank 0, None elsewhere."""
     offset, err = clock_offsets(comm)
     mine = {"rank": comm.rank, "host": tracer.host, "offset": offset, "uncertainty": err,
             "events": tracer.events}
@@ -230,28 +229,6 @@ def build(parts: Sequence[dict], window: tuple[int, int] | None = None) -> dict:
 def _mid(ev: dict) -> float:
     """The middle of span ``ev`` (a flow arrow's end binds to the span around it)."""
     return round(ev["ts"] + ev["dur"] / 2, 3)
-
-
-def overlaps(trace: dict, nested_ok: bool = True) -> list[str]:
-    """Problems in ``trace``: spans on one (pid, tid) track that overlap without one
-    containing the other (any overlap if not ``nested_ok``). Empty when the tracks are
-    clean. Pure; used by tests and by :mod:`benchmarks.plot_timeline`."""
-    tracks: dict[tuple, list] = {}
-    for e in trace["traceEvents"]:
-        if e.get("ph") == "X":
-            tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"], e))
-    problems = []
-    for key, spans in tracks.items():
-        spans.sort(key=lambda s: (s[0], -s[1]))
-        open_ends: list[float] = []
-        for t0, t1, e in spans:
-            while open_ends and open_ends[-1] <= t0 + 1e-3:
-                open_ends.pop()
-            if open_ends and (not nested_ok or t1 > open_ends[-1] + 1e-3):
-                problems.append(f"pid {key[0]} tid {key[1]}: {e['name']} at {t0:.3f} us "
-                                f"overlaps a span ending at {open_ends[-1]:.3f} us")
-            open_ends.append(t1)
-    return problems
 
 
 def parse_window(text: str | None) -> tuple[int, int] | None:

@@ -133,10 +133,9 @@ class Watch:
                                                                    1e-9))})
 
     def finish(self, history: list[dict]) -> None:
-        """At the end of training (every rank): write the trace (collective; failing to
-        write it is a warning, never the run's failure, as is a ``trace_steps`` window
-        that none of the run's steps fell in); a mode that learns its epochs only at the end
-        (async-ps) writes their lines now."""
+        """At the end of training (every rank; collective): write the trace (a failure, or a
+        ``trace_steps`` window no step fell in, is a warning), and the epoch lines of a mode that
+        learns its epochs only at the end (async-ps)."""
         if self.tracer is not None:
             try:
                 n = write_trace(self.comm, self.tracer, self.outputs.trace)

@@ -168,14 +168,10 @@ def save(directory: str, model: Sequential, optimizer: Optimizer, state: State, 
 def save_flat(directory: str, params: np.ndarray, optimizer: Optimizer, state: State,
               keep: int = 3, *, run_id: str | None = None) -> str:
     """:func:`save` from the whole model's flat ``params`` and an ``optimizer`` holding the
-    whole model's state arrays (as a pipeline gathers them from its stages). The file is
-    the same whoever wrote it, so any layout may resume it.
-
-    Raises ValueError, writing nothing, if ``state`` is behind the newest checkpoint: its
-    ``global_step`` is smaller, or equal at an earlier ``(epoch, step)`` (the end-of-training
-    checkpoint ``(epochs, 0)`` may rewrite a periodic one of its step, adding the last
-    epoch's record); or if ``run_id`` is given and the folder's ``run.json`` names another.
-    """
+    whole model's state arrays (as a pipeline gathers them): any layout may resume it.
+    Raises ValueError, writing nothing, if ``state`` is behind the newest checkpoint (a
+    smaller ``global_step``, or the same at an earlier ``(epoch, step)``), or if ``run_id``
+    is given and the folder's ``run.json`` names another run."""
     return _write(directory, {"params": params}, optimizer, state, keep, run_id)
 
 

@@ -72,11 +72,6 @@ def clean_stale_tmp(directory: str, max_age_s: float = 3600.0) -> list[str]:
     return removed
 
 
-def _holder_record() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "proc_start": _proc_start(os.getpid()),
-            "since": time.strftime("%Y-%m-%d %H:%M:%S %z")}
-
-
 def _read_record(fd: int) -> dict | None:
     try:
         text = os.pread(fd, 4096, 0).decode()
@@ -131,7 +126,9 @@ def lock_folder(directory: str) -> int:
             raise _in_use(directory, record, f"; this filesystem has no locks, so if that job "
                           f"has ended, delete {path}", "for it") from None
     try:
-        _write_record(fd, _holder_record())
+        _write_record(fd, {"host": socket.gethostname(), "pid": os.getpid(),
+                           "proc_start": _proc_start(os.getpid()),
+                           "since": time.strftime("%Y-%m-%d %H:%M:%S %z")})
     except OSError as exc:  # a full disk
         os.close(fd)
         raise write_error(exc, path, setting("checkpoint_dir")) from None

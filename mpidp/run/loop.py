@@ -33,11 +33,10 @@ __all__ = ["Checkpointing", "Feed", "RunSpec", "Trainer", "run"]
 
 
 class Trainer(Protocol):
-    """What the loop needs of a trainer (:class:`~mpidp.DataParallel`,
-    :class:`~mpidp.parallel.Pipeline`). Optional: ``timer`` (whose ``tracer`` gets the
-    loop's checkpoint and evaluation spans); ``policy`` (the NaN/Inf policy, whose
-    ``skipped`` count the records report); ``optimizer`` (each record has its ``lr_at`` the
-    epoch's last update; ``spec.plateau`` sets its ``lr_scale``)."""
+    """What the loop needs of a trainer (:class:`~mpidp.DataParallel`, a pipeline ...), and
+    may use: ``timer`` (its ``tracer`` gets the loop's spans), ``policy`` (the NaN/Inf
+    policy, whose ``skipped`` count records report), ``optimizer`` (its ``lr_at``, and the
+    ``lr_scale`` the plateau rule sets)."""
 
     world: C.Comm
     global_step: int

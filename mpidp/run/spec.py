@@ -54,21 +54,19 @@ class RunSpec:
     a :class:`mpidp.Partition`, or a :class:`mpidp.Plan` batching as the spec does.
     ``check_every``: compare replicas every this many steps (0: never). ``checkpoint``,
     ``resume``: where to save, the :class:`~mpidp.run.checkpoint.State` to continue from.
-    ``progress`` (rank 0): ``"bar"``, ``"lines"``, ``"auto"`` (a bar when someone watches
-    the launcher's terminal) or ``"none"``; True is ``"auto"``, False ``"none"``. ``stop``
+    ``progress`` (rank 0): one of :data:`mpidp.observe.progress.MODES`; True is ``"auto"``
+    (a bar when someone watches), False ``"none"``. ``stop``
     (:class:`mpidp.run.signals.StopSignals`): stop cleanly on SIGTERM/SIGUSR1. ``watchdog``:
     end the job, naming the stalled rank, when a rank makes no progress for a timeout:
-    ``"auto"`` (:data:`AUTO`), seconds, ``0``/``False`` (off; None: "not given" to ``fit``),
-    or a :class:`mpidp.comm.Watchdog` of your own.
+    :data:`AUTO`, seconds, ``0``/``False`` (off; None: "not given" to ``fit``), or a
+    :class:`mpidp.comm.Watchdog`.
 
-    Callbacks, on every rank: ``on_step(step, stats)`` after each step (the global step just
-    done, 1 for the first, and its :class:`~mpidp.run.stats.StepStats`), ``on_epoch(record)``
-    after each epoch; a true result on any rank stops every rank together (after the next
-    step for ``on_step``). ``early_stopping`` (:class:`~mpidp.run.early_stopping.EarlyStopping`)
-    ends training, ``plateau`` (:class:`~mpidp.run.early_stopping.ReduceOnPlateau`) scales the
-    learning rate, from the epoch's ``monitor`` figure (default ``"val_loss"``: the loss on
-    ``test={"val": ...}``). ``max_skipped``: fail when more than this share of the run's steps
-    had their update skipped by the NaN/Inf policy."""
+    Callbacks, on every rank: ``on_step(step, stats)`` (the global step just done, from 1)
+    and ``on_epoch(record)``; a true result on any rank stops every rank together.
+    ``early_stopping`` ends training, ``plateau`` scales the learning rate, from the epoch's
+    ``monitor`` figure (default ``"val_loss"``: the loss on ``test={"val": ...}``).
+    ``max_skipped``: fail when more than this share of the run's steps had their update
+    skipped by the NaN/Inf policy."""
 
     epochs: int
     batch_size: int
