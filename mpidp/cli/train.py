@@ -35,9 +35,8 @@ from ..parallel.data_feed import fit
 from ..parallel.modes import make_sync
 from ..parallel.pipeline_feed import figures, fit_pipeline, whole_model
 from ..run import faults
-from ..run.checkpoint import restore
+from ..run.checkpoint import claimed, restore
 from ..run.folders import clean_stale_tmp
-from ..run.resume import claimed
 from ..run.signals import StopSignals
 from ..run.spec import RunSpec
 from . import flags

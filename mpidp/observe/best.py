@@ -10,22 +10,15 @@ from ..nn.model import Sequential, save
 
 
 class BestModel:
-    """An ``on_epoch`` callback (see :class:`mpidp.RunSpec`) that keeps, in the file
-    ``path``, the model of the epoch with the lowest validation loss so far.
+    """An ``on_epoch`` callback (see :class:`mpidp.RunSpec`) that keeps, in the file ``path``,
+    the model of the epoch with the lowest ``val_loss`` so far (the loss on ``test={"val":
+    ...}``), written by :func:`mpidp.nn.save` with ``meta`` plus ``epoch`` and ``val_loss``.
+    It never asks the run to stop.
 
-    After each epoch whose record holds a ``val_loss`` (the loss on the set given to
-    :func:`mpidp.fit` as ``test={"val": ...}``) lower than every earlier one, ``path`` is
-    written by :func:`mpidp.nn.save` (atomically; its folder made if needed) with that
-    epoch's model, its metadata ``meta`` plus ``epoch`` and ``val_loss``. Other epochs
-    write nothing, and it never asks the run to stop.
-
-    ``model``: the model trained (e.g. ``dp.model``), or a callable returning it, called on
-    every rank when an epoch improves (collective for a model gathered from its parts; only
-    the writer's result is used). Call it on every rank: only rank 0 of ``comm`` writes
-    (``comm`` None: this process writes). After a resume, :meth:`resume` with the history
-    so far keeps the best epoch among those already done. :meth:`summary`: the file, epoch
-    and loss kept, None until one is.
-    """
+    ``model``: the model trained, or a callable returning it, called on every rank when an
+    epoch improves (it may be collective). Only rank 0 of ``comm`` writes (``comm`` None: this
+    process). :meth:`resume` takes the best of the epochs already done; :meth:`summary`: the
+    file, epoch and loss kept, None until one is."""
 
     def __init__(self, path: str, model: Sequential | Callable[[], Sequential | None], *,
                  comm=None, meta: dict | None = None) -> None:

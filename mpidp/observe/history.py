@@ -1,16 +1,8 @@
-"""Live metrics of a run: ``history.jsonl`` (one JSON object per line, flushed as written)
-and, optionally, TensorBoard scalars. Written on the root rank only; no MPI here.
-
-A job that fails or is killed keeps every line up to its last one: each line is written
-whole and flushed to the operating system at once (an epoch line is also fsync'ed, so it
-survives a machine crash). ``metrics.json`` and ``model.npz`` stay success-only; this file
-is what ``mpidp plot`` reads when they are missing.
-
-Line format: ``{"kind": "config" | "epoch" | "steps", ...the record...}``. Records are flat dicts of
-numbers and strings; per-rank figures are lists indexed by rank (e.g. ``"compute_s": [..]``
-with ``"comm_s"`` and ``"wait_s"``), from which :func:`derived` adds the communication
-share and the load imbalance. Non-finite floats are written as ``null`` (strict JSON).
-"""
+"""Live metrics of a run: ``history.jsonl`` (one JSON object per line, each flushed whole,
+epoch lines fsync'ed: a killed job keeps them all, for ``mpidp plot``) and, optionally,
+TensorBoard scalars. Written on the root rank only; no MPI here. A line is ``{"kind":
+"config" | "epoch" | "steps", ...}``: numbers and strings, per-rank figures as lists
+indexed by rank, non-finite floats as ``null``."""
 
 from __future__ import annotations
 
@@ -21,10 +13,13 @@ import os
 from typing import Any
 
 from ..atomic import write_error
+from ..errors import setting
 
-#: The message when TensorBoard output is asked for without its package.
-NEED_TENSORBOARD = ("--tensorboard needs the tensorboardX package: pip install "
-                    "'mpidp[tensorboard]' (or pip install tensorboardX)")
+
+def need_tensorboard() -> ValueError:
+    """The error when TensorBoard output is asked for without its package."""
+    return ValueError(f"{setting('tensorboard')} needs the tensorboardX package: pip install "
+                      f"'mpidp[tensorboard]' (or pip install tensorboardX)")
 
 
 def _clean(v: Any) -> Any:
@@ -41,10 +36,9 @@ def _clean(v: Any) -> Any:
 
 
 def derived(record: dict) -> dict:
-    """``comm_share`` (communication seconds over compute + communication + wait, summed
-    over ranks) and ``imbalance`` (slowest rank's compute over the mean; 1 = balanced) from
-    the per-rank lists ``compute_s``, ``comm_s`` and ``wait_s`` (seconds per rank over the
-    record's span); empty when ``record`` lacks ``compute_s``."""
+    """``comm_share`` (communication seconds over all seconds, summed over ranks) and
+    ``imbalance`` (slowest rank's compute over the mean) from the per-rank lists
+    ``compute_s``, ``comm_s``, ``wait_s``; empty when ``record`` lacks ``compute_s``."""
     compute = record.get("compute_s")
     if not isinstance(compute, (list, tuple)) or not compute:
         return {}
@@ -57,35 +51,28 @@ def derived(record: dict) -> dict:
 
 
 class History:
-    """Appends records to ``path_jsonl``; mirrors them to TensorBoard when asked.
-
-    ``path_jsonl`` (its folder is created) is truncated unless ``append`` (a resumed run
-    continues its file). ``tensorboard_dir``: folder for TensorBoard event files, or None
-    (``ValueError`` naming the fix when tensorboardX is not installed). ``fsync_epochs``:
-    fsync after each epoch line (steps lines are only flushed). ``what``: the option that
-    named the file's place (``"--out"``), for the fix in errors.
-
-    Files are created with the process umask (``open`` mode 0o666 & ~umask). A write that
-    fails (a full disk) raises :class:`mpidp.atomic.WriteError` naming ``path_jsonl``.
-    """
+    """Appends records to ``path_jsonl`` (truncated unless ``append``; its folder is created);
+    mirrors them to TensorBoard event files in ``tensorboard_dir`` when given (ValueError
+    naming the fix without tensorboardX). Config and epoch lines are fsync'ed, steps lines
+    flushed. A failed write raises :class:`mpidp.atomic.WriteError` naming the file and
+    ``what``, the setting that named its place (``"out"``)."""
 
     def __init__(self, path_jsonl: str, tensorboard_dir: str | None = None,
-                 append: bool = False, fsync_epochs: bool = True,
-                 what: str | None = None) -> None:
-        self.writer = None
-        self.path, self.fsync_epochs, self.what, self._failed = path_jsonl, fsync_epochs, what, False
+                 append: bool = False, what: str | None = None) -> None:
+        self.path, self.what = path_jsonl, what
+        self.writer, self._failed = None, False
         if tensorboard_dir is not None:
             try:
                 from tensorboardX import SummaryWriter
             except ImportError:
-                raise ValueError(NEED_TENSORBOARD) from None
+                raise need_tensorboard() from None
             os.makedirs(tensorboard_dir, exist_ok=True)
             self.writer = SummaryWriter(logdir=tensorboard_dir)
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path_jsonl)), exist_ok=True)
             self._f = open(path_jsonl, "a" if append else "w", encoding="utf-8")
         except OSError as exc:
-            raise write_error(exc, path_jsonl, what) from None
+            raise self._error(exc) from None
 
     def _write(self, kind: str, record: dict, sync: bool) -> dict:
         rec = {"kind": kind, **_clean(record)}
@@ -97,22 +84,25 @@ class History:
                 os.fsync(self._f.fileno())
         except OSError as exc:
             self._failed = True  # said once: close() does not raise it again
-            raise write_error(exc, self.path, self.what) from None
+            raise self._error(exc) from None
         return rec
+
+    def _error(self, exc: OSError):
+        return write_error(exc, self.path, self.what and setting(self.what))
 
     def config(self, config: dict) -> None:
         """Write the run's configuration (first, once): ``mpidp plot`` labels a killed run
         from it. Keys as in ``metrics.json``'s ``config`` (``sync``, ``world_size`` ...)."""
-        self._write("config", config, self.fsync_epochs)
+        self._write("config", config, True)
 
     def epoch(self, record: dict) -> None:
         """Append one finished epoch (must hold ``epoch``; usually ``loss``, ``accuracy``,
         ``seconds``, ``elapsed_s``, ``samples_per_s``, test figures, per-rank lists)."""
-        rec = self._write("epoch", record, self.fsync_epochs)
+        rec = self._write("epoch", record, True)
         self._scalars("epoch", rec, int(rec.get("epoch", 0)))
 
     def steps(self, record: dict) -> None:
-        """Append one ``--log-every`` record (must hold ``step``; usually ``epoch``,
+        """Append one record of the last ``log_every`` steps (must hold ``step``; usually ``epoch``,
         ``loss``, ``samples_per_s`` and the per-rank lists over the last N steps)."""
         rec = self._write("steps", record, False)
         self._scalars("step", rec, int(rec.get("step", 0)))
@@ -123,8 +113,8 @@ class History:
             return
         for key, v in rec.items():
             if key in ("kind", "epoch", "step"):
-                continue
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                pass
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
                 self.writer.add_scalar(f"{prefix}/{key}", v, x)
             elif isinstance(v, list) and all(isinstance(y, (int, float)) for y in v):
                 for r, y in enumerate(v):
@@ -146,7 +136,7 @@ class History:
                     self._f.close()  # closed even where its flush fails
             if error is not None and not self._failed:
                 self._failed = True
-                raise write_error(error, self.path, self.what) from None
+                raise self._error(error) from None
         if self.writer is not None:
             self.writer.close()
             self.writer = None

@@ -13,34 +13,21 @@ import numpy as np
 from .. import comm as C
 
 FIELDS = ("compute_s", "comm_s", "steps", "samples")
-
-
-#: Columns of :attr:`StepTimer.records`, one row per step.
+#: Columns of the per-step rows of :class:`StepTimer`, and their numbers.
 STEP_FIELDS = ("t_begin", "compute_s", "compute_cpu_s", "comm_s", "update_s", "samples", "cost")
-#: Column numbers of the :data:`STEP_FIELDS`, by name.
-_T_BEGIN, _COMPUTE, _CPU, _COMM, _UPDATE, _SAMPLES, _COST = (STEP_FIELDS.index(f) for f in (
-    "t_begin", "compute_s", "compute_cpu_s", "comm_s", "update_s", "samples", "cost"))
+_T_BEGIN, _COMPUTE, _CPU, _COMM, _UPDATE, _SAMPLES, _COST = range(len(STEP_FIELDS))
 
 
 @dataclass
 class StepTimer:
-    """Accumulates seconds spent computing and communicating, steps and samples done here.
-
-    Besides the totals it keeps one row per step (:data:`STEP_FIELDS`): the wall clock at
-    the step's start, the wall and CPU (process) time of the local forward/backward before
-    the step's collective, the collective's wall time, the update after it, the samples and
-    their cost (:meth:`note_cost`). Rows stay local until :meth:`take_records`.
-    ``slowdown`` > 1 simulates a slower node (for benchmarks and tests): the step's local
-    forward/backward -- the work that scales with this rank's share of the batch -- is
-    stretched by that factor by sleeping ``(slowdown - 1) x`` its duration (the sleep counts
-    in its wall time, not in its CPU time). The replicated
-    update after the collective (the same on every rank whatever the split, so nothing a
-    partition can rebalance) is not stretched.
-
-    ``tracer`` (a :class:`mpidp.observe.trace.Tracer`, or None): every ``compute`` and
-    ``communicate`` span also goes to the per-rank timeline, on the ``compute`` and ``comm``
-    tracks (a compute span after the step's collective is named ``update``).
-    """
+    """Accumulates seconds spent computing and communicating, steps and samples done here,
+    and one row per step (:data:`STEP_FIELDS`: the step's start, wall and CPU seconds of its
+    local forward/backward, of its collective, of the update after it, its samples and their
+    cost, :meth:`note_cost`), kept local until :meth:`take_records`. ``slowdown`` > 1
+    simulates a slower node by sleeping ``(slowdown - 1) x`` the local forward/backward (not
+    the replicated update). ``tracer`` (a :class:`mpidp.observe.trace.Tracer`) also gets
+    every span, on the ``compute`` and ``comm`` tracks (a compute span after the collective:
+    ``update``)."""
 
     compute_s: float = 0.0
     comm_s: float = 0.0
@@ -54,10 +41,8 @@ class StepTimer:
 
     @contextmanager
     def compute(self, name: str = "compute", local: bool | None = None, **args):
-        """Time a piece of computation. ``local``: per-sample work (stretched by
-        ``slowdown``) or, False, the replicated update; None: per-sample work exactly when
-        the step has not communicated yet (data parallelism: forward and backward come
-        before the collective, the update after it; a pipeline says which is which)."""
+        """Time a piece of computation: per-sample work (``local``, stretched by ``slowdown``)
+        or the replicated update; ``local`` None: per-sample work until the step communicates."""
         t, c = time.perf_counter(), time.process_time()
         first = self._cur[_T_BEGIN] == 0.0
         if first:
@@ -123,20 +108,17 @@ class StepTimer:
 
 
 def gather_timings(comm: C.Comm, timer: StepTimer, root: int = 0) -> list[dict] | None:
-    """Every rank's timer as a list of dicts (index = rank) on ``root``; None elsewhere.
-
-    Collective (one ``Gather``). ``comm_fraction`` is comm / (compute + comm) per rank.
-    """
+    """Every rank's timer as a list of dicts (index = rank, with ``comm_fraction``: comm over
+    compute + comm) on ``root``; None elsewhere. Collective (one ``Gather``)."""
     rows = C.gather_rows(comm, timer.as_row(), root)
     if rows is None:
         return None
-    out = []
-    for rank, row in enumerate(rows):
-        d = {"rank": rank, **{f: float(v) for f, v in zip(FIELDS, row)}}
+    out = [{"rank": rank, **{f: float(v) for f, v in zip(FIELDS, row)}}
+           for rank, row in enumerate(rows)]
+    for d in out:
         d["steps"], d["samples"] = int(d["steps"]), int(d["samples"])
         busy = d["compute_s"] + d["comm_s"]
         d["comm_fraction"] = d["comm_s"] / busy if busy else 0.0
-        out.append(d)
     return out
 
 

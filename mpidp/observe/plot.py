@@ -1,10 +1,7 @@
-"""Loss and accuracy of one or several runs against epochs and against seconds, each run
-labelled from its configuration (``mpidp plot``, :mod:`mpidp.cli.plot`).
-
-A run folder holds ``metrics.json`` (a finished run) or, for a run that failed or was
-killed, ``history.jsonl`` (its epochs up to the last line written). No MPI here;
-matplotlib is imported only when drawing (an error names the fix when it is missing).
-"""
+"""Loss and accuracy of one or several runs against epochs and seconds, each run labelled
+from its configuration (``mpidp plot``). A run folder holds ``metrics.json`` (a finished
+run) or ``history.jsonl`` (a failed or killed run's epochs). matplotlib is imported only
+when drawing."""
 
 from __future__ import annotations
 
@@ -14,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..atomic import check_file, shown, write_atomic, write_error
+from ..errors import setting
 from .history import read as read_history
 
 #: Configuration keys worth naming in a label, in this order, with their short names.
@@ -31,8 +29,7 @@ def load_run(folder: str) -> dict:
     """``{"folder", "config", "epochs": [records], "finished": bool}`` from a run folder.
 
     Raises ValueError naming the folder when it holds neither file, or no epoch yet."""
-    metrics = os.path.join(folder, "metrics.json")
-    jsonl = os.path.join(folder, "history.jsonl")
+    metrics, jsonl = os.path.join(folder, "metrics.json"), os.path.join(folder, "history.jsonl")
     if os.path.isfile(metrics):
         try:
             with open(metrics, encoding="utf-8") as f:
@@ -49,12 +46,10 @@ def load_run(folder: str) -> dict:
                 "epochs": _checked_epochs(m.get("history") or [], metrics), "finished": True}
     if not os.path.isfile(jsonl):
         raise ValueError(f"{folder}: no metrics.json or history.jsonl; give a folder that "
-                         "mpidp train wrote (its --out)")
+                         f"mpidp train wrote (its {setting('out')})")
     records = read_history(jsonl)
-    config = {}
-    for r in records:
-        if r.get("kind") == "config":
-            config = {k: v for k, v in r.items() if k != "kind"}
+    config = next(({k: v for k, v in r.items() if k != "kind"} for r in reversed(records)
+                   if r.get("kind") == "config"), {})
     epochs = [r for r in records if r.get("kind") == "epoch"]
     if not epochs:
         raise ValueError(f"{folder}: history.jsonl has no finished epoch yet")
@@ -125,21 +120,10 @@ def labels(runs: list[dict]) -> list[str]:
     return [lab + ("" if r["finished"] else " (killed)") for lab, r in zip(out, runs)]
 
 
-def _series(epochs: list[dict], key: str) -> list[float | None]:
-    return [e.get(key) for e in epochs]
-
-
-def _wide_range(values: list[float]) -> bool:
-    """True when positive ``values`` span more than a factor of 20 (use a log axis)."""
-    pos = [v for v in values if v is not None and v > 0]
-    return bool(pos) and max(pos) / min(pos) > 20
-
-
 def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) -> list[str]:
-    """Draw loss (top) and accuracy (below) against epochs and/or seconds into ``out``, and
-    the learning rate of each epoch's last update (bottom) when the runs record it.
-    Training figures solid, test figures dashed in the same colour. Returns the legend's
-    entries (outside the axes, so it hides no curve)."""
+    """Draw loss (top), accuracy and, when the runs record a changing one, the learning rate
+    against epochs and/or seconds into ``out``: training solid, test dashed in the same
+    colour. Returns the legend's entries (beside the axes: it hides no curve)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -166,22 +150,19 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
                 for key, style in ((train, "-"), (test, "--")):
                     if key is None:
                         continue
-                    ys = _series(ep, key)
+                    ys = [e.get(key) for e in ep]
                     if all(v is None for v in ys):
                         continue
                     losses += [v for v in ys if row == 0 and v is not None]
                     ax.plot(xvals[name], [float("nan") if v is None else v for v in ys],
                             style, color=color, marker=mark, ms=2 + lw, lw=lw, zorder=2 + i,
                             label=f"{label}, {'train' if key == train else 'test'}")
+    positive = [v for v in losses if v > 0]  # spanning over a factor of 20: a log axis
     for col, name in enumerate(xs):
-        axes[0][col].set(ylabel="loss", xlabel="epoch" if name == "epochs" else "seconds")
-        axes[1][col].set(ylabel="accuracy", xlabel="epoch" if name == "epochs" else "seconds")
-        if len(rows) > 2:
-            axes[2][col].set(ylabel="learning rate",
-                             xlabel="epoch" if name == "epochs" else "seconds")
-        if _wide_range(losses):
+        if positive and max(positive) / min(positive) > 20:
             axes[0][col].set_yscale("log")
-        for row in range(len(rows)):
+        for row, ylabel in enumerate(("loss", "accuracy", "learning rate")[:len(rows)]):
+            axes[row][col].set(ylabel=ylabel, xlabel="epoch" if name == "epochs" else "seconds")
             axes[row][col].grid(alpha=0.3)
             if name == "epochs":
                 axes[row][col].xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -196,23 +177,22 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
         try:
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         except OSError as exc:
-            raise write_error(exc, out, "--out") from None
+            raise write_error(exc, out, setting("out")) from None
         write_atomic(out, lambda f: fig.savefig(f, format=fmt, dpi=110, bbox_inches="tight"),
-                     what="--out")
+                     what=setting("out"))
     finally:
         plt.close(fig)
     return names
 
 
-#: The file written when ``--out`` names a folder.
+#: The file written when ``out`` names a folder.
 IN_A_FOLDER = "plot.png"
 
 
 def output_path(out: str) -> str:
-    """The image file ``--out`` means: ``out`` itself; ``OUT/plot.png`` when ``out`` is a
-    folder (or ends with a separator); ``out.png`` when it has no extension. ValueError
-    naming ``out`` and the fix for a format matplotlib cannot write, or a place where no
-    file can be written (tried)."""
+    """The image file ``out`` means: ``out``, ``OUT/plot.png`` for a folder, ``out.png``
+    without an extension. ValueError naming the fix for a format matplotlib cannot write, or
+    a place where no file can be written."""
     if os.path.isdir(out) or out.endswith(os.sep):
         out = os.path.join(out, IN_A_FOLDER)
     elif not os.path.splitext(out)[1]:
@@ -221,9 +201,9 @@ def output_path(out: str) -> str:
     formats = FigureCanvasBase.get_supported_filetypes()
     ext = os.path.splitext(out)[1][1:].lower()
     if ext not in formats:
-        raise ValueError(f"--out {shown(out)}: matplotlib cannot write .{ext} images; give "
-                         f"one of " + ", ".join(f".{f}" for f in sorted(formats)))
-    check_file(out, "--out", IN_A_FOLDER)
+        raise ValueError(f"{setting('out')} {shown(out)}: matplotlib cannot write .{ext} "
+                         f"images; give one of " + ", ".join(f".{f}" for f in sorted(formats)))
+    check_file(out, setting("out"), IN_A_FOLDER)
     return out
 
 

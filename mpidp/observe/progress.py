@@ -15,7 +15,9 @@ import time
 
 from ..errors import MpidpError
 
-MODES = ("auto", "bar", "lines", "none")
+#: Draw a bar when someone watches, else lines (see :func:`watched`).
+AUTO = "auto"
+MODES = (AUTO, "bar", "lines", "none")
 #: Seconds between two plain progress lines (``MPIDP_PROGRESS_SECONDS`` overrides it).
 LINE_SECONDS = 10.0
 #: The environment variable that sets the seconds between two plain progress lines.
@@ -58,24 +60,24 @@ def _is_terminal(target: str | None) -> bool:
     return target is not None and target.startswith(("/dev/pts/", "/dev/tty"))
 
 
-def _parent(pid: int) -> int:
-    """The parent of process ``pid``; 0 where unknown."""
+def _proc(pid: int, name: str) -> str:
+    """The text of ``/proc/PID/NAME``; "" where unknown."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rpartition(")")[2].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _name(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm", "rb") as f:
-            return f.read().decode("utf-8", "replace").strip()
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read().decode("utf-8", "replace")
     except OSError:
         return ""
 
 
-def _launcher(pid: int, depth: int) -> int | None:
+def _parent(pid: int) -> int:
+    """The parent of process ``pid``; 0 where unknown."""
+    try:
+        return int(_proc(pid, "stat").rpartition(")")[2].split()[1])
+    except (ValueError, IndexError):
+        return 0
+
+
+def _launcher(pid: int, depth: int = 8) -> int | None:
     """The MPI launcher that process ``pid``'s stderr pipe leads to: the first process up
     its chain of parents named in :data:`LAUNCHERS`, or the parent of one named in
     :data:`PROXIES`, each reached through processes whose stderr is a pipe; None if none."""
@@ -83,7 +85,7 @@ def _launcher(pid: int, depth: int) -> int | None:
         parent = _parent(pid)
         if parent <= 1:
             return None
-        name = _name(parent)
+        name = _proc(parent, "comm").strip()
         if name in LAUNCHERS:
             return parent
         if name in PROXIES:
@@ -95,21 +97,18 @@ def _launcher(pid: int, depth: int) -> int | None:
     return None
 
 
-def watched(pid: int | None = None, depth: int = 8) -> bool:
-    """True when stderr of process ``pid`` (this one by default) is a terminal or, when it
-    is a pipe to an MPI launcher (a rank's, forwarded through the launcher), when the
-    launcher's own stderr is a terminal. A pipe or a file anywhere else is not watched.
-    Linux ``/proc``; False where unknown."""
-    own = pid is None or pid == os.getpid()
-    pid = os.getpid() if pid is None else pid
+def watched() -> bool:
+    """True when this process's stderr is a terminal, or a pipe to an MPI launcher whose own
+    stderr is a terminal (Linux ``/proc``; else whether stderr is a terminal)."""
+    pid = os.getpid()
     target = _stderr(pid)
     if target is None:
-        return sys.stderr.isatty() if own else False
+        return sys.stderr.isatty()
     if _is_terminal(target):
         return True
     if not target.startswith("pipe:"):
         return False  # a file or a socket: nobody watches
-    launcher = _launcher(pid, depth)
+    launcher = _launcher(pid)
     return launcher is not None and _is_terminal(_stderr(launcher))
 
 
@@ -117,26 +116,24 @@ def resolve(mode: str | bool) -> str:
     """``mode`` (one of :data:`MODES`, or True/False for auto/none) as what to draw here:
     ``bar``, ``lines`` or ``none``."""
     if mode is True or mode is False:
-        mode = "auto" if mode else "none"
+        mode = AUTO if mode else "none"
     if mode not in MODES:
         raise ValueError(f"unknown progress {mode!r}; expected one of {MODES}")
-    if mode == "auto":
+    if mode == AUTO:
         return "bar" if watched() else "lines"
     return mode
 
 
 class Progress:
     """The progress of one epoch of ``total`` steps (``initial`` already done), drawn as
-    ``mode`` (``bar``, ``lines`` or ``none``, see :func:`resolve`): a tqdm bar (a line per
-    :data:`LINE_SECONDS` without tqdm), or a plain line every :data:`LINE_SECONDS`. Raises
-    :class:`~mpidp.errors.MpidpError` for a bad ``MPIDP_PROGRESS_SECONDS`` (see
-    :func:`line_seconds`), whatever ``mode`` is, so every rank raises alike."""
+    ``mode`` (:func:`resolve`): a tqdm bar (lines without tqdm), or a line every
+    :func:`line_seconds`, whose error every rank raises alike, whatever it draws."""
 
     def __init__(self, total: int, desc: str, mode: str = "none", initial: int = 0,
                  clock=time.monotonic) -> None:
         self.every = line_seconds()  # on every rank, whatever it draws: the same error on each
         self.total, self.desc, self.n, self._bar, self.clock = total, desc, initial, None, clock
-        self.mode = mode
+        self.mode, self.first = mode, initial
         if mode == "bar":
             try:
                 from tqdm import tqdm
@@ -145,7 +142,6 @@ class Progress:
             except ImportError:
                 self.mode = "lines"
         self.t0 = self.last = clock()
-        self.first = initial
 
     def update(self, loss: float) -> None:
         self.n += 1

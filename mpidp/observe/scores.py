@@ -1,28 +1,12 @@
 """Evaluation figures from per-rank SUFFICIENT STATISTICS: exact at any number of ranks.
 
-Each rank turns its rows into a small float64 vector; the vectors of all ranks combine
-into the vector of the whole set, from which the figures follow. Pure NumPy, no MPI: the
-caller does the one collective.
+Each rank turns its rows into a small float64 vector; all ranks' vectors combine (the
+caller's one collective) into the whole set's, from which the figures follow::
 
-Classification (additive)::
+    figures = class_scores(allreduce_sum(class_stats(scores, y, k)), k)     # additive
+    figures = reg_scores(reg_combine_all(allgather(reg_stats(pred, t))))    # Chan et al.
 
-    stats = class_stats(scores, y, n_classes)      # this rank's rows (any number, even 0)
-    stats = allreduce_sum(stats)                   # one Allreduce (SUM) of the vector
-    figures = class_scores(stats, n_classes)       # the same dict on every rank
-
-Vectors of several batches of one rank are added too (``np.add``).
-
-Regression (NOT additive: the centred sums of squares that make R^2 exact merge by Chan et
-al.'s formula)::
-
-    stats = reg_combine_all([reg_stats(pred, t) for pred, t in batches])   # this rank
-    stats = reg_combine_all(allgather(stats))      # one Allgather, rows merged
-    figures = reg_scores(stats)
-
-Summing the statistics in another order (other ranks, other splits) changes the figures
-by rounding only: ~1e-12 relative (for R^2, ~1e-16 * |mean| / std of the targets, the
-merge's bound in :mod:`mpidp.nn.standardize`).
-"""
+Another order of summing changes the figures by rounding only (~1e-12 relative)."""
 
 from __future__ import annotations
 
@@ -30,7 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..nn.standardize import combine_moments, merge_moments, moments
+from ..errors import is_whole
+from ..nn.standardize import combine_moments, moments
 
 #: The k of the top-k accuracies, of those below the number of classes (k >= n_classes is
 #: always a hit): see :func:`top_ks`.
@@ -43,8 +28,7 @@ def top_ks(n_classes: int) -> tuple[int, ...]:
 
 
 def _n_classes(n_classes: int) -> int:
-    if isinstance(n_classes, bool) or not isinstance(n_classes, (int, np.integer)) \
-            or n_classes < 1:
+    if not is_whole(n_classes, 1):
         raise ValueError(f"n_classes must be an integer >= 1, got {n_classes!r}")
     return int(n_classes)
 
@@ -57,21 +41,14 @@ def class_stats_size(n_classes: int) -> int:
 
 def class_stats(scores: np.ndarray, y: np.ndarray, n_classes: int) -> np.ndarray:
     """Additive statistics of a classifier's ``scores`` ``(n, k)`` (logits, ``k ==
-    n_classes``, ``n`` may be 0) against integer labels ``y`` ``(n,)`` in ``[0, k)``.
+    n_classes``, ``n`` may be 0) against integer labels ``y`` ``(n,)`` in ``[0, k)``: float64
+    ``(class_stats_size(k),)``: ``[count, summed log-loss, top-k hits for each k of
+    top_ks(k), confusion matrix (k*k, row = true class)]``; zeros for an empty batch.
 
-    Returns float64 ``(class_stats_size(k),)``: ``[count, summed log-loss, top-k hits for
-    each k of top_ks(k), confusion matrix (k*k, row = true class, column = predicted)]``;
-    zeros for an empty batch. Vectors of disjoint rows ADD (Allreduce SUM across ranks).
-
-    The prediction is ``argmax(scores)`` (the first maximum on ties). A sample is a top-k
-    hit when its true class is among the first k of the classes sorted by decreasing score,
-    ties in the order of the classes (so top-1 hits are the correct predictions; scikit-
-    learn breaks ties the other way). A row with a NaN score is no top-k hit. The log-loss
-    of a sample is ``-log p_y``, ``p = softmax(scores)`` computed in float64 in log space,
-    clipped to ``[-log(1 - eps), -log(eps)]`` -- i.e. ``p_y`` to ``[eps, 1 - eps]`` as
-    scikit-learn's ``log_loss`` does -- with ``eps`` the machine epsilon of the scores'
-    float dtype (float64's for other dtypes).
-    """
+    The prediction is ``argmax(scores)``. A top-k hit: the true class is among the first k
+    by decreasing score, ties in class order; never for a row with a NaN score. The log-loss
+    is ``-log softmax(scores)_y`` in float64, ``p_y`` clipped to ``[eps, 1 - eps]`` as
+    scikit-learn does (``eps`` of the scores' float dtype, else float64's)."""
     k = _n_classes(n_classes)
     scores, y = np.asarray(scores), np.asarray(y)
     if scores.ndim != 2 or scores.shape[1] != k:
@@ -113,16 +90,10 @@ def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
 
 def class_scores(stats: np.ndarray, n_classes: int) -> dict:
     """Classification figures from a (summed) :func:`class_stats` vector, a JSON-able dict:
-
-    - ``count``; ``accuracy``; ``top{k}_accuracy`` for each k of :func:`top_ks`;
-      ``log_loss`` (the mean): NaN when ``count`` is 0;
-    - ``precision``, ``recall``, ``f1``, ``support`` (lists, one per class) and
-      ``precision_macro``, ``recall_macro``, ``f1_macro`` (unweighted means over ALL
-      ``n_classes`` classes, as scikit-learn with ``labels=range(n_classes)``). A ratio
-      whose denominator is 0 is 0 (scikit-learn's ``zero_division=0``); F1 is
-      ``2 tp / (2 tp + fp + fn)``;
-    - ``confusion_matrix``: nested lists of ints, row = true class, column = predicted.
-    """
+    ``count``, ``accuracy``, ``top{k}_accuracy`` (each k of :func:`top_ks`), ``log_loss`` (NaN
+    when ``count`` is 0); per class ``precision``, ``recall``, ``f1``, ``support`` and their
+    unweighted means over ALL ``n_classes`` classes (``precision_macro`` ...), a ratio over 0
+    being 0 (scikit-learn's ``zero_division=0``); ``confusion_matrix`` (row = true class)."""
     k = _n_classes(n_classes)
     stats = np.asarray(stats, np.float64)
     if stats.shape != (class_stats_size(k),):
@@ -146,10 +117,11 @@ def class_scores(stats: np.ndarray, n_classes: int) -> dict:
     return out
 
 
-# ---------------------------------------------------------------------------- regression
-
-
-def _targets(pred: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def reg_stats(pred: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Statistics of a regression's predictions ``pred`` ``(n, t)`` against ``target`` ``(n, t)``
+    (both may be ``(n,)`` when t = 1; ``n`` may be 0): float64 ``(1 + 4t,)``: ``[count, SSE (t),
+    SAE (t), target mean (t), target M2 (t)]``. NOT additive: merge vectors with
+    :func:`reg_combine` / :func:`reg_combine_all`."""
     pred, target = np.asarray(pred), np.asarray(target)
     if pred.ndim == 1:
         pred = pred[:, None]
@@ -160,20 +132,6 @@ def _targets(pred: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarr
     if target.shape != pred.shape:
         raise ValueError(f"reg_stats: targets of shape {target.shape} do not match predictions "
                          f"of shape {pred.shape} (targets are (n, t), or (n,) when t is 1)")
-    return pred, target
-
-
-def reg_stats(pred: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Statistics of a regression's predictions ``pred`` ``(n, t)`` against ``target``
-    ``(n, t)`` (both may be ``(n,)`` when t = 1; ``n`` may be 0).
-
-    Returns float64 ``(1 + 4t,)``: ``[count, SSE (t), SAE (t), target mean (t), target M2 (t)]``:
-    the per-output sums of squared and of absolute errors, and the mean and centred sum
-    of squares ``sum((target - mean)**2)`` of the targets. NOT additive: merge vectors with
-    :func:`reg_combine` / :func:`reg_combine_all` (across ranks: Allgather, then
-    ``reg_combine_all`` of the rows).
-    """
-    pred, target = _targets(pred, target)
     n, t = pred.shape
     out = np.zeros(1 + 4 * t)
     if n == 0:
@@ -199,16 +157,7 @@ def reg_combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The :func:`reg_stats` vector of the union of the rows of ``a`` and ``b``: counts and
     error sums add, the targets' means and centred sums of squares merge by Chan et al.'s
     formula (:func:`mpidp.nn.standardize.merge_moments`)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    t = _n_outputs(a, "reg_combine")
-    if b.shape != a.shape:
-        raise ValueError(f"reg_combine: vectors of shapes {a.shape} and {b.shape} (different "
-                         f"numbers of outputs)")
-    out = np.empty_like(a)
-    out[:1 + 2 * t] = a[:1 + 2 * t] + b[:1 + 2 * t]
-    parts = [(int(round(v[0])), v[1 + 2 * t:1 + 3 * t], v[1 + 3 * t:]) for v in (a, b)]
-    _, out[1 + 2 * t:1 + 3 * t], out[1 + 3 * t:] = merge_moments(*parts)
-    return out
+    return reg_combine_all([a, b])
 
 
 def reg_combine_all(parts: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:
@@ -231,13 +180,9 @@ def reg_combine_all(parts: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:
 
 def reg_scores(stats: np.ndarray) -> dict:
     """Regression figures from a (combined) :func:`reg_stats` vector, a JSON-able dict:
-    ``count``; ``mse``, ``mae``, ``r2`` -- the unweighted means over the
-    outputs (scikit-learn's ``multioutput="uniform_average"``) -- and the per-output lists
-    ``mse_outputs``, ``mae_outputs``, ``r2_outputs``. ``R^2 = 1 - SSE / M2`` per output,
-    with scikit-learn's ``force_finite`` convention: 1 when SSE is 0, else 0 when M2 is 0.
-    ``mse``/``mae`` are NaN when ``count`` is 0, ``r2`` when it is below 2 (as
-    scikit-learn).
-    """
+    ``count``; ``mse``, ``mae``, ``r2`` (means over the outputs) and per output
+    ``mse_outputs``, ``mae_outputs``, ``r2_outputs``; R^2 as scikit-learn's (``force_finite``:
+    1 when SSE is 0, else 0 when M2 is 0; NaN below 2 samples)."""
     stats = np.asarray(stats, np.float64)
     t = _n_outputs(stats, "reg_scores")
     n = int(round(stats[0]))
@@ -254,14 +199,9 @@ def reg_scores(stats: np.ndarray) -> dict:
 
 
 class ScoreSums:
-    """This rank's evaluation statistics over its batches, for ``n_outputs`` outputs.
-
-    ``add(outputs, y)`` per batch. Classification: :func:`class_stats` vectors that ranks
-    ADD (``additive``: the trainer sums :attr:`vector` over the ranks, with its loss sums, in
-    one ``Allreduce``). Regression: :func:`reg_stats` merged by Chan's formula, not additive
-    (the trainer gathers every rank's :attr:`vector` and merges them with
-    :func:`reg_combine_all`). :meth:`scores` turns the global vector into the figures.
-    """
+    """This rank's evaluation statistics over its batches (``add`` per batch), for
+    ``n_outputs`` outputs: :func:`class_stats` vectors (``additive``: ranks sum
+    :attr:`vector`) or :func:`reg_stats` (merged with :func:`reg_combine_all`)."""
 
     def __init__(self, classification: bool, n_outputs: int) -> None:
         self.classification, self.n_outputs = bool(classification), int(n_outputs)

@@ -1,25 +1,10 @@
 """A timeline per rank, for Perfetto / ``chrome://tracing``: what each rank did, when.
 
-Each rank records spans locally (:class:`Tracer`: a tuple appended to a list, nothing sent
-during training); :func:`write` aligns the ranks' clocks, gathers every rank's spans to
-rank 0 once, at the end, and writes one Chrome trace-event JSON file:
-
-- one process per rank, named ``rank r (host)``, sorted by rank;
-- one thread per track (``compute``, ``comm``, then any other track in order of first
-  use), named after the track; spans on one track should not overlap (nested is allowed);
-- every span's args hold its ``epoch`` and ``step`` plus what the caller gave (``bytes``,
-  ``samples``, ``micro_batch``, ``stage`` ...);
-- optional flow arrows between spans of different ranks (a send and its receive), drawn
-  by Perfetto when both ends carry the same ``flow`` key.
-
-Clocks: every rank timestamps with :func:`time.perf_counter`. :func:`write` estimates each
-rank's offset to rank 0 by ping-pong exchanges (see :func:`clock_offsets`) and shifts that
-rank's times onto rank 0's clock, so spans of different ranks (and the arrows between them)
-line up to within the stated uncertainty, also across hosts.
-
-``import mpidp.observe.trace`` does not start MPI: :mod:`mpidp.comm` is imported inside
-:func:`write` and :func:`clock_offsets` only.
-"""
+Each rank records spans locally (:class:`Tracer`); :func:`write` puts every rank's times
+on rank 0's clock, gathers the spans once, at the end, and writes a Chrome trace-event
+file: a process per rank, a thread per track (spans on one track nest, never overlap),
+and flow arrows between spans of different ranks that share a ``flow`` key. Importing
+this module does not start MPI."""
 
 from __future__ import annotations
 
@@ -34,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..atomic import write_atomic, write_error
+from ..errors import setting
 
 #: Tracks with fixed thread ids (in this order); other tracks follow, in order of first use.
 TRACKS = ("compute", "comm", "wait", "eval", "io")
@@ -61,31 +47,21 @@ class _Span:
 
 
 class Tracer:
-    """This rank's spans, kept in memory until :func:`write`.
+    """This rank's spans, kept in memory (~200 bytes each) until :func:`write`.
+    ``steps=(a, b)``: only while ``a <= tracer.step < b`` (global steps from 0;
+    bound long runs so). Set ``tracer.step`` and ``tracer.epoch`` as the loop advances; every
+    span records them."""
 
-    The process is named ``rank r (host)``. ``enabled=False`` makes every call a cheap no-op
-    (``span`` returns a shared null context). ``steps=(a, b)`` records only while ``a <=
-    tracer.step < b`` (global steps from 0), to keep the file small on long runs.
-
-    Set ``tracer.step`` (global step) and ``tracer.epoch`` as the loop advances; every span
-    records them in its args. Spans recorded before the first step (``step == -1``) are
-    kept only without a window. Memory: one tuple per span (~200 bytes), so bound long runs
-    with ``steps``.
-    """
-
-    def __init__(self, rank: int, host: str, enabled: bool = True,
-                 steps: tuple[int, int] | None = None) -> None:
+    def __init__(self, rank: int, host: str, steps: tuple[int, int] | None = None) -> None:
         if steps is not None and not (0 <= steps[0] < steps[1]):
             raise ValueError(f"trace step window {steps[0]}:{steps[1]} is empty; give A:B "
                              "with 0 <= A < B")
-        self.rank, self.host, self.enabled = rank, host, enabled
+        self.rank, self.host = rank, host
         self.window = None if steps is None else (int(steps[0]), int(steps[1]))
-        self.epoch = 0
-        self.events: list[tuple] = []
-        self._step = -1
+        self.epoch, self.events, self._step = 0, [], -1
         self.first_step: int | None = None  # the run's first and last global steps seen
         self.last_step: int | None = None
-        self.on = enabled and self.window is None
+        self.on = self.window is None
 
     @property
     def step(self) -> int:
@@ -96,11 +72,10 @@ class Tracer:
     def step(self, k: int) -> None:
         self._step = k
         if k >= 0:
-            if self.first_step is None:
-                self.first_step = k
+            self.first_step = k if self.first_step is None else self.first_step
             self.last_step = k
         w = self.window
-        self.on = self.enabled and (w is None or w[0] <= k < w[1])
+        self.on = w is None or w[0] <= k < w[1]
 
     def missed(self) -> str | None:
         """What to warn of when the step window holds none of the steps seen (a resumed
@@ -108,23 +83,19 @@ class Tracer:
         if self.window is None:
             return None
         a, b = self.window
+        window = setting("trace_steps", f"{a}:{b}")
         if self.first_step is None:
-            return f"--trace-steps {a}:{b}: the run took no step, so the timeline holds none"
+            return f"{window}: the run took no step, so the timeline holds none"
         if self.last_step < a or self.first_step >= b:
-            return (f"--trace-steps {a}:{b} recorded no step: this run's steps were "
+            return (f"{window} recorded no step: this run's steps were "
                     f"{self.first_step} to {self.last_step}; give a range within them")
         return None
 
     def span(self, name: str, cat: str, track: str = "compute", flow: Any = None, **args):
-        """Context manager that records the ``with`` body as one span on ``track``.
-
-        ``flow``: a key (hashable, picklable) shared with a span on another rank, to draw
-        an arrow from the earlier span to the later one (a message and its receipt).
-        ``args``: small JSON-able values shown with the span (bytes, samples, ...).
-        """
-        if not self.on:
-            return _NULL
-        return _Span(self, name, cat, track, flow, args)
+        """Context manager that records the ``with`` body as one span on ``track``. ``flow``: a
+        key (hashable, picklable) shared with a span on another rank, to draw an arrow between
+        them; ``args``: small JSON-able values shown with the span (bytes, samples, ...)."""
+        return _Span(self, name, cat, track, flow, args) if self.on else _NULL
 
     def add(self, name: str, cat: str, track: str, t0: float, t1: float, flow: Any = None,
             **args) -> None:
@@ -140,19 +111,11 @@ class Tracer:
 
 def clock_offsets(comm, rounds: int = 8) -> tuple[float, float]:
     """``(offset, uncertainty)`` in seconds of this rank's :func:`time.perf_counter` relative
-    to rank 0's (``(0, 0)`` on rank 0): rank-0 time = local time - offset. Collective.
-
-    Rank 0 exchanges ``rounds`` round trips with each rank in turn: it sends, rank r stamps
-    its clock ``t_r`` and answers, and rank 0 takes ``t_r`` to have happened halfway
-    between its send ``s`` and receipt ``e``: ``offset = t_r - (s + e) / 2``. The round with
-    the shortest trip wins; its error is at most half that trip (``uncertainty``).
-    Chosen over "every rank leaves a Barrier at the same time": a Barrier releases ranks
-    one message hop apart (more at larger P) and gives no error bound.
-    """
+    to rank 0's: rank-0 time = local time - offset. Collective. From ``rounds`` round trips
+    with rank 0, the shortest: the answer's time is taken to be halfway, within half the trip."""
     from .. import comm as C
-    buf = np.zeros(1, np.float64)
+    buf, res = np.zeros(1, np.float64), np.zeros((comm.size, 2))
     if comm.rank == 0:
-        res = np.zeros((comm.size, 2))
         for r in range(1, comm.size):
             trips = []
             for _ in range(rounds):
@@ -168,7 +131,6 @@ def clock_offsets(comm, rounds: int = 8) -> tuple[float, float]:
             C.recv_(comm, buf, 0, CLOCK_TAG)
             buf[0] = time.perf_counter()
             C.send(comm, buf, 0, CLOCK_TAG)
-        res = np.zeros((comm.size, 2))
     C.bcast_(comm, res, root=0)
     return float(res[comm.rank, 0]), float(res[comm.rank, 1])
 
@@ -187,14 +149,9 @@ def _gather_obj(comm, obj: Any) -> list | None:
 
 
 def write(comm, tracer: Tracer, path: str) -> int | None:
-    """Align clocks, gather every rank's spans and write ``path`` (Chrome trace-event JSON)
-    on rank 0. Collective: every rank of ``comm`` must call this (a disabled tracer
-    contributes nothing). Returns the number of spans written on rank 0, None elsewhere.
-
-    The file is written to a temporary name and moved into place (never half-written: a
-    failure removes the temporary file and raises :class:`mpidp.atomic.WriteError` naming
-    ``path``); its ``otherData.clock_sync`` records each rank's offset and uncertainty.
-    """
+    """Align clocks, gather every rank's spans and write ``path`` on rank 0, atomically, with
+    each rank's clock offset and uncertainty. Collective. Returns the number of spans written
+    on rank 0, None elsewhere."""
     offset, err = clock_offsets(comm)
     mine = {"rank": comm.rank, "host": tracer.host, "offset": offset, "uncertainty": err,
             "events": tracer.events}
@@ -205,9 +162,9 @@ def write(comm, tracer: Tracer, path: str) -> int | None:
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     except OSError as exc:
-        raise write_error(exc, path, "--trace") from None
+        raise write_error(exc, path, setting("trace")) from None
     write_atomic(path, lambda f: f.write(json.dumps(trace, separators=(",", ":")).encode()),
-                 what="--trace")
+                 what=setting("trace"))
     return sum(len(p["events"]) for p in parts)
 
 
@@ -221,18 +178,18 @@ def _track_ids(parts: Sequence[dict]) -> dict[str, int]:
 
 
 def _metadata(parts: Sequence[dict], tids: dict[str, int]) -> list[dict]:
+    def meta(what: str, pid: int, tid: int, name: str, index: int) -> list[dict]:
+        return [{"ph": "M", "name": f"{what}_name", "pid": pid, "tid": tid,
+                 "args": {"name": name}},
+                {"ph": "M", "name": f"{what}_sort_index", "pid": pid, "tid": tid,
+                 "args": {"sort_index": index}}]
+
     out = []
     for p in parts:
         pid = p["rank"]
-        out += [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-                 "args": {"name": f"rank {pid} ({p['host']})"}},
-                {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
-                 "args": {"sort_index": pid}}]
+        out += meta("process", pid, 0, f"rank {pid} ({p['host']})", pid)
         for track in sorted({ev[2] for ev in p["events"]}, key=tids.get):
-            out += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tids[track],
-                     "args": {"name": track}},
-                    {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tids[track],
-                     "args": {"sort_index": tids[track]}}]
+            out += meta("thread", pid, tids[track], track, tids[track])
     return out
 
 
@@ -246,10 +203,9 @@ def build(parts: Sequence[dict], window: tuple[int, int] | None = None) -> dict:
     events, flows, fid = _metadata(parts, tids), {}, {}
     for p in parts:
         for name, cat, track, t0, t1, step, epoch, flow, args in p["events"]:
-            ts = (t0 - p["offset"] - origin) * 1e6
-            dur = max(t1 - t0, 0.0) * 1e6
             ev = {"name": name, "cat": cat, "ph": "X", "pid": p["rank"], "tid": tids[track],
-                  "ts": round(ts, 3), "dur": round(dur, 3),
+                  "ts": round((t0 - p["offset"] - origin) * 1e6, 3),
+                  "dur": round(max(t1 - t0, 0.0) * 1e6, 3),
                   "args": {"epoch": epoch, "step": step, **(args or {})}}
             events.append(ev)
             if flow is not None:
@@ -275,28 +231,6 @@ def _mid(ev: dict) -> float:
     return round(ev["ts"] + ev["dur"] / 2, 3)
 
 
-def overlaps(trace: dict, nested_ok: bool = True) -> list[str]:
-    """Problems in ``trace``: spans on one (pid, tid) track that overlap without one
-    containing the other (any overlap if not ``nested_ok``). Empty when the tracks are
-    clean. Pure; used by tests and by :mod:`benchmarks.plot_timeline`."""
-    tracks: dict[tuple, list] = {}
-    for e in trace["traceEvents"]:
-        if e.get("ph") == "X":
-            tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"], e))
-    problems = []
-    for key, spans in tracks.items():
-        spans.sort(key=lambda s: (s[0], -s[1]))
-        open_ends: list[float] = []
-        for t0, t1, e in spans:
-            while open_ends and open_ends[-1] <= t0 + 1e-3:
-                open_ends.pop()
-            if open_ends and (not nested_ok or t1 > open_ends[-1] + 1e-3):
-                problems.append(f"pid {key[0]} tid {key[1]}: {e['name']} at {t0:.3f} us "
-                                f"overlaps a span ending at {open_ends[-1]:.3f} us")
-            open_ends.append(t1)
-    return problems
-
-
 def parse_window(text: str | None) -> tuple[int, int] | None:
     """``"A:B"`` -> ``(A, B)`` (global steps A to B-1); None or "" -> None. Raises
     ValueError with the fix for anything else."""
@@ -305,8 +239,9 @@ def parse_window(text: str | None) -> tuple[int, int] | None:
     try:
         a, b = (int(x) for x in text.split(":"))
     except ValueError:
-        raise ValueError(f"--trace-steps {text!r}: give A:B, two step numbers "
+        raise ValueError(f"{setting('trace_steps')} {text!r}: give A:B, two step numbers "
                          "(e.g. 100:110 records steps 100 to 109)") from None
     if not 0 <= a < b:
-        raise ValueError(f"--trace-steps {text!r}: give A:B with 0 <= A < B (e.g. 100:110)")
+        raise ValueError(f"{setting('trace_steps')} {text!r}: give A:B with 0 <= A < B "
+                         f"(e.g. 100:110)")
     return a, b

@@ -1,6 +1,6 @@
 """What a ``mpidp train`` run shows while it runs and leaves behind: log lines (rank 0,
-``-q``/``-v``), ``OUT/history.jsonl`` (one line per epoch, and every ``--log-every`` steps),
-TensorBoard scalars, and the per-rank timeline (``--trace``)."""
+quiet or verbose), ``OUT/history.jsonl`` (one line per epoch, and every ``log_every``
+steps), TensorBoard scalars, and the per-rank timeline (``trace``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import numpy as np
 
 from .. import comm as C
 from ..atomic import check_file, check_folder
-from .history import History
+from ..errors import setting
+from .history import History, need_tensorboard
 from .trace import Tracer, parse_window
 from .trace import write as write_trace
 
@@ -70,25 +71,24 @@ class Watch:
     def check(outputs: Outputs) -> None:
         """Up front, on one rank: the outputs asked for can be written."""
         if outputs.trace:
-            check_file(outputs.trace, "--trace", "trace.json")
+            check_file(outputs.trace, setting("trace"), "trace.json")
             parse_window(outputs.trace_steps)
         if outputs.tensorboard:
-            check_folder(outputs.tensorboard, "--tensorboard")
+            check_folder(outputs.tensorboard, setting("tensorboard"))
             try:
                 import tensorboardX  # noqa: F401
             except ImportError:
-                raise ValueError("--tensorboard needs tensorboardX: pip install "
-                                 "'mpidp[tensorboard]'") from None
+                raise need_tensorboard() from None
 
     def check_steps(self, total: int) -> None:
         """Raise :class:`~mpidp.comm.MpidpError` (on every rank: the same figures everywhere)
-        when the ``--trace-steps`` window starts at or after ``total``, the number of global
+        when the ``trace_steps`` window starts at or after ``total``, the number of global
         steps the run takes: the timeline would hold none of them."""
         window = None if self.tracer is None else self.tracer.window
         if window is not None and window[0] >= total:
-            raise C.MpidpError(f"--trace-steps {window[0]}:{window[1]}: this run has {total} "
-                               f"steps (0 to {total - 1}), so the timeline would hold none "
-                               f"of them: give a range that starts below {total}")
+            raise C.MpidpError(f"{setting('trace_steps', f'{window[0]}:{window[1]}')}: this run "
+                               f"has {total} steps (0 to {total - 1}), so the timeline would "
+                               f"hold none of them: give a range that starts below {total}")
 
     def history(self) -> History | None:
         """Rank 0's history file, opened on first use (after the run's checks passed)."""
@@ -97,7 +97,7 @@ class Watch:
         if self._history is None:
             os.makedirs(self.outputs.out, exist_ok=True)
             self._history = History(os.path.join(self.outputs.out, "history.jsonl"),
-                                    self.outputs.tensorboard, what="--out")
+                                    self.outputs.tensorboard, what="out")
             self._history.config(self.config)
         return self._history
 
@@ -133,10 +133,9 @@ class Watch:
                                                                    1e-9))})
 
     def finish(self, history: list[dict]) -> None:
-        """At the end of training (every rank): write the trace (collective; failing to
-        write it is a warning, never the run's failure, as is a ``--trace-steps`` window
-        that none of the run's steps fell in); a mode that learns its epochs only at the end
-        (async-ps) writes their lines now."""
+        """At the end of training (every rank; collective): write the trace (a failure, or a
+        ``trace_steps`` window no step fell in, is a warning), and the epoch lines of a mode that
+        learns its epochs only at the end (async-ps)."""
         if self.tracer is not None:
             try:
                 n = write_trace(self.comm, self.tracer, self.outputs.trace)

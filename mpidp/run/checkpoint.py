@@ -1,16 +1,12 @@
 """Checkpoints that survive crashes: written atomically by one rank, verified by checksum,
 independent of the number of ranks (parameters are replicated; positions are global).
 
-A checkpoint is an ``.npz`` holding ``params``, the optimizer's flat state arrays
-(``opt.<name>``), a JSON ``meta`` (epoch, step, optimizer step count, the epoch's running
-totals, history, configuration, run id) and a BLAKE2 ``checksum`` over all of them.
-
-A checkpoint folder belongs to one run at a time (:func:`claim`, on the root rank, before
-anything is read or written there): a fresh run into a folder that holds another run's
-checkpoints is refused, two jobs cannot share a folder, and a checkpoint is only ever replaced
-by a newer one (:func:`save`). Each checkpoint records the run's settings and
-:func:`data_fingerprint`, which a resume must agree with (:mod:`mpidp.cli.settings`).
-"""
+A checkpoint is an ``.npz`` of ``params``, the optimizer's flat state arrays
+(``opt.<name>``), a JSON ``meta`` (position, optimizer step count, running totals,
+history, configuration, run id) and a BLAKE2 ``checksum`` over all of them. A folder
+belongs to one run at a time (:func:`claim`); a checkpoint is only ever replaced by a
+newer one (:func:`save`). Each records the run's settings and :func:`data_fingerprint`,
+which a resume must agree with (:mod:`mpidp.cli.settings`)."""
 
 from __future__ import annotations
 
@@ -22,7 +18,9 @@ import json
 import os
 import re
 import sys
+import uuid
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,25 +28,14 @@ import numpy as np
 
 from .. import comm as C
 from ..atomic import write_atomic
-from ..data.sources import metadata_fingerprint as data_fingerprint
+from ..data.sources import metadata_fingerprint as data_fingerprint  # noqa: F401
+from ..errors import is_whole, setting
 from ..nn import Optimizer, Sequential
-from .folders import (
-    RUN_FILE,
-    Claim,
-    clean_stale_tmp,
-    lock_folder,
-    read_run,
-    unlock_folder,
-    write_run,
-)
+from . import folders as F
 
 PATTERN = "ckpt-{:010d}.npz"
 DAMAGED_PREFIX = "damaged-"
 VERSION = 1
-
-__all__ = ["Claim", "DAMAGED_PREFIX", "PATTERN", "State", "check_fits", "check_position",
-           "claim", "contents_problem", "data_fingerprint", "list_checkpoints", "newest_step",
-           "read", "read_latest", "restore", "save", "save_flat", "state_of", "write_atomic"]
 
 
 def _digest(meta: str, arrays: dict[str, np.ndarray]) -> str:
@@ -74,37 +61,27 @@ class State:
     source: str | None = None  # the checkpoint file it was read from (not saved)
 
 
-# --- the folder ------------------------------------------------------------------------
-
-def claim(directory: str, run_id: str, *, resume: bool, restart: bool = False) -> Claim:
-    """Take checkpoint folder ``directory`` for run ``run_id``. Not collective: call it on
-    the root rank before any checkpoint is read or written there; hold the returned
-    :class:`~mpidp.run.folders.Claim` for the whole run, then :meth:`~Claim.release` it.
-
-    In order: create the folder, take its lock (another live job holding it is refused),
-    remove ``.tmp-*`` files that killed writers left, then decide ownership:
-
-    - ``restart``: delete the folder's checkpoints and ``run.json``; the folder is this run's.
-    - ``resume``: keep the folder's run (``Claim.run_id`` is the id in its ``run.json``, not
-      ``run_id``); a folder without ``run.json`` is adopted for ``run_id``.
-    - neither: a folder holding checkpoints is refused; an empty one (or one whose run wrote
-      no checkpoint) becomes this run's.
-
-    Raises ValueError naming the folder and the way forward; the lock is not kept then.
-    """
+def claim(directory: str, run_id: str, *, resume: bool, restart: bool = False) -> F.Claim:
+    """Take checkpoint folder ``directory`` for run ``run_id`` (on the root rank, before
+    anything is read or written there); release the returned
+    :class:`~mpidp.run.folders.Claim` at the end of the run. The folder is created and locked
+    (another live job's is refused) and cleaned of stale ``.tmp-*`` files; then ``restart``
+    deletes its checkpoints and ``run.json``, ``resume`` keeps its run (``Claim.run_id`` is
+    the one its ``run.json`` names), neither refuses a folder holding checkpoints. Raises
+    ValueError naming the folder and the way forward (the lock is not kept then)."""
     if resume and restart:
-        raise ValueError(f"--resume continues the run in {directory} and --restart deletes "
-                         f"it: give one of them")
+        raise ValueError(f"{setting('resume')} continues the run in {directory} and "
+                         f"{setting('restart')} deletes it: give one of them")
     try:
         os.makedirs(directory, exist_ok=True)
-        fd = lock_folder(directory)
+        fd = F.lock_folder(directory)
     except OSError as exc:
-        raise ValueError(f"--checkpoint-dir {directory}: cannot use it as a checkpoint "
-                         f"folder ({exc})") from exc
+        raise ValueError(f"{setting('checkpoint_dir')} {directory}: cannot use it as a "
+                         f"checkpoint folder ({exc})") from exc
     try:
-        held = Claim(directory, run_id, _fd=fd)
-        held.cleaned = clean_stale_tmp(directory, max_age_s=60.0)
-        owner, found = read_run(directory), list_checkpoints(directory)
+        held = F.Claim(directory, run_id, _fd=fd)
+        held.cleaned = F.clean_stale_tmp(directory, max_age_s=60.0)
+        owner, found = F.read_run(directory), list_checkpoints(directory)
         if restart:
             held.wiped = _wipe(directory)
             owner = None
@@ -114,29 +91,54 @@ def claim(directory: str, run_id: str, *, resume: bool, restart: bool = False) -
             held.run_id, held.continued = owner["run_id"], True
         else:
             held.continued = bool(resume and found)
-            write_run(directory, run_id)
+            F.write_run(directory, run_id)
     except BaseException:
-        unlock_folder(fd)
+        F.unlock_folder(fd)
         raise
     return held
 
 
+@contextlib.contextmanager
+def claimed(comm: C.Comm, out: str, checkpoint_dir: str | None, *, resume: bool,
+            restart: bool) -> Iterator[str | None]:
+    """Hold a run's folders: ``out`` (rank 0 locks its path, so two jobs on a host never
+    write one) and ``checkpoint_dir`` (:func:`claim`). Yields the run id (None without
+    checkpoints). Collective."""
+    held: dict = {}
+
+    def take() -> str | None:
+        held["out"] = F.hold_folder(out, "out")
+        if checkpoint_dir:
+            held["claim"] = claim(checkpoint_dir, uuid.uuid4().hex, resume=resume,
+                                  restart=restart)
+            return held["claim"].run_id
+        return None
+
+    try:
+        yield C.root_decides(comm, take)
+    finally:
+        if "claim" in held:
+            held["claim"].release()
+        if held.get("out") is not None:
+            os.close(held["out"])
+
+
 def _used_message(directory: str, owner: dict | None, found: list[str]) -> str:
-    if owner is None or not owner.get("run_id"):
-        whose = "another run"
-    else:
-        whose = (f"another run (run {owner['run_id']}, started {owner.get('created', '?')} on "
-                 f"{owner.get('host', '?')})")
+    whose = "another run"
+    if owner and owner.get("run_id"):
+        whose += (f" (run {owner['run_id']}, started {owner.get('created', '?')} on "
+                  f"{owner.get('host', '?')})")
     return (f"checkpoint folder {directory} already holds checkpoints of {whose}, the newest "
-            f"{os.path.basename(found[-1])}: give this run another --checkpoint-dir, continue "
-            f"that run with --resume, or add --restart to delete its checkpoints and start over")
+            f"{os.path.basename(found[-1])}: give this run another {setting('checkpoint_dir')}, "
+            f"continue that run with {setting('resume')}, or add {setting('restart')} to "
+            f"delete its checkpoints and start over")
 
 
 def _wipe(directory: str) -> list[str]:
     """Delete the checkpoints (good or set aside) and ``run.json`` in ``directory``."""
     removed = []
     paths = list_checkpoints(directory) + glob.glob(os.path.join(directory, DAMAGED_PREFIX + "ckpt-*"))
-    for path in paths + [os.path.join(directory, RUN_FILE)]:
+    for path in paths + [os.path.join(directory, F.RUN_FILE)]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             removed.append(path)
@@ -155,8 +157,6 @@ def newest_step(directory: str) -> int | None:
     return int(os.path.basename(found[-1])[5:15]) if found else None
 
 
-# --- writing ---------------------------------------------------------------------------
-
 def save(directory: str, model: Sequential, optimizer: Optimizer, state: State, keep: int = 3,
          *, run_id: str | None = None) -> str:
     """Write a checkpoint for ``state`` into ``directory``; keep the newest ``keep``. Not
@@ -168,30 +168,21 @@ def save(directory: str, model: Sequential, optimizer: Optimizer, state: State, 
 def save_flat(directory: str, params: np.ndarray, optimizer: Optimizer, state: State,
               keep: int = 3, *, run_id: str | None = None) -> str:
     """:func:`save` from the whole model's flat ``params`` and an ``optimizer`` holding the
-    whole model's state arrays (as a pipeline gathers them from its stages: a copy of a
-    stage's optimizer with the gathered state gives the type, step count and state). The
-    file is the same whoever wrote it, so any layout may resume it.
-
-    Raises ValueError, writing nothing, if ``state`` is behind the newest checkpoint in
-    ``directory`` (a checkpoint is never replaced by an older one): its ``global_step`` is
-    smaller, or equal with an earlier ``(epoch, step)`` position. The same step at the same
-    or a later position may be rewritten: the end-of-training checkpoint ``(epochs, 0)``
-    after a periodic one ``(epochs - 1, steps_per_epoch)`` of the same step adds the last
-    epoch's record. Also refused: ``run_id`` given and ``directory``'s ``run.json`` naming
-    another run.
-    """
+    whole model's state arrays (as a pipeline gathers them): any layout may resume it.
+    Raises ValueError, writing nothing, if ``state`` is behind the newest checkpoint (a
+    smaller ``global_step``, or the same at an earlier ``(epoch, step)``), or if ``run_id``
+    is given and the folder's ``run.json`` names another run."""
     return _write(directory, {"params": params}, optimizer, state, keep, run_id)
 
 
 def _write(directory: str, model_arrays: dict[str, np.ndarray], optimizer: Optimizer,
-          state: State, keep: int, run_id: str | None) -> str:
-    """:func:`save_flat` of ``model_arrays``: ``params`` and, when the model has layer
-    state (batch norm's running statistics), ``state``."""
+           state: State, keep: int, run_id: str | None) -> str:
+    """:func:`save_flat` of ``params`` and, for a model with layer state, ``state``."""
     params = model_arrays["params"]
     os.makedirs(directory, exist_ok=True)
     _check_not_behind(directory, state)
     if run_id is not None:
-        owner = read_run(directory) or {}
+        owner = F.read_run(directory) or {}
         if owner.get("run_id") != run_id:
             raise ValueError(f"checkpoint folder {directory} belongs to run "
                              f"{owner.get('run_id')}, not to this run ({run_id}): another job "
@@ -235,15 +226,10 @@ def _check_not_behind(directory: str, state: State) -> None:
                      f"already, and a checkpoint is only ever replaced by a newer one")
 
 
-# --- reading ---------------------------------------------------------------------------
-
 def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     """``(meta, arrays)`` of a checkpoint, after verifying its checksum and its contents
-    (:func:`contents_problem`: a checksum recomputed over edited contents still holds).
-
-    Raises ValueError naming the file if it is truncated, corrupted, not a checkpoint, or
-    inconsistent.
-    """
+    (:func:`contents_problem`). Raises ValueError naming the file if it is truncated,
+    corrupted, not a checkpoint, or inconsistent."""
     try:
         with np.load(path, allow_pickle=False) as z:
             meta, checksum = str(z["meta"]), str(z["checksum"])
@@ -265,24 +251,16 @@ def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     return meta, arrays
 
 
-def _count(value) -> bool:
-    """True for an integer >= 0 (JSON's, not a bool)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def contents_problem(meta, arrays: dict[str, np.ndarray]) -> str | None:
     """What makes checkpoint contents ``(meta, arrays)`` unusable although their checksum
-    holds (a hand-edited file with a recomputed checksum), in words; None if they are a
-    checkpoint :func:`restore` can load: counters that are integers >= 0, running totals of
-    three numbers, and the arrays the meta records, of the recorded shapes (``params``
-    ``(n_params,)``, layer ``state`` ``(n_state,)``, each optimizer state array one value
-    per parameter)."""
+    holds (a hand-edited file with a recomputed checksum), in words; None if :func:`restore`
+    can load them (counters, totals, and the arrays the meta records, of its shapes)."""
     if not isinstance(meta, dict):
         return "its meta is not a JSON object"
     for key, what in (("epoch", "epoch"), ("step", "step"), ("global_step", "global step"),
                       ("n_params", "parameter count"), ("n_state", "layer state size")):
         value = meta.get(key, 0 if key == "n_state" else None)
-        if not _count(value):
+        if not is_whole(value):
             return f"its {what} is {value!r}, not an integer >= 0"
     totals = meta.get("totals")
     if not (isinstance(totals, list) and len(totals) == 3
@@ -295,7 +273,7 @@ def contents_problem(meta, arrays: dict[str, np.ndarray]) -> str | None:
     if not (isinstance(opt, dict) and isinstance(opt.get("type"), str)
             and isinstance(opt.get("state"), dict) and isinstance(meta.get("dtype"), str)):
         return "its optimizer record (type, update count, state) or its dtype is missing"
-    if not _count(opt.get("t")):
+    if not is_whole(opt.get("t")):
         return f"its optimizer's update count is {opt.get('t')!r}, not an integer >= 0"
     return _arrays_problem(meta, arrays)
 
@@ -305,7 +283,7 @@ def _arrays_problem(meta: dict, arrays: dict[str, np.ndarray]) -> str | None:
     n, n_state, opt = meta["n_params"], meta.get("n_state", 0), meta["optimizer"]
     expected = {"params": (n,), **({"state": (n_state,)} if n_state else {})}
     for name, shape in opt["state"].items():
-        if not (isinstance(shape, list) and all(_count(d) for d in shape)):
+        if not (isinstance(shape, list) and all(is_whole(d) for d in shape)):
             return f"its optimizer state {name!r} has the shape {shape!r}"
         expected[f"opt.{name}"] = tuple(shape)
     for key, shape in expected.items():
@@ -325,18 +303,13 @@ def _arrays_problem(meta: dict, arrays: dict[str, np.ndarray]) -> str | None:
     return None
 
 
-def read_latest(directory: str, *, set_aside: bool = True
-                ) -> tuple[str, dict, dict[str, np.ndarray]] | None:
+def read_latest(directory: str) -> tuple[str, dict, dict[str, np.ndarray]] | None:
     """The newest checkpoint in ``directory`` that verifies; falls back to older ones and
-    says so on stderr. None if there is none; ValueError if every one is damaged.
-
-    With ``set_aside``, damaged checkpoints newer than the one returned are renamed
-    ``damaged-ckpt-*.npz`` (kept for inspection, no longer "the newest"), so the resumed
-    run may write those steps again.
-    """
-    files = list_checkpoints(directory)
+    says so on stderr. None if there is none; ValueError if every one is damaged. Damaged
+    ones newer than the one returned are renamed ``damaged-ckpt-*.npz``, so the resumed run
+    may write those steps again."""
     problems, damaged = [], []
-    for path in reversed(files):
+    for path in reversed(list_checkpoints(directory)):
         try:
             meta, arrays = read(path)
         except ValueError as exc:
@@ -347,25 +320,23 @@ def read_latest(directory: str, *, set_aside: bool = True
         if problems:
             print(f"[mpidp] resuming from the previous good checkpoint {path}", file=sys.stderr,
                   flush=True)
-        for bad in damaged if set_aside else []:
+        for bad in damaged:
             aside = os.path.join(directory, DAMAGED_PREFIX + os.path.basename(bad))
             os.replace(bad, aside)
             print(f"[mpidp] set the damaged {bad} aside as {aside}", file=sys.stderr, flush=True)
         return path, meta, arrays
     if problems:
         raise ValueError(f"no usable checkpoint in {directory}: " + "; ".join(problems)
-                         + "; start over with --restart, or give another --checkpoint-dir")
+                         + f"; start over with {setting('restart')}, or give another "
+                         f"{setting('checkpoint_dir')}")
     return None
 
 
 def restore(comm: C.Comm, directory: str, model: Sequential, optimizer: Optimizer,
             root: int = 0) -> tuple[str, State] | None:
-    """Load the newest good checkpoint on ``root`` and give every rank its contents.
-
-    Collective: ``root`` reads and checks the file; parameters and optimizer state reach the
-    other ranks by ``Bcast`` (no shared filesystem needed). Returns ``(path, state)``, or
-    None when ``directory`` holds no checkpoint. Any rank count may resume any checkpoint.
-    """
+    """Load the newest good checkpoint on ``root`` and ``Bcast`` its contents to every rank
+    (no shared filesystem needed; any rank count may resume any checkpoint). Collective.
+    Returns ``(path, state)``, or None when ``directory`` holds no checkpoint."""
     held: dict = {}
 
     def load_on_root():
@@ -386,13 +357,10 @@ def restore(comm: C.Comm, directory: str, model: Sequential, optimizer: Optimize
         return None
     path, meta = found
     arrays = held.pop("arrays", {})
-    if comm.rank == root:
-        model.params[...] = arrays["params"]
-        if model.n_state:
-            model.state[...] = arrays["state"]
-    C.bcast_(comm, model.params, root)
-    if model.n_state:
-        C.bcast_(comm, model.state, root)
+    for name in ("params", "state") if model.n_state else ("params",):
+        if comm.rank == root:
+            getattr(model, name)[...] = arrays[name]
+        C.bcast_(comm, getattr(model, name), root)
     optimizer.state = {}
     for name, shape in meta["optimizer"]["state"].items():
         buf = arrays[f"opt.{name}"] if comm.rank == root else np.empty(shape, model.dtype)
@@ -425,7 +393,7 @@ def check_fits(path: str, meta: dict, n_params: int, dtype: np.dtype, optimizer:
         raise ValueError(f"checkpoint {path} is inconsistent (edited, or written by another "
                          f"program): it holds the {type(optimizer).__name__} state "
                          f"{sorted(held)}, but {type(optimizer).__name__} needs "
-                         f"{sorted(needed)}; start over with --restart")
+                         f"{sorted(needed)}; start over with {setting('restart')}")
 
 
 def _state_needed(optimizer: Optimizer, dtype) -> set[str] | None:
@@ -443,13 +411,11 @@ def _state_needed(optimizer: Optimizer, dtype) -> set[str] | None:
 def check_position(state: State, steps_per_epoch: int, path: str | None = None
                    ) -> str | None:
     """Why a run whose epochs have ``steps_per_epoch`` steps cannot resume at ``state``'s
-    position (its step lies past the end of its epoch: nothing would be trained there),
-    or None. ``state.step == steps_per_epoch`` is fine: a periodic checkpoint after an
-    epoch's last step holds it. ``path`` names the checkpoint (default: ``state.source``).
-    Pure: give every rank the same figures."""
+    position (its step lies past the end of its epoch), or None. ``path`` names the
+    checkpoint (default: ``state.source``). Pure: give every rank the same figures."""
     if state.step <= steps_per_epoch:
         return None
     path = path or state.source or "the checkpoint"
     return (f"checkpoint {path} is at step {state.step} of epoch {state.epoch + 1}, but an "
             f"epoch of this run has {steps_per_epoch} steps: it was edited, or written for "
-            f"other data or batches; start over with --restart")
+            f"other data or batches; start over with {setting('restart')}")

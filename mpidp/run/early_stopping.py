@@ -1,17 +1,11 @@
 """Early stopping and learning-rate reduction on a plateau: pure state machines.
 
-Each is fed ONE global figure per epoch (a validation loss, an accuracy), the same on
-every rank (already reduced over the ranks): then every rank takes the same decision and
-no collective is needed here. Their counters go into a checkpoint as a JSON-able dict
-(:meth:`state`) and come back with :meth:`restore`, so a resumed run decides as the
-uninterrupted one would.
-
-A value *improves* on the best so far when it beats it by MORE than ``min_delta``
-(``value < best - min_delta`` in mode ``"min"``, ``value > best + min_delta`` in mode
-``"max"``); the first finite value always does. NaN and +-Inf never improve (a diverged
-figure is never the best). A value that does not improve is a *bad epoch*; the best is
-only replaced by an improving value.
-"""
+Each is fed ONE global figure per epoch, the same on every rank, so every rank decides
+alike. Their counters (:meth:`state`, :meth:`restore`) let a resumed run decide as the
+uninterrupted one would. A value *improves* on the best so far when it beats it by MORE
+than ``min_delta`` (mode ``"min"``: ``value < best - min_delta``; ``"max"``: ``value >
+best + min_delta``); the first finite value always does, NaN and +-Inf never. A value
+that does not improve is a *bad epoch*."""
 
 from __future__ import annotations
 
@@ -47,12 +41,10 @@ class _Plateau:
         if mode not in _MODES:
             raise ValueError(f"mode must be 'min' (a loss) or 'max' (an accuracy), got {mode!r}")
         self.mode = mode
-        #: best value seen (None before the first finite one), the epoch it came in
+        #: best value seen (None before the first finite one), the epoch (0-based) it came in
         self.best: float | None = None
         self.best_epoch: int | None = None
-        #: epochs in a row without improvement, epochs seen
-        self.bad_epochs = 0
-        self.epochs = 0
+        self.bad_epochs, self.epochs = 0, 0  # epochs in a row without improvement, seen
 
     def improves(self, value: float) -> bool:
         """Whether ``value`` would improve on the best so far (does not change the state)."""
@@ -61,9 +53,8 @@ class _Plateau:
             return False
         if self.best is None:
             return True
-        if self.mode == "min":
-            return value < self.best - self.min_delta
-        return value > self.best + self.min_delta
+        return (value < self.best - self.min_delta if self.mode == "min"
+                else value > self.best + self.min_delta)
 
     def _see(self, value: float) -> bool:
         better = self.improves(value)
@@ -91,16 +82,9 @@ class _Plateau:
 
 
 class EarlyStopping(_Plateau):
-    """Stop when the monitored figure has not improved for ``patience`` epochs in a row.
-
-    ``update(value)`` once per epoch returns True when the run should stop:
-    ``bad_epochs >= patience`` (``patience=0``: at the first bad epoch). Fed on after
-    that it keeps counting (and says False again after an improvement). ``min_delta`` and
-    ``mode`` (``"min"``: a loss, ``"max"``: an accuracy) are as the module says.
-
-    ``best`` and ``best_epoch`` (0-based count of updates) are None before the first finite
-    value; ``bad_epochs`` counts epochs in a row without improvement, ``epochs`` updates.
-    """
+    """Stop when the monitored figure has not improved for ``patience`` epochs in a row:
+    ``update(value)`` once per epoch returns True when ``bad_epochs >= patience`` (0: at the
+    first bad epoch). ``mode``: ``"min"`` (a loss) or ``"max"`` (an accuracy)."""
 
     def update(self, value: float) -> bool:
         """Feed this epoch's global figure; True: stop now."""
@@ -116,15 +100,12 @@ class ReduceOnPlateau(_Plateau):
     """Multiply the learning rate by ``factor`` when the figure has not improved for
     ``patience`` epochs in a row.
 
-    ``update(value)`` once per epoch returns ``scale``, the multiplier to apply to the base
-    learning rate from the next epoch on (1.0 at first). On the ``patience``-th bad epoch
-    in a row (``patience=0``: every bad epoch) ``scale`` becomes ``max(scale * factor,
-    min_scale)``, the bad-epoch count restarts at 0, and for the next ``cooldown`` epochs
-    bad epochs are not counted. Note: PyTorch's ``ReduceLROnPlateau`` reduces one epoch
-    later (after ``patience + 1`` bad epochs); Keras's as here. ``factor`` is in (0, 1),
-    ``min_scale`` in [0, 1]; ``reductions`` counts the reductions; the other attributes are
-    as :class:`EarlyStopping`'s.
-    """
+    ``update(value)`` once per epoch returns ``scale``, the learning rate's multiplier from
+    the next epoch on (1.0 at first). On the ``patience``-th bad epoch in a row
+    (``patience=0``: every bad epoch) ``scale`` becomes ``max(scale * factor, min_scale)``
+    (counted in ``reductions``), the count restarts, and bad epochs are not counted for the
+    next ``cooldown`` epochs (as Keras; PyTorch reduces one epoch later). ``factor`` is in
+    (0, 1), ``min_scale`` in [0, 1]."""
 
     _KEYS = _Plateau._KEYS + ("scale", "reductions", "cooldown_left")
 

@@ -1,11 +1,9 @@
 """Fault injection for tests and drills: ``MPIDP_FAULT=kind@rank:step[,kind@rank:step...]``.
 
-Kinds, applied on ``rank`` just before global step ``step`` (0-based) of training, in every
-mode: ``raise`` (an exception), ``kill`` (SIGKILL: the process vanishes), ``hang`` (sleeps
-for an hour, as a stuck rank would), ``nan`` (this rank's contribution to the step's
-gradient becomes NaN), ``desync`` (this rank's first parameter moves by one ulp). Unset
-(the default), nothing happens and the per-step cost is one dictionary lookup.
-"""
+Kinds, applied on ``rank`` just before global step ``step`` (0-based), in every mode:
+``raise`` (an exception), ``kill`` (SIGKILL), ``hang`` (an hour's sleep), ``nan`` (this
+rank's gradient contribution becomes NaN), ``desync`` (its first parameter moves by one
+ulp). Unset, the per-step cost is one dictionary lookup."""
 
 from __future__ import annotations
 
@@ -42,22 +40,15 @@ class Injector:
     """The faults planned for this rank. ``apply(step, trainer)`` acts on ``trainer``'s
     ``poison_()`` (``nan``) and ``nudge_()`` (``desync``)."""
 
-    def __init__(self, rank: int, spec: str | None = None) -> None:
-        planned = parse(os.environ.get("MPIDP_FAULT") if spec is None else spec)
+    def __init__(self, rank: int) -> None:
+        planned = parse(os.environ.get("MPIDP_FAULT"))
         self.steps = {step: kind for (r, step), kind in planned.items() if r == rank}
         self.rank = rank
 
     def apply(self, step: int, trainer) -> None:
         kind = self.steps.get(step)
-        if kind is None:
-            return
         if kind == "raise":
             raise InjectedFault(f"injected fault on rank {self.rank} at step {step}")
-        if kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if kind == "hang":
-            time.sleep(3600)
-        if kind == "desync":
-            trainer.nudge_()
-        if kind == "nan":
-            trainer.poison_()
+        if kind is not None:
+            {"kill": lambda: os.kill(os.getpid(), signal.SIGKILL), "hang": lambda: time.sleep(3600),
+             "desync": trainer.nudge_, "nan": trainer.poison_}[kind]()

@@ -1,42 +1,40 @@
 """Checkpoint folders that belong to one run at a time, and the temporary files that killed
-processes leave there (the files themselves are written by :mod:`mpidp.atomic`).
-
-No MPI here: the root rank calls these. A checkpoint folder holds
+writers leave there. No MPI here: the root rank calls these. A checkpoint folder holds
 
 - ``run.json``: the run it belongs to (``run_id``, when and where that run started);
-- ``.lock``: taken with ``flock`` by the job writing there, and naming it (host, pid, start
-  time). The kernel drops the lock when its holder dies, however it dies, so a dead holder
-  never keeps it. On NFS, Linux maps ``flock`` to byte-range locks that the server enforces
-  across hosts (and releases when a dead client's lease expires); on a filesystem without
-  locks the file's contents decide (see :func:`lock_folder`);
-- ``ckpt-*.npz`` (see :mod:`mpidp.run.checkpoint`), and briefly ``.tmp-*`` files being written.
-"""
+- ``.lock``: ``flock``-ed by the job writing there, and naming it (host, pid, start time).
+  The kernel drops the lock when its holder dies; on NFS, Linux maps ``flock`` to
+  byte-range locks the server enforces across hosts; without locks, the file's contents
+  decide (see :func:`lock_folder`);
+- ``ckpt-*.npz`` (:mod:`mpidp.run.checkpoint`), and briefly ``.tmp-*`` files being written."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import socket
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 from ..atomic import TMP_PREFIX, host_tag, write_atomic, write_error
+from ..errors import setting
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
+
+
 def pid_alive(pid: int) -> bool:
     """True if process ``pid`` exists on this host (owned by anyone)."""
-    if pid <= 0:
-        return False
     try:
-        os.kill(pid, 0)
+        return pid > 0 and os.kill(pid, 0) is None
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
 
 
 def _proc_start(pid: int) -> int | None:
@@ -50,12 +48,9 @@ def _proc_start(pid: int) -> int | None:
 
 
 def clean_stale_tmp(directory: str, max_age_s: float = 3600.0) -> list[str]:
-    """Remove the ``.tmp-*`` files in ``directory`` that no live writer will finish.
-
-    A file named by :func:`write_atomic` on this host is stale when its process is gone;
-    one from another host, or with an older name, when it is more than ``max_age_s``
-    seconds old. Returns the paths removed.
-    """
+    """Remove the ``.tmp-*`` files in ``directory`` that no live writer will finish (returns
+    their paths): on this host, those whose process is gone; others, more than ``max_age_s``
+    seconds old."""
     removed, mine, now = [], host_tag(), time.time()
     try:
         names = [n for n in os.listdir(directory) if n.startswith(TMP_PREFIX)]
@@ -77,13 +72,6 @@ def clean_stale_tmp(directory: str, max_age_s: float = 3600.0) -> list[str]:
     return removed
 
 
-# --- the lock --------------------------------------------------------------------------
-
-def _holder_record() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "proc_start": _proc_start(os.getpid()),
-            "since": time.strftime("%Y-%m-%d %H:%M:%S %z")}
-
-
 def _read_record(fd: int) -> dict | None:
     try:
         text = os.pread(fd, 4096, 0).decode()
@@ -92,10 +80,14 @@ def _read_record(fd: int) -> dict | None:
         return None
 
 
-def _describe(record: dict | None) -> str:
-    if not record:
-        return "holder unknown"
-    return f"host {record.get('host')}, pid {record.get('pid')}, since {record.get('since')}"
+def _in_use(directory: str, record: dict | None, note: str = "", wait: str = "for it to finish"
+            ) -> ValueError:
+    """The refusal of a folder whose lock another job (``record``) holds."""
+    who = (f"host {record.get('host')}, pid {record.get('pid')}, since {record.get('since')}"
+           if record else "holder unknown")
+    return ValueError(f"checkpoint folder {directory} is in use by another mpidp job ({who}"
+                      f"{note}): wait {wait}, or give this run another "
+                      f"{setting('checkpoint_dir')}")
 
 
 def _record_alive(record: dict | None) -> bool:
@@ -110,13 +102,10 @@ def _record_alive(record: dict | None) -> bool:
 
 
 def lock_folder(directory: str) -> int:
-    """Take ``directory``'s lock for this process; returns the lock file's descriptor.
-
-    Raises ValueError naming the holder (host, pid, since when) if another job holds it.
-    Where the filesystem has no locks, the record in the lock file decides: a holder on
-    this host that is no longer running does not keep it; one on another host is trusted,
-    and the message says to delete the file if that job has ended.
-    """
+    """Take ``directory``'s lock for this process; returns the lock file's descriptor. Raises
+    ValueError naming the holder (host, pid, since when) if another job holds it. Without
+    locks, the lock file's record decides: a holder on this host no longer running does not
+    keep it; one on another host is trusted (the message says to delete the file)."""
     path = os.path.join(directory, LOCK_FILE)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
@@ -125,9 +114,7 @@ def lock_folder(directory: str) -> int:
     except BlockingIOError:
         record = _read_record(fd)
         os.close(fd)
-        raise ValueError(f"checkpoint folder {directory} is in use by another mpidp job "
-                         f"({_describe(record)}): wait for it to finish, or give this run "
-                         f"another --checkpoint-dir") from None
+        raise _in_use(directory, record) from None
     except (ImportError, OSError) as exc:  # no flock here (ENOLCK, EOPNOTSUPP ...)
         if isinstance(exc, OSError) and exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP,
                                                          errno.ENOSYS, errno.EINVAL):
@@ -136,27 +123,24 @@ def lock_folder(directory: str) -> int:
         record = _read_record(fd)
         if _record_alive(record) and record.get("pid") != os.getpid():
             os.close(fd)
-            raise ValueError(f"checkpoint folder {directory} is in use by another mpidp job "
-                             f"({_describe(record)}; this filesystem has no locks, so if that "
-                             f"job has ended, delete {path}): wait for it, or give this run "
-                             f"another --checkpoint-dir") from None
+            raise _in_use(directory, record, f"; this filesystem has no locks, so if that job "
+                          f"has ended, delete {path}", "for it") from None
     try:
-        _write_record(fd, _holder_record())
+        _write_record(fd, {"host": socket.gethostname(), "pid": os.getpid(),
+                           "proc_start": _proc_start(os.getpid()),
+                           "since": time.strftime("%Y-%m-%d %H:%M:%S %z")})
     except OSError as exc:  # a full disk
         os.close(fd)
-        raise write_error(exc, path, "--checkpoint-dir") from None
+        raise write_error(exc, path, setting("checkpoint_dir")) from None
     return fd
 
 
-def hold_folder(directory: str, option: str) -> int | None:
-    """Take this host's lock on the folder path ``directory`` for this process (an
-    ``flock`` on a file named after its absolute path in the system's temporary folder, so
-    nothing is written to ``directory`` and it need not exist yet); returns its descriptor
-    (close it to let go), or None where no lock can be taken. Raises ValueError naming
-    ``option`` if another job on this host holds it."""
+def hold_folder(directory: str, name: str) -> int | None:
+    """Take this host's lock on the folder path ``directory`` (an ``flock`` on a file named
+    after it in the system's temporary folder: ``directory`` need not exist); returns its
+    descriptor (close it to let go), or None where no lock can be taken. Raises ValueError
+    naming the setting ``name`` if another job on this host holds it."""
     import fcntl
-    import hashlib
-    import tempfile
     key = hashlib.sha256(os.path.realpath(directory).encode()).hexdigest()[:32]
     folder = os.path.join(tempfile.gettempdir(), "mpidp-folder-locks")
     try:
@@ -168,8 +152,8 @@ def hold_folder(directory: str, option: str) -> int | None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ValueError(f"{option} {directory} is in use by another mpidp job: wait for it "
-                         f"to finish, or give this run another {option}") from None
+        raise ValueError(f"{setting(name)} {directory} is in use by another mpidp job: wait "
+                         f"for it to finish, or give this run another {setting(name)}") from None
     except OSError:  # no locks there
         os.close(fd)
         return None
@@ -192,8 +176,6 @@ def unlock_folder(fd: int) -> None:
     os.close(fd)
 
 
-# --- ownership -------------------------------------------------------------------------
-
 def read_run(directory: str) -> dict | None:
     """The ``run.json`` record of ``directory`` (``run_id``, ``created``, ``host``), or None
     if there is none. An unreadable record reads as ``{"run_id": None, ...}`` (a used
@@ -215,17 +197,15 @@ def write_run(directory: str, run_id: str) -> dict:
               "host": socket.gethostname(), "pid": os.getpid()}
     write_atomic(os.path.join(directory, RUN_FILE),
                  lambda f: f.write((json.dumps(record, indent=1) + "\n").encode()),
-                 what="--checkpoint-dir")
+                 what=setting("checkpoint_dir"))
     return record
 
 
 @dataclass
 class Claim:
     """A checkpoint folder held by this process for run ``run_id`` until :meth:`release`.
-
-    ``continued``: the folder already held the run being resumed (its ``run_id`` was kept).
-    ``cleaned``: stale temporary files removed. ``wiped``: files removed by ``restart``.
-    """
+    ``continued``: the folder held the run being resumed; ``cleaned``: stale temporary files
+    removed; ``wiped``: files removed by ``restart``."""
 
     directory: str
     run_id: str

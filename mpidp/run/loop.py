@@ -1,15 +1,11 @@
-"""The one epoch loop, for every trainer: data parallel (each gradient-exchange strategy),
-pipelines and hybrids, and the asynchronous server's workers. Every guarantee is written
-here once:
+"""The one epoch loop, for every trainer (data parallel, pipelines, hybrids, the
+asynchronous server's workers). Every guarantee is written here once:
 
 per step: fault injection (``MPIDP_FAULT``) -> ``trainer.step`` (which applies the NaN
-policy before its update) -> the step mark the watchdog reports -> the replica check every
-``check_every`` steps -> a checkpoint when due (outside accumulation groups, excused from
-the watchdog) -> an agreed stop on SIGTERM/SIGUSR1 (checkpoint, then :class:`Preempted`);
-per epoch: global totals, load-balance figures, evaluation, history, ``on_epoch``.
-
-The same global batches for any world size; the same number of steps on every rank.
-"""
+policy) -> the watchdog's step mark -> the replica check every ``check_every`` steps -> a
+checkpoint when due (outside accumulation groups, excused from the watchdog) -> an agreed
+stop on SIGTERM/SIGUSR1; per epoch: global totals, load balance, evaluation, history,
+``on_epoch``. The same global batches for any world size, the same steps on every rank."""
 
 from __future__ import annotations
 
@@ -24,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import comm as C
+from ..errors import setting
 from ..observe.progress import Progress, resolve
 from .checkpoint import State, check_position
 from .faults import Injector
@@ -36,71 +33,45 @@ __all__ = ["Checkpointing", "Feed", "RunSpec", "Trainer", "run"]
 
 
 class Trainer(Protocol):
-    """What the loop needs of a trainer (:class:`~mpidp.DataParallel`,
-    :class:`~mpidp.parallel.Pipeline`).
-
-    Optional, used when the trainer has them: ``timer`` (a
-    :class:`~mpidp.observe.metrics.StepTimer`, whose ``tracer`` gets the loop's checkpoint
-    and evaluation spans); ``policy`` (the :class:`~mpidp.run.nonfinite.Policy` whose
-    ``skipped`` count each epoch's record reports and ``spec.max_skipped`` bounds);
-    ``optimizer`` (each epoch's record has its ``lr_at`` the epoch's last update;
-    ``spec.plateau`` needs one, and sets its ``lr_scale``).
-    """
+    """What the loop needs of a trainer (:class:`~mpidp.DataParallel`, a pipeline ...), and
+    may use: ``timer`` (its ``tracer`` gets the loop's spans), ``policy`` (the NaN/Inf
+    policy, whose ``skipped`` count records report), ``optimizer`` (its ``lr_at``, and the
+    ``lr_scale`` the plateau rule sets)."""
 
     world: C.Comm
     global_step: int
     stop_requested: bool | None  # this rank's stop request, sent with the next step
 
     def step(self, *batch: Any, last_of_epoch: bool = False) -> StepStats: ...
-
     def check_replicas(self) -> None: ...
-
-    def poison_(self) -> None: ...
-
-    def nudge_(self) -> None: ...
-
-    def at_boundary(self) -> bool: ...
-
+    def poison_(self) -> None: ...  # the faults' "nan"
+    def nudge_(self) -> None: ...  # the faults' "desync"
+    def at_boundary(self) -> bool: ...  # replicas agree here (between synchronisations)
     def epoch_totals(self, totals: np.ndarray) -> np.ndarray: ...
-
     def save_checkpoint(self, directory: str, state: State, keep: int,
                         run_id: str | None = None) -> None: ...
 
 
 class Feed(Protocol):
-    """Where a trainer's batches come from, epoch by epoch (each trainer has its own, in
-    its module), and what else the loop must know of them."""
+    """Where a trainer's batches come from, epoch by epoch, and what else the loop must
+    know of them."""
 
     n_steps: int
     labelled: bool  # accuracy means something (classification, or integer targets)
 
     def batches(self, epoch: int, first: int) -> Iterator[tuple]: ...
-
-    def end_epoch(self) -> dict | None: ...
-
+    def end_epoch(self) -> dict | None: ...  # the epoch's load-balance figures
     def evaluate(self) -> StepStats | None: ...
-
-    def state(self) -> dict:
-        """What a checkpoint keeps of the feed (e.g. a partition's capacities)."""
-        ...
+    def state(self) -> dict: ...  # what a checkpoint keeps of it (a partition's capacities)
 
 
 def run(trainer: Trainer, feed: Feed, spec: RunSpec) -> list[dict]:
     """Train until ``spec.epochs`` epochs are done, or until a callback asks to stop.
-    Collective. Returns the history (one dict per epoch: ``epoch, loss, accuracy, seconds``
-    and, when measured, ``balance``, ``test_loss``, ``test_accuracy``; an epoch cut short
-    by a callback's stop also has ``stopped_at``, the global step), the same on every rank.
-
-    ``spec.on_step(step, stats)`` gets the global step just done (1 for the first) and its
-    :class:`StepStats`; ``spec.on_epoch(record)`` the epoch's record. A callback that
-    returns a true value asks to stop, on its rank alone if need be: ``on_step``'s request
-    rides in the next step's own collective and every rank ends after that same step;
-    ``on_epoch``'s is agreed by one small ``Allreduce`` at the epoch's end (only when
-    ``on_epoch`` is given). Either way the run ends normally, with a checkpoint where
-    checkpoints are on, instead of raising :class:`Preempted` as a stop signal does.
-
-    ``spec.watchdog`` is used when it is a :class:`mpidp.comm.Watchdog`; ``fit`` and the
-    other entry points make one for ``"auto"`` or a timeout (:func:`watched_run`)."""
+    Collective. Returns the history, the same on every rank: a dict per epoch (``epoch, loss,
+    accuracy, seconds`` and, when measured, ``balance``, ``test_loss``, ``test_accuracy``;
+    ``stopped_at``, the global step, when a callback's stop cut it short). A callback's stop
+    ends the run normally, with a checkpoint where checkpoints are on, instead of raising
+    :class:`Preempted` as a stop signal does."""
     job = _Run(trainer, feed, spec)
     try:
         job.epochs()
@@ -111,10 +82,8 @@ def run(trainer: Trainer, feed: Feed, spec: RunSpec) -> list[dict]:
 
 @contextmanager
 def watched_run(spec: RunSpec, comm: C.Comm, own: C.Watchdog | None = None):
-    """``spec`` with its watchdog made real for one run over ``comm``: ``"auto"`` (the
-    default) is the command line's default, a timeout of ``max(600 s, 50 median steps)``; a
-    number of seconds, a fixed timeout; ``0``/``False``/None, none; a :class:`Watchdog`, that
-    one. ``own``: the trainer's (``DataParallel(watchdog=...)``), which then serves.
+    """``spec`` with its watchdog (see :class:`RunSpec`) made real for one run over
+    ``comm``; ``own``: the trainer's (``DataParallel(watchdog=...)``), which then serves.
     Collective (making a watchdog duplicates ``comm``); one made here is closed at the end."""
     dog, made = spec.watchdog, False
     if isinstance(dog, str) and own is not None:
@@ -147,7 +116,7 @@ class _Run:
         trainer.global_step = self.state.global_step
         self.history = list(self.state.history)
         self.faults = Injector(trainer.world.rank)
-        self.tracer = getattr(_optional(trainer, "timer"), "tracer", None)
+        self.tracer = getattr(getattr(trainer, "timer", None), "tracer", None)
         self.save_due = False
         self.check_due = False  # a replica check waits for the next synchronisation
         self.asked = False  # a callback on this rank asked to stop
@@ -163,12 +132,13 @@ class _Run:
             spec.watchdog.start()
         epoch, first = state.epoch, state.step
         totals = np.array(state.totals if first else (0.0, 0.0, 0.0), np.float64)
+        done = spec.epochs
         while epoch < spec.epochs:
             t0 = time.perf_counter()
             try:
                 self.steps(epoch, first, totals)
                 self.mark(epoch, self.feed.n_steps, totals)
-                done = self.end_epoch(epoch, totals, t0)
+                ended = self.end_epoch(epoch, totals, t0)
             except _Stopped:
                 self.end_epoch(epoch, totals, t0, stopped_at=self.trainer.global_step)
                 return
@@ -177,13 +147,12 @@ class _Run:
                     raise
                 epoch, first, totals = self.recover(exc)
                 continue
-            if done:
-                if spec.checkpoint:
-                    self.save(State(epoch + 1, 0, self.trainer.global_step, [0.0, 0.0, 0.0]))
-                return
+            if ended:
+                done = epoch + 1
+                break
             epoch, first, totals = epoch + 1, 0, np.zeros(3)
         if spec.checkpoint:
-            self.save(State(spec.epochs, 0, self.trainer.global_step, [0.0, 0.0, 0.0]))
+            self.save(State(done, 0, self.trainer.global_step))
 
     def mark(self, epoch: int, step: int, totals: np.ndarray) -> None:
         """Elastic runs: where this rank is, before step ``step`` of ``epoch``."""
@@ -213,9 +182,8 @@ class _Run:
 
     def end_epoch(self, epoch: int, totals: np.ndarray, t0: float, **extra) -> bool:
         """Record the epoch, let early stopping and the plateau rule judge it, and call
-        ``on_epoch``; True when training ends here: early stopping decides so (from global
-        figures, the same on every rank), or some rank's ``on_epoch`` asks (agreed:
-        collective when ``on_epoch`` is given)."""
+        ``on_epoch``; True when training ends here (early stopping, or some rank's
+        ``on_epoch`` asks: agreed, collective when ``on_epoch`` is given)."""
         record = _record(self.trainer, self.feed, epoch, totals, t0, self.tracer)
         skipped = _skipped(self.trainer)
         if skipped is not None:
@@ -232,15 +200,14 @@ class _Run:
 
     def check_skipped(self, skipped: int | None) -> None:
         """Fail on every rank (the counts are global) when the NaN/Inf policy skipped more
-        than ``spec.max_skipped`` of this run's steps: a run that learns nothing must not
-        end as if it had."""
+        than ``spec.max_skipped`` of this run's steps."""
         steps = self.trainer.global_step - self.first_step
         if skipped and steps and skipped > self.spec.max_skipped * steps:
             raise NonFiniteError(
                 f"{skipped} of the run's {steps} steps had a NaN/Inf loss or gradient and were "
-                f"skipped, more than the {self.spec.max_skipped:g} allowed (max_skipped, "
-                f"--max-skipped): the model is not learning; lower the learning rate or check "
-                f"the data")
+                f"skipped, more than the {self.spec.max_skipped:g} allowed "
+                f"({setting('max_skipped')}): the model is not learning; lower the learning "
+                f"rate or check the data")
 
     def judge(self, record: dict) -> bool:
         """Early stopping and the plateau rule on ``record``'s monitored figure; marks the
@@ -254,8 +221,7 @@ class _Run:
                                f"{', '.join(sorted(k for k in record if k != 'balance'))}): "
                                f"give a validation set (test={{'val': shard}}) or another "
                                f"monitor")
-        value = record[spec.monitor]
-        value = float("nan") if value is None else float(value)
+        value = _figure(record, spec.monitor)
         if spec.early_stopping is not None:
             record["improved"] = spec.early_stopping.improves(value)
             stop = spec.early_stopping.update(value)
@@ -266,7 +232,7 @@ class _Run:
 
     def plateau_optimizer(self):
         """The trainer's optimizer, whose ``lr_scale`` the plateau rule sets."""
-        optimizer = _optional(self.trainer, "optimizer")
+        optimizer = getattr(self.trainer, "optimizer", None)
         if optimizer is None:
             raise C.MpidpError(f"the plateau rule sets an optimizer's lr_scale, and this "
                                f"trainer ({type(self.trainer).__name__}) has no optimizer")
@@ -275,8 +241,7 @@ class _Run:
     def replay(self) -> None:
         """A resumed run's early stopping and plateau rule, fed the epochs already done."""
         for record in self.history:
-            value = record.get(self.spec.monitor)
-            value = float("nan") if value is None else float(value)
+            value = _figure(record, self.spec.monitor)
             if self.spec.early_stopping is not None:
                 self.spec.early_stopping.update(value)
             if self.spec.plateau is not None:
@@ -339,14 +304,15 @@ def writing_checkpoint(tracer=None):
         yield
 
 
-def _optional(trainer: Trainer, name: str) -> Any:
-    """The trainer's optional attribute ``name`` (see :class:`Trainer`), or None."""
-    return getattr(trainer, name, None)
+def _figure(record: dict, name: str) -> float:
+    """The epoch's figure ``name`` as a float (NaN where the record has None)."""
+    value = record.get(name)
+    return float("nan") if value is None else float(value)
 
 
 def _skipped(trainer: Trainer) -> int | None:
     """The steps the trainer's NaN/Inf policy has skipped so far (None: it keeps no count)."""
-    policy = _optional(trainer, "policy")
+    policy = getattr(trainer, "policy", None)
     return None if policy is None else int(policy.skipped)
 
 
@@ -360,7 +326,7 @@ def _record(trainer, feed: Feed, epoch: int, totals: np.ndarray, t0: float,
     record = {"epoch": epoch + 1, "loss": totals[0] / totals[1] if totals[1] else float("nan"),
               "accuracy": totals[2] / totals[1] if feed.labelled and totals[1] else None,
               "seconds": time.perf_counter() - t0}
-    optimizer = _optional(trainer, "optimizer")
+    optimizer = getattr(trainer, "optimizer", None)
     if optimizer is not None and hasattr(optimizer, "lr_at"):  # the epoch's last update's
         record["lr"] = optimizer.lr_at(max(optimizer.t - 1, 0))
     balance = feed.end_epoch()

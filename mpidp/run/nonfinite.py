@@ -1,11 +1,7 @@
 """The NaN/Inf policy, one place for every mode: what happens when a step's global loss or
-gradient is not finite.
-
-``stop`` raises :class:`NonFiniteError` on every rank before the update (parameters and
-checkpoints stay at the last good step); ``skip`` drops the update and counts the step;
-``ignore`` applies it (and skips the check altogether). Every trainer reaches one verdict
-that all ranks share, then calls :meth:`Policy.apply`.
-"""
+gradient is not finite. ``stop`` raises :class:`NonFiniteError` on every rank before the
+update; ``skip`` drops the update and counts the step; ``ignore`` applies it (unchecked).
+Every trainer reaches one verdict that all ranks share, then calls :meth:`Policy.apply`."""
 
 from __future__ import annotations
 
@@ -13,18 +9,14 @@ import math
 
 import numpy as np
 
-from ..errors import MpidpError
+from ..errors import MpidpError, setting
 
 ON_NONFINITE = ("stop", "skip", "ignore")
 
 
 def all_finite(values: np.ndarray) -> bool:
-    """True iff no element of 1-D ``values`` is NaN or infinite.
-
-    One BLAS dot product (a memory-speed pass; NaN and Inf reach the result). Squares of
-    finite values beyond ~1.8e19 (float32) overflow it too, so only then is every element
-    checked one by one.
-    """
+    """True iff no element of 1-D ``values`` is NaN or infinite: one BLAS dot product (NaN and
+    Inf reach it), checked element by element only when that overflows."""
     with np.errstate(over="ignore", invalid="ignore"):
         return math.isfinite(float(np.dot(values, values))) or bool(np.isfinite(values).all())
 
@@ -63,4 +55,4 @@ class Policy:
             f"non-finite loss or gradient at step {step} (global loss sum {float(loss_sum)}); "
             f"stopped before the update, so the parameters and checkpoints are from the last "
             f"good step. Lower the learning rate, check the data, or skip such steps "
-            f"(on_nonfinite='skip', --on-nonfinite skip)")
+            f"({setting('on_nonfinite', 'skip')})")

@@ -1,18 +1,13 @@
 """Clean ends on signals, decided together.
 
-``SIGTERM`` or ``SIGUSR1`` to every rank (what Slurm sends before a time limit with
-``--signal``, or on preemption): training finishes the current step, every rank agrees to
-stop (the request rides in the step's own collective: :attr:`StopSignals.requested` is
-what a trainer adds to it), a checkpoint is written when checkpointing is on,
-and the job exits with :data:`PREEMPTED_EXIT`; ``--resume`` continues bit-identically.
+``SIGTERM`` or ``SIGUSR1`` to every rank (Slurm's warning before a time limit, or a
+preemption): training finishes the current step, every rank agrees to stop (the request
+rides in the step's own collective), a checkpoint is written when checkpointing is on, and
+the job exits with :data:`PREEMPTED_EXIT`; resuming the run continues bit-identically.
+During the data load (nothing to save yet) such a signal ends the job at once.
 
-A stop signal while the data load (nothing to save yet) ends the job at once, with the
-same exit status, even while a rank is blocked reading a file.
-
-``SIGINT`` to one rank (Ctrl-C, or ``kill -INT``): the whole job ends within seconds with
-exit status 130, even while this rank waits inside an MPI call (a thread reads the signal
-from a wakeup pipe, so it does not wait for the main thread to leave MPI).
-"""
+``SIGINT`` to one rank (Ctrl-C): the whole job ends within seconds with exit status 130,
+even while this rank waits inside an MPI call (a thread reads the signal from a wakeup pipe)."""
 
 from __future__ import annotations
 
@@ -22,7 +17,7 @@ import sys
 import threading
 from contextlib import contextmanager
 
-from ..errors import MpidpError
+from ..errors import MpidpError, setting
 
 #: Exit status after a stop on SIGTERM/SIGUSR1 (EX_TEMPFAIL: "try again": resume the run).
 PREEMPTED_EXIT = 75
@@ -31,10 +26,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 @contextmanager
 def deferred_stops():
-    """A stop signal (SIGTERM/SIGUSR1) inside the block is noted, not obeyed: the block
-    yields the list of the signals noted, for the caller to act on once it ends. Wraps the
-    start of MPI, where a rank killed mid-start leaves the library's shared-memory segment
-    behind (a handler in Python runs only once MPI_Init has returned). Main thread only."""
+    """A stop signal (SIGTERM/SIGUSR1) inside the block is noted, not obeyed: the block yields
+    the list of those noted. Wraps the start of MPI (a rank killed there leaves the library's
+    shared memory behind). Main thread only."""
     noted: list[int] = []
     if threading.current_thread() is not threading.main_thread():  # no handlers there
         yield noted
@@ -51,8 +45,9 @@ class Preempted(MpidpError):
     """Training stopped on SIGTERM/SIGUSR1 after a checkpoint (raised on every rank)."""
 
     def __init__(self, step: int, checkpoint) -> None:
-        where = (f"checkpoint written to {checkpoint.directory}; continue with --resume"
-                 if checkpoint else "no --checkpoint-dir, so nothing was saved")
+        where = (f"checkpoint written to {checkpoint.directory}; continue with "
+                 f"{setting('resume')}" if checkpoint
+                 else f"no {setting('checkpoint_dir')}, so nothing was saved")
         super().__init__(f"stopped by a signal after step {step}: {where}")
 
 
@@ -66,13 +61,12 @@ class StopSignals:
         self.phase: str | None = None  # a phase with nothing to save: a stop ends the job
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)
-        self._old = {s: signal.signal(s, self._note) for s in (*STOP_SIGNALS, signal.SIGINT)}
+        # the Python-level handlers do nothing: the thread reads the signals and acts
+        self._old = {s: signal.signal(s, lambda signum, frame: None)
+                     for s in (*STOP_SIGNALS, signal.SIGINT)}
         self._old_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         self._thread = threading.Thread(target=self._watch, name="mpidp-signals", daemon=True)
         self._thread.start()
-
-    def _note(self, signum, frame) -> None:  # the Python-level handler: the thread acts
-        pass
 
     def _watch(self) -> None:
         while True:
@@ -84,17 +78,20 @@ class StopSignals:
                 return
             for signum in got:
                 if signum == signal.SIGINT:
-                    self._interrupt()
+                    self._abort("interrupted (SIGINT); ending the job.", 130)
                 elif signum in STOP_SIGNALS:
                     self.requested = True
                     if self.phase is not None:
-                        self._end(signum)
+                        self._abort(f"stopped by {signal.Signals(signum).name} while "
+                                    f"{self.phase}; nothing was trained or saved, so run the "
+                                    f"same command again (exit {PREEMPTED_EXIT}).",
+                                    PREEMPTED_EXIT)
 
-    def _interrupt(self) -> None:
+    def _abort(self, why: str, code: int) -> None:
         from .. import comm as C
-        sys.stderr.write(f"[mpidp] rank {self.comm.rank}/{self.comm.size}: interrupted "
-                         "(SIGINT); ending the job.\n")
-        C.abort_job(self.comm, 130)
+        sys.stderr.write(f"[mpidp] rank {self.comm.rank}/{self.comm.size}: {why}\n")
+        sys.stderr.flush()
+        C.abort_job(self.comm, code)
 
     @contextmanager
     def during(self, phase: str):
@@ -106,15 +103,6 @@ class StopSignals:
             yield
         finally:
             self.phase = None
-
-    def _end(self, signum: int) -> None:
-        from .. import comm as C
-        sys.stderr.write(f"[mpidp] rank {self.comm.rank}/{self.comm.size}: stopped by "
-                         f"{signal.Signals(signum).name} while {self.phase}; nothing was "
-                         f"trained or saved, so run the same command again (exit "
-                         f"{PREEMPTED_EXIT}).\n")
-        sys.stderr.flush()
-        C.abort_job(self.comm, PREEMPTED_EXIT)
 
     def close(self) -> None:
         signal.set_wakeup_fd(self._old_fd)

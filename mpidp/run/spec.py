@@ -15,6 +15,9 @@ import numpy as np
 from ..errors import MpidpError, is_whole
 from ..observe.progress import MODES as PROGRESS
 
+#: The watchdog's default: a timeout of ``max(600 s, 50 median steps)``, as on the command line.
+AUTO = "auto"
+
 if TYPE_CHECKING:
     from ..comm import Watchdog
     from ..data.balance import Plan
@@ -46,44 +49,27 @@ class RunSpec:
     """One run: how long, in which batches, and what watches over it.
 
     ``epochs`` passes over the training set in GLOBAL batches of ``batch_size`` samples
-    (summed over all ranks), visited in :func:`mpidp.data.partition.epoch_order` order
-    (``seed``, ``shuffle``), the last smaller batch dropped with ``drop_last``.
-    ``partition`` (data parallel only): a :class:`mpidp.Partition` deciding which rank owns
-    which samples, or a :class:`mpidp.Plan` (whose batch size, seed, shuffle and
-    drop_last must be the spec's: a Plan that batches otherwise is refused).
-    ``check_every``: compare replicas every this many steps (0: never during training).
-    ``checkpoint``/``resume``: where to save, and the
-    :class:`~mpidp.run.checkpoint.State` to continue from. ``progress``: rank 0 shows the
-    epoch's steps: ``"bar"`` (live), ``"lines"`` (a line every few seconds), ``"auto"`` (a
-    bar when someone watches the launcher's terminal, else lines) or ``"none"``; True is
-    ``"auto"``, False ``"none"``.
-    ``stop`` (:class:`mpidp.run.signals.StopSignals`): stop cleanly on SIGTERM/SIGUSR1
-    (checkpoint, then :class:`~mpidp.run.signals.Preempted`); ``watchdog``: end the job,
-    naming the stalled rank, when a rank makes no progress for a timeout: ``"auto"`` (the
-    default, as on the command line: ``max(600 s, 50 median steps)``), a timeout in
-    seconds, ``0``/``False`` (off; None means "not given" to ``fit``'s keywords), or a
-    :class:`mpidp.comm.Watchdog` of your own.
+    (summed over all ranks), in :func:`mpidp.data.partition.epoch_order` (``seed``,
+    ``shuffle``; ``drop_last`` drops the last smaller batch). ``partition`` (data parallel):
+    a :class:`mpidp.Partition`, or a :class:`mpidp.Plan` batching as the spec does.
+    ``check_every``: compare replicas every this many steps (0: never). ``checkpoint``,
+    ``resume``: where to save, the :class:`~mpidp.run.checkpoint.State` to continue from.
+    ``progress`` (rank 0): one of :data:`mpidp.observe.progress.MODES`; True is ``"auto"``
+    (a bar when someone watches), False ``"none"``. ``stop``
+    (:class:`mpidp.run.signals.StopSignals`): stop cleanly on SIGTERM/SIGUSR1. ``watchdog``:
+    end the job, naming the stalled rank, when a rank makes no progress for a timeout:
+    :data:`AUTO`, seconds, ``0``/``False`` (off; None: "not given" to ``fit``), or a
+    :class:`mpidp.comm.Watchdog`.
 
-    Callbacks, called on every rank: ``on_step(step, stats)`` after each step, with the
-    global step just done (1 for the first, counting on after a resume) and its
-    :class:`~mpidp.run.stats.StepStats` (global figures); ``on_epoch(record)`` after each
-    epoch, with its history record. A callback that returns a true value asks to stop
-    (on one rank is enough): every rank ends together, after the next step for
-    ``on_step``, at once for ``on_epoch`` (see :func:`mpidp.run.loop.run`).
-
-    ``early_stopping`` (:class:`mpidp.run.early_stopping.EarlyStopping`): end training when
-    the epoch's ``monitor`` figure (a key of its history record, default ``"val_loss"``:
-    the loss on the sets given as ``test={"val": ...}``) has not improved for its patience;
-    ``plateau`` (:class:`~mpidp.run.early_stopping.ReduceOnPlateau`): scale the optimizer's
-    learning rate by what it decides from the same figure. Both decide from global figures,
-    the same on every rank (no rank stops alone), and replay the history on a resume.
-    ``max_skipped``: fail (:class:`~mpidp.run.nonfinite.NonFiniteError` on every rank) when
-    more than this share of the run's steps so far had their update skipped by the NaN/Inf
-    policy (``on_nonfinite="skip"``); each epoch's record has its ``skipped`` count.
-    ``elastic`` (data parallel, Open MPI's ULFM): a function ``rows(comm) -> Shard`` giving
-    this rank's training rows over ``comm``; when ranks die the survivors go on over the
-    rows it gives them (:mod:`mpidp.parallel.elastic`, docs/reliability.md). False: off.
-    """
+    Callbacks, on every rank: ``on_step(step, stats)`` (the global step just done, from 1)
+    and ``on_epoch(record)``; a true result on any rank stops every rank together.
+    ``early_stopping`` ends training, ``plateau`` scales the learning rate, from the epoch's
+    ``monitor`` figure (default ``"val_loss"``: the loss on ``test={"val": ...}``).
+    ``max_skipped``: fail when more than this share of the run's steps had their update
+    skipped by the NaN/Inf policy. ``elastic`` (data parallel, Open MPI's ULFM): a function
+    ``rows(comm) -> Shard`` giving this rank's training rows over ``comm``; when ranks die
+    the survivors go on over the rows it gives them (:mod:`mpidp.parallel.elastic`). False:
+    off."""
 
     epochs: int
     batch_size: int
@@ -98,7 +84,7 @@ class RunSpec:
     on_epoch: Callable[[dict], None] | None = None
     on_step: Callable[[int, StepStats], None] | None = None
     stop: StopSignals | None = None
-    watchdog: Watchdog | float | str | None = "auto"
+    watchdog: Watchdog | float | str | None = AUTO
     early_stopping: EarlyStopping | None = None
     plateau: ReduceOnPlateau | None = None
     monitor: str = "val_loss"
@@ -106,9 +92,8 @@ class RunSpec:
     elastic: Any = False
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "seed", "check_every"):
+        for name, low in (("epochs", 1), ("batch_size", 1), ("seed", 0), ("check_every", 0)):
             value = getattr(self, name)
-            low = 0 if name in ("seed", "check_every") else 1
             if not is_whole(value, low):
                 raise MpidpError(f"{name} must be an integer >= {low}, got {value!r}")
             setattr(self, name, int(value))  # e.g. a NumPy integer
@@ -119,7 +104,7 @@ class RunSpec:
                 or not 0 <= self.max_skipped <= 1:
             raise MpidpError(f"max_skipped must be a share in [0, 1], got {self.max_skipped!r}")
         dog = self.watchdog
-        if isinstance(dog, str) and dog != "auto" or isinstance(dog, numbers.Real) and not \
+        if isinstance(dog, str) and dog != AUTO or isinstance(dog, numbers.Real) and not \
                 isinstance(dog, bool) and not dog >= 0:
             raise MpidpError(f"watchdog must be 'auto', a timeout in seconds >= 0 (0: off), "
                              f"None, or a Watchdog; got {dog!r}")
@@ -141,8 +126,7 @@ class RunSpec:
             self.checkpoint.directory, self.checkpoint.every)
         out["resume"] = None if self.resume is None else (self.resume.epoch, self.resume.step)
         out["elastic"] = self.elastic is not False and self.elastic is not None
-        out["early_stopping"] = repr(self.early_stopping)
-        out["plateau"] = repr(self.plateau)
+        out["early_stopping"], out["plateau"] = repr(self.early_stopping), repr(self.plateau)
         for k in ("on_step", "on_epoch", "stop"):
             out[k] = "given" if getattr(self, k) is not None else "not given"
         dog = self.watchdog

@@ -7,11 +7,9 @@ from dataclasses import dataclass
 
 @dataclass(repr=False)
 class StepStats:
-    """Global figures of one step or evaluation over all ranks: :attr:`loss` and
-    :attr:`accuracy` are means over the ``count`` samples; ``loss_sum`` and ``correct``
-    the sums they come from (what ranks add up exactly). An evaluation also gives
-    ``scores``: F1, precision, recall, top-k accuracy, log-loss and the confusion matrix of a
-    classifier, MSE, MAE and R² of a regression (:mod:`mpidp.observe.scores`)."""
+    """Global figures of one step or evaluation over all ranks: :attr:`loss` and :attr:`accuracy`
+    are means over ``count`` samples of the sums ``loss_sum`` and ``correct``; an evaluation
+    also gives ``scores`` (:mod:`mpidp.observe.scores`)."""
 
     loss_sum: float
     count: int

@@ -426,7 +426,7 @@ def test_the_trace_has_a_process_per_rank_in_every_mode(tmp_path, mode, n):
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     assert sorted(names) == list(range(n)) and all(names[r].startswith(f"rank {r}") for r in names)
     assert all("step" in e["args"] and "epoch" in e["args"] for e in spans)
-    from mpidp.observe.trace import overlaps
+    from tracecheck import overlaps
     assert overlaps(doc) == []
     if "pipeline" in mode:  # each stage ran every micro-batch forward and backward
         steps = 15  # 480 training rows / 32 per batch

@@ -136,5 +136,5 @@ def test_a_tensorboard_path_that_is_a_file_is_named_as_the_folder_it_must_be(tmp
     from mpidp.observe.watch import Outputs, Watch
     taken = tmp_path / "taken"
     taken.write_text("a file")
-    with pytest.raises(ValueError, match=rf"^--tensorboard {taken} exists and is not a folder"):
+    with pytest.raises(ValueError, match=rf"^tensorboard {taken} exists and is not a folder"):
         Watch.check(Outputs(str(tmp_path / "o"), tensorboard=str(taken)))

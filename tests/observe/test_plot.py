@@ -122,8 +122,7 @@ def test_the_drawing_module_takes_no_namespace():
 
 def test_folder_without_results_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    args = _parse(["plot", str(tmp_path / "empty"), "--out", str(tmp_path / "x.png")])
-    assert cli_plot.main(args) == 2
+    assert cli_main(["plot", str(tmp_path / "empty"), "--out", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err
     assert "no metrics.json or history.jsonl" in err and "--out" in err
     assert not (tmp_path / "x.png").exists()

@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 from helpers import ROOT, run_mpi
+from tracecheck import overlaps
 
 from mpidp.observe import trace as T
 
@@ -27,16 +28,6 @@ def test_window_keeps_only_steps_a_to_b_minus_1():
     assert [(e[0], e[5]) for e in tr.events] == [("fwd", 2), ("allreduce", 2),
                                                  ("fwd", 3), ("allreduce", 3)]
     assert tr.events[0][8] == {"samples": 8} and tr.events[1][8] == {"bytes": 100}
-
-
-def test_disabled_tracer_records_nothing_and_span_is_shared_null():
-    tr = T.Tracer(0, "h", enabled=False)
-    tr.step = 3
-    assert tr.span("a", "b") is tr.span("c", "d")
-    with tr.span("a", "b"):
-        pass
-    tr.add("x", "y", "comm", 0.0, 1.0)
-    assert tr.events == []
 
 
 def test_no_window_records_everything_with_epoch_and_step():
@@ -78,17 +69,17 @@ def test_build_aligns_clocks_names_processes_and_tracks():
     flow = sorted((e["ph"], e["pid"]) for e in doc["traceEvents"] if e["ph"] in "sf")
     assert flow == [("f", 1), ("s", 0)]
     assert doc["otherData"]["steps"] == [0, 1]
-    assert T.overlaps(doc) == []
+    assert overlaps(doc) == []
 
 
 def test_overlaps_finds_partial_overlap_but_accepts_nesting():
     nested = [("step", "c", "compute", 0.0, 1.0, 0, 0, None, None),
               ("fwd", "c", "compute", 0.1, 0.4, 0, 0, None, None),
               ("bwd", "c", "compute", 0.4, 0.9, 0, 0, None, None)]
-    assert T.overlaps(T.build([_part(0, 0.0, nested)])) == []
-    assert len(T.overlaps(T.build([_part(0, 0.0, nested)]), nested_ok=False)) == 2
+    assert overlaps(T.build([_part(0, 0.0, nested)])) == []
+    assert len(overlaps(T.build([_part(0, 0.0, nested)]), nested_ok=False)) == 2
     partial = nested + [("late", "c", "compute", 0.8, 1.2, 0, 0, None, None)]
-    problems = T.overlaps(T.build([_part(0, 0.0, partial)]))
+    problems = overlaps(T.build([_part(0, 0.0, partial)]))
     assert len(problems) == 1 and "late" in problems[0]
 
 
@@ -155,7 +146,7 @@ def test_trace_of_two_ranks_has_one_process_per_rank_and_counts_per_step(two_ran
         assert [e["args"]["step"] for e in mine if e["name"] == "evaluate"] == [2]
         assert {e["args"]["epoch"] for e in mine if e["name"] == "forward/backward"} == {0, 1}
     assert len(spans) == int(stdout.split("spans")[1]) == 2 * (3 * 3 + 1)
-    assert T.overlaps(doc, nested_ok=False) == []
+    assert overlaps(doc, nested_ok=False) == []
     assert sum(e["ph"] == "s" for e in doc["traceEvents"]) == 3
 
 

@@ -59,7 +59,7 @@ def test_fresh_run_into_a_folder_with_another_runs_checkpoints_is_refused(tmp_pa
         ck.claim(str(d), "new", resume=False)
     msg = str(err.value)
     assert str(d) in msg and "run old" in msg and "ckpt-0000000045.npz" in msg
-    assert "another --checkpoint-dir" in msg and "--resume" in msg and "--restart" in msg
+    assert "another checkpoint_dir" in msg and "with resume" in msg and "add restart" in msg
     assert _names(d) == ["ckpt-0000000040.npz", "ckpt-0000000045.npz"]  # untouched
     assert json.loads((d / "run.json").read_text())["run_id"] == "old"
     ck.claim(str(d), "new", resume=False, restart=True).release()  # the refusal kept no lock
@@ -111,14 +111,14 @@ def test_fresh_run_takes_a_folder_whose_run_wrote_no_checkpoint(tmp_path):
 
 
 def test_resume_and_restart_together_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="--resume .* --restart"):
+    with pytest.raises(ValueError, match="^resume .* restart deletes it"):
         ck.claim(str(tmp_path), "r", resume=True, restart=True)
 
 
 def test_unusable_folder_is_a_value_error_naming_it(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(ValueError, match=f"--checkpoint-dir {blocker}"):
+    with pytest.raises(ValueError, match=f"checkpoint_dir {blocker}"):
         ck.claim(str(blocker / "ck"), "r", resume=False)
 
 
@@ -147,7 +147,7 @@ def test_second_job_is_refused_with_the_holders_host_and_pid(tmp_path):
             ck.claim(str(tmp_path), "second", resume=True)
         msg = str(err.value)
         assert "in use by another mpidp job" in msg and f"pid {p.pid}" in msg
-        assert f"host {socket.gethostname()}" in msg and "another --checkpoint-dir" in msg
+        assert f"host {socket.gethostname()}" in msg and "another checkpoint_dir" in msg
         assert json.loads((tmp_path / "run.json").read_text())["run_id"] == "holder"
     finally:
         p.kill()

@@ -300,7 +300,7 @@ def test_shm_room_reads_the_free_space(tmp_path):
 OUT_HOLDER = """
 import sys, time
 from mpidp.run.folders import hold_folder
-held = hold_folder(sys.argv[1], "--out")
+held = hold_folder(sys.argv[1], "out")
 print("held" if held is not None else "no lock", flush=True)
 time.sleep(120)
 """
