@@ -16,8 +16,8 @@ from collections.abc import Iterable
 #: Keys never taken from a stored configuration: what to do now, and how to show it, not
 #: how to train.
 NOT_STORED = frozenset({"command", "config", "resume", "restart", "world_size",
-                        "data_fingerprint", "resume_changes", "quiet", "verbose",
-                        "no_progress", "progress", "trace", "trace_steps", "tensorboard", "log_every"})
+                        "data_fingerprint", "resume_changes", "quiet", "verbose", "no_progress",
+                        "progress", "trace", "trace_steps", "tensorboard", "log_every"})
 #: Of those, what a run records about itself (not options): a file that holds them (the
 #: ``config`` of a metrics.json) is read without them. The others, options of this one
 #: invocation, apply when a hand-written ``--config`` file sets them.
@@ -117,10 +117,9 @@ def _checked(action: argparse.Action, key: str, value, source: str) -> str:
 def _toml(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        return repr(v) if math.isfinite(v) else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+    if isinstance(v, (int, float)):
+        return repr(v) if isinstance(v, int) or math.isfinite(v) else (
+            "nan" if v != v else ("inf" if v > 0 else "-inf"))
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml(x) for x in v) + "]"
     if isinstance(v, dict):  # --slowdown: write it as the flag's text
@@ -138,13 +137,11 @@ def check_recordable(config: dict, name: str = "config.toml") -> None:
     """ValueError naming the option, its value and the fix when :func:`dumps` of ``config``
     could not be written as UTF-8 TOML (text that holds bytes that are not UTF-8, as a
     path may on Linux): checked before a run, so it does not fail at its end."""
-    for key in sorted(config):
-        if key in NOT_STORED or config[key] is None:
-            continue
+    for key, value in _recorded(config):
         try:
-            _toml(config[key]).encode("utf-8")
+            _toml(value).encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError(f"--{key.replace('_', '-')} {config[key]!r} is not UTF-8 text, "
+            raise ValueError(f"--{key.replace('_', '-')} {value!r} is not UTF-8 text, "
                              f"which {name} cannot record: give a name in UTF-8 (a symbolic "
                              f"link with such a name will do)") from None
 
@@ -152,9 +149,12 @@ def check_recordable(config: dict, name: str = "config.toml") -> None:
 def dumps(config: dict) -> str:
     """``config`` (option dest -> value) as TOML that :func:`load` and ``--config`` read back;
     None values and :data:`NOT_STORED` keys are left out."""
-    lines = ["# mpidp train configuration: mpidp train --config THIS_FILE reproduces the run"]
-    for key in sorted(config):
-        if key in NOT_STORED or config[key] is None or config[key] == {}:
-            continue
-        lines.append(f"{key.replace('_', '-')} = {_toml(config[key])}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(["# mpidp train configuration: mpidp train --config THIS_FILE reproduces "
+                      "the run", *(f"{k.replace('_', '-')} = {_toml(v)}" for k, v in
+                                   _recorded(config))]) + "\n"
+
+
+def _recorded(config: dict) -> list[tuple]:
+    """The items of ``config`` that a file records, by key: not None, {} or :data:`NOT_STORED`."""
+    return [(k, v) for k, v in sorted(config.items())
+            if k not in NOT_STORED and v is not None and v != {}]

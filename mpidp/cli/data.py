@@ -23,12 +23,6 @@ def _costs_arg(path: str):
         raise ValueError(f"--costs {path!r}: cannot read a .npy file ({exc})") from exc
 
 
-def load_options(args: argparse.Namespace, comm: C.Comm) -> dict:
-    """Keyword arguments for :func:`mpidp.load` from the partition options. Collective."""
-    costs = C.run_agreed(comm, _costs_arg, args.costs)
-    return {"partition": args.partition, "costs": costs, "capacities": args.capacities}
-
-
 def load_settings(args: argparse.Namespace) -> dict:
     """Keyword arguments for :func:`mpidp.load` that every mode gives."""
     return dict(copy=args.copy_data, seed=args.seed, test_fraction=args.test_fraction,
@@ -42,7 +36,8 @@ def load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.D
     the server getting empty shards. Collective; errors reach every rank, said once."""
     def load(over: C.Comm) -> D.Data:
         return D.load(over, args.dataset, distribute=args.distribute, **load_settings(args),
-                      **load_options(args, over))
+                      partition=args.partition, capacities=args.capacities,
+                      costs=C.run_agreed(over, _costs_arg, args.costs))
     return load(comm) if server is None else load_on_workers(comm, server, load, args.dtype)
 
 

@@ -24,17 +24,16 @@ from . import settings
 from .flags import spelling
 from .parser import EXIT_USAGE, build_parser, subcommand
 
-NO_MPI = ("mpidp: cannot start MPI ({}). Install it with pip install 'mpidp[mpi]' (mpi4py and "
-          "the mpich wheel), or build mpi4py against your cluster's MPI: "
-          "pip install --no-binary mpi4py mpi4py")
 
 def _start_mpi():
     """``mpidp.comm`` (MPI starts here); a one-line hint and exit 2 when there is no MPI."""
     try:
         from .. import comm as C
     except (ImportError, RuntimeError, OSError) as exc:
-        print(NO_MPI.format(str(exc).splitlines()[0] if str(exc) else type(exc).__name__),
-              file=sys.stderr, flush=True)
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"mpidp: cannot start MPI ({why}). Install it with pip install 'mpidp[mpi]' "
+              "(mpi4py and the mpich wheel), or build mpi4py against your cluster's MPI: "
+              "pip install --no-binary mpi4py mpi4py", file=sys.stderr, flush=True)
         sys.exit(EXIT_USAGE)
     return C
 
@@ -50,15 +49,15 @@ def info() -> dict:
     try:
         from .. import comm as C
     except (ImportError, RuntimeError, OSError) as exc:
-        result["mpi"] = f"not available: {str(exc).splitlines()[0] if str(exc) else exc!r}"
-        result["hosts"] = [platform.node()]
-        print(json.dumps(result, indent=2), flush=True)
-        return result
-    comm = C.world()
-    result["mpi"] = C.mpi_info(comm)
-    result["hosts"] = C.bcast_obj(comm, C.gather_obj(comm, platform.node()))
-    if comm.rank == 0:
-        print(json.dumps(result, indent=2), flush=True)
+        result.update(mpi=f"not available: {str(exc).splitlines()[0] if str(exc) else exc!r}",
+                      hosts=[platform.node()])
+    else:
+        comm = C.world()
+        result.update(mpi=C.mpi_info(comm),
+                      hosts=C.bcast_obj(comm, C.gather_obj(comm, platform.node())))
+        if comm.rank != 0:
+            return result
+    print(json.dumps(result, indent=2), flush=True)
     return result
 
 

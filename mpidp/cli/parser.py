@@ -133,6 +133,10 @@ def _positive(kind):
     return _number(kind, 0, low_open=True)
 
 
+def _non_negative(kind):
+    return _number(kind, 0)
+
+
 def _mebibytes(text: str) -> float:
     """A size in MiB: a finite number > 0 that is at least one byte and under 2^62 bytes."""
     value = _positive(float)(text)
@@ -142,10 +146,6 @@ def _mebibytes(text: str) -> float:
     if value * 2**20 >= 2**62:
         raise argparse.ArgumentTypeError(f"must be under 2^42 MiB (4.4e12), got {text}")
     return value
-
-
-def _non_negative(kind):
-    return _number(kind, 0)
 
 
 def _model(text: str) -> str:
@@ -158,24 +158,27 @@ def _model(text: str) -> str:
         f"{text!r} is neither a preset ({', '.join(PRESETS)}) nor a model file (.toml or .json)")
 
 
+def _listed(text: str, kind, bad: str) -> tuple:
+    """The ``kind`` values of comma-separated ``text`` (blank items skipped); ``bad``: the
+    message when one is not a ``kind``."""
+    try:
+        return tuple(kind(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(bad) from None
+
+
 def _ints(text: str) -> tuple[int, ...]:
     """A comma-separated list of increasing positive integers (``--lr-milestones``)."""
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
-                                         f"integers (e.g. 30,60,80)") from None
+    values = _listed(text, int, f"{text!r} is not a comma-separated list of integers (e.g. "
+                     f"30,60,80)")
     if not values or min(values) < 1 or list(values) != sorted(set(values)):
         raise argparse.ArgumentTypeError(f"{text!r}: give increasing epochs >= 1 (e.g. 30,60)")
     return values
 
 
 def _hidden(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated layer widths like 128,64, got {text!r}") from None
+    sizes = _listed(text, int, f"expected comma-separated layer widths like 128,64, got "
+                    f"{text!r}")
     if any(s < 1 for s in sizes):
         raise argparse.ArgumentTypeError(f"layer widths must be >= 1, got {text!r}")
     if not sizes:
@@ -183,6 +186,25 @@ def _hidden(text: str) -> tuple[int, ...]:
             f"no layer width in {text!r}: an mlp needs at least one hidden layer (e.g. "
             "--hidden 128,64); for none, use --model logreg or --model linear")
     return sizes
+
+
+def _floats(text: str) -> list[float]:
+    return list(_listed(text, float, f"expected comma-separated numbers like 1,2, got {text!r}"))
+
+
+def _slowdown(text: str) -> dict[int, float]:
+    out = {}
+    for part in text.split(","):
+        try:
+            rank, factor = part.split(":")
+            out[int(rank)] = float(factor)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected RANK:FACTOR[,RANK:FACTOR...] like 1:2, got {text!r}") from None
+        if not 1 <= out[int(rank)] <= 1e6 or int(rank) < 0:
+            raise argparse.ArgumentTypeError(f"need RANK >= 0 and FACTOR from 1 to 1e6, got "
+                                             f"{part!r}")
+    return out
 
 
 def _add_train(sub) -> None:
@@ -215,41 +237,40 @@ def _add_train(sub) -> None:
     a("--momentum", type=_number(float, 0, 1), default=0.9,
       help="momentum factor for --optimizer momentum and lars, in [0, 1)")
     a("--weight-decay", type=_non_negative(float), default=0.0, help="L2 weight decay (>= 0)")
-    r = p.add_argument_group("learning-rate schedules, large batches, clipping")
-    r.add_argument("--lr-schedule", choices=("constant", "step", "multistep", "exponential",
-                                             "cosine", "polynomial", "plateau"),
-                   default="constant", help="how the rate moves: step (x --lr-gamma every "
-                   "--lr-step-epochs), multistep (x --lr-gamma at each of --lr-milestones), "
-                   "exponential (x --lr-gamma per epoch), cosine or polynomial (to --lr-min "
-                   "at the last epoch), plateau (x --plateau-factor when the validation loss "
-                   "has not improved for --plateau-patience epochs; needs --val-fraction)")
-    r.add_argument("--lr-step-epochs", type=_positive(int), default=None, metavar="N",
-                   help="step: epochs between decays")
-    r.add_argument("--lr-milestones", type=_ints, default=None, metavar="E1,E2,...",
-                   help="multistep: the epochs after which the rate decays")
-    r.add_argument("--lr-gamma", type=_number(float, 0, 1, low_open=True), default=0.1,
-                   help="step, multistep, exponential: the decay factor, in (0, 1)")
-    r.add_argument("--lr-min", type=_non_negative(float), default=0.0,
-                   help="cosine, polynomial: the rate at the end")
-    r.add_argument("--warmup-epochs", type=_non_negative(float), default=0.0,
-                   help="a linear warmup from 0 to the rate over this many epochs, then the "
-                   "schedule")
-    r.add_argument("--warmup-steps", type=_non_negative(int), default=0,
-                   help="the warmup in updates instead of epochs")
-    r.add_argument("--lr-scaling", choices=("none", "linear", "sqrt"), default="none",
-                   help="linear: the rate is --lr x batch-size / --base-batch (the linear "
-                   "scaling rule of Goyal et al. 2017); sqrt: x its square root")
-    r.add_argument("--base-batch", type=_positive(int), default=64,
-                   help="the global batch --lr is meant for, with --lr-scaling")
-    r.add_argument("--plateau-factor", type=_number(float, 0, 1, low_open=True), default=0.1,
-                   help="plateau: the factor on the rate")
-    r.add_argument("--plateau-patience", type=_non_negative(int), default=2,
-                   help="plateau: epochs without improvement before the rate drops")
-    r.add_argument("--clip-norm", type=_number(float, 0, low_open=True), default=None,
-                   help="clip the global mean gradient to this L2 norm (the norm over the "
-                   "whole model, on every rank, in every mode)")
-    r.add_argument("--clip-value", type=_number(float, 0, low_open=True), default=None,
-                   help="clip every element of the global mean gradient to [-x, x]")
+    r = p.add_argument_group("learning-rate schedules, large batches, clipping").add_argument
+    r("--lr-schedule", choices=("constant", "step", "multistep", "exponential", "cosine",
+                                "polynomial", "plateau"),
+      default="constant", help="how the rate moves: step (x --lr-gamma every "
+      "--lr-step-epochs), multistep (x --lr-gamma at each of --lr-milestones), exponential "
+      "(x --lr-gamma per epoch), cosine or polynomial (to --lr-min at the last epoch), "
+      "plateau (x --plateau-factor when the validation loss has not improved for "
+      "--plateau-patience epochs; needs --val-fraction)")
+    r("--lr-step-epochs", type=_positive(int), default=None, metavar="N",
+      help="step: epochs between decays")
+    r("--lr-milestones", type=_ints, default=None, metavar="E1,E2,...",
+      help="multistep: the epochs after which the rate decays")
+    r("--lr-gamma", type=_number(float, 0, 1, low_open=True), default=0.1,
+      help="step, multistep, exponential: the decay factor, in (0, 1)")
+    r("--lr-min", type=_non_negative(float), default=0.0,
+      help="cosine, polynomial: the rate at the end")
+    r("--warmup-epochs", type=_non_negative(float), default=0.0,
+      help="a linear warmup from 0 to the rate over this many epochs, then the schedule")
+    r("--warmup-steps", type=_non_negative(int), default=0,
+      help="the warmup in updates instead of epochs")
+    r("--lr-scaling", choices=("none", "linear", "sqrt"), default="none",
+      help="linear: the rate is --lr x batch-size / --base-batch (the linear scaling rule of "
+      "Goyal et al. 2017); sqrt: x its square root")
+    r("--base-batch", type=_positive(int), default=64,
+      help="the global batch --lr is meant for, with --lr-scaling")
+    r("--plateau-factor", type=_number(float, 0, 1, low_open=True), default=0.1,
+      help="plateau: the factor on the rate")
+    r("--plateau-patience", type=_non_negative(int), default=2,
+      help="plateau: epochs without improvement before the rate drops")
+    r("--clip-norm", type=_number(float, 0, low_open=True), default=None,
+      help="clip the global mean gradient to this L2 norm (the norm over the whole model, on "
+      "every rank, in every mode)")
+    r("--clip-value", type=_number(float, 0, low_open=True), default=None,
+      help="clip every element of the global mean gradient to [-x, x]")
     a("--seed", type=_non_negative(int), default=0,
       help="seed for initialisation, split, shuffling, synthetic data (>= 0)")
     a("--dtype", choices=("float32", "float64"), default="float32", help="floating-point type")
@@ -263,30 +284,28 @@ def _add_train(sub) -> None:
     a("--init-sync", choices=("bcast", "seed"), default="bcast",
       help="bcast: rank 0's initial parameters are broadcast; seed: every rank initialises "
       "from the same seed (verified by checksum)")
-    a("--out", type=_path, default="out", help="folder for metrics.json and model.npz (written at the end)")
+    a("--out", type=_path, default="out",
+      help="folder for metrics.json and model.npz (written at the end)")
     a("--test-fraction", type=_number(float, 0, 1), default=None,
       help="share of samples held out for testing, in [0, 1) (default: the data set's own "
       "test set where it has one, as mnist1d, else 0.2)")
-    v = p.add_argument_group("validation, early stopping, standardization")
-    v.add_argument("--val-fraction", type=_number(float, 0, 1), default=0.0,
-                   help="share of the training samples held out for validation, in [0, 1): "
-                   "evaluated every epoch (val loss, accuracy, F1 or R^2); the best epoch's "
-                   "model is kept as OUT/best.npz")
-    v.add_argument("--early-stopping", type=_positive(int), default=None, metavar="PATIENCE",
-                   help="stop when the validation loss has not improved for PATIENCE epochs "
-                   "(needs --val-fraction); decided from global figures on every rank")
-    v.add_argument("--min-delta", type=_number(float, 0), default=0.0,
-                   help="an improvement must beat the best validation loss by more than this")
-    v.add_argument("--standardize", action="store_true",
-                   help="standardize every input feature with the exact mean and standard "
-                   "deviation of the whole training set (computed data-parallel), stored in "
-                   "the model (a Standardize layer), so predict applies it too")
+    v = p.add_argument_group("validation, early stopping, standardization").add_argument
+    v("--val-fraction", type=_number(float, 0, 1), default=0.0,
+      help="share of the training samples held out for validation, in [0, 1): evaluated "
+      "every epoch (val loss, accuracy, F1 or R^2); the best epoch's model is kept as "
+      "OUT/best.npz")
+    v("--early-stopping", type=_positive(int), default=None, metavar="PATIENCE",
+      help="stop when the validation loss has not improved for PATIENCE epochs (needs "
+      "--val-fraction); decided from global figures on every rank")
+    v("--min-delta", type=_number(float, 0), default=0.0,
+      help="an improvement must beat the best validation loss by more than this")
+    v("--standardize", action="store_true",
+      help="standardize every input feature with the exact mean and standard deviation of "
+      "the whole training set (computed data-parallel), stored in the model (a Standardize "
+      "layer), so predict applies it too")
     a("--n-classes", type=_number(int, 2), default=None,
       help="number of classes, >= 2 (default: max label + 1)")
-    a("--n-samples", type=_positive(int), default=SIZE_DEFAULTS["n_samples"],
-      help="synthetic: samples")
-    a("--n-features", type=_positive(int), default=SIZE_DEFAULTS["n_features"],
-      help="synthetic: features")
+    _add_sizes(p, "synthetic")
     a("--no-shuffle", action="store_true", help="visit samples in file order every epoch")
     a("--drop-last", action="store_true", help="skip the last, smaller batch of each epoch")
     a("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
@@ -306,89 +325,39 @@ def _add_train(sub) -> None:
     a("--tensorboard", type=_path, default=None, metavar="DIR",
       help="write TensorBoard event files to DIR (needs tensorboardX: the 'tensorboard' "
       "extra)")
-    _add_model_parallel(p)
-    _add_reliability(p)
-    _add_sync(p)
-    add_partition_options(p)
-
-
-def add_import(p: argparse.ArgumentParser) -> None:
-    """``--import MODULE`` (repeatable): a user's module, imported on every rank first."""
-    p.add_argument("--import", action="append", default=None, metavar="MODULE",
-                   help="import MODULE on every rank before any model is built or loaded, "
-                   "so the layer classes it registers (mpidp.nn.register_layer) can be named "
-                   "in a --model file and reloaded: a dotted name importable from the "
-                   "current folder or sys.path, or a path to a .py file; repeatable")
-
-
-def _add_model_parallel(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model parallelism")
-    flags.add_mode_choice(m, "--parallel", ("pipeline",), "data", data="every rank a replica")
-    flags.add_settings(m, ("pipeline",), number=_number, mebibytes=_mebibytes)
-
-
-def _add_reliability(p: argparse.ArgumentParser) -> None:
-    r = p.add_argument_group("reliability")
-    r.add_argument("--checkpoint-dir", type=_path, default=None,
-                   help="folder for checkpoints (rank 0 writes them atomically, with a checksum)")
-    r.add_argument("--checkpoint-every", type=_positive(int), default=100,
-                   help="steps between checkpoints, pushes served for async-ps (one more "
-                   "is written at the end)")
-    r.add_argument("--keep-checkpoints", type=_positive(int), default=3,
-                   help="how many recent checkpoints to keep")
-    r.add_argument("--restart", action="store_true",
-                   help="delete the checkpoints in --checkpoint-dir (of an earlier run) and "
-                   "start over; without it a used folder is refused")
-    r.add_argument("--resume", action="store_true",
-                   help="continue from the newest good checkpoint in --checkpoint-dir (any "
-                   "number of ranks); starts afresh if there is none")
-    r.add_argument("--check-every", type=_non_negative(int), default=0,
-                   help="compare parameter checksums across ranks every N steps (0: only at the end)")
-    r.add_argument("--on-nonfinite", choices=("stop", "skip", "ignore"), default="stop",
-                   help="NaN/Inf in the global loss or gradient: stop with an error, skip the "
-                   "step's update, or ignore")
-    r.add_argument("--max-skipped", type=_number(float, 0, 1, high_open=False), default=0.5,
-                   metavar="FRACTION", help="with --on-nonfinite skip: fail the run when more "
-                   "than this share of its steps so far were skipped (checked after every "
-                   "epoch; each epoch's line says how many it skipped)")
-    r.add_argument("--watchdog", type=_non_negative(float), default=None, metavar="SECONDS",
-                   help="end the job, naming the stalled ranks, when a rank makes no progress "
-                   "(stuck computing or waiting in MPI) for this long; 0 turns it off "
-                   "(default: on, max(600 s, 50 median steps))")
-
-
-def _add_sync(p: argparse.ArgumentParser) -> None:
+    flags.add_mode_options(m, "--parallel", ("pipeline",), "data", number=_number,
+                           mebibytes=_mebibytes, data="every rank a replica")
+    r = p.add_argument_group("reliability").add_argument
+    r("--checkpoint-dir", type=_path, default=None,
+      help="folder for checkpoints (rank 0 writes them atomically, with a checksum)")
+    r("--checkpoint-every", type=_positive(int), default=100,
+      help="steps between checkpoints, pushes served for async-ps (one more is written at "
+      "the end)")
+    r("--keep-checkpoints", type=_positive(int), default=3,
+      help="how many recent checkpoints to keep")
+    r("--restart", action="store_true",
+      help="delete the checkpoints in --checkpoint-dir (of an earlier run) and start over; "
+      "without it a used folder is refused")
+    r("--resume", action="store_true",
+      help="continue from the newest good checkpoint in --checkpoint-dir (any number of "
+      "ranks); starts afresh if there is none")
+    r("--check-every", type=_non_negative(int), default=0,
+      help="compare parameter checksums across ranks every N steps (0: only at the end)")
+    r("--on-nonfinite", choices=("stop", "skip", "ignore"), default="stop",
+      help="NaN/Inf in the global loss or gradient: stop with an error, skip the step's "
+      "update, or ignore")
+    r("--max-skipped", type=_number(float, 0, 1, high_open=False), default=0.5,
+      metavar="FRACTION", help="with --on-nonfinite skip: fail the run when more than this "
+      "share of its steps so far were skipped (checked after every epoch; each epoch's line "
+      "says how many it skipped)")
+    r("--watchdog", type=_non_negative(float), default=None, metavar="SECONDS",
+      help="end the job, naming the stalled ranks, when a rank makes no progress (stuck "
+      "computing or waiting in MPI) for this long; 0 turns it off (default: on, max(600 s, "
+      "50 median steps))")
     g = p.add_argument_group("synchronisation")
-    flags.add_mode_choice(g, "--sync", ("data", "async"), "allreduce")
-    flags.add_settings(g, ("data", "async"), number=_number, mebibytes=_mebibytes)
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers like 1,2, got {text!r}") from None
-
-
-def _slowdown(text: str) -> dict[int, float]:
-    out = {}
-    for part in text.split(","):
-        try:
-            rank, factor = part.split(":")
-            out[int(rank)] = float(factor)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected RANK:FACTOR[,RANK:FACTOR...] like 1:2, got {text!r}") from None
-        if not 1 <= out[int(rank)] <= 1e6 or int(rank) < 0:
-            raise argparse.ArgumentTypeError(f"need RANK >= 0 and FACTOR from 1 to 1e6, got "
-                                             f"{part!r}")
-    return out
-
-
-def add_partition_options(p: argparse.ArgumentParser) -> None:
-    """The partitioning and load-balance options of ``mpidp train``."""
-    a = p.add_argument
+    flags.add_mode_options(g, "--sync", ("data", "async"), "allreduce", number=_number,
+                           mebibytes=_mebibytes)
     a("--partition", choices=STRATEGIES, default="block",
       help="which samples each rank owns: block (contiguous), cyclic (round robin), shuffled "
       "(seeded), weighted (by --capacities), cost (every batch balanced by per-sample cost), "
@@ -411,6 +380,22 @@ def add_partition_options(p: argparse.ArgumentParser) -> None:
       help="with --trace: record only global steps A to B-1 (keeps files small)")
 
 
+def add_import(p: argparse.ArgumentParser) -> None:
+    """``--import MODULE`` (repeatable): a user's module, imported on every rank first."""
+    p.add_argument("--import", action="append", default=None, metavar="MODULE",
+                   help="import MODULE on every rank before any model is built or loaded, "
+                   "so the layer classes it registers (mpidp.nn.register_layer) can be named "
+                   "in a --model file and reloaded: a dotted name importable from the "
+                   "current folder or sys.path, or a path to a .py file; repeatable")
+
+
+def _add_sizes(p: argparse.ArgumentParser, which: str) -> None:
+    """``--n-samples`` and ``--n-features``: the size of ``which`` generated datasets."""
+    for dest, default in SIZE_DEFAULTS.items():
+        p.add_argument(f"--{dest.replace('_', '-')}", type=_positive(int), default=default,
+                       help=f"{which}: {dest[2:]}")
+
+
 def add_predict(sub) -> None:
     p = sub.add_parser("predict", help="apply a trained model to a dataset across the ranks",
                        description="Predict with a model saved by 'mpidp train' (model.npz). "
@@ -427,16 +412,13 @@ def add_predict(sub) -> None:
       help="seed of the split (--rows test) and of generated data")
     a("--test-fraction", type=_number(float, 0, 1), default=None,
       help="as for train (with --rows test)")
-    a("--n-samples", type=_positive(int), default=SIZE_DEFAULTS["n_samples"],
-      help="synthetic/bow: samples")
-    a("--n-features", type=_positive(int), default=SIZE_DEFAULTS["n_features"],
-      help="synthetic/bow: features")
+    _add_sizes(p, "synthetic/bow")
     a("--partition", choices=[s for s in STRATEGIES if s not in ("weighted", "adaptive")],
       default="block", help="static split of the rows (not with --dynamic)")
     a("--dynamic", action="store_true", help="ranks take chunks from a shared counter instead")
     a("--chunk-size", type=_positive(int), default=512, help="rows per chunk (--dynamic)")
-    a("--out", type=_path, required=True, help=".npy file for the predictions, one row per dataset row "
-      "(in the dataset's order)")
+    a("--out", type=_path, required=True,
+      help=".npy file for the predictions, one row per dataset row (in the dataset's order)")
     a("--output", choices=("scores", "proba", "label"), default="scores",
       help="what to write: scores (the model's raw outputs, float (n_rows, n_outputs): "
       "logits for a classifier, the predicted values for regression), proba (class "

@@ -1,11 +1,10 @@
 """``mpidp train``: from command-line options to a finished run, in every mode.
 
-Options are checked against the mode first (:mod:`mpidp.cli.options`); then data are loaded,
-the trainer for the mode is built, and every synchronous mode trains through the one loop
-(:func:`mpidp.run.loop.run`) with the same watchdog, signals, fault injection, NaN policy,
-replica check and checkpoints. ``async-ps`` runs its server/worker protocol, under the
-same watchdog, faults and NaN policy. The end is the same for all: replicas checked
-(a mismatch fails the run), ``model.npz`` and ``metrics.json`` written by rank 0.
+Options are checked against the mode first (:mod:`mpidp.cli.options`); then the data are
+loaded, the mode's trainer built and trained (the synchronous modes through the one loop,
+:func:`mpidp.run.loop.run`, with the same watchdog, signals, faults, NaN policy and
+checkpoints; ``async-ps`` by its server/worker protocol), the replicas checked (a mismatch
+fails the run), and ``model.npz`` and ``metrics.json`` written by rank 0.
 """
 
 from __future__ import annotations
@@ -44,18 +43,10 @@ from . import flags
 from . import options as O
 from .data import load_data, load_settings, partition_of
 from .imports import absolute_paths, import_modules, imports_of
-from .job import Job as _Job
-from .model import build_layers as _layers
-from .model import check_fits, check_model_file
-from .model import check_inputs as _check_inputs
-from .model import optimizer_factory as _optimizer
+from .job import Job
+from .model import (build_layers, check_fits, check_inputs, check_model_file,
+                    optimizer_factory)
 from .outputs import check_out, finish, outputs
-
-
-def apply_slowdown(args: argparse.Namespace, comm: C.Comm, timer) -> None:
-    """Set this rank's ``timer.slowdown`` from ``--slowdown`` (ranks beyond the job were
-    refused with the other settings, :func:`mpidp.cli.options.problems`)."""
-    timer.slowdown = args.slowdown.get(comm.rank, 1.0)
 
 
 def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | None:
@@ -92,7 +83,7 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
                 config["data_fingerprint"] = D.data_fingerprint(  # all of its bytes, ranks sharing
                     comm, args.dataset,
                     together=args.distribute == "local" and O.mode_of(args) != "async-ps")
-            job = _Job(args, comm, config, run_id, watchdog, stop, t_start)
+            job = Job(args, comm, config, run_id, watchdog, stop, t_start)
             if O.mode_of(args) in O.MODEL_PARALLEL:
                 return _train_model_parallel(job)
             return _train_data_parallel(job)
@@ -100,11 +91,6 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
         stop.close()
         if watchdog is not None:
             watchdog.stop()
-
-
-def _held_out(data: D.Data):
-    """The sets evaluated after every epoch: the test set, and the validation set first."""
-    return data.test if data.val is None else {"val": data.val, "test": data.test}
 
 
 def _strategy_problems(args: argparse.Namespace) -> list[str]:
@@ -123,12 +109,12 @@ def _strategy_problems(args: argparse.Namespace) -> list[str]:
     return [why] if why else []
 
 
-def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
+def _data_parallel_trainer(job: Job, data: D.Data) -> DataParallel:
     """The model and its data-parallel trainer, as the options say. Collective."""
     args, comm = job.args, job.comm
-    layers, loss = C.run_agreed(comm, _layers, args, data)
-    _check_inputs(comm, args, layers, data)
-    make_opt = _optimizer(args, data.train.n_total)
+    layers, loss = C.run_agreed(comm, build_layers, args, data)
+    check_inputs(comm, args, layers, data)
+    make_opt = optimizer_factory(args, data.train.n_total)
     # async-ps evaluates with an allreduce; a resumed run's settings of another mode (kept
     # from its checkpoint) are not read: a mode's settings carry only its own fields
     name = "allreduce" if args.sync == "async-ps" else args.sync
@@ -140,11 +126,11 @@ def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
     if args.standardize:
         _standardize(comm, dp.model.layers[0], data.train.X)
     dp.sync_params(args.init_sync)  # rank 0's initial model everywhere (bcast), or checked
-    apply_slowdown(args, comm, dp.timer)
+    dp.timer.slowdown = args.slowdown.get(comm.rank, 1.0)  # ranks beyond: refused before
     return dp
 
 
-def _train_data_parallel(job: _Job) -> dict | None:
+def _train_data_parallel(job: Job) -> dict | None:
     args, comm = job.args, job.comm
     with job.loading():
         data = load_data(comm, args, server=0 if O.dedicated_server(args) else None)
@@ -166,7 +152,8 @@ def _train_data_parallel(job: _Job) -> dict | None:
             history, extra = _fit_async(job, dp, data, job.spec(  # the server reports
                 watch, resume=resume, on_epoch=None, on_step=None, progress=False))
         else:
-            history = fit(dp, data.train, test=_held_out(data), spec=job.spec(
+            held = data.test if data.val is None else {"val": data.val, "test": data.test}
+            history = fit(dp, data.train, test=held, spec=job.spec(
                 watch, partition=partition_of(args, data), resume=resume))
             extra = {"balance": history[-1]["balance"]}
             say(comm, "last epoch: " + format_balance(extra["balance"], per_rank=False))
@@ -192,7 +179,7 @@ def _train_data_parallel(job: _Job) -> dict | None:
     return finish(comm, args, metrics, dp.model, data, "bit-identical (checked)")
 
 
-def _fit_async(job: _Job, dp: DataParallel, data: D.Data, spec: RunSpec) -> tuple[list, dict]:
+def _fit_async(job: Job, dp: DataParallel, data: D.Data, spec: RunSpec) -> tuple[list, dict]:
     """``--sync async-ps``: train asynchronously, then evaluate; one history entry per epoch
     (the workers' training loss as the server received it) and the server's summary."""
     t0 = time.perf_counter()
@@ -209,7 +196,7 @@ def _fit_async(job: _Job, dp: DataParallel, data: D.Data, spec: RunSpec) -> tupl
     return history, {"async": stats.summary()}
 
 
-def _train_model_parallel(job: _Job) -> dict | None:
+def _train_model_parallel(job: Job) -> dict | None:
     """``--parallel pipeline|hybrid``: every rank loads the whole training set (the first
     stage needs the inputs, the last the targets) and builds only its own stage. Read as
     one rank's local rows, so a file that can be mapped is (unless ``--copy-data``): the
@@ -220,18 +207,18 @@ def _train_model_parallel(job: _Job) -> dict | None:
                             **load_settings(args))
     C.run_agreed(comm, check_fits, args, data, 1.0 / max(comm.size // 2, 1),
                  C.local_ranks(comm))
-    layers, loss = C.run_agreed(comm, _layers, args, data)
-    _check_inputs(comm, args, layers, data)
+    layers, loss = C.run_agreed(comm, build_layers, args, data)
+    check_inputs(comm, args, layers, data)
     pipe = make_trainer(args.parallel, layers, data.sample_shape,
-                        _optimizer(args, data.train.n_total)(), loss, comm, dtype=args.dtype,
+                        optimizer_factory(args, data.train.n_total)(), loss, comm, dtype=args.dtype,
                         micro_batches=args.micro_batches, schedule=args.schedule,
                         on_nonfinite=args.on_nonfinite)
     pipe.init_(np.random.default_rng(args.seed))  # the same initial model as --parallel data
     if args.standardize and pipe.first:  # every rank holds the whole training set
         pipe.model.layers[0].fit_(*moments(data.train.X))
-    whole = lambda: whole_model(pipe, lambda: _layers(args, data)[0])  # noqa: E731
+    whole = lambda: whole_model(pipe, lambda: build_layers(args, data)[0])  # noqa: E731
     job.keep_best(whole, data)
-    apply_slowdown(args, comm, pipe.timer)
+    pipe.timer.slowdown = args.slowdown.get(comm.rank, 1.0)
     watch = Watch(comm, outputs(args), pipe.timer, job.config)
     watch.check_steps(args.epochs * steps_per_epoch(data.train.n_total, args.batch_size,
                                                     args.drop_last))
