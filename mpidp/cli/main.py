@@ -71,6 +71,23 @@ def _blas_info() -> list[dict] | str:
             for d in threadpool_info() if d.get("user_api") == "blas"]
 
 
+def plot(args) -> int:
+    """Run ``mpidp plot`` with the parsed ``args`` (:mod:`mpidp.observe.plot` draws); the
+    exit status: 2 with a message on bad input or an image that cannot be written (then
+    nothing is left half-written)."""
+    from ..observe import plot as P
+    try:
+        P.need_matplotlib()
+        out = P.output_path(args.out)
+        runs = P.load_runs(args.runs)
+        P.draw(runs, out, args.x, args.title)
+    except (ImportError, ValueError, OSError) as exc:
+        print(f"mpidp: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({len(runs)} run{'s' if len(runs) > 1 else ''})")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -85,8 +102,7 @@ def _main(parser, argv: list[str]) -> int:
         info()
         return 0
     if args.command == "plot":
-        from . import plot
-        return plot.main(args)
+        return plot(args)
     from_file: set[tuple[str, bool]] = set()
     if args.command == "train" and args.config:
         args, argv, from_file = settings.with_config_file(parser, argv, args.config)

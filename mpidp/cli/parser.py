@@ -58,8 +58,8 @@ class _Parser(argparse.ArgumentParser):
         """As argparse's; unknown arguments are reported by the subcommand they follow,
         with the closest option for each misspelt one."""
         namespace, extras = self.parse_known_args(args, namespace)
-        if extras:
-            target = self._command(namespace)
+        if extras:  # said by the subcommand chosen (else this parser)
+            target = subcommand(self, namespace.command) if self._subparsers else self
             near = [(w, m) for w in extras if w.startswith("-")
                     for m in [_closest(w.split("=")[0], target._option_string_actions)] if m]
             hint = (f" (did you mean {near[0][1]}?)" if len(near) == 1 else
@@ -67,15 +67,6 @@ class _Parser(argparse.ArgumentParser):
                     if near else "")
             target.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
         return namespace
-
-    def _command(self, namespace) -> argparse.ArgumentParser:
-        """The parser of the subcommand chosen in ``namespace`` (else this one)."""
-        for action in self._actions:
-            if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
-                chosen = action.choices.get(getattr(namespace, action.dest, None) or "")
-                if isinstance(chosen, _Parser):
-                    return chosen._command(namespace)
-        return self
 
     def _check_value(self, action, value) -> None:
         try:
@@ -448,8 +439,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for model.json, model.md, model.png")
     m.add_argument("--batch-size", type=_positive(int), default=512, help="global batch")
     add_predict(sub)
-    from . import plot
-    plot.add_parser(sub)
+    from ..observe.plot import IN_A_FOLDER
+    p = sub.add_parser("plot", help="plot loss and accuracy of finished or killed runs (no MPI "
+                       "needed)", description="mpidp plot RUN_DIR [RUN_DIR ...] --out FILE.png: "
+                       "loss and accuracy of one or several runs against epochs and against "
+                       "seconds, each run labelled from its configuration.")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                   help="a train --out folder (metrics.json, or history.jsonl if it was killed)")
+    p.add_argument("--out", required=True, metavar="FILE.png",
+                   help="the image to write (its extension says the format: .png, .svg, "
+                   f".pdf ...; a folder gets {IN_A_FOLDER} in it, a name without one .png)")
+    p.add_argument("--x", choices=("epochs", "seconds", "both"), default="both",
+                   help="horizontal axis: epochs, seconds since the start, or both (default)")
+    p.add_argument("--title", default=None, help="a title over the figure")
     return parser
 
 

@@ -44,8 +44,7 @@ from . import options as O
 from .data import load_data, load_settings, partition_of
 from .imports import absolute_paths, import_modules, imports_of
 from .job import Job
-from .model import (build_layers, check_fits, check_inputs, check_model_file,
-                    optimizer_factory)
+from .model import build_layers, check_fits, check_inputs, check_model_file, optimizer_factory
 from .outputs import check_out, finish, outputs
 
 

@@ -1,5 +1,5 @@
 """Loss and accuracy of one or several runs against epochs and against seconds, each run
-labelled from its configuration (``mpidp plot``, :mod:`mpidp.cli.plot`).
+labelled from its configuration (``mpidp plot``, :func:`mpidp.cli.main.plot`).
 
 A run folder holds ``metrics.json`` (a finished run) or, for a run that failed or was
 killed, ``history.jsonl`` (its epochs up to the last line written). No MPI here;
