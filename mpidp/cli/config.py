@@ -1,9 +1,8 @@
 """Configuration files for ``mpidp train``: ``--config FILE`` (TOML) and ``DIR/config.toml``.
 
 A configuration is the table of ``train`` options by name (``batch-size = 64`` or
-``batch_size = 64``). It becomes command-line tokens (:func:`tokens`), so every value goes
-through the same parsing and checks as a flag; which source of a setting wins (the command
-line, a file, a resumed checkpoint's record) is :mod:`~.settings`. No MPI here.
+``batch_size = 64``), turned into command-line tokens (:func:`tokens`) so every value is
+parsed and checked as its flag. Which source wins is :mod:`~.settings`. No MPI here.
 """
 
 from __future__ import annotations
@@ -59,13 +58,11 @@ def _value(v) -> str:
 
 def tokens(table: dict, parser: argparse.ArgumentParser, skip: Iterable[str] = (),
            source: str = "the configuration", literal: bool = False) -> list[str]:
-    """Command-line tokens for ``table`` (option name -> value), leaving out the options in
-    ``skip`` (given on the command line) and what a run records about itself
-    (:data:`RECORDS`; ``literal``: all of :data:`NOT_STORED`). ValueError names
-    ``source`` and the key when a key is no option of ``parser``, names an option twice
-    (``batch-size`` and ``batch_size``), or holds a value its flag would refuse, or (unless
-    ``literal``: values a run recorded) a string that starts with ``-``, which reads as an
-    option. A value starting with ``-`` goes as ``--flag=value``, so it stays a value."""
+    """Command-line tokens for ``table`` (option name -> value), without the options in
+    ``skip`` (typed) and :data:`RECORDS` (``literal``, a run's record: :data:`NOT_STORED`).
+    ValueError naming ``source`` and the key for a key that is no option of ``parser`` or
+    names one twice, a value its flag would refuse, or (unless ``literal``) a string that
+    starts with ``-``. A value starting with ``-`` goes as ``--flag=value``."""
     actions = {a.dest: a for a in parser._actions}  # noqa: SLF001 - argparse offers no map
     skip, out, seen = set(skip) | (NOT_STORED if literal else RECORDS), [], {}
     for key, value in table.items():

@@ -1,11 +1,11 @@
-"""Command line: ``mpidp train``, ``predict``, ``model``, ``info``, run under ``mpiexec -n P``.
+"""Command line: ``mpidp train``, ``predict``, ``model``, ``plot``, ``info``, run under
+``mpiexec -n P``.
 
 Every rank parses the same arguments and takes the same decisions; only rank 0 prints.
 Bad input exits with status 2 on every rank and leaves ``--out`` untouched; a stop on
 SIGTERM/SIGUSR1 exits with 75 after a checkpoint; a stalled rank ends the job with 3.
-``mpidp --help``, ``--version`` and ``info`` work without an MPI library: MPI starts only
-for the commands that need it. The options are :mod:`~.parser`'s; which source of a
-setting wins is :mod:`~.settings`.
+``--help``, ``--version``, ``info`` and ``plot`` work without MPI: it starts only for the
+commands that need it.
 """
 
 from __future__ import annotations

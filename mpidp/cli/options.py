@@ -1,14 +1,8 @@
-"""Which option of ``mpidp train`` applies to which mode and settings: two tables, decided
-before any work.
-
-A mode is a ``--sync`` strategy of data parallelism (``allreduce``, ``per-layer``, ...,
-``local-sgd``), ``async-ps``, ``pipeline`` or ``hybrid``, as :mod:`mpidp.parallel.modes`
-declares them (:data:`TABLE`). Some options matter only under other settings
-(``--lr-gamma`` under a decaying schedule: :data:`DEPENDS`). An option given on the
-command line that does not apply is refused with one message naming the option and what
-it needs, never silently ignored (a :class:`Needs` without a refusal lets it through); a
-recorded configuration keeps only what applied (:func:`applying`).
-Pure: no MPI here (every rank reaches the same verdict).
+"""Which option of ``mpidp train`` applies to which mode (:data:`TABLE`; the modes of
+:mod:`mpidp.parallel.modes`) and under which other settings (:data:`DEPENDS`: ``--lr-gamma``
+under a decaying schedule), decided before any work. An option given where it does not
+apply is refused with one message naming it and what it needs, never silently ignored; a
+recorded configuration keeps only what applied (:func:`applying`). No MPI here.
 """
 
 from __future__ import annotations
@@ -27,9 +21,8 @@ LOCKSTEP = frozenset(n for n, m in MODES.items() if m.kind != "async")  # ranks 
 _WHOLE_BATCH = (DATA, "pipeline stages all see the whole batch")
 _NO_EPOCH_MODEL = "its workers are at different epochs, so there is no epoch's model to validate"
 
-#: option (argparse dest) -> the modes it applies to, and why not elsewhere. A flag of a
-#: mode's settings (:data:`mpidp.cli.flags.FLAGS`) applies to the modes whose settings
-#: carry its field, for the reason its field's declaration gives.
+#: option (argparse dest) -> the modes it applies to, and why not elsewhere (a flag of
+#: :data:`mpidp.cli.flags.FLAGS`: the modes whose settings carry its field).
 TABLE: dict[str, tuple[frozenset, str]] = {
     "sync": (DATA, "a pipeline (and each of hybrid's pipelines) exchanges what its stages "
              "need by itself: there is no gradient exchange to choose"),
@@ -137,14 +130,13 @@ DEPENDS: dict[str, tuple[Needs, ...]] = {
 
 
 def depends_met(dest: str, settings: Mapping[str, Any]) -> bool:
-    """Whether every condition :data:`DEPENDS` puts on option ``dest`` holds in
-    ``settings`` (option dest -> value)."""
+    """Whether every condition :data:`DEPENDS` puts on option ``dest`` holds in ``settings``."""
     return all(needs.holds(settings) for needs in DEPENDS.get(dest, ()))
 
 
 def applies(dest: str, settings: Mapping[str, Any]) -> bool:
-    """Whether option ``dest`` matters under ``settings`` (option dest -> value): its mode
-    is one it applies to (:data:`TABLE`) and its conditions hold (:data:`DEPENDS`)."""
+    """Whether option ``dest`` matters under ``settings`` (dest -> value): :data:`TABLE`
+    and :data:`DEPENDS` agree."""
     return (dest not in TABLE or mode_of(settings) in TABLE[dest][0]) \
         and depends_met(dest, settings)
 
@@ -162,9 +154,8 @@ def dedicated_server(args: argparse.Namespace) -> bool:
 
 
 def applying(config: dict) -> dict:
-    """``config`` (option ``dest`` -> value, as a run records it) without the options that
-    do not apply to its mode, its dataset or its other settings (:data:`DEPENDS`), so a
-    config file says only what mattered."""
+    """``config`` (dest -> value, as a run records it) without the options that do not
+    apply to it, so a config file says only what mattered."""
     return {k: v for k, v in config.items() if applies(k, config)}
 
 
@@ -183,9 +174,8 @@ def given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
 
 
 def problems(args: argparse.Namespace, given_: set[str], size: int) -> list[str]:
-    """Every option in ``given_`` that does not apply to the mode of ``args`` (:data:`TABLE`)
-    or to its other settings (:data:`DEPENDS`), and settings that contradict each other, as
-    messages (empty when all is well)."""
+    """Every option in ``given_`` that does not apply to ``args``, and settings that
+    contradict each other, as messages (empty when all is well)."""
     mode, settings, out = mode_of(args), vars(args), []
     for dest in sorted(given_):
         if dest in TABLE and mode not in TABLE[dest][0]:

@@ -43,9 +43,8 @@ from . import flags
 from . import options as O
 from .data import load_data, load_settings, partition_of
 from .imports import absolute_paths, import_modules, imports_of
-from .job import Job
+from .job import Job, check_out, outputs
 from .model import build_layers, check_fits, check_inputs, check_model_file, optimizer_factory
-from .outputs import check_out, finish, outputs
 
 
 def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | None:
@@ -169,13 +168,12 @@ def _train_data_parallel(job: Job) -> dict | None:
     undecided = dp.sync.undecided() if args.sync == "auto" else None
     if undecided:
         print(f"mpidp: {undecided}", file=sys.stderr, flush=True)
-    metrics = job.metrics(
-        history, dp.model.n_params, dp.global_step, timings, scores,
+    return job.finish(
+        dp.model, data, "bit-identical (checked)", history, dp.global_step, timings, scores,
         skipped_steps=dp.skipped_steps + extra.get("async", {}).get("skipped", 0),
         sync=args.sync, balance=extra.pop("balance", None), **extra,
         **({"auto": dp.sync.report or undecided} if args.sync == "auto" else {}),
         bytes_sent_per_step=dp.sync.bytes_sent / max(dp.global_step, 1))
-    return finish(comm, args, metrics, dp.model, data, "bit-identical (checked)")
 
 
 def _fit_async(job: Job, dp: DataParallel, data: D.Data, spec: RunSpec) -> tuple[list, dict]:
@@ -197,9 +195,8 @@ def _fit_async(job: Job, dp: DataParallel, data: D.Data, spec: RunSpec) -> tuple
 
 def _train_model_parallel(job: Job) -> dict | None:
     """``--parallel pipeline|hybrid``: every rank loads the whole training set (the first
-    stage needs the inputs, the last the targets) and builds only its own stage. Read as
-    one rank's local rows, so a file that can be mapped is (unless ``--copy-data``): the
-    ranks of a node then share one copy in the page cache instead of one each."""
+    stage needs the inputs, the last the targets), as local rows so that the ranks of a node
+    share one mapped copy (unless ``--copy-data``), and builds only its own stage."""
     args, comm = job.args, job.comm
     with job.loading():
         data = C.run_agreed(comm, D.load, C.self_comm(), args.dataset, distribute="local",
@@ -239,9 +236,8 @@ def _train_model_parallel(job: Job) -> dict | None:
     timings = gather_timings(comm, pipe.timer)
     if comm.rank != 0:
         return None
-    metrics = job.metrics(history, model.n_params, pipe.global_step, timings, scores,
-                          parallel=args.parallel, stages=pipe.n_stages,
-                          replicas=pipe.n_replicas, stage_bounds=pipe.plan.bounds,
-                          skipped_steps=pipe.policy.skipped, memory_per_rank=memory_per_rank)
     same = "bit-identical (checked)" if pipe.n_replicas > 1 else "one replica (nothing to compare)"
-    return finish(comm, args, metrics, model, data, same)
+    return job.finish(model, data, same, history, pipe.global_step, timings, scores,
+                      parallel=args.parallel, stages=pipe.n_stages, replicas=pipe.n_replicas,
+                      stage_bounds=pipe.plan.bounds, skipped_steps=pipe.policy.skipped,
+                      memory_per_rank=memory_per_rank)
