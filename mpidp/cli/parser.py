@@ -210,10 +210,9 @@ def _add_train(sub) -> None:
       "(Gaussian clusters), 'bow' (sparse bag-of-words rows of varying cost), or PATH: an "
       ".npz with arrays X and y, a folder with X.npy and y.npy, or an .h5 file")
     a("--model", type=_model, default="mlp", metavar="{linear,logreg,mlp,cnn} or FILE",
-      help="linear: least squares; logreg: softmax regression; mlp: ReLU MLP (--hidden); "
-      "cnn: a small convolutional net for (channels, length) signals or (channels, height, "
-      "width) images; FILE: a model file (.toml or .json) listing layers and their "
-      "settings (docs/models.md)")
+      help="linear: least squares; logreg: softmax regression; mlp: ReLU MLP (--hidden); cnn: a "
+      "small convolutional net for (channels, length) signals or (channels, height, width) images; "
+      "FILE: a model file (.toml or .json) listing layers and their settings (docs/models.md)")
     a("--hidden", type=_hidden, default=(128, 64), help="MLP hidden widths, comma-separated")
     add_import(p)
     a("--epochs", type=_positive(int), default=10,
@@ -231,11 +230,10 @@ def _add_train(sub) -> None:
     r = p.add_argument_group("learning-rate schedules, large batches, clipping").add_argument
     r("--lr-schedule", choices=("constant", "step", "multistep", "exponential", "cosine",
                                 "polynomial", "plateau"),
-      default="constant", help="how the rate moves: step (x --lr-gamma every "
-      "--lr-step-epochs), multistep (x --lr-gamma at each of --lr-milestones), exponential "
-      "(x --lr-gamma per epoch), cosine or polynomial (to --lr-min at the last epoch), "
-      "plateau (x --plateau-factor when the validation loss has not improved for "
-      "--plateau-patience epochs; needs --val-fraction)")
+      default="constant", help="how the rate moves: step (x --lr-gamma every --lr-step-epochs), "
+      "multistep (x --lr-gamma at each of --lr-milestones), exponential (x --lr-gamma per epoch), "
+      "cosine or polynomial (to --lr-min at the last epoch), plateau (x --plateau-factor when the "
+      "validation loss has not improved for --plateau-patience epochs; needs --val-fraction)")
     r("--lr-step-epochs", type=_positive(int), default=None, metavar="N",
       help="step: epochs between decays")
     r("--lr-milestones", type=_ints, default=None, metavar="E1,E2,...",
@@ -282,9 +280,8 @@ def _add_train(sub) -> None:
       "test set where it has one, as mnist1d, else 0.2)")
     v = p.add_argument_group("validation, early stopping, standardization").add_argument
     v("--val-fraction", type=_number(float, 0, 1), default=0.0,
-      help="share of the training samples held out for validation, in [0, 1): evaluated "
-      "every epoch (val loss, accuracy, F1 or R^2); the best epoch's model is kept as "
-      "OUT/best.npz")
+      help="share of the training samples held out for validation, in [0, 1): evaluated every "
+      "epoch (val loss, accuracy, F1 or R^2); the best epoch's model is kept as OUT/best.npz")
     v("--early-stopping", type=_positive(int), default=None, metavar="PATIENCE",
       help="stop when the validation loss has not improved for PATIENCE epochs (needs "
       "--val-fraction); decided from global figures on every rank")
@@ -314,8 +311,7 @@ def _add_train(sub) -> None:
       help="also append a line to OUT/history.jsonl every N steps (loss, samples/s, "
       "compute/communication per rank)")
     a("--tensorboard", type=_path, default=None, metavar="DIR",
-      help="write TensorBoard event files to DIR (needs tensorboardX: the 'tensorboard' "
-      "extra)")
+      help="write TensorBoard event files to DIR (needs tensorboardX: the 'tensorboard' extra)")
     m = p.add_argument_group("model parallelism")
     flags.add_mode_options(m, "--parallel", ("pipeline",), "data", number=_number,
                            mebibytes=_mebibytes, data="every rank a replica")
@@ -323,8 +319,7 @@ def _add_train(sub) -> None:
     r("--checkpoint-dir", type=_path, default=None,
       help="folder for checkpoints (rank 0 writes them atomically, with a checksum)")
     r("--checkpoint-every", type=_positive(int), default=100,
-      help="steps between checkpoints, pushes served for async-ps (one more is written at "
-      "the end)")
+      help="steps between checkpoints, pushes served for async-ps (one more is written at the end)")
     r("--keep-checkpoints", type=_positive(int), default=3,
       help="how many recent checkpoints to keep")
     r("--restart", action="store_true",
@@ -343,9 +338,8 @@ def _add_train(sub) -> None:
       "share of its steps so far were skipped (checked after every epoch; each epoch's line "
       "says how many it skipped)")
     r("--watchdog", type=_non_negative(float), default=None, metavar="SECONDS",
-      help="end the job, naming the stalled ranks, when a rank makes no progress (stuck "
-      "computing or waiting in MPI) for this long; 0 turns it off (default: on, max(600 s, "
-      "50 median steps))")
+      help="end the job, naming the stalled ranks, when a rank makes no progress (stuck computing "
+      "or waiting in MPI) for this long; 0 turns it off (default: on, max(600 s, 50 median steps))")
     g = p.add_argument_group("synchronisation")
     flags.add_mode_options(g, "--sync", ("data", "async"), "allreduce", number=_number,
                            mebibytes=_mebibytes)
@@ -416,10 +410,9 @@ def add_predict(sub) -> None:
       "probabilities, softmax of the scores, each row summing to 1) or label (the most "
       "likely class, int64 (n_rows,)); proba and label need a classifier")
     a("--metrics", type=_path, default=None, metavar="FILE",
-      help="also write the figures on the dataset's labels to FILE (JSON): accuracy, "
-      "precision, recall and F1 (per class and macro), top-k accuracy, log-loss and the "
-      "confusion matrix of a classifier; MSE, MAE and R^2 of a regression. Exact at any "
-      "number of ranks")
+      help="also write the figures on the dataset's labels to FILE (JSON): accuracy, precision, "
+      "recall and F1 (per class and macro), top-k accuracy, log-loss and the confusion matrix of a "
+      "classifier; MSE, MAE and R^2 of a regression. Exact at any number of ranks")
 
 
 def build_parser() -> argparse.ArgumentParser:
