@@ -1,8 +1,9 @@
-"""One ``mpidp train`` job: its options, communicator and what watches over it, the
-:class:`~mpidp.RunSpec` its options ask for, the checkpoint it resumes from, the best model
-it keeps, and what it writes in ``--out``: checked before any work (:func:`check_out`), the
-live outputs (:func:`outputs`), at the end ``model.npz``, ``metrics.json`` and
-``config.toml`` with the summary on the console (:meth:`Job.finish`)."""
+"""One ``mpidp train`` job: its options, communicator and what watches over it; its data,
+loaded (:func:`load_data`, in every mode: :func:`load_settings`) and partitioned
+(:func:`partition_of`); the :class:`~mpidp.RunSpec` its options ask for, the checkpoint it
+resumes from, the best model it keeps; and what it writes in ``--out``: checked before any
+work (:func:`check_out`), the live outputs (:func:`outputs`), at the end ``model.npz``,
+``metrics.json`` and ``config.toml`` with the summary on the console (:meth:`Job.finish`)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
+
 from .. import comm as C
 from .. import nn
 from ..atomic import check_folder, write_atomic, write_together
 from ..data import distribute as D
+from ..data.balance import Partition
+from ..data.dedicated import load_on_workers
 from ..observe.best import BestModel
 from ..observe.report import EpochReport, summary
 from ..observe.watch import Outputs, Watch, say
@@ -29,6 +34,43 @@ from . import options as O
 from .settings import resumed
 
 BEST = "best.npz"  # the best validation epoch's model, in OUT
+
+
+def _costs_arg(path: str):
+    if path in ("auto", "uniform"):
+        return None
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--costs {path!r}: cannot read a .npy file ({exc})") from exc
+
+
+def load_settings(args: argparse.Namespace) -> dict:
+    """Keyword arguments for :func:`mpidp.load` that every mode gives."""
+    return dict(copy=args.copy_data, seed=args.seed, test_fraction=args.test_fraction,
+                val_fraction=args.val_fraction, dtype=args.dtype, n_classes=args.n_classes,
+                n_samples=args.n_samples, n_features=args.n_features,
+                regression=args.model == "linear" and args.dataset == "synthetic")
+
+
+def load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.Data:
+    """Load the dataset over all ranks, or (dedicated parameter server) over the workers only,
+    the server getting empty shards. Collective; errors reach every rank, said once."""
+    def load(over: C.Comm) -> D.Data:
+        return D.load(over, args.dataset, distribute=args.distribute, **load_settings(args),
+                      partition=args.partition, capacities=args.capacities,
+                      costs=C.run_agreed(over, _costs_arg, args.costs))
+    return load(comm) if server is None else load_on_workers(comm, server, load, args.dtype)
+
+
+def partition_of(args: argparse.Namespace, data: D.Data) -> Partition | None:
+    """The training partition the options ask for; None with a dedicated server (the
+    shards stay as loaded, over the workers)."""
+    if O.dedicated_server(args):
+        return None
+    costs = None if args.costs == "uniform" else data.costs
+    return Partition(args.partition, costs, args.capacities, args.adapt_every, args.seed)
+
 
 
 def check_out(args: argparse.Namespace) -> None:

@@ -41,9 +41,8 @@ from ..run.signals import StopSignals
 from ..run.spec import RunSpec
 from . import flags
 from . import options as O
-from .data import load_data, load_settings, partition_of
 from .imports import absolute_paths, import_modules, imports_of
-from .job import Job, check_out, outputs
+from .job import Job, check_out, load_data, load_settings, outputs, partition_of
 from .model import build_layers, check_fits, check_inputs, check_model_file, optimizer_factory
 
 
