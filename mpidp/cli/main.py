@@ -42,9 +42,15 @@ def info() -> dict:
     """Versions, the MPI library and every rank's host (printed by rank 0). Collective when
     MPI is there; without it, a single process's view."""
     import numpy as np
-
+    try:
+        from threadpoolctl import threadpool_info
+        blas = [{k: d.get(k) for k in ("internal_api", "version", "num_threads",
+                                       "threading_layer", "architecture")}
+                for d in threadpool_info() if d.get("user_api") == "blas"]
+    except ImportError:
+        blas = "unknown (install threadpoolctl)"
     result = {"mpidp": __version__, "python": platform.python_version(), "numpy": np.__version__,
-              "blas": _blas_info(), "env": {k: os.environ[k] for k in sorted(os.environ)
+              "blas": blas, "env": {k: os.environ[k] for k in sorted(os.environ)
                                               if k.startswith(("OPENBLAS", "OMP_", "MKL_"))}}
     try:
         from .. import comm as C
@@ -59,16 +65,6 @@ def info() -> dict:
             return result
     print(json.dumps(result, indent=2), flush=True)
     return result
-
-
-def _blas_info() -> list[dict] | str:
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "unknown (install threadpoolctl)"
-    return [{k: d.get(k) for k in ("internal_api", "version", "num_threads",
-                                   "threading_layer", "architecture")}
-            for d in threadpool_info() if d.get("user_api") == "blas"]
 
 
 def plot(args) -> int:
