@@ -155,11 +155,11 @@ class Job:
             self.best.resume(state.history)
         return state
 
-    def finish(self, model: nn.Sequential, data: D.Data, replicas: str, history: list[dict],
+    def finish(self, model: nn.Sequential, data: D.Data, verdict: str, history: list[dict],
                steps: int, timings, scores: dict, **mode) -> dict:
         """On rank 0: write ``model.npz``, ``metrics.json`` (the figures of every mode, then
-        ``mode``'s own) and ``config.toml`` (all of them or, when one fails, none:
-        :func:`mpidp.atomic.write_together`), print the summary; returns the metrics."""
+        ``mode``'s own) and ``config.toml`` (all or, when one fails, none), print the summary
+        (the replicas' ``verdict`` in it); returns the metrics."""
         last, out, comm = history[-1], self.args.out, self.comm
         metrics = {"world_size": comm.size, "mode": O.mode_of(self.args),
                    "epochs": self.args.epochs, "final_loss": last["loss"],
@@ -177,7 +177,7 @@ class Job:
                         *((os.path.join(out, name), lambda path, text=text: write_atomic(
                             path, lambda f: f.write(text))) for name, text in texts.items())],
                        what="--out")
-        say(comm, *summary(metrics, comm.size, out, replicas))
+        say(comm, *summary(metrics, comm.size, out, verdict))
         return metrics
 
 
