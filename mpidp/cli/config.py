@@ -1,9 +1,8 @@
 """Configuration files for ``mpidp train``: ``--config FILE`` (TOML) and ``DIR/config.toml``.
 
 A configuration is the table of ``train`` options by name (``batch-size = 64`` or
-``batch_size = 64``). It becomes command-line tokens (:func:`tokens`), so every value goes
-through the same parsing and checks as a flag; which source of a setting wins (the command
-line, a file, a resumed checkpoint's record) is :mod:`~.settings`. No MPI here.
+``batch_size = 64``), turned into command-line tokens (:func:`tokens`) so every value is
+parsed and checked as its flag. Which source wins is :mod:`~.settings`. No MPI here.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ from collections.abc import Iterable
 #: Keys never taken from a stored configuration: what to do now, and how to show it, not
 #: how to train.
 NOT_STORED = frozenset({"command", "config", "resume", "restart", "world_size",
-                        "data_fingerprint", "resume_changes", "quiet", "verbose",
-                        "no_progress", "progress", "trace", "trace_steps", "tensorboard", "log_every"})
+                        "data_fingerprint", "resume_changes", "quiet", "verbose", "no_progress",
+                        "progress", "trace", "trace_steps", "tensorboard", "log_every"})
 #: Of those, what a run records about itself (not options): a file that holds them (the
 #: ``config`` of a metrics.json) is read without them. The others, options of this one
 #: invocation, apply when a hand-written ``--config`` file sets them.
@@ -59,13 +58,11 @@ def _value(v) -> str:
 
 def tokens(table: dict, parser: argparse.ArgumentParser, skip: Iterable[str] = (),
            source: str = "the configuration", literal: bool = False) -> list[str]:
-    """Command-line tokens for ``table`` (option name -> value), leaving out the options in
-    ``skip`` (given on the command line) and what a run records about itself
-    (:data:`RECORDS`; ``literal``: all of :data:`NOT_STORED`). ValueError names
-    ``source`` and the key when a key is no option of ``parser``, names an option twice
-    (``batch-size`` and ``batch_size``), or holds a value its flag would refuse, or (unless
-    ``literal``: values a run recorded) a string that starts with ``-``, which reads as an
-    option. A value starting with ``-`` goes as ``--flag=value``, so it stays a value."""
+    """Command-line tokens for ``table`` (option name -> value), without the options in
+    ``skip`` (typed) and :data:`RECORDS` (``literal``, a run's record: :data:`NOT_STORED`).
+    ValueError naming ``source`` and the key for a key that is no option of ``parser`` or
+    names one twice, a value its flag would refuse, or (unless ``literal``) a string that
+    starts with ``-``. A value starting with ``-`` goes as ``--flag=value``."""
     actions = {a.dest: a for a in parser._actions}  # noqa: SLF001 - argparse offers no map
     skip, out, seen = set(skip) | (NOT_STORED if literal else RECORDS), [], {}
     for key, value in table.items():
@@ -117,10 +114,9 @@ def _checked(action: argparse.Action, key: str, value, source: str) -> str:
 def _toml(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        return repr(v) if math.isfinite(v) else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+    if isinstance(v, (int, float)):
+        return repr(v) if isinstance(v, int) or math.isfinite(v) else (
+            "nan" if v != v else ("inf" if v > 0 else "-inf"))
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml(x) for x in v) + "]"
     if isinstance(v, dict):  # --slowdown: write it as the flag's text
@@ -138,13 +134,11 @@ def check_recordable(config: dict, name: str = "config.toml") -> None:
     """ValueError naming the option, its value and the fix when :func:`dumps` of ``config``
     could not be written as UTF-8 TOML (text that holds bytes that are not UTF-8, as a
     path may on Linux): checked before a run, so it does not fail at its end."""
-    for key in sorted(config):
-        if key in NOT_STORED or config[key] is None:
-            continue
+    for key, value in _recorded(config):
         try:
-            _toml(config[key]).encode("utf-8")
+            _toml(value).encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError(f"--{key.replace('_', '-')} {config[key]!r} is not UTF-8 text, "
+            raise ValueError(f"--{key.replace('_', '-')} {value!r} is not UTF-8 text, "
                              f"which {name} cannot record: give a name in UTF-8 (a symbolic "
                              f"link with such a name will do)") from None
 
@@ -152,9 +146,12 @@ def check_recordable(config: dict, name: str = "config.toml") -> None:
 def dumps(config: dict) -> str:
     """``config`` (option dest -> value) as TOML that :func:`load` and ``--config`` read back;
     None values and :data:`NOT_STORED` keys are left out."""
-    lines = ["# mpidp train configuration: mpidp train --config THIS_FILE reproduces the run"]
-    for key in sorted(config):
-        if key in NOT_STORED or config[key] is None or config[key] == {}:
-            continue
-        lines.append(f"{key.replace('_', '-')} = {_toml(config[key])}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(["# mpidp train configuration: mpidp train --config THIS_FILE reproduces "
+                      "the run", *(f"{k.replace('_', '-')} = {_toml(v)}" for k, v in
+                                   _recorded(config))]) + "\n"
+
+
+def _recorded(config: dict) -> list[tuple]:
+    """The items of ``config`` that a file records, by key: not None, {} or :data:`NOT_STORED`."""
+    return [(k, v) for k, v in sorted(config.items())
+            if k not in NOT_STORED and v is not None and v != {}]

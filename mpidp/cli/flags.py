@@ -1,8 +1,8 @@
 """The flags of the modes' settings: :data:`FLAGS`, one line per flag naming the settings
 field it sets (:mod:`mpidp.parallel.modes`). From it and the fields' declarations the
-parser gets its options (:func:`add_settings`, :func:`add_mode_choice`), a mode gets its
-settings from parsed arguments (:func:`settings_of`), and a refused setting is told with
-its flag (:func:`spelling`). Pure: no MPI here."""
+parser gets its options (:func:`add_mode_options`), a mode its settings from parsed
+arguments (:func:`settings_of`), and a message the flag of a setting (:func:`spelling`).
+Pure: no MPI here."""
 
 from __future__ import annotations
 
@@ -78,19 +78,14 @@ FLAGS = (
 _BY_FIELD = {f.field: f for f in FLAGS}
 
 
-def add_mode_choice(group, flag: str, kinds: tuple[str, ...], default: str,
-                    **others: str) -> None:
+def add_mode_options(group, flag: str, kinds: tuple[str, ...], default: str, *,
+                     number: Callable, mebibytes: Callable, **others: str) -> None:
     """``flag``, choosing one of ``others`` (name -> what it is) or of the modes of
-    ``kinds``, each told by its note."""
+    ``kinds``, each told by its note; then the flags of :data:`FLAGS` whose settings belong
+    to modes of ``kinds``, parsed by ``mebibytes`` (MiB) or ``number(int, low)`` (>= low)."""
     notes = {**others, **{n: m.note for n, m in MODES.items() if m.kind in kinds}}
     group.add_argument(flag, choices=tuple(notes), default=default,
                        help="; ".join(f"{name}: {note}" for name, note in notes.items()))
-
-
-def add_settings(group, kinds: tuple[str, ...], *, number: Callable,
-                 mebibytes: Callable) -> None:
-    """The flags of :data:`FLAGS` whose settings belong to modes of ``kinds``; the values
-    parsed by ``mebibytes`` (MiB) or ``number(int, low)`` (a whole number >= low)."""
     for f in FLAGS:
         if MODES[f.modes[0]].kind not in kinds:
             continue

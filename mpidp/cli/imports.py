@@ -83,29 +83,29 @@ def _from_file(path: str) -> ModuleType:
 def unregistered(spec) -> list[str]:
     """The layer class names in ``spec`` (a model spec or model file's layers, blocks'
     inner layers included) that no imported module has registered."""
-    known, out = registered_layers(), []
-
-    def walk(node) -> None:
+    known, out, todo = registered_layers(), [], [spec]
+    while todo:
+        node = todo.pop(0)
         if isinstance(node, dict):
             kind = node.get("type")
             if isinstance(kind, str) and kind not in known and kind not in out:
                 out.append(kind)
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(spec)
+            node = list(node.values())
+        if isinstance(node, list):
+            todo[:0] = node
     return out
+
+
+def model_file(path: str) -> str:
+    """``path``, or the ``model.npz`` in it where it is a folder."""
+    return os.path.join(path, "model.npz") if os.path.isdir(path) else path
 
 
 def saved_spec(path: str):
     """The model spec stored in ``path`` (a ``model.npz`` or its folder); None when it
     cannot be read."""
-    path = os.path.join(path, "model.npz") if os.path.isdir(path) else path
     try:
-        with np.load(path, allow_pickle=False) as saved:
+        with np.load(model_file(path), allow_pickle=False) as saved:
             return json.loads(str(saved["spec"]))
     except Exception:  # noqa: BLE001 - any damage: the loader's own message says it
         return None

@@ -1,27 +1,100 @@
-"""One ``mpidp train`` job: its options, communicator and what watches over it, the
-:class:`~mpidp.RunSpec` its options ask for, the checkpoint it resumes from, the best model
-it keeps and the figures of its ``metrics.json``."""
+"""One ``mpidp train`` job: its options, communicator and what watches over it; its data,
+loaded (:func:`load_data`, in every mode: :func:`load_settings`) and partitioned
+(:func:`partition_of`); the :class:`~mpidp.RunSpec` its options ask for, the checkpoint it
+resumes from, the best model it keeps; and what it writes in ``--out``: checked before any
+work (:func:`check_out`), the live outputs (:func:`outputs`), at the end ``model.npz``,
+``metrics.json`` and ``config.toml`` with the summary on the console (:meth:`Job.finish`)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
+
 from .. import comm as C
+from .. import nn
+from ..atomic import check_folder, write_atomic, write_together
 from ..data import distribute as D
+from ..data.balance import Partition
+from ..data.distribute import load_on_workers
 from ..observe.best import BestModel
-from ..observe.report import EpochReport
-from ..observe.watch import Watch
+from ..observe.report import EpochReport, summary
+from ..observe.watch import Outputs, Watch, say
 from ..run import checkpoint as ck
 from ..run.early_stopping import EarlyStopping, ReduceOnPlateau
 from ..run.signals import StopSignals
 from ..run.spec import Checkpointing, RunSpec
+from . import config as config_file
 from . import options as O
-from .outputs import BEST, model_meta
 from .settings import resumed
+
+BEST = "best.npz"  # the best validation epoch's model, in OUT
+
+
+def _costs_arg(path: str):
+    if path in ("auto", "uniform"):
+        return None
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--costs {path!r}: cannot read a .npy file ({exc})") from exc
+
+
+def load_settings(args: argparse.Namespace) -> dict:
+    """Keyword arguments for :func:`mpidp.load` that every mode gives."""
+    return dict(copy=args.copy_data, seed=args.seed, test_fraction=args.test_fraction,
+                val_fraction=args.val_fraction, dtype=args.dtype, n_classes=args.n_classes,
+                n_samples=args.n_samples, n_features=args.n_features,
+                regression=args.model == "linear" and args.dataset == "synthetic")
+
+
+def load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.Data:
+    """Load the dataset over all ranks, or (dedicated parameter server) over the workers only,
+    the server getting empty shards. Collective; errors reach every rank, said once."""
+    def load(over: C.Comm) -> D.Data:
+        return D.load(over, args.dataset, distribute=args.distribute, **load_settings(args),
+                      partition=args.partition, capacities=args.capacities,
+                      costs=C.run_agreed(over, _costs_arg, args.costs))
+    return load(comm) if server is None else load_on_workers(comm, server, load, args.dtype)
+
+
+def partition_of(args: argparse.Namespace, data: D.Data) -> Partition | None:
+    """The training partition the options ask for; None with a dedicated server (the
+    shards stay as loaded, over the workers)."""
+    if O.dedicated_server(args):
+        return None
+    costs = None if args.costs == "uniform" else data.costs
+    return Partition(args.partition, costs, args.capacities, args.adapt_every, args.seed)
+
+
+
+def check_out(args: argparse.Namespace) -> None:
+    """ValueError unless every output location can be written (tried for real; no
+    symbolic link to nothing in the way) and ``OUT/config.toml`` can record the settings."""
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out!r} exists and is not a folder")
+    check_folder(args.out, "--out")
+    if args.checkpoint_dir:
+        check_folder(args.checkpoint_dir, "--checkpoint-dir")
+    config_file.check_recordable(O.applying(vars(args)))
+    Watch.check(outputs(args))
+
+
+def outputs(args: argparse.Namespace) -> Outputs:
+    """Where the run's live outputs go, from the options."""
+    return Outputs(args.out, args.log_every, args.tensorboard, args.trace, args.trace_steps)
+
+
+def model_meta(args: argparse.Namespace, data: D.Data) -> dict:
+    """What ``model.npz`` (and ``best.npz``) records of the run besides the model."""
+    return {"model": args.model, "hidden": list(args.hidden), "n_features": data.n_features,
+            "sample_shape": list(data.sample_shape), "n_outputs": data.n_outputs,
+            "classification": data.classification, "standardized": bool(args.standardize)}
 
 
 @dataclass
@@ -86,18 +159,30 @@ class Job:
             self.best.resume(state.history)
         return state
 
-    def metrics(self, history: list[dict], n_params: int, steps: int, timings, scores: dict,
-                **mode) -> dict:
-        """``metrics.json``: the figures of every mode, then ``mode``'s own."""
-        last = history[-1]
-        return {"world_size": self.comm.size, "mode": O.mode_of(self.args),
-                "epochs": self.args.epochs, "final_loss": last["loss"],
-                "train_accuracy": last["accuracy"], "test_loss": last.get("test_loss"),
-                "test_accuracy": last.get("test_accuracy"), "params_in_sync": True,
-                "n_params": n_params, "wall_s": time.perf_counter() - self.t_start,
-                "history": history, "steps": steps, "timings": timings,
-                "mpi": C.mpi_info(self.comm), "config": self.config, **mode, "scores": scores,
-                "best": self.best.summary() if self.best else None}
+    def finish(self, model: nn.Sequential, data: D.Data, verdict: str, history: list[dict],
+               steps: int, timings, scores: dict, **mode) -> dict:
+        """On rank 0: write ``model.npz``, ``metrics.json`` (the figures of every mode, then
+        ``mode``'s own) and ``config.toml`` (all or, when one fails, none), print the summary
+        (the replicas' ``verdict`` in it); returns the metrics."""
+        last, out, comm = history[-1], self.args.out, self.comm
+        metrics = {"world_size": comm.size, "mode": O.mode_of(self.args),
+                   "epochs": self.args.epochs, "final_loss": last["loss"],
+                   "train_accuracy": last["accuracy"], "test_loss": last.get("test_loss"),
+                   "test_accuracy": last.get("test_accuracy"), "params_in_sync": True,
+                   "n_params": model.n_params, "wall_s": time.perf_counter() - self.t_start,
+                   "history": history, "steps": steps, "timings": timings,
+                   "mpi": C.mpi_info(comm), "config": self.config, **mode, "scores": scores,
+                   "best": self.best.summary() if self.best else None}
+        meta = model_meta(self.args, data)
+        texts = {"metrics.json": json.dumps(metrics, indent=2).encode(),
+                 "config.toml": config_file.dumps(O.applying(self.config)).encode()}
+        write_together([(os.path.join(out, "model.npz"),
+                         lambda path: nn.save(model, path, meta=meta)),
+                        *((os.path.join(out, name), lambda path, text=text: write_atomic(
+                            path, lambda f: f.write(text))) for name, text in texts.items())],
+                       what="--out")
+        say(comm, *summary(metrics, comm.size, out, verdict))
+        return metrics
 
 
 

@@ -1,11 +1,11 @@
-"""Command line: ``mpidp train``, ``predict``, ``model``, ``info``, run under ``mpiexec -n P``.
+"""Command line: ``mpidp train``, ``predict``, ``model``, ``plot``, ``info``, run under
+``mpiexec -n P``.
 
 Every rank parses the same arguments and takes the same decisions; only rank 0 prints.
 Bad input exits with status 2 on every rank and leaves ``--out`` untouched; a stop on
 SIGTERM/SIGUSR1 exits with 75 after a checkpoint; a stalled rank ends the job with 3.
-``mpidp --help``, ``--version`` and ``info`` work without an MPI library: MPI starts only
-for the commands that need it. The options are :mod:`~.parser`'s; which source of a
-setting wins is :mod:`~.settings`.
+``--help``, ``--version``, ``info`` and ``plot`` work without MPI: it starts only for the
+commands that need it.
 """
 
 from __future__ import annotations
@@ -24,17 +24,16 @@ from . import settings
 from .flags import spelling
 from .parser import EXIT_USAGE, build_parser, subcommand
 
-NO_MPI = ("mpidp: cannot start MPI ({}). Install it with pip install 'mpidp[mpi]' (mpi4py and "
-          "the mpich wheel), or build mpi4py against your cluster's MPI: "
-          "pip install --no-binary mpi4py mpi4py")
 
 def _start_mpi():
     """``mpidp.comm`` (MPI starts here); a one-line hint and exit 2 when there is no MPI."""
     try:
         from .. import comm as C
     except (ImportError, RuntimeError, OSError) as exc:
-        print(NO_MPI.format(str(exc).splitlines()[0] if str(exc) else type(exc).__name__),
-              file=sys.stderr, flush=True)
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"mpidp: cannot start MPI ({why}). Install it with pip install 'mpidp[mpi]' "
+              "(mpi4py and the mpich wheel), or build mpi4py against your cluster's MPI: "
+              "pip install --no-binary mpi4py mpi4py", file=sys.stderr, flush=True)
         sys.exit(EXIT_USAGE)
     return C
 
@@ -43,33 +42,46 @@ def info() -> dict:
     """Versions, the MPI library and every rank's host (printed by rank 0). Collective when
     MPI is there; without it, a single process's view."""
     import numpy as np
-
+    try:
+        from threadpoolctl import threadpool_info
+        blas = [{k: d.get(k) for k in ("internal_api", "version", "num_threads",
+                                       "threading_layer", "architecture")}
+                for d in threadpool_info() if d.get("user_api") == "blas"]
+    except ImportError:
+        blas = "unknown (install threadpoolctl)"
     result = {"mpidp": __version__, "python": platform.python_version(), "numpy": np.__version__,
-              "blas": _blas_info(), "env": {k: os.environ[k] for k in sorted(os.environ)
+              "blas": blas, "env": {k: os.environ[k] for k in sorted(os.environ)
                                               if k.startswith(("OPENBLAS", "OMP_", "MKL_"))}}
     try:
         from .. import comm as C
     except (ImportError, RuntimeError, OSError) as exc:
-        result["mpi"] = f"not available: {str(exc).splitlines()[0] if str(exc) else exc!r}"
-        result["hosts"] = [platform.node()]
-        print(json.dumps(result, indent=2), flush=True)
-        return result
-    comm = C.world()
-    result["mpi"] = C.mpi_info(comm)
-    result["hosts"] = C.bcast_obj(comm, C.gather_obj(comm, platform.node()))
-    if comm.rank == 0:
-        print(json.dumps(result, indent=2), flush=True)
+        result.update(mpi=f"not available: {str(exc).splitlines()[0] if str(exc) else exc!r}",
+                      hosts=[platform.node()])
+    else:
+        comm = C.world()
+        result.update(mpi=C.mpi_info(comm),
+                      hosts=C.bcast_obj(comm, C.gather_obj(comm, platform.node())))
+        if comm.rank != 0:
+            return result
+    print(json.dumps(result, indent=2), flush=True)
     return result
 
 
-def _blas_info() -> list[dict] | str:
+def plot(args) -> int:
+    """Run ``mpidp plot`` with the parsed ``args`` (:mod:`mpidp.observe.plot` draws); the
+    exit status: 2 with a message on bad input or an image that cannot be written (then
+    nothing is left half-written)."""
+    from ..observe import plot as P
     try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "unknown (install threadpoolctl)"
-    return [{k: d.get(k) for k in ("internal_api", "version", "num_threads",
-                                   "threading_layer", "architecture")}
-            for d in threadpool_info() if d.get("user_api") == "blas"]
+        P.need_matplotlib()
+        out = P.output_path(args.out)
+        runs = P.load_runs(args.runs)
+        P.draw(runs, out, args.x, args.title)
+    except (ImportError, ValueError, OSError) as exc:
+        print(f"mpidp: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({len(runs)} run{'s' if len(runs) > 1 else ''})")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -86,8 +98,7 @@ def _main(parser, argv: list[str]) -> int:
         info()
         return 0
     if args.command == "plot":
-        from . import plot
-        return plot.main(args)
+        return plot(args)
     from_file: set[tuple[str, bool]] = set()
     if args.command == "train" and args.config:
         args, argv, from_file = settings.with_config_file(parser, argv, args.config)

@@ -11,8 +11,8 @@ from .. import comm as C
 from .. import nn
 from ..data import distribute as D
 from ..data.partition import steps_per_epoch
-from ..nn.schedules import epoch_schedule
 from ..nn.modelfile import is_model_file, layers_from, read_model_file
+from ..nn.schedules import epoch_schedule
 from ..nn.sparse import CSR
 from ..parallel.modes import refuses_model
 from ..run import memory

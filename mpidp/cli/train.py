@@ -1,11 +1,10 @@
 """``mpidp train``: from command-line options to a finished run, in every mode.
 
-Options are checked against the mode first (:mod:`mpidp.cli.options`); then data are loaded,
-the trainer for the mode is built, and every synchronous mode trains through the one loop
-(:func:`mpidp.run.loop.run`) with the same watchdog, signals, fault injection, NaN policy,
-replica check and checkpoints. ``async-ps`` runs its server/worker protocol, under the
-same watchdog, faults and NaN policy. The end is the same for all: replicas checked
-(a mismatch fails the run), ``model.npz`` and ``metrics.json`` written by rank 0.
+Options are checked against the mode first (:mod:`mpidp.cli.options`); then the data are
+loaded, the mode's trainer built and trained (the synchronous modes through the one loop,
+:func:`mpidp.run.loop.run`, with the same watchdog, signals, faults, NaN policy and
+checkpoints; ``async-ps`` by its server/worker protocol), the replicas checked (a mismatch
+fails the run), and ``model.npz`` and ``metrics.json`` written by rank 0.
 """
 
 from __future__ import annotations
@@ -41,20 +40,9 @@ from ..run.signals import StopSignals
 from ..run.spec import RunSpec
 from . import flags
 from . import options as O
-from .data import load_data, load_settings, partition_of
 from .imports import absolute_paths, import_modules, imports_of
-from .job import Job as _Job
-from .model import build_layers as _layers
-from .model import check_fits, check_model_file
-from .model import check_inputs as _check_inputs
-from .model import optimizer_factory as _optimizer
-from .outputs import check_out, finish, outputs
-
-
-def apply_slowdown(args: argparse.Namespace, comm: C.Comm, timer) -> None:
-    """Set this rank's ``timer.slowdown`` from ``--slowdown`` (ranks beyond the job were
-    refused with the other settings, :func:`mpidp.cli.options.problems`)."""
-    timer.slowdown = args.slowdown.get(comm.rank, 1.0)
+from .job import Job, check_out, load_data, load_settings, outputs, partition_of
+from .model import build_layers, check_fits, check_inputs, check_model_file, optimizer_factory
 
 
 def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | None:
@@ -93,7 +81,7 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
                 config["data_fingerprint"] = D.data_fingerprint(  # all of its bytes, ranks sharing
                     comm, args.dataset,
                     together=args.distribute == "local" and O.mode_of(args) != "async-ps")
-            job = _Job(args, comm, config, run_id, watchdog, stop, t_start)
+            job = Job(args, comm, config, run_id, watchdog, stop, t_start)
             if O.mode_of(args) in O.MODEL_PARALLEL:
                 return _train_model_parallel(job)
             return _train_data_parallel(job)
@@ -101,11 +89,6 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
         stop.close()
         if watchdog is not None:
             watchdog.stop()
-
-
-def _held_out(data: D.Data):
-    """The sets evaluated after every epoch: the test set, and the validation set first."""
-    return data.test if data.val is None else {"val": data.val, "test": data.test}
 
 
 def _strategy_problems(args: argparse.Namespace) -> list[str]:
@@ -124,12 +107,12 @@ def _strategy_problems(args: argparse.Namespace) -> list[str]:
     return [why] if why else []
 
 
-def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
+def _data_parallel_trainer(job: Job, data: D.Data) -> DataParallel:
     """The model and its data-parallel trainer, as the options say. Collective."""
     args, comm = job.args, job.comm
-    layers, loss = C.run_agreed(comm, _layers, args, data)
-    _check_inputs(comm, args, layers, data)
-    make_opt = _optimizer(args, data.train.n_total)
+    layers, loss = C.run_agreed(comm, build_layers, args, data)
+    check_inputs(comm, args, layers, data)
+    make_opt = optimizer_factory(args, data.train.n_total)
     # async-ps evaluates with an allreduce; a resumed run's settings of another mode (kept
     # from its checkpoint) are not read: a mode's settings carry only its own fields
     name = "allreduce" if args.sync == "async-ps" else args.sync
@@ -141,11 +124,11 @@ def _data_parallel_trainer(job: _Job, data: D.Data) -> DataParallel:
     if args.standardize:
         _standardize(comm, dp.model.layers[0], data.train.X)
     dp.sync_params(args.init_sync)  # rank 0's initial model everywhere (bcast), or checked
-    apply_slowdown(args, comm, dp.timer)
+    dp.timer.slowdown = args.slowdown.get(comm.rank, 1.0)  # ranks beyond: refused before
     return dp
 
 
-def _train_data_parallel(job: _Job) -> dict | None:
+def _train_data_parallel(job: Job) -> dict | None:
     args, comm = job.args, job.comm
     with job.loading():
         data = load_data(comm, args, server=0 if O.dedicated_server(args) else None)
@@ -187,16 +170,19 @@ def _train_data_parallel(job: _Job) -> dict | None:
     undecided = dp.sync.undecided() if args.sync == "auto" else None
     if undecided:
         print(f"mpidp: {undecided}", file=sys.stderr, flush=True)
-    metrics = job.metrics(
-        history, dp.model.n_params, dp.global_step, timings, scores,
+    return job.finish(
+        dp.model, data, "bit-identical (checked)", history, dp.global_step, timings, scores,
         skipped_steps=dp.skipped_steps + extra.get("async", {}).get("skipped", 0),
         sync=args.sync, balance=extra.pop("balance", None), **extra,
         **({"auto": dp.sync.report or undecided} if args.sync == "auto" else {}),
         bytes_sent_per_step=dp.sync.bytes_sent / max(dp.global_step, 1))
-    return finish(comm, args, metrics, dp.model, data, "bit-identical (checked)")
 
 
-def _regroup(job: _Job, watch: Watch, data: D.Data, comm: C.Comm):
+def _held_out(data: D.Data):
+    return data.test if data.val is None else {"val": data.val, "test": data.test}
+
+
+def _regroup(job: Job, watch: Watch, data: D.Data, comm: C.Comm):
     """Elastic runs: the survivors' communicator for the job's outputs, and their rows of
     the data sets, read again over ``comm`` (a lost rank's rows, a lost root's role)."""
     for holder in (job, watch, job.stop, job.report):
@@ -206,7 +192,7 @@ def _regroup(job: _Job, watch: Watch, data: D.Data, comm: C.Comm):
     return again.train, _held_out(again)
 
 
-def _fit_async(job: _Job, dp: DataParallel, data: D.Data, spec: RunSpec) -> tuple[list, dict]:
+def _fit_async(job: Job, dp: DataParallel, data: D.Data, spec: RunSpec) -> tuple[list, dict]:
     """``--sync async-ps``: train asynchronously, then evaluate; one history entry per epoch
     (the workers' training loss as the server received it) and the server's summary."""
     t0 = time.perf_counter()
@@ -223,29 +209,28 @@ def _fit_async(job: _Job, dp: DataParallel, data: D.Data, spec: RunSpec) -> tupl
     return history, {"async": stats.summary()}
 
 
-def _train_model_parallel(job: _Job) -> dict | None:
+def _train_model_parallel(job: Job) -> dict | None:
     """``--parallel pipeline|hybrid``: every rank loads the whole training set (the first
-    stage needs the inputs, the last the targets) and builds only its own stage. Read as
-    one rank's local rows, so a file that can be mapped is (unless ``--copy-data``): the
-    ranks of a node then share one copy in the page cache instead of one each."""
+    stage needs the inputs, the last the targets), as local rows so that the ranks of a node
+    share one mapped copy (unless ``--copy-data``), and builds only its own stage."""
     args, comm = job.args, job.comm
     with job.loading():
         data = C.run_agreed(comm, D.load, C.self_comm(), args.dataset, distribute="local",
                             **load_settings(args))
     C.run_agreed(comm, check_fits, args, data, 1.0 / max(comm.size // 2, 1),
                  C.local_ranks(comm))
-    layers, loss = C.run_agreed(comm, _layers, args, data)
-    _check_inputs(comm, args, layers, data)
+    layers, loss = C.run_agreed(comm, build_layers, args, data)
+    check_inputs(comm, args, layers, data)
     pipe = make_trainer(args.parallel, layers, data.sample_shape,
-                        _optimizer(args, data.train.n_total)(), loss, comm, dtype=args.dtype,
+                        optimizer_factory(args, data.train.n_total)(), loss, comm, dtype=args.dtype,
                         micro_batches=args.micro_batches, schedule=args.schedule,
                         on_nonfinite=args.on_nonfinite)
     pipe.init_(np.random.default_rng(args.seed))  # the same initial model as --parallel data
     if args.standardize and pipe.first:  # every rank holds the whole training set
         pipe.model.layers[0].fit_(*moments(data.train.X))
-    whole = lambda: whole_model(pipe, lambda: _layers(args, data)[0])  # noqa: E731
+    whole = lambda: whole_model(pipe, lambda: build_layers(args, data)[0])  # noqa: E731
     job.keep_best(whole, data)
-    apply_slowdown(args, comm, pipe.timer)
+    pipe.timer.slowdown = args.slowdown.get(comm.rank, 1.0)
     watch = Watch(comm, outputs(args), pipe.timer, job.config)
     watch.check_steps(args.epochs * steps_per_epoch(data.train.n_total, args.batch_size,
                                                     args.drop_last))
@@ -267,9 +252,8 @@ def _train_model_parallel(job: _Job) -> dict | None:
     timings = gather_timings(comm, pipe.timer)
     if comm.rank != 0:
         return None
-    metrics = job.metrics(history, model.n_params, pipe.global_step, timings, scores,
-                          parallel=args.parallel, stages=pipe.n_stages,
-                          replicas=pipe.n_replicas, stage_bounds=pipe.plan.bounds,
-                          skipped_steps=pipe.policy.skipped, memory_per_rank=memory_per_rank)
     same = "bit-identical (checked)" if pipe.n_replicas > 1 else "one replica (nothing to compare)"
-    return finish(comm, args, metrics, model, data, same)
+    return job.finish(model, data, same, history, pipe.global_step, timings, scores,
+                      parallel=args.parallel, stages=pipe.n_stages, replicas=pipe.n_replicas,
+                      stage_bounds=pipe.plan.bounds, skipped_steps=pipe.policy.skipped,
+                      memory_per_rank=memory_per_rank)

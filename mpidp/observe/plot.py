@@ -1,7 +1,7 @@
 """Loss and accuracy of one or several runs against epochs and seconds, each run labelled
-from its configuration (``mpidp plot``). A run folder holds ``metrics.json`` (a finished
-run) or ``history.jsonl`` (a failed or killed run's epochs). matplotlib is imported only
-when drawing."""
+from its configuration (``mpidp plot``, :func:`mpidp.cli.main.plot`). A run folder holds
+``metrics.json`` (a finished run) or ``history.jsonl`` (a failed or killed run's epochs).
+matplotlib is imported only when drawing."""
 
 from __future__ import annotations
 

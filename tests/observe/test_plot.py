@@ -1,6 +1,6 @@
 """mpidp plot: runs read from metrics.json or (killed) history.jsonl, labelled from their
 configurations, drawn into a non-trivial PNG; bad folders are clear errors; no MPI; the
-command line (:mod:`mpidp.cli.plot`) apart from the drawing (:mod:`mpidp.observe.plot`)."""
+command line (:func:`mpidp.cli.main.plot`) apart from the drawing (:mod:`mpidp.observe.plot`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from helpers import ROOT
 
 from mpidp.cli import build_parser
 from mpidp.cli import main as cli_main
-from mpidp.cli import plot as cli_plot
+from mpidp.cli.main import plot as run_plot
 from mpidp.observe import plot as P
 from mpidp.observe.history import History
 
@@ -85,7 +85,7 @@ def test_main_reads_args_and_one_axis(runs, tmp_path, capsys):
     args = _parse(["plot", *map(str, runs[:2]), "--out", str(out), "--x", "seconds"])
     assert (args.runs, args.out, args.x, args.title) == ([str(runs[0]), str(runs[1])],
                                                          str(out), "seconds", None)
-    assert cli_plot.main(args) == 0
+    assert run_plot(args) == 0
     assert out.exists() and capsys.readouterr().out == f"wrote {out} (2 runs)\n"
 
 
@@ -131,7 +131,7 @@ def test_folder_without_results_is_a_clear_error(tmp_path, capsys):
 def test_missing_matplotlib_is_a_clear_error(runs, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     args = _parse(["plot", str(runs[0]), "--out", str(tmp_path / "x.png")])
-    assert cli_plot.main(args) == 2
+    assert run_plot(args) == 2
     assert capsys.readouterr().err == f"mpidp: error: {P.NEED_MATPLOTLIB}\n"
     assert not (tmp_path / "x.png").exists()
     with pytest.raises(ImportError, match="pip install"):
