@@ -245,13 +245,10 @@ class DataParallel:
         if index is not None:
             ctx.index = np.asarray(index, np.int64)
         with self.timer.compute("compute", samples=len(X)):
-            try:
-                if self._on_forward is None:
-                    out = self.model.forward(X)
-                else:  # the last update's parts arrive as the layers read them
-                    hook, piece = self._on_forward
-                    out = self.model.forward(X, on_layer_params=hook, piece=piece)
-                    self.sync.settle()  # every sum is done before backward reuses the buffer
+            try:  # the last update's parts may arrive as the layers read them
+                hook, piece = self._on_forward or (None, 0)
+                out = self.model.forward(X, on_layer_params=hook, piece=piece)
+                self.sync.settle()  # every sum is done before backward reuses the buffer
             finally:
                 ctx.index = None  # never reused by a later step
             buffer.put(buf, n, self.loss.forward(out, y), len(X), n_correct(self.loss, out, y),

@@ -18,10 +18,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import MpidpError, is_whole, setting
+from .codecs import CODECS, JIT_CODECS
 from .stages import SCHEDULES
 
-CODECS = ("bfloat16", "float16", "int8")  # the formats of compressed gradients
-JIT_CODECS = ("bfloat16", "int8")  # those with compiled kernels (numba)
 KERNELS = ("auto", "numpy", "numba")  # how compressed runs its codec's passes
 PROGRESS = ("test", "thread")  # how overlapped sums move during backward
 FINISH = ("backward", "forward")  # where overlapped sums complete

@@ -115,10 +115,8 @@ class Sync:
         self.comm, self.root, self.model, self.timer = s.comm, s.root, s.model, s.timer
         self.n = s.model.n_params
         self.hierarchy = self._hierarchy(s) if s.grads is None else None
-        if s.grads is not None:
-            self.buf = s.grads
-        else:
-            self.buf = self.allocate(s) if self.hierarchy is None else self.hierarchy.array
+        self.buf = (s.grads if s.grads is not None else self.allocate(s)
+                    if self.hierarchy is None else self.hierarchy.array)
         self.buf[...] = 0
         return Buffers(self.buf)
 
