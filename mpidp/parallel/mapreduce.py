@@ -227,7 +227,7 @@ class _Sink:
             self.acc += values.sum(axis=0)
         elif self.reduce in ("min", "max"):
             fold = np.minimum if self.reduce == "min" else np.maximum
-            fold(self.acc, fold.reduce(values, axis=0, initial=self.start), out=self.acc)
+            fold(self.acc, getattr(values, self.reduce)(axis=0, initial=self.start), out=self.acc)
         elif self.file is not None:
             self.file.write(rows, values)
         else:

@@ -95,6 +95,7 @@ class Sync:
 
     def __init__(self, *args, **kwargs) -> None:
         self.bytes_sent = 0
+        self.node_aware: bool | None = None  # where the mode's settings lack it
         self.hierarchy: C.NodeAllreduce | None = None
         # the settings of the mode named ``name`` (a strategy of one's own has none)
         settings = (MODES[self.name].settings if self.name in MODES else Settings)(*args, **kwargs)
