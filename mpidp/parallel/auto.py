@@ -89,10 +89,9 @@ class Auto(Sync):
         return out
 
     def describe(self) -> str | None:
-        plain = self.candidates[0].describe()
-        if len(self.candidates) == 1:
-            return "; ".join(filter(None, [self.report, plain]))
-        return "; ".join(filter(None, [f"auto: trying {', '.join(self.labels)}", plain]))
+        trying = f"auto: trying {', '.join(self.labels)}"
+        head = self.report if len(self.candidates) == 1 else trying
+        return "; ".join(filter(None, [head, self.candidates[0].describe()]))
 
     def undecided(self) -> str | None:
         """Why there is no choice yet, when the trials are still running (a run that ended
@@ -114,8 +113,7 @@ class Auto(Sync):
         return refuses_model(model.needs, "allreduce")
 
     def on_layer_done(self) -> Callable[[int], None]:
-        hooks = {id(c): c.on_layer_done() for c in self.candidates} if hasattr(
-            self, "candidates") else {}
+        hooks = {id(c): c.on_layer_done() for c in getattr(self, "candidates", ())}
 
         def forward(i: int) -> None:
             hook = hooks.get(id(self.current))

@@ -336,11 +336,8 @@ def segments(lo: int, hi: int, at: int, codec: str):
     """``(a, b, ca, cb)``: the blocks ``a .. b`` of values ``lo .. hi`` whose codes start
     at unit ``at``, each with its codes' units ``ca .. cb`` (every block a segment)."""
     whole = units(BLOCK, codec)
-    out = []
-    for j, (a, b) in enumerate(_blocks(lo, hi)):
-        ca = at + j * whole
-        out.append((a, b, ca, ca + units(b - a, codec)))
-    return out
+    return [(a, b, at + j * whole, at + j * whole + units(b - a, codec))
+            for j, (a, b) in enumerate(_blocks(lo, hi))]
 
 
 def _scan(x: np.ndarray, f16: bool) -> tuple[bool, bool]:

@@ -169,21 +169,17 @@ class Compressed(Sync):
         self.nonfinite = self.overflow = False
 
     def on_layer_done(self) -> Callable[[int], None]:
-        def launch(i: int) -> None:
-            self._advance(wait=False)  # first what has arrived: its gather starts at once
-            if self.launched < len(self.buckets) and self.buckets[self.launched][0] == i:
-                self._launch()
-        return launch
+        return self._layer_done
 
     def on_layer_part(self) -> tuple[Callable[[int, int], None], int] | None:
-        if self.comm.size == 1:
-            return None  # nothing travels: codes are encoded when backward ends
+        # one rank: nothing travels, codes are encoded when backward ends
+        return None if self.comm.size == 1 else (self._layer_done, self.piece)
 
-        def launch(i: int, done: int) -> None:
-            self._advance(wait=False)
-            if self.launched < len(self.buckets) and self.buckets[self.launched][0] == i:
-                self._launch(upto=self.layer_lo[i] + done)
-        return launch, self.piece
+    def _layer_done(self, i: int, done: int | None = None) -> None:
+        """Backward finished layer ``i`` (or, with ``done``, its first ``done`` values)."""
+        self._advance(wait=False)  # first what has arrived: its gather starts at once
+        if self.launched < len(self.buckets) and self.buckets[self.launched][0] == i:
+            self._launch(upto=None if done is None else self.layer_lo[i] + done)
 
     def exchange(self, r: Round) -> Exchanged:
         self._step = r.step

@@ -285,9 +285,7 @@ class DataParallel:
         """Copy the untrained state (batch norm's running statistics, which forward passes
         move) before the steps of an update, so that an update the NaN policy drops or
         stops at leaves it as the last good step left it."""
-        if self._kept_state is None or self._kept_state.shape != self.model.state.shape:
-            self._kept_state = np.empty_like(self.model.state)
-        self._kept_state[...] = self.model.state
+        self._kept_state = self.model.state.copy()
 
     def _restore_state(self) -> None:
         if self._kept_state is not None and self._kept_state.shape == self.model.state.shape:

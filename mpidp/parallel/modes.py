@@ -120,9 +120,8 @@ def _progress() -> Any:
                     "move during backward: tested at every layer boundary (test), or a "
                     "communication thread in a blocking Allreduce per bucket (thread: a core "
                     "polls meanwhile); compressed always tests at every layer boundary",
-                    "only --sync overlapped (and auto, which tries it) has a choice of how "
-                    "its sums move during backward (compressed tests its exchanges at every "
-                    "layer boundary)", choices=PROGRESS)
+                    "only --sync overlapped (and auto, which tries it) chooses how its sums "
+                    "move (compressed always tests them)", choices=PROGRESS)
 
 
 def _k() -> Any:
