@@ -13,7 +13,6 @@ padded to 4 bytes, then the float32 scales).
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import numpy as np
 
@@ -356,11 +355,9 @@ def _scan(x: np.ndarray, f16: bool) -> tuple[bool, bool]:
 def numba_available() -> bool:
     """Whether numba, which the compiled kernels need, can be imported here (installed,
     and its import works: a numba built for another NumPy fails there)."""
-    if importlib.util.find_spec("numba") is None:
-        return False
     try:
         import numba  # noqa: F401
-    except Exception:  # noqa: BLE001 - any failure of a third party's import: not usable
+    except Exception:  # noqa: BLE001 - not installed, or any failure of its import
         return False
     return True
 

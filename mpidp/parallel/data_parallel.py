@@ -77,7 +77,8 @@ class DataParallel:
         if init_sync not in INIT_SYNC:
             raise C.MpidpError(f"unknown init sync {init_sync!r}; expected one of {INIT_SYNC}")
         if on_nonfinite not in ON_NONFINITE:
-            raise C.MpidpError(f"unknown on_nonfinite {on_nonfinite!r}; expected one of {ON_NONFINITE}")
+            raise C.MpidpError(f"unknown on_nonfinite {on_nonfinite!r}; expected one of "
+                               f"{ON_NONFINITE}")
         if not is_whole(check_every, 0):
             raise C.MpidpError(f"check_every must be a whole number >= 0, got {check_every!r}")
         self.check_every, self.policy = check_every, Policy(on_nonfinite)
@@ -245,10 +246,13 @@ class DataParallel:
         if index is not None:
             ctx.index = np.asarray(index, np.int64)
         with self.timer.compute("compute", samples=len(X)):
-            try:  # the last update's parts may arrive as the layers read them
-                hook, piece = self._on_forward or (None, 0)
-                out = self.model.forward(X, on_layer_params=hook, piece=piece)
-                self.sync.settle()  # every sum is done before backward reuses the buffer
+            try:
+                if self._on_forward is None:
+                    out = self.model.forward(X)
+                else:  # the last update's parts arrive as the layers read them
+                    hook, piece = self._on_forward
+                    out = self.model.forward(X, on_layer_params=hook, piece=piece)
+                    self.sync.settle()  # every sum is done before backward reuses the buffer
             finally:
                 ctx.index = None  # never reused by a later step
             buffer.put(buf, n, self.loss.forward(out, y), len(X), n_correct(self.loss, out, y),

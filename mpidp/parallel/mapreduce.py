@@ -43,9 +43,8 @@ class MapResult:
 
 
 def _rows_of(data, rows):
-    if hasattr(data, "read") and hasattr(data, "n_samples"):
-        return data.read(rows)[0]
-    return data[rows]
+    source = hasattr(data, "read") and hasattr(data, "n_samples")  # a Source reads its rows
+    return data.read(rows)[0] if source else data[rows]
 
 
 def _rows_or_why(data) -> int | str:
@@ -145,8 +144,8 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
             raise
         value = sink.finish()
         table = C.allgather_rows(comm, figures)
-        per_rank = [{"rank": r, "samples": int(t[_Figure.SAMPLES]), "chunks": int(t[_Figure.CHUNKS]),
-                     "compute_s": float(t[_Figure.COMPUTE_S]),
+        per_rank = [{"rank": r, "samples": int(t[_Figure.SAMPLES]),
+                     "chunks": int(t[_Figure.CHUNKS]), "compute_s": float(t[_Figure.COMPUTE_S]),
                      "compute_cpu_s": float(t[_Figure.COMPUTE_CPU_S])} for r, t in enumerate(table)]
         return MapResult(value, per_rank, float(table[:, _Figure.SECONDS].max()))
     finally:  # written: renamed to ``out`` already; else (a failure anywhere) removed

@@ -238,8 +238,7 @@ class Mode:
     or ``"pipeline"``; ``runner`` the class that runs it (``".module:Class"`` in this
     package, imported when first asked for); ``refuses``: a layer's need
     (:attr:`mpidp.nn.Layer.needs`) this mode cannot meet -> why; ``stages``: a pipeline's
-    stages by default (None: every rank one stage); ``overlaps``: its sums travel in
-    buckets during backward; ``measures``: it tries other modes on the first steps."""
+    stages by default (None: every rank one stage)."""
 
     name: str
     kind: str
@@ -248,8 +247,6 @@ class Mode:
     runner: str
     refuses: Mapping[str, str] = field(default_factory=dict)
     stages: int | None = None
-    overlaps: bool = False
-    measures: bool = False
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -289,9 +286,9 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          ".sync:Sync"),
     Mode("per-layer", "data", Settings, "one per array", ".sync:PerLayer"),
     Mode("overlapped", "data", OverlappedSettings, "bucketed Iallreduce during backward",
-         ".overlap:Overlapped", overlaps=True),
+         ".overlap:Overlapped"),
     Mode("compressed", "data", CompressedSettings, "16- or 8-bit with error feedback, "
-         "bucketed during backward", ".compress:Compressed", overlaps=True),
+         "bucketed during backward", ".compress:Compressed"),
     Mode("ps", "data", PSSettings, "parameter server (rank 0)", ".ps:ParameterServer"),
     Mode("sharded-ps", "data", Settings, "every rank updates 1/P of the parameters",
          ".ps:ShardedParameterServer"),
@@ -301,7 +298,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          ".sync:LocalSGD", {"replica-sums": "each replica steps on its own part of the "
                             "batch, so there is " + _NO_GLOBAL_BATCH.format(fix="--sync")}),
     Mode("auto", "data", AutoSettings, "the fastest of allreduce, overlapped and compressed "
-         "(float32 only) on the first steps, said in one line", ".auto:Auto", measures=True),
+         "(float32 only) on the first steps, said in one line", ".auto:Auto"),
     Mode("async-ps", "async", AsyncPSSettings, "workers push gradients and pull parameters "
          "without waiting (rank 0 serves)", ".async_ps:AsyncPS",
          {"replica-sums": "each worker steps on its own batch at its own pace, so there is "

@@ -146,8 +146,8 @@ class Pipeline:
         rng = np.random.default_rng(rng)  # a Generator is returned as it is
         for layer in self.layers[:self.lo]:
             scratch = copy.copy(layer)
-            scratch.bind({k: np.empty(s, self.model.dtype) for k, s in layer.param_shapes().items()},
-                         {})
+            scratch.bind({k: np.empty(s, self.model.dtype)
+                          for k, s in layer.param_shapes().items()}, {})
             scratch.init_(rng)
         for layer in self.model.layers:
             layer.init_(rng)
