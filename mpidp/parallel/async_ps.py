@@ -95,8 +95,7 @@ class _Worker:
 
     def __init__(self, comm, model: Sequential, loss: Loss, root: int, timer: StepTimer) -> None:
         self.comm, self.model, self.loss, self.root, self.timer = comm, model, loss, root, timer
-        n = model.n_params
-        self.msg = np.zeros(n + _EXTRA, model.dtype)
+        self.msg = np.zeros(model.n_params + _EXTRA, model.dtype)
         self.version = np.zeros(1, np.int64)
         self.world, self.global_step, self.epoch, self.batch = comm, 0, 0, 0
         self.stop_requested: bool | None = None  # a signal on this rank (set by the loop)

@@ -117,10 +117,9 @@ class Codec:
         self._top, self._inv = (np.zeros(self.block // GROUP + 1, np.float32) for _ in "ti")
         self._x = np.zeros(self.block, np.float32)  # values to encode, or a block of sums
         self._one, self._none = np.zeros(1, np.float32), np.zeros(0, np.float32)
-        self._k = None
         if jit:
             from . import compress_jit  # imports numba
-            self._k = compress_jit
+        self._k = compress_jit if jit else None
 
     def encode_sum_(self, src: np.ndarray, codes: np.ndarray, res: np.ndarray | None = None,
                     lost: np.ndarray | None = None, scan: bool = False) -> tuple[bool, bool]:
