@@ -95,8 +95,7 @@ class _Worker:
 
     def __init__(self, comm, model: Sequential, loss: Loss, root: int, timer: StepTimer) -> None:
         self.comm, self.model, self.loss, self.root, self.timer = comm, model, loss, root, timer
-        n = model.n_params
-        self.msg = np.zeros(n + _EXTRA, model.dtype)
+        self.msg = np.zeros(model.n_params + _EXTRA, model.dtype)
         self.version = np.zeros(1, np.int64)
         self.world, self.global_step, self.epoch, self.batch = comm, 0, 0, 0
         self.stop_requested: bool | None = None  # a signal on this rank (set by the loop)
@@ -171,10 +170,9 @@ class _WorkerFeed:
                 yield shard.X[idx], y
 
     def end_epoch(self) -> None:
-        return None
+        """Nothing to report: the server has the loss, and no held-out set is evaluated."""
 
-    def evaluate(self) -> None:
-        return None
+    evaluate = end_epoch
 
     def state(self) -> dict:
         return {}
@@ -215,10 +213,6 @@ class _Positions:
     def done(self, w: int) -> None:
         self.at[w] = [self.epochs, 0, self.at[w][2]]
 
-    def start_of(self, w: int) -> State:
-        epoch, batch, pushes = self.at[w]
-        return State(epoch, batch, pushes)
-
     def state(self, stats: AsyncStats, version: int, config: dict) -> State:
         """The checkpoint's :class:`~mpidp.run.checkpoint.State`: its position is the slowest
         worker's, its step the pushes served (applied, dropped or skipped) so far."""
@@ -240,9 +234,7 @@ class _ServerFaults:
     def poison_(self) -> None:
         self.msg[:self.model.n_params + _Slot.LOSS + 1] = np.nan
 
-    def nudge_(self) -> None:
-        p = self.model.params
-        p[0] = np.nextafter(p[0], np.inf)
+    nudge_ = _Worker.nudge_
 
 
 def _server(comm, model, optimizer, root, max_staleness, policy: Policy, positions: _Positions,
@@ -263,7 +255,6 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy, positio
     workers = [r for r in range(comm.size) if r != root]
     bufs = {w: np.zeros(n + _EXTRA, model.dtype) for w in workers}
     reqs = [C.irecv(comm, bufs[w], w, _PUSH)[0] for w in workers]  # one piece each
-    active = len(workers)
 
     def save() -> None:
         state = positions.state(stats, int(version[0]), checkpoint.config)
@@ -271,13 +262,12 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy, positio
             save_checkpoint(checkpoint.directory, model, optimizer, state, checkpoint.keep,
                             run_id=checkpoint.run_id)
 
-    while active:
+    while any(r != C.MPI_REQUEST_NULL for r in reqs):  # a worker not done yet
         t_wait = time.perf_counter()
         i = C.wait_any(reqs)
         t_got = time.perf_counter()
         w, msg = workers[i], bufs[workers[i]]
         if msg[n + _Slot.VERSION] < 0:  # this worker is done
-            active -= 1
             reqs[i] = C.MPI_REQUEST_NULL
             positions.done(w)
             continue
@@ -287,7 +277,6 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy, positio
         if error is not None:  # stopping: this worker is done once told
             C.send(comm, model.params, w, _PULL)
             C.send(comm, stop, w, _PULL)
-            active -= 1
             reqs[i] = C.MPI_REQUEST_NULL
             continue
         faults.apply(stats.served, _ServerFaults(model, msg))
@@ -322,11 +311,7 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy, positio
             positions.served(w, int(msg[n + _Slot.EPOCH]), int(msg[n + _Slot.BATCH]))
             if checkpoint is not None and stats.served % checkpoint.every == 0:
                 save()
-        if error is not None:
-            active -= 1
-            reqs[i] = C.MPI_REQUEST_NULL
-        else:
-            reqs[i] = C.irecv(comm, msg, w, _PUSH)[0]
+        reqs[i] = C.MPI_REQUEST_NULL if error is not None else C.irecv(comm, msg, w, _PUSH)[0]
     if checkpoint is not None and error in (None, _PREEMPTED):  # the end, or a clean stop
         save()
     return stats, error
@@ -402,24 +387,19 @@ def fit_async(ps: AsyncPS, train: Shard, epochs: int | None = None,
     C.run_agreed(comm, steps_per_epoch, train.n_total, spec.batch_size, spec.drop_last)
     C.bcast_(comm, ps.model.params, root)
     with watched_run(spec, comm) as spec:
-        return _serve_or_work(ps, train, spec)
-
-
-def _serve_or_work(ps: AsyncPS, train: Shard, spec: RunSpec) -> AsyncStats:
-    comm, root = ps.comm, ps.root
-    if spec.watchdog is not None:
-        spec.watchdog.start()
-    positions = _Positions([r for r in range(comm.size) if r != root], spec.resume, spec.epochs)
-    error = None
-    if comm.rank == root:
-        stats, error = _server(comm, ps.model, ps.optimizer, root, ps.max_staleness, ps.policy,
-                               positions, ps.timer.tracer, spec.stop, spec.checkpoint)
-    else:
-        worker = _Worker(comm, ps.model, ps.loss, root, ps.timer)
-        _work(worker, train, spec,
-              positions.start_of(comm.rank) if spec.resume is not None else None)
-        stats = AsyncStats()
-    return _finish(ps, stats, error, spec)
+        if spec.watchdog is not None:
+            spec.watchdog.start()
+        positions = _Positions([r for r in range(comm.size) if r != root], spec.resume,
+                               spec.epochs)
+        stats, error = AsyncStats(), None
+        if comm.rank == root:
+            stats, error = _server(comm, ps.model, ps.optimizer, root, ps.max_staleness,
+                                   ps.policy, positions, ps.timer.tracer, spec.stop,
+                                   spec.checkpoint)
+        else:
+            _work(_Worker(comm, ps.model, ps.loss, root, ps.timer), train, spec,
+                  State(*positions.at[comm.rank]) if spec.resume is not None else None)
+        return _finish(ps, stats, error, spec)
 
 
 def _finish(ps: AsyncPS, stats: AsyncStats, error: str | None, spec: RunSpec) -> AsyncStats:

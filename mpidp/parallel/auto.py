@@ -57,33 +57,26 @@ class Auto(Sync):
         plain = Sync(self.node_aware)
         out = plain.setup(s)  # node-aware where it pays; its buffer is everyone's
         self.buf = out.grads
-        shared = Setup(s.comm, s.root, s.model, s.timer, grads=self.buf)
-        self.labels = ["allreduce"]
-        self.candidates: list[Sync] = [plain]
+        offered: list[tuple[str, Sync]] = [("allreduce", plain)]
         if s.comm.size > 1:
-            grad_bytes = self.n * self.buf.itemsize
-            sizes, layouts = sorted({self.bucket_bytes, max(1 << 16, grad_bytes // 4)}), set()
-            for size in sizes:
+            layouts = set()
+            for size in sorted({self.bucket_bytes, max(1 << 16, self.n * self.buf.itemsize // 4)}):
                 layout = tuple(layer_buckets(s.model.layer_ranges, self.buf.size,
                                              self.buf.itemsize, size))
-                if layout in layouts:  # the same buckets: the same strategy, tried once
-                    continue
-                layouts.add(layout)
-                self.candidates.append(Overlapped(size, progress=self.progress))
-                self.labels.append(f"overlapped ({size / 2**20:.2g} MiB buckets)")
-            for codec in (self.codec,) if self.codec else ("bfloat16", "int8"):
-                if s.model.dtype != np.float32:
-                    break
-                self.candidates.append(Compressed(codec, bucket_bytes=self.bucket_bytes))
-                self.labels.append(f"compressed ({codec})")
-        for c in self.candidates[1:]:
+                if layout not in layouts:  # the same buckets: the same strategy, tried once
+                    layouts.add(layout)
+                    offered.append((f"overlapped ({size / 2**20:.2g} MiB buckets)",
+                                    Overlapped(size, progress=self.progress)))
+            for codec in ((self.codec,) if self.codec else ("bfloat16", "int8")):
+                if s.model.dtype == np.float32:
+                    offered.append((f"compressed ({codec})",
+                                    Compressed(codec, bucket_bytes=self.bucket_bytes)))
+        # a candidate that refuses the model is not tried (a refusal depends on it alone)
+        kept = offered[:1] + [(label, c) for label, c in offered[1:] if c.refuses(s.model) is None]
+        shared = Setup(s.comm, s.root, s.model, s.timer, grads=self.buf)
+        for _, c in kept[1:]:
             c.setup(shared)
-        keep = [i for i, c in enumerate(self.candidates) if i == 0 or c.refuses(s.model) is None]
-        for i, c in enumerate(self.candidates):
-            if i not in keep:
-                c.close()
-        self.candidates = [self.candidates[i] for i in keep]
-        self.labels = [self.labels[i] for i in keep]
+        self.labels, self.candidates = [label for label, _ in kept], [c for _, c in kept]
         self.comm_s: list[float] = []  # the allreduce trials' exchange times
         self.times: list[list[float]] = [[] for _ in self.candidates]
         self.steps, self._t0, self._last = 0, None, False
@@ -96,10 +89,9 @@ class Auto(Sync):
         return out
 
     def describe(self) -> str | None:
-        plain = self.candidates[0].describe()
-        if len(self.candidates) == 1:
-            return "; ".join(filter(None, [self.report, plain]))
-        return "; ".join(filter(None, [f"auto: trying {', '.join(self.labels)}", plain]))
+        trying = f"auto: trying {', '.join(self.labels)}"
+        head = self.report if len(self.candidates) == 1 else trying
+        return "; ".join(filter(None, [head, self.candidates[0].describe()]))
 
     def undecided(self) -> str | None:
         """Why there is no choice yet, when the trials are still running (a run that ended
@@ -121,8 +113,7 @@ class Auto(Sync):
         return refuses_model(model.needs, "allreduce")
 
     def on_layer_done(self) -> Callable[[int], None]:
-        hooks = {id(c): c.on_layer_done() for c in self.candidates} if hasattr(
-            self, "candidates") else {}
+        hooks = {id(c): c.on_layer_done() for c in getattr(self, "candidates", ())}
 
         def forward(i: int) -> None:
             hook = hooks.get(id(self.current))

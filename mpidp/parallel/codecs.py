@@ -13,14 +13,13 @@ padded to 4 bytes, then the float32 scales).
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import numpy as np
 
 from ..errors import MpidpError
 
-FLOAT_CODECS = ("float16", "bfloat16")  # one 16-bit code per value
-CODECS = (*FLOAT_CODECS, "int8")
+FLOAT_CODECS = ("bfloat16", "float16")  # one 16-bit code per value
+CODECS = (*FLOAT_CODECS, "int8")  # the formats of compressed gradients
 #: int8: values per float32 scale (a group never spans two blocks of :data:`BLOCK`).
 GROUP = 256
 #: int8: the least largest magnitude a group is scaled by. Below it ``127 / top`` would
@@ -58,35 +57,25 @@ def _int8_parts(codes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return b[:k].view(np.int8), b[at:at + 4 * -(-k // GROUP)].view(np.float32)
 
 
-def _int8_encode(x: np.ndarray) -> np.ndarray:
-    """The reference int8 encoding of one segment ``x`` (float32)."""
-    k, groups = len(x), -(-len(x) // GROUP)
-    padded = np.zeros(groups * GROUP, np.float32)
-    padded[:k] = x
-    g = padded.reshape(groups, GROUP)
-    top = np.maximum(np.maximum(g.max(axis=1), -g.min(axis=1)), INT8_TINY)  # NaN stays
-    inv = np.float32(127) / top
-    out = np.zeros(units(k, "int8"), np.uint16)
-    q, scale = _int8_parts(out, k)
-    scale[...] = top / np.float32(127)
-    q[...] = np.rint(g * inv[:, None]).reshape(-1)[:k].astype(np.int8)
-    return out
-
-
-def _int8_decode(codes: np.ndarray, k: int) -> np.ndarray:
-    q, scale = _int8_parts(codes, k)
-    return (q.astype(np.float32) * np.repeat(scale, GROUP)[:k]).astype(np.float32)
-
-
 def encode(x: np.ndarray, codec: str) -> np.ndarray:
     """``x`` (float32/64) → ``uint16`` codes. bfloat16 rounds to nearest, ties to even;
     float16 turns values beyond 65504 into Inf (callers check for overflow first); int8
     rounds ``x * (127 / top)`` to the nearest integer (ties to even), ``top``
     the largest magnitude of the value's group (at least :data:`INT8_TINY`); a group
     holding NaN or Inf decodes to NaN or Inf."""
-    if codec == "int8":
+    if codec == "int8":  # one segment
+        k, groups = len(x), -(-len(x) // GROUP)
+        g = np.zeros(groups * GROUP, np.float32)
+        g[:k] = x
+        g = g.reshape(groups, GROUP)
+        out = np.zeros(units(k, "int8"), np.uint16)
+        q, scale = _int8_parts(out, k)
         with np.errstate(invalid="ignore", over="ignore"):
-            return _int8_encode(np.asarray(x, np.float32))
+            top = np.maximum(np.maximum(g.max(axis=1), -g.min(axis=1)), INT8_TINY)  # NaN stays
+            scale[...] = top / np.float32(127)
+            inv = np.float32(127) / top
+            q[...] = np.rint(g * inv[:, None]).reshape(-1)[:k].astype(np.int8)
+        return out
     if codec == "float16":
         with np.errstate(over="ignore"):
             return np.asarray(x, np.float16).view(np.uint16)
@@ -98,8 +87,9 @@ def encode(x: np.ndarray, codec: str) -> np.ndarray:
 def decode(codes: np.ndarray, codec: str, n: int | None = None) -> np.ndarray:
     """``uint16`` codes → float32 values (int8: the segment's ``n`` values)."""
     if codec == "int8":
+        q, scale = _int8_parts(codes, int(n))
         with np.errstate(invalid="ignore"):
-            return _int8_decode(codes, int(n))
+            return (q.astype(np.float32) * np.repeat(scale, GROUP)[:int(n)]).astype(np.float32)
     if codec == "float16":
         return codes.view(np.float16).astype(np.float32)
     return (codes.astype(np.uint32) << 16).view(np.float32)
@@ -127,10 +117,9 @@ class Codec:
         self._top, self._inv = (np.zeros(self.block // GROUP + 1, np.float32) for _ in "ti")
         self._x = np.zeros(self.block, np.float32)  # values to encode, or a block of sums
         self._one, self._none = np.zeros(1, np.float32), np.zeros(0, np.float32)
-        self._k = None
         if jit:
             from . import compress_jit  # imports numba
-            self._k = compress_jit
+        self._k = compress_jit if jit else None
 
     def encode_sum_(self, src: np.ndarray, codes: np.ndarray, res: np.ndarray | None = None,
                     lost: np.ndarray | None = None, scan: bool = False) -> tuple[bool, bool]:
@@ -210,28 +199,21 @@ class Codec:
     def decode_(self, codes: np.ndarray, out: np.ndarray) -> None:
         """``out[...] = decode(codes)`` (converted to ``out``'s dtype; any length, but one
         segment of ``len(out)`` values for int8)."""
-        if self.jit and self.codec == "int8":
-            self._k.i8_decode(*_int8_parts(codes, len(out)), out)
-            return
         if self.jit:
-            self._k.bf16_decode(codes, out, self._one)
+            if self.codec == "int8":
+                self._k.i8_decode(*_int8_parts(codes, len(out)), out)
+            else:
+                self._k.bf16_decode(codes, out, self._one)
             return
-        if self.codec == "int8":
-            value = out if out.dtype == np.float32 else self._o[:len(out)].view(np.float32)
-            self._decode_i8(codes, value)
-            if value is not out:
-                np.copyto(out, value)
-            return
-        if self.codec == "bfloat16" and out.dtype == np.float32:
-            bits = out.view(np.uint32)
-            bits[...] = codes
-            np.left_shift(bits, 16, out=bits)
-            return
-        for lo, hi in _blocks(0, len(codes), self.block):
-            mine = out.dtype == np.float32
-            value = out[lo:hi] if mine else self._o[:hi - lo].view(np.float32)
-            self._decode32(codes[lo:hi], value)
-            if not mine:
+        f32 = out.dtype == np.float32  # else decoded into scratch, then converted
+        whole = self.codec == "int8"  # one segment; 16-bit codes go block by block
+        for lo, hi in [(0, len(out))] if whole else _blocks(0, len(out), self.block):
+            value = out[lo:hi] if f32 else self._o[:hi - lo].view(np.float32)
+            if whole:
+                self._decode_i8(codes, value)
+            else:
+                self._decode32(codes[lo:hi], value)
+            if not f32:
                 np.copyto(out[lo:hi], value)
 
     def decode_add_(self, codes: np.ndarray, acc: np.ndarray) -> None:
@@ -352,11 +334,8 @@ def segments(lo: int, hi: int, at: int, codec: str):
     """``(a, b, ca, cb)``: the blocks ``a .. b`` of values ``lo .. hi`` whose codes start
     at unit ``at``, each with its codes' units ``ca .. cb`` (every block a segment)."""
     whole = units(BLOCK, codec)
-    out = []
-    for j, (a, b) in enumerate(_blocks(lo, hi)):
-        ca = at + j * whole
-        out.append((a, b, ca, ca + units(b - a, codec)))
-    return out
+    return [(a, b, at + j * whole, at + j * whole + units(b - a, codec))
+            for j, (a, b) in enumerate(_blocks(lo, hi))]
 
 
 def _scan(x: np.ndarray, f16: bool) -> tuple[bool, bool]:
@@ -375,11 +354,9 @@ def _scan(x: np.ndarray, f16: bool) -> tuple[bool, bool]:
 def numba_available() -> bool:
     """Whether numba, which the compiled kernels need, can be imported here (installed,
     and its import works: a numba built for another NumPy fails there)."""
-    if importlib.util.find_spec("numba") is None:
-        return False
     try:
         import numba  # noqa: F401
-    except Exception:  # noqa: BLE001 - any failure of a third party's import: not usable
+    except Exception:  # noqa: BLE001 - not installed, or any failure of its import
         return False
     return True
 

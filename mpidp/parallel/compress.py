@@ -10,6 +10,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import comm as C
+from ..data.partition import block_counts
 from ..nn import Optimizer
 from . import buffer, codecs
 from .codecs import FLOAT16_MAX, JIT_CODECS, Codec, chunk_units, segments
@@ -44,29 +45,23 @@ class _Piece:
 
     def __init__(self, s0: int, s1: int, size: int, rank: int, o: int, at: int,
                  codec: str = "bfloat16") -> None:
-        length, self.s1 = s1 - s0, s1
-        counts = np.full(size, length // size, np.int64)
-        counts[:length % size] += 1
+        counts = block_counts(s1 - s0, size)
         starts = s0 + np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        sizes = np.array([chunk_units(int(k), codec) for k in counts], np.int64)
-        self.c, self.cu = int(counts[0]), int(sizes[0])
-        cu = self.cu
-        self.o, self.end, self.m, self.at = o, o + size * cu, int(counts[rank]), at
-        self.mu = int(sizes[rank])
-        self.lo, self.own = int(starts[rank]), o + rank * cu
+        units = np.array([chunk_units(int(k), codec) for k in counts], np.int64)
+        self.s1, self.o, self.at = s1, o, at
+        self.c, self.cu = int(counts[0]), int(units[0])  # the largest chunk: values, units
+        self.m, self.mu = int(counts[rank]), int(units[rank])  # this rank's chunk
+        self.lo, self.own, self.end = int(starts[rank]), o + rank * self.cu, o + size * self.cu
         self.hi = self.lo + self.m
         #: ``(values lo, values hi, codes lo)`` of every non-empty chunk
-        self.runs = [(int(starts[j]), int(starts[j] + counts[j]), o + j * cu)
+        self.runs = [(int(starts[j]), int(starts[j] + counts[j]), o + j * self.cu)
                      for j in range(size) if counts[j]]
-        send = sizes.copy()
-        send[rank] = 0  # this rank's own chunk never travels to itself
-        self.send = (send, np.arange(size, dtype=np.int64) * cu)
-        recv = np.full(size, self.mu, np.int64)
-        recv[rank] = 0
+        others = np.arange(size) != rank  # this rank's own chunk never travels to itself
+        self.send = (units * others, np.arange(size, dtype=np.int64) * self.cu)
         slot = np.arange(size) - (np.arange(size) > rank)  # the other senders, packed
         self.slot = (slot * self.mu).astype(np.int64)  # where sender r's part starts
-        self.recv = (recv, self.slot)
-        self.sent = int(send.sum()) + cu  # units handed to MPI: chunks out, summed chunk in
+        self.recv = (self.mu * others.astype(np.int64), self.slot)
+        self.sent = int(self.send[0].sum()) + self.cu  # units handed to MPI: out, then summed in
 
 
 class Compressed(Sync):
@@ -112,19 +107,18 @@ class Compressed(Sync):
         buckets = layer_buckets(s.model.layer_ranges, n, self.buf.itemsize, self.bucket_bytes)
         #: ``(layer, pieces)`` per bucket in launch order: started once ``layer`` is done
         self.buckets: list[tuple[int, list[_Piece]]] = []
-        self.pieces, at, o, r, step = [], 0, 0, 0, _piece_length(size)
+        at, o, r, step = 0, 0, 0, _piece_length(size)
         for layer, b0, b1 in buckets or [(0, 0, 0)]:
-            mine = []
+            self.buckets.append((layer, []))
             for s0 in range(b0, b1, step) if b1 > b0 else [b0]:
                 p = _Piece(s0, min(s0 + step, b1), size, rank, o, at, self.codec)
                 p.recv_at, r = r, r + (size - 1) * p.mu  # its own room: pieces overlap in time
-                mine.append(p)
+                #: ``(values lo, values hi, codes lo, codes hi)`` of every block of every chunk
+                p.blocks = [seg for lo, hi, clo in p.runs for seg in segments(lo, hi, clo,
+                                                                              self.codec)]
+                self.buckets[-1][1].append(p)
                 at, o = at + p.m, p.end
-            self.pieces += mine
-            self.buckets.append((layer, mine))
-        for p in self.pieces:
-            #: ``(values lo, values hi, codes lo, codes hi)`` of every block of every chunk
-            p.blocks = [seg for lo, hi, clo in p.runs for seg in segments(lo, hi, clo, self.codec)]
+        self.pieces = [p for _, pieces in self.buckets for p in pieces]
         self.kernel = Codec(self.codec, jit=self._compiled(s.comm))
         self.layer_lo = [lo for lo, _ in s.model.layer_ranges]
         self.piece = step
@@ -175,21 +169,17 @@ class Compressed(Sync):
         self.nonfinite = self.overflow = False
 
     def on_layer_done(self) -> Callable[[int], None]:
-        def launch(i: int) -> None:
-            self._advance(wait=False)  # first what has arrived: its gather starts at once
-            if self.launched < len(self.buckets) and self.buckets[self.launched][0] == i:
-                self._launch()
-        return launch
+        return self._layer_done
 
     def on_layer_part(self) -> tuple[Callable[[int, int], None], int] | None:
-        if self.comm.size == 1:
-            return None  # nothing travels: codes are encoded when backward ends
+        # one rank: nothing travels, codes are encoded when backward ends
+        return None if self.comm.size == 1 else (self._layer_done, self.piece)
 
-        def launch(i: int, done: int) -> None:
-            self._advance(wait=False)
-            if self.launched < len(self.buckets) and self.buckets[self.launched][0] == i:
-                self._launch(upto=self.layer_lo[i] + done)
-        return launch, self.piece
+    def _layer_done(self, i: int, done: int | None = None) -> None:
+        """Backward finished layer ``i`` (or, with ``done``, its first ``done`` values)."""
+        self._advance(wait=False)  # first what has arrived: its gather starts at once
+        if self.launched < len(self.buckets) and self.buckets[self.launched][0] == i:
+            self._launch(upto=None if done is None else self.layer_lo[i] + done)
 
     def exchange(self, r: Round) -> Exchanged:
         self._step = r.step

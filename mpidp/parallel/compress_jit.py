@@ -99,8 +99,8 @@ def i8_quantize(xs, qs, ls, keep_lost, top_bits, scale, g, tiny, scratch, scratc
 @_jit
 def i8_encode(src, res, use_res, x, lost, keep_lost, q, scale, tiny, scratch):
     """int8 codes and scales of one segment x = src + res (float32) or src, groups
-    from its start; lost = x - decode (lost may be res; x, scratch apart from lost, keeps
-    the group loops vectorized)."""
+    from its start; lost = x - decode (lost may be res; x may be src, and scratch apart
+    from lost keeps the group loops vectorized)."""
     k = src.shape[0]
     xb, sb = x.view(np.uint32), scratch.view(np.uint32)
     top = u32(0)
@@ -141,35 +141,19 @@ def i8_sum(mine, recv, starts, k, res, use_res, lost, keep_lost, acc, tiny, scra
     where ``starts[r] < 0``, else ``recv[starts[r]:]``; uint16 units), plus res,
     re-encoded into mine. ``acc``: float32 (k,) scratch."""
     at, groups, u = 4 * -(-k // 4), -(-k // group), mine.shape[0]
-    accb, sb = acc.view(np.uint32), scratch.view(np.uint32)
     for r in range(starts.shape[0]):
         row = mine if starts[r] < 0 else recv[starts[r]:starts[r] + u]
         b = row.view(np.uint8)
         q, scale = b[:k].view(np.int8), b[at:at + 4 * groups].view(np.float32)
+        if r == 0:
+            i8_decode(q, scale, acc)
+            continue
         for g in range(groups):
             lo = g * group
             hi = min(lo + group, k)
             qs, acs, s = q[lo:hi], acc[lo:hi], scale[g]
-            if r == 0:
-                for i in range(qs.shape[0]):
-                    acs[i] = np.float32(qs[i]) * s
-            else:
-                for i in range(qs.shape[0]):
-                    acs[i] = acs[i] + np.float32(qs[i]) * s
+            for i in range(qs.shape[0]):
+                acs[i] = acs[i] + np.float32(qs[i]) * s
     b = mine.view(np.uint8)
     q, scale = b[:k].view(np.int8), b[at:at + 4 * groups].view(np.float32)
-    top = u32(0)
-    for g in range(groups):
-        lo = g * group
-        hi = min(lo + group, k)
-        acs, abs_ = acc[lo:hi], accb[lo:hi]
-        if use_res:
-            rs = res[lo:hi]
-            for i in range(acs.shape[0]):
-                acs[i] = acs[i] + rs[i]
-        t = u32(0)
-        for i in range(abs_.shape[0]):
-            t = max(t, abs_[i] & sign_off)
-        i8_quantize(acs, q[lo:hi], lost[lo:hi], keep_lost, t, scale, g, tiny, scratch, sb)
-        top = max(top, t)
-    return top
+    return i8_encode(acc, res, use_res, acc, lost, keep_lost, q, scale, tiny, scratch)

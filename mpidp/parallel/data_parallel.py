@@ -77,7 +77,8 @@ class DataParallel:
         if init_sync not in INIT_SYNC:
             raise C.MpidpError(f"unknown init sync {init_sync!r}; expected one of {INIT_SYNC}")
         if on_nonfinite not in ON_NONFINITE:
-            raise C.MpidpError(f"unknown on_nonfinite {on_nonfinite!r}; expected one of {ON_NONFINITE}")
+            raise C.MpidpError(f"unknown on_nonfinite {on_nonfinite!r}; expected one of "
+                               f"{ON_NONFINITE}")
         if not is_whole(check_every, 0):
             raise C.MpidpError(f"check_every must be a whole number >= 0, got {check_every!r}")
         self.check_every, self.policy = check_every, Policy(on_nonfinite)
@@ -288,9 +289,7 @@ class DataParallel:
         """Copy the untrained state (batch norm's running statistics, which forward passes
         move) before the steps of an update, so that an update the NaN policy drops or
         stops at leaves it as the last good step left it."""
-        if self._kept_state is None or self._kept_state.shape != self.model.state.shape:
-            self._kept_state = np.empty_like(self.model.state)
-        self._kept_state[...] = self.model.state
+        self._kept_state = self.model.state.copy()
 
     def _restore_state(self) -> None:
         if self._kept_state is not None and self._kept_state.shape == self.model.state.shape:

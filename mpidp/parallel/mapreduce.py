@@ -43,9 +43,8 @@ class MapResult:
 
 
 def _rows_of(data, rows):
-    if hasattr(data, "read") and hasattr(data, "n_samples"):
-        return data.read(rows)[0]
-    return data[rows]
+    source = hasattr(data, "read") and hasattr(data, "n_samples")  # a Source reads its rows
+    return data.read(rows)[0] if source else data[rows]
 
 
 def _rows_or_why(data) -> int | str:
@@ -68,12 +67,6 @@ def _probe(fn, data) -> tuple[tuple[int, ...], str]:
         raise ValueError(f"map_reduce: fn must return one output row per input row; for 1 row "
                          f"it returned shape {out.shape}")
     return tuple(out.shape[1:]), out.dtype.str
-
-
-def _chunks_static(owner, rank, chunk) -> Iterator[np.ndarray]:
-    mine = positions_of(owner, rank)
-    for s in range(0, len(mine), chunk):
-        yield mine[s:s + chunk]
 
 
 def _chunks_dynamic(counter, n, chunk, seed) -> Iterator[np.ndarray]:
@@ -126,9 +119,9 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
         C.barrier(comm)
         t0 = time.perf_counter()
         figures = np.zeros(len(_Figure))
-        per_chunk = [_Figure.SAMPLES, _Figure.CHUNKS, _Figure.COMPUTE_S, _Figure.COMPUTE_CPU_S]
-        chunks = _chunks_dynamic(counter, n, chunk_size, seed) if dynamic else _chunks_static(
-            owner, comm.rank, chunk_size)
+        mine = None if dynamic else positions_of(owner, comm.rank)
+        chunks = _chunks_dynamic(counter, n, chunk_size, seed) if dynamic else (
+            mine[s:s + chunk_size] for s in range(0, len(mine), chunk_size))
         error = None
         try:
             for rows in chunks:
@@ -137,7 +130,8 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
                 pick = slice(int(rows[0]), int(rows[-1]) + 1) if contiguous and not hasattr(
                     data, "read") else rows  # a slice is cheaper for arrays and CSR rows
                 sink.add(rows, np.asarray(fn(_rows_of(data, pick))))
-                figures[per_chunk] += (len(rows), 1, time.perf_counter() - w, time.process_time() - c)
+                figures[:_Figure.SECONDS] += (len(rows), 1, time.perf_counter() - w,
+                                              time.process_time() - c)  # the per-chunk figures
         except Exception as exc:  # noqa: BLE001 - agreed below, so every rank raises
             error = f"map_reduce: {type(exc).__name__}: {exc}"
         figures[_Figure.SECONDS] = time.perf_counter() - t0
@@ -150,8 +144,8 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
             raise
         value = sink.finish()
         table = C.allgather_rows(comm, figures)
-        per_rank = [{"rank": r, "samples": int(t[_Figure.SAMPLES]), "chunks": int(t[_Figure.CHUNKS]),
-                     "compute_s": float(t[_Figure.COMPUTE_S]),
+        per_rank = [{"rank": r, "samples": int(t[_Figure.SAMPLES]),
+                     "chunks": int(t[_Figure.CHUNKS]), "compute_s": float(t[_Figure.COMPUTE_S]),
                      "compute_cpu_s": float(t[_Figure.COMPUTE_CPU_S])} for r, t in enumerate(table)]
         return MapResult(value, per_rank, float(table[:, _Figure.SECONDS].max()))
     finally:  # written: renamed to ``out`` already; else (a failure anywhere) removed
@@ -218,8 +212,8 @@ class _Sink:
     def __init__(self, comm, reduce, n, shape, dtype, out, tmp, root) -> None:
         self.comm, self.reduce, self.n, self.root, self.out = comm, reduce, n, root, out
         self.shape, self.dtype = shape, np.dtype(dtype)
-        init = {"sum": 0.0, "mean": 0.0, "min": np.inf, "max": -np.inf}.get(reduce, 0.0)
-        self.acc = np.full(shape, init, np.float64)
+        self.start = {"min": np.inf, "max": -np.inf}.get(reduce, 0.0)
+        self.acc = np.full(shape, self.start, np.float64)
         self.rows, self.outs = [], []
         self.tmp = tmp  # created by the root (_create_npy); every rank writes its rows
         self.file = None if out is None else _RowFile(tmp)
@@ -230,10 +224,9 @@ class _Sink:
                              f"expected {(len(rows), *self.shape)}")
         if self.reduce in ("sum", "mean"):
             self.acc += values.sum(axis=0)
-        elif self.reduce == "min":
-            np.minimum(self.acc, values.min(axis=0, initial=np.inf), out=self.acc)
-        elif self.reduce == "max":
-            np.maximum(self.acc, values.max(axis=0, initial=-np.inf), out=self.acc)
+        elif self.reduce in ("min", "max"):
+            fold = np.minimum if self.reduce == "min" else np.maximum
+            fold(self.acc, getattr(values, self.reduce)(axis=0, initial=self.start), out=self.acc)
         elif self.file is not None:
             self.file.write(rows, values)
         else:

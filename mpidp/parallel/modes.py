@@ -18,10 +18,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import MpidpError, is_whole, setting
+from .codecs import CODECS, JIT_CODECS
 from .stages import SCHEDULES
 
-CODECS = ("bfloat16", "float16", "int8")  # the formats of compressed gradients
-JIT_CODECS = ("bfloat16", "int8")  # those with compiled kernels (numba)
 KERNELS = ("auto", "numpy", "numba")  # how compressed runs its codec's passes
 PROGRESS = ("test", "thread")  # how overlapped sums move during backward
 FINISH = ("backward", "forward")  # where overlapped sums complete
@@ -121,9 +120,8 @@ def _progress() -> Any:
                     "move during backward: tested at every layer boundary (test), or a "
                     "communication thread in a blocking Allreduce per bucket (thread: a core "
                     "polls meanwhile); compressed always tests at every layer boundary",
-                    "only --sync overlapped (and auto, which tries it) has a choice of how "
-                    "its sums move during backward (compressed tests its exchanges at every "
-                    "layer boundary)", choices=PROGRESS)
+                    "only --sync overlapped (and auto, which tries it) chooses how its sums "
+                    "move (compressed always tests them)", choices=PROGRESS)
 
 
 def _k() -> Any:
@@ -240,10 +238,8 @@ class Mode:
     or ``"pipeline"``; ``runner`` the class that runs it (``".module:Class"`` in this
     package, imported when first asked for); ``refuses``: a layer's need
     (:attr:`mpidp.nn.Layer.needs`) this mode cannot meet -> why; ``stages``: a pipeline's
-    stages by default (None: every rank one stage); ``overlaps``: its sums travel in
-    buckets during backward; ``measures``: it tries other modes on the first steps;
-    ``elastic``: True when it goes on over the survivors of a lost rank
-    (:mod:`mpidp.parallel.elastic`), else why not."""
+    stages by default (None: every rank one stage); ``elastic``: True when it goes on over
+    the survivors of a lost rank (:mod:`mpidp.parallel.elastic`), else why not."""
 
     name: str
     kind: str
@@ -252,8 +248,6 @@ class Mode:
     runner: str
     refuses: Mapping[str, str] = field(default_factory=dict)
     stages: int | None = None
-    overlaps: bool = False
-    measures: bool = False
     elastic: bool | str = (
         "its servers, stages, buckets or groups of steps are not rebuilt over the survivors")
 
@@ -295,9 +289,9 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          ".sync:Sync", elastic=True),
     Mode("per-layer", "data", Settings, "one per array", ".sync:PerLayer", elastic=True),
     Mode("overlapped", "data", OverlappedSettings, "bucketed Iallreduce during backward",
-         ".overlap:Overlapped", overlaps=True),
+         ".overlap:Overlapped"),
     Mode("compressed", "data", CompressedSettings, "16- or 8-bit with error feedback, "
-         "bucketed during backward", ".compress:Compressed", overlaps=True),
+         "bucketed during backward", ".compress:Compressed"),
     Mode("ps", "data", PSSettings, "parameter server (rank 0)", ".ps:ParameterServer"),
     Mode("sharded-ps", "data", Settings, "every rank updates 1/P of the parameters",
          ".ps:ShardedParameterServer"),
@@ -307,7 +301,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          ".sync:LocalSGD", {"replica-sums": "each replica steps on its own part of the "
                             "batch, so there is " + _NO_GLOBAL_BATCH.format(fix="--sync")}),
     Mode("auto", "data", AutoSettings, "the fastest of allreduce, overlapped and compressed "
-         "(float32 only) on the first steps, said in one line", ".auto:Auto", measures=True),
+         "(float32 only) on the first steps, said in one line", ".auto:Auto"),
     Mode("async-ps", "async", AsyncPSSettings, "workers push gradients and pull parameters "
          "without waiting (rank 0 serves)", ".async_ps:AsyncPS",
          {"replica-sums": "each worker steps on its own batch at its own pace, so there is "

@@ -71,8 +71,8 @@ class Overlapped(Sync):
             # on a communicator of this object's own, never matched with another's sums
             self.sums = C.StartedSums(s.comm, self.buf, private=True)
         else:  # two ranks: point-to-point on the companion, under a tag of their own
-            pair = s.comm.size == 2
-            self.sums = C.StartedSums(C.companion(s.comm) if pair else s.comm, self.buf)
+            self.sums = C.StartedSums(C.companion(s.comm) if s.comm.size == 2 else s.comm,
+                                      self.buf)
         return out
 
     @property
@@ -244,8 +244,8 @@ class Overlapped(Sync):
 
     def _bucket_hi(self) -> int:
         """Where the bucket being started ends: before the tail that went ahead of it."""
-        hi = self.buckets[self.launched][2]
-        return self.tail_lo if self.launched == 0 and self.tail_lo is not None else hi
+        tail = self.launched == 0 and self.tail_lo is not None
+        return self.tail_lo if tail else self.buckets[self.launched][2]
 
     def _first_lo(self) -> int:
         """Where the first bucket starts (0 before setup or with no buckets)."""

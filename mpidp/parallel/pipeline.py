@@ -94,8 +94,7 @@ class Pipeline:
             "on_nonfinite": on_nonfinite, "trace": trace})
         n_stages = comm.size if n_stages is None else int(n_stages)
         dtype = np.dtype(dtype)
-        refused = refuses_model(frozenset().union(*(layer.needs for layer in layers)),
-                                "pipeline")
+        refused = refuses_model(frozenset().union(*(layer.needs for layer in layers)), "pipeline")
         if refused:
             raise C.MpidpError(refused)
         if balance == "time" and costs is None:
@@ -144,11 +143,11 @@ class Pipeline:
     def init_(self, rng: np.random.Generator | int) -> Pipeline:
         """Initialise this stage exactly as ``Sequential(layers).init_(rng)`` would, without
         allocating other stages (their draws go to a scratch layer, one at a time). Collective."""
-        rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
+        rng = np.random.default_rng(rng)  # a Generator is returned as it is
         for layer in self.layers[:self.lo]:
             scratch = copy.copy(layer)
-            scratch.bind({k: np.empty(s, self.model.dtype) for k, s in layer.param_shapes().items()},
-                         {})
+            scratch.bind({k: np.empty(s, self.model.dtype)
+                          for k, s in layer.param_shapes().items()}, {})
             scratch.init_(rng)
         for layer in self.model.layers:
             layer.init_(rng)
@@ -166,8 +165,7 @@ class Pipeline:
 
     def check_replicas(self) -> None:
         """Raise :class:`mpidp.MpidpError` on every rank, naming the world ranks whose stage
-        differs from replica 0's copy of it, unless every stage is bit-identical across
-        replicas. Collective."""
+        differs from replica 0's copy of it. Collective."""
         if self.in_sync():
             return
         hashes = C.allgather_counts(self.world, C.checksum(self.model.params))
@@ -243,10 +241,9 @@ class Pipeline:
                          correct if self.last else 0, skipped, stop)
 
     def _agree(self, buf: np.ndarray) -> tuple[bool, bool]:
-        """``(finite, stop)``, the same on every rank: all stages' summed gradients (and the
-        last stage's loss) finite, and some rank asked to stop. Collective: one
-        ``Allreduce`` of two flags over all ranks, skipped when there is nothing to agree
-        on (``on_nonfinite="ignore"`` and no stop signals)."""
+        """``(finite, stop)``, the same on every rank: all stages' sums (and the last stage's
+        loss) finite; some rank asked to stop. Collective: one ``Allreduce`` of two flags,
+        skipped with nothing to agree on (``on_nonfinite="ignore"``, no stop signals)."""
         if not self.policy.checks and self.stop_requested is None:
             return True, False
         k = self.model.n_params
@@ -264,12 +261,9 @@ class Pipeline:
     def _forward(self, i: int) -> None:
         run = self._run
         lo, size = int(run.starts[i]), int(run.sizes[i])
-        if self.first:
-            x = run.X[lo:lo + size]
-            self._exchange(None, -1, _TAG_F)
-        else:
-            x = np.empty((size, *self.plan.shapes[self.lo]), self.model.dtype)
-            self._exchange(x, self.stage - 1, _TAG_F)
+        x = run.X[lo:lo + size] if self.first else np.empty(
+            (size, *self.plan.shapes[self.lo]), self.model.dtype)
+        self._exchange(None if self.first else x, self.stage - 1, _TAG_F)
         slot = run.slots[i % self.n_slots] = self._slot()
         t, cpu = time.perf_counter(), time.process_time()
         with self.timer.compute("forward", local=True, micro_batch=i, stage=self.stage):
@@ -288,12 +282,9 @@ class Pipeline:
 
     def _backward(self, i: int) -> None:
         run = self._run
-        if self.last:
-            dy = run.dy.pop(i)
-            self._exchange(None, -1, _TAG_B)
-        else:
-            dy = np.empty((int(run.sizes[i]), *self.plan.shapes[self.hi]), self.model.dtype)
-            self._exchange(dy, self.stage + 1, _TAG_B)
+        dy = run.dy.pop(i) if self.last else np.empty(
+            (int(run.sizes[i]), *self.plan.shapes[self.hi]), self.model.dtype)
+        self._exchange(None if self.last else dy, self.stage + 1, _TAG_B)
         slot = run.slots[i % self.n_slots]
         t, cpu = time.perf_counter(), time.process_time()
         with self.timer.compute("backward", local=True, micro_batch=i, stage=self.stage):
@@ -338,10 +329,6 @@ class Pipeline:
 
     # --- checkpoints (the same file data-parallel training writes) --------------------
 
-    def _stage_counts(self) -> list[int]:
-        b = self.plan.bounds
-        return [int(sum(self.plan.n_params[b[s]:b[s + 1]])) for s in range(self.n_stages)]
-
     def save_checkpoint(self, directory: str, state: ckpt.State, keep: int,
                         run_id: str | None = None) -> None:
         """Gather the whole model's parameters and optimizer state from the stages of
@@ -383,13 +370,12 @@ class Pipeline:
         if found is None:
             return None
         path, meta = found
-        arrays, counts = held.pop("arrays", {}), self._stage_counts()
+        arrays, b = held.pop("arrays", {}), self.plan.bounds
+        counts = [int(sum(self.plan.n_params[lo:hi])) for lo, hi in zip(b[:-1], b[1:])]
 
-        def my_slice(key: str) -> np.ndarray:
-            if self.replica == 0:
-                part = C.scatterv_rows(self.pipe, arrays.get(key), counts, (), dtype)
-            else:
-                part = np.empty(counts[self.stage], dtype)
+        def my_slice(key: str) -> np.ndarray:  # replica 0's stages receive it, then copy it
+            part = (C.scatterv_rows(self.pipe, arrays.get(key), counts, (), dtype)
+                    if self.replica == 0 else np.empty(counts[self.stage], dtype))
             return C.bcast_(self.dp, part, 0)
 
         self.model.params[...] = my_slice("params")

@@ -78,18 +78,14 @@ class PipelineFeed:
 
     def end_epoch(self) -> None:
         self.pipe.timer.take_records()  # per-step rows: no load balance to draw from them
-        return None
 
     def evaluate(self) -> dict[str, StepStats]:
-        """Every held-out set's figures, by name (as :class:`.data_feed.DataFeed`). Collective."""
-        sets = self.test if isinstance(self.test, dict) else {"test": self.test}
-        out = {}
-        for name, held in sets.items():
-            if held is None or not len(held[1]):
-                continue
-            X, y = held
-            lo, hi = block_range(len(y), self.pipe.n_replicas, self.pipe.replica)
-            out[name] = self.pipe.evaluate(X[lo:hi], y[lo:hi])
+        """Every held-out set's figures, by name (as :class:`.data_feed.DataFeed`); each
+        replica evaluates its block of the rows. Collective."""
+        out, pipe = {}, self.pipe
+        for name, (X, y) in self.test.items():
+            lo, hi = block_range(len(y), pipe.n_replicas, pipe.replica)
+            out[name] = pipe.evaluate(X[lo:hi], y[lo:hi])
         return out
 
     def state(self) -> dict:

@@ -16,12 +16,6 @@ from ..run.nonfinite import all_finite
 from . import buffer
 from .sync import Buffers, Exchanged, Round, Setup, Sync, global_sums
 
-#: What the server broadcasts after the sums: the buffer's extras, then its verdict.
-_VERDICT = (*buffer.EXTRAS, "finite")
-#: What the sharded server's ranks add up after their slices: the buffer's extras, then
-#: how many slices hold NaN/Inf.
-_SHARD_EXTRAS = (*buffer.EXTRAS, "nonfinite_slices")
-
 
 class ParameterServer(Sync):
     """Synchronous parameter server: gradient sums are reduced to the server (rank
@@ -79,7 +73,7 @@ class ParameterServer(Sync):
 
     def exchange(self, r: Round) -> Exchanged:
         comm, root, buf, n = self.comm, self.root, self.buf, self.n
-        verdict = np.zeros(len(_VERDICT), np.float64)
+        verdict = np.zeros(buffer.N_EXTRA + 1, np.float64)  # the extras, the server's verdict
         with self.timer.communicate(self.name, bytes=int(buf.nbytes)):
             if self.gather is None:
                 C.reduce_sum_to_(comm, buf, root)
@@ -184,13 +178,13 @@ class ShardedParameterServer(Sync):
 
     def exchange(self, r: Round) -> Exchanged:
         n, m, comm = self.n, self.hi - self.lo, self.comm
-        extras = np.zeros(len(_SHARD_EXTRAS), np.float64)
         with self.timer.communicate(self.name, bytes=int(self.buf.nbytes)):
             if comm.size > 1:
                 C.reduce_scatter_sum(comm, self.grads, self.slice)
-            extras[:buffer.N_EXTRA] = self.buf[n:]
-            extras[-1] = r.checks and not all_finite(self.slice[:m])
-            C.allreduce_sum_(comm, extras)  # every rank learns every slice's verdict
+            # the extras, then whether this slice holds NaN/Inf (summed: how many slices do)
+            extras = np.array([*self.buf[n:], r.checks and not all_finite(self.slice[:m])],
+                              np.float64)
+            C.allreduce_sum_(comm, extras)
         out = global_sums(extras, 0)
         out.finite = math.isfinite(out.loss_sum) and not extras[-1]
         # the reduce-scatter and allgather together move what one ring allreduce moves

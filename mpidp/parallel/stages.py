@@ -7,6 +7,7 @@ order of each stage's forward (``F``) and backward (``B``) passes under the GPip
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -117,11 +118,7 @@ def schedule(name: str, n_stages: int, stage: int, m: int) -> list[Op]:
 
 def max_in_flight(ops: Sequence[Op]) -> int:
     """Largest number of micro-batches forwarded but not yet backwarded along ``ops``."""
-    alive = peak = 0
-    for kind, _ in ops:
-        alive += 1 if kind == "F" else -1
-        peak = max(peak, alive)
-    return peak
+    return max([0, *itertools.accumulate(1 if kind == "F" else -1 for kind, _ in ops)])
 
 
 def replay(schedules: Sequence[Sequence[Op]], durations: Sequence[Sequence[float]],

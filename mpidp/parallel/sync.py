@@ -95,15 +95,11 @@ class Sync:
 
     def __init__(self, *args, **kwargs) -> None:
         self.bytes_sent = 0
-        self.node_aware: bool | None = None
+        self.node_aware: bool | None = None  # where the mode's settings lack it
         self.hierarchy: C.NodeAllreduce | None = None
-        settings = self._settings(*args, **kwargs)
+        # the settings of the mode named ``name`` (a strategy of one's own has none)
+        settings = (MODES[self.name].settings if self.name in MODES else Settings)(*args, **kwargs)
         vars(self).update((f.name, getattr(settings, f.name)) for f in fields(settings))
-
-    @classmethod
-    def _settings(cls, *args, **kwargs) -> Settings:
-        """The settings of the mode named ``cls.name`` (a strategy of one's own: none)."""
-        return (MODES[cls.name].settings if cls.name in MODES else Settings)(*args, **kwargs)
 
     @classmethod
     def of(cls, settings: Settings, optimizer_factory=None) -> Sync:
@@ -115,10 +111,8 @@ class Sync:
         self.comm, self.root, self.model, self.timer = s.comm, s.root, s.model, s.timer
         self.n = s.model.n_params
         self.hierarchy = self._hierarchy(s) if s.grads is None else None
-        if s.grads is not None:
-            self.buf = s.grads
-        else:
-            self.buf = self.allocate(s) if self.hierarchy is None else self.hierarchy.array
+        self.buf = (s.grads if s.grads is not None else self.allocate(s)
+                    if self.hierarchy is None else self.hierarchy.array)
         self.buf[...] = 0
         return Buffers(self.buf)
 
@@ -267,10 +261,10 @@ class _Periodic(Sync):
         size = self.comm.size
         if 0 < early_ranks < size:
             raise C.MpidpError(
-                f"{setting('sync', self.name)}: the end of an epoch (last_of_epoch) came at different "
-                f"steps on different ranks ({early_ranks} of {size} ranks synchronised early "
-                f"for it); it synchronises every {self.k} steps and at each epoch's "
-                f"end, so every rank must be told of the end at the same step")
+                f"{setting('sync', self.name)}: the end of an epoch (last_of_epoch) came at "
+                f"different steps on different ranks ({early_ranks} of {size} ranks "
+                f"synchronised early for it); it synchronises every {self.k} steps and at each "
+                f"epoch's end, so every rank must be told of the end at the same step")
 
 
 class Accumulate(_Periodic):
