@@ -20,10 +20,10 @@ import sys
 from collections.abc import Sequence
 
 import numpy as np
-from bench_step import HIDDEN, environment
 from mpi4py import MPI
 
 import mpidp
+from benchmarks.bench_step import HIDDEN, environment
 from mpidp import nn
 from mpidp.data.partition import local_batches
 from mpidp.observe.metrics import StepTimer

@@ -43,17 +43,18 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench_batch_report import median_nan, write_report
-from run_step_bench import (
+from benchmarks.bench_batch_report import median_nan, write_report
+from benchmarks.harness import (
     BUSY_WARN,
     DROP_ENV,
     THREAD_ENV,
-    _children_cpu_s,
-    _cpu_ticks,
-    _other_cpus,
     bench_env,
+    children_cpu_s,
     cpu_model,
+    cpu_ticks,
     git_commit,
+    other_cpus,
+    quick_defaults,
     wait_quiet,
 )
 
@@ -115,6 +116,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "runs are deterministic) and run only the timing and exactness sections again")
     p.add_argument("--replot", metavar="JSON", help="only rewrite batch.md and batch.png from JSON")
     p.add_argument("--quick", action="store_true", help="two batches, one seed, 3 epochs (a smoke test)")
+    quick_defaults(p, quick=True)
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.seeds, args.tune_seeds, args.epochs = "32,256", "0", "0", 3
@@ -207,7 +209,7 @@ class Runs:
         cmd = self.command(P, batch, seed, recipe_args, out, dtype)
         busy = wait_quiet(self.args.wait_quiet) if timed else None
         print(f"$ {self.shown(cmd)}", flush=True)
-        ticks0, own0, t0 = _cpu_ticks(), _children_cpu_s(), time.monotonic()
+        ticks0, own0, t0 = cpu_ticks(), children_cpu_s(), time.monotonic()
         proc = subprocess.Popen(cmd, env=self.env, cwd=REPO, start_new_session=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
@@ -225,7 +227,7 @@ class Runs:
             self.attempts[key] = self.attempts.get(key, 0) + 1
             rec["attempt"] = self.attempts[key]
             rec["cpu_busy_before"] = busy
-            rec["other_cpus_during"] = _other_cpus(ticks0, own0, job_s)
+            rec["other_cpus_during"] = other_cpus(ticks0, own0, job_s)
         if status == "ok":
             m = json.loads((out / "metrics.json").read_text())
             rec.update(test_accuracy=float(m["test_accuracy"]), train_accuracy=m["train_accuracy"],
@@ -442,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if earlier is not None:  # the sweep's settings are the earlier run's
         args.batches, args.seeds, args.epochs = earlier["batches"], earlier["seeds"], earlier["epochs"]
     base = args.batches[0]
-    t0, load_before, ticks0, own0 = time.monotonic(), _loadavg(), _cpu_ticks(), _children_cpu_s()
+    t0, load_before, ticks0, own0 = time.monotonic(), _loadavg(), cpu_ticks(), children_cpu_s()
     commit = git_commit()  # at the start: others may commit while it runs
     with tempfile.TemporaryDirectory(prefix="bench_batch_") as tmp_name:
         runs = Runs(args, Path(tmp_name))
@@ -470,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "machine": {"nproc": os.cpu_count(), "cpu_model": cpu_model(),
                           "platform": platform.platform(), "loadavg_before": load_before,
                           "loadavg_after": _loadavg(),
-                          "other_cpus_during_benchmark": _other_cpus(ticks0, own0, wall),
+                          "other_cpus_during_benchmark": other_cpus(ticks0, own0, wall),
                           "openblas_env_removed": runs.dropped, **env, "commit": commit,
                           "commit_at_end": git_commit()},
               "tuning": tuned, "sweep": sw, "timing": tm, "exactness": ex}

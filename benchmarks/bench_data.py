@@ -43,6 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.harness import quick_defaults
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 N_FEATURES = 784
@@ -296,7 +298,7 @@ def summarize(runs: list[list[dict]], mode: str) -> dict:
 def run_job(args, path: str, P: int, modes: Sequence[str], scratch: str) -> dict:
     out = os.path.join(scratch, f"res-{P}.json")
     cmd = ["timeout", str(args.job_timeout), args.mpiexec, "-n", str(P), sys.executable,
-           str(Path(__file__).resolve()), "--worker", "--path", path, "--modes", ",".join(modes),
+           "-m", "benchmarks.bench_data", "--worker", "--path", path, "--modes", ",".join(modes),
            "--repeats", str(args.repeats), "--json", out, "--scratch", scratch]
     env = {**os.environ, **ENV}
     env.pop("OPENBLAS_CORETYPE", None)
@@ -357,9 +359,7 @@ def measure(args) -> dict:
             "cells": cells}
 
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(HERE))
-from bench_data_report import report  # noqa: E402
+from benchmarks.bench_data_report import report  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -377,6 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--modes", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     p.add_argument("--scratch", help=argparse.SUPPRESS)
+    quick_defaults(p, sizes_mb="4", ranks="1,2", repeats=1)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)

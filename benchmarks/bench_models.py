@@ -35,16 +35,17 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from run_step_bench import (
+from benchmarks.harness import (
     BUSY_WARN,
     DROP_ENV,
     THREAD_ENV,
-    _children_cpu_s,
-    _cpu_ticks,
-    _other_cpus,
     bench_env,
+    children_cpu_s,
     cpu_model,
+    cpu_ticks,
     git_commit,
+    other_cpus,
+    quick_defaults,
     wait_quiet,
 )
 
@@ -73,6 +74,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--wait-quiet", type=float, default=30,
                    help="seconds to wait for the CPUs to go quiet before each timed job")
     p.add_argument("--quick", action="store_true", help="few seeds and repeats (a smoke test)")
+    quick_defaults(p, quick=True)
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.repeats, args.exact_ranks = "0", 2, "1,2"
@@ -120,11 +122,11 @@ class Jobs:
         limit, best = BUSY_WARN * (os.cpu_count() or 1), None
         for attempt in range(self.args.retries + 1):
             busy = wait_quiet(self.args.wait_quiet)
-            ticks0, own0, t0 = _cpu_ticks(), _children_cpu_s(), time.monotonic()
+            ticks0, own0, t0 = cpu_ticks(), children_cpu_s(), time.monotonic()
             self.run(cmd, what)
             result = json.loads(out.read_text())
             result["cpu_busy_before"] = busy
-            result["other_cpus_during"] = other = _other_cpus(ticks0, own0, time.monotonic() - t0)
+            result["other_cpus_during"] = other = other_cpus(ticks0, own0, time.monotonic() - t0)
             result["attempt"] = attempt + 1
             if best is None or (other or 0.0) < (best["other_cpus_during"] or 0.0):
                 best = result
@@ -243,7 +245,7 @@ def speed(jobs: Jobs, tmp: Path, repeats: int) -> dict:
         out = tmp / f"step{P}.json"
         extra = ["--profile"] if P == "1" else ["--no-torch"]
         runs[P] = jobs.timed([jobs.args.mpiexec, "-n", P, jobs.args.python,
-                              str(HERE / "bench_models_step.py"), "--out", str(out),
+                              "-m", "benchmarks.bench_models_step", "--out", str(out),
                               "--repeats", str(repeats), *extra], out, f"step time P={P}")
     one, two = runs["1"]["results"], runs["2"]["results"]
     eff = {w: two[w]["samples_per_s"] / (2 * one[w]["samples_per_s"]) for w in ("cnn", "mlp")}
@@ -299,7 +301,7 @@ def summarise_profile(prof: dict) -> dict:
 
 def batchnorm(jobs: Jobs, tmp: Path, repeats: int, seeds: list[int]) -> dict:
     """The timed cost job (run again when disturbed), then the accuracy job (once)."""
-    cmd = [jobs.args.mpiexec, "-n", "2", jobs.args.python, str(HERE / "bench_models_bn.py"),
+    cmd = [jobs.args.mpiexec, "-n", "2", jobs.args.python, "-m", "benchmarks.bench_models_bn",
            "--model", BN_MODEL, "--repeats", str(repeats), "--seeds", ",".join(map(str, seeds))]
     out = tmp / "bn-cost.json"
     result = jobs.timed([*cmd, "--out", str(out), "--part", "cost"], out, "batch norm cost P=2")

@@ -19,14 +19,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from run_step_bench import bench_env, cpu_model, git_commit
+from benchmarks.harness import bench_env, cpu_model, git_commit, quick_defaults
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(REPO / "tests" / "multihost"))
-sys.path.insert(0, str(REPO))
-from cluster import MPIEXEC, Cluster, available  # noqa: E402
-
+from benchmarks.cluster import MPIEXEC, Cluster, available  # noqa: E402
 from mpidp.scale.costmodel import Fit, step_time  # noqa: E402
 
 
@@ -40,6 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--results", default=str(HERE / "results"))
+    quick_defaults(p, steps=3, repeats=1)
     args = p.parse_args(argv)
     reason = available()
     if reason:
@@ -47,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     env, _ = bench_env()
     env["PYTHONPATH"] = str(REPO)
-    job = [sys.executable, str(HERE / "bench_sync.py"), "--modes", "allreduce",
+    job = [sys.executable, "-m", "benchmarks.bench_sync", "--modes", "allreduce",
            "--steps", str(args.steps), "--repeats", str(args.repeats)]
     with tempfile.TemporaryDirectory() as t, Cluster(2) as c:
         tmp = Path(t)

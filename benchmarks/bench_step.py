@@ -25,11 +25,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
-from handwritten_dp import HandwrittenDP
-from handwritten_dp import local_batches as hw_local_batches
 from mpi4py import MPI
 
 import mpidp
+from benchmarks.handwritten_dp import HandwrittenDP
+from benchmarks.handwritten_dp import local_batches as hw_local_batches
+from benchmarks.harness import blas_info
 from mpidp import nn
 from mpidp.data.partition import local_batches
 
@@ -62,16 +63,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 # --- what ran where ---------------------------------------------------------------------
-
-def blas_info() -> list[dict] | str:
-    """The BLAS libraries numpy loaded: kernel, version, architecture, threads (threadpoolctl)."""
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "threadpoolctl not installed"
-    keys = ("internal_api", "version", "architecture", "num_threads", "threading_layer", "filepath")
-    return [{k: d.get(k) for k in keys} for d in threadpool_info() if d.get("user_api") == "blas"]
-
 
 def environment(comm: MPI.Comm) -> dict:
     vendor, version = MPI.get_vendor()

@@ -25,13 +25,13 @@ import sys
 from collections.abc import Sequence
 
 import numpy as np
-from bench_step import HIDDEN, comm_share, environment, timed_run, warm_up
-from handwritten_dp import HandwrittenDP
-from handwritten_dp import local_batches as hw_local_batches
 from mpi4py import MPI
-from sync_modes import EXTRA_MODES, MODES
 
 import mpidp
+from benchmarks.bench_step import HIDDEN, comm_share, environment, timed_run, warm_up
+from benchmarks.handwritten_dp import HandwrittenDP
+from benchmarks.handwritten_dp import local_batches as hw_local_batches
+from benchmarks.sync_modes import EXTRA_MODES, MODES
 from mpidp import nn
 from mpidp.data.partition import local_batches
 from mpidp.parallel import modes

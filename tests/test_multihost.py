@@ -20,7 +20,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "multihost"))
 from clitools import ROOT, mpiexec, run_mpi  # noqa: E402
-from cluster import Cluster, available  # noqa: E402
+
+from benchmarks.cluster import Cluster, available  # noqa: E402
 
 
 def _hydra() -> bool:

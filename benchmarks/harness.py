@@ -1,0 +1,225 @@
+"""What every benchmark shares: the ranks' environment, timing with warm-up and repeats,
+paired ratios against the hand-written loop, the record of where a figure was measured
+(machine, BLAS kernel, MPI, commit) and the results files.
+
+Set ``MPIDP_BENCH_QUICK=1`` for a smoke run: drivers shrink their repeats and sizes with
+:func:`quick`, so a target finishes in about a minute (its figures are not measurements).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+HISTORY = RESULTS / "history.jsonl"
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+DROP_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+BUSY_WARN = 0.10  # share of the CPUs that other work may use before timings are suspect
+
+
+def quick(normal, smoke):
+    """``smoke`` under ``MPIDP_BENCH_QUICK=1``, else ``normal``."""
+    return smoke if os.environ.get("MPIDP_BENCH_QUICK", "") not in ("", "0") else normal
+
+
+def quick_defaults(parser, **smoke) -> None:
+    """Under ``MPIDP_BENCH_QUICK=1``, ``smoke`` become ``parser``'s defaults (fewer repeats,
+    smaller sizes); options given on the command line still win."""
+    if quick(False, True):
+        parser.set_defaults(**smoke)
+
+
+def bench_env() -> tuple[dict[str, str], list[str]]:
+    """The ranks' environment (one BLAS thread, this repository importable as ``benchmarks``),
+    and which OpenBLAS variables were removed from it."""
+    env = {**os.environ, **THREAD_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    dropped = [v for v in DROP_ENV if env.pop(v, None) is not None]
+    return env, dropped
+
+
+def module(name: str, python: str = sys.executable) -> list[str]:
+    """The command that runs benchmark module ``name`` (with :func:`bench_env`'s environment)."""
+    return [python, "-m", f"benchmarks.{name}"]
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """``(total, busy)`` clock ticks of all CPUs since boot (/proc/stat; None if unreadable)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(t) for t in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(ticks) < 5:
+        return None
+    return sum(ticks), sum(ticks) - ticks[3] - ticks[4]  # idle and iowait are not busy
+
+
+def wait_quiet(max_wait: float, interval: float = 1.0) -> float | None:
+    """Wait (up to ``max_wait`` seconds) until under ``BUSY_WARN`` of the CPUs are busy;
+    return the last busy share measured (None where /proc/stat is unreadable)."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        t0 = cpu_ticks()
+        time.sleep(interval)
+        t1 = cpu_ticks()
+        if t0 is None or t1 is None:
+            return None
+        busy = (t1[1] - t0[1]) / max(t1[0] - t0[0], 1)
+        if busy <= BUSY_WARN or time.monotonic() >= deadline:
+            return busy
+
+
+def children_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def other_cpus(ticks0: tuple[int, int] | None, own0: float, wall: float) -> float | None:
+    """CPUs used on average by processes other than our jobs since ``ticks0``/``own0``."""
+    ticks1 = cpu_ticks()
+    if ticks0 is None or ticks1 is None:
+        return None
+    busy_s = (ticks1[1] - ticks0[1]) / os.sysconf("SC_CLK_TCK")
+    return max(busy_s - (children_cpu_s() - own0), 0.0) / wall
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def git_commit(paths: Sequence[str] = ("mpidp", "benchmarks")) -> str:
+    """The repository's commit, with ``+dirty`` when ``paths`` have changes (the results
+    in benchmarks/results/ do not count: they are what the benchmarks write)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                              capture_output=True, timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *paths,
+                                ":(exclude)benchmarks/results"],
+                               cwd=REPO, text=True, capture_output=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty.strip() else "")
+
+
+def blas_info() -> list[dict] | str:
+    """The BLAS libraries numpy loaded: kernel, version, architecture, threads (threadpoolctl)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "threadpoolctl not installed"
+    keys = ("internal_api", "version", "architecture", "num_threads", "threading_layer", "filepath")
+    return [{k: d.get(k) for k in keys} for d in threadpool_info() if d.get("user_api") == "blas"]
+
+
+def mpi_library(mpiexec: str | None = None) -> str:
+    """The MPI library: mpi4py's answer in a rank, else ``mpiexec --version``'s first words."""
+    if mpiexec is None:
+        from mpi4py import MPI
+        return " ".join(MPI.Get_library_version().split()[:6])
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return "unknown"
+    return " ".join(out.split()[:6])
+
+
+def record(mpiexec: str | None = None) -> dict:
+    """Where and how a figure was measured: machine, BLAS kernel, MPI, commit, command, date."""
+    import numpy as np
+    return {"cpu_model": cpu_model(), "nproc": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "numpy": np.__version__, "blas": blas_info(),
+            "mpi": mpi_library(mpiexec), "commit": git_commit(), "date": now(),
+            "command": shlex.join([Path(sys.executable).name, *sys.argv])}
+
+
+def now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def timed(fn: Callable[[], object], warmup: int = 1, repeats: int = 3) -> list[float]:
+    """Seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def paired(ours: Callable[[], float], theirs: Callable[[], float], repeats: int) -> dict:
+    """Each of ``repeats`` rounds runs both, side by side in alternating order (so drift on
+    the machine hits both alike), each returning its time; the median of the per-round
+    ratios ours/theirs, and the medians of each."""
+    a, b = [], []
+    for i in range(repeats):
+        if i % 2:
+            b.append(theirs())
+            a.append(ours())
+        else:
+            a.append(ours())
+            b.append(theirs())
+    return {"ratio": statistics.median(x / y for x, y in zip(a, b)),
+            "ours": statistics.median(a), "theirs": statistics.median(b)}
+
+
+def write(out: Path, report: dict, markdown: str | None = None) -> list[Path]:
+    """Write ``out``.json (and ``out``.md), and add a line to the results' history
+    (benchmarks/results/history.jsonl) when ``out`` lies in benchmarks/results/."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    paths = [out.with_suffix(".json")]
+    paths[0].write_text(json.dumps(report, indent=2, default=str) + "\n")
+    if markdown is not None:
+        paths.append(out.with_suffix(".md"))
+        paths[1].write_text(markdown)
+    if out.resolve().parent == RESULTS.resolve():
+        env = report.get("env") or report.get("machine") or report.get("environment") or {}
+        line = {"file": paths[0].name, "date": report.get("date") or env.get("date") or now(),
+                "commit": report.get("commit") or env.get("commit") or git_commit(),
+                "machine": f"{os.cpu_count()} CPUs, {cpu_model()}",
+                "quick": quick(False, True)}
+        with open(HISTORY, "a") as f:
+            f.write(json.dumps(line) + "\n")
+    return paths
+
+
+def shm_in_use() -> set[str]:
+    """Names of the files in /dev/shm that some live process has mapped or open."""
+    names: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for line in (proc / "maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    names.add(line.split("/dev/shm/", 1)[1].removesuffix(" (deleted)"))
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/dev/shm/"):
+                    names.add(target.removeprefix("/dev/shm/").removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return names
