@@ -47,6 +47,7 @@ from benchmarks.harness import (
     other_cpus,
     quick_defaults,
     wait_quiet,
+    write,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -541,10 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["targets"] = targets(results)
     report = _jsonable(report)
     text = markdown(report)
-    with open(out_dir / "models.json", "w") as f:
-        json.dump(report, f, indent=2)
-    with open(out_dir / "models.md", "w") as f:
-        f.write(text)
+    write(out_dir / "models", report, text)
     print(text)
     print(f"wrote {out_dir / 'models.json'} and {out_dir / 'models.md'}")
     return 0

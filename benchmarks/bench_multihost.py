@@ -1,5 +1,5 @@
 """``make bench-multihost``: the step benchmark and the cost model across two test hosts
-(network namespaces, TCP through veth and a bridge; tests/multihost/cluster.py).
+(network namespaces, TCP through veth and a bridge; benchmarks/cluster.py).
 
 Measures the TCP path's latency and bandwidth (``mpidp model`` with one rank per host), the
 standard workload's step time with 1 rank locally and 2 and 4 ranks over 2 hosts, and the
@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.harness import bench_env, cpu_model, git_commit, quick_defaults
+from benchmarks.harness import bench_env, cpu_model, git_commit, quick_defaults, write
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -82,9 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     md += ["", f"Machine: {report['machine']} (2 cores; both test hosts share them). "
            f"Command: `{report['command']}`; commit {report['commit']}; {report['date']}."]
     out = Path(args.results)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "multihost.json").write_text(json.dumps(report, indent=2))
-    (out / "multihost.md").write_text("\n".join(md) + "\n")
+    write(out / "multihost", report, "\n".join(md) + "\n")
     print("\n".join(md))
     return 0
 

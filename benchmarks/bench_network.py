@@ -1,6 +1,6 @@
 """``make bench-network``: data parallelism over a slow link between two test hosts.
 
-Two test hosts made from network namespaces (tests/multihost/cluster.py), each link limited
+Two test hosts made from network namespaces (benchmarks/cluster.py), each link limited
 to a rate (``--rates``, Gbit/s; a token bucket on both directions). On each rate, one rank
 per host runs the hand-written loop and mpidp's ``allreduce``, ``overlapped``,
 ``compressed`` and ``auto`` on the standard workload (global batch 512), ``--repeats``
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import bench_env, cpu_model, git_commit, quick_defaults
+from benchmarks.harness import bench_env, cpu_model, git_commit, quick_defaults, write
 from benchmarks.sync_modes import EXTRA_MODES, MODES
 
 HERE = Path(__file__).resolve().parent
@@ -777,9 +777,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "command": " ".join(["python benchmarks/bench_network.py", *(argv or sys.argv[1:])])}
     md = markdown(report)
     out = Path(args.results)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "network.json").write_text(json.dumps(report, indent=2))
-    (out / "network.md").write_text(md)
+    write(out / "network", report, md)
     print(md)
     return 0
 

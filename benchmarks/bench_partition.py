@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import quick_defaults
+from benchmarks.harness import quick_defaults, write
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -284,9 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "load": f"{min(LOADS):.2f}-{max(LOADS):.2f} (sampled before each job)"}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "partition.json").write_text(json.dumps(
-        {"meta": meta, "training": rows, "mapreduce": mr, "targets": checks}, indent=1))
-    (out / "partition.md").write_text(markdown(rows, mr, checks, meta))
+    write(out / "partition", {"meta": meta, "training": rows, "mapreduce": mr, "targets": checks},
+          markdown(rows, mr, checks, meta))
     figure([r for r in rows if r["workload"] != "uniform"], out / "partition.png")
     for c in checks:
         print(f"{'PASS' if c['pass'] else 'FAIL'}  {c['target']}: {c['value']}")

@@ -36,6 +36,7 @@ from benchmarks.harness import (
     other_cpus,
     quick_defaults,
     wait_quiet,
+    write,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -254,11 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "commands": commands, "machine": machine_info(runs[args.ranks[0]], dropped),
         "efficiency": eff, "targets": check_targets(runs, eff), "runs": runs,
     }
-    with open(out_dir / "step_bench.json", "w") as f:
-        json.dump(report, f, indent=2)
     text = markdown(report)
-    with open(out_dir / "step_bench.md", "w") as f:
-        f.write(text)
+    write(out_dir / "step_bench", report, text)
     print(text)
     print(f"wrote {out_dir / 'step_bench.json'} and {out_dir / 'step_bench.md'}")
     return 0

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import bench_env, cpu_model, git_commit, quick_defaults
+from benchmarks.harness import bench_env, cpu_model, git_commit, quick_defaults, write
 from benchmarks.plotting import (
     OVER_HATCH,
     cores,
@@ -492,8 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "machine": cpu_model(), "cores": os.cpu_count(), "commit": git_commit(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "command": "python benchmarks/run_sync_bench.py"}
-    (results / "sync_bench.json").write_text(json.dumps(report, indent=2))
-    (results / "sync_bench.md").write_text(markdown(report))
+    write(results / "sync_bench", report, markdown(report))
     plot(report, results / "sync_bench.png")
     plot_async(report["async"], results / "sync_async.png")
     print(markdown(report))

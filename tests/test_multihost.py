@@ -1,6 +1,6 @@
 """Ranks on different hosts that talk over a real (veth + bridge, TCP) network.
 
-The hosts are network namespaces made by tests/multihost/cluster.py; these tests need root
+The hosts are network namespaces made by benchmarks/cluster.py; these tests need root
 and iproute2 and skip with the reason otherwise. CI runs them (.ci/run installs iproute2).
 """
 
