@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import quick_defaults
+from benchmarks.harness import cpu_model, git_commit, quick_defaults
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -309,18 +309,12 @@ def run_job(args, path: str, P: int, modes: Sequence[str], scratch: str) -> dict
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=REPO).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", *MEASURED_CODE],
-                           capture_output=True, text=True, cwd=REPO).stdout.strip()
     try:
         from threadpoolctl import threadpool_info
         blas = [f"{i.get('internal_api')} {i.get('architecture')}" for i in threadpool_info()]
     except ImportError:
         blas = ["threadpoolctl not installed"]
-    return {"nproc": os.cpu_count(), "cpu": cpu, "commit": commit + ("+dirty" if dirty else ""),
+    return {"nproc": os.cpu_count(), "cpu": cpu_model(), "commit": git_commit(MEASURED_CODE),
             "python": platform.python_version(), "numpy": np.__version__, "blas": blas,
             "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 

@@ -26,9 +26,7 @@ import json
 import os
 import platform
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,16 +35,12 @@ from pathlib import Path
 
 from benchmarks.harness import (
     BUSY_WARN,
-    DROP_ENV,
-    THREAD_ENV,
-    bench_env,
-    children_cpu_s,
+    Jobs,
     cpu_model,
-    cpu_ticks,
     git_commit,
-    other_cpus,
+    loadavg,
     quick_defaults,
-    wait_quiet,
+    short,
     write,
 )
 
@@ -86,84 +80,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-# --- jobs -------------------------------------------------------------------------------
+# --- jobs ---------------------------------------------------------------------------------
 
-class Jobs:
-    """Runs ``mpiexec`` jobs with the benchmark environment and remembers their commands."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.env, self.dropped = bench_env()
-        self.commands: list[str] = []
-
-    def shown(self, cmd: list[str]) -> str:
-        return " ".join(["env", *(f"-u {v}" for v in DROP_ENV),
-                         *(f"{k}={v}" for k, v in THREAD_ENV.items()),
-                         shlex.join(_short(c) for c in cmd)])
-
-    def run(self, cmd: list[str], what: str) -> None:
-        shown = self.shown(cmd)
-        if shown not in self.commands:  # a timed job run again is listed once
-            self.commands.append(shown)
-        print(f"$ {shown}", flush=True)
-        proc = subprocess.Popen(cmd, env=self.env, cwd=REPO, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=self.args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise RuntimeError(f"{what}: no result within {self.args.timeout:.0f} s; job killed") from None
-        if rc != 0:
-            raise RuntimeError(f"{what}: the job exited with status {rc}")
-
-    def timed(self, cmd: list[str], out: Path, what: str) -> dict:
-        """Run a job that writes JSON to ``out``, after the CPUs go quiet; again (up to
-        ``--retries``) while other processes used more than BUSY_WARN of the CPUs. The
-        least disturbed run, with ``cpu_busy_before`` and ``other_cpus_during``."""
-        limit, best = BUSY_WARN * (os.cpu_count() or 1), None
-        for attempt in range(self.args.retries + 1):
-            busy = wait_quiet(self.args.wait_quiet)
-            ticks0, own0, t0 = cpu_ticks(), children_cpu_s(), time.monotonic()
-            self.run(cmd, what)
-            result = json.loads(out.read_text())
-            result["cpu_busy_before"] = busy
-            result["other_cpus_during"] = other = other_cpus(ticks0, own0, time.monotonic() - t0)
-            result["attempt"] = attempt + 1
-            if best is None or (other or 0.0) < (best["other_cpus_during"] or 0.0):
-                best = result
-            if other is None or other <= limit:
-                break
-            print(f"WARNING: {what}: other processes used {other:.2f} CPUs during the job"
-                  + (f"; running it again ({attempt + 1}/{self.args.retries})"
-                     if attempt < self.args.retries else "; its timings are suspect"),
-                  file=sys.stderr, flush=True)
-        best["attempts"] = attempt + 1
-        return best
-
-    def train(self, P: int, dataset: str, model: str, out: Path, *extra: str) -> dict:
-        """``mpidp train`` through the CLI on ``P`` ranks; what it reported and used."""
-        cmd = [self.args.mpiexec, "-n", str(P), self.args.python, "-m", "mpidp", "train",
-               "--dataset", dataset, "--model", model, "--out", str(out), "-q", *extra]
-        self.run(cmd, f"mpidp train --dataset {dataset} --model {model} -n {P}")
-        m = json.loads((out / "metrics.json").read_text())
-        cfg = m["config"]
-        return {"P": P, "test_accuracy": m["test_accuracy"], "train_accuracy": m["train_accuracy"],
-                "final_loss": m["final_loss"], "wall_s": m["wall_s"], "n_params": m["n_params"],
-                "steps": m["steps"], **{k: cfg[k] for k in USED}, "model_dir": out}
+def train(jobs: Jobs, P: int, dataset: str, model: str, out: Path, *extra: str) -> dict:
+    """``mpidp train`` through the CLI on ``P`` ranks; what it reported and used."""
+    cmd = [jobs.args.mpiexec, "-n", str(P), jobs.args.python, "-m", "mpidp", "train",
+           "--dataset", dataset, "--model", model, "--out", str(out), "-q", *extra]
+    jobs.run(cmd, f"mpidp train --dataset {dataset} --model {model} -n {P}")
+    m = json.loads((out / "metrics.json").read_text())
+    cfg = m["config"]
+    return {"P": P, "test_accuracy": m["test_accuracy"], "train_accuracy": m["train_accuracy"],
+            "final_loss": m["final_loss"], "wall_s": m["wall_s"], "n_params": m["n_params"],
+            "steps": m["steps"], **{k: cfg[k] for k in USED}, "model_dir": out}
 
 
 #: the settings of a run that its metrics.json records and the report shows
 USED = ("epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "dtype",
         "test_fraction", "seed")
-
-
-def _short(path: str) -> str:
-    """``path`` relative to the repository when it lies below it."""
-    try:
-        rel = os.path.relpath(path, REPO)
-    except ValueError:
-        return path
-    return path if rel.startswith("..") else rel
 
 
 # --- 1. and 2.: accuracy and exactness through the CLI ---------------------------------
@@ -201,7 +134,7 @@ def seeds_summary(runs: list[dict]) -> dict:
 def mnist1d_accuracy(jobs: Jobs, tmp: Path, seeds: list[int]) -> dict:
     out = {}
     for model in ("logreg", "mlp", "cnn"):
-        runs = [jobs.train(2, "mnist1d", model, tmp / f"m1d-{model}-{s}", "--seed", str(s))
+        runs = [train(jobs, 2, "mnist1d", model, tmp / f"m1d-{model}-{s}", "--seed", str(s))
                 for s in seeds]
         out[model] = {**seeds_summary(runs), "published": PUBLISHED[model],
                       "layers": architecture(runs[0]["model_dir"])}
@@ -215,7 +148,7 @@ def exactness(jobs: Jobs, tmp: Path, ranks: list[int]) -> dict:
     params = {}
     for P in ranks:
         d = tmp / f"exact-{P}"
-        jobs.train(P, "mnist1d", "cnn", d, "--dtype", "float64")
+        train(jobs, P, "mnist1d", "cnn", d, "--dtype", "float64")
         with np.load(d / "model.npz") as z:
             params[P] = z["params"].astype(np.float64)
     diffs = {P: float(np.max(np.abs(params[P] - params[1]))) for P in ranks if P != 1}
@@ -224,13 +157,13 @@ def exactness(jobs: Jobs, tmp: Path, ranks: list[int]) -> dict:
 
 
 def digits_accuracy(jobs: Jobs, tmp: Path, seeds: list[int]) -> dict:
-    runs = [jobs.train(2, "digits", "cnn", tmp / f"digits-{s}", "--seed", str(s)) for s in seeds]
+    runs = [train(jobs, 2, "digits", "cnn", tmp / f"digits-{s}", "--seed", str(s)) for s in seeds]
     out = {"default": {**seeds_summary(runs), "layers": architecture(runs[0]["model_dir"])},
            "split": split_of("digits", runs[0]["test_fraction"], seeds[0]), "longer": []}
     base = runs[0]["epochs"]
     if out["default"]["median"] < MIN_DIGITS_ACC:  # what does reach it: the same, for longer
         for factor in (2, 3, 4):
-            longer = [jobs.train(2, "digits", "cnn", tmp / f"digits-{factor}x-{s}", "--seed", str(s),
+            longer = [train(jobs, 2, "digits", "cnn", tmp / f"digits-{factor}x-{s}", "--seed", str(s),
                                  "--epochs", str(base * factor)) for s in seeds]
             out["longer"].append(seeds_summary(longer))
             if out["longer"][-1]["median"] >= MIN_DIGITS_ACC:
@@ -486,16 +419,9 @@ def provenance(report: dict) -> list[str]:
     return lines
 
 
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "unknown"
-
-
 def machine_info(step_env: dict, dropped: list[str], load_before: str) -> dict:
     return {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
-            "loadavg_before": load_before, "loadavg_after": _loadavg(), "blas": step_env["blas"],
+            "loadavg_before": load_before, "loadavg_after": loadavg(), "blas": step_env["blas"],
             "openblas_env_removed": dropped, "openblas_env_seen_by_ranks": step_env["openblas_env_set"],
             "mpi_library": " ".join(step_env["mpi_library"].split()), "mpi4py": step_env["mpi4py"],
             "numpy": step_env["numpy"], "python": step_env["python"], "mpidp": step_env["mpidp"],
@@ -514,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    jobs, t0, load_before = Jobs(args), time.monotonic(), _loadavg()
+    jobs, t0, load_before = Jobs(args), time.monotonic(), loadavg()
     try:
         with tempfile.TemporaryDirectory(prefix="bench_models_") as tmp_name:
             tmp = Path(tmp_name)  # the timed jobs first, while the machine is as quiet as it gets
@@ -531,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {"benchmark": "models", "seeds": args.seeds, "repeats": args.repeats,
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "wall_s": time.monotonic() - t0,
-              "command": shlex.join([_short(sys.executable), *(_short(a) for a in sys.argv)]),
+              "command": shlex.join([short(sys.executable), *(short(a) for a in sys.argv)]),
               "commands": jobs.commands, "machine": machine_info(env, jobs.dropped, load_before),
               "timed_jobs": {name: {k: run.get(k) for k in ("cpu_busy_before", "other_cpus_during",
                                                             "attempt", "attempts")}

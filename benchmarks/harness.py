@@ -14,6 +14,7 @@ import os
 import platform
 import resource
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -95,6 +96,88 @@ def other_cpus(ticks0: tuple[int, int] | None, own0: float, wall: float) -> floa
         return None
     busy_s = (ticks1[1] - ticks0[1]) / os.sysconf("SC_CLK_TCK")
     return max(busy_s - (children_cpu_s() - own0), 0.0) / wall
+
+
+def short(path: str) -> str:
+    """``path`` relative to the repository when it lies below it."""
+    try:
+        rel = os.path.relpath(path, REPO)
+    except ValueError:
+        return path
+    return path if rel.startswith("..") else rel
+
+
+def shown(cmd: Sequence[str]) -> str:
+    """A job's command as a shell line, with the environment :func:`bench_env` gives it."""
+    return " ".join(["env", *(f"-u {v}" for v in DROP_ENV),
+                     *(f"{k}={v}" for k, v in THREAD_ENV.items()),
+                     shlex.join(short(str(c)) for c in cmd)])
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def least_disturbed(attempt: Callable[[], dict], retries: int, what: str) -> dict:
+    """``attempt()`` (a dict with ``other_cpus_during``), again up to ``retries`` times
+    while other processes used more than ``BUSY_WARN`` of the CPUs during it; the least
+    disturbed result, with ``attempts``."""
+    limit, best = BUSY_WARN * (os.cpu_count() or 1), None
+    for i in range(retries + 1):
+        result = attempt()
+        other = result["other_cpus_during"]
+        if best is None or (other or 0.0) < (best["other_cpus_during"] or 0.0):
+            best = result
+        if other is None or other <= limit:
+            break
+        print(f"WARNING: {what}: other processes used {other:.2f} CPUs during the job"
+              + (f"; running it again ({i + 1}/{retries})" if i < retries
+                 else "; its timings are suspect"), file=sys.stderr, flush=True)
+    best["attempts"] = i + 1
+    return best
+
+
+class Jobs:
+    """Runs ``mpiexec`` jobs in :func:`bench_env`'s environment, each in a process group of
+    its own (a timeout kills every rank), and remembers their commands. ``args``: the
+    driver's options, with ``timeout``, ``wait_quiet`` and ``retries`` (:meth:`timed`)."""
+
+    def __init__(self, args) -> None:
+        self.args, self.timeout = args, args.timeout
+        self.env, self.dropped = bench_env()
+        self.commands: list[str] = []
+
+    def run(self, cmd: list[str], what: str) -> None:
+        line = shown(cmd)
+        if line not in self.commands:  # a timed job run again is listed once
+            self.commands.append(line)
+        print(f"$ {line}", flush=True)
+        proc = subprocess.Popen(cmd, env=self.env, cwd=REPO, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError(f"{what}: no result within {self.timeout:.0f} s; job killed") from None
+        if rc != 0:
+            raise RuntimeError(f"{what}: the job exited with status {rc}")
+
+    def timed(self, cmd: list[str], out: Path, what: str) -> dict:
+        """Run a job that writes JSON to ``out`` once the CPUs go quiet, as
+        :func:`least_disturbed` asks; its JSON with ``cpu_busy_before`` and
+        ``other_cpus_during`` (how busy other work kept the machine before and during it)."""
+        def attempt() -> dict:
+            busy = wait_quiet(self.args.wait_quiet)
+            ticks0, own0, t0 = cpu_ticks(), children_cpu_s(), time.monotonic()
+            self.run(cmd, what)
+            result = json.loads(Path(out).read_text())
+            result["cpu_busy_before"] = busy
+            result["other_cpus_during"] = other_cpus(ticks0, own0, time.monotonic() - t0)
+            return result
+        return least_disturbed(attempt, self.args.retries, what)
 
 
 def cpu_model() -> str:

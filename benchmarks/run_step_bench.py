@@ -12,30 +12,22 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.harness import (
     BUSY_WARN,
-    DROP_ENV,
-    THREAD_ENV,
-    bench_env,
-    children_cpu_s,
+    Jobs,
     cpu_model,
-    cpu_ticks,
     git_commit,
-    other_cpus,
     quick_defaults,
-    wait_quiet,
+    short,
+    shown,
     write,
 )
 
@@ -75,53 +67,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_one(args: argparse.Namespace, size: int, out: Path, env: dict[str, str]) -> tuple[dict, str]:
-    """Run bench_step.py on ``size`` ranks; return its JSON and the command line as text.
-
-    The JSON gains ``cpu_busy_before`` and ``other_cpus_during``: how busy the machine was
-    with other work just before and during the job.
-    """
+def run_size(jobs: Jobs, args: argparse.Namespace, size: int, out: Path) -> tuple[dict, str]:
+    """bench_step on ``size`` ranks (see :meth:`Jobs.timed`); its JSON and its command."""
     cmd = [args.mpiexec, "-n", str(size), args.python, "-m", "benchmarks.bench_step",
            "--out", str(out), "--repeats", str(args.repeats), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--on-nonfinite", args.on_nonfinite]
-    shown = " ".join(["env", *(f"-u {v}" for v in DROP_ENV),
-                      *(f"{k}={v}" for k, v in THREAD_ENV.items()), shlex.join(cmd)])
-    busy = wait_quiet(args.wait_quiet)
-    print(f"$ {shown}", flush=True)
-    ticks0, own0, t0 = cpu_ticks(), children_cpu_s(), time.monotonic()
-    # own process group, so a timeout ends mpiexec and every rank it started
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True)
-    try:
-        rc = proc.wait(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise RuntimeError(f"P={size}: no result within {args.timeout:.0f} s; job killed") from None
-    if rc != 0:
-        raise RuntimeError(f"P={size}: mpiexec exited with status {rc}")
-    with open(out) as f:
-        result = json.load(f)
-    result["cpu_busy_before"] = busy
-    result["other_cpus_during"] = other_cpus(ticks0, own0, time.monotonic() - t0)
-    return result, shown
-
-
-def run_quiet(args: argparse.Namespace, size: int, out: Path, env: dict[str, str]) -> tuple[dict, str]:
-    """:func:`run_one`, rerun up to ``args.retries`` times while other processes used more
-    than ``BUSY_WARN`` of the CPUs during it; returns the least disturbed run."""
-    limit = BUSY_WARN * (os.cpu_count() or 1)
-    best = None
-    for attempt in range(args.retries + 1):
-        result, shown = run_one(args, size, out, env)
-        other = result["other_cpus_during"]
-        if best is None or (other or 0.0) < (best[0]["other_cpus_during"] or 0.0):
-            best = (result, shown)
-        if other is None or other <= limit:
-            break
-        print(f"WARNING: P={size}: other processes used {other:.2f} CPUs during the job"
-              + (f"; running it again ({attempt + 1}/{args.retries})" if attempt < args.retries
-                 else "; its timings are suspect"), file=sys.stderr, flush=True)
-    return best
+    return jobs.timed(cmd, out, f"P={size}"), shown(cmd)
 
 
 def efficiencies(runs: dict[int, dict]) -> dict[int, dict[str, float | None]]:
@@ -218,12 +169,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _short(path: str) -> str:
-    """``path`` relative to the working directory when it lies below it."""
-    rel = os.path.relpath(path)
-    return path if rel.startswith("..") else rel
-
-
 def machine_info(first_run: dict, dropped: list[str]) -> dict:
     env = first_run["environment"]
     return {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
@@ -238,12 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    env, dropped = bench_env()
+    jobs = Jobs(args)
     runs, commands = {}, {}
     with tempfile.TemporaryDirectory(prefix="step_bench_") as tmp:
         for size in args.ranks:
             try:
-                runs[size], commands[size] = run_quiet(args, size, Path(tmp) / f"p{size}.json", env)
+                runs[size], commands[size] = run_size(jobs, args, size, Path(tmp) / f"p{size}.json")
             except (RuntimeError, OSError, ValueError) as exc:  # no result: that is an error
                 print(f"run_step_bench: {exc}", file=sys.stderr)
                 return 1
@@ -251,8 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "benchmark": "step", "repeats": args.repeats, "steps": args.steps, "warmup": args.warmup,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": f"cd {os.getcwd()} && {shlex.join([_short(sys.executable), *sys.argv])}",
-        "commands": commands, "machine": machine_info(runs[args.ranks[0]], dropped),
+        "command": f"cd {os.getcwd()} && {shlex.join([short(sys.executable), *sys.argv])}",
+        "commands": commands, "machine": machine_info(runs[args.ranks[0]], jobs.dropped),
         "efficiency": eff, "targets": check_targets(runs, eff), "runs": runs,
     }
     text = markdown(report)
