@@ -1,6 +1,6 @@
-"""What every benchmark shares: the ranks' environment, timing with warm-up and repeats,
-paired ratios against the hand-written loop, the record of where a figure was measured
-(machine, BLAS kernel, MPI, commit) and the results files.
+"""What every benchmark shares: the ranks' environment, jobs timed once the CPUs are quiet,
+runs taken side by side with the hand-written loop and their paired ratios, the record of
+where a figure was measured (machine, BLAS kernel, commit) and the results files.
 
 Set ``MPIDP_BENCH_QUICK=1`` for a smoke run: drivers shrink their repeats and sizes with
 :func:`quick`, so a target finishes in about a minute (its figures are not measurements).
@@ -19,8 +19,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -28,6 +29,7 @@ RESULTS = HERE / "results"
 HISTORY = RESULTS / "history.jsonl"
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 DROP_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+T = TypeVar("T")
 BUSY_WARN = 0.10  # share of the CPUs that other work may use before timings are suspect
 
 
@@ -215,57 +217,24 @@ def blas_info() -> list[dict] | str:
     return [{k: d.get(k) for k in keys} for d in threadpool_info() if d.get("user_api") == "blas"]
 
 
-def mpi_library(mpiexec: str | None = None) -> str:
-    """The MPI library: mpi4py's answer in a rank, else ``mpiexec --version``'s first words."""
-    if mpiexec is None:
-        from mpi4py import MPI
-        return " ".join(MPI.Get_library_version().split()[:6])
-    try:
-        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True).stdout
-    except OSError:
-        return "unknown"
-    return " ".join(out.split()[:6])
-
-
-def record(mpiexec: str | None = None) -> dict:
-    """Where and how a figure was measured: machine, BLAS kernel, MPI, commit, command, date."""
-    import numpy as np
-    return {"cpu_model": cpu_model(), "nproc": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "numpy": np.__version__, "blas": blas_info(),
-            "mpi": mpi_library(mpiexec), "commit": git_commit(), "date": now(),
-            "command": shlex.join([Path(sys.executable).name, *sys.argv])}
-
-
 def now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def timed(fn: Callable[[], object], warmup: int = 1, repeats: int = 3) -> list[float]:
-    """Seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
+def alternate(runners: dict[str, Callable[[int], T]], repeats: int,
+              first: int = 0) -> Iterator[dict[str, T]]:
+    """Repeats ``first`` .. ``repeats - 1`` of ``runners`` side by side: each repeat calls
+    every runner with the repeat's number, in an order that flips from one repeat to the
+    next (so drift on the machine hits both alike); yields each repeat's results by name."""
+    for r in range(first, repeats):
+        names = list(runners)[::-1] if r % 2 else list(runners)
+        got = {name: runners[name](r) for name in names}
+        yield {name: got[name] for name in runners}
 
 
-def paired(ours: Callable[[], float], theirs: Callable[[], float], repeats: int) -> dict:
-    """Each of ``repeats`` rounds runs both, side by side in alternating order (so drift on
-    the machine hits both alike), each returning its time; the median of the per-round
-    ratios ours/theirs, and the medians of each."""
-    a, b = [], []
-    for i in range(repeats):
-        if i % 2:
-            b.append(theirs())
-            a.append(ours())
-        else:
-            a.append(ours())
-            b.append(theirs())
-    return {"ratio": statistics.median(x / y for x, y in zip(a, b)),
-            "ours": statistics.median(a), "theirs": statistics.median(b)}
+def paired_ratio(ours: Sequence[float], theirs: Sequence[float]) -> float:
+    """The median of the ratios of runs taken side by side (see :func:`alternate`)."""
+    return statistics.median(a / b for a, b in zip(ours, theirs))
 
 
 def write(out: Path, report: dict, markdown: str | None = None) -> list[Path]:
