@@ -32,7 +32,6 @@ import json
 import math
 import os
 import platform
-import shlex
 import signal
 import subprocess
 import sys
@@ -47,6 +46,7 @@ from benchmarks.bench_batch_report import median_nan, write_report
 from benchmarks.harness import (
     bench_env,
     children_cpu_s,
+    command,
     cpu_model,
     cpu_ticks,
     git_commit,
@@ -54,7 +54,6 @@ from benchmarks.harness import (
     loadavg,
     other_cpus,
     quick_defaults,
-    short,
     shown,
     wait_quiet,
 )
@@ -436,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "wall_s": wall, "jobs_run": runs.count, "parallel_untimed_jobs": args.jobs,
               "timed_retries": args.retries, "wait_quiet_s": args.wait_quiet,
-              "command": shlex.join([short(sys.executable), *(short(a) for a in sys.argv)]),
+              "command": command("bench_batch", argv),
               "recipes": {k: {"label": v["label"], "args": v["args"], "tuned": v["tuned"]}
                           for k, v in RECIPES.items() if k in args.recipes},
               "machine": {"nproc": os.cpu_count(), "cpu_model": cpu_model(),

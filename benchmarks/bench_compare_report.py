@@ -7,13 +7,15 @@ import math
 import os
 import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.harness import command, git_commit
+
 HERE = Path(__file__).resolve().parent
+
 MIB = 2**20
 HIDDEN = (1024, 1024)  # the workload: MLP 784-1024-1024-10, SGD with momentum
 N_IN, N_OUT, LR, MOMENTUM = 784, 10, 0.05, 0.9
@@ -52,7 +54,6 @@ def environment(a, seconds: float) -> dict:
     """Machine, software, BLAS kernel, commit and command of this run."""
     from threadpoolctl import threadpool_info
 
-    from benchmarks.harness import git_commit
     mpi = subprocess.run([a.mpiexec, "--version"], capture_output=True, text=True).stdout
     return {"python": platform.python_version(), "numpy": np.__version__,
             "cpus": os.cpu_count(), "machine": platform.machine(),
@@ -60,7 +61,7 @@ def environment(a, seconds: float) -> dict:
             "mpiexec": " ".join(mpi.split()[:6]),
             "blas": [{k: d.get(k) for k in ("internal_api", "version", "architecture")}
                      for d in threadpool_info() if d.get("user_api") == "blas"],
-            "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
+            "command": command("bench_compare"), "commit": git_commit(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": seconds,
             "settings": {k: _in_repo(v) for k, v in vars(a).items()
                          if k not in ("task", "column", "json", "step_dir", "rest", "split")}}

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import cpu_model, git_commit, quick_defaults
+from benchmarks.harness import command, cpu_model, git_commit, quick_defaults
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -348,8 +348,7 @@ def measure(args) -> dict:
                 cells.append({"size_mb": None, "format": "sparse (bow)", "P": P, "results": res})
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"machine": machine(), "command": " ".join(["python", "benchmarks/bench_data.py",
-                                                        *args.argv]),
+    return {"machine": machine(), "command": command("bench_data", args.argv),
             "cells": cells}
 
 

@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -36,11 +35,11 @@ from pathlib import Path
 from benchmarks.harness import (
     BUSY_WARN,
     Jobs,
+    command,
     cpu_model,
     git_commit,
     loadavg,
     quick_defaults,
-    short,
     write,
 )
 
@@ -457,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {"benchmark": "models", "seeds": args.seeds, "repeats": args.repeats,
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "wall_s": time.monotonic() - t0,
-              "command": shlex.join([short(sys.executable), *(short(a) for a in sys.argv)]),
+              "command": command("bench_models", argv),
               "commands": jobs.commands, "machine": machine_info(env, jobs.dropped, load_before),
               "timed_jobs": {name: {k: run.get(k) for k in ("cpu_busy_before", "other_cpus_during",
                                                             "attempt", "attempts")}

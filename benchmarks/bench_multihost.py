@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.harness import bench_env, cpu_model, git_commit, quick_defaults, write
+from benchmarks.harness import bench_env, command, cpu_model, git_commit, quick_defaults, write
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {"fit_tcp": model["fit"], "pingpong_s": model["pingpong"], "p1_step_ms": t1 * 1e3,
               "rows": rows, "machine": cpu_model(), "commit": git_commit(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "command": "python benchmarks/bench_multihost.py"}
+              "command": command("bench_multihost")}
     f = model["fit"]
     md = ["# Across two test hosts (TCP through veth + bridge)", "",
           f"TCP path fit (`mpidp model`, 1 rank per host): latency alpha = {f['alpha'] * 1e6:.1f} us, "

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import bench_env, cpu_model, git_commit, quick_defaults, write
+from benchmarks.harness import bench_env, command, cpu_model, git_commit, quick_defaults, write
 from benchmarks.sync_modes import EXTRA_MODES, MODES
 
 HERE = Path(__file__).resolve().parent
@@ -774,7 +774,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "blas": blas_line(first["environment"]), "environment": first["environment"],
               "machine": cpu_model(), "cores": os.cpu_count(), "commit": git_commit(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "command": " ".join(["python benchmarks/bench_network.py", *(argv or sys.argv[1:])])}
+              "command": command("bench_network", argv)}
     md = markdown(report)
     out = Path(args.results)
     write(out / "network", report, md)

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.bench_parallel_report import layers as model_layers_of
-from benchmarks.harness import git_commit, quick_defaults
+from benchmarks.harness import command, git_commit, quick_defaults
 
 HERE = Path(__file__).resolve().parent
 MODES = ("data", "gpipe", "1f1b", "hybrid")
@@ -257,7 +257,7 @@ def _drive(a, tmp: Path) -> dict:
             print(f"P={P} sweep {schedule} done", flush=True)
     env = {"python": platform.python_version(), "numpy": np.__version__, "cpus": os.cpu_count(),
            "machine": platform.machine(), "processor": platform.processor(),
-           "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
+           "command": command("bench_parallel"), "commit": git_commit(),
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     return {"runs": runs, "sweeps": sweeps, "env": env}
 

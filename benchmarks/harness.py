@@ -116,6 +116,12 @@ def shown(cmd: Sequence[str]) -> str:
                      shlex.join(short(str(c)) for c in cmd)])
 
 
+def command(name: str, argv: Sequence[str] | None = None) -> str:
+    """How benchmark module ``name`` was run, as a shell line (``argv``: its options)."""
+    return shlex.join(["python", "-m", f"benchmarks.{name}",
+                       *(short(a) for a in (sys.argv[1:] if argv is None else argv))])
+
+
 def loadavg() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])

@@ -14,7 +14,6 @@ import argparse
 import datetime
 import os
 import platform
-import shlex
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -23,10 +22,10 @@ from pathlib import Path
 from benchmarks.harness import (
     BUSY_WARN,
     Jobs,
+    command,
     cpu_model,
     git_commit,
     quick_defaults,
-    short,
     shown,
     write,
 )
@@ -196,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "benchmark": "step", "repeats": args.repeats, "steps": args.steps, "warmup": args.warmup,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": f"cd {os.getcwd()} && {shlex.join([short(sys.executable), *sys.argv])}",
+        "command": command("run_step_bench", argv),
         "commands": commands, "machine": machine_info(runs[args.ranks[0]], jobs.dropped),
         "efficiency": eff, "targets": check_targets(runs, eff), "runs": runs,
     }

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import bench_env, cpu_model, git_commit, quick_defaults, write
+from benchmarks.harness import bench_env, command, cpu_model, git_commit, quick_defaults, write
 from benchmarks.plotting import (
     OVER_HATCH,
     cores,
@@ -491,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "async_run": {k: v for k, v in async_run.items() if k != "runs"},
               "machine": cpu_model(), "cores": os.cpu_count(), "commit": git_commit(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "command": "python benchmarks/run_sync_bench.py"}
+              "command": command("run_sync_bench", argv)}
     write(results / "sync_bench", report, markdown(report))
     plot(report, results / "sync_bench.png")
     plot_async(report["async"], results / "sync_async.png")
