@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -35,10 +33,10 @@ from pathlib import Path
 from benchmarks.harness import (
     BUSY_WARN,
     Jobs,
+    blas_text,
     command,
-    cpu_model,
-    git_commit,
     loadavg,
+    machine,
     quick_defaults,
     write,
 )
@@ -398,12 +396,10 @@ def markdown(report: dict) -> str:
 
 def provenance(report: dict) -> list[str]:
     m = report["machine"]
-    blas = "; ".join(f"{b['internal_api']} {b['version']} ({b['architecture']}, {b['num_threads']} "
-                     f"thread(s))" for b in m["blas"]) if isinstance(m["blas"], list) else m["blas"]
     removed = ", ".join(m["openblas_env_removed"]) or "none were set"
     lines = [f"- Machine: {m['nproc']} CPUs, {m['cpu_model']}, {m['platform']}; load average "
              f"{m['loadavg_before']} before, {m['loadavg_after']} after",
-             f"- BLAS (threadpoolctl, in the ranks): {blas}",
+             f"- BLAS (threadpoolctl, in the ranks): {blas_text(m['blas'])}",
              f"- OpenBLAS variables removed for the runs: {removed}",
              f"- MPI: {m['mpi_library']} (mpi4py {m['mpi4py']}); numpy {m['numpy']}; Python {m['python']}; "
              f"PyTorch {m['torch']}",
@@ -416,15 +412,6 @@ def provenance(report: dict) -> list[str]:
                      "the least disturbed)")
     lines += ["- Commands:", *(f"  - `{c}`" for c in report["commands"])]
     return lines
-
-
-def machine_info(step_env: dict, dropped: list[str], load_before: str) -> dict:
-    return {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
-            "loadavg_before": load_before, "loadavg_after": loadavg(), "blas": step_env["blas"],
-            "openblas_env_removed": dropped, "openblas_env_seen_by_ranks": step_env["openblas_env_set"],
-            "mpi_library": " ".join(step_env["mpi_library"].split()), "mpi4py": step_env["mpi4py"],
-            "numpy": step_env["numpy"], "python": step_env["python"], "mpidp": step_env["mpidp"],
-            "torch": step_env["torch"] or "not installed", "commit": git_commit()}
 
 
 def _jsonable(obj):
@@ -457,7 +444,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "wall_s": time.monotonic() - t0,
               "command": command("bench_models", argv),
-              "commands": jobs.commands, "machine": machine_info(env, jobs.dropped, load_before),
+              "commands": jobs.commands, "machine": machine(
+                  env, jobs.dropped, loadavg_before=load_before, loadavg_after=loadavg(),
+                  torch=env["torch"] or "not installed"),
               "timed_jobs": {name: {k: run.get(k) for k in ("cpu_busy_before", "other_cpus_during",
                                                             "attempt", "attempts")}
                              for name, run in (("step time P=1", speed_r["runs"]["1"]),

@@ -136,6 +136,7 @@ def least_disturbed(attempt: Callable[[], dict], retries: int, what: str) -> dic
     limit, best = BUSY_WARN * (os.cpu_count() or 1), None
     for i in range(retries + 1):
         result = attempt()
+        result.setdefault("attempt", i + 1)
         other = result["other_cpus_during"]
         if best is None or (other or 0.0) < (best["other_cpus_during"] or 0.0):
             best = result
@@ -241,6 +242,25 @@ def alternate(runners: dict[str, Callable[[int], T]], repeats: int,
 def paired_ratio(ours: Sequence[float], theirs: Sequence[float]) -> float:
     """The median of the ratios of runs taken side by side (see :func:`alternate`)."""
     return statistics.median(a / b for a, b in zip(ours, theirs))
+
+
+def machine(env: dict, dropped: list[str], **extra) -> dict:
+    """The record of a run from a rank's environment (``bench_step.environment``): machine,
+    BLAS, MPI, versions, the OpenBLAS variables removed for the ranks, and the commit."""
+    return {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
+            **extra, "blas": env["blas"], "openblas_env_removed": dropped,
+            "openblas_env_seen_by_ranks": env["openblas_env_set"],
+            "mpi_library": " ".join(env["mpi_library"].split()), "mpi4py": env["mpi4py"],
+            "numpy": env["numpy"], "python": env["python"], "mpidp": env["mpidp"],
+            "commit": git_commit()}
+
+
+def blas_text(blas: list[dict] | str) -> str:
+    """:func:`blas_info` as one line: kernel, version, architecture, threads."""
+    if not isinstance(blas, list):
+        return blas
+    return "; ".join(f"{b['internal_api']} {b['version']} ({b['architecture']}, "
+                     f"{b['num_threads']} thread(s))" for b in blas)
 
 
 def write(out: Path, report: dict, markdown: str | None = None) -> list[Path]:

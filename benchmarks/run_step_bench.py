@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -22,9 +20,9 @@ from pathlib import Path
 from benchmarks.harness import (
     BUSY_WARN,
     Jobs,
+    blas_text,
     command,
-    cpu_model,
-    git_commit,
+    machine,
     quick_defaults,
     shown,
     write,
@@ -134,12 +132,9 @@ def _table(report: dict) -> list[str]:
 
 def _provenance(report: dict) -> list[str]:
     runs, m = report["runs"], report["machine"]
-    blas = "; ".join(f"{b['internal_api']} {b['version']} ({b['architecture']}, "
-                     f"{b['num_threads']} thread(s))" for b in m["blas"]) \
-        if isinstance(m["blas"], list) else m["blas"]
     removed = ", ".join(m["openblas_env_removed"]) or "none were set"
     lines = [f"- Machine: {m['nproc']} CPUs, {m['cpu_model']}, {m['platform']}",
-             f"- BLAS: {blas}",
+             f"- BLAS: {blas_text(m['blas'])}",
              f"- OpenBLAS variables removed for the runs: {removed}",
              f"- MPI: {m['mpi_library']} (mpi4py {m['mpi4py']}); numpy {m['numpy']}; "
              f"Python {m['python']}",
@@ -168,16 +163,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def machine_info(first_run: dict, dropped: list[str]) -> dict:
-    env = first_run["environment"]
-    return {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
-            "blas": env["blas"], "openblas_env_removed": dropped,
-            "openblas_env_seen_by_ranks": env["openblas_env_set"],
-            "mpi_library": " ".join(env["mpi_library"].split()), "mpi4py": env["mpi4py"],
-            "numpy": env["numpy"], "python": env["python"], "mpidp": env["mpidp"],
-            "commit": git_commit()}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
@@ -196,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": "step", "repeats": args.repeats, "steps": args.steps, "warmup": args.warmup,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command("run_step_bench", argv),
-        "commands": commands, "machine": machine_info(runs[args.ranks[0]], jobs.dropped),
+        "commands": commands, "machine": machine(runs[args.ranks[0]]["environment"], jobs.dropped),
         "efficiency": eff, "targets": check_targets(runs, eff), "runs": runs,
     }
     text = markdown(report)
