@@ -116,7 +116,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "runs are deterministic) and run only the timing and exactness sections again")
     p.add_argument("--replot", metavar="JSON", help="only rewrite batch.md and batch.png from JSON")
     p.add_argument("--quick", action="store_true", help="two batches, one seed, 3 epochs (a smoke test)")
-    quick_defaults(p, quick=True)
+    quick_defaults(p, quick=True, wait_quiet=0, retries=0)
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.seeds, args.tune_seeds, args.epochs = "32,256", "0", "0", 3

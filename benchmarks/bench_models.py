@@ -66,7 +66,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--wait-quiet", type=float, default=30,
                    help="seconds to wait for the CPUs to go quiet before each timed job")
     p.add_argument("--quick", action="store_true", help="few seeds and repeats (a smoke test)")
-    quick_defaults(p, quick=True)
+    quick_defaults(p, quick=True, wait_quiet=0, retries=0)
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.repeats, args.exact_ranks = "0", 2, "1,2"
