@@ -24,7 +24,7 @@ MPIEXEC ?= $(BIN)/mpiexec
 MPI_TIMEOUT ?= 600
 RANKS   ?= 1 2 3 4
 
-.PHONY: install demo test test-fast test-unit test-mpi test-faults bench bench-sync bench-partition bench-parallel bench-compare bench-large bench-multihost bench-network lint clean
+.PHONY: install demo test test-fast test-unit test-mpi test-faults bench bench-sync bench-partition bench-parallel bench-compare bench-large bench-multihost bench-network bench-data lint clean
 
 install: $(STAMP)
 
@@ -73,34 +73,37 @@ test-faults: $(STAMP)
 	  tests/parallel/test_async_server_faults.py tests/cli/test_clean_ends.py -k "not clean_ends or sigterm or sigint"
 	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/run/test_elastic.py
 
+# Every bench-* target runs one module of the benchmarks package (python -m benchmarks.NAME);
+# MPIDP_BENCH_QUICK=1 makes any of them a smoke run of about a minute (no figures).
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run_step_bench.py
+	$(BIN)/python -m benchmarks.run_step_bench
 
 # Every synchronisation mode at P = 1, 2, 4, the cost model checked, accuracy of lossy modes.
 bench-sync: $(STAMP)
-	$(BIN)/python benchmarks/run_sync_bench.py
+	$(BIN)/python -m benchmarks.run_sync_bench
 
 # Step time and cost model across two test hosts (network namespaces; needs root).
 bench-multihost: $(STAMP)
-	$(BIN)/python benchmarks/bench_multihost.py
+	$(BIN)/python -m benchmarks.bench_multihost
 
 # Data parallelism over a slow link: two test hosts (network namespaces; needs root) whose
 # links are limited to 1 and 10 Gbit/s; the hand-written loop and mpidp's modes, node-aware
 # reduction at 2 x 2 ranks, host-link bytes from the veth counters ->
 # benchmarks/results/network.{json,md}. BENCH_NETWORK_ARGS adds options (e.g. --rates 1,10,25).
 bench-network: $(STAMP)
-	$(BIN)/python benchmarks/bench_network.py $(BENCH_NETWORK_ARGS)
+	$(BIN)/python -m benchmarks.bench_network $(BENCH_NETWORK_ARGS)
 
 # Buffers over 2 GiB through Bcast, Allreduce and Scatterv (needs ~10 GB of RAM; not in CI).
+BENCH_LARGE_GIB ?= 2.2
 bench-large: $(STAMP)
 	mkdir -p benchmarks/results
-	OMP_NUM_THREADS=1 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 2 $(BIN)/python benchmarks/bench_large.py \
-	  --gib 2.2 --out benchmarks/results/large.json
+	OMP_NUM_THREADS=1 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 2 $(BIN)/python -m benchmarks.bench_large \
+	  --gib $(BENCH_LARGE_GIB) --out benchmarks/results/large.json
 
 # Partition strategies x workloads at P = 2 and 4, the straggler case and map/reduce;
 # writes benchmarks/results/partition.{json,md,png} and prints its targets.
 bench-partition: $(STAMP)
-	$(BIN)/python benchmarks/bench_partition.py --mpiexec $(MPIEXEC)
+	$(BIN)/python -m benchmarks.bench_partition --mpiexec $(MPIEXEC)
 
 # Data distribution (scatter, local, predict writes) against hand-written mpi4py/NumPy code,
 # data sets of 64 MiB and 1 GiB in every file format, P = 1, 2, 4; generated data sets go to
@@ -108,13 +111,13 @@ bench-partition: $(STAMP)
 # (e.g. --sizes-mb 64,1024,4096 on a bigger machine).
 bench-data: $(STAMP)
 	mkdir -p benchmarks/results
-	timeout 1800 $(BIN)/python benchmarks/bench_data.py --mpiexec $(MPIEXEC) $(BENCH_DATA_ARGS)
+	timeout 1800 $(BIN)/python -m benchmarks.bench_data --mpiexec $(MPIEXEC) $(BENCH_DATA_ARGS)
 
 # Data parallel vs pipeline (GPipe, 1F1B) vs hybrid at P = 2 and 4: memory, bytes, bubble,
 # throughput, largest model in a memory budget -> benchmarks/results/parallel.{json,md,png}.
 bench-parallel: $(STAMP)
 	mkdir -p benchmarks/results
-	timeout 3600 $(BIN)/python benchmarks/bench_parallel.py --out benchmarks/results/parallel \
+	timeout 3600 $(BIN)/python -m benchmarks.bench_parallel --out benchmarks/results/parallel \
 	  --mpiexec $(MPIEXEC) --budget-mib 256
 
 # Data parallel vs sync/async parameter server vs pipeline vs hybrid on eight properties
@@ -122,7 +125,7 @@ bench-parallel: $(STAMP)
 # convergence) at P = 2 and 4 -> benchmarks/results/compare.{json,md,png} (~10 min).
 bench-compare: $(STAMP)
 	mkdir -p benchmarks/results
-	timeout 1800 $(BIN)/python benchmarks/bench_compare.py --out benchmarks/results/compare \
+	timeout 1800 $(BIN)/python -m benchmarks.bench_compare --out benchmarks/results/compare \
 	  --mpiexec $(MPIEXEC)
 
 # The new layers: MNIST-1D and digits accuracy through the CLI, the CNN's P-exactness, a
@@ -132,7 +135,7 @@ bench-compare: $(STAMP)
 bench-models: $(STAMP)
 	$(BIN)/python -m pip install -q torch==2.13.0 || echo "bench-models: PyTorch 2.13.0 could not be installed; the comparison with it is skipped"
 	mkdir -p benchmarks/results
-	timeout 1800 $(BIN)/python benchmarks/bench_models.py --mpiexec $(MPIEXEC)
+	timeout 1800 $(BIN)/python -m benchmarks.bench_models --mpiexec $(MPIEXEC)
 
 # Large global batches: MNIST-1D cnn accuracy at batches 32..2048 in a fixed epoch budget
 # (a tuned constant rate, linear scaling + warmup with and without clipping, LAMB), time to
@@ -141,7 +144,7 @@ bench-models: $(STAMP)
 .PHONY: bench-batch
 bench-batch: $(STAMP)
 	mkdir -p benchmarks/results
-	timeout 2400 $(BIN)/python benchmarks/bench_batch.py --mpiexec $(MPIEXEC)
+	timeout 2400 $(BIN)/python -m benchmarks.bench_batch --mpiexec $(MPIEXEC)
 
 # ruff pinned, so that a new release's rules never turn CI red by themselves
 RUFF_VERSION ?= 0.8.6

@@ -20,10 +20,11 @@ import sys
 from collections.abc import Sequence
 
 import numpy as np
-from bench_step import HIDDEN, environment
 from mpi4py import MPI
 
 import mpidp
+from benchmarks.bench_step import HIDDEN, environment
+from benchmarks.harness import quick_defaults
 from mpidp import nn
 from mpidp.data.partition import local_batches
 from mpidp.observe.metrics import StepTimer
@@ -43,6 +44,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--slowdown", type=float, default=2.0, help="the last worker's slowdown")
     p.add_argument("--max-staleness", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    quick_defaults(p, epochs=1, n_samples=4000)
     return p.parse_args(argv)
 
 

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import platform
-import shlex
 import signal
 import subprocess
 import sys
@@ -43,17 +42,19 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench_batch_report import median_nan, write_report
-from run_step_bench import (
-    BUSY_WARN,
-    DROP_ENV,
-    THREAD_ENV,
-    _children_cpu_s,
-    _cpu_ticks,
-    _other_cpus,
+from benchmarks.bench_batch_report import median_nan, write_report
+from benchmarks.harness import (
     bench_env,
+    children_cpu_s,
+    command,
     cpu_model,
+    cpu_ticks,
     git_commit,
+    least_disturbed,
+    loadavg,
+    other_cpus,
+    quick_defaults,
+    shown,
     wait_quiet,
 )
 
@@ -115,6 +116,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "runs are deterministic) and run only the timing and exactness sections again")
     p.add_argument("--replot", metavar="JSON", help="only rewrite batch.md and batch.png from JSON")
     p.add_argument("--quick", action="store_true", help="two batches, one seed, 3 epochs (a smoke test)")
+    quick_defaults(p, quick=True, wait_quiet=0, retries=0)
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.seeds, args.tune_seeds, args.epochs = "32,256", "0", "0", 3
@@ -134,15 +136,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 # --- jobs -------------------------------------------------------------------------------
-
-def _short(path: str) -> str:
-    """``path`` relative to the repository when it lies below it."""
-    try:
-        rel = os.path.relpath(path, REPO)
-    except ValueError:
-        return path
-    return path if rel.startswith("..") else rel
-
 
 def first_error(text: str) -> str:
     """The line of a failed job's output that says why (mpidp's ``error:`` line if any)."""
@@ -170,29 +163,14 @@ class Runs:
                 "--batch-size", str(batch), "--seed", str(seed), "--dtype", dtype, *recipe_args,
                 "--out", str(out), "-q"]
 
-    def shown(self, cmd: list[str]) -> str:
-        return " ".join(["env", *(f"-u {v}" for v in DROP_ENV),
-                         *(f"{k}={v}" for k, v in THREAD_ENV.items()), shlex.join(_short(c) for c in cmd)])
-
     def run(self, P: int, batch: int, seed: int, recipe_args: list[str], dtype: str = "float32",
             timed: bool = False) -> dict:
         """:meth:`once`; a timed job again (up to ``--retries``) while other processes used
         more than BUSY_WARN of the CPUs, keeping the least disturbed run."""
         if not timed:
             return self.once(P, batch, seed, recipe_args, dtype)
-        limit, best = BUSY_WARN * (os.cpu_count() or 1), None
-        for attempt in range(self.args.retries + 1):
-            rec = self.once(P, batch, seed, recipe_args, dtype, timed=True)
-            other = rec["other_cpus_during"]
-            if best is None or (other or 0.0) < (best["other_cpus_during"] or 0.0):
-                best = rec
-            if other is None or other <= limit:
-                break
-            print(f"  other processes used {other:.2f} CPUs during it"
-                  + (f"; running it again ({attempt + 1}/{self.args.retries})"
-                     if attempt < self.args.retries else "; its seconds are suspect"), flush=True)
-        best["attempt"], best["attempts"] = best.get("attempt", 1), attempt + 1
-        return best
+        return least_disturbed(lambda: self.once(P, batch, seed, recipe_args, dtype, timed=True),
+                               self.args.retries, f"P={P} batch {batch} seed {seed}")
 
     def once(self, P: int, batch: int, seed: int, recipe_args: list[str], dtype: str = "float32",
              timed: bool = False) -> dict:
@@ -206,8 +184,8 @@ class Runs:
             out = self.tmp / f"run{self.count:04d}"
         cmd = self.command(P, batch, seed, recipe_args, out, dtype)
         busy = wait_quiet(self.args.wait_quiet) if timed else None
-        print(f"$ {self.shown(cmd)}", flush=True)
-        ticks0, own0, t0 = _cpu_ticks(), _children_cpu_s(), time.monotonic()
+        print(f"$ {shown(cmd)}", flush=True)
+        ticks0, own0, t0 = cpu_ticks(), children_cpu_s(), time.monotonic()
         proc = subprocess.Popen(cmd, env=self.env, cwd=REPO, start_new_session=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
@@ -219,13 +197,13 @@ class Runs:
             status = "timeout"
         job_s = time.monotonic() - t0
         rec = {"P": P, "batch": batch, "seed": seed, "dtype": dtype, "args": recipe_args,
-               "command": self.shown(cmd), "status": status, "job_s": job_s, "test_accuracy": math.nan,
+               "command": shown(cmd), "status": status, "job_s": job_s, "test_accuracy": math.nan,
                "out": str(out)}
         if timed:
             self.attempts[key] = self.attempts.get(key, 0) + 1
             rec["attempt"] = self.attempts[key]
             rec["cpu_busy_before"] = busy
-            rec["other_cpus_during"] = _other_cpus(ticks0, own0, job_s)
+            rec["other_cpus_during"] = other_cpus(ticks0, own0, job_s)
         if status == "ok":
             m = json.loads((out / "metrics.json").read_text())
             rec.update(test_accuracy=float(m["test_accuracy"]), train_accuracy=m["train_accuracy"],
@@ -423,13 +401,6 @@ def probe(runs: Runs) -> dict:
     return info
 
 
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "unknown"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
@@ -442,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if earlier is not None:  # the sweep's settings are the earlier run's
         args.batches, args.seeds, args.epochs = earlier["batches"], earlier["seeds"], earlier["epochs"]
     base = args.batches[0]
-    t0, load_before, ticks0, own0 = time.monotonic(), _loadavg(), _cpu_ticks(), _children_cpu_s()
+    t0, load_before, ticks0, own0 = time.monotonic(), loadavg(), cpu_ticks(), children_cpu_s()
     commit = git_commit()  # at the start: others may commit while it runs
     with tempfile.TemporaryDirectory(prefix="bench_batch_") as tmp_name:
         runs = Runs(args, Path(tmp_name))
@@ -464,13 +435,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "wall_s": wall, "jobs_run": runs.count, "parallel_untimed_jobs": args.jobs,
               "timed_retries": args.retries, "wait_quiet_s": args.wait_quiet,
-              "command": shlex.join([_short(sys.executable), *(_short(a) for a in sys.argv)]),
+              "command": command("bench_batch", argv),
               "recipes": {k: {"label": v["label"], "args": v["args"], "tuned": v["tuned"]}
                           for k, v in RECIPES.items() if k in args.recipes},
               "machine": {"nproc": os.cpu_count(), "cpu_model": cpu_model(),
                           "platform": platform.platform(), "loadavg_before": load_before,
-                          "loadavg_after": _loadavg(),
-                          "other_cpus_during_benchmark": _other_cpus(ticks0, own0, wall),
+                          "loadavg_after": loadavg(),
+                          "other_cpus_during_benchmark": other_cpus(ticks0, own0, wall),
                           "openblas_env_removed": runs.dropped, **env, "commit": commit,
                           "commit_at_end": git_commit()},
               "tuning": tuned, "sweep": sw, "timing": tm, "exactness": ex}

@@ -8,6 +8,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks.harness import blas_text
+
 BUSY_WARN = 0.10  # share of the CPUs other work may use before timings are suspect
 TOL = 1e-9  # accuracies are multiples of 1/1000: a comparison must not hinge on rounding
 
@@ -214,13 +216,11 @@ def markdown(report: dict) -> str:
                  f"{_acc(acc.get('1', acc.get(1, math.nan)))} / {_acc(acc.get('2', acc.get(2, math.nan)))} |")
     L += ["", "## Targets", "", *(f"- {_verdict(t)}: {t['target']} (measured: {t['value']})"
                                   for t in report["targets"])]
-    blas = "; ".join(f"{b['internal_api']} {b['version']} ({b['architecture']}, {b['num_threads']} "
-                     f"thread(s))" for b in m["blas"]) if isinstance(m["blas"], list) else m["blas"]
     L += ["", "## Where and how", "",
           f"- Machine: {m['nproc']} CPUs, {m['cpu_model']}, {m['platform']}; load average "
           f"{m['loadavg_before']} before, {m['loadavg_after']} after; other processes used "
           f"{m['other_cpus_during_benchmark']:.2f} CPUs on average during the benchmark",
-          f"- BLAS (threadpoolctl, in a rank): {blas}",
+          f"- BLAS (threadpoolctl, in a rank): {blas_text(m['blas'])}",
           "- OpenBLAS variables removed for the runs: "
           f"{', '.join(m['openblas_env_removed']) or 'none were set'}",
           f"- MPI: {m.get('mpi_library', '?')} (mpi4py {m.get('mpi4py', '?')}); numpy {m.get('numpy', '?')}; "

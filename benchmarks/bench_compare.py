@@ -38,28 +38,14 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bench_compare_report import HIDDEN, LR, MOMENTUM, N_IN, N_OUT, wire_bytes
+from benchmarks.harness import bench_env, quick_defaults
+
 HERE = Path(__file__).resolve().parent
 COLUMNS = ("dp", "ps", "async", "pipeline", "hybrid")
-HIDDEN = (1024, 1024)
-N_IN, N_OUT, LR, MOMENTUM = 784, 10, 0.05, 0.9
 
 
 # --- counting what each rank hands to MPI -----------------------------------------------
-
-def wire_bytes(kind: str, m: float, P: int, root: bool) -> tuple[float, float]:
-    """Bytes one rank sends and receives for one call moving ``m`` payload bytes over ``P``
-    ranks, by the algorithm MPICH uses for large messages: Allreduce as reduce-scatter +
-    allgather (ring), Bcast as scatter + allgather, Reduce to root (mpidp's reduce_sum_to_)
-    as Reduce_scatter + Gatherv. Point to point: exactly ``m``."""
-    f = (P - 1) / P
-    if kind == "allreduce":
-        return 2 * f * m, 2 * f * m
-    if kind == "reduce":
-        return f * m + (0 if root else m / P), f * m + (f * m if root else 0)
-    if kind == "bcast":
-        return (2 * f * m, f * m) if root else (f * m, m)
-    return (m, 0.0) if kind == "send" else (0.0, m)
-
 
 class Wire:
     """Counts bytes sent and received by this rank while ``on``, per peer for point to point."""
@@ -185,8 +171,7 @@ def _cycled(X: np.ndarray, y: np.ndarray, offs: np.ndarray, rank: int, batch: in
 
 def speed_replica(comm, a, wire: Wire) -> dict:
     """Data parallel or synchronous server: one job's figures for this rank."""
-    from bench_parallel import _timed
-
+    from benchmarks.bench_parallel import _timed
     from mpidp.parallel.stages import held_bytes
     dp = _replica(comm, a.column)
     X, y = _data(4 * a.batch)
@@ -218,8 +203,7 @@ def speed_replica(comm, a, wire: Wire) -> dict:
 
 def speed_pipeline(comm, a, wire: Wire) -> dict:
     """Pipeline or hybrid (1F1B): one job's figures for this rank, with the replayed bubble."""
-    from bench_parallel import _bubble, _timed
-
+    from benchmarks.bench_parallel import _bubble, _timed
     from mpidp.data.partition import block_range
     from mpidp.observe.metrics import StepTimer
     pipe = _pipeline(comm, a.column, "time" if a.split == "balanced" else "params", a.micro)
@@ -351,18 +335,12 @@ def conv(comm, a) -> list:
 
 # --- driver -----------------------------------------------------------------------------
 
-def env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
-    return {**env, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
-
-
 def launch(a, P: int, task: str, column: str, extra: list[str], tmp: Path):
     """One worker job under ``mpiexec -n P``; rank 0's gathered result."""
     out = tmp / f"{task}-{column}-{P}-{time.monotonic_ns()}.json"
-    cmd = [a.mpiexec, "-n", str(P), sys.executable, str(Path(__file__).resolve()), "--task",
+    cmd = [a.mpiexec, "-n", str(P), sys.executable, "-m", "benchmarks.bench_compare", "--task",
            task, "--column", column, "--json", str(out), *_shared_args(a), *extra]
-    subprocess.run(cmd, env=env(), check=True, timeout=a.timeout, cwd=HERE.parent)
+    subprocess.run(cmd, env=bench_env()[0], check=True, timeout=a.timeout, cwd=HERE.parent)
     return json.loads(out.read_text())
 
 
@@ -377,7 +355,7 @@ def drive(a) -> dict:
     """Every job of the benchmark; the raw results."""
     ranks = [int(r) for r in a.ranks.split(",")]
     columns = a.columns.split(",")
-    from bench_compare_fault import fault
+    from benchmarks.bench_compare_fault import fault
     res: dict = {"speed": [], "conv": [], "fault": []}
     with tempfile.TemporaryDirectory(prefix="bench-compare-") as tmp:
         tmp = Path(tmp)
@@ -447,6 +425,9 @@ def parse_args(argv) -> argparse.Namespace:
     a("--json", help=argparse.SUPPRESS)
     a("--step-dir", help=argparse.SUPPRESS)
     a("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    quick_defaults(p, ranks="2", batch=128, micro=4, steps=1, repeats=1, warmup=1,
+                   bubble_reps=1, epochs=1, n_conv=1024, target=100, n_fault=1664,
+                   fault_batch=128, kill_step=6, ckpt_every=4)
     return p.parse_args(argv)
 
 
@@ -454,12 +435,12 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     a.mpiexec = os.path.abspath(a.mpiexec)
     if a.task == "cli":
-        from bench_compare_fault import cli_with_step_file
+        from benchmarks.bench_compare_fault import cli_with_step_file
         return cli_with_step_file(a.rest[1:] if a.rest[:1] == ["--"] else a.rest, a.step_dir)
     if a.task:
         worker(a)
         return 0
-    from bench_compare_report import environment, write_reports
+    from benchmarks.bench_compare_report import environment, write_reports
     raw = Path(a.out).with_suffix(".raw.json")
     if a.from_raw:
         res = json.loads(raw.read_text())

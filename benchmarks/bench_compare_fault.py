@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_compare import HERE, HIDDEN, LR, MOMENTUM, env
+
+from benchmarks.bench_compare_report import HIDDEN, LR, MOMENTUM
+from benchmarks.harness import HERE, bench_env
 
 # --- the fault row: mpidp train under a step counter, killed from outside ---------------
 
@@ -77,13 +79,13 @@ def _train_cmd(a, P: int, column: str, out: Path, ckpt: Path | None, resume: boo
     head = [a.mpiexec, "-n", str(P), sys.executable]
     if step_dir is None:
         return head + ["-m", "mpidp", *train]
-    return head + [str(HERE / "bench_compare.py"), "--task", "cli", "--step-dir",
+    return head + ["-m", "benchmarks.bench_compare", "--task", "cli", "--step-dir",
                    str(step_dir), "--", *train]
 
 
 def _run_train(a, cmd: list[str]) -> tuple[int, float, str]:
     t = time.perf_counter()
-    p = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=a.timeout,
+    p = subprocess.run(cmd, env=bench_env()[0], capture_output=True, text=True, timeout=a.timeout,
                        cwd=HERE.parent)
     return p.returncode, time.perf_counter() - t, p.stdout + p.stderr
 
@@ -92,7 +94,7 @@ def _kill_after(a, cmd: list[str], step_file: Path) -> dict:
     """Start the job, SIGKILL the rank of ``step_file`` once it has finished
     ``a.kill_step`` steps; returns the steps it finished and how long the job took to end."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, env=bench_env()[0], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=HERE.parent)
     pid = done = 0
     while proc.poll() is None and time.perf_counter() - t0 < a.timeout:
@@ -170,8 +172,7 @@ def _remove_shm_left(before: set[str]) -> None:
     new = _shm_files() - before
     if not new:
         return
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    from conftest import _shm_in_use
+    from benchmarks.harness import shm_in_use as _shm_in_use
     in_use = _shm_in_use()
     for name in new - in_use:
         (Path("/dev/shm") / name).unlink(missing_ok=True)

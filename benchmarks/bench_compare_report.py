@@ -7,14 +7,18 @@ import math
 import os
 import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.harness import command, git_commit
+
 HERE = Path(__file__).resolve().parent
+
 MIB = 2**20
+HIDDEN = (1024, 1024)  # the workload: MLP 784-1024-1024-10, SGD with momentum
+N_IN, N_OUT, LR, MOMENTUM = 784, 10, 0.05, 0.9
 LABEL = {"dp": "data parallel (allreduce)", "ps": "sync parameter server (dedicated)",
          "async": "async parameter server", "pipeline": "pipeline (1F1B)",
          "hybrid": "hybrid (2 stages x P/2, 1F1B)"}
@@ -31,11 +35,25 @@ WAITS_FOR = {"dp": "the slowest rank's gradients (inside the Allreduce)",
              "hybrid": "neighbour stage (bubble) + the replicas' Allreduce"}
 
 
+def wire_bytes(kind: str, m: float, P: int, root: bool) -> tuple[float, float]:
+    """Bytes one rank sends and receives for one call moving ``m`` payload bytes over ``P``
+    ranks, by the algorithm MPICH uses for large messages: Allreduce as reduce-scatter +
+    allgather (ring), Bcast as scatter + allgather, Reduce to root (mpidp's reduce_sum_to_)
+    as Reduce_scatter + Gatherv. Point to point: exactly ``m``."""
+    f = (P - 1) / P
+    if kind == "allreduce":
+        return 2 * f * m, 2 * f * m
+    if kind == "reduce":
+        return f * m + (0 if root else m / P), f * m + (f * m if root else 0)
+    if kind == "bcast":
+        return (2 * f * m, f * m) if root else (f * m, m)
+    return (m, 0.0) if kind == "send" else (0.0, m)
+
+
 def environment(a, seconds: float) -> dict:
     """Machine, software, BLAS kernel, commit and command of this run."""
     from threadpoolctl import threadpool_info
-    sys.path.insert(0, str(HERE))
-    from run_step_bench import git_commit
+
     mpi = subprocess.run([a.mpiexec, "--version"], capture_output=True, text=True).stdout
     return {"python": platform.python_version(), "numpy": np.__version__,
             "cpus": os.cpu_count(), "machine": platform.machine(),
@@ -43,7 +61,7 @@ def environment(a, seconds: float) -> dict:
             "mpiexec": " ".join(mpi.split()[:6]),
             "blas": [{k: d.get(k) for k in ("internal_api", "version", "architecture")}
                      for d in threadpool_info() if d.get("user_api") == "blas"],
-            "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
+            "command": command("bench_compare"), "commit": git_commit(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": seconds,
             "settings": {k: _in_repo(v) for k, v in vars(a).items()
                          if k not in ("task", "column", "json", "step_dir", "rest", "split")}}
@@ -160,7 +178,6 @@ def predictions(res: dict, a, Ps=(64, 1024)) -> dict:
     """Per column: bytes of the busiest link per step (the wire formulas of the measurement),
     speedup (cost model fitted on this machine, ``benchmarks/results/model/model.json``;
     pipelines: P m/(m+P-1) with equal stages) and mean async staleness (workers - 1)."""
-    from bench_compare import wire_bytes
 
     from mpidp.scale import costmodel as M
     base = res["baseline"][0]

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.harness import command, cpu_model, git_commit, quick_defaults
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 N_FEATURES = 784
@@ -296,7 +298,7 @@ def summarize(runs: list[list[dict]], mode: str) -> dict:
 def run_job(args, path: str, P: int, modes: Sequence[str], scratch: str) -> dict:
     out = os.path.join(scratch, f"res-{P}.json")
     cmd = ["timeout", str(args.job_timeout), args.mpiexec, "-n", str(P), sys.executable,
-           str(Path(__file__).resolve()), "--worker", "--path", path, "--modes", ",".join(modes),
+           "-m", "benchmarks.bench_data", "--worker", "--path", path, "--modes", ",".join(modes),
            "--repeats", str(args.repeats), "--json", out, "--scratch", scratch]
     env = {**os.environ, **ENV}
     env.pop("OPENBLAS_CORETYPE", None)
@@ -307,18 +309,12 @@ def run_job(args, path: str, P: int, modes: Sequence[str], scratch: str) -> dict
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=REPO).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", *MEASURED_CODE],
-                           capture_output=True, text=True, cwd=REPO).stdout.strip()
     try:
         from threadpoolctl import threadpool_info
         blas = [f"{i.get('internal_api')} {i.get('architecture')}" for i in threadpool_info()]
     except ImportError:
         blas = ["threadpoolctl not installed"]
-    return {"nproc": os.cpu_count(), "cpu": cpu, "commit": commit + ("+dirty" if dirty else ""),
+    return {"nproc": os.cpu_count(), "cpu": cpu_model(), "commit": git_commit(MEASURED_CODE),
             "python": platform.python_version(), "numpy": np.__version__, "blas": blas,
             "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
@@ -352,14 +348,11 @@ def measure(args) -> dict:
                 cells.append({"size_mb": None, "format": "sparse (bow)", "P": P, "results": res})
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"machine": machine(), "command": " ".join(["python", "benchmarks/bench_data.py",
-                                                        *args.argv]),
+    return {"machine": machine(), "command": command("bench_data", args.argv),
             "cells": cells}
 
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(HERE))
-from bench_data_report import report  # noqa: E402
+from benchmarks.bench_data_report import report  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -377,6 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--modes", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     p.add_argument("--scratch", help=argparse.SUPPRESS)
+    quick_defaults(p, sizes_mb="4", ranks="1,2", repeats=1)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)

@@ -23,29 +23,22 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
-import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from run_step_bench import (
+from benchmarks.harness import (
     BUSY_WARN,
-    DROP_ENV,
-    THREAD_ENV,
-    _children_cpu_s,
-    _cpu_ticks,
-    _other_cpus,
-    bench_env,
-    cpu_model,
-    git_commit,
-    wait_quiet,
+    Jobs,
+    blas_text,
+    command,
+    loadavg,
+    machine,
+    quick_defaults,
+    write,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -73,6 +66,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--wait-quiet", type=float, default=30,
                    help="seconds to wait for the CPUs to go quiet before each timed job")
     p.add_argument("--quick", action="store_true", help="few seeds and repeats (a smoke test)")
+    quick_defaults(p, quick=True, wait_quiet=0, retries=0)
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.repeats, args.exact_ranks = "0", 2, "1,2"
@@ -83,84 +77,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-# --- jobs -------------------------------------------------------------------------------
+# --- jobs ---------------------------------------------------------------------------------
 
-class Jobs:
-    """Runs ``mpiexec`` jobs with the benchmark environment and remembers their commands."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.env, self.dropped = bench_env()
-        self.commands: list[str] = []
-
-    def shown(self, cmd: list[str]) -> str:
-        return " ".join(["env", *(f"-u {v}" for v in DROP_ENV),
-                         *(f"{k}={v}" for k, v in THREAD_ENV.items()),
-                         shlex.join(_short(c) for c in cmd)])
-
-    def run(self, cmd: list[str], what: str) -> None:
-        shown = self.shown(cmd)
-        if shown not in self.commands:  # a timed job run again is listed once
-            self.commands.append(shown)
-        print(f"$ {shown}", flush=True)
-        proc = subprocess.Popen(cmd, env=self.env, cwd=REPO, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=self.args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise RuntimeError(f"{what}: no result within {self.args.timeout:.0f} s; job killed") from None
-        if rc != 0:
-            raise RuntimeError(f"{what}: the job exited with status {rc}")
-
-    def timed(self, cmd: list[str], out: Path, what: str) -> dict:
-        """Run a job that writes JSON to ``out``, after the CPUs go quiet; again (up to
-        ``--retries``) while other processes used more than BUSY_WARN of the CPUs. The
-        least disturbed run, with ``cpu_busy_before`` and ``other_cpus_during``."""
-        limit, best = BUSY_WARN * (os.cpu_count() or 1), None
-        for attempt in range(self.args.retries + 1):
-            busy = wait_quiet(self.args.wait_quiet)
-            ticks0, own0, t0 = _cpu_ticks(), _children_cpu_s(), time.monotonic()
-            self.run(cmd, what)
-            result = json.loads(out.read_text())
-            result["cpu_busy_before"] = busy
-            result["other_cpus_during"] = other = _other_cpus(ticks0, own0, time.monotonic() - t0)
-            result["attempt"] = attempt + 1
-            if best is None or (other or 0.0) < (best["other_cpus_during"] or 0.0):
-                best = result
-            if other is None or other <= limit:
-                break
-            print(f"WARNING: {what}: other processes used {other:.2f} CPUs during the job"
-                  + (f"; running it again ({attempt + 1}/{self.args.retries})"
-                     if attempt < self.args.retries else "; its timings are suspect"),
-                  file=sys.stderr, flush=True)
-        best["attempts"] = attempt + 1
-        return best
-
-    def train(self, P: int, dataset: str, model: str, out: Path, *extra: str) -> dict:
-        """``mpidp train`` through the CLI on ``P`` ranks; what it reported and used."""
-        cmd = [self.args.mpiexec, "-n", str(P), self.args.python, "-m", "mpidp", "train",
-               "--dataset", dataset, "--model", model, "--out", str(out), "-q", *extra]
-        self.run(cmd, f"mpidp train --dataset {dataset} --model {model} -n {P}")
-        m = json.loads((out / "metrics.json").read_text())
-        cfg = m["config"]
-        return {"P": P, "test_accuracy": m["test_accuracy"], "train_accuracy": m["train_accuracy"],
-                "final_loss": m["final_loss"], "wall_s": m["wall_s"], "n_params": m["n_params"],
-                "steps": m["steps"], **{k: cfg[k] for k in USED}, "model_dir": out}
+def train(jobs: Jobs, P: int, dataset: str, model: str, out: Path, *extra: str) -> dict:
+    """``mpidp train`` through the CLI on ``P`` ranks; what it reported and used."""
+    cmd = [jobs.args.mpiexec, "-n", str(P), jobs.args.python, "-m", "mpidp", "train",
+           "--dataset", dataset, "--model", model, "--out", str(out), "-q", *extra]
+    jobs.run(cmd, f"mpidp train --dataset {dataset} --model {model} -n {P}")
+    m = json.loads((out / "metrics.json").read_text())
+    cfg = m["config"]
+    return {"P": P, "test_accuracy": m["test_accuracy"], "train_accuracy": m["train_accuracy"],
+            "final_loss": m["final_loss"], "wall_s": m["wall_s"], "n_params": m["n_params"],
+            "steps": m["steps"], **{k: cfg[k] for k in USED}, "model_dir": out}
 
 
 #: the settings of a run that its metrics.json records and the report shows
 USED = ("epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "dtype",
         "test_fraction", "seed")
-
-
-def _short(path: str) -> str:
-    """``path`` relative to the repository when it lies below it."""
-    try:
-        rel = os.path.relpath(path, REPO)
-    except ValueError:
-        return path
-    return path if rel.startswith("..") else rel
 
 
 # --- 1. and 2.: accuracy and exactness through the CLI ---------------------------------
@@ -198,7 +131,7 @@ def seeds_summary(runs: list[dict]) -> dict:
 def mnist1d_accuracy(jobs: Jobs, tmp: Path, seeds: list[int]) -> dict:
     out = {}
     for model in ("logreg", "mlp", "cnn"):
-        runs = [jobs.train(2, "mnist1d", model, tmp / f"m1d-{model}-{s}", "--seed", str(s))
+        runs = [train(jobs, 2, "mnist1d", model, tmp / f"m1d-{model}-{s}", "--seed", str(s))
                 for s in seeds]
         out[model] = {**seeds_summary(runs), "published": PUBLISHED[model],
                       "layers": architecture(runs[0]["model_dir"])}
@@ -212,7 +145,7 @@ def exactness(jobs: Jobs, tmp: Path, ranks: list[int]) -> dict:
     params = {}
     for P in ranks:
         d = tmp / f"exact-{P}"
-        jobs.train(P, "mnist1d", "cnn", d, "--dtype", "float64")
+        train(jobs, P, "mnist1d", "cnn", d, "--dtype", "float64")
         with np.load(d / "model.npz") as z:
             params[P] = z["params"].astype(np.float64)
     diffs = {P: float(np.max(np.abs(params[P] - params[1]))) for P in ranks if P != 1}
@@ -221,13 +154,13 @@ def exactness(jobs: Jobs, tmp: Path, ranks: list[int]) -> dict:
 
 
 def digits_accuracy(jobs: Jobs, tmp: Path, seeds: list[int]) -> dict:
-    runs = [jobs.train(2, "digits", "cnn", tmp / f"digits-{s}", "--seed", str(s)) for s in seeds]
+    runs = [train(jobs, 2, "digits", "cnn", tmp / f"digits-{s}", "--seed", str(s)) for s in seeds]
     out = {"default": {**seeds_summary(runs), "layers": architecture(runs[0]["model_dir"])},
            "split": split_of("digits", runs[0]["test_fraction"], seeds[0]), "longer": []}
     base = runs[0]["epochs"]
     if out["default"]["median"] < MIN_DIGITS_ACC:  # what does reach it: the same, for longer
         for factor in (2, 3, 4):
-            longer = [jobs.train(2, "digits", "cnn", tmp / f"digits-{factor}x-{s}", "--seed", str(s),
+            longer = [train(jobs, 2, "digits", "cnn", tmp / f"digits-{factor}x-{s}", "--seed", str(s),
                                  "--epochs", str(base * factor)) for s in seeds]
             out["longer"].append(seeds_summary(longer))
             if out["longer"][-1]["median"] >= MIN_DIGITS_ACC:
@@ -243,7 +176,7 @@ def speed(jobs: Jobs, tmp: Path, repeats: int) -> dict:
         out = tmp / f"step{P}.json"
         extra = ["--profile"] if P == "1" else ["--no-torch"]
         runs[P] = jobs.timed([jobs.args.mpiexec, "-n", P, jobs.args.python,
-                              str(HERE / "bench_models_step.py"), "--out", str(out),
+                              "-m", "benchmarks.bench_models_step", "--out", str(out),
                               "--repeats", str(repeats), *extra], out, f"step time P={P}")
     one, two = runs["1"]["results"], runs["2"]["results"]
     eff = {w: two[w]["samples_per_s"] / (2 * one[w]["samples_per_s"]) for w in ("cnn", "mlp")}
@@ -299,7 +232,7 @@ def summarise_profile(prof: dict) -> dict:
 
 def batchnorm(jobs: Jobs, tmp: Path, repeats: int, seeds: list[int]) -> dict:
     """The timed cost job (run again when disturbed), then the accuracy job (once)."""
-    cmd = [jobs.args.mpiexec, "-n", "2", jobs.args.python, str(HERE / "bench_models_bn.py"),
+    cmd = [jobs.args.mpiexec, "-n", "2", jobs.args.python, "-m", "benchmarks.bench_models_bn",
            "--model", BN_MODEL, "--repeats", str(repeats), "--seeds", ",".join(map(str, seeds))]
     out = tmp / "bn-cost.json"
     result = jobs.timed([*cmd, "--out", str(out), "--part", "cost"], out, "batch norm cost P=2")
@@ -463,12 +396,10 @@ def markdown(report: dict) -> str:
 
 def provenance(report: dict) -> list[str]:
     m = report["machine"]
-    blas = "; ".join(f"{b['internal_api']} {b['version']} ({b['architecture']}, {b['num_threads']} "
-                     f"thread(s))" for b in m["blas"]) if isinstance(m["blas"], list) else m["blas"]
     removed = ", ".join(m["openblas_env_removed"]) or "none were set"
     lines = [f"- Machine: {m['nproc']} CPUs, {m['cpu_model']}, {m['platform']}; load average "
              f"{m['loadavg_before']} before, {m['loadavg_after']} after",
-             f"- BLAS (threadpoolctl, in the ranks): {blas}",
+             f"- BLAS (threadpoolctl, in the ranks): {blas_text(m['blas'])}",
              f"- OpenBLAS variables removed for the runs: {removed}",
              f"- MPI: {m['mpi_library']} (mpi4py {m['mpi4py']}); numpy {m['numpy']}; Python {m['python']}; "
              f"PyTorch {m['torch']}",
@@ -483,22 +414,6 @@ def provenance(report: dict) -> list[str]:
     return lines
 
 
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "unknown"
-
-
-def machine_info(step_env: dict, dropped: list[str], load_before: str) -> dict:
-    return {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
-            "loadavg_before": load_before, "loadavg_after": _loadavg(), "blas": step_env["blas"],
-            "openblas_env_removed": dropped, "openblas_env_seen_by_ranks": step_env["openblas_env_set"],
-            "mpi_library": " ".join(step_env["mpi_library"].split()), "mpi4py": step_env["mpi4py"],
-            "numpy": step_env["numpy"], "python": step_env["python"], "mpidp": step_env["mpidp"],
-            "torch": step_env["torch"] or "not installed", "commit": git_commit()}
-
-
 def _jsonable(obj):
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
@@ -511,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    jobs, t0, load_before = Jobs(args), time.monotonic(), _loadavg()
+    jobs, t0, load_before = Jobs(args), time.monotonic(), loadavg()
     try:
         with tempfile.TemporaryDirectory(prefix="bench_models_") as tmp_name:
             tmp = Path(tmp_name)  # the timed jobs first, while the machine is as quiet as it gets
@@ -528,8 +443,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {"benchmark": "models", "seeds": args.seeds, "repeats": args.repeats,
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "wall_s": time.monotonic() - t0,
-              "command": shlex.join([_short(sys.executable), *(_short(a) for a in sys.argv)]),
-              "commands": jobs.commands, "machine": machine_info(env, jobs.dropped, load_before),
+              "command": command("bench_models", argv),
+              "commands": jobs.commands, "machine": machine(
+                  env, jobs.dropped, loadavg_before=load_before, loadavg_after=loadavg(),
+                  torch=env["torch"] or "not installed"),
               "timed_jobs": {name: {k: run.get(k) for k in ("cpu_busy_before", "other_cpus_during",
                                                             "attempt", "attempts")}
                              for name, run in (("step time P=1", speed_r["runs"]["1"]),
@@ -539,10 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["targets"] = targets(results)
     report = _jsonable(report)
     text = markdown(report)
-    with open(out_dir / "models.json", "w") as f:
-        json.dump(report, f, indent=2)
-    with open(out_dir / "models.md", "w") as f:
-        f.write(text)
+    write(out_dir / "models", report, text)
     print(text)
     print(f"wrote {out_dir / 'models.json'} and {out_dir / 'models.md'}")
     return 0

@@ -30,10 +30,10 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
-from bench_step import blas_info
 from mpi4py import MPI
 
 import mpidp
+from benchmarks.harness import blas_info
 from mpidp import nn
 from mpidp.data.partition import local_batches
 

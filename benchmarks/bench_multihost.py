@@ -1,5 +1,5 @@
 """``make bench-multihost``: the step benchmark and the cost model across two test hosts
-(network namespaces, TCP through veth and a bridge; tests/multihost/cluster.py).
+(network namespaces, TCP through veth and a bridge; benchmarks/cluster.py).
 
 Measures the TCP path's latency and bandwidth (``mpidp model`` with one rank per host), the
 standard workload's step time with 1 rank locally and 2 and 4 ranks over 2 hosts, and the
@@ -19,14 +19,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from run_step_bench import bench_env, cpu_model, git_commit
+from benchmarks.harness import bench_env, command, cpu_model, git_commit, quick_defaults, write
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(REPO / "tests" / "multihost"))
-sys.path.insert(0, str(REPO))
-from cluster import MPIEXEC, Cluster, available  # noqa: E402
-
+from benchmarks.cluster import MPIEXEC, Cluster, available  # noqa: E402
 from mpidp.scale.costmodel import Fit, step_time  # noqa: E402
 
 
@@ -40,6 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--results", default=str(HERE / "results"))
+    quick_defaults(p, steps=3, repeats=1)
     args = p.parse_args(argv)
     reason = available()
     if reason:
@@ -47,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     env, _ = bench_env()
     env["PYTHONPATH"] = str(REPO)
-    job = [sys.executable, str(HERE / "bench_sync.py"), "--modes", "allreduce",
+    job = [sys.executable, "-m", "benchmarks.bench_sync", "--modes", "allreduce",
            "--steps", str(args.steps), "--repeats", str(args.repeats)]
     with tempfile.TemporaryDirectory() as t, Cluster(2) as c:
         tmp = Path(t)
@@ -71,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {"fit_tcp": model["fit"], "pingpong_s": model["pingpong"], "p1_step_ms": t1 * 1e3,
               "rows": rows, "machine": cpu_model(), "commit": git_commit(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "command": "python benchmarks/bench_multihost.py"}
+              "command": command("bench_multihost")}
     f = model["fit"]
     md = ["# Across two test hosts (TCP through veth + bridge)", "",
           f"TCP path fit (`mpidp model`, 1 rank per host): latency alpha = {f['alpha'] * 1e6:.1f} us, "
@@ -84,9 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     md += ["", f"Machine: {report['machine']} (2 cores; both test hosts share them). "
            f"Command: `{report['command']}`; commit {report['commit']}; {report['date']}."]
     out = Path(args.results)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "multihost.json").write_text(json.dumps(report, indent=2))
-    (out / "multihost.md").write_text("\n".join(md) + "\n")
+    write(out / "multihost", report, "\n".join(md) + "\n")
     print("\n".join(md))
     return 0
 

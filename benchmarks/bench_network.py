@@ -1,6 +1,6 @@
 """``make bench-network``: data parallelism over a slow link between two test hosts.
 
-Two test hosts made from network namespaces (tests/multihost/cluster.py), each link limited
+Two test hosts made from network namespaces (benchmarks/cluster.py), each link limited
 to a rate (``--rates``, Gbit/s; a token bucket on both directions). On each rate, one rank
 per host runs the hand-written loop and mpidp's ``allreduce``, ``overlapped``,
 ``compressed`` and ``auto`` on the standard workload (global batch 512), ``--repeats``
@@ -36,14 +36,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
-from run_step_bench import bench_env, cpu_model, git_commit
-from sync_modes import EXTRA_MODES, MODES
+
+from benchmarks.harness import bench_env, command, cpu_model, git_commit, quick_defaults, write
+from benchmarks.sync_modes import EXTRA_MODES, MODES
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(REPO / "tests" / "multihost"))
-from cluster import Cluster, LinkBytes, limits_available, tbf_args  # noqa: E402
-
+from benchmarks.cluster import Cluster, LinkBytes, limits_available, tbf_args  # noqa: E402
 from mpidp.scale.costmodel import Fit, fit_alpha_beta, mode_step_time  # noqa: E402 (no MPI)
 
 PAIR_MODES = ("handwritten", "allreduce", "overlapped", "overlapped-forward", "compressed",
@@ -380,7 +379,8 @@ def measure_node_on_hosts(c: Cluster, env: dict, tmp: Path, name: str, timeout: 
     leaders' exchange takes the link's time, and the other ranks of each host wait for it
     (asleep) and copy its result back as they do inside a step."""
     out = tmp / f"{name}.json"
-    cmd = c.mpiexec(4, 2, sys.executable, str(Path(__file__).resolve()), "--node-inputs", str(out))
+    cmd = c.mpiexec(4, 2, sys.executable, "-m", "benchmarks.bench_network", "--node-inputs",
+                    str(out))
     subprocess.run(cmd, env=env, cwd=REPO, check=True, timeout=timeout, stdin=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -587,7 +587,7 @@ def run_job(c: Cluster, per_host: int, modes: Sequence[str], args, env: dict,
     a launcher's round-robin placement does; else in blocks (0, 1 on one host)."""
     out = tmp / f"{name}.json"
     marks = Marks(tmp / f"{name}.marks", c.link_bytes)
-    cmd = c.mpiexec(2 * per_host, 1 if cyclic else per_host, sys.executable, str(HERE / "bench_sync.py"),
+    cmd = c.mpiexec(2 * per_host, 1 if cyclic else per_host, sys.executable, "-m", "benchmarks.bench_sync",
                     "--only", "--modes", ",".join(modes), "--steps", str(args.steps),
                     "--warmup", str(args.warmup), "--repeats", str(args.repeats),
                     "--shuffle", str(args.seed), "--marks", str(tmp / f"{name}.marks"),
@@ -605,7 +605,7 @@ def measure_link(c: Cluster, env: dict, tmp: Path, name: str, timeout: float) ->
     """One-way ping-pong seconds by message bytes between the two hosts (one rank each,
     :func:`pingpong_job`)."""
     out = tmp / f"{name}.json"
-    cmd = c.mpiexec(2, 1, sys.executable, str(Path(__file__).resolve()), "--pingpong", str(out))
+    cmd = c.mpiexec(2, 1, sys.executable, "-m", "benchmarks.bench_network", "--pingpong", str(out))
     subprocess.run(cmd, env=env, cwd=REPO, check=True, timeout=timeout, stdin=subprocess.DEVNULL)
     return {int(k): v for k, v in json.loads(out.read_text()).items()}
 
@@ -614,7 +614,7 @@ def measure_locally(env: dict, tmp: Path, timeout: float) -> dict:
     """:func:`measure_local` in a process of its own (MPI starts there, not here) with the
     ranks' environment (BLAS threads)."""
     out = tmp / "local.json"
-    subprocess.run([sys.executable, str(Path(__file__).resolve()), "--local-inputs", str(out)],
+    subprocess.run([sys.executable, "-m", "benchmarks.bench_network", "--local-inputs", str(out)],
                    env=env, cwd=REPO, check=True, timeout=timeout, stdin=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -693,6 +693,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--node-inputs", metavar="FILE", help="(internal, under mpiexec over "
                    "several nodes) the in-node share of a node-aware reduction into FILE, "
                    "and exit")
+    quick_defaults(p, rates="1", steps=3, warmup=1, repeats=1, probe_mb=5)
     args = p.parse_args(argv)
     rates_text = args.rates
     try:
@@ -773,12 +774,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               "blas": blas_line(first["environment"]), "environment": first["environment"],
               "machine": cpu_model(), "cores": os.cpu_count(), "commit": git_commit(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "command": " ".join(["python benchmarks/bench_network.py", *(argv or sys.argv[1:])])}
+              "command": command("bench_network", argv)}
     md = markdown(report)
     out = Path(args.results)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "network.json").write_text(json.dumps(report, indent=2))
-    (out / "network.md").write_text(md)
+    write(out / "network", report, md)
     print(md)
     return 0
 

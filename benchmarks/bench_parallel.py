@@ -36,6 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bench_parallel_report import layers as model_layers_of
+from benchmarks.harness import command, git_commit, quick_defaults
+
 HERE = Path(__file__).resolve().parent
 MODES = ("data", "gpipe", "1f1b", "hybrid")
 
@@ -48,12 +51,6 @@ def rss_kib(field: str = "VmHWM") -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     return -1
-
-
-def _layers(w: int, d: int, n_in: int | None = None):
-    """``d`` Dense layers (``n_in`` -> w, then w x w), ReLU between, ``w`` classes."""
-    from mpidp.parallel import model_layers
-    return model_layers("mlp", n_in or w, w, [w] * (d - 1), True)
 
 
 def _timed(comm, step, steps: int, warmup: int, repeats: int) -> tuple[float, float]:
@@ -78,7 +75,7 @@ def run_data(comm, a, X, y, rss0) -> dict:
     from mpidp import nn
     from mpidp.data.partition import block_range
     from mpidp.parallel.stages import held_bytes
-    layers, loss = _layers(a.width, a.depth)
+    layers, loss = model_layers_of(a.width, a.depth)
     model = nn.Sequential(layers, a.width, np.float32).init_(0)
     dp = mpidp.DataParallel(model, nn.SGD(0.05), loss, comm)
     lo, hi = block_range(len(X), comm.size, comm.rank)
@@ -121,7 +118,7 @@ def run_pipeline(comm, a, X, y, rss0, m: int | None = None, sweep: bool = False)
     from mpidp import nn
     from mpidp.data.partition import block_range
     from mpidp.parallel import Pipeline
-    layers, loss = _layers(a.width, a.depth, a.n_in)
+    layers, loss = model_layers_of(a.width, a.depth, a.n_in)
     n_stages = 2 if a.mode == "hybrid" else comm.size
     schedule = "1f1b" if a.mode == "hybrid" else a.mode
     m = m or a.micro_batches
@@ -174,37 +171,12 @@ def launch(a, P: int, extra: list[str], tmp: Path) -> list:
     out = tmp / f"job-{time.monotonic_ns()}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-    cmd = [a.mpiexec, "-n", str(P), sys.executable, str(Path(__file__).resolve()), "--worker",
+    cmd = [a.mpiexec, "-n", str(P), sys.executable, "-m", "benchmarks.bench_parallel", "--worker",
            "--json", str(out), "--batch", str(a.batch), "--steps", str(a.steps),
            "--warmup", str(a.warmup), "--repeats", str(a.repeats),
            "--bubble-reps", str(a.bubble_reps), *extra]
     subprocess.run(cmd, env=env, check=True, timeout=a.timeout)
     return json.loads(out.read_text())
-
-
-def param_bytes_model(w: int, d: int, P: int, mode: str) -> list[int]:
-    """Predicted parameter + gradient bytes per rank (float32), from the stage split alone."""
-    from mpidp.parallel import buffer
-    from mpidp.parallel import stages as St
-    counts, extras = St.param_counts(_layers(w, d)[0]), 4 * buffer.N_EXTRA
-    if mode == "data":
-        return [8 * sum(counts) + extras] * P
-    S = 2 if mode == "hybrid" else P
-    b = St.split_stages(counts, S)
-    return [8 * sum(counts[b[r % S]:b[r % S + 1]]) + extras for r in range(P)]
-
-
-def largest_width(a, mode: str, P: int) -> int:
-    """Largest width (depth ``--budget-depth``) whose predicted parameter bytes plus the
-    activation bytes per sample measured in this run fit ``--budget-mib`` on every rank."""
-    best, w = 0, 64
-    while w <= 1 << 16:
-        per_rank = max(param_bytes_model(w, a.budget_depth, P, mode))
-        act = a.act_per_sample.get((mode, P), 0.0) * w / a.ref_width * a.batch
-        if per_rank + act > a.budget_mib * 2**20:
-            break
-        best, w = w, w + 64
-    return best
 
 
 def main(argv=None) -> int:
@@ -237,12 +209,14 @@ def main(argv=None) -> int:
     p.add_argument("--n-in", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--micro-batches", type=int, default=4, help=argparse.SUPPRESS)
     p.add_argument("--sweep-ms", default="", help=argparse.SUPPRESS)
+    quick_defaults(p, ranks="2", steps=1, warmup=0, repeats=1, bubble_reps=2, models="64x4",
+                   sweep_model="32x4", sweep="1,2")
     a = p.parse_args(argv)
     if a.worker:
         a.sweep = [int(s) for s in a.sweep_ms.split(",") if s]
         worker(a)
         return 0
-    from bench_parallel_report import write_reports
+    from benchmarks.bench_parallel_report import write_reports
     raw = Path(a.out).with_suffix(".raw.json")
     if a.from_raw:
         results = json.loads(raw.read_text())
@@ -257,12 +231,6 @@ def drive(a) -> dict:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-parallel-") as tmp:
         return _drive(a, Path(tmp))
-
-
-def _commit() -> str:
-    sys.path.insert(0, str(HERE))
-    from run_step_bench import git_commit
-    return git_commit()
 
 
 def _drive(a, tmp: Path) -> dict:
@@ -289,7 +257,7 @@ def _drive(a, tmp: Path) -> dict:
             print(f"P={P} sweep {schedule} done", flush=True)
     env = {"python": platform.python_version(), "numpy": np.__version__, "cpus": os.cpu_count(),
            "machine": platform.machine(), "processor": platform.processor(),
-           "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": _commit(),
+           "command": command("bench_parallel"), "commit": git_commit(),
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     return {"runs": runs, "sweeps": sweeps, "env": env}
 

@@ -1,4 +1,5 @@
-"""Tables, targets and plot for ``bench_parallel.py`` (JSON + Markdown + PNG)."""
+"""The model of ``bench_parallel.py`` (its layers and predicted bytes) and its report:
+tables, targets and plot (JSON + Markdown + PNG)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,43 @@ import json
 from pathlib import Path
 
 import numpy as np
-from plotting import cores, legend_outside, log_if_wide, oversubscribed, p_label
+
+from benchmarks.plotting import cores, legend_outside, log_if_wide, oversubscribed, p_label
 
 MIB = 2**20
 LABEL = {"data": "data parallel", "gpipe": "pipeline GPipe", "1f1b": "pipeline 1F1B",
          "hybrid": "hybrid 2 stages x 2 (1F1B)"}
+
+
+def layers(w: int, d: int, n_in: int | None = None):
+    """``d`` Dense layers (``n_in`` -> w, then w x w), ReLU between, ``w`` classes."""
+    from mpidp.parallel import model_layers
+    return model_layers("mlp", n_in or w, w, [w] * (d - 1), True)
+
+
+def param_bytes_model(w: int, d: int, P: int, mode: str) -> list[int]:
+    """Predicted parameter + gradient bytes per rank (float32), from the stage split alone."""
+    from mpidp.parallel import buffer
+    from mpidp.parallel import stages as St
+    counts, extras = St.param_counts(layers(w, d)[0]), 4 * buffer.N_EXTRA
+    if mode == "data":
+        return [8 * sum(counts) + extras] * P
+    S = 2 if mode == "hybrid" else P
+    b = St.split_stages(counts, S)
+    return [8 * sum(counts[b[r % S]:b[r % S + 1]]) + extras for r in range(P)]
+
+
+def largest_width(a, mode: str, P: int) -> int:
+    """Largest width (depth ``--budget-depth``) whose predicted parameter bytes plus the
+    activation bytes per sample measured in this run fit ``--budget-mib`` on every rank."""
+    best, w = 0, 64
+    while w <= 1 << 16:
+        per_rank = max(param_bytes_model(w, a.budget_depth, P, mode))
+        act = a.act_per_sample.get((mode, P), 0.0) * w / a.ref_width * a.batch
+        if per_rank + act > a.budget_mib * 2**20:
+            break
+        best, w = w, w + 64
+    return best
 
 
 MARKERS = {"data": "o", "gpipe": "s", "1f1b": "^", "hybrid": "D"}
@@ -118,7 +151,6 @@ def activation_checks(sweeps: list[dict]) -> tuple[list[str], list[dict]]:
 
 
 def param_checks(runs: list[dict]) -> tuple[list[str], list[dict]]:
-    from bench_parallel import param_bytes_model
     lines = ["| P | model | mode | max params+grads per rank MiB | replica/P | largest stage "
              "imbalance | bound | ok | predicted = measured |", "|---|---|---|---|---|---|---|---|---|"]
     out = []
@@ -140,7 +172,6 @@ def param_checks(runs: list[dict]) -> tuple[list[str], list[dict]]:
 
 
 def budget_table(a, runs: list[dict]) -> list[str]:
-    from bench_parallel import largest_width
     a.act_per_sample, a.ref_width = {}, 1
     deep = [r for r in runs if r["depth"] == a.budget_depth]
     if not deep:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.harness import quick_defaults, write
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 #: ``weighted`` runs only where rank speeds differ (the straggler rows): with equal ranks its
@@ -114,7 +116,7 @@ def bench_mapreduce(args) -> dict:
     out = {}
     for ranks in args.ranks:
         load_now()
-        cmd = [args.mpiexec, "-n", str(ranks), args.python, str(HERE / "mapreduce_worker.py"),
+        cmd = [args.mpiexec, "-n", str(ranks), args.python, "-m", "benchmarks.mapreduce_worker",
                str(max(args.repeats, 9)), str(MR_CHUNK)]  # each map takes < 1 s
         env = {**os.environ, **ENV, "PYTHONPATH": str(REPO)}
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -188,7 +190,7 @@ def markdown(rows, mr, checks, meta) -> str:
 
 def _per_rank_bars(ax, sel: list[dict], over: bool) -> None:
     """Stacked compute / comm / wait seconds of every rank, grouped by strategy."""
-    from plotting import OVER_HATCH
+    from benchmarks.plotting import OVER_HATCH
     colors = {"compute_s": "#4c72b0", "comm_s": "#55a868", "wait_s": "#c44e52"}
     x, ticks, labels = 0, [], []
     for r in sel:
@@ -211,7 +213,7 @@ def _efficiency_bars(ax, sel: list[dict], over: bool) -> None:
     """Efficiency per strategy: from wall time, or from CPU time when oversubscribed (ranks
     sharing a core wait for it, which wall time counts as imbalance); whiskers: min-max
     over the repeats when recorded."""
-    from plotting import OVER_HATCH, spread
+    from benchmarks.plotting import OVER_HATCH, spread
     key = "efficiency_cpu" if over else "efficiency"
     for i, r in enumerate(sel):
         reps = r.get("repeats", {}).get(key)
@@ -230,7 +232,8 @@ def figure(rows, path: Path, n_cores: int | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from plotting import cores, legend_outside, oversubscribed, p_label  # beside this file
+
+    from benchmarks.plotting import cores, legend_outside, oversubscribed, p_label  # beside this file
     n_cores = n_cores or cores()
     panels = sorted({(r["P"], r["workload"]) for r in rows})
     fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 8),
@@ -258,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--replot", metavar="JSON", default=None,
                    help="only redraw partition.png (into --out-dir) from a partition.json "
                    "written earlier; runs nothing")
+    quick_defaults(p, repeats=1, ranks="2")
     args = p.parse_args(argv)
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
@@ -280,9 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "load": f"{min(LOADS):.2f}-{max(LOADS):.2f} (sampled before each job)"}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "partition.json").write_text(json.dumps(
-        {"meta": meta, "training": rows, "mapreduce": mr, "targets": checks}, indent=1))
-    (out / "partition.md").write_text(markdown(rows, mr, checks, meta))
+    write(out / "partition", {"meta": meta, "training": rows, "mapreduce": mr, "targets": checks},
+          markdown(rows, mr, checks, meta))
     figure([r for r in rows if r["workload"] != "uniform"], out / "partition.png")
     for c in checks:
         print(f"{'PASS' if c['pass'] else 'FAIL'}  {c['target']}: {c['value']}")

@@ -25,11 +25,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
-from handwritten_dp import HandwrittenDP
-from handwritten_dp import local_batches as hw_local_batches
 from mpi4py import MPI
 
 import mpidp
+from benchmarks.handwritten_dp import HandwrittenDP
+from benchmarks.handwritten_dp import local_batches as hw_local_batches
+from benchmarks.harness import alternate, blas_info
 from mpidp import nn
 from mpidp.data.partition import local_batches
 
@@ -62,16 +63,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 # --- what ran where ---------------------------------------------------------------------
-
-def blas_info() -> list[dict] | str:
-    """The BLAS libraries numpy loaded: kernel, version, architecture, threads (threadpoolctl)."""
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "threadpoolctl not installed"
-    keys = ("internal_api", "version", "architecture", "num_threads", "threading_layer", "filepath")
-    return [{k: d.get(k) for k in keys} for d in threadpool_info() if d.get("user_api") == "blas"]
-
 
 def environment(comm: MPI.Comm) -> dict:
     vendor, version = MPI.get_vendor()
@@ -174,12 +165,11 @@ def measure(comm: MPI.Comm, shard: mpidp.Shard, args) -> tuple[dict, list[float]
     runners = {"mpidp": run_mpidp, "handwritten": run_handwritten}
     runs: dict[str, list[dict]] = {name: [] for name in IMPLS}
     diffs = []
-    for r in range(args.repeats):
-        final = {}
-        for name in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
-            result, final[name] = runners[name](comm, shard, init, args)
-            runs[name].append(result)
-        diff = float(np.max(np.abs(final["mpidp"] - final["handwritten"])))
+    for got in alternate({n: lambda r, n=n: runners[n](comm, shard, init, args) for n in IMPLS},
+                         args.repeats):
+        for name in IMPLS:
+            runs[name].append(got[name][0])
+        diff = float(np.max(np.abs(got["mpidp"][1] - got["handwritten"][1])))
         diffs.append(comm.allreduce(diff, op=MPI.MAX))
     return {name: summarise(runs[name], args.batch_size) for name in IMPLS}, diffs
 

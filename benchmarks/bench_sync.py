@@ -25,13 +25,14 @@ import sys
 from collections.abc import Sequence
 
 import numpy as np
-from bench_step import HIDDEN, comm_share, environment, timed_run, warm_up
-from handwritten_dp import HandwrittenDP
-from handwritten_dp import local_batches as hw_local_batches
 from mpi4py import MPI
-from sync_modes import EXTRA_MODES, MODES
 
 import mpidp
+from benchmarks.bench_step import HIDDEN, comm_share, environment, timed_run, warm_up
+from benchmarks.handwritten_dp import HandwrittenDP
+from benchmarks.handwritten_dp import local_batches as hw_local_batches
+from benchmarks.harness import alternate, paired_ratio
+from benchmarks.sync_modes import EXTRA_MODES, MODES
 from mpidp import nn
 from mpidp.data.partition import local_batches
 from mpidp.parallel import modes
@@ -241,9 +242,9 @@ def run_all(comm, shard, init, modes: list[str], args) -> dict[str, list[dict]]:
             results["handwritten"].append(hand(r))
     pair = {"allreduce": lambda r: run_mode(comm, shard, init, "allreduce", args, f"allreduce {r}"),
             "handwritten": hand}
-    for r in range(args.repeats, args.pair_repeats if "allreduce" in modes else 0):
-        for name in list(pair)[::-1] if r % 2 else pair:
-            results[name].append(pair[name](r))
+    for got in alternate(pair, args.pair_repeats if "allreduce" in modes else 0, args.repeats):
+        for name, run in got.items():
+            results[name].append(run)
     return results
 
 
@@ -272,8 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "comm_share": statistics.median(x["comm_share"] for x in runs),
                          "bytes_per_step": runs[0].get("bytes_per_step"), "repeats": runs}
     if "allreduce" in results and not args.only:  # the i-th runs of the two ran back to back
-        summary["allreduce"]["paired_ratio_to_handwritten"] = statistics.median(
-            a["step_s"] / h["step_s"] for a, h in zip(results["allreduce"], results["handwritten"]))
+        summary["allreduce"]["paired_ratio_to_handwritten"] = paired_ratio(
+            [a["step_s"] for a in results["allreduce"]], [h["step_s"] for h in results["handwritten"]])
     if comm.rank == 0:
         out = {"world_size": comm.size, "batch_size": args.batch_size, "weak": args.weak,
                "steps": args.steps, "repeats": args.repeats, "modes": summary,

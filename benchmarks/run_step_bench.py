@@ -12,25 +12,25 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
-import platform
-import resource
-import shlex
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from benchmarks.harness import (
+    BUSY_WARN,
+    Jobs,
+    blas_text,
+    command,
+    machine,
+    quick_defaults,
+    shown,
+    write,
+)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 IMPLS = ("mpidp", "handwritten")
-THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-DROP_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-BUSY_WARN = 0.10  # share of the CPUs that other work may use before timings are suspect
 MAX_STEP_RATIO = 1.03  # target: mpidp's step time within 3% of the hand-written loop's
 
 
@@ -51,6 +51,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--mpiexec", default=str(REPO / ".venv" / "bin" / "mpiexec"))
     p.add_argument("--python", default=sys.executable, help="interpreter for the ranks")
     p.add_argument("--out-dir", default=str(HERE / "results"), help="where results are written")
+    quick_defaults(p, repeats=1, steps=5, warmup=1, wait_quiet=0, retries=0)
     args = p.parse_args(argv)
     try:
         args.ranks = sorted({int(r) for r in args.ranks.split(",") if r.strip()})
@@ -63,112 +64,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def bench_env() -> tuple[dict[str, str], list[str]]:
-    """The ranks' environment, and which OpenBLAS variables were removed from it."""
-    env = {**os.environ, **THREAD_ENV}
-    dropped = [v for v in DROP_ENV if env.pop(v, None) is not None]
-    return env, dropped
-
-
-def _cpu_ticks() -> tuple[int, int] | None:
-    """``(total, busy)`` clock ticks of all CPUs since boot (/proc/stat; None if unreadable)."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(t) for t in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    if len(ticks) < 5:
-        return None
-    return sum(ticks), sum(ticks) - ticks[3] - ticks[4]  # idle and iowait are not busy
-
-
-def wait_quiet(max_wait: float, interval: float = 1.0) -> float | None:
-    """Wait (up to ``max_wait`` seconds) until under ``BUSY_WARN`` of the CPUs are busy;
-    return the last busy share measured (None where /proc/stat is unreadable)."""
-    deadline = time.monotonic() + max_wait
-    while True:
-        t0 = _cpu_ticks()
-        time.sleep(interval)
-        t1 = _cpu_ticks()
-        if t0 is None or t1 is None:
-            return None
-        busy = (t1[1] - t0[1]) / max(t1[0] - t0[0], 1)
-        if busy <= BUSY_WARN or time.monotonic() >= deadline:
-            return busy
-
-
-def _children_cpu_s() -> float:
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
-
-
-def _other_cpus(ticks0: tuple[int, int] | None, own0: float, wall: float) -> float | None:
-    """CPUs used on average by processes other than our jobs since ``ticks0``/``own0``."""
-    ticks1 = _cpu_ticks()
-    if ticks0 is None or ticks1 is None:
-        return None
-    busy_s = (ticks1[1] - ticks0[1]) / os.sysconf("SC_CLK_TCK")
-    return max(busy_s - (_children_cpu_s() - own0), 0.0) / wall
-
-
-def run_one(args: argparse.Namespace, size: int, out: Path, env: dict[str, str]) -> tuple[dict, str]:
-    """Run bench_step.py on ``size`` ranks; return its JSON and the command line as text.
-
-    The JSON gains ``cpu_busy_before`` and ``other_cpus_during``: how busy the machine was
-    with other work just before and during the job.
-    """
-    cmd = [args.mpiexec, "-n", str(size), args.python, str(HERE / "bench_step.py"),
+def run_size(jobs: Jobs, args: argparse.Namespace, size: int, out: Path) -> tuple[dict, str]:
+    """bench_step on ``size`` ranks (see :meth:`Jobs.timed`); its JSON and its command."""
+    cmd = [args.mpiexec, "-n", str(size), args.python, "-m", "benchmarks.bench_step",
            "--out", str(out), "--repeats", str(args.repeats), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--on-nonfinite", args.on_nonfinite]
-    shown = " ".join(["env", *(f"-u {v}" for v in DROP_ENV),
-                      *(f"{k}={v}" for k, v in THREAD_ENV.items()), shlex.join(cmd)])
-    busy = wait_quiet(args.wait_quiet)
-    print(f"$ {shown}", flush=True)
-    ticks0, own0, t0 = _cpu_ticks(), _children_cpu_s(), time.monotonic()
-    # own process group, so a timeout ends mpiexec and every rank it started
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True)
-    try:
-        rc = proc.wait(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise RuntimeError(f"P={size}: no result within {args.timeout:.0f} s; job killed") from None
-    if rc != 0:
-        raise RuntimeError(f"P={size}: mpiexec exited with status {rc}")
-    with open(out) as f:
-        result = json.load(f)
-    result["cpu_busy_before"] = busy
-    result["other_cpus_during"] = _other_cpus(ticks0, own0, time.monotonic() - t0)
-    return result, shown
-
-
-def run_quiet(args: argparse.Namespace, size: int, out: Path, env: dict[str, str]) -> tuple[dict, str]:
-    """:func:`run_one`, rerun up to ``args.retries`` times while other processes used more
-    than ``BUSY_WARN`` of the CPUs during it; returns the least disturbed run."""
-    limit = BUSY_WARN * (os.cpu_count() or 1)
-    best = None
-    for attempt in range(args.retries + 1):
-        result, shown = run_one(args, size, out, env)
-        other = result["other_cpus_during"]
-        if best is None or (other or 0.0) < (best[0]["other_cpus_during"] or 0.0):
-            best = (result, shown)
-        if other is None or other <= limit:
-            break
-        print(f"WARNING: P={size}: other processes used {other:.2f} CPUs during the job"
-              + (f"; running it again ({attempt + 1}/{args.retries})" if attempt < args.retries
-                 else "; its timings are suspect"), file=sys.stderr, flush=True)
-    return best
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return jobs.timed(cmd, out, f"P={size}"), shown(cmd)
 
 
 def efficiencies(runs: dict[int, dict]) -> dict[int, dict[str, float | None]]:
@@ -231,12 +132,9 @@ def _table(report: dict) -> list[str]:
 
 def _provenance(report: dict) -> list[str]:
     runs, m = report["runs"], report["machine"]
-    blas = "; ".join(f"{b['internal_api']} {b['version']} ({b['architecture']}, "
-                     f"{b['num_threads']} thread(s))" for b in m["blas"]) \
-        if isinstance(m["blas"], list) else m["blas"]
     removed = ", ".join(m["openblas_env_removed"]) or "none were set"
     lines = [f"- Machine: {m['nproc']} CPUs, {m['cpu_model']}, {m['platform']}",
-             f"- BLAS: {blas}",
+             f"- BLAS: {blas_text(m['blas'])}",
              f"- OpenBLAS variables removed for the runs: {removed}",
              f"- MPI: {m['mpi_library']} (mpi4py {m['mpi4py']}); numpy {m['numpy']}; "
              f"Python {m['python']}",
@@ -265,46 +163,16 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _short(path: str) -> str:
-    """``path`` relative to the working directory when it lies below it."""
-    rel = os.path.relpath(path)
-    return path if rel.startswith("..") else rel
-
-
-def git_commit() -> str:
-    """The repository's commit, with ``+dirty`` when mpidp/ or benchmarks/ have changes
-    (results in benchmarks/results/ do not count: they are what the benchmarks write)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                              capture_output=True, timeout=30, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "mpidp", "benchmarks",
-                                ":(exclude)benchmarks/results"],
-                               cwd=REPO, text=True, capture_output=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + ("+dirty" if dirty.strip() else "")
-
-
-def machine_info(first_run: dict, dropped: list[str]) -> dict:
-    env = first_run["environment"]
-    return {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
-            "blas": env["blas"], "openblas_env_removed": dropped,
-            "openblas_env_seen_by_ranks": env["openblas_env_set"],
-            "mpi_library": " ".join(env["mpi_library"].split()), "mpi4py": env["mpi4py"],
-            "numpy": env["numpy"], "python": env["python"], "mpidp": env["mpidp"],
-            "commit": git_commit()}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    env, dropped = bench_env()
+    jobs = Jobs(args)
     runs, commands = {}, {}
     with tempfile.TemporaryDirectory(prefix="step_bench_") as tmp:
         for size in args.ranks:
             try:
-                runs[size], commands[size] = run_quiet(args, size, Path(tmp) / f"p{size}.json", env)
+                runs[size], commands[size] = run_size(jobs, args, size, Path(tmp) / f"p{size}.json")
             except (RuntimeError, OSError, ValueError) as exc:  # no result: that is an error
                 print(f"run_step_bench: {exc}", file=sys.stderr)
                 return 1
@@ -312,15 +180,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "benchmark": "step", "repeats": args.repeats, "steps": args.steps, "warmup": args.warmup,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": f"cd {os.getcwd()} && {shlex.join([_short(sys.executable), *sys.argv])}",
-        "commands": commands, "machine": machine_info(runs[args.ranks[0]], dropped),
+        "command": command("run_step_bench", argv),
+        "commands": commands, "machine": machine(runs[args.ranks[0]]["environment"], jobs.dropped),
         "efficiency": eff, "targets": check_targets(runs, eff), "runs": runs,
     }
-    with open(out_dir / "step_bench.json", "w") as f:
-        json.dump(report, f, indent=2)
     text = markdown(report)
-    with open(out_dir / "step_bench.md", "w") as f:
-        f.write(text)
+    write(out_dir / "step_bench", report, text)
     print(text)
     print(f"wrote {out_dir / 'step_bench.json'} and {out_dir / 'step_bench.md'}")
     return 0

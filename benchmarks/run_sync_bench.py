@@ -20,7 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from plotting import (
+
+from benchmarks.harness import bench_env, command, cpu_model, git_commit, quick_defaults, write
+from benchmarks.plotting import (
     OVER_HATCH,
     cores,
     legend_outside,
@@ -29,7 +31,6 @@ from plotting import (
     shade_oversubscribed,
     spread,
 )
-from run_step_bench import bench_env, cpu_model, git_commit
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -43,7 +44,7 @@ def _run(cmd: list[str], env: dict, timeout: float) -> None:
 
 
 def job(P: int, out: Path, env: dict, args, *extra: str) -> dict:
-    _run([str(BIN / "mpiexec"), "-n", str(P), sys.executable, str(HERE / "bench_sync.py"),
+    _run([str(BIN / "mpiexec"), "-n", str(P), sys.executable, "-m", "benchmarks.bench_sync",
           "--out", str(out), "--steps", str(args.steps), "--repeats", str(args.repeats),
           "--pair-repeats", str(max(args.pair_repeats, args.repeats)), *extra],
          env, args.timeout)
@@ -73,7 +74,7 @@ def ddp(strong: dict, tmp: Path, env: dict, args) -> tuple[str, dict]:
     parts, steps = [], {}
     for P in (1, 2):
         out = tmp / f"ddp{P}.json"
-        _run([str(BIN / "mpiexec"), "-n", str(P), sys.executable, str(HERE / "bench_ddp.py"),
+        _run([str(BIN / "mpiexec"), "-n", str(P), sys.executable, "-m", "benchmarks.bench_ddp",
               "--out", str(out), "--repeats", str(args.repeats), "--steps", str(args.steps)],
              env, args.timeout)
         r = json.loads(out.read_text())
@@ -231,7 +232,6 @@ def predictions(model: dict, strong: dict) -> list[dict]:
     run's P = 1 step, split into a fixed part and a part per sample, with the contention and
     jitter that ``mpidp model`` measured; ``ideal_ms`` leaves those out (P = 1's compute / P
     plus the allreduce), as the model did before it measured them."""
-    sys.path.insert(0, str(REPO))
     from mpidp.scale.costmodel import Compute, Fit, step_time
     fit = Fit(**model["fit"])
     t1 = strong[1]["modes"]["allreduce"]["step_ms"] / 1e3
@@ -459,6 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--replot", metavar="JSON", default=None,
                    help="only redraw sync_bench.png and sync_async.png (into --results) from "
                    "a sync_bench.json written earlier; runs nothing")
+    quick_defaults(p, steps=5, repeats=1, pair_repeats=1)
     args = p.parse_args(argv)
     if args.replot:
         return replot(Path(args.replot), Path(args.results))
@@ -477,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               str(tmp / "model")], env, args.timeout)
         model = json.loads((tmp / "model" / "model.json").read_text())
         acc = {m: accuracy(m, tmp, env, args) for m in LOSSY}
-        _run([str(BIN / "mpiexec"), "-n", "3", sys.executable, str(HERE / "bench_async.py"),
+        _run([str(BIN / "mpiexec"), "-n", "3", sys.executable, "-m", "benchmarks.bench_async",
               "--out", str(tmp / "async.json")], env, args.timeout)
         async_run = json.loads((tmp / "async.json").read_text())
         torch_note, ddp_ms = ddp(strong, tmp, env, args)
@@ -490,9 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "async_run": {k: v for k, v in async_run.items() if k != "runs"},
               "machine": cpu_model(), "cores": os.cpu_count(), "commit": git_commit(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "command": "python benchmarks/run_sync_bench.py"}
-    (results / "sync_bench.json").write_text(json.dumps(report, indent=2))
-    (results / "sync_bench.md").write_text(markdown(report))
+              "command": command("run_sync_bench", argv)}
+    write(results / "sync_bench", report, markdown(report))
     plot(report, results / "sync_bench.png")
     plot_async(report["async"], results / "sync_async.png")
     print(markdown(report))

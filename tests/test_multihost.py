@@ -1,6 +1,6 @@
 """Ranks on different hosts that talk over a real (veth + bridge, TCP) network.
 
-The hosts are network namespaces made by tests/multihost/cluster.py; these tests need root
+The hosts are network namespaces made by benchmarks/cluster.py; these tests need root
 and iproute2 and skip with the reason otherwise. CI runs them (.ci/run installs iproute2).
 """
 
@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "multihost"))
-from cluster import Cluster, available  # noqa: E402
 from helpers import ROOT, mpiexec, run_mpi  # noqa: E402
+
+from benchmarks.cluster import Cluster, available  # noqa: E402
 
 
 def _hydra() -> bool:

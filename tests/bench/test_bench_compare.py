@@ -27,7 +27,7 @@ def result(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("compare") / "compare"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "benchmarks/bench_compare.py", "--out", str(out), "--ranks",
+    subprocess.run([sys.executable, "-m", "benchmarks.bench_compare", "--out", str(out), "--ranks",
                     "2", "--batch", "128", "--micro", "4", "--steps", "1", "--repeats", "1",
                     "--warmup", "1", "--bubble-reps", "1", "--epochs", "1", "--n-conv", "1024",
                     "--target", "100", "--n-fault", "1664", "--fault-batch", "128",
@@ -37,8 +37,7 @@ def result(tmp_path_factory) -> tuple[dict, Path]:
 
 
 def test_every_cell_is_a_measured_number(result):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_compare_report import FIGURES
+    from benchmarks.bench_compare_report import FIGURES
     res, out = result
     cells = res["cells"]["2"]
     assert set(cells) == set(COLUMNS)

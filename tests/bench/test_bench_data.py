@@ -3,23 +3,16 @@ number, and the report states the command, commit and machine."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
-from helpers import ROOT, mpiexec
-
-BENCH = ROOT / "benchmarks"
+from helpers import mpiexec
 
 
 def _load():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_data", BENCH / "bench_data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import bench_data
+    return bench_data
 
 
 def test_tiny_bench_data_measures_every_cell(tmp_path):

@@ -15,10 +15,8 @@ import numpy as np
 import pytest
 from helpers import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests" / "multihost"))
-import bench_network as B  # noqa: E402
-from cluster import Cluster, LinkBytes, limits_available, tbf_args  # noqa: E402
+import benchmarks.bench_network as B
+from benchmarks.cluster import Cluster, LinkBytes, limits_available, tbf_args
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 M = 4 * (784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10)  # float32 gradients, bytes
@@ -255,7 +253,7 @@ def test_table_and_report():
 def test_local_inputs_are_measured_in_a_process_of_their_own(tmp_path):
     """``--local-inputs``: the standard MLP's parts, the first bucket and the codec, timed."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_network.py"), "--local-inputs",
+    subprocess.run([sys.executable, "-m", "benchmarks.bench_network", "--local-inputs",
                     str(tmp_path / "l.json")], env=env, check=True, timeout=120)
     got = json.loads((tmp_path / "l.json").read_text())
     assert got["m"] == M and got["batch"] == 256 and got["bucket_bytes"] == 1 << 20
@@ -275,7 +273,7 @@ def test_node_inputs_time_the_in_node_share_on_the_hosts_layout(tmp_path):
     """``--node-inputs``: 4 ranks here in nodes of 2 (as on the test hosts), node-aware
     reductions timed whole and their leaders' exchanges inside them."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MPIDP_RANKS_PER_NODE": "2"}
-    subprocess.run([MPIEXEC, "-n", "4", sys.executable, str(ROOT / "benchmarks" / "bench_network.py"),
+    subprocess.run([MPIEXEC, "-n", "4", sys.executable, "-m", "benchmarks.bench_network",
                     "--node-inputs", str(tmp_path / "node.json")], env=env, check=True, timeout=120,
                    stdin=subprocess.DEVNULL)
     got = json.loads((tmp_path / "node.json").read_text())
@@ -321,7 +319,7 @@ def test_token_bucket_arguments():
 
 
 def test_clusters_of_one_process_have_names_of_their_own_and_a_bad_call_gets_a_usage():
-    import cluster
+    from benchmarks import cluster
     a, b = Cluster(2), Cluster(2)  # nothing is made before entering
     assert a.bridge != b.bridge and set(a.names).isdisjoint(b.names) and a.ips != b.ips
     for argv in ([], ["two", "--", "x"], ["2", "x"], ["2", "--"]):
@@ -422,7 +420,7 @@ def test_a_cluster_whose_network_is_taken_moves_to_a_free_one():
 def test_bench_network_runs_and_its_bytes_add_up(tmp_path):
     """The whole benchmark, tiny: one rate, fused allreduce and the hand-written loop."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_network.py"), "--rates", "1",
+    subprocess.run([sys.executable, "-m", "benchmarks.bench_network", "--rates", "1",
                     "--steps", "3", "--warmup", "1", "--repeats", "1", "--probe-mb", "5",
                     "--modes", "allreduce,handwritten", "--node-modes", "",
                     "--results", str(tmp_path)], env=env, check=True, timeout=120,
@@ -455,7 +453,7 @@ def test_bench_sync_times_only_the_modes_asked_in_seeded_orders(tmp_path):
     modes = ["handwritten", "allreduce", "compressed"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     try:
-        subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, str(ROOT / "benchmarks" / "bench_sync.py"),
+        subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "benchmarks.bench_sync",
                         "--only", "--modes", ",".join(modes), "--shuffle", "3", "--repeats", "3",
                         "--steps", "2", "--warmup", "1", "--n-samples", "2048",
                         "--marks", str(tmp_path / "m"), "--out", str(tmp_path / "s.json")],

@@ -3,14 +3,7 @@ figures: which ideal the straggler targets use, and that P = 4 map/reduce is jud
 
 from __future__ import annotations
 
-import importlib.util
-
-from helpers import ROOT
-
-spec = importlib.util.spec_from_file_location(
-    "bench_partition", ROOT / "benchmarks" / "bench_partition.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from benchmarks import bench_partition as bench
 
 
 def _row(P, workload, strategy, **kw):

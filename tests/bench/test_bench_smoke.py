@@ -16,7 +16,6 @@ from helpers import ROOT
 
 from mpidp.parallel import buffer
 
-BENCH = ROOT / "benchmarks"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
        "PYTHONPATH": str(ROOT)}
@@ -25,13 +24,13 @@ pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not in the
 
 
 def _run(args: list[str], timeout: float = 240) -> None:
-    subprocess.run(args, cwd=BENCH, env=ENV, check=True, timeout=timeout,
+    subprocess.run(args, cwd=ROOT, env=ENV, check=True, timeout=timeout,
                    stdout=subprocess.DEVNULL)
 
 
 def test_bench_parallel_small(tmp_path):
     out = tmp_path / "parallel"
-    _run([sys.executable, "bench_parallel.py", "--out", str(out), "--ranks", "2",
+    _run([sys.executable, "-m", "benchmarks.bench_parallel", "--out", str(out), "--ranks", "2",
           "--models", "64x4", "--sweep-model", "32x4", "--sweep", "1,2", "--steps", "1",
           "--warmup", "0", "--repeats", "1", "--bubble-reps", "2", "--budget-mib", "4",
           "--mpiexec", str(MPIEXEC)])
@@ -61,7 +60,7 @@ def test_bench_parallel_small(tmp_path):
 
 def test_bench_sync_small(tmp_path):
     out = tmp_path / "sync.json"
-    _run([str(MPIEXEC), "-n", "2", sys.executable, "bench_sync.py", "--out", str(out),
+    _run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "benchmarks.bench_sync", "--out", str(out),
           "--modes", "allreduce,ps,compute-only", "--steps", "2", "--warmup", "1",
           "--repeats", "1", "--pair-repeats", "3", "--n-samples", "2048"])
     res = json.loads(out.read_text())
@@ -82,9 +81,7 @@ def test_bench_sync_small(tmp_path):
 def test_bench_sync_validation_rescales_compute_to_the_run():
     """bench-sync's cost-model check: compute is rescaled so that the model's P = 1 step
     equals the measured one, then predicted at P = 2, 3, 4 (on this machine's cores)."""
-    sys.path.insert(0, str(BENCH))
-    from run_sync_bench import predictions
-
+    from benchmarks.run_sync_bench import predictions
     from mpidp.scale import costmodel as M
     fit = {"alpha": 2e-6, "beta": 1e-10, "gamma": 2e-10}
     compute = {"per_sample": 6e-5, "overhead": 2e-3, "contention": 1.05, "jitter": 0.03}
@@ -105,8 +102,7 @@ def test_bench_sync_validation_rescales_compute_to_the_run():
 
 def test_bench_sync_targets_are_decided_from_the_run():
     """Each target row is met exactly when its figure passes its threshold."""
-    sys.path.insert(0, str(BENCH))
-    from run_sync_bench import targets
+    from benchmarks.run_sync_bench import targets
 
     def run(ratio, ps_ms, compressed_bytes):
         one = {"allreduce": {"step_ms": 44.0}, "handwritten": {"step_ms": 40.0},
@@ -130,10 +126,9 @@ def test_bench_sync_targets_are_decided_from_the_run():
 def test_bench_async_small(tmp_path):
     """Sync and async dedicated-server runs, with and without a straggler, on 3 ranks: every
     sample is in each trace, and the report's summary reads them."""
-    sys.path.insert(0, str(BENCH))
-    from run_sync_bench import async_markdown, async_summary
+    from benchmarks.run_sync_bench import async_markdown, async_summary
     out = tmp_path / "async.json"
-    _run([str(MPIEXEC), "-n", "3", sys.executable, "bench_async.py", "--out", str(out),
+    _run([str(MPIEXEC), "-n", "3", sys.executable, "-m", "benchmarks.bench_async", "--out", str(out),
           "--epochs", "1", "--n-samples", "2000", "--batch-size", "256"])
     res = json.loads(out.read_text())
     assert set(res["runs"]) == {"sync-equal", "async-equal", "sync-straggler", "async-straggler"}
@@ -147,8 +142,7 @@ def test_bench_async_small(tmp_path):
 
 
 def test_smoothed_loss_is_the_mean_over_the_last_window_of_samples():
-    sys.path.insert(0, str(BENCH))
-    from run_sync_bench import smoothed
+    from benchmarks.run_sync_bench import smoothed
     rng = np.random.default_rng(0)
     counts = rng.integers(1, 50, 40).astype(float)
     losses = rng.random(40) * counts

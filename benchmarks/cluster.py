@@ -13,7 +13,7 @@ token bucket (``tc qdisc ... tbf``) on both of its directions, the bridge side's
 (into the host) and the host's own ``eth0`` egress (out of it). :meth:`Cluster.link_bytes`
 reads the bytes that crossed each host's link from the bridge-side veth's counters.
 
-Run by hand: ``python tests/multihost/cluster.py 2 -- python -m mpidp train ...``
+Run by hand: ``python -m benchmarks.cluster 2 -- python -m mpidp train ...``
 """
 
 from __future__ import annotations
