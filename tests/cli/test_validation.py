@@ -107,6 +107,9 @@ def test_standardize_uses_the_exact_moments_of_the_whole_training_set(tmp_path):
     (["--early-stopping", "3"], "--early-stopping needs --val-fraction"),
     (["--val-fraction", "0.1", "--sync", "async-ps"], "--val-fraction does not apply to"),
     (["--val-fraction", "1.5"], "--val-fraction"),
+    (["--val-fraction", "0.999", "--dataset", "synthetic", "--n-samples", "200",
+      "--n-features", "4"], "no training samples left after the validation split "
+     "(--val-fraction 0.999 held out all"),
     (["--standardize", "--dataset", "bow"], "--standardize does not apply to --dataset bow"),
 ])
 def test_validation_options_that_cannot_work_are_refused(tmp_path, capsys, extra, message):
