@@ -131,7 +131,8 @@ class Job:
         e.g. its partition and the checkpoint to resume from)."""
         a = self.args
         checkpoint = (Checkpointing(a.checkpoint_dir, a.checkpoint_every, a.keep_checkpoints,
-                                    self.config, self.run_id) if a.checkpoint_dir else None)
+                                    self.config, self.run_id, self.best)
+                      if a.checkpoint_dir else None)
         return RunSpec(a.epochs, a.batch_size, a.seed, not a.no_shuffle, a.drop_last,
                        **{"check_every": a.check_every, "checkpoint": checkpoint,
                           "progress": "none" if a.no_progress or a.quiet else a.progress,
@@ -156,7 +157,7 @@ class Job:
                  if self.args.resume else None)
         watch.epoch_index = state.epoch if state is not None else 0
         if state is not None and self.best is not None:
-            self.best.resume(state.history)
+            self.best.resume(state.history, state.best)
         return state
 
     def finish(self, model: nn.Sequential, data: D.Data, verdict: str, history: list[dict],

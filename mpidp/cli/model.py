@@ -65,10 +65,11 @@ def check_inputs(comm: C.Comm, args: argparse.Namespace, layers: list, data: D.D
 def check_fits(args: argparse.Namespace, data: D.Data, share: float, ranks_here: int) -> None:
     """ValueError, with the figure and the fix, when ``share`` of the model cannot fit in
     memory on ``ranks_here`` ranks of a node (or ``--val-fraction`` left no validation rows
-    to watch)."""
+    to watch, or the learning-rate schedule makes no sense: :func:`optimizer_factory`)."""
     if args.val_fraction and data.val is None:
         raise ValueError(f"--val-fraction {args.val_fraction} leaves no validation rows of the "
                          f"{data.train.n_total} training samples: give a larger fraction")
+    optimizer_factory(args, data.train.n_total)
     try:
         count, activations = memory.model_size(build_layers(args, data)[0], data.sample_shape)
     except ValueError as exc:
@@ -92,11 +93,23 @@ def check_fits(args: argparse.Namespace, data: D.Data, share: float, ranks_here:
 def optimizer_factory(args: argparse.Namespace, n_train: int):
     """A factory of the optimizer the options ask for, its rate a schedule of the update
     count (:func:`mpidp.nn.schedules.epoch_schedule`) for ``n_train`` training samples
-    in global batches (accumulation updates once per group)."""
+    in global batches (accumulation updates once per group). ValueError naming the options
+    when the schedule they ask for makes no sense (:func:`check_fits` asks first)."""
     steps = steps_per_epoch(n_train, args.batch_size, args.drop_last)
     per_epoch = -(-steps // args.sync_every) if args.sync == "accumulate" else steps
     lr = args.lr if args.lr_scaling == "none" else nn.scaled_lr(
         args.lr, args.batch_size, args.base_batch, args.lr_scaling)
+    warmup, updates = args.warmup_steps or round(args.warmup_epochs * per_epoch), \
+        args.epochs * per_epoch
+    if warmup and warmup >= updates:
+        asked = (f"--warmup-steps {args.warmup_steps}" if args.warmup_steps else
+                 f"--warmup-epochs {args.warmup_epochs:g}")
+        raise ValueError(f"{asked} is not shorter than the run ({updates} updates in --epochs "
+                         f"{args.epochs}): every update would be warmup; give a shorter one")
+    if args.lr_schedule in ("cosine", "polynomial") and args.lr_min > lr:
+        raise ValueError(f"--lr-min {args.lr_min:g} is above the learning rate {lr:g} (--lr"
+                         f"{'' if args.lr_scaling == 'none' else ' scaled by --lr-scaling'}): "
+                         f"the {args.lr_schedule} schedule decays from it down to --lr-min")
     schedule = epoch_schedule(args.lr_schedule, lr, per_epoch, args.epochs,
                               warmup_steps=args.warmup_steps, warmup_epochs=args.warmup_epochs,
                               step_epochs=args.lr_step_epochs, milestones=args.lr_milestones,

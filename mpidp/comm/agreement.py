@@ -5,6 +5,8 @@ prove replicas bit-identical (:func:`checksum`, pure, from :mod:`mpidp.digest`).
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 from typing import Any
 
 import numpy as np
@@ -111,13 +113,31 @@ def agree_same(comm: Comm, where: str, items: dict[str, Any]) -> None:
     differ = [k for i, k in enumerate(names) if buf[i] != -buf[len(names) + i]]
     if not differ:
         return
-    short = {k: r if len(r := repr(items[k])) <= 80 else r[:77] + "..." for k in differ}
-    shown = comm.allgather(short)  # failure path only
+    shown = comm.allgather({k: repr(items[k]) for k in differ})  # failure path only
     parts = []
     for k in differ:
         seen = [values[k] for values in shown]
+        cut, field = _where_they_differ(list(dict.fromkeys(seen)))
         groups = {v: [r for r, w in enumerate(seen) if w == v] for v in dict.fromkeys(seen)}
-        parts.append(f"{k} is " + ", ".join(f"{v} on rank {r[0]}" if len(r) == 1 else
-                                            f"{v} on ranks {r}" for v, r in groups.items()))
+        parts.append(f"{k} is " + ", ".join(
+            f"{cut(v)} on rank {r[0]}" if len(r) == 1 else f"{cut(v)} on ranks {r}"
+            for v, r in groups.items()) + field)
     raise MpidpError(f"{where}: every rank must pass the same arguments, but " +
                      "; ".join(parts))
+
+
+def _where_they_differ(values: list[str], width: int = 80):
+    """How to show each of the distinct reprs ``values`` in ``width`` characters (from the
+    field holding their first difference, or a little before the difference, when they are
+    long) and the words naming that field (``name=`` or ``'name':``; empty if none)."""
+    if all(len(v) <= width for v in values):
+        return (lambda v: v), ""
+    at = len(os.path.commonprefix(values))
+    fields = list(re.finditer(r"(\w+)=|'(\w+)': ", values[0][:at]))
+    start = max(fields[-1].start() if fields else 0, at - width // 2, 0)
+
+    def cut(v: str) -> str:
+        v = ("..." if start else "") + v[start:]
+        return v if len(v) <= width else v[:width - 3] + "..."
+    name = fields and (fields[-1].group(1) or fields[-1].group(2))
+    return cut, f" (they differ first at its field {name})" if name else ""

@@ -341,7 +341,10 @@ def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
         data = _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, layout,
                            clock, copy)
     if data.train.n_total == 0:
-        raise C.MpidpError(f"{data.name}: no training samples left after the test split")
+        held = data.val.n_total if data.val is not None else 0
+        after = (f"the validation split ({setting('val_fraction', val_fraction)} held out all "
+                 f"{held} rows the test split left)" if held else "the test split")
+        raise C.MpidpError(f"{data.name}: no training samples left after {after}")
     return data
 
 

@@ -22,6 +22,19 @@ def _unheard(layer: object, done: int | None = None) -> None:
     return None
 
 
+def positions(index) -> np.ndarray:
+    """``index`` as a context's ``(n,)`` int64 positions; ``ValueError`` unless it is one
+    dimension of whole numbers >= 0 (a negative or fractional position names no sample)."""
+    a = np.asarray(index)
+    whole = a.dtype.kind in "iu" or a.dtype.kind == "f" and bool(np.all(np.isfinite(a) & (a == np.floor(a))))
+    if a.ndim != 1 or not whole or (a.size and a.min() < 0):
+        shown = np.array2string(a.ravel()[:5], separator=", ")
+        raise ValueError(f"index must hold the global positions of the batch's rows, whole "
+                         f"numbers >= 0 in one dimension; got {a.dtype} of shape {a.shape} "
+                         f"starting {shown}")
+    return a.astype(np.int64)
+
+
 @dataclass
 class Context:
     """The step a model's forward and backward passes belong to.

@@ -6,6 +6,7 @@ import math
 import os
 from collections.abc import Callable
 
+from ..atomic import write_atomic
 from ..nn.model import Sequential, save
 
 
@@ -17,20 +18,42 @@ class BestModel:
 
     ``model``: the model trained, or a callable returning it, called on every rank when an
     epoch improves (it may be collective). Only rank 0 of ``comm`` writes (``comm`` None: this
-    process). :meth:`resume` takes the best of the epochs already done; :meth:`summary`: the
-    file, epoch and loss kept, None until one is."""
+    process). Given as a checkpoint's ``best`` (:class:`mpidp.run.spec.Checkpointing`), each
+    checkpoint carries the file (:meth:`kept`); :meth:`resume` takes the best of the epochs
+    already done and writes the carried file again; :meth:`summary`: the file, epoch and loss
+    kept, None while no file is written."""
 
     def __init__(self, path: str, model: Sequential | Callable[[], Sequential | None], *,
                  comm=None, meta: dict | None = None) -> None:
         self.path, self.comm, self.meta = path, comm, dict(meta or {})
         self.model = (lambda: model) if isinstance(model, Sequential) else model
         self.val_loss, self.epoch = math.inf, None
+        self.file: bytes | None = None  # what the writer wrote to ``path`` (None elsewhere)
+        self.written = False
 
-    def resume(self, history: list[dict]) -> None:
-        """Take the best validation epoch of ``history`` (the records of the epochs done)."""
+    def resume(self, history: list[dict], carried: dict | None = None) -> None:
+        """Take the best validation epoch of ``history`` (the records of the epochs done);
+        with ``carried`` (a checkpoint's :attr:`~mpidp.run.checkpoint.State.best`, whose
+        ``file`` the writer holds), write that epoch's file again."""
         for record in history:
             if record.get("val_loss") is not None and record["val_loss"] < self.val_loss:
                 self.val_loss, self.epoch = record["val_loss"], record["epoch"]
+        if carried is not None:
+            self.val_loss, self.epoch = carried["val_loss"], carried["epoch"]
+            if self._writes() and carried.get("file") is not None:
+                self.file = carried["file"]
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                write_atomic(self.path, lambda f: f.write(self.file), "the best model")
+            self.written = True
+
+    def kept(self) -> dict | None:
+        """What a checkpoint carries: the kept ``epoch``, ``val_loss`` and ``file`` (the
+        written file's bytes on the writer, None elsewhere); None while none is written."""
+        return {"epoch": self.epoch, "val_loss": self.val_loss,
+                "file": self.file} if self.written else None
+
+    def _writes(self) -> bool:
+        return self.comm is None or self.comm.rank == 0
 
     def __call__(self, record: dict) -> None:
         loss = record.get("val_loss")
@@ -38,10 +61,13 @@ class BestModel:
             return
         self.val_loss, self.epoch = loss, record["epoch"]
         model = self.model()
-        if self.comm is None or self.comm.rank == 0:
+        if self._writes():
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
             save(model, self.path, meta={**self.meta, "epoch": self.epoch, "val_loss": loss})
+            with open(self.path, "rb") as f:
+                self.file = f.read()
+        self.written = True
 
     def summary(self) -> dict | None:
-        return None if self.epoch is None else {
+        return None if not self.written else {
             "file": os.path.basename(self.path), "epoch": self.epoch, "val_loss": self.val_loss}

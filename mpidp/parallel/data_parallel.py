@@ -14,6 +14,7 @@ from .. import comm as C
 from ..digest import settings_of, state_of
 from ..errors import is_whole
 from ..nn import Context, Loss, Optimizer, Sequential
+from ..nn.context import positions
 from ..nn.optim import Segments
 from ..observe.metrics import StepTimer
 from ..run import checkpoint as ckpt
@@ -244,7 +245,7 @@ class DataParallel:
         if self.model.n_state and self.policy.checks and not add:
             self._keep_state()
         if index is not None:
-            ctx.index = np.asarray(index, np.int64)
+            ctx.index = positions(index)
         with self.timer.compute("compute", samples=len(X)):
             try:
                 if self._on_forward is None:

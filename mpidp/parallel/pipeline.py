@@ -382,6 +382,8 @@ class Pipeline:
         self.optimizer.state = {k: my_slice(f"opt.{k}") for k in sorted(meta["optimizer"]["state"])}
         self.optimizer.t = meta["optimizer"]["t"]
         state = ckpt.state_of(meta)
+        if state.best is not None and self.world.rank == 0:
+            state.best["file"] = arrays["best"].tobytes()
         self.global_step = state.global_step
         return path, state
 

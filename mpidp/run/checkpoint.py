@@ -3,10 +3,11 @@ independent of the number of ranks (parameters are replicated; positions are glo
 
 A checkpoint is an ``.npz`` of ``params``, the optimizer's flat state arrays
 (``opt.<name>``), a JSON ``meta`` (position, optimizer step count, running totals,
-history, configuration, run id) and a BLAKE2 ``checksum`` over all of them. A folder
-belongs to one run at a time (:func:`claim`); a checkpoint is only ever replaced by a
-newer one (:func:`save`). Each records the run's settings and :func:`data_fingerprint`,
-which a resume must agree with (:mod:`mpidp.cli.settings`)."""
+history, configuration, run id), the best epoch's model file when the run keeps one
+(``best``: its bytes; its epoch and loss in ``meta["best"]``) and a BLAKE2 ``checksum`` over
+all of them. A folder belongs to one run at a time (:func:`claim`); a checkpoint is only ever
+replaced by a newer one (:func:`save`). Each records the run's settings and
+:func:`data_fingerprint`, which a resume must agree with (:mod:`mpidp.cli.settings`)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,9 @@ class State:
     config: dict[str, Any] = field(default_factory=dict)
     partition: dict[str, Any] = field(default_factory=dict)  # e.g. adaptive capacities
     source: str | None = None  # the checkpoint file it was read from (not saved)
+    #: the best epoch's model file: ``epoch``, ``val_loss`` and (on the root rank) ``file``,
+    #: its bytes (see :class:`mpidp.BestModel`); None: the run keeps none (yet)
+    best: dict[str, Any] | None = None
 
 
 def claim(directory: str, run_id: str, *, resume: bool, restart: bool = False) -> F.Claim:
@@ -189,11 +193,15 @@ def _write(directory: str, model_arrays: dict[str, np.ndarray], optimizer: Optim
                              f"took it over; this run writes no more checkpoints there")
     opt_state = optimizer.state
     arrays = {**model_arrays, **{f"opt.{k}": v for k, v in opt_state.items()}}
+    best = None
+    if state.best is not None and state.best.get("file") is not None:
+        arrays["best"] = np.frombuffer(state.best["file"], np.uint8)
+        best = {"epoch": state.best["epoch"], "val_loss": state.best["val_loss"]}
     n_state = int(model_arrays["state"].size) if "state" in model_arrays else 0
     meta = json.dumps({"version": VERSION, "epoch": state.epoch, "step": state.step,
                        "global_step": state.global_step, "totals": state.totals,
                        "history": state.history, "config": state.config,
-                       "partition": state.partition, "run_id": run_id,
+                       "partition": state.partition, "run_id": run_id, "best": best,
                        "n_params": int(params.size), "n_state": n_state,
                        "dtype": str(params.dtype),
                        "optimizer": {"type": type(optimizer).__name__, "t": optimizer.t,
@@ -282,6 +290,8 @@ def _arrays_problem(meta: dict, arrays: dict[str, np.ndarray]) -> str | None:
     """:func:`contents_problem` of the arrays, for a ``meta`` whose records are well formed."""
     n, n_state, opt = meta["n_params"], meta.get("n_state", 0), meta["optimizer"]
     expected = {"params": (n,), **({"state": (n_state,)} if n_state else {})}
+    if isinstance(meta.get("best"), dict) and "best" in arrays:  # a file of any length
+        expected["best"] = arrays["best"].shape
     for name, shape in opt["state"].items():
         if not (isinstance(shape, list) and all(is_whole(d) for d in shape)):
             return f"its optimizer state {name!r} has the shape {shape!r}"
@@ -368,13 +378,17 @@ def restore(comm: C.Comm, directory: str, model: Sequential, optimizer: Optimize
     optimizer.t = meta["optimizer"]["t"]
     state = state_of(meta)
     state.source = path
+    if state.best is not None and comm.rank == root:
+        state.best["file"] = arrays["best"].tobytes()
     return path, state
 
 
 def state_of(meta: dict) -> State:
     """The :class:`State` recorded in a checkpoint's ``meta``."""
+    best = meta.get("best")
     return State(meta["epoch"], meta["step"], meta["global_step"], meta["totals"],
-                 meta["history"], meta["config"], meta.get("partition", {}))
+                 meta["history"], meta["config"], meta.get("partition", {}),
+                 best=dict(best) if isinstance(best, dict) else None)
 
 
 def check_fits(path: str, meta: dict, n_params: int, dtype: np.dtype, optimizer: Optimizer) -> None:

@@ -133,6 +133,13 @@ class _Run:
         epoch, first = state.epoch, state.step
         totals = np.array(state.totals if first else (0.0, 0.0, 0.0), np.float64)
         done = spec.epochs
+        if self.stopped_early and epoch < spec.epochs:
+            es = spec.early_stopping
+            if self.trainer.world.rank == 0:
+                print(f"[mpidp] the run had already finished: early stopping ended it after "
+                      f"epoch {epoch} ({spec.monitor} had not improved for {es.bad_epochs} "
+                      f"epochs, its patience {es.patience}); nothing more to train", flush=True)
+            return
         while epoch < spec.epochs:
             t0 = time.perf_counter()
             try:
@@ -239,11 +246,13 @@ class _Run:
         return optimizer
 
     def replay(self) -> None:
-        """A resumed run's early stopping and plateau rule, fed the epochs already done."""
+        """A resumed run's early stopping and plateau rule, fed the epochs already done;
+        ``stopped_early``: early stopping had ended the run at its last epoch."""
+        self.stopped_early = False
         for record in self.history:
             value = _figure(record, self.spec.monitor)
             if self.spec.early_stopping is not None:
-                self.spec.early_stopping.update(value)
+                self.stopped_early = self.spec.early_stopping.update(value)
             if self.spec.plateau is not None:
                 self.plateau_optimizer().lr_scale = self.spec.plateau.update(value)
 
@@ -291,6 +300,8 @@ class _Run:
         """Write a checkpoint of ``state`` with the history so far. Collective."""
         state.history, state.config = self.history, self.spec.checkpoint.config
         state.partition = self.feed.state()
+        best = self.spec.checkpoint.best
+        state.best = best.kept() if best is not None else None
         with writing_checkpoint(self.tracer):
             self.trainer.save_checkpoint(self.spec.checkpoint.directory, state,
                                          self.spec.checkpoint.keep, self.spec.checkpoint.run_id)

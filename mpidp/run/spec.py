@@ -37,6 +37,9 @@ class Checkpointing:
     keep: int = 3
     config: dict = field(default_factory=dict)
     run_id: str | None = None  # the folder's owner (mpidp.run.checkpoint.claim); None: unchecked
+    #: the run's best model (a :class:`mpidp.BestModel`): each checkpoint carries its file, so
+    #: that a resumed run keeps the same one (None: nothing carried)
+    best: Any = None
 
     def __post_init__(self) -> None:
         if not (is_whole(self.every, 1) and is_whole(self.keep, 1)):

@@ -70,6 +70,11 @@ def test_the_plateau_rule_lowers_the_rate_when_the_validation_loss_stalls(tmp_pa
     (["--lr-min", "0.001"], "--lr-min does not apply to --lr-schedule constant"),
     (["--lr-schedule", "plateau"], "--lr-schedule plateau needs --val-fraction"),
     (["--warmup-epochs", "1", "--warmup-steps", "3"], "give one"),
+    (["--lr-schedule", "cosine", "--lr", "0.01", "--lr-min", "0.1"],
+     "--lr-min 0.1 is above the learning rate 0.01 (--lr)"),
+    (["--epochs", "2", "--warmup-epochs", "2"], "--warmup-epochs 2 is not shorter than the run "
+     f"({2 * STEPS} updates in --epochs 2): every update would be warmup"),
+    (["--epochs", "2", "--warmup-steps", str(10**12)], "every update would be warmup"),
     (["--base-batch", "32"], "--base-batch needs --lr-scaling"),
     (["--lr-schedule", "cosine", "--sync", "async-ps"], "--lr-schedule does not apply to"),
     (["--clip-norm", "0"], "--clip-norm"),

@@ -107,6 +107,9 @@ def test_standardize_uses_the_exact_moments_of_the_whole_training_set(tmp_path):
     (["--early-stopping", "3"], "--early-stopping needs --val-fraction"),
     (["--val-fraction", "0.1", "--sync", "async-ps"], "--val-fraction does not apply to"),
     (["--val-fraction", "1.5"], "--val-fraction"),
+    (["--val-fraction", "0.999", "--dataset", "synthetic", "--n-samples", "200",
+      "--n-features", "4"], "no training samples left after the validation split "
+     "(--val-fraction 0.999 held out all"),
     (["--standardize", "--dataset", "bow"], "--standardize does not apply to --dataset bow"),
 ])
 def test_validation_options_that_cannot_work_are_refused(tmp_path, capsys, extra, message):
@@ -117,3 +120,18 @@ def test_validation_options_that_cannot_work_are_refused(tmp_path, capsys, extra
     r = run_mpi(2, *DIGITS, *extra, "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "o" / "model.npz").exists()
+
+
+def test_an_early_stopped_run_resumed_into_a_new_out_stays_finished(tmp_path):
+    """The checkpoint carries best.npz: a resume (job scripts always pass --resume) into
+    another folder trains nothing and writes the same model.npz and best.npz."""
+    args = [*DIGITS, "--val-fraction", "0.2", "--early-stopping", "2", "--epochs", "40",
+            "--lr", "0.1", "--checkpoint-dir", str(tmp_path / "ck")]
+    first = run_mpi(2, *args, "--out", str(tmp_path / "a"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run_mpi(2, *args, "--resume", "--out", str(tmp_path / "b"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "the run had already finished: early stopping ended it after epoch" in again.stdout
+    for name in ("model.npz", "best.npz"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert "best.npz" in again.stdout.splitlines()[-1]

@@ -129,3 +129,17 @@ def test_arguments_of_the_wrong_kind_name_themselves(comm, change, message):
           "loss": nn.SoftmaxCrossEntropy(), **change}
     raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.DataParallel(comm=comm, **kw),
                       message)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_long_values_that_differ_late_name_the_field_and_each_rank_value(comm):
+    from mpidp.comm.agreement import agree_same
+
+    spec = f"Plan(capacities={[1.0] * 30}, seed={comm.rank}, shuffle=True)"
+    err = raises_everywhere(comm, mpidp.MpidpError,
+                            lambda: agree_same(comm, "fit", {"partition": spec}),
+                            "every rank must pass the same arguments")
+    msg = str(err)
+    assert "partition is ...seed=0, shuffle=True)' on rank 0, ...seed=1, shuffle=True)' on " \
+           "rank" in msg and msg.endswith("(they differ first at its field seed)"), msg
+    assert "on ranks [0" not in msg, msg
