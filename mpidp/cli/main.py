@@ -88,6 +88,9 @@ def _main(parser, argv: list[str]) -> int:
     if args.command == "plot":
         from . import plot
         return plot.main(args)
+    if args.command == "export":
+        from . import export
+        return export.main(args)
     from_file: set[tuple[str, bool]] = set()
     if args.command == "train" and args.config:
         args, argv, from_file = settings.with_config_file(parser, argv, args.config)

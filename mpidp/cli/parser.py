@@ -469,8 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for model.json, model.md, model.png")
     m.add_argument("--batch-size", type=_positive(int), default=512, help="global batch")
     add_predict(sub)
-    from . import plot
+    from . import export, plot
     plot.add_parser(sub)
+    add_import(export.add_parser(sub))
     return parser
 
 
