@@ -99,6 +99,9 @@ def _main(parser, argv: list[str]) -> int:
         return 0
     if args.command == "plot":
         return plot(args)
+    if args.command == "export":
+        from . import export
+        return export.main(args)
     from_file: set[tuple[str, bool]] = set()
     if args.command == "train" and args.config:
         args, argv, from_file = settings.with_config_file(parser, argv, args.config)

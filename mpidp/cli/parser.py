@@ -447,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--x", choices=("epochs", "seconds", "both"), default="both",
                    help="horizontal axis: epochs, seconds since the start, or both (default)")
     p.add_argument("--title", default=None, help="a title over the figure")
+    from . import export
+    add_import(export.add_parser(sub))
     return parser
 
 

@@ -6,6 +6,7 @@ from .context import Context
 from .conv import Conv1d, Conv2d
 from .dropout import Dropout
 from .embedding import Embedding
+from .export import export_onnx, export_safetensors, register_exporter
 from .layers import Dense, Layer, register_layer, registered_layers
 from .losses import OUTPUTS, Loss, MeanSquaredError, SoftmaxCrossEntropy, outputs
 from .model import Sequential, from_spec, load, save
@@ -27,6 +28,8 @@ __all__ = [
     "OUTPUTS", "outputs", "PRESETS", "register_layer", "registered_layers", "ReLU", "Reshape",
     "Residual", "save", "Sequential", "SGD", "Sigmoid", "Softmax", "SoftmaxCrossEntropy",
     "SparseDense", "Standardize", "Tanh",
+    # writing a trained model for other runtimes
+    "export_onnx", "export_safetensors", "register_exporter",
     # optimizers and learning-rate schedules
     "LAMB", "LARS", "make_schedule", "OPTIMIZERS", "scaled_lr", "Schedule",
     "schedule_from_config", "SCHEDULES", "Segments",
