@@ -262,7 +262,7 @@ def test_check_position_names_the_checkpoint_and_the_numbers():
     state = ck.State(epoch=2, step=40, global_step=70)
     message = ck.check_position(state, 30, "P")
     assert message is not None and "P" in message and "40" in message and "30" in message
-    assert "epoch 3" in message and "--restart" in message
+    assert "epoch 3" in message and "start over with restart" in message  # the keyword; the CLI: its flag
     assert ck.check_position(ck.State(epoch=2, step=30, global_step=90), 30, "P") is None
 
 
