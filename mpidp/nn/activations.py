@@ -8,11 +8,11 @@ import math
 
 import numpy as np
 
-from .layers import Layer, register_layer
+from .layers import ParameterFree, register_layer
 
 
 @register_layer
-class ReLU(Layer):
+class ReLU(ParameterFree):
     """``max(x, 0)``; the derivative at 0 is taken as 0.
 
     ``inplace=True`` overwrites ``x`` in forward and ``dy`` in backward; use it only where
@@ -28,28 +28,24 @@ class ReLU(Layer):
         self._y = np.maximum(x, 0, out=x if self.inplace else None)
         return self._y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        if not need_input_grad:
-            return None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
         return np.multiply(dy, self._y > 0, out=dy if self.inplace else None)
 
 
 @register_layer
-class Tanh(Layer):
+class Tanh(ParameterFree):
     """``tanh(x)``."""
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         self._y = np.tanh(x)
         return self._y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        return dy * (1 - self._y * self._y) if need_input_grad else None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
+        return dy * (1 - self._y * self._y)
 
 
 @register_layer
-class Sigmoid(Layer):
+class Sigmoid(ParameterFree):
     """``1 / (1 + exp(-x))``, computed without overflow for large ``|x|``."""
 
     def forward(self, x: np.ndarray) -> np.ndarray:
@@ -57,13 +53,12 @@ class Sigmoid(Layer):
         self._y = np.where(x >= 0, 1 / (1 + e), e / (1 + e))
         return self._y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        return dy * self._y * (1 - self._y) if need_input_grad else None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
+        return dy * self._y * (1 - self._y)
 
 
 @register_layer
-class LeakyReLU(Layer):
+class LeakyReLU(ParameterFree):
     """``x`` where ``x > 0``, else ``slope * x`` (a finite number; 0 gives :class:`ReLU`);
     the derivative at 0 is taken as ``slope``."""
 
@@ -81,9 +76,8 @@ class LeakyReLU(Layer):
         self._pos = x > 0
         return np.where(self._pos, x, x * self.slope)
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        return np.where(self._pos, dy, dy * self.slope) if need_input_grad else None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
+        return np.where(self._pos, dy, dy * self.slope)
 
     def __repr__(self) -> str:
         return f"LeakyReLU({self.slope})"
@@ -94,7 +88,7 @@ _GELU_A = 0.044715
 
 
 @register_layer
-class GELU(Layer):
+class GELU(ParameterFree):
     """Gaussian error linear unit, in its **tanh approximation**
     ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))`` (within ~1e-3 of the exact
     ``x * Phi(x)``); ``backward`` is the exact derivative of the approximation."""
@@ -113,10 +107,7 @@ class GELU(Layer):
         y *= 0.5
         return y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        if not need_input_grad:
-            return None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
         x, t = self._x, self._t
         # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)
         inner = self._x2 * (3 * _GELU_A)
@@ -133,7 +124,7 @@ class GELU(Layer):
 
 
 @register_layer
-class Softmax(Layer):
+class Softmax(ParameterFree):
     """``exp(x) / sum(exp(x))`` over the last axis (shifted by the row maximum: no
     overflow). To train a classifier prefer :class:`mpidp.nn.SoftmaxCrossEntropy` on raw
     scores: it fuses the two and is better conditioned."""
@@ -145,10 +136,7 @@ class Softmax(Layer):
         self._y = y
         return y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        if not need_input_grad:
-            return None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
         dx = dy * self._y
         dx -= self._y * dx.sum(axis=-1, keepdims=True)
         return dx

@@ -1,22 +1,16 @@
 """Convolutions over 1-D and 2-D signals: :class:`Conv1d` ``(n, C, L)``, :class:`Conv2d`
 ``(n, C, H, W)``. Pure NumPy, no MPI.
 
-Both are cross-correlations with zero padding, computed as ONE matrix product on an
-im2col matrix ``cols`` ``(C*K, P*n)``: a strided view of the (padded) input, copied once,
-whose row ``(c, *offset)`` holds, for every output position and sample, the input value
-under that kernel tap. Then
-
-- forward: ``y = W (F, C*K) @ cols`` plus bias;
-- dW: ``(cols @ dy.T).T`` with ``dy (F, P*n)``; db: ``dy`` summed over positions and samples;
-- dx: ``dcols = W.T @ dy`` scattered back (col2im) with one strided add per kernel tap
-  (``K = prod(kernel)`` adds in all, never a loop over samples or positions).
-
-The batch axis is innermost inside these steps (the input is first copied to
-``(C, *padded, n)``), so a kernel tap reads and writes runs of ``out_width * n``
-contiguous values: several times faster than with the samples outermost. Inputs and
-outputs keep the ``(n, C, *spatial)`` layout. ``F`` is ``out_channels``, ``P`` the number
-of output positions; output size per spatial axis ``floor((L + 2 * padding - kernel) /
-stride) + 1`` (>= 1). Everything runs in the parameters' dtype.
+Cross-correlations with zero padding, each ONE matrix product on an im2col matrix ``cols``
+``(C*K, P*n)`` (a strided view of the padded input, copied once; row ``(c, *offset)``
+holds the input value under that kernel tap for every output position and sample):
+forward ``y = W (F, C*K) @ cols`` plus bias; ``dW = (cols @ dy.T).T``; ``dx`` scatters
+``W.T @ dy`` back with one strided add per kernel tap (col2im). The batch axis is
+innermost in these steps (the input is copied to ``(C, *padded, n)``), so each tap reads
+runs of ``out_width * n`` contiguous values. ``F`` is ``out_channels``, ``K`` is
+``prod(kernel)``, ``P`` the number of output positions; per spatial axis
+``out = floor((L + 2 * padding - kernel) / stride) + 1`` (>= 1). Everything runs in the
+parameters' dtype.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .layers import Layer, Shapes, _bad_size, check_init, init_weights, register_layer
+from .layers import Layer, Shapes, _bad_size, check_init, init_weights, register_layer, write_grad
 
 _AXES = ("length",), ("height", "width")  # names of the spatial axes, by dimensionality
 
@@ -189,13 +183,10 @@ class _ConvNd(Layer):
         np.copyto(dyt, dy.reshape(n, F, P).transpose(1, 2, 0), casting="same_kind")
         dyt = dyt.reshape(F, P * n)
         dW2 = dW.reshape(F, -1)
-        g = (cols @ dyt.T).T  # (F, C*K); as (cols @ dy.T).T the long axis is the GEMM's
-        if accumulate:        # inner one in memory: faster than dy @ cols.T unless C*K is tiny
-            dW2 += g
-            db += dyt.sum(axis=1)
-        else:
-            dW2[...] = g
-            np.sum(dyt, axis=1, out=db)
+        # (F, C*K): as (cols @ dy.T).T the long axis is the GEMM's inner one in memory,
+        # faster than dy @ cols.T unless C*K is tiny
+        write_grad(dW2, (cols @ dyt.T).T, accumulate)
+        write_grad(db, dyt.sum(axis=1), accumulate)
         if type(self).backward is _ConvNd.backward:  # (a subclass may change them after)
             self.context.grads_final(self)  # W and b may be sent while dL/dx is computed
         if not need_input_grad:

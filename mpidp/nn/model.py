@@ -52,15 +52,21 @@ def chain_shapes(layers: Sequence[Layer], in_shape: tuple[int, ...]) -> list[tup
     return shapes
 
 
-def _carve(buffer: np.ndarray, shapes: dict[str, tuple[int, ...]],
-           offset: int) -> tuple[dict[str, np.ndarray], int]:
-    """Views of ``buffer`` from ``offset`` on, one per ``name: shape``; and the offset after."""
-    views = {}
-    for name, shape in shapes.items():
-        size = int(np.prod(shape))
-        views[name] = buffer[offset:offset + size].reshape(shape)
-        offset += size
-    return views, offset
+def _sizes(layers: Sequence[Layer], which: str) -> list[int]:
+    """Values per layer of ``layer.<which>()`` (``"param_shapes"`` or ``"state_shapes"``)."""
+    return [sum(int(np.prod(s)) for s in getattr(la, which)().values()) for la in layers]
+
+
+def _carve(buffer: np.ndarray, layers: Sequence[Layer], which: str) -> list[dict]:
+    """Views of ``buffer``, one ``{name: view}`` per layer, by ``layer.<which>()`` in order."""
+    views, offset = [], 0
+    for layer in layers:
+        views.append({})
+        for name, shape in getattr(layer, which)().items():
+            size = int(np.prod(shape))
+            views[-1][name] = buffer[offset:offset + size].reshape(shape)
+            offset += size
+    return views
 
 
 class Sequential:
@@ -89,14 +95,13 @@ class Sequential:
         self.shapes = chain_shapes(self.layers, self.in_shape)
         self.out_shape = self.shapes[-1]
         self.n_in, self.n_out = int(np.prod(self.in_shape)), int(np.prod(self.out_shape))
-        self.n_params, self.n_state = (sum(int(np.prod(s)) for layer in self.layers
-                                           for s in getattr(layer, f)().values())
-                                       for f in ("param_shapes", "state_shapes"))
+        edges = np.cumsum([0, *_sizes(self.layers, "param_shapes")]).tolist()
+        #: ``[lo, hi)`` of each layer in ``params`` and ``grads``
+        self.layer_ranges: list[tuple[int, int]] = list(zip(edges[:-1], edges[1:]))
+        self.n_params, self.n_state = edges[-1], sum(_sizes(self.layers, "state_shapes"))
         self._bind(np.zeros(self.n_params, self.dtype), np.zeros(self.n_params, self.dtype))
         self.state = np.zeros(self.n_state, self.dtype)
-        offset = 0
-        for layer in self.layers:
-            views, offset = _carve(self.state, layer.state_shapes(), offset)
+        for layer, views in zip(self.layers, _carve(self.state, self.layers, "state_shapes")):
             layer.bind_state(views)
         self.set_context(Context())
         self.meta: dict[str, Any] = {}
@@ -114,13 +119,9 @@ class Sequential:
 
     def _bind(self, params: np.ndarray, grads: np.ndarray) -> None:
         self.params, self.grads = params, grads
-        offset = 0
-        self.layer_ranges: list[tuple[int, int]] = []  # [lo, hi) of each layer in the buffers
-        for layer in self.layers:
-            shapes, lo = layer.param_shapes(), offset
-            g, offset = _carve(grads, shapes, lo)
-            layer.bind(_carve(params, shapes, lo)[0], g)
-            self.layer_ranges.append((lo, offset))
+        for layer, p, g in zip(self.layers, _carve(params, self.layers, "param_shapes"),
+                               _carve(grads, self.layers, "param_shapes")):
+            layer.bind(p, g)
 
     def use_grad_buffer(self, buffer: np.ndarray) -> None:
         """Make ``grads`` (and every layer's gradient views) live in ``buffer[:n_params]``,
@@ -152,11 +153,9 @@ class Sequential:
         ``backward``. Runs in the mode ``context.training`` says (False: evaluation).
 
         ``on_layer_params(i, upto)`` returns once the first ``upto`` values of layer ``i``'s
-        range of ``params`` (None: all) are final, for an update still arriving: called
-        before each layer's ``forward``, or, for a layer that reads its parameters in parts
-        of about ``piece`` values (a ``Dense``), before each part (the same parts whether or
-        not they had to wait: the numbers do not depend on timing).
-        """
+        range of ``params`` (None: all) are final: called before each layer's ``forward``,
+        or before each part of about ``piece`` values of a layer that reads its parameters
+        in parts (a ``Dense``; the same parts whatever the timing)."""
         if tuple(x.shape[1:]) != self.in_shape and not (
                 len(self.in_shape) == 1 and x.ndim == 2 and x.shape[1] == self.n_in):
             raise ValueError(f"the model takes samples of shape {self.in_shape}, got a batch "
@@ -197,13 +196,11 @@ class Sequential:
         """Back-propagate dL/dy ``(n, n_out)``; writes (or adds to) ``grads``; returns dL/dx
         ``(n, n_in)``, or None with ``input_grad=False`` (then its cost is skipped).
 
-        ``on_layer_done(i)`` is called as soon as layer ``i``'s gradients are final (last
-        layer first), so they can be sent during the rest of backward: at the layer's
+        ``on_layer_done(i)``: layer ``i``'s gradients are final (last layer first), at its
         ``context.grads_final(layer)`` if it calls it (a ``Dense`` does, before its input
         gradient), else once its ``backward`` returns. ``on_layer_part(i, done)`` (with
         ``piece > 0``): the first ``done`` values of layer ``i``'s range of ``grads`` are
-        final, after each part of a layer that computes its gradient in parts of ``piece``.
-        """
+        final, after each part of ``piece`` values of a layer that computes them in parts."""
         last = len(self.layers) - 1
         told = set()  # the layers on_layer_done has heard of
 
@@ -303,20 +300,15 @@ def _unregistered(layers: Sequence[Layer]) -> list[type]:
 
 def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None, *,
          stacklevel: int = 2) -> str:
-    """Write ``model`` to ``path`` atomically, as the ``model.npz`` of ``mpidp train``.
+    """Write ``model`` to ``path`` (an existing folder: ``model.npz`` in it) atomically, as
+    the ``model.npz`` of ``mpidp train``; returns the path written.
 
-    The archive (``np.savez``, no pickles) holds ``params`` (the flat ``(n_params,)``
-    vector, in the model's dtype), ``state`` (the flat ``(n_state,)`` untrained state,
-    when the model has any), ``spec`` (JSON of :meth:`Sequential.spec`), ``dtype``
-    (``"float32"`` or ``"float64"``) and ``meta`` (JSON of ``meta``, else of
-    ``model.meta``). Written to a temporary file in the same folder, fsynced and renamed:
-    ``path`` is at every moment absent, the old file, or the whole new one. An existing
-    folder ``path`` means ``model.npz`` in it. Returns the path written.
-
-    Raises ``ValueError`` (writing nothing) if the spec or ``meta`` is not JSON-able. Warns
-    (``UserWarning`` at ``stacklevel``, writing the file all the same) for each layer class,
-    also inside a block, that is not registered (:func:`mpidp.nn.register_layer`), so
-    :func:`load` cannot rebuild the file.
+    The archive (``np.savez``, no pickles) holds ``params`` ``(n_params,)`` and ``state``
+    ``(n_state,)`` (if any) in the model's dtype, ``dtype`` (``"float32"`` or
+    ``"float64"``), and JSON ``spec`` (:meth:`Sequential.spec`) and ``meta`` (``meta``, else
+    ``model.meta``). Raises ``ValueError`` (writing nothing) if they are not JSON-able; warns
+    (``UserWarning``) for each layer class, also inside a block, that is not registered
+    (:func:`mpidp.nn.register_layer`): :func:`load` could not rebuild it.
     """
     path = _model_path(path)
     meta = model.meta if meta is None else meta

@@ -45,8 +45,7 @@ class SGD(Optimizer):
     def _update(self, params: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
                 scale: float, first: bool) -> None:
         if self.momentum == 0 and not self.weight_decay:  # the common case: two passes
-            # (not one BLAS axpy: that rounds differently, and this keeps plain SGD
-            # bit-identical to a hand-written NumPy loop and to NumPy-only installs)
+            # (not a BLAS axpy, which rounds differently from a plain NumPy loop)
             grad *= self.lr * scale
             params -= grad
             return
@@ -107,10 +106,8 @@ class Adam(Optimizer):
 
 
 class AdamW(Adam):
-    """Adam with decoupled weight decay (Loshchilov & Hutter, 2019):
-    ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``; the decay is not part
-    of the gradient, so it reaches neither the moments nor clipping (PyTorch's convention:
-    the decay is scaled by the scheduled ``lr``)."""
+    """Adam with decoupled weight decay (Loshchilov & Hutter, 2019), outside the gradient
+    (moments, clipping): ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``."""
 
     def __init__(self, lr: float | Schedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, *,
@@ -138,14 +135,12 @@ def _trust(num: np.ndarray, den: np.ndarray, keep: np.ndarray) -> np.ndarray:
 
 class LARS(Optimizer):
     """LARS (You, Gitman & Ginsburg, 2017, Algorithm 1): momentum SGD with a layer-wise
-    trust ratio. For each tensor ``w`` with mean gradient ``g``::
+    trust ratio. For each whole tensor ``w`` with (clipped) mean gradient ``g``::
 
         ratio = eta * ||w|| / (||g|| + weight_decay * ||w||)   (1 if ||w|| or ||g|| is 0)
         v = momentum * v + lr * ratio * (g + weight_decay * w);  w -= v
 
-    Norms are of whole tensors (see :mod:`mpidp.nn.optim`), ``g`` after clipping. With
-    ``exclude_1d`` (the default, as in large-batch ResNet practice), 1-D tensors (biases,
-    norm scales) get ratio 1 and no weight decay: plain momentum SGD.
+    With ``exclude_1d`` (default), 1-D tensors get ratio 1 and no weight decay.
     """
 
     layer_norms = True
@@ -199,14 +194,12 @@ class LARS(Optimizer):
 
 class LAMB(Optimizer):
     """LAMB (You et al., 2019, Algorithm 2): Adam's moments with a layer-wise trust ratio.
-    For each tensor ``w``::
+    For each whole tensor ``w``, with bias-corrected moments of the (clipped) mean gradient::
 
         r = m_hat / (sqrt(v_hat) + eps);  u = r + weight_decay * w
         w -= lr * ||w|| / ||u|| * u        (ratio 1 if ||w|| or ||u|| is 0)
 
-    with bias-corrected moments ``m_hat``, ``v_hat`` of the (clipped) mean gradient. Norms
-    are of whole tensors (see :mod:`mpidp.nn.optim`). With ``exclude_1d`` (the default, as in
-    the BERT recipe), 1-D tensors get ratio 1 and no weight decay: plain Adam steps.
+    With ``exclude_1d`` (default), 1-D tensors get ratio 1 and no weight decay.
     """
 
     def __init__(self, lr: float | Schedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),

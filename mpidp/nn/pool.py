@@ -15,7 +15,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .conv import as_sizes, out_sizes, tap
-from .layers import Layer, register_layer
+from .layers import ParameterFree, register_layer
 
 
 def _spec(value: int | Sequence[int] | None, what: str) -> int | tuple[int, ...] | None:
@@ -29,7 +29,7 @@ def _spec(value: int | Sequence[int] | None, what: str) -> int | tuple[int, ...]
     return as_sizes(value, 1, what)[0]
 
 
-class _WindowPool(Layer):
+class _WindowPool(ParameterFree):
     """Shared shape handling of :class:`MaxPool` and :class:`AvgPool`: ``size`` is an int
     (every spatial axis) or a pair ``(h, w)`` (2-D inputs); ``stride`` likewise, None
     (default) meaning ``size``."""
@@ -119,10 +119,7 @@ class MaxPool(_WindowPool):
         self._arg = np.subtract(code(n_taps), best, out=best)  # n_taps where y is NaN: no gradient
         return y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        if not need_input_grad:
-            return None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
         self._check_dy(dy)
         size, stride, _ = self._geom
         dx = np.zeros(self._x_shape, dy.dtype)
@@ -147,10 +144,7 @@ class AvgPool(_WindowPool):
         y *= 1.0 / len(taps)
         return y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        if not need_input_grad:
-            return None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
         self._check_dy(dy)
         g = dy * (1.0 / int(np.prod(self._geom[0])))
         dx = np.zeros(self._x_shape, g.dtype)
@@ -160,7 +154,7 @@ class AvgPool(_WindowPool):
 
 
 @register_layer
-class GlobalAvgPool(Layer):
+class GlobalAvgPool(ParameterFree):
     """Mean over every spatial axis: ``(n, C, *spatial)`` -> ``(n, C)``."""
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -176,10 +170,7 @@ class GlobalAvgPool(Layer):
         self._x_shape = x.shape
         return x.mean(axis=tuple(range(2, x.ndim)))
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        if not need_input_grad:
-            return None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
         shape = self._x_shape
         if dy.shape != shape[:2]:
             raise ValueError(f"GlobalAvgPool: dy has shape {tuple(dy.shape)}, but the forward "

@@ -1,11 +1,10 @@
-"""Learning-rate schedules: pure functions of the optimizer's update count ``t``.
+"""Learning-rate schedules: pure functions of the optimizer's update count ``t`` (0 for
+the first update), so a resumed run, at any number of ranks, continues the same rates.
 
-``t`` is 0 for the first update (:attr:`mpidp.nn.Optimizer.t` before it steps), so a run
-resumed from a checkpoint, at any number of ranks, continues the same rates. A schedule
-is a frozen dataclass: ``schedule(t) -> float``, ``config()`` a JSON-able dict that
-:func:`schedule_from_config` turns back into it. :func:`make_schedule` builds one by name
-(:data:`SCHEDULES`), behind an optional linear :class:`Warmup`; :func:`epoch_schedule`
-from settings given in epochs.
+A schedule is a frozen dataclass: ``schedule(t) -> float``; ``config()`` a JSON-able dict
+for :func:`schedule_from_config`. :func:`make_schedule` builds one by name
+(:data:`SCHEDULES`) behind an optional :class:`Warmup`; :func:`epoch_schedule` from
+settings in epochs.
 """
 
 from __future__ import annotations
@@ -179,12 +178,9 @@ class Polynomial(Schedule):
 
 @dataclass(frozen=True)
 class Warmup(Schedule):
-    """A linear ramp of ``warmup`` updates in front of ``after`` (a schedule or a rate).
-
-    ``t < warmup``: ``start + (after.base - start) * (t + 1) / warmup`` (so the first
-    update uses ``base / warmup`` when ``start`` is 0, and the base rate is reached at
-    ``t = warmup - 1``); then ``after(t - warmup)``.
-    """
+    """A linear ramp of ``warmup`` updates in front of ``after`` (a schedule or a rate):
+    ``start + (after.base - start) * (t + 1) / warmup`` for ``t < warmup`` (the base rate
+    at ``t = warmup - 1``), then ``after(t - warmup)``."""
 
     name: ClassVar[str] = "warmup"
     after: Schedule
@@ -248,8 +244,7 @@ def make_schedule(name: str, lr: float, *, warmup: int = 0, warmup_start: float 
                   **settings: Any) -> Schedule:
     """A schedule by name (:data:`SCHEDULES`) with base rate ``lr`` and its ``settings``
     (``step_size``, ``milestones``, ``gamma``, ``total``, ``min_lr``, ``power``,
-    ``end_lr``), behind a linear warmup of ``warmup`` updates from ``warmup_start`` if
-    ``warmup > 0``. E.g. ``make_schedule("cosine", 0.1, total=1000, warmup=50)``."""
+    ``end_lr``), behind a :class:`Warmup` of ``warmup`` updates from ``warmup_start``."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown learning-rate schedule {name!r}; expected one of {SCHEDULES}")
     schedule = schedule_from_config({"name": name, "lr": lr, **settings})
@@ -262,14 +257,13 @@ def epoch_schedule(name: str, lr: float, per_epoch: int, epochs: int, *, warmup_
                    warmup_epochs: float = 0.0, step_epochs: int | None = None,
                    milestones: Sequence[int] = (), gamma: float = 0.1,
                    min_lr: float = 0.0) -> Schedule:
-    """The schedule ``name`` (of :data:`SCHEDULES`, or ``"plateau"``: constant, which
-    :class:`mpidp.run.early_stopping.ReduceOnPlateau` scales) from rate ``lr``, for a run
-    of ``epochs`` epochs of ``per_epoch`` updates each: a run knows its epochs, an optimizer
-    only its updates. Settings in epochs become updates: the warmup (``warmup_steps``
-    updates, else ``warmup_epochs``), a decay by ``gamma`` every ``step_epochs`` (``step``)
-    or after each of ``milestones`` (``multistep``), ``gamma`` per epoch (``exponential``),
-    down to ``min_lr`` at the end of the run (``cosine``, ``polynomial``). The schedule
-    counts from the warmup's end."""
+    """The schedule ``name`` (of :data:`SCHEDULES`, or ``"plateau"``: constant, scaled by
+    :class:`mpidp.run.early_stopping.ReduceOnPlateau`) from rate ``lr`` for ``epochs``
+    epochs of ``per_epoch`` updates, settings in epochs made updates: the warmup
+    (``warmup_steps`` updates, else ``warmup_epochs``), then (counted from its end) a decay
+    by ``gamma`` every ``step_epochs`` (``step``), after each of ``milestones``
+    (``multistep``) or per epoch (``exponential``), or to ``min_lr`` at the end of the run
+    (``cosine``, ``polynomial``)."""
     warmup = warmup_steps or int(round(warmup_epochs * per_epoch))
     total = max(epochs * per_epoch - warmup, 1)
     settings = {}
@@ -301,10 +295,9 @@ def as_schedule(lr: float | Schedule | dict[str, Any]) -> Schedule:
 
 
 def scaled_lr(base_lr: float, global_batch: int, base_batch: int, rule: str = "linear") -> float:
-    """The linear scaling rule (Goyal et al. 2017): ``base_lr * global_batch / base_batch``,
-    the rate for a global batch of ``global_batch`` samples when ``base_lr`` suits
-    ``base_batch``; ``rule="sqrt"``: times the square root of that ratio (for Adam-like
-    optimizers)."""
+    """The rate for a global batch of ``global_batch`` when ``base_lr`` suits ``base_batch``:
+    ``base_lr * global_batch / base_batch`` (the linear rule, Goyal et al. 2017), or with
+    ``rule="sqrt"`` times the ratio's square root (Adam-like optimizers)."""
     base_lr = _positive("base_lr", base_lr)
     ratio = _count("global_batch", global_batch) / _count("base_batch", base_batch)
     if rule == "linear":

@@ -1,21 +1,16 @@
 """Feature standardisation with EXACT global statistics, computed data-parallel.
 
-:class:`Standardize` maps each element of a sample to ``(x - mean) / std``; ``mean`` and
-``std`` are layer *state* (saved with the model, not trained). They are set once, before
-training, by :meth:`Standardize.fit_` from the global count, mean and centred sum of
-squares of the training set, which ranks holding parts of it get in one of two ways:
+:class:`Standardize` maps each element of a sample to ``(x - mean) / std``, its state set
+before training by :meth:`Standardize.fit_` from the training set's global count, mean and
+centred sum of squares, which ranks holding parts of it get in one of two ways (pure
+NumPy here; the caller runs the collectives):
 
-- one collective, not additive: each rank computes :func:`moments` of its rows, the ranks
-  gather them, and every rank merges them with :func:`combine_moments` (Chan et al.'s
-  pairwise formula; any order agrees to ~1e-12);
-- two collectives, additive: ALLREDUCE (sum) :func:`pass1_sums`, take the mean with
-  :func:`pass1_mean`, then ALLREDUCE :func:`pass2_squares` about that mean.
+- one gather, not additive: every rank's :func:`moments` merged by :func:`combine_moments`
+  (Chan et al.'s pairwise formula), accurate to about ``1e-16 * |mean| / std``;
+- two allreduce sums, additive: :func:`pass1_sums`, :func:`pass1_mean`, then
+  :func:`pass2_squares` about that mean, accurate to ~1e-15 relative whatever the data.
 
-Both are exact for uneven and empty shards: the result is what one process computes on
-all the rows, to rounding. The two passes are accurate to ~1e-15 relative whatever the
-data; the merge to about ``1e-16 * |mean| / std`` (each part's mean is rounded), i.e.
-~1e-12 unless a feature's mean is over ~1e4 times its spread: then prefer the two passes.
-Pure NumPy; no collective is called here.
+Both are exact for uneven and empty shards: what one process computes on all the rows.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .layers import Shapes, register_layer
+from .layers import ParameterFree, Shapes, register_layer
 from .norm import _SampleShaped
 
 #: ``(count, mean, M2)``: number of rows, per-element mean and per-element centred sum of
@@ -129,7 +124,7 @@ def pass2_squares(x: np.ndarray, mean: np.ndarray) -> np.ndarray:
 
 
 @register_layer
-class Standardize(_SampleShaped):
+class Standardize(_SampleShaped, ParameterFree):
     """Per-element standardisation ``y = (x - mean) / std`` of samples of any shape.
 
     State ``mean`` (zeros) and ``std`` (ones) of the per-sample shape: an identity map
@@ -146,8 +141,7 @@ class Standardize(_SampleShaped):
 
     def init_(self, rng: np.random.Generator) -> None:
         if self.state:  # a scratch copy (a pipeline's other stages) may have none bound
-            self.state["mean"][...] = 0
-            self.state["std"][...] = 1
+            self.state["mean"][...], self.state["std"][...] = 0, 1
 
     def fit_(self, count: int, mean: np.ndarray, m2: np.ndarray, eps: float = 1e-10
              ) -> Standardize:
@@ -195,9 +189,8 @@ class Standardize(_SampleShaped):
         y /= std
         return y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        return dy / self._std if need_input_grad else None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
+        return dy / self._std
 
     def __repr__(self) -> str:
         return "Standardize()"
