@@ -17,8 +17,7 @@ _FLOATS = (np.float32, np.float64)
 
 
 def scipy_blas():
-    """``scipy.linalg.blas``, or None when SciPy is not installed or BLAS runs several
-    threads (decided on first use)."""
+    """``scipy.linalg.blas``, or None without SciPy or with multi-threaded BLAS."""
     global _blas
     if _blas is ...:
         try:
@@ -73,8 +72,7 @@ def add_xt_dy_(dW: np.ndarray, x: np.ndarray, dy: np.ndarray) -> None:
 
 
 def add_matmul_(y: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-    """``y += a @ b`` in place: ``y`` ``(n, m)`` C-contiguous, ``a`` ``(n, k)`` (a column
-    block of a larger array is fine: it is copied first), ``b`` ``(k, m)``."""
+    """``y += a @ b`` in place: ``y`` ``(n, m)`` C-contiguous, ``a`` ``(n, k)``, ``b`` ``(k, m)``."""
     blas = _fast(y, b) if len(a) and a.dtype == y.dtype else None
     if blas is None:
         y += a @ b

@@ -215,10 +215,9 @@ class Conv1d(_ConvNd):
     """1-D convolution (cross-correlation): ``(n, C, L)`` -> ``(n, out_channels, L_out)``.
 
     ``kernel``, ``stride``: window length and step (>= 1); ``padding``: zeros at both ends;
-    ``in_channels=None`` takes ``C`` from the input shape; ``init``: ``"he"`` (default,
-    ``W ~ N(0, 2 / (C * kernel))``), ``"xavier"`` or ``"zeros"``; ``b`` starts at zero.
-    Parameters ``W`` ``(F, C, kernel)``, ``b`` ``(F,)``;
-    ``L_out = floor((L + 2 * padding - kernel) / stride) + 1``.
+    ``in_channels=None``: ``C`` from the input; ``init``: ``"he"`` (default, ``W ~ N(0, 2 /
+    (C * kernel))``), ``"xavier"`` or ``"zeros"``. ``W`` ``(F, C, kernel)``, ``b`` ``(F,)``
+    (zeros); ``L_out = floor((L + 2 * padding - kernel) / stride) + 1``.
     """
 
     nd = 1
@@ -228,9 +227,8 @@ class Conv1d(_ConvNd):
 class Conv2d(_ConvNd):
     """2-D convolution (cross-correlation): ``(n, C, H, W)`` -> ``(n, out_channels, H_out, W_out)``.
 
-    ``kernel``, ``stride`` (>= 1) and ``padding`` (zeros on both sides, >= 0): an int (both
-    axes) or a pair ``(h, w)``; otherwise as :class:`Conv1d`, with ``W`` ``(F, C, kh, kw)``
-    and per axis ``out = floor((size + 2 * padding - kernel) / stride) + 1``.
+    ``kernel``, ``stride`` and ``padding``: an int (both axes) or a pair ``(h, w)``;
+    otherwise as :class:`Conv1d`, with ``W`` ``(F, C, kh, kw)``.
     """
 
     nd = 2

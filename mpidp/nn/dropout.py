@@ -26,8 +26,7 @@ def _mix_int(z: int) -> int:
 
 
 def _mix_(z: np.ndarray, tmp: np.ndarray | None = None) -> np.ndarray:
-    """splitmix64's finaliser applied in place to a ``uint64`` array (wraps mod 2**64);
-    ``tmp``, of ``z``'s shape, saves allocating the shifted copies."""
+    """splitmix64's finaliser in place on a ``uint64`` array; ``tmp``: scratch of its shape."""
     tmp = np.empty_like(z) if tmp is None else tmp
     z ^= np.right_shift(z, _S30, out=tmp)
     z *= _U(_C1)

@@ -31,8 +31,7 @@ class Layer(ABC):
     grads: dict[str, np.ndarray]
     state: dict[str, np.ndarray]
     context: Context
-    #: what the layer needs from its trainer, which refuses the model if it cannot provide
-    #: it: ``"replica-sums"`` (``context.reduce_sum``), ``"sample-index"`` (``context.index``)
+    #: needed from the trainer: ``"replica-sums"`` (``context.reduce_sum``), ``"sample-index"``
     needs: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
@@ -60,8 +59,8 @@ class Layer(ABC):
         """Fill this layer's parameters (and state) in place from ``rng``."""
 
     def config(self) -> dict:
-        """The JSON-able settings that rebuild the layer (``cls(**config())``): by default
-        ``n_in`` and ``n_out`` where the layer has ``n_out``, else none."""
+        """JSON-able settings that rebuild the layer (``cls(**config())``); default
+        ``n_in`` and ``n_out`` where the layer has ``n_out``."""
         return {"n_in": self.n_in, "n_out": self.n_out} if hasattr(self, "n_out") else {}
 
     def set_context(self, context: Context, key: tuple[int, ...] = ()) -> None:
@@ -70,8 +69,7 @@ class Layer(ABC):
         self.context, self.key = context, tuple(key)
 
     def output_dim(self, n_in: int) -> int:
-        """Number of output features for ``n_in`` input features (a layer of flat
-        features may define this instead of :meth:`output_shape`)."""
+        """Output features for ``n_in`` input features (instead of :meth:`output_shape`)."""
         return n_in
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -97,8 +95,7 @@ class Layer(ABC):
 
 
 class ParameterFree(Layer):
-    """A layer without parameters: ``backward`` is :meth:`input_grad`, skipped (None) when
-    the input gradient is not needed."""
+    """A layer without parameters: ``backward`` is :meth:`input_grad` (None if not needed)."""
 
     def backward(self, dy: np.ndarray, accumulate: bool = False,
                  need_input_grad: bool = True) -> np.ndarray | None:
@@ -162,8 +159,7 @@ def layer_name(cls: type) -> str:
 
 
 def layer_spec(layer: Layer) -> dict:
-    """``{"type": <registered name>, **layer.config()}``. Raises ``ValueError`` if the
-    settings use a key a model spec reserves."""
+    """``{"type": <registered name>, **layer.config()}`` (config may not use :data:`RESERVED`)."""
     settings = dict(layer.config())
     clash = [k for k in RESERVED if k in settings]
     if clash:
@@ -173,8 +169,7 @@ def layer_spec(layer: Layer) -> dict:
 
 
 def layer_class(name: str) -> type:
-    """The layer class registered under ``name``; ``ValueError`` (saying how to register
-    it) if there is none."""
+    """The layer class registered under ``name`` (``ValueError`` if none)."""
     try:
         return _CLASSES[name]
     except (KeyError, TypeError):
@@ -240,13 +235,14 @@ class Dense(Layer):
         if self.n_in is None:
             self.n_in = int(n_in)
         if n_in != self.n_in:
-            raise ValueError(f"Dense expects {self.n_in} input features, got {n_in}")
+            raise ValueError(f"{type(self).__name__} expects {self.n_in} input features, "
+                             f"got {n_in}")
         return self.n_out
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         if len(in_shape) != 1:
-            raise ValueError(f"Dense takes flat features, got per-sample shape {tuple(in_shape)}: "
-                             f"put a Flatten in front of it")
+            raise ValueError(f"{type(self).__name__} takes flat features, got per-sample shape "
+                             f"{tuple(in_shape)}: put a Flatten in front of it")
         return (self.output_dim(in_shape[0]),)
 
     def init_(self, rng: np.random.Generator) -> None:
@@ -255,8 +251,8 @@ class Dense(Layer):
 
     @property
     def reads_params_in_parts(self) -> bool:
-        """True when ``forward`` reads its weights in parts as they become final
-        (``context.params_ready``): a plain ``Dense`` larger than ``context.params_piece``."""
+        """Whether ``forward`` reads ``W`` in parts of ``context.params_piece`` as they are
+        final (``context.params_ready``): a plain ``Dense`` larger than a part."""
         piece = self.context.params_piece
         return type(self).forward is Dense.forward and 0 < piece < self.n_in * self.n_out
 
@@ -297,4 +293,4 @@ class Dense(Layer):
         return dy @ self.params["W"].T if need_input_grad else None  # (n, n_in)
 
     def __repr__(self) -> str:
-        return f"Dense({self.n_in}, {self.n_out})"
+        return f"{type(self).__name__}({self.n_in}, {self.n_out})"

@@ -72,15 +72,13 @@ def _carve(buffer: np.ndarray, layers: Sequence[Layer], which: str) -> list[dict
 class Sequential:
     """Layers applied in order to inputs of shape ``(n_samples, *in_shape)``.
 
-    ``layers`` must chain; ``n_in`` is a number of features or a per-sample shape such as
-    ``(channels, height, width)``; ``dtype`` (``float32`` or ``float64``) is that of
-    parameters, gradients and activations.
-
-    ``params`` and ``grads`` have ``n_params`` elements; ``layer.params[k]`` is a view of
-    ``params``, in layer order then ``param_shapes`` order. ``state`` (``n_state``
-    elements) likewise holds every layer's untrained state. ``in_shape`` / ``out_shape``
-    are the per-sample shapes, ``n_in`` / ``n_out`` their sizes. ``context`` is the
-    :class:`Context` every layer shares; ``meta`` a JSON-able dict saved with the model.
+    ``n_in``: a number of features or a per-sample shape such as ``(channels, height,
+    width)``; ``dtype`` (``float32`` or ``float64``): that of parameters, gradients and
+    activations. ``params`` and ``grads`` ``(n_params,)`` hold every ``layer.params[k]``
+    as a view, in layer then ``param_shapes`` order; ``state`` ``(n_state,)`` likewise the
+    untrained state. ``in_shape`` / ``out_shape``: per-sample shapes (``n_in`` / ``n_out``
+    their sizes); ``context``: the :class:`Context` the layers share; ``meta``: a JSON-able
+    dict saved with the model.
     """
 
     def __init__(self, layers: Sequence[Layer], n_in: int | Sequence[int],
@@ -124,16 +122,15 @@ class Sequential:
             layer.bind(p, g)
 
     def use_grad_buffer(self, buffer: np.ndarray) -> None:
-        """Make ``grads`` (and every layer's gradient views) live in ``buffer[:n_params]``,
-        so a trainer's extra slots (loss, counts) after them travel in the same collective."""
+        """Make ``grads`` (and the layers' gradient views) live in ``buffer[:n_params]`` (a
+        trainer's extra slots after them then travel in the same collective)."""
         if buffer.dtype != self.dtype or buffer.ndim != 1 or len(buffer) < self.n_params:
             raise ValueError(f"grad buffer must be 1-D {self.dtype} with >= {self.n_params} items")
         self._bind(self.params, buffer[:self.n_params])
 
     def use_param_buffer(self, buffer: np.ndarray) -> None:
-        """Move ``params`` (and every layer's parameter views) into ``buffer`` ``(n_params,)``,
-        keeping their values: e.g. into memory other processes can read. Arrays taken from
-        ``params`` before the move no longer follow the model."""
+        """Move ``params`` (and the layers' views) into ``buffer`` ``(n_params,)``, keeping
+        their values; arrays taken from ``params`` before no longer follow the model."""
         if buffer.dtype != self.dtype or buffer.shape != (self.n_params,):
             raise ValueError(f"param buffer must be 1-D {self.dtype} with {self.n_params} items")
         buffer[...] = self.params
@@ -180,9 +177,8 @@ class Sequential:
     __call__ = forward
 
     def predict(self, x: np.ndarray, output: str = "scores") -> np.ndarray:
-        """Predictions for ``x`` ``(n, *in_shape)`` as ``output`` (:data:`mpidp.nn.OUTPUTS`:
-        ``scores``, also what a regression predicts, ``proba`` or ``label``), always in
-        evaluation mode (no dropout; batch norm's running statistics)."""
+        """Predictions for ``x`` ``(n, *in_shape)`` as ``output`` (:data:`mpidp.nn.OUTPUTS`;
+        ``scores`` for a regression), always in evaluation mode."""
         was, self.context.training = self.context.training, False
         try:
             return outputs(self.forward(x), output)
@@ -228,9 +224,9 @@ class Sequential:
         return dy
 
     def spec(self) -> list[dict]:
-        """A JSON-able description from which :func:`from_spec` rebuilds the model (not its
-        parameters): one ``{"type": <registered name>, **layer.config()}`` per layer, the
-        first also holding ``"model_n_in"`` (flat inputs) or ``"model_in_shape"`` (a list)."""
+        """A JSON-able description for :func:`from_spec` (no parameters): one ``{"type":
+        <registered name>, **layer.config()}`` per layer, the first also holding
+        ``"model_n_in"`` (flat inputs) or ``"model_in_shape"`` (a list)."""
         out = [layer_spec(layer) for layer in self.layers]
         if len(self.in_shape) == 1:
             out[0]["model_n_in"] = self.n_in
@@ -249,10 +245,9 @@ class Sequential:
 
 
 def from_spec(spec: Sequence[dict], dtype: npt.DTypeLike = np.float32) -> Sequential:
-    """Rebuild a model, parameters zero, from :meth:`Sequential.spec`: each layer by
-    ``cls.from_config(settings)`` where its registered class defines it, else
-    ``cls(**settings)``. Raises ``ValueError`` if a layer type is not registered (saying
-    how to register it), its settings do not rebuild it, or ``spec`` is malformed."""
+    """Rebuild a model, parameters zero, from :meth:`Sequential.spec` (each layer by its
+    class's ``from_config(settings)``, else ``cls(**settings)``). ``ValueError`` if a layer
+    type is not registered, its settings do not rebuild it, or ``spec`` is malformed."""
     if not isinstance(spec, Sequence) or not spec or \
             not all(isinstance(d, dict) and isinstance(d.get("type"), str) for d in spec):
         raise ValueError("a model spec is a non-empty list of dicts, each with a 'type' string")
@@ -285,8 +280,7 @@ def _model_path(path: str | os.PathLike) -> str:
 
 
 def _unregistered(layers: Sequence[Layer]) -> list[type]:
-    """The classes among ``layers`` (and inside their blocks) that :func:`from_spec` would
-    not rebuild: not registered, or their name registered to another class."""
+    """The classes among ``layers`` (also in blocks) not registered under their name."""
     found: list[type] = []
     for layer in layers:
         cls = type(layer)
@@ -334,13 +328,10 @@ def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None, *
 
 
 def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
-    """The model saved in ``path`` (a ``model.npz``, or a folder holding one) by
-    :func:`save`, parameters set, its ``meta`` the stored meta (``{}`` if none). A layer
-    class of the user's own must be registered in this process first.
-
-    Raises ``ValueError``, naming the file, if it is missing, truncated, corrupted (zip
-    CRC-32), not a saved model, names an unregistered layer class, or (with
-    ``check_finite``) holds NaN or Inf parameters. Read with ``allow_pickle=False`` always.
+    """The model :func:`save` wrote to ``path`` (a ``model.npz`` or a folder holding one),
+    with its parameters, state and ``meta`` (``{}`` if none); a layer class of the user's
+    own must be registered first. ``ValueError`` naming the file if it is missing, damaged,
+    not a saved model, names an unregistered class, or (``check_finite``) holds NaN or Inf.
     """
     path = _model_path(path)
     try:

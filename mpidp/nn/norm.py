@@ -47,6 +47,11 @@ class _SampleShaped(Layer):
         self.shape = in_shape
         return in_shape
 
+    def _check_batch(self, x: np.ndarray) -> None:
+        if tuple(x.shape[1:]) != self.shape:
+            raise ValueError(f"{type(self).__name__} takes samples of shape {self.shape}, got a "
+                             f"batch of shape {x.shape}")
+
     def _known_shape(self) -> tuple[int, ...]:
         if self.shape is None:
             raise ValueError(f"{type(self).__name__} does not know its per-sample shape yet: "
@@ -211,9 +216,7 @@ class LayerNorm(_SampleShaped):
         self.params["gamma"][...], self.params["beta"][...] = 1, 0
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        if tuple(x.shape[1:]) != self.shape:
-            raise ValueError(f"LayerNorm takes samples of shape {self.shape}, got a batch of "
-                             f"shape {x.shape}")
+        self._check_batch(x)
         n, d = x.shape[0], int(np.prod(self.shape))
         xc = x.reshape(n, d) - x.reshape(n, d).mean(axis=1, keepdims=True)
         var = np.einsum("ij,ij->i", xc, xc) / d

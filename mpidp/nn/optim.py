@@ -55,8 +55,7 @@ class Segments:
 
     @classmethod
     def of(cls, layers: Any) -> Segments:
-        """One segment per parameter tensor of ``layers`` (a list of layers whose shapes are
-        known, or a :class:`~mpidp.nn.Sequential`), in the model's layout order."""
+        """One segment per parameter tensor of ``layers`` (or of a Sequential), in order."""
         bounds, ndim = [0], []
         for layer in getattr(layers, "layers", layers):
             for shape in layer.param_shapes().values():
@@ -108,8 +107,7 @@ class Optimizer(ABC):
     ``_begin`` (norms, one reduction) and ``_apply`` (one piece, through ``_pieces``).
     """
 
-    #: True where the update needs each tensor's gradient and parameter norms, reduced
-    #: together with the global norm (:class:`LARS`)
+    #: True where the update needs each tensor's norms with the global one (:class:`LARS`)
     layer_norms = False
 
     def __init__(self, lr: float | Schedule, weight_decay: float = 0.0, *,
@@ -146,8 +144,8 @@ class Optimizer(ABC):
 
     def place(self, segments: Segments | None = None, offset: int = 0,
               reduce_sum: ReduceSum | None = None) -> Optimizer:
-        """Say where the vectors given to ``step_`` lie (see the module's notes); ``reduce_sum``
-        None: this rank holds the whole vector."""
+        """Say where the vectors given to ``step_`` lie (module notes; no ``reduce_sum``:
+        this rank holds them all)."""
         if offset < 0 or segments is not None and offset > segments.n:
             raise ValueError(f"offset {offset} is outside the model's "
                              f"{segments.n if segments else 0} parameters")
@@ -156,8 +154,7 @@ class Optimizer(ABC):
         return self
 
     def _locate(self, n: int) -> None:
-        """This update's view of the tensors: ``_segs``, ``_local`` (their bounds within
-        the vector of ``n``), ``_live`` (those it holds a part of)."""
+        """Set ``_segs``, ``_local`` (tensor bounds within the vector) and ``_live``."""
         key = (n, id(self.segments), self.offset)
         if getattr(self, "_located", None) == key:
             return
@@ -244,8 +241,7 @@ class Optimizer(ABC):
         return self.lr_at(self.t - 1), self._prepare(params)
 
     def _clip_values(self, g: np.ndarray, scale: float) -> float:
-        """With ``clip_value``: ``g`` scaled and clipped in place, and 1.0 (the scale left
-        to apply); else ``scale``."""
+        """The scale left to apply: 1.0 after clipping ``g`` (scaled) in place, else ``scale``."""
         if self.clip_value is None:
             return scale
         if scale != 1.0:

@@ -1,9 +1,6 @@
 """Pooling over 1-D ``(n, C, L)`` and 2-D ``(n, C, H, W)`` inputs: :class:`MaxPool`,
-:class:`AvgPool` (windows, no padding) and :class:`GlobalAvgPool`. Pure NumPy, no MPI.
-
-A window pool of ``K = prod(size)`` copies the input once, through a strided view, into
-``(K, n, C, *out)``, reduces over the first axis and, in backward, makes one vectorised
-pass per window offset. Output size per axis: ``floor((L - size) / stride) + 1`` (>= 1).
+:class:`AvgPool` (windows, no padding; per axis ``out = floor((L - size) / stride) + 1``)
+and :class:`GlobalAvgPool`. Pure NumPy, no MPI.
 """
 
 from __future__ import annotations
@@ -49,13 +46,12 @@ class _WindowPool(ParameterFree):
         batch) of ``shape``."""
         nd = len(shape) - (2 if batch else 1)
         if nd not in (1, 2):
-            lead = "(n, C, L) or (n, C, H, W)" if batch else "(C, L) or (C, H, W)"
-            what = "a batch" if batch else "samples"
-            raise ValueError(f"{self!r} takes {what} of shape {lead}, got {tuple(shape)}")
-        for v in (self.size, self.stride):
-            if isinstance(v, tuple) and nd != len(v):
-                raise ValueError(f"{self!r} has a 2-D window, so it needs (n, C, H, W) inputs, "
-                                 f"got shape {tuple(shape)}; give an int size for 1-D inputs")
+            what = "a batch of shape (n, C, L) or (n, C, H, W)" if batch else \
+                "samples of shape (C, L) or (C, H, W)"
+            raise ValueError(f"{self!r} takes {what}, got {tuple(shape)}")
+        if nd == 1 and any(isinstance(v, tuple) for v in (self.size, self.stride)):
+            raise ValueError(f"{self!r} has a 2-D window, so it needs (n, C, H, W) inputs, "
+                             f"got shape {tuple(shape)}; give an int size for 1-D inputs")
         size = as_sizes(self.size, nd, "size")
         stride = size if self.stride is None else as_sizes(self.stride, nd, "stride")
         return size, stride, out_sizes(repr(self), shape[-nd:], size, stride)
@@ -79,8 +75,7 @@ class _WindowPool(ParameterFree):
 
     def _by_offset(self, x: np.ndarray) -> np.ndarray:
         """``(K, n, C, *out)``: for every window offset (row-major), the input value each
-        output position reads there; one strided copy, so the reductions that follow run
-        over contiguous memory. Caches the geometry and shape of ``x`` for backward."""
+        output position reads there, copied once (contiguous reductions follow)."""
         self._geom = self._geometry(x.shape, batch=True)
         self._x_shape = x.shape
         size, stride, out = self._geom
@@ -98,11 +93,8 @@ class _WindowPool(ParameterFree):
 
 @register_layer
 class MaxPool(_WindowPool):
-    """Maximum over windows: ``(n, C, L)`` or ``(n, C, H, W)`` -> ``(n, C, *out)``.
-
-    Backward routes each output's gradient to the first maximum of its window (row-major
-    order within the window), so ties do not duplicate it; overlapping windows add up.
-    """
+    """Maximum over windows: ``(n, C, L)`` or ``(n, C, H, W)`` -> ``(n, C, *out)``; backward
+    routes each output's gradient to the first (row-major) maximum of its window."""
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         taps = self._by_offset(x)

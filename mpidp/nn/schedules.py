@@ -13,6 +13,7 @@ import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from typing import Any, ClassVar
 
 SCHEDULES = ("constant", "step", "multistep", "exponential", "cosine", "polynomial")
@@ -26,8 +27,7 @@ def _positive(what: str, value: float, zero: bool = False) -> float:
     return value
 
 
-def _at_least_zero(what: str, value: float) -> float:
-    return _positive(what, value, zero=True)
+_at_least_zero = partial(_positive, zero=True)
 
 
 def _count(what: str, value: int, least: int = 1) -> int:
@@ -70,7 +70,8 @@ class Schedule:
 
     def config(self) -> dict[str, Any]:
         """JSON-able settings: ``{"name": ..., **fields}``; see :func:`schedule_from_config`."""
-        return {"name": self.name, **asdict(self)}  # type: ignore[call-overload]
+        return {"name": self.name, **{k: list(v) if isinstance(v, tuple) else v
+                                      for k, v in asdict(self).items()}}  # type: ignore
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,6 @@ class MultiStep(Schedule):
 
     def __call__(self, t: int) -> float:
         return self.lr * self.gamma ** bisect.bisect_right(self.milestones, _t(t))
-
-    def config(self) -> dict[str, Any]:
-        return {**super().config(), "milestones": list(self.milestones)}
 
 
 @dataclass(frozen=True)

@@ -49,9 +49,8 @@ def _block_moments(x: np.ndarray) -> Moments:
 
 
 def moments(x: np.ndarray) -> Moments:
-    """This rank's ``(count, mean, M2)`` of the rows of ``x`` ``(n, *sample_shape)``
-    (``mean``, ``M2`` float64 of ``sample_shape``; zeros when ``n == 0``), in blocks (each
-    by the corrected two-pass formula) merged by :func:`combine_moments`: bounded memory."""
+    """This rank's ``(count, mean, M2)`` of the rows of ``x`` ``(n, *sample_shape)`` (zeros
+    when ``n == 0``), in blocks merged by :func:`combine_moments`: bounded memory."""
     x = _rows(x, "moments")
     n, shape = len(x), x.shape[1:]
     if n == 0:
@@ -78,8 +77,8 @@ def merge_moments(a: Moments, b: Moments) -> Moments:
 
 
 def combine_moments(parts: Iterable[Moments]) -> Moments:
-    """The moments of all the rows of disjoint parts (every rank's, say), by a pairwise tree
-    of :func:`merge_moments`: the order of ``parts`` matters only to rounding (~1e-12)."""
+    """The moments of all the rows of disjoint parts, by a pairwise tree of
+    :func:`merge_moments` (their order matters only to rounding)."""
     level = list(parts)
     if not level:
         raise ValueError("combine_moments needs at least one (count, mean, M2) part")
@@ -125,12 +124,9 @@ def pass2_squares(x: np.ndarray, mean: np.ndarray) -> np.ndarray:
 
 @register_layer
 class Standardize(_SampleShaped, ParameterFree):
-    """Per-element standardisation ``y = (x - mean) / std`` of samples of any shape.
-
-    State ``mean`` (zeros) and ``std`` (ones) of the per-sample shape: an identity map
-    until :meth:`fit_` sets them from the training set's global moments. Nothing trained,
-    the same in training and evaluation, no collective; backward returns ``dy / std``.
-    """
+    """Per-element standardisation ``y = (x - mean) / std`` of samples of any shape; state
+    ``mean`` (zeros) and ``std`` (ones) of the per-sample shape, set by :meth:`fit_`.
+    Nothing trained, the same in training and evaluation, no collective."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -145,13 +141,10 @@ class Standardize(_SampleShaped, ParameterFree):
 
     def fit_(self, count: int, mean: np.ndarray, m2: np.ndarray, eps: float = 1e-10
              ) -> Standardize:
-        """Set the state from the GLOBAL moments of the training set; returns self.
-
-        ``std = sqrt(M2 / count)`` (biased, as scikit-learn's ``StandardScaler``). A
-        feature constant up to rounding (``std <= eps * |mean|``), or whose std is below
-        the smallest normal number of the model's dtype, gets ``std = 1``: only centred.
-        ``count`` >= 1; ``mean`` and ``m2`` of the per-sample shape or flat.
-        """
+        """Set the state from the training set's GLOBAL moments (``count`` >= 1; ``mean``,
+        ``m2`` of the per-sample shape or flat); returns self. ``std = sqrt(M2 / count)``
+        (biased, as scikit-learn's); a feature constant up to rounding (``std <= eps *
+        |mean|``, or below the dtype's smallest normal) gets ``std = 1``: only centred."""
         if self.shape is None or not self.state:
             raise ValueError("Standardize.fit_ needs the layer in a model (its state bound)")
         if int(count) < 1:
@@ -177,9 +170,7 @@ class Standardize(_SampleShaped, ParameterFree):
         return self
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        if tuple(x.shape[1:]) != self.shape:
-            raise ValueError(f"Standardize takes samples of shape {self.shape}, got a batch of "
-                             f"shape {x.shape}")
+        self._check_batch(x)
         std = self.state["std"]
         if not (std > 0).all():
             raise ValueError("Standardize has a std <= 0 (or NaN) in its state: initialise the "
