@@ -13,12 +13,9 @@ from .layers import ParameterFree, register_layer
 
 @register_layer
 class ReLU(ParameterFree):
-    """``max(x, 0)``; the derivative at 0 is taken as 0.
-
-    ``inplace=True`` overwrites ``x`` in forward and ``dy`` in backward; use it only where
-    both are temporaries (after a ``Dense``, as :func:`mpidp.nn.mlp` does), never as a
-    model's first layer. A memory setting, not saved: a reloaded ``ReLU`` allocates.
-    """
+    """``max(x, 0)``; the derivative at 0 is taken as 0. ``inplace=True`` (not saved)
+    overwrites ``x`` in forward and ``dy`` in backward: only where both are temporaries
+    (after a ``Dense``), never as a model's first layer."""
 
     def __init__(self, inplace: bool = False) -> None:
         super().__init__()
@@ -89,9 +86,8 @@ _GELU_A = 0.044715
 
 @register_layer
 class GELU(ParameterFree):
-    """Gaussian error linear unit, in its **tanh approximation**
-    ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))`` (within ~1e-3 of the exact
-    ``x * Phi(x)``); ``backward`` is the exact derivative of the approximation."""
+    """Gaussian error linear unit, **tanh approximation** (within ~1e-3 of ``x * Phi(x)``,
+    exact derivative): ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))``."""
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         self._x = x
@@ -125,9 +121,8 @@ class GELU(ParameterFree):
 
 @register_layer
 class Softmax(ParameterFree):
-    """``exp(x) / sum(exp(x))`` over the last axis (shifted by the row maximum: no
-    overflow). To train a classifier prefer :class:`mpidp.nn.SoftmaxCrossEntropy` on raw
-    scores: it fuses the two and is better conditioned."""
+    """``exp(x) / sum(exp(x))`` over the last axis, without overflow. A classifier trains
+    better on raw scores with :class:`mpidp.nn.SoftmaxCrossEntropy`."""
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         y = x - x.max(axis=-1, keepdims=True)

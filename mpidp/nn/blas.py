@@ -72,7 +72,8 @@ def add_xt_dy_(dW: np.ndarray, x: np.ndarray, dy: np.ndarray) -> None:
 
 
 def add_matmul_(y: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-    """``y += a @ b`` in place: ``y`` ``(n, m)`` C-contiguous, ``a`` ``(n, k)``, ``b`` ``(k, m)``."""
+    """``y += a @ b`` in place: ``y`` ``(n, m)`` C-contiguous, ``a`` ``(n, k)``, ``b``
+    ``(k, m)``."""
     blas = _fast(y, b) if len(a) and a.dtype == y.dtype else None
     if blas is None:
         y += a @ b

@@ -9,7 +9,7 @@ import numpy as np
 
 from .context import Context
 from .layers import Layer, Shapes, layer_spec, register_layer
-from .model import chain_shapes
+from .model import Sequential, chain_shapes
 from .modelfile import layers_from
 
 
@@ -31,10 +31,7 @@ class Residual(Layer):
                              f"which the block adds to the output; build it with inplace=False")
         self.layers = layers
 
-    @property
-    def needs(self) -> frozenset[str]:  # type: ignore[override]
-        """What the inner layers need from the trainer, together."""
-        return frozenset().union(*(la.needs for la in self.layers))
+    needs = Sequential.needs  # type: ignore[assignment]  # what the inner layers need
 
     def config(self) -> dict:
         return {"layers": [layer_spec(la) for la in self.layers]}

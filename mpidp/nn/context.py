@@ -23,20 +23,16 @@ def _unheard(layer: object, done: int | None = None) -> None:
 class Context:
     """The step a model's forward and backward passes belong to.
 
-    ``training``: True in a training step (dropout drops, batch norm uses and updates batch
-    statistics), False for evaluation. ``seed``: the run's seed, for randomness in layers.
-    ``epoch`` (0-based) and ``step``: the global update count (0 first, continued across a
-    resume). ``index``: ``(n,)`` int64, each batch row's global position in the training
-    set, or None when not given. ``reduce_sum``: sums a float array in place over the
-    replica group and returns it (a collective: the same calls on every rank, in order);
-    ``group_size``: the ranks it sums over (1 on one process).
+    ``training``: True in a training step, False for evaluation. ``seed``: the run's seed.
+    ``epoch`` (0-based); ``step``: the global update count (0 first, continued on resume).
+    ``index``: ``(n,)`` int64 global training-set position of each batch row, or None.
+    ``reduce_sum``: sums a float array in place over the replica group and returns it (a
+    collective); ``group_size``: the ranks it sums over (1 on one process).
 
-    Set by :class:`mpidp.nn.Sequential` during a pass: ``grads_final(layer)`` says a layer's
-    gradients are final (``grads_final(layer, done)``: their first ``done`` values), so
-    they can be sent meanwhile (a call from a layer inside a block is ignored);
-    ``grads_piece``: values to announce at a time (0: whole layers); ``params_ready(layer,
-    upto)`` returns once the first ``upto`` values of its parameters (None: all) are final;
-    ``params_piece``: values per part in which a layer may read them (0: whole).
+    Set by :class:`mpidp.nn.Sequential` during a pass: ``grads_final(layer[, done])``: the
+    layer's gradients (their first ``done`` values) are final, and ``grads_piece`` values
+    to announce at a time; ``params_ready(layer, upto)`` returns once the first ``upto``
+    (None: all) of its parameters are final, read in parts of ``params_piece`` (0: whole).
     """
 
     training: bool = False

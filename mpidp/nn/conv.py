@@ -151,8 +151,7 @@ class _ConvNd(Layer):
         n, spatial = x.shape[0], x.shape[2:]
         out = self._out(spatial)
         F, P = self.out_channels, int(np.prod(out))
-        # the input batch-last (C, *padded, n), in the parameters' dtype: every window
-        # offset then reads runs of out[-1] * n contiguous values (stride 1)
+        # the input batch-last (C, *padded, n), in the parameters' dtype (module notes)
         padded = tuple(s + 2 * p for s, p in zip(spatial, self.padding))
         xt = (np.zeros if any(self.padding) else np.empty)((C, *padded, n), W.dtype)
         inner = tuple(slice(p, p + s) for s, p in zip(spatial, self.padding))
@@ -183,9 +182,7 @@ class _ConvNd(Layer):
         np.copyto(dyt, dy.reshape(n, F, P).transpose(1, 2, 0), casting="same_kind")
         dyt = dyt.reshape(F, P * n)
         dW2 = dW.reshape(F, -1)
-        # (F, C*K): as (cols @ dy.T).T the long axis is the GEMM's inner one in memory,
-        # faster than dy @ cols.T unless C*K is tiny
-        write_grad(dW2, (cols @ dyt.T).T, accumulate)
+        write_grad(dW2, (cols @ dyt.T).T, accumulate)  # faster than dy @ cols.T
         write_grad(db, dyt.sum(axis=1), accumulate)
         if type(self).backward is _ConvNd.backward:  # (a subclass may change them after)
             self.context.grads_final(self)  # W and b may be sent while dL/dx is computed
@@ -215,9 +212,8 @@ class Conv1d(_ConvNd):
     """1-D convolution (cross-correlation): ``(n, C, L)`` -> ``(n, out_channels, L_out)``.
 
     ``kernel``, ``stride``: window length and step (>= 1); ``padding``: zeros at both ends;
-    ``in_channels=None``: ``C`` from the input; ``init``: ``"he"`` (default, ``W ~ N(0, 2 /
-    (C * kernel))``), ``"xavier"`` or ``"zeros"``. ``W`` ``(F, C, kernel)``, ``b`` ``(F,)``
-    (zeros); ``L_out = floor((L + 2 * padding - kernel) / stride) + 1``.
+    ``in_channels=None``: ``C`` from the input; ``init``: ``"he"`` (default), ``"xavier"``
+    or ``"zeros"``. ``W`` ``(F, C, kernel)``, ``b`` ``(F,)`` (zeros).
     """
 
     nd = 1
@@ -225,10 +221,8 @@ class Conv1d(_ConvNd):
 
 @register_layer
 class Conv2d(_ConvNd):
-    """2-D convolution (cross-correlation): ``(n, C, H, W)`` -> ``(n, out_channels, H_out, W_out)``.
-
-    ``kernel``, ``stride`` and ``padding``: an int (both axes) or a pair ``(h, w)``;
-    otherwise as :class:`Conv1d`, with ``W`` ``(F, C, kh, kw)``.
-    """
+    """2-D convolution (cross-correlation): ``(n, C, H, W)`` -> ``(n, out_channels, H_out, W_out)``;
+    as :class:`Conv1d`, ``kernel``, ``stride`` and ``padding`` each an int or a pair ``(h, w)``,
+    ``W`` ``(F, C, kh, kw)``."""
 
     nd = 2

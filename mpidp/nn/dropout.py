@@ -74,12 +74,10 @@ def keep_mask(key: int, index: np.ndarray, size: int, threshold: int) -> np.ndar
 
 @register_layer
 class Dropout(ParameterFree):
-    """Inverted dropout: in training each element is zeroed with probability ``rate``
-    (``0 <= rate < 1``), the kept ones scaled by ``1 / (1 - rate)``; in evaluation (and at
-    ``rate == 0``) the input itself is returned. A sample's mask depends only on
-    ``context.seed``, ``context.step``, the layer's ``key``, the sample's global index
-    (``context.index``, needed in training) and the element's position.
-    """
+    """Inverted dropout: in training each element is zeroed with probability ``rate`` (in
+    ``[0, 1)``), the kept ones scaled by ``1 / (1 - rate)``; in evaluation the input itself
+    is returned. The mask depends only on ``context.seed``, ``context.step``, the layer's
+    ``key``, each sample's global index (``context.index``) and the element's position."""
 
     def __init__(self, rate: float = 0.5) -> None:
         super().__init__()

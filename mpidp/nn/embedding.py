@@ -19,10 +19,10 @@ def _size(v, what: str) -> int:
 class Embedding(Layer):
     """Looks up ``W[id]`` for every token id: ``(n, *s)`` ids -> ``(n, *s, dim)``.
 
-    Ids (integer or float) must be whole numbers in ``[0, n_tokens)``. ``W``
-    ``(n_tokens, dim)``: ``init="normal"`` N(0, 1), ``"xavier"`` U(±sqrt(6 / (n_tokens +
-    dim))) or ``"zeros"``. ``backward`` returns **no input gradient** (None): an Embedding
-    comes first, or after layers that have no parameters.
+    Ids (integer or float) must be whole numbers in ``[0, n_tokens)``. ``W`` ``(n_tokens,
+    dim)``: ``init`` ``"normal"`` N(0, 1), ``"xavier"`` or ``"zeros"``. ``backward``
+    returns **no input gradient** (None): an Embedding comes first, or after parameter-free
+    layers.
     """
 
     def __init__(self, n_tokens: int, dim: int, init: str = "normal") -> None:

@@ -119,15 +119,11 @@ def _where(cls: type) -> str:
 
 def register_layer(cls: _LayerT | None = None, *, name: str | None = None
                    ) -> _LayerT | Callable[[_LayerT], _LayerT]:
-    """Register a layer class so a saved model that uses it can be rebuilt; returns ``cls``.
-
+    """Register a layer class (returned) so saved models using it can be rebuilt, as
     ``register_layer(MyLayer)``, ``@register_layer`` or ``@register_layer(name="my-layer")``:
-    ``name`` (default: the class name) is the ``"type"`` a model spec names it by. A process
-    that loads a model registers its classes too (importing their module is enough); see
-    ``docs/extending.md``. Raises ``TypeError`` for a non-:class:`Layer`, ``ValueError`` if
-    ``name`` is registered to another class (a class of the same module and qualified name,
-    reloaded, replaces it).
-    """
+    ``name`` (default: the class name) is its ``"type"`` in a model spec; see
+    ``docs/extending.md``. ``TypeError`` for a non-:class:`Layer`, ``ValueError`` if
+    ``name`` is another class's (the same class reloaded replaces it)."""
     def add(layer_cls: _LayerT) -> _LayerT:
         if not (isinstance(layer_cls, type) and issubclass(layer_cls, Layer)):
             raise TypeError(f"register_layer needs a subclass of mpidp.nn.Layer, got {layer_cls!r}")
@@ -214,12 +210,9 @@ def init_weights(W: np.ndarray, init: str, fan_in: int, fan_out: int,
 
 @register_layer
 class Dense(Layer):
-    """Fully connected layer ``y = x @ W + b``; ``W`` is ``(n_in, n_out)``, ``b`` ``(n_out,)``.
-
-    ``init="he"`` (default, for ReLU) draws ``W ~ N(0, 2/n_in)``, ``"xavier"``
-    ``U(±sqrt(6/(n_in+n_out)))``, ``"zeros"`` (linear models) zeros; ``b`` starts at zero.
-    ``n_in=None`` takes the width of the model's input (flat: :class:`Flatten` images).
-    """
+    """Fully connected layer ``y = x @ W + b``; ``W`` is ``(n_in, n_out)``, ``b`` ``(n_out,)``
+    (zeros). ``init``: ``"he"`` (default, for ReLU) ``W ~ N(0, 2/n_in)``, ``"xavier"``
+    ``U(±sqrt(6/(n_in+n_out)))`` or ``"zeros"``; ``n_in=None``: the width of the input."""
 
     def __init__(self, n_in: int | None, n_out: int, init: str = "he") -> None:
         super().__init__()

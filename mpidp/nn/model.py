@@ -70,15 +70,14 @@ def _carve(buffer: np.ndarray, layers: Sequence[Layer], which: str) -> list[dict
 
 
 class Sequential:
-    """Layers applied in order to inputs of shape ``(n_samples, *in_shape)``.
+    """Layers applied in order to inputs ``(n_samples, *in_shape)``; ``n_in``: a number of
+    features or a per-sample shape; ``dtype``: ``float32`` or ``float64``, of everything.
 
-    ``n_in``: a number of features or a per-sample shape such as ``(channels, height,
-    width)``; ``dtype`` (``float32`` or ``float64``): that of parameters, gradients and
-    activations. ``params`` and ``grads`` ``(n_params,)`` hold every ``layer.params[k]``
-    as a view, in layer then ``param_shapes`` order; ``state`` ``(n_state,)`` likewise the
-    untrained state. ``in_shape`` / ``out_shape``: per-sample shapes (``n_in`` / ``n_out``
-    their sizes); ``context``: the :class:`Context` the layers share; ``meta``: a JSON-able
-    dict saved with the model.
+    ``params`` and ``grads`` ``(n_params,)`` hold every ``layer.params[k]`` as a view, in
+    layer then ``param_shapes`` order; ``state`` ``(n_state,)`` likewise the untrained
+    state. ``in_shape`` / ``out_shape``: per-sample shapes (``n_in`` / ``n_out`` their
+    sizes); ``context``: the :class:`Context` the layers share; ``meta``: a JSON-able dict
+    saved with the model.
     """
 
     def __init__(self, layers: Sequence[Layer], n_in: int | Sequence[int],
@@ -271,9 +270,6 @@ def from_spec(spec: Sequence[dict], dtype: npt.DTypeLike = np.float32) -> Sequen
     return Sequential(layers, shape, dtype)
 
 
-# ---------------------------------------------------------------------------- files
-
-
 def _model_path(path: str | os.PathLike) -> str:
     path = os.fspath(path)
     return os.path.join(path, MODEL_FILE) if os.path.isdir(path) else path
@@ -294,9 +290,7 @@ def _unregistered(layers: Sequence[Layer]) -> list[type]:
 
 def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None, *,
          stacklevel: int = 2) -> str:
-    """Write ``model`` to ``path`` (an existing folder: ``model.npz`` in it) atomically, as
-    the ``model.npz`` of ``mpidp train``; returns the path written.
-
+    """Write ``model`` atomically to ``path`` (a folder: ``model.npz`` in it); returns it.
     The archive (``np.savez``, no pickles) holds ``params`` ``(n_params,)`` and ``state``
     ``(n_state,)`` (if any) in the model's dtype, ``dtype`` (``"float32"`` or
     ``"float64"``), and JSON ``spec`` (:meth:`Sequential.spec`) and ``meta`` (``meta``, else

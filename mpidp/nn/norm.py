@@ -67,15 +67,12 @@ class BatchNorm(Layer):
     the batch and every position). Parameters ``gamma`` (ones) and ``beta`` (zeros), state
     ``mean`` (zeros) and ``var`` (ones), each ``(C,)``; ``momentum`` in [0, 1]; ``eps`` > 0.
 
-    Training uses the mean and biased variance of the GLOBAL batch, from float64 sums over
-    the replica group (``context.reduce_sum``): the count and sums, then the squares about
-    the global mean. Backward sums ``dy`` and ``dy * xhat`` over the group once more (not
-    when ``need_input_grad`` is False, the same on every rank); ``dgamma`` and ``dbeta`` are
-    this rank's own sums. Every rank makes these calls, even with no local samples.
-
-    The running statistics follow the global figures: ``mean <- (1 - momentum) * mean +
-    momentum * batch_mean``, ``var`` likewise from ``batch_var * N / (N - 1)`` (left alone
-    when the global count ``N`` per channel is 1). Evaluation uses them, with no collective.
+    Training uses the GLOBAL batch's mean and biased variance, from float64 sums over the
+    replica group (two ``context.reduce_sum`` calls forward, one backward unless
+    ``need_input_grad`` is False, on every rank even without samples); ``dgamma`` and
+    ``dbeta`` are this rank's own sums. The running statistics follow the global figures
+    (``mean <- (1 - momentum) * mean + momentum * batch_mean``, ``var`` likewise from
+    ``batch_var * N / (N - 1)`` when ``N`` > 1); evaluation uses them, with no collective.
     """
 
     needs = frozenset({"replica-sums"})
@@ -198,8 +195,7 @@ class BatchNorm(Layer):
 class LayerNorm(_SampleShaped):
     """Layer normalisation ``y = gamma * (x - mean) / sqrt(var + eps) + beta``, mean and
     biased variance over ALL of each sample's values. ``gamma`` (ones) and ``beta`` (zeros)
-    have the per-sample shape (``(F,)``; ``(C, H, W)`` for images). No collective; the same
-    in training and evaluation. ``eps`` > 0.
+    have the per-sample shape. No collective; the same in training and evaluation. ``eps`` > 0.
     """
 
     def __init__(self, eps: float = 1e-5) -> None:

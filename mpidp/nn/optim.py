@@ -96,14 +96,13 @@ class Optimizer(ABC):
     ``lr``: a rate or a :class:`~mpidp.nn.schedules.Schedule` of the update count.
     ``weight_decay`` >= 0: L2 (added to the gradient) unless the subclass says otherwise.
     ``clip_norm``: the mean gradient is scaled down to this global L2 norm (over the whole
-    model) when longer. ``clip_value``: each component of the mean gradient is clipped to
-    ``[-clip_value, clip_value]`` (before ``clip_norm``).
+    model) when longer; ``clip_value``: each of its components clipped to ``[-clip_value,
+    clip_value]`` first.
 
     ``t``: updates taken (checkpointed). ``lr_scale``: a factor on every rate (1.0), not
     checkpointed. ``last_grad_norm``: the global norm of the last mean gradient before
-    ``clip_norm`` where computed (``clip_norm``, ``track_grad_norm``, LARS), else None.
-
-    A subclass implements ``_update`` (and ``_prepare``) for an elementwise rule, or
+    ``clip_norm`` where computed (``clip_norm``, ``track_grad_norm``, LARS), else None. A
+    subclass implements ``_update`` (and ``_prepare``) for an elementwise rule, or
     ``_begin`` (norms, one reduction) and ``_apply`` (one piece, through ``_pieces``).
     """
 

@@ -23,10 +23,8 @@ def _momentum(value: float) -> float:
 
 
 class SGD(Optimizer):
-    """SGD with optional (heavy-ball or Nesterov) momentum and L2 weight decay.
-
-    ``v = momentum * v + g``; ``p -= lr * v`` (Nesterov: ``p -= lr * (g + momentum * v)``).
-    """
+    """SGD with optional momentum and L2 weight decay: ``v = momentum * v + g``;
+    ``p -= lr * v`` (Nesterov: ``p -= lr * (g + momentum * v)``)."""
 
     def __init__(self, lr: float | Schedule = 0.01, momentum: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *,
@@ -140,8 +138,7 @@ class LARS(Optimizer):
         ratio = eta * ||w|| / (||g|| + weight_decay * ||w||)   (1 if ||w|| or ||g|| is 0)
         v = momentum * v + lr * ratio * (g + weight_decay * w);  w -= v
 
-    With ``exclude_1d`` (default), 1-D tensors get ratio 1 and no weight decay.
-    """
+    ``exclude_1d`` (default): 1-D tensors get ratio 1 and no weight decay."""
 
     layer_norms = True
 
@@ -199,8 +196,7 @@ class LAMB(Optimizer):
         r = m_hat / (sqrt(v_hat) + eps);  u = r + weight_decay * w
         w -= lr * ||w|| / ||u|| * u        (ratio 1 if ||w|| or ||u|| is 0)
 
-    With ``exclude_1d`` (default), 1-D tensors get ratio 1 and no weight decay.
-    """
+    ``exclude_1d`` (default): 1-D tensors get ratio 1 and no weight decay."""
 
     def __init__(self, lr: float | Schedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.01, exclude_1d: bool = True, *,
@@ -249,9 +245,8 @@ class LAMB(Optimizer):
 def make_optimizer(name: str, lr: float | Schedule, momentum: float = 0.9,
                    weight_decay: float = 0.0, *, clip_norm: float | None = None,
                    clip_value: float | None = None, **settings: Any) -> Optimizer:
-    """Build an optimizer by CLI name (:data:`OPTIMIZERS`): ``sgd``, ``momentum`` (SGD with
-    momentum), ``adam``, ``adamw``, ``lars`` (uses ``momentum``) or ``lamb``. ``settings``
-    go to the class (``betas``, ``eps``, ``eta``, ``exclude_1d``, ``nesterov``)."""
+    """An optimizer by name (:data:`OPTIMIZERS`; ``momentum`` is SGD with momentum), other
+    ``settings`` (``betas``, ``eps``, ``eta``, ``exclude_1d``, ``nesterov``) to its class."""
     kinds = {"sgd": (SGD, {}), "momentum": (SGD, {"momentum": momentum}), "adam": (Adam, {}),
              "adamw": (AdamW, {}), "lars": (LARS, {"momentum": momentum}), "lamb": (LAMB, {})}
     if name not in kinds:

@@ -27,9 +27,8 @@ def _spec(value: int | Sequence[int] | None, what: str) -> int | tuple[int, ...]
 
 
 class _WindowPool(ParameterFree):
-    """Shared shape handling of :class:`MaxPool` and :class:`AvgPool`: ``size`` is an int
-    (every spatial axis) or a pair ``(h, w)`` (2-D inputs); ``stride`` likewise, None
-    (default) meaning ``size``."""
+    """Shapes of :class:`MaxPool` and :class:`AvgPool`: ``size`` an int (every spatial axis)
+    or a pair ``(h, w)``; ``stride`` likewise, None (default) meaning ``size``."""
 
     def __init__(self, size: int | Sequence[int], stride: int | Sequence[int] | None = None) -> None:
         super().__init__()
@@ -100,8 +99,7 @@ class MaxPool(_WindowPool):
         taps = self._by_offset(x)
         n_taps = len(taps)
         y = np.max(taps, axis=0)
-        # offset of each window's first maximum, branch-free (masked writes are slow):
-        # best = max over offsets k holding the maximum of (n_taps - k); arg = n_taps - best
+        # each window's first maximum, branch-free: n_taps - max(n_taps - k where it is)
         code = np.uint8 if n_taps < 256 else np.int32
         best, eq, cand = np.zeros(y.shape, code), np.empty(y.shape, bool), np.empty(y.shape, code)
         for k in range(n_taps):

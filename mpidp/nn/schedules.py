@@ -55,10 +55,13 @@ class Schedule:
     name: ClassVar[str] = ""
     #: each setting's check, in order: ``check(name, value)`` returns the value kept
     _checks: ClassVar[dict[str, Callable[[str, Any], Any]]] = {}
+    _end: ClassVar[str] = ""  # the setting of the rate decayed to, which may not exceed lr
 
     def __post_init__(self) -> None:
         for key, check in self._checks.items():
             object.__setattr__(self, key, check(key, getattr(self, key)))
+        if self._end and getattr(self, self._end) > self.lr:
+            raise ValueError(f"{self._end} {getattr(self, self._end)} is above lr {self.lr}")
 
     def __call__(self, t: int) -> float:
         raise NotImplementedError
@@ -137,11 +140,7 @@ class Cosine(Schedule):
     lr: float
     total: int
     min_lr: float = 0.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.min_lr > self.lr:
-            raise ValueError(f"min_lr {self.min_lr} is above lr {self.lr}")
+    _end = "min_lr"
 
     def __call__(self, t: int) -> float:
         t = _t(t)
@@ -161,11 +160,7 @@ class Polynomial(Schedule):
     total: int
     power: float = 1.0
     end_lr: float = 0.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.end_lr > self.lr:
-            raise ValueError(f"end_lr {self.end_lr} is above lr {self.lr}")
+    _end = "end_lr"
 
     def __call__(self, t: int) -> float:
         t = _t(t)
@@ -185,11 +180,11 @@ class Warmup(Schedule):
     warmup: int
     start: float = 0.0
     _base: float = field(init=False, repr=False, compare=False)
+    _checks = {"after": lambda _, v: as_schedule(v), "warmup": _count,
+               "start": lambda _, v: _at_least_zero("warmup start", v)}
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "after", as_schedule(self.after))
-        object.__setattr__(self, "warmup", _count("warmup", self.warmup))
-        object.__setattr__(self, "start", _at_least_zero("warmup start", self.start))
+        super().__post_init__()
         object.__setattr__(self, "_base", self.after.base)
         if self.start > self._base:
             raise ValueError(f"warmup start {self.start} is above the base rate {self._base}")
@@ -255,13 +250,10 @@ def epoch_schedule(name: str, lr: float, per_epoch: int, epochs: int, *, warmup_
                    warmup_epochs: float = 0.0, step_epochs: int | None = None,
                    milestones: Sequence[int] = (), gamma: float = 0.1,
                    min_lr: float = 0.0) -> Schedule:
-    """The schedule ``name`` (of :data:`SCHEDULES`, or ``"plateau"``: constant, scaled by
-    :class:`mpidp.run.early_stopping.ReduceOnPlateau`) from rate ``lr`` for ``epochs``
-    epochs of ``per_epoch`` updates, settings in epochs made updates: the warmup
-    (``warmup_steps`` updates, else ``warmup_epochs``), then (counted from its end) a decay
-    by ``gamma`` every ``step_epochs`` (``step``), after each of ``milestones``
-    (``multistep``) or per epoch (``exponential``), or to ``min_lr`` at the end of the run
-    (``cosine``, ``polynomial``)."""
+    """The schedule ``name`` (:data:`SCHEDULES`, or ``"plateau"``: constant) from ``lr`` for
+    ``epochs`` epochs of ``per_epoch`` updates: a warmup (``warmup_steps``, else
+    ``warmup_epochs``), then a decay by ``gamma`` every ``step_epochs``, at ``milestones``
+    or per epoch, or to ``min_lr`` at the end of the run."""
     warmup = warmup_steps or int(round(warmup_epochs * per_epoch))
     total = max(epochs * per_epoch - warmup, 1)
     settings = {}

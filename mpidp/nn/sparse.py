@@ -14,10 +14,8 @@ from .layers import Dense, Layer, _bad_size, register_layer
 class CSR:
     """Rows of a sparse ``(n_rows, n_cols)`` matrix in compressed sparse row form:
     ``indptr`` int64 ``(n_rows + 1,)``, ``indices`` int64 ``(nnz,)`` column numbers,
-    ``data`` float ``(nnz,)``; row ``i`` is ``indices/data[indptr[i]:indptr[i+1]]``. With
-    ``len``, ``shape``, ``dtype`` and ``X[slice]`` / ``X[int array]`` (a new CSR) it stands
-    in for a dense ``X`` in a :class:`mpidp.Shard`.
-    """
+    ``data`` float ``(nnz,)``. With ``len``, ``shape``, ``dtype`` and ``X[slice]`` /
+    ``X[int array]`` (a new CSR) it stands in for a dense ``X`` in a :class:`mpidp.Shard`."""
 
     def __init__(self, indptr, indices, data, n_cols: int) -> None:
         self.indptr = np.asarray(indptr, np.int64)

@@ -23,8 +23,7 @@ import numpy as np
 from .layers import ParameterFree, Shapes, register_layer
 from .norm import _SampleShaped
 
-#: ``(count, mean, M2)``: number of rows, per-element mean and per-element centred sum of
-#: squares ``sum((x - mean)**2)`` over the rows; ``mean`` and ``M2`` float64, of one shape.
+#: ``(count, mean, M2)``: rows, per-element mean and ``sum((x - mean)**2)``, both float64.
 Moments = tuple[int, np.ndarray, np.ndarray]
 
 _CHUNK = 1 << 20  # values per block in moments(): bounds the float64 temporary (8 MiB)
@@ -154,8 +153,7 @@ class Standardize(_SampleShaped, ParameterFree):
                 or not math.isfinite(eps) or eps < 0:
             raise ValueError(f"Standardize.fit_ eps must be a finite number >= 0, got {eps!r}")
         size = int(np.prod(self.shape))
-        mean = np.asarray(mean, np.float64).ravel()
-        m2 = np.asarray(m2, np.float64).ravel()
+        mean, m2 = (np.asarray(a, np.float64).ravel() for a in (mean, m2))
         if mean.size != size or m2.size != size:
             raise ValueError(f"Standardize.fit_: mean and M2 must have {size} items (shape "
                              f"{self.shape}), got {mean.size} and {m2.size}")
