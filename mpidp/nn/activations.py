@@ -8,17 +8,14 @@ import math
 
 import numpy as np
 
-from .layers import Layer, register_layer
+from .layers import ParameterFree, register_layer
 
 
 @register_layer
-class ReLU(Layer):
-    """``max(x, 0)``; the derivative at 0 is taken as 0.
-
-    ``inplace=True`` overwrites ``x`` in forward and ``dy`` in backward; use it only where
-    both are temporaries (after a ``Dense``, as :func:`mpidp.nn.mlp` does), never as a
-    model's first layer. A memory setting, not saved: a reloaded ``ReLU`` allocates.
-    """
+class ReLU(ParameterFree):
+    """``max(x, 0)``; the derivative at 0 is taken as 0. ``inplace=True`` (not saved)
+    overwrites ``x`` in forward and ``dy`` in backward: only where both are temporaries
+    (after a ``Dense``), never as a model's first layer."""
 
     def __init__(self, inplace: bool = False) -> None:
         super().__init__()
@@ -28,28 +25,24 @@ class ReLU(Layer):
         self._y = np.maximum(x, 0, out=x if self.inplace else None)
         return self._y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        if not need_input_grad:
-            return None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
         return np.multiply(dy, self._y > 0, out=dy if self.inplace else None)
 
 
 @register_layer
-class Tanh(Layer):
+class Tanh(ParameterFree):
     """``tanh(x)``."""
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         self._y = np.tanh(x)
         return self._y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        return dy * (1 - self._y * self._y) if need_input_grad else None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
+        return dy * (1 - self._y * self._y)
 
 
 @register_layer
-class Sigmoid(Layer):
+class Sigmoid(ParameterFree):
     """``1 / (1 + exp(-x))``, computed without overflow for large ``|x|``."""
 
     def forward(self, x: np.ndarray) -> np.ndarray:
@@ -57,13 +50,12 @@ class Sigmoid(Layer):
         self._y = np.where(x >= 0, 1 / (1 + e), e / (1 + e))
         return self._y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        return dy * self._y * (1 - self._y) if need_input_grad else None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
+        return dy * self._y * (1 - self._y)
 
 
 @register_layer
-class LeakyReLU(Layer):
+class LeakyReLU(ParameterFree):
     """``x`` where ``x > 0``, else ``slope * x`` (a finite number; 0 gives :class:`ReLU`);
     the derivative at 0 is taken as ``slope``."""
 
@@ -81,9 +73,8 @@ class LeakyReLU(Layer):
         self._pos = x > 0
         return np.where(self._pos, x, x * self.slope)
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        return np.where(self._pos, dy, dy * self.slope) if need_input_grad else None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
+        return np.where(self._pos, dy, dy * self.slope)
 
     def __repr__(self) -> str:
         return f"LeakyReLU({self.slope})"
@@ -94,10 +85,9 @@ _GELU_A = 0.044715
 
 
 @register_layer
-class GELU(Layer):
-    """Gaussian error linear unit, in its **tanh approximation**
-    ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))`` (within ~1e-3 of the exact
-    ``x * Phi(x)``); ``backward`` is the exact derivative of the approximation."""
+class GELU(ParameterFree):
+    """Gaussian error linear unit, **tanh approximation** (within ~1e-3 of ``x * Phi(x)``,
+    exact derivative): ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))``."""
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         self._x = x
@@ -113,10 +103,7 @@ class GELU(Layer):
         y *= 0.5
         return y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        if not need_input_grad:
-            return None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
         x, t = self._x, self._t
         # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)
         inner = self._x2 * (3 * _GELU_A)
@@ -133,10 +120,9 @@ class GELU(Layer):
 
 
 @register_layer
-class Softmax(Layer):
-    """``exp(x) / sum(exp(x))`` over the last axis (shifted by the row maximum: no
-    overflow). To train a classifier prefer :class:`mpidp.nn.SoftmaxCrossEntropy` on raw
-    scores: it fuses the two and is better conditioned."""
+class Softmax(ParameterFree):
+    """``exp(x) / sum(exp(x))`` over the last axis, without overflow. A classifier trains
+    better on raw scores with :class:`mpidp.nn.SoftmaxCrossEntropy`."""
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         y = x - x.max(axis=-1, keepdims=True)
@@ -145,10 +131,7 @@ class Softmax(Layer):
         self._y = y
         return y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        if not need_input_grad:
-            return None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
         dx = dy * self._y
         dx -= self._y * dx.sum(axis=-1, keepdims=True)
         return dx

@@ -1,14 +1,9 @@
-"""In-place BLAS updates through SciPy when it is installed; plain NumPy otherwise.
-
-NumPy has no ``C += A @ B``: it forms the product in a temporary and adds it, one more
-pass over the output; SciPy's BLAS ``gemm`` with ``beta = 1`` accumulates in place. The
-results are the same up to rounding (a pipeline's float32 parameters differ in the last
-bits between installs with and without SciPy, the optional ``fast`` extra).
-
-SciPy ships its own OpenBLAS thread pool, and two multi-threaded pools in one process
-starve each other's threads (docs/benchmarks.md, "Figures behind the code"); so SciPy's
-``gemm`` is used only where NumPy's BLAS runs one thread (:func:`single_threaded`), as
-under mpidp whenever a node runs one rank per core.
+"""In-place BLAS updates ``C += A @ B`` through SciPy's ``gemm`` (``beta = 1``) when it is
+installed, saving NumPy's temporary and extra pass; plain NumPy otherwise (the same up to
+rounding: float32 results differ in the last bits with and without the ``fast`` extra).
+SciPy's own OpenBLAS pool and NumPy's starve each other's threads (docs/benchmarks.md), so
+SciPy is used only where NumPy's BLAS runs one thread (:func:`single_threaded`), as under
+mpidp with one rank per core.
 """
 
 from __future__ import annotations
@@ -22,8 +17,7 @@ _FLOATS = (np.float32, np.float64)
 
 
 def scipy_blas():
-    """``scipy.linalg.blas``, or None when SciPy is not installed or BLAS runs several
-    threads (decided on first use)."""
+    """``scipy.linalg.blas``, or None without SciPy or with multi-threaded BLAS."""
     global _blas
     if _blas is ...:
         try:
@@ -65,8 +59,7 @@ def _fast(*arrays: np.ndarray):
 
 def add_xt_dy_(dW: np.ndarray, x: np.ndarray, dy: np.ndarray) -> None:
     """``dW += x.T @ dy`` in place: ``dW`` ``(n_in, n_out)``, ``x`` ``(n, n_in)``, ``dy``
-    ``(n, n_out)`` (one ``gemm`` with SciPy; NumPy alone adds a temporary, which for small
-    micro-batches costs about as much as the product itself)."""
+    ``(n, n_out)``."""
     blas = _fast(dW, x, dy) if len(x) else None
     if blas is None:
         dW += x.T @ dy
@@ -79,8 +72,8 @@ def add_xt_dy_(dW: np.ndarray, x: np.ndarray, dy: np.ndarray) -> None:
 
 
 def add_matmul_(y: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-    """``y += a @ b`` in place: ``y`` ``(n, m)`` C-contiguous, ``a`` ``(n, k)`` (a column
-    block of a larger array is fine: it is copied first), ``b`` ``(k, m)``."""
+    """``y += a @ b`` in place: ``y`` ``(n, m)`` C-contiguous, ``a`` ``(n, k)``, ``b``
+    ``(k, m)``."""
     blas = _fast(y, b) if len(a) and a.dtype == y.dtype else None
     if blas is None:
         y += a @ b

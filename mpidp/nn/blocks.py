@@ -9,19 +9,16 @@ import numpy as np
 
 from .context import Context
 from .layers import Layer, Shapes, layer_spec, register_layer
-from .model import chain_shapes
+from .model import Sequential, chain_shapes
 from .modelfile import layers_from
 
 
 @register_layer
 class Residual(Layer):
-    """``y = x + f(x)``, ``f`` the chain of ``layers``; ``f`` must keep the per-sample shape.
-
-    The inner layers' parameters and state appear under their position in the block:
-    ``"0.W"``, ``"0.b"``, ``"2.gamma"`` (a block inside a block: ``"1.0.W"``), in the flat
-    buffers of the model, in order. Inner layer ``j`` gets the key ``key + (j,)``. The
-    first of ``layers`` may not overwrite its input (``ReLU(inplace=True)``): ``x`` is
-    needed for the sum.
+    """``y = x + f(x)``, ``f`` the chain of ``layers``, which must keep the per-sample shape
+    and whose first may not overwrite its input. Inner parameters and state are named by
+    position: ``"0.W"``, ``"2.gamma"`` (a block in a block: ``"1.0.W"``); inner layer ``j``
+    gets the key ``key + (j,)``.
     """
 
     def __init__(self, layers: Sequence[Layer]) -> None:
@@ -34,18 +31,14 @@ class Residual(Layer):
                              f"which the block adds to the output; build it with inplace=False")
         self.layers = layers
 
-    @property
-    def needs(self) -> frozenset[str]:  # type: ignore[override]
-        """What the inner layers need from the trainer, together."""
-        return frozenset().union(*(la.needs for la in self.layers))
+    needs = Sequential.needs  # type: ignore[assignment]  # what the inner layers need
 
     def config(self) -> dict:
         return {"layers": [layer_spec(la) for la in self.layers]}
 
     @classmethod
     def from_config(cls, settings: dict) -> Residual:
-        """Rebuild from :meth:`config`: each inner spec through the layer registry, as a
-        model file's layers (so ``n_in`` / ``in_channels`` may be left out)."""
+        """Rebuild from :meth:`config`, the inner specs as a model file's layers."""
         specs = settings.get("layers")
         if set(settings) != {"layers"} or not isinstance(specs, list):
             raise ValueError(f"Residual settings are {{'layers': [layer specs]}}, got {settings!r}")
@@ -114,8 +107,7 @@ class Residual(Layer):
         return dy + g if need_input_grad else None
 
     def __copy__(self) -> Residual:
-        """A copy with its own copies of the inner layers (sharing their parameter views),
-        so copies can run forward and backward on different batches in turn (pipelines)."""
+        """A copy with its own copies of the inner layers (sharing their parameter views)."""
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         new.layers = [copy.copy(la) for la in self.layers]

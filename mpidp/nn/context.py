@@ -1,10 +1,7 @@
-"""What a layer may know of the step it runs in, without importing MPI.
-
-A :class:`Context` is shared by every layer of a :class:`mpidp.nn.Sequential`
-(``model.context``, also ``layer.context``); the trainer fills it before each forward
-pass. On one process ``reduce_sum`` is the identity, so a layer written against it
-(:class:`mpidp.nn.BatchNorm`) gives the same numbers at any number of ranks.
-"""
+"""What a layer may know of the step it runs in, without importing MPI: a :class:`Context`
+shared by every layer of a :class:`mpidp.nn.Sequential` (``model.context``, also
+``layer.context``), filled by the trainer before each forward pass. On one process
+``reduce_sum`` is the identity."""
 
 from __future__ import annotations
 
@@ -39,26 +36,16 @@ def positions(index) -> np.ndarray:
 class Context:
     """The step a model's forward and backward passes belong to.
 
-    Attributes
-    ----------
-    training : True in a training step (dropout drops, batch norm uses batch statistics
-        and updates its running ones); False for evaluation and prediction.
-    seed : the run's seed; randomness inside layers (dropout) derives from it.
-    epoch : the epoch of the current step (0-based).
-    step : the global step (0 for the first step of a run; it continues across a resume).
-    index : ``(n,)`` int64, the global position in the training set of each row of the
-        batch, or None when the caller did not say (a layer that needs it raises).
-    reduce_sum : sums a float array over the replica group in place and returns it (a
-        collective: the same calls on every rank of the group, in the same order).
-    group_size : number of ranks ``reduce_sum`` sums over (1 on one process).
-    grads_final : ``grads_final(self)`` in a layer's ``backward`` says its gradients are
-        final, so they can be sent meanwhile; ``grads_final(self, done)``: their first
-        ``done`` values so far. Set by :meth:`mpidp.nn.Sequential.backward` (a call from a
-        layer nested in a block is ignored).
-    grads_piece : gradient values to announce at a time (0: whole layers).
-    params_ready : ``params_ready(self, upto)`` returns once the first ``upto`` values of
-        the layer's parameters (None: all) are final; set by ``Sequential.forward``.
-    params_piece : values per part in which a layer may read its parameters (0: whole).
+    ``training``: True in a training step, False for evaluation. ``seed``: the run's seed.
+    ``epoch`` (0-based); ``step``: the global update count (0 first, continued on resume).
+    ``index``: ``(n,)`` int64 global training-set position of each batch row, or None.
+    ``reduce_sum``: sums a float array in place over the replica group and returns it (a
+    collective); ``group_size``: the ranks it sums over (1 on one process).
+
+    Set by :class:`mpidp.nn.Sequential` during a pass: ``grads_final(layer[, done])``: the
+    layer's gradients (their first ``done`` values) are final, and ``grads_piece`` values
+    to announce at a time; ``params_ready(layer, upto)`` returns once the first ``upto``
+    (None: all) of its parameters are final, read in parts of ``params_piece`` (0: whole).
     """
 
     training: bool = False

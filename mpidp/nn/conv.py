@@ -1,22 +1,16 @@
 """Convolutions over 1-D and 2-D signals: :class:`Conv1d` ``(n, C, L)``, :class:`Conv2d`
 ``(n, C, H, W)``. Pure NumPy, no MPI.
 
-Both are cross-correlations with zero padding, computed as ONE matrix product on an
-im2col matrix ``cols`` ``(C*K, P*n)``: a strided view of the (padded) input, copied once,
-whose row ``(c, *offset)`` holds, for every output position and sample, the input value
-under that kernel tap. Then
-
-- forward: ``y = W (F, C*K) @ cols`` plus bias;
-- dW: ``(cols @ dy.T).T`` with ``dy (F, P*n)``; db: ``dy`` summed over positions and samples;
-- dx: ``dcols = W.T @ dy`` scattered back (col2im) with one strided add per kernel tap
-  (``K = prod(kernel)`` adds in all, never a loop over samples or positions).
-
-The batch axis is innermost inside these steps (the input is first copied to
-``(C, *padded, n)``), so a kernel tap reads and writes runs of ``out_width * n``
-contiguous values: several times faster than with the samples outermost. Inputs and
-outputs keep the ``(n, C, *spatial)`` layout. ``F`` is ``out_channels``, ``P`` the number
-of output positions; output size per spatial axis ``floor((L + 2 * padding - kernel) /
-stride) + 1`` (>= 1). Everything runs in the parameters' dtype.
+Cross-correlations with zero padding, each ONE matrix product on an im2col matrix ``cols``
+``(C*K, P*n)`` (a strided view of the padded input, copied once; row ``(c, *offset)``
+holds the input value under that kernel tap for every output position and sample):
+forward ``y = W (F, C*K) @ cols`` plus bias; ``dW = (cols @ dy.T).T``; ``dx`` scatters
+``W.T @ dy`` back with one strided add per kernel tap (col2im). The batch axis is
+innermost in these steps (the input is copied to ``(C, *padded, n)``), so each tap reads
+runs of ``out_width * n`` contiguous values. ``F`` is ``out_channels``, ``K`` is
+``prod(kernel)``, ``P`` the number of output positions; per spatial axis
+``out = floor((L + 2 * padding - kernel) / stride) + 1`` (>= 1). Everything runs in the
+parameters' dtype.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .layers import Layer, Shapes, _bad_size, check_init, init_weights, register_layer
+from .layers import Layer, Shapes, _bad_size, check_init, init_weights, register_layer, write_grad
 
 _AXES = ("length",), ("height", "width")  # names of the spatial axes, by dimensionality
 
@@ -157,8 +151,7 @@ class _ConvNd(Layer):
         n, spatial = x.shape[0], x.shape[2:]
         out = self._out(spatial)
         F, P = self.out_channels, int(np.prod(out))
-        # the input batch-last (C, *padded, n), in the parameters' dtype: every window
-        # offset then reads runs of out[-1] * n contiguous values (stride 1)
+        # the input batch-last (C, *padded, n), in the parameters' dtype (module notes)
         padded = tuple(s + 2 * p for s, p in zip(spatial, self.padding))
         xt = (np.zeros if any(self.padding) else np.empty)((C, *padded, n), W.dtype)
         inner = tuple(slice(p, p + s) for s, p in zip(spatial, self.padding))
@@ -189,13 +182,8 @@ class _ConvNd(Layer):
         np.copyto(dyt, dy.reshape(n, F, P).transpose(1, 2, 0), casting="same_kind")
         dyt = dyt.reshape(F, P * n)
         dW2 = dW.reshape(F, -1)
-        g = (cols @ dyt.T).T  # (F, C*K); as (cols @ dy.T).T the long axis is the GEMM's
-        if accumulate:        # inner one in memory: faster than dy @ cols.T unless C*K is tiny
-            dW2 += g
-            db += dyt.sum(axis=1)
-        else:
-            dW2[...] = g
-            np.sum(dyt, axis=1, out=db)
+        write_grad(dW2, (cols @ dyt.T).T, accumulate)  # faster than dy @ cols.T
+        write_grad(db, dyt.sum(axis=1), accumulate)
         if type(self).backward is _ConvNd.backward:  # (a subclass may change them after)
             self.context.grads_final(self)  # W and b may be sent while dL/dx is computed
         if not need_input_grad:
@@ -224,10 +212,8 @@ class Conv1d(_ConvNd):
     """1-D convolution (cross-correlation): ``(n, C, L)`` -> ``(n, out_channels, L_out)``.
 
     ``kernel``, ``stride``: window length and step (>= 1); ``padding``: zeros at both ends;
-    ``in_channels=None`` takes ``C`` from the input shape; ``init``: ``"he"`` (default,
-    ``W ~ N(0, 2 / (C * kernel))``), ``"xavier"`` or ``"zeros"``; ``b`` starts at zero.
-    Parameters ``W`` ``(F, C, kernel)``, ``b`` ``(F,)``;
-    ``L_out = floor((L + 2 * padding - kernel) / stride) + 1``.
+    ``in_channels=None``: ``C`` from the input; ``init``: ``"he"`` (default), ``"xavier"``
+    or ``"zeros"``. ``W`` ``(F, C, kernel)``, ``b`` ``(F,)`` (zeros).
     """
 
     nd = 1
@@ -235,11 +221,8 @@ class Conv1d(_ConvNd):
 
 @register_layer
 class Conv2d(_ConvNd):
-    """2-D convolution (cross-correlation): ``(n, C, H, W)`` -> ``(n, out_channels, H_out, W_out)``.
-
-    ``kernel``, ``stride`` (>= 1) and ``padding`` (zeros on both sides, >= 0): an int (both
-    axes) or a pair ``(h, w)``; otherwise as :class:`Conv1d`, with ``W`` ``(F, C, kh, kw)``
-    and per axis ``out = floor((size + 2 * padding - kernel) / stride) + 1``.
-    """
+    """2-D convolution (cross-correlation): ``(n, C, H, W)`` -> ``(n, out_channels, H_out, W_out)``;
+    as :class:`Conv1d`, ``kernel``, ``stride`` and ``padding`` each an int or a pair ``(h, w)``,
+    ``W`` ``(F, C, kh, kw)``."""
 
     nd = 2

@@ -1,17 +1,14 @@
-"""Inverted dropout whose mask does not depend on how the batch is split across ranks.
-
-Each element's keep/drop bit is a hash of (run seed, global step, the layer's key, the
-sample's GLOBAL index, the element's position in the sample): splitmix64's mixing function
-in vectorised ``uint64`` NumPy arithmetic, run in cache-sized blocks (faster than a NumPy
-``Generator`` per sample). So a sample gets the same mask on any number of ranks, in any
-row of any rank's batch.
+"""Inverted dropout whose mask does not depend on how the batch is split across ranks:
+each element's keep bit is a hash (splitmix64, vectorised ``uint64`` NumPy in cache-sized
+blocks) of the run seed, global step, layer key, the sample's GLOBAL index and the
+element's position in the sample.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .layers import Layer, register_layer
+from .layers import ParameterFree, register_layer
 
 _M = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -29,8 +26,7 @@ def _mix_int(z: int) -> int:
 
 
 def _mix_(z: np.ndarray, tmp: np.ndarray | None = None) -> np.ndarray:
-    """splitmix64's finaliser applied in place to a ``uint64`` array (wraps mod 2**64);
-    ``tmp``, of ``z``'s shape, saves allocating the shifted copies."""
+    """splitmix64's finaliser in place on a ``uint64`` array; ``tmp``: scratch of its shape."""
     tmp = np.empty_like(z) if tmp is None else tmp
     z ^= np.right_shift(z, _S30, out=tmp)
     z *= _U(_C1)
@@ -50,17 +46,13 @@ def stream_key(*values: int) -> int:
     return h
 
 
-# words hashed at a time: the working set (two 128 KiB buffers) stays in cache, and no
-# temporaries the size of the batch are allocated
-_BLOCK = 1 << 14
+_BLOCK = 1 << 14  # words hashed at a time: two 128 KiB buffers, which stay in cache
 
 
 def keep_mask(key: int, index: np.ndarray, size: int, threshold: int) -> np.ndarray:
-    """``(len(index), size)`` bool: word ``j`` of row ``r``, a splitmix64 output that depends
-    only on ``key``, ``index[r]`` and ``j`` (stream ``j`` seeded by the mixed index), is
-    ``>= threshold``; so each element is True with probability ``1 - threshold / 2**64``.
-
-    Hashed in blocks of about ``_BLOCK`` words (whole rows, or pieces of one long row)."""
+    """``(len(index), size)`` bool: whether word ``j`` of row ``r``, a splitmix64 output of
+    ``key``, ``index[r]`` and ``j`` only, is ``>= threshold`` (True with probability
+    ``1 - threshold / 2**64``); hashed in blocks of about ``_BLOCK`` words."""
     n = len(index)
     rows = _mix_(np.asarray(index).astype(np.uint64) ^ _U(key))
     step = np.arange(1, size + 1, dtype=np.uint64)
@@ -81,15 +73,11 @@ def keep_mask(key: int, index: np.ndarray, size: int, threshold: int) -> np.ndar
 
 
 @register_layer
-class Dropout(Layer):
-    """Inverted dropout: in training each element is zeroed with probability ``rate`` and
-    the kept ones are scaled by ``1 / (1 - rate)``; in evaluation (and at ``rate == 0``)
-    the layer returns its input itself. ``0 <= rate < 1``; any per-sample shape.
-
-    A sample's mask depends only on ``context.seed``, ``context.step``, this layer's
-    ``key``, the sample's global index (so a training step needs ``context.index``) and
-    the element's position: never on the rank, the row or the number of ranks.
-    """
+class Dropout(ParameterFree):
+    """Inverted dropout: in training each element is zeroed with probability ``rate`` (in
+    ``[0, 1)``), the kept ones scaled by ``1 / (1 - rate)``; in evaluation the input itself
+    is returned. The mask depends only on ``context.seed``, ``context.step``, the layer's
+    ``key``, each sample's global index (``context.index``) and the element's position."""
 
     def __init__(self, rate: float = 0.5) -> None:
         super().__init__()
@@ -118,10 +106,7 @@ class Dropout(Layer):
         y *= x.dtype.type(self._scale)
         return y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        if not need_input_grad:
-            return None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
         if self._keep is None:
             return dy
         dx = dy * self._keep

@@ -19,14 +19,10 @@ def _size(v, what: str) -> int:
 class Embedding(Layer):
     """Looks up ``W[id]`` for every token id: ``(n, *s)`` ids -> ``(n, *s, dim)``.
 
-    The ids may be an integer or a float array; every value must be a whole number in
-    ``[0, n_tokens)`` (else ``ValueError`` naming the value and where it is). Parameter
-    ``W`` ``(n_tokens, dim)``: ``init="normal"`` draws N(0, 1), ``"xavier"``
-    U(±sqrt(6 / (n_tokens + dim))), ``"zeros"`` zeros.
-
-    ``backward`` writes (or adds) the gradient of the rows used and returns **no input
-    gradient** (None): the ids are data. So an Embedding comes first in a model, or after
-    layers that have no parameters and need no dL/dx themselves.
+    Ids (integer or float) must be whole numbers in ``[0, n_tokens)``. ``W`` ``(n_tokens,
+    dim)``: ``init`` ``"normal"`` N(0, 1), ``"xavier"`` or ``"zeros"``. ``backward``
+    returns **no input gradient** (None): an Embedding comes first, or after parameter-free
+    layers.
     """
 
     def __init__(self, n_tokens: int, dim: int, init: str = "normal") -> None:
@@ -79,8 +75,7 @@ class Embedding(Layer):
             dW[...] = 0
         ids = self._ids.reshape(-1)
         if ids.size:
-            # scatter-add by bincount over the used rows only (float64 sums): faster than
-            # np.add.at, and (used rows x dim) allocated, not (n_tokens x dim)
+            # bincount over the used rows only: faster than np.add.at, less memory
             used, row = np.unique(ids, return_inverse=True)
             flat = (row.reshape(-1, 1) * d + np.arange(d)).reshape(-1)
             sums = np.bincount(flat, weights=dy.reshape(-1, d).reshape(-1),

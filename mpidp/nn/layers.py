@@ -1,14 +1,12 @@
 """The layer protocol, the registry of layer classes, and ``Dense``. Pure NumPy, no MPI.
 
-A layer declares the shapes of its parameters; :class:`mpidp.nn.Sequential` allocates one
-flat buffer for all of them (and one for gradients) and hands each layer views into it
-(:meth:`Layer.bind`). Gradients are SUMS over the samples of a batch, never means: the
-caller divides by the global sample count after combining ranks. A layer maps
-``(n, *in_shape)`` to ``(n, *out_shape)``, the batch axis (the one split across ranks)
-first. Untrained values (batch norm's running statistics) are the layer's *state*
-(:meth:`Layer.state_shapes`), saved and checkpointed with the parameters. A layer learns
-of the step it runs in from ``self.context`` (:class:`mpidp.nn.Context`). Every layer
-class that :func:`mpidp.nn.load` can rebuild is registered with :func:`register_layer`.
+A layer maps ``(n, *in_shape)`` to ``(n, *out_shape)``, the batch axis (split across
+ranks) first, and declares the shapes of its parameters and untrained *state* (batch
+norm's running statistics); :class:`mpidp.nn.Sequential` hands it views into one flat
+buffer of each (:meth:`Layer.bind`). Gradients are SUMS over the batch's samples, never
+means. A layer learns of the step it runs in from ``self.context``
+(:class:`mpidp.nn.Context`); :func:`mpidp.nn.load` rebuilds the classes registered with
+:func:`register_layer`.
 """
 
 from __future__ import annotations
@@ -33,9 +31,7 @@ class Layer(ABC):
     grads: dict[str, np.ndarray]
     state: dict[str, np.ndarray]
     context: Context
-    #: what the layer needs from whoever runs it: ``"replica-sums"`` (``context.reduce_sum``
-    #: over the global batch, as batch norm), ``"sample-index"`` (``context.index``, as
-    #: dropout). A trainer that cannot provide one refuses the model, naming it.
+    #: needed from the trainer: ``"replica-sums"`` (``context.reduce_sum``), ``"sample-index"``
     needs: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
@@ -63,44 +59,51 @@ class Layer(ABC):
         """Fill this layer's parameters (and state) in place from ``rng``."""
 
     def config(self) -> dict:
-        """The JSON-able settings that rebuild the layer (``cls(**config())``): by default
-        ``n_in`` and ``n_out`` where the layer has ``n_out``, else none."""
+        """JSON-able settings that rebuild the layer (``cls(**config())``); default
+        ``n_in`` and ``n_out`` where the layer has ``n_out``."""
         return {"n_in": self.n_in, "n_out": self.n_out} if hasattr(self, "n_out") else {}
 
     def set_context(self, context: Context, key: tuple[int, ...] = ()) -> None:
-        """Share the model's :class:`Context` and give the layer its ``key``: its position
-        in the model (``(i,)``; a layer inside a block ``(i, j)``), which keys anything
-        random the layer draws. A layer holding layers passes both on, extending ``key``."""
+        """Share the model's :class:`Context`; ``key`` is the layer's position (``(i,)``;
+        inside a block ``(i, j)``), which keys anything random it draws."""
         self.context, self.key = context, tuple(key)
 
     def output_dim(self, n_in: int) -> int:
-        """Number of output features for ``n_in`` input features (a layer of flat
-        features may define this instead of :meth:`output_shape`)."""
+        """Output features for ``n_in`` input features (instead of :meth:`output_shape`)."""
         return n_in
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """Per-sample output shape for per-sample input shape ``in_shape``; raises
-        ``ValueError`` if the layer cannot take it. The model calls it once, before
-        :meth:`param_shapes`, so a layer may fix sizes it infers from ``in_shape`` here.
-        By default: :meth:`output_dim` for flat features, else the shape unchanged."""
+        """Per-sample output shape for input shape ``in_shape`` (``ValueError`` if the layer
+        cannot take it); called once, before :meth:`param_shapes`, so a layer may fix sizes
+        here. Default: :meth:`output_dim` for flat features, else the shape unchanged."""
         if len(in_shape) == 1:
             return (int(self.output_dim(in_shape[0])),)
         return tuple(in_shape)
 
     @abstractmethod
     def forward(self, x: np.ndarray) -> np.ndarray:
-        """Map ``x`` ``(n, *in_shape)`` to ``(n, *out_shape)``, caching what ``backward``
-        needs."""
+        """Map ``x`` ``(n, *in_shape)`` to ``(n, *out_shape)``, caching what backward needs."""
 
     @abstractmethod
     def backward(self, dy: np.ndarray, accumulate: bool = False,
                  need_input_grad: bool = True) -> np.ndarray | None:
         """Given dL/dy ``(n, *out_shape)`` return dL/dx ``(n, *in_shape)``; write (or add
-        to) grads. With ``need_input_grad=False`` (the first layer of a model) dL/dx is not
-        computed and None is returned (for a ``Dense``, a third of its backward work)."""
+        to) grads. With ``need_input_grad=False`` (a model's first layer) return None."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class ParameterFree(Layer):
+    """A layer without parameters: ``backward`` is :meth:`input_grad` (None if not needed)."""
+
+    def backward(self, dy: np.ndarray, accumulate: bool = False,
+                 need_input_grad: bool = True) -> np.ndarray | None:
+        return self.input_grad(dy) if need_input_grad else None
+
+    @abstractmethod
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
+        """dL/dx ``(n, *in_shape)`` from dL/dy ``(n, *out_shape)``."""
 
 
 _LayerT = TypeVar("_LayerT", bound=type)
@@ -116,18 +119,11 @@ def _where(cls: type) -> str:
 
 def register_layer(cls: _LayerT | None = None, *, name: str | None = None
                    ) -> _LayerT | Callable[[_LayerT], _LayerT]:
-    """Register a layer class so a saved model that uses it can be rebuilt; returns ``cls``.
-
-    Usable as ``register_layer(MyLayer)``, ``@register_layer`` or
-    ``@register_layer(name="my-layer")``. The key (``name``, by default the class name) is
-    the ``"type"`` a model spec names the layer by. A process that loads a model must
-    register its classes too (importing the module that defines them is enough).
-    Registering the same class again is a no-op; see ``docs/extending.md``.
-
-    Raises ``TypeError`` if ``cls`` is not a :class:`Layer` subclass, ``ValueError`` if
-    ``name`` is registered to a different class (both are named); a class redefined under
-    the same module and qualified name (a module reloaded) replaces the earlier one.
-    """
+    """Register a layer class (returned) so saved models using it can be rebuilt, as
+    ``register_layer(MyLayer)``, ``@register_layer`` or ``@register_layer(name="my-layer")``:
+    ``name`` (default: the class name) is its ``"type"`` in a model spec; see
+    ``docs/extending.md``. ``TypeError`` for a non-:class:`Layer`, ``ValueError`` if
+    ``name`` is another class's (the same class reloaded replaces it)."""
     def add(layer_cls: _LayerT) -> _LayerT:
         if not (isinstance(layer_cls, type) and issubclass(layer_cls, Layer)):
             raise TypeError(f"register_layer needs a subclass of mpidp.nn.Layer, got {layer_cls!r}")
@@ -159,8 +155,7 @@ def layer_name(cls: type) -> str:
 
 
 def layer_spec(layer: Layer) -> dict:
-    """``{"type": <registered name>, **layer.config()}``. Raises ``ValueError`` if the
-    settings use a key a model spec reserves."""
+    """``{"type": <registered name>, **layer.config()}`` (config may not use :data:`RESERVED`)."""
     settings = dict(layer.config())
     clash = [k for k in RESERVED if k in settings]
     if clash:
@@ -170,8 +165,7 @@ def layer_spec(layer: Layer) -> dict:
 
 
 def layer_class(name: str) -> type:
-    """The layer class registered under ``name``; ``ValueError`` (saying how to register
-    it) if there is none."""
+    """The layer class registered under ``name`` (``ValueError`` if none)."""
     try:
         return _CLASSES[name]
     except (KeyError, TypeError):
@@ -179,6 +173,14 @@ def layer_class(name: str) -> type:
                          f"register it with mpidp.nn.register_layer (e.g. decorate the class "
                          f"with @mpidp.nn.register_layer) before loading; registered: "
                          f"{', '.join(sorted(_CLASSES))}") from None
+
+
+def write_grad(grad: np.ndarray, value: np.ndarray, accumulate: bool) -> None:
+    """``grad += value`` when ``accumulate``, else ``grad[...] = value``."""
+    if accumulate:
+        grad += value
+    else:
+        grad[...] = value
 
 
 def _bad_size(v) -> bool:
@@ -208,13 +210,9 @@ def init_weights(W: np.ndarray, init: str, fan_in: int, fan_out: int,
 
 @register_layer
 class Dense(Layer):
-    """Fully connected layer ``y = x @ W + b``; ``W`` is ``(n_in, n_out)``, ``b`` ``(n_out,)``.
-
-    ``init="he"`` (default, for ReLU) draws ``W ~ N(0, 2/n_in)``; ``"xavier"`` draws
-    ``U(±sqrt(6/(n_in+n_out)))``; ``"zeros"`` is for linear models. ``b`` starts at zero.
-    ``n_in=None`` takes the width of the input the model gives it (flat features only:
-    put a :class:`Flatten` in front of image-shaped inputs).
-    """
+    """Fully connected layer ``y = x @ W + b``; ``W`` is ``(n_in, n_out)``, ``b`` ``(n_out,)``
+    (zeros). ``init``: ``"he"`` (default, for ReLU) ``W ~ N(0, 2/n_in)``, ``"xavier"``
+    ``U(±sqrt(6/(n_in+n_out)))`` or ``"zeros"``; ``n_in=None``: the width of the input."""
 
     def __init__(self, n_in: int | None, n_out: int, init: str = "he") -> None:
         super().__init__()
@@ -230,13 +228,14 @@ class Dense(Layer):
         if self.n_in is None:
             self.n_in = int(n_in)
         if n_in != self.n_in:
-            raise ValueError(f"Dense expects {self.n_in} input features, got {n_in}")
+            raise ValueError(f"{type(self).__name__} expects {self.n_in} input features, "
+                             f"got {n_in}")
         return self.n_out
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         if len(in_shape) != 1:
-            raise ValueError(f"Dense takes flat features, got per-sample shape {tuple(in_shape)}: "
-                             f"put a Flatten in front of it")
+            raise ValueError(f"{type(self).__name__} takes flat features, got per-sample shape "
+                             f"{tuple(in_shape)}: put a Flatten in front of it")
         return (self.output_dim(in_shape[0]),)
 
     def init_(self, rng: np.random.Generator) -> None:
@@ -245,8 +244,8 @@ class Dense(Layer):
 
     @property
     def reads_params_in_parts(self) -> bool:
-        """True when ``forward`` reads its weights in parts as they become final
-        (``context.params_ready``): a plain ``Dense`` larger than ``context.params_piece``."""
+        """Whether ``forward`` reads ``W`` in parts of ``context.params_piece`` as they are
+        final (``context.params_ready``): a plain ``Dense`` larger than a part."""
         piece = self.context.params_piece
         return type(self).forward is Dense.forward and 0 < piece < self.n_in * self.n_out
 
@@ -287,4 +286,4 @@ class Dense(Layer):
         return dy @ self.params["W"].T if need_input_grad else None  # (n, n_in)
 
     def __repr__(self) -> str:
-        return f"Dense({self.n_in}, {self.n_out})"
+        return f"{type(self).__name__}({self.n_in}, {self.n_out})"

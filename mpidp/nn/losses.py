@@ -32,9 +32,8 @@ class Loss(ABC):
 
 
 def label_problem(y: np.ndarray, k: int, classes_only: bool = True) -> str | None:
-    """What is wrong with ``y`` as integer class labels ``(n,)`` in ``[0, k)`` for a model
-    of ``k`` outputs, or None. ``classes_only`` False (targets allowed): only integer
-    labels ``(n,)`` are checked. Pure; never raises."""
+    """What is wrong with ``y`` as integer class labels ``(n,)`` in ``[0, k)``, or None
+    (never raises); ``classes_only=False`` checks only integer labels ``(n,)``."""
     integer = y.dtype.kind in "iu"
     if classes_only and (y.ndim != 1 or (len(y) and not integer)):
         return (f"class labels must be integers of shape (n,), got {y.dtype} of shape "
@@ -49,17 +48,14 @@ def label_problem(y: np.ndarray, k: int, classes_only: bool = True) -> str | Non
 
 
 def _check_labels(y: np.ndarray, k: int, classes_only: bool = True) -> None:
-    """Raise ValueError with :func:`label_problem`'s text, if any (NumPy would take -1 for
-    the last class and broadcast labels ``(n, 1)`` into an ``(n, n)`` block)."""
+    """Raise ValueError with :func:`label_problem`'s text, if any."""
     if why := label_problem(y, k, classes_only):
         raise ValueError(why)
 
 
 class SoftmaxCrossEntropy(Loss):
-    """Softmax over ``k`` logits then cross-entropy with integer labels ``(n,)`` in ``[0, k)``.
-
-    Per-sample loss: ``logsumexp(z) - z[y]``; its gradient is ``softmax(z) - onehot(y)``.
-    """
+    """Softmax over ``k`` logits then cross-entropy with integer labels ``(n,)`` in ``[0, k)``:
+    per sample ``logsumexp(z) - z[y]``, gradient ``softmax(z) - onehot(y)``."""
 
     classification = True
 
@@ -80,11 +76,8 @@ class SoftmaxCrossEntropy(Loss):
 
 
 class MeanSquaredError(Loss):
-    """Per-sample loss ``mean_j (pred[j] - target[j])**2`` over the ``k`` outputs.
-
-    ``target`` is ``(n, k)`` or ``(n,)`` for ``k == 1``. Integer labels are one-hot
-    encoded (a least-squares classifier), and then :meth:`n_correct` is meaningful.
-    """
+    """Per-sample loss ``mean_j (pred[j] - target[j])**2`` over the ``k`` outputs; ``target``
+    ``(n, k)``, ``(n,)`` for ``k == 1``, or integer labels ``(n,)`` (one-hot encoded)."""
 
     def forward(self, pred: np.ndarray, target: np.ndarray) -> float:
         if target.ndim == 1 and np.issubdtype(target.dtype, np.integer):
@@ -106,8 +99,7 @@ OUTPUTS = ("scores", "proba", "label")
 
 
 def outputs(scores: np.ndarray, kind: str = "scores") -> np.ndarray:
-    """A classifier's ``scores`` ``(n, k)`` as ``kind`` (see :data:`OUTPUTS`); ``scores``
-    returns them unchanged. ValueError for an unknown ``kind``."""
+    """A classifier's ``scores`` ``(n, k)`` as ``kind`` (see :data:`OUTPUTS`)."""
     if kind not in OUTPUTS:
         raise ValueError(f"unknown output {kind!r}; expected one of {OUTPUTS}")
     if kind == "scores":

@@ -52,29 +52,32 @@ def chain_shapes(layers: Sequence[Layer], in_shape: tuple[int, ...]) -> list[tup
     return shapes
 
 
-def _carve(buffer: np.ndarray, shapes: dict[str, tuple[int, ...]],
-           offset: int) -> tuple[dict[str, np.ndarray], int]:
-    """Views of ``buffer`` from ``offset`` on, one per ``name: shape``; and the offset after."""
-    views = {}
-    for name, shape in shapes.items():
-        size = int(np.prod(shape))
-        views[name] = buffer[offset:offset + size].reshape(shape)
-        offset += size
-    return views, offset
+def _sizes(layers: Sequence[Layer], which: str) -> list[int]:
+    """Values per layer of ``layer.<which>()`` (``"param_shapes"`` or ``"state_shapes"``)."""
+    return [sum(int(np.prod(s)) for s in getattr(la, which)().values()) for la in layers]
+
+
+def _carve(buffer: np.ndarray, layers: Sequence[Layer], which: str) -> list[dict]:
+    """Views of ``buffer``, one ``{name: view}`` per layer, by ``layer.<which>()`` in order."""
+    views, offset = [], 0
+    for layer in layers:
+        views.append({})
+        for name, shape in getattr(layer, which)().items():
+            size = int(np.prod(shape))
+            views[-1][name] = buffer[offset:offset + size].reshape(shape)
+            offset += size
+    return views
 
 
 class Sequential:
-    """Layers applied in order to inputs of shape ``(n_samples, *in_shape)``.
+    """Layers applied in order to inputs ``(n_samples, *in_shape)``; ``n_in``: a number of
+    features or a per-sample shape; ``dtype``: ``float32`` or ``float64``, of everything.
 
-    ``layers`` must chain; ``n_in`` is a number of features or a per-sample shape such as
-    ``(channels, height, width)``; ``dtype`` (``float32`` or ``float64``) is that of
-    parameters, gradients and activations.
-
-    ``params`` and ``grads`` have ``n_params`` elements; ``layer.params[k]`` is a view of
-    ``params``, in layer order then ``param_shapes`` order. ``state`` (``n_state``
-    elements) likewise holds every layer's untrained state. ``in_shape`` / ``out_shape``
-    are the per-sample shapes, ``n_in`` / ``n_out`` their sizes. ``context`` is the
-    :class:`Context` every layer shares; ``meta`` a JSON-able dict saved with the model.
+    ``params`` and ``grads`` ``(n_params,)`` hold every ``layer.params[k]`` as a view, in
+    layer then ``param_shapes`` order; ``state`` ``(n_state,)`` likewise the untrained
+    state. ``in_shape`` / ``out_shape``: per-sample shapes (``n_in`` / ``n_out`` their
+    sizes); ``context``: the :class:`Context` the layers share; ``meta``: a JSON-able dict
+    saved with the model.
     """
 
     def __init__(self, layers: Sequence[Layer], n_in: int | Sequence[int],
@@ -89,14 +92,13 @@ class Sequential:
         self.shapes = chain_shapes(self.layers, self.in_shape)
         self.out_shape = self.shapes[-1]
         self.n_in, self.n_out = int(np.prod(self.in_shape)), int(np.prod(self.out_shape))
-        self.n_params, self.n_state = (sum(int(np.prod(s)) for layer in self.layers
-                                           for s in getattr(layer, f)().values())
-                                       for f in ("param_shapes", "state_shapes"))
+        edges = np.cumsum([0, *_sizes(self.layers, "param_shapes")]).tolist()
+        #: ``[lo, hi)`` of each layer in ``params`` and ``grads``
+        self.layer_ranges: list[tuple[int, int]] = list(zip(edges[:-1], edges[1:]))
+        self.n_params, self.n_state = edges[-1], sum(_sizes(self.layers, "state_shapes"))
         self._bind(np.zeros(self.n_params, self.dtype), np.zeros(self.n_params, self.dtype))
         self.state = np.zeros(self.n_state, self.dtype)
-        offset = 0
-        for layer in self.layers:
-            views, offset = _carve(self.state, layer.state_shapes(), offset)
+        for layer, views in zip(self.layers, _carve(self.state, self.layers, "state_shapes")):
             layer.bind_state(views)
         self.set_context(Context())
         self.meta: dict[str, Any] = {}
@@ -114,25 +116,20 @@ class Sequential:
 
     def _bind(self, params: np.ndarray, grads: np.ndarray) -> None:
         self.params, self.grads = params, grads
-        offset = 0
-        self.layer_ranges: list[tuple[int, int]] = []  # [lo, hi) of each layer in the buffers
-        for layer in self.layers:
-            shapes, lo = layer.param_shapes(), offset
-            g, offset = _carve(grads, shapes, lo)
-            layer.bind(_carve(params, shapes, lo)[0], g)
-            self.layer_ranges.append((lo, offset))
+        for layer, p, g in zip(self.layers, _carve(params, self.layers, "param_shapes"),
+                               _carve(grads, self.layers, "param_shapes")):
+            layer.bind(p, g)
 
     def use_grad_buffer(self, buffer: np.ndarray) -> None:
-        """Make ``grads`` (and every layer's gradient views) live in ``buffer[:n_params]``,
-        so a trainer's extra slots (loss, counts) after them travel in the same collective."""
+        """Make ``grads`` (and the layers' gradient views) live in ``buffer[:n_params]`` (a
+        trainer's extra slots after them then travel in the same collective)."""
         if buffer.dtype != self.dtype or buffer.ndim != 1 or len(buffer) < self.n_params:
             raise ValueError(f"grad buffer must be 1-D {self.dtype} with >= {self.n_params} items")
         self._bind(self.params, buffer[:self.n_params])
 
     def use_param_buffer(self, buffer: np.ndarray) -> None:
-        """Move ``params`` (and every layer's parameter views) into ``buffer`` ``(n_params,)``,
-        keeping their values: e.g. into memory other processes can read. Arrays taken from
-        ``params`` before the move no longer follow the model."""
+        """Move ``params`` (and the layers' views) into ``buffer`` ``(n_params,)``, keeping
+        their values; arrays taken from ``params`` before no longer follow the model."""
         if buffer.dtype != self.dtype or buffer.shape != (self.n_params,):
             raise ValueError(f"param buffer must be 1-D {self.dtype} with {self.n_params} items")
         buffer[...] = self.params
@@ -152,11 +149,9 @@ class Sequential:
         ``backward``. Runs in the mode ``context.training`` says (False: evaluation).
 
         ``on_layer_params(i, upto)`` returns once the first ``upto`` values of layer ``i``'s
-        range of ``params`` (None: all) are final, for an update still arriving: called
-        before each layer's ``forward``, or, for a layer that reads its parameters in parts
-        of about ``piece`` values (a ``Dense``), before each part (the same parts whether or
-        not they had to wait: the numbers do not depend on timing).
-        """
+        range of ``params`` (None: all) are final: called before each layer's ``forward``,
+        or before each part of about ``piece`` values of a layer that reads its parameters
+        in parts (a ``Dense``; the same parts whatever the timing)."""
         if tuple(x.shape[1:]) != self.in_shape and not (
                 len(self.in_shape) == 1 and x.ndim == 2 and x.shape[1] == self.n_in):
             raise ValueError(f"the model takes samples of shape {self.in_shape}, got a batch "
@@ -181,9 +176,8 @@ class Sequential:
     __call__ = forward
 
     def predict(self, x: np.ndarray, output: str = "scores") -> np.ndarray:
-        """Predictions for ``x`` ``(n, *in_shape)`` as ``output`` (:data:`mpidp.nn.OUTPUTS`:
-        ``scores``, also what a regression predicts, ``proba`` or ``label``), always in
-        evaluation mode (no dropout; batch norm's running statistics)."""
+        """Predictions for ``x`` ``(n, *in_shape)`` as ``output`` (:data:`mpidp.nn.OUTPUTS`;
+        ``scores`` for a regression), always in evaluation mode."""
         was, self.context.training = self.context.training, False
         try:
             return outputs(self.forward(x), output)
@@ -197,13 +191,11 @@ class Sequential:
         """Back-propagate dL/dy ``(n, n_out)``; writes (or adds to) ``grads``; returns dL/dx
         ``(n, n_in)``, or None with ``input_grad=False`` (then its cost is skipped).
 
-        ``on_layer_done(i)`` is called as soon as layer ``i``'s gradients are final (last
-        layer first), so they can be sent during the rest of backward: at the layer's
+        ``on_layer_done(i)``: layer ``i``'s gradients are final (last layer first), at its
         ``context.grads_final(layer)`` if it calls it (a ``Dense`` does, before its input
         gradient), else once its ``backward`` returns. ``on_layer_part(i, done)`` (with
         ``piece > 0``): the first ``done`` values of layer ``i``'s range of ``grads`` are
-        final, after each part of a layer that computes its gradient in parts of ``piece``.
-        """
+        final, after each part of ``piece`` values of a layer that computes them in parts."""
         last = len(self.layers) - 1
         told = set()  # the layers on_layer_done has heard of
 
@@ -231,9 +223,9 @@ class Sequential:
         return dy
 
     def spec(self) -> list[dict]:
-        """A JSON-able description from which :func:`from_spec` rebuilds the model (not its
-        parameters): one ``{"type": <registered name>, **layer.config()}`` per layer, the
-        first also holding ``"model_n_in"`` (flat inputs) or ``"model_in_shape"`` (a list)."""
+        """A JSON-able description for :func:`from_spec` (no parameters): one ``{"type":
+        <registered name>, **layer.config()}`` per layer, the first also holding
+        ``"model_n_in"`` (flat inputs) or ``"model_in_shape"`` (a list)."""
         out = [layer_spec(layer) for layer in self.layers]
         if len(self.in_shape) == 1:
             out[0]["model_n_in"] = self.n_in
@@ -252,10 +244,9 @@ class Sequential:
 
 
 def from_spec(spec: Sequence[dict], dtype: npt.DTypeLike = np.float32) -> Sequential:
-    """Rebuild a model, parameters zero, from :meth:`Sequential.spec`: each layer by
-    ``cls.from_config(settings)`` where its registered class defines it, else
-    ``cls(**settings)``. Raises ``ValueError`` if a layer type is not registered (saying
-    how to register it), its settings do not rebuild it, or ``spec`` is malformed."""
+    """Rebuild a model, parameters zero, from :meth:`Sequential.spec` (each layer by its
+    class's ``from_config(settings)``, else ``cls(**settings)``). ``ValueError`` if a layer
+    type is not registered, its settings do not rebuild it, or ``spec`` is malformed."""
     if not isinstance(spec, Sequence) or not spec or \
             not all(isinstance(d, dict) and isinstance(d.get("type"), str) for d in spec):
         raise ValueError("a model spec is a non-empty list of dicts, each with a 'type' string")
@@ -279,17 +270,13 @@ def from_spec(spec: Sequence[dict], dtype: npt.DTypeLike = np.float32) -> Sequen
     return Sequential(layers, shape, dtype)
 
 
-# ---------------------------------------------------------------------------- files
-
-
 def _model_path(path: str | os.PathLike) -> str:
     path = os.fspath(path)
     return os.path.join(path, MODEL_FILE) if os.path.isdir(path) else path
 
 
 def _unregistered(layers: Sequence[Layer]) -> list[type]:
-    """The classes among ``layers`` (and inside their blocks) that :func:`from_spec` would
-    not rebuild: not registered, or their name registered to another class."""
+    """The classes among ``layers`` (also in blocks) not registered under their name."""
     found: list[type] = []
     for layer in layers:
         cls = type(layer)
@@ -303,20 +290,13 @@ def _unregistered(layers: Sequence[Layer]) -> list[type]:
 
 def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None, *,
          stacklevel: int = 2) -> str:
-    """Write ``model`` to ``path`` atomically, as the ``model.npz`` of ``mpidp train``.
-
-    The archive (``np.savez``, no pickles) holds ``params`` (the flat ``(n_params,)``
-    vector, in the model's dtype), ``state`` (the flat ``(n_state,)`` untrained state,
-    when the model has any), ``spec`` (JSON of :meth:`Sequential.spec`), ``dtype``
-    (``"float32"`` or ``"float64"``) and ``meta`` (JSON of ``meta``, else of
-    ``model.meta``). Written to a temporary file in the same folder, fsynced and renamed:
-    ``path`` is at every moment absent, the old file, or the whole new one. An existing
-    folder ``path`` means ``model.npz`` in it. Returns the path written.
-
-    Raises ``ValueError`` (writing nothing) if the spec or ``meta`` is not JSON-able. Warns
-    (``UserWarning`` at ``stacklevel``, writing the file all the same) for each layer class,
-    also inside a block, that is not registered (:func:`mpidp.nn.register_layer`), so
-    :func:`load` cannot rebuild the file.
+    """Write ``model`` atomically to ``path`` (a folder: ``model.npz`` in it); returns it.
+    The archive (``np.savez``, no pickles) holds ``params`` ``(n_params,)`` and ``state``
+    ``(n_state,)`` (if any) in the model's dtype, ``dtype`` (``"float32"`` or
+    ``"float64"``), and JSON ``spec`` (:meth:`Sequential.spec`) and ``meta`` (``meta``, else
+    ``model.meta``). Raises ``ValueError`` (writing nothing) if they are not JSON-able; warns
+    (``UserWarning``) for each layer class, also inside a block, that is not registered
+    (:func:`mpidp.nn.register_layer`): :func:`load` could not rebuild it.
     """
     path = _model_path(path)
     meta = model.meta if meta is None else meta
@@ -342,13 +322,10 @@ def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None, *
 
 
 def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
-    """The model saved in ``path`` (a ``model.npz``, or a folder holding one) by
-    :func:`save`, parameters set, its ``meta`` the stored meta (``{}`` if none). A layer
-    class of the user's own must be registered in this process first.
-
-    Raises ``ValueError``, naming the file, if it is missing, truncated, corrupted (zip
-    CRC-32), not a saved model, names an unregistered layer class, or (with
-    ``check_finite``) holds NaN or Inf parameters. Read with ``allow_pickle=False`` always.
+    """The model :func:`save` wrote to ``path`` (a ``model.npz`` or a folder holding one),
+    with its parameters, state and ``meta`` (``{}`` if none); a layer class of the user's
+    own must be registered first. ``ValueError`` naming the file if it is missing, damaged,
+    not a saved model, names an unregistered class, or (``check_finite``) holds NaN or Inf.
     """
     path = _model_path(path)
     try:

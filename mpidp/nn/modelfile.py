@@ -17,10 +17,9 @@ TOML::
     type = "Dense"          # n_in is taken from the layer before; n_out left out: the
                             # number of outputs the data set needs
 
-JSON: the same as ``{"layers": [{"type": "Conv1d", "out_channels": 32, ...}, ...]}`` or
-just the list. ``type`` is a registered layer name (:func:`mpidp.nn.register_layer`); the
-other keys are the settings its constructor takes. Sizes that follow from the input
-(``in_channels``, ``n_in``) may be left out.
+JSON: ``{"layers": [{"type": "Conv1d", "out_channels": 32, ...}, ...]}`` or just the list.
+``type`` is a registered layer name (:func:`mpidp.nn.register_layer`), the other keys its
+constructor's settings; ``in_channels`` and ``n_in`` may be left out (inferred).
 """
 
 from __future__ import annotations
@@ -75,13 +74,10 @@ def read_model_file(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def layers_from(specs: list[dict[str, Any]], n_outputs: int | None = None,
                 where: str = "model file") -> list[Layer]:
-    """Build the layers of ``specs`` (as :func:`read_model_file` returns them), unbound.
-
-    A required ``n_in`` / ``in_channels`` left out is inferred from the layer's input; a
-    required ``n_out`` left out is ``n_outputs`` (what the data set needs). Raises
-    ``ValueError`` naming the layer (1-based) and the key when a type is not registered, a
-    setting is unknown or missing, or the layer refuses its settings.
-    """
+    """Build the layers of ``specs`` (as :func:`read_model_file` returns them), unbound: a
+    required ``n_in`` / ``in_channels`` left out is inferred, ``n_out`` is ``n_outputs``.
+    ``ValueError`` names the layer (1-based) and key when a type is not registered, a
+    setting is unknown or missing, or the layer refuses its settings."""
     out = []
     for i, d in enumerate(specs):
         kind = d["type"]

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from .layers import Layer, Shapes, register_layer
+from .layers import Layer, Shapes, register_layer, write_grad
 
 
 def _positive(v, what: str) -> float:
@@ -47,6 +47,11 @@ class _SampleShaped(Layer):
         self.shape = in_shape
         return in_shape
 
+    def _check_batch(self, x: np.ndarray) -> None:
+        if tuple(x.shape[1:]) != self.shape:
+            raise ValueError(f"{type(self).__name__} takes samples of shape {self.shape}, got a "
+                             f"batch of shape {x.shape}")
+
     def _known_shape(self) -> tuple[int, ...]:
         if self.shape is None:
             raise ValueError(f"{type(self).__name__} does not know its per-sample shape yet: "
@@ -59,22 +64,15 @@ class BatchNorm(Layer):
     """Batch normalisation ``y = gamma * (x - mean) / sqrt(var + eps) + beta``.
 
     Takes ``(n, F)`` (statistics per feature) or ``(n, C, *spatial)`` (per channel, over
-    the batch and every position); the output has the input's shape. Parameters ``gamma``
-    (ones) and ``beta`` (zeros), state ``mean`` (zeros) and ``var`` (ones), each ``(C,)``.
+    the batch and every position). Parameters ``gamma`` (ones) and ``beta`` (zeros), state
+    ``mean`` (zeros) and ``var`` (ones), each ``(C,)``; ``momentum`` in [0, 1]; ``eps`` > 0.
 
-    Training: mean and biased variance of the GLOBAL batch, from float64 sums over the
-    replica group (``context.reduce_sum``): the count and sums, then the sums of squares
-    about the global mean (two passes: no cancellation). Backward sums ``dy`` and
-    ``dy * xhat`` over the group in one more ``reduce_sum`` (none when ``need_input_grad``
-    is False, the same on every rank); ``dgamma`` and ``dbeta`` are this rank's own sums.
-    So every rank makes two collective calls forward and one backward, even with no
-    local samples.
-
-    Running statistics, from the global figures (the same on every rank):
-    ``mean <- (1 - momentum) * mean + momentum * batch_mean`` and
-    ``var <- (1 - momentum) * var + momentum * batch_var * N / (N - 1)`` (left alone when
-    the global count ``N`` per channel is 1; an empty global batch changes nothing).
-    Evaluation uses them and makes no collective call. ``momentum`` in [0, 1]; ``eps`` > 0.
+    Training uses the GLOBAL batch's mean and biased variance, from float64 sums over the
+    replica group (two ``context.reduce_sum`` calls forward, one backward unless
+    ``need_input_grad`` is False, on every rank even without samples); ``dgamma`` and
+    ``dbeta`` are this rank's own sums. The running statistics follow the global figures
+    (``mean <- (1 - momentum) * mean + momentum * batch_mean``, ``var`` likewise from
+    ``batch_var * N / (N - 1)`` when ``N`` > 1); evaluation uses them, with no collective.
     """
 
     needs = frozenset({"replica-sums"})
@@ -115,11 +113,9 @@ class BatchNorm(Layer):
         return {"mean": (self._c(),), "var": (self._c(),)}
 
     def init_(self, rng: np.random.Generator) -> None:
-        self.params["gamma"][...] = 1
-        self.params["beta"][...] = 0
+        self.params["gamma"][...], self.params["beta"][...] = 1, 0
         if self.state:  # a scratch copy (a pipeline's other stages) may have none bound
-            self.state["mean"][...] = 0
-            self.state["var"][...] = 1
+            self.state["mean"][...], self.state["var"][...] = 0, 1
 
     def _bshape(self, x: np.ndarray) -> tuple[int, ...]:
         """The shape ``(C, 1, ...)`` that broadcasts a channel vector against ``x``."""
@@ -163,13 +159,6 @@ class BatchNorm(Layer):
             v[...] = (1 - m) * v.astype(np.float64) + m * var * (n / (n - 1))
         return y
 
-    def _write(self, key: str, local: np.ndarray, accumulate: bool) -> None:
-        g = self.grads[key]
-        if accumulate:
-            g += local
-        else:
-            g[...] = local
-
     def backward(self, dy: np.ndarray, accumulate: bool = False,
                  need_input_grad: bool = True) -> np.ndarray | None:
         bshape = self._bshape(dy)
@@ -177,14 +166,14 @@ class BatchNorm(Layer):
         gamma = self.params["gamma"]
         if not self._training:  # running statistics: a per-channel affine map
             xhat = (self._x - self.state["mean"].reshape(bshape)) * self._inv.reshape(bshape)
-            self._write("gamma", _channel_sums(dy, xhat), accumulate)
-            self._write("beta", _channel_sums(dy), accumulate)
+            write_grad(self.grads["gamma"], _channel_sums(dy, xhat), accumulate)
+            write_grad(self.grads["beta"], _channel_sums(dy), accumulate)
             return dy * (gamma * self._inv).reshape(bshape) if need_input_grad else None
         xhat = self._xhat
         sums = np.empty(2 * c, np.float64)
         sums[:c], sums[c:] = _channel_sums(dy), _channel_sums(dy, xhat)
-        self._write("beta", sums[:c], accumulate)  # local sums: the trainer adds the ranks'
-        self._write("gamma", sums[c:], accumulate)
+        write_grad(self.grads["beta"], sums[:c], accumulate)  # the trainer adds the ranks'
+        write_grad(self.grads["gamma"], sums[c:], accumulate)
         if not need_input_grad:
             return None
         sums = self.context.reduce_sum(sums)
@@ -204,13 +193,9 @@ class BatchNorm(Layer):
 
 @register_layer
 class LayerNorm(_SampleShaped):
-    """Layer normalisation: each sample normalised over ALL its per-sample axes,
-    ``y = gamma * (x - mean) / sqrt(var + eps) + beta``, mean and (biased) variance taken
-    over the sample's ``prod(shape)`` values.
-
-    ``gamma`` (ones) and ``beta`` (zeros) are elementwise, of the full per-sample shape
-    (for ``(n, F)`` inputs: ``(F,)``; for ``(n, C, H, W)``: ``(C, H, W)``). Needs no other
-    sample, so no collective, and is the same in training and evaluation. ``eps`` > 0.
+    """Layer normalisation ``y = gamma * (x - mean) / sqrt(var + eps) + beta``, mean and
+    biased variance over ALL of each sample's values. ``gamma`` (ones) and ``beta`` (zeros)
+    have the per-sample shape. No collective; the same in training and evaluation. ``eps`` > 0.
     """
 
     def __init__(self, eps: float = 1e-5) -> None:
@@ -224,13 +209,10 @@ class LayerNorm(_SampleShaped):
         return {"gamma": self._known_shape(), "beta": self._known_shape()}
 
     def init_(self, rng: np.random.Generator) -> None:
-        self.params["gamma"][...] = 1
-        self.params["beta"][...] = 0
+        self.params["gamma"][...], self.params["beta"][...] = 1, 0
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        if tuple(x.shape[1:]) != self.shape:
-            raise ValueError(f"LayerNorm takes samples of shape {self.shape}, got a batch of "
-                             f"shape {x.shape}")
+        self._check_batch(x)
         n, d = x.shape[0], int(np.prod(self.shape))
         xc = x.reshape(n, d) - x.reshape(n, d).mean(axis=1, keepdims=True)
         var = np.einsum("ij,ij->i", xc, xc) / d
@@ -246,13 +228,8 @@ class LayerNorm(_SampleShaped):
         xhat, inv = self._xhat, self._inv
         n, d = xhat.shape
         g = dy.reshape(n, d)
-        dgamma, dbeta = self.grads["gamma"].reshape(d), self.grads["beta"].reshape(d)
-        if accumulate:
-            dgamma += np.einsum("ij,ij->j", g, xhat)
-            dbeta += g.sum(axis=0)
-        else:
-            dgamma[...] = np.einsum("ij,ij->j", g, xhat)
-            np.sum(g, axis=0, out=dbeta)
+        write_grad(self.grads["gamma"].reshape(d), np.einsum("ij,ij->j", g, xhat), accumulate)
+        write_grad(self.grads["beta"].reshape(d), g.sum(axis=0), accumulate)
         if not need_input_grad:
             return None
         gd = g * self.params["gamma"].reshape(d)  # dL/dxhat

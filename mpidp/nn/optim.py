@@ -1,25 +1,19 @@
 """The optimizer base over one flat parameter vector: its rate, where its vector lies in
-the model, clipping, and updates in pieces. Pure NumPy, no MPI; the rules themselves
-(SGD, Adam, LARS ...) are in :mod:`mpidp.nn.optimizers`.
+the model, clipping, and updates in pieces. Pure NumPy, no MPI; the rules (SGD, Adam,
+LARS ...) are in :mod:`mpidp.nn.optimizers`.
 
-``step_(params, grad)`` updates ``params`` in place from the global MEAN gradient. State
+``step_(params, grad)`` updates ``params`` in place from the global MEAN gradient; state
 (momentum, Adam moments) is flat too, so it checkpoints and shards like the parameters.
 The rate is a float or a schedule (:mod:`mpidp.nn.schedules`) of the update count ``t``
 (0 for the first update), times ``lr_scale``.
 
-Norms and slices
-----------------
-Layer-wise rules (:class:`LARS`, :class:`LAMB`) and clipping by global norm need norms of
-whole tensors, but the vector an optimizer updates may be a slice of the model (a
-parameter server's block, a pipeline stage). :meth:`Optimizer.place` says where it lies:
-the model's tensors (:class:`Segments`), the vector's ``offset`` in the whole model, and
-``reduce_sum``, which sums a small float64 array in place over the ranks holding the
-other slices (a collective: every such rank calls it as often, in the same order).
-
-Each update adds up its slice's squared norms of every tensor over the ranks with ONE
-``reduce_sum``, and only then updates. :class:`LAMB` with ``clip_norm`` (or
-``track_grad_norm``) reduces twice: the clipped gradient feeds its moments, whose update's
-norm is needed after. An optimizer never placed treats its vector as one tensor.
+Norms of whole tensors (:class:`LARS`, :class:`LAMB`, clipping by global norm) need to
+know where the vector lies when it is a slice of the model (a parameter server's block, a
+pipeline stage): :meth:`Optimizer.place` gives the model's tensors (:class:`Segments`),
+the vector's ``offset`` and ``reduce_sum``, which sums a small float64 array in place over
+the ranks holding the other slices (a collective). Each update reduces its squared norms
+in ONE call (LAMB with ``clip_norm`` or ``track_grad_norm``: two). An optimizer never
+placed treats its vector as one tensor.
 """
 
 from __future__ import annotations
@@ -44,10 +38,9 @@ def chunk_edges(n: int, chunks: int) -> list[int]:
 
 
 class Segments:
-    """The tensors of a whole model's flat parameter vector: ``bounds`` ``(k + 1,)`` int64,
-    tensor ``j`` being ``[bounds[j], bounds[j + 1])`` (``bounds[0] = 0``); ``ndim`` ``(k,)``
-    their dimensions (1: a bias or a norm's scale, which LARS and LAMB leave out of
-    adaptation and weight decay by default)."""
+    """The tensors of a model's flat parameter vector: ``bounds`` ``(k + 1,)`` int64 (tensor
+    ``j`` is ``[bounds[j], bounds[j + 1])``, ``bounds[0] = 0``), ``ndim`` ``(k,)`` their
+    dimensions (1: a bias or a norm's scale, by default not adapted by LARS and LAMB)."""
 
     __slots__ = ("bounds", "ndim")
 
@@ -62,8 +55,7 @@ class Segments:
 
     @classmethod
     def of(cls, layers: Any) -> Segments:
-        """One segment per parameter tensor of ``layers`` (a list of layers whose shapes are
-        known, or a :class:`~mpidp.nn.Sequential`), in the model's layout order."""
+        """One segment per parameter tensor of ``layers`` (or of a Sequential), in order."""
         bounds, ndim = [0], []
         for layer in getattr(layers, "layers", layers):
             for shape in layer.param_shapes().values():
@@ -101,30 +93,20 @@ def _clip_setting(what: str, value: float | None) -> float | None:
 class Optimizer(ABC):
     """Base class: ``step_`` mutates ``params`` in place; ``state`` holds flat arrays.
 
-    Parameters
-    ----------
-    lr : a rate, or a :class:`~mpidp.nn.schedules.Schedule` of the update count.
-    weight_decay : >= 0; L2 (added to the gradient) unless the subclass says otherwise.
-    clip_norm : if set, the mean gradient is scaled down to this global L2 norm when it is
-        longer (the norm over the whole model, whatever slice this optimizer updates).
-    clip_value : if set, each component of the mean gradient is clipped to
-        ``[-clip_value, clip_value]`` (before ``clip_norm``, if both are set).
+    ``lr``: a rate or a :class:`~mpidp.nn.schedules.Schedule` of the update count.
+    ``weight_decay`` >= 0: L2 (added to the gradient) unless the subclass says otherwise.
+    ``clip_norm``: the mean gradient is scaled down to this global L2 norm (over the whole
+    model) when longer; ``clip_value``: each of its components clipped to ``[-clip_value,
+    clip_value]`` first.
 
-    Attributes
-    ----------
-    t : updates taken (checkpointed). ``lr_scale`` : a factor on every rate (1.0), for a
-        controller such as reduce-on-plateau; not checkpointed: whoever sets it saves it.
-        ``last_grad_norm`` : the global norm of the last mean gradient, before ``clip_norm``
-        (after ``clip_value``), where computed (``clip_norm``, ``track_grad_norm``,
-        :class:`LARS`), else None.
-
-    A subclass with an elementwise rule implements ``_update`` (and ``_prepare``); one that
-    needs per-tensor norms overrides ``_begin`` (norms, one reduction) and ``_apply`` (one
-    piece, tensor by tensor through ``_pieces``), as LARS and LAMB do.
+    ``t``: updates taken (checkpointed). ``lr_scale``: a factor on every rate (1.0), not
+    checkpointed. ``last_grad_norm``: the global norm of the last mean gradient before
+    ``clip_norm`` where computed (``clip_norm``, ``track_grad_norm``, LARS), else None. A
+    subclass implements ``_update`` (and ``_prepare``) for an elementwise rule, or
+    ``_begin`` (norms, one reduction) and ``_apply`` (one piece, through ``_pieces``).
     """
 
-    #: True where the update needs each tensor's gradient and parameter norms, reduced
-    #: together with the global norm (:class:`LARS`)
+    #: True where the update needs each tensor's norms with the global one (:class:`LARS`)
     layer_norms = False
 
     def __init__(self, lr: float | Schedule, weight_decay: float = 0.0, *,
@@ -161,8 +143,8 @@ class Optimizer(ABC):
 
     def place(self, segments: Segments | None = None, offset: int = 0,
               reduce_sum: ReduceSum | None = None) -> Optimizer:
-        """Say where the vectors given to ``step_`` lie (see the module's notes); ``reduce_sum``
-        None: this rank holds the whole vector."""
+        """Say where the vectors given to ``step_`` lie (module notes; no ``reduce_sum``:
+        this rank holds them all)."""
         if offset < 0 or segments is not None and offset > segments.n:
             raise ValueError(f"offset {offset} is outside the model's "
                              f"{segments.n if segments else 0} parameters")
@@ -171,8 +153,7 @@ class Optimizer(ABC):
         return self
 
     def _locate(self, n: int) -> None:
-        """This update's view of the tensors: ``_segs``, ``_local`` (their bounds within
-        the vector of ``n``), ``_live`` (those it holds a part of)."""
+        """Set ``_segs``, ``_local`` (tensor bounds within the vector) and ``_live``."""
         key = (n, id(self.segments), self.offset)
         if getattr(self, "_located", None) == key:
             return
@@ -207,14 +188,10 @@ class Optimizer(ABC):
 
     def step_(self, params: np.ndarray, grad: np.ndarray, scale: float = 1.0, chunks: int = 1,
               on_chunk: Callable[[int, int], None] | None = None) -> None:
-        """Update ``params`` (1-D) in place from the mean gradient ``scale * grad``.
-
-        ``grad`` (same shape) is scratch space, overwritten (``scale`` saves a pass over it).
-        ``chunks > 1`` updates ``params[lo:hi]`` piece by piece (the same numbers: norms are
-        taken over the whole vector first) and calls ``on_chunk(lo, hi)`` as soon as each
-        piece is final, so a caller can ship it while the next one is computed. Collective
-        over ``reduce_sum``'s ranks where norms are needed.
-        """
+        """Update ``params`` (1-D) in place from the mean gradient ``scale * grad`` (``grad``,
+        same shape, is overwritten). ``chunks > 1`` updates it piece by piece (the same
+        numbers) and calls ``on_chunk(lo, hi)`` as soon as ``params[lo:hi]`` is final.
+        Collective over ``reduce_sum``'s ranks where norms are needed."""
         self._now, first = self._start(params)
         try:
             scale = self._begin(params, grad, self._clip_values(grad, scale), first)
@@ -227,8 +204,7 @@ class Optimizer(ABC):
             self._now = None
 
     def refuses_pieces(self) -> str | None:
-        """Why this optimizer cannot apply an update piece by piece while the rest of its
-        gradient is still arriving (:meth:`update_in_pieces_`), or None."""
+        """Why :meth:`update_in_pieces_` cannot be used, or None."""
         if self.clip_norm is not None:
             return f"{setting('clip_norm')} scales by the norm of the whole gradient"
         if self.track_grad_norm:
@@ -239,11 +215,10 @@ class Optimizer(ABC):
 
     def update_in_pieces_(self, params: np.ndarray,
                           scale: float = 1.0) -> Callable[[np.ndarray, int, int], None]:
-        """Begin one update of ``params`` (1-D) applied piece by piece as its gradient
-        arrives: the returned ``apply(grad, lo, hi)`` updates ``params[lo:hi]`` from
-        ``scale * grad[lo:hi]`` (scratch space; ``grad`` the whole vector). Once every value
-        has been applied once, the numbers are those of ``step_(params, grad, scale)``. The
-        update is counted and its rate fixed here. Elementwise rules only."""
+        """Begin one update of ``params`` (1-D) applied as its gradient arrives: the returned
+        ``apply(grad, lo, hi)`` updates ``params[lo:hi]`` from ``scale * grad[lo:hi]``
+        (overwritten); once every value is applied, the numbers are those of ``step_``.
+        Counted and its rate fixed here. Elementwise rules only."""
         why = self.refuses_pieces()
         if why:
             raise ValueError(f"this update cannot be applied in pieces: {why}")
@@ -265,8 +240,7 @@ class Optimizer(ABC):
         return self.lr_at(self.t - 1), self._prepare(params)
 
     def _clip_values(self, g: np.ndarray, scale: float) -> float:
-        """With ``clip_value``: ``g`` scaled and clipped in place, and 1.0 (the scale left
-        to apply); else ``scale``."""
+        """The scale left to apply: 1.0 after clipping ``g`` (scaled) in place, else ``scale``."""
         if self.clip_value is None:
             return scale
         if scale != 1.0:
@@ -275,9 +249,9 @@ class Optimizer(ABC):
         return 1.0
 
     def _begin(self, params: np.ndarray, grad: np.ndarray, scale: float, first: bool) -> float:
-        """Before any piece: the global norm (one reduction, with the tensors' parameter
-        norms where :attr:`layer_norms`), clipping folded into the returned ``scale``; sets
-        ``_g2`` and ``_w2``, each tensor's squared norms (the gradient's after clipping)."""
+        """The global norm (one reduction, with parameter norms where :attr:`layer_norms`),
+        clipping folded into the returned ``scale``; sets each tensor's squared norms
+        ``_g2`` (after clipping) and ``_w2``."""
         if not (self.clip_norm is not None or self.track_grad_norm or self.layer_norms):
             self.last_grad_norm = None
             return scale

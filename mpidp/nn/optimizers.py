@@ -23,10 +23,8 @@ def _momentum(value: float) -> float:
 
 
 class SGD(Optimizer):
-    """SGD with optional (heavy-ball or Nesterov) momentum and L2 weight decay.
-
-    ``v = momentum * v + g``; ``p -= lr * v`` (Nesterov: ``p -= lr * (g + momentum * v)``).
-    """
+    """SGD with optional momentum and L2 weight decay: ``v = momentum * v + g``;
+    ``p -= lr * v`` (Nesterov: ``p -= lr * (g + momentum * v)``)."""
 
     def __init__(self, lr: float | Schedule = 0.01, momentum: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *,
@@ -45,8 +43,7 @@ class SGD(Optimizer):
     def _update(self, params: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
                 scale: float, first: bool) -> None:
         if self.momentum == 0 and not self.weight_decay:  # the common case: two passes
-            # (not one BLAS axpy: that rounds differently, and this keeps plain SGD
-            # bit-identical to a hand-written NumPy loop and to NumPy-only installs)
+            # (not a BLAS axpy, which rounds differently from a plain NumPy loop)
             grad *= self.lr * scale
             params -= grad
             return
@@ -107,10 +104,8 @@ class Adam(Optimizer):
 
 
 class AdamW(Adam):
-    """Adam with decoupled weight decay (Loshchilov & Hutter, 2019):
-    ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``; the decay is not part
-    of the gradient, so it reaches neither the moments nor clipping (PyTorch's convention:
-    the decay is scaled by the scheduled ``lr``)."""
+    """Adam with decoupled weight decay (Loshchilov & Hutter, 2019), outside the gradient
+    (moments, clipping): ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``."""
 
     def __init__(self, lr: float | Schedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, *,
@@ -138,15 +133,12 @@ def _trust(num: np.ndarray, den: np.ndarray, keep: np.ndarray) -> np.ndarray:
 
 class LARS(Optimizer):
     """LARS (You, Gitman & Ginsburg, 2017, Algorithm 1): momentum SGD with a layer-wise
-    trust ratio. For each tensor ``w`` with mean gradient ``g``::
+    trust ratio. For each whole tensor ``w`` with (clipped) mean gradient ``g``::
 
         ratio = eta * ||w|| / (||g|| + weight_decay * ||w||)   (1 if ||w|| or ||g|| is 0)
         v = momentum * v + lr * ratio * (g + weight_decay * w);  w -= v
 
-    Norms are of whole tensors (see :mod:`mpidp.nn.optim`), ``g`` after clipping. With
-    ``exclude_1d`` (the default, as in large-batch ResNet practice), 1-D tensors (biases,
-    norm scales) get ratio 1 and no weight decay: plain momentum SGD.
-    """
+    ``exclude_1d`` (default): 1-D tensors get ratio 1 and no weight decay."""
 
     layer_norms = True
 
@@ -199,15 +191,12 @@ class LARS(Optimizer):
 
 class LAMB(Optimizer):
     """LAMB (You et al., 2019, Algorithm 2): Adam's moments with a layer-wise trust ratio.
-    For each tensor ``w``::
+    For each whole tensor ``w``, with bias-corrected moments of the (clipped) mean gradient::
 
         r = m_hat / (sqrt(v_hat) + eps);  u = r + weight_decay * w
         w -= lr * ||w|| / ||u|| * u        (ratio 1 if ||w|| or ||u|| is 0)
 
-    with bias-corrected moments ``m_hat``, ``v_hat`` of the (clipped) mean gradient. Norms
-    are of whole tensors (see :mod:`mpidp.nn.optim`). With ``exclude_1d`` (the default, as in
-    the BERT recipe), 1-D tensors get ratio 1 and no weight decay: plain Adam steps.
-    """
+    ``exclude_1d`` (default): 1-D tensors get ratio 1 and no weight decay."""
 
     def __init__(self, lr: float | Schedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.01, exclude_1d: bool = True, *,
@@ -256,9 +245,8 @@ class LAMB(Optimizer):
 def make_optimizer(name: str, lr: float | Schedule, momentum: float = 0.9,
                    weight_decay: float = 0.0, *, clip_norm: float | None = None,
                    clip_value: float | None = None, **settings: Any) -> Optimizer:
-    """Build an optimizer by CLI name (:data:`OPTIMIZERS`): ``sgd``, ``momentum`` (SGD with
-    momentum), ``adam``, ``adamw``, ``lars`` (uses ``momentum``) or ``lamb``. ``settings``
-    go to the class (``betas``, ``eps``, ``eta``, ``exclude_1d``, ``nesterov``)."""
+    """An optimizer by name (:data:`OPTIMIZERS`; ``momentum`` is SGD with momentum), other
+    ``settings`` (``betas``, ``eps``, ``eta``, ``exclude_1d``, ``nesterov``) to its class."""
     kinds = {"sgd": (SGD, {}), "momentum": (SGD, {"momentum": momentum}), "adam": (Adam, {}),
              "adamw": (AdamW, {}), "lars": (LARS, {"momentum": momentum}), "lamb": (LAMB, {})}
     if name not in kinds:

@@ -1,9 +1,6 @@
 """Pooling over 1-D ``(n, C, L)`` and 2-D ``(n, C, H, W)`` inputs: :class:`MaxPool`,
-:class:`AvgPool` (windows, no padding) and :class:`GlobalAvgPool`. Pure NumPy, no MPI.
-
-A window pool of ``K = prod(size)`` copies the input once, through a strided view, into
-``(K, n, C, *out)``, reduces over the first axis and, in backward, makes one vectorised
-pass per window offset. Output size per axis: ``floor((L - size) / stride) + 1`` (>= 1).
+:class:`AvgPool` (windows, no padding; per axis ``out = floor((L - size) / stride) + 1``)
+and :class:`GlobalAvgPool`. Pure NumPy, no MPI.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .conv import as_sizes, out_sizes, tap
-from .layers import Layer, register_layer
+from .layers import ParameterFree, register_layer
 
 
 def _spec(value: int | Sequence[int] | None, what: str) -> int | tuple[int, ...] | None:
@@ -29,10 +26,9 @@ def _spec(value: int | Sequence[int] | None, what: str) -> int | tuple[int, ...]
     return as_sizes(value, 1, what)[0]
 
 
-class _WindowPool(Layer):
-    """Shared shape handling of :class:`MaxPool` and :class:`AvgPool`: ``size`` is an int
-    (every spatial axis) or a pair ``(h, w)`` (2-D inputs); ``stride`` likewise, None
-    (default) meaning ``size``."""
+class _WindowPool(ParameterFree):
+    """Shapes of :class:`MaxPool` and :class:`AvgPool`: ``size`` an int (every spatial axis)
+    or a pair ``(h, w)``; ``stride`` likewise, None (default) meaning ``size``."""
 
     def __init__(self, size: int | Sequence[int], stride: int | Sequence[int] | None = None) -> None:
         super().__init__()
@@ -49,13 +45,12 @@ class _WindowPool(Layer):
         batch) of ``shape``."""
         nd = len(shape) - (2 if batch else 1)
         if nd not in (1, 2):
-            lead = "(n, C, L) or (n, C, H, W)" if batch else "(C, L) or (C, H, W)"
-            what = "a batch" if batch else "samples"
-            raise ValueError(f"{self!r} takes {what} of shape {lead}, got {tuple(shape)}")
-        for v in (self.size, self.stride):
-            if isinstance(v, tuple) and nd != len(v):
-                raise ValueError(f"{self!r} has a 2-D window, so it needs (n, C, H, W) inputs, "
-                                 f"got shape {tuple(shape)}; give an int size for 1-D inputs")
+            what = "a batch of shape (n, C, L) or (n, C, H, W)" if batch else \
+                "samples of shape (C, L) or (C, H, W)"
+            raise ValueError(f"{self!r} takes {what}, got {tuple(shape)}")
+        if nd == 1 and any(isinstance(v, tuple) for v in (self.size, self.stride)):
+            raise ValueError(f"{self!r} has a 2-D window, so it needs (n, C, H, W) inputs, "
+                             f"got shape {tuple(shape)}; give an int size for 1-D inputs")
         size = as_sizes(self.size, nd, "size")
         stride = size if self.stride is None else as_sizes(self.stride, nd, "stride")
         return size, stride, out_sizes(repr(self), shape[-nd:], size, stride)
@@ -79,8 +74,7 @@ class _WindowPool(Layer):
 
     def _by_offset(self, x: np.ndarray) -> np.ndarray:
         """``(K, n, C, *out)``: for every window offset (row-major), the input value each
-        output position reads there; one strided copy, so the reductions that follow run
-        over contiguous memory. Caches the geometry and shape of ``x`` for backward."""
+        output position reads there, copied once (contiguous reductions follow)."""
         self._geom = self._geometry(x.shape, batch=True)
         self._x_shape = x.shape
         size, stride, out = self._geom
@@ -98,18 +92,14 @@ class _WindowPool(Layer):
 
 @register_layer
 class MaxPool(_WindowPool):
-    """Maximum over windows: ``(n, C, L)`` or ``(n, C, H, W)`` -> ``(n, C, *out)``.
-
-    Backward routes each output's gradient to the first maximum of its window (row-major
-    order within the window), so ties do not duplicate it; overlapping windows add up.
-    """
+    """Maximum over windows: ``(n, C, L)`` or ``(n, C, H, W)`` -> ``(n, C, *out)``; backward
+    routes each output's gradient to the first (row-major) maximum of its window."""
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         taps = self._by_offset(x)
         n_taps = len(taps)
         y = np.max(taps, axis=0)
-        # offset of each window's first maximum, branch-free (masked writes are slow):
-        # best = max over offsets k holding the maximum of (n_taps - k); arg = n_taps - best
+        # each window's first maximum, branch-free: n_taps - max(n_taps - k where it is)
         code = np.uint8 if n_taps < 256 else np.int32
         best, eq, cand = np.zeros(y.shape, code), np.empty(y.shape, bool), np.empty(y.shape, code)
         for k in range(n_taps):
@@ -119,10 +109,7 @@ class MaxPool(_WindowPool):
         self._arg = np.subtract(code(n_taps), best, out=best)  # n_taps where y is NaN: no gradient
         return y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        if not need_input_grad:
-            return None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
         self._check_dy(dy)
         size, stride, _ = self._geom
         dx = np.zeros(self._x_shape, dy.dtype)
@@ -147,10 +134,7 @@ class AvgPool(_WindowPool):
         y *= 1.0 / len(taps)
         return y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        if not need_input_grad:
-            return None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
         self._check_dy(dy)
         g = dy * (1.0 / int(np.prod(self._geom[0])))
         dx = np.zeros(self._x_shape, g.dtype)
@@ -160,7 +144,7 @@ class AvgPool(_WindowPool):
 
 
 @register_layer
-class GlobalAvgPool(Layer):
+class GlobalAvgPool(ParameterFree):
     """Mean over every spatial axis: ``(n, C, *spatial)`` -> ``(n, C)``."""
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -176,10 +160,7 @@ class GlobalAvgPool(Layer):
         self._x_shape = x.shape
         return x.mean(axis=tuple(range(2, x.ndim)))
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        if not need_input_grad:
-            return None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
         shape = self._x_shape
         if dy.shape != shape[:2]:
             raise ValueError(f"GlobalAvgPool: dy has shape {tuple(dy.shape)}, but the forward "

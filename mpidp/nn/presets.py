@@ -57,18 +57,16 @@ PRESETS = ("linear", "logreg", "mlp", "cnn")
 
 
 def default_epochs(model: str) -> int:
-    """The epochs the preset ``model`` trains for when none are given: 20 for ``cnn``,
-    else 10."""
+    """The epochs the preset ``model`` trains for by default: 20 for ``cnn``, else 10."""
     return 20 if model == "cnn" else 10
 
 
 def cnn_layers(in_shape: Sequence[int], n_out: int) -> list[L.Layer]:
-    """A small convolutional classifier for ``(channels, length)`` signals or
-    ``(channels, height, width)`` images, unbound. Signals: three ``Conv1d`` of 32
-    channels (kernel 5, padded) with ReLU, a 2-wide ``MaxPool`` after the first two (while
-    the signal is at least 4 long), then a ``Dense`` to ``n_out``. Images: ``Conv2d`` of
-    16 then 32 channels (3x3, padded), each with ReLU and a 2x2 ``MaxPool`` (while the
-    image is at least 4 pixels across), then ``Dense`` 64, ReLU, ``Dense`` to ``n_out``."""
+    """A small convolutional classifier, unbound. ``(channels, length)`` signals: three
+    ``Conv1d`` of 32 channels (kernel 5), ``Dense`` to ``n_out``. ``(channels, height,
+    width)`` images: ``Conv2d`` of 16 then 32 channels (3x3), ``Dense`` 64, ``Dense`` to
+    ``n_out``. Each convolution padded, with ReLU; the first two with a 2-wide ``MaxPool``
+    while the input is at least 4 across."""
     shape = tuple(in_shape)
     if len(shape) == 2:
         conv, widths, kernel, head = Conv1d, (32, 32, 32), 5, []
@@ -92,13 +90,11 @@ def cnn_layers(in_shape: Sequence[int], n_out: int) -> list[L.Layer]:
 def model_layers(name: str, in_shape: int | Sequence[int], n_out: int,
                  hidden: Sequence[int] = (128, 64), classification: bool = True,
                  sparse: bool = False) -> tuple[list[L.Layer], Loss]:
-    """The layers (unbound: nothing allocated) and loss of the model ``name``.
-
-    ``name``: a preset of :data:`PRESETS` (``linear`` (MSE), ``logreg``, ``mlp``, ``cnn``)
-    or a model file (``.toml``/``.json``, :mod:`mpidp.nn.modelfile`). Presets other than
-    ``cnn`` put a ``Flatten`` in front when samples are not flat. The loss is softmax
-    cross-entropy when ``classification`` (``linear``: always MSE) else mean squared error.
-    ``sparse=True`` makes the first layer a :class:`SparseDense` (CSR input).
+    """The layers (unbound) and loss of the model ``name``: a preset of :data:`PRESETS`
+    (other than ``cnn``, behind a ``Flatten`` for samples that are not flat) or a model file
+    (``.toml``/``.json``, :mod:`mpidp.nn.modelfile`). The loss is softmax cross-entropy when
+    ``classification`` (``linear``: always MSE) else mean squared error. ``sparse=True``
+    makes the first layer a :class:`SparseDense` (CSR input).
     """
     shape = as_shape(in_shape)
     loss: Loss = SoftmaxCrossEntropy() if classification else MeanSquaredError()

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .layers import Layer, register_layer
+from .layers import ParameterFree, register_layer
 
 
-class _ShapeOnly(Layer):
+class _ShapeOnly(ParameterFree):
     """Forward reshapes each sample; backward gives ``dy`` the input's shape back."""
 
     def _target(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -25,10 +25,7 @@ class _ShapeOnly(Layer):
         self._x_shape = x.shape
         return x.reshape(len(x), *self._target(x.shape[1:]))  # no -1: n may be 0
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        if not need_input_grad:
-            return None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
         if dy.size != int(np.prod(self._x_shape)):
             raise ValueError(f"{self!r}: dy has shape {tuple(dy.shape)}, which does not match "
                              f"the forward input {tuple(self._x_shape)}")

@@ -1,11 +1,10 @@
-"""Learning-rate schedules: pure functions of the optimizer's update count ``t``.
+"""Learning-rate schedules: pure functions of the optimizer's update count ``t`` (0 for
+the first update), so a resumed run, at any number of ranks, continues the same rates.
 
-``t`` is 0 for the first update (:attr:`mpidp.nn.Optimizer.t` before it steps), so a run
-resumed from a checkpoint, at any number of ranks, continues the same rates. A schedule
-is a frozen dataclass: ``schedule(t) -> float``, ``config()`` a JSON-able dict that
-:func:`schedule_from_config` turns back into it. :func:`make_schedule` builds one by name
-(:data:`SCHEDULES`), behind an optional linear :class:`Warmup`; :func:`epoch_schedule`
-from settings given in epochs.
+A schedule is a frozen dataclass: ``schedule(t) -> float``; ``config()`` a JSON-able dict
+for :func:`schedule_from_config`. :func:`make_schedule` builds one by name
+(:data:`SCHEDULES`) behind an optional :class:`Warmup`; :func:`epoch_schedule` from
+settings in epochs.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from typing import Any, ClassVar
 
 SCHEDULES = ("constant", "step", "multistep", "exponential", "cosine", "polynomial")
@@ -27,8 +27,7 @@ def _positive(what: str, value: float, zero: bool = False) -> float:
     return value
 
 
-def _at_least_zero(what: str, value: float) -> float:
-    return _positive(what, value, zero=True)
+_at_least_zero = partial(_positive, zero=True)
 
 
 def _count(what: str, value: int, least: int = 1) -> int:
@@ -56,10 +55,13 @@ class Schedule:
     name: ClassVar[str] = ""
     #: each setting's check, in order: ``check(name, value)`` returns the value kept
     _checks: ClassVar[dict[str, Callable[[str, Any], Any]]] = {}
+    _end: ClassVar[str] = ""  # the setting of the rate decayed to, which may not exceed lr
 
     def __post_init__(self) -> None:
         for key, check in self._checks.items():
             object.__setattr__(self, key, check(key, getattr(self, key)))
+        if self._end and getattr(self, self._end) > self.lr:
+            raise ValueError(f"{self._end} {getattr(self, self._end)} is above lr {self.lr}")
 
     def __call__(self, t: int) -> float:
         raise NotImplementedError
@@ -71,7 +73,8 @@ class Schedule:
 
     def config(self) -> dict[str, Any]:
         """JSON-able settings: ``{"name": ..., **fields}``; see :func:`schedule_from_config`."""
-        return {"name": self.name, **asdict(self)}  # type: ignore[call-overload]
+        return {"name": self.name, **{k: list(v) if isinstance(v, tuple) else v
+                                      for k, v in asdict(self).items()}}  # type: ignore
 
 
 @dataclass(frozen=True)
@@ -114,9 +117,6 @@ class MultiStep(Schedule):
     def __call__(self, t: int) -> float:
         return self.lr * self.gamma ** bisect.bisect_right(self.milestones, _t(t))
 
-    def config(self) -> dict[str, Any]:
-        return {**super().config(), "milestones": list(self.milestones)}
-
 
 @dataclass(frozen=True)
 class Exponential(Schedule):
@@ -140,11 +140,7 @@ class Cosine(Schedule):
     lr: float
     total: int
     min_lr: float = 0.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.min_lr > self.lr:
-            raise ValueError(f"min_lr {self.min_lr} is above lr {self.lr}")
+    _end = "min_lr"
 
     def __call__(self, t: int) -> float:
         t = _t(t)
@@ -164,11 +160,7 @@ class Polynomial(Schedule):
     total: int
     power: float = 1.0
     end_lr: float = 0.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.end_lr > self.lr:
-            raise ValueError(f"end_lr {self.end_lr} is above lr {self.lr}")
+    _end = "end_lr"
 
     def __call__(self, t: int) -> float:
         t = _t(t)
@@ -179,23 +171,20 @@ class Polynomial(Schedule):
 
 @dataclass(frozen=True)
 class Warmup(Schedule):
-    """A linear ramp of ``warmup`` updates in front of ``after`` (a schedule or a rate).
-
-    ``t < warmup``: ``start + (after.base - start) * (t + 1) / warmup`` (so the first
-    update uses ``base / warmup`` when ``start`` is 0, and the base rate is reached at
-    ``t = warmup - 1``); then ``after(t - warmup)``.
-    """
+    """A linear ramp of ``warmup`` updates in front of ``after`` (a schedule or a rate):
+    ``start + (after.base - start) * (t + 1) / warmup`` for ``t < warmup`` (the base rate
+    at ``t = warmup - 1``), then ``after(t - warmup)``."""
 
     name: ClassVar[str] = "warmup"
     after: Schedule
     warmup: int
     start: float = 0.0
     _base: float = field(init=False, repr=False, compare=False)
+    _checks = {"after": lambda _, v: as_schedule(v), "warmup": _count,
+               "start": lambda _, v: _at_least_zero("warmup start", v)}
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "after", as_schedule(self.after))
-        object.__setattr__(self, "warmup", _count("warmup", self.warmup))
-        object.__setattr__(self, "start", _at_least_zero("warmup start", self.start))
+        super().__post_init__()
         object.__setattr__(self, "_base", self.after.base)
         if self.start > self._base:
             raise ValueError(f"warmup start {self.start} is above the base rate {self._base}")
@@ -248,8 +237,7 @@ def make_schedule(name: str, lr: float, *, warmup: int = 0, warmup_start: float 
                   **settings: Any) -> Schedule:
     """A schedule by name (:data:`SCHEDULES`) with base rate ``lr`` and its ``settings``
     (``step_size``, ``milestones``, ``gamma``, ``total``, ``min_lr``, ``power``,
-    ``end_lr``), behind a linear warmup of ``warmup`` updates from ``warmup_start`` if
-    ``warmup > 0``. E.g. ``make_schedule("cosine", 0.1, total=1000, warmup=50)``."""
+    ``end_lr``), behind a :class:`Warmup` of ``warmup`` updates from ``warmup_start``."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown learning-rate schedule {name!r}; expected one of {SCHEDULES}")
     schedule = schedule_from_config({"name": name, "lr": lr, **settings})
@@ -262,14 +250,10 @@ def epoch_schedule(name: str, lr: float, per_epoch: int, epochs: int, *, warmup_
                    warmup_epochs: float = 0.0, step_epochs: int | None = None,
                    milestones: Sequence[int] = (), gamma: float = 0.1,
                    min_lr: float = 0.0) -> Schedule:
-    """The schedule ``name`` (of :data:`SCHEDULES`, or ``"plateau"``: constant, which
-    :class:`mpidp.run.early_stopping.ReduceOnPlateau` scales) from rate ``lr``, for a run
-    of ``epochs`` epochs of ``per_epoch`` updates each: a run knows its epochs, an optimizer
-    only its updates. Settings in epochs become updates: the warmup (``warmup_steps``
-    updates, else ``warmup_epochs``), a decay by ``gamma`` every ``step_epochs`` (``step``)
-    or after each of ``milestones`` (``multistep``), ``gamma`` per epoch (``exponential``),
-    down to ``min_lr`` at the end of the run (``cosine``, ``polynomial``). The schedule
-    counts from the warmup's end."""
+    """The schedule ``name`` (:data:`SCHEDULES`, or ``"plateau"``: constant) from ``lr`` for
+    ``epochs`` epochs of ``per_epoch`` updates: a warmup (``warmup_steps``, else
+    ``warmup_epochs``), then a decay by ``gamma`` every ``step_epochs``, at ``milestones``
+    or per epoch, or to ``min_lr`` at the end of the run."""
     warmup = warmup_steps or int(round(warmup_epochs * per_epoch))
     total = max(epochs * per_epoch - warmup, 1)
     settings = {}
@@ -301,10 +285,9 @@ def as_schedule(lr: float | Schedule | dict[str, Any]) -> Schedule:
 
 
 def scaled_lr(base_lr: float, global_batch: int, base_batch: int, rule: str = "linear") -> float:
-    """The linear scaling rule (Goyal et al. 2017): ``base_lr * global_batch / base_batch``,
-    the rate for a global batch of ``global_batch`` samples when ``base_lr`` suits
-    ``base_batch``; ``rule="sqrt"``: times the square root of that ratio (for Adam-like
-    optimizers)."""
+    """The rate for a global batch of ``global_batch`` when ``base_lr`` suits ``base_batch``:
+    ``base_lr * global_batch / base_batch`` (the linear rule, Goyal et al. 2017), or with
+    ``rule="sqrt"`` times the ratio's square root (Adam-like optimizers)."""
     base_lr = _positive("base_lr", base_lr)
     ratio = _count("global_batch", global_batch) / _count("base_batch", base_batch)
     if rule == "linear":

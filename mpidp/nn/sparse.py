@@ -1,6 +1,5 @@
-"""Sparse inputs: a minimal CSR row container and a dense layer that reads it, whose cost
-per sample grows with the sample's non-zeros (the variable-cost ``bow`` workload of
-``mpidp.data.sources``). Pure NumPy."""
+"""Sparse inputs: a minimal CSR row container and a dense layer that reads it (cost per
+sample grows with its non-zeros). Pure NumPy."""
 
 from __future__ import annotations
 
@@ -9,17 +8,14 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from .layers import Layer, Shapes, init_weights, register_layer
+from .layers import Dense, Layer, _bad_size, register_layer
 
 
 class CSR:
-    """Rows of a sparse ``(n_rows, n_cols)`` matrix in compressed sparse row form.
-
+    """Rows of a sparse ``(n_rows, n_cols)`` matrix in compressed sparse row form:
     ``indptr`` int64 ``(n_rows + 1,)``, ``indices`` int64 ``(nnz,)`` column numbers,
-    ``data`` float ``(nnz,)``; row ``i`` is ``indices/data[indptr[i]:indptr[i+1]]``.
-    Supports ``len``, ``shape``, ``dtype`` and row selection ``X[slice]`` / ``X[int array]``
-    (returning a new CSR), so it can stand in for a dense ``X`` in a :class:`mpidp.Shard`.
-    """
+    ``data`` float ``(nnz,)``. With ``len``, ``shape``, ``dtype`` and ``X[slice]`` /
+    ``X[int array]`` (a new CSR) it stands in for a dense ``X`` in a :class:`mpidp.Shard`."""
 
     def __init__(self, indptr, indices, data, n_cols: int) -> None:
         self.indptr = np.asarray(indptr, np.int64)
@@ -89,28 +85,15 @@ class CSR:
 
 
 @register_layer
-class SparseDense(Layer):
-    """``y = x @ W + b`` for CSR input ``x`` ``(n, n_in)``; ``W`` ``(n_in, n_out)``. The
-    first layer only (``backward`` returns None). Forward gathers the rows of ``W`` the
+class SparseDense(Dense):
+    """``y = x @ W + b`` for CSR input ``x`` ``(n, n_in)``; ``W`` ``(n_in, n_out)`` (xavier).
+    The first layer only (``backward`` returns None). Forward gathers the rows of ``W`` the
     input touches, backward scatters ``value * dy`` into them: both ``O(nnz * n_out)``."""
 
     def __init__(self, n_in: int, n_out: int) -> None:
-        super().__init__()
-        if n_in < 1 or n_out < 1:
+        if _bad_size(n_in) or _bad_size(n_out):
             raise ValueError(f"SparseDense needs n_in >= 1 and n_out >= 1, got {n_in}, {n_out}")
-        self.n_in, self.n_out = n_in, n_out
-
-    def param_shapes(self) -> Shapes:
-        return {"W": (self.n_in, self.n_out), "b": (self.n_out,)}
-
-    def output_dim(self, n_in: int) -> int:
-        if n_in != self.n_in:
-            raise ValueError(f"SparseDense expects {self.n_in} input features, got {n_in}")
-        return self.n_out
-
-    def init_(self, rng: np.random.Generator) -> None:
-        init_weights(self.params["W"], "xavier", self.n_in, self.n_out, rng)
-        self.params["b"][...] = 0
+        super().__init__(n_in, n_out, init="xavier")
 
     def forward(self, x: CSR) -> np.ndarray:
         if not isinstance(x, CSR):
@@ -137,14 +120,10 @@ class SparseDense(Layer):
             np.add.at(dW, x.indices, dy[rows] * x.data[:, None].astype(dW.dtype))
         return None
 
-    def __repr__(self) -> str:
-        return f"SparseDense({self.n_in}, {self.n_out})"
-
 
 def input_problem(layers: Sequence[Layer], sparse: bool) -> str | None:
-    """Why a model of ``layers`` cannot take a dataset's rows (CSR when ``sparse``, else
-    dense arrays), or None: a first :class:`SparseDense` takes CSR rows only, mpidp's other
-    layers dense arrays only (a layer of the user's own is trusted)."""
+    """Why a model of ``layers`` cannot take a dataset's rows (CSR when ``sparse``), or None
+    (a first :class:`SparseDense` takes CSR only, mpidp's other layers dense only)."""
     first = layers[0] if len(layers) else None
     if isinstance(first, SparseDense):
         return None if sparse else ("its first layer, SparseDense, takes sparse (CSR) rows, "

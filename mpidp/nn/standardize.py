@@ -1,21 +1,16 @@
 """Feature standardisation with EXACT global statistics, computed data-parallel.
 
-:class:`Standardize` maps each element of a sample to ``(x - mean) / std``; ``mean`` and
-``std`` are layer *state* (saved with the model, not trained). They are set once, before
-training, by :meth:`Standardize.fit_` from the global count, mean and centred sum of
-squares of the training set, which ranks holding parts of it get in one of two ways:
+:class:`Standardize` maps each element of a sample to ``(x - mean) / std``, its state set
+before training by :meth:`Standardize.fit_` from the training set's global count, mean and
+centred sum of squares, which ranks holding parts of it get in one of two ways (pure
+NumPy here; the caller runs the collectives):
 
-- one collective, not additive: each rank computes :func:`moments` of its rows, the ranks
-  gather them, and every rank merges them with :func:`combine_moments` (Chan et al.'s
-  pairwise formula; any order agrees to ~1e-12);
-- two collectives, additive: ALLREDUCE (sum) :func:`pass1_sums`, take the mean with
-  :func:`pass1_mean`, then ALLREDUCE :func:`pass2_squares` about that mean.
+- one gather, not additive: every rank's :func:`moments` merged by :func:`combine_moments`
+  (Chan et al.'s pairwise formula), accurate to about ``1e-16 * |mean| / std``;
+- two allreduce sums, additive: :func:`pass1_sums`, :func:`pass1_mean`, then
+  :func:`pass2_squares` about that mean, accurate to ~1e-15 relative whatever the data.
 
-Both are exact for uneven and empty shards: the result is what one process computes on
-all the rows, to rounding. The two passes are accurate to ~1e-15 relative whatever the
-data; the merge to about ``1e-16 * |mean| / std`` (each part's mean is rounded), i.e.
-~1e-12 unless a feature's mean is over ~1e4 times its spread: then prefer the two passes.
-Pure NumPy; no collective is called here.
+Both are exact for uneven and empty shards: what one process computes on all the rows.
 """
 
 from __future__ import annotations
@@ -25,11 +20,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .layers import Shapes, register_layer
+from .layers import ParameterFree, Shapes, register_layer
 from .norm import _SampleShaped
 
-#: ``(count, mean, M2)``: number of rows, per-element mean and per-element centred sum of
-#: squares ``sum((x - mean)**2)`` over the rows; ``mean`` and ``M2`` float64, of one shape.
+#: ``(count, mean, M2)``: rows, per-element mean and ``sum((x - mean)**2)``, both float64.
 Moments = tuple[int, np.ndarray, np.ndarray]
 
 _CHUNK = 1 << 20  # values per block in moments(): bounds the float64 temporary (8 MiB)
@@ -54,9 +48,8 @@ def _block_moments(x: np.ndarray) -> Moments:
 
 
 def moments(x: np.ndarray) -> Moments:
-    """This rank's ``(count, mean, M2)`` of the rows of ``x`` ``(n, *sample_shape)``
-    (``mean``, ``M2`` float64 of ``sample_shape``; zeros when ``n == 0``), in blocks (each
-    by the corrected two-pass formula) merged by :func:`combine_moments`: bounded memory."""
+    """This rank's ``(count, mean, M2)`` of the rows of ``x`` ``(n, *sample_shape)`` (zeros
+    when ``n == 0``), in blocks merged by :func:`combine_moments`: bounded memory."""
     x = _rows(x, "moments")
     n, shape = len(x), x.shape[1:]
     if n == 0:
@@ -83,8 +76,8 @@ def merge_moments(a: Moments, b: Moments) -> Moments:
 
 
 def combine_moments(parts: Iterable[Moments]) -> Moments:
-    """The moments of all the rows of disjoint parts (every rank's, say), by a pairwise tree
-    of :func:`merge_moments`: the order of ``parts`` matters only to rounding (~1e-12)."""
+    """The moments of all the rows of disjoint parts, by a pairwise tree of
+    :func:`merge_moments` (their order matters only to rounding)."""
     level = list(parts)
     if not level:
         raise ValueError("combine_moments needs at least one (count, mean, M2) part")
@@ -129,13 +122,10 @@ def pass2_squares(x: np.ndarray, mean: np.ndarray) -> np.ndarray:
 
 
 @register_layer
-class Standardize(_SampleShaped):
-    """Per-element standardisation ``y = (x - mean) / std`` of samples of any shape.
-
-    State ``mean`` (zeros) and ``std`` (ones) of the per-sample shape: an identity map
-    until :meth:`fit_` sets them from the training set's global moments. Nothing trained,
-    the same in training and evaluation, no collective; backward returns ``dy / std``.
-    """
+class Standardize(_SampleShaped, ParameterFree):
+    """Per-element standardisation ``y = (x - mean) / std`` of samples of any shape; state
+    ``mean`` (zeros) and ``std`` (ones) of the per-sample shape, set by :meth:`fit_`.
+    Nothing trained, the same in training and evaluation, no collective."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -146,18 +136,14 @@ class Standardize(_SampleShaped):
 
     def init_(self, rng: np.random.Generator) -> None:
         if self.state:  # a scratch copy (a pipeline's other stages) may have none bound
-            self.state["mean"][...] = 0
-            self.state["std"][...] = 1
+            self.state["mean"][...], self.state["std"][...] = 0, 1
 
     def fit_(self, count: int, mean: np.ndarray, m2: np.ndarray, eps: float = 1e-10
              ) -> Standardize:
-        """Set the state from the GLOBAL moments of the training set; returns self.
-
-        ``std = sqrt(M2 / count)`` (biased, as scikit-learn's ``StandardScaler``). A
-        feature constant up to rounding (``std <= eps * |mean|``), or whose std is below
-        the smallest normal number of the model's dtype, gets ``std = 1``: only centred.
-        ``count`` >= 1; ``mean`` and ``m2`` of the per-sample shape or flat.
-        """
+        """Set the state from the training set's GLOBAL moments (``count`` >= 1; ``mean``,
+        ``m2`` of the per-sample shape or flat); returns self. ``std = sqrt(M2 / count)``
+        (biased, as scikit-learn's); a feature constant up to rounding (``std <= eps *
+        |mean|``, or below the dtype's smallest normal) gets ``std = 1``: only centred."""
         if self.shape is None or not self.state:
             raise ValueError("Standardize.fit_ needs the layer in a model (its state bound)")
         if int(count) < 1:
@@ -167,8 +153,7 @@ class Standardize(_SampleShaped):
                 or not math.isfinite(eps) or eps < 0:
             raise ValueError(f"Standardize.fit_ eps must be a finite number >= 0, got {eps!r}")
         size = int(np.prod(self.shape))
-        mean = np.asarray(mean, np.float64).ravel()
-        m2 = np.asarray(m2, np.float64).ravel()
+        mean, m2 = (np.asarray(a, np.float64).ravel() for a in (mean, m2))
         if mean.size != size or m2.size != size:
             raise ValueError(f"Standardize.fit_: mean and M2 must have {size} items (shape "
                              f"{self.shape}), got {mean.size} and {m2.size}")
@@ -183,9 +168,7 @@ class Standardize(_SampleShaped):
         return self
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        if tuple(x.shape[1:]) != self.shape:
-            raise ValueError(f"Standardize takes samples of shape {self.shape}, got a batch of "
-                             f"shape {x.shape}")
+        self._check_batch(x)
         std = self.state["std"]
         if not (std > 0).all():
             raise ValueError("Standardize has a std <= 0 (or NaN) in its state: initialise the "
@@ -195,9 +178,8 @@ class Standardize(_SampleShaped):
         y /= std
         return y
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> np.ndarray | None:
-        return dy / self._std if need_input_grad else None
+    def input_grad(self, dy: np.ndarray) -> np.ndarray:
+        return dy / self._std
 
     def __repr__(self) -> str:
         return "Standardize()"
