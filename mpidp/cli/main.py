@@ -75,7 +75,7 @@ def plot(args) -> int:
     try:
         P.need_matplotlib()
         out = P.output_path(args.out)
-        runs = P.load_runs(args.runs)
+        runs = [P.load_run(folder) for folder in args.runs]
         P.draw(runs, out, args.x, args.title)
     except (ImportError, ValueError, OSError) as exc:
         print(f"mpidp: error: {exc}", file=sys.stderr)

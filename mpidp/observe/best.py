@@ -11,17 +11,15 @@ from ..nn.model import Sequential, save
 
 
 class BestModel:
-    """An ``on_epoch`` callback (see :class:`mpidp.RunSpec`) that keeps, in the file ``path``,
-    the model of the epoch with the lowest ``val_loss`` so far (the loss on ``test={"val":
-    ...}``), written by :func:`mpidp.nn.save` with ``meta`` plus ``epoch`` and ``val_loss``.
-    It never asks the run to stop.
+    """An ``on_epoch`` callback (see :class:`mpidp.RunSpec`; it never asks to stop) that
+    keeps in file ``path`` the model of the epoch with the lowest ``val_loss`` so far (the
+    loss on ``test={"val": ...}``), by :func:`mpidp.nn.save` with ``meta``, epoch, val_loss.
 
     ``model``: the model trained, or a callable returning it, called on every rank when an
-    epoch improves (it may be collective). Only rank 0 of ``comm`` writes (``comm`` None: this
-    process). Given as a checkpoint's ``best`` (:class:`mpidp.run.spec.Checkpointing`), each
-    checkpoint carries the file (:meth:`kept`); :meth:`resume` takes the best of the epochs
-    already done and writes the carried file again; :meth:`summary`: the file, epoch and loss
-    kept, None while no file is written."""
+    epoch improves (it may be collective). Only rank 0 of ``comm`` writes (None: this
+    process). As a checkpoint's ``best`` (:class:`mpidp.run.spec.Checkpointing`), each
+    checkpoint carries the file (:meth:`kept`); :meth:`resume` takes the best epoch done and
+    writes the carried file again; :meth:`summary`: file, epoch and loss, None before one."""
 
     def __init__(self, path: str, model: Sequential | Callable[[], Sequential | None], *,
                  comm=None, meta: dict | None = None) -> None:
@@ -32,9 +30,8 @@ class BestModel:
         self.written = False
 
     def resume(self, history: list[dict], carried: dict | None = None) -> None:
-        """Take the best validation epoch of ``history`` (the records of the epochs done);
-        with ``carried`` (a checkpoint's :attr:`~mpidp.run.checkpoint.State.best`, whose
-        ``file`` the writer holds), write that epoch's file again."""
+        """Take the best validation epoch of ``history`` (the epochs done); with ``carried``
+        (a checkpoint's :attr:`~mpidp.run.checkpoint.State.best`), write its file again."""
         for record in history:
             if record.get("val_loss") is not None and record["val_loss"] < self.val_loss:
                 self.val_loss, self.epoch = record["val_loss"], record["epoch"]

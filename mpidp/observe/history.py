@@ -51,11 +51,11 @@ def derived(record: dict) -> dict:
 
 
 class History:
-    """Appends records to ``path_jsonl`` (truncated unless ``append``; its folder is created);
-    mirrors them to TensorBoard event files in ``tensorboard_dir`` when given (ValueError
-    naming the fix without tensorboardX). Config and epoch lines are fsync'ed, steps lines
-    flushed. A failed write raises :class:`mpidp.atomic.WriteError` naming the file and
-    ``what``, the setting that named its place (``"out"``)."""
+    """Appends records to ``path_jsonl`` (truncated unless ``append``; its folder created),
+    mirrored to TensorBoard event files in ``tensorboard_dir`` when given (ValueError naming
+    the fix without tensorboardX); config and epoch lines fsync'ed, steps lines flushed. A
+    failed write raises :class:`mpidp.atomic.WriteError` naming the file and ``what``, the
+    setting that named its place (``"out"``)."""
 
     def __init__(self, path_jsonl: str, tensorboard_dir: str | None = None,
                  append: bool = False, what: str | None = None) -> None:
@@ -122,8 +122,7 @@ class History:
         self.writer.flush()
 
     def close(self) -> None:
-        """Flush and close the files (safe to call twice; after a failed write, closing
-        raises nothing more)."""
+        """Flush and close the files (safe twice; after a failed write, raises nothing more)."""
         if not self._f.closed:
             error = None
             try:
@@ -149,9 +148,8 @@ class History:
 
 
 def read(path: str) -> list[dict]:
-    """The records of a ``history.jsonl``, in order; a last line cut short by a kill is
-    skipped (everything before it is whole). ValueError naming the file and the line
-    for any other line that is not a JSON object in UTF-8."""
+    """The records of a ``history.jsonl``, in order, skipping a last line cut short by a
+    kill; ValueError naming the file and line for any other not a JSON object in UTF-8."""
     out = []
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):

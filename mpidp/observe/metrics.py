@@ -25,9 +25,8 @@ class StepTimer:
     local forward/backward, of its collective, of the update after it, its samples and their
     cost, :meth:`note_cost`), kept local until :meth:`take_records`. ``slowdown`` > 1
     simulates a slower node by sleeping ``(slowdown - 1) x`` the local forward/backward (not
-    the replicated update). ``tracer`` (a :class:`mpidp.observe.trace.Tracer`) also gets
-    every span, on the ``compute`` and ``comm`` tracks (a compute span after the collective:
-    ``update``)."""
+    the update). ``tracer`` (:class:`mpidp.observe.trace.Tracer`) gets every span on the
+    ``compute`` (after the collective: ``update``) and ``comm`` tracks."""
 
     compute_s: float = 0.0
     comm_s: float = 0.0
@@ -113,13 +112,9 @@ def gather_timings(comm: C.Comm, timer: StepTimer, root: int = 0) -> list[dict] 
     rows = C.gather_rows(comm, timer.as_row(), root)
     if rows is None:
         return None
-    out = [{"rank": rank, **{f: float(v) for f, v in zip(FIELDS, row)}}
-           for rank, row in enumerate(rows)]
-    for d in out:
-        d["steps"], d["samples"] = int(d["steps"]), int(d["samples"])
-        busy = d["compute_s"] + d["comm_s"]
-        d["comm_fraction"] = d["comm_s"] / busy if busy else 0.0
-    return out
+    return [{"rank": rank, "compute_s": float(c), "comm_s": float(m), "steps": int(s),
+             "samples": int(n), "comm_fraction": float(m / (c + m)) if c + m else 0.0}
+            for rank, (c, m, s, n) in enumerate(rows)]
 
 
 def format_timings(rows: list[dict], wait: list[float] | None = None) -> str:

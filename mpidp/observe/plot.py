@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
 from typing import Any
 
 from ..atomic import check_file, shown, write_atomic, write_error
@@ -26,9 +25,8 @@ NEED_MATPLOTLIB = ("mpidp plot needs matplotlib: pip install 'mpidp[bench]' "
 
 
 def load_run(folder: str) -> dict:
-    """``{"folder", "config", "epochs": [records], "finished": bool}`` from a run folder.
-
-    Raises ValueError naming the folder when it holds neither file, or no epoch yet."""
+    """``{"folder", "config", "epochs": [records], "finished": bool}`` from a run folder;
+    ValueError naming the folder when it holds neither file, or no epoch yet."""
     metrics, jsonl = os.path.join(folder, "metrics.json"), os.path.join(folder, "history.jsonl")
     if os.path.isfile(metrics):
         try:
@@ -213,8 +211,3 @@ def need_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError as exc:
         raise ImportError(NEED_MATPLOTLIB) from exc
-
-
-def load_runs(folders: Sequence[str]) -> list[dict]:
-    """:func:`load_run` of every folder, in order."""
-    return [load_run(folder) for folder in folders]

@@ -44,7 +44,6 @@ def class_stats(scores: np.ndarray, y: np.ndarray, n_classes: int) -> np.ndarray
     n_classes``, ``n`` may be 0) against integer labels ``y`` ``(n,)`` in ``[0, k)``: float64
     ``(class_stats_size(k),)``: ``[count, summed log-loss, top-k hits for each k of
     top_ks(k), confusion matrix (k*k, row = true class)]``; zeros for an empty batch.
-
     The prediction is ``argmax(scores)``. A top-k hit: the true class is among the first k
     by decreasing score, ties in class order; never for a row with a NaN score. The log-loss
     is ``-log softmax(scores)_y`` in float64, ``p_y`` clipped to ``[eps, 1 - eps]`` as
@@ -56,9 +55,8 @@ def class_stats(scores: np.ndarray, y: np.ndarray, n_classes: int) -> np.ndarray
     if y.shape != (len(scores),):
         raise ValueError(f"class_stats takes labels of shape ({len(scores)},), got {y.shape}: "
                          f"pass integer labels, not one-hot rows")
-    ks = top_ks(k)
+    ks, n = top_ks(k), len(y)
     out = np.zeros(class_stats_size(k))
-    n = len(y)
     if n == 0:
         return out
     if not np.issubdtype(y.dtype, np.integer):
@@ -67,17 +65,14 @@ def class_stats(scores: np.ndarray, y: np.ndarray, n_classes: int) -> np.ndarray
         raise ValueError(f"class_stats: labels must lie in [0, {k}), got {y.min()}..{y.max()}")
     eps = np.finfo(scores.dtype if np.issubdtype(scores.dtype, np.floating) else np.float64).eps
     z = scores.astype(np.float64)
-    rows = np.arange(n)
-    zmax = z.max(axis=1)
-    zy = z[rows, y]
+    zmax, zy = z.max(axis=1), z[np.arange(n), y]
     lse = np.log(np.exp(z - zmax[:, None]).sum(axis=1)) + zmax
     loss = np.clip(lse - zy, -np.log1p(-eps), -np.log(eps))
     ahead = z > zy[:, None]  # classes sorted before the true one
     ahead |= (z == zy[:, None]) & (np.arange(k) < y[:, None])
     rank = np.count_nonzero(ahead, axis=1)
     rank[np.isnan(z).any(axis=1)] = k
-    out[0] = n
-    out[1] = loss.sum()
+    out[:2] = n, loss.sum()
     out[2:2 + len(ks)] = [np.count_nonzero(rank < t) for t in ks]
     out[2 + len(ks):] = np.bincount(y * k + z.argmax(axis=1), minlength=k * k)
     return out
@@ -99,8 +94,7 @@ def class_scores(stats: np.ndarray, n_classes: int) -> dict:
     if stats.shape != (class_stats_size(k),):
         raise ValueError(f"class_scores: a statistics vector for {k} classes has "
                          f"{class_stats_size(k)} items, got shape {stats.shape}")
-    ks = top_ks(k)
-    n = int(round(stats[0]))
+    ks, n = top_ks(k), int(round(stats[0]))
     cm = np.rint(stats[2 + len(ks):]).astype(np.int64).reshape(k, k)
     tp = np.diag(cm).astype(np.float64)
     support, predicted = cm.sum(axis=1), cm.sum(axis=0)
@@ -132,18 +126,12 @@ def reg_stats(pred: np.ndarray, target: np.ndarray) -> np.ndarray:
     if target.shape != pred.shape:
         raise ValueError(f"reg_stats: targets of shape {target.shape} do not match predictions "
                          f"of shape {pred.shape} (targets are (n, t), or (n,) when t is 1)")
-    n, t = pred.shape
-    out = np.zeros(1 + 4 * t)
-    if n == 0:
-        return out
+    if len(pred) == 0:
+        return np.zeros(1 + 4 * pred.shape[1])
     err = np.subtract(pred, target, dtype=np.float64)
     count, mean, m2 = moments(target)
-    out[0] = count
-    out[1:1 + t] = np.einsum("ij,ij->j", err, err)
-    out[1 + t:1 + 2 * t] = np.abs(err).sum(axis=0)
-    out[1 + 2 * t:1 + 3 * t] = mean
-    out[1 + 3 * t:] = m2
-    return out
+    return np.concatenate([[count], np.einsum("ij,ij->j", err, err), np.abs(err).sum(axis=0),
+                           mean, m2])
 
 
 def _n_outputs(stats: np.ndarray, what: str) -> int:
@@ -185,14 +173,10 @@ def reg_scores(stats: np.ndarray) -> dict:
     1 when SSE is 0, else 0 when M2 is 0; NaN below 2 samples)."""
     stats = np.asarray(stats, np.float64)
     t = _n_outputs(stats, "reg_scores")
-    n = int(round(stats[0]))
+    n, nan = int(round(stats[0])), np.full(t, np.nan)
     sse, sae, m2 = stats[1:1 + t], stats[1 + t:1 + 2 * t], stats[1 + 3 * t:]
-    nan = np.full(t, np.nan)
     mse, mae = (sse / n, sae / n) if n > 0 else (nan, nan)
-    if n < 2:
-        r2 = nan
-    else:
-        r2 = np.where(sse == 0, 1.0, np.where(m2 == 0, 0.0, 1 - _ratio(sse, m2)))
+    r2 = nan if n < 2 else np.where(sse == 0, 1.0, np.where(m2 == 0, 0.0, 1 - _ratio(sse, m2)))
     return {"count": n, "mse": float(mse.mean()), "mae": float(mae.mean()),
             "r2": float(r2.mean()), "mse_outputs": mse.tolist(), "mae_outputs": mae.tolist(),
             "r2_outputs": r2.tolist()}

@@ -67,12 +67,11 @@ class State:
 
 def claim(directory: str, run_id: str, *, resume: bool, restart: bool = False) -> F.Claim:
     """Take checkpoint folder ``directory`` for run ``run_id`` (on the root rank, before
-    anything is read or written there); release the returned
-    :class:`~mpidp.run.folders.Claim` at the end of the run. The folder is created and locked
-    (another live job's is refused) and cleaned of stale ``.tmp-*`` files; then ``restart``
-    deletes its checkpoints and ``run.json``, ``resume`` keeps its run (``Claim.run_id`` is
-    the one its ``run.json`` names), neither refuses a folder holding checkpoints. Raises
-    ValueError naming the folder and the way forward (the lock is not kept then)."""
+    anything is read or written there); release the :class:`~mpidp.run.folders.Claim` at the
+    end. The folder is created, locked (another live job's is refused) and cleaned of stale
+    ``.tmp-*`` files; then ``restart`` deletes its checkpoints and ``run.json``, ``resume``
+    keeps its run (``Claim.run_id``: the one its ``run.json`` names), neither refuses a
+    folder holding checkpoints: ValueError naming it and the way forward (lock let go)."""
     if resume and restart:
         raise ValueError(f"{setting('resume')} continues the run in {directory} and "
                          f"{setting('restart')} deletes it: give one of them")
@@ -90,7 +89,15 @@ def claim(directory: str, run_id: str, *, resume: bool, restart: bool = False) -
             held.wiped = _wipe(directory)
             owner = None
         elif found and not resume:
-            raise ValueError(_used_message(directory, owner, found))
+            whose = "another run"
+            if owner and owner.get("run_id"):
+                whose += (f" (run {owner['run_id']}, started {owner.get('created', '?')} on "
+                          f"{owner.get('host', '?')})")
+            raise ValueError(f"checkpoint folder {directory} already holds checkpoints of "
+                             f"{whose}, the newest {os.path.basename(found[-1])}: give this run "
+                             f"another {setting('checkpoint_dir')}, continue that run with "
+                             f"{setting('resume')}, or add {setting('restart')} to delete its "
+                             f"checkpoints and start over")
         if resume and owner is not None and owner.get("run_id"):
             held.run_id, held.continued = owner["run_id"], True
         else:
@@ -105,9 +112,8 @@ def claim(directory: str, run_id: str, *, resume: bool, restart: bool = False) -
 @contextlib.contextmanager
 def claimed(comm: C.Comm, out: str, checkpoint_dir: str | None, *, resume: bool,
             restart: bool) -> Iterator[str | None]:
-    """Hold a run's folders: ``out`` (rank 0 locks its path, so two jobs on a host never
-    write one) and ``checkpoint_dir`` (:func:`claim`). Yields the run id (None without
-    checkpoints). Collective."""
+    """Hold a run's folders: ``out`` (rank 0 locks its path: two jobs on a host never write
+    one) and ``checkpoint_dir`` (:func:`claim`). Yields the run id (None: no checkpoints)."""
     held: dict = {}
 
     def take() -> str | None:
@@ -125,17 +131,6 @@ def claimed(comm: C.Comm, out: str, checkpoint_dir: str | None, *, resume: bool,
             held["claim"].release()
         if held.get("out") is not None:
             os.close(held["out"])
-
-
-def _used_message(directory: str, owner: dict | None, found: list[str]) -> str:
-    whose = "another run"
-    if owner and owner.get("run_id"):
-        whose += (f" (run {owner['run_id']}, started {owner.get('created', '?')} on "
-                  f"{owner.get('host', '?')})")
-    return (f"checkpoint folder {directory} already holds checkpoints of {whose}, the newest "
-            f"{os.path.basename(found[-1])}: give this run another {setting('checkpoint_dir')}, "
-            f"continue that run with {setting('resume')}, or add {setting('restart')} to "
-            f"delete its checkpoints and start over")
 
 
 def _wipe(directory: str) -> list[str]:
@@ -260,9 +255,8 @@ def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
 
 
 def contents_problem(meta, arrays: dict[str, np.ndarray]) -> str | None:
-    """What makes checkpoint contents ``(meta, arrays)`` unusable although their checksum
-    holds (a hand-edited file with a recomputed checksum), in words; None if :func:`restore`
-    can load them (counters, totals, and the arrays the meta records, of its shapes)."""
+    """Why checkpoint contents ``(meta, arrays)`` whose checksum holds (a hand-edited file)
+    are unusable; None if :func:`restore` can load them (counters, totals, the arrays)."""
     if not isinstance(meta, dict):
         return "its meta is not a JSON object"
     for key, what in (("epoch", "epoch"), ("step", "step"), ("global_step", "global step"),
@@ -314,10 +308,9 @@ def _arrays_problem(meta: dict, arrays: dict[str, np.ndarray]) -> str | None:
 
 
 def read_latest(directory: str) -> tuple[str, dict, dict[str, np.ndarray]] | None:
-    """The newest checkpoint in ``directory`` that verifies; falls back to older ones and
-    says so on stderr. None if there is none; ValueError if every one is damaged. Damaged
-    ones newer than the one returned are renamed ``damaged-ckpt-*.npz``, so the resumed run
-    may write those steps again."""
+    """The newest checkpoint in ``directory`` that verifies, else older ones (said on
+    stderr); None if there is none, ValueError if every one is damaged. Damaged newer ones
+    are renamed ``damaged-ckpt-*.npz``: the resumed run may write those steps again."""
     problems, damaged = [], []
     for path in reversed(list_checkpoints(directory)):
         try:
@@ -402,7 +395,13 @@ def check_fits(path: str, meta: dict, n_params: int, dtype: np.dtype, optimizer:
     if meta["optimizer"]["type"] != type(optimizer).__name__:
         raise ValueError(f"checkpoint {path} was written with {meta['optimizer']['type']}, "
                          f"not {type(optimizer).__name__}")
-    held, needed = set(meta["optimizer"]["state"]), _state_needed(optimizer, dtype)
+    probe = copy.copy(optimizer)  # the state arrays its first update makes
+    probe.state = {}
+    try:
+        probe._prepare(np.zeros(1, dtype))
+    except Exception:  # noqa: BLE001 - an optimizer of another kind: nothing to compare
+        return
+    held, needed = set(meta["optimizer"]["state"]), set(probe.state)
     if held and needed and not needed <= held:  # (none held: the optimizer starts afresh)
         raise ValueError(f"checkpoint {path} is inconsistent (edited, or written by another "
                          f"program): it holds the {type(optimizer).__name__} state "
@@ -410,23 +409,10 @@ def check_fits(path: str, meta: dict, n_params: int, dtype: np.dtype, optimizer:
                          f"{sorted(needed)}; start over with {setting('restart')}")
 
 
-def _state_needed(optimizer: Optimizer, dtype) -> set[str] | None:
-    """The state arrays ``optimizer`` (its type and settings) makes for its first update;
-    None where that cannot be asked of it."""
-    probe = copy.copy(optimizer)
-    probe.state = {}
-    try:
-        probe._prepare(np.zeros(1, dtype))
-    except Exception:  # noqa: BLE001 - an optimizer of another kind: nothing to compare
-        return None
-    return set(probe.state)
-
-
 def check_position(state: State, steps_per_epoch: int, path: str | None = None
                    ) -> str | None:
-    """Why a run whose epochs have ``steps_per_epoch`` steps cannot resume at ``state``'s
-    position (its step lies past the end of its epoch), or None. ``path`` names the
-    checkpoint (default: ``state.source``). Pure: give every rank the same figures."""
+    """Why a run of ``steps_per_epoch`` steps an epoch cannot resume at ``state``'s step
+    (past its epoch's end), or None; ``path`` names the checkpoint (``state.source``)."""
     if state.step <= steps_per_epoch:
         return None
     path = path or state.source or "the checkpoint"

@@ -57,8 +57,7 @@ class _Plateau:
                 else value > self.best + self.min_delta)
 
     def _see(self, value: float) -> bool:
-        better = self.improves(value)
-        if better:
+        if better := self.improves(value):
             self.best, self.best_epoch, self.bad_epochs = float(value), self.epochs, 0
         else:
             self.bad_epochs += 1
@@ -98,14 +97,12 @@ class EarlyStopping(_Plateau):
 
 class ReduceOnPlateau(_Plateau):
     """Multiply the learning rate by ``factor`` when the figure has not improved for
-    ``patience`` epochs in a row.
-
-    ``update(value)`` once per epoch returns ``scale``, the learning rate's multiplier from
-    the next epoch on (1.0 at first). On the ``patience``-th bad epoch in a row
-    (``patience=0``: every bad epoch) ``scale`` becomes ``max(scale * factor, min_scale)``
-    (counted in ``reductions``), the count restarts, and bad epochs are not counted for the
-    next ``cooldown`` epochs (as Keras; PyTorch reduces one epoch later). ``factor`` is in
-    (0, 1), ``min_scale`` in [0, 1]."""
+    ``patience`` epochs in a row. ``update(value)`` once per epoch returns ``scale``, the
+    learning rate's multiplier from the next epoch on (1.0 at first). On the ``patience``-th
+    bad epoch in a row (``patience=0``: every bad epoch) ``scale`` becomes ``max(scale *
+    factor, min_scale)`` (counted in ``reductions``), the count restarts, and bad epochs are
+    not counted for the next ``cooldown`` epochs (as Keras; PyTorch reduces one epoch
+    later). ``factor`` is in (0, 1), ``min_scale`` in [0, 1]."""
 
     _KEYS = _Plateau._KEYS + ("scale", "reductions", "cooldown_left")
 

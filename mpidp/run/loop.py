@@ -53,8 +53,7 @@ class Trainer(Protocol):
 
 
 class Feed(Protocol):
-    """Where a trainer's batches come from, epoch by epoch, and what else the loop must
-    know of them."""
+    """Where a trainer's batches come from, epoch by epoch, and what the loop must know."""
 
     n_steps: int
     labelled: bool  # accuracy means something (classification, or integer targets)
@@ -66,12 +65,11 @@ class Feed(Protocol):
 
 
 def run(trainer: Trainer, feed: Feed, spec: RunSpec) -> list[dict]:
-    """Train until ``spec.epochs`` epochs are done, or until a callback asks to stop.
-    Collective. Returns the history, the same on every rank: a dict per epoch (``epoch, loss,
-    accuracy, seconds`` and, when measured, ``balance``, ``test_loss``, ``test_accuracy``;
-    ``stopped_at``, the global step, when a callback's stop cut it short). A callback's stop
-    ends the run normally, with a checkpoint where checkpoints are on, instead of raising
-    :class:`Preempted` as a stop signal does."""
+    """Train until ``spec.epochs`` epochs are done, or a callback asks to stop. Collective.
+    Returns the history, the same on every rank: a dict per epoch (``epoch, loss, accuracy,
+    seconds`` and, when measured, ``balance``, ``test_loss``, ``test_accuracy``;
+    ``stopped_at``, the global step, when a callback's stop cut it short: it ends the run
+    normally, with a checkpoint where they are on, not :class:`Preempted` as a signal does)."""
     job = _Run(trainer, feed, spec)
     try:
         job.epochs()
@@ -82,9 +80,8 @@ def run(trainer: Trainer, feed: Feed, spec: RunSpec) -> list[dict]:
 
 @contextmanager
 def watched_run(spec: RunSpec, comm: C.Comm, own: C.Watchdog | None = None):
-    """``spec`` with its watchdog (see :class:`RunSpec`) made real for one run over
-    ``comm``; ``own``: the trainer's (``DataParallel(watchdog=...)``), which then serves.
-    Collective (making a watchdog duplicates ``comm``); one made here is closed at the end."""
+    """``spec`` with its watchdog (see :class:`RunSpec`) made real for one run over ``comm``
+    (collective; closed at the end); ``own``: the trainer's, which then serves."""
     dog, made = spec.watchdog, False
     if isinstance(dog, str) and own is not None:
         dog = None  # the trainer's watchdog is already running
@@ -188,9 +185,8 @@ class _Run:
             bar.close()
 
     def end_epoch(self, epoch: int, totals: np.ndarray, t0: float, **extra) -> bool:
-        """Record the epoch, let early stopping and the plateau rule judge it, and call
-        ``on_epoch``; True when training ends here (early stopping, or some rank's
-        ``on_epoch`` asks: agreed, collective when ``on_epoch`` is given)."""
+        """Record the epoch, judge it (early stopping, plateau rule), call ``on_epoch``; True
+        when training ends here (early stopping, or some rank's ``on_epoch``: agreed)."""
         record = _record(self.trainer, self.feed, epoch, totals, t0, self.tracer)
         skipped = _skipped(self.trainer)
         if skipped is not None:

@@ -37,8 +37,7 @@ class Checkpointing:
     keep: int = 3
     config: dict = field(default_factory=dict)
     run_id: str | None = None  # the folder's owner (mpidp.run.checkpoint.claim); None: unchecked
-    #: the run's best model (a :class:`mpidp.BestModel`): each checkpoint carries its file, so
-    #: that a resumed run keeps the same one (None: nothing carried)
+    #: the run's :class:`mpidp.BestModel`, whose file each checkpoint carries for a resume
     best: Any = None
 
     def __post_init__(self) -> None:
@@ -57,22 +56,20 @@ class RunSpec:
     a :class:`mpidp.Partition`, or a :class:`mpidp.Plan` batching as the spec does.
     ``check_every``: compare replicas every this many steps (0: never). ``checkpoint``,
     ``resume``: where to save, the :class:`~mpidp.run.checkpoint.State` to continue from.
-    ``progress`` (rank 0): one of :data:`mpidp.observe.progress.MODES`; True is ``"auto"``
-    (a bar when someone watches), False ``"none"``. ``stop``
-    (:class:`mpidp.run.signals.StopSignals`): stop cleanly on SIGTERM/SIGUSR1. ``watchdog``:
-    end the job, naming the stalled rank, when a rank makes no progress for a timeout:
-    :data:`AUTO`, seconds, ``0``/``False`` (off; None: "not given" to ``fit``), or a
-    :class:`mpidp.comm.Watchdog`.
+    ``progress`` (rank 0): one of :data:`mpidp.observe.progress.MODES`; True is ``"auto"``,
+    False ``"none"``. ``stop`` (:class:`mpidp.run.signals.StopSignals`): stop cleanly on
+    SIGTERM/SIGUSR1. ``watchdog`` (end the job, naming the stalled rank, when a rank makes no
+    progress for a timeout): :data:`AUTO`, seconds, ``0``/``False`` (off; None: "not given"
+    to ``fit``), or a :class:`mpidp.comm.Watchdog`.
 
     Callbacks, on every rank: ``on_step(step, stats)`` (the global step just done, from 1)
     and ``on_epoch(record)``; a true result on any rank stops every rank together.
     ``early_stopping`` ends training, ``plateau`` scales the learning rate, from the epoch's
     ``monitor`` figure (default ``"val_loss"``: the loss on ``test={"val": ...}``).
     ``max_skipped``: fail when more than this share of the run's steps had their update
-    skipped by the NaN/Inf policy. ``elastic`` (data parallel, Open MPI's ULFM): a function
-    ``rows(comm) -> Shard`` giving this rank's training rows over ``comm``; when ranks die
-    the survivors go on over the rows it gives them (:mod:`mpidp.parallel.elastic`). False:
-    off."""
+    skipped by the NaN/Inf policy. ``elastic`` (data parallel, Open MPI's ULFM; False: off):
+    ``rows(comm) -> Shard``, this rank's training rows over ``comm``, which the survivors of
+    lost ranks go on over (:mod:`mpidp.parallel.elastic`)."""
 
     epochs: int
     batch_size: int
@@ -116,9 +113,8 @@ class RunSpec:
                              f"{self.progress!r}")
 
     def agreed(self) -> dict[str, Any]:
-        """What every rank of a run must set alike (they take the same steps, in the same
-        collectives): the settings by name, as values whose ``repr`` identifies them
-        (callbacks and helpers by whether they are given). Pure."""
+        """What every rank of a run must set alike (same steps, same collectives), by name,
+        as values whose ``repr`` identifies them (callbacks and helpers: whether given)."""
         out: dict[str, Any] = {k: getattr(self, k) for k in (
             "epochs", "batch_size", "seed", "shuffle", "drop_last", "check_every", "monitor",
             "max_skipped")}

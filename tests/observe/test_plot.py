@@ -95,7 +95,7 @@ def test_the_command_line_draws_like_the_functions(runs, tmp_path, capsys):
                      "t"]) == 0
     assert capsys.readouterr().out == f"wrote {one} (1 run)\n"
     P.need_matplotlib()
-    P.draw(P.load_runs([str(runs[2])]), str(two), "epochs", "t")
+    P.draw([P.load_run(str(runs[2]))], str(two), "epochs", "t")
     import matplotlib.image as mpimg
     assert (mpimg.imread(str(one)) == mpimg.imread(str(two))).all()
 
