@@ -672,7 +672,7 @@ def test_a_rank_stopped_while_loading_is_named_by_the_watchdog(tmp_path):
     np.savez_compressed(data, X=np.zeros((150_000, 784), np.float32),
                         y=np.zeros(150_000, np.int64))
     job = _start(2, "train", "--dataset", str(data), "--epochs", "1", "--no-progress",
-                 "--watchdog", "1", "--out", str(tmp_path / "out"), token=f"stop{os.getpid()}")
+                 "--watchdog", "3", "--out", str(tmp_path / "out"), token=f"stop{os.getpid()}")
     pids = _loading(job)
     os.kill(pids[0], signal.SIGSTOP)
     try:
