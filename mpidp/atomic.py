@@ -1,6 +1,8 @@
 """Atomic writes that honour the umask: a crash leaves the old file or the complete new one.
 A failed write raises :class:`WriteError`: one line naming the file asked for, why, and
-the fix; :func:`check_file` and :func:`check_folder` try a place first."""
+the fix; :func:`check_file` and :func:`check_folder` try a place first. The one rule for
+every path mpidp opens, read or written: a regular file or a folder where one is expected,
+never a FIFO, a device or a socket (:func:`check_place`, :func:`read_text`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import errno
 import hashlib
 import os
 import socket
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -19,12 +22,67 @@ _UMASK_LOCK = threading.Lock()
 _EDQUOT = getattr(errno, "EDQUOT", errno.ENOSPC)  # not on every system
 #: The errors of a disk that has no room left (for anyone, or under this user's quota).
 DISK_FULL = frozenset({errno.ENOSPC, _EDQUOT})
+#: The most bytes of a text file mpidp reads whole (a model file, a configuration).
+TEXT_LIMIT = 16 * 2**20
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
 def shown(path: str) -> str:
     """``path`` as a message shows it: quoted when it holds a character that would break the
     line."""
     return path if path.isprintable() else repr(path)
+
+
+def special(path: str) -> str | None:
+    """What ``path`` is, in words, when it exists but is neither a regular file nor a folder
+    (a FIFO or a device is read without end, or blocks); None otherwise."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    kind = next((what for test, what in _KINDS if test(mode)), "not a regular file")
+    if os.path.islink(path):
+        kind += f" (a symbolic link to {shown(os.path.realpath(path))})"
+    return kind
+
+
+def check_place(path: str, what: str, file: bool = True, folder: bool = False,
+                fix: str = "") -> None:
+    """ValueError naming ``what`` (the option), ``path`` and what it is, before anything
+    opens it, when it is a FIFO, a device or a socket (symbolic links followed), or a folder
+    where a file (``file`` and not ``folder``) is expected. A missing path, or a file where
+    only a folder is expected, is left to the code that opens it."""
+    kind = special(path) or (
+        "a folder" if not folder and os.path.isdir(path) else None)
+    if kind is not None:
+        want = "a regular file or a folder" if file and folder else \
+            "a folder" if folder else "the path of a regular file"
+        raise ValueError(f"{what} {shown(path)} is {kind}: give {want}{fix}")
+
+
+def read_text(path: str, what: str, limit: int = TEXT_LIMIT) -> bytes:
+    """The bytes of the text file ``path`` (a model file, a configuration), read by
+    :func:`check_place`'s rule and at most ``limit`` bytes: ValueError naming ``what`` for
+    a larger one; an ``OSError`` as ``open`` raises it."""
+    check_place(path, what)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO swapped in
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{what} {shown(path)} is not a regular file: give one")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{what} {shown(path)} is over {limit / 2**20:g} MiB, too large "
+                         f"for a text file of settings: give the right file")
+    return data
+
+
+def target(path: str) -> str:
+    """The file a write to ``path`` lands on: the end of its symbolic links, if it is one
+    (a write replaces what a link points to, never the link)."""
+    return os.path.realpath(path) if os.path.islink(path) else path
 
 
 class WriteError(OSError):
@@ -80,7 +138,11 @@ def host_tag() -> str:
 def write_atomic(path: str, write: Callable[[IO[bytes]], object], what: str | None = None) -> None:
     """Write ``path`` via a temporary file in the same folder (write, flush, fsync, rename),
     with the mode a plain ``open`` gives. The name ``.tmp-<host tag>-<pid>-*`` says who wrote
-    it; an ``OSError`` is raised as a :class:`WriteError` naming ``path`` and ``what``."""
+    it; an ``OSError`` is raised as a :class:`WriteError` naming ``path`` and ``what``. A
+    symbolic link is followed (its target is replaced); anything but a regular file there
+    (a FIFO, a device) is refused, never replaced."""
+    _regular_or_nothing(path, what)
+    path = target(path)
     directory = os.path.dirname(os.path.abspath(path))
     try:
         fd, tmp = tempfile.mkstemp(dir=directory,
@@ -114,6 +176,8 @@ def write_together(files: Sequence[tuple[str, Callable[[str], object]]],
     staged: list[tuple[str, str]] = []
     try:
         for path, save in files:
+            _regular_or_nothing(path, what)
+            path = target(path)
             folder = os.path.dirname(os.path.abspath(path))
             try:
                 os.makedirs(folder, exist_ok=True)
@@ -135,6 +199,15 @@ def write_together(files: Sequence[tuple[str, Callable[[str], object]]],
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         raise
+
+
+def _regular_or_nothing(path: str, what: str | None) -> None:
+    """A :class:`WriteError` when ``path`` is a FIFO, a device or a socket."""
+    kind = special(path)
+    if kind is not None:
+        err = WriteError(errno.EEXIST, f"it is {kind}, not a regular file", path)
+        err.what = what
+        raise err
 
 
 def _fsync_dir(directory: str) -> None:
@@ -189,6 +262,7 @@ def check_file(path: str, what: str, example: str = "out.npy") -> None:
     if os.path.isdir(path) or path.endswith(os.sep):
         raise ValueError(f"{what} {shown(path)} is a folder: give the path of a file, e.g. "
                          f"{shown(os.path.join(path, example))}")
+    check_place(path, what)
     _not_dangling(path, what)
     _probe(path, what)
 
@@ -196,6 +270,7 @@ def check_file(path: str, what: str, example: str = "out.npy") -> None:
 def check_folder(path: str, what: str) -> None:
     """ValueError naming ``what``, ``path`` and the fix unless ``path`` is, or can be made, a
     folder to write in (not a file, not under a dangling link, where files can be created)."""
+    check_place(path, what, file=False, folder=True)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{what} {shown(path)} exists and is not a folder: give a folder, "
                          f"or a path where one can be made")

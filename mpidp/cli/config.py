@@ -33,9 +33,9 @@ def load(path: str) -> dict:
         except ImportError as exc:
             raise ValueError("--config needs the tomli package on Python < 3.11: "
                              "pip install tomli") from exc
+    from ..atomic import read_text
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_text(path, "--config")
     except OSError as exc:
         raise ValueError(f"--config {path}: cannot read it ({exc.strerror})") from None
     try:

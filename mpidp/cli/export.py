@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from .imports import HINT, import_modules, imports_of, saved_spec, unregistered
+from .parser import Place
 
 FORMATS = {"onnx": ("onnx", "export_onnx"), "safetensors": ("safetensors", "export_safetensors")}
 
@@ -21,11 +22,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Write a model saved by 'mpidp train' (model.npz) as an ONNX graph "
         "(dynamic batch, scores out) or as its parameters and state by layer name "
         "(safetensors). Needs the export extra: pip install 'mpidp[export]'.")
-    p.add_argument("model", metavar="MODEL", help="model.npz written by mpidp train, or its "
-                   "folder")
+    p.add_argument("model", metavar="MODEL", type=Place(folder=True),
+                   help="model.npz written by mpidp train, or its folder")
     p.add_argument("--format", choices=sorted(FORMATS), default="onnx",
                    help="onnx (a graph any ONNX runtime runs) or safetensors (named tensors)")
-    p.add_argument("--out", required=True, metavar="FILE",
+    p.add_argument("--out", type=Place(writes=True), required=True, metavar="FILE",
                    help="the file to write (FILE.onnx, FILE.safetensors)")
     return p
 

@@ -16,6 +16,7 @@ from types import ModuleType
 
 import numpy as np
 
+from ..atomic import check_place, special
 from ..nn import registered_layers
 
 HINT = "pass the module that registers it with --import MODULE"
@@ -35,6 +36,8 @@ def import_modules(names: Sequence[str]) -> list[ModuleType]:
     out = []
     for name in names:
         path = os.path.abspath(name) if _is_path(name) else None
+        if path is not None:
+            check_place(path, "--import")
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"--import {name}: cannot import it (no such file)")
         try:
@@ -104,6 +107,8 @@ def model_file(path: str) -> str:
 def saved_spec(path: str):
     """The model spec stored in ``path`` (a ``model.npz`` or its folder); None when it
     cannot be read."""
+    if special(model_file(path)):
+        return None
     try:
         with np.load(model_file(path), allow_pickle=False) as saved:
             return json.loads(str(saved["spec"]))

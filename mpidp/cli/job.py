@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import comm as C
 from .. import nn
-from ..atomic import check_folder, write_atomic, write_together
+from ..atomic import check_folder, check_place, write_atomic, write_together
 from ..data import distribute as D
 from ..data.balance import Partition
 from ..data.distribute import load_on_workers
@@ -39,6 +39,7 @@ BEST = "best.npz"  # the best validation epoch's model, in OUT
 def _costs_arg(path: str):
     if path in ("auto", "uniform"):
         return None
+    check_place(path, "--costs")
     try:
         return np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:

@@ -23,6 +23,7 @@ from ..errors import spelled
 from . import settings
 from .flags import spelling
 from .parser import EXIT_USAGE, build_parser, subcommand
+from .places import refuse_special
 
 
 def _start_mpi():
@@ -94,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(parser, argv: list[str]) -> int:
     typed = list(argv)  # what the user wrote: the options given (a table's are added below)
     args = parser.parse_args(argv)
+    command = subcommand(parser, args.command)
+    refuse_special(args, command)  # before anything opens a path, and before MPI
     if args.command == "info":
         info()
         return 0
@@ -105,6 +108,7 @@ def _main(parser, argv: list[str]) -> int:
     from_file: set[tuple[str, bool]] = set()
     if args.command == "train" and args.config:
         args, argv, from_file = settings.with_config_file(parser, argv, args.config)
+        refuse_special(args, command)  # the file's paths
     with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr with no file
         faulthandler.enable()  # descriptor (a notebook): no traceback on a fatal signal
     # A rank killed by SIGSEGV or SIGBUS (a mapped data file cut short under it) prints

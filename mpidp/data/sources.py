@@ -8,12 +8,12 @@ so that a contiguous split is skewed); generated rows are seeded per chunk."""
 from __future__ import annotations
 
 import os
-import stat
 import zipfile
 import zlib
 
 import numpy as np
 
+from ..atomic import check_place
 from ..errors import setting
 from ..nn.sparse import CSR
 from . import datasets
@@ -250,14 +250,12 @@ def _npy_problem(path: str, exc: Exception) -> str:
 
 def not_regular(path: str) -> ValueError:
     """The error for a path that exists but is no regular file (a FIFO or a device such as
-    /dev/zero would be read without end)."""
-    kind = next((what for test, what in ((stat.S_ISFIFO, "a FIFO (named pipe)"),
-                                         (stat.S_ISCHR, "a character device"),
-                                         (stat.S_ISBLK, "a block device"),
-                                         (stat.S_ISSOCK, "a socket"))
-                 if test(os.stat(path).st_mode)), "not a regular file")
-    return ValueError(f"dataset {path!r} is {kind}: mpidp reads data sets from regular files "
-                      f"only (copy the data into a file first)")
+    /dev/zero would be read without end): :func:`mpidp.atomic.check_place`'s."""
+    try:
+        check_place(path, "dataset", folder=True, fix=" (copy the data into a file first)")
+    except ValueError as exc:
+        return exc
+    return ValueError(f"dataset {path!r} is not a regular file: give one")
 
 
 def _open_npy(folder: str, name: str):

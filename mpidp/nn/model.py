@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..atomic import write_atomic
+from ..atomic import check_place, write_atomic
 from .context import Context, _unheard
 from .layers import RESERVED, Layer, layer_class, layer_name, layer_spec, registered_layers
 from .losses import outputs
@@ -328,6 +328,7 @@ def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
     not a saved model, names an unregistered class, or (``check_finite``) holds NaN or Inf.
     """
     path = _model_path(path)
+    check_place(path, "model file")
     try:
         saved = np.load(path, allow_pickle=False)
         if not isinstance(saved, np.lib.npyio.NpzFile):

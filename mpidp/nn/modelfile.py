@@ -31,6 +31,7 @@ from typing import Any
 
 import tomllib
 
+from ..atomic import read_text
 from .layers import Layer, layer_class
 
 MODEL_FILE_SUFFIXES = (".toml", ".json")
@@ -46,8 +47,7 @@ def read_model_file(path: str | os.PathLike) -> list[dict[str, Any]]:
     Raises ``ValueError`` naming the file and the line (a syntax error) or the layer."""
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
-            text = f.read()
+        text = read_text(path, "model file")
     except OSError as exc:
         raise ValueError(f"model file {path}: cannot read it ({exc.strerror or exc})") from None
     try:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .. import comm as C
-from ..atomic import write_atomic
+from ..atomic import check_place, write_atomic
 from ..data.sources import metadata_fingerprint as data_fingerprint  # noqa: F401
 from ..errors import is_whole, setting
 from ..nn import Optimizer, Sequential
@@ -233,6 +233,7 @@ def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     """``(meta, arrays)`` of a checkpoint, after verifying its checksum and its contents
     (:func:`contents_problem`). Raises ValueError naming the file if it is truncated,
     corrupted, not a checkpoint, or inconsistent."""
+    check_place(path, "checkpoint")
     try:
         with np.load(path, allow_pickle=False) as z:
             meta, checksum = str(z["meta"]), str(z["checksum"])
