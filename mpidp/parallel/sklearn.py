@@ -272,7 +272,8 @@ class MLPClassifier(ClassifierMixin, _MLP):
 
     def predict(self, X) -> np.ndarray:
         """The most likely class of each row of ``X``, among ``classes_``."""
-        return self.classes_[self._predict(self._checked(X), "label")]
+        X = self._checked(X)
+        return self.classes_[self._predict(X, "label")]
 
     def predict_proba(self, X) -> np.ndarray:
         """Each class's probability ``(n, len(classes_))``, rows summing to 1."""
@@ -297,6 +298,11 @@ class MLPRegressor(RegressorMixin, _MLP):
     def partial_fit(self, X, y):
         """One epoch over ``X, y``. Collective. Returns self."""
         return self._fit(X, y, incremental=True)
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.target_tags.multi_output = True
+        return tags
 
     def _targets(self, y, fresh: bool, classes) -> np.ndarray:
         y = np.asarray(y, self.dtype)
