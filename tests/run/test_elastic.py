@@ -19,7 +19,7 @@ from helpers import ROOT, mpiexec
 OPEN_MPI = (Path(sys.executable).parent / "ompi_info").exists()
 ULFM = ("--with-ft", "ulfm", "--mca", "btl", "tcp,self")
 TRAIN = ("train", "--dataset", "digits", "--model", "mlp", "--epochs", "2", "--batch-size",
-         "64", "--distribute", "local", "--dtype", "float64", "--no-progress", "--seed", "3")
+         "64", "--dtype", "float64", "--no-progress", "--seed", "3")
 open_mpi_only = pytest.mark.skipif(not OPEN_MPI, reason="ULFM (surviving a lost rank) is Open "
                                    "MPI's; MPICH refuses --elastic (tested below)")
 
@@ -52,7 +52,7 @@ def _params(out: Path) -> np.ndarray:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> np.ndarray:
     out = tmp_path_factory.mktemp("whole") / "out"
-    got = _job(4, out, "--elastic") if OPEN_MPI else None
+    got = _job(4, out, "--elastic", "--distribute", "local") if OPEN_MPI else None
     if got is None:
         pytest.skip("Open MPI only")
     assert got.returncode == 0, got.stderr[-3000:]
@@ -65,9 +65,13 @@ def uninterrupted(tmp_path_factory) -> np.ndarray:
     ("kill@0:20", [0]),  # the root, in the second epoch (digits: 23 steps of 64 an epoch)
     ("kill@1:4,kill@2:30", [1, 2]),  # two ranks, one after the other
 ])
-def test_the_survivors_end_with_the_uninterrupted_model(uninterrupted, tmp_path, fault, lost):
+@pytest.mark.parametrize("distribute", ["local", "scatter"])
+def test_the_survivors_end_with_the_uninterrupted_model(uninterrupted, tmp_path, fault, lost,
+                                                        distribute):
+    """Each rank reading its rows, or rank 0 reading and sending them (scatter: after a
+    loss the new rank 0 reads and sends every survivor's rows again, a lost root too)."""
     out = tmp_path / "out"
-    got = _job(4, out, "--elastic", fault=fault)
+    got = _job(4, out, "--elastic", "--distribute", distribute, fault=fault)
     assert got.returncode == 0, got.stderr[-3000:]
     np.testing.assert_allclose(_params(out), uninterrupted, rtol=0, atol=1e-10)
     metrics = json.loads((out / "metrics.json").read_text())
