@@ -6,29 +6,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 from .imports import HINT, import_modules, imports_of, saved_spec, unregistered
-from .parser import Place
-
-FORMATS = {"onnx": ("onnx", "export_onnx"), "safetensors": ("safetensors", "export_safetensors")}
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``export`` subcommand to ``subparsers`` (from ``add_subparsers``); the
-    caller adds ``--import``."""
-    p = subparsers.add_parser(
-        "export", help="write a trained model as ONNX or safetensors (no MPI needed)",
-        description="Write a model saved by 'mpidp train' (model.npz) as an ONNX graph "
-        "(dynamic batch, scores out) or as its parameters and state by layer name "
-        "(safetensors). Needs the export extra: pip install 'mpidp[export]'.")
-    p.add_argument("model", metavar="MODEL", type=Place(folder=True),
-                   help="model.npz written by mpidp train, or its folder")
-    p.add_argument("--format", choices=sorted(FORMATS), default="onnx",
-                   help="onnx (a graph any ONNX runtime runs) or safetensors (named tensors)")
-    p.add_argument("--out", type=Place(writes=True), required=True, metavar="FILE",
-                   help="the file to write (FILE.onnx, FILE.safetensors)")
-    return p
+from .parser import EXPORT_FORMATS
 
 
 def _load(path: str):
@@ -46,7 +26,7 @@ def _load(path: str):
 def main(args: argparse.Namespace) -> int:
     """Run ``mpidp export`` with the parsed ``args``; returns the exit status."""
     from ..nn import export
-    package, writer = FORMATS[args.format]
+    package, writer = EXPORT_FORMATS[args.format]
     try:
         export.need_extra(package)  # before any work: the extra may be missing
         import_modules(imports_of(args))

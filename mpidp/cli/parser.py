@@ -20,6 +20,9 @@ from . import flags
 from .options import SIZE_DEFAULTS
 
 EXIT_USAGE = 2
+#: ``mpidp export --format`` -> (the package it needs, the writer in :mod:`mpidp.nn.export`)
+EXPORT_FORMATS = {"onnx": ("onnx", "export_onnx"),
+                  "safetensors": ("safetensors", "export_safetensors")}
 
 
 def launcher_rank() -> int:
@@ -490,8 +493,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--x", choices=("epochs", "seconds", "both"), default="both",
                    help="horizontal axis: epochs, seconds since the start, or both (default)")
     p.add_argument("--title", default=None, help="a title over the figure")
-    from . import export
-    add_import(export.add_parser(sub))
+    e = sub.add_parser(
+        "export", help="write a trained model as ONNX or safetensors (no MPI needed)",
+        description="Write a model saved by 'mpidp train' (model.npz) as an ONNX graph "
+        "(dynamic batch, scores out) or as its parameters and state by layer name "
+        "(safetensors). Needs the export extra: pip install 'mpidp[export]'.")
+    e.add_argument("model", metavar="MODEL", type=Place(folder=True),
+                   help="model.npz written by mpidp train, or its folder")
+    e.add_argument("--format", choices=sorted(EXPORT_FORMATS), default="onnx",
+                   help="onnx (a graph any ONNX runtime runs) or safetensors (named tensors)")
+    e.add_argument("--out", type=Place(writes=True), required=True, metavar="FILE",
+                   help="the file to write (FILE.onnx, FILE.safetensors)")
+    add_import(e)
     return parser
 
 
