@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from .imports import HINT, import_modules, imports_of, saved_spec, unregistered
-from .parser import Place
+from .places import Place
 
 FORMATS = {"onnx": ("onnx", "export_onnx"), "safetensors": ("safetensors", "export_safetensors")}
 
