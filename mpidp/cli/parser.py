@@ -11,13 +11,12 @@ import difflib
 import math
 import os
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from .. import __version__
 from ..data.partition import STRATEGIES
 from . import flags
 from .options import SIZE_DEFAULTS
+from .places import Place
 
 EXIT_USAGE = 2
 #: ``mpidp export --format`` -> (the package it needs, the writer in :mod:`mpidp.nn.export`)
@@ -116,28 +115,6 @@ def _number(kind, low: float, high: float = math.inf, low_open: bool = False,
             raise argparse.ArgumentTypeError(f"must be {what} {bounds}, got {text}")
         return value
     return parse
-
-
-def _never(text: str) -> bool:
-    return False
-
-
-@dataclass(frozen=True)
-class Place:
-    """The ``type`` of an option naming a place: ``writes`` (an output) or read, a ``file``
-    and/or a ``folder`` expected; ``is_name(value)``: the value is a word, not a path (a
-    preset, a built-in data set); ``parse``: a further check of the text."""
-
-    writes: bool = False
-    file: bool = True
-    folder: bool = False
-    is_name: Callable[[str], bool] = _never
-    parse: Callable[[str], str] | None = None
-
-    def __call__(self, text: str) -> str:
-        if not text:
-            raise argparse.ArgumentTypeError("is empty: give a path")
-        return self.parse(text) if self.parse else text
 
 
 def _positive(kind):

@@ -1,16 +1,37 @@
-"""The check every path-valued option (its type a :class:`~.parser.Place`) passes before any
-work or MPI (:func:`refuse_special`): no FIFO, device or socket, and no folder where a file
-is expected (:func:`mpidp.atomic.check_place`).
+"""Options whose values are paths, declared by their type (:class:`Place`), and the check
+every such value passes before any work or MPI (:func:`refusal`): no FIFO, device or socket,
+and no folder where a file is read (:func:`mpidp.atomic.check_place`).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..atomic import check_place
-from .parser import EXIT_USAGE, Place, launcher_rank
+
+
+def _never(text: str) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Place:
+    """The ``type`` of an option naming a place: ``writes`` (an output) or read, a ``file``
+    and/or a ``folder`` expected; ``is_name(value)``: the value is a word, not a path (a
+    preset, a built-in data set); ``parse``: a further check of the text."""
+
+    writes: bool = False
+    file: bool = True
+    folder: bool = False
+    is_name: Callable[[str], bool] = _never
+    parse: Callable[[str], str] | None = None
+
+    def __call__(self, text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError("is empty: give a path")
+        return self.parse(text) if self.parse else text
 
 
 def places(parser: argparse.ArgumentParser) -> list[tuple[argparse.Action, Place]]:
@@ -19,10 +40,10 @@ def places(parser: argparse.ArgumentParser) -> list[tuple[argparse.Action, Place
             if isinstance(a.type, Place)]
 
 
-def refuse_special(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Exit 2 on every rank, rank 0 printing one line naming the option, the path and what it
-    is, when a path in ``args`` (parsed by subcommand ``parser``) is a FIFO, a device or a
-    socket, or a folder where a file is expected."""
+def refusal(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """One line naming the option, the path and what it is, when a path in ``args`` (parsed
+    by subcommand ``parser``) is a FIFO, a device or a socket, or a folder where a file is
+    read (an output's folder is left to its own check, which names a file to give)."""
     for action, place in places(parser):
         value = getattr(args, action.dest, None)
         for path in value if isinstance(value, list) else [value]:
@@ -30,10 +51,7 @@ def refuse_special(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                 continue
             what = action.option_strings[0] if action.option_strings else action.metavar
             try:
-                check_place(path, what, place.file, place.folder)
+                check_place(path, what, place.file, place.folder or place.writes)
             except ValueError as exc:
-                if launcher_rank() == 0:
-                    print(f"mpidp: error: {exc}", file=sys.stderr, flush=True)
-                else:  # Open MPI's launcher ends the job at the first non-zero exit
-                    time.sleep(0.5)
-                sys.exit(EXIT_USAGE)
+                return str(exc)
+    return None
