@@ -5,13 +5,8 @@ applies each push as it comes.
 A worker computes on the parameters it last pulled; by the time its gradient arrives,
 other workers may have updated them ``s`` times (its *staleness*). Pushes staler than
 ``max_staleness`` are dropped (counted). Every worker pushes exactly its own number of
-batches and then a "done" message, so the job always ends. Training is buffer-based
-point-to-point; collectives come only before it and after it.
-
-With checkpoints, the server saves the parameters, the optimizer and each worker's
-position every N pushes it serves, at the end, and when stopped by a signal; a resume on
-the same number of ranks puts every worker back at its own position, on another number
-every worker starts from the slowest one's.
+batches and then a "done" message, so the job always ends. Checkpoints and resume:
+docs/reliability.md#checkpoints-and-resume.
 """
 
 from __future__ import annotations
@@ -38,6 +33,7 @@ from ..run.nonfinite import NonFiniteError, Policy, all_finite
 from ..run.signals import Preempted
 from ..run.spec import Checkpointing, RunSpec
 from ..run.stats import StepStats
+from .data_parallel import TrainerBase
 from .modes import AsyncPSSettings, refuses_model
 
 _PUSH, _PULL = 11, 12
@@ -89,7 +85,7 @@ class _Stopped(Exception):
     """The server told this worker to stop (NaN policy or a signal); not an error here."""
 
 
-class _Worker:
+class _Worker(TrainerBase):
     """One worker as a trainer of the one loop (:func:`mpidp.run.loop.run`): a step computes on
     the last pulled parameters, pushes the gradient and pulls fresh parameters."""
 
@@ -99,14 +95,7 @@ class _Worker:
         self.version = np.zeros(1, np.int64)
         self.world, self.global_step, self.epoch, self.batch = comm, 0, 0, 0
         self.stop_requested: bool | None = None  # a signal on this rank (set by the loop)
-        self._poison = False
         model.use_grad_buffer(self.msg)
-
-    def poison_(self) -> None:  # fault injection (mpidp.run.faults)
-        self._poison = True
-
-    def nudge_(self) -> None:
-        self.model.params[0] = np.nextafter(self.model.params[0], np.inf)
 
     def step(self, X: np.ndarray, y: np.ndarray, last_of_epoch: bool = False) -> StepStats:
         """One push and pull; raises :class:`_Stopped` when the server says stop."""
@@ -134,12 +123,6 @@ class _Worker:
     # what the loop asks of every trainer; a worker alone has nothing to agree on
     def check_replicas(self) -> None:
         """Workers hold different parameters by design until the end."""
-
-    def at_boundary(self) -> bool:
-        return True
-
-    def epoch_totals(self, totals: np.ndarray) -> np.ndarray:
-        return totals
 
     def save_checkpoint(self, *args) -> None:
         raise C.MpidpError("async-ps checkpoints are written by the server")

@@ -1,17 +1,12 @@
 """The ``auto`` exchange: the fastest gradient exchange for this model on this network,
-measured on the first training steps.
+measured on the first training steps (candidates: docs/design.md#synchronisation-strategies).
 
-After :data:`WARMUP` steps with a fused allreduce, the candidates train :data:`TRIALS`
-steps each, in turns, and the slowest rank's median step time decides (one small
-``Allreduce``), so every rank commits to the same strategy at the same step; candidates
-within :data:`CLOSE` of the fastest run off over :data:`TRIALS` more steps each. The
-candidates: ``allreduce`` (node-aware where ranks share nodes), ``overlapped`` with the
-bucket size asked for and a quarter of the gradient (at least 64 KiB; one candidate where
-both cut the same buckets), and, for float32 models only, ``compressed`` in bfloat16 and
-int8 (or the codec asked for). The trial steps are ordinary training steps. A float16
-candidate whose gradients overflow is dropped and that step goes by ``allreduce``. The
-choice is not checkpointed (a resumed run tries again); it and the figures behind it are
-in :attr:`Auto.report`.
+After :data:`WARMUP` fused-allreduce steps the candidates train :data:`TRIALS` steps each,
+in turns; those within :data:`CLOSE` of the fastest run off over :data:`TRIALS` more, and
+the slowest rank's median step time decides (one small ``Allreduce``), so every rank
+commits to the same strategy at the same step. The trial steps are ordinary training
+steps. The choice is not checkpointed (a resumed run tries again); it and the figures
+behind it are in :attr:`Auto.report`.
 """
 
 from __future__ import annotations

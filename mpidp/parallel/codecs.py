@@ -100,10 +100,7 @@ class Codec:
     ``block`` values, with scratch of its own (``jit``: numba's kernels). Call inside
     ``np.errstate(over="ignore", invalid="ignore")``. ``x``, ``acc``, ``lost``: float32
     ``(k,)`` (``lost`` may be ``x``); ``codes``: uint16 ``(units(k),)``, one segment;
-    ``out``: float32 or float64 ``(k,)``; ``k <= block``. The 16-bit codecs work on the
-    float32 bits with integer ops (float16's subnormals through two float ops that round
-    as the cast does); int8 takes each group's largest magnitude as an integer max of the
-    float bits with the sign cleared.
+    ``out``: float32 or float64 ``(k,)``; ``k <= block``.
     """
 
     def __init__(self, codec: str, block: int = BLOCK, jit: bool = False) -> None:

@@ -66,18 +66,10 @@ class _Piece:
 
 class Compressed(Sync):
     """Gradients exchanged as 16-bit codes (``float16`` or ``bfloat16``; or ``int8`` with
-    scales) in two steps, with error feedback: about half (int8: a quarter) the bytes of a
-    float32 ring allreduce, started during backward bucket by bucket, as
-    :class:`~mpidp.parallel.overlap.Overlapped` does.
-
-    Each bucket is cut into P chunks; rank ``j`` owns chunk ``j``. Each rank encodes a
-    finished bucket's gradient plus its residual, one ``Ialltoallv`` hands chunk ``j`` of
-    every rank's codes to rank ``j``, which sums the P contributions in float32 in rank
-    order, encodes the sum (plus its chunk residual), and one ``Iallgather`` gives every
-    rank every chunk's codes: bit-identical sums on every replica. Buckets go in pieces of
-    at most :data:`PIECE` values per rank, so one travels while the next is encoded. The
-    extras and two flags (float16 overflow, a non-finite sum) go in one small
-    ``Allreduce`` once every bucket has started.
+    scales) in two steps over P chunks per bucket, with error feedback: about half (int8: a
+    quarter) the bytes of a float32 ring allreduce, started during backward bucket by
+    bucket as :class:`~mpidp.parallel.overlap.Overlapped` does. The sums are bit-identical
+    on every replica; how they are made: docs/design.md#synchronisation-strategies.
 
     Error feedback keeps what each rounding loses (``(n,)`` per rank, and about ``n/P``
     for its chunk sums) and adds it back at the next step; a step the NaN policy drops

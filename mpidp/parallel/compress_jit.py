@@ -1,9 +1,7 @@
 """Compiled kernels of the bfloat16 and int8 codecs (numba, optional): each fuses several
 NumPy passes of :class:`~mpidp.parallel.codecs.Codec` over a block into a few passes over
 a group at a time, with the same float32 arithmetic in the same order, so the codes,
-residuals and sums are NumPy's bits (a sum of two NaNs aside). The encoding kernels
-return the largest magnitude they saw (float32 bits, sign cleared), which gives
-:func:`~mpidp.parallel.codecs._scan`'s verdict without another pass. The int8 group size
+residuals and sums are NumPy's bits (a sum of two NaNs aside). The int8 group size
 here, 256, is ``codecs.GROUP``. Importing this module imports numba.
 """
 
@@ -80,8 +78,7 @@ def i8_quantize(xs, qs, ls, keep_lost, top_bits, scale, g, tiny, scratch, scratc
     """int8 codes of one group ``xs`` (float32), its scale into ``scale[g]``: the
     group's largest magnitude (bits ``top_bits``, at least ``tiny``; NaN stays) over
     127; what rounding loses into ``ls`` (may be ``xs``). ``scratch_bits``: the uint32
-    view of ``scratch``, made once by the caller (a view made per group costs more than
-    the group's arithmetic)."""
+    view of ``scratch``, made once by the caller."""
     scratch_bits[0] = top_bits
     t = scratch[0]
     if not t != t:

@@ -96,9 +96,8 @@ def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
 
     ``spec`` (a :class:`mpidp.RunSpec`) holds every setting of the run; ``epochs``,
     ``batch_size`` and ``settings`` (its fields) fill or override it. The global batches
-    do not depend on the number of ranks; ``resume`` (from
-    :func:`mpidp.run.checkpoint.restore`) continues mid-epoch where the checkpoint was
-    taken. ``test``: a held-out shard, or several by name (``{"val": ..., "test": ...}``),
+    do not depend on the number of ranks; ``resume`` (:func:`mpidp.run.checkpoint.restore`)
+    continues mid-epoch. ``test``: a held-out shard, or several by name (``{"val": ...}``),
     each evaluated after every epoch. Returns the history, one dict per epoch (``epoch,
     loss, accuracy``, each set's figures, ``seconds``, ``balance``), the same on every rank.
     """

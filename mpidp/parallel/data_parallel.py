@@ -28,7 +28,33 @@ from .sync import Exchanged, Round, Setup, Sync
 INIT_SYNC = ("bcast", "seed")
 
 
-class DataParallel:
+class TrainerBase:
+    """What the run loop asks of every trainer (:class:`mpidp.run.loop.Trainer`) that most
+    answer alike: the faults of :mod:`mpidp.run.faults` (``step`` makes its gradient NaN
+    while ``_poison`` is set, and clears it), checkpoints at any step, global totals."""
+
+    _poison = False
+
+    def poison_(self) -> None:
+        """Fault injection: this rank's gradient contribution to the next step is NaN."""
+        self._poison = True
+
+    def nudge_(self) -> None:
+        """Fault injection: move this rank's first parameter by one ulp (a desync)."""
+        p = self.model.params
+        if p.size:
+            p[0] = np.nextafter(p[0], np.inf)
+
+    def at_boundary(self) -> bool:
+        """True when a checkpoint may be taken."""
+        return True
+
+    def epoch_totals(self, totals: np.ndarray) -> np.ndarray:
+        """The epoch's ``(loss, count, correct)`` sums: already global here."""
+        return totals
+
+
+class DataParallel(TrainerBase):
     """Train ``model`` with ``optimizer`` on ``loss``, replicated over ``comm``.
 
     Parameters
@@ -38,20 +64,17 @@ class DataParallel:
     abort_on_error : install :func:`mpidp.comm.abort_on_error` (unless
         ``MPIDP_ABORT_ON_ERROR=0``) so an exception on one rank ends the job.
     check_every : every this many steps (at the next synchronisation where replicas differ
-        by design, local SGD), compare parameter checksums across ranks and raise on every
-        rank, naming the odd ranks, on a mismatch (:meth:`check_replicas`). 0: never.
-    on_nonfinite : ``"stop"`` raises :class:`NonFiniteError` on every rank when the global
-        loss or gradient holds NaN/Inf, before the update; ``"skip"`` drops that step's
-        update (counted in ``skipped_steps``); ``"ignore"`` applies it. Every rank checks
-        the same reduced sums, so every rank reaches the same verdict.
+        by design, local SGD), :meth:`check_replicas`. 0: never.
+    on_nonfinite : when the global loss or gradient holds NaN/Inf: ``"stop"`` raises
+        :class:`NonFiniteError` before the update, ``"skip"`` drops the update (counted in
+        ``skipped_steps``), ``"ignore"`` applies it; the same verdict on every rank.
     watchdog : seconds: a rank that makes no progress for longer ends the job, naming the
         stalled ranks (:class:`mpidp.comm.Watchdog`). None: no watchdog.
     sync : how gradients are combined: a :class:`mpidp.parallel.sync.Sync` or a name from
         ``SYNCS`` (``allreduce``, the default: one fused in-place ``Allreduce`` per step).
 
-    The gradient of a step is ``sum of per-sample gradients over the global batch /
-    global sample count``, so any split of the batch over ranks gives the single-process
-    update up to floating-point summation order.
+    A step's gradient is the global batch's per-sample gradient sum over its sample count:
+    any split over ranks gives the single-process update up to summation order.
     """
 
     def __init__(self, model: Sequential, optimizer: Optimizer, loss: Loss,
@@ -85,7 +108,6 @@ class DataParallel:
         self.check_every, self.policy = check_every, Policy(on_nonfinite)
         self.global_step = 0  # steps taken (or skipped) since training started
         self.stop_requested: bool | None = None  # this rank asks to stop (set by the loop)
-        self._poison = False
         self._check_due = False  # a replica check waits for the next synchronisation
         self._kept_state: np.ndarray | None = None  # untrained state before this update's steps
         self.model, self.optimizer, self.loss = model, optimizer, loss
@@ -188,15 +210,6 @@ class DataParallel:
         self.sync.settle()
         C.assert_in_sync(self.comm, self.model.params, self.root)
 
-    def poison_(self) -> None:
-        """Fault injection: this rank's gradient contribution to the next step is NaN."""
-        self._poison = True
-
-    def nudge_(self) -> None:
-        """Fault injection: move this rank's first parameter by one ulp (a desync)."""
-        p = self.model.params
-        p[0] = np.nextafter(p[0], np.inf)
-
     def at_boundary(self) -> bool:
         """True when a checkpoint may be taken (not inside an accumulation group)."""
         return self.sync.at_boundary()
@@ -223,10 +236,6 @@ class DataParallel:
             self.global_step = found[1].global_step
             self.sync.after_restore(self.optimizer)
         return found
-
-    def epoch_totals(self, totals: np.ndarray) -> np.ndarray:
-        """The epoch's ``(loss, count, correct)`` sums: already global here."""
-        return totals
 
     def step(self, X: np.ndarray, y: np.ndarray, last_of_epoch: bool = False,
              index: np.ndarray | None = None) -> StepStats:

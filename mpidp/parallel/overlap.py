@@ -14,9 +14,8 @@ WINDOW = 8  # sums in flight at once when they finish during forward
 
 
 class Overlapped(Sync):
-    """Bucketed in-place sums started during backward, as soon as a bucket's layers are
-    done (last layers first); all are complete before the update. The same sums as one
-    fused ``Allreduce`` up to the order of floating-point additions.
+    """Bucketed in-place sums started during backward as a bucket's layers are done (last
+    layers first): one fused ``Allreduce``'s sums up to the order of additions.
 
     Parameters
     ----------
@@ -34,10 +33,8 @@ class Overlapped(Sync):
         elementwise optimizer, ``on_nonfinite='ignore'`` and progress ``"test"``;
         :meth:`settle` completes the parameters between steps.
 
-    Buckets are ``(layer, lo, hi)`` in launch order: bucket ``k`` starts when backward has
-    finished ``layer`` and sums ``buf[lo:hi]``; a layer that announces its gradient in
-    parts (``on_layer_part``) starts its bucket in parts. :meth:`reduce` starts what no
-    hook started, so every element is summed exactly once per step.
+    ``buckets`` (:func:`layer_buckets`) start as backward finishes their layers, or in
+    parts; :meth:`reduce` starts what no hook started, so each element is summed once.
     """
 
     name = "overlapped"

@@ -2,12 +2,8 @@
 
 Rank ``r`` of ``comm`` is stage ``r % S`` of replica ``r // S`` (``S`` stages): with one
 replica a pure pipeline; with several the hybrid, where the ranks holding the same stage
-form a data-parallel group that sums gradients with one ``Allreduce`` per step. Each rank
-allocates only its own stage's layers. Per step the batch is cut into ``m`` micro-batches;
-activations and gradients travel by buffer-based point-to-point messages whose shapes
-every rank derives from the agreed plan; gradient sums accumulate over the micro-batches
-and the update divides by the batch's sample count, as single-process training. Its runs
-are in :mod:`~mpidp.parallel.pipeline_feed`.
+sum gradients with one ``Allreduce`` per step. How a step flows:
+docs/design.md#pipeline-and-hybrid; its runs are in :mod:`~mpidp.parallel.pipeline_feed`.
 """
 
 from __future__ import annotations
@@ -32,6 +28,7 @@ from ..run.nonfinite import Policy, all_finite
 from ..run.stats import StepStats
 from . import buffer
 from . import stages as St
+from .data_parallel import TrainerBase
 from .evaluation import global_sums, n_correct, score_sums
 from .modes import refuses_model
 
@@ -57,7 +54,7 @@ class PipeCounters:
         self.trace.clear()
 
 
-class Pipeline:
+class Pipeline(TrainerBase):
     """Train ``layers`` (input width ``n_in``) as a pipeline of ``n_stages`` stages over ``comm``.
 
     Parameters
@@ -71,9 +68,8 @@ class Pipeline:
     balance : stage split by ``"params"`` (parameters per layer) or ``"time"`` (seconds per
         layer measured on rank 0); or pass ``costs``.
     trace : record every op's start, end and CPU seconds in ``counters.trace``.
-    on_nonfinite : the NaN/Inf policy: every stage checks its summed gradients (the last
-        its loss too) and one ``Allreduce`` of two flags shares the verdict and any rank's
-        stop request before any stage updates.
+    on_nonfinite : the NaN/Inf policy (as :class:`~mpidp.DataParallel`'s), one verdict for all
+        stages before any updates.
 
     Collective: every rank constructs it with the same arguments; bad settings raise the
     same :class:`mpidp.MpidpError` on every rank before any message is sent.
@@ -124,7 +120,6 @@ class Pipeline:
                         None if n_stages == 1 else lambda a: C.allreduce_sum_(pipe, a))
         self.policy = Policy(on_nonfinite)
         self.stop_requested: bool | None = None  # this rank asks to stop (set by the loop)
-        self._poison = False
         self._buf = buffer.new(self.model.n_params, dtype)
         self.model.use_grad_buffer(self._buf)
         self.ops = St.schedule(schedule, n_stages, self.stage, micro_batches)
@@ -173,19 +168,6 @@ class Pipeline:
         bad = [r for r in range(self.world.size) if hashes[r] != hashes[r % S]]
         raise C.MpidpError(f"parameters differ from replica 0's on ranks {bad}: replicas are "
                            "out of sync")
-
-    def poison_(self) -> None:
-        """Fault injection: this stage's gradient contribution to the next step is NaN."""
-        self._poison = True
-
-    def nudge_(self) -> None:
-        """Fault injection: move this rank's first parameter by one ulp (a desync)."""
-        p = self.model.params
-        if p.size:
-            p[0] = np.nextafter(p[0], np.inf)
-
-    def at_boundary(self) -> bool:
-        return True
 
     def epoch_totals(self, totals: np.ndarray) -> np.ndarray:
         """The epoch's ``(loss, count, correct)`` sums on every rank (they live on the last

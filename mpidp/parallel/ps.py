@@ -22,13 +22,11 @@ class ParameterServer(Sync):
     ``root``), which applies the optimizer and broadcasts the new parameters. Same
     arithmetic as allreduce training. ``dedicated=True``: the server holds no data.
 
-    ``shared_memory=True`` (the default), where some node runs several ranks: each rank
-    sums its share of the node's gradients into its node leader's shared-memory buffer
-    (:class:`mpidp.comm.SharedReduce`), the leaders' sums go to the server; the server
-    updates in pieces of ``chunk_bytes`` and ships each as soon as it is final
-    (``Ibcast`` to the other leaders, which their nodes copy out of shared memory,
-    :class:`mpidp.comm.SharedBroadcast`). Otherwise the sums go to the server by
-    ``Reduce_scatter`` + ``Gatherv`` and the parameters come back by ``Bcast``.
+    ``shared_memory=True`` (the default), where some node runs several ranks: the ranks of
+    a node sum into their leader's shared memory (:class:`mpidp.comm.SharedReduce`) and
+    copy the parameters out of it (:class:`mpidp.comm.SharedBroadcast`); the server
+    updates in pieces of ``chunk_bytes`` and ships each as soon as it is final. Otherwise
+    ``Reduce_scatter`` + ``Gatherv`` to the server and ``Bcast`` back.
     """
 
     name = "ps"

@@ -57,10 +57,8 @@ def measure_costs(layers: Sequence[Layer], n_in: int, n_samples: int = 256,
 
 def split_stages(costs: Sequence[float], n_stages: int) -> list[int]:
     """Cut layers ``0 .. L-1`` into ``n_stages`` non-empty consecutive stages minimising the
-    largest stage cost. Returns bounds ``b`` (``n_stages + 1`` items): stage ``s`` holds
-    layers ``b[s] .. b[s+1]-1``.
-
-    Notes: ``b[0] == 0``, ``b[-1] == L``; optimal by dynamic programming, O(L^2 P).
+    largest stage cost (dynamic programming, O(L^2 P)). Returns bounds ``b`` (``n_stages +
+    1`` items, ``b[0] == 0``, ``b[-1] == L``): stage ``s`` holds layers ``b[s] .. b[s+1]-1``.
     """
     n = len(costs)
     if n_stages < 1:
@@ -86,10 +84,8 @@ def split_stages(costs: Sequence[float], n_stages: int) -> list[int]:
 
 
 def micro_batch_sizes(n: int, m: int) -> np.ndarray:
-    """Sizes of the ``m`` micro-batches of a batch of ``n`` samples.
-
-    Notes: sizes differ by at most 1 (the first ``n % m`` get one more); they sum to ``n``.
-    """
+    """Sizes of the ``m`` micro-batches of a batch of ``n`` samples: the first ``n % m``
+    one more than the others."""
     if m < 1:
         raise ValueError(f"need at least one micro-batch, got {m}")
     if m > n:
