@@ -129,6 +129,7 @@ def _main(parser, argv: list[str]) -> int:
     with deferred_stops() as noted:
         C = _start_mpi()
         comm = C.world()
+    from ..run.elastic import TOO_FEW_RANKS_EXIT, TooFewRanks
     if noted:  # nothing done yet: end as a stop during the data load does
         import signal
         sys.stderr.write(f"[mpidp] rank {comm.rank}/{comm.size}: stopped by "
@@ -148,6 +149,10 @@ def _main(parser, argv: list[str]) -> int:
         if comm.rank == 0:
             print(f"mpidp: {exc}", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT
+    except TooFewRanks as exc:  # on every survivor, which leave at exit (comm.elastic)
+        if exc.first:
+            print(f"mpidp: {exc}", file=sys.stderr, flush=True)
+        return TOO_FEW_RANKS_EXIT
     except C.MpidpError as exc:  # raised identically on every rank
         if comm.rank == 0:
             print(f"mpidp: error: {exc}", file=sys.stderr, flush=True)

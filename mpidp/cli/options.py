@@ -110,6 +110,7 @@ DEPENDS: dict[str, tuple[Needs, ...]] = {
     "max_skipped": (Needs(lambda s: s.get("on_nonfinite") == "skip",
                           "--max-skipped needs --on-nonfinite skip (only skipped steps are "
                           "counted)"),),
+    "min_ranks": (_needing("min_ranks", "elastic"),),
     **{dest: (_needing(dest, "checkpoint_dir"),)
        for dest in ("checkpoint_every", "keep_checkpoints", "restart")},
     "capacities": _only("capacities", "partition", ("weighted", "adaptive"),

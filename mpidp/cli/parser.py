@@ -358,6 +358,9 @@ def _add_train(sub) -> None:
       "says how many it skipped)")
     r("--elastic", action="store_true", help="go on over the surviving ranks when ranks die "
       "(data parallel, Open MPI's ULFM: mpiexec --with-ft ulfm --mca btl tcp,self)")
+    r("--min-ranks", type=_positive(int), default=1, metavar="N",
+      help="with --elastic: when fewer than N ranks survive, write a checkpoint (with "
+      "--checkpoint-dir) and end with exit status 69")
     r("--watchdog", type=_non_negative(float), default=None, metavar="SECONDS",
       help="end the job, naming the stalled ranks, when a rank makes no progress (stuck computing "
       "or waiting in MPI) for this long; 0 turns it off (default: on, max(600 s, 50 median steps))")

@@ -153,7 +153,7 @@ def _train_data_parallel(job: Job) -> dict | None:
             history = fit(dp, data.train, test=_held_out(data), spec=job.spec(
                 watch, partition=partition_of(args, data), resume=resume,
                 elastic=(lambda over: _regroup(job, watch, data, over)) if args.elastic
-                else False))
+                else False, min_ranks=args.min_ranks))
             comm = job.comm  # elastic: the survivors
             extra = {"balance": history[-1]["balance"]}
             say(comm, "last epoch: " + format_balance(extra["balance"], per_rank=False))

@@ -123,16 +123,24 @@ def rewatch(dog, comm: Comm) -> None:
     dog.start()
 
 
-def end_quietly_at_exit(comm: Comm) -> None:
+def end_quietly_at_exit(comm: Comm, status: int = 0) -> None:
     """After a run that lost ranks: at the interpreter's exit, meet the survivors, then
-    leave without ``MPI_Finalize`` (which may wait for the dead ranks forever). Output is
-    flushed first; the exit status is 0 (the run ended normally)."""
-    def leave() -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        try:
-            comm.Barrier()
-            time.sleep(0.5)  # the others complete the barrier before this process goes
-        finally:
-            os._exit(0)
-    atexit.register(leave)
+    leave with ``status`` without ``MPI_Finalize`` (which may wait for the dead ranks
+    forever). Output is flushed first. Called again, the last ``comm`` and ``status`` hold."""
+    if not _LEAVING:
+        atexit.register(_leave)
+    _LEAVING[:] = [comm, status]
+
+
+_LEAVING: list = []
+
+
+def _leave() -> None:
+    comm, status = _LEAVING
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        comm.Barrier()
+        time.sleep(0.5)  # the others complete the barrier before this process goes
+    finally:
+        os._exit(status)

@@ -91,11 +91,14 @@ def elastic_spec(dp, feed, spec: RunSpec) -> RunSpec:
         None if callable(rows) else
         f"{setting('elastic')} must be a function comm -> Shard that reads this rank's "
         f"training rows over comm (e.g. lambda comm: mpidp.load(comm, path, "
-        f"distribute='local').train): the rows of a lost rank are read again from it")
+        f"distribute='local').train): the rows of a lost rank are read again from it") or (
+        None if spec.min_ranks <= dp.comm.size else
+        f"{setting('min_ranks', spec.min_ranks)} is more than the {dp.comm.size} ranks of "
+        f"the run")
     C.agree(dp.comm, why)
     dog = spec.watchdog if isinstance(spec.watchdog, C.Watchdog) else dp.watchdog
     return dataclasses.replace(spec, elastic=Elastic(DataParallelRegroup(dp, feed, rows),
-                                                     dp.comm, dog))
+                                                     dp.comm, dog, spec.min_ranks))
 
 
 def losses(spec_or_history: Any) -> list[dict]:

@@ -8,6 +8,7 @@ every survivor reached (the smallest), and a replica that had gone one update fu
 goes back to its earlier mark. The trainer and its feed then move to the survivors
 (:meth:`Regroup.regroup`: the same global batches, the rest of the epoch split over fewer
 ranks) and the loop carries on from that step. Each loss is recorded (:attr:`Elastic.losses`).
+Fewer survivors than ``min_ranks`` end the run instead (:class:`TooFewRanks`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,21 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..comm import elastic as E
-from ..errors import MpidpError
+from ..errors import MpidpError, setting
+
+#: Exit status when fewer ranks than ``min_ranks`` survive (EX_UNAVAILABLE: a checkpoint,
+#: where checkpoints are on, is left to resume from on more ranks).
+TOO_FEW_RANKS_EXIT = 69
+
+
+class TooFewRanks(MpidpError):
+    """Fewer ranks survive than ``min_ranks``: the run ends at ``mark`` (the survivors'
+    replicas are back there), on every survivor; ``first``: this is the survivors' rank 0
+    (the one to say so)."""
+
+    def __init__(self, message: str, mark: _Mark, first: bool) -> None:
+        super().__init__(message)
+        self.mark, self.first = mark, first
 
 
 class Regroup(Protocol):
@@ -56,6 +71,7 @@ class Elastic:
     group: Regroup
     comm: Any
     watchdog: Any = None
+    min_ranks: int = 1
     losses: list[dict] = field(default_factory=list)
     marks: list[_Mark] = field(default_factory=list)
 
@@ -76,7 +92,8 @@ class Elastic:
 
     def recover(self, exc: BaseException) -> _Mark:
         """After ``exc`` (a lost rank; anything else is re-raised): the survivors, the mark
-        they go on from (the replica restored to it). Collective over the survivors."""
+        they go on from (the replica restored to it); :class:`TooFewRanks` when fewer than
+        ``min_ranks`` survive. Collective over the survivors."""
         if not E.is_lost_rank(exc):
             raise exc
         t0 = time.perf_counter()
@@ -102,10 +119,16 @@ class Elastic:
                     "survivors": comm.size, "epoch": mark.epoch + 1}
             self.losses.append(loss)
             if comm.rank == 0:
-                print(f"mpidp: lost rank {r} ({loss['host']}) at step {low}; going on with "
+                going = "going on with" if comm.size >= self.min_ranks else "left with"
+                print(f"mpidp: lost rank {r} ({loss['host']}) at step {low}; {going} "
                       f"{comm.size} rank(s) after {loss['seconds_to_recover']:.2f} s, "
                       f"{loss['steps_recomputed']} step(s) recomputed",
                       file=sys.stderr, flush=True)
+        if comm.size < self.min_ranks:
+            E.end_quietly_at_exit(comm, TOO_FEW_RANKS_EXIT)
+            raise TooFewRanks(f"{comm.size} rank(s) left, fewer than the {self.min_ranks} "
+                              f"{setting('min_ranks')} asks for: the run ends at step {low}",
+                              mark, comm.rank == 0)
         return mark
 
     def report(self, record: dict) -> None:

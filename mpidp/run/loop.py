@@ -23,6 +23,7 @@ from .. import comm as C
 from ..errors import setting
 from ..observe.progress import Progress, resolve
 from .checkpoint import State, check_position
+from .elastic import TooFewRanks
 from .faults import Injector
 from .nonfinite import NonFiniteError
 from .signals import Preempted
@@ -165,7 +166,17 @@ class _Run:
 
     def recover(self, exc: Exception) -> tuple[int, int, np.ndarray]:
         """Elastic runs: go on over the survivors of a lost rank (else raise ``exc``)."""
-        mark = self.elastic.recover(exc)
+        try:
+            mark = self.elastic.recover(exc)
+        except TooFewRanks as short:  # the run ends here, from a checkpoint where they are on
+            m = short.mark
+            del self.history[m.history:]
+            if not self.spec.checkpoint:
+                raise
+            self.save(State(m.epoch, m.step, m.global_step, m.totals.tolist()))
+            raise TooFewRanks(f"{short}; a checkpoint of step {m.global_step} is in "
+                              f"{self.spec.checkpoint.directory}: add {setting('resume')} "
+                              f"to go on", m, short.first) from None
         C.set_step(mark.global_step)
         del self.history[mark.history:]
         return mark.epoch, mark.step, mark.totals.copy()

@@ -69,7 +69,8 @@ class RunSpec:
     ``max_skipped``: fail when more than this share of the run's steps had their update
     skipped by the NaN/Inf policy. ``elastic`` (data parallel, Open MPI's ULFM; False: off):
     ``rows(comm) -> Shard``, this rank's training rows over ``comm``, which the survivors of
-    lost ranks go on over (:mod:`mpidp.parallel.elastic`)."""
+    lost ranks go on over (:mod:`mpidp.parallel.elastic`). ``min_ranks``: fewer survivors
+    end the run (a checkpoint where they are on)."""
 
     epochs: int
     batch_size: int
@@ -90,9 +91,11 @@ class RunSpec:
     monitor: str = "val_loss"
     max_skipped: float = 0.5
     elastic: Any = False
+    min_ranks: int = 1
 
     def __post_init__(self) -> None:
-        for name, low in (("epochs", 1), ("batch_size", 1), ("seed", 0), ("check_every", 0)):
+        for name, low in (("epochs", 1), ("batch_size", 1), ("seed", 0), ("check_every", 0),
+                          ("min_ranks", 1)):
             value = getattr(self, name)
             if not is_whole(value, low):
                 raise MpidpError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -117,7 +120,7 @@ class RunSpec:
         as values whose ``repr`` identifies them (callbacks and helpers: whether given)."""
         out: dict[str, Any] = {k: getattr(self, k) for k in (
             "epochs", "batch_size", "seed", "shuffle", "drop_last", "check_every", "monitor",
-            "max_skipped")}
+            "max_skipped", "min_ranks")}
         out["partition"] = (None if self.partition is None else
                             repr(self.partition) if is_dataclass(self.partition)
                             else type(self.partition).__name__)

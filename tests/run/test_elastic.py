@@ -96,3 +96,27 @@ def test_a_mode_that_is_not_elastic_is_refused(tmp_path):
     assert got.returncode == 2, got.stderr[-3000:]
     assert "--elastic does not apply to" in got.stderr and "allreduce" in got.stderr
     assert not (tmp_path / "out").exists()
+
+
+@open_mpi_only
+def test_too_few_survivors_end_with_a_checkpoint_that_resumes(uninterrupted, tmp_path):
+    """Fewer survivors than --min-ranks: a checkpoint of the step they went back to, one
+    line, exit status 69, no model or metrics; resuming it ends with the uninterrupted model."""
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    run = ("--elastic", "--distribute", "local", "--min-ranks", "4", "--checkpoint-dir",
+           str(ck), "--checkpoint-every", "100")
+    got = _job(4, out, *run, fault="kill@1:15")
+    assert got.returncode == 69, got.stderr[-3000:]
+    ending = [line for line in got.stderr.splitlines() if "--min-ranks" in line]
+    assert len(ending) == 1 and "--resume" in ending[0], got.stderr[-3000:]
+    assert not (out / "model.npz").exists() and not (out / "metrics.json").exists()
+    assert [p.name for p in ck.glob("ckpt-*.npz")] == ["ckpt-0000000015.npz"]
+    again = _job(4, tmp_path / "again", *run, "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    np.testing.assert_allclose(_params(tmp_path / "again"), uninterrupted, rtol=0, atol=1e-10)
+
+
+@open_mpi_only
+def test_min_ranks_needs_elastic(tmp_path):
+    got = _job(2, tmp_path / "out", "--min-ranks", "2", timeout=120)
+    assert got.returncode == 2 and "--min-ranks needs --elastic" in got.stderr, got.stderr
