@@ -31,6 +31,8 @@ from .data_parallel import DataParallel
 #: scikit-learn's activation names -> the layer after each hidden ``Dense`` (None: none).
 ACTIVATIONS = {"identity": None, "logistic": nn.Sigmoid, "tanh": nn.Tanh, "relu": nn.ReLU}
 SOLVERS = ("adam", "sgd")
+#: scikit-learn's ``batch_size`` that means ``min(200, n_samples)``.
+AUTO_BATCH = "auto"
 
 
 class _MLP(BaseEstimator):
@@ -73,7 +75,7 @@ class _MLP(BaseEstimator):
         C.agree_same(comm, f"{type(self).__name__}.fit (each rank passes the whole data)", {
             "the digest of X": checksum(X), "the digest of y": checksum(y),
             "classes": repr(self._meta())})
-        seed = int(comm.bcast(check_random_state(self.random_state).randint(2**31 - 1)))
+        seed = int(C.bcast_obj(comm, check_random_state(self.random_state).randint(2**31 - 1)))
         if fresh:
             self._start(X.shape[1], y, seed)
         X = np.asarray(X, self.dtype)
@@ -82,7 +84,7 @@ class _MLP(BaseEstimator):
             stratify = y if self._loss.classification else None
             X, X_val, y, y_val = train_test_split(X, y, random_state=seed, stratify=stratify,
                                                   test_size=self.validation_fraction)
-        batch = min(200 if self.batch_size == "auto" else self.batch_size, len(X))
+        batch = min(200 if self.batch_size == AUTO_BATCH else self.batch_size, len(X))
         lo, hi = len(X) * comm.rank // comm.size, len(X) * (comm.rank + 1) // comm.size
         shard = shard_from_arrays(comm, X[lo:hi], y[lo:hi])
         self._stopped, n_train = False, len(X)
@@ -104,7 +106,7 @@ class _MLP(BaseEstimator):
         if not incremental and len(history) == epochs and not self._stopped:
             warnings.warn(f"Stochastic Optimizer: Maximum iterations ({self.max_iter}) "
                           f"reached and the optimization hasn't converged yet.",
-                          ConvergenceWarning)
+                          ConvergenceWarning, stacklevel=3)
         return self
 
     def _check_settings(self) -> None:
@@ -117,7 +119,7 @@ class _MLP(BaseEstimator):
              f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}"),
             (self.solver not in SOLVERS,
              f"solver must be one of {SOLVERS}, got {self.solver!r}"),
-            (not (self.batch_size == "auto" or isinstance(self.batch_size, (int, np.integer))
+            (not (self.batch_size == AUTO_BATCH or isinstance(self.batch_size, (int, np.integer))
                   and self.batch_size > 0),
              f"batch_size must be 'auto' or a positive integer, got {self.batch_size!r}"),
             (not (isinstance(self.max_iter, (int, np.integer)) and self.max_iter > 0),

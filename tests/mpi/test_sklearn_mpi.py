@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mpi_helpers import all_ranks, raises_everywhere
 from mpi4py import MPI
+from mpi_helpers import all_ranks, raises_everywhere
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.model_selection import GridSearchCV
 
