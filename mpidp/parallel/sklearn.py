@@ -31,7 +31,8 @@ from .data_parallel import DataParallel
 #: scikit-learn's activation names -> the layer after each hidden ``Dense`` (None: none).
 ACTIVATIONS = {"identity": None, "logistic": nn.Sigmoid, "tanh": nn.Tanh, "relu": nn.ReLU}
 SOLVERS = ("adam", "sgd")
-_AUTO = "auto"  # batch_size: min(200, samples), as scikit-learn
+#: scikit-learn's ``batch_size`` that means ``min(200, n_samples)``.
+AUTO_BATCH = "auto"
 
 
 class _MLP(BaseEstimator):
@@ -83,7 +84,7 @@ class _MLP(BaseEstimator):
             stratify = y if self._loss.classification else None
             X, X_val, y, y_val = train_test_split(X, y, random_state=seed, stratify=stratify,
                                                   test_size=self.validation_fraction)
-        batch = min(200 if self.batch_size == _AUTO else self.batch_size, len(X))
+        batch = min(200 if self.batch_size == AUTO_BATCH else self.batch_size, len(X))
         lo, hi = len(X) * comm.rank // comm.size, len(X) * (comm.rank + 1) // comm.size
         shard = shard_from_arrays(comm, X[lo:hi], y[lo:hi])
         self._stopped, n_train = False, len(X)
@@ -105,7 +106,7 @@ class _MLP(BaseEstimator):
         if not incremental and len(history) == epochs and not self._stopped:
             warnings.warn(f"Stochastic Optimizer: Maximum iterations ({self.max_iter}) "
                           f"reached and the optimization hasn't converged yet.",
-                          ConvergenceWarning, stacklevel=2)
+                          ConvergenceWarning, stacklevel=3)
         return self
 
     def _check_settings(self) -> None:
@@ -118,7 +119,7 @@ class _MLP(BaseEstimator):
              f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}"),
             (self.solver not in SOLVERS,
              f"solver must be one of {SOLVERS}, got {self.solver!r}"),
-            (not (self.batch_size == _AUTO or isinstance(self.batch_size, (int, np.integer))
+            (not (self.batch_size == AUTO_BATCH or isinstance(self.batch_size, (int, np.integer))
                   and self.batch_size > 0),
              f"batch_size must be 'auto' or a positive integer, got {self.batch_size!r}"),
             (not (isinstance(self.max_iter, (int, np.integer)) and self.max_iter > 0),
