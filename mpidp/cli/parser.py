@@ -417,6 +417,37 @@ def add_predict(sub) -> None:
       "classifier; MSE, MAE and R^2 of a regression. Exact at any number of ranks")
 
 
+def _add_sweep(sub) -> None:
+    p = sub.add_parser(
+        "sweep", help="run many training trials (a grid, a random search, a file of trials) "
+        "on groups of ranks", description="Run trials of mpidp train on groups of "
+        "--ranks-per-trial ranks, each group taking the next trial until all are done. Any "
+        "other option is an option of mpidp train, given to every trial (a trial's own "
+        "settings win). Run under mpiexec -n P.", formatter_class=_Help)
+    a = p.add_argument
+    a("--ranks-per-trial", type=_positive(int), default=1, metavar="K",
+      help="ranks per trial; the P %% K ranks left over stay idle")
+    a("--grid", nargs="+", default=None, metavar="NAME=V1,V2",
+      help="every combination of these values of train options (lr=0.01,0.1 "
+      "batch-size=64,256; a value holding commas in brackets: hidden=[64,32],[128])")
+    a("--random", type=_non_negative(int), default=0, metavar="N",
+      help="also N trials drawn at random from --space")
+    a("--space", nargs="+", default=None, metavar="NAME=RANGE",
+      help="for --random: V1,V2 (one of them), LO:HI (uniform; whole numbers if both are) "
+      "or LO:HI:log (log-uniform)")
+    a("--search-seed", type=_non_negative(int), default=0, help="seed of the --random draws")
+    a("--trials", default=None, metavar="FILE.toml",
+      help="also the trials of a TOML file: one [[trial]] table of train options each")
+    a("--select", default=None, metavar="METRIC",
+      help="the figure that orders the trials, e.g. val_accuracy or best_val_loss (a loss "
+      "lowest first, anything else highest first; default: val_loss, else test_loss, else "
+      "loss)")
+    a("--out", default="out/sweep", help="folder of the sweep: trial-NNN/ for each trial, "
+      "sweep.json and sweep.csv")
+    a("--resume", action="store_true", help="continue the sweep in --out: trials that "
+      "finished are kept, the others run (again)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mpidp", description="Data-parallel training of NumPy models over "
                      "MPI. Run the commands under mpiexec -n P (or srun).")
@@ -449,6 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--title", default=None, help="a title over the figure")
     from . import export
     add_import(export.add_parser(sub))
+    _add_sweep(sub)
     return parser
 
 
