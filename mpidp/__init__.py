@@ -5,6 +5,7 @@ Public API::
     from mpidp import DataParallel, fit, load, nn
     from mpidp import Partition, map_reduce  # partition strategies, map/reduce
     mpidp.sklearn.MLPClassifier, mpidp.sklearn.MLPRegressor  # scikit-learn estimators
+    from mpidp import sweep  # many trials at once, on groups of ranks
 
 ``import mpidp`` starts no MPI, nor do its pure names (``MpidpError``, ``Partition``,
 ``checksum``, ``partition``, ``nn``); the others are imported on first use, and MPI starts
@@ -28,6 +29,7 @@ _LAZY = {
     "map_reduce": ".parallel.mapreduce", "DataParallel": ".parallel.data_parallel",
     "StepStats": ".run.stats", "RunSpec": ".run.spec", "nn": None, "partition": ".data.partition",
     "BestModel": ".observe.best", "sklearn": ".parallel.sklearn",
+    "sweep": ".parallel.sweeps",
 }
 __getattr__, __dir__ = exports(__name__, _LAZY)
 __all__ = sorted(_LAZY)

@@ -1,4 +1,4 @@
-"""Command line: ``mpidp train``, ``predict``, ``model``, ``plot``, ``info``, run under
+"""Command line: ``mpidp train``, ``sweep``, ``predict``, ``model``, ``plot``, ``info``, run under
 ``mpiexec -n P``.
 
 Every rank parses the same arguments and takes the same decisions; only rank 0 prints.
@@ -106,7 +106,11 @@ def _refuse(problem: str | None) -> None:
 
 def _main(parser, argv: list[str]) -> int:
     typed = list(argv)  # what the user wrote: the options given (a table's are added below)
-    args = parser.parse_args(argv)
+    if argv[:1] == ["sweep"]:  # its other options are train's, for every trial
+        from .sweep import parse
+        args = parse(parser, argv)
+    else:
+        args = parser.parse_args(argv)
     command = subcommand(parser, args.command)
     _refuse(refusal(args, command))  # before anything opens a path, and before MPI
     if args.command == "info":
@@ -190,3 +194,6 @@ def _run(args, comm, parser, typed: list[str], from_file: set[tuple[str, bool]])
         from .options import given
         from .predict import predict
         predict(args, comm, given(command, after))
+    elif args.command == "sweep":
+        from .sweep import run
+        run(args, comm, parser)

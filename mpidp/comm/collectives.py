@@ -6,6 +6,7 @@ called by every rank of ``comm``."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -261,6 +262,15 @@ def alltoallv_rows(comm: Comm, rows: np.ndarray, send_counts: Sequence[int],
 def barrier(comm: Comm) -> None:
     """Wait until every rank of ``comm`` arrives."""
     comm.Barrier()
+
+
+@watched("an Ibarrier (idle)")
+def idle_barrier(comm: Comm, poll: float = 0.05) -> None:
+    """:func:`barrier` that sleeps ``poll`` seconds between tests: a rank done long before
+    the others leaves its core to them instead of spinning in MPI."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(poll)
 
 
 #: Bytes sent to each rank per round by :func:`scatterv_fill` (when no round size is given).

@@ -164,6 +164,20 @@ def split_off(comm: Comm, rank: int) -> Comm | None:
     return None if sub == MPI.COMM_NULL else sub
 
 
+@contextlib.contextmanager
+def split_groups(comm: Comm, size: int):
+    """Consecutive ranks of ``comm`` in groups of ``size`` (ranks ``0..size-1``, then the
+    next ``size`` ...), freed on leaving; None on the ``comm.size % size`` spare ranks at
+    the end. Collective, to enter and (over each group) to leave."""
+    spare = comm.rank >= comm.size - comm.size % size
+    sub = split(comm, MPI.UNDEFINED if spare else comm.rank // size, comm.rank)
+    try:
+        yield None if sub == MPI.COMM_NULL else sub
+    finally:
+        if sub != MPI.COMM_NULL:
+            sub.Free()
+
+
 @watched("a Comm.Split")
 def node_split(comm: Comm, first: int = 0) -> tuple[Comm, Comm | None]:
     """``(node, leaders)``: the ranks of ``comm`` on this rank's node (``first`` as rank 0) and,

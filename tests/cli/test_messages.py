@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from helpers import ROOT, run_mpi
 
-from mpidp.cli.parser import _number, build_parser
+from mpidp.cli.parser import build_parser
+from mpidp.cli.values import number as _number
 from mpidp.data.balance import balance_figures, format_balance
 from mpidp.observe.metrics import STEP_FIELDS
 
@@ -144,7 +145,7 @@ def _readme() -> str:
 
 def test_readme_names_every_command():
     commands = build_parser()._subparsers._group_actions[0].choices  # noqa: SLF001
-    words = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+    words = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven"}
     assert f"has {words[len(commands)]} commands" in _readme()
     for name in commands:
         assert f"| `mpidp {name}` |" in _readme(), name
