@@ -41,6 +41,13 @@ class Flag:
         return declared(self.field).metadata
 
     @property
+    def why(self) -> str:
+        """Why it applies to no other mode: its field's declared reason, else who has it."""
+        modes = self.modes
+        return self.meta["why"] or (f"only --sync {' and '.join(modes)} "
+                                    f"{'has' if len(modes) == 1 else 'have'} this setting")
+
+    @property
     def default(self) -> Any:
         """Its field's default as the flag's value, where every mode that carries the
         field agrees on it (None otherwise: each mode keeps its own)."""

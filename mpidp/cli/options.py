@@ -29,7 +29,7 @@ TABLE: dict[str, tuple[frozenset, str]] = {
     "distribute": (DATA, "every pipeline stage reads the whole training set"),
     "init_sync": (frozenset(SYNCS), "the initial parameters are set by the mode itself"),
     **dict.fromkeys(("partition", "costs", "capacities", "adapt_every"), _WHOLE_BATCH),
-    **{f.dest: (frozenset(f.modes), f.meta["why"]) for f in FLAGS},
+    **{f.dest: (frozenset(f.modes), f.why) for f in FLAGS},
     "elastic": (frozenset(n for n, m in MODES.items() if m.elastic is True), "only "
                 + ", ".join(n for n, m in MODES.items() if m.elastic is True) + " go on over "
                 "the survivors of a lost rank (see docs/reliability.md)"),

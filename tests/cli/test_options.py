@@ -366,3 +366,13 @@ def test_sizes_of_generated_data_are_refused_for_other_datasets(dataset, refused
     assert got == ([f"--{d} does not apply to --dataset {dataset}: only the generated "
                     f"datasets (synthetic, bow) are made to a size"
                     for d in ("n-features", "n-samples")] if refused else [])
+
+
+def test_a_new_flag_line_is_refused_elsewhere_with_a_reason():
+    """A flag added to the table for a field whose declaration gives no reason is refused
+    under the other modes with one that names the modes having it (never 'None')."""
+    from mpidp.cli.flags import Flag
+    flag = Flag("--error-feedback", "error_feedback", {"on": True, "off": False})
+    assert flag.modes == ("compressed",)
+    assert flag.why == "only --sync compressed has this setting"
+    assert all(why for _, why in TABLE.values()), "an option refused without a reason"
