@@ -81,6 +81,7 @@ FLAGS = (
     Flag("--sync-every", "k"),
     Flag("--micro-batches", "micro_batches"),
     Flag("--schedule", "schedule"),
+    Flag("--error-feedback", "error_feedback", {"on": True, "off": False}),
 )
 _BY_FIELD = {f.field: f for f in FLAGS}
 

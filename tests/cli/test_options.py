@@ -32,6 +32,7 @@ VALUES: dict[str, list[str]] = {
     "ps_chunk_mb": ["--ps-chunk-mb", "2"],
     "bucket_mb": ["--bucket-mb", "2"],
     "compress": ["--compress", "float16"],
+    "error_feedback": ["--error-feedback", "off"],
     "sync": ["--sync", "overlapped"],
     "node_aware": ["--node-aware", "on"],
     "overlap_progress": ["--overlap-progress", "thread"],

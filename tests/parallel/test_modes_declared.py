@@ -81,7 +81,16 @@ def test_the_option_table_is_derived_from_the_settings(flag):
     carrying = {mode for mode, m in MODES.items() if flag.field in m.fields}
     whys = {f.metadata["why"] for mode in carrying
             for f in dataclasses.fields(MODES[mode].settings) if f.name == flag.field}
-    assert carrying and TABLE[flag.dest] == (carrying, *whys)
+    assert len(whys) == 1 and TABLE[flag.dest] == (carrying, flag.why)
+    assert flag.why in whys or whys == {None}  # declared, else derived from the modes
+
+
+def test_error_feedback_is_a_flag_of_the_compressed_exchange():
+    args = build_parser().parse_args(["train", "--sync", "compressed", "--error-feedback",
+                                      "off"])
+    assert flags.settings_of("compressed", args) == MODES["compressed"].settings(
+        error_feedback=False)
+    assert MODES["compressed"].settings().error_feedback is True
 
 
 def test_every_setting_with_a_flag_has_one_flag_and_the_parser_has_it():
