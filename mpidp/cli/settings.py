@@ -22,6 +22,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from .config import NOT_STORED, RECORDS, load, tokens
+from .flags import FLAGS
 from .options import DEPENDS, applies, applying, depends_met, given
 from .parser import launcher_rank, subcommand
 
@@ -34,14 +35,14 @@ if TYPE_CHECKING:
 RESUME_MUST_MATCH = ("dataset", "model", "hidden", "batch_size", "seed", "dtype", "optimizer",
                      "test_fraction", "no_shuffle", "drop_last", "n_samples", "n_features",
                      "val_fraction", "standardize")
+#: The settings that choose the gradient exchange: ``--sync`` and every mode's settings
+#: (the flag table); a resume may change them, said apart from the hyperparameters.
+RESUME_EXCHANGE = ("sync", *(f.dest for f in FLAGS))
 #: Settings a resume may change; the change is announced and recorded.
 RESUME_MAY_CHANGE = ("lr", "momentum", "weight_decay", "lr_schedule", "lr_step_epochs",
                      "lr_milestones", "lr_gamma", "lr_min", "warmup_epochs", "warmup_steps",
                      "lr_scaling", "base_batch", "plateau_factor", "plateau_patience",
-                     "clip_norm", "clip_value", "early_stopping", "min_delta",
-                     "sync", "sync_every", "compress")
-#: Of those, the ones that choose the gradient exchange (said apart from the hyperparameters).
-RESUME_EXCHANGE = ("sync", "sync_every", "compress")
+                     "clip_norm", "clip_value", "early_stopping", "min_delta", *RESUME_EXCHANGE)
 
 
 def _in_front(parser: argparse.ArgumentParser, argv: list[str], table: dict, source: str,

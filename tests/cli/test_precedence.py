@@ -76,6 +76,19 @@ def test_a_setting_of_another_sync_is_no_change_of_its_own():
     assert set(changed) == {"sync"}
 
 
+def test_a_resume_announces_every_flag_of_the_mode_it_keeps():
+    """Each flag of the table is an exchange setting: changed under the same ``--sync`` it is
+    announced with the exchange (bucket size, error feedback ... not only ``--sync-every``)."""
+    from mpidp.cli.flags import FLAGS
+    saved = {**CONFIG, "sync": "compressed", "bucket_mb": 1.0, "error_feedback": "on"}
+    changed, refusal = settings.compare_resume(saved, {**saved, "bucket_mb": 2.0,
+                                                       "error_feedback": "off"})
+    assert refusal is None and set(changed) == {"bucket_mb", "error_feedback"}
+    assert settings.format_changes(changed).startswith("resuming with another gradient "
+                                                       "exchange: --bucket-mb 2.0")
+    assert {f.dest for f in FLAGS} <= set(settings.RESUME_EXCHANGE)
+
+
 def test_a_resume_must_match_the_settings_that_shape_the_run():
     changed, refusal = settings.compare_resume(CONFIG, {**CONFIG, "batch_size": 16}, path="P")
     assert changed == {}
