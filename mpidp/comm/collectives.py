@@ -21,9 +21,10 @@ from .runtime import Comm, watched
 MAX_COUNT = int(os.environ.get("MPIDP_MAX_COUNT", 2**31 - 1))
 
 
-def _pieces(n: int):
-    """``(lo, hi)`` slices of at most :data:`MAX_COUNT` elements covering ``0 .. n``."""
-    return [(lo, min(lo + MAX_COUNT, n)) for lo in range(0, n, MAX_COUNT)] or [(0, 0)]
+def _pieces(buf: np.ndarray) -> list[np.ndarray]:
+    """Contiguous ``buf`` flattened, in slices of at most :data:`MAX_COUNT` elements."""
+    flat = buf.reshape(-1)
+    return [flat[lo:lo + MAX_COUNT] for lo in range(0, flat.size, MAX_COUNT)] or [flat]
 
 
 def _displs(counts) -> np.ndarray:
@@ -47,9 +48,8 @@ def gather_obj(comm: Comm, obj: Any, root: int = 0) -> list[Any] | None:
 def bcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
     """Broadcast contiguous ``buf`` from ``root`` in place (in pieces over :data:`MAX_COUNT`
     elements); returns ``buf``."""
-    flat = buf.reshape(-1)
-    for lo, hi in _pieces(flat.size):
-        comm.Bcast(flat[lo:hi], root=root)
+    for piece in _pieces(buf):
+        comm.Bcast(piece, root=root)
     return buf
 
 
@@ -57,9 +57,8 @@ def bcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
 def allreduce_sum_(comm: Comm, buf: np.ndarray) -> np.ndarray:
     """Sum contiguous ``buf`` over all ranks in place: one ``Allreduce`` per
     :data:`MAX_COUNT` elements."""
-    flat = buf.reshape(-1)
-    for lo, hi in _pieces(flat.size):
-        comm.Allreduce(MPI.IN_PLACE, flat[lo:hi], op=MPI.SUM)
+    for piece in _pieces(buf):
+        comm.Allreduce(MPI.IN_PLACE, piece, op=MPI.SUM)
     return buf
 
 
@@ -102,8 +101,7 @@ def iallgather_in_place(comm: Comm, buf: np.ndarray) -> MPI.Request:
 def ibcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> list[MPI.Request]:
     """Start broadcasting contiguous ``buf`` from ``root`` in place; ``buf`` stays alive, and
     unchanged on ``root``, until :func:`wait_all` completes the requests."""
-    flat = buf.reshape(-1)
-    return [comm.Ibcast(flat[lo:hi], root=root) for lo, hi in _pieces(flat.size)]
+    return [comm.Ibcast(piece, root=root) for piece in _pieces(buf)]
 
 
 #: Buffers of at least this many bytes are summed to a root as a reduce-scatter + gather.
@@ -325,24 +323,21 @@ def scatterv_fill(comm: Comm, counts: Sequence[int], row_shape: tuple[int, ...],
 def isend(comm: Comm, buf: np.ndarray, dest: int, tag: int) -> list[MPI.Request]:
     """Start sending contiguous ``buf`` to ``dest``; returns the requests to wait on (``buf``
     stays alive and unchanged until they complete)."""
-    flat = buf.reshape(-1)
-    return [comm.Isend(flat[lo:hi], dest=dest, tag=tag) for lo, hi in _pieces(flat.size)]
+    return [comm.Isend(piece, dest=dest, tag=tag) for piece in _pieces(buf)]
 
 
 @watched("a Recv")
 def recv_(comm: Comm, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
     """Receive into contiguous ``buf`` (matching :func:`isend` of as many elements) from
     ``source``; returns ``buf``."""
-    flat = buf.reshape(-1)
-    for lo, hi in _pieces(flat.size):
-        comm.Recv(flat[lo:hi], source=source, tag=tag)
+    for piece in _pieces(buf):
+        comm.Recv(piece, source=source, tag=tag)
     return buf
 
 
 def irecv(comm: Comm, buf: np.ndarray, source: int, tag: int) -> list[MPI.Request]:
     """Start receiving into contiguous ``buf`` from ``source``; returns the requests."""
-    flat = buf.reshape(-1)
-    return [comm.Irecv(flat[lo:hi], source=source, tag=tag) for lo, hi in _pieces(flat.size)]
+    return [comm.Irecv(piece, source=source, tag=tag) for piece in _pieces(buf)]
 
 
 def test_all(requests: Sequence[MPI.Request]) -> bool:
@@ -370,9 +365,8 @@ MPI_REQUEST_NULL = MPI.REQUEST_NULL
 @watched("a Send")
 def send(comm: Comm, buf: np.ndarray, dest: int, tag: int) -> None:
     """Send contiguous ``buf`` to ``dest`` (blocking; matches :func:`recv_`)."""
-    flat = buf.reshape(-1)
-    for lo, hi in _pieces(flat.size):
-        comm.Send(flat[lo:hi], dest=dest, tag=tag)
+    for piece in _pieces(buf):
+        comm.Send(piece, dest=dest, tag=tag)
 
 
 # --- measuring the network: the cost model's inputs
@@ -381,20 +375,17 @@ def send(comm: Comm, buf: np.ndarray, dest: int, tag: int) -> None:
 def pingpong(comm: Comm, nbytes: int, reps: int = 50, peer: int = 1) -> float | None:
     """One-way seconds of an ``nbytes`` message between rank 0 and ``peer`` (the median of
     ``reps`` round trips, halved) on rank 0; None elsewhere. Collective over the pair."""
-    if comm.rank not in (0, peer):
-        return None
     buf = np.zeros(max(nbytes, 1), np.uint8)[:nbytes]
-    times = []
-    for _ in range(reps + 3):
-        t = MPI.Wtime()
+
+    def round_trip() -> None:
         if comm.rank == 0:
             comm.Send(buf, dest=peer, tag=5)
             comm.Recv(buf, source=peer, tag=5)
         else:
             comm.Recv(buf, source=0, tag=5)
             comm.Send(buf, dest=0, tag=5)
-        times.append((MPI.Wtime() - t) / 2)
-    return float(np.median(times[3:])) if comm.rank == 0 else None
+    t = _pair_median(comm, peer, round_trip, reps)
+    return None if t is None else t / 2
 
 
 def time_allreduce(comm: Comm, n: int, dtype=np.float32, reps: int = 20,
@@ -416,13 +407,20 @@ def time_allreduce(comm: Comm, n: int, dtype=np.float32, reps: int = 20,
 def exchange_time(comm: Comm, nbytes: int, reps: int = 20, peer: int = 1) -> float | None:
     """Median seconds for rank 0 and ``peer`` to ``Sendrecv`` ``nbytes`` to each other (both
     directions busy, as in a ring), on rank 0; None elsewhere. Collective over the pair."""
-    if comm.rank not in (0, peer):
-        return None
     other = peer if comm.rank == 0 else 0
     out, back = (np.zeros(max(nbytes, 1), np.uint8)[:nbytes] for _ in range(2))
+    return _pair_median(comm, peer, lambda: comm.Sendrecv(
+        out, dest=other, sendtag=6, recvbuf=back, source=other, recvtag=6), reps)
+
+
+def _pair_median(comm: Comm, peer: int, once: Callable[[], None], reps: int) -> float | None:
+    """Median seconds of ``once()`` over ``reps`` runs after 3 warm-ups, on rank 0; None
+    elsewhere (``once`` runs on rank 0 and ``peer`` only)."""
+    if comm.rank not in (0, peer):
+        return None
     times = []
     for _ in range(reps + 3):
         t = MPI.Wtime()
-        comm.Sendrecv(out, dest=other, sendtag=6, recvbuf=back, source=other, recvtag=6)
+        once()
         times.append(MPI.Wtime() - t)
     return float(np.median(times[3:])) if comm.rank == 0 else None

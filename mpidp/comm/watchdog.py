@@ -49,7 +49,6 @@ def _unlink_shm_segments() -> None:
 def abort_job(comm: Comm, code: int) -> None:
     """``MPI_Abort`` the job, and leave this process within seconds even if the launcher
     cannot be reached (a rank cut off from its job by a dead link must not live on)."""
-    import threading
     sys.stderr.flush()
     sys.stdout.flush()
     _unlink_shm_segments()

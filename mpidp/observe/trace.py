@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -136,16 +135,9 @@ def clock_offsets(comm, rounds: int = 8) -> tuple[float, float]:
 
 
 def _gather_obj(comm, obj: Any) -> list | None:
-    """Every rank's picklable ``obj`` in rank order on rank 0 (None elsewhere). Collective:
-    one Allgather of sizes and one Gatherv of bytes."""
+    """Every rank's picklable ``obj`` in rank order on rank 0 (None elsewhere). Collective."""
     from .. import comm as C
-    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-    counts = C.allgather_counts(comm, data.size)
-    joined = C.gatherv(comm, data)
-    if joined is None:
-        return None
-    ends = np.cumsum(counts)
-    return [pickle.loads(joined[e - n:e].tobytes()) for n, e in zip(counts, ends)]
+    return C.gather_obj(comm, obj)
 
 
 def write(comm, tracer: Tracer, path: str) -> int | None:

@@ -176,11 +176,8 @@ class Codec:
 
     def encode_(self, x: np.ndarray, codes: np.ndarray, lost: np.ndarray | None = None) -> None:
         """``codes[...] = encode(x)``; with ``lost``, ``lost[...] = x - decode(codes)``."""
-        if self.codec == "int8":
-            self._encode_i8(x, codes, lost)
-            return
-        if self.codec == "float16":
-            self._encode_f16(x, codes, lost)
+        if self.codec != "bfloat16":
+            (self._encode_i8 if self.codec == "int8" else self._encode_f16)(x, codes, lost)
             return
         b, u = x.view(np.uint32), self._bits[:len(x)]
         np.right_shift(b, 16, out=u)  # round to nearest, ties to even: add 0x7FFF + lsb

@@ -97,7 +97,6 @@ class Sync:
         self.bytes_sent = 0
         self.node_aware: bool | None = None  # where the mode's settings lack it
         self.hierarchy: C.NodeAllreduce | None = None
-        # the settings of the mode named ``name`` (a strategy of one's own has none)
         settings = (MODES[self.name].settings if self.name in MODES else Settings)(*args, **kwargs)
         vars(self).update((f.name, getattr(settings, f.name)) for f in fields(settings))
 
@@ -118,9 +117,8 @@ class Sync:
 
     def _hierarchy(self, s: Setup) -> C.NodeAllreduce | None:
         """The node-aware reduction this strategy uses, or None (plain ``Allreduce``)."""
-        if self.name not in having("node_aware") or self.node_aware is False or s.comm.size == 1:
-            return None
-        if not self.node_aware and not C.node_aware_pays(s.comm):
+        if (self.name not in having("node_aware") or self.node_aware is False or s.comm.size == 1
+                or not self.node_aware and not C.node_aware_pays(s.comm)):
             return None
         try:
             return C.NodeAllreduce(s.comm, self.n + buffer.N_EXTRA, s.model.dtype)
@@ -162,13 +160,12 @@ class Sync:
 
     def reduce(self) -> None:
         """Make ``self.buf`` hold the global sums on every rank. Collective."""
-        if self.hierarchy is not None:
+        if self.hierarchy is None:
+            C.allreduce_sum_(self.comm, self.buf)
+        else:
             self.hierarchy.allreduce()
-            # a node leader hands the buffer to MPI; the others only to shared memory
-            self.bytes_sent += self.buf.nbytes if self.hierarchy.leads else 0
-            return
-        C.allreduce_sum_(self.comm, self.buf)
-        self.bytes_sent += self.buf.nbytes
+        # a node leader hands the buffer to MPI; the others only to shared memory
+        self.bytes_sent += self.buf.nbytes if self.hierarchy is None or self.hierarchy.leads else 0
 
     def at_boundary(self) -> bool:
         """True when nothing is pending between synchronisations (a checkpoint may be taken)."""
@@ -258,8 +255,7 @@ class _Periodic(Sync):
         """Refuse, on every rank alike, a synchronisation that some ranks but not all
         brought forward for an epoch's end (``early_ranks`` of them, summed with the sums):
         their steps no longer pair up."""
-        size = self.comm.size
-        if 0 < early_ranks < size:
+        if 0 < early_ranks < (size := self.comm.size):
             raise C.MpidpError(
                 f"{setting('sync', self.name)}: the end of an epoch (last_of_epoch) came at "
                 f"different steps on different ranks ({early_ranks} of {size} ranks "
