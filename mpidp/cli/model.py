@@ -30,8 +30,7 @@ def check_model_file(args: argparse.Namespace) -> None:
         raise ValueError(f"--model {args.model}: layer class {missing[0]!r} is not registered: "
                          f"{HINT}")
     layers = layers_from(specs, 1, where=f"--model {args.model}")
-    why = refuses_model(frozenset().union(*(layer.needs for layer in layers)), args.parallel,
-                        args.sync)
+    why = refuses_model(layers, args.parallel, args.sync)
     if why:
         raise ValueError(f"--model {args.model}: {why}")
 
