@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..atomic import check_place, write_atomic
+from ..atomic import check_place, numpy_kind, write_atomic
 from .context import Context, _unheard
 from .layers import RESERVED, Layer, layer_class, layer_name, layer_spec, registered_layers
 from .losses import outputs
@@ -336,9 +336,11 @@ def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
     path = _model_path(path)
     check_place(path, "model file")
     try:
+        kind = numpy_kind(path)
+        if kind != ".npz":
+            raise ValueError("not a .npz archive (" + ("a single .npy array)" if kind else
+                             "nor any NumPy file: a text file, say)"))
         saved = np.load(path, allow_pickle=False)
-        if not isinstance(saved, np.lib.npyio.NpzFile):
-            raise ValueError("not a .npz archive (a single .npy array)")
         with saved:  # every member read in full: every zip CRC-32 is checked
             missing = [k for k in ("params", "spec", "dtype") if k not in saved.files]
             if missing:
