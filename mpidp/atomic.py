@@ -63,6 +63,15 @@ def check_place(path: str, what: str, file: bool = True, folder: bool = False,
         raise ValueError(f"{what} {shown(path)} is {kind}: give {want}{fix}")
 
 
+def numpy_kind(path: str) -> str:
+    """What the file ``path`` is by its first bytes: ``".npy"`` (one NumPy array), ``".npz"``
+    (a zip archive, as ``np.savez`` writes) or ``""`` (neither: a text file, say), so that
+    NumPy is never asked to read a foreign file (its error would suggest unpickling it)."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    return ".npy" if head == b"\x93NUMPY" else ".npz" if head[:4] == b"PK\x03\x04" else ""
+
+
 def read_text(path: str, what: str, limit: int = TEXT_LIMIT) -> bytes:
     """The bytes of the text file ``path`` (a model file, a configuration), read by
     :func:`check_place`'s rule and at most ``limit`` bytes: ValueError naming ``what`` for

@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import comm as C
 from .. import nn
-from ..atomic import check_folder, check_place, write_atomic, write_together
+from ..atomic import check_folder, check_place, numpy_kind, write_atomic, write_together
 from ..data import distribute as D
 from ..data.balance import Partition
 from ..data.distribute import load_on_workers
@@ -41,9 +41,13 @@ def _costs_arg(path: str):
         return None
     check_place(path, "--costs")
     try:
-        return np.load(path, allow_pickle=False)
+        costs = np.load(path, allow_pickle=False) if numpy_kind(path) == ".npy" else None
     except (OSError, ValueError) as exc:
         raise ValueError(f"--costs {path!r}: cannot read a .npy file ({exc})") from exc
+    if costs is None:  # NumPy's own error would suggest unpickling it
+        raise ValueError(f"--costs {path!r} is not a .npy file: give one cost per dataset row, "
+                         f"as np.save writes them")
+    return costs
 
 
 def load_settings(args: argparse.Namespace) -> dict:

@@ -30,8 +30,7 @@ def check_model_file(args: argparse.Namespace) -> None:
         raise ValueError(f"--model {args.model}: layer class {missing[0]!r} is not registered: "
                          f"{HINT}")
     layers = layers_from(specs, 1, where=f"--model {args.model}")
-    why = refuses_model(frozenset().union(*(layer.needs for layer in layers)), args.parallel,
-                        args.sync)
+    why = refuses_model(layers, args.parallel, args.sync)
     if why:
         raise ValueError(f"--model {args.model}: {why}")
 
@@ -45,6 +44,10 @@ def build_layers(args: argparse.Namespace, data: D.Data) -> tuple[list, nn.Loss]
                          f"are sparse, and centring them would make them dense")
     layers, loss = nn.model_layers(args.model, data.sample_shape, data.n_outputs, args.hidden,
                                    data.classification, sparse)
+    if args.standardize and layers[0].reads:
+        raise ValueError(f"--standardize does not apply to this model: its first layer "
+                         f"{layers[0]!r} reads {layers[0].reads} from the data set, "
+                         f"which centring would change")
     return ([nn.Standardize(), *layers] if args.standardize else layers), loss
 
 

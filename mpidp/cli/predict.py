@@ -15,6 +15,7 @@ from .. import nn
 from ..atomic import check_file, target, write_atomic
 from ..data.partition import block_range, split_rows
 from ..data.sources import open_source, scan_rows
+from ..nn.modelfile import is_model_file
 from ..nn.sparse import CSR, input_problem
 from ..observe.scores import ScoreSums
 from ..parallel.evaluation import global_sums
@@ -42,6 +43,9 @@ def _open_model(path: str) -> nn.Sequential:
     ValueError naming the file if it is missing, truncated, corrupted (zip CRC-32), not a
     model, or not finite, and naming the layer class and ``--import`` when it uses a class
     no imported module registers."""
+    if is_model_file(path) and not os.path.isdir(path):
+        raise ValueError(f"--model {path} is a model file (layers without trained parameters): "
+                         f"give the model.npz that 'mpidp train' wrote from it, or its folder")
     try:
         model = nn.load(path, check_finite=False)
     except ValueError as exc:
@@ -62,13 +66,15 @@ def _scores(comm: C.Comm, model: nn.Sequential, mine: _Rows, classifier: bool) -
     sums, problem = ScoreSums(classifier, model.n_out), None
     for lo in range(0, mine.n_samples, 4096):
         X, y = mine.read(np.arange(lo, min(lo + 4096, mine.n_samples)))
+        what = "rows"  # features (token ids, say), then labels or targets, that do not suit
         try:
-            sums.add(model.predict(X, "scores"), y)
-        except ValueError as exc:  # labels or targets that do not suit the model: agreed
-            problem = str(exc)
+            scores = model.predict(X, "scores")
+            what = "labels"
+            sums.add(scores, y)
+        except ValueError as exc:  # agreed on
+            problem = f"the dataset's {what} do not suit the model ({exc})"
             break
-    C.agree(comm, problem and f"the dataset's labels do not suit the model ({problem}); no "
-            f"predictions were written")
+    C.agree(comm, problem and f"{problem}; no predictions were written")
     _, vector = global_sums(comm, np.zeros(1), sums)
     return sums.scores(vector)
 

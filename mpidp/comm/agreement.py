@@ -104,19 +104,19 @@ def _digest(value: Any) -> int:
 @watched("an agreement Allreduce (arguments)")
 def agree_same(comm: Comm, where: str, items: dict[str, Any]) -> None:
     """Raise the same :class:`MpidpError` on every rank unless every rank passed equal
-    ``items`` (name -> a value whose ``repr`` identifies it). Collective: one ``Allreduce`` of
-    digests; the message names each differing item, its values and the ranks holding each."""
-    names = list(items)
-    h = np.array([_digest(items[k]) for k in names], np.int64)
-    buf = np.concatenate([h, -h])
+    ``items`` (name -> a value whose ``repr`` identifies it; ranks may even pass different
+    names). Collective: one ``Allreduce`` of a digest of them all; the message names each
+    differing item, its values and the ranks holding each."""
+    h = _digest([(k, repr(v)) for k, v in items.items()])
+    buf = np.array([h, -h], np.int64)  # the same size on every rank, whatever it passed
     comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
-    differ = [k for i, k in enumerate(names) if buf[i] != -buf[len(names) + i]]
-    if not differ:
+    if buf[0] == -buf[1]:
         return
-    shown = comm.allgather({k: repr(items[k]) for k in differ})  # failure path only
+    shown = comm.allgather({k: repr(v) for k, v in items.items()})  # failure path only
+    names = dict.fromkeys(k for values in shown for k in values)
     parts = []
-    for k in differ:
-        seen = [values[k] for values in shown]
+    for k in (k for k in names if len({values.get(k) for values in shown}) > 1):
+        seen = [values.get(k, "not passed") for values in shown]
         cut, field = _where_they_differ(list(dict.fromkeys(seen)))
         groups = {v: [r for r, w in enumerate(seen) if w == v] for v in dict.fromkeys(seen)}
         parts.append(f"{k} is " + ", ".join(

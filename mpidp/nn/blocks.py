@@ -10,7 +10,7 @@ import numpy as np
 from .context import Context
 from .layers import Layer, Shapes, layer_spec, register_layer
 from .model import Sequential, chain_shapes
-from .modelfile import layers_from
+from .modelfile import MAX_NESTING, layers_from
 
 
 @register_layer
@@ -26,6 +26,15 @@ class Residual(Layer):
         layers = list(layers)
         if not layers or not all(isinstance(la, Layer) for la in layers):
             raise ValueError(f"Residual needs a non-empty list of layers, got {layers!r}")
+        reads = next((la for la in layers if la.reads), None)
+        if reads is not None:
+            raise ValueError(f"Residual: its layer {reads!r} reads {reads.reads} from the data "
+                             f"set itself, so it can only be a model's first layer")
+        #: how many blocks deep its layers go (1: none of them is a block)
+        self.nesting = 1 + max(getattr(la, "nesting", 0) for la in layers)
+        if self.nesting > MAX_NESTING:
+            raise ValueError(f"Residual: blocks nested {self.nesting} deep; they may nest at "
+                             f"most {MAX_NESTING} deep")
         if getattr(layers[0], "inplace", False):
             raise ValueError(f"Residual: its first layer {layers[0]!r} overwrites its input, "
                              f"which the block adds to the output; build it with inplace=False")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import setting
 from .layers import Layer, Shapes, _bad_size, init_weights, register_layer
 
 _INITS = ("normal", "xavier", "zeros")
@@ -20,10 +21,13 @@ class Embedding(Layer):
     """Looks up ``W[id]`` for every token id: ``(n, *s)`` ids -> ``(n, *s, dim)``.
 
     Ids (integer or float) must be whole numbers in ``[0, n_tokens)``. ``W`` ``(n_tokens,
-    dim)``: ``init`` ``"normal"`` N(0, 1), ``"xavier"`` or ``"zeros"``. ``backward``
-    returns **no input gradient** (None): an Embedding comes first, or after parameter-free
-    layers.
+    dim)``: ``init`` ``"normal"`` N(0, 1), ``"xavier"`` or ``"zeros"``. It reads the data
+    set's ids, and ``backward`` returns **no input gradient** (None): it must be a model's
+    first layer. Float ids above ``2**24`` (float32; float64: ``2**53``) are refused: there
+    the dtype skips whole numbers, so neighbouring ids would merge.
     """
+
+    reads = "token ids"
 
     def __init__(self, n_tokens: int, dim: int, init: str = "normal") -> None:
         super().__init__()
@@ -56,7 +60,13 @@ class Embedding(Layer):
                              f"dtype {x.dtype}")
         ok = (x >= 0) & (x < self.n_tokens)
         if x.dtype.kind == "f":
+            exact = 2 ** (np.finfo(x.dtype).nmant + 1)  # whole numbers above it are not all held
             ok &= x == np.floor(x)
+            if self.n_tokens > exact and (x > exact).any():
+                raise ValueError(f"Embedding({self.n_tokens}, {self.dim}): token ids above "
+                                 f"2**{np.finfo(x.dtype).nmant + 1} in {x.dtype}, which cannot "
+                                 f"hold every whole number there, so neighbouring ids merge: "
+                                 f"use {setting('dtype', 'float64')}")
         if not ok.all():
             at = tuple(int(i) for i in np.unravel_index(int(np.argmin(ok)), x.shape))
             raise ValueError(f"Embedding({self.n_tokens}, {self.dim}): token id {x[at].item()!r} "

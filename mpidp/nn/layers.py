@@ -33,6 +33,9 @@ class Layer(ABC):
     context: Context
     #: needed from the trainer: ``"replica-sums"`` (``context.reduce_sum``), ``"sample-index"``
     needs: frozenset[str] = frozenset()
+    #: what the layer reads from the data set itself rather than from features a layer
+    #: computes (``"token ids"``): such a layer can only be a model's first
+    reads: str = ""
 
     def __init__(self) -> None:
         self.params, self.grads, self.state = {}, {}, {}

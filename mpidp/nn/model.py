@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..atomic import check_place, write_atomic
+from ..atomic import check_place, numpy_kind, write_atomic
 from .context import Context, _unheard
 from .layers import RESERVED, Layer, layer_class, layer_name, layer_spec, registered_layers
 from .losses import outputs
@@ -39,7 +39,13 @@ def as_shape(n_in: int | Sequence[int], what: str = "n_in") -> tuple[int, ...]:
 
 def chain_shapes(layers: Sequence[Layer], in_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Per-sample shapes ``[in_shape, out of layer 0, ..., out of the last layer]``; raises
-    ``ValueError`` naming the first layer that cannot take its input's shape."""
+    ``ValueError`` naming the first layer that cannot take its input's shape, or one that
+    reads the data's rows themselves (:attr:`Layer.reads`) after another layer."""
+    late = next((i for i, la in enumerate(layers) if i and getattr(la, "reads", "")), None)
+    if late is not None:
+        raise ValueError(f"layer {late} ({layers[late]!r}) reads {layers[late].reads} from the "
+                         f"data set itself, so it must be the first layer; here "
+                         f"{layers[late - 1]!r} comes before it")
     shapes = [tuple(in_shape)]
     for i, layer in enumerate(layers):
         try:
@@ -330,9 +336,11 @@ def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
     path = _model_path(path)
     check_place(path, "model file")
     try:
+        kind = numpy_kind(path)
+        if kind != ".npz":
+            raise ValueError("not a .npz archive (" + ("a single .npy array)" if kind else
+                             "nor any NumPy file: a text file, say)"))
         saved = np.load(path, allow_pickle=False)
-        if not isinstance(saved, np.lib.npyio.NpzFile):
-            raise ValueError("not a .npz archive (a single .npy array)")
         with saved:  # every member read in full: every zip CRC-32 is checked
             missing = [k for k in ("params", "spec", "dtype") if k not in saved.files]
             if missing:
@@ -356,8 +364,8 @@ def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
                              f"{model.dtype} ({model.n_state},)")
         model.state[...] = state
         model.meta = meta
-    except (OSError, KeyError, ValueError, TypeError, EOFError, zipfile.BadZipFile,
-            zlib.error) as exc:  # a file damaged, truncated or foreign
+    except (OSError, KeyError, ValueError, TypeError, EOFError, RecursionError,
+            zipfile.BadZipFile, zlib.error) as exc:  # a file damaged, truncated or foreign
         raise ValueError(f"{path!r}: cannot load a saved model ({type(exc).__name__}: "
                          f"{exc})") from None
     if check_finite and not (np.isfinite(model.params).all() and np.isfinite(model.state).all()):

@@ -35,6 +35,7 @@ from ..atomic import read_text
 from .layers import Layer, layer_class
 
 MODEL_FILE_SUFFIXES = (".toml", ".json")
+MAX_NESTING = 64  # blocks in blocks: deeper ones would exhaust Python's recursion
 
 
 def is_model_file(spec: str) -> bool:
@@ -57,6 +58,9 @@ def read_model_file(path: str | os.PathLike) -> list[dict[str, Any]]:
         raise ValueError(f"model file {path}: not UTF-8 text") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"model file {path}: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"model file {path}: nested too deep to read (blocks may nest at "
+                         f"most {MAX_NESTING} deep)") from None
     layers = doc.get("layers") if isinstance(doc, dict) else doc
     if isinstance(doc, dict) and set(doc) - {"layers"}:
         raise ValueError(f"model file {path}: unknown key(s) "
@@ -77,7 +81,15 @@ def layers_from(specs: list[dict[str, Any]], n_outputs: int | None = None,
     """Build the layers of ``specs`` (as :func:`read_model_file` returns them), unbound: a
     required ``n_in`` / ``in_channels`` left out is inferred, ``n_out`` is ``n_outputs``.
     ``ValueError`` names the layer (1-based) and key when a type is not registered, a
-    setting is unknown or missing, or the layer refuses its settings."""
+    setting is unknown or missing, the layer refuses its settings, or blocks nest deeper
+    than :data:`MAX_NESTING`."""
+    level, depth = list(specs), 0
+    while level := [c for d in level if isinstance(d, dict) and isinstance(d.get("layers"), list)
+                    for c in d["layers"]]:
+        depth += 1
+    if depth > MAX_NESTING:
+        raise ValueError(f"{where}: blocks nested {depth} deep; they may nest at most "
+                         f"{MAX_NESTING} deep")
     out = []
     for i, d in enumerate(specs):
         kind = d["type"]

@@ -135,10 +135,13 @@ class LARS(Optimizer):
     """LARS (You, Gitman & Ginsburg, 2017, Algorithm 1): momentum SGD with a layer-wise
     trust ratio. For each whole tensor ``w`` with (clipped) mean gradient ``g``::
 
-        ratio = eta * ||w|| / (||g|| + weight_decay * ||w||)   (1 if ||w|| or ||g|| is 0)
+        ratio = eta * ||w|| / (||g|| + weight_decay * ||w||)
         v = momentum * v + lr * ratio * (g + weight_decay * w);  w -= v
 
-    ``exclude_1d`` (default): 1-D tensors get ratio 1 and no weight decay."""
+    The ratio is 1 when ``||w||`` is 0 or the whole denominator is 0 (``||g||`` and
+    ``weight_decay`` both 0); a zero gradient with weight decay gives ``eta / weight_decay``,
+    as optax's ``lars`` does. ``exclude_1d`` (default): 1-D tensors get ratio 1 and no
+    weight decay."""
 
     layer_norms = True
 

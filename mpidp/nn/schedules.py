@@ -253,14 +253,19 @@ def epoch_schedule(name: str, lr: float, per_epoch: int, epochs: int, *, warmup_
     """The schedule ``name`` (:data:`SCHEDULES`, or ``"plateau"``: constant) from ``lr`` for
     ``epochs`` epochs of ``per_epoch`` updates: a warmup (``warmup_steps``, else
     ``warmup_epochs``), then a decay by ``gamma`` every ``step_epochs``, at ``milestones``
-    or per epoch, or to ``min_lr`` at the end of the run."""
+    or per epoch, or to ``min_lr`` at the end of the run. The step, exponential, cosine and
+    polynomial decays count from the end of the warmup; milestones are epochs of the whole
+    run (those within the warmup lower the rate it ramps to), as docs/training.md states."""
     warmup = warmup_steps or int(round(warmup_epochs * per_epoch))
     total = max(epochs * per_epoch - warmup, 1)
     settings = {}
     if name == "step":
         settings = {"step_size": step_epochs * per_epoch, "gamma": gamma}
     elif name == "multistep":
-        settings = {"milestones": [max(m * per_epoch - warmup, 0) for m in milestones],
+        milestones = _milestones("milestones", milestones)
+        passed = sum(m * per_epoch <= warmup for m in milestones)  # by the warmup's end
+        lr *= gamma ** passed
+        settings = {"milestones": [m * per_epoch - warmup for m in milestones[passed:]],
                     "gamma": gamma}
     elif name == "exponential":
         settings = {"gamma": gamma ** (1.0 / per_epoch)}

@@ -86,12 +86,15 @@ class CSR:
 
 @register_layer
 class SparseDense(Dense):
-    """``y = x @ W + b`` for CSR input ``x`` ``(n, n_in)``; ``W`` ``(n_in, n_out)`` (xavier).
-    The first layer only (``backward`` returns None). Forward gathers the rows of ``W`` the
-    input touches, backward scatters ``value * dy`` into them: both ``O(nnz * n_out)``."""
+    """``y = x @ W + b`` for CSR input ``x`` ``(n, n_in)``; ``W`` ``(n_in, n_out)`` (xavier);
+    ``n_in=None``: the data's width. The first layer only (``backward`` returns None).
+    Forward gathers the rows of ``W`` the input touches, backward scatters ``value * dy``
+    into them: both ``O(nnz * n_out)``."""
 
-    def __init__(self, n_in: int, n_out: int) -> None:
-        if _bad_size(n_in) or _bad_size(n_out):
+    reads = "sparse (CSR) input"
+
+    def __init__(self, n_in: int | None, n_out: int) -> None:
+        if (n_in is not None and _bad_size(n_in)) or _bad_size(n_out):
             raise ValueError(f"SparseDense needs n_in >= 1 and n_out >= 1, got {n_in}, {n_out}")
         super().__init__(n_in, n_out, init="xavier")
 

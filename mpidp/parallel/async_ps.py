@@ -328,7 +328,7 @@ class AsyncPS:
             raise C.MpidpError("async-ps sends the parameters in one message: at most "
                                f"{C.MAX_COUNT - _EXTRA} parameters, got {self.model.n_params}")
         AsyncPSSettings(self.max_staleness)  # checked
-        refused = refuses_model(self.model.needs, "async-ps")
+        refused = refuses_model(self.model.layers, "async-ps")
         if refused:
             raise C.MpidpError(refused)
         self.policy = Policy(self.on_nonfinite)

@@ -105,7 +105,7 @@ class Auto(Sync):
             return (f"auto with {setting('codec', self.codec)}: auto tries compression "
                     f"for float32 models only, and this model is "
                     f"{np.dtype(model.dtype).name}; leave the codec out")
-        return refuses_model(model.needs, "allreduce")
+        return refuses_model(model.layers, "allreduce")
 
     def on_layer_done(self) -> Callable[[int], None]:
         hooks = {id(c): c.on_layer_done() for c in getattr(self, "candidates", ())}

@@ -352,16 +352,28 @@ def make_sync(mode: str, settings: Settings | None = None, *, optimizer_factory=
     return m.runner_class().of(settings, optimizer_factory)
 
 
-_LAYER = {"replica-sums": "BatchNorm", "sample-index": "Dropout"}
+_NEED = {"replica-sums": "sums over the replicas", "sample-index": "each sample's index"}
 
 
-def refuses_model(needs, mode: str = "data", sync: str = "allreduce") -> str | None:
-    """Why a model whose layers need ``needs`` (:attr:`mpidp.nn.Layer.needs`) cannot be
-    trained in ``mode`` (a name of :data:`MODES`, or ``"data"``: the gradient exchange
-    ``sync``), naming the option, the mode and the reason; None when it can."""
+def _needing(layers, need: str) -> str:
+    """The class name of the first of ``layers`` (inside blocks: the inner one) that needs
+    ``need``."""
+    for layer in layers:
+        if need in layer.needs:
+            inner = getattr(layer, "layers", None)
+            return _needing(inner, need) if isinstance(inner, list) and any(
+                need in la.needs for la in inner) else type(layer).__name__
+    return "?"
+
+
+def refuses_model(layers, mode: str = "data", sync: str = "allreduce") -> str | None:
+    """Why a model of ``layers`` (their :attr:`mpidp.nn.Layer.needs`) cannot be trained in
+    ``mode`` (a name of :data:`MODES`, or ``"data"``: the gradient exchange ``sync``),
+    naming the option, the mode, the layer and the reason; None when it can."""
     m = MODES.get(sync if mode == "data" else mode)
-    for need in sorted(needs) if m is not None else ():
+    for need in sorted(frozenset().union(*(la.needs for la in layers))) if m else ():
         why = m.refuses.get(need)
         if why is not None:
-            return f"{m.option} cannot train a model with {_LAYER.get(need, need)}: {why}"
+            return (f"{m.option} cannot train a model with {_needing(layers, need)} (it needs "
+                    f"{_NEED.get(need, need)}): {why}")
     return None

@@ -90,7 +90,7 @@ class Pipeline(TrainerBase):
             "on_nonfinite": on_nonfinite, "trace": trace})
         n_stages = comm.size if n_stages is None else int(n_stages)
         dtype = np.dtype(dtype)
-        refused = refuses_model(frozenset().union(*(layer.needs for layer in layers)), "pipeline")
+        refused = refuses_model(layers, "pipeline")
         if refused:
             raise C.MpidpError(refused)
         if balance == "time" and costs is None:

@@ -156,7 +156,7 @@ class Sync:
 
     def refuses(self, model) -> str | None:
         """Why this strategy cannot train ``model`` (a layer it cannot honour), or None."""
-        return refuses_model(model.needs, self.name)
+        return refuses_model(model.layers, self.name)
 
     def reduce(self) -> None:
         """Make ``self.buf`` hold the global sums on every rank. Collective."""

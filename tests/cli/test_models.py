@@ -163,3 +163,41 @@ def test_predict_refuses_rows_of_the_other_kind_before_any_output(tmp_path):
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, \
             r.stderr[-2000:]
         assert not (tmp_path / "p.npy").exists()
+
+
+@pytest.mark.parametrize("layers, data, extra, message", [
+    ("[[layers]]\ntype = 'Dense'\nn_out = 6\n[[layers]]\ntype = 'Embedding'\nn_tokens = 20\n"
+     "dim = 4\n[[layers]]\ntype = 'Flatten'\n[[layers]]\ntype = 'Dense'\n", 20, [],
+     "layer 1 (Embedding(20, 4)) reads token ids from the data set itself, so it must be the "
+     "first layer"),
+    ("[[layers]]\ntype = 'Embedding'\nn_tokens = 20\ndim = 4\n[[layers]]\ntype = 'Flatten'\n"
+     "[[layers]]\ntype = 'Dense'\n", 20, ["--standardize"],
+     "--standardize does not apply to this model: its first layer Embedding(20, 4) reads token "
+     "ids"),
+    ("[[layers]]\ntype = 'Embedding'\nn_tokens = 33554432\ndim = 1\n[[layers]]\n"
+     "type = 'Flatten'\n[[layers]]\ntype = 'Dense'\n", 2**25, [],
+     "token ids above 2**24 in float32, which cannot hold every whole number there, so "
+     "neighbouring ids merge: use --dtype float64"),
+    ("[[layers]]\ntype = 'SparseDense'\nn_out = 4\n[[layers]]\ntype = 'Dense'\n", 20, [],
+     "its first layer, SparseDense, takes sparse (CSR) rows, and the dataset's rows are dense"),
+])
+def test_a_model_that_cannot_read_the_data_is_one_line_before_any_step(tmp_path, layers, data,
+                                                                       extra, message):
+    """Each used to train into a traceback from every rank (or merge ids silently)."""
+    X = np.random.default_rng(0).integers(0, data, (60, 6))
+    np.savez(tmp_path / "tokens.npz", X=X, y=(X[:, 0] % 2).astype(np.int64))
+    (tmp_path / "m.toml").write_text(layers)
+    r = run_mpi(2, "train", "--dataset", str(tmp_path / "tokens.npz"), "--model",
+                str(tmp_path / "m.toml"), *extra, "--no-progress", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and r.stderr.count("mpidp: error:") == 1, r.stderr[-3000:]
+    assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def test_blocks_nested_thousands_deep_are_one_line(tmp_path):
+    inner = '{"type": "ReLU"}'
+    for _ in range(5000):
+        inner = f'{{"type": "Residual", "layers": [{inner}]}}'
+    (tmp_path / "deep.json").write_text(f'[{{"type": "Flatten"}}, {inner}, {{"type": "Dense"}}]')
+    r = run_mpi(2, *SMALL, "--model", str(tmp_path / "deep.json"), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and r.stderr.count("mpidp: error:") == 1, r.stderr[-3000:]
+    assert "nested too deep to read (blocks may nest at most 64 deep)" in r.stderr

@@ -135,3 +135,38 @@ def test_a_seed_for_the_held_out_rows_of_a_dataset_with_its_own_test_set_is_refu
     assert _seed_problem(args, {"seed"}, none) is None  # a seeded split of its rows
     args.test_fraction = 0.3
     assert _seed_problem(args, {"seed", "test_fraction"}, own) is None
+
+
+def test_a_file_that_is_not_a_saved_model_is_named_so_not_unpickled(tmp_path):
+    """A model file, or any text, as --model (or --costs) used to get NumPy's advice to
+    load it with allow_pickle."""
+    (tmp_path / "m.toml").write_text("[[layers]]\ntype = 'Dense'\n")
+    (tmp_path / "notes.npz").write_text("hello\n")
+    for path, says in ((tmp_path / "m.toml", "is a model file (layers without trained "
+                        "parameters): give the model.npz that 'mpidp train' wrote from it"),
+                       (tmp_path / "notes.npz", "not a .npz archive (nor any NumPy file")):
+        r = run_mpi(2, "predict", "--model", str(path), "--dataset", "digits", "--out",
+                    str(tmp_path / "p.npy"))
+        assert r.returncode == 2 and r.stderr.count("mpidp: error:") == 1, r.stderr[-2000:]
+        assert says in r.stderr and "pickle" not in r.stderr, r.stderr[-2000:]
+    r = run_mpi(2, "train", "--dataset", "digits", "--partition", "cost", "--costs",
+                str(tmp_path / "notes.npz"), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "is not a .npy file: give one cost per dataset row" in r.stderr
+    assert "pickle" not in r.stderr, r.stderr[-2000:]
+
+
+def test_token_ids_a_model_cannot_take_are_called_rows_not_labels(tmp_path):
+    X = np.random.default_rng(0).integers(0, 20, (60, 6))
+    np.savez(tmp_path / "tokens.npz", X=X, y=(X[:, 0] >= 10).astype(np.int64))
+    (tmp_path / "emb.toml").write_text("[[layers]]\ntype = 'Embedding'\nn_tokens = 20\n"
+                                       "dim = 4\n[[layers]]\ntype = 'Flatten'\n"
+                                       "[[layers]]\ntype = 'Dense'\n")
+    r = run_mpi(2, "train", "--dataset", str(tmp_path / "tokens.npz"), "--model",
+                str(tmp_path / "emb.toml"), "--epochs", "1", "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    np.savez(tmp_path / "bad.npz", X=np.full((40, 6), 25), y=np.zeros(40, np.int64))
+    r = run_mpi(2, "predict", "--model", str(tmp_path / "o"), "--dataset",
+                str(tmp_path / "bad.npz"), "--out", str(tmp_path / "p.npy"))
+    assert r.returncode == 2 and r.stderr.count("mpidp: error:") == 1, r.stderr[-2000:]
+    assert "the dataset's rows do not suit the model (Embedding(20, 4): token id 25" in r.stderr
+    assert "labels" not in r.stderr and not (tmp_path / "p.npy").exists()

@@ -152,6 +152,28 @@ def test_local_sgd_and_async_refuse_batchnorm_on_every_rank(comm):
         "--sync async-ps cannot train a model with BatchNorm")
 
 
+class GroupScale(nn.Layer):
+    """A user's layer that scales by a sum over the replica group (it needs replica sums)."""
+
+    needs = frozenset({"replica-sums"})
+
+    def forward(self, x):
+        return x / max(self.context.reduce_sum(np.array([float(len(x))]))[0], 1.0)
+
+    def backward(self, dy, accumulate=False, need_input_grad=True):
+        return dy
+
+
+@pytest.mark.mpi(min_size=2)
+def test_local_sgd_refuses_a_users_layer_that_needs_replica_sums_by_its_name(comm):
+    """It used to be refused as if it were a BatchNorm."""
+    model = nn.Sequential([nn.Dense(4, 3), nn.Residual([nn.ReLU(), GroupScale()])], 4)
+    err = raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.DataParallel(
+        model, nn.SGD(0.1), nn.SoftmaxCrossEntropy(), comm, sync="local-sgd"),
+        "local-sgd cannot train a model with GroupScale (it needs sums over the replicas)")
+    assert "BatchNorm" not in str(err)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("name, layer", [("batchnorm-dense", "BatchNorm"), ("dropout", "Dropout")])
 def test_a_pipeline_refuses_batchnorm_and_dropout_on_every_rank(comm, name, layer):

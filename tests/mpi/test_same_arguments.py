@@ -143,3 +143,15 @@ def test_long_values_that_differ_late_name_the_field_and_each_rank_value(comm):
     assert "partition is ...seed=0, shuffle=True)' on rank 0, ...seed=1, shuffle=True)' on " \
            "rank" in msg and msg.endswith("(they differ first at its field seed)"), msg
     assert "on ranks [0" not in msg, msg
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_test_set_on_one_rank_only(comm):
+    """Ranks passing different arguments by name (not only by value) used to end in an MPICH
+    assertion: their digest buffers had different lengths."""
+    dp, shard = _dp(comm), _shard(comm)
+    test = _shard(comm, n=32)
+    err = raises_everywhere(comm, mpidp.MpidpError, lambda: mpidp.fit(
+        dp, shard, 1, 8, test=test if comm.rank == 0 else None), "fit: every rank must pass "
+        "the same arguments, but test rows is 32 on rank 0, not passed on rank")
+    assert "test is not passed on rank 0, None on rank" in str(err), err

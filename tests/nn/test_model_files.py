@@ -110,3 +110,71 @@ def test_the_cnn_preset_refuses_flat_features_and_mlp_flattens_images():
         nn.build("cnn", 64, 10)
     model, _ = nn.build("mlp", (1, 8, 8), 10, hidden=(16,))
     assert type(model.layers[0]).__name__ == "Flatten" and model.n_in == 64
+
+
+@pytest.mark.parametrize("first, late", [
+    (nn.Dense(None, 6), nn.Embedding(20, 4)),
+    (nn.Standardize(), nn.Embedding(20, 4)),
+    (nn.Flatten(), nn.SparseDense(6, 4)),
+])
+def test_a_layer_that_reads_the_data_itself_must_come_first(first, late):
+    """An Embedding after a Dense used to fail at the first step on "token id -10.64"."""
+    with pytest.raises(ValueError, match=rf"layer 1 \({type(late).__name__}.*reads "
+                                         rf".* so it must be the first layer; here "
+                                         rf"{type(first).__name__}"):
+        nn.Sequential([first, late, nn.Flatten()], 6)
+    with pytest.raises(ValueError, match="can only be a model's first layer"):
+        nn.Residual([late])
+
+
+def test_a_sparse_dense_infers_its_width_like_a_dense(tmp_path):
+    path = _write(tmp_path, "s.toml", "[[layers]]\ntype = 'SparseDense'\nn_out = 4\n"
+                                      "[[layers]]\ntype = 'Dense'\n")
+    layers, _ = nn.model_layers(path, (9,), 2, sparse=True)
+    assert nn.Sequential(layers, 9).layers[0].n_in == 9
+    with pytest.raises(ValueError, match="takes sparse \\(CSR\\) rows, and the dataset's rows "
+                                         "are dense"):  # was: '<' not supported ... NoneType
+        nn.model_layers(path, (9,), 2, sparse=False)
+
+
+def test_float_token_ids_beyond_the_dtypes_whole_numbers_are_refused():
+    """In float32 2**24 + 1 reads as 2**24: ids there would merge silently."""
+    emb = nn.Embedding(2**25, 2)
+    with pytest.raises(ValueError, match=r"token ids above 2\*\*24 in float32.*merge: use "
+                                         r"dtype='float64'"):
+        emb.token_ids(np.array([[3, 2**24 + 2]], np.float32))
+    assert emb.token_ids(np.array([[3, 2**24 + 1]], np.float64))[0, 1] == 2**24 + 1
+    assert emb.token_ids(np.array([[3, 2**24 - 1]], np.float32))[0, 1] == 2**24 - 1
+
+
+def _nested(depth: int) -> str:
+    """JSON of a Residual ``depth`` blocks deep around a ReLU, after a Flatten."""
+    inner = '{"type": "ReLU"}'
+    for _ in range(depth):
+        inner = f'{{"type": "Residual", "layers": [{inner}]}}'
+    return f'[{{"type": "Flatten"}}, {inner}, {{"type": "Dense"}}]'
+
+
+@pytest.mark.parametrize("depth, message", [
+    (65, "blocks nested 65 deep; they may nest at most 64 deep"),
+    (300, "blocks nested 300 deep"),
+    (900, "nested too deep to read"),
+    (5000, "nested too deep to read"),
+])
+def test_blocks_nested_too_deep_are_one_error_not_a_recursion_error(tmp_path, depth, message):
+    path = _write(tmp_path, "deep.json", _nested(depth))
+    with pytest.raises(ValueError, match="deep.json") as err:
+        nn.model_layers(path, (4,), 2)
+    assert message in str(err.value)
+    block = nn.ReLU()
+    for _ in range(64):
+        block = nn.Residual([block])
+    with pytest.raises(ValueError, match="Residual: blocks nested 65 deep"):
+        nn.Residual([block])
+
+
+def test_blocks_nested_as_deep_as_allowed_train_save_and_load(tmp_path):
+    layers, _ = nn.model_layers(_write(tmp_path, "deep.json", _nested(64)), (4,), 2)
+    model = nn.Sequential(layers, 4, np.float64).init_(0)
+    model.backward(np.ones_like(model.forward(np.ones((3, 4)))))
+    assert nn.load(nn.save(model, tmp_path / "model.npz")).spec() == model.spec()

@@ -188,6 +188,17 @@ def test_lars_matches_reference(kw):
     np.testing.assert_allclose(norms, want_norms, rtol=1e-12)  # LARS always knows the norm
 
 
+@pytest.mark.parametrize("wd, ratio", [(0.0, 1.0), (0.01, 0.02 / 0.01)])
+def test_lars_trust_ratio_with_a_zero_gradient_is_what_its_docstring_says(wd, ratio):
+    """1 only when the whole denominator is 0; with weight decay eta / weight_decay (optax)."""
+    assert "a zero gradient with weight decay gives ``eta / weight_decay``" in LARS.__doc__
+    p0 = np.random.default_rng(3).standard_normal(N)
+    got, _ = _run(LARS(0.5, momentum=0.0, weight_decay=wd, eta=0.02, exclude_1d=False), p0,
+                  [np.zeros(N)])
+    want = p0 - 0.5 * ratio * wd * p0  # w -= lr * ratio * (0 + wd * w)
+    np.testing.assert_allclose(got[0], want, **TOL)
+
+
 LAMB_CASES = [dict(lr=1e-2), dict(lr=SCHEDULE, weight_decay=0.1),
               dict(lr=0.02, betas=(0.5, 0.9), eps=1e-8, weight_decay=0.05, exclude_1d=False),
               dict(lr=SCHEDULE, clip_norm=2.0), dict(lr=0.01, clip_value=0.3, clip_norm=1.0)]

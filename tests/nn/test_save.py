@@ -345,7 +345,8 @@ def _damage(path: Path, how: str) -> None:
 @pytest.mark.parametrize("how,says", [
     ("truncated", "cannot load a saved model"), ("crc", "CRC-32"),
     ("missing", "No such file"), ("not a model", "not a saved model: no 'params'"),
-    ("npy", "not a .npz archive"), ("text", "cannot load a saved model"),
+    ("npy", "not a .npz archive (a single .npy array)"),
+    ("text", "not a .npz archive (nor any NumPy file"),
     ("size", "the spec needs float32 (67,)"), ("dtype", "params is float64"),
     ("spec", "JSONDecodeError"),
 ])
@@ -355,6 +356,7 @@ def test_a_damaged_file_is_one_value_error_naming_it(saved, how, says):
         nn.load(saved)
     msg = str(err.value)
     assert msg.startswith(f"{str(saved)!r}: cannot load a saved model (") and says in msg, msg
+    assert "pickle" not in msg  # NumPy's advice for a foreign file: never to a user
 
 
 def test_non_finite_parameters_are_refused_unless_asked(saved):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -201,3 +202,39 @@ def test_resuming_from_t_and_state_continues_bit_identically(make):
     for g in grads[7:]:
         again.step_(q, g.copy())
     assert np.array_equal(p, q) and again.t == straight.t == 12
+
+
+def _documented() -> tuple[dict[str, str], str]:
+    """The formulas of docs/training.md as printed: schedule name -> its rate after the
+    warmup, and the warmup's rate."""
+    from helpers import ROOT
+    text = (ROOT / "docs" / "training.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)`(?: \(default\))? \| `([^`]+)`", text, re.M))
+    ramp = re.search(r"for `t < W`, the warmup ramps linearly to the rate that follows it: "
+                     r"`([^`]+)`", text.replace("\n", " "))
+    return rows, ramp[1]
+
+
+def _evaluate(formula: str, **names) -> float:
+    """A documented formula in Python: ``x`` multiplies, ``^`` raises, ``#{i : cond}``
+    counts the milestones ``E_i`` for which ``cond`` holds."""
+    py = re.sub(r"#\{i : ([^}]+)\}", r"sum(1 for E_i in milestones if \1)", formula)
+    py = py.replace(" x ", " * ").replace("^", "**")
+    return eval(py, {"floor": math.floor, "cos": math.cos, "pi": math.pi, **names})  # noqa: S307
+
+
+@pytest.mark.parametrize("W", [0, 5, 12, 30])
+@pytest.mark.parametrize("name", ["constant", "step", "multistep", "exponential", "cosine",
+                                  "polynomial"])
+def test_each_schedule_is_the_formula_docs_training_prints(name, W):
+    """With warmup, step and exponential count from its end and multistep's milestones are
+    epochs of the whole run: the page says so and gives the shift; this holds the code to it."""
+    rows, warmup = _documented()
+    S_, E, N, ms, gamma, lr, m = 7, 9, 2, [1, 3, 6], 0.5, 0.3, 0.01
+    schedule = S.epoch_schedule(name, lr, S_, E, warmup_steps=W, step_epochs=N, milestones=ms,
+                                gamma=gamma, min_lr=m)
+    for t in range(E * S_):
+        names = dict(W=W, S=S_, N=N, T=E * S_ - W, lr=lr, m=m, gamma=gamma, milestones=ms)
+        r = lambda u, names=names: _evaluate(rows[name], t=u, **names)  # noqa: E731
+        want = r(t) if t >= W else _evaluate(warmup, t=t, r=r, **names)
+        assert schedule(t) == pytest.approx(want, rel=1e-12, abs=0), (name, t, rows[name])
