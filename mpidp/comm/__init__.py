@@ -69,6 +69,7 @@ from .runtime import (
     split,
     split_groups,
     split_off,
+    user_code,
     world,
 )
 from .shm import (
@@ -106,6 +107,7 @@ __all__ = [
     "scatterv_fill", "scatterv_rows", "self_comm", "send", "set_step", "SharedBroadcast",
     "SharedCounter", "SharedReduce", "SHM_DIR", "shm_room", "split", "split_groups", "split_off",
     "StartedSums",
-    "test_all", "test_some", "threads_supported", "time_allreduce", "wait_all", "wait_any",
+    "test_all", "test_some", "threads_supported", "time_allreduce", "user_code", "wait_all",
+    "wait_any",
     "Watchdog", "world",
 ]
