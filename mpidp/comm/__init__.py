@@ -12,6 +12,7 @@ from .agreement import (
     assert_in_sync,
     checksum,
     params_in_sync,
+    replicas_differ,
     root_decides,
     run_agreed,
 )
@@ -103,7 +104,8 @@ __all__ = [
     "irecv", "isend",
     "local_ranks", "MAX_COUNT", "mpi_info", "MPI_REQUEST_NULL", "MpidpError", "node_aware_pays",
     "node_layout", "node_split", "NodeAllreduce", "params_in_sync", "pingpong", "recv_",
-    "reduce_scatter_sum", "REDUCE_SPLIT_BYTES", "reduce_sum_to_", "root_decides", "run_agreed",
+    "reduce_scatter_sum", "REDUCE_SPLIT_BYTES", "reduce_sum_to_", "replicas_differ",
+    "root_decides", "run_agreed",
     "scatterv_fill", "scatterv_rows", "self_comm", "send", "set_step", "SharedBroadcast",
     "SharedCounter", "SharedReduce", "SHM_DIR", "shm_room", "split", "split_groups", "split_off",
     "StartedSums",
