@@ -331,7 +331,8 @@ class DataParallel(TrainerBase):
         verdict), so every rank reaches the same decision with no collective of its own;
         raises :class:`~mpidp.run.nonfinite.NonFiniteError` for ``stop``."""
         if got.averaged:  # local SGD: the replicas are equal already; judge what it left out
-            self.policy.apply(got.finite, got.loss_sum, self.global_step, got.nonfinite_steps)
+            self.policy.apply(got.finite, got.loss_sum, self.global_step, got.nonfinite_steps,
+                              self.model.params)
             return True
         if not got.count:
             return True
@@ -339,7 +340,7 @@ class DataParallel(TrainerBase):
             finite = got.finite if got.finite is not None else (
                 not self.policy.checks or all_finite(self.buf))
         if not self.policy.apply(finite, got.loss_sum, self.global_step,
-                                 1 if finite else got.nonfinite_steps):
+                                 1 if finite else got.nonfinite_steps, self.model.params):
             return False
         self.sync.update(self.optimizer, got.count)
         return True
