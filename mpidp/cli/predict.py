@@ -132,7 +132,8 @@ def predict(args: argparse.Namespace, comm: C.Comm, given: set[str] = frozenset(
     if errors:
         raise C.MpidpError("; ".join(errors))
     C.root_decides(comm, check_outputs, args)
-    C.run_agreed(comm, import_modules, imports_of(args))  # the user's layers, before the model
+    with C.user_code(f"importing --import {', '.join(imports_of(args))}"):  # the user's layers
+        C.run_agreed(comm, import_modules, imports_of(args))
     model = C.run_agreed(comm, _open_model, args.model)
     src = C.run_agreed(comm, open_source, args.dataset, seed=args.seed,
                        n_samples=args.n_samples, n_features=args.n_features)

@@ -64,29 +64,37 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
         errors += [why for why in (ulfm_problem(comm),) if why]
     if errors:  # every rank computes the same list from the same arguments
         raise C.MpidpError("; ".join(errors))
-    C.run_agreed(comm, import_modules, imports_of(args))  # the user's layers, before a model
-    vars(args)["import"] = absolute_paths(imports_of(args))  # recorded so a resume finds them
-    C.run_agreed(comm, check_model_file, args)  # a bad model file or a refused layer: now
-    C.root_decides(comm, check_out, args)
-    if comm.rank == 0 and os.path.isdir(args.out):
-        clean_stale_tmp(args.out)  # what a writer killed mid-write left behind
     watchdog = C.Watchdog(comm, args.watchdog or None) if args.watchdog != 0 else None
-    stop = StopSignals(comm)
-    config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()}
-    config["world_size"] = comm.size
-    try:  # the folders are held before any work: a used one is refused
+    stop = None
+    try:
+        if watchdog is not None:  # before the user's modules: one that stalls a rank is named
+            watchdog.start()
+        with C.excused("preparing the run"):  # watched as loading the data is
+            with C.user_code(f"importing --import {', '.join(imports_of(args))}"):  # layers
+                C.run_agreed(comm, import_modules, imports_of(args))
+            vars(args)["import"] = absolute_paths(imports_of(args))  # so a resume finds them
+            C.run_agreed(comm, check_model_file, args)  # a bad model file or layer: now
+            C.root_decides(comm, check_out, args)
+            if comm.rank == 0 and os.path.isdir(args.out):
+                clean_stale_tmp(args.out)  # what a writer killed mid-write left behind
+        stop = StopSignals(comm)
+        config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()}
+        config["world_size"] = comm.size
+        # the folders are held before any work: a used one is refused
         with claimed(comm, args.out, args.checkpoint_dir, resume=args.resume,
                      restart=args.restart) as run_id:
             if args.checkpoint_dir:
-                config["data_fingerprint"] = D.data_fingerprint(  # all of its bytes, ranks sharing
-                    comm, args.dataset,
-                    together=args.distribute == "local" and O.mode_of(args) != "async-ps")
+                with C.excused("reading the data's fingerprint"):  # all of its bytes
+                    config["data_fingerprint"] = D.data_fingerprint(
+                        comm, args.dataset,
+                        together=args.distribute == "local" and O.mode_of(args) != "async-ps")
             job = Job(args, comm, config, run_id, watchdog, stop, t_start)
             if O.mode_of(args) in O.MODEL_PARALLEL:
                 return _train_model_parallel(job)
             return _train_data_parallel(job)
     finally:
-        stop.close()
+        if stop is not None:
+            stop.close()
         if watchdog is not None:
             watchdog.stop()
 

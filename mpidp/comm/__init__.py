@@ -12,6 +12,7 @@ from .agreement import (
     assert_in_sync,
     checksum,
     params_in_sync,
+    replicas_differ,
     root_decides,
     run_agreed,
 )
@@ -69,6 +70,7 @@ from .runtime import (
     split,
     split_groups,
     split_off,
+    user_code,
     world,
 )
 from .shm import (
@@ -102,10 +104,12 @@ __all__ = [
     "irecv", "isend",
     "local_ranks", "MAX_COUNT", "mpi_info", "MPI_REQUEST_NULL", "MpidpError", "node_aware_pays",
     "node_layout", "node_split", "NodeAllreduce", "params_in_sync", "pingpong", "recv_",
-    "reduce_scatter_sum", "REDUCE_SPLIT_BYTES", "reduce_sum_to_", "root_decides", "run_agreed",
+    "reduce_scatter_sum", "REDUCE_SPLIT_BYTES", "reduce_sum_to_", "replicas_differ",
+    "root_decides", "run_agreed",
     "scatterv_fill", "scatterv_rows", "self_comm", "send", "set_step", "SharedBroadcast",
     "SharedCounter", "SharedReduce", "SHM_DIR", "shm_room", "split", "split_groups", "split_off",
     "StartedSums",
-    "test_all", "test_some", "threads_supported", "time_allreduce", "wait_all", "wait_any",
+    "test_all", "test_some", "threads_supported", "time_allreduce", "user_code", "wait_all",
+    "wait_any",
     "Watchdog", "world",
 ]

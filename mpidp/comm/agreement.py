@@ -87,12 +87,25 @@ def params_in_sync(comm: Comm, params: np.ndarray) -> bool:
 def assert_in_sync(comm: Comm, params: np.ndarray, root: int = 0) -> None:
     """Raise :class:`MpidpError` on every rank, naming the ranks whose ``params`` differ from
     ``root``'s, unless all are bit-identical. Collective."""
-    if params_in_sync(comm, params):
-        return
-    hashes = comm.allgather(checksum(params))  # failure path only
-    bad = [r for r, h in enumerate(hashes) if h != hashes[root]]
-    raise MpidpError(f"parameters differ from rank {root}'s on ranks {bad}: replicas are out of "
-                     f"sync")
+    bad = replicas_differ(comm, [params], root)[0]
+    if bad:
+        raise MpidpError(f"parameters differ from rank {root}'s on ranks {bad}: replicas are "
+                         f"out of sync")
+
+
+@watched("the replica checksum Allreduce")
+def replicas_differ(comm: Comm, arrays: list[np.ndarray], root: int = 0) -> list[list[int]]:
+    """For each of ``arrays`` (as many on every rank), the ranks whose copy differs from
+    ``root``'s; all lists empty when every copy is bit-identical. Collective: one Allreduce
+    of checksums, and an allgather of them only when some differ."""
+    h = np.array([checksum(a) for a in arrays], np.int64)
+    buf = np.concatenate([h, -h])
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+    if np.array_equal(buf[:len(h)], -buf[len(h):]):
+        return [[] for _ in arrays]
+    hashes = comm.allgather(h.tolist())  # failure path only
+    return [[r for r, mine in enumerate(hashes) if mine[i] != hashes[root][i]]
+            for i in range(len(arrays))]
 
 
 def _digest(value: Any) -> int:

@@ -81,6 +81,23 @@ def excused(what: str):
         (m.state, m.excuse), m.since = prev, time.monotonic()
 
 
+def _no_finalize() -> None:
+    raise RuntimeError("it calls MPI.Finalize(), which would leave the other ranks waiting")
+
+
+@contextlib.contextmanager
+def user_code(what: str):
+    """A user's code run on every rank (a module they import): :func:`excused` as loading
+    is, so that a rank stuck in it is named by the watchdog, and with ``MPI.Finalize()``
+    raising RuntimeError instead of ending MPI under the other ranks."""
+    real, MPI.Finalize = MPI.Finalize, _no_finalize
+    try:
+        with excused(what):
+            yield
+    finally:
+        MPI.Finalize = real
+
+
 Comm = MPI.Comm
 SHM_DIR = "/dev/shm"  # where MPICH (and Open MPI) keep shared-memory segments on Linux
 

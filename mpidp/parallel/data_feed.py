@@ -131,5 +131,7 @@ def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
         if spec.elastic:
             spec.elastic.finished()
         dp.settle()  # the last update is whole when fit returns
+        if dp.at_boundary():  # replicas that differ (a layer's state too): a failed run
+            dp.check_replicas()
         return history
 

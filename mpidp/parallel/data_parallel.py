@@ -26,6 +26,22 @@ from .modes import make_sync
 from .sync import Exchanged, Round, Setup, Sync
 
 INIT_SYNC = ("bcast", "seed")
+#: The rule for layer state (docs/extending.md) that replicas whose state differs broke.
+STATE_RULE = ("a layer must update its state only from global figures (sums that "
+              "context.reduce_sum completes over the batch), never from its own rows")
+
+
+def out_of_sync(comm: C.Comm, model: Sequential, root: int = 0) -> str | None:
+    """Why the replicas of ``model`` over ``comm`` are not bit-identical, in one line naming
+    the ranks and the rule broken: the parameters, or the first layer whose state differs;
+    None when they are. Collective: one small Allreduce."""
+    held = [(i, layer) for i, layer in enumerate(model.layers) if layer.state]
+    states = [np.concatenate([np.ravel(v) for v in layer.state.values()]) for _, layer in held]
+    bad = C.replicas_differ(comm, [model.params, *states], root)
+    if bad[0]:
+        return f"parameters differ from rank {root}'s on ranks {bad[0]}: replicas are out of sync"
+    return next((f"layer {i} ({layer!r}): its state differs from rank {root}'s on ranks "
+                 f"{ranks}: {STATE_RULE}" for (i, layer), ranks in zip(held, bad[1:]) if ranks), None)
 
 
 class TrainerBase:
@@ -200,15 +216,19 @@ class DataParallel(TrainerBase):
         self.sync.settle()
 
     def in_sync(self) -> bool:
-        """True on every rank iff all replicas' parameters are bit-identical. Collective."""
+        """True on every rank iff all replicas' parameters and layer state are bit-identical.
+        Collective."""
         self.sync.settle()
-        return C.params_in_sync(self.comm, self.model.params)
+        return out_of_sync(self.comm, self.model, self.root) is None
 
     def check_replicas(self) -> None:
         """Raise :class:`mpidp.MpidpError` on every rank, naming the ranks whose parameters
-        differ from the root's, unless all replicas are bit-identical. Collective."""
+        (or the layer whose state) differ from the root's, unless all replicas are
+        bit-identical. Collective."""
         self.sync.settle()
-        C.assert_in_sync(self.comm, self.model.params, self.root)
+        why = out_of_sync(self.comm, self.model, self.root)
+        if why:
+            raise C.MpidpError(why)
 
     def at_boundary(self) -> bool:
         """True when a checkpoint may be taken (not inside an accumulation group)."""
@@ -311,7 +331,8 @@ class DataParallel(TrainerBase):
         verdict), so every rank reaches the same decision with no collective of its own;
         raises :class:`~mpidp.run.nonfinite.NonFiniteError` for ``stop``."""
         if got.averaged:  # local SGD: the replicas are equal already; judge what it left out
-            self.policy.apply(got.finite, got.loss_sum, self.global_step, got.nonfinite_steps)
+            self.policy.apply(got.finite, got.loss_sum, self.global_step, got.nonfinite_steps,
+                              self.model.params)
             return True
         if not got.count:
             return True
@@ -319,7 +340,7 @@ class DataParallel(TrainerBase):
             finite = got.finite if got.finite is not None else (
                 not self.policy.checks or all_finite(self.buf))
         if not self.policy.apply(finite, got.loss_sum, self.global_step,
-                                 1 if finite else got.nonfinite_steps):
+                                 1 if finite else got.nonfinite_steps, self.model.params):
             return False
         self.sync.update(self.optimizer, got.count)
         return True

@@ -28,7 +28,7 @@ from ..run.nonfinite import Policy, all_finite
 from ..run.stats import StepStats
 from . import buffer
 from . import stages as St
-from .data_parallel import TrainerBase
+from .data_parallel import STATE_RULE, TrainerBase, out_of_sync
 from .evaluation import global_sums, n_correct, score_sums
 from .modes import refuses_model
 
@@ -154,8 +154,9 @@ class Pipeline(TrainerBase):
         return C.gatherv(self.pipe, self.model.params, root)
 
     def in_sync(self) -> bool:
-        """True on every rank iff every stage is bit-identical across replicas. Collective."""
-        ok = C.params_in_sync(self.dp, self.model.params)
+        """True on every rank iff every stage (parameters and layer state) is bit-identical
+        across replicas. Collective."""
+        ok = out_of_sync(self.dp, self.model) is None
         return bool(C.allreduce_max(self.world, [0.0 if ok else 1.0])[0] == 0.0)
 
     def check_replicas(self) -> None:
@@ -163,11 +164,13 @@ class Pipeline(TrainerBase):
         differs from replica 0's copy of it. Collective."""
         if self.in_sync():
             return
-        hashes = C.allgather_counts(self.world, C.checksum(self.model.params))
         S = self.n_stages  # world rank r holds stage r % S; replica 0's copy is rank r % S
-        bad = [r for r in range(self.world.size) if hashes[r] != hashes[r % S]]
-        raise C.MpidpError(f"parameters differ from replica 0's on ranks {bad}: replicas are "
-                           "out of sync")
+        for what, held, why in (("parameters differ", self.model.params, "replicas are out of sync"),
+                                ("layer state differs", self.model.state, STATE_RULE)):
+            hashes = C.allgather_counts(self.world, C.checksum(held))
+            bad = [r for r in range(self.world.size) if hashes[r] != hashes[r % S]]
+            if bad:
+                raise C.MpidpError(f"{what} from replica 0's on ranks {bad}: {why}")
 
     def epoch_totals(self, totals: np.ndarray) -> np.ndarray:
         """The epoch's ``(loss, count, correct)`` sums on every rank (they live on the last

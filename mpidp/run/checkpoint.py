@@ -33,6 +33,7 @@ from ..data.sources import metadata_fingerprint as data_fingerprint  # noqa: F40
 from ..errors import is_whole, setting
 from ..nn import Optimizer, Sequential
 from . import folders as F
+from .nonfinite import NonFiniteError, all_finite, overflow_advice
 
 PATTERN = "ckpt-{:010d}.npz"
 DAMAGED_PREFIX = "damaged-"
@@ -178,6 +179,12 @@ def _write(directory: str, model_arrays: dict[str, np.ndarray], optimizer: Optim
            state: State, keep: int, run_id: str | None) -> str:
     """:func:`save_flat` of ``params`` and, for a model with layer state, ``state``."""
     params = model_arrays["params"]
+    if not all(all_finite(a) for a in model_arrays.values()):
+        n, kept = state.global_step, list_checkpoints(directory)
+        raise NonFiniteError(
+            f"the parameters after {n} step{'s' * (n != 1)} are not finite (an update "
+            f"overflowed), so no checkpoint is written of them; "
+            f"{overflow_advice(os.path.basename(kept[-1]) if kept else None)}")
     os.makedirs(directory, exist_ok=True)
     _check_not_behind(directory, state)
     if run_id is not None:

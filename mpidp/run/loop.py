@@ -72,8 +72,9 @@ def run(trainer: Trainer, feed: Feed, spec: RunSpec) -> list[dict]:
     ``stopped_at``, the global step, when a callback's stop cut it short: it ends the run
     normally, with a checkpoint where they are on, not :class:`Preempted` as a signal does)."""
     job = _Run(trainer, feed, spec)
-    try:
-        job.epochs()
+    try:  # NaN and Inf are the NaN policy's to report, in one line: no NumPy warnings
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            job.epochs()
     except (SystemExit, KeyboardInterrupt) as exc:  # from a callback: never leave others waiting
         _end_job(trainer.world, exc)
     return job.history

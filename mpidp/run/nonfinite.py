@@ -38,21 +38,37 @@ class Policy:
         """False for ``ignore``: the check is not even computed."""
         return self.mode != "ignore"
 
-    def apply(self, finite: bool, loss_sum: float, step: int, steps: int = 1) -> bool:
+    def apply(self, finite: bool, loss_sum: float, step: int, steps: int = 1,
+              params: np.ndarray | None = None) -> bool:
         """Given a verdict every rank shares: True to go ahead with the update, False to skip
         it (``skip``, counting ``steps`` skipped steps); raises :class:`NonFiniteError` for
-        ``stop``."""
+        ``stop`` (``params``: the parameters, read only then, to say whether an earlier
+        update already overflowed)."""
         if finite or self.mode == "ignore":
             return True
         if self.mode == "skip":
             self.skipped += int(steps)
             return False
-        raise self.error(loss_sum, step)
+        raise self.error(loss_sum, step, params)
 
     @staticmethod
-    def error(loss_sum: float, step: int) -> NonFiniteError:
+    def error(loss_sum: float, step: int, params: np.ndarray | None = None) -> NonFiniteError:
+        what = f"non-finite loss or gradient at step {step} (global loss sum {float(loss_sum)})"
+        if params is not None and not all_finite(params):
+            return NonFiniteError(
+                f"{what}: the parameters are not finite, so an earlier update overflowed; "
+                f"{overflow_advice()}")
         return NonFiniteError(
-            f"non-finite loss or gradient at step {step} (global loss sum {float(loss_sum)}); "
-            f"stopped before the update, so the parameters and checkpoints are from the last "
-            f"good step. Lower the learning rate, check the data, or skip such steps "
+            f"{what}; stopped before the update, so the parameters and checkpoints are from "
+            f"the last good step. Lower the learning rate, check the data, or skip such steps "
             f"({setting('on_nonfinite', 'skip')})")
+
+
+def overflow_advice(newest: str | None = "") -> str:
+    """What a user can do when an update made the parameters NaN or Inf, and which
+    checkpoint is good (none of non-finite parameters is written): ``newest``, the newest
+    checkpoint's name, None when there is none, empty when not known."""
+    kept = ("no checkpoint holds non-finite parameters" if newest == "" else
+            f"the newest checkpoint, {newest}, is good to resume from" if newest else
+            "no checkpoint was written before it")
+    return f"{kept}. Lower {setting('lr')} or {setting('weight_decay')}"

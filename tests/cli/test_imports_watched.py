@@ -1,0 +1,50 @@
+"""``--import MODULE`` runs under the watchdog: a module that blocks in MPI or loops on one
+rank ends the job with the watchdog's exit status, the stalled rank named; one that calls
+``MPI.Finalize()`` or exits on one rank is named in a one-line error."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import run_mpi
+
+from mpidp.comm.watchdog import EXIT_CODE
+
+ON_RANK_1 = "from mpi4py import MPI\nimport sys\nif MPI.COMM_WORLD.rank == 1:\n    {}\n"
+STALLS = {"blocks": "MPI.COMM_WORLD.Barrier()", "loops": "while True: pass"}
+LEAVES = {"finalizes": ("MPI.Finalize()", "RuntimeError: it calls MPI.Finalize(), which "
+                        "would leave the other ranks waiting"),
+          "exits": ("sys.exit(4)", "SystemExit: 4")}
+TRAIN = ["train", "--dataset", "synthetic", "--n-samples", "64", "--epochs", "1",
+         "--no-progress", "-q"]
+
+
+@pytest.mark.parametrize("how", sorted(STALLS))
+def test_a_module_that_stalls_one_rank_is_named_by_the_watchdog(tmp_path, how):
+    (tmp_path / "stall.py").write_text(ON_RANK_1.format(STALLS[how]))
+    r = run_mpi(2, *TRAIN, "--watchdog", "0.25", "--import", str(tmp_path / "stall.py"),
+                "--out", str(tmp_path / "o"), timeout=60)
+    assert r.returncode == EXIT_CODE, r.stderr[-2000:]
+    assert "stalled rank(s) [1]" in r.stderr, r.stderr[-2000:]
+    assert f"rank 1: excused (importing --import {tmp_path / 'stall.py'})" in r.stderr
+
+
+@pytest.mark.parametrize("how", sorted(LEAVES))
+def test_a_module_that_leaves_mpi_on_one_rank_is_named(tmp_path, how):
+    code, why = LEAVES[how]
+    (tmp_path / "leave.py").write_text(ON_RANK_1.format(code))
+    r = run_mpi(2, *TRAIN, "--import", str(tmp_path / "leave.py"),
+                "--out", str(tmp_path / "o"), timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines == [f"mpidp: error: --import {tmp_path / 'leave.py'}: cannot import it "
+                     f"({why}) (on rank 1)"], r.stderr[-2000:]
+
+
+def test_finalize_is_refused_only_while_a_users_module_runs():
+    from mpi4py import MPI
+
+    from mpidp import comm as C
+    real = MPI.Finalize
+    with C.user_code("importing x"), pytest.raises(RuntimeError, match="MPI.Finalize"):
+        MPI.Finalize()
+    assert MPI.Finalize is real
