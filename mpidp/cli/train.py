@@ -31,6 +31,7 @@ from ..observe.watch import Watch, log, say, setup_logging
 from ..parallel import DataParallel, make_trainer
 from ..parallel.async_ps import AsyncPS, epoch_history, fit_async
 from ..parallel.data_feed import fit
+from ..parallel.elastic import last_run
 from ..parallel.modes import make_sync
 from ..parallel.pipeline_feed import figures, fit_pipeline, whole_model
 from ..run import faults
@@ -153,6 +154,7 @@ def _train_data_parallel(job: Job) -> dict | None:
               f"{len(data.train.X)} train rows, {len(data.test.X)} test rows")
     resume = job.resume(restore(comm, args.checkpoint_dir, dp.model, dp.optimizer)
                         if args.resume else None, watch)
+    planned = faults.Injector(comm.rank)  # the faults of the final write
     try:
         if args.sync == "async-ps":
             history, extra = _fit_async(job, dp, data, job.spec(  # the server reports
@@ -166,24 +168,52 @@ def _train_data_parallel(job: Job) -> dict | None:
             extra = {"balance": history[-1]["balance"]}
             say(comm, "last epoch: " + format_balance(extra["balance"], per_rank=False))
         watch.finish(history)
-        dp.check_replicas()  # a mismatch is a failed run: every rank raises, nothing is written
     finally:
         watch.close_history()
-    scores = {name: dp.evaluate(shard.X, shard.y).scores  # the figures in full, at the end
-              for name, shard in (("val", data.val), ("test", data.test))
-              if shard is not None and shard.n_total}
-    timings = gather_timings(comm, dp.timer)
-    if comm.rank != 0:
-        return None
-    undecided = dp.sync.undecided() if args.sync == "auto" else None
-    if undecided:
-        print(f"mpidp: {undecided}", file=sys.stderr, flush=True)
-    return job.finish(
-        dp.model, data, "bit-identical (checked)", history, dp.global_step, timings, scores,
-        skipped_steps=dp.skipped_steps + extra.get("async", {}).get("skipped", 0),
-        sync=args.sync, balance=extra.pop("balance", None), **extra,
-        **({"auto": dp.sync.report or undecided} if args.sync == "auto" else {}),
-        bytes_sent_per_step=dp.sync.bytes_sent / max(dp.global_step, 1))
+
+    def finish() -> dict | None:
+        comm = job.comm  # elastic: the survivors
+        dp.check_replicas()  # a mismatch is a failed run: every rank raises, nothing is written
+        scores = {name: dp.evaluate(shard.X, shard.y).scores  # the figures in full, at the end
+                  for name, shard in (("val", data.val), ("test", data.test))
+                  if shard is not None and shard.n_total}
+        timings = gather_timings(comm, dp.timer)
+        if comm.rank != 0:
+            return None
+        undecided = dp.sync.undecided() if args.sync == "auto" else None
+        if undecided:
+            print(f"mpidp: {undecided}", file=sys.stderr, flush=True)
+        planned.apply("write")
+        lost = last_run(dp)
+        return job.finish(
+            dp.model, data, "bit-identical (checked)", history, dp.global_step, timings, scores,
+            skipped_steps=dp.skipped_steps + extra.get("async", {}).get("skipped", 0),
+            sync=args.sync, balance=extra.get("balance"), **{
+                k: v for k, v in extra.items() if k != "balance"},
+            **({"auto": dp.sync.report or undecided} if args.sync == "auto" else {}),
+            bytes_sent_per_step=dp.sync.bytes_sent / max(dp.global_step, 1),
+            **({"lost_ranks": lost.losses} if lost is not None else {}))
+
+    return _surviving(last_run(dp), finish)
+
+
+def _surviving(elastic, finish):
+    """``finish()``, the collective end of a run; an elastic run's survivors do it again
+    over fewer ranks when one is lost during it, unless the outputs were written."""
+    if elastic is None:
+        return finish()
+    metrics = None
+    while True:
+        try:
+            metrics = metrics or finish()
+            C.barrier(elastic.comm)  # the outputs are written: every survivor knows it
+            break
+        except Exception as exc:
+            elastic.recover(exc)  # anything but a lost rank: raised again
+            if C.allreduce_max(elastic.comm, [metrics is not None])[0]:
+                break
+    elastic.finished()
+    return metrics
 
 
 def _held_out(data: D.Data):

@@ -13,11 +13,13 @@ from ..data.balance import Partition, Plan
 from ..data.distribute import Shard
 from ..data.partition import steps_per_epoch
 from ..nn.losses import label_problem
+from ..run.faults import Injector
 from ..run.loop import run, watched_run
+from ..run.signals import PREEMPTED_EXIT, Preempted
 from ..run.spec import RunSpec
 from ..run.stats import StepStats
 from .data_parallel import DataParallel
-from .elastic import elastic_spec
+from .elastic import elastic_spec, whole_arrays
 
 
 class DataFeed:
@@ -30,6 +32,7 @@ class DataFeed:
         self.dp, self.plan, self.shard, self.test = dp, plan, train, test
         self.n_steps = steps_per_epoch(train.n_total, plan.batch_size, plan.drop_last)
         self.labelled = dp.loss.classification or train.y.dtype.kind in "iu"
+        self.faults = Injector(dp.comm.rank)
 
     def batches(self, epoch: int, first: int) -> Iterator[tuple]:
         ctx = self.dp.model.context
@@ -46,6 +49,7 @@ class DataFeed:
     def evaluate(self) -> dict[str, StepStats]:
         """Every held-out set's figures, by name (``test``; ``val`` and others when ``test``
         is a dict of shards). Collective."""
+        self.faults.apply("evaluate")
         sets = self.test if isinstance(self.test, dict) else {"test": self.test}
         return {name: self.dp.evaluate(shard.X, shard.y) for name, shard in sets.items()
                 if shard is not None and shard.n_total}
@@ -102,6 +106,9 @@ def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
     loss, accuracy``, each set's figures, ``seconds``, ``balance``), the same on every rank.
     """
     spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
+    if spec.elastic is True:  # the whole arrays on every rank: survivors split them again
+        train, test, rows = whole_arrays(dp.comm, train, test)
+        spec = RunSpec.of(spec, elastic=rows)
     tests = test if isinstance(test, dict) else {"test": test}
     for name, shard in {"train": train, **tests}.items():
         if not (isinstance(shard, Shard) or (shard is None and name != "train")):
@@ -127,7 +134,12 @@ def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
     with watched_run(spec, dp.comm, dp.watchdog) as spec:
         feed = DataFeed(dp, plan, train, test)
         spec = elastic_spec(dp, feed, spec)  # elastic: the survivors of a lost rank go on
-        history = run(dp, feed, spec)
+        try:
+            history = run(dp, feed, spec)
+        except Preempted:
+            if spec.elastic:
+                spec.elastic.finished(PREEMPTED_EXIT)
+            raise
         if spec.elastic:
             spec.elastic.finished()
         dp.settle()  # the last update is whole when fit returns

@@ -13,13 +13,14 @@ global batches, in the same order, split over fewer ranks.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from .. import comm as C
 from ..comm import elastic as E
 from ..data.balance import Plan
-from ..data.distribute import Shard
+from ..data.distribute import Shard, shard_from_arrays
 from ..errors import setting
 from ..run.elastic import Elastic
 from ..run.spec import RunSpec
@@ -81,6 +82,29 @@ class DataParallelRegroup:
         dp.timer.take_records()  # the epoch's balance figures: the survivors' steps only
 
 
+def whole_arrays(comm: C.Comm, train, test) -> tuple:
+    """For ``elastic=True``: ``train`` and ``test``, each ``(X, y)``, the whole set on every
+    rank (``test`` may be a dict of them, or None), as this rank's block of rows over
+    ``comm`` (:func:`mpidp.shard_from_arrays`), and the function that splits them again over
+    the survivors. Other data is returned as it is (and refused by the checks of fit)."""
+    def whole(data) -> bool:
+        return isinstance(data, tuple) and len(data) == 2
+
+    def split(over: C.Comm, data):
+        if isinstance(data, dict):
+            return {name: split(over, part) for name, part in data.items()}
+        if not whole(data):
+            return data
+        X, y = data
+        lo, hi = len(X) * over.rank // over.size, len(X) * (over.rank + 1) // over.size
+        return shard_from_arrays(over, X[lo:hi], y[lo:hi])
+
+    if not whole(train):
+        return train, test, True
+    return split(comm, train), split(comm, test), lambda over: (split(over, train),
+                                                                 split(over, test))
+
+
 def elastic_spec(dp, feed, spec: RunSpec) -> RunSpec:
     """``spec`` with its ``elastic`` setting made real (an :class:`Elastic` over ``dp``'s
     communicator), or as it is when off. Refuses, on every rank, what cannot go on."""
@@ -89,7 +113,8 @@ def elastic_spec(dp, feed, spec: RunSpec) -> RunSpec:
         return spec
     why = E.ulfm_problem(dp.comm) or refusal(dp.sync.name) or (
         None if callable(rows) else
-        f"{setting('elastic')} must be a function comm -> Shard that reads this rank's "
+        f"{setting('elastic')} must be True (with the training set as arrays (X, y), the "
+        f"whole set on every rank) or a function comm -> Shard that reads this rank's "
         f"training rows over comm (e.g. lambda comm: mpidp.load(comm, path, "
         f"distribute='local').train): the rows of a lost rank are read again from it") or (
         None if spec.min_ranks <= dp.comm.size else
@@ -97,12 +122,16 @@ def elastic_spec(dp, feed, spec: RunSpec) -> RunSpec:
         f"the run")
     C.agree(dp.comm, why)
     dog = spec.watchdog if isinstance(spec.watchdog, C.Watchdog) else dp.watchdog
-    return dataclasses.replace(spec, elastic=Elastic(DataParallelRegroup(dp, feed, rows),
-                                                     dp.comm, dog, spec.min_ranks))
+    made = Elastic(DataParallelRegroup(dp, feed, rows), dp.comm, dog, spec.min_ranks)
+    _RUNS[dp] = made
+    return dataclasses.replace(spec, elastic=made)
 
 
-def losses(spec_or_history: Any) -> list[dict]:
-    """The ranks an elastic run lost (``Elastic.losses``), or none."""
-    e = getattr(spec_or_history, "elastic", None)
-    return list(e.losses) if isinstance(e, Elastic) else []
+_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def last_run(dp) -> Elastic | None:
+    """The :class:`Elastic` of ``dp``'s last elastic :func:`~mpidp.fit`, or None: its
+    ``losses``, and its ``recover`` for the collective work that follows the fit."""
+    return _RUNS.get(dp)
 

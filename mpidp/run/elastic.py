@@ -22,6 +22,7 @@ import numpy as np
 
 from ..comm import elastic as E
 from ..errors import MpidpError, setting
+from . import faults
 
 #: Exit status when fewer ranks than ``min_ranks`` survive (EX_UNAVAILABLE: a checkpoint,
 #: where checkpoints are on, is left to resume from on more ranks).
@@ -79,6 +80,7 @@ class Elastic:
         E.errors_return(self.comm)
         self.hosts = E.processor_names(self.comm)
         self.ranks = list(range(self.comm.size))  # each rank's rank in the first world
+        self.faults = faults.Injector(self.comm.rank)
 
     def mark(self, global_step: int, epoch: int, step: int, totals: np.ndarray,
              history: int) -> None:
@@ -98,14 +100,14 @@ class Elastic:
             raise exc
         t0 = time.perf_counter()
         comm, lost = E.shrink(self.comm)
+        self.faults.apply("recover")
         here = self.marks[-1].global_step
         low, high = (int(v) for v in E.agree_min(comm, [here, -here]))
         high = -high
         mark = next((m for m in self.marks if m.global_step == low), None)
         if mark is None:  # never: survivors are at most one update apart
             raise MpidpError(f"cannot roll back from step {here} to step {low}")
-        if mark is not self.marks[-1]:
-            self.group.restore(mark.kept)
+        self.group.restore(mark.kept)  # the last mark too: a loss after a step's update
         self.marks = [mark]
         self.group.regroup(comm)
         if self.watchdog is not None:
@@ -137,8 +139,9 @@ class Elastic:
         if lost:
             record["lost_ranks"] = lost
 
-    def finished(self) -> None:
-        """The run ended normally: after losses, the process leaves at exit without
-        waiting for the dead ranks (:func:`mpidp.comm.elastic.end_quietly_at_exit`)."""
+    def finished(self, status: int = 0) -> None:
+        """The run ended (normally, or with exit ``status``): after losses, the process
+        leaves at exit without waiting for the dead ranks
+        (:func:`mpidp.comm.elastic.end_quietly_at_exit`)."""
         if self.losses:
-            E.end_quietly_at_exit(self.comm)
+            E.end_quietly_at_exit(self.comm, status)

@@ -1,9 +1,13 @@
-"""Fault injection for tests and drills: ``MPIDP_FAULT=kind@rank:step[,kind@rank:step...]``.
+"""Fault injection for tests and drills: ``MPIDP_FAULT=kind@rank:when[,kind@rank:when...]``.
 
-Kinds, applied on ``rank`` just before global step ``step`` (0-based), in every mode:
-``raise`` (an exception), ``kill`` (SIGKILL), ``hang`` (an hour's sleep), ``nan`` (this
-rank's gradient contribution becomes NaN), ``desync`` (its first parameter moves by one
-ulp). Unset, the per-step cost is one dictionary lookup."""
+Kinds, applied on ``rank`` (of the run's communicator as the run starts) just before global
+step ``when`` (0-based), in every mode: ``raise`` (an exception), ``kill`` (SIGKILL),
+``hang`` (an hour's sleep), ``nan`` (this rank's gradient contribution becomes NaN),
+``desync`` (its first parameter moves by one ulp), ``term`` (SIGTERM, as a scheduler's
+preemption sends). ``when`` may instead name a phase (:data:`PHASES`): the fault then comes
+as the rank enters it: ``evaluate`` (an epoch's held-out evaluation), ``checkpoint``
+(writing one), ``write`` (the final model and metrics), ``recover`` (going on over the
+survivors of a lost rank). Unset, the per-step cost is one dictionary lookup."""
 
 from __future__ import annotations
 
@@ -11,28 +15,32 @@ import os
 import signal
 import time
 
-KINDS = ("raise", "kill", "hang", "nan", "desync")
+KINDS = ("raise", "kill", "hang", "nan", "desync", "term")
+PHASES = ("evaluate", "checkpoint", "write", "recover")
 
 
 class InjectedFault(RuntimeError):
     """The exception raised by the ``raise`` fault."""
 
 
-def parse(spec: str | None) -> dict[tuple[int, int], str]:
-    """``{(rank, step): kind}`` from a ``MPIDP_FAULT`` value; ValueError if malformed."""
+def parse(spec: str | None) -> dict[tuple[int, int | str], str]:
+    """``{(rank, step or phase): kind}`` from a ``MPIDP_FAULT`` value; ValueError if
+    malformed."""
     faults = {}
     for item in filter(None, (spec or "").split(",")):
         try:
             kind, where = item.strip().split("@")
-            rank, step = (int(x) for x in where.split(":"))
+            rank, when = where.split(":")
+            rank, when = int(rank), when if when in PHASES else int(when)
         except ValueError:
-            raise ValueError(f"MPIDP_FAULT item {item!r} is not kind@rank:step (e.g. "
-                             f"raise@1:5; kinds: {', '.join(KINDS)})") from None
+            raise ValueError(f"MPIDP_FAULT item {item!r} is not kind@rank:step or "
+                             f"kind@rank:phase (e.g. raise@1:5, kill@0:checkpoint; kinds: "
+                             f"{', '.join(KINDS)}; phases: {', '.join(PHASES)})") from None
         if kind not in KINDS:
             raise ValueError(f"MPIDP_FAULT kind {kind!r} is not one of {', '.join(KINDS)}")
-        if rank < 0 or step < 0:
+        if rank < 0 or isinstance(when, int) and when < 0:
             raise ValueError(f"MPIDP_FAULT item {item!r}: rank and step must be >= 0")
-        faults[(rank, step)] = kind
+        faults[(rank, when)] = kind
     return faults
 
 
@@ -45,10 +53,12 @@ class Injector:
         self.steps = {step: kind for (r, step), kind in planned.items() if r == rank}
         self.rank = rank
 
-    def apply(self, step: int, trainer) -> None:
+    def apply(self, step: int | str, trainer=None) -> None:
         kind = self.steps.get(step)
         if kind == "raise":
-            raise InjectedFault(f"injected fault on rank {self.rank} at step {step}")
+            where = f"step {step}" if isinstance(step, int) else step
+            raise InjectedFault(f"injected fault on rank {self.rank} at {where}")
         if kind is not None:
             {"kill": lambda: os.kill(os.getpid(), signal.SIGKILL), "hang": lambda: time.sleep(3600),
-             "desync": trainer.nudge_, "nan": trainer.poison_}[kind]()
+             "term": lambda: os.kill(os.getpid(), signal.SIGTERM),
+             "desync": lambda: trainer.nudge_(), "nan": lambda: trainer.poison_()}[kind]()

@@ -309,6 +309,7 @@ class _Run:
         state.history, state.config = self.history, self.spec.checkpoint.config
         state.partition = self.feed.state()
         best = self.spec.checkpoint.best
+        self.faults.apply("checkpoint")
         state.best = best.kept() if best is not None else None
         with writing_checkpoint(self.tracer):
             self.trainer.save_checkpoint(self.spec.checkpoint.directory, state,

@@ -74,12 +74,60 @@ def test_the_survivors_end_with_the_uninterrupted_model(uninterrupted, tmp_path,
     got = _job(4, out, "--elastic", "--distribute", distribute, fault=fault)
     assert got.returncode == 0, got.stderr[-3000:]
     np.testing.assert_allclose(_params(out), uninterrupted, rtol=0, atol=1e-10)
-    metrics = json.loads((out / "metrics.json").read_text())
-    records = [x for r in metrics["history"] for x in r.get("lost_ranks", [])]
-    assert [x["rank"] for x in records] == lost, records
-    assert all(x["seconds_to_recover"] >= 0 and x["steps_recomputed"] in (0, 1) for x in records)
-    assert got.stderr.count("mpidp: lost rank") == len(lost), got.stderr[-3000:]
+    records = _lost(out, got, lost)
+    assert records == [x for r in _metrics(out)["history"] for x in r.get("lost_ranks", [])]
     assert "bit-identical" in got.stdout
+
+
+def _metrics(out: Path) -> dict:
+    return json.loads((out / "metrics.json").read_text())
+
+
+def _lost(out: Path, got, ranks: list[int]) -> list[dict]:
+    """metrics.json's record of the losses (one each: rank, host, step, seconds to recover,
+    steps recomputed), and the console's line for each."""
+    records = _metrics(out)["lost_ranks"]
+    assert [x["rank"] for x in records] == ranks, records
+    assert all(x["seconds_to_recover"] >= 0 and x["steps_recomputed"] in (0, 1)
+               and x["host"] and x["step"] >= 0 for x in records), records
+    assert got.stderr.count("mpidp: lost rank") == len(ranks), got.stderr[-3000:]
+    return records
+
+
+@open_mpi_only
+@pytest.mark.parametrize("fault, lost", [
+    ("kill@1:evaluate", 1),  # in the first epoch's evaluation
+    ("kill@2:checkpoint", 2),  # after the step's update, while the root writes
+    ("kill@0:checkpoint", 0),  # the root, as it starts writing
+    ("kill@0:write", 0),  # the root, as it starts writing the model: another writes it
+])
+def test_a_loss_outside_a_step_is_survived(uninterrupted, tmp_path, fault, lost):
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    got = _job(3, out, "--elastic", "--distribute", "local", "--checkpoint-dir", str(ck),
+               "--checkpoint-every", "10", fault=fault)
+    assert got.returncode == 0, got.stderr[-3000:]
+    np.testing.assert_allclose(_params(out), uninterrupted, rtol=0, atol=1e-10)
+    # the step the survivors went on from: the last all had reached (a checkpoint's: after
+    # its step, or before it where a survivor noticed the loss in the write)
+    step = _lost(out, got, [lost])[0]["step"]
+    assert step in ((46,) if "write" in fault else (23,) if "evaluate" in fault else (9, 10))
+    assert _metrics(out)["world_size"] == 2
+
+
+@open_mpi_only
+def test_a_stop_signal_during_a_recovery_ends_with_a_checkpoint_that_resumes(uninterrupted,
+                                                                           tmp_path):
+    """SIGTERM on a survivor while the survivors regroup: the run stops at the next step
+    with a checkpoint and the preemption exit status; resuming it ends with the model."""
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    run = ("--elastic", "--distribute", "local", "--checkpoint-dir", str(ck))
+    got = _job(3, out, *run, fault="kill@1:5,term@0:recover")
+    assert got.returncode == 75, got.stderr[-3000:]
+    assert "stopped by a signal after step 6" in got.stderr, got.stderr[-3000:]
+    assert [p.name for p in ck.glob("ckpt-*.npz")] == ["ckpt-0000000006.npz"]
+    again = _job(2, tmp_path / "again", *run, "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    np.testing.assert_allclose(_params(tmp_path / "again"), uninterrupted, rtol=0, atol=1e-10)
 
 
 def test_elastic_is_refused_where_the_mpi_cannot_survive_a_lost_rank(tmp_path):
@@ -120,3 +168,49 @@ def test_too_few_survivors_end_with_a_checkpoint_that_resumes(uninterrupted, tmp
 def test_min_ranks_needs_elastic(tmp_path):
     got = _job(2, tmp_path / "out", "--min-ranks", "2", timeout=120)
     assert got.returncode == 2 and "--min-ranks needs --elastic" in got.stderr, got.stderr
+
+
+LIBRARY = """
+import sys
+import mpidp
+import numpy as np
+from mpi4py import MPI
+from mpidp import nn
+
+comm = MPI.COMM_WORLD
+rng = np.random.default_rng(0)
+X, y = rng.normal(size=(300, 6)), rng.integers(0, 3, 300)  # the whole set, on every rank
+model = nn.mlp(6, hidden=(16,), n_out=3, dtype=np.float64)
+model.init_(np.random.default_rng(0))
+dp = mpidp.DataParallel(model, nn.Adam(1e-2), nn.SoftmaxCrossEntropy(), comm)
+history = mpidp.fit(dp, (X, y), epochs=2, batch_size=32, seed=0, test=(X[:90], y[:90]),
+                    elastic=True)
+if dp.comm.rank == 0:
+    np.save(sys.argv[1], model.params)
+    print("test rows", history[-1]["test_loss"] is not None, dp.comm.size)
+"""
+
+
+@open_mpi_only
+def test_the_library_with_whole_arrays_on_every_rank(tmp_path):
+    """fit(dp, (X, y), elastic=True): each rank trains on its block of the rows; the
+    survivors of a lost rank split them again: the model of the uninterrupted run."""
+    script = tmp_path / "fit.py"
+    script.write_text(LIBRARY)
+    got = {}
+    for name, fault in (("whole", None), ("lost", "kill@1:6")):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "MPIDP_FAULT": fault or "",
+               "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+               "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+        with subprocess.Popen([mpiexec(), *ULFM, "-n", "3", sys.executable, str(script),
+                               str(tmp_path / name)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) as job:
+            try:
+                stdout, stderr = job.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                job.kill()
+                pytest.fail(f"timed out: {job.communicate()}")
+        assert job.returncode == 0, stderr[-3000:]
+        assert f"test rows True {2 if fault else 3}" in stdout, stdout + stderr[-2000:]
+        got[name] = np.load(tmp_path / f"{name}.npy")
+    np.testing.assert_allclose(got["lost"], got["whole"], rtol=0, atol=1e-10)
