@@ -4,6 +4,7 @@ alone; a failed trial recorded while the others go on; a resumed sweep keeps wha
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 
 import numpy as np
@@ -53,6 +54,16 @@ def test_grid_on_two_groups_equals_each_trial_alone(tmp_path):
         assert alone.returncode == 0, alone.stderr
         np.testing.assert_allclose(_params(folder), _params(tmp_path / f"alone{i}"),
                                    rtol=0, atol=1e-10)
+    if importlib.util.find_spec("matplotlib"):  # mpidp plot on the sweep's folder
+        from mpidp.cli.main import main
+        from mpidp.observe.plot import sweep_series
+        assert main(["plot", str(out), "--out", str(tmp_path / "p.png")]) == 0
+        assert (tmp_path / "p.png").stat().st_size > 0
+        by = {t["index"]: t for t in trials}
+        for series, name in zip(sweep_series(summary), ("lr", "seed")):
+            assert series["setting"] == name and series["trials"] == [0, 1, 2, 3]
+            assert series["x"] == [by[i]["settings"][name] for i in range(4)]
+            assert series["y"] == [by[i]["result"]["val_accuracy"] for i in range(4)]
 
 
 def test_spare_rank_idle_and_a_failed_trial_does_not_stop_the_others(tmp_path):
