@@ -309,7 +309,7 @@ def draw_sweep(summary: dict, out: str, title: str | None = None) -> list[dict]:
     for ax, p in zip(axes.flat, panels):
         xs = ([p["categories"].index(x) for x in p["x"]] if p["axis"] == "category"
               else p["x"])
-        ax.scatter(xs, p["y"], color="C0", zorder=2)
+        ax.plot(xs, p["y"], "o", color="C0", zorder=2)
         by: dict = {}  # the mean at each value: a line through the repeats
         for x, y in zip(xs, p["y"]):
             by.setdefault(x, []).append(y)
@@ -318,8 +318,7 @@ def draw_sweep(summary: dict, out: str, title: str | None = None) -> list[dict]:
                 "_" if p["axis"] == "category" else "-", ms=30, color="C0", alpha=0.5)
         for x, y, i in zip(xs, p["y"], p["trials"]):
             if i == best:
-                ax.scatter([x], [y], marker="*", s=220, color="C3", zorder=3,
-                           label=f"best: trial {i}")
+                ax.plot([x], [y], "*", ms=15, color="C3", zorder=3, label=f"best: trial {i}")
                 ax.legend(fontsize=8)
         if p["axis"] == "category":
             ax.set_xticks(range(len(p["categories"])), p["categories"], rotation=30,
