@@ -82,6 +82,13 @@ bench: $(STAMP)
 bench-sync: $(STAMP)
 	$(BIN)/python -m benchmarks.run_sync_bench
 
+# The same 8 sweep trials on 4 ranks as 4 groups of 1 and one after another on all 4;
+# wall time, median of 3 -> benchmarks/results/sweep.{json,md} (~3 min on 2 cores).
+.PHONY: bench-sweep
+bench-sweep: $(STAMP)
+	mkdir -p benchmarks/results
+	timeout 1800 $(BIN)/python -m benchmarks.bench_sweep --mpiexec $(MPIEXEC)
+
 # Step time and cost model across two test hosts (network namespaces; needs root).
 bench-multihost: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_multihost

@@ -76,6 +76,15 @@ def plot(args) -> int:
     try:
         P.need_matplotlib()
         out = P.output_path(args.out)
+        if any(P.is_sweep(folder) for folder in args.runs):
+            if len(args.runs) > 1:
+                raise ValueError("give one sweep folder alone (its trials are plotted "
+                                 "against each setting they vary)")
+            summary = P.load_sweep(args.runs[0])
+            panels = P.draw_sweep(summary, out, args.title)
+            print(f"wrote {out} ({summary['select']} of {len(panels[0]['y'])} trials "
+                  f"against {', '.join(p['setting'] for p in panels)})")
+            return 0
         runs = [P.load_run(folder) for folder in args.runs]
         P.draw(runs, out, args.x, args.title)
     except (ImportError, ValueError, OSError) as exc:

@@ -385,9 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="plot loss and accuracy of finished or killed runs (no MPI "
                        "needed)", description="mpidp plot RUN_DIR [RUN_DIR ...] --out FILE.png: "
                        "loss and accuracy of one or several runs against epochs and against "
-                       "seconds, each run labelled from its configuration.")
+                       "seconds, each run labelled from its configuration; or a sweep's "
+                       "folder: its metric against each setting its trials vary.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", type=Place(file=False, folder=True),
-                   help="a train --out folder (metrics.json, or history.jsonl if it was killed)")
+                   help="a train --out folder (metrics.json, or history.jsonl if it was "
+                   "killed), or one sweep --out folder (sweep.json)")
     p.add_argument("--out", type=Place(writes=True, folder=True), required=True,
                    metavar="FILE.png",
                    help="the image to write (its extension says the format: .png, .svg, "

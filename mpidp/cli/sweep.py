@@ -60,6 +60,10 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
         me.error(str(exc))
     if not trials:
         me.error("no trials: give --grid, --random with --space, or --trials")
+    known = [*FIGURES, *(f"best_{k}" for k in FIGURES), "wall_s"]
+    if args.select is not None and args.select not in known:
+        me.error(f"--select {args.select}: not a figure of a trial; give one of "
+                 + ", ".join(known))
     args.train, args.trials = base, trials
     return args
 
@@ -77,22 +81,32 @@ def _value(text: str):
 
 
 def _axes(specs: list[str], what: str) -> list[tuple[str, str]]:
-    out = []
+    out, seen = [], set()
     for spec in specs:
         name, eq, values = spec.partition("=")
         if not eq or not name or not values:
             raise ValueError(f"{what} {spec!r}: write NAME=VALUES (lr=0.01,0.1)")
+        if name.replace("_", "-") in seen:
+            raise ValueError(f"{what} names {name} twice: give all its values at once "
+                             f"({name}=V1,V2)")
+        seen.add(name.replace("_", "-"))
         out.append((name, values))
     return out
 
 
-def _split(values: str) -> list:
-    """``a,b,[c,d]`` -> ``[a, b, "c,d"]``, each through :func:`_value`."""
-    return [_value(v) for v in re.findall(r"\[[^\]]*\]|[^,]+", values)]
+def _split(values: str, spec: str) -> list:
+    """``a,b,[c,d]`` -> ``[a, b, "c,d"]``, each through :func:`_value`; ValueError for an
+    empty value (``a,,b``)."""
+    parts = re.findall(r"\[[^\]]*\]|[^,]+", values)
+    if ",".join(parts) != values:
+        raise ValueError(f"{spec}: an empty value; write V1,V2 (a value holding commas in "
+                         "brackets: [64,32])")
+    return [_value(v) for v in parts]
 
 
 def _grid(specs: list[str]) -> list[dict]:
-    axes = [(name, _split(values)) for name, values in _axes(specs or [], "--grid")]
+    axes = [(name, _split(values, f"--grid {name}={values}"))
+            for name, values in _axes(specs or [], "--grid")]
     if not axes:
         return []
     return [dict(zip([n for n, _ in axes], combo))
@@ -113,7 +127,7 @@ def _drawn(args: argparse.Namespace) -> list[dict]:
         for name, values in axes:
             parts = values.split(":")
             if len(parts) == 1:
-                choices = _split(values)
+                choices = _split(values, f"--space {name}={values}")
                 trial[name] = choices[int(rng.integers(len(choices)))]
                 continue
             lo, hi = (_value(x) for x in parts[:2])
@@ -133,7 +147,10 @@ def _drawn(args: argparse.Namespace) -> list[dict]:
 def _from_file(path: str | None) -> list[dict]:
     if path is None:
         return []
-    table = load(path)
+    try:
+        table = load(path)
+    except ValueError as exc:  # the file's problem, named as this option's
+        raise ValueError(str(exc).replace("--config", "--trials", 1)) from None
     trials = table.get("trial", [])
     if set(table) - {"trial"} or not isinstance(trials, list) or not all(
             isinstance(t, dict) for t in trials):
@@ -163,9 +180,13 @@ def run(args: argparse.Namespace, comm, parser: argparse.ArgumentParser) -> list
               flush=True)
     records = sweep(comm, args.trials, ranks_per_trial=args.ranks_per_trial,
                     train=_trainer(parser, args), skip=kept, on_result=_recorder(args))
-    if records is None:
-        return None
-    return _finish(args, [*kept.values(), *records])
+    try:
+        if records is None:
+            return None
+        return _finish(args, [*kept.values(), *records])
+    finally:
+        while _held:
+            _held.pop().close()
 
 
 def _start(out: str, plan: dict, resume: bool) -> dict[int, dict]:
@@ -173,6 +194,13 @@ def _start(out: str, plan: dict, resume: bool) -> dict[int, dict]:
     continues; returns its finished trials by index."""
     from ..atomic import check_folder, write_atomic
     path = os.path.join(out, PLAN)
+    run = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+    if run and not os.path.exists(path):
+        raise MpidpError(f"--out {out} holds a run of mpidp train ({run[0]}), not a sweep: "
+                         "give another --out")
+    check_folder(out, "--out")
+    os.makedirs(out, exist_ok=True)
+    _lock(out)
     if os.path.exists(path):
         if not resume:
             raise MpidpError(f"--out {out} holds a sweep already: add --resume to continue "
@@ -181,8 +209,6 @@ def _start(out: str, plan: dict, resume: bool) -> dict[int, dict]:
             if json.load(f) != plan:
                 raise MpidpError(f"the sweep in --out {out} has other trials or train "
                                  "options: resume it with the same ones, or give another --out")
-    check_folder(out, "--out")
-    os.makedirs(out, exist_ok=True)
     write_atomic(path, lambda f: f.write(json.dumps(plan, indent=1).encode()))
     kept = {}
     for i in range(len(plan["trials"])):
@@ -190,6 +216,25 @@ def _start(out: str, plan: dict, resume: bool) -> dict[int, dict]:
         if record and record.get("status") == "ok":
             kept[i] = record
     return kept
+
+
+#: The files of a run of ``mpidp train``: a folder holding one is not a sweep's.
+RUN_FILES = ("metrics.json", "model.npz", "history.jsonl")
+_held: list = []  # rank 0: the open lock file of the sweep running into --out
+
+
+def _lock(out: str) -> None:
+    """Rank 0: hold ``OUT/sweep.lock`` for the rest of the sweep (the system lets it go
+    when the process ends, however it ends); MpidpError while another sweep holds it."""
+    import fcntl
+    f = open(os.path.join(out, "sweep.lock"), "a")  # noqa: SIM115 - held until the end
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise MpidpError(f"--out {out}: another sweep is running into it; wait for it to "
+                         "end, or give another --out") from None
+    _held.append(f)
 
 
 def _read(path: str) -> dict | None:
@@ -318,7 +363,8 @@ def _finish(args: argparse.Namespace, records: list[dict]) -> list[dict]:
         line = "  ".join(c.rjust(w) for c, w in zip(row, widths))
         print(line + (f"  {r['error']}" if r["status"] != "ok" else ""))
     print(f"best by {metric}: " + (f"trial {best['index']} ({_settings(best)}) in "
-                                   f"{best['folder']}" if best else "none") +
+                                   f"{best['folder']}" if best else
+                                   f"none (no finished trial records {metric})") +
           f"\nwrote {path}.json, {path}.csv", flush=True)
     failed = sum(r["status"] != "ok" for r in records)
     if failed:

@@ -1,5 +1,6 @@
 """Loss and accuracy of one or several runs against epochs and seconds, each run labelled
-from its configuration (``mpidp plot``, :func:`mpidp.cli.main.plot`). A run folder holds
+from its configuration, or a sweep's metric against each setting its trials vary
+(``mpidp plot``, :func:`mpidp.cli.main.plot`). A run folder holds
 ``metrics.json`` (a finished run) or ``history.jsonl`` (a failed or killed run's epochs).
 matplotlib is imported only when drawing."""
 
@@ -170,8 +171,16 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    _save(fig, out)
+    return names
+
+
+def _save(fig, out: str) -> None:
+    """Write ``fig`` to ``out`` atomically (a failure leaves no half-written image), and
+    close it."""
+    import matplotlib.pyplot as plt
     fmt = os.path.splitext(out)[1][1:].lower() or "png"
-    try:  # atomically: a failure leaves no half-written image
+    try:
         try:
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         except OSError as exc:
@@ -180,7 +189,6 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
                      what=setting("out"))
     finally:
         plt.close(fig)
-    return names
 
 
 #: The file written when ``out`` names a folder.
@@ -211,3 +219,119 @@ def need_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError as exc:
         raise ImportError(NEED_MATPLOTLIB) from exc
+
+
+# --- a sweep: its metric against each setting the trials vary --------------------------
+
+#: The file ``mpidp sweep`` writes at its end, in the sweep's folder.
+SWEEP = "sweep.json"
+
+
+def is_sweep(folder: str) -> bool:
+    """Whether ``folder`` is a sweep's (``sweep.json``, or the plan of one still running)
+    rather than a run's."""
+    return not os.path.isfile(os.path.join(folder, "metrics.json")) and any(
+        os.path.isfile(os.path.join(folder, f)) for f in (SWEEP, "sweep-plan.json"))
+
+
+def load_sweep(folder: str) -> dict:
+    """The summary ``mpidp sweep`` wrote in ``folder`` (``{"select", "best", "trials"}``);
+    ValueError naming the file when it is missing (a sweep not finished) or damaged."""
+    path = os.path.join(folder, SWEEP)
+    if not os.path.isfile(path):
+        raise ValueError(f"{folder}: the sweep has not finished ({SWEEP} is written at its "
+                         "end); run it to the end, or plot its trials' folders")
+    try:
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); the file is damaged") from None
+    trials = summary.get("trials") if isinstance(summary, dict) else None
+    if not isinstance(trials, list) or not isinstance(summary.get("select"), str) or not all(
+            isinstance(t, dict) and isinstance(t.get("settings"), dict) for t in trials):
+        raise ValueError(f"{path}: not the summary of a sweep; the file is damaged")
+    return summary
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def sweep_series(summary: dict, metric: str | None = None) -> list[dict]:
+    """One panel per setting the trials vary (all their settings when none varies):
+    ``{"setting", "axis": "linear" | "log" | "category", "x", "y", "trials",
+    "categories"}``, the finished trials that have ``metric`` (default: the sweep's
+    ``select``), in trial order. A setting some trial leaves unset, or with a value that
+    is not a number, is drawn as categories (``"(not set)"`` for the unset); numbers
+    spanning over a factor of 20, all above 0, on a log axis."""
+    metric = metric or summary["select"]
+    trials = sorted(summary["trials"], key=lambda t: t.get("index", 0))
+    names = list(dict.fromkeys(k for t in trials for k in t["settings"]))
+    varied = [k for k in names if len({json.dumps(t["settings"].get(k), sort_keys=True)
+                                       for t in trials}) > 1] or names
+    shown_ = [t for t in trials if t.get("status") == "ok" and _number(
+        (t.get("result") or {}).get(metric)) and (t["result"][metric] == t["result"][metric])]
+    out = []
+    for name in varied:
+        values = [t["settings"].get(name) for t in shown_]
+        every = [t["settings"].get(name) for t in trials]
+        numeric = all(_number(v) for v in every)
+        series = {"setting": name, "x": values, "y": [t["result"][metric] for t in shown_],
+                  "trials": [t.get("index") for t in shown_], "categories": None,
+                  "axis": "linear"}
+        if not numeric:
+            label = [("(not set)" if name not in t["settings"] else _short(v))
+                     for t, v in zip(shown_, values)]
+            series.update(axis="category", x=label, categories=list(dict.fromkeys(
+                "(not set)" if name not in t["settings"] else _short(t["settings"][name])
+                for t in trials)))
+        elif min(every) > 0 and max(every) / min(every) > 20:
+            series["axis"] = "log"
+        out.append(series)
+    return out
+
+
+def draw_sweep(summary: dict, out: str, title: str | None = None) -> list[dict]:
+    """Draw the sweep's metric against each varied setting (:func:`sweep_series`), one
+    panel each, the best trial starred, into ``out``. Returns the series drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    metric = summary["select"]
+    panels = sweep_series(summary)
+    if not any(p["y"] for p in panels):
+        raise ValueError(f"the sweep has no finished trial with {metric}: nothing to plot")
+    best = (summary.get("best") or {}).get("trial")
+    cols = min(len(panels), 3)
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.5 * rows), squeeze=False)
+    unseen = len(summary["trials"]) - len(panels[0]["y"])
+    for ax, p in zip(axes.flat, panels):
+        xs = ([p["categories"].index(x) for x in p["x"]] if p["axis"] == "category"
+              else p["x"])
+        ax.plot(xs, p["y"], "o", color="C0", zorder=2)
+        by: dict = {}  # the mean at each value: a line through the repeats
+        for x, y in zip(xs, p["y"]):
+            by.setdefault(x, []).append(y)
+        keys = sorted(by)
+        ax.plot(keys, [sum(by[k]) / len(by[k]) for k in keys],
+                "_" if p["axis"] == "category" else "-", ms=30, color="C0", alpha=0.5)
+        for x, y, i in zip(xs, p["y"], p["trials"]):
+            if i == best:
+                ax.plot([x], [y], "*", ms=15, color="C3", zorder=3, label=f"best: trial {i}")
+                ax.legend(fontsize=8)
+        if p["axis"] == "category":
+            ax.set_xticks(range(len(p["categories"])), p["categories"], rotation=30,
+                          ha="right" if len(p["categories"]) > 4 else "center")
+            ax.set_xlim(-0.5, len(p["categories"]) - 0.5)
+        elif p["axis"] == "log":
+            ax.set_xscale("log")
+        ax.set(xlabel=p["setting"], ylabel=metric)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(title or f"{metric} of {len(summary['trials'])} trials"
+                 + (f" ({unseen} failed or without it: not shown)" if unseen else ""))
+    fig.tight_layout()
+    _save(fig, out)
+    return panels

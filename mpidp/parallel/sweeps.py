@@ -3,7 +3,10 @@ group taking the next trial from a shared counter until none is left (:func:`swe
 
 A trial that raises one of ``failures`` (by default :class:`~mpidp.errors.MpidpError`,
 which every rank of a group raises alike) is recorded as failed and its group goes on to
-the next; any other exception ends the job as usual.
+the next; any other exception ends the job as usual. A stop signal (SIGTERM, SIGUSR1)
+ends the sweep cleanly: a group in a trial that stops on it (as ``mpidp train`` does,
+after a checkpoint) or finishes it takes no next trial, and every rank raises
+:class:`Stopped`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,16 @@ from typing import Any
 
 from .. import comm as C
 from ..errors import MpidpError, setting
-from ..run.signals import Preempted
+from ..run.signals import Preempted, deferred_stops
+
+
+class Stopped(Preempted):
+    """The sweep ended on a stop signal with trials left to run (raised on every rank)."""
+
+    def __init__(self, unfinished: int) -> None:
+        MpidpError.__init__(self, f"sweep stopped by a signal with {unfinished} trial"
+                            f"{'s' if unfinished > 1 else ''} unfinished: continue it with "
+                            f"{setting('resume')}")
 
 
 def groups(size: int, ranks_per_trial: int) -> tuple[int, int]:
@@ -40,25 +52,31 @@ def sweep(comm: C.Comm, trials: Sequence, *, ranks_per_trial: int = 1,
     or "failed", "result"`` (what ``train`` returned there) ``or "error"`` (the message),
     ``"seconds", "ranks"}`` (the ranks of ``comm`` that ran it), handed to ``on_result``
     there as soon as the trial ends. Returns every record, in trial order, on rank 0 of
-    ``comm``; None elsewhere. A stop signal (:class:`~mpidp.run.signals.Preempted`) is
-    never a trial's failure.
+    ``comm``; None elsewhere. A stop signal is never a trial's failure: a trial that raises
+    :class:`~mpidp.run.signals.Preempted` is left unfinished, and a signal noted on a
+    group's rank 0 between trials stops the group; then :class:`Stopped` is raised on
+    every rank once every group has stopped or run out of trials.
     """
     trials, skip = list(trials), set(skip)
     groups(comm.size, ranks_per_trial)
     todo = [i for i in range(len(trials)) if i not in skip]
     counter = C.SharedCounter(comm)
     done: list[dict] = []
-    with C.split_groups(comm, ranks_per_trial) as group:
+    stopped = False
+    with deferred_stops() as noted, C.split_groups(comm, ranks_per_trial) as group:
         first = comm.rank - (group.rank if group is not None else 0)
         while group is not None:
-            k = C.bcast_obj(group, counter.next() if group.rank == 0 else None)
-            if k >= len(todo):
+            k = C.bcast_obj(group, (-1 if noted else counter.next()) if group.rank == 0
+                            else None)
+            stopped = k < 0
+            if stopped or k >= len(todo):
                 break
             i, t0 = todo[k], time.perf_counter()
             try:
                 record = {"status": "ok", "result": train(group, trials[i], i)}
             except Preempted:
-                raise
+                stopped = True
+                break
             except failures as exc:
                 record = {"status": "failed", "error": str(exc)}
             record.update(index=i, seconds=time.perf_counter() - t0,
@@ -69,7 +87,11 @@ def sweep(comm: C.Comm, trials: Sequence, *, ranks_per_trial: int = 1,
                     on_result(record)
         C.idle_barrier(comm)  # the groups done first wait without spinning
     counter.free(comm)
-    gathered = C.gather_obj(comm, done)
-    if gathered is None:
-        return None
-    return sorted((r for part in gathered for r in part), key=lambda r: r["index"])
+    gathered = C.gather_obj(comm, (done, stopped))
+    records = None if gathered is None else sorted(
+        (r for part, _ in gathered for r in part), key=lambda r: r["index"])
+    unfinished = C.bcast_obj(comm, gathered and any(s for _, s in gathered) and
+                             len(todo) - len(records))
+    if unfinished:
+        raise Stopped(unfinished)
+    return records

@@ -4,6 +4,7 @@ alone; a failed trial recorded while the others go on; a resumed sweep keeps wha
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 
 import numpy as np
@@ -53,6 +54,16 @@ def test_grid_on_two_groups_equals_each_trial_alone(tmp_path):
         assert alone.returncode == 0, alone.stderr
         np.testing.assert_allclose(_params(folder), _params(tmp_path / f"alone{i}"),
                                    rtol=0, atol=1e-10)
+    if importlib.util.find_spec("matplotlib"):  # mpidp plot on the sweep's folder
+        from mpidp.cli.main import main
+        from mpidp.observe.plot import sweep_series
+        assert main(["plot", str(out), "--out", str(tmp_path / "p.png")]) == 0
+        assert (tmp_path / "p.png").stat().st_size > 0
+        by = {t["index"]: t for t in trials}
+        for series, name in zip(sweep_series(summary), ("lr", "seed")):
+            assert series["setting"] == name and series["trials"] == [0, 1, 2, 3]
+            assert series["x"] == [by[i]["settings"][name] for i in range(4)]
+            assert series["y"] == [by[i]["result"]["val_accuracy"] for i in range(4)]
 
 
 def test_spare_rank_idle_and_a_failed_trial_does_not_stop_the_others(tmp_path):
@@ -102,6 +113,16 @@ def test_one_rank_per_trial_with_random_draws_and_a_file(tmp_path):
     (["--grid", "out=x"], "trial 0 sets out"),
     (["--restart", "--grid", "lr=0.1"], "--restart is not for a sweep"),
     ([], "no trials"),
+    (["--random", "0"], "no trials"),
+    (["--grid", "lr"], "--grid 'lr': write NAME=VALUES"),
+    (["--grid", "lr=0.1,,0.2"], "--grid lr=0.1,,0.2: an empty value"),
+    (["--grid", "lr=0.1", "lr=0.2"], "--grid names lr twice"),
+    (["--grid", "batch_size=8", "batch-size=16"], "--grid names batch-size twice"),
+    (["--grid", "lr=abc"], "trial 0: lr = \"abc\": expected a number"),
+    (["--random", "2", "--space", "lr=1:0"], "--space lr=1:0: write LO:HI"),
+    (["--grid", "lr=0.1", "--select", "val_acc"], "--select val_acc: not a figure of a trial"),
+    (["--grid", "lr=0.1", "--trials", "no-such.toml"], "--trials no-such.toml: cannot read"),
+    (["--grid", "lr=0.1", "--ranks-per-trial", "0"], "--ranks-per-trial: must be an integer"),
 ])
 def test_refusals(args, said, capsys):
     from mpidp.cli.main import main
@@ -124,3 +145,90 @@ def test_library_form_runs_each_trial_once():
     if C.world().size == 1:
         assert [(r["index"], r["status"], r.get("result", r.get("error"))) for r in records] == [
             (0, "ok", 2), (1, "failed", "refused")]
+
+
+def test_out_holding_a_run_or_another_running_sweep_is_refused(tmp_path):
+    """Rank 0's claim on --out: a train run's folder is not a sweep, and two sweeps into
+    one folder at once would overwrite each other's trials."""
+    from mpidp.cli.sweep import _held, _start
+    from mpidp.errors import MpidpError
+    plan = {"train": [], "trials": [{"lr": 0.1}]}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.json").write_text("{}")
+    for resume in (False, True):
+        with pytest.raises(MpidpError, match="holds a run of mpidp train"):
+            _start(str(tmp_path / "run"), plan, resume)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.json"]
+    assert _start(str(tmp_path / "s"), plan, False) == {}  # holds the lock from here
+    try:
+        with pytest.raises(MpidpError, match="another sweep is running into it"):
+            _start(str(tmp_path / "s"), plan, True)
+    finally:
+        while _held:
+            _held.pop().close()
+    assert _start(str(tmp_path / "s"), plan, True) == {}  # let go: the resume goes on
+    while _held:
+        _held.pop().close()
+
+
+def test_sigterm_stops_the_groups_cleanly_and_resume_finishes(tmp_path):
+    """SIGTERM to the job while one group is idle and the other trains: the trial stops at
+    a checkpoint, every rank exits 75, and --resume keeps the finished trial and continues
+    the stopped one from its checkpoint."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from helpers import ROOT, mpiexec
+    args = ["-m", "mpidp", "sweep", "--ranks-per-trial", "1", "--grid", "epochs=1,400",
+            "--out", str(tmp_path / "s"), "--checkpoint-dir", str(tmp_path / "c"),
+            "--checkpoint-every", "50", *TINY, "--n-samples", "2000"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    job = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, *args], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        said = ""
+        for line in job.stdout:
+            said += line
+            if line.startswith("sweep: trial 0 "):
+                break
+        assert "sweep: trial 0 " in said, said
+        time.sleep(1.0)
+        job.terminate()
+        out, err = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == 75, err
+    assert "sweep stopped by a signal with 1 trial unfinished: continue it with --resume" in err
+    assert not (tmp_path / "s" / "trial-001" / "trial.json").exists()
+    assert list((tmp_path / "c" / "trial-001").glob("ckpt-*.npz"))
+    r = run_mpi(2, *args[2:], "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "(1 done before)" in r.stdout and "sweep: trial 0 " not in r.stdout
+    summary = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert {t["index"]: t["status"] for t in summary["trials"]} == {0: "ok", 1: "ok"}
+
+
+def test_hang_ends_the_job_and_a_model_that_does_not_fit_fails_alone(tmp_path):
+    """A trial that hangs: the watchdog ends the whole job (exit 3; MPICH ends every rank
+    on MPI_Abort, even a group's), the trials done before are kept, and --resume runs the
+    rest. A model that does not fit its data (a CNN on flat features) fails alone."""
+    trials = tmp_path / "t.toml"
+    trials.write_text('[[trial]]\nepochs = 1\n[[trial]]\nmodel = "cnn"\n'
+                      '[[trial]]\nepochs = 4\n')
+    args = ["sweep", "--out", str(tmp_path / "s"), "--trials", str(trials), "--watchdog", "4",
+            "--dataset", "synthetic", "--n-samples", "200", "--n-features", "8",
+            "--batch-size", "64", "--dtype", "float64", "--no-progress", "--quiet"]
+    hung = run_mpi(2, *args, env={"MPIDP_FAULT": "hang@0:5"}, timeout=90)
+    assert hung.returncode == 3 and "watchdog" in hung.stderr, hung.stderr
+    done = {i: json.loads((tmp_path / "s" / f"trial-{i:03d}" / "trial.json").read_text())
+            for i in (0, 1)}
+    assert done[0]["status"] == "ok" and done[1]["status"] == "failed"
+    assert "model 'cnn' needs samples shaped" in done[1]["error"]
+    r = run_mpi(2, *args, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "(1 done before)" in r.stdout and "sweep: trial 0 " not in r.stdout
+    summary = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert {t["index"]: t["status"] for t in summary["trials"]} == {
+        0: "ok", 1: "failed", 2: "ok"}
