@@ -150,7 +150,7 @@ def _main(parser, argv: list[str]) -> int:
                          f"trained or saved, so run the same command again (exit "
                          f"{PREEMPTED_EXIT}).\n")
         if comm.size > 1:  # the others may not have had it: end the job
-            C.abort_job(comm, PREEMPTED_EXIT)
+            C.abort_job(PREEMPTED_EXIT)
         return PREEMPTED_EXIT
     try:
         if args.command == "train" and args.resume and args.checkpoint_dir:
@@ -176,12 +176,12 @@ def _main(parser, argv: list[str]) -> int:
             raise
         print(f"mpidp: error: {write_error(exc)}", file=sys.stderr, flush=True)
         if comm.size > 1:  # the others may wait in a collective: end the job, in one line
-            C.abort_job(comm, EXIT_USAGE)
+            C.abort_job(EXIT_USAGE)
         return EXIT_USAGE
     except (SystemExit, KeyboardInterrupt) as exc:  # one rank leaving must not hang the others
         code = exc.code if isinstance(exc, SystemExit) else 130
         if comm.size > 1:
-            C.abort_job(comm, code if isinstance(code, int) and code else 1)
+            C.abort_job(code if isinstance(code, int) and code else 1)
         raise
     return 0
 

@@ -17,7 +17,7 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
-from .runtime import CALLS, COMPUTING, EXCUSED, IN_MPI, MARK, SHM_DIR, STATE_NAMES, Comm
+from .runtime import CALLS, COMPUTING, EXCUSED, IN_MPI, MARK, SHM_DIR, STATE_NAMES
 
 #: Seconds for mpiexec to forward our output before the abort; for the abort to end us.
 _FORWARD_S, _ABORT_GRACE_S = 0.3, 10.0
@@ -46,15 +46,16 @@ def _unlink_shm_segments() -> None:
             os.unlink(path)
 
 
-def abort_job(comm: Comm, code: int) -> None:
-    """``MPI_Abort`` the job, and leave this process within seconds even if the launcher
-    cannot be reached (a rank cut off from its job by a dead link must not live on)."""
+def abort_job(code: int) -> None:
+    """``MPI_Abort`` the whole job (``COMM_WORLD``, whatever communicator a run uses, so
+    the launcher exits with ``code``), and leave this process within seconds even if the
+    launcher cannot be reached (a rank cut off from its job by a dead link must not live on)."""
     sys.stderr.flush()
     sys.stdout.flush()
     _unlink_shm_segments()
     time.sleep(_FORWARD_S)
     threading.Timer(_ABORT_GRACE_S, os._exit, args=(code,)).start()
-    comm.Abort(code)
+    MPI.COMM_WORLD.Abort(code)
     os._exit(code)
 
 
@@ -65,7 +66,7 @@ def _abort_hook(exc_type, exc, tb) -> None:
         return
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     sys.stderr.write(f"[mpidp] rank {comm.rank}/{comm.size} failed; aborting the job.\n{text}")
-    abort_job(comm, 1)
+    abort_job(1)
 
 
 def abort_on_error(enable: bool = True) -> None:
@@ -230,5 +231,5 @@ class Watchdog:
     def _abort(self, message: str) -> None:
         sys.stderr.write(f"[mpidp] watchdog (rank {self.comm.rank}/{self.comm.size}, timeout "
                          f"{self.timeout:.1f}s): {message}. Aborting the job.\n")
-        abort_job(self.comm, EXIT_CODE)
+        abort_job(EXIT_CODE)
 

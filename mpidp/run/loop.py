@@ -382,4 +382,4 @@ def _end_job(world: C.Comm, exc: BaseException) -> None:
         raise exc
     sys.stderr.write(f"[mpidp] rank {world.rank}/{world.size}: {type(exc).__name__}"
                      f"({code}) during training; ending the job.\n")
-    C.abort_job(world, code or 1)
+    C.abort_job(code or 1)

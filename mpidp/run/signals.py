@@ -91,7 +91,7 @@ class StopSignals:
         from .. import comm as C
         sys.stderr.write(f"[mpidp] rank {self.comm.rank}/{self.comm.size}: {why}\n")
         sys.stderr.flush()
-        C.abort_job(self.comm, code)
+        C.abort_job(code)
 
     @contextmanager
     def during(self, phase: str):
