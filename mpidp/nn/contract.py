@@ -253,7 +253,7 @@ class _Checker:
     def collectives(self) -> None:
         self.calls.update({n: self.counted(n) for n in (self.rows, 1)})
         if len({tuple(c) for c in self.calls.values()}) > 1:
-            said = "; ".join(f"{n} rows: {len(c)} call(s) of sizes "
+            said = "; ".join(f"{n} row{'s' * (n != 1)}: {len(c)} call(s) of sizes "
                              f"{[int(np.prod(s)) for s in c]}" for n, c in self.calls.items())
             raise _Broken(f"reduce_sum is called differently with different numbers of rows "
                           f"({said}): every rank must make the same calls, whatever its rows")
