@@ -1,11 +1,11 @@
-"""Command line: ``mpidp train``, ``sweep``, ``predict``, ``model``, ``plot``, ``info``, run under
-``mpiexec -n P``.
+"""Command line: ``mpidp train``, ``sweep``, ``predict``, ``model``, ``plot``, ``info``,
+``export``, ``check-layer``, run under ``mpiexec -n P``.
 
 Every rank parses the same arguments and takes the same decisions; only rank 0 prints.
 Bad input exits with status 2 on every rank and leaves ``--out`` untouched; a stop on
 SIGTERM/SIGUSR1 exits with 75 after a checkpoint; a stalled rank ends the job with 3.
-``--help``, ``--version``, ``info`` and ``plot`` work without MPI: it starts only for the
-commands that need it.
+``--help``, ``--version``, ``info``, ``plot``, ``export`` and ``check-layer`` work without MPI:
+it starts only for the commands that need it.
 """
 
 from __future__ import annotations
@@ -130,6 +130,9 @@ def _main(parser, argv: list[str]) -> int:
     if args.command == "export":
         from . import export
         return export.main(args)
+    if args.command == "check-layer":
+        from . import check_layer
+        return check_layer.main(args)
     from_file: set[tuple[str, bool]] = set()
     if args.command == "train" and args.config:
         args, argv, from_file = settings.with_config_file(parser, argv, args.config)

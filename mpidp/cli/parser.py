@@ -13,7 +13,7 @@ import sys
 
 from .. import __version__
 from ..data.partition import STRATEGIES
-from . import flags, values
+from . import check_layer, flags, values
 from .options import SIZE_DEFAULTS
 from .places import Place
 
@@ -410,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the file to write (FILE.onnx, FILE.safetensors)")
     add_import(e)
     _add_sweep(sub)
+    add_import(check_layer.add_parser(sub, _Help))
     return parser
 
 

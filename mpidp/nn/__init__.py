@@ -3,6 +3,7 @@
 from .activations import GELU, LeakyReLU, ReLU, Sigmoid, Softmax, Tanh
 from .blocks import Residual
 from .context import Context
+from .contract import check_layer
 from .conv import Conv1d, Conv2d
 from .dropout import Dropout
 from .embedding import Embedding
@@ -33,4 +34,6 @@ __all__ = [
     # optimizers and learning-rate schedules
     "LAMB", "LARS", "make_schedule", "OPTIMIZERS", "scaled_lr", "Schedule",
     "schedule_from_config", "SCHEDULES", "Segments",
+    # checking a layer of one's own against the layer contract
+    "check_layer",
 ]

@@ -1,0 +1,109 @@
+"""``mpidp check-layer MODULE:CLASS``: a layer class of the user's own run through the layer
+contract (:func:`mpidp.nn.check_layer`) in one process, before any training. No MPI here.
+Exit 0 when every rule holds, 1 with one line per broken rule, 2 for bad input (a module
+that cannot be imported, a class that is not there, settings it does not take)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import values
+from .imports import import_modules, imports_of
+
+BROKEN_EXIT = 1
+
+
+def add_parser(sub, formatter_class) -> argparse.ArgumentParser:
+    """The ``check-layer`` subcommand of ``sub`` with its own options (``--import`` apart)."""
+    p = sub.add_parser(
+        "check-layer", help="check a layer class of your own against the layer contract (no "
+        "MPI needed)", formatter_class=formatter_class,
+        description="Run a layer class through the layer contract in float64, P ranks "
+        "simulated in one process: gradients against finite differences, sums not means, "
+        "the same reduce_sum calls whatever the rows (0 included), state from global figures "
+        "only, P ranks equal to one process, rebuilt from its config. Exit 0 when every rule "
+        "holds, 1 with one line per broken rule, 2 for bad input.")
+    a = p.add_argument
+    a("layer", metavar="LAYER", help="MODULE:CLASS (a dotted module name or a .py file, and "
+      "a layer class or a function that makes one), or the registered name of a layer class "
+      "(a built-in one, or one a module given with --import registers)")
+    a("--set", nargs="+", action="extend", metavar="NAME=VALUE", dest="settings",
+      help="the layer's settings, as in a model file (each VALUE read as JSON, else as text)")
+    a("--n-in", type=_shape, default=(8,), metavar="SIZES",
+      help="the per-sample input shape: a width or sizes like 3,8,8 (default: 8)")
+    a("--ranks", type=values.number(int, 2), default=3, help="simulated ranks (>= 2)")
+    a("--rows", type=values.positive(int), default=7, help="rows of the batch (>= --ranks)")
+    a("--seed", type=values.non_negative(int), default=0, help="seed of the inputs and parameters")
+    return p
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    sizes = values.listed(text, int, f"expected a width or sizes like 3,8,8, got {text!r}")
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be >= 1, got {text!r}")
+    return sizes
+
+
+def _settings(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        name, eq, text = pair.partition("=")
+        if not eq or not name.isidentifier():
+            raise ValueError(f"--set {pair}: give NAME=VALUE")
+        try:
+            out[name] = json.loads(text)
+        except ValueError:
+            out[name] = text
+    return out
+
+
+def _target(text: str):
+    """The class (or factory) ``text`` names: ``MODULE:NAME`` or a registered name."""
+    from ..nn import Layer, registered_layers
+    module, colon, name = text.rpartition(":")
+    if not colon:
+        known = registered_layers()
+        if text not in known:
+            raise ValueError(f"no layer class is registered as {text!r}: give MODULE:CLASS, "
+                             f"or the module that registers it with --import MODULE")
+        return known[text]
+    if not module or not name:
+        raise ValueError(f"{text!r}: give MODULE:CLASS")
+    try:
+        found = import_modules([module])[0]
+    except ValueError as exc:  # named as the layer was given, not as an --import
+        raise ValueError(str(exc).replace("--import ", f"{text}: module ", 1)) from None
+    for part in name.split("."):
+        if not hasattr(found, part):
+            raise ValueError(f"{module} has no {name!r}")
+        found = getattr(found, part)
+    if not (callable(found) or isinstance(found, Layer)):
+        raise ValueError(f"{text} is a {type(found).__name__}, not a layer class")
+    return found
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``mpidp check-layer`` with the parsed ``args``; returns the exit status."""
+    from ..nn import check_layer
+    try:
+        if args.rows < args.ranks:
+            raise ValueError(f"--rows {args.rows} is fewer than --ranks {args.ranks}")
+        import_modules(imports_of(args))
+        target, settings = _target(args.layer), _settings(args.settings or [])
+        if settings and not isinstance(target, type):
+            raise ValueError(f"{args.layer} is not a class: --set needs a class")
+        if isinstance(target, type):
+            try:
+                target(**settings)
+            except TypeError as exc:
+                raise ValueError(f"{args.layer} cannot be made from the settings "
+                                 f"{settings} ({exc}): give them with --set NAME=VALUE") from None
+        report = check_layer((lambda: target(**settings)) if settings else target, args.n_in,
+                             ranks=args.ranks, rows=args.rows, seed=args.seed, strict=False)
+    except (ImportError, ValueError, TypeError) as exc:
+        print(f"mpidp: error: {exc}", file=sys.stderr)
+        return 2
+    print(report, flush=True)
+    return 0 if report.ok else BROKEN_EXIT

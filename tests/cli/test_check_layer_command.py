@@ -1,0 +1,76 @@
+"""``mpidp check-layer``: exit 0 when a layer keeps every rule, 1 with one line per broken
+rule (named), 2 with one error line for bad input; no MPI needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpidp.cli.main import main
+
+USER_LAYERS = '''
+import numpy as np
+from mpidp import nn
+
+
+@nn.register_layer(name="CheckedCentre")
+class Centre(nn.Layer):
+    needs = frozenset({"replica-sums"})
+
+    def output_shape(self, in_shape):
+        self.width = in_shape[-1]
+        return in_shape
+
+    def state_shapes(self):
+        return {"mean": (self.width,)}
+
+    def forward(self, x):
+        sums = self.context.reduce_sum(np.concatenate([[len(x)], x.sum(axis=0)]))
+        self.n, mean = sums[0], sums[1:] / max(sums[0], 1)
+        own = x.mean(axis=0) if len(x) else mean  # state from this rank's rows: wrong
+        self.state["mean"][...] = 0.9 * self.state["mean"] + 0.1 * own
+        return x - mean
+
+    def backward(self, dy, accumulate=False, need_input_grad=True):
+        if not len(dy):
+            return dy  # no rows, no sum: the other ranks would wait
+        return dy - self.context.reduce_sum(dy.sum(axis=0)) / max(self.n, 1)
+'''
+
+
+@pytest.fixture(scope="module")
+def user_module(tmp_path_factory):  # one file: its class is registered once
+    path = tmp_path_factory.mktemp("layers") / "userlayers_check.py"
+    path.write_text(USER_LAYERS)
+    return path
+
+
+def test_a_built_in_layer_passes_with_exit_0(capsys):
+    assert main(["check-layer", "Conv2d", "--set", "out_channels=2", "kernel=3",
+                 "--n-in", "2,5,5"]) == 0
+    assert "every rule holds" in capsys.readouterr().out
+
+
+def test_a_broken_layer_exits_1_with_one_line_per_broken_rule(capsys, user_module):
+    assert main(["check-layer", f"{user_module}:Centre", "--n-in", "4"]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "breaks 1 rule(s)" in out[0] and len(out) == 2, out
+    assert out[1].startswith("collectives: reduce_sum is called differently"), out
+
+
+def test_a_registered_name_needs_its_module_imported(capsys, user_module):
+    assert main(["check-layer", "CheckedCentre", "--import", str(user_module)]) == 1
+    assert capsys.readouterr().out.splitlines()[1].startswith("collectives:")
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["Nope"], "no layer class is registered as 'Nope'"),
+    (["no_such_module_here:X"], "no_such_module_here:X: module no_such_module_here: cannot"),
+    (["mpidp.nn:Nope"], "mpidp.nn has no 'Nope'"),
+    (["Dense"], "Dense cannot be made from the settings {}"),
+    (["Dense", "--set", "n_out"], "--set n_out: give NAME=VALUE"),
+    (["ReLU", "--ranks", "4", "--rows", "3"], "--rows 3 is fewer than --ranks 4"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, said):
+    assert main(["check-layer", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpidp: error: {said}") and err.count("\n") == 1, err
