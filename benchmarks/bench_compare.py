@@ -443,7 +443,7 @@ def parse_args(argv) -> argparse.Namespace:
     a("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     quick_defaults(p, ranks="2", batch=128, micro=4, steps=1, repeats=1, warmup=1,
                    bubble_reps=1, epochs=1, n_conv=1024, target=100, n_fault=1664,
-                   fault_batch=128, kill_step=6, ckpt_every=4)
+                   fault_batch=128, kill_step=6, ckpt_every=4, elastic_ranks="2")
     return p.parse_args(argv)
 
 
