@@ -355,7 +355,6 @@ def drive(a) -> dict:
     """Every job of the benchmark; the raw results."""
     ranks = [int(r) for r in a.ranks.split(",")]
     columns = a.columns.split(",")
-    from benchmarks.bench_compare_elastic import elastic
     from benchmarks.bench_compare_fault import fault
     res: dict = {"speed": [], "conv": [], "fault": []}
     with tempfile.TemporaryDirectory(prefix="bench-compare-") as tmp:
@@ -380,18 +379,21 @@ def drive(a) -> dict:
                 print(f"fault P={P} {column:>8}: killed after step {f['steps_done_at_kill']}, "
                       f"ended {f['seconds_kill_to_end']:.2f} s later, {f['steps_lost']} lost",
                       flush=True)
-        res["elastic"] = [elastic(a, P, tmp) for P in _elastic_ranks(a)]
-        for e in res["elastic"]:
-            print(f"elastic P={e['P']}: " + (e.get("skipped") or (
-                f"next step {e['kill_to_next_step_s']:.2f} s after the kill, "
-                f"{e['updates_lost']} updates lost; requeue "
-                f"{e['requeue']['kill_to_next_step_s']:.2f} s, "
-                f"{e['requeue']['updates_lost']} lost")), flush=True)
+        res["elastic"] = drive_elastic(a, tmp)
     return res
 
 
-def _elastic_ranks(a) -> list[int]:
-    return [int(r) for r in a.elastic_ranks.split(",") if r]
+def drive_elastic(a, tmp: Path) -> list[dict]:
+    """Row 3's elastic column at each of ``a.elastic_ranks``."""
+    from benchmarks.bench_compare_elastic import elastic
+    out = [elastic(a, P, tmp) for P in (int(r) for r in a.elastic_ranks.split(",") if r)]
+    for e in out:
+        print(f"elastic P={e['P']}: " + (e.get("skipped") or (
+            f"next step {e['kill_to_next_step_s']:.2f} s after the kill, "
+            f"{e['updates_lost']} updates lost; requeue "
+            f"{e['requeue']['kill_to_next_step_s']:.2f} s, "
+            f"{e['requeue']['updates_lost']} lost")), flush=True)
+    return out
 
 
 def worker(a) -> None:
@@ -435,6 +437,8 @@ def parse_args(argv) -> argparse.Namespace:
     a("--elastic-ranks", default="3", help="elastic fault column: ranks, the last one killed")
     a("--timeout", type=float, default=300)
     a("--from-raw", action="store_true", help="only rebuild the reports from OUT.raw.json")
+    a("--elastic-only", action="store_true", help="run only row 3's elastic column; the "
+      "other figures come from OUT.raw.json (the reports name both runs)")
     a("--task", choices=("speed", "conv", "cli"), help=argparse.SUPPRESS)
     a("--column", choices=COLUMNS, help=argparse.SUPPRESS)
     a("--split", choices=("default", "balanced"), default="default", help=argparse.SUPPRESS)
@@ -459,9 +463,15 @@ def main(argv=None) -> int:
         return 0
     from benchmarks.bench_compare_report import environment, write_reports
     raw = Path(a.out).with_suffix(".raw.json")
-    if a.from_raw:
+    if a.from_raw or a.elastic_only:
         res = json.loads(raw.read_text())
-    else:
+    if a.elastic_only:
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="bench-compare-") as tmp:
+            res["elastic"] = drive_elastic(a, Path(tmp))
+        res["elastic_env"] = environment(a, time.perf_counter() - t0)
+        raw.write_text(json.dumps(res))
+    elif not a.from_raw:
         t0 = time.perf_counter()
         res = drive(a)
         res["env"] = environment(a, time.perf_counter() - t0)

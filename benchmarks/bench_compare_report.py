@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import command, git_commit
+from benchmarks.harness import command, git_commit, loadavg
 
 HERE = Path(__file__).resolve().parent
 
@@ -54,17 +54,24 @@ def environment(a, seconds: float) -> dict:
     """Machine, software, BLAS kernel, commit and command of this run."""
     from threadpoolctl import threadpool_info
 
-    mpi = subprocess.run([a.mpiexec, "--version"], capture_output=True, text=True).stdout
+    def version(mpiexec: str) -> str:
+        try:
+            out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True).stdout
+        except OSError:
+            return "not found"
+        return " ".join(out.split()[:6])
     return {"python": platform.python_version(), "numpy": np.__version__,
             "cpus": os.cpu_count(), "machine": platform.machine(),
             "processor": platform.processor() or platform.machine(),
-            "mpiexec": " ".join(mpi.split()[:6]),
+            "mpiexec": version(a.mpiexec), "elastic_mpiexec": version(a.elastic_mpiexec),
+            "load": loadavg(),
             "blas": [{k: d.get(k) for k in ("internal_api", "version", "architecture")}
                      for d in threadpool_info() if d.get("user_api") == "blas"],
             "command": command("bench_compare"), "commit": git_commit(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": seconds,
             "settings": {k: _in_repo(v) for k, v in vars(a).items()
-                         if k not in ("task", "column", "json", "step_dir", "rest", "split")}}
+                         if k not in ("task", "column", "json", "step_dir", "rest", "split",
+                                      "elastic_only")}}
 
 
 def _in_repo(value):
@@ -468,6 +475,11 @@ def write_reports(a, res: dict) -> None:
           "BLAS thread per rank. P = 4 runs 4 ranks on 2 cores: its wall-clock figures include "
           "waiting for a core, so P = 4 is judged by CPU time (speedup, idle share).", "",
           f"Settings: {json.dumps(env['settings'])}", ""]
+    if "elastic_env" in res:  # row 3's elastic column measured in a run of its own
+        e = res["elastic_env"]
+        md += [f"Row 3's elastic column: `{e['command']}` ({e['seconds']:.0f} s). Commit "
+               f"{e['commit']}, {e['date']}, {e['elastic_mpiexec']}, load average "
+               f"{e['load']} as it ended; the other figures come from the run above.", ""]
     for P in sorted(c):
         md += [f"## P = {P}", "", *table(c, P), ""]
     md += elastic_table(res.get("elastic", []))
