@@ -59,7 +59,7 @@ def environment(a, seconds: float) -> dict:
             out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True).stdout
         except OSError:
             return "not found"
-        return " ".join(out.split()[:6])
+        return " ".join(out.split()[:6]).split(" Report bugs")[0]  # Open MPI's 2nd line
     return {"python": platform.python_version(), "numpy": np.__version__,
             "cpus": os.cpu_count(), "machine": platform.machine(),
             "processor": platform.processor() or platform.machine(),
