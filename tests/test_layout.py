@@ -420,20 +420,23 @@ def _mpi_calls(tree: ast.Module, text: str, methods: set[str], rel: str = "?"
             continue
         if isinstance(node.value, ast.Name) and node.value.id in modules:
             continue
+        if node.attr not in methods and not (node.attr in PICKLED and id(node) in called):
+            continue  # (cheap test first: a source segment costs a pass over the text)
         receiver = ast.get_source_segment(text, node.value) or ""
         own = (rel, classes.get(id(node), ""), receiver, node.attr) in OWN_METHODS
-        if node.attr in methods or (node.attr in PICKLED and id(node) in called and not own):
+        if node.attr in methods or not own:
             found.append((node.lineno, f"{receiver}.{node.attr}"))
     return found
 
 
 def _own_methods_unused(sources) -> list[tuple]:
     """The entries of :data:`OWN_METHODS` whose call is not in ``sources`` any more."""
-    seen = set()
+    seen, attrs = set(), {entry[3] for entry in OWN_METHODS}
     for rel, tree, text in sources:
         classes = _classes_around(tree)
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in attrs):
                 receiver = ast.get_source_segment(text, node.func.value) or ""
                 seen.add((rel, classes.get(id(node.func), ""), receiver, node.func.attr))
     return sorted(OWN_METHODS - seen)

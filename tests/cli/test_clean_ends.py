@@ -116,6 +116,8 @@ SLOW = ["--slowdown", "0:200,1:200"]  # about 0.5 s an epoch: a signal lands mid
 # A pipeline's local compute is longer per step (every micro-batch is timed), so the same
 # stretch there is about 1 s an epoch with a far smaller factor.
 SLOW_PIPELINE = ["--slowdown", "0:15,1:15"]
+# A resume reads the stopped run's settings, its slowdown too: resumed at full speed.
+FULL_SPEED = ["--slowdown", "0:1"]
 
 
 def test_sigterm_stops_async_ps_cleanly(tmp_path):
@@ -211,14 +213,15 @@ def test_async_ps_checkpoints_on_sigterm_and_resume_pushes_every_batch_once(tmp_
     assert f"checkpoint written to {ck}" in err and not (tmp_path / "a" / "model.npz").exists()
     shutil.copytree(ck, tmp_path / "ck4")
     at_stop = read(list_checkpoints(str(ck))[-1])[0]["partition"]["async"]
-    r = run_mpi(3, *a, "--checkpoint-dir", str(ck), "--resume", "--out", str(tmp_path / "b"))
+    r = run_mpi(3, *a, *FULL_SPEED, "--checkpoint-dir", str(ck), "--resume", "--out",
+                str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
     got = json.loads((tmp_path / "b" / "metrics.json").read_text())
     # each worker went on from the batch after its last served push: none twice, none lost
     assert got["async"]["applied"] == ref["applied"] and got["async"]["dropped"] == 0
     assert [h["epoch"] for h in got["history"]] == [1, 2, 3, 4]
-    r = run_mpi(4, *a, "--checkpoint-dir", str(tmp_path / "ck4"), "--resume", "--out",
-                str(tmp_path / "c"))  # another number of ranks: from the slowest worker on
+    r = run_mpi(4, *a, *FULL_SPEED, "--checkpoint-dir", str(tmp_path / "ck4"), "--resume",
+                "--out", str(tmp_path / "c"))  # another number of ranks: from the slowest on
     assert r.returncode == 0 and "written with 3 ranks, now 4" in r.stdout, r.stderr
     more = json.loads((tmp_path / "c" / "metrics.json").read_text())["async"]["applied"]
     assert len(at_stop["workers"]) == 2 and 0 < at_stop["applied"] < ref["applied"] < more
@@ -244,8 +247,8 @@ def test_sigterm_to_every_rank_checkpoints_and_resume_is_bit_identical(tmp_path,
     assert "stopped by a signal after step" in err and "--resume" in err
     assert not (tmp_path / "a" / "model.npz").exists()
     assert any(ck.glob("ckpt-*.npz")), "a checkpoint was written on the way out"
-    r = run_mpi(n, *ARGS, *LONG, *mode, "--checkpoint-dir", str(ck), "--resume", "--out",
-                str(tmp_path / "b"))
+    r = run_mpi(n, *ARGS, *LONG, *mode, *FULL_SPEED, "--checkpoint-dir", str(ck), "--resume",
+                "--out", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
     assert np.array_equal(_params(tmp_path / "b"), _params(ref))
 
@@ -266,8 +269,8 @@ def test_sigterm_with_compressed_buckets_in_flight_checkpoints_and_resumes(tmp_p
     out, err = job.communicate(timeout=60)
     assert job.returncode == 75, (job.returncode, err[-2000:])
     assert any(ck.glob("ckpt-*.npz")), "a checkpoint was written on the way out"
-    r = run_mpi(n, *ARGS, *LONG, *mode, "--checkpoint-dir", str(ck), "--resume", "--out",
-                str(tmp_path / "b"))
+    r = run_mpi(n, *ARGS, *LONG, *mode, *FULL_SPEED, "--checkpoint-dir", str(ck), "--resume",
+                "--out", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
     history = json.loads((tmp_path / "b" / "metrics.json").read_text())["history"]
     assert history[-1]["epoch"] == 12 and np.isfinite(_params(tmp_path / "b")).all()
