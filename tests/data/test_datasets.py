@@ -4,6 +4,7 @@ determinism, MNIST-1D's own train/test split, and one clear error per missing pa
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 import sys
 
@@ -137,8 +138,23 @@ def test_a_missing_package_gives_one_clear_error(monkeypatch, dataset, package, 
     assert f"dataset {dataset!r} needs the {package} package" in msg and command in msg
 
 
+def test_digits_read_from_the_shipped_file_equal_scikit_learns_load_digits(monkeypatch):
+    """Read without importing scikit-learn; where its file is not found, ``load_digits``:
+    the same arrays either way (``X`` the images / 16)."""
+    from sklearn.datasets import load_digits
+    read = open_source("digits")
+    d = load_digits()
+    assert np.array_equal(read.X, (d.images / 16.0).reshape(-1, 1, 8, 8))
+    assert np.array_equal(read.y, d.target) and read.y.dtype == np.int64
+    real = os.path.isfile
+    monkeypatch.setattr(os.path, "isfile", lambda p: False if p.endswith("digits.csv.gz")
+                        else real(p))
+    loaded = open_source("digits")
+    assert np.array_equal(loaded.X, read.X) and np.array_equal(loaded.y, read.y)
+
+
 def test_missing_scikit_learn_names_the_package(monkeypatch):
-    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # import fails
+    _hide(monkeypatch, "sklearn")
     with pytest.raises(ValueError, match="dataset 'digits' needs the scikit-learn package.*"
                                          "pip install scikit-learn"):
         open_source("digits")
