@@ -117,7 +117,7 @@ def _main(parser, argv: list[str]) -> int:
     typed = list(argv)  # what the user wrote: the options given (a table's are added below)
     if argv[:1] == ["sweep"]:  # its other options are train's, for every trial
         from .sweep import parse
-        args = parse(parser, argv)
+        args = parse(parser, argv, _refuse)
     else:
         args = parser.parse_args(argv)
     command = subcommand(parser, args.command)
