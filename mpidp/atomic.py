@@ -50,13 +50,14 @@ def special(path: str) -> str | None:
 
 
 def check_place(path: str, what: str, file: bool = True, folder: bool = False,
-                fix: str = "") -> None:
+                fix: str = "", folder_later: bool = False) -> None:
     """ValueError naming ``what`` (the option), ``path`` and what it is, before anything
     opens it, when it is a FIFO, a device or a socket (symbolic links followed), or a folder
-    where a file (``file`` and not ``folder``) is expected. A missing path, or a file where
-    only a folder is expected, is left to the code that opens it."""
+    where a file (``file`` and not ``folder``) is expected, unless ``folder_later`` (an
+    output whose own check names a file to give). A missing path, or a file where only a
+    folder is expected, is left to the code that opens it."""
     kind = special(path) or (
-        "a folder" if not folder and os.path.isdir(path) else None)
+        "a folder" if not (folder or folder_later) and os.path.isdir(path) else None)
     if kind is not None:
         want = "a regular file or a folder" if file and folder else \
             "a folder" if folder else "the path of a regular file"

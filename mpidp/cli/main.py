@@ -117,7 +117,7 @@ def _main(parser, argv: list[str]) -> int:
     typed = list(argv)  # what the user wrote: the options given (a table's are added below)
     if argv[:1] == ["sweep"]:  # its other options are train's, for every trial
         from .sweep import parse
-        args = parse(parser, argv)
+        args = parse(parser, argv, _refuse)
     else:
         args = parser.parse_args(argv)
     command = subcommand(parser, args.command)
@@ -196,8 +196,11 @@ def _run(args, comm, parser, typed: list[str], from_file: set[tuple[str, bool]])
         from .train import train
         train(args, comm, settings.settle(args, command, after, from_file))
     elif args.command == "model":
+        from .. import comm as C
+        from ..atomic import check_folder
         from ..scale.calibrate import calibrate, format_report
         from ..scale.calibrate import save as save_model
+        C.root_decides(comm, check_folder, args.out, "--out")  # before minutes of measuring
         report = calibrate(comm, args.batch_size)
         if comm.rank == 0:
             print(format_report(report), "\nwrote " + ", ".join(save_model(report, args.out)),

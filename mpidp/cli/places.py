@@ -51,7 +51,8 @@ def refusal(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | 
                 continue
             what = action.option_strings[0] if action.option_strings else action.metavar
             try:
-                check_place(path, what, place.file, place.folder or place.writes)
+                check_place(path, what, place.file, place.folder,
+                            folder_later=place.writes)
             except ValueError as exc:
                 return str(exc)
     return None

@@ -132,9 +132,16 @@ def predict(args: argparse.Namespace, comm: C.Comm, given: set[str] = frozenset(
     if errors:
         raise C.MpidpError("; ".join(errors))
     C.root_decides(comm, check_outputs, args)
-    with C.user_code(f"importing --import {', '.join(imports_of(args))}"):  # the user's layers
-        C.run_agreed(comm, import_modules, imports_of(args))
-    model = C.run_agreed(comm, _open_model, args.model)
+    watchdog = C.Watchdog(comm, args.watchdog) if args.watchdog != 0 else None
+    try:  # the user's layers: one that stalls a rank is named, as under train
+        if watchdog is not None:
+            watchdog.start()
+        with C.user_code(f"importing --import {', '.join(imports_of(args))}"):
+            C.run_agreed(comm, import_modules, imports_of(args))
+        model = C.run_agreed(comm, _open_model, args.model)
+    finally:  # not over the rows: a rank may compute its block for hours without MPI
+        if watchdog is not None:
+            watchdog.stop()
     src = C.run_agreed(comm, open_source, args.dataset, seed=args.seed,
                        n_samples=args.n_samples, n_features=args.n_features)
     seed = _seed_problem(args, given, src)

@@ -20,6 +20,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable
 
 from ..errors import MpidpError
 from . import settings
@@ -36,19 +37,20 @@ FIGURES = ("loss", "accuracy", "val_loss", "val_accuracy", "test_loss", "test_ac
 SELECT_DEFAULTS = ("val_loss", "test_loss", "loss")
 
 
-def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+def parse(parser: argparse.ArgumentParser, argv: list[str],
+          refuse: Callable[[str | None], None]) -> argparse.Namespace:
     """The sweep's options, with ``train`` (the train options for every trial) and
-    ``trials`` (each a dict of train options) added; a usage error (exit 2) for bad ones.
-    No MPI: every rank decides the same."""
+    ``trials`` (each a dict of train options) added; a usage error (exit 2) for bad ones,
+    ``refuse`` (one line, exit 2) for a path that is no regular file or folder. No MPI:
+    every rank decides the same."""
     args, base = parser.parse_known_args(argv)
     me, train = subcommand(parser, "sweep"), subcommand(parser, "train")
     for flag in base:
         if flag.split("=")[0] in ("--restart", "--config"):
             me.error(f"{flag.split('=')[0]} is not for a sweep: give the trials' options "
                      "here or in --trials FILE")
-    problem = refusal(parser.parse_args(["train", *base]), train)  # refused now, as train
-    if problem:                                                       # would
-        me.error(problem)
+    refuse(refusal(args, me))  # before --trials is read
+    refuse(refusal(parser.parse_args(["train", *base]), train))  # as train would
     try:
         trials = _from_file(args.trials_file) + _grid(args.grid) + _drawn(args)
         for i, trial in enumerate(trials):

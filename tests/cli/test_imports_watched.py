@@ -48,3 +48,14 @@ def test_finalize_is_refused_only_while_a_users_module_runs():
     with C.user_code("importing x"), pytest.raises(RuntimeError, match="MPI.Finalize"):
         MPI.Finalize()
     assert MPI.Finalize is real
+
+
+def test_a_module_that_stalls_one_rank_under_predict_is_named_by_the_watchdog(tmp_path):
+    (tmp_path / "stall.py").write_text(ON_RANK_1.format(STALLS["blocks"]))
+    r = run_mpi(2, *TRAIN, "--out", str(tmp_path / "o"), timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_mpi(2, "predict", "--model", str(tmp_path / "o"), "--dataset", "synthetic",
+                "--n-samples", "64", "--out", str(tmp_path / "p.npy"), "--watchdog", "0.25",
+                "--import", str(tmp_path / "stall.py"), timeout=60)
+    assert r.returncode == EXIT_CODE, r.stderr[-2000:]
+    assert f"rank 1: excused (importing --import {tmp_path / 'stall.py'})" in r.stderr

@@ -20,7 +20,7 @@ from mpidp.cli.places import places
 #: What each command needs besides the option tried (its path in {}).
 NEEDS = {"train": [], "predict": ["--model", "{m}", "--dataset", "digits", "--out", "{o}.npy"],
          "plot": ["{r}", "--out", "{o}.png"], "export": ["{m}", "--out", "{o}.onnx"],
-         "model": [], "info": []}
+         "model": [], "info": [], "sweep": ["--grid", "seed=0"], "check-layer": ["Dense"]}
 
 
 def _cases():
@@ -32,12 +32,15 @@ def _cases():
                         or place.parse and hostile == "device":
                     continue  # a folder taken, or refused by the output's check (below);
                     # a model file ends in .toml
-                yield pytest.param(name, action.option_strings, action.dest, hostile,
+                want = ("a regular file or a folder" if place.file and place.folder else
+                        "a folder" if place.folder else "the path of a regular file")
+                yield pytest.param(name, action.option_strings, action.dest, hostile, want,
                                    id=f"{name}-{action.dest}-{hostile}")
 
 
 def test_every_command_has_its_paths_declared():
     parser = build_parser()
+    assert set(NEEDS) == set(parser._subparsers._group_actions[0].choices)  # noqa: SLF001
     declared = {(n, a.dest) for n in NEEDS for a, _ in places(subcommand(parser, n))}
     assert {("train", d) for d in ("dataset", "model", "import", "out", "config",
                                    "tensorboard", "checkpoint_dir", "costs", "trace")} <= declared
@@ -60,9 +63,9 @@ def _alarm(signum, frame):
     raise TimeoutError("blocked: the path was opened")
 
 
-@pytest.mark.parametrize("command,flags,dest,hostile", list(_cases()))
+@pytest.mark.parametrize("command,flags,dest,hostile,want", list(_cases()))
 def test_a_path_that_is_no_regular_file_is_refused_at_once(tree, capsys, command, flags,
-                                                           dest, hostile):
+                                                           dest, hostile, want):
     path = {"fifo": str(tree / "fifo"), "device": "/dev/zero", "link": str(tree / "link"),
             "folder": str(tree / "folder")}[hostile]
     value = path + ".toml" if hostile != "device" and dest == "model" and command == "train" \
@@ -98,6 +101,7 @@ def test_a_path_that_is_no_regular_file_is_refused_at_once(tree, capsys, command
     assert exc.value.code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and f"{what or ''} {value} {kind}".strip() in lines[0], err
+    assert f": give {want}" in lines[0], err
 
 
 def test_a_text_file_above_the_limit_is_refused_not_read(tmp_path):

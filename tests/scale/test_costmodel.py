@@ -225,3 +225,9 @@ def test_ranks_that_outnumber_the_cores_share_each_cores_work_per_byte():
     b = 2 * c / 3
     assert M.mode_step_time("overlapped", 4, 1e6, c, fast, cpu_per_byte=1e-9,
                             cores=2) == pytest.approx(c / 3 + b + 2 * 1.5e6 * 1e-9)
+
+
+def test_mpidp_model_into_an_unwritable_place_is_one_line_before_measuring():
+    r = run_mpi(2, "model", "--out", "/proc/mpidp-model")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "--out /proc/mpidp-model: cannot write in /proc" in r.stderr
