@@ -111,7 +111,8 @@ class Compressed(Sync):
                 self.buckets[-1][1].append(p)
                 at, o = at + p.m, p.end
         self.pieces = [p for _, pieces in self.buckets for p in pieces]
-        self.kernel = Codec(self.codec, jit=self._compiled(s.comm))
+        with C.excused("compiling the compression kernels"):  # seconds, the first time
+            self.kernel = Codec(self.codec, jit=self._compiled(s.comm))
         self.layer_lo = [lo for lo, _ in s.model.layer_ranges]
         self.piece = step
         self.codes = np.zeros(o, np.uint16)  # this rank's codes, then the summed ones
