@@ -1,12 +1,7 @@
 """The asynchronous parameter server (mode ``async-ps``): workers push gradients and pull
 parameters without waiting for each other; the server (rank ``root``, holding no data)
-applies each push as it comes.
-
-A worker computes on the parameters it last pulled; by the time its gradient arrives,
-other workers may have updated them ``s`` times (its *staleness*). Pushes staler than
-``max_staleness`` are dropped (counted). Every worker pushes exactly its own number of
-batches and then a "done" message, so the job always ends. Checkpoints and resume:
-docs/reliability.md#checkpoints-and-resume.
+applies each push as it comes, dropping those staler than ``max_staleness`` (updates made
+since the worker's pull). Every worker ends with a "done" message, so the job always ends.
 """
 
 from __future__ import annotations
@@ -86,8 +81,8 @@ class _Stopped(Exception):
 
 
 class _Worker(TrainerBase):
-    """One worker as a trainer of the one loop (:func:`mpidp.run.loop.run`): a step computes on
-    the last pulled parameters, pushes the gradient and pulls fresh parameters."""
+    """One worker as a trainer of :func:`mpidp.run.loop.run`: a step computes on the last
+    pulled parameters, pushes the gradient and pulls fresh parameters."""
 
     def __init__(self, comm, model: Sequential, loss: Loss, root: int, timer: StepTimer) -> None:
         self.comm, self.model, self.loss, self.root, self.timer = comm, model, loss, root, timer
@@ -120,7 +115,6 @@ class _Worker(TrainerBase):
             raise _Stopped
         return StepStats(float(msg[n + _Slot.LOSS]), len(X), 0)
 
-    # what the loop asks of every trainer; a worker alone has nothing to agree on
     def check_replicas(self) -> None:
         """Workers hold different parameters by design until the end."""
 
@@ -129,8 +123,7 @@ class _Worker(TrainerBase):
 
 
 class _WorkerFeed:
-    """This worker's non-empty parts of each epoch's global batches (a
-    :class:`mpidp.run.loop.Feed`)."""
+    """This worker's non-empty parts of each epoch's global batches (a loop's Feed)."""
 
     labelled = False  # the server reports the loss only
 
@@ -153,7 +146,7 @@ class _WorkerFeed:
                 yield shard.X[idx], y
 
     def end_epoch(self) -> None:
-        """Nothing to report: the server has the loss, and no held-out set is evaluated."""
+        """Nothing to report: the server has the loss."""
 
     evaluate = end_epoch
 
@@ -173,8 +166,8 @@ def _work(w: _Worker, shard: Shard, spec: RunSpec, start: State | None) -> None:
 
 
 class _Positions:
-    """Where each worker is, as the server has served it: ``[epoch, next global batch of
-    that epoch, pushes made]``; what an async-ps checkpoint records to resume from."""
+    """Where each worker is, as served: ``[epoch, next global batch, pushes made]``; what
+    an async-ps checkpoint records to resume from."""
 
     KEY = "async"  # under this key of :attr:`mpidp.run.checkpoint.State.partition`
 
@@ -197,8 +190,8 @@ class _Positions:
         self.at[w] = [self.epochs, 0, self.at[w][2]]
 
     def state(self, stats: AsyncStats, version: int, config: dict) -> State:
-        """The checkpoint's :class:`~mpidp.run.checkpoint.State`: its position is the slowest
-        worker's, its step the pushes served (applied, dropped or skipped) so far."""
+        """The checkpoint's :class:`~mpidp.run.checkpoint.State`: the slowest worker's
+        position; its step the pushes served so far."""
         epoch, batch = min((p[0], p[1]) for p in self.at.values())
         info = {"workers": {str(w): p for w, p in self.at.items()}, "version": version,
                 "applied": stats.applied, "dropped": stats.dropped, "skipped": stats.skipped,
@@ -302,10 +295,9 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy, positio
 
 @dataclass
 class AsyncPS:
-    """The asynchronous parameter server's trainer over ``comm``: rank ``root`` serves
-    (holding no data), the others are workers. Pushes staler than ``max_staleness`` are
-    dropped; a non-finite push meets ``on_nonfinite`` on the server. A worker's ``timer``
-    records its pushes (its ``slowdown`` makes it a straggler). Train with :func:`fit_async`."""
+    """The asynchronous parameter server's trainer over ``comm``: rank ``root`` serves, the
+    others work; a non-finite push meets ``on_nonfinite`` on the server; a worker's
+    ``timer`` records its pushes. Train with :func:`fit_async`."""
 
     model: Sequential
     optimizer: Optimizer
@@ -358,11 +350,10 @@ def fit_async(ps: AsyncPS, train: Shard, epochs: int | None = None,
               batch_size: int | None = None, *, spec: RunSpec | None = None,
               **settings) -> AsyncStats:
     """Train asynchronously. Collective. Workers split each global batch by their blocks
-    (``train`` on the server is ignored) and update without waiting. ``spec`` and
-    ``settings`` as for :func:`mpidp.fit`; ``checkpoint``: the server saves every
-    ``checkpoint.every`` pushes, at the end and on a signal's stop; ``resume`` puts the
-    workers back where it says. Returns the server's :class:`AsyncStats` on every rank
-    (the trace only on the server); parameters end identical on every rank."""
+    (the server's ``train`` is ignored); ``spec`` and ``settings`` as for :func:`mpidp.fit`
+    (the server checkpoints every ``checkpoint.every`` pushes, at the end and on a stop).
+    Returns the server's :class:`AsyncStats` on every rank (the trace only on the server);
+    the parameters end identical on every rank."""
     spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
     comm, root = ps.comm, ps.root
     C.agree_same(comm, "fit_async", {**spec.agreed(), **train.identity("train")})
@@ -402,9 +393,8 @@ def _finish(ps: AsyncPS, stats: AsyncStats, error: str | None, spec: RunSpec) ->
 
 
 def epoch_history(stats: AsyncStats) -> list[dict]:
-    """A history record per epoch from the server's ``stats``: the workers' training loss
-    as the server received it (no accuracy or seconds); MpidpError when no update was
-    applied."""
+    """A history record per epoch of the loss the server received; MpidpError when no
+    update was applied."""
     history = [{"epoch": e + 1, "loss": s / c, "accuracy": None, "seconds": None}
                for e, (s, c) in sorted((int(k), v) for k, v in stats.epoch_loss.items())]
     if not history:

@@ -1,12 +1,10 @@
 """The ``auto`` exchange: the fastest gradient exchange for this model on this network,
-measured on the first training steps (candidates: docs/design.md#synchronisation-strategies).
+measured on the first training steps (docs/design.md#synchronisation-strategies).
 
-After :data:`WARMUP` fused-allreduce steps the candidates train :data:`TRIALS` steps each,
-in turns; those within :data:`CLOSE` of the fastest run off over :data:`TRIALS` more, and
-the slowest rank's median step time decides (one small ``Allreduce``), so every rank
-commits to the same strategy at the same step. The trial steps are ordinary training
-steps. The choice is not checkpointed (a resumed run tries again); it and the figures
-behind it are in :attr:`Auto.report`.
+After :data:`WARMUP` allreduce steps the candidates train :data:`TRIALS` steps each, in
+turns; those within :data:`CLOSE` of the fastest run off, and the slowest rank's median
+step time decides, alike on every rank. The choice (not checkpointed) and its figures
+are in :attr:`Auto.report`.
 """
 
 from __future__ import annotations
@@ -35,9 +33,8 @@ def _to_current(name: str) -> Callable:
 
 
 class Auto(Sync):
-    """Tries the candidates on the first steps, then delegates to the fastest.
-    ``bucket_bytes`` and ``progress`` are the overlapped candidates', ``codec`` the
-    compressed one's (None: bfloat16 and int8), ``node_aware`` the allreduce one's."""
+    """Tries the candidates on the first steps, then delegates to the fastest; its settings
+    are the candidates' (``codec`` None: bfloat16 and int8)."""
 
     name = "auto"
 
@@ -89,8 +86,7 @@ class Auto(Sync):
         return "; ".join(filter(None, [head, self.candidates[0].describe()]))
 
     def undecided(self) -> str | None:
-        """Why there is no choice yet, when the trials are still running (a run that ended
-        early); None once chosen."""
+        """Why there is no choice yet (a run that ended during the trials); None once chosen."""
         if self.choice is not None:
             return None
         need = WARMUP + TRIALS * len(self.labels)
@@ -99,8 +95,8 @@ class Auto(Sync):
                 f"could end; they need {need} steps or more, so train longer for a choice")
 
     def refuses(self, model) -> str | None:
-        """What a fused allreduce refuses (a candidate that refuses ``model`` is not tried);
-        a codec asked for with a model that is not float32."""
+        """What a fused allreduce refuses (other candidates that refuse are not tried); a
+        codec asked for with a model that is not float32."""
         if self.codec is not None and model.dtype != np.float32:
             return (f"auto with {setting('codec', self.codec)}: auto tries compression "
                     f"for float32 models only, and this model is "
@@ -129,8 +125,7 @@ class Auto(Sync):
         return forward, min(pieces)
 
     def _trial(self) -> int | None:
-        """Index of the candidate that runs trial step ``self.steps``, or None after (the
-        first round's end until a run-off is set, or the run-off's end)."""
+        """Index of the candidate that runs trial step ``self.steps``, or None (none runs)."""
         k = self.steps - WARMUP  # in turns, so that drift of the machine hits all alike
         first = TRIALS * len(self.candidates)
         if k < 0:
@@ -153,8 +148,7 @@ class Auto(Sync):
         return out
 
     def _drop(self, step: int) -> None:
-        """The current candidate overflowed float16 at ``step``: never again; allreduce
-        exchanges this step (and, were it the choice, the rest of the run)."""
+        """The current candidate overflowed float16 at ``step``: allreduce takes over."""
         i = self.candidates.index(self.current)
         self.dropped[i] = step
         self.current = self.candidates[0]
@@ -181,8 +175,7 @@ class Auto(Sync):
         pass  # the candidates count their own
 
     def step_done(self) -> None:
-        """Called by the trainer after every step (updated or not): times the step and
-        picks the next step's strategy. Collective when the trials end."""
+        """Times the step and picks the next one's strategy. Collective when trials end."""
         now = perf_counter()
         if self.choice is None:
             k = self._trial()
@@ -206,13 +199,12 @@ class Auto(Sync):
         self._t0 = None  # a step is timed from its :meth:`step_begins`
 
     def step_begins(self) -> None:
-        """Starts the step's clock: a step is timed from its forward pass to its update,
-        so what runs between steps (evaluation, checkpoints, logging) counts for none."""
+        """Starts the step's clock (what runs between steps is not timed)."""
         self._t0 = perf_counter()
 
     def _medians(self) -> tuple[np.ndarray, float]:
         """The slowest rank's median step seconds per candidate, and of the allreduce
-        trials' exchange. Collective (one small ``Allreduce``)."""
+        trials' exchange. Collective."""
         medians = np.array([np.median(t) if t else np.inf for t in self.times]
                            + [np.median(self.comm_s) if self.comm_s else 0.0], np.float64)
         C.allreduce_(self.comm, medians, "max")  # the slowest rank's view decides

@@ -1,11 +1,7 @@
-"""The flat buffer every synchronous trainer reduces, named once:
+"""The flat buffer every synchronous trainer reduces:
 ``gradients (n_params) | loss sum | sample count | correct predictions | stop | early``.
-
-Gradients are SUMS over the local samples, so the buffer summed over ranks and divided by
-the global count gives the single-process gradient for any split. The stop slot (1: this
-rank asks to stop) summed is non-zero on every rank once any rank asked. The ``early``
-slot is 1 on a rank whose periodic synchronisation comes early because an epoch ended:
-summed, it must be 0 or the number of ranks.
+Gradients are SUMS over the local samples; ``stop`` is 1 on a rank that asks to stop;
+``early`` 1 on a rank whose periodic synchronisation comes early for an epoch's end.
 """
 
 from __future__ import annotations
@@ -28,8 +24,7 @@ def new(n_params: int, dtype: npt.DTypeLike, length: int | None = None) -> np.nd
 def put(buf: np.ndarray, n_params: int, loss_sum: float, count: int, correct: int,
         stop: bool, add: bool = False) -> None:
     """Write this rank's extras after the gradients (``add``: add the loss and counts to
-    those already there, as gradient accumulation does; the stop request is always set,
-    the early mark cleared)."""
+    those there; the early mark is cleared)."""
     extras = buf[n_params:n_params + STOP]
     if add:
         extras += (loss_sum, count, correct)

@@ -1,13 +1,10 @@
-"""The gradient codecs, pure NumPy (no MPI): IEEE float16 (11 significant bits, up to
-65504), bfloat16 (float32's range, 8 significant bits), and int8: 8 bits plus one float32
-scale per :data:`GROUP` values, each value rounded to the nearest of 255 evenly spaced
-levels between minus and plus its group's largest magnitude (at least :data:`INT8_TINY`).
+"""The gradient codecs, pure NumPy: IEEE float16 (up to 65504), bfloat16 (float32's
+range, 8 significant bits), and int8: one float32 scale per :data:`GROUP` values, each
+rounded to one of 255 levels between minus and plus its group's largest magnitude.
 
-:func:`encode` and :func:`decode` are the reference formulas; :class:`Codec` does the
-same arithmetic in place on blocks, for the per-step passes of
-:class:`~mpidp.parallel.compress.Compressed`. Codes travel as ``uint16`` units: one per
-value for the 16-bit codecs, :func:`units` for ``k`` values of int8 (the int8 codes,
-padded to 4 bytes, then the float32 scales).
+:func:`encode` and :func:`decode` are the reference formulas; :class:`Codec` does the same
+arithmetic in place on blocks. Codes travel as ``uint16`` units (int8: :func:`units`, the
+codes padded to 4 bytes, then the scales).
 """
 
 from __future__ import annotations
@@ -58,11 +55,9 @@ def _int8_parts(codes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def encode(x: np.ndarray, codec: str) -> np.ndarray:
-    """``x`` (float32/64) → ``uint16`` codes. bfloat16 rounds to nearest, ties to even;
-    float16 turns values beyond 65504 into Inf (callers check for overflow first); int8
-    rounds ``x * (127 / top)`` to the nearest integer (ties to even), ``top``
-    the largest magnitude of the value's group (at least :data:`INT8_TINY`); a group
-    holding NaN or Inf decodes to NaN or Inf."""
+    """``x`` (float32/64) → ``uint16`` codes, rounded to nearest, ties to even (float16:
+    beyond 65504 Inf; int8: ``x * (127 / top)``, ``top`` the group's largest magnitude,
+    at least :data:`INT8_TINY`; a group holding NaN or Inf decodes to NaN or Inf)."""
     if codec == "int8":  # one segment
         k, groups = len(x), -(-len(x) // GROUP)
         g = np.zeros(groups * GROUP, np.float32)
@@ -97,11 +92,9 @@ def decode(codes: np.ndarray, codec: str, n: int | None = None) -> np.ndarray:
 
 class Codec:
     """:func:`encode` and :func:`decode` in place, bit for bit, on blocks of at most
-    ``block`` values, with scratch of its own (``jit``: numba's kernels). Call inside
-    ``np.errstate(over="ignore", invalid="ignore")``. ``x``, ``acc``, ``lost``: float32
-    ``(k,)`` (``lost`` may be ``x``); ``codes``: uint16 ``(units(k),)``, one segment;
-    ``out``: float32 or float64 ``(k,)``; ``k <= block``.
-    """
+    ``block`` values (``jit``: numba's kernels), inside ``np.errstate(over="ignore",
+    invalid="ignore")``. ``x``, ``acc``, ``lost``: float32 ``(k,)``; ``codes``: uint16
+    ``(units(k),)``, one segment; ``out``: float32 or float64 ``(k,)``."""
 
     def __init__(self, codec: str, block: int = BLOCK, jit: bool = False) -> None:
         if codec not in CODECS:

@@ -17,23 +17,20 @@ from .codecs import FLOAT16_MAX, JIT_CODECS, Codec, chunk_units, segments
 from .overlap import layer_buckets
 from .sync import Buffers, Exchanged, Round, Setup, Sync, global_sums
 
-#: Values per exchange at most: a bucket goes in pieces, so that one piece travels while
-#: the next is encoded (or summed), and the last bucket's codec work overlaps its link time.
+#: Values per exchange at most: one piece travels while the next is encoded (or summed).
 PIECE = 1 << 18
 
 
 def _piece_length(size: int) -> int:
-    """Gradient values per exchange: at most :data:`PIECE` per rank, and never a count or
-    displacement beyond ``MAX_COUNT``: a piece's codes, ``size`` chunks apart (sent,
-    gathered), and the other ranks' parts of a chunk (received)."""
+    """Gradient values per exchange: at most :data:`PIECE` per rank, with no count or
+    displacement of its messages beyond ``MAX_COUNT``."""
     limit = int(C.collectives.MAX_COUNT)
     return max(1, min(limit if size == 1 else size * (limit // size), size * PIECE))
 
 
 class Float16Overflow(C.MpidpError):
-    """A gradient, or a chunk's sum, beyond float16's 65504: raised on every rank by
-    :meth:`Compressed.reduce` before anything is decoded, so the gradient buffer still
-    holds this rank's own gradients (``auto`` exchanges them another way)."""
+    """A gradient, or a chunk's sum, beyond float16's 65504: raised on every rank before
+    anything is decoded, so the buffer still holds this rank's gradients (for ``auto``)."""
 
 
 class _Piece:
@@ -65,25 +62,12 @@ class _Piece:
 
 
 class Compressed(Sync):
-    """Gradients exchanged as 16-bit codes (``float16`` or ``bfloat16``; or ``int8`` with
-    scales) in two steps over P chunks per bucket, with error feedback: about half (int8: a
-    quarter) the bytes of a float32 ring allreduce, started during backward bucket by
-    bucket as :class:`~mpidp.parallel.overlap.Overlapped` does. The sums are bit-identical
-    on every replica; how they are made: docs/design.md#synchronisation-strategies.
-
-    Error feedback keeps what each rounding loses (``(n,)`` per rank, and about ``n/P``
-    for its chunk sums) and adds it back at the next step; a step the NaN policy drops
-    leaves it as it was; it is not checkpointed. A value beyond float16's 65504 is a
-    :class:`Float16Overflow` on every rank; a non-finite sum goes to the NaN policy.
-
-    Parameters
-    ----------
-    codec : ``"bfloat16"``, ``"float16"`` or ``"int8"`` (its groups start at each block
-        of a chunk, so its sums depend on P and the buckets; the 16-bit codecs' do not).
-    error_feedback : keep both residuals (False: every step's rounding is lost).
-    bucket_bytes : as :class:`~mpidp.parallel.overlap.Overlapped`'s.
-    kernels : ``"numpy"``, ``"numba"`` (compiled, about 3x faster; refused unless numba
-        imports on every rank) or ``"auto"`` (numba where every rank can); the same bits.
+    """Gradients exchanged as ``codec``'s codes (:mod:`.codecs`), reduce-scattered and
+    gathered over P chunks per bucket, started during backward as
+    :class:`~mpidp.parallel.overlap.Overlapped` does; bit-identical sums on every replica
+    (docs/design.md#synchronisation-strategies). ``error_feedback`` keeps what rounding
+    loses (not checkpointed; a dropped step leaves it); ``kernels``: NumPy's or numba's
+    passes, the same bits. Settings: :class:`~mpidp.parallel.modes.CompressedSettings`.
     """
 
     name = "compressed"
@@ -132,8 +116,7 @@ class Compressed(Sync):
         return out
 
     def _compiled(self, comm: C.Comm) -> bool:
-        """Whether the codec runs numba's kernels: decided alike on every rank (numba
-        importable on all of them), then compiled (or loaded from numba's cache) on each.
+        """Whether the codec runs numba's kernels (alike on every rank), compiled on each.
         Collective unless the codec or ``kernels`` rules them out."""
         if self.kernels == "numpy" or self.codec not in JIT_CODECS:
             return False
@@ -192,10 +175,9 @@ class Compressed(Sync):
         return self.launched == 0 and self.started == 0
 
     def reduce(self) -> bool:
-        """The global sums into ``self.buf`` on every rank; returns whether they are finite
-        (loss and counts included). Starts the buckets backward has not started, completes
-        them all. Collective: per piece one ``Ialltoallv`` and one ``Iallgather``, and one
-        ``Allreduce`` (only the ``Allreduce`` on one rank, whose codes are the sums)."""
+        """The global sums into ``self.buf`` on every rank; returns whether they (and the
+        extras) are finite. Starts the buckets backward has not, completes them all.
+        Collective: per piece an ``Ialltoallv`` and an ``Iallgather``; one ``Allreduce``."""
         n = self.n
         self._advance(wait=False)
         while self.launched < len(self.buckets):
@@ -222,9 +204,8 @@ class Compressed(Sync):
         return not extras[buffer.N_EXTRA + 1] and bool(np.isfinite(extras[:buffer.N_EXTRA]).all())
 
     def _launch(self, upto: int | None = None) -> None:
-        """Encode the next bucket's pieces not started yet (its gradient plus residual;
-        what that loses into ``_next``) and start their reduce-scatters; with ``upto``,
-        only those whose values end by ``upto`` (the rest are not final yet)."""
+        """Encode the next bucket's pieces not started yet (those ending by ``upto``, when
+        given) and start their reduce-scatters."""
         g, codes, k, ef = self.buf[:self.n], self.codes, self.kernel, self.error_feedback
         f16, alone = self.codec == "float16", self.comm.size == 1
         scan = f16 or alone  # else the owners scan the sums (always: one dot per block)
@@ -277,9 +258,8 @@ class Compressed(Sync):
             k.decode_(codes[ca:cb], g[a:b])
 
     def _decode_arrived(self) -> None:
-        """Decode the gathered pieces, in order, while backward runs: a piece's gradient
-        values were encoded already and are read no more. Not for float16, whose overflow
-        must leave this rank's own gradients in the buffer (see :class:`Float16Overflow`)."""
+        """Decode the gathered pieces, in order, while backward runs (not float16's: see
+        :class:`Float16Overflow`)."""
         if self.codec == "float16":
             return
         gathering = self.gathering
@@ -289,10 +269,8 @@ class Compressed(Sync):
                 self.decoded += 1
 
     def _sum_chunk(self, p: _Piece) -> tuple[bool, bool]:
-        """Rank-order float32 sums of the P codes of this rank's chunk of ``p`` (its own in
-        ``self.codes``, the others' in ``self.recv``), plus the chunk residual, encoded back
-        into ``self.codes``; returns :class:`~.codecs.Codec`'s verdict on the sums (computed
-        while backward may still run, before the policy of the step is known, so always)."""
+        """Rank-order float32 sums of the P codes of this rank's chunk of ``p``, plus the
+        chunk residual, encoded back into ``self.codes``; returns the codec's verdict."""
         k, codes, ef, starts = self.kernel, self.codes, self.error_feedback, self._starts
         nonfinite = overflow = False
         for a, b, ca, cb in segments(0, p.m, 0, self.codec):  # offsets in the chunk

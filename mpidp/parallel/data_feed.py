@@ -23,9 +23,8 @@ from .elastic import elastic_spec, whole_arrays
 
 
 class DataFeed:
-    """This rank's part of every global batch of a :class:`DataParallel` run: the rows of
-    its shard, partitioned by a :class:`~mpidp.data.balance.Plan` (a :class:`Feed` of
-    :func:`mpidp.run.loop.run`)."""
+    """This rank's rows of every global batch of a :class:`DataParallel` run, by a
+    :class:`~mpidp.data.balance.Plan` (a Feed of :func:`mpidp.run.loop.run`)."""
 
     def __init__(self, dp: DataParallel, plan: Plan, train: Shard,
                  test: Shard | dict[str, Shard] | None) -> None:
@@ -47,8 +46,7 @@ class DataFeed:
         return self.plan.end_epoch(self.dp.timer)
 
     def evaluate(self) -> dict[str, StepStats]:
-        """Every held-out set's figures, by name (``test``; ``val`` and others when ``test``
-        is a dict of shards). Collective."""
+        """Every held-out set's figures, by name. Collective."""
         self.faults.apply("evaluate")
         sets = self.test if isinstance(self.test, dict) else {"test": self.test}
         return {name: self.dp.evaluate(shard.X, shard.y) for name, shard in sets.items()
@@ -59,8 +57,8 @@ class DataFeed:
 
 
 def _labels_problem(dp: DataParallel, sets: dict[str, Shard | None]) -> str | None:
-    """What is wrong with this rank's labels in ``sets`` for ``dp``'s model and loss (class
-    labels in range; for a loss that takes targets too, integer labels in range), or None."""
+    """What is wrong with this rank's labels in ``sets`` for ``dp``'s model and loss, or
+    None."""
     for name, shard in sets.items():
         why = None if shard is None else label_problem(np.asarray(shard.y), dp.model.n_out,
                                                        dp.loss.classification)
@@ -96,14 +94,12 @@ def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
         batch_size: int | None = None, *, test: Shard | dict[str, Shard] | None = None,
         spec: RunSpec | None = None, **settings) -> list[dict]:
     """Train ``dp`` on this rank's shard ``train`` for ``epochs`` epochs of global batches
-    of ``batch_size`` samples. Collective.
+    of ``batch_size`` samples (whatever the number of ranks). Collective.
 
     ``spec`` (a :class:`mpidp.RunSpec`) holds every setting of the run; ``epochs``,
-    ``batch_size`` and ``settings`` (its fields) fill or override it. The global batches
-    do not depend on the number of ranks; ``resume`` (:func:`mpidp.run.checkpoint.restore`)
-    continues mid-epoch. ``test``: a held-out shard, or several by name (``{"val": ...}``),
-    each evaluated after every epoch. Returns the history, one dict per epoch (``epoch,
-    loss, accuracy``, each set's figures, ``seconds``, ``balance``), the same on every rank.
+    ``batch_size`` and ``settings`` (its fields) override it. ``test``: a held-out shard,
+    or several by name, evaluated after every epoch. Returns the history, one dict per
+    epoch, the same on every rank.
     """
     spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
     if spec.elastic is True:  # the whole arrays on every rank: survivors split them again

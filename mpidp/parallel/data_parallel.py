@@ -45,9 +45,8 @@ def out_of_sync(comm: C.Comm, model: Sequential, root: int = 0) -> str | None:
 
 
 class TrainerBase:
-    """What the run loop asks of every trainer (:class:`mpidp.run.loop.Trainer`) that most
-    answer alike: the faults of :mod:`mpidp.run.faults` (``step`` makes its gradient NaN
-    while ``_poison`` is set, and clears it), checkpoints at any step, global totals."""
+    """What most trainers of the run loop (:class:`mpidp.run.loop.Trainer`) answer alike:
+    faults (``step`` makes its gradient NaN while ``_poison`` is set), boundaries, totals."""
 
     _poison = False
 
@@ -75,22 +74,18 @@ class DataParallel(TrainerBase):
 
     Parameters
     ----------
-    init_sync : ``"bcast"`` copies ``root``'s parameters to every rank (one ``Bcast``);
-        ``"seed"`` verifies with a checksum that every rank initialised identically.
+    init_sync : ``"bcast"`` copies ``root``'s parameters to every rank; ``"seed"``
+        verifies with a checksum that every rank initialised identically.
     abort_on_error : install :func:`mpidp.comm.abort_on_error` (unless
         ``MPIDP_ABORT_ON_ERROR=0``) so an exception on one rank ends the job.
-    check_every : every this many steps (at the next synchronisation where replicas differ
-        by design, local SGD), :meth:`check_replicas`. 0: never.
-    on_nonfinite : when the global loss or gradient holds NaN/Inf: ``"stop"`` raises
-        :class:`NonFiniteError` before the update, ``"skip"`` drops the update (counted in
-        ``skipped_steps``), ``"ignore"`` applies it; the same verdict on every rank.
-    watchdog : seconds: a rank that makes no progress for longer ends the job, naming the
-        stalled ranks (:class:`mpidp.comm.Watchdog`). None: no watchdog.
-    sync : how gradients are combined: a :class:`mpidp.parallel.sync.Sync` or a name from
-        ``SYNCS`` (``allreduce``, the default: one fused in-place ``Allreduce`` per step).
+    check_every : :meth:`check_replicas` every this many steps (0: never).
+    on_nonfinite : on a global NaN/Inf, ``"stop"`` (:class:`NonFiniteError`), ``"skip"``
+        the update (``skipped_steps``) or ``"ignore"`` it; one verdict on every rank.
+    watchdog : seconds without progress on a rank before the job ends
+        (:class:`mpidp.comm.Watchdog`). None: no watchdog.
+    sync : a :class:`mpidp.parallel.sync.Sync` or a name from ``SYNCS`` (``allreduce``).
 
-    A step's gradient is the global batch's per-sample gradient sum over its sample count:
-    any split over ranks gives the single-process update up to summation order.
+    A step's update is the single-process one (up to summation order) for any split.
     """
 
     def __init__(self, model: Sequential, optimizer: Optimizer, loss: Loss,
@@ -165,9 +160,8 @@ class DataParallel(TrainerBase):
         return a
 
     def close(self) -> None:
-        """Release what the strategy holds (threads, shared-memory windows); the model keeps
-        its parameters and gradients, moved into its own memory. Collective; idempotent.
-        Also on leaving a ``with`` block."""
+        """Release what the strategy holds (threads, shared-memory windows), moving the
+        model's arrays into its own memory. Collective; idempotent; also ending ``with``."""
         if self.closed:
             return
         self.sync.settle()
@@ -210,21 +204,18 @@ class DataParallel(TrainerBase):
         return self.comm
 
     def settle(self) -> None:
-        """Make the parameters final: complete an update still arriving between steps
-        (``Overlapped(finish="forward")``). The trainer settles before whatever reads them;
-        a loop of your own calls it before it reads ``model.params``. Collective."""
+        """Complete an update still arriving between steps (finish ``"forward"``): call it
+        before reading ``model.params`` in a loop of your own. Collective."""
         self.sync.settle()
 
     def in_sync(self) -> bool:
-        """True on every rank iff all replicas' parameters and layer state are bit-identical.
-        Collective."""
+        """True on every rank iff all replicas are bit-identical. Collective."""
         self.sync.settle()
         return out_of_sync(self.comm, self.model, self.root) is None
 
     def check_replicas(self) -> None:
-        """Raise :class:`mpidp.MpidpError` on every rank, naming the ranks whose parameters
-        (or the layer whose state) differ from the root's, unless all replicas are
-        bit-identical. Collective."""
+        """Raise :class:`mpidp.MpidpError` on every rank unless all replicas are
+        bit-identical, naming the ranks (or the layer) that differ. Collective."""
         self.sync.settle()
         why = out_of_sync(self.comm, self.model, self.root)
         if why:
@@ -247,9 +238,8 @@ class DataParallel(TrainerBase):
             self.sync.after_checkpoint(self.optimizer)
 
     def restore(self, directory: str) -> tuple[str, ckpt.State] | None:
-        """Load the newest good checkpoint in ``directory`` on every rank, and hand the
-        strategy its share of the optimizer state (a sharded one keeps its slice), so that
-        :meth:`step` or :func:`mpidp.fit` continues from it. Collective."""
+        """Load the newest good checkpoint in ``directory`` on every rank (a sharded
+        strategy keeps its slice of the optimizer state). Collective."""
         self.sync.settle()  # nothing still arriving may overwrite what is restored
         found = ckpt.restore(self.comm, directory, self.model, self.optimizer, self.root)
         if found is not None:
@@ -271,8 +261,8 @@ class DataParallel(TrainerBase):
         add = self.sync.accumulating()  # gradient accumulation: add to the buffer's sums
         ctx = self.model.context
         ctx.training, ctx.step = True, self.global_step
-        if self.model.n_state and self.policy.checks and not add:
-            self._keep_state()
+        if self.model.n_state and self.policy.checks and not add:  # what a dropped step restores
+            self._kept_state = self.model.state.copy()  # (forward moves batch norm's)
         if index is not None:
             ctx.index = positions(index)
         with self.timer.compute("compute", samples=len(X)):
@@ -315,21 +305,13 @@ class DataParallel(TrainerBase):
         C.set_step(self.global_step)
         return StepStats(got.loss_sum, got.count, got.correct, skipped, got.stop)
 
-    def _keep_state(self) -> None:
-        """Copy the untrained state (batch norm's running statistics, which forward passes
-        move) before the steps of an update, so that an update the NaN policy drops or
-        stops at leaves it as the last good step left it."""
-        self._kept_state = self.model.state.copy()
-
     def _restore_state(self) -> None:
         if self._kept_state is not None and self._kept_state.shape == self.model.state.shape:
             self.model.state[...] = self._kept_state
 
     def _judge_and_update(self, got: Exchanged) -> bool:
-        """The NaN policy on the exchange's global sums, then the strategy's update; False
-        if the policy dropped the update. Every rank holds the same sums (or the same
-        verdict), so every rank reaches the same decision with no collective of its own;
-        raises :class:`~mpidp.run.nonfinite.NonFiniteError` for ``stop``."""
+        """The NaN policy on the global sums (alike on every rank), then the update; False
+        if the policy dropped it; :class:`NonFiniteError` for ``stop``."""
         if got.averaged:  # local SGD: the replicas are equal already; judge what it left out
             self.policy.apply(got.finite, got.loss_sum, self.global_step, got.nonfinite_steps,
                               self.model.params)
@@ -346,10 +328,8 @@ class DataParallel(TrainerBase):
         return True
 
     def evaluate(self, X: np.ndarray, y: np.ndarray, batch_size: int = 4096) -> StepStats:
-        """Loss and accuracy over every rank's ``(X, y)`` together (a
-        :class:`~mpidp.run.stats.StepStats` of sums over all ranks' samples), with the
-        figures of :mod:`mpidp.observe.scores`, each equal to one process' on all the rows.
-        Collective."""
+        """Loss, accuracy and :mod:`mpidp.observe.scores` over every rank's ``(X, y)``
+        together, as one process on all the rows would find them. Collective."""
         if not is_whole(batch_size, 1):
             raise C.MpidpError(f"evaluate: batch_size must be a whole number >= 1, got "
                                f"{batch_size!r}")
@@ -368,8 +348,8 @@ class DataParallel(TrainerBase):
 
 
 def _check_kinds(model, optimizer, loss, sync, comm, root) -> None:
-    """Raise :class:`~mpidp.comm.MpidpError` naming the argument of :class:`DataParallel`
-    that is not of its kind (a class in place of an instance, a layer in place of a model)."""
+    """Raise :class:`~mpidp.comm.MpidpError` naming an argument of :class:`DataParallel`
+    not of its kind."""
     for name, value, kind, wanted in (
             ("model", model, Sequential, "a model such as nn.mlp(...) or nn.Sequential(...)"),
             ("optimizer", optimizer, Optimizer, "an optimizer such as nn.SGD(0.1)"),

@@ -1,13 +1,8 @@
-"""A data-parallel run that goes on when ranks die (``fit(..., elastic=...)``, the command
-line's elastic option): what :mod:`mpidp.run.elastic` asks of a
-:class:`~mpidp.parallel.data_parallel.DataParallel` and its
-:class:`~mpidp.parallel.data_feed.DataFeed`.
-
-A replica is kept before each step (parameters, layer state, optimizer state, step
-counts) so one that got an update ahead of the other survivors can go back. Over the
-survivors the trainer reduces with a plain ``Allreduce`` and the feed takes the rows
-the survivors now own from ``rows(comm)``, the function given as ``elastic``: the same
-global batches, in the same order, split over fewer ranks.
+"""A data-parallel run that goes on when ranks die (``fit(..., elastic=...)``): what
+:mod:`mpidp.run.elastic` asks of a :class:`~mpidp.parallel.data_parallel.DataParallel`
+and its feed. A replica is kept before each step, so one ahead of the survivors can go
+back; the survivors then take the same global batches over fewer ranks, their rows from
+``rows(comm)``, the function given as ``elastic``.
 """
 
 from __future__ import annotations
@@ -83,10 +78,9 @@ class DataParallelRegroup:
 
 
 def whole_arrays(comm: C.Comm, train, test) -> tuple:
-    """For ``elastic=True``: ``train`` and ``test``, each ``(X, y)``, the whole set on every
-    rank (``test`` may be a dict of them, or None), as this rank's block of rows over
-    ``comm`` (:func:`mpidp.shard_from_arrays`), and the function that splits them again over
-    the survivors. Other data is returned as it is (and refused by the checks of fit)."""
+    """For ``elastic=True``: ``train`` and ``test`` (each ``(X, y)``, the whole set on every
+    rank; ``test`` may be a dict of them) as this rank's block of rows over ``comm``, and
+    the function that splits them again over the survivors. Other data is returned as is."""
     def whole(data) -> bool:
         return isinstance(data, tuple) and len(data) == 2
 
@@ -106,8 +100,8 @@ def whole_arrays(comm: C.Comm, train, test) -> tuple:
 
 
 def elastic_spec(dp, feed, spec: RunSpec) -> RunSpec:
-    """``spec`` with its ``elastic`` setting made real (an :class:`Elastic` over ``dp``'s
-    communicator), or as it is when off. Refuses, on every rank, what cannot go on."""
+    """``spec`` with its ``elastic`` setting made an :class:`Elastic` over ``dp``'s
+    communicator (refused alike on every rank where it cannot go on)."""
     rows = spec.elastic
     if rows is False or rows is None or isinstance(rows, Elastic):
         return spec
@@ -131,7 +125,7 @@ _RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def last_run(dp) -> Elastic | None:
-    """The :class:`Elastic` of ``dp``'s last elastic :func:`~mpidp.fit`, or None: its
-    ``losses``, and its ``recover`` for the collective work that follows the fit."""
+    """The :class:`Elastic` of ``dp``'s last elastic :func:`~mpidp.fit` (its ``losses``,
+    its ``recover``), or None."""
     return _RUNS.get(dp)
 

@@ -16,12 +16,9 @@ def n_correct(loss: Loss, out: np.ndarray, y: np.ndarray) -> int:
 
 
 def score_sums(comm: C.Comm, loss: Loss, y: np.ndarray | None, n_outputs: int) -> ScoreSums:
-    """The :class:`ScoreSums` of an evaluation, the same kind on every rank of ``comm``: a
-    classifier's for a classification loss, or for 1-D integer labels (a least-squares
-    classifier: mean squared error on one-hot labels), else a regression's. ``y``: this
-    rank's labels or targets (None: a rank that holds none). Collective unless the loss
-    classifies; raises :class:`~mpidp.comm.MpidpError` on every rank when ranks hold
-    integer labels and real targets."""
+    """The :class:`ScoreSums` of an evaluation, alike on every rank: a classifier's for a
+    classification loss or 1-D integer labels, else a regression's. ``y``: this rank's
+    labels or targets (or None). Collective unless the loss classifies."""
     if loss.classification:
         return ScoreSums(True, n_outputs)
     kinds = np.zeros(2)  # [ranks with targets, ranks with integer labels]
@@ -35,9 +32,8 @@ def score_sums(comm: C.Comm, loss: Loss, y: np.ndarray | None, n_outputs: int) -
 
 
 def global_sums(comm: C.Comm, totals: np.ndarray, sums: ScoreSums) -> tuple[np.ndarray, np.ndarray]:
-    """``(totals, score vector)`` over every rank of ``comm``: classification statistics
-    ride with ``totals`` in one ``Allreduce``; a regression's (not additive) are gathered
-    and merged in rank order, so every rank holds the same figures. Collective."""
+    """``(totals, score vector)`` over every rank of ``comm`` (a regression's gathered and
+    merged in rank order), alike on every rank. Collective."""
     if sums.additive:
         both = C.allreduce_sum_(comm, np.concatenate([totals, sums.vector]))
         return both[:len(totals)], both[len(totals):]

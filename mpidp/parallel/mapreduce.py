@@ -1,7 +1,6 @@
 """Data-parallel map/reduce outside training: split a dataset over the ranks (by a partition
-strategy, or dynamically from a shared counter), apply the same NumPy function to every
-part, combine the results (a reduction, or the rows in order on one rank or in one
-``.npy`` file that every rank writes its own rows of)."""
+strategy, or from a shared counter), apply one NumPy function to every part, and combine
+the results (a reduction, or the rows in order on one rank or in one ``.npy`` file)."""
 
 from __future__ import annotations
 
@@ -33,9 +32,9 @@ class _Figure(IntEnum):
 
 @dataclass
 class MapResult:
-    """``value``: the reduction (every rank), the concatenation (``root`` only, or None when
-    written to a file); ``per_rank``: samples, chunks and busy seconds (wall and CPU) of each
-    rank; ``seconds``: wall time of the whole map, slowest rank."""
+    """``value``: the reduction (every rank) or the concatenation (``root``; None when
+    written to a file); ``per_rank``: each rank's samples, chunks and busy seconds;
+    ``seconds``: the slowest rank's wall time."""
 
     value: np.ndarray | None
     per_rank: list[dict]
@@ -85,15 +84,12 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
                *, partition: str = "block", costs=None, capacities=None, seed: int = 0,
                dynamic: bool = False, chunk_size: int = 256, out: str | None = None,
                root: int = 0) -> MapResult:
-    """Apply ``fn`` to every row of ``data`` across ``comm`` and combine the outputs.
-
-    Collective. ``data``: an array (or memmap, or CSR) with the same rows on every rank, or
-    a :class:`mpidp.data.sources.Source`. ``fn`` maps rows ``(m, ...)`` to ``(m,
-    *out_shape)``. ``reduce``: ``sum``/``mean``/``min``/``max`` over all rows (float64, on
-    every rank) or ``concat``: all outputs in row order on ``root``, or with ``out`` in
-    that ``.npy`` file (None returned). Rows are split by ``partition`` (+ ``costs``/
-    ``capacities``), ``chunk_size`` at a time; ``dynamic=True`` hands out chunks from a
-    shared counter. Bad arguments raise the same :class:`mpidp.MpidpError` on every rank.
+    """Apply ``fn`` (rows ``(m, ...)`` -> ``(m, *out_shape)``) to every row of ``data`` (an
+    array, memmap, CSR or :class:`mpidp.data.sources.Source`, alike on every rank) and
+    combine: ``sum``/``mean``/``min``/``max`` (float64, every rank) or ``concat`` (row order,
+    on ``root`` or into the ``.npy`` ``out``). Rows go by ``partition`` (with ``costs``/
+    ``capacities``), ``chunk_size`` at a time, or (``dynamic``) from a shared counter.
+    Collective; bad arguments raise alike on every rank.
     """
     C.agree_same(comm, "map_reduce", {  # the same rows everywhere: else messages mismatch
         "reduce": reduce, "partition": partition, "seed": seed, "dynamic": dynamic,
@@ -155,8 +151,8 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
 
 
 def _create_npy(out: str, dtype: str, shape: tuple[int, ...]) -> str:
-    """A new ``.npy`` of ``shape`` beside ``out``, under a name no other job can hold (so
-    two jobs writing the same ``out`` never write into one file); returns its path."""
+    """A new ``.npy`` of ``shape`` beside ``out``, under a name no other job can hold;
+    returns its path."""
     folder, name = os.path.split(out)  # relative stays relative: each rank's own folder
     os.makedirs(folder or ".", exist_ok=True)
     path = os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(6)}.part.npy")
@@ -170,8 +166,8 @@ def _create_npy(out: str, dtype: str, shape: tuple[int, ...]) -> str:
 
 
 class _RowFile:
-    """One rank's writer of rows into an existing ``.npy``: one ``pwrite`` per run of
-    consecutive rows; chunks of mostly single rows (cyclic splits) through a memory map."""
+    """One rank's writer of rows into an existing ``.npy``: a ``pwrite`` per run of rows,
+    or a memory map for scattered rows."""
 
     def __init__(self, path: str) -> None:
         header = np.load(path, mmap_mode="r")
@@ -234,8 +230,7 @@ class _Sink:
             self.outs.append(values.astype(self.dtype, copy=False))
 
     def discard(self) -> None:
-        """After a failure on some rank: the unfinished file is closed (map_reduce's root
-        removes it)."""
+        """After a failure on some rank: close the unfinished file (the root removes it)."""
         if self.file is not None:
             self.file.close()
 

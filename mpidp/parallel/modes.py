@@ -1,9 +1,6 @@
-"""Every parallel mode, declared once: its name, its kind, its settings (checked when
-made), the layers it cannot serve and why, its note for ``--help``, and the class that
-runs it. :data:`MODES` is the one table that :func:`make_sync`, :func:`refuses_model`
-and the command line's options read. A setting shared by several modes has one name in
-all of them (``bucket_bytes``, ``codec``, ``node_aware``, ``progress``, ``k``). Pure: no
-MPI here, so the command line refuses bad settings before MPI starts.
+"""Every parallel mode, declared once in :data:`MODES`: its name, kind, settings (checked
+when made), the layers it cannot serve and why, its note for ``--help``, and the class
+that runs it. A setting shared by several modes has one name in all. Pure (no MPI).
 """
 
 from __future__ import annotations
@@ -28,8 +25,8 @@ HYBRID_STAGES = 2  # default stages per pipeline for "hybrid"
 
 
 class SettingError(MpidpError):
-    """A refused setting. ``parts`` are text and ``(field,)`` or ``(field, value)``, named
-    by :func:`~mpidp.errors.setting` (``finish='forward'``; the command line's flags)."""
+    """A refused setting. ``parts``: text, and ``(field,)`` or ``(field, value)`` named by
+    :func:`~mpidp.errors.setting`."""
 
     def __init__(self, *parts: str | tuple) -> None:
         super().__init__("".join(p if isinstance(p, str) else setting(*p) for p in parts))
@@ -85,8 +82,8 @@ def _bytes(name: str, value: Any) -> int:
 
 def _setting(default: Any, check: Callable, help: str, why: str | None = None,
              **meta: Any) -> Any:
-    """A settings field: its default, its check, and what the command line says of it:
-    ``help``, and ``why`` it applies to no other mode (its option's refusal)."""
+    """A settings field: its default, its check, its ``help``, and ``why`` it applies to
+    no other mode."""
     return field(default=default, metadata={"check": check, "help": help, "why": why, **meta})
 
 
@@ -131,8 +128,8 @@ def _k() -> Any:
 
 @dataclass(frozen=True)
 class Settings:
-    """A mode's settings (this base: none). Each field is checked when made, by the check
-    its declaration names; a bad value raises :class:`SettingError` naming the field."""
+    """A mode's settings (this base: none), each field checked when made
+    (:class:`SettingError`)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -234,12 +231,10 @@ class PipelineSettings(Settings):
 
 @dataclass(frozen=True)
 class Mode:
-    """One mode: ``kind`` is ``"data"`` (a gradient exchange of DataParallel), ``"async"``
-    or ``"pipeline"``; ``runner`` the class that runs it (``".module:Class"`` in this
-    package, imported when first asked for); ``refuses``: a layer's need
-    (:attr:`mpidp.nn.Layer.needs`) this mode cannot meet -> why; ``stages``: a pipeline's
-    stages by default (None: every rank one stage); ``elastic``: True when it goes on over
-    the survivors of a lost rank (:mod:`mpidp.parallel.elastic`), else why not."""
+    """One mode: ``kind`` ``"data"`` (a gradient exchange), ``"async"`` or ``"pipeline"``;
+    ``runner``: ``".module:Class"``, imported when asked for; ``refuses``: a layer's need
+    (:attr:`mpidp.nn.Layer.needs`) -> why not; ``stages``: a pipeline's by default (None:
+    every rank); ``elastic``: True when it goes on over the survivors, else why not."""
 
     name: str
     kind: str
@@ -333,12 +328,10 @@ def _either(names: Sequence[str]) -> str:
 
 def make_sync(mode: str, settings: Settings | None = None, *, optimizer_factory=None,
               **values: Any):
-    """The gradient exchange (a :class:`~mpidp.parallel.sync.Sync`) ``mode`` (a name of
-    :data:`SYNCS`) with ``settings`` (its mode's settings object), or with the fields
-    ``values`` of its settings: ``make_sync("overlapped", bucket_bytes=4096)``; a field
-    its settings lack is refused, naming it and the mode. ``sharded-ps`` needs
-    ``optimizer_factory`` (one optimizer per slice; a callable given in place of
-    ``settings`` is taken for it)."""
+    """The gradient exchange (a :class:`~mpidp.parallel.sync.Sync`) ``mode`` (of
+    :data:`SYNCS`) with ``settings``, or its fields ``values``:
+    ``make_sync("overlapped", bucket_bytes=4096)``. ``sharded-ps`` needs
+    ``optimizer_factory`` (a callable in place of ``settings`` is taken for it)."""
     if callable(settings):
         settings, optimizer_factory = None, settings
     m = MODES.get(mode)
@@ -356,8 +349,7 @@ _NEED = {"replica-sums": "sums over the replicas", "sample-index": "each sample'
 
 
 def _needing(layers, need: str) -> str:
-    """The class name of the first of ``layers`` (inside blocks: the inner one) that needs
-    ``need``."""
+    """The class name of the first of ``layers`` (or inside a block) that needs ``need``."""
     for layer in layers:
         if need in layer.needs:
             inner = getattr(layer, "layers", None)
@@ -367,9 +359,8 @@ def _needing(layers, need: str) -> str:
 
 
 def refuses_model(layers, mode: str = "data", sync: str = "allreduce") -> str | None:
-    """Why a model of ``layers`` (their :attr:`mpidp.nn.Layer.needs`) cannot be trained in
-    ``mode`` (a name of :data:`MODES`, or ``"data"``: the gradient exchange ``sync``),
-    naming the option, the mode, the layer and the reason; None when it can."""
+    """Why a model of ``layers`` cannot be trained in ``mode`` (of :data:`MODES`, or
+    ``"data"`` with the exchange ``sync``), naming option, layer and reason; or None."""
     m = MODES.get(sync if mode == "data" else mode)
     for need in sorted(frozenset().union(*(la.needs for la in layers))) if m else ():
         why = m.refuses.get(need)

@@ -17,24 +17,13 @@ class Overlapped(Sync):
     """Bucketed in-place sums started during backward as a bucket's layers are done (last
     layers first): one fused ``Allreduce``'s sums up to the order of additions.
 
-    Parameters
-    ----------
-    bucket_bytes : a bucket closes once its layers hold at least this many bytes of
-        gradients (whole layers; the first bucket also carries the loss and counts).
-    progress : ``"test"`` (the default): a sum per bucket (:class:`mpidp.comm.StartedSums`)
-        advanced by ``MPI_Testsome`` at every layer boundary; ``"thread"``: a
-        communication thread runs one blocking ``Allreduce`` per bucket (it needs
-        ``MPI_THREAD_MULTIPLE``, and a core polls meanwhile).
-    finish : ``"backward"`` (the default): every sum completes before the update.
-        ``"forward"``: the step waits only for the sum holding the loss and counts; every
-        other part is applied as it arrives, at the latest when the next forward pass
-        reads it, so the first layers' transfer overlaps the next forward pass (at most
-        ``WINDOW`` sums in flight, on a communicator of their own). It needs an
-        elementwise optimizer, ``on_nonfinite='ignore'`` and progress ``"test"``;
-        :meth:`settle` completes the parameters between steps.
-
-    ``buckets`` (:func:`layer_buckets`) start as backward finishes their layers, or in
-    parts; :meth:`reduce` starts what no hook started, so each element is summed once.
+    ``bucket_bytes``: :func:`layer_buckets`' size. ``progress``: ``"test"``
+    (:class:`mpidp.comm.StartedSums`, tested at every layer boundary) or ``"thread"`` (a
+    communication thread, one blocking ``Allreduce`` per bucket). ``finish``:
+    ``"backward"`` (every sum completes before the update) or ``"forward"`` (only the loss
+    and counts; each other part is applied as it arrives, at the latest when the next
+    forward reads it; at most ``WINDOW`` sums in flight). Settings:
+    :class:`~mpidp.parallel.modes.OverlappedSettings`.
     """
 
     name = "overlapped"
@@ -74,8 +63,7 @@ class Overlapped(Sync):
 
     @property
     def reduced(self) -> int:
-        """Buckets of this step whose sums (all of its parts) are complete already
-        (instrumentation, for finish "backward")."""
+        """Buckets of this step whose sums are complete already (finish "backward")."""
         starts = [0, *self._ends[:-1]]
         if self.reducer is not None:  # the thread completes the sums in order
             done = self.reducer.completed - self._completed0
@@ -147,8 +135,8 @@ class Overlapped(Sync):
         self._sums += 1
 
     def _advance(self) -> None:
-        """Let the started sums move; start queued ones while fewer than ``WINDOW`` are in
-        flight; apply the open update to every part whose sum is complete."""
+        """Let the started sums move; start queued ones (up to ``WINDOW`` in flight); apply
+        the open update to every part whose sum is complete."""
         if self.sums is None:
             return
         self.sums.advance()
@@ -256,8 +244,7 @@ class Overlapped(Sync):
         return self.launched == 0 and not in_flight and self.sent_to == self._first_lo()
 
     def close(self) -> None:
-        """Complete the sums still arriving and free their scratch; end the communication
-        thread, if any, and free its communicator. Collective."""
+        """Complete the sums still arriving; end the communication thread. Collective."""
         if getattr(self, "stretches", None):
             self.settle()
         if getattr(self, "sums", None) is not None and not self.sums.live:
@@ -271,8 +258,7 @@ class Overlapped(Sync):
 @dataclass(slots=True, eq=False)
 class _Stretch:
     """One sum of ``buf[lo:hi]`` (finish "forward"): ``index`` among the started sums once
-    started, ``applied`` once the open update has used it. Whether it is complete is asked
-    of the sums themselves (:meth:`Overlapped._arrived`), never kept beside them."""
+    started, ``applied`` once the open update has used it."""
 
     lo: int
     hi: int
@@ -282,10 +268,9 @@ class _Stretch:
 
 def layer_buckets(ranges: list[tuple[int, int]], size: int, itemsize: int,
              bucket_bytes: int) -> list[tuple[int, int, int]]:
-    """``(layer, lo, hi)`` per bucket, last layers first: whole layers (``ranges`` are
-    their ``[lo, hi)`` in the gradient buffer of ``size`` elements of ``itemsize`` bytes)
-    until a bucket holds ``bucket_bytes``; the first reaches to the buffer's end (the
-    extras), the last starts at 0. No bucket is empty."""
+    """``(layer, lo, hi)`` per bucket, last layers first: whole layers (``ranges``: their
+    ``[lo, hi)`` in a buffer of ``size`` items of ``itemsize`` bytes) until a bucket holds
+    ``bucket_bytes``; the first reaches to the buffer's end, the last starts at 0."""
     out, hi, nbytes = [], size, 0
     for i in range(len(ranges) - 1, -1, -1):
         lo = ranges[i][0]

@@ -1,10 +1,6 @@
 """Pipeline (model) parallelism: consecutive layers on consecutive ranks, micro-batched.
-
-Rank ``r`` of ``comm`` is stage ``r % S`` of replica ``r // S`` (``S`` stages): with one
-replica a pure pipeline; with several the hybrid, where the ranks holding the same stage
-sum gradients with one ``Allreduce`` per step. How a step flows:
-docs/design.md#pipeline-and-hybrid; its runs are in :mod:`~mpidp.parallel.pipeline_feed`.
-"""
+Rank ``r`` is stage ``r % S`` of replica ``r // S``; the replicas of a stage (hybrid) sum
+gradients with one ``Allreduce`` per step (docs/design.md#pipeline-and-hybrid)."""
 
 from __future__ import annotations
 
@@ -37,9 +33,9 @@ _TAG_F, _TAG_B = 21, 22  # activations forward, gradients backward (order kept p
 
 @dataclass
 class PipeCounters:
-    """Per-rank figures since the last :meth:`reset`: point-to-point bytes and messages,
-    bytes reduced across replicas, (when tracing) every op, and the peak activation bytes
-    cached for backward (plus, in ``peak_activation_bytes``, outputs still being sent)."""
+    """Per-rank figures since the last :meth:`reset`: messages and bytes, (tracing) every
+    op, and the peak activation bytes cached for backward (and, in
+    ``peak_activation_bytes``, outputs still being sent)."""
 
     p2p_bytes: int = 0
     p2p_messages: int = 0
@@ -59,20 +55,16 @@ class Pipeline(TrainerBase):
 
     Parameters
     ----------
-    layers : the whole model's layers, unbound, the same on every rank; only this rank's
+    layers : the whole model's layers, unbound, alike on every rank; only this rank's
         stage is allocated (``self.model``).
-    n_stages : stages per pipeline (default ``comm.size``), a divisor of ``comm.size``:
-        ``comm.size // n_stages`` data-parallel replicas (hybrid).
-    micro_batches : ``m``, micro-batches per batch (sizes differing by at most one).
+    n_stages : stages per pipeline (default ``comm.size``), a divisor of ``comm.size``.
+    micro_batches : micro-batches per batch (sizes differing by at most one).
     schedule : ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"``.
-    balance : stage split by ``"params"`` (parameters per layer) or ``"time"`` (seconds per
-        layer measured on rank 0); or pass ``costs``.
+    balance : stage split by ``"params"`` or ``"time"`` (measured on rank 0); or ``costs``.
     trace : record every op's start, end and CPU seconds in ``counters.trace``.
-    on_nonfinite : the NaN/Inf policy (as :class:`~mpidp.DataParallel`'s), one verdict for all
-        stages before any updates.
+    on_nonfinite : as :class:`~mpidp.DataParallel`'s, one verdict for all stages.
 
-    Collective: every rank constructs it with the same arguments; bad settings raise the
-    same :class:`mpidp.MpidpError` on every rank before any message is sent.
+    Collective, with the same arguments on every rank (bad ones raise on every rank).
     """
 
     def __init__(self, layers: Sequence[Layer], n_in: int, optimizer: Optimizer, loss: Loss,
@@ -136,8 +128,8 @@ class Pipeline(TrainerBase):
         return int(sum(self.plan.n_params[:self.lo]))
 
     def init_(self, rng: np.random.Generator | int) -> Pipeline:
-        """Initialise this stage exactly as ``Sequential(layers).init_(rng)`` would, without
-        allocating other stages (their draws go to a scratch layer, one at a time). Collective."""
+        """Initialise this stage exactly as ``Sequential(layers).init_(rng)`` would (earlier
+        stages' draws go to scratch layers). Collective."""
         rng = np.random.default_rng(rng)  # a Generator is returned as it is
         for layer in self.layers[:self.lo]:
             scratch = copy.copy(layer)
@@ -154,14 +146,13 @@ class Pipeline(TrainerBase):
         return C.gatherv(self.pipe, self.model.params, root)
 
     def in_sync(self) -> bool:
-        """True on every rank iff every stage (parameters and layer state) is bit-identical
-        across replicas. Collective."""
+        """True on every rank iff every stage is bit-identical across replicas. Collective."""
         ok = out_of_sync(self.dp, self.model) is None
         return bool(C.allreduce_max(self.world, [0.0 if ok else 1.0])[0] == 0.0)
 
     def check_replicas(self) -> None:
-        """Raise :class:`mpidp.MpidpError` on every rank, naming the world ranks whose stage
-        differs from replica 0's copy of it. Collective."""
+        """Raise :class:`mpidp.MpidpError` on every rank, naming the ranks whose stage
+        differs from replica 0's. Collective."""
         if self.in_sync():
             return
         S = self.n_stages  # world rank r holds stage r % S; replica 0's copy is rank r % S
@@ -178,8 +169,7 @@ class Pipeline(TrainerBase):
         return C.bcast_(self.pipe, totals, self.n_stages - 1)
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds for the model: parameters, gradients, optimizer state, and
-        the peak of activations alive during a step (since ``counters.reset``)."""
+        """Bytes this rank holds: parameters, gradients, optimizer state, peak activations."""
         state = sum(int(a.nbytes) for a in self.optimizer.state.values())
         return {"param_bytes": int(self.model.params.nbytes), "grad_bytes": int(self._buf.nbytes),
                 "optimizer_bytes": state,
@@ -189,10 +179,9 @@ class Pipeline(TrainerBase):
 
     def step(self, X: np.ndarray | None, y: np.ndarray | None, n: int | None = None,
              last_of_epoch: bool = False) -> StepStats:
-        """One training step on a batch of ``n`` samples of this replica. Collective.
-        ``X`` ``(n, n_in)`` is needed on the first stage, ``y`` on the last; others may
-        pass None with ``n``. ``loss_sum`` and ``correct`` are known on the last stage
-        only (NaN and 0 elsewhere)."""
+        """One step on this replica's batch of ``n`` samples (``X`` needed on the first
+        stage, ``y`` on the last). Collective. ``loss_sum`` and ``correct``: the last
+        stage's (NaN and 0 elsewhere)."""
         n = _batch_len(X, y, n)
         sizes = St.micro_batch_sizes(n, self.micro_batches)  # same check on every stage
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
@@ -226,9 +215,8 @@ class Pipeline(TrainerBase):
                          correct if self.last else 0, skipped, stop)
 
     def _agree(self, buf: np.ndarray) -> tuple[bool, bool]:
-        """``(finite, stop)``, the same on every rank: all stages' sums (and the last stage's
-        loss) finite; some rank asked to stop. Collective: one ``Allreduce`` of two flags,
-        skipped with nothing to agree on (``on_nonfinite="ignore"``, no stop signals)."""
+        """``(finite, stop)`` alike on every rank: every stage's sums finite; some rank asked
+        to stop. Collective (one ``Allreduce``) unless there is nothing to agree on."""
         if not self.policy.checks and self.stop_requested is None:
             return True, False
         k = self.model.n_params
@@ -239,8 +227,7 @@ class Pipeline(TrainerBase):
         return not flags[0], bool(flags[1])
 
     def _slot(self) -> list[Layer]:
-        """Fresh shallow copies of this stage's layers: shared parameter and gradient views,
-        private activation caches, so micro-batches in flight do not overwrite each other."""
+        """Shallow copies of this stage's layers: a micro-batch's own activation caches."""
         return [copy.copy(layer) for layer in self.model.layers]
 
     def _forward(self, i: int) -> None:
@@ -290,9 +277,8 @@ class Pipeline(TrainerBase):
         self.counters.p2p_messages += 1
 
     def _exchange(self, buf: np.ndarray | None, source: int, tag: int) -> None:
-        """Receive this op's input into ``buf`` (None: no input); test the sends in flight
-        and drop those done. Waiting for them here would tie each stage to its neighbour's
-        pace op by op; the step waits for the rest at its end, after every receive."""
+        """Receive this op's input into ``buf`` (None: none); drop the sends done (the step
+        waits for the rest at its end, so that stages keep their own pace)."""
         run = self._run
         with self.timer.communicate("receive" if buf is not None else "test sends"):
             if run.sends:
@@ -316,10 +302,8 @@ class Pipeline(TrainerBase):
 
     def save_checkpoint(self, directory: str, state: ckpt.State, keep: int,
                         run_id: str | None = None) -> None:
-        """Gather the whole model's parameters and optimizer state from the stages of
-        replica 0 and write them on world rank 0 as the file data-parallel training writes,
-        so any number of stages or replicas, or data-parallel training, resumes it.
-        Collective. ``state.totals`` are taken from the last stage."""
+        """Write replica 0's whole model and optimizer state on world rank 0 as the file
+        data-parallel training writes (any shape resumes it). Collective."""
         params, opt = None, {}
         if self.replica == 0:
             totals = C.bcast_(self.pipe, np.array(state.totals, np.float64), self.n_stages - 1)
@@ -332,9 +316,8 @@ class Pipeline(TrainerBase):
                                                           run_id=run_id))
 
     def restore(self, directory: str) -> tuple[str, ckpt.State] | None:
-        """Load the newest good checkpoint in ``directory`` (of a pipeline of any shape or
-        of data-parallel training): world rank 0 reads it, each stage receives its slice.
-        Collective. Returns ``(path, state)``, or None."""
+        """Load the newest good checkpoint in ``directory`` (of any shape, or of data-parallel
+        training): each stage receives its slice. Collective. ``(path, state)``, or None."""
         n_total, dtype = int(sum(self.plan.n_params)), self.model.dtype
         held: dict = {}
 
@@ -376,8 +359,7 @@ class Pipeline(TrainerBase):
 
     def evaluate(self, X: np.ndarray | None, y: np.ndarray | None, n: int | None = None,
                  batch_size: int = 4096) -> StepStats:
-        """Loss and correct predictions over this replica's ``n`` samples, summed over
-        replicas; the same result on every rank. Collective (forward passes only)."""
+        """Loss and scores over every replica's ``n`` samples, alike on every rank. Collective."""
         n = _batch_len(X, y, n)
         total = np.zeros(3, np.float64)
         sums = score_sums(self.world, self.loss, y if self.last else None, self.plan.widths[-1])

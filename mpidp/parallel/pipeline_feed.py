@@ -1,8 +1,6 @@
-"""A pipeline's run: :class:`PipelineFeed`, the batches of a
-:class:`~mpidp.parallel.pipeline.Pipeline` (the same global batches as :func:`mpidp.fit`:
-replica ``r`` takes its block of each), :func:`fit_pipeline`, its run through the one
-loop, and what it hands back beyond its history: the whole model (:func:`whole_model`),
-the held-out scores and each rank's memory (:func:`figures`)."""
+"""A pipeline's run: :class:`PipelineFeed` (the global batches of :func:`mpidp.fit`, each
+replica its block), :func:`fit_pipeline`, and what it hands back beyond its history
+(:func:`whole_model`, :func:`figures`)."""
 
 from __future__ import annotations
 
@@ -37,7 +35,7 @@ def _set_length(data, what: str) -> int:
 
 def _same_sets(comm: C.Comm, train, test) -> None:
     """Raise on every rank unless ``train`` and ``test`` (or None) are ``(X, y)`` tuples of
-    the same lengths on every rank (each stage cuts the same batches out of them)."""
+    the same lengths on every rank."""
     n = C.run_agreed(comm, lambda: [_set_length(train, "train"),
                                     -1 if test is None else _set_length(test, "test")])
     for what, lengths in zip(("train", "test"), C.allgather_rows(comm, n).astype(np.int64).T):
@@ -80,8 +78,7 @@ class PipelineFeed:
         self.pipe.timer.take_records()  # per-step rows: no load balance to draw from them
 
     def evaluate(self) -> dict[str, StepStats]:
-        """Every held-out set's figures, by name (as :class:`.data_feed.DataFeed`); each
-        replica evaluates its block of the rows. Collective."""
+        """Every held-out set's figures, by name; each replica its block. Collective."""
         out, pipe = {}, self.pipe
         for name, (X, y) in self.test.items():
             lo, hi = block_range(len(y), pipe.n_replicas, pipe.replica)
@@ -109,9 +106,8 @@ def fit_pipeline(pipe: Pipeline, train: tuple, epochs: int | None = None,
 
 
 def whole_model(pipe: Pipeline, make_layers: Callable[[], Sequence[Layer]]) -> Sequential | None:
-    """The whole model on rank 0 (stage 0 of replica 0), None elsewhere: ``make_layers()``
-    (fresh unbound layers, the pipeline's) holding every stage's parameters, gathered, and
-    the layer state (a Standardize in front) of stage 0. Collective."""
+    """The whole model on rank 0, None elsewhere: ``make_layers()`` (fresh unbound layers)
+    holding every stage's parameters and stage 0's layer state. Collective."""
     full = pipe.gather_params(0)
     if pipe.world.rank != 0:
         return None
@@ -122,9 +118,8 @@ def whole_model(pipe: Pipeline, make_layers: Callable[[], Sequence[Layer]]) -> S
 
 
 def figures(pipe: Pipeline, held: dict[str, Shard | None]) -> tuple[dict, list[dict] | None]:
-    """The scores of each non-empty held-out set of ``held`` (each replica evaluates its
-    block of the rows), and on rank 0 the bytes each rank holds (None elsewhere: see
-    :meth:`Pipeline.memory`). Collective."""
+    """The scores of each non-empty set of ``held``, and on rank 0 each rank's
+    :meth:`Pipeline.memory` (None elsewhere). Collective."""
     scores = {}
     for name, shard in held.items():
         if shard is not None and shard.n_total:

@@ -19,14 +19,9 @@ from .sync import Buffers, Exchanged, Round, Setup, Sync, global_sums
 
 class ParameterServer(Sync):
     """Synchronous parameter server: gradient sums are reduced to the server (rank
-    ``root``), which applies the optimizer and broadcasts the new parameters. Same
-    arithmetic as allreduce training. ``dedicated=True``: the server holds no data.
-
-    ``shared_memory=True`` (the default), where some node runs several ranks: the ranks of
-    a node sum into their leader's shared memory (:class:`mpidp.comm.SharedReduce`) and
-    copy the parameters out of it (:class:`mpidp.comm.SharedBroadcast`); the server
-    updates in pieces of ``chunk_bytes`` and ships each as soon as it is final. Otherwise
-    ``Reduce_scatter`` + ``Gatherv`` to the server and ``Bcast`` back.
+    ``root``), which steps and broadcasts the parameters (allreduce's arithmetic).
+    ``shared_memory``: a node's ranks sum into, and copy the parameters out of, their
+    leader's shared memory, shipped in pieces of ``chunk_bytes`` as each is final.
     """
 
     name = "ps"
@@ -106,8 +101,7 @@ class ParameterServer(Sync):
             C.bcast_(comm, params, root)
 
     def _update_and_ship(self, optimizer: Optimizer, grads: np.ndarray, count: int) -> None:
-        """The server updates piece by piece; each piece goes to the other node leaders
-        (``Ibcast``) and to the ranks of each node (copied out of the leader's memory)."""
+        """The server updates piece by piece, each shipped to the node leaders and nodes."""
         params, shared, sent = self.model.params, self.shared, []
         pieces = list(zip(self.edges[:-1], self.edges[1:]))
 
@@ -135,11 +129,9 @@ class ParameterServer(Sync):
 
 
 class ShardedParameterServer(Sync):
-    """Every rank serves ``1/P`` of the parameters: ``Reduce_scatter`` the gradient sums, each
-    rank updates only its slice (optimizer state and update work divided by ``P``),
-    ``Allgather`` the slices in place (buffers padded to ``P`` equal blocks). One more
-    small ``Allreduce`` carries the extras and each slice's NaN/Inf verdict. Checkpoints
-    gather the sliced optimizer state to the root; a resumed run slices it again.
+    """Every rank serves ``1/P`` of the parameters: ``Reduce_scatter`` the gradient sums,
+    each rank steps its slice (its own optimizer state), ``Allgather`` the slices; a small
+    ``Allreduce`` carries the extras and verdicts. Checkpoints gather the sliced state.
     """
 
     name = "sharded-ps"
@@ -190,8 +182,7 @@ class ShardedParameterServer(Sync):
         return out
 
     def update(self, optimizer: Optimizer, count: int) -> None:
-        """Each rank steps its slice with its own slice of the optimizer state, then the
-        slices are gathered in place. Collective."""
+        """Each rank steps its slice, then the slices are gathered in place. Collective."""
         with self.timer.compute():
             self.optimizer.lr_scale = optimizer.lr_scale  # a controller sets the trainer's
             self.optimizer.step_(self.params[self.lo:self.hi], self.slice[:self.hi - self.lo],

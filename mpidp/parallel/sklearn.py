@@ -1,12 +1,9 @@
 """scikit-learn estimators trained by mpidp: :class:`MLPClassifier` and :class:`MLPRegressor`,
 with the parameters of scikit-learn's estimators of those names where the concepts match.
 
-In one process they behave as any scikit-learn estimator (``Pipeline``, ``GridSearchCV``,
-``cross_val_score``, ``clone``, pickling). Run under ``mpiexec`` with the same script and
-the same whole ``X, y`` on every rank, ``fit`` and ``partial_fit`` are collective and train
-data-parallel: each rank takes its block of rows, the global batches do not depend on the
-number of ranks, and the fitted model equals the one-process fit up to floating-point
-summation order. Predicting is local (every rank holds the whole model)."""
+Under ``mpiexec``, with the whole ``X, y`` on every rank, ``fit`` and ``partial_fit`` are
+collective and train data-parallel (each rank its block of rows): the one-process fit up
+to summation order. Predicting is local."""
 
 from __future__ import annotations
 
@@ -110,27 +107,26 @@ class _MLP(BaseEstimator):
         return self
 
     def _check_settings(self) -> None:
-        sizes = self.hidden_layer_sizes
-        sizes = [sizes] if np.isscalar(sizes) else list(sizes)
+        def count(v) -> bool:
+            return isinstance(v, (int, np.integer)) and v > 0
+
         problems = [
-            (not all(isinstance(s, (int, np.integer)) and s > 0 for s in sizes),
+            (not all(count(s) for s in self._hidden()),
              f"hidden_layer_sizes must be positive integers, got {self.hidden_layer_sizes!r}"),
             (self.activation not in ACTIVATIONS,
              f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}"),
             (self.solver not in SOLVERS,
              f"solver must be one of {SOLVERS}, got {self.solver!r}"),
-            (not (self.batch_size == AUTO_BATCH or isinstance(self.batch_size, (int, np.integer))
-                  and self.batch_size > 0),
+            (not (self.batch_size == AUTO_BATCH or count(self.batch_size)),
              f"batch_size must be 'auto' or a positive integer, got {self.batch_size!r}"),
-            (not (isinstance(self.max_iter, (int, np.integer)) and self.max_iter > 0),
+            (not count(self.max_iter),
              f"max_iter must be a positive integer, got {self.max_iter!r}"),
             (not self.learning_rate_init > 0,
              f"learning_rate_init must be > 0, got {self.learning_rate_init!r}"),
             (not self.alpha >= 0, f"alpha must be >= 0, got {self.alpha!r}"),
             (not 0 < self.validation_fraction < 1,
              f"validation_fraction must be in (0, 1), got {self.validation_fraction!r}"),
-            (not (isinstance(self.n_iter_no_change, (int, np.integer))
-                  and self.n_iter_no_change > 0),
+            (not count(self.n_iter_no_change),
              f"n_iter_no_change must be a positive integer, got {self.n_iter_no_change!r}"),
             (np.dtype(self.dtype) not in (np.float32, np.float64),
              f"dtype must be float32 or float64, got {self.dtype!r}"),
@@ -139,10 +135,13 @@ class _MLP(BaseEstimator):
             if bad:
                 raise ValueError(message)
 
+    def _hidden(self) -> list:
+        sizes = self.hidden_layer_sizes
+        return [sizes] if np.isscalar(sizes) else list(sizes)
+
     def _start(self, n_features: int, y: np.ndarray, seed: int) -> None:
         """A new model, initialised from ``seed``, its optimizer and empty figures."""
-        sizes = self.hidden_layer_sizes
-        dims = [n_features, *([sizes] if np.isscalar(sizes) else sizes)]
+        dims = [n_features, *self._hidden()]
         act = ACTIVATIONS[self.activation]
         layers: list[nn.Layer] = []
         for a, b in zip(dims[:-1], dims[1:]):
@@ -196,17 +195,19 @@ class _MLP(BaseEstimator):
         check_is_fitted(self, "model_")
         return validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
 
+    def _dense(self, key: str) -> list[np.ndarray]:
+        check_is_fitted(self, "model_")
+        return [layer.params[key] for layer in self.model_.layers if isinstance(layer, nn.Dense)]
+
     @property
     def coefs_(self) -> list[np.ndarray]:
         """Each ``Dense`` layer's weights ``(n_in, n_out)``, as scikit-learn's ``coefs_``."""
-        check_is_fitted(self, "model_")
-        return [layer.params["W"] for layer in self.model_.layers if isinstance(layer, nn.Dense)]
+        return self._dense("W")
 
     @property
     def intercepts_(self) -> list[np.ndarray]:
         """Each ``Dense`` layer's biases ``(n_out,)``."""
-        check_is_fitted(self, "model_")
-        return [layer.params["b"] for layer in self.model_.layers if isinstance(layer, nn.Dense)]
+        return self._dense("b")
 
     def save(self, path) -> str:
         """Write the fitted model as a ``model.npz`` (:func:`mpidp.nn.save`; its meta says
@@ -224,8 +225,7 @@ class _MLP(BaseEstimator):
         return {}
 
     def __getstate__(self) -> dict:
-        """Pickles the model as its spec and parameters (the layers' arrays are views of
-        one flat vector, which pickling would otherwise split)."""
+        """Pickles the model as its spec and parameters (not as views of one vector)."""
         state = self.__dict__.copy()
         model = state.pop("model_", None)
         if model is not None:

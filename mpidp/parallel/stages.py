@@ -1,8 +1,6 @@
-"""Planning a pipeline, pure (no MPI): which consecutive layers form each stage (balanced
-by a cost per layer, :func:`plan_stages`), how a batch is cut into micro-batches, and the
-order of each stage's forward (``F``) and backward (``B``) passes under the GPipe and
-1F1B schedules; :func:`replay` runs schedules on given op durations, so their idle
-(bubble) time can be checked against ``(P-1)/(m+P-1)`` without MPI."""
+"""Planning a pipeline, pure (no MPI): the layers of each stage (:func:`plan_stages`), the
+micro-batches, and each stage's order of forward (``F``) and backward (``B``) passes;
+:func:`replay` runs schedules on given op durations (their bubble, without MPI)."""
 
 from __future__ import annotations
 
@@ -33,9 +31,8 @@ def param_counts(layers: Sequence[Layer]) -> list[int]:
 
 def measure_costs(layers: Sequence[Layer], n_in: int, n_samples: int = 256,
                   dtype: npt.DTypeLike = np.float32, repeats: int = 3) -> list[float]:
-    """Median seconds of one forward plus backward of each layer on ``(n_samples, width)``
-    random inputs. Allocates one layer's parameters at a time (copies; ``layers`` untouched).
-    The first layer's backward skips dL/dx, as in training (its input is the data)."""
+    """Median seconds of one forward plus backward of each layer on ``n_samples`` random
+    inputs (copies of the layers, one at a time; the first skips dL/dx, as in training)."""
     rng = np.random.default_rng(0)
     shapes, out = chain_shapes(layers, as_shape(n_in)), []
     for i, (layer, shape) in enumerate(zip(layers, shapes)):
@@ -57,9 +54,8 @@ def measure_costs(layers: Sequence[Layer], n_in: int, n_samples: int = 256,
 
 def split_stages(costs: Sequence[float], n_stages: int) -> list[int]:
     """Cut layers ``0 .. L-1`` into ``n_stages`` non-empty consecutive stages minimising the
-    largest stage cost (dynamic programming, O(L^2 P)). Returns bounds ``b`` (``n_stages +
-    1`` items, ``b[0] == 0``, ``b[-1] == L``): stage ``s`` holds layers ``b[s] .. b[s+1]-1``.
-    """
+    largest stage cost (dynamic programming): bounds ``b``, stage ``s`` layers
+    ``b[s] .. b[s+1]-1``."""
     n = len(costs)
     if n_stages < 1:
         raise ValueError(f"need at least one pipeline stage, got {n_stages}")
@@ -95,12 +91,9 @@ def micro_batch_sizes(n: int, m: int) -> np.ndarray:
 
 
 def schedule(name: str, n_stages: int, stage: int, m: int) -> list[Op]:
-    """The order in which ``stage`` (of ``n_stages``) runs its ops for ``m`` micro-batches.
-
-    ``gpipe``: all forwards, then all backwards. ``1f1b``: ``P - stage - 1`` forwards to fill
-    the pipeline, then one forward and one backward alternately, then the last backwards; at
-    most ``P - stage`` micro-batches are in flight on ``stage``. Backwards run in order 0..m-1.
-    """
+    """The order in which ``stage`` (of ``n_stages``) runs its ops for ``m`` micro-batches:
+    ``gpipe``: all forwards, then all backwards; ``1f1b``: ``P - stage - 1`` forwards, then
+    a forward and a backward alternately, then the last backwards."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULES}")
     if name == "gpipe":
@@ -119,13 +112,10 @@ def max_in_flight(ops: Sequence[Op]) -> int:
 
 def replay(schedules: Sequence[Sequence[Op]], durations: Sequence[Sequence[float]],
            latency: float = 0.0) -> tuple[np.ndarray, float]:
-    """Run each stage's ``schedules[s]`` with op ``k`` lasting ``durations[s][k]``.
-
-    ``F(i)`` on stage ``s`` waits for ``F(i)`` on ``s-1``; ``B(i)`` waits for ``B(i)`` on
-    ``s+1``, each plus ``latency``. Returns each stage's busy seconds ``(P,)`` and the
-    makespan; a stage's bubble is ``1 - busy / makespan``. Raises ``ValueError`` on a
-    schedule that would deadlock.
-    """
+    """Run each stage's ``schedules[s]`` with op ``k`` lasting ``durations[s][k]``
+    (``F(i)`` waits for ``F(i)`` on ``s-1``, ``B(i)`` for ``B(i)`` on ``s+1``, plus
+    ``latency``): each stage's busy seconds ``(P,)`` and the makespan. ``ValueError`` on a
+    deadlock."""
     P = len(schedules)
     done: list[dict[Op, float]] = [{} for _ in range(P)]
     pos, free = [0] * P, [0.0] * P
@@ -188,7 +178,7 @@ def plan_stages(layers: Sequence[Layer], n_in: int, n_stages: int, size: int, mi
 def check_batches(n: int, batch_size: int, drop_last: bool, n_replicas: int,
                   micro_batches: int) -> None:
     """``ValueError`` unless every replica's part of every batch has >= ``micro_batches``
-    samples (pure arithmetic: every rank reaches the same verdict)."""
+    samples."""
     steps = steps_per_epoch(n, batch_size, drop_last)
     if steps == 0:
         raise ValueError(f"no full batch of {batch_size} in {n} samples (drop_last)")
@@ -203,8 +193,8 @@ def check_batches(n: int, batch_size: int, drop_last: bool, n_replicas: int,
 
 
 def held_bytes(layers: Sequence[Layer], exclude: np.ndarray | None) -> int:
-    """Bytes of the arrays ``layers`` cache for backward (each buffer counted once), not
-    counting views of ``exclude`` (the caller's input batch)."""
+    """Bytes of the arrays ``layers`` cache for backward (each once), not views of
+    ``exclude``."""
     seen, total = set(), 0
     for layer in layers:
         for value in vars(layer).values():

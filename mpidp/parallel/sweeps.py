@@ -1,12 +1,5 @@
 """Many training runs in one job: the ranks cut into groups of ``ranks_per_trial``, each
 group taking the next trial from a shared counter until none is left (:func:`sweep`).
-
-A trial that raises one of ``failures`` (by default :class:`~mpidp.errors.MpidpError`,
-which every rank of a group raises alike) is recorded as failed and its group goes on to
-the next; any other exception ends the job as usual. A stop signal (SIGTERM, SIGUSR1)
-ends the sweep cleanly: a group in a trial that stops on it (as ``mpidp train`` does,
-after a checkpoint) or finishes it takes no next trial, and every rank raises
-:class:`Stopped`.
 """
 
 from __future__ import annotations
@@ -45,17 +38,15 @@ def sweep(comm: C.Comm, trials: Sequence, *, ranks_per_trial: int = 1,
           failures: tuple[type[BaseException], ...] = (MpidpError,),
           on_result: Callable[[dict], None] | None = None) -> list[dict] | None:
     """Run ``train(group, trials[i], i)`` once for every trial ``i`` not in ``skip``, on
-    groups of ``ranks_per_trial`` consecutive ranks of ``comm`` (the ``comm.size %
-    ranks_per_trial`` last ranks stay idle). Collective over ``comm``.
+    groups of ``ranks_per_trial`` consecutive ranks of ``comm`` (spare ranks idle).
+    Collective over ``comm``.
 
     Each finished trial gives, on its group's rank 0, a record ``{"index", "status": "ok"
-    or "failed", "result"`` (what ``train`` returned there) ``or "error"`` (the message),
-    ``"seconds", "ranks"}`` (the ranks of ``comm`` that ran it), handed to ``on_result``
-    there as soon as the trial ends. Returns every record, in trial order, on rank 0 of
-    ``comm``; None elsewhere. A stop signal is never a trial's failure: a trial that raises
-    :class:`~mpidp.run.signals.Preempted` is left unfinished, and a signal noted on a
-    group's rank 0 between trials stops the group; then :class:`Stopped` is raised on
-    every rank once every group has stopped or run out of trials.
+    or "failed", "result"`` (``train``'s) ``or "error"`` (a ``failures`` exception's
+    message), ``"seconds", "ranks"}``, handed to ``on_result`` there at once. Returns every
+    record, in trial order, on rank 0 of ``comm``; None elsewhere. A stop signal (or a
+    trial's :class:`~mpidp.run.signals.Preempted`) leaves the rest unfinished: every rank
+    then raises :class:`Stopped`.
     """
     trials, skip = list(trials), set(skip)
     groups(comm.size, ranks_per_trial)

@@ -1,22 +1,16 @@
-"""How replicas combine gradients: one strategy object per way, behind ``make_sync(name)``
-(:mod:`mpidp.parallel.modes` declares each, with its settings).
+"""How replicas combine gradients: one strategy object per way, behind ``make_sync(name)``.
 
-Every strategy turns each rank's gradient SUMS (plus the extras of
-:mod:`mpidp.parallel.buffer`, in the same flat buffer) into global sums every replica
-shares. ``setup(Setup)`` allocates its buffers (:class:`Buffers`), to which the trainer
-binds its model; ``exchange(Round)`` communicates and returns an :class:`Exchanged`; the
-trainer applies its NaN policy and then, unless the step is dropped, calls
-``update(optimizer, count)``. No strategy calls its trainer.
-
-``bytes_sent`` counts the payload this rank hands to MPI per step (a buffer of ``m``
-bytes reduced or gathered counts ``m``; a ring allreduce sends ``2 (P-1)/P m``).
+A strategy turns each rank's gradient SUMS (plus the extras of :mod:`.buffer`) into global
+sums: ``setup(Setup)`` allocates its :class:`Buffers`, ``exchange(Round)`` communicates and
+returns an :class:`Exchanged`, and the trainer, unless its NaN policy drops the step, calls
+``update(optimizer, count)``. ``bytes_sent``: the payload this rank hands to MPI.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
@@ -80,15 +74,9 @@ def global_sums(buf: np.ndarray, n_params: int) -> Exchanged:
 
 
 class Sync:
-    """Fused allreduce: ONE in-place ``Allreduce`` of the whole buffer; the trainer then
-    makes the same update on every rank. The default, and the base of the others.
-
-    ``node_aware``: reduce inside each node through shared memory and across nodes between
-    node leaders only (:class:`mpidp.comm.NodeAllreduce`). None (the default) chooses it
-    when ranks share nodes and there are several nodes; True forces it, False never.
-
-    Every strategy takes the fields of its mode's settings (``MODES[name].settings``; none
-    for a strategy of one's own), as keywords or in their order, as attributes.
+    """Fused allreduce: ONE in-place ``Allreduce`` of the whole buffer (``node_aware``:
+    through :class:`mpidp.comm.NodeAllreduce`; None: where it pays). The default, and the
+    base of the others, each taking its mode's settings' fields as arguments and attributes.
     """
 
     name = "allreduce"
@@ -98,12 +86,12 @@ class Sync:
         self.node_aware: bool | None = None  # where the mode's settings lack it
         self.hierarchy: C.NodeAllreduce | None = None
         settings = (MODES[self.name].settings if self.name in MODES else Settings)(*args, **kwargs)
-        vars(self).update((f.name, getattr(settings, f.name)) for f in fields(settings))
+        vars(self).update(vars(settings))
 
     @classmethod
     def of(cls, settings: Settings, optimizer_factory=None) -> Sync:
         """This strategy with ``settings``, its mode's (``optimizer_factory``: unused)."""
-        return cls(**{f.name: getattr(settings, f.name) for f in fields(settings)})
+        return cls(**vars(settings))
 
     def setup(self, s: Setup) -> Buffers:
         """Allocate this strategy's buffers for ``s.model``. Collective."""
@@ -143,8 +131,7 @@ class Sync:
         return None
 
     def on_forward(self) -> tuple[Callable[[int, int | None], None], int] | None:
-        """``(hook, piece)`` for ``Sequential.forward(on_layer_params=..., piece=...)`` where
-        an update is still arriving when the next step begins, or None."""
+        """``(hook, piece)`` for ``Sequential.forward(on_layer_params=...)``, or None."""
         return None
 
     def settle(self) -> None:
@@ -176,8 +163,7 @@ class Sync:
         return False
 
     def before_checkpoint(self, optimizer: Optimizer) -> None:
-        """Make ``optimizer`` hold the whole optimizer state on the root before it writes a
-        checkpoint (a sharded state is gathered). Collective."""
+        """Gather the whole optimizer state into ``optimizer`` on the root. Collective."""
 
     def after_checkpoint(self, optimizer: Optimizer) -> None:
         """After the checkpoint is written (every rank)."""
@@ -199,8 +185,7 @@ class Sync:
         """Release what the strategy holds beyond its buffers (threads); idempotent."""
 
     def free(self) -> None:
-        """Release the shared-memory windows, after :meth:`close`, when nothing holds the
-        buffers any more. Collective; idempotent."""
+        """Release the shared-memory windows, after :meth:`close`. Collective; idempotent."""
         if getattr(self, "hierarchy", None) is not None:
             self.hierarchy.free()
             self.hierarchy = None
@@ -212,8 +197,7 @@ class Sync:
         return global_sums(self.buf, self.n)
 
     def update(self, optimizer: Optimizer, count: int) -> None:
-        """Apply the judged global sums: ``optimizer``'s step with the mean gradient
-        ``sum / count``, the same on every rank."""
+        """Step ``optimizer`` with the mean gradient ``sum / count``, alike on every rank."""
         with self.timer.compute():
             optimizer.step_(self.model.params, self.buf[:self.n], scale=1.0 / count)
 
@@ -252,9 +236,8 @@ class _Periodic(Sync):
         return True
 
     def check_early(self, early_ranks: int) -> None:
-        """Refuse, on every rank alike, a synchronisation that some ranks but not all
-        brought forward for an epoch's end (``early_ranks`` of them, summed with the sums):
-        their steps no longer pair up."""
+        """Refuse, on every rank, a synchronisation that ``early_ranks`` ranks but not all
+        brought forward for an epoch's end: their steps no longer pair up."""
         if 0 < early_ranks < (size := self.comm.size):
             raise C.MpidpError(
                 f"{setting('sync', self.name)}: the end of an epoch (last_of_epoch) came at "
@@ -295,12 +278,9 @@ class _Averaged(IntEnum):
 
 
 class LocalSGD(_Periodic):
-    """Local SGD: each rank updates from its own part of the batch, and every ``k`` steps
-    (and at each epoch's end) one ``Allreduce`` averages the parameters and carries the
-    group's loss and counts, its non-finite steps and the stop request. A non-finite local
-    step is not applied (unless the policy ignores it); the policy's verdict on them comes
-    with the average. Not the single-process arithmetic: replicas drift between averages.
-    """
+    """Local SGD: each rank updates from its own part of the batch; every ``k`` steps (and
+    at each epoch's end) one ``Allreduce`` averages the parameters and carries the totals,
+    non-finite local steps (not applied; the policy judges them then) and stop requests."""
 
     name = "local-sgd"
 

@@ -1,9 +1,5 @@
-"""Choosing a trainer by name: ``"data"``, ``"pipeline"`` or ``"hybrid"``.
-
-``hybrid`` is :class:`~mpidp.parallel.pipeline.Pipeline` with several replicas: ranks
-``r`` with the same ``r // S`` form one pipeline of ``S`` stages, ranks with the same
-``r % S`` form the data-parallel group of one stage (both made with ``Comm.Split``).
-"""
+"""Choosing a trainer by name: ``"data"``, ``"pipeline"`` or ``"hybrid"`` (a
+:class:`~mpidp.parallel.pipeline.Pipeline` with several replicas)."""
 
 from __future__ import annotations
 
@@ -23,14 +19,10 @@ def make_trainer(parallel: str, layers: Sequence[Layer], n_in: int, optimizer: O
                  loss: Loss, comm: C.Comm | None = None, *, dtype: npt.DTypeLike = np.float32,
                  micro_batches: int = 1, schedule: str = "1f1b", n_stages: int | None = None,
                  **kwargs) -> DataParallel | Pipeline:
-    """A trainer by name. Collective.
-
-    ``"data"``: :class:`DataParallel` of ``Sequential(layers)`` (train with
-    :func:`mpidp.fit`; ``micro_batches``/``schedule`` unused). ``"pipeline"``: one
-    pipeline over all ranks; ``"hybrid"``: pipelines of ``n_stages`` (default 2) stages
-    (train with :func:`mpidp.parallel.pipeline_feed.fit_pipeline`, initialise with the
-    pipeline's ``init_``). A :class:`DataParallel` broadcasts root's parameters when made,
-    so initialise its ``model`` after with the same seed on every rank.
+    """A trainer by name. Collective. ``"data"``: :class:`DataParallel` of
+    ``Sequential(layers)`` (:func:`mpidp.fit`); ``"pipeline"``: one pipeline over all ranks;
+    ``"hybrid"``: pipelines of ``n_stages`` (default 2) stages
+    (:func:`mpidp.parallel.pipeline_feed.fit_pipeline`; initialise with ``init_``).
     """
     comm = comm if comm is not None else C.world()
     C.agree(comm, None if parallel in PARALLEL else
