@@ -34,11 +34,9 @@ class Float16Overflow(C.MpidpError):
 
 
 class _Piece:
-    """One exchange: gradient values ``s0 .. s1`` in ``size`` chunks whose sizes differ
-    by at most one. Chunk ``j``'s codes live at ``o + j * cu`` (``cu``: the units of the
-    largest chunk, ``c`` values), so one ``Allgather`` of ``cu`` units per rank gathers
-    them; chunk ``rank`` (values ``lo .. hi``, ``m`` of them, ``mu`` units, codes from
-    ``own``) is summed on this rank."""
+    """One exchange: gradient values ``s0 .. s1`` in ``size`` chunks (sizes differing by at
+    most one); chunk ``j``'s codes at ``o + j * cu`` (``cu``: the largest chunk's units);
+    this rank sums chunk ``rank`` (values ``lo .. hi``, ``mu`` units, codes from ``own``)."""
 
     def __init__(self, s0: int, s1: int, size: int, rank: int, o: int, at: int,
                  codec: str = "bfloat16") -> None:

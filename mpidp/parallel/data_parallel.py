@@ -182,8 +182,7 @@ class DataParallel(TrainerBase):
     def sync_params(self, how: str = "bcast") -> None:
         """Make every rank's parameters (and layer state) equal ``root``'s (``bcast``) or
         check they are (``seed``)."""
-        if hasattr(self, "sync"):
-            self.sync.settle()
+        self.sync.settle()
         if how == "bcast":
             C.bcast_(self.comm, self.model.params, self.root)
             if self.model.n_state:
@@ -249,10 +248,9 @@ class DataParallel(TrainerBase):
 
     def step(self, X: np.ndarray, y: np.ndarray, last_of_epoch: bool = False,
              index: np.ndarray | None = None) -> StepStats:
-        """One synchronous step on this rank's part ``X`` ``(n_local, ...)`` of the global
-        batch (``n_local`` may be 0). Collective. Returns the global batch's stats
-        (periodic strategies: zeros between synchronisations; ``last_of_epoch``, given at
-        the same step on every rank, makes them synchronise now). ``index``: the rows'
+        """One step on this rank's part ``X`` ``(n_local, ...)`` of the global batch.
+        Collective. Returns the global batch's stats (periodic strategies: zeros between
+        synchronisations, which ``last_of_epoch`` brings forward). ``index``: the rows'
         global positions, which key dropout masks."""
         if self.closed:
             raise C.MpidpError("this DataParallel is closed: build a new one to train again")

@@ -87,10 +87,8 @@ def map_reduce(comm: C.Comm, fn: Callable[[np.ndarray], np.ndarray], data, reduc
     """Apply ``fn`` (rows ``(m, ...)`` -> ``(m, *out_shape)``) to every row of ``data`` (an
     array, memmap, CSR or :class:`mpidp.data.sources.Source`, alike on every rank) and
     combine: ``sum``/``mean``/``min``/``max`` (float64, every rank) or ``concat`` (row order,
-    on ``root`` or into the ``.npy`` ``out``). Rows go by ``partition`` (with ``costs``/
-    ``capacities``), ``chunk_size`` at a time, or (``dynamic``) from a shared counter.
-    Collective; bad arguments raise alike on every rank.
-    """
+    on ``root`` or into the ``.npy`` ``out``). Rows go by ``partition``, ``chunk_size`` at
+    a time, or (``dynamic``) from a shared counter. Collective."""
     C.agree_same(comm, "map_reduce", {  # the same rows everywhere: else messages mismatch
         "reduce": reduce, "partition": partition, "seed": seed, "dynamic": dynamic,
         "chunk_size": chunk_size, "out": out, "root": root, "rows": _rows_or_why(data),

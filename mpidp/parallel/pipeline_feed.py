@@ -92,11 +92,9 @@ class PipelineFeed:
 def fit_pipeline(pipe: Pipeline, train: tuple, epochs: int | None = None,
                  batch_size: int | None = None, *, test: tuple | None = None,
                  spec: RunSpec | None = None, **settings) -> list[dict]:
-    """Train ``pipe`` for ``epochs`` epochs of global batches of ``batch_size`` samples
-    through the one loop (:func:`mpidp.run.loop.run`), as :func:`mpidp.fit`. Collective.
-    ``train`` (and ``test``, or None) is ``(X, y)``, the whole set on every rank;
-    ``partition`` does not apply. Returns the history on every rank.
-    """
+    """Train ``pipe`` as :func:`mpidp.fit` trains (no ``partition``) on ``train`` (and
+    ``test``, or None), ``(X, y)``, the whole set on every rank. Collective. Returns the
+    history on every rank."""
     spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
     C.agree_same(pipe.world, "fit_pipeline", spec.agreed())  # the sets: checked below
     C.agree(pipe.world, None if spec.partition is None else

@@ -67,8 +67,7 @@ class Exchanged:
 
 
 def global_sums(buf: np.ndarray, n_params: int) -> Exchanged:
-    """The :class:`Exchanged` of a reduced buffer ``buf`` ``(n_params + N_EXTRA,)``: its
-    extras (:data:`mpidp.parallel.buffer.EXTRAS`) after the first ``n_params`` values."""
+    """The :class:`Exchanged` of the extras of a reduced buffer ``buf``."""
     loss, count, correct = buffer.totals(buf, n_params)
     return Exchanged(loss, count, correct, buffer.stopping(buf, n_params))
 
@@ -124,22 +123,18 @@ class Sync:
 
     def on_layer_done(self) -> Callable[[int], None] | None:
         """A backward hook (``Sequential.backward(on_layer_done=...)``), or None."""
-        return None
 
     def on_layer_part(self) -> tuple[Callable[[int, int], None], int] | None:
         """``(hook, piece)`` for ``Sequential.backward(on_layer_part=..., piece=...)``, or None."""
-        return None
 
     def on_forward(self) -> tuple[Callable[[int, int | None], None], int] | None:
         """``(hook, piece)`` for ``Sequential.forward(on_layer_params=...)``, or None."""
-        return None
 
     def settle(self) -> None:
         """Complete an update still arriving (see :meth:`on_forward`). Collective."""
 
     def refuses_run(self, optimizer: Optimizer, on_nonfinite: str) -> str | None:
         """Why it cannot train with ``optimizer`` under the NaN policy ``on_nonfinite``, or None."""
-        return None
 
     def refuses(self, model) -> str | None:
         """Why this strategy cannot train ``model`` (a layer it cannot honour), or None."""
@@ -203,8 +198,7 @@ class Sync:
 
 
 class PerLayer(Sync):
-    """One ``Allreduce`` per parameter array (and one for the loss and counts): the naive
-    way, for comparison — more messages, each paying the latency."""
+    """One ``Allreduce`` per parameter array (and one for the extras): the naive way."""
 
     name = "per-layer"
 
@@ -227,8 +221,7 @@ class _Periodic(Sync):
         return self.pending == 0
 
     def due(self, last_of_epoch: bool) -> bool:
-        """Count this step; True (and restart the count) when it is time to synchronise.
-        ``self.early``: whether that time came only because an epoch ended."""
+        """Count this step; True when it is time to synchronise (``early``: for an epoch's end)."""
         self.pending += 1
         if self.pending < self.k and not last_of_epoch:
             return False
@@ -247,9 +240,8 @@ class _Periodic(Sync):
 
 
 class Accumulate(_Periodic):
-    """Gradient accumulation: sum gradients over ``k`` global batches locally (backward adds
-    into the buffer), then ONE ``Allreduce`` and one update: exactly training with global
-    batch ``k * B`` (a group is cut short at an epoch's end)."""
+    """Gradient accumulation: sum gradients over ``k`` global batches locally, then ONE
+    ``Allreduce`` and one update (global batch ``k * B``; cut short at an epoch's end)."""
 
     name = "accumulate"
 
@@ -266,8 +258,7 @@ class Accumulate(_Periodic):
 
 
 class _Averaged(IntEnum):
-    """The slots after the parameters ``(n_params,)`` in local SGD's averaged buffer:
-    ``avg[n + slot]``; the first four are this rank's totals since the last average."""
+    """The slots after the parameters in local SGD's averaged buffer: ``avg[n + slot]``."""
 
     LOSS = 0
     COUNT = 1
