@@ -81,8 +81,8 @@ class Auto(Sync):
         return out
 
     def describe(self) -> str | None:
-        trying = f"auto: trying {', '.join(self.labels)}"
-        head = self.report if len(self.candidates) == 1 else trying
+        head = (self.report if len(self.candidates) == 1
+                else f"auto: trying {', '.join(self.labels)}")
         return "; ".join(filter(None, [head, self.candidates[0].describe()]))
 
     def undecided(self) -> str | None:

@@ -70,13 +70,9 @@ class Compressed(Sync):
 
     name = "compressed"
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.gather_comm: C.Comm | None = None
-        self._step = 0  # of the current exchange, for messages
-
     def setup(self, s: Setup) -> Buffers:
         out = super().setup(s)
+        self._step = 0  # of the current exchange, for messages
         n, size, rank = self.n, s.comm.size, s.comm.rank
         buckets = layer_buckets(s.model.layer_ranges, n, self.buf.itemsize, self.bucket_bytes)
         #: ``(layer, pieces)`` per bucket in launch order: started once ``layer`` is done

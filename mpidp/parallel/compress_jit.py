@@ -1,8 +1,7 @@
-"""Compiled kernels of the bfloat16 and int8 codecs (numba, optional): each fuses several
-NumPy passes of :class:`~mpidp.parallel.codecs.Codec` over a block into a few passes over
-a group at a time, with the same float32 arithmetic in the same order, so the codes,
-residuals and sums are NumPy's bits (a sum of two NaNs aside). The int8 group size
-here, 256, is ``codecs.GROUP``. Importing this module imports numba.
+"""Compiled kernels of the bfloat16 and int8 codecs (numba, imported here): each fuses
+NumPy passes of :class:`~mpidp.parallel.codecs.Codec` with the same float32 arithmetic in
+the same order, so the bits are NumPy's (a sum of two NaNs aside). ``group`` is
+``codecs.GROUP``.
 """
 
 from __future__ import annotations

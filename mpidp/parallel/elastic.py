@@ -37,8 +37,7 @@ ELASTIC = tuple(n for n, m in MODES.items() if m.elastic is True)
 
 
 class DataParallelRegroup:
-    """Keeps, restores and moves one :class:`DataParallel` and its feed (a
-    :class:`~mpidp.run.elastic.Regroup`)."""
+    """Keeps, restores and moves a DataParallel and its feed (an elastic run's Regroup)."""
 
     def __init__(self, dp, feed, rows: Callable[[C.Comm], Any]) -> None:
         self.dp, self.feed, self.rows = dp, feed, rows
