@@ -26,7 +26,7 @@ from ..run.faults import Injector
 from ..run.loop import run, watched_run, writing_checkpoint
 from ..run.nonfinite import NonFiniteError, Policy, all_finite
 from ..run.signals import Preempted
-from ..run.spec import Checkpointing, RunSpec
+from ..run.spec import RunSpec
 from ..run.stats import StepStats
 from .data_parallel import TrainerBase
 from .modes import AsyncPSSettings, refuses_model
@@ -166,8 +166,7 @@ def _work(w: _Worker, shard: Shard, spec: RunSpec, start: State | None) -> None:
 
 
 class _Positions:
-    """Where each worker is, as served: ``[epoch, next global batch, pushes made]``; what
-    an async-ps checkpoint records to resume from."""
+    """Where each worker is, as served (checkpointed): ``[epoch, next batch, pushes made]``."""
 
     KEY = "async"  # under this key of :attr:`mpidp.run.checkpoint.State.partition`
 
@@ -213,9 +212,9 @@ class _ServerFaults:
     nudge_ = _Worker.nudge_
 
 
-def _server(comm, model, optimizer, root, max_staleness, policy: Policy, positions: _Positions,
-            tracer=None, signals=None,
-            checkpoint: Checkpointing | None = None) -> tuple[AsyncStats, str | None]:
+def _server(ps: AsyncPS, positions: _Positions, spec: RunSpec) -> tuple[AsyncStats, str | None]:
+    comm, model, optimizer, policy, root = ps.comm, ps.model, ps.optimizer, ps.policy, ps.root
+    tracer, signals, checkpoint = ps.timer.tracer, spec.stop, spec.checkpoint
     n, stats, version = model.n_params, AsyncStats(), np.zeros(1, np.int64)
     if positions.saved:  # resumed: the counts go on
         saved = positions.saved
@@ -258,7 +257,7 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy, positio
         faults.apply(stats.served, _ServerFaults(model, msg))
         stale = int(version[0] - msg[n + _Slot.VERSION])
         loss, count = float(msg[n + _Slot.LOSS]), float(msg[n + _Slot.COUNT])
-        applied = stale <= max_staleness
+        applied = stale <= ps.max_staleness
         if applied and policy.checks and not all_finite(msg[:n + _Slot.LOSS + 1]):
             try:
                 applied = policy.apply(False, loss, stats.applied + stats.dropped)
@@ -273,7 +272,7 @@ def _server(comm, model, optimizer, root, max_staleness, policy: Policy, positio
             version[0] += 1
             stats.applied += 1
             stats.staleness.append(stale)
-        elif stale > max_staleness:
+        elif stale > ps.max_staleness:
             stats.dropped += 1
         stats.trace.append((time.perf_counter() - t0, loss, count, stale, applied, w))
         C.send(comm, model.params, w, _PULL)
@@ -367,9 +366,7 @@ def fit_async(ps: AsyncPS, train: Shard, epochs: int | None = None,
                                spec.epochs)
         stats, error = AsyncStats(), None
         if comm.rank == root:
-            stats, error = _server(comm, ps.model, ps.optimizer, root, ps.max_staleness,
-                                   ps.policy, positions, ps.timer.tracer, spec.stop,
-                                   spec.checkpoint)
+            stats, error = _server(ps, positions, spec)
         else:
             _work(_Worker(comm, ps.model, ps.loss, root, ps.timer), train, spec,
                   State(*positions.at[comm.rank]) if spec.resume is not None else None)

@@ -339,8 +339,7 @@ def _scan(x: np.ndarray, f16: bool) -> tuple[bool, bool]:
 
 @functools.cache
 def numba_available() -> bool:
-    """Whether numba, which the compiled kernels need, can be imported here (installed,
-    and its import works: a numba built for another NumPy fails there)."""
+    """Whether numba, which the compiled kernels need, imports here (installed and working)."""
     try:
         import numba  # noqa: F401
     except Exception:  # noqa: BLE001 - not installed, or any failure of its import

@@ -57,8 +57,7 @@ class DataFeed:
 
 
 def _labels_problem(dp: DataParallel, sets: dict[str, Shard | None]) -> str | None:
-    """What is wrong with this rank's labels in ``sets`` for ``dp``'s model and loss, or
-    None."""
+    """What is wrong with this rank's labels in ``sets`` for ``dp``'s model, or None."""
     for name, shard in sets.items():
         why = None if shard is None else label_problem(np.asarray(shard.y), dp.model.n_out,
                                                        dp.loss.classification)

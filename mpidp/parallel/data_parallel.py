@@ -151,8 +151,7 @@ class DataParallel(TrainerBase):
         self.closed = False
 
     def _reduce_sum(self, a: np.ndarray) -> np.ndarray:
-        """A layer's sum over the replicas (batch norm's statistics), inside forward or
-        backward: timed in ``layer_sums_s`` (and counted as the step's compute)."""
+        """A layer's sum over the replicas (batch norm's), timed in ``layer_sums_s``."""
         t = time.perf_counter()
         C.allreduce_sum_(self.comm, a)
         self.layer_sums_s += time.perf_counter() - t
@@ -346,8 +345,7 @@ class DataParallel(TrainerBase):
 
 
 def _check_kinds(model, optimizer, loss, sync, comm, root) -> None:
-    """Raise :class:`~mpidp.comm.MpidpError` naming an argument of :class:`DataParallel`
-    not of its kind."""
+    """Raise :class:`~mpidp.comm.MpidpError` naming an argument not of its kind."""
     for name, value, kind, wanted in (
             ("model", model, Sequential, "a model such as nn.mlp(...) or nn.Sequential(...)"),
             ("optimizer", optimizer, Optimizer, "an optimizer such as nn.SGD(0.1)"),

@@ -164,8 +164,7 @@ class Pipeline(TrainerBase):
                 raise C.MpidpError(f"{what} from replica 0's on ranks {bad}: {why}")
 
     def epoch_totals(self, totals: np.ndarray) -> np.ndarray:
-        """The epoch's ``(loss, count, correct)`` sums on every rank (they live on the last
-        stage). Collective."""
+        """The last stage's ``(loss, count, correct)`` sums on every rank. Collective."""
         return C.bcast_(self.pipe, totals, self.n_stages - 1)
 
     def memory(self) -> dict[str, int]:

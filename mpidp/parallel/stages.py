@@ -80,8 +80,7 @@ def split_stages(costs: Sequence[float], n_stages: int) -> list[int]:
 
 
 def micro_batch_sizes(n: int, m: int) -> np.ndarray:
-    """Sizes of the ``m`` micro-batches of a batch of ``n`` samples: the first ``n % m``
-    one more than the others."""
+    """Sizes of the ``m`` micro-batches of ``n`` samples (the first ``n % m`` one larger)."""
     if m < 1:
         raise ValueError(f"need at least one micro-batch, got {m}")
     if m > n:
@@ -177,8 +176,7 @@ def plan_stages(layers: Sequence[Layer], n_in: int, n_stages: int, size: int, mi
 
 def check_batches(n: int, batch_size: int, drop_last: bool, n_replicas: int,
                   micro_batches: int) -> None:
-    """``ValueError`` unless every replica's part of every batch has >= ``micro_batches``
-    samples."""
+    """``ValueError`` unless every replica's part of every batch has ``micro_batches``."""
     steps = steps_per_epoch(n, batch_size, drop_last)
     if steps == 0:
         raise ValueError(f"no full batch of {batch_size} in {n} samples (drop_last)")
