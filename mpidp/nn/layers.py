@@ -1,12 +1,7 @@
-"""The layer protocol, the registry of layer classes, and ``Dense``. Pure NumPy, no MPI.
-
-A layer maps ``(n, *in_shape)`` to ``(n, *out_shape)``, the batch axis (split across
-ranks) first, and declares the shapes of its parameters and untrained *state* (batch
-norm's running statistics); :class:`mpidp.nn.Sequential` hands it views into one flat
-buffer of each (:meth:`Layer.bind`). Gradients are SUMS over the batch's samples, never
-means. A layer learns of the step it runs in from ``self.context``
-(:class:`mpidp.nn.Context`); :func:`mpidp.nn.load` rebuilds the classes registered with
-:func:`register_layer`.
+"""The layer protocol (``docs/extending.md``), the registry of layer classes, and
+``Dense``. Pure NumPy, no MPI. A layer maps ``(n, *in_shape)`` to ``(n, *out_shape)``, the
+batch axis (split across ranks) first; its parameters and *state* are views into the
+model's flat buffers, and its gradients are SUMS over the batch's samples, never means.
 """
 
 from __future__ import annotations
@@ -220,7 +215,8 @@ class Dense(Layer):
     def __init__(self, n_in: int | None, n_out: int, init: str = "he") -> None:
         super().__init__()
         if (n_in is not None and _bad_size(n_in)) or _bad_size(n_out):
-            raise ValueError(f"Dense needs n_in >= 1 and n_out >= 1, got {n_in}, {n_out}")
+            raise ValueError(f"{type(self).__name__} needs n_in >= 1 and n_out >= 1, got "
+                             f"{n_in}, {n_out}")
         self.n_in, self.n_out, self.init = n_in, n_out, check_init(init)
         self._x: np.ndarray | None = None
 

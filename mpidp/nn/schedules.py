@@ -241,9 +241,7 @@ def make_schedule(name: str, lr: float, *, warmup: int = 0, warmup_start: float 
     if name not in SCHEDULES:
         raise ValueError(f"unknown learning-rate schedule {name!r}; expected one of {SCHEDULES}")
     schedule = schedule_from_config({"name": name, "lr": lr, **settings})
-    if warmup:
-        return Warmup(schedule, warmup, warmup_start)
-    return schedule
+    return Warmup(schedule, warmup, warmup_start) if warmup else schedule
 
 
 def epoch_schedule(name: str, lr: float, per_epoch: int, epochs: int, *, warmup_steps: int = 0,
@@ -295,8 +293,6 @@ def scaled_lr(base_lr: float, global_batch: int, base_batch: int, rule: str = "l
     ``rule="sqrt"`` times the ratio's square root (Adam-like optimizers)."""
     base_lr = _positive("base_lr", base_lr)
     ratio = _count("global_batch", global_batch) / _count("base_batch", base_batch)
-    if rule == "linear":
-        return base_lr * ratio
-    if rule == "sqrt":
-        return base_lr * math.sqrt(ratio)
-    raise ValueError(f"unknown scaling rule {rule!r}; expected 'linear' or 'sqrt'")
+    if rule not in ("linear", "sqrt"):
+        raise ValueError(f"unknown scaling rule {rule!r}; expected 'linear' or 'sqrt'")
+    return base_lr * (ratio if rule == "linear" else math.sqrt(ratio))
