@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .layers import Layer, Shapes, _bad_size, check_init, init_weights, register_layer, write_grad
+from ..errors import is_whole
+from .layers import Layer, Shapes, check_init, init_weights, register_layer, write_grad
 
 _AXES = ("length",), ("height", "width")  # names of the spatial axes, by dimensionality
 
@@ -90,9 +91,9 @@ class _ConvNd(Layer):
                  init: str = "he") -> None:
         super().__init__()
         name, nd = type(self).__name__, self.nd
-        if _bad_size(out_channels):
+        if not is_whole(out_channels, 1):
             raise ValueError(f"{name} needs out_channels >= 1, got {out_channels!r}")
-        if in_channels is not None and _bad_size(in_channels):
+        if not (in_channels is None or is_whole(in_channels, 1)):
             raise ValueError(f"{name} needs in_channels >= 1 or None (inferred), got {in_channels!r}")
         self.out_channels, self.init = int(out_channels), check_init(init)
         self.kernel = as_sizes(kernel, nd, f"{name} kernel")

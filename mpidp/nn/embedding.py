@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import setting
-from .layers import Layer, Shapes, _bad_size, init_weights, register_layer
+from ..errors import is_whole, setting
+from .layers import Layer, Shapes, init_weights, register_layer
 
 _INITS = ("normal", "xavier", "zeros")
 
 
 def _size(v, what: str) -> int:
-    if _bad_size(v):
+    if not is_whole(v, 1):
         raise ValueError(f"Embedding needs {what} >= 1 (an int), got {v!r}")
     return int(v)
 

@@ -12,6 +12,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from ..errors import is_whole
 from .blas import add_matmul_, add_xt_dy_
 from .context import Context
 
@@ -181,10 +182,6 @@ def write_grad(grad: np.ndarray, value: np.ndarray, accumulate: bool) -> None:
         grad[...] = value
 
 
-def _bad_size(v) -> bool:
-    return isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1
-
-
 def check_init(init: str) -> str:
     if init not in INITS:
         raise ValueError(f"unknown init {init!r}; expected 'he', 'xavier' or 'zeros'")
@@ -214,7 +211,7 @@ class Dense(Layer):
 
     def __init__(self, n_in: int | None, n_out: int, init: str = "he") -> None:
         super().__init__()
-        if (n_in is not None and _bad_size(n_in)) or _bad_size(n_out):
+        if not (n_in is None or is_whole(n_in, 1)) or not is_whole(n_out, 1):
             raise ValueError(f"{type(self).__name__} needs n_in >= 1 and n_out >= 1, got "
                              f"{n_in}, {n_out}")
         self.n_in, self.n_out, self.init = n_in, n_out, check_init(init)

@@ -180,6 +180,3 @@ class Standardize(_SampleShaped, ParameterFree):
 
     def input_grad(self, dy: np.ndarray) -> np.ndarray:
         return dy / self._std
-
-    def __repr__(self) -> str:
-        return "Standardize()"
