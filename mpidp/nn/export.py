@@ -26,7 +26,7 @@ from .embedding import Embedding
 from .layers import Dense, Layer
 from .model import Sequential, chain_shapes
 from .norm import BatchNorm, LayerNorm
-from .pool import AvgPool, GlobalAvgPool, MaxPool, _WindowPool
+from .pool import AvgPool, GlobalAvgPool, MaxPool
 from .reshape import Flatten, Reshape
 from .sparse import SparseDense
 from .standardize import Standardize
@@ -159,18 +159,9 @@ def _write(path: str | os.PathLike, data: bytes) -> str:
 
 def tensors(model: Sequential) -> dict[str, np.ndarray]:
     """Every parameter and state array of ``model`` by name (``"0.W"``, ``"2.mean"``, ...:
-    see the module's note), as contiguous copies in layer order."""
-    out: dict[str, np.ndarray] = {}
-
-    def add(layers, prefix: str) -> None:
-        for i, layer in enumerate(layers):
-            if isinstance(layer, Residual):  # its own views hold "j.name" keys already
-                add(layer.layers, f"{prefix}{i}.")
-                continue
-            for which in (layer.params, layer.state):
-                out.update({f"{prefix}{i}.{k}": np.ascontiguousarray(v) for k, v in which.items()})
-    add(model.layers, "")
-    return out
+    see the module's note), as contiguous copies in layer order (a block's: ``"j.name"``)."""
+    return {f"{i}.{k}": np.ascontiguousarray(v) for i, layer in enumerate(model.layers)
+            for which in (layer.params, layer.state) for k, v in which.items()}
 
 
 def export_safetensors(model: Sequential, path: str | os.PathLike) -> str:
@@ -268,19 +259,15 @@ def _taps(g: OnnxGraph, x: str, kernel, stride, out):
                    g.ints(stride))
 
 
-def _window(layer: _WindowPool, shape) -> tuple[tuple[int, ...], ...]:
-    return layer._geometry((1, *shape), batch=True)  # noqa: SLF001 - (size, stride, out)
-
-
 @register_exporter(MaxPool)
 def _maxpool(g, layer, x, shape):
-    size, stride, _ = _window(layer, shape)
+    size, stride, _ = layer._geometry((1, *shape), batch=True)  # noqa: SLF001
     return g.op("MaxPool", x, kernel_shape=list(size), strides=list(stride))
 
 
 @register_exporter(AvgPool)
 def _avgpool(g, layer, x, shape):
-    size, stride, out = _window(layer, shape)
+    size, stride, out = layer._geometry((1, *shape), batch=True)  # noqa: SLF001
     if g.dtype == np.float32:
         return g.op("AveragePool", x, kernel_shape=list(size), strides=list(stride))
     # float64: onnxruntime has no AveragePool for it; the sum over window offsets instead

@@ -68,14 +68,15 @@ class Layer(ABC):
         self.context, self.key = context, tuple(key)
 
     def output_dim(self, n_in: int) -> int:
-        """Output features for ``n_in`` input features (instead of :meth:`output_shape`)."""
-        return n_in
+        """Output features for ``n_in`` input features (a layer of flat features may define
+        it instead of :meth:`output_shape`); default: from :meth:`output_shape`."""
+        return self.output_shape((n_in,))[0]
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         """Per-sample output shape for input shape ``in_shape`` (``ValueError`` if the layer
         cannot take it); called once, before :meth:`param_shapes`, so a layer may fix sizes
-        here. Default: :meth:`output_dim` for flat features, else the shape unchanged."""
-        if len(in_shape) == 1:
+        here. Default: :meth:`output_dim` (if defined) for flat features, else unchanged."""
+        if len(in_shape) == 1 and type(self).output_dim is not Layer.output_dim:
             return (int(self.output_dim(in_shape[0])),)
         return tuple(in_shape)
 

@@ -62,11 +62,8 @@ def default_epochs(model: str) -> int:
 
 
 def cnn_layers(in_shape: Sequence[int], n_out: int) -> list[L.Layer]:
-    """A small convolutional classifier, unbound. ``(channels, length)`` signals: three
-    ``Conv1d`` of 32 channels (kernel 5), ``Dense`` to ``n_out``. ``(channels, height,
-    width)`` images: ``Conv2d`` of 16 then 32 channels (3x3), ``Dense`` 64, ``Dense`` to
-    ``n_out``. Each convolution padded, with ReLU; the first two with a 2-wide ``MaxPool``
-    while the input is at least 4 across."""
+    """The layers of the ``cnn`` preset (``docs/models.md``) for samples of ``in_shape``
+    (signals or images), unbound."""
     shape = tuple(in_shape)
     if len(shape) == 2:
         conv, widths, kernel, head = Conv1d, (32, 32, 32), 5, []
