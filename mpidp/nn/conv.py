@@ -70,17 +70,6 @@ def tap(offset: Sequence[int], stride: Sequence[int], out: Sequence[int]) -> tup
     return tuple(slice(i, i + s * (o - 1) + 1, s) for i, s, o in zip(offset, stride, out))
 
 
-def _clipped_tap(offset: int, stride: int, pad: int, size: int, out: int) -> tuple[slice, slice]:
-    """For one axis and kernel offset: (input slice, output slice) of the output positions
-    whose tap falls inside the unpadded input of ``size`` (padding reads zeros)."""
-    lo = max(0, -((offset - pad) // stride))          # first o with o*s + i - p >= 0
-    hi = min(out - 1, (size - 1 + pad - offset) // stride)  # last o with o*s + i - p < size
-    if hi < lo:
-        return slice(0, 0), slice(0, 0)
-    first = lo * stride + offset - pad
-    return slice(first, first + stride * (hi - lo) + 1, stride), slice(lo, hi + 1)
-
-
 class _ConvNd(Layer):
     """Shared implementation of :class:`Conv1d` and :class:`Conv2d` (``nd`` spatial axes)."""
 
@@ -191,15 +180,14 @@ class _ConvNd(Layer):
             return None
         C, spatial, nd = self.in_channels, self._x_shape[2:], self.nd
         dcols = (W.reshape(F, -1).T @ dyt).reshape(C, *self.kernel, *out, n)
-        dxt = np.zeros((C, *spatial, n), W.dtype)  # batch-last, as in forward
+        padded = tuple(s + 2 * p for s, p in zip(spatial, self.padding))
+        dxt = np.zeros((C, *padded, n), W.dtype)  # batch-last and padded, as in forward
         every = slice(None)
         for offset in itertools.product(*map(range, self.kernel)):  # col2im: one add per tap
-            pairs = [_clipped_tap(i, s, p, size, o) for i, s, p, size, o in
-                     zip(offset, self.stride, self.padding, spatial, out)]
-            dxt[(every, *(a for a, _ in pairs), every)] += \
-                dcols[(every, *offset, *(b for _, b in pairs), every)]
-        dx = np.empty(self._x_shape, W.dtype)
-        np.copyto(dx, dxt.transpose(nd + 1, 0, *range(1, nd + 1)))
+            dxt[(every, *tap(offset, self.stride, out), every)] += dcols[(every, *offset)]
+        inner = tuple(slice(p, p + s) for s, p in zip(spatial, self.padding))
+        dx = np.empty(self._x_shape, W.dtype)  # the padding's share dropped
+        np.copyto(dx, dxt[(every, *inner)].transpose(nd + 1, 0, *range(1, nd + 1)))
         return dx
 
     def __repr__(self) -> str:
