@@ -2,15 +2,12 @@
 ``(n, C, H, W)``. Pure NumPy, no MPI.
 
 Cross-correlations with zero padding, each ONE matrix product on an im2col matrix ``cols``
-``(C*K, P*n)`` (a strided view of the padded input, copied once; row ``(c, *offset)``
-holds the input value under that kernel tap for every output position and sample):
+``(C*K, P*n)`` (row ``(c, *offset)``: the input under that kernel tap for every output
+position and sample; ``F`` out_channels, ``K`` ``prod(kernel)``, ``P`` output positions):
 forward ``y = W (F, C*K) @ cols`` plus bias; ``dW = (cols @ dy.T).T``; ``dx`` scatters
-``W.T @ dy`` back with one strided add per kernel tap (col2im). The batch axis is
-innermost in these steps (the input is copied to ``(C, *padded, n)``), so each tap reads
-runs of ``out_width * n`` contiguous values. ``F`` is ``out_channels``, ``K`` is
-``prod(kernel)``, ``P`` the number of output positions; per spatial axis
-``out = floor((L + 2 * padding - kernel) / stride) + 1`` (>= 1). Everything runs in the
-parameters' dtype.
+``W.T @ dy`` back with one strided add per kernel tap (col2im). The batch axis is innermost
+(the input is copied to ``(C, *padded, n)``), so each tap reads contiguous runs. Everything
+runs in the parameters' dtype.
 """
 
 from __future__ import annotations
