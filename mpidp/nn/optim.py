@@ -50,12 +50,8 @@ class Segments:
     @classmethod
     def of(cls, layers: Any) -> Segments:
         """One segment per parameter tensor of ``layers`` (or of a Sequential), in order."""
-        bounds, ndim = [0], []
-        for layer in getattr(layers, "layers", layers):
-            for shape in layer.param_shapes().values():
-                bounds.append(bounds[-1] + int(np.prod(shape)))
-                ndim.append(len(shape))
-        return cls(bounds, ndim)
+        shapes = [s for la in getattr(layers, "layers", layers) for s in la.param_shapes().values()]
+        return cls(np.cumsum([0, *(int(np.prod(s)) for s in shapes)]), [len(s) for s in shapes])
 
     @classmethod
     def whole(cls, n: int) -> Segments:

@@ -45,12 +45,9 @@ def mlp_layers(n_in: int, hidden: Sequence[int], n_out: int,
         raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(_ACTIVATIONS)}")
     act = (lambda: ReLU(inplace=True)) if activation == "relu" else _ACTIVATIONS[activation]
     init = "he" if activation == "relu" else "xavier"
-    layers: list[L.Layer] = []
     dims = [n_in, *hidden]
-    for a, b in zip(dims[:-1], dims[1:]):
-        layers += [L.Dense(a, b, init=init), act()]
-    layers.append(L.Dense(dims[-1], n_out, init="xavier"))
-    return layers
+    pairs = [[L.Dense(a, b, init=init), act()] for a, b in zip(dims[:-1], dims[1:])]
+    return [*sum(pairs, []), L.Dense(dims[-1], n_out, init="xavier")]
 
 
 PRESETS = ("linear", "logreg", "mlp", "cnn")
