@@ -56,9 +56,6 @@ class Residual(Layer):
                              f"{specs!r}")
         return cls(layers_from(specs, where="Residual"))
 
-    def output_dim(self, n_in: int) -> int:
-        return self.output_shape((n_in,))[0]
-
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         in_shape = tuple(in_shape)
         out = chain_shapes(self.layers, in_shape)[-1]

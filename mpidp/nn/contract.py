@@ -1,22 +1,7 @@
 """Run a layer class through the layer contract of ``docs/extending.md`` before any training:
 :func:`check_layer`. Pure NumPy, no MPI: P ranks are simulated in one process by threads
-whose ``context.reduce_sum`` sums over them. Everything runs in float64.
-
-The rules, each named in the report's lines:
-
-* ``shapes``: ``forward`` and ``backward`` give ``(n, *out_shape)`` and ``(n, *in_shape)``;
-* ``buffers``: parameters, gradients and state stay the views ``bind`` and ``bind_state`` gave;
-* ``gradients``: input and parameter gradients match central finite differences;
-* ``accumulate``: ``backward(..., accumulate=True)`` adds to the gradients;
-* ``sums``: gradients are sums over the rows, not means (a batch given twice doubles them);
-* ``empty``: a batch of 0 rows runs through ``forward`` and ``backward``;
-* ``collectives``: ``reduce_sum`` is called as often, with arrays of the same sizes,
-  whatever the number of rows (0 included);
-* ``state``: the state is updated only from global figures (the same on every rank, and
-  as one process updates it);
-* ``ranks``: P ranks holding parts of a batch (one of them empty) give the outputs, input
-  gradients and summed parameter gradients one process gives (1e-10);
-* ``config``: ``config()`` and the registry rebuild the layer (:func:`mpidp.nn.from_spec`).
+whose ``context.reduce_sum`` sums over them. Everything runs in float64. The rules
+(:data:`RULES`, each named in the report's lines) are the table of ``docs/extending.md``.
 """
 
 from __future__ import annotations
@@ -109,9 +94,7 @@ class _Group:
             sizes = [s.shape for s in self.slots]
             if len(set(sizes)) > 1:
                 raise _Broken(f"reduce_sum got arrays of shapes {sizes} on the ranks")
-            total = self.slots[0].copy()
-            for s in self.slots[1:]:
-                total += s
+            total = sum(self.slots[1:], self.slots[0].copy())
             self.barrier.wait()
             a[...] = total
             return a
@@ -284,17 +267,18 @@ class _Checker:
             t.join()
         bad = [(r, e) for r, e in enumerate(errors)
                if e is not None and not isinstance(e, threading.BrokenBarrierError)]
-        if bad or any(e is not None for e in errors):
+        if any(e is not None for e in errors):
             r, e = bad[0] if bad else (0, errors[0])
-            self.failed("ranks", f"{self.ranks} simulated ranks of {sizes} rows: rank {r} "
-                        f"raised {_describe(e)}")
+            self.failures.append(("ranks", f"{self.ranks} simulated ranks of {sizes} rows: "
+                                           f"rank {r} raised {_describe(e)}"))
             return
         where = f"{self.ranks} simulated ranks holding {sizes} rows"
         self.rule("state", self._state, one, out, where)
         self.rule("ranks", self._ranks, one, out, where)
 
     def _state(self, one, out, where: str) -> None:
-        names = self._state_names()
+        layer = self.ref.layers[0]
+        names = [repr(k) for k, v in layer.state.items() for _ in range(v.size)]
         for r in range(1, self.ranks):
             if not np.array_equal(out[r][3], out[0][3]):
                 _, at = _worst(out[r][3], out[0][3])
@@ -303,10 +287,6 @@ class _Checker:
                               f"context.reduce_sum, never from the rank's own rows")
         _compare(out[0][3], one[3], EXACT_TOL, f"the state after one step on {where}",
                  " from what one process holds")
-
-    def _state_names(self) -> list[str]:
-        layer = self.ref.layers[0]
-        return [repr(k) for k, v in layer.state.items() for _ in range(v.size)]
 
     def _ranks(self, one, out, where: str) -> None:
         _compare(np.concatenate([o[0] for o in out]), one[0], EXACT_TOL,
@@ -340,17 +320,14 @@ class _Checker:
         broken = {rule for rule, _ in report.failures}
         report.skipped = [r for r in RULES if r not in report.checked and r not in broken]
 
-    def failed(self, rule: str, message: str) -> None:
-        self.failures.append((rule, message))
-
     def rule(self, name: str, check: Callable, *args) -> bool:
         try:
             check(*args)
         except _Broken as exc:
-            self.failed(name, str(exc))
+            self.failures.append((name, str(exc)))
             return False
         except Exception as exc:  # noqa: BLE001 - the user's code: any failure
-            self.failed(name, f"raised {_describe(exc)}")
+            self.failures.append((name, f"raised {_describe(exc)}"))
             return False
         self.checked.append(name)
         return True

@@ -2,15 +2,12 @@
 ``(n, C, H, W)``. Pure NumPy, no MPI.
 
 Cross-correlations with zero padding, each ONE matrix product on an im2col matrix ``cols``
-``(C*K, P*n)`` (a strided view of the padded input, copied once; row ``(c, *offset)``
-holds the input value under that kernel tap for every output position and sample):
+``(C*K, P*n)`` (row ``(c, *offset)``: the input under that kernel tap for every output
+position and sample; ``F`` out_channels, ``K`` ``prod(kernel)``, ``P`` output positions):
 forward ``y = W (F, C*K) @ cols`` plus bias; ``dW = (cols @ dy.T).T``; ``dx`` scatters
-``W.T @ dy`` back with one strided add per kernel tap (col2im). The batch axis is
-innermost in these steps (the input is copied to ``(C, *padded, n)``), so each tap reads
-runs of ``out_width * n`` contiguous values. ``F`` is ``out_channels``, ``K`` is
-``prod(kernel)``, ``P`` the number of output positions; per spatial axis
-``out = floor((L + 2 * padding - kernel) / stride) + 1`` (>= 1). Everything runs in the
-parameters' dtype.
+``W.T @ dy`` back with one strided add per kernel tap (col2im). The batch axis is innermost
+(the input is copied to ``(C, *padded, n)``), so each tap reads contiguous runs. Everything
+runs in the parameters' dtype.
 """
 
 from __future__ import annotations
@@ -21,7 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .layers import Layer, Shapes, _bad_size, check_init, init_weights, register_layer, write_grad
+from ..errors import is_whole
+from .layers import Layer, Shapes, check_init, init_weights, register_layer, write_grad
 
 _AXES = ("length",), ("height", "width")  # names of the spatial axes, by dimensionality
 
@@ -69,17 +67,6 @@ def tap(offset: Sequence[int], stride: Sequence[int], out: Sequence[int]) -> tup
     return tuple(slice(i, i + s * (o - 1) + 1, s) for i, s, o in zip(offset, stride, out))
 
 
-def _clipped_tap(offset: int, stride: int, pad: int, size: int, out: int) -> tuple[slice, slice]:
-    """For one axis and kernel offset: (input slice, output slice) of the output positions
-    whose tap falls inside the unpadded input of ``size`` (padding reads zeros)."""
-    lo = max(0, -((offset - pad) // stride))          # first o with o*s + i - p >= 0
-    hi = min(out - 1, (size - 1 + pad - offset) // stride)  # last o with o*s + i - p < size
-    if hi < lo:
-        return slice(0, 0), slice(0, 0)
-    first = lo * stride + offset - pad
-    return slice(first, first + stride * (hi - lo) + 1, stride), slice(lo, hi + 1)
-
-
 class _ConvNd(Layer):
     """Shared implementation of :class:`Conv1d` and :class:`Conv2d` (``nd`` spatial axes)."""
 
@@ -90,9 +77,9 @@ class _ConvNd(Layer):
                  init: str = "he") -> None:
         super().__init__()
         name, nd = type(self).__name__, self.nd
-        if _bad_size(out_channels):
+        if not is_whole(out_channels, 1):
             raise ValueError(f"{name} needs out_channels >= 1, got {out_channels!r}")
-        if in_channels is not None and _bad_size(in_channels):
+        if not (in_channels is None or is_whole(in_channels, 1)):
             raise ValueError(f"{name} needs in_channels >= 1 or None (inferred), got {in_channels!r}")
         self.out_channels, self.init = int(out_channels), check_init(init)
         self.kernel = as_sizes(kernel, nd, f"{name} kernel")
@@ -190,15 +177,14 @@ class _ConvNd(Layer):
             return None
         C, spatial, nd = self.in_channels, self._x_shape[2:], self.nd
         dcols = (W.reshape(F, -1).T @ dyt).reshape(C, *self.kernel, *out, n)
-        dxt = np.zeros((C, *spatial, n), W.dtype)  # batch-last, as in forward
+        padded = tuple(s + 2 * p for s, p in zip(spatial, self.padding))
+        dxt = np.zeros((C, *padded, n), W.dtype)  # batch-last and padded, as in forward
         every = slice(None)
         for offset in itertools.product(*map(range, self.kernel)):  # col2im: one add per tap
-            pairs = [_clipped_tap(i, s, p, size, o) for i, s, p, size, o in
-                     zip(offset, self.stride, self.padding, spatial, out)]
-            dxt[(every, *(a for a, _ in pairs), every)] += \
-                dcols[(every, *offset, *(b for _, b in pairs), every)]
-        dx = np.empty(self._x_shape, W.dtype)
-        np.copyto(dx, dxt.transpose(nd + 1, 0, *range(1, nd + 1)))
+            dxt[(every, *tap(offset, self.stride, out), every)] += dcols[(every, *offset)]
+        inner = tuple(slice(p, p + s) for s, p in zip(spatial, self.padding))
+        dx = np.empty(self._x_shape, W.dtype)  # the padding's share dropped
+        np.copyto(dx, dxt[(every, *inner)].transpose(nd + 1, 0, *range(1, nd + 1)))
         return dx
 
     def __repr__(self) -> str:

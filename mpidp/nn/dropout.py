@@ -17,14 +17,6 @@ _U = np.uint64
 _S30, _S27, _S31 = _U(30), _U(27), _U(31)
 
 
-def _mix_int(z: int) -> int:
-    """splitmix64's finaliser on a Python int (mod 2**64)."""
-    z &= _M
-    z = ((z ^ (z >> 30)) * _C1) & _M
-    z = ((z ^ (z >> 27)) * _C2) & _M
-    return z ^ (z >> 31)
-
-
 def _mix_(z: np.ndarray, tmp: np.ndarray | None = None) -> np.ndarray:
     """splitmix64's finaliser in place on a ``uint64`` array; ``tmp``: scratch of its shape."""
     tmp = np.empty_like(z) if tmp is None else tmp
@@ -39,11 +31,13 @@ def _mix_(z: np.ndarray, tmp: np.ndarray | None = None) -> np.ndarray:
 def stream_key(*values: int) -> int:
     """A 64-bit key mixing ``values`` (seed, step, the layer's key, ...) in order; tuples of
     different lengths give unrelated keys."""
-    h = _mix_int(len(values) * _GOLDEN)
+    h = _mix_(np.array([len(values) * _GOLDEN & _M], np.uint64))
     for v in values:
-        h = _mix_int(h ^ (int(v) & _M))
-        h = _mix_int(h + _GOLDEN)
-    return h
+        h ^= _U(int(v) & _M)
+        _mix_(h)
+        h += _U(_GOLDEN)  # wraps around, as every step here: arithmetic mod 2**64
+        _mix_(h)
+    return int(h[0])
 
 
 _BLOCK = 1 << 14  # words hashed at a time: two 128 KiB buffers, which stay in cache

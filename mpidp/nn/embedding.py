@@ -4,27 +4,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import setting
-from .layers import Layer, Shapes, _bad_size, init_weights, register_layer
+from ..errors import is_whole, setting
+from .layers import Layer, Shapes, init_weights, register_layer
 
 _INITS = ("normal", "xavier", "zeros")
 
 
 def _size(v, what: str) -> int:
-    if _bad_size(v):
+    if not is_whole(v, 1):
         raise ValueError(f"Embedding needs {what} >= 1 (an int), got {v!r}")
     return int(v)
 
 
 @register_layer
 class Embedding(Layer):
-    """Looks up ``W[id]`` for every token id: ``(n, *s)`` ids -> ``(n, *s, dim)``.
-
-    Ids (integer or float) must be whole numbers in ``[0, n_tokens)``. ``W`` ``(n_tokens,
-    dim)``: ``init`` ``"normal"`` N(0, 1), ``"xavier"`` or ``"zeros"``. It reads the data
-    set's ids, and ``backward`` returns **no input gradient** (None): it must be a model's
-    first layer. Float ids above ``2**24`` (float32; float64: ``2**53``) are refused: there
-    the dtype skips whole numbers, so neighbouring ids would merge.
+    """Looks up ``W[id]`` for every token id: ``(n, *s)`` ids -> ``(n, *s, dim)``; ids are
+    whole numbers in ``[0, n_tokens)`` (see ``docs/models.md``). ``W`` ``(n_tokens, dim)``:
+    ``init`` ``"normal"`` N(0, 1), ``"xavier"`` or ``"zeros"``. ``backward`` returns **no
+    input gradient** (None): it reads the data set's ids, so it must be a model's first layer.
     """
 
     reads = "token ids"

@@ -2,13 +2,9 @@
 safetensors file (:func:`export_safetensors`). Pure NumPy, no MPI; the ``onnx`` and
 ``safetensors`` packages (the ``export`` extra) are imported only when a file is written.
 
-Names: every parameter and state array is ``"<i>.<name>"``, ``i`` the layer's position in
-the model's layer list (the ``spec`` of ``model.npz``) and ``name`` its key in
-``layer.params`` / ``layer.state`` (``"0.W"``, ``"0.b"``, ``"2.mean"``); a layer inside a
-:class:`~mpidp.nn.Residual` adds its own position (``"3.0.W"``). The ONNX graph names its
-initializers the same way, takes ``x`` ``(batch, *in_shape)`` in the model's dtype (the
-batch axis dynamic) and gives ``scores`` ``(batch, *out_shape)``: what ``predict`` gives
-with ``output="scores"``, in evaluation mode (no dropout; batch norm's running statistics).
+Every parameter and state array is named ``"<i>.<name>"`` (``"0.W"``, ``"2.mean"``; inside
+a :class:`~mpidp.nn.Residual` ``"3.0.W"``), in both formats; the ONNX graph maps ``x``
+``(batch, *in_shape)`` to ``scores``, as ``predict`` in evaluation mode (``docs/models.md``).
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from .embedding import Embedding
 from .layers import Dense, Layer
 from .model import Sequential, chain_shapes
 from .norm import BatchNorm, LayerNorm
-from .pool import AvgPool, GlobalAvgPool, MaxPool, _WindowPool
+from .pool import AvgPool, GlobalAvgPool, MaxPool
 from .reshape import Flatten, Reshape
 from .sparse import SparseDense
 from .standardize import Standardize
@@ -152,7 +148,10 @@ def onnx_model(model: Sequential):
 def export_onnx(model: Sequential, path: str | os.PathLike) -> str:
     """Write ``model`` as an ONNX graph (opset :data:`OPSET`) to ``path``, atomically;
     returns the path. Nothing is written when it raises (see :func:`onnx_model`)."""
-    data = onnx_model(model).SerializeToString()
+    return _write(path, onnx_model(model).SerializeToString())
+
+
+def _write(path: str | os.PathLike, data: bytes) -> str:
     path = os.fspath(path)
     write_atomic(path, lambda f: f.write(data))
     return path
@@ -160,18 +159,9 @@ def export_onnx(model: Sequential, path: str | os.PathLike) -> str:
 
 def tensors(model: Sequential) -> dict[str, np.ndarray]:
     """Every parameter and state array of ``model`` by name (``"0.W"``, ``"2.mean"``, ...:
-    see the module's note), as contiguous copies in layer order."""
-    out: dict[str, np.ndarray] = {}
-
-    def add(layers, prefix: str) -> None:
-        for i, layer in enumerate(layers):
-            if isinstance(layer, Residual):  # its own views hold "j.name" keys already
-                add(layer.layers, f"{prefix}{i}.")
-                continue
-            for which in (layer.params, layer.state):
-                out.update({f"{prefix}{i}.{k}": np.ascontiguousarray(v) for k, v in which.items()})
-    add(model.layers, "")
-    return out
+    see the module's note), as contiguous copies in layer order (a block's: ``"j.name"``)."""
+    return {f"{i}.{k}": np.ascontiguousarray(v) for i, layer in enumerate(model.layers)
+            for which in (layer.params, layer.state) for k, v in which.items()}
 
 
 def export_safetensors(model: Sequential, path: str | os.PathLike) -> str:
@@ -179,37 +169,26 @@ def export_safetensors(model: Sequential, path: str | os.PathLike) -> str:
     metadata ``format`` ``"mpidp"``, ``dtype`` and ``spec`` (the JSON layer list of
     ``model.npz``); returns the path. ImportError naming the extra without safetensors."""
     st = need_extra("safetensors.numpy")
-    data = st.save(tensors(model), metadata={"format": "mpidp", "dtype": str(model.dtype),
-                                             "spec": json.dumps(model.spec())})
-    path = os.fspath(path)
-    write_atomic(path, lambda f: f.write(data))
-    return path
+    return _write(path, st.save(tensors(model), metadata={
+        "format": "mpidp", "dtype": str(model.dtype), "spec": json.dumps(model.spec())}))
 
 
 # ---------------------------------------------------------------------------- exporters
 
 
-def _unary(op_type: str) -> Exporter:
-    return lambda g, layer, x, shape: g.op(op_type, x)
+def _single(op_type: str, **attrs: Any) -> Exporter:
+    return lambda g, layer, x, shape: g.op(op_type, x, **attrs)
 
 
-for _cls, _op in ((ReLU, "Relu"), (Tanh, "Tanh"), (Sigmoid, "Sigmoid"), (Dropout, "Identity")):
-    register_exporter(_cls, _unary(_op))
-
-
-@register_exporter(Flatten)
-def _flatten(g, layer, x, shape):
-    return g.op("Flatten", x, axis=1)
+for _cls, _op, _attrs in ((ReLU, "Relu", {}), (Tanh, "Tanh", {}), (Sigmoid, "Sigmoid", {}),
+                          (Dropout, "Identity", {}), (Flatten, "Flatten", {"axis": 1}),
+                          (Softmax, "Softmax", {"axis": -1})):
+    register_exporter(_cls, _single(_op, **_attrs))
 
 
 @register_exporter(Reshape)
 def _reshape(g, layer, x, shape):
     return g.op("Reshape", x, g.ints([0, *layer.output_shape(shape)]))  # 0: the batch as is
-
-
-@register_exporter(Softmax)
-def _softmax(g, layer, x, shape):
-    return g.op("Softmax", x, axis=-1)
 
 
 @register_exporter(LeakyReLU)
@@ -280,19 +259,15 @@ def _taps(g: OnnxGraph, x: str, kernel, stride, out):
                    g.ints(stride))
 
 
-def _window(layer: _WindowPool, shape) -> tuple[tuple[int, ...], ...]:
-    return layer._geometry((1, *shape), batch=True)  # noqa: SLF001 - (size, stride, out)
-
-
 @register_exporter(MaxPool)
 def _maxpool(g, layer, x, shape):
-    size, stride, _ = _window(layer, shape)
+    size, stride, _ = layer._geometry((1, *shape), batch=True)  # noqa: SLF001
     return g.op("MaxPool", x, kernel_shape=list(size), strides=list(stride))
 
 
 @register_exporter(AvgPool)
 def _avgpool(g, layer, x, shape):
-    size, stride, out = _window(layer, shape)
+    size, stride, out = layer._geometry((1, *shape), batch=True)  # noqa: SLF001
     if g.dtype == np.float32:
         return g.op("AveragePool", x, kernel_shape=list(size), strides=list(stride))
     # float64: onnxruntime has no AveragePool for it; the sum over window offsets instead

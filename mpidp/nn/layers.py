@@ -1,12 +1,7 @@
-"""The layer protocol, the registry of layer classes, and ``Dense``. Pure NumPy, no MPI.
-
-A layer maps ``(n, *in_shape)`` to ``(n, *out_shape)``, the batch axis (split across
-ranks) first, and declares the shapes of its parameters and untrained *state* (batch
-norm's running statistics); :class:`mpidp.nn.Sequential` hands it views into one flat
-buffer of each (:meth:`Layer.bind`). Gradients are SUMS over the batch's samples, never
-means. A layer learns of the step it runs in from ``self.context``
-(:class:`mpidp.nn.Context`); :func:`mpidp.nn.load` rebuilds the classes registered with
-:func:`register_layer`.
+"""The layer protocol (``docs/extending.md``), the registry of layer classes, and
+``Dense``. Pure NumPy, no MPI. A layer maps ``(n, *in_shape)`` to ``(n, *out_shape)``, the
+batch axis (split across ranks) first; its parameters and *state* are views into the
+model's flat buffers, and its gradients are SUMS over the batch's samples, never means.
 """
 
 from __future__ import annotations
@@ -17,6 +12,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from ..errors import is_whole
 from .blas import add_matmul_, add_xt_dy_
 from .context import Context
 
@@ -72,14 +68,15 @@ class Layer(ABC):
         self.context, self.key = context, tuple(key)
 
     def output_dim(self, n_in: int) -> int:
-        """Output features for ``n_in`` input features (instead of :meth:`output_shape`)."""
-        return n_in
+        """Output features for ``n_in`` input features (a layer of flat features may define
+        it instead of :meth:`output_shape`); default: from :meth:`output_shape`."""
+        return self.output_shape((n_in,))[0]
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         """Per-sample output shape for input shape ``in_shape`` (``ValueError`` if the layer
         cannot take it); called once, before :meth:`param_shapes`, so a layer may fix sizes
-        here. Default: :meth:`output_dim` for flat features, else the shape unchanged."""
-        if len(in_shape) == 1:
+        here. Default: :meth:`output_dim` (if defined) for flat features, else unchanged."""
+        if len(in_shape) == 1 and type(self).output_dim is not Layer.output_dim:
             return (int(self.output_dim(in_shape[0])),)
         return tuple(in_shape)
 
@@ -186,10 +183,6 @@ def write_grad(grad: np.ndarray, value: np.ndarray, accumulate: bool) -> None:
         grad[...] = value
 
 
-def _bad_size(v) -> bool:
-    return isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1
-
-
 def check_init(init: str) -> str:
     if init not in INITS:
         raise ValueError(f"unknown init {init!r}; expected 'he', 'xavier' or 'zeros'")
@@ -219,8 +212,9 @@ class Dense(Layer):
 
     def __init__(self, n_in: int | None, n_out: int, init: str = "he") -> None:
         super().__init__()
-        if (n_in is not None and _bad_size(n_in)) or _bad_size(n_out):
-            raise ValueError(f"Dense needs n_in >= 1 and n_out >= 1, got {n_in}, {n_out}")
+        if not (n_in is None or is_whole(n_in, 1)) or not is_whole(n_out, 1):
+            raise ValueError(f"{type(self).__name__} needs n_in >= 1 and n_out >= 1, got "
+                             f"{n_in}, {n_out}")
         self.n_in, self.n_out, self.init = n_in, n_out, check_init(init)
         self._x: np.ndarray | None = None
 

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..atomic import check_place, numpy_kind, write_atomic
+from ..errors import is_whole
 from .context import Context, _unheard
 from .layers import RESERVED, Layer, layer_class, layer_name, layer_spec, registered_layers
 from .losses import outputs
@@ -30,8 +31,7 @@ MODEL_FILE = "model.npz"
 def as_shape(n_in: int | Sequence[int], what: str = "n_in") -> tuple[int, ...]:
     """A per-sample shape from a width or a sequence of sizes (each >= 1)."""
     shape = (n_in,) if isinstance(n_in, (int, np.integer)) else tuple(n_in)
-    if not shape or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1
-                        for d in shape):
+    if not shape or not all(is_whole(d, 1) for d in shape):
         raise ValueError(f"{what} must be a positive width or a tuple of positive sizes, "
                          f"got {n_in!r}")
     return tuple(int(d) for d in shape)

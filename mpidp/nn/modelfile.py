@@ -1,25 +1,8 @@
-"""Models without code: a list of layers with their settings, in a TOML or JSON file.
-
-TOML::
-
-    [[layers]]
-    type = "Conv1d"
-    out_channels = 32
-    kernel = 5
-
-    [[layers]]
-    type = "ReLU"
-
-    [[layers]]
-    type = "Flatten"
-
-    [[layers]]
-    type = "Dense"          # n_in is taken from the layer before; n_out left out: the
-                            # number of outputs the data set needs
-
-JSON: ``{"layers": [{"type": "Conv1d", "out_channels": 32, ...}, ...]}`` or just the list.
-``type`` is a registered layer name (:func:`mpidp.nn.register_layer`), the other keys its
-constructor's settings; ``in_channels`` and ``n_in`` may be left out (inferred).
+"""Models without code: a list of layers with their settings, in a TOML file (one
+``[[layers]]`` table per layer) or a JSON one (``{"layers": [...]}`` or just the list); see
+``docs/models.md``. ``type`` is a registered layer name (:func:`mpidp.nn.register_layer`),
+the other keys its constructor's settings; ``in_channels`` and ``n_in`` may be left out
+(inferred), and a ``Dense`` without ``n_out`` gets the number of outputs the data set needs.
 """
 
 from __future__ import annotations

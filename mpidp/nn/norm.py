@@ -36,9 +36,6 @@ class _SampleShaped(Layer):
 
     shape: tuple[int, ...] | None = None
 
-    def output_dim(self, n_in: int) -> int:
-        return self.output_shape((n_in,))[0]
-
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         in_shape = tuple(int(d) for d in in_shape)
         if self.shape is not None and in_shape != self.shape:
@@ -61,18 +58,14 @@ class _SampleShaped(Layer):
 
 @register_layer
 class BatchNorm(Layer):
-    """Batch normalisation ``y = gamma * (x - mean) / sqrt(var + eps) + beta``.
+    """Batch normalisation ``y = gamma * (x - mean) / sqrt(var + eps) + beta`` of ``(n, F)``
+    (per feature) or ``(n, C, *spatial)`` (per channel) batches: ``gamma`` (ones), ``beta``
+    (zeros), state ``mean`` (zeros) and ``var`` (ones), each ``(C,)``; ``momentum`` in [0, 1].
 
-    Takes ``(n, F)`` (statistics per feature) or ``(n, C, *spatial)`` (per channel, over
-    the batch and every position). Parameters ``gamma`` (ones) and ``beta`` (zeros), state
-    ``mean`` (zeros) and ``var`` (ones), each ``(C,)``; ``momentum`` in [0, 1]; ``eps`` > 0.
-
-    Training uses the GLOBAL batch's mean and biased variance, from float64 sums over the
-    replica group (two ``context.reduce_sum`` calls forward, one backward unless
-    ``need_input_grad`` is False, on every rank even without samples); ``dgamma`` and
-    ``dbeta`` are this rank's own sums. The running statistics follow the global figures
-    (``mean <- (1 - momentum) * mean + momentum * batch_mean``, ``var`` likewise from
-    ``batch_var * N / (N - 1)`` when ``N`` > 1); evaluation uses them, with no collective.
+    Training uses the GLOBAL batch's mean and biased variance (two ``context.reduce_sum``
+    calls forward, one backward unless ``need_input_grad`` is False, on every rank even
+    without samples: ``docs/models.md``), ``dgamma`` and ``dbeta`` this rank's own sums; the
+    running statistics follow the global ones (``var`` unbiased), and evaluation uses them.
     """
 
     needs = frozenset({"replica-sums"})
@@ -87,9 +80,6 @@ class BatchNorm(Layer):
 
     def config(self) -> dict:
         return {"momentum": self.momentum, "eps": self.eps}
-
-    def output_dim(self, n_in: int) -> int:
-        return self.output_shape((n_in,))[0]
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         if len(in_shape) < 1:

@@ -1,19 +1,13 @@
 """The optimizer base over one flat parameter vector: its rate, where its vector lies in
 the model, clipping, and updates in pieces. Pure NumPy, no MPI; the rules (SGD, Adam,
-LARS ...) are in :mod:`mpidp.nn.optimizers`.
+LARS ...) are in :mod:`mpidp.nn.optimizers`, how to write one in ``docs/extending.md``.
 
 ``step_(params, grad)`` updates ``params`` in place from the global MEAN gradient; state
 (momentum, Adam moments) is flat too, so it checkpoints and shards like the parameters.
-The rate is a float or a schedule (:mod:`mpidp.nn.schedules`) of the update count ``t``
-(0 for the first update), times ``lr_scale``.
-
-Norms of whole tensors (:class:`LARS`, :class:`LAMB`, clipping by global norm) need to
-know where the vector lies when it is a slice of the model (a parameter server's block, a
-pipeline stage): :meth:`Optimizer.place` gives the model's tensors (:class:`Segments`),
-the vector's ``offset`` and ``reduce_sum``, which sums a small float64 array in place over
-the ranks holding the other slices (a collective). Each update reduces its squared norms
-in ONE call (LAMB with ``clip_norm`` or ``track_grad_norm``: two). An optimizer never
-placed treats its vector as one tensor.
+Norms of whole tensors (LARS, LAMB, clipping by global norm) need :meth:`Optimizer.place`
+where the vector is a slice of the model (its tensors, offset and ``reduce_sum``, a
+collective); each update reduces its squared norms in ONE call (LAMB with ``clip_norm``
+or ``track_grad_norm``: two). An optimizer never placed treats its vector as one tensor.
 """
 
 from __future__ import annotations
@@ -56,12 +50,8 @@ class Segments:
     @classmethod
     def of(cls, layers: Any) -> Segments:
         """One segment per parameter tensor of ``layers`` (or of a Sequential), in order."""
-        bounds, ndim = [0], []
-        for layer in getattr(layers, "layers", layers):
-            for shape in layer.param_shapes().values():
-                bounds.append(bounds[-1] + int(np.prod(shape)))
-                ndim.append(len(shape))
-        return cls(bounds, ndim)
+        shapes = [s for la in getattr(layers, "layers", layers) for s in la.param_shapes().values()]
+        return cls(np.cumsum([0, *(int(np.prod(s)) for s in shapes)]), [len(s) for s in shapes])
 
     @classmethod
     def whole(cls, n: int) -> Segments:

@@ -22,14 +22,24 @@ def _momentum(value: float) -> float:
     return float(value)
 
 
+def _accumulate_(v: np.ndarray, g: np.ndarray, momentum: float, first: bool) -> np.ndarray:
+    """The velocity ``v = momentum * v + g`` in place (``g`` on a first step); returns ``v``."""
+    if first:
+        v[...] = g
+    else:
+        v *= momentum
+        v += g
+    return v
+
+
 class SGD(Optimizer):
     """SGD with optional momentum and L2 weight decay: ``v = momentum * v + g``;
     ``p -= lr * v`` (Nesterov: ``p -= lr * (g + momentum * v)``)."""
 
     def __init__(self, lr: float | Schedule = 0.01, momentum: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, *,
-                 clip_norm: float | None = None, clip_value: float | None = None) -> None:
-        super().__init__(lr, weight_decay, clip_norm=clip_norm, clip_value=clip_value)
+                 weight_decay: float = 0.0, nesterov: bool = False,
+                 **clip: float | None) -> None:
+        super().__init__(lr, weight_decay, **clip)
         self.momentum, self.nesterov = _momentum(momentum), nesterov
         if nesterov and momentum == 0:
             raise ValueError("nesterov momentum needs momentum > 0")
@@ -49,12 +59,7 @@ class SGD(Optimizer):
             return
         g = self._grad(params, grad, scale)
         if self.momentum:
-            v = state["velocity"]
-            if first:
-                v[...] = g
-            else:
-                v *= self.momentum
-                v += g
+            v = _accumulate_(state["velocity"], g, self.momentum, first)
             if self.nesterov:
                 g += self.momentum * v
             else:
@@ -74,9 +79,9 @@ class Adam(Optimizer):
     """Adam (Kingma & Ba, 2015) with bias correction; ``weight_decay`` is classic L2."""
 
     def __init__(self, lr: float | Schedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, *,
-                 clip_norm: float | None = None, clip_value: float | None = None) -> None:
-        super().__init__(lr, weight_decay, clip_norm=clip_norm, clip_value=clip_value)
+                 eps: float = 1e-8, weight_decay: float = 0.0,
+                 **clip: float | None) -> None:
+        super().__init__(lr, weight_decay, **clip)
         self.b1, self.b2 = _betas(betas, type(self).__name__)
         self.eps = _positive("eps", eps)
 
@@ -108,10 +113,9 @@ class AdamW(Adam):
     (moments, clipping): ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``."""
 
     def __init__(self, lr: float | Schedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01, *,
-                 clip_norm: float | None = None, clip_value: float | None = None) -> None:
-        super().__init__(lr, betas, eps, weight_decay, clip_norm=clip_norm,
-                         clip_value=clip_value)
+                 eps: float = 1e-8, weight_decay: float = 0.01,
+                 **clip: float | None) -> None:
+        super().__init__(lr, betas, eps, weight_decay, **clip)
 
     def _update(self, params: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
                 scale: float, first: bool) -> None:
@@ -146,9 +150,9 @@ class LARS(Optimizer):
     layer_norms = True
 
     def __init__(self, lr: float | Schedule = 0.1, momentum: float = 0.9,
-                 weight_decay: float = 0.0, eta: float = 0.001, exclude_1d: bool = True, *,
-                 clip_norm: float | None = None, clip_value: float | None = None) -> None:
-        super().__init__(lr, weight_decay, clip_norm=clip_norm, clip_value=clip_value)
+                 weight_decay: float = 0.0, eta: float = 0.001, exclude_1d: bool = True,
+                 **clip: float | None) -> None:
+        super().__init__(lr, weight_decay, **clip)
         self.momentum = _momentum(momentum)
         if not (eta > 0 and math.isfinite(eta)):
             raise ValueError(f"LARS trust coefficient eta must be a finite number > 0, got {eta}")
@@ -180,13 +184,7 @@ class LARS(Optimizer):
             if velocity is None:
                 p -= g
                 continue
-            v = velocity[a:b]
-            if first:
-                v[...] = g
-            else:
-                v *= self.momentum
-                v += g
-            p -= v
+            p -= _accumulate_(velocity[a:b], g, self.momentum, first)
 
     def _update(self, params, grad, state, scale, first) -> None:  # pragma: no cover
         raise AssertionError(f"{type(self).__name__} updates tensor by tensor (_apply)")
@@ -202,9 +200,9 @@ class LAMB(Optimizer):
     ``exclude_1d`` (default): 1-D tensors get ratio 1 and no weight decay."""
 
     def __init__(self, lr: float | Schedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.01, exclude_1d: bool = True, *,
-                 clip_norm: float | None = None, clip_value: float | None = None) -> None:
-        super().__init__(lr, weight_decay, clip_norm=clip_norm, clip_value=clip_value)
+                 eps: float = 1e-6, weight_decay: float = 0.01, exclude_1d: bool = True,
+                 **clip: float | None) -> None:
+        super().__init__(lr, weight_decay, **clip)
         self.b1, self.b2 = _betas(betas, "LAMB")
         self.eps, self.exclude_1d = _positive("eps", eps), bool(exclude_1d)
 
@@ -246,14 +244,13 @@ class LAMB(Optimizer):
 
 
 def make_optimizer(name: str, lr: float | Schedule, momentum: float = 0.9,
-                   weight_decay: float = 0.0, *, clip_norm: float | None = None,
-                   clip_value: float | None = None, **settings: Any) -> Optimizer:
+                   weight_decay: float = 0.0, **settings: Any) -> Optimizer:
     """An optimizer by name (:data:`OPTIMIZERS`; ``momentum`` is SGD with momentum), other
-    ``settings`` (``betas``, ``eps``, ``eta``, ``exclude_1d``, ``nesterov``) to its class."""
+    ``settings`` (``clip_norm``, ``clip_value``, ``betas``, ``eps``, ``eta``, ``exclude_1d``,
+    ``nesterov``) to its class."""
     kinds = {"sgd": (SGD, {}), "momentum": (SGD, {"momentum": momentum}), "adam": (Adam, {}),
              "adamw": (AdamW, {}), "lars": (LARS, {"momentum": momentum}), "lamb": (LAMB, {})}
     if name not in kinds:
         raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
     cls, extra = kinds[name]
-    return cls(lr, weight_decay=weight_decay, clip_norm=clip_norm, clip_value=clip_value,
-               **extra, **settings)
+    return cls(lr, weight_decay=weight_decay, **extra, **settings)

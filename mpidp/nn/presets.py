@@ -45,12 +45,9 @@ def mlp_layers(n_in: int, hidden: Sequence[int], n_out: int,
         raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(_ACTIVATIONS)}")
     act = (lambda: ReLU(inplace=True)) if activation == "relu" else _ACTIVATIONS[activation]
     init = "he" if activation == "relu" else "xavier"
-    layers: list[L.Layer] = []
     dims = [n_in, *hidden]
-    for a, b in zip(dims[:-1], dims[1:]):
-        layers += [L.Dense(a, b, init=init), act()]
-    layers.append(L.Dense(dims[-1], n_out, init="xavier"))
-    return layers
+    pairs = [[L.Dense(a, b, init=init), act()] for a, b in zip(dims[:-1], dims[1:])]
+    return [*sum(pairs, []), L.Dense(dims[-1], n_out, init="xavier")]
 
 
 PRESETS = ("linear", "logreg", "mlp", "cnn")
@@ -62,11 +59,8 @@ def default_epochs(model: str) -> int:
 
 
 def cnn_layers(in_shape: Sequence[int], n_out: int) -> list[L.Layer]:
-    """A small convolutional classifier, unbound. ``(channels, length)`` signals: three
-    ``Conv1d`` of 32 channels (kernel 5), ``Dense`` to ``n_out``. ``(channels, height,
-    width)`` images: ``Conv2d`` of 16 then 32 channels (3x3), ``Dense`` 64, ``Dense`` to
-    ``n_out``. Each convolution padded, with ReLU; the first two with a 2-wide ``MaxPool``
-    while the input is at least 4 across."""
+    """The layers of the ``cnn`` preset (``docs/models.md``) for samples of ``in_shape``
+    (signals or images), unbound."""
     shape = tuple(in_shape)
     if len(shape) == 2:
         conv, widths, kernel, head = Conv1d, (32, 32, 32), 5, []

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..errors import is_whole
 from .layers import ParameterFree, register_layer
 
 
@@ -50,9 +51,9 @@ class Reshape(_ShapeOnly):
     def __init__(self, shape: int | Sequence[int]) -> None:
         super().__init__()
         dims = (shape,) if isinstance(shape, (int, np.integer)) else shape
-        if not isinstance(dims, (tuple, list)) or not dims or any(
-                isinstance(d, bool) or not isinstance(d, (int, np.integer)) or (d < 1 and d != -1)
-                for d in dims) or sum(d == -1 for d in dims) > 1:
+        if not isinstance(dims, (tuple, list)) or not dims or not all(
+                is_whole(d, 1) or is_whole(d, -1) and d == -1 for d in dims) \
+                or sum(d == -1 for d in dims) > 1:
             raise ValueError(f"Reshape needs a shape of sizes >= 1 with at most one -1, got "
                              f"{shape!r}")
         self.shape = tuple(int(d) for d in dims)

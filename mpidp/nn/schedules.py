@@ -1,10 +1,8 @@
 """Learning-rate schedules: pure functions of the optimizer's update count ``t`` (0 for
 the first update), so a resumed run, at any number of ranks, continues the same rates.
 
-A schedule is a frozen dataclass: ``schedule(t) -> float``; ``config()`` a JSON-able dict
-for :func:`schedule_from_config`. :func:`make_schedule` builds one by name
-(:data:`SCHEDULES`) behind an optional :class:`Warmup`; :func:`epoch_schedule` from
-settings in epochs.
+A schedule is a frozen dataclass ``schedule(t) -> float``; :func:`make_schedule` builds
+one by name, :func:`epoch_schedule` from settings in epochs.
 """
 
 from __future__ import annotations
@@ -241,9 +239,7 @@ def make_schedule(name: str, lr: float, *, warmup: int = 0, warmup_start: float 
     if name not in SCHEDULES:
         raise ValueError(f"unknown learning-rate schedule {name!r}; expected one of {SCHEDULES}")
     schedule = schedule_from_config({"name": name, "lr": lr, **settings})
-    if warmup:
-        return Warmup(schedule, warmup, warmup_start)
-    return schedule
+    return Warmup(schedule, warmup, warmup_start) if warmup else schedule
 
 
 def epoch_schedule(name: str, lr: float, per_epoch: int, epochs: int, *, warmup_steps: int = 0,
@@ -295,8 +291,6 @@ def scaled_lr(base_lr: float, global_batch: int, base_batch: int, rule: str = "l
     ``rule="sqrt"`` times the ratio's square root (Adam-like optimizers)."""
     base_lr = _positive("base_lr", base_lr)
     ratio = _count("global_batch", global_batch) / _count("base_batch", base_batch)
-    if rule == "linear":
-        return base_lr * ratio
-    if rule == "sqrt":
-        return base_lr * math.sqrt(ratio)
-    raise ValueError(f"unknown scaling rule {rule!r}; expected 'linear' or 'sqrt'")
+    if rule not in ("linear", "sqrt"):
+        raise ValueError(f"unknown scaling rule {rule!r}; expected 'linear' or 'sqrt'")
+    return base_lr * (ratio if rule == "linear" else math.sqrt(ratio))

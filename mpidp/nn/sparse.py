@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from .layers import Dense, Layer, _bad_size, register_layer
+from .layers import Dense, Layer, register_layer
 
 
 class CSR:
@@ -94,8 +94,6 @@ class SparseDense(Dense):
     reads = "sparse (CSR) input"
 
     def __init__(self, n_in: int | None, n_out: int) -> None:
-        if (n_in is not None and _bad_size(n_in)) or _bad_size(n_out):
-            raise ValueError(f"SparseDense needs n_in >= 1 and n_out >= 1, got {n_in}, {n_out}")
         super().__init__(n_in, n_out, init="xavier")
 
     def forward(self, x: CSR) -> np.ndarray:

@@ -1,9 +1,7 @@
-"""Feature standardisation with EXACT global statistics, computed data-parallel.
-
-:class:`Standardize` maps each element of a sample to ``(x - mean) / std``, its state set
-before training by :meth:`Standardize.fit_` from the training set's global count, mean and
-centred sum of squares, which ranks holding parts of it get in one of two ways (pure
-NumPy here; the caller runs the collectives):
+"""Feature standardisation with EXACT global statistics, computed data-parallel:
+:class:`Standardize`, set by :meth:`Standardize.fit_` from the training set's global count,
+mean and centred sum of squares, which ranks holding parts of it get in one of two ways
+(pure NumPy here; the caller runs the collectives):
 
 - one gather, not additive: every rank's :func:`moments` merged by :func:`combine_moments`
   (Chan et al.'s pairwise formula), accurate to about ``1e-16 * |mean| / std``;
@@ -180,6 +178,3 @@ class Standardize(_SampleShaped, ParameterFree):
 
     def input_grad(self, dy: np.ndarray) -> np.ndarray:
         return dy / self._std
-
-    def __repr__(self) -> str:
-        return "Standardize()"

@@ -68,13 +68,13 @@ def test_a_dense_layer_is_heard_before_its_input_gradient():
 
 def test_a_convolution_is_heard_before_its_input_gradient(monkeypatch):
     from mpidp.nn import conv as conv_module
-    log, tap = [], conv_module._clipped_tap
+    log, tap = [], conv_module.tap
 
     def logged_tap(*a):  # col2im, the input gradient's work
         log.append("input-grad")
         return tap(*a)
 
-    monkeypatch.setattr(conv_module, "_clipped_tap", logged_tap)
+    monkeypatch.setattr(conv_module, "tap", logged_tap)
     model = nn.Sequential([nn.Conv1d(1, 2, 3, padding=1), nn.ReLU(), nn.Conv1d(2, 3, 3, padding=1),
                            nn.Flatten(), nn.Dense(None, 2)], (1, 6), dtype=np.float64).init_(0)
     rng = np.random.default_rng(2)
