@@ -30,12 +30,7 @@ def load_run(folder: str) -> dict:
     ValueError naming the folder when it holds neither file, or no epoch yet."""
     metrics, jsonl = os.path.join(folder, "metrics.json"), os.path.join(folder, "history.jsonl")
     if os.path.isfile(metrics):
-        try:
-            with open(metrics, encoding="utf-8") as f:
-                m = json.load(f)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{metrics}: not valid JSON ({exc}); the file is damaged: "
-                             "write it again, or delete it to plot history.jsonl") from None
+        m = _json(metrics, ": write it again, or delete it to plot history.jsonl")
         if not isinstance(m, dict):
             raise ValueError(f"{metrics}: not the metrics of a run (a JSON object)")
         config = dict(m.get("config") or {})
@@ -77,6 +72,15 @@ def _checked_epochs(epochs: object, path: str) -> list[dict]:
                 raise ValueError(f"{path}: epoch record {i + 1} has {key} = {v!r}, not a "
                                  f"number; the file is damaged")
     return epochs
+
+
+def _json(path: str, fix: str = "") -> Any:
+    """The JSON in ``path``; ValueError naming it, as damaged (and ``fix``), if it is not."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); the file is damaged{fix}") from None
 
 
 def elapsed(epochs: list[dict]) -> list[float]:
@@ -176,8 +180,7 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
 
 
 def _save(fig, out: str) -> None:
-    """Write ``fig`` to ``out`` atomically (a failure leaves no half-written image), and
-    close it."""
+    """Write ``fig`` to ``out`` atomically, and close it."""
     import matplotlib.pyplot as plt
     fmt = os.path.splitext(out)[1][1:].lower() or "png"
     try:
@@ -241,11 +244,7 @@ def load_sweep(folder: str) -> dict:
     if not os.path.isfile(path):
         raise ValueError(f"{folder}: the sweep has not finished ({SWEEP} is written at its "
                          "end); run it to the end, or plot its trials' folders")
-    try:
-        with open(path, encoding="utf-8") as f:
-            summary = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc}); the file is damaged") from None
+    summary = _json(path)
     trials = summary.get("trials") if isinstance(summary, dict) else None
     if not isinstance(trials, list) or not isinstance(summary.get("select"), str) or not all(
             isinstance(t, dict) and isinstance(t.get("settings"), dict) for t in trials):
