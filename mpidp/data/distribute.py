@@ -273,8 +273,7 @@ def data_fingerprint(comm: C.Comm, spec: str, together: bool, root: int = 0) -> 
 
 def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, layout,
                 clock, copy) -> Data:
-    # every rank checks an equal share of each .npz member's CRC-32, first: a corrupted
-    # byte is named as such
+    # every rank checks a share of each .npz member's CRC-32 first: corruption is named so
     if source_kw.pop("verify", True) and isinstance(spec, str):
         _verify_together(comm, spec)
     src = C.run_agreed(comm, open_source, spec, seed=seed, verify=False, **source_kw)

@@ -161,24 +161,18 @@ def save(directory: str, model: Sequential, optimizer: Optimizer, state: State, 
          *, run_id: str | None = None) -> str:
     """Write a checkpoint for ``state`` into ``directory``; keep the newest ``keep``. Not
     collective: call it on one rank. Returns the file's path. See :func:`save_flat`."""
-    arrays = {"params": model.params, **({"state": model.state} if model.n_state else {})}
-    return _write(directory, arrays, optimizer, state, keep, run_id)
+    return save_flat(directory, model.params, optimizer, state, keep, run_id=run_id,
+                     layer_state=model.state if model.n_state else None)
 
 
 def save_flat(directory: str, params: np.ndarray, optimizer: Optimizer, state: State,
-              keep: int = 3, *, run_id: str | None = None) -> str:
-    """:func:`save` from the whole model's flat ``params`` and an ``optimizer`` holding the
-    whole model's state arrays (as a pipeline gathers them): any layout may resume it.
-    Raises ValueError, writing nothing, if ``state`` is behind the newest checkpoint (a
-    smaller ``global_step``, or the same at an earlier ``(epoch, step)``), or if ``run_id``
-    is given and the folder's ``run.json`` names another run."""
-    return _write(directory, {"params": params}, optimizer, state, keep, run_id)
-
-
-def _write(directory: str, model_arrays: dict[str, np.ndarray], optimizer: Optimizer,
-           state: State, keep: int, run_id: str | None) -> str:
-    """:func:`save_flat` of ``params`` and, for a model with layer state, ``state``."""
-    params = model_arrays["params"]
+              keep: int = 3, *, run_id: str | None = None, layer_state=None) -> str:
+    """:func:`save` from the whole model's flat ``params`` (and ``layer_state``, if any) and
+    an ``optimizer`` holding the whole model's state arrays (as a pipeline gathers them): any
+    layout may resume it. Raises ValueError, writing nothing, if ``state`` is behind the
+    newest checkpoint (a smaller ``global_step``, or the same at an earlier ``(epoch,
+    step)``), or if ``run_id`` is given and the folder's ``run.json`` names another run."""
+    model_arrays = {"params": params, **({} if layer_state is None else {"state": layer_state})}
     if not all(all_finite(a) for a in model_arrays.values()):
         n, kept = state.global_step, list_checkpoints(directory)
         raise NonFiniteError(
