@@ -135,8 +135,7 @@ def agree_same(comm: Comm, where: str, items: dict[str, Any]) -> None:
         parts.append(f"{k} is " + ", ".join(
             f"{cut(v)} on rank {r[0]}" if len(r) == 1 else f"{cut(v)} on ranks {r}"
             for v, r in groups.items()) + field)
-    raise MpidpError(f"{where}: every rank must pass the same arguments, but " +
-                     "; ".join(parts))
+    raise MpidpError(f"{where}: every rank must pass the same arguments, but " + "; ".join(parts))
 
 
 def _where_they_differ(values: list[str], width: int = 80):

@@ -190,8 +190,7 @@ def gatherv_rows(comm: Comm, rows: np.ndarray, root: int = 0) -> np.ndarray | No
     row_size = max(int(np.prod(rows.shape[1:], dtype=np.int64)), 1)
     rtype = _row_type(rows.dtype, row_size)
     try:
-        out = None if counts is None else np.empty((int(counts.sum()), *rows.shape[1:]),
-                                                   rows.dtype)
+        out = None if counts is None else np.empty((int(counts.sum()), *rows.shape[1:]), rows.dtype)
         recv = None if out is None else [out, (counts, _displs(counts)), rtype]
         comm.Gatherv([rows, len(rows), rtype], recv, root=root)
     finally:

@@ -52,8 +52,7 @@ def load_run(folder: str) -> dict:
 
 
 #: The figures of an epoch record that are drawn or summed (numbers, or null when absent).
-PLOTTED = ("epoch", "loss", "accuracy", "test_loss", "test_accuracy", "lr", "seconds",
-           "elapsed_s")
+PLOTTED = ("epoch", "loss", "accuracy", "test_loss", "test_accuracy", "lr", "seconds", "elapsed_s")
 
 
 def _checked_epochs(epochs: object, path: str) -> list[dict]:
@@ -114,8 +113,7 @@ def labels(runs: list[dict]) -> list[str]:
     if not any(k == "parallel" for k, _ in keys) and any(
             c.get("parallel", "data") != "data" for c in cfgs):
         keys.insert(0, ("parallel", "parallel"))
-    out = [" ".join(f"{s}={_short(c[k])}" for k, s in keys if c.get(k) is not None)
-           for c in cfgs]
+    out = [" ".join(f"{s}={_short(c[k])}" for k, s in keys if c.get(k) is not None) for c in cfgs]
     same = [not lab or out.count(lab) > 1 for lab in out]
     for i, r in enumerate(runs):
         if same[i]:
@@ -306,8 +304,7 @@ def draw_sweep(summary: dict, out: str, title: str | None = None) -> list[dict]:
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.5 * rows), squeeze=False)
     unseen = len(summary["trials"]) - len(panels[0]["y"])
     for ax, p in zip(axes.flat, panels):
-        xs = ([p["categories"].index(x) for x in p["x"]] if p["axis"] == "category"
-              else p["x"])
+        xs = [p["categories"].index(x) for x in p["x"]] if p["axis"] == "category" else p["x"]
         ax.plot(xs, p["y"], "o", color="C0", zorder=2)
         by: dict = {}  # the mean at each value: a line through the repeats
         for x, y in zip(xs, p["y"]):

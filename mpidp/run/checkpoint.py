@@ -120,8 +120,7 @@ def claimed(comm: C.Comm, out: str, checkpoint_dir: str | None, *, resume: bool,
     def take() -> str | None:
         held["out"] = F.hold_folder(out, "out")
         if checkpoint_dir:
-            held["claim"] = claim(checkpoint_dir, uuid.uuid4().hex, resume=resume,
-                                  restart=restart)
+            held["claim"] = claim(checkpoint_dir, uuid.uuid4().hex, resume=resume, restart=restart)
             return held["claim"].run_id
         return None
 
@@ -161,18 +160,24 @@ def save(directory: str, model: Sequential, optimizer: Optimizer, state: State, 
          *, run_id: str | None = None) -> str:
     """Write a checkpoint for ``state`` into ``directory``; keep the newest ``keep``. Not
     collective: call it on one rank. Returns the file's path. See :func:`save_flat`."""
-    return save_flat(directory, model.params, optimizer, state, keep, run_id=run_id,
-                     layer_state=model.state if model.n_state else None)
+    arrays = {"params": model.params, **({"state": model.state} if model.n_state else {})}
+    return _write(directory, arrays, optimizer, state, keep, run_id)
 
 
 def save_flat(directory: str, params: np.ndarray, optimizer: Optimizer, state: State,
-              keep: int = 3, *, run_id: str | None = None, layer_state=None) -> str:
-    """:func:`save` from the whole model's flat ``params`` (and ``layer_state``, if any) and
-    an ``optimizer`` holding the whole model's state arrays (as a pipeline gathers them): any
-    layout may resume it. Raises ValueError, writing nothing, if ``state`` is behind the
-    newest checkpoint (a smaller ``global_step``, or the same at an earlier ``(epoch,
-    step)``), or if ``run_id`` is given and the folder's ``run.json`` names another run."""
-    model_arrays = {"params": params, **({} if layer_state is None else {"state": layer_state})}
+              keep: int = 3, *, run_id: str | None = None) -> str:
+    """:func:`save` from the whole model's flat ``params`` and an ``optimizer`` holding the
+    whole model's state arrays (as a pipeline gathers them): any layout may resume it.
+    Raises ValueError, writing nothing, if ``state`` is behind the newest checkpoint (a
+    smaller ``global_step``, or the same at an earlier ``(epoch, step)``), or if ``run_id``
+    is given and the folder's ``run.json`` names another run."""
+    return _write(directory, {"params": params}, optimizer, state, keep, run_id)
+
+
+def _write(directory: str, model_arrays: dict[str, np.ndarray], optimizer: Optimizer,
+           state: State, keep: int, run_id: str | None) -> str:
+    """:func:`save_flat` of ``params`` and, for a model with layer state, ``state``."""
+    params = model_arrays["params"]
     if not all(all_finite(a) for a in model_arrays.values()):
         n, kept = state.global_step, list_checkpoints(directory)
         raise NonFiniteError(
@@ -411,8 +416,7 @@ def check_fits(path: str, meta: dict, n_params: int, dtype: np.dtype, optimizer:
                          f"{sorted(needed)}; start over with {setting('restart')}")
 
 
-def check_position(state: State, steps_per_epoch: int, path: str | None = None
-                   ) -> str | None:
+def check_position(state: State, steps_per_epoch: int, path: str | None = None) -> str | None:
     """Why a run of ``steps_per_epoch`` steps an epoch cannot resume at ``state``'s step
     (past its epoch's end), or None; ``path`` names the checkpoint (``state.source``)."""
     if state.step <= steps_per_epoch:

@@ -336,8 +336,7 @@ def _span(tracer, name: str, track: str):
     return tracer.span(name, name, track) if tracer is not None else nullcontext()
 
 
-def _record(trainer, feed: Feed, epoch: int, totals: np.ndarray, t0: float,
-            tracer=None) -> dict:
+def _record(trainer, feed: Feed, epoch: int, totals: np.ndarray, t0: float, tracer=None) -> dict:
     totals = trainer.epoch_totals(totals)
     record = {"epoch": epoch + 1, "loss": totals[0] / totals[1] if totals[1] else float("nan"),
               "accuracy": totals[2] / totals[1] if feed.labelled and totals[1] else None,
