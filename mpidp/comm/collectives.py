@@ -73,9 +73,7 @@ def allreduce_(comm: Comm, buf: np.ndarray, op: str) -> np.ndarray:
 @watched("an Allreduce (max)")
 def allreduce_max(comm: Comm, values: Sequence[float]) -> np.ndarray:
     """Element-wise max over ranks of a few float64 values."""
-    buf = np.asarray(values, np.float64).copy()
-    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
-    return buf
+    return allreduce_(comm, np.array(values, np.float64), "max")
 
 
 def ialltoallv_(comm: Comm, send: np.ndarray, send_parts: tuple[np.ndarray, np.ndarray],
