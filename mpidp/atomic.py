@@ -155,8 +155,7 @@ def write_atomic(path: str, write: Callable[[IO[bytes]], object], what: str | No
     path = target(path)
     directory = os.path.dirname(os.path.abspath(path))
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory,
-                                   prefix=f"{TMP_PREFIX}{host_tag()}-{os.getpid()}-")
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{TMP_PREFIX}{host_tag()}-{os.getpid()}-")
     except OSError as exc:
         raise write_error(exc, path, what) from None
     try:

@@ -77,10 +77,14 @@ def root_decides(comm: Comm, fn, *args, root: int = 0, **kwargs) -> Any:
 @watched("the replica checksum Allreduce")
 def params_in_sync(comm: Comm, params: np.ndarray) -> bool:
     """True on every rank iff all ranks hold bit-identical ``params``. Collective, 1 Allreduce."""
-    h = checksum(params)
-    buf = np.array([h, -h], np.int64)
+    return _same_everywhere(comm, np.array([checksum(params)], np.int64))
+
+
+def _same_everywhere(comm: Comm, h: np.ndarray) -> bool:
+    """Whether every rank holds int64 ``h`` (as long everywhere): one Allreduce."""
+    buf = np.concatenate([h, -h])
     comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
-    return bool(buf[0] == -buf[1])
+    return bool(np.array_equal(buf[:len(h)], -buf[len(h):]))
 
 
 @watched("the replica checksum Allreduce")
@@ -99,9 +103,7 @@ def replicas_differ(comm: Comm, arrays: list[np.ndarray], root: int = 0) -> list
     ``root``'s; all lists empty when every copy is bit-identical. Collective: one Allreduce
     of checksums, and an allgather of them only when some differ."""
     h = np.array([checksum(a) for a in arrays], np.int64)
-    buf = np.concatenate([h, -h])
-    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
-    if np.array_equal(buf[:len(h)], -buf[len(h):]):
+    if _same_everywhere(comm, h):
         return [[] for _ in arrays]
     hashes = comm.allgather(h.tolist())  # failure path only
     return [[r for r, mine in enumerate(hashes) if mine[i] != hashes[root][i]]
@@ -120,10 +122,8 @@ def agree_same(comm: Comm, where: str, items: dict[str, Any]) -> None:
     ``items`` (name -> a value whose ``repr`` identifies it; ranks may even pass different
     names). Collective: one ``Allreduce`` of a digest of them all; the message names each
     differing item, its values and the ranks holding each."""
-    h = _digest([(k, repr(v)) for k, v in items.items()])
-    buf = np.array([h, -h], np.int64)  # the same size on every rank, whatever it passed
-    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
-    if buf[0] == -buf[1]:
+    # the same size on every rank, whatever it passed
+    if _same_everywhere(comm, np.array([_digest([(k, repr(v)) for k, v in items.items()])])):
         return
     shown = comm.allgather({k: repr(v) for k, v in items.items()})  # failure path only
     names = dict.fromkeys(k for values in shown for k in values)
@@ -135,8 +135,7 @@ def agree_same(comm: Comm, where: str, items: dict[str, Any]) -> None:
         parts.append(f"{k} is " + ", ".join(
             f"{cut(v)} on rank {r[0]}" if len(r) == 1 else f"{cut(v)} on ranks {r}"
             for v, r in groups.items()) + field)
-    raise MpidpError(f"{where}: every rank must pass the same arguments, but " +
-                     "; ".join(parts))
+    raise MpidpError(f"{where}: every rank must pass the same arguments, but " + "; ".join(parts))
 
 
 def _where_they_differ(values: list[str], width: int = 80):

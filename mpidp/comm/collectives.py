@@ -73,9 +73,7 @@ def allreduce_(comm: Comm, buf: np.ndarray, op: str) -> np.ndarray:
 @watched("an Allreduce (max)")
 def allreduce_max(comm: Comm, values: Sequence[float]) -> np.ndarray:
     """Element-wise max over ranks of a few float64 values."""
-    buf = np.asarray(values, np.float64).copy()
-    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
-    return buf
+    return allreduce_(comm, np.array(values, np.float64), "max")
 
 
 def ialltoallv_(comm: Comm, send: np.ndarray, send_parts: tuple[np.ndarray, np.ndarray],
@@ -190,8 +188,7 @@ def gatherv_rows(comm: Comm, rows: np.ndarray, root: int = 0) -> np.ndarray | No
     row_size = max(int(np.prod(rows.shape[1:], dtype=np.int64)), 1)
     rtype = _row_type(rows.dtype, row_size)
     try:
-        out = None if counts is None else np.empty((int(counts.sum()), *rows.shape[1:]),
-                                                   rows.dtype)
+        out = None if counts is None else np.empty((int(counts.sum()), *rows.shape[1:]), rows.dtype)
         recv = None if out is None else [out, (counts, _displs(counts)), rtype]
         comm.Gatherv([rows, len(rows), rtype], recv, root=root)
     finally:

@@ -1,11 +1,9 @@
 """Surviving a lost rank: Open MPI's User-Level Failure Mitigation (ULFM) calls.
 
-A run that may lose ranks sets ``MPI.ERRORS_RETURN`` on its communicators, so a collective
-that meets a dead rank raises on the survivors (:func:`is_lost_rank`) instead of ending
-the job; they revoke the communicator (every survivor's pending call fails too), shrink it
-to the survivors (:func:`shrink`) and agree on where to go on (:func:`agree_min`).
-Only Open MPI 5 started with ``--with-ft ulfm`` and without its shared-memory transport
-notices a dead rank in bounded time (:func:`ulfm_problem`; docs/reliability.md).
+With ``MPI.ERRORS_RETURN`` a collective that meets a dead rank raises on the survivors
+(:func:`is_lost_rank`); they shrink the communicator to themselves (:func:`shrink`) and
+agree on where to go on (:func:`agree_min`). Which MPI can: :func:`ulfm_problem`
+(docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -76,9 +74,8 @@ def is_lost_rank(exc: BaseException) -> bool:
 
 
 def shrink(comm: Comm) -> tuple[Comm, list[int]]:
-    """The survivors of ``comm``, in a new communicator with the same error handling, and
-    the ranks of ``comm`` that are gone (agreed by ``MPI_Comm_shrink``; confirmed by
-    ``MPI_Comm_agree``). Collective over the survivors."""
+    """The survivors of ``comm`` in a new communicator with the same error handling, and the
+    ranks of ``comm`` that are gone (confirmed by ``MPI_Comm_agree``). Collective over them."""
     try:
         comm.Revoke()  # every survivor's pending and next call on comm fails: all come here
     except MPI.Exception:

@@ -37,12 +37,9 @@ def _move_X(comm: C.Comm, X, send: np.ndarray, recv: np.ndarray):
 
 
 def redistribute(comm: C.Comm, shard: Shard, owner: np.ndarray) -> tuple[Shard, int]:
-    """Move rows so that this rank holds exactly the positions ``owner`` gives it.
-
-    Collective; ``owner`` ``(n_total,)`` must be identical on every rank. Returns the new
-    shard (rows in increasing position order) and the number of rows that changed rank
-    (the same on every rank); with nothing to move the shard is returned untouched.
-    """
+    """Move rows so that this rank holds exactly the positions ``owner`` ``(n_total,)`` (the
+    same on every rank) gives it. Collective. Returns the new shard (rows by increasing
+    position; untouched when nothing moves) and how many rows changed rank (on every rank)."""
     dest = np.asarray(owner, np.int64)[shard.positions]
     order = np.argsort(dest, kind="stable")
     send = np.bincount(dest, minlength=comm.size).astype(np.int64)

@@ -122,12 +122,9 @@ def digits() -> ArraySource:
 
 
 def mnist1d(num_samples: int | None = None) -> ArraySource:
-    """MNIST-1D made locally: ``X`` float64 ``(num_samples, 1, 40)``, ``y`` in 0..9, the
-    training series first, then the test series (the last 20%), which ``fixed_test`` counts.
-
-    ``num_samples``: None for the paper's 5,000; another number makes a smaller set for tests
-    (a different draw). The global NumPy and Python random states the package seeds are
-    restored afterwards."""
+    """MNIST-1D made locally: ``X`` float64 ``(num_samples, 1, 40)`` (None: the paper's 5,000),
+    ``y`` in 0..9, the training series, then the test series (the last 20%, ``fixed_test``).
+    The global NumPy and Python random states the package seeds are restored afterwards."""
     if importlib.util.find_spec("mnist1d") is None:
         raise _missing("mnist1d", "mnist1d", "pip install mnist1d (or pip install "
                        "'mpidp[full]')", " (MNIST-1D is generated locally by it)")

@@ -273,8 +273,7 @@ def data_fingerprint(comm: C.Comm, spec: str, together: bool, root: int = 0) -> 
 
 def _load_local(comm, spec, test_fraction, seed, dtype, n_classes, source_kw, layout,
                 clock, copy) -> Data:
-    # every rank checks an equal share of each .npz member's CRC-32, first: a corrupted
-    # byte is named as such
+    # every rank checks a share of each .npz member's CRC-32 first: corruption is named so
     if source_kw.pop("verify", True) and isinstance(spec, str):
         _verify_together(comm, spec)
     src = C.run_agreed(comm, open_source, spec, seed=seed, verify=False, **source_kw)
@@ -352,11 +351,8 @@ def shard_from_arrays(comm: C.Comm, X: np.ndarray, y: np.ndarray,
                       n_features: int | None = None, *,
                       sample_shape: tuple[int, ...] | None = None) -> Shard:
     """Wrap this rank's own ``(X, y)`` as a :class:`Shard`; global order is rank order.
-
-    Collective; checked on every rank, agreed so that all raise the same error: ``X``
-    ``(n_local, *sample_shape)``, at least 2-D, the same sample shape on every rank (else the
-    ranks are named), real numbers, ``n_features`` values per sample and the shape
-    ``sample_shape`` if given, ``len(X) == len(y)``, finite values, labels >= 0."""
+    Collective: every rank raises the same error unless each ``X`` is ``(n_local,
+    *sample_shape)`` of real, finite numbers, the same sample shape everywhere, labels >= 0."""
     X, y = np.asarray(X), np.asarray(y)
     C.agree(comm, _arrays_problem(X, y, n_features, sample_shape))  # each rank's verdict
     _agree_sample_shape(comm, tuple(X.shape[1:]))
@@ -409,8 +405,7 @@ def _agree_sample_shape(comm: C.Comm, shape: tuple[int, ...]) -> None:
             "with the same sample_shape")
 
 
-def load_on_workers(comm: C.Comm, server: int, load: Callable[[C.Comm], Data],
-                    dtype) -> Data:
+def load_on_workers(comm: C.Comm, server: int, load: Callable[[C.Comm], Data], dtype) -> Data:
     """``load(workers)`` on every rank of ``comm`` but a dedicated ``server``, which gets the
     same description with empty shards (of ``dtype``). Collective; errors reach every rank."""
     workers = C.split_off(comm, server)

@@ -238,12 +238,9 @@ def _checked(strategy: str, n: int, size: int, costs, capacities) -> tuple:
 
 def assign(strategy: str, n: int, size: int, *, seed: int = 0, costs=None,
            capacities=None) -> np.ndarray:
-    """The initial owner ``(n,)`` of every position under ``strategy`` (see STRATEGIES).
-
-    ``cost`` and ``adaptive`` start from one LPT assignment over the whole set (given
-    ``costs`` or unit costs, ``capacities`` or equal ones); training then rebalances every
-    epoch's batches (:func:`balance_batches`). ValueError as :func:`_checked` says.
-    """
+    """The initial owner ``(n,)`` of every position under ``strategy`` (:data:`STRATEGIES`;
+    ``cost`` and ``adaptive``: one LPT assignment over the whole set, unit costs and equal
+    capacities unless given). ValueError as :func:`_checked` says."""
     costs, caps = _checked(strategy, n, size, costs, capacities)
     if strategy == "block":
         return owner_block(n, size)

@@ -84,8 +84,7 @@ def map_rows(fd: int, start: int, shape: tuple[int, ...], dtype: np.dtype) -> np
     a private copy-on-write memory map (the page cache's pages until written)."""
     count = int(np.prod(shape, dtype=np.int64))
     base = start - start % mmap.ALLOCATIONGRANULARITY
-    mm = mmap.mmap(fd, start - base + count * dtype.itemsize, access=mmap.ACCESS_COPY,
-                   offset=base)
+    mm = mmap.mmap(fd, start - base + count * dtype.itemsize, access=mmap.ACCESS_COPY, offset=base)
     with contextlib.suppress(AttributeError, OSError):
         mm.madvise(mmap.MADV_WILLNEED)  # a file not in the page cache: read ahead now
     return np.frombuffer(mm, dtype, count, start - base).reshape(shape)

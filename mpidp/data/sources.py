@@ -48,8 +48,7 @@ class SyntheticSource(Source):
         if regression:
             self._w = rng.standard_normal(n_features) / np.sqrt(n_features)
         else:
-            self._centres = 2.5 / np.sqrt(n_features) * rng.standard_normal((n_classes,
-                                                                             n_features))
+            self._centres = 2.5 / np.sqrt(n_features) * rng.standard_normal((n_classes, n_features))
 
     def _chunk(self, c: int) -> tuple[np.ndarray, np.ndarray]:
         m = min(self.CHUNK, self.n_samples - c * self.CHUNK)

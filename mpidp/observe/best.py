@@ -11,15 +11,12 @@ from ..nn.model import Sequential, save
 
 
 class BestModel:
-    """An ``on_epoch`` callback (see :class:`mpidp.RunSpec`; it never asks to stop) that
-    keeps in file ``path`` the model of the epoch with the lowest ``val_loss`` so far (the
-    loss on ``test={"val": ...}``), by :func:`mpidp.nn.save` with ``meta``, epoch, val_loss.
-
-    ``model``: the model trained, or a callable returning it, called on every rank when an
-    epoch improves (it may be collective). Only rank 0 of ``comm`` writes (None: this
-    process). As a checkpoint's ``best`` (:class:`mpidp.run.spec.Checkpointing`), each
-    checkpoint carries the file (:meth:`kept`); :meth:`resume` takes the best epoch done and
-    writes the carried file again; :meth:`summary`: file, epoch and loss, None before one."""
+    """An ``on_epoch`` callback (it never asks to stop) that keeps in file ``path`` the model
+    of the epoch with the lowest ``val_loss`` so far, by :func:`mpidp.nn.save` with ``meta``,
+    epoch and val_loss. ``model``: the model, or a callable returning it, called on every
+    rank when an epoch improves (it may be collective). Only rank 0 of ``comm`` writes (None:
+    this process). Each checkpoint carries the file (:meth:`kept`; a
+    :class:`mpidp.run.spec.Checkpointing`'s ``best``); :meth:`resume` writes it again."""
 
     def __init__(self, path: str, model: Sequential | Callable[[], Sequential | None], *,
                  comm=None, meta: dict | None = None) -> None:

@@ -51,11 +51,9 @@ def derived(record: dict) -> dict:
 
 
 class History:
-    """Appends records to ``path_jsonl`` (truncated unless ``append``; its folder created),
-    mirrored to TensorBoard event files in ``tensorboard_dir`` when given (ValueError naming
-    the fix without tensorboardX); config and epoch lines fsync'ed, steps lines flushed. A
-    failed write raises :class:`mpidp.atomic.WriteError` naming the file and ``what``, the
-    setting that named its place (``"out"``)."""
+    """Appends records to ``path_jsonl`` (truncated unless ``append``), mirrored to
+    TensorBoard event files in ``tensorboard_dir`` when given. A failed write raises
+    :class:`mpidp.atomic.WriteError` naming the file and ``what``, the setting naming it."""
 
     def __init__(self, path_jsonl: str, tensorboard_dir: str | None = None,
                  append: bool = False, what: str | None = None) -> None:

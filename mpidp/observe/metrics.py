@@ -20,13 +20,11 @@ _T_BEGIN, _COMPUTE, _CPU, _COMM, _UPDATE, _SAMPLES, _COST = range(len(STEP_FIELD
 
 @dataclass
 class StepTimer:
-    """Accumulates seconds spent computing and communicating, steps and samples done here,
-    and one row per step (:data:`STEP_FIELDS`: the step's start, wall and CPU seconds of its
-    local forward/backward, of its collective, of the update after it, its samples and their
-    cost, :meth:`note_cost`), kept local until :meth:`take_records`. ``slowdown`` > 1
-    simulates a slower node by sleeping ``(slowdown - 1) x`` the local forward/backward (not
-    the update). ``tracer`` (:class:`mpidp.observe.trace.Tracer`) gets every span on the
-    ``compute`` (after the collective: ``update``) and ``comm`` tracks."""
+    """Seconds spent computing and communicating, steps and samples done here, and one row
+    per step (:data:`STEP_FIELDS`), kept local until :meth:`take_records`. ``slowdown`` > 1
+    simulates a slower node by sleeping ``(slowdown - 1) x`` the local forward/backward.
+    ``tracer`` (:class:`mpidp.observe.trace.Tracer`) gets every span on the ``compute`` and
+    ``comm`` tracks."""
 
     compute_s: float = 0.0
     comm_s: float = 0.0

@@ -30,12 +30,7 @@ def load_run(folder: str) -> dict:
     ValueError naming the folder when it holds neither file, or no epoch yet."""
     metrics, jsonl = os.path.join(folder, "metrics.json"), os.path.join(folder, "history.jsonl")
     if os.path.isfile(metrics):
-        try:
-            with open(metrics, encoding="utf-8") as f:
-                m = json.load(f)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{metrics}: not valid JSON ({exc}); the file is damaged: "
-                             "write it again, or delete it to plot history.jsonl") from None
+        m = _json(metrics, ": write it again, or delete it to plot history.jsonl")
         if not isinstance(m, dict):
             raise ValueError(f"{metrics}: not the metrics of a run (a JSON object)")
         config = dict(m.get("config") or {})
@@ -57,8 +52,7 @@ def load_run(folder: str) -> dict:
 
 
 #: The figures of an epoch record that are drawn or summed (numbers, or null when absent).
-PLOTTED = ("epoch", "loss", "accuracy", "test_loss", "test_accuracy", "lr", "seconds",
-           "elapsed_s")
+PLOTTED = ("epoch", "loss", "accuracy", "test_loss", "test_accuracy", "lr", "seconds", "elapsed_s")
 
 
 def _checked_epochs(epochs: object, path: str) -> list[dict]:
@@ -77,6 +71,15 @@ def _checked_epochs(epochs: object, path: str) -> list[dict]:
                 raise ValueError(f"{path}: epoch record {i + 1} has {key} = {v!r}, not a "
                                  f"number; the file is damaged")
     return epochs
+
+
+def _json(path: str, fix: str = "") -> Any:
+    """The JSON in ``path``; ValueError naming it, as damaged (and ``fix``), if it is not."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); the file is damaged{fix}") from None
 
 
 def elapsed(epochs: list[dict]) -> list[float]:
@@ -110,8 +113,7 @@ def labels(runs: list[dict]) -> list[str]:
     if not any(k == "parallel" for k, _ in keys) and any(
             c.get("parallel", "data") != "data" for c in cfgs):
         keys.insert(0, ("parallel", "parallel"))
-    out = [" ".join(f"{s}={_short(c[k])}" for k, s in keys if c.get(k) is not None)
-           for c in cfgs]
+    out = [" ".join(f"{s}={_short(c[k])}" for k, s in keys if c.get(k) is not None) for c in cfgs]
     same = [not lab or out.count(lab) > 1 for lab in out]
     for i, r in enumerate(runs):
         if same[i]:
@@ -176,8 +178,7 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
 
 
 def _save(fig, out: str) -> None:
-    """Write ``fig`` to ``out`` atomically (a failure leaves no half-written image), and
-    close it."""
+    """Write ``fig`` to ``out`` atomically, and close it."""
     import matplotlib.pyplot as plt
     fmt = os.path.splitext(out)[1][1:].lower() or "png"
     try:
@@ -241,11 +242,7 @@ def load_sweep(folder: str) -> dict:
     if not os.path.isfile(path):
         raise ValueError(f"{folder}: the sweep has not finished ({SWEEP} is written at its "
                          "end); run it to the end, or plot its trials' folders")
-    try:
-        with open(path, encoding="utf-8") as f:
-            summary = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc}); the file is damaged") from None
+    summary = _json(path)
     trials = summary.get("trials") if isinstance(summary, dict) else None
     if not isinstance(trials, list) or not isinstance(summary.get("select"), str) or not all(
             isinstance(t, dict) and isinstance(t.get("settings"), dict) for t in trials):
@@ -307,8 +304,7 @@ def draw_sweep(summary: dict, out: str, title: str | None = None) -> list[dict]:
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.5 * rows), squeeze=False)
     unseen = len(summary["trials"]) - len(panels[0]["y"])
     for ax, p in zip(axes.flat, panels):
-        xs = ([p["categories"].index(x) for x in p["x"]] if p["axis"] == "category"
-              else p["x"])
+        xs = [p["categories"].index(x) for x in p["x"]] if p["axis"] == "category" else p["x"]
         ax.plot(xs, p["y"], "o", color="C0", zorder=2)
         by: dict = {}  # the mean at each value: a line through the repeats
         for x, y in zip(xs, p["y"]):

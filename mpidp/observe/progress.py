@@ -1,10 +1,6 @@
-"""Progress of an epoch's steps on rank 0's stderr (no MPI).
-
-Under ``mpiexec`` a rank's stderr is a pipe to the launcher, so whether a person watches is
-the launcher's business: ``auto`` draws a live bar when this process's stderr, or that of
-the MPI launcher it is forwarded through, is a terminal, and writes a plain line every
-:data:`LINE_SECONDS` otherwise (a batch log gets a few lines, not thousands).
-"""
+"""Progress of an epoch's steps on rank 0's stderr (no MPI): ``auto`` draws a live bar when
+this process's stderr, or that of the MPI launcher it is piped to, is a terminal, else a
+plain line every :data:`LINE_SECONDS` (a batch log gets a few lines, not thousands)."""
 
 from __future__ import annotations
 
@@ -32,9 +28,8 @@ PROXIES = frozenset({"hydra_pmi_proxy", "pmi_proxy", "orted", "prted"})
 
 
 def line_seconds() -> float:
-    """The seconds between two plain progress lines: ``MPIDP_PROGRESS_SECONDS`` if set,
-    else :data:`LINE_SECONDS`. Raises :class:`~mpidp.errors.MpidpError` naming the variable
-    and its value unless that is a finite number above 0."""
+    """The seconds between two plain progress lines: ``MPIDP_PROGRESS_SECONDS`` if set (a
+    finite number above 0, else :class:`~mpidp.errors.MpidpError`), or :data:`LINE_SECONDS`."""
     text = os.environ.get(SECONDS_VAR)
     if text is None:
         return LINE_SECONDS

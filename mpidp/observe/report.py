@@ -63,8 +63,7 @@ def summary(metrics: dict, size: int, out: str, replicas: str) -> list[str]:
                   f"({best['file']})")
     per_epoch = [h["balance"]["per_rank"] for h in metrics["history"]  # this world's epochs
                  if len(h.get("balance", {}).get("per_rank", ())) == size]
-    wait = [sum(e[r]["wait_s"] for e in per_epoch) for r in range(size)] if per_epoch \
-        else None
+    wait = [sum(e[r]["wait_s"] for e in per_epoch) for r in range(size)] if per_epoch else None
     return [final, f"replicas: {replicas}", "per rank, whole run:",
             format_timings(metrics["timings"], wait),
             f"wrote {out}/: model.npz, metrics.json, config.toml, history.jsonl"

@@ -1,10 +1,8 @@
 """A timeline per rank, for Perfetto / ``chrome://tracing``: what each rank did, when.
 
-Each rank records spans locally (:class:`Tracer`); :func:`write` puts every rank's times
-on rank 0's clock, gathers the spans once, at the end, and writes a Chrome trace-event
-file: a process per rank, a thread per track (spans on one track nest, never overlap),
-and flow arrows between spans of different ranks that share a ``flow`` key. Importing
-this module does not start MPI."""
+Each rank records spans locally (:class:`Tracer`); :func:`write` gathers them once, at the
+end, on rank 0's clock, into a Chrome trace-event file: a process per rank, a thread per
+track, flow arrows between spans sharing a ``flow`` key. Importing this does not start MPI."""
 
 from __future__ import annotations
 
@@ -46,10 +44,8 @@ class _Span:
 
 
 class Tracer:
-    """This rank's spans, kept in memory (~200 bytes each) until :func:`write`.
-    ``steps=(a, b)``: only while ``a <= tracer.step < b`` (global steps from 0;
-    bound long runs so). Set ``tracer.step`` and ``tracer.epoch`` as the loop advances; every
-    span records them."""
+    """This rank's spans, kept in memory (~200 bytes each) until :func:`write`; ``steps=(a,
+    b)``: only while ``a <= tracer.step < b``. The loop sets ``step`` and ``epoch``."""
 
     def __init__(self, rank: int, host: str, steps: tuple[int, int] | None = None) -> None:
         if steps is not None and not (0 <= steps[0] < steps[1]):
@@ -103,10 +99,6 @@ class Tracer:
             self.events.append((name, cat, track, t0, t1, self._step, self.epoch, flow,
                                 args or None))
 
-    def clear(self) -> None:
-        """Forget the spans recorded so far."""
-        self.events.clear()
-
 
 def clock_offsets(comm, rounds: int = 8) -> tuple[float, float]:
     """``(offset, uncertainty)`` in seconds of this rank's :func:`time.perf_counter` relative
@@ -134,20 +126,14 @@ def clock_offsets(comm, rounds: int = 8) -> tuple[float, float]:
     return float(res[comm.rank, 0]), float(res[comm.rank, 1])
 
 
-def _gather_obj(comm, obj: Any) -> list | None:
-    """Every rank's picklable ``obj`` in rank order on rank 0 (None elsewhere). Collective."""
-    from .. import comm as C
-    return C.gather_obj(comm, obj)
-
-
 def write(comm, tracer: Tracer, path: str) -> int | None:
     """Align clocks, gather every rank's spans and write ``path`` on rank 0, atomically, with
     each rank's clock offset and uncertainty. Collective. Returns the number of spans written
     on rank 0, None elsewhere."""
+    from .. import comm as C
     offset, err = clock_offsets(comm)
-    mine = {"rank": comm.rank, "host": tracer.host, "offset": offset, "uncertainty": err,
-            "events": tracer.events}
-    parts = _gather_obj(comm, mine)
+    parts = C.gather_obj(comm, {"rank": comm.rank, "host": tracer.host, "offset": offset,
+                                "uncertainty": err, "events": tracer.events})
     if parts is None:
         return None
     trace = build(parts, tracer.window)

@@ -120,8 +120,7 @@ def claimed(comm: C.Comm, out: str, checkpoint_dir: str | None, *, resume: bool,
     def take() -> str | None:
         held["out"] = F.hold_folder(out, "out")
         if checkpoint_dir:
-            held["claim"] = claim(checkpoint_dir, uuid.uuid4().hex, resume=resume,
-                                  restart=restart)
+            held["claim"] = claim(checkpoint_dir, uuid.uuid4().hex, resume=resume, restart=restart)
             return held["claim"].run_id
         return None
 
@@ -417,8 +416,7 @@ def check_fits(path: str, meta: dict, n_params: int, dtype: np.dtype, optimizer:
                          f"{sorted(needed)}; start over with {setting('restart')}")
 
 
-def check_position(state: State, steps_per_epoch: int, path: str | None = None
-                   ) -> str | None:
+def check_position(state: State, steps_per_epoch: int, path: str | None = None) -> str | None:
     """Why a run of ``steps_per_epoch`` steps an epoch cannot resume at ``state``'s step
     (past its epoch's end), or None; ``path`` names the checkpoint (``state.source``)."""
     if state.step <= steps_per_epoch:

@@ -1,11 +1,8 @@
-"""Early stopping and learning-rate reduction on a plateau: pure state machines.
-
-Each is fed ONE global figure per epoch, the same on every rank, so every rank decides
-alike. Their counters (:meth:`state`, :meth:`restore`) let a resumed run decide as the
-uninterrupted one would. A value *improves* on the best so far when it beats it by MORE
-than ``min_delta`` (mode ``"min"``: ``value < best - min_delta``; ``"max"``: ``value >
-best + min_delta``); the first finite value always does, NaN and +-Inf never. A value
-that does not improve is a *bad epoch*."""
+"""Early stopping and learning-rate reduction on a plateau: pure state machines, fed ONE
+global figure per epoch (the same on every rank: every rank decides alike). A value
+*improves* when it beats the best so far by MORE than ``min_delta`` (the first finite value
+always does, NaN and +-Inf never); one that does not is a *bad epoch*. :meth:`state` and
+:meth:`restore` let a resumed run decide as the uninterrupted one would."""
 
 from __future__ import annotations
 
@@ -96,13 +93,10 @@ class EarlyStopping(_Plateau):
 
 
 class ReduceOnPlateau(_Plateau):
-    """Multiply the learning rate by ``factor`` when the figure has not improved for
-    ``patience`` epochs in a row. ``update(value)`` once per epoch returns ``scale``, the
-    learning rate's multiplier from the next epoch on (1.0 at first). On the ``patience``-th
-    bad epoch in a row (``patience=0``: every bad epoch) ``scale`` becomes ``max(scale *
-    factor, min_scale)`` (counted in ``reductions``), the count restarts, and bad epochs are
-    not counted for the next ``cooldown`` epochs (as Keras; PyTorch reduces one epoch
-    later). ``factor`` is in (0, 1), ``min_scale`` in [0, 1]."""
+    """Multiply the learning rate by ``factor`` (in (0, 1)) when the figure has not improved
+    for ``patience`` epochs in a row: ``update(value)`` once per epoch returns ``scale``, the
+    multiplier from the next epoch on, which becomes ``max(scale * factor, min_scale)`` on
+    that bad epoch; the count then restarts after ``cooldown`` epochs (as Keras does)."""
 
     _KEYS = _Plateau._KEYS + ("scale", "reductions", "cooldown_left")
 

@@ -1,14 +1,10 @@
 """An elastic run: the epoch loop goes on over the survivors when ranks die.
 
-Before each step every rank keeps what it holds (the trainer's :meth:`Regroup.keep`, the
-loop's position and running totals), the last two such marks. A collective that meets a
-dead rank raises on the survivors (:func:`mpidp.comm.elastic.is_lost_rank`); they shrink the
-communicator to the survivors (an agreement on who is gone), agree on the last global step
-every survivor reached (the smallest), and a replica that had gone one update further
-goes back to its earlier mark. The trainer and its feed then move to the survivors
-(:meth:`Regroup.regroup`: the same global batches, the rest of the epoch split over fewer
-ranks) and the loop carries on from that step. Each loss is recorded (:attr:`Elastic.losses`).
-Fewer survivors than ``min_ranks`` end the run instead (:class:`TooFewRanks`).
+Before each step every rank keeps a mark (the trainer's :meth:`Regroup.keep`, the loop's
+position and totals; the last two). After a lost rank the survivors shrink the communicator,
+go back to the smallest global step any of them reached, and the trainer and its feed move
+to them (:meth:`Regroup.regroup`: the same global batches); each loss is recorded
+(:attr:`Elastic.losses`). Fewer survivors than ``min_ranks`` end the run (:class:`TooFewRanks`).
 """
 
 from __future__ import annotations
@@ -102,8 +98,7 @@ class Elastic:
         comm, lost = E.shrink(self.comm)
         self.faults.apply("recover")
         here = self.marks[-1].global_step
-        low, high = (int(v) for v in E.agree_min(comm, [here, -here]))
-        high = -high
+        low, high = (int(v) for v in E.agree_min(comm, [here, -here]) * [1, -1])
         mark = next((m for m in self.marks if m.global_step == low), None)
         if mark is None:  # never: survivors are at most one update apart
             raise MpidpError(f"cannot roll back from step {here} to step {low}")

@@ -1,13 +1,8 @@
-"""Fault injection for tests and drills: ``MPIDP_FAULT=kind@rank:when[,kind@rank:when...]``.
-
-Kinds, applied on ``rank`` (of the run's communicator as the run starts) just before global
-step ``when`` (0-based), in every mode: ``raise`` (an exception), ``kill`` (SIGKILL),
-``hang`` (an hour's sleep), ``nan`` (this rank's gradient contribution becomes NaN),
-``desync`` (its first parameter moves by one ulp), ``term`` (SIGTERM, as a scheduler's
-preemption sends). ``when`` may instead name a phase (:data:`PHASES`): the fault then comes
-as the rank enters it: ``evaluate`` (an epoch's held-out evaluation), ``checkpoint``
-(writing one), ``write`` (the final model and metrics), ``recover`` (going on over the
-survivors of a lost rank). Unset, the per-step cost is one dictionary lookup."""
+"""Fault injection for tests and drills: ``MPIDP_FAULT=kind@rank:when[,kind@rank:when...]``
+(docs/reliability.md). A fault of a kind in :data:`KINDS` fires on ``rank`` just before
+global step ``when`` (0-based), or as the rank enters a phase of :data:`PHASES`: ``nan``
+makes this rank's gradient contribution NaN, ``desync`` moves its first parameter by one
+ulp, ``term`` sends SIGTERM as a preemption does. Unset, a step costs one dict lookup."""
 
 from __future__ import annotations
 

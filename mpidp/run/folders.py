@@ -1,12 +1,8 @@
 """Checkpoint folders that belong to one run at a time, and the temporary files that killed
-writers leave there. No MPI here: the root rank calls these. A checkpoint folder holds
-
-- ``run.json``: the run it belongs to (``run_id``, when and where that run started);
-- ``.lock``: ``flock``-ed by the job writing there, and naming it (host, pid, start time).
-  The kernel drops the lock when its holder dies; on NFS, Linux maps ``flock`` to
-  byte-range locks the server enforces across hosts; without locks, the file's contents
-  decide (see :func:`lock_folder`);
-- ``ckpt-*.npz`` (:mod:`mpidp.run.checkpoint`), and briefly ``.tmp-*`` files being written."""
+writers leave there (no MPI: the root rank calls these). A checkpoint folder holds
+``run.json`` (the run it belongs to: ``run_id``, when and where it started), ``.lock``
+(``flock``-ed by the job writing there and naming it; without locks, its contents decide:
+:func:`lock_folder`), ``ckpt-*.npz`` (:mod:`mpidp.run.checkpoint`) and briefly ``.tmp-*``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The one epoch loop, for every trainer (data parallel, pipelines, hybrids, the
-asynchronous server's workers). Every guarantee is written here once:
-
-per step: fault injection (``MPIDP_FAULT``) -> ``trainer.step`` (which applies the NaN
-policy) -> the watchdog's step mark -> the replica check every ``check_every`` steps -> a
-checkpoint when due (outside accumulation groups, excused from the watchdog) -> an agreed
-stop on SIGTERM/SIGUSR1; per epoch: global totals, load balance, evaluation, history,
-``on_epoch``. The same global batches for any world size, the same steps on every rank."""
+"""The one epoch loop, for every trainer. Per step: fault injection -> ``trainer.step`` ->
+the watchdog's mark -> the replica check -> a checkpoint when due -> an agreed stop on
+SIGTERM/SIGUSR1; per epoch: global totals, load balance, evaluation, history, ``on_epoch``.
+The same global batches for any world size, the same steps on every rank."""
 
 from __future__ import annotations
 
@@ -340,8 +336,7 @@ def _span(tracer, name: str, track: str):
     return tracer.span(name, name, track) if tracer is not None else nullcontext()
 
 
-def _record(trainer, feed: Feed, epoch: int, totals: np.ndarray, t0: float,
-            tracer=None) -> dict:
+def _record(trainer, feed: Feed, epoch: int, totals: np.ndarray, t0: float, tracer=None) -> dict:
     totals = trainer.epoch_totals(totals)
     record = {"epoch": epoch + 1, "loss": totals[0] / totals[1] if totals[1] else float("nan"),
               "accuracy": totals[2] / totals[1] if feed.labelled and totals[1] else None,

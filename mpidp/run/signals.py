@@ -1,13 +1,7 @@
-"""Clean ends on signals, decided together.
-
-``SIGTERM`` or ``SIGUSR1`` to every rank (Slurm's warning before a time limit, or a
-preemption): training finishes the current step, every rank agrees to stop (the request
-rides in the step's own collective), a checkpoint is written when checkpointing is on, and
-the job exits with :data:`PREEMPTED_EXIT`; resuming the run continues bit-identically.
-During the data load (nothing to save yet) such a signal ends the job at once.
-
-``SIGINT`` to one rank (Ctrl-C): the whole job ends within seconds with exit status 130,
-even while this rank waits inside an MPI call (a thread reads the signal from a wakeup pipe)."""
+"""Clean ends on signals, decided together (docs/reliability.md). ``SIGTERM`` or ``SIGUSR1``:
+every rank finishes the step, agrees to stop, writes a checkpoint where they are on and
+exits with :data:`PREEMPTED_EXIT` (during the data load: at once). ``SIGINT`` to one rank
+ends the whole job with status 130, even inside an MPI call (a thread reads a wakeup pipe)."""
 
 from __future__ import annotations
 

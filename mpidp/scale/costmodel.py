@@ -105,8 +105,7 @@ def step_time(P, m, batch: int, compute: float | Compute, fit: Fit, algorithm: s
     P = np.asarray(P, float)
     per_core = 1.0 if cores is None else np.ceil(P / cores)
     many = P > 1
-    work = (per_core * (c.overhead + c.per_sample * batch / P)
-            * np.where(many, c.contention, 1.0))
+    work = per_core * (c.overhead + c.per_sample * batch / P) * np.where(many, c.contention, 1.0)
     wait = work * c.jitter * np.sqrt(2 * np.log(np.maximum(P, 1)))
     return work + wait + allreduce_time(P, m, fit, algorithm)
 

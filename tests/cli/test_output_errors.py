@@ -341,8 +341,9 @@ def test_a_trace_into_a_folder_is_refused_before_training(tmp_path):
 
 
 def test_the_trace_file_is_never_left_half_written(tmp_path, monkeypatch):
+    import mpidp.comm
     from mpidp.observe import trace as T
-    monkeypatch.setattr(T, "_gather_obj", lambda comm, obj: [obj])
+    monkeypatch.setattr(mpidp.comm, "gather_obj", lambda comm, obj: [obj])
     monkeypatch.setattr(T, "clock_offsets", lambda comm: (0.0, 0.0))
 
     def full(fd):
