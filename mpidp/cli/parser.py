@@ -313,9 +313,9 @@ def add_predict(sub) -> None:
       help="model.npz written by mpidp train, or its folder")
     add_import(p)
     a("--watchdog", type=values.non_negative(float), default=None, metavar="SECONDS",
-      help="end the job, naming the stalled ranks, when a rank makes no progress for ten "
-      "times this long while --import modules run and the model loads; 0 turns it off "
-      "(default: on, 600 s)")
+      help="end the job, naming the stalled ranks, when a rank makes no progress for this "
+      "long while --import modules run and the model loads; 0 turns it off (default: on, "
+      "600 s)")
     a("--dataset", type=_DATASET, required=True,
       help="as for train: digits, synthetic, bow or PATH")
     a("--rows", choices=("all", "test"), default="all",
