@@ -32,6 +32,18 @@ def launcher_rank() -> int:
     return 0
 
 
+def refuse(problem: str | None, prog: str = "mpidp", wait: float = 0.5) -> None:
+    """Exit 2 on every rank when there is a ``problem``, rank 0 printing it."""
+    if problem is None:
+        return
+    if launcher_rank() == 0:
+        print(f"{prog}: error: {problem}", file=sys.stderr, flush=True)
+    else:  # Open MPI's launcher ends the job at the first non-zero exit: let rank 0 speak
+        import time
+        time.sleep(wait)
+    sys.exit(EXIT_USAGE)
+
+
 def _closest(word: str, names) -> str | None:
     """The name in ``names`` nearest ``word``, if one is near."""
     match = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
@@ -48,14 +60,8 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        if launcher_rank() == 0:
-            what = "commands" if self._subparsers else "options"
-            print(f"{self.prog}: error: {message}\nSee '{self.prog} --help' for the {what}.",
-                  file=sys.stderr, flush=True)
-        else:  # Open MPI's launcher ends the job at the first non-zero exit: let rank 0 speak
-            import time
-            time.sleep(1.0)
-        sys.exit(EXIT_USAGE)
+        what = "commands" if self._subparsers else "options"
+        refuse(f"{message}\nSee '{self.prog} --help' for the {what}.", self.prog, 1.0)
 
     def parse_args(self, args=None, namespace=None):
         """As argparse's; unknown arguments are reported by the subcommand they follow,
