@@ -12,10 +12,6 @@ from dataclasses import dataclass
 from ..atomic import TEXT_LIMIT, check_place
 
 
-def _never(text: str) -> bool:
-    return False
-
-
 @dataclass(frozen=True)
 class Place:
     """The ``type`` of an option naming a place: ``writes`` (an output) or read, a ``file``
@@ -27,7 +23,7 @@ class Place:
     file: bool = True
     folder: bool = False
     text: bool = False
-    is_name: Callable[[str], bool] = _never
+    is_name: Callable[[str], bool] | None = None
     parse: Callable[[str], str] | None = None
 
     def __call__(self, text: str) -> str:
@@ -50,7 +46,7 @@ def refusal(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | 
     for action, place in places(parser):
         value = getattr(args, action.dest, None)
         for path in value if isinstance(value, list) else [value]:
-            if path is None or place.is_name(path):
+            if path is None or place.is_name and place.is_name(path):
                 continue
             what = action.option_strings[0] if action.option_strings else action.metavar
             try:

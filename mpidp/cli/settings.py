@@ -124,15 +124,11 @@ def settle(args: argparse.Namespace, train: argparse.ArgumentParser, typed: list
 
 def compare_resume(saved_config: dict, config: dict, *, state: State | None = None,
                    path: str = "the checkpoint") -> tuple[dict, str | None]:
-    """Whether a run configured by ``config`` may resume checkpoint ``path`` (whose
-    configuration is ``saved_config`` and progress ``state``).
-
-    Returns ``(changed, refusal)``: ``changed`` maps each of :data:`RESUME_MAY_CHANGE` that
-    differs to ``{"checkpoint": old, "now": new}`` (of :data:`RESUME_EXCHANGE`, only what
-    the checkpoint records, the settings of a ``--sync`` only under the same one);
-    ``refusal``: None, or why not (:data:`RESUME_MUST_MATCH`, the data's fingerprint where
-    both record one, or ``config["epochs"]`` below what ``state`` has done).
-    """
+    """Whether a run configured by ``config`` may resume checkpoint ``path`` (configured by
+    ``saved_config``, at ``state``): ``(changed, refusal)``, ``changed`` mapping each of
+    :data:`RESUME_MAY_CHANGE` that differs to ``{"checkpoint": old, "now": new}`` (of
+    :data:`RESUME_EXCHANGE`, only what the checkpoint records, a ``--sync``'s settings only
+    under the same one); ``refusal``: None, or why not."""
     problems, was_sync = [], saved_config.get("sync")
     differ = [k for k in RESUME_MUST_MATCH if saved_config.get(k) != config.get(k)]
     if differ:
