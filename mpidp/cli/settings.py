@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from .config import NOT_STORED, RECORDS, load, tokens
 from .flags import FLAGS
 from .options import DEPENDS, applies, applying, depends_met, given
-from .parser import launcher_rank, subcommand
+from .parser import launcher_rank, refuse, subcommand
 
 if TYPE_CHECKING:
     from .. import comm as C
@@ -68,8 +68,8 @@ def with_config_file(parser: argparse.ArgumentParser, argv: list[str], path: str
     to the file's own settings)`` for :func:`settle`."""
     try:
         table = load(path)
-    except ValueError as exc:
-        parser.error(str(exc))
+    except ValueError as exc:  # a file that cannot be read: one line, as a refused path
+        refuse(str(exc))
     train = subcommand(parser, "train")
     typed = given(train, argv[argv.index("train") + 1:])
     args, new = _in_front(parser, argv, table, f"--config {path}")
