@@ -50,18 +50,26 @@ def special(path: str) -> str | None:
 
 
 def check_place(path: str, what: str, file: bool = True, folder: bool = False,
-                fix: str = "", folder_later: bool = False) -> None:
+                fix: str = "", folder_later: bool = False, limit: int | None = None) -> None:
     """ValueError naming ``what`` (the option), ``path`` and what it is, before anything
     opens it, when it is a FIFO, a device or a socket (symbolic links followed), or a folder
     where a file (``file`` and not ``folder``) is expected, unless ``folder_later`` (an
-    output whose own check names a file to give). A missing path, or a file where only a
-    folder is expected, is left to the code that opens it."""
+    output whose own check names a file to give), or a file of over ``limit`` bytes (a text
+    read whole). A missing path, or a file where only a folder is expected, is left to the
+    code that opens it."""
     kind = special(path) or (
         "a folder" if not (folder or folder_later) and os.path.isdir(path) else None)
     if kind is not None:
         want = "a regular file or a folder" if file and folder else \
             "a folder" if folder else "the path of a regular file"
         raise ValueError(f"{what} {shown(path)} is {kind}: give {want}{fix}")
+    if limit is not None and os.path.isfile(path) and os.path.getsize(path) > limit:
+        raise _too_large(path, what, limit)
+
+
+def _too_large(path: str, what: str, limit: int) -> ValueError:
+    return ValueError(f"{what} {shown(path)} is over {limit / 2**20:g} MiB, too large for a "
+                      f"text file of settings: give the right file")
 
 
 def numpy_kind(path: str) -> str:
@@ -77,15 +85,14 @@ def read_text(path: str, what: str, limit: int = TEXT_LIMIT) -> bytes:
     """The bytes of the text file ``path`` (a model file, a configuration), read by
     :func:`check_place`'s rule and at most ``limit`` bytes: ValueError naming ``what`` for
     a larger one; an ``OSError`` as ``open`` raises it."""
-    check_place(path, what)
+    check_place(path, what, limit=limit)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO swapped in
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError(f"{what} {shown(path)} is not a regular file: give one")
         data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"{what} {shown(path)} is over {limit / 2**20:g} MiB, too large "
-                         f"for a text file of settings: give the right file")
+    if len(data) > limit:  # grown since it was checked
+        raise _too_large(path, what, limit)
     return data
 
 

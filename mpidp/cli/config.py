@@ -23,29 +23,30 @@ NOT_STORED = frozenset({"command", "config", "resume", "restart", "world_size",
 RECORDS = frozenset({"command", "world_size", "data_fingerprint", "resume_changes"})
 
 
-def load(path: str) -> dict:
-    """The table in TOML file ``path``; ValueError naming the file on any problem."""
+def load(path: str, what: str = "--config") -> dict:
+    """The table in TOML file ``path``; ValueError naming ``what`` (the option) and the file
+    on any problem."""
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # pragma: no cover - Python 3.9/3.10
         try:
             import tomli as tomllib
         except ImportError as exc:
-            raise ValueError("--config needs the tomli package on Python < 3.11: "
+            raise ValueError(f"{what} needs the tomli package on Python < 3.11: "
                              "pip install tomli") from exc
     from ..atomic import read_text
     try:
-        data = read_text(path, "--config")
+        data = read_text(path, what)
     except OSError as exc:
-        raise ValueError(f"--config {path}: cannot read it ({exc.strerror})") from None
+        raise ValueError(f"{what} {path}: cannot read it ({exc.strerror})") from None
     try:
         return tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
-        raise ValueError(f"--config {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} on "
+        raise ValueError(f"{what} {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} on "
                          f"line {line}); save it as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"--config {path}: not valid TOML ({exc})") from None
+        raise ValueError(f"{what} {path}: not valid TOML ({exc})") from None
 
 
 def _value(v) -> str:

@@ -1,12 +1,14 @@
 """``mpidp export MODEL --format onnx|safetensors --out FILE``: a saved model written for
 another runtime (:mod:`mpidp.nn.export`). No MPI here; exit 2 with one line, nothing
-written, for a layer that cannot be exported, a missing package or a bad file."""
+written, for a layer that cannot be exported, a missing package, a bad file or an output
+that cannot be written (naming the option)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from ..atomic import WriteError, check_file, write_error
 from .imports import HINT, import_modules, imports_of, saved_spec, unregistered
 from .parser import EXPORT_FORMATS
 
@@ -29,10 +31,13 @@ def main(args: argparse.Namespace) -> int:
     package, writer = EXPORT_FORMATS[args.format]
     try:
         export.need_extra(package)  # before any work: the extra may be missing
+        check_file(args.out, "--out", f"model.{args.format}")
         import_modules(imports_of(args))
         model = _load(args.model)
         path = getattr(export, writer)(model, args.out)
     except (ImportError, ValueError, OSError) as exc:
+        if isinstance(exc, WriteError):
+            exc = write_error(exc, what="--out")
         print(f"mpidp: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {path} ({args.format}, {model.dtype}, {len(model.layers)} layers)")

@@ -1,9 +1,7 @@
-"""One ``mpidp train`` job: its options, communicator and what watches over it; its data,
-loaded (:func:`load_data`, in every mode: :func:`load_settings`) and partitioned
-(:func:`partition_of`); the :class:`~mpidp.RunSpec` its options ask for, the checkpoint it
-resumes from, the best model it keeps; and what it writes in ``--out``: checked before any
-work (:func:`check_out`), the live outputs (:func:`outputs`), at the end ``model.npz``,
-``metrics.json`` and ``config.toml`` with the summary on the console (:meth:`Job.finish`)."""
+"""One ``mpidp train`` job (:class:`Job`): its data, loaded and partitioned, the
+:class:`~mpidp.RunSpec` its options ask for, and what it writes in ``--out``: checked before
+any work (:func:`check_out`), then the live outputs, and at the end ``model.npz``,
+``metrics.json`` and ``config.toml``."""
 
 from __future__ import annotations
 
@@ -60,7 +58,7 @@ def load_settings(args: argparse.Namespace) -> dict:
 
 def load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.Data:
     """Load the dataset over all ranks, or (dedicated parameter server) over the workers only,
-    the server getting empty shards. Collective; errors reach every rank, said once."""
+    the server getting empty shards. Collective."""
     def load(over: C.Comm) -> D.Data:
         return D.load(over, args.dataset, distribute=args.distribute, **load_settings(args),
                       partition=args.partition, capacities=args.capacities,
@@ -77,10 +75,9 @@ def partition_of(args: argparse.Namespace, data: D.Data) -> Partition | None:
     return Partition(args.partition, costs, args.capacities, args.adapt_every, args.seed)
 
 
-
 def check_out(args: argparse.Namespace) -> None:
-    """ValueError unless every output location can be written (tried for real; no
-    symbolic link to nothing in the way) and ``OUT/config.toml`` can record the settings."""
+    """ValueError unless every output can be written and ``OUT/config.toml`` can record the
+    settings."""
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out!r} exists and is not a folder")
     check_folder(args.out, "--out")
@@ -117,23 +114,20 @@ class Job:
 
     @contextmanager
     def loading(self):
-        """Loading the data: watched (up to ten watchdog timeouts: a file system that does
-        not answer ends the job), and a stop signal ends the job at once."""
+        """Loading the data: excused by the watchdog, and ended at once by a stop signal."""
         if self.watchdog is not None:
             self.watchdog.start()
         with self.stop.during("loading the data"), C.excused("loading the data"):
             yield
 
     def keep_best(self, model, data: D.Data) -> None:
-        """Keep OUT/best.npz when there is a validation set (``model``: see
-        :class:`~mpidp.observe.best.BestModel`)."""
+        """Keep OUT/best.npz when there is a validation set (``model``: see BestModel)."""
         if data.val is not None:
             self.best = BestModel(os.path.join(self.args.out, BEST), model, comm=self.comm,
                                   meta=model_meta(self.args, data))
 
     def spec(self, watch: Watch, **settings) -> RunSpec:
-        """The run specification the options ask for (``settings``: what the mode adds,
-        e.g. its partition and the checkpoint to resume from)."""
+        """The run specification the options ask for (``settings``: what the mode adds)."""
         a = self.args
         checkpoint = (Checkpointing(a.checkpoint_dir, a.checkpoint_every, a.keep_checkpoints,
                                     self.config, self.run_id, self.best)
@@ -167,9 +161,8 @@ class Job:
 
     def finish(self, model: nn.Sequential, data: D.Data, verdict: str, history: list[dict],
                steps: int, timings, scores: dict, **mode) -> dict:
-        """On rank 0: write ``model.npz``, ``metrics.json`` (the figures of every mode, then
-        ``mode``'s own) and ``config.toml`` (all or, when one fails, none), print the summary
-        (the replicas' ``verdict`` in it); returns the metrics."""
+        """On rank 0: write ``model.npz``, ``metrics.json`` (with ``mode``'s own figures) and
+        ``config.toml`` (all or none), print the summary; returns the metrics."""
         last, out, comm = history[-1], self.args.out, self.comm
         metrics = {"world_size": comm.size, "mode": O.mode_of(self.args),
                    "epochs": self.args.epochs, "final_loss": last["loss"],
@@ -189,7 +182,6 @@ class Job:
                        what="--out")
         say(comm, *summary(metrics, comm.size, out, verdict))
         return metrics
-
 
 
 def _all(*callbacks):

@@ -22,7 +22,7 @@ from .. import __version__
 from ..errors import spelled
 from . import settings
 from .flags import spelling
-from .parser import EXIT_USAGE, build_parser, launcher_rank, subcommand
+from .parser import EXIT_USAGE, build_parser, refuse, subcommand
 from .places import refusal
 
 
@@ -101,27 +101,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(parser, argv)
 
 
-def _refuse(problem: str | None) -> None:
-    """Exit 2 on every rank when there is a ``problem``, rank 0 printing it in one line."""
-    if problem is None:
-        return
-    if launcher_rank() == 0:
-        print(f"mpidp: error: {problem}", file=sys.stderr, flush=True)
-    else:  # Open MPI's launcher ends the job at the first non-zero exit: let rank 0 speak
-        import time
-        time.sleep(0.5)
-    sys.exit(EXIT_USAGE)
-
-
 def _main(parser, argv: list[str]) -> int:
     typed = list(argv)  # what the user wrote: the options given (a table's are added below)
     if argv[:1] == ["sweep"]:  # its other options are train's, for every trial
         from .sweep import parse
-        args = parse(parser, argv, _refuse)
+        args = parse(parser, argv)
     else:
         args = parser.parse_args(argv)
     command = subcommand(parser, args.command)
-    _refuse(refusal(args, command))  # before anything opens a path, and before MPI
+    refuse(refusal(args, command))  # before anything opens a path, and before MPI
     if args.command == "info":
         info()
         return 0
@@ -136,7 +124,7 @@ def _main(parser, argv: list[str]) -> int:
     from_file: set[tuple[str, bool]] = set()
     if args.command == "train" and args.config:
         args, argv, from_file = settings.with_config_file(parser, argv, args.config)
-        _refuse(refusal(args, command))  # the file's paths
+        refuse(refusal(args, command))  # the file's paths
     with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr with no file
         faulthandler.enable()  # descriptor (a notebook): no traceback on a fatal signal
     # A rank killed by SIGSEGV or SIGBUS (a mapped data file cut short under it) prints

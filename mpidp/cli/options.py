@@ -167,14 +167,9 @@ def given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
     """The ``dest`` of every option written on the command line ``argv`` (after the
     subcommand), whatever its value: an option given with its default value is still given."""
     actions = parser._option_string_actions  # noqa: SLF001 - argparse offers no public map
-    out = set()
-    for token in argv:
-        if token == "--":
-            break
-        name = token.split("=", 1)[0]
-        if name in actions:
-            out.add(actions[name].dest)
-    return out
+    argv = list(argv)
+    names = [t.split("=", 1)[0] for t in argv[:argv.index("--") if "--" in argv else None]]
+    return {actions[name].dest for name in names if name in actions}
 
 
 def problems(args: argparse.Namespace, given_: set[str], size: int) -> list[str]:

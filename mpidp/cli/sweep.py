@@ -20,12 +20,11 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable
 
 from ..errors import MpidpError
 from . import settings
 from .config import load, tokens
-from .parser import subcommand
+from .parser import refuse, subcommand
 from .places import refusal
 
 #: Settings the sweep decides for every trial (where it writes, what it continues).
@@ -37,12 +36,10 @@ FIGURES = ("loss", "accuracy", "val_loss", "val_accuracy", "test_loss", "test_ac
 SELECT_DEFAULTS = ("val_loss", "test_loss", "loss")
 
 
-def parse(parser: argparse.ArgumentParser, argv: list[str],
-          refuse: Callable[[str | None], None]) -> argparse.Namespace:
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """The sweep's options, with ``train`` (the train options for every trial) and
     ``trials`` (each a dict of train options) added; a usage error (exit 2) for bad ones,
-    ``refuse`` (one line, exit 2) for a path that is no regular file or folder. No MPI:
-    every rank decides the same."""
+    one line (exit 2) for a path that is no regular file or folder. No MPI."""
     args, base = parser.parse_known_args(argv)
     me, train = subcommand(parser, "sweep"), subcommand(parser, "train")
     for flag in base:
@@ -134,7 +131,7 @@ def _drawn(args: argparse.Namespace) -> list[dict]:
                 continue
             lo, hi = (_value(x) for x in parts[:2])
             log = parts[2:] == ["log"]
-            if len(parts) > 3 or (len(parts) == 3 and not log) or not all(
+            if parts[2:] not in ([], ["log"]) or not all(
                     isinstance(x, (int, float)) and not isinstance(x, bool) for x in (lo, hi)) \
                     or lo > hi or (log and lo <= 0):
                 raise ValueError(f"--space {name}={values}: write LO:HI or LO:HI:log "
@@ -149,10 +146,7 @@ def _drawn(args: argparse.Namespace) -> list[dict]:
 def _from_file(path: str | None) -> list[dict]:
     if path is None:
         return []
-    try:
-        table = load(path)
-    except ValueError as exc:  # the file's problem, named as this option's
-        raise ValueError(str(exc).replace("--config", "--trials", 1)) from None
+    table = load(path, "--trials")
     trials = table.get("trial", [])
     if set(table) - {"trial"} or not isinstance(trials, list) or not all(
             isinstance(t, dict) for t in trials):
@@ -298,8 +292,7 @@ def _recorder(args: argparse.Namespace):
         write_atomic(os.path.join(r["folder"], TRIAL),
                      lambda f: f.write(json.dumps(r, indent=1).encode()))
         said = (", ".join(f"{k} {v:.4g}" for k, v in (r.get("result") or {}).items()
-                          if k in ("val_loss", "val_accuracy", "test_loss", "test_accuracy"))
-                if r["status"] == "ok" else r["error"])
+                          if k in FIGURES[2:]) if r["status"] == "ok" else r["error"])
         print(f"sweep: trial {r['index']} ({_settings(r)}) on ranks {r['ranks'][0]}-"
               f"{r['ranks'][1]}: {r['status']}, {said} ({r['seconds']:.1f}s)", flush=True)
     return record
@@ -311,9 +304,8 @@ def _settings(r: dict) -> str:
 
 def _metric(records: list[dict], select: str | None) -> str:
     ok = [r.get("result") or {} for r in records if r["status"] == "ok"]
-    if select is not None:
-        return select
-    return next((m for m in SELECT_DEFAULTS if any(m in r for r in ok)), SELECT_DEFAULTS[0])
+    return select or next((m for m in SELECT_DEFAULTS if any(m in r for r in ok)),
+                          SELECT_DEFAULTS[0])
 
 
 def ranked(records: list[dict], metric: str) -> list[dict]:
@@ -354,10 +346,8 @@ def _finish(args: argparse.Namespace, records: list[dict]) -> list[dict]:
     path = os.path.join(args.out, RESULTS)
     write_atomic(path + ".json", lambda f: f.write(json.dumps(summary, indent=1).encode()))
     write_atomic(path + ".csv", lambda f: f.write(text.getvalue().encode()))
-    shown = ["trial", "status", *names, *[c for c in (metric, "val_loss", "val_accuracy",
-                                                      "test_loss", "test_accuracy")
-                                          if c in cols], "seconds"]
-    shown = list(dict.fromkeys(shown))
+    shown = list(dict.fromkeys(["trial", "status", *names,
+                                *(c for c in (metric, *FIGURES[2:]) if c in cols), "seconds"]))
     cells = [[_cell(row[c]) for c in shown] for row in rows]
     widths = [max(len(c), *(len(r[j]) for r in cells)) for j, c in enumerate(shown)]
     print("  ".join(c.rjust(w) for c, w in zip(shown, widths)))

@@ -1,11 +1,7 @@
-"""``mpidp train``: from command-line options to a finished run, in every mode.
-
-Options are checked against the mode first (:mod:`mpidp.cli.options`); then the data are
-loaded, the mode's trainer built and trained (the synchronous modes through the one loop,
-:func:`mpidp.run.loop.run`, with the same watchdog, signals, faults, NaN policy and
-checkpoints; ``async-ps`` by its server/worker protocol), the replicas checked (a mismatch
-fails the run), and ``model.npz`` and ``metrics.json`` written by rank 0.
-"""
+"""``mpidp train``: from command-line options to a finished run, in every mode: options
+checked against the mode, data loaded, the mode's trainer built and trained (the synchronous
+modes through the one loop, :func:`mpidp.run.loop.run`), the replicas checked (a mismatch
+fails the run), and the outputs written by rank 0."""
 
 from __future__ import annotations
 
@@ -53,14 +49,11 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
     if "epochs" not in given:
         args.epochs = nn.default_epochs(args.model)
     errors = O.problems(args, given, comm.size) or _strategy_problems(args)
-    try:
-        faults.parse(os.environ.get("MPIDP_FAULT"))
-    except ValueError as exc:
-        errors.append(str(exc))
-    try:
-        line_seconds()  # a bad MPIDP_PROGRESS_SECONDS: refused before any work
-    except C.MpidpError as exc:
-        errors.append(str(exc))
+    for check in (lambda: faults.parse(os.environ.get("MPIDP_FAULT")), line_seconds):
+        try:  # a bad MPIDP_FAULT or MPIDP_PROGRESS_SECONDS: refused before any work
+            check()
+        except ValueError as exc:
+            errors.append(str(exc))
     if args.elastic and not errors:  # refused before any work where MPI cannot survive it
         errors += [why for why in (ulfm_problem(comm),) if why]
     if errors:  # every rank computes the same list from the same arguments

@@ -19,8 +19,8 @@ from ..errors import MpidpError
 # (every call of mpidp.comm marks itself with watched()), or excused (work that may outlast
 # a step, like writing a checkpoint); plain attribute writes, cheap enough for every call
 
-COMPUTING, IN_MPI, EXCUSED = 0, 1, 2
-STATE_NAMES = ("computing", "waiting in MPI", "excused")
+COMPUTING, IN_MPI, EXCUSED, USER_CODE = 0, 1, 2, 3
+STATE_NAMES = ("computing", "waiting in MPI", "excused", "running user code")
 
 #: Names of the watched calls, in definition order (identical in every process).
 CALLS: list[str] = ["(nothing yet)"]
@@ -69,12 +69,12 @@ def set_step(step: int) -> None:
 
 
 @contextlib.contextmanager
-def excused(what: str):
+def excused(what: str, state: int = EXCUSED):
     """Work that may take longer than a step (writing a checkpoint): other ranks waiting
-    meanwhile are not a stall, up to ten timeouts."""
+    meanwhile are not a stall, up to ten timeouts (``state`` USER_CODE: one, named)."""
     m = MARK
     prev = m.state, m.excuse
-    m.state, m.excuse, m.since = EXCUSED, what, time.monotonic()
+    m.state, m.excuse, m.since = state, what, time.monotonic()
     try:
         yield
     finally:
@@ -87,12 +87,12 @@ def _no_finalize() -> None:
 
 @contextlib.contextmanager
 def user_code(what: str):
-    """A user's code run on every rank (a module they import): :func:`excused` as loading
-    is, so that a rank stuck in it is named by the watchdog, and with ``MPI.Finalize()``
-    raising RuntimeError instead of ending MPI under the other ranks."""
+    """A user's code run on every rank (a module they import): watched as computing is (one
+    timeout), named ``what`` by the watchdog, and with ``MPI.Finalize()`` raising
+    RuntimeError instead of ending MPI under the other ranks."""
     real, MPI.Finalize = MPI.Finalize, _no_finalize
     try:
-        with excused(what):
+        with excused(what, USER_CODE):
             yield
     finally:
         MPI.Finalize = real

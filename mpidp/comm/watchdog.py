@@ -17,7 +17,7 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
-from .runtime import CALLS, COMPUTING, EXCUSED, IN_MPI, MARK, SHM_DIR, STATE_NAMES
+from .runtime import CALLS, COMPUTING, EXCUSED, IN_MPI, MARK, SHM_DIR, STATE_NAMES, USER_CODE
 
 #: Seconds for mpiexec to forward our output before the abort; for the abort to end us.
 _FORWARD_S, _ABORT_GRACE_S = 0.3, 10.0
@@ -204,7 +204,7 @@ class Watchdog:
     def _describe(self, mark: np.ndarray) -> str:
         state, call, ms, step = (int(v) for v in mark)
         where = f" in {CALLS[call]}" if state == IN_MPI and 0 <= call < len(CALLS) else ""
-        if state == EXCUSED:
+        if state in (EXCUSED, USER_CODE):
             where = f" ({MARK.excuse or 'excused'})"
         at = f" at step {step}" if step >= 0 else ""
         return f"{STATE_NAMES[state]}{where} for {ms / 1000:.1f}s{at}"
@@ -212,7 +212,8 @@ class Watchdog:
     def _judge(self, silent: list[int], marks: dict[int, np.ndarray]) -> None:
         t_ms = self.timeout * 1000
         stuck = [r for r, m in marks.items()
-                 if (m[0] == COMPUTING and m[2] > t_ms) or (m[0] == EXCUSED and m[2] > 10 * t_ms)]
+                 if (m[0] in (COMPUTING, USER_CODE) and m[2] > t_ms)
+                 or (m[0] == EXCUSED and m[2] > 10 * t_ms)]
         waiting = [r for r, m in marks.items() if m[0] == IN_MPI]
         table = "; ".join(f"rank {r}: {self._describe(m)}" for r, m in sorted(marks.items()))
         if silent or stuck:

@@ -132,3 +132,13 @@ def test_a_file_that_is_not_a_model_is_refused(tmp_path, capsys):
     (tmp_path / "x.npz").write_bytes(b"not a zip")
     err = _refused(capsys, str(tmp_path / "x.npz"), "--out", str(tmp_path / "m.onnx"))
     assert "cannot load a saved model" in err
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "safetensors"])
+def test_an_out_that_cannot_be_written_names_the_option_and_the_path(tmp_path, capsys, fmt):
+    pytest.importorskip("safetensors")
+    nn.mlp(4, [3], 2).init_(0).save(tmp_path / "model.npz")
+    for out in (f"/proc/m.{fmt}", str(tmp_path / "missing" / f"m.{fmt}")):
+        err = _refused(capsys, str(tmp_path), "--format", fmt, "--out", out)
+        assert "--out" in err and out in err and "cannot write" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.npz"]

@@ -169,6 +169,13 @@ def test_predict_into_an_unwritable_place_names_the_path_given(tmp_path, model_f
     assert ".part" not in line and ".tmp" not in line
 
 
+@pytest.mark.parametrize("command", [["train", *QUICK], ["sweep", "--grid", "seed=0", *QUICK]])
+def test_a_folder_out_in_an_unwritable_place_names_the_option(command):
+    r = run_mpi(1, *command, "--out", "/proc/mpidp-out", timeout=60)
+    assert r.returncode == 2, r.stderr[-3000:]
+    _one_error_line(r.stderr, "--out /proc/mpidp-out", "cannot write")
+
+
 # --- 4, 5, 6. configuration files ---------------------------------------------------
 
 def _config_error(tmp_path, capsys, text: str | bytes) -> str:

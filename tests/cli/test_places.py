@@ -112,6 +112,33 @@ def test_a_text_file_above_the_limit_is_refused_not_read(tmp_path):
         read_text(str(big), "--model")
 
 
+@pytest.mark.parametrize("argv", [["train", "--model"], ["train", "--config"],
+                                  ["sweep", "--grid", "seed=0", "--trials"]])
+def test_a_text_file_above_the_limit_is_refused_in_one_line_naming_its_option(tmp_path, capsys,
+                                                                             argv):
+    big = tmp_path / "big.toml"
+    with open(big, "wb") as f:
+        f.truncate(TEXT_LIMIT + 1)
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, str(big)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and lines == [
+        f"mpidp: error: {argv[-1]} {big} is over 16 MiB, too large for a text file of "
+        f"settings: give the right file"], lines
+
+
+@pytest.mark.parametrize("text", [None, b"\xff", b"epochs = "])
+def test_a_config_file_that_cannot_be_read_is_refused_in_one_line(tmp_path, capsys, text):
+    path = tmp_path / "c.toml"
+    if text is not None:
+        path.write_bytes(text)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--config", str(path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"mpidp: error: --config {path}: "), lines
+
+
 def test_a_write_follows_a_link_and_never_replaces_a_device(tmp_path):
     target = tmp_path / "t.json"
     target.write_text("old")
