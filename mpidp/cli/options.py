@@ -21,18 +21,21 @@ LOCKSTEP = frozenset(n for n, m in MODES.items() if m.kind != "async")  # ranks 
 _WHOLE_BATCH = (DATA, "pipeline stages all see the whole batch")
 _NO_EPOCH_MODEL = "its workers are at different epochs, so there is no epoch's model to validate"
 
-#: option (argparse dest) -> the modes it applies to, and why not elsewhere (a flag of
-#: :data:`mpidp.cli.flags.FLAGS`: the modes whose settings carry its field).
-TABLE: dict[str, tuple[frozenset, str]] = {
+#: option (argparse dest) -> the modes it applies to, and why not elsewhere (one reason, or
+#: one per mode; a flag of :data:`mpidp.cli.flags.FLAGS`: the modes whose settings carry its
+#: field).
+TABLE: dict[str, tuple[frozenset, str | Mapping[str, str]]] = {
     "sync": (DATA, "a pipeline (and each of hybrid's pipelines) exchanges what its stages "
              "need by itself: there is no gradient exchange to choose"),
     "distribute": (DATA, "every pipeline stage reads the whole training set"),
     "init_sync": (frozenset(SYNCS), "the initial parameters are set by the mode itself"),
     **dict.fromkeys(("partition", "costs", "capacities", "adapt_every"), _WHOLE_BATCH),
     **{f.dest: (frozenset(f.modes), f.why) for f in FLAGS},
-    "elastic": (frozenset(n for n, m in MODES.items() if m.elastic is True), "only "
-                + ", ".join(n for n, m in MODES.items() if m.elastic is True) + " go on over "
-                "the survivors of a lost rank (see docs/reliability.md)"),
+    "elastic": (frozenset(n for n, m in MODES.items() if m.elastic is True),
+                {n: f"{m.elastic}; only " + ", ".join(n for n, m in MODES.items()
+                                                     if m.elastic is True)
+                 + " go on over the survivors of a lost rank (see docs/reliability.md)"
+                 for n, m in MODES.items() if m.elastic is not True}),
     "log_every": (LOCKSTEP, "its workers are at different steps, so there is no "
                   "common step to log (its epochs are in history.jsonl)"),
     "check_every": (LOCKSTEP, "its workers hold different parameters by design until the end"),
@@ -172,13 +175,20 @@ def given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
     return {actions[name].dest for name in names if name in actions}
 
 
+def reason(dest: str, mode: str) -> str:
+    """Why option ``dest`` does not apply to ``mode`` (:data:`TABLE`)."""
+    why = TABLE[dest][1]
+    return why if isinstance(why, str) else why[mode]
+
+
 def problems(args: argparse.Namespace, given_: set[str], size: int) -> list[str]:
     """Every option in ``given_`` that does not apply to ``args``, and settings that
     contradict each other, as messages (empty when all is well)."""
     mode, settings, out = mode_of(args), vars(args), []
     for dest in sorted(given_):
         if dest in TABLE and mode not in TABLE[dest][0]:
-            out.append(f"{_flag(dest)} does not apply to {MODES[mode].option}: {TABLE[dest][1]}")
+            out.append(f"{_flag(dest)} does not apply to {MODES[mode].option}: "
+                       f"{reason(dest, mode)}")
             continue
         out += [n.refusal.format(**settings) for n in DEPENDS.get(dest, ())
                 if n.refusal is not None and not n.holds(settings)][:1]

@@ -243,8 +243,7 @@ class Mode:
     runner: str
     refuses: Mapping[str, str] = field(default_factory=dict)
     stages: int | None = None
-    elastic: bool | str = (
-        "its servers, stages, buckets or groups of steps are not rebuilt over the survivors")
+    elastic: bool | str = "it does not go on over the survivors"
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -284,28 +283,42 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          ".sync:Sync", elastic=True),
     Mode("per-layer", "data", Settings, "one per array", ".sync:PerLayer", elastic=True),
     Mode("overlapped", "data", OverlappedSettings, "bucketed Iallreduce during backward",
-         ".overlap:Overlapped"),
+         ".overlap:Overlapped", elastic="its buckets' exchanges, started during backward, are "
+         "not rebuilt over the survivors"),
     Mode("compressed", "data", CompressedSettings, "16- or 8-bit with error feedback, "
-         "bucketed during backward", ".compress:Compressed"),
-    Mode("ps", "data", PSSettings, "parameter server (rank 0)", ".ps:ParameterServer"),
+         "bucketed during backward", ".compress:Compressed",
+         elastic="each rank's error-feedback residual is its own and is lost with it, so the "
+         "survivors could not train the model of an uninterrupted run"),
+    Mode("ps", "data", PSSettings, "parameter server (rank 0)", ".ps:ParameterServer",
+         elastic="the server alone holds the optimizer's state, lost with it (a server is not "
+         "replicated)"),
     Mode("sharded-ps", "data", Settings, "every rank updates 1/P of the parameters",
-         ".ps:ShardedParameterServer"),
+         ".ps:ShardedParameterServer", elastic="each rank alone holds its shard of the "
+         "optimizer's state, lost with it (shards are not replicated)"),
     Mode("accumulate", "data", AccumulateSettings, "sync every --sync-every batches",
-         ".sync:Accumulate"),
+         ".sync:Accumulate", elastic="the gradients of a group of batches stay on their rank "
+         "until the group's one exchange, and recovery goes back one step, not one group"),
     Mode("local-sgd", "data", LocalSGDSettings, "average parameters every --sync-every steps",
          ".sync:LocalSGD", {"replica-sums": "each replica steps on its own part of the "
-                            "batch, so there is " + _NO_GLOBAL_BATCH.format(fix="--sync")}),
+                            "batch, so there is " + _NO_GLOBAL_BATCH.format(fix="--sync")},
+         elastic="between averages each replica steps on its own rows, so a lost replica's "
+         "steps since the last average are lost with it"),
     Mode("auto", "data", AutoSettings, "the fastest of allreduce, overlapped and compressed "
-         "(float32 only) on the first steps, said in one line", ".auto:Auto"),
+         "(float32 only) on the first steps, said in one line", ".auto:Auto",
+         elastic="it may choose an exchange that does not go on over the survivors"),
     Mode("async-ps", "async", AsyncPSSettings, "workers push gradients and pull parameters "
          "without waiting (rank 0 serves)", ".async_ps:AsyncPS",
          {"replica-sums": "each worker steps on its own batch at its own pace, so there is "
-          + _NO_GLOBAL_BATCH.format(fix="--sync")}),
+          + _NO_GLOBAL_BATCH.format(fix="--sync")},
+         elastic="the server alone holds the parameters' newest values and the optimizer's "
+         "state, lost with it"),
     Mode("pipeline", "pipeline", PipelineSettings, "consecutive layers on consecutive ranks",
-         ".pipeline:Pipeline", _STAGED),
+         ".pipeline:Pipeline", _STAGED,
+         elastic="each stage alone holds its layers, so a lost stage is lost"),
     Mode("hybrid", "pipeline", PipelineSettings, f"pipelines of {HYBRID_STAGES} stages x "
          f"P/{HYBRID_STAGES} data-parallel replicas", ".pipeline:Pipeline", _STAGED,
-         stages=HYBRID_STAGES),
+         stages=HYBRID_STAGES, elastic="a lost stage's pipeline is not rebuilt from the "
+         "stage's replicas in the other pipelines"),
 )}
 SYNCS = tuple(n for n, m in MODES.items() if m.kind == "data")  # DataParallel's exchanges
 PIPELINED = tuple(n for n, m in MODES.items() if m.kind == "pipeline")  # the model in stages

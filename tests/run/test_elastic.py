@@ -146,6 +146,29 @@ def test_a_mode_that_is_not_elastic_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_each_mode_that_is_not_elastic_says_its_own_reason():
+    """The command line and the library refuse a mode with the reason its declaration
+    gives, and no two modes share one (a reason names what that mode would lose)."""
+    from mpidp.cli import build_parser
+    from mpidp.cli.options import given, problems
+    from mpidp.parallel.elastic import refusal
+    from mpidp.parallel.modes import MODES
+    refused = {n: m.elastic for n, m in MODES.items() if m.elastic is not True}
+    assert set(refused) == set(MODES) - {"allreduce", "per-layer"}
+    assert len(set(refused.values())) == len(refused), refused
+    parser = build_parser()
+    train = parser._subparsers._group_actions[0].choices["train"]
+    for name, why in refused.items():
+        kind = "--parallel" if MODES[name].kind == "pipeline" else "--sync"
+        argv = ["--elastic", kind, name]
+        args = parser.parse_args(["train", *argv])
+        said = [p for p in problems(args, given(train, argv), 4) if p.startswith("--elastic")]
+        assert said == [f"--elastic does not apply to {kind} {name}: {why}; only allreduce, "
+                        "per-layer go on over the survivors of a lost rank (see "
+                        "docs/reliability.md)"], said
+        assert f": {why}; use --sync allreduce or --sync per-layer" in refusal(name)
+
+
 @open_mpi_only
 def test_too_few_survivors_end_with_a_checkpoint_that_resumes(uninterrupted, tmp_path):
     """Fewer survivors than --min-ranks: a checkpoint of the step they went back to, one
