@@ -132,6 +132,13 @@ def end_quietly_at_exit(comm: Comm, status: int = 0) -> None:
 _LEAVING: list = []
 
 
+def exit_with(status: int) -> None:
+    """A process that leaves at exit after lost ranks (:func:`end_quietly_at_exit`) leaves
+    with ``status`` instead: the run failed after them (e.g. replicas found out of sync)."""
+    if _LEAVING:
+        _LEAVING[1] = status
+
+
 def _leave() -> None:
     comm, status = _LEAVING
     sys.stdout.flush()
