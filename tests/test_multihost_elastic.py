@@ -28,13 +28,12 @@ pytestmark = [pytest.mark.skipif(available() is not None, reason=str(available()
                                  "MPI's ULFM (MPICH refuses --elastic)")]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMPI_ALLOW_RUN_AS_ROOT": "1",
        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-#: ULFM over TCP; across hosts also no node-aware reduction (its ranks wait for their node
-#: in shared memory, which no failure ends) and no Open MPI "han" collectives (not built to
-#: survive a failure: the survivors' replicas part)
+#: ULFM over TCP; across hosts also no Open MPI "han" collectives (they do not survive a
+#: failure: the survivors' replicas part). --elastic takes the node-aware reduction off.
 FT = ("--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--mca", "coll", "^han")
 TRAIN = ("-m", "mpidp", "train", "--dataset", "digits", "--model", "mlp", "--epochs", "2",
          "--batch-size", "64", "--dtype", "float64", "--no-progress", "--seed", "3",
-         "--elastic", "--distribute", "local", "--node-aware", "off")
+         "--elastic", "--distribute", "local")
 
 
 def _params(out: Path) -> np.ndarray:
@@ -53,6 +52,16 @@ def _ranks_on(cluster: Cluster, host: int) -> list[int]:
         except OSError:
             return False
     return [int(p) for p in pids if is_rank(p)]
+
+
+def test_han_collectives_across_hosts_are_refused_before_any_work():
+    with Cluster(2) as cluster:
+        got = subprocess.run(cluster.prterun(4, 2, *FT[:-2], "-x", "PYTHONPATH", sys.executable,
+                                             *TRAIN, "--out", str(cluster.root / "out")),
+                             env=ENV, capture_output=True, text=True, timeout=240,
+                             stdin=subprocess.DEVNULL)
+    assert got.returncode == 2, got.stderr[-3000:]
+    assert "--mca coll ^han" in got.stderr and "epoch" not in got.stdout, got.stderr[-3000:]
 
 
 def test_the_ranks_of_one_host_die_the_other_hosts_ranks_finish(tmp_path):
@@ -85,6 +94,7 @@ def test_the_ranks_of_one_host_die_the_other_hosts_ranks_finish(tmp_path):
                 pytest.fail(f"timed out:\n{stdout[-3000:]}\n{stderr[-3000:]}")
         assert job.returncode == 0, stderr[-3000:]
         assert "replicas: bit-identical (checked)" in stdout, stdout[-3000:]
+        assert "node-aware" not in stdout  # the survivors of a node never wait for it
         np.testing.assert_allclose(_params(out), _params(ref), rtol=0, atol=1e-10)
         lost = json.loads((out / "metrics.json").read_text())["lost_ranks"]
         assert sorted(x["rank"] for x in lost) == [2, 3], lost

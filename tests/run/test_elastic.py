@@ -223,3 +223,11 @@ def test_replicas_out_of_sync_after_a_loss_fail_the_run(tmp_path):
     got = _job(3, out, "--elastic", "--distribute", "local", fault="kill@2:5,desync@1:10")
     assert got.returncode == 2, got.stderr[-3000:]
     assert "replicas are out of sync" in got.stderr and not (out / "model.npz").exists()
+
+
+@open_mpi_only
+def test_the_node_aware_reduction_is_refused(tmp_path):
+    """Its ranks wait for their node in shared memory, where no lost rank is noticed (auto
+    turns it off under --elastic)."""
+    got = _job(2, tmp_path / "out", "--elastic", "--node-aware", "on")
+    assert got.returncode == 2 and "--node-aware off" in got.stderr, got.stderr[-3000:]
