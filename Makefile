@@ -71,7 +71,8 @@ test-mpi: $(STAMP)
 test-faults: $(STAMP)
 	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/parallel/test_modes.py \
 	  tests/parallel/test_async_server_faults.py tests/cli/test_clean_ends.py -k "not clean_ends or sigterm or sigint"
-	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/run/test_elastic.py
+	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/run/test_elastic.py \
+	  tests/test_multihost_elastic.py
 
 # Every bench-* target runs one module of the benchmarks package (python -m benchmarks.NAME);
 # MPIDP_BENCH_QUICK=1 makes any of them a smoke run of about a minute (no figures).

@@ -3,10 +3,10 @@
 Each host has its own network stack (a veth pair into a shared bridge, its own address in a
 private test subnet), its own hostname (a UTS namespace, so MPI sees separate nodes) and
 its own view of one data folder (a mount namespace with a private bind mount), so a file
-can exist on one host and not another. ``mpiexec`` reaches the hosts through its ordinary
-host list and a launcher that enters the host's namespaces in place of ssh. Traffic stays
-between the bridge and these hosts. Needs root and iproute2; everything is removed on exit,
-also when a test fails.
+can exist on one host and not another. ``mpiexec`` (MPICH's Hydra, or Open MPI's prterun:
+:meth:`Cluster.prterun`) reaches the hosts through its ordinary host list and a launcher
+that enters the host's namespaces in place of ssh. Traffic stays between the bridge and
+these hosts. Needs root and iproute2; everything is removed on exit, also when a test fails.
 
 ``rate_bits`` (or :meth:`Cluster.limit` between runs) makes each host's link a slower one: a
 token bucket (``tc qdisc ... tbf``) on both of its directions, the bridge side's egress
@@ -42,7 +42,7 @@ case "$host" in
   *) echo "launcher: unknown test host $host" >&2; exit 1;;
 esac
 exec ip netns exec "$ns" unshare --uts --mount sh -c \\
-  "hostname $ns && mount --bind $hostdir %(data)s && exec $*"
+  'hostname "$1" && mount --bind "$2" "$3" && exec sh -c "$4"' sh "$ns" "$hostdir" %(data)s "$*"
 """
 
 # receiver / sender of Cluster.transfer: ADDRESS PORT NBYTES; the receiver prints "ready"
@@ -287,6 +287,18 @@ class Cluster:
         return [MPIEXEC, "-iface", self.bridge, "-launcher", "ssh", "-launcher-exec",
                 str(self.launcher), "-hosts", ",".join(ips), "-ppn", str(per_host), "-n", str(n),
                 *env, *cmd]
+
+    def prterun(self, n: int, per_host: int, *cmd: str) -> list[str]:
+        """Open MPI's ``mpiexec`` (prterun) command line for ``n`` ranks, ``per_host`` per
+        host: its daemons started through the same launcher, every connection (the daemons'
+        and the ranks' TCP transport) kept on the test subnet."""
+        hostfile = self.root / "hostfile"
+        hostfile.write_text("".join(f"{ip} slots={per_host}\n" for ip in self.ips))
+        net = f"10.{self.subnet}.{self.net}.0/24"
+        return [MPIEXEC, "--prtemca", "plm_ssh_agent", str(self.launcher), "--hostfile",
+                str(hostfile), "--prtemca", "oob_tcp_if_include", net, "--mca",
+                "btl_tcp_if_include", net, "--map-by", f"ppr:{per_host}:node", "-n", str(n),
+                *cmd]
 
 
 def main(argv: list[str]) -> int:

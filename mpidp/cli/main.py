@@ -160,6 +160,8 @@ def _main(parser, argv: list[str]) -> int:
     except C.MpidpError as exc:  # raised identically on every rank
         if comm.rank == 0:
             print(f"mpidp: error: {exc}", file=sys.stderr, flush=True)
+        from ..comm.elastic import exit_with
+        exit_with(EXIT_USAGE)  # an elastic run's survivors, which leave at exit, too
         return EXIT_USAGE
     except OSError as exc:  # an output this rank alone writes (rank 0): a full disk ...
         from ..atomic import DISK_FULL, WriteError, write_error

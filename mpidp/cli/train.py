@@ -6,6 +6,7 @@ fails the run), and the outputs written by rank 0."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -14,7 +15,7 @@ import numpy as np
 
 from .. import comm as C
 from .. import nn
-from ..comm.elastic import ulfm_problem
+from ..comm.elastic import hosts_problem, ulfm_problem
 from ..data import distribute as D
 from ..data.balance import format_balance
 from ..data.distribute import fit_over_ranks as _standardize
@@ -55,7 +56,7 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
         except ValueError as exc:
             errors.append(str(exc))
     if args.elastic and not errors:  # refused before any work where MPI cannot survive it
-        errors += [why for why in (ulfm_problem(comm),) if why]
+        errors += [why for why in (ulfm_problem(comm) or hosts_problem(comm),) if why]
     if errors:  # every rank computes the same list from the same arguments
         raise C.MpidpError("; ".join(errors))
     watchdog = C.Watchdog(comm, args.watchdog or None) if args.watchdog != 0 else None
@@ -118,7 +119,10 @@ def _data_parallel_trainer(job: Job, data: D.Data) -> DataParallel:
     # async-ps evaluates with an allreduce; a resumed run's settings of another mode (kept
     # from its checkpoint) are not read: a mode's settings carry only its own fields
     name = "allreduce" if args.sync == "async-ps" else args.sync
-    sync = make_sync(name, flags.settings_of(name, args), optimizer_factory=make_opt)
+    settings = flags.settings_of(name, args)
+    if args.elastic and getattr(settings, "node_aware", False) is None:  # auto: off, since a
+        settings = dataclasses.replace(settings, node_aware=False)  # node's wait outlives a loss
+    sync = make_sync(name, settings, optimizer_factory=make_opt)
     dp = make_trainer("data", layers, data.sample_shape, make_opt(), loss, comm,
                       dtype=args.dtype, init_sync=args.init_sync,
                       on_nonfinite=args.on_nonfinite, sync=sync)

@@ -44,6 +44,18 @@ def ulfm_problem(comm: Comm) -> str | None:
     return None
 
 
+def hosts_problem(comm: Comm) -> str | None:
+    """Why this job's ranks on several hosts cannot go on past a lost rank, or None: Open
+    MPI's hierarchical collectives (``han``, chosen across hosts) do not survive a failure.
+    Collective (the same answer on every rank)."""
+    coll = os.environ.get("OMPI_MCA_coll", "")
+    names = set(coll.lstrip("^").split(","))
+    if coll and coll.startswith("^") == ("han" in names) or len(set(processor_names(comm))) < 2:
+        return None
+    return ("across hosts, surviving a lost rank needs Open MPI's hierarchical collectives "
+            f"(han) off: start the job with mpiexec {MPIEXEC_OPTIONS} --mca coll ^han")
+
+
 def errors_return(*comms: Comm) -> None:
     """Make MPI errors on ``comms`` raise :class:`mpi4py.MPI.Exception` (a dead rank among
     them included) instead of ending the job."""
@@ -130,6 +142,13 @@ def end_quietly_at_exit(comm: Comm, status: int = 0) -> None:
 
 
 _LEAVING: list = []
+
+
+def exit_with(status: int) -> None:
+    """A process that leaves at exit after lost ranks (:func:`end_quietly_at_exit`) leaves
+    with ``status`` instead: the run failed after them (e.g. replicas found out of sync)."""
+    if _LEAVING:
+        _LEAVING[1] = status
 
 
 def _leave() -> None:

@@ -112,8 +112,12 @@ def elastic_spec(dp, feed, spec: RunSpec) -> RunSpec:
         f"distribute='local').train): the rows of a lost rank are read again from it") or (
         None if spec.min_ranks <= dp.comm.size else
         f"{setting('min_ranks', spec.min_ranks)} is more than the {dp.comm.size} ranks of "
-        f"the run")
-    C.agree(dp.comm, why)
+        f"the run") or (
+        None if getattr(dp.sync, "hierarchy", None) is None else
+        f"{setting('elastic')} cannot go on with the node-aware reduction: a node's ranks "
+        f"wait for each other in shared memory, where a lost rank is never noticed; turn it "
+        f"off ({setting('node_aware', False)})")
+    C.agree(dp.comm, why or E.hosts_problem(dp.comm))
     dog = spec.watchdog if isinstance(spec.watchdog, C.Watchdog) else dp.watchdog
     made = Elastic(DataParallelRegroup(dp, feed, rows), dp.comm, dog, spec.min_ranks)
     _RUNS[dp] = made

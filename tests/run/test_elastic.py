@@ -237,3 +237,20 @@ def test_the_library_with_whole_arrays_on_every_rank(tmp_path):
         assert f"test rows True {2 if fault else 3}" in stdout, stdout + stderr[-2000:]
         got[name] = np.load(tmp_path / f"{name}.npy")
     np.testing.assert_allclose(got["lost"], got["whole"], rtol=0, atol=1e-10)
+
+
+@open_mpi_only
+def test_replicas_out_of_sync_after_a_loss_fail_the_run(tmp_path):
+    """The survivors leave at exit without waiting for the dead: with the run's status."""
+    out = tmp_path / "out"
+    got = _job(3, out, "--elastic", "--distribute", "local", fault="kill@2:5,desync@1:10")
+    assert got.returncode == 2, got.stderr[-3000:]
+    assert "replicas are out of sync" in got.stderr and not (out / "model.npz").exists()
+
+
+@open_mpi_only
+def test_the_node_aware_reduction_is_refused(tmp_path):
+    """Its ranks wait for their node in shared memory, where no lost rank is noticed (auto
+    turns it off under --elastic)."""
+    got = _job(2, tmp_path / "out", "--elastic", "--node-aware", "on")
+    assert got.returncode == 2 and "--node-aware off" in got.stderr, got.stderr[-3000:]
