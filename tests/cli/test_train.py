@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -187,14 +188,17 @@ def _garbage(t):
     return path
 
 
-def _here(capsys, *argv: str) -> tuple[int, str]:
-    """(exit status, stderr) of ``mpidp ARGV`` run in this process: a job of one rank."""
+def _here(capsys, *argv: str) -> subprocess.CompletedProcess:
+    """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
+    job: for refusals that do not hang on the number of ranks."""
     from mpidp.cli.main import main
+    capsys.readouterr()
     try:
         code = main(list(argv))
     except SystemExit as exc:
         code = exc.code
-    return code, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def _refused(tmp_path, make_args, message, *more, capsys=None):
@@ -204,11 +208,8 @@ def _refused(tmp_path, make_args, message, *more, capsys=None):
     args = ["train", *make_args(tmp_path), *more, "--no-progress"]
     if "--out" not in args:
         args += ["--out", str(out)]
-    if capsys is None:
-        r = run_mpi(3, *args, timeout=60)
-        code, err = r.returncode, r.stderr
-    else:
-        code, err = _here(capsys, *args)
+    r = run_mpi(3, *args, timeout=60) if capsys is None else _here(capsys, *args)
+    code, err = r.returncode, r.stderr
     assert code == 2, (code, err[-2000:])
     assert err.count(message) == 1, err[-2000:]  # said once: by rank 0 only
     assert "Traceback" not in err
@@ -317,8 +318,8 @@ def test_cli_async_ps_reports_staleness(tmp_path, capsys):
     a = m["async"]
     assert a["applied"] + a["dropped"] > 0 and 0 <= a["staleness_max"]
     assert m["test_accuracy"] > 0.7 and m["params_in_sync"] is True  # chance is 0.1
-    code, err = _here(capsys, "train", "--sync", "async-ps", "--out", str(tmp_path / "x"))
-    assert code == 2 and "needs at least 2 ranks" in err  # a job of one rank
+    r = _here(capsys, "train", "--sync", "async-ps", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "needs at least 2 ranks" in r.stderr  # a job of one rank
     small = ["train", "--dataset", "synthetic", "--n-samples", "300", "--n-features", "8",
              "--checkpoint-dir", str(tmp_path / "ck")]
     r = run_mpi(2, *small, "--epochs", "1", "--out", str(tmp_path / "y"))
