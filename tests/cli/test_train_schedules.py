@@ -18,13 +18,20 @@ STEPS = 12  # ceil(1438 training rows / 128) updates per epoch
 
 def _here(capsys, *argv: str) -> subprocess.CompletedProcess:
     """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
-    job: for refusals that do not hang on the number of ranks."""
+    job: for refusals that do not hang on the number of ranks. mpidp's log handler is made
+    afresh (on this test's captured stdout) and the logger restored after."""
     from mpidp.cli.main import main
+    from mpidp.observe.watch import log
+    kept = log.handlers[:], log.propagate, log.level
+    log.handlers.clear()
     capsys.readouterr()
     try:
         code = main(list(argv))
     except SystemExit as exc:
         code = exc.code
+    finally:
+        log.handlers[:], log.propagate = kept[:2]
+        log.setLevel(kept[2])
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(argv, code, out, err)
 
