@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -96,14 +97,25 @@ def _params(out):
     return np.load(os.path.join(out, "model.npz"))["params"]
 
 
-def test_cli_float64_same_parameters_for_1_and_3_ranks(tmp_path):
-    data = _npz(tmp_path)
-    args = ["train", "--dataset", data, "--epochs", "3", "--batch-size", "16", "--dtype", "float64",
-            "--hidden", "8", "--optimizer", "adam", "--lr", "0.01", "--no-progress"]
-    r1 = run_mpi(1, *args, "--out", str(tmp_path / "o1"))
-    r3 = run_mpi(3, *args, "--distribute", "local", "--init-sync", "seed", "--out", str(tmp_path / "o3"))
-    assert r1.returncode == 0 and r3.returncode == 0, r1.stderr + r3.stderr
-    np.testing.assert_allclose(_params(tmp_path / "o3"), _params(tmp_path / "o1"), rtol=1e-9, atol=1e-11)
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The arguments of a small float64 run and its parameters from one process."""
+    folder = tmp_path_factory.mktemp("one")
+    args = ["train", "--dataset", _npz(folder), "--epochs", "2", "--batch-size", "16",
+            "--dtype", "float64", "--hidden", "8", "--optimizer", "adam", "--lr", "0.01",
+            "--no-progress"]
+    r1 = run_mpi(1, *args, "--out", str(folder / "o1"))
+    assert r1.returncode == 0, r1.stderr
+    return args, _params(folder / "o1")
+
+
+def test_cli_float64_same_parameters_for_1_and_3_ranks(tmp_path, one_process):
+    """--distribute local with --init-sync seed on 3 ranks: the parameters of one process."""
+    args, params = one_process
+    r3 = run_mpi(3, *args, "--distribute", "local", "--init-sync", "seed",
+                 "--out", str(tmp_path / "o3"))
+    assert r3.returncode == 0, r3.stderr
+    np.testing.assert_allclose(_params(tmp_path / "o3"), params, rtol=1e-9, atol=1e-11)
 
 
 def test_mapped_local_rows_train_like_one_process_and_like_copied_rows(tmp_path):
@@ -176,28 +188,58 @@ def _garbage(t):
     return path
 
 
-def _refused_by_the_job(tmp_path, make_args, message, *more):
+def _here(capsys, *argv: str) -> subprocess.CompletedProcess:
+    """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
+    job: for refusals that do not hang on the number of ranks. mpidp's log handler is made
+    afresh (on this test's captured stdout) and the logger restored after."""
+    from mpidp.cli.main import main
+    from mpidp.observe.watch import log
+    kept = log.handlers[:], log.propagate, log.level
+    log.handlers.clear()
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        log.handlers[:], log.propagate = kept[:2]
+        log.setLevel(kept[2])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
+
+
+def _refused(tmp_path, make_args, message, *more, capsys=None):
+    """A refusal, nothing written: with ``capsys`` in this process, else by a job of 3 ranks
+    that all exit 2 with rank 0 alone speaking."""
     out = tmp_path / "out"
     args = ["train", *make_args(tmp_path), *more, "--no-progress"]
     if "--out" not in args:
         args += ["--out", str(out)]
-    r = run_mpi(3, *args, timeout=60)
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    assert message in r.stderr, r.stderr[-2000:]
-    assert r.stderr.count(message) == 1, "printed by rank 0 only"
-    assert "Traceback" not in r.stderr
+    r = run_mpi(3, *args, timeout=60) if capsys is None else _here(capsys, *args)
+    code, err = r.returncode, r.stderr
+    assert code == 2, (code, err[-2000:])
+    assert err.count(message) == 1, err[-2000:]  # said once: by rank 0 only
+    assert "Traceback" not in err
     assert not out.exists(), "nothing may be written on error"
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
 @pytest.mark.parametrize("distribute", ["scatter", "local"])
-def test_bad_input_clear_error_every_rank_nothing_written(tmp_path, case, distribute):
-    _refused_by_the_job(tmp_path, *BAD[case], "--distribute", distribute)
+def test_bad_input_clear_error_nothing_written(tmp_path, capsys, case, distribute):
+    _refused(tmp_path, *BAD[case], "--distribute", distribute, capsys=capsys)
+
+
+# a file refused before it is read, by its header, by its values: each ends every rank of a job
+@pytest.mark.parametrize("case", ["missing file", "lengths disagree", "NaN"])
+@pytest.mark.parametrize("distribute", ["scatter", "local"])
+def test_bad_input_ends_every_rank_of_the_job(tmp_path, case, distribute):
+    _refused(tmp_path, *BAD[case], "--distribute", distribute)
 
 
 @pytest.mark.parametrize("case", sorted(JOB_BAD))
-def test_bad_settings_clear_error_every_rank_nothing_written(tmp_path, case):
-    _refused_by_the_job(tmp_path, *JOB_BAD[case])
+def test_bad_settings_clear_error_every_rank_nothing_written(tmp_path, capsys, case):
+    """The slowdown by a job of 3 ranks; a file as --out whatever the ranks (in this process)."""
+    _refused(tmp_path, *JOB_BAD[case], capsys=capsys if case == "out is a file" else None)
 
 
 @pytest.mark.parametrize("case", sorted(OPTIONS_BAD))
@@ -244,18 +286,6 @@ def test_readme_example_is_the_tested_script_and_is_exact(tmp_path):
     assert float(r.stdout.split()[-1]) > 0.8
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """The arguments of a small float64 run and its parameters from one process."""
-    folder = tmp_path_factory.mktemp("one")
-    args = ["train", "--dataset", _npz(folder), "--epochs", "2", "--batch-size", "16",
-            "--dtype", "float64", "--hidden", "8", "--optimizer", "adam", "--lr", "0.01",
-            "--no-progress"]
-    r1 = run_mpi(1, *args, "--out", str(folder / "o1"))
-    assert r1.returncode == 0, r1.stderr
-    return args, _params(folder / "o1")
-
-
 @pytest.mark.parametrize("sync", [["--sync", "ps", "--ps-placement", "dedicated"],
                                   ["--sync", "sharded-ps"], ["--sync", "overlapped", "--bucket-mb", "0.001"]])
 def test_cli_sync_modes_give_single_process_parameters(tmp_path, sync, one_process):
@@ -283,7 +313,7 @@ def test_cli_ps_transports_give_the_same_bits(tmp_path):
     np.testing.assert_allclose(_params(tmp_path / "shared"), _params(tmp_path / "one"), rtol=1e-4, atol=1e-6)
 
 
-def test_cli_async_ps_reports_staleness(tmp_path):
+def test_cli_async_ps_reports_staleness(tmp_path, capsys):
     # plain SGD: stale momentum makes asynchronous runs erratic (seen: 0.70 to 0.96)
     r = run_mpi(3, "train", "--dataset", "digits", "--epochs", "5", "--lr", "0.1",
                 "--optimizer", "sgd", "--sync", "async-ps", "--slowdown", "2:3",
@@ -295,8 +325,8 @@ def test_cli_async_ps_reports_staleness(tmp_path):
     a = m["async"]
     assert a["applied"] + a["dropped"] > 0 and 0 <= a["staleness_max"]
     assert m["test_accuracy"] > 0.7 and m["params_in_sync"] is True  # chance is 0.1
-    r = run_mpi(1, "train", "--sync", "async-ps", "--out", str(tmp_path / "x"))
-    assert r.returncode == 2 and "needs at least 2 ranks" in r.stderr
+    r = _here(capsys, "train", "--sync", "async-ps", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "needs at least 2 ranks" in r.stderr  # a job of one rank
     small = ["train", "--dataset", "synthetic", "--n-samples", "300", "--n-features", "8",
              "--checkpoint-dir", str(tmp_path / "ck")]
     r = run_mpi(2, *small, "--epochs", "1", "--out", str(tmp_path / "y"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -18,34 +19,69 @@ def _npz(tmp_path, n=90, d=5, seed=0):
     return str(path)
 
 
+def _here(capsys, *argv: str) -> subprocess.CompletedProcess:
+    """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
+    job: for refusals that do not hang on the number of ranks. mpidp's log handler is made
+    afresh (on this test's captured stdout) and the logger restored after."""
+    from mpidp.cli.main import main
+    from mpidp.observe.watch import log
+    kept = log.handlers[:], log.propagate, log.level
+    log.handlers.clear()
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        log.handlers[:], log.propagate = kept[:2]
+        log.setLevel(kept[2])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
+
+
 def _params(out):
     return np.load(os.path.join(out, "model.npz"))["params"]
 
 
-def test_help_lists_the_model_parallel_options():
-    r = run_mpi(1, "train", "--help")
+def test_help_lists_the_model_parallel_options(capsys):
+    """In this process (tests/cli/test_train.py runs ``mpidp train --help`` in a job)."""
+    r = _here(capsys, "train", "--help")
     assert r.returncode == 0
     for text in ("--parallel", "data,pipeline,hybrid", "--micro-batches", "--schedule", "gpipe,1f1b"):
         assert text in r.stdout, text
 
 
-def test_pipeline_and_hybrid_train_the_same_model_as_one_process(tmp_path):
+ARGS = ["--batch-size", "16", "--dtype", "float64", "--hidden", "8,6", "--optimizer", "adam",
+        "--lr", "0.01", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The data set (90 rows) and 3 epochs of ARGS on it by one process (--parallel data)."""
+    base = tmp_path_factory.mktemp("one")
+    data = _npz(base)
+    r = run_mpi(1, "train", "--dataset", data, *ARGS, "--epochs", "3", "--parallel", "data",
+                "--out", str(base / "data"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return data, base / "data"
+
+
+def test_pipeline_and_hybrid_train_the_same_model_as_one_process(tmp_path, one_process):
     """72 training rows in batches of 16: the last batch (8) splits 3,3,2 into micro-batches."""
-    args = ["train", "--dataset", _npz(tmp_path), "--epochs", "3", "--batch-size", "16",
-            "--dtype", "float64", "--hidden", "8,6", "--optimizer", "adam", "--lr", "0.01",
-            "--no-progress"]
-    runs = {"data": (1, []), "pipeline": (3, ["--micro-batches", "3", "--schedule", "gpipe"]),
+    data, one = one_process
+    args = ["train", "--dataset", data, *ARGS, "--epochs", "3"]
+    runs = {"pipeline": (3, ["--micro-batches", "3", "--schedule", "gpipe"]),
             "hybrid": (4, ["--micro-batches", "3", "--schedule", "1f1b"])}
     for name, (n, extra) in runs.items():
         r = run_mpi(n, *args, "--parallel", name, *extra, "--out", str(tmp_path / name))
         assert r.returncode == 0, r.stderr[-3000:]
-    ref = _params(tmp_path / "data")
+    ref = _params(one)
     for name in ("pipeline", "hybrid"):
         np.testing.assert_allclose(_params(tmp_path / name), ref, rtol=1e-9, atol=1e-11)
         m = json.loads((tmp_path / name / "metrics.json").read_text())
         assert m["parallel"] == name and m["params_in_sync"] is True
         assert (m["stages"], m["replicas"]) == ((3, 1) if name == "pipeline" else (2, 2))
-        d = json.loads((tmp_path / "data" / "metrics.json").read_text())
+        d = json.loads((one / "metrics.json").read_text())
         assert m["final_loss"] == pytest.approx(d["final_loss"], rel=1e-9)
         assert m["test_accuracy"] == d["test_accuracy"]
         sizes = [r["param_bytes"] for r in m["memory_per_rank"]]
@@ -85,27 +121,28 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_input_clear_error_every_rank_nothing_written(tmp_path, case):
+def test_bad_input_clear_error_every_rank_nothing_written(tmp_path, capsys, case):
+    """The refusals that need their number of ranks by a job of them; the others, whatever
+    the ranks, as a job of one rank in this process."""
     n, extra, message = BAD[case]
     out = tmp_path / "out"
     hidden = [] if "--model" in extra else ["--hidden", "8"]  # only an mlp has them
-    r = run_mpi(n, "train", "--dataset", _npz(tmp_path), *hidden, "--epochs", "1",
-                "--no-progress", *extra, "--out", str(out), timeout=60)
+    args = ["train", "--dataset", _npz(tmp_path), *hidden, "--epochs", "1", "--no-progress",
+            *extra, "--out", str(out)]
+    r = (run_mpi(n, *args, timeout=60) if case in ("more stages than layers", "hybrid on 3 ranks")
+         else _here(capsys, *args))
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert r.stderr.count(message) == 1, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert not out.exists()
 
 
-def test_pipeline_checkpoints_resume_as_pipeline_or_data_parallel(tmp_path):
+def test_pipeline_checkpoints_resume_as_pipeline_or_data_parallel(tmp_path, one_process):
     """A 3-stage pipeline run checkpoints, stops after 2 of 3 epochs, and is finished once by
     a 2-stage pipeline and once by data-parallel training on 2 ranks: both give the model
-    of an uninterrupted single-process run."""
-    data = _npz(tmp_path)
-    args = ["train", "--dataset", data, "--batch-size", "16", "--dtype", "float64",
-            "--hidden", "8,6", "--optimizer", "momentum", "--lr", "0.05", "--no-progress"]
-    r = run_mpi(1, *args, "--epochs", "3", "--out", str(tmp_path / "ref"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    (and Adam's state behind it) of an uninterrupted single-process run."""
+    data, one = one_process
+    args = ["train", "--dataset", data, *ARGS]
     ckpt = tmp_path / "ckpt"
     r = run_mpi(3, *args, "--epochs", "2", "--parallel", "pipeline", "--micro-batches", "2",
                 "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4",
@@ -121,7 +158,7 @@ def test_pipeline_checkpoints_resume_as_pipeline_or_data_parallel(tmp_path):
                     "--resume", "--out", str(tmp_path / name))
         assert r.returncode == 0, r.stderr[-3000:]
         assert "resumed from" in r.stdout + r.stderr and "written with 3 ranks" in r.stdout + r.stderr
-        np.testing.assert_allclose(_params(tmp_path / name), _params(tmp_path / "ref"),
+        np.testing.assert_allclose(_params(tmp_path / name), _params(one),
                                    rtol=1e-9, atol=1e-11)
         m = json.loads((tmp_path / name / "metrics.json").read_text())
         assert len(m["history"]) == 3

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -26,6 +27,26 @@ from mpidp.run.checkpoint import list_checkpoints, read
 ARGS = ["train", "--dataset", "synthetic", "--n-samples", "600", "--n-features", "10",
         "--dtype", "float64", "--epochs", "3", "--batch-size", "32", "--optimizer", "adam",
         "--lr", "0.01", "--hidden", "16", "--no-progress"]
+
+
+def _here(capsys, *argv: str) -> subprocess.CompletedProcess:
+    """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
+    job: for refusals that do not hang on the number of ranks. mpidp's log handler is made
+    afresh (on this test's captured stdout) and the logger restored after."""
+    from mpidp.cli.main import main
+    from mpidp.observe.watch import log
+    kept = log.handlers[:], log.propagate, log.level
+    log.handlers.clear()
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        log.handlers[:], log.propagate = kept[:2]
+        log.setLevel(kept[2])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def _train(n, out, *extra, fault=None, timeout=120, env=None):
@@ -189,12 +210,21 @@ def _damage(path, how):
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("how", ["truncate", "flip"])
-def test_damaged_checkpoint_is_refused_and_the_previous_one_used(tmp_path, reference, how):
-    ck = tmp_path / "ck"
-    r = _train(2, tmp_path / "a", "--checkpoint-dir", str(ck), "--checkpoint-every", "10",
+@pytest.fixture(scope="module")
+def raised(tmp_path_factory):
+    """The checkpoints (steps 10, 20, 30) of a run that rank 1 ended at step 33."""
+    base = tmp_path_factory.mktemp("raised")
+    r = _train(2, base / "a", "--checkpoint-dir", str(base / "ck"), "--checkpoint-every", "10",
                fault="raise@1:33")
     assert r.returncode != 0
+    return base / "ck"
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_damaged_checkpoint_is_refused_and_the_previous_one_used(tmp_path, reference, raised,
+                                                                 how):
+    ck = tmp_path / "ck"
+    shutil.copytree(raised, ck)
     newest = ck / "ckpt-0000000030.npz"
     _damage(newest, how)
     with pytest.raises(ValueError, match="unreadable|checksum"):
@@ -206,10 +236,9 @@ def test_damaged_checkpoint_is_refused_and_the_previous_one_used(tmp_path, refer
     assert np.array_equal(_params(tmp_path / "b"), reference)
 
 
-def test_every_checkpoint_damaged_is_a_clear_error(tmp_path):
+def test_every_checkpoint_damaged_is_a_clear_error(tmp_path, raised):
     ck = tmp_path / "ck"
-    assert _train(2, tmp_path / "a", "--checkpoint-dir", str(ck), "--checkpoint-every", "20",
-                  "--epochs", "1").returncode == 0
+    shutil.copytree(raised, ck)
     for p in list_checkpoints(ck):
         _damage(type(tmp_path)(p), "flip")
     r = _train(2, tmp_path / "b", "--checkpoint-dir", str(ck), "--resume")
@@ -217,11 +246,13 @@ def test_every_checkpoint_damaged_is_a_clear_error(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
-def test_resume_with_other_settings_is_refused(tmp_path):
-    ck = tmp_path / "ck"
-    assert _train(1, tmp_path / "a", "--checkpoint-dir", str(ck), "--epochs", "1").returncode == 0
-    r = _train(2, tmp_path / "b", "--checkpoint-dir", str(ck), "--resume", "--batch-size", "16")
+def test_resume_with_other_settings_is_refused(tmp_path, capsys, raised):
+    """Resumed by one rank in this process (jobs above and below end on refusals)."""
+    shutil.copytree(raised, tmp_path / "ck")
+    r = _here(capsys, *ARGS, "--out", str(tmp_path / "b"), "--checkpoint-dir",
+              str(tmp_path / "ck"), "--resume", "--batch-size", "16")
     assert r.returncode == 2 and "--batch-size 32 (now 16)" in r.stderr
+    assert not (tmp_path / "b").exists()
 
 
 def test_nan_gradient_stops_and_never_overwrites_the_good_checkpoint(tmp_path):
