@@ -1,6 +1,6 @@
 """Helpers shared by the tests: the repository's root, ``mpiexec`` jobs in a subprocess (always
-with a timeout: a hang = a failure), the command line's parse errors, central finite
-differences, TensorBoard scalars."""
+with a timeout: a hang = a failure), a one-rank run of the command line in this process, the
+command line's parse errors, central finite differences, TensorBoard scalars."""
 
 from __future__ import annotations
 
@@ -78,3 +78,23 @@ def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
                 for v in ev.summary.value:
                     out.setdefault(v.tag, []).append((ev.step, v.simple_value))
     return out
+
+
+def run_here(capsys, *argv: str) -> subprocess.CompletedProcess:
+    """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
+    job: for refusals that do not hang on the number of ranks. mpidp's log handler is made
+    afresh (on this test's captured stdout) and the logger restored after."""
+    from mpidp.cli.main import main
+    from mpidp.observe.watch import log
+    kept = log.handlers[:], log.propagate, log.level
+    log.handlers.clear()
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        log.handlers[:], log.propagate = kept[:2]
+        log.setLevel(kept[2])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)

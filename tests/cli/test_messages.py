@@ -6,36 +6,15 @@ from __future__ import annotations
 import configparser
 import json
 import re
-import subprocess
 
 import numpy as np
 import pytest
-from helpers import ROOT, run_mpi
+from helpers import ROOT, run_here, run_mpi
 
 from mpidp.cli.parser import build_parser
 from mpidp.cli.values import number as _number
 from mpidp.data.balance import balance_figures, format_balance
 from mpidp.observe.metrics import STEP_FIELDS
-
-
-def _here(capsys, *argv: str) -> subprocess.CompletedProcess:
-    """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
-    job: for refusals that do not hang on the number of ranks. mpidp's log handler is made
-    afresh (on this test's captured stdout) and the logger restored after."""
-    from mpidp.cli.main import main
-    from mpidp.observe.watch import log
-    kept = log.handlers[:], log.propagate, log.level
-    log.handlers.clear()
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        log.handlers[:], log.propagate = kept[:2]
-        log.setLevel(kept[2])
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def _error(capsys, monkeypatch, *argv: str) -> list[str]:
@@ -241,7 +220,7 @@ def test_a_file_setting_another_mode_typed_over_it_makes_moot_is_left_out(tmp_pa
     assert r.returncode == 0, r.stderr[-2000:]
     recorded = (out / "config.toml").read_text()
     assert f'sync = "{typed}"' in recorded and gone not in recorded, recorded
-    r = _here(capsys, "train", "--config", str(cfg), "--sync", typed, f"--{gone}",
+    r = run_here(capsys, "train", "--config", str(cfg), "--sync", typed, f"--{gone}",
               table.split(f"{gone} = ")[1].split("\n")[0].strip('"'), "--out",
               str(tmp_path / "typed"), "-q")
     assert r.returncode == 2 and f"--{gone} does not apply to --sync {typed}" in r.stderr, \
@@ -265,7 +244,7 @@ def test_a_file_that_contradicts_itself_is_refused_not_trimmed(tmp_path, capsys,
     cfg = tmp_path / "run.toml"
     cfg.write_text('dataset = "digits"\nepochs = 1\n' + table)
     args = ["train", "--config", str(cfg), "--out", str(tmp_path / "o"), "-q"]
-    r = run_mpi(2, *args) if "adam" in table else _here(capsys, *args)
+    r = run_mpi(2, *args) if "adam" in table else run_here(capsys, *args)
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "o").exists()
 

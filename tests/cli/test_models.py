@@ -4,12 +4,11 @@ checkpoints, resume and predict, and the modes that refuse a layer."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, parser_refusal, run_mpi
+from helpers import ROOT, parser_refusal, run_here, run_mpi
 
 BN_MODEL = ROOT / "examples" / "models" / "digits-cnn-bn.toml"
 SMALL = ["train", "--dataset", "digits", "--batch-size", "32", "--no-progress", "--seed", "1"]
@@ -65,26 +64,6 @@ def test_batchnorm_statistics_survive_a_checkpoint_and_a_resume_on_other_ranks(b
     assert np.max(np.abs(ref["state"] - resumed["state"])) <= 1e-10
 
 
-def _here(capsys, *argv: str) -> subprocess.CompletedProcess:
-    """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
-    job: for refusals that do not hang on the number of ranks. mpidp's log handler is made
-    afresh (on this test's captured stdout) and the logger restored after."""
-    from mpidp.cli.main import main
-    from mpidp.observe.watch import log
-    kept = log.handlers[:], log.propagate, log.level
-    log.handlers.clear()
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        log.handlers[:], log.propagate = kept[:2]
-        log.setLevel(kept[2])
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out, err)
-
-
 @pytest.mark.parametrize("mode, message", [
     (["--parallel", "pipeline"], "--parallel pipeline cannot train a model with BatchNorm"),
     (["--parallel", "hybrid"], "--parallel hybrid cannot train a model with BatchNorm"),
@@ -94,7 +73,7 @@ def _here(capsys, *argv: str) -> subprocess.CompletedProcess:
 def test_a_mode_that_cannot_train_a_layer_refuses_it_before_any_work(tmp_path, capsys, mode,
                                                                     message):
     """async-ps by a job of 2 ranks (it needs 2); the others in this process."""
-    run = (lambda *a: run_mpi(2, *a)) if "async-ps" in mode else (lambda *a: _here(capsys, *a))
+    run = (lambda *a: run_mpi(2, *a)) if "async-ps" in mode else (lambda *a: run_here(capsys, *a))
     r = run(*SMALL, "--model", str(BN_MODEL), *mode, "--out", str(tmp_path / "o"))
     assert r.returncode == 2, r.stderr[-3000:]
     line = [ln for ln in r.stderr.splitlines() if ln.startswith("mpidp: error:")]
@@ -124,7 +103,7 @@ def test_an_embedding_model_trains_on_token_ids_and_refuses_other_data(tmp_path,
     assert r.returncode == 0, r.stderr[-3000:]
     history = json.loads((tmp_path / "o" / "metrics.json").read_text())["history"]
     assert history[-1]["test_accuracy"] > 0.9, history[-1]
-    r = _here(capsys, *SMALL, "--model", str(model), "--out", str(tmp_path / "p"))
+    r = run_here(capsys, *SMALL, "--model", str(model), "--out", str(tmp_path / "p"))
     assert r.returncode == 2 and r.stderr.count("mpidp: error:") == 1, r.stderr[-3000:]
     assert "does not suit --model" in r.stderr and "not a whole number in [0, 20)" in r.stderr
 
@@ -143,7 +122,7 @@ def test_a_model_file_with_fewer_outputs_than_the_data_needs_is_refused(tmp_path
     """It used to train, then fail at the first label beyond its outputs (a traceback)."""
     model = tmp_path / "few.toml"
     model.write_text("[[layers]]\ntype = 'Flatten'\n[[layers]]\ntype = 'Dense'\nn_out = 5\n")
-    r = _here(capsys, *SMALL, "--model", str(model), "--out", str(tmp_path / "o"))
+    r = run_here(capsys, *SMALL, "--model", str(model), "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and r.stderr.count("mpidp: error:") == 1, r.stderr[-3000:]
     assert "gives outputs of shape (5,) per sample, but the data needs" in r.stderr
     assert not (tmp_path / "o").exists()
@@ -167,7 +146,7 @@ BOW = ["--dataset", "bow", "--n-samples", "200", "--n-features", "64"]
 def test_a_model_file_whose_first_layer_cannot_take_the_rows_is_refused(tmp_path, capsys, first,
                                                                          data, message):
     """Both used to end in a traceback inside the first forward pass."""
-    r = _here(capsys, "train", "--model", str(_file(tmp_path, first)), *data, "--epochs", "1",
+    r = run_here(capsys, "train", "--model", str(_file(tmp_path, first)), *data, "--epochs", "1",
                 "--no-progress", "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "o").exists()
@@ -185,7 +164,7 @@ def test_predict_refuses_rows_of_the_other_kind_before_any_output(tmp_path, caps
             (lambda *a: run_mpi(2, *a), sparse,
              ["--dataset", "synthetic", "--n-features", "64", "--n-samples", "50"],
              "takes sparse (CSR) rows, and the dataset's rows are dense"),
-            (lambda *a: _here(capsys, *a), dense,
+            (lambda *a: run_here(capsys, *a), dense,
              ["--dataset", "bow", "--n-features", "64", "--n-samples", "50"],
              "the dataset's rows are sparse (CSR)")):
         r = run("predict", "--model", str(model), *data, "--out", str(tmp_path / "p.npy"))
@@ -216,7 +195,7 @@ def test_a_model_that_cannot_read_the_data_is_one_line_before_any_step(tmp_path,
     X = np.random.default_rng(0).integers(0, data, (60, 6))
     np.savez(tmp_path / "tokens.npz", X=X, y=(X[:, 0] % 2).astype(np.int64))
     (tmp_path / "m.toml").write_text(layers)
-    r = _here(capsys, "train", "--dataset", str(tmp_path / "tokens.npz"), "--model",
+    r = run_here(capsys, "train", "--dataset", str(tmp_path / "tokens.npz"), "--model",
               str(tmp_path / "m.toml"), *extra, "--no-progress", "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and r.stderr.count("mpidp: error:") == 1, r.stderr[-3000:]
     assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
@@ -227,6 +206,6 @@ def test_blocks_nested_thousands_deep_are_one_line(tmp_path, capsys):
     for _ in range(5000):
         inner = f'{{"type": "Residual", "layers": [{inner}]}}'
     (tmp_path / "deep.json").write_text(f'[{{"type": "Flatten"}}, {inner}, {{"type": "Dense"}}]')
-    r = _here(capsys, *SMALL, "--model", str(tmp_path / "deep.json"), "--out", str(tmp_path / "o"))
+    r = run_here(capsys, *SMALL, "--model", str(tmp_path / "deep.json"), "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and r.stderr.count("mpidp: error:") == 1, r.stderr[-3000:]
     assert "nested too deep to read (blocks may nest at most 64 deep)" in r.stderr

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
-from helpers import ROOT, parser_refusal, run_mpi
+from helpers import ROOT, parser_refusal, run_here, run_mpi
 
 from mpidp import nn
 from mpidp.data.partition import train_test_split
@@ -188,26 +187,6 @@ def _garbage(t):
     return path
 
 
-def _here(capsys, *argv: str) -> subprocess.CompletedProcess:
-    """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
-    job: for refusals that do not hang on the number of ranks. mpidp's log handler is made
-    afresh (on this test's captured stdout) and the logger restored after."""
-    from mpidp.cli.main import main
-    from mpidp.observe.watch import log
-    kept = log.handlers[:], log.propagate, log.level
-    log.handlers.clear()
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        log.handlers[:], log.propagate = kept[:2]
-        log.setLevel(kept[2])
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out, err)
-
-
 def _refused(tmp_path, make_args, message, *more, capsys=None):
     """A refusal, nothing written: with ``capsys`` in this process, else by a job of 3 ranks
     that all exit 2 with rank 0 alone speaking."""
@@ -215,7 +194,7 @@ def _refused(tmp_path, make_args, message, *more, capsys=None):
     args = ["train", *make_args(tmp_path), *more, "--no-progress"]
     if "--out" not in args:
         args += ["--out", str(out)]
-    r = run_mpi(3, *args, timeout=60) if capsys is None else _here(capsys, *args)
+    r = run_mpi(3, *args, timeout=60) if capsys is None else run_here(capsys, *args)
     code, err = r.returncode, r.stderr
     assert code == 2, (code, err[-2000:])
     assert err.count(message) == 1, err[-2000:]  # said once: by rank 0 only
@@ -325,7 +304,7 @@ def test_cli_async_ps_reports_staleness(tmp_path, capsys):
     a = m["async"]
     assert a["applied"] + a["dropped"] > 0 and 0 <= a["staleness_max"]
     assert m["test_accuracy"] > 0.7 and m["params_in_sync"] is True  # chance is 0.1
-    r = _here(capsys, "train", "--sync", "async-ps", "--out", str(tmp_path / "x"))
+    r = run_here(capsys, "train", "--sync", "async-ps", "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and "needs at least 2 ranks" in r.stderr  # a job of one rank
     small = ["train", "--dataset", "synthetic", "--n-samples", "300", "--n-features", "8",
              "--checkpoint-dir", str(tmp_path / "ck")]

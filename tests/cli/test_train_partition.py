@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
-from helpers import parser_refusal, run_mpi
+from helpers import parser_refusal, run_here, run_mpi
 
 from mpidp import nn
 from mpidp.data.partition import train_test_split
@@ -17,26 +16,6 @@ from mpidp.data.sources import BowSource
 
 BOW = ["--dataset", "bow", "--n-samples", "1500", "--n-features", "300", "--hidden", "16",
        "--batch-size", "128", "--no-progress"]
-
-
-def _here(capsys, *argv: str) -> subprocess.CompletedProcess:
-    """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
-    job: for refusals that do not hang on the number of ranks. mpidp's log handler is made
-    afresh (on this test's captured stdout) and the logger restored after."""
-    from mpidp.cli.main import main
-    from mpidp.observe.watch import log
-    kept = log.handlers[:], log.propagate, log.level
-    log.handlers.clear()
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        log.handlers[:], log.propagate = kept[:2]
-        log.setLevel(kept[2])
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +118,7 @@ def test_bad_partition_options_clear_error_every_rank(tmp_path, capsys, case):
         return
     # refused whatever the ranks: as a job of one rank in this process; else by 3 ranks
     here = case in ("costs length", "slowdown rank")
-    r = _here(capsys, *argv) if here else run_mpi(3, *argv, timeout=60)
+    r = run_here(capsys, *argv) if here else run_mpi(3, *argv, timeout=60)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert r.stderr.count(message) == 1, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and not out.exists()

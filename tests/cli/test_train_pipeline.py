@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
-from helpers import run_mpi
+from helpers import run_here, run_mpi
 
 
 def _npz(tmp_path, n=90, d=5, seed=0):
@@ -19,33 +18,13 @@ def _npz(tmp_path, n=90, d=5, seed=0):
     return str(path)
 
 
-def _here(capsys, *argv: str) -> subprocess.CompletedProcess:
-    """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
-    job: for refusals that do not hang on the number of ranks. mpidp's log handler is made
-    afresh (on this test's captured stdout) and the logger restored after."""
-    from mpidp.cli.main import main
-    from mpidp.observe.watch import log
-    kept = log.handlers[:], log.propagate, log.level
-    log.handlers.clear()
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        log.handlers[:], log.propagate = kept[:2]
-        log.setLevel(kept[2])
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out, err)
-
-
 def _params(out):
     return np.load(os.path.join(out, "model.npz"))["params"]
 
 
 def test_help_lists_the_model_parallel_options(capsys):
     """In this process (tests/cli/test_train.py runs ``mpidp train --help`` in a job)."""
-    r = _here(capsys, "train", "--help")
+    r = run_here(capsys, "train", "--help")
     assert r.returncode == 0
     for text in ("--parallel", "data,pipeline,hybrid", "--micro-batches", "--schedule", "gpipe,1f1b"):
         assert text in r.stdout, text
@@ -130,7 +109,7 @@ def test_bad_input_clear_error_every_rank_nothing_written(tmp_path, capsys, case
     args = ["train", "--dataset", _npz(tmp_path), *hidden, "--epochs", "1", "--no-progress",
             *extra, "--out", str(out)]
     r = (run_mpi(n, *args, timeout=60) if case in ("more stages than layers", "hybrid on 3 ranks")
-         else _here(capsys, *args))
+         else run_here(capsys, *args))
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert r.stderr.count(message) == 1, r.stderr[-2000:]
     assert "Traceback" not in r.stderr

@@ -4,36 +4,15 @@ the rates each epoch records, a resume in the middle of a schedule, and what is 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import parser_refusal, run_mpi
+from helpers import parser_refusal, run_here, run_mpi
 
 BASE = ["train", "--dataset", "digits", "--no-progress", "--seed", "1", "--dtype", "float64",
         "--batch-size", "128"]
 STEPS = 12  # ceil(1438 training rows / 128) updates per epoch
-
-
-def _here(capsys, *argv: str) -> subprocess.CompletedProcess:
-    """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
-    job: for refusals that do not hang on the number of ranks. mpidp's log handler is made
-    afresh (on this test's captured stdout) and the logger restored after."""
-    from mpidp.cli.main import main
-    from mpidp.observe.watch import log
-    kept = log.handlers[:], log.propagate, log.level
-    log.handlers.clear()
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        log.handlers[:], log.propagate = kept[:2]
-        log.setLevel(kept[2])
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def _history(out) -> list[dict]:
@@ -113,6 +92,6 @@ def test_schedule_options_that_cannot_work_are_refused(tmp_path, capsys, extra, 
     if "async-ps" in extra:
         r = run_mpi(2, *BASE, *extra, "--out", str(tmp_path / "o"))
     else:
-        r = _here(capsys, *BASE, *extra, "--out", str(tmp_path / "o"))
+        r = run_here(capsys, *BASE, *extra, "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "o" / "model.npz").exists()

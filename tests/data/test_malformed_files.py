@@ -8,12 +8,11 @@ from __future__ import annotations
 import io
 import json
 import shutil
-import subprocess
 import zipfile
 
 import numpy as np
 import pytest
-from helpers import run_mpi
+from helpers import run_here, run_mpi
 
 from mpidp.cli import settings
 from mpidp.data.sources import open_source
@@ -23,26 +22,6 @@ ARGS = ["train", "--dataset", "synthetic", "--n-samples", "600", "--n-features",
         "--dtype", "float64", "--epochs", "2", "--batch-size", "32", "--optimizer", "adam",
         "--lr", "0.01", "--hidden", "16", "--no-progress"]
 STEPS = 15  # steps per epoch of ARGS: 480 training samples in batches of 32
-
-
-def _here(capsys, *argv: str) -> subprocess.CompletedProcess:
-    """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
-    job: for refusals that do not hang on the number of ranks. mpidp's log handler is made
-    afresh (on this test's captured stdout) and the logger restored after."""
-    from mpidp.cli.main import main
-    from mpidp.observe.watch import log
-    kept = log.handlers[:], log.propagate, log.level
-    log.handlers.clear()
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        log.handlers[:], log.propagate = kept[:2]
-        log.setLevel(kept[2])
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def _one_error(r, *parts: str) -> str:
@@ -153,7 +132,7 @@ def test_a_uint64_label_is_reported_as_stored(tmp_path, capsys, distribute, n_cl
     args = ["train", "--dataset", str(tmp_path / "d.npz"), "--distribute", distribute,
             "--epochs", "1", "--out", str(tmp_path / "o"),
             *(["--n-classes", str(n_classes)] if n_classes else [])]
-    r = _here(capsys, *args) if n_classes else run_mpi(2, *args, timeout=60)
+    r = run_here(capsys, *args) if n_classes else run_mpi(2, *args, timeout=60)
     line = _one_error(r, str(2**63 + 5))
     assert "-9223372036854775803" not in line and ">= 0" not in line, line
 
@@ -246,7 +225,7 @@ def test_a_forged_checkpoint_is_one_clear_error(written, tmp_path, capsys, case)
     args = [*ARGS, "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
             "--out", str(tmp_path / "b")]
     r = (run_mpi(2, *args, timeout=120) if case in ("params shorter", "negative epoch")
-         else _here(capsys, *args))
+         else run_here(capsys, *args))
     _one_error(r, path, detail, "--restart")
     assert not (tmp_path / "b").exists()
 
@@ -271,7 +250,7 @@ def test_a_forged_checkpoint_falls_back_to_the_previous_good_one(tmp_path):
 def test_a_checkpoint_past_the_end_of_its_epoch_is_refused(written, tmp_path, capsys):
     """In this process, one rank (the forged checkpoints above end jobs of 2 ranks)."""
     path = _forge(written, tmp_path, _set(epoch=0, step=STEPS + 85))
-    r = _here(capsys, *ARGS, "--epochs", "1", "--checkpoint-dir", str(tmp_path / "ck"),
+    r = run_here(capsys, *ARGS, "--epochs", "1", "--checkpoint-dir", str(tmp_path / "ck"),
               "--resume", "--out", str(tmp_path / "b"))
     _one_error(r, path, f"step {STEPS + 85}", f"{STEPS} steps")
     assert not (tmp_path / "b").exists()

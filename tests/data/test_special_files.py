@@ -4,10 +4,9 @@ once, naming it, in every way of reading it: never a job that waits or reads wit
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
-from helpers import run_mpi
+from helpers import run_here, run_mpi
 
 
 def _fifo(path):
@@ -17,26 +16,6 @@ def _fifo(path):
 
 JOBS = {("fifo", "scatter"), ("fifo in a folder", "local"), ("device", "pipeline"),
         ("fifo in a folder", "fingerprint")}  # (kind, how) refused by a job of 2 ranks
-
-
-def _here(capsys, *argv: str) -> subprocess.CompletedProcess:
-    """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
-    job: for refusals that do not hang on the number of ranks. mpidp's log handler is made
-    afresh (on this test's captured stdout) and the logger restored after."""
-    from mpidp.cli.main import main
-    from mpidp.observe.watch import log
-    kept = log.handlers[:], log.propagate, log.level
-    log.handlers.clear()
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        log.handlers[:], log.propagate = kept[:2]
-        log.setLevel(kept[2])
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 @pytest.mark.parametrize("how", [["--distribute", "scatter"], ["--distribute", "local"],
@@ -58,7 +37,7 @@ def test_a_dataset_that_is_no_regular_file_is_refused_at_once(tmp_path, capsys, 
     way = "fingerprint" if how[0] == "--checkpoint-dir" else how[1]
     how = [a.replace("{tmp}", str(tmp_path)) for a in how]
     args = ["train", "--dataset", dataset, *how, "--out", str(tmp_path / "o")]
-    r = run_mpi(2, *args, timeout=60) if (kind, way) in JOBS else _here(capsys, *args)
+    r = run_mpi(2, *args, timeout=60) if (kind, way) in JOBS else run_here(capsys, *args)
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"{named} is {what}" in r.stderr and r.stderr.count("mpidp: error:") == 1
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_mpi
+from helpers import run_here, run_mpi
 
 from mpidp.run.checkpoint import list_checkpoints, read
 
@@ -27,26 +27,6 @@ from mpidp.run.checkpoint import list_checkpoints, read
 ARGS = ["train", "--dataset", "synthetic", "--n-samples", "600", "--n-features", "10",
         "--dtype", "float64", "--epochs", "3", "--batch-size", "32", "--optimizer", "adam",
         "--lr", "0.01", "--hidden", "16", "--no-progress"]
-
-
-def _here(capsys, *argv: str) -> subprocess.CompletedProcess:
-    """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
-    job: for refusals that do not hang on the number of ranks. mpidp's log handler is made
-    afresh (on this test's captured stdout) and the logger restored after."""
-    from mpidp.cli.main import main
-    from mpidp.observe.watch import log
-    kept = log.handlers[:], log.propagate, log.level
-    log.handlers.clear()
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        log.handlers[:], log.propagate = kept[:2]
-        log.setLevel(kept[2])
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def _train(n, out, *extra, fault=None, timeout=120, env=None):
@@ -249,7 +229,7 @@ def test_every_checkpoint_damaged_is_a_clear_error(tmp_path, raised):
 def test_resume_with_other_settings_is_refused(tmp_path, capsys, raised):
     """Resumed by one rank in this process (jobs above and below end on refusals)."""
     shutil.copytree(raised, tmp_path / "ck")
-    r = _here(capsys, *ARGS, "--out", str(tmp_path / "b"), "--checkpoint-dir",
+    r = run_here(capsys, *ARGS, "--out", str(tmp_path / "b"), "--checkpoint-dir",
               str(tmp_path / "ck"), "--resume", "--batch-size", "16")
     assert r.returncode == 2 and "--batch-size 32 (now 16)" in r.stderr
     assert not (tmp_path / "b").exists()
