@@ -498,14 +498,22 @@ def test_bad_option_values_are_one_clear_error_from_the_parser(tmp_path, capsys,
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("flag,message", [
-    (["--hidden", "200000,200000"], "GiB are available"),
-    (["--trace-steps", "3:5"], "--trace-steps needs --trace"),
-    (["--copy-data"], "--copy-data does not apply to --distribute scatter"),
-])
-def test_bad_options_are_one_clear_error(tmp_path, flag, message):
-    r = run_mpi(2, *ARGS, "--out", str(tmp_path / "o"), *flag)
-    assert r.returncode == 2 and r.stderr.count(message) == 1, r.stderr[-1500:]
+def test_too_large_a_model_is_one_clear_error(tmp_path):
+    r = run_mpi(2, *ARGS, "--out", str(tmp_path / "o"), "--hidden", "200000,200000")
+    assert r.returncode == 2 and r.stderr.count("GiB are available") == 1, r.stderr[-1500:]
+    assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
+
+
+def test_bad_options_and_a_malformed_fault_spec_are_each_named_once(tmp_path):
+    """Every problem of the options (and of MPIDP_FAULT) is found before any work and named
+    once, in one refusal (tests/cli/test_options.py checks each alone, without MPI)."""
+    r = run_mpi(2, *ARGS, "--out", str(tmp_path / "o"), "--trace-steps", "3:5", "--copy-data",
+                env={"MPIDP_FAULT": "boom@1"})
+    assert r.returncode == 2, r.stderr[-1500:]
+    for message in ("--trace-steps needs --trace",
+                    "--copy-data does not apply to --distribute scatter",
+                    "MPIDP_FAULT item 'boom@1' is not kind@rank:step"):
+        assert r.stderr.count(message) == 1, (message, r.stderr[-1500:])
     assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
 
 
@@ -515,10 +523,24 @@ def test_bad_options_are_one_clear_error(tmp_path, flag, message):
     (["--overlap-progress", "thread", "--on-nonfinite", "ignore"], "use --overlap-progress test"),
     ([], "so on_nonfinite 'stop' cannot hold"),
 ])
-def test_overlap_finishing_in_forward_refuses_before_reading_data(tmp_path, flag, message):
+def test_overlap_finishing_in_forward_is_refused_from_the_options(flag, message):
+    """What the command line refuses before any data, in the flags' spelling (the job that
+    ends on such a refusal: the test below)."""
+    from mpidp.cli import build_parser, flags
+    from mpidp.cli.train import _strategy_problems
+    from mpidp.errors import spelled
+    args = build_parser().parse_args(["train", "--sync", "overlapped", "--overlap-finish",
+                                      "forward", *flag])
+    with spelled(flags.spelling(build_parser())):
+        problems = _strategy_problems(args)
+    assert len(problems) == 1 and problems[0].count(message) == 1, problems
+
+
+def test_overlap_finishing_in_forward_refuses_before_reading_data(tmp_path):
     """Refused from the options alone: the dataset named does not even exist."""
     r = run_mpi(2, "train", "--dataset", str(tmp_path / "absent.npz"), "--sync", "overlapped",
-                "--overlap-finish", "forward", *flag, "--out", str(tmp_path / "o"))
+                "--overlap-finish", "forward", "--out", str(tmp_path / "o"))
+    message = "so on_nonfinite 'stop' cannot hold"
     assert r.returncode == 2 and r.stderr.count(message) == 1, r.stderr[-1500:]
     assert "dataset not found" not in r.stderr and not (tmp_path / "o").exists()
 
@@ -544,11 +566,6 @@ def test_a_stop_signal_while_mpi_starts_waits_for_it_then_ends_the_job(tmp_path,
     assert r.returncode == 75, (r.returncode, r.stderr[-1500:])
     assert f"rank 0/{n}: stopped by SIGTERM while MPI started" in r.stderr
     assert not (tmp_path / "o").exists()
-
-
-def test_malformed_fault_spec_is_named(tmp_path):
-    r = run_mpi(2, *ARGS, "--out", str(tmp_path / "o"), env={"MPIDP_FAULT": "boom@1"})
-    assert r.returncode != 0 and "MPIDP_FAULT item 'boom@1' is not kind@rank:step" in r.stderr
 
 
 def test_a_library_loop_with_one_step_too_few_on_a_rank_is_ended_by_the_watchdog(tmp_path):
