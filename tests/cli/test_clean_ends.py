@@ -372,7 +372,8 @@ def test_a_long_checkpoint_write_does_not_trip_the_watchdog(tmp_path):
     r = _library_job(tmp_path, (
         "class Slow(mpidp.DataParallel):\n"
         "    def save_checkpoint(self, *a, **k):\n"
-        "        if self.comm.rank == 0:\n            time.sleep(3.0)  # a slow file system\n"
+        "        if self.comm.rank == 0 and not getattr(self, 'slept', False):\n"
+        "            self.slept = True\n            time.sleep(3.0)  # a slow file system\n"
         "        super().save_checkpoint(*a, **k)\n"
         f"ck = Checkpointing({str(tmp_path / 'ck')!r}, every=4)\n"
         "mpidp.fit(replica(Slow), shard, 1, 32, checkpoint=ck,"
@@ -642,6 +643,15 @@ def test_tensorboard_event_files_are_written(tmp_path):
     assert np.allclose([v for _, v in scalars["epoch/loss"]], [h["loss"] for h in m["history"]])
 
 
+@pytest.fixture(scope="module")
+def big_npz(tmp_path_factory) -> Path:
+    """~470 MB of zeros, compressed: rank 0 inflates it for seconds."""
+    data = tmp_path_factory.mktemp("big") / "big.npz"
+    np.savez_compressed(data, X=np.zeros((150_000, 784), np.float32),
+                        y=np.zeros(150_000, np.int64))
+    return data
+
+
 def _rss_mb(pid: int) -> float:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -665,13 +675,10 @@ def _loading(job: subprocess.Popen) -> list[int]:
     raise AssertionError(f"loading never got under way: {job.poll()}")
 
 
-def test_sigterm_while_loading_ends_the_job_at_once(tmp_path):
+def test_sigterm_while_loading_ends_the_job_at_once(tmp_path, big_npz):
     """Nothing to checkpoint yet: a stop signal during loading ends the job promptly, every
     rank saying why, with the preemption exit status, instead of training first."""
-    data = tmp_path / "big.npz"  # ~470 MB of zeros, compressed: rank 0 inflates it for seconds
-    np.savez_compressed(data, X=np.zeros((150_000, 784), np.float32),
-                        y=np.zeros(150_000, np.int64))
-    job = _start(2, "train", "--dataset", str(data), "--epochs", "1", "--no-progress",
+    job = _start(2, "train", "--dataset", str(big_npz), "--epochs", "1", "--no-progress",
                  "--out", str(tmp_path / "out"), token=f"load{os.getpid()}")
     pids = _loading(job)
     assert job.poll() is None, job.communicate()[1][-2000:]
@@ -685,13 +692,10 @@ def test_sigterm_while_loading_ends_the_job_at_once(tmp_path):
     assert not (tmp_path / "out" / "model.npz").exists()
 
 
-def test_a_rank_stopped_while_loading_is_named_by_the_watchdog(tmp_path):
+def test_a_rank_stopped_while_loading_is_named_by_the_watchdog(tmp_path, big_npz):
     """Loading is watched too: a rank that stops answering mid-load (a hung file system
     would do the same) ends the job, named, instead of leaving the others waiting."""
-    data = tmp_path / "big.npz"
-    np.savez_compressed(data, X=np.zeros((150_000, 784), np.float32),
-                        y=np.zeros(150_000, np.int64))
-    job = _start(2, "train", "--dataset", str(data), "--epochs", "1", "--no-progress",
+    job = _start(2, "train", "--dataset", str(big_npz), "--epochs", "1", "--no-progress",
                  "--watchdog", "3", "--out", str(tmp_path / "out"), token=f"stop{os.getpid()}")
     pids = _loading(job)
     os.kill(pids[0], signal.SIGSTOP)
