@@ -384,16 +384,31 @@ def test_a_long_checkpoint_write_does_not_trip_the_watchdog(tmp_path):
     assert "done [0, 1]" in r.stdout
 
 
-def test_config_toml_reproduces_the_run_and_resume_reads_the_stored_settings(tmp_path):
-    a = tmp_path / "a"
-    r = run_mpi(2, *ARGS, "--out", str(a), "--checkpoint-dir", str(tmp_path / "ck"))
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> tuple[Path, Path]:
+    """A finished run of ARGS that checkpointed every 5 steps: its output and checkpoint
+    folders (tests that write to the checkpoint folder work on a copy: :func:`_copy`)."""
+    where = tmp_path_factory.mktemp("finished")
+    out, ck = where / "out", where / "ck"
+    r = run_mpi(2, *ARGS, "--checkpoint-dir", str(ck), "--checkpoint-every", "5", "--out",
+                str(out))
     assert r.returncode == 0, r.stderr
+    return out, ck
+
+
+def _copy(ck: Path, tmp_path) -> Path:
+    return Path(shutil.copytree(ck, tmp_path / "ck"))
+
+
+def test_config_toml_reproduces_the_run_and_resume_reads_the_stored_settings(tmp_path,
+                                                                           finished):
+    a, ck = finished[0], _copy(finished[1], tmp_path)
     r = run_mpi(2, "train", "--config", str(a / "config.toml"), "--out", str(tmp_path / "b"),
                 "--checkpoint-dir", str(tmp_path / "ck2"))  # the command line wins
     assert r.returncode == 0, r.stderr
     assert np.array_equal(_params(a), _params(tmp_path / "b"))
-    # --resume with only the folder and a new epoch count: the other 15 settings come back
-    r = run_mpi(2, "train", "--checkpoint-dir", str(tmp_path / "ck"), "--resume", "--epochs",
+    # --resume with only the folder and a new epoch count: the other settings come back
+    r = run_mpi(2, "train", "--checkpoint-dir", str(ck), "--resume", "--epochs",
                 "4", "--out", str(tmp_path / "c"))
     assert r.returncode == 0, r.stderr
     m = json.loads((tmp_path / "c" / "metrics.json").read_text())
@@ -577,10 +592,9 @@ def test_a_library_loop_with_one_step_too_few_on_a_rank_is_ended_by_the_watchdog
     assert "stalled rank(s) [1]" in r.stderr and "at step 9" in r.stderr
 
 
-def test_checkpoint_folders_belong_to_one_run(tmp_path):
-    ck, a = tmp_path / "ck", ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "5"]
-    r = run_mpi(2, *ARGS, *a, "--out", str(tmp_path / "one"))
-    assert r.returncode == 0, r.stderr
+def test_checkpoint_folders_belong_to_one_run(tmp_path, finished):
+    ck = _copy(finished[1], tmp_path)
+    a = ["--checkpoint-dir", str(ck), "--checkpoint-every", "5"]
     before = sorted(p.name for p in ck.glob("ckpt-*.npz"))
     r = run_mpi(2, *ARGS, *a, "--seed", "3", "--out", str(tmp_path / "two"))  # a fresh run
     assert r.returncode == 2 and "already holds checkpoints of another run" in r.stderr
@@ -605,11 +619,10 @@ def test_a_second_job_on_the_same_checkpoint_folder_is_refused(tmp_path):
         job.communicate()
 
 
-def test_resume_with_other_hyperparameters_is_announced_and_recorded(tmp_path):
-    ck = ["--checkpoint-dir", str(tmp_path / "ck")]
-    r = run_mpi(2, *ARGS, *ck, "--epochs", "2", "--out", str(tmp_path / "a"))
-    assert r.returncode == 0, r.stderr
-    r = run_mpi(2, *ARGS, *ck, "--lr", "0.005", "--resume", "--out", str(tmp_path / "b"))
+def test_resume_with_other_hyperparameters_is_announced_and_recorded(tmp_path, finished):
+    ck = ["--checkpoint-dir", str(_copy(finished[1], tmp_path))]  # 3 epochs done
+    r = run_mpi(2, *ARGS, *ck, "--lr", "0.005", "--epochs", "4", "--resume", "--out",
+                str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
     assert "resuming with changed hyperparameters: --lr 0.005 (the checkpoint used 0.01)" in r.stdout
     m = json.loads((tmp_path / "b" / "metrics.json").read_text())
