@@ -63,6 +63,13 @@ def _start(n: int, *args: str, token: str, log: Path | None = None) -> subproces
     return job
 
 
+def _finished(job: subprocess.Popen, timeout: float = 120) -> None:
+    """Wait for a job that must succeed (an uninterrupted reference run, started alongside
+    the run under test)."""
+    out, err = job.communicate(timeout=timeout)
+    assert job.returncode == 0, err[-2000:]
+
+
 def _wait_for(path: Path, text: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -177,25 +184,24 @@ def test_a_data_file_cut_short_under_mapped_rows_ends_the_job(tmp_path):
 
 def test_a_data_file_replaced_by_rename_under_mapped_rows_changes_nothing(tmp_path):
     folder, args = _folder(tmp_path)
-    r = run_mpi(2, *args, "--epochs", "6", "--out", str(tmp_path / "ref"))
-    assert r.returncode == 0, r.stderr
-    log = tmp_path / "stdout.txt"
-    job = _start(2, *args, "--epochs", "6", *SLOW, "--out", str(tmp_path / "o"),
+    log, ref_log = tmp_path / "stdout.txt", tmp_path / "ref.txt"
+    ref = _start(2, *args, "--epochs", "4", "--out", str(tmp_path / "ref"),
+                 token=f"ref-{tmp_path.name}", log=ref_log)  # uninterrupted, alongside
+    job = _start(2, *args, "--epochs", "4", *SLOW, "--out", str(tmp_path / "o"),
                  token=f"ren-{tmp_path.name}", log=log)
     _wait_for(log, "model:")
+    _wait_for(ref_log, "model:")  # both have mapped the rows of the old file
     np.save(tmp_path / "new.npy", np.zeros((600, 10)))
     os.replace(tmp_path / "new.npy", folder / "X.npy")  # the old file lives on while mapped
-    out, err = job.communicate(timeout=120)
-    assert job.returncode == 0, err[-2000:]
+    _finished(job)
+    _finished(ref)
     assert np.array_equal(_params(tmp_path / "o"), _params(tmp_path / "ref"))
 
 
 def test_async_ps_checkpoints_on_sigterm_and_resume_pushes_every_batch_once(tmp_path):
     a = [*ARGS, "--n-samples", "3000", "--epochs", "4", "--sync", "async-ps",
          "--max-staleness", "1000"]  # nothing dropped: every batch's push is applied
-    r = run_mpi(3, *a, "--out", str(tmp_path / "ref"))
-    assert r.returncode == 0, r.stderr
-    ref = json.loads((tmp_path / "ref" / "metrics.json").read_text())["async"]
+    reference = _start(3, *a, "--out", str(tmp_path / "ref"), token=f"ref-{tmp_path.name}")
     log, ck = tmp_path / "stdout.txt", tmp_path / "ck"
     job = _start(3, *a, "--slowdown", "1:200,2:200", "--checkpoint-dir", str(ck),
                  "--checkpoint-every", "5", "--out", str(tmp_path / "a"),
@@ -211,6 +217,8 @@ def test_async_ps_checkpoints_on_sigterm_and_resume_pushes_every_batch_once(tmp_
     out, err = job.communicate(timeout=60)
     assert job.returncode == 75, (job.returncode, err[-2000:])
     assert f"checkpoint written to {ck}" in err and not (tmp_path / "a" / "model.npz").exists()
+    _finished(reference)
+    ref = json.loads((tmp_path / "ref" / "metrics.json").read_text())["async"]
     shutil.copytree(ck, tmp_path / "ck4")
     at_stop = read(list_checkpoints(str(ck))[-1])[0]["partition"]["async"]
     r = run_mpi(3, *a, *FULL_SPEED, "--checkpoint-dir", str(ck), "--resume", "--out",
@@ -231,8 +239,7 @@ def test_async_ps_checkpoints_on_sigterm_and_resume_pushes_every_batch_once(tmp_
 def test_sigterm_to_every_rank_checkpoints_and_resume_is_bit_identical(tmp_path, mode):
     n = 2
     ref = tmp_path / "ref"
-    r = run_mpi(n, *ARGS, *LONG, *mode, "--out", str(ref))
-    assert r.returncode == 0, r.stderr
+    reference = _start(n, *ARGS, *LONG, *mode, "--out", str(ref), token=f"ref-{tmp_path.name}")
     ck = tmp_path / "ck"
     slow = SLOW_PIPELINE if mode else SLOW
     job = _start(n, *ARGS, *LONG, *mode, *slow, "--checkpoint-dir", str(ck),
@@ -250,6 +257,7 @@ def test_sigterm_to_every_rank_checkpoints_and_resume_is_bit_identical(tmp_path,
     r = run_mpi(n, *ARGS, *LONG, *mode, *FULL_SPEED, "--checkpoint-dir", str(ck), "--resume",
                 "--out", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
+    _finished(reference)
     assert np.array_equal(_params(tmp_path / "b"), _params(ref))
 
 
