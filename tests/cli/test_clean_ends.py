@@ -4,6 +4,7 @@ history.jsonl, a per-rank trace)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -199,11 +200,11 @@ def test_a_data_file_replaced_by_rename_under_mapped_rows_changes_nothing(tmp_pa
 
 
 def test_async_ps_checkpoints_on_sigterm_and_resume_pushes_every_batch_once(tmp_path):
-    a = [*ARGS, "--n-samples", "3000", "--epochs", "4", "--sync", "async-ps",
+    a = [*ARGS, "--n-samples", "1500", "--epochs", "4", "--sync", "async-ps",
          "--max-staleness", "1000"]  # nothing dropped: every batch's push is applied
     reference = _start(3, *a, "--out", str(tmp_path / "ref"), token=f"ref-{tmp_path.name}")
     log, ck = tmp_path / "stdout.txt", tmp_path / "ck"
-    job = _start(3, *a, "--slowdown", "1:200,2:200", "--checkpoint-dir", str(ck),
+    job = _start(3, *a, "--slowdown", "1:400,2:400", "--checkpoint-dir", str(ck),
                  "--checkpoint-every", "5", "--out", str(tmp_path / "a"),
                  token=f"ack-{tmp_path.name}", log=log)
     pids = _ranks(job, 3)
@@ -235,7 +236,8 @@ def test_async_ps_checkpoints_on_sigterm_and_resume_pushes_every_batch_once(tmp_
     assert len(at_stop["workers"]) == 2 and 0 < at_stop["applied"] < ref["applied"] < more
 
 
-@pytest.mark.parametrize("mode", [[], ["--parallel", "pipeline"]], ids=["data", "pipeline"])
+@pytest.mark.parametrize("mode", [[], ["--parallel", "pipeline", "--epochs", "6"]],
+                         ids=["data", "pipeline"])  # a pipeline's slowed epoch is longer
 def test_sigterm_to_every_rank_checkpoints_and_resume_is_bit_identical(tmp_path, mode):
     n = 2
     ref = tmp_path / "ref"
@@ -265,7 +267,7 @@ def test_sigterm_with_compressed_buckets_in_flight_checkpoints_and_resumes(tmp_p
     """A bucket per layer, each started during backward: the signal is acted on between
     steps, when none is in flight, so the checkpoint is written and the run resumes to the
     end (the residuals of error feedback start again at zero: close, not bit-identical)."""
-    n, mode = 2, ["--sync", "compressed", "--bucket-mb", "0.0001"]
+    n, mode = 2, ["--sync", "compressed", "--bucket-mb", "0.0001", "--epochs", "6"]
     ck = tmp_path / "ck"
     job = _start(n, *ARGS, *LONG, *mode, *SLOW, "--checkpoint-dir", str(ck),
                  "--checkpoint-every", "1000", "--out", str(tmp_path / "a"),
@@ -281,14 +283,26 @@ def test_sigterm_with_compressed_buckets_in_flight_checkpoints_and_resumes(tmp_p
                 "--out", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
     history = json.loads((tmp_path / "b" / "metrics.json").read_text())["history"]
-    assert history[-1]["epoch"] == 12 and np.isfinite(_params(tmp_path / "b")).all()
+    assert history[-1]["epoch"] == 6 and np.isfinite(_params(tmp_path / "b")).all()
 
 
-def test_sigint_to_one_rank_ends_the_job_within_seconds(tmp_path):
-    job = _start(2, *ARGS, *LONG, "--epochs", "400", *SLOW, "--out", str(tmp_path / "o"),
-                 token=f"int-{tmp_path.name}")
+def test_a_second_job_on_a_held_checkpoint_folder_is_refused_and_sigint_ends_the_job(tmp_path):
+    """While a job runs, another on its checkpoint folder is refused; then SIGINT to one of
+    its ranks ends it within seconds."""
+    ck = tmp_path / "ck"
+    job = _start(2, *ARGS, *LONG, "--epochs", "400", *SLOW, "--checkpoint-dir", str(ck),
+                 "--out", str(tmp_path / "o"), token=f"int-{tmp_path.name}")
     pids = _ranks(job, 2)
-    _wait_for_epoch(tmp_path / "o")
+    try:
+        _wait_for_epoch(tmp_path / "o", job=job)  # still running below
+        r = run_mpi(2, *ARGS, "--checkpoint-dir", str(ck), "--resume", "--out",
+                    str(tmp_path / "b"))
+        assert r.returncode == 2 and "is in use by another mpidp job" in r.stderr, r.stderr
+        assert "pid" in r.stderr and job.poll() is None
+    except BaseException:
+        job.kill()
+        job.communicate()
+        raise
     t = time.monotonic()
     os.kill(pids[1], signal.SIGINT)
     out, err = job.communicate(timeout=60)
@@ -304,20 +318,30 @@ def test_sys_exit_in_a_callback_on_one_rank_ends_the_job(tmp_path):
     assert "SystemExit(4) during training; ending the job" in r.stderr
 
 
-@pytest.mark.parametrize("attempt", range(3))
-def test_the_watchdog_names_a_stopped_rank_among_four(tmp_path, attempt):
-    job = _start(4, *ARGS, *LONG, "--epochs", "200", "--watchdog", "2", "--out",
-                 str(tmp_path / "o"), token=f"stop-{tmp_path.name}-{attempt}")
-    pids = _ranks(job, 4)
-    _wait_for_epoch(tmp_path / "o")
-    time.sleep(0.1 * attempt)
-    os.kill(pids[2], signal.SIGSTOP)
+def test_the_watchdog_names_a_stopped_rank_among_four(tmp_path):
+    """Three jobs side by side, rank 2 of each stopped at another moment of its steps: their
+    waits for the verdict (the timeout, then the roll call's grace) overlap."""
+    jobs = [_start(4, *ARGS, *LONG, "--epochs", "200", "--watchdog", "2", "--out",
+                   str(tmp_path / f"o{attempt}"), token=f"stop-{tmp_path.name}-{attempt}")
+            for attempt in range(3)]
+    stopped = []
     try:
-        out, err = job.communicate(timeout=60)
+        for attempt, job in enumerate(jobs):
+            pids = _ranks(job, 4)
+            _wait_for_epoch(tmp_path / f"o{attempt}", job=job)
+            time.sleep(0.1 * attempt)
+            os.kill(pids[2], signal.SIGSTOP)
+            stopped.append(pids[2])
+        ends = [job.communicate(timeout=60) for job in jobs]
     finally:
-        os.kill(pids[2], signal.SIGCONT) if os.path.exists(f"/proc/{pids[2]}") else None
-    assert job.returncode == 3, (job.returncode, err[-2000:])
-    assert "stalled rank(s) [2]" in err and "did not answer" in err, err[-2000:]
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT) if os.path.exists(f"/proc/{pid}") else None
+    for job, (_, err) in zip(jobs, ends):
+        assert job.returncode == 3, (job.returncode, err[-2000:])
+        assert "stalled rank(s) [2]" in err and "did not answer" in err, err[-2000:]
 
 
 SLOW_TO_ANSWER = """\
@@ -394,12 +418,14 @@ def test_a_long_checkpoint_write_does_not_trip_the_watchdog(tmp_path):
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> tuple[Path, Path]:
-    """A finished run of ARGS that checkpointed every 5 steps: its output and checkpoint
-    folders (tests that write to the checkpoint folder work on a copy: :func:`_copy`)."""
+    """A finished run of ARGS that checkpointed every 5 steps, with a trace (t.json beside)
+    and TensorBoard files (tb/, where the 'tensorboard' extra is installed): its output and
+    checkpoint folders (tests that write to the checkpoint folder work on a copy: :func:`_copy`)."""
     where = tmp_path_factory.mktemp("finished")
     out, ck = where / "out", where / "ck"
+    tb = ["--tensorboard", str(where / "tb")] if importlib.util.find_spec("tensorboardX") else []
     r = run_mpi(2, *ARGS, "--checkpoint-dir", str(ck), "--checkpoint-every", "5", "--out",
-                str(out))
+                str(out), "--trace", str(where / "t.json"), *tb)
     assert r.returncode == 0, r.stderr
     return out, ck
 
@@ -442,11 +468,12 @@ def test_a_killed_run_keeps_its_history(tmp_path):
 
 @pytest.mark.parametrize("mode,n", [([], 2), (["--parallel", "pipeline", "--micro-batches", "3"], 3),
                                     (["--sync", "async-ps"], 3)], ids=["data", "pipeline", "async-ps"])
-def test_the_trace_has_a_process_per_rank_in_every_mode(tmp_path, mode, n):
-    trace = tmp_path / "t.json"
-    r = run_mpi(n, *ARGS, *mode, "--epochs", "1", "--out", str(tmp_path / "o"), "--trace",
-                str(trace))
-    assert r.returncode == 0, r.stderr
+def test_the_trace_has_a_process_per_rank_in_every_mode(tmp_path, mode, n, finished):
+    trace = tmp_path / "t.json" if mode else finished[0].parent / "t.json"  # data: 3 epochs
+    if mode:
+        r = run_mpi(n, *ARGS, *mode, "--epochs", "1", "--out", str(tmp_path / "o"), "--trace",
+                    str(trace))
+        assert r.returncode == 0, r.stderr
     doc = json.loads(trace.read_text())
     spans = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
     names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"]
@@ -611,22 +638,6 @@ def test_checkpoint_folders_belong_to_one_run(tmp_path, finished):
     assert r.returncode == 0, r.stderr
 
 
-def test_a_second_job_on_the_same_checkpoint_folder_is_refused(tmp_path):
-    ck = tmp_path / "ck"
-    job = _start(2, *ARGS, *LONG, "--epochs", "500", *SLOW,  # still
-                 "--checkpoint-dir", str(ck), "--out", str(tmp_path / "a"),  # running below
-                 token=f"lock-{tmp_path.name}")
-    try:
-        _wait_for_epoch(tmp_path / "a")
-        r = run_mpi(2, *ARGS, "--checkpoint-dir", str(ck), "--resume", "--out",
-                    str(tmp_path / "b"))
-        assert r.returncode == 2 and "is in use by another mpidp job" in r.stderr, r.stderr
-        assert "pid" in r.stderr
-    finally:
-        job.kill()
-        job.communicate()
-
-
 def test_resume_with_other_hyperparameters_is_announced_and_recorded(tmp_path, finished):
     ck = ["--checkpoint-dir", str(_copy(finished[1], tmp_path))]  # 3 epochs done
     r = run_mpi(2, *ARGS, *ck, "--lr", "0.005", "--epochs", "4", "--resume", "--out",
@@ -653,14 +664,11 @@ def test_resume_on_changed_data_is_refused(tmp_path):
     assert r.returncode == 2 and "changed since checkpoint" in r.stderr, r.stderr
 
 
-def test_tensorboard_event_files_are_written(tmp_path):
+def test_tensorboard_event_files_are_written(finished):
     pytest.importorskip("tensorboardX")  # the 'tensorboard' extra
-    r = run_mpi(2, *ARGS, "--epochs", "2", "--out", str(tmp_path / "o"), "--tensorboard",
-                str(tmp_path / "tb"))
-    assert r.returncode == 0, r.stderr
-    scalars = tensorboard_scalars(tmp_path / "tb")
-    assert [step for step, _ in scalars["epoch/loss"]] == [1, 2]
-    m = json.loads((tmp_path / "o" / "metrics.json").read_text())
+    scalars = tensorboard_scalars(finished[0].parent / "tb")
+    assert [step for step, _ in scalars["epoch/loss"]] == [1, 2, 3]
+    m = json.loads((finished[0] / "metrics.json").read_text())
     assert np.allclose([v for _, v in scalars["epoch/loss"]], [h["loss"] for h in m["history"]])
 
 
