@@ -286,9 +286,9 @@ def test_sigterm_with_compressed_buckets_in_flight_checkpoints_and_resumes(tmp_p
     assert history[-1]["epoch"] == 6 and np.isfinite(_params(tmp_path / "b")).all()
 
 
-def test_a_second_job_on_a_held_checkpoint_folder_is_refused_and_sigint_ends_the_job(tmp_path):
-    """While a job runs, another on its checkpoint folder is refused; then SIGINT to one of
-    its ranks ends it within seconds."""
+def test_sigint_to_one_rank_ends_the_job_within_seconds(tmp_path):
+    """While the job runs, a second job on its checkpoint folder is refused; then SIGINT to
+    one of its ranks ends it within seconds."""
     ck = tmp_path / "ck"
     job = _start(2, *ARGS, *LONG, "--epochs", "400", *SLOW, "--checkpoint-dir", str(ck),
                  "--out", str(tmp_path / "o"), token=f"int-{tmp_path.name}")
@@ -549,15 +549,16 @@ def test_bad_option_values_are_one_clear_error_from_the_parser(tmp_path, capsys,
     assert not (tmp_path / "o").exists()
 
 
-def test_too_large_a_model_is_one_clear_error(tmp_path):
+def test_bad_options_are_one_clear_error(tmp_path):
+    """A model too big for the node."""
     r = run_mpi(2, *ARGS, "--out", str(tmp_path / "o"), "--hidden", "200000,200000")
     assert r.returncode == 2 and r.stderr.count("GiB are available") == 1, r.stderr[-1500:]
     assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
 
 
-def test_bad_options_and_a_malformed_fault_spec_are_each_named_once(tmp_path):
-    """Every problem of the options (and of MPIDP_FAULT) is found before any work and named
-    once, in one refusal (tests/cli/test_options.py checks each alone, without MPI)."""
+def test_malformed_fault_spec_is_named(tmp_path):
+    """With the options' problems: every one is found before any work and named once, in
+    one refusal (tests/cli/test_options.py checks each option alone, without MPI)."""
     r = run_mpi(2, *ARGS, "--out", str(tmp_path / "o"), "--trace-steps", "3:5", "--copy-data",
                 env={"MPIDP_FAULT": "boom@1"})
     assert r.returncode == 2, r.stderr[-1500:]

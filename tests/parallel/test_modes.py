@@ -70,40 +70,49 @@ def _end(job, timeout):
     return out, err, time.monotonic() - job.t0
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_every_guarantee(mode, tmp_path):
-    """The mode's three faulty jobs side by side (their waits overlap): an exception on one
-    rank ends the job; a stalled rank is named by the watchdog; a NaN stops the run and keeps
-    the last checkpoint."""
-    w = 2.0
-    jobs = {"hang": _start(mode, tmp_path / "hang", "--watchdog", str(w), fault="hang@1:3"),
-            "raise": _start(mode, tmp_path / "raise", fault="raise@1:3"),
-            "nan": _start(mode, tmp_path / "nan", "--checkpoint-dir", str(tmp_path / "ck"),
+W = 2.0  # the watchdog's timeout in the hang jobs
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def ended(request, tmp_path_factory):
+    """A mode and its three faulty jobs, run side by side (their waits overlap): ``{kind:
+    (job, stdout, stderr, seconds, out folder)}`` for ``raise``, ``hang`` and ``nan``."""
+    mode, tmp = request.param, tmp_path_factory.mktemp(request.param)
+    jobs = {"hang": _start(mode, tmp / "hang", "--watchdog", str(W), fault="hang@1:3"),
+            "raise": _start(mode, tmp / "raise", fault="raise@1:3"),
+            "nan": _start(mode, tmp / "nan", "--checkpoint-dir", str(tmp / "ck"),
                           "--checkpoint-every", "2", fault="nan@1:5")}
     try:
-        ends = {kind: _end(job, 120 if kind == "hang" else 90) for kind, job in jobs.items()}
+        yield mode, {kind: (job, *_end(job, 120 if kind == "hang" else 90), tmp / kind)
+                     for kind, job in jobs.items()}
     finally:
         for job in jobs.values():
             if job.poll() is None:
                 job.kill()
                 job.communicate()
-    # an exception on one rank ends the job
-    job, (out, err, elapsed) = jobs["raise"], ends["raise"]
+
+
+def test_an_exception_on_one_rank_ends_the_job(ended):
+    job, _, err, elapsed, out = ended[1]["raise"]
     assert job.returncode != 0 and elapsed < 30, (job.returncode, elapsed)
     assert "injected fault on rank 1 at step 3" in err
-    assert not (tmp_path / "raise" / "model.npz").exists()
-    # a stalled rank is named by the watchdog
-    job, (out, err, elapsed) = jobs["hang"], ends["hang"]
+    assert not (out / "model.npz").exists()
+
+
+def test_a_stalled_rank_is_named_by_the_watchdog(ended):
+    job, _, err, elapsed, _ = ended[1]["hang"]
     assert job.returncode == 3, (job.returncode, err[-2000:])
     assert "stalled rank(s) [1]" in err, err[-2000:]
-    assert elapsed < 20 + 2 * w  # start-up of the job plus about two timeouts
-    # a NaN with the default policy fails the run without a model; the last checkpoint holds
-    job, (out, err, elapsed) = jobs["nan"], ends["nan"]
+    assert elapsed < 20 + 2 * W  # start-up of the job plus about two timeouts
+
+
+def test_a_nan_stops_the_run_and_keeps_the_last_checkpoint(ended):
+    mode, (job, stdout, err, _, out) = ended[0], ended[1]["nan"]
     assert job.returncode == 2, (job.returncode, err[-2000:])
     assert "non-finite loss or gradient" in err
-    assert not (tmp_path / "nan" / "model.npz").exists()
+    assert not (out / "model.npz").exists()
     from mpidp.run.checkpoint import list_checkpoints, read
-    files = list_checkpoints(str(tmp_path / "ck"))
+    files = list_checkpoints(str(out.parent / "ck"))
     assert files, "a checkpoint was due before the NaN"
     meta, arrays = read(files[-1])  # verifies the checksum
     assert np.isfinite(arrays["params"]).all()
@@ -112,7 +121,7 @@ def test_every_guarantee(mode, tmp_path):
     else:
         assert meta["global_step"] <= 5
     if mode == "node-aware":  # the row runs what it names: two nodes, leaders exchange
-        assert "node-aware reduction: 2 node(s), up to 2 ranks each" in out + err
+        assert "node-aware reduction: 2 node(s), up to 2 ranks each" in stdout + err
 
 
 def test_an_option_that_does_not_apply_ends_the_job_on_every_rank(tmp_path):
