@@ -5,18 +5,22 @@ the node-aware allreduce (two nodes of two ranks simulated on this host; the fau
 is not its node's leader, which waits for it in shared memory).
 Guarantees: an exception on one rank ends the job; a stalled rank is named by the
 watchdog; a NaN with the default policy fails the run without writing a model (and the
-last checkpoint stays good). Which option each mode refuses is checked without MPI, for every
-option in every mode (tests/cli/test_options.py); one job here shows that a refusal ends a job
-on every rank, said once.
+last checkpoint stays good); a mode's three faulty jobs run side by side. Which option each
+mode refuses is checked without MPI, for every option in every mode
+(tests/cli/test_options.py); one job here shows that a refusal ends a job on every rank, said
+once.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
-from helpers import run_mpi
+from helpers import ROOT, mpiexec
 
 ARGS = ["train", "--dataset", "synthetic", "--n-samples", "480", "--n-features", "8",
         "--dtype", "float64", "--epochs", "2", "--batch-size", "32", "--hidden", "12,8",
@@ -42,42 +46,73 @@ MODES = {
 ENV = {"node-aware": {"MPIDP_RANKS_PER_NODE": "2"}}  # mode -> what its job needs besides
 
 
-def _run(mode, tmp_path, *extra, fault=None, timeout=90):
+def _start(mode, out, *extra, fault=None):
     n, flags = MODES[mode]
-    env = {**ENV.get(mode, {}), **({"MPIDP_FAULT": fault} if fault else {})}
-    t = time.monotonic()
-    r = run_mpi(n, *ARGS, *flags, "--out", str(tmp_path / "out"), *extra, env=env,
-                timeout=timeout)
-    r.elapsed = time.monotonic() - t
-    return r
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **ENV.get(mode, {}),
+           **({"MPIDP_FAULT": fault} if fault else {})}
+    job = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable, "-m", "mpidp", *ARGS,
+                            *flags, "--out", str(out), *extra], cwd=ROOT, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           stdin=subprocess.DEVNULL)
+    job.t0 = time.monotonic()
+    return job
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_an_exception_on_one_rank_ends_the_job(mode, tmp_path):
-    r = _run(mode, tmp_path, fault="raise@1:3")
-    assert r.returncode != 0 and r.elapsed < 30, (r.returncode, r.elapsed)
-    assert "injected fault on rank 1 at step 3" in r.stderr
-    assert not (tmp_path / "out" / "model.npz").exists()
+def _end(job, timeout):
+    """The job's stdout, stderr and seconds from its start to its end (killed past
+    ``timeout``: a failure)."""
+    try:
+        out, err = job.communicate(timeout=max(1.0, job.t0 + timeout - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        job.kill()
+        out, err = job.communicate()
+        raise AssertionError(f"the job outlived {timeout}s: {err[-2000:]}") from None
+    return out, err, time.monotonic() - job.t0
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_stalled_rank_is_named_by_the_watchdog(mode, tmp_path):
-    w = 2.0
-    r = _run(mode, tmp_path, "--watchdog", str(w), fault="hang@1:3", timeout=120)
-    assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
-    assert "stalled rank(s) [1]" in r.stderr, r.stderr[-2000:]
-    assert r.elapsed < 20 + 2 * w  # start-up of the job plus about two timeouts
+W = 2.0  # the watchdog's timeout in the hang jobs
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_nan_stops_the_run_and_keeps_the_last_checkpoint(mode, tmp_path):
-    r = _run(mode, tmp_path, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every",
-             "2", fault="nan@1:5")
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    assert "non-finite loss or gradient" in r.stderr
-    assert not (tmp_path / "out" / "model.npz").exists()
+@pytest.fixture(scope="module", params=list(MODES))
+def ended(request, tmp_path_factory):
+    """A mode and its three faulty jobs, run side by side (their waits overlap): ``{kind:
+    (job, stdout, stderr, seconds, out folder)}`` for ``raise``, ``hang`` and ``nan``."""
+    mode, tmp = request.param, tmp_path_factory.mktemp(request.param)
+    jobs = {"hang": _start(mode, tmp / "hang", "--watchdog", str(W), fault="hang@1:3"),
+            "raise": _start(mode, tmp / "raise", fault="raise@1:3"),
+            "nan": _start(mode, tmp / "nan", "--checkpoint-dir", str(tmp / "ck"),
+                          "--checkpoint-every", "2", fault="nan@1:5")}
+    try:
+        yield mode, {kind: (job, *_end(job, 120 if kind == "hang" else 90), tmp / kind)
+                     for kind, job in jobs.items()}
+    finally:
+        for job in jobs.values():
+            if job.poll() is None:
+                job.kill()
+                job.communicate()
+
+
+def test_an_exception_on_one_rank_ends_the_job(ended):
+    job, _, err, elapsed, out = ended[1]["raise"]
+    assert job.returncode != 0 and elapsed < 30, (job.returncode, elapsed)
+    assert "injected fault on rank 1 at step 3" in err
+    assert not (out / "model.npz").exists()
+
+
+def test_a_stalled_rank_is_named_by_the_watchdog(ended):
+    job, _, err, elapsed, _ = ended[1]["hang"]
+    assert job.returncode == 3, (job.returncode, err[-2000:])
+    assert "stalled rank(s) [1]" in err, err[-2000:]
+    assert elapsed < 20 + 2 * W  # start-up of the job plus about two timeouts
+
+
+def test_a_nan_stops_the_run_and_keeps_the_last_checkpoint(ended):
+    mode, (job, stdout, err, _, out) = ended[0], ended[1]["nan"]
+    assert job.returncode == 2, (job.returncode, err[-2000:])
+    assert "non-finite loss or gradient" in err
+    assert not (out / "model.npz").exists()
     from mpidp.run.checkpoint import list_checkpoints, read
-    files = list_checkpoints(str(tmp_path / "ck"))
+    files = list_checkpoints(str(out.parent / "ck"))
     assert files, "a checkpoint was due before the NaN"
     meta, arrays = read(files[-1])  # verifies the checksum
     assert np.isfinite(arrays["params"]).all()
@@ -85,19 +120,15 @@ def test_a_nan_stops_the_run_and_keeps_the_last_checkpoint(mode, tmp_path):
         assert meta["partition"]["async"]["workers"]["1"][2] <= 5
     else:
         assert meta["global_step"] <= 5
+    if mode == "node-aware":  # the row runs what it names: two nodes, leaders exchange
+        assert "node-aware reduction: 2 node(s), up to 2 ranks each" in stdout + err
 
 
 def test_an_option_that_does_not_apply_ends_the_job_on_every_rank(tmp_path):
     """async-ps: a server and two workers, each of which checks the options and stops."""
-    r = _run("async-ps", tmp_path, "--check-every", "2")
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    assert "--check-every does not apply to --sync async-ps" in r.stderr, r.stderr
-    assert r.stderr.count("mpidp: error:") == 1  # said once (rank 0), raised on every rank
+    job = _start("async-ps", tmp_path / "out", "--check-every", "2")
+    out, err, _ = _end(job, 90)
+    assert job.returncode == 2, (job.returncode, err[-2000:])
+    assert "--check-every does not apply to --sync async-ps" in err, err
+    assert err.count("mpidp: error:") == 1  # said once (rank 0), raised on every rank
     assert not (tmp_path / "out").exists()
-
-
-def test_the_node_aware_job_reduces_node_aware(tmp_path):
-    """The node-aware row of the matrix runs what it names: two nodes, leaders exchange."""
-    r = _run("node-aware", tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "node-aware reduction: 2 node(s), up to 2 ranks each" in r.stdout + r.stderr
