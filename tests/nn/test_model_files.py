@@ -147,6 +147,14 @@ def test_float_token_ids_beyond_the_dtypes_whole_numbers_are_refused():
     assert emb.token_ids(np.array([[3, 2**24 - 1]], np.float32))[0, 1] == 2**24 - 1
 
 
+def test_a_float32_token_id_of_2_to_the_24_is_refused_as_it_may_be_the_next_one_rounded():
+    """2**24 + 1 in a float64 file is 2**24 once cast to float32: the cast merged two ids."""
+    emb = nn.Embedding(2**25, 2)
+    cast = np.array([[3, 2**24 + 1]], np.float64).astype(np.float32)
+    with pytest.raises(ValueError, match=r"token ids above 2\*\*24 in float32"):
+        emb.token_ids(cast)
+
+
 def _nested(depth: int) -> str:
     """JSON of a Residual ``depth`` blocks deep around a ReLU, after a Flatten."""
     inner = '{"type": "ReLU"}'
