@@ -34,9 +34,17 @@ def read_model_file(path: str | os.PathLike) -> list[dict[str, Any]]:
         text = read_text(path, "model file")
     except OSError as exc:
         raise ValueError(f"model file {path}: cannot read it ({exc.strerror or exc})") from None
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:  # as TOML refuses them
+        keys = [k for k, _ in pairs]
+        twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+        if twice is not None:
+            raise ValueError(f"model file {path}: key {twice!r} given twice in one object "
+                             f"{{{', '.join(map(repr, dict.fromkeys(keys)))}}}")
+        return dict(pairs)
+
     try:
         doc = (tomllib.loads(text.decode()) if path.lower().endswith(".toml")
-               else json.loads(text))
+               else json.loads(text, object_pairs_hook=unique))
     except UnicodeDecodeError:
         raise ValueError(f"model file {path}: not UTF-8 text") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:

@@ -186,3 +186,14 @@ def test_blocks_nested_as_deep_as_allowed_train_save_and_load(tmp_path):
     model = nn.Sequential(layers, 4, np.float64).init_(0)
     model.backward(np.ones_like(model.forward(np.ones((3, 4)))))
     assert nn.load(nn.save(model, tmp_path / "model.npz")).spec() == model.spec()
+
+
+@pytest.mark.parametrize("text, key", [
+    ('[{"type": "Flatten"}, {"type": "Dense", "n_out": 3, "n_out": 10}]', "n_out"),
+    ('[{"type": "Flatten"}, {"type": "Dense", "type": "ReLU"}]', "type"),
+])
+def test_a_key_given_twice_in_a_json_model_file_is_refused_as_in_toml(tmp_path, text, key):
+    """JSON would keep the last value silently; TOML refuses a key given twice."""
+    path = _write(tmp_path, "twice.json", text)
+    with pytest.raises(ValueError, match=f"twice.json: key '{key}' given twice"):
+        read_model_file(path)
