@@ -197,3 +197,14 @@ def test_a_key_given_twice_in_a_json_model_file_is_refused_as_in_toml(tmp_path, 
     path = _write(tmp_path, "twice.json", text)
     with pytest.raises(ValueError, match=f"twice.json: key '{key}' given twice"):
         read_model_file(path)
+
+
+@pytest.mark.parametrize("value, shown", [('"10"', "'10'"), ("10.0", "10.0"), ("true", "True"),
+                                          ("-3", "-3")])
+def test_a_dense_width_of_the_wrong_type_is_named_with_its_setting_and_type(tmp_path, value,
+                                                                            shown):
+    """Not 'needs n_in >= 1 and n_out >= 1, got None, 10' for the string "10"."""
+    path = _write(tmp_path, "w.toml", f"[[layers]]\ntype = 'Dense'\nn_out = {value}\n")
+    with pytest.raises(ValueError, match=rf"layer 1 \(Dense\): Dense needs n_out >= 1 \(an "
+                                         rf"int\), got {shown}$"):
+        layers_from(read_model_file(path), 3)
