@@ -10,7 +10,7 @@ import json
 import sys
 
 from . import values
-from .imports import import_modules, imports_of
+from .imports import import_modules, imports_of, near
 
 BROKEN_EXIT = 1
 
@@ -67,7 +67,7 @@ def _target(text: str):
         known = registered_layers()
         if text not in known:
             raise ValueError(f"no layer class is registered as {text!r}: give MODULE:CLASS, "
-                             f"or the module that registers it with --import MODULE")
+                             f"or the module that registers it with --import MODULE{near(text)}")
         return known[text]
     if not module or not name:
         raise ValueError(f"{text!r}: give MODULE:CLASS")

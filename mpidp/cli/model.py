@@ -16,7 +16,7 @@ from ..nn.schedules import epoch_schedule
 from ..nn.sparse import CSR
 from ..parallel.modes import refuses_model
 from ..run import memory
-from .imports import HINT, unregistered
+from .imports import HINT, near, unregistered
 
 
 def check_model_file(args: argparse.Namespace) -> None:
@@ -28,7 +28,7 @@ def check_model_file(args: argparse.Namespace) -> None:
     missing = unregistered(specs)
     if missing:
         raise ValueError(f"--model {args.model}: layer class {missing[0]!r} is not registered: "
-                         f"{HINT}")
+                         f"{HINT}{near(missing[0])}")
     layers = layers_from(specs, 1, where=f"--model {args.model}")
     why = refuses_model(layers, args.parallel, args.sync)
     if why:
