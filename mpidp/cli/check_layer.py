@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 
 from . import values
 from .imports import import_modules, imports_of, near
@@ -52,6 +53,9 @@ def _settings(pairs: list[str]) -> dict:
         name, eq, text = pair.partition("=")
         if not eq or not name.isidentifier():
             raise ValueError(f"--set {pair}: give NAME=VALUE")
+        if name in out:
+            raise ValueError(f"--set {pair}: {name} is already set (to {out[name]!r}): give "
+                             f"each setting once")
         try:
             out[name] = json.loads(text)
         except ValueError:
@@ -81,7 +85,38 @@ def _target(text: str):
         found = getattr(found, part)
     if not (callable(found) or isinstance(found, Layer)):
         raise ValueError(f"{text} is a {type(found).__name__}, not a layer class")
+    if isinstance(found, type) and not issubclass(found, Layer):
+        raise ValueError(f"{text} is a class that is not an mpidp.nn.Layer: subclass it")
     return found
+
+
+def _maker(text: str, target, settings: dict):
+    """A function making a fresh layer of ``target`` (a class: with ``settings``, the sizes
+    that follow from the input left to it, as in a model file), tried once."""
+    from ..nn import Layer
+    from ..nn.modelfile import fill_settings
+    given = settings
+    if not isinstance(target, type):
+        if settings:
+            raise ValueError(f"{text} is not a class: --set needs a class")
+        make = target
+    else:
+        try:
+            if "from_config" not in vars(target):
+                settings = fill_settings(target, settings, None, target.__name__)
+            make = partial(target, **settings)
+        except ValueError as exc:
+            raise ValueError(f"{text} cannot be made from the settings {given} ({exc}): "
+                             f"give them with --set NAME=VALUE") from None
+    try:
+        made = make()
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code: bad input
+        raise ValueError(f"{text} cannot be made from the settings {given} "
+                         f"({type(exc).__name__}: {exc}): give them with --set NAME=VALUE") \
+            from None
+    if not isinstance(made, Layer):
+        raise ValueError(f"{text} made a {type(made).__name__}, not an mpidp.nn.Layer")
+    return make
 
 
 def main(args: argparse.Namespace) -> int:
@@ -91,17 +126,9 @@ def main(args: argparse.Namespace) -> int:
         if args.rows < args.ranks:
             raise ValueError(f"--rows {args.rows} is fewer than --ranks {args.ranks}")
         import_modules(imports_of(args))
-        target, settings = _target(args.layer), _settings(args.settings or [])
-        if settings and not isinstance(target, type):
-            raise ValueError(f"{args.layer} is not a class: --set needs a class")
-        if isinstance(target, type):
-            try:
-                target(**settings)
-            except TypeError as exc:
-                raise ValueError(f"{args.layer} cannot be made from the settings "
-                                 f"{settings} ({exc}): give them with --set NAME=VALUE") from None
-        report = check_layer((lambda: target(**settings)) if settings else target, args.n_in,
-                             ranks=args.ranks, rows=args.rows, seed=args.seed, strict=False)
+        make = _maker(args.layer, _target(args.layer), _settings(args.settings or []))
+        report = check_layer(make, args.n_in, ranks=args.ranks, rows=args.rows,
+                             seed=args.seed, strict=False)
     except (ImportError, ValueError, TypeError) as exc:
         print(f"mpidp: error: {exc}", file=sys.stderr)
         return 2

@@ -90,7 +90,7 @@ def layers_from(specs: list[dict[str, Any]], n_outputs: int | None = None,
             raise ValueError(f"{where}: layer {i + 1}: {exc}") from None
         settings = {k: v for k, v in d.items() if k != "type"}
         if "from_config" not in vars(cls):
-            settings = _fill(cls, settings, n_outputs, f"{where}: layer {i + 1} ({kind})")
+            settings = fill_settings(cls, settings, n_outputs, f"{where}: layer {i + 1} ({kind})")
         try:
             layer = (cls.from_config(settings) if callable(getattr(cls, "from_config", None))
                      else cls(**settings))
@@ -100,7 +100,7 @@ def layers_from(specs: list[dict[str, Any]], n_outputs: int | None = None,
     return out
 
 
-def _fill(cls: type, settings: dict, n_outputs: int | None, who: str) -> dict:
+def fill_settings(cls: type, settings: dict, n_outputs: int | None, who: str) -> dict:
     """``settings`` checked against ``cls``'s constructor, with inferable sizes filled."""
     params = inspect.signature(cls).parameters
     if not any(p.kind == p.VAR_KEYWORD for p in params.values()):

@@ -74,3 +74,53 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, said):
     assert main(["check-layer", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"mpidp: error: {said}") and err.count("\n") == 1, err
+
+
+NOT_LAYERS = """
+from mpidp import nn
+
+
+class NotALayer:
+    pass
+
+
+def makes_an_int():
+    return 3
+
+
+class Built(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        raise RuntimeError("cannot build")
+
+    def forward(self, x):
+        return x
+
+    def backward(self, dy, accumulate=False, need_input_grad=True):
+        return dy
+"""
+
+
+def test_sizes_that_follow_from_the_input_are_inferred_as_in_a_model_file(capsys):
+    """``Dense --set n_out=3`` takes its n_in from --n-in, as a model file's Dense does."""
+    assert main(["check-layer", "Dense", "--set", "n_out=3", "--n-in", "5"]) == 0
+    assert capsys.readouterr().out.startswith("Dense(5, 3): every rule holds")
+
+
+@pytest.mark.parametrize("name, said", [
+    ("NotALayer", "is a class that is not an mpidp.nn.Layer: subclass it"),
+    ("makes_an_int", "made a int, not an mpidp.nn.Layer"),
+    ("Built", "cannot be made from the settings {} (RuntimeError: cannot build)"),
+])
+def test_what_is_not_a_layer_is_bad_input_not_a_broken_rule(capsys, tmp_path, name, said):
+    path = tmp_path / "notlayers.py"
+    path.write_text(NOT_LAYERS)
+    assert main(["check-layer", f"{path}:{name}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpidp: error: {path}:{name} {said}") and err.count("\n") == 1, err
+
+
+def test_a_setting_given_twice_is_refused(capsys):
+    assert main(["check-layer", "Dense", "--set", "n_out=3", "n_out=4"]) == 2
+    assert capsys.readouterr().err == ("mpidp: error: --set n_out=4: n_out is already set "
+                                       "(to 3): give each setting once\n")
