@@ -132,5 +132,13 @@ def main(args: argparse.Namespace) -> int:
     except (ImportError, ValueError, TypeError) as exc:
         print(f"mpidp: error: {exc}", file=sys.stderr)
         return 2
+    except MemoryError as exc:
+        print(f"mpidp: error: a check of {args.rows} rows of shape {args.n_in} on "
+              f"{args.ranks} ranks does not fit in memory ({exc or 'MemoryError'}): give "
+              f"smaller --rows, --ranks or --n-in", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mpidp: interrupted (SIGINT); nothing was checked to the end", file=sys.stderr)
+        return 130
     print(report, flush=True)
     return 0 if report.ok else BROKEN_EXIT

@@ -332,6 +332,8 @@ class _Checker:
         except _Broken as exc:
             self.failures.append((name, str(exc)))
             return False
+        except MemoryError:  # the size of the check, not a rule
+            raise
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code: any failure
             self.failures.append((name, f"raised {_describe(exc)}"))
             return False
@@ -348,7 +350,8 @@ def check_layer(layer: Layer | Callable[[], Layer], n_in: int | Sequence[int] = 
     per-sample input shape (a width or a tuple). ``ranks`` >= 2 simulated ranks split a
     batch of ``rows`` rows, one rank holding none. Returns the :class:`Report`; with
     ``strict`` (default), raises :class:`mpidp.errors.MpidpError` naming every broken rule,
-    one line each, instead."""
+    one line each, instead. ``MemoryError`` (inputs too large for this machine) is raised
+    as it is: it says nothing of the layer."""
     if isinstance(layer, Layer):
         proto = layer
 
@@ -369,6 +372,8 @@ def check_layer(layer: Layer | Callable[[], Layer], n_in: int | Sequence[int] = 
             report.layer = repr(checker.ref.layers[0])
         except _Broken as exc:
             report.failures.append(("shapes", str(exc)))
+        except MemoryError:
+            raise
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code: any failure
             report.failures.append(("shapes", f"the layer cannot be built for per-sample "
                                     f"shape {in_shape}: {_describe(exc)}"))

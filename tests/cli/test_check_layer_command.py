@@ -124,3 +124,26 @@ def test_a_setting_given_twice_is_refused(capsys):
     assert main(["check-layer", "Dense", "--set", "n_out=3", "n_out=4"]) == 2
     assert capsys.readouterr().err == ("mpidp: error: --set n_out=4: n_out is already set "
                                        "(to 3): give each setting once\n")
+
+
+def test_a_check_too_large_for_memory_is_bad_input_not_a_broken_rule(capsys, monkeypatch):
+    from mpidp import nn
+
+    def too_large(*args, **kwargs):
+        raise MemoryError("Unable to allocate 59.6 GiB")
+    monkeypatch.setattr(nn, "check_layer", too_large)
+    assert main(["check-layer", "ReLU", "--ranks", "4", "--rows", "9"]) == 2
+    assert capsys.readouterr().err == (
+        "mpidp: error: a check of 9 rows of shape (8,) on 4 ranks does not fit in memory "
+        "(Unable to allocate 59.6 GiB): give smaller --rows, --ranks or --n-in\n")
+
+
+def test_an_interrupt_ends_the_check_in_one_line_with_130(capsys, tmp_path):
+    path = tmp_path / "interrupted.py"
+    path.write_text("from mpidp import nn\n\n\nclass Stops(nn.Layer):\n"
+                    "    def forward(self, x):\n        raise KeyboardInterrupt\n\n"
+                    "    def backward(self, dy, accumulate=False, need_input_grad=True):\n"
+                    "        return dy\n")
+    assert main(["check-layer", f"{path}:Stops"]) == 130
+    assert capsys.readouterr().err == ("mpidp: interrupted (SIGINT); nothing was checked to "
+                                       "the end\n")

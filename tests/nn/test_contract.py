@@ -269,3 +269,16 @@ def test_non_finite_outputs_are_one_shapes_line_without_numpy_warnings(value, sh
 def test_a_layer_that_calls_sys_exit_breaks_a_rule_and_ends_nothing():
     report = check_layer(Exits, 4, strict=False)
     assert report.lines() == ["shapes: raised SystemExit: 0"]
+
+
+class Huge(nn.Layer):
+    def forward(self, x):
+        raise MemoryError("Unable to allocate")
+
+    def backward(self, dy, accumulate=False, need_input_grad=True):
+        return dy
+
+
+def test_memory_that_runs_out_is_raised_not_reported_as_a_broken_rule():
+    with pytest.raises(MemoryError):
+        check_layer(Huge, 4, strict=False)
