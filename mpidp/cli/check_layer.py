@@ -90,10 +90,11 @@ def _target(text: str):
     return found
 
 
-def _maker(text: str, target, settings: dict):
+def _maker(text: str, target, settings: dict, n_in: tuple[int, ...]):
     """A function making a fresh layer of ``target`` (a class: with ``settings``, the sizes
-    that follow from the input left to it, as in a model file), tried once."""
-    from ..nn import Layer
+    that follow from the input left to it, as in a model file), tried once, on inputs of
+    per-sample shape ``n_in``."""
+    from ..nn import Layer, Sequential
     from ..nn.modelfile import fill_settings
     given = settings
     if not isinstance(target, type):
@@ -116,6 +117,11 @@ def _maker(text: str, target, settings: dict):
             from None
     if not isinstance(made, Layer):
         raise ValueError(f"{text} made a {type(made).__name__}, not an mpidp.nn.Layer")
+    try:
+        Sequential([made], n_in)
+    except ValueError as exc:  # the shape given does not suit the layer
+        raise ValueError(f"--n-in {','.join(map(str, n_in))} does not suit {made!r}: "
+                         f"{str(exc).rpartition('before it: ')[2]}") from None
     return make
 
 
@@ -126,7 +132,8 @@ def main(args: argparse.Namespace) -> int:
         if args.rows < args.ranks:
             raise ValueError(f"--rows {args.rows} is fewer than --ranks {args.ranks}")
         import_modules(imports_of(args))
-        make = _maker(args.layer, _target(args.layer), _settings(args.settings or []))
+        make = _maker(args.layer, _target(args.layer), _settings(args.settings or []),
+                      args.n_in)
         report = check_layer(make, args.n_in, ranks=args.ranks, rows=args.rows,
                              seed=args.seed, strict=False)
     except (ImportError, ValueError, TypeError) as exc:

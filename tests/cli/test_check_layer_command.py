@@ -147,3 +147,16 @@ def test_an_interrupt_ends_the_check_in_one_line_with_130(capsys, tmp_path):
     assert main(["check-layer", f"{path}:Stops"]) == 130
     assert capsys.readouterr().err == ("mpidp: interrupted (SIGINT); nothing was checked to "
                                        "the end\n")
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["Conv2d", "--set", "out_channels=2", "kernel=3", "--n-in", "8"],
+     "--n-in 8 does not suit Conv2d(2, kernel=3): Conv2d takes samples of shape (channels, "
+     "height, width), got (8,)"),
+    (["Dense", "--set", "n_in=5", "n_out=3"],
+     "--n-in 8 does not suit Dense(5, 3): Dense expects 5 input features, got 8"),
+])
+def test_an_input_shape_the_layer_does_not_take_is_bad_input(capsys, argv, said):
+    """Not 'Conv2d breaks 1 rule(s) of the layer contract' for a built-in layer."""
+    assert main(["check-layer", *argv]) == 2
+    assert capsys.readouterr().err == f"mpidp: error: {said}\n"
