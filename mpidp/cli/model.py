@@ -75,9 +75,10 @@ def check_fits(args: argparse.Namespace, data: D.Data, share: float, ranks_here:
     optimizer_factory(args, data.train.n_total)
     try:
         count, activations = memory.model_size(build_layers(args, data)[0], data.sample_shape)
-    except ValueError as exc:  # the file named once: as the option
-        raise ValueError(f"--model {args.model}: "
-                         f"{str(exc).removeprefix(f'model file {args.model}: ')}") from None
+    except ValueError as exc:  # the file named once, as the option; another option as itself
+        said = str(exc).removeprefix(f"model file {args.model}: ")
+        raise ValueError(said if said.startswith("--") else f"--model {args.model}: {said}") \
+            from None
     need = memory.estimate_counts(count, activations, args.dtype, args.optimizer,
                                   args.batch_size, share)
     hidden = f", hidden {','.join(map(str, args.hidden))}" if args.model == "mlp" else ""
