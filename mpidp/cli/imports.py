@@ -26,8 +26,9 @@ HINT = "pass the module that registers it with --import MODULE"
 def near(name: str) -> str:
     """`` (did you mean 'Dense'?)`` when ``name`` looks like a mistyped registered layer
     name, else empty."""
-    close = difflib.get_close_matches(str(name), registered_layers(), 1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    known = {k.lower(): k for k in registered_layers()}
+    close = difflib.get_close_matches(str(name).lower(), known, 1, cutoff=0.8)
+    return f" (did you mean {known[close[0]]!r}?)" if close else ""
 
 
 def imports_of(args: argparse.Namespace) -> list[str]:

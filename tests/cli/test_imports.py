@@ -198,3 +198,10 @@ def test_a_mistyped_layer_name_is_told_the_registered_one_it_looks_like(tmp_path
                                          r"registers it with --import MODULE \(did you mean "
                                          r"'Dense'\?\)$"):
         check_model_file(args)
+
+
+@pytest.mark.parametrize("name, guess", [("relu", "ReLU"), ("Conv2D", "Conv2d"), ("Layer", None),
+                                         ("NoSuchLayerAnywhere", None)])
+def test_the_guess_ignores_case_and_stays_quiet_when_nothing_is_close(name, guess):
+    from mpidp.cli.imports import near
+    assert near(name) == (f" (did you mean {guess!r}?)" if guess else "")
