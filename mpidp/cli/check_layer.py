@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 
 from . import values
-from .imports import import_modules, imports_of
+from .imports import import_modules, imports_of, near
 
 BROKEN_EXIT = 1
 
@@ -52,6 +53,9 @@ def _settings(pairs: list[str]) -> dict:
         name, eq, text = pair.partition("=")
         if not eq or not name.isidentifier():
             raise ValueError(f"--set {pair}: give NAME=VALUE")
+        if name in out:
+            raise ValueError(f"--set {pair}: {name} is already set (to {out[name]!r}): give "
+                             f"each setting once")
         try:
             out[name] = json.loads(text)
         except ValueError:
@@ -67,7 +71,7 @@ def _target(text: str):
         known = registered_layers()
         if text not in known:
             raise ValueError(f"no layer class is registered as {text!r}: give MODULE:CLASS, "
-                             f"or the module that registers it with --import MODULE")
+                             f"or the module that registers it with --import MODULE{near(text)}")
         return known[text]
     if not module or not name:
         raise ValueError(f"{text!r}: give MODULE:CLASS")
@@ -81,7 +85,44 @@ def _target(text: str):
         found = getattr(found, part)
     if not (callable(found) or isinstance(found, Layer)):
         raise ValueError(f"{text} is a {type(found).__name__}, not a layer class")
+    if isinstance(found, type) and not issubclass(found, Layer):
+        raise ValueError(f"{text} is a class that is not an mpidp.nn.Layer: subclass it")
     return found
+
+
+def _maker(text: str, target, settings: dict, n_in: tuple[int, ...]):
+    """A function making a fresh layer of ``target`` (a class: with ``settings``, the sizes
+    that follow from the input left to it, as in a model file), tried once, on inputs of
+    per-sample shape ``n_in``."""
+    from ..nn import Layer, Sequential
+    from ..nn.modelfile import fill_settings
+    given = settings
+    if not isinstance(target, type):
+        if settings:
+            raise ValueError(f"{text} is not a class: --set needs a class")
+        make = target
+    else:
+        try:
+            if "from_config" not in vars(target):
+                settings = fill_settings(target, settings, None, target.__name__)
+            make = partial(target, **settings)
+        except ValueError as exc:
+            raise ValueError(f"{text} cannot be made from the settings {given} ({exc}): "
+                             f"give them with --set NAME=VALUE") from None
+    try:
+        made = make()
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code: bad input
+        raise ValueError(f"{text} cannot be made from the settings {given} "
+                         f"({type(exc).__name__}: {exc}): give them with --set NAME=VALUE") \
+            from None
+    if not isinstance(made, Layer):
+        raise ValueError(f"{text} made a {type(made).__name__}, not an mpidp.nn.Layer")
+    try:
+        Sequential([made], n_in)
+    except ValueError as exc:  # the shape given does not suit the layer
+        raise ValueError(f"--n-in {','.join(map(str, n_in))} does not suit {made!r}: "
+                         f"{str(exc).rpartition('before it: ')[2]}") from None
+    return make
 
 
 def main(args: argparse.Namespace) -> int:
@@ -91,19 +132,20 @@ def main(args: argparse.Namespace) -> int:
         if args.rows < args.ranks:
             raise ValueError(f"--rows {args.rows} is fewer than --ranks {args.ranks}")
         import_modules(imports_of(args))
-        target, settings = _target(args.layer), _settings(args.settings or [])
-        if settings and not isinstance(target, type):
-            raise ValueError(f"{args.layer} is not a class: --set needs a class")
-        if isinstance(target, type):
-            try:
-                target(**settings)
-            except TypeError as exc:
-                raise ValueError(f"{args.layer} cannot be made from the settings "
-                                 f"{settings} ({exc}): give them with --set NAME=VALUE") from None
-        report = check_layer((lambda: target(**settings)) if settings else target, args.n_in,
-                             ranks=args.ranks, rows=args.rows, seed=args.seed, strict=False)
+        make = _maker(args.layer, _target(args.layer), _settings(args.settings or []),
+                      args.n_in)
+        report = check_layer(make, args.n_in, ranks=args.ranks, rows=args.rows,
+                             seed=args.seed, strict=False)
     except (ImportError, ValueError, TypeError) as exc:
         print(f"mpidp: error: {exc}", file=sys.stderr)
         return 2
+    except MemoryError as exc:
+        print(f"mpidp: error: a check of {args.rows} rows of shape {args.n_in} on "
+              f"{args.ranks} ranks does not fit in memory ({exc or 'MemoryError'}): give "
+              f"smaller --rows, --ranks or --n-in", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mpidp: interrupted (SIGINT); nothing was checked to the end", file=sys.stderr)
+        return 130
     print(report, flush=True)
     return 0 if report.ok else BROKEN_EXIT

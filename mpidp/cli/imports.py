@@ -5,6 +5,7 @@ model file and rebuilt from a ``model.npz``. No MPI here."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.util
 import json
@@ -20,6 +21,14 @@ from ..atomic import check_place, special
 from ..nn import registered_layers
 
 HINT = "pass the module that registers it with --import MODULE"
+
+
+def near(name: str) -> str:
+    """`` (did you mean 'Dense'?)`` when ``name`` looks like a mistyped registered layer
+    name, else empty."""
+    known = {k.lower(): k for k in registered_layers()}
+    close = difflib.get_close_matches(str(name).lower(), known, 1, cutoff=0.8)
+    return f" (did you mean {known[close[0]]!r}?)" if close else ""
 
 
 def imports_of(args: argparse.Namespace) -> list[str]:

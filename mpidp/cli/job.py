@@ -155,6 +155,8 @@ class Job:
         state = (resumed(self.comm, self.args.checkpoint_dir, self.config, found)
                  if self.args.resume else None)
         watch.epoch_index = state.epoch if state is not None else 0
+        if state is not None:
+            watch.resumed(state.history)
         if state is not None and self.best is not None:
             self.best.resume(state.history, state.best)
         return state

@@ -16,7 +16,7 @@ from ..nn.schedules import epoch_schedule
 from ..nn.sparse import CSR
 from ..parallel.modes import refuses_model
 from ..run import memory
-from .imports import HINT, unregistered
+from .imports import HINT, near, unregistered
 
 
 def check_model_file(args: argparse.Namespace) -> None:
@@ -28,7 +28,7 @@ def check_model_file(args: argparse.Namespace) -> None:
     missing = unregistered(specs)
     if missing:
         raise ValueError(f"--model {args.model}: layer class {missing[0]!r} is not registered: "
-                         f"{HINT}")
+                         f"{HINT}{near(missing[0])}")
     layers = layers_from(specs, 1, where=f"--model {args.model}")
     why = refuses_model(layers, args.parallel, args.sync)
     if why:
@@ -75,8 +75,10 @@ def check_fits(args: argparse.Namespace, data: D.Data, share: float, ranks_here:
     optimizer_factory(args, data.train.n_total)
     try:
         count, activations = memory.model_size(build_layers(args, data)[0], data.sample_shape)
-    except ValueError as exc:
-        raise ValueError(f"--model {args.model}: {exc}") from None
+    except ValueError as exc:  # the file named once, as the option; another option as itself
+        said = str(exc).removeprefix(f"model file {args.model}: ")
+        raise ValueError(said if said.startswith("--") else f"--model {args.model}: {said}") \
+            from None
     need = memory.estimate_counts(count, activations, args.dtype, args.optimizer,
                                   args.batch_size, share)
     hidden = f", hidden {','.join(map(str, args.hidden))}" if args.model == "mlp" else ""

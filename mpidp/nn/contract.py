@@ -151,6 +151,12 @@ class _Checker:
         if not self.reads and (dx is None or np.shape(dx) != self.x.shape):
             raise _Broken(f"backward gave an input gradient of shape {np.shape(dx)}, "
                           f"expected {self.x.shape}")
+        for what, got in (("forward", y), ("backward", dx)):
+            bad = None if got is None else np.argwhere(~np.isfinite(got))
+            if bad is not None and len(bad):
+                at = tuple(int(i) for i in bad[0])
+                raise _Broken(f"{what} of finite inputs gave {got[at]} at {list(at)} "
+                              f"({len(bad)} non-finite value(s)): it must give finite values")
 
     def buffers(self) -> None:
         m = self.fresh(self.ref, np.arange(self.rows))
@@ -229,7 +235,7 @@ class _Checker:
     def empty(self) -> None:
         try:
             self.calls = {0: self.counted(0)}
-        except Exception as exc:  # noqa: BLE001 - the user's code: any failure
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code: any failure
             raise _Broken(f"forward and backward of 0 rows raised {_describe(exc)}: a rank "
                           f"may hold no rows of a step and still runs every layer") from None
 
@@ -326,7 +332,9 @@ class _Checker:
         except _Broken as exc:
             self.failures.append((name, str(exc)))
             return False
-        except Exception as exc:  # noqa: BLE001 - the user's code: any failure
+        except MemoryError:  # the size of the check, not a rule
+            raise
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code: any failure
             self.failures.append((name, f"raised {_describe(exc)}"))
             return False
         self.checked.append(name)
@@ -342,7 +350,8 @@ def check_layer(layer: Layer | Callable[[], Layer], n_in: int | Sequence[int] = 
     per-sample input shape (a width or a tuple). ``ranks`` >= 2 simulated ranks split a
     batch of ``rows`` rows, one rank holding none. Returns the :class:`Report`; with
     ``strict`` (default), raises :class:`mpidp.errors.MpidpError` naming every broken rule,
-    one line each, instead."""
+    one line each, instead. ``MemoryError`` (inputs too large for this machine) is raised
+    as it is: it says nothing of the layer."""
     if isinstance(layer, Layer):
         proto = layer
 
@@ -357,16 +366,19 @@ def check_layer(layer: Layer | Callable[[], Layer], n_in: int | Sequence[int] = 
     in_shape = as_shape(n_in)
     name = getattr(layer, "__qualname__", None) or type(layer).__name__
     report = Report(name)
-    try:
-        checker = _Checker(layer, in_shape, ranks, rows, seed)
-        report.layer = repr(checker.ref.layers[0])
-    except _Broken as exc:
-        report.failures.append(("shapes", str(exc)))
-    except Exception as exc:  # noqa: BLE001 - the user's code: any failure
-        report.failures.append(("shapes", f"the layer cannot be built for per-sample shape "
-                                f"{in_shape}: {_describe(exc)}"))
-    else:
-        checker.run(report)
+    with np.errstate(all="ignore"):  # a layer's NaN is reported once, as a broken rule
+        try:
+            checker = _Checker(layer, in_shape, ranks, rows, seed)
+            report.layer = repr(checker.ref.layers[0])
+        except _Broken as exc:
+            report.failures.append(("shapes", str(exc)))
+        except MemoryError:
+            raise
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code: any failure
+            report.failures.append(("shapes", f"the layer cannot be built for per-sample "
+                                    f"shape {in_shape}: {_describe(exc)}"))
+        else:
+            checker.run(report)
     if strict and not report.ok:
         raise MpidpError(str(report))
     return report

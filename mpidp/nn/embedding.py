@@ -57,9 +57,11 @@ class Embedding(Layer):
                              f"dtype {x.dtype}")
         ok = (x >= 0) & (x < self.n_tokens)
         if x.dtype.kind == "f":
-            exact = 2 ** (np.finfo(x.dtype).nmant + 1)  # whole numbers above it are not all held
+            # whole numbers above it are not all held: an id of exactly 2**24 in float32 may
+            # be 2**24 + 1 rounded, so it is refused too
+            exact = 2 ** (np.finfo(x.dtype).nmant + 1)
             ok &= x == np.floor(x)
-            if self.n_tokens > exact and (x > exact).any():
+            if self.n_tokens > exact and (x >= exact).any():
                 raise ValueError(f"Embedding({self.n_tokens}, {self.dim}): token ids above "
                                  f"2**{np.finfo(x.dtype).nmant + 1} in {x.dtype}, which cannot "
                                  f"hold every whole number there, so neighbouring ids merge: "

@@ -212,9 +212,9 @@ class Dense(Layer):
 
     def __init__(self, n_in: int | None, n_out: int, init: str = "he") -> None:
         super().__init__()
-        if not (n_in is None or is_whole(n_in, 1)) or not is_whole(n_out, 1):
-            raise ValueError(f"{type(self).__name__} needs n_in >= 1 and n_out >= 1, got "
-                             f"{n_in}, {n_out}")
+        for name, v in (("n_in", n_in), ("n_out", n_out)):
+            if not (is_whole(v, 1) or name == "n_in" and v is None):
+                raise ValueError(f"{type(self).__name__} needs {name} >= 1 (an int), got {v!r}")
         self.n_in, self.n_out, self.init = n_in, n_out, check_init(init)
         self._x: np.ndarray | None = None
 

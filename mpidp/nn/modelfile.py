@@ -34,9 +34,17 @@ def read_model_file(path: str | os.PathLike) -> list[dict[str, Any]]:
         text = read_text(path, "model file")
     except OSError as exc:
         raise ValueError(f"model file {path}: cannot read it ({exc.strerror or exc})") from None
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:  # as TOML refuses them
+        keys = [k for k, _ in pairs]
+        twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+        if twice is not None:
+            raise ValueError(f"model file {path}: key {twice!r} given twice in one object "
+                             f"{{{', '.join(map(repr, dict.fromkeys(keys)))}}}")
+        return dict(pairs)
+
     try:
         doc = (tomllib.loads(text.decode()) if path.lower().endswith(".toml")
-               else json.loads(text))
+               else json.loads(text, object_pairs_hook=unique))
     except UnicodeDecodeError:
         raise ValueError(f"model file {path}: not UTF-8 text") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
@@ -82,7 +90,7 @@ def layers_from(specs: list[dict[str, Any]], n_outputs: int | None = None,
             raise ValueError(f"{where}: layer {i + 1}: {exc}") from None
         settings = {k: v for k, v in d.items() if k != "type"}
         if "from_config" not in vars(cls):
-            settings = _fill(cls, settings, n_outputs, f"{where}: layer {i + 1} ({kind})")
+            settings = fill_settings(cls, settings, n_outputs, f"{where}: layer {i + 1} ({kind})")
         try:
             layer = (cls.from_config(settings) if callable(getattr(cls, "from_config", None))
                      else cls(**settings))
@@ -92,7 +100,7 @@ def layers_from(specs: list[dict[str, Any]], n_outputs: int | None = None,
     return out
 
 
-def _fill(cls: type, settings: dict, n_outputs: int | None, who: str) -> dict:
+def fill_settings(cls: type, settings: dict, n_outputs: int | None, who: str) -> dict:
     """``settings`` checked against ``cls``'s constructor, with inferable sizes filled."""
     params = inspect.signature(cls).parameters
     if not any(p.kind == p.VAR_KEYWORD for p in params.values()):

@@ -66,6 +66,7 @@ class Watch:
             timer.tracer = self.tracer
         self._last = np.zeros(2)  # compute, comm seconds at the last step line
         self.epoch_index = 0  # the epoch in progress (0-based; a resumed run sets it)
+        self.written = 0  # epoch lines in the history file (rank 0)
 
     @staticmethod
     def check(outputs: Outputs) -> None:
@@ -116,6 +117,13 @@ class Watch:
             line["samples_per_s"] = sum(line["samples"]) / record["seconds"]
             line["imbalance"] = record["balance"]["imbalance"]
         h.epoch(line)
+        self.written += 1
+
+    def resumed(self, history: list[dict]) -> None:
+        """A resumed run's history file starts with the epochs its checkpoint holds, so it
+        holds every epoch of the run, in a new folder or the one it replaces."""
+        for record in history:
+            self.epoch(record)
 
     def step(self, step: int, stats) -> None:
         """``on_step`` (every rank; collective every ``log_every`` global steps)."""
@@ -134,8 +142,8 @@ class Watch:
 
     def finish(self, history: list[dict]) -> None:
         """At the end of training (every rank; collective): write the trace (a failure, or a
-        ``trace_steps`` window no step fell in, is a warning), and the epoch lines of a mode that
-        learns its epochs only at the end (async-ps)."""
+        ``trace_steps`` window no step fell in, is a warning), and the epoch lines not written
+        yet (a mode that learns its epochs only at the end: async-ps)."""
         if self.tracer is not None:
             try:
                 n = write_trace(self.comm, self.tracer, self.outputs.trace)
@@ -145,8 +153,8 @@ class Watch:
                     log.warning(f"mpidp: warning: {missed}")
             except OSError as exc:
                 log.warning(f"mpidp: could not write the timeline {self.outputs.trace}: {exc}")
-        if self.comm.rank == 0 and self._history is None:
-            for record in history:
+        if self.comm.rank == 0:
+            for record in history[self.written:]:
                 self.epoch(record)
 
     def close_history(self) -> None:

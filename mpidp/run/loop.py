@@ -135,6 +135,9 @@ class _Run:
                       f"epoch {epoch} ({spec.monitor} had not improved for {es.bad_epochs} "
                       f"epochs, its patience {es.patience}); nothing more to train", flush=True)
             return
+        if spec.resume is not None and epoch >= spec.epochs and self.trainer.world.rank == 0:
+            print(f"[mpidp] the run had already finished: all {spec.epochs} epochs were done; "
+                  f"nothing more to train", flush=True)
         while epoch < spec.epochs:
             t0 = time.perf_counter()
             try:

@@ -41,7 +41,8 @@ class Preempted(MpidpError):
     def __init__(self, step: int, checkpoint) -> None:
         where = (f"checkpoint written to {checkpoint.directory}; continue with "
                  f"{setting('resume')}" if checkpoint
-                 else f"no {setting('checkpoint_dir')}, so nothing was saved")
+                 else f"no {setting('checkpoint_dir')}, so no checkpoint was saved and the "
+                      f"run cannot be resumed")
         super().__init__(f"stopped by a signal after step {step}: {where}")
 
 

@@ -74,3 +74,89 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, said):
     assert main(["check-layer", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"mpidp: error: {said}") and err.count("\n") == 1, err
+
+
+NOT_LAYERS = """
+from mpidp import nn
+
+
+class NotALayer:
+    pass
+
+
+def makes_an_int():
+    return 3
+
+
+class Built(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        raise RuntimeError("cannot build")
+
+    def forward(self, x):
+        return x
+
+    def backward(self, dy, accumulate=False, need_input_grad=True):
+        return dy
+"""
+
+
+def test_sizes_that_follow_from_the_input_are_inferred_as_in_a_model_file(capsys):
+    """``Dense --set n_out=3`` takes its n_in from --n-in, as a model file's Dense does."""
+    assert main(["check-layer", "Dense", "--set", "n_out=3", "--n-in", "5"]) == 0
+    assert capsys.readouterr().out.startswith("Dense(5, 3): every rule holds")
+
+
+@pytest.mark.parametrize("name, said", [
+    ("NotALayer", "is a class that is not an mpidp.nn.Layer: subclass it"),
+    ("makes_an_int", "made a int, not an mpidp.nn.Layer"),
+    ("Built", "cannot be made from the settings {} (RuntimeError: cannot build)"),
+])
+def test_what_is_not_a_layer_is_bad_input_not_a_broken_rule(capsys, tmp_path, name, said):
+    path = tmp_path / "notlayers.py"
+    path.write_text(NOT_LAYERS)
+    assert main(["check-layer", f"{path}:{name}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpidp: error: {path}:{name} {said}") and err.count("\n") == 1, err
+
+
+def test_a_setting_given_twice_is_refused(capsys):
+    assert main(["check-layer", "Dense", "--set", "n_out=3", "n_out=4"]) == 2
+    assert capsys.readouterr().err == ("mpidp: error: --set n_out=4: n_out is already set "
+                                       "(to 3): give each setting once\n")
+
+
+def test_a_check_too_large_for_memory_is_bad_input_not_a_broken_rule(capsys, monkeypatch):
+    from mpidp import nn
+
+    def too_large(*args, **kwargs):
+        raise MemoryError("Unable to allocate 59.6 GiB")
+    monkeypatch.setattr(nn, "check_layer", too_large)
+    assert main(["check-layer", "ReLU", "--ranks", "4", "--rows", "9"]) == 2
+    assert capsys.readouterr().err == (
+        "mpidp: error: a check of 9 rows of shape (8,) on 4 ranks does not fit in memory "
+        "(Unable to allocate 59.6 GiB): give smaller --rows, --ranks or --n-in\n")
+
+
+def test_an_interrupt_ends_the_check_in_one_line_with_130(capsys, tmp_path):
+    path = tmp_path / "interrupted.py"
+    path.write_text("from mpidp import nn\n\n\nclass Stops(nn.Layer):\n"
+                    "    def forward(self, x):\n        raise KeyboardInterrupt\n\n"
+                    "    def backward(self, dy, accumulate=False, need_input_grad=True):\n"
+                    "        return dy\n")
+    assert main(["check-layer", f"{path}:Stops"]) == 130
+    assert capsys.readouterr().err == ("mpidp: interrupted (SIGINT); nothing was checked to "
+                                       "the end\n")
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["Conv2d", "--set", "out_channels=2", "kernel=3", "--n-in", "8"],
+     "--n-in 8 does not suit Conv2d(2, kernel=3): Conv2d takes samples of shape (channels, "
+     "height, width), got (8,)"),
+    (["Dense", "--set", "n_in=5", "n_out=3"],
+     "--n-in 8 does not suit Dense(5, 3): Dense expects 5 input features, got 8"),
+])
+def test_an_input_shape_the_layer_does_not_take_is_bad_input(capsys, argv, said):
+    """Not 'Conv2d breaks 1 rule(s) of the layer contract' for a built-in layer."""
+    assert main(["check-layer", *argv]) == 2
+    assert capsys.readouterr().err == f"mpidp: error: {said}\n"

@@ -187,3 +187,21 @@ def test_predict_names_import_for_an_unregistered_class_and_the_file_otherwise(t
     with pytest.raises(ValueError) as err:
         _open_model(str(path))
     assert str(err.value).endswith("give the model.npz that 'mpidp train' wrote, or its folder")
+
+
+def test_a_mistyped_layer_name_is_told_the_registered_one_it_looks_like(tmp_path):
+    from mpidp.cli.model import check_model_file
+    path = tmp_path / "net.toml"
+    path.write_text("[[layers]]\ntype = 'Flatten'\n[[layers]]\ntype = 'Densee'\n")
+    args = argparse.Namespace(model=str(path), parallel="data", sync="allreduce")
+    with pytest.raises(ValueError, match=r"'Densee' is not registered: pass the module that "
+                                         r"registers it with --import MODULE \(did you mean "
+                                         r"'Dense'\?\)$"):
+        check_model_file(args)
+
+
+@pytest.mark.parametrize("name, guess", [("relu", "ReLU"), ("Conv2D", "Conv2d"), ("Layer", None),
+                                         ("NoSuchLayerAnywhere", None)])
+def test_the_guess_ignores_case_and_stays_quiet_when_nothing_is_close(name, guess):
+    from mpidp.cli.imports import near
+    assert near(name) == (f" (did you mean {guess!r}?)" if guess else "")

@@ -231,3 +231,54 @@ def test_bad_arguments_are_refused():
         check_layer(3)
     with pytest.raises(ValueError, match="ranks >= 2"):
         check_layer(nn.ReLU, ranks=1)
+
+
+class NonFinite(nn.Layer):
+    """Gives NaN (or, with ``value=inf``, Inf) for finite inputs."""
+
+    def __init__(self, value: float = np.nan) -> None:
+        super().__init__()
+        self.value = value
+
+    def forward(self, x):
+        return x * self.value
+
+    def backward(self, dy, accumulate=False, need_input_grad=True):
+        return dy
+
+
+class Exits(nn.Layer):
+    def forward(self, x):
+        raise SystemExit(0)
+
+    def backward(self, dy, accumulate=False, need_input_grad=True):
+        return dy
+
+
+@pytest.mark.parametrize("value, shown", [(np.nan, "nan"), (np.inf, "inf")])
+def test_non_finite_outputs_are_one_shapes_line_without_numpy_warnings(value, shown):
+    """Not 'differs by nan ... nan instead of nan' in three rules, and RuntimeWarnings."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = check_layer(lambda: NonFinite(value), 4, strict=False)
+    assert report.lines() == [f"shapes: forward of finite inputs gave {shown} at [0, 0] "
+                              f"(28 non-finite value(s)): it must give finite values"]
+
+
+def test_a_layer_that_calls_sys_exit_breaks_a_rule_and_ends_nothing():
+    report = check_layer(Exits, 4, strict=False)
+    assert report.lines() == ["shapes: raised SystemExit: 0"]
+
+
+class Huge(nn.Layer):
+    def forward(self, x):
+        raise MemoryError("Unable to allocate")
+
+    def backward(self, dy, accumulate=False, need_input_grad=True):
+        return dy
+
+
+def test_memory_that_runs_out_is_raised_not_reported_as_a_broken_rule():
+    with pytest.raises(MemoryError):
+        check_layer(Huge, 4, strict=False)

@@ -147,6 +147,14 @@ def test_float_token_ids_beyond_the_dtypes_whole_numbers_are_refused():
     assert emb.token_ids(np.array([[3, 2**24 - 1]], np.float32))[0, 1] == 2**24 - 1
 
 
+def test_a_float32_token_id_of_2_to_the_24_is_refused_as_it_may_be_the_next_one_rounded():
+    """2**24 + 1 in a float64 file is 2**24 once cast to float32: the cast merged two ids."""
+    emb = nn.Embedding(2**25, 2)
+    cast = np.array([[3, 2**24 + 1]], np.float64).astype(np.float32)
+    with pytest.raises(ValueError, match=r"token ids above 2\*\*24 in float32"):
+        emb.token_ids(cast)
+
+
 def _nested(depth: int) -> str:
     """JSON of a Residual ``depth`` blocks deep around a ReLU, after a Flatten."""
     inner = '{"type": "ReLU"}'
@@ -178,3 +186,25 @@ def test_blocks_nested_as_deep_as_allowed_train_save_and_load(tmp_path):
     model = nn.Sequential(layers, 4, np.float64).init_(0)
     model.backward(np.ones_like(model.forward(np.ones((3, 4)))))
     assert nn.load(nn.save(model, tmp_path / "model.npz")).spec() == model.spec()
+
+
+@pytest.mark.parametrize("text, key", [
+    ('[{"type": "Flatten"}, {"type": "Dense", "n_out": 3, "n_out": 10}]', "n_out"),
+    ('[{"type": "Flatten"}, {"type": "Dense", "type": "ReLU"}]', "type"),
+])
+def test_a_key_given_twice_in_a_json_model_file_is_refused_as_in_toml(tmp_path, text, key):
+    """JSON would keep the last value silently; TOML refuses a key given twice."""
+    path = _write(tmp_path, "twice.json", text)
+    with pytest.raises(ValueError, match=f"twice.json: key '{key}' given twice"):
+        read_model_file(path)
+
+
+@pytest.mark.parametrize("value, shown", [('"10"', "'10'"), ("10.0", "10.0"), ("true", "True"),
+                                          ("-3", "-3")])
+def test_a_dense_width_of_the_wrong_type_is_named_with_its_setting_and_type(tmp_path, value,
+                                                                            shown):
+    """Not 'needs n_in >= 1 and n_out >= 1, got None, 10' for the string "10"."""
+    path = _write(tmp_path, "w.toml", f"[[layers]]\ntype = 'Dense'\nn_out = {value}\n")
+    with pytest.raises(ValueError, match=rf"layer 1 \(Dense\): Dense needs n_out >= 1 \(an "
+                                         rf"int\), got {shown}$"):
+        layers_from(read_model_file(path), 3)
