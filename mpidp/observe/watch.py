@@ -67,6 +67,7 @@ class Watch:
         self._last = np.zeros(2)  # compute, comm seconds at the last step line
         self.epoch_index = 0  # the epoch in progress (0-based; a resumed run sets it)
         self.written = 0  # epoch lines in the history file (rank 0)
+        self._resumed: list[dict] = []  # a checkpoint's epochs, not written yet
 
     @staticmethod
     def check(outputs: Outputs) -> None:
@@ -104,6 +105,9 @@ class Watch:
 
     def epoch(self, record: dict) -> None:
         """``on_epoch`` (every rank): the epoch's line, with per-rank figures when known."""
+        pending, self._resumed = self._resumed, []
+        for done in pending:
+            self.epoch(done)
         self.epoch_index = record["epoch"]  # 1-based epoch done = the next one's index
         h = self.history()
         if h is None:
@@ -121,9 +125,9 @@ class Watch:
 
     def resumed(self, history: list[dict]) -> None:
         """A resumed run's history file starts with the epochs its checkpoint holds, so it
-        holds every epoch of the run, in a new folder or the one it replaces."""
-        for record in history:
-            self.epoch(record)
+        holds every epoch of the run, in a new folder or the one it replaces; they are
+        written with the first new line or at the end, after the run's checks passed."""
+        self._resumed = list(history)
 
     def step(self, step: int, stats) -> None:
         """``on_step`` (every rank; collective every ``log_every`` global steps)."""
@@ -154,6 +158,7 @@ class Watch:
             except OSError as exc:
                 log.warning(f"mpidp: could not write the timeline {self.outputs.trace}: {exc}")
         if self.comm.rank == 0:
+            self._resumed = []  # ``history`` holds them too
             for record in history[self.written:]:
                 self.epoch(record)
 

@@ -53,7 +53,10 @@ def _ranks(job: subprocess.Popen, n: int, timeout: float = 30) -> list[int]:
 
 
 def _start(n: int, *args: str, token: str, log: Path | None = None) -> subprocess.Popen:
-    """The job in the background; its stdout goes to ``log`` when given (to be polled)."""
+    """The job in the background; its stdout goes to ``log`` when given (to be polled).
+    ``token`` marks its ranks, made unique to this test process (xdist workers' folders
+    share names)."""
+    token = f"{token}-{os.getpid()}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MPIDP_TEST_TOKEN": token,
            "PYTHONUNBUFFERED": "1"}
     out = open(log, "w") if log is not None else subprocess.PIPE  # noqa: SIM115
@@ -377,7 +380,7 @@ def test_a_rank_slow_to_answer_the_roll_call_is_not_named(tmp_path):
     only rank 2 is named."""
     script = tmp_path / "mpidp_job.py"
     script.write_text(SLOW_TO_ANSWER)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPIDP_TEST_TOKEN": f"late-{tmp_path.name}"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPIDP_TEST_TOKEN": f"late-{tmp_path.name}-{os.getpid()}"}
     job = subprocess.Popen([mpiexec(), "-n", "3", sys.executable, str(script)], cwd=ROOT,
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            stdin=subprocess.DEVNULL)
