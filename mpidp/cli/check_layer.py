@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+from contextlib import contextmanager
 from functools import partial
 
 from . import values
 from .imports import import_modules, imports_of, near
 
 BROKEN_EXIT = 1
+TIMEOUT_EXIT = 3  # as the watchdog's
 
 
 def add_parser(sub, formatter_class) -> argparse.ArgumentParser:
@@ -37,7 +40,29 @@ def add_parser(sub, formatter_class) -> argparse.ArgumentParser:
     a("--ranks", type=values.number(int, 2), default=3, help="simulated ranks (>= 2)")
     a("--rows", type=values.positive(int), default=7, help="rows of the batch (>= --ranks)")
     a("--seed", type=values.non_negative(int), default=0, help="seed of the inputs and parameters")
+    a("--timeout", type=values.number(float, 0, 1e6, low_open=True, high_open=False),
+      default=600, metavar="SECONDS",
+      help=f"end the check with exit {TIMEOUT_EXIT} if it has not finished after this long "
+      "(a layer that never returns; default: 600)")
     return p
+
+
+class _TimedOut(BaseException):  # not caught as a failure of the layer's code
+    pass
+
+
+@contextmanager
+def _bounded(seconds: float):
+    """Raise :class:`_TimedOut` in this (the main) thread after ``seconds``."""
+    def alarm(signum, frame):
+        raise _TimedOut
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -134,8 +159,9 @@ def main(args: argparse.Namespace) -> int:
         import_modules(imports_of(args))
         make = _maker(args.layer, _target(args.layer), _settings(args.settings or []),
                       args.n_in)
-        report = check_layer(make, args.n_in, ranks=args.ranks, rows=args.rows,
-                             seed=args.seed, strict=False)
+        with _bounded(args.timeout):
+            report = check_layer(make, args.n_in, ranks=args.ranks, rows=args.rows,
+                                 seed=args.seed, strict=False)
     except (ImportError, ValueError, TypeError) as exc:
         print(f"mpidp: error: {exc}", file=sys.stderr)
         return 2
@@ -144,6 +170,12 @@ def main(args: argparse.Namespace) -> int:
               f"{args.ranks} ranks does not fit in memory ({exc or 'MemoryError'}): give "
               f"smaller --rows, --ranks or --n-in", file=sys.stderr)
         return 2
+    except _TimedOut:
+        print(f"mpidp: error: the check of {args.layer} did not finish within --timeout "
+              f"{args.timeout:g} s (a forward or backward that never returns, or a check too "
+              "large: give a larger --timeout, or smaller --rows, --ranks or --n-in)",
+              file=sys.stderr)
+        return TIMEOUT_EXIT
     except KeyboardInterrupt:
         print("mpidp: interrupted (SIGINT); nothing was checked to the end", file=sys.stderr)
         return 130

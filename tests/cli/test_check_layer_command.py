@@ -160,3 +160,28 @@ def test_an_input_shape_the_layer_does_not_take_is_bad_input(capsys, argv, said)
     """Not 'Conv2d breaks 1 rule(s) of the layer contract' for a built-in layer."""
     assert main(["check-layer", *argv]) == 2
     assert capsys.readouterr().err == f"mpidp: error: {said}\n"
+
+
+def test_a_layer_that_never_returns_is_ended_by_the_timeout(capsys, tmp_path):
+    """A forward that never returns: one line naming the bound, exit 3, within seconds."""
+    import time
+    path = tmp_path / "stuck_layer.py"
+    path.write_text("import time\nfrom mpidp import nn\n\n\nclass Stuck(nn.Layer):\n"
+                    "    def forward(self, x):  # 'never' (20 s: a thread left behind ends)\n"
+                    "        end = time.monotonic() + 20\n"
+                    "        while time.monotonic() < end:\n            time.sleep(0.01)\n"
+                    "        return x\n\n"
+                    "    def backward(self, dy, accumulate=False, need_input_grad=True):\n"
+                    "        return dy\n")
+    t = time.monotonic()
+    assert main(["check-layer", f"{path}:Stuck", "--timeout", "1"]) == 3
+    assert time.monotonic() - t < 30
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did not finish within --timeout 1 s" in err[0], err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "1e9"])
+def test_a_timeout_out_of_range_is_refused(capsys, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["check-layer", "Dense", "--timeout", value])
+    assert exc.value.code == 2 and "--timeout" in capsys.readouterr().err
