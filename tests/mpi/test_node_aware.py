@@ -235,7 +235,10 @@ def test_trainers_built_again_and_again_and_closed_never_run_out_of_communicator
         comm, sync, trainers):
     """A sweep's loop: each trainer's node communicators are shared, its shared-memory
     windows freed by ``close`` (MPICH has 2048 communicators; one leaked per trainer would
-    run out), and its model keeps its values and stays usable."""
+    run out), and its model keeps its values and stays usable. A leak does not depend on the
+    number of ranks, and thousands of trainers take seconds: checked at 2 ranks only."""
+    if comm.size != 2:
+        pytest.skip("checked at 2 ranks (a leak does not depend on the number of ranks)")
     rng, ok = np.random.default_rng(comm.rank), True
     for _ in range(trainers):
         model = nn.mlp(6, (10,), 3, dtype=np.float64).init_(0)
