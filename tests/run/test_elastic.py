@@ -181,7 +181,9 @@ def test_too_few_survivors_end_with_a_checkpoint_that_resumes(uninterrupted, tmp
     ending = [line for line in got.stderr.splitlines() if "--min-ranks" in line]
     assert len(ending) == 1 and "--resume" in ending[0], got.stderr[-3000:]
     assert not (out / "model.npz").exists() and not (out / "metrics.json").exists()
-    assert [p.name for p in ck.glob("ckpt-*.npz")] == ["ckpt-0000000015.npz"]
+    step = int(ending[0].split("the run ends at step ")[1].split()[0].rstrip(":;,."))
+    assert step in (14, 15), ending  # the last step every survivor reached (timing decides)
+    assert [p.name for p in ck.glob("ckpt-*.npz")] == [f"ckpt-{step:010d}.npz"]
     again = _job(4, tmp_path / "again", *run, "--resume")
     assert again.returncode == 0, again.stderr[-3000:]
     np.testing.assert_allclose(_params(tmp_path / "again"), uninterrupted, rtol=0, atol=1e-10)
