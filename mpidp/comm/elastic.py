@@ -75,23 +75,52 @@ def _quiet_watchdog(hook: threading.ExceptHookArgs) -> None:
         _quiet_watchdog.previous(hook)
 
 
-_LOST = tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
+#: the error classes that say a rank of the communicator is lost (where this MPI has them)
+LOST = tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
                                               "ERR_REVOKED") if hasattr(MPI, name))
 
 
-def is_lost_rank(exc: BaseException) -> bool:
-    """True when ``exc`` says a rank of the communicator died (or another survivor revoked
-    it because one did): the failures :func:`shrink` recovers from."""
-    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in _LOST
+def is_lost_rank(exc: BaseException | None, comm: Comm | None = None) -> bool:
+    """True when ``exc``, or an error it was raised from, says a rank of the communicator
+    died (or another survivor revoked it because one did): the failures :func:`shrink`
+    recovers from (a communication thread's among them, raised again by the caller). With
+    ``comm``, also any other MPI error once a rank of ``comm`` is known dead (waiting up to
+    ``FAILED_WAIT`` s for that): a nonblocking collective may report a lost rank so."""
+    errors = []
+    while exc is not None:
+        if isinstance(exc, MPI.Exception):
+            if exc.Get_error_class() in LOST:
+                return True
+            errors.append(exc)
+        exc = exc.__cause__
+    if not errors or comm is None or not hasattr(comm, "Get_failed"):
+        return False
+    until = time.monotonic() + FAILED_WAIT
+    while comm.Get_failed().size == 0:
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+#: How long :func:`is_lost_rank` waits for a dead rank to be known after an MPI error.
+FAILED_WAIT = 2.0
+
+
+def revoke(*comms: Comm) -> None:
+    """Revoke ``comms`` (a rank lost): every rank's pending and next call on them fails,
+    so no survivor waits there. Local; a communicator revoked already is let be."""
+    for comm in comms:
+        try:
+            comm.Revoke()
+        except MPI.Exception:
+            pass
 
 
 def shrink(comm: Comm) -> tuple[Comm, list[int]]:
     """The survivors of ``comm`` in a new communicator with the same error handling, and the
     ranks of ``comm`` that are gone (confirmed by ``MPI_Comm_agree``). Collective over them."""
-    try:
-        comm.Revoke()  # every survivor's pending and next call on comm fails: all come here
-    except MPI.Exception:
-        pass
+    revoke(comm)  # every survivor's pending and next call on comm fails: all come here
     comm.Ack_failed()
     new = comm.Shrink()
     errors_return(new)

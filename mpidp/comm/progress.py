@@ -15,9 +15,14 @@ from mpi4py import MPI
 
 from .agreement import MpidpError
 from .collectives import MAX_COUNT, allreduce_sum_
+from .elastic import LOST, revoke
 from .runtime import Comm, duplicate, fresh_tag, watched
 
 _END = None  # queued by wait(): the thread ends once everything before it is summed
+
+#: What :meth:`StartedSums.abandon` left to MPI (requests and the buffers they write):
+#: kept alive, since a revoked communicator's calls need not end at once.
+_ABANDONED: list = []
 
 
 def threads_supported() -> bool:
@@ -109,6 +114,22 @@ class BackgroundAllreduce:
                 self._comm.Free()
                 self._comm = None
 
+    def abandon(self) -> None:
+        """After a lost rank: revoke the duplicate (a sum there fails on every rank instead of
+        waiting for the dead) and let the thread end with what it has, not waiting for its
+        sums; closed then. Local."""
+        if self._comm is None:
+            return
+        revoke(self._comm)
+        with self._cv:
+            self._queue.clear()
+            self._queue.append(_END)  # a thread waiting for work ends
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(1.0)  # a sum on the revoked duplicate fails at once
+        self._comm = None
+
     def __enter__(self) -> BackgroundAllreduce:
         return self
 
@@ -146,6 +167,22 @@ class BackgroundAllreduce:
                 self.pending -= 1
                 self.completed += 1
                 cv.notify_all()
+
+
+def _own_error(call, requests: list[MPI.Request]):
+    """``call(requests, statuses)`` (``Waitall``, ``Testsome``), a failed request's error
+    raised as its own (the most telling: a lost rank's) instead of ``MPI_ERR_IN_STATUS``."""
+    statuses = [MPI.Status() for _ in requests]
+    try:
+        return call(requests, statuses)
+    except MPI.Exception as exc:
+        codes = [s.Get_error() for s in statuses] if (
+            exc.Get_error_class() == MPI.ERR_IN_STATUS) else ()
+        codes = sorted((c for c in codes if c not in (MPI.SUCCESS, MPI.ERR_PENDING)),
+                       key=lambda c: MPI.Get_error_class(c) not in LOST)
+        if not codes:
+            raise
+        raise MPI.Exception(codes[0]) from exc
 
 
 #: Tags of :class:`StartedSums`'s exchanges, taken in turn on a communicator
@@ -203,7 +240,7 @@ class StartedSums:
     def advance(self) -> None:
         """Let the started sums move (``MPI_Testsome``, never blocks); finish those complete."""
         if self.live:
-            for k in MPI.Request.Testsome(self.requests) or ():
+            for k in _own_error(MPI.Request.Testsome, self.requests) or ():
                 self._finish(self._owner[k])
 
     def done(self, i: int) -> bool:
@@ -224,7 +261,7 @@ class StartedSums:
     def wait_all(self) -> None:
         """Complete every started sum."""
         if self.live:
-            MPI.Request.Waitall(self.requests)
+            _own_error(MPI.Request.Waitall, self.requests)
             for i, n in enumerate(self._left):
                 if n:
                     self._finish(i, n)
@@ -239,6 +276,15 @@ class StartedSums:
         """Forget the sums (all complete) and free the scratch."""
         self.clear()
         self.scratch = None
+
+    def abandon(self) -> None:
+        """After a lost rank: revoke the communicator (a sum there fails on every rank instead
+        of waiting for the dead) and forget the sums in flight, not waiting for them. Local."""
+        revoke(self.comm)
+        if self.live:
+            _ABANDONED.append((self.requests, self.buf, self.scratch))
+        self.live = 0
+        self.release()
 
     def close(self) -> None:
         """:meth:`release`, and free the private duplicate, if any (collective then)."""

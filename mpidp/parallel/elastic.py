@@ -42,13 +42,29 @@ class DataParallelRegroup:
     def __init__(self, dp, feed, rows: Callable[[C.Comm], Any]) -> None:
         self.dp, self.feed, self.rows = dp, feed, rows
 
-    def keep(self) -> tuple:
+    def keep(self, whole: bool = False) -> list:
+        """The replica now; its parameters and optimizer state once the last update is whole
+        (an overlapped update may still arrive during the next forward pass; ``whole``:
+        complete it now, collectively)."""
         dp, opt = self.dp, self.dp.optimizer
-        return (dp.model.params.copy(), dp.model.state.copy(), dp.global_step,
-                {k: v.copy() for k, v in opt.state.items()}, opt.t, opt.lr_scale,
-                dp.policy.skipped)
+        kept = [None, dp.model.state.copy(), dp.global_step, None, opt.t, opt.lr_scale,
+                dp.policy.skipped]
 
-    def restore(self, kept: tuple) -> None:
+        def fill() -> None:
+            kept[0], kept[3] = (dp.model.params.copy(),
+                                {k: v.copy() for k, v in opt.state.items()})
+        if whole:
+            dp.settle()
+        dp.sync.when_whole(fill)
+        return kept
+
+    def ready(self, kept: list) -> bool:
+        return kept[0] is not None
+
+    def abandon(self) -> None:
+        self.dp.sync.abandon()
+
+    def restore(self, kept: list) -> None:
         dp, opt = self.dp, self.dp.optimizer
         params, state, dp.global_step, opt_state, opt.t, opt.lr_scale, dp.policy.skipped = kept
         dp.model.params[...] = params

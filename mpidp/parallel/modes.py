@@ -283,8 +283,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          ".sync:Sync", elastic=True),
     Mode("per-layer", "data", Settings, "one per array", ".sync:PerLayer", elastic=True),
     Mode("overlapped", "data", OverlappedSettings, "bucketed Iallreduce during backward",
-         ".overlap:Overlapped", elastic="its buckets' exchanges, started during backward, are "
-         "not rebuilt over the survivors"),
+         ".overlap:Overlapped", elastic=True),
     Mode("compressed", "data", CompressedSettings, "16- or 8-bit with error feedback, "
          "bucketed during backward", ".compress:Compressed",
          elastic="each rank's error-feedback residual is its own and is lost with it, so the "

@@ -30,16 +30,21 @@ class Overlapped(Sync):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.reducer: C.BackgroundAllreduce | None = None
+        self.sums: C.StartedSums | None = None  # progress "test": the sums started
+        self._completed0 = 0  # the reducer's count of sums when this step's first started
+        self._forget()
+
+    def _forget(self) -> None:
+        """No sum started or arriving, no update open (made, or a lost rank's sums dropped)."""
         self.stretches: list[_Stretch] = []  # finish "forward": this step's sums, as queued
         self.queue: list[_Stretch] = []  # to start, in order (at most WINDOW in flight)
         self.late: list[_Stretch] = []  # held until the last bucket's parts are queued
         self.apply = None  # the update being applied piece by piece, while sums arrive
+        self._whole: list[Callable[[], None]] = []  # called once that update has settled
         self.tail_lo: int | None = None  # the first bucket's tail, started ahead of it
-        self.reducer: C.BackgroundAllreduce | None = None
-        self.sums: C.StartedSums | None = None  # progress "test": the sums started
         self.launched = 0  # buckets started this step
-        self.sent_to = 0  # the next bucket's values from here on are not started yet
-        self._completed0 = 0  # the reducer's count of sums when this step's first started
+        self.sent_to = self._first_lo()  # from here on the next bucket is not started yet
         self._sums = 0  # sums started this step
         self._ends: list[int] = []  # per bucket started: this step's sums up to its last
 
@@ -174,7 +179,22 @@ class Overlapped(Sync):
             return
         self._complete(lambda: all(self._settled(s) for s in self.stretches))
         self.sums.clear()
-        self.stretches, self.apply = [], None
+        self.stretches, self.apply, whole, self._whole = [], None, self._whole, []
+        for fn in whole:
+            fn()
+
+    def when_whole(self, fn: Callable[[], None]) -> None:
+        if self.apply is None:
+            fn()
+        else:
+            self._whole.append(fn)
+
+    def abandon(self) -> None:
+        for part in (self.sums, self.reducer):
+            if part is not None:
+                part.abandon()
+        self.sums = self.reducer = None
+        self._forget()
 
     def on_forward(self) -> tuple[Callable[[int, int | None], None], int] | None:
         if self.finish != "forward":

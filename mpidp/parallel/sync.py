@@ -133,6 +133,15 @@ class Sync:
     def settle(self) -> None:
         """Complete an update still arriving (see :meth:`on_forward`). Collective."""
 
+    def when_whole(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once the parameters hold the last update whole: now, or when an
+        update still arriving (see :meth:`on_forward`) has settled."""
+        fn()
+
+    def abandon(self) -> None:
+        """After a lost rank: drop what is in flight on the communicators, revoked so that
+        no survivor waits there, without waiting for it. Local."""
+
     def refuses_run(self, optimizer: Optimizer, on_nonfinite: str) -> str | None:
         """Why it cannot train with ``optimizer`` under the NaN policy ``on_nonfinite``, or None."""
 

@@ -39,8 +39,18 @@ class Regroup(Protocol):
     """What a trainer and its feed do for an elastic run (the data-parallel one:
     :class:`mpidp.parallel.elastic.DataParallelRegroup`)."""
 
-    def keep(self) -> Any:
-        """What :meth:`restore` needs to put the replica back where it is now."""
+    def keep(self, whole: bool = False) -> Any:
+        """What :meth:`restore` needs to put the replica back where it is now, once
+        :meth:`ready` (``whole``: at once; collective then)."""
+        ...
+
+    def ready(self, kept: Any) -> bool:
+        """Whether ``kept`` can be restored yet (an update still arriving completes it)."""
+        ...
+
+    def abandon(self) -> None:
+        """A rank was lost: drop what is in flight on the old communicators, without
+        waiting, so that no survivor waits there. Local."""
         ...
 
     def restore(self, kept: Any) -> None: ...
@@ -79,27 +89,29 @@ class Elastic:
         self.faults = faults.Injector(self.comm.rank)
 
     def mark(self, global_step: int, epoch: int, step: int, totals: np.ndarray,
-             history: int) -> None:
+             history: int, whole: bool = False) -> None:
         """Keep where this rank is, before the step ``step`` of ``epoch`` (or after the
-        epoch's last step)."""
+        epoch's last step: ``whole``, so that the run's last mark is ready at its end)."""
+        kept = self.group.keep(whole)
         if self.marks and self.marks[-1].global_step == global_step:
             self.marks.pop()  # the same point again (an epoch's end, then its next start)
-        self.marks.append(_Mark(global_step, epoch, step, totals.copy(), history,
-                                self.group.keep()))
-        del self.marks[:-2]
+        self.marks.append(_Mark(global_step, epoch, step, totals.copy(), history, kept))
+        del self.marks[:-2]  # the one before the last is ready: its step settled the update
 
     def recover(self, exc: BaseException) -> _Mark:
         """After ``exc`` (a lost rank; anything else is re-raised): the survivors, the mark
         they go on from (the replica restored to it); :class:`TooFewRanks` when fewer than
         ``min_ranks`` survive. Collective over the survivors."""
-        if not E.is_lost_rank(exc):
+        if not E.is_lost_rank(exc, self.comm):
             raise exc
         t0 = time.perf_counter()
+        self.group.abandon()
         comm, lost = E.shrink(self.comm)
         self.faults.apply("recover")
-        here = self.marks[-1].global_step
+        here = next(m.global_step for m in reversed(self.marks) if self.group.ready(m.kept))
         low, high = (int(v) for v in E.agree_min(comm, [here, -here]) * [1, -1])
-        mark = next((m for m in self.marks if m.global_step == low), None)
+        mark = next((m for m in self.marks if m.global_step == low
+                     and self.group.ready(m.kept)), None)
         if mark is None:  # never: survivors are at most one update apart
             raise MpidpError(f"cannot roll back from step {here} to step {low}")
         self.group.restore(mark.kept)  # the last mark too: a loss after a step's update

@@ -142,7 +142,7 @@ class _Run:
             t0 = time.perf_counter()
             try:
                 self.steps(epoch, first, totals)
-                self.mark(epoch, self.feed.n_steps, totals)
+                self.mark(epoch, self.feed.n_steps, totals, whole=True)
                 ended = self.end_epoch(epoch, totals, t0)
             except _Stopped:
                 self.end_epoch(epoch, totals, t0, stopped_at=self.trainer.global_step)
@@ -159,10 +159,11 @@ class _Run:
         if spec.checkpoint:
             self.save(State(done, 0, self.trainer.global_step))
 
-    def mark(self, epoch: int, step: int, totals: np.ndarray) -> None:
+    def mark(self, epoch: int, step: int, totals: np.ndarray, whole: bool = False) -> None:
         """Elastic runs: where this rank is, before step ``step`` of ``epoch``."""
         if self.elastic is not None:
-            self.elastic.mark(self.trainer.global_step, epoch, step, totals, len(self.history))
+            self.elastic.mark(self.trainer.global_step, epoch, step, totals, len(self.history),
+                              whole)
 
     def recover(self, exc: Exception) -> tuple[int, int, np.ndarray]:
         """Elastic runs: go on over the survivors of a lost rank (else raise ``exc``)."""
