@@ -28,8 +28,9 @@ def refusal(sync: str) -> str | None:
     m = MODES.get(sync)
     if m is None or m.elastic is True:
         return None
+    *others, last = (MODES[n].option for n in ELASTIC)
     return (f"{setting('elastic')} cannot keep {m.option} going when a rank is lost: "
-            f"{m.elastic}; use {' or '.join(MODES[n].option for n in ELASTIC)}")
+            f"{m.elastic}; use {', '.join(others)} or {last}")
 
 
 #: the modes that go on over the survivors

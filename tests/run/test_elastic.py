@@ -79,6 +79,41 @@ def test_the_survivors_end_with_the_uninterrupted_model(uninterrupted, tmp_path,
     assert "bit-identical" in got.stdout
 
 
+#: --sync overlapped's elastic variants: sums tested at each layer boundary or moved by a
+#: communication thread, completed in backward or in the next forward pass; small buckets,
+#: so that several are in flight when a rank dies
+OVERLAPPED = {"test": ("--overlap-progress", "test"),
+              "thread": ("--overlap-progress", "thread"),
+              "forward": ("--overlap-finish", "forward", "--on-nonfinite", "ignore")}
+
+
+@open_mpi_only
+@pytest.mark.parametrize("variant, fault, lost, distribute", [
+    ("test", "kill@1:5", [1], "local"),
+    ("test", "kill@0:20", [0], "scatter"),
+    ("test", "kill@1:4,kill@2:30", [1, 2], "local"),  # the last two: a pair's own exchange
+    ("thread", "kill@1:5", [1], "scatter"),
+    ("thread", "kill@0:20", [0], "local"),
+    ("thread", "kill@1:4,kill@2:30", [1, 2], "scatter"),
+    ("forward", "kill@1:5", [1], "local"),
+    ("forward", "kill@0:20", [0], "scatter"),
+    ("forward", "kill@1:4,kill@2:30", [1, 2], "local"),
+])
+def test_overlapped_survivors_end_with_the_uninterrupted_model(uninterrupted, tmp_path,
+                                                               variant, fault, lost,
+                                                               distribute):
+    """The sums in flight on the old communicators (the world's, a pair's, a private one or
+    the communication thread's) are dropped wherever the loss shows: the survivors end with
+    the allreduce run's model (overlapped sums it to the last bits: 1e-16 apart)."""
+    out = tmp_path / "out"
+    got = _job(4, out, "--elastic", "--sync", "overlapped", "--bucket-mb", "0.01",
+               "--distribute", distribute, *OVERLAPPED[variant], fault=fault, timeout=120)
+    assert got.returncode == 0, got.stderr[-3000:]
+    np.testing.assert_allclose(_params(out), uninterrupted, rtol=0, atol=1e-10)
+    _lost(out, got, lost)
+    assert "bit-identical" in got.stdout
+
+
 def _metrics(out: Path) -> dict:
     return json.loads((out / "metrics.json").read_text())
 
@@ -154,7 +189,7 @@ def test_each_mode_that_is_not_elastic_says_its_own_reason():
     from mpidp.parallel.elastic import refusal
     from mpidp.parallel.modes import MODES
     refused = {n: m.elastic for n, m in MODES.items() if m.elastic is not True}
-    assert set(refused) == set(MODES) - {"allreduce", "per-layer"}
+    assert set(refused) == set(MODES) - {"allreduce", "per-layer", "overlapped"}
     assert len(set(refused.values())) == len(refused), refused
     parser = build_parser()
     train = parser._subparsers._group_actions[0].choices["train"]
@@ -164,9 +199,10 @@ def test_each_mode_that_is_not_elastic_says_its_own_reason():
         args = parser.parse_args(["train", *argv])
         said = [p for p in problems(args, given(train, argv), 4) if p.startswith("--elastic")]
         assert said == [f"--elastic does not apply to {kind} {name}: {why}; only allreduce, "
-                        "per-layer go on over the survivors of a lost rank (see "
+                        "per-layer, overlapped go on over the survivors of a lost rank (see "
                         "docs/reliability.md)"], said
-        assert f": {why}; use --sync allreduce or --sync per-layer" in refusal(name)
+        assert refusal(name).endswith(f": {why}; use --sync allreduce, --sync per-layer or "
+                                      "--sync overlapped")
 
 
 @open_mpi_only
@@ -202,33 +238,44 @@ import numpy as np
 from mpi4py import MPI
 from mpidp import nn
 
+from mpidp.parallel import make_sync
+from mpidp.parallel.elastic import last_run
+
 comm = MPI.COMM_WORLD
 rng = np.random.default_rng(0)
 X, y = rng.normal(size=(300, 6)), rng.integers(0, 3, 300)  # the whole set, on every rank
-model = nn.mlp(6, hidden=(16,), n_out=3, dtype=np.float64)
+model = nn.mlp(6, hidden=(64, 64), n_out=3, dtype=np.float64)
 model.init_(np.random.default_rng(0))
-dp = mpidp.DataParallel(model, nn.Adam(1e-2), nn.SoftmaxCrossEntropy(), comm)
+sync = make_sync("overlapped", finish="forward", bucket_bytes=512) if sys.argv[2:] else None
+dp = mpidp.DataParallel(model, nn.Adam(1e-2), nn.SoftmaxCrossEntropy(), comm,
+                        sync=sync or "allreduce", on_nonfinite="ignore")
 history = mpidp.fit(dp, (X, y), epochs=2, batch_size=32, seed=0, test=(X[:90], y[:90]),
                     elastic=True)
+dp.settle()
 if dp.comm.rank == 0:
     np.save(sys.argv[1], model.params)
     print("test rows", history[-1]["test_loss"] is not None, dp.comm.size)
+    print("went back to", [x["step"] for x in last_run(dp).losses])
 """
 
 
 @open_mpi_only
 def test_the_library_with_whole_arrays_on_every_rank(tmp_path):
     """fit(dp, (X, y), elastic=True): each rank trains on its block of the rows; the
-    survivors of a lost rank split them again: the model of the uninterrupted run."""
+    survivors of a lost rank split them again: the model of the uninterrupted run. With
+    overlapped sums that finish in the next forward pass (no on_step settles them), the
+    rank dies with its last update's sums unsent: the survivors cannot complete that update
+    and go back to the step before it."""
     script = tmp_path / "fit.py"
     script.write_text(LIBRARY)
     got = {}
-    for name, fault in (("whole", None), ("lost", "kill@1:6")):
+    for name, fault, *sync in (("whole", None), ("lost", "kill@1:6"),
+                               ("overlapped", "kill@1:6", "overlapped")):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "MPIDP_FAULT": fault or "",
                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
                "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
         with subprocess.Popen([mpiexec(), *ULFM, "-n", "3", sys.executable, str(script),
-                               str(tmp_path / name)], env=env, stdout=subprocess.PIPE,
+                               str(tmp_path / name), *sync], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) as job:
             try:
                 stdout, stderr = job.communicate(timeout=120)
@@ -237,8 +284,11 @@ def test_the_library_with_whole_arrays_on_every_rank(tmp_path):
                 pytest.fail(f"timed out: {job.communicate()}")
         assert job.returncode == 0, stderr[-3000:]
         assert f"test rows True {2 if fault else 3}" in stdout, stdout + stderr[-2000:]
+        back = {"whole": [], "lost": [6], "overlapped": [5]}[name]
+        assert f"went back to {back}" in stdout, stdout + stderr[-2000:]
         got[name] = np.load(tmp_path / f"{name}.npy")
     np.testing.assert_allclose(got["lost"], got["whole"], rtol=0, atol=1e-10)
+    np.testing.assert_allclose(got["overlapped"], got["whole"], rtol=0, atol=1e-10)
 
 
 @open_mpi_only
