@@ -46,7 +46,8 @@ class DataParallelRegroup:
     def keep(self, whole: bool = False) -> list:
         """The replica now; its parameters and optimizer state once the last update is whole
         (an overlapped update may still arrive during the next forward pass; ``whole``:
-        complete it now, collectively)."""
+        complete it now, collectively). Never between synchronisations (gradients summed
+        over a group's steps are in the buffer): a survivor goes back to the group's start."""
         dp, opt = self.dp, self.dp.optimizer
         kept = [None, dp.model.state.copy(), dp.global_step, None, opt.t, opt.lr_scale,
                 dp.policy.skipped]
@@ -56,7 +57,8 @@ class DataParallelRegroup:
                                 {k: v.copy() for k, v in opt.state.items()})
         if whole:
             dp.settle()
-        dp.sync.when_whole(fill)
+        if dp.sync.at_boundary():
+            dp.sync.when_whole(fill)
         return kept
 
     def ready(self, kept: list) -> bool:

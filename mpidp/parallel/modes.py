@@ -295,8 +295,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          ".ps:ShardedParameterServer", elastic="each rank alone holds its shard of the "
          "optimizer's state, lost with it (shards are not replicated)"),
     Mode("accumulate", "data", AccumulateSettings, "sync every --sync-every batches",
-         ".sync:Accumulate", elastic="the gradients of a group of batches stay on their rank "
-         "until the group's one exchange, and recovery goes back one step, not one group"),
+         ".sync:Accumulate", elastic=True),
     Mode("local-sgd", "data", LocalSGDSettings, "average parameters every --sync-every steps",
          ".sync:LocalSGD", {"replica-sums": "each replica steps on its own part of the "
                             "batch, so there is " + _NO_GLOBAL_BATCH.format(fix="--sync")},

@@ -226,6 +226,10 @@ class _Periodic(Sync):
         super().__init__(*args, **kwargs)
         self.pending, self.early = 0, False
 
+    def setup(self, s: Setup) -> Buffers:
+        self.pending, self.early = 0, False  # set up again (a lost rank's survivors): no group
+        return super().setup(s)
+
     def at_boundary(self) -> bool:
         return self.pending == 0
 

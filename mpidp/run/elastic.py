@@ -96,7 +96,8 @@ class Elastic:
         if self.marks and self.marks[-1].global_step == global_step:
             self.marks.pop()  # the same point again (an epoch's end, then its next start)
         self.marks.append(_Mark(global_step, epoch, step, totals.copy(), history, kept))
-        del self.marks[:-2]  # the one before the last is ready: its step settled the update
+        ready = [i for i, m in enumerate(self.marks) if self.group.ready(m.kept)]
+        del self.marks[:ready[-2] if len(ready) > 1 else 0]  # survivors are one update apart
 
     def recover(self, exc: BaseException) -> _Mark:
         """After ``exc`` (a lost rank; anything else is re-raised): the survivors, the mark
