@@ -1,10 +1,12 @@
 """An elastic run: the epoch loop goes on over the survivors when ranks die.
 
 Before each step every rank keeps a mark (the trainer's :meth:`Regroup.keep`, the loop's
-position and totals; the last two). After a lost rank the survivors shrink the communicator,
-go back to the smallest global step any of them reached, and the trainer and its feed move
-to them (:meth:`Regroup.regroup`: the same global batches); each loss is recorded
-(:attr:`Elastic.losses`). Fewer survivors than ``min_ranks`` end the run (:class:`TooFewRanks`).
+position and totals; back to the second-newest that :meth:`Regroup.ready` can restore).
+After a lost rank the survivors drop what is in flight (:meth:`Regroup.abandon`), shrink the
+communicator, go back to the smallest restorable step any of them reached, and the trainer
+and its feed move to them (:meth:`Regroup.regroup`: the same global batches); each loss is
+recorded (:attr:`Elastic.losses`). Fewer survivors than ``min_ranks`` end the run
+(:class:`TooFewRanks`).
 """
 
 from __future__ import annotations
