@@ -4,7 +4,8 @@ inside the repository and resolve, and they speak to users, not about how mpidp 
 Convention (stated in docs/index.md): commands in ```bash blocks run as written from the
 repository root once ``.venv`` is built; ```sh blocks are for other machines and ```text
 blocks show output. Every ```bash command is run here, unless :data:`NOT_RUN` lists it
-with the reason.
+with the reason; a training command here runs at most :data:`EPOCHS` epochs (each epoch runs
+the same code; a shown run's length is for its reader).
 """
 
 from __future__ import annotations
@@ -163,6 +164,14 @@ def test_not_run_list_names_only_commands_shown():
     assert set(NOT_RUN) <= shown, f"NOT_RUN lists commands no page shows: {set(NOT_RUN) - shown}"
 
 
+def test_training_commands_are_cut_to_a_few_epochs():
+    assert _short("mpidp train --out o") == f"mpidp train --out o --epochs {EPOCHS}"
+    assert _short("mpidp train --epochs 30 --out 'a b'") == f"mpidp train --epochs {EPOCHS} --out 'a b'"
+    assert _short("mpidp train --epochs 2") == "mpidp train --epochs 2"
+    assert _short("mpidp train --epochs 9 --resume") == "mpidp train --epochs 9 --resume"
+    assert _short("mpidp predict --out x") == "mpidp predict --out x"
+
+
 def test_command_parser_joins_continuations_and_drops_comments():
     body = "make demo    # builds .venv\n\nrun --a 1 \\\n    --b 'x y'  # note\n"
     assert _commands(body) == ["make demo", "run --a 1 --b 'x y'"]
@@ -187,6 +196,22 @@ def _claims(command: str) -> list[str]:
     if "mpidp" in words and "model" in words and value("--out"):
         return [f"{value('--out')}/model.json"]
     return []
+
+
+EPOCHS = 3
+
+
+def _short(command: str) -> str:
+    """``command`` with a training run cut to at most :data:`EPOCHS` epochs (the default is
+    10); a resumed run keeps its epochs."""
+    words = shlex.split(command)
+    if not ("mpidp" in words and "train" in words) or "--resume" in words:
+        return command
+    if "--epochs" not in words:
+        return f"{command} --epochs {EPOCHS}"
+    at = words.index("--epochs") + 1
+    words[at] = str(min(int(words[at]), EPOCHS))
+    return shlex.join(words)
 
 
 def _ranks(command: str) -> int | None:
@@ -236,7 +261,7 @@ def test_shown_commands_run_and_write_what_they_claim(tmp_path, path, index, com
         claims = _claims(command)
         for name in claims:
             (work / name).unlink(missing_ok=True)
-        r = _run(command, work)
+        r = _run(_short(command), work)
         assert r.returncode == 0, f"{path.name} block {index}: {command!r} failed:\n{r.stdout[-3000:]}"
         for name in claims:
             assert (work / name).is_file(), f"{command!r} did not write {name}"
