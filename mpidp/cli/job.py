@@ -10,13 +10,14 @@ import json
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import comm as C
 from .. import nn
 from ..atomic import check_folder, check_place, numpy_kind, write_atomic, write_together
+from ..comm.elastic import known_members
 from ..data import distribute as D
 from ..data.balance import Partition
 from ..data.distribute import load_on_workers
@@ -24,6 +25,7 @@ from ..observe.best import BestModel
 from ..observe.report import EpochReport, summary
 from ..observe.watch import Outputs, Watch, say
 from ..run import checkpoint as ck
+from ..run import faults
 from ..run.early_stopping import EarlyStopping, ReduceOnPlateau
 from ..run.signals import StopSignals
 from ..run.spec import Checkpointing, RunSpec
@@ -111,6 +113,12 @@ class Job:
     stop: StopSignals
     t_start: float
     best: BestModel | None = None  # keeps OUT/best.npz when there is a validation set
+    lost: list[dict] = field(default_factory=list)  # elastic: ranks lost before the first step
+    started: bool = False  # the first step was taken
+
+    def __post_init__(self) -> None:
+        self.faults = faults.Injector(known_members(self.comm)[0][self.comm.rank])  # by the
+        # rank in the first world (an elastic run's survivors prepare again)
 
     @contextmanager
     def loading(self):
@@ -118,6 +126,7 @@ class Job:
         if self.watchdog is not None:
             self.watchdog.start()
         with self.stop.during("loading the data"), C.excused("loading the data"):
+            self.faults.apply("load")
             yield
 
     def keep_best(self, model, data: D.Data) -> None:

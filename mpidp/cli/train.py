@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import comm as C
 from .. import nn
-from ..comm.elastic import hosts_problem, ulfm_problem
+from ..comm.elastic import errors_return, hosts_problem, members, ulfm_problem
 from ..data import distribute as D
 from ..data.balance import format_balance
 from ..data.distribute import fit_over_ranks as _standardize
@@ -33,6 +33,7 @@ from ..parallel.modes import make_sync
 from ..parallel.pipeline_feed import figures, fit_pipeline, whole_model
 from ..run import faults
 from ..run.checkpoint import claimed, restore
+from ..run.elastic import lost_while_preparing
 from ..run.folders import clean_stale_tmp
 from ..run.signals import StopSignals
 from ..run.spec import RunSpec
@@ -59,34 +60,48 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
         errors += [why for why in (ulfm_problem(comm) or hosts_problem(comm),) if why]
     if errors:  # every rank computes the same list from the same arguments
         raise C.MpidpError("; ".join(errors))
+    if args.elastic:  # a rank lost from here on is survived (the watchdog's copy too)
+        errors_return(comm)
+        members(comm)
     watchdog = C.Watchdog(comm, args.watchdog or None) if args.watchdog != 0 else None
-    stop = None
+    stop, lost = None, []  # lost: the ranks an elastic run lost before its first step
     try:
         if watchdog is not None:  # before the user's modules: one that stalls a rank is named
             watchdog.start()
-        with C.excused("preparing the run"):  # watched as loading the data is
-            with C.user_code(f"importing --import {', '.join(imports_of(args))}"):  # layers
-                C.run_agreed(comm, import_modules, imports_of(args))
-            vars(args)["import"] = absolute_paths(imports_of(args))  # so a resume finds them
-            C.run_agreed(comm, check_model_file, args)  # a bad model file or layer: now
-            C.root_decides(comm, check_out, args)
-            if comm.rank == 0 and os.path.isdir(args.out):
-                clean_stale_tmp(args.out)  # what a writer killed mid-write left behind
-        stop = StopSignals(comm)
-        config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()}
-        config["world_size"] = comm.size
-        # the folders are held before any work: a used one is refused
-        with claimed(comm, args.out, args.checkpoint_dir, resume=args.resume,
-                     restart=args.restart) as run_id:
-            if args.checkpoint_dir:
-                with C.excused("reading the data's fingerprint"):  # all of its bytes
-                    config["data_fingerprint"] = D.data_fingerprint(
-                        comm, args.dataset,
-                        together=args.distribute == "local" and O.mode_of(args) != "async-ps")
-            job = Job(args, comm, config, run_id, watchdog, stop, t_start)
-            if O.mode_of(args) in O.MODEL_PARALLEL:
-                return _train_model_parallel(job)
-            return _train_data_parallel(job)
+        while True:
+            job = None
+            try:
+                with C.excused("preparing the run"):  # watched as loading the data is
+                    with C.user_code(f"importing --import {', '.join(imports_of(args))}"):
+                        C.run_agreed(comm, import_modules, imports_of(args))  # layers
+                    vars(args)["import"] = absolute_paths(imports_of(args))  # for a resume
+                    C.run_agreed(comm, check_model_file, args)  # a bad model file or layer
+                    C.root_decides(comm, check_out, args)
+                    if comm.rank == 0 and os.path.isdir(args.out):
+                        clean_stale_tmp(args.out)  # what a writer killed mid-write left
+                stop = stop or StopSignals(comm)
+                config = {k: (list(v) if isinstance(v, tuple) else v)
+                          for k, v in vars(args).items()}
+                config["world_size"] = comm.size
+                # the folders are held before any work: a used one is refused
+                with claimed(comm, args.out, args.checkpoint_dir, resume=args.resume,
+                             restart=args.restart) as run_id:
+                    if args.checkpoint_dir:
+                        with C.excused("reading the data's fingerprint"):  # all of its bytes
+                            config["data_fingerprint"] = D.data_fingerprint(
+                                comm, args.dataset, together=args.distribute == "local"
+                                and O.mode_of(args) != "async-ps")
+                    job = Job(args, comm, config, run_id, watchdog, stop, t_start, lost=lost)
+                    if O.mode_of(args) in O.MODEL_PARALLEL:
+                        return _train_model_parallel(job)
+                    return _train_data_parallel(job)
+            except Exception as exc:
+                if not args.elastic or job is not None and job.started:
+                    raise
+                comm, now = lost_while_preparing(exc, comm, watchdog, args.min_ranks)
+                lost += now  # the survivors prepare again, over themselves
+                if stop is not None:
+                    stop.comm = comm
     finally:
         if stop is not None:
             stop.close()
@@ -157,6 +172,7 @@ def _train_data_parallel(job: Job) -> dict | None:
             history, extra = _fit_async(job, dp, data, job.spec(  # the server reports
                 watch, resume=resume, on_epoch=None, on_step=None, progress=False))
         else:
+            job.started = True  # a rank lost from here on: the survivors go back a step
             history = fit(dp, data.train, test=_held_out(data), spec=job.spec(
                 watch, partition=partition_of(args, data), resume=resume,
                 elastic=(lambda over: _regroup(job, watch, data, over)) if args.elastic
@@ -189,7 +205,7 @@ def _train_data_parallel(job: Job) -> dict | None:
                 k: v for k, v in extra.items() if k != "balance"},
             **({"auto": dp.sync.report or undecided} if args.sync == "auto" else {}),
             bytes_sent_per_step=dp.sync.bytes_sent / max(dp.global_step, 1),
-            **({"lost_ranks": lost.losses} if lost is not None else {}))
+            **({"lost_ranks": job.lost + lost.losses} if lost is not None else {}))
 
     return _surviving(last_run(dp), finish)
 

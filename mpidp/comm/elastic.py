@@ -126,6 +126,8 @@ def shrink(comm: Comm) -> tuple[Comm, list[int]]:
     errors_return(new)
     mine = np.arange(new.size, dtype=np.int32)
     old = np.asarray(MPI.Group.Translate_ranks(new.Get_group(), mine, comm.Get_group()))
+    first, hosts = known_members(comm)
+    new.Set_attr(_key(), ([first[int(r)] for r in old], hosts))
     lost = sorted(set(range(comm.size)) - set(int(r) for r in old))
     # every survivor must see the same set: bitwise AND of "mine equals the smallest view"
     view = np.array([len(lost), sum(lost)], np.int64)
@@ -146,6 +148,32 @@ def agree_min(comm: Comm, values) -> np.ndarray:
 def processor_names(comm: Comm) -> list[str]:
     """Every rank's processor name (host). Collective."""
     return comm.allgather(MPI.Get_processor_name())
+
+
+def members(comm: Comm) -> tuple[list[int], dict[int, str]]:
+    """Each rank of ``comm``'s rank in the job's first communicator, and the host of each of
+    those, kept on ``comm`` (and by :func:`shrink` on the survivors'). Collective the first
+    time on a communicator, local after."""
+    if comm.Get_attr(_key()) is None:
+        comm.Set_attr(_key(), (list(range(comm.size)), dict(enumerate(processor_names(comm)))))
+    return known_members(comm)
+
+
+def known_members(comm: Comm) -> tuple[list[int], dict[int, str]]:
+    """What :func:`members` keeps on ``comm`` (without it: the ranks as they are, no host).
+    Local."""
+    kept = comm.Get_attr(_key())
+    return kept if kept is not None else (list(range(comm.size)), {})
+
+
+def _key() -> int:
+    """The attribute key under which :func:`members` keeps its answer on a communicator."""
+    if not _KEY:
+        _KEY.append(MPI.Comm.Create_keyval())
+    return _KEY[0]
+
+
+_KEY: list[int] = []
 
 
 def rewatch(dog, comm: Comm) -> None:

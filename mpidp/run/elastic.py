@@ -86,8 +86,8 @@ class Elastic:
 
     def __post_init__(self) -> None:
         E.errors_return(self.comm)
-        self.hosts = E.processor_names(self.comm)
-        self.ranks = list(range(self.comm.size))  # each rank's rank in the first world
+        ranks, self.hosts = E.members(self.comm)
+        self.ranks = list(ranks)  # each rank's rank in the first world
         self.faults = faults.Injector(self.comm.rank)
 
     def mark(self, global_step: int, epoch: int, step: int, totals: np.ndarray,
@@ -125,22 +125,9 @@ class Elastic:
         gone = [self.ranks[r] for r in lost]
         self.ranks = [r for i, r in enumerate(self.ranks) if i not in lost]
         self.comm = comm
-        for r in gone:
-            loss = {"rank": r, "host": self.hosts[r], "step": low, "seconds_to_recover":
-                    time.perf_counter() - t0, "steps_recomputed": high - low,
-                    "survivors": comm.size, "epoch": mark.epoch + 1}
-            self.losses.append(loss)
-            if comm.rank == 0:
-                going = "going on with" if comm.size >= self.min_ranks else "left with"
-                print(f"mpidp: lost rank {r} ({loss['host']}) at step {low}; {going} "
-                      f"{comm.size} rank(s) after {loss['seconds_to_recover']:.2f} s, "
-                      f"{loss['steps_recomputed']} step(s) recomputed",
-                      file=sys.stderr, flush=True)
-        if comm.size < self.min_ranks:
-            E.end_quietly_at_exit(comm, TOO_FEW_RANKS_EXIT)
-            raise TooFewRanks(f"{comm.size} rank(s) left, fewer than the {self.min_ranks} "
-                              f"{setting('min_ranks')} asks for: the run ends at step {low}",
-                              mark, comm.rank == 0)
+        self.losses += _said(comm, gone, self.hosts, low, high - low, mark.epoch + 1, t0,
+                             self.min_ranks)
+        _enough(comm, self.min_ranks, f"the run ends at step {low}", mark)
         return mark
 
     def report(self, record: dict) -> None:
@@ -155,3 +142,49 @@ class Elastic:
         (:func:`mpidp.comm.elastic.end_quietly_at_exit`)."""
         if self.losses:
             E.end_quietly_at_exit(self.comm, status)
+
+
+def lost_while_preparing(exc: BaseException, comm, watchdog=None,
+                         min_ranks: int = 1) -> tuple[Any, list[dict]]:
+    """Before a run's first step (loading the data, building the model): the survivors'
+    communicator after ``exc`` (a lost rank; anything else is raised again), on which to
+    prepare again from the start, and each loss's record (step 0, none recomputed).
+    :class:`TooFewRanks` when fewer than ``min_ranks`` survive. Collective over them."""
+    if not E.is_lost_rank(exc, comm):
+        raise exc
+    t0 = time.perf_counter()
+    first, hosts = E.known_members(comm)  # kept by E.members before the loss
+    survivors, lost = E.shrink(comm)
+    E.end_quietly_at_exit(survivors)  # MPI_Finalize would wait for the dead
+    if watchdog is not None:
+        E.rewatch(watchdog, survivors)
+    losses = _said(survivors, [first[r] for r in lost], hosts, 0, 0, 1, t0, min_ranks)
+    _enough(survivors, min_ranks, "nothing was trained", None)
+    return survivors, losses
+
+
+def _said(comm, gone: list[int], hosts: dict, step: int, recomputed: int, epoch: int,
+          t0: float, min_ranks: int) -> list[dict]:
+    """The record of each rank in ``gone`` (ranks of the first world), lost before ``step``
+    of ``epoch`` (1-based), said on the console by the survivors' rank 0."""
+    going = "going on with" if comm.size >= min_ranks else "left with"
+    losses = []
+    for r in gone:
+        loss = {"rank": r, "host": hosts.get(r, "?"), "step": step, "seconds_to_recover":
+                time.perf_counter() - t0, "steps_recomputed": recomputed,
+                "survivors": comm.size, "epoch": epoch}
+        losses.append(loss)
+        if comm.rank == 0:
+            print(f"mpidp: lost rank {r} ({loss['host']}) at step {step}; {going} "
+                  f"{comm.size} rank(s) after {loss['seconds_to_recover']:.2f} s, "
+                  f"{recomputed} step(s) recomputed", file=sys.stderr, flush=True)
+    return losses
+
+
+def _enough(comm, min_ranks: int, end: str, mark: _Mark | None) -> None:
+    """:class:`TooFewRanks` (``end``: where the run ends) when ``comm`` has fewer than
+    ``min_ranks`` ranks; the survivors then leave at exit."""
+    if comm.size < min_ranks:
+        E.end_quietly_at_exit(comm, TOO_FEW_RANKS_EXIT)
+        raise TooFewRanks(f"{comm.size} rank(s) left, fewer than the {min_ranks} "
+                          f"{setting('min_ranks')} asks for: {end}", mark, comm.rank == 0)

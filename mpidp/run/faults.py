@@ -11,7 +11,7 @@ import signal
 import time
 
 KINDS = ("raise", "kill", "hang", "nan", "desync", "term")
-PHASES = ("evaluate", "checkpoint", "write", "recover")
+PHASES = ("load", "evaluate", "checkpoint", "write", "recover")
 
 
 class InjectedFault(RuntimeError):

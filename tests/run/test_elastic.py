@@ -160,6 +160,31 @@ def _lost(out: Path, got, ranks: list[int], most: int = 1) -> list[dict]:
 
 
 @open_mpi_only
+@pytest.mark.parametrize("fault, lost, distribute", [
+    ("kill@1:load", 1, "local"),  # a reader of its own rows
+    ("kill@0:load", 0, "scatter"),  # the root, which reads and sends: another takes its role
+])
+def test_a_loss_before_the_first_step_is_survived(uninterrupted, tmp_path, fault, lost,
+                                                  distribute):
+    """A rank lost while the data loads (or in a collective just before: one rank may see a
+    loss a collective early): the survivors prepare the run again over themselves."""
+    out = tmp_path / "out"
+    got = _job(4, out, "--elastic", "--distribute", distribute, fault=fault)
+    assert got.returncode == 0, got.stderr[-3000:]
+    np.testing.assert_allclose(_params(out), uninterrupted, rtol=0, atol=1e-10)
+    assert [(x["step"], x["steps_recomputed"]) for x in _lost(out, got, [lost])] == [(0, 0)]
+    assert _metrics(out)["world_size"] == 3
+
+
+@open_mpi_only
+def test_too_few_survivors_before_the_first_step_end_with_nothing_written(tmp_path):
+    got = _job(3, tmp_path / "out", "--elastic", "--min-ranks", "3", fault="kill@1:load")
+    assert got.returncode == 69, got.stderr[-3000:]
+    assert "fewer than the 3 --min-ranks asks for: nothing was trained" in got.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@open_mpi_only
 @pytest.mark.parametrize("fault, lost", [
     ("kill@1:evaluate", 1),  # in the first epoch's evaluation
     ("kill@2:checkpoint", 2),  # after the step's update, while the root writes
