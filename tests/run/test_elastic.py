@@ -64,6 +64,7 @@ def uninterrupted(tmp_path_factory) -> np.ndarray:
     ("kill@1:5", [1]),  # a worker, in the first epoch
     ("kill@0:20", [0]),  # the root, in the second epoch (digits: 23 steps of 64 an epoch)
     ("kill@1:4,kill@2:30", [1, 2]),  # two ranks, one after the other
+    ("kill@1:7,kill@3:7", [1, 3]),  # two ranks in one step
 ])
 @pytest.mark.parametrize("distribute", ["local", "scatter"])
 def test_the_survivors_end_with_the_uninterrupted_model(uninterrupted, tmp_path, fault, lost,
@@ -152,7 +153,7 @@ def _lost(out: Path, got, ranks: list[int], most: int = 1) -> list[dict]:
     """metrics.json's record of the losses (one each: rank, host, step, seconds to recover,
     steps recomputed: at ``most``), and the console's line for each."""
     records = _metrics(out)["lost_ranks"]
-    assert [x["rank"] for x in records] == ranks, records
+    assert sorted(x["rank"] for x in records) == ranks, records  # in one step: either first
     assert all(x["seconds_to_recover"] >= 0 and 0 <= x["steps_recomputed"] <= most
                and x["host"] and x["step"] >= 0 for x in records), records
     assert got.stderr.count("mpidp: lost rank") == len(ranks), got.stderr[-3000:]
