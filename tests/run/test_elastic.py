@@ -178,6 +178,17 @@ def test_a_loss_before_the_first_step_is_survived(uninterrupted, tmp_path, fault
 
 
 @open_mpi_only
+@pytest.mark.parametrize("fault, where", [("raise@1:5", "step 5"), ("raise@1:load", "load")])
+def test_an_exception_on_one_rank_is_not_a_lost_rank(tmp_path, fault, where):
+    """A bug or bad data on one rank ends the whole job with its error, in a step or while
+    the data loads, as without --elastic: the survivors do not go on without it."""
+    got = _job(3, tmp_path / "out", "--elastic", fault=fault, timeout=90)
+    assert got.returncode not in (0, None), got.stderr[-3000:]
+    assert f"injected fault on rank 1 at {where}" in got.stderr, got.stderr[-3000:]
+    assert "lost rank" not in got.stderr and not (tmp_path / "out" / "model.npz").exists()
+
+
+@open_mpi_only
 def test_too_few_survivors_before_the_first_step_end_with_nothing_written(tmp_path):
     got = _job(3, tmp_path / "out", "--elastic", "--min-ranks", "3", fault="kill@1:load")
     assert got.returncode == 69, got.stderr[-3000:]
