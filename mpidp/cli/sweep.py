@@ -34,6 +34,12 @@ PLAN, TRIAL, RESULTS = "sweep-plan.json", "trial.json", "sweep"
 #: the best over the epochs (lowest loss, highest accuracy).
 FIGURES = ("loss", "accuracy", "val_loss", "val_accuracy", "test_loss", "test_accuracy")
 SELECT_DEFAULTS = ("val_loss", "test_loss", "loss")
+_ELSEWHERE = "give the trials' options here or in --trials FILE"
+_WHOLE_JOB = ("a trial's ranks are one part of the job, whose other trials and the sweep's "
+              "gathering of results do not go on past a lost rank")
+#: train options a sweep refuses, and why
+NOT_FOR_A_SWEEP = {"--restart": _ELSEWHERE, "--config": _ELSEWHERE, "--elastic": _WHOLE_JOB,
+                   "--min-ranks": _WHOLE_JOB}
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -43,9 +49,9 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
     args, base = parser.parse_known_args(argv)
     me, train = subcommand(parser, "sweep"), subcommand(parser, "train")
     for flag in base:
-        if flag.split("=")[0] in ("--restart", "--config"):
-            me.error(f"{flag.split('=')[0]} is not for a sweep: give the trials' options "
-                     "here or in --trials FILE")
+        if flag.split("=")[0] in NOT_FOR_A_SWEEP:
+            me.error(f"{flag.split('=')[0]} is not for a sweep: "
+                     f"{NOT_FOR_A_SWEEP[flag.split('=')[0]]}")
     refuse(refusal(args, me))  # before --trials is read
     refuse(refusal(parser.parse_args(["train", *base]), train))  # as train would
     try:
@@ -54,6 +60,10 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
             bad = [k for k in trial if k.replace("-", "_") in OWN]
             if bad:
                 raise ValueError(f"trial {i} sets {bad[0]}, which the sweep decides")
+            bad = [k for k in trial if "--" + k.replace("_", "-") in NOT_FOR_A_SWEEP]
+            if bad:
+                raise ValueError(f"trial {i} sets {bad[0]}, which is not for a sweep: "
+                                 f"{NOT_FOR_A_SWEEP['--' + bad[0].replace('_', '-')]}")
             tokens(trial, train, source=f"trial {i}")  # an unknown option: refused now
     except ValueError as exc:
         me.error(str(exc))
