@@ -351,8 +351,10 @@ def test_the_library_with_whole_arrays_on_every_rank(tmp_path):
                 pytest.fail(f"timed out: {job.communicate()}")
         assert job.returncode == 0, stderr[-3000:]
         assert f"test rows True {2 if fault else 3}" in stdout, stdout + stderr[-2000:]
-        back = {"whole": [], "lost": [6], "overlapped": [5]}[name]
-        assert f"went back to {back}" in stdout, stdout + stderr[-2000:]
+        # the step in flight, or the one before where a survivor had not yet received the
+        # dead rank's last messages of it (sent as it finished the step, then killed)
+        back = {"whole": [[]], "lost": [[6], [5]], "overlapped": [[5], [4]]}[name]
+        assert any(f"went back to {b}" in stdout for b in back), stdout + stderr[-2000:]
         got[name] = np.load(tmp_path / f"{name}.npy")
     np.testing.assert_allclose(got["lost"], got["whole"], rtol=0, atol=1e-10)
     np.testing.assert_allclose(got["overlapped"], got["whole"], rtol=0, atol=1e-10)
