@@ -156,6 +156,7 @@ def lost_while_preparing(exc: BaseException, comm, watchdog=None,
     first, hosts = E.known_members(comm)  # kept by E.members before the loss
     survivors, lost = E.shrink(comm)
     E.end_quietly_at_exit(survivors)  # MPI_Finalize would wait for the dead
+    faults.Injector(first[comm.rank]).apply("recover")
     if watchdog is not None:
         E.rewatch(watchdog, survivors)
     losses = _said(survivors, [first[r] for r in lost], hosts, 0, 0, 1, t0, min_ranks)

@@ -217,16 +217,19 @@ def test_a_loss_outside_a_step_is_survived(uninterrupted, tmp_path, fault, lost)
 
 
 @open_mpi_only
+@pytest.mark.parametrize("lost, step", [("5", 6), ("load", 1)])
 def test_a_stop_signal_during_a_recovery_ends_with_a_checkpoint_that_resumes(uninterrupted,
-                                                                           tmp_path):
-    """SIGTERM on a survivor while the survivors regroup: the run stops at the next step
-    with a checkpoint and the preemption exit status; resuming it ends with the model."""
+                                                                           tmp_path, lost,
+                                                                           step):
+    """SIGTERM on a survivor while the survivors regroup (in a step, or before the first):
+    the run stops at the next step with a checkpoint and the preemption exit status;
+    resuming it ends with the model."""
     ck, out = tmp_path / "ck", tmp_path / "out"
     run = ("--elastic", "--distribute", "local", "--checkpoint-dir", str(ck))
-    got = _job(3, out, *run, fault="kill@1:5,term@0:recover")
+    got = _job(3, out, *run, fault=f"kill@1:{lost},term@0:recover")
     assert got.returncode == 75, got.stderr[-3000:]
-    assert "stopped by a signal after step 6" in got.stderr, got.stderr[-3000:]
-    assert [p.name for p in ck.glob("ckpt-*.npz")] == ["ckpt-0000000006.npz"]
+    assert f"stopped by a signal after step {step}" in got.stderr, got.stderr[-3000:]
+    assert [p.name for p in ck.glob("ckpt-*.npz")] == [f"ckpt-{step:010d}.npz"]
     again = _job(2, tmp_path / "again", *run, "--resume")
     assert again.returncode == 0, again.stderr[-3000:]
     np.testing.assert_allclose(_params(tmp_path / "again"), uninterrupted, rtol=0, atol=1e-10)
