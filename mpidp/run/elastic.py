@@ -139,9 +139,11 @@ class Elastic:
     def finished(self, status: int = 0) -> None:
         """The run ended (normally, or with exit ``status``): after losses, the process
         leaves at exit without waiting for the dead ranks
-        (:func:`mpidp.comm.elastic.end_quietly_at_exit`)."""
+        (:func:`mpidp.comm.elastic.end_quietly_at_exit`), with ``status`` (losses before the
+        first step too: :func:`lost_while_preparing`)."""
         if self.losses:
             E.end_quietly_at_exit(self.comm, status)
+        E.exit_with(status)
 
 
 def lost_while_preparing(exc: BaseException, comm, watchdog=None,

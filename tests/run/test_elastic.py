@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -228,8 +229,11 @@ def test_a_stop_signal_during_a_recovery_ends_with_a_checkpoint_that_resumes(uni
     run = ("--elastic", "--distribute", "local", "--checkpoint-dir", str(ck))
     got = _job(3, out, *run, fault=f"kill@1:{lost},term@0:recover")
     assert got.returncode == 75, got.stderr[-3000:]
-    assert f"stopped by a signal after step {step}" in got.stderr, got.stderr[-3000:]
-    assert [p.name for p in ck.glob("ckpt-*.npz")] == [f"ckpt-{step:010d}.npz"]
+    # the step after the one the survivors went back to (one further where a survivor had
+    # not yet received the dead rank's last messages: see the library test below)
+    said = re.search(r"stopped by a signal after step (\d+)", got.stderr)
+    assert said and int(said[1]) in (step, step - 1), got.stderr[-3000:]
+    assert [p.name for p in ck.glob("ckpt-*.npz")] == [f"ckpt-{int(said[1]):010d}.npz"]
     again = _job(2, tmp_path / "again", *run, "--resume")
     assert again.returncode == 0, again.stderr[-3000:]
     np.testing.assert_allclose(_params(tmp_path / "again"), uninterrupted, rtol=0, atol=1e-10)
