@@ -71,14 +71,7 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
         while True:
             job = None
             try:
-                with C.excused("preparing the run"):  # watched as loading the data is
-                    with C.user_code(f"importing --import {', '.join(imports_of(args))}"):
-                        C.run_agreed(comm, import_modules, imports_of(args))  # layers
-                    vars(args)["import"] = absolute_paths(imports_of(args))  # for a resume
-                    C.run_agreed(comm, check_model_file, args)  # a bad model file or layer
-                    C.root_decides(comm, check_out, args)
-                    if comm.rank == 0 and os.path.isdir(args.out):
-                        clean_stale_tmp(args.out)  # what a writer killed mid-write left
+                _prepare(args, comm)
                 stop = stop or StopSignals(comm)
                 config = {k: (list(v) if isinstance(v, tuple) else v)
                           for k, v in vars(args).items()}
@@ -107,6 +100,18 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
             stop.close()
         if watchdog is not None:
             watchdog.stop()
+
+
+def _prepare(args: argparse.Namespace, comm: C.Comm) -> None:
+    """The user's modules imported, the model file and ``--out`` checked. Collective."""
+    with C.excused("preparing the run"):  # watched as loading the data is
+        with C.user_code(f"importing --import {', '.join(imports_of(args))}"):  # layers
+            C.run_agreed(comm, import_modules, imports_of(args))
+        vars(args)["import"] = absolute_paths(imports_of(args))  # so a resume finds them
+        C.run_agreed(comm, check_model_file, args)  # a bad model file or layer: now
+        C.root_decides(comm, check_out, args)
+        if comm.rank == 0 and os.path.isdir(args.out):
+            clean_stale_tmp(args.out)  # what a writer killed mid-write left behind
 
 
 def _strategy_problems(args: argparse.Namespace) -> list[str]:

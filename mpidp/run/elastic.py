@@ -86,9 +86,8 @@ class Elastic:
 
     def __post_init__(self) -> None:
         E.errors_return(self.comm)
-        ranks, self.hosts = E.members(self.comm)
-        self.ranks = list(ranks)  # each rank's rank in the first world
-        self.faults = faults.Injector(self.comm.rank)
+        first, self.hosts = E.members(self.comm)  # each rank's rank in the first world
+        self.faults = faults.Injector(first[self.comm.rank])
 
     def mark(self, global_step: int, epoch: int, step: int, totals: np.ndarray,
              history: int, whole: bool = False) -> None:
@@ -109,6 +108,7 @@ class Elastic:
             raise exc
         t0 = time.perf_counter()
         self.group.abandon()
+        first = E.known_members(self.comm)[0]
         comm, lost = E.shrink(self.comm)
         self.faults.apply("recover")
         here = next(m.global_step for m in reversed(self.marks) if self.group.ready(m.kept))
@@ -122,10 +122,8 @@ class Elastic:
         self.group.regroup(comm)
         if self.watchdog is not None:
             E.rewatch(self.watchdog, comm)
-        gone = [self.ranks[r] for r in lost]
-        self.ranks = [r for i, r in enumerate(self.ranks) if i not in lost]
         self.comm = comm
-        self.losses += _said(comm, gone, self.hosts, low, high - low, mark.epoch + 1, t0,
+        self.losses += _said(comm, [first[r] for r in lost], self.hosts, low, high - low, mark.epoch + 1, t0,
                              self.min_ranks)
         _enough(comm, self.min_ranks, f"the run ends at step {low}", mark)
         return mark
