@@ -7,6 +7,7 @@ so that a contiguous split is skewed); generated rows are seeded per chunk."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zipfile
 import zlib
@@ -135,11 +136,10 @@ def _npz_member(path: str, zf: zipfile.ZipFile, key: str, verify: bool = True):
     objects = ValueError(f"{path}: {key} holds Python objects (pickled); expected a numeric "
                          f"array")
     if info.compress_type != zipfile.ZIP_STORED:
-        try:  # the header first (a few bytes inflated): numpy reads a negative shape
+        shape = ()  # the header first (a few bytes inflated): numpy reads a negative shape
+        with contextlib.suppress(Exception):  # else reading the whole member says what is wrong
             with zf.open(name) as f:
                 shape = read_npy_header(f)[0]
-        except Exception:  # noqa: BLE001 - reading the whole member below says what is wrong
-            shape = ()
         _check_shape(what, shape, "numpy.savez")
         try:  # compressed: cannot map, read it whole (zipfile checks the CRC-32)
             with zf.open(name) as f:
@@ -229,24 +229,6 @@ def stored_members(path: str) -> list[tuple[str, int, int, int]]:
         return []
 
 
-def _npy_problem(path: str, exc: Exception) -> str:
-    """Why the ``.npy`` file ``path`` cannot be memory-mapped, in words."""
-    try:
-        with open(path, "rb") as f:
-            shape, _, dtype = read_npy_header(f)
-            start = f.tell()
-    except (OSError, ValueError) as bad:
-        return f"not a valid .npy file ({bad})"
-    if dtype.hasobject:
-        return "it holds Python objects (pickled); expected a numeric array"
-    need = start + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    size = os.path.getsize(path)
-    if size < need:
-        return (f"it is truncated: {size} bytes, but its header describes {shape} {dtype} "
-                f"({need} bytes)")
-    return str(exc)
-
-
 def not_regular(path: str) -> ValueError:
     """The error for a path that exists but is no regular file (a FIFO or a device such as
     /dev/zero would be read without end): :func:`mpidp.atomic.check_place`'s."""
@@ -258,23 +240,32 @@ def not_regular(path: str) -> ValueError:
 
 
 def _open_npy(folder: str, name: str):
-    """Memory-map ``folder/name``; ValueError naming the file if it cannot be."""
+    """Memory-map ``folder/name``; ValueError naming the file, and why, if it cannot be."""
     path = os.path.join(folder, name)
     if os.path.exists(path) and not os.path.isfile(path):
         raise not_regular(path)
     if not os.path.isfile(path):
         raise ValueError(f"dataset folder {folder!r} has no {name}")
+    cannot = f"dataset file {path!r} cannot be memory-mapped: "
     try:
         with open(path, "rb") as f:
-            shape = read_npy_header(f)[0]
-    except (OSError, ValueError):
-        shape = ()  # np.load below says what is wrong
+            shape, _, dtype = read_npy_header(f)
+            need = f.tell() + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    except (OSError, ValueError) as bad:
+        raise ValueError(f"{cannot}not a valid .npy file ({bad})") from None
     _check_shape(f"dataset file {path!r}", shape, "numpy.save")
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
-        raise ValueError(f"dataset file {path!r} cannot be memory-mapped: "
-                         f"{_npy_problem(path, exc)}") from None
+        size = os.path.getsize(path)
+        if dtype.hasobject:
+            why = "it holds Python objects (pickled); expected a numeric array"
+        elif size < need:
+            why = (f"it is truncated: {size} bytes, but its header describes {shape} {dtype} "
+                   f"({need} bytes)")
+        else:
+            why = str(exc)
+        raise ValueError(cannot + why) from None
 
 
 def _open_path(path: str, verify: bool = True) -> Source:
@@ -406,8 +397,7 @@ def check_rows(source: Source, X: np.ndarray, y: np.ndarray, rows: np.ndarray,
     given) cannot hold, bad or out-of-range labels. ``X`` and ``y`` hold dataset rows ``rows``
     ``(m,)`` in the source's dtypes; messages name the dataset row."""
     for label, a in (("X", X), ("y", y)):
-        problem = check_values(source.name, label, a, rows, dtype)
-        if problem:
+        if problem := check_values(source.name, label, a, rows, dtype):
             return problem
     if source.classification and len(y):
         lo, hi = int(y.min()), int(y.max())  # Python ints: exact in any integer dtype
@@ -432,21 +422,17 @@ def scan_rows(source: Source, rows: np.ndarray, *, dtype=None, block_bytes: int 
     step = max(1, block_bytes // (source.n_features * max(source.X.dtype.itemsize, 1)))
     for a in range(0, len(rows), step):
         part = rows[a:a + step]
-        problem = check_values(source.name, "X", source.read(part)[0], part, dtype)
-        if problem:
+        if problem := check_values(source.name, "X", source.read(part)[0], part, dtype):
             return problem
     return None
 
 
-# --- what identifies a dataset's contents (recorded with a run, so that a resume can tell
-# whether its data changed; the ranks add the CRC-32 of files without checksums of their
-# own: mpidp.data.distribute.data_fingerprint)
-
-
 def metadata_fingerprint(spec: str) -> dict:
-    """What identifies dataset ``spec`` (JSON-able): a built-in's name (its parameters are in
-    the configuration); a file's (or a folder's ``X.npy`` and ``y.npy``) size, and for a zip
-    (``.npz``) each member's size and CRC-32 from its directory. ValueError naming a file
+    """What identifies dataset ``spec`` (JSON-able; recorded with a run, so that a resume can
+    tell whether its data changed): a built-in's name (its parameters are in the
+    configuration); a file's (or a folder's ``X.npy`` and ``y.npy``) size, and for a zip
+    (``.npz``) each member's size and CRC-32 from its directory; the ranks add the CRC-32 of
+    other files (:func:`mpidp.data.distribute.data_fingerprint`). ValueError naming a file
     that cannot be read."""
     if spec in BUILTIN:
         return {"builtin": spec}
