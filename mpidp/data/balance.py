@@ -64,12 +64,11 @@ class Plan:
                  seed: int, shuffle: bool = True, drop_last: bool = False) -> None:
         self.comm, self.partition, self.n, self.batch_size = comm, partition, n, batch_size
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
-        p = partition
-        if p is not None:
-            C.run_agreed(comm, p.check, n, comm.size)
-        self.uniform = p is None or p.costs is None  # every sample costs the same
-        self.costs = np.ones(n) if self.uniform else p.costs
-        caps = p.capacities if p is not None else None
+        if partition is not None:
+            C.run_agreed(comm, partition.check, n, comm.size)
+        self.uniform = partition is None or partition.costs is None  # every sample costs the same
+        self.costs = np.ones(n) if self.uniform else partition.costs
+        caps = partition.capacities if partition is not None else None
         self.capacities = np.ones(comm.size) if caps is None else np.asarray(caps, np.float64)
         self.owner: np.ndarray | None = None
         self.moved, self.history_caps = 0, []
@@ -88,8 +87,7 @@ class Plan:
         if self.strategy in Pt.PER_BATCH:
             order = Pt.epoch_order(self.n, epoch, self.seed, self.shuffle)
             return Pt.balance_batches(order, self.batch_size, self.costs, self.capacities)
-        return self.owner if self.owner is not None else self.partition.owner(self.n,
-                                                                              self.comm.size)
+        return self.owner if self.owner is not None else self.partition.owner(self.n, self.comm.size)
 
     def _apply(self, shard: Shard, owner: np.ndarray | None, tracer=None) -> Shard:
         if owner is None or (self.owner is not None and np.array_equal(owner, self.owner)):

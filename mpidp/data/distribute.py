@@ -100,9 +100,8 @@ class Data:
 
     def __post_init__(self) -> None:
         if self.sample_shape is None:
-            shape = tuple(self.train.X.shape[1:])
-            self.sample_shape = shape if int(np.prod(shape)) == self.n_features else (
-                self.n_features,)
+            shape = self.train.sample_shape
+            self.sample_shape = shape if int(np.prod(shape)) == self.n_features else (self.n_features,)
         self.sample_shape = tuple(int(d) for d in self.sample_shape)
         if int(np.prod(self.sample_shape, dtype=np.int64)) != self.n_features:
             raise ValueError(f"sample shape {self.sample_shape} does not hold {self.n_features} "

@@ -155,9 +155,8 @@ def weighted_counts(n: int, capacities) -> np.ndarray:
     if n < 0:
         raise ValueError(f"need n >= 0, got {n}")
     with np.errstate(over="ignore"):
-        huge = not np.isfinite(caps.sum() * max(n, 1))
-    if huge:  # capacities near float's largest value: the same shares, relative to the largest
-        caps = caps / caps.max()
+        if not np.isfinite(caps.sum() * max(n, 1)):  # near float's largest value: the same
+            caps = caps / caps.max()  # shares, relative to the largest capacity
     exact = n * caps / caps.sum()
     counts = np.floor(exact).astype(np.int64)
     extra = int(n - counts.sum())
@@ -214,8 +213,7 @@ def adaptive_capacities(work: np.ndarray, seconds: np.ndarray, previous) -> np.n
     caps = prev / prev.mean()
     if measured.any():
         speed = work[measured] / seconds[measured]
-        scale = speed.sum() / caps[measured].sum()
-        caps = caps * scale
+        caps = caps * (speed.sum() / caps[measured].sum())
         caps[measured] = speed
     caps = np.where(caps > 0, caps, caps[caps > 0].min() if (caps > 0).any() else 1.0)
     return caps / caps.mean()
