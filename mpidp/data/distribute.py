@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -389,11 +389,7 @@ def _arrays_problem(X: np.ndarray, y: np.ndarray, n_features: int | None,
 def _agree_sample_shape(comm: C.Comm, shape: tuple[int, ...]) -> None:
     """Raise the same :class:`mpidp.MpidpError` on every rank unless every rank's sample
     shape is ``shape``, naming each shape and its ranks. Collective."""
-    ndims = C.allgather_counts(comm, len(shape))
-    padded = np.full(int(ndims.max()), -1.0)
-    padded[:len(shape)] = shape
-    rows = C.allgather_rows(comm, padded)  # sizes are exact in float64
-    shapes = [tuple(int(d) for d in row[:k]) for row, k in zip(rows, ndims)]
+    shapes = C.bcast_obj(comm, C.gather_obj(comm, shape))  # every rank's, on every rank
     if len(set(shapes)) > 1:
         ranks = {s: [r for r, t in enumerate(shapes) if t == s] for s in dict.fromkeys(shapes)}
         sizes = {int(np.prod(s, dtype=np.int64)) for s in ranks}
@@ -431,10 +427,8 @@ def _emptied(data: Data, dtype) -> Data:
         return Shard(np.empty((0, *data.sample_shape), dtype),
                      np.empty((0, *y.shape[1:]), y.dtype), 0, shard.n_total)
 
-    return Data(empty(data.train), empty(data.test), data.name, data.n_features,
-                data.n_outputs, data.classification, sample_shape=data.sample_shape,
-                test_split=data.test_split,
-                val=empty(data.val) if data.val is not None and data.val.n_total else None)
+    return replace(data, train=empty(data.train), test=empty(data.test), costs=None,
+                   val=empty(data.val) if data.val is not None and data.val.n_total else None)
 
 
 def fit_over_ranks(comm: C.Comm, layer: Standardize, X: np.ndarray) -> None:
