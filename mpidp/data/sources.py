@@ -174,10 +174,9 @@ def _npz_member(path: str, zf: zipfile.ZipFile, key: str, verify: bool = True):
 def read_npy_header(f) -> tuple[tuple[int, ...], bool, np.dtype]:
     """``(shape, fortran_order, dtype)`` of the ``.npy`` header at the position of binary
     file ``f``, left at the first data byte; ValueError if there is none."""
-    version = np.lib.format.read_magic(f)
-    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                   else np.lib.format.read_array_header_2_0)
-    return read_header(f)
+    if np.lib.format.read_magic(f) == (1, 0):
+        return np.lib.format.read_array_header_1_0(f)
+    return np.lib.format.read_array_header_2_0(f)
 
 
 def _check_shape(what: str, shape: tuple[int, ...], writer: str) -> None:
