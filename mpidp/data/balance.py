@@ -102,8 +102,7 @@ class Plan:
     def _adapt(self, timer: StepTimer, k: int) -> None:
         rows = timer.recent(k)
         mine = [rows[:, _F["cost"]].sum(), rows[:, _F["compute_s"]].sum()]
-        both = C.allgather_rows(self.comm, mine)
-        self._remeasured(both[:, 0], both[:, 1])
+        self._remeasured(*C.allgather_rows(self.comm, mine).T)  # every rank's work, seconds
 
     def _remeasured(self, work: np.ndarray, seconds: np.ndarray) -> None:
         self.capacities = Pt.adaptive_capacities(work, seconds, self.capacities)

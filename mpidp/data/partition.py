@@ -39,9 +39,8 @@ def train_test_split(n: int, test_fraction: float, seed: int) -> tuple[np.ndarra
     if not 0 <= test_fraction < 1:
         raise ValueError(f"test fraction must be in [0, 1), got {test_fraction}")
     n_test = int(round(n * test_fraction))
-    test = np.random.default_rng([seed, 0x7E57]).choice(n, n_test, replace=False)
     mask = np.zeros(n, bool)
-    mask[test] = True
+    mask[np.random.default_rng([seed, 0x7E57]).choice(n, n_test, replace=False)] = True
     return np.flatnonzero(~mask), np.flatnonzero(mask)
 
 
