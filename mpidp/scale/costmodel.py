@@ -81,8 +81,7 @@ def allreduce_time(P, m, fit: Fit, algorithm: str = "ring"):
     * ``reduce-broadcast`` (mpidp's ``ps`` between nodes: reduce-scatter, gather to the
       server, scatter + allgather): ``(3 (P-1) + log2 P) alpha + 4 (P-1)/P m beta + (P-1)/P
       m gamma``: twice a ring's bytes, but no link carries more than ``2 m``."""
-    P = np.asarray(P, float)
-    m = np.asarray(m, float)
+    P, m = np.asarray(P, float), np.asarray(m, float)
     if algorithm == "ring":
         t = 2 * (P - 1) * fit.alpha + 2 * (P - 1) / P * m * fit.beta + (P - 1) / P * m * fit.gamma
     elif algorithm == "recursive-doubling":
@@ -104,8 +103,7 @@ def step_time(P, m, batch: int, compute: float | Compute, fit: Fit, algorithm: s
     c = compute if isinstance(compute, Compute) else Compute(float(compute))
     P = np.asarray(P, float)
     per_core = 1.0 if cores is None else np.ceil(P / cores)
-    many = P > 1
-    work = per_core * (c.overhead + c.per_sample * batch / P) * np.where(many, c.contention, 1.0)
+    work = per_core * (c.overhead + c.per_sample * batch / P) * np.where(P > 1, c.contention, 1.0)
     wait = work * c.jitter * np.sqrt(2 * np.log(np.maximum(P, 1)))
     return work + wait + allreduce_time(P, m, fit, algorithm)
 
@@ -131,16 +129,11 @@ def prediction_table(fit: Fit, compute_per_param: float | Compute, batch: int,
     count from ``compute_per_param``, a one-parameter model's (s per sample, or a Compute)."""
     per_param = (compute_per_param if isinstance(compute_per_param, Compute)
                  else Compute(float(compute_per_param)))
-    rows = []
-    for n in params:
-        c = per_param.scaled(n)
-        m = n * bytes_per_param
-        for alg in ALGORITHMS:
-            for P in Ps:
-                rows.append({"params": int(n), "P": int(P), "algorithm": alg,
-                             "step_s": float(step_time(P, m, batch, c, fit, alg)),
-                             "efficiency": float(efficiency(P, m, batch, c, fit, alg))})
-    return rows
+    models = [(int(n), n * bytes_per_param, per_param.scaled(n)) for n in params]
+    return [{"params": n, "P": int(P), "algorithm": alg,
+             "step_s": float(step_time(P, m, batch, c, fit, alg)),
+             "efficiency": float(efficiency(P, m, batch, c, fit, alg))}
+            for n, m, c in models for alg in ALGORITHMS for P in Ps]
 
 
 #: The schedules :func:`mode_step_time` predicts, by name, and how each exchanges the gradient.
