@@ -48,6 +48,7 @@ class _Slot(IntEnum):
 
 
 _EXTRA = len(_Slot)  # a push message is (n_params + _EXTRA,)
+_COUNTS = ("applied", "dropped", "skipped")  # of AsyncStats, checkpointed and broadcast
 #: Columns of :attr:`AsyncStats.trace`: seconds since training started (server clock), the
 #: push's loss sum and sample count, its staleness, whether it was applied, the worker.
 TRACE_FIELDS = ("t", "loss_sum", "count", "staleness", "applied", "worker")
@@ -195,8 +196,7 @@ class _Positions:
         info = {"workers": {str(w): p for w, p in self.at.items()}, "version": version,
                 "applied": stats.applied, "dropped": stats.dropped, "skipped": stats.skipped,
                 "epoch_loss": {str(e): v for e, v in stats.epoch_loss.items()}}
-        return State(epoch, batch, stats.served,
-                     [0.0, 0.0, 0.0], [], config, {self.KEY: info})
+        return State(epoch, batch, stats.served, [0.0, 0.0, 0.0], [], config, {self.KEY: info})
 
 
 class _ServerFaults:
@@ -216,11 +216,9 @@ def _server(ps: AsyncPS, positions: _Positions, spec: RunSpec) -> tuple[AsyncSta
     comm, model, optimizer, policy, root = ps.comm, ps.model, ps.optimizer, ps.policy, ps.root
     tracer, signals, checkpoint = ps.timer.tracer, spec.stop, spec.checkpoint
     n, stats, version = model.n_params, AsyncStats(), np.zeros(1, np.int64)
-    if positions.saved:  # resumed: the counts go on
-        saved = positions.saved
+    if saved := positions.saved:  # resumed: the counts go on
         version[0] = saved["version"]
-        stats.applied, stats.dropped, stats.skipped = (saved[k] for k in (
-            "applied", "dropped", "skipped"))
+        stats.applied, stats.dropped, stats.skipped = (saved[k] for k in _COUNTS)
         stats.epoch_loss = {int(e): list(v) for e, v in saved["epoch_loss"].items()}
     policy.skipped = stats.skipped  # the policy counts on from the checkpoint's count, or 0
     stop = np.array([_STOP], np.int64)
@@ -319,8 +317,7 @@ class AsyncPS:
             raise C.MpidpError("async-ps sends the parameters in one message: at most "
                                f"{C.MAX_COUNT - _EXTRA} parameters, got {self.model.n_params}")
         AsyncPSSettings(self.max_staleness)  # checked
-        refused = refuses_model(self.model.layers, "async-ps")
-        if refused:
+        if refused := refuses_model(self.model.layers, "async-ps"):
             raise C.MpidpError(refused)
         self.policy = Policy(self.on_nonfinite)
         self.optimizer.place(Segments.of(self.model))  # the server updates the whole vector
@@ -383,8 +380,7 @@ def _finish(ps: AsyncPS, stats: AsyncStats, error: str | None, spec: RunSpec) ->
         raise NonFiniteError(error)
     C.bcast_(comm, ps.model.params, root)
     summary = C.bcast_obj(comm, stats.summary() | {"epoch_loss": stats.epoch_loss}, root)
-    stats.applied, stats.dropped, stats.skipped = (summary[k] for k in ("applied", "dropped",
-                                                                        "skipped"))
+    stats.applied, stats.dropped, stats.skipped = (summary[k] for k in _COUNTS)
     stats.epoch_loss = summary["epoch_loss"]
     return stats
 

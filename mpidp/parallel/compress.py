@@ -240,8 +240,7 @@ class Compressed(Sync):
             p = self.pieces[self.summed]
             self.summed += 1
             with np.errstate(over="ignore", invalid="ignore"):
-                bad, beyond = self._sum_chunk(p)
-            self.nonfinite, self.overflow = self.nonfinite or bad, self.overflow or beyond
+                self._sum_chunk(p)
             self.gathering.append(C.iallgather_in_place(self.gather_comm,
                                                         self.codes[p.o:p.end]))
 
@@ -262,16 +261,14 @@ class Compressed(Sync):
                 self._decode(self.pieces[self.decoded])
                 self.decoded += 1
 
-    def _sum_chunk(self, p: _Piece) -> tuple[bool, bool]:
+    def _sum_chunk(self, p: _Piece) -> None:
         """Rank-order float32 sums of the P codes of this rank's chunk of ``p``, plus the
-        chunk residual, encoded back into ``self.codes``; returns the codec's verdict."""
+        chunk residual, encoded back into ``self.codes``; the codec's verdict noted."""
         k, codes, ef, starts = self.kernel, self.codes, self.error_feedback, self._starts
-        nonfinite = overflow = False
         for a, b, ca, cb in segments(0, p.m, 0, self.codec):  # offsets in the chunk
             starts[:] = p.recv_at + p.slot + ca  # rank order: the sum never depends on arrival
             starts[self.comm.rank] = -1  # this rank's own codes, in place
             bad, beyond = k.sum_encode_(codes[p.own + ca:p.own + cb], self.recv, starts, b - a,
                                         self.chunk_residual[p.at + a:p.at + b] if ef else None,
                                         self._chunk_next[p.at + a:p.at + b] if ef else None)
-            nonfinite, overflow = nonfinite or bad, overflow or beyond
-        return nonfinite, overflow
+            self.nonfinite, self.overflow = self.nonfinite or bad, self.overflow or beyond

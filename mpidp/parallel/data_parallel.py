@@ -133,10 +133,8 @@ class DataParallel(TrainerBase):
         optimizer.place(Segments.of(model))  # a sharded strategy places its own on its slice
         self.sync = (make_sync(sync, optimizer_factory=lambda: copy.deepcopy(optimizer))
                      if isinstance(sync, str) else sync)
-        # the same verdict on every rank, before any work
-        refused = self.sync.refuses(model) or self.sync.refuses_run(optimizer, on_nonfinite)
-        if refused:
-            raise C.MpidpError(refused)
+        if refused := self.sync.refuses(model) or self.sync.refuses_run(optimizer, on_nonfinite):
+            raise C.MpidpError(refused)  # the same verdict on every rank, before any work
         self.sync_params(init_sync)
         # grads | extras (mpidp.parallel.buffer): ONE buffer, laid out as the strategy needs
         bufs = self.sync.setup(Setup(self.comm, root, model, self.timer))
@@ -215,8 +213,7 @@ class DataParallel(TrainerBase):
         """Raise :class:`mpidp.MpidpError` on every rank unless all replicas are
         bit-identical, naming the ranks (or the layer) that differ. Collective."""
         self.sync.settle()
-        why = out_of_sync(self.comm, self.model, self.root)
-        if why:
+        if why := out_of_sync(self.comm, self.model, self.root):
             raise C.MpidpError(why)
 
     def at_boundary(self) -> bool:

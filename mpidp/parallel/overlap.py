@@ -217,8 +217,7 @@ class Overlapped(Sync):
             return None
         head = (f"overlapped sums that finish during forward ({setting('finish', 'forward')}) "
                 "update each part as it arrives")
-        why = optimizer.refuses_pieces()
-        if why:
+        if why := optimizer.refuses_pieces():
             return f"{head}, but {why}: use {setting('finish', 'backward')}"
         if on_nonfinite != "ignore":
             return (f"{head}, before the whole gradient can be judged, so on_nonfinite "

@@ -82,8 +82,7 @@ class Pipeline(TrainerBase):
             "on_nonfinite": on_nonfinite, "trace": trace})
         n_stages = comm.size if n_stages is None else int(n_stages)
         dtype = np.dtype(dtype)
-        refused = refuses_model(layers, "pipeline")
-        if refused:
+        if refused := refuses_model(layers, "pipeline"):
             raise C.MpidpError(refused)
         if balance == "time" and costs is None:
             costs = C.root_decides(comm, St.measure_costs, layers, n_in, dtype=dtype)
@@ -364,11 +363,8 @@ class Pipeline(TrainerBase):
         sums = score_sums(self.world, self.loss, y if self.last else None, self.plan.widths[-1])
         for lo in range(0, n, batch_size):
             size = min(batch_size, n - lo)
-            if self.first:
-                x = X[lo:lo + size]
-            else:
-                x = C.recv_(self.pipe, np.empty((size, *self.plan.shapes[self.lo]),
-                                                self.model.dtype), self.stage - 1, _TAG_F)
+            x = X[lo:lo + size] if self.first else C.recv_(self.pipe, np.empty(
+                (size, *self.plan.shapes[self.lo]), self.model.dtype), self.stage - 1, _TAG_F)
             for layer in self._slot():
                 x = layer.forward(x)
             if self.last:
