@@ -118,7 +118,6 @@ class Codec:
         returns :func:`_scan`'s verdict on the values encoded, else ``(False, False)``."""
         if (res is None) != (lost is None):
             raise ValueError("encode_sum_ takes res and lost together")
-        f16 = self.codec == "float16"
         if self.jit:
             ef = res is not None
             res, lost = (res, lost) if ef else (self._none, self._none)
@@ -134,7 +133,7 @@ class Codec:
             np.add(src, res, out=x)
         else:
             np.copyto(x, src, casting="same_kind")
-        verdict = _scan(x, f16) if scan else (False, False)
+        verdict = _scan(x, self.codec == "float16") if scan else (False, False)
         self.encode_(x, codes, lost)
         return verdict
 

@@ -30,10 +30,7 @@ def bf16_encode(src, res, use_res, lost, keep_lost, codes, scratch):
     sb = scratch.view(np.uint32)
     top = u32(0)
     for i in range(src.shape[0]):
-        if use_res:
-            scratch[0] = src[i] + res[i]
-        else:
-            scratch[0] = src[i]
+        scratch[0] = src[i] + res[i] if use_res else src[i]
         x = scratch[0]
         b = sb[0]
         top = max(top, b & sign_off)

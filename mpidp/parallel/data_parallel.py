@@ -109,11 +109,10 @@ class DataParallel(TrainerBase):
                 f"this {type(sync).__name__} strategy object already served a DataParallel (it "
                 f"holds that trainer's buffers and state): give each DataParallel a strategy "
                 f"of its own, e.g. make_sync({getattr(sync, 'name', '...')!r}), or its name")
-        if init_sync not in INIT_SYNC:
-            raise C.MpidpError(f"unknown init sync {init_sync!r}; expected one of {INIT_SYNC}")
-        if on_nonfinite not in ON_NONFINITE:
-            raise C.MpidpError(f"unknown on_nonfinite {on_nonfinite!r}; expected one of "
-                               f"{ON_NONFINITE}")
+        for what, value, known in (("init sync", init_sync, INIT_SYNC),
+                                   ("on_nonfinite", on_nonfinite, ON_NONFINITE)):
+            if value not in known:
+                raise C.MpidpError(f"unknown {what} {value!r}; expected one of {known}")
         if not is_whole(check_every, 0):
             raise C.MpidpError(f"check_every must be a whole number >= 0, got {check_every!r}")
         self.check_every, self.policy = check_every, Policy(on_nonfinite)

@@ -168,9 +168,8 @@ class Pipeline(TrainerBase):
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds: parameters, gradients, optimizer state, peak activations."""
-        state = sum(int(a.nbytes) for a in self.optimizer.state.values())
         return {"param_bytes": int(self.model.params.nbytes), "grad_bytes": int(self._buf.nbytes),
-                "optimizer_bytes": state,
+                "optimizer_bytes": sum(int(a.nbytes) for a in self.optimizer.state.values()),
                 "activation_bytes": int(self.counters.peak_activation_bytes)}
 
     # --- one step ---------------------------------------------------------------------
@@ -279,8 +278,7 @@ class Pipeline(TrainerBase):
         waits for the rest at its end, so that stages keep their own pace)."""
         run = self._run
         with self.timer.communicate("receive" if buf is not None else "test sends"):
-            if run.sends:
-                run.sends = [(reqs, b) for reqs, b in run.sends if not C.test_all(reqs)]
+            run.sends = [(reqs, b) for reqs, b in run.sends if not C.test_all(reqs)]
             if buf is not None:
                 C.wait_all(C.irecv(self.pipe, buf, source, tag))
 

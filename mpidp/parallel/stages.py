@@ -63,8 +63,7 @@ def split_stages(costs: Sequence[float], n_stages: int) -> list[int]:
         raise ValueError(f"more pipeline stages ({n_stages}) than layers ({n}): every stage "
                          f"needs at least one layer; use at most {n} ranks per pipeline")
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, np.float64))])
-    inf = float("inf")
-    best = np.full((n_stages + 1, n + 1), inf)  # best[k][j]: layers 0..j-1 in k stages
+    best = np.full((n_stages + 1, n + 1), np.inf)  # best[k][j]: layers 0..j-1 in k stages
     cut = np.zeros((n_stages + 1, n + 1), np.int64)
     best[0][0] = 0.0
     for k in range(1, n_stages + 1):
@@ -156,10 +155,9 @@ class StagePlan:
 def plan_stages(layers: Sequence[Layer], n_in: int, n_stages: int, size: int, micro_batches: int,
               schedule: str, balance: str, costs: Sequence[float] | None) -> StagePlan:
     """Validate the pipeline's settings and split the layers; ``ValueError`` if impossible."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
-    if balance not in BALANCE:
-        raise ValueError(f"unknown balance {balance!r}; expected one of {BALANCE}")
+    for what, value, known in (("schedule", schedule, SCHEDULES), ("balance", balance, BALANCE)):
+        if value not in known:
+            raise ValueError(f"unknown {what} {value!r}; expected one of {known}")
     if micro_batches < 1:
         raise ValueError(f"need at least one micro-batch, got {micro_batches}")
     if n_stages < 1 or size % n_stages:
