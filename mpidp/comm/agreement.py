@@ -4,7 +4,6 @@ prove replicas bit-identical (:func:`checksum`, pure, from :mod:`mpidp.digest`).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from typing import Any
@@ -110,20 +109,15 @@ def replicas_differ(comm: Comm, arrays: list[np.ndarray], root: int = 0) -> list
             for i in range(len(arrays))]
 
 
-def _digest(value: Any) -> int:
-    """A 62-bit digest of ``repr(value)`` (the same for equal settings on every rank)."""
-    raw = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
-    return int.from_bytes(raw, "little") >> 2
-
-
 @watched("an agreement Allreduce (arguments)")
 def agree_same(comm: Comm, where: str, items: dict[str, Any]) -> None:
     """Raise the same :class:`MpidpError` on every rank unless every rank passed equal
     ``items`` (name -> a value whose ``repr`` identifies it; ranks may even pass different
     names). Collective: one ``Allreduce`` of a digest of them all; the message names each
     differing item, its values and the ranks holding each."""
-    # the same size on every rank, whatever it passed
-    if _same_everywhere(comm, np.array([_digest([(k, repr(v)) for k, v in items.items()])])):
+    # a digest of their reprs: the same size on every rank, whatever it passed
+    mine = repr([(k, repr(v)) for k, v in items.items()]).encode()
+    if _same_everywhere(comm, np.array([checksum(np.frombuffer(mine, np.uint8))])):
         return
     shown = comm.allgather({k: repr(v) for k, v in items.items()})  # failure path only
     names = dict.fromkeys(k for values in shown for k in values)

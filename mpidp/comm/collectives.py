@@ -5,6 +5,7 @@ called by every rank of ``comm``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -185,24 +186,26 @@ def gatherv_rows(comm: Comm, rows: np.ndarray, root: int = 0) -> np.ndarray | No
     rows = np.ascontiguousarray(rows)
     counts = np.empty(comm.size, np.int64) if comm.rank == root else None
     comm.Gather(np.array([len(rows)], np.int64), counts, root=root)
-    row_size = max(int(np.prod(rows.shape[1:], dtype=np.int64)), 1)
-    rtype = _row_type(rows.dtype, row_size)
-    try:
-        out = None if counts is None else np.empty((int(counts.sum()), *rows.shape[1:]), rows.dtype)
+    out = None if counts is None else np.empty((int(counts.sum()), *rows.shape[1:]), rows.dtype)
+    with _row_type(rows.dtype, int(np.prod(rows.shape[1:], dtype=np.int64))) as rtype:
         recv = None if out is None else [out, (counts, _displs(counts)), rtype]
         comm.Gatherv([rows, len(rows), rtype], recv, root=root)
-    finally:
-        rtype.Free()
     return out
 
 
-def _row_type(dtype: np.dtype, row_size: int) -> MPI.Datatype:
-    """A committed MPI datatype for one row of ``row_size`` elements (keeps counts small)."""
+@contextlib.contextmanager
+def _row_type(dtype: np.dtype, row_size: int):
+    """A committed MPI datatype for one row of ``row_size`` elements (keeps counts small),
+    freed on leaving."""
     base = from_numpy_dtype(np.dtype(dtype))
     try:
-        return base.Create_contiguous(max(row_size, 1)).Commit()
+        rtype = base.Create_contiguous(max(row_size, 1)).Commit()
     finally:
         base.Free()
+    try:
+        yield rtype
+    finally:
+        rtype.Free()
 
 
 @watched("a Scatterv")
@@ -244,12 +247,9 @@ def alltoallv_rows(comm: Comm, rows: np.ndarray, send_counts: Sequence[int],
     row_size = int(np.prod(row_shape, dtype=np.int64))
     if row_size == 0:
         return out
-    rtype = _row_type(rows.dtype, row_size)
-    try:
+    with _row_type(rows.dtype, row_size) as rtype:
         comm.Alltoallv([rows, (send_counts, _displs(send_counts)), rtype],
                        [out, (recv_counts, _displs(recv_counts)), rtype])
-    finally:
-        rtype.Free()
     return out
 
 
@@ -290,9 +290,8 @@ def scatterv_fill(comm: Comm, counts: Sequence[int], row_shape: tuple[int, ...],
     if rows_per_round is None:
         rows_per_round = max(1, min(ROUND_BYTES // (row_size * np.dtype(dtype).itemsize),
                                     MAX_COUNT // row_size))
-    rtype = _row_type(dtype, row_size)
     send = None
-    try:
+    with _row_type(dtype, row_size) as rtype:
         for lo in range(0, int(counts.max()), rows_per_round):
             take = np.clip(counts - lo, 0, rows_per_round)  # rows each rank gets this round
             if comm.rank != root:
@@ -308,8 +307,6 @@ def scatterv_fill(comm: Comm, counts: Sequence[int], row_shape: tuple[int, ...],
                 if n:
                     fill(r, lo, out[lo:lo + n] if r == root else send[displs[r]:displs[r] + n])
             comm.Scatterv([send, (take, displs), rtype], MPI.IN_PLACE, root=root)
-    finally:
-        rtype.Free()
     return out
 
 
