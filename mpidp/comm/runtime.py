@@ -176,8 +176,7 @@ def split(comm: Comm, color: int, key: int) -> Comm:
 @watched("a Comm.Split")
 def split_off(comm: Comm, rank: int) -> Comm | None:
     """A communicator of every rank but ``rank`` (None on ``rank``). Collective."""
-    color = MPI.UNDEFINED if comm.rank == rank else 0
-    sub = comm.Split(color, key=comm.rank)
+    sub = comm.Split(MPI.UNDEFINED if comm.rank == rank else 0, key=comm.rank)
     return None if sub == MPI.COMM_NULL else sub
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .collectives import allreduce_, allreduce_sum_
+from .collectives import allreduce_, allreduce_max, allreduce_sum_
 from .progress import wait_yielding
 from .runtime import SHM_DIR, Comm, _node, node_split, watched
 
@@ -131,8 +131,7 @@ class SharedBroadcast:
         dtype = np.dtype(dtype)
         self._win = MPI.Win.Allocate_shared(n * dtype.itemsize if comm.rank == root else 0,
                                             dtype.itemsize, comm=comm)
-        mem, _ = self._win.Shared_query(root)
-        self.array = np.frombuffer(mem, dtype, count=n)
+        self.array = np.frombuffer(self._win.Shared_query(root)[0], dtype, count=n)
         if comm.rank != root:
             self.array.flags.writeable = False
         self._win.Lock_all(MPI.MODE_NOCHECK)
@@ -225,9 +224,7 @@ class NodeAllreduce:
         dtype = np.dtype(dtype)
         self.nodes, self.most_per_node = node_layout(comm)
         self.node, self.leaders = node_split(comm)
-        short = np.array([not shm_room(self.node.size * n * dtype.itemsize)], np.float64)
-        allreduce_(comm, short, "max")
-        if short[0]:
+        if allreduce_max(comm, [not shm_room(self.node.size * n * dtype.itemsize)])[0]:
             raise MemoryError(f"not enough shared memory for {self.node.size} x "
                               f"{n * dtype.itemsize / 2**20:.1f} MiB on some node")
         self._sum = SharedReduce(self.node, n, dtype, root=0)
