@@ -134,13 +134,10 @@ def write_error(exc: OSError, path: str | None = None, what: str | None = None) 
 def current_umask() -> int:
     """The process's umask, read from ``/proc/self/status`` where there is one (elsewhere by
     setting and restoring it, which is not atomic)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     with _UMASK_LOCK:
         mask = os.umask(0o077)
         os.umask(mask)
@@ -221,9 +218,7 @@ def _regular_or_nothing(path: str, what: str | None) -> None:
     """A :class:`WriteError` when ``path`` is a FIFO, a device or a socket."""
     kind = special(path)
     if kind is not None:
-        err = WriteError(errno.EEXIST, f"it is {kind}, not a regular file", path)
-        err.what = what
-        raise err
+        raise write_error(OSError(errno.EEXIST, f"it is {kind}, not a regular file", path), what=what)
 
 
 def _fsync_dir(directory: str) -> None:

@@ -71,8 +71,7 @@ class _Plateau:
         if missing:
             raise ValueError(f"{type(self).__name__}.restore: the saved state lacks "
                              f"{missing}; it holds {sorted(state)}")
-        best = state["best"]
-        self.best = None if best is None else float(best)
+        self.best = None if state["best"] is None else float(state["best"])
         self.best_epoch = None if state["best_epoch"] is None else int(state["best_epoch"])
         self.bad_epochs, self.epochs = int(state["bad_epochs"]), int(state["epochs"])
 

@@ -36,11 +36,9 @@ def pid_alive(pid: int) -> bool:
 def _proc_start(pid: int) -> int | None:
     """When ``pid`` started (clock ticks since boot), to tell it from a later reuse of its
     number; None where ``/proc`` does not say."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
+    return None
 
 
 def clean_stale_tmp(directory: str, max_age_s: float = 3600.0) -> list[str]:
@@ -69,11 +67,10 @@ def clean_stale_tmp(directory: str, max_age_s: float = 3600.0) -> list[str]:
 
 
 def _read_record(fd: int) -> dict | None:
-    try:
+    with contextlib.suppress(OSError, ValueError):
         text = os.pread(fd, 4096, 0).decode()
         return json.loads(text) if text.strip() else None
-    except (OSError, ValueError):
-        return None
+    return None
 
 
 def _in_use(directory: str, record: dict | None, note: str = "", wait: str = "for it to finish"

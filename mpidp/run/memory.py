@@ -4,6 +4,7 @@ every rank. Pure arithmetic plus ``/proc/meminfo``; no MPI."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,13 +37,10 @@ def model_size(layers: Sequence, in_shape: Sequence[int]) -> tuple[int, int]:
 
 def available() -> int | None:
     """Bytes of memory available on this node (``MemAvailable``), None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return None
 
 
