@@ -155,8 +155,7 @@ def write_atomic(path: str, write: Callable[[IO[bytes]], object], what: str | No
     it; an ``OSError`` is raised as a :class:`WriteError` naming ``path`` and ``what``. A
     symbolic link is followed (its target is replaced); anything but a regular file there
     (a FIFO, a device) is refused, never replaced."""
-    _regular_or_nothing(path, what)
-    path = target(path)
+    path = _write_target(path, what)
     directory = os.path.dirname(os.path.abspath(path))
     try:
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{TMP_PREFIX}{host_tag()}-{os.getpid()}-")
@@ -189,8 +188,7 @@ def write_together(files: Sequence[tuple[str, Callable[[str], object]]],
     staged: list[tuple[str, str]] = []
     try:
         for path, save in files:
-            _regular_or_nothing(path, what)
-            path = target(path)
+            path = _write_target(path, what)
             folder = os.path.dirname(os.path.abspath(path))
             try:
                 os.makedirs(folder, exist_ok=True)
@@ -214,11 +212,12 @@ def write_together(files: Sequence[tuple[str, Callable[[str], object]]],
         raise
 
 
-def _regular_or_nothing(path: str, what: str | None) -> None:
-    """A :class:`WriteError` when ``path`` is a FIFO, a device or a socket."""
+def _write_target(path: str, what: str | None) -> str:
+    """:func:`target` of ``path``; a :class:`WriteError` if it is a FIFO, a device or a socket."""
     kind = special(path)
     if kind is not None:
         raise write_error(OSError(errno.EEXIST, f"it is {kind}, not a regular file", path), what=what)
+    return target(path)
 
 
 def _fsync_dir(directory: str) -> None:
