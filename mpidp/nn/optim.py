@@ -165,16 +165,18 @@ class Optimizer(ABC):
             if a < b:
                 yield j, a, b
 
-    def _partials(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """``out[j]`` = the squared norm of this vector's part of tensor ``j`` (float64)."""
-        local = self._local
-        for j in self._live:
-            piece = x[local[j]:local[j + 1]]
-            out[j] = np.dot(piece, piece)
-        return out
-
-    def _reduce(self, parts: np.ndarray) -> np.ndarray:
-        return parts if self.reduce_sum is None else self.reduce_sum(parts)
+    def _squared_norms(self, *vectors: np.ndarray) -> np.ndarray:
+        """float64 ``(len(vectors) * k,)``: at ``i * k + j`` the squared norm of tensor ``j``
+        in ``vectors[i]``, this rank's parts summed in ONE ``reduce_sum`` call (in place)."""
+        k, local = len(self._segs), self._local
+        parts = np.zeros(len(vectors) * k, np.float64)
+        for i, x in enumerate(vectors):
+            for j in self._live:
+                piece = x[local[j]:local[j + 1]]
+                parts[i * k + j] = np.dot(piece, piece)
+        if self.reduce_sum is not None:
+            self.reduce_sum(parts)
+        return parts
 
     def step_(self, params: np.ndarray, grad: np.ndarray, scale: float = 1.0, chunks: int = 1,
               on_chunk: Callable[[int, int], None] | None = None) -> None:
@@ -209,8 +211,7 @@ class Optimizer(ABC):
         ``apply(grad, lo, hi)`` updates ``params[lo:hi]`` from ``scale * grad[lo:hi]``
         (overwritten); once every value is applied, the numbers are those of ``step_``.
         Counted and its rate fixed here. Elementwise rules only."""
-        why = self.refuses_pieces()
-        if why:
+        if why := self.refuses_pieces():
             raise ValueError(f"this update cannot be applied in pieces: {why}")
         rate, first = self._start(params)
         self.last_grad_norm = None
@@ -246,11 +247,7 @@ class Optimizer(ABC):
             self.last_grad_norm = None
             return scale
         k = len(self._segs)
-        parts = np.zeros(2 * k if self.layer_norms else k, np.float64)
-        self._partials(grad, parts[:k])
-        if self.layer_norms:
-            self._partials(params, parts[k:])
-        self._reduce(parts)
+        parts = self._squared_norms(grad, params) if self.layer_norms else self._squared_norms(grad)
         g2 = parts[:k] * (scale * scale)
         norm = math.sqrt(float(g2.sum()))
         self.last_grad_norm = norm

@@ -88,8 +88,7 @@ class Adam(Optimizer):
     def _prepare(self, params: np.ndarray) -> bool:
         if self.state:
             return False
-        self.state["m"] = np.zeros_like(params)
-        self.state["v"] = np.zeros_like(params)
+        self.state.update(m=np.zeros_like(params), v=np.zeros_like(params))
         return True
 
     def _moments(self, g: np.ndarray, state: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -181,10 +180,7 @@ class LARS(Optimizer):
             if wd:
                 g += wd * p
             g *= self.lr * float(self._ratio[j])
-            if velocity is None:
-                p -= g
-                continue
-            p -= _accumulate_(velocity[a:b], g, self.momentum, first)
+            p -= g if velocity is None else _accumulate_(velocity[a:b], g, self.momentum, first)
 
     def _update(self, params, grad, state, scale, first) -> None:  # pragma: no cover
         raise AssertionError(f"{type(self).__name__} updates tensor by tensor (_apply)")
@@ -228,10 +224,7 @@ class LAMB(Optimizer):
                 if adapted[j]:
                     grad[a:b] += self.weight_decay * params[a:b]  # u
         k = len(self._segs)
-        parts = np.zeros(2 * k, np.float64)
-        self._partials(params, parts[:k])
-        self._partials(grad, parts[k:])
-        self._reduce(parts)
+        parts = self._squared_norms(params, grad)
         self._ratio = _trust(np.sqrt(parts[:k]), np.sqrt(parts[k:]), adapted)
         return 1.0
 
