@@ -122,18 +122,16 @@ class History:
     def close(self) -> None:
         """Flush and close the files (safe twice; after a failed write, raises nothing more)."""
         if not self._f.closed:
-            error = None
             try:
                 self._f.flush()
                 os.fsync(self._f.fileno())
             except OSError as exc:
-                error = exc
+                if not self._failed:
+                    self._failed = True
+                    raise self._error(exc) from None
             finally:
                 with contextlib.suppress(OSError):
                     self._f.close()  # closed even where its flush fails
-            if error is not None and not self._failed:
-                self._failed = True
-                raise self._error(error) from None
         if self.writer is not None:
             self.writer.close()
             self.writer = None

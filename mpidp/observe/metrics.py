@@ -32,7 +32,6 @@ class StepTimer:
     samples: int = 0
     slowdown: float = 1.0
     tracer: Any = None
-    _t: float = field(default=0.0, repr=False)
     _cur: np.ndarray = field(default_factory=lambda: np.zeros(len(STEP_FIELDS)), repr=False)
     _rows: list = field(default_factory=list, repr=False)
 
@@ -41,8 +40,7 @@ class StepTimer:
         """Time a piece of computation: per-sample work (``local``, stretched by ``slowdown``)
         or the replicated update; ``local`` None: per-sample work until the step communicates."""
         t, c = time.perf_counter(), time.process_time()
-        first = self._cur[_T_BEGIN] == 0.0
-        if first:
+        if self._cur[_T_BEGIN] == 0.0:
             self._cur[_T_BEGIN] = t
         yield
         dt = time.perf_counter() - t

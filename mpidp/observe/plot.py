@@ -272,11 +272,10 @@ def sweep_series(summary: dict, metric: str | None = None) -> list[dict]:
     for name in varied:
         values = [t["settings"].get(name) for t in shown_]
         every = [t["settings"].get(name) for t in trials]
-        numeric = all(_number(v) for v in every)
         series = {"setting": name, "x": values, "y": [t["result"][metric] for t in shown_],
                   "trials": [t.get("index") for t in shown_], "categories": None,
                   "axis": "linear"}
-        if not numeric:
+        if not all(_number(v) for v in every):
             label = [("(not set)" if name not in t["settings"] else _short(v))
                      for t, v in zip(shown_, values)]
             series.update(axis="category", x=label, categories=list(dict.fromkeys(

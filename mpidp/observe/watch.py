@@ -114,8 +114,7 @@ class Watch:
             return
         line = {k: v for k, v in record.items() if k != "balance"}
         line["elapsed_s"] = time.perf_counter() - self.t0
-        per_rank = record.get("balance", {}).get("per_rank")
-        if per_rank:
+        if per_rank := record.get("balance", {}).get("per_rank"):
             for key in ("compute_s", "comm_s", "wait_s", "samples"):
                 line[key] = [d[key] for d in per_rank]
             line["samples_per_s"] = sum(line["samples"]) / record["seconds"]
