@@ -91,13 +91,12 @@ class GELU(ParameterFree):
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         self._x = x
-        x2 = x * x
+        self._x2 = x2 = x * x
         u = x2 * _GELU_A
         u += 1
         u *= x
         u *= _GELU_C
         self._t = t = np.tanh(u, out=u)  # tanh(c (x + a x^3))
-        self._x2 = x2
         y = t + 1
         y *= x
         y *= 0.5

@@ -117,10 +117,9 @@ class _ConvNd(Layer):
                 "b": (self.out_channels,)}
 
     def bind(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
-        for which in (params, grads):
-            for k, a in which.items():
-                if not a.flags.c_contiguous:  # the GEMMs write through reshaped views
-                    raise ValueError(f"{self!r}: {k} must be a C-contiguous array")
+        for k, a in [*params.items(), *grads.items()]:
+            if not a.flags.c_contiguous:  # the GEMMs write through reshaped views
+                raise ValueError(f"{self!r}: {k} must be a C-contiguous array")
         super().bind(params, grads)
 
     def init_(self, rng: np.random.Generator) -> None:

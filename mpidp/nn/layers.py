@@ -157,8 +157,7 @@ def layer_name(cls: type) -> str:
 def layer_spec(layer: Layer) -> dict:
     """``{"type": <registered name>, **layer.config()}`` (config may not use :data:`RESERVED`)."""
     settings = dict(layer.config())
-    clash = [k for k in RESERVED if k in settings]
-    if clash:
+    if clash := [k for k in RESERVED if k in settings]:
         raise ValueError(f"{type(layer).__name__}.config() may not use the key(s) {clash}: "
                          f"they are reserved in a model spec")
     return {"type": layer_name(type(layer)), **settings}
@@ -176,7 +175,6 @@ def layer_class(name: str) -> type:
 
 
 def write_grad(grad: np.ndarray, value: np.ndarray, accumulate: bool) -> None:
-    """``grad += value`` when ``accumulate``, else ``grad[...] = value``."""
     if accumulate:
         grad += value
     else:

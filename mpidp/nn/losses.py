@@ -48,7 +48,6 @@ def label_problem(y: np.ndarray, k: int, classes_only: bool = True) -> str | Non
 
 
 def _check_labels(y: np.ndarray, k: int, classes_only: bool = True) -> None:
-    """Raise ValueError with :func:`label_problem`'s text, if any."""
     if why := label_problem(y, k, classes_only):
         raise ValueError(why)
 

@@ -342,8 +342,7 @@ def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
                              "nor any NumPy file: a text file, say)"))
         saved = np.load(path, allow_pickle=False)
         with saved:  # every member read in full: every zip CRC-32 is checked
-            missing = [k for k in ("params", "spec", "dtype") if k not in saved.files]
-            if missing:
+            if missing := [k for k in ("params", "spec", "dtype") if k not in saved.files]:
                 raise ValueError(f"not a saved model: no {', '.join(map(repr, missing))} in "
                                  f"the archive (it holds "
                                  f"{', '.join(map(repr, saved.files)) or 'nothing'})")

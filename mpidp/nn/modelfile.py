@@ -104,8 +104,7 @@ def fill_settings(cls: type, settings: dict, n_outputs: int | None, who: str) ->
     """``settings`` checked against ``cls``'s constructor, with inferable sizes filled."""
     params = inspect.signature(cls).parameters
     if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        unknown = [k for k in settings if k not in params]
-        if unknown:
+        if unknown := [k for k in settings if k not in params]:
             takes = ", ".join(k for k, p in params.items()
                               if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
             raise ValueError(f"{who}: unknown setting {unknown[0]!r} (it takes "

@@ -166,6 +166,4 @@ class GlobalAvgPool(ParameterFree):
             raise ValueError(f"GlobalAvgPool: dy has shape {tuple(dy.shape)}, but the forward "
                              f"output was {shape[:2]}")
         g = dy * (1.0 / int(np.prod(shape[2:])))
-        dx = np.empty(shape, g.dtype)
-        dx[...] = g.reshape(*shape[:2], *(1,) * (len(shape) - 2))
-        return dx
+        return np.broadcast_to(g.reshape(*shape[:2], *(1,) * (len(shape) - 2)), shape).copy()

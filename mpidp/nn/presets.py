@@ -96,8 +96,7 @@ def model_layers(name: str, in_shape: int | Sequence[int], n_out: int,
     n_in = int(np.prod(shape))
     if is_model_file(name):
         layers = layers_from(read_model_file(name), n_out, where=f"model file {name}")
-        problem = input_problem(layers, sparse)
-        if problem:
+        if problem := input_problem(layers, sparse):
             raise ValueError(f"model file {name}: {problem}")
         try:
             out = chain_shapes(layers, shape)[-1]

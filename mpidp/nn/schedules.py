@@ -221,8 +221,7 @@ def schedule_from_config(config: dict[str, Any]) -> Schedule:
     if cls is Warmup and isinstance(settings.get("after"), dict):
         settings["after"] = schedule_from_config(settings["after"])
     known = {f.name for f in fields(cls) if f.init}
-    unknown = sorted(set(settings) - known)
-    if unknown:
+    if unknown := sorted(set(settings) - known):
         raise ValueError(f"schedule {name!r} has no setting {unknown}; its settings are "
                          f"{sorted(known)}")
     try:
