@@ -92,11 +92,10 @@ def layers_from(specs: list[dict[str, Any]], n_outputs: int | None = None,
         if "from_config" not in vars(cls):
             settings = fill_settings(cls, settings, n_outputs, f"{where}: layer {i + 1} ({kind})")
         try:
-            layer = (cls.from_config(settings) if callable(getattr(cls, "from_config", None))
-                     else cls(**settings))
+            out.append(cls.from_config(settings) if callable(getattr(cls, "from_config", None))
+                       else cls(**settings))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: layer {i + 1} ({kind}): {exc}") from None
-        out.append(layer)
     return out
 
 

@@ -149,10 +149,8 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
             for row, (train, test) in enumerate(rows):
                 ax = axes[row][col]
                 for key, style in ((train, "-"), (test, "--")):
-                    if key is None:
-                        continue
                     ys = [e.get(key) for e in ep]
-                    if all(v is None for v in ys):
+                    if key is None or all(v is None for v in ys):
                         continue
                     losses += [v for v in ys if row == 0 and v is not None]
                     ax.plot(xvals[name], [float("nan") if v is None else v for v in ys],
