@@ -132,10 +132,9 @@ def predict(args: argparse.Namespace, comm: C.Comm, given: set[str] = frozenset(
     if errors:
         raise C.MpidpError("; ".join(errors))
     C.root_decides(comm, check_outputs, args)
-    watchdog = C.Watchdog(comm, args.watchdog) if args.watchdog != 0 else None
-    try:  # the user's layers: one that stalls a rank is named, as under train
-        if watchdog is not None:
-            watchdog.start()
+    # the user's layers: one that stalls a rank is named, as under train
+    watchdog = C.Watchdog(comm, args.watchdog).start() if args.watchdog != 0 else None
+    try:
         with C.user_code(f"importing --import {', '.join(imports_of(args))}"):
             C.run_agreed(comm, import_modules, imports_of(args))
         model = C.run_agreed(comm, _open_model, args.model)
