@@ -21,8 +21,9 @@ from ..comm.elastic import known_members
 from ..data import distribute as D
 from ..data.balance import Partition
 from ..data.distribute import load_on_workers
+from ..data.partition import steps_per_epoch
 from ..observe.best import BestModel
-from ..observe.report import EpochReport, summary
+from ..observe.report import EpochReport, announce, summary
 from ..observe.watch import Outputs, Watch, say
 from ..run import checkpoint as ck
 from ..run import faults
@@ -129,11 +130,20 @@ class Job:
             self.faults.apply("load")
             yield
 
-    def keep_best(self, model, data: D.Data) -> None:
-        """Keep OUT/best.npz when there is a validation set (``model``: see BestModel)."""
+    def watch(self, timer, data: D.Data, model, *lines: str) -> Watch:
+        """The run's live outputs (``timer``'s), its trace window checked against the steps the
+        run takes (async-ps counts its own), once OUT/best.npz is kept where there is a
+        validation set (``model``: see BestModel); then the run announced (``lines`` last)."""
+        a = self.args
         if data.val is not None:
-            self.best = BestModel(os.path.join(self.args.out, BEST), model, comm=self.comm,
-                                  meta=model_meta(self.args, data))
+            self.best = BestModel(os.path.join(a.out, BEST), model, comm=self.comm,
+                                  meta=model_meta(a, data))
+        watch = Watch(self.comm, outputs(a), timer, self.config)
+        if O.mode_of(a) != "async-ps":
+            watch.check_steps(a.epochs * steps_per_epoch(data.train.n_total, a.batch_size,
+                                                         a.drop_last))
+        announce(self.comm, O.mode_of(a), data, *lines)
+        return watch
 
     def spec(self, watch: Watch, **settings) -> RunSpec:
         """The run specification the options ask for (``settings``: what the mode adds)."""
@@ -159,9 +169,9 @@ class Job:
         self.report = EpochReport(self.comm, epochs)  # kept: an elastic run moves it
         return self.report
 
-    def resume(self, found, watch: Watch) -> ck.State | None:
-        """The state to resume from (``--resume``), given what restoring ``found``."""
-        state = (resumed(self.comm, self.args.checkpoint_dir, self.config, found)
+    def resume(self, restoring, watch: Watch) -> ck.State | None:
+        """The state to resume from (``--resume``), given what ``restoring()`` found."""
+        state = (resumed(self.comm, self.args.checkpoint_dir, self.config, restoring())
                  if self.args.resume else None)
         watch.epoch_index = state.epoch if state is not None else 0
         if state is not None:

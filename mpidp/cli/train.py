@@ -18,12 +18,10 @@ from .. import nn
 from ..comm.elastic import errors_return, hosts_problem, members, ulfm_problem
 from ..data import distribute as D
 from ..data.balance import format_balance
-from ..data.distribute import fit_over_ranks as _standardize
-from ..data.partition import steps_per_epoch
 from ..nn.standardize import moments
 from ..observe.metrics import gather_timings
 from ..observe.progress import line_seconds
-from ..observe.report import EpochReport, announce
+from ..observe.report import EpochReport
 from ..observe.watch import Watch, log, say, setup_logging
 from ..parallel import DataParallel, make_trainer
 from ..parallel.async_ps import AsyncPS, epoch_history, fit_async
@@ -40,7 +38,7 @@ from ..run.spec import RunSpec
 from . import flags
 from . import options as O
 from .imports import absolute_paths, import_modules, imports_of
-from .job import Job, check_out, load_data, load_settings, outputs, partition_of
+from .job import Job, check_out, load_data, load_settings, partition_of
 from .model import build_layers, check_fits, check_inputs, check_model_file, optimizer_factory
 
 
@@ -63,11 +61,10 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
     if args.elastic:  # a rank lost from here on is survived (the watchdog's copy too)
         errors_return(comm)
         members(comm)
-    watchdog = C.Watchdog(comm, args.watchdog or None) if args.watchdog != 0 else None
+    # started before the user's modules: one that stalls a rank is named
+    watchdog = C.Watchdog(comm, args.watchdog or None).start() if args.watchdog != 0 else None
     stop, lost = None, []  # lost: the ranks an elastic run lost before its first step
     try:
-        if watchdog is not None:  # before the user's modules: one that stalls a rank is named
-            watchdog.start()
         while True:
             job = None
             try:
@@ -85,9 +82,8 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
                                 comm, args.dataset, together=args.distribute == "local"
                                 and O.mode_of(args) != "async-ps")
                     job = Job(args, comm, config, run_id, watchdog, stop, t_start, lost=lost)
-                    if O.mode_of(args) in O.MODEL_PARALLEL:
-                        return _train_model_parallel(job)
-                    return _train_data_parallel(job)
+                    return (_train_model_parallel if O.mode_of(args) in O.MODEL_PARALLEL
+                            else _train_data_parallel)(job)
             except Exception as exc:
                 if not args.elastic or job is not None and job.started:
                     raise
@@ -148,7 +144,7 @@ def _data_parallel_trainer(job: Job, data: D.Data) -> DataParallel:
                       on_nonfinite=args.on_nonfinite, sync=sync)
     dp.model.init_(np.random.default_rng(args.seed))  # the same numbers on every rank
     if args.standardize:
-        _standardize(comm, dp.model.layers[0], data.train.X)
+        D.fit_over_ranks(comm, dp.model.layers[0], data.train.X)
     dp.sync_params(args.init_sync)  # rank 0's initial model everywhere (bcast), or checked
     dp.timer.slowdown = args.slowdown.get(comm.rank, 1.0)  # ranks beyond: refused before
     return dp
@@ -160,17 +156,12 @@ def _train_data_parallel(job: Job) -> dict | None:
         data = load_data(comm, args, server=0 if O.dedicated_server(args) else None)
     C.run_agreed(comm, check_fits, args, data, 1.0, C.local_ranks(comm))
     dp = _data_parallel_trainer(job, data)
-    job.keep_best(lambda: dp.model, data)
-    watch = Watch(comm, outputs(args), dp.timer, job.config)
-    if args.sync != "async-ps":  # async-ps counts its steps otherwise: said at the end
-        watch.check_steps(args.epochs * steps_per_epoch(data.train.n_total, args.batch_size,
-                                                        args.drop_last))
     how = dp.sync.describe()
-    announce(comm, O.mode_of(args), data, f"model: {dp.model!r}", *([how] if how else []))
+    watch = job.watch(dp.timer, data, lambda: dp.model, f"model: {dp.model!r}",
+                      *([how] if how else []))
     log.debug(f"[rank {comm.rank}] {C.mpi_info(C.self_comm())['processor']}: "
               f"{len(data.train.X)} train rows, {len(data.test.X)} test rows")
-    resume = job.resume(restore(comm, args.checkpoint_dir, dp.model, dp.optimizer)
-                        if args.resume else None, watch)
+    resume = job.resume(lambda: restore(comm, args.checkpoint_dir, dp.model, dp.optimizer), watch)
     planned = faults.Injector(comm.rank)  # the faults of the final write
     try:
         if args.sync == "async-ps":
@@ -182,9 +173,8 @@ def _train_data_parallel(job: Job) -> dict | None:
                 watch, partition=partition_of(args, data), resume=resume,
                 elastic=(lambda over: _regroup(job, watch, data, over)) if args.elastic
                 else False, min_ranks=args.min_ranks))
-            comm = job.comm  # elastic: the survivors
             extra = {"balance": history[-1]["balance"]}
-            say(comm, "last epoch: " + format_balance(extra["balance"], per_rank=False))
+            say(job.comm, "last epoch: " + format_balance(extra["balance"], per_rank=False))
         watch.finish(history)
     finally:
         watch.close_history()
@@ -206,8 +196,7 @@ def _train_data_parallel(job: Job) -> dict | None:
         return job.finish(
             dp.model, data, "bit-identical (checked)", history, dp.global_step, timings, scores,
             skipped_steps=dp.skipped_steps + extra.get("async", {}).get("skipped", 0),
-            sync=args.sync, balance=extra.get("balance"), **{
-                k: v for k, v in extra.items() if k != "balance"},
+            sync=args.sync, **extra,
             **({"auto": dp.sync.report or undecided} if args.sync == "auto" else {}),
             bytes_sent_per_step=dp.sync.bytes_sent / max(dp.global_step, 1),
             **({"lost_ranks": job.lost + lost.losses} if lost is not None else {}))
@@ -262,7 +251,7 @@ def _fit_async(job: Job, dp: DataParallel, data: D.Data, spec: RunSpec) -> tuple
                            test_accuracy=ev.accuracy if data.classification else None)
     history[-1]["seconds"] = time.perf_counter() - t0
     EpochReport(job.comm, job.args.epochs)(history[-1])
-    return history, {"async": stats.summary()}
+    return history, {"balance": None, "async": stats.summary()}
 
 
 def _train_model_parallel(job: Job) -> dict | None:
@@ -284,16 +273,12 @@ def _train_model_parallel(job: Job) -> dict | None:
     pipe.init_(np.random.default_rng(args.seed))  # the same initial model as --parallel data
     if args.standardize and pipe.first:  # every rank holds the whole training set
         pipe.model.layers[0].fit_(*moments(data.train.X))
-    whole = lambda: whole_model(pipe, lambda: build_layers(args, data)[0])  # noqa: E731
-    job.keep_best(whole, data)
     pipe.timer.slowdown = args.slowdown.get(comm.rank, 1.0)
-    watch = Watch(comm, outputs(args), pipe.timer, job.config)
-    watch.check_steps(args.epochs * steps_per_epoch(data.train.n_total, args.batch_size,
-                                                    args.drop_last))
-    announce(comm, O.mode_of(args), data, f"{pipe.n_stages} stages x {pipe.n_replicas} "
-             f"replicas, {args.micro_batches} micro-batches, {args.schedule}; stage bounds "
-             f"(layers) {pipe.plan.bounds}")
-    resume = job.resume(pipe.restore(args.checkpoint_dir) if args.resume else None, watch)
+    whole = lambda: whole_model(pipe, lambda: build_layers(args, data)[0])  # noqa: E731
+    watch = job.watch(pipe.timer, data, whole, f"{pipe.n_stages} stages x {pipe.n_replicas} "
+                      f"replicas, {args.micro_batches} micro-batches, {args.schedule}; stage "
+                      f"bounds (layers) {pipe.plan.bounds}")
+    resume = job.resume(lambda: pipe.restore(args.checkpoint_dir), watch)
     try:
         held = {name: (shard.X, shard.y) for name, shard in
                 (("val", data.val), ("test", data.test)) if shard is not None}
