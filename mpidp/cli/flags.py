@@ -98,13 +98,10 @@ def add_mode_options(group, flag: str, kinds: tuple[str, ...], default: str, *,
         if MODES[f.modes[0]].kind not in kinds:
             continue
         meta = f.meta
-        kw: dict[str, Any] = {"choices": tuple(f.words) if f.words else meta.get("choices")}
-        if f.mib:
-            kw["type"] = mebibytes
-        elif meta.get("low") is not None:
-            kw["type"] = number(int, meta["low"])
-        group.add_argument(f.flag, default=f.default,
-                           help=f"{', '.join(f.modes)}: {meta['help']}", **kw)
+        kind = mebibytes if f.mib else (None if meta.get("low") is None else number(int, meta["low"]))
+        group.add_argument(f.flag, type=kind, default=f.default,
+                           choices=tuple(f.words) if f.words else meta.get("choices"),
+                           help=f"{', '.join(f.modes)}: {meta['help']}")
 
 
 def settings_of(mode: str, args: argparse.Namespace) -> Settings:

@@ -113,14 +113,9 @@ def _main(parser, argv: list[str]) -> int:
     if args.command == "info":
         info()
         return 0
-    if args.command == "plot":
-        return plot(args)
-    if args.command == "export":
-        from . import export
-        return export.main(args)
-    if args.command == "check-layer":
-        from . import check_layer
-        return check_layer.main(args)
+    if args.command in ("plot", "export", "check-layer"):
+        from . import check_layer, export
+        return {"plot": plot, "export": export.main, "check-layer": check_layer.main}[args.command](args)
     from_file: set[tuple[str, bool]] = set()
     if args.command == "train" and args.config:
         args, argv, from_file = settings.with_config_file(parser, argv, args.config)
