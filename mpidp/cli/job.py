@@ -151,10 +151,11 @@ class Job:
         checkpoint = (Checkpointing(a.checkpoint_dir, a.checkpoint_every, a.keep_checkpoints,
                                     self.config, self.run_id, self.best)
                       if a.checkpoint_dir else None)
+        self.report = EpochReport(self.comm, a.epochs)  # kept: an elastic run moves it
         return RunSpec(a.epochs, a.batch_size, a.seed, not a.no_shuffle, a.drop_last,
                        **{"check_every": a.check_every, "checkpoint": checkpoint,
                           "progress": "none" if a.no_progress or a.quiet else a.progress,
-                          "on_epoch": _all(self._report(a.epochs), watch.epoch,
+                          "on_epoch": _all(self.report, watch.epoch,
                                             *([self.best] if self.best else [])),
                           "early_stopping": (EarlyStopping(a.early_stopping, a.min_delta)
                                              if a.early_stopping else None),
@@ -164,10 +165,6 @@ class Job:
                                       if a.lr_schedule == "plateau" else None),
                           "on_step": watch.step, "stop": self.stop, "watchdog": self.watchdog,
                           **settings})
-
-    def _report(self, epochs: int) -> EpochReport:
-        self.report = EpochReport(self.comm, epochs)  # kept: an elastic run moves it
-        return self.report
 
     def resume(self, restoring, watch: Watch) -> ck.State | None:
         """The state to resume from (``--resume``), given what ``restoring()`` found."""
