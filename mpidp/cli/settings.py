@@ -142,11 +142,10 @@ def compare_resume(saved_config: dict, config: dict, *, state: State | None = No
                         f"it was trained on, or start over with --restart or another "
                         f"--checkpoint-dir")
     epochs = config.get("epochs")
-    if state is not None and epochs is not None and (
-            epochs < state.epoch or (epochs == state.epoch and state.step > 0)):
+    need = None if state is None else state.epoch + (1 if state.step else 0)  # to finish it
+    if need is not None and epochs is not None and epochs < need:
         done = f"{state.epoch} epochs" + (f" and {state.step} steps of epoch {state.epoch + 1}"
                                           if state.step else "")
-        need = state.epoch + (1 if state.step else 0)
         problems.append(f"--epochs {epochs} is below what checkpoint {path} has done ({done}, "
                         f"global step {state.global_step}): resume with --epochs {need} or "
                         f"more, or start over with --restart")
