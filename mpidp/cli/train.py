@@ -21,7 +21,6 @@ from ..data.balance import format_balance
 from ..nn.standardize import moments
 from ..observe.metrics import gather_timings
 from ..observe.progress import line_seconds
-from ..observe.report import EpochReport
 from ..observe.watch import Watch, log, say, setup_logging
 from ..parallel import DataParallel, make_trainer
 from ..parallel.async_ps import AsyncPS, epoch_history, fit_async
@@ -250,7 +249,7 @@ def _fit_async(job: Job, dp: DataParallel, data: D.Data, spec: RunSpec) -> tuple
         history[-1].update(test_loss=ev.loss,
                            test_accuracy=ev.accuracy if data.classification else None)
     history[-1]["seconds"] = time.perf_counter() - t0
-    EpochReport(job.comm, job.args.epochs)(history[-1])
+    job.report(history[-1])  # made by job.spec
     return history, {"balance": None, "async": stats.summary()}
 
 
