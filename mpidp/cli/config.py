@@ -12,6 +12,11 @@ import math
 import sys
 from collections.abc import Iterable
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.9/3.10: the tomli package, a dependency there
+    import tomli as tomllib
+
 #: Keys never taken from a stored configuration: what to do now, and how to show it, not
 #: how to train.
 NOT_STORED = frozenset({"command", "config", "resume", "restart", "world_size",
@@ -26,14 +31,6 @@ RECORDS = frozenset({"command", "world_size", "data_fingerprint", "resume_change
 def load(path: str, what: str = "--config") -> dict:
     """The table in TOML file ``path``; ValueError naming ``what`` (the option) and the file
     on any problem."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - Python 3.9/3.10
-        try:
-            import tomli as tomllib
-        except ImportError as exc:
-            raise ValueError(f"{what} needs the tomli package on Python < 3.11: "
-                             "pip install tomli") from exc
     from ..atomic import read_text
     try:
         data = read_text(path, what)

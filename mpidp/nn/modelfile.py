@@ -10,12 +10,16 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 from typing import Any
-
-import tomllib
 
 from ..atomic import read_text
 from .layers import Layer, layer_class
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.9/3.10: the tomli package, a dependency there
+    import tomli as tomllib
 
 MODEL_FILE_SUFFIXES = (".toml", ".json")
 MAX_NESTING = 64  # blocks in blocks: deeper ones would exhaust Python's recursion
