@@ -57,9 +57,10 @@ test-fast: bytecode
 
 # Unit tests and CLI tests (the CLI tests launch their own mpiexec jobs with timeouts); the
 # 25 slowest are listed at the end, so a slow test shows in the log. With pytest-xdist (the
-# test extra) two workers share them, each file on one worker: much of the time is spent
-# waiting on jobs (start-up, watchdog timeouts, signals).
-XDIST = $(shell $(BIN)/python -c 'import xdist' 2>/dev/null && echo '-n 2 --dist loadfile')
+# test extra) two workers share them, each file on one worker, the longest files first
+# (tests/conftest.py): much of the time is spent waiting on jobs (start-up, watchdog
+# timeouts, signals).
+XDIST = $(shell $(BIN)/python -c 'import xdist' 2>/dev/null && echo '-n 2 --dist loadfile --no-loadscope-reorder')
 test-unit: bytecode
 	timeout 1800 $(BIN)/python -m pytest tests --ignore=tests/mpi $(XDIST) --durations=25
 

@@ -49,6 +49,24 @@ def _remove_shm_left_by_killed_jobs():
                 p.unlink(missing_ok=True)
 
 
+#: The files whose tests take longest (mpiexec jobs, watchdog and signal waits; measured on
+#: 2 cores), longest first. pytest-xdist hands whole files to its workers in collection
+#: order (``--dist loadfile --no-loadscope-reorder``): these go first, and the many short
+#: files keep both workers busy to the end instead of one waiting on a long file.
+LONGEST_FIRST = ("test_docs.py", "cli/test_clean_ends.py", "bench/test_bench_compare.py",
+                 "parallel/test_modes.py", "test_multihost.py", "cli/test_messages.py",
+                 "run/test_faults.py", "cli/test_validation.py", "cli/test_train.py",
+                 "cli/test_sweep.py", "cli/test_output_errors.py", "cli/test_export_command.py",
+                 "bench/test_bench_network.py", "cli/test_defaults.py",
+                 "cli/test_train_partition.py", "cli/test_models.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    here = Path(__file__).parent
+    items.sort(key=lambda item: first.get(item.path.relative_to(here).as_posix(), len(first)))
+
+
 def pytest_addoption(parser):
     parser.addoption("--fast", action="store_true",
                      help="skip every test that starts a process (mpiexec jobs, the command "

@@ -568,6 +568,12 @@ def test_benchmarks_name_code_that_exists():
     assert missing == {}, missing
 
 
+def test_the_longest_test_files_named_to_go_first_exist():
+    """A renamed file would silently lose its place at the head of the queue."""
+    from conftest import LONGEST_FIRST
+    assert [name for name in LONGEST_FIRST if not (ROOT / "tests" / name).is_file()] == []
+
+
 PLANTED = '''
 import argparse
 import threading
