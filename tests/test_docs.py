@@ -4,8 +4,8 @@ inside the repository and resolve, and they speak to users, not about how mpidp 
 Convention (stated in docs/index.md): commands in ```bash blocks run as written from the
 repository root once ``.venv`` is built; ```sh blocks are for other machines and ```text
 blocks show output. Every ```bash command is run here, unless :data:`NOT_RUN` lists it
-with the reason; a training command here runs at most :data:`EPOCHS` epochs (each epoch runs
-the same code; a shown run's length is for its reader).
+with the reason; a training command here runs at most :data:`EPOCHS` epochs, or one more
+than its warmup (each epoch runs the same code; a shown run's length is for its reader).
 """
 
 from __future__ import annotations
@@ -167,7 +167,9 @@ def test_not_run_list_names_only_commands_shown():
 def test_training_commands_are_cut_to_a_few_epochs():
     assert _short("mpidp train --out o") == f"mpidp train --out o --epochs {EPOCHS}"
     assert _short("mpidp train --epochs 30 --out 'a b'") == f"mpidp train --epochs {EPOCHS} --out 'a b'"
-    assert _short("mpidp train --epochs 2") == "mpidp train --epochs 2"
+    assert _short("mpidp train --epochs 1") == "mpidp train --epochs 1"
+    assert _short("mpidp train --epochs 9 --warmup-epochs 2") == (
+        "mpidp train --epochs 3 --warmup-epochs 2")
     assert _short("mpidp train --epochs 9 --resume") == "mpidp train --epochs 9 --resume"
     assert _short("mpidp predict --out x") == "mpidp predict --out x"
 
@@ -198,19 +200,21 @@ def _claims(command: str) -> list[str]:
     return []
 
 
-EPOCHS = 3
+EPOCHS = 2
 
 
 def _short(command: str) -> str:
-    """``command`` with a training run cut to at most :data:`EPOCHS` epochs (the default is
-    10); a resumed run keeps its epochs."""
+    """``command`` with a training run cut to :data:`EPOCHS` epochs (the default is 10; two
+    show that it learns), or one more than its warmup; a resumed run keeps its epochs."""
     words = shlex.split(command)
     if not ("mpidp" in words and "train" in words) or "--resume" in words:
         return command
+    value = lambda flag: float(words[words.index(flag) + 1]) if flag in words[:-1] else 0
+    epochs = max(EPOCHS, int(value("--warmup-epochs")) + 1)
     if "--epochs" not in words:
-        return f"{command} --epochs {EPOCHS}"
+        return f"{command} --epochs {epochs}"
     at = words.index("--epochs") + 1
-    words[at] = str(min(int(words[at]), EPOCHS))
+    words[at] = str(min(int(words[at]), epochs))
     return shlex.join(words)
 
 
