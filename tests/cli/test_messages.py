@@ -98,6 +98,8 @@ def test_every_rank_exits_2_and_rank_0_alone_speaks():
 
 
 def test_a_bad_progress_interval_is_refused_before_any_work(tmp_path):
+    """By a job of 2 ranks: the ranks' own refusal (after the parser) exits 2 on every rank
+    and is printed once, by rank 0; the other refusals of settings are run in this process."""
     out = tmp_path / "run"
     r = run_mpi(2, "train", "--dataset", "synthetic", "--epochs", "1", "--out", str(out),
                 env={"MPIDP_PROGRESS_SECONDS": "-3"}, timeout=60)
@@ -177,7 +179,9 @@ def test_the_example_writes_nothing():
     assert "np.save" not in code and "open(" not in code
 
 
-def test_a_config_file_that_names_the_out_folder_says_so(tmp_path):
+def test_a_config_file_that_names_the_out_folder_says_so(tmp_path, capsys):
+    """Said once by a job of 2 ranks (rank 0 alone); not said where --out is typed (a run
+    of one rank in this process)."""
     out = tmp_path / "from-file"
     cfg = tmp_path / "run.toml"
     cfg.write_text(f'dataset = "digits"\nepochs = 1\nout = "{out}"\n')
@@ -185,22 +189,25 @@ def test_a_config_file_that_names_the_out_folder_says_so(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stderr.count(f"writing into --out {out} as --config {cfg} says") == 1, r.stderr
     assert (out / "model.npz").exists()
-    r = run_mpi(1, "train", "--config", str(cfg), "--out", str(tmp_path / "mine"), "-q")
+    r = run_here(capsys, "train", "--config", str(cfg), "--out", str(tmp_path / "mine"), "-q")
     assert r.returncode == 0 and "writing into --out" not in r.stderr, r.stderr
 
 
 def test_a_setting_from_a_file_that_an_override_makes_moot_is_left_out(tmp_path, capsys):
     """A file's momentum under --optimizer adam typed over it: trained, not refused, and
-    the new record has no momentum; typed on the command line, it is refused."""
+    the new record has no momentum; typed on the command line, it is refused (runs of one
+    rank in this process: the ranks' refusal printed once by a job is
+    test_a_bad_progress_interval_is_refused_before_any_work)."""
     cfg = tmp_path / "run.toml"
     cfg.write_text('dataset = "digits"\nepochs = 1\noptimizer = "momentum"\nmomentum = 0.95\n')
     out = tmp_path / "adam"
-    r = run_mpi(2, "train", "--config", str(cfg), "--optimizer", "adam", "--out", str(out), "-q")
+    r = run_here(capsys, "train", "--config", str(cfg), "--optimizer", "adam", "--out", str(out),
+                 "-q")
     assert r.returncode == 0, r.stderr[-2000:]
     recorded = (out / "config.toml").read_text()
     assert 'optimizer = "adam"' in recorded and "momentum" not in recorded, recorded
-    r = run_mpi(2, "train", "--config", str(cfg), "--optimizer", "adam", "--momentum", "0.9",
-                "--out", str(tmp_path / "typed"), "-q")  # by a job; the ones below in-process
+    r = run_here(capsys, "train", "--config", str(cfg), "--optimizer", "adam", "--momentum",
+                 "0.9", "--out", str(tmp_path / "typed"), "-q")
     assert r.returncode == 2 and "--momentum does not apply to --optimizer adam" in r.stderr
 
 
@@ -212,11 +219,13 @@ def test_a_setting_from_a_file_that_an_override_makes_moot_is_left_out(tmp_path,
 def test_a_file_setting_another_mode_typed_over_it_makes_moot_is_left_out(tmp_path, capsys,
                                                                           table, typed, gone):
     """A run's record of one mode's own settings reused with another --sync typed: trained
-    under the typed mode, and the new record leaves the first mode's settings out."""
+    under the typed mode, and the new record leaves the first mode's settings out; typed on
+    the command line, the setting is refused (runs of one rank in this process: a mode's
+    settings are taken or refused before any exchange)."""
     cfg = tmp_path / "run.toml"
     cfg.write_text('dataset = "digits"\nepochs = 1\n' + table)
     out = tmp_path / "o"
-    r = run_mpi(2, "train", "--config", str(cfg), "--sync", typed, "--out", str(out), "-q")
+    r = run_here(capsys, "train", "--config", str(cfg), "--sync", typed, "--out", str(out), "-q")
     assert r.returncode == 0, r.stderr[-2000:]
     recorded = (out / "config.toml").read_text()
     assert f'sync = "{typed}"' in recorded and gone not in recorded, recorded
@@ -240,33 +249,36 @@ def test_a_file_setting_another_mode_typed_over_it_makes_moot_is_left_out(tmp_pa
 def test_a_file_that_contradicts_itself_is_refused_not_trimmed(tmp_path, capsys, table, message):
     """Leaving out is for a file setting the command line made moot; the same setting
     moot within the file itself is the file's mistake, refused as the flag would be (the
-    first by a job of 2 ranks, the others in this process)."""
+    refusal in this process, a run of one rank: the ranks' refusal printed once by a job is
+    test_a_bad_progress_interval_is_refused_before_any_work)."""
     cfg = tmp_path / "run.toml"
     cfg.write_text('dataset = "digits"\nepochs = 1\n' + table)
     args = ["train", "--config", str(cfg), "--out", str(tmp_path / "o"), "-q"]
-    r = run_mpi(2, *args) if "adam" in table else run_here(capsys, *args)
+    r = run_here(capsys, *args)
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "o").exists()
 
 
-def test_a_default_valued_setting_an_override_makes_moot_is_left_out(tmp_path):
+def test_a_default_valued_setting_an_override_makes_moot_is_left_out(tmp_path, capsys):
     """A run's own record (bucket size at its default under overlapped) reused with --sync
     allreduce typed: trained, and the new record has no bucket size."""
     cfg = tmp_path / "run.toml"
     cfg.write_text('dataset = "digits"\nepochs = 1\nsync = "overlapped"\nbucket-mb = 1.0\n')
     out = tmp_path / "o"
-    r = run_mpi(1, "train", "--config", str(cfg), "--sync", "allreduce", "--out", str(out), "-q")
+    r = run_here(capsys, "train", "--config", str(cfg), "--sync", "allreduce", "--out", str(out),
+                 "-q")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "bucket" not in (out / "config.toml").read_text()
 
 
-def test_a_record_of_every_setting_and_flags_written_false_are_read_back(tmp_path):
+def test_a_record_of_every_setting_and_flags_written_false_are_read_back(tmp_path, capsys):
     """A metrics.json's config (every setting, defaults that apply nowhere included) as a
     config file trains again, and so does a file writing flags as false: neither says
     anything that does not apply."""
     from mpidp.cli.config import dumps
     first = tmp_path / "first"
-    r = run_mpi(1, "train", "--dataset", "digits", "--epochs", "1", "--out", str(first), "-q")
+    r = run_here(capsys, "train", "--dataset", "digits", "--epochs", "1", "--out", str(first),
+                 "-q")
     assert r.returncode == 0, r.stderr[-2000:]
     record = json.loads((first / "metrics.json").read_text())["config"]
     full = tmp_path / "full.toml"
@@ -274,7 +286,8 @@ def test_a_record_of_every_setting_and_flags_written_false_are_read_back(tmp_pat
     flags = tmp_path / "flags.toml"
     flags.write_text('dataset = "digits"\nepochs = 1\ncopy-data = false\nrestart = false\n')
     for cfg in (full, flags):
-        r = run_mpi(1, "train", "--config", str(cfg), "--out", str(tmp_path / cfg.stem), "-q")
+        r = run_here(capsys, "train", "--config", str(cfg), "--out", str(tmp_path / cfg.stem),
+                     "-q")
         assert r.returncode == 0, (cfg.name, r.stderr[-2000:])
 
 
@@ -290,15 +303,15 @@ def test_a_codec_made_moot_by_a_typed_dtype_is_not_passed_on(tmp_path):
     assert 'dtype = "float64"' in recorded and "compress" not in recorded, recorded
 
 
-def test_a_file_value_the_command_line_overrides_is_not_checked(tmp_path):
+def test_a_file_value_the_command_line_overrides_is_not_checked(tmp_path, capsys):
     """The command line wins: a bad batch size in the file, a generated data set's sizes
     under a typed --dataset digits, neither is refused (the sizes are left out)."""
     cfg = tmp_path / "run.toml"
     cfg.write_text('epochs = 1\nbatch-size = 0\ndataset = "synthetic"\nn-samples = 300\n'
                    'n-features = 20\n')
     out = tmp_path / "o"
-    r = run_mpi(1, "train", "--config", str(cfg), "--batch-size", "64", "--dataset", "digits",
-                "--out", str(out), "-q")
+    r = run_here(capsys, "train", "--config", str(cfg), "--batch-size", "64", "--dataset",
+                 "digits", "--out", str(out), "-q")
     assert r.returncode == 0, r.stderr[-2000:]
     recorded = (out / "config.toml").read_text()
     assert "n-samples" not in recorded and "n-features" not in recorded, recorded
