@@ -11,7 +11,7 @@ import os
 import sys
 
 import pytest
-from helpers import run_mpi
+from helpers import run_here, run_mpi
 
 from mpidp import nn
 from mpidp.cli import build_parser
@@ -135,43 +135,43 @@ def model_file(tmp_path_factory):
     return str(path)
 
 
-def _predict(model_file: str, out: str):
-    return run_mpi(1, "predict", "--model", model_file, "--dataset", "digits", "--out", out,
-                   timeout=60)
+def _predict(capsys, model_file: str, out: str):
+    """``mpidp predict`` of one rank, in this process."""
+    return run_here(capsys, "predict", "--model", model_file, "--dataset", "digits", "--out", out)
 
 
-def test_predict_into_an_existing_folder_is_refused_up_front(tmp_path, model_file):
+def test_predict_into_an_existing_folder_is_refused_up_front(tmp_path, capsys, model_file):
     folder = tmp_path / "preds"
     folder.mkdir()
-    r = _predict(model_file, str(folder))
+    r = _predict(capsys, model_file, str(folder))
     assert r.returncode == 2, r.stderr[-3000:]
     _one_error_line(r.stderr, f"--out {folder}", "is a folder", "predictions.npy")
     assert os.listdir(folder) == [] and sorted(os.listdir(tmp_path)) == ["preds"]
 
 
 @pytest.mark.parametrize("command", ["train", "predict"])
-def test_an_out_that_is_a_dangling_link_is_refused(tmp_path, model_file, command):
+def test_an_out_that_is_a_dangling_link_is_refused(tmp_path, capsys, model_file, command):
     link, target = tmp_path / "out", tmp_path / "gone" / "here"
     link.symlink_to(target)
     argv = (["train", *QUICK, "--out", str(link)] if command == "train" else
             ["predict", "--model", model_file, "--dataset", "digits", "--out", str(link)])
-    r = run_mpi(1, *argv, timeout=60)
+    r = run_here(capsys, *argv)
     assert r.returncode == 2, r.stderr[-3000:]
     _one_error_line(r.stderr, f"--out {link}", "symbolic link", str(target), "does not exist")
     assert link.is_symlink() and not os.path.lexists(target.parent)
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
-def test_predict_into_an_unwritable_place_names_the_path_given(tmp_path, model_file):
-    r = _predict(model_file, "/proc/p.npy")
+def test_predict_into_an_unwritable_place_names_the_path_given(tmp_path, capsys, model_file):
+    r = _predict(capsys, model_file, "/proc/p.npy")
     assert r.returncode == 2, r.stderr[-3000:]
     line = _one_error_line(r.stderr, "--out /proc/p.npy", "cannot write")
     assert ".part" not in line and ".tmp" not in line
 
 
 @pytest.mark.parametrize("command", [["train", *QUICK], ["sweep", "--grid", "seed=0", *QUICK]])
-def test_a_folder_out_in_an_unwritable_place_names_the_option(command):
-    r = run_mpi(1, *command, "--out", "/proc/mpidp-out", timeout=60)
+def test_a_folder_out_in_an_unwritable_place_names_the_option(capsys, command):
+    r = run_here(capsys, *command, "--out", "/proc/mpidp-out")
     assert r.returncode == 2, r.stderr[-3000:]
     _one_error_line(r.stderr, "--out /proc/mpidp-out", "cannot write")
 
@@ -295,9 +295,9 @@ def test_plot_refuses_a_format_it_cannot_write(tmp_path, capsys, finished_run):
 
 # --- 10. paths that config.toml must record ------------------------------------------
 
-def test_an_out_with_a_newline_reads_back_from_its_config_toml(tmp_path):
+def test_an_out_with_a_newline_reads_back_from_its_config_toml(tmp_path, capsys):
     out = tmp_path / "a\nb"
-    r = run_mpi(1, "train", *QUICK, "--out", str(out), timeout=120)
+    r = run_here(capsys, "train", *QUICK, "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     table = load(str(out / "config.toml"))
     train = subcommand(build_parser(), "train")
@@ -306,9 +306,9 @@ def test_an_out_with_a_newline_reads_back_from_its_config_toml(tmp_path):
 
 
 @pytest.mark.skipif(sys.getfilesystemencoding() != "utf-8", reason="a UTF-8 file system")
-def test_an_out_that_config_toml_cannot_record_is_refused_up_front(tmp_path):
+def test_an_out_that_config_toml_cannot_record_is_refused_up_front(tmp_path, capsys):
     out = str(tmp_path) + "/bad\udcff"  # the byte 0xff: no UTF-8 text, no TOML string
-    r = run_mpi(1, "train", *QUICK, "--out", out, timeout=60)
+    r = run_here(capsys, "train", *QUICK, "--out", out)
     assert r.returncode == 2, r.stderr[-3000:]
     _one_error_line(r.stderr, "--out", "not UTF-8", "config.toml")
     assert os.listdir(tmp_path) == []
@@ -317,6 +317,7 @@ def test_an_out_that_config_toml_cannot_record_is_refused_up_front(tmp_path):
 # --- 11, 12. the timeline --------------------------------------------------------------
 
 def test_a_trace_range_beyond_the_run_is_refused_before_training(tmp_path):
+    """By a job of 2 ranks: the ranks' refusal is one line (rank 0's) and exit 2."""
     out, trace = tmp_path / "out", tmp_path / "t.json"
     r = run_mpi(2, "train", *QUICK, "--out", str(out), "--trace", str(trace),
                 "--trace-steps", "1000:1010", timeout=120)
@@ -325,22 +326,25 @@ def test_a_trace_range_beyond_the_run_is_refused_before_training(tmp_path):
     assert not out.exists() and not trace.exists()
 
 
-def test_a_trace_range_a_resumed_run_has_passed_is_said(tmp_path):
+def test_a_trace_range_a_resumed_run_has_passed_is_said(tmp_path, capsys):
+    """Runs of one rank in this process."""
     out, ck, trace = tmp_path / "out", tmp_path / "ck", tmp_path / "t.json"
-    r = run_mpi(1, "train", *QUICK, "--out", str(out), "--checkpoint-dir", str(ck), timeout=120)
+    r = run_here(capsys, "train", *QUICK, "--out", str(out), "--checkpoint-dir", str(ck))
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_mpi(1, "train", *QUICK, "--epochs", "2", "--out", str(out), "--checkpoint-dir",
-                str(ck), "--resume", "--trace", str(trace), "--trace-steps", "0:5", timeout=120)
+    r = run_here(capsys, "train", *QUICK, "--epochs", "2", "--out", str(out), "--checkpoint-dir",
+                 str(ck), "--resume", "--trace", str(trace), "--trace-steps", "0:5")
     assert r.returncode == 0, r.stderr[-3000:]
     said = [line for line in (r.stdout + r.stderr).splitlines() if "--trace-steps 0:5" in line]
     assert len(said) == 1 and "warning" in said[0] and "23 to 45" in said[0], said
     assert json.loads(trace.read_text())["otherData"]["steps"] == [0, 5]
 
 
-def test_a_trace_into_a_folder_is_refused_before_training(tmp_path):
+def test_a_trace_into_a_folder_is_refused_before_training(tmp_path, capsys):
+    """A run of one rank in this process (the ranks' refusal as one line from a job:
+    test_a_trace_range_beyond_the_run_is_refused_before_training)."""
     out, folder = tmp_path / "out", tmp_path / "traces"
     folder.mkdir()
-    r = run_mpi(2, "train", *QUICK, "--out", str(out), "--trace", str(folder), timeout=120)
+    r = run_here(capsys, "train", *QUICK, "--out", str(out), "--trace", str(folder))
     assert r.returncode == 2, r.stderr[-3000:]
     _one_error_line(r.stderr, f"--trace {folder}", "is a folder", "trace.json")
     assert not out.exists() and os.listdir(folder) == []
