@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import parser_refusal, run_mpi
+from helpers import parser_refusal, run_here, run_mpi
 from sklearn.metrics import f1_score, log_loss, precision_recall_fscore_support
 
 from mpidp import nn
@@ -16,25 +16,41 @@ from mpidp.data.partition import split_rows, validation_split
 from mpidp.data.sources import open_source
 
 DIGITS = ["train", "--dataset", "digits", "--no-progress", "--seed", "2", "--dtype", "float64"]
+STOPPING = [*DIGITS, "--val-fraction", "0.2", "--early-stopping", "2", "--epochs", "40",
+            "--lr", "0.1"]
 
 
 def _metrics(out) -> dict:
     return json.loads((Path(out) / "metrics.json").read_text())
 
 
-@pytest.mark.parametrize("mode", [[], ["--parallel", "pipeline"]], ids=["data", "pipeline"])
-def test_early_stopping_on_the_validation_loss_keeps_the_best_model(tmp_path, mode):
-    args = [*DIGITS, "--val-fraction", "0.2", "--early-stopping", "2", "--epochs", "40",
-            "--lr", "0.1", *mode]
-    r = run_mpi(2, *args, "--out", str(tmp_path / "o"))
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """One early-stopped data-parallel run of 2 ranks, checkpointed (folder, job): its out
+    is read by the early-stopping test, its checkpoints resumed by the resume test."""
+    root = tmp_path_factory.mktemp("stopped")
+    r = run_mpi(2, *STOPPING, "--checkpoint-dir", str(root / "ck"), "--out", str(root / "o"))
     assert r.returncode == 0, r.stderr[-3000:]
-    m = _metrics(tmp_path / "o")
+    return root, r
+
+
+@pytest.mark.parametrize("mode", [[], ["--parallel", "pipeline"]], ids=["data", "pipeline"])
+def test_early_stopping_on_the_validation_loss_keeps_the_best_model(tmp_path, request, mode):
+    """Data parallel: the run of the ``stopped`` fixture (checkpointed); pipeline: a job of
+    its own."""
+    if mode:
+        folder = tmp_path
+        r = run_mpi(2, *STOPPING, *mode, "--out", str(folder / "o"))
+        assert r.returncode == 0, r.stderr[-3000:]
+    else:
+        folder, r = request.getfixturevalue("stopped")
+    m = _metrics(folder / "o")
     losses = [h["val_loss"] for h in m["history"]]
     best = int(np.argmin(losses))
     assert len(losses) < 40 and len(losses) - 1 - best == 2  # two epochs without improving
     assert m["best"] == {"file": "best.npz", "epoch": best + 1, "val_loss": losses[best]}
     assert f"best validation loss {losses[best]:.4f} at epoch {best + 1}" in r.stdout
-    saved = nn.load(tmp_path / "o" / "best.npz")
+    saved = nn.load(folder / "o" / "best.npz")
     assert saved.meta["epoch"] == best + 1
     # the validation rows, split as train splits them: the saved model's loss on them
     src = open_source("digits")
@@ -43,14 +59,16 @@ def test_early_stopping_on_the_validation_loss_keeps_the_best_model(tmp_path, mo
     X, y = src.read(val)
     loss = nn.SoftmaxCrossEntropy().forward(saved.predict(X.astype(np.float64)), y) / len(y)
     assert abs(loss - losses[best]) < 1e-9
-    assert not np.array_equal(saved.params, nn.load(tmp_path / "o").params)
+    assert not np.array_equal(saved.params, nn.load(folder / "o").params)
 
 
-def test_the_same_validation_and_stop_at_one_and_three_ranks(tmp_path):
+def test_the_same_validation_and_stop_at_one_and_three_ranks(tmp_path, capsys):
+    """One rank in this process, three by a job."""
     args = [*DIGITS, "--val-fraction", "0.1", "--early-stopping", "1", "--epochs", "30",
             "--lr", "0.2", "--distribute", "local"]
     for n in (1, 3):
-        r = run_mpi(n, *args, "--out", str(tmp_path / str(n)))
+        out = ["--out", str(tmp_path / str(n))]
+        r = run_here(capsys, *args, *out) if n == 1 else run_mpi(n, *args, *out)
         assert r.returncode == 0, r.stderr[-3000:]
     one, three = _metrics(tmp_path / "1"), _metrics(tmp_path / "3")
     assert len(one["history"]) == len(three["history"]) < 30
@@ -84,7 +102,8 @@ def test_the_scores_equal_scikit_learn_on_the_predictions(tmp_path):
     assert "test_f1_macro" in _metrics(tmp_path / "o")["history"][-1]
 
 
-def test_standardize_uses_the_exact_moments_of_the_whole_training_set(tmp_path):
+def test_standardize_uses_the_exact_moments_of_the_whole_training_set(tmp_path, capsys):
+    """One rank in this process, three by a job: the same moments, the same model."""
     rng = np.random.default_rng(0)
     X = rng.normal(5.0, 3.0, (301, 4)) * [1, 10, 100, 0.01] + [0, 1e3, -7, 2]
     np.savez(tmp_path / "d.npz", X=X, y=(X[:, 0] > 5).astype(np.int64))
@@ -92,7 +111,8 @@ def test_standardize_uses_the_exact_moments_of_the_whole_training_set(tmp_path):
             "--standardize", "--epochs", "2", "--dtype", "float64", "--no-progress",
             "--test-fraction", "0.25"]
     for n in (1, 3):
-        r = run_mpi(n, *args, "--out", str(tmp_path / str(n)))
+        out = ["--out", str(tmp_path / str(n))]
+        r = run_here(capsys, *args, *out) if n == 1 else run_mpi(n, *args, *out)
         assert r.returncode == 0, r.stderr[-3000:]
     train, _ = split_rows(301, 0.25, 0)
     model = nn.load(tmp_path / "3")
@@ -113,25 +133,27 @@ def test_standardize_uses_the_exact_moments_of_the_whole_training_set(tmp_path):
     (["--standardize", "--dataset", "bow"], "--standardize does not apply to --dataset bow"),
 ])
 def test_validation_options_that_cannot_work_are_refused(tmp_path, capsys, extra, message):
+    """Refused by the parser, or by the ranks: async-ps by a job of 2 ranks (it needs 2), the
+    others as a run of one rank in this process (the same checks, before any step)."""
     err = parser_refusal(capsys, *DIGITS, *extra, "--out", str(tmp_path / "o"))
-    if err is not None:  # refused by the parser (in this process), else by the job's ranks
+    if err is not None:  # refused by the parser (in this process), else by the ranks
         assert message in err and not (tmp_path / "o").exists(), err
         return
-    r = run_mpi(2, *DIGITS, *extra, "--out", str(tmp_path / "o"))
+    args = [*DIGITS, *extra, "--out", str(tmp_path / "o")]
+    r = run_mpi(2, *args) if "async-ps" in extra else run_here(capsys, *args)
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "o" / "model.npz").exists()
 
 
-def test_an_early_stopped_run_resumed_into_a_new_out_stays_finished(tmp_path):
+def test_an_early_stopped_run_resumed_into_a_new_out_stays_finished(tmp_path, stopped):
     """The checkpoint carries best.npz: a resume (job scripts always pass --resume) into
-    another folder trains nothing and writes the same model.npz and best.npz."""
-    args = [*DIGITS, "--val-fraction", "0.2", "--early-stopping", "2", "--epochs", "40",
-            "--lr", "0.1", "--checkpoint-dir", str(tmp_path / "ck")]
-    first = run_mpi(2, *args, "--out", str(tmp_path / "a"))
-    assert first.returncode == 0, first.stderr[-3000:]
-    again = run_mpi(2, *args, "--resume", "--out", str(tmp_path / "b"))
+    another folder trains nothing and writes the same model.npz and best.npz (the first
+    run: the ``stopped`` fixture's)."""
+    root, _ = stopped
+    again = run_mpi(2, *STOPPING, "--checkpoint-dir", str(root / "ck"), "--resume",
+                    "--out", str(tmp_path / "b"))
     assert again.returncode == 0, again.stderr[-3000:]
     assert "the run had already finished: early stopping ended it after epoch" in again.stdout
     for name in ("model.npz", "best.npz"):
-        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+        assert (root / "o" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     assert "best.npz" in again.stdout.splitlines()[-1]
