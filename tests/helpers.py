@@ -1,6 +1,7 @@
 """Helpers shared by the tests: the repository's root, ``mpiexec`` jobs in a subprocess (always
-with a timeout: a hang = a failure), a one-rank run of the command line in this process, the
-command line's parse errors, central finite differences, TensorBoard scalars."""
+with a timeout: a hang = a failure), a one-rank run of the command line in this process (a
+one-process reference run, or a refusal), the command line's parse errors, central finite
+differences, TensorBoard scalars."""
 
 from __future__ import annotations
 
@@ -80,21 +81,28 @@ def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def run_here(capsys, *argv: str) -> subprocess.CompletedProcess:
-    """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
-    job: for refusals that do not hang on the number of ranks. mpidp's log handler is made
-    afresh (on this test's captured stdout) and the logger restored after."""
+def main_here(*argv: str) -> int | str | None:
+    """``mpidp ARGV`` run in this process, a job of one rank; its exit status. For a run whose
+    outputs are a one-process reference, and for refusals. mpidp's log handler is made afresh
+    (on the stdout of the moment) and the logger restored after."""
     from mpidp.cli.main import main
     from mpidp.observe.watch import log
     kept = log.handlers[:], log.propagate, log.level
     log.handlers.clear()
-    capsys.readouterr()
     try:
-        code = main(list(argv))
+        return main(list(argv))
     except SystemExit as exc:
-        code = exc.code
+        return exc.code
     finally:
         log.handlers[:], log.propagate = kept[:2]
         log.setLevel(kept[2])
+
+
+def run_here(capsys, *argv: str) -> subprocess.CompletedProcess:
+    """``mpidp ARGV`` run in this process, a job of one rank, reported as run_mpi reports a
+    job: for refusals that do not hang on the number of ranks. mpidp's log handler is made
+    afresh (on this test's captured stdout) and the logger restored after."""
+    capsys.readouterr()
+    code = main_here(*argv)
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(argv, code, out, err)
