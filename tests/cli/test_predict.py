@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import parser_refusal, run_mpi
+from helpers import parser_refusal, run_here, run_mpi
 
 from mpidp import nn
 from mpidp.data.sources import open_source
@@ -20,12 +20,15 @@ def trained(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_each_output_kind_from_the_command_line_and_the_library(trained):
+def test_each_output_kind_from_the_command_line_and_the_library(trained, capsys):
+    """Scores by a job of 2 ranks (each predicts its block, rank 0 writes them all); the
+    probabilities and labels, which differ only in the last step, by one rank in this process."""
     got = {}
     for kind in ("scores", "proba", "label"):
         path = trained / f"{kind}.npy"
-        r = run_mpi(2, "predict", "--model", str(trained / "m"), "--dataset", "digits",
-                    "--output", kind, "--out", str(path))
+        argv = ("predict", "--model", str(trained / "m"), "--dataset", "digits",
+                "--output", kind, "--out", str(path))
+        r = run_mpi(2, *argv) if kind == "scores" else run_here(capsys, *argv)
         assert r.returncode == 0, r.stderr
         got[kind] = np.load(path)
     scores, proba, label = got["scores"], got["proba"], got["label"]
@@ -40,9 +43,11 @@ def test_each_output_kind_from_the_command_line_and_the_library(trained):
 
 
 @pytest.mark.slow
-def test_probabilities_of_a_regression_are_refused(tmp_path):
-    r = run_mpi(2, "train", "--dataset", "synthetic", "--model", "linear", "--n-samples", "500",
-                "--n-features", "8", "--epochs", "1", "--out", str(tmp_path / "m"))
+def test_probabilities_of_a_regression_are_refused(tmp_path, capsys):
+    """The regression model trained by one rank in this process; the refusal by a job."""
+    r = run_here(capsys, "train", "--dataset", "synthetic", "--model", "linear", "--n-samples",
+                 "500", "--n-features", "8", "--epochs", "1", "--no-progress",
+                 "--out", str(tmp_path / "m"))
     assert r.returncode == 0, r.stderr
     r = run_mpi(2, "predict", "--model", str(tmp_path / "m"), "--dataset", "synthetic",
                 "--n-samples", "500", "--n-features", "8", "--output", "label",
@@ -100,14 +105,19 @@ def test_labels_the_model_cannot_score_are_refused_before_any_output(trained, tm
 ])
 def test_predict_options_that_would_do_nothing_are_refused(trained, tmp_path, capsys, extra,
                                                           message):
+    """Refused by the parser (in this process), else by the ranks, each alike from the same
+    arguments (mpidp.cli.predict.problems) before any work: the first of those by a job of
+    2 ranks (one message, exit 2), the others by one rank in this process."""
     argv = ["predict", "--model", str(trained / "m"), "--dataset", "digits", "--out",
             str(tmp_path / "p.npy"), *extra]
     err = parser_refusal(capsys, *argv)
-    if err is not None:  # refused by the parser (in this process), else by the job's ranks
+    if err is not None:
         assert message in err and not (tmp_path / "p.npy").exists(), err
         return
-    r = run_mpi(1, *argv)
+    job = extra == ["--partition", "cyclic", "--dynamic"]
+    r = run_mpi(2, *argv) if job else run_here(capsys, *argv)
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+    assert r.stderr.count("mpidp: error:") == 1, r.stderr[-2000:]
     assert not (tmp_path / "p.npy").exists()
 
 
@@ -137,32 +147,37 @@ def test_a_seed_for_the_held_out_rows_of_a_dataset_with_its_own_test_set_is_refu
     assert _seed_problem(args, {"seed", "test_fraction"}, own) is None
 
 
-def test_a_file_that_is_not_a_saved_model_is_named_so_not_unpickled(tmp_path):
+def test_a_file_that_is_not_a_saved_model_is_named_so_not_unpickled(tmp_path, capsys):
     """A model file, or any text, as --model (or --costs) used to get NumPy's advice to
-    load it with allow_pickle."""
+    load it with allow_pickle. The model file by a job of 2 ranks (rank 0 alone speaks);
+    the text as --model and as --costs (refusals agreed on by the ranks alike) by one rank
+    in this process."""
     (tmp_path / "m.toml").write_text("[[layers]]\ntype = 'Dense'\n")
     (tmp_path / "notes.npz").write_text("hello\n")
     for path, says in ((tmp_path / "m.toml", "is a model file (layers without trained "
                         "parameters): give the model.npz that 'mpidp train' wrote from it"),
                        (tmp_path / "notes.npz", "not a .npz archive (nor any NumPy file")):
-        r = run_mpi(2, "predict", "--model", str(path), "--dataset", "digits", "--out",
-                    str(tmp_path / "p.npy"))
+        argv = ("predict", "--model", str(path), "--dataset", "digits", "--out",
+                str(tmp_path / "p.npy"))
+        r = run_mpi(2, *argv) if path.suffix == ".toml" else run_here(capsys, *argv)
         assert r.returncode == 2 and r.stderr.count("mpidp: error:") == 1, r.stderr[-2000:]
         assert says in r.stderr and "pickle" not in r.stderr, r.stderr[-2000:]
-    r = run_mpi(2, "train", "--dataset", "digits", "--partition", "cost", "--costs",
-                str(tmp_path / "notes.npz"), "--out", str(tmp_path / "o"))
+    r = run_here(capsys, "train", "--dataset", "digits", "--partition", "cost", "--costs",
+                 str(tmp_path / "notes.npz"), "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "is not a .npy file: give one cost per dataset row" in r.stderr
     assert "pickle" not in r.stderr, r.stderr[-2000:]
 
 
-def test_token_ids_a_model_cannot_take_are_called_rows_not_labels(tmp_path):
+def test_token_ids_a_model_cannot_take_are_called_rows_not_labels(tmp_path, capsys):
+    """The model trained by one rank in this process; the refusal by a job of 2 ranks."""
     X = np.random.default_rng(0).integers(0, 20, (60, 6))
     np.savez(tmp_path / "tokens.npz", X=X, y=(X[:, 0] >= 10).astype(np.int64))
     (tmp_path / "emb.toml").write_text("[[layers]]\ntype = 'Embedding'\nn_tokens = 20\n"
                                        "dim = 4\n[[layers]]\ntype = 'Flatten'\n"
                                        "[[layers]]\ntype = 'Dense'\n")
-    r = run_mpi(2, "train", "--dataset", str(tmp_path / "tokens.npz"), "--model",
-                str(tmp_path / "emb.toml"), "--epochs", "1", "--out", str(tmp_path / "o"))
+    r = run_here(capsys, "train", "--dataset", str(tmp_path / "tokens.npz"), "--model",
+                 str(tmp_path / "emb.toml"), "--epochs", "1", "--no-progress",
+                 "--out", str(tmp_path / "o"))
     assert r.returncode == 0, r.stderr[-2000:]
     np.savez(tmp_path / "bad.npz", X=np.full((40, 6), 25), y=np.zeros(40, np.int64))
     r = run_mpi(2, "predict", "--model", str(tmp_path / "o"), "--dataset",
