@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, run_mpi
+from helpers import ROOT, run_here
 
 from mpidp import nn
 from mpidp.cli.main import main
@@ -39,10 +39,12 @@ def runs(tmp_path_factory):
     return tmp_path_factory.mktemp("export")
 
 
-def _train(folder: Path, name: str) -> Path:
+def _train(folder: Path, name: str, capsys) -> Path:
+    """One epoch by one rank in this process (a job of one rank trains the same model)."""
     out = folder / name
     if not (out / "model.npz").exists():
-        r = run_mpi(1, "train", *RUNS[name][0], "--epochs", "1", "--out", str(out))
+        r = run_here(capsys, "train", *RUNS[name][0], "--epochs", "1", "--no-progress",
+                     "--out", str(out))
         assert r.returncode == 0, r.stderr
     return out / "model.npz"
 
@@ -50,14 +52,16 @@ def _train(folder: Path, name: str) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_onnxruntime_equals_mpidp_predict_on_the_test_rows(runs, name, capsys):
-    model_file = _train(runs, name)
+    """mpidp train and mpidp predict by one rank in this process (tests/cli/test_predict.py
+    runs predict in jobs)."""
+    model_file = _train(runs, name, capsys)
     onnx_file = runs / f"{name}.onnx"
     assert main(["export", str(model_file), "--format", "onnx", "--out", str(onnx_file)]) == 0
     assert f"wrote {onnx_file}" in capsys.readouterr().out
     want_file = runs / f"{name}.npy"
     data = RUNS[name][1]
-    r = run_mpi(1, "predict", "--model", str(model_file), *data, "--rows", "test",
-                "--output", "scores", "--out", str(want_file))
+    r = run_here(capsys, "predict", "--model", str(model_file), *data, "--rows", "test",
+                 "--output", "scores", "--out", str(want_file))
     assert r.returncode == 0, r.stderr
     want = np.load(want_file)
     model = nn.load(model_file)
