@@ -67,15 +67,17 @@ def test_pipeline_and_hybrid_train_the_same_model_as_one_process(tmp_path, one_p
         assert sum(sizes[:m["stages"]]) == ref.nbytes  # one replica's stages hold the model once
 
 
-def test_pipeline_stages_on_mapped_rows_train_like_one_process_and_like_copied_rows(tmp_path):
-    """A float64 folder with --test-fraction 0: every stage maps the whole X.npy."""
+def test_pipeline_stages_on_mapped_rows_train_like_one_process_and_like_copied_rows(tmp_path,
+                                                                                    capsys):
+    """A float64 folder with --test-fraction 0: every stage maps the whole X.npy. The one
+    process is this one (a job of one rank); the pipelines are jobs of 3 ranks."""
     folder, rng = tmp_path / "d", np.random.default_rng(2)
     folder.mkdir()
     np.save(folder / "X.npy", rng.standard_normal((80, 5)))
     np.save(folder / "y.npy", rng.integers(0, 3, 80))
     args = ["train", "--dataset", str(folder), "--test-fraction", "0", "--epochs", "2",
             "--batch-size", "16", "--dtype", "float64", "--hidden", "8,6", "--no-progress"]
-    r = run_mpi(1, *args, "--out", str(tmp_path / "data"))
+    r = run_here(capsys, *args, "--out", str(tmp_path / "data"))
     assert r.returncode == 0, r.stderr[-3000:]
     for name, extra in (("mapped", []), ("copied", ["--copy-data"])):
         r = run_mpi(3, *args, "--parallel", "pipeline", "--micro-batches", "2", *extra,
