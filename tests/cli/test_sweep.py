@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import run_mpi
+from helpers import run_here, run_mpi
 
 pytest.importorskip("mpi4py")
 
@@ -66,9 +66,11 @@ def test_grid_on_two_groups_equals_each_trial_alone(tmp_path):
             assert series["y"] == [by[i]["result"]["val_accuracy"] for i in range(4)]
 
 
-def test_spare_rank_idle_and_a_failed_trial_does_not_stop_the_others(tmp_path):
+def test_spare_rank_idle_and_a_failed_trial_does_not_stop_the_others(tmp_path, capsys):
     """3 ranks, 2 per trial: one spare. A trial that diverges (NaN under the default
-    on_nonfinite stop) fails alone; a resume runs it again and keeps the others."""
+    on_nonfinite stop) fails alone; a resume runs it again and keeps the others. The same
+    sweep again without --resume is refused by rank 0 before any trial (in this process,
+    one rank: the claim on --out is rank 0's alone)."""
     out = tmp_path / "s"
     r, summary = _sweep(3, out, "--ranks-per-trial", "2", "--grid", "lr=0.03,1e300")
     assert r.returncode == 0, r.stderr
@@ -78,8 +80,13 @@ def test_spare_rank_idle_and_a_failed_trial_does_not_stop_the_others(tmp_path):
     assert summary["trials"][-1]["index"] == 1  # failed ones last
     assert "1 of 2 trials failed" in r.stderr
 
-    again, _ = _sweep(3, out, "--ranks-per-trial", "2", "--grid", "lr=0.03,1e300")
+    again = run_here(capsys, "sweep", "--out", str(out), "--ranks-per-trial", "1",
+                     "--grid", "lr=0.03,1e300", *TINY)
     assert again.returncode == 2 and "--resume" in again.stderr  # a used --out: refused
+    assert "holds a sweep already" in again.stderr
+    from mpidp.cli.sweep import _held
+    while _held:  # the lock rank 0 took on --out: a job's end lets it go, as here
+        _held.pop().close()
     before = (out / "trial-000" / "model.npz").stat().st_mtime_ns
     resumed, summary = _sweep(3, out, "--ranks-per-trial", "2", "--resume",
                               "--grid", "lr=0.03,1e300")
@@ -89,7 +96,7 @@ def test_spare_rank_idle_and_a_failed_trial_does_not_stop_the_others(tmp_path):
     assert {t["index"]: t["status"] for t in summary["trials"]} == {0: "ok", 1: "failed"}
 
 
-def test_one_rank_per_trial_with_random_draws_and_a_file(tmp_path):
+def test_one_rank_per_trial_with_random_draws_and_a_file(tmp_path, capsys):
     trials = tmp_path / "t.toml"
     trials.write_text('[[trial]]\noptimizer = "adam"\nlr = 0.01\n')
     out = tmp_path / "s"
@@ -101,8 +108,8 @@ def test_one_rank_per_trial_with_random_draws_and_a_file(tmp_path):
     assert settings[0] == {"optimizer": "adam", "lr": 0.01}
     assert all(0.001 <= settings[i]["lr"] <= 0.1 and settings[i]["momentum"] in (0.5, 0.9)
                for i in (1, 2))
-    alone = run_mpi(1, "train", "--config", str(out / "trial-001" / "config.toml"),
-                    "--out", str(tmp_path / "alone"), "--quiet")
+    alone = run_here(capsys, "train", "--config", str(out / "trial-001" / "config.toml"),
+                     "--out", str(tmp_path / "alone"), "--quiet")  # one rank: this process
     assert alone.returncode == 0, alone.stderr
     np.testing.assert_allclose(_params(out / "trial-001"), _params(tmp_path / "alone"),
                                rtol=0, atol=1e-10)
@@ -177,14 +184,15 @@ def test_out_holding_a_run_or_another_running_sweep_is_refused(tmp_path):
 def test_sigterm_stops_the_groups_cleanly_and_resume_finishes(tmp_path):
     """SIGTERM to the job while one group is idle and the other trains: the trial stops at
     a checkpoint, every rank exits 75, and --resume keeps the finished trial and continues
-    the stopped one from its checkpoint."""
+    the stopped one from its checkpoint. The signal comes as soon as the training trial
+    has written its first checkpoint (step 50 of 2,000), not after a fixed wait."""
     import os
     import subprocess
     import sys
     import time
 
     from helpers import ROOT, mpiexec
-    args = ["-m", "mpidp", "sweep", "--ranks-per-trial", "1", "--grid", "epochs=1,400",
+    args = ["-m", "mpidp", "sweep", "--ranks-per-trial", "1", "--grid", "epochs=1,100",
             "--out", str(tmp_path / "s"), "--checkpoint-dir", str(tmp_path / "c"),
             "--checkpoint-every", "50", *TINY, "--n-samples", "2000"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -197,7 +205,9 @@ def test_sigterm_stops_the_groups_cleanly_and_resume_finishes(tmp_path):
             if line.startswith("sweep: trial 0 "):
                 break
         assert "sweep: trial 0 " in said, said
-        time.sleep(1.0)
+        while not list((tmp_path / "c" / "trial-001").glob("ckpt-*.npz")):
+            assert job.poll() is None, job.communicate()
+            time.sleep(0.02)
         job.terminate()
         out, err = job.communicate(timeout=60)
     finally:
