@@ -106,13 +106,40 @@ def reference(tmp_path_factory):
     return _params(out)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_exception_on_rank_1_at_step_k_ends_the_job(tmp_path, n):
+@pytest.fixture(scope="module")
+def raised_job(tmp_path_factory):
+    """A run on 2 ranks that rank 1 ended at step 12 (in epoch 1: nothing in --out yet),
+    its /dev/shm files watched: the job, its --out, the watch and its checkpoints (steps 5
+    and 10)."""
+    base = tmp_path_factory.mktemp("raised")
     with JobShm() as shm:
-        r = _train(n, tmp_path / "out", fault="raise@1:5", env=shm.env)
+        r = _train(2, base / "a", "--checkpoint-dir", str(base / "ck"), "--checkpoint-every",
+                   "5", fault="raise@1:12", env=shm.env)
+    return r, base / "a", shm, base / "ck"
+
+
+@pytest.fixture(scope="module")
+def raised(raised_job):
+    """The checkpoints (steps 5, 10) of the run that rank 1 ended at step 12."""
+    assert raised_job[0].returncode != 0
+    return raised_job[3]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_exception_on_rank_1_at_step_k_ends_the_job(tmp_path, raised_job, n):
+    """On 2 ranks: the run that writes the checkpoints below (rank 1 raises at step 12);
+    on 3 ranks, a job of its own (rank 1 raises at step 5)."""
+    if n == 2:
+        r, out, shm, _ = raised_job
+        step = 12
+    else:
+        out, step = tmp_path / "out", 5
+        with JobShm() as shm:
+            r = _train(n, out, fault="raise@1:5", env=shm.env)
     assert r.returncode != 0 and r.elapsed < 30
-    assert f"rank 1/{n} failed" in r.stderr and "injected fault on rank 1 at step 5" in r.stderr
-    assert not (tmp_path / "out").exists()
+    assert f"rank 1/{n} failed" in r.stderr
+    assert f"injected fault on rank 1 at step {step}" in r.stderr
+    assert not out.exists()
     # the aborting rank removed MPICH's shared-memory files, which would outlive the job
     if SHM.is_dir():
         assert any(name.startswith(("mpich_shm_", "sm_segment.", "vader_segment."))
@@ -161,11 +188,16 @@ def test_parameter_server_resumes_bit_identical(tmp_path, reference):
 
 
 @pytest.mark.parametrize("before,after", [(4, 2), (2, 4)])
-def test_elastic_resume_on_another_world_size(tmp_path, reference, before, after):
+def test_elastic_resume_on_another_world_size(tmp_path, reference, raised, before, after):
+    """From 4 ranks: a run that rank 0 ended at step 27 (checkpoints every 5 steps); from 2:
+    the checkpoints of the run rank 1 ended at step 12 (newest: step 10)."""
     ck = tmp_path / "ck"
-    r = _train(before, tmp_path / "a", "--checkpoint-dir", str(ck), "--checkpoint-every", "5",
-               fault="raise@0:27")
-    assert r.returncode != 0
+    if before == 2:
+        shutil.copytree(raised, ck)
+    else:
+        r = _train(before, tmp_path / "a", "--checkpoint-dir", str(ck), "--checkpoint-every",
+                   "5", fault="raise@0:27")
+        assert r.returncode != 0
     r = _train(after, tmp_path / "b", "--checkpoint-dir", str(ck), "--resume")
     assert r.returncode == 0, r.stderr
     assert f"written with {before} ranks, now {after}" in r.stdout
@@ -190,29 +222,19 @@ def _damage(path, how):
     path.write_bytes(bytes(data))
 
 
-@pytest.fixture(scope="module")
-def raised(tmp_path_factory):
-    """The checkpoints (steps 10, 20, 30) of a run that rank 1 ended at step 33."""
-    base = tmp_path_factory.mktemp("raised")
-    r = _train(2, base / "a", "--checkpoint-dir", str(base / "ck"), "--checkpoint-every", "10",
-               fault="raise@1:33")
-    assert r.returncode != 0
-    return base / "ck"
-
-
 @pytest.mark.parametrize("how", ["truncate", "flip"])
 def test_damaged_checkpoint_is_refused_and_the_previous_one_used(tmp_path, reference, raised,
                                                                  how):
     ck = tmp_path / "ck"
     shutil.copytree(raised, ck)
-    newest = ck / "ckpt-0000000030.npz"
+    newest = ck / "ckpt-0000000010.npz"
     _damage(newest, how)
     with pytest.raises(ValueError, match="unreadable|checksum"):
         read(str(newest))
-    r = _train(2, tmp_path / "b", "--checkpoint-dir", str(ck), "--checkpoint-every", "10", "--resume")
+    r = _train(2, tmp_path / "b", "--checkpoint-dir", str(ck), "--checkpoint-every", "5", "--resume")
     assert r.returncode == 0, r.stderr
-    assert "ckpt-0000000030.npz" in r.stderr and "previous good checkpoint" in r.stderr
-    assert "resumed from" in r.stdout and "ckpt-0000000020.npz" in r.stdout
+    assert "ckpt-0000000010.npz" in r.stderr and "previous good checkpoint" in r.stderr
+    assert "resumed from" in r.stdout and "ckpt-0000000005.npz" in r.stdout
     assert np.array_equal(_params(tmp_path / "b"), reference)
 
 
@@ -317,9 +339,10 @@ time.sleep(120)
 """
 
 
-def test_a_second_job_into_the_same_out_is_refused_and_writes_nothing(tmp_path):
+def test_a_second_job_into_the_same_out_is_refused_and_writes_nothing(tmp_path, capsys):
     """Two jobs would truncate and interleave each other's history.jsonl: while one holds
-    --out (a lock on its path), another is refused on every rank, exit 2."""
+    --out (a lock on its path), another is refused on every rank, exit 2. The holder gone,
+    one rank in this process trains into it and lets the lock go at its end."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "mine.txt").write_text("kept")
@@ -334,6 +357,6 @@ def test_a_second_job_into_the_same_out_is_refused_and_writes_nothing(tmp_path):
     finally:
         p.kill()
         p.wait()
-    r = _train(1, out)  # the holder gone, the folder is free again
+    r = run_here(capsys, *ARGS, "--out", str(out))  # the holder gone, the folder is free
     assert r.returncode == 0, r.stderr[-2000:]
     assert "history.jsonl" in os.listdir(out) and not (out / ".lock").exists()
