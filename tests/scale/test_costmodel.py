@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import run_mpi
+from helpers import run_here, run_mpi
 
 from mpidp.parallel import codecs
 from mpidp.scale import costmodel as M
@@ -106,8 +106,10 @@ def test_bfloat16_rounds_to_nearest_even():
     assert codecs.decode(codecs.encode(x, "bfloat16"), "bfloat16").tolist() == [1.0, 1 + 2**-6]
 
 
-def test_mpidp_model_command(tmp_path):
-    r = run_mpi(2, "model", "--out", str(tmp_path / "m"))
+def test_mpidp_model_command(tmp_path, capsys):
+    """A job of 2 ranks measures and reports (a global batch of 128: a quarter of the
+    default's compute to time); one rank alone, in this process, is refused."""
+    r = run_mpi(2, "model", "--batch-size", "128", "--out", str(tmp_path / "m"))
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "m" / "model.json").read_text())
     assert report["fit"]["beta"] > 0 and report["compute_per_sample_s"] > 0
@@ -120,8 +122,10 @@ def test_mpidp_model_command(tmp_path):
     assert set(report["ps_stops_scaling_at"]) == {"10000", "100000", "1000000", "10000000",
                                                   "100000000", "1000000000"}
     assert "parameter-server" in (tmp_path / "m" / "model.md").read_text()
-    r = run_mpi(1, "model", "--out", str(tmp_path / "one"))
-    assert r.returncode == 2 and "at least 2 ranks" in r.stderr
+    assert report["batch"] == 128
+    r = run_here(capsys, "model", "--out", str(tmp_path / "one"))
+    assert r.returncode == 2 and "at least 2 ranks" in r.stderr, r.stderr
+    assert not (tmp_path / "one").exists()
 
 
 def test_oversubscribed_compute_runs_only_as_many_ways_as_cores():
