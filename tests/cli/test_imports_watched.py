@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from helpers import run_mpi
+from helpers import run_here, run_mpi
 
 from mpidp.comm.watchdog import EXIT_CODE
 
@@ -36,7 +36,16 @@ def test_a_module_that_stalls_one_rank_is_named_by_the_watchdog(tmp_path, how):
 
 @pytest.mark.parametrize("how", sorted(LEAVES))
 def test_a_module_that_leaves_mpi_on_one_rank_is_named(tmp_path, how):
+    """By a job of 2 ranks for Finalize; the exit, caught alike by the import of every rank
+    and told by the same one line, in this process (rank 0 of one, the module exiting there)."""
     code, why = LEAVES[how]
+    if how == "exits":
+        from mpidp.cli.imports import import_modules
+        (tmp_path / "leave.py").write_text("import sys\n" + code + "\n")
+        with pytest.raises(ValueError) as err:
+            import_modules([str(tmp_path / "leave.py")])
+        assert str(err.value) == f"--import {tmp_path / 'leave.py'}: cannot import it ({why})"
+        return
     (tmp_path / "leave.py").write_text(ON_RANK_1.format(code))
     r = run_mpi(2, *TRAIN, "--import", str(tmp_path / "leave.py"),
                 "--out", str(tmp_path / "o"), timeout=60)
@@ -56,9 +65,10 @@ def test_finalize_is_refused_only_while_a_users_module_runs():
     assert MPI.Finalize is real
 
 
-def test_a_module_that_stalls_one_rank_under_predict_is_named_by_the_watchdog(tmp_path):
+def test_a_module_that_stalls_one_rank_under_predict_is_named_by_the_watchdog(tmp_path, capsys):
+    """The model to predict with is trained in this process (one rank): no job for it."""
     (tmp_path / "stall.py").write_text(ON_RANK_1.format(STALLS["blocks"]))
-    r = run_mpi(2, *TRAIN, "--out", str(tmp_path / "o"), timeout=60)
+    r = run_here(capsys, *TRAIN, "--out", str(tmp_path / "o"))
     assert r.returncode == 0, r.stderr[-2000:]
     r = run_mpi(2, "predict", "--model", str(tmp_path / "o"), "--dataset", "synthetic",
                 "--n-samples", "64", "--out", str(tmp_path / "p.npy"), "--watchdog", "0.25",
