@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import run_mpi
+from helpers import run_here, run_mpi
 
 from mpidp import nn
 from mpidp.data.sources import open_source
@@ -90,7 +90,9 @@ def _user_module(folder):
 
 
 @pytest.mark.slow
-def test_a_layer_of_the_users_module_trains_reloads_and_predicts(folder):
+def test_a_layer_of_the_users_module_trains_reloads_and_predicts(folder, capsys):
+    """Train, predict and train again from the recorded configuration by jobs of 2 ranks;
+    predict without the module in this process (before the module is imported here)."""
     out = folder / "run"
     r = run_mpi(2, *TRAIN, "--model", str(folder / "net.toml"), "--import", "cilayers.py",
                 "--out", str(out), cwd=folder)  # relative: recorded as an absolute path
@@ -105,7 +107,17 @@ def test_a_layer_of_the_users_module_trains_reloads_and_predicts(folder):
     r = run_mpi(2, "predict", "--model", str(out), "--dataset", "digits", "--import",
                 "cilayers", "--output", "label", "--out", str(labels), cwd=folder)
     assert r.returncode == 0, r.stderr[-3000:]
-    _user_module(folder)
+
+    # without the module, predict names the class and --import, not a damaged file
+    r = run_here(capsys, "predict", "--model", str(out), "--dataset", "digits", "--out",
+                 str(folder / "none.npy"))
+    assert r.returncode == 2
+    line = _one_error(r.stderr)
+    assert line == (f"--model {str(out / 'model.npz')!r} uses layer class 'ScaledLeaky', which "
+                    f"is not registered: pass the module that registers it with --import MODULE")
+    assert not (folder / "none.npy").exists()
+
+    _user_module(folder)  # registers the layer in this process
     model = nn.load(out / "model.npz")
     X, _ = open_source("digits").read(np.arange(1797))
     scores = model.forward(np.asarray(X, model.dtype))
@@ -119,21 +131,15 @@ def test_a_layer_of_the_users_module_trains_reloads_and_predicts(folder):
     assert np.load(again / "model.npz")["params"].tobytes() == \
         np.load(out / "model.npz")["params"].tobytes()
 
-    # without the module, predict names the class and --import, not a damaged file
-    r = run_mpi(2, "predict", "--model", str(out), "--dataset", "digits", "--out",
-                str(folder / "none.npy"))
-    assert r.returncode == 2
-    line = _one_error(r.stderr)
-    assert line == (f"--model {str(out / 'model.npz')!r} uses layer class 'ScaledLeaky', which "
-                    f"is not registered: pass the module that registers it with --import MODULE")
-    assert not (folder / "none.npy").exists()
-
 
 @pytest.mark.parametrize("command", ["train", "predict"])
-def test_a_module_that_cannot_be_imported_is_one_line_before_any_data(tmp_path, command):
+def test_a_module_that_cannot_be_imported_is_one_line_before_any_data(tmp_path, capsys, command):
+    """Predict (no model, no data: the import comes first) by a job of 2 ranks; train, whose
+    import runs the same way, in this process."""
     argv = (TRAIN if command == "train" else
             ["predict", "--model", str(tmp_path / "m"), "--dataset", str(tmp_path / "no-data")])
-    r = run_mpi(2, *argv, "--import", "no_such_module_here", "--out", str(tmp_path / "o"))
+    argv = [*argv, "--import", "no_such_module_here", "--out", str(tmp_path / "o")]
+    r = run_mpi(2, *argv) if command == "predict" else run_here(capsys, *argv)
     assert r.returncode == 2, r.stderr[-2000:]
     assert _one_error(r.stderr) == ("--import no_such_module_here: cannot import it "
                                     "(ModuleNotFoundError: No module named "
