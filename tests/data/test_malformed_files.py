@@ -111,10 +111,12 @@ def test_a_dangling_hdf5_link_is_named(tmp_path, kind):
 
 
 @pytest.mark.parametrize("distribute", ["scatter", "local"])
-def test_a_dangling_external_link_is_one_line_on_every_rank(tmp_path, distribute):
+def test_a_dangling_external_link_is_one_line_on_every_rank(tmp_path, capsys, distribute):
+    """In this process (one rank): the file is opened where the negative shape's is (rank 0
+    for scatter, every rank for local), whose jobs above show one line from 2 ranks."""
     path = _dangling(tmp_path, "external")
-    r = run_mpi(2, "train", "--dataset", path, "--distribute", distribute, "--epochs", "1",
-                "--out", str(tmp_path / "o"), timeout=60)
+    r = run_here(capsys, "train", "--dataset", path, "--distribute", distribute, "--epochs", "1",
+                 "--out", str(tmp_path / "o"))
     _one_error(r, path, "external link", "missing.h5")
     assert not (tmp_path / "o").exists()
 
@@ -124,7 +126,8 @@ def test_a_dangling_external_link_is_one_line_on_every_rank(tmp_path, distribute
 @pytest.mark.parametrize("distribute", ["scatter", "local"])
 @pytest.mark.parametrize("n_classes", [None, 3])
 def test_a_uint64_label_is_reported_as_stored(tmp_path, capsys, distribute, n_classes):
-    """Without --n-classes by a job of 2 ranks, with it in this process (one rank)."""
+    """Without --n-classes, each rank reading its own rows (local), by a job of 2 ranks; the
+    others in this process (one rank)."""
     rng = np.random.default_rng(0)
     y = rng.integers(0, 3, 40).astype(np.uint64)
     y[7] = 2**63 + 5
@@ -132,7 +135,8 @@ def test_a_uint64_label_is_reported_as_stored(tmp_path, capsys, distribute, n_cl
     args = ["train", "--dataset", str(tmp_path / "d.npz"), "--distribute", distribute,
             "--epochs", "1", "--out", str(tmp_path / "o"),
             *(["--n-classes", str(n_classes)] if n_classes else [])]
-    r = run_here(capsys, *args) if n_classes else run_mpi(2, *args, timeout=60)
+    job = n_classes is None and distribute == "local"
+    r = run_mpi(2, *args, timeout=60) if job else run_here(capsys, *args)
     line = _one_error(r, str(2**63 + 5))
     assert "-9223372036854775803" not in line and ">= 0" not in line, line
 
@@ -218,19 +222,19 @@ FORGED = {
 
 @pytest.mark.parametrize("case", list(FORGED))
 def test_a_forged_checkpoint_is_one_clear_error(written, tmp_path, capsys, case):
-    """Two by a job of 2 ranks (as the checkpoint's), the others resumed by one rank in this
+    """One by a job of 2 ranks (as the checkpoint's), the others resumed by one rank in this
     process."""
     edit, detail = FORGED[case]
     path = _forge(written, tmp_path, edit)
     args = [*ARGS, "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
             "--out", str(tmp_path / "b")]
-    r = (run_mpi(2, *args, timeout=120) if case in ("params shorter", "negative epoch")
-         else run_here(capsys, *args))
+    r = run_mpi(2, *args, timeout=120) if case == "params shorter" else run_here(capsys, *args)
     _one_error(r, path, detail, "--restart")
     assert not (tmp_path / "b").exists()
 
 
-def test_a_forged_checkpoint_falls_back_to_the_previous_good_one(tmp_path):
+def test_a_forged_checkpoint_falls_back_to_the_previous_good_one(tmp_path, capsys):
+    """Written by a job of 2 ranks; resumed by one rank in this process."""
     folder = tmp_path / "ck"
     r = run_mpi(2, *ARGS, "--epochs", "1", "--checkpoint-dir", str(folder),
                 "--checkpoint-every", "5", "--keep-checkpoints", "5", "--out",
@@ -240,8 +244,8 @@ def test_a_forged_checkpoint_falls_back_to_the_previous_good_one(tmp_path):
     meta, arrays = ck.read(newest)
     meta["epoch"] = -1
     _write(newest, meta, arrays)
-    r = run_mpi(2, *ARGS, "--checkpoint-dir", str(folder), "--resume", "--out",
-                str(tmp_path / "b"), timeout=120)
+    r = run_here(capsys, *ARGS, "--checkpoint-dir", str(folder), "--resume", "--out",
+                 str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert newest in r.stderr and "previous good checkpoint" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
@@ -256,12 +260,12 @@ def test_a_checkpoint_past_the_end_of_its_epoch_is_refused(written, tmp_path, ca
     assert not (tmp_path / "b").exists()
 
 
-def test_a_checkpoint_at_the_end_of_its_epoch_resumes(written, tmp_path):
+def test_a_checkpoint_at_the_end_of_its_epoch_resumes(written, tmp_path, capsys):
     """(epoch, steps of the epoch) is what a periodic checkpoint after an epoch's last step
-    holds: it resumes with no step left in that epoch."""
+    holds: it resumes with no step left in that epoch (one rank, in this process)."""
     _forge(written, tmp_path, _set(epoch=0, step=STEPS))
-    r = run_mpi(2, *ARGS, "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
-                "--out", str(tmp_path / "b"), timeout=120)
+    r = run_here(capsys, *ARGS, "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
+                 "--out", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr[-2000:]
 
 
