@@ -19,7 +19,7 @@ from mpidp.observe import progress as P
 
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 TRAIN = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpidp", "train", "--dataset", "digits",
-         "--epochs", "2", "--batch-size", "8", "--hidden", "256,256"]
+         "--epochs", "1", "--batch-size", "8", "--hidden", "256,256"]
 
 
 def test_lines_come_every_few_seconds_not_every_step(capsys, monkeypatch):
@@ -118,12 +118,12 @@ def test_a_terminal_is_watched_a_pipe_or_a_file_is_not(tmp_path):
 
 def test_under_mpiexec_the_launchers_stderr_decides(tmp_path):
     """A rank's stderr is always a pipe to the launcher: a terminal on the launcher's stderr
-    is watched, a pipe or a file there is not, even with a terminal further up."""
+    is watched, a pipe or a file there is not, even with a terminal further up (``| tee``
+    there: test_under_mpiexec_into_a_pipe_rank_0_writes_plain_lines, whose log has no bar)."""
     launch = [MPIEXEC, "-n", "1", *WATCHED]
     env = {**os.environ, "LOG": str(tmp_path / "log")}
     assert _says(_in_a_terminal('"$@"', *launch)[1])
     assert not _says(_in_a_terminal('"$@" 2>&1 | cat', *launch)[1])
-    assert not _says(_in_a_terminal('"$@" 2>&1 | tee "$LOG"', *launch, env=env)[1])
     assert not _says(_in_a_terminal('"$@" 2>"$LOG"', *launch, env=env)[1])
 
 
@@ -139,7 +139,7 @@ def test_under_mpiexec_in_a_terminal_rank_0_draws_a_bar(tmp_path):
     finally:
         os.close(main)
     assert "epoch 1: 100%" in out and "step/s" in out and "\r" in out, out[-2000:]
-    assert out.count("epoch   2/2") == 1  # rank 0 only
+    assert out.count("epoch   1/1") == 1  # rank 0 only
 
 
 @pytest.mark.slow
@@ -155,4 +155,4 @@ def test_under_mpiexec_into_a_pipe_rank_0_writes_plain_lines(tmp_path):
     assert "\r" not in out and "\r" not in log and "step/s]" not in log, log[-2000:]
     rc, out = _in_a_terminal('"$@" 2>&1 | cat', *TRAIN, "--out", str(tmp_path / "n"),
                              "--progress", "none", env=env)
-    assert rc == 0 and "epoch   2/2" in out and "steps, loss" not in out, out[-2000:]
+    assert rc == 0 and "epoch   1/1" in out and "steps, loss" not in out, out[-2000:]
