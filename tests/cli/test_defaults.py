@@ -12,7 +12,7 @@ from helpers import run_mpi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dataset, epochs, floor", [("synthetic", 2, 0.7), ("digits", 10, 0.95),
-                                                    ("bow", 3, 0.75)])
+                                                    ("bow", 2, 0.75)])
 def test_the_defaults_train_every_builtin_dataset(tmp_path, dataset, epochs, floor):
     out = tmp_path / "o"
     r = run_mpi(2, "train", "--dataset", dataset, "--epochs", str(epochs), "--out", str(out),
