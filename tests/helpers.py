@@ -84,10 +84,12 @@ def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
 def main_here(*argv: str) -> int | str | None:
     """``mpidp ARGV`` run in this process, a job of one rank; its exit status. For a run whose
     outputs are a one-process reference, and for refusals. mpidp's log handler is made afresh
-    (on the stdout of the moment) and the logger restored after."""
+    (on the stdout of the moment); the logger and the registered layers are restored after."""
     from mpidp.cli.main import main
+    from mpidp.nn import layers
     from mpidp.observe.watch import log
     kept = log.handlers[:], log.propagate, log.level
+    registered = dict(layers._CLASSES), dict(layers._NAMES)  # an --import's layers are its own
     log.handlers.clear()
     try:
         return main(list(argv))
@@ -96,6 +98,9 @@ def main_here(*argv: str) -> int | str | None:
     finally:
         log.handlers[:], log.propagate = kept[:2]
         log.setLevel(kept[2])
+        for registry, before in zip((layers._CLASSES, layers._NAMES), registered):
+            registry.clear()
+            registry.update(before)
 
 
 def run_here(capsys, *argv: str) -> subprocess.CompletedProcess:

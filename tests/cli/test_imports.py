@@ -15,6 +15,7 @@ from helpers import run_here, run_mpi
 
 from mpidp import nn
 from mpidp.data.sources import open_source
+from mpidp.nn import layers
 
 #: A scaled leaky ReLU, registered under a name of its own (not its class name).
 LAYERS = '''
@@ -90,7 +91,7 @@ def _user_module(folder):
 
 
 @pytest.mark.slow
-def test_a_layer_of_the_users_module_trains_reloads_and_predicts(folder, capsys):
+def test_a_layer_of_the_users_module_trains_reloads_and_predicts(folder, capsys, monkeypatch):
     """Train, predict and train again from the recorded configuration by jobs of 2 ranks;
     predict without the module in this process (before the module is imported here)."""
     out = folder / "run"
@@ -117,7 +118,9 @@ def test_a_layer_of_the_users_module_trains_reloads_and_predicts(folder, capsys)
                     f"is not registered: pass the module that registers it with --import MODULE")
     assert not (folder / "none.npy").exists()
 
-    _user_module(folder)  # registers the layer in this process
+    for registry in ("_CLASSES", "_NAMES"):  # the layer registered here is this test's only
+        monkeypatch.setattr(layers, registry, dict(getattr(layers, registry)))
+    _user_module(folder)
     model = nn.load(out / "model.npz")
     X, _ = open_source("digits").read(np.arange(1797))
     scores = model.forward(np.asarray(X, model.dtype))
