@@ -109,9 +109,9 @@ class BowSource(Source):
         return CSR(np.concatenate([[0], np.cumsum(lengths)]), words, values, self.n_features)
 
     def _labels(self, X: CSR) -> np.ndarray:
-        rows = np.repeat(np.arange(len(X)), X.row_lengths())
-        score = np.zeros((len(X), self.n_classes))
-        np.add.at(score, rows, self._affinity[X.indices] * X.data[:, None])
+        rows = np.repeat(np.arange(len(X)), X.row_lengths())  # a class at a time: no (nnz, k) array
+        score = np.stack([np.bincount(rows, self._affinity[X.indices, k] * X.data, len(X))
+                          for k in range(self.n_classes)], axis=1)
         return score.argmax(axis=1).astype(np.int64)
 
     def read(self, rows: np.ndarray) -> tuple[CSR, np.ndarray]:
