@@ -41,6 +41,9 @@ $(STAMP): setup.cfg pyproject.toml
 # again (a third of a small job's CPU time). Compiled here, once for each changed file.
 bytecode: $(STAMP)
 	$(BIN)/python -m compileall -q mpidp benchmarks
+# The tests' processes (pytest and its workers, each rank of the MPI tests) keep their compiled
+# test modules too: PYTHONDONTWRITEBYTECODE would have each one rewrite and compile them again.
+test-fast test-unit test-mpi test-faults: export PYTHONDONTWRITEBYTECODE :=
 
 # The main job: 2 ranks, handwritten digits, an MLP, a held-out test split.
 # (tests/cli/test_train.py runs these same arguments and checks the accuracy target.)
