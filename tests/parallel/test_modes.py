@@ -5,7 +5,7 @@ the node-aware allreduce (two nodes of two ranks simulated on this host; the fau
 is not its node's leader, which waits for it in shared memory).
 Guarantees: an exception on one rank ends the job; a stalled rank is named by the
 watchdog; a NaN with the default policy fails the run without writing a model (and the
-last checkpoint stays good); a mode's three faulty jobs run side by side. Which option each
+last checkpoint stays good); the faulty jobs run six at a time. Which option each
 mode refuses is checked without MPI, for every option in every mode
 (tests/cli/test_options.py); one job here shows that a refusal ends a job on every rank, said
 once.
@@ -46,14 +46,19 @@ MODES = {
 ENV = {"node-aware": {"MPIDP_RANKS_PER_NODE": "2"}}  # mode -> what its job needs besides
 
 
-def _start(mode, out, *extra, fault=None):
+def _start(mode, out, *extra, fault=None, logs=None):
+    """``mode``'s job under ``mpiexec``; its stdout and stderr go to pipes, or to files
+    ``logs.out``/``logs.err`` (jobs started side by side: nobody drains their pipes)."""
     n, flags = MODES[mode]
     env = {**os.environ, "PYTHONPATH": str(ROOT), **ENV.get(mode, {}),
            **({"MPIDP_FAULT": fault} if fault else {})}
+    outs = ([open(logs.with_suffix(s), "w") for s in (".out", ".err")] if logs else
+            [subprocess.PIPE] * 2)
     job = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable, "-m", "mpidp", *ARGS,
                             *flags, "--out", str(out), *extra], cwd=ROOT, env=env, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           stdin=subprocess.DEVNULL)
+                           stdout=outs[0], stderr=outs[1], stdin=subprocess.DEVNULL)
+    for f in outs if logs else ():
+        f.close()
     job.t0 = time.monotonic()
     return job
 
@@ -70,26 +75,55 @@ def _end(job, timeout):
     return out, err, time.monotonic() - job.t0
 
 
-W = 2.0  # the watchdog's timeout in the hang jobs
+W = 3.0  # the watchdog's timeout in the hang jobs
 
 
-@pytest.fixture(scope="module", params=list(MODES))
-def ended(request, tmp_path_factory):
-    """A mode and its three faulty jobs, run side by side (their waits overlap): ``{kind:
-    (job, stdout, stderr, seconds, out folder)}`` for ``raise``, ``hang`` and ``nan``."""
-    mode, tmp = request.param, tmp_path_factory.mktemp(request.param)
-    jobs = {"hang": _start(mode, tmp / "hang", "--watchdog", str(W), fault="hang@1:3"),
-            "raise": _start(mode, tmp / "raise", fault="raise@1:3"),
-            "nan": _start(mode, tmp / "nan", "--checkpoint-dir", str(tmp / "ck"),
-                          "--checkpoint-every", "2", fault="nan@1:5")}
+AT_ONCE = 6  # jobs running side by side: their waits overlap, the cores stay busy
+FAULTS = {"hang": ("hang@1:3", ["--watchdog", str(W)], 120), "raise": ("raise@1:3", [], 90),
+          "nan": ("nan@1:5", ["--checkpoint-every", "2"], 90)}  # kind -> fault, flags, timeout
+
+
+@pytest.fixture(scope="module")
+def every_mode_ended(tmp_path_factory):
+    """Each mode's three faulty jobs, :data:`AT_ONCE` jobs at a time: ``{mode: {kind: (job,
+    stdout, stderr, seconds, out folder)}}`` for ``raise``, ``hang`` and ``nan``; a job
+    killed past its timeout has ``seconds`` above it (its test fails)."""
+    tmp = tmp_path_factory.mktemp("modes")
+    todo = [(mode, kind) for mode in MODES for kind in FAULTS]
+    running, done = {}, {mode: {} for mode in MODES}
     try:
-        yield mode, {kind: (job, *_end(job, 120 if kind == "hang" else 90), tmp / kind)
-                     for kind, job in jobs.items()}
+        while todo or running:
+            while todo and len(running) < AT_ONCE:
+                mode, kind = todo.pop(0)
+                fault, flags, _ = FAULTS[kind]
+                if kind == "nan":
+                    flags = [*flags, "--checkpoint-dir", str(tmp / mode / "ck")]
+                running[mode, kind] = _start(mode, tmp / mode / kind, *flags, fault=fault,
+                                             logs=tmp / f"{mode}-{kind}")
+            time.sleep(0.05)
+            for (mode, kind), job in list(running.items()):
+                late = time.monotonic() - job.t0 > FAULTS[kind][2]
+                if job.poll() is None and not late:
+                    continue
+                if late:
+                    job.kill()
+                job.wait()
+                logs = tmp / f"{mode}-{kind}"
+                done[mode][kind] = (job, logs.with_suffix(".out").read_text(),
+                                    logs.with_suffix(".err").read_text(),
+                                    time.monotonic() - job.t0, tmp / mode / kind)
+                del running[mode, kind]
+        yield done
     finally:
-        for job in jobs.values():
-            if job.poll() is None:
-                job.kill()
-                job.communicate()
+        for job in running.values():
+            job.kill()
+            job.wait()
+
+
+@pytest.fixture(params=list(MODES))
+def ended(request, every_mode_ended):
+    """A mode and its three faulty jobs (see :func:`every_mode_ended`)."""
+    return request.param, every_mode_ended[request.param]
 
 
 def test_an_exception_on_one_rank_ends_the_job(ended):
