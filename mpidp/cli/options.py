@@ -97,6 +97,10 @@ def _needing(dest: str, key: str, what: str = "") -> Needs:
     return Needs(lambda s: bool(s.get(key)), f"{_flag(dest)} needs {_flag(key)}{what}")
 
 
+#: ``--watchdog-grace`` matters where the watchdog runs (train and predict)
+WATCHDOG_ON = Needs(lambda s: s.get("watchdog") != 0,
+                    "--watchdog-grace needs the watchdog (--watchdog 0 turns it off)")
+
 #: option (argparse dest) -> what must hold of the other settings for it to matter, within
 #: a mode it applies to (:data:`TABLE`).
 DEPENDS: dict[str, tuple[Needs, ...]] = {
@@ -114,6 +118,7 @@ DEPENDS: dict[str, tuple[Needs, ...]] = {
                           "--max-skipped needs --on-nonfinite skip (only skipped steps are "
                           "counted)"),),
     "min_ranks": (_needing("min_ranks", "elastic"),),
+    "watchdog_grace": (WATCHDOG_ON,),
     **{dest: (_needing(dest, "checkpoint_dir"),)
        for dest in ("checkpoint_every", "keep_checkpoints", "restart")},
     "capacities": _only("capacities", "partition", ("weighted", "adaptive"),

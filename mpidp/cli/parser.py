@@ -18,6 +18,8 @@ from .options import SIZE_DEFAULTS
 from .places import Place
 
 EXIT_USAGE = 2
+GRACE_HELP = ("how long the watchdog's roll call waits for each rank's answer before naming it "
+              "(stopped, dead or cut off); longer where ranks share busy cores (default: 6)")
 #: ``mpidp export --format`` -> (the package it needs, the writer in :mod:`mpidp.nn.export`)
 EXPORT_FORMATS = {"onnx": ("onnx", "export_onnx"),
                   "safetensors": ("safetensors", "export_safetensors")}
@@ -266,6 +268,8 @@ def _add_train(sub) -> None:
     r("--watchdog", type=values.non_negative(float), default=None, metavar="SECONDS",
       help="end the job, naming the stalled ranks, when a rank makes no progress (stuck computing "
       "or waiting in MPI) for this long; 0 turns it off (default: on, max(600 s, 50 median steps))")
+    r("--watchdog-grace", type=values.positive(float), default=None, metavar="SECONDS",
+      help=GRACE_HELP)
     g = p.add_argument_group("synchronisation")
     flags.add_mode_options(g, "--sync", ("data", "async"), "allreduce", number=values.number,
                            mebibytes=values.mebibytes)
@@ -322,6 +326,8 @@ def add_predict(sub) -> None:
       help="end the job, naming the stalled ranks, when a rank makes no progress for this "
       "long while --import modules run and the model loads; 0 turns it off (default: on, "
       "600 s)")
+    a("--watchdog-grace", type=values.positive(float), default=None, metavar="SECONDS",
+      help=GRACE_HELP)
     a("--dataset", type=_DATASET, required=True,
       help="as for train: digits, synthetic, bow or PATH")
     a("--rows", choices=("all", "test"), default="all",

@@ -21,7 +21,7 @@ from ..observe.scores import ScoreSums
 from ..parallel.evaluation import global_sums
 from ..parallel.mapreduce import map_reduce
 from .imports import HINT, import_modules, imports_of, model_file, saved_spec, unregistered
-from .options import GENERATED, SIZE_DEFAULTS
+from .options import GENERATED, SIZE_DEFAULTS, WATCHDOG_ON
 
 
 class _Rows:
@@ -101,6 +101,8 @@ def problems(args: argparse.Namespace, given: set[str] = frozenset()) -> list[st
                    f"take chunks of rows as they go")
     if "chunk_size" in given and not args.dynamic:
         out.append("--chunk-size needs --dynamic (ranks then take chunks of that many rows)")
+    if "watchdog_grace" in given and not WATCHDOG_ON.holds(vars(args)):
+        out.append(WATCHDOG_ON.refusal)
     if args.test_fraction is not None and args.rows != "test":
         out.append("--test-fraction needs --rows test (it sizes the held-out rows)")
     if args.dataset not in GENERATED:  # a file or a built-in set: its own size and rows
@@ -133,7 +135,7 @@ def predict(args: argparse.Namespace, comm: C.Comm, given: set[str] = frozenset(
         raise C.MpidpError("; ".join(errors))
     C.root_decides(comm, check_outputs, args)
     # the user's layers: one that stalls a rank is named, as under train
-    watchdog = C.Watchdog(comm, args.watchdog).start() if args.watchdog != 0 else None
+    watchdog = C.Watchdog(comm, args.watchdog, args.watchdog_grace).start() if args.watchdog != 0 else None
     try:
         with C.user_code(f"importing --import {', '.join(imports_of(args))}"):
             C.run_agreed(comm, import_modules, imports_of(args))

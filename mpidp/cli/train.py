@@ -61,7 +61,8 @@ def train(args: argparse.Namespace, comm: C.Comm, given: set[str]) -> dict | Non
         errors_return(comm)
         members(comm)
     # started before the user's modules: one that stalls a rank is named
-    watchdog = C.Watchdog(comm, args.watchdog or None).start() if args.watchdog != 0 else None
+    watchdog = (C.Watchdog(comm, args.watchdog or None, args.watchdog_grace).start()
+                if args.watchdog != 0 else None)
     stop, lost = None, []  # lost: the ranks an elastic run lost before its first step
     try:
         while True:

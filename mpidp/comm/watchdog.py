@@ -81,15 +81,18 @@ def abort_on_error(enable: bool = True) -> None:
 
 _ROLL, _REPLY = 71, 72
 EXIT_CODE = 3
+GRACE = 6.0  # s a roll call waits for answers: a rank starved of CPU still answers in it
 
 
 class Watchdog:
     """Watch this rank of ``comm`` for stalls longer than ``timeout`` seconds. Collective to
     create (it duplicates ``comm``); :meth:`start` it on every rank, :meth:`stop` at the end.
-    ``timeout=None``: ``max(floor, steps * median step)`` of the times :meth:`step_done` gets."""
+    ``timeout=None``: ``max(floor, steps * median step)`` of the times :meth:`step_done` gets.
+    ``grace``: seconds a roll call waits for the others' answers (None: :data:`GRACE`)."""
 
-    def __init__(self, comm: MPI.Comm, timeout: float | None, grace: float = 6.0,
+    def __init__(self, comm: MPI.Comm, timeout: float | None, grace: float | None = None,
                  floor: float = 600.0, steps: int = 50) -> None:
+        grace = GRACE if grace is None else grace
         if timeout is not None and not timeout > 0:
             raise ValueError(f"watchdog timeout must be > 0 seconds, got {timeout}")
         if not grace > 0:
@@ -220,8 +223,8 @@ class Watchdog:
             named = sorted(set(silent) | set(stuck))
             why = []
             if silent:
-                why.append(f"{silent} did not answer (stopped, killed, already finished, or stuck "
-                           "outside Python)")
+                why.append(f"{silent} did not answer within {self.grace:g}s (stopped, killed, "
+                           "already finished, or stuck outside Python)")
             if stuck:
                 why.append(f"{stuck} made no progress for over {self.timeout:.1f}s")
             self._abort(f"stalled rank(s) {named}: " + " and ".join(why) + f". {table}")

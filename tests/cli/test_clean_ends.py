@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -323,9 +324,10 @@ def test_sys_exit_in_a_callback_on_one_rank_ends_the_job(tmp_path):
 
 def test_the_watchdog_names_a_stopped_rank_among_four(tmp_path):
     """Three jobs side by side, rank 2 of each stopped at another moment of its steps: their
-    waits for the verdict (the timeout, then the roll call's grace) overlap."""
-    jobs = [_start(4, *ARGS, *LONG, "--epochs", "200", "--watchdog", "2", "--out",
-                   str(tmp_path / f"o{attempt}"), token=f"stop-{tmp_path.name}-{attempt}")
+    waits for the verdict (the timeout, then the roll call's grace, 1 s here) overlap."""
+    jobs = [_start(4, *ARGS, *LONG, "--epochs", "200", "--watchdog", "2", "--watchdog-grace",
+                   "1", "--out", str(tmp_path / f"o{attempt}"),
+                   token=f"stop-{tmp_path.name}-{attempt}")
             for attempt in range(3)]
     stopped = []
     try:
@@ -344,7 +346,7 @@ def test_the_watchdog_names_a_stopped_rank_among_four(tmp_path):
             os.kill(pid, signal.SIGCONT) if os.path.exists(f"/proc/{pid}") else None
     for job, (_, err) in zip(jobs, ends):
         assert job.returncode == 3, (job.returncode, err[-2000:])
-        assert "stalled rank(s) [2]" in err and "did not answer" in err, err[-2000:]
+        assert "stalled rank(s) [2]: [2] did not answer within 1s" in err, err[-2000:]
 
 
 SLOW_TO_ANSWER = """\
@@ -375,9 +377,8 @@ mpidp.fit(dp, shard, 50, 12, on_epoch=stop, watchdog=Watchdog(comm, 1.0))
 """
 
 
-def test_a_rank_slow_to_answer_the_roll_call_is_not_named(tmp_path):
-    """Rank 2 is stopped; rank 0 answers the roll call 3 s late (its cores busy elsewhere):
-    only rank 2 is named."""
+def _slow_to_answer(tmp_path) -> tuple[int, str]:
+    """:data:`SLOW_TO_ANSWER` on 3 ranks: its exit status and stderr."""
     script = tmp_path / "mpidp_job.py"
     script.write_text(SLOW_TO_ANSWER)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MPIDP_TEST_TOKEN": f"late-{tmp_path.name}-{os.getpid()}"}
@@ -387,11 +388,48 @@ def test_a_rank_slow_to_answer_the_roll_call_is_not_named(tmp_path):
     job.token = env["MPIDP_TEST_TOKEN"]
     pids = _ranks(job, 3)
     try:
-        out, err = job.communicate(timeout=60)
+        err = job.communicate(timeout=60)[1]
+        return job.returncode, err
     finally:
         os.kill(pids[2], signal.SIGCONT) if os.path.exists(f"/proc/{pids[2]}") else None
-    assert job.returncode == 3, (job.returncode, err[-2000:])
-    assert "stalled rank(s) [2]: [2] did not answer" in err, err[-2000:]
+
+
+def _slow_write(tmp_path):
+    return _library_job(tmp_path, (
+        "class Slow(mpidp.DataParallel):\n"
+        "    def save_checkpoint(self, *a, **k):\n"
+        "        if self.comm.rank == 0 and not getattr(self, 'slept', False):\n"
+        "            self.slept = True\n            time.sleep(3.0)  # a slow file system\n"
+        "        super().save_checkpoint(*a, **k)\n"
+        f"ck = Checkpointing({str(tmp_path / 'ck')!r}, every=4)\n"
+        "mpidp.fit(replica(Slow), shard, 1, 32, checkpoint=ck,"
+        " watchdog=mpidp.comm.Watchdog(comm, 1.0))\n"
+        "done = comm.gather(comm.rank)\n"
+        "if comm.rank == 0:\n    print('done', done, flush=True)\n"), timeout=90)
+
+
+def _one_step_short(tmp_path):
+    return _library_job(tmp_path, "dp = replica(watchdog=2.0)\n"
+                        "for step in range(10 if comm.rank == 0 else 9):  # rank 1: one step less\n"
+                        "    dp.step(X[:32], y[:32])\n")
+
+
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory) -> dict:
+    """The library jobs that wait on a watchdog (a rank slow to answer its roll call, a slow
+    checkpoint write, a rank one step short), run side by side so that their waits overlap:
+    name -> the future of its result."""
+    jobs = {"late": _slow_to_answer, "write": _slow_write, "short": _one_step_short}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        yield {name: pool.submit(job, tmp_path_factory.mktemp(name)) for name, job in jobs.items()}
+
+
+def test_a_rank_slow_to_answer_the_roll_call_is_not_named(watched):
+    """Rank 2 is stopped; rank 0 answers the roll call 3 s late (its cores busy elsewhere):
+    only rank 2 is named."""
+    returncode, err = watched["late"].result()
+    assert returncode == 3, (returncode, err[-2000:])
+    assert "stalled rank(s) [2]: [2] did not answer within 6s" in err, err[-2000:]
     assert "stalled rank(s) [0" not in err, err[-2000:]
 
 
@@ -403,18 +441,8 @@ def test_replicas_that_differ_at_the_end_fail_the_run(tmp_path):
     assert not (tmp_path / "o" / "model.npz").exists()
 
 
-def test_a_long_checkpoint_write_does_not_trip_the_watchdog(tmp_path):
-    r = _library_job(tmp_path, (
-        "class Slow(mpidp.DataParallel):\n"
-        "    def save_checkpoint(self, *a, **k):\n"
-        "        if self.comm.rank == 0 and not getattr(self, 'slept', False):\n"
-        "            self.slept = True\n            time.sleep(3.0)  # a slow file system\n"
-        "        super().save_checkpoint(*a, **k)\n"
-        f"ck = Checkpointing({str(tmp_path / 'ck')!r}, every=4)\n"
-        "mpidp.fit(replica(Slow), shard, 1, 32, checkpoint=ck,"
-        " watchdog=mpidp.comm.Watchdog(comm, 1.0))\n"
-        "done = comm.gather(comm.rank)\n"
-        "if comm.rank == 0:\n    print('done', done, flush=True)\n"), timeout=90)
+def test_a_long_checkpoint_write_does_not_trip_the_watchdog(watched):
+    r = watched["write"].result()
     assert r.returncode == 0, r.stderr[-2000:]
     assert "done [0, 1]" in r.stdout
 
@@ -542,6 +570,7 @@ def test_async_staleness_counts_only_applied_pushes(tmp_path):
     (["--bucket-mb", "1e308", "--sync", "compressed"], "argument --bucket-mb: must be under 2^42 MiB"),
     (["--ps-chunk-mb", "inf"], "argument --ps-chunk-mb: must be a finite number > 0"),
     (["--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
+    (["--watchdog-grace", "-1"], "argument --watchdog-grace: must be a finite number > 0"),
     (["--hidden", ",,"], "an mlp needs at least one hidden layer"),
 ])
 def test_bad_option_values_are_one_clear_error_from_the_parser(tmp_path, capsys, flag, message):
@@ -623,10 +652,8 @@ def test_a_stop_signal_while_mpi_starts_waits_for_it_then_ends_the_job(tmp_path,
     assert not (tmp_path / "o").exists()
 
 
-def test_a_library_loop_with_one_step_too_few_on_a_rank_is_ended_by_the_watchdog(tmp_path):
-    r = _library_job(tmp_path, "dp = replica(watchdog=2.0)\n"
-                     "for step in range(10 if comm.rank == 0 else 9):  # rank 1: one step less\n"
-                     "    dp.step(X[:32], y[:32])\n")
+def test_a_library_loop_with_one_step_too_few_on_a_rank_is_ended_by_the_watchdog(watched):
+    r = watched["short"].result()
     assert r.returncode == 3 and r.elapsed < 30, (r.returncode, r.stderr[-1500:])
     assert "stalled rank(s) [1]" in r.stderr and "at step 9" in r.stderr
 
@@ -729,7 +756,8 @@ def test_a_rank_stopped_while_loading_is_named_by_the_watchdog(tmp_path, big_npz
     """Loading is watched too: a rank that stops answering mid-load (a hung file system
     would do the same) ends the job, named, instead of leaving the others waiting."""
     job = _start(2, "train", "--dataset", str(big_npz), "--epochs", "1", "--no-progress",
-                 "--watchdog", "3", "--out", str(tmp_path / "out"), token=f"stop{os.getpid()}")
+                 "--watchdog", "3", "--watchdog-grace", "1", "--out", str(tmp_path / "out"),
+                 token=f"stop{os.getpid()}")
     pids = _loading(job)
     os.kill(pids[0], signal.SIGSTOP)
     try:

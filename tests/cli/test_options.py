@@ -161,6 +161,15 @@ def test_resume_and_checkpoint_options_need_a_checkpoint_folder():
         assert _check([*argv, "--checkpoint-dir", "ck"]) == []
 
 
+def test_the_watchdog_grace_needs_the_watchdog():
+    off = "--watchdog-grace needs the watchdog (--watchdog 0 turns it off)"
+    assert _check(["--watchdog", "0", "--watchdog-grace", "2"]) == [off]
+    assert _check(["--watchdog-grace", "2"]) == []  # the default watchdog
+    assert _check(["--watchdog", "5", "--watchdog-grace", "2"]) == []
+    args = build_parser().parse_args(["train", "--watchdog", "0"])
+    assert problems(args, given(TRAIN, ["--watchdog", "0"]), SIZE) == []
+
+
 @pytest.mark.parametrize("mode,who,want", [
     (["--sync", "allreduce"], "rank", 3),
     (["--sync", "ps"], "rank", 3),

@@ -102,6 +102,8 @@ def test_labels_the_model_cannot_score_are_refused_before_any_output(trained, tm
     (["--chunk-size", "512"], "--chunk-size needs --dynamic"),  # typed: at its default too
     (["--seed", "0"], "--seed does not apply to --dataset digits with --rows all"),
     (["--chunk-size", "0", "--dynamic"], "--chunk-size: must be an integer >= 1, got 0"),
+    (["--watchdog", "0", "--watchdog-grace", "2"], "--watchdog-grace needs the watchdog"),
+    (["--watchdog-grace", "0"], "--watchdog-grace: must be a finite number > 0, got 0"),
 ])
 def test_predict_options_that_would_do_nothing_are_refused(trained, tmp_path, capsys, extra,
                                                           message):
