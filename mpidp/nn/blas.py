@@ -1,10 +1,8 @@
-"""In-place BLAS updates ``C += A @ B`` through SciPy's ``gemm`` (``beta = 1``) when it is
-installed, saving NumPy's temporary and extra pass; plain NumPy otherwise (the same up to
-rounding: float32 results differ in the last bits with and without the ``fast`` extra).
-SciPy's own OpenBLAS pool and NumPy's starve each other's threads (docs/benchmarks.md), so
-SciPy is used only where NumPy's BLAS runs one thread (:func:`single_threaded`), as under
-mpidp with one rank per core.
-"""
+"""In-place BLAS updates ``C += A @ B`` through SciPy's ``gemm`` (``beta = 1``), saving NumPy's
+temporary and extra pass, where SciPy is installed and NumPy's BLAS runs one thread
+(:func:`single_threaded`, as under mpidp with one rank per core: SciPy's OpenBLAS pool and NumPy's
+starve each other's threads, docs/benchmarks.md); plain NumPy otherwise, the same up to rounding
+(float32 results differ in the last bits with and without the ``fast`` extra)."""
 
 from __future__ import annotations
 
@@ -57,30 +55,26 @@ def _fast(*arrays: np.ndarray):
     return scipy_blas()
 
 
+def _gemm_(blas, c: np.ndarray, a: np.ndarray, b: np.ndarray, **how) -> None:
+    """``c.T += a @ b`` by ``gemm`` in place (Fortran order, ``c`` C-contiguous): no copies."""
+    out = blas.get_blas_funcs("gemm", (c,))(1.0, a, b, beta=1.0, c=c.T, overwrite_c=True, **how)
+    if not np.shares_memory(out, c):  # not expected: SciPy returned a copy
+        c[...] = out.T
+
+
 def add_xt_dy_(dW: np.ndarray, x: np.ndarray, dy: np.ndarray) -> None:
-    """``dW += x.T @ dy`` in place: ``dW`` ``(n_in, n_out)``, ``x`` ``(n, n_in)``, ``dy``
-    ``(n, n_out)``."""
+    """``dW += x.T @ dy`` in place: ``dW`` ``(n_in, n_out)``, ``x`` ``(n, n_in)``, ``dy`` ``(n, n_out)``."""
     blas = _fast(dW, x, dy) if len(x) else None
     if blas is None:
         dW += x.T @ dy
-        return
-    gemm = blas.get_blas_funcs("gemm", (dW,))
-    # Fortran order: dW.T (n_out, n_in) += dy.T (n_out, n) @ x (n, n_in); no copies
-    out = gemm(1.0, dy.T, x.T, beta=1.0, c=dW.T, trans_b=True, overwrite_c=True)
-    if not np.shares_memory(out, dW):  # not expected: SciPy returned a copy
-        dW[...] = out.T
+    else:  # dW.T (n_out, n_in) += dy.T (n_out, n) @ x (n, n_in)
+        _gemm_(blas, dW, dy.T, x.T, trans_b=True)
 
 
 def add_matmul_(y: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-    """``y += a @ b`` in place: ``y`` ``(n, m)`` C-contiguous, ``a`` ``(n, k)``, ``b``
-    ``(k, m)``."""
+    """``y += a @ b`` in place: ``y`` ``(n, m)`` C-contiguous, ``a`` ``(n, k)``, ``b`` ``(k, m)``."""
     blas = _fast(y, b) if len(a) and a.dtype == y.dtype else None
     if blas is None:
         y += a @ b
-        return
-    a = np.ascontiguousarray(a)
-    gemm = blas.get_blas_funcs("gemm", (y,))
-    # Fortran order: y.T (m, n) += b.T (m, k) @ a.T (k, n); no copies
-    out = gemm(1.0, b.T, a.T, beta=1.0, c=y.T, overwrite_c=True)
-    if not np.shares_memory(out, y):  # not expected: SciPy returned a copy
-        y[...] = out.T
+    else:  # y.T (m, n) += b.T (m, k) @ a.T (k, n)
+        _gemm_(blas, y, b.T, np.ascontiguousarray(a).T)
