@@ -1,6 +1,5 @@
-"""Activation layers, no parameters, ``(n, *shape)`` to ``(n, *shape)`` in the input's
-dtype: ``ReLU``, ``LeakyReLU``, ``Tanh``, ``Sigmoid`` and ``GELU`` on each element,
-``Softmax`` on each vector along the last axis."""
+"""Activation layers, no parameters, ``(n, *shape)`` to ``(n, *shape)`` in the input's dtype: ``ReLU``,
+``LeakyReLU``, ``Tanh``, ``Sigmoid`` and ``GELU`` on each element, ``Softmax`` along the last axis."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Run a layer class through the layer contract of ``docs/extending.md`` before any training:
-:func:`check_layer`. Pure NumPy, no MPI: P ranks are simulated in one process by threads
-whose ``context.reduce_sum`` sums over them. Everything runs in float64. The rules
-(:data:`RULES`, each named in the report's lines) are the table of ``docs/extending.md``.
-"""
+"""Run a layer class through the layer contract of ``docs/extending.md`` (its table: :data:`RULES`,
+each named in the report's lines) before any training: :func:`check_layer`, in float64. No MPI:
+P ranks are simulated in one process by threads whose ``context.reduce_sum`` sums over them."""
 
 from __future__ import annotations
 
@@ -105,8 +103,7 @@ class _Checker:
     def __init__(self, make: Callable[[], Layer], in_shape: tuple[int, ...], ranks: int,
                  rows: int, seed: int) -> None:
         self.make, self.in_shape, self.ranks, self.rows = make, in_shape, ranks, rows
-        self.rng = np.random.default_rng(seed)
-        self.seed = seed
+        self.rng, self.seed = np.random.default_rng(seed), seed
         self.ref = self.model()
         self.ref.init_(self.rng)
         self.params0, self.state0 = self.ref.params.copy(), self.ref.state.copy()
@@ -343,15 +340,13 @@ class _Checker:
 
 def check_layer(layer: Layer | Callable[[], Layer], n_in: int | Sequence[int] = 8, *,
                 ranks: int = 3, rows: int = 7, seed: int = 0, strict: bool = True) -> Report:
-    """Check a layer against the layer contract (see the module's rules) in float64.
-
-    ``layer``: a :class:`mpidp.nn.Layer` class or a function taking no arguments that makes
-    a fresh layer, or a layer not yet in a model (copied for each use). ``n_in``: the
-    per-sample input shape (a width or a tuple). ``ranks`` >= 2 simulated ranks split a
-    batch of ``rows`` rows, one rank holding none. Returns the :class:`Report`; with
-    ``strict`` (default), raises :class:`mpidp.errors.MpidpError` naming every broken rule,
-    one line each, instead. ``MemoryError`` (inputs too large for this machine) is raised
-    as it is: it says nothing of the layer."""
+    """Check a layer against the layer contract (:data:`RULES`) in float64. ``layer``: a
+    :class:`mpidp.nn.Layer` class or a function taking no arguments that makes a fresh layer, or
+    a layer not yet in a model (copied for each use). ``n_in``: the per-sample input shape (a
+    width or a tuple). ``ranks`` >= 2 simulated ranks split a batch of ``rows`` rows, one rank
+    holding none. Returns the :class:`Report`; with ``strict`` (default), raises
+    :class:`mpidp.errors.MpidpError` naming every broken rule, one line each, instead.
+    ``MemoryError`` (inputs too large for this machine) is raised as it is: not the layer's fault."""
     if isinstance(layer, Layer):
         proto = layer
 
