@@ -1,14 +1,10 @@
-"""Convolutions over 1-D and 2-D signals: :class:`Conv1d` ``(n, C, L)``, :class:`Conv2d`
-``(n, C, H, W)``. Pure NumPy, no MPI.
-
-Cross-correlations with zero padding, each ONE matrix product on an im2col matrix ``cols``
-``(C*K, P*n)`` (row ``(c, *offset)``: the input under that kernel tap for every output
-position and sample; ``F`` out_channels, ``K`` ``prod(kernel)``, ``P`` output positions):
-forward ``y = W (F, C*K) @ cols`` plus bias; ``dW = (cols @ dy.T).T``; ``dx`` scatters
-``W.T @ dy`` back with one strided add per kernel tap (col2im). The batch axis is innermost
-(the input is copied to ``(C, *padded, n)``), so each tap reads contiguous runs. Everything
-runs in the parameters' dtype.
-"""
+"""Convolutions (cross-correlations with zero padding) over 1-D and 2-D signals: :class:`Conv1d`
+``(n, C, L)``, :class:`Conv2d` ``(n, C, H, W)``, in the parameters' dtype. Each is ONE matrix
+product on an im2col matrix ``cols`` ``(C*K, P*n)`` (row ``(c, *offset)``: the input under that
+kernel tap for every output position and sample; ``F`` out_channels, ``K`` ``prod(kernel)``, ``P``
+output positions): forward ``y = W (F, C*K) @ cols`` plus bias; ``dW = (cols @ dy.T).T``; ``dx``
+scatters ``W.T @ dy`` back with one strided add per kernel tap (col2im). The batch axis is
+innermost (the input is copied to ``(C, *padded, n)``), so each tap reads contiguous runs."""
 
 from __future__ import annotations
 
@@ -167,8 +163,7 @@ class _ConvNd(Layer):
         dyt = np.empty((F, P, n), W.dtype)  # columns ordered as those of cols
         np.copyto(dyt, dy.reshape(n, F, P).transpose(1, 2, 0), casting="same_kind")
         dyt = dyt.reshape(F, P * n)
-        dW2 = dW.reshape(F, -1)
-        write_grad(dW2, (cols @ dyt.T).T, accumulate)  # faster than dy @ cols.T
+        write_grad(dW.reshape(F, -1), (cols @ dyt.T).T, accumulate)  # faster than dy @ cols.T
         write_grad(db, dyt.sum(axis=1), accumulate)
         if type(self).backward is _ConvNd.backward:  # (a subclass may change them after)
             self.context.grads_final(self)  # W and b may be sent while dL/dx is computed
@@ -195,11 +190,9 @@ class _ConvNd(Layer):
 @register_layer
 class Conv1d(_ConvNd):
     """1-D convolution (cross-correlation): ``(n, C, L)`` -> ``(n, out_channels, L_out)``.
-
     ``kernel``, ``stride``: window length and step (>= 1); ``padding``: zeros at both ends;
-    ``in_channels=None``: ``C`` from the input; ``init``: ``"he"`` (default), ``"xavier"``
-    or ``"zeros"``. ``W`` ``(F, C, kernel)``, ``b`` ``(F,)`` (zeros).
-    """
+    ``in_channels=None``: ``C`` from the input; ``init``: ``"he"`` (default), ``"xavier"`` or
+    ``"zeros"``. ``W`` ``(F, C, kernel)``, ``b`` ``(F,)`` (zeros)."""
 
     nd = 1
 
