@@ -12,19 +12,13 @@ from .layers import ParameterFree, register_layer
 
 
 class _ShapeOnly(ParameterFree):
-    """Forward reshapes each sample; backward gives ``dy`` the input's shape back."""
-
-    def _target(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
-        raise NotImplementedError
-
-    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
-        return self._target(tuple(in_shape))
+    """Forward reshapes each sample (:meth:`output_shape`); backward gives ``dy`` the input's shape back."""
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         if x.ndim < 1:
             raise ValueError(f"{self!r} takes a batch (n, ...), got a scalar")
         self._x_shape = x.shape
-        return x.reshape(len(x), *self._target(x.shape[1:]))  # no -1: n may be 0
+        return x.reshape(len(x), *self.output_shape(x.shape[1:]))  # no -1: n may be 0
 
     def input_grad(self, dy: np.ndarray) -> np.ndarray:
         if dy.size != int(np.prod(self._x_shape)):
@@ -37,7 +31,7 @@ class _ShapeOnly(ParameterFree):
 class Flatten(_ShapeOnly):
     """``(n, *s)`` -> ``(n, prod(s))``: e.g. image features into a :class:`Dense` layer."""
 
-    def _target(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         return (int(np.prod(in_shape)),)
 
 
@@ -45,8 +39,7 @@ class Flatten(_ShapeOnly):
 class Reshape(_ShapeOnly):
     """``(n, *s)`` -> ``(n, *shape)``, ``prod(shape) == prod(s)``; one entry of ``shape``
     may be -1 (inferred), e.g. ``Reshape((1, 28, 28))`` for flat MNIST rows. ``ValueError``
-    for any other ``shape``, or one that does not hold as many values as the samples.
-    """
+    for any other ``shape``, or one that does not hold as many values as the samples."""
 
     def __init__(self, shape: int | Sequence[int]) -> None:
         super().__init__()
@@ -61,7 +54,8 @@ class Reshape(_ShapeOnly):
     def config(self) -> dict:
         return {"shape": list(self.shape)}
 
-    def _target(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        in_shape = tuple(in_shape)
         size, known = int(np.prod(in_shape)), int(np.prod([d for d in self.shape if d != -1]))
         if -1 in self.shape:
             if size % known:
