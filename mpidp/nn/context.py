@@ -1,7 +1,6 @@
 """What a layer may know of the step it runs in, without importing MPI: a :class:`Context`
 shared by every layer of a :class:`mpidp.nn.Sequential` (``model.context``, also
-``layer.context``), filled by the trainer before each forward pass. On one process
-``reduce_sum`` is the identity."""
+``layer.context``), filled by the trainer before each forward pass."""
 
 from __future__ import annotations
 
@@ -34,19 +33,17 @@ def positions(index) -> np.ndarray:
 
 @dataclass
 class Context:
-    """The step a model's forward and backward passes belong to.
-
-    ``training``: True in a training step, False for evaluation. ``seed``: the run's seed.
-    ``epoch`` (0-based); ``step``: the global update count (0 first, continued on resume).
-    ``index``: ``(n,)`` int64 global training-set position of each batch row, or None.
-    ``reduce_sum``: sums a float array in place over the replica group and returns it (a
-    collective); ``group_size``: the ranks it sums over (1 on one process).
+    """The step a model's forward and backward passes belong to. ``training``: True in a
+    training step, False for evaluation. ``seed``: the run's seed. ``epoch`` (0-based);
+    ``step``: the global update count (0 first, continued on resume). ``index``: ``(n,)`` int64
+    global training-set position of each batch row, or None. ``reduce_sum``: sums a float array
+    in place over the replica group and returns it (a collective; the identity on one process);
+    ``group_size``: the ranks it sums over (1 on one process).
 
     Set by :class:`mpidp.nn.Sequential` during a pass: ``grads_final(layer[, done])``: the
     layer's gradients (their first ``done`` values) are final, and ``grads_piece`` values
     to announce at a time; ``params_ready(layer, upto)`` returns once the first ``upto``
-    (None: all) of its parameters are final, read in parts of ``params_piece`` (0: whole).
-    """
+    (None: all) of its parameters are final, read in parts of ``params_piece`` (0: whole)."""
 
     training: bool = False
     seed: int = 0
