@@ -1,8 +1,6 @@
-"""Inverted dropout whose mask does not depend on how the batch is split across ranks:
-each element's keep bit is a hash (splitmix64, vectorised ``uint64`` NumPy in cache-sized
-blocks) of the run seed, global step, layer key, the sample's GLOBAL index and the
-element's position in the sample.
-"""
+"""Inverted dropout whose mask does not depend on how the batch is split across ranks: each
+element's keep bit is a hash (splitmix64, vectorised ``uint64`` NumPy in cache-sized blocks) of
+the run seed, global step, layer key, the sample's GLOBAL index and the element's position."""
 
 from __future__ import annotations
 

@@ -21,8 +21,7 @@ class Embedding(Layer):
     """Looks up ``W[id]`` for every token id: ``(n, *s)`` ids -> ``(n, *s, dim)``; ids are
     whole numbers in ``[0, n_tokens)`` (see ``docs/models.md``). ``W`` ``(n_tokens, dim)``:
     ``init`` ``"normal"`` N(0, 1), ``"xavier"`` or ``"zeros"``. ``backward`` returns **no
-    input gradient** (None): it reads the data set's ids, so it must be a model's first layer.
-    """
+    input gradient** (None): it reads the data set's ids, so it must be a model's first layer."""
 
     reads = "token ids"
 
@@ -87,8 +86,7 @@ class Embedding(Layer):
             # bincount over the used rows only: faster than np.add.at, less memory
             used, row = np.unique(ids, return_inverse=True)
             flat = (row.reshape(-1, 1) * d + np.arange(d)).reshape(-1)
-            sums = np.bincount(flat, weights=dy.reshape(-1, d).reshape(-1),
-                               minlength=len(used) * d)
+            sums = np.bincount(flat, weights=dy.reshape(-1), minlength=len(used) * d)
             dW[used] += sums.reshape(len(used), d)
         return None
 
