@@ -1,11 +1,9 @@
-"""A trained model as an ONNX graph (:func:`export_onnx`) or as named tensors in a
-safetensors file (:func:`export_safetensors`). Pure NumPy, no MPI; the ``onnx`` and
-``safetensors`` packages (the ``export`` extra) are imported only when a file is written.
-
-Every parameter and state array is named ``"<i>.<name>"`` (``"0.W"``, ``"2.mean"``; inside
-a :class:`~mpidp.nn.Residual` ``"3.0.W"``), in both formats; the ONNX graph maps ``x``
-``(batch, *in_shape)`` to ``scores``, as ``predict`` in evaluation mode (``docs/models.md``).
-"""
+"""A trained model as an ONNX graph (:func:`export_onnx`) or as named tensors in a safetensors
+file (:func:`export_safetensors`); the ``onnx`` and ``safetensors`` packages (the ``export`` extra)
+are imported only when a file is written. Every parameter and state array is named ``"<i>.<name>"``
+(``"0.W"``, ``"2.mean"``; inside a :class:`~mpidp.nn.Residual` ``"3.0.W"``), in both formats; the
+ONNX graph maps ``x`` ``(batch, *in_shape)`` to ``scores``, as ``predict`` in evaluation mode
+(``docs/models.md``)."""
 
 from __future__ import annotations
 
@@ -45,8 +43,7 @@ def need_extra(module: str):
     try:
         return __import__(module, fromlist=["_"])
     except ImportError:
-        raise ImportError(f"exporting needs the {module.split('.')[0]} package: "
-                          f"{EXTRA_HINT}") from None
+        raise ImportError(f"exporting needs the {module.split('.')[0]} package: {EXTRA_HINT}") from None
 
 
 class OnnxGraph:
@@ -75,8 +72,7 @@ class OnnxGraph:
         """Add node ``op_type`` on ``inputs`` with ``attrs``; returns its output's name."""
         from onnx import helper
         out = self.fresh(op_type)
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out],
-                                           name=out, **attrs))
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
         return out
 
     def ints(self, values) -> str:
@@ -210,8 +206,7 @@ def _dense(g, layer, x, shape):
 
 @register_exporter(Embedding)
 def _embedding(g, layer, x, shape):
-    ids = g.op("Cast", x, to=7)  # int64
-    return g.op("Gather", g.const(layer.params["W"], "W"), ids, axis=0)
+    return g.op("Gather", g.const(layer.params["W"], "W"), g.op("Cast", x, to=7), axis=0)  # ids: int64
 
 
 @register_exporter(Standardize)
