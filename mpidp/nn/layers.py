@@ -1,8 +1,7 @@
-"""The layer protocol (``docs/extending.md``), the registry of layer classes, and
-``Dense``. Pure NumPy, no MPI. A layer maps ``(n, *in_shape)`` to ``(n, *out_shape)``, the
-batch axis (split across ranks) first; its parameters and *state* are views into the
-model's flat buffers, and its gradients are SUMS over the batch's samples, never means.
-"""
+"""The layer protocol (``docs/extending.md``), the registry of layer classes, and ``Dense``. A
+layer maps ``(n, *in_shape)`` to ``(n, *out_shape)``, the batch axis (split across ranks) first;
+its parameters and *state* are views into the model's flat buffers, and its gradients are SUMS
+over the batch's samples, never means."""
 
 from __future__ import annotations
 
@@ -223,8 +222,7 @@ class Dense(Layer):
         if self.n_in is None:
             self.n_in = int(n_in)
         if n_in != self.n_in:
-            raise ValueError(f"{type(self).__name__} expects {self.n_in} input features, "
-                             f"got {n_in}")
+            raise ValueError(f"{type(self).__name__} expects {self.n_in} input features, got {n_in}")
         return self.n_out
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
