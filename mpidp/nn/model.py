@@ -1,9 +1,6 @@
-"""``Sequential``: a stack of layers whose parameters are views into ONE flat buffer.
-
-``model.params`` and ``model.grads`` are contiguous 1-D arrays, so synchronising a model is
-one ``Bcast`` and combining gradients one ``Allreduce``. A model is saved to and loaded
-from one ``model.npz`` (:func:`save`, :func:`load`), the file ``mpidp train`` writes.
-"""
+"""``Sequential``: a stack of layers whose parameters are views into ONE flat buffer, so
+synchronising a model is one ``Bcast`` and combining gradients one ``Allreduce``; saved to and
+loaded from one ``model.npz`` (:func:`save`, :func:`load`), the file ``mpidp train`` writes."""
 
 from __future__ import annotations
 
@@ -78,13 +75,10 @@ def _carve(buffer: np.ndarray, layers: Sequence[Layer], which: str) -> list[dict
 class Sequential:
     """Layers applied in order to inputs ``(n_samples, *in_shape)``; ``n_in``: a number of
     features or a per-sample shape; ``dtype``: ``float32`` or ``float64``, of everything.
-
-    ``params`` and ``grads`` ``(n_params,)`` hold every ``layer.params[k]`` as a view, in
-    layer then ``param_shapes`` order; ``state`` ``(n_state,)`` likewise the untrained
-    state. ``in_shape`` / ``out_shape``: per-sample shapes (``n_in`` / ``n_out`` their
-    sizes); ``context``: the :class:`Context` the layers share; ``meta``: a JSON-able dict
-    saved with the model.
-    """
+    ``params`` and ``grads`` ``(n_params,)`` (contiguous) hold every ``layer.params[k]`` as a view,
+    in layer then ``param_shapes`` order; ``state`` ``(n_state,)`` likewise the untrained state.
+    ``in_shape`` / ``out_shape``: per-sample shapes (``n_in`` / ``n_out`` their sizes); ``context``:
+    the :class:`Context` the layers share; ``meta``: a JSON-able dict saved with the model."""
 
     def __init__(self, layers: Sequence[Layer], n_in: int | Sequence[int],
                  dtype: npt.DTypeLike = np.float32) -> None:
@@ -296,14 +290,13 @@ def _unregistered(layers: Sequence[Layer]) -> list[type]:
 
 def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None, *,
          stacklevel: int = 2) -> str:
-    """Write ``model`` atomically to ``path`` (a folder: ``model.npz`` in it); returns it.
-    The archive (``np.savez``, no pickles) holds ``params`` ``(n_params,)`` and ``state``
-    ``(n_state,)`` (if any) in the model's dtype, ``dtype`` (``"float32"`` or
-    ``"float64"``), and JSON ``spec`` (:meth:`Sequential.spec`) and ``meta`` (``meta``, else
-    ``model.meta``). Raises ``ValueError`` (writing nothing) if they are not JSON-able; warns
-    (``UserWarning``) for each layer class, also inside a block, that is not registered
-    (:func:`mpidp.nn.register_layer`): :func:`load` could not rebuild it.
-    """
+    """Write ``model`` atomically to ``path`` (a folder: ``model.npz`` in it); returns it. The
+    archive (``np.savez``, no pickles) holds ``params`` ``(n_params,)`` and ``state`` ``(n_state,)``
+    (if any) in the model's dtype, ``dtype`` (``"float32"`` or ``"float64"``), and JSON ``spec``
+    (:meth:`Sequential.spec`) and ``meta`` (``meta``, else ``model.meta``). Raises ``ValueError``
+    (writing nothing) if they are not JSON-able; warns (``UserWarning``) for each layer class, also
+    inside a block, that is not registered (:func:`mpidp.nn.register_layer`): :func:`load` could
+    not rebuild it."""
     path = _model_path(path)
     meta = model.meta if meta is None else meta
     try:
@@ -328,11 +321,10 @@ def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None, *
 
 
 def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
-    """The model :func:`save` wrote to ``path`` (a ``model.npz`` or a folder holding one),
-    with its parameters, state and ``meta`` (``{}`` if none); a layer class of the user's
-    own must be registered first. ``ValueError`` naming the file if it is missing, damaged,
-    not a saved model, names an unregistered class, or (``check_finite``) holds NaN or Inf.
-    """
+    """The model :func:`save` wrote to ``path`` (a ``model.npz`` or a folder holding one), with its
+    parameters, state and ``meta`` (``{}`` if none); a layer class of the user's own must be
+    registered first. ``ValueError`` naming the file if it is missing, damaged, not a saved model,
+    names an unregistered class, or (``check_finite``) holds NaN or Inf."""
     path = _model_path(path)
     check_place(path, "model file")
     try:
