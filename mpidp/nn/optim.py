@@ -1,9 +1,7 @@
-"""The optimizer base over one flat parameter vector: its rate, where its vector lies in
-the model, clipping, and updates in pieces. Pure NumPy, no MPI; the rules (SGD, Adam,
-LARS ...) are in :mod:`mpidp.nn.optimizers`, how to write one in ``docs/extending.md``.
+"""The optimizer base over one flat parameter vector: its rate, where its vector lies in the
+model, clipping, and updates in pieces; the rules (SGD, Adam, LARS ...) are in
+:mod:`mpidp.nn.optimizers`, how to write one in ``docs/extending.md``.
 
-``step_(params, grad)`` updates ``params`` in place from the global MEAN gradient; state
-(momentum, Adam moments) is flat too, so it checkpoints and shards like the parameters.
 Norms of whole tensors (LARS, LAMB, clipping by global norm) need :meth:`Optimizer.place`
 where the vector is a slice of the model (its tensors, offset and ``reduce_sum``, a
 collective); each update reduces its squared norms in ONE call (LAMB with ``clip_norm``
@@ -81,20 +79,18 @@ def _clip_setting(what: str, value: float | None) -> float | None:
 
 
 class Optimizer(ABC):
-    """Base class: ``step_`` mutates ``params`` in place; ``state`` holds flat arrays.
+    """Base class: ``step_`` updates ``params`` in place from the global MEAN gradient; ``state``
+    (momentum, Adam moments) holds flat arrays, so it checkpoints and shards like the parameters.
 
     ``lr``: a rate or a :class:`~mpidp.nn.schedules.Schedule` of the update count.
     ``weight_decay`` >= 0: L2 (added to the gradient) unless the subclass says otherwise.
-    ``clip_norm``: the mean gradient is scaled down to this global L2 norm (over the whole
-    model) when longer; ``clip_value``: each of its components clipped to ``[-clip_value,
-    clip_value]`` first.
-
-    ``t``: updates taken (checkpointed). ``lr_scale``: a factor on every rate (1.0), not
+    ``clip_norm``: the mean gradient is scaled down to this global L2 norm (over the whole model)
+    when longer; ``clip_value``: each of its components clipped to ``[-clip_value, clip_value]``
+    first. ``t``: updates taken (checkpointed). ``lr_scale``: a factor on every rate (1.0), not
     checkpointed. ``last_grad_norm``: the global norm of the last mean gradient before
     ``clip_norm`` where computed (``clip_norm``, ``track_grad_norm``, LARS), else None. A
     subclass implements ``_update`` (and ``_prepare``) for an elementwise rule, or
-    ``_begin`` (norms, one reduction) and ``_apply`` (one piece, through ``_pieces``).
-    """
+    ``_begin`` (norms, one reduction) and ``_apply`` (one piece, through ``_pieces``)."""
 
     #: True where the update needs each tensor's norms with the global one (:class:`LARS`)
     layer_norms = False
@@ -249,8 +245,7 @@ class Optimizer(ABC):
         k = len(self._segs)
         parts = self._squared_norms(grad, params) if self.layer_norms else self._squared_norms(grad)
         g2 = parts[:k] * (scale * scale)
-        norm = math.sqrt(float(g2.sum()))
-        self.last_grad_norm = norm
+        self.last_grad_norm = norm = math.sqrt(float(g2.sum()))
         if self.clip_norm is not None and norm > self.clip_norm:
             factor = self.clip_norm / norm
             scale *= factor
