@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from .layers import ParameterFree, register_layer
+from .layers import ParameterFree, is_finite_number, register_layer
 
 
 @register_layer
@@ -60,8 +60,7 @@ class LeakyReLU(ParameterFree):
 
     def __init__(self, slope: float = 0.01) -> None:
         super().__init__()
-        if isinstance(slope, bool) or not isinstance(slope, (int, float, np.number)) \
-                or not math.isfinite(slope):
+        if not is_finite_number(slope):
             raise ValueError(f"LeakyReLU needs a finite number as slope, got {slope!r}")
         self.slope = float(slope)
 

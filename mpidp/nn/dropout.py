@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layers import ParameterFree, register_layer
+from .layers import ParameterFree, is_finite_number, register_layer
 
 _M = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -73,8 +73,7 @@ class Dropout(ParameterFree):
 
     def __init__(self, rate: float = 0.5) -> None:
         super().__init__()
-        if isinstance(rate, bool) or not isinstance(rate, (int, float, np.number)) \
-                or not 0 <= rate < 1:
+        if not is_finite_number(rate) or not 0 <= rate < 1:
             raise ValueError(f"Dropout rate must be a number with 0 <= rate < 1, got {rate!r}")
         self.rate = float(rate)
         self.needs = frozenset({"sample-index"}) if self.rate else frozenset()

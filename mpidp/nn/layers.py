@@ -5,6 +5,7 @@ over the batch's samples, never means."""
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TypeVar
@@ -184,6 +185,11 @@ def check_init(init: str) -> str:
     if init not in INITS:
         raise ValueError(f"unknown init {init!r}; expected 'he', 'xavier' or 'zeros'")
     return init
+
+
+def is_finite_number(value: object) -> bool:
+    """True for a finite real number (Python or NumPy, not a bool), as a layer's settings are."""
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.number)) and math.isfinite(value)
 
 
 def init_weights(W: np.ndarray, init: str, fan_in: int, fan_out: int,

@@ -13,12 +13,11 @@ Both are exact for uneven and empty shards: what one process computes on all the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import numpy as np
 
-from .layers import ParameterFree, Shapes, register_layer
+from .layers import ParameterFree, Shapes, is_finite_number, register_layer
 from .norm import _SampleShaped
 
 #: ``(count, mean, M2)``: rows, per-element mean and ``sum((x - mean)**2)``, both float64.
@@ -147,8 +146,7 @@ class Standardize(_SampleShaped, ParameterFree):
         if int(count) < 1:
             raise ValueError(f"Standardize.fit_ needs at least one training row, got count "
                              f"{count}")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float, np.number)) \
-                or not math.isfinite(eps) or eps < 0:
+        if not is_finite_number(eps) or eps < 0:
             raise ValueError(f"Standardize.fit_ eps must be a finite number >= 0, got {eps!r}")
         size = int(np.prod(self.shape))
         mean, m2 = (np.asarray(a, np.float64).ravel() for a in (mean, m2))
