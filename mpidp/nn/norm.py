@@ -4,16 +4,13 @@ of it, uneven or empty, compute what one process computes on the whole batch), a
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from .layers import Layer, Shapes, register_layer, write_grad
+from .layers import Layer, Shapes, is_finite_number, register_layer, write_grad
 
 
 def _positive(v, what: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not math.isfinite(v) \
-            or v <= 0:
+    if not is_finite_number(v) or v <= 0:
         raise ValueError(f"{what} must be a finite number > 0, got {v!r}")
     return float(v)
 
@@ -65,15 +62,13 @@ class BatchNorm(Layer):
     Training uses the GLOBAL batch's mean and biased variance (two ``context.reduce_sum``
     calls forward, one backward unless ``need_input_grad`` is False, on every rank even
     without samples: ``docs/models.md``), ``dgamma`` and ``dbeta`` this rank's own sums; the
-    running statistics follow the global ones (``var`` unbiased), and evaluation uses them.
-    """
+    running statistics follow the global ones (``var`` unbiased), and evaluation uses them."""
 
     needs = frozenset({"replica-sums"})
 
     def __init__(self, momentum: float = 0.1, eps: float = 1e-5) -> None:
         super().__init__()
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float, np.number)) \
-                or not 0 <= momentum <= 1:
+        if not is_finite_number(momentum) or not 0 <= momentum <= 1:
             raise ValueError(f"BatchNorm momentum must be a number in [0, 1], got {momentum!r}")
         self.momentum, self.eps = float(momentum), _positive(eps, "BatchNorm eps")
         self.n_channels: int | None = None
@@ -126,9 +121,7 @@ class BatchNorm(Layer):
             y += beta - self.state["mean"].reshape(bshape) * scale
             return y
         c, dt = self._c(), x.dtype
-        first = np.empty(c + 1, np.float64)
-        first[0] = x.size // c  # local count per channel
-        first[1:] = _channel_sums(x)
+        first = np.concatenate([[x.size // c], _channel_sums(x)])  # local count per channel, sums
         first = self.context.reduce_sum(first)
         n = float(first[0])
         mean = first[1:] / n if n > 0 else np.zeros(c)
@@ -160,8 +153,7 @@ class BatchNorm(Layer):
             write_grad(self.grads["beta"], _channel_sums(dy), accumulate)
             return dy * (gamma * self._inv).reshape(bshape) if need_input_grad else None
         xhat = self._xhat
-        sums = np.empty(2 * c, np.float64)
-        sums[:c], sums[c:] = _channel_sums(dy), _channel_sums(dy, xhat)
+        sums = np.concatenate([_channel_sums(dy), _channel_sums(dy, xhat)])
         write_grad(self.grads["beta"], sums[:c], accumulate)  # the trainer adds the ranks'
         write_grad(self.grads["gamma"], sums[c:], accumulate)
         if not need_input_grad:
@@ -185,8 +177,7 @@ class BatchNorm(Layer):
 class LayerNorm(_SampleShaped):
     """Layer normalisation ``y = gamma * (x - mean) / sqrt(var + eps) + beta``, mean and
     biased variance over ALL of each sample's values. ``gamma`` (ones) and ``beta`` (zeros)
-    have the per-sample shape. No collective; the same in training and evaluation. ``eps`` > 0.
-    """
+    have the per-sample shape. No collective; the same in training and evaluation. ``eps`` > 0."""
 
     def __init__(self, eps: float = 1e-5) -> None:
         super().__init__()
