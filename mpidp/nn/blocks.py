@@ -17,9 +17,8 @@ from .modelfile import MAX_NESTING, layers_from
 class Residual(Layer):
     """``y = x + f(x)``, ``f`` the chain of ``layers``, which must keep the per-sample shape
     and whose first may not overwrite its input. Inner parameters and state are named by
-    position: ``"0.W"``, ``"2.gamma"`` (a block in a block: ``"1.0.W"``); inner layer ``j``
-    gets the key ``key + (j,)``.
-    """
+    position: ``"0.W"``, ``"2.gamma"`` (a block in a block: ``"1.0.W"``); inner layer ``j`` gets
+    the key ``key + (j,)``."""
 
     def __init__(self, layers: Sequence[Layer]) -> None:
         super().__init__()

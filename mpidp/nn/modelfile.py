@@ -2,8 +2,7 @@
 ``[[layers]]`` table per layer) or a JSON one (``{"layers": [...]}`` or just the list); see
 ``docs/models.md``. ``type`` is a registered layer name (:func:`mpidp.nn.register_layer`),
 the other keys its constructor's settings; ``in_channels`` and ``n_in`` may be left out
-(inferred), and a ``Dense`` without ``n_out`` gets the number of outputs the data set needs.
-"""
+(inferred), and a ``Dense`` without ``n_out`` gets the number of outputs the data set needs."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The optimizers' rules over one flat parameter vector (pure NumPy, no MPI): elementwise
-(SGD with momentum, Adam, AdamW) and with a layer-wise trust ratio (LARS, LAMB); one by
-name. Their base (rate, clipping, where a slice lies) is :class:`~mpidp.nn.optim.Optimizer`.
-"""
+"""The optimizers' rules over one flat parameter vector: elementwise (SGD with momentum, Adam,
+AdamW) and with a layer-wise trust ratio (LARS, LAMB); one by name. Their base (rate, clipping,
+where a slice lies) is :class:`~mpidp.nn.optim.Optimizer`."""
 
 from __future__ import annotations
 

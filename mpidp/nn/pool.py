@@ -1,7 +1,6 @@
 """Pooling over 1-D ``(n, C, L)`` and 2-D ``(n, C, H, W)`` inputs: :class:`MaxPool`,
 :class:`AvgPool` (windows, no padding; per axis ``out = floor((L - size) / stride) + 1``)
-and :class:`GlobalAvgPool`. Pure NumPy, no MPI.
-"""
+and :class:`GlobalAvgPool`."""
 
 from __future__ import annotations
 

@@ -87,9 +87,8 @@ def model_layers(name: str, in_shape: int | Sequence[int], n_out: int,
     """The layers (unbound) and loss of the model ``name``: a preset of :data:`PRESETS`
     (other than ``cnn``, behind a ``Flatten`` for samples that are not flat) or a model file
     (``.toml``/``.json``, :mod:`mpidp.nn.modelfile`). The loss is softmax cross-entropy when
-    ``classification`` (``linear``: always MSE) else mean squared error. ``sparse=True``
-    makes the first layer a :class:`SparseDense` (CSR input).
-    """
+    ``classification`` (``linear``: always MSE) else mean squared error. ``sparse=True`` makes
+    the first layer a :class:`SparseDense` (CSR input)."""
     shape = as_shape(in_shape)
     loss: Loss = SoftmaxCrossEntropy() if classification else MeanSquaredError()
     flat = [] if len(shape) == 1 else [Flatten()]

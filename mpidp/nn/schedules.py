@@ -1,9 +1,7 @@
-"""Learning-rate schedules: pure functions of the optimizer's update count ``t`` (0 for
-the first update), so a resumed run, at any number of ranks, continues the same rates.
-
-A schedule is a frozen dataclass ``schedule(t) -> float``; :func:`make_schedule` builds
-one by name, :func:`epoch_schedule` from settings in epochs.
-"""
+"""Learning-rate schedules: pure functions of the optimizer's update count ``t`` (0 for the first
+update), so a resumed run, at any number of ranks, continues the same rates. A schedule is a
+frozen dataclass ``schedule(t) -> float``; :func:`make_schedule` builds one by name,
+:func:`epoch_schedule` from settings in epochs."""
 
 from __future__ import annotations
 

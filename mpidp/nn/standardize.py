@@ -1,15 +1,14 @@
 """Feature standardisation with EXACT global statistics, computed data-parallel:
 :class:`Standardize`, set by :meth:`Standardize.fit_` from the training set's global count,
 mean and centred sum of squares, which ranks holding parts of it get in one of two ways
-(pure NumPy here; the caller runs the collectives):
+(the caller runs the collectives):
 
 - one gather, not additive: every rank's :func:`moments` merged by :func:`combine_moments`
   (Chan et al.'s pairwise formula), accurate to about ``1e-16 * |mean| / std``;
 - two allreduce sums, additive: :func:`pass1_sums`, :func:`pass1_mean`, then
   :func:`pass2_squares` about that mean, accurate to ~1e-15 relative whatever the data.
 
-Both are exact for uneven and empty shards: what one process computes on all the rows.
-"""
+Both are exact for uneven and empty shards: what one process computes on all the rows."""
 
 from __future__ import annotations
 
