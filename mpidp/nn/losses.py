@@ -63,10 +63,9 @@ class SoftmaxCrossEntropy(Loss):
         z = pred - pred.max(axis=1, keepdims=True) if len(pred) else pred  # (n, k)
         e = np.exp(z)
         s = e.sum(axis=1, keepdims=True)
-        rows = np.arange(len(z))
         self._p = e / s
-        self._rows, self._y = rows, target
-        return float(np.sum(np.log(s[:, 0]) - z[rows, target]))
+        self._rows, self._y = np.arange(len(z)), target
+        return float(np.sum(np.log(s[:, 0]) - z[self._rows, target]))
 
     def backward(self) -> np.ndarray:
         g = self._p.copy()
