@@ -69,8 +69,7 @@ class _ConvNd(Layer):
     nd = 0
 
     def __init__(self, out_channels: int, kernel: int | Sequence[int], stride: int | Sequence[int] = 1,
-                 padding: int | Sequence[int] = 0, in_channels: int | None = None,
-                 init: str = "he") -> None:
+                 padding: int | Sequence[int] = 0, in_channels: int | None = None, init: str = "he") -> None:
         super().__init__()
         name, nd = type(self).__name__, self.nd
         if not is_whole(out_channels, 1):

@@ -192,8 +192,7 @@ def is_finite_number(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float, np.number)) and math.isfinite(value)
 
 
-def init_weights(W: np.ndarray, init: str, fan_in: int, fan_out: int,
-                 rng: np.random.Generator) -> None:
+def init_weights(W: np.ndarray, init: str, fan_in: int, fan_out: int, rng: np.random.Generator) -> None:
     """Fill ``W`` in place: ``"he"`` N(0, 2/fan_in), ``"normal"`` N(0, 1), ``"xavier"``
     U(±sqrt(6/(fan_in+fan_out))), else zeros."""
     if init == "he":

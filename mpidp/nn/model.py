@@ -142,8 +142,7 @@ class Sequential:
             layer.init_(rng)
         return self
 
-    def forward(self, x: np.ndarray,
-                on_layer_params: Callable[[int, int | None], None] | None = None,
+    def forward(self, x: np.ndarray, on_layer_params: Callable[[int, int | None], None] | None = None,
                 piece: int = 0) -> np.ndarray:
         """``x`` ``(n, *in_shape)`` → output ``(n, *out_shape)``; caches activations for
         ``backward``. Runs in the mode ``context.training`` says (False: evaluation).

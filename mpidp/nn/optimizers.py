@@ -35,9 +35,8 @@ class SGD(Optimizer):
     """SGD with optional momentum and L2 weight decay: ``v = momentum * v + g``;
     ``p -= lr * v`` (Nesterov: ``p -= lr * (g + momentum * v)``)."""
 
-    def __init__(self, lr: float | Schedule = 0.01, momentum: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False,
-                 **clip: float | None) -> None:
+    def __init__(self, lr: float | Schedule = 0.01, momentum: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False, **clip: float | None) -> None:
         super().__init__(lr, weight_decay, **clip)
         self.momentum, self.nesterov = _momentum(momentum), nesterov
         if nesterov and momentum == 0:
@@ -78,8 +77,7 @@ class Adam(Optimizer):
     """Adam (Kingma & Ba, 2015) with bias correction; ``weight_decay`` is classic L2."""
 
     def __init__(self, lr: float | Schedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0,
-                 **clip: float | None) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, **clip: float | None) -> None:
         super().__init__(lr, weight_decay, **clip)
         self.b1, self.b2 = _betas(betas, type(self).__name__)
         self.eps = _positive("eps", eps)
@@ -111,8 +109,7 @@ class AdamW(Adam):
     (moments, clipping): ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``."""
 
     def __init__(self, lr: float | Schedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01,
-                 **clip: float | None) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.01, **clip: float | None) -> None:
         super().__init__(lr, betas, eps, weight_decay, **clip)
 
     def _update(self, params: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
@@ -147,9 +144,8 @@ class LARS(Optimizer):
 
     layer_norms = True
 
-    def __init__(self, lr: float | Schedule = 0.1, momentum: float = 0.9,
-                 weight_decay: float = 0.0, eta: float = 0.001, exclude_1d: bool = True,
-                 **clip: float | None) -> None:
+    def __init__(self, lr: float | Schedule = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
+                 eta: float = 0.001, exclude_1d: bool = True, **clip: float | None) -> None:
         super().__init__(lr, weight_decay, **clip)
         self.momentum = _momentum(momentum)
         if not (eta > 0 and math.isfinite(eta)):

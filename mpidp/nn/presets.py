@@ -38,8 +38,7 @@ def mlp(n_in: int, hidden: Sequence[int], n_out: int, activation: str = "relu",
     return Sequential(mlp_layers(n_in, hidden, n_out, activation), n_in, dtype)
 
 
-def mlp_layers(n_in: int, hidden: Sequence[int], n_out: int,
-               activation: str = "relu") -> list[L.Layer]:
+def mlp_layers(n_in: int, hidden: Sequence[int], n_out: int, activation: str = "relu") -> list[L.Layer]:
     """The layers of :func:`mlp`, not yet bound to parameters (nothing is allocated)."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(_ACTIVATIONS)}")
@@ -81,9 +80,8 @@ def cnn_layers(in_shape: Sequence[int], n_out: int) -> list[L.Layer]:
     return [*layers, Flatten(), *head, L.Dense(None, n_out, init="xavier")]
 
 
-def model_layers(name: str, in_shape: int | Sequence[int], n_out: int,
-                 hidden: Sequence[int] = (128, 64), classification: bool = True,
-                 sparse: bool = False) -> tuple[list[L.Layer], Loss]:
+def model_layers(name: str, in_shape: int | Sequence[int], n_out: int, hidden: Sequence[int] = (128, 64),
+                 classification: bool = True, sparse: bool = False) -> tuple[list[L.Layer], Loss]:
     """The layers (unbound) and loss of the model ``name``: a preset of :data:`PRESETS`
     (other than ``cnn``, behind a ``Flatten`` for samples that are not flat) or a model file
     (``.toml``/``.json``, :mod:`mpidp.nn.modelfile`). The loss is softmax cross-entropy when

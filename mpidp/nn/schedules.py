@@ -241,8 +241,7 @@ def make_schedule(name: str, lr: float, *, warmup: int = 0, warmup_start: float 
 
 def epoch_schedule(name: str, lr: float, per_epoch: int, epochs: int, *, warmup_steps: int = 0,
                    warmup_epochs: float = 0.0, step_epochs: int | None = None,
-                   milestones: Sequence[int] = (), gamma: float = 0.1,
-                   min_lr: float = 0.0) -> Schedule:
+                   milestones: Sequence[int] = (), gamma: float = 0.1, min_lr: float = 0.0) -> Schedule:
     """The schedule ``name`` (:data:`SCHEDULES`, or ``"plateau"``: constant) from ``lr`` for
     ``epochs`` epochs of ``per_epoch`` updates: a warmup (``warmup_steps``, else
     ``warmup_epochs``), then a decay by ``gamma`` every ``step_epochs``, at ``milestones``

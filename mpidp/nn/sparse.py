@@ -109,8 +109,7 @@ class SparseDense(Dense):
         out += self.params["b"]
         return out
 
-    def backward(self, dy: np.ndarray, accumulate: bool = False,
-                 need_input_grad: bool = True) -> None:
+    def backward(self, dy: np.ndarray, accumulate: bool = False, need_input_grad: bool = True) -> None:
         x, dW, db = self._x, self.grads["W"], self.grads["b"]
         if not accumulate:
             dW[...] = 0

@@ -134,8 +134,7 @@ class Standardize(_SampleShaped, ParameterFree):
         if self.state:  # a scratch copy (a pipeline's other stages) may have none bound
             self.state["mean"][...], self.state["std"][...] = 0, 1
 
-    def fit_(self, count: int, mean: np.ndarray, m2: np.ndarray, eps: float = 1e-10
-             ) -> Standardize:
+    def fit_(self, count: int, mean: np.ndarray, m2: np.ndarray, eps: float = 1e-10) -> Standardize:
         """Set the state from the training set's GLOBAL moments (``count`` >= 1; ``mean``,
         ``m2`` of the per-sample shape or flat); returns self. ``std = sqrt(M2 / count)``
         (biased, as scikit-learn's); a feature constant up to rounding (``std <= eps *
