@@ -51,8 +51,7 @@ class Residual(Layer):
         if set(settings) != {"layers"} or not isinstance(specs, list):
             raise ValueError(f"Residual settings are {{'layers': [layer specs]}}, got {settings!r}")
         if not all(isinstance(d, dict) and isinstance(d.get("type"), str) for d in specs):
-            raise ValueError(f"Residual: each of its layers is a dict with a 'type' string, got "
-                             f"{specs!r}")
+            raise ValueError(f"Residual: each of its layers is a dict with a 'type' string, got {specs!r}")
         return cls(layers_from(specs, where="Residual"))
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -64,17 +63,14 @@ class Residual(Layer):
         return in_shape
 
     def param_shapes(self) -> Shapes:
-        return {f"{j}.{k}": s for j, la in enumerate(self.layers)
-                for k, s in la.param_shapes().items()}
+        return {f"{j}.{k}": s for j, la in enumerate(self.layers) for k, s in la.param_shapes().items()}
 
     def state_shapes(self) -> Shapes:
-        return {f"{j}.{k}": s for j, la in enumerate(self.layers)
-                for k, s in la.state_shapes().items()}
+        return {f"{j}.{k}": s for j, la in enumerate(self.layers) for k, s in la.state_shapes().items()}
 
     def _split(self, views: dict[str, np.ndarray], shapes: str) -> list[dict[str, np.ndarray]]:
         """``views`` (``"j.name"`` keys) as one dict per inner layer, by its ``shapes()``."""
-        return [{k: views[f"{j}.{k}"] for k in getattr(la, shapes)()}
-                for j, la in enumerate(self.layers)]
+        return [{k: views[f"{j}.{k}"] for k in getattr(la, shapes)()} for j, la in enumerate(self.layers)]
 
     def bind(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
         super().bind(params, grads)

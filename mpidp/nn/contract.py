@@ -146,8 +146,7 @@ class _Checker:
             raise _Broken(f"forward of {self.x.shape} gave {y.shape}, expected "
                           f"{(self.rows, *m.out_shape)} (output_shape says {m.out_shape})")
         if not self.reads and (dx is None or np.shape(dx) != self.x.shape):
-            raise _Broken(f"backward gave an input gradient of shape {np.shape(dx)}, "
-                          f"expected {self.x.shape}")
+            raise _Broken(f"backward gave an input gradient of shape {np.shape(dx)}, expected {self.x.shape}")
         for what, got in (("forward", y), ("backward", dx)):
             bad = None if got is None else np.argwhere(~np.isfinite(got))
             if bad is not None and len(bad):
@@ -262,8 +261,7 @@ class _Checker:
                 errors[r] = exc
                 group.barrier.abort()
 
-        threads = [threading.Thread(target=run, args=(r,), daemon=True)
-                   for r in range(self.ranks)]
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(self.ranks)]
         for t in threads:
             t.start()
         for t in threads:

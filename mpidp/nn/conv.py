@@ -108,8 +108,7 @@ class _ConvNd(Layer):
         return self.in_channels
 
     def param_shapes(self) -> Shapes:
-        return {"W": (self.out_channels, self._need_channels(), *self.kernel),
-                "b": (self.out_channels,)}
+        return {"W": (self.out_channels, self._need_channels(), *self.kernel), "b": (self.out_channels,)}
 
     def bind(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
         for k, a in [*params.items(), *grads.items()]:

@@ -52,8 +52,7 @@ class Embedding(Layer):
         """``x`` as ``intp`` ids, checked to be whole numbers in ``[0, n_tokens)``."""
         x = np.asarray(x)
         if x.dtype.kind not in "iuf":
-            raise ValueError(f"Embedding takes token ids as an integer or float array, got "
-                             f"dtype {x.dtype}")
+            raise ValueError(f"Embedding takes token ids as an integer or float array, got dtype {x.dtype}")
         ok = (x >= 0) & (x < self.n_tokens)
         if x.dtype.kind == "f":
             # whole numbers above it are not all held: an id of exactly 2**24 in float32 may

@@ -132,11 +132,9 @@ def onnx_model(model: Sequential):
         g.nodes + [helper.make_node("Identity", [y], ["scores"], name="scores")], "mpidp",
         [helper.make_tensor_value_info("x", kind, ["batch", *model.in_shape])],
         [helper.make_tensor_value_info("scores", kind, ["batch", *model.out_shape])], g.inits)
-    out = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                            producer_name="mpidp")
+    out = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="mpidp")
     out.ir_version = min(out.ir_version, 8)  # readable by older runtimes too
-    helper.set_model_props(out, {"mpidp.spec": json.dumps(model.spec()),
-                                 "mpidp.dtype": str(model.dtype)})
+    helper.set_model_props(out, {"mpidp.spec": json.dumps(model.spec()), "mpidp.dtype": str(model.dtype)})
     onnx.checker.check_model(out, full_check=True)
     return out
 
@@ -250,8 +248,7 @@ def _taps(g: OnnxGraph, x: str, kernel, stride, out):
     axes = g.ints(range(2, 2 + len(kernel)))
     for offset in itertools.product(*map(range, kernel)):
         sl = tap(offset, stride, out)
-        yield g.op("Slice", x, g.ints(s.start for s in sl), g.ints(s.stop for s in sl), axes,
-                   g.ints(stride))
+        yield g.op("Slice", x, g.ints(s.start for s in sl), g.ints(s.stop for s in sl), axes, g.ints(stride))
 
 
 @register_exporter(MaxPool)

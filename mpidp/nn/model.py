@@ -29,8 +29,7 @@ def as_shape(n_in: int | Sequence[int], what: str = "n_in") -> tuple[int, ...]:
     """A per-sample shape from a width or a sequence of sizes (each >= 1)."""
     shape = (n_in,) if isinstance(n_in, (int, np.integer)) else tuple(n_in)
     if not shape or not all(is_whole(d, 1) for d in shape):
-        raise ValueError(f"{what} must be a positive width or a tuple of positive sizes, "
-                         f"got {n_in!r}")
+        raise ValueError(f"{what} must be a positive width or a tuple of positive sizes, got {n_in!r}")
     return tuple(int(d) for d in shape)
 
 
@@ -48,8 +47,7 @@ def chain_shapes(layers: Sequence[Layer], in_shape: tuple[int, ...]) -> list[tup
         try:
             shapes.append(as_shape(layer.output_shape(shapes[-1]), "an output shape"))
         except ValueError as exc:
-            got = (f"{shapes[-1][0]} features" if len(shapes[-1]) == 1
-                   else f"samples of shape {shapes[-1]}")
+            got = f"{shapes[-1][0]} features" if len(shapes[-1]) == 1 else f"samples of shape {shapes[-1]}"
             raise ValueError(f"layer shapes do not chain: layer {i} ({layer!r}) gets "
                              f"{got} from the layer before it: {exc}") from None
     return shapes
@@ -356,8 +354,7 @@ def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
         model.meta = meta
     except (OSError, KeyError, ValueError, TypeError, EOFError, RecursionError,
             zipfile.BadZipFile, zlib.error) as exc:  # a file damaged, truncated or foreign
-        raise ValueError(f"{path!r}: cannot load a saved model ({type(exc).__name__}: "
-                         f"{exc})") from None
+        raise ValueError(f"{path!r}: cannot load a saved model ({type(exc).__name__}: {exc})") from None
     if check_finite and not (np.isfinite(model.params).all() and np.isfinite(model.state).all()):
         raise ValueError(f"{path!r}: the saved parameters contain NaN or Inf")
     return model

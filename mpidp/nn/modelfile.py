@@ -82,8 +82,7 @@ def layers_from(specs: list[dict[str, Any]], n_outputs: int | None = None,
                     for c in d["layers"]]:
         depth += 1
     if depth > MAX_NESTING:
-        raise ValueError(f"{where}: blocks nested {depth} deep; they may nest at most "
-                         f"{MAX_NESTING} deep")
+        raise ValueError(f"{where}: blocks nested {depth} deep; they may nest at most {MAX_NESTING} deep")
     out = []
     for i, d in enumerate(specs):
         kind = d["type"]
@@ -107,10 +106,8 @@ def fill_settings(cls: type, settings: dict, n_outputs: int | None, who: str) ->
     params = inspect.signature(cls).parameters
     if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
         if unknown := [k for k in settings if k not in params]:
-            takes = ", ".join(k for k, p in params.items()
-                              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
-            raise ValueError(f"{who}: unknown setting {unknown[0]!r} (it takes "
-                             f"{takes or 'no settings'})")
+            takes = ", ".join(k for k, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+            raise ValueError(f"{who}: unknown setting {unknown[0]!r} (it takes {takes or 'no settings'})")
     filled = dict(settings)
     for name, p in params.items():
         if name in filled or p.default is not p.empty or p.kind in (p.VAR_POSITIONAL,

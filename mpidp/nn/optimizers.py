@@ -117,8 +117,7 @@ class AdamW(Adam):
         if scale != 1.0:
             grad *= scale
         m, v = self._moments(grad, state)
-        step = (self.lr / (1 - self.b1 ** self.t)) * m / (np.sqrt(v / (1 - self.b2 ** self.t))
-                                                          + self.eps)
+        step = (self.lr / (1 - self.b1 ** self.t)) * m / (np.sqrt(v / (1 - self.b2 ** self.t)) + self.eps)
         if self.weight_decay:
             params *= 1 - self.lr * self.weight_decay
         params -= step

@@ -62,8 +62,7 @@ class _WindowPool(ParameterFree):
             raise ValueError(f"{self!r}: backward before forward")
         want = (*self._x_shape[:2], *self._geom[2])
         if dy.shape != want:
-            raise ValueError(f"{self!r}: dy has shape {tuple(dy.shape)}, but the forward output "
-                             f"was {want}")
+            raise ValueError(f"{self!r}: dy has shape {tuple(dy.shape)}, but the forward output was {want}")
 
     def _taps(self):
         """(offset number, input slices) for every window offset of the cached forward."""
@@ -154,8 +153,7 @@ class GlobalAvgPool(ParameterFree):
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         if x.ndim < 3:
-            raise ValueError(f"GlobalAvgPool takes a batch of shape (n, C, *spatial), got "
-                             f"{tuple(x.shape)}")
+            raise ValueError(f"GlobalAvgPool takes a batch of shape (n, C, *spatial), got {tuple(x.shape)}")
         self._x_shape = x.shape
         return x.mean(axis=tuple(range(2, x.ndim)))
 

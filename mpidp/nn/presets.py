@@ -111,12 +111,10 @@ def model_layers(name: str, in_shape: int | Sequence[int], n_out: int, hidden: S
         raise ValueError(f"unknown model {name!r}; expected one of {', '.join(PRESETS)}, or "
                          f"a model file (.toml or .json)")
     if name == "logreg" and not classification:
-        raise ValueError("model 'logreg' needs integer class labels; "
-                         "use 'linear' or 'mlp' for regression")
+        raise ValueError("model 'logreg' needs integer class labels; use 'linear' or 'mlp' for regression")
     if name == "linear":
         loss = MeanSquaredError()
-    layers = (mlp_layers(n_in, hidden, n_out) if name == "mlp"
-              else [L.Dense(n_in, n_out, init="zeros")])
+    layers = mlp_layers(n_in, hidden, n_out) if name == "mlp" else [L.Dense(n_in, n_out, init="zeros")]
     if sparse:
         layers[0] = SparseDense(layers[0].n_in, layers[0].n_out)
     return flat + layers, loss

@@ -47,8 +47,7 @@ class Reshape(_ShapeOnly):
         if not isinstance(dims, (tuple, list)) or not dims or not all(
                 is_whole(d, 1) or is_whole(d, -1) and d == -1 for d in dims) \
                 or sum(d == -1 for d in dims) > 1:
-            raise ValueError(f"Reshape needs a shape of sizes >= 1 with at most one -1, got "
-                             f"{shape!r}")
+            raise ValueError(f"Reshape needs a shape of sizes >= 1 with at most one -1, got {shape!r}")
         self.shape = tuple(int(d) for d in dims)
 
     def config(self) -> dict:

@@ -196,8 +196,7 @@ class Warmup(Schedule):
         return self.start + (self._base - self.start) * (t + 1) / self.warmup
 
     def config(self) -> dict[str, Any]:
-        return {"name": self.name, "warmup": self.warmup, "start": self.start,
-                "after": self.after.config()}
+        return {"name": self.name, "warmup": self.warmup, "start": self.start, "after": self.after.config()}
 
 
 _BY_NAME: dict[str, type[Schedule]] = {
@@ -214,14 +213,12 @@ def schedule_from_config(config: dict[str, Any]) -> Schedule:
     name = settings.pop("name")
     cls = _BY_NAME.get(name)
     if cls is None:
-        raise ValueError(f"unknown learning-rate schedule {name!r}; expected one of "
-                         f"{(*SCHEDULES, 'warmup')}")
+        raise ValueError(f"unknown learning-rate schedule {name!r}; expected one of {(*SCHEDULES, 'warmup')}")
     if cls is Warmup and isinstance(settings.get("after"), dict):
         settings["after"] = schedule_from_config(settings["after"])
     known = {f.name for f in fields(cls) if f.init}
     if unknown := sorted(set(settings) - known):
-        raise ValueError(f"schedule {name!r} has no setting {unknown}; its settings are "
-                         f"{sorted(known)}")
+        raise ValueError(f"schedule {name!r} has no setting {unknown}; its settings are {sorted(known)}")
     try:
         return cls(**settings)
     except TypeError as exc:  # a required setting is missing
@@ -257,16 +254,14 @@ def epoch_schedule(name: str, lr: float, per_epoch: int, epochs: int, *, warmup_
         milestones = _milestones("milestones", milestones)
         passed = sum(m * per_epoch <= warmup for m in milestones)  # by the warmup's end
         lr *= gamma ** passed
-        settings = {"milestones": [m * per_epoch - warmup for m in milestones[passed:]],
-                    "gamma": gamma}
+        settings = {"milestones": [m * per_epoch - warmup for m in milestones[passed:]], "gamma": gamma}
     elif name == "exponential":
         settings = {"gamma": gamma ** (1.0 / per_epoch)}
     elif name == "cosine":
         settings = {"total": total, "min_lr": min_lr}
     elif name == "polynomial":
         settings = {"total": total, "end_lr": min_lr}
-    return make_schedule("constant" if name == "plateau" else name, lr, warmup=warmup,
-                         **settings)
+    return make_schedule("constant" if name == "plateau" else name, lr, warmup=warmup, **settings)
 
 
 def as_schedule(lr: float | Schedule | dict[str, Any]) -> Schedule:

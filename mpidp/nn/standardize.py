@@ -142,8 +142,7 @@ class Standardize(_SampleShaped, ParameterFree):
         if self.shape is None or not self.state:
             raise ValueError("Standardize.fit_ needs the layer in a model (its state bound)")
         if int(count) < 1:
-            raise ValueError(f"Standardize.fit_ needs at least one training row, got count "
-                             f"{count}")
+            raise ValueError(f"Standardize.fit_ needs at least one training row, got count {count}")
         if not is_finite_number(eps) or eps < 0:
             raise ValueError(f"Standardize.fit_ eps must be a finite number >= 0, got {eps!r}")
         size = int(np.prod(self.shape))
