@@ -25,9 +25,8 @@ def positions(index) -> np.ndarray:
     whole = a.dtype.kind in "iu" or a.dtype.kind == "f" and bool(np.all(np.isfinite(a) & (a == np.floor(a))))
     if a.ndim != 1 or not whole or (a.size and a.min() < 0):
         shown = np.array2string(a.ravel()[:5], separator=", ")
-        raise ValueError(f"index must hold the global positions of the batch's rows, whole "
-                         f"numbers >= 0 in one dimension; got {a.dtype} of shape {a.shape} "
-                         f"starting {shown}")
+        raise ValueError(f"index must hold the global positions of the batch's rows, whole numbers >= 0 "
+                         f"in one dimension; got {a.dtype} of shape {a.shape} starting {shown}")
     return a.astype(np.int64)
 
 

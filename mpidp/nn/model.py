@@ -39,9 +39,8 @@ def chain_shapes(layers: Sequence[Layer], in_shape: tuple[int, ...]) -> list[tup
     reads the data's rows themselves (:attr:`Layer.reads`) after another layer."""
     late = next((i for i, la in enumerate(layers) if i and getattr(la, "reads", "")), None)
     if late is not None:
-        raise ValueError(f"layer {late} ({layers[late]!r}) reads {layers[late].reads} from the "
-                         f"data set itself, so it must be the first layer; here "
-                         f"{layers[late - 1]!r} comes before it")
+        raise ValueError(f"layer {late} ({layers[late]!r}) reads {layers[late].reads} from the data set "
+                         f"itself, so it must be the first layer; here {layers[late - 1]!r} comes before it")
     shapes = [tuple(in_shape)]
     for i, layer in enumerate(layers):
         try:
@@ -309,10 +308,9 @@ def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None, *
         why = "so mpidp.nn.load cannot rebuild this file" if other is None else \
             (f"and its name is registered to {other.__module__}.{other.__qualname__}, which "
              f"mpidp.nn.load would build in its place")
-        warnings.warn(f"{path}: layer class {cls.__name__!r} ({cls.__module__}."
-                      f"{cls.__qualname__}) is not registered, {why}; register it with "
-                      f"mpidp.nn.register_layer (decorate the class with "
-                      f"@mpidp.nn.register_layer) where it is defined",
+        warnings.warn(f"{path}: layer class {cls.__name__!r} ({cls.__module__}.{cls.__qualname__}) is not "
+                      f"registered, {why}; register it with mpidp.nn.register_layer (decorate the class "
+                      f"with @mpidp.nn.register_layer) where it is defined",
                       UserWarning, stacklevel=stacklevel)
     return path
 
@@ -332,9 +330,8 @@ def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
         saved = np.load(path, allow_pickle=False)
         with saved:  # every member read in full: every zip CRC-32 is checked
             if missing := [k for k in ("params", "spec", "dtype") if k not in saved.files]:
-                raise ValueError(f"not a saved model: no {', '.join(map(repr, missing))} in "
-                                 f"the archive (it holds "
-                                 f"{', '.join(map(repr, saved.files)) or 'nothing'})")
+                raise ValueError(f"not a saved model: no {', '.join(map(repr, missing))} in the archive "
+                                 f"(it holds {', '.join(map(repr, saved.files)) or 'nothing'})")
             saved = {k: saved[k] for k in saved.files}
         params = saved["params"]
         spec, dtype = json.loads(str(saved["spec"])), str(saved["dtype"])

@@ -67,9 +67,8 @@ def cnn_layers(in_shape: Sequence[int], n_out: int) -> list[L.Layer]:
         conv, widths, kernel = Conv2d, (16, 32), 3
         head = [L.Dense(None, 64, init="he"), ReLU(inplace=True)]
     else:
-        raise ValueError(f"model 'cnn' needs samples shaped (channels, length) or (channels, "
-                         f"height, width), got per-sample shape {shape}; for flat features use "
-                         f"{setting('model', 'mlp')}")
+        raise ValueError(f"model 'cnn' needs samples shaped (channels, length) or (channels, height, width), "
+                         f"got per-sample shape {shape}; for flat features use {setting('model', 'mlp')}")
     layers: list[L.Layer] = []
     side = min(shape[1:])
     for i, channels in enumerate(widths):

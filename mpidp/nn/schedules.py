@@ -200,8 +200,7 @@ class Warmup(Schedule):
 
 
 _BY_NAME: dict[str, type[Schedule]] = {
-    cls.name: cls for cls in (Constant, StepDecay, MultiStep, Exponential, Cosine, Polynomial,
-                              Warmup)}
+    cls.name: cls for cls in (Constant, StepDecay, MultiStep, Exponential, Cosine, Polynomial, Warmup)}
 
 
 def schedule_from_config(config: dict[str, Any]) -> Schedule:
