@@ -74,8 +74,7 @@ def _compare(got, want, tol: float, what: str, hint: str = "") -> None:
     err, at = _worst(got, want)
     if not err <= tol:  # NaN fails too
         raise _Broken(f"{what} differs by {err:.3g} (relative) at {list(at)}: "
-                      f"{float(np.asarray(got)[at]):.6g} instead of "
-                      f"{float(np.asarray(want)[at]):.6g}{hint}")
+                      f"{float(np.asarray(got)[at]):.6g} instead of {float(np.asarray(want)[at]):.6g}{hint}")
 
 
 class _Group:
@@ -208,14 +207,12 @@ class _Checker:
     def sums(self) -> None:
         m = self.fresh(self.ref, np.arange(self.rows))
         _, dx, g, _ = self.step(m, self.x, self.dy)
-        two = np.concatenate([self.x, self.x]), np.concatenate([self.dy, self.dy])
         m = self.fresh(self.ref, np.tile(np.arange(self.rows), 2))
-        _, dx2, g2, _ = self.step(m, *two)
+        _, dx2, g2, _ = self.step(m, np.concatenate([self.x, self.x]), np.concatenate([self.dy, self.dy]))
         if g.any() and not np.allclose(g2, 2 * g, rtol=EXACT_TOL, atol=EXACT_TOL * 10):
             ratio = float(g2 @ g / (g @ g))
-            raise _Broken(f"the parameter gradients of a batch given twice are {ratio:.3g} "
-                          f"times those of the batch, not 2 times: backward must write sums "
-                          f"over the rows, not means")
+            raise _Broken(f"the parameter gradients of a batch given twice are {ratio:.3g} times those "
+                          f"of the batch, not 2 times: backward must write sums over the rows, not means")
         if dx is not None:
             for half in (dx2[:self.rows], dx2[self.rows:]):
                 _compare(half, dx, EXACT_TOL, "the input gradient of a row of a batch given "
