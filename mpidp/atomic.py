@@ -29,8 +29,7 @@ _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character de
 
 
 def shown(path: str) -> str:
-    """``path`` as a message shows it: quoted when it holds a character that would break the
-    line."""
+    """``path`` as a message shows it: quoted when a character in it would break the line."""
     return path if path.isprintable() else repr(path)
 
 
@@ -194,8 +193,7 @@ def write_together(files: Sequence[tuple[str, Callable[[str], object]]],
                 os.makedirs(folder, exist_ok=True)
             except OSError as exc:
                 raise write_error(exc, folder, what) from None
-            tmp = os.path.join(folder, f"{TMP_PREFIX}{host_tag()}-{os.getpid()}-"
-                               f"{os.path.basename(path)}")
+            tmp = os.path.join(folder, f"{TMP_PREFIX}{host_tag()}-{os.getpid()}-{os.path.basename(path)}")
             staged.append((tmp, path))
             try:
                 save(tmp)
@@ -230,16 +228,6 @@ def _fsync_dir(directory: str) -> None:
             os.close(fd)
 
 
-def _dangling(path: str) -> str | None:
-    """The first of ``path`` and its folders that is a symbolic link to nothing, if any."""
-    here = os.path.abspath(path)
-    while not (os.path.islink(here) and not os.path.exists(here)):
-        if os.path.exists(here) or os.path.dirname(here) == here:
-            return None
-        here = os.path.dirname(here)
-    return here
-
-
 def _probe(path: str, what: str, name: str | None = None) -> None:
     """ValueError unless a file can be created in the nearest existing folder of ``path``
     (tried for real: permission bits say nothing for root), naming ``what`` and ``name``."""
@@ -259,11 +247,15 @@ def _probe(path: str, what: str, name: str | None = None) -> None:
 
 
 def _not_dangling(path: str, what: str) -> None:
-    link = _dangling(path)
-    if link is not None:
-        raise ValueError(f"{what} {shown(path)}: {shown(link)} is a symbolic link to "
-                         f"{shown(os.readlink(link))}, which does not exist: create what it "
-                         f"points to, or give {what} another place")
+    """ValueError naming ``what`` when ``path`` or one of its folders is a symbolic link to nothing."""
+    link = os.path.abspath(path)
+    while not (os.path.islink(link) and not os.path.exists(link)):
+        if os.path.exists(link) or os.path.dirname(link) == link:
+            return
+        link = os.path.dirname(link)
+    raise ValueError(f"{what} {shown(path)}: {shown(link)} is a symbolic link to "
+                     f"{shown(os.readlink(link))}, which does not exist: create what it "
+                     f"points to, or give {what} another place")
 
 
 def check_file(path: str, what: str, example: str = "out.npy") -> None:
