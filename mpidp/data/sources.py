@@ -1,9 +1,7 @@
 """Where samples come from: built-in datasets and files, read by row, and what identifies
 their contents. No MPI. A :class:`Source` knows its shape from metadata alone and reads
 only the rows asked for (``.npy`` and stored ``.npz`` members memory-mapped, HDF5 sliced).
-Built in: :mod:`~.datasets`' sets, ``synthetic`` (Gaussian clusters or a linear
-regression) and ``bow`` (sparse bag-of-words rows sorted by their Pareto-tailed lengths,
-so that a contiguous split is skewed); generated rows are seeded per chunk."""
+Built in (:data:`BUILTIN`): :mod:`~.datasets`' sets, :class:`SyntheticSource`, :class:`BowSource`."""
 
 from __future__ import annotations
 
@@ -73,9 +71,9 @@ class SyntheticSource(Source):
 
 
 class BowSource(Source):
-    """``n_samples`` sparse documents over ``n_features`` words, rows of ascending
-    Pareto-tailed lengths of Zipf-drawn words, valued ``1/sqrt(length)``, labelled by a
-    planted linear rule; chunked as :class:`SyntheticSource`."""
+    """``n_samples`` sparse documents of Zipf-drawn words out of ``n_features``, valued
+    ``1/sqrt(length)``, rows of ascending Pareto-tailed lengths (a contiguous split is skewed),
+    labelled by a planted linear rule; chunked as :class:`SyntheticSource`."""
 
     CHUNK = 1024
 
@@ -137,9 +135,8 @@ def _npz_member(path: str, zf: zipfile.ZipFile, key: str, verify: bool = True):
                          f"array")
     if info.compress_type != zipfile.ZIP_STORED:
         shape = ()  # the header first (a few bytes inflated): numpy reads a negative shape
-        with contextlib.suppress(Exception):  # else reading the whole member says what is wrong
-            with zf.open(name) as f:
-                shape = read_npy_header(f)[0]
+        with contextlib.suppress(Exception), zf.open(name) as f:  # else reading it all says why
+            shape = read_npy_header(f)[0]
         _check_shape(what, shape, "numpy.savez")
         try:  # compressed: cannot map, read it whole (zipfile checks the CRC-32)
             with zf.open(name) as f:
@@ -219,11 +216,9 @@ def stored_members(path: str) -> list[tuple[str, int, int, int]]:
         return []
     try:
         with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
-            names = set(zf.namelist())
-            return [(info.filename, _member_offset(f, info), info.compress_size, info.CRC)
-                    for info in (zf.getinfo(k + ".npy") for k in ("X", "y")
-                                 if k + ".npy" in names)
-                    if info.compress_type == zipfile.ZIP_STORED]
+            infos = [zf.getinfo(n) for n in ("X.npy", "y.npy") if n in zf.namelist()]
+            return [(i.filename, _member_offset(f, i), i.compress_size, i.CRC) for i in infos
+                    if i.compress_type == zipfile.ZIP_STORED]
     except (OSError, zipfile.BadZipFile, EOFError, ValueError):
         return []
 
@@ -359,8 +354,7 @@ def open_source(spec: str | os.PathLike, *, n_samples: int = 60000,
 
 
 def _first_row(a, bad: np.ndarray, rows: np.ndarray) -> int:
-    """Dataset row of the first ``True`` in ``bad``: one flag per element of dense ``a``, or
-    per stored value of CSR ``a``."""
+    """Dataset row of the first ``True`` in ``bad`` (per element of dense ``a``, value of CSR ``a``)."""
     if hasattr(a, "indptr"):
         return int(rows[np.searchsorted(a.indptr, np.flatnonzero(bad)[0], side="right") - 1])
     return int(rows[np.flatnonzero(bad.reshape(len(bad), -1).any(axis=1))[0]])
@@ -428,11 +422,10 @@ def scan_rows(source: Source, rows: np.ndarray, *, dtype=None, block_bytes: int 
 
 def metadata_fingerprint(spec: str) -> dict:
     """What identifies dataset ``spec`` (JSON-able; recorded with a run, so that a resume can
-    tell whether its data changed): a built-in's name (its parameters are in the
-    configuration); a file's (or a folder's ``X.npy`` and ``y.npy``) size, and for a zip
-    (``.npz``) each member's size and CRC-32 from its directory; the ranks add the CRC-32 of
-    other files (:func:`mpidp.data.distribute.data_fingerprint`). ValueError naming a file
-    that cannot be read."""
+    tell whether its data changed): a built-in's name (its parameters are in the configuration);
+    the size of a file (or of a folder's ``X.npy`` and ``y.npy``), for a zip (``.npz``) each
+    member's size and CRC-32 from its directory (:func:`~.distribute.data_fingerprint` adds the
+    CRC-32 of other files). ValueError naming a file that cannot be read."""
     if spec in BUILTIN:
         return {"builtin": spec}
     paths = [os.path.join(spec, n) for n in ("X.npy", "y.npy")] if os.path.isdir(spec) else [spec]
