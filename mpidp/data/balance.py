@@ -99,11 +99,6 @@ class Plan:
         self.owner, self.moved = owner, self.moved + moved
         return shard
 
-    def _adapt(self, timer: StepTimer, k: int) -> None:
-        rows = timer.recent(k)
-        mine = [rows[:, _F["cost"]].sum(), rows[:, _F["compute_s"]].sum()]
-        self._remeasured(*C.allgather_rows(self.comm, mine).T)  # every rank's work, seconds
-
     def _remeasured(self, work: np.ndarray, seconds: np.ndarray) -> None:
         self.capacities = Pt.adaptive_capacities(work, seconds, self.capacities)
         self.history_caps.append(self.capacities.round(4).tolist())
@@ -127,8 +122,10 @@ class Plan:
                     X, y = shard.X[idx], shard.y[idx]
                 yield (X, y, shard.positions[idx]) if with_index else (X, y)
             s = stop
-            if every and s < steps:
-                self._adapt(timer, every)
+            if every and s < steps:  # re-measure from every rank's work and seconds since the last
+                rows = timer.recent(every)
+                mine = [rows[:, _F["cost"]].sum(), rows[:, _F["compute_s"]].sum()]
+                self._remeasured(*C.allgather_rows(self.comm, mine).T)
         self.shard = shard
 
     def _local(self, shard: Shard, epoch: int, first: int):
