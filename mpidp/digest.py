@@ -19,8 +19,7 @@ def state_of(optimizer: object) -> str:
     """What identifies an optimizer's state (moments, velocities): each array's name and
     :func:`checksum`, sorted; "none" when it holds none yet."""
     state = getattr(optimizer, "state", None) or {}
-    return ", ".join(f"{k} {checksum(np.ascontiguousarray(v)):016x}"
-                     for k, v in sorted(state.items())) or "none"
+    return ", ".join(f"{k} {checksum(v):016x}" for k, v in sorted(state.items())) or "none"
 
 
 def settings_of(obj: object, skip: tuple[str, ...] = ()) -> str:

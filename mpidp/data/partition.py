@@ -110,8 +110,7 @@ PER_BATCH = ("cost", "adaptive")
 
 
 def check_weights(values, length: int, what: str) -> np.ndarray:
-    """``values`` as float64 ``(length,)``; ValueError for a wrong length, NaN/Inf, negative
-    entries, or all zero."""
+    """``values`` as float64 ``(length,)``; ValueError for a wrong length, NaN/Inf, negatives or all zeros."""
     a = np.asarray(values, np.float64).reshape(-1) if values is not None else None
     if a is None or len(a) != length:
         got = "none" if a is None else str(len(a))
