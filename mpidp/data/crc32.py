@@ -53,7 +53,12 @@ def of_range(path: str, offset: int, length: int, chunk: int = 1 << 22) -> int:
         if length and offset + length <= os.fstat(fd).st_size:
             with contextlib.suppress(OSError, ValueError):
                 return _of_mapped(fd, offset, length)
-        return _of_read(fd, offset, length, chunk)
+        buf, crc = memoryview(bytearray(min(chunk, max(length, 1)))), 0
+        for a in range(0, length, len(buf)):
+            view = buf[:min(len(buf), length - a)]
+            pread_into(fd, view, offset + a)
+            crc = crc32(view, crc)
+        return crc
     finally:
         os.close(fd)
 
@@ -65,15 +70,6 @@ def _of_mapped(fd: int, offset: int, length: int) -> int:
             mm.madvise(mmap.MADV_SEQUENTIAL)
         with memoryview(mm) as view, view[offset - base:] as part:
             return crc32(part)
-
-
-def _of_read(fd: int, offset: int, length: int, chunk: int) -> int:
-    buf, crc = memoryview(bytearray(min(chunk, max(length, 1)))), 0
-    for a in range(0, length, len(buf)):
-        view = buf[:min(len(buf), length - a)]
-        pread_into(fd, view, offset + a)
-        crc = crc32(view, crc)
-    return crc
 
 
 def share(length: int, parts: int, index: int) -> tuple[int, int]:

@@ -115,8 +115,7 @@ def digits() -> ArraySource:
         images, target = rows[:, :-1], rows[:, -1]
     else:
         from sklearn.datasets import load_digits
-        d = load_digits()
-        images, target = d.images, d.target
+        images, target = load_digits(return_X_y=True)
     X = (images / 16.0).reshape(len(images), 1, 8, 8)
     return ArraySource("digits", X, target.astype(np.int64))
 

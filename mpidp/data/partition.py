@@ -81,9 +81,7 @@ def steps_per_epoch(n: int, batch_size: int, drop_last: bool = False) -> int:
 
 def epoch_order(n: int, epoch: int, seed: int, shuffle: bool = True) -> np.ndarray:
     """Positions ``0 .. n-1`` in the order epoch ``epoch`` visits them (seeded, P-independent)."""
-    if not shuffle:
-        return np.arange(n)
-    return np.random.default_rng([seed, epoch]).permutation(n)
+    return np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
 
 
 def local_batches(n: int, batch_size: int, start: int, stop: int, epoch: int, seed: int,
