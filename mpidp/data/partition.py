@@ -11,8 +11,7 @@ import numpy as np
 
 
 def block_counts(n: int, size: int) -> np.ndarray:
-    """Rows per rank for ``n`` rows over ``size`` ranks: the first ``n % size`` ranks get one
-    more (zero rows when ``n < size``)."""
+    """Rows per rank, ``n`` over ``size`` ranks: ``n // size``, one more on the first ``n % size``."""
     if n < 0 or size < 1:
         raise ValueError(f"need n >= 0 and size >= 1, got n={n}, size={size}")
     q, r = divmod(n, size)
@@ -34,8 +33,7 @@ def block_range(n: int, size: int, rank: int) -> tuple[int, int]:
 
 
 def train_test_split(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Split row numbers ``0 .. n-1`` at random (seeded) into sorted ``(train_rows,
-    test_rows)``, ``round(n * test_fraction)`` test rows."""
+    """Sorted ``(train_rows, test_rows)`` of ``0 .. n-1``, ``round(n * test_fraction)`` test at random."""
     if not 0 <= test_fraction < 1:
         raise ValueError(f"test fraction must be in [0, 1), got {test_fraction}")
     n_test = int(round(n * test_fraction))

@@ -16,8 +16,7 @@ from .sources import ArraySource, Source, check_rows
 
 
 def cast_rows(source: Source, X, y, dtype) -> tuple[np.ndarray | CSR, np.ndarray]:
-    """``(X, y)`` in the load dtypes: ``X`` (dense C-contiguous, or CSR) in ``dtype``; ``y``
-    int64 labels, or targets in ``dtype``."""
+    """``(X, y)`` cast: ``X`` (dense C-contiguous, or CSR) and targets to ``dtype``, labels to int64."""
     y = np.asarray(y, np.int64) if source.classification else np.asarray(y, dtype)
     return (X.astype(dtype) if isinstance(X, CSR) else np.ascontiguousarray(X, dtype)), y
 
@@ -52,9 +51,8 @@ def finite_at_a_glance(X: np.ndarray) -> bool:
 
 
 def open_mapped(X) -> tuple[int, int, int] | None:
-    """``(fd, offset of row 0, bytes per row)`` of an array stored as plain C-ordered bytes in
-    a file (an ``np.memmap`` of ``.npy``/``.npz``, or :func:`hdf5_bytes`), opened for
-    reading; None for anything else."""
+    """``(fd, offset of row 0, bytes per row)`` of an array stored as plain C-ordered bytes in a
+    file (an ``np.memmap`` of ``.npy``/``.npz``, or :func:`hdf5_bytes`), opened for reading; else None."""
     if type(X) is np.memmap:
         if not X.flags.c_contiguous or not getattr(X, "filename", None):
             return None
@@ -129,8 +127,7 @@ class RowReader:
         return X, y
 
     def into(self, rows: np.ndarray, X_out: np.ndarray, y_out: np.ndarray) -> None:
-        """Write ``X[rows]`` into ``X_out`` and ``y[rows]`` into ``y_out``, cast to their dtypes;
-        ``rows`` int64 ``(m,)``, increasing."""
+        """Write ``X[rows]``, ``y[rows]`` into ``X_out``, ``y_out`` (cast); ``rows`` increasing."""
         if len(rows) == 0:
             return
         if not self.blocked:
