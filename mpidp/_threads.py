@@ -21,10 +21,8 @@ def _cores() -> int:
 def blas_threads_default() -> int | None:
     """Set the unset BLAS/OpenMP thread-count variables when several ranks share this node;
     return the count (or None). Once numpy is imported, through threadpoolctl if installed."""
-    if any(v in os.environ for v in _VARS):
-        return None
     ranks_here = ranks_on_node()
-    if ranks_here <= 1:
+    if ranks_here <= 1 or any(v in os.environ for v in _VARS):
         return None
     n = max(1, _cores() // ranks_here)
     for v in _VARS:

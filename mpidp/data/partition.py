@@ -33,7 +33,7 @@ def block_range(n: int, size: int, rank: int) -> tuple[int, int]:
 
 
 def train_test_split(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted ``(train_rows, test_rows)`` of ``0 .. n-1``, ``round(n * test_fraction)`` test at random."""
+    """Sorted ``(train_rows, test_rows)`` of ``0 .. n-1``; ``round(n * test_fraction)`` random test rows."""
     if not 0 <= test_fraction < 1:
         raise ValueError(f"test fraction must be in [0, 1), got {test_fraction}")
     n_test = int(round(n * test_fraction))
