@@ -47,8 +47,7 @@ def ranks_on_node() -> int:
 
 
 def limit_blas_threads(n: int):
-    """Limit BLAS threads to ``n`` in this process now; returns threadpoolctl's limiter, or
-    None without threadpoolctl."""
+    """Limit BLAS threads to ``n`` in this process now: threadpoolctl's limiter, or None without it."""
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:

@@ -50,12 +50,11 @@ def special(path: str) -> str | None:
 
 def check_place(path: str, what: str, file: bool = True, folder: bool = False,
                 fix: str = "", folder_later: bool = False, limit: int | None = None) -> None:
-    """ValueError naming ``what`` (the option), ``path`` and what it is, before anything
-    opens it, when it is a FIFO, a device or a socket (symbolic links followed), or a folder
-    where a file (``file`` and not ``folder``) is expected, unless ``folder_later`` (an
-    output whose own check names a file to give), or a file of over ``limit`` bytes (a text
-    read whole). A missing path, or a file where only a folder is expected, is left to the
-    code that opens it."""
+    """ValueError naming ``what`` (the option), ``path`` and what it is, before anything opens
+    it, when it is a FIFO, a device or a socket (symbolic links followed), or a folder where a
+    file (``file`` and not ``folder``) is expected, unless ``folder_later`` (an output whose own
+    check names a file to give), or a file of over ``limit`` bytes (a text read whole). A missing
+    path, or a file where only a folder is expected, is left to the code that opens it."""
     kind = special(path) or (
         "a folder" if not (folder or folder_later) and os.path.isdir(path) else None)
     if kind is not None:
@@ -122,8 +121,7 @@ class WriteError(OSError):
 
 
 def write_error(exc: OSError, path: str | None = None, what: str | None = None) -> WriteError:
-    """``exc`` as a :class:`WriteError` naming ``path`` (default: its own ``filename``) and
-    ``what`` (default: its own, if any)."""
+    """``exc`` as a :class:`WriteError` naming ``path`` and ``what`` (defaults: its own, if any)."""
     err = WriteError(exc.errno or errno.EIO, exc.strerror or str(exc),
                      path if path is not None else exc.filename)
     err.what = what or getattr(exc, "what", None)
@@ -131,8 +129,7 @@ def write_error(exc: OSError, path: str | None = None, what: str | None = None) 
 
 
 def current_umask() -> int:
-    """The process's umask, read from ``/proc/self/status`` where there is one (elsewhere by
-    setting and restoring it, which is not atomic)."""
+    """The umask, from ``/proc/self/status`` where there is one (else set and restored: not atomic)."""
     with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/status") as f:
         for line in f:
             if line.startswith("Umask:"):

@@ -9,8 +9,7 @@ import numpy as np
 
 
 def checksum(array: np.ndarray) -> int:
-    """A 63-bit digest of ``array``'s bytes (C order): bit-identical arrays give equal
-    digests; a non-negative int that fits an int64."""
+    """A 63-bit digest of ``array``'s C-order bytes, equal for bit-identical arrays; an int64 >= 0."""
     digest = hashlib.blake2b(np.ascontiguousarray(array).view(np.uint8), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 

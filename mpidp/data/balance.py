@@ -1,9 +1,8 @@
-"""Partitioning during training: :class:`Plan` applies a :class:`~.partition.Partition`
-inside :func:`mpidp.fit` (``cost`` and ``adaptive`` rebalance every epoch's batches,
-moving rows by ``Alltoallv``; the global batches stay the same), and the load-balance
-figures. A rank's wait at step ``s`` is estimated as ``max_q compute[q, s] - compute[r,
-s]`` from the per-step times allgathered at epoch end; the rest of the ``Allreduce`` time
-is communication proper."""
+"""Partitioning during training: :class:`Plan` applies a :class:`~.partition.Partition` inside
+:func:`mpidp.fit` (``cost`` and ``adaptive`` rebalance every epoch's batches, moving rows by
+``Alltoallv``; the global batches stay the same), and the load-balance figures. A rank's wait at
+step ``s`` is estimated as ``max_q compute[q, s] - compute[r, s]`` from the per-step times
+allgathered at epoch end; the rest of the ``Allreduce`` time is communication proper."""
 
 from __future__ import annotations
 

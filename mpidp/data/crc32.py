@@ -78,8 +78,7 @@ def share(length: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def pread_into(fd: int, out, offset: int) -> None:
-    """Fill ``out`` (a C-contiguous array or buffer) with the file's bytes from ``offset``
-    (no page faults)."""
+    """Fill ``out`` (a C-contiguous array or buffer) from byte ``offset`` of ``fd``, no page faults."""
     view = memoryview(out).cast("B")
     while len(view):
         got = os.preadv(fd, [view], offset)
