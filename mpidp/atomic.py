@@ -121,7 +121,7 @@ class WriteError(OSError):
 
 
 def write_error(exc: OSError, path: str | None = None, what: str | None = None) -> WriteError:
-    """``exc`` as a :class:`WriteError` naming ``path`` and ``what`` (defaults: its own, if any)."""
+    """``exc`` as a :class:`WriteError` naming ``path`` and ``what`` (default: ``exc``'s own)."""
     err = WriteError(exc.errno or errno.EIO, exc.strerror or str(exc),
                      path if path is not None else exc.filename)
     err.what = what or getattr(exc, "what", None)
