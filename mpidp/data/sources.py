@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from ..atomic import check_place
+from ..atomic import check_place, numpy_kind
 from ..errors import setting
 from ..nn.sparse import CSR
 from . import datasets
@@ -272,9 +272,7 @@ def _open_path(path: str, verify: bool = True) -> Source:
     if path.endswith((".h5", ".hdf5")):
         return _open_hdf5(path)
     try:
-        with open(path, "rb") as f:
-            magic = f.read(6)
-        if magic == b"\x93NUMPY":
+        if numpy_kind(path) == ".npy":
             raise ValueError(f"{path!r} is a single .npy array, but a dataset needs features X "
                              f"and targets y: save both in one .npz (numpy.savez(path, X=X, "
                              f"y=y)), or as X.npy and y.npy in a folder and give the folder; "
