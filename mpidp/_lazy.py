@@ -9,10 +9,9 @@ from collections.abc import Callable
 
 
 def exports(package: str, names: dict[str, str | None]) -> tuple[Callable, Callable]:
-    """``(__getattr__, __dir__)`` for ``package``: ``names`` maps an exported name to the
-    module that defines it, relative to ``package`` (``".data_parallel"``,
-    ``"..run.stats"``), or to a module whose last name is the exported name (None: the
-    submodule of that name)."""
+    """``(__getattr__, __dir__)`` for ``package``: ``names`` maps an exported name to the module
+    that defines it, relative to ``package`` (``".data_parallel"``, ``"..run.stats"``), or to a
+    module whose last name is the exported name (None: the submodule of that name)."""
 
     def __getattr__(name: str):
         if name not in names:
