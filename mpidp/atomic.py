@@ -146,11 +146,10 @@ def host_tag() -> str:
 
 
 def write_atomic(path: str, write: Callable[[IO[bytes]], object], what: str | None = None) -> None:
-    """Write ``path`` via a temporary file in the same folder (write, flush, fsync, rename),
-    with the mode a plain ``open`` gives. The name ``.tmp-<host tag>-<pid>-*`` says who wrote
-    it; an ``OSError`` is raised as a :class:`WriteError` naming ``path`` and ``what``. A
-    symbolic link is followed (its target is replaced); anything but a regular file there
-    (a FIFO, a device) is refused, never replaced."""
+    """Write ``path`` via a temporary file in the same folder (write, flush, fsync, rename) with
+    the mode a plain ``open`` gives, named ``.tmp-<host tag>-<pid>-*`` (who wrote it). An
+    ``OSError`` is raised as a :class:`WriteError` naming ``path`` and ``what``. A symbolic link is
+    followed (its target replaced); anything but a regular file (a FIFO, a device) is refused."""
     path = _write_target(path, what)
     directory = os.path.dirname(os.path.abspath(path))
     try:

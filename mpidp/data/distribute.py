@@ -298,14 +298,13 @@ def load(comm: C.Comm, spec: str | os.PathLike, *, distribute: str = "scatter",
          root: int = 0, n_classes: int | None = None, partition: str = "block", costs=None,
          capacities=None, timings: dict | None = None, copy: bool = False,
          val_fraction: float = 0.0, **source_kw) -> Data:
-    """Load dataset ``spec`` (:func:`mpidp.data.sources.open_source`) split over ``comm``:
-    every rank gets ``X`` ``(n_local, *sample_shape)``. Collective; bad input raises the same
-    :class:`mpidp.MpidpError` on every rank. ``test_fraction``: rows held out at random
-    (None: the dataset's own test set, else 0.2); ``val_fraction``: training rows held out as
-    ``Data.val``. ``distribute``: ``"scatter"`` (``root`` reads and streams) or ``"local"``
-    (each rank reads its own rows). ``partition``, ``costs`` ``(n_samples,)``, ``capacities``
-    ``(size,)``: the strategy for the training rows and its inputs. ``timings``: a dict that
-    receives this rank's seconds per phase.
+    """Load dataset ``spec`` (:func:`mpidp.data.sources.open_source`) split over ``comm``: every
+    rank gets ``X`` ``(n_local, *sample_shape)``. Collective; bad input raises the same
+    :class:`mpidp.MpidpError` on every rank. ``test_fraction``: rows held out at random (None:
+    the dataset's own test set, else 0.2); ``val_fraction``: training rows held out as ``Data.val``.
+    ``distribute``: ``"scatter"`` (``root`` reads and streams) or ``"local"`` (each rank reads its
+    own rows). ``partition``, ``costs`` ``(n_samples,)``, ``capacities`` ``(size,)``: the training
+    rows' strategy and its inputs. ``timings``: a dict that receives this rank's seconds per phase.
 
     Local reads of one run of plain bytes in ``dtype`` (``.npy``, contiguous HDF5), with a
     block partition and no random test split, map the file copy-on-write: it must then not
