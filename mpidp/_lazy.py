@@ -1,5 +1,4 @@
-"""Names a package exports without importing their modules until first use, so that
-importing the package starts no MPI (no MPI here)."""
+"""Exported names whose modules are imported on first use, so importing a package starts no MPI."""
 
 from __future__ import annotations
 

@@ -38,8 +38,7 @@ def settings_of(obj: object, skip: tuple[str, ...] = ()) -> str:
 
 
 def dtype_name(dtype: object) -> str:
-    """``dtype``'s NumPy name (``"float32"``), or its ``repr`` when it names none (so a bad
-    value is compared, not raised on one rank)."""
+    """``dtype``'s NumPy name, else its ``repr`` (so a bad value is compared, not raised on one rank)."""
     try:
         return np.dtype(dtype).name
     except TypeError:
