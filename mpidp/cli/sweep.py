@@ -48,10 +48,9 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
     one line (exit 2) for a path that is no regular file or folder. No MPI."""
     args, base = parser.parse_known_args(argv)
     me, train = subcommand(parser, "sweep"), subcommand(parser, "train")
-    for flag in base:
-        if flag.split("=")[0] in NOT_FOR_A_SWEEP:
-            me.error(f"{flag.split('=')[0]} is not for a sweep: "
-                     f"{NOT_FOR_A_SWEEP[flag.split('=')[0]]}")
+    for flag in (token.split("=")[0] for token in base):
+        if flag in NOT_FOR_A_SWEEP:
+            me.error(f"{flag} is not for a sweep: {NOT_FOR_A_SWEEP[flag]}")
     refuse(refusal(args, me))  # before --trials is read
     refuse(refusal(parser.parse_args(["train", *base]), train))  # as train would
     try:
@@ -90,15 +89,14 @@ def _value(text: str):
 
 
 def _axes(specs: list[str], what: str) -> list[tuple[str, str]]:
-    out, seen = [], set()
+    out = []
     for spec in specs:
         name, eq, values = spec.partition("=")
         if not eq or not name or not values:
             raise ValueError(f"{what} {spec!r}: write NAME=VALUES (lr=0.01,0.1)")
-        if name.replace("_", "-") in seen:
+        if name.replace("_", "-") in {n.replace("_", "-") for n, _ in out}:
             raise ValueError(f"{what} names {name} twice: give all its values at once "
                              f"({name}=V1,V2)")
-        seen.add(name.replace("_", "-"))
         out.append((name, values))
     return out
 
@@ -116,10 +114,8 @@ def _split(values: str, spec: str) -> list:
 def _grid(specs: list[str]) -> list[dict]:
     axes = [(name, _split(values, f"--grid {name}={values}"))
             for name, values in _axes(specs or [], "--grid")]
-    if not axes:
-        return []
-    return [dict(zip([n for n, _ in axes], combo))
-            for combo in itertools.product(*(v for _, v in axes))]
+    return [dict(zip([n for n, _ in axes], combo))  # no axes: no trials, not one empty one
+            for combo in itertools.product(*(v for _, v in axes))] if axes else []
 
 
 def _drawn(args: argparse.Namespace) -> list[dict]:
@@ -187,9 +183,7 @@ def run(args: argparse.Namespace, comm, parser: argparse.ArgumentParser) -> list
     records = sweep(comm, args.trials, ranks_per_trial=args.ranks_per_trial,
                     train=_trainer(parser, args), skip=kept, on_result=_recorder(args))
     try:
-        if records is None:
-            return None
-        return _finish(args, [*kept.values(), *records])
+        return None if records is None else _finish(args, [*kept.values(), *records])
     finally:
         while _held:
             _held.pop().close()
@@ -216,12 +210,8 @@ def _start(out: str, plan: dict, resume: bool) -> dict[int, dict]:
                 raise MpidpError(f"the sweep in --out {out} has other trials or train "
                                  "options: resume it with the same ones, or give another --out")
     write_atomic(path, lambda f: f.write(json.dumps(plan, indent=1).encode()))
-    kept = {}
-    for i in range(len(plan["trials"])):
-        record = _read(os.path.join(folder(out, i), TRIAL))
-        if record and record.get("status") == "ok":
-            kept[i] = record
-    return kept
+    records = {i: _read(os.path.join(folder(out, i), TRIAL)) for i in range(len(plan["trials"]))}
+    return {i: r for i, r in records.items() if r and r.get("status") == "ok"}
 
 
 #: The files of a run of ``mpidp train``: a folder holding one is not a sweep's.
@@ -312,12 +302,6 @@ def _settings(r: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in r["settings"].items())
 
 
-def _metric(records: list[dict], select: str | None) -> str:
-    ok = [r.get("result") or {} for r in records if r["status"] == "ok"]
-    return select or next((m for m in SELECT_DEFAULTS if any(m in r for r in ok)),
-                          SELECT_DEFAULTS[0])
-
-
 def ranked(records: list[dict], metric: str) -> list[dict]:
     """``records`` best first by ``metric`` (a loss lowest first, else highest), then the
     finished trials without it, then the failed ones; each in trial order among equals."""
@@ -334,7 +318,9 @@ def ranked(records: list[dict], metric: str) -> list[dict]:
 def _finish(args: argparse.Namespace, records: list[dict]) -> list[dict]:
     """Rank 0: write sweep.json and sweep.csv, print the table; the records, best first."""
     from ..atomic import write_atomic
-    metric = _metric(records, args.select)
+    ok = [r.get("result") or {} for r in records if r["status"] == "ok"]
+    metric = args.select or next((m for m in SELECT_DEFAULTS if any(m in r for r in ok)),
+                                 SELECT_DEFAULTS[0])
     records = ranked(records, metric)
     best = records[0] if records[0]["status"] == "ok" and metric in (
         records[0].get("result") or {}) else None
