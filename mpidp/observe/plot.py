@@ -33,9 +33,7 @@ def load_run(folder: str) -> dict:
         m = _json(metrics, ": write it again, or delete it to plot history.jsonl")
         if not isinstance(m, dict):
             raise ValueError(f"{metrics}: not the metrics of a run (a JSON object)")
-        config = dict(m.get("config") or {})
-        config.setdefault("world_size", m.get("world_size"))
-        config.setdefault("sync", m.get("sync"))
+        config = {"world_size": m.get("world_size"), "sync": m.get("sync"), **(m.get("config") or {})}
         return {"folder": folder, "config": config,
                 "epochs": _checked_epochs(m.get("history") or [], metrics), "finished": True}
     if not os.path.isfile(jsonl):
@@ -138,7 +136,6 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
     losses: list[float] = []
     n = len(runs)
     for i, (run, label) in enumerate(zip(runs, labels(runs))):
-        color = f"C{i % 10}"
         ep = run["epochs"]
         xvals = {"epochs": [e.get("epoch", j + 1) for j, e in enumerate(ep)],
                  "seconds": elapsed(ep)}
@@ -147,15 +144,15 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
         mark = MARKERS[i % len(MARKERS)] if len(ep) <= 30 else None
         for col, name in enumerate(xs):
             for row, (train, test) in enumerate(rows):
-                ax = axes[row][col]
                 for key, style in ((train, "-"), (test, "--")):
                     ys = [e.get(key) for e in ep]
                     if key is None or all(v is None for v in ys):
                         continue
                     losses += [v for v in ys if row == 0 and v is not None]
-                    ax.plot(xvals[name], [float("nan") if v is None else v for v in ys],
-                            style, color=color, marker=mark, ms=2 + lw, lw=lw, zorder=2 + i,
-                            label=f"{label}, {'train' if key == train else 'test'}")
+                    axes[row][col].plot(
+                        xvals[name], [float("nan") if v is None else v for v in ys], style,
+                        color=f"C{i % 10}", marker=mark, ms=2 + lw, lw=lw, zorder=2 + i,
+                        label=f"{label}, {'train' if key == train else 'test'}")
     positive = [v for v in losses if v > 0]  # spanning over a factor of 20: a log axis
     for col, name in enumerate(xs):
         if positive and max(positive) / min(positive) > 20:
@@ -268,17 +265,16 @@ def sweep_series(summary: dict, metric: str | None = None) -> list[dict]:
         (t.get("result") or {}).get(metric)) and (t["result"][metric] == t["result"][metric])]
     out = []
     for name in varied:
-        values = [t["settings"].get(name) for t in shown_]
         every = [t["settings"].get(name) for t in trials]
-        series = {"setting": name, "x": values, "y": [t["result"][metric] for t in shown_],
+        series = {"setting": name, "x": [t["settings"].get(name) for t in shown_],
+                  "y": [t["result"][metric] for t in shown_],
                   "trials": [t.get("index") for t in shown_], "categories": None,
                   "axis": "linear"}
         if not all(_number(v) for v in every):
-            label = [("(not set)" if name not in t["settings"] else _short(v))
-                     for t, v in zip(shown_, values)]
-            series.update(axis="category", x=label, categories=list(dict.fromkeys(
-                "(not set)" if name not in t["settings"] else _short(t["settings"][name])
-                for t in trials)))
+            label = {id(t): "(not set)" if name not in t["settings"] else _short(t["settings"][name])
+                     for t in trials}
+            series.update(axis="category", x=[label[id(t)] for t in shown_],
+                          categories=list(dict.fromkeys(label.values())))
         elif min(every) > 0 and max(every) / min(every) > 20:
             series["axis"] = "log"
         out.append(series)
