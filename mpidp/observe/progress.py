@@ -14,9 +14,8 @@ from ..errors import MpidpError
 #: Draw a bar when someone watches, else lines (see :func:`watched`).
 AUTO = "auto"
 MODES = (AUTO, "bar", "lines", "none")
-#: Seconds between two plain progress lines (``MPIDP_PROGRESS_SECONDS`` overrides it).
+#: Seconds between two plain progress lines, unless :data:`SECONDS_VAR` in the environment says.
 LINE_SECONDS = 10.0
-#: The environment variable that sets the seconds between two plain progress lines.
 SECONDS_VAR = "MPIDP_PROGRESS_SECONDS"
 #: MPI launchers (as ``/proc/PID/comm`` names them): MPICH's and Intel MPI's Hydra, MPICH's
 #: gforker, Open MPI 4's ``orterun`` and Open MPI 5's ``prterun``.

@@ -69,8 +69,7 @@ class Tracer:
         if k >= 0:
             self.first_step = k if self.first_step is None else self.first_step
             self.last_step = k
-        w = self.window
-        self.on = w is None or w[0] <= k < w[1]
+        self.on = self.window is None or self.window[0] <= k < self.window[1]
 
     def missed(self) -> str | None:
         """What to warn of when the step window holds none of the steps seen (a resumed
@@ -146,15 +145,6 @@ def write(comm, tracer: Tracer, path: str) -> int | None:
     return sum(len(p["events"]) for p in parts)
 
 
-def _track_ids(parts: Sequence[dict]) -> dict[str, int]:
-    """Thread id of every track: :data:`TRACKS` first, then the others by first use."""
-    ids = {t: i + 1 for i, t in enumerate(TRACKS)}
-    for p in parts:
-        for ev in p["events"]:
-            ids.setdefault(ev[2], len(ids) + 1)
-    return ids
-
-
 def _metadata(parts: Sequence[dict], tids: dict[str, int]) -> list[dict]:
     def meta(what: str, pid: int, tid: int, name: str, index: int) -> list[dict]:
         return [{"ph": "M", "name": f"{what}_name", "pid": pid, "tid": tid,
@@ -175,10 +165,13 @@ def build(parts: Sequence[dict], window: tuple[int, int] | None = None) -> dict:
     """The trace-event document from every rank's ``{"rank", "host", "offset",
     "uncertainty", "events"}`` (pure; :func:`write` gathers ``parts``). Times become
     microseconds on rank 0's clock, from the earliest span of any rank."""
-    tids = _track_ids(parts)
+    tids = {t: i + 1 for i, t in enumerate(TRACKS)}  # thread ids: then the others by first use
+    for p in parts:
+        for ev in p["events"]:
+            tids.setdefault(ev[2], len(tids) + 1)
     starts = [ev[3] - p["offset"] for p in parts for ev in p["events"]]
     origin = min(starts) if starts else 0.0
-    events, flows, fid = _metadata(parts, tids), {}, {}
+    events, flows = _metadata(parts, tids), {}
     for p in parts:
         for name, cat, track, t0, t1, step, epoch, flow, args in p["events"]:
             ev = {"name": name, "cat": cat, "ph": "X", "pid": p["rank"], "tid": tids[track],
@@ -188,11 +181,10 @@ def build(parts: Sequence[dict], window: tuple[int, int] | None = None) -> dict:
             events.append(ev)
             if flow is not None:
                 flows.setdefault(repr(flow), []).append(ev)
-    for key, evs in flows.items():  # an arrow from each span to the next one of the key
+    for fid, evs in enumerate(flows.values(), 1):  # an arrow from each span to the next of the key
         evs.sort(key=lambda e: e["ts"])
-        fid[key] = len(fid) + 1
         for a, b in zip(evs, evs[1:]):
-            common = {"name": a["name"], "cat": "flow", "id": fid[key]}
+            common = {"name": a["name"], "cat": "flow", "id": fid}
             events.append({**common, "ph": "s", "pid": a["pid"], "tid": a["tid"], "ts": _mid(a)})
             events.append({**common, "ph": "f", "bp": "e", "pid": b["pid"], "tid": b["tid"],
                            "ts": _mid(b)})
