@@ -121,25 +121,24 @@ def _maker(text: str, target, settings: dict, n_in: tuple[int, ...]):
     per-sample shape ``n_in``."""
     from ..nn import Layer, Sequential
     from ..nn.modelfile import fill_settings
-    given = settings
+
+    def unmade(why) -> ValueError:
+        return ValueError(f"{text} cannot be made from the settings {settings} ({why}): give "
+                          f"them with --set NAME=VALUE")
     if not isinstance(target, type):
         if settings:
             raise ValueError(f"{text} is not a class: --set needs a class")
         make = target
     else:
         try:
-            if "from_config" not in vars(target):
-                settings = fill_settings(target, settings, None, target.__name__)
-            make = partial(target, **settings)
+            make = partial(target, **(settings if "from_config" in vars(target) else
+                                      fill_settings(target, settings, None, target.__name__)))
         except ValueError as exc:
-            raise ValueError(f"{text} cannot be made from the settings {given} ({exc}): "
-                             f"give them with --set NAME=VALUE") from None
+            raise unmade(exc) from None
     try:
         made = make()
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code: bad input
-        raise ValueError(f"{text} cannot be made from the settings {given} "
-                         f"({type(exc).__name__}: {exc}): give them with --set NAME=VALUE") \
-            from None
+        raise unmade(f"{type(exc).__name__}: {exc}") from None
     if not isinstance(made, Layer):
         raise ValueError(f"{text} made a {type(made).__name__}, not an mpidp.nn.Layer")
     try:
