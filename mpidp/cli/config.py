@@ -29,8 +29,7 @@ RECORDS = frozenset({"command", "world_size", "data_fingerprint", "resume_change
 
 
 def load(path: str, what: str = "--config") -> dict:
-    """The table in TOML file ``path``; ValueError naming ``what`` (the option) and the file
-    on any problem."""
+    """The table in TOML file ``path``; ValueError naming the option ``what`` and the file on any problem."""
     from ..atomic import read_text
     try:
         data = read_text(path, what)
@@ -94,8 +93,7 @@ def tokens(table: dict, parser: argparse.ArgumentParser, skip: Iterable[str] = (
 
 
 def _checked(action: argparse.Action, key: str, value, source: str) -> str:
-    """``value`` as the text of ``action``'s flag; ValueError naming ``source`` and ``key``
-    when the flag would refuse it."""
+    """``value`` as its flag's text; ValueError naming ``source`` and ``key`` if ``action`` refuses it."""
     text = _value(value)
     try:
         if isinstance(value, bool):
@@ -123,8 +121,7 @@ def _toml(v) -> str:
                          for c in str(v)) + '"'
 
 
-#: Characters a TOML basic string writes as an escape (other control characters: a
-#: backslash-u escape with four hex digits).
+#: The characters a TOML basic string writes escaped (other control characters: ``\\uXXXX``).
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
 
