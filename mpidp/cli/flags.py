@@ -94,9 +94,7 @@ def add_mode_options(group, flag: str, kinds: tuple[str, ...], default: str, *,
     notes = {**others, **{n: m.note for n, m in MODES.items() if m.kind in kinds}}
     group.add_argument(flag, choices=tuple(notes), default=default,
                        help="; ".join(f"{name}: {note}" for name, note in notes.items()))
-    for f in FLAGS:
-        if MODES[f.modes[0]].kind not in kinds:
-            continue
+    for f in (f for f in FLAGS if MODES[f.modes[0]].kind in kinds):
         meta = f.meta
         kind = mebibytes if f.mib else (None if meta.get("low") is None else number(int, meta["low"]))
         group.add_argument(f.flag, type=kind, default=f.default,

@@ -190,11 +190,10 @@ class Job:
                    "history": history, "steps": steps, "timings": timings,
                    "mpi": C.mpi_info(comm), "config": self.config, **mode, "scores": scores,
                    "best": self.best.summary() if self.best else None}
-        meta = model_meta(self.args, data)
         texts = {"metrics.json": json.dumps(metrics, indent=2).encode(),
                  "config.toml": config_file.dumps(O.applying(self.config)).encode()}
         write_together([(os.path.join(out, "model.npz"),
-                         lambda path: nn.save(model, path, meta=meta)),
+                         lambda path: nn.save(model, path, meta=model_meta(self.args, data))),
                         *((os.path.join(out, name), lambda path, text=text: write_atomic(
                             path, lambda f: f.write(text))) for name, text in texts.items())],
                        what="--out")
