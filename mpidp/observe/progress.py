@@ -94,15 +94,14 @@ def _launcher(pid: int, depth: int = 8) -> int | None:
 def watched() -> bool:
     """True when this process's stderr is a terminal, or a pipe to an MPI launcher whose own
     stderr is a terminal (Linux ``/proc``; else whether stderr is a terminal)."""
-    pid = os.getpid()
-    target = _stderr(pid)
+    target = _stderr(os.getpid())
     if target is None:
         return sys.stderr.isatty()
     if _is_terminal(target):
         return True
     if not target.startswith("pipe:"):
         return False  # a file or a socket: nobody watches
-    launcher = _launcher(pid)
+    launcher = _launcher(os.getpid())
     return launcher is not None and _is_terminal(_stderr(launcher))
 
 

@@ -123,9 +123,8 @@ class Watch:
         self.written += 1
 
     def resumed(self, history: list[dict]) -> None:
-        """A resumed run's history file starts with the epochs its checkpoint holds, so it
-        holds every epoch of the run, in a new folder or the one it replaces; they are
-        written with the first new line or at the end, after the run's checks passed."""
+        """A resumed run's history file starts with its checkpoint's epochs, so that it holds every
+        epoch of the run (new folder or not): written with the first new line or at the end."""
         self._resumed = list(history)
 
     def step(self, step: int, stats) -> None:
