@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
+from ..atomic import DISK_FULL, WriteError, check_folder, write_error
 from ..errors import spelled
 from . import settings
 from .flags import spelling
@@ -159,7 +160,6 @@ def _main(parser, argv: list[str]) -> int:
         exit_with(EXIT_USAGE)  # an elastic run's survivors, which leave at exit, too
         return EXIT_USAGE
     except OSError as exc:  # an output this rank alone writes (rank 0): a full disk ...
-        from ..atomic import DISK_FULL, WriteError, write_error
         if not isinstance(exc, WriteError) and exc.errno not in DISK_FULL:
             raise
         print(f"mpidp: error: {write_error(exc)}", file=sys.stderr, flush=True)
@@ -182,7 +182,6 @@ def _run(args, comm, parser, typed: list[str], from_file: set[tuple[str, bool]])
         train(args, comm, settings.settle(args, command, after, from_file))
     elif args.command == "model":
         from .. import comm as C
-        from ..atomic import check_folder
         from ..scale.calibrate import calibrate, format_report
         from ..scale.calibrate import save as save_model
         C.root_decides(comm, check_folder, args.out, "--out")  # before minutes of measuring

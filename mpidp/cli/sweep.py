@@ -21,6 +21,7 @@ import os
 import re
 import sys
 
+from ..atomic import check_folder, write_atomic
 from ..errors import MpidpError
 from . import settings
 from .config import load, tokens
@@ -192,7 +193,6 @@ def run(args: argparse.Namespace, comm, parser: argparse.ArgumentParser) -> list
 def _start(out: str, plan: dict, resume: bool) -> dict[int, dict]:
     """Rank 0: claim ``out`` for the sweep (``plan``), or check it is the sweep a resume
     continues; returns its finished trials by index."""
-    from ..atomic import check_folder, write_atomic
     path = os.path.join(out, PLAN)
     run = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
     if run and not os.path.exists(path):
@@ -283,8 +283,6 @@ def figures(metrics: dict) -> dict:
 
 def _recorder(args: argparse.Namespace):
     """On a group's rank 0 as each trial ends: say it, and write its trial.json."""
-    from ..atomic import write_atomic
-
     def record(r: dict) -> None:
         r["settings"] = args.trials[r["index"]]
         r["folder"] = folder(args.out, r["index"])
@@ -317,7 +315,6 @@ def ranked(records: list[dict], metric: str) -> list[dict]:
 
 def _finish(args: argparse.Namespace, records: list[dict]) -> list[dict]:
     """Rank 0: write sweep.json and sweep.csv, print the table; the records, best first."""
-    from ..atomic import write_atomic
     ok = [r.get("result") or {} for r in records if r["status"] == "ok"]
     metric = args.select or next((m for m in SELECT_DEFAULTS if any(m in r for r in ok)),
                                  SELECT_DEFAULTS[0])
