@@ -112,11 +112,9 @@ def labels(runs: list[dict]) -> list[str]:
             c.get("parallel", "data") != "data" for c in cfgs):
         keys.insert(0, ("parallel", "parallel"))
     out = [" ".join(f"{s}={_short(c[k])}" for k, s in keys if c.get(k) is not None) for c in cfgs]
-    same = [not lab or out.count(lab) > 1 for lab in out]
-    for i, r in enumerate(runs):
-        if same[i]:
-            out[i] = f"{out[i]} [{os.path.basename(os.path.normpath(r['folder']))}]".strip()
-    return [lab + ("" if r["finished"] else " (killed)") for lab, r in zip(out, runs)]
+    return [(f"{lab} [{os.path.basename(os.path.normpath(r['folder']))}]".strip()
+             if not lab or out.count(lab) > 1 else lab) + ("" if r["finished"] else " (killed)")
+            for lab, r in zip(out, runs)]
 
 
 def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) -> list[str]:
