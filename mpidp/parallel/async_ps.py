@@ -367,22 +367,16 @@ def fit_async(ps: AsyncPS, train: Shard, epochs: int | None = None,
         else:
             _work(_Worker(comm, ps.model, ps.loss, root, ps.timer), train, spec,
                   State(*positions.at[comm.rank]) if spec.resume is not None else None)
-        return _finish(ps, stats, error, spec)
-
-
-def _finish(ps: AsyncPS, stats: AsyncStats, error: str | None, spec: RunSpec) -> AsyncStats:
-    """The server's verdict and summary on every rank, the parameters from the server."""
-    comm, root = ps.comm, ps.root
-    error = C.bcast_obj(comm, error, root)  # the server's reason to stop, on every rank
-    if error == _PREEMPTED:
-        raise Preempted(int(C.bcast_obj(comm, stats.applied, root)), spec.checkpoint)
-    if error is not None:
-        raise NonFiniteError(error)
-    C.bcast_(comm, ps.model.params, root)
-    summary = C.bcast_obj(comm, stats.summary() | {"epoch_loss": stats.epoch_loss}, root)
-    stats.applied, stats.dropped, stats.skipped = (summary[k] for k in _COUNTS)
-    stats.epoch_loss = summary["epoch_loss"]
-    return stats
+        error = C.bcast_obj(comm, error, root)  # the server's reason to stop, on every rank
+        if error == _PREEMPTED:
+            raise Preempted(int(C.bcast_obj(comm, stats.applied, root)), spec.checkpoint)
+        if error is not None:
+            raise NonFiniteError(error)
+        C.bcast_(comm, ps.model.params, root)
+        summary = C.bcast_obj(comm, stats.summary() | {"epoch_loss": stats.epoch_loss}, root)
+        stats.applied, stats.dropped, stats.skipped = (summary[k] for k in _COUNTS)
+        stats.epoch_loss = summary["epoch_loss"]
+        return stats
 
 
 def epoch_history(stats: AsyncStats) -> list[dict]:
