@@ -87,44 +87,33 @@ class ParameterServer(Sync):
         return out
 
     def update(self, optimizer: Optimizer, count: int) -> None:
-        """The server steps; the parameters go back to every rank. Collective."""
-        comm, root, params = self.comm, self.root, self.model.params
-        if comm.rank != root:
-            optimizer.t += 1  # the server's count, so every rank knows the rate in use
-        if self.shared is not None:
-            self._update_and_ship(optimizer, self.buf[:self.n], count)
-            return
-        if comm.rank == root:
-            with self.timer.compute():
-                optimizer.step_(params, self.buf[:self.n], scale=1.0 / count)
-        with self.timer.communicate(self.name):
-            C.bcast_(comm, params, root)
-
-    def _update_and_ship(self, optimizer: Optimizer, grads: np.ndarray, count: int) -> None:
-        """The server updates piece by piece, each shipped to the node leaders and nodes."""
-        params, shared, sent = self.model.params, self.shared, []
-        pieces = list(zip(self.edges[:-1], self.edges[1:]))
+        """The server steps; the parameters go back to every rank (with shared memory, piece
+        by piece as each is final, to the node leaders and on to their nodes). Collective."""
+        comm, root, params, shared, sent = self.comm, self.root, self.model.params, self.shared, []
 
         def ship(lo: int, hi: int) -> None:
             if self.leaders is not None:
                 sent.extend(C.ibcast_(self.leaders, params[lo:hi], 0))
             shared.publish()
 
-        if self.comm.rank == self.root:
+        if comm.rank != root:
+            optimizer.t += 1  # the server's count, so every rank knows the rate in use
+        else:
+            pieces = {} if shared is None else {"chunks": len(self.edges) - 1, "on_chunk": ship}
             with self.timer.compute():
-                optimizer.step_(params, grads, scale=1.0 / count, chunks=len(pieces),
-                                on_chunk=ship)
-            with self.timer.communicate(self.name):
+                optimizer.step_(params, self.buf[:self.n], scale=1.0 / count, **pieces)
+        with self.timer.communicate(self.name):
+            if shared is None:
+                C.bcast_(comm, params, root)
+            elif comm.rank == root:
                 C.wait_all(sent)
                 shared.finish()
-        elif self.leaders is not None:  # another node's leader: relay each piece
-            with self.timer.communicate(self.name):
-                for lo, hi in pieces:
+            elif self.leaders is not None:  # another node's leader: relay each piece
+                for lo, hi in zip(self.edges[:-1], self.edges[1:]):
                     C.wait_all(C.ibcast_(self.leaders, params[lo:hi], 0))
                     shared.publish()
                 shared.finish()
-        else:
-            with self.timer.communicate(self.name):
+            else:
                 shared.pull(params, self.edges)
 
 
