@@ -16,39 +16,33 @@ from . import costmodel as M
 
 SIZES = [2**k for k in range(3, 25, 3)]  # 8 B .. 16 MiB
 EVICT_BYTES = 32 << 20  # read before each timed Allreduce: past the L2 and most L3 caches
+STANDARD_MLP = (784, (1024, 1024), 10)  # the float32 MLP whose steps are timed: nn.mlp's layout
 
 
-def _standard_steps(batches: list[int]):
-    """Closures running one forward+backward+update of ONE standard MLP (784-1024-1024-10,
-    float32) on ``batch`` rows for each of ``batches``, and the model's parameter count."""
-    model = nn.mlp(784, (1024, 1024), 10, dtype=np.float32).init_(0)
+def _alternate(batches: list[int], repeats: int, before=None) -> list[list[float]]:
+    """Seconds of ``repeats`` forward+backward+update steps of ONE standard MLP on each of
+    ``batches`` rows (one warm-up each), taken in turns so that a slower moment hits every
+    size alike; ``before()`` first."""
+    model = nn.mlp(*STANDARD_MLP, dtype=np.float32).init_(0)
     loss, opt = nn.SoftmaxCrossEntropy(), nn.SGD(0.05)
     rng = np.random.default_rng(0)
     X = rng.standard_normal((max(batches), 784)).astype(np.float32)
     y = rng.integers(0, 10, max(batches))
 
-    def make(batch: int):
-        def step() -> None:
-            loss.forward(model.forward(X[:batch]), y[:batch])
-            model.backward(loss.backward(), input_grad=False)
-            opt.step_(model.params, model.grads, scale=1 / batch)
-        return step
-    return [make(b) for b in batches], model.n_params
+    def step(batch: int) -> None:
+        loss.forward(model.forward(X[:batch]), y[:batch])
+        model.backward(loss.backward(), input_grad=False)
+        opt.step_(model.params, model.grads, scale=1 / batch)
 
-
-def _alternate(batches: list[int], repeats: int, before=None) -> list[list[float]]:
-    """Seconds of ``repeats`` standard-MLP steps for each of ``batches`` rows (one warm-up
-    each), taken in turns so that a slower moment hits every size alike; ``before()`` first."""
-    steps, _ = _standard_steps(batches)
-    for step in steps:
-        step()
+    for batch in batches:
+        step(batch)
     times: list[list[float]] = [[] for _ in batches]
     for _ in range(repeats):
-        for step, out in zip(steps, times):
+        for batch, out in zip(batches, times):
             if before is not None:
                 before()
             t = time.perf_counter()
-            step()
+            step(batch)
             out.append(time.perf_counter() - t)
     return times
 
@@ -85,7 +79,7 @@ def calibrate(comm: C.Comm, batch: int = 512) -> dict:
     compute = measure_compute(comm, batch)
     if compute is None:
         return {}
-    n_params = _standard_steps([1])[1]
+    n_params = nn.mlp(*STANDARD_MLP).n_params
     alpha, beta = M.fit_alpha_beta(np.array(SIZES), np.array(pp))
     gamma = M.fit_gamma(comm.size, np.array(SIZES), np.array(ar), alpha, beta)
     fit = M.Fit(alpha, beta, gamma)
