@@ -53,12 +53,11 @@ def fit_alpha_beta(nbytes: np.ndarray, seconds: np.ndarray, small: int = 4096,
     m, t = np.asarray(nbytes, float), np.asarray(seconds, float)
     lo, hi = m <= small, m >= large
     if not lo.any() or not hi.any():
-        A = np.column_stack([np.ones(len(m)), m])
-        (alpha, beta), *_ = np.linalg.lstsq(A, t, rcond=None)
-        return max(float(alpha), 0.0), max(float(beta), 0.0)
-    alpha = float(t[lo].mean())
-    beta = float(np.dot(m[hi], t[hi] - alpha) / np.dot(m[hi], m[hi]))
-    return max(alpha, 0.0), max(beta, 0.0)
+        (alpha, beta), *_ = np.linalg.lstsq(np.column_stack([np.ones(len(m)), m]), t, rcond=None)
+    else:
+        alpha = float(t[lo].mean())
+        beta = float(np.dot(m[hi], t[hi] - alpha) / np.dot(m[hi], m[hi]))
+    return max(float(alpha), 0.0), max(float(beta), 0.0)
 
 
 def fit_gamma(P: int, nbytes: np.ndarray, seconds: np.ndarray, alpha: float, beta: float,
