@@ -20,10 +20,10 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from .. import comm as C
 from .. import nn
-from ..data.distribute import shard_from_arrays
 from ..digest import checksum
 from .data_feed import fit as fit_data_parallel
 from .data_parallel import DataParallel
+from .elastic import whole_arrays
 
 #: scikit-learn's activation names -> the layer after each hidden ``Dense`` (None: none).
 ACTIVATIONS = {"identity": None, "logistic": nn.Sigmoid, "tanh": nn.Tanh, "relu": nn.ReLU}
@@ -78,12 +78,11 @@ class _MLP(BaseEstimator):
         X = np.asarray(X, self.dtype)
         X_val = y_val = None
         if self.early_stopping and not incremental:
-            stratify = y if self._loss.classification else None
-            X, X_val, y, y_val = train_test_split(X, y, random_state=seed, stratify=stratify,
+            X, X_val, y, y_val = train_test_split(X, y, random_state=seed,
+                                                  stratify=y if self._loss.classification else None,
                                                   test_size=self.validation_fraction)
         batch = min(200 if self.batch_size == AUTO_BATCH else self.batch_size, len(X))
-        lo, hi = len(X) * comm.rank // comm.size, len(X) * (comm.rank + 1) // comm.size
-        shard = shard_from_arrays(comm, X[lo:hi], y[lo:hi])
+        shard = whole_arrays(comm, (X, y), None)[0]  # this rank's block of rows
         self._stopped, n_train = False, len(X)
         self._optimizer.weight_decay = self.alpha / batch  # sklearn's L2 term, per batch
         dp = DataParallel(self.model_, self._optimizer, self._loss(), comm,
@@ -142,12 +141,13 @@ class _MLP(BaseEstimator):
     def _start(self, n_features: int, y: np.ndarray, seed: int) -> None:
         """A new model, initialised from ``seed``, its optimizer and empty figures."""
         dims = [n_features, *self._hidden()]
+        n_out = len(self.classes_) if self._loss.classification else 1 if y.ndim == 1 else y.shape[1]
         act = ACTIVATIONS[self.activation]
         layers: list[nn.Layer] = []
         for a, b in zip(dims[:-1], dims[1:]):
             layers += [nn.Dense(a, b, init="he" if act is nn.ReLU else "xavier")]
             layers += [act()] if act else []
-        layers.append(nn.Dense(dims[-1], self._n_outputs(y), init="xavier"))
+        layers.append(nn.Dense(dims[-1], n_out, init="xavier"))
         self.model_ = nn.Sequential(layers, n_features, self.dtype).init_(seed)
         if self.solver == "adam":
             self._optimizer = nn.Adam(self.learning_rate_init, (self.beta_1, self.beta_2),
@@ -155,13 +155,10 @@ class _MLP(BaseEstimator):
         else:
             self._optimizer = nn.SGD(self.learning_rate_init, self.momentum,
                                      nesterov=self.nesterovs_momentum and self.momentum > 0)
-        self.n_iter_, self.t_, self.loss_curve_ = 0, 0, []
-        self.best_loss_, self._no_improvement = np.inf, 0
-        self.validation_scores_, self.best_validation_score_ = None, None
-        if self.early_stopping:
-            self.validation_scores_, self.best_validation_score_ = [], -np.inf
-            self.best_loss_ = None
-        self._best_params = None
+        self.n_iter_, self.t_, self.loss_curve_, self._no_improvement = 0, 0, [], 0
+        early, self._best_params = self.early_stopping, None
+        self.best_loss_ = None if early else np.inf  # early stopping watches the validation score
+        self.validation_scores_, self.best_validation_score_ = ([], -np.inf) if early else (None, None)
 
     def _epoch_done(self, record: dict, dp: DataParallel, n_train: int, X_val,
                     y_val) -> bool:
@@ -266,9 +263,6 @@ class MLPClassifier(ClassifierMixin, _MLP):
                              f"{sorted(set(np.unique(y)) - set(self.classes_))}")
         return np.searchsorted(self.classes_, y).astype(np.int64)
 
-    def _n_outputs(self, y: np.ndarray) -> int:
-        return len(self.classes_)
-
     def _score(self, y_true, scores) -> float:
         return accuracy_score(y_true, scores.argmax(axis=1))
 
@@ -311,9 +305,6 @@ class MLPRegressor(RegressorMixin, _MLP):
         if fresh:
             self._flat = y.ndim == 1
         return y
-
-    def _n_outputs(self, y: np.ndarray) -> int:
-        return 1 if y.ndim == 1 else y.shape[1]
 
     def _score(self, y_true, pred) -> float:
         return r2_score(y_true, pred.ravel() if self._flat else pred)
