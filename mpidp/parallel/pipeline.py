@@ -302,10 +302,9 @@ class Pipeline(TrainerBase):
         data-parallel training writes (any shape resumes it). Collective."""
         params, opt = None, {}
         if self.replica == 0:
-            totals = C.bcast_(self.pipe, np.array(state.totals, np.float64), self.n_stages - 1)
+            state.totals = self.epoch_totals(np.array(state.totals, np.float64)).tolist()
             params = C.gatherv(self.pipe, self.model.params, 0)
             opt = {k: C.gatherv(self.pipe, v, 0) for k, v in sorted(self.optimizer.state.items())}
-            state.totals = totals.tolist()
         whole = copy.copy(self.optimizer)  # this stage's type and step, the whole state
         whole.state = opt
         C.root_decides(self.world, lambda: ckpt.save_flat(directory, params, whole, state, keep,

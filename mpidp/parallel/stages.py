@@ -178,8 +178,7 @@ def check_batches(n: int, batch_size: int, drop_last: bool, n_replicas: int,
     steps = steps_per_epoch(n, batch_size, drop_last)
     if steps == 0:
         raise ValueError(f"no full batch of {batch_size} in {n} samples (drop_last)")
-    sizes = [min(batch_size, n - s * batch_size) for s in range(steps)]
-    smallest = int(block_counts(min(sizes), n_replicas).min())
+    smallest = min(batch_size, n - (steps - 1) * batch_size) // n_replicas  # the last is smallest
     if smallest < micro_batches:
         where = "" if n_replicas == 1 else f" per replica ({n_replicas} replicas)"
         raise ValueError(f"more micro-batches ({micro_batches}) than samples in a batch: the "
