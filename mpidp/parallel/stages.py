@@ -33,13 +33,11 @@ def measure_costs(layers: Sequence[Layer], n_in: int, n_samples: int = 256,
                   dtype: npt.DTypeLike = np.float32, repeats: int = 3) -> list[float]:
     """Median seconds of one forward plus backward of each layer on ``n_samples`` random
     inputs (copies of the layers, one at a time; the first skips dL/dx, as in training)."""
-    rng = np.random.default_rng(0)
-    shapes, out = chain_shapes(layers, as_shape(n_in)), []
-    for i, (layer, shape) in enumerate(zip(layers, shapes)):
-        probe = copy.copy(layer)
-        shapes = probe.param_shapes()
-        probe.bind({k: np.zeros(s, dtype) for k, s in shapes.items()},
-                   {k: np.zeros(s, dtype) for k, s in shapes.items()})
+    rng, out = np.random.default_rng(0), []
+    for i, (layer, shape) in enumerate(zip(layers, chain_shapes(layers, as_shape(n_in)))):
+        probe, params = copy.copy(layer), layer.param_shapes()
+        probe.bind({k: np.zeros(s, dtype) for k, s in params.items()},
+                   {k: np.zeros(s, dtype) for k, s in params.items()})
         probe.init_(rng)
         x = rng.standard_normal((n_samples, *shape)).astype(dtype)
         times = []
@@ -53,9 +51,8 @@ def measure_costs(layers: Sequence[Layer], n_in: int, n_samples: int = 256,
 
 
 def split_stages(costs: Sequence[float], n_stages: int) -> list[int]:
-    """Cut layers ``0 .. L-1`` into ``n_stages`` non-empty consecutive stages minimising the
-    largest stage cost (dynamic programming): bounds ``b``, stage ``s`` layers
-    ``b[s] .. b[s+1]-1``."""
+    """Cut layers ``0 .. L-1`` into ``n_stages`` non-empty consecutive stages minimising the largest
+    stage cost (dynamic programming): bounds ``b``, stage ``s`` layers ``b[s] .. b[s+1]-1``."""
     n = len(costs)
     if n_stages < 1:
         raise ValueError(f"need at least one pipeline stage, got {n_stages}")
@@ -110,10 +107,9 @@ def max_in_flight(ops: Sequence[Op]) -> int:
 
 def replay(schedules: Sequence[Sequence[Op]], durations: Sequence[Sequence[float]],
            latency: float = 0.0) -> tuple[np.ndarray, float]:
-    """Run each stage's ``schedules[s]`` with op ``k`` lasting ``durations[s][k]``
-    (``F(i)`` waits for ``F(i)`` on ``s-1``, ``B(i)`` for ``B(i)`` on ``s+1``, plus
-    ``latency``): each stage's busy seconds ``(P,)`` and the makespan. ``ValueError`` on a
-    deadlock."""
+    """Run each stage's ``schedules[s]`` with op ``k`` lasting ``durations[s][k]`` (``F(i)`` waits
+    for ``F(i)`` on ``s-1``, ``B(i)`` for ``B(i)`` on ``s+1``, plus ``latency``): each stage's busy
+    seconds ``(P,)`` and the makespan. ``ValueError`` on a deadlock."""
     P = len(schedules)
     done: list[dict[Op, float]] = [{} for _ in range(P)]
     pos, free = [0] * P, [0.0] * P
@@ -188,16 +184,12 @@ def check_batches(n: int, batch_size: int, drop_last: bool, n_replicas: int,
 
 
 def held_bytes(layers: Sequence[Layer], exclude: np.ndarray | None) -> int:
-    """Bytes of the arrays ``layers`` cache for backward (each once), not views of
-    ``exclude``."""
-    seen, total = set(), 0
+    """Bytes of the arrays ``layers`` cache for backward (each once), not views of ``exclude``."""
+    bases = {}  # the arrays' own buffers, each once
     for layer in layers:
         for value in vars(layer).values():
-            if not isinstance(value, np.ndarray):
-                continue
-            base = value if value.base is None else value.base
-            if id(base) in seen or (exclude is not None and np.may_share_memory(base, exclude)):
-                continue
-            seen.add(id(base))
-            total += base.nbytes
-    return total
+            if isinstance(value, np.ndarray):
+                base = value if value.base is None else value.base
+                bases[id(base)] = base
+    return sum(base.nbytes for base in bases.values()
+               if exclude is None or not np.may_share_memory(base, exclude))
