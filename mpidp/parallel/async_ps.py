@@ -1,8 +1,7 @@
-"""The asynchronous parameter server (mode ``async-ps``): workers push gradients and pull
-parameters without waiting for each other; the server (rank ``root``, holding no data)
-applies each push as it comes, dropping those staler than ``max_staleness`` (updates made
-since the worker's pull). Every worker ends with a "done" message, so the job always ends.
-"""
+"""The asynchronous parameter server (mode ``async-ps``): workers push gradients and pull parameters
+without waiting for each other; the server (rank ``root``, holding no data) applies each push as it
+comes, dropping those staler than ``max_staleness`` (updates made since the worker's pull). Every
+worker ends with a "done" message, so the job always ends."""
 
 from __future__ import annotations
 
@@ -335,8 +334,7 @@ def _check_spec(spec: RunSpec) -> None:
     if spec.check_every:
         raise C.MpidpError("check_every does not apply to async-ps: its workers hold "
                            "different parameters by design until the end")
-    given = [name for name in ("on_step", "on_epoch", "progress") if getattr(spec, name)]
-    if given:
+    if given := [name for name in ("on_step", "on_epoch", "progress") if getattr(spec, name)]:
         raise C.MpidpError(f"{', '.join(given)} does not apply to async-ps: its workers are "
                            "at different steps, and the server reports when training ends "
                            "(AsyncStats)")

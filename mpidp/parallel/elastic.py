@@ -1,10 +1,8 @@
 """A data-parallel run that goes on when ranks die (``fit(..., elastic=...)``): what
-:mod:`mpidp.run.elastic` asks of a :class:`~mpidp.parallel.data_parallel.DataParallel`
-and its feed. A replica is kept before each step (between synchronisations of
-``accumulate``: at a group's first step only), so one ahead of the survivors can go back;
-the survivors then take the same global batches over fewer ranks, their rows from
-``rows(comm)``, the function given as ``elastic``.
-"""
+:mod:`mpidp.run.elastic` asks of a :class:`~mpidp.parallel.data_parallel.DataParallel` and its feed.
+A replica is kept before each step (between synchronisations of ``accumulate``: at a group's first
+step only), so one ahead of the survivors can go back; the survivors then take the same global
+batches over fewer ranks, their rows from ``rows(comm)``, the function given as ``elastic``."""
 
 from __future__ import annotations
 

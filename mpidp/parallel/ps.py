@@ -18,11 +18,10 @@ from .sync import Buffers, Exchanged, Round, Setup, Sync, global_sums
 
 
 class ParameterServer(Sync):
-    """Synchronous parameter server: gradient sums are reduced to the server (rank
-    ``root``), which steps and broadcasts the parameters (allreduce's arithmetic).
-    ``shared_memory``: a node's ranks sum into, and copy the parameters out of, their
-    leader's shared memory, shipped in pieces of ``chunk_bytes`` as each is final.
-    """
+    """Synchronous parameter server: gradient sums are reduced to the server (rank ``root``), which
+    steps and broadcasts the parameters (allreduce's arithmetic). ``shared_memory``: a node's ranks
+    sum into, and copy the parameters out of, their leader's shared memory, shipped in pieces of
+    ``chunk_bytes`` as each is final."""
 
     name = "ps"
 
@@ -118,10 +117,9 @@ class ParameterServer(Sync):
 
 
 class ShardedParameterServer(Sync):
-    """Every rank serves ``1/P`` of the parameters: ``Reduce_scatter`` the gradient sums,
-    each rank steps its slice (its own optimizer state), ``Allgather`` the slices; a small
-    ``Allreduce`` carries the extras and verdicts. Checkpoints gather the sliced state.
-    """
+    """Every rank serves ``1/P`` of the parameters: ``Reduce_scatter`` the gradient sums, each rank
+    steps its slice (its own optimizer state), ``Allgather`` the slices; a small ``Allreduce``
+    carries the extras and verdicts. Checkpoints gather the sliced state."""
 
     name = "sharded-ps"
 

@@ -268,8 +268,7 @@ class MLPClassifier(ClassifierMixin, _MLP):
 
     def predict(self, X) -> np.ndarray:
         """The most likely class of each row of ``X``, among ``classes_``."""
-        X = self._checked(X)
-        return self.classes_[self._predict(X, "label")]
+        return self.classes_[self._predict(self._checked(X), "label")]
 
     def predict_proba(self, X) -> np.ndarray:
         """Each class's probability ``(n, len(classes_))``, rows summing to 1."""

@@ -1,6 +1,5 @@
-"""Many training runs in one job: the ranks cut into groups of ``ranks_per_trial``, each
-group taking the next trial from a shared counter until none is left (:func:`sweep`).
-"""
+"""Many training runs in one job: the ranks cut into groups of ``ranks_per_trial``, each group
+taking the next trial from a shared counter until none is left (:func:`sweep`)."""
 
 from __future__ import annotations
 
