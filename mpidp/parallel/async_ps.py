@@ -243,8 +243,7 @@ def _server(ps: AsyncPS, positions: _Positions, spec: RunSpec) -> tuple[AsyncSta
             reqs[i] = C.MPI_REQUEST_NULL
             positions.done(w)
             continue
-        if error is None and (msg[n + _Slot.STOP] > 0 or
-                              signals is not None and signals.requested):
+        if error is None and (msg[n + _Slot.STOP] > 0 or signals is not None and signals.requested):
             error = _PREEMPTED  # a signal on the server or on this worker
         if error is not None:  # stopping: this worker is done once told
             C.send(comm, model.params, w, _PULL)
@@ -357,8 +356,7 @@ def fit_async(ps: AsyncPS, train: Shard, epochs: int | None = None,
     with watched_run(spec, comm) as spec:
         if spec.watchdog is not None:
             spec.watchdog.start()
-        positions = _Positions([r for r in range(comm.size) if r != root], spec.resume,
-                               spec.epochs)
+        positions = _Positions([r for r in range(comm.size) if r != root], spec.resume, spec.epochs)
         stats, error = AsyncStats(), None
         if comm.rank == root:
             stats, error = _server(ps, positions, spec)

@@ -52,8 +52,7 @@ class DataParallelRegroup:
                 dp.policy.skipped]
 
         def fill() -> None:
-            kept[0], kept[3] = (dp.model.params.copy(),
-                                {k: v.copy() for k, v in opt.state.items()})
+            kept[0], kept[3] = dp.model.params.copy(), {k: v.copy() for k, v in opt.state.items()}
         if whole:
             dp.settle()
         if dp.sync.at_boundary():

@@ -245,8 +245,7 @@ class _Sink:
             C.barrier(self.comm)
             return None
         rows = np.concatenate(self.rows) if self.rows else np.zeros(0, np.int64)
-        outs = (np.concatenate(self.outs) if self.outs
-                else np.zeros((0, *self.shape), self.dtype))
+        outs = np.concatenate(self.outs) if self.outs else np.zeros((0, *self.shape), self.dtype)
         all_rows = C.gatherv_rows(self.comm, rows.astype(np.int64), self.root)
         all_outs = C.gatherv_rows(self.comm, outs, self.root)
         if self.comm.rank != self.root:

@@ -291,8 +291,7 @@ class Pipeline(TrainerBase):
 
     def _trace(self, kind: str, i: int, t: float, cpu: float) -> None:
         if self.tracing:
-            self.counters.trace.append((kind, i, t, time.perf_counter(),
-                                        time.process_time() - cpu))
+            self.counters.trace.append((kind, i, t, time.perf_counter(), time.process_time() - cpu))
 
     # --- checkpoints (the same file data-parallel training writes) --------------------
 
@@ -372,8 +371,7 @@ class Pipeline(TrainerBase):
                 C.wait_all(C.isend(self.pipe, np.ascontiguousarray(x), self.stage + 1, _TAG_F))
         total, vector = global_sums(self.dp, total, sums)  # over the replicas
         both = C.bcast_(self.pipe, np.concatenate([total, vector]), self.n_stages - 1)
-        return StepStats(float(both[0]), int(both[1]), int(both[2]),
-                         scores=sums.scores(both[3:]))
+        return StepStats(float(both[0]), int(both[1]), int(both[2]), scores=sums.scores(both[3:]))
 
 
 @dataclass

@@ -59,8 +59,7 @@ class PipelineFeed:
         C.run_agreed(pipe.world, check_batches, len(y), spec.batch_size, spec.drop_last,
                      pipe.n_replicas, pipe.micro_batches)
         self.pipe, self.X, self.y, self.spec = pipe, X, y, spec
-        self.test = {name: held for name, held in sets.items()
-                     if held is not None and len(held[1])}
+        self.test = {name: held for name, held in sets.items() if held is not None and len(held[1])}
         self.n_steps = steps_per_epoch(len(y), spec.batch_size, spec.drop_last)
         self.labelled = pipe.loss.classification or y.dtype.kind in "iu"
 

@@ -160,8 +160,7 @@ class _MLP(BaseEstimator):
         self.best_loss_ = None if early else np.inf  # early stopping watches the validation score
         self.validation_scores_, self.best_validation_score_ = ([], -np.inf) if early else (None, None)
 
-    def _epoch_done(self, record: dict, dp: DataParallel, n_train: int, X_val,
-                    y_val) -> bool:
+    def _epoch_done(self, record: dict, dp: DataParallel, n_train: int, X_val, y_val) -> bool:
         """Keep the epoch's figures; True: stop (the same verdict on every rank: the
         figures are global and the replicas equal)."""
         self.n_iter_ += 1

@@ -144,8 +144,7 @@ class StagePlan:
 
     def fingerprint(self, *extra) -> int:
         dims = [d for s in self.shapes for d in (*s, -2)]
-        return checksum(np.array([*self.bounds, -1, *self.widths, -1, *dims, -1, *extra],
-                                 np.int64))
+        return checksum(np.array([*self.bounds, -1, *self.widths, -1, *dims, -1, *extra], np.int64))
 
 
 def plan_stages(layers: Sequence[Layer], n_in: int, n_stages: int, size: int, micro_batches: int,

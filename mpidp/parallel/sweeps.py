@@ -54,8 +54,7 @@ def sweep(comm: C.Comm, trials: Sequence, *, ranks_per_trial: int = 1,
     with deferred_stops() as noted, C.split_groups(comm, ranks_per_trial) as group:
         first = comm.rank - (group.rank if group is not None else 0)
         while group is not None:
-            k = C.bcast_obj(group, (-1 if noted else counter.next()) if group.rank == 0
-                            else None)
+            k = C.bcast_obj(group, (-1 if noted else counter.next()) if group.rank == 0 else None)
             stopped = k < 0
             if stopped or k >= len(todo):
                 break
