@@ -92,14 +92,11 @@ def _plan(dp: DataParallel, train: Shard, spec: RunSpec) -> Plan:
 def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
         batch_size: int | None = None, *, test: Shard | dict[str, Shard] | None = None,
         spec: RunSpec | None = None, **settings) -> list[dict]:
-    """Train ``dp`` on this rank's shard ``train`` for ``epochs`` epochs of global batches
-    of ``batch_size`` samples (whatever the number of ranks). Collective.
-
-    ``spec`` (a :class:`mpidp.RunSpec`) holds every setting of the run; ``epochs``,
-    ``batch_size`` and ``settings`` (its fields) override it. ``test``: a held-out shard,
-    or several by name, evaluated after every epoch. Returns the history, one dict per
-    epoch, the same on every rank.
-    """
+    """Train ``dp`` on this rank's shard ``train`` for ``epochs`` epochs of global batches of
+    ``batch_size`` samples (whatever the number of ranks). Collective. ``spec`` (a
+    :class:`mpidp.RunSpec`) holds every setting of the run; ``epochs``, ``batch_size`` and
+    ``settings`` (its fields) override it. ``test``: a held-out shard, or several by name,
+    evaluated after every epoch. Returns the history, one dict per epoch, alike on every rank."""
     spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
     if spec.elastic is True:  # the whole arrays on every rank: survivors split them again
         train, test, rows = whole_arrays(dp.comm, train, test)

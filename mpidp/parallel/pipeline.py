@@ -146,8 +146,7 @@ class Pipeline(TrainerBase):
 
     def in_sync(self) -> bool:
         """True on every rank iff every stage is bit-identical across replicas. Collective."""
-        ok = out_of_sync(self.dp, self.model) is None
-        return bool(C.allreduce_max(self.world, [0.0 if ok else 1.0])[0] == 0.0)
+        return not C.allreduce_max(self.world, [out_of_sync(self.dp, self.model) is not None])[0]
 
     def check_replicas(self) -> None:
         """Raise :class:`mpidp.MpidpError` on every rank, naming the ranks whose stage

@@ -36,15 +36,12 @@ def sweep(comm: C.Comm, trials: Sequence, *, ranks_per_trial: int = 1,
           train: Callable[[C.Comm, Any, int], Any], skip: Iterable[int] = (),
           failures: tuple[type[BaseException], ...] = (MpidpError,),
           on_result: Callable[[dict], None] | None = None) -> list[dict] | None:
-    """Run ``train(group, trials[i], i)`` once for every trial ``i`` not in ``skip``, on
-    groups of ``ranks_per_trial`` consecutive ranks of ``comm``. Collective.
-
-    Each finished trial gives, on its group's rank 0, a record ``{"index", "status": "ok"
-    or "failed", "result"`` (``train``'s) ``or "error"`` (a ``failures`` exception's),
-    ``"seconds", "ranks"}``, handed to ``on_result`` there at once. Returns every record,
-    in trial order, on rank 0 of ``comm`` (None elsewhere). A stop signal leaves the rest
-    unfinished: every rank then raises :class:`Stopped`.
-    """
+    """Run ``train(group, trials[i], i)`` once for every trial ``i`` not in ``skip``, on groups of
+    ``ranks_per_trial`` consecutive ranks of ``comm``. Collective. Each finished trial gives, on
+    its group's rank 0, a record ``{"index", "status": "ok" or "failed", "result"`` (``train``'s)
+    ``or "error"`` (a ``failures`` exception's), ``"seconds", "ranks"}``, handed to ``on_result``
+    there at once. Returns every record, in trial order, on rank 0 of ``comm`` (None elsewhere).
+    A stop signal leaves the rest unfinished: every rank then raises :class:`Stopped`."""
     trials, skip = list(trials), set(skip)
     groups(comm.size, ranks_per_trial)
     todo = [i for i in range(len(trials)) if i not in skip]
