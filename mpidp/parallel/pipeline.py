@@ -33,9 +33,8 @@ _TAG_F, _TAG_B = 21, 22  # activations forward, gradients backward (order kept p
 
 @dataclass
 class PipeCounters:
-    """Per-rank figures since the last :meth:`reset`: messages and bytes, (tracing) every
-    op, and the peak activation bytes cached for backward (and, in
-    ``peak_activation_bytes``, outputs still being sent)."""
+    """Per-rank figures since the last :meth:`reset`: messages and bytes, every op (tracing), and
+    the peak bytes cached for backward (``peak_activation_bytes``: with outputs being sent)."""
 
     p2p_bytes: int = 0
     p2p_messages: int = 0
@@ -175,9 +174,8 @@ class Pipeline(TrainerBase):
 
     def step(self, X: np.ndarray | None, y: np.ndarray | None, n: int | None = None,
              last_of_epoch: bool = False) -> StepStats:
-        """One step on this replica's batch of ``n`` samples (``X`` needed on the first
-        stage, ``y`` on the last). Collective. ``loss_sum`` and ``correct``: the last
-        stage's (NaN and 0 elsewhere)."""
+        """One step on this replica's batch of ``n`` samples (``X`` on the first stage, ``y`` on
+        the last). Collective. ``loss_sum`` and ``correct``: the last stage's (NaN, 0 elsewhere)."""
         n = _batch_len(X, y, n)
         sizes = St.micro_batch_sizes(n, self.micro_batches)  # same check on every stage
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])

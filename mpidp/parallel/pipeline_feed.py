@@ -91,9 +91,8 @@ class PipelineFeed:
 def fit_pipeline(pipe: Pipeline, train: tuple, epochs: int | None = None,
                  batch_size: int | None = None, *, test: tuple | None = None,
                  spec: RunSpec | None = None, **settings) -> list[dict]:
-    """Train ``pipe`` as :func:`mpidp.fit` trains (no ``partition``) on ``train`` (and
-    ``test``, or None), ``(X, y)``, the whole set on every rank. Collective. Returns the
-    history on every rank."""
+    """Train ``pipe`` as :func:`mpidp.fit` does (no ``partition``) on ``train`` (and ``test``, or
+    None), ``(X, y)``, the whole set on every rank. Collective. The history, on every rank."""
     spec = RunSpec.of(spec, epochs=epochs, batch_size=batch_size, **settings)
     C.agree_same(pipe.world, "fit_pipeline", spec.agreed())  # the sets: checked below
     C.agree(pipe.world, None if spec.partition is None else

@@ -141,7 +141,7 @@ class _MLP(BaseEstimator):
     def _start(self, n_features: int, y: np.ndarray, seed: int) -> None:
         """A new model, initialised from ``seed``, its optimizer and empty figures."""
         dims = [n_features, *self._hidden()]
-        n_out = len(self.classes_) if self._loss.classification else 1 if y.ndim == 1 else y.shape[1]
+        n_out = len(self.classes_) if self._loss.classification else int(np.prod(y.shape[1:]))
         act = ACTIVATIONS[self.activation]
         layers: list[nn.Layer] = []
         for a, b in zip(dims[:-1], dims[1:]):
@@ -267,7 +267,8 @@ class MLPClassifier(ClassifierMixin, _MLP):
 
     def predict(self, X) -> np.ndarray:
         """The most likely class of each row of ``X``, among ``classes_``."""
-        return self.classes_[self._predict(self._checked(X), "label")]
+        X = self._checked(X)  # first: unfitted, there is no classes_
+        return self.classes_[self._predict(X, "label")]
 
     def predict_proba(self, X) -> np.ndarray:
         """Each class's probability ``(n, len(classes_))``, rows summing to 1."""

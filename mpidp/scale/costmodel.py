@@ -168,14 +168,12 @@ def mode_step_time(mode: str, P: int, m: float, compute: float, fit: Fit, *,
     def shared(exchanging: int) -> float:  # ranks per core driving an exchange at once
         return 1.0 if cores is None else max(exchanging / max(cores, 1), 1.0)
 
-    if shape == "flat":
-        per_byte = max(fit.beta * max(link_hops, 1), shared(P) * cpu_per_byte)
-        return compute + float(allreduce_time(P, m, Fit(fit.alpha, per_byte, fit.gamma)))
-    if shape == "leaders":
-        leaders = max(P // max(per_node, 1), 1)
-        per_byte = max(fit.beta, shared(leaders) * cpu_per_byte)
-        return (compute + node
-                + float(allreduce_time(leaders, m, Fit(fit.alpha, per_byte, fit.gamma))))
+    if shape in ("flat", "leaders"):  # one ring after compute: of all P ranks, or of the leaders
+        flat = shape == "flat"
+        ring = P if flat else max(P // max(per_node, 1), 1)
+        per_byte = max(fit.beta * (max(link_hops, 1) if flat else 1), shared(ring) * cpu_per_byte)
+        return (compute + (0.0 if flat else node)
+                + float(allreduce_time(ring, m, Fit(fit.alpha, per_byte, fit.gamma))))
     b, coded = backward * compute, shape == "coded"
     wire = m * wire_share if coded else m
     cpu = shared(P) * cpu_per_byte * wire * 2 * (P - 1) / max(P, 1)
