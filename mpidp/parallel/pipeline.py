@@ -318,8 +318,7 @@ class Pipeline(TrainerBase):
                 return None
             path, meta, arrays = found
             ckpt.check_fits(path, meta, n_total, dtype, self.optimizer)
-            odd = [k for k, shape in meta["optimizer"]["state"].items() if shape != [n_total]]
-            if odd:
+            if odd := [k for k, shape in meta["optimizer"]["state"].items() if shape != [n_total]]:
                 raise ValueError(f"checkpoint {path}: optimizer state {odd} is not one value "
                                  "per parameter, so it cannot be split into pipeline stages")
             held["arrays"] = arrays

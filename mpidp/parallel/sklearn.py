@@ -42,8 +42,7 @@ class _MLP(BaseEstimator):
                  alpha=0.0001, batch_size="auto", learning_rate_init=0.001, max_iter=200,
                  shuffle=True, random_state=None, tol=1e-4, warm_start=False, momentum=0.9,
                  nesterovs_momentum=True, early_stopping=False, validation_fraction=0.1,
-                 beta_1=0.9, beta_2=0.999, epsilon=1e-8, n_iter_no_change=10,
-                 dtype="float64"):
+                 beta_1=0.9, beta_2=0.999, epsilon=1e-8, n_iter_no_change=10, dtype="float64"):
         self.hidden_layer_sizes, self.activation = hidden_layer_sizes, activation
         self.solver, self.alpha, self.batch_size = solver, alpha, batch_size
         self.learning_rate_init, self.max_iter, self.shuffle = learning_rate_init, max_iter, shuffle
@@ -114,8 +113,7 @@ class _MLP(BaseEstimator):
              f"hidden_layer_sizes must be positive integers, got {self.hidden_layer_sizes!r}"),
             (self.activation not in ACTIVATIONS,
              f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}"),
-            (self.solver not in SOLVERS,
-             f"solver must be one of {SOLVERS}, got {self.solver!r}"),
+            (self.solver not in SOLVERS, f"solver must be one of {SOLVERS}, got {self.solver!r}"),
             (not (self.batch_size == AUTO_BATCH or count(self.batch_size)),
              f"batch_size must be 'auto' or a positive integer, got {self.batch_size!r}"),
             (not count(self.max_iter),

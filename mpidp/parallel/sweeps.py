@@ -46,8 +46,7 @@ def sweep(comm: C.Comm, trials: Sequence, *, ranks_per_trial: int = 1,
     groups(comm.size, ranks_per_trial)
     todo = [i for i in range(len(trials)) if i not in skip]
     counter = C.SharedCounter(comm)
-    done: list[dict] = []
-    stopped = False
+    done, stopped = [], False  # this group's records; whether a stop signal ended it
     with deferred_stops() as noted, C.split_groups(comm, ranks_per_trial) as group:
         first = comm.rank - (group.rank if group is not None else 0)
         while group is not None:
