@@ -36,9 +36,7 @@ BLOCK = 1 << 16
 
 def units(k: int, codec: str) -> int:
     """``uint16`` units that the codes of one segment of ``k`` values take."""
-    if codec != "int8":
-        return k
-    return 2 * -(-k // 4) + 2 * -(-k // GROUP)
+    return k if codec != "int8" else 2 * -(-k // 4) + 2 * -(-k // GROUP)
 
 
 def chunk_units(m: int, codec: str) -> int:
@@ -122,9 +120,8 @@ class Codec:
             ef = res is not None
             res, lost = (res, lost) if ef else (self._none, self._none)
             if self.codec == "int8":
-                q, scale = _int8_parts(codes, len(src))
-                top = self._k.i8_encode(src, res, ef, self._x[:len(src)], lost, ef, q, scale,
-                                        INT8_TINY, self._one)
+                top = self._k.i8_encode(src, res, ef, self._x[:len(src)], lost, ef,
+                                        *_int8_parts(codes, len(src)), INT8_TINY, self._one)
             else:
                 top = self._k.bf16_encode(src, res, ef, lost, ef, codes, self._one)
             return (scan and top >= BFLOAT16_INF_BITS), False
@@ -195,21 +192,22 @@ class Codec:
         whole = self.codec == "int8"  # one segment; 16-bit codes go block by block
         for lo, hi in [(0, len(out))] if whole else _blocks(0, len(out), self.block):
             value = out[lo:hi] if f32 else self._o[:hi - lo].view(np.float32)
-            if whole:
-                self._decode_i8(codes, value)
-            else:
-                self._decode32(codes[lo:hi], value)
+            self._decode32(codes if whole else codes[lo:hi], value)
             if not f32:
                 np.copyto(out[lo:hi], value)
 
     def decode_add_(self, codes: np.ndarray, acc: np.ndarray) -> None:
         """``acc += decode(codes)`` (float32 arithmetic)."""
         value = self._o[:len(acc)].view(np.float32)
-        (self._decode_i8 if self.codec == "int8" else self._decode32)(codes, value)
+        self._decode32(codes, value)
         np.add(acc, value, out=acc)
 
     def _decode32(self, codes: np.ndarray, out: np.ndarray) -> None:
-        """``out`` (float32, a block, not this codec's scratch but ``_o``) = decode(codes)."""
+        """``out`` (float32: one int8 segment, or a block; not this codec's scratch but
+        ``_o``) = decode(codes)."""
+        if self.codec == "int8":
+            _by_group(*_int8_parts(codes, len(out)), out, np.float32)
+            return
         o, h = out.view(np.uint32), self._bits[:len(codes)]
         if self.codec == "bfloat16":
             o[...] = codes
@@ -247,11 +245,6 @@ class Codec:
         if lost is not None:
             _by_group(f, scale, f)
             np.subtract(x, f, out=lost)
-
-    def _decode_i8(self, codes: np.ndarray, out: np.ndarray) -> None:
-        """``out`` (float32 ``(k,)``) = the values of one int8 segment of ``k`` values."""
-        q, scale = _int8_parts(codes, len(out))
-        _by_group(q, scale, out, np.float32)
 
     def _f16_magnitude(self, c: np.ndarray, out: np.ndarray) -> None:
         """``out`` (uint32 float bits) = the value of float16 magnitudes ``c`` (uint32,
@@ -362,8 +355,7 @@ def compile_kernels(codec: str, dtype: np.dtype) -> None:
     k, n = Codec(codec, jit=True), GROUP + 1
     src, res, lost = np.zeros(n, dtype), np.zeros(n, np.float32), np.zeros(n, np.float32)
     codes = np.zeros(units(n, codec), np.uint16)
-    k.encode_sum_(src, codes, res, lost, scan=True)
-    k.encode_sum_(src, codes, scan=True)
     for r, out in ((res, lost), (None, None)):
+        k.encode_sum_(src, codes, r, out, scan=True)
         k.sum_encode_(codes, codes[:0], np.array([-1], np.int64), n, r, out)
     k.decode_(codes, src)

@@ -1,8 +1,6 @@
-"""Compiled kernels of the bfloat16 and int8 codecs (numba, imported here): each fuses
-NumPy passes of :class:`~mpidp.parallel.codecs.Codec` with the same float32 arithmetic in
-the same order, so the bits are NumPy's (a sum of two NaNs aside). ``group`` is
-``codecs.GROUP``.
-"""
+"""Compiled kernels of the bfloat16 and int8 codecs (numba, imported here): each fuses NumPy
+passes of :class:`~mpidp.parallel.codecs.Codec` with the same float32 arithmetic in the same
+order, so the bits are NumPy's (a sum of two NaNs aside). ``group`` is ``codecs.GROUP``."""
 
 from __future__ import annotations
 
@@ -24,9 +22,8 @@ def bf16_round(bits):
 
 @_jit
 def bf16_encode(src, res, use_res, lost, keep_lost, codes, scratch):
-    """codes = bf16(x), x = src + res (float32) or src; lost = x - decode (lost may
-    be res); returns the largest magnitude of x (float32 bits). ``scratch``: float32
-    (1,)."""
+    """codes = bf16(x), x = src + res (float32) or src; lost = x - decode (lost may be res);
+    returns the largest magnitude of x (float32 bits). ``scratch``: float32 (1,)."""
     sb = scratch.view(np.uint32)
     top = u32(0)
     for i in range(src.shape[0]):
@@ -117,15 +114,20 @@ def i8_encode(src, res, use_res, x, lost, keep_lost, q, scale, tiny, scratch):
 
 
 @_jit
-def i8_decode(q, scale, out):
-    """out = q * its group's scale (float32 products, converted to out's dtype)."""
+def i8_decode(q, scale, out, add=False):
+    """out = q * its group's scale (float32 products, converted to out's dtype); with add,
+    out += them (float32 sums)."""
     k = q.shape[0]
     for g in range(-(-k // group)):
         lo = g * group
         hi = min(lo + group, k)
         qs, os, s = q[lo:hi], out[lo:hi], scale[g]
-        for i in range(qs.shape[0]):
-            os[i] = np.float32(qs[i]) * s
+        if add:
+            for i in range(qs.shape[0]):
+                os[i] = os[i] + np.float32(qs[i]) * s
+        else:
+            for i in range(qs.shape[0]):
+                os[i] = np.float32(qs[i]) * s
 
 
 @_jit
@@ -137,16 +139,7 @@ def i8_sum(mine, recv, starts, k, res, use_res, lost, keep_lost, acc, tiny, scra
     for r in range(starts.shape[0]):
         row = mine if starts[r] < 0 else recv[starts[r]:starts[r] + u]
         b = row.view(np.uint8)
-        q, scale = b[:k].view(np.int8), b[at:at + 4 * groups].view(np.float32)
-        if r == 0:
-            i8_decode(q, scale, acc)
-            continue
-        for g in range(groups):
-            lo = g * group
-            hi = min(lo + group, k)
-            qs, acs, s = q[lo:hi], acc[lo:hi], scale[g]
-            for i in range(qs.shape[0]):
-                acs[i] = acs[i] + np.float32(qs[i]) * s
+        i8_decode(b[:k].view(np.int8), b[at:at + 4 * groups].view(np.float32), acc, r > 0)
     b = mine.view(np.uint8)
     q, scale = b[:k].view(np.int8), b[at:at + 4 * groups].view(np.float32)
     return i8_encode(acc, res, use_res, acc, lost, keep_lost, q, scale, tiny, scratch)
