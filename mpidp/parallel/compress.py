@@ -84,15 +84,13 @@ class Compressed(Sync):
                 p = _Piece(s0, min(s0 + step, b1), size, rank, o, at, self.codec)
                 p.recv_at, r = r, r + (size - 1) * p.mu  # its own room: pieces overlap in time
                 #: ``(values lo, values hi, codes lo, codes hi)`` of every block of every chunk
-                p.blocks = [seg for lo, hi, clo in p.runs for seg in segments(lo, hi, clo,
-                                                                              self.codec)]
+                p.blocks = [seg for run in p.runs for seg in segments(*run, self.codec)]
                 self.buckets[-1][1].append(p)
                 at, o = at + p.m, p.end
         self.pieces = [p for _, pieces in self.buckets for p in pieces]
         with C.excused("compiling the compression kernels"):  # seconds, the first time
             self.kernel = Codec(self.codec, jit=self._compiled(s.comm))
         self.layer_lo = [lo for lo, _ in s.model.layer_ranges]
-        self.piece = step
         self.codes = np.zeros(o, np.uint16)  # this rank's codes, then the summed ones
         self.recv = np.zeros(r, np.uint16)  # the other ranks' codes of this rank's chunks
         self._starts = np.zeros(size, np.int64)  # where each rank's codes of a chunk start
@@ -143,7 +141,7 @@ class Compressed(Sync):
 
     def on_layer_part(self) -> tuple[Callable[[int, int], None], int] | None:
         # one rank: nothing travels, codes are encoded when backward ends
-        return None if self.comm.size == 1 else (self._layer_done, self.piece)
+        return None if self.comm.size == 1 else (self._layer_done, _piece_length(self.comm.size))
 
     def _layer_done(self, i: int, done: int | None = None) -> None:
         """Backward finished layer ``i`` (or, with ``done``, its first ``done`` values)."""
@@ -246,18 +244,16 @@ class Compressed(Sync):
 
     def _decode(self, p: _Piece) -> None:
         """The sums of piece ``p`` (every chunk's codes gathered) into the gradient buffer."""
-        g, codes, k = self.buf[:self.n], self.codes, self.kernel
         for a, b, ca, cb in p.blocks:
-            k.decode_(codes[ca:cb], g[a:b])
+            self.kernel.decode_(self.codes[ca:cb], self.buf[a:b])
 
     def _decode_arrived(self) -> None:
         """Decode the gathered pieces, in order, while backward runs (not float16's: see
         :class:`Float16Overflow`)."""
         if self.codec == "float16":
             return
-        gathering = self.gathering
         with np.errstate(invalid="ignore"):
-            while self.decoded < len(gathering) and gathering[self.decoded] == C.MPI_REQUEST_NULL:
+            while self.decoded < len(self.gathering) and self.gathering[self.decoded] == C.MPI_REQUEST_NULL:
                 self._decode(self.pieces[self.decoded])
                 self.decoded += 1
 
