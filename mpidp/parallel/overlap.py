@@ -15,16 +15,11 @@ WINDOW = 8  # sums in flight at once when they finish during forward
 
 class Overlapped(Sync):
     """Bucketed in-place sums started during backward as a bucket's layers are done (last
-    layers first): one fused ``Allreduce``'s sums up to the order of additions.
-
-    ``bucket_bytes``: :func:`layer_buckets`' size. ``progress``: ``"test"``
-    (:class:`mpidp.comm.StartedSums`, tested at every layer boundary) or ``"thread"`` (a
-    communication thread, one blocking ``Allreduce`` per bucket). ``finish``:
-    ``"backward"`` (every sum completes before the update) or ``"forward"`` (only the loss
-    and counts; each other part is applied as it arrives, at the latest when the next
-    forward reads it; at most ``WINDOW`` sums in flight). Settings:
-    :class:`~mpidp.parallel.modes.OverlappedSettings`.
-    """
+    layers first): one fused ``Allreduce``'s sums up to the order of additions. Settings
+    (:class:`~mpidp.parallel.modes.OverlappedSettings`, whose help says what each does):
+    ``bucket_bytes``, :func:`layer_buckets`' size; ``progress`` ``"test"``
+    (:class:`mpidp.comm.StartedSums`) or ``"thread"`` (:class:`mpidp.comm.BackgroundAllreduce`);
+    ``finish`` ``"backward"`` or ``"forward"`` (at most ``WINDOW`` sums in flight)."""
 
     name = "overlapped"
 
@@ -69,7 +64,6 @@ class Overlapped(Sync):
     @property
     def reduced(self) -> int:
         """Buckets of this step whose sums are complete already (finish "backward")."""
-        starts = [0, *self._ends[:-1]]
         if self.reducer is not None:  # the thread completes the sums in order
             done = self.reducer.completed - self._completed0
             return sum(end <= done for end in self._ends)
@@ -77,7 +71,7 @@ class Overlapped(Sync):
             return 0
         self.sums.advance()
         return sum(all(self.sums.done(i) for i in range(a, b))
-                   for a, b in zip(starts, self._ends))
+                   for a, b in zip([0, *self._ends[:-1]], self._ends))
 
     def on_layer_done(self) -> Callable[[int], None]:
         def launch(i: int) -> None:
@@ -128,10 +122,8 @@ class Overlapped(Sync):
             held = (self.launched < len(self.buckets) - 1 and hi <= self.n
                     and lo - blo >= (bhi - blo) // 2)
             (self.late if held else self.queue).append(stretch)
-            self._sums += 1
             self._advance()
-            return
-        if self.reducer is not None:
+        elif self.reducer is not None:
             if self._sums == 0:  # this step's first sum
                 self._completed0 = self.reducer.completed
             self.reducer.submit(self.buf[lo:hi])
@@ -264,9 +256,8 @@ class Overlapped(Sync):
 
     def close(self) -> None:
         """Complete the sums still arriving; end the communication thread. Collective."""
-        if getattr(self, "stretches", None):
-            self.settle()
-        if getattr(self, "sums", None) is not None and not self.sums.live:
+        self.settle()
+        if self.sums is not None and not self.sums.live:
             self.sums.close()
             self.sums = None
         if self.reducer is not None:
