@@ -107,8 +107,7 @@ class Auto(Sync):
         hooks = {id(c): c.on_layer_done() for c in getattr(self, "candidates", ())}
 
         def forward(i: int) -> None:
-            hook = hooks.get(id(self.current))
-            if hook is not None:
+            if (hook := hooks.get(id(self.current))) is not None:
                 hook(i)
         return forward
 
@@ -119,8 +118,7 @@ class Auto(Sync):
             return None
 
         def forward(i: int, done: int) -> None:
-            got = parts.get(id(self.current))
-            if got is not None:
+            if (got := parts.get(id(self.current))) is not None:
                 got[0](i, done)
         return forward, min(pieces)
 

@@ -161,10 +161,9 @@ class DataParallel(TrainerBase):
         if self.closed:
             return
         self.sync.settle()
-        model = self.model
         self.buf = self.buf.copy()  # out of any window the strategy frees
-        model.use_grad_buffer(self.buf)
-        model.use_param_buffer(model.params.copy())
+        self.model.use_grad_buffer(self.buf)
+        self.model.use_param_buffer(self.model.params.copy())
         self.sync.close()
         self.sync.free()
         self.closed = True

@@ -82,8 +82,7 @@ def _bytes(name: str, value: Any) -> int:
 
 def _setting(default: Any, check: Callable, help: str, why: str | None = None,
              **meta: Any) -> Any:
-    """A settings field: its default, its check, its ``help``, and ``why`` it applies to
-    no other mode."""
+    """A settings field: its default, check and ``help``, and ``why`` it applies to no other mode."""
     return field(default=default, metadata={"check": check, "help": help, "why": why, **meta})
 
 
@@ -128,8 +127,7 @@ def _k() -> Any:
 
 @dataclass(frozen=True)
 class Settings:
-    """A mode's settings (this base: none), each field checked when made
-    (:class:`SettingError`)."""
+    """A mode's settings (this base: none), each field checked when made (:class:`SettingError`)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -374,8 +372,7 @@ def refuses_model(layers, mode: str = "data", sync: str = "allreduce") -> str | 
     ``"data"`` with the exchange ``sync``), naming option, layer and reason; or None."""
     m = MODES.get(sync if mode == "data" else mode)
     for need in sorted(frozenset().union(*(la.needs for la in layers))) if m else ():
-        why = m.refuses.get(need)
-        if why is not None:
+        if (why := m.refuses.get(need)) is not None:
             return (f"{m.option} cannot train a model with {_needing(layers, need)} (it needs "
                     f"{_NEED.get(need, need)}): {why}")
     return None

@@ -68,15 +68,13 @@ class Exchanged:
 
 def global_sums(buf: np.ndarray, n_params: int) -> Exchanged:
     """The :class:`Exchanged` of the extras of a reduced buffer ``buf``."""
-    loss, count, correct = buffer.totals(buf, n_params)
-    return Exchanged(loss, count, correct, buffer.stopping(buf, n_params))
+    return Exchanged(*buffer.totals(buf, n_params), buffer.stopping(buf, n_params))
 
 
 class Sync:
     """Fused allreduce: ONE in-place ``Allreduce`` of the whole buffer (``node_aware``:
-    through :class:`mpidp.comm.NodeAllreduce`; None: where it pays). The default, and the
-    base of the others, each taking its mode's settings' fields as arguments and attributes.
-    """
+    through :class:`mpidp.comm.NodeAllreduce`; None: where it pays). The default and the
+    others' base; each takes its mode's settings' fields as arguments and attributes."""
 
     name = "allreduce"
 
@@ -302,8 +300,7 @@ class LocalSGD(_Periodic):
         n, params = self.n, self.model.params
         with self.timer.communicate(self.name, bytes=int(self.avg.nbytes)):
             self.avg[:n], self.avg[n:n + _Averaged.STOP] = params, self.totals
-            self.avg[n + _Averaged.STOP] = self.buf[n + buffer.STOP]
-            self.avg[n + _Averaged.EARLY] = float(self.early)
+            self.avg[n + _Averaged.STOP:] = self.buf[n + buffer.STOP], self.early
             C.allreduce_sum_(self.comm, self.avg)
         loss, count, correct, bad, stop, early = (float(v) for v in self.avg[n:])
         self.check_early(int(round(early)))

@@ -19,11 +19,10 @@ def make_trainer(parallel: str, layers: Sequence[Layer], n_in: int, optimizer: O
                  loss: Loss, comm: C.Comm | None = None, *, dtype: npt.DTypeLike = np.float32,
                  micro_batches: int = 1, schedule: str = "1f1b", n_stages: int | None = None,
                  **kwargs) -> DataParallel | Pipeline:
-    """A trainer by name. Collective. ``"data"``: :class:`DataParallel` of
-    ``Sequential(layers)`` (:func:`mpidp.fit`); ``"pipeline"``: one pipeline over all ranks;
-    ``"hybrid"``: pipelines of ``n_stages`` (default 2) stages
-    (:func:`mpidp.parallel.pipeline_feed.fit_pipeline`; initialise with ``init_``).
-    """
+    """A trainer by name. Collective. ``"data"``: :class:`DataParallel` of ``Sequential(layers)``
+    (:func:`mpidp.fit`); ``"pipeline"``: one pipeline over all ranks; ``"hybrid"``: pipelines
+    of ``n_stages`` (default 2) stages (:func:`mpidp.parallel.pipeline_feed.fit_pipeline`;
+    initialise with ``init_``)."""
     comm = comm if comm is not None else C.world()
     C.agree(comm, None if parallel in PARALLEL else
             f"unknown parallel mode {parallel!r}; expected one of {PARALLEL}")
