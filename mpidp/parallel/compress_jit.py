@@ -97,14 +97,9 @@ def i8_encode(src, res, use_res, x, lost, keep_lost, q, scale, tiny, scratch):
     for g in range(-(-k // group)):
         lo = g * group
         hi = min(lo + group, k)
-        ss, xs, xbs = src[lo:hi], x[lo:hi], xb[lo:hi]
-        if use_res:
-            rs = res[lo:hi]
-            for i in range(ss.shape[0]):
-                xs[i] = ss[i] + rs[i]
-        else:
-            for i in range(ss.shape[0]):
-                xs[i] = ss[i]
+        ss, rs, xs, xbs = src[lo:hi], res[lo:hi], x[lo:hi], xb[lo:hi]
+        for i in range(ss.shape[0]):
+            xs[i] = ss[i] + rs[i] if use_res else ss[i]
         t = u32(0)
         for i in range(xbs.shape[0]):
             t = max(t, xbs[i] & sign_off)
