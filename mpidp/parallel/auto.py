@@ -103,24 +103,22 @@ class Auto(Sync):
                     f"{np.dtype(model.dtype).name}; leave the codec out")
         return refuses_model(model.layers, "allreduce")
 
-    def on_layer_done(self) -> Callable[[int], None]:
-        hooks = {id(c): c.on_layer_done() for c in getattr(self, "candidates", ())}
-
-        def forward(i: int) -> None:
+    def _forwarder(self, hooks: dict[int, Callable | None]) -> Callable:
+        """A hook calling the one of the strategy in use (``hooks``: by its ``id``), if any."""
+        def forward(*args) -> None:
             if (hook := hooks.get(id(self.current))) is not None:
-                hook(i)
+                hook(*args)
         return forward
 
+    def on_layer_done(self) -> Callable[[int], None]:
+        return self._forwarder({id(c): c.on_layer_done() for c in getattr(self, "candidates", ())})
+
     def on_layer_part(self) -> tuple[Callable[[int, int], None], int] | None:
-        parts = {id(c): c.on_layer_part() for c in getattr(self, "candidates", ())}
-        pieces = [got[1] for got in parts.values() if got is not None]
+        parts = {id(c): c.on_layer_part() or (None, 0) for c in getattr(self, "candidates", ())}
+        pieces = [piece for hook, piece in parts.values() if hook is not None]
         if not pieces:
             return None
-
-        def forward(i: int, done: int) -> None:
-            if (got := parts.get(id(self.current))) is not None:
-                got[0](i, done)
-        return forward, min(pieces)
+        return self._forwarder({i: hook for i, (hook, _) in parts.items()}), min(pieces)
 
     def _trial(self) -> int | None:
         """Index of the candidate that runs trial step ``self.steps``, or None (none runs)."""
