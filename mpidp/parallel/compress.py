@@ -1,6 +1,5 @@
-"""The ``compressed`` exchange strategy: gradients summed as the codes of
-:mod:`~mpidp.parallel.codecs` (16-bit floats, or int8 with scales), in buckets started
-during backward, with error feedback."""
+"""The ``compressed`` exchange strategy (:class:`Compressed`): gradients summed as the codes
+of :mod:`~mpidp.parallel.codecs`, in buckets started during backward, with error feedback."""
 
 from __future__ import annotations
 
