@@ -31,20 +31,21 @@ def agree(comm: Comm, error: str | None) -> None:
     raise MpidpError(msg if len(failed) == comm.size else f"{msg} (on {where})")
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: {text}"
+def _attempt(fn, *args, **kwargs) -> tuple[Any, str | None, Exception | None]:
+    """``(fn's result, None, None)``, or ``(None, its failure described, the exception)``."""
+    try:
+        return fn(*args, **kwargs), None, None
+    except Exception as exc:  # noqa: BLE001 - agreed on, then re-raised by the caller
+        text = str(exc) or type(exc).__name__
+        bad_input = isinstance(exc, (ValueError, OSError))
+        return None, text if bad_input else f"{type(exc).__name__}: {text}", exc
 
 
 def run_agreed(comm: Comm, fn, *args, **kwargs) -> Any:
     """Call ``fn`` on every rank and return its result; if it raises on any rank, every rank
-    raises. Collective. A ``ValueError``/``OSError`` (bad input) becomes :class:`MpidpError`
-    everywhere; any other exception (a bug) is re-raised unchanged on the rank that hit it
-    while the others raise :class:`MpidpError`."""
-    try:
-        result, error, exc = fn(*args, **kwargs), None, None
-    except Exception as caught:  # noqa: BLE001 - agreed on, then re-raised below
-        result, error, exc = None, _describe(caught), caught
+    raises (collective): bad input (``ValueError``/``OSError``) as :class:`MpidpError`, a bug
+    (any other exception) unchanged on the rank that hit it, as :class:`MpidpError` elsewhere."""
+    result, error, exc = _attempt(fn, *args, **kwargs)
     try:
         agree(comm, error)
     except MpidpError:
@@ -58,14 +59,8 @@ def run_agreed(comm: Comm, fn, *args, **kwargs) -> Any:
 def root_decides(comm: Comm, fn, *args, root: int = 0, **kwargs) -> Any:
     """Run ``fn`` on ``root`` only; its result (pickled: keep it small) or its failure (as in
     :func:`run_agreed`) reaches every rank. Collective."""
-    payload: tuple[Any, str | None] = (None, None)
-    exc = None
-    if comm.rank == root:
-        try:
-            payload = (fn(*args, **kwargs), None)
-        except Exception as caught:  # noqa: BLE001 - broadcast, then re-raised below
-            payload, exc = (None, _describe(caught)), caught
-    result, error = comm.bcast(payload, root=root)
+    result, error, exc = _attempt(fn, *args, **kwargs) if comm.rank == root else (None, None, None)
+    result, error = comm.bcast((result, error), root=root)
     if error is None:
         return result
     if exc is not None and not isinstance(exc, (ValueError, OSError)):
@@ -112,9 +107,9 @@ def replicas_differ(comm: Comm, arrays: list[np.ndarray], root: int = 0) -> list
 @watched("an agreement Allreduce (arguments)")
 def agree_same(comm: Comm, where: str, items: dict[str, Any]) -> None:
     """Raise the same :class:`MpidpError` on every rank unless every rank passed equal
-    ``items`` (name -> a value whose ``repr`` identifies it; ranks may even pass different
-    names). Collective: one ``Allreduce`` of a digest of them all; the message names each
-    differing item, its values and the ranks holding each."""
+    ``items`` (name -> a value whose ``repr`` identifies it; names may differ too). Collective:
+    one ``Allreduce`` of a digest; the message names each differing item, its values and the
+    ranks holding each."""
     # a digest of their reprs: the same size on every rank, whatever it passed
     mine = repr([(k, repr(v)) for k, v in items.items()]).encode()
     if _same_everywhere(comm, np.array([checksum(np.frombuffer(mine, np.uint8))])):
