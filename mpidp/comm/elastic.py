@@ -9,6 +9,8 @@ agree on where to go on (:func:`agree_min`). Which MPI can: :func:`ulfm_problem`
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
 import os
 import sys
 import threading
@@ -69,9 +71,7 @@ def errors_return(*comms: Comm) -> None:
 def _quiet_watchdog(hook: threading.ExceptHookArgs) -> None:
     """A watchdog thread whose communicator lost a rank ends quietly: :func:`rewatch`
     starts another over the survivors."""
-    thread = hook.thread
-    if not (thread is not None and thread.name == "mpidp-watchdog"
-            and is_lost_rank(hook.exc_value)):
+    if getattr(hook.thread, "name", None) != "mpidp-watchdog" or not is_lost_rank(hook.exc_value):
         _quiet_watchdog.previous(hook)
 
 
@@ -111,10 +111,8 @@ def revoke(*comms: Comm) -> None:
     """Revoke ``comms`` (a rank lost): every rank's pending and next call on them fails,
     so no survivor waits there. Local; a communicator revoked already is let be."""
     for comm in comms:
-        try:
+        with contextlib.suppress(MPI.Exception):
             comm.Revoke()
-        except MPI.Exception:
-            pass
 
 
 def shrink(comm: Comm) -> tuple[Comm, list[int]]:
@@ -131,9 +129,7 @@ def shrink(comm: Comm) -> tuple[Comm, list[int]]:
     lost = sorted(set(range(comm.size)) - set(int(r) for r in old))
     # every survivor must see the same set: bitwise AND of "mine equals the smallest view"
     view = np.array([len(lost), sum(lost)], np.int64)
-    low = view.copy()
-    new.Allreduce(MPI.IN_PLACE, low, op=MPI.MIN)
-    if not new.Agree(int(np.array_equal(view, low))):
+    if not new.Agree(int(np.array_equal(view, agree_min(new, view)))):
         raise MpidpError(f"the survivors disagree on which ranks were lost ({lost} here)")
     return new, lost
 
@@ -166,23 +162,18 @@ def known_members(comm: Comm) -> tuple[list[int], dict[int, str]]:
     return kept if kept is not None else (list(range(comm.size)), {})
 
 
+@functools.cache
 def _key() -> int:
     """The attribute key under which :func:`members` keeps its answer on a communicator."""
-    if not _KEY:
-        _KEY.append(MPI.Comm.Create_keyval())
-    return _KEY[0]
-
-
-_KEY: list[int] = []
+    return MPI.Comm.Create_keyval()
 
 
 def rewatch(dog, comm: Comm) -> None:
     """Point the watchdog ``dog`` at ``comm`` (the survivors): its old thread and private
     communicator, which a dead rank broke, are dropped. Collective over ``comm``."""
     dog._stop.set()
-    thread = dog._thread
-    if thread is not None:
-        thread.join(timeout=2.0)
+    if dog._thread is not None:
+        dog._thread.join(timeout=2.0)
     dog._thread, dog.comm = None, comm
     dog.side = comm.Dup()
     dog._stop.clear()
