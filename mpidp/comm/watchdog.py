@@ -137,7 +137,6 @@ class Watchdog:
     # --- the thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        me = self.comm.rank
         call = np.zeros(1, np.int64)
         listen = self.side.Irecv(call, source=MPI.ANY_SOURCE, tag=_ROLL) if self.threaded else None
         replies: list = []
@@ -151,7 +150,7 @@ class Watchdog:
                 limit = self.timeout * (10 if MARK.state == EXCUSED else 1)
                 if age > limit and now >= next_check:
                     if not self.threaded:
-                        self._abort(f"rank {me} stalled for {age:.1f}s "
+                        self._abort(f"rank {self.comm.rank} stalled for {age:.1f}s "
                                     f"({self._describe(self._mine())}); ranks not named "
                                     "(MPI lacks MPI_THREAD_MULTIPLE)")
                     listen, replies = self._roll_call(listen, call, replies)
@@ -172,8 +171,7 @@ class Watchdog:
             mine = self._mine()
             replies.append((self.side.Isend(mine, dest=status.Get_source(), tag=_REPLY), mine))
             listen = self.side.Irecv(call, source=MPI.ANY_SOURCE, tag=_ROLL)
-        replies = [(r, b) for r, b in replies if not r.Test()]
-        return listen, replies
+        return listen, [(r, b) for r, b in replies if not r.Test()]
 
     def _roll_call(self, listen, call, replies):
         """Ask every other rank for its mark and judge the answers; returns the listening
