@@ -215,18 +215,14 @@ class Watchdog:
         stuck = [r for r, m in marks.items()
                  if (m[0] in (COMPUTING, USER_CODE) and m[2] > t_ms)
                  or (m[0] == EXCUSED and m[2] > 10 * t_ms)]
-        waiting = [r for r, m in marks.items() if m[0] == IN_MPI]
         table = "; ".join(f"rank {r}: {self._describe(m)}" for r, m in sorted(marks.items()))
         if silent or stuck:
             named = sorted(set(silent) | set(stuck))
-            why = []
-            if silent:
-                why.append(f"{silent} did not answer within {self.grace:g}s (stopped, killed, "
-                           "already finished, or stuck outside Python)")
-            if stuck:
-                why.append(f"{stuck} made no progress for over {self.timeout:.1f}s")
+            why = [f"{silent} did not answer within {self.grace:g}s (stopped, killed, already "
+                   "finished, or stuck outside Python)"] if silent else []
+            why += [f"{stuck} made no progress for over {self.timeout:.1f}s"] if stuck else []
             self._abort(f"stalled rank(s) {named}: " + " and ".join(why) + f". {table}")
-        if len(waiting) == len(marks) and all(m[2] > t_ms for m in marks.values()):
+        if all(m[0] == IN_MPI and m[2] > t_ms for m in marks.values()):
             self._abort(f"every rank has waited in MPI for over {self.timeout:.1f}s "
                         f"(mismatched collectives?): {table}")
 
