@@ -47,9 +47,8 @@ class Preempted(MpidpError):
 
 
 class StopSignals:
-    """Install the handlers (main thread only); :attr:`requested` turns True on
-    SIGTERM/SIGUSR1 (this rank only: trainers agree on it in their step). :meth:`close`
-    puts the previous handlers back."""
+    """Install the handlers (main thread only); :attr:`requested` turns True on SIGTERM/SIGUSR1
+    (this rank only: trainers agree on it in their step); :meth:`close` restores the old ones."""
 
     def __init__(self, comm) -> None:
         self.comm, self.requested = comm, False
@@ -85,7 +84,6 @@ class StopSignals:
     def _abort(self, why: str, code: int) -> None:
         from .. import comm as C
         sys.stderr.write(f"[mpidp] rank {self.comm.rank}/{self.comm.size}: {why}\n")
-        sys.stderr.flush()
         C.abort_job(code)
 
     @contextmanager
