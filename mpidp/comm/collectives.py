@@ -47,8 +47,7 @@ def gather_obj(comm: Comm, obj: Any, root: int = 0) -> list[Any] | None:
 
 @watched("a Bcast")
 def bcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
-    """Broadcast contiguous ``buf`` from ``root`` in place (in pieces over :data:`MAX_COUNT`
-    elements); returns ``buf``."""
+    """Broadcast contiguous ``buf`` from ``root`` in place (in pieces); returns ``buf``."""
     for piece in _pieces(buf):
         comm.Bcast(piece, root=root)
     return buf
@@ -56,8 +55,7 @@ def bcast_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
 
 @watched("an Allreduce")
 def allreduce_sum_(comm: Comm, buf: np.ndarray) -> np.ndarray:
-    """Sum contiguous ``buf`` over all ranks in place: one ``Allreduce`` per
-    :data:`MAX_COUNT` elements."""
+    """Sum contiguous ``buf`` over all ranks in place (one ``Allreduce`` per piece)."""
     for piece in _pieces(buf):
         comm.Allreduce(MPI.IN_PLACE, piece, op=MPI.SUM)
     return buf
@@ -168,8 +166,7 @@ def gather_rows(comm: Comm, values: np.ndarray, root: int = 0) -> np.ndarray | N
 
 @watched("a Gatherv")
 def gatherv(comm: Comm, values: np.ndarray, root: int = 0) -> np.ndarray | None:
-    """Every rank's 1-D ``values`` (lengths may differ) concatenated in rank order on
-    ``root``; None elsewhere."""
+    """Every rank's 1-D ``values`` (lengths may differ) joined in rank order on ``root``; None elsewhere."""
     values = np.ascontiguousarray(values)
     counts = allgather_counts(comm, values.size)
     if counts.sum() > MAX_COUNT:
@@ -195,8 +192,7 @@ def gatherv_rows(comm: Comm, rows: np.ndarray, root: int = 0) -> np.ndarray | No
 
 @contextlib.contextmanager
 def _row_type(dtype: np.dtype, row_size: int):
-    """A committed MPI datatype for one row of ``row_size`` elements (keeps counts small),
-    freed on leaving."""
+    """A committed MPI datatype of ``row_size`` elements (keeps counts small), freed on leaving."""
     base = from_numpy_dtype(np.dtype(dtype))
     try:
         rtype = base.Create_contiguous(max(row_size, 1)).Commit()
@@ -322,8 +318,7 @@ def isend(comm: Comm, buf: np.ndarray, dest: int, tag: int) -> list[MPI.Request]
 
 @watched("a Recv")
 def recv_(comm: Comm, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
-    """Receive into contiguous ``buf`` (matching :func:`isend` of as many elements) from
-    ``source``; returns ``buf``."""
+    """Receive into contiguous ``buf`` from ``source`` (an :func:`isend` of as many); returns ``buf``."""
     for piece in _pieces(buf):
         comm.Recv(piece, source=source, tag=tag)
     return buf
