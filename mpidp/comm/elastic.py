@@ -156,8 +156,7 @@ def members(comm: Comm) -> tuple[list[int], dict[int, str]]:
 
 
 def known_members(comm: Comm) -> tuple[list[int], dict[int, str]]:
-    """What :func:`members` keeps on ``comm`` (without it: the ranks as they are, no host).
-    Local."""
+    """What :func:`members` keeps on ``comm`` (without it: the ranks as they are, no host). Local."""
     kept = comm.Get_attr(_key())
     return kept if kept is not None else (list(range(comm.size)), {})
 

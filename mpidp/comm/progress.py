@@ -115,9 +115,8 @@ class BackgroundAllreduce:
                 self._comm = None
 
     def abandon(self) -> None:
-        """After a lost rank: revoke the duplicate (a sum there fails on every rank instead of
-        waiting for the dead) and let the thread end with what it has, not waiting for its
-        sums; closed then. Local."""
+        """After a lost rank: revoke the duplicate (a sum there fails on every rank, not waiting for
+        the dead) and let the thread end, not waiting for its queued sums; closed then. Local."""
         if self._comm is None:
             return
         revoke(self._comm)

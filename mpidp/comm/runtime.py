@@ -40,9 +40,8 @@ MARK = _Mark()
 
 
 def watched(what: str):
-    """Decorator for the MPI calls of :mod:`mpidp.comm`: mark this rank as waiting in
-    ``what`` while the call runs (a nested call keeps the outer mark; within an excused span
-    it still counts as waiting in MPI)."""
+    """Decorator for the MPI calls of :mod:`mpidp.comm`: marks this rank waiting in ``what`` during the
+    call (a nested call keeps the outer mark; in an excused span it counts as waiting in MPI)."""
     CALLS.append(what)
     code = len(CALLS) - 1
 

@@ -165,10 +165,9 @@ class SharedBroadcast:
             out[lo:hi] = self.array[lo:hi]
 
 
-# --- node-aware allreduce: summed inside each node in shared memory, across nodes between
-# node leaders only (2 (H-1)/H m bytes over each of H nodes' links each way, the least any
-# allreduce moves), copied back inside each node; each element is summed in a fixed order
-# (the node's ranks, then MPI's reduction over the leaders), the same on every replica
+# --- node-aware allreduce (NodeAllreduce): across nodes only the leaders send, 2 (H-1)/H m
+# bytes over each of H nodes' links each way (the least any allreduce moves); each element is
+# summed in a fixed order (the node's ranks, then MPI's reduction over the leaders), the same on every replica
 
 
 def _node_sizes(comm: Comm) -> tuple[int, bool, bool]:
