@@ -88,7 +88,6 @@ def claim(directory: str, run_id: str, *, resume: bool, restart: bool = False) -
         owner, found = F.read_run(directory), list_checkpoints(directory)
         if restart:
             held.wiped = _wipe(directory)
-            owner = None
         elif found and not resume:
             whose = "another run"
             if owner and owner.get("run_id"):
