@@ -28,9 +28,8 @@ TOO_FEW_RANKS_EXIT = 69
 
 
 class TooFewRanks(MpidpError):
-    """Fewer ranks survive than ``min_ranks``: the run ends at ``mark`` (the survivors'
-    replicas are back there), on every survivor; ``first``: this is the survivors' rank 0
-    (the one to say so)."""
+    """Fewer ranks than ``min_ranks`` survive: raised on every survivor, the run ending at ``mark``
+    (their replicas are back there); ``first``: this is the survivors' rank 0, which says so."""
 
     def __init__(self, message: str, mark: _Mark, first: bool) -> None:
         super().__init__(message)
@@ -44,22 +43,18 @@ class Regroup(Protocol):
     def keep(self, whole: bool = False) -> Any:
         """What :meth:`restore` needs to put the replica back where it is now, once
         :meth:`ready` (``whole``: at once; collective then)."""
-        ...
 
     def ready(self, kept: Any) -> bool:
         """Whether ``kept`` can be restored yet (an update still arriving completes it)."""
-        ...
 
     def abandon(self) -> None:
         """A rank was lost: drop what is in flight on the old communicators, without
         waiting, so that no survivor waits there. Local."""
-        ...
 
     def restore(self, kept: Any) -> None: ...
 
     def regroup(self, comm) -> None:
         """Go on over ``comm`` (the survivors). Collective over ``comm``."""
-        ...
 
 
 @dataclass
@@ -135,10 +130,9 @@ class Elastic:
             record["lost_ranks"] = lost
 
     def finished(self, status: int = 0) -> None:
-        """The run ended (normally, or with exit ``status``): after losses, the process
-        leaves at exit without waiting for the dead ranks
-        (:func:`mpidp.comm.elastic.end_quietly_at_exit`), with ``status`` (losses before the
-        first step too: :func:`lost_while_preparing`)."""
+        """The run ended (normally, or with exit ``status``): after losses (before the first step
+        too: :func:`lost_while_preparing`), the process leaves at exit with ``status``, not waiting
+        for the dead ranks (:func:`mpidp.comm.elastic.end_quietly_at_exit`)."""
         if self.losses:
             E.end_quietly_at_exit(self.comm, status)
         E.exit_with(status)

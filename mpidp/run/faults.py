@@ -19,8 +19,7 @@ class InjectedFault(RuntimeError):
 
 
 def parse(spec: str | None) -> dict[tuple[int, int | str], str]:
-    """``{(rank, step or phase): kind}`` from a ``MPIDP_FAULT`` value; ValueError if
-    malformed."""
+    """``{(rank, step or phase): kind}`` from a ``MPIDP_FAULT`` value; ValueError if malformed."""
     faults = {}
     for item in filter(None, (spec or "").split(",")):
         try:

@@ -42,9 +42,8 @@ def _proc_start(pid: int) -> int | None:
 
 
 def clean_stale_tmp(directory: str, max_age_s: float = 3600.0) -> list[str]:
-    """Remove the ``.tmp-*`` files in ``directory`` that no live writer will finish (returns
-    their paths): on this host, those whose process is gone; others, more than ``max_age_s``
-    seconds old."""
+    """Remove the ``.tmp-*`` files in ``directory`` that no live writer will finish (returns their
+    paths): this host's whose process is gone, others older than ``max_age_s`` seconds."""
     removed, mine, now = [], host_tag(), time.time()
     try:
         names = [n for n in os.listdir(directory) if n.startswith(TMP_PREFIX)]
@@ -170,9 +169,8 @@ def unlock_folder(fd: int) -> None:
 
 
 def read_run(directory: str) -> dict | None:
-    """The ``run.json`` record of ``directory`` (``run_id``, ``created``, ``host``), or None
-    if there is none. An unreadable record reads as ``{"run_id": None, ...}`` (a used
-    folder whose run is unknown)."""
+    """The ``run.json`` record of ``directory`` (``run_id``, ``created``, ``host``), None if there is
+    none; an unreadable one reads as ``{"run_id": None, ...}`` (a used folder, run unknown)."""
     path = os.path.join(directory, RUN_FILE)
     try:
         with open(path) as f:
