@@ -306,14 +306,12 @@ class _Run:
 
     def save(self, state: State) -> None:
         """Write a checkpoint of ``state`` with the history so far. Collective."""
-        state.history, state.config = self.history, self.spec.checkpoint.config
-        state.partition = self.feed.state()
-        best = self.spec.checkpoint.best
+        ck = self.spec.checkpoint
+        state.history, state.config, state.partition = self.history, ck.config, self.feed.state()
         self.faults.apply("checkpoint")
-        state.best = best.kept() if best is not None else None
+        state.best = ck.best.kept() if ck.best is not None else None
         with writing_checkpoint(self.tracer):
-            self.trainer.save_checkpoint(self.spec.checkpoint.directory, state,
-                                         self.spec.checkpoint.keep, self.spec.checkpoint.run_id)
+            self.trainer.save_checkpoint(ck.directory, state, ck.keep, ck.run_id)
 
 
 @contextmanager
