@@ -1,7 +1,6 @@
-"""Buffer-based collectives and point-to-point messages on NumPy arrays, and the network's
-latency and bandwidth measured. Arrays travel in upper-case mpi4py calls, in pieces over
-:data:`MAX_COUNT` elements (rows as a contiguous datatype); every collective must be
-called by every rank of ``comm``."""
+"""Buffer-based collectives and point-to-point messages on NumPy arrays, and the network's latency
+and bandwidth measured. Arrays travel in upper-case mpi4py calls, in pieces over :data:`MAX_COUNT`
+elements (rows as a contiguous datatype); every rank of ``comm`` calls every collective."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The MPI world: communicators, their construction, what the library is, and what this
-process is doing (the watchdog's view). Importing this module starts MPI; nothing outside
-:mod:`mpidp.comm` imports mpi4py."""
+"""The MPI world: communicators, their construction, what the library is, and what this process is
+doing (the watchdog's view). Importing it starts MPI; only :mod:`mpidp.comm` imports mpi4py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""MPI shared-memory windows within a node: a global counter, a reduction and a
-piece-by-piece broadcast that go through memory instead of MPI's message buffers; and the
-node-aware allreduce built on them."""
+"""MPI shared-memory windows within a node: a global counter, a reduction and a piece-by-piece
+broadcast through memory, not MPI's message buffers; and the node-aware allreduce built on them."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Failing loudly: an error on one rank ends the whole job (:func:`abort_on_error`), and a
-stalled rank ends it too, named. Every MPI call marks this process as waiting in MPI
-(:func:`~.runtime.watched`); a thread per rank checks the mark and past the timeout holds
-a roll call on a private duplicate of the communicator (docs/reliability.md, "The
-watchdog")."""
+"""Failing loudly: an error on one rank ends the whole job (:func:`abort_on_error`), as does a
+stalled rank, named. Every MPI call marks this process as waiting in MPI
+(:func:`~.runtime.watched`); a thread per rank checks the mark and past the timeout holds a roll
+call on a private duplicate of the communicator (docs/reliability.md, "The watchdog")."""
 
 from __future__ import annotations
 

@@ -30,10 +30,9 @@ __all__ = ["Checkpointing", "Feed", "RunSpec", "Trainer", "run"]
 
 
 class Trainer(Protocol):
-    """What the loop needs of a trainer (:class:`~mpidp.DataParallel`, a pipeline ...), and
-    may use: ``timer`` (its ``tracer`` gets the loop's spans), ``policy`` (the NaN/Inf
-    policy, whose ``skipped`` count records report), ``optimizer`` (its ``lr_at``, and the
-    ``lr_scale`` the plateau rule sets)."""
+    """What the loop needs of a trainer (:class:`~mpidp.DataParallel`, a pipeline ...), and may use:
+    ``timer`` (its ``tracer`` gets the loop's spans), ``policy`` (the NaN/Inf policy, whose ``skipped``
+    count records report), ``optimizer`` (its ``lr_at``, and the ``lr_scale`` the plateau rule sets)."""
 
     world: C.Comm
     global_step: int
