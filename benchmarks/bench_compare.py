@@ -428,6 +428,8 @@ def parse_args(argv) -> argparse.Namespace:
     a("--max-staleness", type=int, default=8)
     a("--n-fault", type=int, default=3200, help="fault: samples (one epoch)")
     a("--fault-batch", type=int, default=128)
+    a("--fault-hidden", default=",".join(map(str, HIDDEN)),
+      help="fault: the MLP's hidden sizes (default: the workload's)")
     a("--ckpt-every", type=int, default=4)
     a("--kill-step", type=int, default=14)
     a("--mpiexec", default=str(Path(sys.executable).parent / "mpiexec"))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_compare_fault import _params, _train_cmd
+from benchmarks.bench_compare_fault import _params, _train_cmd, hold_env
 from benchmarks.harness import HERE, bench_env
 
 ULFM = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self"]
@@ -70,7 +70,8 @@ def _run(a, cmd: list[str], steps: Path, kill_rank: int | None = None) -> dict:
     ``a.kill_step`` steps. Wall times are ``time.time()`` (the timelines' clock)."""
     steps.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    env = _env() if kill_rank is None else hold_env(_env(), kill_rank, a.kill_step)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=HERE.parent, stdin=subprocess.DEVNULL)
     t_kill = None
     step_file = steps / f"rank-{kill_rank}"

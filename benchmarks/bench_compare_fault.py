@@ -14,17 +14,26 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_compare_report import HIDDEN, LR, MOMENTUM
+from benchmarks.bench_compare_report import LR, MOMENTUM
 from benchmarks.harness import HERE, bench_env
 
 # --- the fault row: mpidp train under a step counter, killed from outside ---------------
+
+HOLD_S = 30.0  # the longest a rank to be killed waits for it (then it goes on)
+
+
+def hold_env(env: dict, rank: int, step: int) -> dict:
+    """``env`` for a job whose ``rank`` is killed after ``step`` (see :func:`cli_with_step_file`)."""
+    return {**env, "MPIDP_BENCH_HOLD": f"{rank}:{step}"}
 
 def cli_with_step_file(argv: list[str], folder: str) -> int:
     """Run ``mpidp <argv>`` on this rank, writing its pid and the number of training steps
     it finished (worker pushes for the asynchronous server) to ``folder/rank-R``, so that
     the driver can SIGKILL it after a chosen step; and the wall-clock time (``time.time()``)
     of each finished step to ``folder/rank-R.t``, of each checkpoint write's seconds to
-    ``folder/ckpt-R.t``."""
+    ``folder/ckpt-R.t``. The rank named by ``MPIDP_BENCH_HOLD=R:K`` (set by a driver that
+    kills it) waits after its step K to be killed, so the kill lands after that step however
+    fast steps are."""
     from mpidp.cli import main as cli
     from mpidp.observe.metrics import StepTimer
     from mpidp.parallel import Pipeline
@@ -34,12 +43,15 @@ def cli_with_step_file(argv: list[str], folder: str) -> int:
     fd = os.open(os.path.join(folder, f"rank-{rank}"), os.O_WRONLY | os.O_CREAT, 0o644)
     times = os.open(os.path.join(folder, f"rank-{rank}.t"), flags, 0o644)
     done = {"n": 0}
+    hold = os.environ.get("MPIDP_BENCH_HOLD", ":").split(":")
 
     def note(n: int) -> None:
         done["n"] = n
         os.pwrite(fd, f"{os.getpid()} {n:12d}\n".encode(), 0)
         if n:
             os.write(times, f"{time.time():.6f} {n}\n".encode())
+        if [rank, str(n)] == hold:
+            time.sleep(HOLD_S)  # the driver, polling the step file, kills this rank now
 
     write = checkpoint._write
 
@@ -86,7 +98,7 @@ def _train_cmd(a, P: int, column: str, out: Path, ckpt: Path | None, resume: boo
                step_dir: Path | None) -> list[str]:
     flags, _ = mode_flags(column, P)
     train = ["train", "--dataset", "synthetic", "--n-samples", str(a.n_fault), "--model", "mlp",
-             "--hidden", ",".join(map(str, HIDDEN)), "--epochs", "1", "--batch-size",
+             "--hidden", a.fault_hidden, "--epochs", "1", "--batch-size",
              str(a.fault_batch), "--lr", str(LR), "--optimizer", "momentum", "--momentum",
              str(MOMENTUM), "--dtype", "float64", "--seed", "0", "--test-fraction", "0",
              "--no-progress", "--out", str(out), *flags]
@@ -107,11 +119,12 @@ def _run_train(a, cmd: list[str]) -> tuple[int, float, str]:
     return p.returncode, time.perf_counter() - t, p.stdout + p.stderr
 
 
-def _kill_after(a, cmd: list[str], step_file: Path) -> dict:
-    """Start the job, SIGKILL the rank of ``step_file`` once it has finished
+def _kill_after(a, cmd: list[str], step_file: Path, rank: int) -> dict:
+    """Start the job, SIGKILL ``rank`` (its ``step_file``) once it has finished
     ``a.kill_step`` steps; returns the steps it finished and how long the job took to end."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=bench_env()[0], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, env=hold_env(bench_env()[0], rank, a.kill_step),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=HERE.parent)
     pid = done = 0
     while proc.poll() is None and time.perf_counter() - t0 < a.timeout:
@@ -147,7 +160,7 @@ def fault(a, column: str, P: int, tmp: Path) -> dict:
     checkpoints = True
     before = _shm_files()
     kill = _kill_after(a, _train_cmd(a, P, column, base / "kill", kill_ck if checkpoints else None,
-                                     False, steps), steps / f"rank-{P - 1}")
+                                     False, steps), steps / f"rank-{P - 1}", P - 1)
     _remove_shm_left(before)
     saved = sorted(kill_ck.glob("ckpt-*.npz")) if checkpoints else []
     last_ckpt = int(saved[-1].stem.split("-")[1]) if saved else 0

@@ -33,8 +33,9 @@ def result(tmp_path_factory) -> tuple[dict, Path]:
                     "2", "--batch", "128", "--micro", "4", "--steps", "1", "--repeats", "1",
                     "--warmup", "1", "--bubble-reps", "1", "--epochs", "1", "--n-conv", "1024",
                     "--target", "100", "--n-fault", "1664", "--fault-batch", "128",
-                    "--kill-step", "6", "--ckpt-every", "4", "--mpiexec", str(MPIEXEC),
-                    "--elastic-mpiexec", str(MPIEXEC), "--elastic-ranks", "2"],
+                    "--fault-hidden", "64,64", "--kill-step", "6", "--ckpt-every", "4",
+                    "--mpiexec", str(MPIEXEC), "--elastic-mpiexec", str(MPIEXEC),
+                    "--elastic-ranks", "2"],
                    cwd=ROOT, env=env, check=True, timeout=900, stdout=subprocess.DEVNULL)
     return json.loads(out.with_suffix(".json").read_text()), out
 
