@@ -104,10 +104,11 @@ def test_unknown_schedule():
 
 
 def test_measured_costs_follow_layer_size_and_leave_layers_unbound():
-    layers = [nn.Dense(64, 512), nn.ReLU(), nn.Dense(512, 8)]
-    costs = St.measure_costs(layers, 64, n_samples=128, repeats=3)
+    layers = [nn.Dense(256, 512), nn.ReLU(), nn.Dense(512, 8)]
+    costs = St.measure_costs(layers, 256, n_samples=128, repeats=5)
     assert len(costs) == 3 and all(c > 0 for c in costs)
-    assert costs[0] > costs[1]  # a 64x512 matmul pair costs more than a ReLU
+    # a 256x512 matmul pair takes ~10x a ReLU's time: a median of 5 keeps that on a busy machine
+    assert costs[0] > costs[1]
     assert all(not layer.params for layer in layers), "probes must not bind the caller's layers"
 
 
