@@ -104,8 +104,7 @@ class _Run:
     def __init__(self, trainer: Trainer, feed: Feed, spec: RunSpec) -> None:
         self.trainer, self.feed, self.spec = trainer, feed, spec
         self.state = spec.resume or State()
-        problem = check_position(self.state, feed.n_steps)  # the same figures on every rank
-        if problem:
+        if problem := check_position(self.state, feed.n_steps):  # the same figures everywhere
             raise C.MpidpError(problem)
         trainer.global_step = self.state.global_step
         self.history = list(self.state.history)
@@ -345,8 +344,7 @@ def _record(trainer, feed: Feed, epoch: int, totals: np.ndarray, t0: float, trac
     optimizer = getattr(trainer, "optimizer", None)
     if optimizer is not None and hasattr(optimizer, "lr_at"):  # the epoch's last update's
         record["lr"] = optimizer.lr_at(max(optimizer.t - 1, 0))
-    balance = feed.end_epoch()
-    if balance is not None:
+    if (balance := feed.end_epoch()) is not None:
         record["balance"] = balance
     with _span(tracer, "evaluate", "eval"):
         ev = feed.evaluate()
@@ -354,7 +352,7 @@ def _record(trainer, feed: Feed, epoch: int, totals: np.ndarray, t0: float, trac
         if got is not None:
             record[f"{name}_loss"] = got.loss
             record[f"{name}_accuracy"] = got.accuracy if feed.labelled else None
-            record.update({f"{name}_{k}": v for k, v in brief(got.scores).items()})
+            record.update({f"{name}_{k}": got.scores[k] for k in BRIEF if k in (got.scores or {})})
     return record
 
 
@@ -362,11 +360,6 @@ def _record(trainer, feed: Feed, epoch: int, totals: np.ndarray, t0: float, trac
 #: confusion matrix stay out of the history: they grow with the classes)
 BRIEF = ("f1_macro", "precision_macro", "recall_macro", "top3_accuracy", "top5_accuracy",
          "log_loss", "mse", "mae", "r2")
-
-
-def brief(scores: dict | None) -> dict:
-    """The figures of ``scores`` a history record keeps (:data:`BRIEF`)."""
-    return {k: scores[k] for k in BRIEF if scores and k in scores}
 
 
 def _end_job(world: C.Comm, exc: BaseException) -> None:
