@@ -409,8 +409,7 @@ def load_on_workers(comm: C.Comm, server: int, load: Callable[[C.Comm], Data], d
         except C.MpidpError as exc:
             error = str(exc)  # already agreed among the workers
     first_worker = 1 if server == 0 else 0
-    error = C.bcast_obj(comm, error, root=first_worker)
-    if error is not None:
+    if (error := C.bcast_obj(comm, error, root=first_worker)) is not None:
         raise C.MpidpError(error)
     empty = C.bcast_obj(comm, _emptied(data, dtype) if comm.rank == first_worker else None,
                         root=first_worker)

@@ -42,9 +42,8 @@ def derived(record: dict) -> dict:
     compute = record.get("compute_s")
     if not isinstance(compute, (list, tuple)) or not compute:
         return {}
-    comm = record.get("comm_s") or [0.0] * len(compute)
-    wait = record.get("wait_s") or [0.0] * len(compute)
-    total = sum(compute) + sum(comm) + sum(wait)
+    comm = record.get("comm_s") or []
+    total = sum(compute) + sum(comm) + sum(record.get("wait_s") or [])
     mean = sum(compute) / len(compute)
     return {"comm_share": sum(comm) / total if total > 0 else 0.0,
             "imbalance": max(compute) / mean if mean > 0 else 1.0}

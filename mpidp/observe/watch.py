@@ -37,8 +37,7 @@ class Outputs:
 
 
 def setup_logging(quiet: bool = False, verbose: bool = False) -> None:
-    """Messages to stdout, plain; ``quiet`` keeps warnings and errors, ``verbose`` adds
-    details."""
+    """Messages to stdout, plain; ``quiet`` keeps warnings and errors, ``verbose`` adds details."""
     if not log.handlers:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(message)s"))
@@ -135,8 +134,7 @@ class Watch:
         now = np.array([self.timer.compute_s, self.timer.comm_s])
         rows = C.allgather_rows(self.comm, np.append(now - self._last, self.timer.samples))
         self._last = now
-        h = self.history()
-        if h is not None:
+        if (h := self.history()) is not None:
             h.steps({"step": step, "epoch": self.epoch_index + 1, "loss": stats.loss,
                      "compute_s": rows[:, 0].tolist(), "comm_s": rows[:, 1].tolist(),
                      "samples_per_s": float(rows[:, 2].sum() / max(time.perf_counter() - self.t0,
@@ -150,8 +148,7 @@ class Watch:
             try:
                 n = write_trace(self.comm, self.tracer, self.outputs.trace)
                 say(self.comm, f"wrote timeline {self.outputs.trace} ({n} spans)")
-                missed = self.tracer.missed()
-                if missed and self.comm.rank == 0:
+                if (missed := self.tracer.missed()) and self.comm.rank == 0:
                     log.warning(f"mpidp: warning: {missed}")
             except OSError as exc:
                 log.warning(f"mpidp: could not write the timeline {self.outputs.trace}: {exc}")

@@ -253,8 +253,7 @@ def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
         meta = json.loads(meta)
     except ValueError as exc:
         raise ValueError(f"checkpoint {path} is unreadable: its meta is not JSON ({exc})") from None
-    problem = contents_problem(meta, arrays)
-    if problem:
+    if problem := contents_problem(meta, arrays):
         raise ValueError(f"checkpoint {path} is inconsistent (edited, or written by another "
                          f"program): {problem}")
     return meta, arrays
@@ -305,8 +304,7 @@ def _arrays_problem(meta: dict, arrays: dict[str, np.ndarray]) -> str | None:
         if key.startswith("opt.") and shape != (n,):
             return (f"its optimizer state {key[4:]!r} has the shape {shape}, but an optimizer "
                     f"holds one value per parameter: ({n},)")
-    extra = sorted(set(arrays) - set(expected))
-    if extra:
+    if extra := sorted(set(arrays) - set(expected)):
         return f"it holds arrays its meta does not record: {', '.join(extra)}"
     if str(arrays["params"].dtype) != meta["dtype"]:
         return f"its params are {arrays['params'].dtype}, its meta records {meta['dtype']}"
