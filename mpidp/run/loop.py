@@ -336,6 +336,12 @@ def _span(tracer, name: str, track: str):
     return tracer.span(name, name, track) if tracer is not None else nullcontext()
 
 
+#: the figures of an evaluation an epoch's record keeps (the per-class lists and the
+#: confusion matrix stay out of the history: they grow with the classes)
+BRIEF = ("f1_macro", "precision_macro", "recall_macro", "top3_accuracy", "top5_accuracy",
+         "log_loss", "mse", "mae", "r2")
+
+
 def _record(trainer, feed: Feed, epoch: int, totals: np.ndarray, t0: float, tracer=None) -> dict:
     totals = trainer.epoch_totals(totals)
     record = {"epoch": epoch + 1, "loss": totals[0] / totals[1] if totals[1] else float("nan"),
@@ -354,12 +360,6 @@ def _record(trainer, feed: Feed, epoch: int, totals: np.ndarray, t0: float, trac
             record[f"{name}_accuracy"] = got.accuracy if feed.labelled else None
             record.update({f"{name}_{k}": got.scores[k] for k in BRIEF if k in (got.scores or {})})
     return record
-
-
-#: the figures of an evaluation an epoch's record keeps (the per-class lists and the
-#: confusion matrix stay out of the history: they grow with the classes)
-BRIEF = ("f1_macro", "precision_macro", "recall_macro", "top3_accuracy", "top5_accuracy",
-         "log_loss", "mse", "mae", "r2")
 
 
 def _end_job(world: C.Comm, exc: BaseException) -> None:
