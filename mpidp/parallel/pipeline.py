@@ -105,9 +105,8 @@ class Pipeline(TrainerBase):
         self.model = Sequential(self.layers[self.lo:self.hi], self.plan.shapes[self.lo], dtype)
         # whole tensors' norms: this stage's partials summed over the stages (replicas hold
         # equal copies of their stage after the gradient Allreduce, so not over them)
-        pipe = self.pipe
         optimizer.place(Segments.of(self.layers), self.param_offset,
-                        None if n_stages == 1 else lambda a: C.allreduce_sum_(pipe, a))
+                        None if n_stages == 1 else lambda a: C.allreduce_sum_(self.pipe, a))
         self.policy = Policy(on_nonfinite)
         self.stop_requested: bool | None = None  # this rank asks to stop (set by the loop)
         self._buf = buffer.new(self.model.n_params, dtype)
@@ -195,9 +194,9 @@ class Pipeline(TrainerBase):
                 C.allreduce_sum_(self.dp, buf)
             self.counters.allreduce_bytes += buf.nbytes
         loss_sum, count, correct = buffer.totals(buf, k)
+        loss_sum = loss_sum if self.last else float("nan")  # only the last stage has a loss
         finite, stop = self._agree(buf)
-        skipped = count > 0 and not self.policy.apply(
-            finite, loss_sum if self.last else float("nan"), self.global_step)
+        skipped = count > 0 and not self.policy.apply(finite, loss_sum, self.global_step)
         with self.timer.compute(local=False):
             if count and not skipped:
                 self.optimizer.step_(self.model.params, self.model.grads, scale=1.0 / count)
@@ -205,8 +204,7 @@ class Pipeline(TrainerBase):
             self.counters.trace.append(("step", -1, t_step, time.perf_counter(), 0.0))
         self.timer.end_step(n)
         self.global_step += 1
-        return StepStats(loss_sum if self.last else float("nan"), count,
-                         correct if self.last else 0, skipped, stop)
+        return StepStats(loss_sum, count, correct if self.last else 0, skipped, stop)
 
     def _agree(self, buf: np.ndarray) -> tuple[bool, bool]:
         """``(finite, stop)`` alike on every rank: every stage's sums finite; some rank asked
