@@ -10,6 +10,7 @@ import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -86,12 +87,27 @@ def _setting(default: Any, check: Callable, help: str, why: str | None = None,
     return field(default=default, metadata={"check": check, "help": help, "why": why, **meta})
 
 
-# --- the settings shared by several modes, one declaration each --------------------------
+# --- the settings shared by several modes, one declaration each (a new field per call) ---
 
-def _bucket_bytes() -> Any:
-    return _setting(1 << 20, _bytes, "bucket size in MiB (auto also tries a quarter of the "
-                    "gradient)", "only --sync overlapped and compressed (and auto, which tries "
-                    "them) bucket gradients", mib=True)
+_bucket_bytes = partial(_setting, 1 << 20, _bytes, "bucket size in MiB (auto also tries a "
+                        "quarter of the gradient)", "only --sync overlapped and compressed (and "
+                        "auto, which tries them) bucket gradients", mib=True)
+
+_node_aware = partial(_setting, None, _where_it_pays, "sum inside each node through shared "
+                      "memory and across nodes between node leaders only, so a node's link "
+                      "carries one rank's gradient instead of every rank's (auto: when ranks "
+                      "share nodes and there are several nodes)", "only a fused allreduce of "
+                      "the whole buffer (allreduce, accumulate, auto) goes node-aware")
+
+_progress = partial(_setting, "test", _one_of("overlap progress", PROGRESS), "how started "
+                    "bucket sums move during backward: tested at every layer boundary (test), "
+                    "or a communication thread in a blocking Allreduce per bucket (thread: a "
+                    "core polls meanwhile); compressed always tests at every layer boundary",
+                    "only --sync overlapped (and auto, which tries it) chooses how its sums "
+                    "move (compressed always tests them)", choices=PROGRESS)
+
+_k = partial(_setting, 4, _whole(1), "steps between synchronisations", "only accumulate and "
+             "local-sgd synchronise every few steps", low=1)
 
 
 def _codec(default: str | None) -> Any:
@@ -101,28 +117,6 @@ def _codec(default: str | None) -> Any:
                     "coarser, error feedback keeps what it rounds off) (default: bfloat16; "
                     "auto tries bfloat16 and int8 unless one is given)", "only --sync "
                     "compressed (and auto, which tries it) encodes gradients", choices=CODECS)
-
-
-def _node_aware() -> Any:
-    return _setting(None, _where_it_pays, "sum inside each node through shared memory and "
-                    "across nodes between node leaders only, so a node's link carries one "
-                    "rank's gradient instead of every rank's (auto: when ranks share nodes "
-                    "and there are several nodes)", "only a fused allreduce of the whole "
-                    "buffer (allreduce, accumulate, auto) goes node-aware")
-
-
-def _progress() -> Any:
-    return _setting("test", _one_of("overlap progress", PROGRESS), "how started bucket sums "
-                    "move during backward: tested at every layer boundary (test), or a "
-                    "communication thread in a blocking Allreduce per bucket (thread: a core "
-                    "polls meanwhile); compressed always tests at every layer boundary",
-                    "only --sync overlapped (and auto, which tries it) chooses how its sums "
-                    "move (compressed always tests them)", choices=PROGRESS)
-
-
-def _k() -> Any:
-    return _setting(4, _whole(1), "steps between synchronisations", "only accumulate and "
-                    "local-sgd synchronise every few steps", low=1)
 
 
 @dataclass(frozen=True)
