@@ -121,8 +121,7 @@ class DataParallel(TrainerBase):
         self._check_due = False  # a replica check waits for the next synchronisation
         self._kept_state: np.ndarray | None = None  # untrained state before this update's steps
         self.model, self.optimizer, self.loss = model, optimizer, loss
-        self.comm, self.root = comm, root
-        self.timer = StepTimer()
+        self.comm, self.root, self.timer = comm, root, StepTimer()
         self.layer_sums, self.layer_sums_s = 0, 0.0  # layers' own collectives (batch norm)
         self.watchdog = C.Watchdog(self.comm, watchdog).start() if watchdog else None
         if abort_on_error:
