@@ -1,7 +1,6 @@
-"""Synchronous data parallelism: every rank holds the whole model; one in-place
-``Allreduce`` per step combines gradient sums, the loss sum and the sample counts.
-:class:`DataParallel` is the trainer; its batches and run (:func:`fit`) are in
-:mod:`~mpidp.parallel.data_feed`."""
+"""Synchronous data parallelism: every rank holds the whole model; one in-place ``Allreduce``
+per step combines gradient sums, the loss sum and the sample counts. :class:`DataParallel` is
+the trainer; its batches and run (:func:`fit`) are in :mod:`~mpidp.parallel.data_feed`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Every parallel mode, declared once in :data:`MODES`: its name, kind, settings (checked
-when made), the layers it cannot serve and why, its note for ``--help``, and the class
-that runs it. A setting shared by several modes has one name in all. Pure (no MPI).
-"""
+"""Every parallel mode, declared once in :data:`MODES`: its name, kind, settings (checked when
+made), the layers it cannot serve and why, its note for ``--help``, and the class that runs it.
+A setting shared by several modes has one name in all. Pure (no MPI)."""
 
 from __future__ import annotations
 
