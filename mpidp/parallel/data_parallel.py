@@ -69,10 +69,9 @@ class TrainerBase:
 
 
 class DataParallel(TrainerBase):
-    """Train ``model`` with ``optimizer`` on ``loss``, replicated over ``comm``.
+    """Train ``model`` with ``optimizer`` on ``loss``, replicated over ``comm``. A step's update
+    is the single-process one (up to summation order) for any split.
 
-    Parameters
-    ----------
     init_sync : ``"bcast"`` copies ``root``'s parameters to every rank; ``"seed"``
         verifies with a checksum that every rank initialised identically.
     abort_on_error : install :func:`mpidp.comm.abort_on_error` (unless
@@ -83,8 +82,6 @@ class DataParallel(TrainerBase):
     watchdog : seconds without progress on a rank before the job ends
         (:class:`mpidp.comm.Watchdog`). None: no watchdog.
     sync : a :class:`mpidp.parallel.sync.Sync` or a name from ``SYNCS`` (``allreduce``).
-
-    A step's update is the single-process one (up to summation order) for any split.
     """
 
     def __init__(self, model: Sequential, optimizer: Optimizer, loss: Loss,

@@ -51,9 +51,8 @@ class PipeCounters:
 
 class Pipeline(TrainerBase):
     """Train ``layers`` (input width ``n_in``) as a pipeline of ``n_stages`` stages over ``comm``.
+    Collective, with the same arguments on every rank (bad ones raise on every rank).
 
-    Parameters
-    ----------
     layers : the whole model's layers, unbound, alike on every rank; only this rank's
         stage is allocated (``self.model``).
     n_stages : stages per pipeline (default ``comm.size``), a divisor of ``comm.size``.
@@ -62,8 +61,6 @@ class Pipeline(TrainerBase):
     balance : stage split by ``"params"`` or ``"time"`` (measured on rank 0); or ``costs``.
     trace : record every op's start, end and CPU seconds in ``counters.trace``.
     on_nonfinite : as :class:`~mpidp.DataParallel`'s, one verdict for all stages.
-
-    Collective, with the same arguments on every rank (bad ones raise on every rank).
     """
 
     def __init__(self, layers: Sequence[Layer], n_in: int, optimizer: Optimizer, loss: Loss,
