@@ -72,10 +72,7 @@ def _chunks_dynamic(counter, n, chunk, seed) -> Iterator[np.ndarray]:
     # in a seeded random order, the same on every rank: the heaviest chunks of data sorted
     # by cost would otherwise all come last
     order = np.random.default_rng([seed, 0xC4]).permutation(-(-n // chunk))
-    while True:
-        k = counter.next()
-        if k >= len(order):
-            return
+    while (k := counter.next()) < len(order):
         c = int(order[k])
         yield np.arange(c * chunk, min((c + 1) * chunk, n))
 
