@@ -308,8 +308,7 @@ class Pipeline(TrainerBase):
         held: dict = {}
 
         def load_on_root():
-            found = ckpt.read_latest(directory) if os.path.isdir(directory) else None
-            if found is None:
+            if not os.path.isdir(directory) or (found := ckpt.read_latest(directory)) is None:
                 return None
             path, meta, arrays = found
             # read_latest checked that each optimizer state is one value per parameter
@@ -317,8 +316,7 @@ class Pipeline(TrainerBase):
             held["arrays"] = arrays
             return path, meta
 
-        found = C.root_decides(self.world, load_on_root)
-        if found is None:
+        if (found := C.root_decides(self.world, load_on_root)) is None:
             return None
         path, meta = found
         arrays, b = held.pop("arrays", {}), self.plan.bounds
