@@ -63,8 +63,7 @@ def allreduce_sum_(comm: Comm, buf: np.ndarray) -> np.ndarray:
 @watched("an Allreduce")
 def allreduce_(comm: Comm, buf: np.ndarray, op: str) -> np.ndarray:
     """Reduce contiguous ``buf`` in place with ``op`` in ``sum``, ``min``, ``max``."""
-    ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
-    comm.Allreduce(MPI.IN_PLACE, buf, op=ops[op])
+    comm.Allreduce(MPI.IN_PLACE, buf, op={"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}[op])
     return buf
 
 
@@ -76,10 +75,9 @@ def allreduce_max(comm: Comm, values: Sequence[float]) -> np.ndarray:
 
 def ialltoallv_(comm: Comm, send: np.ndarray, send_parts: tuple[np.ndarray, np.ndarray],
                 recv: np.ndarray, recv_parts: tuple[np.ndarray, np.ndarray]) -> MPI.Request:
-    """Start sending ``send[displs[r]:displs[r] + counts[r]]`` to each rank ``r`` and receiving
-    into ``recv`` likewise (``send_parts``, ``recv_parts``: int64 ``(counts, displs)`` in
-    elements); complete with :func:`wait_all` or :func:`test_some`. :class:`MpidpError` for
-    counts or displacements over :data:`MAX_COUNT` (callers send in pieces)."""
+    """Start sending ``send[displs[r]:displs[r] + counts[r]]`` to each rank ``r`` and receiving into
+    ``recv`` likewise (``*_parts``: int64 ``(counts, displs)`` in elements); complete with :func:`wait_all`
+    or :func:`test_some`. :class:`MpidpError` past :data:`MAX_COUNT` (callers send in pieces)."""
     for what, (counts, displs) in (("send", send_parts), ("receive", recv_parts)):
         reach = int((np.asarray(counts) + np.asarray(displs)).max(initial=0))
         if reach > MAX_COUNT:
@@ -116,10 +114,9 @@ def reduce_sum_to_(comm: Comm, buf: np.ndarray, root: int = 0) -> np.ndarray:
         return buf
     counts = np.full(comm.size, buf.size // comm.size, np.int64)
     counts[:buf.size % comm.size] += 1
-    displs = _displs(counts)
     mine = np.empty(int(counts[comm.rank]), buf.dtype)
     comm.Reduce_scatter(buf, mine, recvcounts=counts.tolist(), op=MPI.SUM)
-    comm.Gatherv(mine, [buf, (counts, displs)] if comm.rank == root else None, root=root)
+    comm.Gatherv(mine, [buf, (counts, _displs(counts))] if comm.rank == root else None, root=root)
     return buf
 
 
@@ -177,8 +174,7 @@ def gatherv(comm: Comm, values: np.ndarray, root: int = 0) -> np.ndarray | None:
 
 @watched("a Gatherv")
 def gatherv_rows(comm: Comm, rows: np.ndarray, root: int = 0) -> np.ndarray | None:
-    """Every rank's ``(k_r, *row_shape)`` rows concatenated in rank order on ``root``; None
-    elsewhere (one ``Gather`` of counts, one ``Gatherv`` of rows)."""
+    """Every rank's ``(k_r, *row_shape)`` rows concatenated in rank order on ``root``; None elsewhere."""
     rows = np.ascontiguousarray(rows)
     counts = np.empty(comm.size, np.int64) if comm.rank == root else None
     comm.Gather(np.array([len(rows)], np.int64), counts, root=root)
@@ -232,9 +228,8 @@ def alltoall_counts(comm: Comm, send_counts: Sequence[int]) -> np.ndarray:
 @watched("an Alltoallv")
 def alltoallv_rows(comm: Comm, rows: np.ndarray, send_counts: Sequence[int],
                    recv_counts: Sequence[int]) -> np.ndarray:
-    """Send ``rows`` ``(sum(send_counts), *row_shape)`` in rank order (the first
-    ``send_counts[0]`` to rank 0, ...); returns the ``(sum(recv_counts), *row_shape)`` rows
-    received, sender 0's first. One ``Alltoallv`` of a contiguous row datatype."""
+    """Send ``rows`` ``(sum(send_counts), *row_shape)`` in rank order (the first ``send_counts[0]``
+    to rank 0, ...); returns the ``(sum(recv_counts), *row_shape)`` rows received, sender 0's first."""
     rows = np.ascontiguousarray(rows)
     send_counts, recv_counts = (np.asarray(c, np.int64) for c in (send_counts, recv_counts))
     row_shape = rows.shape[1:]
@@ -293,12 +288,12 @@ def scatterv_fill(comm: Comm, counts: Sequence[int], row_shape: tuple[int, ...],
                 mine = int(take[comm.rank])
                 comm.Scatterv(None, [out[lo:lo + mine], mine, rtype], root=root)
                 continue
+            sizes = take.tolist()
             take[root] = 0  # root's rows are written into its result directly
             displs = _displs(take)
             if send is None:  # the first round is the largest
                 send = np.empty((int(take.sum()), *row_shape), dtype)
-            for r in range(comm.size):
-                n = int(min(max(counts[r] - lo, 0), rows_per_round))
+            for r, n in enumerate(sizes):
                 if n:
                     fill(r, lo, out[lo:lo + n] if r == root else send[displs[r]:displs[r] + n])
             comm.Scatterv([send, (take, displs), rtype], MPI.IN_PLACE, root=root)
@@ -329,8 +324,7 @@ def irecv(comm: Comm, buf: np.ndarray, source: int, tag: int) -> list[MPI.Reques
 
 
 def test_all(requests: Sequence[MPI.Request]) -> bool:
-    """True (and the requests freed) if every request is complete; never blocks (False
-    leaves them all pending)."""
+    """True (and the requests freed) if every request is complete; never blocks (False: all pending)."""
     return bool(MPI.Request.Testall(list(requests))) if requests else True
 
 
@@ -364,14 +358,12 @@ def pingpong(comm: Comm, nbytes: int, reps: int = 50, peer: int = 1) -> float | 
     """One-way seconds of an ``nbytes`` message between rank 0 and ``peer`` (the median of
     ``reps`` round trips, halved) on rank 0; None elsewhere. Collective over the pair."""
     buf = np.zeros(max(nbytes, 1), np.uint8)[:nbytes]
+    other = peer if comm.rank == 0 else 0
+    calls = (comm.Send, comm.Recv) if comm.rank == 0 else (comm.Recv, comm.Send)  # rank 0 asks
 
     def round_trip() -> None:
-        if comm.rank == 0:
-            comm.Send(buf, dest=peer, tag=5)
-            comm.Recv(buf, source=peer, tag=5)
-        else:
-            comm.Recv(buf, source=0, tag=5)
-            comm.Send(buf, dest=0, tag=5)
+        for call in calls:
+            call(buf, other, 5)
     t = _pair_median(comm, peer, round_trip, reps)
     return None if t is None else t / 2
 
