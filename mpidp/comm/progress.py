@@ -1,8 +1,7 @@
-"""Communication that moves while this process computes (MPI moves a started collective
-only while some thread is inside MPI): :class:`BackgroundAllreduce`, a communication
-thread (needs ``MPI_THREAD_MULTIPLE``), and :func:`test_some`/:class:`StartedSums`,
-requests advanced between pieces of work. The watchdog watches the calling thread only:
-waiting for the communication thread is a watched call."""
+"""Communication that moves while this process computes (MPI moves a started collective only while
+some thread is inside MPI): :class:`BackgroundAllreduce`, a communication thread (needs
+``MPI_THREAD_MULTIPLE``), and :func:`test_some`/:class:`StartedSums`, requests advanced between pieces
+of work. The watchdog watches the calling thread only: waiting for the communication thread is watched."""
 
 from __future__ import annotations
 
@@ -55,11 +54,10 @@ _sum_in_place = allreduce_sum_.__wrapped__
 
 
 class BackgroundAllreduce:
-    """In-place sums over the ranks of ``comm`` by a communication thread, one blocking
-    ``Allreduce`` per buffer in order, on a duplicate of ``comm`` (collective to create and to
-    :meth:`close`). Every rank :meth:`submit`-s the same buffer sizes; a buffer belongs to
-    the thread until :meth:`wait`, which raises the thread's failure as :class:`MpidpError`.
-    ``pending``: buffers not yet summed; ``completed``: summed since creation."""
+    """In-place sums over the ranks of ``comm`` by a communication thread, one blocking ``Allreduce``
+    per buffer in order, on a duplicate of ``comm`` (collective to create and to :meth:`close`). Every
+    rank :meth:`submit`-s the same buffer sizes; a buffer is the thread's until :meth:`wait`, which
+    raises its failure as :class:`MpidpError`. ``pending``/``completed``: buffers unsummed/summed so far."""
 
     def __init__(self, comm: Comm, name: str = "mpidp-allreduce") -> None:
         if not threads_supported():
@@ -79,8 +77,7 @@ class BackgroundAllreduce:
         return self._thread is not None
 
     def submit(self, buf: np.ndarray) -> None:
-        """Queue the in-place sum of contiguous ``buf``; returns at once (starting the thread if
-        none runs)."""
+        """Queue the in-place sum of contiguous ``buf``; returns at once (starts the thread if none runs)."""
         if self._comm is None:
             raise MpidpError(f"{self.name} is closed: make a new one to reduce again")
         with self._cv:
@@ -209,9 +206,8 @@ class StartedSums:
         self.live = 0  # sums started and not yet complete
         self.requests: list[MPI.Request] = []  # every started request, in order
         self._owner: list[int] = []  # per request: the index of its sum
-        self._spans: list[tuple[int, int]] = []  # per sum: its part
+        self._spans: list[tuple[int, int, bool]] = []  # per sum: its part, and if an exchange
         self._left: list[int] = []  # per sum: requests not yet complete
-        self._paired: list[bool] = []  # per sum: an exchange (add the other's part at the end)
 
     def start(self, lo: int, hi: int) -> int:
         """Start summing ``buf[lo:hi]``; returns the sum's index (0, 1, ... since :meth:`clear`)."""
@@ -227,9 +223,8 @@ class StartedSums:
                     self.comm.Isend(part, dest=self.peer, tag=self.tag)]
         else:
             reqs = [self.comm.Iallreduce(MPI.IN_PLACE, part, op=MPI.SUM)]
-        self._spans.append((lo, hi))
+        self._spans.append((lo, hi, paired))
         self._left.append(len(reqs))
-        self._paired.append(paired)
         self.requests += reqs
         self._owner += [i] * len(reqs)
         self.live += 1
@@ -269,7 +264,7 @@ class StartedSums:
         """Forget the sums (all complete): the next :meth:`start` is sum 0."""
         if self.live:
             raise MpidpError(f"{self.live} started sum(s) still in flight")
-        self.requests, self._owner, self._spans, self._left, self._paired = [], [], [], [], []
+        self.requests, self._owner, self._spans, self._left = [], [], [], []
 
     def release(self) -> None:
         """Forget the sums (all complete) and free the scratch."""
@@ -298,8 +293,8 @@ class StartedSums:
         if self._left[i]:
             return
         self.live -= 1
-        if self._paired[i]:
-            lo, hi = self._spans[i]
+        lo, hi, paired = self._spans[i]
+        if paired:
             own, other = self.buf[lo:hi], self.scratch[lo:hi]
             # rank 0's part first on both ranks: the same bits, NaN payloads included
             np.add(*((own, other) if self.comm.rank == 0 else (other, own)), out=own)
