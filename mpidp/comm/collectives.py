@@ -300,8 +300,7 @@ def scatterv_fill(comm: Comm, counts: Sequence[int], row_shape: tuple[int, ...],
     return out
 
 
-# --- point to point (pipelines, the asynchronous server): over MAX_COUNT elements as
-# several messages with the same tag (MPI keeps their order)
+# --- point to point: over MAX_COUNT elements as several messages with the same tag (MPI keeps their order)
 
 
 def isend(comm: Comm, buf: np.ndarray, dest: int, tag: int) -> list[MPI.Request]:

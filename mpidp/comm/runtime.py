@@ -14,9 +14,8 @@ from mpi4py import MPI
 
 from ..errors import MpidpError
 
-# --- what this process is doing, as the watchdog sees it: computing, waiting in an MPI call
-# (every call of mpidp.comm marks itself with watched()), or excused (work that may outlast
-# a step, like writing a checkpoint); plain attribute writes, cheap enough for every call
+# --- what this process is doing, as the watchdog sees it: computing, waiting in an MPI call (every
+# call of mpidp.comm marks itself with watched()), or excused (work that may outlast a step)
 
 COMPUTING, IN_MPI, EXCUSED, USER_CODE = 0, 1, 2, 3
 STATE_NAMES = ("computing", "waiting in MPI", "excused", "running user code")
@@ -85,9 +84,8 @@ def _no_finalize() -> None:
 
 @contextlib.contextmanager
 def user_code(what: str):
-    """A user's code run on every rank (a module they import): watched as computing is (one
-    timeout), named ``what`` by the watchdog, and with ``MPI.Finalize()`` raising
-    RuntimeError instead of ending MPI under the other ranks."""
+    """A user's code run on every rank (a module they import): watched as computing is (one timeout),
+    named ``what``, with ``MPI.Finalize()`` raising RuntimeError, not ending MPI under the other ranks."""
     real, MPI.Finalize = MPI.Finalize, _no_finalize
     try:
         with excused(what, USER_CODE):
@@ -127,8 +125,7 @@ def mpi_info(comm: Comm | None = None) -> dict[str, Any]:
 
 @watched("a Comm.Dup")
 def duplicate(comm: Comm) -> Comm:
-    """A new communicator of the same ranks (``Comm.Dup``), whose collectives never match
-    those of ``comm``. Collective."""
+    """``comm.Dup()``: the same ranks, in collectives that never match those of ``comm``. Collective."""
     return comm.Dup()
 
 
@@ -150,8 +147,7 @@ _TAGS = MPI.Comm.Create_keyval()  # per communicator: the next tag of :func:`fre
 def companion(comm: Comm) -> Comm:
     """A duplicate of ``comm`` that never matches its collectives: made on the first call
     (collective then), the same one later, kept on ``comm`` and freed with it."""
-    dup = comm.Get_attr(_COMPANION)
-    if dup is None:
+    if (dup := comm.Get_attr(_COMPANION)) is None:
         dup = duplicate(comm)
         comm.Set_attr(_COMPANION, dup)
     return dup
@@ -180,9 +176,8 @@ def split_off(comm: Comm, rank: int) -> Comm | None:
 
 @contextlib.contextmanager
 def split_groups(comm: Comm, size: int):
-    """Consecutive ranks of ``comm`` in groups of ``size`` (ranks ``0..size-1``, then the
-    next ``size`` ...), freed on leaving; None on the ``comm.size % size`` spare ranks at
-    the end. Collective, to enter and (over each group) to leave."""
+    """Groups of ``size`` consecutive ranks of ``comm`` (``0..size-1``, the next ``size`` ...), freed on
+    leaving; None on the ``comm.size % size`` last ranks. Collective to enter, over each group to leave."""
     spare = comm.rank >= comm.size - comm.size % size
     sub = split(comm, MPI.UNDEFINED if spare else comm.rank // size, comm.rank)
     try:
@@ -198,12 +193,10 @@ def node_split(comm: Comm, first: int = 0) -> tuple[Comm, Comm | None]:
     on each node's rank 0, the node leaders (None elsewhere). Collective; made once per
     ``comm`` and ``first``, freed with ``comm``."""
     per_node = _forced_per_node(comm)
-    splits = comm.Get_attr(_NODE_SPLITS)
-    if splits is None:
+    if (splits := comm.Get_attr(_NODE_SPLITS)) is None:
         splits = {}
         comm.Set_attr(_NODE_SPLITS, splits)
-    pair = splits.get((first, per_node))
-    if pair is None:
+    if (pair := splits.get((first, per_node))) is None:
         key = -1 if comm.rank == first else comm.rank
         node = _node(comm, key, per_node)
         leaders = comm.Split(0 if node.rank == 0 else MPI.UNDEFINED, key=key)

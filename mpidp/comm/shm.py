@@ -212,11 +212,10 @@ def _sleep_for(last_wait: float) -> float:
 
 
 class NodeAllreduce:
-    """Sum a 1-D buffer ``(n,)`` over ``comm`` in place: the node's sum in shared memory on its
-    leader, an ``Allreduce`` among the leaders, the result copied out by the others.
-    Collective to create (``MemoryError`` on every rank when some node lacks shared memory).
-    Write the values into :attr:`array`, then :meth:`allreduce` (collective).
-    :attr:`exchange_s`: the last exchange's seconds between leaders (0 off the leaders)."""
+    """Sum a 1-D buffer ``(n,)`` over ``comm`` in place: the node's sum in shared memory on its leader,
+    an ``Allreduce`` among the leaders, the result copied out by the others. Collective to create
+    (``MemoryError`` on every rank when some node lacks shared memory); write the values into
+    :attr:`array`, then :meth:`allreduce` (collective)."""
 
     def __init__(self, comm: Comm, n: int, dtype: np.dtype) -> None:
         dtype = np.dtype(dtype)
@@ -231,7 +230,7 @@ class NodeAllreduce:
         self.meets = self.leads and n * dtype.itemsize >= MEET_BYTES
         self._leader_array = self._sum.array_of(0)
         self._sleep = (0.0, 0.0)  # longest sleeps waiting for the node, for the leader
-        self.exchange_s = 0.0  # seconds of the last allreduce's exchange between leaders
+        self.exchange_s = 0.0  #: seconds of the last allreduce's exchange between leaders (0 off them)
 
     def free(self) -> None:
         """Release the shared-memory window (:attr:`array` with it). Collective; idempotent."""
