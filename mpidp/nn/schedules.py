@@ -39,14 +39,8 @@ def _milestones(what: str, value: tuple[int, ...]) -> tuple[int, ...]:
     return ms
 
 
-def _t(t: int) -> int:
-    if t < 0:
-        raise ValueError(f"a schedule is defined for update counts t >= 0, got {t}")
-    return int(t)
-
-
 class Schedule:
-    """Base class: ``__call__(t) -> float`` the rate of update ``t`` (0: the first)."""
+    """Base class: ``__call__(t) -> float`` the rate of update ``t`` (0: the first), from ``_rate(t)``."""
 
     name: ClassVar[str] = ""
     #: each setting's check, in order: ``check(name, value)`` returns the value kept
@@ -60,6 +54,11 @@ class Schedule:
             raise ValueError(f"{self._end} {getattr(self, self._end)} is above lr {self.lr}")
 
     def __call__(self, t: int) -> float:
+        if t < 0:
+            raise ValueError(f"a schedule is defined for update counts t >= 0, got {t}")
+        return self._rate(int(t))
+
+    def _rate(self, t: int) -> float:
         raise NotImplementedError
 
     @property
@@ -81,8 +80,7 @@ class Constant(Schedule):
     _checks = {"lr": _positive}
     lr: float
 
-    def __call__(self, t: int) -> float:
-        _t(t)
+    def _rate(self, t: int) -> float:
         return self.lr
 
 
@@ -96,8 +94,8 @@ class StepDecay(Schedule):
     step_size: int
     gamma: float = 0.1
 
-    def __call__(self, t: int) -> float:
-        return self.lr * self.gamma ** (_t(t) // self.step_size)
+    def _rate(self, t: int) -> float:
+        return self.lr * self.gamma ** (t // self.step_size)
 
 
 @dataclass(frozen=True)
@@ -110,8 +108,8 @@ class MultiStep(Schedule):
     milestones: tuple[int, ...]
     gamma: float = 0.1
 
-    def __call__(self, t: int) -> float:
-        return self.lr * self.gamma ** bisect.bisect_right(self.milestones, _t(t))
+    def _rate(self, t: int) -> float:
+        return self.lr * self.gamma ** bisect.bisect_right(self.milestones, t)
 
 
 @dataclass(frozen=True)
@@ -123,8 +121,8 @@ class Exponential(Schedule):
     lr: float
     gamma: float
 
-    def __call__(self, t: int) -> float:
-        return self.lr * self.gamma ** _t(t)
+    def _rate(self, t: int) -> float:
+        return self.lr * self.gamma ** t
 
 
 @dataclass(frozen=True)
@@ -138,8 +136,7 @@ class Cosine(Schedule):
     min_lr: float = 0.0
     _end = "min_lr"
 
-    def __call__(self, t: int) -> float:
-        t = _t(t)
+    def _rate(self, t: int) -> float:
         if t >= self.total:
             return self.min_lr
         return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1 + math.cos(math.pi * t / self.total))
@@ -158,8 +155,7 @@ class Polynomial(Schedule):
     end_lr: float = 0.0
     _end = "end_lr"
 
-    def __call__(self, t: int) -> float:
-        t = _t(t)
+    def _rate(self, t: int) -> float:
         if t >= self.total:
             return self.end_lr
         return self.end_lr + (self.lr - self.end_lr) * (1 - t / self.total) ** self.power
@@ -189,8 +185,7 @@ class Warmup(Schedule):
     def base(self) -> float:
         return self._base
 
-    def __call__(self, t: int) -> float:
-        t = _t(t)
+    def _rate(self, t: int) -> float:
         if t >= self.warmup:
             return self.after(t - self.warmup)
         return self.start + (self._base - self.start) * (t + 1) / self.warmup
@@ -210,8 +205,7 @@ def schedule_from_config(config: dict[str, Any]) -> Schedule:
         raise ValueError(f"a schedule's config is a dict with a 'name', got {config!r}")
     settings = dict(config)
     name = settings.pop("name")
-    cls = _BY_NAME.get(name)
-    if cls is None:
+    if (cls := _BY_NAME.get(name)) is None:
         raise ValueError(f"unknown learning-rate schedule {name!r}; expected one of {(*SCHEDULES, 'warmup')}")
     if cls is Warmup and isinstance(settings.get("after"), dict):
         settings["after"] = schedule_from_config(settings["after"])
@@ -238,12 +232,11 @@ def make_schedule(name: str, lr: float, *, warmup: int = 0, warmup_start: float 
 def epoch_schedule(name: str, lr: float, per_epoch: int, epochs: int, *, warmup_steps: int = 0,
                    warmup_epochs: float = 0.0, step_epochs: int | None = None,
                    milestones: Sequence[int] = (), gamma: float = 0.1, min_lr: float = 0.0) -> Schedule:
-    """The schedule ``name`` (:data:`SCHEDULES`, or ``"plateau"``: constant) from ``lr`` for
-    ``epochs`` epochs of ``per_epoch`` updates: a warmup (``warmup_steps``, else
-    ``warmup_epochs``), then a decay by ``gamma`` every ``step_epochs``, at ``milestones``
-    or per epoch, or to ``min_lr`` at the end of the run. The step, exponential, cosine and
-    polynomial decays count from the end of the warmup; milestones are epochs of the whole
-    run (those within the warmup lower the rate it ramps to), as docs/training.md states."""
+    """The schedule ``name`` (:data:`SCHEDULES`, or ``"plateau"``: constant) from ``lr`` for ``epochs`` epochs
+    of ``per_epoch`` updates: a warmup (``warmup_steps``, else ``warmup_epochs``), then a decay by ``gamma``
+    every ``step_epochs``, at ``milestones`` or per epoch, or to ``min_lr`` at the end of the run. The step,
+    exponential, cosine and polynomial decays count from the end of the warmup; milestones are epochs of the
+    whole run (those within the warmup lower the rate it ramps to), as docs/training.md states."""
     warmup = warmup_steps or int(round(warmup_epochs * per_epoch))
     total = max(epochs * per_epoch - warmup, 1)
     settings = {}
@@ -256,10 +249,8 @@ def epoch_schedule(name: str, lr: float, per_epoch: int, epochs: int, *, warmup_
         settings = {"milestones": [m * per_epoch - warmup for m in milestones[passed:]], "gamma": gamma}
     elif name == "exponential":
         settings = {"gamma": gamma ** (1.0 / per_epoch)}
-    elif name == "cosine":
-        settings = {"total": total, "min_lr": min_lr}
-    elif name == "polynomial":
-        settings = {"total": total, "end_lr": min_lr}
+    elif name in ("cosine", "polynomial"):
+        settings = {"total": total, "min_lr" if name == "cosine" else "end_lr": min_lr}
     return make_schedule("constant" if name == "plateau" else name, lr, warmup=warmup, **settings)
 
 
