@@ -18,7 +18,7 @@ import numpy.typing as npt
 from ..atomic import check_place, numpy_kind, write_atomic
 from ..errors import is_whole
 from .context import Context, _unheard
-from .layers import RESERVED, Layer, layer_class, layer_name, layer_spec, registered_layers
+from .layers import RESERVED, Layer, _where, layer_class, layer_name, layer_spec, registered_layers
 from .losses import outputs
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -219,9 +219,8 @@ class Sequential:
         return dy
 
     def spec(self) -> list[dict]:
-        """A JSON-able description for :func:`from_spec` (no parameters): one ``{"type":
-        <registered name>, **layer.config()}`` per layer, the first also holding
-        ``"model_n_in"`` (flat inputs) or ``"model_in_shape"`` (a list)."""
+        """JSON-able, for :func:`from_spec` (no parameters): ``{"type": <registered name>, **layer.config()}``
+        per layer, the first also holding ``"model_n_in"`` (flat inputs) or ``"model_in_shape"`` (a list)."""
         out = [layer_spec(layer) for layer in self.layers]
         if len(self.in_shape) == 1:
             out[0]["model_n_in"] = self.n_in
@@ -286,13 +285,12 @@ def _unregistered(layers: Sequence[Layer]) -> list[type]:
 
 def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None, *,
          stacklevel: int = 2) -> str:
-    """Write ``model`` atomically to ``path`` (a folder: ``model.npz`` in it); returns it. The
-    archive (``np.savez``, no pickles) holds ``params`` ``(n_params,)`` and ``state`` ``(n_state,)``
-    (if any) in the model's dtype, ``dtype`` (``"float32"`` or ``"float64"``), and JSON ``spec``
-    (:meth:`Sequential.spec`) and ``meta`` (``meta``, else ``model.meta``). Raises ``ValueError``
-    (writing nothing) if they are not JSON-able; warns (``UserWarning``) for each layer class, also
-    inside a block, that is not registered (:func:`mpidp.nn.register_layer`): :func:`load` could
-    not rebuild it."""
+    """Write ``model`` atomically to ``path`` (a folder: ``model.npz`` in it); returns it. The archive
+    (``np.savez``, no pickles) holds ``params`` ``(n_params,)`` and ``state`` ``(n_state,)`` (if any) in the
+    model's dtype, ``dtype`` (``"float32"`` or ``"float64"``), and JSON ``spec`` (:meth:`Sequential.spec`) and
+    ``meta`` (``meta``, else ``model.meta``). Raises ``ValueError`` (writing nothing) if they are not
+    JSON-able; warns (``UserWarning``) for each layer class, also inside a block, that is not registered
+    (:func:`mpidp.nn.register_layer`): :func:`load` could not rebuild it."""
     path = _model_path(path)
     meta = model.meta if meta is None else meta
     try:
@@ -306,9 +304,8 @@ def save(model: Sequential, path: str | os.PathLike, meta: dict | None = None, *
     for cls in _unregistered(model.layers):
         other = registered_layers().get(layer_name(cls))
         why = "so mpidp.nn.load cannot rebuild this file" if other is None else \
-            (f"and its name is registered to {other.__module__}.{other.__qualname__}, which "
-             f"mpidp.nn.load would build in its place")
-        warnings.warn(f"{path}: layer class {cls.__name__!r} ({cls.__module__}.{cls.__qualname__}) is not "
+            f"and its name is registered to {_where(other)}, which mpidp.nn.load would build in its place"
+        warnings.warn(f"{path}: layer class {cls.__name__!r} ({_where(cls)}) is not "
                       f"registered, {why}; register it with mpidp.nn.register_layer (decorate the class "
                       f"with @mpidp.nn.register_layer) where it is defined",
                       UserWarning, stacklevel=stacklevel)
@@ -333,21 +330,18 @@ def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
                 raise ValueError(f"not a saved model: no {', '.join(map(repr, missing))} in the archive "
                                  f"(it holds {', '.join(map(repr, saved.files)) or 'nothing'})")
             saved = {k: saved[k] for k in saved.files}
-        params = saved["params"]
         spec, dtype = json.loads(str(saved["spec"])), str(saved["dtype"])
         meta = json.loads(str(saved["meta"])) if "meta" in saved else {}
         if not isinstance(meta, dict):
             raise ValueError(f"meta is a {type(meta).__name__}, not a dict")
         model = from_spec(spec, dtype)
-        if params.shape != (model.n_params,) or params.dtype != model.dtype:
-            raise ValueError(f"params is {params.dtype} {params.shape}, but the spec needs "
-                             f"{model.dtype} ({model.n_params},)")
-        model.params[...] = params
-        state = saved.get("state", np.zeros(0, model.dtype))
-        if state.shape != (model.n_state,) or (model.n_state and state.dtype != model.dtype):
-            raise ValueError(f"state is {state.dtype} {state.shape}, but the spec needs "
-                             f"{model.dtype} ({model.n_state},)")
-        model.state[...] = state
+        for name, have in (("params", saved["params"]),
+                           ("state", saved.get("state", np.zeros(0, model.dtype)))):
+            into = getattr(model, name)  # an empty one may have any dtype
+            if have.shape != into.shape or (into.size and have.dtype != model.dtype):
+                raise ValueError(f"{name} is {have.dtype} {have.shape}, but the spec needs "
+                                 f"{model.dtype} ({into.size},)")
+            into[...] = have
         model.meta = meta
     except (OSError, KeyError, ValueError, TypeError, EOFError, RecursionError,
             zipfile.BadZipFile, zlib.error) as exc:  # a file damaged, truncated or foreign
