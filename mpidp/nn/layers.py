@@ -120,18 +120,16 @@ def _where(cls: type) -> str:
 def register_layer(cls: _LayerT | None = None, *, name: str | None = None
                    ) -> _LayerT | Callable[[_LayerT], _LayerT]:
     """Register a layer class (returned) so saved models using it can be rebuilt, as
-    ``register_layer(MyLayer)``, ``@register_layer`` or ``@register_layer(name="my-layer")``:
-    ``name`` (default: the class name) is its ``"type"`` in a model spec; see
-    ``docs/extending.md``. ``TypeError`` for a non-:class:`Layer`, ``ValueError`` if
-    ``name`` is another class's (the same class reloaded replaces it)."""
+    ``register_layer(MyLayer)``, ``@register_layer`` or ``@register_layer(name="my-layer")``: ``name``
+    (default: the class name) is its ``"type"`` in a model spec; see ``docs/extending.md``. ``TypeError`` for
+    a non-:class:`Layer`, ``ValueError`` if ``name`` is another class's (a class reloaded replaces itself)."""
     def add(layer_cls: _LayerT) -> _LayerT:
         if not (isinstance(layer_cls, type) and issubclass(layer_cls, Layer)):
             raise TypeError(f"register_layer needs a subclass of mpidp.nn.Layer, got {layer_cls!r}")
         key = layer_cls.__name__ if name is None else str(name)
         if not key:
             raise ValueError("a layer class needs a non-empty name")
-        have = _CLASSES.get(key)
-        if have is not None and have is not layer_cls:
+        if (have := _CLASSES.get(key)) is not None and have is not layer_cls:
             if _where(have) != _where(layer_cls):
                 raise ValueError(f"layer name {key!r} is already registered to {_where(have)}; "
                                  f"cannot register {_where(layer_cls)} under it too (pass "

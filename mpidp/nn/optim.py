@@ -5,8 +5,7 @@ model, clipping, and updates in pieces; the rules (SGD, Adam, LARS ...) are in
 Norms of whole tensors (LARS, LAMB, clipping by global norm) need :meth:`Optimizer.place`
 where the vector is a slice of the model (its tensors, offset and ``reduce_sum``, a
 collective); each update reduces its squared norms in ONE call (LAMB with ``clip_norm``
-or ``track_grad_norm``: two). An optimizer never placed treats its vector as one tensor.
-"""
+or ``track_grad_norm``: two). An optimizer never placed treats its vector as one tensor."""
 
 from __future__ import annotations
 
@@ -129,8 +128,7 @@ class Optimizer(ABC):
 
     def place(self, segments: Segments | None = None, offset: int = 0,
               reduce_sum: ReduceSum | None = None) -> Optimizer:
-        """Say where the vectors given to ``step_`` lie (module notes; no ``reduce_sum``:
-        this rank holds them all)."""
+        """Where the vectors given to ``step_`` lie (module notes; no ``reduce_sum``: all on this rank)."""
         if offset < 0 or segments is not None and offset > segments.n:
             raise ValueError(f"offset {offset} is outside the model's "
                              f"{segments.n if segments else 0} parameters")
@@ -143,8 +141,7 @@ class Optimizer(ABC):
         key = (n, id(self.segments), self.offset)
         if getattr(self, "_located", None) == key:
             return
-        segs = self.segments if self.segments is not None else Segments.whole(n)
-        offset = self.offset if self.segments is not None else 0
+        segs, offset = (self.segments, self.offset) if self.segments is not None else (Segments.whole(n), 0)
         if offset + n > segs.n:
             raise ValueError(f"the optimizer got {n} parameters at offset {offset} but its "
                              f"model has {segs.n}: place() it for this model")
@@ -176,10 +173,9 @@ class Optimizer(ABC):
 
     def step_(self, params: np.ndarray, grad: np.ndarray, scale: float = 1.0, chunks: int = 1,
               on_chunk: Callable[[int, int], None] | None = None) -> None:
-        """Update ``params`` (1-D) in place from the mean gradient ``scale * grad`` (``grad``,
-        same shape, is overwritten). ``chunks > 1`` updates it piece by piece (the same
-        numbers) and calls ``on_chunk(lo, hi)`` as soon as ``params[lo:hi]`` is final.
-        Collective over ``reduce_sum``'s ranks where norms are needed."""
+        """Update ``params`` (1-D) in place from the mean gradient ``scale * grad`` (``grad``, same shape, is
+        overwritten); ``chunks > 1``: piece by piece (the same numbers), calling ``on_chunk(lo, hi)`` once
+        ``params[lo:hi]`` is final. Collective over ``reduce_sum``'s ranks where norms are needed."""
         self._now, first = self._start(params)
         try:
             scale = self._begin(params, grad, self._clip_values(grad, scale), first)
@@ -203,10 +199,9 @@ class Optimizer(ABC):
 
     def update_in_pieces_(self, params: np.ndarray,
                           scale: float = 1.0) -> Callable[[np.ndarray, int, int], None]:
-        """Begin one update of ``params`` (1-D) applied as its gradient arrives: the returned
-        ``apply(grad, lo, hi)`` updates ``params[lo:hi]`` from ``scale * grad[lo:hi]``
-        (overwritten); once every value is applied, the numbers are those of ``step_``.
-        Counted and its rate fixed here. Elementwise rules only."""
+        """Begin one update of ``params`` (1-D) applied as its gradient arrives: the returned ``apply(grad,
+        lo, hi)`` updates ``params[lo:hi]`` from ``scale * grad[lo:hi]`` (overwritten); all values applied,
+        the numbers are those of ``step_``. Counted, its rate fixed, here. Elementwise rules only."""
         if why := self.refuses_pieces():
             raise ValueError(f"this update cannot be applied in pieces: {why}")
         rate, first = self._start(params)
@@ -236,9 +231,8 @@ class Optimizer(ABC):
         return 1.0
 
     def _begin(self, params: np.ndarray, grad: np.ndarray, scale: float, first: bool) -> float:
-        """The global norm (one reduction, with parameter norms where :attr:`layer_norms`),
-        clipping folded into the returned ``scale``; sets each tensor's squared norms
-        ``_g2`` (after clipping) and ``_w2``."""
+        """The global norm (one reduction, with parameter norms where :attr:`layer_norms`), clipping folded
+        into the returned ``scale``; sets each tensor's squared norms ``_g2`` (after clipping) and ``_w2``."""
         if not (self.clip_norm is not None or self.track_grad_norm or self.layer_norms):
             self.last_grad_norm = None
             return scale
