@@ -1,8 +1,6 @@
 """The command line's grammar: every subcommand's options, their value types and help, and
-a parser whose usage errors are two lines from rank 0 (exit 2 on every rank) with the
-closest valid name suggested. Which option applies where is :mod:`~.options`; which source
-of a setting wins is :mod:`~.settings`. No MPI here.
-"""
+its parser (:class:`_Parser`). Which option applies where is :mod:`~.options`; which source
+of a setting wins is :mod:`~.settings`. No MPI here."""
 
 from __future__ import annotations
 
@@ -68,8 +66,7 @@ class _Parser(argparse.ArgumentParser):
         refuse(f"{message}\nSee '{self.prog} --help' for the {what}.", self.prog, 1.0)
 
     def parse_args(self, args=None, namespace=None):
-        """As argparse's; unknown arguments are reported by the subcommand they follow,
-        with the closest option for each misspelt one."""
+        """As argparse's; unknown arguments are reported by the subcommand they follow."""
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:  # said by the subcommand chosen (else this parser)
             target = subcommand(self, namespace.command) if self._subparsers else self
