@@ -70,9 +70,8 @@ def info() -> dict:
 
 
 def plot(args) -> int:
-    """Run ``mpidp plot`` with the parsed ``args`` (:mod:`mpidp.observe.plot` draws); the
-    exit status: 2 with a message on bad input or an image that cannot be written (then
-    nothing is left half-written)."""
+    """Run ``mpidp plot`` with the parsed ``args`` (:mod:`mpidp.observe.plot` draws); exit status
+    2 with a message on bad input or an image that cannot be written (none left half-written)."""
     from ..observe import plot as P
     try:
         P.need_matplotlib()
@@ -144,7 +143,7 @@ def _main(parser, argv: list[str]) -> int:
             stored = C.root_decides(comm, settings.stored_config, args.checkpoint_dir)
             if stored:  # what the run was trained with
                 args, argv = settings.with_stored(parser, argv, stored)
-        _run(args, comm, parser, typed, from_file)
+        _run(args, comm, parser, command, typed[typed.index(args.command) + 1:], from_file)
     except Preempted as exc:
         if comm.rank == 0:
             print(f"mpidp: {exc}", file=sys.stderr, flush=True)
@@ -174,9 +173,7 @@ def _main(parser, argv: list[str]) -> int:
     return 0
 
 
-def _run(args, comm, parser, typed: list[str], from_file: set[tuple[str, bool]]) -> None:
-    command = subcommand(parser, args.command)
-    after = typed[typed.index(args.command) + 1:]
+def _run(args, comm, parser, command, after: list[str], from_file: set[tuple[str, bool]]) -> None:
     if args.command == "train":
         from .train import train
         train(args, comm, settings.settle(args, command, after, from_file))
