@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import numpy as np
 
@@ -40,9 +39,8 @@ class _Rows:
 
 def _open_model(path: str) -> nn.Sequential:
     """The model saved in ``path`` (a ``model.npz`` or its folder), by :func:`mpidp.nn.load`;
-    ValueError naming the file if it is missing, truncated, corrupted (zip CRC-32), not a
-    model, or not finite, and naming the layer class and ``--import`` when it uses a class
-    no imported module registers."""
+    ValueError naming the file if it is missing, truncated, corrupted (zip CRC-32), not a model,
+    or not finite, and naming the layer class and ``--import`` for one no imported module registers."""
     if is_model_file(path) and not os.path.isdir(path):
         raise ValueError(f"--model {path} is a model file (layers without trained parameters): "
                          f"give the model.npz that 'mpidp train' wrote from it, or its folder")
@@ -92,9 +90,8 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 
 def problems(args: argparse.Namespace, given: set[str] = frozenset()) -> list[str]:
-    """Options that would do nothing together, as messages (empty when all is well).
-    ``given``: the options written on the command line (refused where they do nothing,
-    whatever their value)."""
+    """Options that would do nothing together, as messages (empty when all is well). ``given``:
+    the options written on the command line (refused where they do nothing, whatever their value)."""
     out = []
     if args.dynamic and args.partition != "block":
         out.append(f"--partition {args.partition} does not apply with --dynamic: the ranks "
@@ -178,19 +175,18 @@ def predict(args: argparse.Namespace, comm: C.Comm, given: set[str] = frozenset(
     res = map_reduce(comm, lambda X: nn.outputs(model.forward(X), args.output), data, "concat",
                      partition=args.partition, costs=costs, dynamic=args.dynamic,
                      chunk_size=args.chunk_size, out=target(args.out))  # a link: its file
-    correct = None if scores is None else scores.get("accuracy")
     if args.metrics and scores is not None:
         C.root_decides(comm, write_atomic, args.metrics,
                        lambda f: f.write(json.dumps(scores, indent=2).encode()), "--metrics")
-    summary = {"rows": len(rows), "out": args.out, "accuracy": correct, "scores": scores,
-               "per_rank": res.per_rank, "seconds": res.seconds}
-    if comm.rank == 0:
-        acc = "" if correct is None else f", accuracy {correct:.4f}"
-        if scores is not None and "f1_macro" in scores:
-            acc += f", macro F1 {scores['f1_macro']:.4f}"
-        elif scores is not None and scores.get("r2") is not None:
-            acc += f", MSE {scores['mse']:.6g}, R^2 {scores['r2']:.4f}"
-        print(f"predicted {len(rows)} rows on {comm.size} ranks in {res.seconds:.2f}s{acc}; "
-              f"wrote {args.out}", file=sys.stdout, flush=True)
-        return summary
-    return None
+    if comm.rank != 0:
+        return None
+    correct = None if scores is None else scores.get("accuracy")
+    acc = "" if correct is None else f", accuracy {correct:.4f}"
+    if scores is not None and "f1_macro" in scores:
+        acc += f", macro F1 {scores['f1_macro']:.4f}"
+    elif scores is not None and scores.get("r2") is not None:
+        acc += f", MSE {scores['mse']:.6g}, R^2 {scores['r2']:.4f}"
+    print(f"predicted {len(rows)} rows on {comm.size} ranks in {res.seconds:.2f}s{acc}; "
+          f"wrote {args.out}", flush=True)
+    return {"rows": len(rows), "out": args.out, "accuracy": correct, "scores": scores,
+            "per_rank": res.per_rank, "seconds": res.seconds}
