@@ -17,8 +17,7 @@ import numpy as np
 from ..errors import is_whole
 from ..nn.standardize import combine_moments, moments
 
-#: The k of the top-k accuracies, of those below the number of classes (k >= n_classes is
-#: always a hit): see :func:`top_ks`.
+#: The k of the top-k accuracies, of those below the number of classes (any k >= it always hits).
 TOP_K = (1, 3, 5)
 
 
@@ -101,14 +100,12 @@ def class_scores(stats: np.ndarray, n_classes: int) -> dict:
     precision, recall = _ratio(tp, predicted), _ratio(tp, support)
     f1 = _ratio(2 * tp, support + predicted)
     per = (lambda v: float(v / n)) if n > 0 else (lambda v: float("nan"))
-    out: dict = {"count": n, "accuracy": per(tp.sum())}
-    out.update({f"top{t}_accuracy": per(h) for t, h in zip(ks, stats[2:2 + len(ks)])})
-    out["log_loss"] = per(stats[1])
-    out.update(precision=precision.tolist(), recall=recall.tolist(), f1=f1.tolist(),
-               support=support.tolist(), precision_macro=float(precision.mean()),
-               recall_macro=float(recall.mean()), f1_macro=float(f1.mean()),
-               confusion_matrix=cm.tolist())
-    return out
+    return {"count": n, "accuracy": per(tp.sum()),
+            **{f"top{t}_accuracy": per(h) for t, h in zip(ks, stats[2:2 + len(ks)])},
+            "log_loss": per(stats[1]), "precision": precision.tolist(), "recall": recall.tolist(),
+            "f1": f1.tolist(), "support": support.tolist(), "precision_macro": float(precision.mean()),
+            "recall_macro": float(recall.mean()), "f1_macro": float(f1.mean()),
+            "confusion_matrix": cm.tolist()}
 
 
 def reg_stats(pred: np.ndarray, target: np.ndarray) -> np.ndarray:
