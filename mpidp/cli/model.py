@@ -52,9 +52,8 @@ def build_layers(args: argparse.Namespace, data: D.Data) -> tuple[list, nn.Loss]
 
 
 def check_inputs(comm: C.Comm, args: argparse.Namespace, layers: list, data: D.Data) -> None:
-    """Every rank checks its rows against a first layer that takes token ids (an
-    ``Embedding``); one error on every rank, before any work, if a row holds another value.
-    Collective."""
+    """Every rank checks its rows against a first layer that takes token ids (an ``Embedding``);
+    one error on every rank, before any work, if a row holds another value. Collective."""
     error = None
     if isinstance(layers[0], nn.Embedding):
         try:

@@ -114,9 +114,8 @@ def gather_timings(comm: C.Comm, timer: StepTimer, root: int = 0) -> list[dict] 
 
 
 def format_timings(rows: list[dict], wait: list[float] | None = None) -> str:
-    """The per-rank table of a whole run: samples, compute and communication seconds (and
-    ``wait``, the part of communication spent waiting for slower ranks, when measured) and
-    the communication share."""
+    """The per-rank table of a whole run: samples, compute and communication seconds (and ``wait``,
+    the part of communication spent waiting for slower ranks, when measured), communication share."""
     lines = ["rank  samples  compute_s  comm_s" + ("  wait_s" if wait else "") + "  comm_share"]
     for d in rows:
         w = f"  {wait[d['rank']]:>6.3f}" if wait else ""
