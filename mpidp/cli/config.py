@@ -17,8 +17,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.9/3.10: the tomli package, a dependency there
     import tomli as tomllib
 
-#: Keys never taken from a stored configuration: what to do now, and how to show it, not
-#: how to train.
+#: Keys never taken from a stored configuration: what to do now, and how to show it, not how to train.
 NOT_STORED = frozenset({"command", "config", "resume", "restart", "world_size",
                         "data_fingerprint", "resume_changes", "quiet", "verbose", "no_progress",
                         "progress", "trace", "trace_steps", "tensorboard", "log_every"})

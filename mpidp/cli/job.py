@@ -20,7 +20,6 @@ from ..atomic import check_folder, check_place, numpy_kind, write_atomic, write_
 from ..comm.elastic import known_members
 from ..data import distribute as D
 from ..data.balance import Partition
-from ..data.distribute import load_on_workers
 from ..data.partition import steps_per_epoch
 from ..observe.best import BestModel
 from ..observe.report import EpochReport, announce, summary
@@ -66,7 +65,7 @@ def load_data(comm: C.Comm, args: argparse.Namespace, server: int | None) -> D.D
         return D.load(over, args.dataset, distribute=args.distribute, **load_settings(args),
                       partition=args.partition, capacities=args.capacities,
                       costs=C.run_agreed(over, _costs_arg, args.costs))
-    return load(comm) if server is None else load_on_workers(comm, server, load, args.dtype)
+    return load(comm) if server is None else D.load_on_workers(comm, server, load, args.dtype)
 
 
 def partition_of(args: argparse.Namespace, data: D.Data) -> Partition | None:

@@ -29,7 +29,6 @@ from .parser import launcher_rank, refuse, subcommand
 if TYPE_CHECKING:
     from .. import comm as C
     from ..run import checkpoint as ck
-    from ..run.checkpoint import State
 
 #: Settings a checkpoint must share with the run that resumes it (the world size may differ).
 RESUME_MUST_MATCH = ("dataset", "model", "hidden", "batch_size", "seed", "dtype", "optimizer",
@@ -122,7 +121,7 @@ def settle(args: argparse.Namespace, train: argparse.ArgumentParser, typed: list
     return given(train, typed) | recorded
 
 
-def compare_resume(saved_config: dict, config: dict, *, state: State | None = None,
+def compare_resume(saved_config: dict, config: dict, *, state: ck.State | None = None,
                    path: str = "the checkpoint") -> tuple[dict, str | None]:
     """Whether a run configured by ``config`` may resume checkpoint ``path`` (configured by
     ``saved_config``, at ``state``): ``(changed, refusal)``, ``changed`` mapping each of
