@@ -157,9 +157,8 @@ def reg_combine_all(parts: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:
         raise ValueError(f"reg_combine_all: vectors of different shapes "
                          f"{sorted({p.shape for p in parts})}")
     out = np.sum(parts, axis=0)
-    count, out[1 + 2 * t:1 + 3 * t], out[1 + 3 * t:] = combine_moments(
+    out[0], out[1 + 2 * t:1 + 3 * t], out[1 + 3 * t:] = combine_moments(
         (int(round(p[0])), p[1 + 2 * t:1 + 3 * t], p[1 + 3 * t:]) for p in parts)
-    out[0] = count
     return out
 
 
