@@ -46,12 +46,6 @@ def refuse(problem: str | None, prog: str = "mpidp", wait: float = 0.5) -> None:
     sys.exit(EXIT_USAGE)
 
 
-def _closest(word: str, names) -> str | None:
-    """The name in ``names`` nearest ``word``, if one is near."""
-    match = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
-    return match[0] if match else None
-
-
 class _Parser(argparse.ArgumentParser):
     """A usage error is two lines, the error and where the help is, printed by rank 0 only;
     every rank exits with status 2. A misspelt option, command or choice gets the closest
@@ -70,8 +64,8 @@ class _Parser(argparse.ArgumentParser):
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:  # said by the subcommand chosen (else this parser)
             target = subcommand(self, namespace.command) if self._subparsers else self
-            near = [(w, m) for w in extras if w.startswith("-")
-                    for m in [_closest(w.split("=")[0], target._option_string_actions)] if m]
+            near = [(w, m) for w in extras if w.startswith("-") for m in  # the closest, if near
+                    difflib.get_close_matches(w.split("=")[0], target._option_string_actions, n=1)]
             hint = (f" (did you mean {near[0][1]}?)" if len(near) == 1 else
                     "; did you mean " + ", ".join(f"{m} for {w}" for w, m in near) + "?"
                     if near else "")
@@ -82,10 +76,10 @@ class _Parser(argparse.ArgumentParser):
         try:
             super()._check_value(action, value)
         except argparse.ArgumentError as exc:
-            match = _closest(str(value), [str(c) for c in action.choices])
-            if match is None:
+            match = difflib.get_close_matches(str(value), [str(c) for c in action.choices], n=1)
+            if not match:
                 raise
-            raise argparse.ArgumentError(action, f"{exc.message} (did you mean {match}?)") from None
+            raise argparse.ArgumentError(action, f"{exc.message} (did you mean {match[0]}?)") from None
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
