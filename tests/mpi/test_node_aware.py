@@ -253,10 +253,13 @@ def test_trainers_built_again_and_again_and_closed_never_run_out_of_communicator
                       "closed")
 
 
-@pytest.mark.mpi(min_size=1)
+@pytest.mark.mpi(min_size=2)
 def test_node_splits_are_freed_with_their_communicator(comm):
     """Node-aware trainers built on communicators made and freed again and again do not
-    use up the library's communicators (MPICH has about 2000; each split holds two)."""
+    use up the library's communicators (MPICH has about 2000; each split holds two). A leak
+    does not depend on the number of ranks: checked at 2 ranks only."""
+    if comm.size != 2:
+        pytest.skip("checked at 2 ranks (a leak does not depend on the number of ranks)")
     kept = []
     for _ in range(1200):
         sub = comm.Dup()
