@@ -120,8 +120,7 @@ def claimed(comm: C.Comm, out: str, checkpoint_dir: str | None, *, resume: bool,
         held["out"] = F.hold_folder(out, "out")
         if checkpoint_dir:
             held["claim"] = claim(checkpoint_dir, uuid.uuid4().hex, resume=resume, restart=restart)
-            return held["claim"].run_id
-        return None
+        return held["claim"].run_id if checkpoint_dir else None
 
     try:
         yield C.root_decides(comm, take)
