@@ -17,7 +17,6 @@ No MPI here: rank 0 reads the checkpoint's settings, and every rank decides the 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -94,7 +93,7 @@ def with_config_file(parser: argparse.ArgumentParser, argv: list[str], path: str
 def stored_config(directory: str) -> dict | None:
     """The settings recorded in the newest readable checkpoint of ``directory`` (rank 0)."""
     from ..run.checkpoint import list_checkpoints, read
-    for path in reversed(list_checkpoints(directory) if os.path.isdir(directory) else []):
+    for path in reversed(list_checkpoints(directory)):  # none where there is no folder
         try:
             return read(path)[0].get("config")
         except ValueError:

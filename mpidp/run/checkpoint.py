@@ -346,8 +346,7 @@ def restore(comm: C.Comm, directory: str, model: Sequential, optimizer: Optimize
     held: dict = {}
 
     def load_on_root():
-        found = read_latest(directory) if os.path.isdir(directory) else None
-        if found is None:
+        if (found := read_latest(directory)) is None:  # none, or no folder
             return None
         path, meta, arrays = found
         check_fits(path, meta, model.n_params, model.dtype, optimizer)
