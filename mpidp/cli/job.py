@@ -40,14 +40,13 @@ def _costs_arg(path: str):
     if path in ("auto", "uniform"):
         return None
     check_place(path, "--costs")
-    try:
-        costs = np.load(path, allow_pickle=False) if numpy_kind(path) == ".npy" else None
+    try:  # only a .npy file goes to NumPy (see numpy_kind)
+        if numpy_kind(path) == ".npy":
+            return np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--costs {path!r}: cannot read a .npy file ({exc})") from exc
-    if costs is None:  # NumPy's own error would suggest unpickling it
-        raise ValueError(f"--costs {path!r} is not a .npy file: give one cost per dataset row, "
-                         f"as np.save writes them")
-    return costs
+    raise ValueError(f"--costs {path!r} is not a .npy file: give one cost per dataset row, "
+                     f"as np.save writes them")
 
 
 def load_settings(args: argparse.Namespace) -> dict:
