@@ -25,13 +25,11 @@ def check_model_file(args: argparse.Namespace) -> None:
     if not is_model_file(args.model):
         return
     specs = read_model_file(args.model)
-    missing = unregistered(specs)
-    if missing:
+    if missing := unregistered(specs):
         raise ValueError(f"--model {args.model}: layer class {missing[0]!r} is not registered: "
                          f"{HINT}{near(missing[0])}")
     layers = layers_from(specs, 1, where=f"--model {args.model}")
-    why = refuses_model(layers, args.parallel, args.sync)
-    if why:
+    if why := refuses_model(layers, args.parallel, args.sync):
         raise ValueError(f"--model {args.model}: {why}")
 
 

@@ -127,8 +127,7 @@ def _seed_problem(args: argparse.Namespace, given: set[str], src) -> str | None:
 def predict(args: argparse.Namespace, comm: C.Comm, given: set[str] = frozenset()) -> dict | None:
     """Run ``mpidp predict``. Collective. Returns a summary on rank 0. ``given``: the
     options written on the command line."""
-    errors = problems(args, given)  # the same on every rank, from the same arguments
-    if errors:
+    if errors := problems(args, given):  # the same on every rank, from the same arguments
         raise C.MpidpError("; ".join(errors))
     C.root_decides(comm, check_outputs, args)
     # the user's layers: one that stalls a rank is named, as under train
@@ -142,8 +141,7 @@ def predict(args: argparse.Namespace, comm: C.Comm, given: set[str] = frozenset(
             watchdog.stop()
     src = C.run_agreed(comm, open_source, args.dataset, seed=args.seed,
                        n_samples=args.n_samples, n_features=args.n_features)
-    seed = _seed_problem(args, given, src)
-    if seed:  # the same verdict on every rank, as the two below
+    if seed := _seed_problem(args, given, src):  # the same verdict on every rank, as below
         raise C.MpidpError(seed)
     rows = (split_rows(src.n_samples, args.test_fraction, args.seed, src.fixed_test)[1]
             if args.rows == "test" else np.arange(src.n_samples))

@@ -67,8 +67,7 @@ class _Plateau:
 
     def restore(self, state: dict) -> None:
         """Take back counters :meth:`state` returned (e.g. from a checkpoint)."""
-        missing = [k for k in self._KEYS if k not in state]
-        if missing:
+        if missing := [k for k in self._KEYS if k not in state]:
             raise ValueError(f"{type(self).__name__}.restore: the saved state lacks "
                              f"{missing}; it holds {sorted(state)}")
         self.best = None if state["best"] is None else float(state["best"])

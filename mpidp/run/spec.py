@@ -141,13 +141,12 @@ class RunSpec:
         """``spec`` with ``settings`` (field names of :class:`RunSpec`) replaced, or a new
         spec from ``settings`` alone; a ``TypeError`` names an unknown setting."""
         settings = {k: v for k, v in settings.items() if v is not None}
-        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
+        names = [f.name for f in dataclasses.fields(cls)]
+        if unknown := sorted(set(settings) - set(names)):
             raise TypeError(f"unknown run setting(s) {', '.join(unknown)}; expected fields "
-                            f"of RunSpec: {', '.join(f.name for f in dataclasses.fields(cls))}")
+                            f"of RunSpec: {', '.join(names)}")
         if spec is None:
-            missing = [k for k in ("epochs", "batch_size") if settings.get(k) is None]
-            if missing:
+            if missing := [k for k in ("epochs", "batch_size") if settings.get(k) is None]:
                 raise TypeError(f"missing run setting(s): {', '.join(missing)} (or give spec=)")
             return cls(**settings)
         return dataclasses.replace(spec, **settings)
