@@ -74,20 +74,21 @@ class _Plateau:
         self.best_epoch = None if state["best_epoch"] is None else int(state["best_epoch"])
         self.bad_epochs, self.epochs = int(state["bad_epochs"]), int(state["epochs"])
 
+    def __repr__(self) -> str:  # the settings and counters of _SHOWN
+        return f"{type(self).__name__}({', '.join(f'{k}={getattr(self, k)!r}' for k in self._SHOWN)})"
+
 
 class EarlyStopping(_Plateau):
     """Stop when the monitored figure has not improved for ``patience`` epochs in a row:
     ``update(value)`` once per epoch returns True when ``bad_epochs >= patience`` (0: at the
     first bad epoch). ``mode``: ``"min"`` (a loss) or ``"max"`` (an accuracy)."""
 
+    _SHOWN = ("patience", "min_delta", "mode", "best", "bad_epochs")
+
     def update(self, value: float) -> bool:
         """Feed this epoch's global figure; True: stop now."""
         self._see(value)
         return self.bad_epochs >= self.patience and self.bad_epochs > 0
-
-    def __repr__(self) -> str:
-        return (f"EarlyStopping(patience={self.patience}, min_delta={self.min_delta}, "
-                f"mode={self.mode!r}, best={self.best}, bad_epochs={self.bad_epochs})")
 
 
 class ReduceOnPlateau(_Plateau):
@@ -97,6 +98,7 @@ class ReduceOnPlateau(_Plateau):
     that bad epoch; the count then restarts after ``cooldown`` epochs (as Keras does)."""
 
     _KEYS = _Plateau._KEYS + ("scale", "reductions", "cooldown_left")
+    _SHOWN = ("factor", "patience", "min_scale", "scale", "bad_epochs")
 
     def __init__(self, factor: float = 0.1, patience: int = 10, min_delta: float = 0.0,
                  min_scale: float = 0.0, mode: str = "min", cooldown: int = 0) -> None:
@@ -123,7 +125,3 @@ class ReduceOnPlateau(_Plateau):
         super().restore(state)
         self.scale, self.reductions = float(state["scale"]), int(state["reductions"])
         self.cooldown_left = int(state["cooldown_left"])
-
-    def __repr__(self) -> str:
-        return (f"ReduceOnPlateau(factor={self.factor}, patience={self.patience}, "
-                f"min_scale={self.min_scale}, scale={self.scale}, bad_epochs={self.bad_epochs})")
