@@ -125,7 +125,6 @@ class _Run:
             spec.watchdog.start()
         epoch, first = state.epoch, state.step
         totals = np.array(state.totals if first else (0.0, 0.0, 0.0), np.float64)
-        done = spec.epochs
         if self.stopped_early and epoch < spec.epochs:
             es = spec.early_stopping
             if self.trainer.world.rank == 0:
@@ -151,11 +150,10 @@ class _Run:
                 epoch, first, totals = self.recover(exc)
                 continue
             if ended:
-                done = epoch + 1
                 break
             epoch, first, totals = epoch + 1, 0, np.zeros(3)
-        if spec.checkpoint:
-            self.save(State(done, 0, self.trainer.global_step))
+        if spec.checkpoint:  # the epochs done: up to the one that ended training, at most all
+            self.save(State(min(epoch + 1, spec.epochs), 0, self.trainer.global_step))
 
     def mark(self, epoch: int, step: int, totals: np.ndarray, whole: bool = False) -> None:
         """Elastic runs: where this rank is, before step ``step`` of ``epoch``."""
