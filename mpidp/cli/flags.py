@@ -119,8 +119,7 @@ def spelling(parser: argparse.ArgumentParser) -> Callable[..., str]:
                if a.option_strings and a.dest != "help"}  # noqa: SLF001
 
     def spell(name: str, *value: Any) -> str:
-        flag = _BY_FIELD.get(name)
-        if flag is not None:
+        if (flag := _BY_FIELD.get(name)) is not None:
             return flag.flag + "".join(f" {flag.text(v)}" for v in value)
         if name not in options:
             return keyword(name, *value)

@@ -140,9 +140,8 @@ def _main(parser, argv: list[str]) -> int:
         return PREEMPTED_EXIT
     try:
         if args.command == "train" and args.resume and args.checkpoint_dir:
-            stored = C.root_decides(comm, settings.stored_config, args.checkpoint_dir)
-            if stored:  # what the run was trained with
-                args, argv = settings.with_stored(parser, argv, stored)
+            if stored := C.root_decides(comm, settings.stored_config, args.checkpoint_dir):
+                args, argv = settings.with_stored(parser, argv, stored)  # as it was trained
         _run(args, comm, parser, command, typed[typed.index(args.command) + 1:], from_file)
     except Preempted as exc:
         if comm.rank == 0:

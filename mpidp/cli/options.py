@@ -202,8 +202,7 @@ def problems(args: argparse.Namespace, given_: set[str], size: int) -> list[str]
     out += _schedule_problems(args, given_)
     if args.resume and not args.checkpoint_dir:
         out.append("--resume needs --checkpoint-dir")
-    beyond = sorted(r for r in (getattr(args, "slowdown", None) or {}) if r >= size)
-    if beyond:
+    if beyond := sorted(r for r in (getattr(args, "slowdown", None) or {}) if r >= size):
         out.append(f"--slowdown names rank{'s' * (len(beyond) > 1)} "
                    f"{', '.join(map(str, beyond))} but there are {size} ranks"
                    + ("" if "slowdown" in given_ else " (the resumed run's --slowdown, for "

@@ -47,8 +47,7 @@ def _open_model(path: str) -> nn.Sequential:
     try:
         model = nn.load(path, check_finite=False)
     except ValueError as exc:
-        missing = [name for name in unregistered(saved_spec(path)) if repr(name) in str(exc)]
-        if missing:
+        if missing := [name for name in unregistered(saved_spec(path)) if repr(name) in str(exc)]:
             raise ValueError(f"--model {model_file(path)!r} uses layer class {missing[0]!r}, "
                              f"which is not registered: {HINT}") from None
         raise ValueError(f"--model {exc}; give the model.npz that 'mpidp train' wrote, or its "
@@ -103,8 +102,7 @@ def problems(args: argparse.Namespace, given: set[str] = frozenset()) -> list[st
     if args.test_fraction is not None and args.rows != "test":
         out.append("--test-fraction needs --rows test (it sizes the held-out rows)")
     if args.dataset not in GENERATED:  # a file or a built-in set: its own size and rows
-        sized = [f"--{dest.replace('_', '-')}" for dest in SIZE_DEFAULTS if dest in given]
-        if sized:
+        if sized := [f"--{dest.replace('_', '-')}" for dest in SIZE_DEFAULTS if dest in given]:
             out.append(f"{' and '.join(sized)} {'do' if len(sized) > 1 else 'does'} not apply "
                        f"to --dataset {args.dataset}: only the generated datasets "
                        f"({', '.join(GENERATED)}) are made to a size")

@@ -128,8 +128,7 @@ def compare_resume(saved_config: dict, config: dict, *, state: ck.State | None =
     :data:`RESUME_EXCHANGE`, only what the checkpoint records, a ``--sync``'s settings only
     under the same one); ``refusal``: None, or why not."""
     problems, was_sync = [], saved_config.get("sync")
-    differ = [k for k in RESUME_MUST_MATCH if saved_config.get(k) != config.get(k)]
-    if differ:
+    if differ := [k for k in RESUME_MUST_MATCH if saved_config.get(k) != config.get(k)]:
         problems.append(f"checkpoint {path} was written with different settings: " + ", ".join(
             f"--{k.replace('_', '-')} {saved_config.get(k)} (now {config.get(k)})" for k in differ))
     was, now = saved_config.get("data_fingerprint"), config.get("data_fingerprint")
