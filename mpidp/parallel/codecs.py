@@ -147,11 +147,10 @@ class Codec:
             ef, acc = res is not None, self._x[:k]
             res, lost = (res, lost) if ef else (self._none, self._none)
             if self.codec == "int8":
-                top = self._k.i8_sum(mine, recv, starts, k, res, ef, lost, ef, acc, INT8_TINY,
-                                     self._one)
+                top = self._k.i8_sum(mine, recv, starts, k, res, ef, lost, ef, acc,
+                                     *_int8_parts(mine, k), INT8_TINY, self._one)
             else:
-                top = self._k.bf16_sum(mine, recv, starts, res, ef, lost, ef, acc,
-                                       acc.view(np.uint32), self._one)
+                top = self._k.bf16_sum(mine, recv, starts, res, ef, lost, ef, acc, self._one)
             return bool(top >= BFLOAT16_INF_BITS), False
         acc, u = self._x[:k], len(mine)
         for r, at in enumerate(starts):

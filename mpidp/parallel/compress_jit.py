@@ -49,14 +49,12 @@ def bf16_decode(codes, out, scratch):
 
 
 @_jit
-def bf16_sum(mine, recv, starts, res, use_res, lost, keep_lost, acc, accb, scratch):
+def bf16_sum(mine, recv, starts, res, use_res, lost, keep_lost, acc, scratch):
     """The rank-order float32 sum of P rows of codes (row r: ``mine`` where
     ``starts[r] < 0``, else ``recv[starts[r]:]``), plus res, re-encoded into mine.
-    ``acc``: float32 scratch of the row's length, ``accb`` its uint32 view."""
+    ``acc``: float32 scratch of the row's length."""
     k = mine.shape[0]
-    first = mine if starts[0] < 0 else recv[starts[0]:starts[0] + k]
-    for i in range(k):
-        accb[i] = u32(first[i]) << half
+    bf16_decode(mine if starts[0] < 0 else recv[starts[0]:starts[0] + k], acc, scratch)
     sb = scratch.view(np.uint32)
     for r in range(1, starts.shape[0]):
         row = mine if starts[r] < 0 else recv[starts[r]:starts[r] + k]
@@ -126,15 +124,13 @@ def i8_decode(q, scale, out, add=False):
 
 
 @_jit
-def i8_sum(mine, recv, starts, k, res, use_res, lost, keep_lost, acc, tiny, scratch):
+def i8_sum(mine, recv, starts, k, res, use_res, lost, keep_lost, acc, q, scale, tiny, scratch):
     """The rank-order float32 sum of P int8 segments of k values (row r: ``mine``
     where ``starts[r] < 0``, else ``recv[starts[r]:]``; uint16 units), plus res,
-    re-encoded into mine. ``acc``: float32 (k,) scratch."""
+    re-encoded into mine's codes ``q`` and scales ``scale``. ``acc``: float32 (k,) scratch."""
     at, groups, u = 4 * -(-k // 4), -(-k // group), mine.shape[0]
     for r in range(starts.shape[0]):
         row = mine if starts[r] < 0 else recv[starts[r]:starts[r] + u]
         b = row.view(np.uint8)
         i8_decode(b[:k].view(np.int8), b[at:at + 4 * groups].view(np.float32), acc, r > 0)
-    b = mine.view(np.uint8)
-    q, scale = b[:k].view(np.int8), b[at:at + 4 * groups].view(np.float32)
     return i8_encode(acc, res, use_res, acc, lost, keep_lost, q, scale, tiny, scratch)
