@@ -138,4 +138,3 @@ def fit(dp: DataParallel, train: Shard, epochs: int | None = None,
         if dp.at_boundary():  # replicas that differ (a layer's state too): a failed run
             dp.check_replicas()
         return history
-
