@@ -102,9 +102,7 @@ class _Worker(TrainerBase):
             model.context.training, model.context.index = False, None
             if self._poison:
                 msg[0], self._poison = np.nan, False
-        msg[n + _Slot.COUNT], msg[n + _Slot.EPOCH] = len(X), self.epoch
-        msg[n + _Slot.BATCH], msg[n + _Slot.VERSION] = self.batch, self.version[0]
-        msg[n + _Slot.STOP] = bool(self.stop_requested)  # the server stops every worker
+        msg[n + _Slot.COUNT:] = len(X), self.epoch, self.batch, self.version[0], bool(self.stop_requested)
         with self.timer.communicate("push and pull", bytes=int(msg.nbytes)):
             C.send(self.comm, msg, self.root, _PUSH)
             C.recv_(self.comm, model.params, self.root, _PULL)  # fresh parameters...

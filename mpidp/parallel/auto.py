@@ -89,10 +89,9 @@ class Auto(Sync):
         """Why there is no choice yet (a run that ended during the trials); None once chosen."""
         if self.choice is not None:
             return None
-        need = WARMUP + TRIALS * len(self.labels)
         return (f"auto: no choice: the run ended after {self.steps} step(s), before the "
-                f"trials of {', '.join(self.labels)} (in turns from step {WARMUP + 1}) "
-                f"could end; they need {need} steps or more, so train longer for a choice")
+                f"trials of {', '.join(self.labels)} (in turns from step {WARMUP + 1}) could end; "
+                f"they need {WARMUP + TRIALS * len(self.labels)} steps or more, so train longer for a choice")
 
     def refuses(self, model) -> str | None:
         """What a fused allreduce refuses (other candidates that refuse are not tried); a

@@ -58,9 +58,8 @@ def encode(x: np.ndarray, codec: str) -> np.ndarray:
     at least :data:`INT8_TINY`; a group holding NaN or Inf decodes to NaN or Inf)."""
     if codec == "int8":  # one segment
         k, groups = len(x), -(-len(x) // GROUP)
-        g = np.zeros(groups * GROUP, np.float32)
-        g[:k] = x
-        g = g.reshape(groups, GROUP)
+        g = np.zeros((groups, GROUP), np.float32)
+        g.flat[:k] = x
         out = np.zeros(units(k, "int8"), np.uint16)
         q, scale = _int8_parts(out, k)
         with np.errstate(invalid="ignore", over="ignore"):

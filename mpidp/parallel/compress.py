@@ -175,8 +175,7 @@ class Compressed(Sync):
             self._launch()
         self._advance(wait=True)
         extras = self.extras
-        extras[:buffer.N_EXTRA] = self.buf[n:]
-        extras[buffer.N_EXTRA:] = (self.overflow, self.nonfinite)
+        extras[...] = (*self.buf[n:], self.overflow, self.nonfinite)
         C.allreduce_sum_(self.comm, extras)
         gathering, pieces, decoded = self.gathering, self.pieces, self.decoded
         self._begin()

@@ -75,8 +75,7 @@ class ParameterServer(Sync):
                     C.reduce_sum_to_(self.leaders, buf, 0)  # the server leads leaders
         if comm.rank == root:
             with self.timer.compute():  # only the server holds the sums: it checks them all
-                verdict[:buffer.N_EXTRA] = buf[n:]
-                verdict[-1] = not r.checks or all_finite(buf)
+                verdict[...] = (*buf[n:], not r.checks or all_finite(buf))
         with self.timer.communicate(self.name, bytes=int(verdict.nbytes)):
             C.bcast_(comm, verdict, root)
         out = global_sums(verdict, 0)
