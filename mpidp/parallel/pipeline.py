@@ -5,7 +5,6 @@ gradients with one ``Allreduce`` per step (docs/design.md#pipeline-and-hybrid)."
 from __future__ import annotations
 
 import copy
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -308,7 +307,7 @@ class Pipeline(TrainerBase):
         held: dict = {}
 
         def load_on_root():
-            if not os.path.isdir(directory) or (found := ckpt.read_latest(directory)) is None:
+            if (found := ckpt.read_latest(directory)) is None:  # none, or no folder
                 return None
             path, meta, arrays = found
             # read_latest checked that each optimizer state is one value per parameter
