@@ -51,18 +51,15 @@ class Auto(Sync):
         self.buf = out.grads
         offered: list[tuple[str, Sync]] = [("allreduce", plain)]
         if s.comm.size > 1:
-            layouts = set()
+            by_layout: dict[tuple, int] = {}  # the same buckets: the same strategy, tried once
             for size in sorted({self.bucket_bytes, max(1 << 16, self.n * self.buf.itemsize // 4)}):
-                layout = tuple(layer_buckets(s.model.layer_ranges, self.buf.size,
-                                             self.buf.itemsize, size))
-                if layout not in layouts:  # the same buckets: the same strategy, tried once
-                    layouts.add(layout)
-                    offered.append((f"overlapped ({size / 2**20:.2g} MiB buckets)",
-                                    Overlapped(size, progress=self.progress)))
-            for codec in ((self.codec,) if self.codec else ("bfloat16", "int8")):
-                if s.model.dtype == np.float32:
-                    offered.append((f"compressed ({codec})",
-                                    Compressed(codec, bucket_bytes=self.bucket_bytes)))
+                by_layout.setdefault(tuple(layer_buckets(s.model.layer_ranges, self.buf.size,
+                                                         self.buf.itemsize, size)), size)
+            offered += [(f"overlapped ({size / 2**20:.2g} MiB buckets)",
+                         Overlapped(size, progress=self.progress)) for size in by_layout.values()]
+            if s.model.dtype == np.float32:
+                offered += [(f"compressed ({codec})", Compressed(codec, bucket_bytes=self.bucket_bytes))
+                            for codec in ((self.codec,) if self.codec else ("bfloat16", "int8"))]
         # a candidate that refuses the model is not tried (a refusal depends on it alone)
         kept = offered[:1] + [(label, c) for label, c in offered[1:] if c.refuses(s.model) is None]
         shared = Setup(s.comm, s.root, s.model, s.timer, grads=self.buf)

@@ -98,10 +98,8 @@ class Compressed(Sync):
             sum(p.sent for p in self.pieces) * 2 if size > 1 else 0)
         # what rounding lost, in use and next, kept apart so that a skipped (non-finite)
         # step leaves the residuals as they were instead of poisoning them
-        ef = self.error_feedback
-        self.residual, self._next = (np.zeros(n if ef else 0, np.float32) for _ in "ab")
-        self.chunk_residual, self._chunk_next = (np.zeros(at if ef else 0, np.float32)
-                                                 for _ in "ab")
+        self.residual, self._next, self.chunk_residual, self._chunk_next = (
+            np.zeros(m if self.error_feedback else 0, np.float32) for m in (n, n, at, at))
         self.gather_comm = C.companion(s.comm) if size > 1 else None
         self._begin()
         return out
