@@ -19,8 +19,7 @@ from ..errors import setting
 from ..nn import Loss, Optimizer, Sequential
 from ..nn.optim import Segments
 from ..observe.metrics import StepTimer
-from ..run.checkpoint import State
-from ..run.checkpoint import save as save_checkpoint
+from ..run import checkpoint as ckpt
 from ..run.faults import Injector
 from ..run.loop import run, watched_run, writing_checkpoint
 from ..run.nonfinite import NonFiniteError, Policy, all_finite
@@ -152,7 +151,7 @@ class _WorkerFeed:
         return {}
 
 
-def _work(w: _Worker, shard: Shard, spec: RunSpec, start: State | None) -> None:
+def _work(w: _Worker, shard: Shard, spec: RunSpec, start: ckpt.State | None) -> None:
     try:
         run(w, _WorkerFeed(w, shard, spec),
             RunSpec(spec.epochs, spec.batch_size, resume=start, stop=spec.stop,
@@ -168,7 +167,7 @@ class _Positions:
 
     KEY = "async"  # under this key of :attr:`mpidp.run.checkpoint.State.partition`
 
-    def __init__(self, workers: list[int], resume: State | None, epochs: int) -> None:
+    def __init__(self, workers: list[int], resume: ckpt.State | None, epochs: int) -> None:
         self.at = {w: [0, 0, 0] for w in workers}
         self.epochs, self.saved = epochs, {}
         if resume is not None:
@@ -186,14 +185,14 @@ class _Positions:
     def done(self, w: int) -> None:
         self.at[w] = [self.epochs, 0, self.at[w][2]]
 
-    def state(self, stats: AsyncStats, version: int, config: dict) -> State:
+    def state(self, stats: AsyncStats, version: int, config: dict) -> ckpt.State:
         """The checkpoint's :class:`~mpidp.run.checkpoint.State`: the slowest worker's
         position; its step the pushes served so far."""
         epoch, batch = min((p[0], p[1]) for p in self.at.values())
         info = {"workers": {str(w): p for w, p in self.at.items()}, "version": version,
                 "applied": stats.applied, "dropped": stats.dropped, "skipped": stats.skipped,
                 "epoch_loss": {str(e): v for e, v in stats.epoch_loss.items()}}
-        return State(epoch, batch, stats.served, [0.0, 0.0, 0.0], [], config, {self.KEY: info})
+        return ckpt.State(epoch, batch, stats.served, [0.0, 0.0, 0.0], [], config, {self.KEY: info})
 
 
 class _ServerFaults:
@@ -229,8 +228,8 @@ def _server(ps: AsyncPS, positions: _Positions, spec: RunSpec) -> tuple[AsyncSta
     def save() -> None:
         state = positions.state(stats, int(version[0]), checkpoint.config)
         with writing_checkpoint(tracer):  # the server alone writes
-            save_checkpoint(checkpoint.directory, model, optimizer, state, checkpoint.keep,
-                            run_id=checkpoint.run_id)
+            ckpt.save(checkpoint.directory, model, optimizer, state, checkpoint.keep,
+                      run_id=checkpoint.run_id)
 
     while any(r != C.MPI_REQUEST_NULL for r in reqs):  # a worker not done yet
         t_wait = time.perf_counter()
@@ -360,7 +359,7 @@ def fit_async(ps: AsyncPS, train: Shard, epochs: int | None = None,
             stats, error = _server(ps, positions, spec)
         else:
             _work(_Worker(comm, ps.model, ps.loss, root, ps.timer), train, spec,
-                  State(*positions.at[comm.rank]) if spec.resume is not None else None)
+                  ckpt.State(*positions.at[comm.rank]) if spec.resume is not None else None)
         error = C.bcast_obj(comm, error, root)  # the server's reason to stop, on every rank
         if error == _PREEMPTED:
             raise Preempted(int(C.bcast_obj(comm, stats.applied, root)), spec.checkpoint)

@@ -297,8 +297,7 @@ class Pipeline(TrainerBase):
             opt = {k: C.gatherv(self.pipe, v, 0) for k, v in sorted(self.optimizer.state.items())}
         whole = copy.copy(self.optimizer)  # this stage's type and step, the whole state
         whole.state = opt
-        C.root_decides(self.world, lambda: ckpt.save_flat(directory, params, whole, state, keep,
-                                                          run_id=run_id))
+        C.root_decides(self.world, ckpt.save_flat, directory, params, whole, state, keep, run_id=run_id)
 
     def restore(self, directory: str) -> tuple[str, ckpt.State] | None:
         """Load the newest good checkpoint in ``directory`` (of any shape, or of data-parallel
