@@ -32,12 +32,8 @@ _THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 def single_threaded() -> bool:
     """True when this process's BLAS runs one thread: one usable core, a thread variable
     set to 1, or (with threadpoolctl) every BLAS pool limited to one thread. Read now."""
-    try:
-        if len(os.sched_getaffinity(0)) == 1:
-            return True
-    except AttributeError:  # not Linux
-        pass
-    if any(os.environ.get(v, "").strip() == "1" for v in _THREAD_VARS):
+    one_core = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) == 1  # Linux only
+    if one_core or any(os.environ.get(v, "").strip() == "1" for v in _THREAD_VARS):
         return True
     try:
         from threadpoolctl import threadpool_info
