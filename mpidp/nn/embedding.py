@@ -10,12 +10,6 @@ from .layers import Layer, Shapes, init_weights, register_layer
 _INITS = ("normal", "xavier", "zeros")
 
 
-def _size(v, what: str) -> int:
-    if not is_whole(v, 1):
-        raise ValueError(f"Embedding needs {what} >= 1 (an int), got {v!r}")
-    return int(v)
-
-
 @register_layer
 class Embedding(Layer):
     """Looks up ``W[id]`` for every token id: ``(n, *s)`` ids -> ``(n, *s, dim)``; ids are
@@ -27,7 +21,10 @@ class Embedding(Layer):
 
     def __init__(self, n_tokens: int, dim: int, init: str = "normal") -> None:
         super().__init__()
-        self.n_tokens, self.dim = _size(n_tokens, "n_tokens"), _size(dim, "dim")
+        for what, v in (("n_tokens", n_tokens), ("dim", dim)):
+            if not is_whole(v, 1):
+                raise ValueError(f"Embedding needs {what} >= 1 (an int), got {v!r}")
+        self.n_tokens, self.dim = int(n_tokens), int(dim)
         if init not in _INITS:
             raise ValueError(f"unknown Embedding init {init!r}; expected one of {_INITS}")
         self.init = init
