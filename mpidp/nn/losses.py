@@ -1,6 +1,5 @@
-"""Losses: pure NumPy, no MPI. Each returns the SUM over samples of the per-sample loss,
-so the global mean is the ranks' sums over the global count: exact for uneven or empty
-shards."""
+"""Losses. Each returns the SUM over samples of the per-sample loss, so the global mean is
+the ranks' sums over the global count: exact for uneven or empty shards."""
 
 from __future__ import annotations
 
@@ -47,11 +46,6 @@ def label_problem(y: np.ndarray, k: int, classes_only: bool = True) -> str | Non
     return None
 
 
-def _check_labels(y: np.ndarray, k: int, classes_only: bool = True) -> None:
-    if why := label_problem(y, k, classes_only):
-        raise ValueError(why)
-
-
 class SoftmaxCrossEntropy(Loss):
     """Softmax over ``k`` logits then cross-entropy with integer labels ``(n,)`` in ``[0, k)``:
     per sample ``logsumexp(z) - z[y]``, gradient ``softmax(z) - onehot(y)``."""
@@ -59,7 +53,8 @@ class SoftmaxCrossEntropy(Loss):
     classification = True
 
     def forward(self, pred: np.ndarray, target: np.ndarray) -> float:
-        _check_labels(target, pred.shape[1])
+        if why := label_problem(target, pred.shape[1]):
+            raise ValueError(why)
         z = pred - pred.max(axis=1, keepdims=True) if len(pred) else pred  # (n, k)
         e = np.exp(z)
         s = e.sum(axis=1, keepdims=True)
@@ -79,7 +74,8 @@ class MeanSquaredError(Loss):
 
     def forward(self, pred: np.ndarray, target: np.ndarray) -> float:
         if target.ndim == 1 and np.issubdtype(target.dtype, np.integer):
-            _check_labels(target, pred.shape[1], classes_only=False)
+            if why := label_problem(target, pred.shape[1], classes_only=False):
+                raise ValueError(why)
             t = np.zeros_like(pred)
             t[np.arange(len(target)), target] = 1
         else:
