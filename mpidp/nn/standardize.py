@@ -55,9 +55,8 @@ def moments(x: np.ndarray) -> Moments:
 
 
 def merge_moments(a: Moments, b: Moments) -> Moments:
-    """The moments of the union of two disjoint sets of rows (Chan, Golub and LeVeque):
-    ``mean = ma + d * nb / n``, ``M2 = M2a + M2b + d**2 * na * nb / n`` with
-    ``d = mb - ma``; either side may be empty (count 0)."""
+    """The moments of the union of two disjoint sets of rows (Chan, Golub and LeVeque's
+    update, below); either side may be empty (count 0)."""
     (na, ma, m2a), (nb, mb, m2b) = [(int(n), np.asarray(m, np.float64), np.asarray(q, np.float64))
                                     for n, m, q in (a, b)]
     if ma.shape != mb.shape:
@@ -88,10 +87,7 @@ def pass1_sums(x: np.ndarray) -> np.ndarray:
     """First pass of the two-pass route: ``[count, *sum(x, axis=0).ravel()]`` float64
     ``(1 + F,)``, to be summed over the ranks (Allreduce)."""
     x = _rows(x, "pass1_sums")
-    out = np.empty(1 + int(np.prod(x.shape[1:])), np.float64)
-    out[0] = len(x)
-    out[1:] = np.sum(x, axis=0, dtype=np.float64).ravel()
-    return out
+    return np.concatenate([[len(x)], np.sum(x, axis=0, dtype=np.float64).ravel()])
 
 
 def pass1_mean(total: np.ndarray) -> tuple[int, np.ndarray]:
