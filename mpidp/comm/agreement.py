@@ -32,25 +32,25 @@ def agree(comm: Comm, error: str | None) -> None:
 
 
 def _attempt(fn, *args, **kwargs) -> tuple[Any, str | None, Exception | None]:
-    """``(fn's result, None, None)``, or ``(None, its failure described, the exception)``."""
+    """``(fn's result, None, None)``, or ``(None, its failure described, the exception if a bug)``."""
     try:
         return fn(*args, **kwargs), None, None
-    except Exception as exc:  # noqa: BLE001 - agreed on, then re-raised by the caller
-        text = str(exc) or type(exc).__name__
-        bad_input = isinstance(exc, (ValueError, OSError))
-        return None, text if bad_input else f"{type(exc).__name__}: {text}", exc
+    except (ValueError, OSError) as exc:
+        return None, str(exc) or type(exc).__name__, None
+    except Exception as bug:  # noqa: BLE001 - agreed on, then re-raised by the caller
+        return None, f"{type(bug).__name__}: {str(bug) or type(bug).__name__}", bug
 
 
 def run_agreed(comm: Comm, fn, *args, **kwargs) -> Any:
     """Call ``fn`` on every rank and return its result; if it raises on any rank, every rank
     raises (collective): bad input (``ValueError``/``OSError``) as :class:`MpidpError`, a bug
     (any other exception) unchanged on the rank that hit it, as :class:`MpidpError` elsewhere."""
-    result, error, exc = _attempt(fn, *args, **kwargs)
+    result, error, bug = _attempt(fn, *args, **kwargs)
     try:
         agree(comm, error)
     except MpidpError:
-        if exc is not None and not isinstance(exc, (ValueError, OSError)):
-            raise exc from None
+        if bug is not None:
+            raise bug from None
         raise
     return result
 
@@ -59,12 +59,12 @@ def run_agreed(comm: Comm, fn, *args, **kwargs) -> Any:
 def root_decides(comm: Comm, fn, *args, root: int = 0, **kwargs) -> Any:
     """Run ``fn`` on ``root`` only; its result (pickled: keep it small) or its failure (as in
     :func:`run_agreed`) reaches every rank. Collective."""
-    result, error, exc = _attempt(fn, *args, **kwargs) if comm.rank == root else (None, None, None)
+    result, error, bug = _attempt(fn, *args, **kwargs) if comm.rank == root else (None, None, None)
     result, error = comm.bcast((result, error), root=root)
     if error is None:
         return result
-    if exc is not None and not isinstance(exc, (ValueError, OSError)):
-        raise exc
+    if bug is not None:
+        raise bug
     raise MpidpError(error)
 
 
