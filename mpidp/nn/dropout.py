@@ -47,10 +47,8 @@ def keep_mask(key: int, index: np.ndarray, size: int, threshold: int) -> np.ndar
     ``1 - threshold / 2**64``); hashed in blocks of about ``_BLOCK`` words."""
     n = len(index)
     rows = _mix_(np.asarray(index).astype(np.uint64) ^ _U(key))
-    step = np.arange(1, size + 1, dtype=np.uint64)
-    step *= _U(_GOLDEN)
+    step = np.arange(1, size + 1, dtype=np.uint64) * _U(_GOLDEN)
     out = np.empty((n, size), bool)
-    thr = _U(threshold)
     per = max(1, _BLOCK // size)  # rows per block
     cols = min(size, _BLOCK)      # columns per block
     shape = (max(1, min(per, n)), cols)
@@ -60,7 +58,7 @@ def keep_mask(key: int, index: np.ndarray, size: int, threshold: int) -> np.ndar
         for c in range(0, size, cols):
             w = min(cols, size - c)
             zz = np.add(rows[r:r + m, None], step[None, c:c + w], out=z[:m, :w])
-            np.greater_equal(_mix_(zz, tmp[:m, :w]), thr, out=out[r:r + m, c:c + w])
+            np.greater_equal(_mix_(zz, tmp[:m, :w]), _U(threshold), out=out[r:r + m, c:c + w])
     return out
 
 
