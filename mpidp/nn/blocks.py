@@ -25,8 +25,7 @@ class Residual(Layer):
         layers = list(layers)
         if not layers or not all(isinstance(la, Layer) for la in layers):
             raise ValueError(f"Residual needs a non-empty list of layers, got {layers!r}")
-        reads = next((la for la in layers if la.reads), None)
-        if reads is not None:
+        if (reads := next((la for la in layers if la.reads), None)) is not None:
             raise ValueError(f"Residual: its layer {reads!r} reads {reads.reads} from the data "
                              f"set itself, so it can only be a model's first layer")
         #: how many blocks deep its layers go (1: none of them is a block)

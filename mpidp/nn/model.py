@@ -37,8 +37,7 @@ def chain_shapes(layers: Sequence[Layer], in_shape: tuple[int, ...]) -> list[tup
     """Per-sample shapes ``[in_shape, out of layer 0, ..., out of the last layer]``; raises
     ``ValueError`` naming the first layer that cannot take its input's shape, or one that
     reads the data's rows themselves (:attr:`Layer.reads`) after another layer."""
-    late = next((i for i, la in enumerate(layers) if i and getattr(la, "reads", "")), None)
-    if late is not None:
+    if (late := next((i for i, la in enumerate(layers) if i and getattr(la, "reads", "")), None)) is not None:
         raise ValueError(f"layer {late} ({layers[late]!r}) reads {layers[late].reads} from the data set "
                          f"itself, so it must be the first layer; here {layers[late - 1]!r} comes before it")
     shapes = [tuple(in_shape)]
@@ -221,11 +220,9 @@ class Sequential:
     def spec(self) -> list[dict]:
         """JSON-able, for :func:`from_spec` (no parameters): ``{"type": <registered name>, **layer.config()}``
         per layer, the first also holding ``"model_n_in"`` (flat inputs) or ``"model_in_shape"`` (a list)."""
+        shape = {"model_n_in": self.n_in} if len(self.in_shape) == 1 else {"model_in_shape": [*self.in_shape]}
         out = [layer_spec(layer) for layer in self.layers]
-        if len(self.in_shape) == 1:
-            out[0]["model_n_in"] = self.n_in
-        else:
-            out[0]["model_in_shape"] = list(self.in_shape)
+        out[0].update(shape)
         return out
 
     def save(self, path: str | os.PathLike, meta: dict | None = None) -> str:
