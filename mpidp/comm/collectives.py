@@ -357,10 +357,9 @@ def pingpong(comm: Comm, nbytes: int, reps: int = 50, peer: int = 1) -> float | 
     """One-way seconds of an ``nbytes`` message between rank 0 and ``peer`` (the median of
     ``reps`` round trips, halved) on rank 0; None elsewhere. Collective over the pair."""
     buf = np.zeros(max(nbytes, 1), np.uint8)[:nbytes]
-    other = peer if comm.rank == 0 else 0
     calls = (comm.Send, comm.Recv) if comm.rank == 0 else (comm.Recv, comm.Send)  # rank 0 asks
 
-    def round_trip() -> None:
+    def round_trip(other: int) -> None:
         for call in calls:
             call(buf, other, 5)
     t = _pair_median(comm, peer, round_trip, reps)
@@ -386,20 +385,20 @@ def time_allreduce(comm: Comm, n: int, dtype=np.float32, reps: int = 20,
 def exchange_time(comm: Comm, nbytes: int, reps: int = 20, peer: int = 1) -> float | None:
     """Median seconds for rank 0 and ``peer`` to ``Sendrecv`` ``nbytes`` to each other (both
     directions busy, as in a ring), on rank 0; None elsewhere. Collective over the pair."""
-    other = peer if comm.rank == 0 else 0
     out, back = (np.zeros(max(nbytes, 1), np.uint8)[:nbytes] for _ in range(2))
-    return _pair_median(comm, peer, lambda: comm.Sendrecv(
+    return _pair_median(comm, peer, lambda other: comm.Sendrecv(
         out, dest=other, sendtag=6, recvbuf=back, source=other, recvtag=6), reps)
 
 
-def _pair_median(comm: Comm, peer: int, once: Callable[[], None], reps: int) -> float | None:
-    """Median seconds of ``once()`` over ``reps`` runs after 3 warm-ups, on rank 0; None
-    elsewhere (``once`` runs on rank 0 and ``peer`` only)."""
+def _pair_median(comm: Comm, peer: int, once: Callable[[int], None], reps: int) -> float | None:
+    """Median seconds of ``once(the other rank of the pair)`` over ``reps`` runs after 3 warm-ups,
+    on rank 0; None elsewhere (``once`` runs on rank 0 and ``peer`` only)."""
     if comm.rank not in (0, peer):
         return None
+    other = peer if comm.rank == 0 else 0
     times = []
     for _ in range(reps + 3):
         t = MPI.Wtime()
-        once()
+        once(other)
         times.append(MPI.Wtime() - t)
     return float(np.median(times[3:])) if comm.rank == 0 else None
