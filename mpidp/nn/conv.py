@@ -139,8 +139,7 @@ class _ConvNd(Layer):
         sc, *ss, sn = xt.strides
         view = as_strided(xt, (C, *self.kernel, *out, n),
                           (sc, *ss, *(s * st for s, st in zip(ss, self.stride)), sn), writeable=False)
-        cols = np.empty(view.shape, W.dtype)  # im2col: rows (c, *offset), columns (*out, n)
-        np.copyto(cols, view)
+        cols = np.ascontiguousarray(view)  # im2col: rows (c, *offset), columns (*out, n)
         cols = cols.reshape(C * int(np.prod(self.kernel)), P * n)
         y2 = W.reshape(F, -1) @ cols  # (F, P*n): the one GEMM
         y = np.empty((n, F, *out), W.dtype)
@@ -174,10 +173,8 @@ class _ConvNd(Layer):
         every = slice(None)
         for offset in itertools.product(*map(range, self.kernel)):  # col2im: one add per tap
             dxt[(every, *tap(offset, self.stride, out), every)] += dcols[(every, *offset)]
-        inner = tuple(slice(p, p + s) for s, p in zip(spatial, self.padding))
-        dx = np.empty(self._x_shape, W.dtype)  # the padding's share dropped
-        np.copyto(dx, dxt[(every, *inner)].transpose(nd + 1, 0, *range(1, nd + 1)))
-        return dx
+        inner = tuple(slice(p, p + s) for s, p in zip(spatial, self.padding))  # the padding's share dropped
+        return np.ascontiguousarray(dxt[(every, *inner)].transpose(nd + 1, 0, *range(1, nd + 1)))
 
     def __repr__(self) -> str:
         extra = "".join(f", {k}={compact(v)}" for k, v, d in

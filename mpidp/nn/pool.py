@@ -79,9 +79,7 @@ class _WindowPool(ParameterFree):
         sn, sc, *ss = x.strides
         view = as_strided(x, (*size, *x.shape[:2], *out),
                           (*ss, sn, sc, *(s * st for s, st in zip(ss, stride))), writeable=False)
-        taps = np.empty(view.shape, x.dtype)
-        np.copyto(taps, view)
-        return taps.reshape(int(np.prod(size)), *x.shape[:2], *out)  # no -1: n may be 0
+        return np.ascontiguousarray(view).reshape(int(np.prod(size)), *x.shape[:2], *out)  # no -1: n may be 0
 
     def __repr__(self) -> str:
         stride = "" if self.stride is None else f", stride={self.stride}"
