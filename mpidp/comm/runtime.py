@@ -132,11 +132,10 @@ def duplicate(comm: Comm) -> Comm:
 def _free_kept(comm: Comm, keyval: int, kept: Comm | dict) -> None:
     """MPI's callback when ``comm`` is freed (collectively, on every rank): free what was
     kept on it, its companion or the pairs :func:`node_split` made. Must not raise into MPI."""
-    parts = [c for pair in kept.values() for c in pair] if isinstance(kept, dict) else [kept]
+    parts = [c for pair in kept.values() for c in pair if c is not None] if isinstance(kept, dict) else [kept]
     for part in parts:
         with contextlib.suppress(Exception):  # MPI is freeing comm: nothing to report to
-            if part is not None:
-                part.Free()
+            part.Free()
 
 
 _COMPANION = MPI.Comm.Create_keyval(delete_fn=_free_kept)

@@ -86,8 +86,7 @@ class SharedReduce:
         self._arrays = [np.frombuffer(self._win.Shared_query(r)[0], dtype, count=n)
                         for r in range(comm.size)]
         self.array = self._arrays[comm.rank]
-        edges = [n * k // comm.size for k in range(comm.size + 1)]
-        self._mine = slice(edges[comm.rank], edges[comm.rank + 1])
+        self._mine = slice(n * comm.rank // comm.size, n * (comm.rank + 1) // comm.size)
         self._win.Lock_all(MPI.MODE_NOCHECK)
 
     def array_of(self, rank: int) -> np.ndarray:
