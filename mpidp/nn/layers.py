@@ -191,8 +191,7 @@ def is_finite_number(value: object) -> bool:
 
 
 def init_weights(W: np.ndarray, init: str, fan_in: int, fan_out: int, rng: np.random.Generator) -> None:
-    """Fill ``W`` in place: ``"he"`` N(0, 2/fan_in), ``"normal"`` N(0, 1), ``"xavier"``
-    U(±sqrt(6/(fan_in+fan_out))), else zeros."""
+    """Fill ``W`` in place from ``rng`` by ``init``: ``"he"``, ``"normal"``, ``"xavier"`` or else zeros."""
     if init == "he":
         W[...] = rng.standard_normal(W.shape) * np.sqrt(2.0 / fan_in)
     elif init == "normal":
