@@ -207,8 +207,6 @@ def schedule_from_config(config: dict[str, Any]) -> Schedule:
     name = settings.pop("name")
     if (cls := _BY_NAME.get(name)) is None:
         raise ValueError(f"unknown learning-rate schedule {name!r}; expected one of {(*SCHEDULES, 'warmup')}")
-    if cls is Warmup and isinstance(settings.get("after"), dict):
-        settings["after"] = schedule_from_config(settings["after"])
     known = {f.name for f in fields(cls) if f.init}
     if unknown := sorted(set(settings) - known):
         raise ValueError(f"schedule {name!r} has no setting {unknown}; its settings are {sorted(known)}")
