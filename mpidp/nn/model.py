@@ -321,8 +321,7 @@ def load(path: str | os.PathLike, check_finite: bool = True) -> Sequential:
         if kind != ".npz":
             raise ValueError("not a .npz archive (" + ("a single .npy array)" if kind else
                              "nor any NumPy file: a text file, say)"))
-        saved = np.load(path, allow_pickle=False)
-        with saved:  # every member read in full: every zip CRC-32 is checked
+        with np.load(path, allow_pickle=False) as saved:  # every member read in full: each CRC-32 checked
             if missing := [k for k in ("params", "spec", "dtype") if k not in saved.files]:
                 raise ValueError(f"not a saved model: no {', '.join(map(repr, missing))} in the archive "
                                  f"(it holds {', '.join(map(repr, saved.files)) or 'nothing'})")
