@@ -119,9 +119,7 @@ class Standardize(_SampleShaped, ParameterFree):
     ``mean`` (zeros) and ``std`` (ones) of the per-sample shape, set by :meth:`fit_`.
     Nothing trained, the same in training and evaluation, no collective."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._std: np.ndarray | None = None
+    _std: np.ndarray | None = None  # the std of the last forward, for input_grad
 
     def state_shapes(self) -> Shapes:
         return {"mean": self._known_shape(), "std": self._known_shape()}
