@@ -10,7 +10,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -22,25 +22,6 @@ from ..errors import setting
 TRACKS = ("compute", "comm", "wait", "eval", "io")
 #: Tag of the clock-alignment messages (outside the range the trainers use).
 CLOCK_TAG = 7919
-_NULL = nullcontext()
-
-
-class _Span:
-    """Context manager of one span: times ``with`` body and appends it on exit."""
-
-    __slots__ = ("tracer", "name", "cat", "track", "args", "flow", "t0")
-
-    def __init__(self, tracer: Tracer, name: str, cat: str, track: str, flow, args: dict):
-        self.tracer, self.name, self.cat, self.track = tracer, name, cat, track
-        self.flow, self.args = flow, args
-
-    def __enter__(self) -> _Span:
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.tracer.add(self.name, self.cat, self.track, self.t0, time.perf_counter(),
-                        flow=self.flow, **self.args)
 
 
 class Tracer:
@@ -85,11 +66,17 @@ class Tracer:
                     f"{self.first_step} to {self.last_step}; give a range within them")
         return None
 
+    @contextmanager
     def span(self, name: str, cat: str, track: str = "compute", flow: Any = None, **args):
-        """Context manager that records the ``with`` body as one span on ``track``. ``flow``: a
-        key (hashable, picklable) shared with a span on another rank, to draw an arrow between
-        them; ``args``: small JSON-able values shown with the span (bytes, samples, ...)."""
-        return _Span(self, name, cat, track, flow, args) if self.on else _NULL
+        """Context manager recording the ``with`` body (also one that raises) as one span on
+        ``track``. ``flow``: a key (hashable, picklable) shared with a span on another rank, to draw
+        an arrow between them; ``args``: small JSON-able values shown with it (bytes, samples, ...)."""
+        on, t0 = self.on, time.perf_counter()
+        try:
+            yield
+        finally:
+            if on:  # in the step window at both ends
+                self.add(name, cat, track, t0, time.perf_counter(), flow=flow, **args)
 
     def add(self, name: str, cat: str, track: str, t0: float, t1: float, flow: Any = None,
             **args) -> None:
