@@ -214,14 +214,14 @@ def adaptive_capacities(work: np.ndarray, seconds: np.ndarray, previous) -> np.n
 
 
 def _checked(strategy: str, n: int, size: int, costs, capacities) -> tuple:
-    """``(costs, capacities)`` checked (None where not given); ValueError for an unknown
+    """``(costs, capacities)`` checked (all ones where not given); ValueError for an unknown
     strategy, bad weights, or ``adaptive`` with fewer samples than ranks."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown partition strategy {strategy!r}; expected one of {STRATEGIES}")
     if n < 0 or size < 1:
         raise ValueError(f"need n >= 0 and size >= 1, got n={n}, size={size}")
-    costs = check_weights(costs, n, "costs") if costs is not None else None
-    caps = check_weights(capacities, size, "capacities") if capacities is not None else None
+    costs = check_weights(costs, n, "costs") if costs is not None else np.ones(n)
+    caps = check_weights(capacities, size, "capacities") if capacities is not None else np.ones(size)
     if strategy == "adaptive" and n < size:
         raise ValueError(f"partition 'adaptive' needs at least one sample per rank to measure "
                          f"its speed: {n} samples for {size} ranks")
@@ -234,16 +234,10 @@ def assign(strategy: str, n: int, size: int, *, seed: int = 0, costs=None,
     ``cost`` and ``adaptive``: one LPT assignment over the whole set, unit costs and equal
     capacities unless given). ValueError as :func:`_checked` says."""
     costs, caps = _checked(strategy, n, size, costs, capacities)
-    if strategy == "block":
-        return owner_block(n, size)
-    if strategy == "cyclic":
-        return owner_cyclic(n, size)
-    if strategy == "shuffled":
-        return owner_shuffled(n, size, seed)
-    if strategy == "weighted":
-        return owner_weighted(n, caps if caps is not None else np.ones(size))
-    return balance_batches(np.arange(n), max(n, 1), costs if costs is not None else np.ones(n),
-                           caps if caps is not None else np.ones(size))
+    owner = {"block": lambda: owner_block(n, size), "cyclic": lambda: owner_cyclic(n, size),
+             "shuffled": lambda: owner_shuffled(n, size, seed),
+             "weighted": lambda: owner_weighted(n, caps)}.get(strategy)
+    return owner() if owner else balance_batches(np.arange(n), max(n, 1), costs, caps)
 
 
 def positions_of(owner: np.ndarray, rank: int) -> np.ndarray:
