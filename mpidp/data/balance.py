@@ -218,13 +218,11 @@ def format_balance(fig: dict, per_rank: bool = True) -> str:
                          "compute speed (communication, the optimizer update and waiting for "
                          "slower ranks took the rest); a split of the rows in proportion to "
                          f"the ranks' speeds would reach {_share(fig['attainable_rate'], ideal)}")
-    if not per_rank:
-        return "\n".join(lines)
-    lines += [f"  throughput {fig['rate']:.4g} cost/s; {fig.get('fixed_s', 0.0):.3f} s of "
-              "communication + update that no split can shorten",
-              "rank  samples        cost  compute_s  wait_s  comm_s  idle"]
-    for d in fig["per_rank"]:
-        lines.append(f"{d['rank']:>4}  {d['samples']:>7}  {d['cost']:>10.0f}  "
-                     f"{d['compute_s']:>9.3f}  {d['wait_s']:>6.3f}  {d['comm_s']:>6.3f}  "
-                     f"{d['idle_fraction']:>4.0%}")
+    if per_rank:
+        lines += [f"  throughput {fig['rate']:.4g} cost/s; {fig.get('fixed_s', 0.0):.3f} s of "
+                  "communication + update that no split can shorten",
+                  "rank  samples        cost  compute_s  wait_s  comm_s  idle"]
+        lines += [f"{d['rank']:>4}  {d['samples']:>7}  {d['cost']:>10.0f}  "
+                  f"{d['compute_s']:>9.3f}  {d['wait_s']:>6.3f}  {d['comm_s']:>6.3f}  "
+                  f"{d['idle_fraction']:>4.0%}" for d in fig["per_rank"]]
     return "\n".join(lines)

@@ -64,8 +64,7 @@ def _checked_epochs(epochs: object, path: str) -> list[dict]:
             raise ValueError(f"{path}: epoch record {i + 1} is {type(e).__name__}, not an "
                              f"object; the file is damaged")
         for key in PLOTTED:
-            v = e.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            if (v := e.get(key)) is not None and not _number(v):
                 raise ValueError(f"{path}: epoch record {i + 1} has {key} = {v!r}, not a "
                                  f"number; the file is damaged")
     return epochs
