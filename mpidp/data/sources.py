@@ -40,9 +40,8 @@ class SyntheticSource(Source):
                              f"{n_samples}, {n_features}")
         if not regression and n_classes < 2:
             raise ValueError(f"synthetic: need n_classes >= 2, got {n_classes}")
-        self.name = "synthetic"
+        self.name, self.seed, self.classification = "synthetic", seed, not regression
         self.n_samples, self.n_features, self.n_classes = n_samples, n_features, n_classes
-        self.seed, self.classification = seed, not regression
         rng = np.random.default_rng([seed, 0xC])
         if regression:
             self._w = rng.standard_normal(n_features) / np.sqrt(n_features)

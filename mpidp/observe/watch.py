@@ -95,8 +95,7 @@ class Watch:
         """Rank 0's history file, opened on first use (after the run's checks passed)."""
         if self.comm.rank != 0:
             return None
-        if self._history is None:
-            os.makedirs(self.outputs.out, exist_ok=True)
+        if self._history is None:  # History makes the folder
             self._history = History(os.path.join(self.outputs.out, "history.jsonl"),
                                     self.outputs.tensorboard, what="out")
             self._history.config(self.config)
