@@ -174,12 +174,10 @@ def _save(fig, out: str) -> None:
     import matplotlib.pyplot as plt
     fmt = os.path.splitext(out)[1][1:].lower() or "png"
     try:
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        except OSError as exc:
-            raise write_error(exc, out, setting("out")) from None
-        write_atomic(out, lambda f: fig.savefig(f, format=fmt, dpi=110, bbox_inches="tight"),
-                     what=setting("out"))
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        write_atomic(out, lambda f: fig.savefig(f, format=fmt, dpi=110, bbox_inches="tight"))
+    except OSError as exc:  # the folder's failure or the write's, named alike
+        raise write_error(exc, out, setting("out")) from None
     finally:
         plt.close(fig)
 

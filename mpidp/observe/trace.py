@@ -125,10 +125,9 @@ def write(comm, tracer: Tracer, path: str) -> int | None:
     trace = build(parts, tracer.window)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    except OSError as exc:
+        write_atomic(path, lambda f: f.write(json.dumps(trace, separators=(",", ":")).encode()))
+    except OSError as exc:  # the folder's failure or the write's, named alike
         raise write_error(exc, path, setting("trace")) from None
-    write_atomic(path, lambda f: f.write(json.dumps(trace, separators=(",", ":")).encode()),
-                 what=setting("trace"))
     return sum(len(p["events"]) for p in parts)
 
 
