@@ -129,15 +129,11 @@ def format_report(r: dict) -> str:
 def save(r: dict, out: str) -> list[str]:
     """Write ``model.json``, ``model.md`` and (if matplotlib is installed) ``model.png``."""
     os.makedirs(out, exist_ok=True)
-    paths = [os.path.join(out, "model.json"), os.path.join(out, "model.md")]
-    with open(paths[0], "w") as f:
-        json.dump(r, f, indent=2)
-    with open(paths[1], "w") as f:
-        f.write(format_report(r) + "\n")
-    png = os.path.join(out, "model.png")
-    if plot(r, png):
-        paths.append(png)
-    return paths
+    paths = [os.path.join(out, name) for name in ("model.json", "model.md", "model.png")]
+    for path, text in zip(paths, (json.dumps(r, indent=2), format_report(r) + "\n")):
+        with open(path, "w") as f:
+            f.write(text)
+    return paths if plot(r, paths[2]) else paths[:2]
 
 
 def plot(r: dict, path: str) -> bool:
