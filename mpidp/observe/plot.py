@@ -164,14 +164,14 @@ def draw(runs: list[dict], out: str, x: str = "both", title: str | None = None) 
                title="solid: train, dashed: test")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
     _save(fig, out)
     return names
 
 
 def _save(fig, out: str) -> None:
-    """Write ``fig`` to ``out`` atomically, and close it."""
+    """Lay ``fig`` out tight, write it to ``out`` atomically, and close it."""
     import matplotlib.pyplot as plt
+    fig.tight_layout()
     fmt = os.path.splitext(out)[1][1:].lower() or "png"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -316,6 +316,5 @@ def draw_sweep(summary: dict, out: str, title: str | None = None) -> list[dict]:
         ax.set_visible(False)
     fig.suptitle(title or f"{metric} of {len(summary['trials'])} trials"
                  + (f" ({unseen} failed or without it: not shown)" if unseen else ""))
-    fig.tight_layout()
     _save(fig, out)
     return panels
