@@ -54,13 +54,12 @@ def open_mapped(X) -> tuple[int, int, int] | None:
     """``(fd, offset of row 0, bytes per row)`` of an array stored as plain C-ordered bytes in a
     file (an ``np.memmap`` of ``.npy``/``.npz``, or :func:`hdf5_bytes`), opened for reading; else None."""
     if type(X) is np.memmap:
-        if not X.flags.c_contiguous or not getattr(X, "filename", None):
-            return None
-        path, offset = X.filename, int(X.offset)
+        plain = X.flags.c_contiguous and getattr(X, "filename", None)
+        path, offset = (X.filename, int(X.offset)) if plain else (None, 0)
     else:
         path, offset = hdf5_bytes(X)
-        if path is None:
-            return None
+    if path is None:
+        return None
     return os.open(path, os.O_RDONLY), offset, X.dtype.itemsize * int(np.prod(X.shape[1:]))
 
 
