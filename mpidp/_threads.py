@@ -27,9 +27,8 @@ def blas_threads_default() -> int | None:
     n = max(1, _cores() // ranks_here)
     for v in _VARS:
         os.environ[v] = str(n)
-    if "numpy" in sys.modules:  # BLAS already loaded: the variables come too late
-        return n if limit_blas_threads(n) is not None else None
-    return n
+    # once numpy has loaded BLAS the variables come too late: only threadpoolctl can limit it
+    return n if "numpy" not in sys.modules or limit_blas_threads(n) is not None else None
 
 
 #: What launchers set: ranks of the job on this node (MPICH's Hydra, Open MPI, PMIx, Slurm).
