@@ -155,8 +155,7 @@ def build(parts: Sequence[dict], window: tuple[int, int] | None = None) -> dict:
     for p in parts:
         for ev in p["events"]:
             tids.setdefault(ev[2], len(tids) + 1)
-    starts = [ev[3] - p["offset"] for p in parts for ev in p["events"]]
-    origin = min(starts) if starts else 0.0
+    origin = min((ev[3] - p["offset"] for p in parts for ev in p["events"]), default=0.0)
     events, flows = _metadata(parts, tids), {}
     for p in parts:
         for name, cat, track, t0, t1, step, epoch, flow, args in p["events"]:
