@@ -1,5 +1,5 @@
 """A grid search over mpidp's scikit-learn MLPClassifier. One process:
-python examples/sklearn_grid.py; data parallel: mpiexec -n 3 python examples/sklearn_grid.py
+python examples/sklearn_grid.py; data parallel: mpiexec -n 2 python examples/sklearn_grid.py
 (every rank runs the same script on the same data; each fit is shared over the ranks)."""
 import os
 
