@@ -190,14 +190,15 @@ def test_a_data_file_cut_short_under_mapped_rows_ends_the_job(tmp_path):
 def test_a_data_file_replaced_by_rename_under_mapped_rows_changes_nothing(tmp_path):
     folder, args = _folder(tmp_path)
     log, ref_log = tmp_path / "stdout.txt", tmp_path / "ref.txt"
-    ref = _start(2, *args, "--epochs", "4", "--out", str(tmp_path / "ref"),
+    ref = _start(2, *args, "--epochs", "2", "--out", str(tmp_path / "ref"),
                  token=f"ref-{tmp_path.name}", log=ref_log)  # uninterrupted, alongside
-    job = _start(2, *args, "--epochs", "4", *SLOW, "--out", str(tmp_path / "o"),
+    job = _start(2, *args, "--epochs", "2", *SLOW, "--out", str(tmp_path / "o"),
                  token=f"ren-{tmp_path.name}", log=log)
     _wait_for(log, "model:")
     _wait_for(ref_log, "model:")  # both have mapped the rows of the old file
     np.save(tmp_path / "new.npy", np.zeros((600, 10)))
     os.replace(tmp_path / "new.npy", folder / "X.npy")  # the old file lives on while mapped
+    assert job.poll() is None, "the slowed run ended before its file was replaced"
     _finished(job)
     _finished(ref)
     assert np.array_equal(_params(tmp_path / "o"), _params(tmp_path / "ref"))
