@@ -6,6 +6,7 @@ stalled rank and the module named; one that calls
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers import run_here, run_mpi
@@ -22,15 +23,29 @@ TRAIN = ["train", "--dataset", "synthetic", "--n-samples", "64", "--epochs", "1"
          "--no-progress", "-q"]
 
 
-@pytest.mark.parametrize("how", sorted(STALLS))
-def test_a_module_that_stalls_one_rank_is_named_by_the_watchdog(tmp_path, how):
+def _stalled(tmp_path, how: str) -> tuple:
+    """A job whose --import stalls rank 1 ``how``: the module's path and the job's result."""
     (tmp_path / "stall.py").write_text(ON_RANK_1.format(STALLS[how]))
-    r = run_mpi(2, *TRAIN, "--watchdog", "3", "--import", str(tmp_path / "stall.py"),
-                "--out", str(tmp_path / "o"), timeout=60)
+    return tmp_path / "stall.py", run_mpi(2, *TRAIN, "--watchdog", "3", "--import",
+                                          str(tmp_path / "stall.py"), "--out",
+                                          str(tmp_path / "o"), timeout=60)
+
+
+@pytest.fixture(scope="module")
+def stalled(tmp_path_factory) -> dict:
+    """The jobs of every way to stall, run side by side (their waits for the watchdog overlap):
+    how -> the future of :func:`_stalled`'s result."""
+    with ThreadPoolExecutor(len(STALLS)) as pool:
+        yield {how: pool.submit(_stalled, tmp_path_factory.mktemp(how), how) for how in STALLS}
+
+
+@pytest.mark.parametrize("how", sorted(STALLS))
+def test_a_module_that_stalls_one_rank_is_named_by_the_watchdog(stalled, how):
+    module, r = stalled[how].result()
     assert r.returncode == EXIT_CODE, r.stderr[-2000:]
     assert "stalled rank(s) [1]" in r.stderr, r.stderr[-2000:]
     said = re.search(rf"rank 1: running user code \(importing --import "
-                     rf"{re.escape(str(tmp_path / 'stall.py'))}\) for ([0-9.]+)s", r.stderr)
+                     rf"{re.escape(str(module))}\) for ([0-9.]+)s", r.stderr)
     assert said and float(said[1]) < 10, r.stderr[-2000:]  # one timeout, not ten
 
 
