@@ -53,12 +53,12 @@ def _remove_shm_left_by_killed_jobs():
 #: 2 cores), longest first. pytest-xdist hands whole files to its workers in collection
 #: order (``--dist loadfile --no-loadscope-reorder``): these go first, and the many short
 #: files keep both workers busy to the end instead of one waiting on a long file.
-LONGEST_FIRST = ("cli/test_clean_ends.py", "parallel/test_modes.py", "bench/test_bench_compare.py",
-                 "test_docs.py", "run/test_faults.py", "test_multihost.py", "cli/test_defaults.py",
-                 "cli/test_train.py", "bench/test_bench_network.py", "cli/test_sweep.py",
-                 "parallel/test_compress.py", "cli/test_imports_watched.py",
+LONGEST_FIRST = ("cli/test_clean_ends.py", "parallel/test_modes.py", "test_docs.py",
+                 "bench/test_bench_compare.py", "cli/test_train.py", "test_multihost.py",
+                 "bench/test_bench_network.py", "cli/test_defaults.py", "run/test_faults.py",
+                 "cli/test_sweep.py", "parallel/test_compress.py", "bench/test_bench_smoke.py",
                  "cli/test_train_partition.py", "cli/test_train_pipeline.py",
-                 "bench/test_bench_smoke.py", "cli/test_validation.py")
+                 "cli/test_validation.py", "cli/test_imports_watched.py")
 
 
 def pytest_collection_modifyitems(config, items):
