@@ -4,7 +4,9 @@ that ends its watch during a roll call ends it without a verdict."""
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from helpers import run_mpi
 
 # Rank 0 makes progress for 5 s; ranks 1 and 2 wait for it in MPI past the timeout, so
@@ -61,19 +63,28 @@ else:
     print(f"stop took {time.monotonic() - t:.2f}s", flush=True)
 """
 
-def test_overlapping_roll_calls_leave_every_watchdog_running(tmp_path):
-    script = tmp_path / "overlap.py"
-    script.write_text(OVERLAPPING)
-    r = run_mpi(3, str(script), module=False, timeout=60)
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory) -> dict:
+    """Both scripts' jobs, run side by side (each mostly waits): name -> future of its result."""
+    def run(name, ranks, text):
+        script = tmp_path_factory.mktemp(name) / f"{name}.py"
+        script.write_text(text)
+        return run_mpi(ranks, str(script), module=False, timeout=60)
+
+    with ThreadPoolExecutor(2) as pool:
+        yield {"overlap": pool.submit(run, "overlap", 3, OVERLAPPING),
+               "stop": pool.submit(run, "stop", 2, STOPPED_DURING)}
+
+
+def test_overlapping_roll_calls_leave_every_watchdog_running(ran):
+    r = ran["overlap"].result()
     assert r.returncode == 0, r.stderr[-2000:]
     assert "watchdogs alive [True, True, True]" in r.stdout, (r.stdout, r.stderr[-2000:])
     assert "stalled" not in r.stderr, r.stderr[-2000:]
 
 
-def test_stopping_during_a_roll_call_ends_it_without_a_verdict(tmp_path):
-    script = tmp_path / "stop.py"
-    script.write_text(STOPPED_DURING)
-    r = run_mpi(2, str(script), module=False, timeout=60)
+def test_stopping_during_a_roll_call_ends_it_without_a_verdict(ran):
+    r = ran["stop"].result()
     assert r.returncode == 0 and "stalled" not in r.stderr, (r.returncode, r.stderr[-2000:])
     took = float(re.search(r"stop took ([0-9.]+)s", r.stdout).group(1))
     assert took < 1.0, took  # not the grace (6 s) spent waiting for rank 1
