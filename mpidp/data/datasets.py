@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from ..atomic import write_atomic
+from ..atomic import special, write_atomic
 
 SHAPE_RULE = "X must be (n_samples, *sample_shape) with at least 2 dimensions"
 
@@ -180,8 +180,8 @@ def mnist1d(num_samples: int | None = None) -> ArraySource:
 
 def _read_kept(path: str | None, n: int) -> tuple | None:
     """``(X, y, n_test)`` of a cached data set of ``n`` rows; None when there is none or it
-    cannot be read (it is made again)."""
-    if path is None:
+    cannot be read (it is made again), or is not a regular file (a FIFO would block)."""
+    if path is None or special(path):
         return None
     try:
         with np.load(path) as f:  # written whole or not at all (renamed into place)

@@ -123,6 +123,9 @@ def test_mnist1d_without_a_cache(mnist1d_pkg, cache, monkeypatch, tmp_path):
     (tmp_path / "file").write_text("")  # a cache that cannot be made: the data all the same
     monkeypatch.setenv(datasets.CACHE, str(tmp_path / "file" / "cache"))
     assert all(map(np.array_equal, _whole(datasets.mnist1d(num_samples=100)), made))
+    os.mkfifo(tmp_path / f"mnist1d-{importlib.metadata.version('mnist1d')}-100.npz")
+    monkeypatch.setenv(datasets.CACHE, str(tmp_path))  # a FIFO in its place: not read (it would block)
+    assert all(map(np.array_equal, _whole(datasets.mnist1d(num_samples=100)), made))
 
 
 # ---------------------------------------------------------------------------- mnist
