@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import importlib.metadata
 import importlib.util
 import os
 import random
@@ -149,9 +148,10 @@ def mnist1d(num_samples: int | None = None) -> ArraySource:
     if n < 20:
         raise ValueError(f"mnist1d: need at least 20 samples (2 per class in each split), "
                          f"got {num_samples}")
+    from importlib import metadata  # imported where needed: slow to load, for every rank
     cached = None  # keyed by the generator's version: another version may make other data
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        cached = _cache_file(f"mnist1d-{importlib.metadata.version('mnist1d')}-{n}")
+    with contextlib.suppress(metadata.PackageNotFoundError):
+        cached = _cache_file(f"mnist1d-{metadata.version('mnist1d')}-{n}")
     if (kept := _read_kept(cached, n)) is not None:
         return ArraySource("mnist1d", *kept)
     try:
