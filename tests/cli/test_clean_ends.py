@@ -194,8 +194,8 @@ def test_a_data_file_replaced_by_rename_under_mapped_rows_changes_nothing(tmp_pa
                  token=f"ref-{tmp_path.name}", log=ref_log)  # uninterrupted, alongside
     job = _start(2, *args, "--epochs", "2", *SLOW, "--out", str(tmp_path / "o"),
                  token=f"ren-{tmp_path.name}", log=log)
-    _wait_for(log, "model:")
-    _wait_for(ref_log, "model:")  # both have mapped the rows of the old file
+    _wait_for(ref_log, "model:")  # the slowed run's line last: its epochs are still ahead
+    _wait_for(log, "model:")  # both have mapped the rows of the old file
     np.save(tmp_path / "new.npy", np.zeros((600, 10)))
     os.replace(tmp_path / "new.npy", folder / "X.npy")  # the old file lives on while mapped
     assert job.poll() is None, "the slowed run ended before its file was replaced"
