@@ -4,6 +4,7 @@ history.jsonl, a per-rank trace)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,39 +31,50 @@ def _params(out) -> np.ndarray:
     return np.load(Path(out) / "model.npz")["params"]
 
 
+def _processes(token: str):
+    """The pid, environment and command line of every process whose environment holds
+    ``token`` (a job's launcher, its helpers and its ranks)."""
+    mark = f"MPIDP_TEST_TOKEN={token}".encode()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if mark in env:
+            yield int(pid), env, cmd
+
+
 def _ranks(job: subprocess.Popen, n: int, timeout: float = 30) -> list[int]:
     """Pids of the ``n`` ranks of ``job``, found by its token and ordered by their rank."""
     deadline, found = time.monotonic() + timeout, {}
     while time.monotonic() < deadline and len(found) < n:
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            token = f"MPIDP_TEST_TOKEN={job.token}".encode()
-            if token in env and b"mpidp" in cmd:
+        for pid, env, cmd in _processes(job.token):
+            if b"mpidp" in cmd:
                 rank = next((int(e.split(b"=")[1]) for e in env  # MPICH, Open MPI, PMIx
                              if e.startswith((b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=",
                                               b"PMIX_RANK="))), None)
                 if rank is not None:
-                    found[rank] = int(pid)
+                    found[rank] = pid
         time.sleep(0.05)
     assert len(found) == n, f"found ranks {found}"
     return [found[r] for r in range(n)]
 
 
-def _start(n: int, *args: str, token: str, log: Path | None = None) -> subprocess.Popen:
-    """The job in the background; its stdout goes to ``log`` when given (to be polled).
+def _start(n: int, *args: str, token: str, log: Path | None = None,
+           module: bool = True) -> subprocess.Popen:
+    """The job in the background (``mpidp`` with ``args``, or the script ``args[0]`` where
+    not ``module``); its stdout goes to ``log`` when given (to be polled).
     ``token`` marks its ranks, made unique to this test process (xdist workers' folders
     share names)."""
     token = f"{token}-{os.getpid()}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MPIDP_TEST_TOKEN": token,
            "PYTHONUNBUFFERED": "1"}
     out = open(log, "w") if log is not None else subprocess.PIPE  # noqa: SIM115
-    job = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable, "-m", "mpidp", *args],
+    job = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable,
+                            *(["-m", "mpidp"] if module else []), *args],
                            cwd=ROOT, env=env, stdout=out, stderr=subprocess.PIPE,
                            text=True, stdin=subprocess.DEVNULL)
     job.token = token
@@ -73,6 +86,31 @@ def _finished(job: subprocess.Popen, timeout: float = 120) -> None:
     the run under test)."""
     out, err = job.communicate(timeout=timeout)
     assert job.returncode == 0, err[-2000:]
+
+
+def _end(job: subprocess.Popen, since: float | None = None,
+         timeout: float = 60) -> subprocess.CompletedProcess:
+    """How ``job`` ended (within ``timeout`` seconds), with ``elapsed``: the seconds from
+    ``since`` (a ``time.monotonic()``) to its end."""
+    out, err = job.communicate(timeout=timeout)
+    r = subprocess.CompletedProcess(job.args, job.returncode, out, err)
+    r.elapsed = None if since is None else time.monotonic() - since
+    return r
+
+
+@contextlib.contextmanager
+def _ending(*jobs: subprocess.Popen):
+    """However the block ends, no process of ``jobs`` outlives it (a stopped rank included)."""
+    try:
+        yield
+    finally:
+        for job in jobs:
+            for pid, _, _ in _processes(job.token):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if job.poll() is None:
+                job.kill()
+            job.communicate()
 
 
 def _wait_for(path: Path, text: str, timeout: float = 60) -> None:
@@ -100,6 +138,48 @@ def _wait_for_epoch(out, timeout: float = 60, job: subprocess.Popen | None = Non
                                  f"{job.stderr.read()[-1500:]}")
         time.sleep(0.02)
     raise AssertionError(f"no epoch finished in {out} within {timeout}s")
+
+
+#: The tests whose jobs mostly wait (for a line, for a signal to be acted on, for the
+#: watchdog's verdict): test name -> its scenario, which runs the job(s) in a folder of its own
+#: and returns what the test checks. :func:`every_wait` runs them side by side.
+WAITS: dict = {}
+
+
+def _waits(*params):
+    """Register ``_x`` as the scenario of ``test_x`` (of ``test_x[p]`` for each of ``params``,
+    called with ``p`` after the folder)."""
+    def register(fn):
+        name = "test" + fn.__name__
+        if not params:
+            WAITS[name] = fn
+        WAITS.update({f"{name}[{p}]": lambda tmp, p=p: fn(tmp, p) for p in params})
+        return fn
+    return register
+
+
+def _in(scenario, folder: Path) -> tuple[Path, object]:
+    """The folder a scenario ran in, and its result."""
+    return folder, scenario(folder)
+
+
+@pytest.fixture(scope="module")
+def every_wait(request, tmp_path_factory) -> dict:
+    """The scenarios of the chosen tests of :data:`WAITS`, each in a thread of its own so that
+    their waits overlap, all ended before any test looks at one: test name -> the future of
+    (its folder, its result); what a scenario raised, its test alone raises again."""
+    chosen = [item.name for item in request.session.items
+              if item.path == request.path and item.name in WAITS]
+    with ThreadPoolExecutor(len(chosen)) as pool:
+        return {name: pool.submit(_in, WAITS[name], tmp_path_factory.mktemp(name[5:35]))
+                for name in chosen}
+
+
+@pytest.fixture
+def waited(request, every_wait):
+    """The future of this test's scenario: ``.result()`` is its folder and its result."""
+    return every_wait[request.node.name]
+
 
 PRELUDE = (
     "import sys, time\nimport numpy as np\nimport mpidp\nfrom mpi4py import MPI\n"
@@ -132,34 +212,45 @@ SLOW_PIPELINE = ["--slowdown", "0:15,1:15"]
 FULL_SPEED = ["--slowdown", "0:1"]
 
 
-def test_sigterm_stops_async_ps_cleanly(tmp_path):
+def _async_ps_signalled(tmp_path, ranks: slice, *args: str) -> subprocess.CompletedProcess:
+    """A slowed async-ps job of 3 ranks, SIGTERM to ``ranks`` of them mid-run."""
     log = tmp_path / "stdout.txt"
     job = _start(3, *ARGS, *LONG, "--epochs", "400", "--sync", "async-ps", "--slowdown",
-                 "1:200,2:200", "--out", str(tmp_path / "a"), token=f"aterm-{tmp_path.name}",
-                 log=log)
-    pids = _ranks(job, 3)
-    _wait_for(log, "model:")  # every rank has its handlers: the data are loaded together
-    time.sleep(0.5)  # mid-run: 400 slowed epochs last minutes
-    for pid in pids:
-        os.kill(pid, signal.SIGTERM)
-    out, err = job.communicate(timeout=60)
-    assert job.returncode == 75, (job.returncode, err[-2000:])
-    assert "stopped by a signal" in err and not (tmp_path / "a" / "model.npz").exists()
+                 "1:200,2:200", *args, "--out", str(tmp_path / "a"),
+                 token=f"aterm-{tmp_path.name}", log=log)
+    with _ending(job):
+        pids = _ranks(job, 3)
+        _wait_for(log, "model:")  # every rank has its handlers: the data are loaded together
+        time.sleep(0.5)  # mid-run: 400 slowed epochs last minutes
+        for pid in pids[ranks]:
+            os.kill(pid, signal.SIGTERM)
+        return _end(job)
 
 
-def test_sigterm_to_one_async_ps_worker_stops_every_rank(tmp_path):
+@_waits()
+def _sigterm_stops_async_ps_cleanly(tmp_path):
+    return _async_ps_signalled(tmp_path, slice(None))
+
+
+def test_sigterm_stops_async_ps_cleanly(waited):
+    tmp_path, r = waited.result()
+    assert r.returncode == 75, (r.returncode, r.stderr[-2000:])
+    assert "stopped by a signal" in r.stderr and not (tmp_path / "a" / "model.npz").exists()
+
+
+@_waits()
+def _sigterm_to_one_async_ps_worker_stops_every_rank(tmp_path):
+    return _async_ps_signalled(tmp_path, slice(1, 2),  # a worker, not the server
+                               "--checkpoint-dir", str(tmp_path / "ck"))
+
+
+def test_sigterm_to_one_async_ps_worker_stops_every_rank(waited):
     """The worker's request rides in its next push; the server stops everyone."""
-    log, ck = tmp_path / "stdout.txt", tmp_path / "ck"
-    job = _start(3, *ARGS, *LONG, "--epochs", "400", "--sync", "async-ps", "--slowdown",
-                 "1:200,2:200", "--checkpoint-dir", str(ck), "--out", str(tmp_path / "a"),
-                 token=f"aone-{tmp_path.name}", log=log)
-    pids = _ranks(job, 3)
-    _wait_for(log, "model:")
-    time.sleep(0.5)  # mid-run: 400 slowed epochs last minutes
-    os.kill(pids[1], signal.SIGTERM)  # a worker, not the server
-    out, err = job.communicate(timeout=60)
-    assert job.returncode == 75, (job.returncode, err[-2000:])
-    assert f"checkpoint written to {ck}" in err and not (tmp_path / "a" / "model.npz").exists()
+    tmp_path, r = waited.result()
+    ck = tmp_path / "ck"
+    assert r.returncode == 75, (r.returncode, r.stderr[-2000:])
+    assert f"checkpoint written to {ck}" in r.stderr
+    assert not (tmp_path / "a" / "model.npz").exists()
 
 
 def _folder(tmp_path) -> tuple[Path, list[str]]:
@@ -174,33 +265,48 @@ def _folder(tmp_path) -> tuple[Path, list[str]]:
                     "--test-fraction", "0"]
 
 
-def test_a_data_file_cut_short_under_mapped_rows_ends_the_job(tmp_path):
+@_waits()
+def _a_data_file_cut_short_under_mapped_rows_ends_the_job(tmp_path):
     folder, args = _folder(tmp_path)
     log = tmp_path / "stdout.txt"
     job = _start(2, *args, "--epochs", "400", *SLOW, "--out", str(tmp_path / "o"),
                  token=f"cut-{tmp_path.name}", log=log)
-    _wait_for(log, "model:")
-    time.sleep(0.3)
-    os.truncate(folder / "X.npy", 128)  # the header only: the mapped rows are gone
-    out, err = job.communicate(timeout=60)
-    assert job.returncode != 0 and "Bus error" in err, (job.returncode, err[-2000:])
+    with _ending(job):
+        _wait_for(log, "model:")
+        time.sleep(0.3)
+        os.truncate(folder / "X.npy", 128)  # the header only: the mapped rows are gone
+        return _end(job)
+
+
+def test_a_data_file_cut_short_under_mapped_rows_ends_the_job(waited):
+    tmp_path, r = waited.result()
+    assert r.returncode != 0 and "Bus error" in r.stderr, (r.returncode, r.stderr[-2000:])
     assert not (tmp_path / "o" / "model.npz").exists()
 
 
-def test_a_data_file_replaced_by_rename_under_mapped_rows_changes_nothing(tmp_path):
+@_waits()
+def _a_data_file_replaced_by_rename_under_mapped_rows_changes_nothing(tmp_path) -> bool:
+    """Whether the slowed run still ran when its file was replaced."""
     folder, args = _folder(tmp_path)
     log, ref_log = tmp_path / "stdout.txt", tmp_path / "ref.txt"
     ref = _start(2, *args, "--epochs", "2", "--out", str(tmp_path / "ref"),
                  token=f"ref-{tmp_path.name}", log=ref_log)  # uninterrupted, alongside
     job = _start(2, *args, "--epochs", "2", *SLOW, "--out", str(tmp_path / "o"),
                  token=f"ren-{tmp_path.name}", log=log)
-    _wait_for(ref_log, "model:")  # the slowed run's line last: its epochs are still ahead
-    _wait_for(log, "model:")  # both have mapped the rows of the old file
-    np.save(tmp_path / "new.npy", np.zeros((600, 10)))
-    os.replace(tmp_path / "new.npy", folder / "X.npy")  # the old file lives on while mapped
-    assert job.poll() is None, "the slowed run ended before its file was replaced"
-    _finished(job)
-    _finished(ref)
+    with _ending(ref, job):
+        _wait_for(ref_log, "model:")  # the slowed run's line last: its epochs are still ahead
+        _wait_for(log, "model:")  # both have mapped the rows of the old file
+        np.save(tmp_path / "new.npy", np.zeros((600, 10)))
+        os.replace(tmp_path / "new.npy", folder / "X.npy")  # the old file lives on while mapped
+        running = job.poll() is None
+        _finished(job)
+        _finished(ref)
+        return running
+
+
+def test_a_data_file_replaced_by_rename_under_mapped_rows_changes_nothing(waited):
+    tmp_path, running = waited.result()
+    assert running, "the slowed run ended before its file was replaced"
     assert np.array_equal(_params(tmp_path / "o"), _params(tmp_path / "ref"))
 
 
@@ -291,63 +397,68 @@ def test_sigterm_with_compressed_buckets_in_flight_checkpoints_and_resumes(tmp_p
     assert history[-1]["epoch"] == 6 and np.isfinite(_params(tmp_path / "b")).all()
 
 
-def test_sigint_to_one_rank_ends_the_job_within_seconds(tmp_path):
-    """While the job runs, a second job on its checkpoint folder is refused; then SIGINT to
-    one of its ranks ends it within seconds."""
+@_waits()
+def _sigint_to_one_rank_ends_the_job_within_seconds(tmp_path):
+    """The refused second job, whether the first still ran after it, and how the first ended."""
     ck = tmp_path / "ck"
     job = _start(2, *ARGS, *LONG, "--epochs", "400", *SLOW, "--checkpoint-dir", str(ck),
                  "--out", str(tmp_path / "o"), token=f"int-{tmp_path.name}")
-    pids = _ranks(job, 2)
-    try:
+    with _ending(job):
+        pids = _ranks(job, 2)
         _wait_for_epoch(tmp_path / "o", job=job)  # still running below
-        r = run_mpi(2, *ARGS, "--checkpoint-dir", str(ck), "--resume", "--out",
-                    str(tmp_path / "b"))
-        assert r.returncode == 2 and "is in use by another mpidp job" in r.stderr, r.stderr
-        assert "pid" in r.stderr and job.poll() is None
-    except BaseException:
-        job.kill()
-        job.communicate()
-        raise
-    t = time.monotonic()
-    os.kill(pids[1], signal.SIGINT)
-    out, err = job.communicate(timeout=60)
-    assert job.returncode != 0 and time.monotonic() - t < 15, (job.returncode, err[-1500:])
-    assert "interrupted (SIGINT)" in err
+        refused = run_mpi(2, *ARGS, "--checkpoint-dir", str(ck), "--resume", "--out",
+                          str(tmp_path / "b"))
+        running = job.poll() is None
+        t = time.monotonic()
+        if running:
+            os.kill(pids[1], signal.SIGINT)
+        return refused, running, _end(job, since=t)
 
 
-def test_sys_exit_in_a_callback_on_one_rank_ends_the_job(tmp_path):
-    r = _library_job(tmp_path, "dp = replica()\n"
-                     "def leave(record):\n    if comm.rank == 1:\n        sys.exit(4)\n"
-                     "mpidp.fit(dp, shard, 5, 32, on_epoch=leave)\n")
+def test_sigint_to_one_rank_ends_the_job_within_seconds(waited):
+    """While the job runs, a second job on its checkpoint folder is refused; then SIGINT to
+    one of its ranks ends it within seconds."""
+    _, (r, running, end) = waited.result()
+    assert r.returncode == 2 and "is in use by another mpidp job" in r.stderr, r.stderr
+    assert "pid" in r.stderr and running
+    assert end.returncode != 0 and end.elapsed < 15, (end.returncode, end.stderr[-1500:])
+    assert "interrupted (SIGINT)" in end.stderr
+
+
+@_waits()
+def _sys_exit_in_a_callback_on_one_rank_ends_the_job(tmp_path):
+    return _library_job(tmp_path, "dp = replica()\n"
+                        "def leave(record):\n    if comm.rank == 1:\n        sys.exit(4)\n"
+                        "mpidp.fit(dp, shard, 5, 32, on_epoch=leave)\n")
+
+
+def test_sys_exit_in_a_callback_on_one_rank_ends_the_job(waited):
+    _, r = waited.result()
     assert r.returncode != 0 and r.elapsed < 30, (r.returncode, r.stderr[-1500:])
     assert "SystemExit(4) during training; ending the job" in r.stderr
 
 
-def test_the_watchdog_names_a_stopped_rank_among_four(tmp_path):
-    """Three jobs side by side, rank 2 of each stopped at another moment of its steps: their
-    waits for the verdict (the timeout, then the roll call's grace, 1 s here) overlap."""
+@_waits()
+def _the_watchdog_names_a_stopped_rank_among_four(tmp_path):
     jobs = [_start(4, *ARGS, *LONG, "--epochs", "200", "--watchdog", "2", "--watchdog-grace",
                    "1", "--out", str(tmp_path / f"o{attempt}"),
                    token=f"stop-{tmp_path.name}-{attempt}")
             for attempt in range(3)]
-    stopped = []
-    try:
+    with _ending(*jobs):
         for attempt, job in enumerate(jobs):
             pids = _ranks(job, 4)
             _wait_for_epoch(tmp_path / f"o{attempt}", job=job)
             time.sleep(0.1 * attempt)
             os.kill(pids[2], signal.SIGSTOP)
-            stopped.append(pids[2])
-        ends = [job.communicate(timeout=60) for job in jobs]
-    finally:
-        for job in jobs:
-            if job.poll() is None:
-                job.kill()
-        for pid in stopped:
-            os.kill(pid, signal.SIGCONT) if os.path.exists(f"/proc/{pid}") else None
-    for job, (_, err) in zip(jobs, ends):
-        assert job.returncode == 3, (job.returncode, err[-2000:])
-        assert "stalled rank(s) [2]: [2] did not answer within 1s" in err, err[-2000:]
+        return [_end(job) for job in jobs]
+
+
+def test_the_watchdog_names_a_stopped_rank_among_four(waited):
+    """Three jobs side by side, rank 2 of each stopped at another moment of its steps: their
+    waits for the verdict (the timeout, then the roll call's grace, 1 s here) overlap."""
+    for r in waited.result()[1]:
+        assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
+        assert "stalled rank(s) [2]: [2] did not answer within 1s" in r.stderr, r.stderr[-2000:]
 
 
 SLOW_TO_ANSWER = """\
@@ -378,24 +489,18 @@ mpidp.fit(dp, shard, 50, 12, on_epoch=stop, watchdog=Watchdog(comm, 1.0))
 """
 
 
-def _slow_to_answer(tmp_path) -> tuple[int, str]:
-    """:data:`SLOW_TO_ANSWER` on 3 ranks: its exit status and stderr."""
+@_waits()
+def _a_rank_slow_to_answer_the_roll_call_is_not_named(tmp_path):
+    """:data:`SLOW_TO_ANSWER` on 3 ranks."""
     script = tmp_path / "mpidp_job.py"
     script.write_text(SLOW_TO_ANSWER)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPIDP_TEST_TOKEN": f"late-{tmp_path.name}-{os.getpid()}"}
-    job = subprocess.Popen([mpiexec(), "-n", "3", sys.executable, str(script)], cwd=ROOT,
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           stdin=subprocess.DEVNULL)
-    job.token = env["MPIDP_TEST_TOKEN"]
-    pids = _ranks(job, 3)
-    try:
-        err = job.communicate(timeout=60)[1]
-        return job.returncode, err
-    finally:
-        os.kill(pids[2], signal.SIGCONT) if os.path.exists(f"/proc/{pids[2]}") else None
+    job = _start(3, str(script), module=False, token=f"late-{tmp_path.name}")
+    with _ending(job):
+        return _end(job)
 
 
-def _slow_write(tmp_path):
+@_waits()
+def _a_long_checkpoint_write_does_not_trip_the_watchdog(tmp_path):
     return _library_job(tmp_path, (
         "class Slow(mpidp.DataParallel):\n"
         "    def save_checkpoint(self, *a, **k):\n"
@@ -409,29 +514,13 @@ def _slow_write(tmp_path):
         "if comm.rank == 0:\n    print('done', done, flush=True)\n"), timeout=90)
 
 
-def _one_step_short(tmp_path):
-    return _library_job(tmp_path, "dp = replica(watchdog=2.0)\n"
-                        "for step in range(10 if comm.rank == 0 else 9):  # rank 1: one step less\n"
-                        "    dp.step(X[:32], y[:32])\n")
-
-
-@pytest.fixture(scope="module")
-def watched(tmp_path_factory) -> dict:
-    """The library jobs that wait on a watchdog (a rank slow to answer its roll call, a slow
-    checkpoint write, a rank one step short), run side by side so that their waits overlap:
-    name -> the future of its result."""
-    jobs = {"late": _slow_to_answer, "write": _slow_write, "short": _one_step_short}
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        yield {name: pool.submit(job, tmp_path_factory.mktemp(name)) for name, job in jobs.items()}
-
-
-def test_a_rank_slow_to_answer_the_roll_call_is_not_named(watched):
+def test_a_rank_slow_to_answer_the_roll_call_is_not_named(waited):
     """Rank 2 is stopped; rank 0 answers the roll call 3 s late (its cores busy elsewhere):
     only rank 2 is named."""
-    returncode, err = watched["late"].result()
-    assert returncode == 3, (returncode, err[-2000:])
-    assert "stalled rank(s) [2]: [2] did not answer within 6s" in err, err[-2000:]
-    assert "stalled rank(s) [0" not in err, err[-2000:]
+    _, r = waited.result()
+    assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
+    assert "stalled rank(s) [2]: [2] did not answer within 6s" in r.stderr, r.stderr[-2000:]
+    assert "stalled rank(s) [0" not in r.stderr, r.stderr[-2000:]
 
 
 def test_replicas_that_differ_at_the_end_fail_the_run(tmp_path):
@@ -442,8 +531,8 @@ def test_replicas_that_differ_at_the_end_fail_the_run(tmp_path):
     assert not (tmp_path / "o" / "model.npz").exists()
 
 
-def test_a_long_checkpoint_write_does_not_trip_the_watchdog(watched):
-    r = watched["write"].result()
+def test_a_long_checkpoint_write_does_not_trip_the_watchdog(waited):
+    _, r = waited.result()
     assert r.returncode == 0, r.stderr[-2000:]
     assert "done [0, 1]" in r.stdout
 
@@ -630,11 +719,8 @@ def test_overlap_finishing_in_forward_refuses_before_reading_data(tmp_path):
     assert "dataset not found" not in r.stderr and not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_a_stop_signal_while_mpi_starts_waits_for_it_then_ends_the_job(tmp_path, n):
-    """SIGTERM to rank 0 inside the start of MPI (where being killed would leave the
-    library's shared-memory segment behind) is obeyed once MPI has started: the job ends
-    with the stop's exit status and message, nothing written."""
+@_waits(1, 2)
+def _a_stop_signal_while_mpi_starts_waits_for_it_then_ends_the_job(tmp_path, n):
     script = tmp_path / "start.py"
     script.write_text(textwrap.dedent(f"""
         import importlib, os, signal, sys
@@ -647,14 +733,29 @@ def test_a_stop_signal_while_mpi_starts_waits_for_it_then_ends_the_job(tmp_path,
         M._start_mpi = signalled
         sys.exit(M.main({[*ARGS, "--out", str(tmp_path / "o")]!r}))
     """))
-    r = run_mpi(n, str(script), module=False)
+    return run_mpi(n, str(script), module=False)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_stop_signal_while_mpi_starts_waits_for_it_then_ends_the_job(waited, n):
+    """SIGTERM to rank 0 inside the start of MPI (where being killed would leave the
+    library's shared-memory segment behind) is obeyed once MPI has started: the job ends
+    with the stop's exit status and message, nothing written."""
+    tmp_path, r = waited.result()
     assert r.returncode == 75, (r.returncode, r.stderr[-1500:])
     assert f"rank 0/{n}: stopped by SIGTERM while MPI started" in r.stderr
     assert not (tmp_path / "o").exists()
 
 
-def test_a_library_loop_with_one_step_too_few_on_a_rank_is_ended_by_the_watchdog(watched):
-    r = watched["short"].result()
+@_waits()
+def _a_library_loop_with_one_step_too_few_on_a_rank_is_ended_by_the_watchdog(tmp_path):
+    return _library_job(tmp_path, "dp = replica(watchdog=2.0)\n"
+                        "for step in range(10 if comm.rank == 0 else 9):  # rank 1: one step less\n"
+                        "    dp.step(X[:32], y[:32])\n")
+
+
+def test_a_library_loop_with_one_step_too_few_on_a_rank_is_ended_by_the_watchdog(waited):
+    _, r = waited.result()
     assert r.returncode == 3 and r.elapsed < 30, (r.returncode, r.stderr[-1500:])
     assert "stalled rank(s) [1]" in r.stderr and "at step 9" in r.stderr
 
@@ -704,13 +805,19 @@ def test_tensorboard_event_files_are_written(finished):
     assert np.allclose([v for _, v in scalars["epoch/loss"]], [h["loss"] for h in m["history"]])
 
 
-@pytest.fixture(scope="module")
-def big_npz(tmp_path_factory) -> Path:
-    """~470 MB of zeros, compressed: rank 0 inflates it for seconds."""
-    data = tmp_path_factory.mktemp("big") / "big.npz"
-    np.savez_compressed(data, X=np.zeros((150_000, 784), np.float32),
-                        y=np.zeros(150_000, np.int64))
-    return data
+_BIG = threading.Lock()
+
+
+def _loading_job(tmp_path, *args: str) -> subprocess.Popen:
+    """A job of 2 ranks on ~470 MB of zeros, compressed (rank 0 inflates it for seconds): the
+    file lies beside the scenarios' folders, written by the first scenario to need it."""
+    data = tmp_path.parent / "big.npz"
+    with _BIG:
+        if not data.exists():
+            np.savez_compressed(data, X=np.zeros((150_000, 784), np.float32),
+                                y=np.zeros(150_000, np.int64))
+    return _start(2, "train", "--dataset", str(data), "--epochs", "1", "--no-progress", *args,
+                  "--out", str(tmp_path / "out"), token=f"load-{tmp_path.name}")
 
 
 def _rss_mb(pid: int) -> float:
@@ -736,36 +843,37 @@ def _loading(job: subprocess.Popen) -> list[int]:
     raise AssertionError(f"loading never got under way: {job.poll()}")
 
 
-def test_sigterm_while_loading_ends_the_job_at_once(tmp_path, big_npz):
+@_waits()
+def _sigterm_while_loading_ends_the_job_at_once(tmp_path):
+    job = _loading_job(tmp_path)
+    with _ending(job):
+        pids = _loading(job)
+        assert job.poll() is None, job.communicate()[1][-2000:]
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        return _end(job, since=time.monotonic())
+
+
+def test_sigterm_while_loading_ends_the_job_at_once(waited):
     """Nothing to checkpoint yet: a stop signal during loading ends the job promptly, every
     rank saying why, with the preemption exit status, instead of training first."""
-    job = _start(2, "train", "--dataset", str(big_npz), "--epochs", "1", "--no-progress",
-                 "--out", str(tmp_path / "out"), token=f"load{os.getpid()}")
-    pids = _loading(job)
-    assert job.poll() is None, job.communicate()[1][-2000:]
-    for pid in pids:
-        os.kill(pid, signal.SIGTERM)
-    t = time.monotonic()
-    _, err = job.communicate(timeout=60)
-    assert job.returncode == 75, (job.returncode, err[-2000:])
-    assert time.monotonic() - t < 10
-    assert "stopped by SIGTERM while loading the data" in err
+    tmp_path, r = waited.result()
+    assert r.returncode == 75, (r.returncode, r.stderr[-2000:])
+    assert r.elapsed < 10
+    assert "stopped by SIGTERM while loading the data" in r.stderr
     assert not (tmp_path / "out" / "model.npz").exists()
 
 
-def test_a_rank_stopped_while_loading_is_named_by_the_watchdog(tmp_path, big_npz):
+@_waits()
+def _a_rank_stopped_while_loading_is_named_by_the_watchdog(tmp_path):
+    job = _loading_job(tmp_path, "--watchdog", "3", "--watchdog-grace", "1")
+    with _ending(job):
+        os.kill(_loading(job)[0], signal.SIGSTOP)
+        return _end(job)
+
+
+def test_a_rank_stopped_while_loading_is_named_by_the_watchdog(waited):
     """Loading is watched too: a rank that stops answering mid-load (a hung file system
     would do the same) ends the job, named, instead of leaving the others waiting."""
-    job = _start(2, "train", "--dataset", str(big_npz), "--epochs", "1", "--no-progress",
-                 "--watchdog", "3", "--watchdog-grace", "1", "--out", str(tmp_path / "out"),
-                 token=f"stop{os.getpid()}")
-    pids = _loading(job)
-    os.kill(pids[0], signal.SIGSTOP)
-    try:
-        _, err = job.communicate(timeout=60)
-    finally:
-        try:
-            os.kill(pids[0], signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert job.returncode == 3 and "stalled rank(s) [0]" in err, (job.returncode, err[-2000:])
+    _, r = waited.result()
+    assert r.returncode == 3 and "stalled rank(s) [0]" in r.stderr, (r.returncode, r.stderr[-2000:])
