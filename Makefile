@@ -54,6 +54,11 @@ test-fast test-unit test-mpi test-faults: export MPIR_CVAR_CH4_PROGRESS_THROTTLE
 # measured 260-269 s for the unit tests instead of 280-288 s, with a tenth less CPU time. Not
 # for the MPI suites alone: it slows their many small collectives (4 ranks: 47 s, not 34 s).
 test-unit test-faults: export MPIR_CVAR_ENABLE_HEAVY_YIELD := 1
+# MPICH's UCX patches the process's memory calls as each rank loads it, to learn when
+# registered memory is unmapped (only RDMA networks register memory; these tests use shared
+# memory): ~50 ms of CPU per rank, a fifth of a small job. Off here: the unit tests took
+# 253-258 s instead of 266-276 s (alternating order), with 40 CPU-s less.
+test-unit test-faults: export UCX_MEM_EVENTS := no
 
 # The main job: 2 ranks, handwritten digits, an MLP, a held-out test split.
 # (tests/cli/test_train.py runs these same arguments and checks the accuracy target.)
