@@ -55,17 +55,22 @@ def run_agreed(comm: Comm, fn, *args, **kwargs) -> Any:
     return result
 
 
-@watched("a root decision (Bcast)")
 def root_decides(comm: Comm, fn, *args, root: int = 0, **kwargs) -> Any:
     """Run ``fn`` on ``root`` only; its result (pickled: keep it small) or its failure (as in
-    :func:`run_agreed`) reaches every rank. Collective."""
+    :func:`run_agreed`) reaches every rank. Collective. The watchdog sees ``root`` as doing
+    the work around the call (computing, or an excused span), the others as waiting in MPI."""
     result, error, bug = _attempt(fn, *args, **kwargs) if comm.rank == root else (None, None, None)
-    result, error = comm.bcast((result, error), root=root)
+    result, error = _decision(comm, (result, error), root)
     if error is None:
         return result
     if bug is not None:
         raise bug
     raise MpidpError(error)
+
+
+@watched("a root decision (Bcast)")
+def _decision(comm: Comm, verdict: tuple, root: int) -> tuple:
+    return comm.bcast(verdict, root=root)
 
 
 @watched("the replica checksum Allreduce")

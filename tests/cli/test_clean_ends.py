@@ -872,13 +872,16 @@ def test_sigterm_while_loading_ends_the_job_at_once(waited):
     assert not (tmp_path / "out" / "model.npz").exists()
 
 
-def test_a_rank_stopped_while_loading_is_named_by_the_watchdog(tmp_path, big_npz):
-    """Loading is watched too: a rank that stops answering mid-load (a hung file system
-    would do the same) ends the job, named, instead of leaving the others waiting."""
-    # Not beside the waiting tests: the 3 s timeout also spans rank 0 inflating the file
-    # (a root decision, waited on in MPI), longer than that while their jobs start.
+@_waits()
+def _a_rank_stopped_while_loading_is_named_by_the_watchdog(tmp_path, big_npz):
     job = _loading_job(tmp_path, big_npz, "--watchdog", "3", "--watchdog-grace", "1")
     with _ending(job):
         os.kill(_loading(job)[0], signal.SIGSTOP)
-        r = _end(job)
+        return _end(job)
+
+
+def test_a_rank_stopped_while_loading_is_named_by_the_watchdog(waited):
+    """Loading is watched too: a rank that stops answering mid-load (a hung file system
+    would do the same) ends the job, named, instead of leaving the others waiting."""
+    r = waited.result()[1]
     assert r.returncode == 3 and "stalled rank(s) [0]" in r.stderr, (r.returncode, r.stderr[-2000:])

@@ -1,5 +1,6 @@
-"""The watchdog's roll call itself: ranks whose roll calls overlap keep watching, and a rank
-that ends its watch during a roll call ends it without a verdict."""
+"""The watchdog's roll call itself: ranks whose roll calls overlap keep watching, a rank
+that ends its watch during a roll call ends it without a verdict, and a root's work for a
+decision is judged as the work around it (excused, or computing), not as waiting in MPI."""
 
 from __future__ import annotations
 
@@ -63,17 +64,39 @@ else:
     print(f"stop took {time.monotonic() - t:.2f}s", flush=True)
 """
 
+# Rank 0 decides for 3 s, three timeouts: inside an excused span (loading the data) the
+# others wait for it without a verdict; outside one, rank 0 is named, as computing.
+ROOT_DECIDES = """\
+import sys, time
+from mpi4py import MPI
+from mpidp.comm import excused, root_decides
+from mpidp.comm.watchdog import Watchdog
+comm = MPI.COMM_WORLD
+wd = Watchdog(comm, 1.0, grace=1.0).start()
+def slow():
+    time.sleep(3)
+    return "decided"
+if sys.argv[1] == "excused":
+    with excused("loading the data"):
+        print(root_decides(comm, slow), flush=True)
+else:
+    print(root_decides(comm, slow), flush=True)
+wd.stop()
+"""
+
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory) -> dict:
     """Both scripts' jobs, run side by side (each mostly waits): name -> future of its result."""
-    def run(name, ranks, text):
+    def run(name, ranks, text, *args):
         script = tmp_path_factory.mktemp(name) / f"{name}.py"
         script.write_text(text)
-        return run_mpi(ranks, str(script), module=False, timeout=60)
+        return run_mpi(ranks, str(script), *args, module=False, timeout=60)
 
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(4) as pool:
         yield {"overlap": pool.submit(run, "overlap", 3, OVERLAPPING),
-               "stop": pool.submit(run, "stop", 2, STOPPED_DURING)}
+               "stop": pool.submit(run, "stop", 2, STOPPED_DURING),
+               "excused": pool.submit(run, "excused", 2, ROOT_DECIDES, "excused"),
+               "computing": pool.submit(run, "computing", 2, ROOT_DECIDES, "computing")}
 
 
 def test_overlapping_roll_calls_leave_every_watchdog_running(ran):
@@ -88,3 +111,16 @@ def test_stopping_during_a_roll_call_ends_it_without_a_verdict(ran):
     assert r.returncode == 0 and "stalled" not in r.stderr, (r.returncode, r.stderr[-2000:])
     took = float(re.search(r"stop took ([0-9.]+)s", r.stdout).group(1))
     assert took < 1.0, took  # not the grace (6 s) spent waiting for rank 1
+
+
+def test_a_root_deciding_in_an_excused_span_is_waited_for(ran):
+    """Rank 0 reading a file for every rank while the data load: ten timeouts allowed."""
+    r = ran["excused"].result()
+    assert r.returncode == 0 and "stalled" not in r.stderr, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.count("decided") == 2, r.stdout
+
+
+def test_a_root_deciding_for_too_long_is_named_as_computing(ran):
+    r = ran["computing"].result()
+    assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
+    assert "stalled rank(s) [0]" in r.stderr and "rank 0: computing" in r.stderr, r.stderr[-2000:]
