@@ -27,10 +27,11 @@ CALLS: list[str] = ["(nothing yet)"]
 class _Mark:
     """This process's state, read by the watchdog thread (plain attributes: cheap)."""
 
-    __slots__ = ("state", "call", "since", "step", "excuse")
+    __slots__ = ("state", "call", "since", "step", "excuse", "spanned")
 
     def __init__(self) -> None:
         self.state, self.call, self.step, self.excuse = COMPUTING, 0, -1, ""
+        self.spanned = False  # the MPI call under way is inside an excused span
         self.since = time.monotonic()
 
 
@@ -39,7 +40,8 @@ MARK = _Mark()
 
 def watched(what: str):
     """Decorator for the MPI calls of :mod:`mpidp.comm`: marks this rank waiting in ``what`` during the
-    call (a nested call keeps the outer mark; in an excused span it counts as waiting in MPI)."""
+    call (a nested call keeps the outer mark). In an excused span it still counts as waiting in
+    MPI (a silent rank is found a timeout after it starts) but may last ten timeouts."""
     CALLS.append(what)
     code = len(CALLS) - 1
 
@@ -50,11 +52,11 @@ def watched(what: str):
             if m.state == IN_MPI:  # nested in another watched call: the outer one counts
                 return fn(*args, **kwargs)
             outer, outer_since = m.state, m.since
-            m.state, m.call, m.since = IN_MPI, code, time.monotonic()
+            m.state, m.call, m.since, m.spanned = IN_MPI, code, time.monotonic(), outer == EXCUSED
             try:
                 return fn(*args, **kwargs)
             finally:  # back to computing, or to the excused span (whose clock runs on)
-                m.state = outer
+                m.state, m.spanned = outer, False
                 m.since = outer_since if outer == EXCUSED else time.monotonic()
         return call
     return wrap

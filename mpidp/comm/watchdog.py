@@ -161,8 +161,8 @@ class Watchdog:
 
     def _mine(self) -> np.ndarray:
         m = MARK
-        return np.array([m.state, m.call, int((time.monotonic() - m.since) * 1000), m.step],
-                        np.int64)
+        return np.array([m.state, m.call, int((time.monotonic() - m.since) * 1000), m.step,
+                         m.spanned], np.int64)
 
     def _answer(self, listen, call, replies):
         status = MPI.Status()
@@ -179,7 +179,7 @@ class Watchdog:
         others = [r for r in range(comm.size) if r != me]
         ping = np.array([me], np.int64)
         sent = [comm.Isend(ping, dest=r, tag=_ROLL) for r in others]
-        got = {r: np.full(4, -1, np.int64) for r in others}
+        got = {r: np.full(5, -1, np.int64) for r in others}
         pending = {r: comm.Irecv(got[r], source=r, tag=_REPLY) for r in others}
         deadline = time.monotonic() + self.grace  # all answered: the loop ends at once
         while pending and time.monotonic() < deadline and not self._stop.is_set():
@@ -202,7 +202,7 @@ class Watchdog:
         return listen, replies
 
     def _describe(self, mark: np.ndarray) -> str:
-        state, call, ms, step = (int(v) for v in mark)
+        state, call, ms, step, _ = (int(v) for v in mark)
         where = f" in {CALLS[call]}" if state == IN_MPI and 0 <= call < len(CALLS) else ""
         if state in (EXCUSED, USER_CODE):
             where = f" ({MARK.excuse or 'excused'})"
@@ -221,7 +221,7 @@ class Watchdog:
                    "finished, or stuck outside Python)"] if silent else []
             why += [f"{stuck} made no progress for over {self.timeout:.1f}s"] if stuck else []
             self._abort(f"stalled rank(s) {named}: " + " and ".join(why) + f". {table}")
-        if all(m[0] == IN_MPI and m[2] > t_ms for m in marks.values()):
+        if all(m[0] == IN_MPI and m[2] > t_ms * (10 if m[4] else 1) for m in marks.values()):
             self._abort(f"every rank has waited in MPI for over {self.timeout:.1f}s "
                         f"(mismatched collectives?): {table}")
 

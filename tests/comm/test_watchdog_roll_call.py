@@ -1,6 +1,7 @@
 """The watchdog's roll call itself: ranks whose roll calls overlap keep watching, a rank
-that ends its watch during a roll call ends it without a verdict, and a root's work for a
-decision is judged as the work around it (excused, or computing), not as waiting in MPI."""
+that ends its watch during a roll call ends it without a verdict, a root's work for a
+decision is judged as the work around it (excused, or computing), not as waiting in MPI, and
+an MPI call in an excused span has its ten timeouts."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ from mpi4py import MPI
 from mpidp.comm import excused, root_decides
 from mpidp.comm.watchdog import Watchdog
 comm = MPI.COMM_WORLD
-wd = Watchdog(comm, 1.0, grace=1.0).start()
+wd = Watchdog(comm, 1.0).start()
 def slow():
     time.sleep(3)
     return "decided"
@@ -84,6 +85,28 @@ else:
 wd.stop()
 """
 
+# Every rank is in one MPI call for 3 s, three timeouts (a large transfer): inside an
+# excused span it may last ten timeouts; outside one, the collectives look mismatched.
+SPANNED_CALL = """\
+import sys, time
+from mpi4py import MPI
+from mpidp.comm import excused
+from mpidp.comm.runtime import watched
+from mpidp.comm.watchdog import Watchdog
+comm = MPI.COMM_WORLD
+wd = Watchdog(comm, 1.0).start()
+@watched("a long transfer")
+def transfer():
+    time.sleep(3)
+    return comm.allreduce(1)
+if sys.argv[1] == "excused":
+    with excused("loading the data"):
+        print(f"transferred {transfer()}", flush=True)
+else:
+    print(f"transferred {transfer()}", flush=True)
+wd.stop()
+"""
+
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory) -> dict:
     """Both scripts' jobs, run side by side (each mostly waits): name -> future of its result."""
@@ -92,11 +115,13 @@ def ran(tmp_path_factory) -> dict:
         script.write_text(text)
         return run_mpi(ranks, str(script), *args, module=False, timeout=60)
 
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(6) as pool:
         yield {"overlap": pool.submit(run, "overlap", 3, OVERLAPPING),
                "stop": pool.submit(run, "stop", 2, STOPPED_DURING),
                "excused": pool.submit(run, "excused", 2, ROOT_DECIDES, "excused"),
-               "computing": pool.submit(run, "computing", 2, ROOT_DECIDES, "computing")}
+               "computing": pool.submit(run, "computing", 2, ROOT_DECIDES, "computing"),
+               "spanned": pool.submit(run, "spanned", 2, SPANNED_CALL, "excused"),
+               "mismatched": pool.submit(run, "mismatched", 2, SPANNED_CALL, "plain")}
 
 
 def test_overlapping_roll_calls_leave_every_watchdog_running(ran):
@@ -124,3 +149,17 @@ def test_a_root_deciding_for_too_long_is_named_as_computing(ran):
     r = ran["computing"].result()
     assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
     assert "stalled rank(s) [0]" in r.stderr and "rank 0: computing" in r.stderr, r.stderr[-2000:]
+
+
+def test_an_mpi_call_in_an_excused_span_may_outlast_the_timeout(ran):
+    r = ran["spanned"].result()
+    assert r.returncode == 0 and "stalled" not in r.stderr, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.count("transferred 2") == 2, r.stdout
+
+
+def test_every_rank_waiting_in_mpi_past_the_timeout_ends_the_job(ran):
+    """Outside an excused span, the same call is a mismatch: every rank's call is named."""
+    r = ran["mismatched"].result()
+    assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
+    assert "every rank has waited in MPI for over 1.0s" in r.stderr, r.stderr[-2000:]
+    assert r.stderr.count("waiting in MPI in a long transfer") >= 2, r.stderr[-2000:]
