@@ -91,13 +91,14 @@ test-mpi: bytecode
 	  echo "== MPI tests with $$n rank(s) took $$(( $$(date +%s) - start )) s"; \
 	done
 
-# The fault matrix (every mode x raise/kill/hang/NaN) and the signal tests: `make test`
-# runs them on MPICH; CI also runs them on Open MPI (`make test-faults MPI=openmpi`).
+# The fault matrix (every mode x raise/kill/hang/NaN), the signal tests and the tests' own
+# kill of a job past its timeout: `make test` runs them on MPICH; CI also runs them on Open MPI
+# (`make test-faults MPI=openmpi`).
 test-faults: bytecode
 	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/parallel/test_modes.py \
 	  tests/parallel/test_async_server_faults.py tests/cli/test_clean_ends.py -k "not clean_ends or sigterm or sigint"
 	timeout 1800 $(BIN)/python -m pytest -p no:cacheprovider tests/run/test_elastic.py \
-	  tests/test_multihost_elastic.py
+	  tests/test_multihost_elastic.py tests/test_helpers.py
 
 # Every bench-* target runs one module of the benchmarks package (python -m benchmarks.NAME);
 # MPIDP_BENCH_QUICK=1 makes any of them a smoke run of about a minute (no figures).

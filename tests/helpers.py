@@ -1,12 +1,15 @@
 """Helpers shared by the tests: the repository's root, ``mpiexec`` jobs in a subprocess (always
-with a timeout: a hang = a failure), a one-rank run of the command line in this process (a
-one-process reference run, or a refusal), the command line's parse errors, central finite
-differences, TensorBoard scalars."""
+with a timeout: a hang = a failure, and every process of the job is killed), a one-rank run
+of the command line in this process (a one-process reference run, or a refusal), the command
+line's parse errors, central finite differences, TensorBoard scalars."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -24,13 +27,60 @@ def mpiexec() -> str:
     return found
 
 
+_JOBS = itertools.count()
+
+
+def start_job(cmd: list[str], env: dict | None = None, token: str = "job",
+              **popen) -> subprocess.Popen:
+    """``cmd`` (an ``mpiexec`` job) in the background, with ``env`` over this environment;
+    ``token``, made unique to this job, marks every process of it (``job.token``)."""
+    token = f"{token}-{os.getpid()}-{next(_JOBS)}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {}), "MPIDP_TEST_TOKEN": token}
+    job = subprocess.Popen(cmd, env=env, text=True, stdin=subprocess.DEVNULL, **popen)
+    job.token = token
+    return job
+
+
+def job_processes(token: str):
+    """The pid, environment and command line of every process whose environment holds
+    ``token`` (a job's launcher, its helpers and its ranks)."""
+    mark = f"MPIDP_TEST_TOKEN={token}".encode()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if mark in env:
+            yield int(pid), env, cmd
+
+
+def kill_job(job: subprocess.Popen) -> None:
+    """SIGKILL every process of ``job``: its launcher and its ranks, which under Open MPI
+    outlive a killed launcher (a hung one would spin on a core for the rest of the tests)."""
+    for pid, _, _ in job_processes(job.token):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if job.poll() is None:
+        job.kill()
+
+
 def run_mpi(n: int, *args: str, cwd: Path | str | None = None, timeout: float = 120,
             module: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``mpiexec -n n python [-m mpidp] args...``; raises if it outlives ``timeout`` seconds."""
+    """``mpiexec -n n python [-m mpidp] args...``; raises ``subprocess.TimeoutExpired`` (with
+    the output so far) if it outlives ``timeout`` seconds, every process of it killed."""
     cmd = [mpiexec(), "-n", str(n), sys.executable, *(["-m", "mpidp"] if module else []), *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run(cmd, cwd=cwd or ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    with start_job(cmd, env, cwd=cwd or ROOT, stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE) as job:
+        try:
+            out, err = job.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_job(job)
+            out, err = job.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, job.returncode, out, err)
 
 
 def parser_refusal(capsys, *argv: str) -> str | None:

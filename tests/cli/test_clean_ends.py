@@ -21,7 +21,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, mpiexec, parser_refusal, run_mpi, tensorboard_scalars
+from helpers import (
+    ROOT,
+    job_processes,
+    kill_job,
+    mpiexec,
+    parser_refusal,
+    run_mpi,
+    start_job,
+    tensorboard_scalars,
+)
 
 ARGS = ["train", "--dataset", "synthetic", "--n-samples", "600", "--n-features", "10",
         "--dtype", "float64", "--epochs", "3", "--batch-size", "32", "--optimizer", "adam",
@@ -32,27 +41,11 @@ def _params(out) -> np.ndarray:
     return np.load(Path(out) / "model.npz")["params"]
 
 
-def _processes(token: str):
-    """The pid, environment and command line of every process whose environment holds
-    ``token`` (a job's launcher, its helpers and its ranks)."""
-    mark = f"MPIDP_TEST_TOKEN={token}".encode()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if mark in env:
-            yield int(pid), env, cmd
-
-
 def _ranks(job: subprocess.Popen, n: int, timeout: float = 30) -> list[int]:
     """Pids of the ``n`` ranks of ``job``, found by its token and ordered by their rank."""
     deadline, found = time.monotonic() + timeout, {}
     while time.monotonic() < deadline and len(found) < n:
-        for pid, env, cmd in _processes(job.token):
+        for pid, env, cmd in job_processes(job.token):
             if b"mpidp" in cmd:
                 rank = next((int(e.split(b"=")[1]) for e in env  # MPICH, Open MPI, PMIx
                              if e.startswith((b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=",
@@ -68,18 +61,11 @@ def _start(n: int, *args: str, token: str, log: Path | None = None,
            module: bool = True) -> subprocess.Popen:
     """The job in the background (``mpidp`` with ``args``, or the script ``args[0]`` where
     not ``module``); its stdout goes to ``log`` when given (to be polled).
-    ``token`` marks its ranks, made unique to this test process (xdist workers' folders
-    share names)."""
-    token = f"{token}-{os.getpid()}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPIDP_TEST_TOKEN": token,
-           "PYTHONUNBUFFERED": "1"}
+    ``token`` names its processes (:func:`helpers.start_job`)."""
     out = open(log, "w") if log is not None else subprocess.PIPE  # noqa: SIM115
-    job = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable,
-                            *(["-m", "mpidp"] if module else []), *args],
-                           cwd=ROOT, env=env, stdout=out, stderr=subprocess.PIPE,
-                           text=True, stdin=subprocess.DEVNULL)
-    job.token = token
-    return job
+    return start_job([mpiexec(), "-n", str(n), sys.executable,
+                      *(["-m", "mpidp"] if module else []), *args], {"PYTHONUNBUFFERED": "1"},
+                     token, cwd=ROOT, stdout=out, stderr=subprocess.PIPE)
 
 
 def _finished(job: subprocess.Popen, timeout: float = 120) -> None:
@@ -106,11 +92,7 @@ def _ending(*jobs: subprocess.Popen):
         yield
     finally:
         for job in jobs:
-            for pid, _, _ in _processes(job.token):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            if job.poll() is None:
-                job.kill()
+            kill_job(job)
             job.communicate()
 
 

@@ -13,14 +13,13 @@ once.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
-from helpers import ROOT, mpiexec
+from helpers import ROOT, kill_job, mpiexec, start_job
 
 ARGS = ["train", "--dataset", "synthetic", "--n-samples", "480", "--n-features", "8",
         "--dtype", "float64", "--epochs", "2", "--batch-size", "32", "--hidden", "12,8",
@@ -50,13 +49,12 @@ def _start(mode, out, *extra, fault=None, logs=None):
     """``mode``'s job under ``mpiexec``; its stdout and stderr go to pipes, or to files
     ``logs.out``/``logs.err`` (jobs started side by side: nobody drains their pipes)."""
     n, flags = MODES[mode]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **ENV.get(mode, {}),
-           **({"MPIDP_FAULT": fault} if fault else {})}
+    env = {**ENV.get(mode, {}), **({"MPIDP_FAULT": fault} if fault else {})}
     outs = ([open(logs.with_suffix(s), "w") for s in (".out", ".err")] if logs else
             [subprocess.PIPE] * 2)
-    job = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable, "-m", "mpidp", *ARGS,
-                            *flags, "--out", str(out), *extra], cwd=ROOT, env=env, text=True,
-                           stdout=outs[0], stderr=outs[1], stdin=subprocess.DEVNULL)
+    job = start_job([mpiexec(), "-n", str(n), sys.executable, "-m", "mpidp", *ARGS, *flags,
+                     "--out", str(out), *extra], env, mode, cwd=ROOT, stdout=outs[0],
+                    stderr=outs[1])
     for f in outs if logs else ():
         f.close()
     job.t0 = time.monotonic()
@@ -69,7 +67,7 @@ def _end(job, timeout):
     try:
         out, err = job.communicate(timeout=max(1.0, job.t0 + timeout - time.monotonic()))
     except subprocess.TimeoutExpired:
-        job.kill()
+        kill_job(job)
         out, err = job.communicate()
         raise AssertionError(f"the job outlived {timeout}s: {err[-2000:]}") from None
     return out, err, time.monotonic() - job.t0

@@ -2,7 +2,7 @@
 and end with the model of the uninterrupted run (float64, 1e-10); refusals before any work
 where the MPI or the mode cannot survive a lost rank. The kills come from the fault
 injection hook (``MPIDP_FAULT=kill@RANK:STEP``), so they land at the same step every time.
-Each job runs under a timeout and is killed by its process id if it outlives it."""
+Each job runs under a timeout and is killed, every process of it, if it outlives it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, mpiexec
+from helpers import ROOT, kill_job, mpiexec, start_job
 
 OPEN_MPI = (Path(sys.executable).parent / "ompi_info").exists()
 ULFM = ("--with-ft", "ulfm", "--mca", "btl", "tcp,self")
@@ -27,18 +27,18 @@ open_mpi_only = pytest.mark.skipif(not OPEN_MPI, reason="ULFM (surviving a lost 
 
 def _job(n: int, out: Path, *extra: str, launcher=ULFM, fault: str | None = None,
          timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPIDP_FAULT": fault or ""}
+    env = {"MPIDP_FAULT": fault or ""}
     if OPEN_MPI:  # as root (CI, containers), and 4 ranks on fewer cores
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                    PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
     cmd = [mpiexec(), *(launcher if OPEN_MPI else ()), "-n", str(n), sys.executable, "-m",
            "mpidp", *TRAIN, "--out", str(out), *extra]
-    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL) as job:
+    with start_job(cmd, env, "elastic", cwd=ROOT, stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE) as job:
         try:
             stdout, stderr = job.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            job.kill()  # this job's launcher, by its pid
+            kill_job(job)  # the launcher and every rank (Open MPI's outlive their launcher)
             stdout, stderr = job.communicate()
             pytest.fail(f"timed out after {timeout} s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
     return subprocess.CompletedProcess(cmd, job.returncode, stdout, stderr)
