@@ -81,6 +81,7 @@ def abort_on_error(enable: bool = True) -> None:
 _ROLL, _REPLY = 71, 72
 EXIT_CODE = 3
 GRACE = 6.0  # s a roll call waits for answers: a rank starved of CPU still answers in it
+EXCUSED_TIMEOUTS = 10  # how many timeouts excused work (and an MPI call inside it) may last
 
 
 class Watchdog:
@@ -146,7 +147,7 @@ class Watchdog:
                     listen, replies = self._answer(listen, call, replies)
                 now = time.monotonic()
                 age = now - MARK.since
-                limit = self.timeout * (10 if MARK.state == EXCUSED else 1)
+                limit = self.timeout * (EXCUSED_TIMEOUTS if MARK.state == EXCUSED else 1)
                 if age > limit and now >= next_check:
                     if not self.threaded:
                         self._abort(f"rank {self.comm.rank} stalled for {age:.1f}s "
@@ -213,7 +214,7 @@ class Watchdog:
         t_ms = self.timeout * 1000
         stuck = [r for r, m in marks.items()
                  if (m[0] in (COMPUTING, USER_CODE) and m[2] > t_ms)
-                 or (m[0] == EXCUSED and m[2] > 10 * t_ms)]
+                 or (m[0] == EXCUSED and m[2] > EXCUSED_TIMEOUTS * t_ms)]
         table = "; ".join(f"rank {r}: {self._describe(m)}" for r, m in sorted(marks.items()))
         if silent or stuck:
             named = sorted(set(silent) | set(stuck))
@@ -221,7 +222,8 @@ class Watchdog:
                    "finished, or stuck outside Python)"] if silent else []
             why += [f"{stuck} made no progress for over {self.timeout:.1f}s"] if stuck else []
             self._abort(f"stalled rank(s) {named}: " + " and ".join(why) + f". {table}")
-        if all(m[0] == IN_MPI and m[2] > t_ms * (10 if m[4] else 1) for m in marks.values()):
+        if all(m[0] == IN_MPI and m[2] > t_ms * (EXCUSED_TIMEOUTS if m[4] else 1)
+               for m in marks.values()):
             self._abort(f"every rank has waited in MPI for over {self.timeout:.1f}s "
                         f"(mismatched collectives?): {table}")
 
